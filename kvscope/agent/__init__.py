@@ -1,0 +1,1 @@
+"""The node agent: sources -> pipeline -> sinks, collectors, HTTP API."""

@@ -1,0 +1,1 @@
+"""Collectors: read the node (host memory, GPUs) at scrape time."""

@@ -1,0 +1,120 @@
+"""The ``kvscope`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvscope import __version__
+from kvscope.engine.presets import PRESETS, UnknownPreset
+from kvscope.engine.workload import TraceError
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text}")
+    return port
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvscope", description="Observability for KV-cache offload in LLM serving.")
+    parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo", help="run the reference engine on a workload with the agent and the dashboard",
+        description="Replay a workload (built-in synthetic by default, or a Mooncake JSONL trace) "
+                    "through the reference offload engine, with the agent's /metrics and API and "
+                    "the dashboard, on loopback. Stops on Ctrl-C or after --duration.")
+    demo.add_argument("--duration", type=_positive(float), metavar="SECONDS",
+                      help="stop after this many seconds (default: run until Ctrl-C)")
+    demo.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay "
+                      "(default: the built-in synthetic workload)")
+    demo.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    demo.add_argument("--metrics-port", type=_port, default=9400,
+                      help="port of /metrics and the HTTP API (default %(default)s)")
+    demo.add_argument("--ui-port", type=_port, default=8050, help="port of the dashboard (default %(default)s)")
+    demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                      help="model preset giving the KV block shape (default %(default)s)")
+    demo.add_argument("--gpu-blocks", type=_positive(int), default=256,
+                      help="gpu tier capacity in blocks (default %(default)s)")
+    demo.add_argument("--cpu-blocks", type=int, default=1024,
+                      help="cpu tier capacity in blocks; 0 disables offload (default %(default)s)")
+    demo.add_argument("--speed", type=_positive(float), default=1.0,
+                      help="workload seconds per wall second (default %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
+
+    dash = sub.add_parser("dashboard", help="serve the dashboard for a running agent",
+                          description="Serve the Dash dashboard, reading a running agent's HTTP API.")
+    dash.add_argument("--api", default="http://127.0.0.1:9400", help="agent base URL (default %(default)s)")
+    dash.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    dash.add_argument("--port", type=_port, default=8050, help="port (default %(default)s)")
+    dash.add_argument("--refresh", type=_positive(float), default=2.0,
+                      help="seconds between refreshes (default %(default)s)")
+
+    docs = sub.add_parser("docs-metrics", help="write docs/metrics.md from the metric catalog")
+    docs.add_argument("--output", default="docs/metrics.md", help="file to write (default %(default)s)")
+    return parser
+
+
+def _demo(args) -> int:
+    from kvscope.demo import DemoConfig, run_demo
+
+    config = DemoConfig(duration=args.duration, trace=args.trace, host=args.host,
+                        metrics_port=args.metrics_port, ui_port=args.ui_port, preset=args.preset,
+                        gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks, speed=args.speed,
+                        seed=args.seed)
+    return run_demo(config)
+
+
+def _dashboard(args) -> int:
+    import signal
+    import threading
+
+    from kvscope.dashboard.app import create_app, serve
+
+    handle = serve(create_app(args.api, refresh_seconds=args.refresh), args.host, args.port)
+    print(f"kvscope dashboard: http://{args.host}:{args.port}/ reading {args.api}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    handle.shutdown()
+    return 0
+
+
+def _docs_metrics(args) -> int:
+    from kvscope.exporter.catalog import render_markdown
+
+    path = Path(args.output)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(render_markdown())
+    tmp.replace(path)  # never leave a half-written file
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit code (2 for bad input, with one line on stderr)."""
+    args = _parser().parse_args(argv)
+    from kvscope.demo import DemoError
+
+    handler = {"demo": _demo, "dashboard": _dashboard, "docs-metrics": _docs_metrics}[args.command]
+    try:
+        return handler(args)
+    except (TraceError, DemoError, UnknownPreset, OSError) as exc:
+        message = exc.args[0] if isinstance(exc, UnknownPreset) else str(exc)
+        print(f"kvscope: error: {message}", file=sys.stderr)
+        return 2

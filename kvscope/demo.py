@@ -1,0 +1,116 @@
+"""``kvscope demo``: the reference engine replaying a workload, the agent and the dashboard in
+one process, on loopback by default."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+
+import uvicorn
+
+from kvscope.agent.agent import Agent
+from kvscope.agent.api import create_app
+from kvscope.dashboard.app import create_app as create_dashboard
+from kvscope.dashboard.app import serve as serve_dashboard
+from kvscope.engine.engine import OffloadEngine
+from kvscope.engine.presets import get_preset
+from kvscope.engine.replay import Replayer
+from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake,
+                                     synthetic)
+
+
+class DemoError(RuntimeError):
+    """The demo cannot start; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """``duration``: seconds to run (None: until Ctrl-C). ``trace``: Mooncake JSONL path or None
+    for the synthetic workload. Pool sizes are in blocks."""
+
+    duration: float | None = None
+    trace: str | None = None
+    host: str = "127.0.0.1"
+    metrics_port: int = 9400
+    ui_port: int = 8050
+    preset: str = "tiny"
+    gpu_blocks: int = 256
+    cpu_blocks: int = 1024
+    speed: float = 1.0
+    seed: int = 0
+
+
+def _bind(host: str, port: int, what: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise DemoError(f"cannot listen on {host}:{port} for the {what}: {exc.strerror}; "
+                        f"pass a free port with --{what}-port") from None
+    return sock
+
+
+def run_demo(config: DemoConfig, out=sys.stdout) -> int:
+    """Run the demo until ``config.duration`` passes or SIGINT/SIGTERM; return the exit code.
+
+    Raises :class:`DemoError` (before anything is left running) for an unreadable trace or a
+    port already taken.
+    """
+    preset = get_preset(config.preset)
+    if config.trace:
+        requests, block_tokens = read_mooncake(config.trace), MOONCAKE_BLOCK_TOKENS
+    else:
+        block_tokens = preset.block_tokens
+        requests = synthetic(SyntheticConfig(seed=config.seed, block_tokens=block_tokens))
+    metrics_sock = _bind(config.host, config.metrics_port, "metrics")
+    try:
+        _bind(config.host, config.ui_port, "ui").close()  # fail early, before starting anything
+    except DemoError:
+        metrics_sock.close()
+        raise
+
+    agent = Agent()
+    engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, block_tokens=block_tokens,
+                           emit=lambda event: agent.pipeline.ingest("engine", (event,)))
+    server = uvicorn.Server(uvicorn.Config(create_app(agent), log_level="warning", lifespan="off"))
+    api_thread = threading.Thread(target=server.run, kwargs={"sockets": [metrics_sock]},
+                                  name="kvscope-api", daemon=True)
+    stop = threading.Event()
+    replayer = Replayer(engine, requests, speed=config.speed, stop=stop)
+    replay_thread = threading.Thread(target=replayer.run, name="kvscope-replay", daemon=True)
+    agent.start()
+    api_thread.start()
+    api_url = f"http://{config.host}:{config.metrics_port}"
+    try:
+        dashboard = serve_dashboard(create_dashboard(api_url), config.host, config.ui_port)
+    except OSError as exc:
+        server.should_exit = True
+        api_thread.join()
+        agent.shutdown()
+        raise DemoError(f"cannot listen on {config.host}:{config.ui_port} for the ui: "
+                        f"{exc.strerror or exc}; pass a free port with --ui-port") from None
+    replay_thread.start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"kvscope demo: {'trace ' + config.trace if config.trace else 'synthetic workload'}, "
+          f"preset {preset.name}, gpu {config.gpu_blocks} blocks, cpu {config.cpu_blocks} blocks",
+          file=out)
+    print(f"  metrics and API: {api_url}/metrics  {api_url}/api/v1/summary", file=out)
+    print(f"  dashboard:       http://{config.host}:{config.ui_port}/", file=out)
+    print("  stop with Ctrl-C" + (f" (or after {config.duration:g} s)" if config.duration else ""),
+          file=out, flush=True)
+    stop.wait(config.duration)
+    stop.set()
+    replay_thread.join()
+    dashboard.shutdown()
+    server.should_exit = True
+    api_thread.join()
+    agent.shutdown()
+    print(f"kvscope demo: stopped after {replayer.served} requests", file=out, flush=True)
+    return 0

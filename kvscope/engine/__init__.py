@@ -1,0 +1,1 @@
+"""The reference offload engine: tiers of real KV blocks, workloads and replay."""

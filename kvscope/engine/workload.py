@@ -1,0 +1,163 @@
+"""Workloads: the requests an engine replays.
+
+A request is a prompt cut into blocks of ``block_tokens`` tokens, each named by a *prefix hash*:
+the hash of the block's content and every block before it, so equal hashes mean reusable KV.
+Two sources: a seeded synthetic generator (the demo's default) and Mooncake JSONL traces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+MOONCAKE_BLOCK_TOKENS = 512  # Mooncake FAST'25 traces: one hash id per 512-token block
+
+
+class TraceError(ValueError):
+    """A trace file is missing or malformed; the message names the file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request to replay.
+
+    ``arrival``: seconds from the workload's start. ``block_hashes``: one prefix hash per block
+    of ``block_tokens`` tokens, first to last (the last block may be partial).
+    """
+
+    request_id: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    block_hashes: tuple[int, ...]
+
+
+def block_token_counts(prompt_tokens: int, blocks: int, block_tokens: int) -> list[int]:
+    """Tokens in each of ``blocks`` blocks: full blocks, then the remainder in the last one.
+
+    A trace may list fewer blocks than the prompt needs; tokens beyond the listed blocks are
+    not counted here (the engine treats them as recomputed).
+    """
+    counts = []
+    for i in range(blocks):
+        counts.append(max(0, min(block_tokens, prompt_tokens - i * block_tokens)))
+    return counts
+
+
+def _chain(parent: int, content: str) -> int:
+    digest = hashlib.blake2b(f"{parent}:{content}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Shape of the synthetic workload.
+
+    ``rate``: mean arrivals per second (Poisson). Shares of arrivals: ``session_share`` continue a
+    multi-turn session, ``one_off_share`` are unique prompts, the rest start a new session. Each
+    session starts from one of ``system_prompts`` shared system prompts of ``system_blocks``
+    blocks; each turn appends ``turn_blocks`` (a uniform range) blocks; sessions end after
+    ``max_turns`` turns. ``live_sessions``: sessions kept open at once.
+    """
+
+    seed: int = 0
+    rate: float = 20.0
+    block_tokens: int = 16
+    system_prompts: int = 4
+    system_blocks: int = 24
+    turn_blocks: tuple[int, int] = (4, 12)
+    one_off_blocks: tuple[int, int] = (4, 48)
+    session_share: float = 0.55
+    one_off_share: float = 0.25
+    max_turns: int = 8
+    live_sessions: int = 64
+    output_tokens: tuple[int, int] = (16, 256)
+
+
+@dataclass(eq=False)
+class _Session:
+    prefix: list[int]
+    turns: int = 0
+
+
+def synthetic(config: SyntheticConfig = SyntheticConfig()) -> Iterator[Request]:
+    """Yield an endless, seeded stream of requests (same seed, same stream)."""
+    rng = random.Random(config.seed)
+    systems = []
+    for s in range(config.system_prompts):
+        prefix, h = [], 0
+        for b in range(config.system_blocks):
+            h = _chain(h, f"sys{s}/{b}")
+            prefix.append(h)
+        systems.append(prefix)
+    sessions: list[_Session] = []
+    t, n = 0.0, 0
+    while True:
+        t += rng.expovariate(config.rate)
+        roll = rng.random()
+        if roll < config.one_off_share:
+            prefix, h = [], 0
+            for b in range(rng.randint(*config.one_off_blocks)):
+                h = _chain(h, f"one{n}/{b}")
+                prefix.append(h)
+        else:
+            if roll < config.one_off_share + config.session_share and sessions:
+                session = sessions[rng.randrange(len(sessions))]
+            else:
+                session = _Session(list(systems[rng.randrange(len(systems))]))
+                sessions.append(session)
+                if len(sessions) > config.live_sessions:
+                    sessions.pop(0)
+            for b in range(rng.randint(*config.turn_blocks)):
+                session.prefix.append(_chain(session.prefix[-1], f"turn{n}/{b}"))
+            session.turns += 1
+            if session.turns >= config.max_turns and session in sessions:
+                sessions.remove(session)
+            prefix = list(session.prefix)
+        # the last block is partial: drop a few tokens so block_token_counts is exercised
+        tokens = len(prefix) * config.block_tokens - rng.randrange(config.block_tokens)
+        yield Request(f"syn-{n}", t, tokens, rng.randint(*config.output_tokens), tuple(prefix))
+        n += 1
+
+
+def read_mooncake(path: str | Path) -> list[Request]:
+    """Read a Mooncake JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``,
+    ``hash_ids``; see ``shared/traces/README.md``) into requests sorted by arrival.
+
+    Raises :class:`TraceError` naming the file and line for a missing file, a line that is not
+    a JSON object, or a record without a valid ``hash_ids`` list.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    requests = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise TraceError(f"{path}:{lineno}: expected a JSON object")
+        hash_ids = record.get("hash_ids")
+        if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
+            raise TraceError(f"{path}:{lineno}: record has no list of integer 'hash_ids'")
+        try:
+            arrival = float(record.get("timestamp", 0)) / 1000.0
+            prompt = int(record.get("input_length", len(hash_ids) * MOONCAKE_BLOCK_TOKENS))
+            output = int(record.get("output_length", 0))
+        except (TypeError, ValueError):
+            raise TraceError(f"{path}:{lineno}: timestamp/input_length/output_length must be numbers") from None
+        if math.ceil(prompt / MOONCAKE_BLOCK_TOKENS) < len(hash_ids):
+            prompt = len(hash_ids) * MOONCAKE_BLOCK_TOKENS
+        requests.append(Request(f"mc-{lineno}", arrival, prompt, output, tuple(hash_ids)))
+    requests.sort(key=lambda r: r.arrival)
+    return requests

@@ -1,0 +1,151 @@
+"""The kvscope event schema: the one language engines, taps, the agent and analysis speak.
+
+Every event is a msgspec ``Struct`` tagged by its ``kind`` so a heterogeneous list decodes
+without guessing. Events travel in a :class:`Batch` that carries the schema version; a
+decoder refuses any other version (:class:`SchemaError`) rather than misread fields.
+
+Units: timestamps are Unix seconds (float, wall clock), durations are seconds, sizes are bytes.
+Tiers are ``gpu``, ``cpu``, ``disk``, ``remote``; a prompt token's source is ``gpu``, ``cpu``,
+``disk`` or ``recompute`` (see ARCHITECTURE.md, Vocabulary).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+Tier = Literal["gpu", "cpu", "disk", "remote"]
+TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
+
+TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
+TOKEN_SOURCES: tuple[str, ...] = ("gpu", "cpu", "disk", "recompute")
+
+
+class SchemaError(ValueError):
+    """A payload is not a valid kvscope batch (bad bytes, wrong version, bad field)."""
+
+
+class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
+    ts: float  # Unix seconds when the event happened (a transfer: when it started)
+
+
+class RequestStarted(_Event, tag="request_started"):
+    """A request arrived at the engine.
+
+    ``prompt_tokens``: tokens in the prompt. ``trace_id``: W3C trace id (32 hex chars) or "".
+    """
+
+    request_id: str
+    prompt_tokens: int
+    trace_id: str = ""
+
+
+class Lookup(_Event, tag="lookup"):
+    """Where each prompt token of a request came from.
+
+    ``tokens``: dict[source, tokens]; the values sum to the prompt length. Sources absent from
+    the dict had zero tokens.
+    """
+
+    request_id: str
+    tokens: dict[TokenSource, int]
+
+
+class Transfer(_Event, tag="transfer"):
+    """One timed copy of ``blocks`` KV blocks (``bytes`` in all) from ``src`` to ``dst`` tier.
+
+    ``duration``: seconds the copy took. ``ok``: False when it failed (then ``reason`` says why).
+    ``request_id``: the request it served, "" for background work.
+    """
+
+    src: Tier
+    dst: Tier
+    blocks: int
+    bytes: int
+    duration: float
+    ok: bool = True
+    reason: str = ""
+    request_id: str = ""
+
+
+class Eviction(_Event, tag="eviction"):
+    """``blocks`` blocks (``bytes`` in all) left ``tier``.
+
+    ``age``: seconds each spent resident; ``hits``: hits each got while resident (0 means it was
+    stored for nothing). ``offloaded``: True when the blocks were copied to the next tier down,
+    False when they were dropped.
+    """
+
+    tier: Tier
+    blocks: int
+    bytes: int
+    age: float
+    hits: int
+    offloaded: bool = False
+
+
+class TierSnapshot(_Event, tag="tier_snapshot"):
+    """What a tier holds now: capacity and resident bytes and blocks."""
+
+    tier: Tier
+    capacity_bytes: int
+    resident_bytes: int
+    capacity_blocks: int
+    resident_blocks: int
+
+
+class RequestFinished(_Event, tag="request_finished"):
+    """A request produced its first token (``ttft``, seconds after arrival) and finished.
+
+    ``promotion_wait``: seconds of that TTFT spent waiting for promotions. ``output_tokens``:
+    tokens generated.
+    """
+
+    request_id: str
+    ttft: float
+    prompt_tokens: int
+    output_tokens: int = 0
+    promotion_wait: float = 0.0
+
+
+Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished]
+
+
+class Batch(msgspec.Struct, frozen=True):
+    """A batch of events from one emitter.
+
+    ``version``: :data:`SCHEMA_VERSION` of the sender. ``source``: the emitter's name (bounded,
+    e.g. "engine", "vllm"). ``seq``: the emitter's batch counter, for gap detection.
+    """
+
+    version: int
+    source: str
+    seq: int
+    events: list[Event]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Batch)
+
+
+def encode_batch(batch: Batch) -> bytes:
+    """Encode a batch as msgpack bytes."""
+    return _encoder.encode(batch)
+
+
+def decode_batch(data: bytes) -> Batch:
+    """Decode msgpack bytes into a :class:`Batch`.
+
+    Raises :class:`SchemaError` for bytes that are not a batch, for an unknown event kind, a
+    field of the wrong type or value (e.g. an unknown tier), or a version other than ours.
+    """
+    try:
+        batch = _decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a subclass
+        raise SchemaError(str(exc)) from exc
+    if batch.version != SCHEMA_VERSION:
+        raise SchemaError(f"schema version {batch.version}, expected {SCHEMA_VERSION}")
+    return batch

@@ -1,0 +1,1 @@
+"""The exporter: metric catalog and the Prometheus collector."""
