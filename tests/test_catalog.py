@@ -1,0 +1,67 @@
+"""The metric catalog follows Prometheus conventions and the exporter and docs follow it."""
+
+import re
+from pathlib import Path
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvscope import events as ev
+from kvscope.agent.agent import Agent
+from kvscope.agent.collectors.host import HostCollector
+from kvscope.exporter.catalog import CATALOG, render_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+SKELETON_NAMES = {  # fixed by the skeleton issue; never renamed
+    "kvscope_prompt_tokens_total", "kvscope_transfer_bytes_total", "kvscope_transfer_seconds",
+    "kvscope_evicted_blocks_total", "kvscope_tier_capacity_bytes", "kvscope_tier_resident_bytes",
+    "kvscope_host_memory_available_bytes",
+}
+BOUNDED_LABELS = {"tier", "source", "src", "dst", "reason", "engine", "model", "gpu", "direction",
+                  "collector", "result", "version"}
+
+
+class _VM:
+    total, available = 16 * 2**30, 9 * 2**30
+
+
+def test_names_follow_prometheus_conventions():
+    names = [spec.name for spec in CATALOG]
+    assert len(names) == len(set(names))
+    assert SKELETON_NAMES <= set(names)
+    for spec in CATALOG:
+        assert re.fullmatch(r"kvscope_[a-z0-9_]+", spec.name), spec.name
+        assert (spec.type == "counter") == spec.name.endswith("_total"), spec.name
+        if spec.unit:
+            assert spec.name.removesuffix("_total").endswith("_" + spec.unit), spec.name
+        assert set(spec.labels) <= BOUNDED_LABELS, spec.name
+        assert (spec.type == "histogram") == bool(spec.buckets), spec.name
+
+
+def test_exposition_holds_every_catalog_metric_with_its_values():
+    agent = Agent(host=HostCollector(lambda: _VM))
+    agent.pipeline.ingest("engine", [
+        ev.Lookup(ts=0.0, request_id="r", tokens={"gpu": 5, "recompute": 3}),
+        ev.Transfer(ts=0.0, src="cpu", dst="gpu", blocks=2, bytes=64, duration=0.001),
+        ev.Eviction(ts=0.0, tier="gpu", blocks=1, bytes=32, age=1.0, hits=0),
+        ev.TierSnapshot(ts=0.0, tier="cpu", capacity_bytes=128, resident_bytes=64,
+                        capacity_blocks=4, resident_blocks=2),
+        ev.RequestFinished(ts=0.0, request_id="r", ttft=0.2, prompt_tokens=8),
+    ])
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(agent.registry).decode())}
+    for spec in CATALOG:
+        family_name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
+        assert family_name in families, spec.name
+        assert families[family_name].samples, spec.name
+    value = agent.registry.get_sample_value
+    assert value("kvscope_prompt_tokens_total", {"source": "recompute"}) == 3
+    assert value("kvscope_transfer_bytes_total", {"src": "cpu", "dst": "gpu"}) == 64
+    assert value("kvscope_transfer_seconds_bucket", {"src": "cpu", "dst": "gpu", "le": "0.001"}) == 1
+    assert value("kvscope_tier_resident_bytes", {"tier": "cpu"}) == 64
+    assert value("kvscope_host_memory_available_bytes") == 9 * 2**30
+    assert value("kvscope_ttft_seconds_count") == 1
+
+
+def test_docs_metrics_is_generated_from_the_catalog():
+    """Regenerate with `kvscope docs-metrics`."""
+    assert (ROOT / "docs" / "metrics.md").read_text() == render_markdown()

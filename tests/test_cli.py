@@ -1,0 +1,53 @@
+"""Bad input to `kvscope demo`: one clear line on stderr, exit code 2, nothing left running."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def _kvscope(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _one_error_line(result, *needles):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+@pytest.mark.parametrize("content,needle", [
+    (None, "cannot read trace"),
+    ('{"timestamp": 0, "input_length": 5, "hash_ids": [1]}\n{oops\n', ":2: not JSON"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1}\n', ":1: record has no list"),
+])
+def test_bad_trace(tmp_path, content, needle):
+    path = tmp_path / "trace.jsonl"
+    if content is not None:
+        path.write_text(content)
+    _one_error_line(_kvscope("demo", "--trace", str(path), "--duration", "5"), needle)
+
+
+@pytest.mark.parametrize("flag", ["--metrics-port", "--ui-port"])
+def test_port_already_taken(flag):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            free_port = str(free.getsockname()[1])
+        other = ["--ui-port" if flag == "--metrics-port" else "--metrics-port", free_port]
+        result = _kvscope("demo", flag, port, *other, "--duration", "5")
+    _one_error_line(result, port, flag)
+
+
+def test_help_lists_the_demo_flags():
+    result = _kvscope("demo", "--help")
+    assert result.returncode == 0
+    for flag in ("--duration", "--trace", "--host", "--metrics-port", "--ui-port"):
+        assert flag in result.stdout

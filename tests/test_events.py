@@ -1,0 +1,50 @@
+"""The event schema: round trips, and every kind of bad payload is refused with SchemaError."""
+
+import msgspec
+import pytest
+
+from kvscope import events as ev
+
+
+def _batch(events, version=ev.SCHEMA_VERSION):
+    return ev.Batch(version=version, source="engine", seq=7, events=events)
+
+
+def test_round_trip_keeps_every_event_kind():
+    events = [
+        ev.RequestStarted(ts=1.0, request_id="r1", prompt_tokens=40, trace_id="ab" * 16),
+        ev.Lookup(ts=1.0, request_id="r1", tokens={"gpu": 16, "cpu": 16, "recompute": 8}),
+        ev.Transfer(ts=1.1, src="cpu", dst="gpu", blocks=1, bytes=32768, duration=2e-4, request_id="r1"),
+        ev.Eviction(ts=1.2, tier="gpu", blocks=1, bytes=32768, age=3.5, hits=2, offloaded=True),
+        ev.TierSnapshot(ts=1.3, tier="cpu", capacity_bytes=100, resident_bytes=50,
+                        capacity_blocks=10, resident_blocks=5),
+        ev.RequestFinished(ts=1.4, request_id="r1", ttft=0.25, prompt_tokens=40, output_tokens=3),
+    ]
+    decoded = ev.decode_batch(ev.encode_batch(_batch(events)))
+    assert decoded.events == events
+    assert decoded.seq == 7 and decoded.source == "engine"
+
+
+def test_wrong_schema_version_is_refused():
+    with pytest.raises(ev.SchemaError, match="version 99"):
+        ev.decode_batch(ev.encode_batch(_batch([], version=99)))
+
+
+def test_unknown_tier_is_refused():
+    raw = {"version": ev.SCHEMA_VERSION, "source": "x", "seq": 0,
+           "events": [{"kind": "eviction", "ts": 0.0, "tier": "nvme", "blocks": 1, "bytes": 1,
+                       "age": 0.0, "hits": 0}]}
+    with pytest.raises(ev.SchemaError, match="tier"):
+        ev.decode_batch(msgspec.msgpack.encode(raw))
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x00\x01garbage", b"\x93\x01"])
+def test_bytes_that_are_not_a_batch_are_refused(payload):
+    with pytest.raises(ev.SchemaError):
+        ev.decode_batch(payload)
+
+
+def test_truncated_batch_is_refused():
+    data = ev.encode_batch(_batch([ev.Lookup(ts=0.0, request_id="r", tokens={"gpu": 1})]))
+    with pytest.raises(ev.SchemaError):
+        ev.decode_batch(data[:-3])

@@ -1,0 +1,62 @@
+"""Workloads: the Mooncake reader against the trace's published facts, and the generator."""
+
+import itertools
+import json
+
+import pytest
+
+from kvscope.engine.workload import (SyntheticConfig, TraceError, block_token_counts,
+                                     read_mooncake, synthetic)
+from traces import trace_path
+
+
+def test_mooncake_conversation_trace_matches_its_published_facts():
+    """shared/traces/README.md: 12,031 requests, 288,500 block accesses, 182,790 unique ids,
+    and 0.3664 of accesses reuse an id seen before."""
+    requests = read_mooncake(trace_path())
+    assert len(requests) == 12_031
+    accesses = [h for r in requests for h in r.block_hashes]
+    assert len(accesses) == 288_500
+    assert len(set(accesses)) == 182_790
+    assert round(1 - len(set(accesses)) / len(accesses), 4) == 0.3664
+    assert all(a.arrival <= b.arrival for a, b in zip(requests, requests[1:]))
+
+
+def test_block_token_counts_split_a_prompt():
+    assert block_token_counts(1100, 3, 512) == [512, 512, 76]
+    assert block_token_counts(1024, 2, 512) == [512, 512]
+
+
+@pytest.mark.parametrize("line,message", [
+    ("not json", "not JSON"),
+    ('["a list"]', "JSON object"),
+    ('{"timestamp": 0, "input_length": 10}', "hash_ids"),
+    ('{"timestamp": 0, "input_length": 10, "hash_ids": ["x"]}', "hash_ids"),
+    ('{"timestamp": "soon", "input_length": 10, "hash_ids": [1]}', "numbers"),
+])
+def test_malformed_trace_lines_name_file_and_line(tmp_path, line, message):
+    path = tmp_path / "t.jsonl"
+    good = json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]})
+    path.write_text(good + "\n" + line + "\n")
+    with pytest.raises(TraceError, match=rf"t\.jsonl:2: .*{message}"):
+        read_mooncake(path)
+
+
+def test_missing_trace_file(tmp_path):
+    with pytest.raises(TraceError, match="cannot read trace"):
+        read_mooncake(tmp_path / "absent.jsonl")
+
+
+def test_synthetic_is_seeded_and_shares_prefixes():
+    first = list(itertools.islice(synthetic(SyntheticConfig(seed=1)), 500))
+    again = list(itertools.islice(synthetic(SyntheticConfig(seed=1)), 500))
+    other = list(itertools.islice(synthetic(SyntheticConfig(seed=2)), 500))
+    assert first == again and first != other
+    arrivals = [r.arrival for r in first]
+    assert arrivals == sorted(arrivals)
+    # Poisson arrivals at 20/s: 500 arrivals take about 25 s (5 sigma is about 5.6 s)
+    assert 19 < arrivals[-1] < 31
+    accesses = [h for r in first for h in r.block_hashes]
+    assert len(set(accesses)) < 0.7 * len(accesses)  # system prompts and sessions are reused
+    for r in first:
+        assert len(r.block_hashes) == -(-r.prompt_tokens // 16)
