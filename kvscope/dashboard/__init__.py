@@ -1,0 +1,1 @@
+"""The kvscope Dash dashboard: pure figure builders, an agent backend and the pages."""

@@ -1,0 +1,1 @@
+"""Dashboard pages; each module exposes ``layout(...)`` and ``register_callbacks(app, ...)``."""
