@@ -1,0 +1,179 @@
+"""Shared pytest fixtures: repository paths, free ports, and a running `kvscope demo`.
+
+The `demo` fixture starts the real demo (`python -m kvscope demo`) once per session on two free
+loopback ports and stops it with SIGINT (Ctrl-C) at the end, asserting a clean exit (code 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS_DIR = REPO_ROOT / "test-artifacts"
+
+DEMO_START_TIMEOUT_S = 120.0  # torch import + engine warm-up on a 2-core machine
+DEMO_STOP_TIMEOUT_S = 30.0
+DEMO_DURATION_S = 900  # seconds; longer than the whole test session should take
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """Return n distinct free loopback ports (sockets held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def artifacts_dir() -> Path:
+    """test-artifacts/ under the repository root (git-ignored), created on demand."""
+    ARTIFACTS_DIR.mkdir(parents=True, exist_ok=True)
+    return ARTIFACTS_DIR
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """HTTP status of a GET on url, or None when nothing answers (refused, reset, timed out)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return None
+
+
+def log_tail(path: Path, n_chars: int = 4000) -> str:
+    """The last n_chars characters of a log file ('' when it does not exist)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return ""
+    return data[-n_chars:].decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    return artifacts_dir()
+
+
+@dataclasses.dataclass(frozen=True)
+class Demo:
+    """A running `kvscope demo`: URLs of its agent (metrics + API) and dashboard, and its process."""
+
+    metrics_port: int
+    ui_port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.api_url}/metrics"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.ui_port}/"
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        return log_tail(self.log_path, n_chars)
+
+
+def _wait_ready(demo: Demo, deadline: float) -> None:
+    """Poll until /healthz answers 200 and the UI port answers; fail early if the demo exits."""
+    health_url = f"{demo.api_url}/healthz"
+    while True:
+        rc = demo.proc.poll()
+        if rc is not None:
+            pytest.fail(
+                f"kvscope demo exited early with code {rc}; log {demo.log_path}:\n{demo.log_tail()}"
+            )
+        if http_status(health_url) == 200 and http_status(demo.ui_url, timeout=5.0) is not None:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"kvscope demo not ready after {DEMO_START_TIMEOUT_S:.0f}s "
+                f"({health_url} and {demo.ui_url}); log {demo.log_path}:\n{demo.log_tail()}"
+            )
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> int | None:
+    """SIGINT (Ctrl-C), then wait; kill if it hangs. Returns the exit code, or None if it hung."""
+    if proc.poll() is not None:
+        return proc.returncode
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=DEMO_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+        return None
+
+
+@pytest.fixture(scope="session")
+def demo() -> Iterator[Demo]:
+    """Session-wide `kvscope demo` on free loopback ports; asserts it stops cleanly on Ctrl-C."""
+    metrics_port, ui_port = free_ports(2)
+    log_path = artifacts_dir() / "demo.log"
+    cmd = [
+        sys.executable, "-m", "kvscope", "demo",
+        "--duration", str(DEMO_DURATION_S),
+        "--metrics-port", str(metrics_port),
+        "--ui-port", str(ui_port),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
+    started = time.monotonic()
+    d = Demo(metrics_port=metrics_port, ui_port=ui_port, proc=proc, log_path=log_path)
+    try:
+        _wait_ready(d, started + DEMO_START_TIMEOUT_S)
+        yield d
+    finally:
+        was_running = proc.poll() is None
+        rc = _stop(proc)
+    # After --duration it may have ended by itself; before that, it must still be running.
+    ran_out = time.monotonic() - started >= DEMO_DURATION_S
+    assert was_running or (ran_out and rc == 0), (
+        f"kvscope demo died during the tests (code {rc}):\n{d.log_tail()}"
+    )
+    assert rc is not None, (
+        f"kvscope demo did not stop within {DEMO_STOP_TIMEOUT_S:.0f}s of SIGINT; killed:\n{d.log_tail()}"
+    )
+    assert rc == 0, f"kvscope demo exited with code {rc} after SIGINT (want 0):\n{d.log_tail()}"
