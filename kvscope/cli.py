@@ -56,6 +56,22 @@ def _parser() -> argparse.ArgumentParser:
                       help="workload seconds per wall second (default %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
 
+    agent = sub.add_parser(
+        "agent", help="run the node agent (ingest, collectors, /metrics, HTTP API)",
+        description="Run the node agent: receive events from taps, read host and GPU collectors, "
+                    "serve /metrics and the HTTP API. Every flag has a key in the --config TOML "
+                    "file and a KVSCOPE_* environment variable; the bearer token for /api is "
+                    "set only there (token, KVSCOPE_TOKEN), never on the command line.")
+    agent.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    agent.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    agent.add_argument("--port", type=_port, help="port of /metrics and the API (default 9400)")
+    agent.add_argument("--ingest", metavar="ENDPOINT",
+                       help="ZMQ endpoint taps send to (default tcp://127.0.0.1:5560; ipc:// too)")
+    agent.add_argument("--store-dir", metavar="DIR",
+                       help="persist finished requests here (default: memory only)")
+    agent.add_argument("--otlp-endpoint", metavar="URL",
+                       help="export request spans to this OTLP/HTTP traces URL")
+
     dash = sub.add_parser("dashboard", help="serve the dashboard for a running agent",
                           description="Serve the Dash dashboard, reading a running agent's HTTP API.")
     dash.add_argument("--api", default="http://127.0.0.1:9400", help="agent base URL (default %(default)s)")
@@ -77,6 +93,16 @@ def _demo(args) -> int:
                         gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks, speed=args.speed,
                         seed=args.seed)
     return run_demo(config)
+
+
+def _agent(args) -> int:
+    from kvscope.agent.config import load_settings
+    from kvscope.agent.run import run_agent
+
+    settings = load_settings(args.config, host=args.host, port=args.port,
+                             store_dir=args.store_dir, otlp_endpoint=args.otlp_endpoint,
+                             **{"ingest.endpoint": args.ingest})
+    return run_agent(settings)
 
 
 def _dashboard(args) -> int:
@@ -109,12 +135,13 @@ def _docs_metrics(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (2 for bad input, with one line on stderr)."""
     args = _parser().parse_args(argv)
-    from kvscope.demo import DemoError
+    from kvscope.agent.config import ConfigError
 
-    handler = {"demo": _demo, "dashboard": _dashboard, "docs-metrics": _docs_metrics}[args.command]
+    handler = {"demo": _demo, "agent": _agent, "dashboard": _dashboard,
+               "docs-metrics": _docs_metrics}[args.command]
     try:
         return handler(args)
-    except (TraceError, DemoError, UnknownPreset, OSError) as exc:
+    except (TraceError, ConfigError, UnknownPreset, OSError) as exc:
         message = exc.args[0] if isinstance(exc, UnknownPreset) else str(exc)
         print(f"kvscope: error: {message}", file=sys.stderr)
         return 2

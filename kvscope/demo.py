@@ -4,15 +4,13 @@ one process, on loopback by default."""
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 import threading
 from dataclasses import dataclass
 
-import uvicorn
-
 from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
+from kvscope.agent.server import ApiServer, PortInUse, bind
 from kvscope.dashboard.app import create_app as create_dashboard
 from kvscope.dashboard.app import serve as serve_dashboard
 from kvscope.engine.engine import OffloadEngine
@@ -20,10 +18,6 @@ from kvscope.engine.presets import get_preset
 from kvscope.engine.replay import Replayer
 from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake,
                                      synthetic)
-
-
-class DemoError(RuntimeError):
-    """The demo cannot start; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -43,23 +37,12 @@ class DemoConfig:
     seed: int = 0
 
 
-def _bind(host: str, port: int, what: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise DemoError(f"cannot listen on {host}:{port} for the {what}: {exc.strerror}; "
-                        f"pass a free port with --{what}-port") from None
-    return sock
-
-
 def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     """Run the demo until ``config.duration`` passes or SIGINT/SIGTERM; return the exit code.
 
-    Raises :class:`DemoError` (before anything is left running) for an unreadable trace or a
-    port already taken.
+    Raises :class:`~kvscope.engine.workload.TraceError` for an unreadable trace and
+    :class:`~kvscope.agent.server.PortInUse` for a port already taken, before anything is left
+    running.
     """
     preset = get_preset(config.preset)
     if config.trace:
@@ -67,32 +50,29 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     else:
         block_tokens = preset.block_tokens
         requests = synthetic(SyntheticConfig(seed=config.seed, block_tokens=block_tokens))
-    metrics_sock = _bind(config.host, config.metrics_port, "metrics")
+    metrics_sock = bind(config.host, config.metrics_port, "--metrics-port")
     try:
-        _bind(config.host, config.ui_port, "ui").close()  # fail early, before starting anything
-    except DemoError:
+        bind(config.host, config.ui_port, "--ui-port").close()  # fail before starting anything
+    except PortInUse:
         metrics_sock.close()
         raise
 
-    agent = Agent()
+    agent = Agent(with_ingest=False)
     engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, block_tokens=block_tokens,
                            emit=lambda event: agent.pipeline.ingest("engine", (event,)))
-    server = uvicorn.Server(uvicorn.Config(create_app(agent), log_level="warning", lifespan="off"))
-    api_thread = threading.Thread(target=server.run, kwargs={"sockets": [metrics_sock]},
-                                  name="kvscope-api", daemon=True)
+    server = ApiServer(create_app(agent), metrics_sock)
     stop = threading.Event()
     replayer = Replayer(engine, requests, speed=config.speed, stop=stop)
     replay_thread = threading.Thread(target=replayer.run, name="kvscope-replay", daemon=True)
     agent.start()
-    api_thread.start()
+    server.start()
     api_url = f"http://{config.host}:{config.metrics_port}"
     try:
         dashboard = serve_dashboard(create_dashboard(api_url), config.host, config.ui_port)
     except OSError as exc:
-        server.should_exit = True
-        api_thread.join()
+        server.shutdown()
         agent.shutdown()
-        raise DemoError(f"cannot listen on {config.host}:{config.ui_port} for the ui: "
+        raise PortInUse(f"cannot listen on {config.host}:{config.ui_port}: "
                         f"{exc.strerror or exc}; pass a free port with --ui-port") from None
     replay_thread.start()
 
@@ -109,8 +89,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     stop.set()
     replay_thread.join()
     dashboard.shutdown()
-    server.should_exit = True
-    api_thread.join()
+    server.shutdown()
     agent.shutdown()
     print(f"kvscope demo: stopped after {replayer.served} requests", file=out, flush=True)
     return 0

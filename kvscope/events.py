@@ -25,7 +25,15 @@ TOKEN_SOURCES: tuple[str, ...] = ("gpu", "cpu", "disk", "recompute")
 
 
 class SchemaError(ValueError):
-    """A payload is not a valid kvscope batch (bad bytes, wrong version, bad field)."""
+    """A payload is not a valid kvscope batch.
+
+    ``reason``: ``malformed`` (not msgpack, or truncated), ``invalid`` (a field of the wrong
+    type or value, e.g. an unknown tier or event kind) or ``version`` (another schema version).
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
@@ -47,11 +55,17 @@ class Lookup(_Event, tag="lookup"):
     """Where each prompt token of a request came from.
 
     ``tokens``: dict[source, tokens]; the values sum to the prompt length. Sources absent from
-    the dict had zero tokens.
+    the dict had zero tokens. ``blocks``: blocks looked up; ``block_hits``: dict[tier, blocks
+    found resident there] (each block counted in the first tier, top down, that held it).
+    ``prefill_tokens_per_second``: the engine's prefill rate for the saved-seconds estimate
+    (0: unknown, the agent's configured rate is used).
     """
 
     request_id: str
     tokens: dict[TokenSource, int]
+    blocks: int = 0
+    block_hits: dict[Tier, int] = {}
+    prefill_tokens_per_second: float = 0.0
 
 
 class Transfer(_Event, tag="transfer"):
@@ -76,7 +90,8 @@ class Eviction(_Event, tag="eviction"):
 
     ``age``: seconds each spent resident; ``hits``: hits each got while resident (0 means it was
     stored for nothing). ``offloaded``: True when the blocks were copied to the next tier down,
-    False when they were dropped.
+    False when they were dropped. ``reason``: ``capacity`` (made room), ``cleared`` (the engine
+    reset its cache) or ``failed`` (the copy could not be read back).
     """
 
     tier: Tier
@@ -85,6 +100,7 @@ class Eviction(_Event, tag="eviction"):
     age: float
     hits: int
     offloaded: bool = False
+    reason: Literal["capacity", "cleared", "failed"] = "capacity"
 
 
 class TierSnapshot(_Event, tag="tier_snapshot"):
@@ -100,15 +116,19 @@ class TierSnapshot(_Event, tag="tier_snapshot"):
 class RequestFinished(_Event, tag="request_finished"):
     """A request produced its first token (``ttft``, seconds after arrival) and finished.
 
-    ``promotion_wait``: seconds of that TTFT spent waiting for promotions. ``output_tokens``:
-    tokens generated.
+    The parts of TTFT, in seconds and in this order: ``queueing`` before the engine took the
+    request, ``lookup`` of cached blocks, ``promotion_wait`` for promotions, ``prefill`` of the
+    recomputed tokens. ``output_tokens``: tokens generated.
     """
 
     request_id: str
     ttft: float
     prompt_tokens: int
     output_tokens: int = 0
+    queueing: float = 0.0
+    lookup: float = 0.0
     promotion_wait: float = 0.0
+    prefill: float = 0.0
 
 
 Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished]
@@ -117,14 +137,18 @@ Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestF
 class Batch(msgspec.Struct, frozen=True):
     """A batch of events from one emitter.
 
-    ``version``: :data:`SCHEMA_VERSION` of the sender. ``source``: the emitter's name (bounded,
-    e.g. "engine", "vllm"). ``seq``: the emitter's batch counter, for gap detection.
+    ``version``: :data:`SCHEMA_VERSION` of the sender. ``source``: the emitter's name (a short
+    word, e.g. "engine", "vllm"). ``seq``: the emitter's batch counter, for gap detection.
+    ``session``: random per emitter instance, so a restarted emitter is told apart.
+    ``dropped``: events the emitter dropped since it started (cumulative).
     """
 
     version: int
     source: str
     seq: int
     events: list[Event]
+    session: str = ""
+    dropped: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -144,8 +168,26 @@ def decode_batch(data: bytes) -> Batch:
     """
     try:
         batch = _decoder.decode(data)
-    except msgspec.DecodeError as exc:  # ValidationError is a subclass
-        raise SchemaError(str(exc)) from exc
+    except msgspec.ValidationError as exc:
+        version = _version_of(data)
+        if version is not None and version != SCHEMA_VERSION:
+            raise SchemaError(f"schema version {version}, expected {SCHEMA_VERSION}", "version") from exc
+        raise SchemaError(str(exc), "invalid") from exc
+    except msgspec.DecodeError as exc:
+        raise SchemaError(str(exc), "malformed") from exc
     if batch.version != SCHEMA_VERSION:
-        raise SchemaError(f"schema version {batch.version}, expected {SCHEMA_VERSION}")
+        raise SchemaError(f"schema version {batch.version}, expected {SCHEMA_VERSION}", "version")
     return batch
+
+
+class _Versioned(msgspec.Struct):
+    version: int
+
+
+def _version_of(data: bytes) -> int | None:
+    """The version field of a batch whose events do not decode (a future schema may have
+    changed them), or None when even that is unreadable."""
+    try:
+        return msgspec.msgpack.decode(data, type=_Versioned).version
+    except msgspec.DecodeError:
+        return None

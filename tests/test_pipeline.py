@@ -1,44 +1,95 @@
-"""The pipeline folds events into counters, gauges, histograms and one-second samples."""
+"""The pipeline folds events into counters, gauges, histograms, request records and samples."""
 
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
 
+CPU_GPU = ("cpu", "gpu")
 
-def _feed(pipeline):
+
+def _feed(pipeline, rid="r1", arrival=100.0):
     pipeline.ingest("engine", [
-        ev.Lookup(ts=0.0, request_id="r1", tokens={"gpu": 32, "recompute": 8}),
-        ev.Lookup(ts=0.0, request_id="r2", tokens={"cpu": 16, "recompute": 16}),
-        ev.Transfer(ts=0.0, src="cpu", dst="gpu", blocks=1, bytes=100, duration=0.0003),
-        ev.Transfer(ts=0.0, src="cpu", dst="gpu", blocks=2, bytes=200, duration=0.002),
-        ev.Transfer(ts=0.0, src="gpu", dst="cpu", blocks=1, bytes=100, duration=0.1, ok=False,
-                    reason="io"),
-        ev.Eviction(ts=0.0, tier="gpu", blocks=1, bytes=100, age=1.0, hits=0),
-        ev.TierSnapshot(ts=0.0, tier="gpu", capacity_bytes=1000, resident_bytes=400,
+        ev.RequestStarted(ts=arrival, request_id=rid, prompt_tokens=40, trace_id="ab" * 16),
+        ev.TierSnapshot(ts=100.0, tier="gpu", capacity_bytes=1000, resident_bytes=400,
                         capacity_blocks=10, resident_blocks=4),
-        ev.TierSnapshot(ts=1.0, tier="gpu", capacity_bytes=1000, resident_bytes=500,
+        ev.TierSnapshot(ts=100.0, tier="cpu", capacity_bytes=4000, resident_bytes=100,
+                        capacity_blocks=40, resident_blocks=1),
+        ev.Lookup(ts=100.0, request_id=rid, tokens={"gpu": 16, "cpu": 16, "recompute": 8},
+                  blocks=3, block_hits={"gpu": 1, "cpu": 1}, prefill_tokens_per_second=1000.0),
+        ev.Transfer(ts=100.001, src="cpu", dst="gpu", blocks=1, bytes=100, duration=0.0003,
+                    request_id=rid),
+        ev.Transfer(ts=100.002, src="cpu", dst="gpu", blocks=2, bytes=200, duration=0.002),
+        ev.Transfer(ts=100.003, src="gpu", dst="cpu", blocks=1, bytes=100, duration=0.1, ok=False,
+                    reason="io"),
+        ev.Eviction(ts=100.0, tier="gpu", blocks=2, bytes=200, age=30.0, hits=0),
+        ev.TierSnapshot(ts=101.0, tier="gpu", capacity_bytes=1000, resident_bytes=500,
                         capacity_blocks=10, resident_blocks=5),
-        ev.RequestFinished(ts=1.0, request_id="r1", ttft=0.07, prompt_tokens=40),
+        ev.RequestFinished(ts=100.07, request_id=rid, ttft=0.07, prompt_tokens=40, queueing=0.01,
+                           lookup=0.001, promotion_wait=0.0003, prefill=0.008),
     ])
 
 
 def test_counters_gauges_and_histograms():
-    """Tokens add per source (gpu 32, cpu 16, recompute 8+16=24); only successful transfers count
-    (cpu->gpu: 3 blocks, 300 bytes; the failed gpu->cpu one adds nothing); 0.0003 s lands in the
-    0.0005 s bucket and 0.002 s in the 0.005 s bucket; the latest tier snapshot wins."""
+    """Tokens add per source, disk exported at 0; lookups cascade: 3 blocks -> gpu 1 hit 2 miss,
+    the 2 reach cpu -> 1 hit 1 miss. Saved prefill: (16 + 16) tokens / 1000 tokens/s = 0.016 s
+    per source pair (gpu 0.016, cpu 0.016). Only successful transfers add bytes (cpu->gpu: 3
+    blocks, 300 bytes); the failed one counts as a failure. 0.0003 s lands in the 0.0005 s bucket
+    and 0.002 s in the 0.005 s bucket. An eviction of 2 blocks observes 2 hits=0 and 2 ages."""
     pipeline = Pipeline()
     _feed(pipeline)
     snap = pipeline.snapshot()
-    assert snap.prompt_tokens == {"gpu": 32, "cpu": 16, "recompute": 24}
-    assert snap.transfer_bytes == {"cpu->gpu": 300}
-    assert snap.transfer_blocks == {"cpu->gpu": 3}
-    hist = snap.transfer_seconds["cpu->gpu"]
+    assert snap.prompt_tokens == {"gpu": 16, "cpu": 16, "disk": 0, "recompute": 8}
+    assert snap.lookup_blocks == {("gpu", "hit"): 1, ("gpu", "miss"): 2, ("cpu", "hit"): 1,
+                                  ("cpu", "miss"): 1}
+    assert snap.prefill_seconds_saved == {"gpu": 0.016, "cpu": 0.016}
+    assert snap.transfer_bytes == {CPU_GPU: 300}
+    assert snap.transfer_blocks == {CPU_GPU: 3}
+    assert snap.transfer_failures == {("gpu", "cpu", "io"): 1}
+    hist = snap.transfer_seconds[CPU_GPU]
     bounds = dict(zip(hist.buckets, hist.counts))
     assert bounds[0.0005] == 1 and bounds[0.005] == 1 and hist.count == 2
     assert abs(hist.sum - 0.0023) < 1e-12
-    assert snap.evicted_blocks == {"gpu": 1}
+    # the transfer made for r1 carries r1's trace id as its bucket's exemplar
+    assert [e[0] for e in hist.exemplars.values()] == ["ab" * 16]
+    assert snap.evicted_blocks == {("gpu", "capacity"): 2}
+    assert snap.evicted_block_hits["gpu"].counts[0] == 2
+    assert snap.block_residency_seconds["gpu"].count == 2
     assert snap.tiers["gpu"].resident_bytes == 500
     assert snap.requests == 1 and snap.recent_ttft == [0.07]
-    assert snap.events_received == {"engine": 9}
+    assert snap.ttft_seconds.exemplars[snap.ttft_seconds.buckets.index(0.1)][0] == "ab" * 16
+    assert snap.events_received == {"engine": 10}
+
+
+def test_request_record_joins_the_events():
+    pipeline = Pipeline()
+    finished = []
+    pipeline.subscribe(finished.append)
+    _feed(pipeline)
+    record = pipeline.requests.get("r1")
+    assert finished == [record]
+    assert record.trace_id == "ab" * 16 and record.arrival == 100.0
+    assert record.tokens == {"gpu": 16, "cpu": 16, "recompute": 8}
+    assert [(t.src, t.dst, t.bytes) for t in record.transfers] == [("cpu", "gpu", 100)]
+    assert (record.ttft, record.queueing, record.prefill, record.finished) == (0.07, 0.01, 0.008, 100.07)
+
+
+def test_request_table_is_bounded_and_sortable():
+    from kvscope.agent.requests import RequestTable
+
+    pipeline = Pipeline(table=RequestTable(capacity=3))
+    for i in range(5):
+        _feed(pipeline, rid=f"r{i}", arrival=100.0 + i)
+    assert len(pipeline.requests) == 3 and pipeline.requests.get("r0") is None
+    assert [r.request_id for r in pipeline.requests.recent(2, "arrival")] == ["r4", "r3"]
+
+
+def test_drops_and_source_health():
+    pipeline = Pipeline()
+    pipeline.drop("ingest", "malformed")
+    pipeline.drop("ingest", "malformed", 2)
+    pipeline.set_source_up("ingest", True)
+    snap = pipeline.snapshot()
+    assert snap.events_dropped == {("ingest", "malformed"): 3}
+    assert snap.source_up == {"ingest": True}
 
 
 def test_samples_are_cumulative_and_filtered_by_time():
@@ -49,8 +100,10 @@ def test_samples_are_cumulative_and_filtered_by_time():
     pipeline.record_sample(12.0, 3e9)  # history=2 drops the first sample
     samples = pipeline.samples()
     assert [s["ts"] for s in samples] == [11.0, 12.0]
-    assert samples[-1]["prompt_tokens"]["recompute"] == 24
-    assert samples[-1]["tier_resident_bytes"] == {"gpu": 500}
+    assert samples[-1]["prompt_tokens"]["recompute"] == 8
+    assert samples[-1]["transfer_bytes"] == {"cpu->gpu": 300}
+    assert samples[-1]["evicted_blocks"] == {"gpu": 2}
+    assert samples[-1]["tier_resident_bytes"] == {"gpu": 500, "cpu": 100}
     assert [s["ts"] for s in pipeline.samples(since=11.0)] == [12.0]
 
 
@@ -58,6 +111,6 @@ def test_snapshot_is_a_copy():
     pipeline = Pipeline()
     _feed(pipeline)
     snap = pipeline.snapshot()
-    _feed(pipeline)
-    assert snap.prompt_tokens["gpu"] == 32
-    assert pipeline.snapshot().prompt_tokens["gpu"] == 64
+    _feed(pipeline, rid="r2")
+    assert snap.prompt_tokens["gpu"] == 16
+    assert pipeline.snapshot().prompt_tokens["gpu"] == 32

@@ -1,15 +1,31 @@
-"""The agent's HTTP API (FastAPI): /metrics, /healthz, /api/v1/summary, /api/v1/timeseries."""
+"""The agent's HTTP API (FastAPI).
+
+``/metrics`` (Prometheus text, or OpenMetrics with exemplars when asked), ``/healthz``,
+``/readyz``, and under ``/api/v1``: ``summary``, ``timeseries``, ``requests``,
+``requests/{id}``. OpenAPI at ``/openapi.json`` and ``/docs``. With a token configured,
+``/api`` needs ``Authorization: Bearer <token>``. Request bodies over ``max_body_bytes`` are
+refused with 413, and list sizes are bounded.
+"""
 
 from __future__ import annotations
 
+import hmac
+
+import msgspec
 import numpy as np
-from fastapi import FastAPI, Query, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from kvscope import __version__
 from kvscope.agent.agent import Agent
+from kvscope.agent.requests import SORT_KEYS
+
+MAX_LIMIT = 10_000
+SAMPLE_FIELDS = ("prompt_tokens", "transfer_bytes", "evicted_blocks", "tier_resident_bytes",
+                 "tier_capacity_bytes", "host_memory_available_bytes")
 
 
 def percentiles(values: list[float], qs=(50, 95, 99)) -> dict[str, float | None]:
@@ -19,42 +35,105 @@ def percentiles(values: list[float], qs=(50, 95, 99)) -> dict[str, float | None]
     return {f"p{q}": float(v) for q, v in zip(qs, np.percentile(values, qs))}
 
 
-def create_app(agent: Agent) -> FastAPI:
-    """The FastAPI app serving ``agent``. The caller owns the agent's start and shutdown."""
-    app = FastAPI(title="kvscope agent", version=__version__)
+def _json(value) -> Response:
+    return Response(msgspec.json.encode(value), media_type="application/json")
 
-    @app.get("/metrics")
+
+def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
+    """The FastAPI app serving ``agent``. The caller owns the agent's start and shutdown."""
+    app = FastAPI(title="kvscope agent", version=__version__,
+                  description="KV-cache offload observability: metrics, requests, time series.")
+    token = agent.settings.token
+
+    @app.middleware("http")
+    async def bound_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            return JSONResponse({"detail": f"request body over {max_body_bytes} bytes"}, 413)
+        return await call_next(request)
+
+    def authorize(request: Request) -> None:
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise HTTPException(401, "missing or wrong bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/metrics", include_in_schema=False)
     def metrics(request: Request) -> Response:
-        # OpenMetrics when the scraper asks for it (it carries exemplars), else the text format
         if "application/openmetrics-text" in request.headers.get("accept", ""):
             return Response(generate_openmetrics(agent.registry), media_type=OPENMETRICS_TYPE)
         return Response(generate_latest(agent.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz")
+    @app.get("/healthz", include_in_schema=False)
     def healthz() -> Response:
         return Response("ok\n", media_type="text/plain")
 
-    @app.get("/api/v1/summary")
+    @app.get("/readyz", include_in_schema=False)
+    def readyz() -> Response:
+        if agent.ready:
+            return Response("ready\n", media_type="text/plain")
+        return Response("starting or stopping\n", status_code=503, media_type="text/plain")
+
+    @app.get("/api/v1/summary", dependencies=[Depends(authorize)])
     def summary() -> dict:
+        """Totals since the agent started, tier state, host memory, recent TTFT percentiles."""
         snap = agent.pipeline.snapshot()
         host = agent.host.collect()
+        by_pair = lambda d: {"->".join(k): v for k, v in d.items()}  # noqa: E731
+        evicted: dict[str, int] = {}
+        for (tier, _reason), n in snap.evicted_blocks.items():
+            evicted[tier] = evicted.get(tier, 0) + n
         return {
             "version": __version__,
             "started_at": agent.started_at,
             "requests": snap.requests,
             "prompt_tokens": snap.prompt_tokens,
-            "transfer_bytes": snap.transfer_bytes,
-            "transfer_blocks": snap.transfer_blocks,
-            "evicted_blocks": snap.evicted_blocks,
+            "transfer_bytes": by_pair(snap.transfer_bytes),
+            "transfer_blocks": by_pair(snap.transfer_blocks),
+            "evicted_blocks": evicted,
             "tiers": {t: {"capacity_bytes": s.capacity_bytes, "resident_bytes": s.resident_bytes,
                           "capacity_blocks": s.capacity_blocks,
                           "resident_blocks": s.resident_blocks} for t, s in snap.tiers.items()},
             "host": {"memory_total_bytes": host.total, "memory_available_bytes": host.available},
             "ttft_seconds": percentiles(snap.recent_ttft),
+            "events_received": snap.events_received,
+            "events_dropped": by_pair(snap.events_dropped),
         }
 
-    @app.get("/api/v1/timeseries")
-    def timeseries(since: float | None = Query(None, description="Unix seconds; samples after it")) -> dict:
-        return {"interval": agent.sample_interval, "samples": agent.pipeline.samples(since)}
+    @app.get("/api/v1/timeseries", dependencies=[Depends(authorize)])
+    def timeseries(
+        since: float | None = Query(None, description="Unix seconds; only samples after it"),
+        metric: list[str] | None = Query(None, max_length=len(SAMPLE_FIELDS),
+                                         description=f"fields to return: {', '.join(SAMPLE_FIELDS)}"),
+    ) -> dict:
+        """One-second samples, oldest first; counters are cumulative."""
+        samples = agent.pipeline.samples(since)
+        if metric:
+            unknown = sorted(set(metric) - set(SAMPLE_FIELDS))
+            if unknown:
+                raise HTTPException(422, f"unknown metric {unknown[0]!r}; use {', '.join(SAMPLE_FIELDS)}")
+            samples = [{"ts": s["ts"], **{m: s[m] for m in metric}} for s in samples]
+        return {"interval": agent.sample_interval, "samples": samples}
+
+    @app.get("/api/v1/requests", dependencies=[Depends(authorize)])
+    def requests(limit: int = Query(100, ge=1, le=MAX_LIMIT),
+                 sort: str = Query("finished", description=f"one of {', '.join(SORT_KEYS)}"),
+                 order: str = Query("desc", pattern="^(asc|desc)$"),
+                 min_ttft: float | None = Query(None, ge=0, description="seconds")) -> Response:
+        """Recent finished requests, sorted and filtered; ``total`` counts the whole table."""
+        if sort not in SORT_KEYS:
+            raise HTTPException(422, f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
+        records = agent.pipeline.requests.recent(limit, sort, order == "desc", min_ttft)
+        return _json({"total": len(agent.pipeline.requests), "requests": records})
+
+    @app.get("/api/v1/requests/{request_id}", dependencies=[Depends(authorize)])
+    def request(request_id: str) -> Response:
+        """One request with its transfers and the parts of its TTFT."""
+        record = agent.pipeline.requests.get(request_id)
+        if record is None:
+            raise HTTPException(404, f"no request {request_id!r} in the table")
+        return _json(record)
 
     return app

@@ -11,14 +11,20 @@ from dataclasses import dataclass
 
 # Transfer-time buckets, seconds: 10 us .. 10 s, covering one-block PCIe copies up to disk reads.
 TRANSFER_SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
-# TTFT buckets, seconds: 10 ms .. 60 s.
-TTFT_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Request latency buckets (TTFT, promotion wait), seconds: 1 ms .. 60 s.
+LATENCY_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                           10.0, 30.0, 60.0)
+# Hits a block got before eviction: 0 means it was stored for nothing.
+EVICTED_HITS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
+# Block age at eviction, seconds: 100 ms .. 1 day.
+RESIDENCY_SECONDS_BUCKETS = (0.1, 1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
 
 
 @dataclass(frozen=True)
 class MetricSpec:
     """One metric. ``type``: counter, gauge or histogram. ``unit``: base unit or "" (counts).
-    ``buckets``: upper bounds for histograms, in the unit."""
+    ``buckets``: upper bounds for histograms, in the unit. ``gpu_only``: has series only where
+    an NVIDIA GPU is present."""
 
     name: str
     type: str
@@ -26,39 +32,102 @@ class MetricSpec:
     labels: tuple[str, ...] = ()
     unit: str = ""
     buckets: tuple[float, ...] = ()
+    gpu_only: bool = False
+
+
+def _counter(name, help, labels=(), unit="", gpu_only=False):
+    return MetricSpec(name, "counter", help, tuple(labels), unit, gpu_only=gpu_only)
+
+
+def _gauge(name, help, labels=(), unit="", gpu_only=False):
+    return MetricSpec(name, "gauge", help, tuple(labels), unit, gpu_only=gpu_only)
+
+
+def _histogram(name, help, labels, unit, buckets):
+    return MetricSpec(name, "histogram", help, tuple(labels), unit, buckets)
 
 
 CATALOG: tuple[MetricSpec, ...] = (
-    MetricSpec("kvscope_prompt_tokens_total", "counter",
-               "Prompt tokens by where their KV came from: gpu (resident), cpu or disk (promoted), recompute (prefill).",
-               ("source",)),
-    MetricSpec("kvscope_transfer_bytes_total", "counter",
-               "Bytes copied between tiers (offloads away from the GPU, promotions toward it).",
-               ("src", "dst"), "bytes"),
-    MetricSpec("kvscope_transfer_blocks_total", "counter",
-               "KV blocks copied between tiers.", ("src", "dst")),
-    MetricSpec("kvscope_transfer_seconds", "histogram",
-               "Measured duration of one batched transfer between tiers.",
-               ("src", "dst"), "seconds", TRANSFER_SECONDS_BUCKETS),
-    MetricSpec("kvscope_evicted_blocks_total", "counter",
-               "KV blocks that left a tier (offloaded to the next tier or dropped).", ("tier",)),
-    MetricSpec("kvscope_tier_capacity_bytes", "gauge",
-               "Bytes a tier may hold.", ("tier",), "bytes"),
-    MetricSpec("kvscope_tier_resident_bytes", "gauge",
-               "Bytes a tier currently holds.", ("tier",), "bytes"),
-    MetricSpec("kvscope_tier_resident_blocks", "gauge",
-               "KV blocks a tier currently holds.", ("tier",)),
-    MetricSpec("kvscope_requests_total", "counter", "Requests that finished their prefill."),
-    MetricSpec("kvscope_ttft_seconds", "histogram",
-               "Time to first token of each request.", (), "seconds", TTFT_SECONDS_BUCKETS),
-    MetricSpec("kvscope_host_memory_available_bytes", "gauge",
-               "Host memory available to new allocations without swapping (psutil).", (), "bytes"),
-    MetricSpec("kvscope_host_memory_total_bytes", "gauge",
-               "Host physical memory (psutil).", (), "bytes"),
-    MetricSpec("kvscope_events_received_total", "counter",
-               "kvscope events the agent accepted, by emitting source.", ("source",)),
-    MetricSpec("kvscope_build_info", "gauge",
-               "Always 1; the kvscope version in a label.", ("version",)),
+    # hit quality
+    _counter("kvscope_prompt_tokens_total",
+             "Prompt tokens by where their KV came from: gpu (resident), cpu or disk (promoted), "
+             "recompute (prefill).", ["source"]),
+    _counter("kvscope_lookup_blocks_total",
+             "Block lookups per tier consulted, by result (hit or miss); a tier is consulted when "
+             "every tier above it missed.", ["tier", "result"]),
+    _counter("kvscope_prefill_seconds_saved_total",
+             "Estimated prefill seconds saved by tokens served from cache (cost model).", ["source"],
+             "seconds"),
+    # transfers
+    _counter("kvscope_transfer_bytes_total",
+             "Bytes copied between tiers (offloads away from the GPU, promotions toward it).",
+             ["src", "dst"], "bytes"),
+    _counter("kvscope_transfer_blocks_total", "KV blocks copied between tiers.", ["src", "dst"]),
+    _histogram("kvscope_transfer_seconds",
+               "Measured duration of one batched transfer between tiers; exemplars carry the "
+               "request's trace id.", ["src", "dst"], "seconds", TRANSFER_SECONDS_BUCKETS),
+    _counter("kvscope_transfer_failures_total", "Transfers that failed, by reason.",
+             ["src", "dst", "reason"]),
+    # evictions
+    _counter("kvscope_evicted_blocks_total",
+             "KV blocks that left a tier, by reason (capacity: made room; cleared: the engine "
+             "reset; failed: unreadable).", ["tier", "reason"]),
+    _histogram("kvscope_evicted_block_hits",
+               "Hits a block got while resident, observed when it is evicted (0: stored for "
+               "nothing).", ["tier"], "", EVICTED_HITS_BUCKETS),
+    _histogram("kvscope_block_residency_seconds", "Age of a block when it is evicted.", ["tier"],
+               "seconds", RESIDENCY_SECONDS_BUCKETS),
+    # tiers
+    _gauge("kvscope_tier_capacity_bytes", "Bytes a tier may hold.", ["tier"], "bytes"),
+    _gauge("kvscope_tier_resident_bytes", "Bytes a tier currently holds.", ["tier"], "bytes"),
+    _gauge("kvscope_tier_capacity_blocks", "KV blocks a tier may hold.", ["tier"]),
+    _gauge("kvscope_tier_resident_blocks", "KV blocks a tier currently holds.", ["tier"]),
+    # requests
+    _counter("kvscope_requests_total", "Requests that finished their prefill."),
+    _histogram("kvscope_ttft_seconds", "Time to first token of each request; exemplars carry "
+               "its trace id.", [], "seconds", LATENCY_SECONDS_BUCKETS),
+    _histogram("kvscope_promotion_wait_seconds",
+               "Seconds of a request's TTFT spent waiting for promotions.", [], "seconds",
+               LATENCY_SECONDS_BUCKETS),
+    # host
+    _gauge("kvscope_host_memory_total_bytes", "Host physical memory (psutil).", [], "bytes"),
+    _gauge("kvscope_host_memory_available_bytes",
+           "Host memory available to new allocations without swapping (psutil), capped by the "
+           "cgroup's remaining limit when that is tighter.", [], "bytes"),
+    _gauge("kvscope_host_memory_limit_bytes",
+           "The tighter of host physical memory and the cgroup v2 memory.max.", [], "bytes"),
+    _gauge("kvscope_host_swap_used_bytes", "Swap in use (psutil).", [], "bytes"),
+    _gauge("kvscope_host_memory_reserve_bytes",
+           "Memory the operator keeps free for the OS and other services (config).", [], "bytes"),
+    _gauge("kvscope_host_memory_headroom_bytes",
+           "Available memory minus the reserve; negative when the reserve is eaten into.", [],
+           "bytes"),
+    _gauge("kvscope_offload_budget_bytes",
+           "Bytes the operator reserved for an offload tier (e.g. vLLM cpu_bytes_to_use).",
+           ["tier"], "bytes"),
+    # GPU (NVML)
+    _counter("kvscope_pcie_bytes_total", "PCIe bytes moved by a GPU, by direction (tx, rx).",
+             ["gpu", "direction"], "bytes", gpu_only=True),
+    _gauge("kvscope_pcie_link_max_bytes_per_second",
+           "Maximum PCIe throughput of a GPU's current link, one direction.", ["gpu"], "",
+           gpu_only=True),
+    _gauge("kvscope_gpu_memory_used_bytes", "GPU memory in use (NVML).", ["gpu"], "bytes",
+           gpu_only=True),
+    _gauge("kvscope_gpu_memory_total_bytes", "GPU memory in all (NVML).", ["gpu"], "bytes",
+           gpu_only=True),
+    # the agent itself
+    _counter("kvscope_events_received_total", "kvscope events the agent accepted, by source.",
+             ["source"]),
+    _counter("kvscope_events_dropped_total",
+             "kvscope events the agent (or a tap's emitter) dropped, by source and reason.",
+             ["source", "reason"]),
+    _gauge("kvscope_source_up", "1 when a source is delivering, 0 when it is failing.",
+           ["source"]),
+    _gauge("kvscope_collector_up", "1 when a collector's last run succeeded, 0 otherwise.",
+           ["collector"]),
+    _gauge("kvscope_collector_duration_seconds", "How long a collector's last run took.",
+           ["collector"], "seconds"),
+    _gauge("kvscope_build_info", "Always 1; the kvscope version in a label.", ["version"]),
 )
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}

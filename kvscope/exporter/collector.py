@@ -1,74 +1,96 @@
 """The Prometheus collector: builds every catalog metric from one pipeline snapshot per scrape.
 
 A custom ``Collector`` (prometheus_client's pattern for state owned elsewhere) registered on a
-private registry; samples carry no timestamps.
+private registry; samples carry no timestamps. Histogram buckets carry the latest exemplar
+(``trace_id``) seen in them; only the OpenMetrics exposition shows exemplars.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+from prometheus_client.core import (CounterMetricFamily, Exemplar, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
 from kvscope import __version__
-from kvscope.agent.collectors.host import HostCollector
 from kvscope.agent.pipeline import Histogram, Pipeline, Snapshot
 from kvscope.exporter.catalog import CATALOG, MetricSpec
 
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
              "histogram": HistogramMetricFamily}
 
-
-def _split(key: str) -> list[str]:
-    return key.split("->")
+Samples = dict[str, list[tuple[list[str], object]]]
 
 
-def _values(snap: Snapshot, host) -> dict[str, list[tuple[list[str], object]]]:
+def _labelled(mapping: dict) -> list[tuple[list[str], object]]:
+    return [(list(key) if isinstance(key, tuple) else [key], value) for key, value in mapping.items()]
+
+
+def pipeline_samples(snap: Snapshot) -> Samples:
     """Per metric name: ``(label values, value)`` pairs; a value is a number or a Histogram."""
+    tiers = snap.tiers.items()
     return {
-        "kvscope_prompt_tokens_total": [([s], n) for s, n in snap.prompt_tokens.items()],
-        "kvscope_transfer_bytes_total": [(_split(k), n) for k, n in snap.transfer_bytes.items()],
-        "kvscope_transfer_blocks_total": [(_split(k), n) for k, n in snap.transfer_blocks.items()],
-        "kvscope_transfer_seconds": [(_split(k), h) for k, h in snap.transfer_seconds.items()],
-        "kvscope_evicted_blocks_total": [([t], n) for t, n in snap.evicted_blocks.items()],
-        "kvscope_tier_capacity_bytes": [([t], s.capacity_bytes) for t, s in snap.tiers.items()],
-        "kvscope_tier_resident_bytes": [([t], s.resident_bytes) for t, s in snap.tiers.items()],
-        "kvscope_tier_resident_blocks": [([t], s.resident_blocks) for t, s in snap.tiers.items()],
+        "kvscope_prompt_tokens_total": _labelled(snap.prompt_tokens),
+        "kvscope_lookup_blocks_total": _labelled(snap.lookup_blocks),
+        "kvscope_prefill_seconds_saved_total": _labelled(snap.prefill_seconds_saved),
+        "kvscope_transfer_bytes_total": _labelled(snap.transfer_bytes),
+        "kvscope_transfer_blocks_total": _labelled(snap.transfer_blocks),
+        "kvscope_transfer_seconds": _labelled(snap.transfer_seconds),
+        "kvscope_transfer_failures_total": _labelled(snap.transfer_failures),
+        "kvscope_evicted_blocks_total": _labelled(snap.evicted_blocks),
+        "kvscope_evicted_block_hits": _labelled(snap.evicted_block_hits),
+        "kvscope_block_residency_seconds": _labelled(snap.block_residency_seconds),
+        "kvscope_tier_capacity_bytes": [([t], s.capacity_bytes) for t, s in tiers],
+        "kvscope_tier_resident_bytes": [([t], s.resident_bytes) for t, s in tiers],
+        "kvscope_tier_capacity_blocks": [([t], s.capacity_blocks) for t, s in tiers],
+        "kvscope_tier_resident_blocks": [([t], s.resident_blocks) for t, s in tiers],
         "kvscope_requests_total": [([], snap.requests)],
         "kvscope_ttft_seconds": [([], snap.ttft_seconds)],
-        "kvscope_host_memory_available_bytes": [([], host.available)],
-        "kvscope_host_memory_total_bytes": [([], host.total)],
-        "kvscope_events_received_total": [([s], n) for s, n in snap.events_received.items()],
+        "kvscope_promotion_wait_seconds": [([], snap.promotion_wait_seconds)],
+        "kvscope_events_received_total": _labelled(snap.events_received),
+        "kvscope_events_dropped_total": _labelled(snap.events_dropped),
+        "kvscope_source_up": [([s], float(up)) for s, up in snap.source_up.items()],
         "kvscope_build_info": [([__version__], 1)],
     }
+
+
+def _buckets(hist: Histogram) -> list[tuple]:
+    cumulative, out = 0, []
+    for i, (bound, n) in enumerate(zip((*hist.buckets, float("inf")), hist.counts)):
+        cumulative += n
+        le = "+Inf" if bound == float("inf") else repr(float(bound))
+        exemplar = hist.exemplars.get(i)
+        if exemplar:
+            trace_id, value, ts = exemplar
+            out.append((le, cumulative, Exemplar({"trace_id": trace_id}, value, ts)))
+        else:
+            out.append((le, cumulative))
+    return out
 
 
 def _family(spec: MetricSpec, samples) -> Metric:
     # prometheus_client appends _total itself for counters
     name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
-    family = _FAMILIES[spec.type](name, spec.help, labels=list(spec.labels), unit="")
+    family = _FAMILIES[spec.type](name, spec.help, labels=list(spec.labels))
     for labels, value in samples:
         if isinstance(value, Histogram):
-            cumulative, buckets = 0, []
-            for bound, n in zip((*value.buckets, float("inf")), value.counts):
-                cumulative += n
-                buckets.append((repr(bound) if bound != float("inf") else "+Inf", cumulative))
-            family.add_metric(labels, buckets, value.sum)
+            family.add_metric(labels, _buckets(value), value.sum)
         else:
             family.add_metric(labels, value)
     return family
 
 
 class KvscopeCollector(Collector):
-    """Yields every metric in the catalog from one pipeline snapshot and one host reading."""
+    """Yields every metric in the catalog: the pipeline's from one snapshot, and the node's from
+    ``node_samples()`` (host and GPU collectors, read at scrape time), merged by name."""
 
-    def __init__(self, pipeline: Pipeline, host: HostCollector) -> None:
+    def __init__(self, pipeline: Pipeline, node_samples: Callable[[], Samples]) -> None:
         self._pipeline = pipeline
-        self._host = host
+        self._node_samples = node_samples
 
     def collect(self) -> Iterator[Metric]:
-        values = _values(self._pipeline.snapshot(), self._host.collect())
+        values = pipeline_samples(self._pipeline.snapshot())
+        values.update(self._node_samples())
         for spec in CATALOG:
-            yield _family(spec, values[spec.name])
+            yield _family(spec, values.get(spec.name, ()))

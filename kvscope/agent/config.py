@@ -1,0 +1,117 @@
+"""The agent's settings: one typed object from defaults, ``KVSCOPE_*`` environment variables
+(nested keys with ``__``, e.g. ``KVSCOPE_INGEST__ENDPOINT``), a TOML file and command-line flags,
+strongest last. Every flag has a key here.
+
+Example TOML (every key optional)::
+
+    host = "127.0.0.1"
+    port = 9400
+    store_dir = "/var/lib/kvscope"
+
+    [ingest]
+    endpoint = "tcp://127.0.0.1:5560"
+
+    [collectors.host]
+    reserve_bytes = 8589934592
+    budgets = { cpu = 68719476736 }
+
+    [collectors.gpu]
+    enabled = false
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ConfigError(ValueError):
+    """The configuration file is unreadable or has a bad value; the message says which."""
+
+
+class IngestConfig(BaseModel):
+    """ZMQ PULL endpoint for taps' emitters; sizes in bytes."""
+
+    enabled: bool = True
+    endpoint: str = "tcp://127.0.0.1:5560"
+    max_batch_bytes: int = Field(4 << 20, gt=0)
+    max_sources: int = Field(16, gt=0)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        if not value.startswith(("tcp://", "ipc://")):
+            raise ValueError("must start with tcp:// or ipc://")
+        return value
+
+
+class HostCollectorConfig(BaseModel):
+    """``reserve_bytes``: memory kept free for the OS and other services; ``budgets``: bytes
+    reserved per offload tier (e.g. vLLM's ``cpu_bytes_to_use`` for ``cpu``)."""
+
+    enabled: bool = True
+    reserve_bytes: int = Field(0, ge=0)
+    budgets: dict[str, int] = {}
+
+
+class GpuCollectorConfig(BaseModel):
+    enabled: bool = True
+
+
+class CollectorsConfig(BaseModel):
+    host: HostCollectorConfig = HostCollectorConfig()
+    gpu: GpuCollectorConfig = GpuCollectorConfig()
+
+
+class AgentSettings(BaseSettings):
+    """Everything ``kvscope agent`` can be told. Sizes in bytes, times in seconds.
+
+    ``token``: bearer token required on ``/api`` (None: open, which is why the default address
+    is loopback). ``store_dir``: where finished requests persist (None: memory only).
+    ``otlp_endpoint``: OTLP/HTTP traces URL to export request spans to (None: off).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVSCOPE_", env_nested_delimiter="__",
+                                      extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(9400, gt=0, lt=65536)
+    token: str | None = None
+    sample_interval: float = Field(1.0, gt=0)
+    prefill_tokens_per_second: float = Field(10_000.0, gt=0)
+    requests_capacity: int = Field(100_000, gt=0)
+    store_dir: Path | None = None
+    store_max_bytes: int = Field(256 << 20, gt=0)
+    store_max_age: float = Field(86_400.0, gt=0)
+    otlp_endpoint: str | None = None
+    ingest: IngestConfig = IngestConfig()
+    collectors: CollectorsConfig = CollectorsConfig()
+
+
+def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
+    """Settings from the TOML file at ``path`` (if any), the environment, then ``overrides``
+    (flags; None values are ignored). Raises :class:`ConfigError` naming the file and key."""
+    values: dict = {}
+    if path is not None:
+        try:
+            values = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {path}: {exc}") from None
+    for key, value in overrides.items():
+        if value is not None:
+            section = values
+            *parents, leaf = key.split(".")
+            for parent in parents:
+                section = section.setdefault(parent, {})
+            section[leaf] = value
+    try:
+        return AgentSettings(**values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"])
+        raise ConfigError(f"config{' ' + str(path) if path else ''}: {where}: {error['msg']}") from None

@@ -1,0 +1,149 @@
+"""Per-request records: assembled from events, kept in a bounded table.
+
+A record joins what the events say about one request — arrival, where its tokens came from,
+each transfer it waited for, the parts of its TTFT — so the API, the dashboard's waterfall, the
+OTLP exporter and the store all read one shape.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+
+import msgspec
+
+from kvscope import events as ev
+
+
+class TransferRecord(msgspec.Struct, frozen=True):
+    """One transfer of a request: ``start`` Unix seconds, ``duration`` seconds, sizes in bytes."""
+
+    src: str
+    dst: str
+    blocks: int
+    bytes: int
+    start: float
+    duration: float
+    ok: bool = True
+
+
+class RequestRecord(msgspec.Struct):
+    """One request. Times are Unix seconds (``arrival``, ``finished``) or seconds (the TTFT
+    parts: ``queueing``, ``lookup``, ``promotion_wait``, ``prefill``, and ``ttft`` itself).
+    ``tokens``: dict[source, prompt tokens]. ``trace_id``: 32 hex chars (W3C)."""
+
+    request_id: str
+    trace_id: str
+    source: str
+    arrival: float
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    tokens: dict[str, int] = {}
+    transfers: list[TransferRecord] = []
+    ttft: float | None = None
+    queueing: float = 0.0
+    lookup: float = 0.0
+    promotion_wait: float = 0.0
+    prefill: float = 0.0
+    finished: float | None = None
+
+
+def new_trace_id() -> str:
+    """A random W3C trace id: 16 bytes as 32 lowercase hex characters."""
+    return os.urandom(16).hex()
+
+
+class RequestAssembler:
+    """Builds :class:`RequestRecord` s from events; returns each one when its request finishes.
+
+    ``max_inflight``: requests started but not finished that are kept; beyond it the oldest
+    is abandoned and counted in ``abandoned`` (a bound against engines that never finish).
+    Not thread-safe: the pipeline calls it under its lock.
+    """
+
+    def __init__(self, max_inflight: int = 10_000) -> None:
+        self._inflight: OrderedDict[str, RequestRecord] = OrderedDict()
+        self._max = max_inflight
+        self.abandoned = 0
+
+    def _open(self, source: str, request_id: str, ts: float, trace_id: str = "") -> RequestRecord:
+        key = f"{source}/{request_id}"
+        record = self._inflight.get(key)
+        if record is None:
+            record = RequestRecord(request_id, trace_id or new_trace_id(), source, ts)
+            self._inflight[key] = record
+            if len(self._inflight) > self._max:
+                self._inflight.popitem(last=False)
+                self.abandoned += 1
+        return record
+
+    def trace_id(self, source: str, request_id: str) -> str:
+        """The trace id of an in-flight request, or "" when unknown."""
+        record = self._inflight.get(f"{source}/{request_id}")
+        return record.trace_id if record else ""
+
+    def apply(self, source: str, event: object) -> RequestRecord | None:
+        """Fold one event in; return the finished record when ``event`` finishes a request."""
+        match event:
+            case ev.RequestStarted():
+                record = self._open(source, event.request_id, event.ts, event.trace_id)
+                record.prompt_tokens = event.prompt_tokens
+            case ev.Lookup(request_id=rid) if rid:
+                self._open(source, rid, event.ts).tokens = dict(event.tokens)
+            case ev.Transfer(request_id=rid) if rid:
+                self._open(source, rid, event.ts).transfers.append(TransferRecord(
+                    event.src, event.dst, event.blocks, event.bytes, event.ts, event.duration,
+                    event.ok))
+            case ev.RequestFinished():
+                record = self._open(source, event.request_id, event.ts - event.ttft)
+                del self._inflight[f"{source}/{event.request_id}"]
+                record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
+                record.output_tokens = event.output_tokens
+                record.ttft, record.finished = event.ttft, event.ts
+                record.queueing, record.lookup = event.queueing, event.lookup
+                record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
+                return record
+        return None
+
+
+SORT_KEYS = ("finished", "arrival", "ttft", "prompt_tokens", "promotion_wait")
+
+
+class RequestTable:
+    """The most recent ``capacity`` finished requests, by id. Thread-safe."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self._lock = threading.Lock()
+        self._records: OrderedDict[str, RequestRecord] = OrderedDict()
+        self.capacity = capacity
+
+    def add(self, record: RequestRecord) -> None:
+        with self._lock:
+            self._records[record.request_id] = record
+            self._records.move_to_end(record.request_id)
+            while len(self._records) > self.capacity:
+                self._records.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        with self._lock:
+            return self._records.get(request_id)
+
+    def recent(self, limit: int = 100, sort: str = "finished", descending: bool = True,
+               min_ttft: float | None = None) -> list[RequestRecord]:
+        """Up to ``limit`` records ordered by ``sort`` (one of :data:`SORT_KEYS`), largest
+        first unless ``descending`` is False; ``min_ttft`` (seconds) filters slow requests.
+
+        Raises ValueError for an unknown sort key.
+        """
+        if sort not in SORT_KEYS:
+            raise ValueError(f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
+        with self._lock:
+            records = list(self._records.values())
+        if min_ttft is not None:
+            records = [r for r in records if (r.ttft or 0.0) >= min_ttft]
+        records.sort(key=lambda r: getattr(r, sort) or 0.0, reverse=descending)
+        return records[:limit]

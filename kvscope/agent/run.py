@@ -1,0 +1,49 @@
+"""``kvscope agent``: the node agent as a foreground process (stops on SIGINT/SIGTERM)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import zmq
+
+from kvscope.agent.agent import Agent
+from kvscope.agent.api import create_app
+from kvscope.agent.config import AgentSettings, ConfigError
+from kvscope.agent.server import ApiServer, bind
+
+
+def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (or ``stop`` is set); return the exit code.
+
+    Raises :class:`~kvscope.agent.server.PortInUse` or :class:`ConfigError` (for an ingest
+    endpoint that cannot be bound) before anything is left running.
+    """
+    sock = bind(settings.host, settings.port, "--port")
+    agent = Agent(settings)
+    try:
+        agent.start()
+    except zmq.ZMQError as exc:
+        sock.close()
+        raise ConfigError(f"cannot bind ingest endpoint {settings.ingest.endpoint}: {exc}; "
+                          "pass another with --ingest") from None
+    server = ApiServer(create_app(agent), sock)
+    server.start()
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    base = f"http://{settings.host}:{settings.port}"
+    print(f"kvscope agent: {base}/metrics  {base}/api/v1/summary  (docs: {base}/docs)", file=out)
+    if agent.ingest is not None:
+        print(f"  ingest: {settings.ingest.endpoint}", file=out)
+    if settings.store_dir:
+        print(f"  store: {settings.store_dir} ({len(agent.pipeline.requests)} requests restored)",
+              file=out)
+    out.flush()
+    stop.wait()
+    server.shutdown()
+    agent.shutdown()
+    print("kvscope agent: stopped", file=out, flush=True)
+    return 0

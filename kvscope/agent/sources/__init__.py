@@ -1,0 +1,1 @@
+"""Sources: turn what an engine offers into kvscope events for the pipeline."""

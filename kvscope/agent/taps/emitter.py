@@ -1,0 +1,107 @@
+"""The tap-side emitter: ships kvscope events from inside an engine process to the agent.
+
+It runs on the engine's hot path, so :meth:`Emitter.emit` only appends to a bounded buffer
+(well under a microsecond) and never raises or blocks; a background thread batches the buffer,
+encodes it with msgspec and sends it over a ZMQ PUSH socket without blocking. When the agent is
+away, ZMQ keeps at most ``send_hwm`` batches and reconnects by itself; beyond that the buffer
+fills and further events are dropped and counted (and reported to the agent in the next batch,
+as ``Batch.dropped``). Imports only the standard library, msgspec and pyzmq.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+
+import zmq
+
+from kvscope import events as ev
+
+log = logging.getLogger(__name__)
+
+
+class Emitter:
+    """Batches events to ``endpoint`` (e.g. ``tcp://127.0.0.1:5560`` or ``ipc:///run/kv.sock``).
+
+    ``source``: a short name for this emitter's events. ``max_buffer``: events held while the
+    agent is slow or away. ``batch_size``: events per batch at most. ``flush_interval``: seconds
+    between sends. ``send_hwm``: batches ZMQ may queue. Call :meth:`close` at exit (safe twice).
+    """
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
+                 max_buffer: int = 100_000, batch_size: int = 1024, flush_interval: float = 0.05,
+                 send_hwm: int = 64) -> None:
+        self.source = source
+        self.dropped = 0  # events lost to a full buffer or a failed encode, since start
+        self.sent_batches = 0
+        self._buffer: collections.deque = collections.deque()
+        self._max_buffer = max_buffer
+        self._batch_size = batch_size
+        self._interval = flush_interval
+        self._session = os.urandom(8).hex()
+        self._seq = 0
+        self._pending: bytes | None = None  # an encoded batch ZMQ would not take yet
+        self._pending_events = 0
+        self._stop = threading.Event()
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, send_hwm)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a live connection
+        self._socket.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, name="kvscope-emitter", daemon=True)
+        self._thread.start()
+
+    def emit(self, event: object) -> None:
+        """Queue one event; drops it (and counts) when the buffer is full. Never raises."""
+        if len(self._buffer) >= self._max_buffer:
+            self.dropped += 1
+            return
+        self._buffer.append(event)
+
+    def buffered(self) -> int:
+        """Events waiting to be sent (buffer plus a batch ZMQ has not taken yet)."""
+        return len(self._buffer) + self._pending_events
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._send_all()
+        self._send_all()
+
+    def _send_all(self) -> None:
+        while True:
+            if self._pending is None:
+                events = [self._buffer.popleft()
+                          for _ in range(min(self._batch_size, len(self._buffer)))]
+                if not events:
+                    return
+                batch = ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
+                                 events=events, session=self._session, dropped=self.dropped)
+                try:
+                    self._pending = ev.encode_batch(batch)
+                except (TypeError, ValueError, OverflowError) as exc:  # a malformed event
+                    self.dropped += len(events)
+                    log.warning("kvscope emitter: dropped %d events that do not encode: %s",
+                                len(events), exc)
+                    continue
+                self._pending_events = len(events)
+            try:
+                self._socket.send(self._pending, zmq.NOBLOCK)
+            except zmq.Again:
+                return  # agent away or slow: keep the batch, try again next tick
+            except zmq.ZMQError as exc:
+                log.warning("kvscope emitter: send failed: %s", exc)
+                return
+            self._pending, self._pending_events = None, 0
+            self._seq += 1
+            self.sent_batches += 1
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Send what is buffered (waiting at most ``timeout`` seconds) and close."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout)
+        self._socket.close(linger=int(timeout * 1000))

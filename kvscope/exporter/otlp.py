@@ -1,0 +1,260 @@
+"""OTLP span export: each finished request becomes a ``kv.request`` trace over OTLP/HTTP.
+
+One :class:`RequestSpanExporter` per agent, built only when an OTLP endpoint is configured. It
+reads finished :class:`~kvscope.agent.requests.RequestRecord` s (a sink: it never writes back)
+and hands spans to the OpenTelemetry SDK: a ``TracerProvider`` with a ``BatchSpanProcessor``
+over the SDK's OTLP/HTTP protobuf ``OTLPSpanExporter``. The batch processor's worker thread
+does all network I/O; :meth:`RequestSpanExporter.export` only appends to its bounded queue.
+
+Span shapes (times are Unix nanoseconds, from the record's Unix seconds, see :func:`unix_ns`):
+
+- ``kv.request`` (root; trace id = ``record.trace_id``), from ``arrival`` to ``arrival + ttft``
+  (or to ``finished`` when ``ttft`` is None; zero-length when both are None). Attributes:
+  ``kv.request_id`` str, ``kv.source`` str (the emitter's name, ``RequestRecord.source``),
+  ``kv.prompt_tokens`` / ``kv.output_tokens`` int, ``kv.tokens.<source>`` int prompt tokens per
+  token source (``gpu``, ``cpu``, ``disk``, ``recompute`` always present, 0 when absent, plus
+  any other key of ``record.tokens``), ``kv.ttft_seconds`` float (only when ttft is known),
+  ``kv.queueing_seconds``, ``kv.lookup_seconds``, ``kv.promotion_wait_seconds``,
+  ``kv.prefill_seconds`` float seconds.
+- ``kv.transfer`` (child of ``kv.request``, one per ``record.transfers`` entry), from ``start``
+  to ``start + duration``. Attributes: ``kv.route`` str ``"<src>-><dst>"``, ``kv.src`` and
+  ``kv.dst`` str tiers, ``kv.blocks`` int, ``kv.bytes`` int bytes, ``kv.ok`` bool. A failed
+  transfer (``ok`` False) has status ERROR, a successful one status UNSET.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+from urllib.parse import urlsplit
+
+from opentelemetry import trace as trace_api
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Sampler
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from kvscope import __version__
+from kvscope.agent.requests import RequestRecord, TransferRecord
+from kvscope.events import TOKEN_SOURCES
+
+log = logging.getLogger(__name__)
+
+TRACES_PATH = "/v1/traces"  # OTLP/HTTP traces path (OTLP specification, "OTLP/HTTP Request")
+_TRACE_ID = re.compile(r"[0-9a-fA-F]{32}")
+
+
+def unix_ns(seconds: float) -> int:
+    """Unix seconds (float) -> Unix nanoseconds (int): the float's exact value rounded to the
+    nearest nanosecond.
+
+    ``round(seconds * 1e9)`` would not do: at today's timestamps (~1.7e18 ns) doubles are 256 ns
+    apart, so the product itself is rounded. Splitting off the whole seconds first is exact
+    (``seconds - floor(seconds)`` has no rounding error), and the fraction times 1e9 is below
+    1e9, where doubles resolve far below 1 ns. The only error left is the input float's own:
+    a Unix time near 1.7e9 s is a multiple of 2**-22 s (~238 ns).
+
+    Raises ValueError for NaN, OverflowError for infinities.
+    """
+    whole = math.floor(seconds)
+    return whole * 1_000_000_000 + round((seconds - whole) * 1e9)
+
+
+def traces_url(endpoint: str) -> str:
+    """The OTLP/HTTP traces URL for ``endpoint``: ``http(s)://host:port`` (the collector's base,
+    as ``OTEL_EXPORTER_OTLP_ENDPOINT``) gets ``/v1/traces`` appended; a URL whose path already
+    ends in ``/v1/traces`` is used as it is.
+
+    Raises ValueError when ``endpoint`` is not an http or https URL with a host.
+    """
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"OTLP endpoint {endpoint!r} is not an http(s)://host[:port] URL")
+    if parts.path.rstrip("/").endswith(TRACES_PATH):
+        return endpoint
+    return endpoint.rstrip("/") + TRACES_PATH
+
+
+class _RecordIdGenerator(RandomIdGenerator):
+    """Span ids at random; the trace id of the next root span from the record being exported.
+
+    The SDK asks its ``IdGenerator`` for a trace id exactly when it starts a span without a valid
+    parent, i.e. a root. :meth:`RequestSpanExporter.export` sets :attr:`_pending` (per thread, so
+    concurrent exports cannot swap ids) right before it starts ``kv.request``; the next
+    ``generate_trace_id`` call takes it and clears it. The alternative, a remote parent
+    ``SpanContext`` carrying the trace id, would give ``kv.request`` a parent span id that no
+    backend ever receives (a dangling parent); this way ``kv.request`` stays a true root.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def set_next_trace_id(self, trace_id: int | None) -> None:
+        self._local.pending = trace_id
+
+    def generate_trace_id(self) -> int:
+        pending = getattr(self._local, "pending", None)
+        if pending is not None:
+            self._local.pending = None
+            return pending
+        return super().generate_trace_id()
+
+    def is_trace_id_random(self) -> bool:
+        # Trace ids may come from engines (W3C traceparent); we cannot vouch for their randomness.
+        return False
+
+
+class RequestSpanExporter:
+    """Sends one ``kv.request`` span per finished request, with ``kv.transfer`` children.
+
+    ``endpoint``: the OTLP/HTTP collector, ``http(s)://host:port`` (``/v1/traces`` is appended,
+    see :func:`traces_url`). ``service_name``: the ``service.name`` resource attribute.
+    ``timeout``: seconds one batch may take to send, retries included (the SDK retries refused
+    connections and 429/502/503/504 with backoff within it); also how long :meth:`shutdown`
+    waits for the final send. ``max_queue_size``: spans (a record is ``1 + len(transfers)``
+    spans) waiting to be sent; when full, the SDK drops the OLDEST queued span and logs "Queue
+    full" (``opentelemetry.sdk._shared_internal`` logger). ``schedule_delay``: seconds between
+    sends (the SDK also sends as soon as ``max_export_batch_size`` spans wait).
+    ``max_export_batch_size``: spans per OTLP request. ``sampler``: the SDK sampler, default
+    ALWAYS_ON (the ``OTEL_TRACES_SAMPLER`` variable is not read).
+
+    Counters (read them from any thread): ``exported`` records handed to the SDK; ``failed``
+    records that could not be turned into spans (e.g. a NaN time) and were dropped;
+    ``invalid_trace_ids`` records whose ``trace_id`` was not 32 hex digits (or all zeros) and
+    that were sent under a fresh random trace id instead.
+
+    Raises ValueError from the constructor for a bad endpoint or a timeout <= 0. Thread-safe.
+    """
+
+    def __init__(self, endpoint: str, service_name: str = "kvscope-agent", timeout: float = 5.0,
+                 *, max_queue_size: int = 2048, schedule_delay: float = 5.0,
+                 max_export_batch_size: int = 512, sampler: Sampler | None = None) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        self.endpoint = traces_url(endpoint)
+        self.timeout = timeout
+        self._ids = _RecordIdGenerator()
+        # Built here rather than in a start(): the SDK processor starts its worker thread in its
+        # constructor, and the worker sleeps until spans arrive.
+        self._processor = BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=self.endpoint, timeout=timeout),
+            max_queue_size=max_queue_size, schedule_delay_millis=schedule_delay * 1000,
+            max_export_batch_size=max_export_batch_size)
+        # shutdown_on_exit=False: the agent's lifespan owns shutdown (house rule 11); an atexit
+        # hook would also keep every exporter ever built alive until exit.
+        self._provider = TracerProvider(
+            sampler=sampler or ALWAYS_ON, resource=Resource.create({SERVICE_NAME: service_name}),
+            shutdown_on_exit=False, id_generator=self._ids)
+        self._provider.add_span_processor(self._processor)
+        self._tracer = self._provider.get_tracer("kvscope.exporter.otlp", __version__)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.exported = 0
+        self.failed = 0
+        self.invalid_trace_ids = 0
+
+    def export(self, record: RequestRecord) -> None:
+        """Queue ``record`` as one ``kv.request`` span and its ``kv.transfer`` children.
+
+        Never blocks on the network and never raises: it only appends to the SDK's bounded
+        queue. A record that cannot be converted is counted in ``failed`` and logged; after
+        :meth:`shutdown` records are ignored.
+        """
+        if self._closed:
+            return
+        try:
+            self._export(record)
+        except Exception:  # boundary: a sink never raises into the pipeline (house rule 8)
+            self._ids.set_next_trace_id(None)
+            with self._lock:
+                self.failed += 1
+            log.warning("OTLP export of request %r failed", getattr(record, "request_id", None),
+                        exc_info=True)
+        else:
+            with self._lock:
+                self.exported += 1
+
+    def _export(self, record: RequestRecord) -> None:
+        start = unix_ns(record.arrival)
+        if record.ttft is not None:
+            end = start + round(record.ttft * 1e9)
+        elif record.finished is not None:
+            end = unix_ns(record.finished)
+        else:
+            end = start
+        transfers = [(t, unix_ns(t.start), round(t.duration * 1e9)) for t in record.transfers]
+        attributes = _request_attributes(record)
+        if _TRACE_ID.fullmatch(record.trace_id) and int(record.trace_id, 16):
+            self._ids.set_next_trace_id(int(record.trace_id, 16))
+        else:
+            with self._lock:
+                self.invalid_trace_ids += 1
+        try:
+            # An empty Context: kv.request is a root even when the caller has a current span.
+            root = self._tracer.start_span("kv.request", context=Context(), kind=SpanKind.INTERNAL,
+                                           attributes=attributes, start_time=start)
+        finally:
+            self._ids.set_next_trace_id(None)
+        parent = trace_api.set_span_in_context(root)
+        for transfer, t_start, t_duration in transfers:
+            child = self._tracer.start_span("kv.transfer", context=parent, kind=SpanKind.INTERNAL,
+                                            attributes=_transfer_attributes(transfer),
+                                            start_time=t_start)
+            if not transfer.ok:
+                child.set_status(Status(StatusCode.ERROR, "transfer failed"))
+            child.end(end_time=t_start + max(t_duration, 0))
+        root.end(end_time=max(end, start))
+
+    def force_flush(self) -> bool:
+        """Send what is queued now (blocks up to about ``timeout`` seconds per batch); True when
+        the SDK reports it done, False after shutdown."""
+        if self._closed:
+            return False
+        return self._processor.force_flush()
+
+    def shutdown(self) -> None:
+        """Send what is queued, then stop the SDK's worker. Returns within about ``timeout``
+        seconds: the SDK's own shutdown (which waits up to 30 s, fixed) runs in a daemon thread
+        that is joined for ``timeout`` seconds; spans it still sends after that may be lost if
+        the process exits. Safe twice, and without any export."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        stopper = threading.Thread(target=self._provider.shutdown, name="kvscope-otlp-shutdown",
+                                   daemon=True)
+        stopper.start()
+        stopper.join(self.timeout)
+        if stopper.is_alive():
+            log.warning("OTLP exporter still sending to %s after %.1f s; not waiting longer",
+                        self.endpoint, self.timeout)
+
+
+def _request_attributes(record: RequestRecord) -> dict[str, str | int | float]:
+    attributes: dict[str, str | int | float] = {
+        "kv.request_id": record.request_id,
+        "kv.source": record.source,
+        "kv.prompt_tokens": record.prompt_tokens,
+        "kv.output_tokens": record.output_tokens,
+    }
+    for source in (*TOKEN_SOURCES, *sorted(set(record.tokens) - set(TOKEN_SOURCES))):
+        attributes[f"kv.tokens.{source}"] = int(record.tokens.get(source, 0))
+    if record.ttft is not None:
+        attributes["kv.ttft_seconds"] = float(record.ttft)
+    attributes["kv.queueing_seconds"] = float(record.queueing)
+    attributes["kv.lookup_seconds"] = float(record.lookup)
+    attributes["kv.promotion_wait_seconds"] = float(record.promotion_wait)
+    attributes["kv.prefill_seconds"] = float(record.prefill)
+    return attributes
+
+
+def _transfer_attributes(transfer: TransferRecord) -> dict[str, str | int | bool]:
+    return {"kv.route": f"{transfer.src}->{transfer.dst}", "kv.src": transfer.src,
+            "kv.dst": transfer.dst, "kv.blocks": transfer.blocks, "kv.bytes": transfer.bytes,
+            "kv.ok": transfer.ok}
