@@ -80,7 +80,7 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
     def summary() -> dict:
         """Totals since the agent started, tier state, host memory, recent TTFT percentiles."""
         snap = agent.pipeline.snapshot()
-        host = agent.host.collect()
+        host = agent.collectors.reading("host")
         by_pair = lambda d: {"->".join(k): v for k, v in d.items()}  # noqa: E731
         evicted: dict[str, int] = {}
         for (tier, _reason), n in snap.evicted_blocks.items():
@@ -96,7 +96,8 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             "tiers": {t: {"capacity_bytes": s.capacity_bytes, "resident_bytes": s.resident_bytes,
                           "capacity_blocks": s.capacity_blocks,
                           "resident_blocks": s.resident_blocks} for t, s in snap.tiers.items()},
-            "host": {"memory_total_bytes": host.total, "memory_available_bytes": host.available},
+            "host": ({"memory_total_bytes": host.total, "memory_available_bytes": host.available,
+                      "memory_headroom_bytes": host.headroom} if host else None),
             "ttft_seconds": percentiles(snap.recent_ttft),
             "events_received": snap.events_received,
             "events_dropped": by_pair(snap.events_dropped),

@@ -215,8 +215,9 @@ class Pipeline:
                 source_up=dict(self._source_up),
             )
 
-    def record_sample(self, ts: float, host_memory_available: float) -> None:
-        """Append a one-second sample: cumulative counters and current gauges at ``ts``."""
+    def record_sample(self, ts: float, host_memory_available: float | None) -> None:
+        """Append a one-second sample: cumulative counters and current gauges at ``ts``
+        (``host_memory_available``: bytes, None when unknown)."""
         with self._lock:
             evicted: Counter[str] = Counter()
             for (tier, _reason), n in self._evicted_blocks.items():

@@ -1,30 +1,197 @@
-"""Host collector: physical memory, read through psutil at scrape time."""
+"""Host collector: host memory (psutil) bounded by the cgroup v2 memory limit, the operator's
+reserve and offload budgets, and the headroom left.
+
+Reading and parsing are split (node_exporter's ``getLoad``/``parseLoad``): ``parse_proc_cgroup``
+and ``parse_memory_max`` are pure; ``read_cgroup_memory`` reads files under an injectable root.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
+from kvscope.agent.collectors.base import CollectorError, register
+
+DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
+DEFAULT_PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+class CgroupParseError(CollectorError):
+    """A cgroup file held something other than what the kernel writes there."""
+
 
 @dataclass(frozen=True)
-class HostMemory:
-    """Host memory in bytes: ``total`` physical, ``available`` to new allocations without
-    swapping (psutil's ``virtual_memory().available``)."""
+class CgroupLevel:
+    """One cgroup v2 directory with a memory limit. ``path``: the directory. ``max``: its
+    ``memory.max``, bytes. ``current``: its ``memory.current``, bytes (page cache included)."""
+
+    path: str
+    max: int
+    current: int
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The limited cgroup v2 levels over this process, own cgroup first, then its ancestors."""
+
+    levels: tuple[CgroupLevel, ...]
+
+    @property
+    def limit(self) -> int:
+        """The tightest ``memory.max``, bytes."""
+        return min(level.max for level in self.levels)
+
+    @property
+    def remaining(self) -> int:
+        """The least ``memory.max - memory.current`` over the levels, bytes; never below 0
+        (current may overshoot max for a moment while the kernel reclaims)."""
+        return max(min(level.max - level.current for level in self.levels), 0)
+
+
+@dataclass(frozen=True)
+class HostReading:
+    """Host memory at one moment; every value in bytes.
+
+    ``total``: physical memory (psutil ``virtual_memory().total``).
+    ``available``: ``min(psutil available, cgroup memory.max - memory.current)`` when a cgroup v2
+    limit applies, else psutil's ``available`` (memory new allocations get without swapping).
+    ``limit``: ``min(total, cgroup memory.max)``. ``swap_used``: psutil ``swap_memory().used``.
+    ``reserve``: what must stay free for the OS and other services (config).
+    ``budgets``: dict[tier, bytes] reserved per offload tier (config, e.g. vLLM cpu_bytes_to_use).
+    ``headroom``: ``available - reserve``; negative when the reserve is being eaten into.
+    ``cgroup``: the limited cgroup v2 levels, or None when no v2 memory limit applies.
+    """
 
     total: int
     available: int
+    limit: int
+    swap_used: int = 0
+    reserve: int = 0
+    budgets: Mapping[str, int] = field(default_factory=dict)
+    headroom: int = 0
+    cgroup: CgroupMemory | None = None
 
 
+
+
+def parse_proc_cgroup(text: str) -> str | None:
+    """The cgroup v2 path from ``/proc/<pid>/cgroup`` text (the ``0::<path>`` line), or None on
+    a v1-only system. Example: ``"0::/system.slice/x.service\\n"`` -> ``"/system.slice/x.service"``."""
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            return path or "/"
+    return None
+
+
+def parse_memory_max(text: str) -> int | None:
+    """``memory.max`` content -> bytes, or None for ``max`` (no limit).
+
+    Raises CgroupParseError on anything else."""
+    value = text.strip()
+    if value == "max":
+        return None
+    return _parse_bytes(value, "memory.max")
+
+
+def _parse_bytes(value: str, what: str) -> int:
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise CgroupParseError(f"{what}: expected bytes, got {value.strip()!r}") from None
+
+
+def _read(path: Path) -> str | None:
+    """File content, or None when it is gone (a cgroup can vanish between listing and reading)."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def read_cgroup_memory(root: Path = DEFAULT_CGROUP_ROOT,
+                       proc_cgroup: Path = DEFAULT_PROC_CGROUP) -> CgroupMemory | None:
+    """The tightest cgroup v2 memory limit over this process's cgroup and its ancestors.
+
+    ``root``: where the cgroup v2 hierarchy is mounted; it counts as v2 only when it holds
+    ``cgroup.controllers`` (on a v1 or hybrid host nothing is read and None is returned).
+    ``proc_cgroup``: ``/proc/self/cgroup``, naming this process's cgroup below ``root``; when that
+    directory is not visible (a container with its own cgroup namespace or mount), ``root``
+    itself is the process's cgroup. Levels whose ``memory.max`` is ``max`` or absent (the root
+    cgroup has none) impose nothing. Of the limited levels, the one with least
+    ``memory.max - memory.current`` is returned. Raises CgroupParseError on malformed files and
+    OSError when a file exists but cannot be read.
+    """
+    if not (root / "cgroup.controllers").is_file():
+        return None
+    text = _read(proc_cgroup)
+    rel = parse_proc_cgroup(text) if text is not None else None
+    own = root / rel.lstrip("/") if rel else root
+    if not own.is_dir():
+        own = root
+    levels: list[CgroupLevel] = []
+    level = own
+    while True:
+        max_text = _read(level / "memory.max")
+        limit = parse_memory_max(max_text) if max_text is not None else None
+        current_text = _read(level / "memory.current") if limit is not None else None
+        if limit is not None and current_text is not None:
+            levels.append(CgroupLevel(str(level), limit,
+                                      _parse_bytes(current_text, "memory.current")))
+        if level == root or root not in level.parents:
+            return CgroupMemory(tuple(levels)) if levels else None
+        level = level.parent
+
+
+def host_reading(total: int, psutil_available: int, swap_used: int, reserve: int,
+                 budgets: Mapping[str, int], cgroup: CgroupMemory | None) -> HostReading:
+    """Combine the inputs (bytes) into a HostReading; pure arithmetic, see HostReading."""
+    available, limit = psutil_available, total
+    if cgroup is not None:
+        available = min(available, cgroup.remaining)
+        limit = min(limit, cgroup.limit)
+    return HostReading(total=total, available=available, limit=limit, swap_used=swap_used,
+                       reserve=reserve, budgets=dict(budgets), headroom=available - reserve,
+                       cgroup=cgroup)
+
+
+@register("host", default_enabled=True)
 class HostCollector:
-    """Reads host memory. ``virtual_memory``: psutil's function, injectable for tests."""
+    """Reads host memory once per ``collect()``.
+
+    ``reserve_bytes``: bytes to keep free for the OS and other services. ``budgets``: dict[tier,
+    bytes] per offload tier. ``cgroup_root``/``proc_cgroup``: see ``read_cgroup_memory``.
+    ``virtual_memory``/``swap_memory``: psutil's functions, injectable for deterministic tests.
+    Raises ValueError on a negative reserve or budget.
+    """
 
     name = "host"
 
-    def __init__(self, virtual_memory: Callable = psutil.virtual_memory) -> None:
+    def __init__(self, virtual_memory: Callable = psutil.virtual_memory, *,
+                 swap_memory: Callable = psutil.swap_memory, reserve_bytes: int = 0,
+                 budgets: Mapping[str, int] | None = None,
+                 cgroup_root: Path | str = DEFAULT_CGROUP_ROOT,
+                 proc_cgroup: Path | str = DEFAULT_PROC_CGROUP) -> None:
+        budgets = dict(budgets or {})
+        if reserve_bytes < 0 or any(v < 0 for v in budgets.values()):
+            raise ValueError("reserve_bytes and budgets must be >= 0 bytes")
         self._virtual_memory = virtual_memory
+        self._swap_memory = swap_memory
+        self._reserve = int(reserve_bytes)
+        self._budgets = budgets
+        self._cgroup_root = Path(cgroup_root)
+        self._proc_cgroup = Path(proc_cgroup)
 
-    def collect(self) -> HostMemory:
+    def collect(self) -> HostReading:
         vm = self._virtual_memory()
-        return HostMemory(total=vm.total, available=vm.available)
+        swap_used = self._swap_memory().used
+        cgroup = read_cgroup_memory(self._cgroup_root, self._proc_cgroup)
+        return host_reading(vm.total, vm.available, swap_used, self._reserve, self._budgets,
+                            cgroup)
+
+    def shutdown(self) -> None:
+        """Nothing to release."""

@@ -3,7 +3,9 @@
 Every batch is checked before it reaches the pipeline; whatever fails is counted in
 ``kvscope_events_dropped_total{source, reason}`` and dropped, and the source keeps running:
 
-- ``too_large``: a batch over ``max_batch_bytes`` (counted as one event: its content is unread);
+- ``too_large``: a batch over ``max_batch_bytes`` (counted as one event: its content is unread;
+  past four times the limit ZMQ itself refuses the message and resets that connection, so a
+  runaway sender can never make the agent hold a huge message);
 - ``malformed`` / ``invalid`` / ``version``: see :class:`kvscope.events.SchemaError` (one event);
 - ``bad_source``: a source name that is not a short lowercase word, or one more distinct source
   than ``max_sources`` (labels stay bounded);
@@ -57,7 +59,7 @@ class IngestSource:
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.RCVHWM, self._hwm)
         # ZMQ itself refuses anything far over the limit, so a huge message never lands in memory
-        self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_bytes)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.endpoint)
         self.pipeline.set_source_up(NAME, True)

@@ -1,0 +1,167 @@
+"""Ingest over real ZMQ sockets: emitter -> agent, bad input counted and dropped, restarts."""
+
+import os
+import time
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvscope import events as ev
+from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.sources.ingest import IngestSource
+from kvscope.agent.taps.emitter import Emitter
+
+
+def _endpoint(tmp_path):
+    return f"ipc://{tmp_path}/ingest.sock"
+
+
+def _lookup(i):
+    return ev.Lookup(ts=float(i), request_id=f"r{i}", tokens={"gpu": 16, "recompute": 4})
+
+
+def _wait(predicate, timeout=30.0):
+    """Poll until ``predicate()`` holds; a bound against hanging, not a speed assertion."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def source(tmp_path):
+    pipeline = Pipeline()
+    src = IngestSource(pipeline, _endpoint(tmp_path), max_batch_bytes=64 << 10)
+    src.start()
+    yield src
+    src.shutdown()
+
+
+def _push(endpoint, *messages):
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(endpoint)
+    for message in messages:
+        sock.send(message)
+    sock.close()
+
+
+def test_emitter_delivers_every_event(source, tmp_path):
+    emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=100)
+    for i in range(2500):
+        emitter.emit(_lookup(i))
+    assert _wait(lambda: source.pipeline.snapshot().events_received.get("engine") == 2500)
+    emitter.close()
+    snap = source.pipeline.snapshot()
+    assert snap.prompt_tokens["gpu"] == 2500 * 16
+    assert snap.events_dropped == {} and emitter.dropped == 0
+
+
+def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp_path):
+    endpoint = _endpoint(tmp_path)
+    good = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=0,
+                                    events=[_lookup(0)]))
+    wrong_version = ev.encode_batch(ev.Batch(version=99, source="engine", seq=0, events=[]))
+    unknown_tier = msgspec.msgpack.encode({
+        "version": ev.SCHEMA_VERSION, "source": "engine", "seq": 1, "events": [
+            {"kind": "eviction", "ts": 0.0, "tier": "nvme", "blocks": 1, "bytes": 1, "age": 0.0,
+             "hits": 0}]})
+    too_large = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=2,
+                                         events=[_lookup(i) for i in range(1500)]))
+    assert 64 << 10 < len(too_large) < 4 * 64 << 10  # over the limit, under ZMQ's hard cut
+    bad_name = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="Engine 1!", seq=0,
+                                        events=[_lookup(0)]))
+    # 0xc1 is the one byte msgpack never uses, so these random bytes are surely malformed
+    _push(endpoint, b"\xc1" + os.urandom(299), good[:-5], wrong_version, unknown_tier, too_large, bad_name,
+          good)
+    expected = {("ingest", "malformed"): 2, ("ingest", "version"): 1, ("ingest", "invalid"): 1,
+                ("ingest", "too_large"): 1, ("ingest", "bad_source"): 1}
+    assert _wait(lambda: source.pipeline.snapshot().events_received.get("engine") == 1
+                 and sum(source.pipeline.snapshot().events_dropped.values()) == 6)
+    assert source.pipeline.snapshot().events_dropped == expected
+    assert source.pipeline.snapshot().source_up == {"ingest": True}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=st.binary(max_size=2048))
+def test_random_bytes_never_break_the_source(payload):
+    """Random bytes straight into the handler: each is dropped by reason or (if it happens to be
+    a valid batch) ingested; nothing raises and the received+dropped count covers every one."""
+    pipeline = Pipeline()
+    src = IngestSource(pipeline, max_batch_bytes=1024)
+    src.handle(payload)
+    snap = pipeline.snapshot()
+    assert sum(snap.events_dropped.values()) + sum(snap.events_received.values()) >= 1 or \
+        payload.startswith(b"\x84")  # an empty valid batch carries no events
+
+
+def test_sources_are_bounded():
+    pipeline = Pipeline()
+    src = IngestSource(pipeline, max_sources=2)
+    for i, name in enumerate(["a", "b", "c", "a"]):
+        src.handle(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source=name, seq=0,
+                                            events=[_lookup(i)])))
+    snap = pipeline.snapshot()
+    assert snap.events_received == {"a": 2, "b": 1}
+    assert snap.events_dropped == {("ingest", "bad_source"): 1}
+
+
+def test_gaps_and_emitter_drops_are_counted_and_restarts_are_not_gaps():
+    pipeline = Pipeline()
+    src = IngestSource(pipeline)
+
+    def send(session, seq, dropped=0):
+        src.handle(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=seq,
+                                            events=[_lookup(seq)], session=session,
+                                            dropped=dropped)))
+
+    send("s1", 0)
+    send("s1", 1)
+    send("s1", 4, dropped=7)   # batches 2 and 3 lost; the emitter dropped 7 events so far
+    send("s1", 5, dropped=7)   # no new drops
+    send("s2", 0)              # a restarted emitter: its sequence starts again, no gap
+    snap = pipeline.snapshot()
+    assert snap.events_dropped == {("engine", "gap"): 2, ("engine", "emitter_buffer"): 7}
+    assert snap.events_received == {"engine": 5}
+
+
+def test_emitter_with_the_agent_away_keeps_bounded_memory_then_delivers(tmp_path):
+    """No agent: the emitter holds at most max_buffer events (plus one batch ZMQ would not
+    take) and counts the rest as dropped; once the agent binds, buffered events arrive and the
+    drop count reaches the agent as emitter_buffer drops."""
+    endpoint = _endpoint(tmp_path)
+    emitter = Emitter(endpoint, source="engine", max_buffer=500, batch_size=100,
+                      flush_interval=0.01)
+    for i in range(5000):
+        emitter.emit(_lookup(i))
+    time.sleep(0.2)
+    assert emitter.buffered() <= 500
+    assert emitter.dropped >= 4500 - 100
+    pipeline = Pipeline()
+    src = IngestSource(pipeline, endpoint)
+    src.start()
+    try:
+        assert _wait(lambda: emitter.buffered() == 0)
+        emitter.emit(_lookup(9999))  # one more batch after the reconnect carries the drop count
+        expected = 5001 - emitter.dropped
+        assert _wait(lambda: pipeline.snapshot().events_received.get("engine") == expected)
+        assert pipeline.snapshot().events_dropped == {("engine", "emitter_buffer"): emitter.dropped}
+    finally:
+        emitter.close()
+        src.shutdown()
+
+
+def test_emit_never_raises_on_bad_events(source, tmp_path):
+    emitter = Emitter(_endpoint(tmp_path), source="engine")
+    emitter.emit(object())       # not an event: fails to encode in the sender thread
+    emitter.emit(_lookup(1))
+    assert _wait(lambda: emitter.dropped >= 1)
+    emitter.emit(_lookup(2))
+    assert _wait(lambda: source.pipeline.snapshot().events_received.get("engine", 0) >= 1)
+    emitter.close()
+    emitter.close()  # safe twice
