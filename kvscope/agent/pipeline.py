@@ -21,6 +21,9 @@ from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCK
                                       RESIDENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS)
 
 TIER_ORDER = ("gpu", "cpu", "disk", "remote")  # lookups cascade top down
+# Transfer failure reasons become a label, so the set is fixed; anything else counts as "other".
+FAILURE_REASONS = frozenset({"disk_full", "permission", "truncated", "checksum", "missing", "io",
+                             "timeout", "unknown"})
 
 
 @dataclass
@@ -159,7 +162,8 @@ class Pipeline:
             case ev.Transfer():
                 key = (event.src, event.dst)
                 if not event.ok:
-                    self._transfer_failures[(*key, event.reason or "unknown")] += 1
+                    reason = event.reason or "unknown"
+                    self._transfer_failures[(*key, reason if reason in FAILURE_REASONS else "other")] += 1
                     return
                 self._transfer_bytes[key] += event.bytes
                 self._transfer_blocks[key] += event.blocks

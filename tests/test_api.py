@@ -1,0 +1,107 @@
+"""The agent's HTTP API through FastAPI's TestClient (handlers; the real server is covered by
+the end-to-end tests)."""
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+from kvscope import events as ev
+from kvscope.agent.agent import Agent
+from kvscope.agent.api import create_app
+from kvscope.agent.config import AgentSettings
+
+TRACE = "0123456789abcdef" * 2
+
+
+def _agent(**settings):
+    agent = Agent(AgentSettings(**settings), with_ingest=False)
+    for i, ttft in enumerate([0.5, 0.1, 0.3]):
+        rid = f"r{i}"
+        agent.pipeline.ingest("engine", [
+            ev.RequestStarted(ts=100.0 + i, request_id=rid, prompt_tokens=48,
+                              trace_id=TRACE if i == 0 else ""),
+            ev.Lookup(ts=100.0 + i, request_id=rid, tokens={"cpu": 32, "recompute": 16}, blocks=3,
+                      block_hits={"cpu": 2}),
+            ev.Transfer(ts=100.0 + i, src="cpu", dst="gpu", blocks=2, bytes=65536,
+                        duration=0.0004, request_id=rid),
+            ev.RequestFinished(ts=100.0 + i + ttft, request_id=rid, ttft=ttft, prompt_tokens=48),
+        ])
+    agent.sample()
+    return agent
+
+
+@pytest.fixture
+def client():
+    with TestClient(create_app(_agent())) as c:
+        yield c
+
+
+def test_health_and_readiness(client):
+    assert client.get("/healthz").text == "ok\n"
+    assert client.get("/readyz").status_code == 503  # the agent was never started
+
+
+def test_summary(client):
+    body = client.get("/api/v1/summary").json()
+    assert body["requests"] == 3
+    assert body["prompt_tokens"] == {"gpu": 0, "cpu": 96, "disk": 0, "recompute": 48}
+    assert body["transfer_bytes"] == {"cpu->gpu": 3 * 65536}
+    assert body["ttft_seconds"]["p50"] == pytest.approx(0.3)
+
+
+def test_requests_sorted_filtered_and_bounded(client):
+    body = client.get("/api/v1/requests", params={"sort": "ttft", "limit": 2}).json()
+    assert body["total"] == 3
+    assert [r["request_id"] for r in body["requests"]] == ["r0", "r2"]
+    asc = client.get("/api/v1/requests", params={"sort": "ttft", "order": "asc"}).json()
+    assert [r["ttft"] for r in asc["requests"]] == [0.1, 0.3, 0.5]
+    slow = client.get("/api/v1/requests", params={"min_ttft": 0.25}).json()
+    assert {r["request_id"] for r in slow["requests"]} == {"r0", "r2"}
+    assert client.get("/api/v1/requests", params={"limit": 10_001}).status_code == 422
+    assert client.get("/api/v1/requests", params={"sort": "id"}).status_code == 422
+
+
+def test_one_request_with_its_transfers(client):
+    body = client.get("/api/v1/requests/r0").json()
+    assert body["trace_id"] == TRACE and body["ttft"] == 0.5
+    assert body["transfers"] == [{"src": "cpu", "dst": "gpu", "blocks": 2, "bytes": 65536,
+                                  "start": 100.0, "duration": 0.0004, "ok": True}]
+    assert client.get("/api/v1/requests/nope").status_code == 404
+
+
+def test_timeseries_metric_filter(client):
+    body = client.get("/api/v1/timeseries", params={"metric": "prompt_tokens"}).json()
+    (sample,) = body["samples"]
+    assert set(sample) == {"ts", "prompt_tokens"}
+    assert client.get("/api/v1/timeseries", params={"metric": "nope"}).status_code == 422
+    assert client.get("/api/v1/timeseries", params={"since": 1e12}).json()["samples"] == []
+
+
+def test_openmetrics_carries_trace_id_exemplars(client):
+    text = client.get("/metrics", headers={"Accept": "application/openmetrics-text"}).text
+    exemplars = [s.exemplar for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.exemplar and s.name == "kvscope_transfer_seconds_bucket"]
+    # all three transfers share a bucket, which keeps the latest: r2's (a generated trace id)
+    r2 = client.get("/api/v1/requests/r2").json()["trace_id"]
+    assert [e.labels for e in exemplars] == [{"trace_id": r2}] and r2 != TRACE
+    plain = client.get("/metrics").text
+    assert "# {" not in plain and "kvscope_transfer_seconds_bucket" in plain
+
+
+def test_bearer_token_guards_the_api_but_not_metrics():
+    with TestClient(create_app(_agent(token="s3cret"))) as c:
+        assert c.get("/api/v1/summary").status_code == 401
+        assert c.get("/api/v1/summary", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/api/v1/summary", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/metrics").status_code == 200
+
+
+def test_request_bodies_are_bounded():
+    with TestClient(create_app(_agent(), max_body_bytes=100)) as c:
+        assert c.post("/api/v1/summary", content=b"x" * 101).status_code == 413
+
+
+def test_openapi_is_published(client):
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/api/v1/summary", "/api/v1/requests", "/api/v1/requests/{request_id}",
+            "/api/v1/timeseries"} <= set(paths)

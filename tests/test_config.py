@@ -1,0 +1,44 @@
+"""Agent settings: defaults, TOML file, KVSCOPE_* environment, flags; clear errors."""
+
+import pytest
+
+from kvscope.agent.config import AgentSettings, ConfigError, load_settings
+
+
+def test_defaults_listen_on_loopback():
+    settings = AgentSettings()
+    assert settings.host == "127.0.0.1" and settings.port == 9400
+    assert settings.ingest.endpoint == "tcp://127.0.0.1:5560"
+    assert settings.token is None and settings.requests_capacity == 100_000
+
+
+def test_file_then_environment_then_flags(tmp_path, monkeypatch):
+    path = tmp_path / "agent.toml"
+    path.write_text('port = 9500\nstore_dir = "/var/lib/kv"\n[ingest]\nendpoint = "ipc:///run/kv"\n'
+                    '[collectors.host]\nreserve_bytes = 1024\nbudgets = { cpu = 4096 }\n'
+                    '[collectors.gpu]\nenabled = false\n')
+    monkeypatch.setenv("KVSCOPE_TOKEN", "t0k")
+    settings = load_settings(path, port=9600, host=None)
+    assert settings.port == 9600 and settings.host == "127.0.0.1"  # flag wins; None is ignored
+    assert str(settings.store_dir) == "/var/lib/kv" and settings.token == "t0k"
+    assert settings.ingest.endpoint == "ipc:///run/kv"
+    assert settings.collectors.host.budgets == {"cpu": 4096}
+    assert settings.collectors.gpu.enabled is False
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("port = 99999\n", "port"),
+    ('[ingest]\nendpoint = "http://x"\n', "ingest.endpoint"),
+    ("colour = 'blue'\n", "colour"),
+    ("port = \n", "agent.toml"),
+])
+def test_bad_values_name_the_key(tmp_path, content, needle):
+    path = tmp_path / "agent.toml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=needle):
+        load_settings(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_settings(tmp_path / "absent.toml")
