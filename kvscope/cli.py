@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="gpu tier capacity in blocks (default %(default)s)")
     demo.add_argument("--cpu-blocks", type=int, default=1024,
                       help="cpu tier capacity in blocks; 0 disables offload (default %(default)s)")
+    demo.add_argument("--disk-blocks", type=int, default=0,
+                      help="disk tier capacity in blocks, chunk files in a temporary directory; "
+                           "0 disables it (default %(default)s)")
+    demo.add_argument("--policy", choices=("lru", "arc"), default="lru",
+                      help="eviction policy of every tier (default %(default)s)")
     demo.add_argument("--speed", type=_positive(float), default=1.0,
                       help="workload seconds per wall second (default %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
@@ -80,6 +85,18 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--refresh", type=_positive(float), default=2.0,
                       help="seconds between refreshes (default %(default)s)")
 
+    from kvscope.analysis.command import add_arguments as add_analyze_arguments
+
+    add_analyze_arguments(sub.add_parser(
+        "analyze", help="reuse, miss-ratio curves and CPU tier sizing for a trace",
+        description="Analyze a block-access trace (Mooncake JSONL): reuse statistics, exact LRU "
+                    "and SHARDS miss-ratio curves, ARC by miniature simulation, and CPU tier "
+                    "sizing advice for a model preset."))
+
+    from kvscope.engine.replay_cmd import add_parser as add_replay_parser
+
+    add_replay_parser(sub)
+
     docs = sub.add_parser("docs-metrics", help="write docs/metrics.md from the metric catalog")
     docs.add_argument("--output", default="docs/metrics.md", help="file to write (default %(default)s)")
     return parser
@@ -90,7 +107,8 @@ def _demo(args) -> int:
 
     config = DemoConfig(duration=args.duration, trace=args.trace, host=args.host,
                         metrics_port=args.metrics_port, ui_port=args.ui_port, preset=args.preset,
-                        gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks, speed=args.speed,
+                        gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
+                        disk_blocks=args.disk_blocks, policy=args.policy, speed=args.speed,
                         seed=args.seed)
     return run_demo(config)
 
@@ -132,16 +150,29 @@ def _docs_metrics(args) -> int:
     return 0
 
 
+def _analyze(args) -> int:
+    from kvscope.analysis.command import run
+
+    return run(args)
+
+
+def _replay(args) -> int:
+    from kvscope.engine.replay_cmd import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (2 for bad input, with one line on stderr)."""
     args = _parser().parse_args(argv)
     from kvscope.agent.config import ConfigError
+    from kvscope.engine.engine import EngineConfigError
 
     handler = {"demo": _demo, "agent": _agent, "dashboard": _dashboard,
-               "docs-metrics": _docs_metrics}[args.command]
+               "docs-metrics": _docs_metrics, "analyze": _analyze, "replay": _replay}[args.command]
     try:
         return handler(args)
-    except (TraceError, ConfigError, UnknownPreset, OSError) as exc:
+    except (TraceError, ConfigError, EngineConfigError, UnknownPreset, OSError) as exc:
         message = exc.args[0] if isinstance(exc, UnknownPreset) else str(exc)
         print(f"kvscope: error: {message}", file=sys.stderr)
         return 2

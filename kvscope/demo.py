@@ -33,6 +33,8 @@ class DemoConfig:
     preset: str = "tiny"
     gpu_blocks: int = 256
     cpu_blocks: int = 1024
+    disk_blocks: int = 0
+    policy: str = "lru"
     speed: float = 1.0
     seed: int = 0
 
@@ -58,7 +60,8 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         raise
 
     agent = Agent(with_ingest=False)
-    engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, block_tokens=block_tokens,
+    engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, config.disk_blocks,
+                           block_tokens=block_tokens, policy=config.policy,
                            emit=lambda event: agent.pipeline.ingest("engine", (event,)))
     server = ApiServer(create_app(agent), metrics_sock)
     stop = threading.Event()
@@ -72,6 +75,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     except OSError as exc:
         server.shutdown()
         agent.shutdown()
+        engine.close()
         raise PortInUse(f"cannot listen on {config.host}:{config.ui_port}: "
                         f"{exc.strerror or exc}; pass a free port with --ui-port") from None
     replay_thread.start()
@@ -79,8 +83,9 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"kvscope demo: {'trace ' + config.trace if config.trace else 'synthetic workload'}, "
-          f"preset {preset.name}, gpu {config.gpu_blocks} blocks, cpu {config.cpu_blocks} blocks",
-          file=out)
+          f"preset {preset.name}, gpu {config.gpu_blocks} blocks, cpu {config.cpu_blocks} blocks"
+          + (f", disk {config.disk_blocks} blocks" if config.disk_blocks else "")
+          + f", policy {config.policy}", file=out)
     print(f"  metrics and API: {api_url}/metrics  {api_url}/api/v1/summary", file=out)
     print(f"  dashboard:       http://{config.host}:{config.ui_port}/", file=out)
     print("  stop with Ctrl-C" + (f" (or after {config.duration:g} s)" if config.duration else ""),
@@ -88,6 +93,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     stop.wait(config.duration)
     stop.set()
     replay_thread.join()
+    engine.close()
     dashboard.shutdown()
     server.shutdown()
     agent.shutdown()

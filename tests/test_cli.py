@@ -51,3 +51,8 @@ def test_help_lists_the_demo_flags():
     assert result.returncode == 0
     for flag in ("--duration", "--trace", "--host", "--metrics-port", "--ui-port"):
         assert flag in result.stdout
+
+
+def test_disk_tier_without_cpu_tier_is_a_clear_error():
+    _one_error_line(_kvscope("demo", "--cpu-blocks", "0", "--disk-blocks", "4", "--duration", "5"),
+                    "cpu tier")

@@ -58,7 +58,7 @@ def test_hand_worked_lru_sequence():
     dropped = [e for e in _of(events, ev.Eviction) if e.tier == "cpu"]
     assert [(e.hits, e.offloaded) for e in dropped] == [(1, False), (0, False)]  # A, then C
     assert sum(e.tier == "gpu" for e in _of(events, ev.Eviction)) == 7  # A,B,C,A,B,D,E
-    assert list(engine.cpu._blocks) == [B, D, E]
+    assert engine.cpu.order() == [B, D, E]
 
 
 def test_making_room_can_drop_the_block_about_to_be_promoted():
@@ -70,7 +70,7 @@ def test_making_room_can_drop_the_block_about_to_be_promoted():
         engine.process(_req(f"r{i}", *hs))
     outcome = engine.process(_req("r2", A, B))
     assert outcome.tokens["cpu"] == 16 and outcome.tokens["recompute"] == 16
-    assert outcome.block_hits == {"gpu": 0, "cpu": 2}
+    assert outcome.block_hits == {"gpu": 0, "cpu": 2, "disk": 0}
 
 
 def test_prefix_semantics_tokens_after_a_miss_are_recomputed():
@@ -99,7 +99,8 @@ def test_every_resident_block_holds_its_own_bytes(gpu, cpu):
     for request in itertools.islice(synthetic(config), 400):
         engine.process(request)
     for tier in (engine.gpu, engine.cpu):
-        for block_hash, resident in tier._blocks.items():
+        for block_hash in tier.order():
+            resident = tier.get(block_hash)
             block = tier.pool.data[resident.slot]
             assert bool((block == prefill_value(block_hash)).all()), (tier.name, block_hash)
 
@@ -107,3 +108,129 @@ def test_every_resident_block_holds_its_own_bytes(gpu, cpu):
 def test_gpu_tier_needs_a_block():
     with pytest.raises(ValueError, match="at least 1"):
         OffloadEngine(TINY, 0, 4, payload=False)
+
+
+# -- three tiers, ARC, admission ------------------------------------------------------------
+
+
+def _resident_bytes_ok(engine):
+    """Every resident block in every tier holds exactly the bytes its prefill wrote; disk
+    chunks are read back through the checksummed path."""
+    import numpy as np
+
+    for tier in engine.tiers:
+        for block_hash in tier.order():
+            slot = tier.get(block_hash).slot
+            if tier.name == "disk":
+                out = np.empty(engine.block_bytes, dtype=np.uint8)
+                tier.pool.read_into(slot, block_hash, out)
+                values = np.frombuffer(out.tobytes(), dtype=np.float16)
+                assert bool((values == prefill_value(block_hash)).all()), (tier.name, block_hash)
+            else:
+                block = tier.pool.data[slot]
+                assert bool((block == prefill_value(block_hash)).all()), (tier.name, block_hash)
+
+
+def test_hand_worked_three_tier_cascade(tmp_path):
+    """gpu 1, cpu 1, disk 2, LRU everywhere.
+
+    r0 [A]: recompute.                                   gpu [A]  cpu []   disk []
+    r1 [B]: evict A -> offload A.                        gpu [B]  cpu [A]  disk []
+    r2 [C]: evict B -> offload B; cpu evicts A -> spill. gpu [C]  cpu [B]  disk [A]
+    r3 [A]: A only on disk (a disk hit). Making a gpu slot offloads C, which spills B
+            (disk [A,B]); staging A touches it on disk (disk [B,A]) and needs a cpu slot:
+            cpu evicts C -> spill C, disk evicts B (dropped). Then disk->cpu, cpu->gpu.
+                                                         gpu [A]  cpu [A]  disk [A,C]
+    """
+    events = []
+    engine = OffloadEngine(TINY, 1, 1, 2, emit=events.append, disk_dir=tmp_path)
+    outcomes = [engine.process(_req(f"r{i}", h)) for i, h in enumerate([A, B, C, A])]
+    assert outcomes[3].tokens == {"gpu": 0, "cpu": 0, "disk": 16, "recompute": 0}
+    assert outcomes[3].block_hits == {"gpu": 0, "cpu": 0, "disk": 1}
+    moves = {}
+    for t in _of(events, ev.Transfer, "r3"):  # the 1-slot cpu tier forces several batches
+        moves[(t.src, t.dst)] = moves.get((t.src, t.dst), 0) + t.blocks
+    assert moves == {("gpu", "cpu"): 1, ("cpu", "disk"): 2, ("disk", "cpu"): 1, ("cpu", "gpu"): 1}
+    assert all(t.ok and t.bytes == t.blocks * BLOCK for t in _of(events, ev.Transfer))
+    assert [engine.gpu.order(), engine.cpu.order(), engine.disk.order()] == [[A], [A], [A, C]]
+    assert engine.stats.evictions == {"gpu": 3, "cpu": 3, "disk": 1}
+    (finished,) = _of(events, ev.RequestFinished, "r3")
+    stage = [t.duration for t in _of(events, ev.Transfer, "r3") if t.dst == "gpu" or t.src == "disk"]
+    assert finished.promotion_wait == pytest.approx(sum(stage)) and finished.promotion_wait > 0
+    assert finished.ttft >= finished.promotion_wait
+    _resident_bytes_ok(engine)
+    engine.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("gpu,cpu,disk", [(8, 16, 32), (4, 3, 6), (3, 2, 3)])
+def test_every_resident_block_holds_its_own_bytes_in_three_tiers(tmp_path, policy, gpu, cpu, disk):
+    """Small pools and many requests: eviction, offload, spill, staging and promotion all
+    happen inside single requests, and no block ends up holding another block's bytes."""
+    engine = OffloadEngine(TINY, gpu, cpu, disk, policy=policy, disk_dir=tmp_path)
+    config = SyntheticConfig(seed=5, system_blocks=6, turn_blocks=(1, 4), one_off_blocks=(1, 6))
+    for request in itertools.islice(synthetic(config), 300):
+        engine.process(request)
+    assert engine.stats.moved["disk->cpu"] > 0 and engine.stats.moved["cpu->disk"] > 0
+    assert engine.stats.errors == {}
+    _resident_bytes_ok(engine)
+    engine.close()
+
+
+@pytest.mark.parametrize("policy,last_is_hit", [("lru", False), ("arc", True)])
+def test_arc_keeps_a_reused_block_through_a_scan(policy, last_is_hit):
+    """gpu 2, no cpu. A, A, then the scan B, C, D, then A. LRU has forgotten A; ARC (Megiddo
+    and Modha) keeps A in T2 while the scan churns through T1 and its ghost list B1."""
+    engine = OffloadEngine(TINY, 2, 0, policy=policy, payload=False)
+    outcomes = [engine.process(_req(f"r{i}", h)) for i, h in enumerate([A, A, B, C, D, A])]
+    assert [o.block_hits["gpu"] for o in outcomes] == [0, 1, 0, 0, 0, int(last_is_hit)]
+
+
+def test_store_threshold_offloads_only_blocks_seen_often_enough():
+    """store_threshold=2, gpu 1, cpu 4: A seen once is dropped, seen twice is offloaded."""
+    engine = OffloadEngine(TINY, 1, 4, store_threshold=2, payload=False)
+    for i, h in enumerate([A, B, A, B]):
+        engine.process(_req(f"r{i}", h))
+    # r1 evicts A (seen once): dropped. r2 evicts B (once): dropped. r3 evicts A (twice): kept.
+    assert engine.cpu.order() == [A]
+    assert engine.stats.offloaded["gpu"] == 1 and engine.stats.evictions["gpu"] == 3
+    assert engine.process(_req("r4", A)).tokens["cpu"] == 16
+
+
+def test_min_priority_drops_low_priority_blocks_instead_of_offloading():
+    """min_priority=50: the system-prompt-like block (90) is offloaded, the low one (10) and
+    one without a priority (default 35) are dropped."""
+    engine = OffloadEngine(TINY, 1, 4, min_priority=50, payload=False)
+    engine.process(Request("r0", 0.0, 32, 1, (A, B), (90, 10)))
+    engine.process(_req("r1", C))
+    engine.process(_req("r2", D))
+    assert engine.cpu.order() == [A]
+    assert engine.stats.evictions["gpu"] == 3 and engine.stats.offloaded["gpu"] == 1
+
+
+def test_ttft_is_queueing_plus_lookup_plus_promotion_plus_prefill():
+    engine = OffloadEngine(TINY, 4, 4, payload=False)
+    engine.process(_req("r0", A, B))
+    outcome = engine.process(_req("r1", A, B, C), queueing=0.25)
+    assert outcome.tokens == {"gpu": 32, "cpu": 0, "disk": 0, "recompute": 16}
+    assert outcome.prefill == pytest.approx(TINY.prefill_seconds(16))
+    assert outcome.ttft == pytest.approx(0.25 + outcome.lookup + outcome.promotion_wait
+                                         + outcome.prefill)
+
+
+def test_simulator_prices_promotions_from_the_cost_model():
+    engine = OffloadEngine(TINY, 1, 4, payload=False)
+    engine.process(_req("r0", A))
+    engine.process(_req("r1", B))  # A offloaded
+    outcome = engine.process(_req("r2", A))  # A promoted cpu->gpu
+    assert outcome.promotion_wait == pytest.approx(TINY.transfer_seconds("cpu", "gpu", BLOCK))
+
+
+def test_disk_tier_needs_a_cpu_tier():
+    with pytest.raises(ValueError, match="cpu tier"):
+        OffloadEngine(TINY, 4, 0, 4, payload=False)
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        OffloadEngine(TINY, 4, 4, policy="mru", payload=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvscope import events as ev
@@ -22,8 +22,43 @@ from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCK
 
 TIER_ORDER = ("gpu", "cpu", "disk", "remote")  # lookups cascade top down
 # Transfer failure reasons become a label, so the set is fixed; anything else counts as "other".
-FAILURE_REASONS = frozenset({"disk_full", "permission", "truncated", "checksum", "missing", "io",
+FAILURE_REASONS = frozenset({"disk_full", "permission", "truncated", "checksum", "corrupt", "missing", "io",
                              "timeout", "unknown"})
+QUANTILES = (0.5, 0.95, 0.99)  # the percentiles each sample carries, as "p50", "p95", "p99"
+
+
+def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float | None:
+    """The ``q``-quantile (0-1) of observations counted per bucket, as PromQL's
+    ``histogram_quantile`` computes it: linear interpolation inside the bucket holding the
+    rank, the first bucket starting at 0 (or at its bound when that is <= 0), and a rank in the
+    +Inf bucket answered with the highest finite bound.
+
+    ``bounds``: upper bounds, ascending; ``counts``: per-bucket (not cumulative) counts, one
+    more than ``bounds`` (the last is +Inf). None when there are no observations.
+    Source: prometheus/promql/quantile.go (bucketQuantile).
+    """
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank = q * total
+    seen = 0.0
+    for i, n in enumerate(counts):
+        if seen + n >= rank and n > 0:
+            if i == len(bounds):
+                return float(bounds[-1])
+            upper = float(bounds[i])
+            lower = float(bounds[i - 1]) if i > 0 else (0.0 if upper > 0 else upper)
+            return lower + (upper - lower) * (rank - seen) / n
+        seen += n
+    return float(bounds[-1])
+
+
+def _quantiles(bounds: Sequence[float], counts: Sequence[float]) -> dict[str, float | None]:
+    return {f"p{round(q * 100)}": histogram_quantile(q, bounds, counts) for q in QUANTILES}
+
+
+def _minus(now: Sequence[int], before: Sequence[int] | None) -> list[int]:
+    return list(now) if before is None else [a - b for a, b in zip(now, before)]
 
 
 @dataclass
@@ -40,10 +75,11 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = self.counts or [0] * (len(self.buckets) + 1)
 
-    def observe(self, value: float, trace_id: str = "", ts: float = 0.0) -> None:
+    def observe(self, value: float, trace_id: str = "", ts: float = 0.0, n: int = 1) -> None:
+        """Count ``n`` observations of ``value``; keep ``trace_id`` as the bucket's exemplar."""
         i = bisect.bisect_left(self.buckets, value)
-        self.counts[i] += 1
-        self.sum += value
+        self.counts[i] += n
+        self.sum += value * n
         if trace_id:
             self.exemplars[i] = (trace_id, value, ts)
 
@@ -94,7 +130,8 @@ class Pipeline:
     """
 
     def __init__(self, prefill_tokens_per_second: float = 10_000.0, recent: int = 10_000,
-                 history: int = 3600, table: RequestTable | None = None) -> None:
+                 history: int = 3600, table: RequestTable | None = None,
+                 quantile_window: int = 60) -> None:
         self._lock = threading.Lock()
         self._prefill_rate = prefill_tokens_per_second
         self.requests = table if table is not None else RequestTable()
@@ -108,6 +145,7 @@ class Pipeline:
         self._transfer_seconds: dict[tuple[str, str], Histogram] = {}
         self._transfer_failures: Counter[tuple[str, str, str]] = Counter()
         self._evicted_blocks: Counter[tuple[str, str]] = Counter()
+        self._dropped_blocks: Counter[str] = Counter()
         self._evicted_hits: dict[str, Histogram] = {}
         self._residency: dict[str, Histogram] = {}
         self._tiers: dict[str, ev.TierSnapshot] = {}
@@ -119,6 +157,12 @@ class Pipeline:
         self._dropped: Counter[tuple[str, str]] = Counter()
         self._source_up: dict[str, bool] = {}
         self._samples: deque[dict] = deque(maxlen=history)
+        # Histogram counts at the last ``quantile_window`` samples, oldest first: the samples'
+        # percentiles cover the observations since the oldest (like PromQL rate()[60s]).
+        self._hist_ring: deque[dict] = deque(maxlen=max(quantile_window, 1))
+        self._handlers = {ev.RequestStarted: self._on_started, ev.Lookup: self._on_lookup,
+                          ev.Transfer: self._on_transfer, ev.Eviction: self._on_eviction,
+                          ev.TierSnapshot: self._on_snapshot, ev.RequestFinished: self._on_finished}
 
     def subscribe(self, listener: Callable[[RequestRecord], None]) -> None:
         """Call ``listener`` with each finished request (on the ingesting thread; keep it quick)."""
@@ -126,14 +170,14 @@ class Pipeline:
 
     def ingest(self, source: str, events: Iterable[object]) -> None:
         """Fold ``events`` from emitter ``source`` into the state."""
-        finished = []
+        finished: list[RequestRecord] = []
+        handlers = self._handlers
         with self._lock:
             n = 0
             for event in events:
-                record = self._assembler.apply(source, event)
-                if record is not None:
-                    finished.append(record)
-                self._apply(source, event, record)
+                handler = handlers.get(type(event))
+                if handler is not None:
+                    handler(source, event, finished)
                 n += 1
             self._received[source] += n
         for record in finished:
@@ -150,40 +194,56 @@ class Pipeline:
         with self._lock:
             self._source_up[source] = up
 
-    def _apply(self, source: str, event: object, finished: RequestRecord | None) -> None:
-        match event:
-            case ev.Lookup():
-                self._prompt_tokens.update(event.tokens)
-                self._count_lookups(event)
-                rate = event.prefill_tokens_per_second or self._prefill_rate
-                for src, tokens in event.tokens.items():
-                    if src != "recompute":
-                        self._saved[src] += tokens / rate
-            case ev.Transfer():
-                key = (event.src, event.dst)
-                if not event.ok:
-                    reason = event.reason or "unknown"
-                    self._transfer_failures[(*key, reason if reason in FAILURE_REASONS else "other")] += 1
-                    return
-                self._transfer_bytes[key] += event.bytes
-                self._transfer_blocks[key] += event.blocks
-                hist = self._transfer_seconds.setdefault(key, Histogram(TRANSFER_SECONDS_BUCKETS))
-                trace_id = self._assembler.trace_id(source, event.request_id) if event.request_id else ""
-                hist.observe(event.duration, trace_id, event.ts)
-            case ev.Eviction():
-                self._evicted_blocks[(event.tier, event.reason)] += event.blocks
-                for hists, buckets, value in ((self._evicted_hits, EVICTED_HITS_BUCKETS, event.hits),
-                                              (self._residency, RESIDENCY_SECONDS_BUCKETS, event.age)):
-                    hist = hists.setdefault(event.tier, Histogram(buckets))
-                    for _ in range(event.blocks):
-                        hist.observe(value)
-            case ev.TierSnapshot():
-                self._tiers[event.tier] = event
-            case ev.RequestFinished():
-                self._requests += 1
-                self._ttft.observe(event.ttft, finished.trace_id if finished else "", event.ts)
-                self._promotion_wait.observe(event.promotion_wait)
-                self._recent_ttft.append(event.ttft)
+    # One handler per event kind, called under the lock: (source, event, finished records).
+
+    def _on_started(self, source: str, event: ev.RequestStarted, finished: list) -> None:
+        self._assembler.started(source, event)
+
+    def _on_lookup(self, source: str, event: ev.Lookup, finished: list) -> None:
+        self._assembler.lookup(source, event)
+        rate = event.prefill_tokens_per_second or self._prefill_rate
+        for src, tokens in event.tokens.items():
+            self._prompt_tokens[src] += tokens
+            if src != "recompute":
+                self._saved[src] += tokens / rate
+        self._count_lookups(event)
+
+    def _on_transfer(self, source: str, event: ev.Transfer, finished: list) -> None:
+        trace_id = self._assembler.transfer(source, event)
+        key = (event.src, event.dst)
+        if not event.ok:
+            reason = event.reason if event.reason in FAILURE_REASONS else "other"
+            self._transfer_failures[(*key, reason)] += 1
+            return
+        self._transfer_bytes[key] += event.bytes
+        self._transfer_blocks[key] += event.blocks
+        hist = self._transfer_seconds.get(key)
+        if hist is None:
+            hist = self._transfer_seconds[key] = Histogram(TRANSFER_SECONDS_BUCKETS)
+        hist.observe(event.duration, trace_id, event.ts)
+
+    def _on_eviction(self, source: str, event: ev.Eviction, finished: list) -> None:
+        tier = event.tier
+        self._evicted_blocks[(tier, event.reason)] += event.blocks
+        if not event.offloaded:
+            self._dropped_blocks[tier] += event.blocks
+        hits = self._evicted_hits.get(tier)
+        if hits is None:
+            hits = self._evicted_hits[tier] = Histogram(EVICTED_HITS_BUCKETS)
+            self._residency[tier] = Histogram(RESIDENCY_SECONDS_BUCKETS)
+        hits.observe(event.hits, n=event.blocks)
+        self._residency[tier].observe(event.age, n=event.blocks)
+
+    def _on_snapshot(self, source: str, event: ev.TierSnapshot, finished: list) -> None:
+        self._tiers[event.tier] = event
+
+    def _on_finished(self, source: str, event: ev.RequestFinished, finished: list) -> None:
+        record = self._assembler.finished(source, event)
+        finished.append(record)
+        self._requests += 1
+        self._ttft.observe(event.ttft, record.trace_id, event.ts)
+        self._promotion_wait.observe(event.promotion_wait)
+        self._recent_ttft.append(event.ttft)
 
     def _count_lookups(self, event: ev.Lookup) -> None:
         remaining = event.blocks
@@ -219,13 +279,47 @@ class Pipeline:
                 source_up=dict(self._source_up),
             )
 
-    def record_sample(self, ts: float, host_memory_available: float | None) -> None:
-        """Append a one-second sample: cumulative counters and current gauges at ``ts``
-        (``host_memory_available``: bytes, None when unknown)."""
+    def record_sample(self, ts: float, host_memory_available: float | None, *,
+                      host_memory_reserve: float | None = None,
+                      host_memory_headroom: float | None = None,
+                      offload_budgets: Mapping[str, int] | None = None,
+                      pcie_link_max: Mapping[str, float] | None = None) -> None:
+        """Append a one-second sample: cumulative counters and current gauges at ``ts``.
+
+        ``host_memory_available``, ``host_memory_reserve``, ``host_memory_headroom``: bytes,
+        None when unknown. ``offload_budgets``: dict[tier, bytes]. ``pcie_link_max``:
+        dict[gpu, bytes/s] of each GPU's current link, one direction. Fields (units in names;
+        dict keys are sources, tiers or "src->dst" directions):
+
+        - counters (cumulative): ``prompt_tokens``, ``prefill_seconds_saved``,
+          ``transfer_bytes``, ``transfer_blocks``, ``transfer_seconds_sum`` (seconds spent),
+          ``evicted_blocks``, ``dropped_blocks`` (evicted with no copy kept below), ``requests``;
+          ``evicted_block_hits`` and ``block_residency_seconds``: dict[tier, per-bucket counts]
+          over the catalog's buckets plus +Inf (not cumulative across buckets);
+        - percentiles ``{"p50", "p95", "p99"}`` (seconds, None without observations) of the
+          observations in the last ``quantile_window`` samples: ``ttft_seconds``,
+          ``promotion_wait_seconds``, and ``transfer_seconds`` per direction;
+        - gauges: ``tier_resident_bytes``, ``tier_capacity_bytes``, ``tier_resident_blocks``,
+          ``tier_capacity_blocks``, the host values and ``offload_budget_bytes``,
+          ``pcie_link_max_bytes_per_second``.
+
+        The percentile work happens here, once per sample, never per event.
+        """
         with self._lock:
             evicted: Counter[str] = Counter()
             for (tier, _reason), n in self._evicted_blocks.items():
                 evicted[tier] += n
+            hists = {"ttft": list(self._ttft.counts), "wait": list(self._promotion_wait.counts),
+                     **{"->".join(k): list(h.counts) for k, h in self._transfer_seconds.items()}}
+            old = self._hist_ring[0] if self._hist_ring else {}
+            self._hist_ring.append(hists)
+            transfer_q = {}
+            for key, counts in hists.items():
+                if key in ("ttft", "wait"):
+                    continue
+                window = _minus(counts, old.get(key))
+                if sum(window) > 0:
+                    transfer_q[key] = _quantiles(TRANSFER_SECONDS_BUCKETS, window)
             self._samples.append({
                 "ts": ts,
                 "prompt_tokens": dict(self._prompt_tokens),
@@ -234,9 +328,35 @@ class Pipeline:
                 "tier_resident_bytes": {t: s.resident_bytes for t, s in self._tiers.items()},
                 "tier_capacity_bytes": {t: s.capacity_bytes for t, s in self._tiers.items()},
                 "host_memory_available_bytes": host_memory_available,
+                # added for the dashboard (issue 6)
+                "requests": self._requests,
+                "prefill_seconds_saved": dict(self._saved),
+                "transfer_blocks": _by_key(self._transfer_blocks),
+                "transfer_seconds_sum": {"->".join(k): h.sum
+                                         for k, h in self._transfer_seconds.items()},
+                "dropped_blocks": dict(self._dropped_blocks),
+                "evicted_block_hits": {t: list(h.counts) for t, h in self._evicted_hits.items()},
+                "block_residency_seconds": {t: list(h.counts)
+                                            for t, h in self._residency.items()},
+                "ttft_seconds": _quantiles(LATENCY_SECONDS_BUCKETS,
+                                           _minus(hists["ttft"], old.get("ttft"))),
+                "promotion_wait_seconds": _quantiles(LATENCY_SECONDS_BUCKETS,
+                                                     _minus(hists["wait"], old.get("wait"))),
+                "transfer_seconds": transfer_q,
+                "tier_resident_blocks": {t: s.resident_blocks for t, s in self._tiers.items()},
+                "tier_capacity_blocks": {t: s.capacity_blocks for t, s in self._tiers.items()},
+                "host_memory_reserve_bytes": host_memory_reserve,
+                "host_memory_headroom_bytes": host_memory_headroom,
+                "offload_budget_bytes": dict(offload_budgets or {}),
+                "pcie_link_max_bytes_per_second": dict(pcie_link_max or {}),
             })
 
-    def samples(self, since: float | None = None) -> list[dict]:
-        """Samples with ``ts > since`` (all when None), oldest first."""
+    def samples(self, since: float | None = None, window: float | None = None) -> list[dict]:
+        """Samples with ``ts > since`` (all when None), oldest first; ``window``: seconds, only
+        those no older than that before the newest sample."""
         with self._lock:
-            return [s for s in self._samples if since is None or s["ts"] > since]
+            out = [s for s in self._samples if since is None or s["ts"] > since]
+        if window is not None and out:
+            newest = out[-1]["ts"]
+            out = [s for s in out if s["ts"] >= newest - window]
+        return out

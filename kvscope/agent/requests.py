@@ -7,7 +7,7 @@ OTLP exporter and the store all read one shape.
 
 from __future__ import annotations
 
-import os
+import random
 import threading
 from collections import OrderedDict
 
@@ -50,12 +50,12 @@ class RequestRecord(msgspec.Struct):
 
 
 def new_trace_id() -> str:
-    """A random W3C trace id: 16 bytes as 32 lowercase hex characters."""
-    return os.urandom(16).hex()
+    """A random, non-zero W3C trace id: 16 bytes as 32 lowercase hex characters."""
+    return f"{random.getrandbits(128) | 1:032x}"
 
 
 class RequestAssembler:
-    """Builds :class:`RequestRecord` s from events; returns each one when its request finishes.
+    """Builds :class:`RequestRecord` s from events, one method per event kind.
 
     ``max_inflight``: requests started but not finished that are kept; beyond it the oldest
     is abandoned and counted in ``abandoned`` (a bound against engines that never finish).
@@ -63,48 +63,47 @@ class RequestAssembler:
     """
 
     def __init__(self, max_inflight: int = 10_000) -> None:
-        self._inflight: OrderedDict[str, RequestRecord] = OrderedDict()
+        self._inflight: OrderedDict[tuple[str, str], RequestRecord] = OrderedDict()
         self._max = max_inflight
         self.abandoned = 0
 
     def _open(self, source: str, request_id: str, ts: float, trace_id: str = "") -> RequestRecord:
-        key = f"{source}/{request_id}"
-        record = self._inflight.get(key)
+        record = self._inflight.get((source, request_id))
         if record is None:
             record = RequestRecord(request_id, trace_id or new_trace_id(), source, ts)
-            self._inflight[key] = record
+            self._inflight[(source, request_id)] = record
             if len(self._inflight) > self._max:
                 self._inflight.popitem(last=False)
                 self.abandoned += 1
         return record
 
-    def trace_id(self, source: str, request_id: str) -> str:
-        """The trace id of an in-flight request, or "" when unknown."""
-        record = self._inflight.get(f"{source}/{request_id}")
-        return record.trace_id if record else ""
+    def started(self, source: str, event: ev.RequestStarted) -> None:
+        self._open(source, event.request_id, event.ts, event.trace_id).prompt_tokens = \
+            event.prompt_tokens
 
-    def apply(self, source: str, event: object) -> RequestRecord | None:
-        """Fold one event in; return the finished record when ``event`` finishes a request."""
-        match event:
-            case ev.RequestStarted():
-                record = self._open(source, event.request_id, event.ts, event.trace_id)
-                record.prompt_tokens = event.prompt_tokens
-            case ev.Lookup(request_id=rid) if rid:
-                self._open(source, rid, event.ts).tokens = dict(event.tokens)
-            case ev.Transfer(request_id=rid) if rid:
-                self._open(source, rid, event.ts).transfers.append(TransferRecord(
-                    event.src, event.dst, event.blocks, event.bytes, event.ts, event.duration,
-                    event.ok))
-            case ev.RequestFinished():
-                record = self._open(source, event.request_id, event.ts - event.ttft)
-                del self._inflight[f"{source}/{event.request_id}"]
-                record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
-                record.output_tokens = event.output_tokens
-                record.ttft, record.finished = event.ttft, event.ts
-                record.queueing, record.lookup = event.queueing, event.lookup
-                record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
-                return record
-        return None
+    def lookup(self, source: str, event: ev.Lookup) -> None:
+        if event.request_id:
+            self._open(source, event.request_id, event.ts).tokens = event.tokens
+
+    def transfer(self, source: str, event: ev.Transfer) -> str:
+        """Attach a transfer to its request; return the request's trace id ("" for none)."""
+        if not event.request_id:
+            return ""
+        record = self._open(source, event.request_id, event.ts)
+        record.transfers.append(TransferRecord(event.src, event.dst, event.blocks, event.bytes,
+                                               event.ts, event.duration, event.ok))
+        return record.trace_id
+
+    def finished(self, source: str, event: ev.RequestFinished) -> RequestRecord:
+        """Complete and return the request's record."""
+        record = self._inflight.pop((source, event.request_id), None) or RequestRecord(
+            event.request_id, new_trace_id(), source, event.ts - event.ttft)
+        record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
+        record.output_tokens = event.output_tokens
+        record.ttft, record.finished = event.ttft, event.ts
+        record.queueing, record.lookup = event.queueing, event.lookup
+        record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
+        return record
 
 
 SORT_KEYS = ("finished", "arrival", "ttft", "prompt_tokens", "promotion_wait")

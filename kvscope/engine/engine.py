@@ -1,167 +1,401 @@
-"""The reference offload engine: a ``gpu`` tier backed by a ``cpu`` tier, LRU in each.
+"""The reference offload engine: ``gpu`` over ``cpu`` over ``disk``, LRU or ARC in each.
 
-For each request the engine walks the prompt's blocks first to last:
+For each request the engine walks the prompt's blocks first to last (one *block access* each):
 
-- resident in ``gpu``: a hit, the block becomes most recently used;
-- otherwise a ``gpu`` slot is made (the LRU victim is offloaded ``gpu->cpu`` unless the ``cpu``
-  tier already holds it; a block the ``cpu`` tier evicts to make room is dropped), then the block
-  is promoted ``cpu->gpu`` if the ``cpu`` tier holds it, else recomputed by prefill.
+- resident in ``gpu``: a hit; the ``gpu`` policy records it;
+- otherwise a ``gpu`` slot is made: the ``gpu`` victim is offloaded ``gpu->cpu`` (if admitted
+  and the ``cpu`` tier does not hold it already; else dropped); a ``cpu`` victim made to room
+  for it spills ``cpu->disk`` the same way; a ``disk`` victim is dropped. Then the block is
+  promoted ``cpu->gpu`` if the ``cpu`` tier holds it, staged ``disk->cpu->gpu`` (two timed
+  hops) if the ``disk`` tier does, and otherwise recomputed by prefill.
 
-Only the leading contiguous run of cached blocks serves tokens (prefix semantics): after the
-first recomputed block every later token counts as ``recompute``. The ``cpu`` tier is
-inclusive: a promoted block keeps its ``cpu`` copy. Every copy moves real bytes and is timed
-(see :mod:`kvscope.engine.transfers`); TTFT follows the cost model in
-:mod:`kvscope.engine.presets`.
+Prefix semantics: only the leading contiguous run of cached blocks serves tokens. After the
+first recomputed block, later blocks are recomputed too (resident ones just count as hits).
+Lower tiers are inclusive: a promoted block keeps its ``cpu``/``disk`` copies.
+
+Admission (who may be offloaded or spilled): a block must have been accessed at least
+``store_threshold`` times (as vLLM's offloading ``store_threshold``) and have a priority of at
+least ``min_priority`` (as TensorRT-LLM's ``secondary_offload_min_priority``; priorities run
+0-100, default :data:`DEFAULT_PRIORITY` = 35 as TensorRT-LLM's ``KvCacheRetentionConfig``).
+
+With ``payload=False`` the engine is the simulator: the same code makes the same decisions with
+no bytes, and transfer times come from the preset's cost model. TTFT = queueing + lookup (the
+engine's own planning time; 0 when simulating) + promotion wait (``disk->cpu`` and ``cpu->gpu``
+copies) + prefill of the recomputed tokens (:mod:`kvscope.engine.presets`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvscope import events as ev
+from kvscope.engine.outcome import RequestOutcome, prefill_value
 from kvscope.engine.presets import ModelPreset
-from kvscope.engine.tier import BlockPool, Tier
-from kvscope.engine.transfers import OFFLOAD, PROMOTION, CopyBatcher
-from kvscope.engine.workload import Request, block_token_counts
+from kvscope.engine.stats import EngineStats
+from kvscope.engine.tier import Resident, Tier
+from kvscope.engine.transfers import OFFLOAD, PROMOTE, SPILL, STAGE, CopyBatcher, Failure
+
+DEFAULT_PRIORITY = 35
+_DIRECTION = {SPILL: "cpu->disk", OFFLOAD: "gpu->cpu", STAGE: "disk->cpu", PROMOTE: "cpu->gpu"}
+_GPU, _CPU, _DISK, _RECOMPUTE = 0, 1, 2, 3
+_SOURCE_NAMES = ("gpu", "cpu", "disk", "recompute")
 
 
-def prefill_value(block_hash: int) -> float:
-    """The value prefill writes into every element of a recomputed block.
 
-    An integer below 2048, so float16 holds it exactly; a promoted block must carry its own.
-    """
-    return float(block_hash % 2039)
-
-
-@dataclass
-class RequestOutcome:
-    """What one request did. ``tokens``: dict[source, tokens]; ``ttft``, ``promotion_wait``:
-    seconds; ``block_hits``: dict[tier, block accesses that found the block there];
-    ``block_accesses``: blocks looked up."""
-
-    tokens: dict[str, int]
-    ttft: float
-    promotion_wait: float
-    block_accesses: int
-    block_hits: dict[str, int] = field(default_factory=dict)
-
+class EngineConfigError(ValueError):
+    """The engine cannot be built as asked (tier sizes, admission); the message says why."""
 
 class OffloadEngine:
-    """A two-tier (``gpu`` over ``cpu``) offload engine over real KV block tensors.
+    """A three-tier offload engine over real KV blocks (or, with ``payload=False``, none).
 
-    ``gpu_blocks``, ``cpu_blocks``: tier capacities in blocks (``cpu_blocks=0`` disables
-    offload). ``block_tokens``: tokens per block (default: the preset's). ``emit``: called
-    with each :mod:`kvscope.events` event. ``device``: where the ``gpu`` tier lives (default
-    CUDA when available, else CPU memory standing in for device memory). ``payload=False``
-    keeps only the decisions (no tensors). ``clock``: Unix-seconds clock for event stamps.
+    ``gpu_blocks``, ``cpu_blocks``, ``disk_blocks``: tier capacities in blocks (0 disables a
+    lower tier; ``disk`` needs ``cpu``). ``policy``: ``lru`` or ``arc`` for every tier, or a
+    dict[tier, policy]. ``block_tokens``: tokens per block (default: the preset's). ``emit``:
+    called with each :mod:`kvscope.events` event (None: no events, fastest). ``device``: where
+    the ``gpu`` tier lives (default CUDA when available, else CPU memory standing in for it).
+    ``disk_dir``: where chunk files go (default: a private temporary directory). ``clock``:
+    Unix-seconds clock for event stamps. Call :meth:`close` to stop disk I/O threads.
+
+    Raises ValueError for a bad size, a disk tier without a cpu tier, or an unknown policy.
     """
 
-    def __init__(self, preset: ModelPreset, gpu_blocks: int, cpu_blocks: int, *,
-                 block_tokens: int | None = None, emit: Callable[[object], None] = lambda e: None,
-                 device: str | None = None, payload: bool = True,
+    def __init__(self, preset: ModelPreset, gpu_blocks: int, cpu_blocks: int,
+                 disk_blocks: int = 0, *, block_tokens: int | None = None,
+                 emit: Callable[[object], None] | None = None, device: str | None = None,
+                 payload: bool = True, policy: str | dict[str, str] = "lru",
+                 disk_dir: str | Path | None = None, store_threshold: int = 1,
+                 min_priority: int = 0, io_threads: int = 4,
                  clock: Callable[[], float] = time.time) -> None:
         if gpu_blocks < 1:
-            raise ValueError(f"gpu tier needs at least 1 block, got {gpu_blocks}")
+            raise EngineConfigError(f"gpu tier needs at least 1 block, got {gpu_blocks}")
+        if disk_blocks > 0 and cpu_blocks < 1:
+            raise EngineConfigError("a disk tier needs a cpu tier to stage through (cpu_blocks >= 1)")
+        if store_threshold < 1:
+            raise EngineConfigError(f"store_threshold must be >= 1, got {store_threshold}")
+        policies = policy if isinstance(policy, dict) else dict.fromkeys(("gpu", "cpu", "disk"), policy)
         self.preset = preset
         self.block_tokens = block_tokens or preset.block_tokens
         self.block_bytes = preset.bytes_per_block(self.block_tokens)
+        self.payload = payload
+        self.store_threshold = store_threshold
+        self.min_priority = min_priority
         self._emit = emit
         self._clock = clock
-        gpu_pool = cpu_pool = None
+        self.stats = EngineStats()
+        self._seen: dict[int, int] = {}
+        self._priority: dict[int, int] = {}
+        self._copier = None
+        pools = {"gpu": None, "cpu": None, "disk": None}
         if payload:
             import torch
 
+            from kvscope.engine.disk import DiskStore
+            from kvscope.engine.tier import BlockPool
+            from kvscope.engine.transfers import Copier
+
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             elems = self.block_bytes // preset.dtype_bytes
-            gpu_pool = BlockPool(gpu_blocks, elems, preset.dtype, device)
-            cpu_pool = BlockPool(cpu_blocks, elems, preset.dtype, "cpu")
-        self.gpu = Tier("gpu", gpu_blocks, self.block_bytes, gpu_pool)
-        self.cpu = Tier("cpu", cpu_blocks, self.block_bytes, cpu_pool)
+            pools["gpu"] = BlockPool(gpu_blocks, elems, preset.dtype, device)
+            pools["cpu"] = BlockPool(cpu_blocks, elems, preset.dtype, "cpu")
+            if disk_blocks:
+                pools["disk"] = DiskStore(disk_dir, self.block_bytes, io_threads)
+            self._copier = Copier(pools["gpu"].is_cuda)
+        self.gpu = Tier("gpu", gpu_blocks, self.block_bytes, policies.get("gpu", "lru"), pools["gpu"])
+        self.cpu = Tier("cpu", cpu_blocks, self.block_bytes, policies.get("cpu", "lru"), pools["cpu"])
+        self.disk = Tier("disk", disk_blocks, self.block_bytes, policies.get("disk", "lru"),
+                         pools["disk"])
+        self.tiers = (self.gpu, self.cpu, self.disk) if disk_blocks else (self.gpu, self.cpu)
+        self._moved = [0, 0, 0, 0]  # blocks per phase SPILL, OFFLOAD, STAGE, PROMOTE
+        self._batch: CopyBatcher | None = None
+        self._evictions: list[ev.Eviction] = []
+        self._failed: set[int] = set()
+        self._inflight: deque[tuple[ev.RequestStarted, list, RequestOutcome]] = deque()
 
-    def process(self, request: Request, queueing: float = 0.0) -> RequestOutcome:
+    # -- the request path -------------------------------------------------------------------
+
+    def process(self, request, queueing: float = 0.0) -> RequestOutcome:
         """Serve one request's prompt; emit its events; return what happened.
 
-        ``queueing``: seconds the request waited before the engine took it (part of TTFT).
+        ``request``: a :class:`~kvscope.engine.workload.Request`. ``queueing``: seconds it
+        waited before the engine took it (part of TTFT).
         """
         now = self._clock()
-        self._emit(ev.RequestStarted(ts=now, request_id=request.request_id,
-                                     prompt_tokens=request.prompt_tokens))
+        emit = self._emit
+        started = ev.RequestStarted(ts=now, request_id=request.request_id,
+                                    prompt_tokens=request.prompt_tokens)
+        if emit is not None:
+            emit(started)
         t0 = time.perf_counter()
-        tokens = dict.fromkeys(ev.TOKEN_SOURCES, 0)
-        hits = {"gpu": 0, "cpu": 0}
-        batch = CopyBatcher(self._clock)
-        evictions: list[ev.Eviction] = []
-        counts = block_token_counts(request.prompt_tokens, len(request.block_hashes),
-                                    self.block_tokens)
+        batch = None
+        if self._copier is not None or emit is not None:
+            batch = CopyBatcher(self._copier, self._on_failure, self._clock)
+        self._batch = batch
+        self._failed = set()
+        gpu, cpu, disk = self.gpu, self.cpu, self.disk
+        gpu_get, cpu_get, disk_get = gpu.get, cpu.get, disk.get
+        gpu_hit, gpu_make_room, gpu_add = gpu.policy.hit, gpu.policy.make_room, gpu.policy.add
+        gpu_free = gpu._free
+        cascade = cpu.capacity_blocks > 0 or self._emit is not None
+        dropped = 0  # gpu victims dropped without a cascade (no cpu tier, no events)
+        track_seen = self.store_threshold > 1
+        seen = self._seen
+        priorities = request.block_priorities
+        if priorities:
+            self._priority.update(zip(request.block_hashes, priorities))
+        hits = [0, 0, 0]
+        sources: list[int] = []
+        append = sources.append
         in_prefix = True
-        for block_hash, n in zip(request.block_hashes, counts):
-            if block_hash in self.gpu:
-                hits["gpu"] += 1
-                self.gpu.touch(block_hash)
-                source = "gpu"
+        for h in request.block_hashes:
+            if track_seen:
+                seen[h] = seen.get(h, 0) + 1
+            entry = gpu_get(h)
+            if entry is not None:
+                entry.hits += 1
+                gpu_hit(h)
+                hits[0] += 1
+                append(_GPU if in_prefix else _RECOMPUTE)
+                continue
+            if cpu_get(h) is not None:
+                hits[1] += 1
+            elif disk_get(h) is not None:
+                hits[2] += 1
+            victim = gpu_make_room(h)  # Tier.insert, inlined for the simulator's speed
+            if victim is None:
+                slot = gpu_free.pop()
             else:
-                if block_hash in self.cpu:
-                    hits["cpu"] += 1
-                slot = self._make_gpu_slot(block_hash, now, batch, evictions)
-                if in_prefix and block_hash in self.cpu:
-                    entry = self.cpu.touch(block_hash)
-                    batch.copy(PROMOTION, self.cpu, entry.slot, self.gpu, slot)
-                    source = "cpu"
+                slot = victim[1].slot
+                if cascade:
+                    self._offload(victim[0], victim[1], slot, now)
                 else:
-                    batch.prefill(self.gpu, slot, prefill_value(block_hash))
-                    source = "recompute"
-            if source == "recompute" or not in_prefix:
-                in_prefix, source = False, "recompute"
-            tokens[source] += n
-        tokens["recompute"] += request.prompt_tokens - sum(counts)
-        lookup_seconds = time.perf_counter() - t0
-        batch.flush()
-        self._emit(ev.Lookup(ts=now, request_id=request.request_id,
-                             tokens={s: n for s, n in tokens.items() if n}))
-        promotion_wait = 0.0
-        for copy in batch.results:
-            self._emit(ev.Transfer(ts=copy.start, src=copy.src, dst=copy.dst, blocks=copy.blocks,
-                                   bytes=copy.bytes, duration=copy.duration,
-                                   request_id=request.request_id))
-            if copy.dst == "gpu":
-                promotion_wait += copy.duration
-        for eviction in evictions:
-            self._emit(eviction)
-        end = self._clock()
-        for tier in (self.gpu, self.cpu):
-            self._emit(ev.TierSnapshot(ts=end, tier=tier.name, capacity_bytes=tier.capacity_bytes,
-                                       resident_bytes=tier.resident_bytes,
-                                       capacity_blocks=tier.capacity_blocks,
-                                       resident_blocks=len(tier)))
-        ttft = (queueing + lookup_seconds + promotion_wait
-                + self.preset.prefill_seconds(tokens["recompute"]))
-        self._emit(ev.RequestFinished(ts=end, request_id=request.request_id, ttft=ttft,
-                                      prompt_tokens=request.prompt_tokens,
-                                      output_tokens=request.output_tokens,
-                                      promotion_wait=promotion_wait))
-        return RequestOutcome(tokens, ttft, promotion_wait, len(request.block_hashes), hits)
+                    dropped += 1
+            gpu_add(h, Resident(slot, now))
+            source = _RECOMPUTE
+            if in_prefix:
+                centry = cpu_get(h)
+                if centry is not None:
+                    cpu.touch(h)
+                    self._moved[PROMOTE] += 1
+                    if batch is not None:
+                        batch.copy(PROMOTE, cpu, centry.slot, gpu, slot, h, prefill_value(h))
+                    source = _CPU
+                elif disk_get(h) is not None:
+                    source = self._stage(h, slot, now)
+            if source == _RECOMPUTE:
+                in_prefix = False
+                if batch is not None:
+                    batch.prefill(gpu, slot, prefill_value(h))
+            append(source)
+        self.stats.evictions["gpu"] += dropped
+        lookup = time.perf_counter() - t0 if self.payload else 0.0
+        if batch is not None:
+            batch.flush()
+        return self._account(request, started, sources, hits, lookup, queueing)
 
-    def _make_gpu_slot(self, block_hash: int, now: float, batch: CopyBatcher,
-                       evictions: list[ev.Eviction]) -> int:
-        """Insert ``block_hash`` into the ``gpu`` tier; offload or drop the LRU victim."""
-        slot, victim = self.gpu.insert(block_hash, now)
+    def _admitted(self, h: int) -> bool:
+        if self.store_threshold > 1 and self._seen.get(h, 0) < self.store_threshold:
+            return False
+        return self.min_priority <= 0 or self._priority.get(h, DEFAULT_PRIORITY) >= self.min_priority
+
+    def _offload(self, v: int, resident, gpu_slot: int, now: float) -> None:
+        """The ``gpu`` victim ``v`` (its bytes still in ``gpu_slot``) goes to ``cpu`` or away."""
+        stats = self.stats
+        stats.evictions["gpu"] += 1
+        cpu = self.cpu
+        offloaded = v in cpu.policy
+        if not offloaded and cpu.capacity_blocks and self._admitted(v):
+            cpu_slot = self._cpu_slot(v, now)  # spills the cpu victim first (reads its slot)
+            self._moved[OFFLOAD] += 1
+            if self._batch is not None:
+                self._batch.copy(OFFLOAD, self.gpu, gpu_slot, cpu, cpu_slot, v, prefill_value(v))
+            offloaded = True
+        if offloaded:
+            stats.offloaded["gpu"] += 1
+        if self._emit is not None:
+            self._evictions.append(self._eviction(self.gpu, resident, now, offloaded))
+
+    def _cpu_slot(self, h: int, now: float) -> int:
+        """Insert ``h`` into ``cpu``; spill or drop the victim; return the slot."""
+        slot, victim = self.cpu.insert(h, now)
         if victim is None:
             return slot
-        victim_hash, resident = victim
-        offloaded = victim_hash in self.cpu
-        if not offloaded:
-            placed = self.cpu.insert(victim_hash, now)
-            if placed is not None:
-                cpu_slot, dropped = placed
-                batch.copy(OFFLOAD, self.gpu, slot, self.cpu, cpu_slot)
-                offloaded = True
-                if dropped is not None:
-                    evictions.append(self._eviction(self.cpu, dropped[1], now, offloaded=False))
-        evictions.append(self._eviction(self.gpu, resident, now, offloaded=offloaded))
+        v, resident = victim
+        stats = self.stats
+        stats.evictions["cpu"] += 1
+        disk = self.disk
+        offloaded = v in disk.policy
+        if not offloaded and disk.capacity_blocks and self._admitted(v):
+            disk_slot, dropped = disk.insert(v, now)
+            if dropped is not None:
+                stats.evictions["disk"] += 1
+                if self._emit is not None:
+                    self._evictions.append(self._eviction(disk, dropped[1], now, False))
+            self._moved[SPILL] += 1
+            if self._batch is not None:
+                self._batch.copy(SPILL, self.cpu, slot, disk, disk_slot, v, prefill_value(v))
+            offloaded = True
+        if offloaded:
+            stats.offloaded["cpu"] += 1
+        if self._emit is not None:
+            self._evictions.append(self._eviction(self.cpu, resident, now, offloaded))
         return slot
+
+    def _stage(self, h: int, gpu_slot: int, now: float) -> int:
+        """Promote ``h`` from ``disk`` through ``cpu`` into ``gpu_slot``; return its source."""
+        disk_slot = self.disk.touch(h).slot
+        cpu_slot = self._cpu_slot(h, now)
+        if h not in self.disk.policy:  # making room in cpu pushed it off the disk tier
+            self.cpu.remove(h)
+            return _RECOMPUTE
+        self._moved[STAGE] += 1
+        self._moved[PROMOTE] += 1
+        if self._batch is not None:
+            value = prefill_value(h)
+            self._batch.copy(STAGE, self.disk, disk_slot, self.cpu, cpu_slot, h, value)
+            self._batch.copy(PROMOTE, self.cpu, cpu_slot, self.gpu, gpu_slot, h, value)
+        return _DISK
+
+    def _on_failure(self, failure: Failure) -> None:
+        """A disk copy failed: forget the bad copies; a failed promotion becomes a miss."""
+        stats = self.stats
+        stats.errors[failure.reason] = stats.errors.get(failure.reason, 0) + 1
+        h = failure.block_hash
+        if failure.src == "disk":  # STAGE: the chunk is bad, the cpu slot holds garbage
+            self._moved[STAGE] -= 1
+            self._moved[PROMOTE] -= 1
+            self._failed.add(h)
+            self._forget(self.disk, h, failure.src_slot)
+            self._forget(self.cpu, h, failure.dst_slot)
+        else:  # SPILL: the chunk was not written
+            self._moved[SPILL] -= 1
+            self._forget(self.disk, h, failure.dst_slot)
+
+    def _forget(self, tier: Tier, h: int, slot: int) -> None:
+        """Drop ``h`` from ``tier`` if it still sits in ``slot`` (its bytes there are bad)."""
+        entry = tier.get(h)
+        if entry is not None and entry.slot == slot:
+            tier.remove(h)
+            if self._emit is not None:
+                now = self._clock()
+                self._evictions.append(ev.Eviction(
+                    ts=now, tier=tier.name, blocks=1, bytes=tier.block_bytes,
+                    age=now - entry.stored_at, hits=entry.hits, reason="failed"))
 
     def _eviction(self, tier: Tier, resident, now: float, offloaded: bool) -> ev.Eviction:
         return ev.Eviction(ts=now, tier=tier.name, blocks=1, bytes=tier.block_bytes,
                            age=now - resident.stored_at, hits=resident.hits, offloaded=offloaded)
+
+    # -- accounting and events --------------------------------------------------------------
+
+    def _account(self, request, started, sources, hits, lookup, queueing) -> RequestOutcome:
+        """Split the prompt's tokens by source (prefix semantics), update the stats, finish."""
+        failed = self._failed
+        if failed:
+            for i, h in enumerate(request.block_hashes):
+                if sources[i] == _DISK and h in failed:
+                    sources[i] = _RECOMPUTE
+                    hits[2] -= 1  # served nothing: counted as a miss
+        tokens = [0, 0, 0, 0]
+        bt, left, ok = self.block_tokens, request.prompt_tokens, True
+        for source in sources:
+            n = bt if left >= bt else max(left, 0)
+            left -= bt
+            if source == _RECOMPUTE or not ok:
+                ok = False
+                tokens[3] += n
+            else:
+                tokens[source] += n
+        tokens[3] += max(left, 0)  # prompt tokens beyond the listed blocks
+        stats = self.stats
+        stats.requests += 1
+        stats.block_accesses += len(sources)
+        stats.prompt_tokens += request.prompt_tokens
+        for name, n in zip(_SOURCE_NAMES, tokens):
+            stats.tokens[name] += n
+        stats.block_hits["gpu"] += hits[0]
+        stats.block_hits["cpu"] += hits[1]
+        stats.block_hits["disk"] += hits[2]
+        outcome = RequestOutcome(dict(zip(_SOURCE_NAMES, tokens)), len(sources),
+                                 {"gpu": hits[0], "cpu": hits[1], "disk": hits[2]}, lookup,
+                                 self.preset.prefill_seconds(tokens[3]), queueing,
+                                 request.output_tokens, failed_blocks=len(failed),
+                                 moved=self._moved)
+        self._moved = [0, 0, 0, 0]
+        if self._batch is not None:
+            outcome.results = self._batch.results
+        self._batch = None
+        if self._emit is not None:
+            self._emit(ev.Lookup(ts=started.ts, request_id=request.request_id,
+                                 tokens={s: n for s, n in outcome.tokens.items() if n},
+                                 blocks=len(sources),
+                                 block_hits={t: n for t, n in outcome.block_hits.items() if n},
+                                 prefill_tokens_per_second=self.preset.prefill_tokens_per_second))
+        self._inflight.append((started, self._evictions, outcome))
+        self._evictions = []
+        self.poll()
+        return outcome
+
+    def poll(self, wait: bool = False) -> None:
+        """Finish requests whose copies have been timed (in order): emit their transfers,
+        evictions and RequestFinished, record TTFT. ``wait``: block on pending CUDA events."""
+        while self._inflight:
+            started, evictions, outcome = self._inflight[0]
+            if not all(r.resolve(wait) for r in outcome.results):
+                return
+            self._inflight.popleft()
+            self._finish(started, evictions, outcome)
+
+    def drain(self) -> None:
+        """Wait for every pending copy and finish every request."""
+        self.poll(wait=True)
+
+    def _finish(self, started, evictions, outcome: RequestOutcome) -> None:
+        stats, moved = self.stats, outcome.moved
+        for phase, direction in _DIRECTION.items():
+            stats.moved[direction] += moved[phase]
+        wait = 0.0
+        if self.payload:
+            for r in outcome.results:
+                if r.ok:
+                    stats.seconds[f"{r.src}->{r.dst}"] += r.duration
+                    if r.dst == "gpu" or r.src == "disk":
+                        wait += r.duration
+        else:
+            for phase, direction in _DIRECTION.items():
+                if moved[phase]:
+                    src, dst = direction.split("->")
+                    seconds = self.preset.transfer_seconds(src, dst, moved[phase] * self.block_bytes)
+                    stats.seconds[direction] += seconds
+                    if phase in (STAGE, PROMOTE):
+                        wait += seconds
+        outcome.promotion_wait = wait
+        outcome.ttft = outcome.queueing + outcome.lookup + wait + outcome.prefill
+        stats.ttfts.append(outcome.ttft)
+        emit = self._emit
+        if emit is None:
+            return
+        request_id = started.request_id
+        for r in outcome.results:
+            emit(ev.Transfer(ts=r.start, src=r.src, dst=r.dst, blocks=r.blocks, bytes=r.bytes,
+                             duration=r.duration if self.payload else 0.0, ok=r.ok,
+                             reason=r.reason, request_id=request_id))
+        for eviction in evictions:
+            emit(eviction)
+        end = self._clock()
+        for tier in self.tiers:
+            emit(ev.TierSnapshot(ts=end, tier=tier.name, capacity_bytes=tier.capacity_bytes,
+                                 resident_bytes=tier.resident_bytes,
+                                 capacity_blocks=tier.capacity_blocks, resident_blocks=len(tier)))
+        emit(ev.RequestFinished(ts=end, request_id=request_id, ttft=outcome.ttft,
+                                prompt_tokens=started.prompt_tokens,
+                                output_tokens=outcome.output_tokens,
+                                promotion_wait=wait))
+
+    def close(self) -> None:
+        """Finish pending requests and stop disk I/O (removing a private disk directory)."""
+        self.drain()
+        if self.disk.pool is not None:
+            self.disk.pool.close()

@@ -7,6 +7,14 @@ Prefill rate follows the standard estimate that a transformer forward pass costs
 ``2 * params`` FLOPs per token (Kaplan et al., "Scaling Laws for Neural Language Models",
 2020, section 2.1), run at ``mfu`` (model FLOPs utilisation) of the accelerator's dense peak:
 ``prefill_tokens_per_second = peak_flops * mfu / (2 * params)``.
+
+Decode at small batch is bound by memory bandwidth: every output token reads all weights once,
+so ``decode_tokens_per_second = hbm_bytes_per_second * mbu / (params * dtype_bytes)`` (the
+roofline argument of Pope et al., "Efficiently Scaling Transformer Inference", MLSys 2023,
+section 2). ``mbu`` is the fraction of peak bandwidth reached.
+
+The simulator (``payload=False``) prices transfers it does not run: ``h2d_bytes_per_second``
+for ``cpu <-> gpu`` and ``disk_bytes_per_second`` for ``disk <-> cpu``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,11 @@ class ModelPreset:
 
     ``params``: parameter count. ``peak_flops``: accelerator dense peak, FLOP/s. ``mfu``: the
     fraction of that peak prefill reaches (0-1). ``block_tokens``: default tokens per block.
+    ``hbm_bytes_per_second``: device memory bandwidth (default 3.35e12, H100 SXM HBM3, NVIDIA
+    H100 datasheet); ``mbu``: the fraction of it decode reaches (0-1). ``h2d_bytes_per_second``:
+    host<->device copy rate (default 50e9: PCIe 5.0 x16 is 64 GB/s per direction, PCI-SIG, and
+    pinned copies reach about 80% of it). ``disk_bytes_per_second``: local NVMe read rate
+    (default 6.5e9, a PCIe 4.0 x4 data-center SSD's sequential read, e.g. Samsung PM9A3 spec).
     """
 
     name: str
@@ -37,6 +50,10 @@ class ModelPreset:
     params: float
     peak_flops: float
     mfu: float
+    hbm_bytes_per_second: float = 3.35e12
+    mbu: float = 0.6
+    h2d_bytes_per_second: float = 50e9
+    disk_bytes_per_second: float = 6.5e9
 
     @property
     def dtype_bytes(self) -> int:
@@ -58,6 +75,21 @@ class ModelPreset:
     def prefill_seconds(self, tokens: int) -> float:
         """Estimated seconds to prefill ``tokens`` tokens."""
         return tokens / self.prefill_tokens_per_second
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Estimated batch-1 decode throughput, tokens/s (see the module docstring)."""
+        return self.hbm_bytes_per_second * self.mbu / (self.params * self.dtype_bytes)
+
+    def decode_seconds(self, tokens: int) -> float:
+        """Estimated seconds to decode ``tokens`` output tokens one after another."""
+        return tokens / self.decode_tokens_per_second
+
+    def transfer_seconds(self, src: str, dst: str, nbytes: int) -> float:
+        """Modelled seconds to move ``nbytes`` bytes between tiers (``disk`` hops use the disk
+        rate, ``cpu <-> gpu`` the host-device rate)."""
+        rate = self.disk_bytes_per_second if "disk" in (src, dst) else self.h2d_bytes_per_second
+        return nbytes / rate
 
 
 PRESETS: dict[str, ModelPreset] = {

@@ -31,7 +31,13 @@ class Replayer:
         self.served = 0
 
     def run(self) -> None:
-        """Replay until the workload ends or ``stop`` is set."""
+        """Replay until the workload ends or ``stop`` is set; then finish pending requests."""
+        try:
+            self._run()
+        finally:
+            self.engine.drain()
+
+    def _run(self) -> None:
         wall0 = time.monotonic()
         busy_until = 0.0  # workload seconds when the server is free again
         for request in self.requests:
@@ -44,5 +50,7 @@ class Replayer:
             start = max(request.arrival, busy_until)
             queueing = start - request.arrival
             outcome = self.engine.process(request, queueing=queueing)
-            busy_until = start + outcome.ttft - queueing
+            # with CUDA, promotion times may still be pending here; service_seconds then
+            # counts what is known (lookup and prefill)
+            busy_until = start + outcome.service_seconds
             self.served += 1

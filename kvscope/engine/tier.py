@@ -1,19 +1,21 @@
-"""A tier: a fixed number of block slots, LRU replacement, and (optionally) real payload.
+"""A tier: a fixed number of block slots, a replacement policy, and (optionally) real payload.
 
 The tier decides *which* blocks it holds (by prefix hash) and in which slot; the payload, when
-present, is a :class:`BlockPool` of real tensors the engine copies between. Keeping the two apart
-lets the same decisions run with or without bytes.
+present, is a :class:`BlockPool` of real tensors (``gpu``, ``cpu``) or a
+:class:`~kvscope.engine.disk.DiskStore` of chunk files (``disk``) that the engine copies
+between. Keeping the two apart lets the same decisions run with or without bytes.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from kvscope.engine.policy import make_policy
 
 
 @dataclass(slots=True)
 class Resident:
-    """Book-keeping of one resident block: its slot, when it was stored (s), hits since."""
+    """Book-keeping of one resident block: its slot, when it was stored (Unix s), hits since."""
 
     slot: int
     stored_at: float
@@ -25,6 +27,8 @@ class BlockPool:
 
     Shape ``(blocks, block_elems)``; ``device`` "cuda" puts it in device memory, and a host pool
     is pinned when CUDA is present so copies to the device can run asynchronously.
+    ``host_bytes``: for a host pool, a writable uint8 numpy view of shape
+    ``(blocks, block_bytes)`` sharing the tensor's memory (the disk tier reads and writes it).
     """
 
     def __init__(self, blocks: int, block_elems: int, dtype: str, device: str) -> None:
@@ -32,60 +36,70 @@ class BlockPool:
 
         pin = device == "cpu" and torch.cuda.is_available()
         self.device = device
+        self.is_cuda = device.startswith("cuda")
         self.data = torch.zeros((blocks, block_elems), dtype=getattr(torch, dtype), device=device,
                                 pin_memory=pin)
+        self.host_bytes = None if self.is_cuda else self.data.view(torch.uint8).numpy()
 
 
 class Tier:
-    """A tier (``gpu``, ``cpu``, ...) of ``capacity_blocks`` slots of ``block_bytes`` each, LRU.
+    """A tier (``gpu``, ``cpu``, ``disk``) of ``capacity_blocks`` slots of ``block_bytes`` each.
 
-    ``pool``: the payload, or None for decisions only.
+    ``policy``: ``lru`` or ``arc`` (see :mod:`kvscope.engine.policy`). ``pool``: the payload
+    (:class:`BlockPool` or ``DiskStore``), or None for decisions only.
     """
 
-    def __init__(self, name: str, capacity_blocks: int, block_bytes: int,
-                 pool: BlockPool | None = None) -> None:
+    def __init__(self, name: str, capacity_blocks: int, block_bytes: int, policy: str = "lru",
+                 pool=None) -> None:
         if capacity_blocks < 0:
             raise ValueError(f"{name} tier: capacity_blocks must be >= 0, got {capacity_blocks}")
         self.name = name
         self.capacity_blocks = capacity_blocks
         self.block_bytes = block_bytes
         self.pool = pool
-        self._blocks: OrderedDict[int, Resident] = OrderedDict()  # least recently used first
-        self._free = list(range(capacity_blocks - 1, -1, -1))
+        self.policy = make_policy(policy, capacity_blocks)
+        self.get = self.policy.get  # hash -> Resident or None; no state change
+        self._free = list(range(capacity_blocks - 1, -1, -1))  # pops 0, 1, 2, ...
 
     def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._blocks
+        return block_hash in self.policy
 
     def __len__(self) -> int:
-        return len(self._blocks)
-
-    def resident(self, block_hash: int) -> Resident:
-        return self._blocks[block_hash]
+        return len(self.policy)
 
     def touch(self, block_hash: int) -> Resident:
-        """Record a hit: the block becomes most recently used."""
-        entry = self._blocks[block_hash]
+        """Record a hit on a resident block (the policy updates its order); return its record."""
+        entry = self.policy.get(block_hash)
         entry.hits += 1
-        self._blocks.move_to_end(block_hash)
+        self.policy.hit(block_hash)
         return entry
 
     def insert(self, block_hash: int, now: float) -> tuple[int, tuple[int, Resident] | None] | None:
         """Store a block that is not resident; return ``(slot, victim)`` or None if capacity is 0.
 
-        ``victim`` is ``(hash, Resident)`` of the least recently used block, evicted to make
-        room, or None when a slot was free. The victim's payload still sits in the returned slot
-        until the caller overwrites it.
+        ``victim`` is ``(hash, Resident)`` of the block the policy evicted to make room, or
+        None. The victim's payload still sits in its slot (often the returned one) until the
+        caller overwrites it.
         """
         if self.capacity_blocks == 0:
             return None
-        victim = None
-        if self._free:
-            slot = self._free.pop()
-        else:
-            victim = self._blocks.popitem(last=False)
-            slot = victim[1].slot
-        self._blocks[block_hash] = Resident(slot, now)
+        victim = self.policy.make_room(block_hash)
+        if victim is not None:
+            self._free.append(victim[1].slot)
+        slot = self._free.pop()
+        self.policy.add(block_hash, Resident(slot, now))
         return slot, victim
+
+    def remove(self, block_hash: int) -> Resident | None:
+        """Forget a resident block (its bytes are bad or gone); free its slot."""
+        entry = self.policy.remove(block_hash)
+        if entry is not None:
+            self._free.append(entry.slot)
+        return entry
+
+    def order(self) -> list[int]:
+        """Resident hashes, next victim first (ARC: T1 then T2)."""
+        return self.policy.order()
 
     @property
     def capacity_bytes(self) -> int:
@@ -93,4 +107,4 @@ class Tier:
 
     @property
     def resident_bytes(self) -> int:
-        return len(self._blocks) * self.block_bytes
+        return len(self.policy) * self.block_bytes

@@ -1,29 +1,45 @@
-"""Batched, timed block copies between tier pools.
+"""Batched, timed block copies between tier payloads (tensor pools and chunk files).
 
 The engine plans a request's copies block by block; this module runs them as few large copies
-as correctness allows. Copies run in phases — offloads (``gpu->cpu``), then promotions
-(``cpu->gpu``), then prefill writes of recomputed blocks — so a slot that is vacated by an
-offload can be refilled by a promotion in the same batch. A planned copy that touches a slot
-already touched by a pending copy of the same or a *later* phase (with at least one of them
-writing) would run out of order, so the pending copies are flushed first.
+as correctness allows. Copies run in phases:
+
+    SPILL    cpu -> disk    (a cpu victim's bytes leave before its slot is refilled)
+    OFFLOAD  gpu -> cpu
+    STAGE    disk -> cpu    (first hop of a disk promotion)
+    PROMOTE  cpu -> gpu
+    PREFILL  recomputed blocks written into gpu slots
+
+so a slot vacated by an earlier phase can be refilled by a later one in the same batch. A
+planned copy that touches a slot already touched by a pending copy of the same or a *later*
+phase (with at least one of them writing) would run out of order, so the pending copies are
+flushed first.
+
+A failed disk write or read (see :mod:`kvscope.engine.disk`) is reported to ``on_failure``;
+a failed STAGE turns the PROMOTE that would have forwarded its bytes into a PREFILL, so wrong
+bytes never reach the ``gpu`` tier.
+
+Timing: without CUDA, ``time.perf_counter_ns`` around each batched copy. With CUDA, copies run
+on a dedicated copy stream, bracketed by CUDA events; :meth:`CopyResult.resolve` reads them
+back later without blocking (``Event.query``), or waits when asked to.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvscope.engine.tier import Tier
-
-OFFLOAD, PROMOTION, PREFILL = 0, 1, 2
+SPILL, OFFLOAD, STAGE, PROMOTE, PREFILL = range(5)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CopyResult:
-    """One executed copy: ``blocks`` blocks, ``bytes`` bytes from ``src`` to ``dst``.
+    """One executed batched copy: ``blocks`` blocks, ``bytes`` bytes from ``src`` to ``dst``.
 
-    ``start``: Unix seconds; ``duration``: seconds, measured around the copy.
+    ``start``: Unix seconds. ``duration``: seconds, or None while CUDA events are pending
+    (call :meth:`resolve`). ``ok``/``reason``: False and a :data:`~kvscope.engine.disk.REASONS`
+    value for the blocks of a batch that failed.
     """
 
     src: str
@@ -31,39 +47,195 @@ class CopyResult:
     blocks: int
     bytes: int
     start: float
-    duration: float
+    duration: float | None
+    ok: bool = True
+    reason: str = ""
+    events: tuple | None = None
+
+    def resolve(self, wait: bool = False) -> bool:
+        """Fill ``duration`` from the CUDA events if they completed (or wait when ``wait``)."""
+        if self.duration is not None:
+            return True
+        begin, end = self.events
+        if not wait and not end.query():
+            return False
+        end.synchronize()
+        self.duration = begin.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+        self.events = None
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A block whose copy failed: ``src``/``dst`` tier names, slots, hash, ``reason``."""
+
+    src: str
+    dst: str
+    block_hash: int
+    src_slot: int
+    dst_slot: int
+    reason: str
 
 
 @dataclass
 class _Pending:
-    src: Tier | None
-    dst: Tier
+    src: object  # Tier or None (prefill)
+    dst: object
     src_slots: list[int] = field(default_factory=list)
     dst_slots: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
+
+
+def _runs(src_slots: list[int], dst_slots: list[int]) -> list[tuple[int, int, int]]:
+    """Split paired slot lists into ``(src_start, dst_start, length)`` runs where both advance
+    by one, so each run is one contiguous copy."""
+    runs = []
+    s0, d0, n = src_slots[0], dst_slots[0], 1
+    for s, d in zip(src_slots[1:], dst_slots[1:]):
+        if s == s0 + n and d == d0 + n:
+            n += 1
+        else:
+            runs.append((s0, d0, n))
+            s0, d0, n = s, d, 1
+    runs.append((s0, d0, n))
+    return runs
+
+
+class Copier:
+    """Executes batched copies between :class:`~kvscope.engine.tier.BlockPool` tensors.
+
+    ``cuda``: run on a dedicated CUDA copy stream with event timing; host pools must be pinned.
+    Contiguous runs are copied with one ``copy_`` each. With CUDA, scattered slots are
+    gathered into a reused staging buffer and scattered on the far side (one host<->device
+    copy either way); between host pools they are gathered straight into contiguous
+    destination rows, or copied row by row (no call costs there).
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        import torch
+
+        self.torch = torch
+        self.cuda = cuda
+        self.stream = torch.cuda.Stream() if cuda else None
+        self._tail = None  # last event recorded on the copy stream
+        self._staging: dict[tuple, object] = {}
+
+    def begin(self) -> None:
+        """Order the copy stream after work already queued on the compute stream."""
+        if self.cuda:
+            self.stream.wait_stream(self.torch.cuda.current_stream())
+
+    def end(self) -> None:
+        """Order later compute-stream work (prefill, the model) after the copies."""
+        if self.cuda:
+            self.torch.cuda.current_stream().wait_stream(self.stream)
+
+    def host_fence(self) -> None:
+        """Wait until queued copies stopped touching host pools (before host-side I/O)."""
+        if self._tail is not None:
+            self._tail.synchronize()
+            self._tail = None
+
+    def _buffer(self, n: int, like, device: str, pinned: bool):
+        key = (device, like.dtype, like.shape[1])
+        buf = self._staging.get(key)
+        if buf is None or buf.shape[0] < n:
+            buf = self.torch.empty((n, like.shape[1]), dtype=like.dtype, device=device,
+                                   pin_memory=pinned)
+            self._staging[key] = buf
+        return buf[:n]
+
+    def copy(self, src_pool, src_slots, dst_pool, dst_slots) -> tuple[float | None, tuple | None]:
+        """Copy rows ``src_slots`` of ``src_pool`` to rows ``dst_slots`` of ``dst_pool``;
+        return ``(seconds, None)`` (host timing) or ``(None, (start, end) CUDA events)``."""
+        torch = self.torch
+        runs = _runs(src_slots, dst_slots)
+        src, dst = src_pool.data, dst_pool.data
+        if not self.cuda:  # host memory both sides: every path is a single pass over the bytes
+            t0 = time.perf_counter_ns()
+            few = max(1, len(src_slots) // 4)
+            if len(runs) <= few:
+                for s0, d0, n in runs:
+                    dst[d0:d0 + n].copy_(src[s0:s0 + n])
+            else:
+                dst_runs = _runs(dst_slots, dst_slots)
+                if len(dst_runs) <= few:  # gather straight into contiguous destination rows
+                    i = 0
+                    for d0, _, n in dst_runs:
+                        torch.index_select(src, 0, torch.tensor(src_slots[i:i + n]),
+                                           out=dst[d0:d0 + n])
+                        i += n
+                else:
+                    for s, d in zip(src_slots, dst_slots):
+                        dst[d].copy_(src[s])
+            return (time.perf_counter_ns() - t0) / 1e9, None
+        begin = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        host_scatter = None
+        with torch.cuda.stream(self.stream):
+            begin.record(self.stream)
+            if len(runs) <= max(1, len(src_slots) // 4):
+                for s0, d0, n in runs:
+                    dst[d0:d0 + n].copy_(src[s0:s0 + n], non_blocking=True)
+            elif dst_pool.is_cuda and not src_pool.is_cuda:  # h2d: gather on host, one copy
+                self.host_fence()
+                pinned = self._buffer(len(src_slots), src, "cpu", True)
+                torch.index_select(src, 0, torch.tensor(src_slots), out=pinned)
+                staged = self._buffer(len(src_slots), dst, dst_pool.device, False)
+                staged.copy_(pinned, non_blocking=True)
+                dst.index_copy_(0, torch.tensor(dst_slots, device=dst_pool.device), staged)
+            else:  # d2h: gather on device, one copy, scatter on host once it landed
+                staged = self._buffer(len(src_slots), src, src_pool.device, False)
+                torch.index_select(src, 0, torch.tensor(src_slots, device=src_pool.device),
+                                   out=staged)
+                pinned = self._buffer(len(src_slots), dst, "cpu", True)
+                pinned.copy_(staged, non_blocking=True)
+                host_scatter = pinned
+            end.record(self.stream)
+        self._tail = end
+        if host_scatter is not None:
+            end.synchronize()
+            dst.index_copy_(0, torch.tensor(dst_slots), host_scatter)
+        return None, (begin, end)
+
+    def fill(self, dst_pool, dst_slots: list[int], values: list[float]) -> None:
+        """Prefill: set every element of each row ``dst_slots[i]`` to ``values[i]``."""
+        torch = self.torch
+        data = dst_pool.data
+        idx = torch.tensor(dst_slots, device=dst_pool.device)
+        data[idx] = torch.tensor(values, dtype=data.dtype, device=dst_pool.device).unsqueeze(1)
 
 
 class CopyBatcher:
     """Collects planned copies for one request and executes them in phase order, timed.
 
-    ``clock``: wall clock for start stamps (Unix seconds).
+    ``copier``: a :class:`Copier`, or None when tiers hold no payload (nothing is executed).
+    ``on_failure``: called with each :class:`Failure`, during :meth:`flush`, before any later
+    phase runs. ``clock``: wall clock for start stamps (Unix seconds).
     """
 
-    def __init__(self, clock=time.time) -> None:
+    def __init__(self, copier: Copier | None, on_failure: Callable[[Failure], None] = lambda f: None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._copier = copier
+        self._on_failure = on_failure
         self._clock = clock
         self._pending: dict[tuple[int, str, str], _Pending] = {}
         self._touched: dict[tuple[str, int], list[tuple[int, bool]]] = defaultdict(list)
         self.results: list[CopyResult] = []
 
-    def copy(self, phase: int, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
-        """Plan a copy of one block from ``src``'s slot to ``dst``'s slot in ``phase``."""
-        self._plan(phase, src, src_slot, dst, dst_slot, 0.0)
+    def copy(self, phase: int, src, src_slot: int, dst, dst_slot: int, block_hash: int = 0,
+             value: float = 0.0) -> None:
+        """Plan a copy of block ``block_hash`` from ``src``'s slot to ``dst``'s slot in
+        ``phase``; ``value`` is what its prefill would write (used if the copy must be
+        replaced by recomputation)."""
+        self._plan(phase, src, src_slot, dst, dst_slot, block_hash, value)
 
-    def prefill(self, dst: Tier, dst_slot: int, value: float) -> None:
+    def prefill(self, dst, dst_slot: int, value: float) -> None:
         """Plan the prefill write of a recomputed block: every element set to ``value``."""
-        self._plan(PREFILL, None, -1, dst, dst_slot, value)
+        self._plan(PREFILL, None, -1, dst, dst_slot, 0, value)
 
-    def _plan(self, phase, src, src_slot, dst, dst_slot, value) -> None:
+    def _plan(self, phase, src, src_slot, dst, dst_slot, block_hash, value) -> None:
         accesses = [((dst.name, dst_slot), True)]
         if src is not None:
             accesses.append(((src.name, src_slot), False))
@@ -72,41 +244,96 @@ class CopyBatcher:
             self.flush()
         for key, write in accesses:
             self._touched[key].append((phase, write))
-        pending = self._pending.setdefault(
-            (phase, src.name if src else "", dst.name), _Pending(src, dst))
+        pending = self._pending.get((phase, src.name if src else "", dst.name))
+        if pending is None:
+            pending = self._pending[(phase, src.name if src else "", dst.name)] = _Pending(src, dst)
         pending.src_slots.append(src_slot)
         pending.dst_slots.append(dst_slot)
+        pending.hashes.append(block_hash)
         pending.values.append(value)
 
     def flush(self) -> None:
-        """Execute every pending copy, phase by phase; record a :class:`CopyResult` per copy
-        (prefill writes are computation, not transfers, and are not recorded). Tiers without a
-        pool only record the decision, with duration 0."""
-        for (phase, _, _), p in sorted(self._pending.items(), key=lambda kv: kv[0][0]):
-            start, t0 = self._clock(), time.perf_counter_ns()
-            if p.dst.pool is not None:
-                _execute(phase, p)
-            if phase == PREFILL:
-                continue
-            duration = (time.perf_counter_ns() - t0) / 1e9 if p.dst.pool is not None else 0.0
-            n = len(p.dst_slots)
-            self.results.append(CopyResult(p.src.name, p.dst.name, n, n * p.dst.block_bytes,
-                                           start, duration))
+        """Execute every pending copy, phase by phase, and record a :class:`CopyResult` per
+        batched copy (prefill writes are computation, not transfers, and are not recorded)."""
+        copier = self._copier
+        if copier is not None and self._pending:
+            copier.begin()
+        for phase in range(PREFILL + 1):
+            for key in [k for k in self._pending if k[0] == phase]:
+                p = self._pending[key]
+                if phase == PREFILL:
+                    if copier is not None:
+                        copier.end()
+                        copier.fill(p.dst.pool, p.dst_slots, p.values)
+                    continue
+                start = self._clock()
+                n = len(p.dst_slots)
+                if n == 0:  # every block of it was turned into a prefill
+                    continue
+                if copier is None:
+                    self.results.append(CopyResult(p.src.name, p.dst.name, n, n * p.dst.block_bytes,
+                                                   start, 0.0))
+                    continue
+                if phase in (SPILL, STAGE):
+                    self._disk(phase, p, start)
+                else:
+                    seconds, events = copier.copy(p.src.pool, p.src_slots, p.dst.pool, p.dst_slots)
+                    self.results.append(CopyResult(p.src.name, p.dst.name, n,
+                                                   n * p.dst.block_bytes, start, seconds,
+                                                   events=events))
+        if copier is not None and self._pending:
+            copier.end()
         self._pending.clear()
         self._touched.clear()
 
+    def _disk(self, phase: int, p: _Pending, start: float) -> None:
+        self._copier.host_fence()
+        t0 = time.perf_counter_ns()
+        if phase == SPILL:
+            rows = p.src.pool.host_bytes
+            reasons = p.dst.pool.write_many(
+                [(d, h, rows[s]) for s, d, h in zip(p.src_slots, p.dst_slots, p.hashes)])
+        else:
+            rows = p.dst.pool.host_bytes
+            reasons = p.src.pool.read_many(
+                [(s, h, rows[d]) for s, d, h in zip(p.src_slots, p.dst_slots, p.hashes)])
+        seconds = (time.perf_counter_ns() - t0) / 1e9
+        ok = reasons.count(None)
+        size = p.dst.block_bytes
+        if ok:
+            self.results.append(CopyResult(p.src.name, p.dst.name, ok, ok * size, start, seconds))
+        failed: dict[str, int] = defaultdict(int)
+        for i, reason in enumerate(reasons):
+            if reason is None:
+                continue
+            failed[reason] += 1
+            failure = Failure(p.src.name, p.dst.name, p.hashes[i], p.src_slots[i], p.dst_slots[i],
+                              reason)
+            if phase == STAGE:
+                self._recompute_instead(failure.dst_slot, p.values[i])
+            self._on_failure(failure)
+        for reason, n in failed.items():
+            self.results.append(CopyResult(p.src.name, p.dst.name, n, n * size, start, seconds,
+                                           ok=False, reason=reason))
 
-def _execute(phase: int, p: _Pending) -> None:
-    """Run one batched copy (or prefill write) on the pools; wait for it on CUDA."""
-    import torch  # the engine extra; only payload tiers get here
-
-    pool = p.dst.pool
-    dst_idx = torch.tensor(p.dst_slots, device=pool.device)
-    if phase == PREFILL:
-        values = torch.tensor(p.values, dtype=pool.data.dtype, device=pool.device)
-        pool.data[dst_idx] = values.unsqueeze(1)
-        return
-    src_idx = torch.tensor(p.src_slots, device=p.src.pool.device)
-    pool.data[dst_idx] = p.src.pool.data[src_idx].to(pool.device, non_blocking=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    def _recompute_instead(self, cpu_slot: int, value: float) -> None:
+        """A STAGE into ``cpu_slot`` failed: pending promotions from that slot become prefills."""
+        promote = next((v for k, v in self._pending.items()
+                        if k[0] == PROMOTE and k[1] == "cpu"), None)
+        if promote is None:
+            return
+        keep = [i for i, s in enumerate(promote.src_slots) if s != cpu_slot]
+        moved = [promote.dst_slots[i] for i, s in enumerate(promote.src_slots) if s == cpu_slot]
+        for name in ("src_slots", "dst_slots", "hashes", "values"):
+            column = getattr(promote, name)
+            setattr(promote, name, [column[i] for i in keep])
+        key = (PREFILL, "", promote.dst.name)
+        fill = self._pending.get(key)
+        if fill is None:
+            fill = self._pending[key] = _Pending(None, promote.dst)
+        for slot in moved:
+            if slot not in fill.dst_slots:  # a later prefill into the slot supersedes this one
+                fill.dst_slots.insert(0, slot)
+                fill.src_slots.insert(0, -1)
+                fill.hashes.insert(0, 0)
+                fill.values.insert(0, value)

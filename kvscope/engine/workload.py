@@ -28,6 +28,8 @@ class Request:
 
     ``arrival``: seconds from the workload's start. ``block_hashes``: one prefix hash per block
     of ``block_tokens`` tokens, first to last (the last block may be partial).
+    ``block_priorities``: one retention priority (0-100) per block, or empty for the engine's
+    default; offload admission compares it with ``min_priority``.
     """
 
     request_id: str
@@ -35,6 +37,7 @@ class Request:
     prompt_tokens: int
     output_tokens: int
     block_hashes: tuple[int, ...]
+    block_priorities: tuple[int, ...] = ()
 
 
 def block_token_counts(prompt_tokens: int, blocks: int, block_tokens: int) -> list[int]:
@@ -62,7 +65,9 @@ class SyntheticConfig:
     multi-turn session, ``one_off_share`` are unique prompts, the rest start a new session. Each
     session starts from one of ``system_prompts`` shared system prompts of ``system_blocks``
     blocks; each turn appends ``turn_blocks`` (a uniform range) blocks; sessions end after
-    ``max_turns`` turns. ``live_sessions``: sessions kept open at once.
+    ``max_turns`` turns. ``live_sessions``: sessions kept open at once. Block priorities
+    (0-100): ``system_priority`` for system-prompt blocks, ``one_off_priority`` for one-off
+    prompts, ``turn_priority`` for session turns (35 is TensorRT-LLM's default).
     """
 
     seed: int = 0
@@ -77,6 +82,9 @@ class SyntheticConfig:
     max_turns: int = 8
     live_sessions: int = 64
     output_tokens: tuple[int, int] = (16, 256)
+    system_priority: int = 90
+    turn_priority: int = 35
+    one_off_priority: int = 20
 
 
 @dataclass(eq=False)
@@ -105,6 +113,7 @@ def synthetic(config: SyntheticConfig = SyntheticConfig()) -> Iterator[Request]:
             for b in range(rng.randint(*config.one_off_blocks)):
                 h = _chain(h, f"one{n}/{b}")
                 prefix.append(h)
+            priorities = (config.one_off_priority,) * len(prefix)
         else:
             if roll < config.one_off_share + config.session_share and sessions:
                 session = sessions[rng.randrange(len(sessions))]
@@ -119,9 +128,13 @@ def synthetic(config: SyntheticConfig = SyntheticConfig()) -> Iterator[Request]:
             if session.turns >= config.max_turns and session in sessions:
                 sessions.remove(session)
             prefix = list(session.prefix)
+            system = min(config.system_blocks, len(prefix))
+            priorities = ((config.system_priority,) * system
+                          + (config.turn_priority,) * (len(prefix) - system))
         # the last block is partial: drop a few tokens so block_token_counts is exercised
         tokens = len(prefix) * config.block_tokens - rng.randrange(config.block_tokens)
-        yield Request(f"syn-{n}", t, tokens, rng.randint(*config.output_tokens), tuple(prefix))
+        yield Request(f"syn-{n}", t, tokens, rng.randint(*config.output_tokens), tuple(prefix),
+                      priorities)
         n += 1
 
 

@@ -1,0 +1,75 @@
+"""``kvscope analyze INPUT [--json]``: arguments and the handler. ``kvscope/cli.py`` only wires
+:func:`add_arguments` and :func:`run` into its subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvscope.analysis.analyze import METHODS, AnalyzeOptions, analyze
+from kvscope.analysis.inputs import load_trace
+from kvscope.analysis.report import render_text, to_json
+from kvscope.analysis.sizing import DEFAULT_BANDWIDTH, GIB
+from kvscope.engine.presets import PRESETS, get_preset
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``analyze`` options to ``parser``."""
+    parser.add_argument("input", metavar="INPUT", help="trace to analyze: Mooncake JSONL (.jsonl)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
+    parser.add_argument("--preset", default="llama-3-8b", choices=sorted(PRESETS),
+                        help="model preset for bytes per block and prefill cost (default %(default)s)")
+    parser.add_argument("--bandwidth-gbps", type=_positive_float, default=DEFAULT_BANDWIDTH / 1e9,
+                        metavar="GB/S", help="host-to-device promotion bandwidth, GB/s (default "
+                        "%(default)s; use the agent's measured value when you have one)")
+    parser.add_argument("--gpu-tokens", type=int, default=0, metavar="TOKENS",
+                        help="GPU prefix-cache capacity in tokens (vLLM logs it as 'GPU KV cache "
+                        "size'; default 0: none)")
+    parser.add_argument("--budget-gib", type=_positive_float, metavar="GIB",
+                        help="most host RAM the CPU tier may take (default: no limit)")
+    parser.add_argument("--target-share", type=_positive_float, default=0.9, metavar="SHARE",
+                        help="recommend the smallest size buying this share of the affordable "
+                        "gain (default %(default)s)")
+    parser.add_argument("--method", choices=METHODS, default="auto",
+                        help="LRU curve: exact stack distances, SHARDS fixed-rate or fixed-size, "
+                        "or auto (exact up to 20M accesses; default %(default)s)")
+    parser.add_argument("--sample-rate", type=_positive_float, metavar="R",
+                        help="SHARDS fixed-rate sampling rate (default: about 2M sampled accesses)")
+    parser.add_argument("--sample-blocks", type=int, default=65_536, metavar="N",
+                        help="SHARDS fixed-size sample size in blocks (default %(default)s)")
+    parser.add_argument("--arc-points", type=int, default=12, metavar="N",
+                        help="sizes on the ARC curve, 0 to skip ARC (default %(default)s)")
+
+
+def options_from(args: argparse.Namespace) -> AnalyzeOptions:
+    """Build :class:`AnalyzeOptions` from parsed arguments (raises UnknownPreset, ValueError)."""
+    return AnalyzeOptions(
+        preset=get_preset(args.preset), bandwidth=args.bandwidth_gbps * 1e9,
+        gpu_tokens=args.gpu_tokens,
+        budget_bytes=args.budget_gib * GIB if args.budget_gib else None,
+        target_share=args.target_share, method=args.method, sample_rate=args.sample_rate,
+        sample_blocks=args.sample_blocks, arc_points=args.arc_points)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Analyze ``args.input`` and print the report or JSON; return 0.
+
+    Bad options print one line to stderr and return 2; an unreadable input raises TraceError
+    (which the CLI turns into exit code 2).
+    """
+    try:
+        options = options_from(args)
+        options.validate()
+    except ValueError as exc:  # the command-line boundary: one line, exit code 2
+        print(f"kvscope: error: {exc}", file=sys.stderr)
+        return 2
+    analysis = analyze(load_trace(args.input), options)
+    sys.stdout.write(to_json(analysis) + "\n" if args.json else render_text(analysis))
+    return 0

@@ -1,0 +1,115 @@
+"""Analysis input: a flat stream of block accesses, and the readers that produce it.
+
+Every analysis works on one :class:`AccessTrace`: the block accesses of all requests in arrival
+order, as parallel numpy arrays. Readers turn a file into requests and
+:func:`from_requests` flattens them; a new input format (the agent's Parquet captures) is one
+more function registered with :func:`register_reader` for its file suffix, and the rest of the
+analysis does not change. This module is the only one in :mod:`kvscope.analysis` that reads files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, Request, TraceError,
+                                     block_token_counts, read_mooncake)
+
+
+@dataclass(frozen=True, eq=False)
+class AccessTrace:
+    """Block accesses of a workload, first to last, as parallel arrays of length ``accesses``.
+
+    ``block_ids``: uint64, the prefix hash of each accessed block (equal ids = reusable KV).
+    ``times``: float64 seconds from the workload's start (the request's arrival).
+    ``tokens``: int64 tokens each access covers (``block_tokens``, less for a partial last block).
+    ``requests``: int64 index of the request making the access (0-based, arrival order).
+    ``depths``: int64 position of the block in its request's prompt (0 = first block).
+    ``block_tokens``: tokens per full block. ``prompt_tokens``: total prompt tokens of all
+    requests (may exceed ``tokens.sum()`` when a trace lists fewer blocks than a prompt needs).
+    ``source``: where the trace came from, for reports.
+    """
+
+    block_ids: np.ndarray
+    times: np.ndarray
+    tokens: np.ndarray
+    requests: np.ndarray
+    depths: np.ndarray
+    block_tokens: int
+    request_count: int
+    prompt_tokens: int
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def duration(self) -> float:
+        """Seconds from the first to the last access (0 for fewer than two)."""
+        return float(self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
+
+
+def from_requests(requests: Iterable[Request], block_tokens: int, source: str = "") -> AccessTrace:
+    """Flatten ``requests`` (in the order given) into an :class:`AccessTrace`.
+
+    ``block_tokens``: tokens per block of the requests' ``block_hashes``.
+    """
+    ids: list[int] = []
+    times: list[float] = []
+    tokens: list[int] = []
+    owners: list[int] = []
+    depths: list[int] = []
+    prompt_tokens = 0
+    count = 0
+    for index, request in enumerate(requests):
+        blocks = len(request.block_hashes)
+        ids.extend(request.block_hashes)
+        times.extend([request.arrival] * blocks)
+        tokens.extend(block_token_counts(request.prompt_tokens, blocks, block_tokens))
+        owners.extend([index] * blocks)
+        depths.extend(range(blocks))
+        prompt_tokens += request.prompt_tokens
+        count = index + 1
+    return AccessTrace(
+        block_ids=np.array(ids, dtype=np.uint64), times=np.array(times, dtype=np.float64),
+        tokens=np.array(tokens, dtype=np.int64), requests=np.array(owners, dtype=np.int64),
+        depths=np.array(depths, dtype=np.int64), block_tokens=block_tokens,
+        request_count=count, prompt_tokens=prompt_tokens, source=source)
+
+
+def from_block_ids(block_ids: np.ndarray, block_tokens: int = 1, source: str = "") -> AccessTrace:
+    """A trace of bare block ids (one request per access, time = index): for synthetic streams."""
+    ids = np.asarray(block_ids, dtype=np.uint64)
+    n = len(ids)
+    index = np.arange(n, dtype=np.int64)
+    return AccessTrace(ids, index.astype(np.float64), np.full(n, block_tokens, dtype=np.int64),
+                       index, np.zeros(n, dtype=np.int64), block_tokens, n, n * block_tokens, source)
+
+
+def _read_mooncake(path: Path) -> AccessTrace:
+    return from_requests(read_mooncake(path), MOONCAKE_BLOCK_TOKENS, source=str(path))
+
+
+_READERS: dict[str, Callable[[Path], AccessTrace]] = {".jsonl": _read_mooncake}
+
+
+def register_reader(suffix: str, reader: Callable[[Path], AccessTrace]) -> None:
+    """Make :func:`load_trace` read files ending in ``suffix`` (e.g. ``".parquet"``) with ``reader``."""
+    _READERS[suffix.lower()] = reader
+
+
+def load_trace(path: str | Path) -> AccessTrace:
+    """Read a trace file into an :class:`AccessTrace`, choosing the reader by file suffix.
+
+    Raises :class:`~kvscope.engine.workload.TraceError` for an unknown suffix, a missing file or
+    a malformed record (the message names the file).
+    """
+    path = Path(path)
+    reader = _READERS.get(path.suffix.lower())
+    if reader is None:
+        known = ", ".join(sorted(_READERS))
+        raise TraceError(f"{path}: unknown trace format {path.suffix!r} (known: {known})")
+    return reader(path)

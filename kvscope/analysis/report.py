@@ -1,0 +1,145 @@
+"""An :class:`~kvscope.analysis.analyze.Analysis` as plain data, JSON, readable text, and the
+data behind a dashboard Sizing page. Pure functions: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from kvscope.analysis.analyze import Analysis
+from kvscope.analysis.sizing import GIB, SizePoint
+
+SCHEMA = "kvscope.analysis/v1"
+
+
+def to_dict(analysis: Analysis) -> dict:
+    """Everything in ``analysis`` as JSON-ready dicts, lists and numbers (units in key names
+    or in ``unit`` fields: blocks, bytes, seconds; ratios and shares are 0-1)."""
+    bpb = analysis.bytes_per_block
+    return {
+        "schema": SCHEMA,
+        "source": analysis.source,
+        "accesses": analysis.accesses,
+        "requests": analysis.requests,
+        "duration_seconds": analysis.duration_seconds,
+        "block_tokens": analysis.block_tokens,
+        "bytes_per_block": bpb,
+        "method": analysis.method,
+        "reuse": analysis.reuse.to_dict(),
+        "curves": {
+            "lru": analysis.lru.to_dict(bpb),
+            "lru_tokens": analysis.lru_tokens.to_dict(bpb),
+            "arc": analysis.arc.to_dict(bpb) if analysis.arc is not None else None,
+        },
+        "sizing": analysis.sizing.to_dict(),
+        "notes": list(analysis.notes),
+    }
+
+
+def to_json(analysis: Analysis) -> str:
+    """:func:`to_dict` as indented JSON text."""
+    return json.dumps(to_dict(analysis), indent=2)
+
+
+def sizing_figure_data(analysis: Analysis) -> dict:
+    """The data a Sizing page plots, in plain lists: hit-ratio curves against CPU tier size in
+    GiB (``lru``, ``lru_tokens``, ``arc``: dicts of ``gib`` and ``hit_ratio`` lists), the CPU
+    tier's token hit share and its prefill seconds saved vs transfer seconds (``cpu``), and the
+    marked points (``recommended``, ``knee``: dicts or None) with the verdict."""
+    gib = analysis.bytes_per_block / GIB
+
+    def curve(c):
+        if c is None:
+            return None
+        return {"gib": (c.sizes * gib).tolist(), "hit_ratio": c.hit_ratio.tolist(),
+                "method": c.method, "weight": c.weight}
+
+    def point(p: SizePoint | None):
+        if p is None:
+            return None
+        return {"gib": p.bytes / GIB, "blocks": p.blocks,
+                "cpu_token_hit_share": p.cpu_token_hit_share,
+                "token_hit_share": p.token_hit_share}
+
+    s = analysis.sizing
+    return {
+        "lru": curve(analysis.lru), "lru_tokens": curve(analysis.lru_tokens),
+        "arc": curve(analysis.arc),
+        "cpu": {"gib": [p.bytes / GIB for p in s.curve],
+                "cpu_token_hit_share": [p.cpu_token_hit_share for p in s.curve],
+                "prefill_seconds_saved": [p.prefill_seconds_saved for p in s.curve],
+                "transfer_seconds": [p.transfer_seconds for p in s.curve]},
+        "gpu_token_hit_share": s.gpu_token_hit_share,
+        "reuse_token_share": s.reuse_token_share,
+        "recommended": point(s.recommended), "knee": point(s.knee),
+        "offload": s.offload, "verdict": s.verdict,
+        "kv_offloading_size_gib": s.kv_offloading_size_gib,
+    }
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:,.2f} GiB"
+
+
+def _table(analysis: Analysis, rows: int = 8) -> list[str]:
+    """A few LRU/ARC curve points: the ARC sizes, else ``rows`` evenly spaced sizes."""
+    lru, lru_t, arc = analysis.lru, analysis.lru_tokens, analysis.arc
+    top = int(lru.sizes[-1])
+    sizes = arc.sizes if arc is not None else np.unique(
+        np.linspace(top / rows, top, rows).round().astype(np.int64))
+    out = [f"  {'blocks':>10} {'size':>12} {'LRU hit':>8} {'LRU tok':>8} {'ARC hit':>8}"]
+    for size in sizes.tolist():
+        arc_hit = f"{1 - arc.at(size):8.4f}" if arc is not None else f"{'-':>8}"
+        out.append(f"  {size:>10,} {_gib(size * analysis.bytes_per_block):>12} "
+                   f"{1 - lru.at(size):8.4f} {1 - lru_t.at(size):8.4f} {arc_hit}")
+    return out
+
+
+def render_text(analysis: Analysis) -> str:
+    """A readable report for a terminal."""
+    r, s = analysis.reuse, analysis.sizing
+    a = s.assumptions
+    lines = [
+        f"kvscope analyze: {analysis.source}",
+        f"  {analysis.requests:,} requests, {analysis.accesses:,} block accesses of "
+        f"{analysis.block_tokens} tokens over {analysis.duration_seconds:,.0f} s; "
+        f"{analysis.bytes_per_block:,} bytes/block ({a['preset']})",
+        "",
+        "Reuse",
+        f"  unique blocks {r.unique_blocks:,}; reused blocks {r.reused_blocks:,}",
+        f"  reused accesses {r.reuse_share:.2%}; reused tokens {r.token_reuse_share:.2%} "
+        f"(the ceiling for any cache)",
+    ]
+    if r.distance.percentiles:
+        d, t = r.distance.percentiles, r.time_to_reuse.percentiles
+        lines += [
+            f"  reuse distance (blocks) p50 {d['p50']:,.0f}  p90 {d['p90']:,.0f}  p99 {d['p99']:,.0f}",
+            f"  time to reuse (s)       p50 {t['p50']:,.1f}  p90 {t['p90']:,.1f}  p99 {t['p99']:,.1f}",
+        ]
+    if r.top_prefixes:
+        lines.append("  most shared prefixes (tokens saved if always cached):")
+        for p in r.top_prefixes[:5]:
+            lines.append(f"    id {p.block_id:<20} {p.blocks:>4} blocks {p.tokens:>8,} tokens "
+                         f"x {p.uses - 1:,} reuses = {p.tokens_saved:,} tokens")
+    lines += ["", f"Miss-ratio curves ({analysis.method})"] + _table(analysis)
+    lines += ["", "Sizing",
+              f"  assumptions: promotion {a['bandwidth_bytes_per_second'] / 1e9:.3g} GB/s, prefill "
+              f"{a['prefill_tokens_per_second']:,.0f} tokens/s, GPU prefix cache {a['gpu_tokens']:,} "
+              f"tokens, CPU tier {a['cpu_tier']}",
+              f"  GPU prefix cache alone serves {s.gpu_token_hit_share:.2%} of prompt tokens"]
+    if s.knee is not None:
+        lines.append(f"  knee: {s.knee.blocks:,} blocks ({_gib(s.knee.bytes)}): CPU tier serves "
+                     f"{s.knee.cpu_token_hit_share:.2%}")
+    if s.recommended is not None:
+        p = s.recommended
+        lines += [f"  recommended CPU tier: {p.blocks:,} blocks ({_gib(p.bytes)}); "
+                  f"vLLM --kv-offloading-size {s.kv_offloading_size_gib:g}",
+                  f"    token hit share {p.token_hit_share:.2%} (CPU tier {p.cpu_token_hit_share:.2%})",
+                  f"    prefill saved {p.prefill_seconds_saved:,.1f} s; transfers "
+                  f"{p.transfer_seconds:,.1f} s; store traffic "
+                  f"{s.offload_bytes_per_second / 1e9:.3g} GB/s on average"]
+    lines += ["", f"Verdict: {s.verdict}"] + [f"  - {reason}" for reason in s.reasons[1:]]
+    lines += [f"Note: {note}" for note in analysis.notes]
+    return "\n".join(lines) + "\n"

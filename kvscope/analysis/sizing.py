@@ -1,0 +1,197 @@
+"""CPU tier sizing: how big a host-RAM KV tier to give an engine, and whether to give one at all.
+
+The model, stated so it can be checked:
+
+- Tiers are LRU and the CPU tier is *inclusive* (vLLM's native offloading stores every
+  computed block to host memory): a reuse at stack distance ``d`` is served by the GPU prefix
+  cache when ``d < G`` and promoted from the CPU tier when ``G <= d < C``, with ``G`` and ``C``
+  the tiers' capacities in blocks. So the CPU tier adds ``H(max(C, G)) - H(G)`` of the prompt
+  tokens, ``H`` being the token-weighted LRU hit ratio (Mattson et al. 1970). Under LRU with
+  prefix hashes a cached block's whole prefix is cached too, so block hits are prefix hits.
+- A promoted token saves its prefill, ``1 / prefill_tokens_per_second`` seconds (the preset's
+  cost model), and costs ``bytes_per_token / bandwidth`` seconds of host-to-device copy.
+- Every recomputed block is stored to the CPU tier once (device-to-host, off the critical path).
+
+The *knee* is where the CPU tier's gain curve bends most (Kneedle: Satopää, Albrecht, Irwin &
+Raghavan, "Finding a 'Kneedle' in a Haystack", ICDCS Workshops 2011, on the curve normalised to
+the unit square). The *recommendation* is the smallest size that buys ``target_share`` of the gain
+the largest affordable size (the budget, or the trace's working set) would buy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kvscope.analysis.mrc import DistanceHistogram, size_grid
+from kvscope.engine.presets import ModelPreset
+
+GIB = 1 << 30
+# About 80% of PCIe 4.0 x16's 31.5 GB/s per direction (PCI-SIG): what pinned host-to-device
+# copies commonly reach. Replace with the agent's measured promotion bandwidth when there is one.
+DEFAULT_BANDWIDTH = 25e9
+
+
+@dataclass(frozen=True)
+class SizingParams:
+    """``preset``: KV shape and prefill cost. ``block_tokens``: tokens per block of the trace.
+    ``bandwidth``: host-to-device bytes/s. ``gpu_tokens``: GPU prefix-cache capacity, tokens
+    (vLLM logs it as "GPU KV cache size"). ``budget_bytes``: most host RAM to give the tier
+    (None: no limit). ``target_share``: share of the affordable gain to recommend (0-1).
+    ``min_reuse_share``: below this token reuse share, prompts count as unique.
+    ``min_gain``: below this token hit share, a CPU tier is not worth having."""
+
+    preset: ModelPreset
+    block_tokens: int
+    bandwidth: float = DEFAULT_BANDWIDTH
+    gpu_tokens: int = 0
+    budget_bytes: float | None = None
+    target_share: float = 0.9
+    min_reuse_share: float = 0.05
+    min_gain: float = 0.02
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.preset.bytes_per_token() * self.block_tokens
+
+    @property
+    def gpu_blocks(self) -> int:
+        return self.gpu_tokens // self.block_tokens
+
+
+@dataclass(frozen=True)
+class SizePoint:
+    """What a CPU tier of ``blocks`` blocks (``bytes``) would do over the whole trace.
+    Shares are of all prompt tokens (0-1); seconds are totals over the trace."""
+
+    blocks: int
+    bytes: int
+    token_hit_share: float
+    cpu_token_hit_share: float
+    prefill_seconds_saved: float
+    transfer_seconds: float
+
+
+@dataclass(frozen=True)
+class SizingAdvice:
+    """The advice. ``offload``: whether a CPU tier pays. ``reasons``: plain sentences why not
+    (empty when it pays). ``recommended``/``knee``: None when there is nothing to size.
+    ``kv_offloading_size_gib``: vLLM ``--kv-offloading-size`` for ``recommended`` (GiB, rounded
+    up to 0.1). ``offload_bytes_per_second``: average device-to-host store traffic at that size.
+    ``curve``: every evaluated size, ascending."""
+
+    offload: bool
+    verdict: str
+    reasons: list[str]
+    recommended: SizePoint | None
+    kv_offloading_size_gib: float | None
+    knee: SizePoint | None
+    gpu_token_hit_share: float
+    reuse_token_share: float
+    offload_bytes_per_second: float
+    curve: list[SizePoint] = field(default_factory=list)
+    assumptions: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kneedle(x: np.ndarray, y: np.ndarray) -> int:
+    """Index of the knee of an increasing curve: the largest ``y_n - x_n`` after scaling both to
+    [0, 1] (Satopää et al. 2011). Returns 0 for flat or single-point curves."""
+    if len(x) < 3 or y[-1] <= y[0] or x[-1] <= x[0]:
+        return 0
+    xn = (x - x[0]) / (x[-1] - x[0])
+    yn = (y - y[0]) / (y[-1] - y[0])
+    return int(np.argmax(yn - xn))
+
+
+def _round_up_gib(n_bytes: float) -> float:
+    return math.ceil(n_bytes / GIB * 10) / 10
+
+
+def _smallest_size(histogram: DistanceHistogram, hit_ratio: float) -> int:
+    """Smallest LRU size (blocks) whose hit ratio reaches ``hit_ratio`` (assumed reachable)."""
+    cumulative = np.cumsum(histogram.hits) / histogram.total
+    return int(np.searchsorted(cumulative, hit_ratio - 1e-12)) + 1
+
+
+def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds: float,
+           points: int = 256) -> SizingAdvice:
+    """Size the CPU tier from a token-weighted stack-distance ``histogram`` (LRU).
+
+    ``duration_seconds``: the trace's span (for average store traffic). Pure: no I/O.
+    """
+    preset, g = params.preset, params.gpu_blocks
+    bpb, bpt = params.bytes_per_block, preset.bytes_per_token()
+    total = histogram.total
+    working_set = max(histogram.max_useful_size, 1)
+    budget_blocks = (working_set if params.budget_bytes is None
+                     else max(0, int(params.budget_bytes // bpb)))
+    top = max(1, min(budget_blocks, working_set), g)
+    sizes = np.unique(np.concatenate((size_grid(top, points), [max(g, 1)])))
+    hit = histogram.hit_ratio(np.maximum(sizes, g))
+    gpu_hit = float(histogram.hit_ratio([g])[0])
+    reuse = float(histogram.hit_ratio([working_set])[0])
+    cpu = hit - gpu_hit
+    promoted = cpu * total
+    saved = promoted / preset.prefill_tokens_per_second
+    moved = promoted * bpt / params.bandwidth
+    curve = [SizePoint(int(s), int(s) * bpb, float(h), float(c), float(sv), float(mv))
+             for s, h, c, sv, mv in zip(sizes, hit, cpu, saved, moved)]
+    affordable = [p for p in curve if p.blocks <= max(budget_blocks, 1)]
+    best_gain = max((p.cpu_token_hit_share for p in affordable), default=0.0)
+    unlimited_gain = reuse - gpu_hit
+
+    reasons = []
+    if reuse < params.min_reuse_share:
+        reasons.append(f"Prompts are nearly all unique: only {reuse:.1%} of prompt tokens are ever "
+                       f"reused, so no cache of any size can serve more.")
+    recompute_s, promote_s = 1.0 / preset.prefill_tokens_per_second, bpt / params.bandwidth
+    if promote_s >= recompute_s:
+        reasons.append(f"Promotions are slower than recomputing: copying one token's KV "
+                       f"({bpt} bytes at {params.bandwidth / 1e9:.3g} GB/s) takes "
+                       f"{promote_s * 1e6:.3g} us, prefill takes {recompute_s * 1e6:.3g} us.")
+    if not reasons and best_gain < params.min_gain:
+        if unlimited_gain < params.min_gain:
+            reasons.append(f"The GPU prefix cache ({params.gpu_tokens} tokens) already serves "
+                           f"{gpu_hit:.1%} of the {reuse:.1%} reusable prompt tokens; a CPU tier "
+                           f"adds at most {unlimited_gain:.1%}.")
+        else:
+            need = _smallest_size(histogram, gpu_hit + params.min_gain)
+            reasons.append(f"Reuse is too far apart for the budget: "
+                           f"{_round_up_gib(budget_blocks * bpb)} GiB of host RAM adds only "
+                           f"{best_gain:.1%} token hits; {params.min_gain:.0%} needs about "
+                           f"{_round_up_gib(need * bpb)} GiB.")
+
+    knee = None
+    if len(affordable) >= 3 and best_gain > 0:
+        x = np.array([p.blocks for p in affordable], dtype=np.float64)
+        y = np.array([p.cpu_token_hit_share for p in affordable])
+        knee = affordable[kneedle(x, y)]
+    recommended = None
+    if not reasons:
+        recommended = next(p for p in affordable
+                           if p.cpu_token_hit_share >= params.target_share * best_gain)
+    stored = (1.0 - (recommended.token_hit_share if recommended else gpu_hit)) * total * bpt
+    offload = not reasons
+    if offload:
+        verdict = (f"Offload: a {_round_up_gib(recommended.bytes)} GiB CPU tier serves "
+                   f"{recommended.cpu_token_hit_share:.1%} of prompt tokens, saving "
+                   f"{recommended.prefill_seconds_saved:.4g} s of prefill for "
+                   f"{recommended.transfer_seconds:.4g} s of transfers.")
+    else:
+        verdict = "Do not offload: " + reasons[0]
+    return SizingAdvice(
+        offload=offload, verdict=verdict, reasons=reasons, recommended=recommended,
+        kv_offloading_size_gib=_round_up_gib(recommended.bytes) if recommended else None,
+        knee=knee, gpu_token_hit_share=gpu_hit, reuse_token_share=reuse,
+        offload_bytes_per_second=stored / duration_seconds if duration_seconds > 0 else 0.0,
+        curve=curve,
+        assumptions={"preset": preset.name, "block_tokens": params.block_tokens,
+                     "bytes_per_block": bpb, "bandwidth_bytes_per_second": params.bandwidth,
+                     "prefill_tokens_per_second": preset.prefill_tokens_per_second,
+                     "gpu_tokens": params.gpu_tokens, "budget_bytes": params.budget_bytes,
+                     "target_share": params.target_share, "cpu_tier": "inclusive LRU"})

@@ -1,0 +1,157 @@
+"""Replacement policies: which resident block a full tier gives up. Decisions only, no bytes.
+
+A policy maps a block's prefix hash to a value the tier owns (its :class:`Resident` record) and
+keeps the eviction order. Every block has unit size, so inserting into a full tier evicts
+exactly one block. The interface, shared by :class:`LRUPolicy` and :class:`ARCPolicy`:
+
+- ``get(h)``: the value of resident block ``h``, or None (no state change);
+- ``hit(h)``: a resident block was used;
+- ``make_room(h)``: before inserting the non-resident block ``h``, evict whatever must go and
+  return ``(hash, value)`` of the evicted block, or None;
+- ``add(h, value)``: insert ``h`` (call ``make_room(h)`` first);
+- ``remove(h)``: forget resident block ``h`` (no ghost entry), return its value or None;
+- ``order()``: resident hashes, next victim first (for tests and snapshots).
+
+Both policies are written to make the same decisions as libCacheSim's ``LRU`` and ``ARC``
+(https://github.com/1a1a11a/libCacheSim, ``cache/eviction/{LRU,ARC}.c``) on unit-size objects,
+which the tests check on a real trace.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+POLICIES: tuple[str, ...] = ("lru", "arc")
+
+
+class LRUPolicy:
+    """Least recently used: evict the block whose last use is oldest. ``capacity``: blocks."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._d: OrderedDict = OrderedDict()  # least recently used first
+        self.get = self._d.get
+        self.hit = self._d.move_to_end
+
+    def __contains__(self, h: int) -> bool:
+        return h in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def make_room(self, h: int):
+        if len(self._d) >= self.capacity:
+            return self._d.popitem(last=False)
+        return None
+
+    def add(self, h: int, value) -> None:
+        self._d[h] = value
+
+    def remove(self, h: int):
+        return self._d.pop(h, None)
+
+    def order(self) -> list[int]:
+        return list(self._d)
+
+
+class ARCPolicy:
+    """Adaptive Replacement Cache: N. Megiddo and D. S. Modha, "ARC: A Self-Tuning, Low Overhead
+    Replacement Cache", USENIX FAST 2003, Fig. 4.
+
+    ``T1`` holds blocks used once recently, ``T2`` blocks used at least twice; the ghost lists
+    ``B1``/``B2`` remember the hashes (no payload) recently evicted from each. A miss that hits
+    a ghost list moves the target size ``p`` of ``T1`` (up for ``B1``, down for ``B2``) and
+    enters ``T2``. ``capacity``: blocks (``c`` in the paper); ghosts add at most ``c`` hashes.
+
+    Details the paper leaves open follow libCacheSim's ``ARC.c`` (which cross-checks them
+    against https://github.com/trauzti/cache) so that the two agree exactly: ``p`` and
+    ``delta = max(|B2| / |B1|, 1)`` are real numbers, a ghost hit evicts only when the tier is
+    full, and REPLACE takes from T1 when T2 is empty.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.p = 0.0  # target size of T1, blocks (a real number, as in the paper)
+        self.t1: OrderedDict = OrderedDict()  # least recently used first
+        self.t2: OrderedDict = OrderedDict()
+        self.b1: OrderedDict = OrderedDict()  # ghosts: hash -> None
+        self.b2: OrderedDict = OrderedDict()
+        self._to_t2 = False  # set by make_room: the next add() was a ghost hit
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.t1 or h in self.t2
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
+    def get(self, h: int):
+        value = self.t1.get(h)
+        return value if value is not None else self.t2.get(h)
+
+    def hit(self, h: int) -> None:
+        """Case I: a hit in T1 or T2 moves the block to the MRU end of T2."""
+        if h in self.t1:
+            self.t2[h] = self.t1.pop(h)
+        else:
+            self.t2.move_to_end(h)
+
+    def _replace(self, in_b2: bool):
+        """REPLACE(x, p): demote the LRU of T1 or of T2 to its ghost list; return it."""
+        t1 = self.t1
+        if (t1 and (len(t1) > self.p or (len(t1) == self.p and in_b2))) or not self.t2:
+            h, value = t1.popitem(last=False)
+            self.b1[h] = None
+        else:
+            h, value = self.t2.popitem(last=False)
+            self.b2[h] = None
+        return h, value
+
+    def make_room(self, h: int):
+        """Cases II-IV for a block not in T1 or T2; returns the evicted ``(hash, value)``."""
+        c = self.capacity
+        full = len(self.t1) + len(self.t2) >= c
+        if h in self.b1:  # case II
+            self.p = min(self.p + max(len(self.b2) / len(self.b1), 1.0), c)
+            del self.b1[h]
+            self._to_t2 = True
+            return self._replace(False) if full else None
+        if h in self.b2:  # case III
+            self.p = max(self.p - max(len(self.b1) / len(self.b2), 1.0), 0.0)
+            del self.b2[h]
+            self._to_t2 = True
+            return self._replace(True) if full else None
+        self._to_t2 = False
+        if not full:
+            return None
+        if len(self.t1) + len(self.b1) + 1 > c:  # case IV.A: |L1| = c
+            if self.b1:
+                self.b1.popitem(last=False)
+                return self._replace(False)
+            return self.t1.popitem(last=False)  # B1 is empty: evict T1's LRU outright
+        if len(self.t1) + len(self.b1) + len(self.t2) + len(self.b2) >= 2 * c and self.b2:
+            self.b2.popitem(last=False)  # case IV.B
+        return self._replace(False)
+
+    def add(self, h: int, value) -> None:
+        (self.t2 if self._to_t2 else self.t1)[h] = value
+        self._to_t2 = False
+
+    def remove(self, h: int):
+        value = self.t1.pop(h, None)
+        return value if value is not None else self.t2.pop(h, None)
+
+    def order(self) -> list[int]:
+        return list(self.t1) + list(self.t2)
+
+
+def make_policy(name: str, capacity: int):
+    """A policy called ``name`` (``lru`` or ``arc``) for ``capacity`` blocks; ValueError else."""
+    if name == "lru":
+        return LRUPolicy(capacity)
+    if name == "arc":
+        return ARCPolicy(capacity)
+    raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")

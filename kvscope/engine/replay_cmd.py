@@ -1,0 +1,122 @@
+"""``kvscope replay``: run a workload through the engine (or the simulator) and summarise it.
+
+Without ``--trace`` the built-in synthetic workload runs for ``--requests`` requests; a
+Mooncake trace uses 512-token blocks. ``--simulate`` makes the same decisions with no payload
+bytes, as fast as possible (pacing is ignored). ``--json`` prints the summary of
+:meth:`kvscope.engine.stats.EngineStats.summary` as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+from kvscope.engine.policy import POLICIES
+from kvscope.engine.presets import PRESETS, get_preset
+from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``replay`` subcommand to an argparse subparsers object."""
+    p = sub.add_parser(
+        "replay", help="replay a trace through the offload engine and print hit ratios",
+        description="Replay a Mooncake JSONL trace (or the built-in synthetic workload) through "
+                    "the three-tier offload engine, or with --simulate through its decisions "
+                    "only, and print hit ratios, transfers, evictions and TTFT percentiles.")
+    p.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (512-token blocks)")
+    p.add_argument("--requests", type=int, default=2000,
+                   help="requests of the synthetic workload (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    p.add_argument("--gpu-blocks", type=int, default=256, help="gpu tier blocks (default %(default)s)")
+    p.add_argument("--cpu-blocks", type=int, default=1024, help="cpu tier blocks; 0 disables")
+    p.add_argument("--disk-blocks", type=int, default=0, help="disk tier blocks; 0 disables")
+    p.add_argument("--disk-dir", metavar="DIR", help="directory for disk chunk files "
+                   "(default: a temporary directory, removed at exit)")
+    p.add_argument("--policy", choices=POLICIES, default="lru", help="eviction policy of every tier")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model preset")
+    p.add_argument("--store-threshold", type=int, default=1,
+                   help="offload a block only once seen this many times (default 1)")
+    p.add_argument("--min-priority", type=int, default=0,
+                   help="drop instead of offloading blocks below this priority (default 0)")
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--speed", type=float, default=None,
+                      help="workload seconds per wall second (default: as fast as possible)")
+    pace.add_argument("--fast", action="store_true", help="as fast as possible (the default)")
+    p.add_argument("--simulate", action="store_true",
+                   help="decisions only, no payload bytes; transfer times from the cost model")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def replay(args) -> dict:
+    """Run the replay described by parsed ``args``; return the summary dict.
+
+    Raises :class:`~kvscope.engine.workload.TraceError`, ValueError (bad sizes) or
+    :class:`~kvscope.engine.presets.UnknownPreset`.
+    """
+    from kvscope.engine.engine import OffloadEngine
+    from kvscope.engine.replay import Replayer
+
+    for name in ("gpu_blocks", "cpu_blocks", "disk_blocks", "requests"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.speed is not None and args.speed <= 0:
+        raise ValueError("--speed must be > 0")
+    preset = get_preset(args.preset)
+    if args.trace:
+        requests, block_tokens = read_mooncake(args.trace), MOONCAKE_BLOCK_TOKENS
+    else:
+        block_tokens = preset.block_tokens
+        requests = list(itertools.islice(
+            synthetic(SyntheticConfig(seed=args.seed, block_tokens=block_tokens)), args.requests))
+    engine = OffloadEngine(preset, args.gpu_blocks, args.cpu_blocks, args.disk_blocks,
+                           block_tokens=block_tokens, payload=not args.simulate,
+                           policy=args.policy, disk_dir=args.disk_dir,
+                           store_threshold=args.store_threshold, min_priority=args.min_priority)
+    speed = None if (args.fast or args.simulate) else args.speed
+    t0 = time.perf_counter()
+    try:
+        Replayer(engine, requests, speed=speed).run()
+    finally:
+        engine.close()
+    summary = engine.stats.summary(engine.block_bytes, time.perf_counter() - t0)
+    summary["config"] = {"trace": args.trace, "preset": preset.name, "block_tokens": block_tokens,
+                         "block_bytes": engine.block_bytes, "policy": args.policy,
+                         "gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks,
+                         "disk_blocks": args.disk_blocks, "simulate": args.simulate}
+    return summary
+
+
+def render(summary: dict) -> str:
+    """A short human-readable report of a summary."""
+    t = summary["ttft_seconds"]
+    lines = [f"requests {summary['requests']}, block accesses {summary['block_accesses']}, "
+             f"wall {summary['wall_seconds']:.2f} s",
+             f"block hit ratio {summary['block_hit_ratio']:.4f} (" + ", ".join(
+                 f"{k} {v:.4f}" for k, v in summary["block_hit_ratio_by_tier"].items()) + ")",
+             f"prefix hit ratio {summary['prefix_hit_ratio']:.4f}; tokens " + ", ".join(
+                 f"{k} {v}" for k, v in summary["tokens_by_source"].items()),
+             "transfers " + ", ".join(f"{d} {v['blocks']} blocks {v['seconds']:.3f} s"
+                                      for d, v in summary["transfers"].items() if v["blocks"]),
+             "evictions " + ", ".join(f"{k} {v}" for k, v in summary["evictions"].items()),
+             f"ttft p50 {t['p50'] * 1e3:.2f} ms, p95 {t['p95'] * 1e3:.2f} ms, p99 {t['p99'] * 1e3:.2f} ms"]
+    if summary["errors"]:
+        lines.append("errors " + ", ".join(f"{k} {v}" for k, v in summary["errors"].items()))
+    return "\n".join(lines)
+
+
+def run(args, out=sys.stdout) -> int:
+    """The subcommand's handler: replay and print; exit code 0, or 2 with one line on stderr
+    for bad sizes (trace and preset errors are reported by the caller)."""
+    try:
+        summary = replay(args)
+    except ValueError as exc:
+        if not type(exc) is ValueError:  # TraceError and friends: the caller reports them
+            raise
+        print(f"kvscope: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary) if args.json else render(summary), file=out)
+    return 0

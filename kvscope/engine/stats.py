@@ -1,0 +1,86 @@
+"""Engine counters and the replay summary (the ``kvscope replay --json`` object).
+
+Two hit ratios, both 0-1:
+
+- **block hit ratio**: block accesses that found the block resident in some tier / block
+  accesses (each request's blocks counted first to last, in trace order);
+- **prefix hit ratio**: prompt tokens served from a cache tier / prompt tokens. Only the
+  leading contiguous run of cached blocks can serve tokens (a last, partial block weighs
+  less than a full one, so the two ratios are not ordered).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+TIERS = ("gpu", "cpu", "disk")
+SOURCES = ("gpu", "cpu", "disk", "recompute")
+DIRECTIONS = ("cpu->disk", "gpu->cpu", "disk->cpu", "cpu->gpu")  # in transfer phase order
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between closest ranks (the
+    default of ``numpy.percentile``); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+@dataclass
+class EngineStats:
+    """Running totals of one engine. Counts are blocks unless named otherwise.
+
+    ``block_hits``: dict[tier, block accesses that found the block there first].
+    ``tokens``: dict[source, prompt tokens]. ``evictions``: dict[tier, blocks that left it];
+    ``offloaded``: dict[tier, of those, blocks that went on to the next tier down].
+    ``moved``: dict["src->dst", blocks copied]; ``seconds``: dict["src->dst", seconds spent].
+    ``errors``: dict[reason, failed block copies]. ``ttfts``: seconds, one per request.
+    """
+
+    requests: int = 0
+    block_accesses: int = 0
+    prompt_tokens: int = 0
+    block_hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    offloaded: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0.0))
+    errors: dict[str, int] = field(default_factory=dict)
+    ttfts: list[float] = field(default_factory=list)
+
+    def decisions(self) -> dict:
+        """The counters that depend only on placement decisions (not on timing or faults):
+        equal for the engine with payload and the simulator on the same input."""
+        return {"requests": self.requests, "block_accesses": self.block_accesses,
+                "block_hits": dict(self.block_hits), "tokens": dict(self.tokens),
+                "evictions": dict(self.evictions), "offloaded": dict(self.offloaded),
+                "moved": dict(self.moved)}
+
+    def summary(self, block_bytes: int, wall_seconds: float) -> dict:
+        """The replay summary: a JSON-ready dict (ratios 0-1, bytes, seconds)."""
+        accesses = self.block_accesses or 1
+        prompt = self.prompt_tokens or 1
+        served = self.tokens["gpu"] + self.tokens["cpu"] + self.tokens["disk"]
+        return {
+            "requests": self.requests,
+            "block_accesses": self.block_accesses,
+            "block_hit_ratio": sum(self.block_hits.values()) / accesses,
+            "block_hit_ratio_by_tier": {t: n / accesses for t, n in self.block_hits.items()},
+            "prefix_hit_ratio": served / prompt,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens_by_source": dict(self.tokens),
+            "transfers": {d: {"blocks": self.moved[d], "bytes": self.moved[d] * block_bytes,
+                              "seconds": self.seconds[d]} for d in DIRECTIONS},
+            "evictions": dict(self.evictions),
+            "evictions_offloaded": dict(self.offloaded),
+            "errors": dict(self.errors),
+            "ttft_seconds": {"p50": percentile(self.ttfts, 50), "p95": percentile(self.ttfts, 95),
+                             "p99": percentile(self.ttfts, 99),
+                             "mean": sum(self.ttfts) / len(self.ttfts) if self.ttfts else 0.0},
+            "wall_seconds": wall_seconds,
+        }

@@ -1,0 +1,95 @@
+"""`kvscope analyze`: the pure analysis, its JSON and text, the Sizing page data, and the CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kvscope.analysis.analyze import AnalyzeOptions, analyze
+from kvscope.analysis.inputs import load_trace
+from kvscope.analysis.report import render_text, sizing_figure_data, to_dict
+from kvscope.cli import main
+from kvscope.engine.presets import get_preset
+from tests.traces import trace_path
+
+RECORDS = [  # Mooncake JSONL: 512-token blocks; the first two blocks are shared
+    {"timestamp": 0, "input_length": 1536, "output_length": 10, "hash_ids": [0, 1, 2]},
+    {"timestamp": 1000, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 3]},
+    {"timestamp": 3000, "input_length": 1024, "output_length": 10, "hash_ids": [0, 1]},
+    {"timestamp": 4000, "input_length": 512, "output_length": 10, "hash_ids": [7]},
+]
+
+
+@pytest.fixture
+def small_trace(tmp_path):
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return path
+
+
+def test_cli_json_is_complete_and_exact(small_trace, capsys):
+    assert main(["analyze", str(small_trace), "--json", "--preset", "tiny"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schema"] == "kvscope.analysis/v1"
+    assert (out["accesses"], out["requests"], out["block_tokens"]) == (9, 4, 512)
+    assert out["bytes_per_block"] == 2048 * 512  # tiny: 2 KiB per token
+    assert out["reuse"]["reuse_share"] == pytest.approx(4 / 9)
+    lru = out["curves"]["lru"]
+    # accesses 0 1 2 0 1 3 0 1 7: reuses at distances 2, 2, 2, 2 -> all hit from 3 blocks on
+    assert lru["sizes_blocks"][-1] == 3
+    assert lru["miss_ratio"][-1] == pytest.approx(5 / 9)
+    assert lru["sizes_bytes"][-1] == 3 * 2048 * 512
+    assert out["sizing"]["offload"] is True
+    assert out["sizing"]["recommended"]["blocks"] == 3
+
+
+def test_cli_text_report(small_trace, capsys):
+    assert main(["analyze", str(small_trace), "--preset", "tiny", "--arc-points", "2"]) == 0
+    text = capsys.readouterr().out
+    for heading in ("Reuse", "Miss-ratio curves (lru-exact)", "Sizing", "Verdict: Offload"):
+        assert heading in text
+    assert "--kv-offloading-size" in text
+
+
+def test_cli_errors_exit_2(tmp_path, capsys):
+    assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
+    assert main(["analyze", str(tmp_path / "capture.parquet")]) == 2
+    assert "unknown trace format" in capsys.readouterr().err
+    (tmp_path / "ok.jsonl").write_text(json.dumps(RECORDS[0]) + "\n")
+    assert main(["analyze", str(tmp_path / "ok.jsonl"), "--target-share", "2"]) == 2
+    assert "target share" in capsys.readouterr().err
+
+
+def test_options_validate():
+    preset = get_preset("tiny")
+    for bad in (dict(method="nope"), dict(sample_rate=2.0), dict(bandwidth=0),
+                dict(gpu_tokens=-1), dict(budget_bytes=0), dict(target_share=0)):
+        with pytest.raises(ValueError):
+            AnalyzeOptions(preset, **bad).validate()
+
+
+def test_sizing_page_data_is_plain_and_consistent():
+    trace = load_trace(trace_path())
+    analysis = analyze(trace, AnalyzeOptions(get_preset("llama-3-8b"), arc_points=4))
+    data = sizing_figure_data(analysis)
+    json.dumps(data)  # plain data only
+    assert len(data["lru"]["gib"]) == len(data["lru"]["hit_ratio"])
+    assert len(data["cpu"]["gib"]) == len(data["cpu"]["transfer_seconds"])
+    assert data["recommended"]["gib"] == pytest.approx(
+        data["recommended"]["blocks"] * analysis.bytes_per_block / 2**30)
+    assert data["offload"] and data["kv_offloading_size_gib"] >= data["recommended"]["gib"]
+    assert max(data["lru"]["hit_ratio"]) == pytest.approx(0.3664, abs=5e-5)
+    json.loads(json.dumps(to_dict(analysis)))
+    assert "Verdict" in render_text(analysis)
+
+
+@pytest.mark.parametrize("method", ["shards-rate", "shards-size"])
+def test_sampled_methods_track_the_exact_curve(method):
+    trace = load_trace(trace_path())
+    preset = get_preset("llama-3-8b")
+    exact = analyze(trace, AnalyzeOptions(preset, arc_points=0))
+    sampled = analyze(trace, AnalyzeOptions(preset, method=method, sample_rate=0.1,
+                                            sample_blocks=8192, arc_points=0))
+    assert sampled.method.startswith("lru-shards-fixed-" + method.split("-")[1])
+    assert np.mean(np.abs(sampled.lru.miss_ratio - exact.lru.miss_ratio)) <= 0.01
+    assert sampled.reuse.reuse_share == exact.reuse.reuse_share  # counted exactly either way

@@ -1,0 +1,63 @@
+"""Sizing advice on literal stack-distance histograms with a preset of round numbers."""
+
+import numpy as np
+import pytest
+
+from kvscope.analysis.mrc import DistanceHistogram
+from kvscope.analysis.sizing import SizingParams, advise, kneedle
+from kvscope.engine.presets import ModelPreset
+
+# 16 bytes of KV per token (2 * 1 layer * 1 head * 4 dims * 2 bytes); prefill 1000 tokens/s
+ROUND = ModelPreset(name="round", layers=1, kv_heads=1, head_dim=4, dtype="float16",
+                    block_tokens=1, params=1.0, peak_flops=2000.0, mfu=1.0)
+FAST = 1.6e6  # bytes/s: promoting a token takes 10 us, recomputing it 1 ms
+
+
+def far_reuse(total=100.0, hits=50.0, distance=9):
+    h = np.zeros(distance + 1)
+    h[distance] = hits
+    return DistanceHistogram(h, total)
+
+
+def test_offload_pays_and_is_sized_to_the_reuse():
+    advice = advise(far_reuse(), SizingParams(ROUND, block_tokens=1, bandwidth=FAST), 10.0)
+    assert advice.offload and advice.reasons == []
+    p = advice.recommended
+    assert p.blocks == 10 and p.bytes == 160  # reuse at distance 9 needs 10 blocks
+    assert p.cpu_token_hit_share == pytest.approx(0.5)
+    assert p.prefill_seconds_saved == pytest.approx(0.05)  # 50 tokens at 1000 tokens/s
+    assert p.transfer_seconds == pytest.approx(50 * 16 / FAST)
+    assert advice.kv_offloading_size_gib == 0.1  # rounded up to 0.1 GiB
+    assert advice.offload_bytes_per_second == pytest.approx(50 * 16 / 10.0)  # misses stored
+    assert advice.verdict.startswith("Offload:")
+    assert [c.blocks for c in advice.curve] == sorted(c.blocks for c in advice.curve)
+
+
+def test_nearly_unique_prompts_are_called_out():
+    advice = advise(far_reuse(hits=1.0), SizingParams(ROUND, 1, FAST), 10.0)
+    assert not advice.offload and advice.recommended is None
+    assert "nearly all unique" in advice.verdict
+
+
+def test_promotions_slower_than_prefill_are_called_out():
+    advice = advise(far_reuse(), SizingParams(ROUND, 1, bandwidth=16_000), 10.0)
+    assert not advice.offload
+    assert "slower than recomputing" in advice.reasons[0]
+
+
+def test_reuse_beyond_the_budget_is_called_out():
+    advice = advise(far_reuse(), SizingParams(ROUND, 1, FAST, budget_bytes=80), 10.0)
+    assert not advice.offload
+    assert "too far apart" in advice.verdict and "0.1 GiB" in advice.verdict
+
+
+def test_a_gpu_cache_that_already_holds_the_reuse_leaves_nothing_to_offload():
+    advice = advise(far_reuse(), SizingParams(ROUND, 1, FAST, gpu_tokens=10), 10.0)
+    assert advice.gpu_token_hit_share == pytest.approx(0.5)
+    assert not advice.offload and "GPU prefix cache" in advice.verdict
+
+
+def test_kneedle_finds_the_bend():
+    x = np.array([0, 1, 2, 3, 4], dtype=float)
+    assert kneedle(x, np.array([0, 0.8, 0.9, 0.95, 1.0])) == 1
+    assert kneedle(x, np.zeros(5)) == 0

@@ -1,0 +1,197 @@
+"""Disk-tier faults with real files: each one makes the block a miss that is recomputed,
+counts an error by reason, never serves wrong bytes, leaves no temporary file behind, and the
+engine keeps going.
+
+Setting (gpu 1, cpu 1, disk 4 blocks, LRU): r0 [A], r1 [B], r2 [C] leave A's only copy on disk
+(chunk file written by a spill). r3 [A] then must stage A disk -> cpu -> gpu.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvscope import events as ev
+from kvscope.engine.engine import OffloadEngine, prefill_value
+from kvscope.engine.presets import get_preset
+from kvscope.engine.workload import Request
+
+TINY = get_preset("tiny")
+A, B, C, D, E = 201, 202, 203, 204, 205
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _req(name, *hashes):
+    return Request(name, 0.0, 16 * len(hashes), 1, hashes)
+
+
+def _all_bytes_ok(engine):
+    for tier in engine.tiers:
+        for h in tier.order():
+            slot = tier.get(h).slot
+            if tier.name == "disk":
+                out = np.empty(engine.block_bytes, dtype=np.uint8)
+                tier.pool.read_into(slot, h, out)
+                data = np.frombuffer(out.tobytes(), dtype=np.float16)
+            else:
+                data = tier.pool.data[slot].numpy()
+            assert bool((data == prefill_value(h)).all()), (tier.name, h)
+
+
+def _no_temporary_files(directory):
+    return [p.name for p in Path(directory).iterdir() if p.name.endswith(".tmp")] == []
+
+
+def _with_a_on_disk(directory, events):
+    engine = OffloadEngine(TINY, 1, 1, 4, emit=events.append, disk_dir=directory)
+    for i, h in enumerate([A, B, C]):
+        engine.process(_req(f"r{i}", h))
+    assert engine.disk.order() == [A]
+    return engine, engine.disk.pool.path(engine.disk.get(A).slot)
+
+
+def _truncate(path):
+    os.truncate(path, 1000)
+
+
+def _flip_payload_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(32 + 5000)  # past the 32-byte header
+        byte = f.read(1)
+        f.seek(32 + 5000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _overwrite_header_hash(path):
+    data = bytearray(path.read_bytes())
+    data[8:16] = (999).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,reason", [
+    (_truncate, "truncated"),
+    (_flip_payload_byte, "checksum"),
+    (os.unlink, "missing"),
+    (_overwrite_header_hash, "corrupt"),
+])
+def test_a_bad_chunk_is_a_miss_that_is_recomputed(tmp_path, damage, reason):
+    events = []
+    engine, path = _with_a_on_disk(tmp_path, events)
+    damage(path)
+    outcome = engine.process(_req("r3", A))
+    assert outcome.tokens == {"gpu": 0, "cpu": 0, "disk": 0, "recompute": 16}
+    assert outcome.block_hits["disk"] == 0 and outcome.failed_blocks == 1
+    assert engine.stats.errors == {reason: 1}
+    failed = [t for t in events if isinstance(t, ev.Transfer) and not t.ok]
+    assert [(t.src, t.dst, t.blocks, t.reason) for t in failed] == [("disk", "cpu", 1, reason)]
+    assert not any(isinstance(t, ev.Transfer) and t.request_id == "r3" and t.dst == "gpu"
+                   for t in events)  # the garbage never went on to the gpu
+    assert A not in engine.disk and A not in engine.cpu
+    gone = [(e.tier, e.reason) for e in events if isinstance(e, ev.Eviction) and e.reason == "failed"]
+    assert gone == [("disk", "failed"), ("cpu", "failed")]
+    _all_bytes_ok(engine)  # gpu holds A's recomputed bytes; nothing holds wrong bytes
+    # the engine keeps going: A is a gpu hit now, B (spilled during r3) comes back from disk
+    assert engine.process(_req("r4", A)).tokens["gpu"] == 16
+    assert engine.process(_req("r5", B)).tokens["disk"] == 16
+    _all_bytes_ok(engine)
+    assert _no_temporary_files(tmp_path)
+    engine.close()
+
+
+def _mount_tmpfs(directory, size):
+    """A real, tiny tmpfs (needs root with CAP_SYS_ADMIN); False when mounting is refused."""
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                            capture_output=True)
+    return result.returncode == 0
+
+
+def test_disk_full_drops_the_spill_and_the_block_is_recomputed(tmp_path):
+    """Disk full, for real: a 16 KiB tmpfs cannot hold one 32 KiB chunk, so the spill fails
+    with ENOSPC. Where mounting is not allowed, the kernel's file-size limit (RLIMIT_FSIZE,
+    with SIGXFSZ ignored) refuses the same write with EFBIG; both count as ``disk_full``."""
+    import resource
+
+    directory = tmp_path / "disk"
+    directory.mkdir()
+    mounted = _mount_tmpfs(directory, "16k")
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        engine = OffloadEngine(TINY, 1, 1, 4, disk_dir=directory)
+        if not mounted:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, old_limit[1]))
+        for i, h in enumerate([A, B, C]):
+            engine.process(_req(f"r{i}", h))  # r2 spills A: refused
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        assert engine.stats.errors == {"disk_full": 1}
+        assert A not in engine.disk and engine.stats.moved["cpu->disk"] == 0
+        assert _no_temporary_files(directory) and list(directory.iterdir()) == []
+        outcome = engine.process(_req("r3", A))  # A is nowhere: recomputed
+        assert outcome.tokens["recompute"] == 16
+        assert engine.process(_req("r4", A)).tokens["gpu"] == 16  # the engine keeps going
+        _all_bytes_ok(engine)
+        engine.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+        if mounted:
+            subprocess.run(["umount", str(directory)], check=True)
+
+
+PERMISSION_SCENARIO = r"""
+import json, os, sys
+import numpy as np
+from pathlib import Path
+from kvscope.engine.engine import OffloadEngine, prefill_value
+from kvscope.engine.presets import get_preset
+from kvscope.engine.workload import Request
+directory = Path(sys.argv[1])
+req = lambda name, *hs: Request(name, 0.0, 16 * len(hs), 1, hs)
+engine = OffloadEngine(get_preset("tiny"), 1, 1, 4, disk_dir=directory)
+for i, h in enumerate([201, 202, 203]):
+    engine.process(req(f"r{i}", h))
+os.chmod(engine.disk.pool.path(engine.disk.get(201).slot), 0)   # unreadable chunk
+os.chmod(directory, 0o555)                                       # no new files
+r3 = engine.process(req("r3", 201))
+r4 = engine.process(req("r4", 204))
+ok = all(bool((engine.gpu.pool.data[engine.gpu.get(h).slot] == prefill_value(h)).all())
+         for h in engine.gpu.order())
+print(json.dumps({"errors": engine.stats.errors, "r3": r3.tokens, "ok": ok,
+                  "disk": engine.disk.order(),
+                  "tmp": [p for p in os.listdir(directory) if p.endswith(".tmp")]}))
+"""
+
+
+def test_permission_denied_on_read_and_write():
+    """Permission denied, for real: the kernel refuses the read and the file creation. Root
+    bypasses file modes through CAP_DAC_OVERRIDE, so as root the scenario runs in a child
+    process whose bounding set lacks CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (util-linux
+    ``setpriv``); the file modes then bind it like any owner."""
+    directory = Path(tempfile.mkdtemp(prefix="kvscope-perm-"))
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without util-linux setpriv to drop CAP_DAC_OVERRIDE")
+        caps = "-dac_override,-dac_read_search"
+        prefix = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--"]
+    try:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        result = subprocess.run([*prefix, sys.executable, "-c", PERMISSION_SCENARIO, str(directory)],
+                                capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout.strip().splitlines()[-1])
+    finally:
+        os.chmod(directory, 0o755)
+        shutil.rmtree(directory)
+    assert out["r3"]["recompute"] == 16 and out["ok"]
+    # r3: reading A's chunk is refused, and the spills of the cpu victims made on the way (B,
+    # then C) cannot create files. Nothing is left on the disk tier, nothing half-written.
+    assert out["errors"] == {"permission": 3}, out
+    assert out["disk"] == [] and out["tmp"] == []

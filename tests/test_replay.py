@@ -1,0 +1,106 @@
+"""Replay: the simulator makes exactly the engine's decisions, and ``kvscope replay`` works."""
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvscope.engine.engine import OffloadEngine
+from kvscope.engine.presets import ModelPreset, get_preset
+from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
+from traces import trace_path
+
+# A small KV shape so payload runs over 512-token trace blocks stay light: 32 B per token,
+# 16 KiB per block. Decisions do not depend on block bytes.
+SMALL = ModelPreset(name="small", layers=1, kv_heads=1, head_dim=8, dtype="float16",
+                    block_tokens=16, params=1e9, peak_flops=989e12, mfu=0.4)
+
+
+def _run(requests, payload, tmp_path, **kw):
+    engine = OffloadEngine(kw.pop("preset", get_preset("tiny")), *kw.pop("sizes"), payload=payload,
+                           disk_dir=tmp_path / ("payload" if payload else "sim"), **kw)
+    per_request = [(o.tokens, o.block_hits) for o in map(engine.process, requests)]
+    engine.close()
+    orders = [t.order() for t in engine.tiers]
+    return per_request, engine.stats.decisions(), orders
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("sizes", [(8, 16, 32), (3, 5, 7), (16, 4, 0)])
+def test_simulate_makes_the_engines_decisions_on_synthetic(tmp_path, policy, sizes):
+    config = SyntheticConfig(seed=11, system_blocks=6, turn_blocks=(1, 5), one_off_blocks=(1, 8))
+    requests = list(itertools.islice(synthetic(config), 300))
+    kw = dict(sizes=sizes, policy=policy, store_threshold=2, min_priority=30)
+    with_bytes = _run(requests, True, tmp_path, **kw)
+    simulated = _run(requests, False, tmp_path, **kw)
+    assert with_bytes == simulated
+    decisions = simulated[1]
+    assert decisions["evictions"]["gpu"] > 0 and decisions["moved"]["cpu->gpu"] > 0
+    if sizes[2]:
+        assert decisions["moved"]["disk->cpu"] > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_simulate_makes_the_engines_decisions_on_the_mooncake_trace(tmp_path, policy):
+    requests = read_mooncake(trace_path())[:500]
+    kw = dict(sizes=(40, 80, 2000), policy=policy, preset=SMALL, block_tokens=MOONCAKE_BLOCK_TOKENS)
+    with_bytes = _run(requests, True, tmp_path, **dict(kw))
+    simulated = _run(requests, False, tmp_path, **dict(kw))
+    assert with_bytes == simulated
+    assert simulated[1]["moved"]["disk->cpu"] > 0 and simulated[1]["block_hits"]["disk"] > 0
+
+
+def _kvscope(*args):
+    return subprocess.run([sys.executable, "-m", "kvscope", "replay", *args], capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+KEYS = {"requests", "block_accesses", "block_hit_ratio", "block_hit_ratio_by_tier",
+        "prefix_hit_ratio", "tokens_by_source", "transfers", "evictions", "ttft_seconds",
+        "wall_seconds"}
+
+
+def _check_summary(summary):
+    assert KEYS <= set(summary)
+    assert set(summary["block_hit_ratio_by_tier"]) == {"gpu", "cpu", "disk"}
+    assert set(summary["tokens_by_source"]) == {"gpu", "cpu", "disk", "recompute"}
+    assert sum(summary["block_hit_ratio_by_tier"].values()) == pytest.approx(summary["block_hit_ratio"])
+    assert sum(summary["tokens_by_source"].values()) == summary["prompt_tokens"]
+    for direction in ("gpu->cpu", "cpu->gpu", "cpu->disk", "disk->cpu"):
+        assert set(summary["transfers"][direction]) == {"blocks", "bytes", "seconds"}
+    t = summary["ttft_seconds"]
+    assert 0 < t["p50"] <= t["p95"] <= t["p99"]
+
+
+def test_replay_trace_simulate_json():
+    result = _kvscope("--trace", str(trace_path()), "--gpu-blocks", "1000", "--cpu-blocks", "4000",
+                      "--disk-blocks", "8000", "--policy", "arc", "--simulate", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    _check_summary(summary)
+    assert summary["requests"] == 12_031 and summary["block_accesses"] == 288_500
+    assert summary["config"]["block_tokens"] == 512
+    assert summary["block_hit_ratio_by_tier"]["disk"] > 0
+
+
+def test_replay_synthetic_with_payload_and_disk(tmp_path):
+    result = _kvscope("--requests", "150", "--gpu-blocks", "32", "--cpu-blocks", "64",
+                      "--disk-blocks", "256", "--disk-dir", str(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    _check_summary(summary)
+    assert summary["transfers"]["disk->cpu"]["blocks"] > 0
+    assert summary["transfers"]["disk->cpu"]["seconds"] > 0
+    assert summary["errors"] == {}
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_replay_text_report_and_bad_input(tmp_path):
+    result = _kvscope("--requests", "50", "--simulate")
+    assert result.returncode == 0 and "block hit ratio" in result.stdout
+    result = _kvscope("--requests", "5", "--cpu-blocks", "0", "--disk-blocks", "8")
+    assert result.returncode == 2 and "cpu tier" in result.stderr
+    result = _kvscope("--trace", str(tmp_path / "absent.jsonl"))
+    assert result.returncode == 2 and "cannot read trace" in result.stderr
