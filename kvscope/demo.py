@@ -60,6 +60,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         raise
 
     agent = Agent(with_ingest=False)
+    agent.pipeline.set_source_info("engine", "kvscope-reference", preset.name)
     engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, config.disk_blocks,
                            block_tokens=block_tokens, policy=config.policy,
                            emit=lambda event: agent.pipeline.ingest("engine", (event,)))

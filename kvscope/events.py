@@ -140,7 +140,8 @@ class Batch(msgspec.Struct, frozen=True):
     ``version``: :data:`SCHEMA_VERSION` of the sender. ``source``: the emitter's name (a short
     word, e.g. "engine", "vllm"). ``seq``: the emitter's batch counter, for gap detection.
     ``session``: random per emitter instance, so a restarted emitter is told apart.
-    ``dropped``: events the emitter dropped since it started (cumulative).
+    ``dropped``: events the emitter dropped since it started (cumulative). ``engine``,
+    ``model``: what the emitter observes (e.g. "vllm", "meta-llama/Llama-3.1-8B"), or "".
     """
 
     version: int
@@ -149,6 +150,8 @@ class Batch(msgspec.Struct, frozen=True):
     events: list[Event]
     session: str = ""
     dropped: int = 0
+    engine: str = ""
+    model: str = ""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -57,6 +57,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     ])
     agent.pipeline.drop("ingest", "malformed")
     agent.pipeline.set_source_up("ingest", True)
+    agent.pipeline.set_source_info("engine", "kvscope-reference", "tiny")
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(agent.registry).decode())}
     for spec in CATALOG:
         family_name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name

@@ -52,7 +52,8 @@ def _push(endpoint, *messages):
 
 
 def test_emitter_delivers_every_event(source, tmp_path):
-    emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=100)
+    emitter = Emitter(_endpoint(tmp_path), source="engine", engine="vllm", model="tiny-llama",
+                      batch_size=100)
     for i in range(2500):
         emitter.emit(_lookup(i))
     assert _wait(lambda: source.pipeline.snapshot().events_received.get("engine") == 2500)
@@ -60,6 +61,7 @@ def test_emitter_delivers_every_event(source, tmp_path):
     snap = source.pipeline.snapshot()
     assert snap.prompt_tokens["gpu"] == 2500 * 16
     assert snap.events_dropped == {} and emitter.dropped == 0
+    assert snap.source_info == {"engine": ("vllm", "tiny-llama")}
 
 
 def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp_path):

@@ -115,6 +115,7 @@ class Snapshot:
     events_received: dict[str, int]
     events_dropped: dict[tuple[str, str], int]
     source_up: dict[str, bool]
+    source_info: dict[str, tuple[str, str]]
 
 
 def _by_key(counter: Counter, sep: str = "->") -> dict[str, int]:
@@ -156,6 +157,7 @@ class Pipeline:
         self._received: Counter[str] = Counter()
         self._dropped: Counter[tuple[str, str]] = Counter()
         self._source_up: dict[str, bool] = {}
+        self._source_info: dict[str, tuple[str, str]] = {}
         self._samples: deque[dict] = deque(maxlen=history)
         # Histogram counts at the last ``quantile_window`` samples, oldest first: the samples'
         # percentiles cover the observations since the oldest (like PromQL rate()[60s]).
@@ -193,6 +195,11 @@ class Pipeline:
     def set_source_up(self, source: str, up: bool) -> None:
         with self._lock:
             self._source_up[source] = up
+
+    def set_source_info(self, source: str, engine: str, model: str) -> None:
+        """Record which engine and model ``source`` observes (each cut to 64 characters)."""
+        with self._lock:
+            self._source_info[source] = (engine[:64], model[:64])
 
     # One handler per event kind, called under the lock: (source, event, finished records).
 
@@ -277,6 +284,7 @@ class Pipeline:
                 events_received=dict(self._received),
                 events_dropped=dict(self._dropped),
                 source_up=dict(self._source_up),
+                source_info=dict(self._source_info),
             )
 
     def record_sample(self, ts: float, host_memory_available: float | None, *,

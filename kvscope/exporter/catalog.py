@@ -127,6 +127,8 @@ CATALOG: tuple[MetricSpec, ...] = (
            ["collector"]),
     _gauge("kvscope_collector_duration_seconds", "How long a collector's last run took.",
            ["collector"], "seconds"),
+    _gauge("kvscope_engine_info", "Always 1; the engine and model a source observes.",
+           ["source", "engine", "model"]),
     _gauge("kvscope_build_info", "Always 1; the kvscope version in a label.", ["version"]),
 )
 

@@ -51,6 +51,7 @@ def pipeline_samples(snap: Snapshot) -> Samples:
         "kvscope_events_received_total": _labelled(snap.events_received),
         "kvscope_events_dropped_total": _labelled(snap.events_dropped),
         "kvscope_source_up": [([s], float(up)) for s, up in snap.source_up.items()],
+        "kvscope_engine_info": [([s, e, m], 1) for s, (e, m) in snap.source_info.items()],
         "kvscope_build_info": [([__version__], 1)],
     }
 

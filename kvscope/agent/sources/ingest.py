@@ -102,6 +102,8 @@ class IngestSource:
             self.pipeline.drop(NAME, "bad_source", len(batch.events))
             return
         self._account(batch)
+        if batch.engine or batch.model:
+            self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
         self.pipeline.ingest(batch.source, batch.events)
 
     def _admit(self, source: str) -> bool:

@@ -25,15 +25,17 @@ log = logging.getLogger(__name__)
 class Emitter:
     """Batches events to ``endpoint`` (e.g. ``tcp://127.0.0.1:5560`` or ``ipc:///run/kv.sock``).
 
-    ``source``: a short name for this emitter's events. ``max_buffer``: events held while the
+    ``source``: a short name for this emitter's events; ``engine``, ``model``: what it observes
+    (shown as ``kvscope_engine_info``). ``max_buffer``: events held while the
     agent is slow or away. ``batch_size``: events per batch at most. ``flush_interval``: seconds
     between sends. ``send_hwm``: batches ZMQ may queue. Call :meth:`close` at exit (safe twice).
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
-                 max_buffer: int = 100_000, batch_size: int = 1024, flush_interval: float = 0.05,
+                 engine: str = "", model: str = "", max_buffer: int = 100_000, batch_size: int = 1024, flush_interval: float = 0.05,
                  send_hwm: int = 64) -> None:
         self.source = source
+        self._engine, self._model = engine, model
         self.dropped = 0  # events lost to a full buffer or a failed encode, since start
         self.sent_batches = 0
         self._buffer: collections.deque = collections.deque()
@@ -78,7 +80,8 @@ class Emitter:
                 if not events:
                     return
                 batch = ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
-                                 events=events, session=self._session, dropped=self.dropped)
+                                 events=events, session=self._session, dropped=self.dropped,
+                                 engine=self._engine, model=self._model)
                 try:
                     self._pending = ev.encode_batch(batch)
                 except (TypeError, ValueError, OverflowError) as exc:  # a malformed event
