@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 
 from kvscope.agent.requests import RequestRecord
+from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">II")
@@ -46,7 +47,7 @@ def read_segment(path: Path) -> list[RequestRecord]:
     return records
 
 
-class RequestStore:
+class RequestStore(Worker):
     """Persists finished requests under ``directory`` (created if missing).
 
     ``add()`` is cheap (an append to a list); the flush thread does the I/O. ``start()`` /
@@ -57,6 +58,7 @@ class RequestStore:
     def __init__(self, directory: str | Path, *, flush_interval: float = 1.0,
                  segment_bytes: int = 8 << 20, max_bytes: int = 256 << 20,
                  max_age: float = 86_400.0, clock=time.time) -> None:
+        super().__init__()
         self.directory = Path(directory)
         self._interval = flush_interval
         self._segment_bytes = segment_bytes
@@ -67,8 +69,6 @@ class RequestStore:
         self._queue: list[RequestRecord] = []
         self._lock = threading.Lock()
         self._file = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def segments(self) -> list[Path]:
         """Segment files, oldest first."""
@@ -87,20 +87,13 @@ class RequestStore:
         with self._lock:
             self._queue.append(record)
 
-    def start(self) -> None:
-        if self._thread is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._thread = threading.Thread(target=self._run, name="kvscope-store", daemon=True)
-            self._thread.start()
+    thread_name = "kvscope-store"
 
-    def shutdown(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+    def prepare(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+    def run(self) -> None:
+        while not self.stopping.wait(self._interval):
             self._flush_logged()
         self._flush_logged()
         if self._file is not None:

@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 
 import zmq
 
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
 NAME = "ingest"
 _SOURCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
-class IngestSource:
+class IngestSource(Worker):
     """Binds ``endpoint`` (``tcp://HOST:PORT`` or ``ipc://PATH``) and feeds ``pipeline``.
 
     ``max_batch_bytes``: largest batch accepted; ``receive_hwm``: batches ZMQ may queue (with
@@ -43,40 +43,35 @@ class IngestSource:
     def __init__(self, pipeline: Pipeline, endpoint: str = "tcp://127.0.0.1:5560", *,
                  max_batch_bytes: int = 4 << 20, receive_hwm: int = 256,
                  max_sources: int = 16) -> None:
+        super().__init__()
         self.pipeline = pipeline
         self.endpoint = endpoint
         self._max_bytes = max_batch_bytes
         self._hwm = receive_hwm
         self._max_sources = max_sources
         self._streams: dict[str, tuple[str, int, int]] = {}  # source -> (session, seq, dropped)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._socket = None
 
-    def start(self) -> None:
-        if self._thread is not None:
-            return
+    thread_name = "kvscope-ingest"
+
+    def prepare(self) -> None:
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.RCVHWM, self._hwm)
         # ZMQ itself refuses anything far over the limit, so a huge message never lands in memory
         self._socket.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_bytes)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(self.endpoint)
+        try:
+            self._socket.bind(self.endpoint)
+        except zmq.ZMQError:
+            self._socket.close()
+            raise
         self.pipeline.set_source_up(NAME, True)
-        self._thread = threading.Thread(target=self._run, name="kvscope-ingest", daemon=True)
-        self._thread.start()
 
-    def shutdown(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def _run(self) -> None:
+    def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
+            while not self.stopping.is_set():
                 if not poller.poll(100):
                     continue
                 while True:
