@@ -1,0 +1,56 @@
+"""``python -m kvscope.mixin``: write grafana/ from the generator, check it, or print a
+PrometheusRule manifest. Exit code 1 from ``--check`` when committed files differ."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvscope.mixin.config import MixinConfigError, load_config
+from kvscope.mixin.render import prometheus_rule, render
+
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "grafana"
+
+
+def stale(out: Path, files: dict[str, str]) -> list[str]:
+    """Generated files whose committed text differs (or that are missing)."""
+    return [rel for rel, text in files.items()
+            if not (out / rel).is_file() or (out / rel).read_text(encoding="utf-8") != text]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvscope.mixin", description=__doc__)
+    parser.add_argument("--config", metavar="FILE", help="TOML file of MixinConfig overrides")
+    parser.add_argument("--output", metavar="DIR", default=str(DEFAULT_OUT),
+                        help="mixin directory to write (default: the repository's grafana/)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; fail when committed files differ from the generator")
+    parser.add_argument("--prometheus-rule", action="store_true",
+                        help="print a Prometheus Operator PrometheusRule to stdout instead")
+    parser.add_argument("--namespace", default="monitoring", help="PrometheusRule namespace")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except (MixinConfigError, OSError, ValueError) as exc:
+        print(f"kvscope.mixin: error: {exc}", file=sys.stderr)
+        return 2
+    if args.prometheus_rule:
+        sys.stdout.write(prometheus_rule(cfg, namespace=args.namespace))
+        return 0
+    out, files = Path(args.output), render(cfg)
+    if args.check:
+        diff = stale(out, files)
+        for rel in diff:
+            print(f"stale: {out / rel} (run python -m kvscope.mixin)", file=sys.stderr)
+        return 1 if diff else 0
+    for rel, text in files.items():
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

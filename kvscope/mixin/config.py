@@ -1,0 +1,100 @@
+"""The mixin's one config object: selectors, windows, thresholds and `for:` durations.
+
+Everything an operator may want to tune lives here (node-mixin's ``_config``). Override it
+without forking: ``dataclasses.replace(MixinConfig(), ttft_budget_seconds=1.5)`` from Python, or
+a TOML file of the same keys for ``python -m kvscope.mixin --config FILE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+MIB = 1024 * 1024
+
+
+class MixinConfigError(ValueError):
+    """An override file names an unknown key or gives a value of the wrong type."""
+
+
+@dataclass(frozen=True)
+class MixinConfig:
+    # Which series are kvscope's: added to every selector in rules, alerts and boards.
+    selector: str = 'job="kvscope"'
+    # Labels that identify one agent; rules aggregate by these (plus their own labels).
+    group_labels: tuple[str, ...] = ("job", "instance")
+    # Window of every rate() in the recording rules (and so in the alerts).
+    rate_window: str = "5m"
+    # Tiers from nearest the GPU outward: a copy to a nearer tier is a promotion.
+    tiers: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
+    runbook_url_base: str = "https://github.com/kvscope/kvscope/blob/main/docs/runbooks.md"
+    dashboard_uid_prefix: str = "kvscope"
+    dashboard_tags: tuple[str, ...] = ("kvscope",)
+    dashboard_refresh: str = "30s"
+    dashboard_time_from: str = "now-1h"
+
+    # KvscopeTTFTBudgetBreach: the rollback rule.
+    ttft_budget_seconds: float = 2.5
+    ttft_budget_quantile: float = 0.99
+    ttft_budget_for: str = "15m"
+    # KvscopeHostMemoryHeadroomLow: headroom / memory limit below this (0: the reserve is eaten).
+    headroom_min_ratio: float = 0.0
+    headroom_for: str = "10m"
+    # KvscopeOffloadThrash: share of a tier's evictions that were never hit, while offloads run.
+    thrash_unused_share: float = 0.8
+    thrash_min_offload_bytes_per_second: float = 64 * MIB
+    thrash_for: str = "30m"
+    # KvscopeTierIneffective: a tier this full that serves less than this share of prompt tokens.
+    ineffective_fill_ratio: float = 0.9
+    ineffective_max_share: float = 0.01
+    ineffective_for: str = "1h"
+    # KvscopeTierNearlyFull.
+    tier_full_ratio: float = 0.95
+    tier_full_for: str = "15m"
+    # KvscopePromotionLatencyHigh: p99 of one batched promotion.
+    promotion_p99_seconds: float = 0.1
+    promotion_for: str = "15m"
+    # KvscopePCIeLinkSaturated: PCIe bytes/s against the link maximum, per direction.
+    pcie_saturation_ratio: float = 0.9
+    pcie_for: str = "15m"
+    # KvscopeTransferFailures: failed share of transfers between two tiers.
+    transfer_failure_ratio: float = 0.01
+    transfer_failures_for: str = "15m"
+    # KvscopeEventsDropped: dropped events per second, per source.
+    events_dropped_per_second: float = 0.0
+    events_dropped_for: str = "15m"
+    # KvscopeSourceDown / KvscopeAgentDown.
+    source_down_for: str = "10m"
+    agent_down_for: str = "10m"
+
+    @property
+    def by(self) -> str:
+        """The group labels as a PromQL label list: ``job, instance``."""
+        return ", ".join(self.group_labels)
+
+    def runbook_url(self, alert: str) -> str:
+        return f"{self.runbook_url_base}#{alert.lower()}"
+
+
+def load_config(path: str | Path | None = None, **overrides) -> MixinConfig:
+    """Defaults, then the TOML file's keys, then keyword overrides."""
+    values: dict = {}
+    if path is not None:
+        with open(path, "rb") as fh:
+            values.update(tomllib.load(fh))
+    values.update(overrides)
+    fields = {f.name: f for f in dataclasses.fields(MixinConfig)}
+    default = MixinConfig()
+    for key, value in list(values.items()):
+        if key not in fields:
+            raise MixinConfigError(f"unknown mixin config key {key!r}")
+        want = type(getattr(default, key))
+        if want is tuple and isinstance(value, list):
+            values[key] = value = tuple(value)
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = value = float(value)
+        if not isinstance(value, want):
+            raise MixinConfigError(f"mixin config {key!r}: want {want.__name__}, got {value!r}")
+    return dataclasses.replace(default, **values)

@@ -1,0 +1,164 @@
+"""Panel and board helpers over grafana-foundation-sdk, so each board reads as a list of panels.
+
+Every panel reads the ``$datasource`` variable; every query filters with the config selector and
+``instance=~"$instance"``. The ``engine`` and ``model`` variables narrow the instance list (chained
+variables over ``kvscope_engine_info``), so panel queries need no joins.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus as pb
+from grafana_foundation_sdk.builders import stat as statb
+from grafana_foundation_sdk.builders import table as tableb
+from grafana_foundation_sdk.builders import timeseries as tsb
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+
+from kvscope.mixin.config import MixinConfig
+from kvscope.mixin.promql import sel
+
+DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+INSTANCE = 'instance=~"$instance"'
+ENGINE = 'engine=~"$engine"'
+MODEL = 'model=~"$model"'
+RATE = "$__rate_interval"
+
+
+def s(cfg: MixinConfig, *matchers: str) -> str:
+    """A board selector: the config selector, the instance variable, and extra matchers."""
+    return sel(cfg, INSTANCE, *matchers)
+
+
+@dataclass(frozen=True)
+class Q:
+    """One query of a panel: PromQL, legend, and whether Grafana should fetch exemplars."""
+
+    expr: str
+    legend: str = ""
+    exemplar: bool = False
+    instant: bool = False
+
+
+@dataclass(frozen=True)
+class P:
+    """One panel. ``kind``: timeseries, stat or table. ``width`` in grid columns (of 24)."""
+
+    title: str
+    description: str
+    queries: tuple[Q, ...]
+    unit: str = "short"
+    kind: str = "timeseries"
+    width: int = 12
+    height: int = 8
+    stack: str = ""  # "", "normal" or "percent"
+    max: float | None = None
+    min: float | None = None
+    thresholds: tuple[tuple[float, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    panels: tuple[P, ...] = field(default_factory=tuple)
+
+
+def _target(q: Q, ref: str) -> pb.Dataquery:
+    t = pb.Dataquery().expr(q.expr).ref_id(ref).datasource(DATASOURCE)
+    if q.legend:
+        t = t.legend_format(q.legend)
+    if q.exemplar:
+        t = t.exemplar(True)
+    return t.instant() if q.instant else t.range()
+
+
+def _thresholds(steps: tuple[tuple[float, str], ...]) -> db.ThresholdsConfig:
+    base = [dm.Threshold(value=None, color="green")]
+    return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
+        base + [dm.Threshold(value=v, color=c) for v, c in steps])
+
+
+def _panel(p: P):
+    if p.kind == "timeseries":
+        b = (tsb.Panel().legend(cb.VizLegendOptions().show_legend(True)
+                                .display_mode(cm.LegendDisplayMode.LIST)
+                                .placement(cm.LegendPlacement.BOTTOM))
+             .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI)
+                      .sort(cm.SortOrder.DESCENDING))
+             .fill_opacity(10).line_width(1))
+        if p.stack:
+            b = b.stacking(cb.StackingConfig().mode(cm.StackingMode(p.stack))).fill_opacity(60)
+        if p.thresholds:
+            b = b.thresholds_style(cb.GraphThresholdsStyleConfig()
+                                   .mode(cm.GraphTresholdsStyleMode.DASHED))
+    elif p.kind == "stat":
+        b = (statb.Panel().graph_mode(cm.BigValueGraphMode.AREA)
+             .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"])))
+    elif p.kind == "table":
+        b = tableb.Panel()
+    else:
+        raise ValueError(f"unknown panel kind {p.kind!r}")
+    b = (b.title(p.title).description(p.description).datasource(DATASOURCE).unit(p.unit)
+         .span(p.width).height(p.height))
+    if p.min is not None:
+        b = b.min(p.min)
+    if p.max is not None:
+        b = b.max(p.max)
+    if p.thresholds:
+        b = b.thresholds(_thresholds(p.thresholds))
+    for i, q in enumerate(p.queries):
+        b = b.with_target(_target(q, chr(ord("A") + i)))
+    return b
+
+
+def variables(cfg: MixinConfig) -> list:
+    info = "kvscope_engine_info"
+
+    def query_var(name: str, label: str, query: str, description: str):
+        return (db.QueryVariable(name).label(label).description(description)
+                .datasource(DATASOURCE).query(query).multi(True).include_all(True)
+                .all_value(".*").refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+                .sort(dm.VariableSort.ALPHABETICAL_ASC)
+                .current(dm.VariableOption(selected=True, text="All", value="$__all")))
+
+    return [
+        db.DatasourceVariable("datasource").label("Data source").type("prometheus")
+        .description("The Prometheus that scrapes the kvscope agents."),
+        query_var("engine", "Engine", f"label_values({info}{sel(cfg)}, engine)",
+                  "Serving engines (kvscope_engine_info); narrows the instance list."),
+        query_var("model", "Model", f"label_values({info}{sel(cfg, ENGINE)}, model)",
+                  "Models served (kvscope_engine_info); narrows the instance list."),
+        query_var("instance", "Instance",
+                  f"label_values({info}{sel(cfg, ENGINE, MODEL)}, instance)",
+                  "kvscope agents running the selected engines and models; every panel filters by it."),
+    ]
+
+
+def board(cfg: MixinConfig, key: str, title: str, description: str, rows: list[Row]) -> dict:
+    """Build one dashboard and return its JSON model, with panel ids numbered from 1."""
+    d = (db.Dashboard(f"kvscope / {title}").uid(f"{cfg.dashboard_uid_prefix}-{key}")
+         .description(description).tags(list(cfg.dashboard_tags)).editable()
+         .refresh(cfg.dashboard_refresh).time(cfg.dashboard_time_from, "now").timezone("browser")
+         .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+         .link(db.DashboardLink("kvscope").type(dm.DashboardLinkType.DASHBOARDS)
+               .tags(list(cfg.dashboard_tags)).as_dropdown(True).include_vars(True)
+               .keep_time(True)))
+    for v in variables(cfg):
+        d = d.with_variable(v)
+    for row in rows:
+        d = d.with_row(db.Row(row.title))
+        for p in row.panels:
+            d = d.with_panel(_panel(p))
+    model = json.loads(JSONEncoder(sort_keys=True).encode(d.build()))
+    for i, panel in enumerate(model["panels"], start=1):
+        panel["id"] = i
+        if panel.get("options", {}) is None:
+            del panel["options"]  # let Grafana fill the plugin's defaults
+    for var in model["templating"]["list"]:
+        var.pop("id", None)  # the SDK writes a zero UUID; Grafana assigns its own
+    return model

@@ -1,0 +1,80 @@
+"""Node: host RAM and headroom, PCIe throughput against the link maximum, GPU memory."""
+
+from __future__ import annotations
+
+from kvscope.mixin.config import MixinConfig
+from kvscope.mixin.dashboards.common import RATE, P, Q, Row, board, s
+from kvscope.mixin.promql import offload_tiers
+from kvscope.mixin.rules import Records
+
+
+def node(cfg: MixinConfig) -> dict:
+    r = Records.of(cfg)
+    host = lambda metric, legend: Q(f"sum by (instance) ({metric}{s(cfg)})",  # noqa: E731
+                                    f"{{{{instance}}}} {legend}")
+    rows = [
+        Row("Host memory", (
+            P("Host memory", "Physical memory, the tighter of it and the cgroup limit, memory "
+              "available without swapping, and the reserve kept for the OS.",
+              (host("kvscope_host_memory_total_bytes", "total"),
+               host("kvscope_host_memory_limit_bytes", "limit"),
+               host("kvscope_host_memory_available_bytes", "available"),
+               host("kvscope_host_memory_reserve_bytes", "reserve")),
+              unit="bytes"),
+            P("Headroom", "Available memory minus the reserve; negative when the reserve is "
+              "eaten into.",
+              (host("kvscope_host_memory_headroom_bytes", "headroom"),),
+              unit="bytes", width=6, thresholds=((0, "red"),)),
+            P("Headroom ratio", "Headroom as a share of the memory limit (recording rule the "
+              "alert reads).",
+              (Q(f"{r.headroom_ratio}{s(cfg)}", "{{instance}}"),),
+              unit="percentunit", width=6, thresholds=((cfg.headroom_min_ratio, "red"),)),
+            P("Offload tiers against their budget",
+              "Bytes resident in each offload tier against the budget the operator reserved "
+              "for it (e.g. vLLM cpu_bytes_to_use).",
+              (Q(f"sum by (instance, tier) (kvscope_tier_resident_bytes{s(cfg, offload_tiers(cfg))})",
+                 "{{instance}} {{tier}} resident"),
+               Q(f"sum by (instance, tier) (kvscope_offload_budget_bytes{s(cfg)})",
+                 "{{instance}} {{tier}} budget")),
+              unit="bytes"),
+            P("Swap in use", "Swap the host uses; KV offload in host RAM should not push the "
+              "host into swap.",
+              (host("kvscope_host_swap_used_bytes", "swap"),), unit="bytes"),
+        )),
+        Row("PCIe", (
+            P("PCIe throughput against link maximum (GPU only)",
+              "Bytes per second each GPU moves over PCIe, by direction, against its link's "
+              "one-direction maximum (NVML).",
+              (Q(f"sum by (instance, gpu, direction) (rate(kvscope_pcie_bytes_total{s(cfg)}"
+                 f"[{RATE}]))", "{{instance}} GPU {{gpu}} {{direction}}"),
+               Q(f"max by (instance, gpu) (kvscope_pcie_link_max_bytes_per_second{s(cfg)})",
+                 "{{instance}} GPU {{gpu}} link max")),
+              unit="Bps"),
+            P("PCIe link utilisation (GPU only)", "PCIe throughput as a share of the link "
+              "maximum (recording rule the alert reads).",
+              (Q(f"{r.pcie_utilization}{s(cfg)}", "{{instance}} GPU {{gpu}} {{direction}}"),),
+              unit="percentunit", min=0, max=1, thresholds=((cfg.pcie_saturation_ratio, "red"),)),
+            P("KV copies between tiers", "The KV share of the link: bytes kvscope saw copied "
+              "between tiers (from transfer events, available without a GPU).",
+              (Q(f"sum by (instance, src, dst) ({r.transfer_bytes_rate}{s(cfg)})",
+                 "{{instance}} {{src}} → {{dst}}"),), unit="Bps", width=24),
+        )),
+        Row("GPU memory and collectors", (
+            P("GPU memory used against total (GPU only)", "GPU memory in use and in all (NVML).",
+              (Q(f"sum by (instance, gpu) (kvscope_gpu_memory_used_bytes{s(cfg)})",
+                 "{{instance}} GPU {{gpu}} used"),
+               Q(f"sum by (instance, gpu) (kvscope_gpu_memory_total_bytes{s(cfg)})",
+                 "{{instance}} GPU {{gpu}} total")),
+              unit="bytes"),
+            P("Collectors up", "1 when a collector's last run succeeded (gpu is 0 on hosts "
+              "without an NVIDIA driver).",
+              (Q(f"kvscope_collector_up{s(cfg)}", "{{instance}} {{collector}}"),),
+              kind="stat", width=6, thresholds=((1, "green"),)),
+            P("Collector run time", "How long each collector's last run took.",
+              (Q(f"kvscope_collector_duration_seconds{s(cfg)}", "{{instance}} {{collector}}"),),
+              unit="s", width=6),
+        )),
+    ]
+    return board(cfg, "node", "Node",
+                 "Host RAM and headroom, PCIe throughput against the link maximum, GPU memory.",
+                 rows)

@@ -1,0 +1,59 @@
+"""Small PromQL builders shared by rules, alerts and boards (pure string functions)."""
+
+from __future__ import annotations
+
+from kvscope.mixin.config import MixinConfig
+
+
+def sel(cfg: MixinConfig, *matchers: str) -> str:
+    """A label selector body: the config's selector plus extra matchers, in braces."""
+    parts = [cfg.selector, *matchers]
+    return "{" + ", ".join(p for p in parts if p) + "}"
+
+
+def alternatives(values) -> str:
+    """A regex matching exactly these label values: ``cpu|disk``."""
+    return "|".join(values)
+
+
+def le_matcher(bound: float) -> str:
+    """A matcher for one bucket's ``le`` in either exposition spelling: client_python writes
+    ``1.0`` where Prometheus 3 normalises to ``1``."""
+    text = repr(float(bound))
+    if text.endswith(".0"):
+        return f'le=~"{text[:-2]}|{text[:-2]}\\\\.0"'
+    return f'le="{text}"'
+
+
+def promotion_pairs(tiers: tuple[str, ...]) -> list[tuple[str, list[str]]]:
+    """(dst, [src, ...]) for every copy toward the GPU: the source is farther out than dst."""
+    return [(dst, list(tiers[i + 1:])) for i, dst in enumerate(tiers[:-1])]
+
+
+def offload_pairs(tiers: tuple[str, ...]) -> list[tuple[str, list[str]]]:
+    """(src, [dst, ...]) for every copy away from the GPU: dst is farther out than src."""
+    return [(src, list(tiers[i + 1:])) for i, src in enumerate(tiers[:-1])]
+
+
+def _one_or_regex(label: str, values: list[str]) -> str:
+    return f'{label}="{values[0]}"' if len(values) == 1 else f'{label}=~"{alternatives(values)}"'
+
+
+def promotion_matchers(cfg: MixinConfig) -> list[str]:
+    """Matcher sets (``src=~"cpu|disk", dst="gpu"``) that together select every promotion."""
+    return [f'{_one_or_regex("src", srcs)}, dst="{dst}"' for dst, srcs in promotion_pairs(cfg.tiers)]
+
+
+def offload_matchers(cfg: MixinConfig) -> list[str]:
+    """Matcher sets that together select every offload (copy away from the GPU)."""
+    return [f'src="{src}", {_one_or_regex("dst", dsts)}' for src, dsts in offload_pairs(cfg.tiers)]
+
+
+def offload_tiers(cfg: MixinConfig) -> str:
+    """Matcher for the offload tiers (every tier but the first, the GPU's own prefix cache)."""
+    return _one_or_regex("tier", list(cfg.tiers[1:]))
+
+
+def union(fn: str, metric: str, cfg: MixinConfig, matcher_sets: list[str], window: str) -> str:
+    """``fn(metric{sel, m1}[w]) or fn(metric{sel, m2}[w]) or ...``."""
+    return "\n  or ".join(f"{fn}({metric}{sel(cfg, m)}[{window}])" for m in matcher_sets)
