@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--speed", type=_positive(float), default=1.0,
                       help="workload seconds per wall second (default %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
+    demo.add_argument("--capture-dir", metavar="DIR",
+                      help="capture block accesses and requests here as Parquet for kvscope "
+                      "analyze/compare (default: off)")
 
     agent = sub.add_parser(
         "agent", help="run the node agent (ingest, collectors, /metrics, HTTP API)",
@@ -76,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="persist finished requests here (default: memory only)")
     agent.add_argument("--otlp-endpoint", metavar="URL",
                        help="export request spans to this OTLP/HTTP traces URL")
+    agent.add_argument("--capture-dir", metavar="DIR",
+                       help="capture block accesses and finished requests here as Parquet "
+                       "segments for kvscope analyze/compare (default: off; bounded by "
+                       "capture_max_bytes, 1 GiB)")
 
     dash = sub.add_parser("dashboard", help="serve the dashboard for a running agent",
                           description="Serve the Dash dashboard, reading a running agent's HTTP API.")
@@ -84,18 +91,39 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--port", type=_port, default=8050, help="port (default %(default)s)")
     dash.add_argument("--refresh", type=_positive(float), default=2.0,
                       help="seconds between refreshes (default %(default)s)")
+    dash.add_argument("--window", type=_positive(float), default=900.0,
+                      help="seconds of history drawn (default %(default)s)")
+    dash.add_argument("--backend", choices=("agent", "prometheus"), default="agent",
+                      help="read one agent's API, or a Prometheus server for a fleet "
+                      "(default %(default)s)")
+    dash.add_argument("--prometheus", default="http://127.0.0.1:9090", metavar="URL",
+                      help="Prometheus base URL for --backend prometheus (default %(default)s)")
+    dash.add_argument("--prometheus-selector", default="", metavar="MATCHERS",
+                      help='label matchers added to every query, e.g. job="kvscope"')
+    dash.add_argument("--sizing-trace", metavar="FILE",
+                      help="trace (Mooncake JSONL) to analyse for the Sizing page")
+    dash.add_argument("--sizing-preset", default="llama-3-8b",
+                      help="model preset for the Sizing analysis (default %(default)s)")
 
     from kvscope.analysis.command import add_arguments as add_analyze_arguments
 
     add_analyze_arguments(sub.add_parser(
         "analyze", help="reuse, miss-ratio curves and CPU tier sizing for a trace",
-        description="Analyze a block-access trace (Mooncake JSONL): reuse statistics, exact LRU "
+        description="Analyze a block-access trace (Mooncake JSONL, or an agent capture "
+                    "directory or .parquet segment): reuse statistics, exact LRU "
                     "and SHARDS miss-ratio curves, ARC by miniature simulation, and CPU tier "
                     "sizing advice for a model preset."))
 
     from kvscope.engine.replay_cmd import add_parser as add_replay_parser
 
     add_replay_parser(sub)
+
+    from kvscope.analysis.compare_cmd import DESCRIPTION as COMPARE_DESCRIPTION
+    from kvscope.analysis.compare_cmd import add_arguments as add_compare_arguments
+
+    add_compare_arguments(sub.add_parser(
+        "compare", help="compare two captures: TTFT/ITL with CIs and a rollback verdict",
+        description=COMPARE_DESCRIPTION))
 
     docs = sub.add_parser("docs-metrics", help="write docs/metrics.md from the metric catalog")
     docs.add_argument("--output", default="docs/metrics.md", help="file to write (default %(default)s)")
@@ -109,7 +137,7 @@ def _demo(args) -> int:
                         metrics_port=args.metrics_port, ui_port=args.ui_port, preset=args.preset,
                         gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
                         disk_blocks=args.disk_blocks, policy=args.policy, speed=args.speed,
-                        seed=args.seed)
+                        seed=args.seed, capture_dir=args.capture_dir)
     return run_demo(config)
 
 
@@ -119,6 +147,7 @@ def _agent(args) -> int:
 
     settings = load_settings(args.config, host=args.host, port=args.port,
                              store_dir=args.store_dir, otlp_endpoint=args.otlp_endpoint,
+                             capture_dir=args.capture_dir,
                              **{"ingest.endpoint": args.ingest})
     return run_agent(settings)
 
@@ -129,8 +158,20 @@ def _dashboard(args) -> int:
 
     from kvscope.dashboard.app import create_app, serve
 
-    handle = serve(create_app(args.api, refresh_seconds=args.refresh), args.host, args.port)
-    print(f"kvscope dashboard: http://{args.host}:{args.port}/ reading {args.api}", flush=True)
+    backend = None
+    if args.backend == "prometheus":
+        from kvscope.dashboard.prometheus import PrometheusBackend
+
+        backend = PrometheusBackend(args.prometheus, selector=args.prometheus_selector)
+    from kvscope.engine.presets import get_preset
+
+    get_preset(args.sizing_preset)  # an unknown preset fails here, with exit code 2
+    handle = serve(create_app(args.api, refresh_seconds=args.refresh, window_seconds=args.window,
+                              backend=backend, sizing_trace=args.sizing_trace,
+                              sizing_preset=args.sizing_preset), args.host, args.port)
+    source = args.prometheus if backend is not None else args.api
+    print(f"kvscope dashboard: http://{args.host}:{args.port}/ reading {args.backend} {source}",
+          flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -156,6 +197,12 @@ def _analyze(args) -> int:
     return run(args)
 
 
+def _compare(args) -> int:
+    from kvscope.analysis.compare_cmd import run
+
+    return run(args)
+
+
 def _replay(args) -> int:
     from kvscope.engine.replay_cmd import run
 
@@ -169,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvscope.engine.engine import EngineConfigError
 
     handler = {"demo": _demo, "agent": _agent, "dashboard": _dashboard,
-               "docs-metrics": _docs_metrics, "analyze": _analyze, "replay": _replay}[args.command]
+               "docs-metrics": _docs_metrics, "analyze": _analyze, "replay": _replay,
+               "compare": _compare}[args.command]
     try:
         return handler(args)
     except (TraceError, ConfigError, EngineConfigError, UnknownPreset, OSError) as exc:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
+from kvscope.agent.config import AgentSettings
 from kvscope.agent.server import ApiServer, PortInUse, bind
 from kvscope.dashboard.app import create_app as create_dashboard
 from kvscope.dashboard.app import serve as serve_dashboard
@@ -23,7 +24,8 @@ from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, SyntheticConfig, rea
 @dataclass(frozen=True)
 class DemoConfig:
     """``duration``: seconds to run (None: until Ctrl-C). ``trace``: Mooncake JSONL path or None
-    for the synthetic workload. Pool sizes are in blocks."""
+    for the synthetic workload. Pool sizes are in blocks. ``capture_dir``: where the agent
+    captures block accesses and requests as Parquet (None: off)."""
 
     duration: float | None = None
     trace: str | None = None
@@ -37,12 +39,14 @@ class DemoConfig:
     policy: str = "lru"
     speed: float = 1.0
     seed: int = 0
+    capture_dir: str | None = None
 
 
 def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     """Run the demo until ``config.duration`` passes or SIGINT/SIGTERM; return the exit code.
 
-    Raises :class:`~kvscope.engine.workload.TraceError` for an unreadable trace and
+    Raises :class:`~kvscope.engine.workload.TraceError` for an unreadable trace,
+    :class:`~kvscope.engine.engine.EngineConfigError` for impossible tier sizes and
     :class:`~kvscope.agent.server.PortInUse` for a port already taken, before anything is left
     running.
     """
@@ -52,18 +56,28 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     else:
         block_tokens = preset.block_tokens
         requests = synthetic(SyntheticConfig(seed=config.seed, block_tokens=block_tokens))
-    metrics_sock = bind(config.host, config.metrics_port, "--metrics-port")
-    try:
-        bind(config.host, config.ui_port, "--ui-port").close()  # fail before starting anything
-    except PortInUse:
-        metrics_sock.close()
-        raise
-
-    agent = Agent(with_ingest=False)
-    agent.pipeline.set_source_info("engine", "kvscope-reference", preset.name)
+    # the engine first: a bad tier configuration is reported before any port is taken
     engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, config.disk_blocks,
                            block_tokens=block_tokens, policy=config.policy,
+                           record_blocks=config.capture_dir is not None,
                            emit=lambda event: agent.pipeline.ingest("engine", (event,)))
+    try:
+        metrics_sock = bind(config.host, config.metrics_port, "--metrics-port")
+        try:
+            bind(config.host, config.ui_port, "--ui-port").close()  # fail before starting anything
+        except PortInUse:
+            metrics_sock.close()
+            raise
+    except PortInUse:
+        engine.close()
+        raise
+
+    block_bytes = preset.bytes_per_block(block_tokens)
+    budgets = {"cpu": config.cpu_blocks * block_bytes, "disk": config.disk_blocks * block_bytes}
+    agent = Agent(AgentSettings(capture_dir=config.capture_dir, collectors={"host": {
+        "budgets": {tier: n for tier, n in budgets.items() if n}}}), with_ingest=False)
+    agent.pipeline.set_source_info("engine", "kvscope-reference", preset.name)
+    agent.pipeline.set_source_up("engine", True)  # the engine feeds the pipeline in-process
     server = ApiServer(create_app(agent), metrics_sock)
     stop = threading.Event()
     replayer = Replayer(engine, requests, speed=config.speed, stop=stop)
@@ -72,7 +86,9 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     server.start()
     api_url = f"http://{config.host}:{config.metrics_port}"
     try:
-        dashboard = serve_dashboard(create_dashboard(api_url), config.host, config.ui_port)
+        dashboard = serve_dashboard(create_dashboard(api_url, sizing_trace=config.trace,
+                                                       sizing_preset=preset.name),
+                                    config.host, config.ui_port)
     except OSError as exc:
         server.shutdown()
         agent.shutdown()

@@ -36,7 +36,7 @@ class SchemaError(ValueError):
         self.reason = reason
 
 
-class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
+class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True, gc=False):
     ts: float  # Unix seconds when the event happened (a transfer: when it started)
 
 
@@ -59,6 +59,12 @@ class Lookup(_Event, tag="lookup"):
     found resident there] (each block counted in the first tier, top down, that held it).
     ``prefill_tokens_per_second``: the engine's prefill rate for the saved-seconds estimate
     (0: unknown, the agent's configured rate is used).
+
+    Optional per-block detail, for captures and offline analysis (empty when the engine does not
+    record it; an engine fills both or neither): ``block_hashes``: the prefix hash of each block
+    looked up, first to last (unsigned 64-bit); ``block_sources``: the source that served each
+    of those blocks (prefix semantics: after the first ``recompute`` block every later one is
+    ``recompute``). ``block_tokens``: tokens per full block (0: unknown).
     """
 
     request_id: str
@@ -66,13 +72,18 @@ class Lookup(_Event, tag="lookup"):
     blocks: int = 0
     block_hits: dict[Tier, int] = {}
     prefill_tokens_per_second: float = 0.0
+    block_hashes: list[int] = []
+    block_sources: list[TokenSource] = []
+    block_tokens: int = 0
 
 
 class Transfer(_Event, tag="transfer"):
     """One timed copy of ``blocks`` KV blocks (``bytes`` in all) from ``src`` to ``dst`` tier.
 
     ``duration``: seconds the copy took. ``ok``: False when it failed (then ``reason`` says why).
-    ``request_id``: the request it served, "" for background work.
+    ``request_id``: the request it served, "" for background work. ``timed``: False when the
+    source saw the copy but not its duration (e.g. vLLM KV events): count bytes and blocks, but
+    ``duration`` is not a measurement and stays out of transfer-time histograms.
     """
 
     src: Tier
@@ -83,6 +94,7 @@ class Transfer(_Event, tag="transfer"):
     ok: bool = True
     reason: str = ""
     request_id: str = ""
+    timed: bool = True
 
 
 class Eviction(_Event, tag="eviction"):
@@ -91,7 +103,9 @@ class Eviction(_Event, tag="eviction"):
     ``age``: seconds each spent resident; ``hits``: hits each got while resident (0 means it was
     stored for nothing). ``offloaded``: True when the blocks were copied to the next tier down,
     False when they were dropped. ``reason``: ``capacity`` (made room), ``cleared`` (the engine
-    reset its cache) or ``failed`` (the copy could not be read back).
+    reset its cache) or ``failed`` (the copy could not be read back). ``measured``: False when
+    the source cannot see ``age`` and ``hits`` (e.g. vLLM KV events carry neither): count the
+    blocks, but keep ``age`` and ``hits`` out of the residency and hits histograms.
     """
 
     tier: Tier
@@ -101,6 +115,7 @@ class Eviction(_Event, tag="eviction"):
     hits: int
     offloaded: bool = False
     reason: Literal["capacity", "cleared", "failed"] = "capacity"
+    measured: bool = True
 
 
 class TierSnapshot(_Event, tag="tier_snapshot"):
@@ -118,7 +133,8 @@ class RequestFinished(_Event, tag="request_finished"):
 
     The parts of TTFT, in seconds and in this order: ``queueing`` before the engine took the
     request, ``lookup`` of cached blocks, ``promotion_wait`` for promotions, ``prefill`` of the
-    recomputed tokens. ``output_tokens``: tokens generated.
+    recomputed tokens. ``output_tokens``: tokens generated. ``itl``: mean inter-token latency,
+    seconds between consecutive output tokens after the first (0: unknown or one token).
     """
 
     request_id: str
@@ -129,9 +145,27 @@ class RequestFinished(_Event, tag="request_finished"):
     lookup: float = 0.0
     promotion_wait: float = 0.0
     prefill: float = 0.0
+    itl: float = 0.0
 
 
-Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished]
+class LatencyHistogram(_Event, tag="latency_histogram"):
+    """Latency observations an engine aggregated itself, without request ids (e.g. vLLM's
+    ``vllm:time_to_first_token_seconds`` between two scrapes).
+
+    ``metric``: which latency (``ttft``). ``bounds``: the engine's finite bucket upper bounds,
+    seconds, ascending. ``counts``: observations per bucket since the previous event (not
+    cumulative), ``len(bounds) + 1`` entries, the last one above every bound. ``sum``: seconds,
+    the sum of those observations.
+    """
+
+    metric: Literal["ttft"]
+    bounds: list[float]
+    counts: list[int]
+    sum: float = 0.0
+
+
+Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished,
+              LatencyHistogram]
 
 
 class Batch(msgspec.Struct, frozen=True):

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from conftest import free_port
+
 
 def _kvscope(*args, timeout=60):
     return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True,
@@ -54,5 +56,6 @@ def test_help_lists_the_demo_flags():
 
 
 def test_disk_tier_without_cpu_tier_is_a_clear_error():
-    _one_error_line(_kvscope("demo", "--cpu-blocks", "0", "--disk-blocks", "4", "--duration", "5"),
-                    "cpu tier")
+    ports = [str(free_port()), str(free_port())]
+    _one_error_line(_kvscope("demo", "--cpu-blocks", "0", "--disk-blocks", "4", "--duration", "5",
+                             "--metrics-port", ports[0], "--ui-port", ports[1]), "cpu tier")

@@ -1,7 +1,8 @@
-"""Unit tests of the dashboard's pure parts (figure builders, Overview rendering) and of the
-agent backend against a real local HTTP server.
+"""Unit tests of the dashboard's pure parts (series transforms, Overview figures and page
+rendering, the shell) and of the agent backend against a real local HTTP server.
 
-Timestamps: T = 1764410000 is 2025-11-29 09:53:20 UTC; the time axis shows naive UTC times.
+Times: T = 1764410000 is 2025-11-29 09:53:20 UTC; series carry epoch milliseconds (plotly
+draws them on a date axis), so the point of the sample at T + s is at ms(s) = (T + s) * 1000.
 """
 
 from __future__ import annotations
@@ -9,22 +10,22 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 
 from kvscope.dashboard import figures
-from kvscope.dashboard.app import create_app
+from kvscope.dashboard import series as S
+from kvscope.dashboard.app import create_app, pause_state, route
 from kvscope.dashboard.backend import AgentBackend, BackendUnavailable
 from kvscope.dashboard.pages import overview
 
 T = 1764410000.0
 
 
-def at(seconds: int) -> datetime:
-    """The time axis value of the sample at T + seconds."""
-    return datetime(2025, 11, 29, 9, 53, 20 + seconds)
+def ms(seconds: float) -> float:
+    return (T + seconds) * 1000.0
 
 
 def sample(dt: float, **fields) -> dict:
@@ -35,175 +36,256 @@ def annotation_texts(fig) -> list[str]:
     return [a.text for a in fig.layout.annotations]
 
 
-# --- counter rates -------------------------------------------------------------------------
+def ys(trace) -> list[float]:
+    return [None if np.isnan(v) else float(v) for v in np.asarray(trace.y, float)]
+
+
+def traces(fig) -> dict:
+    return {t.name: t for t in fig.data}
+
+
+# --- series transforms ---------------------------------------------------------------------
 
 def test_rate_between_two_samples():
     """gpu 100 -> 400 over 1 s: (400 - 100) / 1 = 300 tokens/s, drawn at the later sample."""
-    rates = figures.counter_rates(
+    rates = S.counter_rates(
         [sample(0, prompt_tokens={"gpu": 100}), sample(1, prompt_tokens={"gpu": 400})],
         "prompt_tokens")
-    assert rates == {"gpu": ([at(1)], [300.0])}
+    assert list(rates) == ["gpu"]
+    assert list(rates["gpu"][0]) == [ms(1)]
+    assert list(rates["gpu"][1]) == [300.0]
 
 
 def test_rate_divides_by_elapsed_seconds():
     """cpu 1000 -> 1600 over 2 s: 600 / 2 = 300 tokens/s."""
-    rates = figures.counter_rates(
+    rates = S.counter_rates(
         [sample(0, prompt_tokens={"cpu": 1000}), sample(2, prompt_tokens={"cpu": 1600})],
         "prompt_tokens")
-    assert rates["cpu"][1] == [300.0]
+    assert list(rates["cpu"][1]) == [300.0]
 
 
 def test_counter_reset_counts_new_value_as_increase():
     """gpu 100, 400, 50, 150 at 1 s steps. 100->400: 300/s. 400->50 went down, so the agent
     restarted and 50 tokens came after the reset: 50/s (PromQL rate()). 50->150: 100/s."""
     samples = [sample(i, prompt_tokens={"gpu": v}) for i, v in enumerate([100, 400, 50, 150])]
-    assert figures.counter_rates(samples, "prompt_tokens")["gpu"][1] == [300.0, 50.0, 100.0]
+    assert list(S.counter_rates(samples, "prompt_tokens")["gpu"][1]) == [300.0, 50.0, 100.0]
+    assert S.window_increase(samples, "prompt_tokens") == {"gpu": 450.0}
 
 
 def test_missing_key_counts_as_zero_and_keys_keep_canonical_order():
-    """disk absent, then 20: 20 tokens/s. recompute 10 -> absent (a reset to 0): 0/s.
-    Order is gpu, cpu, disk, recompute whatever the dict order."""
-    samples = [
-        sample(0, prompt_tokens={"recompute": 10, "gpu": 0}),
-        sample(1, prompt_tokens={"disk": 20, "cpu": 5, "gpu": 7}),
-    ]
-    rates = figures.counter_rates(samples, "prompt_tokens")
+    """disk absent, then 20: 20 tokens/s. recompute 10 -> absent (a reset to 0): 0/s."""
+    samples = [sample(0, prompt_tokens={"recompute": 10, "gpu": 0}),
+               sample(1, prompt_tokens={"disk": 20, "cpu": 5, "gpu": 7})]
+    rates = S.counter_rates(samples, "prompt_tokens")
     assert list(rates) == ["gpu", "cpu", "disk", "recompute"]
-    assert {k: ys for k, (_xs, ys) in rates.items()} == {
+    assert {k: list(v[1]) for k, v in rates.items()} == {
         "gpu": [7.0], "cpu": [5.0], "disk": [20.0], "recompute": [0.0]}
 
 
 def test_samples_without_time_progress_give_no_rate():
-    """Two samples with the same ts (or going back) have no defined rate: no point."""
     samples = [sample(0, prompt_tokens={"gpu": 1}), sample(0, prompt_tokens={"gpu": 9})]
-    assert figures.counter_rates(samples, "prompt_tokens") == {}
+    assert S.counter_rates(samples, "prompt_tokens") == {}
 
 
-# --- figures -------------------------------------------------------------------------------
+def test_thin_keeps_the_newest_and_bounds_the_count():
+    samples = [sample(i) for i in range(3600)]
+    thinned = S.thin(samples, 720)
+    assert len(thinned) <= 720
+    assert thinned[-1] is samples[-1]
+    assert S.thin(samples[:10], 720) == samples[:10]
+
+
+def test_last_window_counts_back_from_the_newest_sample():
+    samples = [sample(i) for i in range(10)]
+    assert [s["ts"] - T for s in S.last_window(samples, 3)] == [6, 7, 8, 9]
+    assert S.last_window([], 3) == []
+
+
+def test_bucket_increase_is_last_minus_first_and_handles_resets():
+    samples = [sample(0, h={"cpu": [1, 2, 0]}), sample(1, h={"cpu": [4, 2, 1], "gpu": [5, 0, 0]})]
+    assert {k: list(v) for k, v in S.bucket_increase(samples, "h").items()} == {
+        "gpu": [0.0, 0.0, 0.0], "cpu": [3.0, 0.0, 1.0]}
+    reset = [sample(0, h={"cpu": [9, 9, 9]}), sample(1, h={"cpu": [1, 0, 0]})]
+    assert list(S.bucket_increase(reset, "h")["cpu"]) == [1.0, 0.0, 0.0]
+
+
+def test_promotion_is_a_copy_toward_the_gpu():
+    assert S.is_promotion("cpu->gpu") and S.is_promotion("disk->cpu")
+    assert not S.is_promotion("gpu->cpu") and not S.is_promotion("cpu->disk")
+
+
+# --- Overview figures -----------------------------------------------------------------------
 
 def test_hit_quality_stacks_tokens_per_second_by_source():
-    """gpu 0 -> 300 -> 900 and recompute 0 -> 100 -> 100 at 1 s steps:
-    gpu 300, 600 tokens/s; recompute 100, 0 tokens/s."""
-    samples = [
-        sample(0, prompt_tokens={"gpu": 0, "recompute": 0}),
-        sample(1, prompt_tokens={"gpu": 300, "recompute": 100}),
-        sample(2, prompt_tokens={"gpu": 900, "recompute": 100}),
-    ]
+    """gpu 0 -> 300 -> 900 and recompute 0 -> 100 -> 100 at 1 s steps."""
+    samples = [sample(0, prompt_tokens={"gpu": 0, "recompute": 0}),
+               sample(1, prompt_tokens={"gpu": 300, "recompute": 100}),
+               sample(2, prompt_tokens={"gpu": 900, "recompute": 100})]
     fig = figures.hit_quality(samples)
     assert [t.name for t in fig.data] == ["gpu", "recompute"]
-    assert list(fig.data[0].y) == [300.0, 600.0]
-    assert list(fig.data[1].y) == [100.0, 0.0]
-    assert list(fig.data[0].x) == [at(1), at(2)]
+    assert ys(fig.data[0]) == [300.0, 600.0]
+    assert ys(fig.data[1]) == [100.0, 0.0]
+    assert list(fig.data[0].x) == [ms(1), ms(2)]
     assert {t.stackgroup for t in fig.data} == {"tokens"}
     assert fig.layout.yaxis.title.text == "tokens/s"
     assert fig.layout.xaxis.title.text == "time (UTC)"
     assert fig.layout.xaxis.type == "date"
 
 
-def test_transfer_throughput_in_bytes_per_second_per_direction():
-    """gpu->cpu 0 -> 123456 over 1 s: 123456 B/s; cpu->gpu 65536 -> 196608 over 1 s: 131072 B/s."""
-    samples = [
-        sample(0, transfer_bytes={"gpu->cpu": 0, "cpu->gpu": 65536}),
-        sample(1, transfer_bytes={"gpu->cpu": 123456, "cpu->gpu": 196608}),
-    ]
-    fig = figures.transfer_throughput(samples)
-    assert {t.name: list(t.y) for t in fig.data} == {"gpu->cpu": [123456.0], "cpu->gpu": [131072.0]}
-    assert fig.layout.yaxis.ticksuffix == "B/s"
-    assert fig.layout.yaxis.tickformat == "~s"
+def test_hit_share_is_each_source_over_all_tokens():
+    """gpu +300, cpu +100 in the first second: 0.75 and 0.25; no tokens in the second: gap."""
+    samples = [sample(0, prompt_tokens={"gpu": 0, "cpu": 0}),
+               sample(1, prompt_tokens={"gpu": 300, "cpu": 100}),
+               sample(2, prompt_tokens={"gpu": 300, "cpu": 100})]
+    t = traces(figures.hit_share(samples))
+    assert ys(t["gpu"]) == [0.75, None]
+    assert ys(t["cpu"]) == [0.25, None]
+    assert figures.hit_share(samples).layout.yaxis.tickformat == ".0%"
 
 
-def test_tier_residency_draws_resident_solid_and_capacity_dashed_in_one_colour():
-    samples = [
-        sample(0, tier_resident_bytes={"gpu": 1024}, tier_capacity_bytes={"gpu": 8388608}),
-        sample(1, tier_resident_bytes={"gpu": 4096, "cpu": 512},
-               tier_capacity_bytes={"gpu": 8388608, "cpu": 33554432}),
-    ]
-    fig = figures.tier_residency(samples)
-    traces = {t.name: t for t in fig.data}
-    assert list(traces) == ["gpu resident", "gpu capacity", "cpu resident", "cpu capacity"]
-    assert list(traces["gpu resident"].y) == [1024.0, 4096.0]
-    assert list(traces["cpu resident"].x) == [at(1)]  # cpu appeared only in the second sample
-    assert list(traces["cpu capacity"].y) == [33554432.0]
-    assert traces["gpu capacity"].line.dash == "dash"
-    assert traces["gpu resident"].line.dash is None
-    assert traces["gpu resident"].line.color == traces["gpu capacity"].line.color
-    assert fig.layout.yaxis.ticksuffix == "B"
+def test_ttft_draws_the_three_percentiles_in_seconds_with_gaps():
+    samples = [sample(0, ttft_seconds={"p50": 0.1, "p95": 0.4, "p99": 0.9}),
+               sample(1, ttft_seconds={"p50": None, "p95": None, "p99": None}),
+               sample(2, ttft_seconds={"p50": 0.2, "p95": 0.5, "p99": 1.0})]
+    fig = figures.ttft(samples)
+    assert list(traces(fig)) == ["TTFT p50", "TTFT p95", "TTFT p99"]
+    assert ys(traces(fig)["TTFT p99"]) == [0.9, None, 1.0]
+    assert fig.layout.yaxis.ticksuffix == "s"
 
 
-def test_host_memory_skips_samples_without_the_value():
-    samples = [sample(0, host_memory_available_bytes=2.1e10), sample(1),
+def test_promotion_latency_shows_promotions_only():
+    q = {"p50": 0.001, "p95": 0.002, "p99": 0.003}
+    samples = [sample(0, transfer_seconds={"cpu->gpu": q, "gpu->cpu": q, "disk->cpu": q})]
+    names = list(traces(figures.promotion_latency(samples)))
+    assert names == ["cpu->gpu p50", "cpu->gpu p95", "cpu->gpu p99",
+                     "disk->cpu p50", "disk->cpu p95", "disk->cpu p99"]
+    only_offloads = [sample(0, transfer_seconds={"gpu->cpu": q})]
+    assert annotation_texts(figures.promotion_latency(only_offloads)) == ["no promotions yet"]
+
+
+def test_transfer_throughput_against_the_pcie_link_maximum():
+    """gpu->cpu 0 -> 123456 over 1 s: 123456 B/s; link max 32e9 B/s drawn dashed."""
+    samples = [sample(0, transfer_bytes={"gpu->cpu": 0}),
+               sample(1, transfer_bytes={"gpu->cpu": 123456},
+                      pcie_link_max_bytes_per_second={"0": 32e9})]
+    t = traces(figures.transfer_throughput(samples))
+    assert ys(t["gpu->cpu"]) == [123456.0]
+    assert ys(t["PCIe link max (one GPU)"]) == [32e9, 32e9]
+    assert t["PCIe link max (one GPU)"].line.dash == "dash"
+    no_gpu = figures.transfer_throughput(samples[:1] + [sample(1, transfer_bytes={"gpu->cpu": 1})])
+    assert "PCIe link max (one GPU)" not in traces(no_gpu)
+    assert figures.transfer_throughput(samples).layout.yaxis.ticksuffix == "B/s"
+
+
+def test_tier_residency_draws_resident_capacity_and_budget_in_one_colour():
+    samples = [sample(0, tier_resident_bytes={"gpu": 1024}, tier_capacity_bytes={"gpu": 8388608}),
+               sample(1, tier_resident_bytes={"gpu": 4096, "cpu": 512},
+                      tier_capacity_bytes={"gpu": 8388608, "cpu": 33554432},
+                      offload_budget_bytes={"cpu": 30000000})]
+    t = traces(figures.tier_residency(samples))
+    assert list(t) == ["gpu resident", "gpu capacity", "cpu resident", "cpu capacity",
+                       "cpu budget"]
+    assert ys(t["gpu resident"]) == [1024.0, 4096.0]
+    assert list(t["cpu resident"].x) == [ms(1)]
+    assert t["gpu capacity"].line.dash == "dash" and t["cpu budget"].line.dash == "dot"
+    assert t["gpu resident"].line.color == t["gpu capacity"].line.color
+
+
+def test_host_memory_draws_available_reserve_and_headroom():
+    samples = [sample(0, host_memory_available_bytes=2.1e10, host_memory_reserve_bytes=8e9,
+                      host_memory_headroom_bytes=1.3e10), sample(1),
                sample(2, host_memory_available_bytes=2.0e10)]
-    fig = figures.host_memory(samples)
-    assert list(fig.data[0].x) == [at(0), at(2)]
-    assert list(fig.data[0].y) == [2.1e10, 2.0e10]
-    assert fig.layout.yaxis.ticksuffix == "B"
+    t = traces(figures.host_memory(samples))
+    assert list(t["available"].x) == [ms(0), ms(2)]
+    assert ys(t["available"]) == [2.1e10, 2.0e10]
+    assert ys(t["reserve"]) == [8e9] and ys(t["headroom"]) == [1.3e10]
 
 
-@pytest.mark.parametrize("build", [figures.hit_quality, figures.tier_residency,
-                                   figures.transfer_throughput, figures.host_memory])
+def test_evictions_with_the_share_never_reused():
+    """gpu evicts 10 blocks in 1 s, 4 of them with 0 hits: 10 blocks/s, 40 % never reused."""
+    samples = [sample(0, evicted_blocks={"gpu": 0}, evicted_block_hits={"gpu": [0, 0]}),
+               sample(1, evicted_blocks={"gpu": 10}, evicted_block_hits={"gpu": [4, 6]})]
+    t = traces(figures.evictions(samples))
+    assert ys(t["gpu evicted"]) == [10.0]
+    assert ys(t["gpu never reused"]) == [0.4]
+    assert t["gpu never reused"].yaxis == "y2"
+
+
+def test_savings_accumulate_over_the_window():
+    """saved gpu 1 -> 3 s, cpu 0 -> 1 s; cpu->gpu transfers 0 -> 0.5 s; gpu->cpu 0 -> 0.25 s."""
+    samples = [sample(0, prefill_seconds_saved={"gpu": 1, "cpu": 0},
+                      transfer_seconds_sum={"cpu->gpu": 0, "gpu->cpu": 0}),
+               sample(1, prefill_seconds_saved={"gpu": 3, "cpu": 1},
+                      transfer_seconds_sum={"cpu->gpu": 0.5, "gpu->cpu": 0.25})]
+    t = traces(figures.savings(samples))
+    assert ys(t["prefill saved (est.)"]) == [0.0, 3.0]
+    assert ys(t["promotion time"]) == [0.0, 0.5]
+    assert ys(t["offload time"]) == [0.0, 0.25]
+
+
+BUILDERS = [figures.hit_quality, figures.hit_share, figures.ttft, figures.promotion_latency,
+            figures.transfer_throughput, figures.tier_residency, figures.host_memory,
+            figures.evictions, figures.savings]
+
+
+@pytest.mark.parametrize("build", BUILDERS)
 def test_no_samples_gives_a_readable_empty_state(build):
     fig = build([])
     assert len(fig.data) == 0
-    assert annotation_texts(fig) == ["no data yet"]
+    assert len(annotation_texts(fig)) == 1 and annotation_texts(fig)[0]
     assert fig.layout.title.text
 
 
-def test_one_sample_is_not_enough_for_a_rate():
-    fig = figures.hit_quality([sample(0, prompt_tokens={"gpu": 5})])
-    assert annotation_texts(fig) == ["no data yet"]
-
-
 def test_unreachable_figure_names_the_url():
-    fig = figures.unreachable_figure("Host RAM available", "http://127.0.0.1:9400")
+    fig = figures.unreachable_figure("Host RAM", "http://127.0.0.1:9400")
     assert annotation_texts(fig) == ["agent unreachable: http://127.0.0.1:9400"]
-    assert fig.layout.title.text == "Host RAM available"
 
 
-def test_last_window_counts_back_from_the_newest_sample():
-    samples = [sample(i) for i in range(10)]
-    assert [s["ts"] - T for s in figures.last_window(samples, 3)] == [6, 7, 8, 9]
-    assert figures.last_window([], 3) == []
+# --- Overview page and shell ----------------------------------------------------------------
 
-
-# --- Overview page (pure parts) ------------------------------------------------------------
-
-def test_render_returns_four_figures_and_a_status_line():
+def test_render_returns_every_figure_and_they_serialise():
     samples = [sample(0, prompt_tokens={"gpu": 0}, host_memory_available_bytes=1e9),
                sample(1, prompt_tokens={"gpu": 300}, host_memory_available_bytes=1e9)]
-    *figs, status = overview.render(samples, "http://agent:9400", window_seconds=900)
-    assert len(figs) == 4
-    assert list(figs[0].data[0].y) == [300.0]
-    assert status == "agent http://agent:9400 · 2 samples · last 09:53:21 UTC"
+    figs = overview.render(samples, window_seconds=900)
+    assert len(figs) == len(overview.GRAPHS)
+    assert ys(figs[0].data[0]) == [300.0]
     for fig in figs:
         json.loads(fig.to_json())  # what Dash sends must serialise
 
 
 def test_pause_toggles_on_odd_clicks():
-    assert overview.pause_state(0) == (False, "Pause")
-    assert overview.pause_state(None) == (False, "Pause")
-    assert overview.pause_state(1) == (True, "Resume")
-    assert overview.pause_state(2) == (False, "Pause")
+    assert pause_state(0) == (False, "Pause")
+    assert pause_state(None) == (False, "Pause")
+    assert pause_state(1) == (True, "Resume")
+    assert pause_state(2) == (False, "Pause")
+
+
+def test_route_finds_pages_and_explains_unknown_paths():
+    assert "requests-table" in set(route("/requests/"))
+    assert "hit-quality" in set(route("/"))
+    assert "no page at /nope" in str(route("/nope"))
 
 
 def test_create_app_twice_builds_independent_apps():
     apps = [create_app("http://127.0.0.1:9"), create_app("http://127.0.0.1:9")]
     for app in apps:
         assert app.title == "kvscope"
-        ids = set(app.layout)  # a Dash component iterates over the ids in its tree
-        assert {"hit-quality", "tier-residency", "transfer-throughput", "host-memory",
-                "refresh", "pause", "status"} <= ids
+        ids = set(app.validation_layout)
+        assert set(overview.GRAPHS) | {"refresh", "pause", "url", "page", "instance",
+                                       "requests-table", "waterfall", "block-flow",
+                                       "sizing-curves"} <= ids
     assert apps[0].callback_map.keys() == apps[1].callback_map.keys()
-    assert len(apps[0].callback_map) == 2
 
 
-# --- backend against a real HTTP server ----------------------------------------------------
+# --- agent backend against a real HTTP server ----------------------------------------------
 
 class _Agent(BaseHTTPRequestHandler):
-    """Answers every GET with the server's ``reply`` = (status, body bytes)."""
+    """Answers GETs from the server's ``replies``: path prefix -> (status, body bytes)."""
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         self.server.paths.append(self.path)
-        status, body = self.server.reply
+        status, body = next((v for k, v in self.server.replies.items()
+                             if self.path.startswith(k)), (404, b"{}"))
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -218,7 +300,7 @@ class _Agent(BaseHTTPRequestHandler):
 def agent():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Agent)
     server.paths = []
-    server.reply = (200, b"{}")
+    server.replies = {}
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -230,12 +312,19 @@ def _url(server) -> str:
     return f"http://127.0.0.1:{server.server_address[1]}"
 
 
-def test_backend_reads_samples_and_passes_since(agent):
-    agent.reply = (200, json.dumps({"interval": 1.0, "samples": [{"ts": T}]}).encode())
+def _samples(*seconds) -> bytes:
+    return json.dumps({"interval": 1.0, "samples": [{"ts": T + s} for s in seconds]}).encode()
+
+
+def test_backend_caches_samples_and_asks_only_for_new_ones(agent):
+    agent.replies = {"/api/v1/timeseries": (200, _samples(0, 1))}
     backend = AgentBackend(_url(agent) + "/")
-    assert backend.timeseries() == [{"ts": T}]
-    assert backend.timeseries(since=T) == [{"ts": T}]
-    assert agent.paths == ["/api/v1/timeseries", f"/api/v1/timeseries?since={T}"]
+    assert [s["ts"] for s in backend.timeseries(900)] == [T, T + 1]
+    agent.replies = {"/api/v1/timeseries": (200, _samples(2))}
+    assert [s["ts"] for s in backend.timeseries(900)] == [T, T + 1, T + 2]
+    assert [s["ts"] for s in backend.timeseries(1)] == [T + 1, T + 2]  # window from the newest
+    assert agent.paths[0] == "/api/v1/timeseries?window=900"
+    assert agent.paths[1] == f"/api/v1/timeseries?since={T + 1}"
     backend.close()
 
 
@@ -246,11 +335,24 @@ def test_backend_reads_samples_and_passes_since(agent):
     ((200, b"[]"), "unexpected timeseries payload"),
 ])
 def test_backend_raises_typed_error_on_bad_answers(agent, reply, reason):
-    agent.reply = reply
+    agent.replies = {"/api/v1/timeseries": reply}
     with pytest.raises(BackendUnavailable) as info:
         AgentBackend(_url(agent)).timeseries()
     assert info.value.url == _url(agent)
     assert info.value.reason == reason
+
+
+def test_backend_reads_requests_and_one_request(agent):
+    record = {"request_id": "r/1", "ttft": 0.1}
+    agent.replies = {"/api/v1/requests/r%2F1": (200, json.dumps(record).encode()),
+                     "/api/v1/requests/gone": (404, b'{"detail": "no"}'),
+                     "/api/v1/requests?": (200, json.dumps({"total": 7,
+                                                            "requests": [record]}).encode())}
+    backend = AgentBackend(_url(agent))
+    assert backend.requests(10, "ttft", True, 0.05) == (7, [record])
+    assert "sort=ttft" in agent.paths[-1] and "min_ttft=0.05" in agent.paths[-1]
+    assert backend.request("r/1") == record
+    assert backend.request("gone") is None
 
 
 def test_backend_raises_typed_error_when_nothing_listens():
@@ -266,4 +368,5 @@ def test_refresh_shows_unreachable_agent_instead_of_failing():
     backend = AgentBackend("http://127.0.0.1:9", timeout=1.0)
     *figs, status = overview.refresh(backend, window_seconds=900)
     assert status.startswith("agent unreachable: http://127.0.0.1:9 (")
-    assert [annotation_texts(f) for f in figs] == [["agent unreachable: http://127.0.0.1:9"]] * 4
+    assert [annotation_texts(f) for f in figs] == [
+        ["agent unreachable: http://127.0.0.1:9"]] * len(overview.GRAPHS)

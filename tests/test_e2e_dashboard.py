@@ -1,40 +1,57 @@
-"""End to end: the running demo's dashboard in headless Chromium draws all four Overview graphs.
+"""End to end: the running demo's dashboard in headless Chromium, page by page.
 
 Uses the session fixture ``demo`` (tests/conftest.py), which runs ``kvscope demo`` with its
-agent, exporter and dashboard. The graphs' data are read from the page itself (plotly's
-``data`` on each graph's ``.js-plotly-plot`` element), so this checks what a user sees:
-agent -> HTTP API -> Dash callback -> figure -> browser.
+agent, exporter and dashboard. The graphs' data are read from the page itself (plotly's data
+on each graph's ``.js-plotly-plot`` element), so this checks what a user sees:
+agent -> HTTP API -> Dash callback -> figure -> browser. A second dashboard, served in-process
+against the demo's agent with ``sizing_trace``, covers the Sizing page with data. Screenshots
+of every page go to test-artifacts/dashboard-*.png.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.request
+from urllib.parse import parse_qs, urlsplit
 from pathlib import Path
 
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
-GRAPH_IDS = ("hit-quality", "tier-residency", "transfer-throughput", "host-memory")
-WAIT_SECONDS = 60.0  # an upper bound on waiting, not a speed requirement
+WAIT_SECONDS = 90.0  # an upper bound on waiting, not a speed requirement
 MIN_POINTS = 5  # points with y > 0 per graph: a drawn line, not a lone first sample
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+TRACE = Path(os.environ.get("KVSCOPE_TRACE_DIR", Path(__file__).resolve().parents[2] / "shared"
+                            / "traces")) / "mooncake_conversation_trace.jsonl"
 
-# For each graph id: how many points with y > 0 it holds (0 when not drawn yet).
-COUNT_POSITIVE_POINTS_JS = """
+OVERVIEW_GRAPHS = ("hit-quality", "hit-share", "ttft", "promotion-latency",
+                   "transfer-throughput", "tier-residency", "host-memory", "evictions", "savings")
+TIERS_GRAPHS = ("tier-gpu", "tier-cpu", "block-flow", "eviction-age", "eviction-hits")
+
+# For each graph id: how many values > 0 it holds (y of lines and bars, Sankey link values).
+COUNT_POSITIVE_JS = """
 const out = {};
 for (const id of arguments[0]) {
   const el = document.getElementById(id);
   const plot = el && (el.classList.contains('js-plotly-plot') ? el
                       : el.querySelector('.js-plotly-plot'));
   let n = 0;
-  for (const trace of (plot && plot.data) || []) {
-    for (const y of Array.from(trace.y || [])) { if (Number(y) > 0) n += 1; }
+  for (const trace of (plot && (plot._fullData || plot.data)) || []) {
+    const values = trace.type === 'sankey' ? (trace.link && trace.link.value)
+                 : trace.orientation === 'h' ? trace.x : trace.y;
+    for (const v of Array.from(values || [])) { if (Number(v) > 0) n += 1; }
   }
   out[id] = n;
 }
 return out;
+"""
+ANNOTATIONS_JS = """
+const el = document.getElementById(arguments[0]);
+const plot = el && el.querySelector('.js-plotly-plot');
+return ((plot && plot.layout && plot.layout.annotations) || []).map(a => a.text);
 """
 
 
@@ -50,7 +67,7 @@ def browser():
     options = Options()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                "--window-size=1400,900"):
+                "--window-size=1400,1800"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
@@ -58,25 +75,150 @@ def browser():
     driver.quit()
 
 
-def test_overview_draws_all_graphs(demo, browser):
+def wait_for(browser, check, what: str, seconds: float = WAIT_SECONDS):
+    """Poll ``check()`` until it returns a truthy value; fail naming ``what`` and the last value."""
+    deadline = time.monotonic() + seconds
+    value = None
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"{what} not seen within {seconds:.0f} s; last: {value!r}")
+
+
+def wait_for_points(browser, graph_ids, minimum: int = MIN_POINTS) -> dict:
+    counts: dict = {}
+
+    def full():
+        nonlocal counts
+        counts = browser.execute_script(COUNT_POSITIVE_JS, list(graph_ids))
+        return all(counts.get(g, 0) >= minimum for g in graph_ids)
+
+    wait_for(browser, lambda: full() and counts, f"{minimum}+ points in {list(graph_ids)}")
+    return counts
+
+
+def screenshot(browser, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+
+
+def console_errors(browser) -> list:
+    return [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+def status_text(browser, status_id: str) -> str:
+    """The status line's text, "" while the page is not drawn yet."""
+    found = browser.find_elements("id", status_id)
+    return found[0].text if found else ""
+
+
+@pytest.fixture(scope="module")
+def sizing_dashboard(demo):
+    """A second dashboard, in-process, on the demo's agent, with a trace for the Sizing page."""
+    if not TRACE.is_file():
+        pytest.skip(f"trace {TRACE} not found (set KVSCOPE_TRACE_DIR)")
+    from kvscope.dashboard.app import create_app, serve
+
+    app = create_app(demo.api_url, sizing_trace=str(TRACE), sizing_preset="llama-3-8b")
+    handle = serve(app, "127.0.0.1", 0)
+    yield handle
+    handle.shutdown()
+    app.kvscope.backend.close()
+
+
+def test_overview_draws_every_graph(demo, browser):
     browser.get(demo.ui_url)
     assert browser.title == "kvscope"
-    counts: dict[str, int] = {}
-    deadline = time.monotonic() + WAIT_SECONDS
     try:
-        while time.monotonic() < deadline:
-            counts = browser.execute_script(COUNT_POSITIVE_POINTS_JS, list(GRAPH_IDS))
-            if all(counts.get(gid, 0) >= MIN_POINTS for gid in GRAPH_IDS):
-                break
-            time.sleep(0.5)
-        status = browser.find_element("id", "status").text
+        counts = wait_for_points(browser, OVERVIEW_GRAPHS)
+        status = status_text(browser, "overview-status")
     finally:
-        ARTIFACTS.mkdir(exist_ok=True)
-        browser.save_screenshot(str(ARTIFACTS / "dashboard-overview.png"))
+        screenshot(browser, "dashboard-overview")
+    assert "unreachable" not in status, (status, counts)
+    assert not console_errors(browser)
 
-    short = [gid for gid in GRAPH_IDS if counts.get(gid, 0) < MIN_POINTS]
-    assert not short, (f"graphs with fewer than {MIN_POINTS} points y > 0 after "
-                       f"{WAIT_SECONDS:.0f} s: {short}; counts {counts}; status {status!r}")
-    assert "unreachable" not in status, status
-    severe = [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
-    assert not severe, f"browser console errors: {severe}"
+
+def test_tiers_page_draws_residency_flow_and_histograms(demo, browser):
+    browser.get(demo.ui_url + "tiers")
+    try:
+        wait_for_points(browser, TIERS_GRAPHS, minimum=2)
+        # the demo runs without a disk tier
+        wait_for(browser, lambda: browser.execute_script(ANNOTATIONS_JS, "tier-disk")
+                 == ["no disk tier configured"], "the disk panel's empty state")
+    finally:
+        screenshot(browser, "dashboard-tiers")
+    assert not console_errors(browser)
+
+
+def _first_request(demo) -> dict:
+    with urllib.request.urlopen(f"{demo.api_url}/api/v1/requests?limit=1", timeout=5) as resp:
+        return json.load(resp)["requests"][0]
+
+
+def test_selecting_a_request_opens_its_waterfall(demo, browser):
+    browser.get(demo.ui_url + "requests")
+    cell = 'td[data-dash-column="request_id"]'
+    try:
+        wait_for(browser, lambda: browser.find_elements("css selector", cell), "table rows")
+        browser.find_elements("css selector", cell)[0].click()
+        wait_for(browser, lambda: "?id=" in browser.current_url, "the deep link URL")
+        request_id = parse_qs(urlsplit(browser.current_url).query)["id"][0]
+        wait_for_points(browser, ["waterfall"], minimum=2)
+        wait_for(browser, lambda: request_id in browser.find_element("id", "request-details").text,
+                 "the request's details")
+        details = browser.find_element("id", "request-details").text
+    finally:
+        screenshot(browser, "dashboard-requests")
+    assert request_id in details and "trace id" in details
+    assert not console_errors(browser)
+
+
+def test_deep_link_opens_a_request(demo, browser):
+    record = _first_request(demo)
+    browser.get(f"{demo.ui_url}requests?id={record['request_id']}")
+    try:
+        wait_for_points(browser, ["waterfall"], minimum=2)
+        trace = wait_for(browser, lambda: browser.find_elements("id", "trace-id"), "trace id")
+    finally:
+        screenshot(browser, "dashboard-request-deep-link")
+    assert trace[0].text == record["trace_id"]
+    assert not console_errors(browser)
+
+
+def test_sizing_page_without_a_trace_says_how_to_enable_it(demo, browser):
+    browser.get(demo.ui_url + "sizing")
+    text = wait_for(browser, lambda: "--sizing-trace" in status_text(browser, "sizing-status")
+                    and status_text(browser, "sizing-status"), "the how-to-enable message")
+    screenshot(browser, "dashboard-sizing-off")
+    assert "no trace to size from" in text
+    assert not console_errors(browser)
+
+
+def test_sizing_page_plots_the_analysis(sizing_dashboard, browser):
+    browser.get(sizing_dashboard.url + "/sizing")
+    try:
+        wait_for_points(browser, ["sizing-curves", "sizing-cost"])
+        verdict = browser.find_element("id", "sizing-verdict").text
+    finally:
+        screenshot(browser, "dashboard-sizing")
+    assert "Offload" in verdict and "--kv-offloading-size" in verdict
+    assert not console_errors(browser)
+
+
+def test_dead_agent_shows_unreachable_not_a_traceback(browser):
+    from kvscope.dashboard.app import create_app, serve
+
+    app = create_app("http://127.0.0.1:9", refresh_seconds=1.0)
+    handle = serve(app, "127.0.0.1", 0)
+    try:
+        for path, status_id in (("/", "overview-status"), ("/requests", "requests-status"),
+                                ("/tiers", "tiers-status")):
+            browser.get(handle.url + path)
+            wait_for(browser, lambda s=status_id: "agent unreachable: http://127.0.0.1:9"
+                     in status_text(browser, s), f"unreachable status on {path}")
+        screenshot(browser, "dashboard-agent-unreachable")
+        assert not console_errors(browser)
+    finally:
+        handle.shutdown()

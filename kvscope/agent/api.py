@@ -22,10 +22,18 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from kvscope import __version__
 from kvscope.agent.agent import Agent
 from kvscope.agent.requests import SORT_KEYS
+from kvscope.agent.sources import otlp_receiver as otlp_in
 
 MAX_LIMIT = 10_000
 SAMPLE_FIELDS = ("prompt_tokens", "transfer_bytes", "evicted_blocks", "tier_resident_bytes",
-                 "tier_capacity_bytes", "host_memory_available_bytes")
+                 "tier_capacity_bytes", "host_memory_available_bytes",
+                 # added for the dashboard (issue 6); see Pipeline.record_sample for units
+                 "requests", "prefill_seconds_saved", "transfer_blocks", "transfer_seconds_sum",
+                 "dropped_blocks", "evicted_block_hits", "block_residency_seconds",
+                 "ttft_seconds", "promotion_wait_seconds", "transfer_seconds",
+                 "tier_resident_blocks", "tier_capacity_blocks", "host_memory_reserve_bytes",
+                 "host_memory_headroom_bytes", "offload_budget_bytes",
+                 "pcie_link_max_bytes_per_second")
 
 
 def percentiles(values: list[float], qs=(50, 95, 99)) -> dict[str, float | None]:
@@ -70,6 +78,23 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
     def healthz() -> Response:
         return Response("ok\n", media_type="text/plain")
 
+    if agent.otlp_receiver is not None:
+        receiver = agent.otlp_receiver
+
+        @app.post(otlp_in.TRACES_PATH, dependencies=[Depends(authorize)], include_in_schema=False)
+        async def otlp_traces(request: Request) -> Response:
+            """OTLP/HTTP trace export (protobuf or JSON); see ``agent/sources/otlp_receiver.py``."""
+            content_type = request.headers.get("content-type", "")
+            try:
+                spans = otlp_in.parse(await request.body(), content_type,
+                                      request.headers.get("content-encoding", ""))
+            except otlp_in.OtlpError as exc:
+                return JSONResponse({"detail": str(exc)}, exc.status)
+            receiver.handle(spans)
+            if content_type.startswith("application/x-protobuf"):
+                return Response(otlp_in.EMPTY_RESPONSE, media_type="application/x-protobuf")
+            return JSONResponse({})
+
     @app.get("/readyz", include_in_schema=False)
     def readyz() -> Response:
         if agent.ready:
@@ -106,16 +131,18 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
     @app.get("/api/v1/timeseries", dependencies=[Depends(authorize)])
     def timeseries(
         since: float | None = Query(None, description="Unix seconds; only samples after it"),
+        window: float | None = Query(None, ge=0, description="seconds; only samples no older "
+                                     "than this before the newest one"),
         metric: list[str] | None = Query(None, max_length=len(SAMPLE_FIELDS),
                                          description=f"fields to return: {', '.join(SAMPLE_FIELDS)}"),
     ) -> dict:
         """One-second samples, oldest first; counters are cumulative."""
-        samples = agent.pipeline.samples(since)
+        samples = agent.pipeline.samples(since, window)
         if metric:
             unknown = sorted(set(metric) - set(SAMPLE_FIELDS))
             if unknown:
                 raise HTTPException(422, f"unknown metric {unknown[0]!r}; use {', '.join(SAMPLE_FIELDS)}")
-            samples = [{"ts": s["ts"], **{m: s[m] for m in metric}} for s in samples]
+            samples = [{"ts": s["ts"], **{m: s.get(m) for m in metric}} for s in samples]
         return {"interval": agent.sample_interval, "samples": samples}
 
     @app.get("/api/v1/requests", dependencies=[Depends(authorize)])

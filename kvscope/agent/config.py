@@ -48,6 +48,44 @@ class IngestConfig(BaseModel):
         return value
 
 
+class KvEventsConfig(BaseModel):
+    """vLLM's ``--kv-events-config`` stream (source ``kv_events``): ``endpoint`` as given to vLLM
+    (with ``*``: vLLM binds, the agent connects; else the agent binds), ``replay_endpoint``
+    (vLLM's, to fetch gaps; None: gaps are only counted), ``topic``; ``block_bytes``: KV bytes
+    per block (0: unknown); ``capacity_blocks``: blocks per tier for the capacity gauges."""
+
+    enabled: bool = False
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    block_bytes: int = Field(0, ge=0)
+    capacity_blocks: dict[str, int] = {}
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("tcp://", "ipc://")):
+            raise ValueError("must start with tcp:// or ipc://")
+        return value
+
+
+class VllmMetricsConfig(BaseModel):
+    """Scrape vLLM's ``/metrics`` (source ``vllm_metrics``) every ``interval`` seconds;
+    ``block_bytes``: KV bytes per block (0: unknown)."""
+
+    enabled: bool = False
+    url: str = "http://127.0.0.1:8000/metrics"
+    interval: float = Field(5.0, gt=0)
+    block_bytes: int = Field(0, ge=0)
+
+
+class OtlpReceiverConfig(BaseModel):
+    """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source``."""
+
+    enabled: bool = True
+    source: str = "vllm"
+
+
 class HostCollectorConfig(BaseModel):
     """``reserve_bytes``: memory kept free for the OS and other services; ``budgets``: bytes
     reserved per offload tier (e.g. vLLM's ``cpu_bytes_to_use`` for ``cpu``)."""
@@ -72,6 +110,9 @@ class AgentSettings(BaseSettings):
     ``token``: bearer token required on ``/api`` (None: open, which is why the default address
     is loopback). ``store_dir``: where finished requests persist (None: memory only).
     ``otlp_endpoint``: OTLP/HTTP traces URL to export request spans to (None: off).
+    ``capture_dir``: where block accesses and finished requests are captured as Parquet
+    segments for ``kvscope analyze`` / ``kvscope compare`` (None: off); the oldest segments are
+    deleted beyond ``capture_max_bytes`` (:mod:`kvscope.agent.capture`).
     """
 
     model_config = SettingsConfigDict(env_prefix="KVSCOPE_", env_nested_delimiter="__",
@@ -87,7 +128,12 @@ class AgentSettings(BaseSettings):
     store_max_bytes: int = Field(256 << 20, gt=0)
     store_max_age: float = Field(86_400.0, gt=0)
     otlp_endpoint: str | None = None
+    capture_dir: Path | None = None
+    capture_max_bytes: int = Field(1 << 30, gt=0)
     ingest: IngestConfig = IngestConfig()
+    kv_events: KvEventsConfig = KvEventsConfig()
+    vllm_metrics: VllmMetricsConfig = VllmMetricsConfig()
+    otlp_receiver: OtlpReceiverConfig = OtlpReceiverConfig()
     collectors: CollectorsConfig = CollectorsConfig()
 
 

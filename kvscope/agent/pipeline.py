@@ -105,6 +105,7 @@ class Snapshot:
     transfer_seconds: dict[tuple[str, str], Histogram]
     transfer_failures: dict[tuple[str, str, str], int]
     evicted_blocks: dict[tuple[str, str], int]
+    dropped_blocks: dict[str, int]
     evicted_block_hits: dict[str, Histogram]
     block_residency_seconds: dict[str, Histogram]
     tiers: dict[str, ev.TierSnapshot]
@@ -138,6 +139,7 @@ class Pipeline:
         self.requests = table if table is not None else RequestTable()
         self._assembler = RequestAssembler()
         self._listeners: list[Callable[[RequestRecord], None]] = []
+        self._lookup_listeners: list[Callable[[str, ev.Lookup], None]] = []
         self._prompt_tokens: Counter[str] = Counter(dict.fromkeys(ev.TOKEN_SOURCES, 0))
         self._lookup_blocks: Counter[tuple[str, str]] = Counter()
         self._saved: Counter[str] = Counter()
@@ -170,9 +172,17 @@ class Pipeline:
         """Call ``listener`` with each finished request (on the ingesting thread; keep it quick)."""
         self._listeners.append(listener)
 
+    def subscribe_lookups(self, listener: Callable[[str, ev.Lookup], None]) -> None:
+        """Call ``listener(source, lookup)`` with each :class:`~kvscope.events.Lookup` event
+        after it was folded in (on the ingesting thread, outside the lock; keep it quick).
+        The capture sink records block accesses from these."""
+        self._lookup_listeners.append(listener)
+
     def ingest(self, source: str, events: Iterable[object]) -> None:
         """Fold ``events`` from emitter ``source`` into the state."""
         finished: list[RequestRecord] = []
+        lookups: list[ev.Lookup] = []
+        watch = bool(self._lookup_listeners)
         handlers = self._handlers
         with self._lock:
             n = 0
@@ -180,8 +190,13 @@ class Pipeline:
                 handler = handlers.get(type(event))
                 if handler is not None:
                     handler(source, event, finished)
+                    if watch and type(event) is ev.Lookup:
+                        lookups.append(event)
                 n += 1
             self._received[source] += n
+        for lookup in lookups:
+            for on_lookup in self._lookup_listeners:
+                on_lookup(source, lookup)
         for record in finished:
             self.requests.add(record)
             for listener in self._listeners:
@@ -274,6 +289,7 @@ class Pipeline:
                 transfer_seconds={k: h.copy() for k, h in self._transfer_seconds.items()},
                 transfer_failures=dict(self._transfer_failures),
                 evicted_blocks=dict(self._evicted_blocks),
+                dropped_blocks=dict(self._dropped_blocks),
                 evicted_block_hits={k: h.copy() for k, h in self._evicted_hits.items()},
                 block_residency_seconds={k: h.copy() for k, h in self._residency.items()},
                 tiers=dict(self._tiers),

@@ -30,8 +30,9 @@ class TransferRecord(msgspec.Struct, frozen=True):
 
 class RequestRecord(msgspec.Struct):
     """One request. Times are Unix seconds (``arrival``, ``finished``) or seconds (the TTFT
-    parts: ``queueing``, ``lookup``, ``promotion_wait``, ``prefill``, and ``ttft`` itself).
-    ``tokens``: dict[source, prompt tokens]. ``trace_id``: 32 hex chars (W3C)."""
+    parts: ``queueing``, ``lookup``, ``promotion_wait``, ``prefill``, and ``ttft`` itself;
+    ``itl``, the mean inter-token latency, 0 when unknown). ``tokens``: dict[source, prompt
+    tokens]. ``trace_id``: 32 hex chars (W3C)."""
 
     request_id: str
     trace_id: str
@@ -47,6 +48,7 @@ class RequestRecord(msgspec.Struct):
     promotion_wait: float = 0.0
     prefill: float = 0.0
     finished: float | None = None
+    itl: float = 0.0
 
 
 def new_trace_id() -> str:
@@ -103,6 +105,7 @@ class RequestAssembler:
         record.ttft, record.finished = event.ttft, event.ts
         record.queueing, record.lookup = event.queueing, event.lookup
         record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
+        record.itl = event.itl
         return record
 
 

@@ -22,7 +22,9 @@ def _positive_float(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``analyze`` options to ``parser``."""
-    parser.add_argument("input", metavar="INPUT", help="trace to analyze: Mooncake JSONL (.jsonl)")
+    parser.add_argument("input", metavar="INPUT",
+                        help="trace to analyze: Mooncake JSONL (.jsonl), or an agent capture "
+                        "directory (kvscope agent --capture-dir) or .parquet segment")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.add_argument("--preset", default="llama-3-8b", choices=sorted(PRESETS),
                         help="model preset for bytes per block and prefill cost (default %(default)s)")

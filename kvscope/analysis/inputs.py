@@ -2,9 +2,12 @@
 
 Every analysis works on one :class:`AccessTrace`: the block accesses of all requests in arrival
 order, as parallel numpy arrays. Readers turn a file into requests and
-:func:`from_requests` flattens them; a new input format (the agent's Parquet captures) is one
-more function registered with :func:`register_reader` for its file suffix, and the rest of the
-analysis does not change. This module is the only one in :mod:`kvscope.analysis` that reads files.
+:func:`from_requests` flattens them; a new input format is one more function registered with
+:func:`register_reader` for its file suffix (or ``"/"`` for a directory), and the rest of the
+analysis does not change. Built in: Mooncake JSONL (``.jsonl``) and the agent's Parquet
+captures (a capture directory, or one ``.parquet`` segment; read by
+:mod:`~kvscope.analysis.capture_reader`). This module and that reader are the only ones in
+:mod:`kvscope.analysis` that read files.
 """
 
 from __future__ import annotations
@@ -93,12 +96,24 @@ def _read_mooncake(path: Path) -> AccessTrace:
     return from_requests(read_mooncake(path), MOONCAKE_BLOCK_TOKENS, source=str(path))
 
 
+def _read_capture(path: Path) -> AccessTrace:
+    from kvscope.analysis.capture_reader import read_block_trace  # pyarrow only when needed
+
+    return read_block_trace(path)
+
+
+DIRECTORY = "/"  # the reader key for directories
 _READERS: dict[str, Callable[[Path], AccessTrace]] = {".jsonl": _read_mooncake}
 
 
 def register_reader(suffix: str, reader: Callable[[Path], AccessTrace]) -> None:
-    """Make :func:`load_trace` read files ending in ``suffix`` (e.g. ``".parquet"``) with ``reader``."""
+    """Make :func:`load_trace` read files ending in ``suffix`` (e.g. ``".parquet"``) with
+    ``reader``; the suffix :data:`DIRECTORY` (``"/"``) stands for directories."""
     _READERS[suffix.lower()] = reader
+
+
+register_reader(".parquet", _read_capture)
+register_reader(DIRECTORY, _read_capture)
 
 
 def load_trace(path: str | Path) -> AccessTrace:
@@ -108,8 +123,10 @@ def load_trace(path: str | Path) -> AccessTrace:
     a malformed record (the message names the file).
     """
     path = Path(path)
-    reader = _READERS.get(path.suffix.lower())
+    key = DIRECTORY if path.is_dir() else path.suffix.lower()
+    reader = _READERS.get(key)
     if reader is None:
         known = ", ".join(sorted(_READERS))
-        raise TraceError(f"{path}: unknown trace format {path.suffix!r} (known: {known})")
+        raise TraceError(f"{path}: unknown trace format {path.suffix!r} (known: {known}; "
+                         f"'/' is a capture directory)")
     return reader(path)

@@ -1,7 +1,10 @@
 """Builds the kvscope Dash app and serves it in-process.
 
-:func:`create_app` wires the agent backend to the Overview page; :func:`serve` runs the app's
-WSGI server on a daemon thread (used by ``kvscope dashboard`` and ``kvscope demo``).
+:func:`create_app` wires a data backend (one agent, or a Prometheus server for a fleet) to the
+pages — Overview, Requests, Tiers, Sizing — under one shell (navigation, instance selector,
+pause button, live refresh). Routing is a ``dcc.Location`` callback rather than Dash's global
+page registry, so several independent apps can live in one process (tests build many).
+:func:`serve` runs the app's WSGI server on a daemon thread (``kvscope dashboard``, ``kvscope demo``).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import socket
 import threading
 
 import dash
+from dash import Input, Output, dcc, html
 from werkzeug.serving import (
     BaseWSGIServer,
     WSGIRequestHandler,
@@ -17,23 +21,106 @@ from werkzeug.serving import (
     select_address_family,
 )
 
-from kvscope.dashboard.backend import AgentBackend
-from kvscope.dashboard.pages import overview
+from kvscope.dashboard.backend import AgentBackend, Backend, BackendUnavailable
+from kvscope.dashboard.pages import compare, overview, requests, sizing, tiers
+from kvscope.dashboard.pages.common import Context
+from kvscope.dashboard.sizing import SizingSource
+
+PAGES = (overview, requests, tiers, sizing, compare)
+NAV_STYLE = {"marginRight": "14px", "textDecoration": "none", "color": "#1f4e99",
+             "fontWeight": "500"}
 
 
-def create_app(api_url: str, refresh_seconds: float = 2.0,
-               window_seconds: float = 900.0) -> dash.Dash:
-    """A new Dash app showing the agent at ``api_url`` (e.g. ``http://127.0.0.1:9400``).
+def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
+               window_seconds: float = 900.0, *, backend: Backend | None = None,
+               sizing_trace: str | None = None, sizing_preset: str = "llama-3-8b",
+               max_points: int = 720) -> dash.Dash:
+    """A new Dash app showing the agent at ``api_url`` (e.g. ``http://127.0.0.1:9400``), or
+    ``backend`` (e.g. a :class:`~kvscope.dashboard.prometheus.PrometheusBackend`).
 
-    ``refresh_seconds``: seconds between page refreshes. ``window_seconds``: seconds of
-    history drawn, counted back from the newest sample. Each call builds an independent
-    app (no global page registry), so several may live in one process.
+    ``refresh_seconds``: seconds between refreshes. ``window_seconds``: seconds of history
+    drawn, counted back from the newest sample. ``sizing_trace``: a trace file for the Sizing
+    page, analysed in the background with model ``sizing_preset``. ``max_points``: points per
+    series at most. Each call builds an independent app.
     """
+    if backend is None:
+        if api_url is None:
+            raise ValueError("create_app needs api_url or backend")
+        backend = AgentBackend(api_url)
+    source = SizingSource(sizing_trace, sizing_preset)
+    source.start()
+    ctx = Context(backend, window_seconds, max_points, source)
     app = dash.Dash(__name__, title="kvscope", update_title=None,
                     use_pages=False, pages_folder="")
-    app.layout = overview.layout(refresh_seconds)
-    overview.register_callbacks(app, AgentBackend(api_url), window_seconds)
+    app.layout = shell(refresh_seconds, fleet=backend.kind == "prometheus")
+    app.validation_layout = html.Div([shell(refresh_seconds, fleet=True),
+                                      *[page.layout() for page in PAGES]])
+    app.kvscope = ctx  # for tests and benchmarks: the backend and settings behind the app
+    register_shell(app, ctx)
+    for page in PAGES:
+        page.register_callbacks(app, ctx)
     return app
+
+
+def shell(refresh_seconds: float, fleet: bool = False) -> html.Div:
+    """The frame around every page: title, navigation, instance selector (fleet only), pause
+    button; the URL, the refresh interval, and the page container."""
+    nav = [dcc.Link(page.NAME, href=page.PATH, id=f"nav-{page.NAME.lower()}", style=NAV_STYLE)
+           for page in PAGES]
+    return html.Div([
+        dcc.Location(id="url", refresh="callback-nav"),
+        html.Div([
+            html.H2("kvscope", style={"margin": "0 20px 0 0"}),
+            html.Nav(nav, style={"marginRight": "auto"}),
+            dcc.Dropdown(id="instance", placeholder="all instances", clearable=True,
+                         style={"width": "260px", "marginRight": "12px",
+                                **({} if fleet else {"display": "none"})}),
+            html.Button("Pause", id="pause", n_clicks=0,
+                        style={"marginRight": "8px", "padding": "4px 14px"}),
+        ], style={"display": "flex", "alignItems": "center", "padding": "12px 16px",
+                  "borderBottom": "1px solid #ddd"}),
+        dcc.Interval(id="refresh", interval=int(refresh_seconds * 1000), n_intervals=0),
+        html.Div(id="page"),
+    ], style={"fontFamily": "system-ui, sans-serif"})
+
+
+def register_shell(app: dash.Dash, ctx: Context) -> None:
+    """Routing, pause, and the instance list."""
+
+    @app.callback(Output("page", "children"), Input("url", "pathname"))
+    def _route(pathname: str | None):
+        return route(pathname)
+
+    @app.callback(Output("refresh", "disabled"), Output("pause", "children"),
+                  Input("pause", "n_clicks"))
+    def _pause(n_clicks: int) -> tuple[bool, str]:
+        return pause_state(n_clicks)
+
+    if ctx.backend.kind == "prometheus":
+        @app.callback(Output("instance", "options"), Input("refresh", "n_intervals"))
+        def _instances(_n):
+            try:
+                return ctx.backend.instances()
+            except BackendUnavailable:
+                return dash.no_update
+
+
+def route(pathname: str | None):
+    """The layout of the page at ``pathname`` (a trailing slash is ignored); unknown paths get
+    a short "not found" with links."""
+    path = (pathname or "/").rstrip("/") or "/"
+    for page in PAGES:
+        if page.PATH == path:
+            return page.layout()
+    return html.Div([html.H3(f"no page at {path}"),
+                     html.P(["Pages: ", *[dcc.Link(p.NAME + " ", href=p.PATH) for p in PAGES]])],
+                    style={"padding": "16px"})
+
+
+def pause_state(n_clicks: int | None) -> tuple[bool, str]:
+    """(interval disabled?, button label) after ``n_clicks`` clicks: odd counts pause."""
+    paused = bool(n_clicks) and n_clicks % 2 == 1
+    return paused, ("Resume" if paused else "Pause")
 
 
 class _QuietHandler(WSGIRequestHandler):

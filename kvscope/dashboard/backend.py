@@ -1,42 +1,89 @@
-"""Reads the node agent's HTTP API for the dashboard (the dashboard's only I/O)."""
+"""Data backends: the dashboard's only I/O.
+
+Two backends share one interface (:class:`Backend`), chosen at start: :class:`AgentBackend`
+reads one node agent's ``/api/v1`` (the default); :class:`~kvscope.dashboard.prometheus.
+PrometheusBackend` reads a Prometheus server for a fleet. Both return samples in the agent's
+shape (see :mod:`kvscope.dashboard.series`) and requests as the agent's JSON records, and
+both raise :class:`BackendUnavailable` — never anything else — when the data cannot be read.
+"""
 
 from __future__ import annotations
 
+import threading
+from typing import Protocol
+from urllib.parse import quote
+
 import httpx
+
+from kvscope.agent.requests import SORT_KEYS  # noqa: F401  (the agent's sort keys)
 
 
 class BackendUnavailable(Exception):
-    """The agent at ``url`` could not be read; ``reason`` says why, in a few words."""
+    """The backend at ``url`` could not be read; ``reason`` says why, in a few words;
+    ``what``: "agent" or "prometheus"."""
 
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(f"agent unreachable: {url} ({reason})")
+    def __init__(self, url: str, reason: str, what: str = "agent") -> None:
+        super().__init__(f"{what} unreachable: {url} ({reason})")
         self.url = url
         self.reason = reason
+        self.what = what
+
+
+class Backend(Protocol):
+    """What every page reads. ``kind``: "agent" or "prometheus"; ``base_url``: its URL."""
+
+    kind: str
+    base_url: str
+
+    def instances(self) -> list[str]:
+        """Selectable instances ([] when there is only one node to show)."""
+
+    def timeseries(self, window_seconds: float, instance: str | None = None) -> list[dict]:
+        """Samples covering the last ``window_seconds`` (of data), oldest first."""
+
+    def requests(self, limit: int = 500, sort: str = "finished", descending: bool = True,
+                 min_ttft: float | None = None,
+                 instance: str | None = None) -> tuple[int, list[dict]]:
+        """(requests in the table(s), up to ``limit`` request records)."""
+
+    def request(self, request_id: str, instance: str | None = None) -> dict | None:
+        """One request record, or None when no table holds it."""
+
+    def close(self) -> None: ...
 
 
 class AgentBackend:
     """A client for the agent's ``/api/v1`` at ``base_url`` (e.g. ``http://127.0.0.1:9400``).
 
     ``timeout``: seconds per request (connect and read). ``client``: an httpx client to use
-    instead of a new one (tests may inject one with a mock transport). Safe to share between
-    threads (httpx clients are).
+    instead of a new one. ``token``: bearer token when the agent requires one. Samples are
+    cached: after the first read only newer ones are fetched (``since``), so a refresh over an
+    hour of history moves a few samples, not thousands. Thread-safe.
     """
 
-    def __init__(self, base_url: str, timeout: float = 2.0,
-                 client: httpx.Client | None = None) -> None:
+    kind = "agent"
+
+    def __init__(self, base_url: str, timeout: float = 2.0, client: httpx.Client | None = None,
+                 token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._client = client or httpx.Client(timeout=timeout)
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._client = client or httpx.Client(timeout=timeout, headers=headers)
+        self._lock = threading.Lock()
+        self._cache: list[dict] = []
+        self._cached_window = 0.0
 
-    def timeseries(self, since: float | None = None) -> list[dict]:
-        """``GET /api/v1/timeseries``: the samples, oldest first (see
-        :mod:`kvscope.dashboard.figures` for their shape).
+    def instances(self) -> list[str]:
+        return []
 
-        ``since``: Unix seconds; only samples at or after it (the agent filters).
-        Raises :class:`BackendUnavailable` on a connection error or timeout, a non-200
-        answer, a body that is not JSON, or JSON without a list of samples that each
-        carry a numeric ``ts``.
+    def fetch_samples(self, since: float | None = None, window: float | None = None) -> list[dict]:
+        """One ``GET /api/v1/timeseries``: samples after ``since`` (Unix s) and no older than
+        ``window`` seconds before the newest, oldest first.
+
+        Raises :class:`BackendUnavailable` on a connection error or timeout, a non-200 answer,
+        a body that is not JSON, or JSON without a list of samples that each carry a numeric
+        ``ts``.
         """
-        params = {} if since is None else {"since": since}
+        params = {k: v for k, v in (("since", since), ("window", window)) if v is not None}
         body = self._get_json("/api/v1/timeseries", params)
         samples = body.get("samples") if isinstance(body, dict) else None
         if not isinstance(samples, list) or not all(
@@ -44,18 +91,59 @@ class AgentBackend:
             raise BackendUnavailable(self.base_url, "unexpected timeseries payload")
         return samples
 
+    def timeseries(self, window_seconds: float = 900.0, instance: str | None = None) -> list[dict]:
+        """The samples of the last ``window_seconds`` (relative to the newest), from the cache
+        topped up with what is new. Raises :class:`BackendUnavailable` (the cache is kept)."""
+        with self._lock:
+            if not self._cache or window_seconds > self._cached_window:
+                fresh = self.fetch_samples(window=window_seconds)
+                self._cache, self._cached_window = fresh, window_seconds
+            else:
+                last = self._cache[-1]["ts"]
+                self._cache.extend(s for s in self.fetch_samples(since=last) if s["ts"] > last)
+            if self._cache:
+                oldest = float(self._cache[-1]["ts"]) - self._cached_window
+                drop = 0
+                while drop < len(self._cache) and float(self._cache[drop]["ts"]) < oldest:
+                    drop += 1
+                del self._cache[:drop]
+                newest = float(self._cache[-1]["ts"])
+                return [s for s in self._cache if float(s["ts"]) >= newest - window_seconds]
+            return []
+
+    def requests(self, limit: int = 500, sort: str = "finished", descending: bool = True,
+                 min_ttft: float | None = None,
+                 instance: str | None = None) -> tuple[int, list[dict]]:
+        """``GET /api/v1/requests``: (table size, records). Raises :class:`BackendUnavailable`."""
+        params: dict = {"limit": limit, "sort": sort, "order": "desc" if descending else "asc"}
+        if min_ttft is not None:
+            params["min_ttft"] = min_ttft
+        body = self._get_json("/api/v1/requests", params)
+        if not (isinstance(body, dict) and isinstance(body.get("requests"), list)):
+            raise BackendUnavailable(self.base_url, "unexpected requests payload")
+        return int(body.get("total", len(body["requests"]))), body["requests"]
+
+    def request(self, request_id: str, instance: str | None = None) -> dict | None:
+        """``GET /api/v1/requests/{id}``; None on 404. Raises :class:`BackendUnavailable`."""
+        body = self._get_json(f"/api/v1/requests/{quote(request_id, safe='')}", {},
+                              missing_ok=True)
+        return body if isinstance(body, dict) else None
+
     def close(self) -> None:
         """Close the HTTP client; safe to call twice."""
         self._client.close()
 
-    def _get_json(self, path: str, params: dict) -> object:
+    def _get_json(self, path: str, params: dict, missing_ok: bool = False) -> object:
         url = self.base_url + path
         try:
             response = self._client.get(url, params=params)
         except httpx.HTTPError as exc:
             raise BackendUnavailable(self.base_url, str(exc) or type(exc).__name__) from exc
+        if missing_ok and response.status_code == 404:
+            return None
         if response.status_code != 200:
-            raise BackendUnavailable(self.base_url, f"HTTP {response.status_code} from {path}")
+            raise BackendUnavailable(self.base_url,
+                                     f"HTTP {response.status_code} from {path.split('?')[0]}")
         try:
             return response.json()
         except ValueError as exc:

@@ -1,56 +1,105 @@
-"""Pure figure builders for the dashboard: plain samples in, plotly figures out.
+"""Pure figure builders for the Overview page, and the house look shared by every page.
 
-No I/O and no clock here (house rule 9): callers fetch samples from the agent
-(:mod:`kvscope.dashboard.backend`) and pass them in.
-
-A *sample* is one entry of the agent's ``GET /api/v1/timeseries`` answer, a dict:
-
-- ``ts``: Unix seconds (float, wall clock);
-- ``prompt_tokens``: dict[source, int], cumulative prompt tokens by source
-  (``gpu``, ``cpu``, ``disk``, ``recompute``); a counter;
-- ``transfer_bytes``: dict["src->dst", int], cumulative bytes copied by direction; a counter;
-- ``tier_resident_bytes`` / ``tier_capacity_bytes``: dict[tier, int], bytes now (gauges);
-- ``host_memory_available_bytes``: float, bytes now (a gauge).
-
-Samples come oldest first. Any key may be missing (a tier or direction that never occurred
-counts as 0 for counters and is simply not drawn for gauges). Counters are turned into
-per-second rates between consecutive samples; a counter that went down was reset (the
-agent restarted), and the increase across the reset is taken to be the new value, as
-PromQL ``rate()`` does.
+Plain samples in, plotly figures out; no I/O and no clock (house rule 9). The sample shape
+and the transforms (rates, increases, percentiles) live in :mod:`kvscope.dashboard.series`.
+Every axis names its unit; an empty input gives a readable message instead of a blank chart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timezone
+from collections.abc import Sequence
 
+import numpy as np
 import plotly.graph_objects as go
+import plotly.io as pio
 
-Sample = Mapping[str, object]
+from kvscope.dashboard import series as S
+from kvscope.dashboard.series import (Sample, counter_rates, gauge_series, last_window,  # noqa: F401
+                                      ordered)
 
 TIME_AXIS_TITLE = "time (UTC)"
 NO_DATA = "no data yet"
 
 HIT_QUALITY_TITLE = "Hit quality: prompt tokens by source"
-TIER_RESIDENCY_TITLE = "Tier residency vs capacity"
+HIT_SHARE_TITLE = "Hit quality: share of prompt tokens by source"
+TTFT_TITLE = "Time to first token"
+PROMOTION_LATENCY_TITLE = "Promotion latency by direction"
 TRANSFER_THROUGHPUT_TITLE = "Transfer throughput by direction"
-HOST_MEMORY_TITLE = "Host RAM available"
+TIER_RESIDENCY_TITLE = "Tier residency vs capacity and budget"
+HOST_MEMORY_TITLE = "Host RAM: available, reserve and headroom"
+EVICTIONS_TITLE = "Evictions, and the share evicted before any reuse"
+SAVINGS_TITLE = "Prefill seconds saved vs transfer seconds spent"
 
 # Fixed colours so a source, tier or direction keeps its colour across refreshes.
-_COLOURS: dict[str, str] = {
-    "gpu": "#2ca02c",
-    "cpu": "#1f77b4",
-    "disk": "#ff7f0e",
-    "remote": "#9467bd",
+COLOURS: dict[str, str] = {
+    "gpu": "#2ca02c", "cpu": "#1f77b4", "disk": "#ff7f0e", "remote": "#9467bd",
     "recompute": "#d62728",
-    "gpu->cpu": "#1f77b4",
-    "cpu->gpu": "#2ca02c",
-    "cpu->disk": "#ff7f0e",
-    "disk->cpu": "#9467bd",
+    "gpu->cpu": "#1f77b4", "cpu->gpu": "#2ca02c", "cpu->disk": "#ff7f0e",
+    "disk->cpu": "#9467bd", "disk->gpu": "#8c564b",
 }
-_AXIS_TITLES = {"B": "bytes (B)", "B/s": "bytes/s (B/s)"}
-_ORDER = ("gpu", "cpu", "disk", "remote", "recompute",
-          "gpu->cpu", "cpu->gpu", "cpu->disk", "disk->cpu")
+_AXIS_TITLES = {"B": "bytes (B)", "B/s": "bytes/s (B/s)", "s": "seconds (s)",
+                "tokens/s": "tokens/s", "share": "share of prompt tokens (%)",
+                "blocks/s": "blocks/s", "blocks": "blocks"}
+_DASH = {"p50": None, "p95": "dash", "p99": "dot"}
+# plotly_white's look for the figure kinds drawn here (2-D axes, no colour scales or 3-D/geo
+# defaults): a full template is deep-copied and validated for every figure, ~6x the cost.
+TEMPLATE = {"layout": {k: v for k, v in pio.templates["plotly_white"].layout.to_plotly_json()
+                       .items() if k in ("autotypenumbers", "colorway", "font", "hovermode",
+                                         "hoverlabel", "paper_bgcolor", "plot_bgcolor",
+                                         "xaxis", "yaxis", "title", "annotationdefaults")}}
+
+
+def new_figure(data=None) -> go.Figure:
+    """An empty figure with the house template, set at construction (setting a template later
+    through ``update_layout`` walks plotly's property tree and costs ~100x more)."""
+    return go.Figure(data=data, layout={"template": TEMPLATE})
+
+
+def base(title: str, unit: str, height: int = 320) -> go.Figure:
+    """An empty figure with the house look and a date x axis. ``unit``: one of "tokens/s",
+    "B", "B/s", "s", "share", "blocks/s" (bytes and seconds get SI ticks with the unit as
+    suffix, e.g. "20MB", "5ms"; shares show as percent)."""
+    yaxis = {"title": {"text": _AXIS_TITLES.get(unit, unit)}, "rangemode": "tozero",
+             "tickformat": "~s"}
+    if unit in ("B", "B/s", "s"):
+        yaxis["ticksuffix"] = unit
+    if unit == "share":
+        yaxis.update(tickformat=".0%", range=[0, 1])
+    return go.Figure(layout={
+        "title": {"text": title, "x": 0.01, "font": {"size": 15}},
+        "template": TEMPLATE,
+        "height": height,
+        "margin": {"l": 70, "r": 10, "t": 50, "b": 45},
+        "legend": {"x": 1.02, "xanchor": "left", "y": 1, "yanchor": "top"},
+        "hovermode": "x unified",
+        "uirevision": title,  # keep the user's zoom across refreshes
+        "xaxis": {"title": {"text": TIME_AXIS_TITLE}, "type": "date"},
+        "yaxis": yaxis,
+    })
+
+
+def message_figure(title: str, message: str, height: int = 320) -> go.Figure:
+    """A chart-sized figure with no axes that shows ``message`` in its middle."""
+    return go.Figure(layout={
+        "title": {"text": title, "x": 0.01, "font": {"size": 15}}, "template": TEMPLATE,
+        "height": height, "margin": {"l": 70, "r": 10, "t": 50, "b": 45},
+        "xaxis": {"visible": False}, "yaxis": {"visible": False},
+        "annotations": [{"text": message, "x": 0.5, "y": 0.5, "xref": "paper", "yref": "paper",
+                         "showarrow": False, "font": {"size": 16, "color": "#666"}}]})
+
+
+def unreachable_figure(title: str, url: str, what: str = "agent") -> go.Figure:
+    """The figure shown in place of a chart while the backend at ``url`` cannot be read."""
+    return message_figure(title, f"{what} unreachable: {url}")
+
+
+def line(fig: go.Figure, xs, ys, name: str, unit: str, colour: str | None = None,
+         dash: str | None = None, **kw) -> None:
+    """Add one line (markers too while it has a single point, which draws no line)."""
+    fig.add_trace(go.Scatter(
+        x=xs, y=ys, name=name, mode="lines" if len(xs) > 1 else "lines+markers",
+        line={"color": colour, "dash": dash},
+        hovertemplate="%{y:.4s}" + unit + "<extra>" + name + "</extra>", **kw))
 
 
 def hit_quality(samples: Sequence[Sample]) -> go.Figure:
@@ -59,186 +108,163 @@ def hit_quality(samples: Sequence[Sample]) -> go.Figure:
     One point per pair of consecutive samples, at the later sample's time; y in tokens/s.
     Fewer than two samples gives the "no data yet" figure.
     """
-    title = HIT_QUALITY_TITLE
     rates = counter_rates(samples, "prompt_tokens")
     if not rates:
-        return message_figure(title, NO_DATA)
-    fig = _base(title, "tokens/s")
+        return message_figure(HIT_QUALITY_TITLE, NO_DATA)
+    fig = base(HIT_QUALITY_TITLE, "tokens/s")
     for key, (xs, ys) in rates.items():
-        fig.add_trace(go.Scatter(
-            x=xs, y=ys, name=key, mode=_mode(xs), stackgroup="tokens",
-            line={"color": _COLOURS.get(key)},
-            hovertemplate="%{y:.4s} tokens/s<extra>" + key + "</extra>",
-        ))
+        line(fig, xs, ys, key, " tokens/s", COLOURS.get(key), stackgroup="tokens")
     return fig
 
 
-def tier_residency(samples: Sequence[Sample]) -> go.Figure:
-    """Bytes resident per tier (solid line) against the tier's capacity (dashed, same colour).
+def hit_share(samples: Sequence[Sample]) -> go.Figure:
+    """The share (0-1, shown as %) of prompt tokens per source between consecutive samples,
+    stacked to 1; an interval without prompt tokens is a gap."""
+    rates = counter_rates(samples, "prompt_tokens")
+    if not rates:
+        return message_figure(HIT_SHARE_TITLE, NO_DATA)
+    total = np.sum([ys for _xs, ys in rates.values()], axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        shares = {k: (xs, np.where(total > 0, ys / total, np.nan)) for k, (xs, ys) in rates.items()}
+    fig = base(HIT_SHARE_TITLE, "share")
+    for key, (xs, ys) in shares.items():
+        fig.add_trace(go.Scatter(x=xs, y=ys, name=key, mode="lines", stackgroup="share",
+                                 line={"color": COLOURS.get(key)},
+                                 hovertemplate="%{y:.1%}<extra>" + key + "</extra>"))
+    return fig
 
-    y in bytes (SI ticks). No sample with residency or capacity gives "no data yet".
-    """
-    title = TIER_RESIDENCY_TITLE
-    resident = gauge_series(samples, "tier_resident_bytes")
-    capacity = gauge_series(samples, "tier_capacity_bytes")
-    if not resident and not capacity:
-        return message_figure(title, NO_DATA)
-    fig = _base(title, "B")
-    for tier in _ordered(set(resident) | set(capacity)):
-        colour = _COLOURS.get(tier)
-        if tier in resident:
-            xs, ys = resident[tier]
-            fig.add_trace(go.Scatter(
-                x=xs, y=ys, name=f"{tier} resident", mode=_mode(xs), legendgroup=tier,
-                line={"color": colour}, hovertemplate="%{y:.4s}B<extra>%{fullData.name}</extra>",
-            ))
-        if tier in capacity:
-            xs, ys = capacity[tier]
-            fig.add_trace(go.Scatter(
-                x=xs, y=ys, name=f"{tier} capacity", mode=_mode(xs), legendgroup=tier,
-                line={"color": colour, "dash": "dash"},
-                hovertemplate="%{y:.4s}B<extra>%{fullData.name}</extra>",
-            ))
+
+def ttft(samples: Sequence[Sample]) -> go.Figure:
+    """TTFT p50/p95/p99 (seconds) over time; each point covers the agent's quantile window."""
+    qs = S.quantile_series(samples, "ttft_seconds")
+    if not qs:
+        return message_figure(TTFT_TITLE, "no finished requests yet")
+    fig = base(TTFT_TITLE, "s")
+    for p, (xs, ys) in qs.items():
+        line(fig, xs, ys, f"TTFT {p}", "s", "#444", _DASH[p])
+    return fig
+
+
+def promotion_latency(samples: Sequence[Sample]) -> go.Figure:
+    """Duration of promotions (copies toward the GPU) p50/p95/p99 per direction, seconds:
+    colour by direction, dash by percentile."""
+    directions = [d for d in S.keys_of(samples, "transfer_seconds") if S.is_promotion(d)]
+    fig = base(PROMOTION_LATENCY_TITLE, "s")
+    for direction in directions:
+        for p, (xs, ys) in S.quantile_series(samples, "transfer_seconds", direction).items():
+            line(fig, xs, ys, f"{direction} {p}", "s", COLOURS.get(direction), _DASH[p],
+                 legendgroup=direction)
+    if not fig.data:
+        return message_figure(PROMOTION_LATENCY_TITLE, "no promotions yet")
     return fig
 
 
 def transfer_throughput(samples: Sequence[Sample]) -> go.Figure:
-    """Bytes per second copied between tiers, one line per direction ("src->dst").
-
-    One point per pair of consecutive samples, at the later sample's time; y in B/s.
-    """
-    title = TRANSFER_THROUGHPUT_TITLE
+    """Bytes per second copied between tiers, one line per direction ("src->dst"), against
+    the PCIe link's one-direction maximum (dashed) when a GPU reports it; y in B/s."""
     rates = counter_rates(samples, "transfer_bytes")
     if not rates:
-        return message_figure(title, NO_DATA)
-    fig = _base(title, "B/s")
+        return message_figure(TRANSFER_THROUGHPUT_TITLE, NO_DATA)
+    fig = base(TRANSFER_THROUGHPUT_TITLE, "B/s")
     for key, (xs, ys) in rates.items():
-        fig.add_trace(go.Scatter(
-            x=xs, y=ys, name=key, mode=_mode(xs), line={"color": _COLOURS.get(key)},
-            hovertemplate="%{y:.4s}B/s<extra>" + key + "</extra>",
-        ))
+        line(fig, xs, ys, key, "B/s", COLOURS.get(key))
+    link = gauge_series(samples, "pcie_link_max_bytes_per_second")
+    if link:
+        # one line at the fastest GPU link: what one GPU's copies can reach at most
+        xs = next(iter(rates.values()))[0]
+        peak = max(float(ys.max()) for _xs, ys in link.values())
+        line(fig, [xs[0], xs[-1]], [peak, peak], "PCIe link max (one GPU)", "B/s", "#000", "dash")
+    return fig
+
+
+def tier_residency(samples: Sequence[Sample]) -> go.Figure:
+    """Bytes resident per tier (solid) against its capacity (dashed) and the operator's budget
+    (dotted), one colour per tier; y in bytes."""
+    resident = gauge_series(samples, "tier_resident_bytes")
+    capacity = gauge_series(samples, "tier_capacity_bytes")
+    budget = gauge_series(samples, "offload_budget_bytes")
+    if not resident and not capacity:
+        return message_figure(TIER_RESIDENCY_TITLE, NO_DATA)
+    fig = base(TIER_RESIDENCY_TITLE, "B")
+    for tier in ordered(set(resident) | set(capacity) | set(budget)):
+        for what, data, dash in (("resident", resident, None), ("capacity", capacity, "dash"),
+                                 ("budget", budget, "dot")):
+            if tier in data:
+                xs, ys = data[tier]
+                line(fig, xs, ys, f"{tier} {what}", "B", COLOURS.get(tier), dash,
+                     legendgroup=tier)
     return fig
 
 
 def host_memory(samples: Sequence[Sample]) -> go.Figure:
-    """Host RAM available (bytes, SI ticks) over time; samples without the value are skipped."""
-    title = HOST_MEMORY_TITLE
-    xs, ys = [], []
-    for sample in samples:
-        value = sample.get("host_memory_available_bytes")
-        if isinstance(value, (int, float)):
-            xs.append(_time(sample))
-            ys.append(float(value))
-    if not xs:
-        return message_figure(title, NO_DATA)
-    fig = _base(title, "B")
-    fig.add_trace(go.Scatter(
-        x=xs, y=ys, name="available", mode=_mode(xs), line={"color": "#7f7f7f"},
-        hovertemplate="%{y:.4s}B<extra>available</extra>",
-    ))
-    fig.update_layout(showlegend=False)
+    """Host RAM available, the operator's reserve (dashed) and the headroom left beyond it
+    (available minus reserve; below 0 the reserve is being eaten into); bytes."""
+    drawn = [(name, S.scalar_series(samples, field), colour, dash)
+             for name, field, colour, dash in (
+                 ("available", "host_memory_available_bytes", "#7f7f7f", None),
+                 ("reserve", "host_memory_reserve_bytes", "#d62728", "dash"),
+                 ("headroom", "host_memory_headroom_bytes", "#2ca02c", None))]
+    if not len(drawn[0][1][0]):
+        return message_figure(HOST_MEMORY_TITLE, NO_DATA)
+    fig = base(HOST_MEMORY_TITLE, "B")
+    for name, (xs, ys), colour, dash in drawn:
+        if len(xs):
+            line(fig, xs, ys, name, "B", colour, dash)
+    fig.update_yaxes(rangemode="normal")  # headroom may go negative
     return fig
 
 
-def unreachable_figure(title: str, url: str) -> go.Figure:
-    """The figure shown in place of a chart while the agent at ``url`` cannot be read."""
-    return message_figure(title, f"agent unreachable: {url}")
-
-
-def message_figure(title: str, message: str) -> go.Figure:
-    """A chart-sized figure with no axes that shows ``message`` in its middle."""
-    fig = _base(title, "")
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper",
-                       showarrow=False, font={"size": 16, "color": "#666"})
-    return fig
-
-
-def last_window(samples: Sequence[Sample], seconds: float) -> list[Sample]:
-    """The samples no older than ``seconds`` before the newest one (relative to the data,
-    not the wall clock, so replays of old data still show)."""
-    if not samples:
-        return []
-    newest = float(samples[-1]["ts"])
-    return [s for s in samples if float(s["ts"]) >= newest - seconds]
-
-
-def counter_rates(samples: Sequence[Sample], field: str
-                  ) -> dict[str, tuple[list[datetime], list[float]]]:
-    """Per-second rates of the cumulative counters ``sample[field][key]``.
-
-    Returns dict[key, (times, rates)], keys in canonical order; one point per pair of
-    consecutive samples whose timestamps increase. A missing key counts as 0. A value
-    lower than the previous one is a reset: the increase is the new value itself
-    (PromQL ``rate()``'s reset handling). Rates are in the counter's unit per second.
-    """
-    keys = _ordered({k for s in samples for k in _dict(s, field)})
-    out: dict[str, tuple[list[datetime], list[float]]] = {k: ([], []) for k in keys}
-    for prev, cur in zip(samples, samples[1:]):
-        dt = float(cur["ts"]) - float(prev["ts"])
-        if dt <= 0:
+def evictions(samples: Sequence[Sample]) -> go.Figure:
+    """Blocks evicted per second by tier (left axis) and, per tier, the share of them that
+    were never hit while resident (right axis, 0-1 shown as %, dotted)."""
+    rates = counter_rates(samples, "evicted_blocks")
+    if not rates:
+        return message_figure(EVICTIONS_TITLE, NO_DATA)
+    fig = base(EVICTIONS_TITLE, "blocks/s")
+    for tier, (xs, ys) in rates.items():
+        line(fig, xs, ys, f"{tier} evicted", " blocks/s", COLOURS.get(tier), legendgroup=tier)
+    unused = _unused_rates(samples)
+    for tier, (xs, ys) in unused.items():
+        total = rates.get(tier)
+        if total is None or len(total[1]) != len(ys):
             continue
-        before, after = _dict(prev, field), _dict(cur, field)
-        for key in keys:
-            old, new = float(before.get(key, 0)), float(after.get(key, 0))
-            increase = new - old if new >= old else new
-            out[key][0].append(_time(cur))
-            out[key][1].append(increase / dt)
-    return {k: v for k, v in out.items() if v[0]}
-
-
-def gauge_series(samples: Sequence[Sample], field: str
-                 ) -> dict[str, tuple[list[datetime], list[float]]]:
-    """The gauges ``sample[field][key]`` as dict[key, (times, values)], canonical key order.
-
-    A sample without a key contributes no point to that key's series.
-    """
-    out: dict[str, tuple[list[datetime], list[float]]] = {}
-    for sample in samples:
-        for key, value in _dict(sample, field).items():
-            xs, ys = out.setdefault(key, ([], []))
-            xs.append(_time(sample))
-            ys.append(float(value))
-    return {k: out[k] for k in _ordered(out)}
-
-
-def _base(title: str, unit: str) -> go.Figure:
-    """An empty figure with the house look. ``unit``: "tokens/s", "B" or "B/s" (byte units
-    get SI ticks with the unit as suffix, e.g. "20MB")."""
-    fig = go.Figure()
-    fig.update_layout(
-        title={"text": title, "x": 0.01, "font": {"size": 15}},
-        template="plotly_white",
-        height=320,
-        margin={"l": 70, "r": 10, "t": 50, "b": 45},
-        legend={"x": 1.02, "xanchor": "left", "y": 1, "yanchor": "top"},
-        hovermode="x unified",
-        uirevision=title,  # keep the user's zoom across refreshes
-    )
-    fig.update_xaxes(title_text=TIME_AXIS_TITLE, type="date")
-    fig.update_yaxes(title_text=_AXIS_TITLES.get(unit, unit), rangemode="tozero", tickformat="~s")
-    if unit in ("B", "B/s"):
-        fig.update_yaxes(ticksuffix=unit)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = np.where(total[1] > 0, ys / total[1], np.nan)
+        fig.add_trace(go.Scatter(x=xs, y=share, name=f"{tier} never reused", yaxis="y2",
+                                 mode="lines", legendgroup=tier,
+                                 line={"color": COLOURS.get(tier), "dash": "dot"},
+                                 hovertemplate="%{y:.1%}<extra>%{fullData.name}</extra>"))
+    fig.update_layout(yaxis2={"title": {"text": "evicted before any reuse (%)"},
+                              "overlaying": "y", "side": "right", "range": [0, 1],
+                              "tickformat": ".0%", "dtick": 0.25, "showgrid": False})
+    fig.update_layout(margin={"r": 60, "b": 40}, height=370, legend={
+        "orientation": "h", "x": 0, "xanchor": "left", "y": -0.3, "yanchor": "top"})
     return fig
 
 
-def _mode(xs: Sequence[object]) -> str:
-    """Lines, plus markers while a series has a single point (a lone point draws no line)."""
-    return "lines" if len(xs) > 1 else "lines+markers"
+def _unused_rates(samples: Sequence[Sample]) -> dict[str, S.Series]:
+    """Per tier, blocks/s evicted with 0 hits: the first bucket (le=0) of the hits histogram."""
+    zero = [{"ts": s["ts"], "n": {t: c[0] for t, c in S.mapping(s, "evicted_block_hits").items()
+                                  if c}} for s in samples]
+    return counter_rates(zero, "n")
 
 
-def _dict(sample: Sample, field: str) -> Mapping[str, float]:
-    value = sample.get(field)
-    return value if isinstance(value, Mapping) else {}
-
-
-def _time(sample: Sample) -> datetime:
-    """The sample's timestamp as a naive UTC datetime (plotly draws it as given)."""
-    return datetime.fromtimestamp(float(sample["ts"]), tz=timezone.utc).replace(tzinfo=None)
-
-
-def _ordered(keys: Iterable[str]) -> list[str]:
-    """Known keys in :data:`_ORDER`, then any others alphabetically."""
-    keys = set(keys)
-    return [k for k in _ORDER if k in keys] + sorted(keys - set(_ORDER))
+def savings(samples: Sequence[Sample]) -> go.Figure:
+    """Since the window's start: estimated prefill seconds saved by cache hits (all sources)
+    against the seconds transfers took, promotions and offloads apart; y in seconds."""
+    saved = S.cumulative_increase(samples, "prefill_seconds_saved")
+    spent = S.cumulative_increase(samples, "transfer_seconds_sum")
+    if not saved and not spent:
+        return message_figure(SAVINGS_TITLE, NO_DATA)
+    fig = base(SAVINGS_TITLE, "s")
+    if saved:
+        xs = next(iter(saved.values()))[0]
+        line(fig, xs, np.sum([ys for _x, ys in saved.values()], axis=0), "prefill saved (est.)",
+             "s", "#2ca02c")
+    for name, pick, colour in (("promotion time", True, "#d62728"),
+                               ("offload time", False, "#ff7f0e")):
+        parts = [ys for d, (_x, ys) in spent.items() if S.is_promotion(d) == pick]
+        if parts:
+            xs = next(iter(spent.values()))[0]
+            line(fig, xs, np.sum(parts, axis=0), name, "s", colour)
+    return fig

@@ -44,6 +44,15 @@ _GPU, _CPU, _DISK, _RECOMPUTE = 0, 1, 2, 3
 _SOURCE_NAMES = ("gpu", "cpu", "disk", "recompute")
 
 
+def _block_sources(sources: list[int]) -> list[str]:
+    """Each block's source name under prefix semantics: after the first recomputed block, every
+    later one is recomputed too (as :meth:`OffloadEngine._account` counts tokens)."""
+    names, cut = [], False
+    for source in sources:
+        cut = cut or source == _RECOMPUTE
+        names.append("recompute" if cut else _SOURCE_NAMES[source])
+    return names
+
 
 class EngineConfigError(ValueError):
     """The engine cannot be built as asked (tier sizes, admission); the message says why."""
@@ -57,7 +66,14 @@ class OffloadEngine:
     called with each :mod:`kvscope.events` event (None: no events, fastest). ``device``: where
     the ``gpu`` tier lives (default CUDA when available, else CPU memory standing in for it).
     ``disk_dir``: where chunk files go (default: a private temporary directory). ``clock``:
-    Unix-seconds clock for event stamps. Call :meth:`close` to stop disk I/O threads.
+    Unix-seconds clock for event stamps. ``record_blocks``: put each block's hash and source
+    into the :class:`~kvscope.events.Lookup` events (``block_hashes``, ``block_sources``) for
+    the agent's capture; off by default (two lists per request). Call :meth:`close` to stop
+    disk I/O threads.
+
+    Each ``RequestFinished`` carries ``itl``, the mean inter-token latency from the preset's
+    decode cost model (:meth:`~kvscope.engine.presets.ModelPreset.decode_seconds` of one token;
+    0 for requests with fewer than two output tokens).
 
     Raises ValueError for a bad size, a disk tier without a cpu tier, or an unknown policy.
     """
@@ -68,7 +84,7 @@ class OffloadEngine:
                  payload: bool = True, policy: str | dict[str, str] = "lru",
                  disk_dir: str | Path | None = None, store_threshold: int = 1,
                  min_priority: int = 0, io_threads: int = 4,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, record_blocks: bool = False) -> None:
         if gpu_blocks < 1:
             raise EngineConfigError(f"gpu tier needs at least 1 block, got {gpu_blocks}")
         if disk_blocks > 0 and cpu_blocks < 1:
@@ -82,6 +98,7 @@ class OffloadEngine:
         self.payload = payload
         self.store_threshold = store_threshold
         self.min_priority = min_priority
+        self.record_blocks = record_blocks
         self._emit = emit
         self._clock = clock
         self.stats = EngineStats()
@@ -328,11 +345,16 @@ class OffloadEngine:
             outcome.results = self._batch.results
         self._batch = None
         if self._emit is not None:
+            record = self.record_blocks
+            names = _block_sources(sources) if record else []
             self._emit(ev.Lookup(ts=started.ts, request_id=request.request_id,
                                  tokens={s: n for s, n in outcome.tokens.items() if n},
                                  blocks=len(sources),
                                  block_hits={t: n for t, n in outcome.block_hits.items() if n},
-                                 prefill_tokens_per_second=self.preset.prefill_tokens_per_second))
+                                 prefill_tokens_per_second=self.preset.prefill_tokens_per_second,
+                                 block_hashes=list(request.block_hashes) if record else [],
+                                 block_sources=names,
+                                 block_tokens=self.block_tokens))
         self._inflight.append((started, self._evictions, outcome))
         self._evictions = []
         self.poll()
@@ -378,10 +400,11 @@ class OffloadEngine:
         if emit is None:
             return
         request_id = started.request_id
+        price = self.preset.transfer_seconds  # the simulator's copies take modelled time
         for r in outcome.results:
+            seconds = r.duration if self.payload else price(r.src, r.dst, r.bytes)
             emit(ev.Transfer(ts=r.start, src=r.src, dst=r.dst, blocks=r.blocks, bytes=r.bytes,
-                             duration=r.duration if self.payload else 0.0, ok=r.ok,
-                             reason=r.reason, request_id=request_id))
+                             duration=seconds, ok=r.ok, reason=r.reason, request_id=request_id))
         for eviction in evictions:
             emit(eviction)
         end = self._clock()
@@ -389,10 +412,11 @@ class OffloadEngine:
             emit(ev.TierSnapshot(ts=end, tier=tier.name, capacity_bytes=tier.capacity_bytes,
                                  resident_bytes=tier.resident_bytes,
                                  capacity_blocks=tier.capacity_blocks, resident_blocks=len(tier)))
+        itl = self.preset.decode_seconds(1) if outcome.output_tokens > 1 else 0.0
         emit(ev.RequestFinished(ts=end, request_id=request_id, ttft=outcome.ttft,
                                 prompt_tokens=started.prompt_tokens,
                                 output_tokens=outcome.output_tokens,
-                                promotion_wait=wait))
+                                promotion_wait=wait, itl=itl))
 
     def close(self) -> None:
         """Finish pending requests and stop disk I/O (removing a private disk directory)."""

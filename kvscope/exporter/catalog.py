@@ -72,6 +72,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _counter("kvscope_evicted_blocks_total",
              "KV blocks that left a tier, by reason (capacity: made room; cleared: the engine "
              "reset; failed: unreadable).", ["tier", "reason"]),
+    _counter("kvscope_dropped_blocks_total",
+             "KV blocks evicted from a tier with no copy kept in a tier below (they left the "
+             "cache).", ["tier"]),
     _histogram("kvscope_evicted_block_hits",
                "Hits a block got while resident, observed when it is evicted (0: stored for "
                "nothing).", ["tier"], "", EVICTED_HITS_BUCKETS),

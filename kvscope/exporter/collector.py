@@ -39,6 +39,7 @@ def pipeline_samples(snap: Snapshot) -> Samples:
         "kvscope_transfer_seconds": _labelled(snap.transfer_seconds),
         "kvscope_transfer_failures_total": _labelled(snap.transfer_failures),
         "kvscope_evicted_blocks_total": _labelled(snap.evicted_blocks),
+        "kvscope_dropped_blocks_total": _labelled(snap.dropped_blocks),
         "kvscope_evicted_block_hits": _labelled(snap.evicted_block_hits),
         "kvscope_block_residency_seconds": _labelled(snap.block_residency_seconds),
         "kvscope_tier_capacity_bytes": [([t], s.capacity_bytes) for t, s in tiers],

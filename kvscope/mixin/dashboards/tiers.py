@@ -37,9 +37,12 @@ def tiers(cfg: MixinConfig) -> dict:
                  f"[{RATE}]))\n  / sum by (tier) (rate(kvscope_lookup_blocks_total{s(cfg)}"
                  f"[{RATE}]))", "{{tier}}"),),
               unit="percentunit", max=1, min=0),
-            P("Evictions by tier and reason", "KV blocks leaving each tier per second.",
+            P("Evictions by tier and reason", "KV blocks leaving each tier per second, and "
+              "those that left the cache altogether (no copy kept below).",
               (Q(f"sum by (tier, reason) (rate(kvscope_evicted_blocks_total{s(cfg)}[{RATE}]))",
-                 "{{tier}} {{reason}}"),), unit="short"),
+                 "{{tier}} {{reason}}"),
+               Q(f"sum by (tier) (rate(kvscope_dropped_blocks_total{s(cfg)}[{RATE}]))",
+                 "{{tier}} dropped")), unit="short"),
             P("Evicted before any reuse",
               "Share of evicted blocks that were never hit while resident (recording rule).",
               (Q(f"{r.never_reused_share}{s(cfg)}", "{{instance}} {{tier}}"),),

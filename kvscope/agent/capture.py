@@ -1,0 +1,308 @@
+"""The capture sink: block accesses and finished requests recorded to Parquet segments.
+
+A capture directory holds two kinds of segments, each a complete Parquet file (Apache Parquet
+format, written with pyarrow):
+
+- ``blocks-<ms>-<pid>-<seq>.parquet``: one row per block looked up (:data:`BLOCKS_SCHEMA`),
+  from :class:`~kvscope.events.Lookup` events that carry ``block_hashes`` (engines fill them
+  on request, e.g. ``OffloadEngine(record_blocks=True)``); ``kvscope analyze DIR`` reads them.
+- ``requests-<ms>-<pid>-<seq>.parquet``: one row per finished request (:data:`REQUESTS_SCHEMA`),
+  from the pipeline's request records; ``kvscope compare BASELINE CANDIDATE`` reads them.
+
+Crash safety: a segment is written as ``<name>.parquet.tmp`` (one row group per flush), then
+closed, fsynced and renamed to ``<name>.parquet``, so a ``.parquet`` file is always whole; a
+crash leaves at most a ``.tmp`` file, which readers ignore and the next writer removes once its
+process is gone. A crash loses the rows of the open segment (at most ``segment_seconds`` or
+``segment_rows`` of them). Segments rotate at ``segment_rows`` rows, ``segment_bytes`` bytes or
+``segment_seconds`` seconds, whichever comes first; after each rotation the oldest finished
+segments (both kinds, by start time) are deleted while all of them together exceed ``max_bytes``
+(the one just finished is kept). Disk use is therefore at most about ``max_bytes`` plus one open
+segment per kind. Memory is bounded by ``max_pending_rows`` rows per kind between flushes;
+rows beyond it are dropped and counted in :attr:`CaptureWriter.dropped`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvscope import events as ev
+from kvscope.agent.requests import RequestRecord
+from kvscope.agent.worker import Worker
+from kvscope.engine.workload import block_token_counts
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".parquet"
+TMP_SUFFIX = ".parquet.tmp"
+KINDS = ("blocks", "requests")
+_U64 = (1 << 64) - 1
+
+BLOCKS_SCHEMA = pa.schema([
+    pa.field("ts", pa.float64()),           # Unix seconds of the lookup
+    pa.field("source", pa.string()),        # the emitter (pipeline source name)
+    pa.field("request_id", pa.string()),
+    pa.field("depth", pa.int32()),          # block position in the prompt, 0 = first
+    pa.field("block_hash", pa.uint64()),    # prefix hash (equal = reusable KV)
+    pa.field("outcome", pa.string()),       # gpu, cpu, disk or recompute ("" unknown)
+    pa.field("tokens", pa.int32()),         # tokens this block covers (partial last block)
+    pa.field("block_tokens", pa.int32()),   # tokens per full block (0 unknown)
+    pa.field("prompt_tokens", pa.int64()),  # the request's prompt length, tokens
+], metadata={"kvscope.kind": "blocks"})
+
+TRANSFER_TYPE = pa.struct([
+    pa.field("src", pa.string()), pa.field("dst", pa.string()), pa.field("blocks", pa.int64()),
+    pa.field("bytes", pa.int64()), pa.field("start", pa.float64()),
+    pa.field("duration", pa.float64()), pa.field("ok", pa.bool_()),
+])
+
+REQUESTS_SCHEMA = pa.schema([
+    pa.field("request_id", pa.string()),
+    pa.field("source", pa.string()),
+    pa.field("trace_id", pa.string()),
+    pa.field("arrival", pa.float64()),       # Unix seconds
+    pa.field("finished", pa.float64()),      # Unix seconds (NaN unknown)
+    pa.field("ttft", pa.float64()),          # seconds (NaN unknown)
+    pa.field("itl", pa.float64()),           # mean inter-token latency, seconds (0 unknown)
+    pa.field("queueing", pa.float64()),      # the TTFT parts, seconds
+    pa.field("lookup", pa.float64()),
+    pa.field("promotion_wait", pa.float64()),
+    pa.field("prefill", pa.float64()),
+    pa.field("prompt_tokens", pa.int64()),
+    pa.field("output_tokens", pa.int64()),
+    *[pa.field(f"tokens_{s}", pa.int64()) for s in ev.TOKEN_SOURCES],  # prompt tokens by source
+    pa.field("transfers", pa.list_(TRANSFER_TYPE)),
+], metadata={"kvscope.kind": "requests"})
+
+SCHEMAS = {"blocks": BLOCKS_SCHEMA, "requests": REQUESTS_SCHEMA}
+
+
+def segment_key(path: Path) -> tuple[str, str]:
+    """Sort key of a segment file: its start time (then pid and sequence), whatever its kind."""
+    return path.name.split("-", 1)[1], path.name
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+class _Stream:
+    """One kind of segment: pending rows (column lists) and the open ``.tmp`` segment."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.schema = SCHEMAS[kind]
+        self.pending: dict[str, list] = {name: [] for name in self.schema.names}
+        self.rows = 0            # pending rows
+        self.writer: pq.ParquetWriter | None = None
+        self.tmp: Path | None = None
+        self.opened_at = 0.0
+        self.segment_rows = 0    # rows in the open segment
+
+    def take(self) -> tuple[dict[str, list], int]:
+        pending, rows = self.pending, self.rows
+        self.pending = {name: [] for name in self.schema.names}
+        self.rows = 0
+        return pending, rows
+
+
+class CaptureWriter(Worker):
+    """Writes a capture under ``directory`` (created on start).
+
+    ``add_lookup`` / ``add_request`` are cheap (appends under a lock) and are meant to be
+    subscribed to the pipeline (:meth:`~kvscope.agent.pipeline.Pipeline.subscribe_lookups`,
+    :meth:`~kvscope.agent.pipeline.Pipeline.subscribe`); a flush thread writes every
+    ``flush_interval`` seconds. Sizes in bytes, times in seconds. ``clock``: Unix seconds,
+    for segment names and ages. ``start()`` / ``shutdown()`` (which finishes every open
+    segment) are safe to repeat, and ``shutdown()`` is safe without ``start()``.
+    """
+
+    def __init__(self, directory: str | Path, *, max_bytes: int = 1 << 30,
+                 segment_rows: int = 1_000_000, segment_bytes: int = 64 << 20,
+                 segment_seconds: float = 60.0, flush_interval: float = 1.0,
+                 max_pending_rows: int = 1_000_000,
+                 clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.segment_rows = segment_rows
+        self.segment_bytes = segment_bytes
+        self.segment_seconds = segment_seconds
+        self.max_pending_rows = max_pending_rows
+        self._interval = flush_interval
+        self._clock = clock
+        self._streams = {kind: _Stream(kind) for kind in KINDS}
+        self._lock = threading.Lock()      # pending rows
+        self._io_lock = threading.Lock()   # segment files
+        self._seq = 0
+        self.dropped: dict[str, int] = dict.fromkeys(KINDS, 0)
+
+    # -- sinks ------------------------------------------------------------------------------
+
+    def add_lookup(self, source: str, lookup: ev.Lookup) -> None:
+        """Queue one row per block of ``lookup`` (nothing when it carries no block hashes).
+
+        Hashes are stored as unsigned 64-bit (a negative or wider int is reduced mod 2**64).
+        A block's tokens come from the prompt length (the sum of ``lookup.tokens``) and
+        ``lookup.block_tokens`` (0 when unknown).
+        """
+        hashes = lookup.block_hashes
+        if not hashes:
+            return
+        n = len(hashes)
+        prompt = sum(lookup.tokens.values())
+        bt = lookup.block_tokens
+        tokens = block_token_counts(prompt, n, bt) if bt > 0 else [0] * n
+        outcomes = list(lookup.block_sources) if len(lookup.block_sources) == n else [""] * n
+        with self._lock:
+            stream = self._streams["blocks"]
+            if stream.rows + n > self.max_pending_rows:
+                self.dropped["blocks"] += n
+                return
+            cols = stream.pending
+            cols["ts"].extend([lookup.ts] * n)
+            cols["source"].extend([source] * n)
+            cols["request_id"].extend([lookup.request_id] * n)
+            cols["depth"].extend(range(n))
+            cols["block_hash"].extend([h & _U64 for h in hashes])
+            cols["outcome"].extend(outcomes)
+            cols["tokens"].extend(tokens)
+            cols["block_tokens"].extend([bt] * n)
+            cols["prompt_tokens"].extend([prompt] * n)
+            stream.rows += n
+
+    def add_request(self, record: RequestRecord) -> None:
+        """Queue one row for a finished request record."""
+        nan = float("nan")
+        row = {
+            "request_id": record.request_id, "source": record.source, "trace_id": record.trace_id,
+            "arrival": record.arrival,
+            "finished": record.finished if record.finished is not None else nan,
+            "ttft": record.ttft if record.ttft is not None else nan, "itl": record.itl,
+            "queueing": record.queueing, "lookup": record.lookup,
+            "promotion_wait": record.promotion_wait, "prefill": record.prefill,
+            "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
+            **{f"tokens_{s}": record.tokens.get(s, 0) for s in ev.TOKEN_SOURCES},
+            "transfers": [{"src": t.src, "dst": t.dst, "blocks": t.blocks, "bytes": t.bytes,
+                           "start": t.start, "duration": t.duration, "ok": t.ok}
+                          for t in record.transfers],
+        }
+        with self._lock:
+            stream = self._streams["requests"]
+            if stream.rows + 1 > self.max_pending_rows:
+                self.dropped["requests"] += 1
+                return
+            for name, value in row.items():
+                stream.pending[name].append(value)
+            stream.rows += 1
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    thread_name = "kvscope-capture"
+
+    def prepare(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_orphans()
+
+    def run(self) -> None:
+        while not self.stopping.wait(self._interval):
+            self._logged(self.flush)
+        self._logged(self.close)
+
+    def _logged(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except OSError as exc:  # disk full, directory removed: keep serving, say so
+            log.warning("kvscope capture: could not write %s: %s", self.directory, exc)
+
+    # -- segments ---------------------------------------------------------------------------
+
+    def segments(self, kind: str | None = None) -> list[Path]:
+        """Finished segments (of ``kind``, or both), oldest first by start time."""
+        kinds = (kind,) if kind else KINDS
+        paths = [p for k in kinds for p in self.directory.glob(f"{k}-*{SUFFIX}")]
+        return sorted(paths, key=segment_key)
+
+    def flush(self) -> None:
+        """Write pending rows into the open segments; finish those due for rotation."""
+        with self._io_lock:
+            now = self._clock()
+            for stream in self._streams.values():
+                with self._lock:
+                    columns, rows = stream.take()
+                if rows:
+                    if stream.writer is None:
+                        self._open(stream, now)
+                    table = pa.Table.from_pydict(columns, schema=stream.schema)
+                    stream.writer.write_table(table)
+                    stream.segment_rows += rows
+                if stream.writer is not None and (
+                        stream.segment_rows >= self.segment_rows
+                        or now - stream.opened_at >= self.segment_seconds
+                        or stream.tmp.stat().st_size >= self.segment_bytes):
+                    self._finish(stream)
+
+    def close(self) -> None:
+        """Flush, then finish every open segment (shutdown does this)."""
+        self.flush()
+        with self._io_lock:
+            for stream in self._streams.values():
+                if stream.writer is not None:
+                    self._finish(stream)
+
+    def _open(self, stream: _Stream, now: float) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._seq += 1
+        name = f"{stream.kind}-{int(now * 1000):015d}-{os.getpid()}-{self._seq:06d}"
+        stream.tmp = self.directory / (name + TMP_SUFFIX)
+        stream.writer = pq.ParquetWriter(stream.tmp, stream.schema, compression="zstd")
+        stream.opened_at = now
+        stream.segment_rows = 0
+
+    def _finish(self, stream: _Stream) -> None:
+        """Close the open segment, fsync it, rename it into place, then prune."""
+        tmp = stream.tmp
+        stream.writer.close()
+        stream.writer, stream.tmp = None, None
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        final = tmp.with_name(tmp.name[: -len(TMP_SUFFIX)] + SUFFIX)
+        os.replace(tmp, final)
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self._prune(keep=final)
+
+    def _prune(self, keep: Path) -> None:
+        segments = self.segments()
+        sizes = {p: p.stat().st_size for p in segments}
+        total = sum(sizes.values())
+        for path in segments:
+            if total <= self.max_bytes:
+                break
+            if path != keep:
+                total -= sizes[path]
+                path.unlink(missing_ok=True)
+
+    def _remove_orphans(self) -> None:
+        """Delete ``.tmp`` segments left by writers that are no longer running."""
+        for path in self.directory.glob(f"*{TMP_SUFFIX}"):
+            parts = path.name.split("-")
+            pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
+            if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+                path.unlink(missing_ok=True)

@@ -1,0 +1,192 @@
+"""The OTLP/HTTP trace receiver: the agent accepts spans at ``/v1/traces`` so vLLM's
+``--otlp-traces-endpoint`` can point at it (with ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=
+http/protobuf``; vLLM's default protocol is gRPC).
+
+Bodies are OTLP ``ExportTraceServiceRequest`` s, binary protobuf (``application/x-protobuf``)
+or OTLP/JSON (``application/json``: camelCase keys, hex trace and span ids, 64-bit integers as
+strings), optionally gzip-compressed. :func:`parse` turns either into :class:`Span` s (no I/O).
+
+vLLM's request span (0.32 ``vllm/v1/engine/output_processor.py``: name ``llm_request``,
+attributes ``gen_ai.request.id``, ``gen_ai.usage.prompt_tokens`` / ``completion_tokens``,
+``gen_ai.latency.time_to_first_token`` / ``time_in_queue`` / ``time_in_model_prefill``, seconds)
+is joined with cache events by request id (vLLM's external id, which the in-process tap also
+reports): when the request is already in the agent's request table (the tap finished it), the
+record takes the span's trace id and vLLM's own TTFT, queueing and prefill; otherwise the span
+becomes ``RequestStarted`` + ``RequestFinished`` events under ``source`` (so a record the tap
+has open joins them). Spans without ``gen_ai.request.id`` are counted and ignored.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from dataclasses import dataclass, field
+
+from kvscope import events as ev
+from kvscope.agent.pipeline import Pipeline
+
+NAME = "otlp"
+REQUEST_ID = "gen_ai.request.id"
+TRACES_PATH = "/v1/traces"  # OTLP/HTTP traces path (OTLP specification, "OTLP/HTTP Request")
+EMPTY_RESPONSE = b""  # a serialized ExportTraceServiceResponse with no partial_success
+
+
+class OtlpError(ValueError):
+    """A body that is not an OTLP trace export; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Span:
+    """One span: ids as lowercase hex, times in Unix nanoseconds, attributes by key."""
+
+    trace_id: str
+    span_id: str
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, object] = field(default_factory=dict)
+
+
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    encoding = (encoding or "").lower().strip()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise OtlpError(f"unsupported content-encoding {encoding!r}", 415)
+    try:
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+        data = inflater.decompress(body, limit + 1)
+    except (zlib.error, gzip.BadGzipFile) as exc:
+        raise OtlpError(f"bad {encoding} body: {exc}") from None
+    if len(data) > limit:
+        raise OtlpError(f"decompressed body over {limit} bytes", 413)
+    return data
+
+
+def parse(body: bytes, content_type: str, encoding: str = "", limit: int = 16 << 20) -> list[Span]:
+    """Spans of an OTLP/HTTP traces body. Raises :class:`OtlpError` (400 malformed, 413 too
+    large once decompressed, 415 unsupported content type or encoding)."""
+    data = _decompress(body, encoding, limit)
+    kind = (content_type or "").split(";")[0].strip().lower()
+    if kind == "application/x-protobuf":
+        return _parse_protobuf(data)
+    if kind == "application/json":
+        return _parse_json(data)
+    raise OtlpError(f"unsupported content-type {content_type!r}; use application/x-protobuf "
+                    "or application/json", 415)
+
+
+def _parse_protobuf(data: bytes) -> list[Span]:
+    from google.protobuf.message import DecodeError
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    try:
+        request.ParseFromString(data)
+    except DecodeError as exc:
+        raise OtlpError(f"not an OTLP protobuf trace export: {exc}") from None
+    spans = []
+    for resource_spans in request.resource_spans:
+        for scope_spans in resource_spans.scope_spans:
+            for s in scope_spans.spans:
+                attributes = {a.key: _pb_value(a.value) for a in s.attributes}
+                spans.append(Span(s.trace_id.hex(), s.span_id.hex(), s.name,
+                                  s.start_time_unix_nano, s.end_time_unix_nano, attributes))
+    return spans
+
+
+def _pb_value(value) -> object:
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind in ("string_value", "bool_value", "int_value",
+                                            "double_value") else None
+
+
+def _parse_json(data: bytes) -> list[Span]:
+    try:
+        doc = json.loads(data)
+        spans = []
+        for resource_spans in doc.get("resourceSpans", []):
+            for scope_spans in resource_spans.get("scopeSpans", []):
+                for s in scope_spans.get("spans", []):
+                    attributes = {a["key"]: _json_value(a.get("value", {}))
+                                  for a in s.get("attributes", [])}
+                    spans.append(Span(str(s.get("traceId", "")).lower(),
+                                      str(s.get("spanId", "")).lower(), str(s.get("name", "")),
+                                      int(s.get("startTimeUnixNano", 0)),
+                                      int(s.get("endTimeUnixNano", 0)), attributes))
+        return spans
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise OtlpError(f"not an OTLP/JSON trace export: {exc}") from None
+
+
+def _json_value(value: dict) -> object:
+    if "stringValue" in value:
+        return value["stringValue"]
+    if "intValue" in value:
+        return int(value["intValue"])
+    if "doubleValue" in value:
+        return float(value["doubleValue"])
+    if "boolValue" in value:
+        return bool(value["boolValue"])
+    return None
+
+
+def _float(attributes: dict, key: str) -> float:
+    value = attributes.get(key)
+    return float(value) if isinstance(value, (int, float)) and value == value else 0.0
+
+
+class OtlpReceiver:
+    """Joins request spans with the pipeline's request records; ``source``: the engine source
+    name the tap uses (``vllm``). ``received``/``ignored``/``joined``: span counters."""
+
+    def __init__(self, pipeline: Pipeline, source: str = "vllm") -> None:
+        self.pipeline = pipeline
+        self.source = source
+        self.received = 0
+        self.ignored = 0
+        self.joined = 0
+
+    def start(self) -> None:
+        self.pipeline.set_source_up(NAME, True)
+
+    def shutdown(self) -> None:
+        return
+
+    def handle(self, spans: list[Span]) -> None:
+        events: list = []
+        for span in spans:
+            self.received += 1
+            request_id = span.attributes.get(REQUEST_ID)
+            if not isinstance(request_id, str) or not request_id:
+                self.ignored += 1
+                continue
+            a = span.attributes
+            trace_id = span.trace_id if len(span.trace_id) == 32 else ""
+            ttft = _float(a, "gen_ai.latency.time_to_first_token")
+            queueing = _float(a, "gen_ai.latency.time_in_queue")
+            prefill = _float(a, "gen_ai.latency.time_in_model_prefill")
+            record = self.pipeline.requests.get(request_id)
+            if record is not None:  # finished by the tap: enrich it in place
+                if trace_id:
+                    record.trace_id = trace_id
+                if ttft:
+                    record.ttft, record.queueing = ttft, queueing
+                    record.prefill = min(prefill, max(0.0, ttft - queueing - record.promotion_wait))
+                self.joined += 1
+                continue
+            start = span.start_ns / 1e9
+            prompt = int(a.get("gen_ai.usage.prompt_tokens") or 0)
+            events.append(ev.RequestStarted(ts=start, request_id=request_id, prompt_tokens=prompt,
+                                            trace_id=trace_id))
+            events.append(ev.RequestFinished(
+                ts=span.end_ns / 1e9, request_id=request_id, ttft=ttft, prompt_tokens=prompt,
+                output_tokens=int(a.get("gen_ai.usage.completion_tokens") or 0),
+                queueing=queueing, prefill=prefill))
+        if events:
+            self.pipeline.ingest(self.source, events)

@@ -1,0 +1,229 @@
+"""The vLLM metrics source: scrapes vLLM's Prometheus ``/metrics`` and maps what it has onto
+kvscope events (counters as deltas between scrapes, so restarts and resets stay correct).
+
+Mapped (vLLM 0.32 names, ``vllm/v1/metrics/loggers.py`` and the offloading connector's
+``offloading/metrics.py``); names a given vLLM version lacks are simply absent:
+
+- ``vllm:prompt_tokens_total`` with ``vllm:prompt_tokens_cached_by_source_total{source}``
+  (device -> ``gpu``, host -> ``cpu``, disk -> ``disk``, p2p and external_unspecified -> ``cpu``)
+  -> one aggregate ``Lookup`` per scrape (no request id); the uncached rest is ``recompute``.
+  Without the by-source counter: ``vllm:prefix_cache_hits_total`` -> gpu and
+  ``vllm:external_prefix_cache_hits_total`` -> cpu.
+- ``vllm:kv_offload_store_bytes_total`` / ``..._load_bytes_total`` (older:
+  ``vllm:kv_offload_total_bytes_total{transfer_type}``) -> untimed ``Transfer`` gpu->cpu /
+  cpu->gpu (blocks from ``block_bytes`` when known).
+- ``vllm:time_to_first_token_seconds`` histogram -> ``LatencyHistogram`` (bucket deltas).
+- ``vllm:kv_cache_usage_perc`` x ``num_gpu_blocks`` (``vllm:cache_config_info``) ->
+  ``TierSnapshot`` gpu, when ``gpu_snapshot`` is on (leave it off when the KV events source
+  reports GPU residency; vLLM's usage counts blocks held by running requests only).
+
+Parsing (:func:`parse`) and mapping (:class:`MetricsMapper`) do no I/O. The source scrapes with
+httpx every ``interval`` seconds; a failed scrape sets ``kvscope_source_up{source="vllm_metrics"}``
+to 0 and the next good one back to 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+
+from kvscope import events as ev
+from kvscope.agent.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+NAME = "vllm_metrics"
+SOURCE_TIER = {"device": "gpu", "host": "cpu", "disk": "disk", "p2p": "cpu",
+               "external_unspecified": "cpu"}
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def parse(text: str) -> Samples:
+    """Prometheus text exposition -> {(name, frozenset(labels)): value}; comments, blank and
+    unparsable lines are skipped. Pure."""
+    out: Samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _LINE.match(line.strip())
+        if not match:
+            continue
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        labels = frozenset((k, v) for k, v in _LABEL.findall(match.group(2) or "")
+                           if k not in ("engine", "model_name"))
+        key = (match.group(1), labels)
+        out[key] = out.get(key, 0.0) + value  # several engines: add up
+    return out
+
+
+def _sum(samples: Samples, name: str, **labels) -> float | None:
+    want = set(labels.items())
+    values = [v for (n, ls), v in samples.items() if n == name and want <= ls]
+    return sum(values) if values else None
+
+
+class MetricsMapper:
+    """Turns successive scrapes into kvscope events. ``block_bytes``: KV bytes per block (0:
+    unknown). ``gpu_snapshot``: report GPU usage as a TierSnapshot. Not thread-safe."""
+
+    def __init__(self, block_bytes: int = 0, gpu_snapshot: bool = True) -> None:
+        self.block_bytes = block_bytes
+        self.gpu_snapshot = gpu_snapshot
+        self._last: dict[tuple, float] = {}
+
+    def _delta(self, key: tuple, value: float | None) -> float:
+        if value is None:
+            return 0.0
+        last = self._last.get(key)
+        self._last[key] = value
+        if last is None:
+            return 0.0  # first sight: the baseline, nothing happened since we started
+        return value if value < last else value - last  # a reset restarts from zero
+
+    def map(self, samples: Samples, ts: float) -> list:
+        out: list = []
+        lookup = self._lookup(samples, ts)
+        if lookup is not None:
+            out.append(lookup)
+        out += self._transfers(samples, ts)
+        hist = self._ttft(samples, ts)
+        if hist is not None:
+            out.append(hist)
+        if self.gpu_snapshot:
+            out += self._gpu(samples, ts)
+        return out
+
+    def _lookup(self, samples: Samples, ts: float) -> ev.Lookup | None:
+        prompt = self._delta(("prompt",), _sum(samples, "vllm:prompt_tokens_total"))
+        tokens: dict[str, int] = {}
+        by_source = {ls: v for (n, ls), v in samples.items()
+                     if n == "vllm:prompt_tokens_cached_by_source_total"}
+        if by_source:
+            for labels, value in by_source.items():
+                source = dict(labels).get("source", "external_unspecified")
+                tier = SOURCE_TIER.get(source, "cpu")
+                tokens[tier] = tokens.get(tier, 0) + int(self._delta(("cached", source), value))
+        else:
+            tokens["gpu"] = int(self._delta(("hits",), _sum(samples, "vllm:prefix_cache_hits_total")))
+            tokens["cpu"] = int(self._delta(("ext_hits",), _sum(
+                samples, "vllm:external_prefix_cache_hits_total")))
+        tokens["recompute"] = max(0, int(prompt) - sum(tokens.values()))
+        tokens = {k: v for k, v in tokens.items() if v > 0}
+        if not tokens:
+            return None
+        return ev.Lookup(ts=ts, request_id="", tokens=tokens)
+
+    def _transfers(self, samples: Samples, ts: float) -> list:
+        out = []
+        for kind, src, dst in (("store", "gpu", "cpu"), ("load", "cpu", "gpu")):
+            value = _sum(samples, f"vllm:kv_offload_{kind}_bytes_total")
+            if value is None:  # vLLM before the per-direction names
+                legacy = {"store": "GPU_to_CPU", "load": "CPU_to_GPU"}[kind]
+                value = _sum(samples, "vllm:kv_offload_total_bytes_total", transfer_type=legacy)
+            nbytes = int(self._delta(("offload", kind), value))
+            if nbytes > 0:
+                blocks = nbytes // self.block_bytes if self.block_bytes else 0
+                out.append(ev.Transfer(ts=ts, src=src, dst=dst, blocks=blocks, bytes=nbytes,
+                                       duration=0.0, timed=False))
+        return out
+
+    def _ttft(self, samples: Samples, ts: float) -> ev.LatencyHistogram | None:
+        name = "vllm:time_to_first_token_seconds_bucket"
+        cumulative: dict[float, float] = {}
+        for (n, labels), value in samples.items():
+            if n == name:
+                le = float(dict(labels).get("le", "+Inf"))
+                cumulative[le] = cumulative.get(le, 0.0) + value
+        if not cumulative:
+            return None
+        bounds = sorted(cumulative)
+        deltas = [self._delta(("ttft", b), cumulative[b]) for b in bounds]
+        total = self._delta(("ttft_sum",), _sum(samples, "vllm:time_to_first_token_seconds_sum"))
+        counts, previous = [], 0.0
+        for d in deltas:  # cumulative deltas -> per-bucket counts
+            counts.append(int(max(0.0, d - previous)))
+            previous = max(previous, d)
+        if not any(counts):
+            return None
+        finite = [b for b in bounds if not math.isinf(b)]
+        return ev.LatencyHistogram(ts=ts, metric="ttft", bounds=finite,
+                                   counts=counts[:len(finite)] + [sum(counts[len(finite):])],
+                                   sum=total)
+
+    def _gpu(self, samples: Samples, ts: float) -> list:
+        usage = _sum(samples, "vllm:kv_cache_usage_perc")
+        info = [dict(ls) for (n, ls), _ in samples.items() if n == "vllm:cache_config_info"]
+        blocks = next((int(float(i["num_gpu_blocks"])) for i in info
+                       if i.get("num_gpu_blocks", "None") not in ("None", "")), 0)
+        if usage is None or not blocks:
+            return []
+        used = int(round(min(1.0, max(0.0, usage)) * blocks))
+        return [ev.TierSnapshot(ts=ts, tier="gpu", capacity_bytes=blocks * self.block_bytes,
+                                resident_bytes=used * self.block_bytes, capacity_blocks=blocks,
+                                resident_blocks=used)]
+
+
+class VllmMetricsSource:
+    """Scrapes ``url`` (vLLM's ``/metrics``) every ``interval`` seconds into ``pipeline``.
+    ``timeout``: seconds per scrape. ``client``: an httpx.Client (injectable for tests).
+    ``start()`` returns at once; ``shutdown()`` is safe twice and without start."""
+
+    def __init__(self, pipeline: Pipeline, url: str = "http://127.0.0.1:8000/metrics", *,
+                 interval: float = 5.0, timeout: float = 3.0, mapper: MetricsMapper | None = None,
+                 client: httpx.Client | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.pipeline = pipeline
+        self.url = url
+        self.interval = interval
+        self.mapper = mapper or MetricsMapper()
+        self.failures = 0
+        self._client = client or httpx.Client(timeout=timeout, trust_env=False)
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def scrape_once(self) -> bool:
+        """Scrape and map once; False (and source down) when vLLM did not answer with 200."""
+        try:
+            response = self._client.get(self.url)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("vLLM metrics at %s unavailable: %s", self.url, exc)
+            self.pipeline.set_source_up(NAME, False)
+            return False
+        events = self.mapper.map(parse(response.text), self._clock())
+        if events:
+            self.pipeline.ingest(NAME, events)
+        self.pipeline.set_source_up(NAME, True)
+        return True
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self.pipeline.set_source_up(NAME, False)
+        self._thread = threading.Thread(target=self._run, name="kvscope-vllm-metrics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.scrape_once()
+        while not self._stop.wait(self.interval):
+            self.scrape_once()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._client.close()

@@ -1,0 +1,136 @@
+"""Readers of the agent's Parquet captures (:mod:`kvscope.agent.capture`).
+
+- :func:`read_block_trace`: the ``blocks`` segments of a capture directory (or one segment file)
+  -> :class:`~kvscope.analysis.inputs.AccessTrace`, for ``kvscope analyze``; registered in
+  :mod:`kvscope.analysis.inputs` for directories and ``.parquet`` files.
+- :func:`read_request_sample`: the ``requests`` segments -> :class:`~kvscope.analysis.compare.
+  RequestSample`, for ``kvscope compare``.
+
+Only finished segments (``*.parquet``) are read, in start-time order; a ``.parquet.tmp`` file
+(a segment being written, or left by a crash) is never read. Like
+:mod:`~kvscope.analysis.inputs`, this module does I/O; the analyses it feeds do not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from kvscope import events as ev
+from kvscope.agent.capture import SUFFIX, segment_key
+from kvscope.analysis.compare import RequestSample
+from kvscope.analysis.inputs import AccessTrace
+from kvscope.engine.workload import TraceError
+
+UNKNOWN_BLOCK_TOKENS = 16  # vLLM's default block_size, assumed when a capture does not say
+
+_BLOCK_COLUMNS = ["ts", "depth", "block_hash", "tokens", "block_tokens", "prompt_tokens"]
+_REQUEST_COLUMNS = ["ttft", "itl", "promotion_wait",
+                    *[f"tokens_{s}" for s in ev.TOKEN_SOURCES], "transfers"]
+
+
+def capture_segments(path: str | Path, kind: str) -> list[Path]:
+    """Finished ``kind`` segments (``blocks`` or ``requests``) of the capture at ``path``,
+    oldest first; a single ``.parquet`` file is its own list. Raises TraceError when ``path``
+    does not exist."""
+    path = Path(path)
+    if path.is_dir():
+        found = path.glob(f"{kind}-*{SUFFIX}")
+        return sorted(found, key=segment_key)
+    if path.is_file():
+        return [path]
+    raise TraceError(f"{path}: no such capture directory or file")
+
+
+def _read(paths: list[Path], columns: list[str], kind: str, where: Path) -> pa.Table:
+    """The ``columns`` of every segment, concatenated in order. A segment deleted meanwhile
+    (pruned by a running agent) is skipped; an unreadable one raises TraceError naming it."""
+    tables = []
+    for p in paths:
+        try:
+            table = pq.read_table(p, columns=columns)
+        except FileNotFoundError:
+            continue
+        except (pa.ArrowInvalid, OSError, KeyError) as exc:
+            raise TraceError(f"{p}: not a kvscope {kind} segment: {exc}") from None
+        tables.append(table)
+    if not tables:
+        raise TraceError(f"{where}: no {kind} segments (kvscope agent --capture-dir writes them)")
+    return pa.concat_tables(tables)
+
+
+def read_block_trace(path: str | Path) -> AccessTrace:
+    """The block accesses of a capture, in capture order, as an :class:`AccessTrace`.
+
+    ``times``: seconds since the first access; ``requests``: one per lookup (a new one starts
+    at each depth-0 block). When the capture does not record the block size, 16 tokens
+    (vLLM's default ``block_size``) are assumed and every block counts as full; the trace's
+    ``source`` says so. Raises TraceError for a missing capture, no block rows, an unreadable
+    segment, or segments with different block sizes.
+    """
+    path = Path(path)
+    table = _read(capture_segments(path, "blocks"), _BLOCK_COLUMNS, "blocks", path)
+    if table.num_rows == 0:
+        raise TraceError(f"{path}: the capture holds no block accesses")
+    col = {name: table.column(name).to_numpy() for name in _BLOCK_COLUMNS}
+    sizes = np.unique(col["block_tokens"])
+    known = sizes[sizes > 0]
+    if len(known) > 1:
+        raise TraceError(f"{path}: segments with different block sizes {known.tolist()} tokens")
+    source = str(path)
+    if len(known) == 1 and len(sizes) == 1:
+        block_tokens = int(known[0])
+        tokens = col["tokens"].astype(np.int64)
+    else:
+        block_tokens = int(known[0]) if len(known) else UNKNOWN_BLOCK_TOKENS
+        tokens = np.full(table.num_rows, block_tokens, dtype=np.int64)
+        source += f" (block size unknown for some blocks: {block_tokens} tokens assumed)"
+    depths = col["depth"].astype(np.int64)
+    starts = depths == 0
+    requests = np.maximum(np.cumsum(starts) - 1, 0).astype(np.int64)
+    ts = col["ts"].astype(np.float64)
+    return AccessTrace(
+        block_ids=col["block_hash"].astype(np.uint64), times=ts - ts[0], tokens=tokens,
+        requests=requests, depths=depths, block_tokens=block_tokens,
+        request_count=int(requests[-1]) + 1,
+        prompt_tokens=int(col["prompt_tokens"][starts].sum()), source=source)
+
+
+def _sum_by(keys: np.ndarray, values: np.ndarray) -> dict[str, float]:
+    return {str(k): float(values[keys == k].sum()) for k in np.unique(keys)}
+
+
+def read_request_sample(path: str | Path, name: str | None = None) -> RequestSample:
+    """The finished requests of a capture as a :class:`RequestSample` (``name``: default the
+    path). Requests without a TTFT are left out; ITL counts only requests that reported one.
+    Raises TraceError for a missing capture, no request rows, or an unreadable segment."""
+    path = Path(path)
+    table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path)
+    col = {c: table.column(c).to_numpy() for c in _REQUEST_COLUMNS if c != "transfers"}
+    ttft = col["ttft"].astype(np.float64)
+    itl = col["itl"].astype(np.float64)
+    wait = col["promotion_wait"].astype(np.float64)
+    flat = pc.list_flatten(table.column("transfers"))
+    if len(flat):
+        fields = {f: pc.struct_field(flat, f).to_numpy(zero_copy_only=False)
+                  for f in ("src", "dst", "blocks", "bytes", "duration", "ok")}
+        direction = np.char.add(np.char.add(fields["src"].astype(str), "->"),
+                                fields["dst"].astype(str))
+        ok = fields["ok"].astype(bool)
+        d = direction[ok]
+        moved_bytes = {k: int(v) for k, v in _sum_by(d, fields["bytes"][ok]).items()}
+        moved_blocks = {k: int(v) for k, v in _sum_by(d, fields["blocks"][ok]).items()}
+        seconds = _sum_by(d, fields["duration"][ok].astype(np.float64))
+        failures = int((~ok).sum())
+    else:
+        moved_bytes, moved_blocks, seconds, failures = {}, {}, {}, 0
+    return RequestSample(
+        name=name or str(path), ttft=ttft[np.isfinite(ttft)], itl=itl[itl > 0],
+        promotion_wait=wait[np.isfinite(wait)],
+        tokens={s: int(col[f"tokens_{s}"].sum()) for s in ev.TOKEN_SOURCES},
+        transfer_bytes=moved_bytes, transfer_blocks=moved_blocks, transfer_seconds=seconds,
+        transfer_failures=failures)

@@ -1,0 +1,275 @@
+"""Rollout comparison: a baseline run against a candidate run, and the rollback verdict.
+
+Typical use: the baseline ran without the newest tier (say, no CPU offload), the candidate
+with it. :func:`compare` takes the finished requests of each (:class:`RequestSample`, read
+from an agent capture by :func:`kvscope.analysis.capture_reader.read_request_sample`) and
+reports:
+
+- TTFT and ITL p50/p95/p99 of each run and of the difference (candidate minus baseline), with
+  percentile-bootstrap confidence intervals (:mod:`kvscope.analysis.bootstrap`; Efron &
+  Tibshirani 1993);
+- hit quality: prompt tokens by source (``gpu``, ``cpu``, ``disk``, ``recompute``);
+- transfer cost: bytes, blocks and seconds per direction, failed transfers, and the promotion
+  wait per request;
+- a verdict against the rollback rule: **p99 TTFT above the budget -> roll back** (disable the
+  newest tier). See :func:`verdict` for exactly how the intervals decide it.
+
+Pure: samples in, dataclasses out. :func:`to_json` and :func:`render_text` render them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kvscope import events as ev
+from kvscope.analysis.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, Estimate,
+                                        compare_quantiles, quantile_cis)
+
+QUANTILES = (0.5, 0.95, 0.99)
+KEEP = "keep"
+ROLL_BACK = "roll back (disable the newest tier)"
+INCONCLUSIVE = "inconclusive"
+DEFAULT_MIN_REQUESTS = 100  # a p99 needs about 100 requests before one lies beyond it
+
+
+@dataclass(frozen=True, eq=False)
+class RequestSample:
+    """The finished requests of one run.
+
+    ``ttft``: seconds, one per request with a known TTFT. ``itl``: seconds, the mean
+    inter-token latency of each request that reported one (> 0). ``promotion_wait``: seconds
+    per request. ``tokens``: dict[source, prompt tokens]. ``transfer_bytes``,
+    ``transfer_blocks``: dict["src->dst", int]; ``transfer_seconds``: dict["src->dst", float]
+    (successful transfers); ``transfer_failures``: failed transfers. ``name``: for reports.
+    """
+
+    name: str
+    ttft: np.ndarray
+    itl: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    promotion_wait: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    tokens: dict[str, int] = field(default_factory=dict)
+    transfer_bytes: dict[str, int] = field(default_factory=dict)
+    transfer_blocks: dict[str, int] = field(default_factory=dict)
+    transfer_seconds: dict[str, float] = field(default_factory=dict)
+    transfer_failures: int = 0
+
+    @property
+    def requests(self) -> int:
+        return len(self.ttft)
+
+
+@dataclass(frozen=True)
+class QuantileRow:
+    """One quantile (0-1) of a latency: baseline, candidate and candidate minus baseline, in
+    seconds with intervals (None when a side has no observations)."""
+
+    quantile: float
+    baseline: Estimate | None
+    candidate: Estimate | None
+    difference: Estimate | None
+
+
+@dataclass(frozen=True)
+class Side:
+    """Hit quality and transfer cost of one run. ``token_share``: dict[source, 0-1];
+    ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request; ``transfers``:
+    dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}]."""
+
+    name: str
+    requests: int
+    tokens: dict[str, int]
+    token_share: dict[str, float]
+    transfers: dict[str, dict[str, float]]
+    transfer_failures: int
+    promotion_wait_mean: float
+    promotion_wait_p99: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``decision``: :data:`KEEP`, :data:`ROLL_BACK` or :data:`INCONCLUSIVE`; ``text``: the
+    plain sentence; ``reasons``: the facts behind it."""
+
+    decision: str
+    text: str
+    reasons: list[str]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Result of :func:`compare`; latencies in seconds. ``ttft_budget``: seconds or None."""
+
+    baseline: Side
+    candidate: Side
+    ttft: list[QuantileRow]
+    itl: list[QuantileRow]
+    ttft_budget: float | None
+    confidence: float
+    resamples: int
+    seed: int
+    verdict: Verdict
+
+
+def _rows(b: np.ndarray, c: np.ndarray, resamples: int, confidence: float,
+          seed: int) -> list[QuantileRow]:
+    if len(b) == 0 or len(c) == 0:  # e.g. no ITL reported on one side: no difference
+        one = {}
+        for key, x in (("baseline", b), ("candidate", c)):
+            one[key] = (quantile_cis(x, QUANTILES, resamples=resamples, confidence=confidence,
+                                     seed=seed) if len(x) else [None] * len(QUANTILES))
+        return [QuantileRow(q, one["baseline"][i], one["candidate"][i], None)
+                for i, q in enumerate(QUANTILES)]
+    two = compare_quantiles(b, c, QUANTILES, resamples=resamples, confidence=confidence,
+                            seed=seed)
+    return [QuantileRow(q, two.baseline[i], two.candidate[i], two.difference[i])
+            for i, q in enumerate(QUANTILES)]
+
+
+def _side(s: RequestSample) -> Side:
+    total = sum(s.tokens.values())
+    share = {src: (s.tokens.get(src, 0) / total if total else 0.0) for src in ev.TOKEN_SOURCES}
+    n = max(s.requests, 1)
+    directions = sorted(set(s.transfer_bytes) | set(s.transfer_seconds) | set(s.transfer_blocks))
+    transfers = {d: {"bytes": float(s.transfer_bytes.get(d, 0)),
+                     "blocks": float(s.transfer_blocks.get(d, 0)),
+                     "seconds": float(s.transfer_seconds.get(d, 0.0)),
+                     "bytes_per_request": s.transfer_bytes.get(d, 0) / n} for d in directions}
+    wait = np.asarray(s.promotion_wait, dtype=np.float64)
+    return Side(s.name, s.requests, {src: int(s.tokens.get(src, 0)) for src in ev.TOKEN_SOURCES},
+                share, transfers, s.transfer_failures,
+                float(wait.mean()) if len(wait) else 0.0,
+                float(np.quantile(wait, 0.99)) if len(wait) else 0.0)
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f} ms"
+
+
+def verdict(p99: QuantileRow, budget: float | None, confidence: float,
+            baseline_requests: int, candidate_requests: int,
+            min_requests: int = DEFAULT_MIN_REQUESTS) -> Verdict:
+    """Apply the rollback rule to the p99 TTFT row (seconds).
+
+    With a ``budget`` B (seconds), candidate p99 estimate c with interval [lo, hi], and the
+    interval [dlo, dhi] of candidate minus baseline:
+
+    1. fewer than ``min_requests`` requests on either side -> inconclusive;
+    2. lo > B (above the budget with confidence) -> roll back;
+    3. hi <= B (within the budget with confidence) -> keep;
+    4. the interval contains B: c > B and dlo > 0 (over the budget by the estimate and
+       significantly worse than the baseline) -> roll back; c <= B and dhi < 0 (within it by
+       the estimate and significantly better than the baseline) -> keep; else inconclusive.
+
+    Without a budget only the baseline decides: dlo > 0 (a significant p99 regression) ->
+    roll back, otherwise keep.
+    """
+    pct = f"{confidence * 100:g}%"
+    reasons = [f"baseline {baseline_requests} requests, candidate {candidate_requests} requests"]
+    if min(baseline_requests, candidate_requests) < min_requests:
+        reasons.append(f"fewer than {min_requests} requests on a side: a p99 rests on about "
+                       "one request")
+        return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: too few requests to judge p99 TTFT "
+                       f"(need {min_requests} per run).", reasons)
+    c, d = p99.candidate, p99.difference
+    cand = f"candidate p99 TTFT {_ms(c.value)} ({pct} CI {_ms(c.low)}-{_ms(c.high)})"
+    diff = f"{'+' if d.value >= 0 else ''}{_ms(d.value)} vs baseline ({pct} CI " \
+           f"{_ms(d.low)} to {_ms(d.high)})"
+    reasons += [cand, diff]
+    worse, better = d.low > 0, d.high < 0
+    if budget is None:
+        reasons.append("no TTFT budget given: judged against the baseline only")
+        if worse:
+            return Verdict(ROLL_BACK, f"{ROLL_BACK}: {cand} is significantly above the "
+                           f"baseline's {_ms(p99.baseline.value)}.", reasons)
+        return Verdict(KEEP, f"{KEEP}: {cand} shows no significant p99 regression against the "
+                       f"baseline's {_ms(p99.baseline.value)}.", reasons)
+    b = _ms(budget)
+    reasons.append(f"budget {b}")
+    if c.low > budget:
+        return Verdict(ROLL_BACK, f"{ROLL_BACK}: {cand} is above the {b} budget.", reasons)
+    if c.high <= budget:
+        return Verdict(KEEP, f"{KEEP}: {cand} is within the {b} budget.", reasons)
+    if c.value > budget and worse:
+        return Verdict(ROLL_BACK, f"{ROLL_BACK}: {cand} is over the {b} budget and "
+                       "significantly worse than the baseline.", reasons)
+    if c.value <= budget and better:
+        return Verdict(KEEP, f"{KEEP}: {cand} is within the {b} budget by its estimate and "
+                       "significantly better than the baseline.", reasons)
+    return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {cand} straddles the {b} budget; collect "
+                   "more requests.", reasons)
+
+
+def compare(baseline: RequestSample, candidate: RequestSample, *,
+            ttft_budget: float | None = None, resamples: int = DEFAULT_RESAMPLES,
+            confidence: float = DEFAULT_CONFIDENCE, seed: int = 0,
+            min_requests: int = DEFAULT_MIN_REQUESTS) -> Comparison:
+    """Compare two runs (see the module docstring). ``ttft_budget``: seconds.
+
+    Raises ValueError when a run has no request with a TTFT, or for a bad option.
+    """
+    if ttft_budget is not None and ttft_budget <= 0:
+        raise ValueError(f"TTFT budget must be > 0 seconds, got {ttft_budget}")
+    for s in (baseline, candidate):
+        if s.requests == 0:
+            raise ValueError(f"{s.name or 'run'}: no finished requests with a TTFT")
+    ttft = _rows(np.asarray(baseline.ttft, float), np.asarray(candidate.ttft, float),
+                 resamples, confidence, seed)
+    itl = _rows(np.asarray(baseline.itl, float), np.asarray(candidate.itl, float),
+                resamples, confidence, seed + 1)
+    p99 = next(r for r in ttft if r.quantile == 0.99)
+    return Comparison(_side(baseline), _side(candidate), ttft, itl, ttft_budget, confidence,
+                      resamples, seed, verdict(p99, ttft_budget, confidence, baseline.requests,
+                                               candidate.requests, min_requests))
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def to_dict(comparison: Comparison) -> dict:
+    """The comparison as JSON-ready plain data (seconds, bytes, 0-1 shares; NaN -> None)."""
+    return _clean(asdict(comparison))
+
+
+def to_json(comparison: Comparison) -> str:
+    return json.dumps(to_dict(comparison), indent=2)
+
+
+def _cell(e: Estimate | None) -> str:
+    return "-" if e is None else f"{e.value * 1e3:9.2f} [{e.low * 1e3:.2f}, {e.high * 1e3:.2f}]"
+
+
+def render_text(comparison: Comparison) -> str:
+    """A plain-text report: verdict first, then latencies, hit quality and transfer cost."""
+    c = comparison
+    pct = f"{c.confidence * 100:g}%"
+    lines = [f"verdict: {c.verdict.text}", *[f"  - {r}" for r in c.verdict.reasons], "",
+             f"baseline  {c.baseline.name} ({c.baseline.requests} requests)",
+             f"candidate {c.candidate.name} ({c.candidate.requests} requests)",
+             f"latency, ms, with {pct} bootstrap CI ({c.resamples} resamples, seed {c.seed}):"]
+    for label, rows in (("TTFT", c.ttft), ("ITL", c.itl)):
+        for r in rows:
+            lines.append(f"  {label:4s} p{r.quantile * 100:<4g} baseline {_cell(r.baseline)}  "
+                         f"candidate {_cell(r.candidate)}  diff {_cell(r.difference)}")
+    lines.append("hit quality, share of prompt tokens by source:")
+    for side in (c.baseline, c.candidate):
+        lines.append(f"  {side.name}: " + ", ".join(
+            f"{s} {side.token_share[s] * 100:.1f}%" for s in ev.TOKEN_SOURCES))
+    lines.append("transfer cost:")
+    for side in (c.baseline, c.candidate):
+        moved = ", ".join(f"{d} {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s"
+                          for d, t in side.transfers.items()) or "none"
+        lines.append(f"  {side.name}: {moved}; promotion wait mean "
+                     f"{_ms(side.promotion_wait_mean)}, p99 {_ms(side.promotion_wait_p99)}; "
+                     f"failed transfers {side.transfer_failures}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,70 @@
+"""``kvscope compare BASELINE CANDIDATE [--json]``: arguments and the handler.
+``kvscope/cli.py`` only wires :func:`add_arguments` and :func:`run` into its subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
+from kvscope.analysis.compare import DEFAULT_MIN_REQUESTS, compare, render_text, to_json
+
+DESCRIPTION = (
+    "Compare two agent captures (kvscope agent --capture-dir), e.g. a run without the newest "
+    "tier (BASELINE) and one with it (CANDIDATE): TTFT and ITL p50/p95/p99 with percentile-"
+    "bootstrap confidence intervals, hit quality by source, transfer cost, and a verdict "
+    "against the rollback rule: p99 TTFT above the budget -> roll back (disable the newest "
+    "tier). The verdict is 'keep', 'roll back (disable the newest tier)' or 'inconclusive'.")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``compare`` options to ``parser``."""
+    parser.add_argument("baseline", metavar="BASELINE",
+                        help="capture directory (or requests .parquet segment) of the baseline")
+    parser.add_argument("candidate", metavar="CANDIDATE",
+                        help="capture directory (or requests .parquet segment) of the candidate")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
+    parser.add_argument("--ttft-budget", type=_positive_float, metavar="SECONDS",
+                        help="p99 TTFT budget in seconds; above it the candidate is rolled back "
+                        "(default: none, judge against the baseline only)")
+    parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, metavar="N",
+                        help="bootstrap resamples (default %(default)s)")
+    parser.add_argument("--confidence", type=_positive_float, default=DEFAULT_CONFIDENCE,
+                        metavar="LEVEL", help="confidence level, 0-1 (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
+    parser.add_argument("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS, metavar="N",
+                        help="fewer finished requests on a side give 'inconclusive' "
+                        "(default %(default)s)")
+
+
+def run(args: argparse.Namespace, out=None) -> int:
+    """Compare and print the report or JSON; return 0 whatever the verdict.
+
+    Bad options print one line to stderr and return 2; an unreadable capture raises TraceError
+    (which the CLI turns into exit code 2).
+    """
+    if args.resamples < 1 or not 0 < args.confidence < 1:
+        print("kvscope: error: --resamples must be >= 1 and --confidence in (0, 1)",
+              file=sys.stderr)
+        return 2
+    from kvscope.analysis.capture_reader import read_request_sample  # pyarrow only here
+
+    baseline = read_request_sample(args.baseline)
+    candidate = read_request_sample(args.candidate)
+    try:
+        result = compare(baseline, candidate, ttft_budget=args.ttft_budget,
+                         resamples=args.resamples, confidence=args.confidence, seed=args.seed,
+                         min_requests=args.min_requests)
+    except ValueError as exc:  # the command-line boundary: one line, exit code 2
+        print(f"kvscope: error: {exc}", file=sys.stderr)
+        return 2
+    out = out or sys.stdout
+    out.write(to_json(result) + "\n" if args.json else render_text(result))
+    return 0

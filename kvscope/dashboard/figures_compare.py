@@ -1,0 +1,113 @@
+"""Pure figure builders for the Compare page: a baseline run against a candidate run.
+
+Input: the plain data of :func:`kvscope.analysis.compare.to_dict` (seconds, bytes, 0-1 shares);
+output: plotly figures. No I/O and no clock (house rule 9). Latencies are drawn in seconds with
+SI ticks ("50ms"); error bars are the percentile-bootstrap confidence intervals.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from kvscope.dashboard.figures import COLOURS, message_figure
+
+TTFT_TITLE = "TTFT percentiles, baseline vs candidate (bootstrap CI)"
+ITL_TITLE = "Inter-token latency percentiles, baseline vs candidate (bootstrap CI)"
+HIT_QUALITY_TITLE = "Hit quality: share of prompt tokens by source"
+TRANSFER_TITLE = "Transfer cost: bytes per request by direction"
+SOURCES = ("gpu", "cpu", "disk", "recompute")
+RUN_COLOURS = {"baseline": "#7f7f7f", "candidate": "#1f77b4"}
+VERDICT_COLOURS = {"keep": "#2ca02c", "inconclusive": "#b8860b", "roll back": "#d62728"}
+EMPTY = "choose a baseline and a candidate capture, then press Compare"
+
+
+def _frame(title: str, y_title: str, height: int = 340) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 15}},
+                      template="plotly_white", height=height, barmode="group",
+                      margin={"l": 70, "r": 10, "t": 50, "b": 45},
+                      legend={"x": 1.02, "xanchor": "left", "y": 1, "yanchor": "top"})
+    fig.update_yaxes(title_text=y_title, rangemode="tozero")
+    return fig
+
+
+def latency(data: dict | None, metric: str = "ttft") -> go.Figure:
+    """p50/p95/p99 of ``metric`` (``ttft`` or ``itl``) for both runs as grouped bars with CI
+    error bars, in seconds; for TTFT with a budget, a dashed line at the budget."""
+    title = TTFT_TITLE if metric == "ttft" else ITL_TITLE
+    if not data:
+        return message_figure(title, EMPTY)
+    rows = data.get(metric) or []
+    if not any(r.get("baseline") or r.get("candidate") for r in rows):
+        return message_figure(title, f"no {metric.upper()} reported by either run")
+    fig = _frame(title, "seconds (s)")
+    labels = [f"p{r['quantile'] * 100:g}" for r in rows]
+    for side in ("baseline", "candidate"):
+        cells = [r.get(side) for r in rows]
+        y = [c["value"] if c else None for c in cells]
+        plus = [c["high"] - c["value"] if c else 0 for c in cells]
+        minus = [c["value"] - c["low"] if c else 0 for c in cells]
+        fig.add_trace(go.Bar(
+            x=labels, y=y, name=f"{side} ({data[side]['name']})", marker_color=RUN_COLOURS[side],
+            error_y={"type": "data", "symmetric": False, "array": plus, "arrayminus": minus},
+            hovertemplate="%{x}: %{y:.4s}s<extra>" + side + "</extra>"))
+    fig.update_yaxes(tickformat="~s", ticksuffix="s")
+    budget = data.get("ttft_budget")
+    if metric == "ttft" and budget:
+        fig.add_hline(y=budget, line_dash="dash", line_color=VERDICT_COLOURS["roll back"],
+                      annotation_text=f"budget {budget * 1e3:g} ms",
+                      annotation_position="top left")
+    return fig
+
+
+def hit_quality(data: dict | None) -> go.Figure:
+    """Share of prompt tokens by source (0-1), one stacked horizontal bar per run."""
+    if not data:
+        return message_figure(HIT_QUALITY_TITLE, EMPTY)
+    fig = _frame(HIT_QUALITY_TITLE, "", height=260)
+    fig.update_layout(barmode="stack")
+    runs = ["baseline", "candidate"]
+    for source in SOURCES:
+        fig.add_trace(go.Bar(
+            y=runs, x=[data[r]["token_share"].get(source, 0.0) for r in runs], name=source,
+            orientation="h", marker_color=COLOURS.get(source),
+            customdata=[data[r]["tokens"].get(source, 0) for r in runs],
+            hovertemplate="%{y}: %{x:.1%} (%{customdata:,} tokens)<extra>" + source
+            + "</extra>"))
+    fig.update_xaxes(title_text="share of prompt tokens (%)", tickformat=".0%", range=[0, 1])
+    return fig
+
+
+def transfer_cost(data: dict | None) -> go.Figure:
+    """Bytes moved per finished request, by direction, for both runs (grouped bars); the hover
+    adds the total seconds and blocks of each direction."""
+    if not data:
+        return message_figure(TRANSFER_TITLE, EMPTY)
+    directions = sorted(set(data["baseline"]["transfers"]) | set(data["candidate"]["transfers"]))
+    if not directions:
+        return message_figure(TRANSFER_TITLE, "no transfers in either run")
+    fig = _frame(TRANSFER_TITLE, "bytes (B)")
+    for side in ("baseline", "candidate"):
+        moved = data[side]["transfers"]
+        cells = [moved.get(d, {}) for d in directions]
+        fig.add_trace(go.Bar(
+            x=directions, y=[c.get("bytes_per_request", 0.0) for c in cells], name=side,
+            marker_color=RUN_COLOURS[side],
+            customdata=[[c.get("seconds", 0.0), c.get("blocks", 0)] for c in cells],
+            hovertemplate="%{x}: %{y:.4s}B per request; %{customdata[0]:.3f} s, "
+            "%{customdata[1]:,} blocks in all<extra>" + side + "</extra>"))
+    fig.update_yaxes(tickformat="~s", ticksuffix="B")
+    return fig
+
+
+def verdict_colour(decision: str) -> str:
+    """The banner colour of a verdict decision (``keep``, ``roll back (...)``, ``inconclusive``)."""
+    for key, colour in VERDICT_COLOURS.items():
+        if decision.startswith(key):
+            return colour
+    return "#555"
+
+
+def all_figures(data: dict | None) -> tuple[go.Figure, go.Figure, go.Figure, go.Figure]:
+    """(TTFT, ITL, hit quality, transfer cost) for one comparison (None: placeholders)."""
+    return latency(data, "ttft"), latency(data, "itl"), hit_quality(data), transfer_cost(data)

@@ -1,0 +1,129 @@
+"""Pure builders for the Requests page: table rows from request records, and one request's
+waterfall. A *record* is the agent's RequestRecord as JSON (``/api/v1/requests``): times
+``arrival``/``finished`` in Unix seconds, TTFT parts ``queueing``, ``lookup``,
+``promotion_wait``, ``prefill`` and ``ttft`` in seconds, ``tokens``: dict[source, tokens],
+``transfers``: [{src, dst, blocks, bytes, start (Unix s), duration (s), ok}], ``trace_id``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+
+import plotly.graph_objects as go
+
+from kvscope.dashboard.figures import COLOURS, message_figure, new_figure
+
+WATERFALL_TITLE = "Request waterfall"
+SOURCES = ("gpu", "cpu", "disk", "recompute")
+
+# DataTable columns: (id, header, type); numbers are sortable and filterable as numbers.
+COLUMNS = (
+    ("request_id", "request", "text"),
+    ("finished", "finished (UTC)", "text"),
+    ("ttft_ms", "TTFT (ms)", "numeric"),
+    ("prompt_tokens", "prompt tokens", "numeric"),
+    *((f"tokens_{s}", f"{s} tokens", "numeric") for s in SOURCES),
+    ("promotion_wait_ms", "promotion wait (ms)", "numeric"),
+    ("transfers", "transfers", "numeric"),
+)
+
+
+def _num(record: Mapping, key: str) -> float:
+    value = record.get(key)
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _clock(ts: float | None) -> str:
+    if not isinstance(ts, (int, float)):
+        return ""
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
+def table_rows(records: Sequence[Mapping]) -> list[dict]:
+    """One DataTable row per record (ids as ``id`` so a selected cell names its request);
+    times in ms rounded to 0.01 ms; ``instance`` kept when present (fleet)."""
+    rows = []
+    for r in records:
+        tokens = r.get("tokens") or {}
+        row = {
+            "id": r.get("request_id", ""), "request_id": r.get("request_id", ""),
+            "finished": _clock(r.get("finished")),
+            "ttft_ms": round(_num(r, "ttft") * 1000, 2),
+            "prompt_tokens": int(_num(r, "prompt_tokens")),
+            **{f"tokens_{s}": int(tokens.get(s, 0)) for s in SOURCES},
+            "promotion_wait_ms": round(_num(r, "promotion_wait") * 1000, 2),
+            "transfers": len(r.get("transfers") or ()),
+        }
+        if "instance" in r:
+            row["instance"] = r["instance"]
+        rows.append(row)
+    return rows
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def waterfall(record: Mapping) -> go.Figure:
+    """The request on one time axis (ms since arrival): queueing, lookup, each transfer hop
+    (tiers, blocks, bytes, measured duration, at its measured start), promotion wait, prefill
+    of the recomputed tokens, and the first token. Parts that took 0 s still get their row."""
+    arrival = _num(record, "arrival")
+    q, lk = _num(record, "queueing") * 1000, _num(record, "lookup") * 1000
+    wait, prefill = _num(record, "promotion_wait") * 1000, _num(record, "prefill") * 1000
+    ttft = _num(record, "ttft") * 1000 if record.get("ttft") is not None else q + lk + wait + prefill
+    recomputed = int((record.get("tokens") or {}).get("recompute", 0))
+    rows: list[tuple[str, float, float, str, str]] = [  # (label, start, duration, colour, note)
+        ("arrival → queueing", 0.0, q, "#bbbbbb", ""),
+        ("lookup", q, lk, "#7f7f7f", ""),
+    ]
+    for i, t in enumerate(record.get("transfers") or ()):
+        direction = f"{t.get('src')}->{t.get('dst')}"
+        ok = t.get("ok", True)
+        label = (f"#{i + 1} {direction} · {int(t.get('blocks', 0))} blocks · "
+                 f"{_size(float(t.get('bytes', 0)))}" + ("" if ok else " · FAILED"))
+        start = (float(t.get("start", arrival)) - arrival) * 1000
+        rows.append((label, start, float(t.get("duration", 0.0)) * 1000,
+                     COLOURS.get(direction, "#8c564b") if ok else "#d62728", direction))
+    rows += [("promotion wait", q + lk, wait, "#9467bd", ""),
+             (f"prefill ({recomputed:,} recomputed tokens)", q + lk + wait, prefill, "#d62728", "")]
+    accounted = q + lk + wait + prefill
+    if ttft - accounted > max(0.01 * ttft, 1e-3):  # the engine did not report every part
+        rows.append(("not attributed by the engine", accounted, ttft - accounted, "#e0e0e0", ""))
+    end = max([ttft] + [r[1] + r[2] for r in rows])
+    labels = [r[0] for r in rows] + ["first token"]
+    fig = new_figure()
+    fig.add_trace(go.Bar(
+        y=[r[0] for r in rows], x=[max(r[2], 1e-6) for r in rows], base=[r[1] for r in rows],
+        orientation="h", marker_color=[r[3] for r in rows], showlegend=False,
+        text=[f"{r[2]:.3g} ms" for r in rows], textposition="outside", cliponaxis=False,
+        customdata=[[r[1], r[2]] for r in rows],
+        hovertemplate="%{y}<br>start %{customdata[0]:.3f} ms, took %{customdata[1]:.3f} ms"
+                      "<extra></extra>"))
+    fig.add_trace(go.Scatter(
+        y=["first token"], x=[ttft], mode="markers+text", marker={"symbol": "diamond",
+                                                                   "size": 14, "color": "#000"},
+        text=[f"TTFT {ttft:.3g} ms"], textposition="middle right", showlegend=False,
+        hovertemplate="first token at %{x:.3f} ms<extra></extra>"))
+    fig.add_vline(x=ttft, line={"color": "#000", "dash": "dot", "width": 1})
+    arrived = datetime.fromtimestamp(arrival, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    fig.update_layout(
+        title={"text": f"{WATERFALL_TITLE}: {record.get('request_id', '')} · arrived {arrived} "
+                       f"UTC · trace {record.get('trace_id', '')}", "x": 0.01,
+               "font": {"size": 14}},
+                      height=140 + 34 * len(labels), bargap=0.35,
+        margin={"l": 260, "r": 90, "t": 50, "b": 45}, uirevision=record.get("request_id"))
+    fig.update_xaxes(title_text="time since arrival (ms)", ticksuffix=" ms",
+                     range=[0, (end or 1.0) * 1.18])
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=labels,
+                     autorange="reversed")
+    return fig
+
+
+def waterfall_placeholder(message: str = "select a request in the table") -> go.Figure:
+    """The waterfall's empty state."""
+    return message_figure(WATERFALL_TITLE, message, height=260)

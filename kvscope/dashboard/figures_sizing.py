@@ -1,0 +1,82 @@
+"""Pure figure builders for the Sizing page, from
+:func:`kvscope.analysis.report.sizing_figure_data` (plain dicts and lists; sizes in GiB,
+ratios and shares 0-1, seconds)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import plotly.graph_objects as go
+
+from kvscope.dashboard.figures import message_figure, new_figure
+
+CURVES_TITLE = "Hit ratio against CPU tier size"
+COST_TITLE = "Prefill seconds saved vs transfer seconds, against CPU tier size"
+_CURVES = (("lru", "LRU, block accesses", "#1f77b4", None),
+           ("lru_tokens", "LRU, prompt tokens", "#2ca02c", None),
+           ("arc", "ARC, block accesses", "#ff7f0e", "dot"))
+
+
+def _layout(fig: go.Figure, title: str, y_title: str) -> None:
+    fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 15}},
+                      height=380, hovermode="x unified",
+                      margin={"l": 70, "r": 10, "t": 50, "b": 45},
+                      legend={"x": 1.02, "xanchor": "left", "y": 1}, uirevision=title)
+    fig.update_xaxes(title_text="CPU tier size (GiB)", rangemode="tozero")
+    fig.update_yaxes(title_text=y_title, rangemode="tozero")
+
+
+def _mark(fig: go.Figure, data: Mapping) -> None:
+    for name, colour in (("knee", "#7f7f7f"), ("recommended", "#d62728")):
+        point = data.get(name)
+        if point:
+            fig.add_vline(x=point["gib"], line={"color": colour, "dash": "dash", "width": 1},
+                          annotation_text=f"{name} {point['gib']:,.3g} GiB",
+                          annotation_position="bottom right" if name == "knee" else "top right")
+
+
+def sizing_curves(data: Mapping) -> go.Figure:
+    """Hit ratio (0-1, as %) of an LRU tier by block accesses and by prompt tokens, and ARC,
+    against CPU tier size in GiB; the knee and the recommended size marked."""
+    fig = new_figure()
+    for key, name, colour, dash in _CURVES:
+        curve = data.get(key)
+        if curve and curve.get("gib"):
+            fig.add_trace(go.Scatter(
+                x=curve["gib"], y=curve["hit_ratio"], name=name,
+                mode="lines+markers" if key == "arc" else "lines",
+                line={"color": colour, "dash": dash},
+                hovertemplate="%{y:.1%}<extra>" + name + "</extra>"))
+    if not fig.data:
+        return message_figure(CURVES_TITLE, "the analysis has no curves")
+    _layout(fig, CURVES_TITLE, "hit ratio (%)")
+    fig.update_yaxes(tickformat=".0%")
+    _mark(fig, data)
+    return fig
+
+
+def sizing_cost(data: Mapping) -> go.Figure:
+    """At each CPU tier size: estimated prefill seconds saved and transfer seconds spent
+    (left axis, seconds) and the CPU tier's share of prompt tokens (right axis, %)."""
+    cpu = data.get("cpu") or {}
+    gib = cpu.get("gib") or []
+    if not gib:
+        return message_figure(COST_TITLE, "the analysis has no sizing curve")
+    fig = new_figure()
+    for key, name, colour in (("prefill_seconds_saved", "prefill saved (est.)", "#2ca02c"),
+                              ("transfer_seconds", "transfer time", "#d62728")):
+        fig.add_trace(go.Scatter(x=gib, y=cpu.get(key, []), name=name, mode="lines",
+                                 line={"color": colour},
+                                 hovertemplate="%{y:,.4g} s<extra>" + name + "</extra>"))
+    fig.add_trace(go.Scatter(x=gib, y=cpu.get("cpu_token_hit_share", []), yaxis="y2",
+                             name="CPU tier token share", mode="lines",
+                             line={"color": "#1f77b4", "dash": "dot"},
+                             hovertemplate="%{y:.1%}<extra>CPU tier token share</extra>"))
+    _layout(fig, COST_TITLE, "seconds (s)")
+    fig.update_yaxes(ticksuffix="s", tickformat="~s")
+    fig.update_layout(yaxis2={"title": {"text": "CPU tier share of prompt tokens (%)"},
+                              "overlaying": "y", "side": "right", "tickformat": ".0%",
+                              "rangemode": "tozero", "showgrid": False},
+                      margin={"r": 70}, height=420, legend={"orientation": "h", "x": 0, "xanchor": "left", "y": -0.22, "yanchor": "top"})
+    _mark(fig, data)
+    return fig

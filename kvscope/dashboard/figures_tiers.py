@@ -1,0 +1,147 @@
+"""Pure figure builders for the Tiers page: residency per tier, the block flow between tiers
+(Sankey), and histograms of block age and hits at eviction. Samples in, figures out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+
+from kvscope.dashboard import series as S
+from kvscope.dashboard.figures import COLOURS, NO_DATA, base, line, message_figure, new_figure
+from kvscope.exporter.catalog import EVICTED_HITS_BUCKETS, RESIDENCY_SECONDS_BUCKETS
+
+TIERS = ("gpu", "cpu", "disk")  # the panels always shown; "remote" only when present
+BLOCK_FLOW_TITLE = "Block flow between tiers (blocks in the window)"
+EVICTION_AGE_TITLE = "Block age at eviction"
+EVICTION_HITS_TITLE = "Hits before eviction"
+
+
+def residency_title(tier: str) -> str:
+    return f"{tier} tier: residency"
+
+
+def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
+    """One tier's resident bytes (filled) against its capacity (dashed) and budget (dotted),
+    with resident blocks in the hover; "no <tier> tier configured" when the agent never
+    reported the tier (or reported capacity 0)."""
+    title = residency_title(tier)
+    resident = S.gauge_series(samples, "tier_resident_bytes").get(tier)
+    capacity = S.gauge_series(samples, "tier_capacity_bytes").get(tier)
+    if not samples:
+        return message_figure(title, NO_DATA, height=260)
+    if capacity is None or not (capacity[1] > 0).any():
+        return message_figure(title, f"no {tier} tier configured", height=260)
+    fig = base(title, "B", height=260)
+    colour = COLOURS.get(tier)
+    if resident is not None:
+        line(fig, *resident, "resident", "B", colour, fill="tozeroy")
+    line(fig, *capacity, "capacity", "B", colour, "dash")
+    budget = S.gauge_series(samples, "offload_budget_bytes").get(tier)
+    if budget is not None:
+        line(fig, *budget, "budget", "B", "#d62728", "dot")
+    return fig
+
+
+def present_tiers(samples: Sequence[S.Sample]) -> list[str]:
+    """:data:`TIERS` plus any other tier the samples report (e.g. "remote")."""
+    seen = S.keys_of(samples, "tier_capacity_bytes")
+    return list(TIERS) + [t for t in seen if t not in TIERS]
+
+
+def block_flow(samples: Sequence[S.Sample]) -> go.Figure:
+    """A Sankey of blocks moved over the samples: offloads down (gpu -> cpu -> disk),
+    promotions back up, and drops (evicted with no copy kept below) into "dropped".
+    Link widths are blocks; "no block movement" when nothing moved."""
+    moved = {k: v for k, v in S.window_increase(samples, "transfer_blocks").items() if v > 0}
+    dropped = {k: v for k, v in S.window_increase(samples, "dropped_blocks").items() if v > 0}
+    if len(samples) < 2:
+        return message_figure(BLOCK_FLOW_TITLE, NO_DATA, height=360)
+    if not moved and not dropped:
+        return message_figure(BLOCK_FLOW_TITLE, "no block movement in this window", height=360)
+    tiers = S.ordered({t for d in moved for t in d.split("->")} | set(dropped))
+    nodes = tiers + ["dropped"]
+    index = {n: i for i, n in enumerate(nodes)}
+    src, dst, value, colour, label = [], [], [], [], []
+    for direction, n in moved.items():
+        a, _, b = direction.partition("->")
+        src.append(index[a])
+        dst.append(index[b])
+        value.append(n)
+        colour.append("rgba(44,160,44,0.45)" if S.is_promotion(direction)
+                      else "rgba(31,119,180,0.45)")
+        label.append(("promotion " if S.is_promotion(direction) else "offload ") + direction)
+    for tier, n in dropped.items():
+        src.append(index[tier])
+        dst.append(index["dropped"])
+        value.append(n)
+        colour.append("rgba(214,39,40,0.45)")
+        label.append(f"dropped from {tier}")
+    fig = new_figure(go.Sankey(
+        arrangement="snap",
+        node={"label": nodes, "pad": 24, "thickness": 18,
+              "color": [COLOURS.get(n, "#d62728") for n in nodes]},
+        link={"source": src, "target": dst, "value": value, "color": colour, "label": label,
+              "hovertemplate": "%{label}: %{value:,.0f} blocks<extra></extra>"},
+        valueformat=",.0f", valuesuffix=" blocks",
+    ))
+    fig.update_layout(title={"text": BLOCK_FLOW_TITLE, "x": 0.01, "font": {"size": 15}},
+                      height=360,
+                      margin={"l": 20, "r": 20, "t": 50, "b": 20}, uirevision=BLOCK_FLOW_TITLE)
+    return fig
+
+
+def _age_label(bound: float) -> str:
+    for unit, seconds in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
+        if bound >= seconds:
+            return f"≤{bound / seconds:g} {unit}"
+    return f"≤{bound * 1000:g} ms"
+
+
+AGE_LABELS = [_age_label(b) for b in RESIDENCY_SECONDS_BUCKETS] + [
+    f">{_age_label(RESIDENCY_SECONDS_BUCKETS[-1])[1:]}"]
+
+
+def _hits_labels(bounds=EVICTED_HITS_BUCKETS) -> list[str]:
+    out, lower = [], None
+    for b in bounds:
+        lo = 0 if lower is None else int(lower) + 1
+        out.append(f"{int(b)}" if lo >= b else f"{lo}-{int(b)}")
+        lower = b
+    return out + [f">{int(bounds[-1])}"]
+
+
+HITS_LABELS = _hits_labels()
+
+
+def _histogram(samples, field: str, labels: list[str], title: str, x_title: str) -> go.Figure:
+    counts = S.bucket_increase(samples, field)
+    counts = {t: c for t, c in counts.items() if len(c) == len(labels) and c.sum() > 0}
+    if not counts:
+        return message_figure(title, "no evictions in this window" if samples else NO_DATA)
+    fig = new_figure()
+    for tier, c in counts.items():
+        share = c / c.sum()
+        fig.add_trace(go.Bar(x=labels, y=c, name=tier, marker_color=COLOURS.get(tier),
+                             customdata=np.round(share * 100, 1),
+                             hovertemplate="%{x}: %{y:,.0f} blocks (%{customdata}% of "
+                                           + tier + ")<extra></extra>"))
+    fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 15}},
+                      height=320, barmode="group",
+                      margin={"l": 70, "r": 10, "t": 50, "b": 45}, uirevision=title)
+    fig.update_xaxes(title_text=x_title, type="category")
+    fig.update_yaxes(title_text="blocks evicted", tickformat="~s", rangemode="tozero")
+    return fig
+
+
+def eviction_age(samples: Sequence[S.Sample]) -> go.Figure:
+    """Blocks evicted in the window per age bucket (seconds resident), grouped by tier."""
+    return _histogram(samples, "block_residency_seconds", AGE_LABELS, EVICTION_AGE_TITLE,
+                      "age at eviction (time resident)")
+
+
+def eviction_hits(samples: Sequence[S.Sample]) -> go.Figure:
+    """Blocks evicted in the window per hits-while-resident bucket (0: never reused)."""
+    return _histogram(samples, "evicted_block_hits", HITS_LABELS, EVICTION_HITS_TITLE,
+                      "hits while resident (count)")

@@ -1,0 +1,56 @@
+"""The Sizing page: how big a CPU tier should be, from an analysis of a trace file
+(``kvscope dashboard --sizing-trace FILE``; the demo passes its ``--trace``): hit-ratio curves
+against tier size with the knee and the recommended size, prefill seconds saved against
+transfer seconds, and the verdict. Without a trace the page says how to enable it."""
+
+from __future__ import annotations
+
+import dash
+from dash import Input, Output, html
+
+from kvscope.dashboard import figures_sizing as fz
+from kvscope.dashboard.figures import message_figure
+from kvscope.dashboard.pages.common import GRID_STYLE, Context, graph, status
+from kvscope.dashboard.sizing import HOW_TO_ENABLE, SizingState
+
+PATH = "/sizing"
+NAME = "Sizing"
+STATUS_ID = "sizing-status"
+GRAPHS = {"sizing-curves": fz.CURVES_TITLE, "sizing-cost": fz.COST_TITLE}
+
+
+def layout() -> html.Div:
+    return html.Div([
+        status(STATUS_ID),
+        html.Div(id="sizing-verdict", style={"padding": "4px 16px", "fontSize": "15px"}),
+        html.Div([graph(gid, message_figure(title, "loading…")) for gid, title in GRAPHS.items()],
+                 style=GRID_STYLE),
+    ])
+
+
+def register_callbacks(app: dash.Dash, ctx: Context) -> None:
+    @app.callback(*[Output(gid, "figure") for gid in GRAPHS], Output("sizing-verdict", "children"),
+                  Output(STATUS_ID, "children"), Input("refresh", "n_intervals"))
+    def _refresh(_n):
+        state = ctx.sizing.state() if ctx.sizing else SizingState("off", message=HOW_TO_ENABLE)
+        return render(state)
+
+
+def render(state: SizingState) -> tuple:
+    """(curves figure, cost figure, verdict children, status line) for a sizing state."""
+    if state.status != "ready" or state.data is None:
+        return (*[message_figure(title, state.message if state.status != "off"
+                                 else "no trace given (see above)")
+                  for title in GRAPHS.values()], "", state.message)
+    data = state.data
+    verdict = [html.B(data.get("verdict", ""))]
+    rec = data.get("recommended")
+    if rec:
+        verdict += [html.Br(), f"Recommended CPU tier: {rec['gib']:,.3g} GiB ({rec['blocks']:,} "
+                    f"blocks), token hit share {rec['token_hit_share']:.1%}; vLLM "
+                    f"--kv-offloading-size {data.get('kv_offloading_size_gib', 0):g}"]
+    verdict += [html.Br(), f"Reused prompt tokens (ceiling for any cache): "
+                f"{data.get('reuse_token_share', 0):.1%}; GPU prefix cache alone: "
+                f"{data.get('gpu_token_hit_share', 0):.1%}"]
+    return (fz.sizing_curves(data), fz.sizing_cost(data), verdict,
+            f"trace {state.trace} · {state.message}")

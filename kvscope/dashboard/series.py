@@ -1,0 +1,197 @@
+"""Pure transforms from samples to plottable series (no I/O, no clock; house rule 9).
+
+A *sample* is one entry of the agent's ``GET /api/v1/timeseries`` answer (the Prometheus
+backend builds the same shape), a dict with ``ts`` (Unix seconds) and the fields listed in
+:meth:`kvscope.agent.pipeline.Pipeline.record_sample`: cumulative counters (dicts keyed by
+source, tier or ``"src->dst"``), gauges, and percentiles ``{"p50", "p95", "p99"}``.
+Any field or key may be missing: a counter key that never occurred counts as 0, a gauge key
+without a value draws no point.
+
+Times come back as float milliseconds since the Unix epoch in numpy arrays: plotly draws
+them on a date axis (in UTC) and serialises numpy arrays as binary, which keeps a refresh
+over an hour of samples cheap (see bench/dashboard.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+Sample = Mapping[str, object]
+Series = tuple[np.ndarray, np.ndarray]  # (times in epoch ms, values)
+
+# Canonical order of keys, so a source, tier or direction keeps its place across refreshes.
+ORDER = ("gpu", "cpu", "disk", "remote", "recompute",
+         "gpu->cpu", "cpu->gpu", "cpu->disk", "disk->cpu", "disk->gpu", "cpu->remote",
+         "remote->cpu")
+TIER_RANK = {"gpu": 0, "cpu": 1, "disk": 2, "remote": 3}
+PERCENTILES = ("p50", "p95", "p99")
+
+
+def last_window(samples: Sequence[Sample], seconds: float) -> list[Sample]:
+    """The samples no older than ``seconds`` before the newest one (relative to the data,
+    not the wall clock, so replays of old data still show)."""
+    if not samples:
+        return []
+    newest = float(samples[-1]["ts"])
+    return [s for s in samples if float(s["ts"]) >= newest - seconds]
+
+
+def thin(samples: Sequence[Sample], max_points: int) -> list[Sample]:
+    """Every k-th sample, k the smallest step leaving at most ``max_points``, always keeping
+    the newest. Counters stay exact (rates between kept samples are averages over the gap)."""
+    n = len(samples)
+    if n <= max_points or max_points < 2:
+        return list(samples)
+    step = -(-n // max_points)
+    return list(samples[(n - 1) % step::step])
+
+
+def times_ms(samples: Sequence[Sample]) -> np.ndarray:
+    """Sample times as epoch milliseconds (float64)."""
+    return np.fromiter((float(s["ts"]) for s in samples), float, len(samples)) * 1000.0
+
+
+def ordered(keys: Iterable[str]) -> list[str]:
+    """Known keys in :data:`ORDER`, then any others alphabetically."""
+    keys = set(keys)
+    return [k for k in ORDER if k in keys] + sorted(keys - set(ORDER))
+
+
+def is_promotion(direction: str) -> bool:
+    """True for a copy toward the GPU ("cpu->gpu", "disk->cpu"), False for offloads."""
+    src, _, dst = direction.partition("->")
+    return TIER_RANK.get(dst, 9) < TIER_RANK.get(src, 9)
+
+
+def mapping(sample: Sample, field: str) -> Mapping:
+    value = sample.get(field)
+    return value if isinstance(value, Mapping) else {}
+
+
+def keys_of(samples: Sequence[Sample], field: str) -> list[str]:
+    """Every key that ``sample[field]`` holds in any sample, in canonical order."""
+    return ordered({k for s in samples for k in mapping(s, field)})
+
+
+def _increases(values: np.ndarray) -> np.ndarray:
+    """Increases between consecutive counter values; a decrease is a reset, whose increase is
+    the new value itself (PromQL ``rate()``)."""
+    diff = np.diff(values)
+    return np.where(diff >= 0, diff, values[1:])
+
+
+def counter_matrix(samples: Sequence[Sample], field: str) -> tuple[list[str], np.ndarray]:
+    """(keys, values): ``values[i, j]`` is counter ``keys[j]`` at sample ``i`` (missing: 0)."""
+    keys = keys_of(samples, field)
+    out = np.zeros((len(samples), len(keys)))
+    for i, sample in enumerate(samples):
+        d = mapping(sample, field)
+        for j, key in enumerate(keys):
+            value = d.get(key)
+            if isinstance(value, (int, float)):
+                out[i, j] = value
+    return keys, out
+
+
+def counter_rates(samples: Sequence[Sample], field: str) -> dict[str, Series]:
+    """Per-second rates of the cumulative counters ``sample[field][key]``.
+
+    Returns dict[key, (times, rates)], keys in canonical order; one point per pair of
+    consecutive samples whose timestamps increase, at the later sample's time. A missing key
+    counts as 0; a value lower than the previous one is a reset (the increase is the new value,
+    as PromQL ``rate()`` takes it). Rates are in the counter's unit per second.
+    """
+    if len(samples) < 2:
+        return {}
+    keys, values = counter_matrix(samples, field)
+    ts = times_ms(samples)
+    dt = np.diff(ts) / 1000.0
+    keep = dt > 0
+    if not keys or not keep.any():
+        return {}
+    x = ts[1:][keep]
+    return {key: (x, _increases(values[:, j])[keep] / dt[keep]) for j, key in enumerate(keys)}
+
+
+def window_increase(samples: Sequence[Sample], field: str) -> dict[str, float]:
+    """Each counter's increase over the samples (resets handled as in :func:`counter_rates`)."""
+    if len(samples) < 2:
+        return {}
+    keys, values = counter_matrix(samples, field)
+    return {key: float(_increases(values[:, j]).sum()) for j, key in enumerate(keys)}
+
+
+def cumulative_increase(samples: Sequence[Sample], field: str) -> dict[str, Series]:
+    """Each counter's running increase since the first sample: dict[key, (times, values)]."""
+    if len(samples) < 2:
+        return {}
+    keys, values = counter_matrix(samples, field)
+    ts = times_ms(samples)
+    return {key: (ts, np.concatenate(([0.0], np.cumsum(_increases(values[:, j])))))
+            for j, key in enumerate(keys)}
+
+
+def bucket_increase(samples: Sequence[Sample], field: str) -> dict[str, np.ndarray]:
+    """Per-bucket increases of the histograms ``sample[field][key]`` (lists of per-bucket
+    counts) between the first and the last sample that hold the key; a shrinking total is a
+    reset, and then the last counts are the increase. dict[key, counts]."""
+    first: dict[str, np.ndarray] = {}
+    last: dict[str, np.ndarray] = {}
+    for sample in samples:
+        for key, counts in mapping(sample, field).items():
+            arr = np.asarray(counts, float)
+            first.setdefault(key, arr)
+            last[key] = arr
+    out = {}
+    for key in ordered(last):
+        a, b = first[key], last[key]
+        out[key] = b - a if a.shape == b.shape and b.sum() >= a.sum() else b
+    return out
+
+
+def gauge_series(samples: Sequence[Sample], field: str) -> dict[str, Series]:
+    """The gauges ``sample[field][key]`` as dict[key, (times, values)], canonical key order.
+    A sample without a key contributes no point to that key's series."""
+    pts: dict[str, tuple[list[float], list[float]]] = {}
+    for sample in samples:
+        t = float(sample["ts"]) * 1000.0
+        for key, value in mapping(sample, field).items():
+            if isinstance(value, (int, float)):
+                xs, ys = pts.setdefault(key, ([], []))
+                xs.append(t)
+                ys.append(float(value))
+    return {k: (np.asarray(pts[k][0]), np.asarray(pts[k][1])) for k in ordered(pts)}
+
+
+def scalar_series(samples: Sequence[Sample], field: str) -> Series:
+    """The numeric values of ``sample[field]`` with their times; samples without one skipped."""
+    xs, ys = [], []
+    for sample in samples:
+        value = sample.get(field)
+        if isinstance(value, (int, float)):
+            xs.append(float(sample["ts"]) * 1000.0)
+            ys.append(float(value))
+    return np.asarray(xs), np.asarray(ys)
+
+
+def quantile_series(samples: Sequence[Sample], field: str,
+                    key: str | None = None) -> dict[str, Series]:
+    """Percentiles ``sample[field]`` (or ``sample[field][key]``) as dict["p50"|"p95"|"p99",
+    (times, seconds)]; a sample without a value gives NaN (a gap in the line). Empty when no
+    sample has any value."""
+    ts = times_ms(samples)
+    out = {}
+    for p in PERCENTILES:
+        ys = np.full(len(samples), np.nan)
+        for i, sample in enumerate(samples):
+            d = mapping(sample, field)
+            if key is not None:
+                d = d.get(key) if isinstance(d.get(key), Mapping) else {}
+            value = d.get(p)
+            if isinstance(value, (int, float)):
+                ys[i] = value
+        if not np.isnan(ys).all():
+            out[p] = (ts, ys)
+    return out

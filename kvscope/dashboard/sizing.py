@@ -1,0 +1,75 @@
+"""The Sizing page's data: an analysis of one trace file, computed once in the background.
+
+:class:`SizingSource` reads and analyses the trace on a daemon thread when started (the
+analysis of a few hundred thousand block accesses takes about a second) and then serves
+:func:`kvscope.analysis.report.sizing_figure_data` from memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from kvscope.analysis.analyze import AnalyzeOptions, analyze
+from kvscope.analysis.inputs import load_trace
+from kvscope.analysis.report import sizing_figure_data
+from kvscope.engine.presets import get_preset
+
+HOW_TO_ENABLE = ("no trace to size from: start the dashboard with `kvscope dashboard "
+                 "--sizing-trace FILE` (a Mooncake JSONL trace), or the demo with --trace FILE")
+
+
+@dataclass(frozen=True)
+class SizingState:
+    """``status``: "off" (no trace given), "running", "ready" or "failed". ``data``: the
+    figure data when ready; ``message``: what to show otherwise; ``trace``: the file."""
+
+    status: str
+    trace: str | None = None
+    data: dict | None = None
+    message: str = ""
+
+
+class SizingSource:
+    """Analyses ``trace`` (a path, or None for none) with model ``preset`` (bytes per block,
+    prefill cost). ``start()`` begins the work; ``state()`` reports it. Thread-safe."""
+
+    def __init__(self, trace: str | None, preset: str = "llama-3-8b") -> None:
+        self.trace = trace
+        self.preset = preset
+        self._state = SizingState("off", trace, message=HOW_TO_ENABLE) if trace is None else \
+            SizingState("running", trace, message=f"analysing {trace} …")
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the analysis on a daemon thread (once; no-op without a trace)."""
+        with self._lock:
+            if self.trace is None or self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="kvscope-sizing", daemon=True)
+            self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> SizingState:
+        """Wait up to ``timeout`` seconds for the analysis; return the state."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.state()
+
+    def state(self) -> SizingState:
+        with self._lock:
+            return self._state
+
+    def _run(self) -> None:
+        try:
+            analysis = analyze(load_trace(self.trace), AnalyzeOptions(get_preset(self.preset)))
+            state = SizingState("ready", self.trace, sizing_figure_data(analysis),
+                                f"{analysis.requests:,} requests, {analysis.accesses:,} block "
+                                f"accesses over {analysis.duration_seconds:,.0f} s; preset "
+                                f"{self.preset}, {analysis.bytes_per_block:,} bytes/block; "
+                                f"{analysis.method}")
+        except Exception as exc:  # noqa: BLE001 — a boundary: any failure becomes a message
+            state = SizingState("failed", self.trace,
+                                message=f"cannot analyse {self.trace}: {exc}")
+        with self._lock:
+            self._state = state

@@ -1,0 +1,197 @@
+"""The agent's Parquet capture: engine -> pipeline -> capture -> reader, torn files ignored,
+segments bounded, and analyze on a capture equal to analyze on the same in-memory sequence."""
+
+import itertools
+import json
+import os
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from kvscope import events as ev
+from kvscope.agent.agent import Agent
+from kvscope.agent.capture import TMP_SUFFIX, CaptureWriter
+from kvscope.agent.config import AgentSettings
+from kvscope.analysis.analyze import AnalyzeOptions, analyze
+from kvscope.analysis.capture_reader import read_block_trace, read_request_sample
+from kvscope.analysis.inputs import from_requests, load_trace
+from kvscope.analysis.report import to_dict
+from kvscope.cli import main
+from kvscope.engine.engine import OffloadEngine
+from kvscope.engine.presets import get_preset
+from kvscope.engine.workload import SyntheticConfig, TraceError, synthetic
+
+T0 = 1_700_000_000.0  # Unix seconds at workload time 0
+PRESET = get_preset("tiny")
+NO_COLLECTORS = {"host": {"enabled": False}, "gpu": {"enabled": False}}
+
+
+def _requests(n=300, seed=3):
+    return list(itertools.islice(synthetic(SyntheticConfig(seed=seed, block_tokens=16)), n))
+
+
+def _run_through_agent(capture_dir, requests, cpu_blocks=256):
+    """Replay ``requests`` through the simulator into a real Agent with a capture; the engine's
+    clock reads T0 + each request's arrival. Returns the engine (closed)."""
+    agent = Agent(AgentSettings(capture_dir=capture_dir, collectors=NO_COLLECTORS),
+                  with_ingest=False)
+    now = [T0]
+    engine = OffloadEngine(PRESET, 64, cpu_blocks, payload=False, record_blocks=True,
+                           clock=lambda: now[0],
+                           emit=lambda event: agent.pipeline.ingest("engine", (event,)))
+    agent.start()
+    try:
+        for request in requests:
+            now[0] = T0 + request.arrival
+            engine.process(request)
+        engine.close()
+    finally:
+        agent.shutdown()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    """(capture directory, requests, engine) of one 300-request run, with a torn ``.tmp``
+    segment (half of a real one) and a garbage ``.tmp`` left in the directory afterwards."""
+    directory = tmp_path_factory.mktemp("capture")
+    requests = _requests()
+    engine = _run_through_agent(directory, requests)
+    segment = sorted(directory.glob("blocks-*.parquet"))[0]
+    data = segment.read_bytes()
+    (directory / ("blocks-9999999999999-4000000-000001" + TMP_SUFFIX)).write_bytes(
+        data[: len(data) // 2])
+    (directory / ("requests-9999999999999-4000000-000002" + TMP_SUFFIX)).write_bytes(b"PAR1 torn")
+    return directory, requests, engine
+
+
+def test_block_accesses_round_trip_and_torn_segments_are_ignored(captured):
+    directory, requests, engine = captured
+    trace = read_block_trace(directory)
+    expected = from_requests(requests, 16)
+    np.testing.assert_array_equal(trace.block_ids, expected.block_ids)
+    np.testing.assert_array_equal(trace.tokens, expected.tokens)
+    np.testing.assert_array_equal(trace.requests, expected.requests)
+    np.testing.assert_array_equal(trace.depths, expected.depths)
+    np.testing.assert_allclose(trace.times, expected.times - requests[0].arrival, atol=1e-6)
+    assert (trace.request_count, trace.prompt_tokens, trace.block_tokens) == (
+        expected.request_count, expected.prompt_tokens, 16)
+    # the per-block outcomes add up to the engine's own token accounting
+    table = pq.read_table(sorted(directory.glob("blocks-*.parquet")))
+    outcome = table.column("outcome").to_numpy(zero_copy_only=False)
+    tokens = table.column("tokens").to_numpy()
+    by_outcome = {s: int(tokens[outcome == s].sum()) for s in ev.TOKEN_SOURCES}
+    assert by_outcome == {s: engine.stats.tokens[s] for s in ev.TOKEN_SOURCES}
+    assert by_outcome["cpu"] > 0 and by_outcome["gpu"] > 0  # the run exercised both tiers
+
+
+def test_requests_round_trip(captured):
+    directory, requests, engine = captured
+    sample = read_request_sample(directory, name="run")
+    assert sample.requests == len(requests)
+    np.testing.assert_allclose(np.sort(sample.ttft), np.sort(engine.stats.ttfts))
+    assert sample.tokens == {s: engine.stats.tokens[s] for s in ev.TOKEN_SOURCES}
+    assert len(sample.itl) == sum(r.output_tokens > 1 for r in requests)
+    np.testing.assert_allclose(sample.itl, PRESET.decode_seconds(1))
+    # the simulator's transfers: real sizes, durations from the preset's cost model
+    promoted = sample.transfer_blocks["cpu->gpu"]
+    assert promoted > 0
+    assert sample.transfer_bytes["cpu->gpu"] == promoted * engine.block_bytes
+    assert sample.transfer_seconds["cpu->gpu"] == pytest.approx(
+        promoted * engine.block_bytes / PRESET.h2d_bytes_per_second)
+    assert sample.promotion_wait.sum() == pytest.approx(sample.transfer_seconds["cpu->gpu"])
+
+
+def test_analyze_on_a_capture_equals_analyze_on_the_same_sequence(captured):
+    directory, requests, _engine = captured
+    options = AnalyzeOptions(preset=PRESET, arc_points=4, curve_points=24)
+    # the same sequence with the times the agent saw: Unix stamps, counted from the first
+    rebased = [replace(r, arrival=(T0 + r.arrival) - (T0 + requests[0].arrival)) for r in requests]
+    in_memory = to_dict(analyze(from_requests(rebased, 16), options))
+    for path in (directory, sorted(directory.glob("blocks-*.parquet"))[0]):
+        if path != directory and len(list(directory.glob("blocks-*.parquet"))) > 1:
+            continue  # a single segment equals the whole only when there is one
+        on_capture = to_dict(analyze(load_trace(path), options))
+        on_capture.pop("source"), in_memory.pop("source", None)
+        assert on_capture == in_memory
+
+
+def test_analyze_command_reads_a_capture_directory(captured, capsys):
+    directory, requests, _engine = captured
+    assert main(["analyze", str(directory), "--json", "--preset", "tiny", "--arc-points", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == len(requests) and out["block_tokens"] == 16
+
+
+def test_a_capture_without_block_rows_or_a_missing_one_is_a_trace_error(tmp_path, captured):
+    directory, _requests, _engine = captured
+    only_requests = tmp_path / "only-requests"
+    only_requests.mkdir()
+    for p in directory.glob("requests-*.parquet"):
+        shutil.copy(p, only_requests)
+    with pytest.raises(TraceError, match="no blocks segments"):
+        read_block_trace(only_requests)
+    with pytest.raises(TraceError, match="no such capture"):
+        read_request_sample(tmp_path / "missing")
+    assert main(["compare", str(tmp_path / "missing"), str(directory)]) == 2
+
+
+def _lookup(i, blocks=8):
+    return ev.Lookup(ts=T0 + i, request_id=f"r{i}", tokens={"recompute": blocks * 16},
+                     blocks=blocks, block_hashes=[(i * 1000 + b) for b in range(blocks)],
+                     block_sources=["recompute"] * blocks, block_tokens=16)
+
+
+def test_segments_rotate_are_whole_and_are_pruned_to_the_byte_bound(tmp_path):
+    now = [T0]
+    writer = CaptureWriter(tmp_path, max_bytes=40_000, segment_rows=200,
+                           clock=lambda: now[0])
+    for i in range(400):  # 3200 rows: a segment every 25 lookups
+        now[0] += 1.0
+        writer.add_lookup("engine", _lookup(i))
+        if i % 5 == 4:
+            writer.flush()
+    writer.close()
+    segments = writer.segments("blocks")
+    assert not list(tmp_path.glob(f"*{TMP_SUFFIX}"))
+    sizes = [p.stat().st_size for p in segments]
+    assert 1 < len(segments) < 16 and sum(sizes[:-1]) <= 40_000
+    for p in segments:  # every kept segment is a complete Parquet file
+        assert pq.read_metadata(p).num_rows == 200
+    trace = read_block_trace(tmp_path)  # what is left: the newest lookups, whole
+    assert len(trace) == 200 * len(segments) and trace.block_ids[-1] == 399 * 1000 + 7
+
+
+def test_segments_rotate_by_age_and_pending_rows_are_bounded(tmp_path):
+    now = [T0]
+    writer = CaptureWriter(tmp_path, segment_seconds=60.0, max_pending_rows=20,
+                           clock=lambda: now[0])
+    writer.add_lookup("engine", _lookup(0))
+    writer.add_lookup("engine", _lookup(1))
+    writer.add_lookup("engine", _lookup(2))  # 24 rows > 20: dropped and counted
+    assert writer.dropped["blocks"] == 8
+    writer.flush()
+    assert not writer.segments() and len(list(tmp_path.glob(f"*{TMP_SUFFIX}"))) == 1
+    now[0] += 61.0
+    writer.flush()  # no new rows, but the open segment is a minute old: finished
+    assert len(writer.segments("blocks")) == 1
+    assert not list(tmp_path.glob(f"*{TMP_SUFFIX}"))
+
+
+def test_lookups_without_block_hashes_write_nothing_and_orphans_are_removed(tmp_path):
+    dead = 4_000_000  # above Linux's pid_max: never a running process
+    orphan = tmp_path / f"blocks-0000000000001-{dead}-000001{TMP_SUFFIX}"
+    mine = tmp_path / f"blocks-0000000000001-{os.getpid()}-000001{TMP_SUFFIX}"
+    orphan.write_bytes(b"torn")
+    mine.write_bytes(b"ours")
+    writer = CaptureWriter(tmp_path, flush_interval=0.01)
+    writer.start()
+    writer.add_lookup("engine", ev.Lookup(ts=T0, request_id="r", tokens={"gpu": 16}, blocks=1))
+    writer.shutdown()
+    writer.shutdown()  # safe twice
+    assert not orphan.exists() and mine.exists()
+    assert not writer.segments()
+    CaptureWriter(tmp_path / "never").shutdown()  # safe without start

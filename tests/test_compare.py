@@ -1,0 +1,172 @@
+"""``kvscope compare``: bootstrap intervals, and verdicts on hand-built captures whose right
+answer follows by hand (each case's docstring says why)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kvscope.agent.capture import CaptureWriter
+from kvscope.agent.requests import RequestRecord, TransferRecord
+from kvscope.analysis.bootstrap import compare_quantiles, quantile_cis, quantile_replicates
+from kvscope.analysis.capture_reader import read_request_sample
+from kvscope.analysis.compare import (INCONCLUSIVE, KEEP, ROLL_BACK, RequestSample, compare,
+                                      render_text, to_dict)
+from kvscope.cli import main
+
+BUDGET = 0.1  # seconds
+
+
+def _capture(directory, ttfts, itl=0.02, cpu_tokens=0):
+    """A capture of one finished request per TTFT (seconds): 64-token prompts, ``cpu_tokens``
+    of them promoted from the cpu tier by one 2-block transfer (1 MB, 1 ms) each."""
+    writer = CaptureWriter(directory)
+    for i, ttft in enumerate(ttfts):
+        transfers = [TransferRecord("cpu", "gpu", 2, 1_000_000, 1000.0 + i, 0.001)] \
+            if cpu_tokens else []
+        writer.add_request(RequestRecord(
+            f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64, output_tokens=8,
+            tokens={"cpu": cpu_tokens, "recompute": 64 - cpu_tokens}, transfers=transfers,
+            ttft=float(ttft), promotion_wait=0.001 if cpu_tokens else 0.0,
+            finished=1000.0 + i + ttft, itl=itl))
+    writer.close()
+    return directory
+
+
+def _mixture(n_low, n_mid, n_high):
+    """n_low requests at 50 ms, n_mid at 90 ms, n_high at 110 ms."""
+    return np.repeat([0.05, 0.09, 0.11], [n_low, n_mid, n_high])
+
+
+def _verdict(tmp_path, baseline, candidate, *extra):
+    b = _capture(tmp_path / "baseline", baseline)
+    c = _capture(tmp_path / "candidate", candidate, cpu_tokens=32)
+    args = ["compare", str(b), str(c), "--json", "--resamples", "1000", *extra]
+    return args
+
+
+def test_keep_when_every_candidate_ttft_is_under_the_budget(tmp_path, capsys):
+    """Candidate TTFTs run 20-60 ms: every resampled p99 is at most the sample maximum, 60 ms,
+    so the whole interval lies under the 100 ms budget -> keep."""
+    args = _verdict(tmp_path, np.linspace(0.1, 0.2, 400), np.linspace(0.02, 0.06, 400),
+                    "--ttft-budget", str(BUDGET))
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"]["decision"] == KEEP
+    p99 = out["ttft"][2]
+    assert p99["quantile"] == 0.99 and p99["candidate"]["high"] <= 0.06
+    assert p99["difference"]["high"] < 0  # and much better than the baseline
+    # hit quality and transfer cost come through from the capture
+    assert out["candidate"]["token_share"]["cpu"] == 0.5
+    assert out["baseline"]["token_share"]["recompute"] == 1.0
+    assert out["candidate"]["transfers"]["cpu->gpu"]["bytes"] == 400 * 1_000_000
+    assert out["candidate"]["promotion_wait_mean"] == pytest.approx(0.001)
+    assert out["itl"][0]["candidate"]["value"] == pytest.approx(0.02)
+
+
+def test_roll_back_when_every_candidate_ttft_is_over_the_budget(tmp_path, capsys):
+    """Candidate TTFTs run 150-300 ms: every resampled p99 is at least the sample minimum,
+    150 ms, so the whole interval lies above the 100 ms budget -> roll back."""
+    args = _verdict(tmp_path, np.linspace(0.02, 0.06, 400), np.linspace(0.15, 0.3, 400),
+                    "--ttft-budget", str(BUDGET))
+    assert main(args) == 0
+    verdict = json.loads(capsys.readouterr().out)["verdict"]
+    assert verdict["decision"] == ROLL_BACK == "roll back (disable the newest tier)"
+    assert "above the 100.0 ms budget" in verdict["text"]
+
+
+def test_inconclusive_when_the_p99_interval_straddles_the_budget(tmp_path, capsys):
+    """Both runs: 980 requests at 50 ms, 10 at 90 ms, 10 at 110 ms. The p99 (linear, position
+    989.01 of 1000) is 90.2 ms, under the budget; a resample's p99 is 110 ms when it draws 11
+    or more of the 110 ms requests and at most 90.2 ms when it draws 10 or fewer. That count is
+    Binomial(1000, 0.01): P(>= 11) = 0.42 and P(<= 9) = 0.46, so the 95% interval runs from
+    <= 90 ms to 110 ms and contains the 100 ms budget, and the same distributions on both sides
+    give a difference interval around 0 -> inconclusive."""
+    mix = _mixture(980, 10, 10)
+    assert main(_verdict(tmp_path, mix, mix, "--ttft-budget", str(BUDGET))) == 0
+    out = json.loads(capsys.readouterr().out)
+    p99 = out["ttft"][2]["candidate"]
+    assert p99["value"] == pytest.approx(0.0902)
+    assert p99["low"] <= 0.09 and p99["high"] == pytest.approx(0.11)
+    assert out["verdict"]["decision"] == INCONCLUSIVE
+
+
+def test_roll_back_when_the_interval_straddles_but_the_candidate_is_worse(tmp_path, capsys):
+    """Candidate: 980 at 50 ms, 8 at 90 ms, 12 at 110 ms: p99 = 110 ms (> budget), but a
+    resample drawing 9 or fewer 110 ms requests (Binomial(1000, 0.012), P = 0.24) has p99 <=
+    90.2 ms, so the interval straddles the budget. Baseline: 40-50 ms, p99 under 50 ms. A
+    candidate resample's p99 stays at 50 ms or less only if it draws 10 or fewer of the 20
+    slow requests (Binomial(1000, 0.02), P = 0.01 < 2.5%), so the difference interval lies
+    above 0: over budget by the estimate and significantly worse -> roll back."""
+    args = _verdict(tmp_path, np.linspace(0.04, 0.05, 1000), _mixture(980, 8, 12),
+                    "--ttft-budget", str(BUDGET))
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    c, d = out["ttft"][2]["candidate"], out["ttft"][2]["difference"]
+    assert c["value"] == pytest.approx(0.11) and c["low"] < BUDGET < c["high"] + 1e-12
+    assert d["low"] > 0
+    assert out["verdict"]["decision"] == ROLL_BACK
+
+
+def test_without_a_budget_the_baseline_decides(tmp_path, capsys):
+    """Candidate 200-300 ms vs baseline 50-100 ms: every candidate value exceeds every baseline
+    value, so every replicate difference is > 0 -> roll back (a significant regression); the
+    swapped pair is significantly better -> keep."""
+    slow, fast = np.linspace(0.2, 0.3, 300), np.linspace(0.05, 0.1, 300)
+    b, c = _capture(tmp_path / "fast", fast), _capture(tmp_path / "slow", slow)
+    assert main(["compare", str(b), str(c), "--json", "--resamples", "500"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"]["decision"] == ROLL_BACK
+    assert main(["compare", str(c), str(b), "--json", "--resamples", "500"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"]["decision"] == KEEP
+
+
+def test_too_few_requests_is_inconclusive_and_the_report_says_so(tmp_path, capsys):
+    """50 requests per side: a p99 rests on about one request -> inconclusive."""
+    few = np.linspace(0.01, 0.02, 50)
+    b, c = _capture(tmp_path / "b", few), _capture(tmp_path / "c", few)
+    assert main(["compare", str(b), str(c), "--ttft-budget", "0.1", "--resamples", "200"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("verdict: inconclusive: too few requests")
+    assert "TTFT p99" in text and "hit quality" in text and "transfer cost" in text
+
+
+def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
+    b = _capture(tmp_path / "b", np.linspace(0.01, 0.02, 200))
+    c = _capture(tmp_path / "c", np.linspace(0.01, 0.03, 200))
+    sb, sc = read_request_sample(b), read_request_sample(c)
+    assert to_dict(compare(sb, sc, seed=7, resamples=300)) == \
+        to_dict(compare(sb, sc, seed=7, resamples=300))
+    assert "inconclusive" not in render_text(compare(sb, sc, ttft_budget=1.0, resamples=300))
+    with pytest.raises(ValueError, match="budget"):
+        compare(sb, sc, ttft_budget=0.0)
+    with pytest.raises(ValueError, match="no finished requests"):
+        compare(RequestSample("empty", np.zeros(0)), sc)
+    assert main(["compare", str(b), str(c), "--confidence", "1.5"]) == 2
+    assert "confidence" in capsys.readouterr().err
+
+
+def test_bootstrap_median_interval_covers_the_true_median_about_95_percent():
+    """Standard normal samples (true median 0), n = 101, 1000 resamples, 200 seeded repeats:
+    the 95% percentile-bootstrap interval of the median should contain 0 in about 95% of
+    repeats (binomial sd over 200 repeats: 1.5 points). Efron & Tibshirani 1993, ch. 13."""
+    rng = np.random.default_rng(2024)
+    hits = 0
+    for repeat in range(200):
+        x = rng.standard_normal(101)
+        (median,) = quantile_cis(x, [0.5], resamples=1000, seed=repeat)
+        hits += median.contains(0.0)
+    assert 0.89 <= hits / 200 <= 0.99
+
+
+def test_bootstrap_replicates_are_chunked_seeded_and_shaped():
+    x = np.arange(10.0)
+    a = quantile_replicates(x, [0.5, 0.99], resamples=300,
+                            rng=np.random.default_rng(1))
+    b = quantile_replicates(x, [0.5, 0.99], resamples=300,
+                            rng=np.random.default_rng(1))
+    assert a.shape == (300, 2) and np.array_equal(a, b)
+    assert a.min() >= 0 and a.max() <= 9
+    two = compare_quantiles(x, x + 5, [0.5], resamples=400)
+    assert two.difference[0].value == 5.0 and two.candidate[0].value == 9.5
+    with pytest.raises(ValueError):
+        quantile_replicates(np.zeros(0), [0.5], rng=np.random.default_rng(0))

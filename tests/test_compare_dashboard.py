@@ -1,0 +1,91 @@
+"""The Compare page: pure figures on literal comparisons, the page's render and its callback."""
+
+import dash
+import numpy as np
+
+from kvscope.agent.capture import CaptureWriter
+from kvscope.agent.requests import RequestRecord, TransferRecord
+from kvscope.analysis.compare import RequestSample, compare, to_dict
+from kvscope.dashboard import figures_compare as fc
+from kvscope.dashboard.pages import compare as page
+
+
+def _data(budget=0.1, itl=True):
+    base = RequestSample("no-cpu", np.linspace(0.1, 0.2, 200),
+                         itl=np.full(200, 0.02) if itl else np.zeros(0),
+                         tokens={"gpu": 100, "recompute": 300})
+    cand = RequestSample("cpu", np.linspace(0.02, 0.06, 200), itl=np.full(200, 0.021),
+                         promotion_wait=np.full(200, 0.001),
+                         tokens={"gpu": 100, "cpu": 200, "recompute": 100},
+                         transfer_bytes={"cpu->gpu": 4_000_000}, transfer_blocks={"cpu->gpu": 8},
+                         transfer_seconds={"cpu->gpu": 0.2})
+    return to_dict(compare(base, cand, ttft_budget=budget, resamples=200))
+
+
+def test_latency_figure_has_both_runs_with_error_bars_and_the_budget():
+    fig = fc.latency(_data(), "ttft")
+    assert [t.name.split(" ")[0] for t in fig.data] == ["baseline", "candidate"]
+    assert list(fig.data[0].x) == ["p50", "p95", "p99"]
+    cand = fig.data[1]
+    assert cand.y[2] <= 0.06 and all(m >= 0 for m in cand.error_y.arrayminus)
+    assert any("budget 100 ms" in (a.text or "") for a in fig.layout.annotations)
+    assert "s" in fig.layout.yaxis.title.text
+
+
+def test_itl_missing_on_one_side_still_draws_the_other():
+    fig = fc.latency(_data(itl=False), "itl")
+    assert fig.data[0].y == (None, None, None) and fig.data[1].y[0] == 0.021
+
+
+def test_hit_quality_and_transfer_figures():
+    data = _data()
+    hq = fc.hit_quality(data)
+    assert [t.name for t in hq.data] == list(fc.SOURCES)
+    cpu = next(t for t in hq.data if t.name == "cpu")
+    assert list(cpu.x) == [0.0, 0.5]
+    tc = fc.transfer_cost(data)
+    assert list(tc.data[1].x) == ["cpu->gpu"] and tc.data[1].y[0] == 20_000  # 4 MB / 200
+    assert tc.data[0].y[0] == 0.0
+
+
+def test_placeholders_and_verdict_colours():
+    for fig in fc.all_figures(None):
+        assert fig.layout.annotations[0].text == fc.EMPTY
+    assert fc.verdict_colour("roll back (disable the newest tier)") == "#d62728"
+    assert fc.verdict_colour("keep") == "#2ca02c"
+    assert fc.verdict_colour("inconclusive") == "#b8860b"
+
+
+def _capture(directory, ttfts):
+    writer = CaptureWriter(directory)
+    for i, t in enumerate(ttfts):
+        writer.add_request(RequestRecord(
+            f"r{i}", f"{i + 1:032x}", "engine", 100.0 + i, prompt_tokens=32, ttft=float(t),
+            tokens={"cpu": 16, "recompute": 16}, itl=0.01,
+            transfers=[TransferRecord("cpu", "gpu", 1, 65536, 100.0 + i, 1e-4)]))
+    writer.close()
+    return str(directory)
+
+
+def test_page_compares_two_captures_and_reports_errors_plainly(tmp_path):
+    b = _capture(tmp_path / "b", np.linspace(0.02, 0.04, 150))
+    c = _capture(tmp_path / "c", np.linspace(0.2, 0.3, 150))
+    data, message = page.run_compare(b, c, 100, resamples=200)
+    assert data["verdict"]["decision"] == "roll back (disable the newest tier)"
+    assert "150 requests" in message
+    *figures, banner, status = page.render(data, message)
+    assert len(figures) == len(page.GRAPHS) and status == message
+    assert "roll back" in banner.children[0].children
+    assert page.run_compare(None, c, None) == (None, fc.EMPTY)
+    data, message = page.run_compare(str(tmp_path / "missing"), c, None)
+    assert data is None and message.startswith("cannot compare:") and "no such capture" in message
+
+
+def test_page_registers_on_an_app_with_its_ids():
+    app = dash.Dash(__name__)
+    app.layout = page.layout()
+    page.register_callbacks(app, None)
+    outputs = " ".join(app.callback_map)
+    for gid in (*page.GRAPHS, "compare-verdict", page.STATUS_ID):
+        assert gid in outputs
+    assert (page.PATH, page.NAME) == ("/compare", "Compare")

@@ -1,0 +1,262 @@
+"""Unit tests of the Requests, Tiers and Sizing pages' pure parts, and of the Prometheus
+backend's conversion of PromQL answers into samples. Literal inputs; no browser, no server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvscope.dashboard import figures_requests as fr
+from kvscope.dashboard import figures_sizing as fz
+from kvscope.dashboard import figures_tiers as ft
+from kvscope.dashboard import prometheus as P
+from kvscope.dashboard.backend import BackendUnavailable
+from kvscope.dashboard.pages import requests as requests_page
+from kvscope.dashboard.pages import sizing as sizing_page
+from kvscope.dashboard.pages import tiers as tiers_page
+from kvscope.dashboard.sizing import HOW_TO_ENABLE, SizingSource, SizingState
+
+T = 1764410000.0
+RECORD = {
+    "request_id": "req-7", "trace_id": "ab" * 16, "source": "engine", "arrival": T,
+    "prompt_tokens": 1024, "tokens": {"gpu": 512, "cpu": 256, "recompute": 256},
+    "transfers": [{"src": "cpu", "dst": "gpu", "blocks": 16, "bytes": 2_097_152,
+                   "start": T + 0.003, "duration": 0.004, "ok": True},
+                  {"src": "disk", "dst": "cpu", "blocks": 2, "bytes": 262_144,
+                   "start": T + 0.004, "duration": 0.010, "ok": False}],
+    "ttft": 0.030, "queueing": 0.002, "lookup": 0.001, "promotion_wait": 0.012,
+    "prefill": 0.015, "finished": T + 0.5,
+}
+
+
+def annotation_texts(fig) -> list[str]:
+    return [a.text for a in fig.layout.annotations]
+
+
+# --- Requests -------------------------------------------------------------------------------
+
+def test_table_rows_in_milliseconds_with_tokens_by_source():
+    (row,) = fr.table_rows([RECORD])
+    assert row["id"] == row["request_id"] == "req-7"
+    assert row["ttft_ms"] == 30.0 and row["promotion_wait_ms"] == 12.0
+    assert (row["tokens_gpu"], row["tokens_cpu"], row["tokens_disk"], row["tokens_recompute"]) \
+        == (512, 256, 0, 256)
+    assert row["transfers"] == 2
+    assert row["finished"] == "09:53:20.500"
+    assert {c[0] for c in fr.COLUMNS} <= set(row)
+
+
+def test_waterfall_puts_every_part_on_one_axis_in_milliseconds():
+    """queueing 0-2 ms, lookup 2-3 ms, transfers at their measured starts (3 ms, 4 ms),
+    promotion wait 3-15 ms, prefill 15-30 ms, first token at 30 ms."""
+    fig = fr.waterfall(RECORD)
+    bars, token = fig.data
+    parts = dict(zip(bars.y, zip(bars.base, bars.x)))
+    assert parts["arrival → queueing"] == pytest.approx((0, 2))
+    assert parts["lookup"] == pytest.approx((2, 1))
+    assert parts["#1 cpu->gpu · 16 blocks · 2.1 MB"] == pytest.approx((3, 4), abs=1e-3)
+    assert parts["#2 disk->cpu · 2 blocks · 262 kB · FAILED"] == pytest.approx((4, 10), abs=1e-3)
+    assert parts["promotion wait"] == pytest.approx((3, 12))
+    assert parts["prefill (256 recomputed tokens)"] == pytest.approx((15, 15))
+    assert list(token.x) == pytest.approx([30])
+    assert RECORD["trace_id"] in fig.layout.title.text
+    assert fig.layout.xaxis.title.text == "time since arrival (ms)"
+    assert "not attributed by the engine" not in parts
+
+
+def test_waterfall_renders_parts_the_engine_left_at_zero():
+    record = {**RECORD, "queueing": 0.0, "lookup": 0.0, "promotion_wait": 0.0, "prefill": 0.0,
+              "transfers": []}
+    bars = fr.waterfall(record).data[0]
+    assert "arrival → queueing" in bars.y and "prefill (256 recomputed tokens)" in bars.y
+    gap = dict(zip(bars.y, zip(bars.base, bars.x)))["not attributed by the engine"]
+    assert gap == pytest.approx((0, 30))
+    json.loads(fr.waterfall(record).to_json())
+
+
+class FakeBackend:
+    kind, base_url = "agent", "http://agent:9400"
+
+    def __init__(self, records=(RECORD,), fail=False):
+        self.records, self.fail, self.calls = list(records), fail, []
+
+    def requests(self, limit, sort, descending, min_ttft, instance):
+        self.calls.append((limit, sort, descending, min_ttft, instance))
+        if self.fail:
+            raise BackendUnavailable(self.base_url, "refused")
+        return 123, self.records
+
+    def request(self, request_id, instance=None):
+        if self.fail:
+            raise BackendUnavailable(self.base_url, "refused")
+        return next((r for r in self.records if r["request_id"] == request_id), None)
+
+
+def test_table_sorts_through_the_backend_when_it_can():
+    backend = FakeBackend()
+    rows, status = requests_page.table(backend, [{"column_id": "ttft_ms", "direction": "asc"}],
+                                       50, 500, None)
+    assert backend.calls == [(500, "ttft", False, 0.05, None)]
+    assert [r["id"] for r in rows] == ["req-7"]
+    assert "1 of 123 requests with TTFT ≥ 50 ms" in status
+    rows, _ = requests_page.table(backend, [{"column_id": "tokens_cpu", "direction": "desc"}],
+                                  None, 100, None)
+    assert backend.calls[-1] == (100, "finished", True, None, None)  # sorted locally
+
+
+def test_table_and_waterfall_say_when_the_agent_is_unreachable():
+    rows, status = requests_page.table(FakeBackend(fail=True), None, None, 500, None)
+    assert rows == [] and status == "agent unreachable: http://agent:9400 (refused)"
+    fig, details = requests_page.waterfall(FakeBackend(fail=True), "?id=req-7", None)
+    assert annotation_texts(fig) == ["agent unreachable: http://agent:9400"]
+
+
+def test_deep_link_opens_the_request_and_unknown_ids_explain_themselves():
+    fig, details = requests_page.waterfall(FakeBackend(), "?id=req-7", None)
+    assert fig.data and "req-7" in fig.layout.title.text
+    assert RECORD["trace_id"] in str(details)
+    fig, details = requests_page.waterfall(FakeBackend(), "?id=nope", None)
+    assert "not in the table" in annotation_texts(fig)[0]
+    fig, _ = requests_page.waterfall(FakeBackend(), "", None)
+    assert annotation_texts(fig) == ["select a request in the table"]
+
+
+def test_selecting_a_cell_writes_the_deep_link():
+    rows = [{"id": "a b", "instance": "node1:9400"}]
+    assert requests_page.select({"row": 0, "row_id": "a b"}, rows) == \
+        "?id=a+b&instance=node1%3A9400"
+    assert requests_page.select(None, rows) is requests_page.dash.no_update
+
+
+# --- Tiers ----------------------------------------------------------------------------------
+
+def _s(dt, **fields):
+    return {"ts": T + dt, **fields}
+
+
+def test_tier_panel_says_when_a_tier_is_not_configured():
+    samples = [_s(0, tier_capacity_bytes={"gpu": 100, "cpu": 200}, tier_resident_bytes={"gpu": 50})]
+    assert annotation_texts(ft.tier_residency(samples, "disk")) == ["no disk tier configured"]
+    fig = ft.tier_residency(samples, "gpu")
+    assert [t.name for t in fig.data] == ["resident", "capacity"]
+    assert fig.layout.yaxis.ticksuffix == "B"
+
+
+def test_block_flow_links_offloads_promotions_and_drops():
+    samples = [_s(0, transfer_blocks={"gpu->cpu": 10, "cpu->gpu": 1}, dropped_blocks={"cpu": 0}),
+               _s(5, transfer_blocks={"gpu->cpu": 30, "cpu->gpu": 4, "cpu->disk": 7},
+                  dropped_blocks={"cpu": 2, "disk": 0})]
+    sankey = ft.block_flow(samples).data[0]
+    nodes = list(sankey.node.label)
+    links = {(nodes[s], nodes[t]): v for s, t, v in
+             zip(sankey.link.source, sankey.link.target, sankey.link.value)}
+    assert links == {("gpu", "cpu"): 20, ("cpu", "gpu"): 3, ("cpu", "disk"): 7,
+                     ("cpu", "dropped"): 2}
+    still = [_s(0, transfer_blocks={"gpu->cpu": 1}), _s(1, transfer_blocks={"gpu->cpu": 1})]
+    assert annotation_texts(ft.block_flow(still)) == ["no block movement in this window"]
+
+
+def test_eviction_histograms_count_the_window_per_bucket():
+    n = len(ft.HITS_LABELS)
+    first, last = [0] * n, [0] * n
+    last[0], last[1] = 6, 2  # 6 blocks never hit, 2 hit once
+    fig = ft.eviction_hits([_s(0, evicted_block_hits={"cpu": first}),
+                            _s(1, evicted_block_hits={"cpu": last})])
+    (bars,) = fig.data
+    assert list(bars.x) == ft.HITS_LABELS and list(bars.y)[:2] == [6, 2]
+    assert ft.HITS_LABELS[:5] == ["0", "1", "2", "3-4", "5-8"]
+    assert ft.AGE_LABELS[:3] == ["≤100 ms", "≤1 s", "≤10 s"] and ft.AGE_LABELS[-1] == ">1 d"
+    assert annotation_texts(ft.eviction_age([_s(0)])) == ["no evictions in this window"]
+
+
+def test_tiers_render_gives_every_graph():
+    figs = tiers_page.render([_s(0), _s(1)], 900)
+    assert len(figs) == len(tiers_page.GRAPHS)
+
+
+# --- Sizing ---------------------------------------------------------------------------------
+
+SIZING = {
+    "lru": {"gib": [0, 1, 2], "hit_ratio": [0, 0.2, 0.3], "method": "exact", "weight": "accesses"},
+    "lru_tokens": {"gib": [0, 1, 2], "hit_ratio": [0, 0.25, 0.35], "method": "exact",
+                   "weight": "tokens"},
+    "arc": None,
+    "cpu": {"gib": [0, 1, 2], "cpu_token_hit_share": [0, 0.2, 0.3],
+            "prefill_seconds_saved": [0, 10, 12], "transfer_seconds": [0, 1, 1.5]},
+    "gpu_token_hit_share": 0.05, "reuse_token_share": 0.4,
+    "recommended": {"gib": 1.0, "blocks": 8, "cpu_token_hit_share": 0.2, "token_hit_share": 0.25},
+    "knee": {"gib": 1.0, "blocks": 8, "cpu_token_hit_share": 0.2, "token_hit_share": 0.25},
+    "offload": True, "verdict": "Offload: a 1 GiB CPU tier pays.", "kv_offloading_size_gib": 1.0,
+}
+
+
+def test_sizing_figures_plot_the_curves_with_units():
+    curves = fz.sizing_curves(SIZING)
+    assert [t.name for t in curves.data] == ["LRU, block accesses", "LRU, prompt tokens"]
+    assert curves.layout.xaxis.title.text == "CPU tier size (GiB)"
+    assert curves.layout.yaxis.tickformat == ".0%"
+    cost = fz.sizing_cost(SIZING)
+    assert list(cost.data[0].y) == [0, 10, 12] and cost.layout.yaxis.ticksuffix == "s"
+
+
+def test_sizing_page_says_how_to_enable_it_without_a_trace():
+    curves, cost, verdict, status = sizing_page.render(SizingSource(None).state())
+    assert status == HOW_TO_ENABLE and "--sizing-trace" in status
+    assert annotation_texts(curves) == ["no trace given (see above)"]
+    curves, cost, verdict, status = sizing_page.render(SizingState("ready", "t.jsonl", SIZING, "x"))
+    assert "Offload: a 1 GiB CPU tier pays." in str(verdict) and "t.jsonl" in status
+
+
+def test_sizing_source_reports_an_unreadable_trace(tmp_path):
+    source = SizingSource(str(tmp_path / "missing.jsonl"))
+    source.start()
+    state = source.wait(30)
+    assert state.status == "failed" and "missing.jsonl" in state.message
+
+
+# --- Prometheus answers -> samples ----------------------------------------------------------
+
+def _series(metric, points):
+    return {"metric": metric, "values": [[t, str(v)] for t, v in points]}
+
+
+def test_counter_rates_become_running_sums_whose_rates_match_promql():
+    """rate 2/s then 4/s at a 5 s step: cumulative 10, 30 -> the figures' rate is 4/s."""
+    samples = {T: {"ts": T}, T + 5: {"ts": T + 5}}
+    present: set = set()
+    P._counter_into(("source",), 5.0)(
+        samples, "prompt_tokens", [_series({"source": "gpu"}, [(T, 2), (T + 5, 4)])], present)
+    assert [samples[t]["prompt_tokens"]["gpu"] for t in (T, T + 5)] == [10, 30]
+    assert present == {T, T + 5}
+
+
+def test_cumulative_le_buckets_become_per_bucket_counts():
+    samples = {T: {"ts": T}}
+    result = [_series({"tier": "cpu", "le": "0"}, [(T, 1)]),
+              _series({"tier": "cpu", "le": "+Inf"}, [(T, 3)]),
+              _series({"tier": "cpu", "le": "1"}, [(T, 2)])]
+    P._buckets_into(1.0)(samples, "evicted_block_hits", result, set())
+    assert samples[T]["evicted_block_hits"] == {"cpu": [1, 1, 1]}
+
+
+def test_quantiles_by_direction_and_nan_dropped():
+    samples = {T: {"ts": T}}
+    P._quantile_into("p95", ("src", "dst"))(
+        samples, "transfer_seconds", [_series({"src": "cpu", "dst": "gpu"}, [(T, 0.002)]),
+                                      _series({"src": "gpu", "dst": "cpu"}, [(T, "NaN")])], set())
+    assert samples[T]["transfer_seconds"] == {"cpu->gpu": {"p95": 0.002}}
+
+
+def test_without_a_dropped_metric_the_lowest_tier_drops_its_evictions():
+    samples = {T: {"ts": T, "evicted_blocks": {"gpu": 5, "cpu": 3}}}
+    P._fallback_dropped(samples)
+    assert samples[T]["dropped_blocks"] == {"cpu": 3}
+
+
+def test_prometheus_backend_unreachable_is_a_typed_error():
+    backend = P.PrometheusBackend("http://127.0.0.1:9", timeout=1.0)
+    with pytest.raises(BackendUnavailable) as info:
+        backend.timeseries(60)
+    assert info.value.what == "prometheus" and "prometheus unreachable" in str(info.value)
+    backend.close()

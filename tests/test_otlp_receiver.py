@@ -1,0 +1,129 @@
+"""The OTLP/HTTP receiver at /v1/traces: protobuf and JSON bodies through the real FastAPI app,
+bad bodies refused, and vLLM request spans joined with the tap's request records."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from fastapi.testclient import TestClient
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from kvscope import events as ev
+from kvscope.agent.agent import Agent
+from kvscope.agent.api import create_app
+from kvscope.agent.config import AgentSettings
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+ATTRS = {"gen_ai.request.id": "cmpl-1-0", "gen_ai.usage.prompt_tokens": 300,
+         "gen_ai.usage.completion_tokens": 4, "gen_ai.latency.time_to_first_token": 0.25,
+         "gen_ai.latency.time_in_queue": 0.05, "gen_ai.latency.time_in_model_prefill": 0.15}
+
+
+def _any(value):
+    if isinstance(value, str):
+        return AnyValue(string_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    return AnyValue(double_value=value)
+
+
+def protobuf_body(attrs=ATTRS, trace=TRACE) -> bytes:
+    span = Span(trace_id=bytes.fromhex(trace), span_id=bytes.fromhex("b7ad6b7169203331"),
+                name="llm_request", start_time_unix_nano=1_700_000_000_000_000_000,
+                end_time_unix_nano=1_700_000_001_000_000_000,
+                attributes=[KeyValue(key=k, value=_any(v)) for k, v in attrs.items()])
+    return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        scope_spans=[ScopeSpans(spans=[span])])]).SerializeToString()
+
+
+def json_body(attrs=ATTRS) -> bytes:
+    def value(v):
+        if isinstance(v, str):
+            return {"stringValue": v}
+        if isinstance(v, int):
+            return {"intValue": str(v)}
+        return {"doubleValue": v}
+
+    return json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{
+        "traceId": TRACE.upper(), "spanId": "b7ad6b7169203331", "name": "llm_request",
+        "startTimeUnixNano": "1700000000000000000", "endTimeUnixNano": "1700000001000000000",
+        "attributes": [{"key": k, "value": value(v)} for k, v in attrs.items()]}]}]}]}).encode()
+
+
+def _agent():
+    return Agent(AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
+                               otlp_receiver={"source": "vllm"}))
+
+
+def test_protobuf_spans_become_requests_with_vllm_latencies():
+    agent = _agent()
+    with TestClient(create_app(agent)) as client:
+        response = client.post("/v1/traces", content=protobuf_body(),
+                               headers={"content-type": "application/x-protobuf"})
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/x-protobuf"
+    record = agent.pipeline.requests.get("cmpl-1-0")
+    assert record.trace_id == TRACE and record.ttft == 0.25 and record.queueing == 0.05
+    assert record.prompt_tokens == 300 and record.output_tokens == 4
+    assert agent.pipeline.snapshot().requests == 1
+
+
+def test_json_and_gzip_bodies_are_accepted():
+    agent = _agent()
+    with TestClient(create_app(agent)) as client:
+        r1 = client.post("/v1/traces", content=json_body(),
+                         headers={"content-type": "application/json"})
+        body = gzip.compress(json_body({**ATTRS, "gen_ai.request.id": "cmpl-2-0"}))
+        r2 = client.post("/v1/traces", content=body, headers={
+            "content-type": "application/json", "content-encoding": "gzip"})
+    assert r1.status_code == r2.status_code == 200 and r1.json() == {}
+    assert agent.pipeline.requests.get("cmpl-1-0").trace_id == TRACE
+    assert agent.pipeline.requests.get("cmpl-2-0") is not None
+
+
+def test_bad_bodies_are_refused_and_spans_without_request_ids_ignored():
+    agent = _agent()
+    with TestClient(create_app(agent)) as client:
+        assert client.post("/v1/traces", content=b"\xff\x00garbage",
+                           headers={"content-type": "application/x-protobuf"}).status_code == 400
+        assert client.post("/v1/traces", content=b"{",
+                           headers={"content-type": "application/json"}).status_code == 400
+        assert client.post("/v1/traces", content=b"x",
+                           headers={"content-type": "text/plain"}).status_code == 415
+        assert client.post("/v1/traces", content=b"x", headers={
+            "content-type": "application/json", "content-encoding": "br"}).status_code == 415
+        ok = client.post("/v1/traces", content=protobuf_body({"other": "span"}),
+                         headers={"content-type": "application/x-protobuf"})
+    assert ok.status_code == 200
+    assert agent.otlp_receiver.ignored == 1 and len(agent.pipeline.requests) == 0
+
+
+def test_a_span_for_a_request_the_tap_finished_enriches_that_record():
+    """The tap reported the request (lookup with CPU tokens, promotion wait); the later span
+    gives it vLLM's trace id and TTFT instead of creating a second request."""
+    agent = _agent()
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Lookup(ts=1.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44}),
+        ev.RequestFinished(ts=1.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
+                           promotion_wait=0.02)])
+    with TestClient(create_app(agent)) as client:
+        client.post("/v1/traces", content=protobuf_body(),
+                    headers={"content-type": "application/x-protobuf"})
+    record = agent.pipeline.requests.get("cmpl-1-0")
+    assert record.trace_id == TRACE and record.ttft == 0.25
+    assert record.tokens == {"cpu": 256, "recompute": 44} and record.promotion_wait == 0.02
+    assert agent.pipeline.snapshot().requests == 1 and agent.otlp_receiver.joined == 1
+
+
+def test_a_token_protects_the_receiver_too():
+    agent = Agent(AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
+                                token="s3cret"))
+    with TestClient(create_app(agent)) as client:
+        headers = {"content-type": "application/x-protobuf"}
+        assert client.post("/v1/traces", content=protobuf_body(), headers=headers).status_code == 401
+        assert client.post("/v1/traces", content=protobuf_body(), headers={
+            **headers, "authorization": "Bearer s3cret"}).status_code == 200

@@ -1,0 +1,183 @@
+"""The vLLM metrics source on literal exposition text, and the zero-code sources against a real
+``vllm serve`` (vLLM's OpenAI server on loopback, the tiny model): /metrics is mapped, OTLP
+request spans arrive at the agent's /v1/traces and join the tap's request records."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from kvscope import events as ev
+from kvscope.agent.agent import Agent
+from kvscope.agent.api import create_app
+from kvscope.agent.config import AgentSettings
+from kvscope.agent.sources.vllm_metrics import MetricsMapper, parse
+from tests.vllm_env import child_env, kill_group, tail, vllm_python
+
+E = 'engine="0",model_name="m"'
+
+
+def exposition(prompt, device, host, store, load, ttft_buckets, usage=0.5):
+    lines = [f"vllm:prompt_tokens_total{{{E}}} {prompt}",
+             f'vllm:prompt_tokens_cached_by_source_total{{{E},source="device"}} {device}',
+             f'vllm:prompt_tokens_cached_by_source_total{{{E},source="host"}} {host}',
+             f'vllm:prompt_tokens_cached_by_source_total{{{E},source="disk"}} 0.0',
+             f"vllm:kv_offload_store_bytes_total{{{E}}} {store}",
+             f"vllm:kv_offload_load_bytes_total{{{E}}} {load}",
+             f"vllm:kv_cache_usage_perc{{{E}}} {usage}",
+             f'vllm:cache_config_info{{block_size="32",num_gpu_blocks="24",{E}}} 1.0',
+             "# HELP vllm:time_to_first_token_seconds Histogram of time to first token."]
+    cumulative = 0
+    for le, n in ttft_buckets:
+        cumulative += n
+        lines.append(f'vllm:time_to_first_token_seconds_bucket{{{E},le="{le}"}} {cumulative}')
+    lines.append(f"vllm:time_to_first_token_seconds_sum{{{E}}} {0.1 * cumulative}")
+    return "\n".join(lines) + "\n"
+
+
+def test_counters_map_as_deltas_and_missing_names_are_absent():
+    mapper = MetricsMapper(block_bytes=100)
+    first = exposition(100, 20, 0, 0, 0, [("0.1", 1), ("1.0", 0), ("+Inf", 0)])
+    baseline = mapper.map(parse(first), 1.0)
+    assert [type(e) for e in baseline] == [ev.TierSnapshot]  # counters: baseline only
+    second = exposition(400, 70, 64, 3200, 6400, [("0.1", 3), ("1.0", 2), ("+Inf", 1)])
+    events = mapper.map(parse(second), 2.0)
+    lookup = next(e for e in events if isinstance(e, ev.Lookup))
+    assert lookup.tokens == {"gpu": 50, "cpu": 64, "recompute": 186} and lookup.request_id == ""
+    transfers = {(e.src, e.dst): e for e in events if isinstance(e, ev.Transfer)}
+    assert transfers[("gpu", "cpu")].bytes == 3200 and transfers[("gpu", "cpu")].blocks == 32
+    assert transfers[("cpu", "gpu")].bytes == 6400 and not transfers[("cpu", "gpu")].timed
+    hist = next(e for e in events if isinstance(e, ev.LatencyHistogram))
+    assert hist.bounds == [0.1, 1.0] and hist.counts == [2, 2, 1]
+    gpu = next(e for e in events if isinstance(e, ev.TierSnapshot))
+    assert gpu.capacity_blocks == 24 and gpu.resident_blocks == 12 and gpu.capacity_bytes == 2400
+    assert MetricsMapper().map(parse("vllm:num_requests_running 1\n"), 3.0) == []
+
+
+def test_a_counter_reset_counts_from_zero():
+    mapper = MetricsMapper(gpu_snapshot=False)
+    mapper.map(parse(f"vllm:prompt_tokens_total{{{E}}} 500\n"), 1.0)
+    events = mapper.map(parse(f"vllm:prompt_tokens_total{{{E}}} 40\n"), 2.0)  # vLLM restarted
+    assert events[0].tokens == {"recompute": 40}
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _wait(predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.25)
+    return False
+
+
+@pytest.fixture
+def vllm_serve(tmp_path):
+    """An agent on loopback (ingest, /v1/traces, vLLM metrics scraping) and vLLM's OpenAI
+    server with the kvscope tap, exporting spans to the agent over OTLP/HTTP."""
+    python = vllm_python()
+    agent_port, vllm_port = _free_ports(2)
+    endpoint = f"ipc://{tmp_path}/ingest.sock"
+    agent = Agent(AgentSettings(
+        ingest={"endpoint": endpoint}, collectors={"gpu": {"enabled": False}},
+        vllm_metrics={"enabled": True, "url": f"http://127.0.0.1:{vllm_port}/metrics",
+                      "interval": 1.0, "block_bytes": 32768}))
+    agent.start()
+    server = uvicorn.Server(uvicorn.Config(create_app(agent), host="127.0.0.1", port=agent_port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    model = tmp_path / "tiny-llama"
+    model.mkdir()
+    driver = json.loads(subprocess.run(
+        [python, "-c", "import json, tests.vllm_driver as d; print(json.dumps(d.MODEL))"],
+        capture_output=True, text=True, env=child_env(), timeout=60, check=True).stdout)
+    (model / "config.json").write_text(json.dumps(driver))
+    extra = {"spec_name": "KvscopeOffloadingSpec", "spec_module_path": "kvscope.agent.taps.vllm",
+             "kvscope_endpoint": endpoint, "cpu_bytes_to_use": 64 * 32768}
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32",
+           "--max-model-len", "512", "--block-size", "32", "--num-gpu-blocks-override", "24",
+           "--kv-cache-memory-bytes", str(24 * 32768), "--enforce-eager", "--max-num-seqs", "2",
+           "--host", "127.0.0.1", "--port", str(vllm_port),
+           "--otlp-traces-endpoint", f"http://127.0.0.1:{agent_port}/v1/traces",
+           "--kv-transfer-config", json.dumps({"kv_connector": "OffloadingConnector",
+                                               "kv_role": "kv_both",
+                                               "kv_connector_extra_config": extra})]
+    env = dict(child_env(), OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
+               OTEL_BSP_SCHEDULE_DELAY="200")
+    log = tmp_path / "vllm_serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{vllm_port}"
+        up = _wait(lambda: proc.poll() is None and _ok(f"{base}/health"), 240)
+        if not up:
+            pytest.fail(f"vllm serve not up (rc {proc.poll()}):\n{tail(log)}")
+        yield agent, base, str(model), log
+    finally:
+        kill_group(proc)
+        server.should_exit = True
+        thread.join(10)
+        agent.shutdown()
+
+
+def _ok(url):
+    try:
+        return httpx.get(url, timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_vllm_serve_metrics_spans_and_tap_reach_the_agent(vllm_serve):
+    agent, base, model, log = vllm_serve
+    prefix = [(i * 7) % 500 + 3 for i in range(256)]
+    ids = []
+    with httpx.Client(base_url=base, timeout=120, trust_env=False) as client:
+        for tail_tokens in ([5, 6, 7], [8, 9, 10]):
+            response = client.post("/v1/completions", json={
+                "model": model, "prompt": prefix + tail_tokens, "max_tokens": 4,
+                "temperature": 0})
+            assert response.status_code == 200, response.text
+            ids.append(response.json()["id"])
+        text = client.get("/metrics").text
+    # the mapping of the very exposition vLLM serves
+    mapper = MetricsMapper(block_bytes=32768)
+    zeros = {key: 0.0 for key in parse(text)}  # vLLM before any request: every counter at 0
+    mapper.map(zeros, 0.0)
+    events = mapper.map(parse(text), 1.0)
+    kinds = {type(e).__name__ for e in events}
+    assert {"Lookup", "Transfer", "LatencyHistogram", "TierSnapshot"} <= kinds, kinds
+    hist = next(e for e in events if isinstance(e, ev.LatencyHistogram))
+    assert sum(hist.counts) == 2 and hist.bounds  # both requests' TTFTs
+    lookup = next(e for e in events if isinstance(e, ev.Lookup))
+    assert lookup.tokens["gpu"] >= 256 - 32 and lookup.tokens["recompute"] > 0
+    # the agent's own scrape: source up, events received
+    assert _wait(lambda: agent.pipeline.snapshot().source_up.get("vllm_metrics"), 20)
+    assert _wait(lambda: agent.pipeline.snapshot().events_received.get("vllm_metrics", 0) > 0, 20)
+    # the second request reused the prefix from the GPU prefix cache (tap's lookup)
+    assert _wait(lambda: all(agent.pipeline.requests.get(f"{i}-0") for i in ids), 30), \
+        (ids, [r.request_id for r in agent.pipeline.requests.recent(10)], tail(log))
+    # vLLM's spans reach /v1/traces and join the tap's records (same external request id)
+    assert _wait(lambda: agent.otlp_receiver.joined >= 2, 30), (
+        agent.otlp_receiver.received, agent.otlp_receiver.ignored, tail(log))
+    record = agent.pipeline.requests.get(f"{ids[1]}-0")
+    assert record.tokens.get("gpu", 0) >= 256 - 32 and record.ttft and len(record.trace_id) == 32
+    assert agent.pipeline.snapshot().requests == 2
