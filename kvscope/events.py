@@ -36,7 +36,7 @@ class SchemaError(ValueError):
         self.reason = reason
 
 
-class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True, gc=False):
+class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
     ts: float  # Unix seconds when the event happened (a transfer: when it started)
 
 

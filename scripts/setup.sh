@@ -116,6 +116,13 @@ else
     stamp_key "$EXTRAS" >"$STAMP"
 fi
 
+# 5. With --test: vLLM's CPU build for the vLLM integration tests, in a cache outside the clone
+#    keyed by its pinned versions (built once, about 0.6 GB; reused by every clone after that).
+if [ "$WANT_TEST" -eq 1 ]; then
+    say "vLLM CPU environment (scripts/vllm_env.sh)"
+    bash "$ROOT/scripts/vllm_env.sh" >/dev/null
+fi
+
 say "done. Try: $VENV/bin/kvscope demo"
 [ "$WANT_TEST" -eq 1 ] && say "tests: $VENV/bin/python -m pytest"
 exit 0

@@ -114,3 +114,29 @@ def test_snapshot_is_a_copy():
     _feed(pipeline, rid="r2")
     assert snap.prompt_tokens["gpu"] == 16
     assert pipeline.snapshot().prompt_tokens["gpu"] == 32
+
+
+def test_untimed_transfers_and_unmeasured_evictions_count_without_histograms():
+    """A vLLM KV-events source sees copies and evictions but no durations, ages or hits: bytes
+    and blocks count, the histograms stay empty."""
+    pipeline = Pipeline()
+    pipeline.ingest("vllm", [
+        ev.Transfer(ts=1.0, src="gpu", dst="cpu", blocks=2, bytes=64, duration=0.0, timed=False),
+        ev.Eviction(ts=1.0, tier="cpu", blocks=3, bytes=96, age=0.0, hits=0, measured=False),
+    ])
+    snap = pipeline.snapshot()
+    assert snap.transfer_bytes == {("gpu", "cpu"): 64} and snap.transfer_seconds == {}
+    assert snap.evicted_blocks == {("cpu", "capacity"): 3} and snap.dropped_blocks == {"cpu": 3}
+    assert snap.evicted_block_hits == {} and snap.block_residency_seconds == {}
+
+
+def test_engine_latency_histograms_fold_into_ttft():
+    """vLLM-style buckets (0.02, 0.04, 0.06, +Inf) with counts 1, 2, 0, 1: each lands in our
+    bucket holding its upper bound — 0.02 -> 0.025, 0.04 -> 0.05, +Inf -> +Inf; sum adds."""
+    pipeline = Pipeline()
+    pipeline.ingest("vllm", [ev.LatencyHistogram(ts=1.0, metric="ttft", bounds=[0.02, 0.04, 0.06],
+                                                 counts=[1, 2, 0, 1], sum=0.5)])
+    hist = pipeline.snapshot().ttft_seconds
+    by_bound = dict(zip((*hist.buckets, float("inf")), hist.counts))
+    assert (by_bound[0.025], by_bound[0.05], by_bound[float("inf")]) == (1, 2, 1)
+    assert hist.count == 4 and hist.sum == 0.5

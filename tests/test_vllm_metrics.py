@@ -170,13 +170,13 @@ def test_vllm_serve_metrics_spans_and_tap_reach_the_agent(vllm_serve):
     lookup = next(e for e in events if isinstance(e, ev.Lookup))
     assert lookup.tokens["gpu"] >= 256 - 32 and lookup.tokens["recompute"] > 0
     # the agent's own scrape: source up, events received
-    assert _wait(lambda: agent.pipeline.snapshot().source_up.get("vllm_metrics"), 20)
-    assert _wait(lambda: agent.pipeline.snapshot().events_received.get("vllm_metrics", 0) > 0, 20)
+    assert _wait(lambda: agent.pipeline.snapshot().source_up.get("vllm_metrics"), 120)
+    assert _wait(lambda: agent.pipeline.snapshot().events_received.get("vllm_metrics", 0) > 0, 120)
     # the second request reused the prefix from the GPU prefix cache (tap's lookup)
-    assert _wait(lambda: all(agent.pipeline.requests.get(f"{i}-0") for i in ids), 30), \
+    assert _wait(lambda: all(agent.pipeline.requests.get(f"{i}-0") for i in ids), 120), \
         (ids, [r.request_id for r in agent.pipeline.requests.recent(10)], tail(log))
     # vLLM's spans reach /v1/traces and join the tap's records (same external request id)
-    assert _wait(lambda: agent.otlp_receiver.joined >= 2, 30), (
+    assert _wait(lambda: agent.otlp_receiver.joined >= 2, 120), (
         agent.otlp_receiver.received, agent.otlp_receiver.ignored, tail(log))
     record = agent.pipeline.requests.get(f"{ids[1]}-0")
     assert record.tokens.get("gpu", 0) >= 256 - 32 and record.ttft and len(record.trace_id) == 32

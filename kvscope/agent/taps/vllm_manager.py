@@ -1,0 +1,382 @@
+"""The scheduler side of the vLLM tap: an ``OffloadingManager`` that wraps vLLM's own and reports
+what it does as kvscope events, without changing a single decision.
+
+Every method calls the inner manager first and returns exactly what it returned (its exceptions
+propagate untouched: they are vLLM's). Observation runs afterwards inside ``_observe`` blocks that
+catch everything, count it in :attr:`TapManager.errors` and log once, so the tap never raises
+into vLLM; events go to a non-blocking emitter. Per call it does dictionary work only.
+
+What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`):
+
+- ``RequestStarted`` when vLLM first sees a request (``ts``: vLLM's ``arrival_time``; trace id
+  from the request's W3C ``traceparent`` header, when it has one).
+- ``Lookup`` when the request is first scheduled, from vLLM's own split of the prompt
+  (``Request.prefill_stats``: local prefix-cache tokens -> ``gpu``, tokens loaded through this
+  connector -> ``cpu`` (``disk`` for keys a tiering manager says came from disk), the rest ->
+  ``recompute``).
+- ``Eviction`` of CPU-tier chunks (``prepare_store``'s ``evicted_keys``, and removals in
+  ``take_events``) with each chunk's age and the loads it served; lower tiers' removals from
+  ``take_events`` (only when vLLM's KV events are enabled, since only then does vLLM drain them).
+- ``Transfer`` ``disk->cpu`` / ``cpu->disk`` seen only as manager events (untimed).
+- ``TierSnapshot`` of the CPU tier at most once per ``snapshot_interval``.
+- ``RequestFinished`` when vLLM finishes the request: TTFT (first output token seen at a
+  scheduler step, so up to one step late), promotion wait (``prepare_load`` to
+  ``complete_load``), prefill (first scheduled to first token) and queueing (the rest).
+
+The request object is taken, read-only, from the caller's frame of ``on_new_request`` (vLLM's
+``OffloadingConnectorScheduler.on_new_request(request)``): the manager API carries only a
+request id. Where that frame has no ``request``, per-request events are skipped and counted in
+:attr:`TapManager.unattributed`; cache events still flow. Request ids are vLLM's external ids
+(the 8-hex-digit suffix vLLM appends for uniqueness is removed), so they match the OpenAI
+response id and vLLM's ``gen_ai.request.id`` span attribute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import sys
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterable
+
+from vllm.v1.kv_offload.base import OffloadingManager
+
+from kvscope import events as ev
+
+log = logging.getLogger(__name__)
+
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+MEDIUM_TIER = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}  # vLLM medium -> kvscope tier
+# vLLM CacheHitSource value -> kvscope token source (p2p and unspecified count as cpu: they
+# arrive through host memory)
+HIT_SOURCE = {"device": "gpu", "host": "cpu", "disk": "disk"}
+
+
+def external_request_id(request_id: str) -> str:
+    """vLLM's internal request id without the ``-xxxxxxxx`` suffix it adds for uniqueness."""
+    return _SUFFIX.sub("", request_id)
+
+
+def trace_id_of(headers) -> str:
+    """The trace id of a W3C ``traceparent`` header in ``headers`` (a mapping), or ""."""
+    if not headers:
+        return ""
+    match = _TRACEPARENT.match(str(headers.get("traceparent", "")).strip().lower())
+    return match.group(1) if match and match.group(1) != "0" * 32 else ""
+
+
+class _Req:
+    __slots__ = ("request", "rid", "arrival", "scheduled", "load_start", "load_wait",
+                 "first_token", "sources")
+
+    def __init__(self, request, rid: str, arrival: float) -> None:
+        self.request = request
+        self.rid = rid
+        self.arrival = arrival
+        self.scheduled: float | None = None
+        self.load_start: float | None = None
+        self.load_wait = 0.0
+        self.first_token: float | None = None
+        self.sources: Counter[str] = Counter()  # loaded chunks by tier (tiering only)
+
+
+class TapManager(OffloadingManager):
+    """Wraps ``inner`` (vLLM's manager) and ``emit``s kvscope events.
+
+    ``tokens_per_block``: vLLM block size in tokens. ``blocks_per_chunk``: GPU blocks per
+    offloaded chunk. ``bytes_per_block``: KV bytes of one GPU block across workers.
+    ``capacity_chunks``: chunks the CPU tier holds. ``multi_tier``: ask the inner manager where
+    each loaded key comes from (tiering). ``clock``: Unix seconds. ``max_requests``: requests
+    tracked at once (oldest dropped beyond it, counted in ``unattributed``).
+    """
+
+    def __init__(self, inner: OffloadingManager, emit: Callable[[object], None], *,
+                 tokens_per_block: int, blocks_per_chunk: int, bytes_per_block: int,
+                 capacity_chunks: int, multi_tier: bool = False,
+                 clock: Callable[[], float] = time.time, snapshot_interval: float = 1.0,
+                 max_requests: int = 100_000) -> None:
+        self.inner = inner
+        self.errors = 0        # observations that failed (each caught, never raised)
+        self.unattributed = 0  # requests whose vLLM Request object the tap could not see
+        self._emit = emit
+        self._tpb = tokens_per_block
+        self._bpc = blocks_per_chunk
+        self._block_bytes = bytes_per_block
+        self._capacity = capacity_chunks
+        self._multi_tier = multi_tier
+        self._clock = clock
+        self._interval = snapshot_interval
+        self._max_requests = max_requests
+        self._reqs: OrderedDict[str, _Req] = OrderedDict()
+        self._awaiting_first: dict[str, _Req] = {}
+        # Plain floats and ints only (no per-key containers), so the garbage collector never
+        # has to walk these maps: vLLM's scheduler allocates a lot and triggers it often.
+        self._resident: dict[bytes, float] = {}        # key -> stored at (Unix seconds)
+        self._hits: Counter[bytes] = Counter()         # key -> loads served (only if > 0)
+        self._next_snapshot = 0.0
+        # Pure pass-throughs are the inner manager's bound methods themselves: no extra frame
+        # on the hottest call (lookup runs once per block of every prompt).
+        self.lookup = inner.lookup
+        self.get_load_source = inner.get_load_source
+        self.touch = inner.touch
+        self.has_pending_work = inner.has_pending_work
+        self.get_stats = inner.get_stats
+
+    # -- the boundary ----------------------------------------------------------------------
+
+    def _failed(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            log.warning("kvscope vLLM tap: %s failed (%s: %s); counting further failures "
+                        "silently", where, type(exc).__name__, exc)
+
+    # -- OffloadingManager -----------------------------------------------------------------
+
+    def lookup(self, key, req_context):
+        return self.inner.lookup(key, req_context)
+
+    def get_load_source(self, key, req_context):
+        return self.inner.get_load_source(key, req_context)
+
+    def prepare_load(self, keys: Collection, req_context):
+        spec = self.inner.prepare_load(keys, req_context)
+        try:
+            now = self._clock()
+            self._hits.update(keys)  # a Counter: counted in C (vLLM loads resident keys only)
+            req = self._reqs.get(req_context.req_id)
+            if req is not None:
+                req.load_start = now
+                if self._multi_tier:
+                    for key in keys:
+                        source = getattr(self.inner.get_load_source(key, req_context), "value", "")
+                        req.sources[HIT_SOURCE.get(source, "cpu")] += 1
+        except Exception as exc:  # the tap boundary: never raise into vLLM
+            self._failed("prepare_load", exc)
+        return spec
+
+    def touch(self, keys, req_context):
+        return self.inner.touch(keys, req_context)
+
+    def complete_load(self, keys, req_context):
+        result = self.inner.complete_load(keys, req_context)
+        try:
+            req = self._reqs.get(req_context.req_id)
+            if req is not None and req.load_start is not None:
+                req.load_wait += max(0.0, self._clock() - req.load_start)
+                req.load_start = None
+        except Exception as exc:
+            self._failed("complete_load", exc)
+        return result
+
+    def prepare_store(self, keys: Collection, req_context):
+        output = self.inner.prepare_store(keys, req_context)
+        try:
+            if output is not None and output.evicted_keys:
+                self._evict(output.evicted_keys, "cpu", "capacity", self._clock())
+        except Exception as exc:
+            self._failed("prepare_store", exc)
+        return output
+
+    def complete_store(self, keys, req_context, success: bool = True):
+        result = self.inner.complete_store(keys, req_context, success)
+        try:
+            if success:  # vLLM completes a store job with exactly the keys it stored
+                self._resident.update(dict.fromkeys(keys, self._clock()))
+        except Exception as exc:
+            self._failed("complete_store", exc)
+        return result
+
+    def on_new_request(self, req_context):
+        result = self.inner.on_new_request(req_context)
+        try:
+            self._started(req_context, sys._getframe(1).f_locals.get("request"))
+        except Exception as exc:
+            self._failed("on_new_request", exc)
+        return result
+
+    def on_request_finished(self, req_context):
+        result = self.inner.on_request_finished(req_context)
+        try:
+            self._finished(req_context.req_id)
+        except Exception as exc:
+            self._failed("on_request_finished", exc)
+        return result
+
+    def take_events(self) -> Iterable:
+        events = list(self.inner.take_events())
+        try:
+            self._manager_events(events)
+        except Exception as exc:
+            self._failed("take_events", exc)
+        return events
+
+    def on_schedule_end(self, context):
+        result = self.inner.on_schedule_end(context)
+        try:
+            self._schedule_end(context.new_req_ids)
+        except Exception as exc:
+            self._failed("on_schedule_end", exc)
+        return result
+
+    def has_pending_work(self) -> bool:
+        return self.inner.has_pending_work()
+
+    def reset_cache(self) -> None:
+        result = self.inner.reset_cache()
+        try:
+            self._evict(list(self._resident), "cpu", "cleared", self._clock())
+            self._hits.clear()
+            self._snapshot(self._clock(), force=True)
+        except Exception as exc:
+            self._failed("reset_cache", exc)
+        return result
+
+    def get_stats(self):
+        return self.inner.get_stats()
+
+    def shutdown(self) -> None:
+        return self.inner.shutdown()
+
+    def __getattr__(self, name: str):
+        # anything else a specific vLLM manager offers (e.g. tiering's helpers) goes through
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # -- observation (called inside the boundary) -------------------------------------------
+
+    def _started(self, req_context, request) -> None:
+        rid = req_context.req_id
+        if rid in self._reqs:
+            return
+        if request is None or not hasattr(request, "num_prompt_tokens"):
+            self.unattributed += 1
+            return
+        arrival = float(getattr(request, "arrival_time", 0.0) or self._clock())
+        req = self._reqs[rid] = _Req(request, external_request_id(rid), arrival)
+        if len(self._reqs) > self._max_requests:
+            _, dropped = self._reqs.popitem(last=False)
+            self._awaiting_first.pop(dropped.rid, None)
+            self.unattributed += 1
+        self._emit(ev.RequestStarted(ts=arrival, request_id=req.rid,
+                                     prompt_tokens=int(request.num_prompt_tokens),
+                                     trace_id=trace_id_of(getattr(request, "trace_headers", None))))
+
+    def _schedule_end(self, new_req_ids) -> None:
+        now = self._clock()
+        for rid in new_req_ids:
+            req = self._reqs.get(rid)
+            if req is not None and req.scheduled is None:
+                req.scheduled = now
+                self._awaiting_first[rid] = req
+                self._emit(self._lookup_event(req, now))
+        if self._awaiting_first:
+            for rid in [r for r, q in self._awaiting_first.items()
+                        if q.request.num_output_tokens > 0]:
+                self._awaiting_first.pop(rid).first_token = now
+        self._snapshot(now)
+
+    def _lookup_event(self, req: _Req, now: float) -> ev.Lookup:
+        request = req.request
+        prompt = int(request.num_prompt_tokens)
+        stats = getattr(request, "prefill_stats", None)
+        if stats is not None and stats.num_prompt_tokens:
+            local, external = stats.num_local_cached_tokens, stats.num_external_cached_tokens
+        else:  # stats already taken: what the scheduler had computed when it admitted it
+            local, external = min(int(request.num_computed_tokens), prompt), 0
+        tokens: dict[str, int] = {"gpu": local, "recompute": max(0, prompt - local - external)}
+        total = sum(req.sources.values())
+        if external and total:
+            for tier, chunks in req.sources.items():  # tiering: split by where keys came from
+                tokens[tier] = tokens.get(tier, 0) + external * chunks // total
+            tokens["cpu"] = tokens.get("cpu", 0) + external - sum(
+                external * c // total for c in req.sources.values())
+        elif external:
+            tokens["cpu"] = external
+        hits = {tier: n // self._tpb for tier, n in tokens.items() if tier != "recompute" and n}
+        return ev.Lookup(ts=now, request_id=req.rid, tokens={k: v for k, v in tokens.items() if v},
+                         blocks=prompt // self._tpb, block_hits=hits)
+
+    def _finished(self, rid: str) -> None:
+        req = self._reqs.pop(rid, None)
+        if req is None:
+            return
+        self._awaiting_first.pop(rid, None)
+        now = self._clock()
+        first = req.first_token or now
+        ttft = max(0.0, first - req.arrival)
+        prefill = max(0.0, first - req.scheduled) if req.scheduled is not None else 0.0
+        wait = min(req.load_wait, ttft)
+        prefill = min(prefill, ttft - wait)
+        request = req.request
+        self._emit(ev.RequestFinished(
+            ts=now, request_id=req.rid, ttft=ttft, prompt_tokens=int(request.num_prompt_tokens),
+            output_tokens=int(request.num_output_tokens), queueing=max(0.0, ttft - wait - prefill),
+            promotion_wait=wait, prefill=prefill))
+
+    def _evict(self, keys, tier: str, reason: str, now: float) -> None:
+        """One Eviction per distinct hit count (the event carries one ``hits`` for its blocks)."""
+        all_hits = self._hits
+        used = all_hits.keys() & keys if all_hits else ()  # usually few: loop only over those
+        groups: dict[int, list] = {}
+        for key in used:
+            group = groups.setdefault(all_hits.pop(key), [0, 0.0])
+            group[0] += 1
+            group[1] += now - self._resident.pop(key, now)
+        unused = len(keys) - len(used)
+        if unused:  # the rest in C: dict.pop over the keys (used ones are gone already)
+            stored = sum(map(self._resident.pop, keys, itertools.repeat(now, len(keys))))
+            self._eviction(now, tier, reason, 0, unused, (unused * now - stored + len(used) * now) / unused)
+        for hits, (chunks, ages) in groups.items():
+            self._eviction(now, tier, reason, hits, chunks, ages / chunks)
+
+    def _eviction(self, now: float, tier: str, reason: str, hits: int, chunks: int,
+                  age: float) -> None:
+        blocks = chunks * self._bpc
+        self._emit(ev.Eviction(ts=now, tier=tier, blocks=blocks, bytes=blocks * self._block_bytes,
+                               age=age, hits=hits, reason=reason))
+
+    def _manager_events(self, events) -> None:
+        now = self._clock()
+        for event in events:
+            medium = getattr(event.medium, "value", str(event.medium))
+            tier = MEDIUM_TIER.get(medium)
+            if tier is None or tier == "gpu":
+                continue
+            keys = list(event.keys)
+            if tier == "cpu":
+                if event.removed:  # removals prepare_store did not announce (tiering)
+                    gone = [k for k in keys if k in self._resident]
+                    if gone:
+                        self._evict(gone, "cpu", "capacity", now)
+                else:  # stored without our store: a promotion from a lower tier
+                    new = [k for k in keys if k not in self._resident]
+                    for key in new:
+                        self._resident[key] = now
+                    if new:
+                        self._untimed("disk", "cpu", len(new), now)
+            elif event.removed:
+                blocks = len(keys) * self._bpc
+                self._emit(ev.Eviction(ts=now, tier=tier, blocks=blocks,
+                                       bytes=blocks * self._block_bytes, age=0.0, hits=0,
+                                       measured=False))
+            else:
+                self._untimed("cpu", tier, len(keys), now)
+
+    def _untimed(self, src: str, dst: str, chunks: int, now: float) -> None:
+        blocks = chunks * self._bpc
+        self._emit(ev.Transfer(ts=now, src=src, dst=dst, blocks=blocks,
+                               bytes=blocks * self._block_bytes, duration=0.0, timed=False))
+
+    def _snapshot(self, now: float, force: bool = False) -> None:
+        if not force and now < self._next_snapshot:
+            return
+        self._next_snapshot = now + self._interval
+        blocks = self._capacity * self._bpc
+        resident = len(self._resident) * self._bpc
+        self._emit(ev.TierSnapshot(ts=now, tier="cpu", capacity_bytes=blocks * self._block_bytes,
+                                   resident_bytes=resident * self._block_bytes,
+                                   capacity_blocks=blocks, resident_blocks=resident))

