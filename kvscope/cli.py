@@ -20,6 +20,13 @@ def _positive(kind):
     return parse
 
 
+def _blocks(text: str) -> int:
+    blocks = int(text)
+    if blocks < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return blocks
+
+
 def _port(text: str) -> int:
     port = int(text)
     if not 0 < port < 65536:
@@ -50,9 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="model preset giving the KV block shape (default %(default)s)")
     demo.add_argument("--gpu-blocks", type=_positive(int), default=256,
                       help="gpu tier capacity in blocks (default %(default)s)")
-    demo.add_argument("--cpu-blocks", type=int, default=1024,
+    demo.add_argument("--cpu-blocks", type=_blocks, default=1024,
                       help="cpu tier capacity in blocks; 0 disables offload (default %(default)s)")
-    demo.add_argument("--disk-blocks", type=int, default=0,
+    demo.add_argument("--disk-blocks", type=_blocks, default=0,
                       help="disk tier capacity in blocks, chunk files in a temporary directory; "
                            "0 disables it (default %(default)s)")
     demo.add_argument("--policy", choices=("lru", "arc"), default="lru",
@@ -220,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                "compare": _compare}[args.command]
     try:
         return handler(args)
+    except KeyboardInterrupt:  # Ctrl-C in a command that has no clean stop of its own
+        print("kvscope: interrupted", file=sys.stderr)
+        return 130
     except (TraceError, ConfigError, EngineConfigError, UnknownPreset, OSError) as exc:
         message = exc.args[0] if isinstance(exc, UnknownPreset) else str(exc)
         print(f"kvscope: error: {message}", file=sys.stderr)

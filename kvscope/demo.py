@@ -56,6 +56,9 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     else:
         block_tokens = preset.block_tokens
         requests = synthetic(SyntheticConfig(seed=config.seed, block_tokens=block_tokens))
+    if config.metrics_port == config.ui_port:
+        raise PortInUse(f"--metrics-port and --ui-port are both {config.ui_port}; give them "
+                        "different ports")
     # the engine first: a bad tier configuration is reported before any port is taken
     engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, config.disk_blocks,
                            block_tokens=block_tokens, policy=config.policy,

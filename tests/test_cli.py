@@ -59,3 +59,19 @@ def test_disk_tier_without_cpu_tier_is_a_clear_error():
     ports = [str(free_port()), str(free_port())]
     _one_error_line(_kvscope("demo", "--cpu-blocks", "0", "--disk-blocks", "4", "--duration", "5",
                              "--metrics-port", ports[0], "--ui-port", ports[1]), "cpu tier")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--cpu-blocks", "-1"], "must be >= 0"),
+    (["--metrics-port", "19555", "--ui-port", "19555"], "different ports"),
+    (["--preset", "llama-3-8b", "--cpu-blocks", "100000000"], "GiB of host memory"),
+])
+def test_impossible_demo_settings(args, needle):
+    result = _kvscope("demo", "--duration", "5", *args)
+    assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
+def test_unreadable_trace_is_one_line(tmp_path):
+    path = tmp_path / "binary.jsonl"
+    path.write_bytes(b"\xff\xfe\x00garbage\n")
+    _one_error_line(_kvscope("demo", "--trace", str(path), "--duration", "5"), "not UTF-8")

@@ -42,3 +42,8 @@ def test_bad_values_name_the_key(tmp_path, content, needle):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_settings(tmp_path / "absent.toml")
+
+
+def test_otlp_endpoint_must_be_a_url():
+    with pytest.raises(ConfigError, match="otlp_endpoint"):
+        load_settings(None, otlp_endpoint="not a url")

@@ -33,6 +33,7 @@ def test_block_token_counts_split_a_prompt():
     ('{"timestamp": 0, "input_length": 10}', "hash_ids"),
     ('{"timestamp": 0, "input_length": 10, "hash_ids": ["x"]}', "hash_ids"),
     ('{"timestamp": "soon", "input_length": 10, "hash_ids": [1]}', "numbers"),
+    ('{"timestamp": 0, "input_length": -5, "hash_ids": [1, 2]}', ">= 0"),
 ])
 def test_malformed_trace_lines_name_file_and_line(tmp_path, line, message):
     path = tmp_path / "t.jsonl"
@@ -60,3 +61,15 @@ def test_synthetic_is_seeded_and_shares_prefixes():
     assert len(set(accesses)) < 0.7 * len(accesses)  # system prompts and sessions are reused
     for r in first:
         assert len(r.block_hashes) == -(-r.prompt_tokens // 16)
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\xff\xfe\x00garbage\n", "not UTF-8"),
+    (b"", "no requests"),
+    (b"\n\n", "no requests"),
+])
+def test_unreadable_or_empty_traces(tmp_path, content, message):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(TraceError, match=message):
+        read_mooncake(path)

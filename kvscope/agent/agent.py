@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -12,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from kvscope.agent.capture import CaptureWriter
 from kvscope.agent.collectors import CollectorSet
-from kvscope.agent.config import AgentSettings
+from kvscope.agent.config import AgentSettings, ConfigError
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.requests import RequestTable
 from kvscope.agent.sources.ingest import IngestSource
@@ -20,6 +19,7 @@ from kvscope.agent.sources.kv_events import KvEventsSource, KvResidency
 from kvscope.agent.sources.otlp_receiver import OtlpReceiver
 from kvscope.agent.sources.vllm_metrics import MetricsMapper, VllmMetricsSource
 from kvscope.agent.store import RequestStore
+from kvscope.agent.worker import Worker
 from kvscope.exporter.collector import KvscopeCollector
 from kvscope.exporter.node import node_samples
 from kvscope.exporter.otlp import RequestSpanExporter
@@ -27,19 +27,20 @@ from kvscope.exporter.otlp import RequestSpanExporter
 log = logging.getLogger(__name__)
 
 
-class Agent:
+class Agent(Worker):
     """One node's agent, built from ``settings``.
 
     ``with_ingest``: bind the ZMQ ingest source (the demo feeds the pipeline in-process instead).
     ``collectors``: the host/GPU collectors (default: as the settings enable them).
     ``clock``: Unix-seconds clock. ``start()`` / ``shutdown()`` are safe to repeat, and
-    ``shutdown()`` is safe without ``start()``; ``start()`` raises ``zmq.ZMQError`` when the
-    ingest endpoint cannot be bound (nothing is left running then).
+    ``shutdown()`` is safe without ``start()``; ``start()`` raises
+    :class:`~kvscope.agent.config.ConfigError` when a part cannot start (see :meth:`prepare`).
     """
 
     def __init__(self, settings: AgentSettings | None = None, *, with_ingest: bool = True,
                  collectors: CollectorSet | None = None,
                  clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
         self.settings = settings = settings or AgentSettings()
         self.pipeline = Pipeline(settings.prefill_tokens_per_second,
                                  table=RequestTable(settings.requests_capacity))
@@ -74,61 +75,55 @@ class Agent:
         self.started_at = clock()
         self.ready = False
         self._clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        if self._thread is not None:
-            return
+    thread_name = "kvscope-sampler"
+
+    def _components(self) -> list[tuple[str, object]]:
+        """(what to name in an error, component) for every optional part, in start order."""
+        s = self.settings
+        parts = [(f"store_dir {s.store_dir}", self.store),
+                 (f"capture_dir {s.capture_dir}", self.capture),
+                 (f"ingest endpoint {s.ingest.endpoint}", self.ingest),
+                 (f"kv_events endpoint {s.kv_events.endpoint}", self.kv_events),
+                 ("vllm_metrics", self.vllm_metrics), ("otlp_receiver", self.otlp_receiver)]
+        return [(name, part) for name, part in parts if part is not None]
+
+    def prepare(self) -> None:
+        """Restore stored requests, subscribe the sinks and start every part; raises
+        :class:`~kvscope.agent.config.ConfigError` naming the part that could not start (a
+        port or endpoint taken, a directory that cannot be made), with nothing left running."""
         if self.store is not None:
             for record in self.store.load(self.pipeline.requests.capacity):
                 self.pipeline.requests.add(record)
             self.pipeline.subscribe(self.store.add)
-            self.store.start()
         if self.otlp is not None:
             self.pipeline.subscribe(self.otlp.export)
         if self.capture is not None:
             self.pipeline.subscribe_lookups(self.capture.add_lookup)
             self.pipeline.subscribe(self.capture.add_request)
-            self.capture.start()
-        if self.ingest is not None:
+        for name, part in self._components():
             try:
-                self.ingest.start()
-            except zmq.ZMQError:
+                part.start()
+            except (zmq.ZMQError, OSError) as exc:
                 self.shutdown()
-                raise
-        if self.kv_events is not None:
-            try:
-                self.kv_events.start()
-            except zmq.ZMQError:
-                self.shutdown()
-                raise
-        for source in (self.vllm_metrics, self.otlp_receiver):
-            if source is not None:
-                source.start()
-        self._thread = threading.Thread(target=self._sample_loop, name="kvscope-sampler",
-                                        daemon=True)
-        self._thread.start()
+                raise ConfigError(f"cannot start {name}: {exc}") from None
+
+    def start(self) -> None:
+        super().start()
         self.ready = True
 
     def shutdown(self) -> None:
         self.ready = False
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self.ingest is not None:
-            self.ingest.shutdown()
-        for source in (self.kv_events, self.vllm_metrics, self.otlp_receiver):
-            if source is not None:
-                source.shutdown()
-        if self.store is not None:
-            self.store.shutdown()
+        super().shutdown()
+        for _name, part in reversed(self._components()):
+            part.shutdown()
         if self.otlp is not None:
             self.otlp.shutdown()
-        if self.capture is not None:
-            self.capture.shutdown()
         self.collectors.shutdown()
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.sample_interval):
+            self.sample()
 
     def sample(self) -> None:
         """Record one dashboard sample now, with the host and GPU readings that are up."""
@@ -141,7 +136,3 @@ class Agent:
             host_memory_reserve=host.reserve if host else None,
             host_memory_headroom=host.headroom if host else None,
             offload_budgets=host.budgets if host else None, pcie_link_max=links)
-
-    def _sample_loop(self) -> None:
-        while not self._stop.wait(self.sample_interval):
-            self.sample()

@@ -136,6 +136,13 @@ class AgentSettings(BaseSettings):
     otlp_receiver: OtlpReceiverConfig = OtlpReceiverConfig()
     collectors: CollectorsConfig = CollectorsConfig()
 
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:4318")
+        return value
+
 
 def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
     """Settings from the TOML file at ``path`` (if any), the environment, then ``overrides``

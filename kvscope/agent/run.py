@@ -6,8 +6,6 @@ import signal
 import sys
 import threading
 
-import zmq
-
 from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings, ConfigError
@@ -17,17 +15,17 @@ from kvscope.agent.server import ApiServer, bind
 def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | None = None) -> int:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set); return the exit code.
 
-    Raises :class:`~kvscope.agent.server.PortInUse` or :class:`ConfigError` (for an ingest
-    endpoint that cannot be bound) before anything is left running.
+    Raises :class:`~kvscope.agent.server.PortInUse` or :class:`ConfigError` (a part that
+    cannot start: ingest endpoint taken, store directory impossible) before anything is left
+    running.
     """
     sock = bind(settings.host, settings.port, "--port")
     agent = Agent(settings)
     try:
         agent.start()
-    except zmq.ZMQError as exc:
+    except ConfigError:
         sock.close()
-        raise ConfigError(f"cannot bind ingest endpoint {settings.ingest.endpoint}: {exc}; "
-                          "pass another with --ingest") from None
+        raise
     server = ApiServer(create_app(agent), sock)
     server.start()
     stop = stop or threading.Event()

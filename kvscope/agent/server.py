@@ -3,6 +3,7 @@ anything starts) and run uvicorn on a thread that stops cleanly."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 
@@ -22,8 +23,10 @@ def bind(host: str, port: int, flag: str) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}; "
-                        f"pass a free port with {flag}") from None
+        # an unresolvable name (socket.gaierror) or a foreign address lands here too
+        advice = (f"pass a free port with {flag}" if exc.errno == errno.EADDRINUSE
+                  else "check --host: it must be an address of this machine")
+        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}; {advice}") from None
     return sock
 
 

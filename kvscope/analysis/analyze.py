@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvscope.engine.workload import TraceError
 from kvscope.analysis import shards
 from kvscope.analysis.arc import arc_curve
 from kvscope.analysis.inputs import AccessTrace
@@ -116,7 +117,7 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
     """
     options.validate()
     if len(trace) == 0:
-        raise ValueError(f"{trace.source or 'trace'}: no block accesses to analyze")
+        raise TraceError(f"{trace.source or 'trace'}: no block accesses to analyze")
     by_access, by_token, reuse_distances, method = _histograms(trace, options)
     reuse = reuse_stats(trace, reuse_distances)
     working_set = max(by_access.max_useful_size, 1)

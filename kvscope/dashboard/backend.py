@@ -15,8 +15,6 @@ from urllib.parse import quote
 
 import httpx
 
-from kvscope.agent.requests import SORT_KEYS  # noqa: F401  (the agent's sort keys)
-
 
 class BackendUnavailable(Exception):
     """The backend at ``url`` could not be read; ``reason`` says why, in a few words;

@@ -14,8 +14,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from kvscope.dashboard import series as S
-from kvscope.dashboard.series import (Sample, counter_rates, gauge_series, last_window,  # noqa: F401
-                                      ordered)
+from kvscope.dashboard.series import Sample, counter_rates, gauge_series, ordered
 
 TIME_AXIS_TITLE = "time (UTC)"
 NO_DATA = "no data yet"

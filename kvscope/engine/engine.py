@@ -55,7 +55,22 @@ def _block_sources(sources: list[int]) -> list[str]:
 
 
 class EngineConfigError(ValueError):
-    """The engine cannot be built as asked (tier sizes, admission); the message says why."""
+    """The engine cannot be built as asked (tier sizes, admission, host memory); the message
+    says why."""
+
+
+def _check_host_memory(needed: int) -> None:
+    """Refuse pools that would not fit in the host memory available now (psutil), rather than
+    fail deep inside an allocation or push the host into swap."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if needed > 0.9 * available:
+        raise EngineConfigError(
+            f"the tiers need {needed / 2**30:.1f} GiB of host memory but only "
+            f"{available / 2**30:.1f} GiB is available; use fewer blocks, a smaller preset, "
+            "or simulate without payload")
+
 
 class OffloadEngine:
     """A three-tier offload engine over real KV blocks (or, with ``payload=False``, none).
@@ -114,6 +129,8 @@ class OffloadEngine:
             from kvscope.engine.transfers import Copier
 
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            _check_host_memory((cpu_blocks + (gpu_blocks if device == "cpu" else 0))
+                               * self.block_bytes)
             elems = self.block_bytes // preset.dtype_bytes
             pools["gpu"] = BlockPool(gpu_blocks, elems, preset.dtype, device)
             pools["cpu"] = BlockPool(cpu_blocks, elems, preset.dtype, "cpu")

@@ -142,14 +142,17 @@ def read_mooncake(path: str | Path) -> list[Request]:
     """Read a Mooncake JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``,
     ``hash_ids``; see ``shared/traces/README.md``) into requests sorted by arrival.
 
-    Raises :class:`TraceError` naming the file and line for a missing file, a line that is not
-    a JSON object, or a record without a valid ``hash_ids`` list.
+    Raises :class:`TraceError` naming the file and line for a missing or unreadable file (not
+    UTF-8 text), a line that is not a JSON object, a record without a valid ``hash_ids`` list
+    or with negative lengths, or a file with no records at all.
     """
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"cannot read trace {path}: not UTF-8 text (byte {exc.start})") from None
     requests = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -169,8 +172,12 @@ def read_mooncake(path: str | Path) -> list[Request]:
             output = int(record.get("output_length", 0))
         except (TypeError, ValueError):
             raise TraceError(f"{path}:{lineno}: timestamp/input_length/output_length must be numbers") from None
+        if prompt < 0 or output < 0:
+            raise TraceError(f"{path}:{lineno}: input_length and output_length must be >= 0")
         if math.ceil(prompt / MOONCAKE_BLOCK_TOKENS) < len(hash_ids):
             prompt = len(hash_ids) * MOONCAKE_BLOCK_TOKENS
         requests.append(Request(f"mc-{lineno}", arrival, prompt, output, tuple(hash_ids)))
+    if not requests:
+        raise TraceError(f"{path}: no requests in the trace")
     requests.sort(key=lambda r: r.arrival)
     return requests
