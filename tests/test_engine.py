@@ -234,3 +234,18 @@ def test_disk_tier_needs_a_cpu_tier():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown eviction policy"):
         OffloadEngine(TINY, 4, 4, policy="mru", payload=False)
+
+
+def test_request_finished_carries_every_part_of_ttft():
+    """TTFT = queueing + lookup + promotion wait + prefill (module docstring), and the event
+    carries each part so a waterfall adds up: here 0.5 s of queueing plus the rest."""
+    events = []
+    engine = OffloadEngine(TINY, 2, 4, emit=events.append)
+    for name, hashes in [("r0", (A, B)), ("r1", (C, D)), ("r2", (A, B))]:
+        engine.process(_req(name, *hashes), queueing=0.5)
+    engine.drain()
+    for done in _of(events, ev.RequestFinished):
+        parts = done.queueing + done.lookup + done.promotion_wait + done.prefill
+        assert done.queueing == 0.5 and abs(parts - done.ttft) < 1e-12
+    (first,) = _of(events, ev.RequestFinished, "r0")
+    assert first.prefill == TINY.prefill_seconds(32) > 0

@@ -433,7 +433,8 @@ class OffloadEngine:
         emit(ev.RequestFinished(ts=end, request_id=request_id, ttft=outcome.ttft,
                                 prompt_tokens=started.prompt_tokens,
                                 output_tokens=outcome.output_tokens,
-                                promotion_wait=wait, itl=itl))
+                                queueing=outcome.queueing, lookup=outcome.lookup,
+                                promotion_wait=wait, prefill=outcome.prefill, itl=itl))
 
     def close(self) -> None:
         """Finish pending requests and stop disk I/O (removing a private disk directory)."""
