@@ -72,8 +72,8 @@ def through_agent(n: int, expected: int) -> float:
         started = spawn.Value("d", 0.0)
         child = spawn.Process(target=_emit_all, args=(endpoint, n, started))
         child.start()
-        while pipeline.snapshot().events_received.get("engine", 0) < expected:
-            time.sleep(0.001)
+        while pipeline.events_received().get("engine", 0) < expected:
+            time.sleep(0.005)
         elapsed = time.monotonic() - started.value
         child.join()
         source.shutdown()

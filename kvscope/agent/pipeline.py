@@ -212,6 +212,11 @@ class Pipeline:
             for listener in self._listeners:
                 listener(record)
 
+    def events_received(self) -> dict[str, int]:
+        """Events accepted so far, by source (a cheap read; :meth:`snapshot` copies everything)."""
+        with self._lock:
+            return dict(self._received)
+
     def drop(self, source: str, reason: str, events: int = 1) -> None:
         """Count ``events`` dropped from ``source`` for ``reason`` (a short fixed word)."""
         with self._lock:
