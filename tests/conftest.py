@@ -6,8 +6,11 @@ loopback ports and stops it with SIGINT (Ctrl-C) at the end, asserting a clean e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -177,3 +180,50 @@ def demo() -> Iterator[Demo]:
         f"kvscope demo did not stop within {DEMO_STOP_TIMEOUT_S:.0f}s of SIGINT; killed:\n{d.log_tail()}"
     )
     assert rc == 0, f"kvscope demo exited with code {rc} after SIGINT (want 0):\n{d.log_tail()}"
+
+
+PROMETHEUS = "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else shutil.which("prometheus")
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None,
+    reason="Prometheus is not installed (/usr/bin/prometheus); run `bash scripts/setup.sh --test`")
+PROMETHEUS_START_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def running_prometheus(target: str, workdir: Path, log_name: str, rule_files=(),
+                       flags=()) -> Iterator[str]:
+    """A real Prometheus (Debian's package) on a free loopback port, scraping ``target``
+    (host:port) every second with ``rule_files`` loaded, its TSDB under ``workdir``; yields its
+    base URL and stops it with SIGTERM afterwards. Fails the test with the log's tail when it
+    does not become ready within a bound."""
+    port = free_port()
+    config = workdir / "prometheus.yml"
+    config.write_text(json.dumps({  # JSON is YAML
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+        "rule_files": [str(p) for p in rule_files],
+        "scrape_configs": [{"job_name": "kvscope", "static_configs": [{"targets": [target]}]}],
+    }))
+    log_path = artifacts_dir() / log_name
+    cmd = [PROMETHEUS, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
+           f"--storage.tsdb.path={workdir / 'data'}", "--storage.tsdb.retention.time=1h", *flags]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + PROMETHEUS_START_TIMEOUT_S
+        while http_status(f"{url}/-/ready") != 200:
+            if proc.poll() is not None:
+                pytest.fail(f"prometheus exited with code {proc.returncode}:\n{log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"prometheus not ready after {PROMETHEUS_START_TIMEOUT_S:.0f}s:\n"
+                            f"{log_tail(log_path)}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)

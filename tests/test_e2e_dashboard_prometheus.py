@@ -10,54 +10,23 @@ test-artifacts/dashboard-prometheus-*.png.
 
 from __future__ import annotations
 
-import json
-import shutil
-import signal
-import subprocess
-import time
-from pathlib import Path
 
 import pytest
-from conftest import artifacts_dir, free_port, http_status, log_tail
+from conftest import needs_prometheus, running_prometheus
 from test_e2e_dashboard import (browser, console_errors, screenshot, status_text,  # noqa: F401
                                 wait_for, wait_for_points)
 
-PROMETHEUS = "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else shutil.which("prometheus")
-START_TIMEOUT_S = 60.0
 
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="Prometheus is not installed")
+pytestmark = needs_prometheus
 
 
 @pytest.fixture(scope="module")
 def prometheus_url(demo, tmp_path_factory):
     """A real Prometheus scraping the demo's agent every second; yields its base URL."""
-    tmp = tmp_path_factory.mktemp("prometheus-dashboard")
-    port = free_port()
-    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-              "scrape_configs": [{"job_name": "kvscope", "static_configs": [
-                  {"targets": [f"127.0.0.1:{demo.metrics_port}"]}]}]}
-    (tmp / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    log_path = artifacts_dir() / "prometheus-dashboard.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
-             f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={tmp / 'data'}"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while http_status(f"{url}/-/ready") != 200:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"prometheus not ready:\n{log_tail(log_path)}")
-            time.sleep(0.25)
+    with running_prometheus(f"127.0.0.1:{demo.metrics_port}",
+                            tmp_path_factory.mktemp("prometheus-dashboard"),
+                            "prometheus-dashboard.log") as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

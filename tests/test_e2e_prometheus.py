@@ -8,9 +8,6 @@ project's recording rules, so the rules are checked against the metrics the agen
 from __future__ import annotations
 
 import json
-import shutil
-import signal
-import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -20,12 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, artifacts_dir, free_port, http_status, log_tail
+from conftest import REPO_ROOT, needs_prometheus, running_prometheus
 
-PROMETHEUS = "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else shutil.which("prometheus")
 RULES = REPO_ROOT / "grafana" / "rules" / "kvscope.rules.yml"
 
-START_TIMEOUT_S = 60.0
 DATA_TIMEOUT_S = 90.0  # bound on polling for scraped data; not a speed assertion
 POLL_S = 1.0
 WANT_SOURCES = {"gpu", "cpu", "recompute"}
@@ -34,8 +29,6 @@ WANT_SOURCES = {"gpu", "cpu", "recompute"}
 @dataclass(frozen=True)
 class Prom:
     url: str
-    proc: subprocess.Popen
-    log_path: Path
 
     def api(self, path: str, **params: str) -> dict:
         """GET /api/v1/<path>; returns the JSON `data` field (raises on a non-success status)."""
@@ -52,59 +45,14 @@ class Prom:
         return data["result"]
 
 
-def _config(target: str) -> str:
-    # JSON is valid YAML, so no YAML library is needed.
-    return json.dumps(
-        {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
-            "rule_files": [str(RULES)],
-            "scrape_configs": [
-                {"job_name": "kvscope", "metrics_path": "/metrics", "static_configs": [{"targets": [target]}]}
-            ],
-        },
-        indent=2,
-    )
-
-
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None,
-    reason="Prometheus is not installed (/usr/bin/prometheus); run `bash scripts/setup.sh --test`",
-)
+pytestmark = needs_prometheus
 
 
 @pytest.fixture
 def prometheus(demo, tmp_path: Path) -> Iterator[Prom]:
-    port = free_port()
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(_config(f"127.0.0.1:{demo.metrics_port}"))
-    log_path = artifacts_dir() / "prometheus.log"
-    cmd = [
-        PROMETHEUS,
-        f"--config.file={cfg}",
-        f"--web.listen-address=127.0.0.1:{port}",
-        f"--storage.tsdb.path={tmp_path / 'data'}",
-        "--storage.tsdb.retention.time=1h",
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    prom = Prom(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while http_status(f"{prom.url}/-/ready") != 200:
-            if proc.poll() is not None:
-                pytest.fail(f"prometheus exited with code {proc.returncode}:\n{log_tail(log_path)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"prometheus not ready after {START_TIMEOUT_S:.0f}s:\n{log_tail(log_path)}")
-            time.sleep(0.25)
-        yield prom
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+    with running_prometheus(f"127.0.0.1:{demo.metrics_port}", tmp_path, "prometheus.log",
+                            rule_files=[RULES]) as url:
+        yield Prom(url)
 
 
 @dataclass

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -28,20 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, artifacts_dir, free_port, http_status, log_tail
+from conftest import REPO_ROOT, needs_prometheus, running_prometheus
 from kvscope.mixin import MixinConfig
 from kvscope.mixin.queries import Query, all_queries, gpu_only, substitute
 
-PROMETHEUS = "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else shutil.which("prometheus")
 RULE_FILES = [REPO_ROOT / "grafana" / "rules" / "kvscope.rules.yml", REPO_ROOT / "grafana" / "alerts" / "kvscope.alerts.yml"]
 CFG = MixinConfig()
-START_TIMEOUT_S = 60.0
 DATA_TIMEOUT_S = 150.0  # bound on polling until every query has data; not a speed assertion
 POLL_S = 2.0
 
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None, reason="Prometheus is not installed (/usr/bin/prometheus); run `bash scripts/setup.sh --test`"
-)
+pytestmark = needs_prometheus
 
 
 @dataclass(frozen=True)
@@ -62,36 +55,10 @@ class Prom:
 
 @pytest.fixture
 def prometheus(demo, tmp_path: Path) -> Iterator[Prom]:
-    port = free_port()
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(json.dumps({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
-        "rule_files": [str(p) for p in RULE_FILES],
-        "scrape_configs": [{"job_name": "kvscope", "static_configs": [{"targets": [f"127.0.0.1:{demo.metrics_port}"]}]}],
-    }))
-    log_path = artifacts_dir() / "prometheus-mixin.log"
-    cmd = [PROMETHEUS, f"--config.file={cfg}", f"--web.listen-address=127.0.0.1:{port}",
-           f"--storage.tsdb.path={tmp_path / 'data'}", "--storage.tsdb.retention.time=1h",
-           "--enable-feature=exemplar-storage"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while http_status(f"{url}/-/ready") != 200:
-            if proc.poll() is not None:
-                pytest.fail(f"prometheus exited with code {proc.returncode}:\n{log_tail(log_path)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"prometheus not ready after {START_TIMEOUT_S:.0f}s:\n{log_tail(log_path)}")
-            time.sleep(0.25)
+    with running_prometheus(f"127.0.0.1:{demo.metrics_port}", tmp_path, "prometheus-mixin.log",
+                            rule_files=RULE_FILES,
+                            flags=["--enable-feature=exemplar-storage"]) as url:
         yield Prom(url)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def _finite(result: list[dict]) -> bool:
