@@ -222,3 +222,26 @@ def test_dead_agent_shows_unreachable_not_a_traceback(browser):
         assert not console_errors(browser)
     finally:
         handle.shutdown()
+
+
+def test_compare_page_shows_two_captures_and_a_verdict(demo, browser, tmp_path):
+    """Two captures made by the agent's capture writer: the baseline's 200 requests take
+    100 ms, the candidate's 50 ms, with a 80 ms p99 budget, so the verdict is to keep."""
+    from test_compare import _capture
+
+    baseline = _capture(tmp_path / "baseline", [0.1] * 200)
+    candidate = _capture(tmp_path / "candidate", [0.05] * 200, cpu_tokens=32)
+    browser.get(demo.ui_url + "compare")
+    try:
+        wait_for(browser, lambda: browser.find_elements("id", "compare-run"), "the form")
+        browser.find_element("id", "compare-baseline").send_keys(str(baseline))
+        browser.find_element("id", "compare-candidate").send_keys(str(candidate))
+        browser.find_element("id", "compare-budget-ms").send_keys("80")
+        browser.find_element("id", "compare-run").click()
+        wait_for_points(browser, ["compare-ttft"], minimum=1)
+        verdict = wait_for(browser, lambda: browser.find_element("id", "compare-verdict").text,
+                           "the verdict")
+    finally:
+        screenshot(browser, "dashboard-compare")
+    assert "keep" in verdict.lower()
+    assert not console_errors(browser)

@@ -48,7 +48,7 @@ def latency(data: dict | None, metric: str = "ttft") -> go.Figure:
         plus = [c["high"] - c["value"] if c else 0 for c in cells]
         minus = [c["value"] - c["low"] if c else 0 for c in cells]
         fig.add_trace(go.Bar(
-            x=labels, y=y, name=f"{side} ({data[side]['name']})", marker_color=RUN_COLOURS[side],
+            x=labels, y=y, name=side, marker_color=RUN_COLOURS[side],
             error_y={"type": "data", "symmetric": False, "array": plus, "arrayminus": minus},
             hovertemplate="%{x}: %{y:.4s}s<extra>" + side + "</extra>"))
     fig.update_yaxes(tickformat="~s", ticksuffix="s")
