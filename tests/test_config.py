@@ -47,3 +47,16 @@ def test_missing_file(tmp_path):
 def test_otlp_endpoint_must_be_a_url():
     with pytest.raises(ConfigError, match="otlp_endpoint"):
         load_settings(None, otlp_endpoint="not a url")
+
+
+def test_the_documented_example_is_a_valid_config(tmp_path):
+    """docs/agent.md's TOML example must load as it stands (it drifts otherwise)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "agent.md").read_text()
+    example = text.split("```toml", 1)[1].split("```", 1)[0]
+    path = tmp_path / "agent.toml"
+    path.write_text(example)
+    settings = load_settings(path)
+    assert settings.collectors.host.budgets == {"cpu": 68719476736}
+    assert settings.kv_events.enabled is False and settings.otlp_receiver.enabled is True
