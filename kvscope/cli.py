@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from kvscope import __version__
 from kvscope.engine.presets import PRESETS, UnknownPreset
@@ -189,12 +188,10 @@ def _dashboard(args) -> int:
 
 def _docs_metrics(args) -> int:
     from kvscope.exporter.catalog import render_markdown
+    from kvscope.files import write_atomic
 
-    path = Path(args.output)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(render_markdown())
-    tmp.replace(path)  # never leave a half-written file
-    print(f"wrote {path}")
+    write_atomic(args.output, render_markdown())
+    print(f"wrote {args.output}")
     return 0
 
 

@@ -75,3 +75,14 @@ def test_unreadable_trace_is_one_line(tmp_path):
     path = tmp_path / "binary.jsonl"
     path.write_bytes(b"\xff\xfe\x00garbage\n")
     _one_error_line(_kvscope("demo", "--trace", str(path), "--duration", "5"), "not UTF-8")
+
+
+def test_docs_metrics_writes_the_catalog_atomically(tmp_path):
+    from kvscope.exporter.catalog import render_markdown
+
+    out = tmp_path / "metrics.md"
+    assert _kvscope("docs-metrics", "--output", str(out)).returncode == 0
+    assert out.read_text() == render_markdown()
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.md"]  # no temporary left
+    result = _kvscope("docs-metrics", "--output", str(tmp_path / "absent" / "metrics.md"))
+    _one_error_line(result, "absent")

@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvscope.files import write_atomic
 from kvscope.mixin.config import MixinConfigError, load_config
 from kvscope.mixin.render import prometheus_rule, render
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     for rel, text in files.items():
         path = out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        write_atomic(path, text)
         print(f"wrote {path}")
     return 0
 
