@@ -26,6 +26,12 @@ def _blocks(text: str) -> int:
     return blocks
 
 
+def _host(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be an address, e.g. 127.0.0.1 (0.0.0.0 for all)")
+    return text
+
+
 def _port(text: str) -> int:
     port = int(text)
     if not 0 < port < 65536:
@@ -48,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="stop after this many seconds (default: run until Ctrl-C)")
     demo.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay "
                       "(default: the built-in synthetic workload)")
-    demo.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    demo.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on (default %(default)s)")
     demo.add_argument("--metrics-port", type=_port, default=9400,
                       help="port of /metrics and the HTTP API (default %(default)s)")
     demo.add_argument("--ui-port", type=_port, default=8050, help="port of the dashboard (default %(default)s)")
@@ -77,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
                     "file and a KVSCOPE_* environment variable; the bearer token for /api is "
                     "set only there (token, KVSCOPE_TOKEN), never on the command line.")
     agent.add_argument("--config", metavar="FILE", help="TOML configuration file")
-    agent.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    agent.add_argument("--host", type=_host, help="address to listen on (default 127.0.0.1)")
     agent.add_argument("--port", type=_port, help="port of /metrics and the API (default 9400)")
     agent.add_argument("--ingest", metavar="ENDPOINT",
                        help="ZMQ endpoint taps send to (default tcp://127.0.0.1:5560; ipc:// too)")
@@ -93,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     dash = sub.add_parser("dashboard", help="serve the dashboard for a running agent",
                           description="Serve the Dash dashboard, reading a running agent's HTTP API.")
     dash.add_argument("--api", default="http://127.0.0.1:9400", help="agent base URL (default %(default)s)")
-    dash.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    dash.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on (default %(default)s)")
     dash.add_argument("--port", type=_port, default=8050, help="port (default %(default)s)")
     dash.add_argument("--refresh", type=_positive(float), default=2.0,
                       help="seconds between refreshes (default %(default)s)")

@@ -117,7 +117,7 @@ else
 fi
 
 # 5. With --test: vLLM's CPU build for the vLLM integration tests, in a cache outside the clone
-#    keyed by its pinned versions (built once, about 0.6 GB; reused by every clone after that).
+#    keyed by its pinned versions (built once, about 3.4 GB on disk; reused by every clone after that).
 if [ "$WANT_TEST" -eq 1 ]; then
     say "vLLM CPU environment (scripts/vllm_env.sh)"
     bash "$ROOT/scripts/vllm_env.sh" >/dev/null

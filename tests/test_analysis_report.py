@@ -53,10 +53,11 @@ def test_cli_text_report(small_trace, capsys):
 
 def test_cli_errors_exit_2(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
+    (tmp_path / "capture.csv").write_text("a,b\n")
     assert main(["analyze", str(tmp_path / "capture.csv")]) == 2
     assert "unknown trace format" in capsys.readouterr().err
     assert main(["analyze", str(tmp_path / "capture.parquet")]) == 2  # a capture, but missing
-    assert "no such capture" in capsys.readouterr().err
+    assert "No such file or directory" in capsys.readouterr().err
     (tmp_path / "ok.jsonl").write_text(json.dumps(RECORDS[0]) + "\n")
     assert main(["analyze", str(tmp_path / "ok.jsonl"), "--target-share", "2"]) == 2
     assert "target share" in capsys.readouterr().err

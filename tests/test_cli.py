@@ -86,3 +86,14 @@ def test_docs_metrics_writes_the_catalog_atomically(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.md"]  # no temporary left
     result = _kvscope("docs-metrics", "--output", str(tmp_path / "absent" / "metrics.md"))
     _one_error_line(result, "absent")
+
+
+def test_agent_refuses_an_ingest_endpoint_on_its_own_port():
+    port = str(free_port())
+    result = _kvscope("agent", "--port", port, "--ingest", f"tcp://127.0.0.1:{port}")
+    _one_error_line(result, "ingest endpoint")
+
+
+def test_an_empty_host_is_refused():
+    result = _kvscope("demo", "--host", "", "--duration", "5")
+    assert result.returncode == 2 and "must be an address" in result.stderr

@@ -60,3 +60,17 @@ def test_the_documented_example_is_a_valid_config(tmp_path):
     settings = load_settings(path)
     assert settings.collectors.host.budgets == {"cpu": 68719476736}
     assert settings.kv_events.enabled is False and settings.otlp_receiver.enabled is True
+
+
+@pytest.mark.parametrize("url", ["http://", "https://[::1", "http://127.0.0.1:99999",
+                                 "http://127.0.0.1:abc", "http://:4318", "http://exa mple.com"])
+def test_malformed_otlp_urls_are_refused(url):
+    with pytest.raises(ConfigError, match="otlp_endpoint"):
+        load_settings(None, otlp_endpoint=url)
+
+
+def test_a_config_that_is_not_utf8(tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_bytes(b"port = 9400\n\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_settings(path)

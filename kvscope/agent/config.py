@@ -22,6 +22,7 @@ Example TOML (every key optional)::
 from __future__ import annotations
 
 import tomllib
+from urllib.parse import urlsplit
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
@@ -139,8 +140,17 @@ class AgentSettings(BaseSettings):
     @field_validator("otlp_endpoint")
     @classmethod
     def _otlp_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:4318")
+        if value is None:
+            return value
+        url = urlsplit(value)
+        try:
+            url.port  # noqa: B018  (parsing the port is the check: it raises when malformed)
+        except ValueError:
+            url = None
+        if (url is None or url.scheme not in ("http", "https") or not url.hostname
+                or any(c.isspace() for c in value)):
+            raise ValueError("must be an http:// or https:// URL with a host, "
+                             "e.g. http://127.0.0.1:4318")
         return value
 
 
@@ -153,6 +163,8 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
             values = tomllib.loads(Path(path).read_text())
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config {path}: not UTF-8 text (byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config {path}: {exc}") from None
     for key, value in overrides.items():

@@ -27,6 +27,7 @@ def bind(host: str, port: int, flag: str) -> socket.socket:
         advice = (f"pass a free port with {flag}" if exc.errno == errno.EADDRINUSE
                   else "check --host: it must be an address of this machine")
         raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}; {advice}") from None
+    sock.listen()  # listening now, so no other socket (e.g. the ZMQ ingest) can share the port
     return sock
 
 

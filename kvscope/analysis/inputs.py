@@ -123,6 +123,8 @@ def load_trace(path: str | Path) -> AccessTrace:
     a malformed record (the message names the file).
     """
     path = Path(path)
+    if not path.exists():
+        raise TraceError(f"cannot read trace {path}: No such file or directory")
     key = DIRECTORY if path.is_dir() else path.suffix.lower()
     reader = _READERS.get(key)
     if reader is None:
