@@ -249,3 +249,9 @@ def test_request_finished_carries_every_part_of_ttft():
         assert done.queueing == 0.5 and abs(parts - done.ttft) < 1e-12
     (first,) = _of(events, ev.RequestFinished, "r0")
     assert first.prefill == TINY.prefill_seconds(32) > 0
+    # one time axis: arrival is queueing before the engine took it; first token at arrival + TTFT
+    for started in _of(events, ev.RequestStarted):
+        (done,) = _of(events, ev.RequestFinished, started.request_id)
+        assert abs(done.ts - started.ts - done.ttft) < 1e-6  # float Unix seconds: ~0.2 us
+        for copy in _of(events, ev.Transfer, started.request_id):
+            assert started.ts + done.queueing <= copy.ts  # copies run once the engine took it

@@ -158,7 +158,9 @@ class OffloadEngine:
         """
         now = self._clock()
         emit = self._emit
-        started = ev.RequestStarted(ts=now, request_id=request.request_id,
+        # On one time axis with the measured copies: the request arrived ``queueing`` seconds
+        # before the engine took it (now), and its first token comes at arrival + TTFT.
+        started = ev.RequestStarted(ts=now - queueing, request_id=request.request_id,
                                     prompt_tokens=request.prompt_tokens)
         if emit is not None:
             emit(started)
@@ -430,7 +432,8 @@ class OffloadEngine:
                                  resident_bytes=tier.resident_bytes,
                                  capacity_blocks=tier.capacity_blocks, resident_blocks=len(tier)))
         itl = self.preset.decode_seconds(1) if outcome.output_tokens > 1 else 0.0
-        emit(ev.RequestFinished(ts=end, request_id=request_id, ttft=outcome.ttft,
+        emit(ev.RequestFinished(ts=started.ts + outcome.ttft, request_id=request_id,
+                                ttft=outcome.ttft,
                                 prompt_tokens=started.prompt_tokens,
                                 output_tokens=outcome.output_tokens,
                                 queueing=outcome.queueing, lookup=outcome.lookup,
