@@ -6,37 +6,9 @@ import argparse
 import sys
 
 from kvscope import __version__
+from kvscope.argtypes import host, non_negative, port, positive
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
-
-
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
-
-
-def _blocks(text: str) -> int:
-    blocks = int(text)
-    if blocks < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return blocks
-
-
-def _host(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must be an address, e.g. 127.0.0.1 (0.0.0.0 for all)")
-    return text
-
-
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"not a TCP port: {text}")
-    return port
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,26 +22,26 @@ def _parser() -> argparse.ArgumentParser:
         description="Replay a workload (built-in synthetic by default, or a Mooncake JSONL trace) "
                     "through the reference offload engine, with the agent's /metrics and API and "
                     "the dashboard, on loopback. Stops on Ctrl-C or after --duration.")
-    demo.add_argument("--duration", type=_positive(float), metavar="SECONDS",
+    demo.add_argument("--duration", type=positive(float), metavar="SECONDS",
                       help="stop after this many seconds (default: run until Ctrl-C)")
     demo.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay "
                       "(default: the built-in synthetic workload)")
-    demo.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on (default %(default)s)")
-    demo.add_argument("--metrics-port", type=_port, default=9400,
+    demo.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on (default %(default)s)")
+    demo.add_argument("--metrics-port", type=port, default=9400,
                       help="port of /metrics and the HTTP API (default %(default)s)")
-    demo.add_argument("--ui-port", type=_port, default=8050, help="port of the dashboard (default %(default)s)")
+    demo.add_argument("--ui-port", type=port, default=8050, help="port of the dashboard (default %(default)s)")
     demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                       help="model preset giving the KV block shape (default %(default)s)")
-    demo.add_argument("--gpu-blocks", type=_positive(int), default=256,
+    demo.add_argument("--gpu-blocks", type=positive(int), default=256,
                       help="gpu tier capacity in blocks (default %(default)s)")
-    demo.add_argument("--cpu-blocks", type=_blocks, default=1024,
+    demo.add_argument("--cpu-blocks", type=non_negative(int), default=1024,
                       help="cpu tier capacity in blocks; 0 disables offload (default %(default)s)")
-    demo.add_argument("--disk-blocks", type=_blocks, default=0,
+    demo.add_argument("--disk-blocks", type=non_negative(int), default=0,
                       help="disk tier capacity in blocks, chunk files in a temporary directory; "
                            "0 disables it (default %(default)s)")
     demo.add_argument("--policy", choices=("lru", "arc"), default="lru",
                       help="eviction policy of every tier (default %(default)s)")
-    demo.add_argument("--speed", type=_positive(float), default=1.0,
+    demo.add_argument("--speed", type=positive(float), default=1.0,
                       help="workload seconds per wall second (default %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
     demo.add_argument("--capture-dir", metavar="DIR",
@@ -83,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                     "file and a KVSCOPE_* environment variable; the bearer token for /api is "
                     "set only there (token, KVSCOPE_TOKEN), never on the command line.")
     agent.add_argument("--config", metavar="FILE", help="TOML configuration file")
-    agent.add_argument("--host", type=_host, help="address to listen on (default 127.0.0.1)")
-    agent.add_argument("--port", type=_port, help="port of /metrics and the API (default 9400)")
+    agent.add_argument("--host", type=host, help="address to listen on (default 127.0.0.1)")
+    agent.add_argument("--port", type=port, help="port of /metrics and the API (default 9400)")
     agent.add_argument("--ingest", metavar="ENDPOINT",
                        help="ZMQ endpoint taps send to (default tcp://127.0.0.1:5560; ipc:// too)")
     agent.add_argument("--store-dir", metavar="DIR",
@@ -99,11 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     dash = sub.add_parser("dashboard", help="serve the dashboard for a running agent",
                           description="Serve the Dash dashboard, reading a running agent's HTTP API.")
     dash.add_argument("--api", default="http://127.0.0.1:9400", help="agent base URL (default %(default)s)")
-    dash.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on (default %(default)s)")
-    dash.add_argument("--port", type=_port, default=8050, help="port (default %(default)s)")
-    dash.add_argument("--refresh", type=_positive(float), default=2.0,
+    dash.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on (default %(default)s)")
+    dash.add_argument("--port", type=port, default=8050, help="port (default %(default)s)")
+    dash.add_argument("--refresh", type=positive(float), default=2.0,
                       help="seconds between refreshes (default %(default)s)")
-    dash.add_argument("--window", type=_positive(float), default=900.0,
+    dash.add_argument("--window", type=positive(float), default=900.0,
                       help="seconds of history drawn (default %(default)s)")
     dash.add_argument("--backend", choices=("agent", "prometheus"), default="agent",
                       help="read one agent's API, or a Prometheus server for a fleet "

@@ -11,13 +11,7 @@ from kvscope.analysis.inputs import load_trace
 from kvscope.analysis.report import render_text, to_json
 from kvscope.analysis.sizing import DEFAULT_BANDWIDTH, GIB
 from kvscope.engine.presets import PRESETS, get_preset
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+from kvscope.argtypes import positive
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,21 +22,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.add_argument("--preset", default="llama-3-8b", choices=sorted(PRESETS),
                         help="model preset for bytes per block and prefill cost (default %(default)s)")
-    parser.add_argument("--bandwidth-gbps", type=_positive_float, default=DEFAULT_BANDWIDTH / 1e9,
+    parser.add_argument("--bandwidth-gbps", type=positive(float), default=DEFAULT_BANDWIDTH / 1e9,
                         metavar="GB/S", help="host-to-device promotion bandwidth, GB/s (default "
                         "%(default)s; use the agent's measured value when you have one)")
     parser.add_argument("--gpu-tokens", type=int, default=0, metavar="TOKENS",
                         help="GPU prefix-cache capacity in tokens (vLLM logs it as 'GPU KV cache "
                         "size'; default 0: none)")
-    parser.add_argument("--budget-gib", type=_positive_float, metavar="GIB",
+    parser.add_argument("--budget-gib", type=positive(float), metavar="GIB",
                         help="most host RAM the CPU tier may take (default: no limit)")
-    parser.add_argument("--target-share", type=_positive_float, default=0.9, metavar="SHARE",
+    parser.add_argument("--target-share", type=positive(float), default=0.9, metavar="SHARE",
                         help="recommend the smallest size buying this share of the affordable "
                         "gain (default %(default)s)")
     parser.add_argument("--method", choices=METHODS, default="auto",
                         help="LRU curve: exact stack distances, SHARDS fixed-rate or fixed-size, "
                         "or auto (exact up to 20M accesses; default %(default)s)")
-    parser.add_argument("--sample-rate", type=_positive_float, metavar="R",
+    parser.add_argument("--sample-rate", type=positive(float), metavar="R",
                         help="SHARDS fixed-rate sampling rate (default: about 2M sampled accesses)")
     parser.add_argument("--sample-blocks", type=int, default=65_536, metavar="N",
                         help="SHARDS fixed-size sample size in blocks (default %(default)s)")

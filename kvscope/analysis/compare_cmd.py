@@ -8,6 +8,7 @@ import sys
 
 from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
 from kvscope.analysis.compare import DEFAULT_MIN_REQUESTS, compare, render_text, to_json
+from kvscope.argtypes import positive
 
 DESCRIPTION = (
     "Compare two agent captures (kvscope agent --capture-dir), e.g. a run without the newest "
@@ -17,13 +18,6 @@ DESCRIPTION = (
     "tier). The verdict is 'keep', 'roll back (disable the newest tier)' or 'inconclusive'.")
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``compare`` options to ``parser``."""
     parser.add_argument("baseline", metavar="BASELINE",
@@ -31,12 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("candidate", metavar="CANDIDATE",
                         help="capture directory (or requests .parquet segment) of the candidate")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
-    parser.add_argument("--ttft-budget", type=_positive_float, metavar="SECONDS",
+    parser.add_argument("--ttft-budget", type=positive(float), metavar="SECONDS",
                         help="p99 TTFT budget in seconds; above it the candidate is rolled back "
                         "(default: none, judge against the baseline only)")
     parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, metavar="N",
                         help="bootstrap resamples (default %(default)s)")
-    parser.add_argument("--confidence", type=_positive_float, default=DEFAULT_CONFIDENCE,
+    parser.add_argument("--confidence", type=positive(float), default=DEFAULT_CONFIDENCE,
                         metavar="LEVEL", help="confidence level, 0-1 (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
     parser.add_argument("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS, metavar="N",

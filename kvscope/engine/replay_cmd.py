@@ -17,6 +17,7 @@ import time
 from kvscope.engine.policy import POLICIES
 from kvscope.engine.presets import PRESETS, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
+from kvscope.argtypes import non_negative, positive
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -27,22 +28,27 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "the three-tier offload engine, or with --simulate through its decisions "
                     "only, and print hit ratios, transfers, evictions and TTFT percentiles.")
     p.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (512-token blocks)")
-    p.add_argument("--requests", type=int, default=2000,
+    p.add_argument("--requests", type=positive(int), default=2000,
                    help="requests of the synthetic workload (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
-    p.add_argument("--gpu-blocks", type=int, default=256, help="gpu tier blocks (default %(default)s)")
-    p.add_argument("--cpu-blocks", type=int, default=1024, help="cpu tier blocks; 0 disables")
-    p.add_argument("--disk-blocks", type=int, default=0, help="disk tier blocks; 0 disables")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic workload (default %(default)s)")
+    p.add_argument("--gpu-blocks", type=positive(int), default=256, help="gpu tier blocks (default %(default)s)")
+    p.add_argument("--cpu-blocks", type=non_negative(int), default=1024,
+                   help="cpu tier blocks; 0 disables (default %(default)s)")
+    p.add_argument("--disk-blocks", type=non_negative(int), default=0,
+                   help="disk tier blocks; 0 disables (default %(default)s)")
     p.add_argument("--disk-dir", metavar="DIR", help="directory for disk chunk files "
                    "(default: a temporary directory, removed at exit)")
-    p.add_argument("--policy", choices=POLICIES, default="lru", help="eviction policy of every tier")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model preset")
-    p.add_argument("--store-threshold", type=int, default=1,
+    p.add_argument("--policy", choices=POLICIES, default="lru",
+                   help="eviction policy of every tier (default %(default)s)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="model preset (default %(default)s)")
+    p.add_argument("--store-threshold", type=positive(int), default=1,
                    help="offload a block only once seen this many times (default 1)")
     p.add_argument("--min-priority", type=int, default=0,
                    help="drop instead of offloading blocks below this priority (default 0)")
     pace = p.add_mutually_exclusive_group()
-    pace.add_argument("--speed", type=float, default=None,
+    pace.add_argument("--speed", type=positive(float), default=None,
                       help="workload seconds per wall second (default: as fast as possible)")
     pace.add_argument("--fast", action="store_true", help="as fast as possible (the default)")
     p.add_argument("--simulate", action="store_true",
@@ -54,17 +60,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def replay(args) -> dict:
     """Run the replay described by parsed ``args``; return the summary dict.
 
-    Raises :class:`~kvscope.engine.workload.TraceError`, ValueError (bad sizes) or
+    Raises :class:`~kvscope.engine.workload.TraceError`,
+    :class:`~kvscope.engine.engine.EngineConfigError` or
     :class:`~kvscope.engine.presets.UnknownPreset`.
     """
     from kvscope.engine.engine import OffloadEngine
     from kvscope.engine.replay import Replayer
 
-    for name in ("gpu_blocks", "cpu_blocks", "disk_blocks", "requests"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-    if args.speed is not None and args.speed <= 0:
-        raise ValueError("--speed must be > 0")
     preset = get_preset(args.preset)
     if args.trace:
         requests, block_tokens = read_mooncake(args.trace), MOONCAKE_BLOCK_TOKENS
@@ -108,15 +110,9 @@ def render(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args, out=sys.stdout) -> int:
-    """The subcommand's handler: replay and print; exit code 0, or 2 with one line on stderr
-    for bad sizes (trace and preset errors are reported by the caller)."""
-    try:
-        summary = replay(args)
-    except ValueError as exc:
-        if not type(exc) is ValueError:  # TraceError and friends: the caller reports them
-            raise
-        print(f"kvscope: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary) if args.json else render(summary), file=out)
+def run(args, out=None) -> int:
+    """The subcommand's handler: replay and print to ``out`` (default: stdout); exit code 0.
+    Bad input raises (see :func:`replay`); the command line reports it."""
+    summary = replay(args)
+    print(json.dumps(summary) if args.json else render(summary), file=out or sys.stdout)
     return 0
