@@ -15,34 +15,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvscope import events as ev
-from kvscope.engine.engine import OffloadEngine, prefill_value
+from kvscope.engine.engine import OffloadEngine
 from kvscope.engine.presets import get_preset
-from kvscope.engine.workload import Request
+from test_engine import _req, _resident_bytes_ok
 
 TINY = get_preset("tiny")
 A, B, C, D, E = 201, 202, 203, 204, 205
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _req(name, *hashes):
-    return Request(name, 0.0, 16 * len(hashes), 1, hashes)
-
-
-def _all_bytes_ok(engine):
-    for tier in engine.tiers:
-        for h in tier.order():
-            slot = tier.get(h).slot
-            if tier.name == "disk":
-                out = np.empty(engine.block_bytes, dtype=np.uint8)
-                tier.pool.read_into(slot, h, out)
-                data = np.frombuffer(out.tobytes(), dtype=np.float16)
-            else:
-                data = tier.pool.data[slot].numpy()
-            assert bool((data == prefill_value(h)).all()), (tier.name, h)
 
 
 def _no_temporary_files(directory):
@@ -96,11 +78,11 @@ def test_a_bad_chunk_is_a_miss_that_is_recomputed(tmp_path, damage, reason):
     assert A not in engine.disk and A not in engine.cpu
     gone = [(e.tier, e.reason) for e in events if isinstance(e, ev.Eviction) and e.reason == "failed"]
     assert gone == [("disk", "failed"), ("cpu", "failed")]
-    _all_bytes_ok(engine)  # gpu holds A's recomputed bytes; nothing holds wrong bytes
+    _resident_bytes_ok(engine)  # gpu holds A's recomputed bytes; nothing holds wrong bytes
     # the engine keeps going: A is a gpu hit now, B (spilled during r3) comes back from disk
     assert engine.process(_req("r4", A)).tokens["gpu"] == 16
     assert engine.process(_req("r5", B)).tokens["disk"] == 16
-    _all_bytes_ok(engine)
+    _resident_bytes_ok(engine)
     assert _no_temporary_files(tmp_path)
     engine.close()
 
@@ -136,7 +118,7 @@ def test_disk_full_drops_the_spill_and_the_block_is_recomputed(tmp_path):
         outcome = engine.process(_req("r3", A))  # A is nowhere: recomputed
         assert outcome.tokens["recompute"] == 16
         assert engine.process(_req("r4", A)).tokens["gpu"] == 16  # the engine keeps going
-        _all_bytes_ok(engine)
+        _resident_bytes_ok(engine)
         engine.close()
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
