@@ -26,7 +26,6 @@ fetched is counted in ``kvscope_events_dropped_total{source="kv_events", reason=
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -35,6 +34,7 @@ import zmq
 
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
 NAME = "kv_events"
@@ -161,7 +161,7 @@ def connect_address(endpoint: str) -> str:
     return endpoint.replace("tcp://*:", "tcp://127.0.0.1:").replace("tcp://[::]:", "tcp://[::1]:")
 
 
-class KvEventsSource:
+class KvEventsSource(Worker):
     """Subscribes to ``endpoint`` and feeds ``pipeline``. ``replay_endpoint``: vLLM's replay
     ROUTER (None: gaps are only counted). ``topic``: vLLM's ``topic`` (prefix match).
     ``replay_timeout``: seconds one replay may take. ``clock``: unused by the mapping (vLLM's
@@ -172,6 +172,7 @@ class KvEventsSource:
                  replay_endpoint: str | None = None, topic: str = "",
                  residency: KvResidency | None = None, replay_timeout: float = 2.0,
                  clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
         self.pipeline = pipeline
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -180,13 +181,11 @@ class KvEventsSource:
         self.replay_timeout = replay_timeout
         self.replayed = 0  # batches recovered from the replay endpoint
         self.last_seq: int | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._socket = None
 
-    def start(self) -> None:
-        if self._thread is not None:
-            return
+    thread_name = "kvscope-kv-events"
+
+    def prepare(self) -> None:
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -201,20 +200,12 @@ class KvEventsSource:
             raise
         self._socket = sock
         self.pipeline.set_source_up(NAME, True)
-        self._thread = threading.Thread(target=self._run, name="kvscope-kv-events", daemon=True)
-        self._thread.start()
 
-    def shutdown(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def _run(self) -> None:
+    def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
+            while not self.stopping.is_set():
                 if not poller.poll(100):
                     continue
                 while True:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import threading
 import time
 from collections.abc import Callable
 
@@ -35,6 +34,7 @@ import httpx
 
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
 NAME = "vllm_metrics"
@@ -174,7 +174,7 @@ class MetricsMapper:
                                 resident_blocks=used)]
 
 
-class VllmMetricsSource:
+class VllmMetricsSource(Worker):
     """Scrapes ``url`` (vLLM's ``/metrics``) every ``interval`` seconds into ``pipeline``.
     ``timeout``: seconds per scrape. ``client``: an httpx.Client (injectable for tests).
     ``start()`` returns at once; ``shutdown()`` is safe twice and without start."""
@@ -182,6 +182,7 @@ class VllmMetricsSource:
     def __init__(self, pipeline: Pipeline, url: str = "http://127.0.0.1:8000/metrics", *,
                  interval: float = 5.0, timeout: float = 3.0, mapper: MetricsMapper | None = None,
                  client: httpx.Client | None = None, clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
         self.pipeline = pipeline
         self.url = url
         self.interval = interval
@@ -189,8 +190,6 @@ class VllmMetricsSource:
         self.failures = 0
         self._client = client or httpx.Client(timeout=timeout, trust_env=False)
         self._clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def scrape_once(self) -> bool:
         """Scrape and map once; False (and source down) when vLLM did not answer with 200."""
@@ -209,21 +208,16 @@ class VllmMetricsSource:
         self.pipeline.set_source_up(NAME, True)
         return True
 
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self.pipeline.set_source_up(NAME, False)
-        self._thread = threading.Thread(target=self._run, name="kvscope-vllm-metrics", daemon=True)
-        self._thread.start()
+    thread_name = "kvscope-vllm-metrics"
 
-    def _run(self) -> None:
+    def prepare(self) -> None:
+        self.pipeline.set_source_up(NAME, False)
+
+    def run(self) -> None:
         self.scrape_once()
-        while not self._stop.wait(self.interval):
+        while not self.stopping.wait(self.interval):
             self.scrape_once()
 
     def shutdown(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        super().shutdown()
         self._client.close()
