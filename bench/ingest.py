@@ -73,6 +73,12 @@ def through_agent(n: int, expected: int) -> float:
         child = spawn.Process(target=_emit_all, args=(endpoint, n, started))
         child.start()
         while pipeline.events_received().get("engine", 0) < expected:
+            if child.exitcode not in (None, 0):
+                raise SystemExit(f"the emitter process failed (exit code {child.exitcode})")
+            if child.exitcode == 0 and time.monotonic() - started.value > 60:
+                raise SystemExit(f"the emitter finished but only {pipeline.events_received()} "
+                                 f"of {expected} events arrived; dropped: "
+                                 f"{pipeline.snapshot().events_dropped}")
             time.sleep(0.005)
         elapsed = time.monotonic() - started.value
         child.join()

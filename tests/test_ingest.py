@@ -64,6 +64,37 @@ def test_emitter_delivers_every_event(source, tmp_path):
     assert snap.source_info == {"engine": ("vllm", "tiny-llama")}
 
 
+def test_close_waits_for_a_slow_agent_to_take_a_burst(tmp_path):
+    """A burst larger than ZMQ's queues (send_hwm=2 batches of 1,000 events, about 60 KB each)
+    emitted just before close(): close keeps sending as the agent drains, so every one of the
+    50,000 events arrives and none is counted as dropped."""
+    pipeline = Pipeline()
+    src = IngestSource(pipeline, _endpoint(tmp_path), receive_hwm=2)
+    src.start()
+    try:
+        emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=1000, send_hwm=2,
+                          max_buffer=60_000)
+        emitter.emit(_lookup(-1))  # connected once this one has arrived
+        assert _wait(lambda: pipeline.events_received().get("engine") == 1)
+        for i in range(50_000):
+            emitter.emit(_lookup(i))
+        emitter.close(timeout=60.0)
+        assert emitter.dropped == 0
+        assert _wait(lambda: pipeline.events_received()["engine"] == 50_001)
+    finally:
+        src.shutdown()
+
+
+def test_close_counts_what_it_could_not_send(tmp_path):
+    """No agent ever binds: close() gives up after its timeout and counts every buffered
+    event as dropped, so the loss is visible, not silent."""
+    emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=10)
+    for i in range(25):
+        emitter.emit(_lookup(i))
+    emitter.close(timeout=0.2)
+    assert emitter.dropped == 25 and emitter.buffered() == 0
+
+
 def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp_path):
     endpoint = _endpoint(tmp_path)
     good = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=0,

@@ -14,6 +14,7 @@ import collections
 import logging
 import os
 import threading
+import time
 
 import zmq
 
@@ -47,6 +48,7 @@ class Emitter:
         self._pending: bytes | None = None  # an encoded batch ZMQ would not take yet
         self._pending_events = 0
         self._stop = threading.Event()
+        self._drain_until = 0.0  # monotonic deadline for the final flush, set by close()
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, send_hwm)
@@ -70,15 +72,24 @@ class Emitter:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             self._send_all()
-        self._send_all()
+        # closing: keep sending while ZMQ takes batches, up to close()'s deadline
+        while not self._send_all() and time.monotonic() < self._drain_until:
+            time.sleep(0.001)
+        left = self.buffered()
+        if left:
+            self.dropped += left
+            self._buffer.clear()
+            self._pending, self._pending_events = None, 0
+            log.warning("kvscope emitter: closed with %d events unsent (agent away or slow)", left)
 
-    def _send_all(self) -> None:
+    def _send_all(self) -> bool:
+        """Send batches until the buffer is empty (True) or ZMQ takes no more (False)."""
         while True:
             if self._pending is None:
                 events = [self._buffer.popleft()
                           for _ in range(min(self._batch_size, len(self._buffer)))]
                 if not events:
-                    return
+                    return True
                 batch = ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
                                  events=events, session=self._session, dropped=self.dropped,
                                  engine=self._engine, model=self._model)
@@ -93,18 +104,20 @@ class Emitter:
             try:
                 self._socket.send(self._pending, zmq.NOBLOCK)
             except zmq.Again:
-                return  # agent away or slow: keep the batch, try again next tick
+                return False  # agent away or slow: keep the batch, try again next tick
             except zmq.ZMQError as exc:
                 log.warning("kvscope emitter: send failed: %s", exc)
-                return
+                return False
             self._pending, self._pending_events = None, 0
             self._seq += 1
             self.sent_batches += 1
 
     def close(self, timeout: float = 1.0) -> None:
-        """Send what is buffered (waiting at most ``timeout`` seconds) and close."""
+        """Send what is buffered, waiting at most ``timeout`` seconds for the agent to take it,
+        and close; events still unsent then are counted in :attr:`dropped`."""
         if self._stop.is_set():
             return
+        self._drain_until = time.monotonic() + timeout
         self._stop.set()
-        self._thread.join(timeout)
+        self._thread.join(timeout + 1.0)
         self._socket.close(linger=int(timeout * 1000))
