@@ -36,7 +36,7 @@ class SchemaError(ValueError):
         self.reason = reason
 
 
-class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
+class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True, gc=False):
     ts: float  # Unix seconds when the event happened (a transfer: when it started)
 
 
@@ -72,8 +72,8 @@ class Lookup(_Event, tag="lookup"):
     blocks: int = 0
     block_hits: dict[Tier, int] = {}
     prefill_tokens_per_second: float = 0.0
-    block_hashes: list[int] = []
-    block_sources: list[TokenSource] = []
+    block_hashes: tuple[int, ...] = ()
+    block_sources: tuple[TokenSource, ...] = ()
     block_tokens: int = 0
 
 
@@ -168,7 +168,7 @@ Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestF
               LatencyHistogram]
 
 
-class Batch(msgspec.Struct, frozen=True):
+class Batch(msgspec.Struct, frozen=True, gc=False):
     """A batch of events from one emitter.
 
     ``version``: :data:`SCHEMA_VERSION` of the sender. ``source``: the emitter's name (a short

@@ -365,13 +365,13 @@ class OffloadEngine:
         self._batch = None
         if self._emit is not None:
             record = self.record_blocks
-            names = _block_sources(sources) if record else []
+            names = _block_sources(sources) if record else ()
             self._emit(ev.Lookup(ts=started.ts, request_id=request.request_id,
                                  tokens={s: n for s, n in outcome.tokens.items() if n},
                                  blocks=len(sources),
                                  block_hits={t: n for t, n in outcome.block_hits.items() if n},
                                  prefill_tokens_per_second=self.preset.prefill_tokens_per_second,
-                                 block_hashes=list(request.block_hashes) if record else [],
+                                 block_hashes=request.block_hashes if record else (),
                                  block_sources=names,
                                  block_tokens=self.block_tokens))
         self._inflight.append((started, self._evictions, outcome))
