@@ -9,6 +9,11 @@ prompt's blocks in order until the first miss; ``prepare_load`` + ``complete_loa
 ``on_request_finished``. Keys are the trace's ``hash_ids`` (one per 512-token block); the CPU
 tier holds ``--chunks`` blocks (LRU), so it evicts.
 
+The garbage collector is set up as in a serving vLLM: its ``EngineCore`` freezes the start-up
+heap once initialised (``freeze_gc_heap()``, vllm/v1/engine/core.py), so full collections walk
+only what serving allocates; here the frozen heap is the imports and the loaded trace. Each arm
+starts from a collected heap, so neither pays for the other's garbage.
+
 Run with the vLLM environment's python (``scripts/vllm_env.sh`` prints it):
     $KVSCOPE_VLLM_PYTHON bench/tap_overhead.py [--trace PATH] [--requests N] [--repeat R]
 """
@@ -16,6 +21,7 @@ Run with the vLLM environment's python (``scripts/vllm_env.sh`` prints it):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -29,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 
 from kvscope.agent.taps.emitter import Emitter  # noqa: E402
 from kvscope.agent.taps.vllm_manager import TapManager  # noqa: E402
@@ -73,6 +80,7 @@ def drive(manager, trace) -> float:
     ``manager`` the way vLLM's connector calls it; CPU time, so colleagues' load on a shared
     machine does not count."""
     hit = LookupResult.HIT
+    gc.collect()
     start = time.process_time()
     for i, (prompt, keys) in enumerate(trace):
         rid = f"req-{i}"
@@ -127,6 +135,7 @@ def main() -> None:
     sink = multiprocessing.Process(target=_sink, args=(endpoint, stop), daemon=True)
     sink.start()
     emitter = Emitter(endpoint, source="vllm")
+    freeze_gc_heap()
     best = {"unwrapped": float("inf"), "wrapped": float("inf")}
     taps = []
     try:
@@ -137,6 +146,7 @@ def main() -> None:
             best["wrapped"] = min(best["wrapped"], drive(tap, trace))
             taps.append(tap)
     finally:
+        gc.unfreeze()  # let shutdown free the start-up heap (else extension modules report leaks)
         emitter.close()
         stop.set()
         sink.join(5)

@@ -41,13 +41,14 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable
 
+import msgspec
 from vllm.v1.kv_offload.base import OffloadingManager
 
 from kvscope import events as ev
 
 log = logging.getLogger(__name__)
 
-_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+_HEX = frozenset("0123456789abcdef")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 MEDIUM_TIER = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}  # vLLM medium -> kvscope tier
 # vLLM CacheHitSource value -> kvscope token source (p2p and unspecified count as cpu: they
@@ -56,8 +57,11 @@ HIT_SOURCE = {"device": "gpu", "host": "cpu", "disk": "disk"}
 
 
 def external_request_id(request_id: str) -> str:
-    """vLLM's internal request id without the ``-xxxxxxxx`` suffix it adds for uniqueness."""
-    return _SUFFIX.sub("", request_id)
+    """vLLM's internal request id without the ``-xxxxxxxx`` suffix (8 lowercase hex digits) it
+    adds for uniqueness."""
+    if len(request_id) > 9 and request_id[-9] == "-" and _HEX.issuperset(request_id[-8:]):
+        return request_id[:-9]
+    return request_id
 
 
 def trace_id_of(headers) -> str:
@@ -68,19 +72,18 @@ def trace_id_of(headers) -> str:
     return match.group(1) if match and match.group(1) != "0" * 32 else ""
 
 
-class _Req:
-    __slots__ = ("request", "rid", "arrival", "scheduled", "load_start", "load_wait",
-                 "first_token", "sources")
+class _Req(msgspec.Struct, gc=False):
+    """What the tap tracks of one request. A msgspec struct: built in C, and never tracked by
+    the garbage collector (it cannot be part of a cycle), so vLLM's collections stay cheap."""
 
-    def __init__(self, request, rid: str, arrival: float) -> None:
-        self.request = request
-        self.rid = rid
-        self.arrival = arrival
-        self.scheduled: float | None = None
-        self.load_start: float | None = None
-        self.load_wait = 0.0
-        self.first_token: float | None = None
-        self.sources: Counter[str] = Counter()  # loaded chunks by tier (tiering only)
+    request: object
+    rid: str
+    arrival: float
+    scheduled: float | None = None
+    load_start: float | None = None
+    load_wait: float = 0.0
+    first_token: float | None = None
+    sources: Counter | None = None  # loaded chunks by tier (tiering only)
 
 
 class TapManager(OffloadingManager):
@@ -150,6 +153,8 @@ class TapManager(OffloadingManager):
             if req is not None:
                 req.load_start = now
                 if self._multi_tier:
+                    if req.sources is None:
+                        req.sources = Counter()
                     for key in keys:
                         source = getattr(self.inner.get_load_source(key, req_context), "value", "")
                         req.sources[HIT_SOURCE.get(source, "cpu")] += 1
@@ -287,18 +292,21 @@ class TapManager(OffloadingManager):
             local, external = stats.num_local_cached_tokens, stats.num_external_cached_tokens
         else:  # stats already taken: what the scheduler had computed when it admitted it
             local, external = min(int(request.num_computed_tokens), prompt), 0
-        tokens: dict[str, int] = {"gpu": local, "recompute": max(0, prompt - local - external)}
-        total = sum(req.sources.values())
-        if external and total:
-            for tier, chunks in req.sources.items():  # tiering: split by where keys came from
+        tokens: dict[str, int] = {"gpu": local} if local else {}
+        total = sum(req.sources.values()) if req.sources else 0
+        if external and total:  # tiering: split by where the loaded keys came from
+            for tier, chunks in req.sources.items():
                 tokens[tier] = tokens.get(tier, 0) + external * chunks // total
             tokens["cpu"] = tokens.get("cpu", 0) + external - sum(
                 external * c // total for c in req.sources.values())
         elif external:
             tokens["cpu"] = external
-        hits = {tier: n // self._tpb for tier, n in tokens.items() if tier != "recompute" and n}
+        tpb = self._tpb
+        hits = {tier: n // tpb for tier, n in tokens.items() if n}
+        if prompt > local + external:
+            tokens["recompute"] = prompt - local - external
         return ev.Lookup(ts=now, request_id=req.rid, tokens={k: v for k, v in tokens.items() if v},
-                         blocks=prompt // self._tpb, block_hits=hits)
+                         blocks=prompt // tpb, block_hits=hits)
 
     def _finished(self, rid: str) -> None:
         req = self._reqs.pop(rid, None)
@@ -319,19 +327,25 @@ class TapManager(OffloadingManager):
 
     def _evict(self, keys, tier: str, reason: str, now: float) -> None:
         """One Eviction per distinct hit count (the event carries one ``hits`` for its blocks)."""
-        all_hits = self._hits
-        used = all_hits.keys() & keys if all_hits else ()  # usually few: loop only over those
+        n = len(keys)
+        if not n:
+            return
+        # Both maps popped in C, one pass each; a key never seen stored counts as age 0.
+        stored = list(map(self._resident.pop, keys, itertools.repeat(now, n)))
+        hits = list(map(self._hits.pop, keys, itertools.repeat(0, n))) if self._hits else ()
+        if not any(hits):
+            self._eviction(now, tier, reason, 0, n, now - sum(stored) / n)
+            return
         groups: dict[int, list] = {}
-        for key in used:
-            group = groups.setdefault(all_hits.pop(key), [0, 0.0])
-            group[0] += 1
-            group[1] += now - self._resident.pop(key, now)
-        unused = len(keys) - len(used)
-        if unused:  # the rest in C: dict.pop over the keys (used ones are gone already)
-            stored = sum(map(self._resident.pop, keys, itertools.repeat(now, len(keys))))
-            self._eviction(now, tier, reason, 0, unused, (unused * now - stored + len(used) * now) / unused)
-        for hits, (chunks, ages) in groups.items():
-            self._eviction(now, tier, reason, hits, chunks, ages / chunks)
+        for count, at in zip(hits, stored):
+            group = groups.get(count)
+            if group is None:
+                groups[count] = [1, now - at]
+            else:
+                group[0] += 1
+                group[1] += now - at
+        for count, (chunks, ages) in groups.items():
+            self._eviction(now, tier, reason, count, chunks, ages / chunks)
 
     def _eviction(self, now: float, tier: str, reason: str, hits: int, chunks: int,
                   age: float) -> None:
