@@ -1,6 +1,7 @@
 """Ingest over real ZMQ sockets: emitter -> agent, bad input counted and dropped, restarts."""
 
 import os
+import threading
 import time
 
 import msgspec
@@ -93,6 +94,69 @@ def test_close_counts_what_it_could_not_send(tmp_path):
         emitter.emit(_lookup(i))
     emitter.close(timeout=0.2)
     assert emitter.dropped == 25 and emitter.buffered() == 0
+
+
+def test_close_loses_at_most_what_zmq_holds_and_counts_the_rest(tmp_path):
+    """A slow agent (a PULL socket taking one 100-event batch per 20 ms) and close(0.5) on
+    5,000 buffered events: what the emitter still buffers at the deadline is counted in
+    ``dropped``; only what ZMQ itself holds can be lost uncounted: send_hwm (4 batches by
+    default) plus what its I/O threads hold on both sides (3 batches, measured), so at most
+    10 batches. (With the old send_hwm of 64, 23 batches went uncounted here.)"""
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.bind(_endpoint(tmp_path))
+    received = []
+    done = threading.Event()
+
+    def slow_agent():
+        while not done.is_set():
+            if sock.poll(100):
+                received.append(len(ev.decode_batch(sock.recv()).events))
+                time.sleep(0.02)
+
+    agent = threading.Thread(target=slow_agent)
+    agent.start()
+    try:
+        emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=100)
+        for i in range(5000):
+            emitter.emit(_lookup(i))
+        emitter.close(timeout=0.5)
+        assert emitter.dropped > 0  # the agent was too slow for all of it
+        settled = -1
+        while settled != sum(received):  # what was handed over still arrives
+            settled = sum(received)
+            time.sleep(0.3)
+        assert sum(received) + emitter.dropped >= 5000 - 10 * 100
+        assert sum(received) + emitter.dropped <= 5000
+    finally:
+        done.set()
+        agent.join()
+        sock.close(0)
+
+
+def test_a_closed_emitter_counts_what_it_is_given_and_close_is_safe_from_threads(tmp_path):
+    emitter = Emitter(_endpoint(tmp_path), source="engine")
+    closers = [threading.Thread(target=emitter.close, kwargs={"timeout": 0.2}) for _ in range(3)]
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join()
+    emitter.emit(_lookup(1))
+    emitter.emit(_lookup(2))
+    assert emitter.dropped == 2 and emitter.buffered() == 0
+
+
+def test_an_event_that_breaks_the_encoder_is_dropped_and_the_emitter_keeps_sending(source, tmp_path):
+    """A self-referencing dict makes msgspec raise RecursionError (not a TypeError): the batch
+    is counted as dropped, and later events still arrive."""
+    loop: dict = {}
+    loop["x"] = loop
+    emitter = Emitter(_endpoint(tmp_path), source="engine", flush_interval=0.01)
+    emitter.emit(ev.Lookup(ts=1.0, request_id="bad", tokens={"gpu": 1}, block_hits=loop))
+    assert _wait(lambda: emitter.dropped == 1)
+    emitter.emit(_lookup(2))
+    assert _wait(lambda: source.pipeline.events_received().get("engine") == 1)
+    emitter.close()
 
 
 def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp_path):

@@ -2,10 +2,11 @@
 
 It runs on the engine's hot path, so :meth:`Emitter.emit` only appends to a bounded buffer
 (well under a microsecond) and never raises or blocks; a background thread batches the buffer,
-encodes it with msgspec and sends it over a ZMQ PUSH socket without blocking. When the agent is
-away, ZMQ keeps at most ``send_hwm`` batches and reconnects by itself; beyond that the buffer
-fills and further events are dropped and counted (and reported to the agent in the next batch,
-as ``Batch.dropped``). Imports only the standard library, msgspec and pyzmq.
+encodes it with msgspec and sends it over a ZMQ PUSH socket without blocking. ZMQ queues at most
+``send_hwm`` batches, only for a live connection, and reconnects by itself; the rest waits in
+the buffer, and once that is full further events are dropped and counted (and reported to the
+agent in the next batch, as ``Batch.dropped``). Imports only the standard library, msgspec and
+pyzmq.
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ class Emitter:
     ``source``: a short name for this emitter's events; ``engine``, ``model``: what it observes
     (shown as ``kvscope_engine_info``). ``max_buffer``: events held while the
     agent is slow or away. ``batch_size``: events per batch at most. ``flush_interval``: seconds
-    between sends. ``send_hwm``: batches ZMQ may queue. Call :meth:`close` at exit (safe twice).
+    between sends. ``send_hwm``: batches ZMQ may queue (kept small: what ZMQ holds when
+    :meth:`close` gives up is lost uncounted, what the buffer holds is counted). Call
+    :meth:`close` at exit (safe twice, from any thread).
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
-                 engine: str = "", model: str = "", max_buffer: int = 100_000, batch_size: int = 1024, flush_interval: float = 0.05,
-                 send_hwm: int = 64) -> None:
+                 engine: str = "", model: str = "", max_buffer: int = 100_000,
+                 batch_size: int = 1024, flush_interval: float = 0.05, send_hwm: int = 4) -> None:
         self.source = source
         self._engine, self._model = engine, model
-        self.dropped = 0  # events lost to a full buffer or a failed encode, since start
+        self.dropped = 0  # events lost to a full buffer, a failed encode or close, since start
         self.sent_batches = 0
         self._buffer: collections.deque = collections.deque()
         self._max_buffer = max_buffer
@@ -49,7 +52,8 @@ class Emitter:
         self._pending_events = 0
         self._stop = threading.Event()
         self._drain_until = 0.0  # monotonic deadline for the final flush, set by close()
-        self._context = zmq.Context.instance()
+        # Its own context, so close() can wait for ZMQ to hand over what it queued (term()).
+        self._context = zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, send_hwm)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -59,7 +63,8 @@ class Emitter:
         self._thread.start()
 
     def emit(self, event: object) -> None:
-        """Queue one event; drops it (and counts) when the buffer is full. Never raises."""
+        """Queue one event; drops it (and counts) when the buffer is full or the emitter is
+        closed. Never raises."""
         if len(self._buffer) >= self._max_buffer:
             self.dropped += 1
             return
@@ -72,7 +77,8 @@ class Emitter:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             self._send_all()
-        # closing: keep sending while ZMQ takes batches, up to close()'s deadline
+        self._max_buffer = 0  # closed: emit() now counts every event as dropped
+        # keep sending while ZMQ takes batches, up to close()'s deadline
         while not self._send_all() and time.monotonic() < self._drain_until:
             time.sleep(0.001)
         left = self.buffered()
@@ -81,6 +87,11 @@ class Emitter:
             self._buffer.clear()
             self._pending, self._pending_events = None, 0
             log.warning("kvscope emitter: closed with %d events unsent (agent away or slow)", left)
+        # This thread owns the socket to the end (ZMQ sockets are not thread-safe); term()
+        # waits, within the deadline, for ZMQ to hand its queued batches to the agent.
+        linger = max(0.0, self._drain_until - time.monotonic())
+        self._socket.close(linger=int(linger * 1000))
+        self._context.term()
 
     def _send_all(self) -> bool:
         """Send batches until the buffer is empty (True) or ZMQ takes no more (False)."""
@@ -95,7 +106,7 @@ class Emitter:
                                  engine=self._engine, model=self._model)
                 try:
                     self._pending = ev.encode_batch(batch)
-                except (TypeError, ValueError, OverflowError) as exc:  # a malformed event
+                except Exception as exc:  # a malformed event: never let it stop the thread
                     self.dropped += len(events)
                     log.warning("kvscope emitter: dropped %d events that do not encode: %s",
                                 len(events), exc)
@@ -114,10 +125,10 @@ class Emitter:
 
     def close(self, timeout: float = 1.0) -> None:
         """Send what is buffered, waiting at most ``timeout`` seconds for the agent to take it,
-        and close; events still unsent then are counted in :attr:`dropped`."""
-        if self._stop.is_set():
-            return
-        self._drain_until = time.monotonic() + timeout
-        self._stop.set()
-        self._thread.join(timeout + 1.0)
-        self._socket.close(linger=int(timeout * 1000))
+        and close; events still in the buffer then are counted in :attr:`dropped`. Returns
+        within ``timeout`` + 1 s (unless the thread is stuck encoding a huge batch: it then
+        finishes, and counts, on its own)."""
+        if not self._stop.is_set():
+            self._drain_until = time.monotonic() + timeout
+            self._stop.set()
+        self._thread.join(max(0.0, self._drain_until - time.monotonic()) + 1.0)
