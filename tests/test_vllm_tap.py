@@ -151,6 +151,10 @@ assert len(out.evicted_keys) == 2
 evictions = [e for e in sent if isinstance(e, ev.Eviction)]
 assert sum(e.blocks for e in evictions) == 2 and {e.bytes for e in evictions} <= {100, 200}
 assert list(tap.take_events())                 # passes vLLM's events through untouched
+# ... and does not count them again: a plain CPU manager's events repeat what the tap saw
+evictions = [e for e in sent if isinstance(e, ev.Eviction)]
+assert sum(e.blocks for e in evictions) == 2 and min(e.age for e in evictions) >= 0
+assert not [e for e in sent if isinstance(e, ev.Transfer)]
 
 # a failing emitter never reaches vLLM: the calls still return the inner answers
 tap2 = TapManager(CPUOffloadingManager(num_chunks=2), broken, tokens_per_block=32,

@@ -14,9 +14,10 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
   (``Request.prefill_stats``: local prefix-cache tokens -> ``gpu``, tokens loaded through this
   connector -> ``cpu`` (``disk`` for keys a tiering manager says came from disk), the rest ->
   ``recompute``).
-- ``Eviction`` of CPU-tier chunks (``prepare_store``'s ``evicted_keys``, and removals in
-  ``take_events``) with each chunk's age and the loads it served; lower tiers' removals from
-  ``take_events`` (only when vLLM's KV events are enabled, since only then does vLLM drain them).
+- ``Eviction`` of CPU-tier chunks (``prepare_store``'s ``evicted_keys``; with a tiering
+  manager also removals in ``take_events``) with each chunk's age and the loads it served;
+  lower tiers' removals from ``take_events`` (only when vLLM's KV events are enabled, since only
+  then does vLLM drain them).
 - ``Transfer`` ``disk->cpu`` / ``cpu->disk`` seen only as manager events (untimed).
 - ``TierSnapshot`` of the CPU tier at most once per ``snapshot_interval``.
 - ``RequestFinished`` when vLLM finishes the request: TTFT (first output token seen at a
@@ -333,8 +334,8 @@ class TapManager(OffloadingManager):
         # Both maps popped in C, one pass each; a key never seen stored counts as age 0.
         stored = list(map(self._resident.pop, keys, itertools.repeat(now, n)))
         hits = list(map(self._hits.pop, keys, itertools.repeat(0, n))) if self._hits else ()
-        if not any(hits):
-            self._eviction(now, tier, reason, 0, n, now - sum(stored) / n)
+        if not any(hits):  # max(): float rounding must not make an age negative
+            self._eviction(now, tier, reason, 0, n, max(0.0, now - sum(stored) / n))
             return
         groups: dict[int, list] = {}
         for count, at in zip(hits, stored):
@@ -345,7 +346,7 @@ class TapManager(OffloadingManager):
                 group[0] += 1
                 group[1] += now - at
         for count, (chunks, ages) in groups.items():
-            self._eviction(now, tier, reason, count, chunks, ages / chunks)
+            self._eviction(now, tier, reason, count, chunks, max(0.0, ages / chunks))
 
     def _eviction(self, now: float, tier: str, reason: str, hits: int, chunks: int,
                   age: float) -> None:
@@ -358,7 +359,9 @@ class TapManager(OffloadingManager):
         for event in events:
             medium = getattr(event.medium, "value", str(event.medium))
             tier = MEDIUM_TIER.get(medium)
-            if tier is None or tier == "gpu":
+            # A plain CPU manager's own events repeat what prepare_store / complete_store
+            # already told the tap (and, read a step late, would look like new stores).
+            if tier is None or tier == "gpu" or (tier == "cpu" and not self._multi_tier):
                 continue
             keys = list(event.keys)
             if tier == "cpu":
