@@ -9,6 +9,7 @@ from kvscope import __version__
 from kvscope.argtypes import host, non_negative, port, positive
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
+from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -137,7 +138,6 @@ def _agent(args) -> int:
 
 
 def _dashboard(args) -> int:
-    import signal
     import threading
 
     from kvscope.dashboard.app import create_app, serve
@@ -157,10 +157,10 @@ def _dashboard(args) -> int:
     print(f"kvscope dashboard: http://{args.host}:{args.port}/ reading {args.backend} {source}",
           flush=True)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     stop.wait()
     handle.shutdown()
+    ignore_signals_while_exiting()
     return 0
 
 

@@ -3,7 +3,6 @@ one process, on loopback by default."""
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from kvscope.engine.presets import get_preset
 from kvscope.engine.replay import Replayer
 from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake,
                                      synthetic)
+from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
                         f"{exc.strerror or exc}; pass a free port with --ui-port") from None
     replay_thread.start()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     print(f"kvscope demo: {'trace ' + config.trace if config.trace else 'synthetic workload'}, "
           f"preset {preset.name}, gpu {config.gpu_blocks} blocks, cpu {config.cpu_blocks} blocks"
           + (f", disk {config.disk_blocks} blocks" if config.disk_blocks else "")
@@ -118,4 +117,5 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     server.shutdown()
     agent.shutdown()
     print(f"kvscope demo: stopped after {replayer.served} requests", file=out, flush=True)
+    ignore_signals_while_exiting()
     return 0

@@ -1,8 +1,11 @@
-"""Bad input to `kvscope demo`: one clear line on stderr, exit code 2, nothing left running."""
+"""The command line: bad input gives one clear line on stderr and exit code 2, nothing is left
+running, and a stopped command exits cleanly."""
 
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -97,3 +100,31 @@ def test_agent_refuses_an_ingest_endpoint_on_its_own_port():
 def test_an_empty_host_is_refused():
     result = _kvscope("demo", "--host", "", "--duration", "5")
     assert result.returncode == 2 and "must be an address" in result.stderr
+
+
+def test_ctrl_c_while_the_agent_shuts_down_does_not_spoil_its_exit_code(tmp_path):
+    """Ctrl-C stops the agent; more Ctrl-C every 5 ms until the process is gone (an impatient
+    user) must not turn its clean stop into death by SIGINT: Python restores the default action
+    of handled signals while it shuts down, so the agent ignores them once it has stopped."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--port", str(free_port()),
+                             "--ingest", f"ipc://{tmp_path}/ingest.sock"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("kvscope agent: http"):
+                break
+        proc.send_signal(signal.SIGINT)
+        for line in proc.stdout:
+            lines.append(line)
+            if "stopped" in line:
+                break
+        while proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.005)
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 
@@ -10,6 +9,7 @@ from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings, ConfigError
 from kvscope.agent.server import ApiServer, bind
+from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
 
 
 def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | None = None) -> int:
@@ -29,9 +29,7 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     server = ApiServer(create_app(agent), sock)
     server.start()
     stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     base = f"http://{settings.host}:{settings.port}"
     print(f"kvscope agent: {base}/metrics  {base}/api/v1/summary  (docs: {base}/docs)", file=out)
     if agent.ingest is not None:
@@ -44,4 +42,5 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     server.shutdown()
     agent.shutdown()
     print("kvscope agent: stopped", file=out, flush=True)
+    ignore_signals_while_exiting()
     return 0
