@@ -12,8 +12,16 @@ from kvscope.engine.workload import TraceError
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one error line, like every other bad input (argparse's own prints its
+    whole usage block above it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvscope", description="Observability for KV-cache offload in LLM serving.")
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -70,8 +70,16 @@ def test_disk_tier_without_cpu_tier_is_a_clear_error():
     (["--preset", "llama-3-8b", "--cpu-blocks", "100000000"], "GiB of host memory"),
 ])
 def test_impossible_demo_settings(args, needle):
-    result = _kvscope("demo", "--duration", "5", *args)
-    assert result.returncode == 2 and needle in result.stderr, result.stderr
+    _one_error_line(_kvscope("demo", "--duration", "5", *args), needle)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["bogus"], "invalid choice: 'bogus'"),
+    (["demo", "--duration", "soon"], "--duration"),
+    (["agent", "--port", "70000"], "--port"),
+])
+def test_a_bad_argument_is_one_line_that_points_to_help(args, needle):
+    _one_error_line(_kvscope(*args), needle, "--help)")
 
 
 def test_unreadable_trace_is_one_line(tmp_path):
