@@ -6,26 +6,41 @@ Each raises ``argparse.ArgumentTypeError`` with the reason, so argparse reports 
 from __future__ import annotations
 
 import argparse
+import math
+
+
+def _number(kind, check, reason: str):
+    """A parser of finite ``kind`` values for which ``check(value)`` holds, else ``reason``.
+    Named after ``kind``, so argparse says e.g. "invalid float value: 'abc'"."""
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"{reason}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def positive(kind=float):
     """A parser of ``kind`` values > 0."""
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
+    return _number(kind, lambda v: v > 0, "must be > 0")
 
 
 def non_negative(kind=int):
     """A parser of ``kind`` values >= 0 (e.g. a tier size where 0 disables the tier)."""
-    def parse(text: str):
-        value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-        return value
-    return parse
+    return _number(kind, lambda v: v >= 0, "must be >= 0")
+
+
+def share(text: str) -> float:
+    """A fraction in (0, 1] (a sampling rate, a target share)."""
+    return _number(float, lambda v: 0 < v <= 1, "must be in (0, 1]")(text)
+
+
+def at_most(limit: int, why: str):
+    """A parser of ints from 0 to ``limit``; ``why`` says what the limit protects."""
+    return _number(int, lambda v: 0 <= v <= limit, f"must be 0 to {limit} ({why})")
 
 
 def host(text: str) -> str:

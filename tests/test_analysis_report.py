@@ -59,8 +59,18 @@ def test_cli_errors_exit_2(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "capture.parquet")]) == 2  # a capture, but missing
     assert "No such file or directory" in capsys.readouterr().err
     (tmp_path / "ok.jsonl").write_text(json.dumps(RECORDS[0]) + "\n")
-    assert main(["analyze", str(tmp_path / "ok.jsonl"), "--target-share", "2"]) == 2
-    assert "target share" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # argparse refuses it
+        main(["analyze", str(tmp_path / "ok.jsonl"), "--target-share", "2"])
+    assert exited.value.code == 2 and "must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_a_sample_too_small_to_size_from_is_refused(capsys):
+    """SHARDS at R = 1e-9 keeps none of the trace's 182,790 distinct blocks: a curve from it
+    would claim any tier serves everything, so analyze refuses with one line instead."""
+    assert main(["analyze", str(trace_path()), "--method", "shards-rate",
+                 "--sample-rate", "1e-9"]) == 2
+    err = capsys.readouterr().err
+    assert "distinct blocks" in err and len(err.strip().splitlines()) == 1
 
 
 def test_options_validate():

@@ -77,6 +77,10 @@ def test_impossible_demo_settings(args, needle):
     (["bogus"], "invalid choice: 'bogus'"),
     (["demo", "--duration", "soon"], "--duration"),
     (["agent", "--port", "70000"], "--port"),
+    (["analyze", "t.jsonl", "--bandwidth-gbps", "nan"], "must be a finite number"),
+    (["analyze", "t.jsonl", "--bandwidth-gbps", "fast"], "invalid float value: 'fast'"),
+    (["analyze", "t.jsonl", "--arc-points", "100000"], "must be 0 to 64"),
+    (["analyze", "t.jsonl", "--method", "shards-size", "--sample-blocks", "0"], "must be > 0"),
 ])
 def test_a_bad_argument_is_one_line_that_points_to_help(args, needle):
     _one_error_line(_kvscope(*args), needle, "--help)")

@@ -21,6 +21,9 @@ from kvscope.analysis.stackdist import stack_distances
 from kvscope.engine.presets import ModelPreset
 
 METHODS = ("auto", "exact", "shards-rate", "shards-size")
+# Below this many distinct sampled blocks a SHARDS curve is too coarse to size from (the SHARDS
+# paper, Waldspurger et al., FAST 2015, evaluates samples of thousands of blocks).
+MIN_SAMPLED_BLOCKS = 1_000
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ def _histograms(trace: AccessTrace, options: AnalyzeOptions):
         by_access = shards.fixed_rate(ids, rate, seed=options.seed)
         by_token = shards.fixed_rate(ids, rate, tokens, seed=options.seed)
         label = f"lru-shards-fixed-rate(R={by_access.rate:.3g})"
+    if by_access.sampled_blocks < MIN_SAMPLED_BLOCKS < len(np.unique(ids)):
+        raise ValueError(f"the SHARDS sample holds only {by_access.sampled_blocks} distinct blocks "
+                         f"(R={by_access.rate:.3g}), too few for a curve to size a tier from; "
+                         f"raise --sample-rate / --sample-blocks or use --method exact")
     # reuse distances for the distribution: the sample's, stretched by 1/R (an estimate)
     rate = by_access.rate
     keep = shards.spatial_hash(ids, options.seed) < max(1, round(rate * shards.MODULUS))

@@ -11,7 +11,8 @@ from kvscope.analysis.inputs import load_trace
 from kvscope.analysis.report import render_text, to_json
 from kvscope.analysis.sizing import DEFAULT_BANDWIDTH, GIB
 from kvscope.engine.presets import PRESETS, get_preset
-from kvscope.argtypes import positive
+from kvscope.engine.workload import TraceError
+from kvscope.argtypes import at_most, non_negative, positive, share
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,22 +26,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth-gbps", type=positive(float), default=DEFAULT_BANDWIDTH / 1e9,
                         metavar="GB/S", help="host-to-device promotion bandwidth, GB/s (default "
                         "%(default)s; use the agent's measured value when you have one)")
-    parser.add_argument("--gpu-tokens", type=int, default=0, metavar="TOKENS",
+    parser.add_argument("--gpu-tokens", type=non_negative(int), default=0, metavar="TOKENS",
                         help="GPU prefix-cache capacity in tokens (vLLM logs it as 'GPU KV cache "
                         "size'; default 0: none)")
     parser.add_argument("--budget-gib", type=positive(float), metavar="GIB",
                         help="most host RAM the CPU tier may take (default: no limit)")
-    parser.add_argument("--target-share", type=positive(float), default=0.9, metavar="SHARE",
+    parser.add_argument("--target-share", type=share, default=0.9, metavar="SHARE",
                         help="recommend the smallest size buying this share of the affordable "
                         "gain (default %(default)s)")
     parser.add_argument("--method", choices=METHODS, default="auto",
                         help="LRU curve: exact stack distances, SHARDS fixed-rate or fixed-size, "
                         "or auto (exact up to 20M accesses; default %(default)s)")
-    parser.add_argument("--sample-rate", type=positive(float), metavar="R",
+    parser.add_argument("--sample-rate", type=share, metavar="R",
                         help="SHARDS fixed-rate sampling rate (default: about 2M sampled accesses)")
-    parser.add_argument("--sample-blocks", type=int, default=65_536, metavar="N",
+    parser.add_argument("--sample-blocks", type=positive(int), default=65_536, metavar="N",
                         help="SHARDS fixed-size sample size in blocks (default %(default)s)")
-    parser.add_argument("--arc-points", type=int, default=12, metavar="N",
+    parser.add_argument("--arc-points", type=at_most(64, "each size is one ARC simulation"),
+                        default=12, metavar="N",
                         help="sizes on the ARC curve, 0 to skip ARC (default %(default)s)")
 
 
@@ -57,15 +59,17 @@ def options_from(args: argparse.Namespace) -> AnalyzeOptions:
 def run(args: argparse.Namespace) -> int:
     """Analyze ``args.input`` and print the report or JSON; return 0.
 
-    Bad options print one line to stderr and return 2; an unreadable input raises TraceError
-    (which the CLI turns into exit code 2).
+    Bad options, or a sample too small to size from, print one line to stderr and return 2;
+    an unreadable input raises TraceError (which the CLI turns into exit code 2).
     """
     try:
         options = options_from(args)
         options.validate()
+        analysis = analyze(load_trace(args.input), options)
+    except TraceError:
+        raise
     except ValueError as exc:  # the command-line boundary: one line, exit code 2
         print(f"kvscope: error: {exc}", file=sys.stderr)
         return 2
-    analysis = analyze(load_trace(args.input), options)
     sys.stdout.write(to_json(analysis) + "\n" if args.json else render_text(analysis))
     return 0
