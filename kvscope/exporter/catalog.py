@@ -54,7 +54,10 @@ CATALOG: tuple[MetricSpec, ...] = (
              "recompute (prefill).", ["source"]),
     _counter("kvscope_lookup_blocks_total",
              "Block lookups per tier consulted, by result (hit or miss); a tier is consulted when "
-             "every tier above it missed.", ["tier", "result"]),
+             "every tier above it missed. Every resident block of a prompt counts as a hit, even "
+             "after an earlier miss, while only the leading run of hits serves tokens "
+             "(kvscope_prompt_tokens_total), so hits can exceed the blocks promoted.",
+             ["tier", "result"]),
     _counter("kvscope_prefill_seconds_saved_total",
              "Estimated prefill seconds saved by tokens served from cache (cost model).", ["source"],
              "seconds"),
