@@ -33,9 +33,8 @@ def non_negative(kind=int):
     return _number(kind, lambda v: v >= 0, "must be >= 0")
 
 
-def share(text: str) -> float:
-    """A fraction in (0, 1] (a sampling rate, a target share)."""
-    return _number(float, lambda v: 0 < v <= 1, "must be in (0, 1]")(text)
+# A fraction in (0, 1] (a sampling rate, a target share).
+share = _number(float, lambda v: 0 < v <= 1, "must be in (0, 1]")
 
 
 def at_most(limit: int, why: str):

@@ -31,6 +31,17 @@ DEMO_STOP_TIMEOUT_S = 30.0
 DEMO_DURATION_S = 900  # seconds; longer than the whole test session should take
 
 
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:
+    """Poll until ``predicate()`` holds (True) or ``timeout`` seconds pass (False): a bound
+    against hanging, not a speed assertion."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -15,6 +15,8 @@ from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.ingest import IngestSource
 from kvscope.agent.taps.emitter import Emitter
 
+from conftest import wait_until
+
 
 def _endpoint(tmp_path):
     return f"ipc://{tmp_path}/ingest.sock"
@@ -22,16 +24,6 @@ def _endpoint(tmp_path):
 
 def _lookup(i):
     return ev.Lookup(ts=float(i), request_id=f"r{i}", tokens={"gpu": 16, "recompute": 4})
-
-
-def _wait(predicate, timeout=30.0):
-    """Poll until ``predicate()`` holds; a bound against hanging, not a speed assertion."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture
@@ -57,7 +49,7 @@ def test_emitter_delivers_every_event(source, tmp_path):
                       batch_size=100)
     for i in range(2500):
         emitter.emit(_lookup(i))
-    assert _wait(lambda: source.pipeline.snapshot().events_received.get("engine") == 2500)
+    assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 2500)
     emitter.close()
     snap = source.pipeline.snapshot()
     assert snap.prompt_tokens["gpu"] == 2500 * 16
@@ -76,12 +68,12 @@ def test_close_waits_for_a_slow_agent_to_take_a_burst(tmp_path):
         emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=1000, send_hwm=2,
                           max_buffer=60_000)
         emitter.emit(_lookup(-1))  # connected once this one has arrived
-        assert _wait(lambda: pipeline.events_received().get("engine") == 1)
+        assert wait_until(lambda: pipeline.events_received().get("engine") == 1)
         for i in range(50_000):
             emitter.emit(_lookup(i))
         emitter.close(timeout=60.0)
         assert emitter.dropped == 0
-        assert _wait(lambda: pipeline.events_received()["engine"] == 50_001)
+        assert wait_until(lambda: pipeline.events_received()["engine"] == 50_001)
     finally:
         src.shutdown()
 
@@ -153,9 +145,9 @@ def test_an_event_that_breaks_the_encoder_is_dropped_and_the_emitter_keeps_sendi
     loop["x"] = loop
     emitter = Emitter(_endpoint(tmp_path), source="engine", flush_interval=0.01)
     emitter.emit(ev.Lookup(ts=1.0, request_id="bad", tokens={"gpu": 1}, block_hits=loop))
-    assert _wait(lambda: emitter.dropped == 1)
+    assert wait_until(lambda: emitter.dropped == 1)
     emitter.emit(_lookup(2))
-    assert _wait(lambda: source.pipeline.events_received().get("engine") == 1)
+    assert wait_until(lambda: source.pipeline.events_received().get("engine") == 1)
     emitter.close()
 
 
@@ -178,7 +170,7 @@ def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp
           good)
     expected = {("ingest", "malformed"): 2, ("ingest", "version"): 1, ("ingest", "invalid"): 1,
                 ("ingest", "too_large"): 1, ("ingest", "bad_source"): 1}
-    assert _wait(lambda: source.pipeline.snapshot().events_received.get("engine") == 1
+    assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 1
                  and sum(source.pipeline.snapshot().events_dropped.values()) == 6)
     assert source.pipeline.snapshot().events_dropped == expected
     assert source.pipeline.snapshot().source_up == {"ingest": True}
@@ -258,10 +250,10 @@ def test_emitter_with_the_agent_away_keeps_bounded_memory_then_delivers(tmp_path
     src = IngestSource(pipeline, endpoint)
     src.start()
     try:
-        assert _wait(lambda: emitter.buffered() == 0)
+        assert wait_until(lambda: emitter.buffered() == 0)
         emitter.emit(_lookup(9999))  # one more batch after the reconnect carries the drop count
         expected = 5001 - emitter.dropped
-        assert _wait(lambda: pipeline.snapshot().events_received.get("engine") == expected)
+        assert wait_until(lambda: pipeline.snapshot().events_received.get("engine") == expected)
         assert pipeline.snapshot().events_dropped == {("engine", "emitter_buffer"): emitter.dropped}
     finally:
         emitter.close()
@@ -272,8 +264,8 @@ def test_emit_never_raises_on_bad_events(source, tmp_path):
     emitter = Emitter(_endpoint(tmp_path), source="engine")
     emitter.emit(object())       # not an event: fails to encode in the sender thread
     emitter.emit(_lookup(1))
-    assert _wait(lambda: emitter.dropped >= 1)
+    assert wait_until(lambda: emitter.dropped >= 1)
     emitter.emit(_lookup(2))
-    assert _wait(lambda: source.pipeline.snapshot().events_received.get("engine", 0) >= 1)
+    assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine", 0) >= 1)
     emitter.close()
     emitter.close()  # safe twice

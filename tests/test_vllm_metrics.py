@@ -8,7 +8,6 @@ import json
 import socket
 import subprocess
 import threading
-import time
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.sources.vllm_metrics import MetricsMapper, parse
+from conftest import wait_until
 from tests.vllm_env import child_env, kill_group, tail, vllm_python
 
 E = 'engine="0",model_name="m"'
@@ -78,13 +78,6 @@ def _free_ports(n):
     return ports
 
 
-def _wait(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.25)
-    return False
 
 
 @pytest.fixture
@@ -128,7 +121,7 @@ def vllm_serve(tmp_path):
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{vllm_port}"
-        up = _wait(lambda: proc.poll() is None and _ok(f"{base}/health"), 240)
+        up = wait_until(lambda: proc.poll() is None and _ok(f"{base}/health"), 240)
         if not up:
             pytest.fail(f"vllm serve not up (rc {proc.poll()}):\n{tail(log)}")
         yield agent, base, str(model), log
@@ -170,13 +163,13 @@ def test_vllm_serve_metrics_spans_and_tap_reach_the_agent(vllm_serve):
     lookup = next(e for e in events if isinstance(e, ev.Lookup))
     assert lookup.tokens["gpu"] >= 256 - 32 and lookup.tokens["recompute"] > 0
     # the agent's own scrape: source up, events received
-    assert _wait(lambda: agent.pipeline.snapshot().source_up.get("vllm_metrics"), 120)
-    assert _wait(lambda: agent.pipeline.snapshot().events_received.get("vllm_metrics", 0) > 0, 120)
+    assert wait_until(lambda: agent.pipeline.snapshot().source_up.get("vllm_metrics"), 120)
+    assert wait_until(lambda: agent.pipeline.snapshot().events_received.get("vllm_metrics", 0) > 0, 120)
     # the second request reused the prefix from the GPU prefix cache (tap's lookup)
-    assert _wait(lambda: all(agent.pipeline.requests.get(f"{i}-0") for i in ids), 120), \
+    assert wait_until(lambda: all(agent.pipeline.requests.get(f"{i}-0") for i in ids), 120), \
         (ids, [r.request_id for r in agent.pipeline.requests.recent(10)], tail(log))
     # vLLM's spans reach /v1/traces and join the tap's records (same external request id)
-    assert _wait(lambda: agent.otlp_receiver.joined >= 2, 120), (
+    assert wait_until(lambda: agent.otlp_receiver.joined >= 2, 120), (
         agent.otlp_receiver.received, agent.otlp_receiver.ignored, tail(log))
     record = agent.pipeline.requests.get(f"{ids[1]}-0")
     assert record.tokens.get("gpu", 0) >= 256 - 32 and record.ttft and len(record.trace_id) == 32

@@ -23,6 +23,7 @@ from fastapi.testclient import TestClient
 from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
+from conftest import wait_until
 from tests.vllm_env import child_env, run_driver, vllm_python
 
 _SAMPLE = re.compile(r'^(?P<name>[a-z_:]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
@@ -43,13 +44,6 @@ def value(metrics, name, **labels) -> float:
     return metrics.get((name, frozenset(labels.items())), 0.0)
 
 
-def _wait(predicate, timeout=20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +60,7 @@ def offload_run(tmp_path_factory):
                    log=tmp / "offload.log")
         result = json.loads((tmp / "offload.json").read_text())
         # the driver flushed before exiting; give the agent's ingest thread a moment
-        _wait(lambda: agent.pipeline.snapshot().events_received.get("vllm-worker", 0) > 0)
+        wait_until(lambda: agent.pipeline.snapshot().events_received.get("vllm-worker", 0) > 0)
         time.sleep(0.5)
         with TestClient(create_app(agent)) as client:
             text = client.get("/metrics").text

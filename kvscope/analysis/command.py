@@ -11,7 +11,6 @@ from kvscope.analysis.inputs import load_trace
 from kvscope.analysis.report import render_text, to_json
 from kvscope.analysis.sizing import DEFAULT_BANDWIDTH, GIB
 from kvscope.engine.presets import PRESETS, get_preset
-from kvscope.engine.workload import TraceError
 from kvscope.argtypes import at_most, non_negative, positive, share
 
 
@@ -59,16 +58,14 @@ def options_from(args: argparse.Namespace) -> AnalyzeOptions:
 def run(args: argparse.Namespace) -> int:
     """Analyze ``args.input`` and print the report or JSON; return 0.
 
-    Bad options, or a sample too small to size from, print one line to stderr and return 2;
-    an unreadable input raises TraceError (which the CLI turns into exit code 2).
+    Bad options, an unreadable input or a sample too small to size from print one line to
+    stderr and return 2.
     """
     try:
         options = options_from(args)
         options.validate()
         analysis = analyze(load_trace(args.input), options)
-    except TraceError:
-        raise
-    except ValueError as exc:  # the command-line boundary: one line, exit code 2
+    except ValueError as exc:  # TraceError included  # the command-line boundary: one line, exit code 2
         print(f"kvscope: error: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(to_json(analysis) + "\n" if args.json else render_text(analysis))
