@@ -2,6 +2,8 @@
 
 The `demo` fixture starts the real demo (`python -m kvscope demo`) once per session on two free
 loopback ports and stops it with SIGINT (Ctrl-C) at the end, asserting a clean exit (code 0).
+The `vllm_plain_outputs` fixture runs the vLLM driver's ``plain`` mode once per session (the
+reference outputs every vLLM offloading proof compares against).
 """
 
 from __future__ import annotations
@@ -238,3 +240,15 @@ def running_prometheus(target: str, workdir: Path, log_name: str, rule_files=(),
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def vllm_plain_outputs(tmp_path_factory) -> list[list[int]]:
+    """Greedy token ids of tests/vllm_driver.py ``plain`` (prefix caching, no offloading) on
+    the ``shared`` workload, run once per session; skips without a vLLM environment."""
+    from tests.vllm_env import run_driver, vllm_python
+
+    python = vllm_python()
+    tmp = tmp_path_factory.mktemp("vllm_plain")
+    run_driver(python, "plain", str(tmp / "plain.json"), log=tmp / "plain.log")
+    return json.loads((tmp / "plain.json").read_text())["outputs"]

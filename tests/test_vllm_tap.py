@@ -83,7 +83,13 @@ def test_offloads_promotions_and_evictions_reach_the_agent(offload_run):
     # every promoted token came over as a promoted block
     assert value(m, "kvscope_transfer_blocks_total", src="cpu", dst="gpu") * \
         offload_run["result"]["block_size"] == cpu_tokens
-    assert value(m, "kvscope_evicted_blocks_total", tier="cpu", reason="capacity") > 0
+    evicted = value(m, "kvscope_evicted_blocks_total", tier="cpu", reason="capacity")
+    assert evicted > 0
+    # what stays resident is what was stored less what was evicted: at the end the tier is full
+    # (reported once more when vLLM shuts the manager down)
+    stored = value(m, "kvscope_transfer_blocks_total", src="gpu", dst="cpu")
+    assert value(m, "kvscope_tier_resident_blocks", tier="cpu") == stored - evicted == \
+        offload_run["result"]["cpu_blocks"]
     assert value(m, "kvscope_tier_capacity_blocks", tier="cpu") == offload_run["result"]["cpu_blocks"]
     assert value(m, "kvscope_tier_capacity_bytes", tier="cpu") == offload_run["result"]["cpu_blocks"] * bpb
     assert value(m, "kvscope_requests_total") >= len(offload_run["result"]["outputs"]) - 1
@@ -99,12 +105,11 @@ def test_promoted_requests_carry_their_promotion_in_the_request_table(offload_ru
     assert snap.promotion_wait_seconds.sum > 0
 
 
-def test_greedy_outputs_are_identical_with_and_without_offloading(offload_run):
+def test_greedy_outputs_are_identical_with_and_without_offloading(offload_run, vllm_plain_outputs):
     python, tmp = offload_run["python"], offload_run["tmp"]
-    run_driver(python, "plain", str(tmp / "plain.json"), log=tmp / "plain.log")
     run_driver(python, "corrupt", str(tmp / "corrupt.json"), "--endpoint", f"ipc://{tmp}/none.sock",
                log=tmp / "corrupt.log")
-    plain = json.loads((tmp / "plain.json").read_text())["outputs"]
+    plain = vllm_plain_outputs
     offload = offload_run["result"]["outputs"]
     corrupt = json.loads((tmp / "corrupt.json").read_text())["outputs"]
     assert len(plain) == len(offload) == 18
@@ -160,6 +165,19 @@ class Ctx:
 tap2.on_schedule_end(Ctx())
 tap2.reset_cache()
 assert tap2.errors >= 2, tap2.errors
+# evictions the tap never hears of (tiering without KV events) cannot grow its memory: past
+# twice the tier's 2 chunks it keeps the newest 2 and counts those it forgot. Stores one at a
+# time: the 5th makes 5 > 4 (3 forgotten, 2 kept), the 6th and 7th bring it back to 4; then
+# three in one call make 7 (5 forgotten: 8 in all)
+tap3 = TapManager(CPUOffloadingManager(num_chunks=2), emit, tokens_per_block=32,
+                  blocks_per_chunk=1, bytes_per_block=100, capacity_chunks=2)
+for i in range(7):
+    tap3.complete_store([bytes([100 + i]) * 12], ctx)
+assert list(tap3._resident) == [bytes([i]) * 12 for i in (103, 104, 105, 106)], tap3._resident
+assert tap3.unseen_evictions == 3 and tap3.errors == 0, (tap3.unseen_evictions, tap3.errors)
+tap3.complete_store([bytes([110]) * 12, bytes([111]) * 12, bytes([112]) * 12], ctx)
+assert list(tap3._resident) == [bytes([111]) * 12, bytes([112]) * 12], tap3._resident
+assert tap3.unseen_evictions == 8, tap3.unseen_evictions
 assert external_request_id("cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0"
 assert trace_id_of({"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}) == "ab" * 16
 print("ok")

@@ -132,6 +132,13 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                     blocks_per_chunk=self.blocks_per_chunk, bytes_per_block=self.bytes_per_block,
                     capacity_chunks=int(getattr(self.inner, "num_chunks", 0)),
                     multi_tier=_is_tiering(self.inner), emitter=emitter)
+                try:
+                    for gap in tiering_blind_spots(self.inner) if _is_tiering(self.inner) else ():
+                        log.warning("kvscope vLLM tap: %s", gap)
+                except Exception as exc:  # the tap boundary
+                    self.errors += 1
+                    log.warning("kvscope vLLM tap: tiering config check failed (%s: %s)",
+                                type(exc).__name__, exc)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -147,6 +154,24 @@ class KvscopeOffloadingSpec(OffloadingSpec):
             emitter = self._new_emitter(f"vllm-worker{rank}{self._dp}")
             self._worker = inner if emitter is None else TapWorker(inner, emitter)
         return self._worker
+
+
+def tiering_blind_spots(spec) -> list[str]:
+    """What the tap cannot see under this ``TieringOffloadingSpec``'s configuration (empty: all
+    of it). vLLM's tier managers record the events the tap reads for tiering (the CPU tier's
+    removals made room for promotions, promoted blocks, lower tiers' stores) only with vLLM's KV
+    events on; vLLM's ``fs`` and ``obj`` tiers record their stores only with
+    ``enable_kv_events`` in their tier config as well (vLLM 0.32
+    ``vllm/v1/kv_offload/tiering/fs/manager.py``)."""
+    if not spec.kv_events_config.enable_kv_cache_events:
+        return ["TieringOffloadingSpec without vLLM's KV events (--kv-events-config "
+                "enable_kv_cache_events; publisher \"null\" will do): lower-tier transfers, "
+                "promotions and the CPU evictions promotions make are not seen, and every CPU "
+                "eviction counts as dropped"]
+    return [f"secondary tier {tier.get('type')!r} without enable_kv_events: its stores are not "
+            "seen (no transfers to it; CPU evictions count as dropped)"
+            for tier in getattr(spec, "secondary_tier_configs", None) or ()
+            if tier.get("type") in ("fs", "obj") and not tier.get("enable_kv_events")]
 
 
 def _is_tiering(spec: OffloadingSpec) -> bool:
@@ -170,7 +195,7 @@ class _ClosingManager(TapManager):
 
     def shutdown(self) -> None:
         try:
-            return self.inner.shutdown()
+            return super().shutdown()
         finally:
             self._emitter.close()
 

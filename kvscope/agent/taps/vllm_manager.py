@@ -16,10 +16,15 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
   ``recompute``).
 - ``Eviction`` of CPU-tier chunks (``prepare_store``'s ``evicted_keys``; with a tiering
   manager also removals in ``take_events``) with each chunk's age and the loads it served;
-  lower tiers' removals from ``take_events`` (only when vLLM's KV events are enabled, since only
-  then does vLLM drain them).
+  lower tiers' removals from ``take_events`` (only when vLLM's KV events are enabled: only then
+  do vLLM's tier managers record them; vLLM drains ``take_events`` every step). With a tiering
+  manager a CPU-tier eviction is ``offloaded`` when a lower tier reported storing that block (a
+  stored event of its medium, e.g. vLLM's fs tier with ``enable_kv_events``) or it was promoted
+  from one; such evictions are emitted at the step's ``take_events``, after the lower tiers'
+  stores of the same step (the tiering manager processes a finished cascade, which unpins the
+  chunk, right before it may evict it).
 - ``Transfer`` ``disk->cpu`` / ``cpu->disk`` seen only as manager events (untimed).
-- ``TierSnapshot`` of the CPU tier at most once per ``snapshot_interval``.
+- ``TierSnapshot`` of the CPU tier at most once per ``snapshot_interval``, and at shutdown.
 - ``RequestFinished`` when vLLM finishes the request: TTFT (first output token seen at a
   scheduler step, so up to one step late), promotion wait (``prepare_load`` to
   ``complete_load``), prefill (first scheduled to first token) and queueing (the rest).
@@ -120,6 +125,14 @@ class TapManager(OffloadingManager):
         # has to walk these maps: vLLM's scheduler allocates a lot and triggers it often.
         self._resident: dict[bytes, float] = {}        # key -> stored at (Unix seconds)
         self._hits: Counter[bytes] = Counter()         # key -> loads served (only if > 0)
+        # tiering only: resident keys a lower tier also holds, and CPU evictions held until the
+        # step's take_events (key lists with their stored-at times and hits; one step's worth)
+        self._below: dict[bytes, bool] = {}
+        self._held: list[tuple] = []
+        # Chunks whose eviction the tap never hears of (tiering without vLLM's KV events) would
+        # pile up here: past twice the tier's size only the newest tier's worth is kept.
+        self._max_tracked = 2 * capacity_chunks if capacity_chunks > 0 else 1 << 20
+        self.unseen_evictions = 0  # chunks forgotten that way
         self._next_snapshot = 0.0
         # Pure pass-throughs are the inner manager's bound methods themselves: no extra frame
         # on the hottest call (lookup runs once per block of every prompt).
@@ -190,7 +203,13 @@ class TapManager(OffloadingManager):
         result = self.inner.complete_store(keys, req_context, success)
         try:
             if success:  # vLLM completes a store job with exactly the keys it stored
-                self._resident.update(dict.fromkeys(keys, self._clock()))
+                # a plain loop: measured faster than update(dict.fromkeys(...)), which builds
+                # a temporary dict first (bench/tap_overhead.py)
+                now, resident = self._clock(), self._resident
+                for key in keys:
+                    resident[key] = now
+                if len(resident) > self._max_tracked:
+                    self._forget_oldest()
         except Exception as exc:
             self._failed("complete_store", exc)
         return result
@@ -222,6 +241,8 @@ class TapManager(OffloadingManager):
     def on_schedule_end(self, context):
         result = self.inner.on_schedule_end(context)
         try:
+            if self._held:  # take_events did not run since they were held: emit them anyway
+                self._release(())
             self._schedule_end(context.new_req_ids)
         except Exception as exc:
             self._failed("on_schedule_end", exc)
@@ -244,7 +265,14 @@ class TapManager(OffloadingManager):
         return self.inner.get_stats()
 
     def shutdown(self) -> None:
-        return self.inner.shutdown()
+        result = self.inner.shutdown()
+        try:  # the last word: held evictions and the tier as it ends (snapshots are rate-limited)
+            if self._held:
+                self._release(())
+            self._snapshot(self._clock(), force=True)
+        except Exception as exc:
+            self._failed("shutdown", exc)
+        return result
 
     def __getattr__(self, name: str):
         # anything else a specific vLLM manager offers (e.g. tiering's helpers) goes through
@@ -309,6 +337,20 @@ class TapManager(OffloadingManager):
         return ev.Lookup(ts=now, request_id=req.rid, tokens={k: v for k, v in tokens.items() if v},
                          blocks=prompt // tpb, block_hits=hits)
 
+    def _forget_oldest(self) -> None:
+        """Keep the newest half of ``_max_tracked`` chunks (their ages and hits); count the rest
+        in ``unseen_evictions``. Rare: each call makes room for a tier's worth of stores."""
+        items = list(self._resident.items())
+        keep = max(1, self._max_tracked // 2)
+        if self.unseen_evictions == 0:
+            log.warning("kvscope vLLM tap: tracking %d CPU chunks in a tier of %d: evictions "
+                        "are not reaching the tap (with TieringOffloadingSpec, enable vLLM's KV "
+                        "events); forgetting the oldest", len(items), self._capacity)
+        self.unseen_evictions += len(items) - keep
+        resident = self._resident = dict(items[-keep:])
+        self._hits = Counter({k: n for k, n in self._hits.items() if k in resident})
+        self._below = {k: True for k in self._below if k in resident}
+
     def _finished(self, rid: str) -> None:
         req = self._reqs.pop(rid, None)
         if req is None:
@@ -327,35 +369,74 @@ class TapManager(OffloadingManager):
             promotion_wait=wait, prefill=prefill))
 
     def _evict(self, keys, tier: str, reason: str, now: float) -> None:
-        """One Eviction per distinct hit count (the event carries one ``hits`` for its blocks)."""
+        """Forget ``keys`` and report them evicted (tiering: at the step's take_events)."""
         n = len(keys)
         if not n:
             return
         # Both maps popped in C, one pass each; a key never seen stored counts as age 0.
         stored = list(map(self._resident.pop, keys, itertools.repeat(now, n)))
         hits = list(map(self._hits.pop, keys, itertools.repeat(0, n))) if self._hits else ()
-        if not any(hits):  # max(): float rounding must not make an age negative
-            self._eviction(now, tier, reason, 0, n, max(0.0, now - sum(stored) / n))
+        if self._multi_tier:
+            self._held.append((keys, stored, hits, tier, reason, now))
             return
-        groups: dict[int, list] = {}
-        for count, at in zip(hits, stored):
+        self._evictions(tier, reason, now, stored, hits, False)
+
+    def _release(self, stored_below) -> None:
+        """Emit the held (tiering) evictions: ``offloaded`` for keys a lower tier holds
+        (``_below``) or reported storing in this step (``stored_below``)."""
+        held, self._held = self._held, []
+        below = self._below
+        for keys, stored, hits, tier, reason, now in held:
+            flags = [below.pop(key, False) or key in stored_below for key in keys]
+            if all(flags) or not any(flags):
+                self._evictions(tier, reason, now, stored, hits, flags[0])
+                continue
+            for offloaded in (True, False):
+                pick = [flag is offloaded for flag in flags]
+                self._evictions(tier, reason, now, list(itertools.compress(stored, pick)),
+                                list(itertools.compress(hits, pick)) if hits else (), offloaded)
+
+    def _evictions(self, tier: str, reason: str, now: float, stored: list, hits,
+                   offloaded: bool) -> None:
+        """One Eviction per distinct hit count (the event carries one ``hits`` for its blocks)."""
+        n = len(stored)
+        if not n:
+            return
+        if not any(hits):  # max(): float rounding must not make an age negative
+            self._eviction(now, tier, reason, 0, n, max(0.0, now - sum(stored) / n), offloaded)
+            return
+        # Most evicted chunks were never loaded: only the loaded ones are grouped in Python.
+        hit_counts = list(itertools.compress(hits, hits))
+        hit_stored = list(itertools.compress(stored, hits))
+        groups = {0: [n - len(hit_counts), sum(stored) - sum(hit_stored)]}  # count: [chunks, sum]
+        for count, at in zip(hit_counts, hit_stored):
             group = groups.get(count)
             if group is None:
-                groups[count] = [1, now - at]
+                groups[count] = [1, at]
             else:
                 group[0] += 1
-                group[1] += now - at
-        for count, (chunks, ages) in groups.items():
-            self._eviction(now, tier, reason, count, chunks, max(0.0, ages / chunks))
+                group[1] += at
+        for count, (chunks, total) in groups.items():
+            if chunks:
+                self._eviction(now, tier, reason, count, chunks, max(0.0, now - total / chunks),
+                               offloaded)
 
     def _eviction(self, now: float, tier: str, reason: str, hits: int, chunks: int,
-                  age: float) -> None:
+                  age: float, offloaded: bool = False) -> None:
         blocks = chunks * self._bpc
         self._emit(ev.Eviction(ts=now, tier=tier, blocks=blocks, bytes=blocks * self._block_bytes,
-                               age=age, hits=hits, reason=reason))
+                               age=age, hits=hits, offloaded=offloaded, reason=reason))
 
     def _manager_events(self, events) -> None:
         now = self._clock()
+        stored_below: set = set()
+        if self._multi_tier:  # first what the lower tiers stored: it decides ``offloaded``
+            for event in events:
+                tier = MEDIUM_TIER.get(getattr(event.medium, "value", str(event.medium)))
+                if tier not in (None, "gpu", "cpu") and not event.removed:
+                    stored_below.update(event.keys)
+            resident = self._resident
+            self._below.update((key, True) for key in stored_below if key in resident)
         for event in events:
             medium = getattr(event.medium, "value", str(event.medium))
             tier = MEDIUM_TIER.get(medium)
@@ -373,6 +454,7 @@ class TapManager(OffloadingManager):
                     new = [k for k in keys if k not in self._resident]
                     for key in new:
                         self._resident[key] = now
+                        self._below[key] = True  # the lower tier keeps its copy
                     if new:
                         self._untimed("disk", "cpu", len(new), now)
             elif event.removed:
@@ -382,6 +464,8 @@ class TapManager(OffloadingManager):
                                        measured=False))
             else:
                 self._untimed("cpu", tier, len(keys), now)
+        if self._held:
+            self._release(stored_below)
 
     def _untimed(self, src: str, dst: str, chunks: int, now: float) -> None:
         blocks = chunks * self._bpc
