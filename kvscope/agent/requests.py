@@ -16,7 +16,7 @@ import msgspec
 from kvscope import events as ev
 
 
-class TransferRecord(msgspec.Struct, frozen=True):
+class TransferRecord(msgspec.Struct, frozen=True, gc=False):
     """One transfer of a request: ``start`` Unix seconds, ``duration`` seconds, sizes in bytes."""
 
     src: str
@@ -28,11 +28,13 @@ class TransferRecord(msgspec.Struct, frozen=True):
     ok: bool = True
 
 
-class RequestRecord(msgspec.Struct):
+class RequestRecord(msgspec.Struct, gc=False):
     """One request. Times are Unix seconds (``arrival``, ``finished``) or seconds (the TTFT
     parts: ``queueing``, ``lookup``, ``promotion_wait``, ``prefill``, and ``ttft`` itself;
     ``itl``, the mean inter-token latency, 0 when unknown). ``tokens``: dict[source, prompt
-    tokens]. ``trace_id``: 32 hex chars (W3C)."""
+    tokens]. ``trace_id``: 32 hex chars (W3C). Records, like transfer records, are never tracked
+    by the garbage collector (their fields cannot form a cycle): the table holds 100,000 of
+    them, and full collections walking them cost ingest about a fifth of its time."""
 
     request_id: str
     trace_id: str
