@@ -216,6 +216,8 @@ def test_sources_are_bounded():
 
 
 def test_gaps_and_emitter_drops_are_counted_and_restarts_are_not_gaps():
+    """Restarts of either side are no gaps: a new emitter starts at 0, and an agent that
+    restarted joins running emitters at the batch it receives first."""
     pipeline = Pipeline()
     src = IngestSource(pipeline)
 
@@ -229,9 +231,11 @@ def test_gaps_and_emitter_drops_are_counted_and_restarts_are_not_gaps():
     send("s1", 4, dropped=7)   # batches 2 and 3 lost; the emitter dropped 7 events so far
     send("s1", 5, dropped=7)   # no new drops
     send("s2", 0)              # a restarted emitter: its sequence starts again, no gap
+    send("s3", 40)             # one this agent joins mid-stream (the agent restarted): no gap
+    send("s3", 42)             # ... but from there on: batch 41 lost
     snap = pipeline.snapshot()
-    assert snap.events_dropped == {("engine", "gap"): 2, ("engine", "emitter_buffer"): 7}
-    assert snap.events_received == {"engine": 5}
+    assert snap.events_dropped == {("engine", "gap"): 2 + 1, ("engine", "emitter_buffer"): 7}
+    assert snap.events_received == {"engine": 7}
 
 
 def test_emitter_with_the_agent_away_keeps_bounded_memory_then_delivers(tmp_path):

@@ -10,7 +10,8 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
 - ``bad_source``: a source name that is not a short lowercase word, or one more distinct source
   than ``max_sources`` (labels stay bounded);
 - ``emitter_buffer``: events an emitter reports it dropped (``Batch.dropped`` deltas);
-- ``gap``: batches missing from an emitter's sequence (one per missing batch).
+- ``gap``: batches missing from an emitter's sequence (one per missing batch) after the first
+  batch this agent received from that emitter (an agent restarted mid-stream joins it there).
 
 Counters stay correct across tap restarts: events carry deltas, not totals, so the agent adds
 them up; a restarted emitter has a new ``session`` and its sequence starts again.
@@ -108,8 +109,9 @@ class IngestSource(Worker):
 
     def _account(self, batch: ev.Batch) -> None:
         session, seq, dropped = self._streams.get(batch.source, (None, -1, 0))
-        if session != batch.session:  # a new or restarted emitter
-            seq, dropped = -1, 0
+        if session != batch.session:  # a new or restarted emitter, or an agent restarted
+            # mid-stream: batches before the first one seen here went to an earlier agent
+            seq, dropped = batch.seq - 1, 0
         if batch.seq > seq + 1:
             self.pipeline.drop(batch.source, "gap", batch.seq - seq - 1)
         if batch.dropped > dropped:
