@@ -108,6 +108,11 @@ def test_disk_promotions_reach_the_agent_as_disk_tokens(tiering_run):
     assert value(m, "kvscope_prompt_tokens_total", source="cpu") == 0
     assert value(m, "kvscope_prompt_tokens_total", source="gpu") == 0
     assert value(m, "kvscope_lookup_blocks_total", tier="disk", result="hit") == promoted
+    # every full prompt block (65 per round, 3 rounds) missed in gpu and cpu; all but the
+    # promoted ones missed on disk too (misses count in tiers that send no snapshot)
+    blocks = 3 * (A_BLOCKS + 4 * PUSHER_BLOCKS + B_BLOCKS)
+    for tier, missed in (("gpu", blocks), ("cpu", blocks), ("disk", blocks - promoted)):
+        assert value(m, "kvscope_lookup_blocks_total", tier=tier, result="miss") == missed, tier
 
 
 def test_transfers_per_direction_match_what_vllm_moved(tiering_run):
@@ -152,16 +157,17 @@ def test_cpu_evictions_match_vllms_and_none_were_dropped(tiering_run):
 
 def test_nothing_dropped_and_the_tap_never_failed(tiering_run):
     """``tap``: the error counters of the spec, manager and worker vLLM really used. All 18
-    requests are finished in the agent: vLLM's connector tells the manager a request finished at
-    the next scheduler step (``build_connector_meta``, vLLM 0.32
-    distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:1889), which the driver's
-    extra 10-token request (not in ``outputs``, itself never finished) provides."""
+    requests, and the driver's extra 10-token one (not in ``outputs``), are finished in the
+    agent: vLLM's connector tells the manager a request finished at the next scheduler step
+    (``build_connector_meta``, vLLM 0.32
+    distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:1889), which the extra
+    request provides for the 18th; the extra one itself the tap reports at shutdown."""
     snap, tap = tiering_run["snapshot"], tiering_run["result"]["tap"]
     assert snap.events_dropped == {}
     assert tap == {"spec": 0, "manager": 0, "worker": 0, "unattributed": 0,
                    "unseen_evictions": 0, "managers": 1, "workers": 1}, tap
     assert len(tiering_run["result"]["outputs"]) == 18
-    assert snap.requests == 18
+    assert snap.requests == 18 + 1
 
 
 def test_greedy_outputs_are_identical_to_plain(tiering_run, vllm_plain_outputs):

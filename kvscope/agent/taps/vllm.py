@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5560"
 SPEC_NAME = "KvscopeOffloadingSpec"
 _OWN_KEYS = ("spec_name", "spec_module_path")
+_KNOWN_KEYS = ("kvscope_inner_spec", "kvscope_inner_spec_module_path", "kvscope_endpoint")
 
 
 def split_extra_config(extra: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -71,7 +72,25 @@ def inner_spec_class(ours: Mapping[str, Any]) -> type[OffloadingSpec]:
     query = {"spec_name": name}
     if ours.get("kvscope_inner_spec_module_path"):
         query["spec_module_path"] = ours["kvscope_inner_spec_module_path"]
-    return OffloadingSpecFactory.get_spec_cls(query)
+    try:
+        return OffloadingSpecFactory.get_spec_cls(query)
+    except ValueError as exc:
+        raise ValueError(f"kvscope_inner_spec {name!r}: {exc} (use CPUOffloadingSpec or "
+                         "TieringOffloadingSpec, or name an out-of-tree spec's module in "
+                         "kvscope_inner_spec_module_path)") from exc
+
+
+def config_mistakes(ours: Mapping[str, Any], inner: Mapping[str, Any],
+                    inner_spec: type[OffloadingSpec]) -> list[str]:
+    """Likely mistakes in the extra config that vLLM would not report: a ``kvscope_`` key this
+    spec does not know (a typo is otherwise silently ignored), and ``secondary_tiers`` for an
+    inner spec that is not tiering (vLLM ignores them)."""
+    out = [f"unknown key {key!r} (known: {', '.join(_KNOWN_KEYS)})"
+           for key in ours if key not in _KNOWN_KEYS]
+    if "secondary_tiers" in inner and inner_spec.__name__ != "TieringOffloadingSpec":
+        out.append(f"secondary_tiers given, but kvscope_inner_spec is {inner_spec.__name__}: "
+                   "they take effect only with \"kvscope_inner_spec\": \"TieringOffloadingSpec\"")
+    return out
 
 
 class KvscopeOffloadingSpec(OffloadingSpec):
@@ -86,7 +105,10 @@ class KvscopeOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         ours, inner_extra = split_extra_config(config.extra_config)
         inner_config = dataclasses.replace(config, extra_config=inner_extra)
-        self.inner = inner_spec_class(ours)(inner_config)
+        inner_spec = inner_spec_class(ours)
+        for mistake in config_mistakes(ours, inner_extra, inner_spec):
+            log.warning("kvscope vLLM tap: kv_connector_extra_config: %s", mistake)
+        self.inner = inner_spec(inner_config)
         super().__init__(inner_config)
         for name in ("replicated_layout", "kv_events_config", "offload_prompt_only",
                      "tokens_per_block", "tokens_per_hash", "blocks_per_chunk"):

@@ -116,6 +116,7 @@ class TapManager(OffloadingManager):
         self._block_bytes = bytes_per_block
         self._capacity = capacity_chunks
         self._multi_tier = multi_tier
+        self._consulted = dict.fromkeys(("gpu", "cpu", "disk") if multi_tier else ("gpu", "cpu"), 0)
         self._clock = clock
         self._interval = snapshot_interval
         self._max_requests = max_requests
@@ -266,10 +267,14 @@ class TapManager(OffloadingManager):
 
     def shutdown(self) -> None:
         result = self.inner.shutdown()
-        try:  # the last word: held evictions and the tier as it ends (snapshots are rate-limited)
+        # The last word: held evictions, the tier as it ends (snapshots are rate-limited), and
+        # requests vLLM finished but reports only at a next step (an offline run's last one).
+        try:
             if self._held:
                 self._release(())
             self._snapshot(self._clock(), force=True)
+            for rid in [rid for rid, req in self._reqs.items() if req.request.is_finished()]:
+                self._finished(rid)
         except Exception as exc:
             self._failed("shutdown", exc)
         return result
@@ -331,7 +336,11 @@ class TapManager(OffloadingManager):
         elif external:
             tokens["cpu"] = external
         tpb = self._tpb
-        hits = {tier: n // tpb for tier, n in tokens.items() if n}
+        # every tier vLLM consulted gets an entry, 0 included: the agent counts a tier's misses
+        # only where it knows the tier exists (vLLM's GPU and lower tiers send no snapshots)
+        hits = dict(self._consulted)
+        for tier, n in tokens.items():
+            hits[tier] = n // tpb
         if prompt > local + external:
             tokens["recompute"] = prompt - local - external
         return ev.Lookup(ts=now, request_id=req.rid, tokens={k: v for k, v in tokens.items() if v},
@@ -477,7 +486,8 @@ class TapManager(OffloadingManager):
             return
         self._next_snapshot = now + self._interval
         blocks = self._capacity * self._bpc
-        resident = len(self._resident) * self._bpc
+        chunks = len(self._resident)  # more than the tier holds only when evictions go unseen
+        resident = (min(chunks, self._capacity) if self._capacity > 0 else chunks) * self._bpc
         self._emit(ev.TierSnapshot(ts=now, tier="cpu", capacity_bytes=blocks * self._block_bytes,
                                    resident_bytes=resident * self._block_bytes,
                                    capacity_blocks=blocks, resident_blocks=resident))
