@@ -273,3 +273,29 @@ def test_emit_never_raises_on_bad_events(source, tmp_path):
     assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine", 0) >= 1)
     emitter.close()
     emitter.close()  # safe twice
+
+
+def test_emitter_calls_its_tick_hook_on_its_thread_and_survives_one_that_raises(tmp_path):
+    """``on_tick`` runs on the sender thread each interval (the vLLM tap reports an idle tier
+    from it); a hook that raises is dropped, and the emitter goes on sending."""
+    pipeline = Pipeline()
+    endpoint = f"ipc://{tmp_path}/tick.sock"
+    source = IngestSource(pipeline, endpoint)
+    source.start()
+    emitter = Emitter(endpoint, source="engine", flush_interval=0.01)
+    try:
+        threads: list[str] = []
+        emitter.on_tick = lambda: threads.append(threading.current_thread().name)
+        assert wait_until(lambda: len(threads) >= 3)
+        assert set(threads) == {"kvscope-emitter"}
+
+        def broken():
+            raise RuntimeError("hook exploded")
+
+        emitter.on_tick = broken
+        assert wait_until(lambda: emitter.on_tick is None)
+        emitter.emit(_lookup(1))
+        assert wait_until(lambda: pipeline.events_received().get("engine") == 1)
+    finally:
+        emitter.close()
+        source.shutdown()

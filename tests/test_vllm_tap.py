@@ -180,6 +180,27 @@ assert tap3.unseen_evictions == 3 and tap3.errors == 0, (tap3.unseen_evictions, 
 tap3.complete_store([bytes([110]) * 12, bytes([111]) * 12, bytes([112]) * 12], ctx)
 assert list(tap3._resident) == [bytes([111]) * 12, bytes([112]) * 12], tap3._resident
 assert tap3.unseen_evictions == 8, tap3.unseen_evictions
+# while vLLM is idle the emitter's thread calls tick(): a changed tier is reported, at most
+# once per snapshot_interval (1 s), and an unchanged one is not reported again
+clock = [100.0]
+snaps = []
+tap4 = TapManager(CPUOffloadingManager(num_chunks=4), snaps.append, tokens_per_block=32,
+                  blocks_per_chunk=1, bytes_per_block=100, capacity_chunks=4,
+                  clock=lambda: clock[0])
+tap4.complete_store([keys[0]], ctx); tap4.tick(); tap4.tick()
+tap4.complete_store([keys[1]], ctx); clock[0] = 100.5; tap4.tick()
+clock[0] = 101.0; tap4.tick(); clock[0] = 105.0; tap4.tick()
+assert [(e.ts, e.resident_blocks, e.resident_bytes) for e in snaps] == \
+    [(100.0, 1, 100), (101.0, 2, 200)], snaps
+# ... and the spec's manager is wired to its emitter's thread that way
+from kvscope.agent.taps.emitter import Emitter
+from kvscope.agent.taps.vllm import _ClosingManager
+emitter = Emitter("tcp://127.0.0.1:1", flush_interval=0.01)
+owned = _ClosingManager(CPUOffloadingManager(num_chunks=4), emitter.emit, emitter=emitter,
+                        tokens_per_block=32, blocks_per_chunk=1, bytes_per_block=100,
+                        capacity_chunks=4)
+assert emitter.on_tick == owned.tick
+owned.shutdown()
 # every tier vLLM consulted is in block_hits, zeros included, so the agent counts its misses:
 # a 100-token prompt with nothing cached is 3 full blocks of 32 missed in gpu and cpu
 from kvscope.agent.taps.vllm_manager import _Req

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -32,7 +33,9 @@ class Emitter:
     agent is slow or away. ``batch_size``: events per batch at most. ``flush_interval``: seconds
     between sends. ``send_hwm``: batches ZMQ may queue (kept small: what ZMQ holds when
     :meth:`close` gives up is lost uncounted, what the buffer holds is counted). Call
-    :meth:`close` at exit (safe twice, from any thread).
+    :meth:`close` at exit (safe twice, from any thread). ``on_tick``: set it to a function of
+    no arguments to have it called on the sender thread before each send (e.g. to emit a gauge
+    while the caller is idle); if it raises it is logged and not called again.
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
@@ -50,6 +53,7 @@ class Emitter:
         self._seq = 0
         self._pending: bytes | None = None  # an encoded batch ZMQ would not take yet
         self._pending_events = 0
+        self.on_tick: Callable[[], None] | None = None  # called on the sender thread each interval
         self._stop = threading.Event()
         self._drain_until = 0.0  # monotonic deadline for the final flush, set by close()
         # Its own context, so close() can wait for ZMQ to hand over what it queued (term()).
@@ -76,6 +80,8 @@ class Emitter:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
+            if self.on_tick is not None:
+                self._tick()
             self._send_all()
         self._max_buffer = 0  # closed: emit() now counts every event as dropped
         # keep sending while ZMQ takes batches, up to close()'s deadline
@@ -92,6 +98,14 @@ class Emitter:
         linger = max(0.0, self._drain_until - time.monotonic())
         self._socket.close(linger=int(linger * 1000))
         self._context.term()
+
+    def _tick(self) -> None:
+        try:
+            self.on_tick()
+        except Exception as exc:  # the caller's hook must not stop the sends
+            log.warning("kvscope emitter: on_tick failed (%s: %s); not calling it again",
+                        type(exc).__name__, exc)
+            self.on_tick = None
 
     def _send_all(self) -> bool:
         """Send batches until the buffer is empty (True) or ZMQ takes no more (False)."""

@@ -209,11 +209,13 @@ def _needs_cpu_worker(spec: OffloadingSpec) -> bool:
 
 
 class _ClosingManager(TapManager):
-    """A :class:`TapManager` that closes its emitter when vLLM shuts the manager down."""
+    """A :class:`TapManager` that owns its emitter: ticks on its thread, closed when vLLM shuts
+    the manager down."""
 
     def __init__(self, inner, emit, *, emitter, **kwargs) -> None:
         super().__init__(inner, emit, **kwargs)
         self._emitter = emitter
+        emitter.on_tick = self.tick
 
     def shutdown(self) -> None:
         try:

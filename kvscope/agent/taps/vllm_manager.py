@@ -24,7 +24,8 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
   stores of the same step (the tiering manager processes a finished cascade, which unpins the
   chunk, right before it may evict it).
 - ``Transfer`` ``disk->cpu`` / ``cpu->disk`` seen only as manager events (untimed).
-- ``TierSnapshot`` of the CPU tier at most once per ``snapshot_interval``, and at shutdown.
+- ``TierSnapshot`` of the CPU tier at most once per ``snapshot_interval``: at scheduler steps,
+  from :meth:`TapManager.tick` while vLLM is idle, and at shutdown.
 - ``RequestFinished`` when vLLM finishes the request: TTFT (first output token seen at a
   scheduler step, so up to one step late), promotion wait (``prepare_load`` to
   ``complete_load``), prefill (first scheduled to first token) and queueing (the rest).
@@ -135,6 +136,7 @@ class TapManager(OffloadingManager):
         self._max_tracked = 2 * capacity_chunks if capacity_chunks > 0 else 1 << 20
         self.unseen_evictions = 0  # chunks forgotten that way
         self._next_snapshot = 0.0
+        self._reported = -1  # chunks resident at the last snapshot
         # Pure pass-throughs are the inner manager's bound methods themselves: no extra frame
         # on the hottest call (lookup runs once per block of every prompt).
         self.lookup = inner.lookup
@@ -278,6 +280,17 @@ class TapManager(OffloadingManager):
         except Exception as exc:
             self._failed("shutdown", exc)
         return result
+
+    def tick(self) -> None:
+        """Report the tier if it changed since the last snapshot (rate-limited as at scheduler
+        steps): called from the emitter's thread, so a tier left changed when vLLM goes idle
+        is not shown stale until the next request. Never raises."""
+        try:
+            now = self._clock()
+            if now >= self._next_snapshot and len(self._resident) != self._reported:
+                self._snapshot(now)
+        except Exception as exc:
+            self._failed("tick", exc)
 
     def __getattr__(self, name: str):
         # anything else a specific vLLM manager offers (e.g. tiering's helpers) goes through
@@ -486,7 +499,7 @@ class TapManager(OffloadingManager):
             return
         self._next_snapshot = now + self._interval
         blocks = self._capacity * self._bpc
-        chunks = len(self._resident)  # more than the tier holds only when evictions go unseen
+        chunks = self._reported = len(self._resident)  # > capacity only if evictions go unseen
         resident = (min(chunks, self._capacity) if self._capacity > 0 else chunks) * self._bpc
         self._emit(ev.TierSnapshot(ts=now, tier="cpu", capacity_bytes=blocks * self._block_bytes,
                                    resident_bytes=resident * self._block_bytes,
