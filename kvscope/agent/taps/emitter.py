@@ -63,6 +63,7 @@ class Emitter:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a live connection
         self._socket.connect(endpoint)
+        self._endpoint = endpoint
         self._thread = threading.Thread(target=self._run, name="kvscope-emitter", daemon=True)
         self._thread.start()
 
@@ -92,7 +93,8 @@ class Emitter:
             self.dropped += left
             self._buffer.clear()
             self._pending, self._pending_events = None, 0
-            log.warning("kvscope emitter: closed with %d events unsent (agent away or slow)", left)
+            log.warning("kvscope emitter: closed with %d events unsent (the agent at %s away or "
+                        "slow)", left, self._endpoint)
         # This thread owns the socket to the end (ZMQ sockets are not thread-safe); term()
         # waits, within the deadline, for ZMQ to hand its queued batches to the agent.
         linger = max(0.0, self._drain_until - time.monotonic())

@@ -47,7 +47,8 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from kvscope import events as ev
 from kvscope.agent.taps.vllm_manager import TapManager
 
-log = logging.getLogger(__name__)
+# under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
+log = logging.getLogger("vllm." + __name__)
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5560"
 SPEC_NAME = "KvscopeOffloadingSpec"

@@ -53,7 +53,8 @@ from vllm.v1.kv_offload.base import OffloadingManager
 
 from kvscope import events as ev
 
-log = logging.getLogger(__name__)
+# under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
+log = logging.getLogger("vllm." + __name__)
 
 _HEX = frozenset("0123456789abcdef")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
