@@ -74,3 +74,47 @@ def test_a_config_that_is_not_utf8(tmp_path):
     path.write_bytes(b"port = 9400\n\xff\xfe")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_settings(path)
+
+
+def test_kv_events_tiers_from_file_and_environment(tmp_path, monkeypatch):
+    """``[kv_events] tiers``: all three by default; a TOML list; in the environment JSON or a
+    comma-separated list (like every other key, it has a KVSCOPE_* form)."""
+    assert AgentSettings().kv_events.tiers == ["gpu", "cpu", "disk"]
+    path = tmp_path / "agent.toml"
+    path.write_text('[kv_events]\nenabled = true\ntiers = ["gpu"]\n')
+    assert load_settings(path).kv_events.tiers == ["gpu"]
+    for value, expected in (('["gpu", "disk"]', ["gpu", "disk"]), ("gpu", ["gpu"]),
+                            (" cpu , gpu,cpu", ["cpu", "gpu"])):
+        monkeypatch.setenv("KVSCOPE_KV_EVENTS__TIERS", value)
+        assert load_settings(None).kv_events.tiers == expected, value
+
+
+@pytest.mark.parametrize("value,needle", [
+    ('["gpu", "tape"]', "unknown tier 'tape'"), ("[]", "at least one tier"),
+    ('"gpu, tape"', "unknown tier 'tape'"), ("[1]", "list of tiers"),
+])
+def test_bad_kv_events_tiers_name_the_key(tmp_path, value, needle):
+    path = tmp_path / "agent.toml"
+    path.write_text(f"[kv_events]\ntiers = {value}\n")
+    with pytest.raises(ConfigError, match=f"kv_events.tiers: .*{needle}"):
+        load_settings(path)
+
+
+@pytest.mark.parametrize("toml,where", [
+    ('[kv_events]\ntier = ["gpu"]\n', "kv_events.tier"),
+    ('[ingest]\nendpoint_url = "tcp://127.0.0.1:5560"\n', "ingest.endpoint_url"),
+    ('[collectors.host]\nreserve = 1\n', "collectors.host.reserve"),
+])
+def test_a_misspelt_key_in_any_table_is_refused(tmp_path, toml, where):
+    """A typo must not silently keep a default (e.g. kv_events ``tier`` for ``tiers`` would
+    leave every tier on and count the tap's tiers twice)."""
+    path = tmp_path / "agent.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=f"{where}: Extra inputs are not permitted"):
+        load_settings(path)
+
+
+def test_an_environment_value_that_does_not_parse_is_one_config_error(monkeypatch):
+    monkeypatch.setenv("KVSCOPE_KV_EVENTS__CAPACITY_BLOCKS", "x")
+    with pytest.raises(ConfigError, match='environment: .*"kv_events".* are JSON'):
+        load_settings(None)

@@ -9,8 +9,12 @@ import threading
 import time
 
 import msgspec
+import pytest
 import zmq
 
+from kvscope import events as ev
+from kvscope.agent.agent import Agent
+from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.kv_events import KvEventsSource, KvResidency, decode, vllm_binds
 from tests.vllm_env import run_driver, vllm_python
@@ -59,6 +63,151 @@ def test_residency_counts_offloads_evictions_and_clears_by_tier():
     assert cleared == {"gpu": 2, "cpu": 2}
     assert all(e.reason == "cleared" and not e.measured for e in out
                if type(e).__name__ == "Eviction")
+
+
+def test_cpu_stores_of_blocks_on_disk_are_promotions_not_offloads():
+    """vLLM's tiering (CPU over an fs tier) announces a disk->cpu promotion as ``BlockStored``
+    medium CPU of the same hash as the block's STORAGE store (both come from its OffloadKey).
+
+    batch 1: GPU 1-4, CPU 1-4, CPU 6       -> gpu->cpu 5
+    batch 2: STORAGE 1-4                    -> cpu->disk 4
+    batch 3: CPU removes 1, 2; GPU 1, 2     -> cpu evictions 2, kept on disk (not dropped)
+    batch 4: CPU 1, 2 (on disk); CPU 5      -> disk->cpu 2 (promotions), gpu->cpu 1
+    batch 5: CPU removes 6, then STORAGE 6  -> the disk's store of 6 follows the CPU's removal
+                                               in one batch (vLLM lists the primary tier's
+                                               events first): cpu->disk 1, 6 kept on disk
+    batch 6: CPU removes 5                  -> 5 was never on disk: dropped
+    batch 7: AllBlocksCleared; CPU 3        -> gpu and cpu cleared (cpu 1-4: kept on disk), the
+                                               disk tier keeps its blocks: 3 is a promotion
+    Totals: gpu->cpu 6, cpu->disk 5, disk->cpu 3; cpu evictions capacity 4 (dropped 1),
+    cleared 4; gpu evictions capacity 2, cleared 2; resident gpu 0, cpu 1, disk 5.
+    (Before: every CPU store was an offload, gpu->cpu 9; every eviction dropped; a reset
+    emptied the disk tier.)"""
+    pipeline = Pipeline()
+    src = KvEventsSource(pipeline, residency=KvResidency(block_bytes=10))
+    for seq, events in enumerate([
+        [stored([1, 2, 3, 4]), stored([1, 2, 3, 4], "CPU"), stored([6], "CPU")],
+        [stored([1, 2, 3, 4], "STORAGE")],
+        [removed([1, 2], "CPU"), removed([1, 2])],
+        [stored([1, 2], "CPU"), stored([5], "CPU")],
+        [removed([6], "CPU"), stored([6], "STORAGE")],
+        [removed([5], "CPU")],
+        [{"type": "AllBlocksCleared"}, stored([3], "CPU")],
+    ]):
+        src.handle(frames(seq, *events))
+    snap = pipeline.snapshot()
+    assert snap.transfer_blocks == {("gpu", "cpu"): 6, ("cpu", "disk"): 5, ("disk", "cpu"): 3}
+    assert snap.transfer_bytes[("disk", "cpu")] == 30
+    assert snap.transfer_seconds == {}  # untimed
+    assert snap.evicted_blocks == {("cpu", "capacity"): 4, ("cpu", "cleared"): 4,
+                                   ("gpu", "capacity"): 2, ("gpu", "cleared"): 2}
+    assert snap.dropped_blocks == {"cpu": 1, "gpu": 4}  # GPU copies are not followed
+    assert {t: s.resident_blocks for t, s in snap.tiers.items()} == {"gpu": 0, "cpu": 1,
+                                                                      "disk": 5}
+
+
+def test_tiers_limit_what_the_source_reports():
+    """``tiers = ["gpu"]`` (the setting beside kvscope's tap): the same stream as above yields
+    only the GPU tier: its residency and evictions, no transfers, nothing about cpu or disk.
+    ``["cpu"]`` still tells promotions apart (disk residency is kept, not reported)."""
+    stream = [[stored([1, 2, 3]), stored([1, 2, 3], "CPU")], [stored([1, 2, 3], "STORAGE")],
+              [removed([1]), removed([1, 2], "CPU")], [stored([1], "CPU")]]
+    out = []
+    gpu_only = KvResidency(tiers=["gpu"])
+    for events in stream:
+        out += gpu_only.apply(1.0, decode(payload(*events))[1])
+    assert {(type(e).__name__, e.tier) for e in out if not isinstance(e, ev.Transfer)} == \
+        {("TierSnapshot", "gpu"), ("Eviction", "gpu")}
+    assert not any(isinstance(e, ev.Transfer) for e in out)
+    assert gpu_only.resident.keys() == {"gpu"}  # cpu and disk are not even tracked
+    out = []
+    cpu_only = KvResidency(tiers=["cpu"])
+    for events in stream:
+        out += cpu_only.apply(1.0, decode(payload(*events))[1])
+    assert sorted((e.src, e.dst, e.blocks) for e in out if isinstance(e, ev.Transfer)) == \
+        [("disk", "cpu", 1), ("gpu", "cpu", 3)]
+    assert [(e.tier, e.blocks, e.offloaded) for e in out if isinstance(e, ev.Eviction)] == \
+        [("cpu", 2, True)]
+    assert {e.tier for e in out if isinstance(e, ev.TierSnapshot)} == {"cpu"}
+    with pytest.raises(ValueError, match="tape"):
+        KvResidency(tiers=["gpu", "tape"])
+
+
+def _tap_events(n: int) -> list:
+    """What kvscope's tap reports for ``n`` blocks offloaded and 1 evicted from the CPU tier."""
+    return [ev.Transfer(ts=1.0, src="gpu", dst="cpu", blocks=n, bytes=n * 10, duration=0.01),
+            ev.Eviction(ts=1.0, tier="cpu", blocks=1, bytes=10, age=1.0, hits=0,
+                        offloaded=False)]
+
+
+def test_with_the_tap_tiers_gpu_counts_each_block_once():
+    """The tap and the KV events source see the same 3 offloads and 1 CPU eviction. With
+    ``tiers = ["gpu"]`` the totals are the tap's: gpu->cpu 3, cpu evictions 1 (all tiers:
+    6 and 2, and the source says so)."""
+    stream = [stored([1, 2, 3]), stored([1, 2, 3], "CPU"), removed([1], "CPU")]
+    for tiers, expected in ((["gpu"], (3, 1, set())), (["gpu", "cpu", "disk"], (6, 2, {"cpu"}))):
+        pipeline = Pipeline()
+        src = KvEventsSource(pipeline, residency=KvResidency(block_bytes=10, tiers=tiers))
+        pipeline.ingest("vllm", _tap_events(3))
+        src.handle(frames(0, *stream))
+        snap = pipeline.snapshot()
+        assert (snap.transfer_blocks[("gpu", "cpu")], snap.evicted_blocks[("cpu", "capacity")],
+                src.check_overlap()) == expected, tiers
+        assert snap.tiers["gpu"].resident_blocks == 3
+
+
+def test_another_source_reporting_the_same_tiers_is_warned_about_once(caplog):
+    """The source alone: no warning. A second source adding gpu->cpu transfers and CPU
+    evictions (the tap): one warning naming the tier, the other source and the key to set."""
+    pipeline = Pipeline()
+    src = KvEventsSource(pipeline, residency=KvResidency(block_bytes=10))
+    src.handle(frames(0, stored([1, 2]), stored([1, 2], "CPU"), stored([1], "STORAGE"),
+                      removed([2], "CPU")))
+    pipeline.ingest("vllm", [ev.Transfer(ts=1.0, src="cpu", dst="gpu", blocks=1, bytes=10,
+                                         duration=0.01)])  # loads: only the tap sees them
+    assert src.check_overlap() == set() and not caplog.records
+    pipeline.ingest("vllm", _tap_events(2))
+    with caplog.at_level("WARNING", logger="kvscope.agent.sources.kv_events"):
+        assert src.check_overlap() == {"cpu"}
+        src.handle(frames(1, stored([3], "CPU")))
+        pipeline.ingest("vllm", _tap_events(1))
+        assert src.check_overlap() == {"cpu"}
+    assert len(caplog.records) == 1, caplog.records
+    message = caplog.records[0].getMessage()
+    assert "tier cpu" in message and "vllm" in message and "[kv_events] tiers" in message
+    assert 'tiers = ["gpu", "disk"]' in message and 'tiers = ["gpu"]' in message
+    assert "KVSCOPE_KV_EVENTS__TIERS=gpu,disk" in message
+
+
+def test_the_run_loop_checks_for_overlap(caplog):
+    """Started, the source checks by itself every ``overlap_check`` seconds."""
+    pipeline = Pipeline()
+    src = KvEventsSource(pipeline, f"tcp://127.0.0.1:{_free_port()}", overlap_check=0.05)
+    pipeline.ingest("vllm", _tap_events(1))
+    with caplog.at_level("WARNING", logger="kvscope.agent.sources.kv_events"):
+        src.start()
+        try:
+            deadline = time.monotonic() + 5
+            while not src.shared_tiers and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            src.shutdown()
+    assert src.shared_tiers == {"cpu"} and len(caplog.records) == 1
+
+
+def test_the_agent_passes_tiers_on():
+    settings = AgentSettings(kv_events={"enabled": True, "endpoint": "tcp://127.0.0.1:1",
+                                        "tiers": ["gpu"]},
+                             vllm_metrics={"enabled": True},
+                             collectors={"gpu": {"enabled": False}, "host": {"enabled": False}})
+    agent = Agent(settings, with_ingest=False)
+    assert agent.kv_events.residency.tiers == {"gpu"}
+    # the metrics source leaves out what KV events report: GPU residency, gpu->cpu offloads
+    assert agent.vllm_metrics.mapper.gpu_snapshot is False
+    assert agent.vllm_metrics.mapper.stores is True
+    settings.kv_events.tiers = ["cpu", "disk"]  # GPU residency from /metrics again
+    mapper = Agent(settings, with_ingest=False).vllm_metrics.mapper
+    assert mapper.gpu_snapshot is True and mapper.stores is False
 
 
 def test_bind_or_connect_follows_vllm():

@@ -61,6 +61,18 @@ def test_counters_map_as_deltas_and_missing_names_are_absent():
     assert MetricsMapper().map(parse("vllm:num_requests_running 1\n"), 3.0) == []
 
 
+def test_offloads_are_left_to_kv_events_when_it_reports_the_cpu_tier():
+    """``stores=False`` (the agent sets it when its KV events source reports ``cpu``, which sees
+    every offload): gpu->cpu bytes would be counted twice; cpu->gpu loads KV events cannot see."""
+    mapper = MetricsMapper(gpu_snapshot=False, stores=False)
+    text = (f"vllm:kv_offload_store_bytes_total{{{E}}} 100\n"
+            f"vllm:kv_offload_load_bytes_total{{{E}}} 50\n")
+    mapper.map(parse(text), 1.0)
+    text = text.replace(" 100", " 400").replace(" 50", " 250")
+    transfers = [(t.src, t.dst, t.bytes) for t in mapper.map(parse(text), 2.0)]
+    assert transfers == [("cpu", "gpu", 200)]
+
+
 def test_a_counter_reset_counts_from_zero():
     mapper = MetricsMapper(gpu_snapshot=False)
     mapper.map(parse(f"vllm:prompt_tokens_total{{{E}}} 500\n"), 1.0)

@@ -55,11 +55,16 @@ class Agent(Worker):
         kv, vm = settings.kv_events, settings.vllm_metrics
         self.kv_events = (KvEventsSource(self.pipeline, kv.endpoint,
                                          replay_endpoint=kv.replay_endpoint, topic=kv.topic,
-                                         residency=KvResidency(kv.block_bytes, kv.capacity_blocks))
+                                         residency=KvResidency(kv.block_bytes, kv.capacity_blocks,
+                                                               tiers=kv.tiers))
                           if kv.enabled else None)
+        # what the KV events source reports, the metrics source leaves out (else counted twice)
+        kv_tiers = kv.tiers if kv.enabled else []
         self.vllm_metrics = (VllmMetricsSource(self.pipeline, vm.url, interval=vm.interval,
-                                               mapper=MetricsMapper(vm.block_bytes,
-                                                                    gpu_snapshot=not kv.enabled))
+                                               mapper=MetricsMapper(
+                                                   vm.block_bytes,
+                                                   gpu_snapshot="gpu" not in kv_tiers,
+                                                   stores="cpu" not in kv_tiers))
                              if vm.enabled else None)
         self.otlp_receiver = (OtlpReceiver(self.pipeline, settings.otlp_receiver.source)
                               if settings.otlp_receiver.enabled else None)

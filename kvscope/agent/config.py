@@ -21,19 +21,27 @@ Example TOML (every key optional)::
 
 from __future__ import annotations
 
+import json
 import tomllib
 from urllib.parse import urlsplit
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 
 class ConfigError(ValueError):
     """The configuration file is unreadable or has a bad value; the message says which."""
 
 
-class IngestConfig(BaseModel):
+class _Section(BaseModel):
+    """A config table: unknown keys are refused, so a misspelt key never silently keeps its
+    default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class IngestConfig(_Section):
     """ZMQ PULL endpoint for taps' emitters; sizes in bytes."""
 
     enabled: bool = True
@@ -49,11 +57,19 @@ class IngestConfig(BaseModel):
         return value
 
 
-class KvEventsConfig(BaseModel):
+KV_EVENTS_TIERS = ("gpu", "cpu", "disk")
+
+
+class KvEventsConfig(_Section):
     """vLLM's ``--kv-events-config`` stream (source ``kv_events``): ``endpoint`` as given to vLLM
     (with ``*``: vLLM binds, the agent connects; else the agent binds), ``replay_endpoint``
     (vLLM's, to fetch gaps; None: gaps are only counted), ``topic``; ``block_bytes``: KV bytes
-    per block (0: unknown); ``capacity_blocks``: blocks per tier for the capacity gauges."""
+    per block (0: unknown); ``capacity_blocks``: blocks per tier for the capacity gauges;
+    ``tiers``: the kvscope tiers this source reports (residency, transfers into them, evictions
+    from them). With kvscope's vLLM tap, which reports the cpu and disk tiers itself, set it to
+    ``["gpu"]``: otherwise those tiers' transfers and evictions are counted twice. In the
+    environment either JSON or a comma-separated list: ``KVSCOPE_KV_EVENTS__TIERS=gpu``.
+    """
 
     enabled: bool = False
     endpoint: str = "tcp://*:5557"
@@ -61,6 +77,9 @@ class KvEventsConfig(BaseModel):
     topic: str = ""
     block_bytes: int = Field(0, ge=0)
     capacity_blocks: dict[str, int] = {}
+    # ``| str`` only so that pydantic-settings passes a plain (non-JSON) environment value on to
+    # the validator below instead of refusing it; the value is always a list.
+    tiers: list[str] | str = list(KV_EVENTS_TIERS)
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
@@ -69,8 +88,27 @@ class KvEventsConfig(BaseModel):
             raise ValueError("must start with tcp:// or ipc://")
         return value
 
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tiers(cls, value: object) -> list[str]:
+        if isinstance(value, str):
+            try:
+                value = (json.loads(value) if value.lstrip().startswith("[")
+                         else [t.strip() for t in value.split(",") if t.strip()])
+            except json.JSONDecodeError:
+                raise ValueError("must be a list of tiers, e.g. [\"gpu\"] or gpu,cpu") from None
+        if not isinstance(value, list | tuple) or not all(isinstance(t, str) for t in value):
+            raise ValueError("must be a list of tiers, e.g. [\"gpu\"]")
+        unknown = [t for t in value if t not in KV_EVENTS_TIERS]
+        if unknown:
+            raise ValueError(f"unknown tier {unknown[0]!r}: the tiers are gpu, cpu and disk")
+        if not value:
+            raise ValueError("must name at least one tier (to turn the source off: "
+                             "enabled = false)")
+        return list(dict.fromkeys(value))
 
-class VllmMetricsConfig(BaseModel):
+
+class VllmMetricsConfig(_Section):
     """Scrape vLLM's ``/metrics`` (source ``vllm_metrics``) every ``interval`` seconds;
     ``block_bytes``: KV bytes per block (0: unknown)."""
 
@@ -80,14 +118,14 @@ class VllmMetricsConfig(BaseModel):
     block_bytes: int = Field(0, ge=0)
 
 
-class OtlpReceiverConfig(BaseModel):
+class OtlpReceiverConfig(_Section):
     """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source``."""
 
     enabled: bool = True
     source: str = "vllm"
 
 
-class HostCollectorConfig(BaseModel):
+class HostCollectorConfig(_Section):
     """``reserve_bytes``: memory kept free for the OS and other services; ``budgets``: bytes
     reserved per offload tier (e.g. vLLM's ``cpu_bytes_to_use`` for ``cpu``)."""
 
@@ -96,11 +134,11 @@ class HostCollectorConfig(BaseModel):
     budgets: dict[str, int] = {}
 
 
-class GpuCollectorConfig(BaseModel):
+class GpuCollectorConfig(_Section):
     enabled: bool = True
 
 
-class CollectorsConfig(BaseModel):
+class CollectorsConfig(_Section):
     host: HostCollectorConfig = HostCollectorConfig()
     gpu: GpuCollectorConfig = GpuCollectorConfig()
 
@@ -176,6 +214,9 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
             section[leaf] = value
     try:
         return AgentSettings(**values)
+    except SettingsError as exc:  # a KVSCOPE_* variable that does not parse (e.g. bad JSON)
+        raise ConfigError(f"environment: {exc} ({exc.__cause__ or 'invalid'}; KVSCOPE_* values "
+                          "for lists and tables are JSON)") from None
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(p) for p in error["loc"])

@@ -6,15 +6,43 @@ messages ``(topic, seq as 8 bytes big-endian, msgpack KVEventBatch)``; a batch i
 ``BlockRemoved`` or ``AllBlocksCleared``; stores and removals carry ``medium`` ``GPU``/``CPU``/
 ``STORAGE`` (None: GPU). vLLM binds endpoints with ``*`` or ``::`` and ``ipc://``/``inproc://``
 ones, and connects to the rest; this source does the opposite (connects to ``*`` as 127.0.0.1).
+One batch holds one scheduler step's events: the GPU block pool's first, then the offloading
+connector's (its primary CPU tier's, then each secondary tier's; vLLM 0.32
+``v1/core/sched/scheduler.py`` and ``v1/kv_offload/tiering/manager.py`` ``take_events``).
 
-Mapping (:class:`KvResidency`, pure): blocks are reference-counted per tier by hash (vLLM may
-announce a hash more than once), so residency is the number of distinct hashes held;
-``BlockStored`` on ``cpu``/``disk`` is an offload (``Transfer`` gpu->cpu / cpu->disk, untimed);
-a hash whose last reference goes is an ``Eviction`` (age and hits unknown: ``measured=False``);
-``AllBlocksCleared`` evicts everything (``cleared``). After each batch, a ``TierSnapshot`` per
-changed tier (bytes from ``block_bytes``, capacity from ``capacity_blocks``; 0 when unknown).
-Promotions are invisible in KV events (a promoted GPU block looks like a computed one): the
-in-process tap reports those.
+Mapping (:class:`KvResidency`, pure), for the tiers it is told to report (``tiers``, default
+gpu, cpu and disk; events of other tiers are ignored): blocks are reference-counted per tier by
+hash (vLLM may announce a hash more than once), so residency is the number of distinct hashes
+held. A new hash on ``disk`` is an offload (``Transfer`` cpu->disk, untimed); a new hash on
+``cpu`` is a disk->cpu promotion (untimed ``Transfer`` disk->cpu) when the hash is resident on
+disk, else an offload (gpu->cpu). That rule holds because the connector names a block by the
+same hash in every offload medium: CPU and STORAGE events are both translated from the block's
+``OffloadKey`` (``offloading/events.py``: ``key[:-4]``, or the chunk's hashes with
+``self_describing_kv_events``), and a promotion is the CPU tier's ``complete_write`` of that key
+(``tiering/manager.py``). Known misreadings: a block recomputed because its promotion could not
+be made (CPU tier full) and offloaded again counts as a promotion; with
+``self_describing_kv_events`` and chunks of several blocks, a promotion announced before a
+lookup hit carries only the chunk's last hash (one block); disk hashes beyond ``max_tracked``
+are not remembered, so their promotions count as offloads. Disk residency is therefore kept
+(not reported) whenever cpu is reported. Promotions into the GPU tier (cpu->gpu) stay
+invisible: a loaded GPU block's ``BlockStored`` looks like a computed one (the in-process tap
+reports those).
+
+A hash whose last reference goes is an ``Eviction`` (age and hits unknown: ``measured=False``);
+a CPU one counts as ``offloaded`` when the hash is resident on disk at the end of its batch (the
+disk's store of a block can come after the CPU's removal in one batch), dropped otherwise.
+``AllBlocksCleared`` (only vLLM's GPU block pool sends it, when the prefix cache is reset)
+evicts the gpu and cpu tiers (``cleared``; the CPU tier's own reset, with ``reset_connector``,
+sends nothing); the disk tier keeps its blocks (vLLM's secondary tiers persist across resets).
+After each batch, a ``TierSnapshot`` per changed reported tier (bytes from ``block_bytes``,
+capacity from ``capacity_blocks``; 0 when unknown). GPU evictions are always counted as dropped
+(whether a copy is kept below is not followed for the GPU tier).
+
+Another source reporting the same tiers (kvscope's vLLM tap reports cpu and disk) counts their
+transfers and evictions twice: :meth:`KvEventsSource.check_overlap` compares the pipeline's
+totals for the directions and tiers this source reports with what it sent itself, every
+``overlap_check`` seconds, and logs one warning naming the config key (``[kv_events] tiers``)
+when another source added to them.
 
 Sequence gaps (a seq past the last one + 1) are fetched from vLLM's replay endpoint when one is
 configured (a DEALER request with the first missing seq; replies end with seq -1); what cannot be
@@ -27,7 +55,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 import msgspec
 import zmq
@@ -38,8 +67,10 @@ from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
 NAME = "kv_events"
+TIERS = ("gpu", "cpu", "disk")
 MEDIUM_TIER = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
 _OFFLOAD_FROM = {"cpu": "gpu", "disk": "cpu"}
+_MAPPED_TRANSFERS = (("gpu", "cpu"), ("disk", "cpu"), ("cpu", "disk"))  # what this source sends
 END_SEQ = -1
 
 
@@ -86,69 +117,94 @@ def decode(payload: bytes) -> tuple[float, list, int]:
 class KvResidency:
     """Folds vLLM KV events into kvscope events. ``block_bytes``: KV bytes per block (0:
     unknown). ``capacity_blocks``: dict[tier, blocks] (missing: 0, unknown). ``max_tracked``:
-    hashes tracked per tier (beyond it new hashes are counted but not remembered)."""
+    hashes tracked per tier (beyond it new hashes are counted but not remembered). ``tiers``:
+    the tiers to report (of gpu, cpu, disk)."""
 
     def __init__(self, block_bytes: int = 0, capacity_blocks: dict[str, int] | None = None,
-                 max_tracked: int = 4_000_000) -> None:
+                 max_tracked: int = 4_000_000, tiers: Iterable[str] = TIERS) -> None:
         self.block_bytes = block_bytes
         self.capacity = dict(capacity_blocks or {})
         self._max = max_tracked
+        self.tiers = frozenset(tiers)
+        unknown = self.tiers.difference(TIERS)
+        if unknown:
+            raise ValueError(f"unknown tiers {sorted(unknown)}: the tiers are {', '.join(TIERS)}")
+        # disk residency tells cpu promotions from offloads, and kept copies from dropped ones
+        self.tracked = self.tiers | ({"disk"} if "cpu" in self.tiers else set())
         self.resident: dict[str, dict[bytes | int, int]] = {}
 
     def apply(self, ts: float, events: list) -> list:
-        out: list = []
+        moved: Counter[tuple[str, str]] = Counter()             # (src, dst) -> blocks
+        evicted: Counter[tuple[str, str, bool]] = Counter()     # (tier, reason, offloaded)
+        left_cpu: list[tuple[bytes | int, str]] = []            # (hash, reason), kept iff on disk
         changed: set[str] = set()
+        resident = self.resident
         for event in events:
             if isinstance(event, AllBlocksCleared):
-                for tier, held in self.resident.items():
+                for tier in ("gpu", "cpu"):
+                    held = resident.get(tier)
                     if held:
-                        out.append(self._eviction(ts, tier, len(held), "cleared"))
+                        if tier == "cpu":
+                            left_cpu.extend((h, "cleared") for h in held)
+                        else:
+                            evicted[(tier, "cleared", False)] += len(held)
                         held.clear()
                         changed.add(tier)
                 continue
             tier = MEDIUM_TIER.get((event.medium or "GPU").upper())
-            if tier is None:
+            if tier is None or tier not in self.tracked:
                 continue
-            held = self.resident.setdefault(tier, {})
+            held = resident.setdefault(tier, {})
             changed.add(tier)
             if isinstance(event, BlockStored):
-                new = 0
+                disk = resident.get("disk", {}) if tier == "cpu" else None
                 for h in event.block_hashes:
                     count = held.get(h, 0)
                     if count == 0:
-                        new += 1
+                        if disk is not None and h in disk:
+                            moved[("disk", "cpu")] += 1
+                        elif tier != "gpu":
+                            moved[(_OFFLOAD_FROM[tier], tier)] += 1
                         if len(held) >= self._max:
                             continue
                     held[h] = count + 1
-                if new and tier in _OFFLOAD_FROM:
-                    out.append(ev.Transfer(ts=ts, src=_OFFLOAD_FROM[tier], dst=tier, blocks=new,
-                                           bytes=new * self.block_bytes, duration=0.0,
-                                           timed=False))
             else:
-                gone = 0
                 for h in event.block_hashes:
                     count = held.get(h, 0)
                     if count > 1:
                         held[h] = count - 1
+                        continue
+                    held.pop(h, None)
+                    if tier == "cpu":
+                        left_cpu.append((h, "capacity"))
                     else:
-                        held.pop(h, None)
-                        gone += 1
-                if gone:
-                    out.append(self._eviction(ts, tier, gone, "capacity"))
-        for tier in sorted(changed):
-            blocks = len(self.resident.get(tier, ()))
+                        evicted[(tier, "capacity", False)] += 1
+        if left_cpu:
+            disk = resident.get("disk", {})
+            for h, reason in left_cpu:
+                evicted[("cpu", reason, h in disk)] += 1
+        out: list = []
+        report = self.tiers
+        bpb = self.block_bytes
+        for (src, dst), blocks in sorted(moved.items()):
+            if dst in report:
+                out.append(ev.Transfer(ts=ts, src=src, dst=dst, blocks=blocks, bytes=blocks * bpb,
+                                       duration=0.0, timed=False))
+        for (tier, reason, offloaded), blocks in sorted(evicted.items()):
+            if tier in report:
+                out.append(ev.Eviction(ts=ts, tier=tier, blocks=blocks, bytes=blocks * bpb,
+                                       age=0.0, hits=0, offloaded=offloaded, reason=reason,
+                                       measured=False))
+        for tier in sorted(changed & report):
+            blocks = len(resident.get(tier, ()))
             cap = self.capacity.get(tier, 0)
-            out.append(ev.TierSnapshot(ts=ts, tier=tier, capacity_bytes=cap * self.block_bytes,
-                                       resident_bytes=blocks * self.block_bytes,
+            out.append(ev.TierSnapshot(ts=ts, tier=tier, capacity_bytes=cap * bpb,
+                                       resident_bytes=blocks * bpb,
                                        capacity_blocks=cap, resident_blocks=blocks))
         return out
 
     def reset(self) -> None:
         self.resident.clear()
-
-    def _eviction(self, ts: float, tier: str, blocks: int, reason: str) -> ev.Eviction:
-        return ev.Eviction(ts=ts, tier=tier, blocks=blocks, bytes=blocks * self.block_bytes,
-                           age=0.0, hits=0, reason=reason, measured=False)
 
 
 def vllm_binds(endpoint: str) -> bool:
@@ -164,13 +220,16 @@ def connect_address(endpoint: str) -> str:
 class KvEventsSource(Worker):
     """Subscribes to ``endpoint`` and feeds ``pipeline``. ``replay_endpoint``: vLLM's replay
     ROUTER (None: gaps are only counted). ``topic``: vLLM's ``topic`` (prefix match).
-    ``replay_timeout``: seconds one replay may take. ``clock``: unused by the mapping (vLLM's
-    batch ``ts`` is used), kept for symmetry. ``start()`` raises ``zmq.ZMQError`` when the
-    endpoint cannot be bound or connected; ``shutdown()`` is safe twice and without start."""
+    ``replay_timeout``: seconds one replay may take. ``overlap_check``: seconds between
+    :meth:`check_overlap` calls on the source's thread (0: never). ``clock``: unused by the
+    mapping (vLLM's batch ``ts`` is used), kept for symmetry. ``start()`` raises
+    ``zmq.ZMQError`` when the endpoint cannot be bound or connected; ``shutdown()`` is safe
+    twice and without start."""
 
     def __init__(self, pipeline: Pipeline, endpoint: str = "tcp://127.0.0.1:5557", *,
                  replay_endpoint: str | None = None, topic: str = "",
                  residency: KvResidency | None = None, replay_timeout: float = 2.0,
+                 overlap_check: float = 5.0,
                  clock: Callable[[], float] = time.time) -> None:
         super().__init__()
         self.pipeline = pipeline
@@ -179,8 +238,14 @@ class KvEventsSource(Worker):
         self.topic = topic
         self.residency = residency or KvResidency()
         self.replay_timeout = replay_timeout
+        self.overlap_check = overlap_check
         self.replayed = 0  # batches recovered from the replay endpoint
         self.last_seq: int | None = None
+        self.shared_tiers: set[str] = set()  # reported tiers another source reports too
+        # what this source ingested, to tell its share of the pipeline's totals: blocks and
+        # bytes per transfer direction, blocks per (evicted tier, reason)
+        self._sent_transfers: dict[tuple[str, str], list[int]] = {}
+        self._sent_evictions: Counter[tuple[str, str]] = Counter()
         self._socket = None
 
     thread_name = "kvscope-kv-events"
@@ -204,8 +269,13 @@ class KvEventsSource(Worker):
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        next_check = time.monotonic() + self.overlap_check
         try:
             while not self.stopping.is_set():
+                if (self.overlap_check > 0 and not self.shared_tiers
+                        and time.monotonic() >= next_check):
+                    next_check = time.monotonic() + self.overlap_check
+                    self.check_overlap()
                 if not poller.poll(100):
                     continue
                 while True:
@@ -247,7 +317,49 @@ class KvEventsSource(Worker):
             self.pipeline.drop(NAME, "unknown_kind", unknown)
         out = self.residency.apply(ts, events)
         if out:
+            for event in out:
+                if type(event) is ev.Transfer:
+                    sent = self._sent_transfers.setdefault((event.src, event.dst), [0, 0])
+                    sent[0] += event.blocks
+                    sent[1] += event.bytes
+                elif type(event) is ev.Eviction:
+                    self._sent_evictions[(event.tier, event.reason)] += event.blocks
             self.pipeline.ingest(NAME, out)
+
+    def check_overlap(self) -> set[str]:
+        """The tiers this source reports that another source reports as well: transfers in a
+        direction this source maps (gpu->cpu, disk->cpu, cpu->disk) into a reported tier, or
+        evictions from one, beyond what this source sent itself, so that the pipeline counts
+        them twice. Logs one warning naming the config key the first time it finds any.
+        Safe from any thread: the pipeline is read before this source's own counts, which
+        grow before each ingest, so its own events in flight never look like another's."""
+        snap = self.pipeline.snapshot()
+        report = self.residency.tiers
+        shared = set()
+        for key in _MAPPED_TRANSFERS:
+            if key[1] in report:
+                blocks, nbytes = self._sent_transfers.get(key, (0, 0))
+                if (snap.transfer_blocks.get(key, 0) > blocks
+                        or snap.transfer_bytes.get(key, 0) > nbytes):
+                    shared.add(key[1])
+        for (tier, reason), blocks in snap.evicted_blocks.items():
+            if tier in report and blocks > self._sent_evictions.get((tier, reason), 0):
+                shared.add(tier)
+        if shared and not self.shared_tiers:
+            others = sorted(s for s in snap.events_received if s != NAME) or ["unknown"]
+            keep = [t for t in TIERS if t in report and t not in shared]
+            log.warning(
+                "kv_events: transfers into or evictions from tier %s are reported by another "
+                "source as well (sources: %s), so they are counted twice. Let only one source "
+                "report a tier: set [kv_events] tiers = %s (environment: "
+                "KVSCOPE_KV_EVENTS__TIERS=%s). With kvscope's vLLM tap (KvscopeOffloadingSpec), "
+                "which reports the cpu and disk tiers itself, that is tiers = [\"gpu\"]; "
+                "see docs/vllm.md.",
+                ", ".join(sorted(shared)), ", ".join(others),
+                "[" + ", ".join(f'"{t}"' for t in keep) + "]" if keep else "(none: "
+                "enabled = false)", ",".join(keep) or "-")
+        self.shared_tiers |= shared
+        return shared
 
     def _replay(self, first: int, until: int) -> int:
         """Fetch batches ``first..until-1`` from the replay endpoint and apply them in order;

@@ -11,7 +11,8 @@ Mapped (vLLM 0.32 names, ``vllm/v1/metrics/loggers.py`` and the offloading conne
   ``vllm:external_prefix_cache_hits_total`` -> cpu.
 - ``vllm:kv_offload_store_bytes_total`` / ``..._load_bytes_total`` (older:
   ``vllm:kv_offload_total_bytes_total{transfer_type}``) -> untimed ``Transfer`` gpu->cpu /
-  cpu->gpu (blocks from ``block_bytes`` when known).
+  cpu->gpu (blocks from ``block_bytes`` when known); the stores only when ``stores`` is on
+  (leave it off when the KV events source reports the cpu tier: it sees every offload).
 - ``vllm:time_to_first_token_seconds`` histogram -> ``LatencyHistogram`` (bucket deltas).
 - ``vllm:kv_cache_usage_perc`` x ``num_gpu_blocks`` (``vllm:cache_config_info``) ->
   ``TierSnapshot`` gpu, when ``gpu_snapshot`` is on (leave it off when the KV events source
@@ -75,11 +76,14 @@ def _sum(samples: Samples, name: str, **labels) -> float | None:
 
 class MetricsMapper:
     """Turns successive scrapes into kvscope events. ``block_bytes``: KV bytes per block (0:
-    unknown). ``gpu_snapshot``: report GPU usage as a TierSnapshot. Not thread-safe."""
+    unknown). ``gpu_snapshot``: report GPU usage as a TierSnapshot. ``stores``: report
+    gpu->cpu offloads. Not thread-safe."""
 
-    def __init__(self, block_bytes: int = 0, gpu_snapshot: bool = True) -> None:
+    def __init__(self, block_bytes: int = 0, gpu_snapshot: bool = True,
+                 stores: bool = True) -> None:
         self.block_bytes = block_bytes
         self.gpu_snapshot = gpu_snapshot
+        self.stores = stores
         self._last: dict[tuple, float] = {}
 
     def _delta(self, key: tuple, value: float | None) -> float:
@@ -127,6 +131,8 @@ class MetricsMapper:
     def _transfers(self, samples: Samples, ts: float) -> list:
         out = []
         for kind, src, dst in (("store", "gpu", "cpu"), ("load", "cpu", "gpu")):
+            if kind == "store" and not self.stores:
+                continue
             value = _sum(samples, f"vllm:kv_offload_{kind}_bytes_total")
             if value is None:  # vLLM before the per-direction names
                 legacy = {"store": "GPU_to_CPU", "load": "CPU_to_GPU"}[kind]
