@@ -118,3 +118,41 @@ def test_an_environment_value_that_does_not_parse_is_one_config_error(monkeypatc
     monkeypatch.setenv("KVSCOPE_KV_EVENTS__CAPACITY_BLOCKS", "x")
     with pytest.raises(ConfigError, match='environment: .*"kv_events".* are JSON'):
         load_settings(None)
+
+
+@pytest.mark.parametrize("variable", ["KVSCOPE_PROT", "KVSCOPE_INGEST_ENDPOINT",
+                                      "KVSCOPE_INGETS__ENDPOINT", "KVSCOPE_KV_EVENTS_ENABLED"])
+def test_an_unknown_environment_variable_is_refused_by_name(monkeypatch, variable):
+    """A misspelt variable (one underscore where two nest a key is the likely slip) must not be
+    ignored silently; kvscope's other tools' variables are not settings and pass."""
+    monkeypatch.setenv("KVSCOPE_VLLM_PYTHON", "/usr/bin/python3")
+    assert load_settings(None).port == 9400
+    monkeypatch.setenv(variable, "1")
+    with pytest.raises(ConfigError, match=f"environment: {variable} is not a setting"):
+        load_settings(None)
+
+
+def test_a_bad_environment_value_names_its_variable_not_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "agent.toml"
+    path.write_text("[ingest]\n")
+    monkeypatch.setenv("KVSCOPE_PORT", "abc")
+    with pytest.raises(ConfigError, match="^environment: KVSCOPE_PORT: Input should be"):
+        load_settings(path)
+    path.write_text('port = "abc"\n')  # the file's own bad value is the file's
+    with pytest.raises(ConfigError, match=f"^config {path}: port: Input should be"):
+        load_settings(path)
+
+
+@pytest.mark.parametrize("toml,needle", [
+    ('[collectors.host]\nbudgets = { cpuu = 5000 }\n', "collectors.host.budgets: .*'cpuu'"),
+    ('[kv_events]\ncapacity_blocks = { gpuu = 10 }\n', "kv_events.capacity_blocks: .*'gpuu'"),
+    ('[vllm_metrics]\nurl = "127.0.0.1:8000/metrics"\n', "vllm_metrics.url: .*http://"),
+    ('token = " "\n', "token: .*empty"),
+])
+def test_values_that_would_be_silently_useless_are_refused(tmp_path, toml, needle):
+    """A budget or capacity for a tier that does not exist, a scrape URL without a scheme (it
+    would only fail at run time) and an empty token (every /api call would get 401)."""
+    path = tmp_path / "agent.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=needle):
+        load_settings(path)

@@ -22,6 +22,7 @@ Example TOML (every key optional)::
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from urllib.parse import urlsplit
 from pathlib import Path
@@ -32,6 +33,31 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 class ConfigError(ValueError):
     """The configuration file is unreadable or has a bad value; the message says which."""
+
+
+# KVSCOPE_* variables of other kvscope tools (tests, benchmarks, scripts), not agent settings
+OTHER_VARIABLES = frozenset({"KVSCOPE_VLLM_PYTHON", "KVSCOPE_TRACE_DIR", "KVSCOPE_CACHE"})
+BUDGET_TIERS = ("gpu", "cpu", "disk", "remote")
+
+
+def _http_url(value: str, example: str) -> str:
+    """``value`` if it is an http(s) URL with a host, else ValueError naming ``example``."""
+    url = urlsplit(value)
+    try:
+        url.port  # noqa: B018  (parsing the port is the check: it raises when malformed)
+    except ValueError:
+        url = None
+    if (url is None or url.scheme not in ("http", "https") or not url.hostname
+            or any(c.isspace() for c in value)):
+        raise ValueError(f"must be an http:// or https:// URL with a host, e.g. {example}")
+    return value
+
+
+def _tier_keys(value: dict, tiers: tuple[str, ...]) -> dict:
+    unknown = [t for t in value if t not in tiers]
+    if unknown:
+        raise ValueError(f"unknown tier {unknown[0]!r}: the tiers are {', '.join(tiers)}")
+    return value
 
 
 class _Section(BaseModel):
@@ -88,6 +114,11 @@ class KvEventsConfig(_Section):
             raise ValueError("must start with tcp:// or ipc://")
         return value
 
+    @field_validator("capacity_blocks")
+    @classmethod
+    def _capacity(cls, value: dict[str, int]) -> dict[str, int]:
+        return _tier_keys(value, KV_EVENTS_TIERS)
+
     @field_validator("tiers", mode="before")
     @classmethod
     def _tiers(cls, value: object) -> list[str]:
@@ -117,6 +148,11 @@ class VllmMetricsConfig(_Section):
     interval: float = Field(5.0, gt=0)
     block_bytes: int = Field(0, ge=0)
 
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return _http_url(value, "http://127.0.0.1:8000/metrics")
+
 
 class OtlpReceiverConfig(_Section):
     """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source``."""
@@ -132,6 +168,11 @@ class HostCollectorConfig(_Section):
     enabled: bool = True
     reserve_bytes: int = Field(0, ge=0)
     budgets: dict[str, int] = {}
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, value: dict[str, int]) -> dict[str, int]:
+        return _tier_keys(value, BUDGET_TIERS)
 
 
 class GpuCollectorConfig(_Section):
@@ -178,17 +219,14 @@ class AgentSettings(BaseSettings):
     @field_validator("otlp_endpoint")
     @classmethod
     def _otlp_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        url = urlsplit(value)
-        try:
-            url.port  # noqa: B018  (parsing the port is the check: it raises when malformed)
-        except ValueError:
-            url = None
-        if (url is None or url.scheme not in ("http", "https") or not url.hostname
-                or any(c.isspace() for c in value)):
-            raise ValueError("must be an http:// or https:// URL with a host, "
-                             "e.g. http://127.0.0.1:4318")
+        return value if value is None else _http_url(value, "http://127.0.0.1:4318")
+
+    @field_validator("token")
+    @classmethod
+    def _token(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("is empty, which would lock /api for every client; leave it out "
+                             "for an open API on loopback")
         return value
 
 
@@ -212,6 +250,11 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
             for parent in parents:
                 section = section.setdefault(parent, {})
             section[leaf] = value
+    unknown = sorted(set(_settings_variables()).difference(_known_variables(AgentSettings),
+                                                           OTHER_VARIABLES))
+    if unknown:
+        raise ConfigError(f"environment: {unknown[0]} is not a setting (nested keys take two "
+                          "underscores, e.g. KVSCOPE_INGEST__ENDPOINT; see docs/agent.md)")
     try:
         return AgentSettings(**values)
     except SettingsError as exc:  # a KVSCOPE_* variable that does not parse (e.g. bad JSON)
@@ -219,5 +262,44 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
                           "for lists and tables are JSON)") from None
     except ValidationError as exc:
         error = exc.errors()[0]
-        where = ".".join(str(p) for p in error["loc"])
-        raise ConfigError(f"config{' ' + str(path) if path else ''}: {where}: {error['msg']}") from None
+        loc = [str(p) for p in error["loc"]]
+        if _set_in(values, loc):
+            where = f"config{' ' + str(path) if path else ''}: {'.'.join(loc)}"
+        else:  # not from the file or a flag, so from the environment
+            set_now = _settings_variables()
+            where = "environment: " + (" or ".join(v for v in _variables_of(loc) if v in set_now)
+                                       or "KVSCOPE_*")
+        raise ConfigError(f"{where}: {error['msg']}") from None
+
+
+def _settings_variables() -> dict[str, str]:
+    return {k.upper(): v for k, v in os.environ.items() if k.upper().startswith("KVSCOPE_")}
+
+
+def _known_variables(model: type[BaseModel], prefix: str = "KVSCOPE_") -> set[str]:
+    """Every environment variable that sets a key of ``model``: ``KVSCOPE_PORT``, a table as
+    JSON (``KVSCOPE_INGEST``) and its keys (``KVSCOPE_INGEST__ENDPOINT``), recursively."""
+    out = set()
+    for name, field in model.model_fields.items():
+        variable = prefix + name.upper()
+        out.add(variable)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            out |= _known_variables(field.annotation, variable + "__")
+    return out
+
+
+def _variables_of(loc: list[str]) -> list[str]:
+    """The variables that can set the key at ``loc``: the key's own and its tables' (JSON)."""
+    return ["KVSCOPE_" + "__".join(loc[:n]).upper() for n in range(len(loc), 0, -1)]
+
+
+def _set_in(values: dict, loc: list[str]) -> bool:
+    """Whether the file or flags (``values``) set the key at ``loc`` (or one of its tables
+    to a non-table value)."""
+    for part in loc:
+        if not isinstance(values, dict):  # e.g. a list the file gave, with a bad item
+            return True
+        if part not in values:
+            return False
+        values = values[part]
+    return True
