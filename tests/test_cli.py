@@ -140,3 +140,53 @@ def test_ctrl_c_while_the_agent_shuts_down_does_not_spoil_its_exit_code(tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _agent_banner(tmp_path, config: str, *args: str, last: str = "  kv_events:") -> list[str]:
+    """The lines ``kvscope agent --config`` prints when it starts, up to the one starting with
+    ``last`` (then it is stopped)."""
+    (tmp_path / "agent.toml").write_text(config)
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--port", str(free_port()),
+                             "--ingest", f"ipc://{tmp_path}/ingest.sock",
+                             "--config", str(tmp_path / "agent.toml"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith(last) or "error" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, "\n".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return lines
+
+
+@pytest.mark.parametrize("endpoint,action,vllm", [
+    # the new-user trial: "tcp://*:5582" here and "tcp://127.0.0.1:5582" in vLLM: both connected
+    ("tcp://*:{port}", "connects to tcp://127.0.0.1:{port}", '"tcp://*:{port}"'),
+    ("tcp://127.0.0.1:{port}", "binds tcp://127.0.0.1:{port}", '"tcp://127.0.0.1:{port}"'),
+])
+def test_agent_banner_says_whether_kv_events_bind_or_connect(tmp_path, endpoint, action, vllm):
+    """vLLM binds ``*``/``::``/ipc endpoints and connects to the rest; the agent does the
+    opposite. The banner names the endpoint, what the agent does with it and the vLLM
+    ``--kv-events-config`` endpoint that pairs with it, so a bind/connect mismatch shows."""
+    port = free_port()
+    endpoint, action, vllm = (s.format(port=port) for s in (endpoint, action, vllm))
+    lines = _agent_banner(tmp_path, f'[kv_events]\nenabled = true\nendpoint = "{endpoint}"\n'
+                                    'tiers = ["gpu"]\n')
+    kv = [line for line in lines if line.startswith("  kv_events:")]
+    assert len(kv) == 1, lines
+    assert kv[0].startswith(f"  kv_events: {endpoint} -> {action}: vLLM must "), kv[0]
+    assert f"--kv-events-config endpoint must be {vllm}" in kv[0]
+    assert ("must bind" if "*" in endpoint else "must connect") in kv[0]
+    assert kv[0].endswith("reports tiers gpu")
+
+
+def test_agent_banner_without_kv_events_has_no_kv_events_line(tmp_path):
+    lines = _agent_banner(tmp_path, "[kv_events]\nenabled = false\n", "--store-dir",
+                          str(tmp_path / "store"), last="  store:")  # the banner's last line
+    assert lines[-1].startswith("  store:") and not any("kv_events" in line for line in lines)

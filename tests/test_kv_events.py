@@ -101,7 +101,7 @@ def test_cpu_stores_of_blocks_on_disk_are_promotions_not_offloads():
     assert snap.transfer_seconds == {}  # untimed
     assert snap.evicted_blocks == {("cpu", "capacity"): 4, ("cpu", "cleared"): 4,
                                    ("gpu", "capacity"): 2, ("gpu", "cleared"): 2}
-    assert snap.dropped_blocks == {"cpu": 1, "gpu": 4}  # GPU copies are not followed
+    assert snap.dropped_blocks == {"cpu": 1}  # GPU 1, 2 and the cleared 3, 4 are on disk
     assert {t: s.resident_blocks for t, s in snap.tiers.items()} == {"gpu": 0, "cpu": 1,
                                                                       "disk": 5}
 
@@ -119,7 +119,8 @@ def test_tiers_limit_what_the_source_reports():
     assert {(type(e).__name__, e.tier) for e in out if not isinstance(e, ev.Transfer)} == \
         {("TierSnapshot", "gpu"), ("Eviction", "gpu")}
     assert not any(isinstance(e, ev.Transfer) for e in out)
-    assert gpu_only.resident.keys() == {"gpu"}  # cpu and disk are not even tracked
+    assert [(e.blocks, e.offloaded) for e in out if isinstance(e, ev.Eviction)] == [(1, True)]
+    assert gpu_only.resident.keys() == {"gpu", "cpu", "disk"}  # tracked, not reported
     out = []
     cpu_only = KvResidency(tiers=["cpu"])
     for events in stream:
@@ -131,6 +132,59 @@ def test_tiers_limit_what_the_source_reports():
     assert {e.tier for e in out if isinstance(e, ev.TierSnapshot)} == {"cpu"}
     with pytest.raises(ValueError, match="tape"):
         KvResidency(tiers=["gpu", "tape"])
+
+
+def test_gpu_evictions_of_blocks_kept_in_cpu_or_disk_are_not_dropped():
+    """A GPU eviction of a hash resident in the cpu or disk tier at the end of its batch is
+    ``offloaded`` (vLLM's GPU block pool and its offloading connector name a block by the same
+    hash), also with ``tiers = ["gpu"]`` (cpu and disk tracked, not reported).
+
+    batch 1: GPU 1-6; CPU 1, 2, 3                      -> gpu->cpu 3
+    batch 2: STORAGE 1; CPU removes 1                  -> 1 kept on disk only
+    batch 3: GPU removes 1, 2, 4, 5; then CPU 4        -> 1 (disk), 2 (cpu) and 4 (the CPU's
+                                                          store follows the pool's removal in
+                                                          the batch) offloaded; 5 dropped
+    batch 4: GPU removes 3; CPU removes 3              -> 3 left both: dropped
+    batch 5: GPU 7; CPU 6; STORAGE 6
+    batch 6: AllBlocksCleared                          -> gpu 6 (on disk) offloaded, 7 dropped
+    GPU evictions: capacity 5 (offloaded 3: 1, 2, 4; dropped 2: 5, 3), cleared 2 (offloaded 1,
+    dropped 1): dropped_blocks gpu 3. (Before: every GPU eviction dropped, 7.)"""
+    stream = [
+        [stored([1, 2, 3, 4, 5, 6]), stored([1, 2, 3], "CPU")],
+        [stored([1], "STORAGE"), removed([1], "CPU")],
+        [removed([1, 2, 4, 5]), stored([4], "CPU")],
+        [removed([3]), removed([3], "CPU")],
+        [stored([7]), stored([6], "CPU"), stored([6], "STORAGE")],
+        [{"type": "AllBlocksCleared"}],
+    ]
+    for tiers in (["gpu", "cpu", "disk"], ["gpu"]):
+        pipeline = Pipeline()
+        src = KvEventsSource(pipeline, residency=KvResidency(block_bytes=10, tiers=tiers))
+        for seq, events in enumerate(stream):
+            src.handle(frames(seq, *events))
+        snap = pipeline.snapshot()
+        assert snap.evicted_blocks[("gpu", "capacity")] == 5, tiers
+        assert snap.evicted_blocks[("gpu", "cleared")] == 2, tiers
+        assert snap.dropped_blocks["gpu"] == 3, tiers
+    # per batch, from the mapping itself
+    r = KvResidency(tiers=["gpu"])
+    evictions = [[(e.reason, e.blocks, e.offloaded) for e in r.apply(1.0, decode(payload(*b))[1])
+                  if isinstance(e, ev.Eviction)] for b in stream]
+    assert evictions == [[], [], [("capacity", 1, False), ("capacity", 3, True)],
+                         [("capacity", 1, False)], [],
+                         [("cleared", 1, False), ("cleared", 1, True)]]
+
+
+def test_lower_tiers_tracked_for_the_gpu_tier_stay_within_max_tracked():
+    """cpu and disk are tracked for the GPU tier's sake within ``max_tracked`` hashes each; a
+    hash the cpu tier could not remember makes its GPU eviction count as dropped."""
+    r = KvResidency(tiers=["gpu"], max_tracked=2)
+    r.apply(1.0, decode(payload(stored([1, 2]), stored([3, 1, 2], "CPU"),
+                                stored([4, 5, 6], "STORAGE")))[1])
+    assert {t: len(h) for t, h in r.resident.items()} == {"gpu": 2, "cpu": 2, "disk": 2}
+    out = r.apply(2.0, decode(payload(removed([1, 2])))[1])
+    assert [(e.blocks, e.offloaded) for e in out if isinstance(e, ev.Eviction)] == \
+        [(1, False), (1, True)]  # 2 was not remembered in the full cpu tier: dropped
 
 
 def _tap_events(n: int) -> list:

@@ -8,7 +8,9 @@ of this test, which republishes every message to three subscribers, all subscrib
 starts (so that none misses an early batch while still connecting):
 
 - ``agent``: a real agent in the documented combined setup: the tap's ingest plus
-  ``[kv_events] tiers = ["gpu"]``. Its totals must be the tap's alone.
+  ``[kv_events] tiers = ["gpu"]``. Its totals must be the tap's alone, plus the GPU tier's
+  evictions, which are not dropped when the block is kept in the cpu or disk tier (173 GPU
+  evictions, all of offloaded blocks: none dropped).
 - ``alone``: the KV events source with every tier and no tap. It must count the same offloads,
   promotions (disk->cpu: CPU stores of blocks resident on disk) and CPU evictions by itself;
   only cpu->gpu loads are invisible in KV events.
@@ -31,7 +33,8 @@ from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
-from kvscope.agent.sources.kv_events import KvEventsSource, KvResidency
+from kvscope.agent.sources.kv_events import (BlockRemoved, BlockStored, KvEventsSource,
+                                             KvResidency, decode)
 from tests.vllm_env import run_driver, vllm_python
 
 STORED, PROMOTED, CPU_EVICTED, CPU_TIER_BLOCKS = 161, 34, 155, 40  # test_vllm_tiering.py
@@ -47,14 +50,17 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _watch_first_seq(source: KvEventsSource) -> list[int]:
-    """Record the sequence numbers ``source`` handles (to prove it missed no early batch)."""
+def _watch_first_seq(source: KvEventsSource, payloads: list | None = None) -> list[int]:
+    """Record the sequence numbers ``source`` handles (to prove it missed no early batch), and
+    the batches' payloads into ``payloads`` when given."""
     seen: list[int] = []
     handle = source.handle
 
     def recording(frames):
         if len(frames) == 3 and len(frames[1]) == 8:
             seen.append(int.from_bytes(frames[1], "big", signed=True))
+            if payloads is not None:
+                payloads.append(frames[2])
         handle(frames)
 
     source.handle = recording
@@ -139,7 +145,8 @@ def run(tmp_path_factory):
             both.pipeline.ingest(source, events)
 
     agent.pipeline.ingest = tee
-    seqs = {"agent": _watch_first_seq(agent.kv_events), "alone": _watch_first_seq(alone),
+    payloads: list[bytes] = []  # every batch, in order (the ``alone`` subscriber's)
+    seqs = {"agent": _watch_first_seq(agent.kv_events), "alone": _watch_first_seq(alone, payloads),
             "both": _watch_first_seq(both)}
     warnings = _Warnings()
     logger = logging.getLogger("kvscope.agent.sources.kv_events")
@@ -160,7 +167,7 @@ def run(tmp_path_factory):
         with TestClient(create_app(agent)) as client:
             text = client.get("/metrics").text
         yield {"result": result, "agent": agent, "alone": alone, "both": both, "seqs": seqs,
-               "warnings": warnings.messages, "exposition": text}
+               "warnings": warnings.messages, "exposition": text, "payloads": payloads}
     finally:
         for part in reversed(started):
             part.shutdown()
@@ -228,3 +235,45 @@ def test_every_tier_beside_the_tap_double_counts_and_says_so_once(run):
     assert "tier cpu" in run["warnings"][0] and 'tiers = ["gpu"]' in run["warnings"][0]
     assert run["both"].check_overlap() == {"cpu", "disk"}
     assert len(run["warnings"]) == 1  # said once
+
+
+def _gpu_evictions_from_the_stream(payloads: list[bytes]) -> tuple[int, int, int]:
+    """Counted straight from vLLM's batches, without the source's mapping: ``(evictions,
+    distinct hashes evicted, evictions whose hash had not been stored in the CPU tier by the end
+    of the eviction's batch)``, of the GPU tier's ``BlockRemoved`` hashes."""
+    removals, cpu_since = [], {}  # (batch, hash); hash -> first batch with a CPU store of it
+    for i, payload in enumerate(payloads):
+        for event in decode(payload)[1]:
+            medium = (event.medium or "GPU").upper()
+            if isinstance(event, BlockRemoved) and medium == "GPU":
+                removals += [(i, h) for h in event.block_hashes]
+            elif isinstance(event, BlockStored) and medium == "CPU":
+                for h in event.block_hashes:
+                    cpu_since.setdefault(h, i)
+    not_offloaded = sum(1 for i, h in removals if cpu_since.get(h, i + 1) > i)
+    return len(removals), len({h for _, h in removals}), not_offloaded
+
+
+def test_gpu_evictions_of_offloaded_blocks_are_not_dropped(run):
+    """vLLM evicts GPU blocks whether or not the connector offloaded them. Its GPU block pool
+    and its offloading connector name a block by the same hash, so a GPU eviction of a hash
+    then resident in the cpu or disk tier is kept (offloaded), not dropped. In this run no
+    block leaves the CPU tier without a copy on disk (CPU evictions: none dropped) and the
+    disk tier evicts nothing, so a GPU eviction is dropped exactly when its hash had not reached
+    the CPU tier by the end of the eviction's batch: counted here from the raw batches. The
+    connector offloads every full block this workload computes, so that figure is 0: all 173
+    GPU evictions (139 distinct hashes; the other 34 are blocks promoted back into the GPU and
+    evicted again) keep a copy below. Both the combined agent (``tiers = ["gpu"]`` beside the
+    tap: cpu and disk tracked, not reported) and the source alone must find it; before, every
+    GPU eviction counted as dropped (173)."""
+    evictions, distinct, not_offloaded = _gpu_evictions_from_the_stream(run["payloads"])
+    assert evictions > 0 and not_offloaded == 0, (evictions, distinct, not_offloaded)
+    assert distinct <= STORED  # each kept hash was offloaded once
+    for name in ("agent", "alone"):
+        snap = run[name].pipeline.snapshot()
+        assert snap.evicted_blocks.get(("gpu", "capacity"), 0) == evictions, name
+        assert snap.dropped_blocks.get("gpu", 0) == not_offloaded, \
+            (name, evictions, distinct, not_offloaded)
+    agent_snap = run["agent"].pipeline.snapshot()
+    assert agent_snap.dropped_blocks.get("cpu", 0) == 0 and "disk" not in agent_snap.tiers
+    assert run["agent"].kv_events.residency.resident.keys() == {"gpu", "cpu", "disk"}

@@ -34,6 +34,8 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     print(f"kvscope agent: {base}/metrics  {base}/api/v1/summary  (docs: {base}/docs)", file=out)
     if agent.ingest is not None:
         print(f"  ingest: {settings.ingest.endpoint}", file=out)
+    if agent.kv_events is not None:
+        print(f"  kv_events: {agent.kv_events.describe()}", file=out)
     if settings.store_dir:
         print(f"  store: {settings.store_dir} ({len(agent.pipeline.requests)} requests restored)",
               file=out)

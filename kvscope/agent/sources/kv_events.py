@@ -5,7 +5,9 @@ messages ``(topic, seq as 8 bytes big-endian, msgpack KVEventBatch)``; a batch i
 ``[ts, events, data_parallel_rank]`` and each event a map tagged ``type``: ``BlockStored``,
 ``BlockRemoved`` or ``AllBlocksCleared``; stores and removals carry ``medium`` ``GPU``/``CPU``/
 ``STORAGE`` (None: GPU). vLLM binds endpoints with ``*`` or ``::`` and ``ipc://``/``inproc://``
-ones, and connects to the rest; this source does the opposite (connects to ``*`` as 127.0.0.1).
+ones, and connects to the rest; this source does the opposite (connects to ``*`` as 127.0.0.1),
+and ``kvscope agent`` says at start-up which it does (:func:`describe_endpoint`): with the same
+endpoint string on both sides they pair, with a mix both connect (or bind) and nothing arrives.
 One batch holds one scheduler step's events: the GPU block pool's first, then the offloading
 connector's (its primary CPU tier's, then each secondary tier's; vLLM 0.32
 ``v1/core/sched/scheduler.py`` and ``v1/kv_offload/tiering/manager.py`` ``take_events``).
@@ -23,20 +25,29 @@ same hash in every offload medium: CPU and STORAGE events are both translated fr
 be made (CPU tier full) and offloaded again counts as a promotion; with
 ``self_describing_kv_events`` and chunks of several blocks, a promotion announced before a
 lookup hit carries only the chunk's last hash (one block); disk hashes beyond ``max_tracked``
-are not remembered, so their promotions count as offloads. Disk residency is therefore kept
-(not reported) whenever cpu is reported. Promotions into the GPU tier (cpu->gpu) stay
-invisible: a loaded GPU block's ``BlockStored`` looks like a computed one (the in-process tap
-reports those).
+are not remembered, so their promotions count as offloads. Promotions into the GPU tier
+(cpu->gpu) stay invisible: a loaded GPU block's ``BlockStored`` looks like a computed one (the
+in-process tap reports those).
 
-A hash whose last reference goes is an ``Eviction`` (age and hits unknown: ``measured=False``);
-a CPU one counts as ``offloaded`` when the hash is resident on disk at the end of its batch (the
-disk's store of a block can come after the CPU's removal in one batch), dropped otherwise.
-``AllBlocksCleared`` (only vLLM's GPU block pool sends it, when the prefix cache is reset)
-evicts the gpu and cpu tiers (``cleared``; the CPU tier's own reset, with ``reset_connector``,
-sends nothing); the disk tier keeps its blocks (vLLM's secondary tiers persist across resets).
+A hash whose last reference goes is an ``Eviction`` (age and hits unknown: ``measured=False``).
+A GPU or CPU one counts as ``offloaded`` when a copy is kept below: the hash is resident on disk
+(GPU: in the cpu or disk tier) at the end of its batch (a lower tier's store of a block can come
+after the upper tier's removal in one batch); dropped otherwise. For the GPU tier that holds
+because the GPU block pool's events carry the same hash as the offload tiers' events for the
+same block: the pool's ``maybe_convert_block_hash(block_hash)`` (``v1/core/block_pool.py``), the
+connector's ``maybe_convert_block_hash(key[:-4])`` of ``make_offload_key(block_hash, group)``
+(``offloading/scheduler.py``, ``v1/kv_offload/base.py``). Where an offloaded chunk spans several
+GPU blocks, the connector names it by its last block's hash (without
+``self_describing_kv_events``), so evictions of the chunk's other GPU blocks count as dropped.
+The tiers below a reported one are therefore tracked (not reported) with it: cpu and disk
+whenever gpu is reported (also with ``tiers = ["gpu"]``), disk whenever cpu is; each tier's
+tracking is bounded by ``max_tracked`` (a hash not remembered in a lower tier makes its upper
+tier's eviction count as dropped). ``AllBlocksCleared`` (only vLLM's GPU block pool sends it,
+when the prefix cache is reset) evicts the gpu and cpu tiers (``cleared``; the CPU tier's own
+reset, with ``reset_connector``, sends nothing); the disk tier keeps its blocks (vLLM's
+secondary tiers persist across resets), so cleared blocks kept on disk count as offloaded.
 After each batch, a ``TierSnapshot`` per changed reported tier (bytes from ``block_bytes``,
-capacity from ``capacity_blocks``; 0 when unknown). GPU evictions are always counted as dropped
-(whether a copy is kept below is not followed for the GPU tier).
+capacity from ``capacity_blocks``; 0 when unknown).
 
 Another source reporting the same tiers (kvscope's vLLM tap reports cpu and disk) counts their
 transfers and evictions twice: :meth:`KvEventsSource.check_overlap` compares the pipeline's
@@ -129,14 +140,23 @@ class KvResidency:
         unknown = self.tiers.difference(TIERS)
         if unknown:
             raise ValueError(f"unknown tiers {sorted(unknown)}: the tiers are {', '.join(TIERS)}")
-        # disk residency tells cpu promotions from offloads, and kept copies from dropped ones
-        self.tracked = self.tiers | ({"disk"} if "cpu" in self.tiers else set())
+        # the tiers below a reported one are tracked (not reported): disk residency tells cpu
+        # promotions from offloads, and cpu and disk residency tell an evicted block's kept
+        # copy (offloaded) from a dropped one
+        self.tracked = set(self.tiers)
+        if "gpu" in self.tiers:
+            self.tracked |= {"cpu", "disk"}
+        if "cpu" in self.tiers:
+            self.tracked.add("disk")
         self.resident: dict[str, dict[bytes | int, int]] = {}
 
     def apply(self, ts: float, events: list) -> list:
         moved: Counter[tuple[str, str]] = Counter()             # (src, dst) -> blocks
         evicted: Counter[tuple[str, str, bool]] = Counter()     # (tier, reason, offloaded)
-        left_cpu: list[tuple[bytes | int, str]] = []            # (hash, reason), kept iff on disk
+        # (tier, hash, reason) of gpu and cpu hashes that left their tier: offloaded iff the
+        # hash is resident in a tier below at the end of the batch (the lower tier's store of
+        # a block can come after the upper tier's removal in one batch)
+        left: list[tuple[str, bytes | int, str]] = []
         changed: set[str] = set()
         resident = self.resident
         for event in events:
@@ -144,10 +164,7 @@ class KvResidency:
                 for tier in ("gpu", "cpu"):
                     held = resident.get(tier)
                     if held:
-                        if tier == "cpu":
-                            left_cpu.extend((h, "cleared") for h in held)
-                        else:
-                            evicted[(tier, "cleared", False)] += len(held)
+                        left.extend((tier, h, "cleared") for h in held)
                         held.clear()
                         changed.add(tier)
                 continue
@@ -175,14 +192,14 @@ class KvResidency:
                         held[h] = count - 1
                         continue
                     held.pop(h, None)
-                    if tier == "cpu":
-                        left_cpu.append((h, "capacity"))
-                    else:
+                    if tier == "disk":
                         evicted[(tier, "capacity", False)] += 1
-        if left_cpu:
-            disk = resident.get("disk", {})
-            for h, reason in left_cpu:
-                evicted[("cpu", reason, h in disk)] += 1
+                    else:
+                        left.append((tier, h, "capacity"))
+        if left:
+            cpu, disk = resident.get("cpu", {}), resident.get("disk", {})
+            for tier, h, reason in left:
+                evicted[(tier, reason, h in disk or (tier == "gpu" and h in cpu))] += 1
         out: list = []
         report = self.tiers
         bpb = self.block_bytes
@@ -217,6 +234,21 @@ def connect_address(endpoint: str) -> str:
     return endpoint.replace("tcp://*:", "tcp://127.0.0.1:").replace("tcp://[::]:", "tcp://[::1]:")
 
 
+def describe_endpoint(endpoint: str) -> str:
+    """What the agent does with ``endpoint`` and which vLLM ``--kv-events-config`` endpoint
+    that takes (for the start-up banner: two sides that both connect get nothing, silently)."""
+    if vllm_binds(endpoint):
+        text = (f"connects to {connect_address(endpoint)}: vLLM must bind, so its "
+                f"--kv-events-config endpoint must be \"{endpoint}\"")
+        return text + (" (with a host address vLLM connects as well and nothing arrives)"
+                       if endpoint.startswith("tcp://") else "")
+    port = endpoint.rpartition(":")[2]
+    vllm = (f"tcp://<this host's address>:{port}" if endpoint.startswith("tcp://0.0.0.0:")
+            else endpoint)
+    return (f"binds {endpoint}: vLLM must connect, so its --kv-events-config endpoint must be "
+            f"\"{vllm}\" (with * or :: vLLM binds as well and nothing arrives)")
+
+
 class KvEventsSource(Worker):
     """Subscribes to ``endpoint`` and feeds ``pipeline``. ``replay_endpoint``: vLLM's replay
     ROUTER (None: gaps are only counted). ``topic``: vLLM's ``topic`` (prefix match).
@@ -249,6 +281,13 @@ class KvEventsSource(Worker):
         self._socket = None
 
     thread_name = "kvscope-kv-events"
+
+    def describe(self) -> str:
+        """The start-up banner's line for this source: bind or connect, and what vLLM needs."""
+        text = f"{self.endpoint} -> {describe_endpoint(self.endpoint)}"
+        if self.replay_endpoint:
+            text += f"; replay: connects to {connect_address(self.replay_endpoint)}"
+        return text + f"; reports tiers {', '.join(t for t in TIERS if t in self.residency.tiers)}"
 
     def prepare(self) -> None:
         sock = zmq.Context.instance().socket(zmq.SUB)
