@@ -13,61 +13,19 @@ the equality does depend on the worker copying the right bytes to the right plac
 from __future__ import annotations
 
 import json
-import re
 import subprocess
-import time
 
 import pytest
-from fastapi.testclient import TestClient
 
-from kvscope.agent.agent import Agent
-from kvscope.agent.api import create_app
-from kvscope.agent.config import AgentSettings
-from conftest import wait_until
-from tests.vllm_env import child_env, run_driver, vllm_python
-
-_SAMPLE = re.compile(r'^(?P<name>[a-z_:]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
-
-
-def samples(text: str) -> dict[tuple[str, frozenset], float]:
-    """Prometheus text exposition -> {(name, labels): value} (test helper)."""
-    out = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match:
-            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match["labels"] or ""))
-            out[(match["name"], labels)] = float(match["value"])
-    return out
-
-
-def value(metrics, name, **labels) -> float:
-    return metrics.get((name, frozenset(labels.items())), 0.0)
-
-
-
+from tests.vllm_env import child_env, run_driver, tap_run, value, vllm_python
 
 @pytest.fixture(scope="module")
 def offload_run(tmp_path_factory):
     """The shared-prefix workload through vLLM + KvscopeOffloadingSpec into a real agent."""
     python = vllm_python()
     tmp = tmp_path_factory.mktemp("vllm_tap")
-    endpoint = f"ipc://{tmp}/ingest.sock"
-    settings = AgentSettings(ingest={"endpoint": endpoint}, collectors={"gpu": {"enabled": False}})
-    agent = Agent(settings)
-    agent.start()
-    try:
-        run_driver(python, "offload", str(tmp / "offload.json"), "--endpoint", endpoint,
-                   log=tmp / "offload.log")
-        result = json.loads((tmp / "offload.json").read_text())
-        # the driver flushed before exiting; give the agent's ingest thread a moment
-        wait_until(lambda: agent.pipeline.snapshot().events_received.get("vllm-worker", 0) > 0)
-        time.sleep(0.5)
-        with TestClient(create_app(agent)) as client:
-            text = client.get("/metrics").text
-        yield {"python": python, "tmp": tmp, "result": result, "metrics": samples(text),
-               "snapshot": agent.pipeline.snapshot(), "exposition": text}
-    finally:
-        agent.shutdown()
+    with tap_run(python, tmp, "offload") as run:
+        yield {"python": python, "tmp": tmp, **run}
 
 
 def test_offloads_promotions_and_evictions_reach_the_agent(offload_run):

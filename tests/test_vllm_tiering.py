@@ -27,18 +27,11 @@ outputs must equal ``plain``'s.
 
 from __future__ import annotations
 
-import json
 import subprocess
 
 import pytest
-from fastapi.testclient import TestClient
 
-from kvscope.agent.agent import Agent
-from kvscope.agent.api import create_app
-from kvscope.agent.config import AgentSettings
-from conftest import wait_until
-from tests.test_vllm_tap import samples, value
-from tests.vllm_env import child_env, run_driver, vllm_python
+from tests.vllm_env import child_env, tap_run, value, vllm_python
 
 A_BLOCKS, B_BLOCKS, PUSHER_BLOCKS, ROUNDS = 8, 9, 12, 3
 STORED = (A_BLOCKS + 4 * PUSHER_BLOCKS + B_BLOCKS) + (ROUNDS - 1) * 4 * PUSHER_BLOCKS  # 161
@@ -46,43 +39,12 @@ PROMOTED = (A_BLOCKS + B_BLOCKS) * (ROUNDS - 1)  # 34
 CPU_TIER_BLOCKS = 40
 
 
-def _settled(agent: Agent, quiet: float = 0.5) -> bool:
-    """True once both tap emitters were heard from and nothing new arrived for ``quiet`` s."""
-    last: list = [None]
-
-    def still():
-        received = agent.pipeline.events_received()
-        if not {"vllm", "vllm-worker"} <= received.keys():
-            return False
-        if received == last[0]:
-            return True
-        last[0] = received
-        return False
-
-    return wait_until(still, interval=quiet)
-
-
 @pytest.fixture(scope="module")
 def tiering_run(tmp_path_factory):
     """The shared-prefix workload through vLLM + KvscopeOffloadingSpec(TieringOffloadingSpec,
     fs tier) into a real agent (ipc ingest, real /metrics)."""
-    python = vllm_python()
-    tmp = tmp_path_factory.mktemp("vllm_tiering")
-    endpoint = f"ipc://{tmp}/ingest.sock"
-    settings = AgentSettings(ingest={"endpoint": endpoint}, collectors={"gpu": {"enabled": False}})
-    agent = Agent(settings)
-    agent.start()
-    try:
-        run_driver(python, "tiering", str(tmp / "tiering.json"), "--endpoint", endpoint,
-                   log=tmp / "tiering.log")
-        result = json.loads((tmp / "tiering.json").read_text())
-        assert _settled(agent), agent.pipeline.events_received()
-        with TestClient(create_app(agent)) as client:
-            text = client.get("/metrics").text
-        yield {"result": result, "metrics": samples(text), "snapshot": agent.pipeline.snapshot(),
-               "exposition": text, "log": tmp / "tiering.log"}
-    finally:
-        agent.shutdown()
+    with tap_run(vllm_python(), tmp_path_factory.mktemp("vllm_tiering"), "tiering") as run:
+        yield run
 
 
 def test_vllm_did_what_the_hand_count_says(tiering_run):

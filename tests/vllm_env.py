@@ -8,9 +8,13 @@ killed with that group when the test is done.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -77,3 +81,60 @@ def tail(path: Path, n: int = 6000) -> str:
         return path.read_bytes()[-n:].decode("utf-8", "replace")
     except FileNotFoundError:
         return ""
+
+
+_SAMPLE = re.compile(r'^(?P<name>[a-z_:]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Prometheus text exposition -> {(name, labels): value} (test helper)."""
+    out = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match["labels"] or ""))
+            out[(match["name"], labels)] = float(match["value"])
+    return out
+
+
+def value(metrics, name, **labels) -> float:
+    return metrics.get((name, frozenset(labels.items())), 0.0)
+
+
+@contextmanager
+def tap_run(python: str, tmp: Path, mode: str) -> Iterator[dict]:
+    """tests/vllm_driver.py ``mode`` with the tap sending to a real agent (ipc ingest, real
+    /metrics). Yields, once both tap emitters were heard from and nothing new arrived for half
+    a second: ``result`` (the driver's JSON), ``metrics`` (:func:`samples` of /metrics),
+    ``exposition`` (its text), ``snapshot`` (the pipeline's) and ``log`` (the driver's log)."""
+    from fastapi.testclient import TestClient
+
+    from conftest import wait_until
+    from kvscope.agent.agent import Agent
+    from kvscope.agent.api import create_app
+    from kvscope.agent.config import AgentSettings
+
+    endpoint = f"ipc://{tmp}/ingest.sock"
+    agent = Agent(AgentSettings(ingest={"endpoint": endpoint},
+                                collectors={"gpu": {"enabled": False}}))
+    agent.start()
+    try:
+        log = tmp / f"{mode}.log"
+        run_driver(python, mode, str(tmp / f"{mode}.json"), "--endpoint", endpoint, log=log)
+        result = json.loads((tmp / f"{mode}.json").read_text())
+        last: list = [None]
+
+        def settled() -> bool:
+            received = agent.pipeline.events_received()
+            if not {"vllm", "vllm-worker"} <= received.keys() or received != last[0]:
+                last[0] = received
+                return False
+            return True
+
+        assert wait_until(settled, interval=0.5), agent.pipeline.events_received()
+        with TestClient(create_app(agent)) as client:
+            text = client.get("/metrics").text
+        yield {"result": result, "metrics": samples(text), "exposition": text,
+               "snapshot": agent.pipeline.snapshot(), "log": log}
+    finally:
+        agent.shutdown()

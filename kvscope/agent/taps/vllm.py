@@ -88,7 +88,7 @@ def config_mistakes(ours: Mapping[str, Any], inner: Mapping[str, Any],
     inner spec that is not tiering (vLLM ignores them)."""
     out = [f"unknown key {key!r} (known: {', '.join(_KNOWN_KEYS)})"
            for key in ours if key not in _KNOWN_KEYS]
-    if "secondary_tiers" in inner and inner_spec.__name__ != "TieringOffloadingSpec":
+    if "secondary_tiers" in inner and not _is_tiering(inner_spec):
         out.append(f"secondary_tiers given, but kvscope_inner_spec is {inner_spec.__name__}: "
                    "they take effect only with \"kvscope_inner_spec\": \"TieringOffloadingSpec\"")
     return out
@@ -145,6 +145,7 @@ class KvscopeOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             inner = self.inner.get_manager()
+            tiering = _is_tiering(type(self.inner))
             emitter = self._new_emitter("vllm" + self._dp)
             if emitter is None:
                 self._manager = inner
@@ -154,9 +155,9 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                     inner, emitter.emit, tokens_per_block=self.tokens_per_block[0],
                     blocks_per_chunk=self.blocks_per_chunk, bytes_per_block=self.bytes_per_block,
                     capacity_chunks=int(getattr(self.inner, "num_chunks", 0)),
-                    multi_tier=_is_tiering(self.inner), emitter=emitter)
+                    multi_tier=tiering, emitter=emitter)
                 try:
-                    for gap in tiering_blind_spots(self.inner) if _is_tiering(self.inner) else ():
+                    for gap in tiering_blind_spots(self.inner) if tiering else ():
                         log.warning("kvscope vLLM tap: %s", gap)
                 except Exception as exc:  # the tap boundary
                     self.errors += 1
@@ -197,8 +198,8 @@ def tiering_blind_spots(spec) -> list[str]:
             if tier.get("type") in ("fs", "obj") and not tier.get("enable_kv_events")]
 
 
-def _is_tiering(spec: OffloadingSpec) -> bool:
-    return type(spec).__name__ == "TieringOffloadingSpec"
+def _is_tiering(spec_class: type[OffloadingSpec]) -> bool:
+    return spec_class.__name__ == "TieringOffloadingSpec"
 
 
 def _needs_cpu_worker(spec: OffloadingSpec) -> bool:

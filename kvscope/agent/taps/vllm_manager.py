@@ -130,7 +130,7 @@ class TapManager(OffloadingManager):
         self._hits: Counter[bytes] = Counter()         # key -> loads served (only if > 0)
         # tiering only: resident keys a lower tier also holds, and CPU evictions held until the
         # step's take_events (key lists with their stored-at times and hits; one step's worth)
-        self._below: dict[bytes, bool] = {}
+        self._below: set[bytes] = set()
         self._held: list[tuple] = []
         # Chunks whose eviction the tap never hears of (tiering without vLLM's KV events) would
         # pile up here: past twice the tier's size only the newest tier's worth is kept.
@@ -372,7 +372,7 @@ class TapManager(OffloadingManager):
         self.unseen_evictions += len(items) - keep
         resident = self._resident = dict(items[-keep:])
         self._hits = Counter({k: n for k, n in self._hits.items() if k in resident})
-        self._below = {k: True for k in self._below if k in resident}
+        self._below.intersection_update(resident)
 
     def _finished(self, rid: str) -> None:
         req = self._reqs.pop(rid, None)
@@ -410,7 +410,8 @@ class TapManager(OffloadingManager):
         held, self._held = self._held, []
         below = self._below
         for keys, stored, hits, tier, reason, now in held:
-            flags = [below.pop(key, False) or key in stored_below for key in keys]
+            flags = [key in below or key in stored_below for key in keys]
+            below.difference_update(keys)
             if all(flags) or not any(flags):
                 self._evictions(tier, reason, now, stored, hits, flags[0])
                 continue
@@ -458,8 +459,7 @@ class TapManager(OffloadingManager):
                 tier = MEDIUM_TIER.get(getattr(event.medium, "value", str(event.medium)))
                 if tier not in (None, "gpu", "cpu") and not event.removed:
                     stored_below.update(event.keys)
-            resident = self._resident
-            self._below.update((key, True) for key in stored_below if key in resident)
+            self._below.update(stored_below.intersection(self._resident))
         for event in events:
             medium = getattr(event.medium, "value", str(event.medium))
             tier = MEDIUM_TIER.get(medium)
@@ -477,7 +477,7 @@ class TapManager(OffloadingManager):
                     new = [k for k in keys if k not in self._resident]
                     for key in new:
                         self._resident[key] = now
-                        self._below[key] = True  # the lower tier keeps its copy
+                        self._below.add(key)  # the lower tier keeps its copy
                     if new:
                         self._untimed("disk", "cpu", len(new), now)
             elif event.removed:
