@@ -176,6 +176,9 @@ class Batch(msgspec.Struct, frozen=True, gc=False):
     ``session``: random per emitter instance, so a restarted emitter is told apart.
     ``dropped``: events the emitter dropped since it started (cumulative). ``engine``,
     ``model``: what the emitter observes (e.g. "vllm", "meta-llama/Llama-3.1-8B"), or "".
+    ``scope``: the source whose requests this emitter's request ids name, when that is another
+    emitter (vLLM's worker tap names the scheduler tap's requests): the agent joins its events to
+    that source's request records. "" for its own.
     """
 
     version: int
@@ -186,6 +189,7 @@ class Batch(msgspec.Struct, frozen=True, gc=False):
     dropped: int = 0
     engine: str = ""
     model: str = ""
+    scope: str = ""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -299,3 +299,21 @@ def test_emitter_calls_its_tick_hook_on_its_thread_and_survives_one_that_raises(
     finally:
         emitter.close()
         source.shutdown()
+
+
+def test_a_batch_scope_joins_another_sources_requests_and_a_bad_one_is_dropped():
+    pipeline = Pipeline(join_window=0.0)
+    src = IngestSource(pipeline)
+
+    def send(source, events, scope=""):
+        src.handle(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source=source, seq=0,
+                                            events=events, scope=scope)))
+
+    send("vllm-worker", [ev.Transfer(ts=1.0, src="cpu", dst="gpu", blocks=1, bytes=10,
+                                     duration=0.001, request_id="q")], scope="vllm")
+    send("vllm", [ev.RequestFinished(ts=2.0, request_id="q", ttft=0.5, prompt_tokens=8)])
+    send("vllm-worker", [_lookup(1)], scope="Not A Name")
+    pipeline.publish_settled()
+    record = pipeline.requests.get("q")
+    assert record is not None and [t.bytes for t in record.transfers] == [10]
+    assert pipeline.snapshot().events_dropped == {("ingest", "bad_source"): 1}

@@ -140,3 +140,56 @@ def test_engine_latency_histograms_fold_into_ttft():
     by_bound = dict(zip((*hist.buckets, float("inf")), hist.counts))
     assert (by_bound[0.025], by_bound[0.05], by_bound[float("inf")]) == (1, 2, 1)
     assert hist.count == 4 and hist.sum == 0.5
+
+
+def test_another_sources_transfers_join_a_request_even_when_they_arrive_late():
+    """vLLM's worker tap (source ``w``, scope ``s``) sends the loads of the scheduler tap's
+    (source ``s``) requests on its own connection, so they may arrive before the request's start
+    or after its finish. Request a: its load arrives first (the start then still sets arrival
+    100.0 and the trace id). Request b: its load arrives after its finish; the record has waited
+    (join window) and is published with it. A transfer without a request id joins nothing."""
+    records = []
+    pipeline = Pipeline(join_window=3600.0)
+    pipeline.subscribe(records.append)
+
+    def load(rid, ts):
+        return ev.Transfer(ts=ts, src="cpu", dst="gpu", blocks=2, bytes=200, duration=0.004,
+                           request_id=rid)
+
+    pipeline.ingest("w", [load("a", 100.01), load("", 100.02)], scope="s")
+    pipeline.ingest("s", [
+        ev.RequestStarted(ts=100.0, request_id="a", prompt_tokens=64, trace_id="cd" * 16),
+        ev.RequestFinished(ts=100.2, request_id="a", ttft=0.1, prompt_tokens=64),
+        ev.RequestStarted(ts=101.0, request_id="b", prompt_tokens=64),
+        ev.RequestFinished(ts=101.2, request_id="b", ttft=0.1, prompt_tokens=64),
+    ])
+    assert records == [] and len(pipeline.requests) == 0  # waiting for late transfers
+    pipeline.ingest("w", [load("b", 101.05)], scope="s")
+    pipeline.publish_settled(everything=True)
+    assert [r.request_id for r in records] == ["a", "b"]
+    a, b = pipeline.requests.get("a"), pipeline.requests.get("b")
+    assert (a.arrival, a.trace_id, a.source) == (100.0, "cd" * 16, "s")
+    assert [(t.src, t.dst, t.blocks, t.start) for t in a.transfers] == [("cpu", "gpu", 2, 100.01)]
+    assert [t.start for t in b.transfers] == [101.05]
+    snap = pipeline.snapshot()
+    assert snap.requests == 2 and snap.transfer_blocks == {CPU_GPU: 6}
+    # the load made for a carries a's trace id as its exemplar (the latest in its bucket: b's)
+    assert [e[0] for e in snap.transfer_seconds[CPU_GPU].exemplars.values()] == [b.trace_id]
+    assert snap.events_received == {"w": 3, "s": 4}
+
+
+def test_requests_of_sources_no_other_source_joins_are_published_at_once():
+    records = []
+    pipeline = Pipeline(join_window=3600.0)
+    pipeline.subscribe(records.append)
+    _feed(pipeline)
+    assert [r.request_id for r in records] == ["r1"] and pipeline.requests.get("r1")
+
+
+def test_joined_requests_are_published_once_their_window_is_over():
+    pipeline = Pipeline(join_window=0.0)
+    pipeline.ingest("w", [], scope="s")
+    pipeline.ingest("s", [ev.RequestFinished(ts=1.0, request_id="x", ttft=0.1, prompt_tokens=1)])
+    # due at once: published by the next ingest, or by the agent's once-a-second call
+    pipeline.publish_settled()
+    assert pipeline.requests.get("x") is not None

@@ -136,3 +136,28 @@ def test_kill_9_mid_write_loses_at_most_the_last_second(tmp_path):
     finally:
         restarted.send_signal(signal.SIGINT)
         assert restarted.wait(30) == 0
+
+
+def test_a_request_waiting_for_late_transfers_is_stored_when_the_agent_stops(tmp_path):
+    """A finished request whose transfers may still come from another source (vLLM's worker
+    tap) waits before it reaches the sinks; stopping the agent publishes it before the store
+    closes, so a restarted agent has it. (A sample interval of an hour: only the stop can
+    publish it.)"""
+    from kvscope.agent.agent import Agent
+    from kvscope.agent.config import AgentSettings
+
+    settings = AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
+                             store_dir=str(tmp_path), sample_interval=3600)
+    agent = Agent(settings)
+    agent.start()
+    agent.pipeline.ingest("vllm-worker", [], scope="vllm")
+    agent.pipeline.ingest("vllm", [ev.RequestFinished(ts=time.time(), request_id="late",
+                                                      ttft=0.2, prompt_tokens=64)])
+    assert agent.pipeline.requests.get("late") is None
+    agent.shutdown()
+    restarted = Agent(settings)
+    restarted.start()
+    try:
+        assert restarted.pipeline.requests.get("late").ttft == 0.2
+    finally:
+        restarted.shutdown()

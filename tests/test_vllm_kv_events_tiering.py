@@ -138,11 +138,11 @@ def run(tmp_path_factory):
                           residency=KvResidency(BYTES_PER_BLOCK, capacity))
     ingest_into_agent = agent.pipeline.ingest
 
-    def tee(source, events):  # the tap's events reach ``both`` as well
+    def tee(source, events, scope=None):  # the tap's events reach ``both`` as well
         events = list(events)
-        ingest_into_agent(source, events)
+        ingest_into_agent(source, events, scope)
         if source != "kv_events":
-            both.pipeline.ingest(source, events)
+            both.pipeline.ingest(source, events, scope)
 
     agent.pipeline.ingest = tee
     payloads: list[bytes] = []  # every batch, in order (the ``alone`` subscriber's)

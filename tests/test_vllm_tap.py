@@ -65,6 +65,25 @@ def test_promoted_requests_carry_their_promotion_in_the_request_table(offload_ru
     assert snap.promotion_wait_seconds.sum > 0
 
 
+def test_each_promotion_is_in_the_record_of_the_request_it_was_for(offload_run):
+    """The worker tap names the request of each load, so the agent adds it to that request's
+    record (sent on another connection than the request's own events): per record, its
+    cpu->gpu blocks times the block size are exactly its CPU-sourced tokens (what vLLM's
+    scheduler counted for it), every promoted block the agent counted is in some record, and
+    each load started within its request's life."""
+    m, size = offload_run["metrics"], offload_run["result"]["block_size"]
+    records = offload_run["records"]
+    assert len(records) == len(offload_run["result"]["outputs"])
+    loaded = {r.request_id: sum(t.blocks for t in r.transfers if (t.src, t.dst) == ("cpu", "gpu"))
+              for r in records}
+    assert [(r.request_id, loaded[r.request_id] * size) for r in records] == \
+        [(r.request_id, r.tokens.get("cpu", 0)) for r in records]
+    assert sum(loaded.values()) == value(m, "kvscope_transfer_blocks_total", src="cpu",
+                                         dst="gpu") > 0
+    assert all(r.arrival <= t.start <= r.finished for r in records for t in r.transfers)
+    assert all(t.duration > 0 and t.ok for r in records for t in r.transfers)
+
+
 def test_greedy_outputs_are_identical_with_and_without_offloading(offload_run, vllm_plain_outputs):
     python, tmp = offload_run["python"], offload_run["tmp"]
     run_driver(python, "corrupt", str(tmp / "corrupt.json"), "--endpoint", f"ipc://{tmp}/none.sock",

@@ -120,7 +120,13 @@ class Agent(Worker):
     def shutdown(self) -> None:
         self.ready = False
         super().shutdown()
-        for _name, part in reversed(self._components()):
+        parts = [part for _name, part in reversed(self._components())]
+        sinks = [part for part in parts if part is self.store or part is self.capture]
+        for part in parts:  # the sources first, then what they sent last reaches the sinks
+            if part not in sinks:
+                part.shutdown()
+        self.pipeline.publish_settled(everything=True)
+        for part in sinks:
             part.shutdown()
         if self.otlp is not None:
             self.otlp.shutdown()
@@ -141,3 +147,4 @@ class Agent(Worker):
             host_memory_reserve=host.reserve if host else None,
             host_memory_headroom=host.headroom if host else None,
             offload_budgets=host.budgets if host else None, pcie_link_max=links)
+        self.pipeline.publish_settled()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ TIER_ORDER = ("gpu", "cpu", "disk", "remote")  # lookups cascade top down
 FAILURE_REASONS = frozenset({"disk_full", "permission", "truncated", "checksum", "corrupt", "missing", "io",
                              "timeout", "unknown"})
 QUANTILES = (0.5, 0.95, 0.99)  # the percentiles each sample carries, as "p50", "p95", "p99"
+MAX_JOINED = 64  # sources whose finished requests wait for other sources' events (a bound)
+MAX_SETTLING = 10_000  # finished requests waiting at most (the oldest go early beyond it)
 
 
 def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float | None:
@@ -138,15 +141,24 @@ class Pipeline:
     ``prefill_tokens_per_second``: the rate behind ``kvscope_prefill_seconds_saved_total`` when
     an engine does not report its own. ``recent``: TTFTs kept for percentiles. ``history``:
     one-second samples kept (default an hour). ``table``: where finished requests go.
+
+    A source's requests may be joined by events of other sources (``scope`` in :meth:`ingest`:
+    vLLM's worker tap sends the transfers of the scheduler tap's requests, on another
+    connection). Their finished records wait ``join_window`` seconds before they reach the table
+    and the subscribers, so a transfer sent just before the request finished still joins it;
+    they are published at later ingests and by :meth:`publish_settled`.
     """
 
     def __init__(self, prefill_tokens_per_second: float = 10_000.0, recent: int = 10_000,
                  history: int = 3600, table: RequestTable | None = None,
-                 quantile_window: int = 60) -> None:
+                 quantile_window: int = 60, join_window: float = 1.0) -> None:
         self._lock = threading.Lock()
         self._prefill_rate = prefill_tokens_per_second
         self.requests = table if table is not None else RequestTable()
         self._assembler = RequestAssembler()
+        self._join_window = join_window
+        self._joined: set[str] = set()  # sources whose requests other sources' events join
+        self._settling: deque[tuple[float, RequestRecord]] = deque()  # (due, monotonic s)
         self._listeners: list[Callable[[RequestRecord], None]] = []
         self._lookup_listeners: list[Callable[[str, ev.Lookup], None]] = []
         self._prompt_tokens: Counter[str] = Counter(dict.fromkeys(ev.TOKEN_SOURCES, 0))
@@ -188,25 +200,59 @@ class Pipeline:
         The capture sink records block accesses from these."""
         self._lookup_listeners.append(listener)
 
-    def ingest(self, source: str, events: Iterable[object]) -> None:
-        """Fold ``events`` from emitter ``source`` into the state."""
+    def ingest(self, source: str, events: Iterable[object], scope: str | None = None) -> None:
+        """Fold ``events`` from emitter ``source`` into the state. ``scope``: the source whose
+        requests the events' request ids name, when that is another source (see the class)."""
         finished: list[RequestRecord] = []
         lookups: list[ev.Lookup] = []
         watch = bool(self._lookup_listeners)
         handlers = self._handlers
+        scope = scope or source
         with self._lock:
+            if scope != source and len(self._joined) < MAX_JOINED:
+                self._joined.add(scope)
             n = 0
             for event in events:
                 handler = handlers.get(type(event))
                 if handler is not None:
-                    handler(source, event, finished)
+                    handler(scope, event, finished)
                     if watch and type(event) is ev.Lookup:
                         lookups.append(event)
                 n += 1
             self._received[source] += n
+            if finished and scope in self._joined:
+                due = time.monotonic() + self._join_window
+                self._settling.extend((due, record) for record in finished)
+                finished = []
+            if self._settling:
+                finished += self._settled()
         for lookup in lookups:
             for on_lookup in self._lookup_listeners:
                 on_lookup(source, lookup)
+        self._publish(finished)
+
+    def publish_settled(self, everything: bool = False) -> None:
+        """Publish the waiting finished requests whose ``join_window`` is over (``everything``:
+        all of them, e.g. once the sources have stopped)."""
+        with self._lock:
+            records = self._settled(everything)
+        self._publish(records)
+
+    def finished_request(self, source: str, request_id: str) -> RequestRecord | None:
+        """The finished record of ``request_id`` from ``source``: one still waiting for other
+        sources' events (see the class), else the table's; None when neither has it."""
+        with self._lock:
+            record = self._assembler.recent(source, request_id)
+        return record if record is not None else self.requests.get(request_id)
+
+    def _settled(self, everything: bool = False) -> list[RequestRecord]:
+        now, out = time.monotonic(), []
+        settling = self._settling
+        while settling and (everything or settling[0][0] <= now or len(settling) > MAX_SETTLING):
+            out.append(settling.popleft()[1])
+        return out
+
+    def _publish(self, finished: list[RequestRecord]) -> None:
         for record in finished:
             self.requests.add(record)
             for listener in self._listeners:
@@ -231,7 +277,8 @@ class Pipeline:
         with self._lock:
             self._source_info[source] = (engine[:64], model[:64])
 
-    # One handler per event kind, called under the lock: (source, event, finished records).
+    # One handler per event kind, called under the lock: (source whose request the event is
+    # about, event, finished records).
 
     def _on_started(self, source: str, event: ev.RequestStarted, finished: list) -> None:
         self._assembler.started(source, event)
@@ -284,7 +331,7 @@ class Pipeline:
             self._ttft.add_buckets(event.bounds, event.counts, event.sum)
 
     def _on_finished(self, source: str, event: ev.RequestFinished, finished: list) -> None:
-        record = self._assembler.finished(source, event)
+        record = self._assembler.finished(source, event, remember=source in self._joined)
         finished.append(record)
         self._requests += 1
         self._ttft.observe(event.ttft, record.trace_id, event.ts)

@@ -63,13 +63,16 @@ class RequestAssembler:
 
     ``max_inflight``: requests started but not finished that are kept; beyond it the oldest
     is abandoned and counted in ``abandoned`` (a bound against engines that never finish).
+    ``max_recent``: finished records kept for late transfers (see :meth:`finished`).
     Not thread-safe: the pipeline calls it under its lock.
     """
 
-    def __init__(self, max_inflight: int = 10_000) -> None:
+    def __init__(self, max_inflight: int = 10_000, max_recent: int = 10_000) -> None:
         self._inflight: OrderedDict[tuple[str, str], RequestRecord] = OrderedDict()
         self._max = max_inflight
         self.abandoned = 0
+        self._recent: OrderedDict[tuple[str, str], RequestRecord] = OrderedDict()
+        self._max_recent = max_recent
 
     def _open(self, source: str, request_id: str, ts: float, trace_id: str = "") -> RequestRecord:
         record = self._inflight.get((source, request_id))
@@ -82,8 +85,12 @@ class RequestAssembler:
         return record
 
     def started(self, source: str, event: ev.RequestStarted) -> None:
-        self._open(source, event.request_id, event.ts, event.trace_id).prompt_tokens = \
-            event.prompt_tokens
+        record = self._open(source, event.request_id, event.ts, event.trace_id)
+        # another emitter's event may have opened the record first: arrival and trace id are
+        # the start's
+        record.prompt_tokens, record.arrival = event.prompt_tokens, event.ts
+        if event.trace_id:
+            record.trace_id = event.trace_id
 
     def lookup(self, source: str, event: ev.Lookup) -> None:
         if event.request_id:
@@ -93,13 +100,21 @@ class RequestAssembler:
         """Attach a transfer to its request; return the request's trace id ("" for none)."""
         if not event.request_id:
             return ""
-        record = self._open(source, event.request_id, event.ts)
+        key = (source, event.request_id)
+        record = (self._inflight.get(key) or self._recent.get(key)
+                  or self._open(source, event.request_id, event.ts))
         record.transfers.append(TransferRecord(event.src, event.dst, event.blocks, event.bytes,
                                                event.ts, event.duration, event.ok))
         return record.trace_id
 
-    def finished(self, source: str, event: ev.RequestFinished) -> RequestRecord:
-        """Complete and return the request's record."""
+    def recent(self, source: str, request_id: str) -> RequestRecord | None:
+        """A finished record :meth:`finished` remembers, or None."""
+        return self._recent.get((source, request_id))
+
+    def finished(self, source: str, event: ev.RequestFinished,
+                 remember: bool = False) -> RequestRecord:
+        """Complete and return the request's record. ``remember``: keep it (the newest
+        ``max_recent``) so that a transfer arriving later from another emitter still joins it."""
         record = self._inflight.pop((source, event.request_id), None) or RequestRecord(
             event.request_id, new_trace_id(), source, event.ts - event.ttft)
         record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
@@ -108,6 +123,10 @@ class RequestAssembler:
         record.queueing, record.lookup = event.queueing, event.lookup
         record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
         record.itl = event.itl
+        if remember:
+            self._recent[(source, event.request_id)] = record
+            if len(self._recent) > self._max_recent:
+                self._recent.popitem(last=False)
         return record
 
 

@@ -7,8 +7,8 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
   past four times the limit ZMQ itself refuses the message and resets that connection, so a
   runaway sender can never make the agent hold a huge message);
 - ``malformed`` / ``invalid`` / ``version``: see :class:`kvscope.events.SchemaError` (one event);
-- ``bad_source``: a source name that is not a short lowercase word, or one more distinct source
-  than ``max_sources`` (labels stay bounded);
+- ``bad_source``: a source name (or ``scope``) that is not a short lowercase word, or one more
+  distinct source than ``max_sources`` (labels stay bounded);
 - ``emitter_buffer``: events an emitter reports it dropped (``Batch.dropped`` deltas);
 - ``gap``: batches missing from an emitter's sequence (one per missing batch) after the first
   batch this agent received from that emitter (an agent restarted mid-stream joins it there).
@@ -94,16 +94,16 @@ class IngestSource(Worker):
         except ev.SchemaError as exc:
             self.pipeline.drop(NAME, exc.reason)
             return
-        if not self._admit(batch.source):
+        if not self._admit(batch.source, batch.scope):
             self.pipeline.drop(NAME, "bad_source", len(batch.events))
             return
         self._account(batch)
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
-        self.pipeline.ingest(batch.source, batch.events)
+        self.pipeline.ingest(batch.source, batch.events, scope=batch.scope or None)
 
-    def _admit(self, source: str) -> bool:
-        if not _SOURCE_NAME.fullmatch(source):
+    def _admit(self, source: str, scope: str) -> bool:
+        if not _SOURCE_NAME.fullmatch(source) or (scope and not _SOURCE_NAME.fullmatch(scope)):
             return False
         return source in self._streams or len(self._streams) < self._max_sources
 

@@ -10,9 +10,9 @@ vLLM's request span (0.32 ``vllm/v1/engine/output_processor.py``: name ``llm_req
 attributes ``gen_ai.request.id``, ``gen_ai.usage.prompt_tokens`` / ``completion_tokens``,
 ``gen_ai.latency.time_to_first_token`` / ``time_in_queue`` / ``time_in_model_prefill``, seconds)
 is joined with cache events by request id (vLLM's external id, which the in-process tap also
-reports): when the request is already in the agent's request table (the tap finished it), the
-record takes the span's trace id and vLLM's own TTFT, queueing and prefill; otherwise the span
-becomes ``RequestStarted`` + ``RequestFinished`` events under ``source`` (so a record the tap
+reports): when the tap has finished the request (its record is in the agent's request table,
+or waits to go there for the worker tap's transfers), the record takes the span's trace id and
+vLLM's own TTFT, queueing and prefill; otherwise the span becomes ``RequestStarted`` + ``RequestFinished`` events under ``source`` (so a record the tap
 has open joins them). Spans without ``gen_ai.request.id`` are counted and ignored.
 """
 
@@ -171,7 +171,7 @@ class OtlpReceiver:
             ttft = _float(a, "gen_ai.latency.time_to_first_token")
             queueing = _float(a, "gen_ai.latency.time_in_queue")
             prefill = _float(a, "gen_ai.latency.time_in_model_prefill")
-            record = self.pipeline.requests.get(request_id)
+            record = self.pipeline.finished_request(self.source, request_id)
             if record is not None:  # finished by the tap: enrich it in place
                 if trace_id:
                     record.trace_id = trace_id

