@@ -12,8 +12,9 @@ attributes ``gen_ai.request.id``, ``gen_ai.usage.prompt_tokens`` / ``completion_
 is joined with cache events by request id (vLLM's external id, which the in-process tap also
 reports): when the tap has finished the request (its record is in the agent's request table,
 or waits to go there for the worker tap's transfers), the record takes the span's trace id and
-vLLM's own TTFT, queueing and prefill; otherwise the span becomes ``RequestStarted`` + ``RequestFinished`` events under ``source`` (so a record the tap
-has open joins them). Spans without ``gen_ai.request.id`` are counted and ignored.
+vLLM's own TTFT, queueing and prefill; otherwise the span becomes ``RequestStarted`` +
+``RequestFinished`` events under ``source`` (so a record the tap has open joins them). Spans
+without ``gen_ai.request.id`` are counted and ignored.
 """
 
 from __future__ import annotations
