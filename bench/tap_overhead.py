@@ -14,7 +14,8 @@ Two call sequences, per request:
   ``on_request_finished``.
 
 Keys are the trace's ``hash_ids`` (one per 512-token block); the CPU tier holds ``--chunks``
-blocks (LRU), so it evicts.
+blocks (LRU), so it evicts. The tap runs as vLLM builds it by default: ages and loads tracked for
+1 in ``--sample-one-in`` stores (8; 1 tracks every chunk).
 
 The two arms run side by side: they take turns every ``--block`` requests, so a shared
 machine's changing load hits both alike, and each block's time is the best of ``--repeat`` runs.
@@ -27,7 +28,7 @@ only what serving allocates; here the frozen heap is the imports and the loaded 
 
 Run with the vLLM environment's python (``scripts/vllm_env.sh`` prints it):
     $KVSCOPE_VLLM_PYTHON bench/tap_overhead.py [--trace PATH] [--requests N] [--repeat R]
-        [--block B]
+        [--block B] [--sample-one-in N]
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 
 from kvscope.agent.taps.emitter import Emitter  # noqa: E402
-from kvscope.agent.taps.vllm_manager import TapManager  # noqa: E402
+from kvscope.agent.taps.vllm_manager import DEFAULT_SAMPLE_ONE_IN, TapManager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = Path(os.environ.get("KVSCOPE_TRACE_DIR", ROOT.parent / "shared" / "traces")) / \
@@ -165,6 +166,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=20_000, help="CPU tier capacity, blocks")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--block", type=int, default=64, help="requests per turn of each arm")
+    parser.add_argument("--sample-one-in", type=int, default=DEFAULT_SAMPLE_ONE_IN,
+                        help="the tap tracks ages and loads of 1 in this many stores")
     args = parser.parse_args()
     if not args.trace.is_file():
         sys.exit(f"trace {args.trace} not found (set KVSCOPE_TRACE_DIR)")
@@ -187,7 +190,8 @@ def main() -> None:
                             "wrapped": TapManager(CPUOffloadingManager(args.chunks), emitter.emit,
                                                   tokens_per_block=512, blocks_per_chunk=1,
                                                   bytes_per_block=1 << 20,
-                                                  capacity_chunks=args.chunks)}
+                                                  capacity_chunks=args.chunks,
+                                                  sample_one_in=args.sample_one_in)}
                 taps.append(managers["wrapped"])
                 gc.collect()
                 background = background_cpu()

@@ -11,7 +11,7 @@ Tiers are ``gpu``, ``cpu``, ``disk``, ``remote``; a prompt token's source is ``g
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
@@ -106,6 +106,9 @@ class Eviction(_Event, tag="eviction"):
     reset its cache) or ``failed`` (the copy could not be read back). ``measured``: False when
     the source cannot see ``age`` and ``hits`` (e.g. vLLM KV events carry neither): count the
     blocks, but keep ``age`` and ``hits`` out of the residency and hits histograms.
+    ``weight``: evicted blocks each of these stands for in those histograms, for a source that
+    tracks the age and hits of a sample of 1 in ``weight`` blocks (its unsampled blocks come
+    unmeasured); ``blocks`` itself counts as is.
     """
 
     tier: Tier
@@ -116,6 +119,7 @@ class Eviction(_Event, tag="eviction"):
     offloaded: bool = False
     reason: Literal["capacity", "cleared", "failed"] = "capacity"
     measured: bool = True
+    weight: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 class TierSnapshot(_Event, tag="tier_snapshot"):

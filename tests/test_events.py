@@ -30,12 +30,15 @@ def test_wrong_schema_version_is_refused():
         ev.decode_batch(ev.encode_batch(_batch([], version=99)))
 
 
-def test_unknown_tier_is_refused():
-    raw = {"version": ev.SCHEMA_VERSION, "source": "x", "seq": 0,
-           "events": [{"kind": "eviction", "ts": 0.0, "tier": "nvme", "blocks": 1, "bytes": 1,
-                       "age": 0.0, "hits": 0}]}
-    with pytest.raises(ev.SchemaError, match="tier"):
+@pytest.mark.parametrize("field, value", [("tier", "nvme"), ("weight", 0)])
+def test_unknown_tier_or_a_weight_below_one_is_refused(field, value):
+    """A weight below 1 would subtract from the histograms."""
+    eviction = {"kind": "eviction", "ts": 0.0, "tier": "cpu", "blocks": 1, "bytes": 1,
+                "age": 0.0, "hits": 0, field: value}
+    raw = {"version": ev.SCHEMA_VERSION, "source": "x", "seq": 0, "events": [eviction]}
+    with pytest.raises(ev.SchemaError, match=field) as info:
         ev.decode_batch(msgspec.msgpack.encode(raw))
+    assert info.value.reason == "invalid"
 
 
 @pytest.mark.parametrize("payload", [b"", b"\x00\x01garbage", b"\x93\x01"])

@@ -193,3 +193,18 @@ def test_joined_requests_are_published_once_their_window_is_over():
     # due at once: published by the next ingest, or by the agent's once-a-second call
     pipeline.publish_settled()
     assert pipeline.requests.get("x") is not None
+
+
+def test_a_sampled_eviction_counts_its_blocks_once_and_stands_for_weight_in_histograms():
+    """A tap tracking 1 in 4 blocks' ages sends 3 tracked blocks with weight 4 and 9 untracked
+    ones unmeasured: 12 blocks evicted; the histograms hold 3 x 4 = 12 observations, all at
+    age 5 s and 0 hits (the Horvitz-Thompson estimate of the 12)."""
+    pipeline = Pipeline()
+    pipeline.ingest("vllm", [
+        ev.Eviction(ts=1.0, tier="cpu", blocks=3, bytes=300, age=5.0, hits=0, weight=4),
+        ev.Eviction(ts=1.0, tier="cpu", blocks=9, bytes=900, age=0.0, hits=0, measured=False)])
+    snap = pipeline.snapshot()
+    assert snap.evicted_blocks == {("cpu", "capacity"): 12} and snap.dropped_blocks == {"cpu": 12}
+    assert snap.evicted_block_hits["cpu"].counts[0] == 12
+    residency = snap.block_residency_seconds["cpu"]
+    assert residency.count == 12 and residency.sum == 60.0

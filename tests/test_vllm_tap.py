@@ -115,7 +115,7 @@ def broken(event):
 
 inner = CPUOffloadingManager(num_chunks=4, enable_events=True)
 tap = TapManager(inner, emit, tokens_per_block=32, blocks_per_chunk=1, bytes_per_block=100,
-                 capacity_chunks=4)
+                 capacity_chunks=4, sample_one_in=1)
 ctx = ReqContext(req_id="r1")
 keys = [bytes([i]) * 8 + b"\0\0\0\0" for i in range(6)]
 assert tap.lookup(keys[0], ctx) is LookupResult.MISS
@@ -149,7 +149,7 @@ assert tap2.errors >= 2, tap2.errors
 # time: the 5th makes 5 > 4 (3 forgotten, 2 kept), the 6th and 7th bring it back to 4; then
 # three in one call make 7 (5 forgotten: 8 in all)
 tap3 = TapManager(CPUOffloadingManager(num_chunks=2), emit, tokens_per_block=32,
-                  blocks_per_chunk=1, bytes_per_block=100, capacity_chunks=2)
+                  blocks_per_chunk=1, bytes_per_block=100, capacity_chunks=2, sample_one_in=1)
 for i in range(7):
     tap3.complete_store([bytes([100 + i]) * 12], ctx)
 assert list(tap3._resident) == [bytes([i]) * 12 for i in (103, 104, 105, 106)], tap3._resident
@@ -157,6 +157,34 @@ assert tap3.unseen_evictions == 3 and tap3.errors == 0, (tap3.unseen_evictions, 
 tap3.complete_store([bytes([110]) * 12, bytes([111]) * 12, bytes([112]) * 12], ctx)
 assert list(tap3._resident) == [bytes([111]) * 12, bytes([112]) * 12], tap3._resident
 assert tap3.unseen_evictions == 8, tap3.unseen_evictions
+# ages and loads of 1 in 2 stores are tracked (by the hash of the store's first key, as this
+# process hashes): two tracked stores of a key each, then an untracked one, the first tracked
+# key loaded once; three new keys (an untracked store) evict all three. Every chunk is counted
+# (3), the untracked one unmeasured; each tracked one stands for 2 in the histograms (weight 2),
+# by its loads. Three more new keys evict those three 10 ms later: unmeasured evictions are
+# summed for 50 ms, so they go out as one event, at shutdown here.
+sent.clear()
+pool = [bytes([200 + i]) * 12 for i in range(40)]
+tracked = [k for k in pool if hash(k) % 2 == 0][:2]
+untracked = [k for k in pool if hash(k) % 2][:7]
+clock5 = [100.0]
+tap5 = TapManager(CPUOffloadingManager(num_chunks=3), emit, tokens_per_block=32,
+                  blocks_per_chunk=1, bytes_per_block=100, capacity_chunks=3, sample_one_in=2,
+                  clock=lambda: clock5[0])
+for key in tracked + untracked[:1]:
+    tap5.prepare_store([key], ctx); tap5.complete_store([key], ctx)
+tap5.prepare_load(tracked[:1], ctx); tap5.complete_load(tracked[:1], ctx)
+for clock5[0], batch in ((110.0, untracked[1:4]), (110.01, untracked[4:7])):
+    assert len(tap5.prepare_store(batch, ctx).evicted_keys) == 3
+    tap5.complete_store(batch, ctx)
+clock5[0] = 110.02
+tap5.shutdown()  # the last word: what was summed, and the tier as it ends
+evictions = [(e.ts, e.blocks, e.measured, e.weight, e.hits, e.age) for e in sent
+             if isinstance(e, ev.Eviction)]
+assert sorted(evictions) == [(110.0, 1, False, 1, 0, 0.0), (110.0, 1, True, 2, 0, 10.0),
+                             (110.0, 1, True, 2, 1, 10.0), (110.02, 3, False, 1, 0, 0.0)], evictions
+snapshot = [e for e in sent if isinstance(e, ev.TierSnapshot)][-1]
+assert snapshot.resident_blocks == 3 and tap5.errors == 0, (snapshot, tap5.errors)
 # while vLLM is idle the emitter's thread calls tick(): a changed tier is reported, at most
 # once per snapshot_interval (1 s), and an unchanged one is not reported again
 clock = [100.0]
@@ -193,7 +221,11 @@ mistakes = config_mistakes({"kvscope_inner_spce": "TieringOffloadingSpec"},
                            {"secondary_tiers": []}, CPUOffloadingSpec)
 assert len(mistakes) == 2 and "'kvscope_inner_spce'" in mistakes[0] and \
     "secondary_tiers" in mistakes[1], mistakes
-assert config_mistakes({"kvscope_endpoint": "tcp://127.0.0.1:1"}, {}, CPUOffloadingSpec) == []
+assert config_mistakes({"kvscope_endpoint": "tcp://127.0.0.1:1", "kvscope_sample_one_in": 4},
+                       {}, CPUOffloadingSpec) == []
+for bad in (0, "8", 2.5, True):
+    mistakes = config_mistakes({"kvscope_sample_one_in": bad}, {}, CPUOffloadingSpec)
+    assert len(mistakes) == 1 and "kvscope_sample_one_in" in mistakes[0], (bad, mistakes)
 try:
     inner_spec_class({"kvscope_inner_spec": "TieringSpec"})
     raise AssertionError("an unknown inner spec was accepted")

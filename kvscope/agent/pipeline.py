@@ -319,8 +319,9 @@ class Pipeline:
         if hits is None:
             hits = self._evicted_hits[tier] = Histogram(EVICTED_HITS_BUCKETS)
             self._residency[tier] = Histogram(RESIDENCY_SECONDS_BUCKETS)
-        hits.observe(event.hits, n=event.blocks)
-        self._residency[tier].observe(event.age, n=event.blocks)
+        n = event.blocks * event.weight
+        hits.observe(event.hits, n=n)
+        self._residency[tier].observe(event.age, n=n)
 
     def _on_snapshot(self, source: str, event: ev.TierSnapshot, finished: list) -> None:
         self._tiers[event.tier] = event

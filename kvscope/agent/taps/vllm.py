@@ -8,7 +8,9 @@ Load it through vLLM's out-of-tree spec hook (vLLM 0.32 ``vllm/v1/kv_offload/fac
 
 Extra keys: ``kvscope_inner_spec`` (default ``CPUOffloadingSpec``; ``TieringOffloadingSpec``
 or any spec vLLM's factory knows), ``kvscope_inner_spec_module_path`` (for an out-of-tree inner
-spec), ``kvscope_endpoint`` (the agent's ingest endpoint, default ``tcp://127.0.0.1:5560``).
+spec), ``kvscope_endpoint`` (the agent's ingest endpoint, default ``tcp://127.0.0.1:5560``),
+``kvscope_sample_one_in`` (default 8: the age and loads of the CPU chunks of 1 in 8 stores are
+tracked for the residency and hits histograms; 1 tracks every chunk; tiering always tracks all).
 Every other key passes through to the inner spec unchanged.
 
 - The scheduler side wraps the inner manager (:class:`~kvscope.agent.taps.vllm_manager.TapManager`).
@@ -47,7 +49,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvscope import events as ev
-from kvscope.agent.taps.vllm_manager import TapManager, external_request_id
+from kvscope.agent.taps.vllm_manager import (DEFAULT_SAMPLE_ONE_IN, TapManager,
+                                              external_request_id)
 
 # under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
 log = logging.getLogger("vllm." + __name__)
@@ -55,7 +58,8 @@ log = logging.getLogger("vllm." + __name__)
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5560"
 SPEC_NAME = "KvscopeOffloadingSpec"
 _OWN_KEYS = ("spec_name", "spec_module_path")
-_KNOWN_KEYS = ("kvscope_inner_spec", "kvscope_inner_spec_module_path", "kvscope_endpoint")
+_KNOWN_KEYS = ("kvscope_inner_spec", "kvscope_inner_spec_module_path", "kvscope_endpoint",
+               "kvscope_sample_one_in")
 
 
 def split_extra_config(extra: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -83,6 +87,13 @@ def inner_spec_class(ours: Mapping[str, Any]) -> type[OffloadingSpec]:
                          "kvscope_inner_spec_module_path)") from exc
 
 
+def sample_one_in(ours: Mapping[str, Any]) -> int | None:
+    """``kvscope_sample_one_in`` (default 8): the tap tracks the age and loads of the CPU chunks
+    of 1 in this many stores; None when the value is not a whole number >= 1."""
+    value = ours.get("kvscope_sample_one_in", DEFAULT_SAMPLE_ONE_IN)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
 def config_mistakes(ours: Mapping[str, Any], inner: Mapping[str, Any],
                     inner_spec: type[OffloadingSpec]) -> list[str]:
     """Likely mistakes in the extra config that vLLM would not report: a ``kvscope_`` key this
@@ -90,6 +101,9 @@ def config_mistakes(ours: Mapping[str, Any], inner: Mapping[str, Any],
     inner spec that is not tiering (vLLM ignores them)."""
     out = [f"unknown key {key!r} (known: {', '.join(_KNOWN_KEYS)})"
            for key in ours if key not in _KNOWN_KEYS]
+    if sample_one_in(ours) is None:
+        out.append(f"kvscope_sample_one_in must be a whole number >= 1, not "
+                   f"{ours['kvscope_sample_one_in']!r}; using {DEFAULT_SAMPLE_ONE_IN}")
     if "secondary_tiers" in inner and not _is_tiering(inner_spec):
         out.append(f"secondary_tiers given, but kvscope_inner_spec is {inner_spec.__name__}: "
                    "they take effect only with \"kvscope_inner_spec\": \"TieringOffloadingSpec\"")
@@ -117,6 +131,7 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                      "tokens_per_block", "tokens_per_hash", "blocks_per_chunk"):
             setattr(self, name, getattr(self.inner, name))
         self.endpoint = str(ours.get("kvscope_endpoint", DEFAULT_ENDPOINT))
+        self.sample_one_in = sample_one_in(ours)
         self.errors = 0
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -157,7 +172,8 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                     inner, emitter.emit, tokens_per_block=self.tokens_per_block[0],
                     blocks_per_chunk=self.blocks_per_chunk, bytes_per_block=self.bytes_per_block,
                     capacity_chunks=int(getattr(self.inner, "num_chunks", 0)),
-                    multi_tier=tiering, emitter=emitter)
+                    multi_tier=tiering, emitter=emitter,
+                    sample_one_in=self.sample_one_in or DEFAULT_SAMPLE_ONE_IN)
                 try:
                     for gap in tiering_blind_spots(self.inner) if tiering else ():
                         log.warning("kvscope vLLM tap: %s", gap)

@@ -15,7 +15,13 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
   connector -> ``cpu`` (``disk`` for keys a tiering manager says came from disk), the rest ->
   ``recompute``).
 - ``Eviction`` of CPU-tier chunks (``prepare_store``'s ``evicted_keys``; with a tiering
-  manager also removals in ``take_events``) with each chunk's age and the loads it served;
+  manager also removals in ``take_events``) with each chunk's age and the loads it served.
+  Every chunk is counted; ages and loads are tracked for the chunks of 1 in ``sample_one_in``
+  stores (chosen by the hash of the store's first key), whose evictions carry that ``weight``;
+  the others are sent unmeasured, summed over at most ``UNMEASURED_EVERY`` seconds (and at each
+  scheduler step's end). Per-chunk bookkeeping in a map as large as the tier was most of the
+  tap's cost (bench/tap_overhead.py); a sample keeps the map small. With a tiering manager
+  every chunk is tracked (its keys decide what a lower tier holds);
   lower tiers' removals from ``take_events`` (only when vLLM's KV events are enabled: only then
   do vLLM's tier managers record them; vLLM drains ``take_events`` every step). With a tiering
   manager a CPU-tier eviction is ``offloaded`` when a lower tier reported storing that block (a
@@ -58,6 +64,8 @@ log = logging.getLogger("vllm." + __name__)
 
 _HEX = frozenset("0123456789abcdef")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+DEFAULT_SAMPLE_ONE_IN = 8  # stores whose chunks' ages and loads are tracked: 1 in this many
+UNMEASURED_EVERY = 0.05  # seconds: untracked evictions are summed this long (the emitter's interval)
 MEDIUM_TIER = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}  # vLLM medium -> kvscope tier
 # vLLM CacheHitSource value -> kvscope token source (p2p and unspecified count as cpu: they
 # arrive through host memory)
@@ -100,15 +108,20 @@ class TapManager(OffloadingManager):
     ``tokens_per_block``: vLLM block size in tokens. ``blocks_per_chunk``: GPU blocks per
     offloaded chunk. ``bytes_per_block``: KV bytes of one GPU block across workers.
     ``capacity_chunks``: chunks the CPU tier holds. ``multi_tier``: ask the inner manager where
-    each loaded key comes from (tiering). ``clock``: Unix seconds. ``max_requests``: requests
-    tracked at once (oldest dropped beyond it, counted in ``unattributed``).
+    each loaded key comes from (tiering; every chunk is then tracked). ``sample_one_in``: track
+    the age and loads of the chunks of 1 in this many stores (1: all; see the module
+    docstring). ``clock``: Unix seconds. ``max_requests``: requests tracked at once (oldest
+    dropped beyond it, counted in ``unattributed``). Raises ValueError for ``sample_one_in`` < 1.
     """
 
     def __init__(self, inner: OffloadingManager, emit: Callable[[object], None], *,
                  tokens_per_block: int, blocks_per_chunk: int, bytes_per_block: int,
                  capacity_chunks: int, multi_tier: bool = False,
+                 sample_one_in: int = DEFAULT_SAMPLE_ONE_IN,
                  clock: Callable[[], float] = time.time, snapshot_interval: float = 1.0,
                  max_requests: int = 100_000) -> None:
+        if sample_one_in < 1:
+            raise ValueError(f"sample_one_in must be >= 1, not {sample_one_in}")
         self.inner = inner
         self.errors = 0        # observations that failed (each caught, never raised)
         self.unattributed = 0  # requests whose vLLM Request object the tap could not see
@@ -126,8 +139,12 @@ class TapManager(OffloadingManager):
         self._awaiting_first: dict[str, _Req] = {}
         # Plain floats and ints only (no per-key containers), so the garbage collector never
         # has to walk these maps: vLLM's scheduler allocates a lot and triggers it often.
-        self._resident: dict[bytes, float] = {}        # key -> stored at (Unix seconds)
-        self._hits: Counter[bytes] = Counter()         # key -> loads served (only if > 0)
+        self._one_in = 1 if multi_tier else sample_one_in
+        self._resident: dict[bytes, float] = {}        # tracked key -> stored at (Unix seconds)
+        self._hits: Counter[bytes] = Counter()         # tracked key -> loads served (if > 0)
+        self._chunks = 0  # resident chunks, every one counted
+        self._unmeasured: Counter[str] = Counter()  # untracked chunks evicted, unsent, by reason
+        self._unmeasured_at = 0.0  # when to send them at the latest
         # tiering only: resident keys a lower tier also holds, and CPU evictions held until the
         # step's take_events (key lists with their stored-at times and hits; one step's worth)
         self._below: set[bytes] = set()
@@ -166,7 +183,8 @@ class TapManager(OffloadingManager):
         spec = self.inner.prepare_load(keys, req_context)
         try:
             now = self._clock()
-            self._hits.update(keys)  # a Counter: counted in C (vLLM loads resident keys only)
+            # a Counter: counted in C (vLLM loads resident keys only: tracked ones are resident)
+            self._hits.update(filter(self._resident.__contains__, keys))
             req = self._reqs.get(req_context.req_id)
             if req is not None:
                 req.load_start = now
@@ -206,14 +224,16 @@ class TapManager(OffloadingManager):
     def complete_store(self, keys, req_context, success: bool = True):
         result = self.inner.complete_store(keys, req_context, success)
         try:
-            if success:  # vLLM completes a store job with exactly the keys it stored
-                # a plain loop: measured faster than update(dict.fromkeys(...)), which builds
-                # a temporary dict first (bench/tap_overhead.py)
-                now, resident = self._clock(), self._resident
-                for key in keys:
-                    resident[key] = now
-                if len(resident) > self._max_tracked:
-                    self._forget_oldest()
+            if success and keys:  # vLLM completes a store job with exactly the keys it stored
+                self._chunks += len(keys)
+                if self._one_in == 1 or hash(next(iter(keys))) % self._one_in == 0:
+                    # a plain loop: measured faster than update(dict.fromkeys(...)), which
+                    # builds a temporary dict first (bench/tap_overhead.py)
+                    now, resident = self._clock(), self._resident
+                    for key in keys:
+                        resident[key] = now
+                    if len(resident) > self._max_tracked:
+                        self._forget_oldest()
         except Exception as exc:
             self._failed("complete_store", exc)
         return result
@@ -247,6 +267,8 @@ class TapManager(OffloadingManager):
         try:
             if self._held:  # take_events did not run since they were held: emit them anyway
                 self._release(())
+            if self._unmeasured:
+                self._send_unmeasured(self._clock())
             self._schedule_end(context.new_req_ids)
         except Exception as exc:
             self._failed("on_schedule_end", exc)
@@ -258,7 +280,12 @@ class TapManager(OffloadingManager):
     def reset_cache(self) -> None:
         result = self.inner.reset_cache()
         try:
-            self._evict(list(self._resident), "cpu", "cleared", self._clock())
+            now, untracked = self._clock(), self._chunks - len(self._resident)
+            self._evict(list(self._resident), "cpu", "cleared", now)
+            if untracked > 0:
+                self._unmeasured["cleared"] += untracked
+            self._send_unmeasured(now)
+            self._chunks = 0
             self._hits.clear()
             self._snapshot(self._clock(), force=True)
         except Exception as exc:
@@ -275,6 +302,7 @@ class TapManager(OffloadingManager):
         try:
             if self._held:
                 self._release(())
+            self._send_unmeasured(self._clock())
             self._snapshot(self._clock(), force=True)
             for rid in [rid for rid, req in self._reqs.items() if req.request.is_finished()]:
                 self._finished(rid)
@@ -288,7 +316,7 @@ class TapManager(OffloadingManager):
         is not shown stale until the next request. Never raises."""
         try:
             now = self._clock()
-            if now >= self._next_snapshot and len(self._resident) != self._reported:
+            if now >= self._next_snapshot and self._chunks != self._reported:
                 self._snapshot(now)
         except Exception as exc:
             self._failed("tick", exc)
@@ -370,6 +398,7 @@ class TapManager(OffloadingManager):
                         "are not reaching the tap (with TieringOffloadingSpec, enable vLLM's KV "
                         "events); forgetting the oldest", len(items), self._capacity)
         self.unseen_evictions += len(items) - keep
+        self._chunks -= len(items) - keep
         resident = self._resident = dict(items[-keep:])
         self._hits = Counter({k: n for k, n in self._hits.items() if k in resident})
         self._below.intersection_update(resident)
@@ -396,13 +425,24 @@ class TapManager(OffloadingManager):
         n = len(keys)
         if not n:
             return
-        # Both maps popped in C, one pass each; a key never seen stored counts as age 0.
-        stored = list(map(self._resident.pop, keys, itertools.repeat(now, n)))
-        hits = list(map(self._hits.pop, keys, itertools.repeat(0, n))) if self._hits else ()
-        if self._multi_tier:
-            self._held.append((keys, stored, hits, tier, reason, now))
+        self._chunks -= n
+        resident, hits = self._resident, self._hits
+        if self._multi_tier:  # every key tracked: one never seen stored counts as age 0
+            stored = list(map(resident.pop, keys, itertools.repeat(now, n)))
+            counts = list(map(hits.pop, keys, itertools.repeat(0, n))) if hits else ()
+            self._held.append((keys, stored, counts, tier, reason, now))
             return
-        self._evictions(tier, reason, now, stored, hits, False)
+        # popped in C; untracked keys give 0.0, which compress() leaves out
+        popped = list(map(resident.pop, keys, itertools.repeat(0.0, n)))
+        stored = list(itertools.compress(popped, popped))
+        if len(stored) < n:
+            self._unmeasured[reason] += n - len(stored)
+            if now >= self._unmeasured_at:
+                self._send_unmeasured(now)
+        if stored:
+            counts = (list(map(hits.pop, itertools.compress(keys, popped),
+                               itertools.repeat(0, len(stored)))) if hits else ())
+            self._evictions(tier, reason, now, stored, counts, False, self._one_in)
 
     def _release(self, stored_below) -> None:
         """Emit the held (tiering) evictions: ``offloaded`` for keys a lower tier holds
@@ -420,14 +460,23 @@ class TapManager(OffloadingManager):
                 self._evictions(tier, reason, now, list(itertools.compress(stored, pick)),
                                 list(itertools.compress(hits, pick)) if hits else (), offloaded)
 
+    def _send_unmeasured(self, now: float) -> None:
+        """One unmeasured CPU Eviction per reason for the untracked chunks evicted since the
+        last one."""
+        for reason, chunks in self._unmeasured.items():
+            self._eviction(now, "cpu", reason, 0, chunks, 0.0, measured=False)
+        self._unmeasured.clear()
+        self._unmeasured_at = now + UNMEASURED_EVERY
+
     def _evictions(self, tier: str, reason: str, now: float, stored: list, hits,
-                   offloaded: bool) -> None:
+                   offloaded: bool, weight: int = 1) -> None:
         """One Eviction per distinct hit count (the event carries one ``hits`` for its blocks)."""
         n = len(stored)
         if not n:
             return
         if not any(hits):  # max(): float rounding must not make an age negative
-            self._eviction(now, tier, reason, 0, n, max(0.0, now - sum(stored) / n), offloaded)
+            self._eviction(now, tier, reason, 0, n, max(0.0, now - sum(stored) / n), offloaded,
+                           weight=weight)
             return
         # Most evicted chunks were never loaded: only the loaded ones are grouped in Python.
         hit_counts = list(itertools.compress(hits, hits))
@@ -443,13 +492,15 @@ class TapManager(OffloadingManager):
         for count, (chunks, total) in groups.items():
             if chunks:
                 self._eviction(now, tier, reason, count, chunks, max(0.0, now - total / chunks),
-                               offloaded)
+                               offloaded, weight=weight)
 
     def _eviction(self, now: float, tier: str, reason: str, hits: int, chunks: int,
-                  age: float, offloaded: bool = False) -> None:
+                  age: float, offloaded: bool = False, *, measured: bool = True,
+                  weight: int = 1) -> None:
         blocks = chunks * self._bpc
         self._emit(ev.Eviction(ts=now, tier=tier, blocks=blocks, bytes=blocks * self._block_bytes,
-                               age=age, hits=hits, offloaded=offloaded, reason=reason))
+                               age=age, hits=hits, offloaded=offloaded, reason=reason,
+                               measured=measured, weight=weight))
 
     def _manager_events(self, events) -> None:
         now = self._clock()
@@ -478,6 +529,7 @@ class TapManager(OffloadingManager):
                     for key in new:
                         self._resident[key] = now
                         self._below.add(key)  # the lower tier keeps its copy
+                    self._chunks += len(new)
                     if new:
                         self._untimed("disk", "cpu", len(new), now)
             elif event.removed:
@@ -500,7 +552,7 @@ class TapManager(OffloadingManager):
             return
         self._next_snapshot = now + self._interval
         blocks = self._capacity * self._bpc
-        chunks = self._reported = len(self._resident)  # > capacity only if evictions go unseen
+        chunks = self._reported = self._chunks  # > capacity only if evictions go unseen
         resident = (min(chunks, self._capacity) if self._capacity > 0 else chunks) * self._bpc
         self._emit(ev.TierSnapshot(ts=now, tier="cpu", capacity_bytes=blocks * self._block_bytes,
                                    resident_bytes=resident * self._block_bytes,
