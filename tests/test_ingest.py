@@ -313,7 +313,6 @@ def test_a_batch_scope_joins_another_sources_requests_and_a_bad_one_is_dropped()
                                      duration=0.001, request_id="q")], scope="vllm")
     send("vllm", [ev.RequestFinished(ts=2.0, request_id="q", ttft=0.5, prompt_tokens=8)])
     send("vllm-worker", [_lookup(1)], scope="Not A Name")
-    pipeline.publish_settled()
     record = pipeline.requests.get("q")
     assert record is not None and [t.bytes for t in record.transfers] == [10]
     assert pipeline.snapshot().events_dropped == {("ingest", "bad_source"): 1}

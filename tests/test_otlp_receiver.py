@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 
-import pytest
 from fastapi.testclient import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -102,15 +101,14 @@ def test_bad_bodies_are_refused_and_spans_without_request_ids_ignored():
     assert agent.otlp_receiver.ignored == 1 and len(agent.pipeline.requests) == 0
 
 
-@pytest.mark.parametrize("worker_tap", [False, True])
-def test_a_span_for_a_request_the_tap_finished_enriches_that_record(worker_tap):
+def test_a_span_for_a_request_the_tap_finished_enriches_that_record():
     """The tap reported the request (lookup with CPU tokens, promotion wait); the later span
-    gives it vLLM's trace id and TTFT instead of creating a second request. With the worker
-    tap's transfers joining the scheduler tap's requests, the record is still waiting to reach
-    the table when the span arrives: the span joins it all the same."""
+    gives it vLLM's trace id and TTFT instead of creating a second request. The store and the
+    OTLP exporter get the record only after it waited for its span, so they get it joined."""
     agent = _agent()
-    if worker_tap:
-        agent.pipeline.ingest("vllm-worker", [], scope="vllm")
+    stored = []
+    agent.pipeline.subscribe(stored.append)
+    agent.otlp_receiver.start()
     agent.pipeline.ingest("vllm", [
         ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
         ev.Lookup(ts=1.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44}),
@@ -119,9 +117,10 @@ def test_a_span_for_a_request_the_tap_finished_enriches_that_record(worker_tap):
     with TestClient(create_app(agent)) as client:
         client.post("/v1/traces", content=protobuf_body(),
                     headers={"content-type": "application/x-protobuf"})
-    assert (agent.pipeline.requests.get("cmpl-1-0") is None) is worker_tap
+    assert stored == []  # still waiting (6 s) when the span came
     agent.pipeline.publish_settled(everything=True)
     record = agent.pipeline.requests.get("cmpl-1-0")
+    assert stored == [record]
     assert record.trace_id == TRACE and record.ttft == 0.25
     assert record.tokens == {"cpu": 256, "recompute": 44} and record.promotion_wait == 0.02
     assert agent.pipeline.snapshot().requests == 1 and agent.otlp_receiver.joined == 1

@@ -146,8 +146,9 @@ def test_another_sources_transfers_join_a_request_even_when_they_arrive_late():
     """vLLM's worker tap (source ``w``, scope ``s``) sends the loads of the scheduler tap's
     (source ``s``) requests on its own connection, so they may arrive before the request's start
     or after its finish. Request a: its load arrives first (the start then still sets arrival
-    100.0 and the trace id). Request b: its load arrives after its finish; the record has waited
-    (join window) and is published with it. A transfer without a request id joins nothing."""
+    100.0 and the trace id). Request b: its load arrives after its finish: the record, in the
+    table at once, has waited (join window) before the subscribers get it, and so they get it
+    with that load. A transfer without a request id joins nothing."""
     records = []
     pipeline = Pipeline(join_window=3600.0)
     pipeline.subscribe(records.append)
@@ -163,11 +164,12 @@ def test_another_sources_transfers_join_a_request_even_when_they_arrive_late():
         ev.RequestStarted(ts=101.0, request_id="b", prompt_tokens=64),
         ev.RequestFinished(ts=101.2, request_id="b", ttft=0.1, prompt_tokens=64),
     ])
-    assert records == [] and len(pipeline.requests) == 0  # waiting for late transfers
+    assert records == [] and len(pipeline.requests) == 2  # the sinks wait for late transfers
     pipeline.ingest("w", [load("b", 101.05)], scope="s")
     pipeline.publish_settled(everything=True)
     assert [r.request_id for r in records] == ["a", "b"]
-    a, b = pipeline.requests.get("a"), pipeline.requests.get("b")
+    a, b = records
+    assert pipeline.requests.get("b") is b
     assert (a.arrival, a.trace_id, a.source) == (100.0, "cd" * 16, "s")
     assert [(t.src, t.dst, t.blocks, t.start) for t in a.transfers] == [("cpu", "gpu", 2, 100.01)]
     assert [t.start for t in b.transfers] == [101.05]
@@ -186,13 +188,22 @@ def test_requests_of_sources_no_other_source_joins_are_published_at_once():
     assert [r.request_id for r in records] == ["r1"] and pipeline.requests.get("r1")
 
 
-def test_joined_requests_are_published_once_their_window_is_over():
-    pipeline = Pipeline(join_window=0.0)
-    pipeline.ingest("w", [], scope="s")
-    pipeline.ingest("s", [ev.RequestFinished(ts=1.0, request_id="x", ttft=0.1, prompt_tokens=1)])
-    # due at once: published by the next ingest, or by the agent's once-a-second call
+def test_joined_requests_reach_the_subscribers_once_their_wait_is_over():
+    """A source joined for an hour (a span receiver's wait) holds its records back; one joined
+    for 0 s hands them over at the next call (the agent calls once a second)."""
+    records = []
+    pipeline = Pipeline()
+    pipeline.subscribe(records.append)
+    pipeline.join("slow", 3600.0)
+    pipeline.join("quick", 0.0)
+    for source in ("slow", "quick"):
+        pipeline.ingest(source, [ev.RequestFinished(ts=1.0, request_id=source, ttft=0.1,
+                                                    prompt_tokens=1)])
     pipeline.publish_settled()
-    assert pipeline.requests.get("x") is not None
+    assert [r.request_id for r in records] == ["quick"]
+    assert pipeline.requests.get("slow") is not None  # in the table all along
+    pipeline.publish_settled(everything=True)
+    assert [r.request_id for r in records] == ["quick", "slow"]
 
 
 def test_a_sampled_eviction_counts_its_blocks_once_and_stands_for_weight_in_histograms():

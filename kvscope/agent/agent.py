@@ -66,7 +66,8 @@ class Agent(Worker):
                                                    gpu_snapshot="gpu" not in kv_tiers,
                                                    stores="cpu" not in kv_tiers))
                              if vm.enabled else None)
-        self.otlp_receiver = (OtlpReceiver(self.pipeline, settings.otlp_receiver.source)
+        self.otlp_receiver = (OtlpReceiver(self.pipeline, settings.otlp_receiver.source,
+                                           settings.otlp_receiver.wait_seconds)
                               if settings.otlp_receiver.enabled else None)
         self.otlp = (RequestSpanExporter(settings.otlp_endpoint)
                      if settings.otlp_endpoint else None)

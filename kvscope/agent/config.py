@@ -155,10 +155,13 @@ class VllmMetricsConfig(_Section):
 
 
 class OtlpReceiverConfig(_Section):
-    """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source``."""
+    """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source``,
+    whose finished requests wait ``wait_seconds`` for their span before they are stored and
+    exported (vLLM sends spans every 5 s by default)."""
 
     enabled: bool = True
     source: str = "vllm"
+    wait_seconds: float = Field(6.0, ge=0)
 
 
 class HostCollectorConfig(_Section):

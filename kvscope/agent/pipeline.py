@@ -10,6 +10,8 @@ or subscribe to finished requests. Thread-safe: sources and sinks run on differe
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import threading
 import time
 from collections import Counter, deque
@@ -142,11 +144,13 @@ class Pipeline:
     an engine does not report its own. ``recent``: TTFTs kept for percentiles. ``history``:
     one-second samples kept (default an hour). ``table``: where finished requests go.
 
-    A source's requests may be joined by events of other sources (``scope`` in :meth:`ingest`:
-    vLLM's worker tap sends the transfers of the scheduler tap's requests, on another
-    connection). Their finished records wait ``join_window`` seconds before they reach the table
-    and the subscribers, so a transfer sent just before the request finished still joins it;
-    they are published at later ingests and by :meth:`publish_settled`.
+    A source's requests may be joined by what other sources send later: vLLM's worker tap sends
+    the transfers of the scheduler tap's requests on another connection (``scope`` in
+    :meth:`ingest`), vLLM's request spans arrive seconds after the request (:meth:`join`). A
+    finished record of such a source is in the table at once, and reaches the subscribers (the
+    store, the OTLP exporter, the capture) only once it has waited for them: ``join_window``
+    seconds for another source's events, or what :meth:`join` asked for. Waiting records are
+    handed over at later ingests and by :meth:`publish_settled`.
     """
 
     def __init__(self, prefill_tokens_per_second: float = 10_000.0, recent: int = 10_000,
@@ -157,8 +161,10 @@ class Pipeline:
         self.requests = table if table is not None else RequestTable()
         self._assembler = RequestAssembler()
         self._join_window = join_window
-        self._joined: set[str] = set()  # sources whose requests other sources' events join
-        self._settling: deque[tuple[float, RequestRecord]] = deque()  # (due, monotonic s)
+        self._joined: dict[str, float] = {}  # source -> seconds its records wait (see above)
+        # a heap of (due: monotonic seconds, arrival order, record): windows differ by source
+        self._settling: list[tuple[float, int, RequestRecord]] = []
+        self._settle_order = itertools.count()
         self._listeners: list[Callable[[RequestRecord], None]] = []
         self._lookup_listeners: list[Callable[[str, ev.Lookup], None]] = []
         self._prompt_tokens: Counter[str] = Counter(dict.fromkeys(ev.TOKEN_SOURCES, 0))
@@ -191,7 +197,8 @@ class Pipeline:
                           ev.LatencyHistogram: self._on_latency_histogram}
 
     def subscribe(self, listener: Callable[[RequestRecord], None]) -> None:
-        """Call ``listener`` with each finished request (on the ingesting thread; keep it quick)."""
+        """Call ``listener`` with each finished request, on the ingesting or the sampling
+        thread (keep it quick); for a joined source once it has waited (see the class)."""
         self._listeners.append(listener)
 
     def subscribe_lookups(self, listener: Callable[[str, ev.Lookup], None]) -> None:
@@ -209,8 +216,8 @@ class Pipeline:
         handlers = self._handlers
         scope = scope or source
         with self._lock:
-            if scope != source and len(self._joined) < MAX_JOINED:
-                self._joined.add(scope)
+            if scope != source:
+                self._join(scope, self._join_window)
             n = 0
             for event in events:
                 handler = handlers.get(type(event))
@@ -220,41 +227,49 @@ class Pipeline:
                         lookups.append(event)
                 n += 1
             self._received[source] += n
-            if finished and scope in self._joined:
-                due = time.monotonic() + self._join_window
-                self._settling.extend((due, record) for record in finished)
-                finished = []
+            ready = finished
+            window = self._joined.get(scope)
+            if finished and window is not None:
+                due = time.monotonic() + window
+                for record in finished:
+                    heapq.heappush(self._settling, (due, next(self._settle_order), record))
+                ready = []
             if self._settling:
-                finished += self._settled()
+                ready = ready + self._settled()
         for lookup in lookups:
             for on_lookup in self._lookup_listeners:
                 on_lookup(source, lookup)
-        self._publish(finished)
+        for record in finished:
+            self.requests.add(record)
+        self._notify(ready)
+
+    def join(self, source: str, window: float) -> None:
+        """Have the finished records of ``source`` wait ``window`` seconds (at least) before the
+        subscribers get them, for what another source sends about them later (see the class).
+        At most :data:`MAX_JOINED` sources."""
+        with self._lock:
+            self._join(source, window)
+
+    def _join(self, source: str, window: float) -> None:
+        if source in self._joined or len(self._joined) < MAX_JOINED:
+            self._joined[source] = max(window, self._joined.get(source, 0.0))
 
     def publish_settled(self, everything: bool = False) -> None:
-        """Publish the waiting finished requests whose ``join_window`` is over (``everything``:
-        all of them, e.g. once the sources have stopped)."""
+        """Hand the subscribers the finished records whose wait is over (``everything``: all of
+        them, e.g. once the sources have stopped)."""
         with self._lock:
             records = self._settled(everything)
-        self._publish(records)
-
-    def finished_request(self, source: str, request_id: str) -> RequestRecord | None:
-        """The finished record of ``request_id`` from ``source``: one still waiting for other
-        sources' events (see the class), else the table's; None when neither has it."""
-        with self._lock:
-            record = self._assembler.recent(source, request_id)
-        return record if record is not None else self.requests.get(request_id)
+        self._notify(records)
 
     def _settled(self, everything: bool = False) -> list[RequestRecord]:
         now, out = time.monotonic(), []
         settling = self._settling
         while settling and (everything or settling[0][0] <= now or len(settling) > MAX_SETTLING):
-            out.append(settling.popleft()[1])
+            out.append(heapq.heappop(settling)[2])
         return out
 
-    def _publish(self, finished: list[RequestRecord]) -> None:
-        for record in finished:
-            self.requests.add(record)
+    def _notify(self, records: list[RequestRecord]) -> None:
+        for record in records:
             for listener in self._listeners:
                 listener(record)
 

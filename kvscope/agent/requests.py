@@ -107,10 +107,6 @@ class RequestAssembler:
                                                event.ts, event.duration, event.ok))
         return record.trace_id
 
-    def recent(self, source: str, request_id: str) -> RequestRecord | None:
-        """A finished record :meth:`finished` remembers, or None."""
-        return self._recent.get((source, request_id))
-
     def finished(self, source: str, event: ev.RequestFinished,
                  remember: bool = False) -> RequestRecord:
         """Complete and return the request's record. ``remember``: keep it (the newest

@@ -10,11 +10,12 @@ vLLM's request span (0.32 ``vllm/v1/engine/output_processor.py``: name ``llm_req
 attributes ``gen_ai.request.id``, ``gen_ai.usage.prompt_tokens`` / ``completion_tokens``,
 ``gen_ai.latency.time_to_first_token`` / ``time_in_queue`` / ``time_in_model_prefill``, seconds)
 is joined with cache events by request id (vLLM's external id, which the in-process tap also
-reports): when the tap has finished the request (its record is in the agent's request table,
-or waits to go there for the worker tap's transfers), the record takes the span's trace id and
-vLLM's own TTFT, queueing and prefill; otherwise the span becomes ``RequestStarted`` +
-``RequestFinished`` events under ``source`` (so a record the tap has open joins them). Spans
-without ``gen_ai.request.id`` are counted and ignored.
+reports): when the request is already in the agent's request table (the tap finished it), the
+record takes the span's trace id and vLLM's own TTFT, queueing and prefill; otherwise the span
+becomes ``RequestStarted`` + ``RequestFinished`` events under ``source`` (so a record the tap
+has open joins them). Spans without ``gen_ai.request.id`` are counted and ignored. vLLM sends
+spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so the tap's records wait
+``wait`` seconds for their span before the store and the OTLP exporter get them.
 """
 
 from __future__ import annotations
@@ -144,16 +145,20 @@ def _float(attributes: dict, key: str) -> float:
 
 class OtlpReceiver:
     """Joins request spans with the pipeline's request records; ``source``: the engine source
-    name the tap uses (``vllm``). ``received``/``ignored``/``joined``: span counters."""
+    name the tap uses (``vllm``); ``wait``: seconds that source's finished records wait for
+    their span before the pipeline's subscribers get them. ``received``/``ignored``/``joined``:
+    span counters."""
 
-    def __init__(self, pipeline: Pipeline, source: str = "vllm") -> None:
+    def __init__(self, pipeline: Pipeline, source: str = "vllm", wait: float = 6.0) -> None:
         self.pipeline = pipeline
         self.source = source
+        self.wait = wait
         self.received = 0
         self.ignored = 0
         self.joined = 0
 
     def start(self) -> None:
+        self.pipeline.join(self.source, self.wait)
         self.pipeline.set_source_up(NAME, True)
 
     def shutdown(self) -> None:
@@ -172,7 +177,7 @@ class OtlpReceiver:
             ttft = _float(a, "gen_ai.latency.time_to_first_token")
             queueing = _float(a, "gen_ai.latency.time_in_queue")
             prefill = _float(a, "gen_ai.latency.time_in_model_prefill")
-            record = self.pipeline.finished_request(self.source, request_id)
+            record = self.pipeline.requests.get(request_id)
             if record is not None:  # finished by the tap: enrich it in place
                 if trace_id:
                     record.trace_id = trace_id
