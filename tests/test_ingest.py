@@ -238,18 +238,26 @@ def test_gaps_and_emitter_drops_are_counted_and_restarts_are_not_gaps():
     assert snap.events_received == {"engine": 7}
 
 
-def test_emitter_with_the_agent_away_keeps_bounded_memory_then_delivers(tmp_path):
+def test_emitter_with_the_agent_away_keeps_bounded_memory_then_delivers(tmp_path, caplog):
     """No agent: the emitter holds at most max_buffer events (plus one batch ZMQ would not
-    take) and counts the rest as dropped; once the agent binds, buffered events arrive and the
-    drop count reaches the agent as emitter_buffer drops."""
+    take) and counts the rest as dropped, and says once that nothing reaches the agent, naming
+    the endpoint; once the agent binds, buffered events arrive, the emitter says it sends
+    again, and the drop count reaches the agent as emitter_buffer drops."""
     endpoint = _endpoint(tmp_path)
     emitter = Emitter(endpoint, source="engine", max_buffer=500, batch_size=100,
-                      flush_interval=0.01)
+                      flush_interval=0.01, warn_after=0.1)
     for i in range(5000):
         emitter.emit(_lookup(i))
-    time.sleep(0.2)
+
+    def said(text):
+        return [r for r in caplog.records if text in r.getMessage()]
+
+    assert wait_until(lambda: said("nothing reached the agent"))
+    time.sleep(0.1)
     assert emitter.buffered() <= 500
     assert emitter.dropped >= 4500 - 100
+    warnings = said("nothing reached the agent")
+    assert len(warnings) == 1 and endpoint in warnings[0].getMessage()
     pipeline = Pipeline()
     src = IngestSource(pipeline, endpoint)
     src.start()
@@ -259,6 +267,7 @@ def test_emitter_with_the_agent_away_keeps_bounded_memory_then_delivers(tmp_path
         expected = 5001 - emitter.dropped
         assert wait_until(lambda: pipeline.snapshot().events_received.get("engine") == expected)
         assert pipeline.snapshot().events_dropped == {("engine", "emitter_buffer"): emitter.dropped}
+        assert wait_until(lambda: said("again"))
     finally:
         emitter.close()
         src.shutdown()

@@ -231,6 +231,17 @@ try:
     raise AssertionError("an unknown inner spec was accepted")
 except ValueError as exc:
     assert "kvscope_inner_spec 'TieringSpec'" in str(exc) and "TieringOffloadingSpec" in str(exc)
+# an endpoint with '*' (the agent's bind form) cannot be connected to: the tap is off and its
+# warning says which address to give instead
+import logging, types
+from kvscope.agent.taps.vllm import KvscopeOffloadingSpec
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+logging.getLogger("vllm.kvscope.agent.taps.vllm").addHandler(handler)
+spec = types.SimpleNamespace(endpoint="tcp://*:5560", errors=0)
+assert KvscopeOffloadingSpec._new_emitter(spec, "vllm") is None and spec.errors == 1
+assert len(lines) == 1 and "tap disabled" in lines[0] and "tcp://127.0.0.1:5560" in lines[0], lines
 assert external_request_id("cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0"
 assert trace_id_of({"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}) == "ab" * 16
 print("ok")

@@ -33,15 +33,18 @@ class Emitter:
     request ids name, when that is another emitter (see :class:`kvscope.events.Batch`). ``max_buffer``: events held while the
     agent is slow or away. ``batch_size``: events per batch at most. ``flush_interval``: seconds
     between sends. ``send_hwm``: batches ZMQ may queue (kept small: what ZMQ holds when
-    :meth:`close` gives up is lost uncounted, what the buffer holds is counted). Call
-    :meth:`close` at exit (safe twice, from any thread). ``on_tick``: set it to a function of
+    :meth:`close` gives up is lost uncounted, what the buffer holds is counted). ``warn_after``:
+    seconds events may wait unsent (no agent at ``endpoint``, or one too slow) before one
+    warning says so; sending again is logged too. Call :meth:`close` at exit (safe twice, from
+    any thread). ``on_tick``: set it to a function of
     no arguments to have it called on the sender thread before each send (e.g. to emit a gauge
     while the caller is idle); if it raises it is logged and not called again.
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
                  engine: str = "", model: str = "", scope: str = "", max_buffer: int = 100_000,
-                 batch_size: int = 1024, flush_interval: float = 0.05, send_hwm: int = 4) -> None:
+                 batch_size: int = 1024, flush_interval: float = 0.05, send_hwm: int = 4,
+                 warn_after: float = 10.0) -> None:
         self.source = source
         self._engine, self._model, self._scope = engine, model, scope
         self.dropped = 0  # events lost to a full buffer, a failed encode or close, since start
@@ -54,6 +57,9 @@ class Emitter:
         self._seq = 0
         self._pending: bytes | None = None  # an encoded batch ZMQ would not take yet
         self._pending_events = 0
+        self._warn_after = warn_after
+        self._stuck_since: float | None = None  # monotonic: since when events wait unsent
+        self._warned = False
         self.on_tick: Callable[[], None] | None = None  # called on the sender thread each interval
         self._stop = threading.Event()
         self._drain_until = 0.0  # monotonic deadline for the final flush, set by close()
@@ -84,7 +90,7 @@ class Emitter:
         while not self._stop.wait(self._interval):
             if self.on_tick is not None:
                 self._tick()
-            self._send_all()
+            self._watch(self._send_all())
         self._max_buffer = 0  # closed: emit() now counts every event as dropped
         # keep sending while ZMQ takes batches, up to close()'s deadline
         while not self._send_all() and time.monotonic() < self._drain_until:
@@ -101,6 +107,24 @@ class Emitter:
         linger = max(0.0, self._drain_until - time.monotonic())
         self._socket.close(linger=int(linger * 1000))
         self._context.term()
+
+    def _watch(self, sent_all: bool) -> None:
+        """Warn once when events have waited ``warn_after`` seconds unsent; say when they go
+        again."""
+        if sent_all:
+            if self._warned:
+                log.warning("kvscope emitter: sending to the agent at %s again", self._endpoint)
+            self._stuck_since, self._warned = None, False
+            return
+        now = time.monotonic()
+        if self._stuck_since is None:
+            self._stuck_since = now
+        elif not self._warned and now - self._stuck_since >= self._warn_after:
+            self._warned = True
+            log.warning("kvscope emitter: nothing reached the agent at %s for %.0f s (%d events "
+                        "waiting; past %d they are dropped and counted). Is `kvscope agent` "
+                        "running, with --ingest %s?", self._endpoint, now - self._stuck_since,
+                        self.buffered(), self._max_buffer, self._endpoint)
 
     def _tick(self) -> None:
         try:

@@ -155,8 +155,11 @@ class KvscopeOffloadingSpec(OffloadingSpec):
             return Emitter(self.endpoint, source=source, scope=scope)
         except Exception as exc:  # the tap boundary: vLLM runs on without the tap
             self.errors += 1
-            log.warning("kvscope vLLM tap disabled: no emitter to %s (%s: %s)", self.endpoint,
-                        type(exc).__name__, exc)
+            hint = (" kvscope_endpoint is the address the agent listens on, e.g. "
+                    "tcp://127.0.0.1:5560 (only the agent binds; '*' cannot be connected to)"
+                    if "*" in self.endpoint else "")
+            log.warning("kvscope vLLM tap disabled: no emitter to %s (%s: %s).%s", self.endpoint,
+                        type(exc).__name__, exc, hint)
             return None
 
     def get_manager(self) -> OffloadingManager:
