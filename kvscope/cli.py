@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvscope", description="Observability for KV-cache offload in LLM serving.")
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(commands=sub.choices)  # each command's parser, for main()'s errors
 
     demo = sub.add_parser(
         "demo", help="run the reference engine on a workload with the agent and the dashboard",
@@ -201,7 +202,9 @@ def _replay(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (2 for bad input, with one line on stderr)."""
-    args = _parser().parse_args(argv)
+    args, unknown = _parser().parse_known_args(argv)
+    if unknown:  # said by the command's parser, so that it names `kvscope COMMAND --help`
+        args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     from kvscope.agent.config import ConfigError
     from kvscope.engine.engine import EngineConfigError
 

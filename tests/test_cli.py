@@ -86,6 +86,11 @@ def test_a_bad_argument_is_one_line_that_points_to_help(args, needle):
     _one_error_line(_kvscope(*args), needle, "--help)")
 
 
+def test_a_misspelt_flag_points_to_its_commands_help():
+    _one_error_line(_kvscope("agent", "--prot", "9401"), "unrecognized arguments: --prot 9401",
+                    "(see kvscope agent --help)")
+
+
 def test_unreadable_trace_is_one_line(tmp_path):
     path = tmp_path / "binary.jsonl"
     path.write_bytes(b"\xff\xfe\x00garbage\n")
@@ -190,3 +195,14 @@ def test_agent_banner_without_kv_events_has_no_kv_events_line(tmp_path):
     lines = _agent_banner(tmp_path, "[kv_events]\nenabled = false\n", "--store-dir",
                           str(tmp_path / "store"), last="  store:")  # the banner's last line
     assert lines[-1].startswith("  store:") and not any("kv_events" in line for line in lines)
+
+
+@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("::1", True),
+                                           ("localhost", True), ("0.0.0.0", False),
+                                           ("10.1.2.3", False), ("node-7", False)])
+def test_the_agent_warns_about_an_open_api_only_off_loopback(host, loopback):
+    """Without a token the banner warns when the agent listens beyond loopback (a host name
+    may resolve to anything, so it counts as beyond)."""
+    from kvscope.agent.run import _loopback
+
+    assert _loopback(host) is loopback

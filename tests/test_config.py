@@ -38,10 +38,12 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
     ("[kv_events]\ntiers = [1]\n", "kv_events.tiers: .*list of tiers"),
     # a typo must not silently keep a default (kv_events ``tier`` for ``tiers`` would leave
     # every tier on and count the tap's tiers twice)
-    ('[kv_events]\ntier = ["gpu"]\n', "kv_events.tier: Extra inputs are not permitted"),
+    ('[kv_events]\ntier = ["gpu"]\n', "kv_events.tier: not a setting .did you mean 'tiers'"),
     ('[ingest]\nendpoint_url = "tcp://127.0.0.1:5560"\n',
-     "ingest.endpoint_url: Extra inputs are not permitted"),
-    ("[collectors.host]\nreserve = 1\n", "collectors.host.reserve: Extra inputs are not permitted"),
+     "ingest.endpoint_url: not a setting .did you mean 'endpoint'"),
+    ("[collectors.host]\nreserve = 1\n",
+     "collectors.host.reserve: not a setting .did you mean 'reserve_bytes'"),
+    ("zzz = 1\n", r"zzz: not a setting \(the keys here: host, port, "),
     # values that would be silently useless: a budget or capacity for a tier that does not
     # exist, a scrape URL without a scheme (it would fail only at run time), an empty token
     # (every /api call would get 401)

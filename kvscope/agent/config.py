@@ -21,6 +21,7 @@ Example TOML (every key optional)::
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
@@ -272,7 +273,24 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
             set_now = _settings_variables()
             where = "environment: " + (" or ".join(v for v in _variables_of(loc) if v in set_now)
                                        or "KVSCOPE_*")
-        raise ConfigError(f"{where}: {error['msg']}") from None
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = _unknown_key(loc)
+        raise ConfigError(f"{where}: {message}") from None
+
+
+def _unknown_key(loc: list[str]) -> str:
+    """What to say of the unknown key at ``loc``: the closest known key, and the known ones."""
+    model: type[BaseModel] = AgentSettings
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type)
+                                 and issubclass(field.annotation, BaseModel)):
+            return "not a setting (see docs/agent.md)"
+        model = field.annotation
+    close = difflib.get_close_matches(loc[-1], model.model_fields, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"not a setting ({hint}the keys here: {', '.join(model.model_fields)})"
 
 
 def _settings_variables() -> dict[str, str]:

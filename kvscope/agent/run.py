@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 import threading
 
@@ -10,6 +11,13 @@ from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings, ConfigError
 from kvscope.agent.server import ApiServer, bind
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | None = None) -> int:
@@ -39,6 +47,9 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     if settings.store_dir:
         print(f"  store: {settings.store_dir} ({len(agent.pipeline.requests)} requests restored)",
               file=out)
+    if settings.token is None and not _loopback(settings.host):
+        print(f"  warning: /api and /v1/traces are open to anyone who reaches {settings.host}:"
+              f"{settings.port}; set token in the config (or KVSCOPE_TOKEN)", file=out)
     out.flush()
     stop.wait()
     server.shutdown()
