@@ -84,6 +84,16 @@ def test_each_promotion_is_in_the_record_of_the_request_it_was_for(offload_run):
     assert all(t.duration > 0 and t.ok for r in records for t in r.transfers)
 
 
+def test_records_carry_the_inter_token_latency(offload_run):
+    """The tap's mean ITL spreads the time from the first token to the finish over the output
+    tokens after the first: itl x (output tokens - 1) = finished - arrival - TTFT (the same
+    clock readings)."""
+    records = [r for r in offload_run["records"] if r.output_tokens > 1]
+    assert records and all(r.itl > 0 for r in records)
+    for r in records:
+        assert abs(r.itl * (r.output_tokens - 1) - (r.finished - r.arrival - r.ttft)) < 1e-6, r
+
+
 def test_greedy_outputs_are_identical_with_and_without_offloading(offload_run, vllm_plain_outputs):
     python, tmp = offload_run["python"], offload_run["tmp"]
     run_driver(python, "corrupt", str(tmp / "corrupt.json"), "--endpoint", f"ipc://{tmp}/none.sock",

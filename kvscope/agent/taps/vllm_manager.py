@@ -34,7 +34,8 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
   from :meth:`TapManager.tick` while vLLM is idle, and at shutdown.
 - ``RequestFinished`` when vLLM finishes the request: TTFT (first output token seen at a
   scheduler step, so up to one step late), promotion wait (``prepare_load`` to
-  ``complete_load``), prefill (first scheduled to first token) and queueing (the rest).
+  ``complete_load``), prefill (first scheduled to first token), queueing (the rest) and the
+  mean inter-token latency (first token to finish, over the output tokens after the first).
 
 The request object is taken, read-only, from the caller's frame of ``on_new_request`` (vLLM's
 ``OffloadingConnectorScheduler.on_new_request(request)``): the manager API carries only a
@@ -415,10 +416,12 @@ class TapManager(OffloadingManager):
         wait = min(req.load_wait, ttft)
         prefill = min(prefill, ttft - wait)
         request = req.request
+        output = int(request.num_output_tokens)
+        itl = (now - first) / (output - 1) if req.first_token is not None and output > 1 else 0.0
         self._emit(ev.RequestFinished(
             ts=now, request_id=req.rid, ttft=ttft, prompt_tokens=int(request.num_prompt_tokens),
-            output_tokens=int(request.num_output_tokens), queueing=max(0.0, ttft - wait - prefill),
-            promotion_wait=wait, prefill=prefill))
+            output_tokens=output, queueing=max(0.0, ttft - wait - prefill),
+            promotion_wait=wait, prefill=prefill, itl=max(0.0, itl)))
 
     def _evict(self, keys, tier: str, reason: str, now: float) -> None:
         """Forget ``keys`` and report them evicted (tiering: at the step's take_events)."""
