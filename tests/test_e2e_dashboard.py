@@ -104,6 +104,24 @@ def screenshot(browser, name: str) -> None:
     browser.save_screenshot(str(ARTIFACTS / f"{name}.png"))
 
 
+def fill_in(browser, values: dict[str, str]) -> None:
+    """Type each ``{input id: text}`` and check, half a second later, that every input holds
+    its text whole. Dash may still be rendering the page when the inputs first appear, and a
+    keystroke that lands during that re-render goes astray (seen in CI: "/tmp/x/baseline"
+    arrived as "/tp/x/baselinem"), so then type them all again."""
+    held: dict = {}
+    for _ in range(5):
+        for element_id, text in values.items():
+            element = browser.find_element("id", element_id)
+            element.clear()
+            element.send_keys(text)
+        time.sleep(0.5)
+        held = {i: browser.find_element("id", i).get_attribute("value") for i in values}
+        if held == values:
+            return
+    pytest.fail(f"typed {values}, the inputs hold {held}")
+
+
 def console_errors(browser) -> list:
     return [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
 
@@ -234,9 +252,8 @@ def test_compare_page_shows_two_captures_and_a_verdict(demo, browser, tmp_path):
     browser.get(demo.ui_url + "compare")
     try:
         wait_for(browser, lambda: browser.find_elements("id", "compare-run"), "the form")
-        browser.find_element("id", "compare-baseline").send_keys(str(baseline))
-        browser.find_element("id", "compare-candidate").send_keys(str(candidate))
-        browser.find_element("id", "compare-budget-ms").send_keys("80")
+        fill_in(browser, {"compare-baseline": str(baseline),
+                          "compare-candidate": str(candidate), "compare-budget-ms": "80"})
         browser.find_element("id", "compare-run").click()
         wait_for_points(browser, ["compare-ttft"], minimum=1)
         verdict = wait_for(browser, lambda: browser.find_element("id", "compare-verdict").text,
