@@ -126,6 +126,27 @@ def test_a_span_for_a_request_the_tap_finished_enriches_that_record():
     assert agent.pipeline.snapshot().requests == 1 and agent.otlp_receiver.joined == 1
 
 
+def test_a_span_that_comes_before_the_taps_finish_still_makes_one_request():
+    """vLLM sent the span while the tap still had the request open: the span finishes the
+    record (vLLM's trace id and TTFT), and the tap's finish, arriving second, only adds what
+    the span lacks (the promotion wait): one request, not two."""
+    agent = _agent()
+    agent.otlp_receiver.start()
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Lookup(ts=1.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44})])
+    with TestClient(create_app(agent)) as client:
+        client.post("/v1/traces", content=protobuf_body(),
+                    headers={"content-type": "application/x-protobuf"})
+    agent.pipeline.ingest("vllm", [
+        ev.RequestFinished(ts=1.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
+                           promotion_wait=0.02)])
+    record = agent.pipeline.requests.get("cmpl-1-0")
+    assert record.trace_id == TRACE and record.ttft == 0.25 and record.promotion_wait == 0.02
+    assert record.tokens == {"cpu": 256, "recompute": 44}
+    assert agent.pipeline.snapshot().requests == 1 and len(agent.pipeline.requests) == 1
+
+
 def test_a_token_protects_the_receiver_too():
     agent = Agent(AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
                                 token="s3cret"))

@@ -348,6 +348,8 @@ class Pipeline:
 
     def _on_finished(self, source: str, event: ev.RequestFinished, finished: list) -> None:
         record = self._assembler.finished(source, event, remember=source in self._joined)
+        if record is None:  # the request had finished already: its record was completed
+            return
         finished.append(record)
         self._requests += 1
         self._ttft.observe(event.ttft, record.trace_id, event.ts)

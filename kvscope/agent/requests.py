@@ -58,6 +58,10 @@ def new_trace_id() -> str:
     return f"{random.getrandbits(128) | 1:032x}"
 
 
+# what a second finish of one request may fill in (see RequestAssembler.finished)
+_FINISH_PARTS = ("output_tokens", "queueing", "lookup", "promotion_wait", "prefill", "itl")
+
+
 class RequestAssembler:
     """Builds :class:`RequestRecord` s from events, one method per event kind.
 
@@ -108,11 +112,21 @@ class RequestAssembler:
         return record.trace_id
 
     def finished(self, source: str, event: ev.RequestFinished,
-                 remember: bool = False) -> RequestRecord:
+                 remember: bool = False) -> RequestRecord | None:
         """Complete and return the request's record. ``remember``: keep it (the newest
-        ``max_recent``) so that a transfer arriving later from another emitter still joins it."""
-        record = self._inflight.pop((source, event.request_id), None) or RequestRecord(
-            event.request_id, new_trace_id(), source, event.ts - event.ttft)
+        ``max_recent``) so that what other sources send later still joins it: a transfer, or a
+        second finish of the same request (vLLM's span and the tap, whichever comes second),
+        which only fills the parts the first left at 0 and returns None (not a new request)."""
+        key = (source, event.request_id)
+        record = self._inflight.pop(key, None)
+        if record is None and key in self._recent:
+            record = self._recent[key]
+            for part in _FINISH_PARTS:
+                if not getattr(record, part):
+                    setattr(record, part, getattr(event, part))
+            return None
+        record = record or RequestRecord(event.request_id, new_trace_id(), source,
+                                         event.ts - event.ttft)
         record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
         record.output_tokens = event.output_tokens
         record.ttft, record.finished = event.ttft, event.ts
@@ -120,7 +134,7 @@ class RequestAssembler:
         record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
         record.itl = event.itl
         if remember:
-            self._recent[(source, event.request_id)] = record
+            self._recent[key] = record
             if len(self._recent) > self._max_recent:
                 self._recent.popitem(last=False)
         return record
