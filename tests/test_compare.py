@@ -141,8 +141,26 @@ def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
         compare(sb, sc, ttft_budget=0.0)
     with pytest.raises(ValueError, match="no finished requests"):
         compare(RequestSample("empty", np.zeros(0)), sc)
-    assert main(["compare", str(b), str(c), "--confidence", "1.5"]) == 2
-    assert "confidence" in capsys.readouterr().err
+    for flag, value in (("--confidence", "95"), ("--resamples", "0")):
+        with pytest.raises(SystemExit) as stopped:  # argparse's one line, naming the flag
+            main(["compare", str(b), str(c), flag, value])
+        assert stopped.value.code == 2
+        assert f"argument {flag}: must be" in capsys.readouterr().err
+
+
+def test_a_parquet_file_of_another_kind_is_one_line_saying_what_to_pass(tmp_path, capsys):
+    """A user passed a capture's blocks segment where a requests one belongs: Arrow's error
+    lists the file's whole schema; the message keeps its first line and says what to pass."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    other = tmp_path / "blocks-1.parquet"
+    pq.write_table(pa.table({"ts": [1.0], "block_hash": [7], "depth": [0]}), other)
+    c = _capture(tmp_path / "c", [0.02] * 10)
+    assert main(["compare", str(other), str(c)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "not a kvscope requests segment" in err[0] and "pass the capture directory" in err[0]
 
 
 def test_bootstrap_median_interval_covers_the_true_median_about_95_percent():

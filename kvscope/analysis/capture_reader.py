@@ -56,7 +56,10 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path) -> pa.T
         except FileNotFoundError:
             continue
         except (pa.ArrowInvalid, OSError, KeyError) as exc:
-            raise TraceError(f"{p}: not a kvscope {kind} segment: {exc}") from None
+            # the first line only: Arrow goes on to list the file's whole schema
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise TraceError(f"{p}: not a kvscope {kind} segment ({reason}); pass the capture "
+                             f"directory, or one of its {kind}-*{SUFFIX} files") from None
         tables.append(table)
     if not tables:
         raise TraceError(f"{where}: no {kind} segments (kvscope agent --capture-dir writes them)")

@@ -8,7 +8,7 @@ import sys
 
 from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
 from kvscope.analysis.compare import DEFAULT_MIN_REQUESTS, compare, render_text, to_json
-from kvscope.argtypes import positive
+from kvscope.argtypes import fraction, positive
 
 DESCRIPTION = (
     "Compare two agent captures (kvscope agent --capture-dir), e.g. a run without the newest "
@@ -28,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-budget", type=positive(float), metavar="SECONDS",
                         help="p99 TTFT budget in seconds; above it the candidate is rolled back "
                         "(default: none, judge against the baseline only)")
-    parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, metavar="N",
-                        help="bootstrap resamples (default %(default)s)")
-    parser.add_argument("--confidence", type=positive(float), default=DEFAULT_CONFIDENCE,
+    parser.add_argument("--resamples", type=positive(int), default=DEFAULT_RESAMPLES,
+                        metavar="N", help="bootstrap resamples (default %(default)s)")
+    parser.add_argument("--confidence", type=fraction, default=DEFAULT_CONFIDENCE,
                         metavar="LEVEL", help="confidence level, 0-1 (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
     parser.add_argument("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS, metavar="N",
@@ -41,13 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, out=None) -> int:
     """Compare and print the report or JSON; return 0 whatever the verdict.
 
-    Bad options print one line to stderr and return 2; an unreadable capture raises TraceError
-    (which the CLI turns into exit code 2).
+    An unreadable capture raises TraceError (which the CLI turns into exit code 2); options
+    the analysis refuses print one line to stderr and return 2.
     """
-    if args.resamples < 1 or not 0 < args.confidence < 1:
-        print("kvscope: error: --resamples must be >= 1 and --confidence in (0, 1)",
-              file=sys.stderr)
-        return 2
     from kvscope.analysis.capture_reader import read_request_sample  # pyarrow only here
 
     baseline = read_request_sample(args.baseline)

@@ -64,7 +64,7 @@ def replay(args) -> dict:
     :class:`~kvscope.engine.engine.EngineConfigError` or
     :class:`~kvscope.engine.presets.UnknownPreset`.
     """
-    from kvscope.engine.engine import OffloadEngine
+    from kvscope.engine.engine import EngineConfigError, OffloadEngine
     from kvscope.engine.replay import Replayer
 
     preset = get_preset(args.preset)
@@ -74,10 +74,17 @@ def replay(args) -> dict:
         block_tokens = preset.block_tokens
         requests = list(itertools.islice(
             synthetic(SyntheticConfig(seed=args.seed, block_tokens=block_tokens)), args.requests))
-    engine = OffloadEngine(preset, args.gpu_blocks, args.cpu_blocks, args.disk_blocks,
-                           block_tokens=block_tokens, payload=not args.simulate,
-                           policy=args.policy, disk_dir=args.disk_dir,
-                           store_threshold=args.store_threshold, min_priority=args.min_priority)
+    if args.disk_dir and not args.disk_blocks:
+        raise EngineConfigError("--disk-dir is for the disk tier, which is off: give "
+                                "--disk-blocks too")
+    try:
+        engine = OffloadEngine(preset, args.gpu_blocks, args.cpu_blocks, args.disk_blocks,
+                               block_tokens=block_tokens, payload=not args.simulate,
+                               policy=args.policy, disk_dir=args.disk_dir,
+                               store_threshold=args.store_threshold,
+                               min_priority=args.min_priority)
+    except OSError as exc:  # only the disk tier's directory touches the file system here
+        raise EngineConfigError(f"--disk-dir {args.disk_dir}: {exc.strerror or exc}") from None
     speed = None if (args.fast or args.simulate) else args.speed
     t0 = time.perf_counter()
     try:
