@@ -80,9 +80,12 @@ CATALOG: tuple[MetricSpec, ...] = (
              "cache).", ["tier"]),
     _histogram("kvscope_evicted_block_hits",
                "Hits a block got while resident, observed when it is evicted (0: stored for "
-               "nothing).", ["tier"], "", EVICTED_HITS_BUCKETS),
-    _histogram("kvscope_block_residency_seconds", "Age of a block when it is evicted.", ["tier"],
-               "seconds", RESIDENCY_SECONDS_BUCKETS),
+               "nothing). A sampling source (vLLM's tap) counts each sampled block for the "
+               "ones it stands for.", ["tier"], "", EVICTED_HITS_BUCKETS),
+    _histogram("kvscope_block_residency_seconds",
+               "Age of a block when it is evicted. A sampling source (vLLM's tap) counts each "
+               "sampled block for the ones it stands for.", ["tier"], "seconds",
+               RESIDENCY_SECONDS_BUCKETS),
     # tiers
     _gauge("kvscope_tier_capacity_bytes", "Bytes a tier may hold.", ["tier"], "bytes"),
     _gauge("kvscope_tier_resident_bytes", "Bytes a tier currently holds.", ["tier"], "bytes"),
