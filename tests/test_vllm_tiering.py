@@ -77,6 +77,18 @@ def test_disk_promotions_reach_the_agent_as_disk_tokens(tiering_run):
         assert value(m, "kvscope_lookup_blocks_total", tier=tier, result="miss") == missed, tier
 
 
+def test_each_disk_promotion_is_in_the_record_of_the_request_that_started_it(tiering_run):
+    """A disk hit starts a promotion from vLLM's lookup, which names the request; the tap
+    attributes the promoted blocks to it: per record, disk->cpu blocks x block size = its
+    disk-sourced tokens, and the records hold every promoted block (34, the hand count)."""
+    size, records = tiering_run["result"]["block_size"], tiering_run["records"]
+    promoted = {r.request_id: sum(t.blocks for t in r.transfers
+                                  if (t.src, t.dst) == ("disk", "cpu")) for r in records}
+    assert [(r.request_id, promoted[r.request_id] * size) for r in records] == \
+        [(r.request_id, r.tokens.get("disk", 0)) for r in records]
+    assert sum(promoted.values()) == tiering_run["result"]["vllm"]["fs_load_ok_blocks"] == 34
+
+
 def test_transfers_per_direction_match_what_vllm_moved(tiering_run):
     m, result = tiering_run["metrics"], tiering_run["result"]
     bpb, vllm = result["bytes_per_block"], result["vllm"]

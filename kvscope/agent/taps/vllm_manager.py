@@ -29,7 +29,9 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
   from one; such evictions are emitted at the step's ``take_events``, after the lower tiers'
   stores of the same step (the tiering manager processes a finished cascade, which unpins the
   chunk, right before it may evict it).
-- ``Transfer`` ``disk->cpu`` / ``cpu->disk`` seen only as manager events (untimed).
+- ``Transfer`` ``disk->cpu`` / ``cpu->disk`` seen only as manager events (untimed); a
+  ``disk->cpu`` promotion names the request whose lookup started it (its lookup answered
+  ``HIT_PENDING`` for a key the CPU tier did not hold).
 - ``TierSnapshot`` of the CPU tier at most once per ``snapshot_interval``: at scheduler steps,
   from :meth:`TapManager.tick` while vLLM is idle, and at shutdown.
 - ``RequestFinished`` when vLLM finishes the request: TTFT (first output token seen at a
@@ -56,7 +58,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable
 
 import msgspec
-from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 
 from kvscope import events as ev
 
@@ -156,9 +158,12 @@ class TapManager(OffloadingManager):
         self.unseen_evictions = 0  # chunks forgotten that way
         self._next_snapshot = 0.0
         self._reported = -1  # chunks resident at the last snapshot
+        # tiering only: keys a lower tier is promoting -> the request whose lookup started it
+        self._promoting: dict[bytes, str] = {}
         # Pure pass-throughs are the inner manager's bound methods themselves: no extra frame
-        # on the hottest call (lookup runs once per block of every prompt).
-        self.lookup = inner.lookup
+        # on the hottest call (lookup runs once per block of every prompt); with tiering a
+        # lookup may start a promotion, which the tap attributes to the request.
+        self.lookup = self._tiering_lookup if multi_tier else inner.lookup
         self.get_load_source = inner.get_load_source
         self.touch = inner.touch
         self.has_pending_work = inner.has_pending_work
@@ -176,6 +181,18 @@ class TapManager(OffloadingManager):
 
     def lookup(self, key, req_context):
         return self.inner.lookup(key, req_context)
+
+    def _tiering_lookup(self, key, req_context, **kwargs):
+        result = self.inner.lookup(key, req_context, **kwargs)
+        try:
+            # pending and not being stored by us: a lower tier promotes it for this request
+            if result is LookupResult.HIT_PENDING and key not in self._resident:
+                self._promoting[key] = req_context.req_id
+                if len(self._promoting) > self._max_tracked:
+                    del self._promoting[next(iter(self._promoting))]
+        except Exception as exc:
+            self._failed("lookup", exc)
+        return result
 
     def get_load_source(self, key, req_context):
         return self.inner.get_load_source(key, req_context)
@@ -533,8 +550,11 @@ class TapManager(OffloadingManager):
                         self._resident[key] = now
                         self._below.add(key)  # the lower tier keeps its copy
                     self._chunks += len(new)
-                    if new:
-                        self._untimed("disk", "cpu", len(new), now)
+                    # one transfer per request whose lookup started the promotion ("" unknown)
+                    by_request = Counter(map(self._promoting.pop, new, itertools.repeat("")))
+                    for rid, chunks in by_request.items():
+                        self._untimed("disk", "cpu", chunks, now,
+                                      external_request_id(rid) if rid else "")
             elif event.removed:
                 blocks = len(keys) * self._bpc
                 self._emit(ev.Eviction(ts=now, tier=tier, blocks=blocks,
@@ -545,10 +565,12 @@ class TapManager(OffloadingManager):
         if self._held:
             self._release(stored_below)
 
-    def _untimed(self, src: str, dst: str, chunks: int, now: float) -> None:
+    def _untimed(self, src: str, dst: str, chunks: int, now: float,
+                 request_id: str = "") -> None:
         blocks = chunks * self._bpc
         self._emit(ev.Transfer(ts=now, src=src, dst=dst, blocks=blocks,
-                               bytes=blocks * self._block_bytes, duration=0.0, timed=False))
+                               bytes=blocks * self._block_bytes, duration=0.0,
+                               request_id=request_id, timed=False))
 
     def _snapshot(self, now: float, force: bool = False) -> None:
         if not force and now < self._next_snapshot:
