@@ -30,15 +30,15 @@ class Emitter:
 
     ``source``: a short name for this emitter's events; ``engine``, ``model``: what it observes
     (shown as ``kvscope_engine_info``); ``scope``: the source whose requests this emitter's
-    request ids name, when that is another emitter (see :class:`kvscope.events.Batch`). ``max_buffer``: events held while the
-    agent is slow or away. ``batch_size``: events per batch at most. ``flush_interval``: seconds
-    between sends. ``send_hwm``: batches ZMQ may queue (kept small: what ZMQ holds when
-    :meth:`close` gives up is lost uncounted, what the buffer holds is counted). ``warn_after``:
-    seconds events may wait unsent (no agent at ``endpoint``, or one too slow) before one
-    warning says so; sending again is logged too. Call :meth:`close` at exit (safe twice, from
-    any thread). ``on_tick``: set it to a function of
-    no arguments to have it called on the sender thread before each send (e.g. to emit a gauge
-    while the caller is idle); if it raises it is logged and not called again.
+    request ids name, when that is another emitter (see :class:`kvscope.events.Batch`).
+    ``max_buffer``: events held while the agent is slow or away. ``batch_size``: events per
+    batch at most. ``flush_interval``: seconds between sends. ``send_hwm``: batches ZMQ may
+    queue (kept small: what ZMQ holds when :meth:`close` gives up is lost uncounted, what the
+    buffer holds is counted). ``warn_after``: seconds events may wait unsent (no agent at
+    ``endpoint``, or one too slow) before one warning says so; sending again is logged too.
+    Call :meth:`close` at exit (safe twice, from any thread). ``on_tick``: set it to a function
+    of no arguments to have it called on the sender thread before each send (e.g. to emit a
+    gauge while the caller is idle); if it raises it is logged and not called again.
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
