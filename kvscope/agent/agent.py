@@ -121,14 +121,14 @@ class Agent(Worker):
     def shutdown(self) -> None:
         self.ready = False
         super().shutdown()
-        parts = [part for _name, part in reversed(self._components())]
-        sinks = [part for part in parts if part is self.store or part is self.capture]
-        for part in parts:  # the sources first, then what they sent last reaches the sinks
+        sinks = (self.capture, self.store)
+        for _name, part in reversed(self._components()):  # the sources first, ...
             if part not in sinks:
                 part.shutdown()
-        self.pipeline.publish_settled(everything=True)
-        for part in sinks:
-            part.shutdown()
+        self.pipeline.publish_settled(everything=True)  # ... so what they sent last is stored
+        for sink in sinks:
+            if sink is not None:
+                sink.shutdown()
         if self.otlp is not None:
             self.otlp.shutdown()
         self.collectors.shutdown()

@@ -131,7 +131,7 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                      "tokens_per_block", "tokens_per_hash", "blocks_per_chunk"):
             setattr(self, name, getattr(self.inner, name))
         self.endpoint = str(ours.get("kvscope_endpoint", DEFAULT_ENDPOINT))
-        self.sample_one_in = sample_one_in(ours)
+        self.sample_one_in = sample_one_in(ours) or DEFAULT_SAMPLE_ONE_IN  # bad: warned above
         self.errors = 0
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -176,7 +176,7 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                     blocks_per_chunk=self.blocks_per_chunk, bytes_per_block=self.bytes_per_block,
                     capacity_chunks=int(getattr(self.inner, "num_chunks", 0)),
                     multi_tier=tiering, emitter=emitter,
-                    sample_one_in=self.sample_one_in or DEFAULT_SAMPLE_ONE_IN)
+                    sample_one_in=self.sample_one_in)
                 try:
                     for gap in tiering_blind_spots(self.inner) if tiering else ():
                         log.warning("kvscope vLLM tap: %s", gap)
