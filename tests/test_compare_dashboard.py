@@ -62,7 +62,7 @@ def _capture(directory, ttfts):
         writer.add_request(RequestRecord(
             f"r{i}", f"{i + 1:032x}", "engine", 100.0 + i, prompt_tokens=32, ttft=float(t),
             tokens={"cpu": 16, "recompute": 16}, itl=0.01,
-            transfers=[TransferRecord("cpu", "gpu", 1, 65536, 100.0 + i, 1e-4)]))
+            transfers=(TransferRecord("cpu", "gpu", 1, 65536, 100.0 + i, 1e-4),)))
     writer.close()
     return str(directory)
 

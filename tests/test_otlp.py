@@ -43,14 +43,14 @@ RECORD_A = RequestRecord(
     request_id="req-a", trace_id="4bf92f3577b34da6a3ce929d0e0e4736", source="engine",
     arrival=1_700_000_000.25, prompt_tokens=256, output_tokens=16,
     tokens={"gpu": 64, "cpu": 128, "recompute": 64},
-    transfers=[TransferRecord("cpu", "gpu", 8, 16 * MiB, 1_700_000_000.3125, 0.125),
-               TransferRecord("disk", "cpu", 4, 8 * MiB, 1_700_000_000.1, 0.003)],
+    transfers=(TransferRecord("cpu", "gpu", 8, 16 * MiB, 1_700_000_000.3125, 0.125),
+               TransferRecord("disk", "cpu", 4, 8 * MiB, 1_700_000_000.1, 0.003)),
     ttft=0.5, queueing=0.0625, lookup=0.001, promotion_wait=0.25, prefill=0.125,
     finished=1_700_000_001.0)
 RECORD_B = RequestRecord(  # no ttft: the span ends at `finished`; one failed promotion
     request_id="req-b", trace_id="a3ce929d0e0e47364bf92f3577b34da6", source="vllm",
     arrival=1_700_000_002.0, prompt_tokens=128, tokens={"gpu": 32, "disk": 96},
-    transfers=[TransferRecord("disk", "cpu", 6, 12 * MiB, 1_700_000_002.5, 0.0625, ok=False)],
+    transfers=(TransferRecord("disk", "cpu", 6, 12 * MiB, 1_700_000_002.5, 0.0625, ok=False),),
     finished=1_700_000_002.75)
 
 

@@ -219,3 +219,84 @@ def test_a_sampled_eviction_counts_its_blocks_once_and_stands_for_weight_in_hist
     assert snap.evicted_block_hits["cpu"].counts[0] == 12
     residency = snap.block_residency_seconds["cpu"]
     assert residency.count == 12 and residency.sum == 60.0
+
+
+def _mixed_batch():
+    a = "a" * 32
+    return [
+        ev.TierSnapshot(ts=1.0, tier="cpu", capacity_bytes=100, resident_bytes=0,
+                        capacity_blocks=10, resident_blocks=0),
+        ev.RequestStarted(ts=1.0, request_id="A", prompt_tokens=160, trace_id=a),
+        ev.Lookup(ts=1.0, request_id="A", tokens={"gpu": 64, "cpu": 48, "recompute": 48},
+                  blocks=10, block_hits={"gpu": 4, "cpu": 3}),
+        ev.Lookup(ts=1.0, request_id="B", tokens={"disk": 32, "recompute": 64}, blocks=6,
+                  block_hits={"disk": 2}, prefill_tokens_per_second=1000.0),
+        ev.Lookup(ts=1.0, request_id="C", tokens={"recompute": 80}, blocks=5),
+        ev.Transfer(ts=1.1, src="cpu", dst="gpu", blocks=2, bytes=20, duration=0.002,
+                    request_id="A"),
+        ev.Transfer(ts=1.2, src="disk", dst="cpu", blocks=3, bytes=30, duration=0.0,
+                    timed=False),
+        ev.Transfer(ts=1.3, src="cpu", dst="gpu", blocks=1, bytes=10, duration=0.001, ok=False,
+                    reason="cosmic-ray", request_id="A"),
+        ev.Transfer(ts=1.4, src="cpu", dst="gpu", blocks=4, bytes=40, duration=0.003),
+        ev.Eviction(ts=1.5, tier="gpu", blocks=2, bytes=20, age=1.0, hits=0, offloaded=True),
+        ev.Eviction(ts=1.5, tier="gpu", blocks=1, bytes=10, age=5.0, hits=3, weight=4),
+        ev.Eviction(ts=1.5, tier="cpu", blocks=7, bytes=70, age=0.0, hits=0, reason="cleared",
+                    measured=False),
+        ev.RequestFinished(ts=2.0, request_id="A", ttft=0.5, prompt_tokens=160),
+    ]
+
+
+def test_a_batch_of_mixed_kinds_folds_each_event_by_its_own_fields():
+    """One batch, hand-counted. Tiers known from snapshots: cpu. Lookups cascade top down over
+    the known tiers and those a lookup's hits name:
+    A (10 blocks): gpu 4 hit, 6 miss; cpu 3 hit, 3 miss.
+    B (6 blocks): cpu 0 hit, 6 miss; disk 2 hit, 4 miss (gpu neither known nor named).
+    C (5 blocks): cpu 0 hit, 5 miss.
+    Totals: gpu 4/6, cpu 3/14, disk 2/4. Saved prefill at each lookup's own rate (the
+    pipeline's 10,000 tokens/s when 0): gpu 64/10,000, cpu 48/10,000, disk 32/1,000.
+    Transfers: cpu->gpu 2 + 4 blocks (20 + 40 bytes) timed at 0.002 and 0.003 s, both in the
+    0.005 s bucket, whose exemplar is A's (the 0.003 s one has no request); disk->cpu 3 blocks
+    untimed; the failed one counts under "other". Evictions: gpu capacity 2 + 1 blocks, 1
+    dropped; hits histogram 2 at 0 and 1 x 4 at 3 (sum 12); residency sum 2 x 1 + 4 x 5 = 22;
+    cpu cleared 7, dropped, unmeasured. A's record lists its two transfers in arrival order."""
+    pipeline = Pipeline(prefill_tokens_per_second=10_000.0)
+    pipeline.ingest("e", _mixed_batch())
+    snap = pipeline.snapshot()
+    assert snap.lookup_blocks == {("gpu", "hit"): 4, ("gpu", "miss"): 6, ("cpu", "hit"): 3,
+                                  ("cpu", "miss"): 14, ("disk", "hit"): 2, ("disk", "miss"): 4}
+    assert snap.prompt_tokens == {"gpu": 64, "cpu": 48, "disk": 32, "recompute": 192}
+    assert snap.prefill_seconds_saved == {"gpu": 64 / 10_000, "cpu": 48 / 10_000,
+                                          "disk": 32 / 1_000}
+    assert snap.transfer_bytes == {CPU_GPU: 60, ("disk", "cpu"): 30}
+    assert snap.transfer_blocks == {CPU_GPU: 6, ("disk", "cpu"): 3}
+    assert snap.transfer_failures == {("cpu", "gpu", "other"): 1}
+    hist = snap.transfer_seconds[CPU_GPU]
+    assert list(snap.transfer_seconds) == [CPU_GPU] and hist.count == 2
+    assert hist.counts[hist.buckets.index(0.005)] == 2
+    assert hist.exemplars == {hist.buckets.index(0.005): ("a" * 32, 0.002, 1.1)}
+    assert snap.evicted_blocks == {("gpu", "capacity"): 3, ("cpu", "cleared"): 7}
+    assert snap.dropped_blocks == {"gpu": 1, "cpu": 7}
+    hits = snap.evicted_block_hits["gpu"]
+    assert (hits.counts[0], hits.count, hits.sum) == (2, 6, 12)
+    assert snap.block_residency_seconds["gpu"].sum == 22
+    assert list(snap.evicted_block_hits) == ["gpu"]
+    record = pipeline.requests.get("A")
+    assert [(t.src, t.ok) for t in record.transfers] == [("cpu", True), ("cpu", False)]
+    assert record.tokens == {"gpu": 64, "cpu": 48, "recompute": 48}
+    assert snap.events_received == {"e": 13}
+
+
+def test_folding_a_batch_at_once_equals_folding_its_events_one_at_a_time():
+    batch, one_by_one = Pipeline(), Pipeline()
+    batch.ingest("e", _mixed_batch())
+    for event in _mixed_batch():
+        one_by_one.ingest("e", [event])
+    whole, single = batch.snapshot(), one_by_one.snapshot()
+    for name in ("lookup_blocks", "prompt_tokens", "transfer_bytes", "transfer_blocks",
+                 "transfer_failures", "evicted_blocks", "dropped_blocks", "events_received"):
+        assert getattr(whole, name) == getattr(single, name), name
+    for name in ("transfer_seconds", "evicted_block_hits", "block_residency_seconds"):
+        assert ({k: (h.counts, h.sum, h.exemplars) for k, h in getattr(whole, name).items()}
+                == {k: (h.counts, h.sum, h.exemplars) for k, h in getattr(single, name).items()})
+    assert batch.requests.get("A") == one_by_one.requests.get("A")

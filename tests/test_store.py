@@ -19,7 +19,7 @@ from kvscope.agent.taps.emitter import Emitter
 def _record(i):
     return RequestRecord(f"r{i}", f"{i:032x}", "engine", 1000.0 + i, prompt_tokens=64,
                          tokens={"gpu": 48, "recompute": 16}, ttft=0.05,
-                         transfers=[TransferRecord("cpu", "gpu", 2, 65536, 1000.0 + i, 1e-4)])
+                         transfers=(TransferRecord("cpu", "gpu", 2, 65536, 1000.0 + i, 1e-4),))
 
 
 def test_records_round_trip_and_a_torn_tail_is_ignored(tmp_path):

@@ -99,8 +99,7 @@ class Agent(Worker):
         :class:`~kvscope.agent.config.ConfigError` naming the part that could not start (a
         port or endpoint taken, a directory that cannot be made), with nothing left running."""
         if self.store is not None:
-            for record in self.store.load(self.pipeline.requests.capacity):
-                self.pipeline.requests.add(record)
+            self.pipeline.requests.add(self.store.load(self.pipeline.requests.capacity))
             self.pipeline.subscribe(self.store.add)
         if self.otlp is not None:
             self.pipeline.subscribe(self.otlp.export)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import operator
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from kvscope import events as ev
 from kvscope.agent.requests import RequestAssembler, RequestRecord, RequestTable
@@ -80,13 +82,26 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = self.counts or [0] * (len(self.buckets) + 1)
 
-    def observe(self, value: float, trace_id: str = "", ts: float = 0.0, n: int = 1) -> None:
-        """Count ``n`` observations of ``value``; keep ``trace_id`` as the bucket's exemplar."""
-        i = bisect.bisect_left(self.buckets, value)
-        self.counts[i] += n
-        self.sum += value * n
-        if trace_id:
-            self.exemplars[i] = (trace_id, value, ts)
+    def observe(self, values: Sequence[float], weights: Sequence[int] | None = None,
+                trace_ids: Sequence[str] | None = None, times: Sequence[float] = ()) -> None:
+        """Count ``values``, each ``weights[i]`` times (once without weights). With
+        ``trace_ids`` (and ``times``, Unix seconds, of the same length), each bucket's exemplar
+        becomes its last value observed with a non-empty trace id."""
+        index = list(map(partial(bisect.bisect_left, self.buckets), values))
+        counts = self.counts
+        if weights is None:
+            for i, n in Counter(index).items():
+                counts[i] += n
+            self.sum += sum(values)
+        else:
+            for i, n in zip(index, weights):
+                counts[i] += n
+            self.sum += sum(map(operator.mul, values, weights))
+        if trace_ids:
+            last = dict(zip(itertools.compress(index, trace_ids),
+                            itertools.compress(range(len(index)), trace_ids)))
+            for i, j in last.items():
+                self.exemplars[i] = (trace_ids[j], values[j], times[j])
 
     def add_buckets(self, bounds: list[float], counts: list[int], total: float) -> None:
         """Fold in another histogram's per-bucket ``counts`` (``len(bounds) + 1`` entries, the
@@ -135,6 +150,43 @@ class Snapshot:
 
 def _by_key(counter: Counter, sep: str = "->") -> dict[str, int]:
     return {sep.join(k): v for k, v in counter.items()}
+
+
+# the order kinds are folded in within a batch: a request's start before its lookup,
+# transfers and finish; tier snapshots before lookups, which count misses in the tiers known
+FOLD_ORDER = (ev.RequestStarted, ev.TierSnapshot, ev.Lookup, ev.Transfer, ev.Eviction,
+              ev.LatencyHistogram, ev.RequestFinished)
+
+
+def by_kind(events: Sequence[object]) -> dict[type, list]:
+    """``events`` by kind, each kind's in their order; anything not an event is left out."""
+    groups: dict[type, list] = {kind: [] for kind in FOLD_ORDER}
+    append = {kind: group.append for kind, group in groups.items()}
+    skip = [].append
+    for event in events:
+        append.get(type(event), skip)(event)
+    return groups
+
+
+def _groups(keys: Iterable[Hashable]) -> dict[Hashable, Sequence[int]]:
+    """Indices of equal keys, {key: indices} in order."""
+    keys = list(keys)
+    if keys.count(keys[0]) == len(keys):  # the common case: a batch's events alike
+        return {keys[0]: range(len(keys))}
+    out: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(keys):
+        out.setdefault(key, []).append(i)
+    return out
+
+
+_TIER, _TOKENS, _BLOCK_HITS = (operator.attrgetter(f) for f in ("tier", "tokens", "block_hits"))
+_TS, _BYTES, _BLOCKS = (operator.attrgetter(f) for f in ("ts", "bytes", "blocks"))
+_DURATION, _HITS, _AGE, _WEIGHT = (operator.attrgetter(f)
+                                   for f in ("duration", "hits", "age", "weight"))
+_TTFT, _TRACE_ID, _FINISHED, _PROMOTION_WAIT = (
+    operator.attrgetter(f) for f in ("ttft", "trace_id", "finished", "promotion_wait"))
+_TRANSFER_KEY = operator.attrgetter("src", "dst", "ok", "timed")
+_EVICTION_KEY = operator.attrgetter("tier", "reason", "offloaded", "measured")
 
 
 class Pipeline:
@@ -191,10 +243,11 @@ class Pipeline:
         # Histogram counts at the last ``quantile_window`` samples, oldest first: the samples'
         # percentiles cover the observations since the oldest (like PromQL rate()[60s]).
         self._hist_ring: deque[dict] = deque(maxlen=max(quantile_window, 1))
-        self._handlers = {ev.RequestStarted: self._on_started, ev.Lookup: self._on_lookup,
-                          ev.Transfer: self._on_transfer, ev.Eviction: self._on_eviction,
-                          ev.TierSnapshot: self._on_snapshot, ev.RequestFinished: self._on_finished,
-                          ev.LatencyHistogram: self._on_latency_histogram}
+        self._folds = ((ev.RequestStarted, self._fold_started),
+                       (ev.TierSnapshot, self._fold_snapshots), (ev.Lookup, self._fold_lookups),
+                       (ev.Transfer, self._fold_transfers), (ev.Eviction, self._fold_evictions),
+                       (ev.LatencyHistogram, self._fold_latency_histograms),
+                       (ev.RequestFinished, self._fold_finished))
 
     def subscribe(self, listener: Callable[[RequestRecord], None]) -> None:
         """Call ``listener`` with each finished request, on the ingesting or the sampling
@@ -207,26 +260,23 @@ class Pipeline:
         The capture sink records block accesses from these."""
         self._lookup_listeners.append(listener)
 
-    def ingest(self, source: str, events: Iterable[object], scope: str | None = None) -> None:
+    def ingest(self, source: str, events: Sequence[object], scope: str | None = None) -> None:
         """Fold ``events`` from emitter ``source`` into the state. ``scope``: the source whose
-        requests the events' request ids name, when that is another source (see the class)."""
+        requests the events' request ids name, when that is another source (see the class).
+
+        A batch is folded kind by kind (see :func:`by_kind`), so the per-event work is a few
+        C-level passes over each kind's fields rather than one dispatch per event.
+        """
+        groups = by_kind(events)
         finished: list[RequestRecord] = []
-        lookups: list[ev.Lookup] = []
-        watch = bool(self._lookup_listeners)
-        handlers = self._handlers
         scope = scope or source
         with self._lock:
             if scope != source:
                 self._join(scope, self._join_window)
-            n = 0
-            for event in events:
-                handler = handlers.get(type(event))
-                if handler is not None:
-                    handler(scope, event, finished)
-                    if watch and type(event) is ev.Lookup:
-                        lookups.append(event)
-                n += 1
-            self._received[source] += n
+            for kind, fold in self._folds:
+                if groups[kind]:
+                    fold(scope, groups[kind], finished)
+            self._received[source] += len(events)
             ready = finished
             window = self._joined.get(scope)
             if finished and window is not None:
@@ -236,11 +286,11 @@ class Pipeline:
                 ready = []
             if self._settling:
                 ready = ready + self._settled()
-        for lookup in lookups:
+        for lookup in groups[ev.Lookup] if self._lookup_listeners else ():
             for on_lookup in self._lookup_listeners:
                 on_lookup(source, lookup)
-        for record in finished:
-            self.requests.add(record)
+        if finished:
+            self.requests.add(finished)
         self._notify(ready)
 
     def join(self, source: str, window: float) -> None:
@@ -292,79 +342,103 @@ class Pipeline:
         with self._lock:
             self._source_info[source] = (engine[:64], model[:64])
 
-    # One handler per event kind, called under the lock: (source whose request the event is
-    # about, event, finished records).
+    # One fold per event kind, called under the lock: (source whose requests the events are
+    # about, that kind's events of one batch in arrival order, finished records).
 
-    def _on_started(self, source: str, event: ev.RequestStarted, finished: list) -> None:
-        self._assembler.started(source, event)
+    def _fold_started(self, source: str, events: list[ev.RequestStarted],
+                      finished: list) -> None:
+        self._assembler.started(source, events)
 
-    def _on_lookup(self, source: str, event: ev.Lookup, finished: list) -> None:
-        self._assembler.lookup(source, event)
-        rate = event.prefill_tokens_per_second or self._prefill_rate
-        for src, tokens in event.tokens.items():
-            self._prompt_tokens[src] += tokens
-            if src != "recompute":
-                self._saved[src] += tokens / rate
-        self._count_lookups(event)
+    def _fold_snapshots(self, source: str, events: list[ev.TierSnapshot],
+                        finished: list) -> None:
+        self._tiers.update(zip(map(_TIER, events), events))
 
-    def _on_transfer(self, source: str, event: ev.Transfer, finished: list) -> None:
-        trace_id = self._assembler.transfer(source, event)
-        key = (event.src, event.dst)
-        if not event.ok:
-            reason = event.reason if event.reason in FAILURE_REASONS else "other"
-            self._transfer_failures[(*key, reason)] += 1
-            return
-        self._transfer_bytes[key] += event.bytes
-        self._transfer_blocks[key] += event.blocks
-        if not event.timed:  # seen, not timed: its duration is no measurement
-            return
-        hist = self._transfer_seconds.get(key)
-        if hist is None:
-            hist = self._transfer_seconds[key] = Histogram(TRANSFER_SECONDS_BUCKETS)
-        hist.observe(event.duration, trace_id, event.ts)
-
-    def _on_eviction(self, source: str, event: ev.Eviction, finished: list) -> None:
-        tier = event.tier
-        self._evicted_blocks[(tier, event.reason)] += event.blocks
-        if not event.offloaded:
-            self._dropped_blocks[tier] += event.blocks
-        if not event.measured:  # the source cannot see age and hits
-            return
-        hits = self._evicted_hits.get(tier)
-        if hits is None:
-            hits = self._evicted_hits[tier] = Histogram(EVICTED_HITS_BUCKETS)
-            self._residency[tier] = Histogram(RESIDENCY_SECONDS_BUCKETS)
-        n = event.blocks * event.weight
-        hits.observe(event.hits, n=n)
-        self._residency[tier].observe(event.age, n=n)
-
-    def _on_snapshot(self, source: str, event: ev.TierSnapshot, finished: list) -> None:
-        self._tiers[event.tier] = event
-
-    def _on_latency_histogram(self, source: str, event: ev.LatencyHistogram,
-                              finished: list) -> None:
-        if len(event.counts) == len(event.bounds) + 1:  # else malformed: nothing to fold in
-            self._ttft.add_buckets(event.bounds, event.counts, event.sum)
-
-    def _on_finished(self, source: str, event: ev.RequestFinished, finished: list) -> None:
-        record = self._assembler.finished(source, event, remember=source in self._joined)
-        if record is None:  # the request had finished already: its record was completed
-            return
-        finished.append(record)
-        self._requests += 1
-        self._ttft.observe(event.ttft, record.trace_id, event.ts)
-        self._promotion_wait.observe(event.promotion_wait)
-        self._recent_ttft.append(event.ttft)
-
-    def _count_lookups(self, event: ev.Lookup) -> None:
-        remaining = event.blocks
+    def _fold_lookups(self, source: str, events: list[ev.Lookup], finished: list) -> None:
+        self._assembler.lookups(source, events)
+        rates = [event.prefill_tokens_per_second or self._prefill_rate for event in events]
+        tokens = list(map(_TOKENS, events))
+        for src in ev.TOKEN_SOURCES:
+            counts = list(map(operator.methodcaller("get", src, 0), tokens))
+            total = sum(counts)
+            if total:
+                self._prompt_tokens[src] += total
+                if src != "recompute":
+                    self._saved[src] += sum(map(operator.truediv, counts, rates))
+        # Each block counts as a hit in the first tier, top down, that held it, and as a miss
+        # in each tier the engine has above that one. A lookup's tiers are those seen in
+        # snapshots and those its hits name.
+        block_hits = list(map(_BLOCK_HITS, events))
+        remaining = list(map(_BLOCKS, events))
         for tier in TIER_ORDER:
-            if remaining <= 0 or (tier not in self._tiers and tier not in event.block_hits):
+            if not any(remaining):
+                break
+            counted = None if tier in self._tiers else list(
+                map(operator.contains, block_hits, itertools.repeat(tier)))
+            if counted is not None and not any(itertools.compress(remaining, counted)):
                 continue
-            hits = min(event.block_hits.get(tier, 0), remaining)
-            self._lookup_blocks[(tier, "hit")] += hits
-            self._lookup_blocks[(tier, "miss")] += remaining - hits
-            remaining -= hits
+            hits = list(map(min, map(operator.methodcaller("get", tier, 0), block_hits),
+                            remaining))
+            remaining = list(map(operator.sub, remaining, hits))
+            self._lookup_blocks[(tier, "hit")] += sum(hits)
+            self._lookup_blocks[(tier, "miss")] += sum(
+                remaining if counted is None else itertools.compress(remaining, counted))
+
+    def _fold_transfers(self, source: str, events: list[ev.Transfer], finished: list) -> None:
+        trace_ids = self._assembler.transfers(source, events)
+        for (src, dst, ok, timed), indices in _groups(map(_TRANSFER_KEY, events)).items():
+            group = [events[i] for i in indices]
+            key = (src, dst)
+            if not ok:
+                for event in group:
+                    reason = event.reason if event.reason in FAILURE_REASONS else "other"
+                    self._transfer_failures[(src, dst, reason)] += 1
+                continue
+            self._transfer_bytes[key] += sum(map(_BYTES, group))
+            self._transfer_blocks[key] += sum(map(_BLOCKS, group))
+            if not timed:  # seen, not timed: its duration is no measurement
+                continue
+            hist = self._transfer_seconds.get(key)
+            if hist is None:
+                hist = self._transfer_seconds[key] = Histogram(TRANSFER_SECONDS_BUCKETS)
+            hist.observe(list(map(_DURATION, group)), trace_ids=[trace_ids[i] for i in indices],
+                         times=list(map(_TS, group)))
+
+    def _fold_evictions(self, source: str, events: list[ev.Eviction], finished: list) -> None:
+        for (tier, reason, offloaded, measured), indices in _groups(
+                map(_EVICTION_KEY, events)).items():
+            group = [events[i] for i in indices]
+            blocks = list(map(_BLOCKS, group))
+            self._evicted_blocks[(tier, reason)] += sum(blocks)
+            if not offloaded:
+                self._dropped_blocks[tier] += sum(blocks)
+            if not measured:  # the source cannot see age and hits
+                continue
+            hits = self._evicted_hits.get(tier)
+            if hits is None:
+                hits = self._evicted_hits[tier] = Histogram(EVICTED_HITS_BUCKETS)
+                self._residency[tier] = Histogram(RESIDENCY_SECONDS_BUCKETS)
+            weights = list(map(operator.mul, blocks, map(_WEIGHT, group)))
+            hits.observe(list(map(_HITS, group)), weights)
+            self._residency[tier].observe(list(map(_AGE, group)), weights)
+
+    def _fold_latency_histograms(self, source: str, events: list[ev.LatencyHistogram],
+                                 finished: list) -> None:
+        for event in events:
+            if len(event.counts) == len(event.bounds) + 1:  # else malformed: nothing to fold
+                self._ttft.add_buckets(event.bounds, event.counts, event.sum)
+
+    def _fold_finished(self, source: str, events: list[ev.RequestFinished],
+                       finished: list) -> None:
+        records = self._assembler.finished(source, events, remember=source in self._joined)
+        if not records:  # the requests had finished already: their records were completed
+            return
+        finished += records
+        self._requests += len(records)
+        ttfts = list(map(_TTFT, records))
+        self._ttft.observe(ttfts, trace_ids=list(map(_TRACE_ID, records)),
+                           times=list(map(_FINISHED, records)))
+        self._promotion_wait.observe(list(map(_PROMOTION_WAIT, records)))
+        self._recent_ttft.extend(ttfts)
 
     def snapshot(self) -> Snapshot:
         """A consistent copy of the aggregated state."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -43,7 +44,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     prompt_tokens: int = 0
     output_tokens: int = 0
     tokens: dict[str, int] = {}
-    transfers: list[TransferRecord] = []
+    transfers: tuple[TransferRecord, ...] = ()
     ttft: float | None = None
     queueing: float = 0.0
     lookup: float = 0.0
@@ -55,7 +56,7 @@ class RequestRecord(msgspec.Struct, gc=False):
 
 def new_trace_id() -> str:
     """A random, non-zero W3C trace id: 16 bytes as 32 lowercase hex characters."""
-    return f"{random.getrandbits(128) | 1:032x}"
+    return (random.getrandbits(128) | 1).to_bytes(16, "big").hex()
 
 
 # what a second finish of one request may fill in (see RequestAssembler.finished)
@@ -63,7 +64,8 @@ _FINISH_PARTS = ("output_tokens", "queueing", "lookup", "promotion_wait", "prefi
 
 
 class RequestAssembler:
-    """Builds :class:`RequestRecord` s from events, one method per event kind.
+    """Builds :class:`RequestRecord` s from events, one method per event kind, each taking one
+    source's events of that kind in arrival order (the pipeline folds a batch kind by kind).
 
     ``max_inflight``: requests started but not finished that are kept; beyond it the oldest
     is abandoned and counted in ``abandoned`` (a bound against engines that never finish).
@@ -78,66 +80,91 @@ class RequestAssembler:
         self._recent: OrderedDict[tuple[str, str], RequestRecord] = OrderedDict()
         self._max_recent = max_recent
 
-    def _open(self, source: str, request_id: str, ts: float, trace_id: str = "") -> RequestRecord:
-        record = self._inflight.get((source, request_id))
+    def _open(self, source: str, request_id: str, ts: float) -> RequestRecord:
+        key = (source, request_id)
+        record = self._inflight.get(key)
         if record is None:
-            record = RequestRecord(request_id, trace_id or new_trace_id(), source, ts)
-            self._inflight[(source, request_id)] = record
-            if len(self._inflight) > self._max:
-                self._inflight.popitem(last=False)
-                self.abandoned += 1
+            record = self._inflight[key] = RequestRecord(request_id, new_trace_id(), source, ts)
+            self._bound()
         return record
 
-    def started(self, source: str, event: ev.RequestStarted) -> None:
-        record = self._open(source, event.request_id, event.ts, event.trace_id)
-        # another emitter's event may have opened the record first: arrival and trace id are
-        # the start's
-        record.prompt_tokens, record.arrival = event.prompt_tokens, event.ts
-        if event.trace_id:
-            record.trace_id = event.trace_id
+    def _bound(self) -> None:
+        inflight = self._inflight
+        while len(inflight) > self._max:
+            inflight.popitem(last=False)
+            self.abandoned += 1
 
-    def lookup(self, source: str, event: ev.Lookup) -> None:
-        if event.request_id:
-            self._open(source, event.request_id, event.ts).tokens = event.tokens
+    def started(self, source: str, events: Sequence[ev.RequestStarted]) -> None:
+        inflight = self._inflight
+        for event in events:
+            key = (source, event.request_id)
+            record = inflight.get(key)
+            if record is None:
+                inflight[key] = RequestRecord(event.request_id,
+                                              event.trace_id or new_trace_id(), source,
+                                              event.ts, event.prompt_tokens)
+                continue
+            # another emitter's event opened the record first: arrival and trace id are the
+            # start's
+            record.prompt_tokens, record.arrival = event.prompt_tokens, event.ts
+            if event.trace_id:
+                record.trace_id = event.trace_id
+        self._bound()
 
-    def transfer(self, source: str, event: ev.Transfer) -> str:
-        """Attach a transfer to its request; return the request's trace id ("" for none)."""
-        if not event.request_id:
-            return ""
-        key = (source, event.request_id)
-        record = (self._inflight.get(key) or self._recent.get(key)
-                  or self._open(source, event.request_id, event.ts))
-        record.transfers.append(TransferRecord(event.src, event.dst, event.blocks, event.bytes,
-                                               event.ts, event.duration, event.ok))
-        return record.trace_id
+    def lookups(self, source: str, events: Sequence[ev.Lookup]) -> None:
+        for event in events:
+            if event.request_id:
+                self._open(source, event.request_id, event.ts).tokens = event.tokens
 
-    def finished(self, source: str, event: ev.RequestFinished,
-                 remember: bool = False) -> RequestRecord | None:
-        """Complete and return the request's record. ``remember``: keep it (the newest
-        ``max_recent``) so that what other sources send later still joins it: a transfer, or a
-        second finish of the same request (vLLM's span and the tap, whichever comes second),
-        which only fills the parts the first left at 0 and returns None (not a new request)."""
-        key = (source, event.request_id)
-        record = self._inflight.pop(key, None)
-        if record is None and key in self._recent:
-            record = self._recent[key]
-            for part in _FINISH_PARTS:
-                if not getattr(record, part):
-                    setattr(record, part, getattr(event, part))
-            return None
-        record = record or RequestRecord(event.request_id, new_trace_id(), source,
-                                         event.ts - event.ttft)
-        record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
-        record.output_tokens = event.output_tokens
-        record.ttft, record.finished = event.ttft, event.ts
-        record.queueing, record.lookup = event.queueing, event.lookup
-        record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
-        record.itl = event.itl
-        if remember:
-            self._recent[key] = record
-            if len(self._recent) > self._max_recent:
-                self._recent.popitem(last=False)
-        return record
+    def transfers(self, source: str, events: Sequence[ev.Transfer]) -> list[str]:
+        """Attach transfers to their requests; return each one's trace id ("" for none)."""
+        inflight, recent = self._inflight, self._recent
+        trace_ids = []
+        for event in events:
+            if not event.request_id:
+                trace_ids.append("")
+                continue
+            key = (source, event.request_id)
+            record = (inflight.get(key) or recent.get(key)
+                      or self._open(source, event.request_id, event.ts))
+            record.transfers += (TransferRecord(event.src, event.dst, event.blocks, event.bytes,
+                                                event.ts, event.duration, event.ok),)
+            trace_ids.append(record.trace_id)
+        return trace_ids
+
+    def finished(self, source: str, events: Sequence[ev.RequestFinished],
+                 remember: bool = False) -> list[RequestRecord]:
+        """Complete and return the requests' records. ``remember``: keep them (the newest
+        ``max_recent``) so that what other sources send later still joins them: a transfer,
+        or a second finish of the same request (vLLM's span and the tap, whichever comes
+        second), which only fills the parts the first left at 0 and returns no record (it is
+        not a new request)."""
+        inflight, recent = self._inflight, self._recent
+        records = []
+        for event in events:
+            key = (source, event.request_id)
+            record = inflight.pop(key, None)
+            if record is None:
+                if key in recent:
+                    record = recent[key]
+                    for part in _FINISH_PARTS:
+                        if not getattr(record, part):
+                            setattr(record, part, getattr(event, part))
+                    continue
+                record = RequestRecord(event.request_id, new_trace_id(), source,
+                                       event.ts - event.ttft)
+            record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
+            record.output_tokens = event.output_tokens
+            record.ttft, record.finished = event.ttft, event.ts
+            record.queueing, record.lookup = event.queueing, event.lookup
+            record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
+            record.itl = event.itl
+            records.append(record)
+            if remember:
+                recent[key] = record
+        while len(recent) > self._max_recent:
+            recent.popitem(last=False)
+        return records
 
 
 SORT_KEYS = ("finished", "arrival", "ttft", "prompt_tokens", "promotion_wait")
@@ -151,12 +178,15 @@ class RequestTable:
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()
         self.capacity = capacity
 
-    def add(self, record: RequestRecord) -> None:
+    def add(self, records: Iterable[RequestRecord]) -> None:
+        """Add finished ``records`` (the newest last); a known id's record moves to the end."""
         with self._lock:
-            self._records[record.request_id] = record
-            self._records.move_to_end(record.request_id)
-            while len(self._records) > self.capacity:
-                self._records.popitem(last=False)
+            table = self._records
+            for record in records:
+                table[record.request_id] = record
+                table.move_to_end(record.request_id)
+            while len(table) > self.capacity:
+                table.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._records)
