@@ -93,7 +93,12 @@ def test_bearer_token_guards_the_api_but_not_metrics():
         assert c.get("/api/v1/summary").status_code == 401
         assert c.get("/api/v1/summary", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert c.get("/api/v1/summary", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        # the scheme is case-insensitive (RFC 9110, section 11.1); the token is not
+        assert c.get("/api/v1/summary", headers={"Authorization": "bearer s3cret"}).status_code == 200
+        assert c.get("/api/v1/summary", headers={"Authorization": "Bearer S3CRET"}).status_code == 401
         assert c.get("/metrics").status_code == 200
+        schemes = c.get("/openapi.json").json()["components"]["securitySchemes"]
+        assert [s["scheme"] for s in schemes.values()] == ["bearer"]
 
 
 def test_request_bodies_are_bounded():

@@ -155,3 +155,16 @@ def test_a_token_protects_the_receiver_too():
         assert client.post("/v1/traces", content=protobuf_body(), headers=headers).status_code == 401
         assert client.post("/v1/traces", content=protobuf_body(), headers={
             **headers, "authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_a_chunked_body_over_the_limit_is_refused_without_a_declared_length():
+    """A chunked POST declares no Content-Length for the middleware to check: the receiver
+    stops reading once the body passes the limit (64 chunks of 1 KiB against 16 KiB)."""
+    agent = Agent(AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}}))
+    chunks = (b"\0" * 1024 for _ in range(64))
+    with TestClient(create_app(agent, max_body_bytes=16 << 10)) as client:
+        response = client.post("/v1/traces", content=chunks,
+                               headers={"content-type": "application/x-protobuf"})
+        assert response.status_code == 413
+        assert client.post("/v1/traces", content=protobuf_body(), headers={
+            "content-type": "application/x-protobuf"}).status_code == 200

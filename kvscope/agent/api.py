@@ -3,8 +3,9 @@
 ``/metrics`` (Prometheus text, or OpenMetrics with exemplars when asked), ``/healthz``,
 ``/readyz``, and under ``/api/v1``: ``summary``, ``timeseries``, ``requests``,
 ``requests/{id}``. OpenAPI at ``/openapi.json`` and ``/docs``. With a token configured,
-``/api`` needs ``Authorization: Bearer <token>``. Request bodies over ``max_body_bytes`` are
-refused with 413, and list sizes are bounded.
+``/api`` and ``/v1/traces`` need ``Authorization: Bearer <token>`` (declared in the OpenAPI
+document, so ``/docs`` can send it). Request bodies over ``max_body_bytes`` are refused with 413,
+whether their length is declared or they come chunked, and list sizes are bounded.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import msgspec
 import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
@@ -47,24 +49,42 @@ def _json(value) -> Response:
     return Response(msgspec.json.encode(value), media_type="application/json")
 
 
+class BodyTooLarge(Exception):
+    """A request body over the limit (answered with 413)."""
+
+
+async def bounded_body(request: Request, limit: int) -> bytes:
+    """The request's body, read as it arrives; raises :class:`BodyTooLarge` as soon as it
+    passes ``limit`` bytes (a chunked body declares no length for the middleware to check)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge()
+    return bytes(body)
+
+
 def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
     """The FastAPI app serving ``agent``. The caller owns the agent's start and shutdown."""
     app = FastAPI(title="kvscope agent", version=__version__,
                   description="KV-cache offload observability: metrics, requests, time series.")
     token = agent.settings.token
+    too_large = {"detail": f"request body over {max_body_bytes} bytes"}
 
     @app.middleware("http")
     async def bound_body(request: Request, call_next):
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return JSONResponse({"detail": f"request body over {max_body_bytes} bytes"}, 413)
+            return JSONResponse(too_large, 413)
         return await call_next(request)
 
-    def authorize(request: Request) -> None:
+    bearer = HTTPBearer(auto_error=False, description="the agent's `token` setting")
+
+    def authorize(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if token is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(),
+                                                          token.encode()):
             raise HTTPException(401, "missing or wrong bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
 
@@ -86,8 +106,11 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             """OTLP/HTTP trace export (protobuf or JSON); see ``agent/sources/otlp_receiver.py``."""
             content_type = request.headers.get("content-type", "")
             try:
-                spans = otlp_in.parse(await request.body(), content_type,
+                body = await bounded_body(request, max_body_bytes)
+                spans = otlp_in.parse(body, content_type,
                                       request.headers.get("content-encoding", ""))
+            except BodyTooLarge:
+                return JSONResponse(too_large, 413)
             except otlp_in.OtlpError as exc:
                 return JSONResponse({"detail": str(exc)}, exc.status)
             receiver.handle(spans)
