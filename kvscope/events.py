@@ -11,11 +11,14 @@ Tiers are ``gpu``, ``cpu``, ``disk``, ``remote``; a prompt token's source is ``g
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Union
 
 import msgspec
 
 SCHEMA_VERSION = 1
+# What a batch's ``source`` (and ``scope``) may be: it becomes a metric label value.
+SOURCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 Tier = Literal["gpu", "cpu", "disk", "remote"]
 TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
@@ -214,9 +217,10 @@ def decode_batch(data: bytes) -> Batch:
     try:
         batch = _decoder.decode(data)
     except msgspec.ValidationError as exc:
-        version = _version_of(data)
-        if version is not None and version != SCHEMA_VERSION:
-            raise SchemaError(f"schema version {version}, expected {SCHEMA_VERSION}", "version") from exc
+        header = read_header(data)  # a future schema may have changed the events
+        if header is not None and header.version != SCHEMA_VERSION:
+            raise SchemaError(f"schema version {header.version}, expected {SCHEMA_VERSION}",
+                              "version") from exc
         raise SchemaError(str(exc), "invalid") from exc
     except msgspec.DecodeError as exc:
         raise SchemaError(str(exc), "malformed") from exc
@@ -225,14 +229,26 @@ def decode_batch(data: bytes) -> Batch:
     return batch
 
 
-class _Versioned(msgspec.Struct):
+class BatchHeader(msgspec.Struct):
+    """What can be read of a batch whose events do not decode: its version, sender and sequence
+    (for drop accounting), and how many events it carried. ``events``: each undecoded."""
+
     version: int
+    source: str = ""
+    seq: int = 0
+    events: list[msgspec.Raw] = []
+    session: str = ""
+    dropped: int = 0
 
 
-def _version_of(data: bytes) -> int | None:
-    """The version field of a batch whose events do not decode (a future schema may have
-    changed them), or None when even that is unreadable."""
+_header_decoder = msgspec.msgpack.Decoder(BatchHeader)
+
+
+def read_header(data: bytes) -> BatchHeader | None:
+    """The header of a batch that :func:`decode_batch` refused (a future schema, an invalid
+    field, or one over a size limit), or None when even that is unreadable."""
     try:
-        return msgspec.msgpack.decode(data, type=_Versioned).version
+        return _header_decoder.decode(data)
     except msgspec.DecodeError:
         return None
+

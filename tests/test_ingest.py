@@ -152,10 +152,14 @@ def test_an_event_that_breaks_the_encoder_is_dropped_and_the_emitter_keeps_sendi
 
 
 def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp_path):
+    """Drops count the events lost where the batch's header can be read: 2 in the future
+    version's batch, 1 with an unknown tier, 1,500 over the size limit, 1 from a bad source
+    name; the random bytes and the truncated batch cannot be read, 1 each. Total 1,506."""
     endpoint = _endpoint(tmp_path)
     good = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=0,
                                     events=[_lookup(0)]))
-    wrong_version = ev.encode_batch(ev.Batch(version=99, source="engine", seq=0, events=[]))
+    wrong_version = ev.encode_batch(ev.Batch(version=99, source="engine", seq=0,
+                                             events=[_lookup(0), _lookup(1)]))
     unknown_tier = msgspec.msgpack.encode({
         "version": ev.SCHEMA_VERSION, "source": "engine", "seq": 1, "events": [
             {"kind": "eviction", "ts": 0.0, "tier": "nvme", "blocks": 1, "bytes": 1, "age": 0.0,
@@ -168,12 +172,50 @@ def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp
     # 0xc1 is the one byte msgpack never uses, so these random bytes are surely malformed
     _push(endpoint, b"\xc1" + os.urandom(299), good[:-5], wrong_version, unknown_tier, too_large, bad_name,
           good)
-    expected = {("ingest", "malformed"): 2, ("ingest", "version"): 1, ("ingest", "invalid"): 1,
-                ("ingest", "too_large"): 1, ("ingest", "bad_source"): 1}
+    expected = {("ingest", "malformed"): 2, ("ingest", "version"): 2, ("ingest", "invalid"): 1,
+                ("ingest", "too_large"): 1500, ("ingest", "bad_source"): 1}
     assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 1
-                 and sum(source.pipeline.snapshot().events_dropped.values()) == 6)
+                 and sum(source.pipeline.snapshot().events_dropped.values()) == 1506)
     assert source.pipeline.snapshot().events_dropped == expected
     assert source.pipeline.snapshot().source_up == {"ingest": True}
+
+
+def _batch(seq, session, dropped=0, version=ev.SCHEMA_VERSION, events=1):
+    return ev.encode_batch(ev.Batch(version=version, source="engine", seq=seq, session=session,
+                                    dropped=dropped, events=[_lookup(i) for i in range(events)]))
+
+
+def test_a_refused_batch_is_not_counted_again_as_a_gap():
+    """seq 0 arrives, seq 1 is in a future schema (3 events), seq 2 arrives: 3 events dropped
+    for the version, no gap."""
+    pipeline = Pipeline()
+    ingest = IngestSource(pipeline)
+    for data in (_batch(0, "a"), _batch(1, "a", version=99, events=3), _batch(2, "a")):
+        ingest.handle(data)
+    assert pipeline.snapshot().events_dropped == {("ingest", "version"): 3}
+
+
+def test_two_emitters_sharing_a_source_name_keep_their_own_counts(caplog):
+    """Emitters a and b both send as "engine", interleaved, each with its own sequence and
+    cumulative drops (a: 5 then 7, b: 100 then 100): drops are 7 + 100 = 107, no gap (a's
+    seq 3 after 1 is one missing batch: 1 gap), and one warning names the source."""
+    pipeline = Pipeline()
+    ingest = IngestSource(pipeline)
+    for data in (_batch(0, "a", 5), _batch(0, "b", 100), _batch(1, "a", 7), _batch(1, "b", 100),
+                 _batch(3, "a", 7), _batch(2, "b", 100)):
+        ingest.handle(data)
+    assert pipeline.snapshot().events_dropped == {("engine", "emitter_buffer"): 107,
+                                                  ("engine", "gap"): 1}
+    assert [r.getMessage() for r in caplog.records].count(
+        "kvscope ingest: two emitters send as source 'engine'; give each tap its own source "
+        "name (their request ids and series are merged)") == 1
+
+
+def test_an_emitter_refuses_a_source_name_the_agent_would_drop(tmp_path):
+    with pytest.raises(ValueError, match="lowercase word"):
+        Emitter(_endpoint(tmp_path), source="engA")
+    with pytest.raises(ValueError, match="scope"):
+        Emitter(_endpoint(tmp_path), source="worker", scope="Sched")
 
 
 _FUZZ = Pipeline()

@@ -300,3 +300,17 @@ def test_folding_a_batch_at_once_equals_folding_its_events_one_at_a_time():
         assert ({k: (h.counts, h.sum, h.exemplars) for k, h in getattr(whole, name).items()}
                 == {k: (h.counts, h.sum, h.exemplars) for k, h in getattr(single, name).items()})
     assert batch.requests.get("A") == one_by_one.requests.get("A")
+
+
+def test_a_worker_tap_first_heard_after_a_request_finished_still_joins_its_transfer():
+    """The scheduler's request s1 finishes before the agent has heard anything from the worker
+    tap (so nothing told it to wait for joins); the worker's load for s1 comes next and still
+    lands in s1's record."""
+    pipeline = Pipeline()
+    pipeline.ingest("sched", [
+        ev.RequestStarted(ts=1.0, request_id="s1", prompt_tokens=64),
+        ev.RequestFinished(ts=1.5, request_id="s1", ttft=0.5, prompt_tokens=64)])
+    pipeline.ingest("worker0", [ev.Transfer(ts=1.1, src="cpu", dst="gpu", blocks=2, bytes=20,
+                                            duration=0.01, request_id="s1")], scope="sched")
+    assert [t.blocks for t in pipeline.requests.get("s1").transfers] == [2]
+    assert pipeline.snapshot().requests == 1

@@ -429,7 +429,7 @@ class Pipeline:
 
     def _fold_finished(self, source: str, events: list[ev.RequestFinished],
                        finished: list) -> None:
-        records = self._assembler.finished(source, events, remember=source in self._joined)
+        records = self._assembler.finished(source, events, joined=source in self._joined)
         if not records:  # the requests had finished already: their records were completed
             return
         finished += records

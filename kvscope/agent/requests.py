@@ -133,19 +133,20 @@ class RequestAssembler:
         return trace_ids
 
     def finished(self, source: str, events: Sequence[ev.RequestFinished],
-                 remember: bool = False) -> list[RequestRecord]:
-        """Complete and return the requests' records. ``remember``: keep them (the newest
-        ``max_recent``) so that what other sources send later still joins them: a transfer,
-        or a second finish of the same request (vLLM's span and the tap, whichever comes
-        second), which only fills the parts the first left at 0 and returns no record (it is
-        not a new request)."""
+                 joined: bool = False) -> list[RequestRecord]:
+        """Complete and return the requests' records, and keep the newest ``max_recent`` of them
+        so that another source's transfers sent later still join them (a worker tap may send
+        its first batch after the scheduler's requests finished). ``joined``: ``source``'s
+        requests are also finished by another source (vLLM's span and the tap, whichever comes
+        second): a second finish of a kept record only fills the parts the first left at 0 and
+        returns no record (it is not a new request)."""
         inflight, recent = self._inflight, self._recent
         records = []
         for event in events:
             key = (source, event.request_id)
             record = inflight.pop(key, None)
             if record is None:
-                if key in recent:
+                if joined and key in recent:
                     record = recent[key]
                     for part in _FINISH_PARTS:
                         if not getattr(record, part):
@@ -160,8 +161,7 @@ class RequestAssembler:
             record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
             record.itl = event.itl
             records.append(record)
-            if remember:
-                recent[key] = record
+            recent[key] = record
         while len(recent) > self._max_recent:
             recent.popitem(last=False)
         return records

@@ -128,7 +128,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _counter("kvscope_events_received_total", "kvscope events the agent accepted, by source.",
              ["source"]),
     _counter("kvscope_events_dropped_total",
-             "kvscope events the agent (or a tap's emitter) dropped, by source and reason.",
+             "kvscope events the agent (or a tap's emitter) dropped, by source and reason "
+             "(reason gap counts missing batches).",
              ["source", "reason"]),
     _gauge("kvscope_source_up", "1 when a source is delivering, 0 when it is failing.",
            ["source"]),

@@ -3,24 +3,32 @@
 Every batch is checked before it reaches the pipeline; whatever fails is counted in
 ``kvscope_events_dropped_total{source, reason}`` and dropped, and the source keeps running:
 
-- ``too_large``: a batch over ``max_batch_bytes`` (counted as one event: its content is unread;
-  past four times the limit ZMQ itself refuses the message and resets that connection, so a
-  runaway sender can never make the agent hold a huge message);
-- ``malformed`` / ``invalid`` / ``version``: see :class:`kvscope.events.SchemaError` (one event);
-- ``bad_source``: a source name (or ``scope``) that is not a short lowercase word, or one more
-  distinct source than ``max_sources`` (labels stay bounded);
+- ``too_large``: a batch over ``max_batch_bytes`` (past four times the limit ZMQ itself
+  refuses the message and resets that connection, so a runaway sender can never make the
+  agent hold a huge message);
+- ``malformed`` / ``invalid`` / ``version``: see :class:`kvscope.events.SchemaError`;
+- ``bad_source``: a source name (or ``scope``) that is not a short lowercase word
+  (:data:`kvscope.events.SOURCE_NAME`), or one more distinct source than ``max_sources``
+  (labels stay bounded); logged once per name;
 - ``emitter_buffer``: events an emitter reports it dropped (``Batch.dropped`` deltas);
-- ``gap``: batches missing from an emitter's sequence (one per missing batch) after the first
-  batch this agent received from that emitter (an agent restarted mid-stream joins it there).
+- ``gap``: batches missing from an emitter's sequence after the first batch this agent received
+  from that emitter (an agent restarted mid-stream joins it there).
+
+Each counts the events lost, except ``gap``, which counts batches (their events are unknown),
+and a ``malformed`` or ``too_large`` message whose header cannot be read, which counts one. A
+refused batch whose header can be read still moves its emitter's sequence on, so it is not
+counted again as a gap.
 
 Counters stay correct across tap restarts: events carry deltas, not totals, so the agent adds
-them up; a restarted emitter has a new ``session`` and its sequence starts again.
+them up; a restarted emitter has a new ``session`` and its sequence starts again. Each emitter
+(source and session) is followed on its own, so two taps that share a source name do not
+count each other's batches as gaps or restarts; the agent warns once that they should not.
 """
 
 from __future__ import annotations
 
 import logging
-import re
+from collections import OrderedDict
 
 import zmq
 
@@ -30,7 +38,7 @@ from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
 NAME = "ingest"
-_SOURCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+STREAMS_PER_SOURCE = 4  # emitters (sessions) followed per source: restarts leave old ones behind
 
 
 class IngestSource(Worker):
@@ -50,7 +58,10 @@ class IngestSource(Worker):
         self._max_bytes = max_batch_bytes
         self._hwm = receive_hwm
         self._max_sources = max_sources
-        self._streams: dict[str, tuple[str, int, int]] = {}  # source -> (session, seq, dropped)
+        # (source, session) -> (last seq, cumulative dropped) of each emitter, least recent first
+        self._streams: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        self._latest: dict[str, str] = {}  # source -> session of its latest batch
+        self._warned: set[str] = set()  # source names logged once (refused, or shared)
         self._socket = None
 
     thread_name = "kvscope-ingest"
@@ -86,13 +97,17 @@ class IngestSource(Worker):
 
     def handle(self, data: bytes) -> None:
         """Check one received message and hand its events to the pipeline, or count the drop."""
-        if len(data) > self._max_bytes:
-            self.pipeline.drop(NAME, "too_large")
-            return
-        try:
-            batch = ev.decode_batch(data)
-        except ev.SchemaError as exc:
-            self.pipeline.drop(NAME, exc.reason)
+        reason = "too_large" if len(data) > self._max_bytes else None
+        if reason is None:
+            try:
+                batch = ev.decode_batch(data)
+            except ev.SchemaError as exc:
+                reason = exc.reason
+        if reason is not None:
+            header = ev.read_header(data)
+            self.pipeline.drop(NAME, reason, len(header.events) if header else 1)
+            if header and self._admit(header.source, ""):
+                self._account(header)
             return
         if not self._admit(batch.source, batch.scope):
             self.pipeline.drop(NAME, "bad_source", len(batch.events))
@@ -103,17 +118,40 @@ class IngestSource(Worker):
         self.pipeline.ingest(batch.source, batch.events, scope=batch.scope or None)
 
     def _admit(self, source: str, scope: str) -> bool:
-        if not _SOURCE_NAME.fullmatch(source) or (scope and not _SOURCE_NAME.fullmatch(scope)):
+        for name in (source, scope):
+            if name and not ev.SOURCE_NAME.fullmatch(name):
+                self._warn_once(name, "kvscope ingest: dropping batches from source %r: a source "
+                                "(and scope) must be a lowercase word of up to 32 characters "
+                                f"({ev.SOURCE_NAME.pattern})", name[:64])
+                return False
+        if source not in self._latest and len(self._latest) >= self._max_sources:
+            self._warn_once(source, "kvscope ingest: dropping batches from source %r: %d "
+                            "sources already send here; raise [ingest] max_sources",
+                            source[:64], self._max_sources)
             return False
-        return source in self._streams or len(self._streams) < self._max_sources
+        return True
 
-    def _account(self, batch: ev.Batch) -> None:
-        session, seq, dropped = self._streams.get(batch.source, (None, -1, 0))
-        if session != batch.session:  # a new or restarted emitter, or an agent restarted
-            # mid-stream: batches before the first one seen here went to an earlier agent
-            seq, dropped = batch.seq - 1, 0
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned and len(self._warned) < 4 * self._max_sources:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def _account(self, batch: ev.Batch | ev.BatchHeader) -> None:
+        source, key = batch.source, (batch.source, batch.session)
+        latest = self._latest.get(source)
+        if latest not in (None, batch.session) and key in self._streams:
+            # an emitter sends again after another took the name: two live taps share it
+            self._warn_once(f"shared:{source}", "kvscope ingest: two emitters send as source "
+                            "%r; give each tap its own source name (their request ids and "
+                            "series are merged)", source)
+        self._latest[source] = batch.session
+        # a new emitter, or an agent restarted mid-stream: batches before the first one seen
+        # here went to an earlier agent
+        seq, dropped = self._streams.pop(key, (batch.seq - 1, 0))
         if batch.seq > seq + 1:
-            self.pipeline.drop(batch.source, "gap", batch.seq - seq - 1)
+            self.pipeline.drop(source, "gap", batch.seq - seq - 1)
         if batch.dropped > dropped:
-            self.pipeline.drop(batch.source, "emitter_buffer", batch.dropped - dropped)
-        self._streams[batch.source] = (batch.session, max(seq, batch.seq), max(dropped, batch.dropped))
+            self.pipeline.drop(source, "emitter_buffer", batch.dropped - dropped)
+        self._streams[key] = (max(seq, batch.seq), max(dropped, batch.dropped))
+        if len(self._streams) > STREAMS_PER_SOURCE * self._max_sources:
+            self._streams.popitem(last=False)

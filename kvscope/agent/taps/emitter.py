@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 class Emitter:
     """Batches events to ``endpoint`` (e.g. ``tcp://127.0.0.1:5560`` or ``ipc:///run/kv.sock``).
 
-    ``source``: a short name for this emitter's events; ``engine``, ``model``: what it observes
-    (shown as ``kvscope_engine_info``); ``scope``: the source whose requests this emitter's
+    ``source``: a short name for this emitter's events, a lowercase word
+    (:data:`kvscope.events.SOURCE_NAME`, e.g. ``engine``, ``vllm-dp1``), its own for each tap
+    on a node (it is a metric label, and request ids are told apart by it); ``engine``,
+    ``model``: what it observes (shown as ``kvscope_engine_info``); ``scope``: the source whose requests this emitter's
     request ids name, when that is another emitter (see :class:`kvscope.events.Batch`).
     ``max_buffer``: events held while the agent is slow or away. ``batch_size``: events per
     batch at most. ``flush_interval``: seconds between sends. ``send_hwm``: batches ZMQ may
@@ -39,12 +41,18 @@ class Emitter:
     Call :meth:`close` at exit (safe twice, from any thread). ``on_tick``: set it to a function
     of no arguments to have it called on the sender thread before each send (e.g. to emit a
     gauge while the caller is idle); if it raises it is logged and not called again.
+    Raises ValueError for a ``source`` or ``scope`` the agent would refuse.
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
                  engine: str = "", model: str = "", scope: str = "", max_buffer: int = 100_000,
                  batch_size: int = 1024, flush_interval: float = 0.05, send_hwm: int = 4,
                  warn_after: float = 10.0) -> None:
+        for name, value in (("source", source), ("scope", scope or source)):
+            if not ev.SOURCE_NAME.fullmatch(value):
+                raise ValueError(f"emitter {name} {value!r} is not a lowercase word of up to 32 "
+                                 f"characters ({ev.SOURCE_NAME.pattern}); the agent would "
+                                 "drop its events")
         self.source = source
         self._engine, self._model, self._scope = engine, model, scope
         self.dropped = 0  # events lost to a full buffer, a failed encode or close, since start
