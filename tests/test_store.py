@@ -1,5 +1,6 @@
 """The request store: frames survive crashes, torn tails are ignored, segments are bounded."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -8,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from conftest import free_port
 from kvscope import events as ev
@@ -16,55 +18,108 @@ from kvscope.agent.store import RequestStore, read_segment
 from kvscope.agent.taps.emitter import Emitter
 
 
-def _record(i):
+def _record(i, finished=None):
     return RequestRecord(f"r{i}", f"{i:032x}", "engine", 1000.0 + i, prompt_tokens=64,
                          tokens={"gpu": 48, "recompute": 16}, ttft=0.05,
-                         transfers=(TransferRecord("cpu", "gpu", 2, 65536, 1000.0 + i, 1e-4),))
+                         transfers=(TransferRecord("cpu", "gpu", 2, 65536, 1000.0 + i, 1e-4),),
+                         finished=finished)
 
 
-def test_records_round_trip_and_a_torn_tail_is_ignored(tmp_path):
+# A frame of _record(i) for a 4-digit i: 8 header bytes + 342 of msgpack (a 15-key map: keys
+# 156 bytes, values 186, the transfer's 7-key map 73 of them; finished is nil, 1 byte).
+_FRAME = 350
+
+
+def _ids(records):
+    return [r.request_id for r in records]
+
+
+def test_records_round_trip_and_a_torn_tail_is_ignored_quietly(tmp_path, caplog):
+    """10 frames of 350 bytes, one segment of 3500 bytes. Cutting 7 bytes (inside the last
+    payload) or 347 (leaving 3 bytes of the last header) tears the last frame: 9 records come
+    back, with no warning."""
     store = RequestStore(tmp_path)
     store.start()
-    for i in range(10):
+    for i in range(1000, 1010):
         store.add(_record(i))
     store.shutdown()
     (segment,) = store.segments()
-    assert read_segment(segment) == [_record(i) for i in range(10)]
+    assert read_segment(segment) == [_record(i) for i in range(1000, 1010)]
     data = segment.read_bytes()
-    segment.write_bytes(data[:-7])  # a crash in the middle of the last frame
-    assert [r.request_id for r in read_segment(segment)] == [f"r{i}" for i in range(9)]
+    assert len(data) == 10 * _FRAME
+    for cut in (7, _FRAME - 3):  # a crash in the middle of the last frame
+        segment.write_bytes(data[:-cut])
+        assert _ids(read_segment(segment)) == [f"r{i}" for i in range(1000, 1009)]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_a_corrupt_frame_stops_reading_but_keeps_what_came_before(tmp_path):
+@pytest.mark.parametrize("frame, byte", [(250, 0), (250, 3), (250, 5), (250, 28), (499, 28)])
+def test_a_damaged_frame_costs_only_its_record_and_is_reported(tmp_path, caplog, frame, byte):
+    """500 frames of 350 bytes in one segment. Flipping one byte of frame 250 (the high or low
+    byte of its length, its CRC, its payload) or of the last frame's payload: that frame's CRC
+    (or length) no longer holds, reading skips its 350 bytes from offset 350 * frame (87500,
+    or 174650 for the last) and resumes at the next frame: 499 records, all but that one."""
     store = RequestStore(tmp_path)
-    for i in range(3):
+    for i in range(1000, 1500):
         store.add(_record(i))
-        store.flush()
+    store.flush()
     (segment,) = store.segments()
     data = bytearray(segment.read_bytes())
-    frame = len(data) // 3
-    data[frame + 20] ^= 0xFF  # flip a payload byte of the second frame: its CRC no longer holds
+    assert len(data) == 500 * _FRAME
+    data[frame * _FRAME + byte] ^= 0xFF
     segment.write_bytes(bytes(data))
-    assert [r.request_id for r in read_segment(segment)] == ["r0"]
+    with caplog.at_level(logging.WARNING, logger="kvscope.agent.store"):
+        records = read_segment(segment)
+    assert _ids(records) == [f"r{i}" for i in range(1000, 1500) if i != 1000 + frame]
+    (warning,) = caplog.records
+    assert warning.levelno == logging.WARNING
+    assert (f"{segment}: skipped {_FRAME} damaged bytes at offset {frame * _FRAME}"
+            in warning.getMessage())
 
 
-def test_segments_rotate_and_are_pruned_by_size_and_age(tmp_path):
-    now = [1_000_000.0]
-    store = RequestStore(tmp_path, segment_bytes=1, max_bytes=10_000, max_age=3600.0,
-                         clock=lambda: now[0])
-    for i in range(40):  # every flush rotates (segment_bytes=1): one record per segment
-        now[0] += 1.0
+def test_the_store_stays_within_max_bytes_and_keeps_the_newest(tmp_path):
+    """max_bytes 12000: segments of 12000 // 4 = 3000 bytes hold 3000 // 350 = 8 frames (2800
+    bytes). 1000 records, flushed 7 at a time, fill 125 segments; after every flush at most
+    12000 bytes remain, and at the end the newest 4 segments (11200 bytes; 5 would be 14000):
+    the newest 32 records, r1968..r1999. (A constant clock: no segment ages.)"""
+    store = RequestStore(tmp_path, max_bytes=12_000, clock=lambda: 3000.0)
+    for i in range(1000, 2000):
         store.add(_record(i))
+        if i % 7 == 6 or i == 1999:
+            store.flush()
+            assert sum(p.stat().st_size for p in store.segments()) <= 12_000
+    assert [p.stat().st_size for p in store.segments()] == [8 * _FRAME] * 4
+    assert _ids(store.load(1000)) == [f"r{i}" for i in range(1968, 2000)]
+
+
+def test_records_older_than_max_age_are_not_loaded_and_age_out_on_a_quiet_node(tmp_path):
+    """max_age 100 s, so a segment takes writes for 25 s. The clock is injected, and each
+    segment's mtime is set to the clock when it is written (what the wall clock would do).
+    t=0: r0..r4 go to segment A; t=30: A is 30 s old, so r5..r9 go to a new segment B.
+    t=101: r0..r4 finished 101 s ago and are not loaded, r5..r9 (71 s) are; a flush with
+    nothing new deletes A (last written 101 s ago) and keeps B (71 s). t=131: B goes too."""
+    now = [1_000_000.0]
+    store = RequestStore(tmp_path, max_age=100.0, clock=lambda: now[0])
+
+    def write(ids):
+        for i in ids:
+            store.add(_record(i, finished=now[0]))
         store.flush()
-    sizes = [p.stat().st_size for p in store.segments()]
-    assert sum(sizes[:-1]) <= 10_000 and len(sizes) < 40
-    assert [r.request_id for r in store.load(5)] == [f"r{i}" for i in range(35, 40)]
-    os.utime(store.segments()[0], (0, 0))  # make the oldest segment ancient
-    oldest = store.segments()[0]
-    now[0] += 1.0
-    store.add(_record(99))
+        os.utime(store.segments()[-1], (now[0], now[0]))
+
+    write(range(5))
+    assert len(store.segments()) == 1
+    now[0] += 30
+    write(range(5, 10))
+    (_, b) = store.segments()
+    now[0] += 71
+    restarted = RequestStore(tmp_path, max_age=100.0, clock=lambda: now[0])
+    assert _ids(restarted.load(100)) == [f"r{i}" for i in range(5, 10)]
     store.flush()
-    assert oldest not in store.segments()
+    assert store.segments() == [b]
+    now[0] += 30
+    store.flush()
+    assert store.segments() == [] and restarted.load(100) == []
 
 
 def _start_agent(port, ingest, store_dir, log):

@@ -3,10 +3,21 @@
 Each record is one frame — 4-byte big-endian length, 4-byte CRC-32 of the payload, msgpack
 payload — appended to the newest segment. A flush thread writes what arrived and fsyncs once per
 ``flush_interval`` (default 1 s), so a ``kill -9`` loses at most that last interval. A crash can
-leave only the final frame of the newest segment incomplete; readers stop at the first frame
-whose length or checksum does not hold, and a restarted writer starts a fresh segment, so what
-was written is never corrupted. Segments rotate at ``segment_bytes``; the oldest are deleted
-beyond ``max_bytes`` in all or ``max_age`` seconds.
+leave only the final frame of the newest segment incomplete, which readers ignore; a restarted
+writer starts a fresh segment, so what was written is never corrupted. A frame damaged in place
+(a flipped bit on disk) is skipped with a warning, and reading resumes at the next intact frame.
+
+Retention is enforced at every flush, also one with nothing new to write:
+
+- size: a segment holds at most ``min(segment_bytes, max_bytes // 4)`` bytes (a single record
+  larger than that gets a segment of its own), and the oldest segments are deleted until all of
+  them total at most ``max_bytes``. So after a flush the directory holds at most ``max_bytes``
+  (unless the one segment being written alone is larger), and while a flush writes, at most one
+  segment more.
+- age: a segment takes writes for about ``max_age / 4`` seconds and is deleted once its last
+  write (its mtime) is ``max_age`` old, so a record stays on disk at most about
+  ``1.25 * max_age`` after it was written; :meth:`RequestStore.load` never returns a record
+  that finished (without a finish time: arrived) more than ``max_age`` ago.
 """
 
 from __future__ import annotations
@@ -29,21 +40,61 @@ _HEADER = struct.Struct(">II")
 _SUFFIX = ".kvseg"
 
 
+def _frame_at(data: memoryview, offset: int,
+              decoder: msgspec.msgpack.Decoder) -> tuple[RequestRecord, int] | None:
+    """The record whose frame starts at ``offset`` and where that frame ends, or None when no
+    intact frame starts there."""
+    if offset + _HEADER.size > len(data):
+        return None
+    length, crc = _HEADER.unpack_from(data, offset)
+    end = offset + _HEADER.size + length
+    if length == 0 or end > len(data):
+        return None
+    payload = data[offset + _HEADER.size:end]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        return decoder.decode(payload), end
+    except msgspec.DecodeError:
+        return None
+
+
 def read_segment(path: Path) -> list[RequestRecord]:
-    """Every intact record of one segment, in write order (stops at a torn or corrupt frame)."""
-    data = path.read_bytes()
+    """Every intact record of one segment, in write order.
+
+    An incomplete last frame (a crash mid-write) is ignored quietly. Damaged bytes elsewhere are
+    skipped with a warning: reading resumes at the next offset where a whole frame holds — a
+    length that fits, a matching CRC-32 and a payload that decodes as a record. A false match
+    in damaged or payload bytes needs a 1-in-2**32 CRC coincidence and then a valid record, so
+    what is resumed from is a real frame.
+    """
+    data = memoryview(path.read_bytes())
     decoder = msgspec.msgpack.Decoder(RequestRecord)
-    records, offset = [], 0
-    while offset + _HEADER.size <= len(data):
-        length, crc = _HEADER.unpack_from(data, offset)
-        payload = data[offset + _HEADER.size: offset + _HEADER.size + length]
-        if len(payload) < length or zlib.crc32(payload) != crc:
-            break
-        try:
-            records.append(decoder.decode(payload))
-        except msgspec.DecodeError:
-            break
-        offset += _HEADER.size + length
+    records: list[RequestRecord] = []
+    offset, damaged = 0, None  # damaged: where the bytes being skipped began
+    while offset < len(data):
+        frame = _frame_at(data, offset, decoder)
+        if frame is None:
+            damaged = offset if damaged is None else damaged
+            offset += 1
+            continue
+        if damaged is not None:
+            log.warning("kvscope store: %s: skipped %d damaged bytes at offset %d",
+                        path, offset - damaged, damaged)
+            damaged = None
+        record, offset = frame
+        records.append(record)
+    if damaged is None:
+        return records
+    # A last frame that claims more bytes than remain is a torn tail, the normal crash case (a
+    # damaged length field there looks the same).
+    if (damaged + _HEADER.size > len(data)
+            or damaged + _HEADER.size + _HEADER.unpack_from(data, damaged)[0] > len(data)):
+        log.debug("kvscope store: %s: ignored an incomplete last frame at offset %d",
+                  path, damaged)
+    else:
+        log.warning("kvscope store: %s: skipped %d damaged bytes at offset %d",
+                    path, len(data) - damaged, damaged)
     return records
 
 
@@ -51,8 +102,9 @@ class RequestStore(Worker):
     """Persists finished requests under ``directory`` (created if missing).
 
     ``add()`` is cheap (an append to a list); the flush thread does the I/O. ``start()`` /
-    ``shutdown()`` (flushes) are safe to repeat. ``clock``: Unix seconds, for segment names and
-    the age limit.
+    ``shutdown()`` (flushes) are safe to repeat. ``max_bytes``, ``max_age``: see the module
+    docstring. ``clock``: Unix seconds, for segment names and ages (compared with segment
+    mtimes) and record ages.
     """
 
     def __init__(self, directory: str | Path, *, flush_interval: float = 1.0,
@@ -61,7 +113,8 @@ class RequestStore(Worker):
         super().__init__()
         self.directory = Path(directory)
         self._interval = flush_interval
-        self._segment_bytes = segment_bytes
+        # a quarter of max_bytes, so that deleting whole segments keeps the total near it
+        self._segment_bytes = min(segment_bytes, max_bytes // 4)
         self._max_bytes = max_bytes
         self._max_age = max_age
         self._clock = clock
@@ -69,16 +122,23 @@ class RequestStore(Worker):
         self._queue: list[RequestRecord] = []
         self._lock = threading.Lock()
         self._file = None
+        self._path: Path | None = None  # the segment being written
+        self._opened = 0.0  # when it was opened, by clock
+        self._size = 0  # its bytes
+        self._seq = 0  # tells apart segments opened in the same millisecond
 
     def segments(self) -> list[Path]:
         """Segment files, oldest first."""
         return sorted(self.directory.glob(f"*{_SUFFIX}"))
 
     def load(self, limit: int) -> list[RequestRecord]:
-        """The newest ``limit`` intact records on disk, oldest first."""
+        """The newest ``limit`` intact records on disk that finished within ``max_age``, oldest
+        first."""
+        cutoff = self._clock() - self._max_age
         records: list[RequestRecord] = []
         for path in reversed(self.segments()):
-            records[:0] = read_segment(path)
+            records[:0] = [r for r in read_segment(path)
+                           if (r.arrival if r.finished is None else r.finished) >= cutoff]
             if len(records) >= limit:
                 break
         return records[-limit:] if limit else []
@@ -96,9 +156,7 @@ class RequestStore(Worker):
         while not self.stopping.wait(self._interval):
             self._flush_logged()
         self._flush_logged()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._close()
 
     def _flush_logged(self) -> None:
         try:
@@ -110,31 +168,48 @@ class RequestStore(Worker):
         """Write and fsync what arrived since the last flush; rotate and prune segments."""
         with self._lock:
             records, self._queue = self._queue, []
-        if not records:
-            return
-        frames = bytearray()
+        if self._file is not None and self._clock() - self._opened >= self._max_age / 4:
+            self._close()  # closed, it can age out whole, even if nothing more comes
         for record in records:
             payload = self._encoder.encode(record)
-            frames += _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
-        if self._file is None or self._file.tell() >= self._segment_bytes:
-            self._rotate()
-        self._file.write(frames)
+            frame = _HEADER.size + len(payload)
+            if self._file is None or (self._size and self._size + frame > self._segment_bytes):
+                self._rotate()
+            self._file.write(_HEADER.pack(len(payload), zlib.crc32(payload)))
+            self._file.write(payload)
+            self._size += frame
+        if records:
+            self._sync()
+        self._prune()
+
+    def _sync(self) -> None:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def _rotate(self) -> None:
+    def _close(self) -> None:
         if self._file is not None:
+            self._sync()
             self._file.close()
-        name = f"requests-{int(self._clock() * 1000):015d}-{os.getpid()}{_SUFFIX}"
-        self._file = open(self.directory / name, "ab")
-        self._prune()
+            self._file = self._path = None
+
+    def _rotate(self) -> None:
+        self._close()
+        self._seq += 1
+        self._opened = self._clock()
+        name = f"requests-{int(self._opened * 1000):015d}-{os.getpid()}-{self._seq:06d}{_SUFFIX}"
+        self._path = self.directory / name
+        self._file = open(self._path, "ab")
+        self._size = 0
+        self._prune()  # before this segment fills: the total stays within one segment of max
 
     def _prune(self) -> None:
-        segments = self.segments()[:-1]  # never the one being written
-        sizes = {p: p.stat().st_size for p in segments}
-        total = sum(sizes.values())
+        """Delete the oldest segments beyond ``max_bytes`` in all, and those last written
+        more than ``max_age`` ago (every record in them is older); never the one being written."""
         now = self._clock()
-        for path in segments:
-            if total > self._max_bytes or now - path.stat().st_mtime > self._max_age:
-                total -= sizes[path]
+        segments = [(path, path.stat()) for path in self.segments()]
+        total = sum(stat.st_size for _, stat in segments)
+        for path, stat in segments:
+            if path != self._path and (total > self._max_bytes
+                                       or now - stat.st_mtime > self._max_age):
+                total -= stat.st_size
                 path.unlink(missing_ok=True)
