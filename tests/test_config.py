@@ -51,6 +51,12 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
     ("[kv_events]\ncapacity_blocks = { gpuu = 10 }\n", "kv_events.capacity_blocks: .*'gpuu'"),
     ('[vllm_metrics]\nurl = "127.0.0.1:8000/metrics"\n', "vllm_metrics.url: .*http://"),
     ('token = " "\n', "token: .*empty"),
+    # pydantic would read true as 1: port 1, one source, one request kept
+    ("port = true\n", "^config .*: port: is true or false; give a number$"),
+    ("[ingest]\nmax_sources = true\n", "ingest.max_sources: is true or false"),
+    # an interval of inf killed the sampler thread; 1e-9 spun a core
+    ("sample_interval = inf\n", "sample_interval: .*less than or equal to 3600"),
+    ("sample_interval = 1e-9\n", "sample_interval: .*greater than or equal to 0.1"),
 ])
 def test_bad_values_name_the_key(tmp_path, content, needle):
     path = tmp_path / "agent.toml"
@@ -111,7 +117,8 @@ def test_kv_events_tiers_from_file_and_environment(tmp_path, monkeypatch):
 
 def test_an_environment_value_that_does_not_parse_is_one_config_error(monkeypatch):
     monkeypatch.setenv("KVSCOPE_KV_EVENTS__CAPACITY_BLOCKS", "x")
-    with pytest.raises(ConfigError, match='environment: .*"kv_events".* are JSON'):
+    with pytest.raises(ConfigError, match="^environment: KVSCOPE_KV_EVENTS__CAPACITY_BLOCKS "
+                       "does not parse .* are JSON"):
         load_settings(None)
 
 

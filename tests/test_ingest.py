@@ -367,3 +367,19 @@ def test_a_batch_scope_joins_another_sources_requests_and_a_bad_one_is_dropped()
     record = pipeline.requests.get("q")
     assert record is not None and [t.bytes for t in record.transfers] == [10]
     assert pipeline.snapshot().events_dropped == {("ingest", "bad_source"): 1}
+
+
+def test_a_second_agent_cannot_take_over_a_live_ipc_endpoint(source, tmp_path):
+    """ZMQ's ipc bind replaces the socket file, which would leave the first agent deaf; the
+    second is refused, and the first keeps receiving. A stale file (no listener) is reused."""
+    second = IngestSource(Pipeline(), _endpoint(tmp_path))
+    with pytest.raises(zmq.ZMQError, match="Address already in use"):
+        second.start()
+    _push(_endpoint(tmp_path), ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION,
+                                                        source="engine", seq=0,
+                                                        events=[_lookup(0)])))
+    assert wait_until(lambda: source.pipeline.events_received().get("engine") == 1)
+    source.shutdown()
+    third = IngestSource(Pipeline(), _endpoint(tmp_path))
+    third.start()
+    third.shutdown()

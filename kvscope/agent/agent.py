@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable
@@ -111,7 +112,11 @@ class Agent(Worker):
                 part.start()
             except (zmq.ZMQError, OSError) as exc:
                 self.shutdown()
-                raise ConfigError(f"cannot start {name}: {exc}") from None
+                # ZMQ's own words for a bad endpoint ("No such device") do not say what to fix
+                hint = ("; an endpoint is tcp://ADDRESS:PORT with an address of this host, or "
+                        "ipc:///PATH" if isinstance(exc, zmq.ZMQError)
+                        and exc.errno != errno.EADDRINUSE else "")
+                raise ConfigError(f"cannot start {name}: {exc}{hint}") from None
 
     def start(self) -> None:
         super().start()

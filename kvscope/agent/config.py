@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import tomllib
 from urllib.parse import urlsplit
 from pathlib import Path
@@ -61,11 +62,22 @@ def _tier_keys(value: dict, tiers: tuple[str, ...]) -> dict:
     return value
 
 
+def _numbers_not_booleans(cls, value, info):
+    # pydantic reads true as 1 for a number: `port = true` would listen on port 1
+    if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in (int, float):
+        raise ValueError("is true or false; give a number")
+    return value
+
+
+_NUMBERS_NOT_BOOLEANS = field_validator("*", mode="before")(_numbers_not_booleans)
+
+
 class _Section(BaseModel):
     """A config table: unknown keys are refused, so a misspelt key never silently keeps its
-    default."""
+    default, and a boolean is no number."""
 
     model_config = ConfigDict(extra="forbid")
+    _numbers = _NUMBERS_NOT_BOOLEANS
 
 
 class IngestConfig(_Section):
@@ -146,7 +158,7 @@ class VllmMetricsConfig(_Section):
 
     enabled: bool = False
     url: str = "http://127.0.0.1:8000/metrics"
-    interval: float = Field(5.0, gt=0)
+    interval: float = Field(5.0, ge=0.1, le=3600)
     block_bytes: int = Field(0, ge=0)
 
     @field_validator("url")
@@ -162,7 +174,7 @@ class OtlpReceiverConfig(_Section):
 
     enabled: bool = True
     source: str = "vllm"
-    wait_seconds: float = Field(6.0, ge=0)
+    wait_seconds: float = Field(6.0, ge=0, le=3600)
 
 
 class HostCollectorConfig(_Section):
@@ -201,11 +213,12 @@ class AgentSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVSCOPE_", env_nested_delimiter="__",
                                       extra="forbid")
+    _numbers = _NUMBERS_NOT_BOOLEANS
 
     host: str = "127.0.0.1"
     port: int = Field(9400, gt=0, lt=65536)
     token: str | None = None
-    sample_interval: float = Field(1.0, gt=0)
+    sample_interval: float = Field(1.0, ge=0.1, le=3600)
     prefill_tokens_per_second: float = Field(10_000.0, gt=0)
     requests_capacity: int = Field(100_000, gt=0)
     store_dir: Path | None = None
@@ -262,8 +275,13 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
     try:
         return AgentSettings(**values)
     except SettingsError as exc:  # a KVSCOPE_* variable that does not parse (e.g. bad JSON)
-        raise ConfigError(f"environment: {exc} ({exc.__cause__ or 'invalid'}; KVSCOPE_* values "
-                          "for lists and tables are JSON)") from None
+        # pydantic names only the top-level field ('error parsing value for field "collectors"')
+        field = re.search(r'field "(\w+)"', str(exc))
+        prefix = f"KVSCOPE_{field.group(1).upper()}" if field else "KVSCOPE_"
+        names = " or ".join(v for v in sorted(_settings_variables()) if v.startswith(prefix))
+        raise ConfigError(f"environment: {names or exc} does not parse "
+                          f"({exc.__cause__ or 'invalid'}; KVSCOPE_* values for lists and tables "
+                          "are JSON)") from None
     except ValidationError as exc:
         error = exc.errors()[0]
         loc = [str(p) for p in error["loc"]]
@@ -273,7 +291,7 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
             set_now = _settings_variables()
             where = "environment: " + (" or ".join(v for v in _variables_of(loc) if v in set_now)
                                        or "KVSCOPE_*")
-        message = error["msg"]
+        message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = _unknown_key(loc)
         raise ConfigError(f"{where}: {message}") from None

@@ -27,7 +27,9 @@ count each other's batches as gaps or restarts; the agent warns once that they s
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections import OrderedDict
 
 import zmq
@@ -41,12 +43,27 @@ NAME = "ingest"
 STREAMS_PER_SOURCE = 4  # emitters (sessions) followed per source: restarts leave old ones behind
 
 
+def _live_ipc(endpoint: str) -> bool:
+    """Whether ``endpoint`` is an ``ipc://`` path another process accepts connections on (an
+    abstract ``@name`` is refused by ZMQ itself when taken)."""
+    path = endpoint.removeprefix("ipc://")
+    if path == endpoint or path.startswith("@"):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:  # no file, or a stale one left by a crash: bind may replace it
+            return False
+    return True
+
+
 class IngestSource(Worker):
     """Binds ``endpoint`` (``tcp://HOST:PORT`` or ``ipc://PATH``) and feeds ``pipeline``.
 
     ``max_batch_bytes``: largest batch accepted; ``receive_hwm``: batches ZMQ may queue (with
     the size bound, the memory bound); ``max_sources``: distinct source names accepted.
-    ``start()`` raises ``zmq.ZMQError`` when the endpoint cannot be bound.
+    ``start()`` raises ``zmq.ZMQError`` when the endpoint cannot be bound, or is an ``ipc://``
+    path another agent listens on.
     """
 
     def __init__(self, pipeline: Pipeline, endpoint: str = "tcp://127.0.0.1:5560", *,
@@ -73,6 +90,8 @@ class IngestSource(Worker):
         self._socket.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_bytes)
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
+            if _live_ipc(self.endpoint):  # ZMQ would replace the socket file under it
+                raise zmq.ZMQError(errno.EADDRINUSE)
             self._socket.bind(self.endpoint)
         except zmq.ZMQError:
             self._socket.close()
