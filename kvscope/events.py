@@ -6,12 +6,13 @@ decoder refuses any other version (:class:`SchemaError`) rather than misread fie
 
 Units: timestamps are Unix seconds (float, wall clock), durations are seconds, sizes are bytes.
 Tiers are ``gpu``, ``cpu``, ``disk``, ``remote``; a prompt token's source is ``gpu``, ``cpu``,
-``disk`` or ``recompute`` (see ARCHITECTURE.md, Vocabulary).
+``disk`` or ``recompute`` (README.md, What it does; docs/agent.md, Events).
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from typing import Annotated, Literal, Union
 
 import msgspec
@@ -23,6 +24,12 @@ SOURCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 Tier = Literal["gpu", "cpu", "disk", "remote"]
 TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
 
+# Counts and sizes are never negative, and times and rates are finite and never negative: one
+# such value would turn a counter down (PromQL's rate() reads that as a reset) or a histogram's
+# sum into NaN. An event breaking this makes its batch invalid, and the agent drops the batch.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]
+
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
 TOKEN_SOURCES: tuple[str, ...] = ("gpu", "cpu", "disk", "recompute")
 
@@ -31,7 +38,7 @@ class SchemaError(ValueError):
     """A payload is not a valid kvscope batch.
 
     ``reason``: ``malformed`` (not msgpack, or truncated), ``invalid`` (a field of the wrong
-    type or value, e.g. an unknown tier or event kind) or ``version`` (another schema version).
+    type or value, e.g. an unknown tier or event kind, a negative count, a NaN or infinite time) or ``version`` (another schema version).
     """
 
     def __init__(self, message: str, reason: str) -> None:
@@ -40,7 +47,7 @@ class SchemaError(ValueError):
 
 
 class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True, gc=False):
-    ts: float  # Unix seconds when the event happened (a transfer: when it started)
+    ts: Seconds  # Unix seconds when the event happened (a transfer: when it started)
 
 
 class RequestStarted(_Event, tag="request_started"):
@@ -50,7 +57,7 @@ class RequestStarted(_Event, tag="request_started"):
     """
 
     request_id: str
-    prompt_tokens: int
+    prompt_tokens: Count
     trace_id: str = ""
 
 
@@ -71,13 +78,13 @@ class Lookup(_Event, tag="lookup"):
     """
 
     request_id: str
-    tokens: dict[TokenSource, int]
-    blocks: int = 0
-    block_hits: dict[Tier, int] = {}
-    prefill_tokens_per_second: float = 0.0
+    tokens: dict[TokenSource, Count]
+    blocks: Count = 0
+    block_hits: dict[Tier, Count] = {}
+    prefill_tokens_per_second: Seconds = 0.0  # tokens per second: finite, not negative
     block_hashes: tuple[int, ...] = ()
     block_sources: tuple[TokenSource, ...] = ()
-    block_tokens: int = 0
+    block_tokens: Count = 0
 
 
 class Transfer(_Event, tag="transfer"):
@@ -91,9 +98,9 @@ class Transfer(_Event, tag="transfer"):
 
     src: Tier
     dst: Tier
-    blocks: int
-    bytes: int
-    duration: float
+    blocks: Count
+    bytes: Count
+    duration: Seconds
     ok: bool = True
     reason: str = ""
     request_id: str = ""
@@ -115,10 +122,10 @@ class Eviction(_Event, tag="eviction"):
     """
 
     tier: Tier
-    blocks: int
-    bytes: int
-    age: float
-    hits: int
+    blocks: Count
+    bytes: Count
+    age: Seconds
+    hits: Count
     offloaded: bool = False
     reason: Literal["capacity", "cleared", "failed"] = "capacity"
     measured: bool = True
@@ -129,10 +136,10 @@ class TierSnapshot(_Event, tag="tier_snapshot"):
     """What a tier holds now: capacity and resident bytes and blocks."""
 
     tier: Tier
-    capacity_bytes: int
-    resident_bytes: int
-    capacity_blocks: int
-    resident_blocks: int
+    capacity_bytes: Count
+    resident_bytes: Count
+    capacity_blocks: Count
+    resident_blocks: Count
 
 
 class RequestFinished(_Event, tag="request_finished"):
@@ -145,14 +152,14 @@ class RequestFinished(_Event, tag="request_finished"):
     """
 
     request_id: str
-    ttft: float
-    prompt_tokens: int
-    output_tokens: int = 0
-    queueing: float = 0.0
-    lookup: float = 0.0
-    promotion_wait: float = 0.0
-    prefill: float = 0.0
-    itl: float = 0.0
+    ttft: Seconds
+    prompt_tokens: Count
+    output_tokens: Count = 0
+    queueing: Seconds = 0.0
+    lookup: Seconds = 0.0
+    promotion_wait: Seconds = 0.0
+    prefill: Seconds = 0.0
+    itl: Seconds = 0.0
 
 
 class LatencyHistogram(_Event, tag="latency_histogram"):
@@ -166,9 +173,9 @@ class LatencyHistogram(_Event, tag="latency_histogram"):
     """
 
     metric: Literal["ttft"]
-    bounds: list[float]
-    counts: list[int]
-    sum: float = 0.0
+    bounds: list[Seconds]
+    counts: list[Count]
+    sum: Seconds = 0.0
 
 
 Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished,

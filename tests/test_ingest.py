@@ -67,7 +67,7 @@ def test_close_waits_for_a_slow_agent_to_take_a_burst(tmp_path):
     try:
         emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=1000, send_hwm=2,
                           max_buffer=60_000)
-        emitter.emit(_lookup(-1))  # connected once this one has arrived
+        emitter.emit(_lookup(50_000))  # connected once this one has arrived
         assert wait_until(lambda: pipeline.events_received().get("engine") == 1)
         for i in range(50_000):
             emitter.emit(_lookup(i))
@@ -383,3 +383,29 @@ def test_a_second_agent_cannot_take_over_a_live_ipc_endpoint(source, tmp_path):
     third = IngestSource(Pipeline(), _endpoint(tmp_path))
     third.start()
     third.shutdown()
+
+
+@pytest.mark.parametrize("event", [
+    {"kind": "transfer", "ts": 1.0, "src": "cpu", "dst": "gpu", "blocks": -5, "bytes": 10,
+     "duration": 0.1},
+    {"kind": "transfer", "ts": 1.0, "src": "cpu", "dst": "gpu", "blocks": 5, "bytes": 10,
+     "duration": -1.0},
+    {"kind": "lookup", "ts": 1.0, "request_id": "r", "tokens": {"gpu": -1_000_000}},
+    {"kind": "request_finished", "ts": 1.0, "request_id": "r", "ttft": float("nan"),
+     "prompt_tokens": 1},
+    {"kind": "request_finished", "ts": float("inf"), "request_id": "r", "ttft": 0.1,
+     "prompt_tokens": 1},
+    {"kind": "tier_snapshot", "ts": 1.0, "tier": "cpu", "capacity_bytes": -1,
+     "resident_bytes": 0, "capacity_blocks": 0, "resident_blocks": 0},
+])
+def test_a_negative_count_or_a_nan_or_infinite_time_makes_its_batch_invalid(event):
+    """Such a value would turn a counter down (rate() reads a reset) or a histogram sum into
+    NaN: the batch (the bad event and a good lookup, 2 events) is dropped as invalid, and no
+    counter moves."""
+    pipeline = Pipeline()
+    IngestSource(pipeline).handle(msgspec.msgpack.encode({
+        "version": ev.SCHEMA_VERSION, "source": "engine", "seq": 0,
+        "events": [msgspec.to_builtins(_lookup(1)), event]}))
+    snap = pipeline.snapshot()
+    assert snap.events_dropped == {("ingest", "invalid"): 2}
+    assert snap.events_received == {} and snap.prompt_tokens["gpu"] == 0

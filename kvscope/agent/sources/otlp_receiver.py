@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import zlib
 from dataclasses import dataclass, field
 
@@ -139,8 +140,16 @@ def _json_value(value: dict) -> object:
 
 
 def _float(attributes: dict, key: str) -> float:
+    """A latency attribute in seconds; 0 (unknown) unless finite and not negative."""
     value = attributes.get(key)
-    return float(value) if isinstance(value, (int, float)) and value == value else 0.0
+    return float(value) if isinstance(value, (int, float)) and 0 <= value < math.inf else 0.0
+
+
+def _count(attributes: dict, key: str) -> int:
+    """A token count attribute; 0 (unknown) unless a finite number that is not negative."""
+    value = attributes.get(key)
+    return (int(value) if isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 <= value < math.inf else 0)
 
 
 class OtlpReceiver:
@@ -187,12 +196,12 @@ class OtlpReceiver:
                 self.joined += 1
                 continue
             start = span.start_ns / 1e9
-            prompt = int(a.get("gen_ai.usage.prompt_tokens") or 0)
+            prompt = _count(a, "gen_ai.usage.prompt_tokens")
             events.append(ev.RequestStarted(ts=start, request_id=request_id, prompt_tokens=prompt,
                                             trace_id=trace_id))
             events.append(ev.RequestFinished(
                 ts=span.end_ns / 1e9, request_id=request_id, ttft=ttft, prompt_tokens=prompt,
-                output_tokens=int(a.get("gen_ai.usage.completion_tokens") or 0),
+                output_tokens=_count(a, "gen_ai.usage.completion_tokens"),
                 queueing=queueing, prefill=prefill))
         if events:
             self.pipeline.ingest(self.source, events)
