@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="capture block accesses and finished requests here as Parquet "
                        "segments for kvscope analyze/compare (default: off; bounded by "
                        "capture_max_bytes, 1 GiB)")
+    agent.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                       help="least severe log lines shown on stderr (default info)")
 
     dash = sub.add_parser("dashboard", help="serve the dashboard for a running agent",
                           description="Serve the Dash dashboard, reading a running agent's HTTP API.")
@@ -141,7 +143,7 @@ def _agent(args) -> int:
 
     settings = load_settings(args.config, host=args.host, port=args.port,
                              store_dir=args.store_dir, otlp_endpoint=args.otlp_endpoint,
-                             capture_dir=args.capture_dir,
+                             capture_dir=args.capture_dir, log_level=args.log_level,
                              **{"ingest.endpoint": args.ingest})
     return run_agent(settings)
 

@@ -28,6 +28,7 @@ import re
 import tomllib
 from urllib.parse import urlsplit
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
@@ -206,6 +207,7 @@ class AgentSettings(BaseSettings):
     ``token``: bearer token required on ``/api`` (None: open, which is why the default address
     is loopback). ``store_dir``: where finished requests persist (None: memory only).
     ``otlp_endpoint``: OTLP/HTTP traces URL to export request spans to (None: off).
+    ``log_level``: the least severe of kvscope's own log lines shown on stderr.
     ``capture_dir``: where block accesses and finished requests are captured as Parquet
     segments for ``kvscope analyze`` / ``kvscope compare`` (None: off); the oldest segments are
     deleted beyond ``capture_max_bytes`` (:mod:`kvscope.agent.capture`).
@@ -219,6 +221,7 @@ class AgentSettings(BaseSettings):
     port: int = Field(9400, gt=0, lt=65536)
     token: str | None = None
     sample_interval: float = Field(1.0, ge=0.1, le=3600)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     prefill_tokens_per_second: float = Field(10_000.0, gt=0)
     requests_capacity: int = Field(100_000, gt=0)
     store_dir: Path | None = None

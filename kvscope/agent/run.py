@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import sys
 import threading
 
@@ -20,6 +21,17 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _log_to_stderr(level: str) -> None:
+    """Show kvscope's own log lines from ``level`` up on stderr; other libraries keep Python's
+    default (warnings and worse, unformatted)."""
+    logger = logging.getLogger("kvscope")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | None = None) -> int:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set); return the exit code.
 
@@ -27,6 +39,7 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     cannot start: ingest endpoint taken, store directory impossible) before anything is left
     running.
     """
+    _log_to_stderr(settings.log_level)
     sock = bind(settings.host, settings.port, "--port")
     agent = Agent(settings)
     try:

@@ -35,7 +35,7 @@ MAGIC = b"KVSC"
 VERSION = 1
 _U64 = (1 << 64) - 1
 
-# Bounded set of failure reasons (a metric label; see ARCHITECTURE.md, Metrics conventions).
+# Bounded set of failure reasons (a metric label, so never open-ended; docs/agent.md, Events).
 # disk_full: ENOSPC, EDQUOT or EFBIG; permission: EACCES, EPERM or EROFS; missing: no chunk
 # file; truncated: shorter than header + payload; corrupt: a bad header, or the chunk holds
 # another block; checksum: payload CRC mismatch; io: any other OSError.
