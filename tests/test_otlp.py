@@ -254,3 +254,18 @@ def test_shutdown_is_safe_twice_and_without_export(receiver: OtlpReceiver) -> No
     shutdown_within_guard(exporter)
     assert exporter.force_flush() is False
     assert receiver.named("kv.request") == []
+
+
+def test_an_endpoint_that_refuses_every_batch_is_logged_once_with_its_url(
+        receiver: OtlpReceiver, caplog) -> None:
+    """The receiver answers 404 off /v1/traces: five sends fail, the SDK logs each, and one
+    line naming the URL gets through (the next is held for a minute)."""
+    url = receiver.url + "/wrong/v1/traces"
+    exporter = RequestSpanExporter(url, timeout=2.0)
+    for _ in range(5):
+        exporter.export(RECORD_A)
+        exporter.force_flush()
+    shutdown_within_guard(exporter)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry")]
+    assert len(lines) == 1 and lines[0].startswith(f"kvscope OTLP export to {url}: "), lines
+    assert "404" in lines[0]

@@ -28,6 +28,7 @@ import logging
 import math
 import re
 import threading
+import time
 from urllib.parse import urlsplit
 
 from opentelemetry import trace as trace_api
@@ -45,6 +46,7 @@ from kvscope.agent.requests import RequestRecord, TransferRecord
 from kvscope.events import TOKEN_SOURCES
 
 log = logging.getLogger(__name__)
+_SDK_LOG = logging.getLogger(OTLPSpanExporter.__module__)  # where the SDK logs failed sends
 
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP traces path (OTLP specification, "OTLP/HTTP Request")
 _TRACE_ID = re.compile(r"[0-9a-fA-F]{32}")
@@ -110,6 +112,29 @@ class _RecordIdGenerator(RandomIdGenerator):
         return False
 
 
+class _Throttle(logging.Filter):
+    """Lets one of the SDK exporter's log lines through per ``interval`` seconds, naming the
+    endpoint and how many lines it held back: an endpoint that refuses every batch (a wrong
+    URL, a 404) would otherwise log an anonymous error every ``schedule_delay``."""
+
+    def __init__(self, endpoint: str, interval: float = 60.0) -> None:
+        super().__init__()
+        self._prefix = f"kvscope OTLP export to {endpoint}: ".replace("%", "%%")
+        self._interval = interval
+        self._last = -math.inf
+        self._held = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now - self._last < self._interval:
+            self._held += 1
+            return False
+        held = f" ({self._held} more such lines held back)" if self._held else ""
+        record.msg = self._prefix + str(record.msg) + held
+        self._last, self._held = now, 0
+        return True
+
+
 class RequestSpanExporter:
     """Sends one ``kv.request`` span per finished request, with ``kv.transfer`` children.
 
@@ -142,6 +167,8 @@ class RequestSpanExporter:
         self._ids = _RecordIdGenerator()
         # Built here rather than in a start(): the SDK processor starts its worker thread in its
         # constructor, and the worker sleeps until spans arrive.
+        self._throttle = _Throttle(self.endpoint)
+        _SDK_LOG.addFilter(self._throttle)
         self._processor = BatchSpanProcessor(
             OTLPSpanExporter(endpoint=self.endpoint, timeout=timeout),
             max_queue_size=max_queue_size, schedule_delay_millis=schedule_delay * 1000,
@@ -234,6 +261,8 @@ class RequestSpanExporter:
         if stopper.is_alive():
             log.warning("OTLP exporter still sending to %s after %.1f s; not waiting longer",
                         self.endpoint, self.timeout)
+        else:
+            _SDK_LOG.removeFilter(self._throttle)
 
 
 def _request_attributes(record: RequestRecord) -> dict[str, str | int | float]:
