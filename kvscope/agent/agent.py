@@ -100,7 +100,11 @@ class Agent(Worker):
         :class:`~kvscope.agent.config.ConfigError` naming the part that could not start (a
         port or endpoint taken, a directory that cannot be made), with nothing left running."""
         if self.store is not None:
-            self.pipeline.requests.add(self.store.load(self.pipeline.requests.capacity))
+            try:
+                restored = self.store.load(self.pipeline.requests.capacity)
+            except OSError as exc:  # e.g. a segment the agent's user cannot read
+                raise ConfigError(f"cannot read store_dir {self.store.directory}: {exc}") from None
+            self.pipeline.requests.add(restored)
             self.pipeline.subscribe(self.store.add)
         if self.otlp is not None:
             self.pipeline.subscribe(self.otlp.export)

@@ -128,8 +128,8 @@ class RequestStore(Worker):
         self._seq = 0  # tells apart segments opened in the same millisecond
 
     def segments(self) -> list[Path]:
-        """Segment files, oldest first."""
-        return sorted(self.directory.glob(f"*{_SUFFIX}"))
+        """Segment files, oldest first (anything else with their suffix is left alone)."""
+        return sorted(p for p in self.directory.glob(f"*{_SUFFIX}") if p.is_file())
 
     def load(self, limit: int) -> list[RequestRecord]:
         """The newest ``limit`` intact records on disk that finished within ``max_age``, oldest
