@@ -152,9 +152,10 @@ def test_an_event_that_breaks_the_encoder_is_dropped_and_the_emitter_keeps_sendi
 
 
 def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp_path):
-    """Drops count the events lost where the batch's header can be read: 2 in the future
-    version's batch, 1 with an unknown tier, 1,500 over the size limit, 1 from a bad source
-    name; the random bytes and the truncated batch cannot be read, 1 each. Total 1,506."""
+    """Drops count the events lost where the batch's header can be read, under the source it
+    names: 2 in the future version's batch, 1 with an unknown tier, 1,500 over the size limit;
+    1 from a bad source name (under "ingest": the name is no label); the random bytes and the
+    truncated batch cannot be read, 1 each under "ingest". Total 1,506."""
     endpoint = _endpoint(tmp_path)
     good = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=0,
                                     events=[_lookup(0)]))
@@ -172,8 +173,8 @@ def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp
     # 0xc1 is the one byte msgpack never uses, so these random bytes are surely malformed
     _push(endpoint, b"\xc1" + os.urandom(299), good[:-5], wrong_version, unknown_tier, too_large, bad_name,
           good)
-    expected = {("ingest", "malformed"): 2, ("ingest", "version"): 2, ("ingest", "invalid"): 1,
-                ("ingest", "too_large"): 1500, ("ingest", "bad_source"): 1}
+    expected = {("ingest", "malformed"): 2, ("engine", "version"): 2, ("engine", "invalid"): 1,
+                ("engine", "too_large"): 1500, ("ingest", "bad_source"): 1}
     assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 1
                  and sum(source.pipeline.snapshot().events_dropped.values()) == 1506)
     assert source.pipeline.snapshot().events_dropped == expected
@@ -192,7 +193,7 @@ def test_a_refused_batch_is_not_counted_again_as_a_gap():
     ingest = IngestSource(pipeline)
     for data in (_batch(0, "a"), _batch(1, "a", version=99, events=3), _batch(2, "a")):
         ingest.handle(data)
-    assert pipeline.snapshot().events_dropped == {("ingest", "version"): 3}
+    assert pipeline.snapshot().events_dropped == {("engine", "version"): 3}
 
 
 def test_two_emitters_sharing_a_source_name_keep_their_own_counts(caplog):
@@ -366,7 +367,7 @@ def test_a_batch_scope_joins_another_sources_requests_and_a_bad_one_is_dropped()
     send("vllm-worker", [_lookup(1)], scope="Not A Name")
     record = pipeline.requests.get("q")
     assert record is not None and [t.bytes for t in record.transfers] == [10]
-    assert pipeline.snapshot().events_dropped == {("ingest", "bad_source"): 1}
+    assert pipeline.snapshot().events_dropped == {("vllm-worker", "bad_source"): 1}
 
 
 def test_a_second_agent_cannot_take_over_a_live_ipc_endpoint(source, tmp_path):
@@ -407,5 +408,54 @@ def test_a_negative_count_or_a_nan_or_infinite_time_makes_its_batch_invalid(even
         "version": ev.SCHEMA_VERSION, "source": "engine", "seq": 0,
         "events": [msgspec.to_builtins(_lookup(1)), event]}))
     snap = pipeline.snapshot()
-    assert snap.events_dropped == {("ingest", "invalid"): 2}
+    assert snap.events_dropped == {("engine", "invalid"): 2}
     assert snap.events_received == {} and snap.prompt_tokens["gpu"] == 0
+
+
+def test_the_emitter_splits_a_batch_over_the_agents_size_limit(source, tmp_path):
+    """Lookups with 300 block hashes encode to about 3.3 KB each: 200 of them in one batch of
+    1,024 would be ~660 KB, over the agent's 64 KiB, and refused whole. The emitter halves the
+    batch until each part fits, so all 200 arrive; one lookup of 8,000 hashes (~90 KB) is over
+    the limit alone: dropped, counted by the emitter and reported to the agent."""
+    def lookup(i, n):
+        return ev.Lookup(ts=1.0, request_id=f"r{i}", tokens={"gpu": 16}, blocks=n,
+                         block_hashes=tuple(range(2**62, 2**62 + n)),
+                         block_sources=("gpu",) * n, block_tokens=16)
+    emitter = Emitter(_endpoint(tmp_path), source="engine", max_batch_bytes=64 << 10)
+    for i in range(200):
+        emitter.emit(lookup(i, 300))
+    emitter.emit(lookup(200, 8000))
+    emitter.emit(_lookup(201))
+    assert wait_until(lambda: source.pipeline.events_received().get("engine") == 201)
+    emitter.close()
+    assert emitter.dropped == 1
+    assert source.pipeline.snapshot().events_dropped == {("engine", "emitter_buffer"): 1}
+
+
+def test_a_crash_looping_tap_does_not_make_another_count_its_drops_twice():
+    """Tap "live" reports 5 drops; then 70 sessions of tap "crashy" send a batch each; "live"
+    sends again, still at 5: its drops stay 5 (each source keeps its own recent sessions)."""
+    pipeline = Pipeline()
+    ingest = IngestSource(pipeline)
+
+    def batch(source, seq, session, dropped=0, scope=""):
+        return ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source=source, seq=seq,
+                                        session=session, dropped=dropped, scope=scope,
+                                        events=[_lookup(seq)]))
+    ingest.handle(batch("live", 0, "L", 5))
+    for i in range(70):
+        ingest.handle(batch("crashy", 0, f"c{i}"))
+    ingest.handle(batch("live", 1, "L", 5))
+    assert pipeline.snapshot().events_dropped == {("live", "emitter_buffer"): 5}
+
+
+def test_a_batch_refused_for_its_scope_is_not_counted_again_as_a_gap(caplog):
+    """seq 0, 1, 2 from "worker"; seq 1 names the scope "Sched!": 1 event dropped as
+    bad_source under "worker", no gap, and the log names the scope."""
+    pipeline = Pipeline()
+    ingest = IngestSource(pipeline)
+    for seq, scope in ((0, ""), (1, "Sched!"), (2, "")):
+        ingest.handle(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="worker",
+                                               seq=seq, scope=scope, events=[_lookup(seq)])))
+    assert pipeline.snapshot().events_dropped == {("worker", "bad_source"): 1}
+    assert "scope 'Sched!' is not a source name" in caplog.text

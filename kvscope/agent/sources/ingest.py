@@ -15,14 +15,16 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
   from that emitter (an agent restarted mid-stream joins it there).
 
 Each counts the events lost, except ``gap``, which counts batches (their events are unknown),
-and a ``malformed`` or ``too_large`` message whose header cannot be read, which counts one. A
-refused batch whose header can be read still moves its emitter's sequence on, so it is not
-counted again as a gap.
+and a message whose header cannot be read, which counts one. A drop is counted under the source
+the batch names when that name is accepted, else under ``ingest``; the first of each source and
+reason is logged with what was wrong. A refused batch whose header can be read still moves its
+emitter's sequence on, so it is not counted again as a gap.
 
 Counters stay correct across tap restarts: events carry deltas, not totals, so the agent adds
 them up; a restarted emitter has a new ``session`` and its sequence starts again. Each emitter
-(source and session) is followed on its own, so two taps that share a source name do not
-count each other's batches as gaps or restarts; the agent warns once that they should not.
+(source and session, the latest four sessions of each source) is followed on its own, so two
+taps that share a source name do not count each other's batches as gaps or restarts; the agent
+warns once that they should not.
 """
 
 from __future__ import annotations
@@ -75,10 +77,10 @@ class IngestSource(Worker):
         self._max_bytes = max_batch_bytes
         self._hwm = receive_hwm
         self._max_sources = max_sources
-        # (source, session) -> (last seq, cumulative dropped) of each emitter, least recent first
-        self._streams: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
-        self._latest: dict[str, str] = {}  # source -> session of its latest batch
-        self._warned: set[str] = set()  # source names logged once (refused, or shared)
+        # source -> {session: (last seq, cumulative dropped)} of its emitters, latest last
+        self._streams: dict[str, OrderedDict[str, tuple[int, int]]] = {}
+        self._warned: set = set()  # what was logged once, for admitted sources
+        self._bad_names: set[str] = set()  # refused source names logged
         self._socket = None
 
     thread_name = "kvscope-ingest"
@@ -116,61 +118,73 @@ class IngestSource(Worker):
 
     def handle(self, data: bytes) -> None:
         """Check one received message and hand its events to the pipeline, or count the drop."""
-        reason = "too_large" if len(data) > self._max_bytes else None
-        if reason is None:
+        batch, reason, detail = None, None, ""
+        if len(data) > self._max_bytes:
+            reason, detail = "too_large", f"{len(data)} bytes, over max_batch_bytes"
+        else:
             try:
                 batch = ev.decode_batch(data)
             except ev.SchemaError as exc:
-                reason = exc.reason
+                reason, detail = exc.reason, str(exc)
+        header = batch or ev.read_header(data)
+        if header is None:  # not even a batch's header: nobody to blame
+            self.pipeline.drop(NAME, reason)
+            return
+        admitted = self._admit(header.source)
+        if batch is not None and batch.scope and not ev.SOURCE_NAME.fullmatch(batch.scope):
+            reason, detail = "bad_source", f"scope {batch.scope[:64]!r} is not a source name"
+        elif not admitted:
+            reason = reason or "bad_source"
+        source = header.source if admitted else NAME
+        if admitted:
+            self._account(header)
         if reason is not None:
-            header = ev.read_header(data)
-            self.pipeline.drop(NAME, reason, len(header.events) if header else 1)
-            if header and self._admit(header.source, ""):
-                self._account(header)
+            self.pipeline.drop(source, reason, len(header.events))
+            if admitted and detail and (source, reason) not in self._warned:
+                self._warned.add((source, reason))
+                log.warning("kvscope ingest: dropped a batch of %d events from source %r (%s): "
+                            "%s; logged once per source and reason", len(header.events),
+                            source, reason, detail)
             return
-        if not self._admit(batch.source, batch.scope):
-            self.pipeline.drop(NAME, "bad_source", len(batch.events))
-            return
-        self._account(batch)
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
         self.pipeline.ingest(batch.source, batch.events, scope=batch.scope or None)
 
-    def _admit(self, source: str, scope: str) -> bool:
-        for name in (source, scope):
-            if name and not ev.SOURCE_NAME.fullmatch(name):
-                self._warn_once(name, "kvscope ingest: dropping batches from source %r: a source "
-                                "(and scope) must be a lowercase word of up to 32 characters "
-                                f"({ev.SOURCE_NAME.pattern})", name[:64])
-                return False
-        if source not in self._latest and len(self._latest) >= self._max_sources:
-            self._warn_once(source, "kvscope ingest: dropping batches from source %r: %d "
-                            "sources already send here; raise [ingest] max_sources",
-                            source[:64], self._max_sources)
+    def _admit(self, source: str) -> bool:
+        """Whether ``source`` is a name the agent accepts, and room is left for it; logs each
+        refused name once (bad names at most ``4 * max_sources``: anyone may send them)."""
+        if not ev.SOURCE_NAME.fullmatch(source):
+            if source not in self._bad_names and len(self._bad_names) < 4 * self._max_sources:
+                self._bad_names.add(source)
+                log.warning("kvscope ingest: dropping batches from source %r: a source (and "
+                            "scope) must be a lowercase word of up to 32 characters (%s)",
+                            source[:64], ev.SOURCE_NAME.pattern)
             return False
-        return True
-
-    def _warn_once(self, key: str, message: str, *args) -> None:
-        if key not in self._warned and len(self._warned) < 4 * self._max_sources:
-            self._warned.add(key)
-            log.warning(message, *args)
+        if source in self._streams or len(self._streams) < self._max_sources:
+            return True
+        if "max_sources" not in self._warned:
+            self._warned.add("max_sources")
+            log.warning("kvscope ingest: dropping batches from source %r and any other new one: "
+                        "%d sources already send here; raise [ingest] max_sources",
+                        source, self._max_sources)
+        return False
 
     def _account(self, batch: ev.Batch | ev.BatchHeader) -> None:
-        source, key = batch.source, (batch.source, batch.session)
-        latest = self._latest.get(source)
-        if latest not in (None, batch.session) and key in self._streams:
+        source, session = batch.source, batch.session
+        streams = self._streams.setdefault(source, OrderedDict())
+        if session in streams and next(reversed(streams)) != session:
             # an emitter sends again after another took the name: two live taps share it
-            self._warn_once(f"shared:{source}", "kvscope ingest: two emitters send as source "
-                            "%r; give each tap its own source name (their request ids and "
-                            "series are merged)", source)
-        self._latest[source] = batch.session
+            if ("shared", source) not in self._warned:
+                self._warned.add(("shared", source))
+                log.warning("kvscope ingest: two emitters send as source %r; give each tap its "
+                            "own source name (their request ids and series are merged)", source)
         # a new emitter, or an agent restarted mid-stream: batches before the first one seen
         # here went to an earlier agent
-        seq, dropped = self._streams.pop(key, (batch.seq - 1, 0))
+        seq, dropped = streams.pop(session, (batch.seq - 1, 0))
         if batch.seq > seq + 1:
             self.pipeline.drop(source, "gap", batch.seq - seq - 1)
         if batch.dropped > dropped:
             self.pipeline.drop(source, "emitter_buffer", batch.dropped - dropped)
-        self._streams[key] = (max(seq, batch.seq), max(dropped, batch.dropped))
-        if len(self._streams) > STREAMS_PER_SOURCE * self._max_sources:
-            self._streams.popitem(last=False)
+        streams[session] = (max(seq, batch.seq), max(dropped, batch.dropped))
+        if len(streams) > STREAMS_PER_SOURCE:  # a restarted tap's old sessions, oldest first
+            streams.popitem(last=False)

@@ -34,7 +34,9 @@ class Emitter:
     ``model``: what it observes (shown as ``kvscope_engine_info``); ``scope``: the source whose requests this emitter's
     request ids name, when that is another emitter (see :class:`kvscope.events.Batch`).
     ``max_buffer``: events held while the agent is slow or away. ``batch_size``: events per
-    batch at most. ``flush_interval``: seconds between sends. ``send_hwm``: batches ZMQ may
+    batch at most. ``max_batch_bytes``: encoded bytes per batch at most, the agent's
+    ``[ingest] max_batch_bytes`` (a fuller batch is split; an event larger alone is dropped and
+    counted). ``flush_interval``: seconds between sends. ``send_hwm``: batches ZMQ may
     queue (kept small: what ZMQ holds when :meth:`close` gives up is lost uncounted, what the
     buffer holds is counted). ``warn_after``: seconds events may wait unsent (no agent at
     ``endpoint``, or one too slow) before one warning says so; sending again is logged too.
@@ -46,7 +48,8 @@ class Emitter:
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
                  engine: str = "", model: str = "", scope: str = "", max_buffer: int = 100_000,
-                 batch_size: int = 1024, flush_interval: float = 0.05, send_hwm: int = 4,
+                 batch_size: int = 1024, max_batch_bytes: int = 4 << 20,
+                 flush_interval: float = 0.05, send_hwm: int = 4,
                  warn_after: float = 10.0) -> None:
         for name, value in (("source", source), ("scope", scope or source)):
             if not ev.SOURCE_NAME.fullmatch(value):
@@ -60,6 +63,7 @@ class Emitter:
         self._buffer: collections.deque = collections.deque()
         self._max_buffer = max_buffer
         self._batch_size = batch_size
+        self._max_batch_bytes = max_batch_bytes
         self._interval = flush_interval
         self._session = os.urandom(8).hex()
         self._seq = 0
@@ -150,17 +154,9 @@ class Emitter:
                           for _ in range(min(self._batch_size, len(self._buffer)))]
                 if not events:
                     return True
-                batch = ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
-                                 events=events, session=self._session, dropped=self.dropped,
-                                 engine=self._engine, model=self._model, scope=self._scope)
-                try:
-                    self._pending = ev.encode_batch(batch)
-                except Exception as exc:  # a malformed event: never let it stop the thread
-                    self.dropped += len(events)
-                    log.warning("kvscope emitter: dropped %d events that do not encode: %s",
-                                len(events), exc)
+                self._pending = self._encode(events)
+                if self._pending is None:
                     continue
-                self._pending_events = len(events)
             try:
                 self._socket.send(self._pending, zmq.NOBLOCK)
             except zmq.Again:
@@ -171,6 +167,34 @@ class Emitter:
             self._pending, self._pending_events = None, 0
             self._seq += 1
             self.sent_batches += 1
+
+    def _encode(self, events: list) -> bytes | None:
+        """``events`` as one batch, or as its first part when the whole is over
+        ``max_batch_bytes`` (the rest goes back to the buffer's front); None when nothing is
+        left to send (events that do not encode, or one too large alone, are dropped and
+        counted)."""
+        while True:
+            batch = ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
+                             events=events, session=self._session, dropped=self.dropped,
+                             engine=self._engine, model=self._model, scope=self._scope)
+            try:
+                data = ev.encode_batch(batch)
+            except Exception as exc:  # a malformed event: never let it stop the thread
+                self.dropped += len(events)
+                log.warning("kvscope emitter: dropped %d events that do not encode: %s",
+                            len(events), exc)
+                return None
+            if len(data) <= self._max_batch_bytes:
+                self._pending_events = len(events)
+                return data
+            if len(events) == 1:  # the agent would refuse it, and ZMQ may drop it silently
+                self.dropped += 1
+                log.warning("kvscope emitter: dropped an event of %d bytes encoded, over "
+                            "max_batch_bytes (%d)", len(data), self._max_batch_bytes)
+                return None
+            half = len(events) // 2
+            self._buffer.extendleft(reversed(events[half:]))
+            events = events[:half]
 
     def close(self, timeout: float = 1.0) -> None:
         """Send what is buffered, waiting at most ``timeout`` seconds for the agent to take it,
