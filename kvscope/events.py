@@ -29,6 +29,11 @@ TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
 # sum into NaN. An event breaking this makes its batch invalid, and the agent drops the batch.
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]
+# Request ids are kept per request (100,000 by default) and trace ids are W3C's 32 hex digits:
+# both bounded, so a sender cannot grow the agent's memory through them.
+MAX_REQUEST_ID = 256  # characters; senders cut longer ids to this (the same cut on every side)
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID)]
+TraceId = Annotated[str, msgspec.Meta(max_length=32)]
 
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
 TOKEN_SOURCES: tuple[str, ...] = ("gpu", "cpu", "disk", "recompute")
@@ -56,9 +61,9 @@ class RequestStarted(_Event, tag="request_started"):
     ``prompt_tokens``: tokens in the prompt. ``trace_id``: W3C trace id (32 hex chars) or "".
     """
 
-    request_id: str
+    request_id: RequestId
     prompt_tokens: Count
-    trace_id: str = ""
+    trace_id: TraceId = ""
 
 
 class Lookup(_Event, tag="lookup"):
@@ -77,7 +82,7 @@ class Lookup(_Event, tag="lookup"):
     ``recompute``). ``block_tokens``: tokens per full block (0: unknown).
     """
 
-    request_id: str
+    request_id: RequestId
     tokens: dict[TokenSource, Count]
     blocks: Count = 0
     block_hits: dict[Tier, Count] = {}
@@ -103,7 +108,7 @@ class Transfer(_Event, tag="transfer"):
     duration: Seconds
     ok: bool = True
     reason: str = ""
-    request_id: str = ""
+    request_id: RequestId = ""
     timed: bool = True
 
 
@@ -151,7 +156,7 @@ class RequestFinished(_Event, tag="request_finished"):
     seconds between consecutive output tokens after the first (0: unknown or one token).
     """
 
-    request_id: str
+    request_id: RequestId
     ttft: Seconds
     prompt_tokens: Count
     output_tokens: Count = 0
@@ -176,6 +181,14 @@ class LatencyHistogram(_Event, tag="latency_histogram"):
     bounds: list[Seconds]
     counts: list[Count]
     sum: Seconds = 0.0
+
+    def __post_init__(self) -> None:
+        # msgspec turns these into a ValidationError when decoding: the batch is invalid
+        if len(self.counts) != len(self.bounds) + 1:
+            raise ValueError(f"a latency histogram has {len(self.bounds)} bounds, so "
+                             f"{len(self.bounds) + 1} counts, not {len(self.counts)}")
+        if any(low >= high for low, high in zip(self.bounds, self.bounds[1:])):
+            raise ValueError("a latency histogram's bounds must ascend")
 
 
 Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished,

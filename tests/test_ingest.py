@@ -398,11 +398,18 @@ def test_a_second_agent_cannot_take_over_a_live_ipc_endpoint(source, tmp_path):
      "prompt_tokens": 1},
     {"kind": "tier_snapshot", "ts": 1.0, "tier": "cpu", "capacity_bytes": -1,
      "resident_bytes": 0, "capacity_blocks": 0, "resident_blocks": 0},
+    # a histogram whose counts do not match its bounds, or whose bounds do not ascend
+    {"kind": "latency_histogram", "ts": 1.0, "metric": "ttft", "bounds": [0.1, 0.2],
+     "counts": [1, 1]},
+    {"kind": "latency_histogram", "ts": 1.0, "metric": "ttft", "bounds": [0.3, 0.3],
+     "counts": [1, 1, 1]},
+    # a request id the agent would have to keep, 100,000 times over
+    {"kind": "request_started", "ts": 1.0, "request_id": "x" * 257, "prompt_tokens": 1},
 ])
 def test_a_negative_count_or_a_nan_or_infinite_time_makes_its_batch_invalid(event):
     """Such a value would turn a counter down (rate() reads a reset) or a histogram sum into
-    NaN: the batch (the bad event and a good lookup, 2 events) is dropped as invalid, and no
-    counter moves."""
+    NaN; likewise a malformed histogram or an unbounded request id: the batch (the bad event
+    and a good lookup, 2 events) is dropped as invalid, and no counter moves."""
     pipeline = Pipeline()
     IngestSource(pipeline).handle(msgspec.msgpack.encode({
         "version": ev.SCHEMA_VERSION, "source": "engine", "seq": 0,

@@ -168,3 +168,19 @@ def test_a_chunked_body_over_the_limit_is_refused_without_a_declared_length():
         assert response.status_code == 413
         assert client.post("/v1/traces", content=protobuf_body(), headers={
             "content-type": "application/x-protobuf"}).status_code == 200
+
+
+def test_a_span_without_ttft_for_an_unknown_request_makes_no_request():
+    """An aborted request's span has no first token: counting it would add a TTFT of 0 to the
+    histogram. It is ignored (counted), and a span with a huge or negative latency reads as
+    unknown the same way."""
+    agent = _agent()
+    no_ttft = {k: v for k, v in ATTRS.items() if k != "gen_ai.latency.time_to_first_token"}
+    negative = {**ATTRS, "gen_ai.request.id": "cmpl-2-0",
+                "gen_ai.latency.time_to_first_token": -1.0}
+    with TestClient(create_app(agent)) as client:
+        for attrs in (no_ttft, negative):
+            assert client.post("/v1/traces", content=protobuf_body(attrs), headers={
+                "content-type": "application/x-protobuf"}).status_code == 200
+    assert agent.otlp_receiver.ignored == 2 and len(agent.pipeline.requests) == 0
+    assert agent.pipeline.snapshot().ttft_seconds.count == 0

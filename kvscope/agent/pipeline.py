@@ -424,8 +424,7 @@ class Pipeline:
     def _fold_latency_histograms(self, source: str, events: list[ev.LatencyHistogram],
                                  finished: list) -> None:
         for event in events:
-            if len(event.counts) == len(event.bounds) + 1:  # else malformed: nothing to fold
-                self._ttft.add_buckets(event.bounds, event.counts, event.sum)
+            self._ttft.add_buckets(event.bounds, event.counts, event.sum)
 
     def _fold_finished(self, source: str, events: list[ev.RequestFinished],
                        finished: list) -> None:

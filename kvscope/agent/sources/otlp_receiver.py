@@ -13,7 +13,8 @@ is joined with cache events by request id (vLLM's external id, which the in-proc
 reports): when the request is already in the agent's request table (the tap finished it), the
 record takes the span's trace id and vLLM's own TTFT, queueing and prefill; otherwise the span
 becomes ``RequestStarted`` + ``RequestFinished`` events under ``source`` (so a record the tap
-has open joins them). Spans without ``gen_ai.request.id`` are counted and ignored. vLLM sends
+has open joins them). Spans without ``gen_ai.request.id`` are counted and ignored, and so are
+spans of requests not in the table that have no TTFT (an aborted request). vLLM sends
 spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so the tap's records wait
 ``wait`` seconds for their span before the store and the OTLP exporter get them.
 """
@@ -181,6 +182,7 @@ class OtlpReceiver:
             if not isinstance(request_id, str) or not request_id:
                 self.ignored += 1
                 continue
+            request_id = request_id[:ev.MAX_REQUEST_ID]  # as the tap cuts it
             a = span.attributes
             trace_id = span.trace_id if len(span.trace_id) == 32 else ""
             ttft = _float(a, "gen_ai.latency.time_to_first_token")
@@ -194,6 +196,9 @@ class OtlpReceiver:
                     record.ttft, record.queueing = ttft, queueing
                     record.prefill = min(prefill, max(0.0, ttft - queueing - record.promotion_wait))
                 self.joined += 1
+                continue
+            if not ttft:  # e.g. an aborted request: no first token, so no TTFT to count as 0
+                self.ignored += 1
                 continue
             start = span.start_ns / 1e9
             prompt = _count(a, "gen_ai.usage.prompt_tokens")

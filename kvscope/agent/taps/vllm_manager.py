@@ -77,10 +77,11 @@ HIT_SOURCE = {"device": "gpu", "host": "cpu", "disk": "disk"}
 
 def external_request_id(request_id: str) -> str:
     """vLLM's internal request id without the ``-xxxxxxxx`` suffix (8 lowercase hex digits) it
-    adds for uniqueness."""
+    adds for uniqueness, cut to :data:`kvscope.events.MAX_REQUEST_ID` characters (a client may
+    name its request anything; the agent refuses longer ids)."""
     if len(request_id) > 9 and request_id[-9] == "-" and _HEX.issuperset(request_id[-8:]):
-        return request_id[:-9]
-    return request_id
+        request_id = request_id[:-9]
+    return request_id[:ev.MAX_REQUEST_ID]
 
 
 def trace_id_of(headers) -> str:
