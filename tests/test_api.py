@@ -101,6 +101,15 @@ def test_bearer_token_guards_the_api_but_not_metrics():
         assert [s["scheme"] for s in schemes.values()] == ["bearer"]
 
 
+def test_a_request_id_with_a_slash_can_be_fetched():
+    agent = _agent()
+    agent.pipeline.ingest("engine", [ev.RequestFinished(ts=1.0, request_id="tenant/7", ttft=0.2,
+                                                        prompt_tokens=8)])
+    with TestClient(create_app(agent)) as c:
+        assert c.get("/api/v1/requests/tenant/7").json()["request_id"] == "tenant/7"
+        assert c.get("/api/v1/requests/tenant%2F7").json()["request_id"] == "tenant/7"
+
+
 def test_request_bodies_are_bounded():
     with TestClient(create_app(_agent(), max_body_bytes=100)) as c:
         assert c.post("/api/v1/summary", content=b"x" * 101).status_code == 413

@@ -53,6 +53,9 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
     ('token = " "\n', "token: .*empty"),
     # pydantic would read true as 1: port 1, one source, one request kept
     ("port = true\n", "^config .*: port: is true or false; give a number$"),
+    # ZMQ would listen on another port than the one the taps are told
+    ('[ingest]\nendpoint = "tcp://127.0.0.1:99999"\n', "ingest.endpoint: must end in :PORT"),
+    ('[ingest]\nendpoint = "tcp://127.0.0.1:*"\n', "ingest.endpoint: must end in :PORT"),
     ("[ingest]\nmax_sources = true\n", "ingest.max_sources: is true or false"),
     # an interval of inf killed the sampler thread; 1e-9 spun a core
     ("sample_interval = inf\n", "sample_interval: .*less than or equal to 3600"),

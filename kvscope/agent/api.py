@@ -179,7 +179,8 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
         records = agent.pipeline.requests.recent(limit, sort, order == "desc", min_ttft)
         return _json({"total": len(agent.pipeline.requests), "requests": records})
 
-    @app.get("/api/v1/requests/{request_id}", dependencies=[Depends(authorize)])
+    # ``:path``: a request id may hold a slash (vLLM takes the client's X-Request-Id)
+    @app.get("/api/v1/requests/{request_id:path}", dependencies=[Depends(authorize)])
     def request(request_id: str) -> Response:
         """One request with its transfers and the parts of its TTFT."""
         record = agent.pipeline.requests.get(request_id)

@@ -73,6 +73,21 @@ def _numbers_not_booleans(cls, value, info):
 _NUMBERS_NOT_BOOLEANS = field_validator("*", mode="before")(_numbers_not_booleans)
 
 
+def _zmq_endpoint(value: str) -> str:
+    """``value`` if it is a ZMQ endpoint the agent can use: ``ipc://PATH``, or
+    ``tcp://HOST:PORT`` with a port of 1-65535 (ZMQ itself would read ``:99999`` as another
+    port, and ``:*`` as any free one, which no tap could find)."""
+    if value.startswith("ipc://"):
+        return value
+    if not value.startswith("tcp://"):
+        raise ValueError("must start with tcp:// or ipc://")
+    port = value.rpartition(":")[2]
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"must end in :PORT, a port of 1-65535 (tcp://127.0.0.1:5560), "
+                         f"not {value!r}")
+    return value
+
+
 class _Section(BaseModel):
     """A config table: unknown keys are refused, so a misspelt key never silently keeps its
     default, and a boolean is no number."""
@@ -92,9 +107,7 @@ class IngestConfig(_Section):
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, value: str) -> str:
-        if not value.startswith(("tcp://", "ipc://")):
-            raise ValueError("must start with tcp:// or ipc://")
-        return value
+        return _zmq_endpoint(value)
 
 
 KV_EVENTS_TIERS = ("gpu", "cpu", "disk")
@@ -124,9 +137,7 @@ class KvEventsConfig(_Section):
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
     def _zmq(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("tcp://", "ipc://")):
-            raise ValueError("must start with tcp:// or ipc://")
-        return value
+        return value if value is None else _zmq_endpoint(value)
 
     @field_validator("capacity_blocks")
     @classmethod
@@ -288,8 +299,11 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
     except ValidationError as exc:
         error = exc.errors()[0]
         loc = [str(p) for p in error["loc"]]
-        if _set_in(values, loc):
-            where = f"config{' ' + str(path) if path else ''}: {'.'.join(loc)}"
+        key = ".".join(loc)
+        if overrides.get(key) is not None:
+            where = f"command line: {key}"
+        elif _set_in(values, loc):
+            where = f"config{' ' + str(path) if path else ''}: {key}"
         else:  # not from the file or a flag, so from the environment
             set_now = _settings_variables()
             where = "environment: " + (" or ".join(v for v in _variables_of(loc) if v in set_now)

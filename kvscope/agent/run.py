@@ -51,7 +51,8 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     server.start()
     stop = stop or threading.Event()
     stop_on_signals(stop)
-    base = f"http://{settings.host}:{settings.port}"
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host  # IPv6 in a URL
+    base = f"http://{host}:{settings.port}"
     print(f"kvscope agent: {base}/metrics  {base}/api/v1/summary  (docs: {base}/docs)", file=out)
     if agent.ingest is not None:
         print(f"  ingest: {settings.ingest.endpoint}", file=out)

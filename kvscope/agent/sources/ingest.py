@@ -88,6 +88,7 @@ class IngestSource(Worker):
     def prepare(self) -> None:
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.RCVHWM, self._hwm)
+        self._socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
         # ZMQ itself refuses anything far over the limit, so a huge message never lands in memory
         self._socket.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_bytes)
         self._socket.setsockopt(zmq.LINGER, 0)

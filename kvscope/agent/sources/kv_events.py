@@ -293,6 +293,7 @@ class KvEventsSource(Worker):
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         try:
             if vllm_binds(self.endpoint):

@@ -81,6 +81,7 @@ class Emitter:
         self._socket.setsockopt(zmq.SNDHWM, send_hwm)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a live connection
+        self._socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
         self._socket.connect(endpoint)
         self._endpoint = endpoint
         self._thread = threading.Thread(target=self._run, name="kvscope-emitter", daemon=True)
