@@ -215,3 +215,17 @@ def test_a_request_waiting_for_late_transfers_is_stored_when_the_agent_stops(tmp
         assert restarted.pipeline.requests.get("late").ttft == 0.2
     finally:
         restarted.shutdown()
+
+
+def test_a_second_store_cannot_take_a_directory_in_use(tmp_path):
+    """Two agents on one store_dir would prune each other's segments and restore each other's
+    records: the second is refused while the first runs, and may take it once it stopped."""
+    first, second = RequestStore(tmp_path), RequestStore(tmp_path)
+    first.start()
+    try:
+        with pytest.raises(OSError, match="another kvscope agent"):
+            second.take()
+    finally:
+        first.shutdown()
+    second.start()
+    second.shutdown()

@@ -101,9 +101,11 @@ class Agent(Worker):
         port or endpoint taken, a directory that cannot be made), with nothing left running."""
         if self.store is not None:
             try:
+                self.store.take()
                 restored = self.store.load(self.pipeline.requests.capacity)
-            except OSError as exc:  # e.g. a segment the agent's user cannot read
-                raise ConfigError(f"cannot read store_dir {self.store.directory}: {exc}") from None
+            except OSError as exc:  # another agent's, or a segment this user cannot read
+                raise ConfigError(f"cannot use store_dir {self.store.directory}: "
+                                  f"{exc.strerror or exc}") from None
             self.pipeline.requests.add(restored)
             self.pipeline.subscribe(self.store.add)
         if self.otlp is not None:

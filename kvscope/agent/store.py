@@ -22,6 +22,8 @@ Retention is enforced at every flush, also one with nothing new to write:
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import struct
@@ -122,6 +124,7 @@ class RequestStore(Worker):
         self._queue: list[RequestRecord] = []
         self._lock = threading.Lock()
         self._file = None
+        self._owner = None  # the open lock file while this store has the directory (take())
         self._path: Path | None = None  # the segment being written
         self._opened = 0.0  # when it was opened, by clock
         self._size = 0  # its bytes
@@ -149,14 +152,32 @@ class RequestStore(Worker):
 
     thread_name = "kvscope-store"
 
-    def prepare(self) -> None:
+    def take(self) -> None:
+        """Take the directory (created if missing) for this store alone, until the store stops
+        or the process exits. Raises OSError (EBUSY) when another store, e.g. another agent's,
+        has it: two writers would delete each other's segments and restore each other's
+        records."""
+        if self._owner is not None:
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
+        owner = open(self.directory / ".lock", "w")
+        try:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner.close()
+            raise OSError(errno.EBUSY, "another kvscope agent uses this directory") from None
+        self._owner = owner
+
+    def prepare(self) -> None:
+        self.take()
 
     def run(self) -> None:
         while not self.stopping.wait(self._interval):
             self._flush_logged()
         self._flush_logged()
         self._close()
+        self._owner.close()  # releases the directory
+        self._owner = None
 
     def _flush_logged(self) -> None:
         try:
