@@ -17,6 +17,7 @@ from kvscope.agent.agent import Agent
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.kv_events import KvEventsSource, KvResidency, decode, vllm_binds
+from conftest import wait_until
 from tests.vllm_env import run_driver, vllm_python
 
 
@@ -336,6 +337,9 @@ def test_a_real_vllm_engine_streams_kv_events(tmp_path):
     python = vllm_python()
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     pipeline = Pipeline()
+    ups = []  # the source's up/down states, in order
+    record_up = pipeline.set_source_up
+    pipeline.set_source_up = lambda name, up: (ups.append(up), record_up(name, up))
     source = KvEventsSource(pipeline, endpoint, topic="kv",
                             residency=KvResidency(block_bytes=32768))
     source.start()
@@ -350,7 +354,7 @@ def test_a_real_vllm_engine_streams_kv_events(tmp_path):
     snap = pipeline.snapshot()
     result = json.loads((tmp_path / "out.json").read_text())
     assert snap.events_received.get("kv_events", 0) > 0
-    assert snap.source_up == {"kv_events": True}
+    assert ups[:2] == [False, True]  # down until vLLM connected, up while it published
     assert snap.transfer_blocks.get(("gpu", "cpu"), 0) > 0
     assert snap.transfer_bytes[("gpu", "cpu")] == snap.transfer_blocks[("gpu", "cpu")] * 32768
     assert snap.evicted_blocks.get(("gpu", "capacity"), 0) > 0
@@ -358,3 +362,23 @@ def test_a_real_vllm_engine_streams_kv_events(tmp_path):
     assert 0 < snap.tiers["gpu"].resident_blocks <= result["gpu_blocks"]
     assert 0 < snap.tiers["cpu"].resident_blocks <= result["cpu_blocks"]
     assert ("kv_events", "gap") not in snap.events_dropped
+
+
+def test_the_source_is_up_only_while_a_publisher_is_connected():
+    """A SUB socket hears nothing, silently, from an endpoint nobody publishes on: the source
+    reads 0 until vLLM's PUB (here a plain ZMQ PUB) connects, 1 while it is, 0 once it left."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    pipeline = Pipeline()
+    source = KvEventsSource(pipeline, endpoint)
+    source.start()
+    up = lambda: pipeline.snapshot().source_up.get("kv_events")  # noqa: E731
+    try:
+        assert up() is False
+        publisher = zmq.Context.instance().socket(zmq.PUB)
+        publisher.setsockopt(zmq.LINGER, 0)
+        publisher.connect(endpoint)
+        assert wait_until(lambda: up() is True)
+        publisher.close()
+        assert wait_until(lambda: up() is False)
+    finally:
+        source.shutdown()

@@ -71,6 +71,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
@@ -224,6 +225,9 @@ class KvResidency:
         self.resident.clear()
 
 
+_PEER_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+
+
 def vllm_binds(endpoint: str) -> bool:
     """Whether vLLM binds ``endpoint`` (0.32 ``ZmqEventPublisher._is_bind_endpoint``)."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
@@ -279,6 +283,8 @@ class KvEventsSource(Worker):
         self._sent_transfers: dict[tuple[str, str], list[int]] = {}
         self._sent_evictions: Counter[tuple[str, str]] = Counter()
         self._socket = None
+        self._monitor = None
+        self._peers = 0  # publishers connected
 
     thread_name = "kvscope-kv-events"
 
@@ -304,11 +310,15 @@ class KvEventsSource(Worker):
             sock.close()
             raise
         self._socket = sock
-        self.pipeline.set_source_up(NAME, True)
+        # Up while vLLM's publisher is connected: a SUB socket receives nothing, silently, from
+        # an endpoint nobody publishes on, so the connection events are the only sign.
+        self._monitor = sock.get_monitor_socket(_PEER_EVENTS)
+        self.pipeline.set_source_up(NAME, False)
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         next_check = time.monotonic() + self.overlap_check
         try:
             while not self.stopping.is_set():
@@ -316,7 +326,10 @@ class KvEventsSource(Worker):
                         and time.monotonic() >= next_check):
                     next_check = time.monotonic() + self.overlap_check
                     self.check_overlap()
-                if not poller.poll(100):
+                ready = dict(poller.poll(100))
+                if self._monitor in ready:
+                    self._peer_event(recv_monitor_message(self._monitor)["event"])
+                if self._socket not in ready:
                     continue
                 while True:
                     try:
@@ -325,7 +338,17 @@ class KvEventsSource(Worker):
                         break
                     self.handle(frames)
         finally:
+            self._socket.disable_monitor()
+            self._monitor.close()
             self._socket.close()
+
+    def _peer_event(self, event: int) -> None:
+        was_up = self._peers > 0
+        self._peers = max(0, self._peers + (-1 if event == zmq.EVENT_DISCONNECTED else 1))
+        if (self._peers > 0) != was_up:
+            log.info("kvscope kv_events: %s vLLM's publisher at %s",
+                     "lost" if was_up else "connected to", self.endpoint)
+            self.pipeline.set_source_up(NAME, not was_up)
 
     def handle(self, frames: list[bytes]) -> None:
         """One published message: check its sequence, fetch gaps, fold its events in."""
