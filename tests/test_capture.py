@@ -165,6 +165,23 @@ def test_segments_rotate_are_whole_and_are_pruned_to_the_byte_bound(tmp_path):
     assert len(trace) == 200 * len(segments) and trace.block_ids[-1] == 399 * 1000 + 7
 
 
+def test_a_small_byte_bound_makes_small_segments(tmp_path):
+    """max_bytes 12,000, under the ~20 KB the 3,200 rows take as one segment, and no row or age
+    limit in reach: segments rotate past a quarter of it (3,000 bytes; a Parquet file with one
+    row group is already ~5 KB), so the newest segment, kept at every prune, stays well under
+    the bound instead of holding everything."""
+    now = [T0]
+    writer = CaptureWriter(tmp_path, max_bytes=12_000, clock=lambda: now[0])
+    for i in range(400):  # 3200 rows, flushed 40 at a time
+        now[0] += 0.01
+        writer.add_lookup("engine", _lookup(i))
+        if i % 5 == 4:
+            writer.flush()
+    writer.close()
+    sizes = [p.stat().st_size for p in writer.segments("blocks")]
+    assert max(sizes) < 6_000 and sum(sizes) <= 12_000
+
+
 def test_segments_rotate_by_age_and_pending_rows_are_bounded(tmp_path):
     now = [T0]
     writer = CaptureWriter(tmp_path, segment_seconds=60.0, max_pending_rows=20,
