@@ -37,9 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay "
                       "(default: the built-in synthetic workload)")
     demo.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on (default %(default)s)")
-    demo.add_argument("--metrics-port", type=port, default=9400,
+    demo.add_argument("--metrics-port", type=port, default=9400, metavar="PORT",
                       help="port of /metrics and the HTTP API (default %(default)s)")
-    demo.add_argument("--ui-port", type=port, default=8050, help="port of the dashboard (default %(default)s)")
+    demo.add_argument("--ui-port", type=port, default=8050, metavar="PORT", help="port of the dashboard (default %(default)s)")
     demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                       help="model preset giving the KV block shape (default %(default)s)")
     demo.add_argument("--gpu-blocks", type=positive(int), default=256,
@@ -151,6 +151,7 @@ def _agent(args) -> int:
 def _dashboard(args) -> int:
     import threading
 
+    from kvscope.agent.server import url
     from kvscope.dashboard.app import create_app, serve
 
     backend = None
@@ -165,7 +166,7 @@ def _dashboard(args) -> int:
                               backend=backend, sizing_trace=args.sizing_trace,
                               sizing_preset=args.sizing_preset), args.host, args.port)
     source = args.prometheus if backend is not None else args.api
-    print(f"kvscope dashboard: http://{args.host}:{args.port}/ reading {args.backend} {source}",
+    print(f"kvscope dashboard: {url(args.host, args.port)} reading {args.backend} {source}",
           flush=True)
     stop = threading.Event()
     stop_on_signals(stop)
@@ -204,7 +205,11 @@ def _replay(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (2 for bad input, with one line on stderr)."""
-    args, unknown = _parser().parse_known_args(argv)
+    parser = _parser()
+    first = (sys.argv[1:] if argv is None else argv)[:1]
+    if first and first[0].startswith("-") and first[0] not in ("-h", "--help", "--version"):
+        parser.error(f"unrecognized arguments: {first[0]}")  # else: "COMMAND is required"
+    args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser, so that it names `kvscope COMMAND --help`
         args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     from kvscope.agent.config import ConfigError

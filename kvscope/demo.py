@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
-from kvscope.agent.server import ApiServer, PortInUse, bind
+from kvscope.agent.server import ApiServer, PortInUse, bind, url
 from kvscope.dashboard.app import create_app as create_dashboard
 from kvscope.dashboard.app import serve as serve_dashboard
 from kvscope.engine.engine import OffloadEngine
@@ -87,7 +87,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     replay_thread = threading.Thread(target=replayer.run, name="kvscope-replay", daemon=True)
     agent.start()
     server.start()
-    api_url = f"http://{config.host}:{config.metrics_port}"
+    api_url = url(config.host, config.metrics_port, "")
     try:
         dashboard = serve_dashboard(create_dashboard(api_url, sizing_trace=config.trace,
                                                        sizing_preset=preset.name),
@@ -106,7 +106,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
           + (f", disk {config.disk_blocks} blocks" if config.disk_blocks else "")
           + f", policy {config.policy}", file=out)
     print(f"  metrics and API: {api_url}/metrics  {api_url}/api/v1/summary", file=out)
-    print(f"  dashboard:       http://{config.host}:{config.ui_port}/", file=out)
+    print(f"  dashboard:       {url(config.host, config.ui_port)}", file=out)
     print("  stop with Ctrl-C" + (f" (or after {config.duration:g} s)" if config.duration else ""),
           file=out, flush=True)
     stop.wait(config.duration)

@@ -226,3 +226,15 @@ def test_the_agent_warns_about_an_open_api_only_off_loopback(host, loopback):
     from kvscope.agent.run import _loopback
 
     assert _loopback(host) is loopback
+
+
+def test_a_misspelt_top_level_flag_is_named():
+    """Before, `kvscope --hepl` said a COMMAND was required, as if nothing had been typed."""
+    _one_error_line(_kvscope("--hepl"), "unrecognized arguments: --hepl")
+
+
+def test_banner_urls_put_an_ipv6_host_in_brackets():
+    from kvscope.agent.server import url
+
+    assert url("::1", 9400, "/metrics") == "http://[::1]:9400/metrics"
+    assert url("127.0.0.1", 8050) == "http://127.0.0.1:8050/"

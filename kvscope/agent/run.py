@@ -10,7 +10,7 @@ import threading
 from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings, ConfigError
-from kvscope.agent.server import ApiServer, bind
+from kvscope.agent.server import ApiServer, bind, url
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
 
 
@@ -51,8 +51,7 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     server.start()
     stop = stop or threading.Event()
     stop_on_signals(stop)
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host  # IPv6 in a URL
-    base = f"http://{host}:{settings.port}"
+    base = url(settings.host, settings.port, "")
     print(f"kvscope agent: {base}/metrics  {base}/api/v1/summary  (docs: {base}/docs)", file=out)
     if agent.ingest is not None:
         print(f"  ingest: {settings.ingest.endpoint}", file=out)

@@ -11,6 +11,11 @@ import uvicorn
 from fastapi import FastAPI
 
 
+def url(host: str, port: int, path: str = "/") -> str:
+    """``http://host:port/path``, an IPv6 ``host`` in brackets (RFC 3986, section 3.2.2)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
+
+
 class PortInUse(OSError):
     """The address cannot be bound; the message names it and the flag that changes it."""
 

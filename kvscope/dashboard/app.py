@@ -21,6 +21,7 @@ from werkzeug.serving import (
     select_address_family,
 )
 
+from kvscope.agent.server import url as http_url
 from kvscope.dashboard.backend import AgentBackend, Backend, BackendUnavailable
 from kvscope.dashboard.pages import compare, overview, requests, sizing, tiers
 from kvscope.dashboard.pages.common import Context
@@ -145,8 +146,7 @@ class ServerHandle:
     @property
     def url(self) -> str:
         """The base URL, e.g. ``http://127.0.0.1:8050`` (IPv6 hosts in brackets)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port, "")
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop serving and wait up to ``timeout`` seconds for the thread; safe to call twice."""
