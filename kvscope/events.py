@@ -27,8 +27,10 @@ TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
 # Counts and sizes are never negative, and times and rates are finite and never negative: one
 # such value would turn a counter down (PromQL's rate() reads that as a reset) or a histogram's
 # sum into NaN. An event breaking this makes its batch invalid, and the agent drops the batch.
+_FINITE = msgspec.Meta(ge=0.0, le=sys.float_info.max)
 Count = Annotated[int, msgspec.Meta(ge=0)]
-Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]
+Seconds = Annotated[float, _FINITE]
+Rate = Annotated[float, _FINITE]  # per second
 # Request ids are kept per request (100,000 by default) and trace ids are W3C's 32 hex digits:
 # both bounded, so a sender cannot grow the agent's memory through them.
 MAX_REQUEST_ID = 256  # characters; senders cut longer ids to this (the same cut on every side)
@@ -43,7 +45,8 @@ class SchemaError(ValueError):
     """A payload is not a valid kvscope batch.
 
     ``reason``: ``malformed`` (not msgpack, or truncated), ``invalid`` (a field of the wrong
-    type or value, e.g. an unknown tier or event kind, a negative count, a NaN or infinite time) or ``version`` (another schema version).
+    type or value, e.g. an unknown tier or event kind, a negative count, a NaN or infinite
+    time) or ``version`` (another schema version).
     """
 
     def __init__(self, message: str, reason: str) -> None:
@@ -86,7 +89,7 @@ class Lookup(_Event, tag="lookup"):
     tokens: dict[TokenSource, Count]
     blocks: Count = 0
     block_hits: dict[Tier, Count] = {}
-    prefill_tokens_per_second: Seconds = 0.0  # tokens per second: finite, not negative
+    prefill_tokens_per_second: Rate = 0.0
     block_hashes: tuple[int, ...] = ()
     block_sources: tuple[TokenSource, ...] = ()
     block_tokens: Count = 0

@@ -141,11 +141,10 @@ class IngestSource(Worker):
             self._account(header)
         if reason is not None:
             self.pipeline.drop(source, reason, len(header.events))
-            if admitted and detail and (source, reason) not in self._warned:
-                self._warned.add((source, reason))
-                log.warning("kvscope ingest: dropped a batch of %d events from source %r (%s): "
-                            "%s; logged once per source and reason", len(header.events),
-                            source, reason, detail)
+            if admitted and detail:
+                self._warn_once((source, reason), "kvscope ingest: dropped a batch of %d events "
+                                "from source %r (%s): %s; logged once per source and reason",
+                                len(header.events), source, reason, detail)
             return
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
@@ -163,22 +162,25 @@ class IngestSource(Worker):
             return False
         if source in self._streams or len(self._streams) < self._max_sources:
             return True
-        if "max_sources" not in self._warned:
-            self._warned.add("max_sources")
-            log.warning("kvscope ingest: dropping batches from source %r and any other new one: "
-                        "%d sources already send here; raise [ingest] max_sources",
-                        source, self._max_sources)
+        self._warn_once("max_sources", "kvscope ingest: dropping batches from source %r and any "
+                        "other new one: %d sources already send here; raise [ingest] "
+                        "max_sources", source, self._max_sources)
         return False
+
+    def _warn_once(self, key: object, message: str, *args: object) -> None:
+        """Log ``message`` the first time ``key`` (one of a bounded set) comes up."""
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
 
     def _account(self, batch: ev.Batch | ev.BatchHeader) -> None:
         source, session = batch.source, batch.session
         streams = self._streams.setdefault(source, OrderedDict())
         if session in streams and next(reversed(streams)) != session:
             # an emitter sends again after another took the name: two live taps share it
-            if ("shared", source) not in self._warned:
-                self._warned.add(("shared", source))
-                log.warning("kvscope ingest: two emitters send as source %r; give each tap its "
-                            "own source name (their request ids and series are merged)", source)
+            self._warn_once(("shared", source), "kvscope ingest: two emitters send as source %r; "
+                            "give each tap its own source name (their request ids and series "
+                            "are merged)", source)
         # a new emitter, or an agent restarted mid-stream: batches before the first one seen
         # here went to an earlier agent
         seq, dropped = streams.pop(session, (batch.seq - 1, 0))

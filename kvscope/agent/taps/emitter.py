@@ -31,8 +31,9 @@ class Emitter:
     ``source``: a short name for this emitter's events, a lowercase word
     (:data:`kvscope.events.SOURCE_NAME`, e.g. ``engine``, ``vllm-dp1``), its own for each tap
     on a node (it is a metric label, and request ids are told apart by it); ``engine``,
-    ``model``: what it observes (shown as ``kvscope_engine_info``); ``scope``: the source whose requests this emitter's
-    request ids name, when that is another emitter (see :class:`kvscope.events.Batch`).
+    ``model``: what it observes (shown as ``kvscope_engine_info``); ``scope``: the source whose
+    requests this emitter's request ids name, when that is another emitter (see
+    :class:`kvscope.events.Batch`).
     ``max_buffer``: events held while the agent is slow or away. ``batch_size``: events per
     batch at most. ``max_batch_bytes``: encoded bytes per batch at most, the agent's
     ``[ingest] max_batch_bytes`` (a fuller batch is split; an event larger alone is dropped and
