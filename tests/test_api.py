@@ -110,6 +110,17 @@ def test_a_request_id_with_a_slash_can_be_fetched():
         assert c.get("/api/v1/requests/tenant%2F7").json()["request_id"] == "tenant/7"
 
 
+def test_a_request_is_fetched_by_source_when_two_engines_share_its_id():
+    agent = _agent()
+    agent.pipeline.ingest("other", [ev.RequestFinished(ts=500.0, request_id="r1", ttft=0.9,
+                                                       prompt_tokens=8)])
+    with TestClient(create_app(agent)) as c:
+        assert c.get("/api/v1/requests/r1").json()["source"] == "other"  # finished last
+        assert c.get("/api/v1/requests/r1", params={"source": "engine"}).json()["ttft"] == 0.1
+        missing = c.get("/api/v1/requests/r1", params={"source": "nope"})
+        assert missing.status_code == 404 and "from source 'nope'" in missing.json()["detail"]
+
+
 def test_request_bodies_are_bounded():
     with TestClient(create_app(_agent(), max_body_bytes=100)) as c:
         assert c.post("/api/v1/summary", content=b"x" * 101).status_code == 413

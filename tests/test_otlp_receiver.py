@@ -126,6 +126,21 @@ def test_a_span_for_a_request_the_tap_finished_enriches_that_record():
     assert agent.pipeline.snapshot().requests == 1 and agent.otlp_receiver.joined == 1
 
 
+def test_a_span_joins_only_the_records_of_the_receivers_source():
+    """Another engine ("load") finished a request of the same id: the span leaves that record
+    alone and makes the vllm source's own request."""
+    agent = _agent()
+    agent.pipeline.ingest("load", [ev.RequestFinished(ts=1.4, request_id="cmpl-1-0", ttft=0.3,
+                                                      prompt_tokens=10)])
+    with TestClient(create_app(agent)) as client:
+        client.post("/v1/traces", content=protobuf_body(),
+                    headers={"content-type": "application/x-protobuf"})
+    other = agent.pipeline.requests.get("cmpl-1-0", "load")
+    assert other.trace_id != TRACE and other.ttft == 0.3
+    assert agent.pipeline.requests.get("cmpl-1-0", "vllm").trace_id == TRACE
+    assert agent.otlp_receiver.joined == 0
+
+
 def test_a_span_that_comes_before_the_taps_finish_still_makes_one_request():
     """vLLM sent the span while the tap still had the request open: the span finishes the
     record (vLLM's trace id and TTFT), and the tap's finish, arriving second, only adds what

@@ -82,6 +82,21 @@ def test_request_table_is_bounded_and_sortable():
     assert [r.request_id for r in pipeline.requests.recent(2, "arrival")] == ["r4", "r3"]
 
 
+def test_two_sources_with_the_same_request_ids_keep_their_own_records():
+    """Engines number requests on their own, so ids collide: each source's record stays, and a
+    lookup without a source gets the one that finished last (beta's, at 10.9)."""
+    pipeline = Pipeline()
+    for source, ttft in (("alpha", 0.1), ("beta", 0.9)):
+        pipeline.ingest(source, [ev.RequestStarted(ts=10.0, request_id="shared", prompt_tokens=4),
+                                 ev.RequestFinished(ts=10.0 + ttft, request_id="shared",
+                                                    ttft=ttft, prompt_tokens=4)])
+    assert len(pipeline.requests) == 2 == pipeline.snapshot().requests
+    assert pipeline.requests.get("shared", "alpha").ttft == 0.1
+    assert pipeline.requests.get("shared", "beta").ttft == 0.9
+    assert pipeline.requests.get("shared").source == "beta"
+    assert pipeline.requests.get("shared", "gamma") is None
+
+
 def test_drops_and_source_health():
     pipeline = Pipeline()
     pipeline.drop("ingest", "malformed")

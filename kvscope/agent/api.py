@@ -181,11 +181,14 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     # ``:path``: a request id may hold a slash (vLLM takes the client's X-Request-Id)
     @app.get("/api/v1/requests/{request_id:path}", dependencies=[Depends(authorize)])
-    def request(request_id: str) -> Response:
+    def request(request_id: str, source: str | None = Query(
+            None, max_length=64, description="the source that reported it; without it, the "
+            "one finished last (two engines may use the same ids)")) -> Response:
         """One request with its transfers and the parts of its TTFT."""
-        record = agent.pipeline.requests.get(request_id)
+        record = agent.pipeline.requests.get(request_id, source)
         if record is None:
-            raise HTTPException(404, f"no request {request_id!r} in the table")
+            where = f" from source {source!r}" if source is not None else ""
+            raise HTTPException(404, f"no request {request_id!r}{where} in the table")
         return _json(record)
 
     return app

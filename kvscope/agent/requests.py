@@ -171,29 +171,39 @@ SORT_KEYS = ("finished", "arrival", "ttft", "prompt_tokens", "promotion_wait")
 
 
 class RequestTable:
-    """The most recent ``capacity`` finished requests, by id. Thread-safe."""
+    """The most recent ``capacity`` finished requests, by source and request id (two engines
+    may use the same ids: each source's records stay apart). Thread-safe."""
 
     def __init__(self, capacity: int = 100_000) -> None:
         self._lock = threading.Lock()
-        self._records: OrderedDict[str, RequestRecord] = OrderedDict()
+        self._records: OrderedDict[tuple[str, str], RequestRecord] = OrderedDict()
+        self._sources: set[str] = set()  # sources with records now or before (a few names)
         self.capacity = capacity
 
     def add(self, records: Iterable[RequestRecord]) -> None:
-        """Add finished ``records`` (the newest last); a known id's record moves to the end."""
+        """Add finished ``records`` (the newest last); a known request's record moves to the
+        end."""
         with self._lock:
             table = self._records
             for record in records:
-                table[record.request_id] = record
-                table.move_to_end(record.request_id)
+                key = (record.source, record.request_id)
+                table[key] = record
+                table.move_to_end(key)
+                self._sources.add(record.source)
             while len(table) > self.capacity:
                 table.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def get(self, request_id: str) -> RequestRecord | None:
+    def get(self, request_id: str, source: str | None = None) -> RequestRecord | None:
+        """The record of ``request_id`` from ``source``; without ``source``, the one finished
+        last among the sources that have a request of that id."""
         with self._lock:
-            return self._records.get(request_id)
+            if source is not None:
+                return self._records.get((source, request_id))
+            found = [self._records.get((s, request_id)) for s in self._sources]
+        return max(filter(None, found), key=lambda r: r.finished or 0.0, default=None)
 
     def recent(self, limit: int = 100, sort: str = "finished", descending: bool = True,
                min_ttft: float | None = None) -> list[RequestRecord]:

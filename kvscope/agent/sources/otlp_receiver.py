@@ -188,7 +188,7 @@ class OtlpReceiver:
             ttft = _float(a, "gen_ai.latency.time_to_first_token")
             queueing = _float(a, "gen_ai.latency.time_in_queue")
             prefill = _float(a, "gen_ai.latency.time_in_model_prefill")
-            record = self.pipeline.requests.get(request_id)
+            record = self.pipeline.requests.get(request_id, self.source)
             if record is not None:  # finished by the tap: enrich it in place
                 if trace_id:
                     record.trace_id = trace_id
