@@ -62,7 +62,8 @@ def test_close_waits_for_a_slow_agent_to_take_a_burst(tmp_path):
     emitted just before close(): close keeps sending as the agent drains, so every one of the
     50,000 events arrives and none is counted as dropped."""
     pipeline = Pipeline()
-    src = IngestSource(pipeline, _endpoint(tmp_path), receive_hwm=2)
+    src = IngestSource(pipeline, _endpoint(tmp_path),
+                       queue_bytes=16 << 20)  # 2 messages of at most 8 MiB (twice the limit)
     src.start()
     try:
         emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=1000, send_hwm=2,
@@ -153,9 +154,10 @@ def test_an_event_that_breaks_the_encoder_is_dropped_and_the_emitter_keeps_sendi
 
 def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp_path):
     """Drops count the events lost where the batch's header can be read, under the source it
-    names: 2 in the future version's batch, 1 with an unknown tier, 1,500 over the size limit;
-    1 from a bad source name (under "ingest": the name is no label); the random bytes and the
-    truncated batch cannot be read, 1 each under "ingest". Total 1,506."""
+    names (it sent a valid batch first): 2 in the future version's batch, 1 with an unknown
+    tier, 600 over the size limit; 1 from a bad source name (under "ingest": the name is no
+    label); the random bytes and the truncated batch cannot be read, 1 each under "ingest".
+    Total 606."""
     endpoint = _endpoint(tmp_path)
     good = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=0,
                                     events=[_lookup(0)]))
@@ -166,17 +168,17 @@ def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp
             {"kind": "eviction", "ts": 0.0, "tier": "nvme", "blocks": 1, "bytes": 1, "age": 0.0,
              "hits": 0}]})
     too_large = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=2,
-                                         events=[_lookup(i) for i in range(1500)]))
-    assert 64 << 10 < len(too_large) < 4 * 64 << 10  # over the limit, under ZMQ's hard cut
+                                         events=[_lookup(i) for i in range(600)]))
+    assert 64 << 10 < len(too_large) < 2 * 64 << 10  # over the limit, under ZMQ's hard cut
     bad_name = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="Engine 1!", seq=0,
                                         events=[_lookup(0)]))
     # 0xc1 is the one byte msgpack never uses, so these random bytes are surely malformed
-    _push(endpoint, b"\xc1" + os.urandom(299), good[:-5], wrong_version, unknown_tier, too_large, bad_name,
-          good)
+    _push(endpoint, good, b"\xc1" + os.urandom(299), good[:-5], wrong_version, unknown_tier,
+          too_large, bad_name)
     expected = {("ingest", "malformed"): 2, ("engine", "version"): 2, ("engine", "invalid"): 1,
-                ("engine", "too_large"): 1500, ("ingest", "bad_source"): 1}
+                ("engine", "too_large"): 600, ("ingest", "bad_source"): 1}
     assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 1
-                 and sum(source.pipeline.snapshot().events_dropped.values()) == 1506)
+                 and sum(source.pipeline.snapshot().events_dropped.values()) == 606)
     assert source.pipeline.snapshot().events_dropped == expected
     assert source.pipeline.snapshot().source_up == {"ingest": True}
 
@@ -256,6 +258,33 @@ def test_sources_are_bounded():
     snap = pipeline.snapshot()
     assert snap.events_received == {"a": 2, "b": 1}
     assert snap.events_dropped == {("ingest", "bad_source"): 1}
+
+
+def test_refused_batches_from_new_sources_take_no_place_of_a_real_tap(caplog):
+    """max_sources 2: three never-seen sources send only batches of a future schema (2 events
+    each); they count under "ingest" and the log names the first. A real tap still gets in."""
+    pipeline = Pipeline()
+    src = IngestSource(pipeline, max_sources=2)
+    for name in ("junk0", "junk1", "junk2"):
+        src.handle(ev.encode_batch(ev.Batch(version=99, source=name, seq=0,
+                                            events=[_lookup(0), _lookup(1)])))
+    src.handle(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="realtap", seq=0,
+                                        events=[_lookup(0)])))
+    snap = pipeline.snapshot()
+    assert snap.events_received == {"realtap": 1}
+    assert snap.events_dropped == {("ingest", "version"): 6}
+    assert "from source 'junk0' (version)" in caplog.text
+
+
+def test_a_sequence_jump_past_max_gap_is_followed_not_counted(caplog):
+    """seq 0, then 2**62 (a confused sender, not 4.6e18 lost batches): no gap, one warning;
+    then 2**62 + 2: one batch missing from there, a gap of 1."""
+    pipeline = Pipeline()
+    src = IngestSource(pipeline)
+    for seq in (0, 2**62, 2**62 + 2):
+        src.handle(_batch(seq, "a"))
+    assert pipeline.snapshot().events_dropped == {("engine", "gap"): 1}
+    assert caplog.text.count("jumped") == 1 and caplog.text.count("went missing") == 1
 
 
 def test_gaps_and_emitter_drops_are_counted_and_restarts_are_not_gaps():
@@ -409,13 +438,14 @@ def test_a_second_agent_cannot_take_over_a_live_ipc_endpoint(source, tmp_path):
 def test_a_negative_count_or_a_nan_or_infinite_time_makes_its_batch_invalid(event):
     """Such a value would turn a counter down (rate() reads a reset) or a histogram sum into
     NaN; likewise a malformed histogram or an unbounded request id: the batch (the bad event
-    and a good lookup, 2 events) is dropped as invalid, and no counter moves."""
+    and a good lookup, 2 events) is dropped as invalid (under "ingest": the source has sent no
+    valid batch), and no counter moves."""
     pipeline = Pipeline()
     IngestSource(pipeline).handle(msgspec.msgpack.encode({
         "version": ev.SCHEMA_VERSION, "source": "engine", "seq": 0,
         "events": [msgspec.to_builtins(_lookup(1)), event]}))
     snap = pipeline.snapshot()
-    assert snap.events_dropped == {("engine", "invalid"): 2}
+    assert snap.events_dropped == {("ingest", "invalid"): 2}
     assert snap.events_received == {} and snap.prompt_tokens["gpu"] == 0
 
 

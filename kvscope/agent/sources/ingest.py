@@ -3,28 +3,36 @@
 Every batch is checked before it reaches the pipeline; whatever fails is counted in
 ``kvscope_events_dropped_total{source, reason}`` and dropped, and the source keeps running:
 
-- ``too_large``: a batch over ``max_batch_bytes`` (past four times the limit ZMQ itself
-  refuses the message and resets that connection, so a runaway sender can never make the
-  agent hold a huge message);
+- ``too_large``: a batch over ``max_batch_bytes`` (past twice the limit ZMQ itself refuses the
+  message and resets that connection, so a runaway sender can never make the agent hold a huge
+  message);
 - ``malformed`` / ``invalid`` / ``version``: see :class:`kvscope.events.SchemaError`;
 - ``bad_source``: a source name (or ``scope``) that is not a short lowercase word
   (:data:`kvscope.events.SOURCE_NAME`), or one more distinct source than ``max_sources``
   (labels stay bounded); logged once per name;
 - ``emitter_buffer``: events an emitter reports it dropped (``Batch.dropped`` deltas);
 - ``gap``: batches missing from an emitter's sequence after the first batch this agent received
-  from that emitter (an agent restarted mid-stream joins it there).
+  from that emitter (an agent restarted mid-stream joins it there). A jump of more than
+  :data:`MAX_GAP` batches is no loss but a confused sender: the agent follows it from there and
+  logs it.
 
 Each counts the events lost, except ``gap``, which counts batches (their events are unknown),
 and a message whose header cannot be read, which counts one. A drop is counted under the source
-the batch names when that name is accepted, else under ``ingest``; the first of each source and
-reason is logged with what was wrong. A refused batch whose header can be read still moves its
+the batch names when that source has sent a valid batch (one of the ``max_sources``), else under
+``ingest``, so refused batches never take a source's place; the first of each source and reason
+is logged with what was wrong. A refused batch whose header can be read still moves its
 emitter's sequence on, so it is not counted again as a gap.
+
+Memory: ZMQ queues at most ``queue_bytes`` of messages per connection before the agent reads
+them (the receive high-water mark is that over the largest message ZMQ accepts).
 
 Counters stay correct across tap restarts: events carry deltas, not totals, so the agent adds
 them up; a restarted emitter has a new ``session`` and its sequence starts again. Each emitter
 (source and session, the latest four sessions of each source) is followed on its own, so two
 taps that share a source name do not count each other's batches as gaps or restarts; the agent
-warns once that they should not.
+warns once that they should not. An agent restarted while an emitter runs takes that emitter's
+drop count (``Batch.dropped``, cumulative) as new, so drops an earlier agent had counted count
+again once, after the counter reset.
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ from kvscope.agent.worker import Worker
 log = logging.getLogger(__name__)
 NAME = "ingest"
 STREAMS_PER_SOURCE = 4  # emitters (sessions) followed per source: restarts leave old ones behind
+# Batches an emitter may lose in transit are at most its ZMQ send queue; a far larger jump in its
+# sequence is a sender that is confused, not 10^6 lost batches.
+MAX_GAP = 1 << 20
 
 
 def _live_ipc(endpoint: str) -> bool:
@@ -62,20 +73,23 @@ def _live_ipc(endpoint: str) -> bool:
 class IngestSource(Worker):
     """Binds ``endpoint`` (``tcp://HOST:PORT`` or ``ipc://PATH``) and feeds ``pipeline``.
 
-    ``max_batch_bytes``: largest batch accepted; ``receive_hwm``: batches ZMQ may queue (with
-    the size bound, the memory bound); ``max_sources``: distinct source names accepted.
+    ``max_batch_bytes``: largest batch accepted; ``queue_bytes``: messages ZMQ may queue per
+    connection before the agent reads them (the memory bound, with the number of taps);
+    ``max_sources``: distinct source names accepted.
     ``start()`` raises ``zmq.ZMQError`` when the endpoint cannot be bound, or is an ``ipc://``
     path another agent listens on.
     """
 
     def __init__(self, pipeline: Pipeline, endpoint: str = "tcp://127.0.0.1:5560", *,
-                 max_batch_bytes: int = 4 << 20, receive_hwm: int = 256,
+                 max_batch_bytes: int = 4 << 20, queue_bytes: int = 256 << 20,
                  max_sources: int = 16) -> None:
         super().__init__()
         self.pipeline = pipeline
         self.endpoint = endpoint
         self._max_bytes = max_batch_bytes
-        self._hwm = receive_hwm
+        # ZMQ refuses messages over twice the limit itself; between the two they are counted
+        self._max_message = 2 * max_batch_bytes
+        self._hwm = max(1, queue_bytes // self._max_message)
         self._max_sources = max_sources
         # source -> {session: (last seq, cumulative dropped)} of its emitters, latest last
         self._streams: dict[str, OrderedDict[str, tuple[int, int]]] = {}
@@ -90,7 +104,7 @@ class IngestSource(Worker):
         self._socket.setsockopt(zmq.RCVHWM, self._hwm)
         self._socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
         # ZMQ itself refuses anything far over the limit, so a huge message never lands in memory
-        self._socket.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_bytes)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self._max_message)
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
             if _live_ipc(self.endpoint):  # ZMQ would replace the socket file under it
@@ -130,21 +144,24 @@ class IngestSource(Worker):
         header = batch or ev.read_header(data)
         if header is None:  # not even a batch's header: nobody to blame
             self.pipeline.drop(NAME, reason)
+            self._warn_once((NAME, reason), "kvscope ingest: dropped a message (%s): %s; logged "
+                            "once per reason", reason, detail or "no batch header")
             return
-        admitted = self._admit(header.source)
         if batch is not None and batch.scope and not ev.SOURCE_NAME.fullmatch(batch.scope):
             reason, detail = "bad_source", f"scope {batch.scope[:64]!r} is not a source name"
-        elif not admitted:
-            reason = reason or "bad_source"
+        # a refused batch never takes one of the max_sources places: junk cannot lock a tap out
+        admitted = ((reason is None or header.source in self._streams)
+                    and self._admit(header.source))
+        reason = reason or (None if admitted else "bad_source")
         source = header.source if admitted else NAME
         if admitted:
             self._account(header)
         if reason is not None:
             self.pipeline.drop(source, reason, len(header.events))
-            if admitted and detail:
+            if detail:
                 self._warn_once((source, reason), "kvscope ingest: dropped a batch of %d events "
                                 "from source %r (%s): %s; logged once per source and reason",
-                                len(header.events), source, reason, detail)
+                                len(header.events), header.source[:64], reason, detail)
             return
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
@@ -184,10 +201,21 @@ class IngestSource(Worker):
         # a new emitter, or an agent restarted mid-stream: batches before the first one seen
         # here went to an earlier agent
         seq, dropped = streams.pop(session, (batch.seq - 1, 0))
-        if batch.seq > seq + 1:
-            self.pipeline.drop(source, "gap", batch.seq - seq - 1)
+        missing = batch.seq - seq - 1
+        if missing > MAX_GAP:
+            self._warn_once((source, "seq"), "kvscope ingest: source %r jumped %d batches ahead "
+                            "in its sequence; following it from there, not counted as a gap",
+                            source, missing)
+        elif missing > 0:
+            self.pipeline.drop(source, "gap", missing)
+            self._warn_once((source, "gap"), "kvscope ingest: %d batches from source %r went "
+                            "missing (counted as gap); logged once per source", missing, source)
         if batch.dropped > dropped:
             self.pipeline.drop(source, "emitter_buffer", batch.dropped - dropped)
+            self._warn_once((source, "emitter_buffer"), "kvscope ingest: the emitter of source "
+                            "%r dropped %d events (its buffer was full: the agent was away or "
+                            "slower than the engine); logged once per source", source,
+                            batch.dropped - dropped)
         streams[session] = (max(seq, batch.seq), max(dropped, batch.dropped))
         if len(streams) > STREAMS_PER_SOURCE:  # a restarted tap's old sessions, oldest first
             streams.popitem(last=False)
