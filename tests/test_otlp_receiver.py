@@ -187,8 +187,8 @@ def test_a_chunked_body_over_the_limit_is_refused_without_a_declared_length():
 
 def test_a_span_without_ttft_for_an_unknown_request_makes_no_request():
     """An aborted request's span has no first token: counting it would add a TTFT of 0 to the
-    histogram. It is ignored (counted), and a span with a huge or negative latency reads as
-    unknown the same way."""
+    histogram. It is ignored (counted), and a span with a negative latency reads as unknown the
+    same way; that one had a TTFT, so it is also counted as an invalid drop (1)."""
     agent = _agent()
     no_ttft = {k: v for k, v in ATTRS.items() if k != "gen_ai.latency.time_to_first_token"}
     negative = {**ATTRS, "gen_ai.request.id": "cmpl-2-0",
@@ -199,3 +199,4 @@ def test_a_span_without_ttft_for_an_unknown_request_makes_no_request():
                 "content-type": "application/x-protobuf"}).status_code == 200
     assert agent.otlp_receiver.ignored == 2 and len(agent.pipeline.requests) == 0
     assert agent.pipeline.snapshot().ttft_seconds.count == 0
+    assert agent.pipeline.snapshot().events_dropped == {("otlp", "invalid"): 1}

@@ -97,6 +97,15 @@ def test_two_sources_with_the_same_request_ids_keep_their_own_records():
     assert pipeline.requests.get("shared", "gamma") is None
 
 
+def test_requests_never_finished_beyond_the_inflight_bound_are_counted_as_abandoned():
+    """The assembler holds 10,000 open requests: 10,003 starts without a finish abandon the
+    3 oldest, counted under their source so the loss is not silent."""
+    pipeline = Pipeline()
+    pipeline.ingest("engine", [ev.RequestStarted(ts=1.0, request_id=f"r{i}", prompt_tokens=1)
+                               for i in range(10_003)])
+    assert pipeline.snapshot().events_dropped == {("engine", "abandoned"): 3}
+
+
 def test_drops_and_source_health():
     pipeline = Pipeline()
     pipeline.drop("ingest", "malformed")

@@ -460,7 +460,8 @@ class Pipeline:
                 promotion_wait_seconds=self._promotion_wait.copy(),
                 recent_ttft=list(self._recent_ttft),
                 events_received=dict(self._received),
-                events_dropped=dict(self._dropped),
+                events_dropped={**self._dropped, **{
+                    (source, "abandoned"): n for source, n in self._assembler.abandoned.items()}},
                 source_up=dict(self._source_up),
                 source_info=dict(self._source_info),
             )

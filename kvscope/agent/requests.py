@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -68,7 +68,8 @@ class RequestAssembler:
     source's events of that kind in arrival order (the pipeline folds a batch kind by kind).
 
     ``max_inflight``: requests started but not finished that are kept; beyond it the oldest
-    is abandoned and counted in ``abandoned`` (a bound against engines that never finish).
+    is abandoned and counted in ``abandoned`` by source (a bound against engines that never
+    finish).
     ``max_recent``: finished records kept for late transfers (see :meth:`finished`).
     Not thread-safe: the pipeline calls it under its lock.
     """
@@ -76,7 +77,7 @@ class RequestAssembler:
     def __init__(self, max_inflight: int = 10_000, max_recent: int = 10_000) -> None:
         self._inflight: OrderedDict[tuple[str, str], RequestRecord] = OrderedDict()
         self._max = max_inflight
-        self.abandoned = 0
+        self.abandoned: Counter[str] = Counter()
         self._recent: OrderedDict[tuple[str, str], RequestRecord] = OrderedDict()
         self._max_recent = max_recent
 
@@ -91,8 +92,8 @@ class RequestAssembler:
     def _bound(self) -> None:
         inflight = self._inflight
         while len(inflight) > self._max:
-            inflight.popitem(last=False)
-            self.abandoned += 1
+            (source, _request_id), _record = inflight.popitem(last=False)
+            self.abandoned[source] += 1
 
     def started(self, source: str, events: Sequence[ev.RequestStarted]) -> None:
         inflight = self._inflight

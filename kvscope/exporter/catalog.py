@@ -129,7 +129,7 @@ CATALOG: tuple[MetricSpec, ...] = (
              ["source"]),
     _counter("kvscope_events_dropped_total",
              "kvscope events the agent (or a tap's emitter) dropped, by source and reason "
-             "(reason gap counts missing batches).",
+             "(reason gap counts missing batches, abandoned requests never finished).",
              ["source", "reason"]),
     _gauge("kvscope_source_up", "1 when a source is delivering, 0 when it is failing.",
            ["source"]),

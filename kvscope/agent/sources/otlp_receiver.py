@@ -14,7 +14,9 @@ reports): when the request is already in the agent's request table (the tap fini
 record takes the span's trace id and vLLM's own TTFT, queueing and prefill; otherwise the span
 becomes ``RequestStarted`` + ``RequestFinished`` events under ``source`` (so a record the tap
 has open joins them). Spans without ``gen_ai.request.id`` are counted and ignored, and so are
-spans of requests not in the table that have no TTFT (an aborted request). vLLM sends
+spans of requests not in the table that have no TTFT (an aborted request); one whose TTFT is no
+number of seconds (negative, infinite, a string) is also counted in
+``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. vLLM sends
 spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so the tap's records wait
 ``wait`` seconds for their span before the store and the OTLP exporter get them.
 """
@@ -32,6 +34,7 @@ from kvscope.agent.pipeline import Pipeline
 
 NAME = "otlp"
 REQUEST_ID = "gen_ai.request.id"
+TTFT = "gen_ai.latency.time_to_first_token"
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP traces path (OTLP specification, "OTLP/HTTP Request")
 EMPTY_RESPONSE = b""  # a serialized ExportTraceServiceResponse with no partial_success
 
@@ -185,7 +188,7 @@ class OtlpReceiver:
             request_id = request_id[:ev.MAX_REQUEST_ID]  # as the tap cuts it
             a = span.attributes
             trace_id = span.trace_id if len(span.trace_id) == 32 else ""
-            ttft = _float(a, "gen_ai.latency.time_to_first_token")
+            ttft = _float(a, TTFT)
             queueing = _float(a, "gen_ai.latency.time_in_queue")
             prefill = _float(a, "gen_ai.latency.time_in_model_prefill")
             record = self.pipeline.requests.get(request_id, self.source)
@@ -199,6 +202,8 @@ class OtlpReceiver:
                 continue
             if not ttft:  # e.g. an aborted request: no first token, so no TTFT to count as 0
                 self.ignored += 1
+                if a.get(TTFT) is not None:  # one was sent, but no usable number of seconds
+                    self.pipeline.drop(NAME, "invalid")
                 continue
             start = span.start_ns / 1e9
             prompt = _count(a, "gen_ai.usage.prompt_tokens")
