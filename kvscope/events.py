@@ -30,6 +30,9 @@ TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
 _FINITE = msgspec.Meta(ge=0.0, le=sys.float_info.max)
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, _FINITE]
+# A timestamp is Unix seconds before 2100: a sender in milliseconds (1.7e12) or a corrupt time
+# would otherwise sort first in the request table forever and outlive the store's age limit.
+Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=4_102_444_800.0)]  # 2100-01-01T00:00Z
 Rate = Annotated[float, _FINITE]  # per second
 # Request ids are kept per request (100,000 by default) and trace ids are W3C's 32 hex digits:
 # both bounded, so a sender cannot grow the agent's memory through them.
@@ -55,7 +58,7 @@ class SchemaError(ValueError):
 
 
 class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True, gc=False):
-    ts: Seconds  # Unix seconds when the event happened (a transfer: when it started)
+    ts: Timestamp  # Unix seconds when the event happened (a transfer: when it started)
 
 
 class RequestStarted(_Event, tag="request_started"):

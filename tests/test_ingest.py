@@ -425,6 +425,9 @@ def test_a_second_agent_cannot_take_over_a_live_ipc_endpoint(source, tmp_path):
      "prompt_tokens": 1},
     {"kind": "request_finished", "ts": float("inf"), "request_id": "r", "ttft": 0.1,
      "prompt_tokens": 1},
+    # a time in milliseconds, not seconds (2023-11-14 as 1.7e12): past 2100 as seconds
+    {"kind": "request_finished", "ts": 1.7e12, "request_id": "r", "ttft": 0.1,
+     "prompt_tokens": 1},
     {"kind": "tier_snapshot", "ts": 1.0, "tier": "cpu", "capacity_bytes": -1,
      "resident_bytes": 0, "capacity_blocks": 0, "resident_blocks": 0},
     # a histogram whose counts do not match its bounds, or whose bounds do not ascend

@@ -106,6 +106,22 @@ def test_requests_never_finished_beyond_the_inflight_bound_are_counted_as_abando
     assert pipeline.snapshot().events_dropped == {("engine", "abandoned"): 3}
 
 
+def test_a_record_keeps_its_first_transfers_and_counts_the_rest():
+    """300 transfers of 1 block for one request: the record keeps MAX_TRANSFERS (256) and counts
+    the other 44; the transfer metrics count all 300 blocks."""
+    from kvscope.agent.requests import MAX_TRANSFERS
+
+    pipeline = Pipeline()
+    pipeline.ingest("engine", [ev.RequestStarted(ts=1.0, request_id="r", prompt_tokens=1)] + [
+        ev.Transfer(ts=1.0 + i, src="cpu", dst="gpu", blocks=1, bytes=8, duration=0.001,
+                    request_id="r") for i in range(300)] + [
+        ev.RequestFinished(ts=400.0, request_id="r", ttft=0.5, prompt_tokens=1)])
+    record = pipeline.requests.get("r")
+    assert MAX_TRANSFERS == 256 and len(record.transfers) == 256
+    assert record.transfers_omitted == 44 and record.transfers[-1].start == 256.0
+    assert pipeline.snapshot().transfer_blocks == {CPU_GPU: 300}
+
+
 def test_drops_and_source_health():
     pipeline = Pipeline()
     pipeline.drop("ingest", "malformed")

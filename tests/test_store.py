@@ -25,9 +25,10 @@ def _record(i, finished=None):
                          finished=finished)
 
 
-# A frame of _record(i) for a 4-digit i: 8 header bytes + 342 of msgpack (a 15-key map: keys
-# 156 bytes, values 186, the transfer's 7-key map 73 of them; finished is nil, 1 byte).
-_FRAME = 350
+# A frame of _record(i) for a 4-digit i: 8 header bytes + 363 of msgpack (a 16-key map: 3
+# bytes of map header, keys 155 bytes, values 205, the transfer's 7-key map among them;
+# finished is nil, 1 byte).
+_FRAME = 371
 
 
 def _ids(records):
@@ -35,8 +36,8 @@ def _ids(records):
 
 
 def test_records_round_trip_and_a_torn_tail_is_ignored_quietly(tmp_path, caplog):
-    """10 frames of 350 bytes, one segment of 3500 bytes. Cutting 7 bytes (inside the last
-    payload) or 347 (leaving 3 bytes of the last header) tears the last frame: 9 records come
+    """10 frames of 371 bytes, one segment of 3710 bytes. Cutting 7 bytes (inside the last
+    payload) or 368 (leaving 3 bytes of the last header) tears the last frame: 9 records come
     back, with no warning."""
     store = RequestStore(tmp_path)
     store.start()
@@ -55,10 +56,10 @@ def test_records_round_trip_and_a_torn_tail_is_ignored_quietly(tmp_path, caplog)
 
 @pytest.mark.parametrize("frame, byte", [(250, 0), (250, 3), (250, 5), (250, 28), (499, 28)])
 def test_a_damaged_frame_costs_only_its_record_and_is_reported(tmp_path, caplog, frame, byte):
-    """500 frames of 350 bytes in one segment. Flipping one byte of frame 250 (the high or low
+    """500 frames of 371 bytes in one segment. Flipping one byte of frame 250 (the high or low
     byte of its length, its CRC, its payload) or of the last frame's payload: that frame's CRC
-    (or length) no longer holds, reading skips its 350 bytes from offset 350 * frame (87500,
-    or 174650 for the last) and resumes at the next frame: 499 records, all but that one."""
+    (or length) no longer holds, reading skips its 371 bytes from offset 371 * frame (92750,
+    or 185129 for the last) and resumes at the next frame: 499 records, all but that one."""
     store = RequestStore(tmp_path)
     for i in range(1000, 1500):
         store.add(_record(i))
@@ -78,9 +79,9 @@ def test_a_damaged_frame_costs_only_its_record_and_is_reported(tmp_path, caplog,
 
 
 def test_the_store_stays_within_max_bytes_and_keeps_the_newest(tmp_path):
-    """max_bytes 12000: segments of 12000 // 4 = 3000 bytes hold 3000 // 350 = 8 frames (2800
+    """max_bytes 12000: segments of 12000 // 4 = 3000 bytes hold 3000 // 371 = 8 frames (2968
     bytes). 1000 records, flushed 7 at a time, fill 125 segments; after every flush at most
-    12000 bytes remain, and at the end the newest 4 segments (11200 bytes; 5 would be 14000):
+    12000 bytes remain, and at the end the newest 4 segments (11872 bytes; 5 would be 14840):
     the newest 32 records, r1968..r1999. (A constant clock: no segment ages.)"""
     store = RequestStore(tmp_path, max_bytes=12_000, clock=lambda: 3000.0)
     for i in range(1000, 2000):

@@ -17,6 +17,11 @@ import msgspec
 from kvscope import events as ev
 
 
+# Transfers kept per record: a request seldom waits for more than a few loads, and a sender
+# attaching 100,000 to one id made each append slower and one API answer 15 MB.
+MAX_TRANSFERS = 256
+
+
 class TransferRecord(msgspec.Struct, frozen=True, gc=False):
     """One transfer of a request: ``start`` Unix seconds, ``duration`` seconds, sizes in bytes."""
 
@@ -33,7 +38,9 @@ class RequestRecord(msgspec.Struct, gc=False):
     """One request. Times are Unix seconds (``arrival``, ``finished``) or seconds (the TTFT
     parts: ``queueing``, ``lookup``, ``promotion_wait``, ``prefill``, and ``ttft`` itself;
     ``itl``, the mean inter-token latency, 0 when unknown). ``tokens``: dict[source, prompt
-    tokens]. ``trace_id``: 32 hex chars (W3C). Records, like transfer records, are never tracked
+    tokens]. ``transfers``: the first :data:`MAX_TRANSFERS` of its transfers, in arrival order;
+    ``transfers_omitted``: how many more it had (each still counts in the transfer metrics).
+    ``trace_id``: 32 hex chars (W3C). Records, like transfer records, are never tracked
     by the garbage collector (their fields cannot form a cycle): the table holds 100,000 of
     them, and full collections walking them cost ingest about a fifth of its time."""
 
@@ -45,6 +52,7 @@ class RequestRecord(msgspec.Struct, gc=False):
     output_tokens: int = 0
     tokens: dict[str, int] = {}
     transfers: tuple[TransferRecord, ...] = ()
+    transfers_omitted: int = 0
     ttft: float | None = None
     queueing: float = 0.0
     lookup: float = 0.0
@@ -128,8 +136,12 @@ class RequestAssembler:
             key = (source, event.request_id)
             record = (inflight.get(key) or recent.get(key)
                       or self._open(source, event.request_id, event.ts))
-            record.transfers += (TransferRecord(event.src, event.dst, event.blocks, event.bytes,
-                                                event.ts, event.duration, event.ok),)
+            if len(record.transfers) < MAX_TRANSFERS:
+                record.transfers += (TransferRecord(event.src, event.dst, event.blocks,
+                                                    event.bytes, event.ts, event.duration,
+                                                    event.ok),)
+            else:
+                record.transfers_omitted += 1
             trace_ids.append(record.trace_id)
         return trace_ids
 
