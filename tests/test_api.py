@@ -39,6 +39,10 @@ def client():
 def test_health_and_readiness(client):
     assert client.get("/healthz").text == "ok\n"
     assert client.get("/readyz").status_code == 503  # the agent was never started
+    # load balancers probe with HEAD
+    assert client.head("/healthz").status_code == 200 and client.head("/healthz").text == ""
+    assert client.head("/readyz").status_code == 503
+    assert client.head("/metrics").status_code == 200
 
 
 def test_summary(client):

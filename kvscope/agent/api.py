@@ -88,13 +88,13 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             raise HTTPException(401, "missing or wrong bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
 
-    @app.get("/metrics", include_in_schema=False)
+    @app.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
     def metrics(request: Request) -> Response:
         if "application/openmetrics-text" in request.headers.get("accept", ""):
             return Response(generate_openmetrics(agent.registry), media_type=OPENMETRICS_TYPE)
         return Response(generate_latest(agent.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz", include_in_schema=False)
+    @app.api_route("/healthz", methods=["GET", "HEAD"], include_in_schema=False)
     def healthz() -> Response:
         return Response("ok\n", media_type="text/plain")
 
@@ -118,7 +118,7 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                 return Response(otlp_in.EMPTY_RESPONSE, media_type="application/x-protobuf")
             return JSONResponse({})
 
-    @app.get("/readyz", include_in_schema=False)
+    @app.api_route("/readyz", methods=["GET", "HEAD"], include_in_schema=False)
     def readyz() -> Response:
         if agent.ready:
             return Response("ready\n", media_type="text/plain")
