@@ -20,6 +20,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _directory(off: str):
+    """An argparse type for a directory flag: empty is refused, since it would mean the current
+    directory; ``off`` says what leaving the flag out does (the config keys say the same)."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(
+                f"is empty, which would mean the current directory; leave the flag out {off}, "
+                "or use . for the current directory")
+        return text
+    parse.__name__ = "directory"
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvscope", description="Observability for KV-cache offload in LLM serving.")
@@ -31,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="run the reference engine on a workload with the agent and the dashboard",
         description="Replay a workload (built-in synthetic by default, or a Mooncake JSONL trace) "
                     "through the reference offload engine, with the agent's /metrics and API and "
-                    "the dashboard, on loopback. Stops on Ctrl-C or after --duration.")
+                    "the dashboard, on loopback. Stops on Ctrl-C, SIGTERM or SIGHUP, "
+                    "or after --duration.")
     demo.add_argument("--duration", type=positive(float), metavar="SECONDS",
                       help="stop after this many seconds (default: run until Ctrl-C)")
     demo.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay "
@@ -54,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--speed", type=positive(float), default=1.0,
                       help="workload seconds per wall second (default %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
-    demo.add_argument("--capture-dir", metavar="DIR",
+    demo.add_argument("--capture-dir", metavar="DIR", type=_directory("not to capture"),
                       help="capture block accesses and requests here as Parquet for kvscope "
                       "analyze/compare (default: off)")
 
@@ -70,10 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--ingest", metavar="ENDPOINT",
                        help="ZMQ endpoint taps send to (default tcp://127.0.0.1:5560; ipc:// too)")
     agent.add_argument("--store-dir", metavar="DIR",
+                       type=_directory("to keep requests in memory only"),
                        help="persist finished requests here (default: memory only)")
     agent.add_argument("--otlp-endpoint", metavar="URL",
                        help="export request spans to this OTLP/HTTP traces URL")
-    agent.add_argument("--capture-dir", metavar="DIR",
+    agent.add_argument("--capture-dir", metavar="DIR", type=_directory("not to capture"),
                        help="capture block accesses and finished requests here as Parquet "
                        "segments for kvscope analyze/compare (default: off; bounded by "
                        "capture_max_bytes, 1 GiB)")

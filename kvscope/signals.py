@@ -1,26 +1,35 @@
-"""Stopping the long-running commands (``demo``, ``agent``, ``dashboard``) on SIGINT/SIGTERM."""
+"""Stopping the long-running commands (``demo``, ``agent``, ``dashboard``) on SIGINT, SIGTERM or
+SIGHUP."""
 
 from __future__ import annotations
 
 import signal
 import threading
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: the terminal closed (e.g. an ssh session dropped); by default it killed the process
+# (exit code 129) without the agent's last store flush. There is no reload to do instead. Not on
+# Windows.
+_HANGUP = getattr(signal, "SIGHUP", None)
+_STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, _HANGUP) if s is not None)
 
 
 def stop_on_signals(stop: threading.Event) -> None:
-    """Set ``stop`` on SIGINT or SIGTERM. Only the main thread can install handlers; elsewhere
-    (a test running a command in a thread) this does nothing and the caller sets ``stop``."""
+    """Set ``stop`` on SIGINT, SIGTERM or SIGHUP. A SIGHUP the process was started ignoring
+    (``nohup kvscope agent``) stays ignored: surviving the terminal is what nohup asked for.
+    Only the main thread can install handlers; elsewhere (a test running a command in a thread)
+    this does nothing and the caller sets ``stop``."""
     if threading.current_thread() is threading.main_thread():
         for sig in _STOP_SIGNALS:
+            if sig == _HANGUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue
             signal.signal(sig, lambda *_: stop.set())
 
 
 def ignore_signals_while_exiting() -> None:
-    """Once a command has stopped cleanly: ignore further SIGINT/SIGTERM. While the interpreter
-    shuts down it puts back the default action of every signal it handles, so a second Ctrl-C
-    then killed the process (exit code 130) after it had already said "stopped"; a signal set
-    to be ignored is left alone."""
+    """Once a command has stopped cleanly: ignore further SIGINT/SIGTERM/SIGHUP. While the
+    interpreter shuts down it puts back the default action of every signal it handles, so a
+    second Ctrl-C then killed the process (exit code 130) after it had already said "stopped";
+    a signal set to be ignored is left alone."""
     if threading.current_thread() is threading.main_thread():
         for sig in _STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)

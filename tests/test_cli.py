@@ -92,6 +92,10 @@ def test_a_replay_disk_dir_that_cannot_work_names_the_flag(args, needle):
     (["analyze", "t.jsonl", "--bandwidth-gbps", "fast"], "invalid float value: 'fast'"),
     (["analyze", "t.jsonl", "--arc-points", "100000"], "must be 0 to 64"),
     (["analyze", "t.jsonl", "--method", "shards-size", "--sample-blocks", "0"], "must be > 0"),
+    # "" would be the current directory: the store or the captures landed wherever it was run
+    (["agent", "--store-dir", ""], "--store-dir: is empty"),
+    (["agent", "--capture-dir", ""], "--capture-dir: is empty"),
+    (["demo", "--capture-dir", "", "--duration", "1"], "--capture-dir: is empty"),
 ])
 def test_a_bad_argument_is_one_line_that_points_to_help(args, needle):
     _one_error_line(_kvscope(*args), needle, "--help)")
@@ -139,12 +143,17 @@ def test_an_empty_host_is_refused():
     assert result.returncode == 2 and "must be an address" in result.stderr
 
 
-def test_ctrl_c_while_the_agent_shuts_down_does_not_spoil_its_exit_code(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_while_the_agent_shuts_down_does_not_spoil_its_exit_code(tmp_path, sig):
     """Ctrl-C stops the agent; more Ctrl-C every 5 ms until the process is gone (an impatient
     user) must not turn its clean stop into death by SIGINT: Python restores the default action
-    of handled signals while it shuts down, so the agent ignores them once it has stopped."""
+    of handled signals while it shuts down, so the agent ignores them once it has stopped.
+    SIGTERM and SIGHUP (a closed terminal; it killed the agent with exit code 129, before its
+    store's last flush) stop it the same way."""
     proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--port", str(free_port()),
-                             "--ingest", f"ipc://{tmp_path}/ingest.sock"],
+                             "--ingest", f"ipc://{tmp_path}/ingest.sock",
+                             "--store-dir", str(tmp_path / "store")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL)
     try:
@@ -153,18 +162,79 @@ def test_ctrl_c_while_the_agent_shuts_down_does_not_spoil_its_exit_code(tmp_path
             lines.append(line)
             if line.startswith("kvscope agent: http"):
                 break
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         for line in proc.stdout:
             lines.append(line)
             if "stopped" in line:
                 break
         while proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
             time.sleep(0.005)
         assert proc.wait(timeout=30) == 0, "".join(lines)
+        assert lines[-1] == "kvscope agent: stopped\n", "".join(lines)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_stop_signals_set_the_stop_event_of_every_long_running_command(sig):
+    """``demo``, ``agent`` and ``dashboard`` all wait on the event :func:`stop_on_signals`
+    sets; a signal it does not handle kills them without their clean stop."""
+    import os
+    import threading
+
+    from kvscope.signals import stop_on_signals
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for s in saved:  # not SIG_DFL: a signal left unhandled would kill pytest itself
+            signal.signal(s, lambda *_: None)
+        stop = threading.Event()
+        stop_on_signals(stop)
+        os.kill(os.getpid(), sig)
+        assert stop.wait(5)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def test_a_sighup_ignored_at_start_stays_ignored():
+    """``nohup kvscope agent``: the agent must outlive its terminal, as nohup asked."""
+    import os
+    import threading
+
+    from kvscope.signals import stop_on_signals
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        stop = threading.Event()
+        stop_on_signals(stop)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert not stop.wait(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.wait(5)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("where", ["file", "environment"])
+def test_a_negative_budget_is_one_line_naming_the_key(tmp_path, monkeypatch, where):
+    """The new-user trial: ``budgets = {cpu = -5}`` ended in the host collector's traceback
+    (exit code 1); like ``reserve_bytes = -1`` it is one line naming the key, exit code 2."""
+    args = ["agent", "--port", str(free_port()), "--ingest", f"ipc://{tmp_path}/ingest.sock"]
+    if where == "file":
+        (tmp_path / "agent.toml").write_text("[collectors.host]\nbudgets = { cpu = -5 }\n")
+        args += ["--config", str(tmp_path / "agent.toml")]
+        needle = "collectors.host.budgets.cpu: Input should be greater than or equal to 0"
+    else:
+        monkeypatch.setenv("KVSCOPE_COLLECTORS__HOST__BUDGETS", '{"cpu": -5}')
+        needle = "KVSCOPE_COLLECTORS__HOST__BUDGETS: Input should be greater than or equal to 0"
+    _one_error_line(_kvscope(*args), needle)
 
 
 def _agent_banner(tmp_path, config: str, *args: str, last: str = "  kv_events:") -> list[str]:
@@ -226,6 +296,17 @@ def test_the_agent_warns_about_an_open_api_only_off_loopback(host, loopback):
     from kvscope.agent.run import _loopback
 
     assert _loopback(host) is loopback
+
+
+@pytest.mark.parametrize("endpoint,reachable", [
+    ("tcp://127.0.0.1:5560", False), ("tcp://[::1]:5560", False), ("ipc:///run/k.sock", False),
+    ("tcp://*:5560", True), ("tcp://0.0.0.0:5560", True), ("tcp://[::]:5560", True),
+    ("tcp://10.1.2.3:5560", True)])
+def test_the_agent_warns_about_an_ingest_endpoint_other_hosts_reach(endpoint, reachable):
+    """ZMQ ingest has no authentication: the banner warns when other hosts can reach it."""
+    from kvscope.agent.run import _reachable_off_host
+
+    assert _reachable_off_host(endpoint) is reachable
 
 
 def test_a_misspelt_top_level_flag_is_named():

@@ -60,12 +60,57 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
     # an interval of inf killed the sampler thread; 1e-9 spun a core
     ("sample_interval = inf\n", "sample_interval: .*less than or equal to 3600"),
     ("sample_interval = 1e-9\n", "sample_interval: .*greater than or equal to 0.1"),
+    # a negative budget got past the config and crashed the host collector with a traceback
+    ("[collectors.host]\nbudgets = { cpu = -5 }\n",
+     "collectors.host.budgets.cpu: .*greater than or equal to 0"),
+    # the receiver's source becomes a metric label, like an ingest source name
+    ('[otlp_receiver]\nsource = "Bad Name"\n',
+     r"otlp_receiver.source: 'Bad Name' is not a source name; use .*\[a-z\]"),
+    ("prefill_tokens_per_second = inf\n", "prefill_tokens_per_second: .*finite"),
+    ("prefill_tokens_per_second = nan\n", "prefill_tokens_per_second: .*finite"),
+    # "" listened on every interface (and the banner said http://:9400/metrics)
+    ('host = ""\n', "host: is empty, .*use 0.0.0.0 \\(or :: for IPv6\\)"),
+    # "" is Path("."): the agent wrote its store or captures into its working directory
+    ('store_dir = ""\n', "store_dir: is empty, .*leave it out to keep requests in memory only"),
+    ('capture_dir = ""\n', "capture_dir: is empty, .*leave it out not to capture"),
+    # inside a table a true was 1 and a negative count got through
+    ("[collectors.host]\nbudgets = { cpu = true }\n", "collectors.host.budgets.cpu: .*integer"),
+    ("[kv_events]\ncapacity_blocks = { gpu = -1 }\n",
+     "kv_events.capacity_blocks.gpu: .*greater than or equal to 0"),
+    ("store_max_age = inf\n", "store_max_age: .*finite"),
 ])
 def test_bad_values_name_the_key(tmp_path, content, needle):
     path = tmp_path / "agent.toml"
     path.write_text(content)
     with pytest.raises(ConfigError, match=needle):
         load_settings(path)
+
+
+def test_the_edges_of_the_new_checks_are_still_accepted(tmp_path):
+    """A zero budget, a source name with a digit and a dash, every interface said explicitly and
+    the current directory said as ``.`` all stay valid."""
+    path = tmp_path / "agent.toml"
+    path.write_text('host = "0.0.0.0"\nstore_dir = "."\n[collectors.host]\nbudgets = { cpu = 0 }\n'
+                    '[otlp_receiver]\nsource = "vllm-dp1"\n')
+    settings = load_settings(path)
+    assert settings.host == "0.0.0.0" and str(settings.store_dir) == "."
+    assert settings.collectors.host.budgets == {"cpu": 0}
+    assert settings.otlp_receiver.source == "vllm-dp1"
+
+
+@pytest.mark.parametrize("variable,value,needle", [
+    ("KVSCOPE_COLLECTORS__HOST__BUDGETS", '{"cpu": -5}', "greater than or equal to 0"),
+    ("KVSCOPE_OTLP_RECEIVER__SOURCE", "Bad Name", "is not a source name"),
+    ("KVSCOPE_PREFILL_TOKENS_PER_SECOND", "inf", "finite"),
+    ("KVSCOPE_HOST", "", "is empty"),
+    ("KVSCOPE_STORE_DIR", "", "is empty"),
+    ("KVSCOPE_CAPTURE_DIR", "", "is empty"),
+])
+def test_the_same_bad_values_from_the_environment_name_their_variable(monkeypatch, variable,
+                                                                     value, needle):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=f"^environment: {variable}: .*{needle}"):
+        load_settings(None)
 
 
 def test_missing_file(tmp_path):

@@ -28,10 +28,12 @@ import re
 import tomllib
 from urllib.parse import urlsplit
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+
+from kvscope.events import SOURCE_NAME
 
 
 class ConfigError(ValueError):
@@ -71,6 +73,9 @@ def _numbers_not_booleans(cls, value, info):
 
 
 _NUMBERS_NOT_BOOLEANS = field_validator("*", mode="before")(_numbers_not_booleans)
+# A per-tier size (bytes or blocks) in a table: not negative, and strict, since the check above
+# does not reach into tables (`cpu = true` would be 1).
+TierSize = Annotated[int, Field(ge=0, strict=True)]
 
 
 def _zmq_endpoint(value: str) -> str:
@@ -129,7 +134,7 @@ class KvEventsConfig(_Section):
     replay_endpoint: str | None = None
     topic: str = ""
     block_bytes: int = Field(0, ge=0)
-    capacity_blocks: dict[str, int] = {}
+    capacity_blocks: dict[str, TierSize] = {}
     # ``| str`` only so that pydantic-settings passes a plain (non-JSON) environment value on to
     # the validator below instead of refusing it; the value is always a list.
     tiers: list[str] | str = list(KV_EVENTS_TIERS)
@@ -180,22 +185,35 @@ class VllmMetricsConfig(_Section):
 
 
 class OtlpReceiverConfig(_Section):
-    """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source``,
-    whose finished requests wait ``wait_seconds`` for their span before they are stored and
-    exported (vLLM sends spans every 5 s by default)."""
+    """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source`` (a
+    source name, :data:`kvscope.events.SOURCE_NAME`), whose finished requests wait
+    ``wait_seconds`` for their span before they are stored and exported (vLLM sends spans every
+    5 s by default)."""
 
     enabled: bool = True
     source: str = "vllm"
     wait_seconds: float = Field(6.0, ge=0, le=3600)
 
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        # it becomes a metric label and must match the engine tap's own source name, which the
+        # ingest refuses unless it is such a word
+        if not SOURCE_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a source name; use the engine tap's source, a "
+                             f"lowercase word of up to 32 characters ({SOURCE_NAME.pattern}), "
+                             "e.g. vllm")
+        return value
+
 
 class HostCollectorConfig(_Section):
     """``reserve_bytes``: memory kept free for the OS and other services; ``budgets``: bytes
-    reserved per offload tier (e.g. vLLM's ``cpu_bytes_to_use`` for ``cpu``)."""
+    reserved per offload tier (e.g. vLLM's ``cpu_bytes_to_use`` for ``cpu``). Neither may be
+    negative: refused here, by key, before the host collector would refuse it at start."""
 
     enabled: bool = True
     reserve_bytes: int = Field(0, ge=0)
-    budgets: dict[str, int] = {}
+    budgets: dict[str, TierSize] = {}
 
     @field_validator("budgets")
     @classmethod
@@ -215,13 +233,15 @@ class CollectorsConfig(_Section):
 class AgentSettings(BaseSettings):
     """Everything ``kvscope agent`` can be told. Sizes in bytes, times in seconds.
 
+    ``host``: the listen address, never empty (``0.0.0.0`` or ``::`` for every interface).
     ``token``: bearer token required on ``/api`` (None: open, which is why the default address
-    is loopback). ``store_dir``: where finished requests persist (None: memory only).
+    is loopback). ``store_dir``: where finished requests persist (None: memory only; never
+    empty, which would mean the working directory).
     ``otlp_endpoint``: OTLP/HTTP traces URL to export request spans to (None: off).
     ``log_level``: the least severe of kvscope's own log lines shown on stderr.
     ``capture_dir``: where block accesses and finished requests are captured as Parquet
-    segments for ``kvscope analyze`` / ``kvscope compare`` (None: off); the oldest segments are
-    deleted beyond ``capture_max_bytes`` (:mod:`kvscope.agent.capture`).
+    segments for ``kvscope analyze`` / ``kvscope compare`` (None: off; never empty); the
+    oldest segments are deleted beyond ``capture_max_bytes`` (:mod:`kvscope.agent.capture`).
     """
 
     model_config = SettingsConfigDict(env_prefix="KVSCOPE_", env_nested_delimiter="__",
@@ -233,11 +253,11 @@ class AgentSettings(BaseSettings):
     token: str | None = None
     sample_interval: float = Field(1.0, ge=0.1, le=3600)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    prefill_tokens_per_second: float = Field(10_000.0, gt=0)
+    prefill_tokens_per_second: float = Field(10_000.0, gt=0, allow_inf_nan=False)
     requests_capacity: int = Field(100_000, gt=0)
     store_dir: Path | None = None
     store_max_bytes: int = Field(256 << 20, gt=0)
-    store_max_age: float = Field(86_400.0, gt=0)
+    store_max_age: float = Field(86_400.0, gt=0, allow_inf_nan=False)
     otlp_endpoint: str | None = None
     capture_dir: Path | None = None
     capture_max_bytes: int = Field(1 << 30, gt=0)
@@ -246,6 +266,26 @@ class AgentSettings(BaseSettings):
     vllm_metrics: VllmMetricsConfig = VllmMetricsConfig()
     otlp_receiver: OtlpReceiverConfig = OtlpReceiverConfig()
     collectors: CollectorsConfig = CollectorsConfig()
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("is empty, which would listen on every interface; use 0.0.0.0 "
+                             "(or :: for IPv6) to listen on all of them, or an address such as "
+                             "127.0.0.1")
+        return value
+
+    @field_validator("store_dir", "capture_dir", mode="before")
+    @classmethod
+    def _directory(cls, value, info):
+        # pydantic reads "" as Path("."): the agent would write into its working directory
+        if isinstance(value, str) and not value.strip():
+            off = {"store_dir": "to keep requests in memory only",
+                   "capture_dir": "not to capture"}[info.field_name]
+            raise ValueError(f"is empty, which would mean the current directory; leave it out "
+                             f"{off}, or use . for the current directory")
+        return value
 
     @field_validator("otlp_endpoint")
     @classmethod

@@ -1,4 +1,5 @@
-"""``kvscope agent``: the node agent as a foreground process (stops on SIGINT/SIGTERM)."""
+"""``kvscope agent``: the node agent as a foreground process (stops on SIGINT, SIGTERM or
+SIGHUP)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _reachable_off_host(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint the agent binds takes connections from other hosts: ``tcp://`` on
+    ``*`` or an address that is not loopback (``ipc://`` is a local socket file)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    return not _loopback(endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]"))
+
+
 def _log_to_stderr(level: str) -> None:
     """Show kvscope's own log lines from ``level`` up on stderr; other libraries keep Python's
     default (warnings and worse, unformatted)."""
@@ -33,7 +42,7 @@ def _log_to_stderr(level: str) -> None:
 
 
 def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | None = None) -> int:
-    """Serve until SIGINT/SIGTERM (or ``stop`` is set); return the exit code.
+    """Serve until SIGINT, SIGTERM or SIGHUP (or ``stop`` is set); return the exit code.
 
     Raises :class:`~kvscope.agent.server.PortInUse` or :class:`ConfigError` (a part that
     cannot start: ingest endpoint taken, store directory impossible) before anything is left
@@ -63,6 +72,10 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     if settings.token is None and not _loopback(settings.host):
         print(f"  warning: /api and /v1/traces are open to anyone who reaches {settings.host}:"
               f"{settings.port}; set token in the config (or KVSCOPE_TOKEN)", file=out)
+    if agent.ingest is not None and _reachable_off_host(settings.ingest.endpoint):
+        print(f"  warning: ingest {settings.ingest.endpoint} takes events from anyone who reaches "
+              "it (ZMQ has no authentication); bind it to loopback or an ipc:// path unless "
+              "taps on other hosts send to it", file=out)
     out.flush()
     stop.wait()
     server.shutdown()
