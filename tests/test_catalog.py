@@ -71,6 +71,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     assert value("kvscope_tier_resident_bytes", {"tier": "cpu"}) == 64
     assert value("kvscope_host_memory_available_bytes") == 9 * 2**30
     assert value("kvscope_ttft_seconds_count") == 1
+    assert value("kvscope_otlp_spans_total", {"result": "dropped"}) == 0  # no OTLP export
 
 
 def test_docs_metrics_is_generated_from_the_catalog():

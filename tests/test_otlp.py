@@ -229,6 +229,7 @@ def test_bad_records_never_raise(receiver: OtlpReceiver) -> None:
     exporter.export(RequestRecord("zero-id", "0" * 32, "engine", 1_700_000_000.0))
     shutdown_within_guard(exporter)
     assert (exporter.exported, exporter.failed, exporter.invalid_trace_ids) == (2, 1, 2)
+    assert exporter.spans == {"sent": 2, "failed": 0, "dropped": 1}  # one span per record
     spans = receiver.named("kv.request")
     assert sorted(attrs(s)["kv.request_id"] for s in spans) == ["bad-id", "zero-id"]
     assert all(len(s.trace_id) == 16 and any(s.trace_id) for s in spans)  # fresh random ids
@@ -244,6 +245,8 @@ def test_closed_port_never_raises_and_shutdown_returns() -> None:
     exporter.export(RECORD_B)
     shutdown_within_guard(exporter)
     assert (exporter.exported, exporter.failed) == (2, 0)
+    # nothing listens: A's 3 spans and B's 2 failed (the SDK's retries end within the timeout)
+    assert exporter.spans == {"sent": 0, "failed": 5, "dropped": 0}
     exporter.export(RECORD_A)  # after shutdown: ignored, not raised
     assert exporter.exported == 2
 
@@ -269,3 +272,22 @@ def test_an_endpoint_that_refuses_every_batch_is_logged_once_with_its_url(
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry")]
     assert len(lines) == 1 and lines[0].startswith(f"kvscope OTLP export to {url}: "), lines
     assert "404" in lines[0]
+
+
+def test_a_full_queue_drops_whole_records_and_counts_their_spans(receiver: OtlpReceiver) -> None:
+    """max_queue_size 5 and the endpoint holding the first POST: A (3 spans) is taken by the
+    worker and sent once the gate opens; while it hangs B (2) fills the queue to 5, and the next
+    A (3 more, 8 > 5) is dropped whole rather than have the SDK drop spans silently. Every span
+    ends in one result: 5 sent, 3 dropped."""
+    receiver.gate.clear()
+    exporter = RequestSpanExporter(receiver.url, timeout=HANG_GUARD_S, schedule_delay=0.01,
+                                   max_queue_size=5, max_export_batch_size=3)
+    exporter.export(RECORD_A)
+    assert receiver.entered.wait(HANG_GUARD_S), "the worker never sent the first batch"
+    exporter.export(RECORD_B)
+    exporter.export(RECORD_A)
+    assert exporter.spans == {"sent": 0, "failed": 0, "dropped": 3}
+    receiver.gate.set()
+    shutdown_within_guard(exporter)
+    assert exporter.spans == {"sent": 5, "failed": 0, "dropped": 3}
+    assert len(receiver.named("kv.request")) == 2 and len(receiver.named("kv.transfer")) == 3

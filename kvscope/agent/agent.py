@@ -23,7 +23,7 @@ from kvscope.agent.store import RequestStore
 from kvscope.agent.worker import Worker
 from kvscope.exporter.collector import KvscopeCollector
 from kvscope.exporter.node import node_samples
-from kvscope.exporter.otlp import RequestSpanExporter
+from kvscope.exporter.otlp import SPAN_RESULTS, RequestSpanExporter
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +76,21 @@ class Agent(Worker):
                                       clock=clock)
                         if settings.capture_dir else None)
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(KvscopeCollector(
-            self.pipeline, lambda: node_samples(self.collectors.collect())))
+        self.registry.register(KvscopeCollector(self.pipeline, self._scrape_samples))
         self.sample_interval = settings.sample_interval
         self.started_at = clock()
         self.ready = False
         self._clock = clock
 
     thread_name = "kvscope-sampler"
+
+    def _scrape_samples(self) -> dict:
+        """The metrics read at scrape time outside the pipeline: the host and GPU collectors',
+        and the OTLP exporter's span counts (0 without an exporter: nothing sent or lost)."""
+        samples = node_samples(self.collectors.collect())
+        spans = self.otlp.spans if self.otlp is not None else dict.fromkeys(SPAN_RESULTS, 0)
+        samples["kvscope_otlp_spans_total"] = [([result], n) for result, n in spans.items()]
+        return samples
 
     def _components(self) -> list[tuple[str, object]]:
         """(what to name in an error, component) for every optional part, in start order."""

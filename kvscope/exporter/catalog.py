@@ -131,6 +131,12 @@ CATALOG: tuple[MetricSpec, ...] = (
              "kvscope events the agent (or a tap's emitter) dropped, by source and reason "
              "(reason gap counts missing batches, abandoned requests never finished).",
              ["source", "reason"]),
+    _counter("kvscope_otlp_spans_total",
+             "Request and transfer spans of OTLP export (0 without otlp_endpoint), by result: "
+             "sent (the endpoint accepted them), failed (refused, or unreachable after "
+             "retries), dropped (never queued: the endpoint was too slow or away and the queue "
+             "was full).",
+             ["result"]),
     _gauge("kvscope_source_up", "1 when a source is delivering, 0 when it is failing.",
            ["source"]),
     _gauge("kvscope_collector_up", "1 when a collector's last run succeeded, 0 otherwise.",

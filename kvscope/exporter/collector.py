@@ -84,15 +84,16 @@ def _family(spec: MetricSpec, samples) -> Metric:
 
 
 class KvscopeCollector(Collector):
-    """Yields every metric in the catalog: the pipeline's from one snapshot, and the node's from
-    ``node_samples()`` (host and GPU collectors, read at scrape time), merged by name."""
+    """Yields every metric in the catalog: the pipeline's from one snapshot, and the rest from
+    ``scrape_samples()`` (host and GPU collectors, sinks: read at scrape time), merged by
+    name."""
 
-    def __init__(self, pipeline: Pipeline, node_samples: Callable[[], Samples]) -> None:
+    def __init__(self, pipeline: Pipeline, scrape_samples: Callable[[], Samples]) -> None:
         self._pipeline = pipeline
-        self._node_samples = node_samples
+        self._scrape_samples = scrape_samples
 
     def collect(self) -> Iterator[Metric]:
         values = pipeline_samples(self._pipeline.snapshot())
-        values.update(self._node_samples())
+        values.update(self._scrape_samples())
         for spec in CATALOG:
             yield _family(spec, values.get(spec.name, ()))

@@ -5,6 +5,8 @@ reads finished :class:`~kvscope.agent.requests.RequestRecord` s (a sink: it neve
 and hands spans to the OpenTelemetry SDK: a ``TracerProvider`` with a ``BatchSpanProcessor``
 over the SDK's OTLP/HTTP protobuf ``OTLPSpanExporter``. The batch processor's worker thread
 does all network I/O; :meth:`RequestSpanExporter.export` only appends to its bounded queue.
+Every span ends in one of :attr:`RequestSpanExporter.spans`: ``sent``, ``failed`` or
+``dropped`` (``kvscope_otlp_spans_total{result}``).
 
 Span shapes (times are Unix nanoseconds, from the record's Unix seconds, see :func:`unix_ns`):
 
@@ -29,6 +31,7 @@ import math
 import re
 import threading
 import time
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 from opentelemetry import trace as trace_api
@@ -36,7 +39,7 @@ from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Sampler
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -50,6 +53,7 @@ _SDK_LOG = logging.getLogger(OTLPSpanExporter.__module__)  # where the SDK logs 
 
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP traces path (OTLP specification, "OTLP/HTTP Request")
 _TRACE_ID = re.compile(r"[0-9a-fA-F]{32}")
+SPAN_RESULTS = ("sent", "failed", "dropped")  # what becomes of a span (RequestSpanExporter.spans)
 
 
 def unix_ns(seconds: float) -> int:
@@ -135,6 +139,29 @@ class _Throttle(logging.Filter):
         return True
 
 
+class _CountingExporter(SpanExporter):
+    """The SDK's span exporter, telling ``on_done(spans, sent)`` what became of each batch it
+    was given (``sent``: the endpoint accepted it; the SDK has retried a refusal by then)."""
+
+    def __init__(self, inner: SpanExporter, on_done: Callable[[int, bool], None]) -> None:
+        self._inner = inner
+        self._on_done = on_done
+
+    def export(self, spans: Sequence) -> SpanExportResult:
+        result = SpanExportResult.FAILURE
+        try:
+            result = self._inner.export(spans)
+        finally:
+            self._on_done(len(spans), result is SpanExportResult.SUCCESS)
+        return result
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+
 class RequestSpanExporter:
     """Sends one ``kv.request`` span per finished request, with ``kv.transfer`` children.
 
@@ -143,8 +170,9 @@ class RequestSpanExporter:
     ``timeout``: seconds one batch may take to send, retries included (the SDK retries refused
     connections and 429/502/503/504 with backoff within it); also how long :meth:`shutdown`
     waits for the final send. ``max_queue_size``: spans (a record is ``1 + len(transfers)``
-    spans) waiting to be sent; when full, the SDK drops the OLDEST queued span and logs "Queue
-    full" (``opentelemetry.sdk._shared_internal`` logger). ``schedule_delay``: seconds between
+    spans) handed to the SDK and not yet sent; a record that would pass it is dropped whole, and
+    counted, before the SDK's own queue would drop its oldest span silently.
+    ``schedule_delay``: seconds between
     sends (the SDK also sends as soon as ``max_export_batch_size`` spans wait).
     ``max_export_batch_size``: spans per OTLP request. ``sampler``: the SDK sampler, default
     ALWAYS_ON (the ``OTEL_TRACES_SAMPLER`` variable is not read).
@@ -152,7 +180,10 @@ class RequestSpanExporter:
     Counters (read them from any thread): ``exported`` records handed to the SDK; ``failed``
     records that could not be turned into spans (e.g. a NaN time) and were dropped;
     ``invalid_trace_ids`` records whose ``trace_id`` was not 32 hex digits (or all zeros) and
-    that were sent under a fresh random trace id instead.
+    that were sent under a fresh random trace id instead; ``spans``: dict[result, spans] with
+    ``sent`` (the endpoint accepted them), ``failed`` (refused, or unreachable within
+    ``timeout`` and the SDK's retries) and ``dropped`` (never queued: the queue was full, or
+    the record could not become spans). Spans still queued are in none of them.
 
     Raises ValueError from the constructor for a bad endpoint or a timeout <= 0. Thread-safe.
     """
@@ -169,8 +200,13 @@ class RequestSpanExporter:
         # constructor, and the worker sleeps until spans arrive.
         self._throttle = _Throttle(self.endpoint)
         _SDK_LOG.addFilter(self._throttle)
+        self._lock = threading.Lock()
+        self._max_queued = max_queue_size
+        self._queued = 0  # spans handed to the SDK that no export call has finished with
+        self.spans = dict.fromkeys(SPAN_RESULTS, 0)
         self._processor = BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=self.endpoint, timeout=timeout),
+            _CountingExporter(OTLPSpanExporter(endpoint=self.endpoint, timeout=timeout),
+                              self._done),
             max_queue_size=max_queue_size, schedule_delay_millis=schedule_delay * 1000,
             max_export_batch_size=max_export_batch_size)
         # shutdown_on_exit=False: the agent's lifespan owns shutdown (house rule 11); an atexit
@@ -180,7 +216,6 @@ class RequestSpanExporter:
             shutdown_on_exit=False, id_generator=self._ids)
         self._provider.add_span_processor(self._processor)
         self._tracer = self._provider.get_tracer("kvscope.exporter.otlp", __version__)
-        self._lock = threading.Lock()
         self._closed = False
         self.exported = 0
         self.failed = 0
@@ -195,12 +230,20 @@ class RequestSpanExporter:
         """
         if self._closed:
             return
+        spans = 1 + len(record.transfers)
+        with self._lock:
+            if self._queued + spans > self._max_queued:  # the endpoint is slow or away
+                self.spans["dropped"] += spans
+                return
+            self._queued += spans
         try:
             self._export(record)
         except Exception:  # boundary: a sink never raises into the pipeline (house rule 8)
             self._ids.set_next_trace_id(None)
             with self._lock:
                 self.failed += 1
+                self._queued -= spans
+                self.spans["dropped"] += spans
             log.warning("OTLP export of request %r failed", getattr(record, "request_id", None),
                         exc_info=True)
         else:
@@ -237,6 +280,11 @@ class RequestSpanExporter:
                 child.set_status(Status(StatusCode.ERROR, "transfer failed"))
             child.end(end_time=t_start + max(t_duration, 0))
         root.end(end_time=max(end, start))
+
+    def _done(self, spans: int, sent: bool) -> None:
+        with self._lock:
+            self._queued -= spans
+            self.spans["sent" if sent else "failed"] += spans
 
     def force_flush(self) -> bool:
         """Send what is queued now (blocks up to about ``timeout`` seconds per batch); True when

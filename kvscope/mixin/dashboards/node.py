@@ -74,6 +74,13 @@ def node(cfg: MixinConfig) -> dict:
               (Q(f"kvscope_collector_duration_seconds{s(cfg)}", "{{instance}} {{collector}}"),),
               unit="s", width=6),
         )),
+        Row("Trace export", (
+            P("OTLP spans by result", "Request and transfer spans the agent exports over OTLP "
+              "(0 without otlp_endpoint): sent, failed (refused or unreachable) or dropped (the "
+              "export queue was full). Failed or dropped spans mean traces with gaps.",
+              (Q(f"sum by (instance, result) (rate(kvscope_otlp_spans_total{s(cfg)}[{RATE}]))",
+                 "{{instance}} {{result}}"),), unit="short", width=24),
+        )),
     ]
     return board(cfg, "node", "Node",
                  "Host RAM and headroom, PCIe throughput against the link maximum, GPU memory.",
