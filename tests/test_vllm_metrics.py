@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import threading
+import time
 
 import httpx
 import pytest
@@ -78,6 +79,51 @@ def test_a_counter_reset_counts_from_zero():
     mapper.map(parse(f"vllm:prompt_tokens_total{{{E}}} 500\n"), 1.0)
     events = mapper.map(parse(f"vllm:prompt_tokens_total{{{E}}} 40\n"), 2.0)  # vLLM restarted
     assert events[0].tokens == {"recompute": 40}
+
+
+def test_ttft_comes_from_spans_while_they_arrive_else_from_the_histogram():
+    """vLLM's /metrics served over real HTTP (loopback), scraped four times; span_wait 0, so a
+    scrape's histogram is decided at once. Scrape 1 is the baseline; 2 adds 5 TTFTs and no span
+    came: they count (5). A span brings a TTFT; 3 adds 3 more, which the spans report: not
+    counted (5). 4 adds 2 with no span since scrape 3: counted (7)."""
+    import http.server
+
+    from kvscope.agent.pipeline import Pipeline
+    from kvscope.agent.sources.vllm_metrics import VllmMetricsSource
+
+    text = {"body": ""}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = text["body"].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    span = {"at": float("-inf")}
+    pipeline = Pipeline()
+    source = VllmMetricsSource(pipeline, f"http://127.0.0.1:{server.server_address[1]}/metrics",
+                               mapper=MetricsMapper(gpu_snapshot=False),
+                               span_ttft=lambda: span["at"], span_wait=0.0)
+    try:
+        counts = []
+        for total, span_before in ((0, False), (5, False), (8, True), (10, False)):
+            if span_before:
+                span["at"] = time.monotonic()
+            text["body"] = exposition(0, 0, 0, 0, 0, [("0.1", total), ("+Inf", 0)])
+            assert source.scrape_once()
+            counts.append(pipeline.snapshot().ttft_seconds.count)
+        assert counts == [0, 5, 5, 7]
+    finally:
+        source.shutdown()
+        server.shutdown()
+        server.server_close()
 
 
 def _free_ports(n):

@@ -61,15 +61,18 @@ class Agent(Worker):
                           if kv.enabled else None)
         # what the KV events source reports, the metrics source leaves out (else counted twice)
         kv_tiers = kv.tiers if kv.enabled else []
+        rx = settings.otlp_receiver
+        self.otlp_receiver = (OtlpReceiver(self.pipeline, rx.source, rx.wait_seconds)
+                              if rx.enabled else None)
+        # vLLM's spans and its TTFT histogram report the same requests: one of them counts
+        span_ttft = (lambda: self.otlp_receiver.last_ttft) if rx.enabled else None
         self.vllm_metrics = (VllmMetricsSource(self.pipeline, vm.url, interval=vm.interval,
                                                mapper=MetricsMapper(
                                                    vm.block_bytes,
                                                    gpu_snapshot="gpu" not in kv_tiers,
-                                                   stores="cpu" not in kv_tiers))
+                                                   stores="cpu" not in kv_tiers),
+                                               span_ttft=span_ttft, span_wait=rx.wait_seconds)
                              if vm.enabled else None)
-        self.otlp_receiver = (OtlpReceiver(self.pipeline, settings.otlp_receiver.source,
-                                           settings.otlp_receiver.wait_seconds)
-                              if settings.otlp_receiver.enabled else None)
         self.otlp = (RequestSpanExporter(settings.otlp_endpoint)
                      if settings.otlp_endpoint else None)
         self.capture = (CaptureWriter(settings.capture_dir, max_bytes=settings.capture_max_bytes,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -160,7 +161,8 @@ class OtlpReceiver:
     """Joins request spans with the pipeline's request records; ``source``: the engine source
     name the tap uses (``vllm``); ``wait``: seconds that source's finished records wait for
     their span before the pipeline's subscribers get them. ``received``/``ignored``/``joined``:
-    span counters."""
+    span counters; ``last_ttft``: when a span last brought a request's TTFT (monotonic
+    seconds, -inf before any)."""
 
     def __init__(self, pipeline: Pipeline, source: str = "vllm", wait: float = 6.0) -> None:
         self.pipeline = pipeline
@@ -169,6 +171,7 @@ class OtlpReceiver:
         self.received = 0
         self.ignored = 0
         self.joined = 0
+        self.last_ttft = -math.inf
 
     def start(self) -> None:
         self.pipeline.join(self.source, self.wait)
@@ -191,6 +194,8 @@ class OtlpReceiver:
             ttft = _float(a, TTFT)
             queueing = _float(a, "gen_ai.latency.time_in_queue")
             prefill = _float(a, "gen_ai.latency.time_in_model_prefill")
+            if ttft:
+                self.last_ttft = time.monotonic()
             record = self.pipeline.requests.get(request_id, self.source)
             if record is not None:  # finished by the tap: enrich it in place
                 if trace_id:

@@ -13,7 +13,11 @@ Mapped (vLLM 0.32 names, ``vllm/v1/metrics/loggers.py`` and the offloading conne
   ``vllm:kv_offload_total_bytes_total{transfer_type}``) -> untimed ``Transfer`` gpu->cpu /
   cpu->gpu (blocks from ``block_bytes`` when known); the stores only when ``stores`` is on
   (leave it off when the KV events source reports the cpu tier: it sees every offload).
-- ``vllm:time_to_first_token_seconds`` histogram -> ``LatencyHistogram`` (bucket deltas).
+- ``vllm:time_to_first_token_seconds`` histogram -> ``LatencyHistogram`` (bucket deltas), unless
+  vLLM's request spans report the same requests' TTFTs: then each would count twice. With
+  ``span_ttft`` (when the OTLP receiver last took a TTFT from a span, monotonic seconds), a
+  scrape's histogram waits ``span_wait`` seconds (vLLM sends spans in batches) and is used only
+  if no span brought a TTFT since the scrape before it.
 - ``vllm:kv_cache_usage_perc`` x ``num_gpu_blocks`` (``vllm:cache_config_info``) ->
   ``TierSnapshot`` gpu, when ``gpu_snapshot`` is on (leave it off when the KV events source
   reports GPU residency; vLLM's usage counts blocks held by running requests only).
@@ -29,6 +33,7 @@ import logging
 import math
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 
 import httpx
@@ -183,11 +188,13 @@ class MetricsMapper:
 class VllmMetricsSource(Worker):
     """Scrapes ``url`` (vLLM's ``/metrics``) every ``interval`` seconds into ``pipeline``.
     ``timeout``: seconds per scrape. ``client``: an httpx.Client (injectable for tests).
+    ``span_ttft``, ``span_wait``: see the module (TTFT from spans or from the histogram).
     ``start()`` returns at once; ``shutdown()`` is safe twice and without start."""
 
     def __init__(self, pipeline: Pipeline, url: str = "http://127.0.0.1:8000/metrics", *,
                  interval: float = 5.0, timeout: float = 3.0, mapper: MetricsMapper | None = None,
-                 client: httpx.Client | None = None, clock: Callable[[], float] = time.time) -> None:
+                 client: httpx.Client | None = None, clock: Callable[[], float] = time.time,
+                 span_ttft: Callable[[], float] | None = None, span_wait: float = 6.0) -> None:
         super().__init__()
         self.pipeline = pipeline
         self.url = url
@@ -196,6 +203,11 @@ class VllmMetricsSource(Worker):
         self.failures = 0
         self._client = client or httpx.Client(timeout=timeout, trust_env=False)
         self._clock = clock
+        self._span_ttft = span_ttft
+        self._span_wait = span_wait
+        # (monotonic seconds of the scrape before, of this one, its TTFT histogram), oldest first
+        self._held: deque[tuple[float, float, ev.LatencyHistogram]] = deque()
+        self._scraped = -math.inf
 
     def scrape_once(self) -> bool:
         """Scrape and map once; False (and source down) when vLLM did not answer with 200."""
@@ -209,10 +221,26 @@ class VllmMetricsSource(Worker):
             self.pipeline.set_source_up(NAME, False)
             return False
         events = self.mapper.map(parse(response.text), self._clock())
+        now = time.monotonic()
+        if self._span_ttft is not None:
+            held = [e for e in events if isinstance(e, ev.LatencyHistogram)]
+            events = [e for e in events if not isinstance(e, ev.LatencyHistogram)]
+            self._held.extend((self._scraped, now, hist) for hist in held)
+            events += self._released(now)
+        self._scraped = now
         if events:
             self.pipeline.ingest(NAME, events)
         self.pipeline.set_source_up(NAME, True)
         return True
+
+    def _released(self, now: float) -> list[ev.LatencyHistogram]:
+        """The held TTFT histograms whose spans had time to come, but did not."""
+        out = []
+        while self._held and now - self._held[0][1] >= self._span_wait:
+            since, _scraped, hist = self._held.popleft()
+            if self._span_ttft() < since:
+                out.append(hist)
+        return out
 
     thread_name = "kvscope-vllm-metrics"
 
