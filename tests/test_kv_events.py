@@ -188,6 +188,17 @@ def test_lower_tiers_tracked_for_the_gpu_tier_stay_within_max_tracked():
         [(1, False), (1, True)]  # 2 was not remembered in the full cpu tier: dropped
 
 
+def test_removals_of_blocks_stored_before_the_agent_listened_are_ignored():
+    """An agent restarted while vLLM runs: GPU hashes 1 and 2 were stored before it listened,
+    so their removal says nothing it can place (counted as dropped before: false alarms). Hash
+    3, stored since, counts: 1 eviction, dropped (no copy below), residency 0 afterwards."""
+    r = KvResidency(tiers=["gpu"])
+    out = r.apply(1.0, decode(payload(removed([1, 2]), stored([3]), removed([3])))[1])
+    assert [(e.tier, e.blocks, e.offloaded) for e in out if isinstance(e, ev.Eviction)] == \
+        [("gpu", 1, False)]
+    assert [e.resident_blocks for e in out if isinstance(e, ev.TierSnapshot)] == [0]
+
+
 def _tap_events(n: int) -> list:
     """What kvscope's tap reports for ``n`` blocks offloaded and 1 evicted from the CPU tier."""
     return [ev.Transfer(ts=1.0, src="gpu", dst="cpu", blocks=n, bytes=n * 10, duration=0.01),

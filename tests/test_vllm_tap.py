@@ -196,7 +196,8 @@ assert sorted(evictions) == [(110.0, 1, False, 1, 0, 0.0), (110.0, 1, True, 2, 0
 snapshot = [e for e in sent if isinstance(e, ev.TierSnapshot)][-1]
 assert snapshot.resident_blocks == 3 and tap5.errors == 0, (snapshot, tap5.errors)
 # while vLLM is idle the emitter's thread calls tick(): a changed tier is reported, at most
-# once per snapshot_interval (1 s), and an unchanged one is not reported again
+# once per snapshot_interval (1 s), and an unchanged one only every SNAPSHOT_REFRESH (10 s,
+# for an agent restarted meanwhile)
 clock = [100.0]
 snaps = []
 tap4 = TapManager(CPUOffloadingManager(num_chunks=4), snaps.append, tokens_per_block=32,
@@ -204,9 +205,9 @@ tap4 = TapManager(CPUOffloadingManager(num_chunks=4), snaps.append, tokens_per_b
                   clock=lambda: clock[0])
 tap4.complete_store([keys[0]], ctx); tap4.tick(); tap4.tick()
 tap4.complete_store([keys[1]], ctx); clock[0] = 100.5; tap4.tick()
-clock[0] = 101.0; tap4.tick(); clock[0] = 105.0; tap4.tick()
+clock[0] = 101.0; tap4.tick(); clock[0] = 105.0; tap4.tick(); clock[0] = 111.0; tap4.tick()
 assert [(e.ts, e.resident_blocks, e.resident_bytes) for e in snaps] == \
-    [(100.0, 1, 100), (101.0, 2, 200)], snaps
+    [(100.0, 1, 100), (101.0, 2, 200), (111.0, 2, 200)], snaps
 # ... and the spec's manager is wired to its emitter's thread that way
 from kvscope.agent.taps.emitter import Emitter
 from kvscope.agent.taps.vllm import _ClosingManager

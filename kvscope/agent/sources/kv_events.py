@@ -30,6 +30,9 @@ are not remembered, so their promotions count as offloads. Promotions into the G
 in-process tap reports those).
 
 A hash whose last reference goes is an ``Eviction`` (age and hits unknown: ``measured=False``).
+The removal of a hash this source never saw stored is ignored: KV events carry no snapshot, so an
+agent (re)started while vLLM runs cannot know where such a block's copy is (counting it as
+dropped raised false alarms), and residency counts only the blocks stored since it listens.
 A GPU or CPU one counts as ``offloaded`` when a copy is kept below: the hash is resident on disk
 (GPU: in the cpu or disk tier) at the end of its batch (a lower tier's store of a block can come
 after the upper tier's removal in one batch); dropped otherwise. For the GPU tier that holds
@@ -189,10 +192,12 @@ class KvResidency:
             else:
                 for h in event.block_hashes:
                     count = held.get(h, 0)
+                    if count == 0:  # stored before this agent listened, or not remembered
+                        continue
                     if count > 1:
                         held[h] = count - 1
                         continue
-                    held.pop(h, None)
+                    del held[h]
                     if tier == "disk":
                         evicted[(tier, "capacity", False)] += 1
                     else:

@@ -68,6 +68,9 @@ log = logging.getLogger("vllm." + __name__)
 _HEX = frozenset("0123456789abcdef")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 DEFAULT_SAMPLE_ONE_IN = 8  # stores whose chunks' ages and loads are tracked: 1 in this many
+# seconds: an idle, unchanged CPU tier is reported again this often, so an agent restarted
+# while vLLM idles shows the tier within it (a snapshot is one small event)
+SNAPSHOT_REFRESH = 10.0
 UNMEASURED_EVERY = 0.05  # seconds: untracked evictions are summed this long (the emitter's interval)
 MEDIUM_TIER = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}  # vLLM medium -> kvscope tier
 # vLLM CacheHitSource value -> kvscope token source (p2p and unspecified count as cpu: they
@@ -159,6 +162,7 @@ class TapManager(OffloadingManager):
         self.unseen_evictions = 0  # chunks forgotten that way
         self._next_snapshot = 0.0
         self._reported = -1  # chunks resident at the last snapshot
+        self._refresh_at = 0.0  # when an unchanged tier is reported again (see tick)
         # tiering only: keys a lower tier is promoting -> the request whose lookup started it
         self._promoting: dict[bytes, str] = {}
         # Pure pass-throughs are the inner manager's bound methods themselves: no extra frame
@@ -331,11 +335,13 @@ class TapManager(OffloadingManager):
 
     def tick(self) -> None:
         """Report the tier if it changed since the last snapshot (rate-limited as at scheduler
-        steps): called from the emitter's thread, so a tier left changed when vLLM goes idle
-        is not shown stale until the next request. Never raises."""
+        steps), and an unchanged one every :data:`SNAPSHOT_REFRESH` seconds: called from the
+        emitter's thread, so a tier left changed when vLLM goes idle is not shown stale until
+        the next request, and an agent restarted meanwhile learns the tier. Never raises."""
         try:
             now = self._clock()
-            if now >= self._next_snapshot and self._chunks != self._reported:
+            if now >= self._next_snapshot and (self._chunks != self._reported
+                                               or now >= self._refresh_at):
                 self._snapshot(now)
         except Exception as exc:
             self._failed("tick", exc)
@@ -577,6 +583,7 @@ class TapManager(OffloadingManager):
         if not force and now < self._next_snapshot:
             return
         self._next_snapshot = now + self._interval
+        self._refresh_at = now + SNAPSHOT_REFRESH
         blocks = self._capacity * self._bpc
         chunks = self._reported = self._chunks  # > capacity only if evictions go unseen
         resident = (min(chunks, self._capacity) if self._capacity > 0 else chunks) * self._bpc
