@@ -69,6 +69,8 @@ def test_protobuf_spans_become_requests_with_vllm_latencies():
     assert record.trace_id == TRACE and record.ttft == 0.25 and record.queueing == 0.05
     assert record.prompt_tokens == 300 and record.output_tokens == 4
     assert agent.pipeline.snapshot().requests == 1
+    # one span received; it became 2 events of the vllm source
+    assert agent.pipeline.snapshot().events_received == {"otlp": 1, "vllm": 2}
 
 
 def test_json_and_gzip_bodies_are_accepted():

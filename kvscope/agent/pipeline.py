@@ -328,6 +328,13 @@ class Pipeline:
         with self._lock:
             return dict(self._received)
 
+    def add_received(self, source: str, events: int) -> None:
+        """Count ``events`` a source took in that reach the pipeline otherwise, or not at all
+        (the OTLP receiver's spans: turned into events under the engine's source, or joined to
+        its records)."""
+        with self._lock:
+            self._received[source] += events
+
     def drop(self, source: str, reason: str, events: int = 1) -> None:
         """Count ``events`` dropped from ``source`` for ``reason`` (a short fixed word)."""
         with self._lock:

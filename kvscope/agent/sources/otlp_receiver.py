@@ -16,7 +16,8 @@ becomes ``RequestStarted`` + ``RequestFinished`` events under ``source`` (so a r
 has open joins them). Spans without ``gen_ai.request.id`` are counted and ignored, and so are
 spans of requests not in the table that have no TTFT (an aborted request); one whose TTFT is no
 number of seconds (negative, infinite, a string) is also counted in
-``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. vLLM sends
+``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. Every span received counts in
+``kvscope_events_received_total{source="otlp"}``, so an operator sees whether spans arrive. vLLM sends
 spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so the tap's records wait
 ``wait`` seconds for their span before the store and the OTLP exporter get them.
 """
@@ -218,5 +219,6 @@ class OtlpReceiver:
                 ts=span.end_ns / 1e9, request_id=request_id, ttft=ttft, prompt_tokens=prompt,
                 output_tokens=_count(a, "gen_ai.usage.completion_tokens"),
                 queueing=queueing, prefill=prefill))
+        self.pipeline.add_received(NAME, len(spans))
         if events:
             self.pipeline.ingest(self.source, events)
