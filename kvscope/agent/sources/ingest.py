@@ -40,6 +40,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import time
 from collections import OrderedDict
 
 import zmq
@@ -56,18 +57,24 @@ STREAMS_PER_SOURCE = 4  # emitters (sessions) followed per source: restarts leav
 MAX_GAP = 1 << 20
 
 
-def _live_ipc(endpoint: str) -> bool:
+def _live_ipc(endpoint: str, settle: float = 1.0) -> bool:
     """Whether ``endpoint`` is an ``ipc://`` path another process accepts connections on (an
-    abstract ``@name`` is refused by ZMQ itself when taken)."""
+    abstract ``@name`` is refused by ZMQ itself when taken). A listener that goes within
+    ``settle`` seconds does not count: ZMQ closes a socket in its I/O thread after ``close()``
+    returns, so an agent stopped just before (a restart) may still answer for a moment."""
     path = endpoint.removeprefix("ipc://")
     if path == endpoint or path.startswith("@"):
         return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:  # no file, or a stale one left by a crash: bind may replace it
-            return False
-    return True
+    deadline = time.monotonic() + settle
+    while True:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except OSError:  # no file, or a stale one left by a crash: bind may replace it
+                return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
 
 
 class IngestSource(Worker):
