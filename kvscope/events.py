@@ -20,6 +20,18 @@ import msgspec
 SCHEMA_VERSION = 1
 # What a batch's ``source`` (and ``scope``) may be: it becomes a metric label value.
 SOURCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+# The agent's own sources (its ingest socket, OTLP receiver, KV events and vLLM metrics sources)
+# count under these names: a tap named so would merge its series with theirs.
+RESERVED_SOURCES = frozenset({"ingest", "otlp", "kv_events", "vllm_metrics"})
+
+
+def source_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a tap's source (a phrase to follow the name), or None."""
+    if not SOURCE_NAME.fullmatch(name):
+        return f"is not a lowercase word of up to 32 characters ({SOURCE_NAME.pattern})"
+    if name in RESERVED_SOURCES:
+        return f"is the agent's own (so are {', '.join(sorted(RESERVED_SOURCES - {name}))})"
+    return None
 
 Tier = Literal["gpu", "cpu", "disk", "remote"]
 TokenSource = Literal["gpu", "cpu", "disk", "recompute"]

@@ -65,7 +65,9 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
      "collectors.host.budgets.cpu: .*greater than or equal to 0"),
     # the receiver's source becomes a metric label, like an ingest source name
     ('[otlp_receiver]\nsource = "Bad Name"\n',
-     r"otlp_receiver.source: 'Bad Name' is not a source name; use .*\[a-z\]"),
+     r"otlp_receiver.source: 'Bad Name' is not a lowercase word .*\[a-z\].*; use the engine"),
+    # the agent's own source names: the tap's series would merge with the receiver's
+    ('[otlp_receiver]\nsource = "otlp"\n', "otlp_receiver.source: 'otlp' is the agent's own"),
     ("prefill_tokens_per_second = inf\n", "prefill_tokens_per_second: .*finite"),
     ("prefill_tokens_per_second = nan\n", "prefill_tokens_per_second: .*finite"),
     # "" listened on every interface (and the banner said http://:9400/metrics)
@@ -100,7 +102,7 @@ def test_the_edges_of_the_new_checks_are_still_accepted(tmp_path):
 
 @pytest.mark.parametrize("variable,value,needle", [
     ("KVSCOPE_COLLECTORS__HOST__BUDGETS", '{"cpu": -5}', "greater than or equal to 0"),
-    ("KVSCOPE_OTLP_RECEIVER__SOURCE", "Bad Name", "is not a source name"),
+    ("KVSCOPE_OTLP_RECEIVER__SOURCE", "Bad Name", "is not a lowercase word"),
     ("KVSCOPE_PREFILL_TOKENS_PER_SECOND", "inf", "finite"),
     ("KVSCOPE_HOST", "", "is empty"),
     ("KVSCOPE_STORE_DIR", "", "is empty"),

@@ -217,6 +217,8 @@ def test_two_emitters_sharing_a_source_name_keep_their_own_counts(caplog):
 def test_an_emitter_refuses_a_source_name_the_agent_would_drop(tmp_path):
     with pytest.raises(ValueError, match="lowercase word"):
         Emitter(_endpoint(tmp_path), source="engA")
+    with pytest.raises(ValueError, match="'ingest' is the agent's own"):
+        Emitter(_endpoint(tmp_path), source="ingest")
     with pytest.raises(ValueError, match="scope"):
         Emitter(_endpoint(tmp_path), source="worker", scope="Sched")
 
@@ -247,6 +249,16 @@ def test_random_payloads_never_break_the_source_and_state_stays_bounded(payload)
                        "emitter_buffer"}
     assert len(snap.events_received) <= 16 and len(snap.events_dropped) <= 7 * 17
     assert len(snap.tiers) <= 4
+
+
+def test_a_tap_may_not_take_the_name_of_one_of_the_agents_own_sources(caplog):
+    """A batch from "otlp" (the receiver's name) would merge with the receiver's series: it is
+    dropped as bad_source under "ingest", and the log says why."""
+    pipeline = Pipeline()
+    IngestSource(pipeline).handle(ev.encode_batch(ev.Batch(
+        version=ev.SCHEMA_VERSION, source="otlp", seq=0, events=[_lookup(0)])))
+    assert pipeline.snapshot().events_dropped == {("ingest", "bad_source"): 1}
+    assert "source 'otlp': it is the agent's own" in caplog.text
 
 
 def test_sources_are_bounded():
@@ -498,4 +510,4 @@ def test_a_batch_refused_for_its_scope_is_not_counted_again_as_a_gap(caplog):
         ingest.handle(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="worker",
                                                seq=seq, scope=scope, events=[_lookup(seq)])))
     assert pipeline.snapshot().events_dropped == {("worker", "bad_source"): 1}
-    assert "scope 'Sched!' is not a source name" in caplog.text
+    assert "scope 'Sched!' is not a lowercase word" in caplog.text

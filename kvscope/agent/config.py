@@ -33,7 +33,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from kvscope.events import SOURCE_NAME
+from kvscope.events import source_name_problem
 
 
 class ConfigError(ValueError):
@@ -186,7 +186,7 @@ class VllmMetricsConfig(_Section):
 
 class OtlpReceiverConfig(_Section):
     """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source`` (a
-    source name, :data:`kvscope.events.SOURCE_NAME`), whose finished requests wait
+    tap's source name, :func:`kvscope.events.source_name_problem`), whose finished requests wait
     ``wait_seconds`` for their span before they are stored and exported (vLLM sends spans every
     5 s by default)."""
 
@@ -199,10 +199,9 @@ class OtlpReceiverConfig(_Section):
     def _source(cls, value: str) -> str:
         # it becomes a metric label and must match the engine tap's own source name, which the
         # ingest refuses unless it is such a word
-        if not SOURCE_NAME.fullmatch(value):
-            raise ValueError(f"{value!r} is not a source name; use the engine tap's source, a "
-                             f"lowercase word of up to 32 characters ({SOURCE_NAME.pattern}), "
-                             "e.g. vllm")
+        problem = source_name_problem(value)
+        if problem:
+            raise ValueError(f"{value!r} {problem}; use the engine tap's source name, e.g. vllm")
         return value
 
 

@@ -7,8 +7,8 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
   message and resets that connection, so a runaway sender can never make the agent hold a huge
   message);
 - ``malformed`` / ``invalid`` / ``version``: see :class:`kvscope.events.SchemaError`;
-- ``bad_source``: a source name (or ``scope``) that is not a short lowercase word
-  (:data:`kvscope.events.SOURCE_NAME`), or one more distinct source than ``max_sources``
+- ``bad_source``: a source name (or ``scope``) that is not a short lowercase word, or one of the
+  agent's own (:func:`kvscope.events.source_name_problem`), or one more distinct source than ``max_sources``
   (labels stay bounded); logged once per name;
 - ``emitter_buffer``: events an emitter reports it dropped (``Batch.dropped`` deltas);
 - ``gap``: batches missing from an emitter's sequence after the first batch this agent received
@@ -154,8 +154,9 @@ class IngestSource(Worker):
             self._warn_once((NAME, reason), "kvscope ingest: dropped a message (%s): %s; logged "
                             "once per reason", reason, detail or "no batch header")
             return
-        if batch is not None and batch.scope and not ev.SOURCE_NAME.fullmatch(batch.scope):
-            reason, detail = "bad_source", f"scope {batch.scope[:64]!r} is not a source name"
+        if batch is not None and batch.scope and ev.source_name_problem(batch.scope):
+            reason, detail = "bad_source", (f"scope {batch.scope[:64]!r} "
+                                            f"{ev.source_name_problem(batch.scope)}")
         # a refused batch never takes one of the max_sources places: junk cannot lock a tap out
         admitted = ((reason is None or header.source in self._streams)
                     and self._admit(header.source))
@@ -177,12 +178,12 @@ class IngestSource(Worker):
     def _admit(self, source: str) -> bool:
         """Whether ``source`` is a name the agent accepts, and room is left for it; logs each
         refused name once (bad names at most ``4 * max_sources``: anyone may send them)."""
-        if not ev.SOURCE_NAME.fullmatch(source):
+        problem = ev.source_name_problem(source)
+        if problem:
             if source not in self._bad_names and len(self._bad_names) < 4 * self._max_sources:
                 self._bad_names.add(source)
-                log.warning("kvscope ingest: dropping batches from source %r: a source (and "
-                            "scope) must be a lowercase word of up to 32 characters (%s)",
-                            source[:64], ev.SOURCE_NAME.pattern)
+                log.warning("kvscope ingest: dropping batches from source %r: it %s",
+                            source[:64], problem)
             return False
         if source in self._streams or len(self._streams) < self._max_sources:
             return True

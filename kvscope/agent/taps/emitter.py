@@ -29,7 +29,7 @@ class Emitter:
     """Batches events to ``endpoint`` (e.g. ``tcp://127.0.0.1:5560`` or ``ipc:///run/kv.sock``).
 
     ``source``: a short name for this emitter's events, a lowercase word
-    (:data:`kvscope.events.SOURCE_NAME`, e.g. ``engine``, ``vllm-dp1``), its own for each tap
+    (:func:`kvscope.events.source_name_problem`, e.g. ``engine``, ``vllm-dp1``), its own for each tap
     on a node (it is a metric label, and request ids are told apart by it); ``engine``,
     ``model``: what it observes (shown as ``kvscope_engine_info``); ``scope``: the source whose
     requests this emitter's request ids name, when that is another emitter (see
@@ -53,10 +53,10 @@ class Emitter:
                  flush_interval: float = 0.05, send_hwm: int = 4,
                  warn_after: float = 10.0) -> None:
         for name, value in (("source", source), ("scope", scope or source)):
-            if not ev.SOURCE_NAME.fullmatch(value):
-                raise ValueError(f"emitter {name} {value!r} is not a lowercase word of up to 32 "
-                                 f"characters ({ev.SOURCE_NAME.pattern}); the agent would "
-                                 "drop its events")
+            problem = ev.source_name_problem(value)
+            if problem:
+                raise ValueError(f"emitter {name} {value!r} {problem}; the agent would drop "
+                                 "its events")
         self.source = source
         self._engine, self._model, self._scope = engine, model, scope
         self.dropped = 0  # events lost to a full buffer, a failed encode or close, since start
