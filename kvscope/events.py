@@ -33,19 +33,22 @@ def source_name_problem(name: str) -> str | None:
         return f"is the agent's own (so are {', '.join(sorted(RESERVED_SOURCES - {name}))})"
     return None
 
+
 Tier = Literal["gpu", "cpu", "disk", "remote"]
 TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
 
 # Counts and sizes are never negative, and times and rates are finite and never negative: one
 # such value would turn a counter down (PromQL's rate() reads that as a reset) or a histogram's
 # sum into NaN. An event breaking this makes its batch invalid, and the agent drops the batch.
-_FINITE = msgspec.Meta(ge=0.0, le=sys.float_info.max)
-Count = Annotated[int, msgspec.Meta(ge=0)]
-Seconds = Annotated[float, _FINITE]
+# Counts stop at 2**53, where float64 (every Prometheus sample) stops holding integers exactly,
+# far inside the 64-bit integers the store and the Parquet capture write. Durations stop at 1e9 s
+# (31 years): a Unix time before 2100 plus one is still an int64 of nanoseconds (OTLP's times).
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
 # A timestamp is Unix seconds before 2100: a sender in milliseconds (1.7e12) or a corrupt time
 # would otherwise sort first in the request table forever and outlive the store's age limit.
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=4_102_444_800.0)]  # 2100-01-01T00:00Z
-Rate = Annotated[float, _FINITE]  # per second
+Rate = Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]  # per second
 # Request ids are kept per request (100,000 by default) and trace ids are W3C's 32 hex digits:
 # both bounded, so a sender cannot grow the agent's memory through them.
 MAX_REQUEST_ID = 256  # characters; senders cut longer ids to this (the same cut on every side)
@@ -152,7 +155,7 @@ class Eviction(_Event, tag="eviction"):
     offloaded: bool = False
     reason: Literal["capacity", "cleared", "failed"] = "capacity"
     measured: bool = True
-    weight: Annotated[int, msgspec.Meta(ge=1)] = 1
+    weight: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1  # 1 in a million at most
 
 
 class TierSnapshot(_Event, tag="tier_snapshot"):
@@ -235,6 +238,16 @@ class Batch(msgspec.Struct, frozen=True, gc=False):
     engine: str = ""
     model: str = ""
     scope: str = ""
+
+
+def validate(event: Event) -> Event:
+    """``event`` checked against the schema's constraints, as the decoder checks what arrives
+    (an event built in Python is checked for nothing). Raises :class:`SchemaError` (``invalid``)
+    naming the field."""
+    try:
+        return msgspec.convert(msgspec.to_builtins(event), Event)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(str(exc), "invalid") from exc
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -212,3 +212,21 @@ def test_lookups_without_block_hashes_write_nothing_and_orphans_are_removed(tmp_
     assert not orphan.exists() and mine.exists()
     assert not writer.segments()
     CaptureWriter(tmp_path / "never").shutdown()  # safe without start
+
+
+def test_rows_that_do_not_fit_the_schema_are_dropped_and_capture_goes_on(tmp_path, caplog):
+    """A request with 2**63 prompt tokens (past int64) once stopped the capture thread for
+    good: its flush now drops that flush's rows (1), logs once, and the next request is
+    written."""
+    from kvscope.agent.requests import RequestRecord
+
+    writer = CaptureWriter(tmp_path)
+    writer.add_request(RequestRecord("big", "ab" * 16, "engine", T0, prompt_tokens=2**63,
+                                     finished=T0 + 1))
+    writer.flush()
+    writer.add_request(RequestRecord("fine", "ab" * 16, "engine", T0, prompt_tokens=8,
+                                     finished=T0 + 1))
+    writer.close()
+    assert writer.dropped["requests"] == 1 and "do not fit the Parquet schema" in caplog.text
+    (segment,) = writer.segments("requests")
+    assert pq.read_table(segment).column("request_id").to_pylist() == ["fine"]

@@ -447,6 +447,11 @@ def test_a_second_agent_cannot_take_over_a_live_ipc_endpoint(source, tmp_path):
      "counts": [1, 1]},
     {"kind": "latency_histogram", "ts": 1.0, "metric": "ttft", "bounds": [0.3, 0.3],
      "counts": [1, 1, 1]},
+    # a count past 2**53 (float64 holds no exact integer there; 2**64 stopped the store), and
+    # a duration past 1e9 s (an OTLP time in int64 nanoseconds would overflow)
+    {"kind": "request_started", "ts": 1.0, "request_id": "r", "prompt_tokens": 2**53 + 1},
+    {"kind": "request_finished", "ts": 1.0, "request_id": "r", "ttft": 1e15,
+     "prompt_tokens": 1},
     # a request id the agent would have to keep, 100,000 times over
     {"kind": "request_started", "ts": 1.0, "request_id": "x" * 257, "prompt_tokens": 1},
 ])

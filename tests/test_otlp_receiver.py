@@ -202,3 +202,21 @@ def test_a_span_without_ttft_for_an_unknown_request_makes_no_request():
     assert agent.otlp_receiver.ignored == 2 and len(agent.pipeline.requests) == 0
     assert agent.pipeline.snapshot().ttft_seconds.count == 0
     assert agent.pipeline.snapshot().events_dropped == {("otlp", "invalid"): 1}
+
+
+def test_spans_with_values_no_emitter_could_send_are_dropped_as_invalid(caplog):
+    """An emitter's batch with 2**64 tokens or a TTFT of 1e15 s is refused (counts stop at
+    2**53, durations at 1e9 s); spans get the same checks: both are dropped and counted as
+    invalid, make no request, and the first is logged (a 2**64 count once stopped the store's
+    thread, which cannot write it)."""
+    agent = _agent()
+    huge_count = {**ATTRS, "gen_ai.usage.prompt_tokens": 2**64}
+    huge_ttft = {**ATTRS, "gen_ai.request.id": "cmpl-2-0",
+                 "gen_ai.latency.time_to_first_token": 1e15}
+    with TestClient(create_app(agent)) as client:
+        for attrs in (huge_count, huge_ttft):
+            assert client.post("/v1/traces", content=json_body(attrs), headers={
+                "content-type": "application/json"}).status_code == 200
+    assert len(agent.pipeline.requests) == 0
+    assert agent.pipeline.snapshot().events_dropped == {("otlp", "invalid"): 2}
+    assert caplog.text.count("kvscope OTLP receiver: dropped the span of request 'cmpl-1-0'") == 1

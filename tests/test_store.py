@@ -230,3 +230,31 @@ def test_a_second_store_cannot_take_a_directory_in_use(tmp_path):
         first.shutdown()
     second.start()
     second.shutdown()
+
+
+def test_a_record_msgpack_cannot_hold_is_skipped_and_the_store_keeps_writing(tmp_path, caplog):
+    """A token count of 2**64 (what a span once carried past every check) does not encode as
+    msgpack: that record is skipped and logged once; the records around it are written."""
+    store = RequestStore(tmp_path, clock=lambda: 3000.0)
+    bad = _record(1001)
+    bad.prompt_tokens = 2**64
+    for record in (_record(1000), bad, _record(1002)):
+        store.add(record)
+    store.flush()
+    assert _ids(store.load(10)) == ["r1000", "r1002"] and store.unwritable == 1
+    assert "cannot write request 'r1001'" in caplog.text
+
+
+def test_a_store_from_before_the_bounds_is_loaded_within_them(tmp_path):
+    """Segments written before records were bounded: one that finished 1e300 s (far in the
+    future: it would sort first and never age out) is skipped; one with 300 transfers keeps 256
+    and counts 44 omitted. The clock is 3000 s, within max_age of r1000's finish."""
+    store = RequestStore(tmp_path, clock=lambda: 3000.0)
+    many = _record(1000, finished=2000.0)
+    many.transfers = many.transfers * 300
+    for record in (many, _record(1001, finished=1e300), _record(1002, finished=2001.0)):
+        store.add(record)
+    store.flush()
+    loaded = store.load(10)
+    assert _ids(loaded) == ["r1000", "r1002"]
+    assert len(loaded[0].transfers) == 256 and loaded[0].transfers_omitted == 44

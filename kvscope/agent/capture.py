@@ -150,6 +150,7 @@ class CaptureWriter(Worker):
         self._io_lock = threading.Lock()   # segment files
         self._seq = 0
         self.dropped: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._unfit_logged = False
 
     # -- sinks ------------------------------------------------------------------------------
 
@@ -228,6 +229,8 @@ class CaptureWriter(Worker):
             step()
         except OSError as exc:  # disk full, directory removed: keep serving, say so
             log.warning("kvscope capture: could not write %s: %s", self.directory, exc)
+        except Exception:  # a bug: say so, and keep the thread (and every later row) alive
+            log.exception("kvscope capture: %s failed", step.__name__)
 
     # -- segments ---------------------------------------------------------------------------
 
@@ -244,10 +247,10 @@ class CaptureWriter(Worker):
             for stream in self._streams.values():
                 with self._lock:
                     columns, rows = stream.take()
-                if rows:
+                table = self._table(stream, columns) if rows else None
+                if table is not None:
                     if stream.writer is None:
                         self._open(stream, now)
-                    table = pa.Table.from_pydict(columns, schema=stream.schema)
                     stream.writer.write_table(table)
                     stream.segment_rows += rows
                 if stream.writer is not None and (
@@ -255,6 +258,21 @@ class CaptureWriter(Worker):
                         or now - stream.opened_at >= self.segment_seconds
                         or stream.tmp.stat().st_size >= self.segment_bytes):
                     self._finish(stream)
+
+    def _table(self, stream: _Stream, columns: dict[str, list]) -> pa.Table | None:
+        """The pending rows as a table of the stream's schema; None, with the rows counted as
+        dropped and the first such loss logged, when a value does not fit its column."""
+        try:
+            return pa.Table.from_pydict(columns, schema=stream.schema)
+        except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
+            rows = len(next(iter(columns.values()), ()))
+            with self._lock:
+                self.dropped[stream.kind] += rows
+            if not self._unfit_logged:
+                self._unfit_logged = True
+                log.warning("kvscope capture: dropped %d %s rows that do not fit the Parquet "
+                            "schema: %s (logged once)", rows, stream.kind, exc)
+            return None
 
     def close(self) -> None:
         """Flush, then finish every open segment (shutdown does this)."""

@@ -34,12 +34,15 @@ from pathlib import Path
 
 import msgspec
 
-from kvscope.agent.requests import RequestRecord
+from kvscope.agent.requests import MAX_TRANSFERS, RequestRecord
 from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">II")
 _SUFFIX = ".kvseg"
+# seconds a stored record may have finished ahead of this clock (clocks step); further ahead it
+# is a corrupt time that would sort first and never age out
+FUTURE = 3600.0
 
 
 def _frame_at(data: memoryview, offset: int,
@@ -129,6 +132,7 @@ class RequestStore(Worker):
         self._opened = 0.0  # when it was opened, by clock
         self._size = 0  # its bytes
         self._seq = 0  # tells apart segments opened in the same millisecond
+        self.unwritable = 0  # records skipped: a value msgpack cannot encode
 
     def segments(self) -> list[Path]:
         """Segment files, oldest first (anything else with their suffix is left alone)."""
@@ -136,15 +140,25 @@ class RequestStore(Worker):
 
     def load(self, limit: int) -> list[RequestRecord]:
         """The newest ``limit`` intact records on disk that finished within ``max_age``, oldest
-        first."""
-        cutoff = self._clock() - self._max_age
+        first. A store written before the agent bounded what a record holds is read within the
+        bounds: records that finished more than :data:`FUTURE` seconds ahead of the clock are
+        skipped, and only the first :data:`~kvscope.agent.requests.MAX_TRANSFERS` transfers
+        are kept (the rest counted in ``transfers_omitted``)."""
+        now = self._clock()
+        cutoff, ahead = now - self._max_age, now + FUTURE
         records: list[RequestRecord] = []
         for path in reversed(self.segments()):
             records[:0] = [r for r in read_segment(path)
-                           if (r.arrival if r.finished is None else r.finished) >= cutoff]
+                           if cutoff <= (r.arrival if r.finished is None else r.finished) <= ahead]
             if len(records) >= limit:
                 break
-        return records[-limit:] if limit else []
+        records = records[-limit:] if limit else []
+        for record in records:
+            extra = record.transfers[MAX_TRANSFERS:]
+            if extra:
+                record.transfers = record.transfers[:MAX_TRANSFERS]
+                record.transfers_omitted += len(extra)
+        return records
 
     def add(self, record: RequestRecord) -> None:
         with self._lock:
@@ -184,6 +198,8 @@ class RequestStore(Worker):
             self.flush()
         except OSError as exc:  # disk full, directory removed: keep serving, say so
             log.warning("kvscope store: could not write %s: %s", self.directory, exc)
+        except Exception:  # a bug: say so, and keep the thread (and every later record) alive
+            log.exception("kvscope store: flush failed")
 
     def flush(self) -> None:
         """Write and fsync what arrived since the last flush; rotate and prune segments."""
@@ -192,7 +208,16 @@ class RequestStore(Worker):
         if self._file is not None and self._clock() - self._opened >= self._max_age / 4:
             self._close()  # closed, it can age out whole, even if nothing more comes
         for record in records:
-            payload = self._encoder.encode(record)
+            try:
+                payload = self._encoder.encode(record)
+            except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+                # a value msgpack cannot hold (the events' bounds keep them out): skip that
+                # record, never the store
+                self.unwritable += 1
+                if self.unwritable == 1:
+                    log.warning("kvscope store: cannot write request %r (%s); skipped (logged "
+                                "once)", record.request_id[:64], exc)
+                continue
             frame = _HEADER.size + len(payload)
             if self._file is None or (self._size and self._size + frame > self._segment_bytes):
                 self._rotate()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import math
 import time
 import zlib
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
 
+log = logging.getLogger(__name__)
 NAME = "otlp"
 REQUEST_ID = "gen_ai.request.id"
 TTFT = "gen_ai.latency.time_to_first_token"
@@ -173,6 +175,7 @@ class OtlpReceiver:
         self.ignored = 0
         self.joined = 0
         self.last_ttft = -math.inf
+        self._warned = False
 
     def start(self) -> None:
         self.pipeline.join(self.source, self.wait)
@@ -180,6 +183,15 @@ class OtlpReceiver:
 
     def shutdown(self) -> None:
         return
+
+    def _invalid(self, request_id: str, why: str) -> None:
+        """Count a span that cannot be used; log the first."""
+        self.pipeline.drop(NAME, "invalid")
+        if not self._warned:
+            self._warned = True
+            log.warning("kvscope OTLP receiver: dropped the span of request %r: %s; counted in "
+                        "kvscope_events_dropped_total{source=\"otlp\"}, logged once",
+                        request_id[:64], why)
 
     def handle(self, spans: list[Span]) -> None:
         events: list = []
@@ -193,8 +205,19 @@ class OtlpReceiver:
             a = span.attributes
             trace_id = span.trace_id if len(span.trace_id) == 32 else ""
             ttft = _float(a, TTFT)
-            queueing = _float(a, "gen_ai.latency.time_in_queue")
-            prefill = _float(a, "gen_ai.latency.time_in_model_prefill")
+            prompt = _count(a, "gen_ai.usage.prompt_tokens")
+            try:  # as an emitter's events are checked: times, durations and counts in bounds
+                started = ev.validate(ev.RequestStarted(
+                    ts=span.start_ns / 1e9, request_id=request_id, prompt_tokens=prompt,
+                    trace_id=trace_id))
+                finished = ev.validate(ev.RequestFinished(
+                    ts=max(span.end_ns, span.start_ns) / 1e9, request_id=request_id, ttft=ttft,
+                    prompt_tokens=prompt, output_tokens=_count(a, "gen_ai.usage.completion_tokens"),
+                    queueing=_float(a, "gen_ai.latency.time_in_queue"),
+                    prefill=_float(a, "gen_ai.latency.time_in_model_prefill")))
+            except ev.SchemaError as exc:
+                self._invalid(request_id, str(exc))
+                continue
             if ttft:
                 self.last_ttft = time.monotonic()
             record = self.pipeline.requests.get(request_id, self.source)
@@ -202,23 +225,17 @@ class OtlpReceiver:
                 if trace_id:
                     record.trace_id = trace_id
                 if ttft:
-                    record.ttft, record.queueing = ttft, queueing
-                    record.prefill = min(prefill, max(0.0, ttft - queueing - record.promotion_wait))
+                    record.ttft, record.queueing = ttft, finished.queueing
+                    record.prefill = min(finished.prefill,
+                                         max(0.0, ttft - finished.queueing - record.promotion_wait))
                 self.joined += 1
                 continue
             if not ttft:  # e.g. an aborted request: no first token, so no TTFT to count as 0
                 self.ignored += 1
                 if a.get(TTFT) is not None:  # one was sent, but no usable number of seconds
-                    self.pipeline.drop(NAME, "invalid")
+                    self._invalid(request_id, f"{TTFT} {a.get(TTFT)!r} is no number of seconds")
                 continue
-            start = span.start_ns / 1e9
-            prompt = _count(a, "gen_ai.usage.prompt_tokens")
-            events.append(ev.RequestStarted(ts=start, request_id=request_id, prompt_tokens=prompt,
-                                            trace_id=trace_id))
-            events.append(ev.RequestFinished(
-                ts=span.end_ns / 1e9, request_id=request_id, ttft=ttft, prompt_tokens=prompt,
-                output_tokens=_count(a, "gen_ai.usage.completion_tokens"),
-                queueing=queueing, prefill=prefill))
+            events += (started, finished)
         self.pipeline.add_received(NAME, len(spans))
         if events:
             self.pipeline.ingest(self.source, events)
