@@ -88,7 +88,7 @@ class IngestSource(Worker):
     """
 
     def __init__(self, pipeline: Pipeline, endpoint: str = "tcp://127.0.0.1:5560", *,
-                 max_batch_bytes: int = 4 << 20, queue_bytes: int = 256 << 20,
+                 max_batch_bytes: int = 4 << 20, queue_bytes: int = 32 << 20,
                  max_sources: int = 16) -> None:
         super().__init__()
         self.pipeline = pipeline
