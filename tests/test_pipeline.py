@@ -98,12 +98,18 @@ def test_two_sources_with_the_same_request_ids_keep_their_own_records():
 
 
 def test_requests_never_finished_beyond_the_inflight_bound_are_counted_as_abandoned():
-    """The assembler holds 10,000 open requests: 10,003 starts without a finish abandon the
-    3 oldest, counted under their source so the loss is not silent."""
+    """The assembler holds 10,000 open requests per source: 10,003 starts without a finish
+    abandon the 3 oldest, counted under their source so the loss is not silent."""
     pipeline = Pipeline()
+    pipeline.ingest("quiet", [ev.RequestStarted(ts=0.5, request_id="q", prompt_tokens=1,
+                                                trace_id="ab" * 16)])
     pipeline.ingest("engine", [ev.RequestStarted(ts=1.0, request_id=f"r{i}", prompt_tokens=1)
                                for i in range(10_003)])
     assert pipeline.snapshot().events_dropped == {("engine", "abandoned"): 3}
+    # the bound is per source: the busy engine did not push out the quiet one's open request
+    pipeline.ingest("quiet", [ev.RequestFinished(ts=1.5, request_id="q", ttft=1.0,
+                                                 prompt_tokens=1)])
+    assert pipeline.requests.get("q", "quiet").trace_id == "ab" * 16
 
 
 def test_a_record_keeps_its_first_transfers_and_counts_the_rest():

@@ -75,67 +75,76 @@ class RequestAssembler:
     """Builds :class:`RequestRecord` s from events, one method per event kind, each taking one
     source's events of that kind in arrival order (the pipeline folds a batch kind by kind).
 
-    ``max_inflight``: requests started but not finished that are kept; beyond it the oldest
-    is abandoned and counted in ``abandoned`` by source (a bound against engines that never
-    finish).
-    ``max_recent``: finished records kept for late transfers (see :meth:`finished`).
+    Each source's requests are kept apart (engines number requests on their own), and each
+    source has its own bounds, so a busy or broken engine cannot push out another's requests:
+    ``max_inflight`` requests started but not finished (beyond it the oldest is abandoned and
+    counted in ``abandoned`` by source: a bound against engines that never finish), and
+    ``max_recent`` finished records kept for late transfers (see :meth:`finished`).
     Not thread-safe: the pipeline calls it under its lock.
     """
 
     def __init__(self, max_inflight: int = 10_000, max_recent: int = 10_000) -> None:
-        self._inflight: OrderedDict[tuple[str, str], RequestRecord] = OrderedDict()
+        # source -> request id -> record, oldest first
+        self._inflight: dict[str, OrderedDict[str, RequestRecord]] = {}
+        self._recent: dict[str, OrderedDict[str, RequestRecord]] = {}
         self._max = max_inflight
-        self.abandoned: Counter[str] = Counter()
-        self._recent: OrderedDict[tuple[str, str], RequestRecord] = OrderedDict()
         self._max_recent = max_recent
+        self.abandoned: Counter[str] = Counter()
 
-    def _open(self, source: str, request_id: str, ts: float) -> RequestRecord:
-        key = (source, request_id)
-        record = self._inflight.get(key)
+    def _tables(self, source: str) -> tuple[OrderedDict, OrderedDict]:
+        """``source``'s requests in flight and finished recently."""
+        inflight = self._inflight.get(source)
+        if inflight is None:
+            inflight = self._inflight[source] = OrderedDict()
+            self._recent[source] = OrderedDict()
+        return inflight, self._recent[source]
+
+    def _open(self, source: str, inflight: OrderedDict, request_id: str,
+              ts: float) -> RequestRecord:
+        record = inflight.get(request_id)
         if record is None:
-            record = self._inflight[key] = RequestRecord(request_id, new_trace_id(), source, ts)
-            self._bound()
+            record = inflight[request_id] = RequestRecord(request_id, new_trace_id(), source, ts)
+            self._bound(source, inflight)
         return record
 
-    def _bound(self) -> None:
-        inflight = self._inflight
+    def _bound(self, source: str, inflight: OrderedDict) -> None:
         while len(inflight) > self._max:
-            (source, _request_id), _record = inflight.popitem(last=False)
+            inflight.popitem(last=False)
             self.abandoned[source] += 1
 
     def started(self, source: str, events: Sequence[ev.RequestStarted]) -> None:
-        inflight = self._inflight
+        inflight, _recent = self._tables(source)
         for event in events:
-            key = (source, event.request_id)
-            record = inflight.get(key)
+            record = inflight.get(event.request_id)
             if record is None:
-                inflight[key] = RequestRecord(event.request_id,
-                                              event.trace_id or new_trace_id(), source,
-                                              event.ts, event.prompt_tokens)
+                inflight[event.request_id] = RequestRecord(
+                    event.request_id, event.trace_id or new_trace_id(), source, event.ts,
+                    event.prompt_tokens)
                 continue
             # another emitter's event opened the record first: arrival and trace id are the
             # start's
             record.prompt_tokens, record.arrival = event.prompt_tokens, event.ts
             if event.trace_id:
                 record.trace_id = event.trace_id
-        self._bound()
+        self._bound(source, inflight)
 
     def lookups(self, source: str, events: Sequence[ev.Lookup]) -> None:
+        inflight, _recent = self._tables(source)
         for event in events:
             if event.request_id:
-                self._open(source, event.request_id, event.ts).tokens = event.tokens
+                self._open(source, inflight, event.request_id, event.ts).tokens = event.tokens
 
     def transfers(self, source: str, events: Sequence[ev.Transfer]) -> list[str]:
         """Attach transfers to their requests; return each one's trace id ("" for none)."""
-        inflight, recent = self._inflight, self._recent
+        inflight, recent = self._tables(source)
         trace_ids = []
         for event in events:
-            if not event.request_id:
+            rid = event.request_id
+            if not rid:
                 trace_ids.append("")
                 continue
-            key = (source, event.request_id)
-            record = (inflight.get(key) or recent.get(key)
-                      or self._open(source, event.request_id, event.ts))
+            record = (inflight.get(rid) or recent.get(rid)
+                      or self._open(source, inflight, rid, event.ts))
             if len(record.transfers) < MAX_TRANSFERS:
                 record.transfers += (TransferRecord(event.src, event.dst, event.blocks,
                                                     event.bytes, event.ts, event.duration,
@@ -153,20 +162,19 @@ class RequestAssembler:
         requests are also finished by another source (vLLM's span and the tap, whichever comes
         second): a second finish of a kept record only fills the parts the first left at 0 and
         returns no record (it is not a new request)."""
-        inflight, recent = self._inflight, self._recent
+        inflight, recent = self._tables(source)
         records = []
         for event in events:
-            key = (source, event.request_id)
-            record = inflight.pop(key, None)
+            rid = event.request_id
+            record = inflight.pop(rid, None)
             if record is None:
-                if joined and key in recent:
-                    record = recent[key]
+                if joined and rid in recent:
+                    record = recent[rid]
                     for part in _FINISH_PARTS:
                         if not getattr(record, part):
                             setattr(record, part, getattr(event, part))
                     continue
-                record = RequestRecord(event.request_id, new_trace_id(), source,
-                                       event.ts - event.ttft)
+                record = RequestRecord(rid, new_trace_id(), source, event.ts - event.ttft)
             record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
             record.output_tokens = event.output_tokens
             record.ttft, record.finished = event.ttft, event.ts
@@ -174,7 +182,7 @@ class RequestAssembler:
             record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
             record.itl = event.itl
             records.append(record)
-            recent[key] = record
+            recent[rid] = record
         while len(recent) > self._max_recent:
             recent.popitem(last=False)
         return records
