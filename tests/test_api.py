@@ -121,6 +121,8 @@ def test_a_request_is_fetched_by_source_when_two_engines_share_its_id():
     with TestClient(create_app(agent)) as c:
         assert c.get("/api/v1/requests/r1").json()["source"] == "other"  # finished last
         assert c.get("/api/v1/requests/r1", params={"source": "engine"}).json()["ttft"] == 0.1
+        listed = c.get("/api/v1/requests", params={"source": "other"}).json()["requests"]
+        assert [(r["request_id"], r["source"]) for r in listed] == [("r1", "other")]
         missing = c.get("/api/v1/requests/r1", params={"source": "nope"})
         assert missing.status_code == 404 and "from source 'nope'" in missing.json()["detail"]
 

@@ -79,7 +79,8 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
     ("[collectors.host]\nbudgets = { cpu = true }\n", "collectors.host.budgets.cpu: .*integer"),
     ("[kv_events]\ncapacity_blocks = { gpu = -1 }\n",
      "kv_events.capacity_blocks.gpu: .*greater than or equal to 0"),
-    ("store_max_age = inf\n", "store_max_age: .*finite"),
+    ("store_max_age = inf\n", "store_max_age: .*less than or equal to"),
+    ("store_max_age = 1e308\n", "store_max_age: .*less than or equal to"),
 ])
 def test_bad_values_name_the_key(tmp_path, content, needle):
     path = tmp_path / "agent.toml"

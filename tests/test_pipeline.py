@@ -97,7 +97,7 @@ def test_two_sources_with_the_same_request_ids_keep_their_own_records():
     assert pipeline.requests.get("shared", "gamma") is None
 
 
-def test_requests_never_finished_beyond_the_inflight_bound_are_counted_as_abandoned():
+def test_requests_never_finished_beyond_the_inflight_bound_are_counted_as_abandoned(caplog):
     """The assembler holds 10,000 open requests per source: 10,003 starts without a finish
     abandon the 3 oldest, counted under their source so the loss is not silent."""
     pipeline = Pipeline()
@@ -106,6 +106,7 @@ def test_requests_never_finished_beyond_the_inflight_bound_are_counted_as_abando
     pipeline.ingest("engine", [ev.RequestStarted(ts=1.0, request_id=f"r{i}", prompt_tokens=1)
                                for i in range(10_003)])
     assert pipeline.snapshot().events_dropped == {("engine", "abandoned"): 3}
+    assert caplog.text.count("source 'engine' has 10000 requests started and not finished") == 1
     # the bound is per source: the busy engine did not push out the quiet one's open request
     pipeline.ingest("quiet", [ev.RequestFinished(ts=1.5, request_id="q", ttft=1.0,
                                                  prompt_tokens=1)])

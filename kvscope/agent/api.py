@@ -172,11 +172,13 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
     def requests(limit: int = Query(100, ge=1, le=MAX_LIMIT),
                  sort: str = Query("finished", description=f"one of {', '.join(SORT_KEYS)}"),
                  order: str = Query("desc", pattern="^(asc|desc)$"),
-                 min_ttft: float | None = Query(None, ge=0, description="seconds")) -> Response:
+                 min_ttft: float | None = Query(None, ge=0, description="seconds"),
+                 source: str | None = Query(None, max_length=64,
+                                            description="only this source's requests")) -> Response:
         """Recent finished requests, sorted and filtered; ``total`` counts the whole table."""
         if sort not in SORT_KEYS:
             raise HTTPException(422, f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
-        records = agent.pipeline.requests.recent(limit, sort, order == "desc", min_ttft)
+        records = agent.pipeline.requests.recent(limit, sort, order == "desc", min_ttft, source)
         return _json({"total": len(agent.pipeline.requests), "requests": records})
 
     # ``:path``: a request id may hold a slash (vLLM takes the client's X-Request-Id)

@@ -256,7 +256,7 @@ class AgentSettings(BaseSettings):
     requests_capacity: int = Field(100_000, gt=0)
     store_dir: Path | None = None
     store_max_bytes: int = Field(256 << 20, gt=0)
-    store_max_age: float = Field(86_400.0, gt=0, allow_inf_nan=False)
+    store_max_age: float = Field(86_400.0, gt=0, le=10 * 365 * 86_400)  # 10 years at most
     otlp_endpoint: str | None = None
     capture_dir: Path | None = None
     capture_max_bytes: int = Field(1 << 30, gt=0)

@@ -7,6 +7,7 @@ OTLP exporter and the store all read one shape.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections import Counter, OrderedDict
@@ -15,6 +16,8 @@ from collections.abc import Iterable, Sequence
 import msgspec
 
 from kvscope import events as ev
+
+log = logging.getLogger(__name__)
 
 
 # Transfers kept per record: a request seldom waits for more than a few loads, and a sender
@@ -108,6 +111,10 @@ class RequestAssembler:
         return record
 
     def _bound(self, source: str, inflight: OrderedDict) -> None:
+        if len(inflight) > self._max and not self.abandoned[source]:
+            log.warning("kvscope: source %r has %d requests started and not finished; the "
+                        "oldest are abandoned (counted as dropped, reason abandoned; logged "
+                        "once per source)", source, self._max)
         while len(inflight) > self._max:
             inflight.popitem(last=False)
             self.abandoned[source] += 1
@@ -227,9 +234,10 @@ class RequestTable:
         return max(filter(None, found), key=lambda r: r.finished or 0.0, default=None)
 
     def recent(self, limit: int = 100, sort: str = "finished", descending: bool = True,
-               min_ttft: float | None = None) -> list[RequestRecord]:
+               min_ttft: float | None = None, source: str | None = None) -> list[RequestRecord]:
         """Up to ``limit`` records ordered by ``sort`` (one of :data:`SORT_KEYS`), largest
-        first unless ``descending`` is False; ``min_ttft`` (seconds) filters slow requests.
+        first unless ``descending`` is False; ``min_ttft`` (seconds) filters slow requests,
+        ``source`` one source's.
 
         Raises ValueError for an unknown sort key.
         """
@@ -237,6 +245,8 @@ class RequestTable:
             raise ValueError(f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
         with self._lock:
             records = list(self._records.values())
+        if source is not None:
+            records = [r for r in records if r.source == source]
         if min_ttft is not None:
             records = [r for r in records if (r.ttft or 0.0) >= min_ttft]
         records.sort(key=lambda r: getattr(r, sort) or 0.0, reverse=descending)

@@ -55,6 +55,7 @@ STREAMS_PER_SOURCE = 4  # emitters (sessions) followed per source: restarts leav
 # Batches an emitter may lose in transit are at most its ZMQ send queue; a far larger jump in its
 # sequence is a sender that is confused, not 10^6 lost batches.
 MAX_GAP = 1 << 20
+MAX_WARNED = 1024  # distinct (source, reason) drops logged at most
 
 
 def _live_ipc(endpoint: str, settle: float = 1.0) -> bool:
@@ -100,7 +101,7 @@ class IngestSource(Worker):
         self._max_sources = max_sources
         # source -> {session: (last seq, cumulative dropped)} of its emitters, latest last
         self._streams: dict[str, OrderedDict[str, tuple[int, int]]] = {}
-        self._warned: set = set()  # what was logged once, for admitted sources
+        self._warned: set = set()  # what was logged once (see _warn_once)
         self._bad_names: set[str] = set()  # refused source names logged
         self._socket = None
 
@@ -166,10 +167,11 @@ class IngestSource(Worker):
             self._account(header)
         if reason is not None:
             self.pipeline.drop(source, reason, len(header.events))
+            named = header.source[:64]  # also a tap whose every batch is refused gets named
             if detail:
-                self._warn_once((source, reason), "kvscope ingest: dropped a batch of %d events "
+                self._warn_once((named, reason), "kvscope ingest: dropped a batch of %d events "
                                 "from source %r (%s): %s; logged once per source and reason",
-                                len(header.events), header.source[:64], reason, detail)
+                                len(header.events), named, reason, detail)
             return
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
@@ -193,8 +195,9 @@ class IngestSource(Worker):
         return False
 
     def _warn_once(self, key: object, message: str, *args: object) -> None:
-        """Log ``message`` the first time ``key`` (one of a bounded set) comes up."""
-        if key not in self._warned:
+        """Log ``message`` the first time ``key`` comes up (of the first :data:`MAX_WARNED`
+        keys: anyone may send names, so beyond them nothing more is logged)."""
+        if key not in self._warned and len(self._warned) < MAX_WARNED:
             self._warned.add(key)
             log.warning(message, *args)
 
