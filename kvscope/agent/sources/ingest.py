@@ -7,9 +7,9 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
   message and resets that connection, so a runaway sender can never make the agent hold a huge
   message);
 - ``malformed`` / ``invalid`` / ``version``: see :class:`kvscope.events.SchemaError`;
-- ``bad_source``: a source name (or ``scope``) that is not a short lowercase word, or one of the
-  agent's own (:func:`kvscope.events.source_name_problem`), or one more distinct source than ``max_sources``
-  (labels stay bounded); logged once per name;
+- ``bad_source``: a source name (or ``scope``) that is not a short lowercase word, or is one of
+  the agent's own (:func:`kvscope.events.source_name_problem`), or one more distinct source than
+  ``max_sources`` (labels stay bounded); logged once per name;
 - ``emitter_buffer``: events an emitter reports it dropped (``Batch.dropped`` deltas);
 - ``gap``: batches missing from an emitter's sequence after the first batch this agent received
   from that emitter (an agent restarted mid-stream joins it there). A jump of more than
@@ -155,9 +155,8 @@ class IngestSource(Worker):
             self._warn_once((NAME, reason), "kvscope ingest: dropped a message (%s): %s; logged "
                             "once per reason", reason, detail or "no batch header")
             return
-        if batch is not None and batch.scope and ev.source_name_problem(batch.scope):
-            reason, detail = "bad_source", (f"scope {batch.scope[:64]!r} "
-                                            f"{ev.source_name_problem(batch.scope)}")
+        if batch is not None and batch.scope and (problem := ev.source_name_problem(batch.scope)):
+            reason, detail = "bad_source", f"scope {batch.scope[:64]!r} {problem}"
         # a refused batch never takes one of the max_sources places: junk cannot lock a tap out
         admitted = ((reason is None or header.source in self._streams)
                     and self._admit(header.source))

@@ -14,12 +14,13 @@ reports): when the request is already in the agent's request table (the tap fini
 record takes the span's trace id and vLLM's own TTFT, queueing and prefill; otherwise the span
 becomes ``RequestStarted`` + ``RequestFinished`` events under ``source`` (so a record the tap
 has open joins them). Spans without ``gen_ai.request.id`` are counted and ignored, and so are
-spans of requests not in the table that have no TTFT (an aborted request); one whose TTFT is no
-number of seconds (negative, infinite, a string) is also counted in
-``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. Every span received counts in
-``kvscope_events_received_total{source="otlp"}``, so an operator sees whether spans arrive. vLLM sends
-spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so the tap's records wait
-``wait`` seconds for their span before the store and the OTLP exporter get them.
+spans of requests not in the table that have no TTFT (an aborted request). A span whose values
+an emitter's batch could not carry (a TTFT that is no number of seconds, a time past 2100, a
+count past 2**53: :func:`kvscope.events.validate`) is counted in
+``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. Every span received counts
+in ``kvscope_events_received_total{source="otlp"}``, so an operator sees whether spans arrive.
+vLLM sends spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so the tap's
+records wait ``wait`` seconds for their span before the store and the OTLP exporter get them.
 """
 
 from __future__ import annotations
