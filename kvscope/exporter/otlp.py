@@ -172,8 +172,8 @@ class RequestSpanExporter:
     waits for the final send. ``max_queue_size``: spans (a record is ``1 + len(transfers)``
     spans) handed to the SDK and not yet sent; a record that would pass it is dropped whole, and
     counted, before the SDK's own queue would drop its oldest span silently.
-    ``schedule_delay``: seconds between
-    sends (the SDK also sends as soon as ``max_export_batch_size`` spans wait).
+    ``schedule_delay``: seconds between sends (the SDK also sends as soon as
+    ``max_export_batch_size`` spans wait).
     ``max_export_batch_size``: spans per OTLP request. ``sampler``: the SDK sampler, default
     ALWAYS_ON (the ``OTEL_TRACES_SAMPLER`` variable is not read).
 
