@@ -38,7 +38,7 @@ def annotation_texts(fig) -> list[str]:
 
 def test_table_rows_in_milliseconds_with_tokens_by_source():
     (row,) = fr.table_rows([RECORD])
-    assert row["id"] == row["request_id"] == "req-7"
+    assert (row["request_id"], row["source"]) == ("req-7", "engine")
     assert row["ttft_ms"] == 30.0 and row["promotion_wait_ms"] == 12.0
     assert (row["tokens_gpu"], row["tokens_cpu"], row["tokens_disk"], row["tokens_recompute"]) \
         == (512, 256, 0, 256)
@@ -87,10 +87,11 @@ class FakeBackend:
             raise BackendUnavailable(self.base_url, "refused")
         return 123, self.records
 
-    def request(self, request_id, instance=None):
+    def request(self, request_id, instance=None, source=None):
         if self.fail:
             raise BackendUnavailable(self.base_url, "refused")
-        return next((r for r in self.records if r["request_id"] == request_id), None)
+        return next((r for r in self.records if r["request_id"] == request_id
+                     and source in (None, r["source"])), None)
 
 
 def test_table_sorts_through_the_backend_when_it_can():
@@ -98,7 +99,7 @@ def test_table_sorts_through_the_backend_when_it_can():
     rows, status = requests_page.table(backend, [{"column_id": "ttft_ms", "direction": "asc"}],
                                        50, 500, None)
     assert backend.calls == [(500, "ttft", False, 0.05, None)]
-    assert [r["id"] for r in rows] == ["req-7"]
+    assert [r["request_id"] for r in rows] == ["req-7"]
     assert "1 of 123 requests with TTFT ≥ 50 ms" in status
     rows, _ = requests_page.table(backend, [{"column_id": "tokens_cpu", "direction": "desc"}],
                                   None, 100, None)
@@ -123,9 +124,15 @@ def test_deep_link_opens_the_request_and_unknown_ids_explain_themselves():
 
 
 def test_selecting_a_cell_writes_the_deep_link():
-    rows = [{"id": "a b", "instance": "node1:9400"}]
-    assert requests_page.select({"row": 0, "row_id": "a b"}, rows) == \
-        "?id=a+b&instance=node1%3A9400"
+    """Two engines' requests share the id "a b": each row's link names its source (and, in a
+    fleet, its instance), and the highlight marks only that source's row."""
+    rows = fr.table_rows([{"request_id": "a b", "source": "vllm", "instance": "node1:9400"},
+                          {"request_id": "a b", "source": "engine", "instance": "node1:9400"}])
+    assert rows[0]["id"] != rows[1]["id"]
+    link = requests_page.select({"row": 1, "row_id": rows[1]["id"]}, rows)
+    assert link == "?id=a+b&source=engine&instance=node1%3A9400"
+    assert requests_page.highlight(link)[0]["if"]["filter_query"] == \
+        '{request_id} = "a b" && {source} = "engine"'
     assert requests_page.select(None, rows) is requests_page.dash.no_update
 
 

@@ -44,8 +44,10 @@ class Backend(Protocol):
                  instance: str | None = None) -> tuple[int, list[dict]]:
         """(requests in the table(s), up to ``limit`` request records)."""
 
-    def request(self, request_id: str, instance: str | None = None) -> dict | None:
-        """One request record, or None when no table holds it."""
+    def request(self, request_id: str, instance: str | None = None,
+                source: str | None = None) -> dict | None:
+        """One request record (of ``source``, else the one that finished last), or None when no
+        table holds it."""
 
     def close(self) -> None: ...
 
@@ -121,10 +123,12 @@ class AgentBackend:
             raise BackendUnavailable(self.base_url, "unexpected requests payload")
         return int(body.get("total", len(body["requests"]))), body["requests"]
 
-    def request(self, request_id: str, instance: str | None = None) -> dict | None:
-        """``GET /api/v1/requests/{id}``; None on 404. Raises :class:`BackendUnavailable`."""
-        body = self._get_json(f"/api/v1/requests/{quote(request_id, safe='')}", {},
-                              missing_ok=True)
+    def request(self, request_id: str, instance: str | None = None,
+                source: str | None = None) -> dict | None:
+        """``GET /api/v1/requests/{id}`` (of ``source``, else the one that finished last); None
+        on 404. Raises :class:`BackendUnavailable`."""
+        body = self._get_json(f"/api/v1/requests/{quote(request_id, safe='')}",
+                              {"source": source} if source else {}, missing_ok=True)
         return body if isinstance(body, dict) else None
 
     def close(self) -> None:

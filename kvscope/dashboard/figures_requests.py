@@ -7,6 +7,8 @@ waterfall. A *record* is the agent's RequestRecord as JSON (``/api/v1/requests``
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 
@@ -20,6 +22,7 @@ SOURCES = ("gpu", "cpu", "disk", "recompute")
 # DataTable columns: (id, header, type); numbers are sortable and filterable as numbers.
 COLUMNS = (
     ("request_id", "request", "text"),
+    ("source", "source", "text"),  # the tap that reported it (two may use the same ids)
     ("finished", "finished (UTC)", "text"),
     ("ttft_ms", "TTFT (ms)", "numeric"),
     ("prompt_tokens", "prompt tokens", "numeric"),
@@ -41,13 +44,16 @@ def _clock(ts: float | None) -> str:
 
 
 def table_rows(records: Sequence[Mapping]) -> list[dict]:
-    """One DataTable row per record (ids as ``id`` so a selected cell names its request);
-    times in ms rounded to 0.01 ms; ``instance`` kept when present (fleet)."""
+    """One DataTable row per record; ``id`` names the request uniquely (instance, source and
+    request id: engines may share ids) so a selected cell finds its row; times in ms rounded
+    to 0.01 ms; ``instance`` kept when present (fleet)."""
     rows = []
     for r in records:
         tokens = r.get("tokens") or {}
+        request_id, source = r.get("request_id", ""), r.get("source", "")
         row = {
-            "id": r.get("request_id", ""), "request_id": r.get("request_id", ""),
+            "id": json.dumps([r.get("instance", ""), source, request_id]),
+            "request_id": request_id, "source": source,
             "finished": _clock(r.get("finished")),
             "ttft_ms": round(_num(r, "ttft") * 1000, 2),
             "prompt_tokens": int(_num(r, "prompt_tokens")),

@@ -224,11 +224,13 @@ class PrometheusBackend:
         records.sort(key=lambda r: r.get(sort) or 0.0, reverse=descending)
         return total, records[:limit]
 
-    def request(self, request_id: str, instance: str | None = None) -> dict | None:
-        """The record from ``instance``'s agent (or the first agent holding it)."""
+    def request(self, request_id: str, instance: str | None = None,
+                source: str | None = None) -> dict | None:
+        """The record from ``instance``'s agent (or the first agent holding it), of
+        ``source`` when given."""
         for name in self._pick(instance):
             try:
-                record = self._agent(name).request(request_id)
+                record = self._agent(name).request(request_id, source=source)
             except BackendUnavailable:
                 if instance:
                     raise

@@ -1,5 +1,7 @@
 """The Requests page: a sortable, filterable table of recent requests; selecting one opens
-its waterfall. Deep link: ``/requests?id=<request id>`` (fleet: ``&instance=<instance>``).
+its waterfall. Deep link: ``/requests?id=<request id>``, with ``&source=<source>`` to pick one of
+two engines' requests of that id (without it: the one that finished last) and, in a fleet,
+``&instance=<instance>``.
 
 Sorting by TTFT, prompt tokens, promotion wait or finish time asks the backend (so "slowest
 first" covers the agent's whole table, not just the rows shown); other columns sort the rows
@@ -105,32 +107,41 @@ def select(cell: dict | None, rows: list[dict] | None) -> str:
     """The URL query opening the request of the selected cell (``dash.no_update`` without)."""
     if not cell or cell.get("row_id") is None:
         return dash.no_update
-    query = {"id": cell["row_id"]}
-    for row in rows or ():
-        if row.get("id") == cell["row_id"] and row.get("instance"):
-            query["instance"] = row["instance"]
+    row = next((r for r in rows or () if r.get("id") == cell["row_id"]), None)
+    if row is None:
+        return dash.no_update
+    query = {"id": row["request_id"]}
+    query.update((key, row[key]) for key in ("source", "instance") if row.get(key))
     return "?" + urlencode(query)
+
+
+def _link(search: str | None) -> dict[str, str]:
+    """The deep link's ``id``, ``source`` and ``instance`` (those present)."""
+    query = parse_qs((search or "").lstrip("?"))
+    return {key: query[key][0] for key in ("id", "source", "instance") if query.get(key)}
 
 
 def highlight(search: str | None) -> list[dict]:
     """DataTable style rules marking the row of the request the URL opens."""
-    request_id = (parse_qs((search or "").lstrip("?")).get("id") or [None])[0]
-    if not request_id:
+    link = _link(search)
+    if "id" not in link:
         return []
-    return [{"if": {"filter_query": "{id} = " + json.dumps(request_id)},
-             "backgroundColor": "#fff3c4", "fontWeight": "600"}]
+    match = "{request_id} = " + json.dumps(link["id"])
+    if "source" in link:
+        match += " && {source} = " + json.dumps(link["source"])
+    return [{"if": {"filter_query": match}, "backgroundColor": "#fff3c4", "fontWeight": "600"}]
 
 
 def waterfall(backend: Backend, search: str | None, instance: str | None) -> tuple:
     """(figure, details) for the request the URL names; placeholders when none is named,
     unknown, or the backend is unreachable."""
-    query = parse_qs((search or "").lstrip("?"))
-    request_id = (query.get("id") or [None])[0]
+    link = _link(search)
+    request_id, source = link.get("id"), link.get("source")
     if not request_id:
         return fr.waterfall_placeholder(), ""
-    instance = (query.get("instance") or [instance])[0]
+    instance = link.get("instance", instance)
     try:
-        record = backend.request(request_id, instance)
+        record = backend.request(request_id, instance, source)
     except BackendUnavailable as exc:
         message = f"{exc.what} unreachable: {exc.url}"
         return fr.waterfall_placeholder(message), message
@@ -139,7 +150,8 @@ def waterfall(backend: Backend, search: str | None, instance: str | None) -> tup
                    f"recent requests only)")
         return fr.waterfall_placeholder(message), message
     transfers = record.get("transfers") or []
-    link = {k: v for k, v in (("id", request_id), ("instance", record.get("instance"))) if v}
+    link = {k: v for k, v in (("id", request_id), ("source", record.get("source")),
+                              ("instance", record.get("instance"))) if v}
     details = [html.B(f"request {request_id}"), " · trace id ",
                html.Code(record.get("trace_id", ""), id="trace-id"),
                f" · TTFT {float(record.get('ttft') or 0) * 1000:.3g} ms · "
