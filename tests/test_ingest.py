@@ -357,6 +357,20 @@ def test_emitter_with_the_agent_away_keeps_bounded_memory_then_delivers(tmp_path
         src.shutdown()
 
 
+def test_an_emitter_logs_under_the_logger_it_is_given(tmp_path, caplog):
+    """The vLLM tap hands its own ("vllm.…") logger in, so the emitter's lines come out in
+    vLLM's log format: "nothing reached the agent" is logged under that name."""
+    import logging
+
+    engine_log = logging.getLogger("vllm.kvscope_test")
+    emitter = Emitter(_endpoint(tmp_path), source="engine", flush_interval=0.01, warn_after=0.1,
+                      logger=engine_log)
+    emitter.emit(_lookup(0))
+    assert wait_until(lambda: any(r.name == "vllm.kvscope_test" and "nothing reached" in
+                                  r.getMessage() for r in caplog.records))
+    emitter.close(timeout=0.1)
+
+
 def test_emit_never_raises_on_bad_events(source, tmp_path):
     emitter = Emitter(_endpoint(tmp_path), source="engine")
     emitter.emit(object())       # not an event: fails to encode in the sender thread

@@ -29,8 +29,8 @@ class Emitter:
     """Batches events to ``endpoint`` (e.g. ``tcp://127.0.0.1:5560`` or ``ipc:///run/kv.sock``).
 
     ``source``: a short name for this emitter's events, a lowercase word
-    (:func:`kvscope.events.source_name_problem`, e.g. ``engine``, ``vllm-dp1``), its own for each tap
-    on a node (it is a metric label, and request ids are told apart by it); ``engine``,
+    (:func:`kvscope.events.source_name_problem`, e.g. ``engine``, ``vllm-dp1``), its own for
+    each tap on a node (it is a metric label, and request ids are told apart by it); ``engine``,
     ``model``: what it observes (shown as ``kvscope_engine_info``); ``scope``: the source whose
     requests this emitter's request ids name, when that is another emitter (see
     :class:`kvscope.events.Batch`).
@@ -44,6 +44,8 @@ class Emitter:
     Call :meth:`close` at exit (safe twice, from any thread). ``on_tick``: set it to a function
     of no arguments to have it called on the sender thread before each send (e.g. to emit a
     gauge while the caller is idle); if it raises it is logged and not called again.
+    ``logger``: where it logs (default this module's); a tap inside an engine passes one under
+    the engine's logger, so the lines come out in the engine's log format.
     Raises ValueError for a ``source`` or ``scope`` the agent would refuse.
     """
 
@@ -51,13 +53,14 @@ class Emitter:
                  engine: str = "", model: str = "", scope: str = "", max_buffer: int = 100_000,
                  batch_size: int = 1024, max_batch_bytes: int = 4 << 20,
                  flush_interval: float = 0.05, send_hwm: int = 4,
-                 warn_after: float = 10.0) -> None:
+                 warn_after: float = 10.0, logger: logging.Logger = log) -> None:
         for name, value in (("source", source), ("scope", scope or source)):
             problem = ev.source_name_problem(value)
             if problem:
                 raise ValueError(f"emitter {name} {value!r} {problem}; the agent would drop "
                                  "its events")
         self.source = source
+        self._log = logger
         self._engine, self._model, self._scope = engine, model, scope
         self.dropped = 0  # events lost to a full buffer, a failed encode or close, since start
         self.sent_batches = 0
@@ -114,8 +117,8 @@ class Emitter:
             self.dropped += left
             self._buffer.clear()
             self._pending, self._pending_events = None, 0
-            log.warning("kvscope emitter: closed with %d events unsent (the agent at %s away or "
-                        "slow)", left, self._endpoint)
+            self._log.warning("kvscope emitter: closed with %d events unsent (the agent at %s "
+                              "away or slow)", left, self._endpoint)
         # This thread owns the socket to the end (ZMQ sockets are not thread-safe); term()
         # waits, within the deadline, for ZMQ to hand its queued batches to the agent.
         linger = max(0.0, self._drain_until - time.monotonic())
@@ -127,7 +130,8 @@ class Emitter:
         again."""
         if sent_all:
             if self._warned:
-                log.warning("kvscope emitter: sending to the agent at %s again", self._endpoint)
+                self._log.warning("kvscope emitter: sending to the agent at %s again",
+                                  self._endpoint)
             self._stuck_since, self._warned = None, False
             return
         now = time.monotonic()
@@ -135,17 +139,18 @@ class Emitter:
             self._stuck_since = now
         elif not self._warned and now - self._stuck_since >= self._warn_after:
             self._warned = True
-            log.warning("kvscope emitter: nothing reached the agent at %s for %.0f s (%d events "
-                        "waiting; past %d they are dropped and counted). Is `kvscope agent` "
-                        "running, with --ingest %s?", self._endpoint, now - self._stuck_since,
-                        self.buffered(), self._max_buffer, self._endpoint)
+            self._log.warning("kvscope emitter: nothing reached the agent at %s for %.0f s (%d "
+                              "events waiting; past %d they are dropped and counted). Is "
+                              "`kvscope agent` running, with --ingest %s?", self._endpoint,
+                              now - self._stuck_since, self.buffered(), self._max_buffer,
+                              self._endpoint)
 
     def _tick(self) -> None:
         try:
             self.on_tick()
         except Exception as exc:  # the caller's hook must not stop the sends
-            log.warning("kvscope emitter: on_tick failed (%s: %s); not calling it again",
-                        type(exc).__name__, exc)
+            self._log.warning("kvscope emitter: on_tick failed (%s: %s); not calling it again",
+                              type(exc).__name__, exc)
             self.on_tick = None
 
     def _send_all(self) -> bool:
@@ -164,7 +169,7 @@ class Emitter:
             except zmq.Again:
                 return False  # agent away or slow: keep the batch, try again next tick
             except zmq.ZMQError as exc:
-                log.warning("kvscope emitter: send failed: %s", exc)
+                self._log.warning("kvscope emitter: send failed: %s", exc)
                 return False
             self._pending, self._pending_events = None, 0
             self._seq += 1
@@ -183,16 +188,16 @@ class Emitter:
                 data = ev.encode_batch(batch)
             except Exception as exc:  # a malformed event: never let it stop the thread
                 self.dropped += len(events)
-                log.warning("kvscope emitter: dropped %d events that do not encode: %s",
-                            len(events), exc)
+                self._log.warning("kvscope emitter: dropped %d events that do not encode: %s",
+                                  len(events), exc)
                 return None
             if len(data) <= self._max_batch_bytes:
                 self._pending_events = len(events)
                 return data
             if len(events) == 1:  # the agent would refuse it, and ZMQ may drop it silently
                 self.dropped += 1
-                log.warning("kvscope emitter: dropped an event of %d bytes encoded, over "
-                            "max_batch_bytes (%d)", len(data), self._max_batch_bytes)
+                self._log.warning("kvscope emitter: dropped an event of %d bytes encoded, over "
+                                  "max_batch_bytes (%d)", len(data), self._max_batch_bytes)
                 return None
             half = len(events) // 2
             self._buffer.extendleft(reversed(events[half:]))
