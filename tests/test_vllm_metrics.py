@@ -81,49 +81,126 @@ def test_a_counter_reset_counts_from_zero():
     assert events[0].tokens == {"recompute": 40}
 
 
-def test_ttft_comes_from_spans_while_they_arrive_else_from_the_histogram():
+class _Exposition:
+    """A /metrics endpoint on loopback (stdlib HTTP server) serving ``body``; ``trickle``: send
+    a long Content-Length, then one byte per 0.2 s (a stuck or hostile server)."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        owner = self
+        self.body, self.trickle = "", False
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                body = owner.body.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(10**8 if owner.trickle else len(body)))
+                self.end_headers()
+                if not owner.trickle:
+                    self.wfile.write(body)
+                    return
+                for _ in range(300):
+                    self.wfile.write(b"#")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def exposition_server():
+    server = _Exposition()
+    yield server
+    server.close()
+
+
+def _source(server, **kwargs):
+    from kvscope.agent.pipeline import Pipeline
+    from kvscope.agent.sources.vllm_metrics import VllmMetricsSource
+
+    return VllmMetricsSource(Pipeline(), server.url, mapper=MetricsMapper(gpu_snapshot=False),
+                             **kwargs)
+
+
+def test_ttft_comes_from_spans_while_they_arrive_else_from_the_histogram(exposition_server):
     """vLLM's /metrics served over real HTTP (loopback), scraped four times; span_wait 0, so a
     scrape's histogram is decided at once. Scrape 1 is the baseline; 2 adds 5 TTFTs and no span
     came: they count (5). A span brings a TTFT; 3 adds 3 more, which the spans report: not
     counted (5). 4 adds 2 with no span since scrape 3: counted (7)."""
-    import http.server
-
-    from kvscope.agent.pipeline import Pipeline
-    from kvscope.agent.sources.vllm_metrics import VllmMetricsSource
-
-    text = {"body": ""}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            body = text["body"].encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     span = {"at": float("-inf")}
-    pipeline = Pipeline()
-    source = VllmMetricsSource(pipeline, f"http://127.0.0.1:{server.server_address[1]}/metrics",
-                               mapper=MetricsMapper(gpu_snapshot=False),
-                               span_ttft=lambda: span["at"], span_wait=0.0)
-    try:
-        counts = []
-        for total, span_before in ((0, False), (5, False), (8, True), (10, False)):
-            if span_before:
-                span["at"] = time.monotonic()
-            text["body"] = exposition(0, 0, 0, 0, 0, [("0.1", total), ("+Inf", 0)])
-            assert source.scrape_once()
-            counts.append(pipeline.snapshot().ttft_seconds.count)
-        assert counts == [0, 5, 5, 7]
-    finally:
-        source.shutdown()
-        server.shutdown()
-        server.server_close()
+    source = _source(exposition_server, span_ttft=lambda: span["at"], span_wait=0.0)
+    counts = []
+    for total, span_before in ((0, False), (5, False), (8, True), (10, False)):
+        if span_before:
+            span["at"] = time.monotonic()
+        exposition_server.body = exposition(0, 0, 0, 0, 0, [("0.1", total), ("+Inf", 0)])
+        assert source.scrape_once()
+        counts.append(source.pipeline.snapshot().ttft_seconds.count)
+    source.shutdown()
+    assert counts == [0, 5, 5, 7]
+
+
+def test_a_hostile_exposition_never_stops_the_scraper_nor_breaks_the_metrics(exposition_server):
+    """Each of these once killed the scraper's thread or made the agent's /metrics fail for
+    good: a NaN or infinite counter (skipped: no counter holds one), a bucket bound that is no
+    number (that histogram is left out), and a counter jumping to 1.7e308 (its increase is out
+    of bounds: the event is dropped as invalid, 1). Every scrape still succeeds, and the good
+    counter keeps counting: 100 prompt tokens then 50 more, all recomputed."""
+    source = _source(exposition_server)
+    bodies = ["vllm:prompt_tokens_total 1000\n", "vllm:prompt_tokens_total NaN\n",
+              "vllm:prompt_tokens_total 1100\nvllm:kv_offload_load_bytes_total +Inf\n",
+              'vllm:time_to_first_token_seconds_bucket{le="abc"} 3\n'
+              "vllm:prompt_tokens_total 1150\nvllm:kv_offload_load_bytes_total 0\n",
+              "vllm:prompt_tokens_total 1150\nvllm:kv_offload_load_bytes_total 1.7e308\n"]
+    for body in bodies:
+        exposition_server.body = body
+        assert source.scrape_once(), body
+    snap = source.pipeline.snapshot()
+    source.shutdown()
+    assert snap.prompt_tokens["recompute"] == 150 and snap.transfer_bytes == {}
+    assert snap.events_dropped == {("vllm_metrics", "invalid"): 1}
+    assert snap.source_up == {"vllm_metrics": True}
+
+
+def test_a_series_missing_from_one_scrape_is_no_counter_reset():
+    """Two engines at 1,000,000 prompt tokens each; engine 1's line is missing from one scrape
+    (or unparsable): summing first read that as a reset and added 1,000,000 phantom tokens.
+    Per series, the increase is engine 0's 10 + 10 (engine 1 starts over from its baseline)."""
+    mapper = MetricsMapper(gpu_snapshot=False)
+    both = 'vllm:prompt_tokens_total{{engine="0"}} {}\nvllm:prompt_tokens_total{{engine="1"}} {}\n'
+    recomputed = 0
+    for text in (both.format(1_000_000, 1_000_000),
+                 'vllm:prompt_tokens_total{engine="0"} 1000010\n',
+                 both.format(1_000_020, 1_000_000)):
+        recomputed += sum(e.tokens.get("recompute", 0) for e in mapper.map(parse(text), 1.0))
+    assert recomputed == 20
+
+
+def test_a_server_that_trickles_its_answer_fails_the_scrape_within_the_timeout(
+        exposition_server):
+    """A Content-Length of 1e8 and one byte per 0.2 s: httpx's timeout bounds each read, not
+    the answer, so the scrape (and the agent's stop) once waited forever. With timeout 1 s the
+    scrape fails and the source is down (the thread bounds the test, not its speed)."""
+    exposition_server.trickle = True
+    source = _source(exposition_server, timeout=1.0)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(source.scrape_once()), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert result == [False]
+    assert source.pipeline.snapshot().source_up == {"vllm_metrics": False}
+    source.shutdown()
 
 
 def _free_ports(n):

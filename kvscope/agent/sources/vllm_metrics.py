@@ -50,11 +50,20 @@ _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 Samples = dict[tuple[str, frozenset], float]
+# A vLLM /metrics body is tens of kB; a far larger one is not vLLM's, and read whole it would be
+# held in memory many times over while parsed.
+MAX_BODY = 16 << 20
+MAX_SERIES = 10_000  # counter series whose last value is kept (vLLM exposes a few hundred)
+
+
+class BodyError(ValueError):
+    """A scrape's answer was too slow or too large to read."""
 
 
 def parse(text: str) -> Samples:
-    """Prometheus text exposition -> {(name, frozenset(labels)): value}; comments, blank and
-    unparsable lines are skipped. Pure."""
+    """Prometheus text exposition -> {(name, frozenset(labels)): value}, one entry per series
+    (a repeated line: the last); comments, blank and unparsable lines, and values that are not
+    finite numbers (NaN, +-Inf: no counter holds one) are skipped. Pure."""
     out: Samples = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -66,23 +75,26 @@ def parse(text: str) -> Samples:
             value = float(match.group(3))
         except ValueError:
             continue
-        labels = frozenset((k, v) for k, v in _LABEL.findall(match.group(2) or "")
-                           if k not in ("engine", "model_name"))
-        key = (match.group(1), labels)
-        out[key] = out.get(key, 0.0) + value  # several engines: add up
+        if math.isfinite(value):
+            out[(match.group(1), frozenset(_LABEL.findall(match.group(2) or "")))] = value
     return out
 
 
-def _sum(samples: Samples, name: str, **labels) -> float | None:
+def _series(samples: Samples, name: str, **labels) -> dict[frozenset, float]:
+    """The series of ``name`` that carry ``labels``: {labels: value}."""
     want = set(labels.items())
-    values = [v for (n, ls), v in samples.items() if n == name and want <= ls]
-    return sum(values) if values else None
+    return {ls: v for (n, ls), v in samples.items() if n == name and want <= ls}
 
 
 class MetricsMapper:
     """Turns successive scrapes into kvscope events. ``block_bytes``: KV bytes per block (0:
     unknown). ``gpu_snapshot``: report GPU usage as a TierSnapshot. ``stores``: report
-    gpu->cpu offloads. Not thread-safe."""
+    gpu->cpu offloads. Not thread-safe.
+
+    A counter's increase is taken per series (one per vLLM engine and label set) and then
+    added up, so a series missing from a scrape is no reset of the sum. Baselines are kept for
+    :data:`MAX_SERIES` series; past that, only the latest scrape's (a series that comes back
+    then starts over from its value)."""
 
     def __init__(self, block_bytes: int = 0, gpu_snapshot: bool = True,
                  stores: bool = True) -> None:
@@ -90,17 +102,28 @@ class MetricsMapper:
         self.gpu_snapshot = gpu_snapshot
         self.stores = stores
         self._last: dict[tuple, float] = {}
+        self._seen: dict[tuple, float] = {}
 
-    def _delta(self, key: tuple, value: float | None) -> float:
-        if value is None:
-            return 0.0
-        last = self._last.get(key)
-        self._last[key] = value
-        if last is None:
-            return 0.0  # first sight: the baseline, nothing happened since we started
-        return value if value < last else value - last  # a reset restarts from zero
+    def _increase(self, samples: Samples, name: str, **labels) -> float | None:
+        """The sum over ``name``'s series carrying ``labels`` of their increase since the last
+        scrape (a series seen for the first time: 0, its baseline; one that went down: reset,
+        its value); None when there is no such series."""
+        return self._increase_of(name, _series(samples, name, **labels))
+
+    def _increase_of(self, name: str, series: dict[frozenset, float]) -> float | None:
+        if not series:
+            return None
+        total = 0.0
+        for ls, value in series.items():
+            key = (name, ls)
+            last = self._last.get(key)
+            self._seen[key] = value
+            if last is not None:
+                total += value if value < last else value - last
+        return total
 
     def map(self, samples: Samples, ts: float) -> list:
+        self._seen = {}
         out: list = []
         lookup = self._lookup(samples, ts)
         if lookup is not None:
@@ -111,22 +134,25 @@ class MetricsMapper:
             out.append(hist)
         if self.gpu_snapshot:
             out += self._gpu(samples, ts)
+        self._last.update(self._seen)
+        if len(self._last) > MAX_SERIES:  # series come and go by label: keep the current ones
+            self._last = self._seen
         return out
 
     def _lookup(self, samples: Samples, ts: float) -> ev.Lookup | None:
-        prompt = self._delta(("prompt",), _sum(samples, "vllm:prompt_tokens_total"))
+        prompt = self._increase(samples, "vllm:prompt_tokens_total") or 0.0
         tokens: dict[str, int] = {}
-        by_source = {ls: v for (n, ls), v in samples.items()
-                     if n == "vllm:prompt_tokens_cached_by_source_total"}
+        by_source = {dict(ls).get("source", "external_unspecified") for ls in _series(
+            samples, "vllm:prompt_tokens_cached_by_source_total")}
         if by_source:
-            for labels, value in by_source.items():
-                source = dict(labels).get("source", "external_unspecified")
+            for source in by_source:
                 tier = SOURCE_TIER.get(source, "cpu")
-                tokens[tier] = tokens.get(tier, 0) + int(self._delta(("cached", source), value))
+                tokens[tier] = tokens.get(tier, 0) + int(self._increase(
+                    samples, "vllm:prompt_tokens_cached_by_source_total", source=source) or 0)
         else:
-            tokens["gpu"] = int(self._delta(("hits",), _sum(samples, "vllm:prefix_cache_hits_total")))
-            tokens["cpu"] = int(self._delta(("ext_hits",), _sum(
-                samples, "vllm:external_prefix_cache_hits_total")))
+            tokens["gpu"] = int(self._increase(samples, "vllm:prefix_cache_hits_total") or 0)
+            tokens["cpu"] = int(self._increase(
+                samples, "vllm:external_prefix_cache_hits_total") or 0)
         tokens["recompute"] = max(0, int(prompt) - sum(tokens.values()))
         tokens = {k: v for k, v in tokens.items() if v > 0}
         if not tokens:
@@ -138,11 +164,12 @@ class MetricsMapper:
         for kind, src, dst in (("store", "gpu", "cpu"), ("load", "cpu", "gpu")):
             if kind == "store" and not self.stores:
                 continue
-            value = _sum(samples, f"vllm:kv_offload_{kind}_bytes_total")
+            value = self._increase(samples, f"vllm:kv_offload_{kind}_bytes_total")
             if value is None:  # vLLM before the per-direction names
                 legacy = {"store": "GPU_to_CPU", "load": "CPU_to_GPU"}[kind]
-                value = _sum(samples, "vllm:kv_offload_total_bytes_total", transfer_type=legacy)
-            nbytes = int(self._delta(("offload", kind), value))
+                value = self._increase(samples, "vllm:kv_offload_total_bytes_total",
+                                       transfer_type=legacy)
+            nbytes = int(value or 0)
             if nbytes > 0:
                 blocks = nbytes // self.block_bytes if self.block_bytes else 0
                 out.append(ev.Transfer(ts=ts, src=src, dst=dst, blocks=blocks, bytes=nbytes,
@@ -151,16 +178,20 @@ class MetricsMapper:
 
     def _ttft(self, samples: Samples, ts: float) -> ev.LatencyHistogram | None:
         name = "vllm:time_to_first_token_seconds_bucket"
-        cumulative: dict[float, float] = {}
-        for (n, labels), value in samples.items():
-            if n == name:
-                le = float(dict(labels).get("le", "+Inf"))
-                cumulative[le] = cumulative.get(le, 0.0) + value
-        if not cumulative:
+        by_bound: dict[float, dict[frozenset, float]] = {}  # le -> its series (one per engine)
+        for ls, value in _series(samples, name).items():
+            try:
+                bound = float(dict(ls).get("le", "+Inf"))
+            except ValueError:  # not a bucket bound: not a histogram we can read
+                return None
+            if math.isnan(bound):
+                return None
+            by_bound.setdefault(bound, {})[ls] = value
+        if not by_bound:
             return None
-        bounds = sorted(cumulative)
-        deltas = [self._delta(("ttft", b), cumulative[b]) for b in bounds]
-        total = self._delta(("ttft_sum",), _sum(samples, "vllm:time_to_first_token_seconds_sum"))
+        bounds = sorted(by_bound)
+        deltas = [self._increase_of(name, by_bound[b]) or 0.0 for b in bounds]
+        total = self._increase(samples, "vllm:time_to_first_token_seconds_sum") or 0.0
         counts, previous = [], 0.0
         for d in deltas:  # cumulative deltas -> per-bucket counts
             counts.append(int(max(0.0, d - previous)))
@@ -173,11 +204,14 @@ class MetricsMapper:
                                    sum=total)
 
     def _gpu(self, samples: Samples, ts: float) -> list:
-        usage = _sum(samples, "vllm:kv_cache_usage_perc")
-        info = [dict(ls) for (n, ls), _ in samples.items() if n == "vllm:cache_config_info"]
-        blocks = next((int(float(i["num_gpu_blocks"])) for i in info
-                       if i.get("num_gpu_blocks", "None") not in ("None", "")), 0)
-        if usage is None or not blocks:
+        usage = sum(_series(samples, "vllm:kv_cache_usage_perc").values())
+        blocks = 0
+        for ls in _series(samples, "vllm:cache_config_info"):
+            try:
+                blocks += int(float(dict(ls).get("num_gpu_blocks", "None")))
+            except (ValueError, OverflowError):  # "None" (not known yet), or not a number
+                continue
+        if not _series(samples, "vllm:kv_cache_usage_perc") or blocks <= 0:
             return []
         used = int(round(min(1.0, max(0.0, usage)) * blocks))
         return [ev.TierSnapshot(ts=ts, tier="gpu", capacity_bytes=blocks * self.block_bytes,
@@ -187,7 +221,8 @@ class MetricsMapper:
 
 class VllmMetricsSource(Worker):
     """Scrapes ``url`` (vLLM's ``/metrics``) every ``interval`` seconds into ``pipeline``.
-    ``timeout``: seconds per scrape. ``client``: an httpx.Client (injectable for tests).
+    ``timeout``: seconds a scrape may take in all. ``client``: an httpx.Client (injectable
+    for tests).
     ``span_ttft``, ``span_wait``: see the module (TTFT from spans or from the histogram).
     ``start()`` returns at once; ``shutdown()`` is safe twice and without start."""
 
@@ -201,6 +236,8 @@ class VllmMetricsSource(Worker):
         self.interval = interval
         self.mapper = mapper or MetricsMapper()
         self.failures = 0
+        self._timeout = timeout
+        self._invalid_logged = False
         self._client = client or httpx.Client(timeout=timeout, trust_env=False)
         self._clock = clock
         self._span_ttft = span_ttft
@@ -210,17 +247,29 @@ class VllmMetricsSource(Worker):
         self._scraped = -math.inf
 
     def scrape_once(self) -> bool:
-        """Scrape and map once; False (and source down) when vLLM did not answer with 200."""
+        """Scrape and map once; False (and source down) when vLLM did not answer with 200 within
+        ``timeout`` seconds, with a body of at most :data:`MAX_BODY` bytes, or when its answer
+        could not be mapped. Mapped events are checked like an emitter's
+        (:func:`kvscope.events.validate`): one out of bounds is dropped and counted as invalid."""
         try:
-            response = self._client.get(self.url)
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
-            self.failures += 1
-            if self.failures == 1:
-                log.warning("vLLM metrics at %s unavailable: %s", self.url, exc)
-            self.pipeline.set_source_up(NAME, False)
-            return False
-        events = self.mapper.map(parse(response.text), self._clock())
+            text = self._fetch()
+            events = self.mapper.map(parse(text), self._clock())
+        except (httpx.HTTPError, BodyError) as exc:
+            return self._failed(f"unavailable: {exc}")
+        except Exception as exc:  # a body the mapping cannot read: the next scrape may do
+            return self._failed(f"unreadable ({type(exc).__name__}: {exc})")
+        self.failures = 0
+        checked = []
+        for event in events:
+            try:
+                checked.append(ev.validate(event))
+            except ev.SchemaError as exc:
+                self.pipeline.drop(NAME, "invalid")
+                if not self._invalid_logged:
+                    self._invalid_logged = True
+                    log.warning("vLLM metrics at %s: dropped a %s out of bounds: %s (logged "
+                                "once)", self.url, type(event).__name__, exc)
+        events = checked
         now = time.monotonic()
         if self._span_ttft is not None:
             held = [e for e in events if isinstance(e, ev.LatencyHistogram)]
@@ -232,6 +281,30 @@ class VllmMetricsSource(Worker):
             self.pipeline.ingest(NAME, events)
         self.pipeline.set_source_up(NAME, True)
         return True
+
+    def _fetch(self) -> str:
+        """The body of ``url``; raises :class:`BodyError` past ``timeout`` seconds in all (a
+        server trickling bytes would otherwise hold the scrape, and the agent's stop, forever)
+        or past :data:`MAX_BODY` bytes, httpx's errors otherwise."""
+        deadline = time.monotonic() + self._timeout
+        chunks, size = [], 0
+        with self._client.stream("GET", self.url) as response:
+            response.raise_for_status()
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > MAX_BODY:
+                    raise BodyError(f"a body over {MAX_BODY} bytes")
+                if time.monotonic() > deadline:
+                    raise BodyError(f"no whole answer within {self._timeout:g} s")
+                chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", errors="replace")
+
+    def _failed(self, why: str) -> bool:
+        self.failures += 1
+        if self.failures == 1:
+            log.warning("vLLM metrics at %s %s", self.url, why)
+        self.pipeline.set_source_up(NAME, False)
+        return False
 
     def _released(self, now: float) -> list[ev.LatencyHistogram]:
         """The held TTFT histograms whose spans had time to come, but did not."""
