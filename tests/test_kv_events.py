@@ -336,6 +336,33 @@ def test_without_replay_endpoint_gaps_are_counted():
     assert pipeline.snapshot().events_dropped == {("kv_events", "gap"): 3}
 
 
+def test_odd_sequence_numbers_neither_stop_the_source_nor_inflate_gaps(caplog):
+    """A negative seq (vLLM counts from 0) once crashed the replay request and killed the
+    thread: it is malformed (1). A jump of 2**62 once added 4.6e18 to gap: it is followed and
+    logged (a replay endpoint is configured but never asked). Then 2**62 + 2: a gap of 1 (the
+    replay endpoint answers nothing: 1 lost)."""
+    pipeline = Pipeline()
+    src = KvEventsSource(pipeline, replay_endpoint=f"tcp://127.0.0.1:{_free_port()}",
+                         replay_timeout=0.2)
+    for seq in (0, -5, 2**62, 2**62 + 2):
+        src.handle([b"kv", seq.to_bytes(8, "big", signed=True), payload(stored([seq % 7]))])
+    assert pipeline.snapshot().events_dropped == {("kv_events", "malformed"): 1,
+                                                  ("kv_events", "gap"): 1}
+    assert "jumped 4611686018427387903 batches ahead" in caplog.text
+
+
+def test_a_vllm_restart_resets_every_reported_tier_at_once():
+    """2 CPU blocks resident; vLLM restarts (seq goes back) and its first batch has GPU events
+    only: the CPU tier's gauges read 0 at once, not 2 until a CPU event comes."""
+    pipeline = Pipeline()
+    src = KvEventsSource(pipeline)
+    src.handle(frames(5, stored([1, 2], "CPU")))
+    assert pipeline.snapshot().tiers["cpu"].resident_blocks == 2
+    src.handle(frames(0, stored([9])))
+    tiers = pipeline.snapshot().tiers
+    assert tiers["cpu"].resident_blocks == 0 and tiers["gpu"].resident_blocks == 1
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

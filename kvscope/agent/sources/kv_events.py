@@ -61,8 +61,14 @@ when another source added to them.
 Sequence gaps (a seq past the last one + 1) are fetched from vLLM's replay endpoint when one is
 configured (a DEALER request with the first missing seq; replies end with seq -1); what cannot be
 fetched is counted in ``kvscope_events_dropped_total{source="kv_events", reason="gap"}``
-(one per lost batch). Undecodable messages count as ``malformed``, unknown event kinds as
-``unknown_kind``. A seq going backwards means vLLM restarted: residency starts over.
+(one per lost batch). A gap over :data:`MAX_REPLAY` batches is not asked for, and after a
+replay that brought nothing none is tried for :data:`REPLAY_BACKOFF` seconds (a replay endpoint
+that never answers would otherwise hold the source ``replay_timeout`` per gap). A jump over
+:data:`MAX_GAP` batches is followed and logged, not counted. Undecodable messages and negative
+sequence numbers count as ``malformed``, unknown event kinds as ``unknown_kind``. A seq going
+backwards means vLLM restarted: residency starts over, and every reported tier's gauges say so
+at once. The stream is one publisher's: a second one on the same endpoint (its own sequence)
+reads as duplicates and restarts.
 """
 
 from __future__ import annotations
@@ -87,6 +93,13 @@ MEDIUM_TIER = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
 _OFFLOAD_FROM = {"cpu": "gpu", "disk": "cpu"}
 _MAPPED_TRANSFERS = (("gpu", "cpu"), ("disk", "cpu"), ("cpu", "disk"))  # what this source sends
 END_SEQ = -1
+# A sequence jump beyond this is no loss but a confused (or second) publisher; a gap beyond
+# MAX_REPLAY batches is more than vLLM's replay buffer holds, so it is not asked for; after a
+# replay that brought nothing, none is tried for REPLAY_BACKOFF seconds (each would hold the
+# source for replay_timeout while batches queue up).
+MAX_GAP = 1 << 20
+MAX_REPLAY = 10_000
+REPLAY_BACKOFF = 30.0
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored"):
@@ -218,8 +231,14 @@ class KvResidency:
                 out.append(ev.Eviction(ts=ts, tier=tier, blocks=blocks, bytes=blocks * bpb,
                                        age=0.0, hits=0, offloaded=offloaded, reason=reason,
                                        measured=False))
-        for tier in sorted(changed & report):
-            blocks = len(resident.get(tier, ()))
+        return out + self.snapshots(ts, changed)
+
+    def snapshots(self, ts: float, tiers: Iterable[str] | None = None) -> list[ev.TierSnapshot]:
+        """A ``TierSnapshot`` of each reported tier (of those in ``tiers``, when given)."""
+        bpb = self.block_bytes
+        out = []
+        for tier in sorted(self.tiers if tiers is None else self.tiers & set(tiers)):
+            blocks = len(self.resident.get(tier, ()))
             cap = self.capacity.get(tier, 0)
             out.append(ev.TierSnapshot(ts=ts, tier=tier, capacity_bytes=cap * bpb,
                                        resident_bytes=blocks * bpb,
@@ -281,6 +300,8 @@ class KvEventsSource(Worker):
         self.replay_timeout = replay_timeout
         self.overlap_check = overlap_check
         self.replayed = 0  # batches recovered from the replay endpoint
+        self._replay_after = 0.0  # monotonic: no replay before (see REPLAY_BACKOFF)
+        self._jump_logged = False
         self.last_seq: int | None = None
         self.shared_tiers: set[str] = set()  # reported tiers another source reports too
         # what this source ingested, to tell its share of the pipeline's totals: blocks and
@@ -303,7 +324,10 @@ class KvEventsSource(Worker):
     def prepare(self) -> None:
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # memory: at most RCVHWM messages of at most MAXMSGSIZE each (a scheduler step's events
+        # are kilobytes; a larger message is not vLLM's, and ZMQ drops it)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 << 20)
         sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         try:
@@ -336,7 +360,7 @@ class KvEventsSource(Worker):
                     self._peer_event(recv_monitor_message(self._monitor)["event"])
                 if self._socket not in ready:
                     continue
-                while True:
+                while not self.stopping.is_set():
                     try:
                         frames = self._socket.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
@@ -361,12 +385,21 @@ class KvEventsSource(Worker):
             self.pipeline.drop(NAME, "malformed")
             return
         seq = int.from_bytes(frames[1], "big", signed=True)
+        if seq < 0:  # vLLM counts from 0 up; not its batch
+            self.pipeline.drop(NAME, "malformed")
+            return
         last = self.last_seq
         if last is not None and seq <= last:
             if seq < last:  # vLLM restarted: its cache is empty again
-                self.residency.reset()
+                self._restarted()
             else:
                 return  # a duplicate
+        elif last is not None and seq - last - 1 > MAX_GAP:
+            # no loss but a confused publisher (or another one): followed from here
+            if not self._jump_logged:
+                self._jump_logged = True
+                log.warning("kv_events: the sequence jumped %d batches ahead; following it from "
+                            "there, not counted as a gap (logged once)", seq - last - 1)
         elif last is not None and seq > last + 1:
             recovered = self._replay(last + 1, seq)
             lost = seq - last - 1 - recovered
@@ -374,6 +407,14 @@ class KvEventsSource(Worker):
                 self.pipeline.drop(NAME, "gap", lost)
         self.last_seq = seq
         self._apply(frames[2])
+
+    def _restarted(self) -> None:
+        """vLLM restarted: every tier is empty; say so for each reported tier at once (a tier
+        without events in the next batch would otherwise keep its old gauges)."""
+        self.residency.reset()
+        snapshots = self.residency.snapshots(time.time())
+        if snapshots:
+            self.pipeline.ingest(NAME, snapshots)
 
     def _apply(self, payload: bytes) -> None:
         try:
@@ -432,7 +473,8 @@ class KvEventsSource(Worker):
     def _replay(self, first: int, until: int) -> int:
         """Fetch batches ``first..until-1`` from the replay endpoint and apply them in order;
         returns how many arrived (0 without a replay endpoint or when it does not answer)."""
-        if not self.replay_endpoint:
+        if (not self.replay_endpoint or until - first > MAX_REPLAY
+                or time.monotonic() < self._replay_after):
             return 0
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -454,6 +496,8 @@ class KvEventsSource(Worker):
             log.warning("kv events replay from %s failed: %s", self.replay_endpoint, exc)
         finally:
             sock.close()
+        if not got:
+            self._replay_after = time.monotonic() + REPLAY_BACKOFF
         for seq in sorted(got):
             self._apply(got[seq])
         self.replayed += len(got)
