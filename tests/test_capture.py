@@ -230,3 +230,40 @@ def test_rows_that_do_not_fit_the_schema_are_dropped_and_capture_goes_on(tmp_pat
     assert writer.dropped["requests"] == 1 and "do not fit the Parquet schema" in caplog.text
     (segment,) = writer.segments("requests")
     assert pq.read_table(segment).column("request_id").to_pylist() == ["fine"]
+
+
+def test_a_segment_that_fails_to_write_is_deleted_and_its_rows_counted(tmp_path):
+    """The disk fills while a segment is open (its .tmp is a link to /dev/full, which answers
+    every write with ENOSPC): that segment is deleted rather than published without its footer
+    (which made `kvscope analyze` refuse the whole directory), its 8 rows count as dropped, and
+    the next rows go to a new, whole segment."""
+    now = [T0]
+    writer = CaptureWriter(tmp_path, clock=lambda: now[0])
+    first = tmp_path / f"blocks-{int(T0 * 1000):015d}-{os.getpid()}-000001{TMP_SUFFIX}"
+    first.symlink_to("/dev/full")
+    writer.add_lookup("engine", _lookup(0))
+    for step in (writer.flush, writer.close):
+        try:
+            step()
+        except OSError:
+            pass
+    assert writer.dropped["blocks"] == 8 and not first.exists() and not writer.segments()
+    now[0] += 1.0
+    writer.add_lookup("engine", _lookup(1))
+    writer.close()
+    (segment,) = writer.segments("blocks")
+    assert pq.read_table(segment).num_rows == 8
+
+
+def test_an_entry_the_capture_cannot_delete_does_not_stop_pruning(tmp_path):
+    """A directory named like the oldest segment cannot be unlinked: it is no segment, and the
+    segments after it are still pruned to the byte bound (before, pruning stopped there)."""
+    (tmp_path / "blocks-000000000000001-1-000001.parquet").mkdir()
+    now = [T0]
+    writer = CaptureWriter(tmp_path, max_bytes=40_000, segment_rows=200, clock=lambda: now[0])
+    for i in range(100):
+        writer.add_lookup("engine", _lookup(i))
+        now[0] += 1.0
+        writer.flush()
+    writer.close()
+    assert sum(p.stat().st_size for p in writer.segments()) <= 40_000

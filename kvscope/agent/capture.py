@@ -237,7 +237,7 @@ class CaptureWriter(Worker):
     def segments(self, kind: str | None = None) -> list[Path]:
         """Finished segments (of ``kind``, or both), oldest first by start time."""
         kinds = (kind,) if kind else KINDS
-        paths = [p for k in kinds for p in self.directory.glob(f"{k}-*{SUFFIX}")]
+        paths = [p for k in kinds for p in self.directory.glob(f"{k}-*{SUFFIX}") if p.is_file()]
         return sorted(paths, key=segment_key)
 
     def flush(self) -> None:
@@ -249,9 +249,13 @@ class CaptureWriter(Worker):
                     columns, rows = stream.take()
                 table = self._table(stream, columns) if rows else None
                 if table is not None:
-                    if stream.writer is None:
-                        self._open(stream, now)
-                    stream.writer.write_table(table)
+                    try:
+                        if stream.writer is None:
+                            self._open(stream, now)
+                        stream.writer.write_table(table)
+                    except OSError:  # e.g. the disk is full: this segment cannot be whole
+                        self._abandon(stream, rows)
+                        raise
                     stream.segment_rows += rows
                 if stream.writer is not None and (
                         stream.segment_rows >= self.segment_rows
@@ -291,10 +295,29 @@ class CaptureWriter(Worker):
         stream.opened_at = now
         stream.segment_rows = 0
 
+    def _abandon(self, stream: _Stream, rows: int) -> None:
+        """Give up the open segment after a failed write: delete it (a Parquet file without its
+        footer would break every reader of the directory) and count its rows, and the ``rows``
+        that failed, as dropped. The next flush opens a new one."""
+        with self._lock:
+            self.dropped[stream.kind] += stream.segment_rows + rows
+        try:
+            if stream.writer is not None:
+                stream.writer.close()
+        except Exception:  # noqa: BLE001 (broken already: only the file matters now)
+            pass
+        if stream.tmp is not None:
+            stream.tmp.unlink(missing_ok=True)
+        stream.writer, stream.tmp, stream.segment_rows = None, None, 0
+
     def _finish(self, stream: _Stream) -> None:
         """Close the open segment, fsync it, rename it into place, then prune."""
         tmp = stream.tmp
-        stream.writer.close()
+        try:
+            stream.writer.close()
+        except OSError:
+            self._abandon(stream, 0)
+            raise
         stream.writer, stream.tmp = None, None
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -315,8 +338,11 @@ class CaptureWriter(Worker):
             if total <= self.max_bytes:
                 break
             if path != keep:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:  # not ours to delete (permissions): prune the others
+                    continue
                 total -= sizes[path]
-                path.unlink(missing_ok=True)
 
     def _remove_orphans(self) -> None:
         """Delete ``.tmp`` segments left by writers that are no longer running."""
