@@ -2,7 +2,8 @@
 # Set up kvscope on a fresh Debian 12 machine that has Python 3.11.
 #
 #   bash scripts/setup.sh          # .venv with kvscope + the reference engine (enough for `kvscope demo`)
-#   bash scripts/setup.sh --test   # also Prometheus, Chromium, chromedriver (apt) and the test extras
+#   bash scripts/setup.sh --test   # also Prometheus, Chromium, chromedriver (apt), the test extras
+#                                  # and vLLM's CPU build (scripts/vllm_env.sh, cached outside the clone)
 #
 # Idempotent: apt is skipped when the tools are already on PATH, the venv is reused, and the pip
 # steps are skipped when a stamp (.venv/.kvscope-setup-*) keyed by a hash of pyproject.toml and of
