@@ -267,3 +267,29 @@ def test_an_entry_the_capture_cannot_delete_does_not_stop_pruning(tmp_path):
         writer.flush()
     writer.close()
     assert sum(p.stat().st_size for p in writer.segments()) <= 40_000
+
+
+def test_a_removed_capture_directory_is_made_again_and_both_streams_go_on(tmp_path):
+    """The directory is removed while both streams have a segment open: the next flush gives
+    those segments up (their rows counted as dropped) instead of failing every second from
+    then on with the requests stream never written; the rows after it reach new, whole
+    segments in the directory made again."""
+    from kvscope.agent.requests import RequestRecord
+
+    directory = tmp_path / "cap"
+    now = [T0]
+    writer = CaptureWriter(directory, clock=lambda: now[0])
+    record = RequestRecord("r", "ab" * 16, "engine", T0, prompt_tokens=8, finished=T0 + 1)
+    writer.add_lookup("engine", _lookup(0))
+    writer.add_request(record)
+    writer.flush()
+    shutil.rmtree(directory)
+    writer.add_lookup("engine", _lookup(1))
+    with pytest.raises(OSError):
+        writer.flush()
+    assert writer.dropped == {"blocks": 16, "requests": 1}
+    now[0] += 1.0
+    writer.add_lookup("engine", _lookup(2))
+    writer.add_request(record)
+    writer.close()
+    assert [pq.read_table(p).num_rows for p in writer.segments()] in ([8, 1], [1, 8])

@@ -187,6 +187,17 @@ def test_a_series_missing_from_one_scrape_is_no_counter_reset():
     assert recomputed == 20
 
 
+def test_the_gpu_tier_adds_each_engines_own_share_of_its_own_blocks():
+    """Engine 0: 25% of 100 blocks, engine 1: 50% of 200: 125 of 300 blocks resident (adding
+    the shares first made 0.75 x 300 = 225)."""
+    text = ('vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+            'vllm:kv_cache_usage_perc{engine="1"} 0.5\n'
+            'vllm:cache_config_info{engine="0",num_gpu_blocks="100"} 1.0\n'
+            'vllm:cache_config_info{engine="1",num_gpu_blocks="200"} 1.0\n')
+    (gpu,) = MetricsMapper(block_bytes=100).map(parse(text), 1.0)
+    assert (gpu.resident_blocks, gpu.capacity_blocks, gpu.resident_bytes) == (125, 300, 12_500)
+
+
 def test_a_server_that_trickles_its_answer_fails_the_scrape_within_the_timeout(
         exposition_server):
     """A Content-Length of 1e8 and one byte per 0.2 s: httpx's timeout bounds each read, not

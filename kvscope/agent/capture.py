@@ -241,27 +241,35 @@ class CaptureWriter(Worker):
         return sorted(paths, key=segment_key)
 
     def flush(self) -> None:
-        """Write pending rows into the open segments; finish those due for rotation."""
+        """Write pending rows into the open segments; finish those due for rotation. A stream
+        whose segment cannot be written (a full disk, the directory removed) gives that
+        segment up (see :meth:`_abandon`); the other stream is still written, and the first
+        such OSError is raised afterwards."""
+        failure: OSError | None = None
         with self._io_lock:
             now = self._clock()
             for stream in self._streams.values():
                 with self._lock:
                     columns, rows = stream.take()
                 table = self._table(stream, columns) if rows else None
-                if table is not None:
-                    try:
+                unwritten = rows if table is not None else 0
+                try:
+                    if table is not None:
                         if stream.writer is None:
                             self._open(stream, now)
                         stream.writer.write_table(table)
-                    except OSError:  # e.g. the disk is full: this segment cannot be whole
-                        self._abandon(stream, rows)
-                        raise
-                    stream.segment_rows += rows
-                if stream.writer is not None and (
-                        stream.segment_rows >= self.segment_rows
-                        or now - stream.opened_at >= self.segment_seconds
-                        or stream.tmp.stat().st_size >= self.segment_bytes):
-                    self._finish(stream)
+                        stream.segment_rows += rows
+                        unwritten = 0
+                    if stream.writer is not None and (
+                            stream.segment_rows >= self.segment_rows
+                            or now - stream.opened_at >= self.segment_seconds
+                            or stream.tmp.stat().st_size >= self.segment_bytes):
+                        self._finish(stream)
+                except OSError as exc:  # this segment cannot be whole
+                    self._abandon(stream, unwritten)
+                    failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _table(self, stream: _Stream, columns: dict[str, list]) -> pa.Table | None:
         """The pending rows as a table of the stream's schema; None, with the rows counted as
@@ -279,12 +287,23 @@ class CaptureWriter(Worker):
             return None
 
     def close(self) -> None:
-        """Flush, then finish every open segment (shutdown does this)."""
-        self.flush()
+        """Flush, then finish every open segment (shutdown does this); one that cannot be
+        finished is given up (see :meth:`_abandon`), and the first OSError raised afterwards."""
+        failure: OSError | None = None
+        try:
+            self.flush()
+        except OSError as exc:
+            failure = exc
         with self._io_lock:
             for stream in self._streams.values():
                 if stream.writer is not None:
-                    self._finish(stream)
+                    try:
+                        self._finish(stream)
+                    except OSError as exc:
+                        self._abandon(stream, 0)
+                        failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _open(self, stream: _Stream, now: float) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -313,11 +332,7 @@ class CaptureWriter(Worker):
     def _finish(self, stream: _Stream) -> None:
         """Close the open segment, fsync it, rename it into place, then prune."""
         tmp = stream.tmp
-        try:
-            stream.writer.close()
-        except OSError:
-            self._abandon(stream, 0)
-            raise
+        stream.writer.close()
         stream.writer, stream.tmp = None, None
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())

@@ -204,18 +204,25 @@ class MetricsMapper:
                                    sum=total)
 
     def _gpu(self, samples: Samples, ts: float) -> list:
-        usage = sum(_series(samples, "vllm:kv_cache_usage_perc").values())
-        blocks = 0
+        """The GPU tier over every engine: each engine's usage share of its own blocks."""
+        def engine(labels: frozenset) -> tuple:
+            d = dict(labels)
+            return d.get("engine"), d.get("model_name")
+
+        blocks: dict[tuple, int] = {}
         for ls in _series(samples, "vllm:cache_config_info"):
             try:
-                blocks += int(float(dict(ls).get("num_gpu_blocks", "None")))
+                blocks[engine(ls)] = int(float(dict(ls).get("num_gpu_blocks", "None")))
             except (ValueError, OverflowError):  # "None" (not known yet), or not a number
                 continue
-        if not _series(samples, "vllm:kv_cache_usage_perc") or blocks <= 0:
+        usage = {engine(ls): v for ls, v in _series(samples, "vllm:kv_cache_usage_perc").items()
+                 if blocks.get(engine(ls), 0) > 0}
+        if not usage:
             return []
-        used = int(round(min(1.0, max(0.0, usage)) * blocks))
-        return [ev.TierSnapshot(ts=ts, tier="gpu", capacity_bytes=blocks * self.block_bytes,
-                                resident_bytes=used * self.block_bytes, capacity_blocks=blocks,
+        capacity = sum(blocks[e] for e in usage)
+        used = sum(int(round(min(1.0, max(0.0, u)) * blocks[e])) for e, u in usage.items())
+        return [ev.TierSnapshot(ts=ts, tier="gpu", capacity_bytes=capacity * self.block_bytes,
+                                resident_bytes=used * self.block_bytes, capacity_blocks=capacity,
                                 resident_blocks=used)]
 
 
