@@ -205,11 +205,10 @@ class MetricsMapper:
 
     def _gpu(self, samples: Samples, ts: float) -> list:
         """The GPU tier over every engine: each engine's usage share of its own blocks."""
-        def engine(labels: frozenset) -> tuple:
-            d = dict(labels)
-            return d.get("engine"), d.get("model_name")
+        def engine(labels: frozenset) -> str | None:  # vLLM labels only some series by model
+            return dict(labels).get("engine")
 
-        blocks: dict[tuple, int] = {}
+        blocks: dict[str | None, int] = {}
         for ls in _series(samples, "vllm:cache_config_info"):
             try:
                 blocks[engine(ls)] = int(float(dict(ls).get("num_gpu_blocks", "None")))
