@@ -219,7 +219,8 @@ def main() -> None:
         ratio = plain / wrapped
         print(f"{seq:>9}  {plain:9.3f}  {wrapped:9.3f}  {best[seq, 'events']:13.3f}  "
               f"{(wrapped - plain) / len(trace) * 1e6:14.1f}  {ratio:.3f} "
-              f"{'OK' if ratio >= 0.9 else 'BELOW GOAL'} (goal >= 0.9)")
+              + (f"{'OK' if ratio >= 0.9 else 'BELOW GOAL'} (goal >= 0.9)" if seq == "cache"
+                 else "(informational: every connector call, not the goal's)"))
     print(f"events: {emitter.sent_batches} batches sent, {emitter.dropped} dropped; tap errors "
           f"{sum(t.errors for t in taps)}")
 
