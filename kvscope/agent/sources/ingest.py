@@ -102,7 +102,6 @@ class IngestSource(Worker):
         # source -> {session: (last seq, cumulative dropped)} of its emitters, latest last
         self._streams: dict[str, OrderedDict[str, tuple[int, int]]] = {}
         self._warned: set = set()  # what was logged once (see _warn_once)
-        self._bad_names: set[str] = set()  # refused source names logged
         self._socket = None
 
     thread_name = "kvscope-ingest"
@@ -178,13 +177,11 @@ class IngestSource(Worker):
 
     def _admit(self, source: str) -> bool:
         """Whether ``source`` is a name the agent accepts, and room is left for it; logs each
-        refused name once (bad names at most ``4 * max_sources``: anyone may send them)."""
+        refused name once (see :meth:`_warn_once`)."""
         problem = ev.source_name_problem(source)
         if problem:
-            if source not in self._bad_names and len(self._bad_names) < 4 * self._max_sources:
-                self._bad_names.add(source)
-                log.warning("kvscope ingest: dropping batches from source %r: it %s",
-                            source[:64], problem)
+            self._warn_once(("name", source[:64]), "kvscope ingest: dropping batches from "
+                            "source %r: it %s", source[:64], problem)
             return False
         if source in self._streams or len(self._streams) < self._max_sources:
             return True

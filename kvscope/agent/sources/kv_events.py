@@ -325,7 +325,7 @@ class KvEventsSource(Worker):
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         # memory: at most RCVHWM messages of at most MAXMSGSIZE each (a scheduler step's events
-        # are kilobytes; a larger message is not vLLM's, and ZMQ drops it)
+        # are kilobytes; a larger message is not vLLM's: ZMQ refuses it and resets the connection)
         sock.setsockopt(zmq.RCVHWM, 10_000)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 << 20)
         sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)

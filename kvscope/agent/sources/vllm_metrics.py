@@ -142,13 +142,12 @@ class MetricsMapper:
     def _lookup(self, samples: Samples, ts: float) -> ev.Lookup | None:
         prompt = self._increase(samples, "vllm:prompt_tokens_total") or 0.0
         tokens: dict[str, int] = {}
-        by_source = {dict(ls).get("source", "external_unspecified") for ls in _series(
-            samples, "vllm:prompt_tokens_cached_by_source_total")}
+        cached = "vllm:prompt_tokens_cached_by_source_total"
+        by_source = _series(samples, cached)
         if by_source:
-            for source in by_source:
-                tier = SOURCE_TIER.get(source, "cpu")
-                tokens[tier] = tokens.get(tier, 0) + int(self._increase(
-                    samples, "vllm:prompt_tokens_cached_by_source_total", source=source) or 0)
+            for ls, value in by_source.items():  # one series per engine and source
+                tier = SOURCE_TIER.get(dict(ls).get("source", "external_unspecified"), "cpu")
+                tokens[tier] = tokens.get(tier, 0) + int(self._increase_of(cached, {ls: value}))
         else:
             tokens["gpu"] = int(self._increase(samples, "vllm:prefix_cache_hits_total") or 0)
             tokens["cpu"] = int(self._increase(
