@@ -35,14 +35,15 @@ def _bare_copy_seconds(dst, src) -> float:
 
 def run(blocks: int, block_tokens: int, rounds: int, shuffle: bool) -> dict:
     preset = get_preset("tiny")
-    engine = OffloadEngine(preset, blocks, 2 * blocks, block_tokens=block_tokens)
-    size = engine.block_bytes * blocks
     ours, bare = [], []
     for r in range(rounds):
-        first = tuple(range(r * 10**6, r * 10**6 + blocks))
-        other = tuple(range(r * 10**6 + blocks, r * 10**6 + 2 * blocks))
+        # A fresh engine each round: the slot layout is then the same every round (one run in
+        # the same order, single-block runs reversed), not interleaved by earlier rounds.
+        engine = OffloadEngine(preset, blocks, 2 * blocks, block_tokens=block_tokens)
+        size = engine.block_bytes * blocks
+        first = tuple(range(blocks))
         again = tuple(reversed(first)) if shuffle else first
-        for name, hashes in (("a", first), ("b", other)):
+        for name, hashes in (("a", first), ("b", tuple(range(blocks, 2 * blocks)))):
             engine.process(Request(f"{r}{name}", 0.0, blocks * block_tokens, 1, hashes))
         outcome = engine.process(Request(f"{r}c", 0.0, blocks * block_tokens, 1, again))
         engine.drain()
@@ -51,7 +52,7 @@ def run(blocks: int, block_tokens: int, rounds: int, shuffle: bool) -> dict:
         ours.append(promotion.bytes / promotion.duration)
         src, dst = engine.cpu.pool.data[:blocks], engine.gpu.pool.data[:blocks]
         bare.append(size / _bare_copy_seconds(dst, src))
-    engine.close()
+        engine.close()
     ours_bw, bare_bw = statistics.median(ours), statistics.median(bare)
     return {"bytes": size, "engine_gb_s": ours_bw / 1e9, "bare_copy_gb_s": bare_bw / 1e9,
             "ratio": ours_bw / bare_bw}

@@ -29,6 +29,8 @@ class BlockPool:
     is pinned when CUDA is present so copies to the device can run asynchronously.
     ``host_bytes``: for a host pool, a writable uint8 numpy view of shape
     ``(blocks, block_bytes)`` sharing the tensor's memory (the disk tier reads and writes it).
+    ``cuda_view``: for a pinned host pool, a uint8 CUDA tensor of the same shape over the same
+    memory, so GPU kernels read and write its rows over PCIe; None otherwise.
     """
 
     def __init__(self, blocks: int, block_elems: int, dtype: str, device: str) -> None:
@@ -40,6 +42,29 @@ class BlockPool:
         self.data = torch.zeros((blocks, block_elems), dtype=getattr(torch, dtype), device=device,
                                 pin_memory=pin)
         self.host_bytes = None if self.is_cuda else self.data.view(torch.uint8).numpy()
+        self.cuda_view = _cuda_view(torch, self.data.view(torch.uint8)) if pin else None
+
+
+class _CudaArray:
+    """The CUDA Array Interface (v3, as defined by Numba) of a pinned uint8 host tensor."""
+
+    def __init__(self, host) -> None:
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "|u1",
+                                         "data": (host.data_ptr(), False), "version": 3,
+                                         "strides": None}
+
+
+def _cuda_view(torch, host):
+    """A CUDA tensor over pinned host memory, or None where CUDA will not address it.
+
+    Under unified virtual addressing (CUDA Programming Guide, "Unified Virtual Address Space":
+    every 64-bit process on compute capability 2.0+) pinned host memory has the same address on
+    the device, so kernels reach it over PCIe. The view does not own the memory: the pool's
+    tensor must outlive it, as it does here."""
+    try:
+        return torch.as_tensor(_CudaArray(host), device="cuda")
+    except (RuntimeError, TypeError, ValueError):
+        return None
 
 
 class Tier:
