@@ -234,7 +234,7 @@ class Batch(msgspec.Struct, frozen=True, gc=False):
     seq: int
     events: list[Event]
     session: str = ""
-    dropped: int = 0
+    dropped: Count = 0
     engine: str = ""
     model: str = ""
     scope: str = ""
@@ -289,7 +289,7 @@ class BatchHeader(msgspec.Struct):
     seq: int = 0
     events: list[msgspec.Raw] = []
     session: str = ""
-    dropped: int = 0
+    dropped: Count = 0
 
 
 _header_decoder = msgspec.msgpack.Decoder(BatchHeader)

@@ -272,6 +272,30 @@ def test_sources_are_bounded():
     assert snap.events_dropped == {("ingest", "bad_source"): 1}
 
 
+def test_scopes_count_as_sources():
+    """max_sources 3: "w" sends with scope "s1" (2 places taken: w, s1), then with "s2" (3), then
+    "s3": refused, its 1 event dropped as bad_source under "w". Each scope holds its own
+    request state in the pipeline, so scopes are bounded like sources."""
+    pipeline = Pipeline()
+    src = IngestSource(pipeline, max_sources=3)
+    for seq, scope in enumerate(("s1", "s2", "s3", "s1")):
+        src.handle(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="w", seq=seq,
+                                            scope=scope, events=[_lookup(seq)])))
+    snap = pipeline.snapshot()
+    assert snap.events_received == {"w": 3}
+    assert snap.events_dropped == {("w", "bad_source"): 1}
+
+
+def test_an_emitter_drop_count_past_2_to_the_53_is_refused():
+    """``dropped`` = 2**63 would add 9.2e18 to emitter_buffer: the batch cannot be decoded,
+    nor its header, so it counts 1 as invalid under "ingest"."""
+    pipeline = Pipeline()
+    src = IngestSource(pipeline)
+    src.handle(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=0,
+                                        dropped=2**63, events=[_lookup(0)])))
+    assert pipeline.snapshot().events_dropped == {("ingest", "invalid"): 1}
+
+
 def test_refused_batches_from_new_sources_take_no_place_of_a_real_tap(caplog):
     """max_sources 2: three never-seen sources send only batches of a future schema (2 events
     each); they count under "ingest" and the log names each. A real tap still gets in."""

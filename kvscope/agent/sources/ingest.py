@@ -9,7 +9,8 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
 - ``malformed`` / ``invalid`` / ``version``: see :class:`kvscope.events.SchemaError`;
 - ``bad_source``: a source name (or ``scope``) that is not a short lowercase word, or is one of
   the agent's own (:func:`kvscope.events.source_name_problem`), or one more distinct source than
-  ``max_sources`` (labels stay bounded); logged once per name;
+  ``max_sources`` (labels and per-source state stay bounded; a scope counts as a source);
+  logged once per name;
 - ``emitter_buffer``: events an emitter reports it dropped (``Batch.dropped`` deltas);
 - ``gap``: batches missing from an emitter's sequence after the first batch this agent received
   from that emitter (an agent restarted mid-stream joins it there). A jump of more than
@@ -171,6 +172,11 @@ class IngestSource(Worker):
                                 "from source %r (%s): %s; logged once per source and reason",
                                 len(header.events), named, reason, detail)
             return
+        if batch.scope and not self._admit(batch.scope):
+            self.pipeline.drop(source, "bad_source", len(batch.events))
+            return
+        if batch.scope:  # a scope is a source too: it takes a place (pipeline state per scope)
+            self._streams.setdefault(batch.scope, OrderedDict())
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
         self.pipeline.ingest(batch.source, batch.events, scope=batch.scope or None)
