@@ -15,6 +15,7 @@ from kvscope import events as ev
 from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
+from kvscope.agent.sources.otlp_receiver import Span as ReceivedSpan
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 ATTRS = {"gen_ai.request.id": "cmpl-1-0", "gen_ai.usage.prompt_tokens": 300,
@@ -51,6 +52,12 @@ def json_body(attrs=ATTRS) -> bytes:
         "traceId": TRACE.upper(), "spanId": "b7ad6b7169203331", "name": "llm_request",
         "startTimeUnixNano": "1700000000000000000", "endTimeUnixNano": "1700000001000000000",
         "attributes": [{"key": k, "value": value(v)} for k, v in attrs.items()]}]}]}]}).encode()
+
+
+def otlp_span(attrs, trace=TRACE):
+    """A span as the receiver parses it (no HTTP), ``trace`` as sent."""
+    return ReceivedSpan(trace.lower(), "b7ad6b7169203331", "llm_request",
+                        1_700_000_000_000_000_000, 1_700_000_001_000_000_000, attrs)
 
 
 def _agent():
@@ -220,3 +227,41 @@ def test_spans_with_values_no_emitter_could_send_are_dropped_as_invalid(caplog):
     assert len(agent.pipeline.requests) == 0
     assert agent.pipeline.snapshot().events_dropped == {("otlp", "invalid"): 2}
     assert caplog.text.count("kvscope OTLP receiver: dropped the span of request 'cmpl-1-0'") == 1
+
+
+def test_hostile_json_and_gzip_bodies_are_refused_with_400_not_500():
+    """JSON nested 200,000 deep (RecursionError), an Infinity time (OverflowError in int()),
+    and a gzip body cut short (decoded only in part before): each is a 400, and the agent
+    answers the next request."""
+    agent = _agent()
+    infinite = json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [
+        {"startTimeUnixNano": float("inf")}]}]}]}).encode()  # json.dumps writes Infinity
+    truncated = gzip.compress(json_body())[:-12]
+    with TestClient(create_app(agent)) as client:
+        for body, encoding in ((b"[" * 200_000 + b"]" * 200_000, ""), (infinite, ""),
+                               (truncated, "gzip")):
+            r = client.post("/v1/traces", content=body, headers={
+                "content-type": "application/json", "content-encoding": encoding})
+            assert r.status_code == 400, (r.status_code, r.text[:200])
+        assert client.post("/v1/traces", content=json_body(), headers={
+            "content-type": "application/json"}).status_code == 200
+    assert agent.pipeline.requests.get("cmpl-1-0") is not None
+
+
+def test_a_boolean_ttft_and_a_trace_id_that_is_not_hex_are_not_taken():
+    """``time_to_first_token: true`` once became a TTFT of 1.0 s, and a trace id "ZZ..." went
+    into the API and exemplars. Now the first is no TTFT (the span of an unknown request
+    without one makes no request, and is counted invalid since one was sent); for the second
+    the record has no trace id (an all-zero id, OTLP's invalid one, neither)."""
+    agent = _agent()
+    pipeline = agent.pipeline
+    pipeline.ingest("vllm", [ev.RequestFinished(ts=1.0, request_id=rid, ttft=0.5,
+                                                prompt_tokens=8) for rid in ("z-0", "zero-0")])
+    spans = [otlp_span({**ATTRS, "gen_ai.latency.time_to_first_token": True}),
+             otlp_span({**ATTRS, "gen_ai.request.id": "z-0"}, trace="Z" * 32),
+             otlp_span({**ATTRS, "gen_ai.request.id": "zero-0"}, trace="0" * 32)]
+    agent.otlp_receiver.handle(spans)
+    assert pipeline.requests.get("cmpl-1-0") is None
+    assert pipeline.snapshot().events_dropped == {("otlp", "invalid"): 1}
+    assert pipeline.requests.get("z-0", "vllm").trace_id != "z" * 32
+    assert pipeline.requests.get("zero-0", "vllm").trace_id != "0" * 32

@@ -10,11 +10,13 @@ whether their length is declared or they come chunked, and list sizes are bounde
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 import msgspec
 import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -100,20 +102,22 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     if agent.otlp_receiver is not None:
         receiver = agent.otlp_receiver
+        parsing = asyncio.Lock()
 
         @app.post(otlp_in.TRACES_PATH, dependencies=[Depends(authorize)], include_in_schema=False)
         async def otlp_traces(request: Request) -> Response:
             """OTLP/HTTP trace export (protobuf or JSON); see ``agent/sources/otlp_receiver.py``."""
             content_type = request.headers.get("content-type", "")
+            encoding = request.headers.get("content-encoding", "")
             try:
                 body = await bounded_body(request, max_body_bytes)
-                spans = otlp_in.parse(body, content_type,
-                                      request.headers.get("content-encoding", ""))
+                async with parsing:  # off the event loop, one body at a time (memory)
+                    await run_in_threadpool(lambda: receiver.handle(
+                        otlp_in.parse(body, content_type, encoding)))
             except BodyTooLarge:
                 return JSONResponse(too_large, 413)
             except otlp_in.OtlpError as exc:
                 return JSONResponse({"detail": str(exc)}, exc.status)
-            receiver.handle(spans)
             if content_type.startswith("application/x-protobuf"):
                 return Response(otlp_in.EMPTY_RESPONSE, media_type="application/x-protobuf")
             return JSONResponse({})

@@ -29,6 +29,7 @@ import gzip
 import json
 import logging
 import math
+import re
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -42,6 +43,11 @@ REQUEST_ID = "gen_ai.request.id"
 TTFT = "gen_ai.latency.time_to_first_token"
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP traces path (OTLP specification, "OTLP/HTTP Request")
 EMPTY_RESPONSE = b""  # a serialized ExportTraceServiceResponse with no partial_success
+# Decompressed body limit. vLLM exports at most 512 spans a batch (the SDK's
+# OTEL_BSP_MAX_EXPORT_BATCH_SIZE), well under 1 MiB; a body of empty spans (2 bytes each) takes
+# about 400 bytes of memory per span to parse, so this bounds a parse near 1 GB.
+MAX_DECOMPRESSED_BYTES = 4 << 20
+_TRACE_ID = re.compile(r"(?!0{32})[0-9a-f]{32}")  # 16 bytes, hex, not all zero (OTLP: invalid)
 
 
 class OtlpError(ValueError):
@@ -77,10 +83,13 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
         raise OtlpError(f"bad {encoding} body: {exc}") from None
     if len(data) > limit:
         raise OtlpError(f"decompressed body over {limit} bytes", 413)
+    if not inflater.eof:
+        raise OtlpError(f"bad {encoding} body: truncated")
     return data
 
 
-def parse(body: bytes, content_type: str, encoding: str = "", limit: int = 16 << 20) -> list[Span]:
+def parse(body: bytes, content_type: str, encoding: str = "",
+          limit: int = MAX_DECOMPRESSED_BYTES) -> list[Span]:
     """Spans of an OTLP/HTTP traces body. Raises :class:`OtlpError` (400 malformed, 413 too
     large once decompressed, 415 unsupported content type or encoding)."""
     data = _decompress(body, encoding, limit)
@@ -132,8 +141,10 @@ def _parse_json(data: bytes) -> list[Span]:
                                       int(s.get("startTimeUnixNano", 0)),
                                       int(s.get("endTimeUnixNano", 0)), attributes))
         return spans
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
         raise OtlpError(f"not an OTLP/JSON trace export: {exc}") from None
+    except RecursionError:
+        raise OtlpError("not an OTLP/JSON trace export: nested too deep") from None
 
 
 def _json_value(value: dict) -> object:
@@ -151,7 +162,8 @@ def _json_value(value: dict) -> object:
 def _float(attributes: dict, key: str) -> float:
     """A latency attribute in seconds; 0 (unknown) unless finite and not negative."""
     value = attributes.get(key)
-    return float(value) if isinstance(value, (int, float)) and 0 <= value < math.inf else 0.0
+    return (float(value) if isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 <= value < math.inf else 0.0)
 
 
 def _count(attributes: dict, key: str) -> int:
@@ -204,7 +216,7 @@ class OtlpReceiver:
                 continue
             request_id = request_id[:ev.MAX_REQUEST_ID]  # as the tap cuts it
             a = span.attributes
-            trace_id = span.trace_id if len(span.trace_id) == 32 else ""
+            trace_id = span.trace_id if _TRACE_ID.fullmatch(span.trace_id) else ""
             ttft = _float(a, TTFT)
             prompt = _count(a, "gen_ai.usage.prompt_tokens")
             try:  # as an emitter's events are checked: times, durations and counts in bounds
