@@ -258,3 +258,48 @@ def test_a_store_from_before_the_bounds_is_loaded_within_them(tmp_path):
     loaded = store.load(10)
     assert _ids(loaded) == ["r1000", "r1002"]
     assert len(loaded[0].transfers) == 256 and loaded[0].transfers_omitted == 44
+
+
+def test_a_removed_directory_is_made_again_and_the_store_writes_on(tmp_path):
+    """The directory is removed while the store runs: it kept appending to the deleted segment,
+    so every later record was lost without a word. Now the next flush starts a new segment in
+    the directory made again, and nothing is lost."""
+    directory = tmp_path / "store"
+    store = RequestStore(directory, clock=lambda: 3000.0)
+    store.add(_record(1000))
+    store.flush()
+    for path in directory.iterdir():
+        path.unlink()
+    directory.rmdir()
+    store.add(_record(1001))
+    store.flush()
+    assert _ids(store.load(10)) == ["r1001"] and store.lost == 0
+
+
+def test_records_a_full_disk_refuses_are_counted_and_the_store_recovers(tmp_path, monkeypatch,
+                                                                         caplog):
+    """The disk fills during the second of three flushes (the ENOSPC from fsync stands in for a
+    full disk: no test machine can be filled safely). Its 2 records are counted lost, the
+    failure is logged once and so is the recovery; the third flush writes to a new segment, and
+    both good flushes' records load (the damaged segment's tail is skipped on read)."""
+    store = RequestStore(tmp_path, clock=lambda: 3000.0)
+    store.take()
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    store.add(_record(1000))
+    store._flush_logged()
+    monkeypatch.setattr(os, "fsync", full)
+    for i in (1001, 1002):
+        store.add(_record(i))
+    store._flush_logged()
+    store._flush_logged()  # still failing: not logged again
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    store.add(_record(1003))
+    store._flush_logged()
+    assert store.lost == 2
+    assert caplog.text.count("could not write") == 1
+    assert "2 requests could not be stored" in caplog.text
+    assert "r1003" in _ids(store.load(10)) and "r1000" in _ids(store.load(10))

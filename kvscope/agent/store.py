@@ -133,6 +133,8 @@ class RequestStore(Worker):
         self._size = 0  # its bytes
         self._seq = 0  # tells apart segments opened in the same millisecond
         self.unwritable = 0  # records skipped: a value msgpack cannot encode
+        self.lost = 0  # records not known written: the disk failed (full, removed) meanwhile
+        self._failing = False  # the last flush failed (logged once until one succeeds)
 
     def segments(self) -> list[Path]:
         """Segment files, oldest first (anything else with their suffix is left alone)."""
@@ -189,24 +191,47 @@ class RequestStore(Worker):
         while not self.stopping.wait(self._interval):
             self._flush_logged()
         self._flush_logged()
-        self._close()
+        try:
+            self._close()
+        except OSError as exc:  # disk full at the end: what was written stays readable
+            log.warning("kvscope store: could not close %s: %s", self._path, exc)
         self._owner.close()  # releases the directory
         self._owner = None
 
     def _flush_logged(self) -> None:
         try:
             self.flush()
-        except OSError as exc:  # disk full, directory removed: keep serving, say so
-            log.warning("kvscope store: could not write %s: %s", self.directory, exc)
+        except OSError as exc:  # e.g. disk full: keep serving, start a new segment next time
+            self._abandon()
+            if not self._failing:
+                log.warning("kvscope store: could not write %s: %s; requests finishing until it "
+                            "can are not stored (logged again when it can)", self.directory, exc)
+            self._failing = True
+            return
         except Exception:  # a bug: say so, and keep the thread (and every later record) alive
             log.exception("kvscope store: flush failed")
+        if self._failing:
+            log.warning("kvscope store: writing %s again; %d requests could not be stored",
+                        self.directory, self.lost)
+            self._failing = False
 
     def flush(self) -> None:
         """Write and fsync what arrived since the last flush; rotate and prune segments."""
         with self._lock:
             records, self._queue = self._queue, []
-        if self._file is not None and self._clock() - self._opened >= self._max_age / 4:
-            self._close()  # closed, it can age out whole, even if nothing more comes
+        if self._path is not None and not self._path.exists():
+            self._abandon()  # its directory was removed: write on in a new one
+        skipped = self.unwritable
+        try:
+            if self._file is not None and self._clock() - self._opened >= self._max_age / 4:
+                self._close()  # closed, it can age out whole, even if nothing more comes
+            self._write(records)
+        except OSError:
+            self.lost += len(records) - (self.unwritable - skipped)
+            raise
+        self._prune()
+
+    def _write(self, records: list[RequestRecord]) -> None:
         for record in records:
             try:
                 payload = self._encoder.encode(record)
@@ -226,7 +251,6 @@ class RequestStore(Worker):
             self._size += frame
         if records:
             self._sync()
-        self._prune()
 
     def _sync(self) -> None:
         self._file.flush()
@@ -238,8 +262,18 @@ class RequestStore(Worker):
             self._file.close()
             self._file = self._path = None
 
+    def _abandon(self) -> None:
+        """Give up the segment being written (a partial last frame in it is skipped on read)."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+        self._file = self._path = None
+
     def _rotate(self) -> None:
         self._close()
+        self.directory.mkdir(parents=True, exist_ok=True)
         self._seq += 1
         self._opened = self._clock()
         name = f"requests-{int(self._opened * 1000):015d}-{os.getpid()}-{self._seq:06d}{_SUFFIX}"
