@@ -1,5 +1,7 @@
 """The pipeline folds events into counters, gauges, histograms, request records and samples."""
 
+import time
+
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
 
@@ -361,3 +363,17 @@ def test_a_worker_tap_first_heard_after_a_request_finished_still_joins_its_trans
                                             duration=0.01, request_id="s1")], scope="sched")
     assert [t.blocks for t in pipeline.requests.get("s1").transfers] == [2]
     assert pipeline.snapshot().requests == 1
+
+
+def test_a_request_finishing_far_ahead_of_the_clock_is_dropped_as_invalid():
+    """A request said to finish in 2099 sorted first in the table for good, and a restarted
+    agent's store refused it (more than an hour ahead): the pipeline now drops it as invalid
+    from the start. One finishing 10 minutes ahead (a clock step) is kept."""
+    pipeline = Pipeline()
+    now = time.time()
+    pipeline.ingest("engine", [ev.RequestFinished(ts=ts, request_id=rid, ttft=0.1,
+                                                  prompt_tokens=8)
+                               for rid, ts in (("far", 4_070_000_000.0), ("near", now + 600))])
+    assert pipeline.requests.get("far") is None and pipeline.requests.get("near") is not None
+    snap = pipeline.snapshot()
+    assert snap.events_dropped == {("engine", "invalid"): 1} and snap.requests == 1

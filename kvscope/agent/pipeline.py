@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from kvscope import events as ev
-from kvscope.agent.requests import RequestAssembler, RequestRecord, RequestTable
+from kvscope.agent.requests import FUTURE, RequestAssembler, RequestRecord, RequestTable
 from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCKETS,
                                       RESIDENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS)
 
@@ -436,6 +436,11 @@ class Pipeline:
     def _fold_finished(self, source: str, events: list[ev.RequestFinished],
                        finished: list) -> None:
         records = self._assembler.finished(source, events, joined=source in self._joined)
+        ahead = time.time() + FUTURE
+        if any(r.finished > ahead for r in records):  # as the store would never load them
+            kept = [r for r in records if r.finished <= ahead]
+            self._dropped[(source, "invalid")] += len(records) - len(kept)
+            records = kept
         if not records:  # the requests had finished already: their records were completed
             return
         finished += records

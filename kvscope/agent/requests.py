@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 # Transfers kept per record: a request seldom waits for more than a few loads, and a sender
 # attaching 100,000 to one id made each append slower and one API answer 15 MB.
 MAX_TRANSFERS = 256
+# Seconds a request may finish ahead of the agent's clock (clocks step); further ahead it is a
+# corrupt time that would sort first in the table and never age out of the store.
+FUTURE = 3600.0
 
 
 class TransferRecord(msgspec.Struct, frozen=True, gc=False):

@@ -34,15 +34,12 @@ from pathlib import Path
 
 import msgspec
 
-from kvscope.agent.requests import MAX_TRANSFERS, RequestRecord
+from kvscope.agent.requests import FUTURE, MAX_TRANSFERS, RequestRecord
 from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">II")
 _SUFFIX = ".kvseg"
-# seconds a stored record may have finished ahead of this clock (clocks step); further ahead it
-# is a corrupt time that would sort first and never age out
-FUTURE = 3600.0
 
 
 def _frame_at(data: memoryview, offset: int,
@@ -143,7 +140,7 @@ class RequestStore(Worker):
     def load(self, limit: int) -> list[RequestRecord]:
         """The newest ``limit`` intact records on disk that finished within ``max_age``, oldest
         first. A store written before the agent bounded what a record holds is read within the
-        bounds: records that finished more than :data:`FUTURE` seconds ahead of the clock are
+        bounds: records that finished more than :data:`~kvscope.agent.requests.FUTURE` seconds ahead of the clock are
         skipped, and only the first :data:`~kvscope.agent.requests.MAX_TRANSFERS` transfers
         are kept (the rest counted in ``transfers_omitted``)."""
         now = self._clock()
