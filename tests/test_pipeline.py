@@ -116,8 +116,8 @@ def test_requests_never_finished_beyond_the_inflight_bound_are_counted_as_abando
 
 
 def test_a_record_keeps_its_first_transfers_and_counts_the_rest():
-    """300 transfers of 1 block for one request: the record keeps MAX_TRANSFERS (256) and counts
-    the other 44; the transfer metrics count all 300 blocks."""
+    """300 transfers of 1 block for one request: the record keeps MAX_TRANSFERS (64) and counts
+    the other 236; the transfer metrics count all 300 blocks."""
     from kvscope.agent.requests import MAX_TRANSFERS
 
     pipeline = Pipeline()
@@ -126,8 +126,8 @@ def test_a_record_keeps_its_first_transfers_and_counts_the_rest():
                     request_id="r") for i in range(300)] + [
         ev.RequestFinished(ts=400.0, request_id="r", ttft=0.5, prompt_tokens=1)])
     record = pipeline.requests.get("r")
-    assert MAX_TRANSFERS == 256 and len(record.transfers) == 256
-    assert record.transfers_omitted == 44 and record.transfers[-1].start == 256.0
+    assert MAX_TRANSFERS == 64 and len(record.transfers) == 64
+    assert record.transfers_omitted == 236 and record.transfers[-1].start == 64.0
     assert pipeline.snapshot().transfer_blocks == {CPU_GPU: 300}
 
 

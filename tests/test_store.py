@@ -247,8 +247,8 @@ def test_a_record_msgpack_cannot_hold_is_skipped_and_the_store_keeps_writing(tmp
 
 def test_a_store_from_before_the_bounds_is_loaded_within_them(tmp_path):
     """Segments written before records were bounded: one that finished 1e300 s (far in the
-    future: it would sort first and never age out) is skipped; one with 300 transfers keeps 256
-    and counts 44 omitted. The clock is 3000 s, within max_age of r1000's finish."""
+    future: it would sort first and never age out) is skipped; one with 300 transfers keeps 64
+    and counts 236 omitted. The clock is 3000 s, within max_age of r1000's finish."""
     store = RequestStore(tmp_path, clock=lambda: 3000.0)
     many = _record(1000, finished=2000.0)
     many.transfers = many.transfers * 300
@@ -257,7 +257,7 @@ def test_a_store_from_before_the_bounds_is_loaded_within_them(tmp_path):
     store.flush()
     loaded = store.load(10)
     assert _ids(loaded) == ["r1000", "r1002"]
-    assert len(loaded[0].transfers) == 256 and loaded[0].transfers_omitted == 44
+    assert len(loaded[0].transfers) == 64 and loaded[0].transfers_omitted == 236
 
 
 def test_a_removed_directory_is_made_again_and_the_store_writes_on(tmp_path):
