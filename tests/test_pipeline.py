@@ -377,3 +377,25 @@ def test_a_request_finishing_far_ahead_of_the_clock_is_dropped_as_invalid():
     assert pipeline.requests.get("far") is None and pipeline.requests.get("near") is not None
     snap = pipeline.snapshot()
     assert snap.events_dropped == {("engine", "invalid"): 1} and snap.requests == 1
+
+
+def test_tier_snapshots_of_several_engines_add_up():
+    """Taps dp0 and dp1 (one per engine) report their cpu tiers: 1000 + 3000 bytes of capacity,
+    100 + 300 resident. The last report used to replace the other (3000). Then dp0 reports 500
+    resident: its own share changes (500 + 300), dp1's stays."""
+    pipeline = Pipeline()
+
+    def snap(source, capacity, resident):
+        pipeline.ingest(source, [ev.TierSnapshot(ts=1.0, tier="cpu", capacity_bytes=capacity,
+                                                 resident_bytes=resident,
+                                                 capacity_blocks=capacity // 10,
+                                                 resident_blocks=resident // 10)])
+
+    snap("dp0", 1000, 100)
+    snap("dp1", 3000, 300)
+    cpu = pipeline.snapshot().tiers["cpu"]
+    assert (cpu.capacity_bytes, cpu.resident_bytes, cpu.capacity_blocks,
+            cpu.resident_blocks) == (4000, 400, 400, 40)
+    snap("dp0", 1000, 500)
+    cpu = pipeline.snapshot().tiers["cpu"]
+    assert (cpu.capacity_bytes, cpu.resident_bytes) == (4000, 800)

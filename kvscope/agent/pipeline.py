@@ -230,6 +230,9 @@ class Pipeline:
         self._dropped_blocks: Counter[str] = Counter()
         self._evicted_hits: dict[str, Histogram] = {}
         self._residency: dict[str, Histogram] = {}
+        # each source's last snapshot of each tier, and their sum per tier (what is exported):
+        # a node's engines each report their own tiers
+        self._tier_parts: dict[tuple[str, str], ev.TierSnapshot] = {}
         self._tiers: dict[str, ev.TierSnapshot] = {}
         self._requests = 0
         self._ttft = Histogram(LATENCY_SECONDS_BUCKETS)
@@ -358,7 +361,16 @@ class Pipeline:
 
     def _fold_snapshots(self, source: str, events: list[ev.TierSnapshot],
                         finished: list) -> None:
-        self._tiers.update(zip(map(_TIER, events), events))
+        parts = self._tier_parts
+        parts.update(((source, event.tier), event) for event in events)
+        for tier in set(map(_TIER, events)):
+            mine = [snap for (_, t), snap in parts.items() if t == tier]
+            self._tiers[tier] = ev.TierSnapshot(
+                ts=max(map(_TS, mine)), tier=tier,
+                capacity_bytes=sum(snap.capacity_bytes for snap in mine),
+                resident_bytes=sum(snap.resident_bytes for snap in mine),
+                capacity_blocks=sum(snap.capacity_blocks for snap in mine),
+                resident_blocks=sum(snap.resident_blocks for snap in mine))
 
     def _fold_lookups(self, source: str, events: list[ev.Lookup], finished: list) -> None:
         self._assembler.lookups(source, events)
