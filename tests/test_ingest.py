@@ -554,3 +554,22 @@ def test_a_batch_refused_for_its_scope_is_not_counted_again_as_a_gap(caplog):
                                                seq=seq, scope=scope, events=[_lookup(seq)])))
     assert pipeline.snapshot().events_dropped == {("worker", "bad_source"): 1}
     assert "scope 'Sched!' is not a lowercase word" in caplog.text
+
+
+def test_a_taps_drop_series_exist_at_0_from_its_first_batch(source):
+    """Prometheus cannot see the first burst of drops in increase() when the series appears
+    with it; so from a tap's first valid batch each drop reason is exported at 0, and the
+    agent's own "ingest" reasons from the start. A refused name gets no series of its own."""
+    from kvscope.exporter.collector import pipeline_samples
+
+    source.handle(_batch(0, "a"))
+    source.handle(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="Bad Name", seq=0,
+                                           events=[_lookup(0)])))
+    dropped = {tuple(labels): value for labels, value in
+               pipeline_samples(source.pipeline.snapshot())["kvscope_events_dropped_total"]}
+    assert {reason for (name, reason) in dropped if name == "engine"} == {
+        "emitter_buffer", "gap", "too_large", "malformed", "invalid", "version", "bad_source",
+        "abandoned"}
+    assert all(n == 0 for (name, _), n in dropped.items() if name == "engine")
+    assert dropped[("ingest", "bad_source")] == 1 and dropped[("ingest", "version")] == 0
+    assert {name for name, _ in dropped} == {"engine", "ingest"}

@@ -146,6 +146,7 @@ class Snapshot:
     events_dropped: dict[tuple[str, str], int]
     source_up: dict[str, bool]
     source_info: dict[str, tuple[str, str]]
+    expected_drops: frozenset[tuple[str, str]] = frozenset()  # (source, reason) exported at 0
 
 
 def _by_key(counter: Counter, sep: str = "->") -> dict[str, int]:
@@ -240,6 +241,7 @@ class Pipeline:
         self._recent_ttft: deque[float] = deque(maxlen=recent)
         self._received: Counter[str] = Counter()
         self._dropped: Counter[tuple[str, str]] = Counter()
+        self._expected_drops: set[tuple[str, str]] = set()
         self._source_up: dict[str, bool] = {}
         self._source_info: dict[str, tuple[str, str]] = {}
         self._samples: deque[dict] = deque(maxlen=history)
@@ -342,6 +344,13 @@ class Pipeline:
         """Count ``events`` dropped from ``source`` for ``reason`` (a short fixed word)."""
         with self._lock:
             self._dropped[(source, reason)] += events
+
+    def expect_drops(self, source: str, reasons: Iterable[str]) -> None:
+        """Export ``source``'s drops for each of ``reasons`` from now on, at 0 until one
+        happens, so its first drops show in ``increase()`` and ``rate()`` (Prometheus's advice:
+        initialise the label sets known in advance)."""
+        with self._lock:
+            self._expected_drops.update((source, reason) for reason in reasons)
 
     def set_source_up(self, source: str, up: bool) -> None:
         with self._lock:
@@ -488,6 +497,7 @@ class Pipeline:
                     (source, "abandoned"): n for source, n in self._assembler.abandoned.items()}},
                 source_up=dict(self._source_up),
                 source_info=dict(self._source_info),
+                expected_drops=frozenset(self._expected_drops),
             )
 
     def record_sample(self, ts: float, host_memory_available: float | None, *,

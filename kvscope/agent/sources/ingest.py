@@ -52,6 +52,11 @@ from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
 NAME = "ingest"
+# the drop reasons exported (at 0 until one happens) for the agent's own name, and for each tap
+# from its first valid batch; "abandoned" and "invalid" come from the pipeline too
+INGEST_DROPS = ("too_large", "malformed", "invalid", "version", "bad_source")
+TAP_DROPS = ("emitter_buffer", "gap", "too_large", "malformed", "invalid", "version",
+             "bad_source", "abandoned")
 STREAMS_PER_SOURCE = 4  # emitters (sessions) followed per source: restarts leave old ones behind
 # Batches an emitter may lose in transit are at most its ZMQ send queue; a far larger jump in its
 # sequence is a sender that is confused, not 10^6 lost batches.
@@ -108,6 +113,7 @@ class IngestSource(Worker):
     thread_name = "kvscope-ingest"
 
     def prepare(self) -> None:
+        self.pipeline.expect_drops(NAME, INGEST_DROPS)
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.RCVHWM, self._hwm)
         self._socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
@@ -205,6 +211,8 @@ class IngestSource(Worker):
 
     def _account(self, batch: ev.Batch | ev.BatchHeader) -> None:
         source, session = batch.source, batch.session
+        if not self._streams.get(source):  # its first batch (a scope named it before, maybe)
+            self.pipeline.expect_drops(source, TAP_DROPS)
         streams = self._streams.setdefault(source, OrderedDict())
         if session in streams and next(reversed(streams)) != session:
             # an emitter sends again after another took the name: two live taps share it

@@ -322,6 +322,7 @@ class KvEventsSource(Worker):
         return text + f"; reports tiers {', '.join(t for t in TIERS if t in self.residency.tiers)}"
 
     def prepare(self) -> None:
+        self.pipeline.expect_drops(NAME, ("malformed", "gap", "unknown_kind"))
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         # memory: at most RCVHWM messages of at most MAXMSGSIZE each (a scheduler step's events

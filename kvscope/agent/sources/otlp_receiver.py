@@ -191,6 +191,7 @@ class OtlpReceiver:
         self._warned = False
 
     def start(self) -> None:
+        self.pipeline.expect_drops(NAME, ("invalid",))
         self.pipeline.join(self.source, self.wait)
         self.pipeline.set_source_up(NAME, True)
 

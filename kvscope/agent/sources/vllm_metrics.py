@@ -323,6 +323,7 @@ class VllmMetricsSource(Worker):
     thread_name = "kvscope-vllm-metrics"
 
     def prepare(self) -> None:
+        self.pipeline.expect_drops(NAME, ("invalid",))
         self.pipeline.set_source_up(NAME, False)
 
     def run(self) -> None:
