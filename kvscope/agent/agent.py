@@ -116,7 +116,7 @@ class Agent(Worker):
             except OSError as exc:  # another agent's, or a segment this user cannot read
                 raise ConfigError(f"cannot use store_dir {self.store.directory}: "
                                   f"{exc.strerror or exc}") from None
-            self.pipeline.requests.add(restored)
+            self.pipeline.restore(restored)
             self.pipeline.subscribe(self.store.add)
         if self.otlp is not None:
             self.pipeline.subscribe(self.otlp.export)

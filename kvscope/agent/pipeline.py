@@ -345,6 +345,15 @@ class Pipeline:
         with self._lock:
             self._dropped[(source, reason)] += events
 
+    def restore(self, records: Sequence[RequestRecord]) -> None:
+        """Take back ``records`` a store kept from before a restart (oldest first): into the
+        request table, and their TTFTs into the recent window behind the summary's
+        percentiles. Counters and histograms start again from 0, as Prometheus expects of a
+        restarted process."""
+        self.requests.add(records)
+        with self._lock:
+            self._recent_ttft.extend(r.ttft for r in records if r.finished is not None)
+
     def expect_drops(self, source: str, reasons: Iterable[str]) -> None:
         """Export ``source``'s drops for each of ``reasons`` from now on, at 0 until one
         happens, so its first drops show in ``increase()`` and ``rate()`` (Prometheus's advice:
