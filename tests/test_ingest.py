@@ -223,6 +223,14 @@ def test_an_emitter_refuses_a_source_name_the_agent_would_drop(tmp_path):
         Emitter(_endpoint(tmp_path), source="worker", scope="Sched")
 
 
+def test_an_emitter_refuses_an_endpoint_zmq_cannot_connect_with_a_value_error():
+    """``foo://x`` raised ZMQError, which the documented contract does not name: now a
+    ValueError that says what to use."""
+    for endpoint in ("foo://x", "tcp://no-port"):
+        with pytest.raises(ValueError, match="use tcp://HOST:PORT or ipc://PATH"):
+            Emitter(endpoint, source="engine")
+
+
 _FUZZ = Pipeline()
 _FUZZ_SOURCE = IngestSource(_FUZZ, max_batch_bytes=1024)
 

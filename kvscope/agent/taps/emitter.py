@@ -46,7 +46,8 @@ class Emitter:
     gauge while the caller is idle); if it raises it is logged and not called again.
     ``logger``: where it logs (default this module's); a tap inside an engine passes one under
     the engine's logger, so the lines come out in the engine's log format.
-    Raises ValueError for a ``source`` or ``scope`` the agent would refuse.
+    Raises ValueError for a ``source`` or ``scope`` the agent would refuse, or an ``endpoint``
+    ZMQ cannot connect to (a bad scheme or address); nothing after construction raises.
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
@@ -86,7 +87,13 @@ class Emitter:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a live connection
         self._socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
-        self._socket.connect(endpoint)
+        try:
+            self._socket.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._socket.close(0)
+            self._context.term()
+            raise ValueError(f"emitter endpoint {endpoint!r}: {exc}; use tcp://HOST:PORT or "
+                             "ipc://PATH, as the agent's [ingest] endpoint") from None
         self._endpoint = endpoint
         self._thread = threading.Thread(target=self._run, name="kvscope-emitter", daemon=True)
         self._thread.start()
