@@ -18,7 +18,7 @@ SKELETON_NAMES = {  # fixed by the skeleton issue; never renamed
     "kvscope_host_memory_available_bytes",
 }
 BOUNDED_LABELS = {"tier", "source", "src", "dst", "reason", "engine", "model", "gpu", "direction",
-                  "collector", "result", "version"}
+                  "collector", "result", "version", "sink"}
 
 
 class _VM:
@@ -72,6 +72,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     assert value("kvscope_host_memory_available_bytes") == 9 * 2**30
     assert value("kvscope_ttft_seconds_count") == 1
     assert value("kvscope_otlp_spans_total", {"result": "dropped"}) == 0  # no OTLP export
+    assert value("kvscope_records_dropped_total", {"sink": "store"}) == 0  # no store_dir
 
 
 def test_docs_metrics_is_generated_from_the_catalog():

@@ -332,3 +332,27 @@ def test_a_restarted_agents_summary_percentiles_include_the_restored_requests(tm
         agent.shutdown()
     assert summary["ttft_seconds"]["p50"] == pytest.approx(0.2)
     assert agent.pipeline.snapshot().requests == 0
+
+
+def test_records_the_store_could_not_write_are_exported(tmp_path, monkeypatch):
+    """One request finishes while the disk is full (ENOSPC from fsync stands in for it): the
+    agent's /metrics counts it in kvscope_records_dropped_total{sink="store"}; the capture's
+    sinks, not configured, read 0."""
+    from kvscope.agent.agent import Agent
+    from kvscope.agent.config import AgentSettings
+
+    agent = Agent(AgentSettings(store_dir=str(tmp_path), ingest={"enabled": False},
+                                collectors={"gpu": {"enabled": False}}))
+    agent.prepare()
+    real_fsync = os.fsync
+    try:
+        agent.pipeline.ingest("engine", [ev.RequestFinished(ts=time.time(), request_id="r",
+                                                            ttft=0.1, prompt_tokens=8)])
+        monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "full")))
+        agent.store._flush_logged()
+    finally:
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        agent.shutdown()
+    value = agent.registry.get_sample_value
+    assert value("kvscope_records_dropped_total", {"sink": "store"}) == 1
+    assert value("kvscope_records_dropped_total", {"sink": "capture_blocks"}) == 0

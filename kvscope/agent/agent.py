@@ -89,10 +89,15 @@ class Agent(Worker):
 
     def _scrape_samples(self) -> dict:
         """The metrics read at scrape time outside the pipeline: the host and GPU collectors',
-        and the OTLP exporter's span counts (0 without an exporter: nothing sent or lost)."""
+        the OTLP exporter's span counts and the store's and capture's lost records (0 without
+        them: nothing sent or lost)."""
         samples = node_samples(self.collectors.collect())
         spans = self.otlp.spans if self.otlp is not None else dict.fromkeys(SPAN_RESULTS, 0)
         samples["kvscope_otlp_spans_total"] = [([result], n) for result, n in spans.items()]
+        store = self.store.lost + self.store.unwritable if self.store is not None else 0
+        capture = self.capture.dropped if self.capture is not None else {}
+        samples["kvscope_records_dropped_total"] = [(["store"], store)] + [
+            ([f"capture_{kind}"], capture.get(kind, 0)) for kind in ("requests", "blocks")]
         return samples
 
     def _components(self) -> list[tuple[str, object]]:

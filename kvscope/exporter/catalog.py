@@ -137,6 +137,11 @@ CATALOG: tuple[MetricSpec, ...] = (
              "retries), dropped (never queued: the endpoint was too slow or away and the queue "
              "was full).",
              ["result"]),
+    _counter("kvscope_records_dropped_total",
+             "Records the agent could not write to disk (a full or removed disk, a value that "
+             "does not fit), by sink: store (finished requests, store_dir), capture_requests and "
+             "capture_blocks (the Parquet capture, capture_dir); 0 for a sink not configured.",
+             ["sink"]),
     _gauge("kvscope_source_up", "1 when a source is delivering, 0 when it is failing.",
            ["source"]),
     _gauge("kvscope_collector_up", "1 when a collector's last run succeeded, 0 otherwise.",

@@ -74,12 +74,17 @@ def node(cfg: MixinConfig) -> dict:
               (Q(f"kvscope_collector_duration_seconds{s(cfg)}", "{{instance}} {{collector}}"),),
               unit="s", width=6),
         )),
-        Row("Trace export", (
+        Row("Trace export and disk", (
             P("OTLP spans by result", "Request and transfer spans the agent exports over OTLP "
               "(0 without otlp_endpoint): sent, failed (refused or unreachable) or dropped (the "
               "export queue was full). Failed or dropped spans mean traces with gaps.",
               (Q(f"sum by (instance, result) (rate(kvscope_otlp_spans_total{s(cfg)}[{RATE}]))",
-                 "{{instance}} {{result}}"),), unit="short", width=24),
+                 "{{instance}} {{result}}"),), unit="short", width=12),
+            P("Records not written to disk", "Finished requests the store, and rows the Parquet "
+              "capture, could not write (a full or removed disk): a restarted agent or "
+              "kvscope analyze will miss them.",
+              (Q(f"sum by (instance, sink) (rate(kvscope_records_dropped_total{s(cfg)}[{RATE}]))",
+                 "{{instance}} {{sink}}"),), unit="short", width=12),
         )),
     ]
     return board(cfg, "node", "Node",
