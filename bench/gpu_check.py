@@ -45,13 +45,14 @@ def cuda_timed(torch, fn, repeat: int) -> float:
 
 
 def pools(torch, rows: int, block_bytes: int):
-    """A pinned host pool and a device pool of the reference engine, random bytes in both."""
+    """A pinned host pool and a device pool of the reference engine, float16 as the engine's
+    presets, random values in both."""
     from kvscope.engine.tier import BlockPool
 
-    host, dev = BlockPool(rows, block_bytes, "int8", "cpu"), BlockPool(rows, block_bytes, "int8",
-                                                                         "cuda")
+    elems = block_bytes // 2
+    host, dev = (BlockPool(rows, elems, "float16", device) for device in ("cpu", "cuda"))
     for pool in (host, dev):
-        pool.data.copy_(torch.randint(-128, 127, (rows, block_bytes), dtype=torch.int8))
+        pool.data.copy_(torch.randint(-2048, 2048, (rows, elems)).to(torch.float16))
     return host, dev
 
 
@@ -88,8 +89,8 @@ def bandwidth(torch, blocks: int, block_bytes: int, repeat: int) -> list[str]:
 def scattered_copies(torch, blocks: int, repeat: int) -> list[str]:
     """The reference engine's scattered-slot copies, both directions, on both of its paths (a
     copy per run at or above ``DIRECT_RUN_BYTES``, one kernel through the host pool's
-    ``cuda_view`` below it): the bytes land in the right rows; GB/s printed against torch's
-    contiguous copy of as many bytes."""
+    ``cuda_view`` below it): the copied rows land in the right slots and no other row
+    changes; GB/s printed against torch's contiguous copy of as many bytes."""
     from kvscope.engine.transfers import DIRECT_RUN_BYTES, Copier
 
     copier = Copier(cuda=True)
@@ -98,14 +99,17 @@ def scattered_copies(torch, blocks: int, repeat: int) -> list[str]:
     failures = []
     for block_bytes in (DIRECT_RUN_BYTES // 32, DIRECT_RUN_BYTES // 4, 2 * DIRECT_RUN_BYTES):
         host, dev = pools(torch, 2 * blocks, block_bytes)
-        if host.cuda_view is None:
+        if host.cuda_view(dev.data.device) is None:
             return ["the pinned host pool has no cuda_view: CUDA will not address it"]
+        path = "kernel" if block_bytes < DIRECT_RUN_BYTES else "per run"
         contiguous = cuda_timed(
             torch, lambda: dev.data[:blocks].copy_(host.data[:blocks], non_blocking=True), repeat)
         for name, src, dst in (("cpu->gpu", host, dev), ("gpu->cpu", dev, host)):
+            expected = dst.data.cpu().clone()  # .cpu() of a host tensor is itself
+            expected[dst_slots] = src.data[src_slots].cpu()
             seconds = engine_timed(copier, src, src_slots, dst, dst_slots, repeat)
-            intact = torch.equal(dst.data[dst_slots].cpu(), src.data[src_slots].cpu())
-            print(f"scattered {name}, {blocks} blocks of {block_bytes >> 10} KiB: "
+            intact = torch.equal(dst.data.cpu(), expected)
+            print(f"scattered {name} ({path}), {blocks} blocks of {block_bytes >> 10} KiB: "
                   f"{blocks * block_bytes / seconds / 1e9:5.1f} GB/s (torch contiguous "
                   f"{blocks * block_bytes / contiguous / 1e9:.1f}), ratio "
                   f"{contiguous / seconds:.2f}; bytes {'intact' if intact else 'WRONG'}")

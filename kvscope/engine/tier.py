@@ -29,8 +29,7 @@ class BlockPool:
     is pinned when CUDA is present so copies to the device can run asynchronously.
     ``host_bytes``: for a host pool, a writable uint8 numpy view of shape
     ``(blocks, block_bytes)`` sharing the tensor's memory (the disk tier reads and writes it).
-    ``cuda_view``: for a pinned host pool, a uint8 CUDA tensor of the same shape over the same
-    memory, so GPU kernels read and write its rows over PCIe; None otherwise.
+    :meth:`cuda_view` gives a pinned host pool's rows to kernels on a GPU.
     """
 
     def __init__(self, blocks: int, block_elems: int, dtype: str, device: str) -> None:
@@ -41,30 +40,52 @@ class BlockPool:
         self.is_cuda = device.startswith("cuda")
         self.data = torch.zeros((blocks, block_elems), dtype=getattr(torch, dtype), device=device,
                                 pin_memory=pin)
-        self.host_bytes = None if self.is_cuda else self.data.view(torch.uint8).numpy()
-        self.cuda_view = _cuda_view(torch, self.data.view(torch.uint8)) if pin else None
+        rows = self.data.view(torch.uint8)
+        self.host_bytes = None if self.is_cuda else rows.numpy()
+        self._pinned_rows = rows if pin else None  # what cuda_view maps
+        self._views: dict = {}  # torch.device -> CUDA view or None
+
+    def cuda_view(self, device):
+        """For a pinned host pool, a uint8 tensor on CUDA ``device`` (a ``torch.device`` with
+        an index) of shape ``(blocks, block_bytes)`` over this pool's memory, so kernels there
+        read and write its rows over PCIe; None for any other pool, or where CUDA will not
+        address the memory (then copy run by run). Made once per device."""
+        if self._pinned_rows is None:
+            return None
+        if device not in self._views:
+            self._views[device] = _cuda_view(self._pinned_rows, device)
+        return self._views[device]
 
 
 class _CudaArray:
-    """The CUDA Array Interface (v3, as defined by Numba) of a pinned uint8 host tensor."""
+    """The CUDA Array Interface (v3, as defined by Numba) of a pinned uint8 host tensor; holds
+    the tensor, so the memory lives as long as a view made of it."""
 
     def __init__(self, host) -> None:
+        self.host = host
         self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "|u1",
                                          "data": (host.data_ptr(), False), "version": 3,
                                          "strides": None}
 
 
-def _cuda_view(torch, host):
-    """A CUDA tensor over pinned host memory, or None where CUDA will not address it.
+def _cuda_view(host, device):
+    """A tensor on CUDA ``device`` over pinned ``host`` memory, or None where CUDA will not
+    address it there.
 
     Under unified virtual addressing (CUDA Programming Guide, "Unified Virtual Address Space":
     every 64-bit process on compute capability 2.0+) pinned host memory has the same address on
-    the device, so kernels reach it over PCIe. The view does not own the memory: the pool's
-    tensor must outlive it, as it does here."""
+    every device, so kernels reach it over PCIe. A torch that moves the memory instead of
+    viewing it (older ones copy what they take for another device's memory to the current one)
+    gives a tensor at another address: refused, since writes to it would never reach the
+    host."""
+    import torch
+
     try:
-        return torch.as_tensor(_CudaArray(host), device="cuda")
+        with torch.cuda.device(device):
+            view = torch.as_tensor(_CudaArray(host), device=device)
     except (RuntimeError, TypeError, ValueError):
         return None
+    return view if view.data_ptr() == host.data_ptr() and view.device == device else None
 
 
 class Tier:

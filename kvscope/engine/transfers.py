@@ -35,9 +35,10 @@ SPILL, OFFLOAD, STAGE, PROMOTE, PREFILL = range(5)
 # Scattered host<->device rows move in one gather-scatter kernel that reads or writes the pinned
 # host rows over PCIe (``BlockPool.cuda_view``); a run at least this long is copied on its own
 # instead (one cudaMemcpyAsync, as vLLM's swap_blocks does per block). Measured on an H200 (PCIe 5
-# x16, 128 scattered blocks; torch's contiguous pinned copy 50-55 GB/s): the kernel moved 38-44
-# GB/s host->device and 38-47 device->host for blocks of 32 KiB to 2 MiB; a copy per block moved
-# 9.3 GB/s at 64 KiB (about 8 us to issue each from Python), 42.7 at 512 KiB and 48.1 at 1 MiB.
+# x16, 128 scattered float16 blocks; torch's contiguous pinned copy 47-55 GB/s): the kernel moved
+# 36.6 GB/s host->device and 35.0 device->host at 32 KiB, 43.9 and 46.1 at 256 KiB; a copy per
+# block moved 9.3 GB/s at 64 KiB (about 8 us to issue each from Python), 42.7 at 512 KiB, 48.1 at
+# 1 MiB and 51.2 at 2 MiB.
 DIRECT_RUN_BYTES = 1 << 20
 
 
@@ -117,9 +118,10 @@ class Copier:
     Contiguous runs are copied with one ``copy_`` each. With CUDA, scattered slots in runs
     shorter than ``DIRECT_RUN_BYTES`` move in one kernel that gathers the source rows and
     scatters them into the destination's, reaching host rows through the host pool's
-    ``cuda_view`` (copied run by run where a pool has none). Between host pools, scattered
-    rows are gathered straight into contiguous destination rows, or copied row by row (no
-    call costs there).
+    :meth:`~kvscope.engine.tier.BlockPool.cuda_view` (copied run by run where there is none,
+    or no device memory for the gathered rows). The events time the kernels, not the index
+    upload before them. Between host pools, scattered rows are gathered straight into
+    contiguous destination rows, or copied row by row (no call costs there).
     """
 
     def __init__(self, cuda: bool) -> None:
@@ -173,17 +175,20 @@ class Copier:
         begin = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         run_bytes = len(src_slots) * src.shape[1] * src.element_size() / len(runs)
-        views = [pool.data.view(torch.uint8) if pool.is_cuda else pool.cuda_view
+        device = (dst_pool if dst_pool.is_cuda else src_pool).data.device
+        views = [pool.data.view(torch.uint8) if pool.is_cuda else pool.cuda_view(device)
                  for pool in (src_pool, dst_pool)]
-        device = dst_pool.device if dst_pool.is_cuda else src_pool.device
-        per_run = (len(runs) <= max(1, len(src_slots) // 4) or run_bytes >= DIRECT_RUN_BYTES
-                   or None in views)
+        per_run = len(runs) == 1 or run_bytes >= DIRECT_RUN_BYTES or None in views
         with torch.cuda.stream(self.stream):
             if not per_run:  # set up before the clock starts: the events time the bytes moving
                 src_view, dst_view = views
-                index = torch.tensor([src_slots, dst_slots], device=device)
-                rows = torch.empty((len(src_slots), src_view.shape[1]), dtype=torch.uint8,
-                                   device=device)
+                try:
+                    index = torch.tensor([src_slots, dst_slots], pin_memory=True).to(
+                        device, non_blocking=True)
+                    rows = torch.empty((len(src_slots), src_view.shape[1]), dtype=torch.uint8,
+                                       device=device)
+                except torch.cuda.OutOfMemoryError:  # no room for the gathered rows
+                    per_run = True
             begin.record(self.stream)
             if per_run:
                 for s0, d0, n in runs:
