@@ -265,3 +265,43 @@ def test_a_boolean_ttft_and_a_trace_id_that_is_not_hex_are_not_taken():
     assert pipeline.snapshot().events_dropped == {("otlp", "invalid"): 1}
     assert pipeline.requests.get("z-0", "vllm").trace_id != "z" * 32
     assert pipeline.requests.get("zero-0", "vllm").trace_id != "0" * 32
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while n >= 0x80:
+        out, n = out + bytes([n & 0x7F | 0x80]), n >> 7
+    return out + bytes([n])
+
+
+def _empty_spans_body(n: int) -> bytes:
+    """An export of ``n`` empty spans in one scope, encoded by hand (field 2 of ScopeSpans, 2
+    bytes each): what took 880 MiB to parse for 2M spans."""
+    scope = b"\x12\x00" * n
+    resource = b"\x12" + _varint(len(scope)) + scope
+    return b"\x0a" + _varint(len(resource)) + resource
+
+
+def test_spans_are_counted_on_the_wire_before_a_body_is_parsed():
+    """MAX_SPANS empty spans are accepted (and ignored: no request id); one more is a 413,
+    refused before protobuf builds anything, as is the same in JSON. The count agrees with
+    protobuf's own parse: ExportTraceServiceRequest reads the hand-made body as n spans."""
+    from kvscope.agent.sources.otlp_receiver import MAX_SPANS
+
+    parsed = ExportTraceServiceRequest()
+    parsed.ParseFromString(_empty_spans_body(3))
+    assert len(parsed.resource_spans[0].scope_spans[0].spans) == 3
+    agent = _agent()
+    json_spans = json.dumps({"resourceSpans": [{"scopeSpans": [
+        {"spans": [{}] * (MAX_SPANS + 1)}]}]}).encode()
+    with TestClient(create_app(agent)) as client:
+        def post(body, kind="application/x-protobuf", encoding=""):
+            return client.post("/v1/traces", content=body, headers={
+                "content-type": kind, "content-encoding": encoding}).status_code
+
+        assert post(_empty_spans_body(MAX_SPANS)) == 200
+        assert post(_empty_spans_body(MAX_SPANS + 1)) == 413
+        assert post(gzip.compress(_empty_spans_body(2_000_000)), encoding="gzip") == 413
+        assert post(json_spans, "application/json") == 413
+        assert post(_empty_spans_body(3)[:-1]) == 400  # cut short
+    assert agent.otlp_receiver.ignored == MAX_SPANS

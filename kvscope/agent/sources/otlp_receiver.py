@@ -43,10 +43,11 @@ REQUEST_ID = "gen_ai.request.id"
 TTFT = "gen_ai.latency.time_to_first_token"
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP traces path (OTLP specification, "OTLP/HTTP Request")
 EMPTY_RESPONSE = b""  # a serialized ExportTraceServiceResponse with no partial_success
-# Decompressed body limit. vLLM exports at most 512 spans a batch (the SDK's
-# OTEL_BSP_MAX_EXPORT_BATCH_SIZE), well under 1 MiB; a body of empty spans (2 bytes each) takes
-# about 400 bytes of memory per span to parse, so this bounds a parse near 1 GB.
+# Bounds of one body. vLLM exports at most 512 spans a batch (the SDK's
+# OTEL_BSP_MAX_EXPORT_BATCH_SIZE), well under 1 MiB. Parsed, a span takes about 400 bytes even
+# when empty (2 bytes on the wire), so spans are counted on the wire before a body is parsed.
 MAX_DECOMPRESSED_BYTES = 4 << 20
+MAX_SPANS = 10_000
 _TRACE_ID = re.compile(r"(?!0{32})[0-9a-f]{32}")  # 16 bytes, hex, not all zero (OTLP: invalid)
 
 
@@ -102,10 +103,60 @@ def parse(body: bytes, content_type: str, encoding: str = "",
                     "or application/json", 415)
 
 
+def _varint(buf: memoryview, i: int) -> tuple[int, int]:
+    """The base-128 varint at ``buf[i]`` and the offset after it."""
+    value = shift = 0
+    while i < len(buf) and shift < 64:
+        byte = buf[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+    raise OtlpError("not an OTLP protobuf trace export: a varint is cut short or too long")
+
+
+def _submessages(buf: memoryview, number: int):
+    """The bytes of each length-delimited field ``number`` of a protobuf message, in order,
+    other fields skipped (keys are varints of number << 3 | wire type; protobuf.dev,
+    "Encoding"). Raises OtlpError when the encoding is broken."""
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        wire = key & 7
+        if wire == 0:
+            _, i = _varint(buf, i)
+        elif wire in (1, 5):  # fixed 64 and 32 bits
+            i += 8 if wire == 1 else 4
+        elif wire == 2:
+            size, i = _varint(buf, i)
+            if key >> 3 == number:
+                yield buf[i:i + size]
+            i += size
+        else:
+            raise OtlpError(f"not an OTLP protobuf trace export: wire type {wire}")
+    if i != len(buf):
+        raise OtlpError("not an OTLP protobuf trace export: cut short")
+
+
+def _check_span_count(data: bytes) -> None:
+    """Raise OtlpError (413) when the export holds more than MAX_SPANS spans, counted on the
+    wire: ExportTraceServiceRequest.resource_spans (1) -> ResourceSpans.scope_spans (2) ->
+    ScopeSpans.spans (2), as opentelemetry-proto's trace.proto numbers them."""
+    count = 0
+    for resource_spans in _submessages(memoryview(data), 1):
+        for scope_spans in _submessages(resource_spans, 2):
+            for _ in _submessages(scope_spans, 2):
+                count += 1
+                if count > MAX_SPANS:
+                    raise OtlpError(f"more than {MAX_SPANS} spans in one export", 413)
+
+
 def _parse_protobuf(data: bytes) -> list[Span]:
     from google.protobuf.message import DecodeError
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+    _check_span_count(data)
     request = ExportTraceServiceRequest()
     try:
         request.ParseFromString(data)
@@ -134,6 +185,8 @@ def _parse_json(data: bytes) -> list[Span]:
         for resource_spans in doc.get("resourceSpans", []):
             for scope_spans in resource_spans.get("scopeSpans", []):
                 for s in scope_spans.get("spans", []):
+                    if len(spans) == MAX_SPANS:
+                        raise OtlpError(f"more than {MAX_SPANS} spans in one export", 413)
                     attributes = {a["key"]: _json_value(a.get("value", {}))
                                   for a in s.get("attributes", [])}
                     spans.append(Span(str(s.get("traceId", "")).lower(),
@@ -141,6 +194,8 @@ def _parse_json(data: bytes) -> list[Span]:
                                       int(s.get("startTimeUnixNano", 0)),
                                       int(s.get("endTimeUnixNano", 0)), attributes))
         return spans
+    except OtlpError:
+        raise
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
         raise OtlpError(f"not an OTLP/JSON trace export: {exc}") from None
     except RecursionError:
