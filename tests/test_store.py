@@ -266,6 +266,7 @@ def test_a_removed_directory_is_made_again_and_the_store_writes_on(tmp_path):
     the directory made again, and nothing is lost."""
     directory = tmp_path / "store"
     store = RequestStore(directory, clock=lambda: 3000.0)
+    store.take()
     store.add(_record(1000))
     store.flush()
     for path in directory.iterdir():
@@ -274,14 +275,17 @@ def test_a_removed_directory_is_made_again_and_the_store_writes_on(tmp_path):
     store.add(_record(1001))
     store.flush()
     assert _ids(store.load(10)) == ["r1001"] and store.lost == 0
+    with pytest.raises(OSError, match="another kvscope agent"):  # the lock was taken again
+        RequestStore(directory).take()
 
 
 def test_records_a_full_disk_refuses_are_counted_and_the_store_recovers(tmp_path, monkeypatch,
                                                                          caplog):
-    """The disk fills during the second of three flushes (the ENOSPC from fsync stands in for a
-    full disk: no test machine can be filled safely). Its 2 records are counted lost, the
-    failure is logged once and so is the recovery; the third flush writes to a new segment, and
-    both good flushes' records load (the damaged segment's tail is skipped on read)."""
+    """The disk is full for three flushes (the ENOSPC from fsync stands in for a full disk: no
+    test machine can be filled safely): their 3 records are counted lost, the failure is
+    logged once (an empty flush meanwhile is no recovery) and so is the recovery, with this
+    outage's count; the next flush writes to a new segment, both good flushes' records load
+    (the damaged segment's tail is skipped on read), and no empty segment is left behind."""
     store = RequestStore(tmp_path, clock=lambda: 3000.0)
     store.take()
     real_fsync = os.fsync
@@ -295,14 +299,17 @@ def test_records_a_full_disk_refuses_are_counted_and_the_store_recovers(tmp_path
     for i in (1001, 1002):
         store.add(_record(i))
     store._flush_logged()
-    store._flush_logged()  # still failing: not logged again
+    store._flush_logged()  # still failing, nothing to write: neither logged nor "again"
+    store.add(_record(1004))
+    store._flush_logged()  # 3 lost in this outage
     monkeypatch.setattr(os, "fsync", real_fsync)
     store.add(_record(1003))
     store._flush_logged()
-    assert store.lost == 2
+    assert store.lost == 3
     assert caplog.text.count("could not write") == 1
-    assert "2 requests could not be stored" in caplog.text
+    assert caplog.text.count(" again; ") == 1 and "3 requests could not be stored" in caplog.text
     assert "r1003" in _ids(store.load(10)) and "r1000" in _ids(store.load(10))
+    assert all(path.stat().st_size for path in store.segments())  # no empty segment left
 
 
 def test_a_restarted_agents_summary_percentiles_include_the_restored_requests(tmp_path):

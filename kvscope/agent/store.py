@@ -131,7 +131,7 @@ class RequestStore(Worker):
         self._seq = 0  # tells apart segments opened in the same millisecond
         self.unwritable = 0  # records skipped: a value msgpack cannot encode
         self.lost = 0  # records not known written: the disk failed (full, removed) meanwhile
-        self._failing = False  # the last flush failed (logged once until one succeeds)
+        self._lost_before: int | None = None  # lost when writes began failing; None: they work
 
     def segments(self) -> list[Path]:
         """Segment files, oldest first (anything else with their suffix is left alone)."""
@@ -196,24 +196,27 @@ class RequestStore(Worker):
         self._owner = None
 
     def _flush_logged(self) -> None:
+        lost = self.lost
         try:
-            self.flush()
+            written = self.flush()
         except OSError as exc:  # e.g. disk full: keep serving, start a new segment next time
             self._abandon()
-            if not self._failing:
+            if self._lost_before is None:
+                self._lost_before = lost
                 log.warning("kvscope store: could not write %s: %s; requests finishing until it "
                             "can are not stored (logged again when it can)", self.directory, exc)
-            self._failing = True
             return
         except Exception:  # a bug: say so, and keep the thread (and every later record) alive
             log.exception("kvscope store: flush failed")
-        if self._failing:
+            return
+        if self._lost_before is not None and written:
             log.warning("kvscope store: writing %s again; %d requests could not be stored",
-                        self.directory, self.lost)
-            self._failing = False
+                        self.directory, self.lost - self._lost_before)
+            self._lost_before = None
 
-    def flush(self) -> None:
-        """Write and fsync what arrived since the last flush; rotate and prune segments."""
+    def flush(self) -> int:
+        """Write and fsync what arrived since the last flush; rotate and prune segments.
+        Returns how many records were written; raises OSError when the disk fails."""
         with self._lock:
             records, self._queue = self._queue, []
         if self._path is not None and not self._path.exists():
@@ -227,6 +230,7 @@ class RequestStore(Worker):
             self.lost += len(records) - (self.unwritable - skipped)
             raise
         self._prune()
+        return len(records) - (self.unwritable - skipped)
 
     def _write(self, records: list[RequestRecord]) -> None:
         for record in records:
@@ -260,16 +264,27 @@ class RequestStore(Worker):
             self._file = self._path = None
 
     def _abandon(self) -> None:
-        """Give up the segment being written (a partial last frame in it is skipped on read)."""
+        """Give up the segment being written (a partial last frame in it is skipped on read;
+        one left empty is deleted)."""
         if self._file is not None:
             try:
                 self._file.close()
+                if self._size == 0:
+                    self._path.unlink(missing_ok=True)
             except OSError:
                 pass
         self._file = self._path = None
 
     def _rotate(self) -> None:
         self._close()
+        if self._owner is not None and not (self.directory / ".lock").exists():
+            owner, self._owner = self._owner, None  # removed: make it and take it again
+            try:
+                self.take()
+            except OSError:  # another agent took it meanwhile: write nothing into its store
+                self._owner = owner
+                raise
+            owner.close()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._seq += 1
         self._opened = self._clock()
