@@ -226,7 +226,7 @@ def test_an_emitter_refuses_a_source_name_the_agent_would_drop(tmp_path):
 def test_an_emitter_refuses_an_endpoint_zmq_cannot_connect_with_a_value_error():
     """``foo://x`` raised ZMQError, which the documented contract does not name: now a
     ValueError that says what to use."""
-    for endpoint in ("foo://x", "tcp://no-port"):
+    for endpoint in ("foo://x", "tcp://no-port", "inproc://agent"):
         with pytest.raises(ValueError, match="use tcp://HOST:PORT or ipc://PATH"):
             Emitter(endpoint, source="engine")
 

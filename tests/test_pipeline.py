@@ -368,15 +368,18 @@ def test_a_worker_tap_first_heard_after_a_request_finished_still_joins_its_trans
 def test_a_request_finishing_far_ahead_of_the_clock_is_dropped_as_invalid():
     """A request said to finish in 2099 sorted first in the table for good, and a restarted
     agent's store refused it (more than an hour ahead): the pipeline now drops it as invalid
-    from the start. One finishing 10 minutes ahead (a clock step) is kept."""
+    from the start, as one that started in 2096 and finished now (first by arrival). One
+    finishing 10 minutes ahead (a clock step) is kept."""
     pipeline = Pipeline()
     now = time.time()
-    pipeline.ingest("engine", [ev.RequestFinished(ts=ts, request_id=rid, ttft=0.1,
-                                                  prompt_tokens=8)
-                               for rid, ts in (("far", 4_070_000_000.0), ("near", now + 600))])
-    assert pipeline.requests.get("far") is None and pipeline.requests.get("near") is not None
+    pipeline.ingest("engine", [ev.RequestStarted(ts=3_980_000_000.0, request_id="early",
+                                                 prompt_tokens=8)] + [
+        ev.RequestFinished(ts=ts, request_id=rid, ttft=0.1, prompt_tokens=8)
+        for rid, ts in (("far", 4_070_000_000.0), ("near", now + 600), ("early", now))])
+    assert pipeline.requests.get("far") is None and pipeline.requests.get("early") is None
+    assert pipeline.requests.get("near") is not None
     snap = pipeline.snapshot()
-    assert snap.events_dropped == {("engine", "invalid"): 1} and snap.requests == 1
+    assert snap.events_dropped == {("engine", "invalid"): 2} and snap.requests == 1
 
 
 def test_tier_snapshots_of_several_engines_add_up():

@@ -467,8 +467,8 @@ class Pipeline:
                        finished: list) -> None:
         records = self._assembler.finished(source, events, joined=source in self._joined)
         ahead = time.time() + FUTURE
-        if any(r.finished > ahead for r in records):  # as the store would never load them
-            kept = [r for r in records if r.finished <= ahead]
+        if any(r.finished > ahead or r.arrival > ahead for r in records):  # corrupt times
+            kept = [r for r in records if r.finished <= ahead and r.arrival <= ahead]
             self._dropped[(source, "invalid")] += len(records) - len(kept)
             records = kept
         if not records:  # the requests had finished already: their records were completed

@@ -47,7 +47,8 @@ class Emitter:
     ``logger``: where it logs (default this module's); a tap inside an engine passes one under
     the engine's logger, so the lines come out in the engine's log format.
     Raises ValueError for a ``source`` or ``scope`` the agent would refuse, or an ``endpoint``
-    ZMQ cannot connect to (a bad scheme or address); nothing after construction raises.
+    that is not ``tcp://`` or ``ipc://`` or that ZMQ cannot connect to; nothing after
+    construction raises.
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
@@ -88,6 +89,8 @@ class Emitter:
         self._socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a live connection
         self._socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
         try:
+            if not endpoint.startswith(("tcp://", "ipc://")):  # inproc:// never leaves us
+                raise zmq.ZMQError(msg="not a tcp:// or ipc:// endpoint")
             self._socket.connect(endpoint)
         except zmq.ZMQError as exc:
             self._socket.close(0)
