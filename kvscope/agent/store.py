@@ -140,9 +140,10 @@ class RequestStore(Worker):
     def load(self, limit: int) -> list[RequestRecord]:
         """The newest ``limit`` intact records on disk that finished within ``max_age``, oldest
         first. A store written before the agent bounded what a record holds is read within the
-        bounds: records that finished more than :data:`~kvscope.agent.requests.FUTURE` seconds ahead of the clock are
-        skipped, and only the first :data:`~kvscope.agent.requests.MAX_TRANSFERS` transfers
-        are kept (the rest counted in ``transfers_omitted``)."""
+        bounds: records that finished more than :data:`~kvscope.agent.requests.FUTURE` seconds
+        ahead of the clock are skipped, and only the first
+        :data:`~kvscope.agent.requests.MAX_TRANSFERS` transfers are kept (the rest counted in
+        ``transfers_omitted``)."""
         now = self._clock()
         cutoff, ahead = now - self._max_age, now + FUTURE
         records: list[RequestRecord] = []
@@ -225,14 +226,15 @@ class RequestStore(Worker):
         try:
             if self._file is not None and self._clock() - self._opened >= self._max_age / 4:
                 self._close()  # closed, it can age out whole, even if nothing more comes
-            self._write(records)
+            written = self._write(records)
         except OSError:
             self.lost += len(records) - (self.unwritable - skipped)
             raise
         self._prune()
-        return len(records) - (self.unwritable - skipped)
+        return written
 
-    def _write(self, records: list[RequestRecord]) -> None:
+    def _write(self, records: list[RequestRecord]) -> int:
+        written = 0
         for record in records:
             try:
                 payload = self._encoder.encode(record)
@@ -250,8 +252,10 @@ class RequestStore(Worker):
             self._file.write(_HEADER.pack(len(payload), zlib.crc32(payload)))
             self._file.write(payload)
             self._size += frame
-        if records:
+            written += 1
+        if written:
             self._sync()
+        return written
 
     def _sync(self) -> None:
         self._file.flush()
