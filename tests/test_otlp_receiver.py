@@ -284,8 +284,9 @@ def _empty_spans_body(n: int) -> bytes:
 
 def test_spans_are_counted_on_the_wire_before_a_body_is_parsed():
     """MAX_SPANS empty spans are accepted (and ignored: no request id); one more is a 413,
-    refused before protobuf builds anything, as is the same in JSON. The count agrees with
-    protobuf's own parse: ExportTraceServiceRequest reads the hand-made body as n spans."""
+    refused before protobuf builds anything, as is the same in JSON, and so is a body of
+    millions of other fields. The count agrees with protobuf's own parse:
+    ExportTraceServiceRequest reads the hand-made body as n spans."""
     from kvscope.agent.sources.otlp_receiver import MAX_SPANS
 
     parsed = ExportTraceServiceRequest()
@@ -302,6 +303,8 @@ def test_spans_are_counted_on_the_wire_before_a_body_is_parsed():
         assert post(_empty_spans_body(MAX_SPANS)) == 200
         assert post(_empty_spans_body(MAX_SPANS + 1)) == 413
         assert post(gzip.compress(_empty_spans_body(2_000_000)), encoding="gzip") == 413
+        # 2M fields of no use (field 15, varint 0) would cost the walk seconds: refused early
+        assert post(gzip.compress(b"\x78\x00" * 2_000_000), encoding="gzip") == 413
         assert post(json_spans, "application/json") == 413
         assert post(_empty_spans_body(3)[:-1]) == 400  # cut short
     assert agent.otlp_receiver.ignored == MAX_SPANS

@@ -116,22 +116,23 @@ def _varint(buf: memoryview, i: int) -> tuple[int, int]:
     raise OtlpError("not an OTLP protobuf trace export: a varint is cut short or too long")
 
 
-def _submessages(buf: memoryview, number: int):
-    """The bytes of each length-delimited field ``number`` of a protobuf message, in order,
-    other fields skipped (keys are varints of number << 3 | wire type; protobuf.dev,
-    "Encoding"). Raises OtlpError when the encoding is broken."""
+def _fields(buf: memoryview):
+    """``(number, payload)`` of each field of a protobuf message, in order: ``payload`` the
+    bytes of a length-delimited field, None for the others (keys are varints of number << 3 |
+    wire type; protobuf.dev, "Encoding"). Raises OtlpError when the encoding is broken."""
     i = 0
     while i < len(buf):
         key, i = _varint(buf, i)
         wire = key & 7
         if wire == 0:
             _, i = _varint(buf, i)
+            yield key >> 3, None
         elif wire in (1, 5):  # fixed 64 and 32 bits
             i += 8 if wire == 1 else 4
+            yield key >> 3, None
         elif wire == 2:
             size, i = _varint(buf, i)
-            if key >> 3 == number:
-                yield buf[i:i + size]
+            yield key >> 3, buf[i:i + size]
             i += size
         else:
             raise OtlpError(f"not an OTLP protobuf trace export: wire type {wire}")
@@ -142,13 +143,25 @@ def _submessages(buf: memoryview, number: int):
 def _check_span_count(data: bytes) -> None:
     """Raise OtlpError (413) when the export holds more than MAX_SPANS spans, counted on the
     wire: ExportTraceServiceRequest.resource_spans (1) -> ResourceSpans.scope_spans (2) ->
-    ScopeSpans.spans (2), as opentelemetry-proto's trace.proto numbers them."""
-    count = 0
-    for resource_spans in _submessages(memoryview(data), 1):
-        for scope_spans in _submessages(resource_spans, 2):
-            for _ in _submessages(scope_spans, 2):
-                count += 1
-                if count > MAX_SPANS:
+    ScopeSpans.spans (2), as opentelemetry-proto's trace.proto numbers them. The walk visits
+    every field of those three levels, which an export needs few of beside its spans: past
+    2 x MAX_SPANS of them (other fields by the million would cost seconds here) it stops."""
+    visited = spans = 0
+
+    def children(buf: memoryview, number: int):
+        nonlocal visited
+        for field, payload in _fields(buf):
+            visited += 1
+            if visited > 2 * MAX_SPANS:
+                raise OtlpError(f"more than {2 * MAX_SPANS} fields around the spans", 413)
+            if field == number and payload is not None:
+                yield payload
+
+    for resource_spans in children(memoryview(data), 1):
+        for scope_spans in children(resource_spans, 2):
+            for _ in children(scope_spans, 2):
+                spans += 1
+                if spans > MAX_SPANS:
                     raise OtlpError(f"more than {MAX_SPANS} spans in one export", 413)
 
 
