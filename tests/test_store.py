@@ -363,3 +363,25 @@ def test_records_the_store_could_not_write_are_exported(tmp_path, monkeypatch):
     value = agent.registry.get_sample_value
     assert value("kvscope_records_dropped_total", {"sink": "store"}) == 1
     assert value("kvscope_records_dropped_total", {"sink": "capture_blocks"}) == 0
+
+
+def test_a_store_whose_lock_was_replaced_writes_nothing_into_another_agents_directory(tmp_path):
+    """Agent A's .lock is removed and agent B takes the directory: A used to write on beside B
+    (two writers). Now A's next flush finds the lock is no longer its own, cannot take it back,
+    and counts its 2 records lost instead of writing them; once B lets go, A takes the
+    directory again and writes."""
+    a = RequestStore(tmp_path, clock=lambda: 3000.0)
+    a.take()
+    a.add(_record(1000))
+    a._flush_logged()
+    (tmp_path / ".lock").unlink()
+    b = RequestStore(tmp_path, clock=lambda: 3000.0)
+    b.take()
+    for i in (1001, 1002):
+        a.add(_record(i))
+    a._flush_logged()
+    assert a.lost == 2 and _ids(b.load(10)) == ["r1000"]
+    b._owner.close()  # B stops
+    a.add(_record(1003))
+    a._flush_logged()
+    assert _ids(a.load(10)) == ["r1000", "r1003"]

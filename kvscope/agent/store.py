@@ -220,10 +220,11 @@ class RequestStore(Worker):
         Returns how many records were written; raises OSError when the disk fails."""
         with self._lock:
             records, self._queue = self._queue, []
-        if self._path is not None and not self._path.exists():
-            self._abandon()  # its directory was removed: write on in a new one
         skipped = self.unwritable
         try:
+            self._hold_lock()
+            if self._path is not None and not self._path.exists():
+                self._abandon()  # its directory was removed: write on in a new one
             if self._file is not None and self._clock() - self._opened >= self._max_age / 4:
                 self._close()  # closed, it can age out whole, even if nothing more comes
             written = self._write(records)
@@ -279,16 +280,29 @@ class RequestStore(Worker):
                 pass
         self._file = self._path = None
 
+    def _hold_lock(self) -> None:
+        """Check that the lock this store took is still its directory's ``.lock``, and take it
+        again when the directory or the file was removed or replaced (then another agent could
+        have taken the directory). Raises OSError (EBUSY) when another agent holds it now: this
+        store writes nothing there until it can take it back."""
+        if self._owner is None:  # never taken (a store used on its own)
+            return
+        try:
+            now, held = os.stat(self.directory / ".lock"), os.fstat(self._owner.fileno())
+            if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                return
+        except FileNotFoundError:
+            pass
+        owner, self._owner = self._owner, None
+        try:
+            self.take()
+        except OSError:
+            self._owner = owner
+            raise
+        owner.close()
+
     def _rotate(self) -> None:
         self._close()
-        if self._owner is not None and not (self.directory / ".lock").exists():
-            owner, self._owner = self._owner, None  # removed: make it and take it again
-            try:
-                self.take()
-            except OSError:  # another agent took it meanwhile: write nothing into its store
-                self._owner = owner
-                raise
-            owner.close()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._seq += 1
         self._opened = self._clock()
