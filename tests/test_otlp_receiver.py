@@ -245,7 +245,17 @@ def test_hostile_json_and_gzip_bodies_are_refused_with_400_not_500():
             assert r.status_code == 400, (r.status_code, r.text[:200])
         assert client.post("/v1/traces", content=json_body(), headers={
             "content-type": "application/json"}).status_code == 200
+        # numbers past float's range in a span: that span is invalid, the export still 200
+        huge = json.loads(json_body({**ATTRS, "gen_ai.request.id": "big-ttft"}))
+        spans = huge["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        spans[0]["attributes"][3]["value"] = {"intValue": "1" + "0" * 400}  # the TTFT
+        late = json.loads(json_body({**ATTRS, "gen_ai.request.id": "late"}))
+        spans.append({**late["resourceSpans"][0]["scopeSpans"][0]["spans"][0],
+                      "startTimeUnixNano": "9" * 4000})
+        assert client.post("/v1/traces", content=json.dumps(huge).encode(), headers={
+            "content-type": "application/json"}).status_code == 200
     assert agent.pipeline.requests.get("cmpl-1-0") is not None
+    assert agent.pipeline.snapshot().events_dropped == {("otlp", "invalid"): 2}
 
 
 def test_a_boolean_ttft_and_a_trace_id_that_is_not_hex_are_not_taken():
@@ -307,4 +317,8 @@ def test_spans_are_counted_on_the_wire_before_a_body_is_parsed():
         assert post(gzip.compress(b"\x78\x00" * 2_000_000), encoding="gzip") == 413
         assert post(json_spans, "application/json") == 413
         assert post(_empty_spans_body(3)[:-1]) == 400  # cut short
-    assert agent.otlp_receiver.ignored == MAX_SPANS
+        # 7,000 spans, each in a resource and scope of its own (7 fields a span): accepted
+        spread = ExportTraceServiceRequest(resource_spans=[
+            ResourceSpans(scope_spans=[ScopeSpans(spans=[Span(name="s")])])] * 7000)
+        assert post(spread.SerializeToString()) == 200
+    assert agent.otlp_receiver.ignored == MAX_SPANS + 7000  # no request ids

@@ -145,15 +145,17 @@ def _check_span_count(data: bytes) -> None:
     wire: ExportTraceServiceRequest.resource_spans (1) -> ResourceSpans.scope_spans (2) ->
     ScopeSpans.spans (2), as opentelemetry-proto's trace.proto numbers them. The walk visits
     every field of those three levels, which an export needs few of beside its spans: past
-    2 x MAX_SPANS of them (other fields by the million would cost seconds here) it stops."""
+    8 x MAX_SPANS of them (one resource and scope per span takes 7; other fields by the
+    million would cost seconds here) it stops. Groups (wire types 3 and 4), which no OTLP
+    exporter sends, are refused."""
     visited = spans = 0
 
     def children(buf: memoryview, number: int):
         nonlocal visited
         for field, payload in _fields(buf):
             visited += 1
-            if visited > 2 * MAX_SPANS:
-                raise OtlpError(f"more than {2 * MAX_SPANS} fields around the spans", 413)
+            if visited > 8 * MAX_SPANS:
+                raise OtlpError(f"more than {8 * MAX_SPANS} fields around the spans", 413)
             if field == number and payload is not None:
                 yield payload
 
@@ -230,8 +232,13 @@ def _json_value(value: dict) -> object:
 def _float(attributes: dict, key: str) -> float:
     """A latency attribute in seconds; 0 (unknown) unless finite and not negative."""
     value = attributes.get(key)
-    return (float(value) if isinstance(value, (int, float)) and not isinstance(value, bool)
-            and 0 <= value < math.inf else 0.0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return 0.0
+    try:
+        value = float(value)
+    except OverflowError:  # an integer past float's range
+        return 0.0
+    return value if 0 <= value < math.inf else 0.0
 
 
 def _count(attributes: dict, key: str) -> int:
@@ -297,7 +304,7 @@ class OtlpReceiver:
                     prompt_tokens=prompt, output_tokens=_count(a, "gen_ai.usage.completion_tokens"),
                     queueing=_float(a, "gen_ai.latency.time_in_queue"),
                     prefill=_float(a, "gen_ai.latency.time_in_model_prefill")))
-            except ev.SchemaError as exc:
+            except (ev.SchemaError, OverflowError) as exc:  # OverflowError: a time past float's
                 self._invalid(request_id, str(exc))
                 continue
             if ttft:
