@@ -152,11 +152,11 @@ def _check_span_count(data: bytes) -> None:
 
     def children(buf: memoryview, number: int):
         nonlocal visited
-        for field, payload in _fields(buf):
+        for tag, payload in _fields(buf):
             visited += 1
             if visited > 8 * MAX_SPANS:
                 raise OtlpError(f"more than {8 * MAX_SPANS} fields around the spans", 413)
-            if field == number and payload is not None:
+            if tag == number and payload is not None:
                 yield payload
 
     for resource_spans in children(memoryview(data), 1):
