@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="run the reference engine on a workload with the agent and the dashboard",
         description="Replay a workload (built-in synthetic by default, or a Mooncake JSONL trace) "
                     "through the reference offload engine, with the agent's /metrics and API and "
-                    "the dashboard, on loopback. Stops on Ctrl-C, SIGTERM or SIGHUP, "
+                    "the dashboard, on loopback unless --host says otherwise. Stops on Ctrl-C, "
+                    "SIGTERM or SIGHUP, "
                     "or after --duration.")
     demo.add_argument("--duration", type=positive(float), metavar="SECONDS",
                       help="stop after this many seconds (default: run until Ctrl-C)")
