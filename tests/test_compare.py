@@ -188,3 +188,15 @@ def test_bootstrap_replicates_are_chunked_seeded_and_shaped():
     assert two.difference[0].value == 5.0 and two.candidate[0].value == 9.5
     with pytest.raises(ValueError):
         quantile_replicates(np.zeros(0), [0.5], rng=np.random.default_rng(0))
+
+
+def test_one_damaged_segment_in_a_capture_directory_is_skipped_with_a_warning(tmp_path,
+                                                                               capsys, caplog):
+    """A capture directory holding a requests segment that is not Parquet (a damaged copy):
+    compare used to refuse the whole directory. Now that file is skipped, a warning names it,
+    and the comparison runs on the readable segments (10 requests each side)."""
+    b, c = _capture(tmp_path / "b", [0.02] * 10), _capture(tmp_path / "c", [0.04] * 10)
+    (c / f"requests-{'9' * 15}-1-000001.parquet").write_bytes(b"not parquet")
+    assert main(["compare", str(b), str(c)]) == 0
+    assert "skipped" in caplog.text and "requests-999999999999999-1-000001.parquet" in caplog.text
+    assert f"candidate {c} (10 requests)" in capsys.readouterr().out

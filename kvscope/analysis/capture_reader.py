@@ -13,6 +13,7 @@ Only finished segments (``*.parquet``) are read, in start-time order; a ``.parqu
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from kvscope.analysis.compare import RequestSample
 from kvscope.analysis.inputs import AccessTrace
 from kvscope.engine.workload import TraceError
 
+log = logging.getLogger(__name__)
 UNKNOWN_BLOCK_TOKENS = 16  # vLLM's default block_size, assumed when a capture does not say
 
 _BLOCK_COLUMNS = ["ts", "depth", "block_hash", "tokens", "block_tokens", "prompt_tokens"]
@@ -48,8 +50,10 @@ def capture_segments(path: str | Path, kind: str) -> list[Path]:
 
 def _read(paths: list[Path], columns: list[str], kind: str, where: Path) -> pa.Table:
     """The ``columns`` of every segment, concatenated in order. A segment deleted meanwhile
-    (pruned by a running agent) is skipped; an unreadable one raises TraceError naming it."""
-    tables = []
+    (pruned by a running agent) is skipped. An unreadable one raises TraceError naming it,
+    unless ``where`` is a directory with other readable segments: then it is skipped and a
+    warning names it (one damaged copy should not cost the analysis of the rest)."""
+    tables, problems = [], []
     for p in paths:
         try:
             table = pq.read_table(p, columns=columns)
@@ -58,9 +62,14 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path) -> pa.T
         except (pa.ArrowInvalid, OSError, KeyError) as exc:
             # the first line only: Arrow goes on to list the file's whole schema
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise TraceError(f"{p}: not a kvscope {kind} segment ({reason}); pass the capture "
-                             f"directory, or one of its {kind}-*{SUFFIX} files") from None
+            problems.append(f"{p}: not a kvscope {kind} segment ({reason})")
+            continue
         tables.append(table)
+    if problems and not (tables and where.is_dir()):
+        raise TraceError(f"{problems[0]}; pass the capture directory, or one of its "
+                         f"{kind}-*{SUFFIX} files")
+    for problem in problems:
+        log.warning("kvscope: skipped %s", problem)
     if not tables:
         raise TraceError(f"{where}: no {kind} segments (kvscope agent --capture-dir writes them)")
     return pa.concat_tables(tables)
