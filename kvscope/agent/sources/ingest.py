@@ -178,10 +178,10 @@ class IngestSource(Worker):
                                 "from source %r (%s): %s; logged once per source and reason",
                                 len(header.events), named, reason, detail)
             return
-        if batch.scope and not self._admit(batch.scope):
-            self.pipeline.drop(source, "bad_source", len(batch.events))
-            return
         if batch.scope:  # a scope is a source too: it takes a place (pipeline state per scope)
+            if not self._admit(batch.scope):
+                self.pipeline.drop(source, "bad_source", len(batch.events))
+                return
             self._streams.setdefault(batch.scope, OrderedDict())
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
