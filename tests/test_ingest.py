@@ -183,6 +183,47 @@ def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp
     assert source.pipeline.snapshot().source_up == {"ingest": True}
 
 
+def _nested(depth):
+    """A batch whose events nest an array ``depth`` deep: msgpack allows it, msgspec stops at
+    Python's recursion limit (1,000 frames by default) with a RecursionError."""
+    head = msgspec.msgpack.encode({"version": ev.SCHEMA_VERSION, "source": "evil", "seq": 0})
+    return (bytes([head[0] + 1]) + head[1:] + msgspec.msgpack.encode("events")
+            + b"\x91" * (depth + 1) + b"\xc0")
+
+
+def test_a_message_nested_past_the_decoders_depth_is_dropped_and_ingest_goes_on(source, tmp_path):
+    """10 KB nesting 10,000 arrays deep once raised RecursionError out of the header read and
+    ended the ingest thread, silently (source_up stayed 1). It is dropped, as 1 under "ingest"
+    (its header cannot be read), and the next batch is counted."""
+    good = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=0,
+                                    events=[_lookup(0)]))
+    _push(_endpoint(tmp_path), _nested(10_000), good)
+    assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 1)
+    assert source.pipeline.snapshot().events_dropped == {("ingest", "invalid"): 1}
+
+
+def test_a_bug_handling_one_message_is_logged_and_counted_and_ingest_goes_on(source, tmp_path,
+                                                                            monkeypatch, caplog):
+    """A bug is simulated: the pipeline raises on its first batch. That batch counts as 1
+    malformed under "ingest", the traceback is logged once, and the next batch is folded."""
+    fold = source.pipeline.ingest
+    calls = []
+
+    def ingest_raising_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("a bug")
+        fold(*args, **kwargs)
+
+    monkeypatch.setattr(source.pipeline, "ingest", ingest_raising_once)
+    batches = [ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=i,
+                                        events=[_lookup(i)])) for i in range(2)]
+    _push(_endpoint(tmp_path), *batches)
+    assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 1)
+    assert source.pipeline.snapshot().events_dropped == {("ingest", "malformed"): 1}
+    assert caplog.text.count("KeyError: 'a bug'") == 1
+
+
 def _batch(seq, session, dropped=0, version=ev.SCHEMA_VERSION, events=1):
     return ev.encode_batch(ev.Batch(version=version, source="engine", seq=seq, session=session,
                                     dropped=dropped, events=[_lookup(i) for i in range(events)]))

@@ -351,6 +351,19 @@ def test_odd_sequence_numbers_neither_stop_the_source_nor_inflate_gaps(caplog):
     assert "jumped 4611686018427387903 batches ahead" in caplog.text
 
 
+def test_a_batch_nested_past_the_decoders_depth_is_malformed_and_the_source_goes_on():
+    """A KVEventBatch whose events nest 10,000 arrays deep once raised RecursionError out of
+    handle() and ended the source's thread: it is 1 malformed, and the next batch folds."""
+    pipeline = Pipeline()
+    src = KvEventsSource(pipeline)
+    deep = b"\x93" + msgspec.msgpack.encode(100.0) + b"\x91" * 10_001 + b"\xc0" + b"\x00"
+    src.handle([b"kv", (0).to_bytes(8, "big"), deep])
+    src.handle(frames(1, stored([1])))
+    snap = pipeline.snapshot()
+    assert snap.events_dropped == {("kv_events", "malformed"): 1}
+    assert snap.tiers["gpu"].resident_blocks == 1
+
+
 def test_a_vllm_restart_resets_every_reported_tier_at_once():
     """2 CPU blocks resident; vLLM restarts (seq goes back) and its first batch has GPU events
     only: the CPU tier's gauges read 0 at once, not 2 until a CPU event comes."""

@@ -230,7 +230,7 @@ class CaptureWriter(Worker):
         except OSError as exc:  # disk full, directory removed: keep serving, say so
             log.warning("kvscope capture: could not write %s: %s", self.directory, exc)
         except Exception:  # a bug: say so, and keep the thread (and every later row) alive
-            log.exception("kvscope capture: %s failed", step.__name__)
+            self.log_bug(step.__name__)
 
     # -- segments ---------------------------------------------------------------------------
 

@@ -208,7 +208,7 @@ class RequestStore(Worker):
                             "can are not stored (logged again when it can)", self.directory, exc)
             return
         except Exception:  # a bug: say so, and keep the thread (and every later record) alive
-            log.exception("kvscope store: flush failed")
+            self.log_bug("a flush")
             return
         if self._lost_before is not None and written:
             log.warning("kvscope store: writing %s again; %d requests could not be stored",

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
+
+log = logging.getLogger(__name__)
 
 
 class Worker:
@@ -20,12 +24,23 @@ class Worker:
     def __init__(self) -> None:
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._bugs_logged: set[type] = set()
 
     def prepare(self) -> None:
         """Set up before the thread starts; raise to refuse to start."""
 
     def run(self) -> None:
         raise NotImplementedError
+
+    def log_bug(self, doing: str) -> None:
+        """Log the exception being handled, with its traceback: the first of each type only,
+        since a sender may repeat the message that raised it. For the ``except Exception`` of
+        a loop in :meth:`run` that keeps the thread (and every later message) alive."""
+        kind = type(sys.exc_info()[1])
+        if kind not in self._bugs_logged:
+            self._bugs_logged.add(kind)
+            log.exception("kvscope %s: %s failed (a bug; logged once per exception type)",
+                          self.thread_name, doing)
 
     def start(self) -> None:
         if self._thread is None:

@@ -141,7 +141,11 @@ class IngestSource(Worker):
                         data = self._socket.recv(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
                         break
-                    self.handle(data)
+                    try:
+                        self.handle(data)
+                    except Exception:  # noqa: BLE001 (counted and logged; ingest goes on)
+                        self.pipeline.drop(NAME, "malformed")
+                        self.log_bug("handling a message")
         finally:
             self._socket.close()
 

@@ -131,7 +131,8 @@ _event_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksC
 def decode(payload: bytes) -> tuple[float, list, int]:
     """``(ts, events, unknown)`` of one KVEventBatch payload: the known events decoded, the
     count of events of kinds this version does not know. Raises msgspec.DecodeError /
-    ValidationError for a payload that is not a KVEventBatch."""
+    ValidationError for a payload that is not a KVEventBatch, RecursionError for one nested
+    past msgspec's depth bound."""
     batch = _batch_decoder.decode(payload)
     events, unknown = [], 0
     for raw in batch.events:
@@ -366,7 +367,11 @@ class KvEventsSource(Worker):
                         frames = self._socket.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self.handle(frames)
+                    try:
+                        self.handle(frames)
+                    except Exception:  # noqa: BLE001 (counted and logged; the source goes on)
+                        self.pipeline.drop(NAME, "malformed")
+                        self.log_bug("handling a message")
         finally:
             self._socket.disable_monitor()
             self._monitor.close()
@@ -420,7 +425,7 @@ class KvEventsSource(Worker):
     def _apply(self, payload: bytes) -> None:
         try:
             ts, events, unknown = decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, RecursionError):
             self.pipeline.drop(NAME, "malformed")
             return
         if unknown:
