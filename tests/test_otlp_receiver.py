@@ -16,6 +16,7 @@ from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.sources.otlp_receiver import Span as ReceivedSpan
+from kvscope.exporter.catalog import LATENCY_SECONDS_BUCKETS
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 ATTRS = {"gen_ai.request.id": "cmpl-1-0", "gen_ai.usage.prompt_tokens": 300,
@@ -76,8 +77,8 @@ def test_protobuf_spans_become_requests_with_vllm_latencies():
     assert record.trace_id == TRACE and record.ttft == 0.25 and record.queueing == 0.05
     assert record.prompt_tokens == 300 and record.output_tokens == 4
     assert agent.pipeline.snapshot().requests == 1
-    # one span received; it became 2 events of the vllm source
-    assert agent.pipeline.snapshot().events_received == {"otlp": 1, "vllm": 2}
+    # one span received, counted once: the 2 events it became were not sent by the vllm source
+    assert agent.pipeline.snapshot().events_received == {"otlp": 1}
 
 
 def test_json_and_gzip_bodies_are_accepted():
@@ -152,8 +153,9 @@ def test_a_span_joins_only_the_records_of_the_receivers_source():
 
 def test_a_span_that_comes_before_the_taps_finish_still_makes_one_request():
     """vLLM sent the span while the tap still had the request open: the span finishes the
-    record (vLLM's trace id and TTFT), and the tap's finish, arriving second, only adds what
-    the span lacks (the promotion wait): one request, not two."""
+    record (vLLM's trace id and TTFT), and the tap's finish, arriving second, completes it
+    with the promotion wait: one request, not two, and the histograms observe what the record
+    says (the promotion wait once observed the span's 0 s, in the first bucket, <= 1 ms)."""
     agent = _agent()
     agent.otlp_receiver.start()
     agent.pipeline.ingest("vllm", [
@@ -168,7 +170,76 @@ def test_a_span_that_comes_before_the_taps_finish_still_makes_one_request():
     record = agent.pipeline.requests.get("cmpl-1-0")
     assert record.trace_id == TRACE and record.ttft == 0.25 and record.promotion_wait == 0.02
     assert record.tokens == {"cpu": 256, "recompute": 44}
+    # prefill 0.15 from the span, within TTFT 0.25 - queueing 0.05 - promotion wait 0.02
+    assert record.queueing == 0.05 and record.prefill == 0.15
+    snap = agent.pipeline.snapshot()
+    assert snap.requests == 1 and len(agent.pipeline.requests) == 1
+    assert snap.promotion_wait_seconds.sum == 0.02 and snap.ttft_seconds.sum == 0.25
+    assert snap.ttft_seconds.exemplars[LATENCY_SECONDS_BUCKETS.index(0.25)][0] == TRACE
+
+
+def test_a_span_before_any_of_the_taps_events_still_makes_one_request():
+    """The tap's events were late: the span made the request; the tap's start, lookup and
+    finish then complete that record (its tokens, its promotion wait) instead of opening a
+    second one."""
+    agent = _agent()
+    agent.otlp_receiver.start()
+    with TestClient(create_app(agent)) as client:
+        client.post("/v1/traces", content=protobuf_body(),
+                    headers={"content-type": "application/x-protobuf"})
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Lookup(ts=1.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44}),
+        ev.RequestFinished(ts=1.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
+                           promotion_wait=0.02)])
+    record = agent.pipeline.requests.get("cmpl-1-0")
+    assert record.trace_id == TRACE and record.ttft == 0.25 and record.promotion_wait == 0.02
+    assert record.tokens == {"cpu": 256, "recompute": 44}
     assert agent.pipeline.snapshot().requests == 1 and len(agent.pipeline.requests) == 1
+
+
+def test_a_span_joins_a_finished_request_the_table_no_longer_holds():
+    """With a table of 1 request, the tap's first request has left it when its span comes
+    (5 s late, as vLLM sends them): the span still joins it (the agent keeps the source's
+    last 10,000 finished requests for that) instead of counting it again: 2 requests, not 3."""
+    agent = Agent(AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
+                                otlp_receiver={"source": "vllm"}, requests_capacity=1))
+    agent.otlp_receiver.start()
+    for rid in ("cmpl-1-0", "cmpl-2-0"):
+        agent.pipeline.ingest("vllm", [
+            ev.RequestStarted(ts=1.0, request_id=rid, prompt_tokens=300),
+            ev.RequestFinished(ts=1.4, request_id=rid, ttft=0.3, prompt_tokens=300)])
+    with TestClient(create_app(agent)) as client:
+        client.post("/v1/traces", content=protobuf_body(),
+                    headers={"content-type": "application/x-protobuf"})
+    assert agent.pipeline.snapshot().requests == 2 and agent.otlp_receiver.joined == 1
+    assert agent.pipeline.snapshot().ttft_seconds.count == 2
+
+
+def test_a_joined_span_moves_the_exemplars_to_the_trace_it_names():
+    """A request without a traceparent gets a made-up trace id, which its TTFT and transfer
+    exemplars carry; vLLM's span names vLLM's trace, which the record (and its exported
+    kv.request span) then carries: the exemplars name it too, not a trace nobody exports."""
+    agent = _agent()
+    agent.otlp_receiver.start()
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Transfer(ts=1.1, src="cpu", dst="gpu", blocks=1, bytes=1, duration=0.002,
+                    request_id="cmpl-1-0"),
+        ev.RequestFinished(ts=1.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300)])
+    made_up = agent.pipeline.requests.get("cmpl-1-0").trace_id
+    snap = agent.pipeline.snapshot()
+    exemplars = [*snap.ttft_seconds.exemplars.values(),
+                 *snap.transfer_seconds[("cpu", "gpu")].exemplars.values()]
+    assert [e[0] for e in exemplars] == [made_up, made_up]
+    with TestClient(create_app(agent)) as client:
+        client.post("/v1/traces", content=protobuf_body(),
+                    headers={"content-type": "application/x-protobuf"})
+    snap = agent.pipeline.snapshot()
+    exemplars = [*snap.ttft_seconds.exemplars.values(),
+                 *snap.transfer_seconds[("cpu", "gpu")].exemplars.values()]
+    assert agent.pipeline.requests.get("cmpl-1-0").trace_id == TRACE
+    assert [e[0] for e in exemplars] == [TRACE, TRACE]
 
 
 def test_a_token_protects_the_receiver_too():

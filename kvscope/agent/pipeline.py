@@ -103,6 +103,12 @@ class Histogram:
             for i, j in last.items():
                 self.exemplars[i] = (trace_ids[j], values[j], times[j])
 
+    def retrace(self, before: str, after: str) -> None:
+        """Exemplars of trace ``before`` name trace ``after`` instead."""
+        for i, (trace_id, value, ts) in self.exemplars.items():
+            if trace_id == before:
+                self.exemplars[i] = (after, value, ts)
+
     def add_buckets(self, bounds: list[float], counts: list[int], total: float) -> None:
         """Fold in another histogram's per-bucket ``counts`` (``len(bounds) + 1`` entries, the
         last above every bound) and their sum ``total``. Each engine bucket lands in our bucket
@@ -212,9 +218,9 @@ class Pipeline:
         self._lock = threading.Lock()
         self._prefill_rate = prefill_tokens_per_second
         self.requests = table if table is not None else RequestTable()
-        self._assembler = RequestAssembler()
         self._join_window = join_window
         self._joined: dict[str, float] = {}  # source -> seconds its records wait (see above)
+        self._assembler = RequestAssembler(joined=self._joined)
         # a heap of (due: monotonic seconds, arrival order, record): windows differ by source
         self._settling: list[tuple[float, int, RequestRecord]] = []
         self._settle_order = itertools.count()
@@ -265,9 +271,12 @@ class Pipeline:
         The capture sink records block accesses from these."""
         self._lookup_listeners.append(listener)
 
-    def ingest(self, source: str, events: Sequence[object], scope: str | None = None) -> None:
+    def ingest(self, source: str, events: Sequence[object], scope: str | None = None,
+               received: bool = True) -> None:
         """Fold ``events`` from emitter ``source`` into the state. ``scope``: the source whose
         requests the events' request ids name, when that is another source (see the class).
+        ``received``: count them in ``source``'s events received (False for events made from
+        what another source counted: the OTLP receiver's spans).
 
         A batch is folded kind by kind (see :func:`by_kind`), so the per-event work is a few
         C-level passes over each kind's fields rather than one dispatch per event.
@@ -281,7 +290,8 @@ class Pipeline:
             for kind, fold in self._folds:
                 if groups[kind]:
                     fold(scope, groups[kind], finished)
-            self._received[source] += len(events)
+            if received:
+                self._received[source] += len(events)
             ready = finished
             window = self._joined.get(scope)
             if finished and window is not None:
@@ -328,6 +338,21 @@ class Pipeline:
             for listener in self._listeners:
                 listener(record)
 
+    def amend(self, source: str, trace_id: str, finish: ev.RequestFinished) -> bool:
+        """Give ``source``'s request ``finish.request_id``, in flight or finished recently, a
+        later report's trace id and latencies (vLLM's span; see
+        :meth:`RequestAssembler.amend`); exemplars that carried the record's old trace id carry
+        the new one. False when ``source`` has no such request (nothing changes)."""
+        with self._lock:
+            found = self._assembler.amend(source, trace_id, finish)
+            if found is None:
+                return False
+            record, before = found
+            if record.trace_id != before:
+                for hist in (self._ttft, *self._transfer_seconds.values()):
+                    hist.retrace(before, record.trace_id)
+            return True
+
     def events_received(self) -> dict[str, int]:
         """Events accepted so far, by source (a cheap read; :meth:`snapshot` copies everything)."""
         with self._lock:
@@ -335,8 +360,8 @@ class Pipeline:
 
     def add_received(self, source: str, events: int) -> None:
         """Count ``events`` a source took in that reach the pipeline otherwise, or not at all
-        (the OTLP receiver's spans: turned into events under the engine's source, or joined to
-        its records)."""
+        (the OTLP receiver's spans: turned into events under the engine's source, not counted
+        there, or joined to its records)."""
         with self._lock:
             self._received[source] += events
 
@@ -465,7 +490,7 @@ class Pipeline:
 
     def _fold_finished(self, source: str, events: list[ev.RequestFinished],
                        finished: list) -> None:
-        records = self._assembler.finished(source, events, joined=source in self._joined)
+        records = self._assembler.finished(source, events)
         ahead = time.time() + FUTURE
         if any(r.finished > ahead or r.arrival > ahead for r in records):  # corrupt times
             kept = [r for r in records if r.finished <= ahead and r.arrival <= ahead]

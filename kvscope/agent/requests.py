@@ -11,7 +11,7 @@ import logging
 import random
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 import msgspec
 
@@ -90,12 +90,14 @@ class RequestAssembler:
     Not thread-safe: the pipeline calls it under its lock.
     """
 
-    def __init__(self, max_inflight: int = 10_000, max_recent: int = 10_000) -> None:
+    def __init__(self, max_inflight: int = 10_000, max_recent: int = 10_000,
+                 joined: Container[str] = ()) -> None:
         # source -> request id -> record, oldest first
         self._inflight: dict[str, OrderedDict[str, RequestRecord]] = {}
         self._recent: dict[str, OrderedDict[str, RequestRecord]] = {}
         self._max = max_inflight
         self._max_recent = max_recent
+        self.joined = joined  # sources whose requests another source finishes too (see finished)
         self.abandoned: Counter[str] = Counter()
 
     def _tables(self, source: str) -> tuple[OrderedDict, OrderedDict]:
@@ -106,9 +108,17 @@ class RequestAssembler:
             self._recent[source] = OrderedDict()
         return inflight, self._recent[source]
 
+    def _find(self, source: str, request_id: str) -> RequestRecord | None:
+        """``source``'s record of ``request_id`` in flight; for a joined source also one it
+        finished recently (another source may have finished it first: its ids are unique)."""
+        record = self._inflight[source].get(request_id)
+        if record is None and source in self.joined:
+            record = self._recent[source].get(request_id)
+        return record
+
     def _open(self, source: str, inflight: OrderedDict, request_id: str,
               ts: float) -> RequestRecord:
-        record = inflight.get(request_id)
+        record = self._find(source, request_id)
         if record is None:
             record = inflight[request_id] = RequestRecord(request_id, new_trace_id(), source, ts)
             self._bound(source, inflight)
@@ -126,7 +136,7 @@ class RequestAssembler:
     def started(self, source: str, events: Sequence[ev.RequestStarted]) -> None:
         inflight, _recent = self._tables(source)
         for event in events:
-            record = inflight.get(event.request_id)
+            record = self._find(source, event.request_id)
             if record is None:
                 inflight[event.request_id] = RequestRecord(
                     event.request_id, event.trace_id or new_trace_id(), source, event.ts,
@@ -165,15 +175,16 @@ class RequestAssembler:
             trace_ids.append(record.trace_id)
         return trace_ids
 
-    def finished(self, source: str, events: Sequence[ev.RequestFinished],
-                 joined: bool = False) -> list[RequestRecord]:
+    def finished(self, source: str,
+                 events: Sequence[ev.RequestFinished]) -> list[RequestRecord]:
         """Complete and return the requests' records, and keep the newest ``max_recent`` of them
         so that another source's transfers sent later still join them (a worker tap may send
-        its first batch after the scheduler's requests finished). ``joined``: ``source``'s
-        requests are also finished by another source (vLLM's span and the tap, whichever comes
-        second): a second finish of a kept record only fills the parts the first left at 0 and
-        returns no record (it is not a new request)."""
+        its first batch after the scheduler's requests finished). A joined source's requests
+        may be finished by another source first (vLLM's span before any of the tap's events):
+        a second finish of a kept record only fills the parts the first left at 0 and returns
+        no record (it is not a new request). A record :meth:`amend` gave latencies keeps them."""
         inflight, recent = self._tables(source)
+        joined = source in self.joined
         records = []
         for event in events:
             rid = event.request_id
@@ -186,17 +197,40 @@ class RequestAssembler:
                             setattr(record, part, getattr(event, part))
                     continue
                 record = RequestRecord(rid, new_trace_id(), source, event.ts - event.ttft)
+            if record.ttft is None:  # not amended: the event's latencies
+                record.ttft, record.queueing, record.prefill = (event.ttft, event.queueing,
+                                                                event.prefill)
             record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
             record.output_tokens = event.output_tokens
-            record.ttft, record.finished = event.ttft, event.ts
-            record.queueing, record.lookup = event.queueing, event.lookup
-            record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
+            record.finished = event.ts
+            record.lookup, record.promotion_wait = event.lookup, event.promotion_wait
+            record.prefill = min(record.prefill, max(
+                0.0, record.ttft - record.queueing - record.promotion_wait))
             record.itl = event.itl
             records.append(record)
             recent[rid] = record
         while len(recent) > self._max_recent:
             recent.popitem(last=False)
         return records
+
+    def amend(self, source: str, trace_id: str,
+              finish: ev.RequestFinished) -> tuple[RequestRecord, str] | None:
+        """Give ``source``'s request ``finish.request_id``, in flight or finished recently, what
+        another report says of it (vLLM's span): ``trace_id`` (unless "") and, when
+        ``finish.ttft`` is not 0, that TTFT, queueing and prefill (the prefill cut so that the
+        parts do not exceed the TTFT). Returns the record and the trace id it had, or None
+        when ``source`` has no such request."""
+        inflight, recent = self._tables(source)
+        record = inflight.get(finish.request_id) or recent.get(finish.request_id)
+        if record is None:
+            return None
+        before = record.trace_id
+        record.trace_id = trace_id or before
+        if finish.ttft:
+            record.ttft, record.queueing = finish.ttft, finish.queueing
+            record.prefill = min(finish.prefill, max(
+                0.0, finish.ttft - finish.queueing - record.promotion_wait))
+        return record, before
 
 
 SORT_KEYS = ("finished", "arrival", "ttft", "prompt_tokens", "promotion_wait")

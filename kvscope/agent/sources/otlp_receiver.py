@@ -309,14 +309,7 @@ class OtlpReceiver:
                 continue
             if ttft:
                 self.last_ttft = time.monotonic()
-            record = self.pipeline.requests.get(request_id, self.source)
-            if record is not None:  # finished by the tap: enrich it in place
-                if trace_id:
-                    record.trace_id = trace_id
-                if ttft:
-                    record.ttft, record.queueing = ttft, finished.queueing
-                    record.prefill = min(finished.prefill,
-                                         max(0.0, ttft - finished.queueing - record.promotion_wait))
+            if self.pipeline.amend(self.source, trace_id, finished):  # the tap's request
                 self.joined += 1
                 continue
             if not ttft:  # e.g. an aborted request: no first token, so no TTFT to count as 0
@@ -327,4 +320,4 @@ class OtlpReceiver:
             events += (started, finished)
         self.pipeline.add_received(NAME, len(spans))
         if events:
-            self.pipeline.ingest(self.source, events)
+            self.pipeline.ingest(self.source, events, received=False)  # counted as spans
