@@ -54,6 +54,8 @@ Rate = Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]  # per seco
 MAX_REQUEST_ID = 256  # characters; senders cut longer ids to this (the same cut on every side)
 RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID)]
 TraceId = Annotated[str, msgspec.Meta(max_length=32)]
+# The agent follows each emitter by its session (a few per source): the emitter's is 16 hex.
+Session = Annotated[str, msgspec.Meta(max_length=64)]
 
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
 TOKEN_SOURCES: tuple[str, ...] = ("gpu", "cpu", "disk", "recompute")
@@ -94,7 +96,7 @@ class Lookup(_Event, tag="lookup"):
     the dict had zero tokens. ``blocks``: blocks looked up; ``block_hits``: dict[tier, blocks
     found resident there] (each block counted in the first tier, top down, that held it).
     ``prefill_tokens_per_second``: the engine's prefill rate for the saved-seconds estimate
-    (0: unknown, the agent's configured rate is used).
+    (0, or anything under 1 token/s: unknown, the agent's configured rate is used).
 
     Optional per-block detail, for captures and offline analysis (empty when the engine does not
     record it; an engine fills both or neither): ``block_hashes``: the prefix hash of each block
@@ -233,7 +235,7 @@ class Batch(msgspec.Struct, frozen=True, gc=False):
     source: str
     seq: int
     events: list[Event]
-    session: str = ""
+    session: Session = ""
     dropped: Count = 0
     engine: str = ""
     model: str = ""
@@ -288,7 +290,7 @@ class BatchHeader(msgspec.Struct):
     source: str = ""
     seq: int = 0
     events: list[msgspec.Raw] = []
-    session: str = ""
+    session: Session = ""
     dropped: Count = 0
 
 

@@ -232,6 +232,23 @@ def test_rows_that_do_not_fit_the_schema_are_dropped_and_capture_goes_on(tmp_pat
     assert pq.read_table(segment).column("request_id").to_pylist() == ["fine"]
 
 
+def test_a_lookup_whose_blocks_do_not_fit_drops_its_own_rows_only(tmp_path):
+    """A valid Lookup (a count is up to 2**53) with blocks of 2**32 tokens does not fit the
+    int32 columns. It once made its flush drop every queued row, 4 of another source's with
+    it: now its 1 row is dropped and the other 4 are written."""
+    writer = CaptureWriter(tmp_path)
+    writer.add_lookup("engine-a", ev.Lookup(
+        ts=T0, request_id="fine", tokens={"gpu": 64}, blocks=4, block_hashes=(1, 2, 3, 4),
+        block_sources=("gpu",) * 4, block_tokens=16))
+    writer.add_lookup("engine-b", ev.validate(ev.Lookup(
+        ts=T0, request_id="huge", tokens={"recompute": 2**32}, blocks=1, block_hashes=(9,),
+        block_sources=("recompute",), block_tokens=2**32)))
+    writer.close()
+    assert writer.dropped["blocks"] == 1
+    (segment,) = writer.segments("blocks")
+    assert pq.read_table(segment).column("request_id").to_pylist() == ["fine"] * 4
+
+
 def test_a_segment_that_fails_to_write_is_deleted_and_its_rows_counted(tmp_path):
     """The disk fills while a segment is open (its .tmp is a link to /dev/full, which answers
     every write with ENOSPC): that segment is deleted rather than published without its footer

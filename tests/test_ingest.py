@@ -255,6 +255,28 @@ def test_two_emitters_sharing_a_source_name_keep_their_own_counts(caplog):
         "name (their request ids and series are merged)") == 1
 
 
+def test_five_emitters_sharing_a_source_name_have_their_drops_counted_once():
+    """Five emitters send as "engine" in turn, each reporting 100 drops (cumulative) in each of
+    10 rounds: 500 dropped. Following 4 sessions a source once counted each one pushed out as
+    new again every round (5,000)."""
+    pipeline = Pipeline()
+    ingest = IngestSource(pipeline)
+    for seq in range(10):
+        for session in "abcde":
+            ingest.handle(_batch(seq, session, dropped=100))
+    assert pipeline.snapshot().events_dropped == {("engine", "emitter_buffer"): 500}
+
+
+def test_a_session_longer_than_64_characters_makes_its_batch_invalid():
+    """The agent keeps each emitter's session (a few per source): a 4 MiB one was kept too.
+    Past 64 characters the batch is invalid; its header cannot be read, so 1 under "ingest"."""
+    pipeline = Pipeline()
+    IngestSource(pipeline).handle(ev.encode_batch(ev.Batch(
+        version=ev.SCHEMA_VERSION, source="engine", seq=0, session="s" * 65,
+        events=[_lookup(0)])))
+    assert pipeline.snapshot().events_dropped == {("ingest", "invalid"): 1}
+
+
 def test_an_emitter_refuses_a_source_name_the_agent_would_drop(tmp_path):
     with pytest.raises(ValueError, match="lowercase word"):
         Emitter(_endpoint(tmp_path), source="engA")

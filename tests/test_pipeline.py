@@ -237,6 +237,17 @@ def test_requests_of_sources_no_other_source_joins_are_published_at_once():
     assert [r.request_id for r in records] == ["r1"] and pipeline.requests.get("r1")
 
 
+def test_a_prefill_rate_under_one_token_per_second_counts_as_unknown():
+    """A rate of 5e-324 tokens/s is a valid float: 16 tokens over it made the seconds saved
+    infinite, for good. Under 1 token/s the configured rate is used: 16 / 10,000 + 16 / 10,000
+    (the second lookup at 0, unknown) = 0.0032 s."""
+    pipeline = Pipeline(prefill_tokens_per_second=10_000.0)
+    pipeline.ingest("e", [ev.Lookup(ts=1.0, request_id=f"r{i}", tokens={"gpu": 16},
+                                    prefill_tokens_per_second=rate)
+                          for i, rate in enumerate((5e-324, 0.0))])
+    assert pipeline.snapshot().prefill_seconds_saved == {"gpu": 0.0032}
+
+
 def test_joined_requests_reach_the_subscribers_once_their_wait_is_over():
     """A source joined for an hour (a span receiver's wait) holds its records back; one joined
     for 0 s hands them over at the next call (the agent calls once a second)."""

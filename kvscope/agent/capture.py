@@ -44,6 +44,7 @@ SUFFIX = ".parquet"
 TMP_SUFFIX = ".parquet.tmp"
 KINDS = ("blocks", "requests")
 _U64 = (1 << 64) - 1
+_I32 = (1 << 31) - 1
 
 BLOCKS_SCHEMA = pa.schema([
     pa.field("ts", pa.float64()),           # Unix seconds of the lookup
@@ -159,7 +160,8 @@ class CaptureWriter(Worker):
 
         Hashes are stored as unsigned 64-bit (a negative or wider int is reduced mod 2**64).
         A block's tokens come from the prompt length (the sum of ``lookup.tokens``) and
-        ``lookup.block_tokens`` (0 when unknown).
+        ``lookup.block_tokens`` (0 when unknown). Rows that do not fit (``max_pending_rows``
+        queued, or a block over 2**31 - 1 tokens) are counted in ``dropped``.
         """
         hashes = lookup.block_hashes
         if not hashes:
@@ -171,7 +173,9 @@ class CaptureWriter(Worker):
         outcomes = list(lookup.block_sources) if len(lookup.block_sources) == n else [""] * n
         with self._lock:
             stream = self._streams["blocks"]
-            if stream.rows + n > self.max_pending_rows:
+            # a block of 2**31 tokens or more is no block (its columns are int32): this
+            # lookup's rows are dropped, never the flush with every other lookup's rows
+            if stream.rows + n > self.max_pending_rows or bt > _I32:
                 self.dropped["blocks"] += n
                 return
             cols = stream.pending

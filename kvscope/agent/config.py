@@ -252,7 +252,7 @@ class AgentSettings(BaseSettings):
     token: str | None = None
     sample_interval: float = Field(1.0, ge=0.1, le=3600)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    prefill_tokens_per_second: float = Field(10_000.0, gt=0, allow_inf_nan=False)
+    prefill_tokens_per_second: float = Field(10_000.0, ge=1, allow_inf_nan=False)
     requests_capacity: int = Field(100_000, gt=0)
     store_dir: Path | None = None
     store_max_bytes: int = Field(256 << 20, gt=0)

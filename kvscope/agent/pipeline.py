@@ -192,6 +192,7 @@ _DURATION, _HITS, _AGE, _WEIGHT = (operator.attrgetter(f)
                                    for f in ("duration", "hits", "age", "weight"))
 _TTFT, _TRACE_ID, _FINISHED, _PROMOTION_WAIT = (
     operator.attrgetter(f) for f in ("ttft", "trace_id", "finished", "promotion_wait"))
+_PREFILL_RATE = operator.attrgetter("prefill_tokens_per_second")
 _TRANSFER_KEY = operator.attrgetter("src", "dst", "ok", "timed")
 _EVICTION_KEY = operator.attrgetter("tier", "reason", "offloaded", "measured")
 
@@ -417,7 +418,9 @@ class Pipeline:
 
     def _fold_lookups(self, source: str, events: list[ev.Lookup], finished: list) -> None:
         self._assembler.lookups(source, events)
-        rates = [event.prefill_tokens_per_second or self._prefill_rate for event in events]
+        # under 1 token/s is no prefill rate: a tiny one would make the seconds saved infinite
+        rates = [rate if rate >= 1.0 else self._prefill_rate
+                 for rate in map(_PREFILL_RATE, events)]
         tokens = list(map(_TOKENS, events))
         for src in ev.TOKEN_SOURCES:
             counts = list(map(operator.methodcaller("get", src, 0), tokens))

@@ -29,7 +29,7 @@ them (the receive high-water mark is that over the largest message ZMQ accepts).
 
 Counters stay correct across tap restarts: events carry deltas, not totals, so the agent adds
 them up; a restarted emitter has a new ``session`` and its sequence starts again. Each emitter
-(source and session, the latest four sessions of each source) is followed on its own, so two
+(source and session, the latest 64 sessions of each source) is followed on its own, so two
 taps that share a source name do not count each other's batches as gaps or restarts; the agent
 warns once that they should not. An agent restarted while an emitter runs takes that emitter's
 drop count (``Batch.dropped``, cumulative) as new, so drops an earlier agent had counted count
@@ -57,7 +57,9 @@ NAME = "ingest"
 INGEST_DROPS = ("too_large", "malformed", "invalid", "version", "bad_source")
 TAP_DROPS = ("emitter_buffer", "gap", "too_large", "malformed", "invalid", "version",
              "bad_source", "abandoned")
-STREAMS_PER_SOURCE = 4  # emitters (sessions) followed per source: restarts leave old ones behind
+# Emitters (sessions) followed per source: restarts leave old ones behind, and taps sharing a
+# name (a mistake, warned about) each keep their counts up to this many. 64 chars each at most.
+STREAMS_PER_SOURCE = 64
 # Batches an emitter may lose in transit are at most its ZMQ send queue; a far larger jump in its
 # sequence is a sender that is confused, not 10^6 lost batches.
 MAX_GAP = 1 << 20
