@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--host", type=host, help="address to listen on (default 127.0.0.1)")
     agent.add_argument("--port", type=port, help="port of /metrics and the API (default 9400)")
     agent.add_argument("--ingest", metavar="ENDPOINT",
-                       help="ZMQ endpoint taps send to (default tcp://127.0.0.1:5560; ipc:// too)")
+                       help="ZMQ endpoint taps send to (default tcp://127.0.0.1:5560; ipc:// too); "
+                            "turns ingest on even where the config turns it off")
     agent.add_argument("--store-dir", metavar="DIR",
                        type=_directory("to keep requests in memory only"),
                        help="persist finished requests here (default: memory only)")
@@ -160,7 +161,8 @@ def _agent(args) -> int:
     settings = load_settings(args.config, host=args.host, port=args.port,
                              store_dir=args.store_dir, otlp_endpoint=args.otlp_endpoint,
                              capture_dir=args.capture_dir, log_level=args.log_level,
-                             **{"ingest.endpoint": args.ingest})
+                             **{"ingest.endpoint": args.ingest,  # turns ingest on, as asked
+                                "ingest.enabled": True if args.ingest else None})
     return run_agent(settings)
 
 

@@ -129,6 +129,17 @@ def test_agent_refuses_an_ingest_endpoint_on_its_own_port():
     _one_error_line(result, "ingest endpoint")
 
 
+def test_an_ingest_endpoint_on_the_command_line_turns_ingest_on(tmp_path):
+    """The config turns ingest off, and --ingest names an endpoint: the flag wins (it was
+    silently ignored). Shown by its own-port refusal, which happens only with ingest on."""
+    config = tmp_path / "agent.toml"
+    config.write_text("[ingest]\nenabled = false\n")
+    port = str(free_port())
+    result = _kvscope("agent", "--config", str(config), "--port", port,
+                      "--ingest", f"tcp://127.0.0.1:{port}", timeout=20)
+    _one_error_line(result, "ingest endpoint")
+
+
 def test_the_log_level_hides_kvscopes_info_lines():
     """--log-level warning: the failed start prints its error line alone, with no info line
     from a part that started before (at info, this machine's GPU collector logs one)."""

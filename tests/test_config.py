@@ -69,6 +69,14 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
     # the agent's own source names: the tap's series would merge with the receiver's
     ('[otlp_receiver]\nsource = "otlp"\n', "otlp_receiver.source: 'otlp' is the agent's own"),
     ("prefill_tokens_per_second = inf\n", "prefill_tokens_per_second: .*finite"),
+    # under 1 token/s the seconds saved could overflow to inf
+    ("prefill_tokens_per_second = 1e-300\n",
+     "prefill_tokens_per_second: .*greater than or equal to 1"),
+    # twice this is ZMQ's size limit, a C long: 2**63 - 1 was a traceback
+    ("[ingest]\nmax_batch_bytes = 9223372036854775807\n",
+     "ingest.max_batch_bytes: .*less than or equal to 1073741824"),
+    # curl sends a header's bytes as UTF-8, the server reads them as latin-1: never equal
+    ('token = "pässwörd"\n', "token: must be printable ASCII"),
     ("prefill_tokens_per_second = nan\n", "prefill_tokens_per_second: .*finite"),
     # "" listened on every interface (and the banner said http://:9400/metrics)
     ('host = ""\n', "host: is empty, .*use 0.0.0.0 \\(or :: for IPv6\\)"),

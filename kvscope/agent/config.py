@@ -106,7 +106,7 @@ class IngestConfig(_Section):
 
     enabled: bool = True
     endpoint: str = "tcp://127.0.0.1:5560"
-    max_batch_bytes: int = Field(4 << 20, gt=0)
+    max_batch_bytes: int = Field(4 << 20, gt=0, le=1 << 30)  # ZMQ's size limit is twice this
     max_sources: int = Field(16, gt=0)
 
     @field_validator("endpoint")
@@ -297,6 +297,9 @@ class AgentSettings(BaseSettings):
         if value is not None and not value.strip():
             raise ValueError("is empty, which would lock /api for every client; leave it out "
                              "for an open API on loopback")
+        if value is not None and not (value.isascii() and value.isprintable()):
+            raise ValueError("must be printable ASCII: clients send it in an HTTP header, "
+                             "where other characters do not arrive as written")
         return value
 
 
