@@ -237,6 +237,21 @@ def test_requests_of_sources_no_other_source_joins_are_published_at_once():
     assert [r.request_id for r in records] == ["r1"] and pipeline.requests.get("r1")
 
 
+def test_an_early_subscriber_gets_a_joined_record_at_once_and_again_once_it_waited():
+    """The store subscribes early (a kill -9 must not lose the 6 s a vLLM record waits for its
+    span); the OTLP exporter does not: it gets the record once, after the wait."""
+    pipeline = Pipeline()
+    pipeline.join("vllm", 3600.0)
+    early, late = [], []
+    pipeline.subscribe(early.append, early=True)
+    pipeline.subscribe(late.append)
+    pipeline.ingest("vllm", [ev.RequestFinished(ts=1.0, request_id="a", ttft=0.1,
+                                                prompt_tokens=1)])
+    assert [r.request_id for r in early] == ["a"] and late == []
+    pipeline.publish_settled(everything=True)
+    assert [r.request_id for r in early] == ["a", "a"] and [r.request_id for r in late] == ["a"]
+
+
 def test_a_prefill_rate_under_one_token_per_second_counts_as_unknown():
     """A rate of 5e-324 tokens/s is a valid float: 16 tokens over it made the seconds saved
     infinite, for good. Under 1 token/s the configured rate is used: 16 / 10,000 + 16 / 10,000

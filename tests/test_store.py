@@ -144,17 +144,21 @@ def _total(port):
     return httpx.get(f"http://127.0.0.1:{port}/api/v1/requests?limit=1").json()["total"]
 
 
-def test_kill_9_mid_write_loses_at_most_the_last_second(tmp_path):
+@pytest.mark.parametrize("source", ["engine", "vllm"])
+def test_kill_9_mid_write_loses_at_most_the_last_second(tmp_path, source):
     """Requests stream in continuously; we read how many the agent holds, wait 1.5 s (more than
     the 1 s flush interval), kill -9 it while writes go on, and restart it on the same store:
-    it must restore at least the count read before the wait, from intact frames only."""
+    it must restore at least the count read before the wait, from intact frames only.
+    Source "vllm" is the one the OTLP receiver (on by default) joins with vLLM's spans: its
+    records wait 6 s for them, and once reached the store only then (6 s lost); they are
+    stored at once now, and again once joined (a request restored once, as last written)."""
     port, ingest, store_dir = free_port(), f"ipc://{tmp_path}/in.sock", tmp_path / "store"
     log = open(tmp_path / "agent.log", "w")
     proc = _start_agent(port, ingest, store_dir, log)
     stop = threading.Event()
 
     def feed():
-        emitter = Emitter(ingest, source="engine", flush_interval=0.01)
+        emitter = Emitter(ingest, source=source, flush_interval=0.01)
         i = 0
         while not stop.is_set():
             t = time.time()
@@ -186,7 +190,8 @@ def test_kill_9_mid_write_loses_at_most_the_last_second(tmp_path):
         restored = _total(port)
         assert restored >= before
         on_disk = [r for path in sorted(store_dir.glob("*.kvseg")) for r in read_segment(path)]
-        assert len(on_disk) == restored  # every intact frame restored, nothing invented
+        # every intact frame's request restored, nothing invented
+        assert len({r.request_id for r in on_disk}) == restored
         assert all(r.ttft == 0.01 and r.tokens == {"gpu": 32} for r in on_disk)
         assert not list(store_dir.glob("*.tmp"))
     finally:
@@ -216,6 +221,37 @@ def test_a_request_waiting_for_late_transfers_is_stored_when_the_agent_stops(tmp
         assert restarted.pipeline.requests.get("late").ttft == 0.2
     finally:
         restarted.shutdown()
+
+
+def test_a_request_stored_twice_is_loaded_once_as_last_written(tmp_path):
+    """r1 written at its finish (TTFT 0.05), r2, then r1 again once joined (TTFT 0.25): load
+    gives r2 then r1 (its last place) with TTFT 0.25; with a limit of 1, r1 alone."""
+    store = RequestStore(tmp_path)
+    first, second = _record(1, finished=1001.0), _record(2, finished=1002.0)
+    for record in (first, second):
+        store.add(record)
+    store.flush()
+    first.ttft = 0.25
+    store.add(first)
+    store.flush()
+    store.shutdown()
+    loaded = RequestStore(tmp_path, max_age=1e10).load(10)
+    assert _ids(loaded) == ["r2", "r1"] and loaded[1].ttft == 0.25
+    assert _ids(RequestStore(tmp_path, max_age=1e10).load(1)) == ["r1"]
+
+
+def test_records_beyond_the_queue_bound_are_counted_lost_and_logged_once(tmp_path, caplog):
+    """A stalled disk held every record in memory, with nothing counted: with 3 queued at
+    most, 5 added before a flush lose 2 (one warning), the flush writes 3, and the queue
+    takes records again."""
+    store = RequestStore(tmp_path, max_queued=3)
+    for i in range(5):
+        store.add(_record(i))
+    assert store.lost == 2
+    assert caplog.text.count("3 requests wait to be written") == 1
+    assert store.flush() == 3
+    store.add(_record(5))
+    assert store.flush() == 1 and store.lost == 2
 
 
 def test_a_second_store_cannot_take_a_directory_in_use(tmp_path):

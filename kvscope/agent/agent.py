@@ -122,7 +122,7 @@ class Agent(Worker):
                 raise ConfigError(f"cannot use store_dir {self.store.directory}: "
                                   f"{exc.strerror or exc}") from None
             self.pipeline.restore(restored)
-            self.pipeline.subscribe(self.store.add)
+            self.pipeline.subscribe(self.store.add, early=True)  # kill -9 loses 1 s at most
         if self.otlp is not None:
             self.pipeline.subscribe(self.otlp.export)
         if self.capture is not None:

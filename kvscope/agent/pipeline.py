@@ -208,9 +208,11 @@ class Pipeline:
     the transfers of the scheduler tap's requests on another connection (``scope`` in
     :meth:`ingest`), vLLM's request spans arrive seconds after the request (:meth:`join`). A
     finished record of such a source is in the table at once, and reaches the subscribers (the
-    store, the OTLP exporter, the capture) only once it has waited for them: ``join_window``
-    seconds for another source's events, or what :meth:`join` asked for. Waiting records are
-    handed over at later ingests and by :meth:`publish_settled`.
+    OTLP exporter, the capture) only once it has waited for them: ``join_window`` seconds for
+    another source's events, or what :meth:`join` asked for. Waiting records are handed over at
+    later ingests and by :meth:`publish_settled`. Early subscribers (the store, which a
+    ``kill -9`` must not rob of the waiting records) get such a record at once, and again
+    once it has waited.
     """
 
     def __init__(self, prefill_tokens_per_second: float = 10_000.0, recent: int = 10_000,
@@ -226,6 +228,7 @@ class Pipeline:
         self._settling: list[tuple[float, int, RequestRecord]] = []
         self._settle_order = itertools.count()
         self._listeners: list[Callable[[RequestRecord], None]] = []
+        self._early_listeners: list[Callable[[RequestRecord], None]] = []
         self._lookup_listeners: list[Callable[[str, ev.Lookup], None]] = []
         self._prompt_tokens: Counter[str] = Counter(dict.fromkeys(ev.TOKEN_SOURCES, 0))
         self._lookup_blocks: Counter[tuple[str, str]] = Counter()
@@ -261,10 +264,14 @@ class Pipeline:
                        (ev.LatencyHistogram, self._fold_latency_histograms),
                        (ev.RequestFinished, self._fold_finished))
 
-    def subscribe(self, listener: Callable[[RequestRecord], None]) -> None:
+    def subscribe(self, listener: Callable[[RequestRecord], None], early: bool = False) -> None:
         """Call ``listener`` with each finished request, on the ingesting or the sampling
-        thread (keep it quick); for a joined source once it has waited (see the class)."""
+        thread (keep it quick); for a joined source once it has waited (see the class), and
+        with ``early`` also as soon as it finished (so twice: the second call's record, the
+        same object, is the final one)."""
         self._listeners.append(listener)
+        if early:
+            self._early_listeners.append(listener)
 
     def subscribe_lookups(self, listener: Callable[[str, ev.Lookup], None]) -> None:
         """Call ``listener(source, lookup)`` with each :class:`~kvscope.events.Lookup` event
@@ -293,13 +300,13 @@ class Pipeline:
                     fold(scope, groups[kind], finished)
             if received:
                 self._received[source] += len(events)
-            ready = finished
+            ready, early = finished, []
             window = self._joined.get(scope)
             if finished and window is not None:
                 due = time.monotonic() + window
                 for record in finished:
                     heapq.heappush(self._settling, (due, next(self._settle_order), record))
-                ready = []
+                ready, early = [], finished
             if self._settling:
                 ready = ready + self._settled()
         for lookup in groups[ev.Lookup] if self._lookup_listeners else ():
@@ -307,6 +314,7 @@ class Pipeline:
                 on_lookup(source, lookup)
         if finished:
             self.requests.add(finished)
+        self._notify(early, self._early_listeners)
         self._notify(ready)
 
     def join(self, source: str, window: float) -> None:
@@ -334,9 +342,10 @@ class Pipeline:
             out.append(heapq.heappop(settling)[2])
         return out
 
-    def _notify(self, records: list[RequestRecord]) -> None:
+    def _notify(self, records: list[RequestRecord],
+                listeners: Sequence[Callable[[RequestRecord], None]] | None = None) -> None:
         for record in records:
-            for listener in self._listeners:
+            for listener in self._listeners if listeners is None else listeners:
                 listener(record)
 
     def amend(self, source: str, trace_id: str, finish: ev.RequestFinished) -> bool:

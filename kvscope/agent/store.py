@@ -105,13 +105,15 @@ class RequestStore(Worker):
 
     ``add()`` is cheap (an append to a list); the flush thread does the I/O. ``start()`` /
     ``shutdown()`` (flushes) are safe to repeat. ``max_bytes``, ``max_age``: see the module
-    docstring. ``clock``: Unix seconds, for segment names and ages (compared with segment
-    mtimes) and record ages.
+    docstring. ``max_queued``: records waiting for the flush thread at most (a stalled disk
+    holds it up); beyond it records are counted in ``lost``. ``clock``: Unix seconds, for
+    segment names and ages (compared with segment mtimes) and record ages.
     """
 
     def __init__(self, directory: str | Path, *, flush_interval: float = 1.0,
                  segment_bytes: int = 8 << 20, max_bytes: int = 256 << 20,
-                 max_age: float = 86_400.0, clock=time.time) -> None:
+                 max_age: float = 86_400.0, max_queued: int = 100_000,
+                 clock=time.time) -> None:
         super().__init__()
         self.directory = Path(directory)
         self._interval = flush_interval
@@ -122,6 +124,8 @@ class RequestStore(Worker):
         self._clock = clock
         self._encoder = msgspec.msgpack.Encoder()
         self._queue: list[RequestRecord] = []
+        self._max_queued = max_queued
+        self._overflowed = False  # the queue was full since the last flush took it (logged)
         self._lock = threading.Lock()
         self._file = None
         self._owner = None  # the open lock file while this store has the directory (take())
@@ -139,20 +143,26 @@ class RequestStore(Worker):
 
     def load(self, limit: int) -> list[RequestRecord]:
         """The newest ``limit`` intact records on disk that finished within ``max_age``, oldest
-        first. A store written before the agent bounded what a record holds is read within the
-        bounds: records that finished more than :data:`~kvscope.agent.requests.FUTURE` seconds
-        ahead of the clock are skipped, and only the first
-        :data:`~kvscope.agent.requests.MAX_TRANSFERS` transfers are kept (the rest counted in
-        ``transfers_omitted``)."""
+        first, each request once (as last written). A store written before the agent bounded
+        what a record holds is read within the bounds: records that finished more than
+        :data:`~kvscope.agent.requests.FUTURE` seconds ahead of the clock are skipped, and only
+        the first :data:`~kvscope.agent.requests.MAX_TRANSFERS` transfers are kept (the rest
+        counted in ``transfers_omitted``)."""
         now = self._clock()
         cutoff, ahead = now - self._max_age, now + FUTURE
+        # newest first; a joined source's request is written at its finish and again once it
+        # waited: the last version counts, at its place
+        newest = (r for path in reversed(self.segments()) for r in reversed(read_segment(path))
+                  if cutoff <= (r.arrival if r.finished is None else r.finished) <= ahead)
+        seen: set[tuple[str, str]] = set()
         records: list[RequestRecord] = []
-        for path in reversed(self.segments()):
-            records[:0] = [r for r in read_segment(path)
-                           if cutoff <= (r.arrival if r.finished is None else r.finished) <= ahead]
-            if len(records) >= limit:
-                break
-        records = records[-limit:] if limit else []
+        for record in newest if limit > 0 else ():
+            if (record.source, record.request_id) not in seen:
+                seen.add((record.source, record.request_id))
+                records.append(record)
+                if len(records) == limit:
+                    break
+        records.reverse()
         for record in records:
             extra = record.transfers[MAX_TRANSFERS:]
             if extra:
@@ -161,8 +171,18 @@ class RequestStore(Worker):
         return records
 
     def add(self, record: RequestRecord) -> None:
+        """Queue ``record`` for the next flush; count it in ``lost`` when the queue is full."""
         with self._lock:
-            self._queue.append(record)
+            if len(self._queue) < self._max_queued:
+                self._queue.append(record)
+                return
+            self.lost += 1
+            if self._overflowed:
+                return
+            self._overflowed = True
+        log.warning("kvscope store: %d requests wait to be written to %s (the disk is slow or "
+                    "stalled); more are counted as lost until a flush takes them",
+                    self._max_queued, self.directory)
 
     thread_name = "kvscope-store"
 
@@ -219,7 +239,7 @@ class RequestStore(Worker):
         """Write and fsync what arrived since the last flush; rotate and prune segments.
         Returns how many records were written; raises OSError when the disk fails."""
         with self._lock:
-            records, self._queue = self._queue, []
+            records, self._queue, self._overflowed = self._queue, [], False
         skipped = self.unwritable
         try:
             self._hold_lock()
