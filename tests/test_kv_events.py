@@ -366,7 +366,9 @@ def test_a_batch_nested_past_the_decoders_depth_is_malformed_and_the_source_goes
 
 def test_a_vllm_restart_resets_every_reported_tier_at_once():
     """2 CPU blocks resident; vLLM restarts (seq goes back) and its first batch has GPU events
-    only: the CPU tier's gauges read 0 at once, not 2 until a CPU event comes."""
+    only: the CPU tier's gauges read 0 at once, not 2 until a CPU event comes. The disk tier,
+    reported by default but never seen, stays unreported (its zero snapshot once made every
+    later lookup count disk misses)."""
     pipeline = Pipeline()
     src = KvEventsSource(pipeline)
     src.handle(frames(5, stored([1, 2], "CPU")))
@@ -374,6 +376,7 @@ def test_a_vllm_restart_resets_every_reported_tier_at_once():
     src.handle(frames(0, stored([9])))
     tiers = pipeline.snapshot().tiers
     assert tiers["cpu"].resident_blocks == 0 and tiers["gpu"].resident_blocks == 1
+    assert sorted(tiers) == ["cpu", "gpu"]
 
 
 def _free_port():

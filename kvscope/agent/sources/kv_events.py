@@ -415,10 +415,11 @@ class KvEventsSource(Worker):
         self._apply(frames[2])
 
     def _restarted(self) -> None:
-        """vLLM restarted: every tier is empty; say so for each reported tier at once (a tier
-        without events in the next batch would otherwise keep its old gauges)."""
+        """vLLM restarted: every tier is empty; say so at once for each tier reported so far (a
+        tier without events in the next batch would otherwise keep its old gauges)."""
+        seen = list(self.residency.resident)  # only tiers vLLM has: others were never reported
         self.residency.reset()
-        snapshots = self.residency.snapshots(time.time())
+        snapshots = self.residency.snapshots(time.time(), seen)
         if snapshots:
             self.pipeline.ingest(NAME, snapshots)
 
