@@ -1,6 +1,7 @@
 """The agent's Parquet capture: engine -> pipeline -> capture -> reader, torn files ignored,
 segments bounded, and analyze on a capture equal to analyze on the same in-memory sequence."""
 
+import errno
 import itertools
 import json
 import os
@@ -270,6 +271,22 @@ def test_a_segment_that_fails_to_write_is_deleted_and_its_rows_counted(tmp_path)
     writer.close()
     (segment,) = writer.segments("blocks")
     assert pq.read_table(segment).num_rows == 8
+
+
+def test_a_segment_whose_rename_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """The rename into place fails (an I/O error, injected into os.replace): the finished
+    .tmp was once left behind, outside the byte bound and never removed while the agent ran.
+    It is deleted and its 8 rows counted as dropped."""
+    writer = CaptureWriter(tmp_path)
+    writer.add_lookup("engine", _lookup(0))
+
+    def failing_replace(src, dst):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError):
+        writer.close()
+    assert writer.dropped["blocks"] == 8 and list(tmp_path.iterdir()) == []
 
 
 def test_an_entry_the_capture_cannot_delete_does_not_stop_pruning(tmp_path):

@@ -334,19 +334,25 @@ class CaptureWriter(Worker):
         stream.writer, stream.tmp, stream.segment_rows = None, None, 0
 
     def _finish(self, stream: _Stream) -> None:
-        """Close the open segment, fsync it, rename it into place, then prune."""
+        """Close the open segment, fsync it, rename it into place, then prune. Until the
+        rename, a failure leaves the segment to :meth:`_abandon` (deleted, its rows counted)."""
         tmp = stream.tmp
         stream.writer.close()
-        stream.writer, stream.tmp = None, None
+        stream.writer = None
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         final = tmp.with_name(tmp.name[: -len(TMP_SUFFIX)] + SUFFIX)
         os.replace(tmp, final)
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        stream.tmp, stream.segment_rows = None, 0
+        try:  # the rows are in place: a failure here risks only the name, on a power loss
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            log.warning("kvscope capture: could not fsync %s after writing %s: %s",
+                        self.directory, final.name, exc)
         self._prune(keep=final)
 
     def _prune(self, keep: Path) -> None:
