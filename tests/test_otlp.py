@@ -225,11 +225,13 @@ def test_export_does_not_wait_for_a_stalled_endpoint(receiver: OtlpReceiver) -> 
 def test_bad_records_never_raise(receiver: OtlpReceiver) -> None:
     exporter = RequestSpanExporter(receiver.url)
     exporter.export(RequestRecord("bad-time", RECORD_A.trace_id, "engine", float("nan")))
+    # before 1970: protobuf refuses a negative fixed64, which once failed the whole batch
+    exporter.export(RequestRecord("before-1970", RECORD_A.trace_id, "engine", -5.0))
     exporter.export(RequestRecord("bad-id", "not-a-trace-id", "engine", 1_700_000_000.0))
     exporter.export(RequestRecord("zero-id", "0" * 32, "engine", 1_700_000_000.0))
     shutdown_within_guard(exporter)
-    assert (exporter.exported, exporter.failed, exporter.invalid_trace_ids) == (2, 1, 2)
-    assert exporter.spans == {"sent": 2, "failed": 0, "dropped": 1}  # one span per record
+    assert (exporter.exported, exporter.failed, exporter.invalid_trace_ids) == (2, 2, 2)
+    assert exporter.spans == {"sent": 2, "failed": 0, "dropped": 2}  # one span per record
     spans = receiver.named("kv.request")
     assert sorted(attrs(s)["kv.request_id"] for s in spans) == ["bad-id", "zero-id"]
     assert all(len(s.trace_id) == 16 and any(s.trace_id) for s in spans)  # fresh random ids

@@ -252,6 +252,15 @@ def test_an_early_subscriber_gets_a_joined_record_at_once_and_again_once_it_wait
     assert [r.request_id for r in early] == ["a", "a"] and [r.request_id for r in late] == ["a"]
 
 
+def test_a_finish_alone_dates_its_arrival_back_by_the_ttft_but_never_before_1970():
+    """Without a start, arrival = finish - TTFT: 100 - 0.5 = 99.5; a TTFT of 1,000 s at 100
+    would be -900 (which OTLP cannot carry): 0."""
+    pipeline = Pipeline()
+    pipeline.ingest("e", [ev.RequestFinished(ts=100.0, request_id=rid, ttft=ttft, prompt_tokens=1)
+                          for rid, ttft in (("a", 0.5), ("b", 1000.0))])
+    assert [pipeline.requests.get(rid).arrival for rid in "ab"] == [99.5, 0.0]
+
+
 def test_a_prefill_rate_under_one_token_per_second_counts_as_unknown():
     """A rate of 5e-324 tokens/s is a valid float: 16 tokens over it made the seconds saved
     infinite, for good. Under 1 token/s the configured rate is used: 16 / 10,000 + 16 / 10,000

@@ -93,6 +93,33 @@ def test_the_store_stays_within_max_bytes_and_keeps_the_newest(tmp_path):
     assert _ids(store.load(1000)) == [f"r{i}" for i in range(1968, 2000)]
 
 
+def test_a_segment_that_cannot_be_deleted_is_no_failed_write(tmp_path, monkeypatch):
+    """Deleting the oldest segment fails (PermissionError, injected): the flush once raised
+    after its records were written, so they were counted lost and the segment abandoned.
+    The records count as written, and the other segments are still pruned to max_bytes (the
+    stuck one included in the total)."""
+    from pathlib import Path
+
+    store = RequestStore(tmp_path, max_bytes=12_000, clock=lambda: 3000.0)
+    for i in range(1000, 1016):  # 2 full segments of 8
+        store.add(_record(i))
+    store.flush()
+    stuck = store.segments()[0]
+    unlink = Path.unlink
+
+    def refuse(path, missing_ok=False):
+        if path == stuck:
+            raise PermissionError(13, "Permission denied", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    for i in range(1016, 1100):
+        store.add(_record(i))
+        assert store.flush() == 1
+    assert store.lost == 0 and stuck.exists()
+    assert sum(p.stat().st_size for p in store.segments()) <= 12_000
+
+
 def test_records_older_than_max_age_are_not_loaded_and_age_out_on_a_quiet_node(tmp_path):
     """max_age 100 s, so a segment takes writes for 25 s. The clock is injected, and each
     segment's mtime is set to the clock when it is written (what the wall clock would do).

@@ -196,7 +196,9 @@ class RequestAssembler:
                         if not getattr(record, part):
                             setattr(record, part, getattr(event, part))
                     continue
-                record = RequestRecord(rid, new_trace_id(), source, event.ts - event.ttft)
+                # arrival by the TTFT; never before 1970, where OTLP's unsigned times end
+                record = RequestRecord(rid, new_trace_id(), source,
+                                       max(0.0, event.ts - event.ttft))
             if record.ttft is None:  # not amended: the event's latencies
                 record.ttft, record.queueing, record.prefill = (event.ttft, event.queueing,
                                                                 event.prefill)

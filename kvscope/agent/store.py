@@ -336,10 +336,20 @@ class RequestStore(Worker):
         """Delete the oldest segments beyond ``max_bytes`` in all, and those last written
         more than ``max_age`` ago (every record in them is older); never the one being written."""
         now = self._clock()
-        segments = [(path, path.stat()) for path in self.segments()]
+        segments = []
+        for path in self.segments():
+            try:
+                segments.append((path, path.stat()))
+            except FileNotFoundError:  # deleted meanwhile
+                continue
         total = sum(stat.st_size for _, stat in segments)
         for path, stat in segments:
             if path != self._path and (total > self._max_bytes
                                        or now - stat.st_mtime > self._max_age):
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:  # not ours to delete: prune the others (a failure
+                    # here is no failure to write: the flush's records are on disk)
+                    log.warning("kvscope store: cannot delete %s: %s", path, exc)
+                    continue
                 total -= stat.st_size
-                path.unlink(missing_ok=True)

@@ -66,8 +66,11 @@ def unix_ns(seconds: float) -> int:
     1e9, where doubles resolve far below 1 ns. The only error left is the input float's own:
     a Unix time near 1.7e9 s is a multiple of 2**-22 s (~238 ns).
 
-    Raises ValueError for NaN, OverflowError for infinities.
+    Raises ValueError for NaN and for a time before 1970 (OTLP's times are unsigned: one such
+    span would fail its whole batch), OverflowError for infinities.
     """
+    if seconds < 0:
+        raise ValueError(f"{seconds} s is before 1970, which OTLP cannot carry")
     whole = math.floor(seconds)
     return whole * 1_000_000_000 + round((seconds - whole) * 1e9)
 
