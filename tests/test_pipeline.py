@@ -261,6 +261,27 @@ def test_a_finish_alone_dates_its_arrival_back_by_the_ttft_but_never_before_1970
     assert [pipeline.requests.get(rid).arrival for rid in "ab"] == [99.5, 0.0]
 
 
+def test_a_lookup_counts_misses_in_its_own_engines_tiers_only():
+    """Engine "ref" reports gpu, cpu and disk tiers; vLLM's tap ("vllm") names the tiers it
+    consulted, gpu and cpu, with no hits: its 10 blocks miss in gpu and cpu (10 each), not in
+    the disk tier vLLM does not have (they once counted 10 disk misses). ref's own lookup of
+    4 blocks, 1 found on disk, counts 4 gpu and 4 cpu misses, 1 disk hit and 3 disk misses
+    (the blocks found nowhere)."""
+    pipeline = Pipeline()
+    pipeline.ingest("ref", [ev.TierSnapshot(ts=1.0, tier=t, capacity_bytes=1, resident_bytes=0,
+                                            capacity_blocks=1, resident_blocks=0)
+                            for t in ("gpu", "cpu", "disk")])
+    pipeline.ingest("vllm", [ev.Lookup(ts=1.0, request_id="v", tokens={"recompute": 160},
+                                       blocks=10, block_hits={"gpu": 0, "cpu": 0})])
+    assert pipeline.snapshot().lookup_blocks == {("gpu", "hit"): 0, ("gpu", "miss"): 10,
+                                                 ("cpu", "hit"): 0, ("cpu", "miss"): 10}
+    pipeline.ingest("ref", [ev.Lookup(ts=1.0, request_id="r", tokens={"disk": 16, "recompute": 48},
+                                      blocks=4, block_hits={"disk": 1})])
+    assert pipeline.snapshot().lookup_blocks == {
+        ("gpu", "hit"): 0, ("gpu", "miss"): 14, ("cpu", "hit"): 0, ("cpu", "miss"): 14,
+        ("disk", "hit"): 1, ("disk", "miss"): 3}
+
+
 def test_a_prefill_rate_under_one_token_per_second_counts_as_unknown():
     """A rate of 5e-324 tokens/s is a valid float: 16 tokens over it made the seconds saved
     infinite, for good. Under 1 token/s the configured rate is used: 16 / 10,000 + 16 / 10,000

@@ -439,14 +439,15 @@ class Pipeline:
                 if src != "recompute":
                     self._saved[src] += sum(map(operator.truediv, counts, rates))
         # Each block counts as a hit in the first tier, top down, that held it, and as a miss
-        # in each tier the engine has above that one. A lookup's tiers are those seen in
-        # snapshots and those its hits name.
+        # in each tier the engine has above that one. A lookup's tiers are those its source
+        # reported in snapshots and those its hits name (not another engine's on the node).
         block_hits = list(map(_BLOCK_HITS, events))
         remaining = list(map(_BLOCKS, events))
+        known = {tier for (reporter, tier) in self._tier_parts if reporter == source}
         for tier in TIER_ORDER:
             if not any(remaining):
                 break
-            counted = None if tier in self._tiers else list(
+            counted = None if tier in known else list(
                 map(operator.contains, block_hits, itertools.repeat(tier)))
             if counted is not None and not any(itertools.compress(remaining, counted)):
                 continue
