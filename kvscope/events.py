@@ -275,7 +275,9 @@ def decode_batch(data: bytes) -> Batch:
             raise SchemaError(f"schema version {header.version}, expected {SCHEMA_VERSION}",
                               "version") from exc
         raise SchemaError(str(exc), "invalid") from exc
-    except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting: msgspec's depth bound
+    # RecursionError: nesting past msgspec's depth bound; UnicodeDecodeError: a string that is
+    # not UTF-8 (a ValueError, not a DecodeError)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
         raise SchemaError(str(exc), "malformed") from exc
     if batch.version != SCHEMA_VERSION:
         raise SchemaError(f"schema version {batch.version}, expected {SCHEMA_VERSION}", "version")
@@ -302,6 +304,6 @@ def read_header(data: bytes) -> BatchHeader | None:
     field, or one over a size limit), or None when even that is unreadable."""
     try:
         return _header_decoder.decode(data)
-    except (msgspec.DecodeError, RecursionError):  # skipping deep nesting hits msgspec's bound
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):  # see decode_batch
         return None
 

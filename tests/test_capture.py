@@ -289,6 +289,26 @@ def test_a_segment_whose_rename_fails_leaves_no_temporary_file(tmp_path, monkeyp
     assert writer.dropped["blocks"] == 8 and list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_directory_fsync_after_the_rename_drops_nothing(tmp_path, monkeypatch, caplog):
+    """The segment is renamed into place, then the directory's fsync fails (injected): its 8
+    rows are readable and were once counted as dropped all the same. They count as written;
+    a warning says what may not survive a power loss."""
+    writer = CaptureWriter(tmp_path)
+    writer.add_lookup("engine", _lookup(0))
+    fsync = os.fsync
+
+    def fsync_failing_on_directories(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "Input/output error")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_failing_on_directories)
+    writer.close()
+    assert writer.dropped["blocks"] == 0 and "could not fsync" in caplog.text
+    (segment,) = writer.segments("blocks")
+    assert pq.read_table(segment).num_rows == 8
+
+
 def test_an_entry_the_capture_cannot_delete_does_not_stop_pruning(tmp_path):
     """A directory named like the oldest segment cannot be unlinked: it is no segment, and the
     segments after it are still pruned to the byte bound (before, pruning stopped there)."""

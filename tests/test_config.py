@@ -77,6 +77,8 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
      "ingest.max_batch_bytes: .*less than or equal to 1073741824"),
     # curl sends a header's bytes as UTF-8, the server reads them as latin-1: never equal
     ('token = "pässwörd"\n', "token: must be printable ASCII"),
+    # HTTPBearer strips what the client sends: " s3cret" could never match
+    ('token = " s3cret"\n', "token: must be printable ASCII without spaces at either end"),
     ("prefill_tokens_per_second = nan\n", "prefill_tokens_per_second: .*finite"),
     # "" listened on every interface (and the banner said http://:9400/metrics)
     ('host = ""\n', "host: is empty, .*use 0.0.0.0 \\(or :: for IPv6\\)"),

@@ -204,24 +204,41 @@ def test_a_message_nested_past_the_decoders_depth_is_dropped_and_ingest_goes_on(
 
 def test_a_bug_handling_one_message_is_logged_and_counted_and_ingest_goes_on(source, tmp_path,
                                                                             monkeypatch, caplog):
-    """A bug is simulated: the pipeline raises on its first batch. That batch counts as 1
-    malformed under "ingest", the traceback is logged once, and the next batch is folded."""
+    """A bug is simulated: the pipeline raises on its first two batches. Each counts as 1
+    malformed under "ingest", the traceback is logged once (a sender may repeat what raised),
+    and the third batch is folded."""
     fold = source.pipeline.ingest
     calls = []
 
-    def ingest_raising_once(*args, **kwargs):
+    def ingest_raising_twice(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 1:
+        if len(calls) <= 2:
             raise KeyError("a bug")
         fold(*args, **kwargs)
 
-    monkeypatch.setattr(source.pipeline, "ingest", ingest_raising_once)
+    monkeypatch.setattr(source.pipeline, "ingest", ingest_raising_twice)
     batches = [ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=i,
-                                        events=[_lookup(i)])) for i in range(2)]
+                                        events=[_lookup(i)])) for i in range(3)]
     _push(_endpoint(tmp_path), *batches)
     assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 1)
-    assert source.pipeline.snapshot().events_dropped == {("ingest", "malformed"): 1}
+    assert source.pipeline.snapshot().events_dropped == {("ingest", "malformed"): 2}
     assert caplog.text.count("KeyError: 'a bug'") == 1
+
+
+def test_a_string_that_is_not_utf8_makes_its_batch_malformed_under_its_source():
+    """A request id of bytes 0xff 0xff (a msgpack str, not UTF-8) raised UnicodeDecodeError,
+    which is no DecodeError: the batch reached the catch-all (under "ingest", logged as a bug)
+    and the sender's next batch counted a gap. Its 1 event is malformed, under "engine",
+    which had sent seq 0; seq 2 then follows seq 1 (which moved the sequence on): no gap."""
+    pipeline = Pipeline()
+    ingest = IngestSource(pipeline)
+    ingest.handle(_batch(0, "a"))
+    bad = ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=1,
+                                   session="a", events=[ev.Lookup(ts=1.0, request_id="zz",
+                                                                  tokens={"gpu": 1})]))
+    ingest.handle(bad.replace(b"\xa2zz", b"\xa2\xff\xff"))
+    ingest.handle(_batch(2, "a"))
+    assert pipeline.snapshot().events_dropped == {("engine", "malformed"): 1}
 
 
 def _batch(seq, session, dropped=0, version=ev.SCHEMA_VERSION, events=1):

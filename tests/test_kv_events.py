@@ -364,6 +364,38 @@ def test_a_batch_nested_past_the_decoders_depth_is_malformed_and_the_source_goes
     assert snap.tiers["gpu"].resident_blocks == 1
 
 
+def test_a_bug_handling_one_message_is_counted_and_the_source_goes_on(monkeypatch, caplog):
+    """A bug is simulated: handling raises for the first two messages from a live publisher.
+    Each counts as 1 malformed, one traceback is logged, and the third message is folded."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    pipeline = Pipeline()
+    source = KvEventsSource(pipeline, endpoint)
+    handle, calls = source.handle, []
+
+    def handle_raising_twice(frames):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise KeyError("a bug")
+        handle(frames)
+
+    monkeypatch.setattr(source, "handle", handle_raising_twice)
+    source.start()
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    try:
+        publisher.connect(endpoint)
+        assert wait_until(lambda: pipeline.snapshot().source_up.get("kv_events") is True)
+        time.sleep(0.5)  # a PUB drops what it sends before the subscription reaches it
+        for seq in range(3):
+            publisher.send_multipart(frames(seq, stored([seq])))
+        assert wait_until(lambda: "gpu" in pipeline.snapshot().tiers)
+    finally:
+        publisher.close()
+        source.shutdown()
+    assert pipeline.snapshot().events_dropped == {("kv_events", "malformed"): 2}
+    assert caplog.text.count("KeyError: 'a bug'") == 1
+
+
 def test_a_vllm_restart_resets_every_reported_tier_at_once():
     """2 CPU blocks resident; vLLM restarts (seq goes back) and its first batch has GPU events
     only: the CPU tier's gauges read 0 at once, not 2 until a CPU event comes. The disk tier,

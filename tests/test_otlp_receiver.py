@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 
 from fastapi.testclient import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -134,6 +135,68 @@ def test_a_span_for_a_request_the_tap_finished_enriches_that_record():
     assert record.trace_id == TRACE and record.ttft == 0.25
     assert record.tokens == {"cpu": 256, "recompute": 44} and record.promotion_wait == 0.02
     assert agent.pipeline.snapshot().requests == 1 and agent.otlp_receiver.joined == 1
+    # the histogram counts the request once it waited, as joined: vLLM's 0.25 s, not the 0.3
+    # the tap reported first
+    assert agent.pipeline.snapshot().ttft_seconds.sum == 0.25
+
+
+def test_a_span_for_a_request_whose_finish_the_tap_lost_still_counts_it():
+    """The tap's finish never came (its emitter dropped it): the span finishes the open
+    record, which counts once it waited."""
+    agent = _agent()
+    agent.otlp_receiver.start()
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Lookup(ts=1.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44})])
+    agent.otlp_receiver.handle([otlp_span(ATTRS)])
+    agent.pipeline.publish_settled(everything=True)
+    record = agent.pipeline.requests.get("cmpl-1-0")
+    assert record.ttft == 0.25 and record.tokens == {"cpu": 256, "recompute": 44}
+    assert agent.pipeline.snapshot().requests == 1
+
+
+def test_a_span_joins_a_request_restored_after_a_restart(tmp_path):
+    """The agent restarted between the tap's finish and vLLM's span (5 s later): the span
+    joins the restored record (found in the table) instead of making a second request that
+    replaces it without the tap's tokens and transfers."""
+    settings = AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
+                             otlp_receiver={"source": "vllm"}, store_dir=str(tmp_path))
+    agent = Agent(settings)
+    agent.start()
+    now = time.time()  # the store restores what finished within a day
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=now, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Lookup(ts=now, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44}),
+        ev.RequestFinished(ts=now + 0.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300)])
+    agent.shutdown()
+    restarted = Agent(settings)
+    restarted.start()
+    try:
+        restarted.otlp_receiver.handle([otlp_span(ATTRS)])
+        record = restarted.pipeline.requests.get("cmpl-1-0")
+        assert record.tokens == {"cpu": 256, "recompute": 44} and record.ttft == 0.25
+        assert record.trace_id == TRACE and restarted.otlp_receiver.joined == 1
+        assert restarted.pipeline.snapshot().requests == 0  # counted before the restart
+    finally:
+        restarted.shutdown()
+
+
+def test_a_json_request_id_that_is_not_text_is_an_invalid_span():
+    """JSON may carry a lone surrogate ("\\ud800"), which no sink can write: the store lost
+    its flush, the capture every pending row, and /api/v1/requests answered 500. That span is
+    invalid (1); the other span of the body makes its request, and the API answers."""
+    agent = _agent()
+    with TestClient(create_app(agent)) as client:
+        body = json.loads(json_body())
+        spans = body["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        bad = json.loads(json.dumps(spans[0]))
+        bad["attributes"][0]["value"]["stringValue"] = "bad-\ud800"
+        spans.append(bad)
+        response = client.post("/v1/traces", content=json.dumps(body).encode(),
+                               headers={"content-type": "application/json"})
+        assert response.status_code == 200
+        assert client.get("/api/v1/requests").json()["total"] == 1
+    assert agent.pipeline.snapshot().events_dropped[("otlp", "invalid")] == 1
 
 
 def test_a_span_joins_only_the_records_of_the_receivers_source():
@@ -172,6 +235,8 @@ def test_a_span_that_comes_before_the_taps_finish_still_makes_one_request():
     assert record.tokens == {"cpu": 256, "recompute": 44}
     # prefill 0.15 from the span, within TTFT 0.25 - queueing 0.05 - promotion wait 0.02
     assert record.queueing == 0.05 and record.prefill == 0.15
+    assert agent.pipeline.snapshot().requests == 0  # counted once joined, after the wait (6 s)
+    agent.pipeline.publish_settled(everything=True)
     snap = agent.pipeline.snapshot()
     assert snap.requests == 1 and len(agent.pipeline.requests) == 1
     assert snap.promotion_wait_seconds.sum == 0.02 and snap.ttft_seconds.sum == 0.25
@@ -195,7 +260,9 @@ def test_a_span_before_any_of_the_taps_events_still_makes_one_request():
     record = agent.pipeline.requests.get("cmpl-1-0")
     assert record.trace_id == TRACE and record.ttft == 0.25 and record.promotion_wait == 0.02
     assert record.tokens == {"cpu": 256, "recompute": 44}
+    agent.pipeline.publish_settled(everything=True)
     assert agent.pipeline.snapshot().requests == 1 and len(agent.pipeline.requests) == 1
+    assert agent.pipeline.snapshot().promotion_wait_seconds.sum == 0.02
 
 
 def test_a_span_joins_a_finished_request_the_table_no_longer_holds():
@@ -212,34 +279,50 @@ def test_a_span_joins_a_finished_request_the_table_no_longer_holds():
     with TestClient(create_app(agent)) as client:
         client.post("/v1/traces", content=protobuf_body(),
                     headers={"content-type": "application/x-protobuf"})
+    agent.pipeline.publish_settled(everything=True)
     assert agent.pipeline.snapshot().requests == 2 and agent.otlp_receiver.joined == 1
     assert agent.pipeline.snapshot().ttft_seconds.count == 2
 
 
 def test_a_joined_span_moves_the_exemplars_to_the_trace_it_names():
-    """A request without a traceparent gets a made-up trace id, which its TTFT and transfer
-    exemplars carry; vLLM's span names vLLM's trace, which the record (and its exported
-    kv.request span) then carries: the exemplars name it too, not a trace nobody exports."""
+    """A request without a traceparent gets a made-up trace id, which its transfer's exemplar
+    carries; vLLM's span names vLLM's trace, which the record (and its exported kv.request
+    span) then carries: the exemplars name it too, not a trace nobody exports. The TTFT is
+    observed once the record waited, with the span's trace; a span later than that wait moves
+    the TTFT exemplar as well."""
     agent = _agent()
     agent.otlp_receiver.start()
-    agent.pipeline.ingest("vllm", [
-        ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
-        ev.Transfer(ts=1.1, src="cpu", dst="gpu", blocks=1, bytes=1, duration=0.002,
-                    request_id="cmpl-1-0"),
-        ev.RequestFinished(ts=1.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300)])
-    made_up = agent.pipeline.requests.get("cmpl-1-0").trace_id
-    snap = agent.pipeline.snapshot()
-    exemplars = [*snap.ttft_seconds.exemplars.values(),
-                 *snap.transfer_seconds[("cpu", "gpu")].exemplars.values()]
-    assert [e[0] for e in exemplars] == [made_up, made_up]
+
+    def exemplars():
+        snap = agent.pipeline.snapshot()
+        return ([e[0] for e in snap.ttft_seconds.exemplars.values()],
+                [e[0] for e in snap.transfer_seconds[("cpu", "gpu")].exemplars.values()])
+
+    def tap(request_id, ts):
+        agent.pipeline.ingest("vllm", [
+            ev.RequestStarted(ts=ts, request_id=request_id, prompt_tokens=300),
+            ev.Transfer(ts=ts, src="cpu", dst="gpu", blocks=1, bytes=1, duration=0.002,
+                        request_id=request_id),
+            ev.RequestFinished(ts=ts + 0.4, request_id=request_id, ttft=0.3, prompt_tokens=300)])
+        return agent.pipeline.requests.get(request_id).trace_id
+
+    made_up = tap("cmpl-1-0", 1.0)
+    assert exemplars() == ([], [made_up])
     with TestClient(create_app(agent)) as client:
         client.post("/v1/traces", content=protobuf_body(),
                     headers={"content-type": "application/x-protobuf"})
-    snap = agent.pipeline.snapshot()
-    exemplars = [*snap.ttft_seconds.exemplars.values(),
-                 *snap.transfer_seconds[("cpu", "gpu")].exemplars.values()]
-    assert agent.pipeline.requests.get("cmpl-1-0").trace_id == TRACE
-    assert [e[0] for e in exemplars] == [TRACE, TRACE]
+        agent.pipeline.publish_settled(everything=True)
+        assert agent.pipeline.requests.get("cmpl-1-0").trace_id == TRACE
+        assert exemplars() == ([TRACE], [TRACE])
+        made_up = tap("cmpl-2-0", 2.0)  # its wait over before its span comes
+        agent.pipeline.publish_settled(everything=True)
+        # its TTFT of 0.3 s has the 0.5 s bucket's exemplar; its transfer replaced the first's
+        assert exemplars() == ([TRACE, made_up], [made_up])
+        late = "1" * 32
+        client.post("/v1/traces", content=protobuf_body({**ATTRS, "gen_ai.request.id": "cmpl-2-0"},
+                                                        trace=late),
+                    headers={"content-type": "application/x-protobuf"})
+    assert exemplars() == ([TRACE, late], [late])
 
 
 def test_a_token_protects_the_receiver_too():

@@ -282,6 +282,28 @@ def test_a_lookup_counts_misses_in_its_own_engines_tiers_only():
         ("disk", "hit"): 1, ("disk", "miss"): 3}
 
 
+def test_a_joined_source_reusing_a_request_id_later_makes_a_new_request():
+    """vLLM's tap strips vLLM's suffix, so a client's X-Request-Id may come back: a start
+    after the first request's finish (160 > 100.5) is a new request, not the first one's
+    record (which a joined source's late events may still complete): 2 requests, the first
+    record intact."""
+    pipeline = Pipeline()
+    pipeline.join("vllm", 6.0)
+    pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=100.0, request_id="r1", prompt_tokens=10),
+        ev.RequestFinished(ts=100.5, request_id="r1", ttft=0.2, prompt_tokens=10)])
+    first = pipeline.requests.get("r1")
+    pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=160.0, request_id="r1", prompt_tokens=999),
+        ev.Lookup(ts=160.0, request_id="r1", tokens={"gpu": 999}),
+        ev.RequestFinished(ts=163.0, request_id="r1", ttft=2.0, prompt_tokens=999)])
+    pipeline.publish_settled(everything=True)
+    assert pipeline.snapshot().requests == 2
+    assert (first.arrival, first.finished, first.prompt_tokens, first.tokens) == (
+        100.0, 100.5, 10, {})
+    assert pipeline.requests.get("r1").prompt_tokens == 999
+
+
 def test_a_prefill_rate_under_one_token_per_second_counts_as_unknown():
     """A rate of 5e-324 tokens/s is a valid float: 16 tokens over it made the seconds saved
     infinite, for good. Under 1 token/s the configured rate is used: 16 / 10,000 + 16 / 10,000

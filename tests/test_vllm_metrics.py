@@ -322,4 +322,5 @@ def test_vllm_serve_metrics_spans_and_tap_reach_the_agent(vllm_serve):
         receiver.received, receiver.ignored, agent.pipeline.snapshot().events_dropped, tail(log))
     record = agent.pipeline.requests.get(f"{ids[1]}-0")
     assert record.tokens.get("gpu", 0) >= 256 - 32 and record.ttft and len(record.trace_id) == 32
-    assert agent.pipeline.snapshot().requests == 2
+    # counted once joined: after the receiver's wait (6 s), on the agent's sampling thread
+    assert wait_until(lambda: agent.pipeline.snapshot().requests == 2, 60)

@@ -133,6 +133,9 @@ def tap_run(python: str, tmp: Path, mode: str) -> Iterator[dict]:
             return True
 
         assert wait_until(settled, interval=0.5), agent.pipeline.events_received()
+        # vLLM has stopped: no span or late transfer can join its requests any more, so they
+        # need not wait (the OTLP receiver's 6 s) to count
+        agent.pipeline.publish_settled(everything=True)
         with TestClient(create_app(agent)) as client:
             text = client.get("/metrics").text
         yield {"result": result, "metrics": samples(text), "exposition": text,

@@ -297,9 +297,11 @@ class AgentSettings(BaseSettings):
         if value is not None and not value.strip():
             raise ValueError("is empty, which would lock /api for every client; leave it out "
                              "for an open API on loopback")
-        if value is not None and not (value.isascii() and value.isprintable()):
-            raise ValueError("must be printable ASCII: clients send it in an HTTP header, "
-                             "where other characters do not arrive as written")
+        if value is not None and not (value.isascii() and value.isprintable()
+                                      and value == value.strip()):
+            raise ValueError("must be printable ASCII without spaces at either end: clients "
+                             "send it in an HTTP header, where anything else does not arrive "
+                             "as written")
         return value
 
 

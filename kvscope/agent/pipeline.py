@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from kvscope import events as ev
-from kvscope.agent.requests import FUTURE, RequestAssembler, RequestRecord, RequestTable
+from kvscope.agent.requests import FUTURE, RequestAssembler, RequestRecord, RequestTable, amend
 from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCKETS,
                                       RESIDENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS)
 
@@ -210,7 +210,8 @@ class Pipeline:
     finished record of such a source is in the table at once, and reaches the subscribers (the
     OTLP exporter, the capture) only once it has waited for them: ``join_window`` seconds for
     another source's events, or what :meth:`join` asked for. Waiting records are handed over at
-    later ingests and by :meth:`publish_settled`. Early subscribers (the store, which a
+    later ingests and by :meth:`publish_settled`; they count in the request metrics (requests,
+    TTFT and promotion-wait histograms) then, as joined. Early subscribers (the store, which a
     ``kill -9`` must not rob of the waiting records) get such a record at once, and again
     once it has waited.
     """
@@ -336,10 +337,14 @@ class Pipeline:
         self._notify(records)
 
     def _settled(self, everything: bool = False) -> list[RequestRecord]:
+        """The waiting records whose wait is over, counted in the request metrics now that
+        what joined them (the span's TTFT, the tap's promotion wait) is in."""
         now, out = time.monotonic(), []
         settling = self._settling
         while settling and (everything or settling[0][0] <= now or len(settling) > MAX_SETTLING):
             out.append(heapq.heappop(settling)[2])
+        if out:
+            self._observe(out)
         return out
 
     def _notify(self, records: list[RequestRecord],
@@ -349,15 +354,18 @@ class Pipeline:
                 listener(record)
 
     def amend(self, source: str, trace_id: str, finish: ev.RequestFinished) -> bool:
-        """Give ``source``'s request ``finish.request_id``, in flight or finished recently, a
-        later report's trace id and latencies (vLLM's span; see
-        :meth:`RequestAssembler.amend`); exemplars that carried the record's old trace id carry
-        the new one. False when ``source`` has no such request (nothing changes)."""
+        """Give ``source``'s finished request ``finish.request_id`` (one of the last it
+        finished, or one in the table) a later report's trace id and latencies (vLLM's span;
+        see :func:`~kvscope.agent.requests.amend`); exemplars that carried the record's old
+        trace id carry the new one. False when ``source`` finished no such request (nothing
+        changes): one in flight is finished by the report's events instead (:meth:`ingest`)."""
         with self._lock:
-            found = self._assembler.amend(source, trace_id, finish)
-            if found is None:
+            record = (self._assembler.finished_recently(source, finish.request_id)
+                      or self.requests.get(finish.request_id, source))
+            if record is None:
                 return False
-            record, before = found
+            before = record.trace_id
+            amend(record, trace_id, finish)
             if record.trace_id != before:
                 for hist in (self._ttft, *self._transfer_seconds.values()):
                     hist.retrace(before, record.trace_id)
@@ -512,6 +520,11 @@ class Pipeline:
         if not records:  # the requests had finished already: their records were completed
             return
         finished += records
+        if source not in self._joined:  # else once they waited (see _settled)
+            self._observe(records)
+
+    def _observe(self, records: list[RequestRecord]) -> None:
+        """Count finished ``records`` in the request metrics, as they are now."""
         self._requests += len(records)
         ttfts = list(map(_TTFT, records))
         self._ttft.observe(ttfts, trace_ids=list(map(_TRACE_ID, records)),

@@ -108,17 +108,20 @@ class RequestAssembler:
             self._recent[source] = OrderedDict()
         return inflight, self._recent[source]
 
-    def _find(self, source: str, request_id: str) -> RequestRecord | None:
-        """``source``'s record of ``request_id`` in flight; for a joined source also one it
-        finished recently (another source may have finished it first: its ids are unique)."""
+    def _find(self, source: str, request_id: str, ts: float) -> RequestRecord | None:
+        """``source``'s record of ``request_id`` in flight; for a joined source also one
+        finished recently at or after ``ts`` (another source finished it first: vLLM's span
+        before the tap's events). An event after that finish is a new request of a reused id."""
         record = self._inflight[source].get(request_id)
         if record is None and source in self.joined:
             record = self._recent[source].get(request_id)
+            if record is not None and ts > record.finished:
+                return None
         return record
 
     def _open(self, source: str, inflight: OrderedDict, request_id: str,
               ts: float) -> RequestRecord:
-        record = self._find(source, request_id)
+        record = self._find(source, request_id, ts)
         if record is None:
             record = inflight[request_id] = RequestRecord(request_id, new_trace_id(), source, ts)
             self._bound(source, inflight)
@@ -136,7 +139,7 @@ class RequestAssembler:
     def started(self, source: str, events: Sequence[ev.RequestStarted]) -> None:
         inflight, _recent = self._tables(source)
         for event in events:
-            record = self._find(source, event.request_id)
+            record = self._find(source, event.request_id, event.ts)
             if record is None:
                 inflight[event.request_id] = RequestRecord(
                     event.request_id, event.trace_id or new_trace_id(), source, event.ts,
@@ -182,7 +185,7 @@ class RequestAssembler:
         its first batch after the scheduler's requests finished). A joined source's requests
         may be finished by another source first (vLLM's span before any of the tap's events):
         a second finish of a kept record only fills the parts the first left at 0 and returns
-        no record (it is not a new request). A record :meth:`amend` gave latencies keeps them."""
+        no record (it is not a new request)."""
         inflight, recent = self._tables(source)
         joined = source in self.joined
         records = []
@@ -199,15 +202,11 @@ class RequestAssembler:
                 # arrival by the TTFT; never before 1970, where OTLP's unsigned times end
                 record = RequestRecord(rid, new_trace_id(), source,
                                        max(0.0, event.ts - event.ttft))
-            if record.ttft is None:  # not amended: the event's latencies
-                record.ttft, record.queueing, record.prefill = (event.ttft, event.queueing,
-                                                                event.prefill)
             record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
             record.output_tokens = event.output_tokens
-            record.finished = event.ts
-            record.lookup, record.promotion_wait = event.lookup, event.promotion_wait
-            record.prefill = min(record.prefill, max(
-                0.0, record.ttft - record.queueing - record.promotion_wait))
+            record.ttft, record.finished = event.ttft, event.ts
+            record.queueing, record.lookup = event.queueing, event.lookup
+            record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
             record.itl = event.itl
             records.append(record)
             recent[rid] = record
@@ -215,24 +214,20 @@ class RequestAssembler:
             recent.popitem(last=False)
         return records
 
-    def amend(self, source: str, trace_id: str,
-              finish: ev.RequestFinished) -> tuple[RequestRecord, str] | None:
-        """Give ``source``'s request ``finish.request_id``, in flight or finished recently, what
-        another report says of it (vLLM's span): ``trace_id`` (unless "") and, when
-        ``finish.ttft`` is not 0, that TTFT, queueing and prefill (the prefill cut so that the
-        parts do not exceed the TTFT). Returns the record and the trace id it had, or None
-        when ``source`` has no such request."""
-        inflight, recent = self._tables(source)
-        record = inflight.get(finish.request_id) or recent.get(finish.request_id)
-        if record is None:
-            return None
-        before = record.trace_id
-        record.trace_id = trace_id or before
-        if finish.ttft:
-            record.ttft, record.queueing = finish.ttft, finish.queueing
-            record.prefill = min(finish.prefill, max(
-                0.0, finish.ttft - finish.queueing - record.promotion_wait))
-        return record, before
+    def finished_recently(self, source: str, request_id: str) -> RequestRecord | None:
+        """``source``'s record of ``request_id`` among the ``max_recent`` it finished last."""
+        return self._recent.get(source, {}).get(request_id)
+
+
+def amend(record: RequestRecord, trace_id: str, finish: ev.RequestFinished) -> None:
+    """Give a finished ``record`` what another report says of it (vLLM's span): ``trace_id``
+    (unless "") and, when ``finish.ttft`` is not 0, that TTFT, queueing and prefill (the
+    prefill cut so that the parts do not exceed the TTFT)."""
+    record.trace_id = trace_id or record.trace_id
+    if finish.ttft:
+        record.ttft, record.queueing = finish.ttft, finish.queueing
+        record.prefill = min(finish.prefill, max(
+            0.0, finish.ttft - finish.queueing - record.promotion_wait))
 
 
 SORT_KEYS = ("finished", "arrival", "ttft", "prompt_tokens", "promotion_wait")

@@ -132,7 +132,7 @@ def decode(payload: bytes) -> tuple[float, list, int]:
     """``(ts, events, unknown)`` of one KVEventBatch payload: the known events decoded, the
     count of events of kinds this version does not know. Raises msgspec.DecodeError /
     ValidationError for a payload that is not a KVEventBatch, RecursionError for one nested
-    past msgspec's depth bound."""
+    past msgspec's depth bound, UnicodeDecodeError for a string that is not UTF-8."""
     batch = _batch_decoder.decode(payload)
     events, unknown = [], 0
     for raw in batch.events:
@@ -426,7 +426,7 @@ class KvEventsSource(Worker):
     def _apply(self, payload: bytes) -> None:
         try:
             ts, events, unknown = decode(payload)
-        except (msgspec.DecodeError, RecursionError):
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
             self.pipeline.drop(NAME, "malformed")
             return
         if unknown:

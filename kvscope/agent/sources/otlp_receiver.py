@@ -248,6 +248,16 @@ def _count(attributes: dict, key: str) -> int:
             and 0 <= value < math.inf else 0)
 
 
+def _utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a string from JSON may hold a lone surrogate, which
+    no sink can write)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class OtlpReceiver:
     """Joins request spans with the pipeline's request records; ``source``: the engine source
     name the tap uses (``vllm``); ``wait``: seconds that source's finished records wait for
@@ -291,6 +301,9 @@ class OtlpReceiver:
                 self.ignored += 1
                 continue
             request_id = request_id[:ev.MAX_REQUEST_ID]  # as the tap cuts it
+            if not _utf8(request_id):  # "\ud800" is valid JSON
+                self._invalid(request_id, "the request id is not text (a lone surrogate)")
+                continue
             a = span.attributes
             trace_id = span.trace_id if _TRACE_ID.fullmatch(span.trace_id) else ""
             ttft = _float(a, TTFT)
