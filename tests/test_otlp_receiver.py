@@ -20,6 +20,7 @@ from kvscope.agent.sources.otlp_receiver import Span as ReceivedSpan
 from kvscope.exporter.catalog import LATENCY_SECONDS_BUCKETS
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
+T0 = 1_700_000_000.0  # Unix seconds the spans below start (and end 1 s later)
 ATTRS = {"gen_ai.request.id": "cmpl-1-0", "gen_ai.usage.prompt_tokens": 300,
          "gen_ai.usage.completion_tokens": 4, "gen_ai.latency.time_to_first_token": 0.25,
          "gen_ai.latency.time_in_queue": 0.05, "gen_ai.latency.time_in_model_prefill": 0.15}
@@ -67,6 +68,12 @@ def _agent():
                                otlp_receiver={"source": "vllm"}))
 
 
+def _spans_arrive(agent):
+    """What the receiver's first span does: from then on the source's records wait for theirs
+    (without spans nothing waits)."""
+    agent.pipeline.join("vllm", agent.otlp_receiver.wait)
+
+
 def test_protobuf_spans_become_requests_with_vllm_latencies():
     agent = _agent()
     with TestClient(create_app(agent)) as client:
@@ -77,6 +84,9 @@ def test_protobuf_spans_become_requests_with_vllm_latencies():
     record = agent.pipeline.requests.get("cmpl-1-0")
     assert record.trace_id == TRACE and record.ttft == 0.25 and record.queueing == 0.05
     assert record.prompt_tokens == 300 and record.output_tokens == 4
+    # counted once it waited for what may join it (6 s; spans come, so it waits)
+    assert agent.pipeline.snapshot().requests == 0
+    agent.pipeline.publish_settled(everything=True)
     assert agent.pipeline.snapshot().requests == 1
     # one span received, counted once: the 2 events it became were not sent by the vllm source
     assert agent.pipeline.snapshot().events_received == {"otlp": 1}
@@ -120,10 +130,11 @@ def test_a_span_for_a_request_the_tap_finished_enriches_that_record():
     stored = []
     agent.pipeline.subscribe(stored.append)
     agent.otlp_receiver.start()
+    _spans_arrive(agent)
     agent.pipeline.ingest("vllm", [
-        ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
-        ev.Lookup(ts=1.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44}),
-        ev.RequestFinished(ts=1.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
+        ev.RequestStarted(ts=T0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Lookup(ts=T0 + 0.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44}),
+        ev.RequestFinished(ts=T0 + 0.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
                            promotion_wait=0.02)])
     with TestClient(create_app(agent)) as client:
         client.post("/v1/traces", content=protobuf_body(),
@@ -146,8 +157,8 @@ def test_a_span_for_a_request_whose_finish_the_tap_lost_still_counts_it():
     agent = _agent()
     agent.otlp_receiver.start()
     agent.pipeline.ingest("vllm", [
-        ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
-        ev.Lookup(ts=1.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44})])
+        ev.RequestStarted(ts=T0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Lookup(ts=T0 + 0.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44})])
     agent.otlp_receiver.handle([otlp_span(ATTRS)])
     agent.pipeline.publish_settled(everything=True)
     record = agent.pipeline.requests.get("cmpl-1-0")
@@ -199,12 +210,133 @@ def test_a_json_request_id_that_is_not_text_is_an_invalid_span():
     assert agent.pipeline.snapshot().events_dropped[("otlp", "invalid")] == 1
 
 
+def _span(request_id, start, ttft=0.25, trace=TRACE):
+    """vLLM's span of a request that arrived at ``start`` (Unix seconds) and ended 1 s later."""
+    return ReceivedSpan(trace, "b7ad6b7169203331", "llm_request", int(start * 1e9),
+                        int((start + 1) * 1e9), {"gen_ai.request.id": request_id,
+                                                 "gen_ai.latency.time_to_first_token": ttft})
+
+
+def test_without_spans_the_taps_requests_wait_for_none():
+    """The receiver is on by default; with no span ever received (vLLM without
+    --otlp-traces-endpoint) the tap's requests count and reach the sinks at once, not 6 s
+    later."""
+    agent = _agent()
+    stored = []
+    agent.pipeline.subscribe(stored.append)
+    agent.otlp_receiver.start()
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=T0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.RequestFinished(ts=T0 + 0.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300)])
+    assert agent.pipeline.snapshot().requests == 1 and len(stored) == 1
+
+
+def test_spans_of_a_reused_request_id_are_two_requests():
+    """Spans only (no tap): two requests of one client id, 60 s apart, are 2 requests, each
+    with its own TTFT; the second span once amended the first's record (1 request)."""
+    agent = _agent()
+    agent.otlp_receiver.handle([_span("cmpl-1-0", T0, ttft=0.25)])
+    agent.otlp_receiver.handle([_span("cmpl-1-0", T0 + 60, ttft=2.0, trace="1" * 32)])
+    agent.pipeline.publish_settled(everything=True)
+    snap = agent.pipeline.snapshot()
+    assert snap.requests == 2 and snap.ttft_seconds.sum == 2.25
+
+
+def test_the_span_of_an_open_request_reusing_an_id_finishes_it_not_the_old_one():
+    """Request A (id X) finished; request B, the same id 60 s later, is open in the tap when
+    its span comes: the span finishes B (the tap's finish lost), not A: 2 requests, A's TTFT
+    unchanged."""
+    agent = _agent()
+    _spans_arrive(agent)
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=T0, request_id="x", prompt_tokens=10),
+        ev.RequestFinished(ts=T0 + 0.4, request_id="x", ttft=0.3, prompt_tokens=10)])
+    first = agent.pipeline.requests.get("x")
+    agent.pipeline.ingest("vllm", [ev.RequestStarted(ts=T0 + 60, request_id="x", prompt_tokens=10)])
+    agent.otlp_receiver.handle([_span("x", T0 + 60, ttft=2.0)])
+    agent.pipeline.publish_settled(everything=True)
+    assert agent.pipeline.snapshot().requests == 2 and first.ttft == 0.3
+    assert agent.pipeline.requests.get("x").ttft == 2.0
+
+
+def test_a_reused_id_finishing_twice_in_one_batch_is_two_requests():
+    """A joined source's batch finishes request X, then a later request of the same id (it
+    arrived after the first finished): 2 requests, not a second finish of the first."""
+    agent = _agent()
+    _spans_arrive(agent)
+    agent.pipeline.ingest("vllm", [
+        ev.RequestFinished(ts=T0 + 0.4, request_id="x", ttft=0.3, prompt_tokens=10),
+        ev.RequestFinished(ts=T0 + 61, request_id="x", ttft=0.5, prompt_tokens=20)])
+    agent.pipeline.publish_settled(everything=True)
+    assert agent.pipeline.snapshot().requests == 2
+
+
+def test_a_span_for_an_open_request_moves_its_transfer_exemplar_and_keeps_the_parts_in_ttft():
+    """The tap has the request open with a load (exemplar: the made-up trace); the span
+    finishes it with vLLM's trace, which the transfer's exemplar then names. The tap's finish
+    adds its promotion wait (0.1 s): queueing 0.05 + wait 0.1 + prefill stays within the
+    span's TTFT of 0.25 (prefill cut from 0.15 to 0.1; it added up to 0.3)."""
+    agent = _agent()
+    _spans_arrive(agent)
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=T0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Transfer(ts=T0, src="cpu", dst="gpu", blocks=1, bytes=1, duration=0.002,
+                    request_id="cmpl-1-0")])
+    agent.otlp_receiver.handle([otlp_span(ATTRS)])
+    snap = agent.pipeline.snapshot()
+    assert [e[0] for e in snap.transfer_seconds[("cpu", "gpu")].exemplars.values()] == [TRACE]
+    agent.pipeline.ingest("vllm", [
+        ev.RequestFinished(ts=T0 + 0.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
+                           promotion_wait=0.1)])
+    record = agent.pipeline.requests.get("cmpl-1-0")
+    assert (record.ttft, record.queueing, record.promotion_wait) == (0.25, 0.05, 0.1)
+    assert abs(record.prefill - 0.1) < 1e-12
+
+
+def test_a_span_after_the_wait_is_stored_again(tmp_path):
+    """The record had waited and been stored with the tap's TTFT (0.3) and a made-up trace;
+    vLLM's span comes later: the record is amended and stored again, so a restarted agent
+    serves vLLM's TTFT (0.25) and trace, not the first version."""
+    settings = AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
+                             otlp_receiver={"source": "vllm", "wait_seconds": 0},
+                             store_dir=str(tmp_path))
+    agent = Agent(settings)
+    agent.start()
+    _spans_arrive(agent)  # with a wait of 0: the record is handed over at once
+    now = time.time()
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=now, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.RequestFinished(ts=now + 0.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300)])
+    agent.store.flush()  # the first version is on disk
+    agent.otlp_receiver.handle([_span("cmpl-1-0", now)])
+    agent.shutdown()
+    restarted = Agent(settings)
+    restarted.start()
+    try:
+        record = restarted.pipeline.requests.get("cmpl-1-0")
+        assert record.ttft == 0.25 and record.trace_id == TRACE
+    finally:
+        restarted.shutdown()
+
+
+def test_a_sample_counts_the_requests_that_settled_just_before_it():
+    """The sampler hands over settled records, then samples: the sample counts them (it once
+    sampled first, one interval behind the summary)."""
+    agent = _agent()
+    agent.pipeline.join("vllm", 0.05)
+    agent.pipeline.ingest("vllm", [
+        ev.RequestFinished(ts=T0 + 0.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300)])
+    time.sleep(0.1)  # its wait is over; nothing has handed it over yet
+    agent.sample()
+    assert agent.pipeline.samples()[-1]["requests"] == 1
+
+
 def test_a_span_joins_only_the_records_of_the_receivers_source():
     """Another engine ("load") finished a request of the same id: the span leaves that record
     alone and makes the vllm source's own request."""
     agent = _agent()
-    agent.pipeline.ingest("load", [ev.RequestFinished(ts=1.4, request_id="cmpl-1-0", ttft=0.3,
-                                                      prompt_tokens=10)])
+    agent.pipeline.ingest("load", [ev.RequestFinished(ts=T0 + 0.4, request_id="cmpl-1-0",
+                                                      ttft=0.3, prompt_tokens=10)])
     with TestClient(create_app(agent)) as client:
         client.post("/v1/traces", content=protobuf_body(),
                     headers={"content-type": "application/x-protobuf"})
@@ -222,13 +354,13 @@ def test_a_span_that_comes_before_the_taps_finish_still_makes_one_request():
     agent = _agent()
     agent.otlp_receiver.start()
     agent.pipeline.ingest("vllm", [
-        ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
-        ev.Lookup(ts=1.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44})])
+        ev.RequestStarted(ts=T0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Lookup(ts=T0 + 0.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44})])
     with TestClient(create_app(agent)) as client:
         client.post("/v1/traces", content=protobuf_body(),
                     headers={"content-type": "application/x-protobuf"})
     agent.pipeline.ingest("vllm", [
-        ev.RequestFinished(ts=1.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
+        ev.RequestFinished(ts=T0 + 0.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
                            promotion_wait=0.02)])
     record = agent.pipeline.requests.get("cmpl-1-0")
     assert record.trace_id == TRACE and record.ttft == 0.25 and record.promotion_wait == 0.02
@@ -253,9 +385,9 @@ def test_a_span_before_any_of_the_taps_events_still_makes_one_request():
         client.post("/v1/traces", content=protobuf_body(),
                     headers={"content-type": "application/x-protobuf"})
     agent.pipeline.ingest("vllm", [
-        ev.RequestStarted(ts=1.0, request_id="cmpl-1-0", prompt_tokens=300),
-        ev.Lookup(ts=1.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44}),
-        ev.RequestFinished(ts=1.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
+        ev.RequestStarted(ts=T0, request_id="cmpl-1-0", prompt_tokens=300),
+        ev.Lookup(ts=T0 + 0.1, request_id="cmpl-1-0", tokens={"cpu": 256, "recompute": 44}),
+        ev.RequestFinished(ts=T0 + 0.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
                            promotion_wait=0.02)])
     record = agent.pipeline.requests.get("cmpl-1-0")
     assert record.trace_id == TRACE and record.ttft == 0.25 and record.promotion_wait == 0.02
@@ -274,8 +406,8 @@ def test_a_span_joins_a_finished_request_the_table_no_longer_holds():
     agent.otlp_receiver.start()
     for rid in ("cmpl-1-0", "cmpl-2-0"):
         agent.pipeline.ingest("vllm", [
-            ev.RequestStarted(ts=1.0, request_id=rid, prompt_tokens=300),
-            ev.RequestFinished(ts=1.4, request_id=rid, ttft=0.3, prompt_tokens=300)])
+            ev.RequestStarted(ts=T0, request_id=rid, prompt_tokens=300),
+            ev.RequestFinished(ts=T0 + 0.4, request_id=rid, ttft=0.3, prompt_tokens=300)])
     with TestClient(create_app(agent)) as client:
         client.post("/v1/traces", content=protobuf_body(),
                     headers={"content-type": "application/x-protobuf"})
@@ -292,6 +424,7 @@ def test_a_joined_span_moves_the_exemplars_to_the_trace_it_names():
     the TTFT exemplar as well."""
     agent = _agent()
     agent.otlp_receiver.start()
+    _spans_arrive(agent)
 
     def exemplars():
         snap = agent.pipeline.snapshot()
@@ -306,7 +439,7 @@ def test_a_joined_span_moves_the_exemplars_to_the_trace_it_names():
             ev.RequestFinished(ts=ts + 0.4, request_id=request_id, ttft=0.3, prompt_tokens=300)])
         return agent.pipeline.requests.get(request_id).trace_id
 
-    made_up = tap("cmpl-1-0", 1.0)
+    made_up = tap("cmpl-1-0", T0)
     assert exemplars() == ([], [made_up])
     with TestClient(create_app(agent)) as client:
         client.post("/v1/traces", content=protobuf_body(),
@@ -314,7 +447,7 @@ def test_a_joined_span_moves_the_exemplars_to_the_trace_it_names():
         agent.pipeline.publish_settled(everything=True)
         assert agent.pipeline.requests.get("cmpl-1-0").trace_id == TRACE
         assert exemplars() == ([TRACE], [TRACE])
-        made_up = tap("cmpl-2-0", 2.0)  # its wait over before its span comes
+        made_up = tap("cmpl-2-0", T0 + 1)  # its wait over before its span comes
         agent.pipeline.publish_settled(everything=True)
         # its TTFT of 0.3 s has the 0.5 s bucket's exemplar; its transfer replaced the first's
         assert exemplars() == ([TRACE, made_up], [made_up])

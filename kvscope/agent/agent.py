@@ -168,9 +168,9 @@ class Agent(Worker):
         gpu = self.collectors.reading("gpu")
         links = ({d.gpu: d.link_max_bytes_per_second for d in gpu.gpus
                   if d.link_max_bytes_per_second} if gpu else None)
+        self.pipeline.publish_settled()  # first, so that the sample counts what just settled
         self.pipeline.record_sample(
             self._clock(), host.available if host else None,
             host_memory_reserve=host.reserve if host else None,
             host_memory_headroom=host.headroom if host else None,
             offload_budgets=host.budgets if host else None, pcie_link_max=links)
-        self.pipeline.publish_settled()

@@ -187,8 +187,8 @@ class VllmMetricsConfig(_Section):
 class OtlpReceiverConfig(_Section):
     """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source`` (a
     tap's source name, :func:`kvscope.events.source_name_problem`), whose finished requests wait
-    ``wait_seconds`` for their span before they are stored and exported (vLLM sends spans every
-    5 s by default)."""
+    ``wait_seconds`` for their span, from the first span on, before they are counted and
+    exported (vLLM sends spans every 5 s by default)."""
 
     enabled: bool = True
     source: str = "vllm"

@@ -227,6 +227,7 @@ class Pipeline:
         self._assembler = RequestAssembler(joined=self._joined)
         # a heap of (due: monotonic seconds, arrival order, record): windows differ by source
         self._settling: list[tuple[float, int, RequestRecord]] = []
+        self._settling_ids: set[int] = set()  # id() of the records in it
         self._settle_order = itertools.count()
         self._listeners: list[Callable[[RequestRecord], None]] = []
         self._early_listeners: list[Callable[[RequestRecord], None]] = []
@@ -307,6 +308,7 @@ class Pipeline:
                 due = time.monotonic() + window
                 for record in finished:
                     heapq.heappush(self._settling, (due, next(self._settle_order), record))
+                    self._settling_ids.add(id(record))
                 ready, early = [], finished
             if self._settling:
                 ready = ready + self._settled()
@@ -343,6 +345,7 @@ class Pipeline:
         settling = self._settling
         while settling and (everything or settling[0][0] <= now or len(settling) > MAX_SETTLING):
             out.append(heapq.heappop(settling)[2])
+            self._settling_ids.discard(id(out[-1]))
         if out:
             self._observe(out)
         return out
@@ -353,23 +356,34 @@ class Pipeline:
             for listener in self._listeners if listeners is None else listeners:
                 listener(record)
 
-    def amend(self, source: str, trace_id: str, finish: ev.RequestFinished) -> bool:
+    def amend(self, source: str, trace_id: str, arrival: float,
+              finish: ev.RequestFinished) -> bool:
         """Give ``source``'s finished request ``finish.request_id`` (one of the last it
         finished, or one in the table) a later report's trace id and latencies (vLLM's span;
         see :func:`~kvscope.agent.requests.amend`); exemplars that carried the record's old
-        trace id carry the new one. False when ``source`` finished no such request (nothing
+        trace id carry the new one, and a record already handed over goes to the early
+        subscribers again (the store keeps the last version). ``arrival``: Unix seconds the
+        report says the request arrived; one arriving after the record finished is another
+        request of a reused id. False when ``source`` finished no such request (nothing
         changes): one in flight is finished by the report's events instead (:meth:`ingest`)."""
         with self._lock:
             record = (self._assembler.finished_recently(source, finish.request_id)
                       or self.requests.get(finish.request_id, source))
-            if record is None:
+            if record is None or arrival > record.finished:
                 return False
             before = record.trace_id
             amend(record, trace_id, finish)
-            if record.trace_id != before:
-                for hist in (self._ttft, *self._transfer_seconds.values()):
-                    hist.retrace(before, record.trace_id)
-            return True
+            self._retrace(before, record.trace_id)
+            handed_over = id(record) not in self._settling_ids
+        if handed_over:
+            self._notify([record], self._early_listeners)
+        return True
+
+    def _retrace(self, before: str, after: str) -> None:
+        """Exemplars of trace ``before`` name ``after`` (a record's trace id changed)."""
+        if after != before:
+            for hist in (self._ttft, *self._transfer_seconds.values()):
+                hist.retrace(before, after)
 
     def events_received(self) -> dict[str, int]:
         """Events accepted so far, by source (a cheap read; :meth:`snapshot` copies everything)."""
@@ -418,7 +432,8 @@ class Pipeline:
 
     def _fold_started(self, source: str, events: list[ev.RequestStarted],
                       finished: list) -> None:
-        self._assembler.started(source, events)
+        for before, after in self._assembler.started(source, events):
+            self._retrace(before, after)
 
     def _fold_snapshots(self, source: str, events: list[ev.TierSnapshot],
                         finished: list) -> None:

@@ -136,8 +136,12 @@ class RequestAssembler:
             inflight.popitem(last=False)
             self.abandoned[source] += 1
 
-    def started(self, source: str, events: Sequence[ev.RequestStarted]) -> None:
+    def started(self, source: str,
+                events: Sequence[ev.RequestStarted]) -> list[tuple[str, str]]:
+        """Open the requests' records; returns ``(before, after)`` for each record another
+        event opened first whose trace id the start changed."""
         inflight, _recent = self._tables(source)
+        retraced = []
         for event in events:
             record = self._find(source, event.request_id, event.ts)
             if record is None:
@@ -148,9 +152,11 @@ class RequestAssembler:
             # another emitter's event opened the record first: arrival and trace id are the
             # start's
             record.prompt_tokens, record.arrival = event.prompt_tokens, event.ts
-            if event.trace_id:
+            if event.trace_id and event.trace_id != record.trace_id:
+                retraced.append((record.trace_id, event.trace_id))
                 record.trace_id = event.trace_id
         self._bound(source, inflight)
+        return retraced
 
     def lookups(self, source: str, events: Sequence[ev.Lookup]) -> None:
         inflight, _recent = self._tables(source)
@@ -184,24 +190,26 @@ class RequestAssembler:
         so that another source's transfers sent later still join them (a worker tap may send
         its first batch after the scheduler's requests finished). A joined source's requests
         may be finished by another source first (vLLM's span before any of the tap's events):
-        a second finish of a kept record only fills the parts the first left at 0 and returns
-        no record (it is not a new request)."""
+        a second finish of a kept record (of a request that arrived before that record
+        finished) only fills the parts the first left at 0 and returns no record (it is not a
+        new request)."""
         inflight, recent = self._tables(source)
         joined = source in self.joined
         records = []
         for event in events:
             rid = event.request_id
             record = inflight.pop(rid, None)
+            # arrival by the TTFT; never before 1970, where OTLP's unsigned times end
+            arrival = max(0.0, event.ts - event.ttft)
             if record is None:
-                if joined and rid in recent:
-                    record = recent[rid]
+                kept = recent.get(rid) if joined else None
+                if kept is not None and arrival <= kept.finished:
                     for part in _FINISH_PARTS:
-                        if not getattr(record, part):
-                            setattr(record, part, getattr(event, part))
+                        if not getattr(kept, part):
+                            setattr(kept, part, getattr(event, part))
+                    kept.prefill = _prefill_within(kept)
                     continue
-                # arrival by the TTFT; never before 1970, where OTLP's unsigned times end
-                record = RequestRecord(rid, new_trace_id(), source,
-                                       max(0.0, event.ts - event.ttft))
+                record = RequestRecord(rid, new_trace_id(), source, arrival)
             record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
             record.output_tokens = event.output_tokens
             record.ttft, record.finished = event.ttft, event.ts
@@ -225,9 +233,16 @@ def amend(record: RequestRecord, trace_id: str, finish: ev.RequestFinished) -> N
     prefill cut so that the parts do not exceed the TTFT)."""
     record.trace_id = trace_id or record.trace_id
     if finish.ttft:
-        record.ttft, record.queueing = finish.ttft, finish.queueing
-        record.prefill = min(finish.prefill, max(
-            0.0, finish.ttft - finish.queueing - record.promotion_wait))
+        record.ttft, record.queueing, record.prefill = (finish.ttft, finish.queueing,
+                                                        finish.prefill)
+        record.prefill = _prefill_within(record)
+
+
+def _prefill_within(record: RequestRecord) -> float:
+    """``record``'s prefill, cut so that its TTFT parts, from two reports (the tap's and
+    vLLM's span), do not add up to more than its TTFT."""
+    return min(record.prefill, max(0.0, record.ttft - record.queueing - record.lookup
+                                   - record.promotion_wait))
 
 
 SORT_KEYS = ("finished", "arrival", "ttft", "prompt_tokens", "promotion_wait")

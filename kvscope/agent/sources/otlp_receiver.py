@@ -19,8 +19,12 @@ an emitter's batch could not carry (a TTFT that is no number of seconds, a time 
 count past 2**53: :func:`kvscope.events.validate`) is counted in
 ``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. Every span received counts
 in ``kvscope_events_received_total{source="otlp"}``, so an operator sees whether spans arrive.
-vLLM sends spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so the tap's
-records wait ``wait`` seconds for their span before the store and the OTLP exporter get them.
+vLLM sends spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so from the
+first span on, the tap's records wait ``wait`` seconds for theirs before they count in the
+request metrics and the OTLP exporter and the capture get them (see
+:class:`~kvscope.agent.pipeline.Pipeline`); without spans nothing waits. A span that joins a
+record handed over already (after its wait, or restored after a restart) still amends it, and
+the store gets it again.
 """
 
 from __future__ import annotations
@@ -274,10 +278,10 @@ class OtlpReceiver:
         self.joined = 0
         self.last_ttft = -math.inf
         self._warned = False
+        self._joining = False  # the source's records wait for spans (from the first span on)
 
     def start(self) -> None:
         self.pipeline.expect_drops(NAME, ("invalid",))
-        self.pipeline.join(self.source, self.wait)
         self.pipeline.set_source_up(NAME, True)
 
     def shutdown(self) -> None:
@@ -322,7 +326,10 @@ class OtlpReceiver:
                 continue
             if ttft:
                 self.last_ttft = time.monotonic()
-            if self.pipeline.amend(self.source, trace_id, finished):  # the tap's request
+            if not self._joining:  # spans come: the source's requests wait for theirs
+                self._joining = True
+                self.pipeline.join(self.source, self.wait)
+            if self.pipeline.amend(self.source, trace_id, started.ts, finished):  # the tap's
                 self.joined += 1
                 continue
             if not ttft:  # e.g. an aborted request: no first token, so no TTFT to count as 0
