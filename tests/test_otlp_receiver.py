@@ -7,6 +7,7 @@ import gzip
 import json
 import time
 
+import pytest
 from fastapi.testclient import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -183,7 +184,7 @@ def test_a_span_joins_a_request_restored_after_a_restart(tmp_path):
     restarted = Agent(settings)
     restarted.start()
     try:
-        restarted.otlp_receiver.handle([otlp_span(ATTRS)])
+        restarted.otlp_receiver.handle([_span("cmpl-1-0", now)])
         record = restarted.pipeline.requests.get("cmpl-1-0")
         assert record.tokens == {"cpu": 256, "recompute": 44} and record.ttft == 0.25
         assert record.trace_id == TRACE and restarted.otlp_receiver.joined == 1
@@ -240,6 +241,46 @@ def test_spans_of_a_reused_request_id_are_two_requests():
     agent.pipeline.publish_settled(everything=True)
     snap = agent.pipeline.snapshot()
     assert snap.requests == 2 and snap.ttft_seconds.sum == 2.25
+
+
+@pytest.mark.parametrize("order", ["AB", "BA"])
+def test_spans_of_two_finished_requests_of_one_id_join_their_own(order):
+    """The tap finished A (arrived T0) and B (arrived T0 + 10), both id x, before vLLM's
+    spans came (two short requests in one 5 s batch; two API servers send in either order).
+    A span names its request by its start, vLLM's arrival time (the tap's start too): each
+    span amends its own record (an earlier span once amended the newer record)."""
+    agent = _agent()
+    handed_over = []  # what the OTLP exporter and the capture get (the table keeps B alone)
+    agent.pipeline.subscribe(handed_over.append)
+    _spans_arrive(agent)
+    for start, ttft in ((T0, 0.3), (T0 + 10, 0.7)):
+        agent.pipeline.ingest("vllm", [
+            ev.RequestStarted(ts=start, request_id="x", prompt_tokens=10),
+            ev.RequestFinished(ts=start + 1, request_id="x", ttft=ttft, prompt_tokens=10)])
+    spans = {"A": _span("x", T0, ttft=0.25, trace="a" * 32),
+             "B": _span("x", T0 + 10, ttft=0.65, trace="b" * 32)}
+    agent.otlp_receiver.handle([spans[name] for name in order])
+    agent.pipeline.publish_settled(everything=True)
+    assert agent.otlp_receiver.joined == 2 and agent.pipeline.snapshot().requests == 2
+    assert [(r.arrival, r.trace_id, r.ttft) for r in handed_over] == [
+        (T0, "a" * 32, 0.25), (T0 + 10, "b" * 32, 0.65)]
+
+
+@pytest.mark.parametrize("order", ["AB", "BA"])
+def test_spans_only_two_requests_of_one_id_in_one_body_stay_apart(order):
+    """No tap: one body carries two requests of id x (A at T0, B at T0 + 10), in either order
+    (API servers send on their own timers): 2 requests, each with its own trace and arrival
+    (B's start once merged into A's record, and B's span, sent first, absorbed A's)."""
+    agent = _agent()
+    handed_over = []
+    agent.pipeline.subscribe(handed_over.append)
+    spans = {"A": _span("x", T0, ttft=0.25, trace="a" * 32),
+             "B": _span("x", T0 + 10, ttft=0.65, trace="b" * 32)}
+    agent.otlp_receiver.handle([spans[name] for name in order])
+    agent.pipeline.publish_settled(everything=True)
+    assert agent.pipeline.snapshot().requests == 2
+    assert sorted((r.arrival, r.trace_id, r.ttft) for r in handed_over) == [
+        (T0, "a" * 32, 0.25), (T0 + 10, "b" * 32, 0.65)]
 
 
 def test_the_span_of_an_open_request_reusing_an_id_finishes_it_not_the_old_one():
@@ -447,7 +488,7 @@ def test_a_joined_span_moves_the_exemplars_to_the_trace_it_names():
         agent.pipeline.publish_settled(everything=True)
         assert agent.pipeline.requests.get("cmpl-1-0").trace_id == TRACE
         assert exemplars() == ([TRACE], [TRACE])
-        made_up = tap("cmpl-2-0", T0 + 1)  # its wait over before its span comes
+        made_up = tap("cmpl-2-0", T0)  # its wait over before its span comes
         agent.pipeline.publish_settled(everything=True)
         # its TTFT of 0.3 s has the 0.5 s bucket's exemplar; its transfer replaced the first's
         assert exemplars() == ([TRACE, made_up], [made_up])

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from kvscope import events as ev
-from kvscope.agent.requests import FUTURE, RequestAssembler, RequestRecord, RequestTable, amend
+from kvscope.agent.requests import (FUTURE, RequestAssembler, RequestRecord, RequestTable, amend,
+                                    under_way)
 from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCKETS,
                                       RESIDENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS)
 
@@ -219,7 +220,7 @@ class Pipeline:
     def __init__(self, prefill_tokens_per_second: float = 10_000.0, recent: int = 10_000,
                  history: int = 3600, table: RequestTable | None = None,
                  quantile_window: int = 60, join_window: float = 1.0) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant for report()
         self._prefill_rate = prefill_tokens_per_second
         self.requests = table if table is not None else RequestTable()
         self._join_window = join_window
@@ -356,28 +357,33 @@ class Pipeline:
             for listener in self._listeners if listeners is None else listeners:
                 listener(record)
 
-    def amend(self, source: str, trace_id: str, arrival: float,
-              finish: ev.RequestFinished) -> bool:
-        """Give ``source``'s finished request ``finish.request_id`` (one of the last it
-        finished, or one in the table) a later report's trace id and latencies (vLLM's span;
-        see :func:`~kvscope.agent.requests.amend`); exemplars that carried the record's old
-        trace id carry the new one, and a record already handed over goes to the early
-        subscribers again (the store keeps the last version). ``arrival``: Unix seconds the
-        report says the request arrived; one arriving after the record finished is another
-        request of a reused id. False when ``source`` finished no such request (nothing
-        changes): one in flight is finished by the report's events instead (:meth:`ingest`)."""
-        with self._lock:
-            record = (self._assembler.finished_recently(source, finish.request_id)
-                      or self.requests.get(finish.request_id, source))
-            if record is None or arrival > record.finished:
+    def report(self, source: str, trace_id: str, started: ev.RequestStarted,
+               finished: ev.RequestFinished, new_request: bool = True) -> bool:
+        """Fold a later report of one of ``source``'s requests (vLLM's span, as ``started``
+        and ``finished`` events, counted as received elsewhere), in one step so that none of
+        the source's own events comes in between. When ``source`` finished that request (one
+        of the last it finished, or one in the table, under way at ``started.ts``: a client
+        may reuse an id, see :func:`~kvscope.agent.requests.under_way`), the report amends its
+        record (:func:`~kvscope.agent.requests.amend`): exemplars that carried its old trace
+        id carry the new one, and a record handed over already goes to the early subscribers
+        again (the store keeps the last version). Otherwise, with ``new_request``, the events
+        are folded: they finish the request in flight, or make one. True when it amended."""
+        with self._lock:  # reentrant: ingest() takes it again
+            record = self._assembler.finished_recently(source, finished.request_id, started.ts)
+            if record is None:  # restored after a restart, or past the recent ones
+                record = self.requests.get(finished.request_id, source)
+                if record is not None and not under_way(record, started.ts):
+                    record = None
+            if record is None:
+                if new_request:
+                    self.ingest(source, [started, finished], received=False)
                 return False
             before = record.trace_id
-            amend(record, trace_id, finish)
+            amend(record, trace_id, finished)
             self._retrace(before, record.trace_id)
-            handed_over = id(record) not in self._settling_ids
-        if handed_over:
-            self._notify([record], self._early_listeners)
-        return True
+            if id(record) not in self._settling_ids:  # handed over already
+                self._notify([record], self._early_listeners)
+            return True
 
     def _retrace(self, before: str, after: str) -> None:
         """Exemplars of trace ``before`` name ``after`` (a record's trace id changed)."""

@@ -74,6 +74,13 @@ def new_trace_id() -> str:
     return (random.getrandbits(128) | 1).to_bytes(16, "big").hex()
 
 
+# Records kept per request id among the recent ones: a client may reuse an id (X-Request-Id),
+# and a late report must join the request it is about, not the newest of that id.
+MAX_REUSES = 4
+# A late report names its request by its arrival (vLLM's span starts at the very arrival time
+# the tap sends); a record whose arrival is an estimate (finish less TTFT) is later than that.
+ARRIVAL_TOLERANCE = 0.001  # seconds
+
 # what a second finish of one request may fill in (see RequestAssembler.finished)
 _FINISH_PARTS = ("output_tokens", "queueing", "lookup", "promotion_wait", "prefill", "itl")
 
@@ -94,7 +101,8 @@ class RequestAssembler:
                  joined: Container[str] = ()) -> None:
         # source -> request id -> record, oldest first
         self._inflight: dict[str, OrderedDict[str, RequestRecord]] = {}
-        self._recent: dict[str, OrderedDict[str, RequestRecord]] = {}
+        # source -> request id -> its last MAX_REUSES records (a client may reuse an id)
+        self._recent: dict[str, OrderedDict[str, list[RequestRecord]]] = {}
         self._max = max_inflight
         self._max_recent = max_recent
         self.joined = joined  # sources whose requests another source finishes too (see finished)
@@ -110,14 +118,28 @@ class RequestAssembler:
 
     def _find(self, source: str, request_id: str, ts: float) -> RequestRecord | None:
         """``source``'s record of ``request_id`` in flight; for a joined source also one
-        finished recently at or after ``ts`` (another source finished it first: vLLM's span
-        before the tap's events). An event after that finish is a new request of a reused id."""
+        finished recently that ``ts`` falls in (another source finished it first: vLLM's span
+        before the tap's events). An event after every such finish is a new request."""
         record = self._inflight[source].get(request_id)
         if record is None and source in self.joined:
-            record = self._recent[source].get(request_id)
-            if record is not None and ts > record.finished:
-                return None
+            record = self.finished_recently(source, request_id, ts)
         return record
+
+    def finished_recently(self, source: str, request_id: str,
+                          ts: float) -> RequestRecord | None:
+        """``source``'s record of ``request_id``, among the last ``max_recent`` it finished,
+        of the request under way at ``ts`` (see :func:`under_way`), the newest such; None when
+        there is none (an id reused: another request)."""
+        for record in reversed(self._recent.get(source, {}).get(request_id, ())):
+            if under_way(record, ts):
+                return record
+        return None
+
+    def _keep(self, recent: OrderedDict, record: RequestRecord) -> None:
+        """Keep finished ``record`` among the recent ones (the newest last)."""
+        kept = recent.pop(record.request_id, [])
+        kept.append(record)
+        recent[record.request_id] = kept[-MAX_REUSES:]
 
     def _open(self, source: str, inflight: OrderedDict, request_id: str,
               ts: float) -> RequestRecord:
@@ -173,7 +195,9 @@ class RequestAssembler:
             if not rid:
                 trace_ids.append("")
                 continue
-            record = (inflight.get(rid) or recent.get(rid)
+            # a late worker's load joins the request under way at its start, else the newest
+            record = (inflight.get(rid) or self.finished_recently(source, rid, event.ts)
+                      or (recent.get(rid) or [None])[-1]
                       or self._open(source, inflight, rid, event.ts))
             if len(record.transfers) < MAX_TRANSFERS:
                 record.transfers += (TransferRecord(event.src, event.dst, event.blocks,
@@ -202,8 +226,8 @@ class RequestAssembler:
             # arrival by the TTFT; never before 1970, where OTLP's unsigned times end
             arrival = max(0.0, event.ts - event.ttft)
             if record is None:
-                kept = recent.get(rid) if joined else None
-                if kept is not None and arrival <= kept.finished:
+                kept = self.finished_recently(source, rid, arrival) if joined else None
+                if kept is not None:
                     for part in _FINISH_PARTS:
                         if not getattr(kept, part):
                             setattr(kept, part, getattr(event, part))
@@ -217,14 +241,16 @@ class RequestAssembler:
             record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
             record.itl = event.itl
             records.append(record)
-            recent[rid] = record
+            self._keep(recent, record)
         while len(recent) > self._max_recent:
             recent.popitem(last=False)
         return records
 
-    def finished_recently(self, source: str, request_id: str) -> RequestRecord | None:
-        """``source``'s record of ``request_id`` among the ``max_recent`` it finished last."""
-        return self._recent.get(source, {}).get(request_id)
+
+def under_way(record: RequestRecord, ts: float) -> bool:
+    """Whether finished ``record``'s request was under way at ``ts`` (Unix seconds): from its
+    arrival, less :data:`ARRIVAL_TOLERANCE`, to its finish."""
+    return record.arrival - ARRIVAL_TOLERANCE <= ts <= record.finished
 
 
 def amend(record: RequestRecord, trace_id: str, finish: ev.RequestFinished) -> None:

@@ -10,11 +10,13 @@ vLLM's request span (0.32 ``vllm/v1/engine/output_processor.py``: name ``llm_req
 attributes ``gen_ai.request.id``, ``gen_ai.usage.prompt_tokens`` / ``completion_tokens``,
 ``gen_ai.latency.time_to_first_token`` / ``time_in_queue`` / ``time_in_model_prefill``, seconds)
 is joined with cache events by request id (vLLM's external id, which the in-process tap also
-reports): when the request is already in the agent's request table (the tap finished it), the
-record takes the span's trace id and vLLM's own TTFT, queueing and prefill; otherwise the span
-becomes ``RequestStarted`` + ``RequestFinished`` events under ``source`` (so a record the tap
-has open joins them). Spans without ``gen_ai.request.id`` are counted and ignored, and so are
-spans of requests not in the table that have no TTFT (an aborted request). A span whose values
+reports): when the tap finished the request (the one of that id under way when the span
+starts: a client may reuse an id), the record takes the span's trace id and vLLM's own TTFT,
+queueing and prefill; otherwise the span becomes ``RequestStarted`` + ``RequestFinished``
+events under ``source`` (so a record the tap has open joins them): see
+:meth:`~kvscope.agent.pipeline.Pipeline.report`. Spans without ``gen_ai.request.id`` are
+counted and ignored, and so are spans of requests the tap did not finish that have no TTFT
+(an aborted request). A span whose values
 an emitter's batch could not carry (a TTFT that is no number of seconds, a time past 2100, a
 count past 2**53: :func:`kvscope.events.validate`) is counted in
 ``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. Every span received counts
@@ -297,7 +299,6 @@ class OtlpReceiver:
                         request_id[:64], why)
 
     def handle(self, spans: list[Span]) -> None:
-        events: list = []
         for span in spans:
             self.received += 1
             request_id = span.attributes.get(REQUEST_ID)
@@ -329,15 +330,13 @@ class OtlpReceiver:
             if not self._joining:  # spans come: the source's requests wait for theirs
                 self._joining = True
                 self.pipeline.join(self.source, self.wait)
-            if self.pipeline.amend(self.source, trace_id, started.ts, finished):  # the tap's
+            # a request without a first token (aborted) has no TTFT to count as 0: it only
+            # amends the tap's record
+            if self.pipeline.report(self.source, trace_id, started, finished,
+                                    new_request=bool(ttft)):
                 self.joined += 1
-                continue
-            if not ttft:  # e.g. an aborted request: no first token, so no TTFT to count as 0
+            elif not ttft:
                 self.ignored += 1
                 if a.get(TTFT) is not None:  # one was sent, but no usable number of seconds
                     self._invalid(request_id, f"{TTFT} {a.get(TTFT)!r} is no number of seconds")
-                continue
-            events += (started, finished)
         self.pipeline.add_received(NAME, len(spans))
-        if events:
-            self.pipeline.ingest(self.source, events, received=False)  # counted as spans
