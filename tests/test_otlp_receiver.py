@@ -283,6 +283,24 @@ def test_spans_only_two_requests_of_one_id_in_one_body_stay_apart(order):
         (T0, "a" * 32, 0.25), (T0 + 10, "b" * 32, 0.65)]
 
 
+@pytest.mark.parametrize("lookup", [False, True], ids=["finish alone", "lookup first"])
+def test_a_span_joins_a_request_whose_start_the_tap_lost(lookup):
+    """The tap's start went missing (the agent restarted mid-request, or the emitter dropped
+    it): the record's arrival came from its finish (less the TTFT: 0.3 s later than the true
+    arrival T0 + 1 s of decode) or from its lookup (0.05 s late), and vLLM's span, which starts
+    at the true arrival, made a second request. The finish gives the arrival back exactly:
+    T0 + 1.3 - 10 x 0.1 (ITL between 11 tokens) - 0.3 = T0, so the span joins: 1 request."""
+    agent = _agent()
+    _spans_arrive(agent)
+    events = [ev.Lookup(ts=T0 + 0.05, request_id="x", tokens={"gpu": 16})] if lookup else []
+    agent.pipeline.ingest("vllm", events + [ev.RequestFinished(
+        ts=T0 + 1.3, request_id="x", ttft=0.3, prompt_tokens=16, output_tokens=11, itl=0.1)])
+    assert abs(agent.pipeline.requests.get("x").arrival - T0) < 1e-6
+    agent.otlp_receiver.handle([_span("x", T0)])
+    agent.pipeline.publish_settled(everything=True)
+    assert agent.pipeline.snapshot().requests == 1 and agent.otlp_receiver.joined == 1
+
+
 def test_the_span_of_an_open_request_reusing_an_id_finishes_it_not_the_old_one():
     """Request A (id X) finished; request B, the same id 60 s later, is open in the tap when
     its span comes: the span finishes B (the tap's finish lost), not A: 2 requests, A's TTFT

@@ -220,7 +220,7 @@ class Pipeline:
     def __init__(self, prefill_tokens_per_second: float = 10_000.0, recent: int = 10_000,
                  history: int = 3600, table: RequestTable | None = None,
                  quantile_window: int = 60, join_window: float = 1.0) -> None:
-        self._lock = threading.RLock()  # reentrant for report()
+        self._lock = threading.Lock()
         self._prefill_rate = prefill_tokens_per_second
         self.requests = table if table is not None else RequestTable()
         self._join_window = join_window
@@ -293,26 +293,39 @@ class Pipeline:
         C-level passes over each kind's fields rather than one dispatch per event.
         """
         groups = by_kind(events)
-        finished: list[RequestRecord] = []
-        scope = scope or source
         with self._lock:
-            if scope != source:
-                self._join(scope, self._join_window)
-            for kind, fold in self._folds:
-                if groups[kind]:
-                    fold(scope, groups[kind], finished)
-            if received:
-                self._received[source] += len(events)
-            ready, early = finished, []
-            window = self._joined.get(scope)
-            if finished and window is not None:
-                due = time.monotonic() + window
-                for record in finished:
-                    heapq.heappush(self._settling, (due, next(self._settle_order), record))
-                    self._settling_ids.add(id(record))
-                ready, early = [], finished
-            if self._settling:
-                ready = ready + self._settled()
+            handover = self._fold(source, groups, len(events), scope or source, received)
+        self._hand_over(source, groups, *handover)
+
+    def _fold(self, source: str, groups: dict[type, list], events: int, scope: str,
+              received: bool) -> tuple[list[RequestRecord], list[RequestRecord],
+                                       list[RequestRecord]]:
+        """Fold one batch's ``groups`` (:func:`by_kind`) of ``events`` events, under the lock;
+        returns the records that finished, those for the early subscribers and those for all
+        subscribers, for :meth:`_hand_over` (outside the lock)."""
+        finished: list[RequestRecord] = []
+        if scope != source:
+            self._join(scope, self._join_window)
+        for kind, fold in self._folds:
+            if groups[kind]:
+                fold(scope, groups[kind], finished)
+        if received:
+            self._received[source] += events
+        ready, early = finished, []
+        window = self._joined.get(scope)
+        if finished and window is not None:
+            due = time.monotonic() + window
+            for record in finished:
+                heapq.heappush(self._settling, (due, next(self._settle_order), record))
+                self._settling_ids.add(id(record))
+            ready, early = [], finished
+        if self._settling:
+            ready = ready + self._settled()
+        return finished, early, ready
+
+    def _hand_over(self, source: str, groups: dict[type, list], finished: list[RequestRecord],
+                   early: list[RequestRecord], ready: list[RequestRecord]) -> None:
+        """What :meth:`_fold` leaves to do outside the lock: the listeners and the table."""
         for lookup in groups[ev.Lookup] if self._lookup_listeners else ():
             for on_lookup in self._lookup_listeners:
                 on_lookup(source, lookup)
@@ -368,22 +381,27 @@ class Pipeline:
         id carry the new one, and a record handed over already goes to the early subscribers
         again (the store keeps the last version). Otherwise, with ``new_request``, the events
         are folded: they finish the request in flight, or make one. True when it amended."""
-        with self._lock:  # reentrant: ingest() takes it again
+        groups = by_kind((started, finished))
+        handover = republish = None
+        with self._lock:
             record = self._assembler.finished_recently(source, finished.request_id, started.ts)
             if record is None:  # restored after a restart, or past the recent ones
                 record = self.requests.get(finished.request_id, source)
                 if record is not None and not under_way(record, started.ts):
                     record = None
-            if record is None:
-                if new_request:
-                    self.ingest(source, [started, finished], received=False)
-                return False
-            before = record.trace_id
-            amend(record, trace_id, finished)
-            self._retrace(before, record.trace_id)
-            if id(record) not in self._settling_ids:  # handed over already
-                self._notify([record], self._early_listeners)
-            return True
+            if record is not None:
+                before = record.trace_id
+                amend(record, trace_id, finished)
+                self._retrace(before, record.trace_id)
+                if id(record) not in self._settling_ids:  # handed over already
+                    republish = record
+            elif new_request:
+                handover = self._fold(source, groups, 2, source, received=False)
+        if handover is not None:
+            self._hand_over(source, groups, *handover)
+        if republish is not None:  # the store keeps the last version
+            self._notify([republish], self._early_listeners)
+        return record is not None
 
     def _retrace(self, before: str, after: str) -> None:
         """Exemplars of trace ``before`` name ``after`` (a record's trace id changed)."""

@@ -78,7 +78,7 @@ def new_trace_id() -> str:
 # and a late report must join the request it is about, not the newest of that id.
 MAX_REUSES = 4
 # A late report names its request by its arrival (vLLM's span starts at the very arrival time
-# the tap sends); a record whose arrival is an estimate (finish less TTFT) is later than that.
+# the tap sends, and arrival_of gives it to within float rounding when the start went missing).
 ARRIVAL_TOLERANCE = 0.001  # seconds
 
 # what a second finish of one request may fill in (see RequestAssembler.finished)
@@ -107,6 +107,9 @@ class RequestAssembler:
         self._max_recent = max_recent
         self.joined = joined  # sources whose requests another source finishes too (see finished)
         self.abandoned: Counter[str] = Counter()
+        # (source, request id) of the records in flight that another event than the request's
+        # start opened: their arrival is that event's time until the start or the finish comes
+        self._unstarted: set[tuple[str, str]] = set()
 
     def _tables(self, source: str) -> tuple[OrderedDict, OrderedDict]:
         """``source``'s requests in flight and finished recently."""
@@ -146,6 +149,7 @@ class RequestAssembler:
         record = self._find(source, request_id, ts)
         if record is None:
             record = inflight[request_id] = RequestRecord(request_id, new_trace_id(), source, ts)
+            self._unstarted.add((source, request_id))
             self._bound(source, inflight)
         return record
 
@@ -155,7 +159,7 @@ class RequestAssembler:
                         "oldest are abandoned (counted as dropped, reason abandoned; logged "
                         "once per source)", source, self._max)
         while len(inflight) > self._max:
-            inflight.popitem(last=False)
+            self._unstarted.discard((source, inflight.popitem(last=False)[0]))
             self.abandoned[source] += 1
 
     def started(self, source: str,
@@ -165,6 +169,7 @@ class RequestAssembler:
         inflight, _recent = self._tables(source)
         retraced = []
         for event in events:
+            self._unstarted.discard((source, event.request_id))
             record = self._find(source, event.request_id, event.ts)
             if record is None:
                 inflight[event.request_id] = RequestRecord(
@@ -223,8 +228,10 @@ class RequestAssembler:
         for event in events:
             rid = event.request_id
             record = inflight.pop(rid, None)
-            # arrival by the TTFT; never before 1970, where OTLP's unsigned times end
-            arrival = max(0.0, event.ts - event.ttft)
+            arrival = arrival_of(event)
+            if record is not None and (source, rid) in self._unstarted:
+                self._unstarted.discard((source, rid))
+                record.arrival = min(record.arrival, arrival)
             if record is None:
                 kept = self.finished_recently(source, rid, arrival) if joined else None
                 if kept is not None:
@@ -245,6 +252,15 @@ class RequestAssembler:
         while len(recent) > self._max_recent:
             recent.popitem(last=False)
         return records
+
+
+def arrival_of(finish: ev.RequestFinished) -> float:
+    """Unix seconds a request arrived, from its finish alone (its start went missing): the
+    finish less the decode (``itl`` between each two of the ``output_tokens``) and the TTFT;
+    exact for vLLM's tap, which reports the ITL as exactly that. Never before 1970, where
+    OTLP's unsigned times end."""
+    decode = finish.itl * max(0, finish.output_tokens - 1)
+    return max(0.0, finish.ts - decode - finish.ttft)
 
 
 def under_way(record: RequestRecord, ts: float) -> bool:

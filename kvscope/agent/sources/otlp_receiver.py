@@ -299,6 +299,7 @@ class OtlpReceiver:
                         request_id[:64], why)
 
     def handle(self, spans: list[Span]) -> None:
+        self.pipeline.add_received(NAME, len(spans))
         for span in spans:
             self.received += 1
             request_id = span.attributes.get(REQUEST_ID)
@@ -339,4 +340,3 @@ class OtlpReceiver:
                 self.ignored += 1
                 if a.get(TTFT) is not None:  # one was sent, but no usable number of seconds
                     self._invalid(request_id, f"{TTFT} {a.get(TTFT)!r} is no number of seconds")
-        self.pipeline.add_received(NAME, len(spans))
