@@ -282,27 +282,25 @@ class Pipeline:
         The capture sink records block accesses from these."""
         self._lookup_listeners.append(listener)
 
-    def ingest(self, source: str, events: Sequence[object], scope: str | None = None,
-               received: bool = True) -> None:
+    def ingest(self, source: str, events: Sequence[object], scope: str | None = None) -> None:
         """Fold ``events`` from emitter ``source`` into the state. ``scope``: the source whose
         requests the events' request ids name, when that is another source (see the class).
-        ``received``: count them in ``source``'s events received (False for events made from
-        what another source counted: the OTLP receiver's spans).
 
         A batch is folded kind by kind (see :func:`by_kind`), so the per-event work is a few
         C-level passes over each kind's fields rather than one dispatch per event.
         """
         groups = by_kind(events)
         with self._lock:
-            handover = self._fold(source, groups, len(events), scope or source, received)
+            handover = self._fold(source, groups, len(events), scope or source)
         self._hand_over(source, groups, *handover)
 
     def _fold(self, source: str, groups: dict[type, list], events: int, scope: str,
-              received: bool) -> tuple[list[RequestRecord], list[RequestRecord],
-                                       list[RequestRecord]]:
+              received: bool = True) -> tuple[list[RequestRecord], list[RequestRecord],
+                                              list[RequestRecord]]:
         """Fold one batch's ``groups`` (:func:`by_kind`) of ``events`` events, under the lock;
-        returns the records that finished, those for the early subscribers and those for all
-        subscribers, for :meth:`_hand_over` (outside the lock)."""
+        ``received``: count them in ``source``'s events received (not a report's: see
+        :meth:`report`). Returns the records that finished, those for the early subscribers
+        and those for all subscribers, for :meth:`_hand_over` (outside the lock)."""
         finished: list[RequestRecord] = []
         if scope != source:
             self._join(scope, self._join_window)
