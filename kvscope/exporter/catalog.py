@@ -142,8 +142,9 @@ CATALOG: tuple[MetricSpec, ...] = (
              "does not fit), by sink: store (finished requests, store_dir), capture_requests and "
              "capture_blocks (the Parquet capture, capture_dir); 0 for a sink not configured.",
              ["sink"]),
-    _gauge("kvscope_source_up", "1 when one of the agent's own sources (ingest, otlp, kv_events, "
-           "vllm_metrics) works, 0 when it is failing (taps are not told apart).",
+    _gauge("kvscope_source_up", "1 when a source the agent reads works, 0 when it is failing: "
+           "its ingest socket, OTLP receiver, KV events and vLLM metrics (the demo's engine "
+           "too), not each tap.",
            ["source"]),
     _gauge("kvscope_collector_up", "1 when a collector's last run succeeded, 0 otherwise.",
            ["collector"]),
