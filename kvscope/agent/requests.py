@@ -102,14 +102,14 @@ class RequestAssembler:
         # source -> request id -> record, oldest first
         self._inflight: dict[str, OrderedDict[str, RequestRecord]] = {}
         # source -> request id -> its last MAX_REUSES records (a client may reuse an id)
-        self._recent: dict[str, OrderedDict[str, list[RequestRecord]]] = {}
+        self._recent: dict[str, OrderedDict[str, tuple[RequestRecord, ...]]] = {}
         self._max = max_inflight
         self._max_recent = max_recent
         self.joined = joined  # sources whose requests another source finishes too (see finished)
         self.abandoned: Counter[str] = Counter()
-        # (source, request id) of the records in flight that another event than the request's
-        # start opened: their arrival is that event's time until the start or the finish comes
-        self._unstarted: set[tuple[str, str]] = set()
+        # source -> ids of its records in flight that another event than the request's start
+        # opened: their arrival is that event's time until the start or the finish comes
+        self._unstarted: dict[str, set[str]] = {}
 
     def _tables(self, source: str) -> tuple[OrderedDict, OrderedDict]:
         """``source``'s requests in flight and finished recently."""
@@ -117,6 +117,7 @@ class RequestAssembler:
         if inflight is None:
             inflight = self._inflight[source] = OrderedDict()
             self._recent[source] = OrderedDict()
+            self._unstarted[source] = set()
         return inflight, self._recent[source]
 
     def _find(self, source: str, request_id: str, ts: float) -> RequestRecord | None:
@@ -138,18 +139,12 @@ class RequestAssembler:
                 return record
         return None
 
-    def _keep(self, recent: OrderedDict, record: RequestRecord) -> None:
-        """Keep finished ``record`` among the recent ones (the newest last)."""
-        kept = recent.pop(record.request_id, [])
-        kept.append(record)
-        recent[record.request_id] = kept[-MAX_REUSES:]
-
     def _open(self, source: str, inflight: OrderedDict, request_id: str,
               ts: float) -> RequestRecord:
-        record = self._find(source, request_id, ts)
+        record = inflight.get(request_id) or self._find(source, request_id, ts)
         if record is None:
             record = inflight[request_id] = RequestRecord(request_id, new_trace_id(), source, ts)
-            self._unstarted.add((source, request_id))
+            self._unstarted[source].add(request_id)
             self._bound(source, inflight)
         return record
 
@@ -159,7 +154,7 @@ class RequestAssembler:
                         "oldest are abandoned (counted as dropped, reason abandoned; logged "
                         "once per source)", source, self._max)
         while len(inflight) > self._max:
-            self._unstarted.discard((source, inflight.popitem(last=False)[0]))
+            self._unstarted[source].discard(inflight.popitem(last=False)[0])
             self.abandoned[source] += 1
 
     def started(self, source: str,
@@ -167,17 +162,20 @@ class RequestAssembler:
         """Open the requests' records; returns ``(before, after)`` for each record another
         event opened first whose trace id the start changed."""
         inflight, _recent = self._tables(source)
+        unstarted, joined = self._unstarted[source], source in self.joined
         retraced = []
         for event in events:
-            self._unstarted.discard((source, event.request_id))
-            record = self._find(source, event.request_id, event.ts)
+            rid = event.request_id
+            record = inflight.get(rid)
+            if record is None and joined:
+                record = self.finished_recently(source, rid, event.ts)
             if record is None:
-                inflight[event.request_id] = RequestRecord(
-                    event.request_id, event.trace_id or new_trace_id(), source, event.ts,
-                    event.prompt_tokens)
+                inflight[rid] = RequestRecord(rid, event.trace_id or new_trace_id(), source,
+                                              event.ts, event.prompt_tokens)
                 continue
             # another emitter's event opened the record first: arrival and trace id are the
             # start's
+            unstarted.discard(rid)
             record.prompt_tokens, record.arrival = event.prompt_tokens, event.ts
             if event.trace_id and event.trace_id != record.trace_id:
                 retraced.append((record.trace_id, event.trace_id))
@@ -202,7 +200,7 @@ class RequestAssembler:
                 continue
             # a late worker's load joins the request under way at its start, else the newest
             record = (inflight.get(rid) or self.finished_recently(source, rid, event.ts)
-                      or (recent.get(rid) or [None])[-1]
+                      or (recent.get(rid) or (None,))[-1]
                       or self._open(source, inflight, rid, event.ts))
             if len(record.transfers) < MAX_TRANSFERS:
                 record.transfers += (TransferRecord(event.src, event.dst, event.blocks,
@@ -223,24 +221,23 @@ class RequestAssembler:
         finished) only fills the parts the first left at 0 and returns no record (it is not a
         new request)."""
         inflight, recent = self._tables(source)
-        joined = source in self.joined
+        unstarted, joined = self._unstarted[source], source in self.joined
         records = []
         for event in events:
             rid = event.request_id
             record = inflight.pop(rid, None)
-            arrival = arrival_of(event)
-            if record is not None and (source, rid) in self._unstarted:
-                self._unstarted.discard((source, rid))
-                record.arrival = min(record.arrival, arrival)
             if record is None:
-                kept = self.finished_recently(source, rid, arrival) if joined else None
+                kept = self.finished_recently(source, rid, arrival_of(event)) if joined else None
                 if kept is not None:
                     for part in _FINISH_PARTS:
                         if not getattr(kept, part):
                             setattr(kept, part, getattr(event, part))
                     kept.prefill = _prefill_within(kept)
                     continue
-                record = RequestRecord(rid, new_trace_id(), source, arrival)
+                record = RequestRecord(rid, new_trace_id(), source, arrival_of(event))
+            elif rid in unstarted:  # its start went missing: its arrival was another event's
+                unstarted.discard(rid)
+                record.arrival = min(record.arrival, arrival_of(event))
             record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
             record.output_tokens = event.output_tokens
             record.ttft, record.finished = event.ttft, event.ts
@@ -248,7 +245,13 @@ class RequestAssembler:
             record.promotion_wait, record.prefill = event.promotion_wait, event.prefill
             record.itl = event.itl
             records.append(record)
-            self._keep(recent, record)
+            # tuples, which the garbage collector stops tracking (records hold no cycles)
+            kept = recent.get(rid)
+            if kept is None:
+                recent[rid] = (record,)
+            else:  # a reused id: its newest records, moved to the newest end
+                recent.move_to_end(rid)
+                recent[rid] = (*kept, record)[-MAX_REUSES:]
         while len(recent) > self._max_recent:
             recent.popitem(last=False)
         return records
@@ -259,7 +262,7 @@ def arrival_of(finish: ev.RequestFinished) -> float:
     finish less the decode (``itl`` between each two of the ``output_tokens``) and the TTFT;
     exact for vLLM's tap, which reports the ITL as exactly that. Never before 1970, where
     OTLP's unsigned times end."""
-    decode = finish.itl * max(0, finish.output_tokens - 1)
+    decode = finish.itl * (finish.output_tokens - 1) if finish.output_tokens > 1 else 0.0
     return max(0.0, finish.ts - decode - finish.ttft)
 
 
