@@ -378,6 +378,42 @@ def test_a_span_after_the_wait_is_stored_again(tmp_path):
         restarted.shutdown()
 
 
+@pytest.mark.parametrize("late", ["finish", "transfer"])
+def test_the_taps_events_after_the_wait_are_stored_again(tmp_path, late):
+    """vLLM's span finished the request and, the wait over (0 s here), it was stored with no
+    promotion wait and no transfer; the tap's finish (promotion wait 0.02 s) or the worker's
+    load of 4 blocks comes later: the record is amended and stored again, so a restarted agent
+    serves them (it once served the first version)."""
+    settings = AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
+                             otlp_receiver={"source": "vllm", "wait_seconds": 0},
+                             store_dir=str(tmp_path))
+    agent = Agent(settings)
+    agent.start()
+    _spans_arrive(agent)
+    now = time.time()
+    agent.otlp_receiver.handle([_span("cmpl-1-0", now)])
+    agent.pipeline.publish_settled()
+    agent.store.flush()  # the span's version is on disk
+    agent.pipeline.ingest("vllm", [
+        ev.RequestFinished(ts=now + 1, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
+                           promotion_wait=0.02)
+        if late == "finish" else
+        ev.Transfer(ts=now + 0.1, src="cpu", dst="gpu", blocks=4, bytes=4096, duration=0.01,
+                    request_id="cmpl-1-0")])
+    agent.shutdown()
+    restarted = Agent(settings)
+    restarted.start()
+    try:
+        record = restarted.pipeline.requests.get("cmpl-1-0")
+        assert record.ttft == 0.25 and record.trace_id == TRACE
+        if late == "finish":
+            assert record.promotion_wait == 0.02
+        else:
+            assert [t.blocks for t in record.transfers] == [4]
+    finally:
+        restarted.shutdown()
+
+
 def test_a_sample_counts_the_requests_that_settled_just_before_it():
     """The sampler hands over settled records, then samples: the sample counts them (it once
     sampled first, one interval behind the summary)."""

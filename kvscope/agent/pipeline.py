@@ -319,7 +319,18 @@ class Pipeline:
             ready, early = [], finished
         if self._settling:
             ready = ready + self._settled()
+        if self._assembler.amended:
+            early = early + self._amended(finished + ready)
         return finished, early, ready
+
+    def _amended(self, handed: list[RequestRecord]) -> list[RequestRecord]:
+        """The records handed over already that this fold changed (the tap's finish or a late
+        transfer after vLLM's span finished them), for the early subscribers again: the store
+        keeps the last version. Those still waiting, or ``handed`` over now, go out anyway."""
+        fresh = set(map(id, handed)) | self._settling_ids
+        out = [r for key, r in self._assembler.amended.items() if key not in fresh]
+        self._assembler.amended.clear()
+        return out
 
     def _hand_over(self, source: str, groups: dict[type, list], finished: list[RequestRecord],
                    early: list[RequestRecord], ready: list[RequestRecord]) -> None:

@@ -94,7 +94,9 @@ class RequestAssembler:
     ``max_inflight`` requests started but not finished (beyond it the oldest is abandoned and
     counted in ``abandoned`` by source: a bound against engines that never finish), and
     ``max_recent`` finished records kept for late transfers (see :meth:`finished`).
-    Not thread-safe: the pipeline calls it under its lock.
+    ``amended``: the finished records events have changed since the caller last cleared it
+    (by ``id()``), for the pipeline to store again. Not thread-safe: the pipeline calls it
+    under its lock.
     """
 
     def __init__(self, max_inflight: int = 10_000, max_recent: int = 10_000,
@@ -110,6 +112,7 @@ class RequestAssembler:
         # source -> ids of its records in flight that another event than the request's start
         # opened: their arrival is that event's time until the start or the finish comes
         self._unstarted: dict[str, set[str]] = {}
+        self.amended: dict[int, RequestRecord] = {}
 
     def _tables(self, source: str) -> tuple[OrderedDict, OrderedDict]:
         """``source``'s requests in flight and finished recently."""
@@ -127,6 +130,8 @@ class RequestAssembler:
         record = self._inflight[source].get(request_id)
         if record is None and source in self.joined:
             record = self.finished_recently(source, request_id, ts)
+            if record is not None:
+                self.amended[id(record)] = record
         return record
 
     def finished_recently(self, source: str, request_id: str,
@@ -168,7 +173,7 @@ class RequestAssembler:
             rid = event.request_id
             record = inflight.get(rid)
             if record is None and joined:
-                record = self.finished_recently(source, rid, event.ts)
+                record = self._find(source, rid, event.ts)
             if record is None:
                 inflight[rid] = RequestRecord(rid, event.trace_id or new_trace_id(), source,
                                               event.ts, event.prompt_tokens)
@@ -198,10 +203,16 @@ class RequestAssembler:
             if not rid:
                 trace_ids.append("")
                 continue
-            # a late worker's load joins the request under way at its start, else the newest
-            record = (inflight.get(rid) or self.finished_recently(source, rid, event.ts)
-                      or (recent.get(rid) or (None,))[-1]
-                      or self._open(source, inflight, rid, event.ts))
+            record = inflight.get(rid)
+            if record is None:
+                # a late worker's load joins the request under way at its start, else the
+                # newest
+                record = (self.finished_recently(source, rid, event.ts)
+                          or (recent.get(rid) or (None,))[-1])
+                if record is None:
+                    record = self._open(source, inflight, rid, event.ts)
+                else:
+                    self.amended[id(record)] = record
             if len(record.transfers) < MAX_TRANSFERS:
                 record.transfers += (TransferRecord(event.src, event.dst, event.blocks,
                                                     event.bytes, event.ts, event.duration,
@@ -233,6 +244,7 @@ class RequestAssembler:
                         if not getattr(kept, part):
                             setattr(kept, part, getattr(event, part))
                     kept.prefill = _prefill_within(kept)
+                    self.amended[id(kept)] = kept
                     continue
                 record = RequestRecord(rid, new_trace_id(), source, arrival_of(event))
             elif rid in unstarted:  # its start went missing: its arrival was another event's
