@@ -92,6 +92,8 @@ def test_sizing_page_data_is_plain_and_consistent():
         data["recommended"]["blocks"] * analysis.bytes_per_block / 2**30)
     assert data["offload"] and data["kv_offloading_size_gib"] >= data["recommended"]["gib"]
     assert max(data["lru"]["hit_ratio"]) == pytest.approx(0.3664, abs=5e-5)
+    assert data["notes"] == analysis.notes and any("No GPU prefix cache" in n
+                                                   for n in data["notes"])
     json.loads(json.dumps(to_dict(analysis)))
     assert "Verdict" in render_text(analysis)
 

@@ -222,6 +222,7 @@ def test_sizing_page_plots_the_analysis(sizing_dashboard, browser):
     finally:
         screenshot(browser, "dashboard-sizing")
     assert "Offload" in verdict and "--kv-offloading-size" in verdict
+    assert "No GPU prefix cache assumed" in verdict  # the dashboard sizes without one
     assert not console_errors(browser)
 
 

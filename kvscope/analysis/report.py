@@ -47,7 +47,8 @@ def sizing_figure_data(analysis: Analysis) -> dict:
     """The data a Sizing page plots, in plain lists: hit-ratio curves against CPU tier size in
     GiB (``lru``, ``lru_tokens``, ``arc``: dicts of ``gib`` and ``hit_ratio`` lists), the CPU
     tier's token hit share and its prefill seconds saved vs transfer seconds (``cpu``), and the
-    marked points (``recommended``, ``knee``: dicts or None) with the verdict."""
+    marked points (``recommended``, ``knee``: dicts or None) with the verdict, and the
+    analysis's ``notes`` (what it assumed, e.g. no GPU prefix cache)."""
     gib = analysis.bytes_per_block / GIB
 
     def curve(c):
@@ -75,7 +76,7 @@ def sizing_figure_data(analysis: Analysis) -> dict:
         "reuse_token_share": s.reuse_token_share,
         "recommended": point(s.recommended), "knee": point(s.knee),
         "offload": s.offload, "verdict": s.verdict,
-        "kv_offloading_size_gib": s.kv_offloading_size_gib,
+        "kv_offloading_size_gib": s.kv_offloading_size_gib, "notes": list(analysis.notes),
     }
 
 

@@ -52,5 +52,7 @@ def render(state: SizingState) -> tuple:
     verdict += [html.Br(), f"Reused prompt tokens (ceiling for any cache): "
                 f"{data.get('reuse_token_share', 0):.1%}; GPU prefix cache alone: "
                 f"{data.get('gpu_token_hit_share', 0):.1%}"]
+    for note in data.get("notes", ()):  # what the analysis assumed
+        verdict += [html.Br(), html.Small(note)]
     return (fz.sizing_curves(data), fz.sizing_cost(data), verdict,
             f"trace {state.trace} · {state.message}")
