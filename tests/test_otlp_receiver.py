@@ -266,6 +266,52 @@ def test_spans_of_two_finished_requests_of_one_id_join_their_own(order):
         (T0, "a" * 32, 0.25), (T0 + 10, "b" * 32, 0.65)]
 
 
+def test_five_requests_of_one_id_in_one_span_batch_join_their_own():
+    """A client reusing one id (a fixed X-Request-Id) sent 5 requests, 0.8 s apart, within one
+    of vLLM's 5 s span batches: each span joins its own tap record, 5 requests. With 4 records
+    kept per id, the oldest span made a new request, which pushed out the next record, and so
+    on: all 5 counted twice."""
+    agent = _agent()
+    _spans_arrive(agent)
+    starts = [T0 + 0.8 * i for i in range(5)]
+    for start in starts:
+        agent.pipeline.ingest("vllm", [
+            ev.RequestStarted(ts=start, request_id="x", prompt_tokens=10),
+            ev.RequestFinished(ts=start + 0.5, request_id="x", ttft=0.1, prompt_tokens=10)])
+    agent.otlp_receiver.handle([_span("x", start) for start in starts])
+    agent.pipeline.publish_settled(everything=True)
+    assert agent.otlp_receiver.joined == 5 and agent.pipeline.snapshot().requests == 5
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["A started before", "one batch"])
+def test_a_request_reusing_an_id_back_to_back_in_one_batch_stays_apart(together):
+    """A client reusing id x sends B as A finishes: one tap batch (50 ms) holds A's finish,
+    then B's start (10 ms later; with A's start too, or A started in an earlier batch). Folded
+    kind by kind, B's start landed on A's open record (A took B's arrival, 0.5 s after its
+    finish) and A's and B's spans found no record: 4 requests. Now: 2, each with its span."""
+    agent = _agent()
+    handed_over = []  # the table keeps the newest record of an id alone
+    agent.pipeline.subscribe(handed_over.append)
+    _spans_arrive(agent)
+    a_start = ev.RequestStarted(ts=T0, request_id="x", prompt_tokens=10)
+    if not together:
+        agent.pipeline.ingest("vllm", [a_start])
+    agent.pipeline.ingest("vllm", [a_start] * together + [
+        ev.RequestFinished(ts=T0 + 0.5, request_id="x", ttft=0.1, prompt_tokens=10),
+        ev.RequestStarted(ts=T0 + 0.51, request_id="x", prompt_tokens=99),
+        ev.Lookup(ts=T0 + 0.52, request_id="x", tokens={"cpu": 99})])
+    agent.pipeline.ingest("vllm", [
+        ev.RequestFinished(ts=T0 + 1.01, request_id="x", ttft=0.1, prompt_tokens=99)])
+    agent.otlp_receiver.handle([_span("x", T0, trace="a" * 32),
+                                _span("x", T0 + 0.51, trace="b" * 32)])
+    agent.pipeline.publish_settled(everything=True)
+    assert agent.otlp_receiver.joined == 2 and agent.pipeline.snapshot().requests == 2
+    a, b = sorted(handed_over, key=lambda r: r.arrival)
+    assert (a.arrival, a.prompt_tokens, a.tokens, a.trace_id) == (T0, 10, {}, "a" * 32)
+    assert (b.arrival, b.prompt_tokens, b.tokens, b.trace_id) == (T0 + 0.51, 99, {"cpu": 99},
+                                                                  "b" * 32)
+
+
 @pytest.mark.parametrize("order", ["AB", "BA"])
 def test_spans_only_two_requests_of_one_id_in_one_body_stay_apart(order):
     """No tap: one body carries two requests of id x (A at T0, B at T0 + 10), in either order

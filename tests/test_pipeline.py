@@ -4,6 +4,7 @@ import time
 
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.requests import MAX_REUSES, RequestAssembler
 
 CPU_GPU = ("cpu", "gpu")
 
@@ -480,3 +481,18 @@ def test_tier_snapshots_of_several_engines_add_up():
     snap("dp0", 1000, 500)
     cpu = pipeline.snapshot().tiers["cpu"]
     assert (cpu.capacity_bytes, cpu.resident_bytes) == (4000, 800)
+
+
+def test_the_recently_finished_requests_are_bounded_in_records_not_ids():
+    """``max_recent`` 100: a source reusing 10 ids 30 times each (300 finishes, one id after
+    the other). Its newest 100 records span 4 ids (id6's last 10, id7 to id9); ids leave
+    whole, oldest first, so id6 goes and 90 records of 3 ids stay. The bound once counted
+    ids: all 10 stayed, up to MAX_REUSES records each."""
+    assert MAX_REUSES >= 30
+    assembler = RequestAssembler(max_recent=100)
+    for n in range(300):
+        assembler.finished("engine", [ev.RequestFinished(
+            ts=1.0 + n, request_id=f"id{n // 30}", ttft=0.1, prompt_tokens=1)])
+    kept = [rid for rid in (f"id{i}" for i in range(10))
+            if assembler.finished_recently("engine", rid, 1.0 + 30 * int(rid[2:]) + 29)]
+    assert kept == ["id7", "id8", "id9"]

@@ -290,8 +290,16 @@ class Pipeline:
         C-level passes over each kind's fields rather than one dispatch per event.
         """
         groups = by_kind(events)
+        scope = scope or source
         with self._lock:
-            handover = self._fold(source, groups, len(events), scope or source)
+            starts = groups[ev.RequestStarted]
+            cuts = self._assembler.reuse_cuts(scope, events, starts) if starts else None
+            if not cuts:
+                handover = self._fold(source, groups, len(events), scope)
+        if cuts:  # a reused id: folded in parts, each after the finish before it
+            for begin, end in itertools.pairwise((0, *cuts, len(events))):
+                self.ingest(source, events[begin:end], scope)
+            return
         self._hand_over(source, groups, *handover)
 
     def _fold(self, source: str, groups: dict[type, list], events: int, scope: str,

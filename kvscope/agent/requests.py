@@ -8,6 +8,7 @@ OTLP exporter and the store all read one shape.
 from __future__ import annotations
 
 import logging
+import operator
 import random
 import threading
 from collections import Counter, OrderedDict
@@ -75,12 +76,15 @@ def new_trace_id() -> str:
 
 
 # Records kept per request id among the recent ones: a client may reuse an id (X-Request-Id),
-# and a late report must join the request it is about, not the newest of that id.
-MAX_REUSES = 4
+# and a late report must join the request it is about, not the newest of that id. vLLM sends a
+# batch of spans every 5 s: 64 covers a client reusing one id up to 10 times a second (at 4,
+# five requests of one id in a batch pushed one another out and all counted twice).
+MAX_REUSES = 64
 # A late report names its request by its arrival (vLLM's span starts at the very arrival time
 # the tap sends, and arrival_of gives it to within float rounding when the start went missing).
 ARRIVAL_TOLERANCE = 0.001  # seconds
 
+_REQUEST_ID = operator.attrgetter("request_id")
 # what a second finish of one request may fill in (see RequestAssembler.finished)
 _FINISH_PARTS = ("output_tokens", "queueing", "lookup", "promotion_wait", "prefill", "itl")
 
@@ -105,6 +109,7 @@ class RequestAssembler:
         self._inflight: dict[str, OrderedDict[str, RequestRecord]] = {}
         # source -> request id -> its last MAX_REUSES records (a client may reuse an id)
         self._recent: dict[str, OrderedDict[str, tuple[RequestRecord, ...]]] = {}
+        self._recent_records: Counter[str] = Counter()  # source -> records in its _recent
         self._max = max_inflight
         self._max_recent = max_recent
         self.joined = joined  # sources whose requests another source finishes too (see finished)
@@ -161,6 +166,26 @@ class RequestAssembler:
         while len(inflight) > self._max:
             self._unstarted[source].discard(inflight.popitem(last=False)[0])
             self.abandoned[source] += 1
+
+    def reuse_cuts(self, source: str, events: Sequence[object],
+                   starts: Sequence[ev.RequestStarted]) -> list[int]:
+        """Where a batch of ``source``'s ``events`` must be cut for folding kind by kind: before
+        each start of an id whose request finished earlier in the batch (a client reusing an
+        id back to back), else that start would land on the finishing request's record. []
+        for most batches, told cheaply: no id is started twice, here or while in flight."""
+        ids = set(map(_REQUEST_ID, starts))
+        if len(ids) == len(starts):
+            inflight = self._inflight.get(source)
+            if not inflight or not (inflight.keys() & ids) - self._unstarted[source]:
+                return []
+        cuts, finished = [], set()
+        for i, event in enumerate(events):
+            if type(event) is ev.RequestFinished:
+                finished.add(event.request_id)
+            elif type(event) is ev.RequestStarted and event.request_id in finished:
+                cuts.append(i)
+                finished = set()
+        return cuts
 
     def started(self, source: str,
                 events: Sequence[ev.RequestStarted]) -> list[tuple[str, str]]:
@@ -225,7 +250,7 @@ class RequestAssembler:
     def finished(self, source: str,
                  events: Sequence[ev.RequestFinished]) -> list[RequestRecord]:
         """Complete and return the requests' records, and keep the newest ``max_recent`` of them
-        so that another source's transfers sent later still join them (a worker tap may send
+        (at most :data:`MAX_REUSES` of one id) so that another source's transfers sent later still join them (a worker tap may send
         its first batch after the scheduler's requests finished). A joined source's requests
         may be finished by another source first (vLLM's span before any of the tap's events):
         a second finish of a kept record (of a request that arrived before that record
@@ -233,7 +258,7 @@ class RequestAssembler:
         new request)."""
         inflight, recent = self._tables(source)
         unstarted, joined = self._unstarted[source], source in self.joined
-        records = []
+        records, count = [], self._recent_records[source]
         for event in events:
             rid = event.request_id
             record = inflight.pop(rid, None)
@@ -261,11 +286,14 @@ class RequestAssembler:
             kept = recent.get(rid)
             if kept is None:
                 recent[rid] = (record,)
+                count += 1
             else:  # a reused id: its newest records, moved to the newest end
                 recent.move_to_end(rid)
                 recent[rid] = (*kept, record)[-MAX_REUSES:]
-        while len(recent) > self._max_recent:
-            recent.popitem(last=False)
+                count += len(kept) < MAX_REUSES
+        while count > self._max_recent:
+            count -= len(recent.popitem(last=False)[1])
+        self._recent_records[source] = count
         return records
 
 
