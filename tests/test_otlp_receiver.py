@@ -657,6 +657,26 @@ def test_spans_with_values_no_emitter_could_send_are_dropped_as_invalid(caplog):
     assert caplog.text.count("kvscope OTLP receiver: dropped the span of request 'cmpl-1-0'") == 1
 
 
+def test_a_span_ending_hours_ahead_leaves_the_taps_open_request_alone():
+    """A span of a request the tap has open ends 2 h ahead of the agent's clock (a corrupt
+    time): it is dropped as the OTLP receiver's invalid span before it finishes anything. It
+    once finished the tap's record, which the pipeline then dropped as a corrupt time, counted
+    under the tap's source; the tap's own finish filled in that dropped record: 0 requests."""
+    agent = _agent()
+    now = time.time()
+    agent.pipeline.ingest("vllm", [ev.RequestStarted(ts=now, request_id="x", prompt_tokens=10)])
+    agent.otlp_receiver.handle([ReceivedSpan(TRACE, "b7ad6b7169203331", "llm_request",
+                                             int(now * 1e9), int((now + 7200) * 1e9),
+                                             {"gen_ai.request.id": "x",
+                                              "gen_ai.latency.time_to_first_token": 0.1})])
+    agent.pipeline.ingest("vllm", [ev.RequestFinished(ts=now + 0.5, request_id="x", ttft=0.3,
+                                                      prompt_tokens=10)])
+    agent.pipeline.publish_settled(everything=True)
+    snap = agent.pipeline.snapshot()
+    assert snap.requests == 1 and agent.pipeline.requests.get("x").ttft == 0.3
+    assert snap.events_dropped == {("otlp", "invalid"): 1}
+
+
 def test_hostile_json_and_gzip_bodies_are_refused_with_400_not_500():
     """JSON nested 200,000 deep (RecursionError), an Infinity time (OverflowError in int()),
     and a gzip body cut short (decoded only in part before): each is a 400, and the agent

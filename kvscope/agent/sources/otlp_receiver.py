@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.requests import FUTURE
 
 log = logging.getLogger(__name__)
 NAME = "otlp"
@@ -325,6 +326,9 @@ class OtlpReceiver:
                     prefill=_float(a, "gen_ai.latency.time_in_model_prefill")))
             except (ev.SchemaError, OverflowError) as exc:  # OverflowError: a time past float's
                 self._invalid(request_id, str(exc))
+                continue
+            if finished.ts > time.time() + FUTURE:  # checked here, before it finishes the tap's
+                self._invalid(request_id, "it ends more than an hour ahead of the agent's clock")
                 continue
             if ttft:
                 self.last_ttft = time.monotonic()
