@@ -293,3 +293,30 @@ def test_a_full_queue_drops_whole_records_and_counts_their_spans(receiver: OtlpR
     shutdown_within_guard(exporter)
     assert exporter.spans == {"sent": 5, "failed": 0, "dropped": 3}
     assert len(receiver.named("kv.request")) == 2 and len(receiver.named("kv.transfer")) == 3
+
+
+def test_a_transfer_joining_during_export_keeps_the_queue_count(
+        receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A late worker load joins a handed-over record (the ingest thread) while the sampling
+    thread exports it. The exporter counted the record's spans from its transfers, then made
+    spans from them again: one more span went out than was counted, and the count of spans in
+    the SDK's queue, the exporter's bound on it, ended at -1 (looser by one each time).
+    The race is forced at the seam between the two reads, ``unix_ns``."""
+    import kvscope.exporter.otlp as otlp
+
+    exporter = RequestSpanExporter(receiver.url, timeout=10.0)
+    record = RequestRecord("x", "a" * 32, "vllm", 1_700_000_000.0, ttft=0.1,
+                           finished=1_700_000_001.0)
+    late = TransferRecord("cpu", "gpu", 1, 4096, 1_700_000_000.01, 0.001)
+
+    def joining(seconds: float) -> int:
+        if not record.transfers:
+            record.transfers += (late,)
+        return unix_ns(seconds)
+
+    monkeypatch.setattr(otlp, "unix_ns", joining)
+    exporter.export(record)
+    shutdown_within_guard(exporter)
+    assert exporter.spans["sent"] == len(receiver.named("kv.request")) + len(
+        receiver.named("kv.transfer"))
+    assert exporter._queued == 0  # what the bound compares with: every queued span came back

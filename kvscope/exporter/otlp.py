@@ -233,14 +233,15 @@ class RequestSpanExporter:
         """
         if self._closed:
             return
-        spans = 1 + len(record.transfers)
+        transfers = record.transfers  # one tuple: a late load may replace it meanwhile
+        spans = 1 + len(transfers)
         with self._lock:
             if self._queued + spans > self._max_queued:  # the endpoint is slow or away
                 self.spans["dropped"] += spans
                 return
             self._queued += spans
         try:
-            self._export(record)
+            self._export(record, transfers)
         except Exception:  # boundary: a sink never raises into the pipeline (house rule 8)
             self._ids.set_next_trace_id(None)
             with self._lock:
@@ -253,7 +254,7 @@ class RequestSpanExporter:
             with self._lock:
                 self.exported += 1
 
-    def _export(self, record: RequestRecord) -> None:
+    def _export(self, record: RequestRecord, transfers: tuple[TransferRecord, ...]) -> None:
         start = unix_ns(record.arrival)
         if record.ttft is not None:
             end = start + round(record.ttft * 1e9)
@@ -261,7 +262,7 @@ class RequestSpanExporter:
             end = unix_ns(record.finished)
         else:
             end = start
-        transfers = [(t, unix_ns(t.start), round(t.duration * 1e9)) for t in record.transfers]
+        transfers = [(t, unix_ns(t.start), round(t.duration * 1e9)) for t in transfers]
         attributes = _request_attributes(record)
         if _TRACE_ID.fullmatch(record.trace_id) and int(record.trace_id, 16):
             self._ids.set_next_trace_id(int(record.trace_id, 16))
