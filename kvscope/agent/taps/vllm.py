@@ -277,9 +277,10 @@ class TapWorker(OffloadingWorker):
             log.warning("kvscope vLLM tap: worker %s failed (%s: %s); counting further "
                         "failures silently", where, type(exc).__name__, exc)
 
-    def _submitted(self, job_id: int, src: str, dst: str, blocks: int,
+    def _submitted(self, job_id: int, src: str, dst: str, spec: object,
                    request_id: str = "") -> None:
         try:
+            blocks = len(getattr(spec, "block_ids", ()))
             self._jobs[job_id] = (src, dst, blocks, self._clock(), request_id)
             if len(self._jobs) > self._max_jobs:
                 del self._jobs[next(iter(self._jobs))]
@@ -289,7 +290,7 @@ class TapWorker(OffloadingWorker):
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
         ok = self.inner.submit_store(job_id, src_spec, dst_spec)
-        self._submitted(job_id, "gpu", "cpu", len(getattr(src_spec, "block_ids", ())))
+        self._submitted(job_id, "gpu", "cpu", src_spec)
         return ok
 
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
@@ -300,7 +301,7 @@ class TapWorker(OffloadingWorker):
         except Exception as exc:  # the tap boundary
             self._failed("submit_load", exc)
             rid = ""
-        self._submitted(job_id, "cpu", "gpu", len(getattr(dst_spec, "block_ids", ())), rid)
+        self._submitted(job_id, "cpu", "gpu", dst_spec, rid)
         return ok
 
     def get_finished(self) -> list[TransferResult]:
