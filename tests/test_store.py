@@ -150,6 +150,21 @@ def test_records_older_than_max_age_are_not_loaded_and_age_out_on_a_quiet_node(t
     assert store.segments() == [] and restarted.load(100) == []
 
 
+def test_segments_written_after_the_clock_stepped_back_still_sort_last(tmp_path):
+    """A restarted agent, the clock stepped back 5 s since (NTP), stores the request's new
+    version (vLLM's late span amended it): a later load serves that version. Named by the
+    clock alone, its segment sorted before the first run's, whose stale version won."""
+    first = RequestStore(tmp_path, clock=lambda: 3000.0)
+    first.add(_record(1, finished=2999.0))
+    first.flush()
+    second = RequestStore(tmp_path, clock=lambda: 2995.0)
+    amended = _record(1, finished=2999.0)
+    amended.ttft = 0.25
+    second.add(amended)
+    second.flush()
+    assert [r.ttft for r in RequestStore(tmp_path, clock=lambda: 2995.0).load(10)] == [0.25]
+
+
 def _start_agent(port, ingest, store_dir, log):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvscope", "agent", "--port", str(port), "--ingest", ingest,

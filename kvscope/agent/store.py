@@ -326,11 +326,22 @@ class RequestStore(Worker):
         self.directory.mkdir(parents=True, exist_ok=True)
         self._seq += 1
         self._opened = self._clock()
-        name = f"requests-{int(self._opened * 1000):015d}-{os.getpid()}-{self._seq:06d}{_SUFFIX}"
+        name = f"requests-{self._stamp():015d}-{os.getpid()}-{self._seq:06d}{_SUFFIX}"
         self._path = self.directory / name
         self._file = open(self._path, "ab")
         self._size = 0
         self._prune()  # before this segment fills: the total stays within one segment of max
+
+    def _stamp(self) -> int:
+        """Milliseconds that name a new segment: the clock's, or past the newest segment's
+        when the clock has stepped back since (NTP), as names order the segments: the newest
+        version of a record is the one load() keeps, the oldest segment the one pruned."""
+        stamp = int(self._opened * 1000)
+        for path in reversed(self.segments()):
+            newest = path.name.split("-")[1:2]
+            if newest and newest[0].isdigit():
+                return max(stamp, int(newest[0]) + 1)
+        return stamp
 
     def _prune(self) -> None:
         """Delete the oldest segments beyond ``max_bytes`` in all, and those last written
