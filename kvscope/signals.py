@@ -3,6 +3,7 @@ SIGHUP."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -17,12 +18,32 @@ def stop_on_signals(stop: threading.Event) -> None:
     """Set ``stop`` on SIGINT, SIGTERM or SIGHUP. A SIGHUP the process was started ignoring
     (``nohup kvscope agent``) stays ignored: surviving the terminal is what nohup asked for.
     Only the main thread can install handlers; elsewhere (a test running a command in a thread)
-    this does nothing and the caller sets ``stop``."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in _STOP_SIGNALS:
-            if sig == _HANGUP and signal.getsignal(sig) == signal.SIG_IGN:
-                continue
-            signal.signal(sig, lambda *_: stop.set())
+    this does nothing and the caller sets ``stop``.
+
+    The handler only writes a byte to a pipe, and a thread sets ``stop``: a handler runs between
+    any two bytecodes of the main thread, and one that called ``stop.set()`` could find that
+    event's lock held by the main thread itself (inside ``set``, when a second signal came:
+    a burst of SIGTERMs hung the agent for good)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+
+    def on_signal(*_) -> None:
+        try:
+            os.write(write_end, b"\0")
+        except BlockingIOError:  # the pipe is full of stops not yet read: one is enough
+            pass
+
+    def relay() -> None:
+        os.read(read_end, 1)
+        stop.set()
+
+    threading.Thread(target=relay, name="kvscope-signals", daemon=True).start()
+    for sig in _STOP_SIGNALS:
+        if sig == _HANGUP and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        signal.signal(sig, on_signal)
 
 
 def ignore_signals_while_exiting() -> None:
