@@ -16,7 +16,8 @@ import pytest
 
 from kvscope.agent.collectors import CollectorSet, UnknownCollectorError, resolve_enabled
 from kvscope.agent.collectors.host import (CgroupParseError, HostCollector, HostReading,
-                                           parse_memory_max, parse_proc_cgroup,
+                                           parse_inactive_file, parse_memory_max,
+                                           parse_proc_cgroup,
                                            read_cgroup_memory)
 from kvscope.exporter.node import node_samples
 
@@ -32,16 +33,19 @@ def _swap(used: int = 0):
     return lambda: SimpleNamespace(used=used)
 
 
-def _tree(root: Path, own: str, levels: dict[str, tuple[str, int]]) -> Path:
+def _tree(root: Path, own: str, levels: dict[str, tuple]) -> Path:
     """A cgroup v2 mount at ``root``: ``levels`` maps a relative directory to (memory.max text,
-    memory.current bytes). Returns the /proc/self/cgroup file naming ``own``."""
+    memory.current bytes[, memory.stat text]). Returns the /proc/self/cgroup file naming
+    ``own``."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
-    for rel, (max_text, current) in levels.items():
+    for rel, (max_text, current, *stat) in levels.items():
         d = root / rel
         d.mkdir(parents=True, exist_ok=True)
         (d / "memory.max").write_text(max_text + "\n")
         (d / "memory.current").write_text(f"{current}\n")
+        if stat:
+            (d / "memory.stat").write_text(stat[0])
     proc = root.parent / "proc_self_cgroup"
     proc.write_text(f"0::{own}\n")
     return proc
@@ -104,6 +108,25 @@ def test_headroom_goes_negative(tmp_path):
     r = _host(tmp_path, {"kubepods/pod1/ctr": (str(4 * GiB), 3 * GiB + 512 * MiB)})
     assert r.available == 512 * MiB
     assert r.headroom == -512 * MiB
+
+
+def test_reclaimable_page_cache_is_headroom(tmp_path):
+    """memory.max 1 GiB, memory.current 1014 MiB of which 800 MiB inactive_file (memory.stat,
+    as the kernel writes it: anon, file, active_file before it): the working set is 214 MiB,
+    available = 1024 - 214 = 810 MiB, headroom 810 - 1024 = -214 MiB with the 1 GiB reserve.
+    Counting the cache as used gave 10 MiB available."""
+    stat = (f"anon {200 * MiB}\nfile {810 * MiB}\nkernel 4096\nactive_file {10 * MiB}\n"
+            f"inactive_file {800 * MiB}\nslab 0\n")
+    r = _host(tmp_path, {"ctr": (str(GiB), 1014 * MiB, stat)}, own="/ctr")
+    assert (r.available, r.headroom) == (810 * MiB, 810 * MiB - GiB)
+    assert r.cgroup.levels[0].working_set == 214 * MiB
+
+
+def test_a_malformed_memory_stat_is_a_parse_error():
+    assert parse_inactive_file("anon 1\ninactive_file 4096\n") == 4096
+    assert parse_inactive_file("anon 1\n") == 0
+    with pytest.raises(CgroupParseError, match="inactive_file"):
+        parse_inactive_file("inactive_file lots\n")
 
 
 def test_limit_and_remaining_come_from_different_levels(tmp_path):

@@ -26,11 +26,21 @@ class CgroupParseError(CollectorError):
 @dataclass(frozen=True)
 class CgroupLevel:
     """One cgroup v2 directory with a memory limit. ``path``: the directory. ``max``: its
-    ``memory.max``, bytes. ``current``: its ``memory.current``, bytes (page cache included)."""
+    ``memory.max``, bytes. ``current``: its ``memory.current``, bytes (page cache included).
+    ``inactive_file``: the ``inactive_file`` bytes of its ``memory.stat``, page cache the kernel
+    reclaims before it runs out (0 when unknown)."""
 
     path: str
     max: int
     current: int
+    inactive_file: int = 0
+
+    @property
+    def working_set(self) -> int:
+        """``current - inactive_file``, bytes: what the cgroup cannot give back without
+        swapping or an OOM kill. The kubelet's and cAdvisor's working set
+        (``container_memory_working_set_bytes``), which Kubernetes evicts by."""
+        return self.current - min(self.inactive_file, self.current)
 
 
 @dataclass(frozen=True)
@@ -46,9 +56,9 @@ class CgroupMemory:
 
     @property
     def remaining(self) -> int:
-        """The least ``memory.max - memory.current`` over the levels, bytes; never below 0
-        (current may overshoot max for a moment while the kernel reclaims)."""
-        return max(min(level.max - level.current for level in self.levels), 0)
+        """The least ``memory.max`` less the working set (see :class:`CgroupLevel`) over the
+        levels, bytes; never below 0 (current may overshoot max while the kernel reclaims)."""
+        return max(min(level.max - level.working_set for level in self.levels), 0)
 
 
 @dataclass(frozen=True)
@@ -56,8 +66,9 @@ class HostReading:
     """Host memory at one moment; every value in bytes.
 
     ``total``: physical memory (psutil ``virtual_memory().total``).
-    ``available``: ``min(psutil available, cgroup memory.max - memory.current)`` when a cgroup v2
-    limit applies, else psutil's ``available`` (memory new allocations get without swapping).
+    ``available``: ``min(psutil available, cgroup memory.max - working set)`` when a cgroup v2
+    limit applies (see :class:`CgroupLevel`), else psutil's ``available`` (memory new
+    allocations get without swapping).
     ``limit``: ``min(total, cgroup memory.max)``. ``swap_used``: psutil ``swap_memory().used``.
     ``reserve``: what must stay free for the OS and other services (config).
     ``budgets``: dict[tier, bytes] reserved per offload tier (config, e.g. vLLM cpu_bytes_to_use).
@@ -98,6 +109,16 @@ def parse_memory_max(text: str) -> int | None:
     return _parse_bytes(value, "memory.max")
 
 
+def parse_inactive_file(text: str) -> int:
+    """The ``inactive_file`` bytes of ``memory.stat`` content (``key value`` lines), 0 when
+    it has no such line. Raises CgroupParseError when its value is no number of bytes."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "inactive_file":
+            return _parse_bytes(value, "memory.stat inactive_file")
+    return 0
+
+
 def _parse_bytes(value: str, what: str) -> int:
     try:
         return int(value.strip())
@@ -122,8 +143,8 @@ def read_cgroup_memory(root: Path = DEFAULT_CGROUP_ROOT,
     ``proc_cgroup``: ``/proc/self/cgroup``, naming this process's cgroup below ``root``; when that
     directory is not visible (a container with its own cgroup namespace or mount), ``root``
     itself is the process's cgroup. Levels whose ``memory.max`` is ``max`` or absent (the root
-    cgroup has none) impose nothing. Of the limited levels, the one with least
-    ``memory.max - memory.current`` is returned. Raises CgroupParseError on malformed files and
+    cgroup has none) impose nothing; each limited level is read with its ``memory.current``
+    and ``memory.stat``. Raises CgroupParseError on malformed files and
     OSError when a file exists but cannot be read.
     """
     if not (root / "cgroup.controllers").is_file():
@@ -140,8 +161,10 @@ def read_cgroup_memory(root: Path = DEFAULT_CGROUP_ROOT,
         limit = parse_memory_max(max_text) if max_text is not None else None
         current_text = _read(level / "memory.current") if limit is not None else None
         if limit is not None and current_text is not None:
+            stat_text = _read(level / "memory.stat")
             levels.append(CgroupLevel(str(level), limit,
-                                      _parse_bytes(current_text, "memory.current")))
+                                      _parse_bytes(current_text, "memory.current"),
+                                      parse_inactive_file(stat_text) if stat_text else 0))
         if level == root or root not in level.parents:
             return CgroupMemory(tuple(levels)) if levels else None
         level = level.parent
