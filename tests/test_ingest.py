@@ -303,6 +303,18 @@ def test_an_emitter_refuses_a_source_name_the_agent_would_drop(tmp_path):
         Emitter(_endpoint(tmp_path), source="worker", scope="Sched")
 
 
+@pytest.mark.parametrize("bad", [{"batch_size": 0}, {"max_buffer": -5}, {"max_batch_bytes": 0},
+                                 {"send_hwm": 0}, {"batch_size": 2.5}, {"flush_interval": 0},
+                                 {"flush_interval": float("nan")}, {"warn_after": -1}])
+def test_an_emitter_refuses_bounds_that_would_break_it(tmp_path, bad):
+    """batch_size 0 sent nothing and blamed the agent at close; flush_interval 0 spun the
+    sender thread at a full core inside the engine; max_buffer -5 and max_batch_bytes 0
+    dropped every event; send_hwm 0 is ZMQ's 'no limit'."""
+    (name,) = bad
+    with pytest.raises(ValueError, match=name):
+        Emitter(_endpoint(tmp_path), source="engine", **bad)
+
+
 def test_an_emitter_refuses_an_endpoint_zmq_cannot_connect_with_a_value_error():
     """``foo://x`` raised ZMQError, which the documented contract does not name: now a
     ValueError that says what to use."""

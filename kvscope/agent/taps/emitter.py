@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -46,7 +47,9 @@ class Emitter:
     gauge while the caller is idle); if it raises it is logged and not called again.
     ``logger``: where it logs (default this module's); a tap inside an engine passes one under
     the engine's logger, so the lines come out in the engine's log format.
-    Raises ValueError for a ``source`` or ``scope`` the agent would refuse, or an ``endpoint``
+    Raises ValueError for a ``source`` or ``scope`` the agent would refuse, a bound below 1
+    (``max_buffer``, ``batch_size``, ``max_batch_bytes``, ``send_hwm``), a ``flush_interval``
+    that is not a positive number of seconds or a negative ``warn_after``, or an ``endpoint``
     that is not ``tcp://`` or ``ipc://`` or that ZMQ cannot connect to; nothing after
     construction raises.
     """
@@ -61,6 +64,17 @@ class Emitter:
             if problem:
                 raise ValueError(f"emitter {name} {value!r} {problem}; the agent would drop "
                                  "its events")
+        # 0 would send nothing (batch_size), drop every event (max_buffer, max_batch_bytes),
+        # leave ZMQ's queue unbounded (send_hwm) or spin the sender thread (flush_interval)
+        for name, value in (("max_buffer", max_buffer), ("batch_size", batch_size),
+                            ("max_batch_bytes", max_batch_bytes), ("send_hwm", send_hwm)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"emitter {name} must be a whole number >= 1, got {value!r}")
+        if not 0 < flush_interval < math.inf:
+            raise ValueError(f"emitter flush_interval must be a positive number of seconds, "
+                             f"got {flush_interval!r}")
+        if not warn_after >= 0:
+            raise ValueError(f"emitter warn_after must be seconds >= 0, got {warn_after!r}")
         self.source = source
         self._log = logger
         self._engine, self._model, self._scope = engine, model, scope
