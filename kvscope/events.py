@@ -44,7 +44,8 @@ TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
 # far inside the 64-bit integers the store and the Parquet capture write. Durations stop at 1e9 s
 # (31 years): a Unix time before 2100 plus one is still an int64 of nanoseconds (OTLP's times).
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
-Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
+MAX_SECONDS = 1e9
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 # A timestamp is Unix seconds before 2100: a sender in milliseconds (1.7e12) or a corrupt time
 # would otherwise sort first in the request table forever and outlive the store's age limit.
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=4_102_444_800.0)]  # 2100-01-01T00:00Z

@@ -326,11 +326,16 @@ def test_a_record_msgpack_cannot_hold_is_skipped_and_the_store_keeps_writing(tmp
 def test_a_store_from_before_the_bounds_is_loaded_within_them(tmp_path):
     """Segments written before records were bounded: one that finished 1e300 s (far in the
     future: it would sort first and never age out) is skipped; one with 300 transfers keeps 64
-    and counts 236 omitted. The clock is 3000 s, within max_age of r1000's finish."""
+    and counts 236 omitted; those with a TTFT of NaN or inf, or a negative prefill, are
+    skipped too (a NaN restored made the summary's TTFT percentiles null for good). The clock
+    is 3000 s, within max_age of r1000's finish."""
     store = RequestStore(tmp_path, clock=lambda: 3000.0)
     many = _record(1000, finished=2000.0)
     many.transfers = many.transfers * 300
-    for record in (many, _record(1001, finished=1e300), _record(1002, finished=2001.0)):
+    nan, inf, negative = (_record(i, finished=2000.0) for i in (1003, 1004, 1005))
+    nan.ttft, inf.ttft, negative.prefill = float("nan"), float("inf"), -1.0
+    for record in (many, _record(1001, finished=1e300), _record(1002, finished=2001.0), nan,
+                   inf, negative):
         store.add(record)
     store.flush()
     loaded = store.load(10)

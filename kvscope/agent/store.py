@@ -35,6 +35,7 @@ from pathlib import Path
 import msgspec
 
 from kvscope.agent.requests import FUTURE, MAX_TRANSFERS, RequestRecord
+from kvscope.events import MAX_SECONDS
 from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,16 @@ def read_segment(path: Path) -> list[RequestRecord]:
     return records
 
 
+_DURATIONS = ("queueing", "lookup", "promotion_wait", "prefill", "itl")
+
+
+def _durations_in_bounds(record: RequestRecord) -> bool:
+    """Whether ``record``'s TTFT and its parts are durations events allow (0 to 1e9 s; a
+    NaN TTFT restored made the summary's percentiles null until 10,000 newer requests)."""
+    return all(0.0 <= value <= MAX_SECONDS for value in (
+        0.0 if record.ttft is None else record.ttft, *map(record.__getattribute__, _DURATIONS)))
+
+
 class RequestStore(Worker):
     """Persists finished requests under ``directory`` (created if missing).
 
@@ -147,13 +158,16 @@ class RequestStore(Worker):
         what a record holds is read within the bounds: records that finished more than
         :data:`~kvscope.agent.requests.FUTURE` seconds ahead of the clock are skipped, and only
         the first :data:`~kvscope.agent.requests.MAX_TRANSFERS` transfers are kept (the rest
-        counted in ``transfers_omitted``)."""
+        counted in ``transfers_omitted``); records with a TTFT or TTFT part that is no
+        duration an emitter could send (NaN, infinite, negative: see
+        :data:`~kvscope.events.Seconds`) are skipped."""
         now = self._clock()
         cutoff, ahead = now - self._max_age, now + FUTURE
         # newest first; a joined source's request is written at its finish and again once it
         # waited: the last version counts, at its place
         newest = (r for path in reversed(self.segments()) for r in reversed(read_segment(path))
-                  if cutoff <= (r.arrival if r.finished is None else r.finished) <= ahead)
+                  if cutoff <= (r.arrival if r.finished is None else r.finished) <= ahead
+                  and _durations_in_bounds(r))
         seen: set[tuple[str, str]] = set()
         records: list[RequestRecord] = []
         for record in newest if limit > 0 else ():
