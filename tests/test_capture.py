@@ -2,6 +2,7 @@
 segments bounded, and analyze on a capture equal to analyze on the same in-memory sequence."""
 
 import errno
+import fcntl
 import itertools
 import json
 import os
@@ -200,17 +201,21 @@ def test_segments_rotate_by_age_and_pending_rows_are_bounded(tmp_path):
 
 
 def test_lookups_without_block_hashes_write_nothing_and_orphans_are_removed(tmp_path):
-    dead = 4_000_000  # above Linux's pid_max: never a running process
-    orphan = tmp_path / f"blocks-0000000000001-{dead}-000001{TMP_SUFFIX}"
-    mine = tmp_path / f"blocks-0000000000001-{os.getpid()}-000001{TMP_SUFFIX}"
+    """A .tmp segment a killed writer left is removed at start, even when its name carries
+    this process's pid (an agent as pid 1 in a container: each run's orphans were kept, and
+    outside the byte bound); one a running writer holds its lock on stays."""
+    orphan = tmp_path / f"blocks-0000000000001-{os.getpid()}-000001{TMP_SUFFIX}"
+    live = tmp_path / f"blocks-0000000000001-{os.getpid()}-000002{TMP_SUFFIX}"
     orphan.write_bytes(b"torn")
-    mine.write_bytes(b"ours")
-    writer = CaptureWriter(tmp_path, flush_interval=0.01)
-    writer.start()
-    writer.add_lookup("engine", ev.Lookup(ts=T0, request_id="r", tokens={"gpu": 16}, blocks=1))
-    writer.shutdown()
-    writer.shutdown()  # safe twice
-    assert not orphan.exists() and mine.exists()
+    with open(live, "wb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # what a writer still running holds
+        writer = CaptureWriter(tmp_path, flush_interval=0.01)
+        writer.start()
+        writer.add_lookup("engine", ev.Lookup(ts=T0, request_id="r", tokens={"gpu": 16},
+                                              blocks=1))
+        writer.shutdown()
+        writer.shutdown()  # safe twice
+    assert not orphan.exists() and live.exists()
     assert not writer.segments()
     CaptureWriter(tmp_path / "never").shutdown()  # safe without start
 

@@ -11,8 +11,8 @@ format, written with pyarrow):
 
 Crash safety: a segment is written as ``<name>.parquet.tmp`` (one row group per flush), then
 closed, fsynced and renamed to ``<name>.parquet``, so a ``.parquet`` file is always whole; a
-crash leaves at most a ``.tmp`` file, which readers ignore and the next writer removes once its
-process is gone. A crash loses the rows of the open segment (at most ``segment_seconds`` or
+crash leaves at most a ``.tmp`` file, which readers ignore and the next writer removes (one
+that no running writer holds a ``flock`` on). A crash loses the rows of the open segment (at most ``segment_seconds`` or
 ``segment_rows`` of them). Segments rotate at ``segment_rows`` rows, ``segment_bytes`` bytes
 (at most a quarter of ``max_bytes``) or ``segment_seconds`` seconds, whichever comes first;
 after each rotation the oldest finished segments (both kinds, by start time) are deleted while
@@ -23,11 +23,13 @@ rows beyond it are dropped and counted in :attr:`CaptureWriter.dropped`.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from typing import BinaryIO
 from pathlib import Path
 
 import pyarrow as pa
@@ -90,16 +92,6 @@ def segment_key(path: Path) -> tuple[str, str]:
     return path.name.split("-", 1)[1], path.name
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
 class _Stream:
     """One kind of segment: pending rows (column lists) and the open ``.tmp`` segment."""
 
@@ -110,6 +102,7 @@ class _Stream:
         self.rows = 0            # pending rows
         self.writer: pq.ParquetWriter | None = None
         self.tmp: Path | None = None
+        self.lock: BinaryIO | None = None  # the .tmp opened again, flock()ed while written
         self.opened_at = 0.0
         self.segment_rows = 0    # rows in the open segment
 
@@ -314,6 +307,8 @@ class CaptureWriter(Worker):
         self._seq += 1
         name = f"{stream.kind}-{int(now * 1000):015d}-{os.getpid()}-{self._seq:06d}"
         stream.tmp = self.directory / (name + TMP_SUFFIX)
+        stream.lock = open(stream.tmp, "wb")  # locked before anything is written: a writer
+        fcntl.flock(stream.lock, fcntl.LOCK_EX)  # starting now must not take it for an orphan
         stream.writer = pq.ParquetWriter(stream.tmp, stream.schema, compression="zstd")
         stream.opened_at = now
         stream.segment_rows = 0
@@ -331,6 +326,7 @@ class CaptureWriter(Worker):
             pass
         if stream.tmp is not None:
             stream.tmp.unlink(missing_ok=True)
+        _release(stream)
         stream.writer, stream.tmp, stream.segment_rows = None, None, 0
 
     def _finish(self, stream: _Stream) -> None:
@@ -343,6 +339,7 @@ class CaptureWriter(Worker):
             os.fsync(f.fileno())
         final = tmp.with_name(tmp.name[: -len(TMP_SUFFIX)] + SUFFIX)
         os.replace(tmp, final)
+        _release(stream)
         stream.tmp, stream.segment_rows = None, 0
         try:  # the rows are in place: a failure here risks only the name, on a power loss
             dir_fd = os.open(self.directory, os.O_RDONLY)
@@ -370,9 +367,20 @@ class CaptureWriter(Worker):
                 total -= sizes[path]
 
     def _remove_orphans(self) -> None:
-        """Delete ``.tmp`` segments left by writers that are no longer running."""
+        """Delete ``.tmp`` segments left by writers that are no longer running: those no
+        writer holds a lock on (see :meth:`_open`). Telling them by the pid in their name
+        kept every orphan of an agent that runs as pid 1, as in a container."""
         for path in self.directory.glob(f"*{TMP_SUFFIX}"):
-            parts = path.name.split("-")
-            pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
-            if pid is not None and pid != os.getpid() and not _pid_alive(pid):
-                path.unlink(missing_ok=True)
+            try:
+                with open(path, "rb") as orphan:
+                    fcntl.flock(orphan, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    path.unlink(missing_ok=True)
+            except (BlockingIOError, FileNotFoundError):  # a live writer's, or gone
+                continue
+
+
+def _release(stream: _Stream) -> None:
+    """Close ``stream``'s lock on its ``.tmp`` segment (done with it)."""
+    if stream.lock is not None:
+        stream.lock.close()
+        stream.lock = None
