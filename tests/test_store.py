@@ -395,6 +395,24 @@ def test_records_a_full_disk_refuses_are_counted_and_the_store_recovers(tmp_path
     assert all(path.stat().st_size for path in store.segments())  # no empty segment left
 
 
+def test_flushes_a_full_disk_refuses_leave_no_segment_behind(tmp_path, monkeypatch):
+    """Three flushes fail (ENOSPC from fsync stands in for a full disk): each gave its
+    segment up and started a new one at the next, and each such segment, holding nothing
+    durable, stayed: one per second while the disk was full, each in the way of the space
+    coming back. Now they are deleted; the records are counted lost."""
+    store = RequestStore(tmp_path, clock=lambda: 3000.0)
+    store.take()
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    for i in range(3):
+        store.add(_record(1000 + i))
+        store._flush_logged()
+    assert store.segments() == [] and store.lost == 3
+
+
 def test_a_restarted_agents_summary_percentiles_include_the_restored_requests(tmp_path):
     """Three stored requests of TTFT 0.1, 0.2 and 0.6 s: after a restart the summary gave no
     percentiles although the API served the three. Now p50 is 0.2 (the middle one, by hand) and

@@ -143,6 +143,7 @@ class RequestStore(Worker):
         self._path: Path | None = None  # the segment being written
         self._opened = 0.0  # when it was opened, by clock
         self._size = 0  # its bytes
+        self._synced = 0  # of them, those the last fsync made durable
         self._seq = 0  # tells apart segments opened in the same millisecond
         self.unwritable = 0  # records skipped: a value msgpack cannot encode
         self.lost = 0  # records not known written: the disk failed (full, removed) meanwhile
@@ -295,6 +296,7 @@ class RequestStore(Worker):
     def _sync(self) -> None:
         self._file.flush()
         os.fsync(self._file.fileno())
+        self._synced = self._size
 
     def _close(self) -> None:
         if self._file is not None:
@@ -304,14 +306,17 @@ class RequestStore(Worker):
 
     def _abandon(self) -> None:
         """Give up the segment being written (a partial last frame in it is skipped on read;
-        one left empty is deleted)."""
+        one that no fsync made hold a record is deleted: a full disk left one per second)."""
         if self._file is not None:
             try:
                 self._file.close()
-                if self._size == 0:
-                    self._path.unlink(missing_ok=True)
-            except OSError:
+            except OSError:  # the disk failed: its buffered bytes are lost anyway
                 pass
+            if self._synced == 0:
+                try:
+                    self._path.unlink(missing_ok=True)
+                except OSError:
+                    pass
         self._file = self._path = None
 
     def _hold_lock(self) -> None:
@@ -343,7 +348,7 @@ class RequestStore(Worker):
         name = f"requests-{self._stamp():015d}-{os.getpid()}-{self._seq:06d}{_SUFFIX}"
         self._path = self.directory / name
         self._file = open(self._path, "ab")
-        self._size = 0
+        self._size = self._synced = 0
         self._prune()  # before this segment fills: the total stays within one segment of max
 
     def _stamp(self) -> int:
