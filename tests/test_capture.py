@@ -278,6 +278,30 @@ def test_a_segment_that_fails_to_write_is_deleted_and_its_rows_counted(tmp_path)
     assert pq.read_table(segment).num_rows == 8
 
 
+def test_a_full_disk_is_logged_once_and_again_when_rows_are_written(tmp_path, monkeypatch,
+                                                                       caplog):
+    """Three flushes fail (ENOSPC from fsync, as each finishes its one-row segment): one
+    warning, not one a second; the first flush that writes again says so, with the 3 rows
+    lost meanwhile (8 blocks each: 24)."""
+    writer = CaptureWriter(tmp_path, segment_rows=1)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", full)
+    for i in range(3):
+        writer.add_lookup("engine", _lookup(i))
+        writer._logged(writer.flush)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    writer._logged(writer.flush)  # nothing to write: no recovery yet
+    writer.add_lookup("engine", _lookup(3))
+    writer._logged(writer.flush)
+    assert caplog.text.count("could not write") == 1
+    assert caplog.text.count("writing") == 1 and "24 rows could not be written" in caplog.text
+    assert len(writer.segments("blocks")) == 1
+
+
 def test_a_segment_whose_rename_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
     """The rename into place fails (an I/O error, injected into os.replace): the finished
     .tmp was once left behind, outside the byte bound and never removed while the agent ran.

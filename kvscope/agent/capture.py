@@ -145,6 +145,7 @@ class CaptureWriter(Worker):
         self._seq = 0
         self.dropped: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._unfit_logged = False
+        self._dropped_before: int | None = None  # rows dropped when writes began failing
 
     # -- sinks ------------------------------------------------------------------------------
 
@@ -221,13 +222,26 @@ class CaptureWriter(Worker):
             self._logged(self.flush)
         self._logged(self.close)
 
-    def _logged(self, step: Callable[[], None]) -> None:
+    def _logged(self, step: Callable[[], int | None]) -> None:
+        """Run ``step``; a failure to write is logged once until rows are written again, and
+        that is logged too, with the rows lost meanwhile (once a second, a full disk filled
+        the log)."""
+        dropped = sum(self.dropped.values())
         try:
-            step()
+            written = step()
         except OSError as exc:  # disk full, directory removed: keep serving, say so
-            log.warning("kvscope capture: could not write %s: %s", self.directory, exc)
+            if self._dropped_before is None:
+                self._dropped_before = dropped
+                log.warning("kvscope capture: could not write %s: %s; rows are dropped until "
+                            "it can (logged again when it can)", self.directory, exc)
+            return
         except Exception:  # a bug: say so, and keep the thread (and every later row) alive
             self.log_bug(step.__name__)
+            return
+        if self._dropped_before is not None and written:
+            log.warning("kvscope capture: writing %s again; %d rows could not be written",
+                        self.directory, sum(self.dropped.values()) - self._dropped_before)
+            self._dropped_before = None
 
     # -- segments ---------------------------------------------------------------------------
 
@@ -237,12 +251,13 @@ class CaptureWriter(Worker):
         paths = [p for k in kinds for p in self.directory.glob(f"{k}-*{SUFFIX}") if p.is_file()]
         return sorted(paths, key=segment_key)
 
-    def flush(self) -> None:
+    def flush(self) -> int:
         """Write pending rows into the open segments; finish those due for rotation. A stream
         whose segment cannot be written (a full disk, the directory removed) gives that
         segment up (see :meth:`_abandon`); the other stream is still written, and the first
-        such OSError is raised afterwards."""
+        such OSError is raised afterwards. Returns the rows written."""
         failure: OSError | None = None
+        written = 0
         with self._io_lock:
             now = self._clock()
             for stream in self._streams.values():
@@ -257,6 +272,7 @@ class CaptureWriter(Worker):
                         stream.writer.write_table(table)
                         stream.segment_rows += rows
                         unwritten = 0
+                        written += rows
                     if stream.writer is not None and (
                             stream.segment_rows >= self.segment_rows
                             or now - stream.opened_at >= self.segment_seconds
@@ -267,6 +283,7 @@ class CaptureWriter(Worker):
                     failure = failure or exc
         if failure is not None:
             raise failure
+        return written
 
     def _table(self, stream: _Stream, columns: dict[str, list]) -> pa.Table | None:
         """The pending rows as a table of the stream's schema; None, with the rows counted as
