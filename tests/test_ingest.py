@@ -57,6 +57,34 @@ def test_emitter_delivers_every_event(source, tmp_path):
     assert snap.source_info == {"engine": ("vllm", "tiny-llama")}
 
 
+def _emit_in_child(emitter, first, n):
+    for i in range(first, first + n):
+        emitter.emit(_lookup(i))
+    emitter.close(timeout=10.0)
+    os._exit(0 if emitter.dropped == 0 else 1)
+
+
+def test_an_emitter_made_before_a_fork_delivers_the_childs_events_too(source, tmp_path):
+    """An engine makes its emitter, then forks a worker (multiprocessing's fork) that emits 100
+    events: they arrive, as a session of their own, beside the parent's 50. The child once kept
+    them in a buffer no thread sent (the fork leaves only the calling thread) and close()
+    returned at once: 100 events lost, none counted."""
+    import multiprocessing
+
+    emitter = Emitter(_endpoint(tmp_path), source="engine", flush_interval=0.01)
+    child = multiprocessing.get_context("fork").Process(target=_emit_in_child,
+                                                        args=(emitter, 1000, 100))
+    child.start()
+    for i in range(50):
+        emitter.emit(_lookup(i))
+    child.join(30)
+    assert child.exitcode == 0
+    assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 150)
+    emitter.close()
+    snap = source.pipeline.snapshot()
+    assert snap.prompt_tokens["gpu"] == 150 * 16 and snap.events_dropped == {}
+
+
 def test_close_waits_for_a_slow_agent_to_take_a_burst(tmp_path):
     """A burst larger than ZMQ's queues (send_hwm=2 batches of 1,000 events, about 60 KB each)
     emitted just before close(): close keeps sending as the agent drains, so every one of the

@@ -17,6 +17,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import zmq
@@ -24,6 +25,18 @@ import zmq
 from kvscope import events as ev
 
 log = logging.getLogger(__name__)
+
+
+# Emitters not yet collected: each restarts in a forked child (see Emitter._after_fork).
+_LIVE: weakref.WeakSet[Emitter] = weakref.WeakSet()
+
+
+def _restart_after_fork() -> None:
+    for emitter in list(_LIVE):
+        emitter._after_fork()
+
+
+os.register_at_fork(after_in_child=_restart_after_fork)
 
 
 class Emitter:
@@ -42,7 +55,8 @@ class Emitter:
     queue (kept small: what ZMQ holds when :meth:`close` gives up is lost uncounted, what the
     buffer holds is counted). ``warn_after``: seconds events may wait unsent (no agent at
     ``endpoint``, or one too slow) before one warning says so; sending again is logged too.
-    Call :meth:`close` at exit (safe twice, from any thread). ``on_tick``: set it to a function
+    Call :meth:`close` at exit (safe twice, from any thread). In a child process forked from
+    its maker it starts again by itself, as a new session, with an empty buffer. ``on_tick``: set it to a function
     of no arguments to have it called on the sender thread before each send (e.g. to emit a
     gauge while the caller is idle); if it raises it is logged and not called again.
     ``logger``: where it logs (default this module's); a tap inside an engine passes one under
@@ -93,27 +107,48 @@ class Emitter:
         self._stuck_since: float | None = None  # monotonic: since when events wait unsent
         self._warned = False
         self.on_tick: Callable[[], None] | None = None  # called on the sender thread each interval
-        self._stop = threading.Event()
         self._drain_until = 0.0  # monotonic deadline for the final flush, set by close()
-        # Its own context, so close() can wait for ZMQ to hand over what it queued (term()).
+        self._endpoint, self._send_hwm = endpoint, send_hwm
+        self._start()
+        _LIVE.add(self)
+
+    def _start(self) -> None:
+        """Connect a socket of a context of its own (so close() can wait for ZMQ to hand over
+        what it queued: term()) and start the sender thread. Raises ValueError for an
+        endpoint ZMQ cannot connect to."""
+        self._stop = threading.Event()
         self._context = zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.SNDHWM, send_hwm)
+        self._socket.setsockopt(zmq.SNDHWM, self._send_hwm)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a live connection
         self._socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
         try:
-            if not endpoint.startswith(("tcp://", "ipc://")):  # inproc:// never leaves us
+            if not self._endpoint.startswith(("tcp://", "ipc://")):  # inproc:// never leaves
                 raise zmq.ZMQError(msg="not a tcp:// or ipc:// endpoint")
-            self._socket.connect(endpoint)
+            self._socket.connect(self._endpoint)
         except zmq.ZMQError as exc:
             self._socket.close(0)
             self._context.term()
-            raise ValueError(f"emitter endpoint {endpoint!r}: {exc}; use tcp://HOST:PORT or "
-                             "ipc://PATH, as the agent's [ingest] endpoint") from None
-        self._endpoint = endpoint
+            raise ValueError(f"emitter endpoint {self._endpoint!r}: {exc}; use tcp://HOST:PORT "
+                             "or ipc://PATH, as the agent's [ingest] endpoint") from None
         self._thread = threading.Thread(target=self._run, name="kvscope-emitter", daemon=True)
         self._thread.start()
+
+    def _after_fork(self) -> None:
+        """In a child forked from the process that made this emitter: its sender thread did
+        not survive the fork, and ZMQ's context must not be used across one, so start both
+        again, as a new session that has sent nothing (what the buffer held is the parent's
+        to send). Before, every event the child emitted was kept until close() and lost
+        without a count. A closed emitter stays closed."""
+        if self._stop.is_set():
+            return
+        self._buffer.clear()
+        self._pending, self._pending_events = None, 0
+        self._session, self._seq = os.urandom(8).hex(), 0
+        self.dropped = self.sent_batches = 0
+        self._stuck_since, self._warned = None, False
+        self._start()
 
     def emit(self, event: object) -> None:
         """Queue one event; drops it (and counts) when the buffer is full or the emitter is
