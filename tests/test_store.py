@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, wait_until
 from kvscope import events as ev
 from kvscope.agent.requests import RequestRecord, TransferRecord
 from kvscope.agent.store import RequestStore, read_segment
@@ -239,6 +239,42 @@ def test_kill_9_mid_write_loses_at_most_the_last_second(tmp_path, source):
     finally:
         restarted.send_signal(signal.SIGINT)
         assert restarted.wait(30) == 0
+
+
+def test_the_agent_is_live_while_it_restores_its_store(tmp_path, monkeypatch):
+    """While the store is restored (held here at its load: a damaged 256 MiB store takes
+    minutes), /healthz answers 200 and /readyz 503; once restored, /readyz 200. The agent once
+    served nothing until restored, and a liveness probe could kill it in a loop."""
+    from kvscope.agent.config import AgentSettings
+    from kvscope.agent.run import run_agent
+
+    restoring, restored = threading.Event(), threading.Event()
+    real_load = RequestStore.load
+
+    def held_load(self, limit):
+        restoring.set()
+        restored.wait(60)
+        return real_load(self, limit)
+
+    monkeypatch.setattr(RequestStore, "load", held_load)
+    port, stop = free_port(), threading.Event()
+    settings = AgentSettings(port=port, ingest={"enabled": False},
+                             collectors={"gpu": {"enabled": False}},
+                             store_dir=str(tmp_path / "store"))
+    agent = threading.Thread(target=run_agent, args=(settings,),
+                             kwargs={"out": open(os.devnull, "w"), "stop": stop})
+    agent.start()
+    try:
+        assert restoring.wait(60)
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/healthz").status_code == 200
+        assert httpx.get(f"{base}/readyz").status_code == 503
+        restored.set()
+        assert wait_until(lambda: httpx.get(f"{base}/readyz").status_code == 200)
+    finally:
+        restored.set()
+        stop.set()
+        agent.join(60)
 
 
 def test_a_request_waiting_for_late_transfers_is_stored_when_the_agent_stops(tmp_path):

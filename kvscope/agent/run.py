@@ -51,13 +51,16 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     _log_to_stderr(settings.log_level)
     sock = bind(settings.host, settings.port, "--port")
     agent = Agent(settings)
+    # serving first: /healthz answers while the store is restored (a damaged one takes
+    # seconds), /readyz says 503 until every part has started
+    server = ApiServer(create_app(agent), sock)
+    server.start()
     try:
         agent.start()
     except ConfigError:
+        server.shutdown()
         sock.close()
         raise
-    server = ApiServer(create_app(agent), sock)
-    server.start()
     stop = stop or threading.Event()
     stop_on_signals(stop)
     base = url(settings.host, settings.port, "")
