@@ -79,6 +79,8 @@ def test_timeseries_metric_filter(client):
     assert set(sample) == {"ts", "prompt_tokens"}
     assert client.get("/api/v1/timeseries", params={"metric": "nope"}).status_code == 422
     assert client.get("/api/v1/timeseries", params={"since": 1e12}).json()["samples"] == []
+    for bad in ("nan", "inf"):  # NaN once answered 200 with no samples, unlike window=nan
+        assert client.get("/api/v1/timeseries", params={"since": bad}).status_code == 422
 
 
 def test_openmetrics_carries_trace_id_exemplars(client):

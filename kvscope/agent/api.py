@@ -157,7 +157,8 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     @app.get("/api/v1/timeseries", dependencies=[Depends(authorize)])
     def timeseries(
-        since: float | None = Query(None, description="Unix seconds; only samples after it"),
+        since: float | None = Query(None, allow_inf_nan=False,
+                                    description="Unix seconds; only samples after it"),
         window: float | None = Query(None, ge=0, description="seconds; only samples no older "
                                      "than this before the newest one"),
         metric: list[str] | None = Query(None, max_length=len(SAMPLE_FIELDS),
