@@ -56,6 +56,8 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
     # ZMQ would listen on another port than the one the taps are told
     ('[ingest]\nendpoint = "tcp://127.0.0.1:99999"\n', "ingest.endpoint: must end in :PORT"),
     ('[ingest]\nendpoint = "tcp://127.0.0.1:*"\n', "ingest.endpoint: must end in :PORT"),
+    ('[ingest]\nendpoint = "tcp://127.0.0.1:\u0665\u0665\u0666\u0660"\n',  # Arabic-Indic digits
+     "ingest.endpoint: must end in :PORT"),
     ("[ingest]\nmax_sources = true\n", "ingest.max_sources: is true or false"),
     # an interval of inf killed the sampler thread; 1e-9 spun a core
     ("sample_interval = inf\n", "sample_interval: .*less than or equal to 3600"),

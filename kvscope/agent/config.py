@@ -87,7 +87,7 @@ def _zmq_endpoint(value: str) -> str:
     if not value.startswith("tcp://"):
         raise ValueError("must start with tcp:// or ipc://")
     port = value.rpartition(":")[2]
-    if not (port.isdigit() and 0 < int(port) < 65536):
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):  # not "٥٥٦٠"
         raise ValueError(f"must end in :PORT, a port of 1-65535 (tcp://127.0.0.1:5560), "
                          f"not {value!r}")
     return value
