@@ -175,7 +175,7 @@ class VllmMetricsConfig(_Section):
 
     enabled: bool = False
     url: str = "http://127.0.0.1:8000/metrics"
-    interval: float = Field(5.0, ge=0.1, le=3600)
+    interval: float = Field(5.0, ge=0.1, le=3600, allow_inf_nan=False)
     block_bytes: int = Field(0, ge=0)
 
     @field_validator("url")
@@ -192,7 +192,7 @@ class OtlpReceiverConfig(_Section):
 
     enabled: bool = True
     source: str = "vllm"
-    wait_seconds: float = Field(6.0, ge=0, le=3600)
+    wait_seconds: float = Field(6.0, ge=0, le=3600, allow_inf_nan=False)
 
     @field_validator("source")
     @classmethod
@@ -250,13 +250,14 @@ class AgentSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(9400, gt=0, lt=65536)
     token: str | None = None
-    sample_interval: float = Field(1.0, ge=0.1, le=3600)
+    sample_interval: float = Field(1.0, ge=0.1, le=3600, allow_inf_nan=False)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     prefill_tokens_per_second: float = Field(10_000.0, ge=1, allow_inf_nan=False)
     requests_capacity: int = Field(100_000, gt=0)
     store_dir: Path | None = None
     store_max_bytes: int = Field(256 << 20, gt=0)
-    store_max_age: float = Field(86_400.0, gt=0, le=10 * 365 * 86_400)  # 10 years at most
+    store_max_age: float = Field(86_400.0, gt=0, le=10 * 365 * 86_400,  # 10 years at most
+                                 allow_inf_nan=False)
     otlp_endpoint: str | None = None
     capture_dir: Path | None = None
     capture_max_bytes: int = Field(1 << 30, gt=0)
