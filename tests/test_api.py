@@ -83,6 +83,14 @@ def test_timeseries_metric_filter(client):
         assert client.get("/api/v1/timeseries", params={"since": bad}).status_code == 422
 
 
+def test_a_trailing_slash_is_not_redirected_to_where_the_host_header_says(client):
+    """Starlette redirected /api/v1/summary/ (307) to a Location built from the client's Host
+    header, before the token was checked."""
+    response = client.get("/api/v1/summary/", headers={"Host": "evil.example"},
+                          follow_redirects=False)
+    assert response.status_code == 404 and "location" not in response.headers
+
+
 def test_openmetrics_carries_trace_id_exemplars(client):
     text = client.get("/metrics", headers={"Accept": "application/openmetrics-text"}).text
     exemplars = [s.exemplar for f in text_string_to_metric_families(text) for s in f.samples

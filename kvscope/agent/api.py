@@ -68,7 +68,9 @@ async def bounded_body(request: Request, limit: int) -> bytes:
 
 def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
     """The FastAPI app serving ``agent``. The caller owns the agent's start and shutdown."""
-    app = FastAPI(title="kvscope agent", version=__version__,
+    # no redirect of "/api/v1/summary/": Starlette's builds its Location from the client's
+    # Host header, and answered it before the token was checked
+    app = FastAPI(title="kvscope agent", version=__version__, redirect_slashes=False,
                   description="KV-cache offload observability: metrics, requests, time series.")
     token = agent.settings.token
     too_large = {"detail": f"request body over {max_body_bytes} bytes"}
