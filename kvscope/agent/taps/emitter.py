@@ -27,16 +27,16 @@ from kvscope import events as ev
 log = logging.getLogger(__name__)
 
 
-# Emitters not yet collected: each restarts in a forked child (see Emitter._after_fork).
+# Emitters not yet collected: each starts again in a forked child (see Emitter._after_fork).
 _LIVE: weakref.WeakSet[Emitter] = weakref.WeakSet()
 
 
-def _restart_after_fork() -> None:
+def _mark_forked() -> None:
     for emitter in list(_LIVE):
         emitter._after_fork()
 
 
-os.register_at_fork(after_in_child=_restart_after_fork)
+os.register_at_fork(after_in_child=_mark_forked)
 
 
 class Emitter:
@@ -56,7 +56,8 @@ class Emitter:
     buffer holds is counted). ``warn_after``: seconds events may wait unsent (no agent at
     ``endpoint``, or one too slow) before one warning says so; sending again is logged too.
     Call :meth:`close` at exit (safe twice, from any thread). In a child process forked from
-    its maker it starts again by itself, as a new session, with an empty buffer. ``on_tick``: set it to a function
+    its maker it starts again at the child's first :meth:`emit`, as a new session, with an
+    empty buffer and no ``on_tick``. ``on_tick``: set it to a function
     of no arguments to have it called on the sender thread before each send (e.g. to emit a
     gauge while the caller is idle); if it raises it is logged and not called again.
     ``logger``: where it logs (default this module's); a tap inside an engine passes one under
@@ -95,7 +96,9 @@ class Emitter:
         self.dropped = 0  # events lost to a full buffer, a failed encode or close, since start
         self.sent_batches = 0
         self._buffer: collections.deque = collections.deque()
-        self._max_buffer = max_buffer
+        self._max_buffer = self._capacity = max_buffer
+        self._forked = False  # in a forked child, not started again yet (see _after_fork)
+        self._fork_lock = threading.Lock()
         self._batch_size = batch_size
         self._max_batch_bytes = max_batch_bytes
         self._interval = flush_interval
@@ -136,24 +139,46 @@ class Emitter:
         self._thread.start()
 
     def _after_fork(self) -> None:
-        """In a child forked from the process that made this emitter: its sender thread did
-        not survive the fork, and ZMQ's context must not be used across one, so start both
-        again, as a new session that has sent nothing (what the buffer held is the parent's
-        to send). Before, every event the child emitted was kept until close() and lost
-        without a count. A closed emitter stays closed."""
+        """In a child forked from the process that made this emitter (at-fork hook): its
+        sender thread did not survive the fork, and ZMQ's context must not be used across one.
+        Only marked here (nothing may start in a child that execs at once: a subprocess whose
+        preexec_fn runs these hooks aborted in libzmq); the child's first emit() starts it
+        again (:meth:`_start_forked`). Before, every event a child emitted was kept until
+        close() and lost without a count. A closed emitter stays closed."""
         if self._stop.is_set():
             return
-        self._buffer.clear()
-        self._pending, self._pending_events = None, 0
-        self._session, self._seq = os.urandom(8).hex(), 0
-        self.dropped = self.sent_batches = 0
-        self._stuck_since, self._warned = None, False
-        self._start()
+        self._forked, self._max_buffer = True, 0  # emit() now takes its slow branch
+        # the parent's locks may have been held at the fork, by threads the child lacks
+        self._fork_lock, self._stop = threading.Lock(), threading.Event()
+        self.on_tick = None  # the parent's hook reports the parent's state
+        self._buffer.clear()  # the parent's events, the parent's to send
+
+    def _start_forked(self) -> bool:
+        """Start a forked child's emitter (see :meth:`_after_fork`), once, as a new session
+        that has sent nothing; True when it runs."""
+        with self._fork_lock:
+            if self._forked:
+                self._forked = False
+                self._pending, self._pending_events = None, 0
+                self._session, self._seq = os.urandom(8).hex(), 0
+                self.dropped = self.sent_batches = 0
+                self._stuck_since, self._warned = None, False
+                try:
+                    self._start()
+                except Exception as exc:  # never into the caller: it stays closed
+                    self._log.warning("kvscope emitter: cannot start again after a fork: %s",
+                                      exc)
+                    return False
+                self._max_buffer = self._capacity
+            return self._max_buffer > 0
 
     def emit(self, event: object) -> None:
         """Queue one event; drops it (and counts) when the buffer is full or the emitter is
         closed. Never raises."""
         if len(self._buffer) >= self._max_buffer:
+            if self._forked and self._start_forked():
+                self._buffer.append(event)
+                return
             self.dropped += 1
             return
         self._buffer.append(event)
@@ -267,6 +292,8 @@ class Emitter:
         and close; events still in the buffer then are counted in :attr:`dropped`. Returns
         within ``timeout`` + 1 s (unless the thread is stuck encoding a huge batch: it then
         finishes, and counts, on its own)."""
+        with self._fork_lock:
+            self._forked = False  # a forked child's that never emitted: nothing to start
         if not self._stop.is_set():
             self._drain_until = time.monotonic() + timeout
             self._stop.set()
