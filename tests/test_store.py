@@ -244,7 +244,9 @@ def test_kill_9_mid_write_loses_at_most_the_last_second(tmp_path, source):
 def test_the_agent_is_live_while_it_restores_its_store(tmp_path, monkeypatch):
     """While the store is restored (held here at its load: a damaged 256 MiB store takes
     minutes), /healthz answers 200 and /readyz 503; once restored, /readyz 200. The agent once
-    served nothing until restored, and a liveness probe could kill it in a loop."""
+    served nothing until restored, and a liveness probe could kill it in a loop. vLLM's spans
+    are refused meanwhile (503, which OTLP exporters retry): one for a stored request would
+    have made a second request."""
     from kvscope.agent.config import AgentSettings
     from kvscope.agent.run import run_agent
 
@@ -269,6 +271,9 @@ def test_the_agent_is_live_while_it_restores_its_store(tmp_path, monkeypatch):
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{base}/healthz").status_code == 200
         assert httpx.get(f"{base}/readyz").status_code == 503
+        span = httpx.post(f"{base}/v1/traces", content=b'{"resourceSpans": []}',
+                          headers={"content-type": "application/json"})
+        assert span.status_code == 503 and span.headers["retry-after"] == "1"
         restored.set()
         assert wait_until(lambda: httpx.get(f"{base}/readyz").status_code == 200)
     finally:

@@ -83,6 +83,8 @@ class Agent(Worker):
         self.sample_interval = settings.sample_interval
         self.started_at = clock()
         self.ready = False
+        # until the stored requests are back: what a span joins may not be in the table yet
+        self.restoring = self.store is not None
         self._clock = clock
 
     thread_name = "kvscope-sampler"
@@ -123,6 +125,7 @@ class Agent(Worker):
                                   f"{exc.strerror or exc}") from None
             self.pipeline.restore(restored)
             self.pipeline.subscribe(self.store.add, early=True)  # kill -9 loses 1 s at most
+            self.restoring = False
         if self.otlp is not None:
             self.pipeline.subscribe(self.otlp.export)
         if self.capture is not None:

@@ -109,6 +109,9 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
         @app.post(otlp_in.TRACES_PATH, dependencies=[Depends(authorize)], include_in_schema=False)
         async def otlp_traces(request: Request) -> Response:
             """OTLP/HTTP trace export (protobuf or JSON); see ``agent/sources/otlp_receiver.py``."""
+            if agent.restoring:  # a span for a stored request would make a second one
+                return JSONResponse({"detail": "restoring stored requests; retry"}, 503,
+                                    headers={"Retry-After": "1"})
             content_type = request.headers.get("content-type", "")
             encoding = request.headers.get("content-encoding", "")
             try:

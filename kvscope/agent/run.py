@@ -57,7 +57,7 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     server.start()
     try:
         agent.start()
-    except ConfigError:
+    except BaseException:
         server.shutdown()
         sock.close()
         raise
