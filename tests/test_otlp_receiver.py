@@ -312,6 +312,32 @@ def test_a_request_reusing_an_id_back_to_back_in_one_batch_stays_apart(together)
                                                                   "b" * 32)
 
 
+def test_a_back_to_back_reuse_after_the_span_finished_the_first_stays_apart():
+    """As above, but vLLM's span of A finished A before the tap's batch [A's finish, B's
+    start] came: A was no longer in flight, so the batch went unsplit, and A's finish took B's
+    new record (4 requests for 2). A's record also keeps the tap's prompt tokens, which the
+    span's start (a span without usage counts) once set to 0."""
+    agent = _agent()
+    handed_over = []
+    agent.pipeline.subscribe(handed_over.append)
+    _spans_arrive(agent)
+    agent.pipeline.ingest("vllm", [ev.RequestStarted(ts=T0, request_id="x", prompt_tokens=10)])
+    agent.otlp_receiver.handle([_span("x", T0, trace="a" * 32)])
+    agent.pipeline.ingest("vllm", [
+        ev.RequestFinished(ts=T0 + 1.0, request_id="x", ttft=0.1, prompt_tokens=10,
+                           promotion_wait=0.02),
+        ev.RequestStarted(ts=T0 + 1.01, request_id="x", prompt_tokens=99)])
+    agent.pipeline.ingest("vllm", [
+        ev.RequestFinished(ts=T0 + 2.0, request_id="x", ttft=0.1, prompt_tokens=99)])
+    agent.otlp_receiver.handle([_span("x", T0 + 1.01, trace="b" * 32)])
+    agent.pipeline.publish_settled(everything=True)
+    assert agent.pipeline.snapshot().requests == 2
+    a, b = sorted(handed_over, key=lambda r: r.arrival)
+    assert (a.prompt_tokens, a.promotion_wait, a.trace_id) == (10, 0.02, "a" * 32)
+    assert (b.arrival, b.prompt_tokens, b.finished, b.trace_id) == (T0 + 1.01, 99, T0 + 2.0,
+                                                                    "b" * 32)
+
+
 @pytest.mark.parametrize("order", ["AB", "BA"])
 def test_spans_only_two_requests_of_one_id_in_one_body_stay_apart(order):
     """No tap: one body carries two requests of id x (A at T0, B at T0 + 10), in either order

@@ -172,12 +172,13 @@ class RequestAssembler:
         """Where a batch of ``source``'s ``events`` must be cut for folding kind by kind: before
         each start of an id whose request finished earlier in the batch (a client reusing an
         id back to back), else that start would land on the finishing request's record. []
-        for most batches, told cheaply: no id is started twice, here or while in flight."""
+        for most batches, told cheaply: no id is started twice here, nor known already (in
+        flight, opened by any event, or finished recently: vLLM's span may finish a request
+        before the tap's batch with its finish comes)."""
         ids = set(map(_REQUEST_ID, starts))
-        if len(ids) == len(starts):
-            inflight = self._inflight.get(source)
-            if not inflight or not (inflight.keys() & ids) - self._unstarted[source]:
-                return []
+        if len(ids) == len(starts) and not (self._inflight.get(source, {}).keys() & ids
+                                            or self._recent.get(source, {}).keys() & ids):
+            return []
         cuts, finished = [], set()
         for i, event in enumerate(events):
             if type(event) is ev.RequestFinished:
@@ -204,9 +205,10 @@ class RequestAssembler:
                                               event.ts, event.prompt_tokens)
                 continue
             # another emitter's event opened the record first: arrival and trace id are the
-            # start's
+            # start's, and its prompt tokens unless it has none (a span without usage)
             unstarted.discard(rid)
-            record.prompt_tokens, record.arrival = event.prompt_tokens, event.ts
+            record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
+            record.arrival = event.ts
             if event.trace_id and event.trace_id != record.trace_id:
                 retraced.append((record.trace_id, event.trace_id))
                 record.trace_id = event.trace_id
