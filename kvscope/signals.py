@@ -14,6 +14,32 @@ _HANGUP = getattr(signal, "SIGHUP", None)
 _STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, _HANGUP) if s is not None)
 
 
+class _Relay:
+    """One pipe and one thread per process (made at the first use) that set the stop event of
+    the newest :func:`stop_on_signals` call, for the signal handler."""
+
+    def __init__(self) -> None:
+        read_end, self.write_end = os.pipe()
+        os.set_blocking(self.write_end, False)
+        self.stop: threading.Event | None = None
+        threading.Thread(target=self._run, args=(read_end,), name="kvscope-signals",
+                         daemon=True).start()
+
+    def _run(self, read_end: int) -> None:
+        while os.read(read_end, 1):
+            if self.stop is not None:
+                self.stop.set()
+
+    def on_signal(self, *_) -> None:
+        try:
+            os.write(self.write_end, b"\0")
+        except BlockingIOError:  # the pipe is full of stops not yet read: one is enough
+            pass
+
+
+_relay: _Relay | None = None
+
+
 def stop_on_signals(stop: threading.Event) -> None:
     """Set ``stop`` on SIGINT, SIGTERM or SIGHUP. A SIGHUP the process was started ignoring
     (``nohup kvscope agent``) stays ignored: surviving the terminal is what nohup asked for.
@@ -24,26 +50,16 @@ def stop_on_signals(stop: threading.Event) -> None:
     any two bytecodes of the main thread, and one that called ``stop.set()`` could find that
     event's lock held by the main thread itself (inside ``set``, when a second signal came:
     a burst of SIGTERMs hung the agent for good)."""
+    global _relay
     if threading.current_thread() is not threading.main_thread():
         return
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-
-    def on_signal(*_) -> None:
-        try:
-            os.write(write_end, b"\0")
-        except BlockingIOError:  # the pipe is full of stops not yet read: one is enough
-            pass
-
-    def relay() -> None:
-        os.read(read_end, 1)
-        stop.set()
-
-    threading.Thread(target=relay, name="kvscope-signals", daemon=True).start()
+    if _relay is None:
+        _relay = _Relay()
+    _relay.stop = stop
     for sig in _STOP_SIGNALS:
         if sig == _HANGUP and signal.getsignal(sig) == signal.SIG_IGN:
             continue
-        signal.signal(sig, on_signal)
+        signal.signal(sig, _relay.on_signal)
 
 
 def ignore_signals_while_exiting() -> None:

@@ -240,6 +240,29 @@ def test_stop_signals_set_the_stop_event_of_every_long_running_command(sig):
             signal.signal(s, handler)
 
 
+def test_commands_run_one_after_another_share_one_signal_relay():
+    """Five commands in one process (a test, a notebook) each install the handlers: one relay
+    thread serves them all, and a signal sets the newest command's event. Each once left a
+    thread blocked on its own pipe for good."""
+    import os
+    import threading
+
+    from kvscope.signals import stop_on_signals
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        stops = [threading.Event() for _ in range(5)]
+        for stop in stops:
+            stop_on_signals(stop)
+        relays = [t for t in threading.enumerate() if t.name == "kvscope-signals"]
+        assert len(relays) == 1
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stops[-1].wait(5) and not any(stop.is_set() for stop in stops[:-1])
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 def test_a_sighup_ignored_at_start_stays_ignored():
     """``nohup kvscope agent``: the agent must outlive its terminal, as nohup asked."""
     import os
