@@ -468,3 +468,44 @@ def test_the_source_is_up_only_while_a_publisher_is_connected():
         assert wait_until(lambda: up() is False)
     finally:
         source.shutdown()
+
+
+def test_a_step_of_megabytes_from_the_vllm_it_connects_to_is_read_and_so_is_what_follows():
+    """vLLM binds (``tcp://*:PORT``, the agent connects): a step publishing 5 MiB (a long
+    prompt's token ids; 1.2M here) and then a small one both arrive. With the 4 MiB MAXMSGSIZE
+    the bound socket has, ZMQ ended the connecting session at the big one and the source never
+    heard vLLM again (source_up stayed 0 until a restart)."""
+    port = _free_port()
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    publisher.bind(f"tcp://127.0.0.1:{port}")
+    pipeline = Pipeline()
+    source = KvEventsSource(pipeline, f"tcp://*:{port}", residency=KvResidency())
+    source.start()
+    big = dict(stored([1]), token_ids=list(range(1_200_000)))
+    try:
+        # until the subscription has reached the publisher, what it sends is lost: send a
+        # first step until it arrives (its repeats are duplicates, ignored)
+        assert wait_until(lambda: publisher.send_multipart(frames(0, stored([0])))
+                          or source.residency.resident.get("gpu", {}).keys() == {0})
+        publisher.send_multipart(frames(1, big))
+        assert len(frames(1, big)[2]) > 5 << 20
+        publisher.send_multipart(frames(2, stored([2])))
+        assert wait_until(lambda: source.residency.resident["gpu"].keys() == {0, 1, 2})
+        assert pipeline.snapshot().events_dropped == {}
+    finally:
+        source.shutdown()
+        publisher.close()
+
+
+def test_a_topic_vllm_does_not_use_is_said_once_and_its_messages_ignored(caplog):
+    """The agent is set to topic "kv", vLLM publishes on its default "": the source was up
+    (connected), folded nothing and said nothing. Now one warning names both topics."""
+    pipeline = Pipeline()
+    src = KvEventsSource(pipeline, topic="kv", residency=KvResidency())
+    for seq in range(3):
+        src.handle([b"", seq.to_bytes(8, "big"), payload(stored([seq]))])
+    assert "gpu" not in src.residency.resident and src.last_seq is None
+    assert caplog.text.count("vLLM publishes on topic '', not 'kv'") == 1
+    src.handle(frames(0, stored([7])))  # "kv"
+    assert src.residency.resident["gpu"].keys() == {7}

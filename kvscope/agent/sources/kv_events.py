@@ -100,6 +100,9 @@ END_SEQ = -1
 MAX_GAP = 1 << 20
 MAX_REPLAY = 10_000
 REPLAY_BACKOFF = 30.0
+# Bytes a message may have where the agent binds (see KvEventsSource.prepare): vLLM's own are
+# kilobytes a step, about 4 bytes per prompt token, so 16 MiB holds a step of 4M tokens.
+MAX_BOUND_MESSAGE = 16 << 20
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored"):
@@ -303,6 +306,7 @@ class KvEventsSource(Worker):
         self.replayed = 0  # batches recovered from the replay endpoint
         self._replay_after = 0.0  # monotonic: no replay before (see REPLAY_BACKOFF)
         self._jump_logged = False
+        self._topic_logged = False
         self.last_seq: int | None = None
         self.shared_tiers: set[str] = set()  # reported tiers another source reports too
         # what this source ingested, to tell its share of the pipeline's totals: blocks and
@@ -326,16 +330,21 @@ class KvEventsSource(Worker):
         self.pipeline.expect_drops(NAME, ("malformed", "gap", "unknown_kind"))
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
-        # memory: at most RCVHWM messages of at most MAXMSGSIZE each (a scheduler step's events
-        # are kilobytes; a larger message is not vLLM's: ZMQ refuses it and resets the connection)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 << 20)
+        sock.setsockopt(zmq.RCVHWM, 10_000)  # messages at most, per connection
         sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
-        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        # every topic, so that a topic other than the one configured is told (handle())
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
         try:
             if vllm_binds(self.endpoint):
+                # connecting to the vLLM named, whose messages are not bounded: a step with a
+                # million prompt tokens publishes megabytes, and a connecting socket that met
+                # one over MAXMSGSIZE heard nothing again (ZMQ ends that session for good)
                 sock.connect(connect_address(self.endpoint))
             else:
+                # anyone may connect to what the agent binds: at most RCVHWM messages of
+                # MAXMSGSIZE each per connection; ZMQ refuses a larger one and resets that
+                # connection, which then reconnects (a gap, replayed or counted)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_BOUND_MESSAGE)
                 sock.bind(self.endpoint)
         except zmq.ZMQError:
             sock.close()
@@ -389,6 +398,16 @@ class KvEventsSource(Worker):
         """One published message: check its sequence, fetch gaps, fold its events in."""
         if len(frames) != 3 or len(frames[1]) != 8:
             self.pipeline.drop(NAME, "malformed")
+            return
+        if not frames[0].startswith(self.topic.encode()):
+            # another topic: not ours to count; said once, as a topic vLLM does not use would
+            # otherwise keep the source up (connected) and silent
+            if not self._topic_logged:
+                self._topic_logged = True
+                log.warning("kv_events: vLLM publishes on topic %r, not %r: set [kv_events] "
+                            "topic to vLLM's --kv-events-config topic (its messages are "
+                            "ignored until then; logged once)", frames[0][:64].decode(
+                                errors="replace"), self.topic)
             return
         seq = int.from_bytes(frames[1], "big", signed=True)
         if seq < 0:  # vLLM counts from 0 up; not its batch
