@@ -187,6 +187,23 @@ def test_a_series_missing_from_one_scrape_is_no_counter_reset():
     assert recomputed == 20
 
 
+def test_a_request_straddling_a_scrape_counts_its_recomputed_tokens_once():
+    """vLLM counts a request's cached tokens when it schedules it and its prompt tokens at its
+    first token. A 10,000-token prompt with 8,000 cached (device) falls across a scrape: the
+    first scrape sees the 8,000 cached, the next the 10,000 prompt tokens. Recomputed: 10,000 -
+    8,000 = 2,000, gpu 8,000; 10,000 in all. Scrape by scrape (cut at 0) it was 10,000
+    recomputed, 18,000 in all."""
+    mapper = MetricsMapper(gpu_snapshot=False)
+    tokens: dict[str, int] = {}
+    for prompt, device in ((0, 0), (0, 8000), (10_000, 8000)):
+        text = (f"vllm:prompt_tokens_total{{{E}}} {prompt}\n"
+                f'vllm:prompt_tokens_cached_by_source_total{{{E},source="device"}} {device}\n')
+        for event in mapper.map(parse(text), 1.0):
+            for source, n in event.tokens.items():
+                tokens[source] = tokens.get(source, 0) + n
+    assert tokens == {"gpu": 8000, "recompute": 2000}
+
+
 def test_the_gpu_tier_adds_each_engines_own_share_of_its_own_blocks():
     """Engine 0: 25% of 100 blocks, engine 1: 50% of 200: 125 of 300 blocks resident (adding
     the shares first made 0.75 x 300 = 225)."""

@@ -103,6 +103,8 @@ class MetricsMapper:
         self.stores = stores
         self._last: dict[tuple, float] = {}
         self._seen: dict[tuple, float] = {}
+        # cached prompt tokens not yet matched by vllm:prompt_tokens (<= 0): see _lookup
+        self._unmatched = 0
 
     def _increase(self, samples: Samples, name: str, **labels) -> float | None:
         """The sum over ``name``'s series carrying ``labels`` of their increase since the last
@@ -152,7 +154,13 @@ class MetricsMapper:
             tokens["gpu"] = int(self._increase(samples, "vllm:prefix_cache_hits_total") or 0)
             tokens["cpu"] = int(self._increase(
                 samples, "vllm:external_prefix_cache_hits_total") or 0)
-        tokens["recompute"] = max(0, int(prompt) - sum(tokens.values()))
+        # vLLM counts a request's cached tokens when it is scheduled and its prompt tokens at
+        # its first token, often a scrape later: the recomputed part is the prompt tokens less
+        # the cached ones over all scrapes, not scrape by scrape (cut at 0 there, a 10,000-token
+        # prompt with 8,000 cached straddling a scrape counted 10,000 recomputed, not 2,000)
+        owed = int(prompt) - sum(tokens.values()) + self._unmatched
+        tokens["recompute"] = max(0, owed)
+        self._unmatched = min(0, owed)
         tokens = {k: v for k, v in tokens.items() if v > 0}
         if not tokens:
             return None
