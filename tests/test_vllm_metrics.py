@@ -158,7 +158,8 @@ def test_a_hostile_exposition_never_stops_the_scraper_nor_breaks_the_metrics(exp
     of bounds: the event is dropped as invalid, 1). Every scrape still succeeds, and the good
     counter keeps counting: 100 prompt tokens then 50 more, all recomputed."""
     source = _source(exposition_server)
-    bodies = ["vllm:prompt_tokens_total 1000\n", "vllm:prompt_tokens_total NaN\n",
+    bodies = ["vllm:prompt_tokens_total 1000\n",
+              "vllm:prompt_tokens_total NaN\nvllm:num_requests_running 0\n",
               "vllm:prompt_tokens_total 1100\nvllm:kv_offload_load_bytes_total +Inf\n",
               'vllm:time_to_first_token_seconds_bucket{le="abc"} 3\n'
               "vllm:prompt_tokens_total 1150\nvllm:kv_offload_load_bytes_total 0\n",
@@ -171,6 +172,19 @@ def test_a_hostile_exposition_never_stops_the_scraper_nor_breaks_the_metrics(exp
     assert snap.prompt_tokens["recompute"] == 150 and snap.transfer_bytes == {}
     assert snap.events_dropped == {("vllm_metrics", "invalid"): 1}
     assert snap.source_up == {"vllm_metrics": True}
+
+
+def test_an_answer_without_vllm_series_is_a_failed_scrape(exposition_server):
+    """A url that answers 200 with an HTML page, or with another server's metrics (a wrong
+    port): the source was up and read nothing, so KvscopeSourceDown never fired."""
+    source = _source(exposition_server)
+    for body in ("<html><body>It works!</body></html>\n", "process_cpu_seconds_total 1.5\n"):
+        exposition_server.body = body
+        assert not source.scrape_once(), body
+        assert source.pipeline.snapshot().source_up == {"vllm_metrics": False}
+    exposition_server.body = "vllm:prompt_tokens_total 10\n"
+    assert source.scrape_once()
+    source.shutdown()
 
 
 def test_a_series_missing_from_one_scrape_is_no_counter_reset():

@@ -261,12 +261,16 @@ class VllmMetricsSource(Worker):
 
     def scrape_once(self) -> bool:
         """Scrape and map once; False (and source down) when vLLM did not answer with 200 within
-        ``timeout`` seconds, with a body of at most :data:`MAX_BODY` bytes, or when its answer
-        could not be mapped. Mapped events are checked like an emitter's
+        ``timeout`` seconds, with a body of at most :data:`MAX_BODY` bytes holding some
+        ``vllm:`` series (an HTML page, or another server's metrics, once kept the source up
+        while nothing was read), or when its answer could not be mapped. Mapped events are checked like an emitter's
         (:func:`kvscope.events.validate`): one out of bounds is dropped and counted as invalid."""
         try:
-            text = self._fetch()
-            events = self.mapper.map(parse(text), self._clock())
+            samples = parse(self._fetch())
+            if not any(name.startswith("vllm:") for name, _ in samples):  # another server's
+                return self._failed("no vllm: series in the answer; is the url vLLM's "
+                                    "/metrics?")
+            events = self.mapper.map(samples, self._clock())
         except (httpx.HTTPError, BodyError) as exc:
             return self._failed(f"unavailable: {exc}")
         except Exception as exc:  # a body the mapping cannot read: the next scrape may do
