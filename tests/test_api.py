@@ -53,6 +53,19 @@ def test_summary(client):
     assert body["ttft_seconds"]["p50"] == pytest.approx(0.3)
 
 
+def test_summary_ttft_percentiles_from_vllms_histogram_alone():
+    """Metrics-only mode: vLLM's TTFT histogram (4 requests: 2 in (0, 0.1], 2 in (0.1, 0.25])
+    and no request records; the summary said null. Bucket interpolation, as PromQL's:
+    p50 is rank 2 of 4, the top of the first bucket: 0.1; p95 is rank 3.8, in the second
+    bucket: 0.1 + 0.15 x 1.8 / 2 = 0.235."""
+    agent = Agent(AgentSettings(), with_ingest=False)
+    agent.pipeline.ingest("vllm_metrics", [ev.LatencyHistogram(
+        ts=100.0, metric="ttft", bounds=[0.1, 0.25], counts=[2, 2, 0], sum=0.5)])
+    with TestClient(create_app(agent)) as client:
+        ttft = client.get("/api/v1/summary").json()["ttft_seconds"]
+    assert ttft["p50"] == pytest.approx(0.1) and ttft["p95"] == pytest.approx(0.235)
+
+
 def test_requests_sorted_filtered_and_bounded(client):
     body = client.get("/api/v1/requests", params={"sort": "ttft", "limit": 2}).json()
     assert body["total"] == 3

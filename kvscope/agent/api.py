@@ -25,6 +25,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 
 from kvscope import __version__
 from kvscope.agent.agent import Agent
+from kvscope.agent.pipeline import bucket_percentiles
 from kvscope.agent.requests import SORT_KEYS
 from kvscope.agent.sources import otlp_receiver as otlp_in
 
@@ -155,7 +156,11 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                           "resident_blocks": s.resident_blocks} for t, s in snap.tiers.items()},
             "host": ({"memory_total_bytes": host.total, "memory_available_bytes": host.available,
                       "memory_headroom_bytes": host.headroom} if host else None),
-            "ttft_seconds": percentiles(snap.recent_ttft),
+            # exact over the last requests; where none are known, only vLLM's histogram
+            # (metrics-only mode): estimated from its buckets
+            "ttft_seconds": (percentiles(snap.recent_ttft) if snap.recent_ttft else
+                             bucket_percentiles(snap.ttft_seconds.buckets,
+                                                snap.ttft_seconds.counts)),
             "events_received": snap.events_received,
             "events_dropped": by_pair(snap.events_dropped),
         }

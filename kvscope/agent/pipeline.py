@@ -61,7 +61,10 @@ def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float
     return float(bounds[-1])
 
 
-def _quantiles(bounds: Sequence[float], counts: Sequence[float]) -> dict[str, float | None]:
+def bucket_percentiles(bounds: Sequence[float],
+                       counts: Sequence[float]) -> dict[str, float | None]:
+    """``{"p50": ..., "p95": ..., "p99": ...}`` of observations counted per bucket (see
+    :func:`histogram_quantile`); None each when there are none."""
     return {f"p{round(q * 100)}": histogram_quantile(q, bounds, counts) for q in QUANTILES}
 
 
@@ -656,7 +659,7 @@ class Pipeline:
                     continue
                 window = _minus(counts, old.get(key))
                 if sum(window) > 0:
-                    transfer_q[key] = _quantiles(TRANSFER_SECONDS_BUCKETS, window)
+                    transfer_q[key] = bucket_percentiles(TRANSFER_SECONDS_BUCKETS, window)
             self._samples.append({
                 "ts": ts,
                 "prompt_tokens": dict(self._prompt_tokens),
@@ -675,10 +678,10 @@ class Pipeline:
                 "evicted_block_hits": {t: list(h.counts) for t, h in self._evicted_hits.items()},
                 "block_residency_seconds": {t: list(h.counts)
                                             for t, h in self._residency.items()},
-                "ttft_seconds": _quantiles(LATENCY_SECONDS_BUCKETS,
-                                           _minus(hists["ttft"], old.get("ttft"))),
-                "promotion_wait_seconds": _quantiles(LATENCY_SECONDS_BUCKETS,
-                                                     _minus(hists["wait"], old.get("wait"))),
+                "ttft_seconds": bucket_percentiles(LATENCY_SECONDS_BUCKETS,
+                                                   _minus(hists["ttft"], old.get("ttft"))),
+                "promotion_wait_seconds": bucket_percentiles(
+                    LATENCY_SECONDS_BUCKETS, _minus(hists["wait"], old.get("wait"))),
                 "transfer_seconds": transfer_q,
                 "tier_resident_blocks": {t: s.resident_blocks for t, s in self._tiers.items()},
                 "tier_capacity_blocks": {t: s.capacity_blocks for t, s in self._tiers.items()},
