@@ -24,8 +24,12 @@ the batch names when that source has sent a valid batch (one of the ``max_source
 is logged with what was wrong. A refused batch whose header can be read still moves its
 emitter's sequence on, so it is not counted again as a gap.
 
-Memory: ZMQ queues at most ``queue_bytes`` of messages per connection before the agent reads
-them (the receive high-water mark is that over the largest message ZMQ accepts).
+Memory: one thread receives and another folds, so that ZMQ's queue stays short: a tap that
+disconnected while the agent's receive queue was full lost its last batch (ZMQ drops the one
+message it holds for a full queue), uncounted, at every close. Batches received and not yet
+folded are at most ``queue_bytes`` in all; beyond it the agent stops receiving, and ZMQ queues
+at most ``queue_bytes`` of messages per connection (the receive high-water mark is that over
+the largest message ZMQ accepts).
 
 Counters stay correct across tap restarts: events carry deltas, not totals, so the agent adds
 them up; a restarted emitter has a new ``session`` and its sequence starts again. Each emitter
@@ -38,9 +42,11 @@ again once, after the counter reset.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import socket
+import threading
 import time
 from collections import OrderedDict
 
@@ -89,8 +95,9 @@ def _live_ipc(endpoint: str, settle: float = 1.0) -> bool:
 class IngestSource(Worker):
     """Binds ``endpoint`` (``tcp://HOST:PORT`` or ``ipc://PATH``) and feeds ``pipeline``.
 
-    ``max_batch_bytes``: largest batch accepted; ``queue_bytes``: messages ZMQ may queue per
-    connection before the agent reads them (the memory bound, with the number of taps);
+    ``max_batch_bytes``: largest batch accepted; ``queue_bytes``: batches received and waiting
+    to be folded, at most, and messages ZMQ may queue per connection beyond them (the memory
+    bound, with the number of taps: see the module);
     ``max_sources``: distinct source names accepted.
     ``start()`` raises ``zmq.ZMQError`` when the endpoint cannot be bound, or is an ``ipc://``
     path another agent listens on.
@@ -106,6 +113,10 @@ class IngestSource(Worker):
         # ZMQ refuses messages over twice the limit itself; between the two they are counted
         self._max_message = 2 * max_batch_bytes
         self._hwm = max(1, queue_bytes // self._max_message)
+        self._queue_bytes = queue_bytes
+        self._received: collections.deque[bytes] = collections.deque()  # to fold, oldest first
+        self._received_bytes = 0
+        self._ready = threading.Condition()  # _received changed
         self._max_sources = max_sources
         # source -> {session: (last seq, cumulative dropped)} of its emitters, latest last
         self._streams: dict[str, OrderedDict[str, tuple[int, int]]] = {}
@@ -132,22 +143,49 @@ class IngestSource(Worker):
         self.pipeline.set_source_up(NAME, True)
 
     def run(self) -> None:
+        """Fold what :meth:`_receive` (its own thread) received, oldest first; once stopping,
+        what it had received too."""
+        receiver = threading.Thread(target=self._receive, name="kvscope-ingest-receive",
+                                    daemon=True)
+        receiver.start()
+        received, ready = self._received, self._ready
+        while True:
+            with ready:
+                while not received and receiver.is_alive():
+                    ready.wait(0.1)
+                if not received:
+                    return
+                data = received.popleft()
+                self._received_bytes -= len(data)
+                ready.notify()  # the receiver may wait for room
+            try:
+                self.handle(data)
+            except Exception:  # noqa: BLE001 (counted and logged; ingest goes on)
+                self.pipeline.drop(NAME, "malformed")
+                self.log_bug("handling a message")
+
+    def _receive(self) -> None:
+        """Receive messages until stopping, holding at most ``queue_bytes`` unfolded."""
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        ready = self._ready
         try:
             while not self.stopping.is_set():
                 if not poller.poll(100):
                     continue
-                while True:
+                while not self.stopping.is_set():
+                    with ready:
+                        if self._received_bytes >= self._queue_bytes:  # let the fold catch up
+                            ready.wait(0.1)
+                            continue
                     try:
                         data = self._socket.recv(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
                         break
-                    try:
-                        self.handle(data)
-                    except Exception:  # noqa: BLE001 (counted and logged; ingest goes on)
-                        self.pipeline.drop(NAME, "malformed")
-                        self.log_bug("handling a message")
+                    with ready:
+                        self._received.append(data)
+                        self._received_bytes += len(data)
+                        ready.notify()
         finally:
             self._socket.close()
 
