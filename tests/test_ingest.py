@@ -120,6 +120,42 @@ def test_a_tap_closing_while_the_agent_is_busy_loses_no_batch(tmp_path, monkeypa
         source.shutdown()
 
 
+def test_empty_messages_cannot_grow_the_receive_queue_past_its_bound(tmp_path, monkeypatch):
+    """The fold is held (a slow batch) while a sender pushes 100,000 empty messages: the
+    messages waiting stay within queue_bytes (1 MiB here), each counted with the bytes it
+    costs beyond its own (64), so at most 16,385 wait. Counted by their length alone, empty
+    ones cost nothing against the bound and all 100,000 waited."""
+    from kvscope.agent.sources.ingest import MESSAGE_OVERHEAD
+
+    pipeline, gate = Pipeline(), threading.Event()
+    fold = pipeline.ingest
+
+    def held(*args, **kwargs):
+        gate.wait(30)
+        fold(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "ingest", held)
+    source = IngestSource(pipeline, _endpoint(tmp_path), queue_bytes=1 << 20)
+    source.start()
+    sender = zmq.Context.instance().socket(zmq.PUSH)
+    sender.setsockopt(zmq.LINGER, 0)
+    sender.setsockopt(zmq.SNDHWM, 0)
+    sender.connect(_endpoint(tmp_path))
+    try:
+        sender.send(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=0,
+                                             events=[_lookup(0)])))
+        for _ in range(100_000):
+            sender.send(b"")
+        bound = (1 << 20) // MESSAGE_OVERHEAD + 1
+        assert wait_until(lambda: len(source._received) >= bound - 1)
+        time.sleep(0.5)  # what more the receiver would take, it takes now
+        assert len(source._received) <= bound
+    finally:
+        gate.set()
+        source.shutdown()
+        sender.close()
+
+
 def test_close_waits_for_a_slow_agent_to_take_a_burst(tmp_path):
     """A burst larger than ZMQ's queues (send_hwm=2 batches of 1,000 events, about 60 KB each)
     emitted just before close(): close keeps sending as the agent drains, so every one of the

@@ -27,9 +27,10 @@ emitter's sequence on, so it is not counted again as a gap.
 Memory: one thread receives and another folds, so that ZMQ's queue stays short: a tap that
 disconnected while the agent's receive queue was full lost its last batch (ZMQ drops the one
 message it holds for a full queue), uncounted, at every close. Batches received and not yet
-folded are at most ``queue_bytes`` in all; beyond it the agent stops receiving, and ZMQ queues
-at most ``queue_bytes`` of messages per connection (the receive high-water mark is that over
-the largest message ZMQ accepts).
+folded are at most ``queue_bytes`` in all, and one message more (each counted with
+:data:`MESSAGE_OVERHEAD` bytes more than its own); beyond it the agent stops receiving, and
+ZMQ queues at most ``queue_bytes`` of messages per connection (the receive high-water mark is
+that over the largest message ZMQ accepts).
 
 Counters stay correct across tap restarts: events carry deltas, not totals, so the agent adds
 them up; a restarted emitter has a new ``session`` and its sequence starts again. Each emitter
@@ -70,6 +71,9 @@ STREAMS_PER_SOURCE = 64
 # sequence is a sender that is confused, not 10^6 lost batches.
 MAX_GAP = 1 << 20
 MAX_WARNED = 1024  # distinct (source, reason) drops logged at most
+# Bytes a received message costs beyond its own (the bytes object and its place in the queue):
+# what the queue bound counts for it, so that empty messages cannot fill memory uncounted
+MESSAGE_OVERHEAD = 64
 
 
 def _live_ipc(endpoint: str, settle: float = 1.0) -> bool:
@@ -156,7 +160,7 @@ class IngestSource(Worker):
                 if not received:
                     return
                 data = received.popleft()
-                self._received_bytes -= len(data)
+                self._received_bytes -= len(data) + MESSAGE_OVERHEAD
                 ready.notify()  # the receiver may wait for room
             try:
                 self.handle(data)
@@ -184,7 +188,7 @@ class IngestSource(Worker):
                         break
                     with ready:
                         self._received.append(data)
-                        self._received_bytes += len(data)
+                        self._received_bytes += len(data) + MESSAGE_OVERHEAD
                         ready.notify()
         finally:
             self._socket.close()
