@@ -218,6 +218,20 @@ def test_a_request_straddling_a_scrape_counts_its_recomputed_tokens_once():
     assert tokens == {"gpu": 8000, "recompute": 2000}
 
 
+def test_cached_tokens_never_matched_by_prompt_tokens_are_forgotten_after_a_scrape():
+    """A request with 8,000 cached tokens is aborted before its first token: vLLM never counts
+    its prompt tokens. The next scrape sees nothing new; the one after, a 10,000-token prompt
+    with nothing cached: all 10,000 recomputed (carried on, the aborted request's 8,000 took
+    8,000 off every later prompt's)."""
+    mapper = MetricsMapper(gpu_snapshot=False)
+    recomputed = []
+    for prompt, device in ((0, 0), (0, 8000), (0, 8000), (10_000, 8000)):
+        text = (f"vllm:prompt_tokens_total{{{E}}} {prompt}\n"
+                f'vllm:prompt_tokens_cached_by_source_total{{{E},source="device"}} {device}\n')
+        recomputed.append(sum(e.tokens.get("recompute", 0) for e in mapper.map(parse(text), 1.0)))
+    assert recomputed == [0, 0, 0, 10_000]
+
+
 def test_the_gpu_tier_adds_each_engines_own_share_of_its_own_blocks():
     """Engine 0: 25% of 100 blocks, engine 1: 50% of 200: 125 of 300 blocks resident (adding
     the shares first made 0.75 x 300 = 225)."""

@@ -155,12 +155,15 @@ class MetricsMapper:
             tokens["cpu"] = int(self._increase(
                 samples, "vllm:external_prefix_cache_hits_total") or 0)
         # vLLM counts a request's cached tokens when it is scheduled and its prompt tokens at
-        # its first token, often a scrape later: the recomputed part is the prompt tokens less
-        # the cached ones over all scrapes, not scrape by scrape (cut at 0 there, a 10,000-token
-        # prompt with 8,000 cached straddling a scrape counted 10,000 recomputed, not 2,000)
-        owed = int(prompt) - sum(tokens.values()) + self._unmatched
+        # its first token, often a scrape later: cached tokens this scrape's prompt tokens do
+        # not cover are taken off the next scrape's recomputed ones (cut at 0 scrape by scrape,
+        # a 10,000-token prompt with 8,000 cached straddling a scrape counted 10,000
+        # recomputed, not 2,000). Only for one scrape: the cached tokens of a request aborted
+        # before its first token, or of an engine gone, are never matched.
+        cached_now = sum(tokens.values())
+        owed = int(prompt) - cached_now + self._unmatched
         tokens["recompute"] = max(0, owed)
-        self._unmatched = min(0, owed)
+        self._unmatched = max(min(0, owed), -cached_now)
         tokens = {k: v for k, v in tokens.items() if v > 0}
         if not tokens:
             return None
