@@ -500,12 +500,15 @@ def test_a_step_of_megabytes_from_the_vllm_it_connects_to_is_read_and_so_is_what
 
 def test_a_topic_vllm_does_not_use_is_said_once_and_its_messages_ignored(caplog):
     """The agent is set to topic "kv", vLLM publishes on its default "": the source was up
-    (connected), folded nothing and said nothing. Now one warning names both topics."""
+    (connected), folded nothing and said nothing. Now one warning names both topics; messages
+    on other topics are not counted as malformed, whatever their shape."""
     pipeline = Pipeline()
     src = KvEventsSource(pipeline, topic="kv", residency=KvResidency())
     for seq in range(3):
         src.handle([b"", seq.to_bytes(8, "big"), payload(stored([seq]))])
     assert "gpu" not in src.residency.resident and src.last_seq is None
-    assert caplog.text.count("vLLM publishes on topic '', not 'kv'") == 1
+    src.handle([b"metrics", b"two frames"])  # another topic, another shape: not malformed
+    assert caplog.text.count("ignoring messages on topic '', as [kv_events] topic is 'kv'") == 1
     src.handle(frames(0, stored([7])))  # "kv"
     assert src.residency.resident["gpu"].keys() == {7}
+    assert pipeline.snapshot().events_dropped == {}

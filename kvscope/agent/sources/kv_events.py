@@ -330,7 +330,8 @@ class KvEventsSource(Worker):
         self.pipeline.expect_drops(NAME, ("malformed", "gap", "unknown_kind"))
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 10_000)  # messages at most, per connection
+        sock.setsockopt(zmq.RCVHWM, 1_000)  # messages at most, per connection (vLLM sends
+        # one per scheduler step with changes: seconds of them; beyond, ZMQ drops: a gap)
         sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
         # every topic, so that a topic other than the one configured is told (handle())
         sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -396,18 +397,18 @@ class KvEventsSource(Worker):
 
     def handle(self, frames: list[bytes]) -> None:
         """One published message: check its sequence, fetch gaps, fold its events in."""
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self.pipeline.drop(NAME, "malformed")
-            return
         if not frames[0].startswith(self.topic.encode()):
-            # another topic: not ours to count; said once, as a topic vLLM does not use would
-            # otherwise keep the source up (connected) and silent
+            # another topic, whatever its shape: not ours to count; said once, as a topic vLLM
+            # does not use would otherwise keep the source up (connected) and silent
             if not self._topic_logged:
                 self._topic_logged = True
-                log.warning("kv_events: vLLM publishes on topic %r, not %r: set [kv_events] "
-                            "topic to vLLM's --kv-events-config topic (its messages are "
-                            "ignored until then; logged once)", frames[0][:64].decode(
+                log.warning("kv_events: ignoring messages on topic %r, as [kv_events] topic is "
+                            "%r; if vLLM publishes on that one, set topic to its "
+                            "--kv-events-config topic (logged once)", frames[0][:64].decode(
                                 errors="replace"), self.topic)
+            return
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.pipeline.drop(NAME, "malformed")
             return
         seq = int.from_bytes(frames[1], "big", signed=True)
         if seq < 0:  # vLLM counts from 0 up; not its batch
