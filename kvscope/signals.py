@@ -15,22 +15,31 @@ _STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, _HANGUP) if s i
 
 
 class _Relay:
-    """One pipe and one thread per process (made at the first use) that set the stop event of
-    the newest :func:`stop_on_signals` call, for the signal handler."""
+    """One pipe and one thread per process (made at the first use) that set, for the signal
+    handler, the stop event that was the newest :func:`stop_on_signals` call's when the signal
+    came."""
 
     def __init__(self) -> None:
         read_end, self.write_end = os.pipe()
         os.set_blocking(self.write_end, False)
+        self.pid = os.getpid()
         self.stop: threading.Event | None = None
+        self.signalled: list[threading.Event] = []  # appended by the handler, set by the thread
         threading.Thread(target=self._run, args=(read_end,), name="kvscope-signals",
                          daemon=True).start()
 
     def _run(self, read_end: int) -> None:
         while os.read(read_end, 1):
-            if self.stop is not None:
-                self.stop.set()
+            while self.signalled:
+                self.signalled.pop().set()
 
-    def on_signal(self, *_) -> None:
+    def on_signal(self, sig: int, _frame) -> None:
+        if os.getpid() != self.pid:  # a forked child that kept the handler: act as if unset
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+            return
+        if self.stop is not None:
+            self.signalled.append(self.stop)
         try:
             os.write(self.write_end, b"\0")
         except BlockingIOError:  # the pipe is full of stops not yet read: one is enough
@@ -53,7 +62,7 @@ def stop_on_signals(stop: threading.Event) -> None:
     global _relay
     if threading.current_thread() is not threading.main_thread():
         return
-    if _relay is None:
+    if _relay is None or _relay.pid != os.getpid():  # a forked child has no relay thread
         _relay = _Relay()
     _relay.stop = stop
     for sig in _STOP_SIGNALS:

@@ -263,6 +263,40 @@ def test_commands_run_one_after_another_share_one_signal_relay():
             signal.signal(s, handler)
 
 
+_SIGNAL_ROUTES = r'''
+import os, signal, sys, threading, time
+from kvscope.signals import stop_on_signals
+
+first, second = threading.Event(), threading.Event()
+stop_on_signals(first)
+os.kill(os.getpid(), signal.SIGTERM)  # meant for the first command, which then ends
+stop_on_signals(second)               # another way as the next one starts
+assert first.wait(5) and not second.wait(0.5), "(a) the signal went to the next command"
+parent = threading.Event()
+stop_on_signals(parent)
+pid = os.fork()
+if pid == 0:  # a forked child that runs a command of its own
+    child = threading.Event()
+    stop_on_signals(child)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(0 if child.wait(5) else 3)
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+assert code == 0, f"(b) the child's command did not stop: exit {code}"
+assert not parent.wait(0.5), "(b) the child's signal stopped the parent's command"
+print("ok")
+'''
+
+
+def test_a_signal_stops_the_command_it_came_for_in_its_own_process():
+    """(a) A SIGTERM comes for one command, which ends another way before the signal thread
+    reads it, and the next command starts: the first's event is set, not the next one's. (b) A
+    forked child running a command of its own: its SIGTERM stops the child's command (the
+    child had no signal thread) and not the parent's (the child wrote into the parent's pipe)."""
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_ROUTES], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
 def test_a_sighup_ignored_at_start_stays_ignored():
     """``nohup kvscope agent``: the agent must outlive its terminal, as nohup asked."""
     import os
