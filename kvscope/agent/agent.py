@@ -125,12 +125,12 @@ class Agent(Worker):
                                   f"{exc.strerror or exc}") from None
             self.pipeline.restore(restored)
             self.pipeline.subscribe(self.store.add, early=True)  # kill -9 loses 1 s at most
-            self.restoring = False
         if self.otlp is not None:
             self.pipeline.subscribe(self.otlp.export)
         if self.capture is not None:
             self.pipeline.subscribe_lookups(self.capture.add_lookup)
             self.pipeline.subscribe(self.capture.add_request)
+        self.restoring = False  # restored, and every sink subscribed
         for name, part in self._components():
             try:
                 part.start()

@@ -55,14 +55,14 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     # seconds), /readyz says 503 until every part has started
     server = ApiServer(create_app(agent), sock)
     server.start()
+    stop = stop or threading.Event()
+    stop_on_signals(stop)  # a stop during a long restore: the agent starts, then stops cleanly
     try:
         agent.start()
     except BaseException:
         server.shutdown()
         sock.close()
         raise
-    stop = stop or threading.Event()
-    stop_on_signals(stop)
     base = url(settings.host, settings.port, "")
     print(f"kvscope agent: {base}/metrics  {base}/api/v1/summary  (docs: {base}/docs)", file=out)
     if agent.ingest is not None:
