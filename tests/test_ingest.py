@@ -62,6 +62,8 @@ def _emit_in_child(emitter, first, n):
     # subprocess's with a preexec_fn, aborted in libzmq), and not the parent's on_tick
     if threading.active_count() != 1 or emitter.on_tick is not None:
         os._exit(2)
+    if emitter.sent_batches or emitter.buffered() or emitter.dropped:  # the parent's counts
+        os._exit(3)
     for i in range(first, first + n):
         emitter.emit(_lookup(i))
     emitter.close(timeout=10.0)
@@ -78,11 +80,12 @@ def test_an_emitter_made_before_a_fork_delivers_the_childs_events_too(source, tm
 
     emitter = Emitter(_endpoint(tmp_path), source="engine", flush_interval=0.01)
     emitter.on_tick = lambda: None
+    for i in range(50):
+        emitter.emit(_lookup(i))
+    assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 50)
     child = multiprocessing.get_context("fork").Process(target=_emit_in_child,
                                                         args=(emitter, 1000, 100))
     child.start()
-    for i in range(50):
-        emitter.emit(_lookup(i))
     child.join(30)
     assert child.exitcode == 0
     assert wait_until(lambda: source.pipeline.snapshot().events_received.get("engine") == 150)

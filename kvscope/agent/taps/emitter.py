@@ -98,7 +98,7 @@ class Emitter:
         self._buffer: collections.deque = collections.deque()
         self._max_buffer = self._capacity = max_buffer
         self._forked = False  # in a forked child, not started again yet (see _after_fork)
-        self._fork_lock = threading.Lock()
+        self._fork_lock = threading.RLock()
         self._batch_size = batch_size
         self._max_batch_bytes = max_batch_bytes
         self._interval = flush_interval
@@ -148,10 +148,13 @@ class Emitter:
         if self._stop.is_set():
             return
         self._forked, self._max_buffer = True, 0  # emit() now takes its slow branch
-        # the parent's locks may have been held at the fork, by threads the child lacks
-        self._fork_lock, self._stop = threading.Lock(), threading.Event()
+        # the parent's locks may have been held at the fork, by threads the child lacks;
+        # reentrant: an emit() from a signal handler may come while the first one starts it
+        self._fork_lock, self._stop = threading.RLock(), threading.Event()
         self.on_tick = None  # the parent's hook reports the parent's state
         self._buffer.clear()  # the parent's events, the parent's to send
+        self._pending, self._pending_events = None, 0
+        self.dropped = self.sent_batches = 0
 
     def _start_forked(self) -> bool:
         """Start a forked child's emitter (see :meth:`_after_fork`), once, as a new session
@@ -159,9 +162,7 @@ class Emitter:
         with self._fork_lock:
             if self._forked:
                 self._forked = False
-                self._pending, self._pending_events = None, 0
                 self._session, self._seq = os.urandom(8).hex(), 0
-                self.dropped = self.sent_batches = 0
                 self._stuck_since, self._warned = None, False
                 try:
                     self._start()
