@@ -424,16 +424,32 @@ def test_a_span_for_an_open_request_moves_its_transfer_exemplar_and_keeps_the_pa
     assert abs(record.prefill - 0.1) < 1e-12
 
 
-def test_a_span_after_the_wait_is_stored_again(tmp_path):
-    """The record had waited and been stored with the tap's TTFT (0.3) and a made-up trace;
-    vLLM's span comes later: the record is amended and stored again, so a restarted agent
-    serves vLLM's TTFT (0.25) and trace, not the first version."""
+def _storing_agent(tmp_path):
+    """(settings, started agent) storing in ``tmp_path``, spans arriving, a wait of 0 s."""
     settings = AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
                              otlp_receiver={"source": "vllm", "wait_seconds": 0},
                              store_dir=str(tmp_path))
     agent = Agent(settings)
     agent.start()
-    _spans_arrive(agent)  # with a wait of 0: the record is handed over at once
+    _spans_arrive(agent)
+    return settings, agent
+
+
+def _restored(settings, request_id):
+    """The record of ``request_id`` an agent restarted with ``settings`` serves."""
+    restarted = Agent(settings)
+    restarted.start()
+    try:
+        return restarted.pipeline.requests.get(request_id)
+    finally:
+        restarted.shutdown()
+
+
+def test_a_span_after_the_wait_is_stored_again(tmp_path):
+    """The record had waited and been stored with the tap's TTFT (0.3) and a made-up trace;
+    vLLM's span comes later: the record is amended and stored again, so a restarted agent
+    serves vLLM's TTFT (0.25) and trace, not the first version."""
+    settings, agent = _storing_agent(tmp_path)  # with a wait of 0: handed over at once
     now = time.time()
     agent.pipeline.ingest("vllm", [
         ev.RequestStarted(ts=now, request_id="cmpl-1-0", prompt_tokens=300),
@@ -441,13 +457,8 @@ def test_a_span_after_the_wait_is_stored_again(tmp_path):
     agent.store.flush()  # the first version is on disk
     agent.otlp_receiver.handle([_span("cmpl-1-0", now)])
     agent.shutdown()
-    restarted = Agent(settings)
-    restarted.start()
-    try:
-        record = restarted.pipeline.requests.get("cmpl-1-0")
-        assert record.ttft == 0.25 and record.trace_id == TRACE
-    finally:
-        restarted.shutdown()
+    record = _restored(settings, "cmpl-1-0")
+    assert record.ttft == 0.25 and record.trace_id == TRACE
 
 
 @pytest.mark.parametrize("late", ["finish", "transfer"])
@@ -456,12 +467,7 @@ def test_the_taps_events_after_the_wait_are_stored_again(tmp_path, late):
     promotion wait and no transfer; the tap's finish (promotion wait 0.02 s) or the worker's
     load of 4 blocks comes later: the record is amended and stored again, so a restarted agent
     serves them (it once served the first version)."""
-    settings = AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
-                             otlp_receiver={"source": "vllm", "wait_seconds": 0},
-                             store_dir=str(tmp_path))
-    agent = Agent(settings)
-    agent.start()
-    _spans_arrive(agent)
+    settings, agent = _storing_agent(tmp_path)
     now = time.time()
     agent.otlp_receiver.handle([_span("cmpl-1-0", now)])
     agent.pipeline.publish_settled()
@@ -473,17 +479,12 @@ def test_the_taps_events_after_the_wait_are_stored_again(tmp_path, late):
         ev.Transfer(ts=now + 0.1, src="cpu", dst="gpu", blocks=4, bytes=4096, duration=0.01,
                     request_id="cmpl-1-0")])
     agent.shutdown()
-    restarted = Agent(settings)
-    restarted.start()
-    try:
-        record = restarted.pipeline.requests.get("cmpl-1-0")
-        assert record.ttft == 0.25 and record.trace_id == TRACE
-        if late == "finish":
-            assert record.promotion_wait == 0.02
-        else:
-            assert [t.blocks for t in record.transfers] == [4]
-    finally:
-        restarted.shutdown()
+    record = _restored(settings, "cmpl-1-0")
+    assert record.ttft == 0.25 and record.trace_id == TRACE
+    if late == "finish":
+        assert record.promotion_wait == 0.02
+    else:
+        assert [t.blocks for t in record.transfers] == [4]
 
 
 def test_a_sample_counts_the_requests_that_settled_just_before_it():
