@@ -252,8 +252,9 @@ class RequestAssembler:
     def finished(self, source: str,
                  events: Sequence[ev.RequestFinished]) -> list[RequestRecord]:
         """Complete and return the requests' records, and keep the newest ``max_recent`` of them
-        (at most :data:`MAX_REUSES` of one id) so that another source's transfers sent later still join them (a worker tap may send
-        its first batch after the scheduler's requests finished). A joined source's requests
+        (at most :data:`MAX_REUSES` of one id) so that another source's transfers sent later
+        still join them (a worker tap may send its first batch after the scheduler's requests
+        finished). A joined source's requests
         may be finished by another source first (vLLM's span before any of the tap's events):
         a second finish of a kept record (of a request that arrived before that record
         finished) only fills the parts the first left at 0 and returns no record (it is not a

@@ -266,8 +266,9 @@ class VllmMetricsSource(Worker):
         """Scrape and map once; False (and source down) when vLLM did not answer with 200 within
         ``timeout`` seconds, with a body of at most :data:`MAX_BODY` bytes holding some
         ``vllm:`` series (an HTML page, or another server's metrics, once kept the source up
-        while nothing was read), or when its answer could not be mapped. Mapped events are checked like an emitter's
-        (:func:`kvscope.events.validate`): one out of bounds is dropped and counted as invalid."""
+        while nothing was read), or when its answer could not be mapped. Mapped events are
+        checked like an emitter's (:func:`kvscope.events.validate`): one out of bounds is
+        dropped and counted as invalid."""
         try:
             samples = parse(self._fetch())
             if not any(name.startswith("vllm:") for name, _ in samples):  # another server's

@@ -57,9 +57,9 @@ class Emitter:
     ``endpoint``, or one too slow) before one warning says so; sending again is logged too.
     Call :meth:`close` at exit (safe twice, from any thread). In a child process forked from
     its maker it starts again at the child's first :meth:`emit`, as a new session, with an
-    empty buffer and no ``on_tick``. ``on_tick``: set it to a function
-    of no arguments to have it called on the sender thread before each send (e.g. to emit a
-    gauge while the caller is idle); if it raises it is logged and not called again.
+    empty buffer and no ``on_tick``. ``on_tick``: set it to a function of no arguments to have
+    it called on the sender thread before each send (e.g. to emit a gauge while the caller is
+    idle); if it raises it is logged and not called again.
     ``logger``: where it logs (default this module's); a tap inside an engine passes one under
     the engine's logger, so the lines come out in the engine's log format.
     Raises ValueError for a ``source`` or ``scope`` the agent would refuse, a bound below 1
