@@ -11,14 +11,15 @@ format, written with pyarrow):
 
 Crash safety: a segment is written as ``<name>.parquet.tmp`` (one row group per flush), then
 closed, fsynced and renamed to ``<name>.parquet``, so a ``.parquet`` file is always whole; a
-crash leaves at most a ``.tmp`` file, which readers ignore and the next writer removes (one
-that no running writer holds a ``flock`` on). A crash loses the rows of the open segment (at
-most ``segment_seconds`` or ``segment_rows`` of them). Segments rotate at ``segment_rows`` rows, ``segment_bytes`` bytes
-(at most a quarter of ``max_bytes``) or ``segment_seconds`` seconds, whichever comes first;
-after each rotation the oldest finished segments (both kinds, by start time) are deleted while
-all of them together exceed ``max_bytes`` (the one just finished is kept). Disk use is therefore at most about ``max_bytes`` plus one open
-segment per kind. Memory is bounded by ``max_pending_rows`` rows per kind between flushes;
-rows beyond it are dropped and counted in :attr:`CaptureWriter.dropped`.
+crash leaves at most a ``.tmp`` file, which readers ignore and the next writer removes (one that
+no running writer holds a ``flock`` on). A crash loses the rows of the open segment (at most
+``segment_seconds`` or ``segment_rows`` of them). Segments rotate at ``segment_rows`` rows,
+``segment_bytes`` bytes (at most a quarter of ``max_bytes``) or ``segment_seconds`` seconds,
+whichever comes first; after each rotation the oldest finished segments (both kinds, by start
+time) are deleted while all of them together exceed ``max_bytes`` (the one just finished is
+kept). Disk use is therefore at most about ``max_bytes`` plus one open segment per kind. Memory
+is bounded by ``max_pending_rows`` rows per kind between flushes; rows beyond it are dropped and
+counted in :attr:`CaptureWriter.dropped`.
 """
 
 from __future__ import annotations
