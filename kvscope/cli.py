@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvscope import __version__
@@ -98,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="least severe log lines shown on stderr (default info)")
 
     dash = sub.add_parser("dashboard", help="serve the dashboard for a running agent",
-                          description="Serve the Dash dashboard, reading a running agent's HTTP API.")
+                          description="Serve the Dash dashboard, reading a running agent's "
+                          "HTTP API (with the agent's token from KVSCOPE_TOKEN, when it has one).")
     dash.add_argument("--api", default="http://127.0.0.1:9400", help="agent base URL (default %(default)s)")
     dash.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on (default %(default)s)")
     dash.add_argument("--port", type=port, default=8050, help="port (default %(default)s)")
@@ -182,7 +184,10 @@ def _dashboard(args) -> int:
     get_preset(args.sizing_preset)  # an unknown preset fails here, with exit code 2
     handle = serve(create_app(args.api, refresh_seconds=args.refresh, window_seconds=args.window,
                               backend=backend, sizing_trace=args.sizing_trace,
-                              sizing_preset=args.sizing_preset), args.host, args.port)
+                              sizing_preset=args.sizing_preset,
+                              # as the agent takes it: never a flag, which ps would show
+                              token=os.environ.get("KVSCOPE_TOKEN") or None),
+                   args.host, args.port)
     source = args.prometheus if backend is not None else args.api
     print(f"kvscope dashboard: {url(args.host, args.port)} reading {args.backend} {source}",
           flush=True)

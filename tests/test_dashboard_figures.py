@@ -12,6 +12,7 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import numpy as np
 import pytest
 
@@ -20,6 +21,7 @@ from kvscope.dashboard import series as S
 from kvscope.dashboard.app import create_app, pause_state, route
 from kvscope.dashboard.backend import AgentBackend, BackendUnavailable
 from kvscope.dashboard.pages import overview
+from conftest import wait_until
 
 T = 1764410000.0
 
@@ -340,6 +342,37 @@ def test_backend_raises_typed_error_on_bad_answers(agent, reply, reason):
         AgentBackend(_url(agent)).timeseries()
     assert info.value.url == _url(agent)
     assert info.value.reason == reason
+
+
+def test_the_dashboard_reads_an_agent_that_has_a_token():
+    """The agent wants a bearer token on /api: the dashboard's app built with it reads the
+    agent's samples; without it the status says which variable to set (it said "HTTP 401",
+    and the dashboard had no way to pass a token)."""
+    from kvscope.agent.agent import Agent
+    from kvscope.agent.api import create_app as create_api
+    from kvscope.agent.config import AgentSettings
+    from kvscope.agent.server import ApiServer, bind
+
+    sock = bind("127.0.0.1", 0, "--port")
+    agent = Agent(AgentSettings(token="s3cret"), with_ingest=False)
+    agent.sample()
+    server = ApiServer(create_api(agent), sock)
+    server.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        assert wait_until(lambda: _answers(url))
+        assert create_app(url, token="s3cret").kvscope.backend.timeseries()
+        with pytest.raises(BackendUnavailable, match="set KVSCOPE_TOKEN"):
+            create_app(url).kvscope.backend.timeseries()
+    finally:
+        server.shutdown()
+
+
+def _answers(url) -> bool:
+    try:
+        return httpx.get(url + "/healthz").status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_backend_reads_requests_and_one_request(agent):

@@ -35,19 +35,20 @@ NAV_STYLE = {"marginRight": "14px", "textDecoration": "none", "color": "#1f4e99"
 def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
                window_seconds: float = 900.0, *, backend: Backend | None = None,
                sizing_trace: str | None = None, sizing_preset: str = "llama-3-8b",
-               max_points: int = 720) -> dash.Dash:
+               max_points: int = 720, token: str | None = None) -> dash.Dash:
     """A new Dash app showing the agent at ``api_url`` (e.g. ``http://127.0.0.1:9400``), or
     ``backend`` (e.g. a :class:`~kvscope.dashboard.prometheus.PrometheusBackend`).
 
     ``refresh_seconds``: seconds between refreshes. ``window_seconds``: seconds of history
     drawn, counted back from the newest sample. ``sizing_trace``: a trace file for the Sizing
     page, analysed in the background with model ``sizing_preset``. ``max_points``: points per
-    series at most. Each call builds an independent app.
+    series at most. ``token``: the agent's bearer token, when it has one. Each call builds an
+    independent app.
     """
     if backend is None:
         if api_url is None:
             raise ValueError("create_app needs api_url or backend")
-        backend = AgentBackend(api_url)
+        backend = AgentBackend(api_url, token=token)
     source = SizingSource(sizing_trace, sizing_preset)
     source.start()
     ctx = Context(backend, window_seconds, max_points, source)
