@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Annotated, Literal, Union
+from typing import Annotated, Generic, Literal, TypeVar, Union
 
 import msgspec
 
@@ -219,8 +219,12 @@ Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestF
               LatencyHistogram]
 
 
-class Batch(msgspec.Struct, frozen=True, gc=False):
-    """A batch of events from one emitter.
+E = TypeVar("E")
+
+
+class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
+    """A batch of events from one emitter (``events``: a list of :data:`Event`; generic only so
+    that one batch may be decoded with its events left undecoded, see :func:`salvage_batch`).
 
     ``version``: :data:`SCHEMA_VERSION` of the sender. ``source``: the emitter's name (a short
     word, e.g. "engine", "vllm"). ``seq``: the emitter's batch counter, for gap detection.
@@ -235,7 +239,7 @@ class Batch(msgspec.Struct, frozen=True, gc=False):
     version: int
     source: str
     seq: int
-    events: list[Event]
+    events: list[E]
     session: Session = ""
     dropped: Count = 0
     engine: str = ""
@@ -254,7 +258,9 @@ def validate(event: Event) -> Event:
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Batch)
+_decoder = msgspec.msgpack.Decoder(Batch[Event])
+_raw_decoder = msgspec.msgpack.Decoder(Batch[msgspec.Raw])
+_event_decoder = msgspec.msgpack.Decoder(Event)
 
 
 def encode_batch(batch: Batch) -> bytes:
@@ -283,6 +289,26 @@ def decode_batch(data: bytes) -> Batch:
     if batch.version != SCHEMA_VERSION:
         raise SchemaError(f"schema version {batch.version}, expected {SCHEMA_VERSION}", "version")
     return batch
+
+
+def salvage_batch(data: bytes) -> tuple[Batch, int] | None:
+    """For a batch :func:`decode_batch` refused as ``invalid``: the batch of its valid events,
+    and how many of its events were not; None when the batch itself is not valid (a field of
+    its own, or another version), so that nothing in it can be trusted."""
+    try:
+        raw = _raw_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+        return None
+    if raw.version != SCHEMA_VERSION:
+        return None
+    events = []
+    for event in raw.events:
+        try:
+            events.append(_event_decoder.decode(event))
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError,
+                UnicodeDecodeError):
+            continue
+    return msgspec.structs.replace(raw, events=events), len(raw.events) - len(events)
 
 
 class BatchHeader(msgspec.Struct):

@@ -695,18 +695,29 @@ def test_a_second_agent_cannot_take_over_a_live_ipc_endpoint(source, tmp_path):
     # a request id the agent would have to keep, 100,000 times over
     {"kind": "request_started", "ts": 1.0, "request_id": "x" * 257, "prompt_tokens": 1},
 ])
-def test_a_negative_count_or_a_nan_or_infinite_time_makes_its_batch_invalid(event):
+def test_a_negative_count_or_a_nan_or_infinite_time_makes_its_event_invalid(event):
     """Such a value would turn a counter down (rate() reads a reset) or a histogram sum into
-    NaN; likewise a malformed histogram or an unbounded request id: the batch (the bad event
-    and a good lookup, 2 events) is dropped as invalid (under "ingest": the source has sent no
-    valid batch), and no counter moves."""
+    NaN; likewise a malformed histogram or an unbounded request id: the bad event is dropped
+    as invalid, and moves no counter; the good lookup in its batch counts (16 gpu tokens; the
+    whole batch was once dropped for one bad event)."""
     pipeline = Pipeline()
     IngestSource(pipeline).handle(msgspec.msgpack.encode({
         "version": ev.SCHEMA_VERSION, "source": "engine", "seq": 0,
         "events": [msgspec.to_builtins(_lookup(1)), event]}))
     snap = pipeline.snapshot()
-    assert snap.events_dropped == {("ingest", "invalid"): 2}
-    assert snap.events_received == {} and snap.prompt_tokens["gpu"] == 0
+    assert snap.events_dropped == {("engine", "invalid"): 1}
+    assert snap.events_received == {"engine": 1} and snap.prompt_tokens["gpu"] == 16
+
+
+def test_a_batch_whose_own_fields_are_invalid_is_dropped_whole():
+    """An engine name that is no string: nothing in the batch can be trusted (its 2 events
+    are dropped as invalid, under "ingest": the source has sent no valid batch)."""
+    pipeline = Pipeline()
+    IngestSource(pipeline).handle(msgspec.msgpack.encode({
+        "version": ev.SCHEMA_VERSION, "source": "engine", "seq": 0, "engine": 5,
+        "events": [msgspec.to_builtins(_lookup(1)), msgspec.to_builtins(_lookup(2))]}))
+    snap = pipeline.snapshot()
+    assert snap.events_dropped == {("ingest", "invalid"): 2} and snap.events_received == {}
 
 
 def test_the_emitter_splits_a_batch_over_the_agents_size_limit(source, tmp_path):

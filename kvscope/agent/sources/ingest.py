@@ -6,7 +6,9 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
 - ``too_large``: a batch over ``max_batch_bytes`` (past twice the limit ZMQ itself refuses the
   message and resets that connection, so a runaway sender can never make the agent hold a huge
   message);
-- ``malformed`` / ``invalid`` / ``version``: see :class:`kvscope.events.SchemaError`;
+- ``malformed`` / ``invalid`` / ``version``: see :class:`kvscope.events.SchemaError`; an
+  ``invalid`` event costs only itself when the batch's own fields are valid (the batch's other
+  events are kept);
 - ``bad_source``: a source name (or ``scope``) that is not a short lowercase word, or is one of
   the agent's own (:func:`kvscope.events.source_name_problem`), or one more distinct source than
   ``max_sources`` (labels and per-source state stay bounded; a scope counts as a source);
@@ -195,14 +197,20 @@ class IngestSource(Worker):
 
     def handle(self, data: bytes) -> None:
         """Check one received message and hand its events to the pipeline, or count the drop."""
-        batch, reason, detail = None, None, ""
+        batch, reason, detail, invalid = None, None, "", 0
         if len(data) > self._max_bytes:
             reason, detail = "too_large", f"{len(data)} bytes, over max_batch_bytes"
         else:
             try:
                 batch = ev.decode_batch(data)
             except ev.SchemaError as exc:
-                reason, detail = exc.reason, str(exc)
+                # invalid events cost only themselves (one once cost its whole batch), unless
+                # the batch's own fields are invalid too
+                salvaged = ev.salvage_batch(data) if exc.reason == "invalid" else None
+                if salvaged is None:
+                    reason, detail = exc.reason, str(exc)
+                else:
+                    (batch, invalid), invalid_detail = salvaged, str(exc)
         header = batch or ev.read_header(data)
         if header is None:  # not even a batch's header: nobody to blame
             self.pipeline.drop(NAME, reason)
@@ -218,19 +226,25 @@ class IngestSource(Worker):
         source = header.source if admitted else NAME
         if admitted:
             self._account(header)
+        events = len(header.events) + invalid
         if reason is not None:
-            self.pipeline.drop(source, reason, len(header.events))
+            self.pipeline.drop(source, reason, events)
             named = header.source[:64]  # also a tap whose every batch is refused gets named
             if detail:
                 self._warn_once((named, reason), "kvscope ingest: dropped a batch of %d events "
                                 "from source %r (%s): %s; logged once per source and reason",
-                                len(header.events), named, reason, detail)
+                                events, named, reason, detail)
             return
         if batch.scope:  # a scope is a source too: it takes a place (pipeline state per scope)
             if not self._admit(batch.scope):
-                self.pipeline.drop(source, "bad_source", len(batch.events))
+                self.pipeline.drop(source, "bad_source", events)
                 return
             self._streams.setdefault(batch.scope, OrderedDict())
+        if invalid:
+            self.pipeline.drop(source, "invalid", invalid)
+            self._warn_once((source, "invalid"), "kvscope ingest: dropped %d of %d events from "
+                            "source %r (invalid): %s; logged once per source and reason",
+                            invalid, events, source, invalid_detail)
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
         self.pipeline.ingest(batch.source, batch.events, scope=batch.scope or None)
