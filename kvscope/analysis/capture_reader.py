@@ -71,7 +71,11 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path) -> pa.T
     for problem in problems:
         log.warning("kvscope: skipped %s", problem)
     if not tables:
-        raise TraceError(f"{where}: no {kind} segments (kvscope agent --capture-dir writes them)")
+        writes = {"blocks": "from lookups whose events carry block_hashes (the reference "
+                            "engine's and vLLM's taps do; a tap of your own must fill them)",
+                  "requests": "from finished requests"}[kind]
+        raise TraceError(f"{where}: no {kind} segments (kvscope agent --capture-dir writes them "
+                         f"{writes})")
     return pa.concat_tables(tables)
 
 
