@@ -72,8 +72,10 @@ def test_requests_sorted_filtered_and_bounded(client):
     assert [r["request_id"] for r in body["requests"]] == ["r0", "r2"]
     asc = client.get("/api/v1/requests", params={"sort": "ttft", "order": "asc"}).json()
     assert [r["ttft"] for r in asc["requests"]] == [0.1, 0.3, 0.5]
-    slow = client.get("/api/v1/requests", params={"min_ttft": 0.25}).json()
-    assert {r["request_id"] for r in slow["requests"]} == {"r0", "r2"}
+    slow = client.get("/api/v1/requests", params={"min_ttft": 0.25, "limit": 1}).json()
+    assert [r["request_id"] for r in slow["requests"]] == ["r2"] and slow["total"] == 2
+    other = client.get("/api/v1/requests", params={"source": "vllm"}).json()
+    assert other == {"total": 0, "requests": []}  # total counted the whole table: 3
     assert client.get("/api/v1/requests", params={"limit": 10_001}).status_code == 422
     assert client.get("/api/v1/requests", params={"sort": "id"}).status_code == 422
 

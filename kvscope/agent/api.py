@@ -190,11 +190,13 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                  min_ttft: float | None = Query(None, ge=0, description="seconds"),
                  source: str | None = Query(None, max_length=64,
                                             description="only this source's requests")) -> Response:
-        """Recent finished requests, sorted and filtered; ``total`` counts the whole table."""
+        """Recent finished requests, sorted and filtered; ``total`` counts those the filters
+        match (``limit`` of them are returned)."""
         if sort not in SORT_KEYS:
             raise HTTPException(422, f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
-        records = agent.pipeline.requests.recent(limit, sort, order == "desc", min_ttft, source)
-        return _json({"total": len(agent.pipeline.requests), "requests": records})
+        table = agent.pipeline.requests
+        records = table.recent(table.capacity, sort, order == "desc", min_ttft, source)
+        return _json({"total": len(records), "requests": records[:limit]})
 
     # ``:path``: a request id may hold a slash (vLLM takes the client's X-Request-Id)
     @app.get("/api/v1/requests/{request_id:path}", dependencies=[Depends(authorize)])
