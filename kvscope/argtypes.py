@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from urllib.parse import urlsplit
 
 
 def _number(kind, check, reason: str):
@@ -57,3 +58,24 @@ def port(text: str) -> int:
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"not a TCP port: {text}")
     return value
+
+
+def is_http_url(text: str) -> bool:
+    """Whether ``text`` is an http:// or https:// URL with a host (a port, if any, that parses;
+    no whitespace)."""
+    url = urlsplit(text)
+    try:
+        url.port  # noqa: B018  (parsing the port is the check: it raises when malformed)
+    except ValueError:
+        return False
+    return (url.scheme in ("http", "https") and bool(url.hostname)
+            and not any(c.isspace() for c in text))
+
+
+def http_url(text: str) -> str:
+    """A base URL to read from (an agent's, Prometheus'): checked up front, as a dashboard
+    started with ``localhost:9090`` only said so on its pages."""
+    if not is_http_url(text):
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL with a host, "
+                                         f"e.g. http://127.0.0.1:9400, got {text}")
+    return text

@@ -7,7 +7,7 @@ import os
 import sys
 
 from kvscope import __version__
-from kvscope.argtypes import host, non_negative, port, positive
+from kvscope.argtypes import host, http_url, non_negative, port, positive
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
@@ -101,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     dash = sub.add_parser("dashboard", help="serve the dashboard for a running agent",
                           description="Serve the Dash dashboard, reading a running agent's "
                           "HTTP API (with the agent's token from KVSCOPE_TOKEN, when it has one).")
-    dash.add_argument("--api", default="http://127.0.0.1:9400", help="agent base URL (default %(default)s)")
+    dash.add_argument("--api", type=http_url, default="http://127.0.0.1:9400",
+                      help="agent base URL (default %(default)s)")
     dash.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on (default %(default)s)")
     dash.add_argument("--port", type=port, default=8050, help="port (default %(default)s)")
     dash.add_argument("--refresh", type=positive(float), default=2.0,
@@ -111,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--backend", choices=("agent", "prometheus"), default="agent",
                       help="read one agent's API, or a Prometheus server for a fleet "
                       "(default %(default)s)")
-    dash.add_argument("--prometheus", default="http://127.0.0.1:9090", metavar="URL",
+    dash.add_argument("--prometheus", type=http_url, default="http://127.0.0.1:9090",
+                      metavar="URL",
                       help="Prometheus base URL for --backend prometheus (default %(default)s)")
     dash.add_argument("--prometheus-selector", default="", metavar="MATCHERS",
                       help='label matchers added to every query, e.g. job="kvscope"')
@@ -182,6 +184,10 @@ def _dashboard(args) -> int:
     from kvscope.engine.presets import get_preset
 
     get_preset(args.sizing_preset)  # an unknown preset fails here, with exit code 2
+    if args.sizing_trace:  # and a trace it cannot read (it is read in the background)
+        from kvscope.analysis.inputs import trace_reader
+
+        trace_reader(args.sizing_trace)
     handle = serve(create_app(args.api, refresh_seconds=args.refresh, window_seconds=args.window,
                               backend=backend, sizing_trace=args.sizing_trace,
                               sizing_preset=args.sizing_preset,

@@ -91,13 +91,12 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     try:
         dashboard = serve_dashboard(create_dashboard(api_url, sizing_trace=config.trace,
                                                        sizing_preset=preset.name),
-                                    config.host, config.ui_port)
-    except OSError as exc:
+                                    config.host, config.ui_port, "--ui-port")
+    except PortInUse:
         server.shutdown()
         agent.shutdown()
         engine.close()
-        raise PortInUse(f"cannot listen on {config.host}:{config.ui_port}: "
-                        f"{exc.strerror or exc}; pass a free port with --ui-port") from None
+        raise
     replay_thread.start()
 
     stop_on_signals(stop)

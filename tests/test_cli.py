@@ -123,6 +123,23 @@ def test_docs_metrics_writes_the_catalog_atomically(tmp_path):
     _one_error_line(result, "absent")
 
 
+def test_the_dashboard_refuses_bad_input_before_it_serves(tmp_path):
+    """A base URL without its scheme, a sizing trace that is not there, a taken port: each an
+    error line and exit code 2, as the demo and the agent give. The dashboard once started
+    and showed the first two on its pages, and the third as a raw errno."""
+    result = _kvscope("dashboard", "--api", "localhost:9400")
+    assert result.returncode == 2 and "--api: must be an http:// or https:// URL" in result.stderr
+    result = _kvscope("dashboard", "--backend", "prometheus", "--prometheus", "prom:9090")
+    assert result.returncode == 2 and "--prometheus: must be an http://" in result.stderr
+    _one_error_line(_kvscope("dashboard", "--sizing-trace", str(tmp_path / "nope.jsonl"),
+                             "--port", str(free_port())), "cannot read trace")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        _one_error_line(_kvscope("dashboard", "--port", str(taken.getsockname()[1])),
+                        "cannot listen on 127.0.0.1:", "pass a free port with --port")
+
+
 def test_agent_refuses_an_ingest_endpoint_on_its_own_port():
     port = str(free_port())
     result = _kvscope("agent", "--port", port, "--ingest", f"tcp://127.0.0.1:{port}")

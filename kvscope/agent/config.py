@@ -26,13 +26,13 @@ import json
 import os
 import re
 import tomllib
-from urllib.parse import urlsplit
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from kvscope.argtypes import is_http_url
 from kvscope.events import source_name_problem
 
 
@@ -47,13 +47,7 @@ BUDGET_TIERS = ("gpu", "cpu", "disk", "remote")
 
 def _http_url(value: str, example: str) -> str:
     """``value`` if it is an http(s) URL with a host, else ValueError naming ``example``."""
-    url = urlsplit(value)
-    try:
-        url.port  # noqa: B018  (parsing the port is the check: it raises when malformed)
-    except ValueError:
-        url = None
-    if (url is None or url.scheme not in ("http", "https") or not url.hostname
-            or any(c.isspace() for c in value)):
+    if not is_http_url(value):
         raise ValueError(f"must be an http:// or https:// URL with a host, e.g. {example}")
     return value
 

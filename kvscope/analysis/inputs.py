@@ -122,6 +122,14 @@ def load_trace(path: str | Path) -> AccessTrace:
     Raises :class:`~kvscope.engine.workload.TraceError` for an unknown suffix, a missing file or
     a malformed record (the message names the file).
     """
+    return trace_reader(path)(Path(path))
+
+
+def trace_reader(path: str | Path) -> Callable[[Path], AccessTrace]:
+    """The reader :func:`load_trace` would use for ``path`` (a check before reading it).
+
+    Raises :class:`~kvscope.engine.workload.TraceError` for a missing file or an unknown
+    suffix."""
     path = Path(path)
     if not path.exists():
         raise TraceError(f"cannot read trace {path}: No such file or directory")
@@ -131,4 +139,4 @@ def load_trace(path: str | Path) -> AccessTrace:
         known = ", ".join(sorted(_READERS))
         raise TraceError(f"{path}: unknown trace format {path.suffix!r} (known: {known}; "
                          f"'/' is a capture directory)")
-    return reader(path)
+    return reader

@@ -21,6 +21,7 @@ from werkzeug.serving import (
     select_address_family,
 )
 
+from kvscope.agent.server import PortInUse
 from kvscope.agent.server import url as http_url
 from kvscope.dashboard.backend import AgentBackend, Backend, BackendUnavailable
 from kvscope.dashboard.pages import compare, overview, requests, sizing, tiers
@@ -159,13 +160,18 @@ class ServerHandle:
         self._thread.join(timeout)
 
 
-def serve(app: dash.Dash, host: str = "127.0.0.1", port: int = 8050) -> ServerHandle:
+def serve(app: dash.Dash, host: str = "127.0.0.1", port: int = 8050,
+          flag: str = "--port") -> ServerHandle:
     """Serve ``app`` on ``host``:``port`` from a daemon thread; port 0 picks a free port.
 
-    Raises OSError (e.g. errno EADDRINUSE) when the address cannot be bound. (The socket is
-    bound here because werkzeug's own bind error calls ``sys.exit``.)
+    Raises :class:`~kvscope.agent.server.PortInUse`, naming ``flag``, when the address cannot
+    be bound. (The socket is bound here because werkzeug's own bind error calls ``sys.exit``.)
     """
-    sock = socket.create_server((host, port), family=select_address_family(host, port))
+    try:
+        sock = socket.create_server((host, port), family=select_address_family(host, port))
+    except OSError as exc:
+        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pass a free "
+                        f"port with {flag}") from None
     try:
         server = make_server(host, port, app.server, threaded=True,
                              request_handler=_QuietHandler, fd=sock.fileno())
