@@ -39,7 +39,7 @@ TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
 
 # Counts and sizes are never negative, and times and rates are finite and never negative: one
 # such value would turn a counter down (PromQL's rate() reads that as a reset) or a histogram's
-# sum into NaN. An event breaking this makes its batch invalid, and the agent drops the batch.
+# sum into NaN. An event breaking this is invalid, and the agent drops it (see salvage_batch).
 # Counts stop at 2**53, where float64 (every Prometheus sample) stops holding integers exactly,
 # far inside the 64-bit integers the store and the Parquet capture write. Durations stop at 1e9 s
 # (31 years): a Unix time before 2100 plus one is still an int64 of nanoseconds (OTLP's times).
@@ -207,7 +207,7 @@ class LatencyHistogram(_Event, tag="latency_histogram"):
     sum: Seconds = 0.0
 
     def __post_init__(self) -> None:
-        # msgspec turns these into a ValidationError when decoding: the batch is invalid
+        # msgspec turns these into a ValidationError when decoding: the event is invalid
         if len(self.counts) != len(self.bounds) + 1:
             raise ValueError(f"a latency histogram has {len(self.bounds)} bounds, so "
                              f"{len(self.bounds) + 1} counts, not {len(self.counts)}")
@@ -291,15 +291,21 @@ def decode_batch(data: bytes) -> Batch:
     return batch
 
 
+# Events a batch may carry for its valid ones to be kept when others are invalid: an emitter
+# sends at most 1,024; a sender's 4 MiB of one-byte events would each be decoded on its own.
+MAX_SALVAGED = 4096
+
+
 def salvage_batch(data: bytes) -> tuple[Batch, int] | None:
     """For a batch :func:`decode_batch` refused as ``invalid``: the batch of its valid events,
     and how many of its events were not; None when the batch itself is not valid (a field of
-    its own, or another version), so that nothing in it can be trusted."""
+    its own, or another version), so that nothing in it can be trusted, or when it carries more
+    than :data:`MAX_SALVAGED` events."""
     try:
         raw = _raw_decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         return None
-    if raw.version != SCHEMA_VERSION:
+    if raw.version != SCHEMA_VERSION or len(raw.events) > MAX_SALVAGED:
         return None
     events = []
     for event in raw.events:

@@ -709,6 +709,20 @@ def test_a_negative_count_or_a_nan_or_infinite_time_makes_its_event_invalid(even
     assert snap.events_received == {"engine": 1} and snap.prompt_tokens["gpu"] == 16
 
 
+def test_a_batch_of_more_events_than_an_emitter_sends_is_dropped_whole_when_one_is_invalid():
+    """4,097 events, one invalid: each would be decoded on its own again (a sender's 4 MiB of
+    one-byte events cost 4.6 times a whole drop, and twice its memory); beyond
+    MAX_SALVAGED (an emitter sends at most 1,024) the batch goes whole, as before."""
+    pipeline = Pipeline()
+    good = msgspec.to_builtins(_lookup(1))
+    IngestSource(pipeline, max_batch_bytes=1 << 20).handle(msgspec.msgpack.encode({
+        "version": ev.SCHEMA_VERSION, "source": "engine", "seq": 0,
+        "events": [good] * ev.MAX_SALVAGED + [None]}))
+    snap = pipeline.snapshot()
+    assert snap.events_dropped == {("ingest", "invalid"): ev.MAX_SALVAGED + 1}
+    assert snap.events_received == {}
+
+
 def test_a_batch_whose_own_fields_are_invalid_is_dropped_whole():
     """An engine name that is no string: nothing in the batch can be trusted (its 2 events
     are dropped as invalid, under "ingest": the source has sent no valid batch)."""

@@ -204,13 +204,13 @@ class IngestSource(Worker):
             try:
                 batch = ev.decode_batch(data)
             except ev.SchemaError as exc:
-                # invalid events cost only themselves (one once cost its whole batch), unless
-                # the batch's own fields are invalid too
-                salvaged = ev.salvage_batch(data) if exc.reason == "invalid" else None
-                if salvaged is None:
-                    reason, detail = exc.reason, str(exc)
-                else:
-                    (batch, invalid), invalid_detail = salvaged, str(exc)
+                reason, detail = exc.reason, str(exc)
+            # invalid events cost only themselves (one once cost its whole batch), unless the
+            # batch's own fields are invalid too (outside the except: its traceback holds the
+            # decoder's frame, and a list of every raw event with it)
+            salvaged = ev.salvage_batch(data) if reason == "invalid" else None
+            if salvaged is not None:
+                (batch, invalid), invalid_detail, reason = salvaged, detail, None
         header = batch or ev.read_header(data)
         if header is None:  # not even a batch's header: nobody to blame
             self.pipeline.drop(NAME, reason)
@@ -242,8 +242,8 @@ class IngestSource(Worker):
             self._streams.setdefault(batch.scope, OrderedDict())
         if invalid:
             self.pipeline.drop(source, "invalid", invalid)
-            self._warn_once((source, "invalid"), "kvscope ingest: dropped %d of %d events from "
-                            "source %r (invalid): %s; logged once per source and reason",
+            self._warn_once((source, "invalid events"), "kvscope ingest: dropped %d of %d "
+                            "events from source %r (invalid): %s; logged once per source",
                             invalid, events, source, invalid_detail)
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
