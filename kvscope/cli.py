@@ -188,11 +188,15 @@ def _dashboard(args) -> int:
         from kvscope.analysis.inputs import trace_reader
 
         trace_reader(args.sizing_trace)
+    from kvscope.agent.config import ConfigError, token_problem
+
+    # the agent's token, as the agent takes it: never a flag, which ps would show
+    token = os.environ.get("KVSCOPE_TOKEN") or None
+    if token is not None and (problem := token_problem(token)):
+        raise ConfigError(f"KVSCOPE_TOKEN {problem}")
     handle = serve(create_app(args.api, refresh_seconds=args.refresh, window_seconds=args.window,
                               backend=backend, sizing_trace=args.sizing_trace,
-                              sizing_preset=args.sizing_preset,
-                              # as the agent takes it: never a flag, which ps would show
-                              token=os.environ.get("KVSCOPE_TOKEN") or None),
+                              sizing_preset=args.sizing_preset, token=token),
                    args.host, args.port)
     source = args.prometheus if backend is not None else args.api
     print(f"kvscope dashboard: {url(args.host, args.port)} reading {args.backend} {source}",

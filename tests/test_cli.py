@@ -1,6 +1,7 @@
 """The command line: bad input gives one clear line on stderr and exit code 2, nothing is left
 running, and a stopped command exits cleanly."""
 
+import os
 import signal
 import socket
 import subprocess
@@ -138,6 +139,11 @@ def test_the_dashboard_refuses_bad_input_before_it_serves(tmp_path):
         taken.listen()
         _one_error_line(_kvscope("dashboard", "--port", str(taken.getsockname()[1])),
                         "cannot listen on 127.0.0.1:", "pass a free port with --port")
+    # a token the agent would refuse (it once raised UnicodeEncodeError, with a traceback)
+    result = subprocess.run([sys.executable, "-m", "kvscope", "dashboard"], capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "KVSCOPE_TOKEN": "s\u00e9cret"})
+    _one_error_line(result, "KVSCOPE_TOKEN must be printable ASCII")
 
 
 def test_agent_refuses_an_ingest_endpoint_on_its_own_port():

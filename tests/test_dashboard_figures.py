@@ -362,7 +362,7 @@ def test_the_dashboard_reads_an_agent_that_has_a_token():
     try:
         assert wait_until(lambda: _answers(url))
         assert create_app(url, token="s3cret").kvscope.backend.timeseries()
-        with pytest.raises(BackendUnavailable, match="set KVSCOPE_TOKEN"):
+        with pytest.raises(BackendUnavailable, match="sends KVSCOPE_TOKEN's"):
             create_app(url).kvscope.backend.timeseries()
     finally:
         server.shutdown()

@@ -78,6 +78,13 @@ class Agent(Worker):
         self.capture = (CaptureWriter(settings.capture_dir, max_bytes=settings.capture_max_bytes,
                                       clock=clock)
                         if settings.capture_dir else None)
+        # subscribed now: the API serves (spans come) before the parts start; the store only
+        # once the requests it restores are in
+        if self.otlp is not None:
+            self.pipeline.subscribe(self.otlp.export)
+        if self.capture is not None:
+            self.pipeline.subscribe_lookups(self.capture.add_lookup)
+            self.pipeline.subscribe(self.capture.add_request)
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(KvscopeCollector(self.pipeline, self._scrape_samples))
         self.sample_interval = settings.sample_interval
@@ -113,7 +120,7 @@ class Agent(Worker):
         return [(name, part) for name, part in parts if part is not None]
 
     def prepare(self) -> None:
-        """Restore stored requests, subscribe the sinks and start every part; raises
+        """Restore stored requests, subscribe the store and start every part; raises
         :class:`~kvscope.agent.config.ConfigError` naming the part that could not start (a
         port or endpoint taken, a directory that cannot be made), with nothing left running."""
         if self.store is not None:
@@ -125,12 +132,7 @@ class Agent(Worker):
                                   f"{exc.strerror or exc}") from None
             self.pipeline.restore(restored)
             self.pipeline.subscribe(self.store.add, early=True)  # kill -9 loses 1 s at most
-        if self.otlp is not None:
-            self.pipeline.subscribe(self.otlp.export)
-        if self.capture is not None:
-            self.pipeline.subscribe_lookups(self.capture.add_lookup)
-            self.pipeline.subscribe(self.capture.add_request)
-        self.restoring = False  # restored, and every sink subscribed
+        self.restoring = False
         for name, part in self._components():
             try:
                 part.start()

@@ -45,6 +45,17 @@ OTHER_VARIABLES = frozenset({"KVSCOPE_VLLM_PYTHON", "KVSCOPE_TRACE_DIR", "KVSCOP
 BUDGET_TIERS = ("gpu", "cpu", "disk", "remote")
 
 
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be the agent's bearer token (as its readers send it too), or None."""
+    if not token.strip():
+        return ("is empty, which would lock /api for every client; leave it out for an open API "
+                "on loopback")
+    if not (token.isascii() and token.isprintable() and token == token.strip()):
+        return ("must be printable ASCII without spaces at either end: clients send it in an "
+                "HTTP header, where anything else does not arrive as written")
+    return None
+
+
 def _http_url(value: str, example: str) -> str:
     """``value`` if it is an http(s) URL with a host, else ValueError naming ``example``."""
     if not is_http_url(value):
@@ -289,14 +300,9 @@ class AgentSettings(BaseSettings):
     @field_validator("token")
     @classmethod
     def _token(cls, value: str | None) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError("is empty, which would lock /api for every client; leave it out "
-                             "for an open API on loopback")
-        if value is not None and not (value.isascii() and value.isprintable()
-                                      and value == value.strip()):
-            raise ValueError("must be printable ASCII without spaces at either end: clients "
-                             "send it in an HTTP header, where anything else does not arrive "
-                             "as written")
+        problem = None if value is None else token_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
 

@@ -9,19 +9,13 @@ page registry, so several independent apps can live in one process (tests build 
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import dash
 from dash import Input, Output, dcc, html
-from werkzeug.serving import (
-    BaseWSGIServer,
-    WSGIRequestHandler,
-    make_server,
-    select_address_family,
-)
+from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 
-from kvscope.agent.server import PortInUse
+from kvscope.agent.server import bind
 from kvscope.agent.server import url as http_url
 from kvscope.dashboard.backend import AgentBackend, Backend, BackendUnavailable
 from kvscope.dashboard.pages import compare, overview, requests, sizing, tiers
@@ -164,14 +158,11 @@ def serve(app: dash.Dash, host: str = "127.0.0.1", port: int = 8050,
           flag: str = "--port") -> ServerHandle:
     """Serve ``app`` on ``host``:``port`` from a daemon thread; port 0 picks a free port.
 
-    Raises :class:`~kvscope.agent.server.PortInUse`, naming ``flag``, when the address cannot
-    be bound. (The socket is bound here because werkzeug's own bind error calls ``sys.exit``.)
+    Raises :class:`~kvscope.agent.server.PortInUse`, naming ``flag`` (or ``--host``), when the
+    address cannot be bound. (The socket is bound here because werkzeug's own bind error calls
+    ``sys.exit``.)
     """
-    try:
-        sock = socket.create_server((host, port), family=select_address_family(host, port))
-    except OSError as exc:
-        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pass a free "
-                        f"port with {flag}") from None
+    sock = bind(host, port, flag)
     try:
         server = make_server(host, port, app.server, threaded=True,
                              request_handler=_QuietHandler, fd=sock.fileno())

@@ -144,8 +144,8 @@ class AgentBackend:
         if missing_ok and response.status_code == 404:
             return None
         if response.status_code == 401:  # the agent has a token (never a flag: see cli)
-            raise BackendUnavailable(self.base_url, "HTTP 401: the agent wants its token; set "
-                                     "KVSCOPE_TOKEN for the dashboard too")
+            raise BackendUnavailable(self.base_url, "HTTP 401: the agent wants its token; the "
+                                     "dashboard sends KVSCOPE_TOKEN's (--backend agent)")
         if response.status_code != 200:
             raise BackendUnavailable(self.base_url,
                                      f"HTTP {response.status_code} from {path.split('?')[0]}")
