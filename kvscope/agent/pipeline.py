@@ -335,9 +335,10 @@ class Pipeline:
         return finished, early, ready
 
     def _amended(self, handed: list[RequestRecord]) -> list[RequestRecord]:
-        """The records handed over already that this fold changed (the tap's finish or a late
-        transfer after vLLM's span finished them), for the early subscribers again: the store
-        keeps the last version. Those still waiting, or ``handed`` over now, go out anyway."""
+        """The records handed over already that were changed since (by the tap's finish or a
+        late transfer after vLLM's span finished them, or by a late span: :meth:`report`), for
+        the early subscribers again: the store keeps the last version. Those still waiting, or
+        ``handed`` over now, go out anyway."""
         fresh = set(map(id, handed)) | self._settling_ids
         out = [r for key, r in self._assembler.amended.items() if key not in fresh]
         self._assembler.amended.clear()
@@ -413,14 +414,14 @@ class Pipeline:
                 before = record.trace_id
                 amend(record, trace_id, finished)
                 self._retrace(before, record.trace_id)
-                if id(record) not in self._settling_ids:  # handed over already
-                    republish = record
+                self._assembler.amended[id(record)] = record
+                republish = self._amended([])  # when handed over already
             elif new_request:
                 handover = self._fold(source, groups, 2, source, received=False)
         if handover is not None:
             self._hand_over(source, groups, *handover)
-        if republish is not None:  # the store keeps the last version
-            self._notify([republish], self._early_listeners)
+        if republish:  # the store keeps the last version
+            self._notify(republish, self._early_listeners)
         return record is not None
 
     def _retrace(self, before: str, after: str) -> None:

@@ -98,8 +98,8 @@ class RequestAssembler:
     ``max_inflight`` requests started but not finished (beyond it the oldest is abandoned and
     counted in ``abandoned`` by source: a bound against engines that never finish), and
     ``max_recent`` finished records kept for late transfers (see :meth:`finished`).
-    ``amended``: the finished records events have changed since the caller last cleared it
-    (by ``id()``), for the pipeline to store again. Not thread-safe: the pipeline calls it
+    ``amended``: the finished records changed since the pipeline last cleared it (by events
+    here, or by the pipeline's :func:`amend`), by ``id()``, for the pipeline to store again. Not thread-safe: the pipeline calls it
     under its lock.
     """
 
