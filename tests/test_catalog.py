@@ -67,6 +67,13 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     value = agent.registry.get_sample_value
     assert value("kvscope_prompt_tokens_total", {"source": "recompute"}) == 3
     assert value("kvscope_transfer_bytes_total", {"src": "cpu", "dst": "gpu"}) == 64
+    # every reason of each direction seen exported, at 0 until it happens
+    failures = {(s.labels["src"], s.labels["dst"], s.labels["reason"]): s.value
+                for s in families["kvscope_transfer_failures"].samples
+                if s.name.endswith("_total")}
+    assert failures[("gpu", "cpu", "io")] == 1
+    assert failures[("cpu", "gpu", "io")] == failures[("gpu", "cpu", "timeout")] == 0
+    assert len(failures) == 2 * 10  # two directions, nine reasons and "other"
     assert value("kvscope_transfer_seconds_bucket", {"src": "cpu", "dst": "gpu", "le": "0.001"}) == 1
     assert value("kvscope_tier_resident_bytes", {"tier": "cpu"}) == 64
     assert value("kvscope_host_memory_available_bytes") == 9 * 2**30

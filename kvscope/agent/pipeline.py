@@ -23,13 +23,11 @@ from functools import partial
 from kvscope import events as ev
 from kvscope.agent.requests import (FUTURE, RequestAssembler, RequestRecord, RequestTable, amend,
                                     under_way)
-from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCKETS,
-                                      RESIDENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS)
+from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, FAILURE_REASONS,
+                                      LATENCY_SECONDS_BUCKETS, RESIDENCY_SECONDS_BUCKETS,
+                                      TRANSFER_SECONDS_BUCKETS)
 
 TIER_ORDER = ("gpu", "cpu", "disk", "remote")  # lookups cascade top down
-# Transfer failure reasons become a label, so the set is fixed; anything else counts as "other".
-FAILURE_REASONS = frozenset({"disk_full", "permission", "truncated", "checksum", "corrupt", "missing", "io",
-                             "timeout", "unknown"})
 QUANTILES = (0.5, 0.95, 0.99)  # the percentiles each sample carries, as "p50", "p95", "p99"
 MAX_JOINED = 64  # sources whose finished requests wait for other sources' events (a bound)
 MAX_SETTLING = 10_000  # finished requests waiting at most (the oldest go early beyond it)

@@ -18,6 +18,9 @@ LATENCY_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 EVICTED_HITS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 # Block age at eviction, seconds: 100 ms .. 1 day.
 RESIDENCY_SECONDS_BUCKETS = (0.1, 1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
+# Transfer failure reasons become a label, so the set is fixed; any other counts as "other".
+FAILURE_REASONS = ("checksum", "corrupt", "disk_full", "io", "missing", "permission", "timeout",
+                   "truncated", "unknown", "other")
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _histogram("kvscope_transfer_seconds",
                "Measured duration of one batched transfer between tiers; exemplars carry the "
                "request's trace id.", ["src", "dst"], "seconds", TRANSFER_SECONDS_BUCKETS),
-    _counter("kvscope_transfer_failures_total", "Transfers that failed, by reason.",
-             ["src", "dst", "reason"]),
+    _counter("kvscope_transfer_failures_total",
+             "Transfers that failed, by reason (" + ", ".join(FAILURE_REASONS) + "); 0 for each "
+             "reason of a direction that has transferred.", ["src", "dst", "reason"]),
     # evictions
     _counter("kvscope_evicted_blocks_total",
              "KV blocks that left a tier, by reason (capacity: made room; cleared: the engine "

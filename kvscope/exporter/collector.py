@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from kvscope import __version__
 from kvscope.agent.pipeline import Histogram, Pipeline, Snapshot
-from kvscope.exporter.catalog import CATALOG, MetricSpec
+from kvscope.exporter.catalog import CATALOG, FAILURE_REASONS, MetricSpec
 
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
              "histogram": HistogramMetricFamily}
@@ -37,7 +37,13 @@ def pipeline_samples(snap: Snapshot) -> Samples:
         "kvscope_transfer_bytes_total": _labelled(snap.transfer_bytes),
         "kvscope_transfer_blocks_total": _labelled(snap.transfer_blocks),
         "kvscope_transfer_seconds": _labelled(snap.transfer_seconds),
-        "kvscope_transfer_failures_total": _labelled(snap.transfer_failures),
+        # at 0 until they happen, so the first failures show in rate() (Prometheus's advice:
+        # initialise the label sets known in advance)
+        "kvscope_transfer_failures_total": _labelled({
+            **{(src, dst, reason): 0 for src, dst in
+               [*snap.transfer_bytes, *(key[:2] for key in snap.transfer_failures)]
+               for reason in FAILURE_REASONS},
+            **snap.transfer_failures}),
         "kvscope_evicted_blocks_total": _labelled(snap.evicted_blocks),
         "kvscope_dropped_blocks_total": _labelled(snap.dropped_blocks),
         "kvscope_evicted_block_hits": _labelled(snap.evicted_block_hits),
