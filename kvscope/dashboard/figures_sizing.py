@@ -31,7 +31,7 @@ def _mark(fig: go.Figure, data: Mapping) -> None:
         point = data.get(name)
         if point:
             fig.add_vline(x=point["gib"], line={"color": colour, "dash": "dash", "width": 1},
-                          annotation_text=f"{name} {point['gib']:,.3g} GiB",
+                          annotation_text=f"{name} {point['gib']:,.4g} GiB",
                           annotation_position="bottom right" if name == "knee" else "top right")
 
 
