@@ -42,6 +42,14 @@ class DemoConfig:
     capture_dir: str | None = None
 
 
+def _replay(replayer: Replayer, out) -> None:
+    """Replay the workload, then say it has played out while the demo stays up to be read."""
+    replayer.run()
+    if not replayer.stop.is_set():
+        print(f"kvscope demo: the workload has played out ({replayer.served} requests); the "
+              "metrics, API and dashboard stay up until Ctrl-C", file=out, flush=True)
+
+
 def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     """Run the demo until ``config.duration`` passes or SIGINT/SIGTERM; return the exit code.
 
@@ -84,7 +92,8 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     server = ApiServer(create_app(agent), metrics_sock)
     stop = threading.Event()
     replayer = Replayer(engine, requests, speed=config.speed, stop=stop)
-    replay_thread = threading.Thread(target=replayer.run, name="kvscope-replay", daemon=True)
+    replay_thread = threading.Thread(target=_replay, args=(replayer, out), name="kvscope-replay",
+                                     daemon=True)
     agent.start()
     server.start()
     api_url = url(config.host, config.metrics_port, "")
@@ -97,7 +106,6 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         agent.shutdown()
         engine.close()
         raise
-    replay_thread.start()
 
     stop_on_signals(stop)
     print(f"kvscope demo: {'trace ' + config.trace if config.trace else 'synthetic workload'}, "
@@ -108,6 +116,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     print(f"  dashboard:       {url(config.host, config.ui_port)}", file=out)
     print("  stop with Ctrl-C" + (f" (or after {config.duration:g} s)" if config.duration else ""),
           file=out, flush=True)
+    replay_thread.start()
     stop.wait(config.duration)
     stop.set()
     replay_thread.join()

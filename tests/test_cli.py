@@ -439,3 +439,17 @@ def test_banner_urls_put_an_ipv6_host_in_brackets():
 
     assert url("::1", 9400, "/metrics") == "http://[::1]:9400/metrics"
     assert url("127.0.0.1", 8050) == "http://127.0.0.1:8050/"
+
+
+def test_demo_says_when_its_trace_has_played_out(tmp_path):
+    """Three requests at speed 1000 play out in milliseconds; the demo says so (and how many)
+    and stays up until its duration, where it once fell silent."""
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(f'{{"timestamp": {i * 10}, "input_length": 1024, '
+                            f'"output_length": 1, "hash_ids": [1, 2]}}\n' for i in range(3)))
+    result = _kvscope("demo", "--trace", str(path), "--speed", "1000", "--duration", "4",
+                      "--metrics-port", str(free_port()), "--ui-port", str(free_port()))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "the workload has played out (3 requests)" in lines[-2]
+    assert lines[-1] == "kvscope demo: stopped after 3 requests"
