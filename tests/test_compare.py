@@ -75,6 +75,20 @@ def test_roll_back_when_every_candidate_ttft_is_over_the_budget(tmp_path, capsys
     assert "above the 100.0 ms budget" in verdict["text"]
 
 
+def test_keep_when_over_the_budget_but_better_than_the_baseline(tmp_path, capsys):
+    """Candidate 150-300 ms (every resampled p99 >= 150 ms, above the 100 ms budget) against a
+    baseline of 400-600 ms: every candidate value is below every baseline value, so every
+    replicate difference is < 0. Rolling back would raise p99 further -> keep, and say the
+    budget needs more than a rollback (the rule once said roll back here)."""
+    args = _verdict(tmp_path, np.linspace(0.4, 0.6, 400), np.linspace(0.15, 0.3, 400),
+                    "--ttft-budget", str(BUDGET))
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ttft"][2]["candidate"]["low"] > BUDGET and out["ttft"][2]["difference"]["high"] < 0
+    assert out["verdict"]["decision"] == KEEP
+    assert "needs more than a rollback" in out["verdict"]["text"]
+
+
 def test_inconclusive_when_the_p99_interval_straddles_the_budget(tmp_path, capsys):
     """Both runs: 980 requests at 50 ms, 10 at 90 ms, 10 at 110 ms. The p99 (linear, position
     989.01 of 1000) is 90.2 ms, under the budget; a resample's p99 is 110 ms when it draws 11

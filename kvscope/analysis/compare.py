@@ -12,7 +12,7 @@ reports:
 - transfer cost: bytes, blocks and seconds per direction, failed transfers, and the promotion
   wait per request;
 - a verdict against the rollback rule: **p99 TTFT above the budget -> roll back** (disable the
-  newest tier). See :func:`verdict` for exactly how the intervals decide it.
+  newest tier), unless the baseline is significantly slower still. See :func:`verdict` for exactly how the intervals decide it.
 
 Pure: samples in, dataclasses out. :func:`to_json` and :func:`render_text` render them.
 """
@@ -158,7 +158,8 @@ def verdict(p99: QuantileRow, budget: float | None, confidence: float,
     interval [dlo, dhi] of candidate minus baseline:
 
     1. fewer than ``min_requests`` requests on either side -> inconclusive;
-    2. lo > B (above the budget with confidence) -> roll back;
+    2. lo > B (above the budget with confidence) -> roll back, unless dhi < 0 (significantly
+       better than the baseline, so disabling the tier would raise p99 further) -> keep;
     3. hi <= B (within the budget with confidence) -> keep;
     4. the interval contains B: c > B and dlo > 0 (over the budget by the estimate and
        significantly worse than the baseline) -> roll back; c <= B and dhi < 0 (within it by
@@ -189,6 +190,11 @@ def verdict(p99: QuantileRow, budget: float | None, confidence: float,
                        f"baseline's {_ms(p99.baseline.value)}.", reasons)
     b = _ms(budget)
     reasons.append(f"budget {b}")
+    if c.low > budget and better:
+        return Verdict(KEEP, f"{KEEP}: {cand} is above the {b} budget, but significantly "
+                       f"below the baseline's {_ms(p99.baseline.value)}: disabling the tier "
+                       "would raise p99 further; the budget needs more than a rollback.",
+                       reasons)
     if c.low > budget:
         return Verdict(ROLL_BACK, f"{ROLL_BACK}: {cand} is above the {b} budget.", reasons)
     if c.high <= budget:
