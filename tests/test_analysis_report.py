@@ -49,6 +49,8 @@ def test_cli_text_report(small_trace, capsys):
     for heading in ("Reuse", "Miss-ratio curves (lru-exact)", "Sizing", "Verdict: Offload"):
         assert heading in text
     assert "--kv-offloading-size" in text
+    # the sizes follow the model's block shape: the report names the preset it assumed
+    assert "bytes/block (preset tiny; --preset for your model)" in text.splitlines()[1]
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):

@@ -106,7 +106,8 @@ def render_text(analysis: Analysis) -> str:
         f"kvscope analyze: {analysis.source}",
         f"  {analysis.requests:,} requests, {analysis.accesses:,} block accesses of "
         f"{analysis.block_tokens} tokens over {analysis.duration_seconds:,.0f} s; "
-        f"{analysis.bytes_per_block:,} bytes/block ({a['preset']})",
+        f"{analysis.bytes_per_block:,} bytes/block (preset {a['preset']}; --preset for "
+        "your model)",
         "",
         "Reuse",
         f"  unique blocks {r.unique_blocks:,}; reused blocks {r.reused_blocks:,}",
