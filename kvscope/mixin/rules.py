@@ -106,7 +106,11 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
         {"record": r.pcie_utilization,
          "expr": f"sum by ({by}, gpu, direction) (rate(kvscope_pcie_bytes_total{s()}[{w}]))\n"
                  f"  / on ({by}, gpu) group_left ()\n"
-                 f"(max by ({by}, gpu) (kvscope_pcie_link_max_bytes_per_second{s()}) > 0)"},
+                 # the fastest link of the window: an idle GPU drops to a slower generation,
+                 # so the link at the evaluation instant can be slower than the one that
+                 # carried the window's bytes
+                 f"(max by ({by}, gpu) (max_over_time("
+                 f"kvscope_pcie_link_max_bytes_per_second{s()}[{w}])) > 0)"},
     ]
     return rules
 
