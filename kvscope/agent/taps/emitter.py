@@ -48,7 +48,8 @@ class Emitter:
     ``model``: what it observes (shown as ``kvscope_engine_info``); ``scope``: the source whose
     requests this emitter's request ids name, when that is another emitter (see
     :class:`kvscope.events.Batch`).
-    ``max_buffer``: events held while the agent is slow or away. ``batch_size``: events per
+    ``max_buffer``: events held while the agent is slow or away, besides the one batch being
+    sent. ``batch_size``: events per
     batch at most. ``max_batch_bytes``: encoded bytes per batch at most, the agent's
     ``[ingest] max_batch_bytes`` (a fuller batch is split; an event larger alone is dropped and
     counted). ``flush_interval``: seconds between sends. ``send_hwm``: batches ZMQ may
