@@ -44,6 +44,23 @@ def _push(endpoint, *messages):
     sock.close()
 
 
+def test_the_emitter_imports_nothing_but_msgspec_pyzmq_and_the_standard_library():
+    """A tap runs inside the engine's process: importing the emitter there must not pull in
+    the agent (FastAPI, prometheus-client, pyarrow...). What msgspec and pyzmq import
+    themselves is theirs; beyond them only the emitter and the event model may load."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import msgspec, zmq; before = set(sys.modules); "
+            "import kvscope.agent.taps.emitter; "
+            "print(*sorted(set(sys.modules) - before))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split()
+    third_party = {name for name in out if name.split(".")[0] not in sys.stdlib_module_names}
+    assert third_party == {"kvscope", "kvscope.agent", "kvscope.agent.taps",
+                           "kvscope.agent.taps.emitter", "kvscope.events"}
+
+
 def test_emitter_delivers_every_event(source, tmp_path):
     emitter = Emitter(_endpoint(tmp_path), source="engine", engine="vllm", model="tiny-llama",
                       batch_size=100)
