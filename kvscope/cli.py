@@ -158,16 +158,22 @@ def _demo(args) -> int:
     return run_demo(config)
 
 
-def _agent(args) -> int:
+def agent_settings(args):
+    """The agent's settings from ``kvscope agent`` arguments: each flag overrides its config
+    key (raises ConfigError)."""
     from kvscope.agent.config import load_settings
+
+    return load_settings(args.config, host=args.host, port=args.port,
+                         store_dir=args.store_dir, otlp_endpoint=args.otlp_endpoint,
+                         capture_dir=args.capture_dir, log_level=args.log_level,
+                         **{"ingest.endpoint": args.ingest,  # turns ingest on, as asked
+                            "ingest.enabled": True if args.ingest else None})
+
+
+def _agent(args) -> int:
     from kvscope.agent.run import run_agent
 
-    settings = load_settings(args.config, host=args.host, port=args.port,
-                             store_dir=args.store_dir, otlp_endpoint=args.otlp_endpoint,
-                             capture_dir=args.capture_dir, log_level=args.log_level,
-                             **{"ingest.endpoint": args.ingest,  # turns ingest on, as asked
-                                "ingest.enabled": True if args.ingest else None})
-    return run_agent(settings)
+    return run_agent(agent_settings(args))
 
 
 def _dashboard(args) -> int:

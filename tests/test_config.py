@@ -207,3 +207,36 @@ def test_a_bad_environment_value_names_its_variable_not_the_file(tmp_path, monke
     path.write_text('port = "abc"\n')  # the file's own bad value is the file's
     with pytest.raises(ConfigError, match=f"^config {path}: port: Input should be"):
         load_settings(path)
+
+
+# each `kvscope agent` flag, a value for it, and the same setting in the TOML file
+AGENT_FLAGS = {
+    "--host": ("0.0.0.0", 'host = "0.0.0.0"'),
+    "--port": ("9555", "port = 9555"),
+    "--ingest": ("ipc:///run/kvscope.sock", '[ingest]\nendpoint = "ipc:///run/kvscope.sock"'),
+    "--store-dir": ("/var/lib/kvscope", 'store_dir = "/var/lib/kvscope"'),
+    "--otlp-endpoint": ("http://127.0.0.1:4318/v1/traces",
+                        'otlp_endpoint = "http://127.0.0.1:4318/v1/traces"'),
+    "--capture-dir": ("/var/lib/kvscope/capture", 'capture_dir = "/var/lib/kvscope/capture"'),
+    "--log-level": ("debug", 'log_level = "debug"'),
+}
+
+
+def test_every_agent_flag_has_a_config_key_with_the_same_effect(tmp_path):
+    """The issue asks for a config key behind every flag: each flag of `kvscope agent --help`
+    (but --config) is listed above, and setting it equals setting its key in the file, and
+    differs from the default."""
+    from kvscope.cli import _parser, agent_settings
+
+    parser = _parser()
+    agent = parser.parse_args(["agent"])
+    flags = {option for action in agent.commands["agent"]._actions
+             for option in action.option_strings if option.startswith("--")}
+    assert flags - {"--help", "--config"} == set(AGENT_FLAGS)
+    default = agent_settings(agent)
+    for flag, (value, toml) in AGENT_FLAGS.items():
+        path = tmp_path / f"{flag.strip('-')}.toml"
+        path.write_text(toml + "\n")
+        by_flag = agent_settings(parser.parse_args(["agent", flag, value]))
+        by_file = agent_settings(parser.parse_args(["agent", "--config", str(path)]))
+        assert by_flag == by_file != default, flag
