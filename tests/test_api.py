@@ -113,6 +113,13 @@ def test_openmetrics_carries_trace_id_exemplars(client):
     # all three transfers share a bucket, which keeps the latest: r2's (a generated trace id)
     r2 = client.get("/api/v1/requests/r2").json()["trace_id"]
     assert [e.labels for e in exemplars] == [{"trace_id": r2}] and r2 != TRACE
+    # TTFTs 0.1 s (r1) and 0.5 s, 0.3 s (r0, r2): buckets le=0.1 and le=0.5, the latter
+    # keeping the later request's trace, r2's
+    ttft = {s.labels["le"]: s.exemplar.labels["trace_id"]
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.exemplar and s.name == "kvscope_ttft_seconds_bucket"}
+    r1 = client.get("/api/v1/requests/r1").json()["trace_id"]
+    assert ttft == {"0.1": r1, "0.5": r2}
     plain = client.get("/metrics").text
     assert "# {" not in plain and "kvscope_transfer_seconds_bucket" in plain
 
