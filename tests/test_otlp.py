@@ -320,3 +320,42 @@ def test_a_transfer_joining_during_export_keeps_the_queue_count(
     assert exporter.spans["sent"] == len(receiver.named("kv.request")) + len(
         receiver.named("kv.transfer"))
     assert exporter._queued == 0  # what the bound compares with: every queued span came back
+
+
+def test_an_agent_with_an_otlp_endpoint_exports_what_its_taps_send(receiver: OtlpReceiver,
+                                                                    tmp_path) -> None:
+    """The whole path: a tap's emitter -> ZMQ -> the agent's pipeline -> its OTLP exporter ->
+    a receiver on loopback decoding the protobuf. One request with one promotion makes one
+    kv.request span under the request's trace id, its kv.transfer child at the transfer's time,
+    and the agent counts 2 spans sent."""
+    from conftest import wait_until
+
+    from kvscope import events as ev
+    from kvscope.agent.agent import Agent
+    from kvscope.agent.config import AgentSettings
+    from kvscope.agent.taps.emitter import Emitter
+
+    endpoint = f"ipc://{tmp_path}/ingest.sock"
+    agent = Agent(AgentSettings(otlp_endpoint=receiver.url, ingest={"endpoint": endpoint}))
+    agent.start()
+    emitter = Emitter(endpoint, source="engine", flush_interval=0.01)
+    try:
+        trace = "ab" * 16
+        for event in (
+                ev.RequestStarted(ts=1_700_000_000.0, request_id="r1", prompt_tokens=32,
+                                  trace_id=trace),
+                ev.Transfer(ts=1_700_000_000.25, src="cpu", dst="gpu", blocks=2, bytes=4096,
+                            duration=0.125, request_id="r1"),
+                ev.RequestFinished(ts=1_700_000_000.5, request_id="r1", ttft=0.5,
+                                   prompt_tokens=32)):
+            emitter.emit(event)
+        assert wait_until(lambda: agent.otlp.spans["sent"] == 2)
+    finally:
+        emitter.close()
+        agent.shutdown()
+    (request,), (transfer,) = receiver.named("kv.request"), receiver.named("kv.transfer")
+    assert request.trace_id == transfer.trace_id == bytes.fromhex(trace)
+    assert transfer.parent_span_id == request.span_id
+    assert (transfer.start_time_unix_nano, transfer.end_time_unix_nano) == (
+        1_700_000_000_250_000_000, 1_700_000_000_375_000_000)
+    assert agent.registry.get_sample_value("kvscope_otlp_spans_total", {"result": "sent"}) == 2
