@@ -453,3 +453,35 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
     lines = result.stdout.splitlines()
     assert "the workload has played out (3 requests)" in lines[-2]
     assert lines[-1] == "kvscope demo: stopped after 3 requests"
+
+
+def test_the_agents_start_lines_name_every_part_it_runs(tmp_path):
+    """The start lines say where each configured part reads or writes: vLLM's metrics URL,
+    the OTLP receiver and exporter, the store and the capture (they once named only ingest,
+    kv_events and the store)."""
+    config = tmp_path / "agent.toml"
+    config.write_text(f'otlp_endpoint = "http://127.0.0.1:{free_port()}"\n'
+                      f'capture_dir = "{tmp_path / "capture"}"\n'
+                      f'[vllm_metrics]\nenabled = true\nurl = "http://127.0.0.1:{free_port()}/metrics"\n'
+                      '[otlp_receiver]\nenabled = true\n')
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--config", str(config),
+                             "--port", str(free_port()),
+                             "--ingest", f"ipc://{tmp_path}/ingest.sock"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("kvscope agent: http"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        lines += proc.stdout.readlines()
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    parts = {line.split(":", 1)[0].strip() for line in lines if line.startswith("  ")}
+    assert {"ingest", "vllm_metrics", "otlp receiver", "capture", "otlp export"} <= parts, lines
+    export = next(line for line in lines if line.startswith("  otlp export: "))
+    assert export.rstrip().endswith("/v1/traces")

@@ -69,9 +69,20 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
         print(f"  ingest: {settings.ingest.endpoint}", file=out)
     if agent.kv_events is not None:
         print(f"  kv_events: {agent.kv_events.describe()}", file=out)
+    if agent.vllm_metrics is not None:
+        print(f"  vllm_metrics: {settings.vllm_metrics.url} every "
+              f"{settings.vllm_metrics.interval:g} s", file=out)
+    if agent.otlp_receiver is not None:
+        print(f"  otlp receiver: {base}/v1/traces (joins source "
+              f"{settings.otlp_receiver.source!r})", file=out)
     if settings.store_dir:
         print(f"  store: {settings.store_dir} ({len(agent.pipeline.requests)} requests restored)",
               file=out)
+    if settings.capture_dir:
+        print(f"  capture: {settings.capture_dir} (at most {settings.capture_max_bytes:,} bytes)",
+              file=out)
+    if settings.otlp_endpoint:
+        print(f"  otlp export: {agent.otlp.endpoint}", file=out)
     if settings.token is None and not _loopback(settings.host):
         print(f"  warning: /api and /v1/traces are open to anyone who reaches {settings.host}:"
               f"{settings.port}; set token in the config (or KVSCOPE_TOKEN)", file=out)
