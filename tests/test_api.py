@@ -98,6 +98,25 @@ def test_timeseries_metric_filter(client):
         assert client.get("/api/v1/timeseries", params={"since": bad}).status_code == 422
 
 
+def test_summary_gives_host_memory_as_metrics_does(tmp_path):
+    """16 GiB of RAM, 9 GiB available, no cgroup limit (an empty cgroup root), a 1 GiB reserve
+    and a 4 GiB cpu budget: limit 16 GiB, headroom 9 - 1 = 8 GiB (the summary once left out
+    the limit, reserve and budgets that /metrics exports)."""
+    from kvscope.agent.collectors import CollectorSet
+
+    class VM:
+        total, available = 16 * 2**30, 9 * 2**30
+
+    collectors = CollectorSet(["host"], {"host": {
+        "virtual_memory": lambda: VM, "cgroup_root": tmp_path, "reserve_bytes": 2**30,
+        "budgets": {"cpu": 4 * 2**30}}})
+    with TestClient(create_app(Agent(with_ingest=False, collectors=collectors))) as c:
+        host = c.get("/api/v1/summary").json()["host"]
+    assert host["memory_limit_bytes"] == 16 * 2**30 and host["memory_reserve_bytes"] == 2**30
+    assert host["memory_headroom_bytes"] == 8 * 2**30
+    assert host["offload_budget_bytes"] == {"cpu": 4 * 2**30}
+
+
 def test_a_trailing_slash_is_not_redirected_to_where_the_host_header_says(client):
     """Starlette redirected /api/v1/summary/ (307) to a Location built from the client's Host
     header, before the token was checked."""

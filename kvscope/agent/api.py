@@ -155,7 +155,9 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                           "capacity_blocks": s.capacity_blocks,
                           "resident_blocks": s.resident_blocks} for t, s in snap.tiers.items()},
             "host": ({"memory_total_bytes": host.total, "memory_available_bytes": host.available,
-                      "memory_headroom_bytes": host.headroom} if host else None),
+                      "memory_limit_bytes": host.limit, "memory_reserve_bytes": host.reserve,
+                      "memory_headroom_bytes": host.headroom, "swap_used_bytes": host.swap_used,
+                      "offload_budget_bytes": dict(host.budgets)} if host else None),
             # exact over the last requests; where none are known, only vLLM's histogram
             # (metrics-only mode): estimated from its buckets
             "ttft_seconds": (percentiles(snap.recent_ttft) if snap.recent_ttft else
