@@ -165,6 +165,19 @@ def test_a_request_id_with_a_slash_can_be_fetched():
         assert c.get("/api/v1/requests/tenant%2F7").json()["request_id"] == "tenant/7"
 
 
+def test_a_long_request_id_is_cut_as_its_sender_cut_it():
+    """Senders keep the first 256 characters of an id (events.MAX_REQUEST_ID): asking with the
+    whole id finds the record, and a 10,000-character id not found is not echoed whole."""
+    agent = _agent()
+    long_id = "x" * 300
+    agent.pipeline.ingest("engine", [ev.RequestFinished(ts=1.0, request_id=long_id[:256],
+                                                        ttft=0.2, prompt_tokens=8)])
+    with TestClient(create_app(agent)) as c:
+        assert c.get(f"/api/v1/requests/{long_id}").json()["request_id"] == long_id[:256]
+        missing = c.get("/api/v1/requests/" + "y" * 10_000)
+        assert missing.status_code == 404 and len(missing.text) < 400
+
+
 def test_a_request_is_fetched_by_source_when_two_engines_share_its_id():
     agent = _agent()
     agent.pipeline.ingest("other", [ev.RequestFinished(ts=500.0, request_id="r1", ttft=0.9,

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from kvscope import __version__
+from kvscope import __version__, events as ev
 from kvscope.agent.agent import Agent
 from kvscope.agent.pipeline import bucket_percentiles
 from kvscope.agent.requests import SORT_KEYS
@@ -206,6 +206,7 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             None, max_length=64, description="the source that reported it; without it, the "
             "one finished last (two engines may use the same ids)")) -> Response:
         """One request with its transfers and the parts of its TTFT."""
+        request_id = request_id[:ev.MAX_REQUEST_ID]  # as every sender cuts it
         record = agent.pipeline.requests.get(request_id, source)
         if record is None:
             where = f" from source {source!r}" if source is not None else ""
