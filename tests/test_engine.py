@@ -255,5 +255,16 @@ def test_request_finished_carries_every_part_of_ttft():
     for started in _of(events, ev.RequestStarted):
         (done,) = _of(events, ev.RequestFinished, started.request_id)
         assert abs(done.ts - started.ts - done.ttft) < 1e-6  # float Unix seconds: ~0.2 us
-        for copy in _of(events, ev.Transfer, started.request_id):
+        copies = _of(events, ev.Transfer, started.request_id)
+        for copy in copies:
             assert started.ts + done.queueing <= copy.ts  # copies run once the engine took it
+        if copies:  # the copies run before the prefill: the wait ends with the last of them
+            wait_ends = started.ts + done.queueing + done.lookup + done.promotion_wait
+            assert abs(wait_ends - max(c.ts + c.duration for c in copies)) < 1e-6
+    # r2 offloads C and D to make room, then promotes A and B: the waterfall's promotion wait
+    # is that promotion (it was drawn before it, over the offload)
+    (started,) = _of(events, ev.RequestStarted, "r2")
+    (done,) = _of(events, ev.RequestFinished, "r2")
+    offload, promotion = _of(events, ev.Transfer, "r2")
+    assert (offload.src, promotion.src) == ("gpu", "cpu") and done.promotion_wait > 0
+    assert abs(started.ts + done.queueing + done.lookup - promotion.ts) < 1e-5

@@ -20,8 +20,10 @@ least ``min_priority`` (as TensorRT-LLM's ``secondary_offload_min_priority``; pr
 
 With ``payload=False`` the engine is the simulator: the same code makes the same decisions with
 no bytes, and transfer times come from the preset's cost model. TTFT = queueing + lookup (the
-engine's own planning time; 0 when simulating) + promotion wait (``disk->cpu`` and ``cpu->gpu``
-copies) + prefill of the recomputed tokens (:mod:`kvscope.engine.presets`).
+engine's own planning time, and with payload the offloads that free slots for the promotions,
+which run before them; 0 when simulating, whose offloads are left off the request's path) +
+promotion wait (``disk->cpu`` and ``cpu->gpu`` copies) + prefill of the recomputed tokens
+(:mod:`kvscope.engine.presets`).
 """
 
 from __future__ import annotations
@@ -404,6 +406,13 @@ class OffloadEngine:
                     stats.seconds[f"{r.src}->{r.dst}"] += r.duration
                     if r.dst == "gpu" or r.src == "disk":
                         wait += r.duration
+            if outcome.results:
+                # The copies run before the prefill, one after another: the offloads that free
+                # slots for the promotions delay the first token too. Lookup takes them (and
+                # the gaps between copies), so the wait ends where the last copy ends.
+                copies_end = max(r.start + r.duration for r in outcome.results)
+                took = started.ts + outcome.queueing  # when the engine took the request
+                outcome.lookup = max(outcome.lookup, copies_end - took - wait)
         else:
             for phase, direction in _DIRECTION.items():
                 if moved[phase]:
