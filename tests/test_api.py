@@ -200,3 +200,71 @@ def test_openapi_is_published(client):
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/api/v1/summary", "/api/v1/requests", "/api/v1/requests/{request_id}",
             "/api/v1/timeseries"} <= set(paths)
+
+
+_PARTIAL_POST = (b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"resourceSpans\"")  # 16 of 1,000 bytes
+
+
+@pytest.fixture
+def served():
+    """(port, server, uvicorn's error log records): the API on a real socket."""
+    import logging
+
+    from kvscope.agent.server import ApiServer, bind
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    sock = bind("127.0.0.1", 0, "--port")
+    server = ApiServer(create_app(_agent()), sock)
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    server.start()
+    try:
+        yield sock.getsockname()[1], server, records
+    finally:
+        server.shutdown()
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+
+
+def _send_partial_body(port: int):
+    import socket
+
+    client = socket.create_connection(("127.0.0.1", port))
+    client.sendall(_PARTIAL_POST)
+    client.settimeout(0.5)
+    try:
+        client.recv(1)  # no answer: the server waits for the rest of the body
+    except TimeoutError:
+        pass
+    return client
+
+
+def test_a_client_stalled_inside_its_body_does_not_keep_the_server_from_stopping(served):
+    """A client sends 16 of the 1,000 body bytes it declared, then nothing (a stalled OTLP
+    exporter): shutdown() gives it the grace period and returns, where uvicorn once waited for
+    it for good and the agent ignored every SIGTERM; uvicorn's line says so, without the
+    cancelled request's traceback. 60 s only bounds a hang."""
+    import threading
+
+    port, server, records = served
+    with _send_partial_body(port):
+        stopping = threading.Thread(target=server.shutdown, daemon=True)
+        stopping.start()
+        stopping.join(60)
+        assert not stopping.is_alive(), "shutdown() waited for the stalled client"
+    assert any("graceful shutdown" in r.getMessage() for r in records)
+    assert not [r for r in records if r.exc_info], "a traceback was logged"
+
+
+def test_a_client_leaving_inside_its_body_logs_no_traceback(served):
+    """Five clients close mid-body (an exporter giving up on a slow POST): each was a
+    50-line "Exception in ASGI application" traceback (ClientDisconnect); now nothing."""
+    import urllib.request
+
+    port, server, records = served
+    for _ in range(5):
+        _send_partial_body(port).close()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as answer:
+        assert answer.status == 200  # served on, and the closed requests were handled by now
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]

@@ -19,6 +19,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
@@ -122,6 +123,8 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                         otlp_in.parse(body, content_type, encoding)))
             except BodyTooLarge:
                 return JSONResponse(too_large, 413)
+            except ClientDisconnect:  # gone mid-body (an exporter giving up): nobody to answer
+                return Response(status_code=400)
             except otlp_in.OtlpError as exc:
                 return JSONResponse({"detail": str(exc)}, exc.status)
             if content_type.startswith("application/x-protobuf"):

@@ -3,7 +3,9 @@ anything starts) and run uvicorn on a thread that stops cleanly."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import logging
 import socket
 import threading
 
@@ -36,11 +38,31 @@ def bind(host: str, port: int, flag: str) -> socket.socket:
     return sock
 
 
+GRACE_SECONDS = 3.0  # what requests under way get to finish when the server stops
+
+
+class _NoCancelledTraceback(logging.Filter):
+    """Drops uvicorn's traceback of a request cancelled when the grace period ran out: its own
+    line ("Cancel N running task(s), timeout graceful shutdown exceeded") says it already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
+_QUIET = _NoCancelledTraceback()
+
+
 class ApiServer:
     """Runs ``app`` with uvicorn on the bound ``sock`` in a daemon thread."""
 
     def __init__(self, app: FastAPI, sock: socket.socket) -> None:
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        # without a grace limit uvicorn waits for every request under way, so one client that
+        # stalls inside its body would keep the agent from stopping
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                     timeout_graceful_shutdown=GRACE_SECONDS))
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        if _QUIET not in uvicorn_log.filters:
+            uvicorn_log.addFilter(_QUIET)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="kvscope-api", daemon=True)
 
@@ -48,7 +70,8 @@ class ApiServer:
         self._thread.start()
 
     def shutdown(self) -> None:
-        """Stop serving and wait for the thread; safe twice and before start."""
+        """Stop serving and wait for the thread (requests under way get
+        :data:`GRACE_SECONDS`); safe twice and before start."""
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join()
