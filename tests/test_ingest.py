@@ -271,6 +271,24 @@ def test_an_event_that_breaks_the_encoder_is_dropped_and_the_emitter_keeps_sendi
     emitter.close()
 
 
+def test_an_event_that_does_not_encode_costs_only_itself(source, tmp_path):
+    """A tap's numpy scalar in one event of 21 (msgspec encodes no numpy types): the other 20
+    arrive, 1 is counted dropped, where the whole batch of 21 once went."""
+    import numpy as np
+
+    emitter = Emitter(_endpoint(tmp_path), source="engine", flush_interval=0.05)
+    events = [_lookup(i) for i in range(10)]
+    events.append(ev.Transfer(ts=1.0, src="cpu", dst="gpu", blocks=np.int64(3), bytes=64,
+                              duration=0.001))
+    events += [_lookup(i) for i in range(10, 20)]
+    for event in events:
+        emitter.emit(event)
+    assert wait_until(lambda: source.pipeline.events_received().get("engine") == 20)
+    emitter.close()
+    assert emitter.dropped == 1
+    assert source.pipeline.snapshot().events_dropped[("engine", "emitter_buffer")] == 1
+
+
 def test_bad_input_is_counted_by_reason_and_the_source_keeps_serving(source, tmp_path):
     """Drops count the events lost where the batch's header can be read, under the source it
     names (it sent a valid batch first): 2 in the future version's batch, 1 with an unknown

@@ -13,7 +13,8 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
   the agent's own (:func:`kvscope.events.source_name_problem`), or one more distinct source than
   ``max_sources`` (labels and per-source state stay bounded; a scope counts as a source);
   logged once per name;
-- ``emitter_buffer``: events an emitter reports it dropped (``Batch.dropped`` deltas);
+- ``emitter_buffer``: events an emitter reports it dropped (``Batch.dropped`` deltas: a full
+  buffer, events that did not encode, or left at close);
 - ``gap``: batches missing from an emitter's sequence after the first batch this agent received
   from that emitter (an agent restarted mid-stream joins it there). A jump of more than
   :data:`MAX_GAP` batches is no loss but a confused sender: the agent follows it from there and
@@ -297,7 +298,8 @@ class IngestSource(Worker):
             self.pipeline.drop(source, "emitter_buffer", batch.dropped - dropped)
             self._warn_once((source, "emitter_buffer"), "kvscope ingest: the emitter of source "
                             "%r dropped %d events (its buffer was full: the agent was away or "
-                            "slower than the engine); logged once per source", source,
+                            "slower than the engine; or they did not encode: the tap's log "
+                            "says); logged once per source", source,
                             batch.dropped - dropped)
         streams[session] = (max(seq, batch.seq), max(dropped, batch.dropped))
         if len(streams) > STREAMS_PER_SOURCE:  # a restarted tap's old sessions, oldest first

@@ -20,6 +20,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from kvscope import events as ev
@@ -29,6 +30,15 @@ log = logging.getLogger(__name__)
 
 # Emitters not yet collected: each starts again in a forked child (see Emitter._after_fork).
 _LIVE: weakref.WeakSet[Emitter] = weakref.WeakSet()
+
+
+def _encodes(event: object) -> bool:
+    """Whether ``event`` encodes alone (a numpy or torch scalar in a field does not)."""
+    try:
+        msgspec.msgpack.encode(event)
+    except Exception:
+        return False
+    return True
 
 
 def _mark_forked() -> None:
@@ -110,6 +120,7 @@ class Emitter:
         self._warn_after = warn_after
         self._stuck_since: float | None = None  # monotonic: since when events wait unsent
         self._warned = False
+        self._told_unencodable = False
         self.on_tick: Callable[[], None] | None = None  # called on the sender thread each interval
         self._drain_until = 0.0  # monotonic deadline for the final flush, set by close()
         self._endpoint, self._send_hwm = endpoint, send_hwm
@@ -273,10 +284,21 @@ class Emitter:
             try:
                 data = ev.encode_batch(batch)
             except Exception as exc:  # a malformed event: never let it stop the thread
-                self.dropped += len(events)
-                self._log.warning("kvscope emitter: dropped %d events that do not encode: %s",
-                                  len(events), exc)
-                return None
+                # only the events that do not encode alone go (a numpy int in one of them
+                # once cost the whole batch)
+                good = [event for event in events if _encodes(event)]
+                if len(good) == len(events):  # the batch's own fields do not encode
+                    good = []
+                self.dropped += len(events) - len(good)
+                if not self._told_unencodable:
+                    self._told_unencodable = True
+                    self._log.warning("kvscope emitter: dropped %d of %d events that do not "
+                                      "encode (counted in dropped; logged once): %s",
+                                      len(events) - len(good), len(events), exc)
+                if not good:
+                    return None
+                events = good
+                continue
             if len(data) <= self._max_batch_bytes:
                 self._pending_events = len(events)
                 return data
