@@ -305,6 +305,32 @@ def test_a_joined_source_reusing_a_request_id_later_makes_a_new_request():
     assert pipeline.requests.get("r1").prompt_tokens == 999
 
 
+def test_a_late_load_of_a_reused_id_joins_the_request_under_way_at_its_start():
+    """A client reuses id R: request 1 runs 100-101, request 2 starts at 102. The worker's load
+    stamped 100.5 arrives while request 2 is in flight: it is request 1's (under way at 100.5),
+    where it once went to request 2, which started 1.5 s after it. Request 2's own load at 102.5
+    still joins request 2."""
+    records = []
+    pipeline = Pipeline(join_window=3600.0)
+    pipeline.subscribe(records.append)
+
+    def load(ts):
+        return ev.Transfer(ts=ts, src="cpu", dst="gpu", blocks=4, bytes=4096, duration=0.05,
+                           request_id="R")
+
+    pipeline.ingest("vllm", [ev.RequestStarted(ts=100.0, request_id="R", prompt_tokens=10),
+                             ev.RequestFinished(ts=101.0, request_id="R", ttft=0.2,
+                                                prompt_tokens=10)])
+    pipeline.ingest("vllm", [ev.RequestStarted(ts=102.0, request_id="R", prompt_tokens=20)])
+    pipeline.ingest("worker", [load(100.5), load(102.5)], scope="vllm")
+    pipeline.ingest("vllm", [ev.RequestFinished(ts=103.0, request_id="R", ttft=0.3,
+                                                prompt_tokens=20)])
+    pipeline.publish_settled(everything=True)
+    first, second = records
+    assert (first.arrival, [t.start for t in first.transfers]) == (100.0, [100.5])
+    assert (second.arrival, [t.start for t in second.transfers]) == (102.0, [102.5])
+
+
 def test_a_prefill_rate_under_one_token_per_second_counts_as_unknown():
     """A rate of 5e-324 tokens/s is a valid float: 16 tokens over it made the seconds saved
     infinite, for good. Under 1 token/s the configured rate is used: 16 / 10,000 + 16 / 10,000

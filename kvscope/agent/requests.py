@@ -231,15 +231,17 @@ class RequestAssembler:
                 trace_ids.append("")
                 continue
             record = inflight.get(rid)
-            if record is None:
-                # a late worker's load joins the request under way at its start, else the
-                # newest
-                record = (self.finished_recently(source, rid, event.ts)
-                          or (recent.get(rid) or (None,))[-1])
-                if record is None:
-                    record = self._open(source, inflight, rid, event.ts)
-                else:
-                    self.amended[id(record)] = record
+            if record is None or event.ts < record.arrival:
+                # a late worker's load joins the request under way at its start (of a reused
+                # id, an earlier one than the request in flight), else the one in flight,
+                # else the newest
+                earlier = self.finished_recently(source, rid, event.ts)
+                if earlier is not None or record is None:
+                    record = earlier or (recent.get(rid) or (None,))[-1]
+                    if record is None:
+                        record = self._open(source, inflight, rid, event.ts)
+                    else:
+                        self.amended[id(record)] = record
             if len(record.transfers) < MAX_TRANSFERS:
                 record.transfers += (TransferRecord(event.src, event.dst, event.blocks,
                                                     event.bytes, event.ts, event.duration,
