@@ -509,6 +509,22 @@ def test_tier_snapshots_of_several_engines_add_up():
     assert (cpu.capacity_bytes, cpu.resident_bytes) == (4000, 800)
 
 
+def test_a_scoped_taps_tier_snapshot_adds_to_its_scopes_own():
+    """Source sched reports 100 bytes of cpu capacity, its worker (scope sched) 50: 150, where
+    the worker's report once replaced the scheduler's (kept under the scope's name). The
+    scope's lookups still count misses in the tiers either reported (cpu: 2 misses)."""
+    pipeline = Pipeline()
+    for source, scope, capacity in (("sched", None, 100), ("worker", "sched", 50)):
+        pipeline.ingest(source, [ev.TierSnapshot(ts=1.0, tier="cpu", capacity_bytes=capacity,
+                                                 resident_bytes=0, capacity_blocks=1,
+                                                 resident_blocks=0)], scope=scope)
+    pipeline.ingest("sched", [ev.Lookup(ts=1.0, request_id="r", tokens={"recompute": 32},
+                                        blocks=2)])
+    snap = pipeline.snapshot()
+    assert snap.tiers["cpu"].capacity_bytes == 150
+    assert snap.lookup_blocks[("cpu", "miss")] == 2
+
+
 def test_the_recently_finished_requests_are_bounded_in_records_not_ids():
     """``max_recent`` 100: a source reusing 10 ids 30 times each (300 finishes, one id after
     the other). Its newest 100 records span 4 ids (id6's last 10, id7 to id9); ids leave

@@ -163,7 +163,7 @@ def _by_key(counter: Counter, sep: str = "->") -> dict[str, int]:
 
 # the order kinds are folded in within a batch: a request's start before its lookup,
 # transfers and finish; tier snapshots before lookups, which count misses in the tiers known
-FOLD_ORDER = (ev.RequestStarted, ev.TierSnapshot, ev.Lookup, ev.Transfer, ev.Eviction,
+FOLD_ORDER = (ev.TierSnapshot, ev.RequestStarted, ev.Lookup, ev.Transfer, ev.Eviction,
               ev.LatencyHistogram, ev.RequestFinished)
 
 
@@ -245,9 +245,9 @@ class Pipeline:
         self._dropped_blocks: Counter[str] = Counter()
         self._evicted_hits: dict[str, Histogram] = {}
         self._residency: dict[str, Histogram] = {}
-        # each source's last snapshot of each tier, and their sum per tier (what is exported):
-        # a node's engines each report their own tiers
-        self._tier_parts: dict[tuple[str, str], ev.TierSnapshot] = {}
+        # each source's last snapshot of each tier, by (scope, source, tier), and their sum per
+        # tier (what is exported): a node's engines each report their own tiers
+        self._tier_parts: dict[tuple[str, str, str], ev.TierSnapshot] = {}
         self._tiers: dict[str, ev.TierSnapshot] = {}
         self._requests = 0
         self._ttft = Histogram(LATENCY_SECONDS_BUCKETS)
@@ -262,8 +262,8 @@ class Pipeline:
         # Histogram counts at the last ``quantile_window`` samples, oldest first: the samples'
         # percentiles cover the observations since the oldest (like PromQL rate()[60s]).
         self._hist_ring: deque[dict] = deque(maxlen=max(quantile_window, 1))
-        self._folds = ((ev.RequestStarted, self._fold_started),
-                       (ev.TierSnapshot, self._fold_snapshots), (ev.Lookup, self._fold_lookups),
+        # snapshots are folded first, by their sender (see _fold)
+        self._folds = ((ev.RequestStarted, self._fold_started), (ev.Lookup, self._fold_lookups),
                        (ev.Transfer, self._fold_transfers), (ev.Eviction, self._fold_evictions),
                        (ev.LatencyHistogram, self._fold_latency_histograms),
                        (ev.RequestFinished, self._fold_finished))
@@ -313,6 +313,8 @@ class Pipeline:
         finished: list[RequestRecord] = []
         if scope != source:
             self._join(scope, self._join_window)
+        if groups[ev.TierSnapshot]:
+            self._fold_snapshots(source, scope, groups[ev.TierSnapshot])
         for kind, fold in self._folds:
             if groups[kind]:
                 fold(scope, groups[kind], finished)
@@ -471,19 +473,21 @@ class Pipeline:
             self._source_info[source] = (engine[:64], model[:64])
 
     # One fold per event kind, called under the lock: (source whose requests the events are
-    # about, that kind's events of one batch in arrival order, finished records).
+    # about, that kind's events of one batch in arrival order, finished records); snapshots
+    # also by their sender.
 
     def _fold_started(self, source: str, events: list[ev.RequestStarted],
                       finished: list) -> None:
         for before, after in self._assembler.started(source, events):
             self._retrace(before, after)
 
-    def _fold_snapshots(self, source: str, events: list[ev.TierSnapshot],
-                        finished: list) -> None:
+    def _fold_snapshots(self, source: str, scope: str, events: list[ev.TierSnapshot]) -> None:
+        """Keep sender ``source``'s last snapshot of each tier (two taps of one scope each
+        report their own) and sum each tier's."""
         parts = self._tier_parts
-        parts.update(((source, event.tier), event) for event in events)
+        parts.update(((scope, source, event.tier), event) for event in events)
         for tier in set(map(_TIER, events)):
-            mine = [snap for (_, t), snap in parts.items() if t == tier]
+            mine = [snap for (_, _, t), snap in parts.items() if t == tier]
             self._tiers[tier] = ev.TierSnapshot(
                 ts=max(map(_TS, mine)), tier=tier,
                 capacity_bytes=sum(snap.capacity_bytes for snap in mine),
@@ -509,7 +513,7 @@ class Pipeline:
         # reported in snapshots and those its hits name (not another engine's on the node).
         block_hits = list(map(_BLOCK_HITS, events))
         remaining = list(map(_BLOCKS, events))
-        known = {tier for (reporter, tier) in self._tier_parts if reporter == source}
+        known = {tier for (scope, _, tier) in self._tier_parts if scope == source}
         for tier in TIER_ORDER:
             if not any(remaining):
                 break
