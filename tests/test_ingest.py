@@ -208,6 +208,27 @@ def test_close_counts_what_it_could_not_send(tmp_path):
     assert emitter.dropped == 25 and emitter.buffered() == 0
 
 
+@pytest.mark.parametrize("timeout", [None, float("inf")])
+def test_close_without_a_deadline_waits_until_the_agent_has_everything(source, tmp_path,
+                                                                      timeout):
+    """close(None) raised a TypeError and close(inf) an OverflowError (in the caller, and in
+    the sender thread, which then left its socket open): both now wait until sent."""
+    emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=10)
+    for i in range(25):
+        emitter.emit(_lookup(i))
+    emitter.close(timeout)
+    assert emitter.dropped == 0
+    assert wait_until(lambda: source.pipeline.events_received().get("engine") == 25)
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan")])
+def test_close_with_a_negative_or_nan_timeout_gives_up_at_once(tmp_path, timeout):
+    emitter = Emitter(_endpoint(tmp_path), source="engine")  # no agent
+    emitter.emit(_lookup(0))
+    emitter.close(timeout)
+    assert emitter.dropped == 1
+
+
 def test_close_loses_at_most_what_zmq_holds_and_counts_the_rest(tmp_path):
     """A slow agent (a PULL socket taking one 100-event batch per 20 ms) and close(0.5) on
     5,000 buffered events: what the emitter still buffers at the deadline is counted in

@@ -219,7 +219,7 @@ class Emitter:
         # This thread owns the socket to the end (ZMQ sockets are not thread-safe); term()
         # waits, within the deadline, for ZMQ to hand its queued batches to the agent.
         linger = max(0.0, self._drain_until - time.monotonic())
-        self._socket.close(linger=int(linger * 1000))
+        self._socket.close(linger=-1 if math.isinf(linger) else int(linger * 1000))
         self._context.term()
 
     def _watch(self, sent_all: bool) -> None:
@@ -311,14 +311,17 @@ class Emitter:
             self._buffer.extendleft(reversed(events[half:]))
             events = events[:half]
 
-    def close(self, timeout: float = 1.0) -> None:
-        """Send what is buffered, waiting at most ``timeout`` seconds for the agent to take it,
-        and close; events still in the buffer then are counted in :attr:`dropped`. Returns
-        within ``timeout`` + 1 s (unless the thread is stuck encoding a huge batch: it then
-        finishes, and counts, on its own)."""
+    def close(self, timeout: float | None = 1.0) -> None:
+        """Send what is buffered, waiting at most ``timeout`` seconds for the agent to take it
+        (None or infinite: as long as it takes; negative or NaN: 0), and close; events still
+        in the buffer then are counted in :attr:`dropped`. Returns within ``timeout`` + 1 s
+        (unless the thread is stuck encoding a huge batch: it then finishes, and counts, on
+        its own)."""
         with self._fork_lock:
             self._forked = False  # a forked child's that never emitted: nothing to start
         if not self._stop.is_set():
-            self._drain_until = time.monotonic() + timeout
+            wait = math.inf if timeout is None else timeout if timeout > 0 else 0.0
+            self._drain_until = time.monotonic() + wait
             self._stop.set()
-        self._thread.join(max(0.0, self._drain_until - time.monotonic()) + 1.0)
+        left = self._drain_until - time.monotonic()
+        self._thread.join(None if math.isinf(left) else max(0.0, left) + 1.0)
