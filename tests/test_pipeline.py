@@ -2,6 +2,8 @@
 
 import time
 
+import pytest
+
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.requests import MAX_REUSES, RequestAssembler
@@ -523,6 +525,20 @@ def test_a_scoped_taps_tier_snapshot_adds_to_its_scopes_own():
     snap = pipeline.snapshot()
     assert snap.tiers["cpu"].capacity_bytes == 150
     assert snap.lookup_blocks[("cpu", "miss")] == 2
+
+
+@pytest.mark.parametrize("trace_id", ['a"b\n} 1 # x', "AB" * 16, "0" * 32, "g" * 32])
+def test_a_trace_id_that_is_not_w3c_is_taken_as_none(trace_id):
+    """A tap's trace id that is not 32 lowercase hex digits, or is all zeros (W3C Trace Context
+    3.2.2.3: invalid), became the TTFT exemplar's label as it was (a quote and a newline broke
+    prometheus_client's own parser); it is taken as absent, and the agent makes one."""
+    pipeline = Pipeline()
+    pipeline.ingest("engine", [
+        ev.RequestStarted(ts=1.0, request_id="r", prompt_tokens=8, trace_id=trace_id),
+        ev.RequestFinished(ts=1.5, request_id="r", ttft=0.5, prompt_tokens=8)])
+    made = pipeline.requests.get("r").trace_id
+    assert made != trace_id and len(made) == 32 and int(made, 16) > 0
+    assert [e[0] for e in pipeline.snapshot().ttft_seconds.exemplars.values()] == [made]
 
 
 def test_the_recently_finished_requests_are_bounded_in_records_not_ids():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import operator
 import random
+import re
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Container, Iterable, Sequence
@@ -68,6 +69,16 @@ class RequestRecord(msgspec.Struct, gc=False):
     prefill: float = 0.0
     finished: float | None = None
     itl: float = 0.0
+
+
+def w3c_trace_id(trace_id: str) -> bool:
+    """Whether ``trace_id`` is a valid W3C trace id: 32 lowercase hex characters, not all 0
+    (W3C Trace Context, section 3.2.2.3). A tap's other strings would become exemplar labels."""
+    return _HEX32(trace_id) is not None and trace_id != _ZERO_TRACE
+
+
+_HEX32 = re.compile("[0-9a-f]{32}").fullmatch
+_ZERO_TRACE = "0" * 32
 
 
 def new_trace_id() -> str:
@@ -196,22 +207,24 @@ class RequestAssembler:
         unstarted, joined = self._unstarted[source], source in self.joined
         retraced = []
         for event in events:
-            rid = event.request_id
+            rid, trace_id = event.request_id, event.trace_id
+            if trace_id and not w3c_trace_id(trace_id):  # as absent (W3C Trace Context, 3.2.2.3)
+                trace_id = ""
             record = inflight.get(rid)
             if record is None and joined:
                 record = self._find(source, rid, event.ts)
             if record is None:
-                inflight[rid] = RequestRecord(rid, event.trace_id or new_trace_id(), source,
-                                              event.ts, event.prompt_tokens)
+                inflight[rid] = RequestRecord(rid, trace_id or new_trace_id(), source, event.ts,
+                                              event.prompt_tokens)
                 continue
             # another emitter's event opened the record first: arrival and trace id are the
             # start's, and its prompt tokens unless it has none (a span without usage)
             unstarted.discard(rid)
             record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
             record.arrival = event.ts
-            if event.trace_id and event.trace_id != record.trace_id:
-                retraced.append((record.trace_id, event.trace_id))
-                record.trace_id = event.trace_id
+            if trace_id and trace_id != record.trace_id:
+                retraced.append((record.trace_id, trace_id))
+                record.trace_id = trace_id
         self._bound(source, inflight)
         return retraced
 
