@@ -234,7 +234,8 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     ``model``: what the emitter observes (e.g. "vllm", "meta-llama/Llama-3.1-8B"), or "".
     ``scope``: the source whose requests this emitter's request ids name, when that is another
     emitter (vLLM's worker tap names the scheduler tap's requests): the agent joins its events to
-    that source's request records. "" for its own.
+    that source's request records. "" for its own. ``final``: the emitter's last batch (sent by
+    ``close``): the engine stopped, and its tiers leave the tier gauges.
     """
 
     version: int
@@ -246,6 +247,7 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     engine: str = ""
     model: str = ""
     scope: str = ""
+    final: bool = False
 
 
 def validate(event: Event) -> Event:

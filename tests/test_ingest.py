@@ -229,6 +229,28 @@ def test_close_with_a_negative_or_nan_timeout_gives_up_at_once(tmp_path, timeout
     assert emitter.dropped == 1
 
 
+def test_a_closed_emitters_tiers_leave_the_gauges(source, tmp_path):
+    """Engines dp0 and dp1 report 1000 and 3000 bytes of cpu tier: 4000. dp1 stops (its
+    emitter's close sends a final batch): 1000, where dp1's share once stayed until the agent
+    restarted. dp0 stops too: no cpu tier is left to export."""
+    emitters = {}
+    for name, capacity in (("dp0", 1000), ("dp1", 3000)):
+        emitters[name] = Emitter(_endpoint(tmp_path), source=name, flush_interval=0.01)
+        emitters[name].emit(ev.TierSnapshot(ts=1.0, tier="cpu", capacity_bytes=capacity,
+                                            resident_bytes=0, capacity_blocks=1,
+                                            resident_blocks=0))
+
+    def cpu_capacity():
+        tier = source.pipeline.snapshot().tiers.get("cpu")
+        return tier.capacity_bytes if tier else None
+
+    assert wait_until(lambda: cpu_capacity() == 4000)
+    emitters["dp1"].close()
+    assert wait_until(lambda: cpu_capacity() == 1000)
+    emitters["dp0"].close()
+    assert wait_until(lambda: cpu_capacity() is None)
+
+
 def test_close_loses_at_most_what_zmq_holds_and_counts_the_rest(tmp_path):
     """A slow agent (a PULL socket taking one 100-event batch per 20 ms) and close(0.5) on
     5,000 buffered events: what the emitter still buffers at the deadline is counted in

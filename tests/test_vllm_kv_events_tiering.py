@@ -35,7 +35,7 @@ from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.kv_events import (BlockRemoved, BlockStored, KvEventsSource,
                                              KvResidency, decode)
-from tests.vllm_env import run_driver, vllm_python
+from tests.vllm_env import remember_tiers_at_close, run_driver, vllm_python
 
 STORED, PROMOTED, CPU_EVICTED, CPU_TIER_BLOCKS = 161, 34, 155, 40  # test_vllm_tiering.py
 BYTES_PER_BLOCK = 2 * 2 * 32 * 2 * 32 * 4  # tests/vllm_driver.py: K and V, 2 layers, 32 tokens
@@ -145,6 +145,7 @@ def run(tmp_path_factory):
             both.pipeline.ingest(source, events, scope)
 
     agent.pipeline.ingest = tee
+    tiers_at_close = remember_tiers_at_close(agent.pipeline)
     payloads: list[bytes] = []  # every batch, in order (the ``alone`` subscriber's)
     seqs = {"agent": _watch_first_seq(agent.kv_events), "alone": _watch_first_seq(alone, payloads),
             "both": _watch_first_seq(both)}
@@ -167,6 +168,7 @@ def run(tmp_path_factory):
         with TestClient(create_app(agent)) as client:
             text = client.get("/metrics").text
         yield {"result": result, "agent": agent, "alone": alone, "both": both, "seqs": seqs,
+               "tiers_at_close": tiers_at_close,
                "warnings": warnings.messages, "exposition": text, "payloads": payloads}
     finally:
         for part in reversed(started):
@@ -203,7 +205,9 @@ def test_combined_with_the_tap_tiers_gpu_gives_the_tap_only_figures(run):
     assert snap.dropped_blocks.get("cpu", 0) == 0
     assert snap.evicted_blocks.get(("gpu", "capacity"), 0) > 0  # from the KV events
     assert 0 < snap.tiers["gpu"].resident_blocks <= run["result"]["gpu_blocks"]
-    assert snap.tiers["cpu"].resident_blocks == CPU_TIER_BLOCKS  # the tap's snapshot
+    # the tap's last snapshot (its emitter closed with vLLM, taking the cpu tier out)
+    assert run["tiers_at_close"]["vllm"]["cpu"].resident_blocks == CPU_TIER_BLOCKS
+    assert "cpu" not in snap.tiers
     assert "kvscope_transfer_blocks_total" in run["exposition"]
     assert agent.kv_events.check_overlap() == set()
     assert snap.events_dropped == {}

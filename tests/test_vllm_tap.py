@@ -46,10 +46,13 @@ def test_offloads_promotions_and_evictions_reach_the_agent(offload_run):
     # what stays resident is what was stored less what was evicted: at the end the tier is full
     # (reported once more when vLLM shuts the manager down)
     stored = value(m, "kvscope_transfer_blocks_total", src="gpu", dst="cpu")
-    assert value(m, "kvscope_tier_resident_blocks", tier="cpu") == stored - evicted == \
-        offload_run["result"]["cpu_blocks"]
-    assert value(m, "kvscope_tier_capacity_blocks", tier="cpu") == offload_run["result"]["cpu_blocks"]
-    assert value(m, "kvscope_tier_capacity_bytes", tier="cpu") == offload_run["result"]["cpu_blocks"] * bpb
+    cpu = offload_run["tiers_at_close"]["vllm"]["cpu"]
+    assert cpu.resident_blocks == stored - evicted == offload_run["result"]["cpu_blocks"]
+    assert cpu.capacity_blocks == offload_run["result"]["cpu_blocks"]
+    assert cpu.capacity_bytes == offload_run["result"]["cpu_blocks"] * bpb
+    # then vLLM stopped: its tap's closing emitter took the tier out of the gauges
+    assert "cpu" not in offload_run["snapshot"].tiers
+    assert 'kvscope_tier_capacity_bytes{tier="cpu"}' not in offload_run["exposition"]
     # all of them: vLLM reports the last one finished only at a next step, so the tap reports
     # requests vLLM finished when it shuts down
     assert value(m, "kvscope_requests_total") == len(offload_run["result"]["outputs"])

@@ -122,11 +122,10 @@ def test_cpu_evictions_match_vllms_and_none_were_dropped(tiering_run):
     # the tap's residency bookkeeping (stores, promotions in, evictions out) ends where vLLM's
     assert result["tap_resident_blocks"] == result["vllm"]["cpu_resident_blocks"]
     # ... and so does the gauge: the tap reports the tier once more when vLLM shuts it down
-    assert value(m, "kvscope_tier_resident_blocks", tier="cpu") == CPU_TIER_BLOCKS
-    assert value(m, "kvscope_tier_capacity_blocks", tier="cpu") == CPU_TIER_BLOCKS == \
-        result["cpu_blocks"]
-    assert value(m, "kvscope_tier_capacity_bytes", tier="cpu") == \
-        CPU_TIER_BLOCKS * result["bytes_per_block"]
+    cpu = tiering_run["tiers_at_close"]["vllm"]["cpu"]
+    assert cpu.resident_blocks == CPU_TIER_BLOCKS
+    assert cpu.capacity_blocks == CPU_TIER_BLOCKS == result["cpu_blocks"]
+    assert cpu.capacity_bytes == CPU_TIER_BLOCKS * result["bytes_per_block"]
 
 
 def test_nothing_dropped_and_the_tap_never_failed(tiering_run):

@@ -101,13 +101,29 @@ def value(metrics, name, **labels) -> float:
     return metrics.get((name, frozenset(labels.items())), 0.0)
 
 
+def remember_tiers_at_close(pipeline) -> dict:
+    """source -> ``pipeline``'s tier gauges when that source's emitter last closed, just before
+    it took its tiers out (vLLM has stopped by the time a test reads the agent). Observes the
+    pipeline's ``forget_tiers``; the product's call goes on."""
+    tiers_at_close: dict = {}
+    forget = pipeline.forget_tiers
+
+    def remember(source: str) -> None:
+        tiers_at_close[source] = pipeline.snapshot().tiers
+        forget(source)
+
+    pipeline.forget_tiers = remember
+    return tiers_at_close
+
+
 @contextmanager
 def tap_run(python: str, tmp: Path, mode: str) -> Iterator[dict]:
     """tests/vllm_driver.py ``mode`` with the tap sending to a real agent (ipc ingest, real
     /metrics). Yields, once both tap emitters were heard from and nothing new arrived for half
     a second: ``result`` (the driver's JSON), ``metrics`` (:func:`samples` of /metrics),
-    ``exposition`` (its text), ``snapshot`` (the pipeline's), ``records`` (the request table's)
-    and ``log`` (the driver's log)."""
+    ``exposition`` (its text), ``snapshot`` (the pipeline's), ``records`` (the request table's),
+    ``tiers_at_close`` (source -> the pipeline's tier gauges when that source's emitter last
+    closed, before it took its tiers out) and ``log`` (the driver's log)."""
     from fastapi.testclient import TestClient
 
     from conftest import wait_until
@@ -118,6 +134,7 @@ def tap_run(python: str, tmp: Path, mode: str) -> Iterator[dict]:
     endpoint = f"ipc://{tmp}/ingest.sock"
     agent = Agent(AgentSettings(ingest={"endpoint": endpoint},
                                 collectors={"gpu": {"enabled": False}}))
+    tiers_at_close = remember_tiers_at_close(agent.pipeline)
     agent.start()
     try:
         log = tmp / f"{mode}.log"
@@ -140,6 +157,7 @@ def tap_run(python: str, tmp: Path, mode: str) -> Iterator[dict]:
             text = client.get("/metrics").text
         yield {"result": result, "metrics": samples(text), "exposition": text,
                "snapshot": agent.pipeline.snapshot(),
-               "records": agent.pipeline.requests.recent(10_000), "log": log}
+               "records": agent.pipeline.requests.recent(10_000),
+               "tiers_at_close": tiers_at_close, "log": log}
     finally:
         agent.shutdown()

@@ -484,16 +484,31 @@ class Pipeline:
     def _fold_snapshots(self, source: str, scope: str, events: list[ev.TierSnapshot]) -> None:
         """Keep sender ``source``'s last snapshot of each tier (two taps of one scope each
         report their own) and sum each tier's."""
-        parts = self._tier_parts
-        parts.update(((scope, source, event.tier), event) for event in events)
-        for tier in set(map(_TIER, events)):
-            mine = [snap for (_, _, t), snap in parts.items() if t == tier]
+        self._tier_parts.update(((scope, source, event.tier), event) for event in events)
+        self._sum_tiers(set(map(_TIER, events)))
+
+    def _sum_tiers(self, tiers: Iterable[str]) -> None:
+        """Sum each of ``tiers`` over its sources' last snapshots; a tier none reports leaves."""
+        for tier in tiers:
+            mine = [snap for (_, _, t), snap in self._tier_parts.items() if t == tier]
+            if not mine:
+                self._tiers.pop(tier, None)
+                continue
             self._tiers[tier] = ev.TierSnapshot(
                 ts=max(map(_TS, mine)), tier=tier,
                 capacity_bytes=sum(snap.capacity_bytes for snap in mine),
                 resident_bytes=sum(snap.resident_bytes for snap in mine),
                 capacity_blocks=sum(snap.capacity_blocks for snap in mine),
                 resident_blocks=sum(snap.resident_blocks for snap in mine))
+
+    def forget_tiers(self, source: str) -> None:
+        """Leave sender ``source``'s tier snapshots out of the tier gauges from now on (its
+        emitter closed: an engine that stopped holds no tier)."""
+        with self._lock:
+            gone = [key for key in self._tier_parts if key[1] == source]
+            for key in gone:
+                del self._tier_parts[key]
+            self._sum_tiers({tier for _, _, tier in gone})
 
     def _fold_lookups(self, source: str, events: list[ev.Lookup], finished: list) -> None:
         self._assembler.lookups(source, events)

@@ -249,6 +249,8 @@ class IngestSource(Worker):
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
         self.pipeline.ingest(batch.source, batch.events, scope=batch.scope or None)
+        if batch.final:
+            self.pipeline.forget_tiers(batch.source)
 
     def _admit(self, source: str) -> bool:
         """Whether ``source`` is a name the agent accepts, and room is left for it; logs each

@@ -216,6 +216,12 @@ class Emitter:
             self._pending, self._pending_events = None, 0
             self._log.warning("kvscope emitter: closed with %d events unsent (the agent at %s "
                               "away or slow)", left, self._endpoint)
+        # the last batch: the engine stopped (its tiers leave the agent's gauges), and the
+        # drops counted at close reach the agent
+        try:
+            self._socket.send(ev.encode_batch(self._batch([], final=True)), zmq.NOBLOCK)
+        except zmq.ZMQError:  # the agent away: nothing more to tell it
+            pass
         # This thread owns the socket to the end (ZMQ sockets are not thread-safe); term()
         # waits, within the deadline, for ZMQ to hand its queued batches to the agent.
         linger = max(0.0, self._drain_until - time.monotonic())
@@ -272,17 +278,19 @@ class Emitter:
             self._seq += 1
             self.sent_batches += 1
 
+    def _batch(self, events: list, final: bool = False) -> ev.Batch:
+        return ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
+                        events=events, session=self._session, dropped=self.dropped,
+                        engine=self._engine, model=self._model, scope=self._scope, final=final)
+
     def _encode(self, events: list) -> bytes | None:
         """``events`` as one batch, or as its first part when the whole is over
         ``max_batch_bytes`` (the rest goes back to the buffer's front); None when nothing is
         left to send (events that do not encode, or one too large alone, are dropped and
         counted)."""
         while True:
-            batch = ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
-                             events=events, session=self._session, dropped=self.dropped,
-                             engine=self._engine, model=self._model, scope=self._scope)
             try:
-                data = ev.encode_batch(batch)
+                data = ev.encode_batch(self._batch(events))
             except Exception as exc:  # a malformed event: never let it stop the thread
                 # only the events that do not encode alone go (a numpy int in one of them
                 # once cost the whole batch)
