@@ -89,6 +89,21 @@ def test_keep_when_over_the_budget_but_better_than_the_baseline(tmp_path, capsys
     assert "needs more than a rollback" in out["verdict"]["text"]
 
 
+def test_over_the_budget_and_better_than_the_baseline_keeps_however_far_over():
+    """Baseline p99 500 ms (450-550); budget 100 ms. A candidate at 200 ms (150-300) and one
+    barely over at 105 ms (95-115, straddling the budget) are both significantly better than
+    the baseline (difference intervals below 0): both keep. The second was once inconclusive,
+    a softer verdict for a run nearer the budget."""
+    from kvscope.analysis.bootstrap import Estimate
+    from kvscope.analysis.compare import QuantileRow, verdict
+
+    base = Estimate(0.5, 0.45, 0.55)
+    for cand in (Estimate(0.2, 0.15, 0.3), Estimate(0.105, 0.095, 0.115)):
+        diff = Estimate(cand.value - base.value, cand.low - base.high, cand.high - base.low)
+        decision = verdict(QuantileRow(0.99, base, cand, diff), BUDGET, 0.95, 1000, 1000)
+        assert decision.decision == KEEP, cand
+
+
 def test_inconclusive_when_the_p99_interval_straddles_the_budget(tmp_path, capsys):
     """Both runs: 980 requests at 50 ms, 10 at 90 ms, 10 at 110 ms. The p99 (linear, position
     989.01 of 1000) is 90.2 ms, under the budget; a resample's p99 is 110 ms when it draws 11

@@ -158,10 +158,11 @@ def verdict(p99: QuantileRow, budget: float | None, confidence: float,
     interval [dlo, dhi] of candidate minus baseline:
 
     1. fewer than ``min_requests`` requests on either side -> inconclusive;
-    2. lo > B (above the budget with confidence) -> roll back, unless dhi < 0 (significantly
-       better than the baseline, so disabling the tier would raise p99 further) -> keep;
-    3. hi <= B (within the budget with confidence) -> keep;
-    4. the interval contains B: c > B and dlo > 0 (over the budget by the estimate and
+    2. c > B (over the budget by the estimate) and dhi < 0 (significantly better than the
+       baseline, so disabling the tier would raise p99 further) -> keep;
+    3. lo > B (above the budget with confidence) -> roll back;
+    4. hi <= B (within the budget with confidence) -> keep;
+    5. the interval contains B: c > B and dlo > 0 (over the budget by the estimate and
        significantly worse than the baseline) -> roll back; c <= B and dhi < 0 (within it by
        the estimate and significantly better than the baseline) -> keep; else inconclusive.
 
@@ -190,8 +191,8 @@ def verdict(p99: QuantileRow, budget: float | None, confidence: float,
                        f"baseline's {_ms(p99.baseline.value)}.", reasons)
     b = _ms(budget)
     reasons.append(f"budget {b}")
-    if c.low > budget and better:
-        return Verdict(KEEP, f"{KEEP}: {cand} is above the {b} budget, but significantly "
+    if c.value > budget and better:
+        return Verdict(KEEP, f"{KEEP}: {cand} is over the {b} budget, but significantly "
                        f"below the baseline's {_ms(p99.baseline.value)}: disabling the tier "
                        "would raise p99 further; the budget needs more than a rollback.",
                        reasons)
