@@ -268,3 +268,22 @@ def test_request_finished_carries_every_part_of_ttft():
     offload, promotion = _of(events, ev.Transfer, "r2")
     assert (offload.src, promotion.src) == ("gpu", "cpu") and done.promotion_wait > 0
     assert abs(started.ts + done.queueing + done.lookup - promotion.ts) < 1e-5
+
+
+def test_copies_flushed_during_planning_are_counted_once():
+    """One GPU block: r3 = (A, B), both in the cpu tier, promotes A, then must offload A to
+    promote B into the same slot, so the first promotion runs (a flush for the slot conflict)
+    inside the timed planning. That time was in lookup and again in the wait; now the parts
+    end where the last copy ends, as for any request: arrival + queueing + lookup + wait."""
+    events = []
+    block_tokens = 16 * 256  # 8 MiB blocks: copies long enough to tell a double count
+    engine = OffloadEngine(TINY, 1, 4, block_tokens=block_tokens, emit=events.append)
+    for name, hashes in [("r0", (A,)), ("r1", (B,)), ("r2", (C,)), ("r3", (A, B))]:
+        engine.process(Request(name, 0.0, block_tokens * len(hashes), 1, hashes))
+    engine.drain()
+    (started,) = _of(events, ev.RequestStarted, "r3")
+    (done,) = _of(events, ev.RequestFinished, "r3")
+    copies = _of(events, ev.Transfer, "r3")
+    assert [c.src + "->" + c.dst for c in copies].count("cpu->gpu") == 2
+    wait_ends = started.ts + done.queueing + done.lookup + done.promotion_wait
+    assert abs(wait_ends - max(c.ts + c.duration for c in copies)) < 1e-6

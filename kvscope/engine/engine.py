@@ -20,10 +20,10 @@ least ``min_priority`` (as TensorRT-LLM's ``secondary_offload_min_priority``; pr
 
 With ``payload=False`` the engine is the simulator: the same code makes the same decisions with
 no bytes, and transfer times come from the preset's cost model. TTFT = queueing + lookup (the
-engine's own planning time, and with payload the offloads that free slots for the promotions,
-which run before them; 0 when simulating, whose offloads are left off the request's path) +
-promotion wait (``disk->cpu`` and ``cpu->gpu`` copies) + prefill of the recomputed tokens
-(:mod:`kvscope.engine.presets`).
+engine's own planning time, and with payload every copy before the prefill that is no
+promotion: offloads and spills, which run then too; 0 when simulating, whose offloads are left
+off the request's path) + promotion wait (``disk->cpu`` and ``cpu->gpu`` copies) + prefill of
+the recomputed tokens (:mod:`kvscope.engine.presets`).
 """
 
 from __future__ import annotations
@@ -407,12 +407,16 @@ class OffloadEngine:
                     if r.dst == "gpu" or r.src == "disk":
                         wait += r.duration
             if outcome.results:
-                # The copies run before the prefill, one after another: the offloads that free
-                # slots for the promotions delay the first token too. Lookup takes them (and
-                # the gaps between copies), so the wait ends where the last copy ends.
-                copies_end = max(r.start + r.duration for r in outcome.results)
+                # The copies run before the prefill, one after another (on one CUDA stream,
+                # each once issued): the offloads and spills delay the first token too. Lookup
+                # takes them (and the gaps between copies), so that the wait ends where the
+                # last copy ends. The planning time may hold copies already (a flush for a
+                # slot conflict), so lookup is the later end, less the wait.
                 took = started.ts + outcome.queueing  # when the engine took the request
-                outcome.lookup = max(outcome.lookup, copies_end - took - wait)
+                end = took
+                for r in outcome.results:
+                    end = max(end, r.start) + r.duration
+                outcome.lookup = max(0.0, max(end - took, outcome.lookup) - wait)
         else:
             for phase, direction in _DIRECTION.items():
                 if moved[phase]:
