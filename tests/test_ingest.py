@@ -208,16 +208,19 @@ def test_close_counts_what_it_could_not_send(tmp_path):
     assert emitter.dropped == 25 and emitter.buffered() == 0
 
 
-@pytest.mark.parametrize("timeout", [None, float("inf")])
+@pytest.mark.parametrize("timeout", [None, float("inf"), 3e6, 1e10])
 def test_close_without_a_deadline_waits_until_the_agent_has_everything(source, tmp_path,
-                                                                      timeout):
-    """close(None) raised a TypeError and close(inf) an OverflowError (in the caller, and in
-    the sender thread, which then left its socket open): both now wait until sent."""
+                                                                      timeout, monkeypatch):
+    """close(None) raised a TypeError, and close(inf), close(3e6) (35 days) and close(1e10) an
+    OverflowError (in the caller, or in the sender thread, which then left its socket open:
+    ZMQ's linger is an int of milliseconds): all now wait until sent."""
+    errors = []  # what the sender thread raises
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
     emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=10)
     for i in range(25):
         emitter.emit(_lookup(i))
     emitter.close(timeout)
-    assert emitter.dropped == 0
+    assert emitter.dropped == 0 and errors == []
     assert wait_until(lambda: source.pipeline.events_received().get("engine") == 25)
 
 

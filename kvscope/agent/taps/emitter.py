@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[Emitter] = weakref.WeakSet()
 
 
+MAX_LINGER_SECONDS = (2**31 - 1) / 1000  # ZMQ's linger: an int of milliseconds
+
+
 def _encodes(event: object) -> bool:
     """Whether ``event`` encodes alone (a numpy or torch scalar in a field does not)."""
     try:
@@ -167,6 +170,7 @@ class Emitter:
         self._buffer.clear()  # the parent's events, the parent's to send
         self._pending, self._pending_events = None, 0
         self.dropped = self.sent_batches = 0
+        self._told_unencodable = False  # the child's log is its own
 
     def _start_forked(self) -> bool:
         """Start a forked child's emitter (see :meth:`_after_fork`), once, as a new session
@@ -321,7 +325,8 @@ class Emitter:
 
     def close(self, timeout: float | None = 1.0) -> None:
         """Send what is buffered, waiting at most ``timeout`` seconds for the agent to take it
-        (None or infinite: as long as it takes; negative or NaN: 0), and close; events still
+        (None, or longer than ZMQ's linger can say, about 24 days: as long as it takes;
+        negative or NaN: 0), and close; events still
         in the buffer then are counted in :attr:`dropped`. Returns within ``timeout`` + 1 s
         (unless the thread is stuck encoding a huge batch: it then finishes, and counts, on
         its own)."""
@@ -329,6 +334,8 @@ class Emitter:
             self._forked = False  # a forked child's that never emitted: nothing to start
         if not self._stop.is_set():
             wait = math.inf if timeout is None else timeout if timeout > 0 else 0.0
+            if wait > MAX_LINGER_SECONDS:
+                wait = math.inf
             self._drain_until = time.monotonic() + wait
             self._stop.set()
         left = self._drain_until - time.monotonic()
