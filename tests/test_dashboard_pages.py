@@ -215,15 +215,18 @@ def test_sizing_page_says_how_to_enable_it_without_a_trace():
     assert "Offload: a 1 GiB CPU tier pays." in str(verdict) and "t.jsonl" in status
 
 
-def test_sizing_page_shows_the_size_it_rounds_up_for_vllm():
-    """31.13 GiB is rounded up to 31.2 for --kv-offloading-size; at 3 significant digits it read
-    31.1, below the flag's value, as if the two disagreed."""
-    data = {**SIZING, "recommended": {**SIZING["recommended"], "gib": 31.13},
-            "kv_offloading_size_gib": 31.2}
+@pytest.mark.parametrize("gib,flag,shown", [(31.13, 31.2, "31.13"), (1131.13, 1131.2, "1,131.13"),
+                                            (0.0123, 0.1, "0.0123")])
+def test_sizing_page_shows_the_size_it_rounds_up_for_vllm(gib, flag, shown):
+    """The size is rounded up to 0.1 GiB for --kv-offloading-size; at 3 or 4 significant
+    digits 31.13 read 31.1 and 1,131.13 read 1,131, below the flag's value, as if the two
+    disagreed. Two decimals from 1 GiB; small sizes keep 3 digits."""
+    data = {**SIZING, "recommended": {**SIZING["recommended"], "gib": gib},
+            "kv_offloading_size_gib": flag}
     curves, cost, verdict, status = sizing_page.render(SizingState("ready", "t.jsonl", data, "x"))
-    assert "Recommended CPU tier: 31.13 GiB" in str(verdict)
-    assert "--kv-offloading-size 31.2" in str(verdict)
-    assert "recommended 31.13 GiB" in annotation_texts(curves)
+    assert f"Recommended CPU tier: {shown} GiB" in str(verdict)
+    assert f"--kv-offloading-size {flag:g}" in str(verdict)
+    assert f"recommended {shown} GiB" in annotation_texts(curves)
 
 
 def test_sizing_source_reports_an_unreadable_trace(tmp_path):

@@ -26,12 +26,18 @@ def _layout(fig: go.Figure, title: str, y_title: str) -> None:
     fig.update_yaxes(title_text=y_title, rangemode="tozero")
 
 
+def gib_text(gib: float) -> str:
+    """A size in GiB for the page: two decimals from 1 GiB (the vLLM flag is rounded up to
+    0.1 GiB, so the size must show finer than that at any scale), 3 digits below."""
+    return f"{gib:,.2f}" if gib >= 1 else f"{gib:.3g}"
+
+
 def _mark(fig: go.Figure, data: Mapping) -> None:
     for name, colour in (("knee", "#7f7f7f"), ("recommended", "#d62728")):
         point = data.get(name)
         if point:
             fig.add_vline(x=point["gib"], line={"color": colour, "dash": "dash", "width": 1},
-                          annotation_text=f"{name} {point['gib']:,.4g} GiB",
+                          annotation_text=f"{name} {gib_text(point['gib'])} GiB",
                           annotation_position="bottom right" if name == "knee" else "top right")
 
 

@@ -46,7 +46,7 @@ def render(state: SizingState) -> tuple:
     verdict = [html.B(data.get("verdict", ""))]
     rec = data.get("recommended")
     if rec:
-        verdict += [html.Br(), f"Recommended CPU tier: {rec['gib']:,.4g} GiB ({rec['blocks']:,} "
+        verdict += [html.Br(), f"Recommended CPU tier: {fz.gib_text(rec['gib'])} GiB ({rec['blocks']:,} "
                     f"blocks), token hit share {rec['token_hit_share']:.1%}; vLLM "
                     f"--kv-offloading-size {data.get('kv_offloading_size_gib', 0):g}"]
     verdict += [html.Br(), f"Reused prompt tokens (ceiling for any cache): "
