@@ -25,6 +25,16 @@ SOURCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 RESERVED_SOURCES = frozenset({"ingest", "otlp", "kv_events", "vllm_metrics"})
 
 
+def w3c_trace_id(trace_id: str) -> bool:
+    """Whether ``trace_id`` is a valid W3C trace id: 32 lowercase hex characters, not all 0
+    (W3C Trace Context, section 3.2.2.3; OTLP calls the same invalid)."""
+    return _HEX32(trace_id) is not None and trace_id != _ZERO_TRACE
+
+
+_HEX32 = re.compile("[0-9a-f]{32}").fullmatch
+_ZERO_TRACE = "0" * 32
+
+
 def source_name_problem(name: str) -> str | None:
     """Why ``name`` cannot name a tap's source (a phrase to follow the name), or None."""
     if not SOURCE_NAME.fullmatch(name):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import operator
 import random
-import re
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Container, Iterable, Sequence
@@ -69,16 +68,6 @@ class RequestRecord(msgspec.Struct, gc=False):
     prefill: float = 0.0
     finished: float | None = None
     itl: float = 0.0
-
-
-def w3c_trace_id(trace_id: str) -> bool:
-    """Whether ``trace_id`` is a valid W3C trace id: 32 lowercase hex characters, not all 0
-    (W3C Trace Context, section 3.2.2.3). A tap's other strings would become exemplar labels."""
-    return _HEX32(trace_id) is not None and trace_id != _ZERO_TRACE
-
-
-_HEX32 = re.compile("[0-9a-f]{32}").fullmatch
-_ZERO_TRACE = "0" * 32
 
 
 def new_trace_id() -> str:
@@ -208,7 +197,7 @@ class RequestAssembler:
         retraced = []
         for event in events:
             rid, trace_id = event.request_id, event.trace_id
-            if trace_id and not w3c_trace_id(trace_id):  # as absent (W3C Trace Context, 3.2.2.3)
+            if trace_id and not ev.w3c_trace_id(trace_id):  # as absent, not as a label
                 trace_id = ""
             record = inflight.get(rid)
             if record is None and joined:

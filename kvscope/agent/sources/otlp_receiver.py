@@ -35,7 +35,6 @@ import gzip
 import json
 import logging
 import math
-import re
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -55,7 +54,6 @@ EMPTY_RESPONSE = b""  # a serialized ExportTraceServiceResponse with no partial_
 # when empty (2 bytes on the wire), so spans are counted on the wire before a body is parsed.
 MAX_DECOMPRESSED_BYTES = 4 << 20
 MAX_SPANS = 10_000
-_TRACE_ID = re.compile(r"(?!0{32})[0-9a-f]{32}")  # 16 bytes, hex, not all zero (OTLP: invalid)
 
 
 class OtlpError(ValueError):
@@ -312,7 +310,7 @@ class OtlpReceiver:
                 self._invalid(request_id, "the request id is not text (a lone surrogate)")
                 continue
             a = span.attributes
-            trace_id = span.trace_id if _TRACE_ID.fullmatch(span.trace_id) else ""
+            trace_id = span.trace_id if ev.w3c_trace_id(span.trace_id) else ""
             ttft = _float(a, TTFT)
             prompt = _count(a, "gen_ai.usage.prompt_tokens")
             try:  # as an emitter's events are checked: times, durations and counts in bounds

@@ -92,7 +92,7 @@ def trace_id_of(headers) -> str:
     if not headers:
         return ""
     match = _TRACEPARENT.match(str(headers.get("traceparent", "")).strip().lower())
-    return match.group(1) if match and match.group(1) != "0" * 32 else ""
+    return match.group(1) if match and ev.w3c_trace_id(match.group(1)) else ""
 
 
 class _Req(msgspec.Struct, gc=False):
