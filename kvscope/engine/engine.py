@@ -148,6 +148,7 @@ class OffloadEngine:
         self._batch: CopyBatcher | None = None
         self._evictions: list[ev.Eviction] = []
         self._failed: set[int] = set()
+        self._tiers_reported = False
         self._inflight: deque[tuple[ev.RequestStarted, list, RequestOutcome]] = deque()
 
     # -- the request path -------------------------------------------------------------------
@@ -165,6 +166,9 @@ class OffloadEngine:
         started = ev.RequestStarted(ts=now - queueing, request_id=request.request_id,
                                     prompt_tokens=request.prompt_tokens)
         if emit is not None:
+            if not self._tiers_reported:  # before the first lookup, which counts misses in
+                self._tiers_reported = True  # the tiers its engine reported
+                self._report_tiers(now)
             emit(started)
         t0 = time.perf_counter()
         batch = None
@@ -439,11 +443,7 @@ class OffloadEngine:
                              duration=seconds, ok=r.ok, reason=r.reason, request_id=request_id))
         for eviction in evictions:
             emit(eviction)
-        end = self._clock()
-        for tier in self.tiers:
-            emit(ev.TierSnapshot(ts=end, tier=tier.name, capacity_bytes=tier.capacity_bytes,
-                                 resident_bytes=tier.resident_bytes,
-                                 capacity_blocks=tier.capacity_blocks, resident_blocks=len(tier)))
+        self._report_tiers(self._clock())
         itl = self.preset.decode_seconds(1) if outcome.output_tokens > 1 else 0.0
         emit(ev.RequestFinished(ts=started.ts + outcome.ttft, request_id=request_id,
                                 ttft=outcome.ttft,
@@ -451,6 +451,13 @@ class OffloadEngine:
                                 output_tokens=outcome.output_tokens,
                                 queueing=outcome.queueing, lookup=outcome.lookup,
                                 promotion_wait=wait, prefill=outcome.prefill, itl=itl))
+
+    def _report_tiers(self, ts: float) -> None:
+        for tier in self.tiers:
+            self._emit(ev.TierSnapshot(ts=ts, tier=tier.name, capacity_bytes=tier.capacity_bytes,
+                                       resident_bytes=tier.resident_bytes,
+                                       capacity_blocks=tier.capacity_blocks,
+                                       resident_blocks=len(tier)))
 
     def close(self) -> None:
         """Finish pending requests and stop disk I/O (removing a private disk directory)."""
