@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="trace (Mooncake JSONL) to analyse for the Sizing page")
     dash.add_argument("--sizing-preset", default="llama-3-8b",
                       help="model preset for the Sizing analysis (default %(default)s)")
+    dash.add_argument("--sizing-gpu-tokens", type=non_negative(int), default=0, metavar="TOKENS",
+                      help="GPU prefix-cache capacity in tokens for the Sizing analysis (vLLM "
+                      "logs it as 'GPU KV cache size'; default 0: none)")
 
     from kvscope.analysis.command import add_arguments as add_analyze_arguments
 
@@ -202,7 +205,8 @@ def _dashboard(args) -> int:
         raise ConfigError(f"KVSCOPE_TOKEN {problem}")
     handle = serve(create_app(args.api, refresh_seconds=args.refresh, window_seconds=args.window,
                               backend=backend, sizing_trace=args.sizing_trace,
-                              sizing_preset=args.sizing_preset, token=token),
+                              sizing_preset=args.sizing_preset,
+                              sizing_gpu_tokens=args.sizing_gpu_tokens, token=token),
                    args.host, args.port)
     source = args.prometheus if backend is not None else args.api
     print(f"kvscope dashboard: {url(args.host, args.port)} reading {args.backend} {source}",

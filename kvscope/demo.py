@@ -99,7 +99,9 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     api_url = url(config.host, config.metrics_port, "")
     try:
         dashboard = serve_dashboard(create_dashboard(api_url, sizing_trace=config.trace,
-                                                       sizing_preset=preset.name),
+                                                       sizing_preset=preset.name,
+                                                       sizing_gpu_tokens=config.gpu_blocks
+                                                       * block_tokens),
                                     config.host, config.ui_port, "--ui-port")
     except PortInUse:
         server.shutdown()

@@ -229,6 +229,27 @@ def test_sizing_page_shows_the_size_it_rounds_up_for_vllm(gib, flag, shown):
     assert f"recommended {shown} GiB" in annotation_texts(curves)
 
 
+def test_sizing_credits_the_gpu_prefix_cache_it_is_given(tmp_path):
+    """The demo's Sizing page once assumed no GPU cache (0% of tokens from it) beside a demo
+    with a GPU tier. Four requests of 512-token blocks [0,1,2] (1536 tokens), [0,1,3] (1100),
+    [0,1] (1024), [7] (512); a GPU cache of 2048 tokens holds 4 blocks, LRU: the first misses
+    all, the second finds 0 and 1 (1024 tokens), the third 0 and 1 (1024), the last nothing:
+    2048 of 4172 tokens, 0.4909."""
+    import json
+
+    records = [(0, 1536, [0, 1, 2]), (1000, 1100, [0, 1, 3]), (3000, 1024, [0, 1]),
+               (4000, 512, [7])]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": ts, "input_length": n, "output_length": 1,
+                                        "hash_ids": ids}) + "\n" for ts, n, ids in records))
+    source = SizingSource(str(path), "tiny", gpu_tokens=2048)
+    source.start()
+    state = source.wait(60)
+    assert state.data["gpu_token_hit_share"] == pytest.approx(2048 / 4172)
+    assert "GPU prefix cache 2,048 tokens" in state.message
+    assert not any("No GPU prefix cache" in note for note in state.data["notes"])
+
+
 def test_sizing_source_reports_an_unreadable_trace(tmp_path):
     source = SizingSource(str(tmp_path / "missing.jsonl"))
     source.start()

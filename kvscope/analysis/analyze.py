@@ -144,8 +144,9 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
         notes.append("ARC block hit ratios overstate prefix hits: ARC may evict a block whose "
                      "longer prefixes stay cached, and only leading cached blocks serve tokens.")
     if options.gpu_tokens == 0:
-        notes.append("No GPU prefix cache assumed (--gpu-tokens 0): the CPU tier is credited "
-                     "with every reuse it holds; pass vLLM's 'GPU KV cache size' in tokens.")
+        notes.append("No GPU prefix cache assumed: the CPU tier is credited with every reuse "
+                     "it holds; give vLLM's 'GPU KV cache size' in tokens (analyze "
+                     "--gpu-tokens, dashboard --sizing-gpu-tokens).")
     return Analysis(source=trace.source, accesses=len(trace), requests=trace.request_count,
                     duration_seconds=trace.duration, block_tokens=trace.block_tokens,
                     bytes_per_block=params.bytes_per_block, method=method, reuse=reuse,

@@ -30,13 +30,15 @@ NAV_STYLE = {"marginRight": "14px", "textDecoration": "none", "color": "#1f4e99"
 def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
                window_seconds: float = 900.0, *, backend: Backend | None = None,
                sizing_trace: str | None = None, sizing_preset: str = "llama-3-8b",
-               max_points: int = 720, token: str | None = None) -> dash.Dash:
+               sizing_gpu_tokens: int = 0, max_points: int = 720,
+               token: str | None = None) -> dash.Dash:
     """A new Dash app showing the agent at ``api_url`` (e.g. ``http://127.0.0.1:9400``), or
     ``backend`` (e.g. a :class:`~kvscope.dashboard.prometheus.PrometheusBackend`).
 
     ``refresh_seconds``: seconds between refreshes. ``window_seconds``: seconds of history
     drawn, counted back from the newest sample. ``sizing_trace``: a trace file for the Sizing
-    page, analysed in the background with model ``sizing_preset``. ``max_points``: points per
+    page, analysed in the background with model ``sizing_preset`` and a GPU prefix cache of
+    ``sizing_gpu_tokens`` tokens. ``max_points``: points per
     series at most. ``token``: the agent's bearer token, when it has one. Each call builds an
     independent app.
     """
@@ -44,7 +46,7 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
         if api_url is None:
             raise ValueError("create_app needs api_url or backend")
         backend = AgentBackend(api_url, token=token)
-    source = SizingSource(sizing_trace, sizing_preset)
+    source = SizingSource(sizing_trace, sizing_preset, sizing_gpu_tokens)
     source.start()
     ctx = Context(backend, window_seconds, max_points, source)
     app = dash.Dash(__name__, title="kvscope", update_title=None,

@@ -32,11 +32,13 @@ class SizingState:
 
 class SizingSource:
     """Analyses ``trace`` (a path, or None for none) with model ``preset`` (bytes per block,
-    prefill cost). ``start()`` begins the work; ``state()`` reports it. Thread-safe."""
+    prefill cost) and a GPU prefix cache of ``gpu_tokens`` tokens (what it serves, a CPU tier
+    need not). ``start()`` begins the work; ``state()`` reports it. Thread-safe."""
 
-    def __init__(self, trace: str | None, preset: str = "llama-3-8b") -> None:
+    def __init__(self, trace: str | None, preset: str = "llama-3-8b", gpu_tokens: int = 0) -> None:
         self.trace = trace
         self.preset = preset
+        self.gpu_tokens = gpu_tokens
         self._state = SizingState("off", trace, message=HOW_TO_ENABLE) if trace is None else \
             SizingState("running", trace, message=f"analysing {trace} …")
         self._lock = threading.Lock()
@@ -62,11 +64,13 @@ class SizingSource:
 
     def _run(self) -> None:
         try:
-            analysis = analyze(load_trace(self.trace), AnalyzeOptions(get_preset(self.preset)))
+            analysis = analyze(load_trace(self.trace), AnalyzeOptions(
+                get_preset(self.preset), gpu_tokens=self.gpu_tokens))
             state = SizingState("ready", self.trace, sizing_figure_data(analysis),
                                 f"{analysis.requests:,} requests, {analysis.accesses:,} block "
                                 f"accesses over {analysis.duration_seconds:,.0f} s; preset "
-                                f"{self.preset}, {analysis.bytes_per_block:,} bytes/block; "
+                                f"{self.preset}, {analysis.bytes_per_block:,} bytes/block, "
+                                f"GPU prefix cache {self.gpu_tokens:,} tokens; "
                                 f"{analysis.method}")
         except Exception as exc:  # noqa: BLE001 — a boundary: any failure becomes a message
             state = SizingState("failed", self.trace,
