@@ -143,6 +143,25 @@ def test_a_capture_without_block_rows_or_a_missing_one_is_a_trace_error(tmp_path
     assert main(["compare", str(tmp_path / "missing"), str(directory)]) == 2
 
 
+def test_segments_still_being_written_are_named_not_skipped_unremarked(tmp_path, captured,
+                                                                       caplog):
+    """A running capture keeps its newest rows in .parquet.tmp segments until the minute ends:
+    analyze left them out unremarked, and compare said the capture had no requests segments.
+    Now the reader says how many it left out, and with none finished, to run again later."""
+    directory, _requests, _engine = captured
+    running = tmp_path / "running"
+    running.mkdir()
+    for p in directory.glob("requests-*.parquet"):
+        shutil.copy(p, running)
+    (running / "requests-0000000000-1-1.parquet.tmp").write_bytes(b"PAR1")
+    read_request_sample(running)
+    assert "left out 1 requests segment still being written" in caplog.text
+    (running / "blocks-0000000000-1-1.parquet.tmp").write_bytes(b"PAR1")
+    with pytest.raises(TraceError, match="no finished blocks segments yet, 1 blocks segment "
+                                         "still being written .* run again"):
+        read_block_trace(running)
+
+
 def _lookup(i, blocks=8):
     return ev.Lookup(ts=T0 + i, request_id=f"r{i}", tokens={"recompute": blocks * 16},
                      blocks=blocks, block_hashes=[(i * 1000 + b) for b in range(blocks)],

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvscope import events as ev
-from kvscope.agent.capture import SUFFIX, segment_key
+from kvscope.agent.capture import SUFFIX, TMP_SUFFIX, segment_key
 from kvscope.analysis.compare import RequestSample
 from kvscope.analysis.inputs import AccessTrace
 from kvscope.engine.workload import TraceError
@@ -70,12 +70,22 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path) -> pa.T
                          f"{kind}-*{SUFFIX} files")
     for problem in problems:
         log.warning("kvscope: skipped %s", problem)
+    # segments still being written (or left by a crash) are not read: say so, or their rows
+    # go missing from the analysis unremarked
+    open_ = len(list(where.glob(f"{kind}-*{TMP_SUFFIX}"))) if where.is_dir() else 0
+    unfinished = (f"{open_} {kind} segment{'s' * (open_ > 1)} still being written (*{TMP_SUFFIX}, "
+                  "finished every minute and when the agent stops, or left by a crash)")
     if not tables:
         writes = {"blocks": "from lookups whose events carry block_hashes (the reference "
                             "engine's and vLLM's taps do; a tap of your own must fill them)",
                   "requests": "from finished requests"}[kind]
+        if open_:
+            raise TraceError(f"{where}: no finished {kind} segments yet, {unfinished}; run "
+                             "again once they are finished")
         raise TraceError(f"{where}: no {kind} segments (kvscope agent --capture-dir writes them "
                          f"{writes})")
+    if open_:
+        log.warning("kvscope: %s: left out %s", where, unfinished)
     return pa.concat_tables(tables)
 
 
