@@ -921,3 +921,19 @@ def test_a_taps_drop_series_exist_at_0_from_its_first_batch(source):
     assert all(n == 0 for (name, _), n in dropped.items() if name == "engine")
     assert dropped[("ingest", "bad_source")] == 1 and dropped[("ingest", "version")] == 0
     assert {name for name, _ in dropped} == {"engine", "ingest"}
+
+
+def test_the_tap_example_in_the_docs_runs_and_reaches_the_agent(source, tmp_path):
+    """docs/agent.md's tap example, run as written against a real ingest source (only its
+    endpoint changed): its 4 events arrive and make one request with its promotion."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "agent.md").read_text()
+    code = re.search(r"A tap of your own.*?```python\n(.*?)```", text, re.S).group(1)
+    exec(code.replace("tcp://127.0.0.1:5560", _endpoint(tmp_path)), {})
+    assert wait_until(lambda: source.pipeline.events_received().get("myengine") == 4)
+    source.pipeline.publish_settled(everything=True)
+    record = source.pipeline.requests.get("r1")
+    assert record.tokens == {"gpu": 1024, "cpu": 512, "recompute": 512}
+    assert [(t.src, t.dst, t.blocks) for t in record.transfers] == [("cpu", "gpu", 32)]
