@@ -21,8 +21,10 @@ NO_DATA = "no data yet"
 
 HIT_QUALITY_TITLE = "Hit quality: prompt tokens by source"
 HIT_SHARE_TITLE = "Hit quality: share of prompt tokens by source"
-TTFT_TITLE = "Time to first token"
-PROMOTION_LATENCY_TITLE = "Promotion latency by direction"
+# estimated from histogram buckets, as PromQL's histogram_quantile: they differ from the
+# summary's exact percentiles (a bucket's observations spread over it)
+TTFT_TITLE = "Time to first token (from histogram buckets)"
+PROMOTION_LATENCY_TITLE = "Promotion latency by direction (from histogram buckets)"
 TRANSFER_THROUGHPUT_TITLE = "Transfer throughput by direction"
 TIER_RESIDENCY_TITLE = "Tier residency vs capacity and budget"
 HOST_MEMORY_TITLE = "Host RAM: available, reserve and headroom"
