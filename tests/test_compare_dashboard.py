@@ -89,3 +89,18 @@ def test_page_registers_on_an_app_with_its_ids():
     for gid in (*page.GRAPHS, "compare-verdict", page.STATUS_ID):
         assert gid in outputs
     assert (page.PATH, page.NAME) == ("/compare", "Compare")
+
+
+def test_page_and_command_line_give_the_same_intervals(tmp_path, capsys):
+    """The page drew 1,000 bootstrap resamples where `kvscope compare` draws 2,000, so the same
+    two captures got different intervals in each (a new user); now both use the default."""
+    import json
+
+    from kvscope.cli import main
+
+    b = _capture(tmp_path / "b", np.linspace(0.02, 0.04, 150))
+    c = _capture(tmp_path / "c", np.linspace(0.03, 0.05, 150))
+    data, _message = page.run_compare(b, c, 100)
+    assert main(["compare", b, c, "--ttft-budget", "0.1", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert data["ttft"] == cli["ttft"] and data["resamples"] == cli["resamples"]

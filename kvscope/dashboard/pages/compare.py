@@ -15,6 +15,7 @@ from __future__ import annotations
 import dash
 from dash import Input, Output, State, dcc, html
 
+from kvscope.analysis.bootstrap import DEFAULT_RESAMPLES
 from kvscope.dashboard import figures_compare as fc
 
 PATH = "/compare"
@@ -22,7 +23,6 @@ NAME = "Compare"
 STATUS_ID = "compare-status"
 GRAPHS = {"compare-ttft": fc.TTFT_TITLE, "compare-itl": fc.ITL_TITLE,
           "compare-hit-quality": fc.HIT_QUALITY_TITLE, "compare-transfers": fc.TRANSFER_TITLE}
-RESAMPLES = 1000  # bootstrap resamples per run and metric: enough for a 95% interval
 _GRID = {"display": "grid", "gap": "8px", "padding": "8px",
          "gridTemplateColumns": "repeat(auto-fit, minmax(520px, 1fr))"}
 _INPUT = {"width": "340px", "marginRight": "10px", "padding": "4px"}
@@ -69,7 +69,7 @@ def register_callbacks(app: dash.Dash, ctx=None) -> None:
 
 
 def run_compare(baseline: str | None, candidate: str | None, budget_ms: float | None,
-                resamples: int = RESAMPLES) -> tuple[dict | None, str]:
+                resamples: int = DEFAULT_RESAMPLES) -> tuple[dict | None, str]:
     """Read both captures and compare them: (comparison data or None, status message).
 
     ``budget_ms``: p99 TTFT budget in milliseconds (None or 0: judge against the baseline).
