@@ -159,6 +159,20 @@ def test_too_few_requests_is_inconclusive_and_the_report_says_so(tmp_path, capsy
     assert "TTFT p99" in text and "hit quality" in text and "transfer cost" in text
 
 
+def test_the_report_gives_transfer_sizes_and_waits_in_readable_units(tmp_path, capsys):
+    """400 requests each promoting 2 blocks (1 MB, waiting 1 ms): 400 MB in 0.4 s, a mean wait
+    of 1 ms. Sizes were always in MB (288,297.6 MB for 288 GB), and a 7 us wait read 0.0 ms
+    (a new user)."""
+    ttfts = np.linspace(0.02, 0.06, 400)
+    b = _capture(tmp_path / "b", ttfts)
+    c = _capture(tmp_path / "c", ttfts, cpu_tokens=32)
+    assert main(["compare", str(b), str(c), "--resamples", "200"]) == 0
+    text = capsys.readouterr().out
+    assert "cpu->gpu 400.0 MB in 0.400 s; promotion wait mean 1 ms, p99 1 ms" in text
+    from kvscope.analysis.compare import _bytes
+    assert (_bytes(288_297_600_000), _bytes(999)) == ("288.3 GB", "999 B")
+
+
 def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
     b = _capture(tmp_path / "b", np.linspace(0.01, 0.02, 200))
     c = _capture(tmp_path / "c", np.linspace(0.01, 0.03, 200))

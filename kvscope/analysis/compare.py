@@ -149,6 +149,14 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.1f} ms"
 
 
+def _bytes(n: float) -> str:
+    """``n`` bytes in SI units, from B to TB."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
 def verdict(p99: QuantileRow, budget: float | None, confidence: float,
             baseline_requests: int, candidate_requests: int,
             min_requests: int = DEFAULT_MIN_REQUESTS) -> Verdict:
@@ -274,9 +282,11 @@ def render_text(comparison: Comparison) -> str:
             f"{s} {side.token_share[s] * 100:.1f}%" for s in ev.TOKEN_SOURCES))
     lines.append("transfer cost:")
     for side in (c.baseline, c.candidate):
-        moved = ", ".join(f"{d} {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.3f} s"
+        moved = ", ".join(f"{d} {_bytes(t['bytes'])} in {t['seconds']:.3f} s"
                           for d, t in side.transfers.items()) or "none"
+        # waits run from microseconds (host RAM) to seconds (disk): 3 significant digits
         lines.append(f"  {side.name}: {moved}; promotion wait mean "
-                     f"{_ms(side.promotion_wait_mean)}, p99 {_ms(side.promotion_wait_p99)}; "
+                     f"{side.promotion_wait_mean * 1e3:.3g} ms, p99 "
+                     f"{side.promotion_wait_p99 * 1e3:.3g} ms; "
                      f"failed transfers {side.transfer_failures}")
     return "\n".join(lines) + "\n"
