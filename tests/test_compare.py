@@ -149,6 +149,22 @@ def test_without_a_budget_the_baseline_decides(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["verdict"]["decision"] == KEEP
 
 
+def test_a_keep_names_a_median_significantly_worse_than_the_baseline(tmp_path, capsys):
+    """Baseline: 400 at 20 ms and 100 at 150 ms; candidate: 400 at 40 ms and 100 at 150 ms.
+    Both p99s are 150 ms (no regression: keep, without a budget), but every candidate median
+    resample is 40 ms against the baseline's 20 ms: p50 is significantly worse, and the
+    verdict's reasons say so (a keep once read as an endorsement of a slower run)."""
+    base = np.repeat([0.02, 0.15], [400, 100])
+    cand = np.repeat([0.04, 0.15], [400, 100])
+    b, c = _capture(tmp_path / "b", base), _capture(tmp_path / "c", cand)
+    assert main(["compare", str(b), str(c), "--json", "--resamples", "500"]) == 0
+    verdict = json.loads(capsys.readouterr().out)["verdict"]
+    assert verdict["decision"] == KEEP
+    assert any(r.startswith("TTFT p50 is significantly worse than the baseline's (+20.0 ms")
+               for r in verdict["reasons"])
+    assert not any(r.startswith("TTFT p95") for r in verdict["reasons"])
+
+
 def test_too_few_requests_is_inconclusive_and_the_report_says_so(tmp_path, capsys):
     """50 requests per side: a p99 rests on about one request -> inconclusive."""
     few = np.linspace(0.01, 0.02, 50)

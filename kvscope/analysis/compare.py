@@ -236,9 +236,17 @@ def compare(baseline: RequestSample, candidate: RequestSample, *,
     itl = _rows(np.asarray(baseline.itl, float), np.asarray(candidate.itl, float),
                 resamples, confidence, seed + 1)
     p99 = next(r for r in ttft if r.quantile == 0.99)
+    judged = verdict(p99, ttft_budget, confidence, baseline.requests, candidate.requests,
+                     min_requests)
+    # the rule reads p99 alone; a keep beside a slower median or p95 should not pass unremarked
+    judged.reasons.extend(
+        f"TTFT p{r.quantile * 100:g} is significantly worse than the baseline's "
+        f"({'+' if r.difference.value >= 0 else ''}{_ms(r.difference.value)}, "
+        f"{confidence * 100:g}% CI {_ms(r.difference.low)} to {_ms(r.difference.high)}); "
+        "the rule judges p99 only"
+        for r in ttft if r.quantile != 0.99 and r.difference is not None and r.difference.low > 0)
     return Comparison(_side(baseline), _side(candidate), ttft, itl, ttft_budget, confidence,
-                      resamples, seed, verdict(p99, ttft_budget, confidence, baseline.requests,
-                                               candidate.requests, min_requests))
+                      resamples, seed, judged)
 
 
 def _clean(value):
