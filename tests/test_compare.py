@@ -72,7 +72,7 @@ def test_roll_back_when_every_candidate_ttft_is_over_the_budget(tmp_path, capsys
     assert main(args) == 0
     verdict = json.loads(capsys.readouterr().out)["verdict"]
     assert verdict["decision"] == ROLL_BACK == "roll back (disable the newest tier)"
-    assert "above the 100.0 ms budget" in verdict["text"]
+    assert "above the 100 ms budget" in verdict["text"]
 
 
 def test_keep_when_over_the_budget_but_better_than_the_baseline(tmp_path, capsys):
@@ -160,7 +160,7 @@ def test_a_keep_names_a_median_significantly_worse_than_the_baseline(tmp_path, c
     assert main(["compare", str(b), str(c), "--json", "--resamples", "500"]) == 0
     verdict = json.loads(capsys.readouterr().out)["verdict"]
     assert verdict["decision"] == KEEP
-    assert any(r.startswith("TTFT p50 is significantly worse than the baseline's (+20.0 ms")
+    assert any(r.startswith("TTFT p50 is significantly worse than the baseline's (+20 ms")
                for r in verdict["reasons"])
     assert not any(r.startswith("TTFT p95") for r in verdict["reasons"])
 
@@ -185,8 +185,11 @@ def test_the_report_gives_transfer_sizes_and_waits_in_readable_units(tmp_path, c
     assert main(["compare", str(b), str(c), "--resamples", "200"]) == 0
     text = capsys.readouterr().out
     assert "cpu->gpu 400.0 MB in 0.400 s; promotion wait mean 1 ms, p99 1 ms" in text
-    from kvscope.analysis.compare import _bytes
+    from kvscope.analysis.compare import _bytes, _ms
     assert (_bytes(288_297_600_000), _bytes(999)) == ("288.3 GB", "999 B")
+    # 3 significant digits, never 1.5e+03 nor 0.0
+    assert (_ms(1.5), _ms(7.3e-6), _ms(0.0902), _ms(4e-5)) == (
+        "1500 ms", "0.0073 ms", "90.2 ms", "0.04 ms")
 
 
 def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):

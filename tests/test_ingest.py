@@ -936,4 +936,6 @@ def test_the_tap_example_in_the_docs_runs_and_reaches_the_agent(source, tmp_path
     source.pipeline.publish_settled(everything=True)
     record = source.pipeline.requests.get("r1")
     assert record.tokens == {"gpu": 1024, "cpu": 512, "recompute": 512}
-    assert [(t.src, t.dst, t.blocks) for t in record.transfers] == [("cpu", "gpu", 32)]
+    # 32 blocks of 16 tokens of Llama 3 8B: 32 layers x 8 KV heads x 128 x 2 x 2 bytes x 16
+    assert [(t.src, t.dst, t.blocks, t.bytes) for t in record.transfers] == [
+        ("cpu", "gpu", 32, 32 * 32 * 8 * 128 * 2 * 2 * 16)]

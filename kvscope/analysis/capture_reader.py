@@ -81,7 +81,8 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path) -> pa.T
                   "requests": "from finished requests"}[kind]
         if open_:
             raise TraceError(f"{where}: no finished {kind} segments yet, {unfinished}; run "
-                             "again once they are finished")
+                             "again once the agent has finished them (a crash's are removed "
+                             "by the next agent writing there)")
         raise TraceError(f"{where}: no {kind} segments (kvscope agent --capture-dir writes them "
                          f"{writes})")
     if open_:

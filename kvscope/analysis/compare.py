@@ -146,7 +146,9 @@ def _side(s: RequestSample) -> Side:
 
 
 def _ms(x: float) -> str:
-    return f"{x * 1e3:.1f} ms"
+    """Seconds as milliseconds to 3 significant digits, never in scientific notation: waits
+    and differences run from microseconds to seconds."""
+    return f"{np.format_float_positional(x * 1e3, precision=3, fractional=False, trim='-')} ms"
 
 
 def _bytes(n: float) -> str:
@@ -292,9 +294,7 @@ def render_text(comparison: Comparison) -> str:
     for side in (c.baseline, c.candidate):
         moved = ", ".join(f"{d} {_bytes(t['bytes'])} in {t['seconds']:.3f} s"
                           for d, t in side.transfers.items()) or "none"
-        # waits run from microseconds (host RAM) to seconds (disk): 3 significant digits
         lines.append(f"  {side.name}: {moved}; promotion wait mean "
-                     f"{side.promotion_wait_mean * 1e3:.3g} ms, p99 "
-                     f"{side.promotion_wait_p99 * 1e3:.3g} ms; "
+                     f"{_ms(side.promotion_wait_mean)}, p99 {_ms(side.promotion_wait_p99)}; "
                      f"failed transfers {side.transfer_failures}")
     return "\n".join(lines) + "\n"
