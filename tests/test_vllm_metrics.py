@@ -82,18 +82,29 @@ def test_a_counter_reset_counts_from_zero():
 
 
 class _Exposition:
-    """A /metrics endpoint on loopback (stdlib HTTP server) serving ``body``; ``trickle``: send
-    a long Content-Length, then one byte per 0.2 s (a stuck or hostile server)."""
+    """A /metrics endpoint on loopback (stdlib HTTP server) serving ``body``; ``trickle``:
+    "body" sends a long Content-Length, then one byte per 0.2 s; "headers" one byte of a header
+    per 0.2 s (a stuck or hostile server)."""
 
     def __init__(self) -> None:
         import http.server
 
         owner = self
-        self.body, self.trickle = "", False
+        self.body, self.trickle = "", ""
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
                 body = owner.body.encode()
+                if owner.trickle == "headers":
+                    try:
+                        self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                        for _ in range(300):
+                            self.wfile.write(b"a")
+                            self.wfile.flush()
+                            time.sleep(0.2)
+                    except OSError:  # the scraper gave up: what the test wants
+                        pass
+                    return
                 self.send_response(200)
                 self.send_header("Content-Length", str(10**8 if owner.trickle else len(body)))
                 self.end_headers()
@@ -243,12 +254,14 @@ def test_the_gpu_tier_adds_each_engines_own_share_of_its_own_blocks():
     assert (gpu.resident_blocks, gpu.capacity_blocks, gpu.resident_bytes) == (125, 300, 12_500)
 
 
+@pytest.mark.parametrize("trickle", ["body", "headers"])
 def test_a_server_that_trickles_its_answer_fails_the_scrape_within_the_timeout(
-        exposition_server):
-    """A Content-Length of 1e8 and one byte per 0.2 s: httpx's timeout bounds each read, not
-    the answer, so the scrape (and the agent's stop) once waited forever. With timeout 1 s the
-    scrape fails and the source is down (the thread bounds the test, not its speed)."""
-    exposition_server.trickle = True
+        exposition_server, trickle):
+    """A Content-Length of 1e8 and then one byte per 0.2 s, or one byte of a header per 0.2 s:
+    httpx's timeout bounds each read, not the answer, so the scrape (and the agent's stop)
+    once waited forever, for trickled headers until a hostile trial found it. With timeout 1 s
+    the scrape fails and the source is down (the thread bounds the test, not its speed)."""
+    exposition_server.trickle = trickle
     source = _source(exposition_server, timeout=1.0)
     result = []
     thread = threading.Thread(target=lambda: result.append(source.scrape_once()), daemon=True)

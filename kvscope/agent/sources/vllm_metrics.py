@@ -29,6 +29,7 @@ to 0 and the next good one back to 1.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -237,14 +238,13 @@ class MetricsMapper:
 
 class VllmMetricsSource(Worker):
     """Scrapes ``url`` (vLLM's ``/metrics``) every ``interval`` seconds into ``pipeline``.
-    ``timeout``: seconds a scrape may take in all. ``client``: an httpx.Client (injectable
-    for tests).
+    ``timeout``: seconds a scrape may take in all, headers included.
     ``span_ttft``, ``span_wait``: see the module (TTFT from spans or from the histogram).
     ``start()`` returns at once; ``shutdown()`` is safe twice and without start."""
 
     def __init__(self, pipeline: Pipeline, url: str = "http://127.0.0.1:8000/metrics", *,
                  interval: float = 5.0, timeout: float = 3.0, mapper: MetricsMapper | None = None,
-                 client: httpx.Client | None = None, clock: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.time,
                  span_ttft: Callable[[], float] | None = None, span_wait: float = 6.0) -> None:
         super().__init__()
         self.pipeline = pipeline
@@ -254,7 +254,6 @@ class VllmMetricsSource(Worker):
         self.failures = 0
         self._timeout = timeout
         self._invalid_logged = False
-        self._client = client or httpx.Client(timeout=timeout, trust_env=False)
         self._clock = clock
         self._span_ttft = span_ttft
         self._span_wait = span_wait
@@ -305,19 +304,24 @@ class VllmMetricsSource(Worker):
 
     def _fetch(self) -> str:
         """The body of ``url``; raises :class:`BodyError` past ``timeout`` seconds in all (a
-        server trickling bytes would otherwise hold the scrape, and the agent's stop, forever)
-        or past :data:`MAX_BODY` bytes, httpx's errors otherwise."""
-        deadline = time.monotonic() + self._timeout
+        server trickling bytes, of its headers too, would otherwise hold the scrape, and the
+        agent's stop, forever: httpx's timeouts are per read) or past :data:`MAX_BODY` bytes,
+        httpx's errors otherwise."""
+        try:  # asyncio cancels the whole request at the deadline, wherever it waits
+            return asyncio.run(asyncio.wait_for(self._fetch_async(), self._timeout))
+        except TimeoutError:
+            raise BodyError(f"no whole answer within {self._timeout:g} s") from None
+
+    async def _fetch_async(self) -> str:
         chunks, size = [], 0
-        with self._client.stream("GET", self.url) as response:
-            response.raise_for_status()
-            for chunk in response.iter_bytes():
-                size += len(chunk)
-                if size > MAX_BODY:
-                    raise BodyError(f"a body over {MAX_BODY} bytes")
-                if time.monotonic() > deadline:
-                    raise BodyError(f"no whole answer within {self._timeout:g} s")
-                chunks.append(chunk)
+        async with httpx.AsyncClient(timeout=self._timeout, trust_env=False) as client:
+            async with client.stream("GET", self.url) as response:
+                response.raise_for_status()
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > MAX_BODY:
+                        raise BodyError(f"a body over {MAX_BODY} bytes")
+                    chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace")
 
     def _failed(self, why: str) -> bool:
@@ -346,7 +350,3 @@ class VllmMetricsSource(Worker):
         self.scrape_once()
         while not self.stopping.wait(self.interval):
             self.scrape_once()
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        self._client.close()
