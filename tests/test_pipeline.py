@@ -333,6 +333,25 @@ def test_a_late_load_of_a_reused_id_joins_the_request_under_way_at_its_start():
     assert (second.arrival, [t.start for t in second.transfers]) == (102.0, [102.5])
 
 
+def test_a_span_joins_a_record_whose_start_went_missing():
+    """The tap's start of r never arrived (its emitter dropped it), so r's record dates its
+    arrival from its finish: 101.0 - 0.05 = 100.95. vLLM's span of r runs 100.0-101.0: it
+    starts before that arrival, yet is about r (under way 100.95-101.0). One request, amended
+    by the span (TTFT 0.3), where the span once made a second (2 counted, TTFT sum 0.35)."""
+    pipeline = Pipeline()
+    pipeline.join("vllm", 6.0)
+    pipeline.ingest("vllm", [ev.RequestFinished(ts=101.0, request_id="r", ttft=0.05,
+                                                prompt_tokens=100, output_tokens=5)])
+    amended = pipeline.report(
+        "vllm", "ab" * 16, ev.RequestStarted(ts=100.0, request_id="r", prompt_tokens=100),
+        ev.RequestFinished(ts=101.0, request_id="r", ttft=0.3, prompt_tokens=100))
+    pipeline.publish_settled(everything=True)
+    snap = pipeline.snapshot()
+    assert amended and snap.requests == 1
+    record = pipeline.requests.get("r")
+    assert (record.ttft, record.trace_id, record.output_tokens) == (0.3, "ab" * 16, 5)
+
+
 def test_a_prefill_rate_under_one_token_per_second_counts_as_unknown():
     """A rate of 5e-324 tokens/s is a valid float: 16 tokens over it made the seconds saved
     infinite, for good. Under 1 token/s the configured rate is used: 16 / 10,000 + 16 / 10,000

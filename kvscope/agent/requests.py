@@ -139,13 +139,18 @@ class RequestAssembler:
                 self.amended[id(record)] = record
         return record
 
-    def finished_recently(self, source: str, request_id: str,
-                          ts: float) -> RequestRecord | None:
+    def finished_recently(self, source: str, request_id: str, ts: float,
+                          until: float | None = None) -> RequestRecord | None:
         """``source``'s record of ``request_id``, among the last ``max_recent`` it finished,
-        of the request under way at ``ts`` (see :func:`under_way`), the newest such; None when
-        there is none (an id reused: another request)."""
-        for record in reversed(self._recent.get(source, {}).get(request_id, ())):
+        of the request under way at ``ts`` (see :func:`under_way`), the newest such; with
+        ``until`` (a report of the span ``ts``-``until``), else one under way during that
+        span. None when there is none (an id reused: another request)."""
+        records = self._recent.get(source, {}).get(request_id, ())
+        for record in reversed(records):
             if under_way(record, ts):
+                return record
+        for record in reversed(records if until is not None else ()):
+            if overlaps(record, ts, until):
                 return record
         return None
 
@@ -317,6 +322,14 @@ def under_way(record: RequestRecord, ts: float) -> bool:
     """Whether finished ``record``'s request was under way at ``ts`` (Unix seconds): from its
     arrival, less :data:`ARRIVAL_TOLERANCE`, to its finish."""
     return record.arrival - ARRIVAL_TOLERANCE <= ts <= record.finished
+
+
+def overlaps(record: RequestRecord, start: float, end: float) -> bool:
+    """Whether finished ``record``'s request was under way at some time from ``start`` to
+    ``end`` (Unix seconds): a report whose start comes before the record's arrival (a record
+    whose start event went missing dates its arrival from its finish) is still about it. The
+    requests of a reused id follow one another, so a later one's span misses an earlier one."""
+    return start <= record.finished and end >= record.arrival - ARRIVAL_TOLERANCE
 
 
 def amend(record: RequestRecord, trace_id: str, finish: ev.RequestFinished) -> None:
