@@ -198,6 +198,29 @@ def test_an_answer_without_vllm_series_is_a_failed_scrape(exposition_server):
     source.shutdown()
 
 
+def test_a_ttft_bucket_missing_from_one_scrape_is_counted_once():
+    """Buckets le=0.1/1/+Inf go 10/20/30, then 15/NaN/40 (NaN: dropped, the bucket missing),
+    then 15/30/40: the +Inf bucket rose by 10, so 10 observations, 5 under 0.1 s and 5 in
+    (0.1, 1]. They once counted 20: 5 + 5 (one in +Inf) in the second scrape, 10 more in the
+    third. Then vLLM restarts with buckets 0.5/+Inf (3/5, twice, the new baseline) and goes
+    on to 4/7: one more under 0.5 s and one above."""
+    mapper = MetricsMapper()
+    name = "vllm:time_to_first_token_seconds_bucket"
+
+    def scrape(buckets):
+        text = "".join(f'{name}{{le="{le}"}} {n}\n' for le, n in buckets.items())
+        return [e for e in mapper.map(parse(text), 1.0) if isinstance(e, ev.LatencyHistogram)]
+
+    counted = [scrape({"0.1": 10, "1.0": 20, "+Inf": 30}), scrape({"0.1": 15, "1.0": "NaN",
+                                                                   "+Inf": 40})]
+    assert counted == [[], []]
+    (hist,) = scrape({"0.1": 15, "1.0": 30, "+Inf": 40})
+    assert (hist.bounds, hist.counts) == ([0.1, 1.0], [5, 5, 0])
+    assert scrape({"0.5": 3, "+Inf": 5}) == [] and scrape({"0.5": 3, "+Inf": 5}) == []
+    (hist,) = scrape({"0.5": 4, "+Inf": 7})
+    assert (hist.bounds, hist.counts) == ([0.5], [1, 1])
+
+
 def test_a_series_missing_from_one_scrape_is_no_counter_reset():
     """Two engines at 1,000,000 prompt tokens each; engine 1's line is missing from one scrape
     (or unparsable): summing first read that as a reset and added 1,000,000 phantom tokens.

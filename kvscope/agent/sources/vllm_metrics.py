@@ -106,6 +106,9 @@ class MetricsMapper:
         self._seen: dict[tuple, float] = {}
         # cached prompt tokens not yet matched by vllm:prompt_tokens (<= 0): see _lookup
         self._unmatched = 0
+        # the TTFT bucket series of the last scrape read, and a changed set seen once: _ttft
+        self._ttft_shape: frozenset | None = None
+        self._ttft_pending: frozenset | None = None
 
     def _increase(self, samples: Samples, name: str, **labels) -> float | None:
         """The sum over ``name``'s series carrying ``labels`` of their increase since the last
@@ -200,6 +203,22 @@ class MetricsMapper:
             by_bound.setdefault(bound, {})[ls] = value
         if not by_bound:
             return None
+        # Cumulative buckets are read against the last scrape's: a scrape missing one (a NaN
+        # is dropped) would count its observations in the next bucket up, then again once it
+        # is back. Such a scrape counts nothing and leaves the baselines; the same changed set
+        # twice in a row (vLLM restarted with other buckets, an engine more or less) becomes
+        # the new baseline.
+        shape = frozenset(ls for series in by_bound.values() for ls in series)
+        if self._ttft_shape is not None and shape != self._ttft_shape:
+            again, self._ttft_pending = shape == self._ttft_pending, shape
+            if not again:
+                return None
+            for series in by_bound.values():  # baselines only: nothing counted
+                self._increase_of(name, series)
+            self._ttft_shape = shape
+            self._increase(samples, "vllm:time_to_first_token_seconds_sum")
+            return None
+        self._ttft_shape, self._ttft_pending = shape, None
         bounds = sorted(by_bound)
         deltas = [self._increase_of(name, by_bound[b]) or 0.0 for b in bounds]
         total = self._increase(samples, "vllm:time_to_first_token_seconds_sum") or 0.0
