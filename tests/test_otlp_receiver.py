@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import time
+import zlib
 
 import pytest
 from fastapi.testclient import TestClient
@@ -104,6 +105,27 @@ def test_json_and_gzip_bodies_are_accepted():
     assert r1.status_code == r2.status_code == 200 and r1.json() == {}
     assert agent.pipeline.requests.get("cmpl-1-0").trace_id == TRACE
     assert agent.pipeline.requests.get("cmpl-2-0") is not None
+
+
+def test_a_gzip_body_of_two_members_gives_both_and_trailing_bytes_are_refused():
+    """`cat a.gz b.gz` is one gzip body (RFC 1952, 2.2): its second member's span was dropped
+    uncounted, with a 200; protobuf messages one after another merge, so both requests come.
+    Bytes after the last member are a 400, as after a deflate body's end."""
+    agent = _agent()
+    two = gzip.compress(protobuf_body()) + gzip.compress(protobuf_body(
+        {**ATTRS, "gen_ai.request.id": "cmpl-2-0"}))
+    with TestClient(create_app(agent)) as client:
+        headers = {"content-type": "application/x-protobuf", "content-encoding": "gzip"}
+        assert client.post("/v1/traces", content=two, headers=headers).status_code == 200
+        junk = client.post("/v1/traces", content=gzip.compress(protobuf_body()) + b"JUNK",
+                           headers=headers)
+        deflated = zlib.compress(protobuf_body()) + b"JUNK"
+        after_deflate = client.post("/v1/traces", content=deflated, headers={
+            "content-type": "application/x-protobuf", "content-encoding": "deflate"})
+    assert agent.pipeline.requests.get("cmpl-1-0") is not None
+    assert agent.pipeline.requests.get("cmpl-2-0") is not None
+    assert junk.status_code == after_deflate.status_code == 400
+    assert "after its end" in after_deflate.text
 
 
 def test_bad_bodies_are_refused_and_spans_without_request_ids_ignored():

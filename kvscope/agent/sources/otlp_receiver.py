@@ -82,16 +82,26 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
         return body
     if encoding not in ("gzip", "deflate"):
         raise OtlpError(f"unsupported content-encoding {encoding!r}", 415)
-    try:
-        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-        data = inflater.decompress(body, limit + 1)
-    except (zlib.error, gzip.BadGzipFile) as exc:
-        raise OtlpError(f"bad {encoding} body: {exc}") from None
-    if len(data) > limit:
-        raise OtlpError(f"decompressed body over {limit} bytes", 413)
-    if not inflater.eof:
-        raise OtlpError(f"bad {encoding} body: truncated")
-    return data
+    # a gzip body may hold several members, one after another (RFC 1952, section 2.2)
+    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    parts, size, rest = [], 0, body
+    while True:
+        inflater = zlib.decompressobj(wbits)
+        try:
+            part = inflater.decompress(rest, limit + 1 - size)
+        except (zlib.error, gzip.BadGzipFile) as exc:
+            raise OtlpError(f"bad {encoding} body: {exc}") from None
+        parts.append(part)
+        size += len(part)
+        if size > limit:
+            raise OtlpError(f"decompressed body over {limit} bytes", 413)
+        if not inflater.eof:
+            raise OtlpError(f"bad {encoding} body: truncated")
+        rest = inflater.unused_data
+        if not rest:
+            return b"".join(parts)
+        if encoding != "gzip":
+            raise OtlpError(f"bad {encoding} body: {len(rest)} bytes after its end")
 
 
 def parse(body: bytes, content_type: str, encoding: str = "",
