@@ -168,6 +168,29 @@ def _lookup(i, blocks=8):
                      block_sources=["recompute"] * blocks, block_tokens=16)
 
 
+def test_lookups_captured_out_of_time_order_are_read_in_time_order(tmp_path):
+    """Two taps' batches interleave: lookups at T0+3 (3 blocks), T0+1 (2), T0+2 (4) captured in
+    that order read as a capture of them in time order (duration 2 s, not -1 s; times never
+    run back), each lookup's blocks together and its prompt tokens with it."""
+    def lookup(i, blocks):
+        return ev.Lookup(ts=T0 + i, request_id=f"r{i}", tokens={"recompute": blocks * 16},
+                         blocks=blocks, block_hashes=[i * 1000 + b for b in range(blocks)],
+                         block_sources=["recompute"] * blocks, block_tokens=16)
+
+    traces = {}
+    for name, order in (("shuffled", (3, 1, 2)), ("sorted", (1, 2, 3))):
+        writer = CaptureWriter(tmp_path / name)
+        for i in order:
+            writer.add_lookup("engine", lookup(i, {1: 2, 2: 4, 3: 3}[i]))
+        writer.close()
+        traces[name] = read_block_trace(tmp_path / name)
+    shuffled, ordered = traces["shuffled"], traces["sorted"]
+    for field in ("block_ids", "times", "tokens", "requests", "depths"):
+        np.testing.assert_array_equal(getattr(shuffled, field), getattr(ordered, field))
+    assert list(ordered.times) == [0.0] * 2 + [1.0] * 4 + [2.0] * 3
+    assert shuffled.prompt_tokens == ordered.prompt_tokens and shuffled.duration == 2.0
+
+
 def test_segments_rotate_are_whole_and_are_pruned_to_the_byte_bound(tmp_path):
     now = [T0]
     writer = CaptureWriter(tmp_path, max_bytes=40_000, segment_rows=200,

@@ -120,11 +120,17 @@ def read_block_trace(path: str | Path) -> AccessTrace:
     starts = depths == 0
     requests = np.maximum(np.cumsum(starts) - 1, 0).astype(np.int64)
     ts = col["ts"].astype(np.float64)
+    # Lookups in time order, each one's blocks together at its time: two taps' batches may
+    # interleave, and a clock may step back (times once ran backwards: a negative duration).
+    lookup_ts = (ts[starts] if starts.any() else ts[:1])[requests]
+    order = np.lexsort((np.arange(len(ts)), lookup_ts))
+    depths, starts, lookup_ts = depths[order], starts[order], lookup_ts[order]
+    requests = np.maximum(np.cumsum(starts) - 1, 0).astype(np.int64)
     return AccessTrace(
-        block_ids=col["block_hash"].astype(np.uint64), times=ts - ts[0], tokens=tokens,
-        requests=requests, depths=depths, block_tokens=block_tokens,
+        block_ids=col["block_hash"].astype(np.uint64)[order], times=lookup_ts - lookup_ts[0],
+        tokens=tokens[order], requests=requests, depths=depths, block_tokens=block_tokens,
         request_count=int(requests[-1]) + 1,
-        prompt_tokens=int(col["prompt_tokens"][starts].sum()), source=source)
+        prompt_tokens=int(col["prompt_tokens"][order][starts].sum()), source=source)
 
 
 def _sum_by(keys: np.ndarray, values: np.ndarray) -> dict[str, float]:
