@@ -32,6 +32,12 @@ def _one_error_line(result, *needles):
     (None, "cannot read trace"),
     ('{"timestamp": 0, "input_length": 5, "hash_ids": [1]}\n{oops\n', ":2: not JSON"),
     ('{"timestamp": 0, "input_length": 5, "output_length": 1}\n', ":1: record has no list"),
+    # once tracebacks (OverflowError) or a message naming no line
+    ('{"timestamp": 0, "input_length": 5, "hash_ids": [-1, 2]}\n', ":1: 'hash_ids' must be"),
+    ('{"timestamp": 0, "input_length": 5, "hash_ids": [18446744073709551616]}\n',
+     ":1: 'hash_ids' must be"),
+    ('{"timestamp": 0, "input_length": 1e400, "hash_ids": [1]}\n', ":1: timestamp/input_length"),
+    ('{"timestamp": NaN, "input_length": 5, "hash_ids": [1]}\n', ":1: timestamp/input_length"),
 ])
 def test_bad_trace(tmp_path, content, needle):
     path = tmp_path / "trace.jsonl"

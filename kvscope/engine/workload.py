@@ -144,7 +144,8 @@ def read_mooncake(path: str | Path) -> list[Request]:
 
     Raises :class:`TraceError` naming the file and line for a missing or unreadable file (not
     UTF-8 text), a line that is not a JSON object, a record without a valid ``hash_ids`` list
-    or with negative lengths, or a file with no records at all.
+    (integers from 0 to 2**64 - 1), with lengths or a time that are no finite numbers, or
+    with negative lengths, or a file with no records at all.
     """
     path = Path(path)
     try:
@@ -166,12 +167,17 @@ def read_mooncake(path: str | Path) -> list[Request]:
         hash_ids = record.get("hash_ids")
         if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
             raise TraceError(f"{path}:{lineno}: record has no list of integer 'hash_ids'")
+        if not all(0 <= h < 2**64 for h in hash_ids):  # the analyses keep them as uint64
+            raise TraceError(f"{path}:{lineno}: 'hash_ids' must be from 0 to 2**64 - 1")
         try:
             arrival = float(record.get("timestamp", 0)) / 1000.0
             prompt = int(record.get("input_length", len(hash_ids) * MOONCAKE_BLOCK_TOKENS))
             output = int(record.get("output_length", 0))
-        except (TypeError, ValueError):
-            raise TraceError(f"{path}:{lineno}: timestamp/input_length/output_length must be numbers") from None
+            if not math.isfinite(arrival):
+                raise ValueError
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int() of an infinity
+            raise TraceError(f"{path}:{lineno}: timestamp/input_length/output_length must be "
+                             "finite numbers") from None
         if prompt < 0 or output < 0:
             raise TraceError(f"{path}:{lineno}: input_length and output_length must be >= 0")
         if math.ceil(prompt / MOONCAKE_BLOCK_TOKENS) < len(hash_ids):
