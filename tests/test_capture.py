@@ -168,6 +168,31 @@ def _lookup(i, blocks=8):
                      block_sources=["recompute"] * blocks, block_tokens=16)
 
 
+def test_segments_with_nulls_are_an_error_naming_the_capture(tmp_path):
+    """A hand-edited or foreign requests segment with null token counts crashed compare with a
+    traceback (exit 1); null block hashes were read as 2**63, all one block. Both are now one
+    line naming the capture and the column, exit 2."""
+    import pyarrow as pa
+
+    from kvscope.agent.capture import BLOCKS_SCHEMA, REQUESTS_SCHEMA
+
+    for kind, schema in (("requests", REQUESTS_SCHEMA), ("blocks", BLOCKS_SCHEMA)):
+        directory = tmp_path / kind
+        directory.mkdir()
+        nullable = "tokens_gpu" if kind == "requests" else "block_hash"
+        columns = {f.name: [None] * 3 if f.name == nullable else
+                   [[]] * 3 if f.name == "transfers" else
+                   ["x"] * 3 if pa.types.is_string(f.type) else [0] * 3 for f in schema}
+        columns.update({"ttft": [0.1] * 3} if kind == "requests" else {})
+        pq.write_table(pa.table(columns, schema=schema), directory / f"{kind}-1-1-1.parquet")
+    with pytest.raises(TraceError, match="requests: requests segments with empty values in "
+                                         "tokens_gpu"):
+        read_request_sample(tmp_path / "requests")
+    with pytest.raises(TraceError, match="blocks: blocks segments with empty values in block_hash"):
+        read_block_trace(tmp_path / "blocks")
+    assert main(["compare", str(tmp_path / "requests"), str(tmp_path / "requests")]) == 2
+
+
 def test_lookups_captured_out_of_time_order_are_read_in_time_order(tmp_path):
     """Two taps' batches interleave: lookups at T0+3 (3 blocks), T0+1 (2), T0+2 (4) captured in
     that order read as a capture of them in time order (duration 2 s, not -1 s; times never

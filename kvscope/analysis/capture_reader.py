@@ -14,7 +14,9 @@ Only finished segments (``*.parquet``) are read, in start-time order; a ``.parqu
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +30,7 @@ from kvscope.analysis.inputs import AccessTrace
 from kvscope.engine.workload import TraceError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 UNKNOWN_BLOCK_TOKENS = 16  # vLLM's default block_size, assumed when a capture does not say
 
 _BLOCK_COLUMNS = ["ts", "depth", "block_hash", "tokens", "block_tokens", "prompt_tokens"]
@@ -87,7 +90,25 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path) -> pa.T
                          f"{writes})")
     if open_:
         log.warning("kvscope: %s: left out %s", where, unfinished)
-    return pa.concat_tables(tables)
+    table = pa.concat_tables(tables)
+    # the agent writes no nulls (NaN for an unknown time); read as numbers they would be garbage
+    nulls = [c for c in columns if table.column(c).null_count]
+    if nulls:
+        raise TraceError(f"{where}: {kind} segments with empty values in {', '.join(nulls)} "
+                         "(the agent writes none)")
+    return table
+
+
+def _converted(path: Path, kind: str, build: Callable[[], T]) -> T:
+    """``build()``; a failure on values the agent never writes (nulls, a foreign file's types)
+    becomes a TraceError naming the capture."""
+    try:
+        return build()
+    except TraceError:
+        raise
+    except (ValueError, TypeError, pa.ArrowException) as exc:
+        raise TraceError(f"{path}: {kind} segments with values the agent does not write "
+                         f"({exc})") from None
 
 
 def read_block_trace(path: str | Path) -> AccessTrace:
@@ -103,6 +124,10 @@ def read_block_trace(path: str | Path) -> AccessTrace:
     table = _read(capture_segments(path, "blocks"), _BLOCK_COLUMNS, "blocks", path)
     if table.num_rows == 0:
         raise TraceError(f"{path}: the capture holds no block accesses")
+    return _converted(path, "blocks", lambda: _block_trace(table, path))
+
+
+def _block_trace(table: pa.Table, path: Path) -> AccessTrace:
     col = {name: table.column(name).to_numpy() for name in _BLOCK_COLUMNS}
     sizes = np.unique(col["block_tokens"])
     known = sizes[sizes > 0]
@@ -143,6 +168,10 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     Raises TraceError for a missing capture, no request rows, or an unreadable segment."""
     path = Path(path)
     table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path)
+    return _converted(path, "requests", lambda: _request_sample(table, name or str(path)))
+
+
+def _request_sample(table: pa.Table, name: str) -> RequestSample:
     col = {c: table.column(c).to_numpy() for c in _REQUEST_COLUMNS if c != "transfers"}
     ttft = col["ttft"].astype(np.float64)
     itl = col["itl"].astype(np.float64)
@@ -162,7 +191,7 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     else:
         moved_bytes, moved_blocks, seconds, failures = {}, {}, {}, 0
     return RequestSample(
-        name=name or str(path), ttft=ttft[np.isfinite(ttft)], itl=itl[itl > 0],
+        name=name, ttft=ttft[np.isfinite(ttft)], itl=itl[itl > 0],
         promotion_wait=wait[np.isfinite(wait)],
         tokens={s: int(col[f"tokens_{s}"].sum()) for s in ev.TOKEN_SOURCES},
         transfer_bytes=moved_bytes, transfer_blocks=moved_blocks, transfer_seconds=seconds,
