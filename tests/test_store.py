@@ -165,6 +165,23 @@ def test_segments_written_after_the_clock_stepped_back_still_sort_last(tmp_path)
     assert [r.ttft for r in RequestStore(tmp_path, clock=lambda: 2995.0).load(10)] == [0.25]
 
 
+def test_segments_sort_by_their_stamps_as_numbers(tmp_path):
+    """A segment named at the 15-digit stamp 999999999999999 (corrupt, or from a clock far
+    ahead): the next is named 1000000000000000, which sorted before it as text, so the stale
+    version won and pruning would take the new segment first."""
+    ahead = RequestStore(tmp_path, clock=lambda: 999_999_999_999.999)
+    ahead.add(_record(1, finished=2999.0))
+    ahead.flush()
+    later = RequestStore(tmp_path, clock=lambda: 3000.0)
+    amended = _record(1, finished=2999.0)
+    amended.ttft = 0.25
+    later.add(amended)
+    later.flush()
+    names = [p.name.split("-")[1] for p in later.segments()]
+    assert names == ["999999999999999", "1000000000000000"]
+    assert [r.ttft for r in RequestStore(tmp_path, clock=lambda: 3000.0).load(10)] == [0.25]
+
+
 def _start_agent(port, ingest, store_dir, log):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvscope", "agent", "--port", str(port), "--ingest", ingest,

@@ -62,6 +62,16 @@ def _frame_at(data: memoryview, offset: int,
         return None
 
 
+def _segment_order(path: Path) -> tuple:
+    """Sort key of a segment: its stamp, pid and sequence as numbers (a stamp past 15 digits,
+    after a segment named far ahead, still sorts after it), a name not of that form first."""
+    parts = path.name.removesuffix(_SUFFIX).split("-")
+    try:
+        return (1, *map(int, parts[1:4]), path.name) if len(parts) == 4 else (0, path.name)
+    except ValueError:
+        return (0, path.name)
+
+
 def read_segment(path: Path) -> list[RequestRecord]:
     """Every intact record of one segment, in write order.
 
@@ -151,7 +161,8 @@ class RequestStore(Worker):
 
     def segments(self) -> list[Path]:
         """Segment files, oldest first (anything else with their suffix is left alone)."""
-        return sorted(p for p in self.directory.glob(f"*{_SUFFIX}") if p.is_file())
+        return sorted((p for p in self.directory.glob(f"*{_SUFFIX}") if p.is_file()),
+                      key=_segment_order)
 
     def load(self, limit: int) -> list[RequestRecord]:
         """The newest ``limit`` intact records on disk that finished within ``max_age``, oldest
