@@ -18,7 +18,7 @@ from kvscope import events as ev
 from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
-from kvscope.agent.sources.otlp_receiver import Span as ReceivedSpan
+from kvscope.agent.sources.otlp_receiver import Span as ReceivedSpan, parse
 from kvscope.exporter.catalog import LATENCY_SECONDS_BUCKETS
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -126,6 +126,18 @@ def test_a_gzip_body_of_two_members_gives_both_and_trailing_bytes_are_refused():
     assert agent.pipeline.requests.get("cmpl-2-0") is not None
     assert junk.status_code == after_deflate.status_code == 400
     assert "after its end" in after_deflate.text
+
+
+def test_json_nulls_are_defaults_as_in_the_proto3_json_mapping():
+    """"attributes": null (and null lists, ids and names) once refused the whole export with
+    a 400; the proto3 JSON mapping reads null as the field's default, as if absent."""
+    doc = json.loads(json_body())
+    span = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    doc["resourceSpans"].append({"scopeSpans": None})
+    doc["resourceSpans"][0]["scopeSpans"].append({"spans": [
+        {**span, "attributes": None, "name": None, "spanId": None}]})
+    spans = parse(json.dumps(doc).encode(), "application/json")
+    assert len(spans) == 2 and spans[1].attributes == {} and spans[1].name == ""
 
 
 def test_bad_bodies_are_refused_and_spans_without_request_ids_ignored():

@@ -212,17 +212,19 @@ def _parse_json(data: bytes) -> list[Span]:
     try:
         doc = json.loads(data)
         spans = []
-        for resource_spans in doc.get("resourceSpans", []):
-            for scope_spans in resource_spans.get("scopeSpans", []):
-                for s in scope_spans.get("spans", []):
+        # null is a field's default in the proto3 JSON mapping, as an absent field is
+        for resource_spans in doc.get("resourceSpans") or []:
+            for scope_spans in resource_spans.get("scopeSpans") or []:
+                for s in scope_spans.get("spans") or []:
                     if len(spans) == MAX_SPANS:
                         raise OtlpError(f"more than {MAX_SPANS} spans in one export", 413)
-                    attributes = {a["key"]: _json_value(a.get("value", {}))
-                                  for a in s.get("attributes", [])}
-                    spans.append(Span(str(s.get("traceId", "")).lower(),
-                                      str(s.get("spanId", "")).lower(), str(s.get("name", "")),
-                                      int(s.get("startTimeUnixNano", 0)),
-                                      int(s.get("endTimeUnixNano", 0)), attributes))
+                    attributes = {a["key"]: _json_value(a.get("value") or {})
+                                  for a in s.get("attributes") or []}
+                    spans.append(Span(str(s.get("traceId") or "").lower(),
+                                      str(s.get("spanId") or "").lower(),
+                                      str(s.get("name") or ""),
+                                      int(s.get("startTimeUnixNano") or 0),
+                                      int(s.get("endTimeUnixNano") or 0), attributes))
         return spans
     except OtlpError:
         raise
