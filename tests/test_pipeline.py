@@ -352,6 +352,33 @@ def test_a_span_joins_a_record_whose_start_went_missing():
     assert (record.ttft, record.trace_id, record.output_tokens) == (0.3, "ab" * 16, 5)
 
 
+@pytest.mark.parametrize("tap_saw_r1", [False, True])
+def test_a_span_of_a_reused_id_never_joins_the_request_after_it(tap_saw_r1):
+    """R1 runs 100.0-101.0, R2 of the same id arrives 0.5 ms after R1's finish (101.0005-102.0);
+    R1's span (100.0-101.0) comes after both. It shares no time with R2, so it never amends R2:
+    with no record of R1 it makes its own request, and with R1's record (its start lost: its
+    arrival 101.0 - 0.05 = 100.95) it amends that one. A review found R2 taking R1's TTFT."""
+    records = []
+    pipeline = Pipeline()
+    pipeline.join("vllm", 6.0)
+    pipeline.subscribe(records.append)
+    if tap_saw_r1:
+        pipeline.ingest("vllm", [ev.RequestFinished(ts=101.0, request_id="R", ttft=0.05,
+                                                    prompt_tokens=10)])
+    pipeline.ingest("vllm", [ev.RequestStarted(ts=101.0005, request_id="R", prompt_tokens=20),
+                             ev.RequestFinished(ts=102.0, request_id="R", ttft=0.2,
+                                                prompt_tokens=20)])
+    amended = pipeline.report(
+        "vllm", "aa" * 16, ev.RequestStarted(ts=100.0, request_id="R", prompt_tokens=10,
+                                             trace_id="aa" * 16),
+        ev.RequestFinished(ts=101.0, request_id="R", ttft=0.7, prompt_tokens=10))
+    pipeline.publish_settled(everything=True)
+    assert amended is tap_saw_r1 and pipeline.snapshot().requests == 2
+    r1, r2 = sorted(records, key=lambda r: r.arrival)
+    assert (r2.arrival, r2.ttft) == (101.0005, 0.2) and r2.trace_id != "aa" * 16
+    assert (r1.ttft, r1.trace_id) == (0.7, "aa" * 16)
+
+
 def test_a_prefill_rate_under_one_token_per_second_counts_as_unknown():
     """A rate of 5e-324 tokens/s is a valid float: 16 tokens over it made the seconds saved
     infinite, for good. Under 1 token/s the configured rate is used: 16 / 10,000 + 16 / 10,000

@@ -149,10 +149,11 @@ class RequestAssembler:
         for record in reversed(records):
             if under_way(record, ts):
                 return record
-        for record in reversed(records if until is not None else ()):
-            if overlaps(record, ts, until):
-                return record
-        return None
+        if until is None:
+            return None
+        # the record the span shares the most time with (a reused id's requests may touch)
+        best = max(records, key=lambda record: overlap(record, ts, until), default=None)
+        return best if best is not None and overlap(best, ts, until) > 0 else None
 
     def _open(self, source: str, inflight: OrderedDict, request_id: str,
               ts: float) -> RequestRecord:
@@ -324,12 +325,13 @@ def under_way(record: RequestRecord, ts: float) -> bool:
     return record.arrival - ARRIVAL_TOLERANCE <= ts <= record.finished
 
 
-def overlaps(record: RequestRecord, start: float, end: float) -> bool:
-    """Whether finished ``record``'s request was under way at some time from ``start`` to
-    ``end`` (Unix seconds): a report whose start comes before the record's arrival (a record
+def overlap(record: RequestRecord, start: float, end: float) -> float:
+    """Seconds finished ``record``'s request was under way from ``start`` to ``end`` (Unix
+    seconds), <= 0 for none: a report whose start comes before the record's arrival (a record
     whose start event went missing dates its arrival from its finish) is still about it. The
-    requests of a reused id follow one another, so a later one's span misses an earlier one."""
-    return start <= record.finished and end >= record.arrival - ARRIVAL_TOLERANCE
+    requests of a reused id follow one another: another's span meets a record at an end at
+    most."""
+    return min(end, record.finished) - max(start, record.arrival)
 
 
 def amend(record: RequestRecord, trace_id: str, finish: ev.RequestFinished) -> None:
