@@ -221,6 +221,41 @@ def test_a_ttft_bucket_missing_from_one_scrape_is_counted_once():
     assert (hist.bounds, hist.counts) == ([0.5], [1, 1])
 
 
+def test_an_engine_joining_costs_no_other_engines_observations():
+    """Engine 0 serves 10 requests per interval (le=1 / +Inf go 0/0, 5/10, 10/20, 15/30,
+    20/40: 40); engine 1 joins at the third scrape (0/0, then 5/10, 10/20: 20 once its first
+    scrape is its baseline). 60 in all; a check of the whole bucket set once threw away two
+    intervals of every engine when one joined (30 counted)."""
+    mapper = MetricsMapper(gpu_snapshot=False)
+    scrapes = [{"0": (0, 0)}, {"0": (5, 10)}, {"0": (10, 20), "1": (0, 0)},
+               {"0": (15, 30), "1": (5, 10)}, {"0": (20, 40), "1": (10, 20)}]
+    assert _ttft_counted(mapper, scrapes) == 60
+
+
+def _ttft_counted(mapper, scrapes):
+    """Observations the TTFT histograms of ``scrapes`` ({engine: (le=1 count, +Inf count)}
+    each) count in all."""
+    name = "vllm:time_to_first_token_seconds_bucket"
+    counted = 0
+    for engines in scrapes:
+        text = "".join(f'{name}{{engine="{e}",le="1.0"}} {a}\n{name}{{engine="{e}",le="+Inf"}} {b}\n'
+                       for e, (a, b) in engines.items())
+        counted += sum(sum(e.counts) for e in mapper.map(parse(text), 1.0)
+                       if isinstance(e, ev.LatencyHistogram))
+    return counted
+
+
+def test_an_engine_missing_from_every_other_scrape_keeps_being_counted():
+    """Engine 0 counts 10 (its first scrape a baseline); vLLM restarts as engines a and b, 10
+    requests per interval each, b's lines missing from every other scrape (i = 1..20, b at odd
+    i). a: first scrape a baseline, then 19 x 10 = 190; b: baseline at i=1, seen last at i=19:
+    18 x 10 = 180. 380 in all; a check of the whole bucket set counted 10 (never twice alike)."""
+    scrapes = [{"0": (0, 0)}, {"0": (5, 10)}]
+    for i in range(1, 21):
+        scrapes.append({"a": (5 * i, 10 * i), **({"b": (5 * i, 10 * i)} if i % 2 else {})})
+    assert _ttft_counted(MetricsMapper(gpu_snapshot=False), scrapes) == 10 + 190 + 180
+
+
 def test_a_series_missing_from_one_scrape_is_no_counter_reset():
     """Two engines at 1,000,000 prompt tokens each; engine 1's line is missing from one scrape
     (or unparsable): summing first read that as a reset and added 1,000,000 phantom tokens.

@@ -106,9 +106,9 @@ class MetricsMapper:
         self._seen: dict[tuple, float] = {}
         # cached prompt tokens not yet matched by vllm:prompt_tokens (<= 0): see _lookup
         self._unmatched = 0
-        # the TTFT bucket series of the last scrape read, and a changed set seen once: _ttft
-        self._ttft_shape: frozenset | None = None
-        self._ttft_pending: frozenset | None = None
+        # per engine (labels but le), its TTFT bucket bounds, and other bounds seen once: _ttft
+        self._ttft_bounds: dict[frozenset, frozenset] = {}
+        self._ttft_pending: dict[frozenset, frozenset] = {}
 
     def _increase(self, samples: Samples, name: str, **labels) -> float | None:
         """The sum over ``name``'s series carrying ``labels`` of their increase since the last
@@ -192,33 +192,26 @@ class MetricsMapper:
 
     def _ttft(self, samples: Samples, ts: float) -> ev.LatencyHistogram | None:
         name = "vllm:time_to_first_token_seconds_bucket"
-        by_bound: dict[float, dict[frozenset, float]] = {}  # le -> its series (one per engine)
-        for ls, value in _series(samples, name).items():
+        engines: dict[frozenset, dict[float, frozenset]] = {}  # labels but le -> le -> series
+        for ls in _series(samples, name):
+            labels = dict(ls)
             try:
-                bound = float(dict(ls).get("le", "+Inf"))
+                bound = float(labels.pop("le", "+Inf"))
             except ValueError:  # not a bucket bound: not a histogram we can read
                 return None
             if math.isnan(bound):
                 return None
-            by_bound.setdefault(bound, {})[ls] = value
+            engines.setdefault(frozenset(labels.items()), {})[bound] = ls
+        by_bound: dict[float, dict[frozenset, float]] = {}  # le -> its series (one per engine)
+        for engine, series in engines.items():
+            if self._read_as_before(engine, frozenset(series), name, samples, series):
+                for bound, ls in series.items():
+                    by_bound.setdefault(bound, {})[ls] = samples[(name, ls)]
+        if len(self._ttft_bounds) > MAX_SERIES:  # engines come and go: keep the current ones
+            self._ttft_bounds = {e: b for e, b in self._ttft_bounds.items() if e in engines}
+            self._ttft_pending = {e: b for e, b in self._ttft_pending.items() if e in engines}
         if not by_bound:
             return None
-        # Cumulative buckets are read against the last scrape's: a scrape missing one (a NaN
-        # is dropped) would count its observations in the next bucket up, then again once it
-        # is back. Such a scrape counts nothing and leaves the baselines; the same changed set
-        # twice in a row (vLLM restarted with other buckets, an engine more or less) becomes
-        # the new baseline.
-        shape = frozenset(ls for series in by_bound.values() for ls in series)
-        if self._ttft_shape is not None and shape != self._ttft_shape:
-            again, self._ttft_pending = shape == self._ttft_pending, shape
-            if not again:
-                return None
-            for series in by_bound.values():  # baselines only: nothing counted
-                self._increase_of(name, series)
-            self._ttft_shape = shape
-            self._increase(samples, "vllm:time_to_first_token_seconds_sum")
-            return None
-        self._ttft_shape, self._ttft_pending = shape, None
         bounds = sorted(by_bound)
         deltas = [self._increase_of(name, by_bound[b]) or 0.0 for b in bounds]
         total = self._increase(samples, "vllm:time_to_first_token_seconds_sum") or 0.0
@@ -232,6 +225,28 @@ class MetricsMapper:
         return ev.LatencyHistogram(ts=ts, metric="ttft", bounds=finite,
                                    counts=counts[:len(finite)] + [sum(counts[len(finite):])],
                                    sum=total)
+
+    def _read_as_before(self, engine: frozenset, bounds: frozenset, name: str,
+                        samples: Samples, series: dict[float, frozenset]) -> bool:
+        """Whether ``engine``'s TTFT buckets this scrape are the ones it had before (or it is
+        new), so their increases count. Cumulative buckets are read against the last scrape's:
+        one missing (a NaN is dropped) would count its observations in the next bucket up,
+        then again once it is back. Such a scrape counts nothing of that engine and leaves its
+        baselines; the same other buckets twice in a row (vLLM restarted with other buckets)
+        become its new baselines."""
+        before = self._ttft_bounds.get(engine)
+        if before is None or bounds == before:
+            self._ttft_bounds[engine] = bounds
+            self._ttft_pending.pop(engine, None)
+            return True
+        if self._ttft_pending.get(engine) != bounds:
+            self._ttft_pending[engine] = bounds
+            return False
+        for ls in series.values():  # baselines only: nothing counted
+            self._increase_of(name, {ls: samples[(name, ls)]})
+        self._ttft_bounds[engine] = bounds
+        del self._ttft_pending[engine]
+        return False
 
     def _gpu(self, samples: Samples, ts: float) -> list:
         """The GPU tier over every engine: each engine's usage share of its own blocks."""
