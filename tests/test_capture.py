@@ -191,6 +191,17 @@ def test_segments_with_nulls_are_an_error_naming_the_capture(tmp_path):
     with pytest.raises(TraceError, match="blocks: blocks segments with empty values in block_hash"):
         read_block_trace(tmp_path / "blocks")
     assert main(["compare", str(tmp_path / "requests"), str(tmp_path / "requests")]) == 2
+    # inside a transfer too: ok null read as a failure, src null as the direction "None->gpu"
+    directory = tmp_path / "transfers"
+    directory.mkdir()
+    columns = {f.name: ["x"] * 3 if pa.types.is_string(f.type) else [0] * 3
+               for f in REQUESTS_SCHEMA}
+    columns.update(ttft=[0.1] * 3, transfers=[[{"src": "cpu", "dst": "gpu", "blocks": 1,
+                                                "bytes": 1, "start": 0.0, "duration": 0.0,
+                                                "ok": None}]] * 3)
+    pq.write_table(pa.table(columns, schema=REQUESTS_SCHEMA), directory / "requests-1-1-1.parquet")
+    with pytest.raises(TraceError, match="empty values in transfers"):
+        read_request_sample(directory)
 
 
 def test_lookups_captured_out_of_time_order_are_read_in_time_order(tmp_path):

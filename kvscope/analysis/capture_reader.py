@@ -112,7 +112,8 @@ def _converted(path: Path, kind: str, build: Callable[[], T]) -> T:
 
 
 def read_block_trace(path: str | Path) -> AccessTrace:
-    """The block accesses of a capture, in capture order, as an :class:`AccessTrace`.
+    """The block accesses of a capture, lookup by lookup in time order (each lookup's blocks
+    together, in depth order), as an :class:`AccessTrace`.
 
     ``times``: seconds since the first access; ``requests``: one per lookup (a new one starts
     at each depth-0 block). When the capture does not record the block size, 16 tokens
@@ -177,6 +178,8 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
     itl = col["itl"].astype(np.float64)
     wait = col["promotion_wait"].astype(np.float64)
     flat = pc.list_flatten(table.column("transfers"))
+    if len(flat) and any(pc.struct_field(flat, f.name).null_count for f in flat.type):
+        raise ValueError("empty values in transfers")  # ok would read False, src "None"
     if len(flat):
         fields = {f: pc.struct_field(flat, f).to_numpy(zero_copy_only=False)
                   for f in ("src", "dst", "blocks", "bytes", "duration", "ok")}

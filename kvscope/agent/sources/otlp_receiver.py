@@ -76,16 +76,20 @@ class Span:
     attributes: dict[str, object] = field(default_factory=dict)
 
 
+MAX_GZIP_MEMBERS = 64  # gzip members in one body: exporters send one
+
+
 def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     encoding = (encoding or "").lower().strip()
     if encoding in ("", "identity"):
         return body
     if encoding not in ("gzip", "deflate"):
         raise OtlpError(f"unsupported content-encoding {encoding!r}", 415)
-    # a gzip body may hold several members, one after another (RFC 1952, section 2.2)
+    # a gzip body may hold several members, one after another (RFC 1952, section 2.2); each
+    # copies the rest of the body (zlib's unused_data), so their number is bounded
     wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
     parts, size, rest = [], 0, body
-    while True:
+    while len(parts) < MAX_GZIP_MEMBERS:
         inflater = zlib.decompressobj(wbits)
         try:
             part = inflater.decompress(rest, limit + 1 - size)
@@ -98,10 +102,11 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
         if not inflater.eof:
             raise OtlpError(f"bad {encoding} body: truncated")
         rest = inflater.unused_data
-        if not rest:
+        if not rest.strip(b"\0"):  # zero padding after the end, as gzip.decompress allows
             return b"".join(parts)
         if encoding != "gzip":
             raise OtlpError(f"bad {encoding} body: {len(rest)} bytes after its end")
+    raise OtlpError(f"bad gzip body: more than {MAX_GZIP_MEMBERS} members")
 
 
 def parse(body: bytes, content_type: str, encoding: str = "",
@@ -235,14 +240,10 @@ def _parse_json(data: bytes) -> list[Span]:
 
 
 def _json_value(value: dict) -> object:
-    if "stringValue" in value:
-        return value["stringValue"]
-    if "intValue" in value:
-        return int(value["intValue"])
-    if "doubleValue" in value:
-        return float(value["doubleValue"])
-    if "boolValue" in value:
-        return bool(value["boolValue"])
+    for key, kind in (("stringValue", str), ("intValue", int), ("doubleValue", float),
+                      ("boolValue", bool)):
+        if value.get(key) is not None:  # null: the default, as if absent
+            return value[key] if kind is str else kind(value[key])
     return None
 
 

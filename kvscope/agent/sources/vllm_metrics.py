@@ -341,7 +341,9 @@ class VllmMetricsSource(Worker):
         server trickling bytes, of its headers too, would otherwise hold the scrape, and the
         agent's stop, forever: httpx's timeouts are per read) or past :data:`MAX_BODY` bytes,
         httpx's errors otherwise."""
-        try:  # asyncio cancels the whole request at the deadline, wherever it waits
+        # asyncio cancels the request at the deadline wherever it waits on the server; a host
+        # name's lookup runs in a thread asyncio.run waits for (vLLM's is an address as a rule)
+        try:
             return asyncio.run(asyncio.wait_for(self._fetch_async(), self._timeout))
         except TimeoutError:
             raise BodyError(f"no whole answer within {self._timeout:g} s") from None
