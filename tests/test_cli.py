@@ -18,6 +18,20 @@ def _kvscope(*args, timeout=60):
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+def _started_agent(*args, ingest, stderr=subprocess.STDOUT):
+    """`kvscope agent` on a free port with ``args``, and its output lines up to its start line
+    (the process's stdout stays open for the rest)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--port", str(free_port()),
+                             "--ingest", ingest, *args], stdout=subprocess.PIPE, stderr=stderr,
+                            text=True, stdin=subprocess.DEVNULL)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("kvscope agent: http"):
+            break
+    return proc, lines
+
+
 def _one_error_line(result, *needles):
     """Exit code 2 and one error line (no traceback); the agent's info log lines from parts
     that started before the failing one (e.g. the GPU collector's) may precede it."""
@@ -191,17 +205,9 @@ def test_ctrl_c_while_the_agent_shuts_down_does_not_spoil_its_exit_code(tmp_path
     of handled signals while it shuts down, so the agent ignores them once it has stopped.
     SIGTERM and SIGHUP (a closed terminal; it killed the agent with exit code 129, before its
     store's last flush) stop it the same way."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--port", str(free_port()),
-                             "--ingest", f"ipc://{tmp_path}/ingest.sock",
-                             "--store-dir", str(tmp_path / "store")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
+    proc, lines = _started_agent("--store-dir", str(tmp_path / "store"),
+                                 ingest=f"ipc://{tmp_path}/ingest.sock")
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("kvscope agent: http"):
-                break
         proc.send_signal(sig)
         for line in proc.stdout:
             lines.append(line)
@@ -470,17 +476,9 @@ def test_the_agents_start_lines_name_every_part_it_runs(tmp_path):
                       f'capture_dir = "{tmp_path / "capture"}"\n'
                       f'[vllm_metrics]\nenabled = true\nurl = "http://127.0.0.1:{free_port()}/metrics"\n'
                       '[otlp_receiver]\nenabled = true\n')
-    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--config", str(config),
-                             "--port", str(free_port()),
-                             "--ingest", f"ipc://{tmp_path}/ingest.sock"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            stdin=subprocess.DEVNULL)
+    proc, lines = _started_agent("--config", str(config), ingest=f"ipc://{tmp_path}/ingest.sock",
+                                 stderr=subprocess.DEVNULL)
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("kvscope agent: http"):
-                break
         proc.send_signal(signal.SIGTERM)
         lines += proc.stdout.readlines()
         assert proc.wait(timeout=30) == 0, "".join(lines)

@@ -154,29 +154,29 @@ def test_segments_written_after_the_clock_stepped_back_still_sort_last(tmp_path)
     """A restarted agent, the clock stepped back 5 s since (NTP), stores the request's new
     version (vLLM's late span amended it): a later load serves that version. Named by the
     clock alone, its segment sorted before the first run's, whose stale version won."""
-    first = RequestStore(tmp_path, clock=lambda: 3000.0)
+    _store_twice(tmp_path, 3000.0, 2995.0)
+    assert [r.ttft for r in RequestStore(tmp_path, clock=lambda: 2995.0).load(10)] == [0.25]
+
+
+def _store_twice(directory, first_clock, second_clock):
+    """A record stored by one store, then its amended version (TTFT 0.25) by a second, each
+    at its own clock (Unix seconds); returns the second store."""
+    first = RequestStore(directory, clock=lambda: first_clock)
     first.add(_record(1, finished=2999.0))
     first.flush()
-    second = RequestStore(tmp_path, clock=lambda: 2995.0)
+    second = RequestStore(directory, clock=lambda: second_clock)
     amended = _record(1, finished=2999.0)
     amended.ttft = 0.25
     second.add(amended)
     second.flush()
-    assert [r.ttft for r in RequestStore(tmp_path, clock=lambda: 2995.0).load(10)] == [0.25]
+    return second
 
 
 def test_segments_sort_by_their_stamps_as_numbers(tmp_path):
     """A segment named at the 15-digit stamp 999999999999999 (corrupt, or from a clock far
     ahead): the next is named 1000000000000000, which sorted before it as text, so the stale
     version won and pruning would take the new segment first."""
-    ahead = RequestStore(tmp_path, clock=lambda: 999_999_999_999.999)
-    ahead.add(_record(1, finished=2999.0))
-    ahead.flush()
-    later = RequestStore(tmp_path, clock=lambda: 3000.0)
-    amended = _record(1, finished=2999.0)
-    amended.ttft = 0.25
-    later.add(amended)
-    later.flush()
+    later = _store_twice(tmp_path, 999_999_999_999.999, 3000.0)
     names = [p.name.split("-")[1] for p in later.segments()]
     assert names == ["999999999999999", "1000000000000000"]
     assert [r.ttft for r in RequestStore(tmp_path, clock=lambda: 3000.0).load(10)] == [0.25]
