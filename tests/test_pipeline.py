@@ -6,7 +6,7 @@ import pytest
 
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
-from kvscope.agent.requests import MAX_REUSES, RequestAssembler
+from kvscope.agent.requests import MAX_REUSES, RequestAssembler, RequestRecord
 
 CPU_GPU = ("cpu", "gpu")
 
@@ -377,6 +377,29 @@ def test_a_span_of_a_reused_id_never_joins_the_request_after_it(tap_saw_r1):
     r1, r2 = sorted(records, key=lambda r: r.arrival)
     assert (r2.arrival, r2.ttft) == (101.0005, 0.2) and r2.trace_id != "aa" * 16
     assert (r1.ttft, r1.trace_id) == (0.7, "aa" * 16)
+
+
+def test_a_span_joins_an_aborted_record_and_a_zero_length_span_a_restored_one():
+    """An aborted request whose start was lost has arrival = finish (TTFT 0): a record of no
+    length at 101.0, inside its span 100.0-101.0, which joins it (one request). A span of no
+    length at 100.5 joins the record under way then even from the table (a restored record,
+    past the recent ones), as it does a recent one. A review found both made second
+    requests when the rule asked for time shared."""
+    pipeline = Pipeline()
+    pipeline.join("vllm", 6.0)
+    pipeline.ingest("vllm", [ev.RequestFinished(ts=101.0, request_id="a", ttft=0.0,
+                                                prompt_tokens=10)])
+    assert pipeline.report("vllm", "aa" * 16,
+                           ev.RequestStarted(ts=100.0, request_id="a", prompt_tokens=10),
+                           ev.RequestFinished(ts=101.0, request_id="a", ttft=0.3, prompt_tokens=10))
+    restored = RequestRecord("b", "bb" * 16, "vllm", 100.0, prompt_tokens=10, ttft=0.2,
+                             finished=101.0)
+    pipeline.restore([restored])
+    assert pipeline.report("vllm", "cc" * 16,
+                           ev.RequestStarted(ts=100.5, request_id="b", prompt_tokens=10),
+                           ev.RequestFinished(ts=100.5, request_id="b", ttft=0.0, prompt_tokens=10))
+    pipeline.publish_settled(everything=True)
+    assert pipeline.snapshot().requests == 1 and restored.trace_id == "cc" * 16
 
 
 def test_a_prefill_rate_under_one_token_per_second_counts_as_unknown():

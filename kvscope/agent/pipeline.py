@@ -22,7 +22,7 @@ from functools import partial
 
 from kvscope import events as ev
 from kvscope.agent.requests import (FUTURE, RequestAssembler, RequestRecord, RequestTable, amend,
-                                    overlap)
+                                    under_way, within)
 from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, FAILURE_REASONS,
                                       LATENCY_SECONDS_BUCKETS, RESIDENCY_SECONDS_BUCKETS,
                                       TRANSFER_SECONDS_BUCKETS)
@@ -396,9 +396,9 @@ class Pipeline:
         """Fold a later report of one of ``source``'s requests (vLLM's span, as ``started``
         and ``finished`` events, counted as received elsewhere), in one step so that none of
         the source's own events comes in between. When ``source`` finished that request (one
-        of the last it finished, or one in the table, under way at ``started.ts``, else at some
-        time until ``finished.ts``: a client may reuse an id, see
-        :func:`~kvscope.agent.requests.overlap`), the report amends its
+        of the last it finished, or one in the table, under way at ``started.ts``, else run
+        within the span to ``finished.ts``: a client may reuse an id, see
+        :func:`~kvscope.agent.requests.within`), the report amends its
         record (:func:`~kvscope.agent.requests.amend`): exemplars that carried its old trace
         id carry the new one, and a record handed over already goes to the early subscribers
         again (the store keeps the last version). Otherwise, with ``new_request``, the events
@@ -410,7 +410,8 @@ class Pipeline:
                                                        until=finished.ts)
             if record is None:  # restored after a restart, or past the recent ones
                 record = self.requests.get(finished.request_id, source)
-                if record is not None and overlap(record, started.ts, finished.ts) <= 0:
+                if record is not None and not (under_way(record, started.ts)
+                                               or within(record, started.ts, finished.ts)):
                     record = None
             if record is not None:
                 before = record.trace_id

@@ -83,6 +83,9 @@ MAX_REUSES = 64
 # A late report names its request by its arrival (vLLM's span starts at the very arrival time
 # the tap sends, and arrival_of gives it to within float rounding when the start went missing).
 ARRIVAL_TOLERANCE = 0.001  # seconds
+# A span's ends and the tap's record of the same request are stamped apart, by different
+# code; a record within its span give or take this is the span's (see within).
+FINISH_TOLERANCE = 0.01  # seconds
 
 _REQUEST_ID = operator.attrgetter("request_id")
 # what a second finish of one request may fill in (see RequestAssembler.finished)
@@ -151,9 +154,10 @@ class RequestAssembler:
                 return record
         if until is None:
             return None
-        # the record the span shares the most time with (a reused id's requests may touch)
-        best = max(records, key=lambda record: overlap(record, ts, until), default=None)
-        return best if best is not None and overlap(best, ts, until) > 0 else None
+        # of those within the span, the one finishing nearest its end (a reused id's next
+        # request, arriving as this one finished, finishes after it)
+        inside = [record for record in records if within(record, ts, until)]
+        return min(inside, key=lambda record: abs(record.finished - until), default=None)
 
     def _open(self, source: str, inflight: OrderedDict, request_id: str,
               ts: float) -> RequestRecord:
@@ -325,13 +329,14 @@ def under_way(record: RequestRecord, ts: float) -> bool:
     return record.arrival - ARRIVAL_TOLERANCE <= ts <= record.finished
 
 
-def overlap(record: RequestRecord, start: float, end: float) -> float:
-    """Seconds finished ``record``'s request was under way from ``start`` to ``end`` (Unix
-    seconds), <= 0 for none: a report whose start comes before the record's arrival (a record
-    whose start event went missing dates its arrival from its finish) is still about it. The
-    requests of a reused id follow one another: another's span meets a record at an end at
-    most."""
-    return min(end, record.finished) - max(start, record.arrival)
+def within(record: RequestRecord, start: float, end: float) -> bool:
+    """Whether finished ``record``'s request ran within ``start`` to ``end`` (Unix seconds,
+    give or take :data:`FINISH_TOLERANCE`): the span of a report about it whose start comes
+    before the record's arrival (a record whose start event went missing dates its arrival
+    from its finish, an aborted one's is its finish). The next request of a reused id
+    finishes after the span's end."""
+    return (start - FINISH_TOLERANCE <= record.arrival
+            and record.finished <= end + FINISH_TOLERANCE)
 
 
 def amend(record: RequestRecord, trace_id: str, finish: ev.RequestFinished) -> None:
