@@ -130,6 +130,8 @@ def test_a_gzip_body_of_two_members_gives_both_and_trailing_bytes_are_refused():
     # as each copies the rest of the body (52,428 empty ones took 0.4 s of CPU)
     assert len(parse(gzip.compress(protobuf_body()) + b"\0" * 8, "application/x-protobuf",
                      "gzip")) == 1
+    with pytest.raises(OtlpError, match="4 bytes after its end"):  # no padding for deflate
+        parse(zlib.compress(protobuf_body()) + b"\0" * 4, "application/x-protobuf", "deflate")
     with pytest.raises(OtlpError, match="more than 64 members"):
         parse(gzip.compress(b"") * 65, "application/x-protobuf", "gzip")
 

@@ -245,6 +245,23 @@ def _ttft_counted(mapper, scrapes):
     return counted
 
 
+def test_the_ttft_sum_waits_with_its_engines_buckets():
+    """Every TTFT is 1.0 s, 10 per interval; vLLM restarts with other buckets (counters from 0)
+    after the second scrape: the two intervals its buckets cannot be read over are left out of
+    the sum as of the counts, so count 20 and sum 20.0 (mean 1.0 s, not 1.5: a review)."""
+    name, total = "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum"
+    mapper = MetricsMapper(gpu_snapshot=False)
+    count = seconds = 0
+    for buckets, observed in (({"2.0": 0, "+Inf": 0}, 0), ({"2.0": 10, "+Inf": 10}, 10),
+                              ({"1.5": 10, "+Inf": 10}, 10), ({"1.5": 20, "+Inf": 20}, 20),
+                              ({"1.5": 30, "+Inf": 30}, 30)):
+        text = "".join(f'{name}{{le="{le}"}} {n}\n' for le, n in buckets.items())
+        for hist in mapper.map(parse(text + f"{total} {observed}\n"), 1.0):
+            if isinstance(hist, ev.LatencyHistogram):
+                count, seconds = count + sum(hist.counts), seconds + hist.sum
+    assert (count, seconds) == (20, 20.0)
+
+
 def test_an_engine_missing_from_every_other_scrape_keeps_being_counted():
     """Engine 0 counts 10 (its first scrape a baseline); vLLM restarts as engines a and b, 10
     requests per interval each, b's lines missing from every other scrape (i = 1..20, b at odd

@@ -102,7 +102,8 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
         if not inflater.eof:
             raise OtlpError(f"bad {encoding} body: truncated")
         rest = inflater.unused_data
-        if not rest.strip(b"\0"):  # zero padding after the end, as gzip.decompress allows
+        # zero padding after the last gzip member, as gzip.decompress allows
+        if not rest or (encoding == "gzip" and not rest.strip(b"\0")):
             return b"".join(parts)
         if encoding != "gzip":
             raise OtlpError(f"bad {encoding} body: {len(rest)} bytes after its end")

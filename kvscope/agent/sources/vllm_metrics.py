@@ -87,6 +87,9 @@ def _series(samples: Samples, name: str, **labels) -> dict[frozenset, float]:
     return {ls: v for (n, ls), v in samples.items() if n == name and want <= ls}
 
 
+SUM = "vllm:time_to_first_token_seconds_sum"
+
+
 class MetricsMapper:
     """Turns successive scrapes into kvscope events. ``block_bytes``: KV bytes per block (0:
     unknown). ``gpu_snapshot``: report GPU usage as a TierSnapshot. ``stores``: report
@@ -202,11 +205,15 @@ class MetricsMapper:
             if math.isnan(bound):
                 return None
             engines.setdefault(frozenset(labels.items()), {})[bound] = ls
+        sums = _series(samples, SUM)  # by engine: its labels are the buckets' but le
         by_bound: dict[float, dict[frozenset, float]] = {}  # le -> its series (one per engine)
+        counted: dict[frozenset, float] = {}  # the sums of the engines counted
         for engine, series in engines.items():
             if self._read_as_before(engine, frozenset(series), name, samples, series):
                 for bound, ls in series.items():
                     by_bound.setdefault(bound, {})[ls] = samples[(name, ls)]
+                if engine in sums:
+                    counted[engine] = sums[engine]
         if len(self._ttft_bounds) > MAX_SERIES:  # engines come and go: keep the current ones
             self._ttft_bounds = {e: b for e, b in self._ttft_bounds.items() if e in engines}
             self._ttft_pending = {e: b for e, b in self._ttft_pending.items() if e in engines}
@@ -214,7 +221,7 @@ class MetricsMapper:
             return None
         bounds = sorted(by_bound)
         deltas = [self._increase_of(name, by_bound[b]) or 0.0 for b in bounds]
-        total = self._increase(samples, "vllm:time_to_first_token_seconds_sum") or 0.0
+        total = self._increase_of(SUM, counted) or 0.0
         counts, previous = [], 0.0
         for d in deltas:  # cumulative deltas -> per-bucket counts
             counts.append(int(max(0.0, d - previous)))
@@ -232,8 +239,8 @@ class MetricsMapper:
         new), so their increases count. Cumulative buckets are read against the last scrape's:
         one missing (a NaN is dropped) would count its observations in the next bucket up,
         then again once it is back. Such a scrape counts nothing of that engine and leaves its
-        baselines; the same other buckets twice in a row (vLLM restarted with other buckets)
-        become its new baselines."""
+        baselines (and its sum's); the same other buckets twice in a row (vLLM restarted with
+        other buckets) become its new baselines."""
         before = self._ttft_bounds.get(engine)
         if before is None or bounds == before:
             self._ttft_bounds[engine] = bounds
@@ -244,6 +251,8 @@ class MetricsMapper:
             return False
         for ls in series.values():  # baselines only: nothing counted
             self._increase_of(name, {ls: samples[(name, ls)]})
+        if (SUM, engine) in samples:  # its sum's baseline too
+            self._increase_of(SUM, {engine: samples[(SUM, engine)]})
         self._ttft_bounds[engine] = bounds
         del self._ttft_pending[engine]
         return False
