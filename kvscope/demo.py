@@ -42,12 +42,13 @@ class DemoConfig:
     capture_dir: str | None = None
 
 
-def _replay(replayer: Replayer, out) -> None:
+def _replay(replayer: Replayer, out, duration: float | None) -> None:
     """Replay the workload, then say it has played out while the demo stays up to be read."""
     replayer.run()
     if not replayer.stop.is_set():
+        until = "Ctrl-C" + (f" or {duration:g} s from the start" if duration else "")
         print(f"kvscope demo: the workload has played out ({replayer.served} requests); the "
-              "metrics, API and dashboard stay up until Ctrl-C", file=out, flush=True)
+              f"metrics, API and dashboard stay up until {until}", file=out, flush=True)
 
 
 def run_demo(config: DemoConfig, out=sys.stdout) -> int:
@@ -92,8 +93,8 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     server = ApiServer(create_app(agent), metrics_sock)
     stop = threading.Event()
     replayer = Replayer(engine, requests, speed=config.speed, stop=stop)
-    replay_thread = threading.Thread(target=_replay, args=(replayer, out), name="kvscope-replay",
-                                     daemon=True)
+    replay_thread = threading.Thread(target=_replay, args=(replayer, out, config.duration),
+                                     name="kvscope-replay", daemon=True)
     agent.start()
     server.start()
     api_url = url(config.host, config.metrics_port, "")

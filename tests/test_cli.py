@@ -464,6 +464,7 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "the workload has played out (3 requests)" in lines[-2]
+    assert lines[-2].endswith("stay up until Ctrl-C or 4 s from the start")
     assert lines[-1] == "kvscope demo: stopped after 3 requests"
 
 

@@ -226,6 +226,7 @@ def test_sizing_page_shows_the_size_it_rounds_up_for_vllm(gib, flag, shown):
     curves, cost, verdict, status = sizing_page.render(SizingState("ready", "t.jsonl", data, "x"))
     assert f"Recommended CPU tier: {shown} GiB" in str(verdict)
     assert f"--kv-offloading-size {flag:g}" in str(verdict)
+    assert "token hit share 25.0% with the GPU cache's (the CPU tier's 20.0%)" in str(verdict)
     assert f"recommended {shown} GiB" in annotation_texts(curves)
 
 
