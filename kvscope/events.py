@@ -92,8 +92,8 @@ class _Event(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True, gc=Fal
 class RequestStarted(_Event, tag="request_started"):
     """A request arrived at the engine.
 
-    ``prompt_tokens``: tokens in the prompt. ``trace_id``: W3C trace id (32 lowercase hex chars) or ""; the
-    agent takes any other as "" and makes one.
+    ``prompt_tokens``: tokens in the prompt. ``trace_id``: W3C trace id (32 lowercase hex
+    chars) or ""; the agent takes any other as "" and makes one.
     """
 
     request_id: RequestId

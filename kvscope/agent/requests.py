@@ -146,8 +146,9 @@ class RequestAssembler:
                           until: float | None = None) -> RequestRecord | None:
         """``source``'s record of ``request_id``, among the last ``max_recent`` it finished,
         of the request under way at ``ts`` (see :func:`under_way`), the newest such; with
-        ``until`` (a report of the span ``ts``-``until``), else one under way during that
-        span. None when there is none (an id reused: another request)."""
+        ``until`` (a report of the span ``ts``-``until``), else of those that ran within that
+        span (see :func:`within`), the one finishing nearest its end. None when there is none
+        (an id reused: another request)."""
         records = self._recent.get(source, {}).get(request_id, ())
         for record in reversed(records):
             if under_way(record, ts):

@@ -12,7 +12,8 @@ reports:
 - transfer cost: bytes, blocks and seconds per direction, failed transfers, and the promotion
   wait per request;
 - a verdict against the rollback rule: **p99 TTFT above the budget -> roll back** (disable the
-  newest tier), unless the baseline is significantly slower still. See :func:`verdict` for exactly how the intervals decide it.
+  newest tier), unless the baseline is significantly slower still. See :func:`verdict` for
+  exactly how the intervals decide it.
 
 Pure: samples in, dataclasses out. :func:`to_json` and :func:`render_text` render them.
 """

@@ -15,7 +15,8 @@ DESCRIPTION = (
     "tier (BASELINE) and one with it (CANDIDATE): TTFT and ITL p50/p95/p99 with percentile-"
     "bootstrap confidence intervals, hit quality by source, transfer cost, and a verdict "
     "against the rollback rule: p99 TTFT above the budget -> roll back (disable the newest "
-    "tier), unless the baseline is significantly slower still. The verdict is 'keep', 'roll back (disable the newest tier)' or 'inconclusive'.")
+    "tier), unless the baseline is significantly slower still. The verdict is 'keep', "
+    "'roll back (disable the newest tier)' or 'inconclusive'.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

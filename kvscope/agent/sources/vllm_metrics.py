@@ -87,6 +87,7 @@ def _series(samples: Samples, name: str, **labels) -> dict[frozenset, float]:
     return {ls: v for (n, ls), v in samples.items() if n == name and want <= ls}
 
 
+BUCKET = "vllm:time_to_first_token_seconds_bucket"
 SUM = "vllm:time_to_first_token_seconds_sum"
 
 
@@ -194,9 +195,8 @@ class MetricsMapper:
         return out
 
     def _ttft(self, samples: Samples, ts: float) -> ev.LatencyHistogram | None:
-        name = "vllm:time_to_first_token_seconds_bucket"
         engines: dict[frozenset, dict[float, frozenset]] = {}  # labels but le -> le -> series
-        for ls in _series(samples, name):
+        for ls in _series(samples, BUCKET):
             labels = dict(ls)
             try:
                 bound = float(labels.pop("le", "+Inf"))
@@ -209,9 +209,9 @@ class MetricsMapper:
         by_bound: dict[float, dict[frozenset, float]] = {}  # le -> its series (one per engine)
         counted: dict[frozenset, float] = {}  # the sums of the engines counted
         for engine, series in engines.items():
-            if self._read_as_before(engine, frozenset(series), name, samples, series):
+            if self._read_as_before(engine, series, samples):
                 for bound, ls in series.items():
-                    by_bound.setdefault(bound, {})[ls] = samples[(name, ls)]
+                    by_bound.setdefault(bound, {})[ls] = samples[(BUCKET, ls)]
                 if engine in sums:
                     counted[engine] = sums[engine]
         if len(self._ttft_bounds) > MAX_SERIES:  # engines come and go: keep the current ones
@@ -220,7 +220,7 @@ class MetricsMapper:
         if not by_bound:
             return None
         bounds = sorted(by_bound)
-        deltas = [self._increase_of(name, by_bound[b]) or 0.0 for b in bounds]
+        deltas = [self._increase_of(BUCKET, by_bound[b]) or 0.0 for b in bounds]
         total = self._increase_of(SUM, counted) or 0.0
         counts, previous = [], 0.0
         for d in deltas:  # cumulative deltas -> per-bucket counts
@@ -233,15 +233,15 @@ class MetricsMapper:
                                    counts=counts[:len(finite)] + [sum(counts[len(finite):])],
                                    sum=total)
 
-    def _read_as_before(self, engine: frozenset, bounds: frozenset, name: str,
-                        samples: Samples, series: dict[float, frozenset]) -> bool:
+    def _read_as_before(self, engine: frozenset, series: dict[float, frozenset],
+                        samples: Samples) -> bool:
         """Whether ``engine``'s TTFT buckets this scrape are the ones it had before (or it is
         new), so their increases count. Cumulative buckets are read against the last scrape's:
         one missing (a NaN is dropped) would count its observations in the next bucket up,
         then again once it is back. Such a scrape counts nothing of that engine and leaves its
         baselines (and its sum's); the same other buckets twice in a row (vLLM restarted with
         other buckets) become its new baselines."""
-        before = self._ttft_bounds.get(engine)
+        bounds, before = frozenset(series), self._ttft_bounds.get(engine)
         if before is None or bounds == before:
             self._ttft_bounds[engine] = bounds
             self._ttft_pending.pop(engine, None)
@@ -249,8 +249,8 @@ class MetricsMapper:
         if self._ttft_pending.get(engine) != bounds:
             self._ttft_pending[engine] = bounds
             return False
-        for ls in series.values():  # baselines only: nothing counted
-            self._increase_of(name, {ls: samples[(name, ls)]})
+        # baselines only: nothing counted
+        self._increase_of(BUCKET, {ls: samples[(BUCKET, ls)] for ls in series.values()})
         if (SUM, engine) in samples:  # its sum's baseline too
             self._increase_of(SUM, {engine: samples[(SUM, engine)]})
         self._ttft_bounds[engine] = bounds

@@ -46,9 +46,9 @@ def render(state: SizingState) -> tuple:
     verdict = [html.B(data.get("verdict", ""))]
     rec = data.get("recommended")
     if rec:
-        verdict += [html.Br(), f"Recommended CPU tier: {fz.gib_text(rec['gib'])} GiB ({rec['blocks']:,} "
-                    f"blocks), token hit share {rec['token_hit_share']:.1%} with the GPU cache's (the "
-                    f"CPU tier's {rec['cpu_token_hit_share']:.1%}); vLLM "
+        verdict += [html.Br(), f"Recommended CPU tier: {fz.gib_text(rec['gib'])} GiB "
+                    f"({rec['blocks']:,} blocks), token hit share {rec['token_hit_share']:.1%} "
+                    f"with the GPU cache's (the CPU tier's {rec['cpu_token_hit_share']:.1%}); vLLM "
                     f"--kv-offloading-size {data.get('kv_offloading_size_gib', 0):g}"]
     verdict += [html.Br(), f"Reused prompt tokens (ceiling for any cache): "
                 f"{data.get('reuse_token_share', 0):.1%}; GPU prefix cache alone: "
