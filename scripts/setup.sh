@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Set up kvscope on a fresh Debian 12 machine that has Python 3.11.
 #
-#   bash scripts/setup.sh          # .venv with kvscope + the reference engine (enough for `kvscope demo`)
+#   bash scripts/setup.sh          # .venv with kvscope + the reference engine (enough for `kvscope demo`);
+#                                  # a C compiler and Python's headers too (apt) when missing: the
+#                                  # agent's fold is compiled
 #   bash scripts/setup.sh --test   # also Prometheus, Chromium, chromedriver (apt), the test extras
 #                                  # and vLLM's CPU build (scripts/vllm_env.sh, cached outside the clone)
 #
 # Idempotent: apt is skipped when the tools are already on PATH, the venv is reused, and the pip
-# steps are skipped when a stamp (.venv/.kvscope-setup-*) keyed by a hash of pyproject.toml and of
-# this script matches.
+# steps are skipped when a stamp (.venv/.kvscope-setup-*) keyed by a hash of pyproject.toml, setup.py,
+# the compiled modules' sources and this script matches.
 # Never reads stdin; runs as root or, when not root, through sudo when it is available.
 set -euo pipefail
 exec </dev/null
@@ -82,7 +84,16 @@ if [ -z "$PY" ]; then
 fi
 say "using $PY ($("$PY" -c 'import platform; print(platform.python_version())'))"
 
-# 3. The virtual environment (recreated when it is missing or broken).
+# 3. A C compiler and Python's headers: the agent's fold is compiled (Cython, setup.py).
+pyver="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+if ! command -v cc >/dev/null 2>&1; then
+    apt_install gcc libc6-dev
+fi
+if ! "$PY" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+    apt_install "python${pyver}-dev"
+fi
+
+# 4. The virtual environment (recreated when it is missing or broken).
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null \
     && "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
     say "reusing $VENV"
@@ -92,7 +103,6 @@ else
     if ! "$PY" -m venv "$VENV"; then
         # Debian splits ensurepip into python3-venv / python3.X-venv.
         rm -rf "$VENV"
-        pyver="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
         say "venv failed (ensurepip missing?); installing python${pyver}-venv"
         apt_install "python${pyver}-venv" || apt_install python3-venv
         "$PY" -m venv "$VENV"
@@ -100,14 +110,14 @@ else
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
-# 4. Python packages, skipped when the stamp matches.
+# 5. Python packages, skipped when the stamp matches (it covers the compiled modules' sources).
 EXTRAS="engine"
 [ "$WANT_TEST" -eq 1 ] && EXTRAS="engine,test"
-stamp_key() { { cat "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}"; echo "$1 $TORCH_SPEC"; } | sha256sum | cut -d' ' -f1; }
+stamp_key() { { cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/kvscope/agent/*.pyx "$ROOT"/kvscope/agent/*.pxd "${BASH_SOURCE[0]}"; echo "$1 $TORCH_SPEC"; } | sha256sum | cut -d' ' -f1; }
 stamp_ok() { [ -f "$VENV/.kvscope-setup-$1" ] && [ "$(cat "$VENV/.kvscope-setup-$1")" = "$(stamp_key "$1")" ]; }
 STAMP="$VENV/.kvscope-setup-$EXTRAS"
 # A venv set up with the test extras also satisfies the plain set-up.
-if { stamp_ok "$EXTRAS" || stamp_ok "engine,test"; } && "$VENV/bin/python" -c 'import kvscope, torch' 2>/dev/null; then
+if { stamp_ok "$EXTRAS" || stamp_ok "engine,test"; } && "$VENV/bin/python" -c 'import kvscope.agent.fold, torch' 2>/dev/null; then
     say "python packages up to date ($EXTRAS)"
 else
     say "pip install $TORCH_SPEC (CPU build)"
@@ -117,7 +127,7 @@ else
     stamp_key "$EXTRAS" >"$STAMP"
 fi
 
-# 5. With --test: vLLM's CPU build for the vLLM integration tests, in a cache outside the clone
+# 6. With --test: vLLM's CPU build for the vLLM integration tests, in a cache outside the clone
 #    keyed by its pinned versions (built once, about 3.4 GB on disk; reused by every clone after that).
 if [ "$WANT_TEST" -eq 1 ]; then
     say "vLLM CPU environment (scripts/vllm_env.sh)"

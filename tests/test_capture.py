@@ -302,12 +302,16 @@ def test_lookups_without_block_hashes_write_nothing_and_orphans_are_removed(tmp_
 
 def test_rows_that_do_not_fit_the_schema_are_dropped_and_capture_goes_on(tmp_path, caplog):
     """A request with 2**63 prompt tokens (past int64) once stopped the capture thread for
-    good: its flush now drops that flush's rows (1), logs once, and the next request is
+    good; a record now refuses such a count itself (OverflowError), but a request id that is
+    no UTF-8 (a lone surrogate, from an engine in the agent's process) still does not fit the
+    string column: its flush drops that flush's rows (1), logs once, and the next request is
     written."""
     from kvscope.agent.requests import RequestRecord
 
+    with pytest.raises(OverflowError):
+        RequestRecord("big", "ab" * 16, "engine", T0, prompt_tokens=2**63)
     writer = CaptureWriter(tmp_path)
-    writer.add_request(RequestRecord("big", "ab" * 16, "engine", T0, prompt_tokens=2**63,
+    writer.add_request(RequestRecord("bad\ud800", "ab" * 16, "engine", T0, prompt_tokens=8,
                                      finished=T0 + 1))
     writer.flush()
     writer.add_request(RequestRecord("fine", "ab" * 16, "engine", T0, prompt_tokens=8,

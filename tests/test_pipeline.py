@@ -6,7 +6,8 @@ import pytest
 
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
-from kvscope.agent.requests import MAX_REUSES, RequestAssembler, RequestRecord
+from kvscope.agent.assembler import MAX_REUSES, RequestAssembler
+from kvscope.agent.requests import RequestRecord
 
 CPU_GPU = ("cpu", "gpu")
 

@@ -370,10 +370,14 @@ def test_a_second_store_cannot_take_a_directory_in_use(tmp_path):
 
 def test_a_record_msgpack_cannot_hold_is_skipped_and_the_store_keeps_writing(tmp_path, caplog):
     """A token count of 2**64 (what a span once carried past every check) does not encode as
-    msgpack: that record is skipped and logged once; the records around it are written."""
+    msgpack. A record's own counts refuse it now (64 bits), but the tokens of a source outside
+    the four a record counts are kept as given: that record is skipped and logged once; the
+    records around it are written."""
     store = RequestStore(tmp_path, clock=lambda: 3000.0)
     bad = _record(1001)
-    bad.prompt_tokens = 2**64
+    with pytest.raises(OverflowError):
+        bad.prompt_tokens = 2**64
+    bad.tokens = {"gpu": 32, "elsewhere": 2**64}
     for record in (_record(1000), bad, _record(1002)):
         store.add(record)
     store.flush()

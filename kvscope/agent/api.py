@@ -201,7 +201,7 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             raise HTTPException(422, f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
         table = agent.pipeline.requests
         records = table.recent(table.capacity, sort, order == "desc", min_ttft, source)
-        return _json({"total": len(records), "requests": records[:limit]})
+        return _json({"total": len(records), "requests": [r.data() for r in records[:limit]]})
 
     # ``:path``: a request id may hold a slash (vLLM takes the client's X-Request-Id)
     @app.get("/api/v1/requests/{request_id:path}", dependencies=[Depends(authorize)])
@@ -214,6 +214,6 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
         if record is None:
             where = f" from source {source!r}" if source is not None else ""
             raise HTTPException(404, f"no request {request_id!r}{where} in the table")
-        return _json(record)
+        return _json(record.data())
 
     return app

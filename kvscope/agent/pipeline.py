@@ -9,25 +9,20 @@ or subscribe to finished requests. Thread-safe: sources and sinks run on differe
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
-import operator
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from kvscope import events as ev
-from kvscope.agent.requests import (FUTURE, RequestAssembler, RequestRecord, RequestTable, amend,
-                                    under_way, within)
-from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, FAILURE_REASONS,
-                                      LATENCY_SECONDS_BUCKETS, RESIDENCY_SECONDS_BUCKETS,
-                                      TRANSFER_SECONDS_BUCKETS)
+from kvscope.agent.assembler import RequestAssembler
+from kvscope.agent.fold import TIERS, Fold
+from kvscope.agent.requests import RequestRecord, RequestTable, amend, under_way, within
+from kvscope.exporter.catalog import LATENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS
 
-TIER_ORDER = ("gpu", "cpu", "disk", "remote")  # lookups cascade top down
 QUANTILES = (0.5, 0.95, 0.99)  # the percentiles each sample carries, as "p50", "p95", "p99"
 MAX_JOINED = 64  # sources whose finished requests wait for other sources' events (a bound)
 MAX_SETTLING = 10_000  # finished requests waiting at most (the oldest go early beyond it)
@@ -84,42 +79,6 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = self.counts or [0] * (len(self.buckets) + 1)
 
-    def observe(self, values: Sequence[float], weights: Sequence[int] | None = None,
-                trace_ids: Sequence[str] | None = None, times: Sequence[float] = ()) -> None:
-        """Count ``values``, each ``weights[i]`` times (once without weights). With
-        ``trace_ids`` (and ``times``, Unix seconds, of the same length), each bucket's exemplar
-        becomes its last value observed with a non-empty trace id."""
-        index = list(map(partial(bisect.bisect_left, self.buckets), values))
-        counts = self.counts
-        if weights is None:
-            for i, n in Counter(index).items():
-                counts[i] += n
-            self.sum += sum(values)
-        else:
-            for i, n in zip(index, weights):
-                counts[i] += n
-            self.sum += sum(map(operator.mul, values, weights))
-        if trace_ids:
-            last = dict(zip(itertools.compress(index, trace_ids),
-                            itertools.compress(range(len(index)), trace_ids)))
-            for i, j in last.items():
-                self.exemplars[i] = (trace_ids[j], values[j], times[j])
-
-    def retrace(self, before: str, after: str) -> None:
-        """Exemplars of trace ``before`` name trace ``after`` instead."""
-        for i, (trace_id, value, ts) in self.exemplars.items():
-            if trace_id == before:
-                self.exemplars[i] = (after, value, ts)
-
-    def add_buckets(self, bounds: list[float], counts: list[int], total: float) -> None:
-        """Fold in another histogram's per-bucket ``counts`` (``len(bounds) + 1`` entries, the
-        last above every bound) and their sum ``total``. Each engine bucket lands in our bucket
-        holding its upper bound, so quantiles err toward the slower side, never the faster."""
-        for i, n in enumerate(counts):
-            upper = bounds[i] if i < len(bounds) else float("inf")
-            self.counts[bisect.bisect_left(self.buckets, upper)] += n
-        self.sum += total
-
     @property
     def count(self) -> int:
         return sum(self.counts)
@@ -157,46 +116,13 @@ class Snapshot:
     expected_drops: frozenset[tuple[str, str]] = frozenset()  # (source, reason) exported at 0
 
 
-def _by_key(counter: Counter, sep: str = "->") -> dict[str, int]:
-    return {sep.join(k): v for k, v in counter.items()}
+def _histograms(states: Mapping) -> dict:
+    """{key: Histogram} of the fold's histogram states (see :meth:`~kvscope.agent.fold.Fold.state`)."""
+    return {key: Histogram(*state) for key, state in states.items()}
 
 
-# the order kinds are folded in within a batch: a request's start before its lookup,
-# transfers and finish; tier snapshots before lookups, which count misses in the tiers known
-FOLD_ORDER = (ev.TierSnapshot, ev.RequestStarted, ev.Lookup, ev.Transfer, ev.Eviction,
-              ev.LatencyHistogram, ev.RequestFinished)
-
-
-def by_kind(events: Sequence[object]) -> dict[type, list]:
-    """``events`` by kind, each kind's in their order; anything not an event is left out."""
-    groups: dict[type, list] = {kind: [] for kind in FOLD_ORDER}
-    append = {kind: group.append for kind, group in groups.items()}
-    skip = [].append
-    for event in events:
-        append.get(type(event), skip)(event)
-    return groups
-
-
-def _groups(keys: Iterable[Hashable]) -> dict[Hashable, Sequence[int]]:
-    """Indices of equal keys, {key: indices} in order."""
-    keys = list(keys)
-    if keys.count(keys[0]) == len(keys):  # the common case: a batch's events alike
-        return {keys[0]: range(len(keys))}
-    out: dict[Hashable, list[int]] = {}
-    for i, key in enumerate(keys):
-        out.setdefault(key, []).append(i)
-    return out
-
-
-_TIER, _TOKENS, _BLOCK_HITS = (operator.attrgetter(f) for f in ("tier", "tokens", "block_hits"))
-_TS, _BYTES, _BLOCKS = (operator.attrgetter(f) for f in ("ts", "bytes", "blocks"))
-_DURATION, _HITS, _AGE, _WEIGHT = (operator.attrgetter(f)
-                                   for f in ("duration", "hits", "age", "weight"))
-_TTFT, _TRACE_ID, _FINISHED, _PROMOTION_WAIT = (
-    operator.attrgetter(f) for f in ("ttft", "trace_id", "finished", "promotion_wait"))
-_PREFILL_RATE = operator.attrgetter("prefill_tokens_per_second")
-_TRANSFER_KEY = operator.attrgetter("src", "dst", "ok", "timed")
-_EVICTION_KEY = operator.attrgetter("tier", "reason", "offloaded", "measured")
+def _by_key(counts: Mapping[tuple[str, ...], int], sep: str = "->") -> dict[str, int]:
+    return {sep.join(k): v for k, v in counts.items()}
 
 
 class Pipeline:
@@ -222,7 +148,6 @@ class Pipeline:
                  history: int = 3600, table: RequestTable | None = None,
                  quantile_window: int = 60, join_window: float = 1.0) -> None:
         self._lock = threading.Lock()
-        self._prefill_rate = prefill_tokens_per_second
         self.requests = table if table is not None else RequestTable()
         self._join_window = join_window
         self._joined: dict[str, float] = {}  # source -> seconds its records wait (see above)
@@ -234,25 +159,11 @@ class Pipeline:
         self._listeners: list[Callable[[RequestRecord], None]] = []
         self._early_listeners: list[Callable[[RequestRecord], None]] = []
         self._lookup_listeners: list[Callable[[str, ev.Lookup], None]] = []
-        self._prompt_tokens: Counter[str] = Counter(dict.fromkeys(ev.TOKEN_SOURCES, 0))
-        self._lookup_blocks: Counter[tuple[str, str]] = Counter()
-        self._saved: Counter[str] = Counter()
-        self._transfer_bytes: Counter[tuple[str, str]] = Counter()
-        self._transfer_blocks: Counter[tuple[str, str]] = Counter()
-        self._transfer_seconds: dict[tuple[str, str], Histogram] = {}
-        self._transfer_failures: Counter[tuple[str, str, str]] = Counter()
-        self._evicted_blocks: Counter[tuple[str, str]] = Counter()
-        self._dropped_blocks: Counter[str] = Counter()
-        self._evicted_hits: dict[str, Histogram] = {}
-        self._residency: dict[str, Histogram] = {}
+        self._fold = Fold(self._assembler, prefill_tokens_per_second, recent)
         # each source's last snapshot of each tier, by (scope, source, tier), and their sum per
         # tier (what is exported): a node's engines each report their own tiers
         self._tier_parts: dict[tuple[str, str, str], ev.TierSnapshot] = {}
         self._tiers: dict[str, ev.TierSnapshot] = {}
-        self._requests = 0
-        self._ttft = Histogram(LATENCY_SECONDS_BUCKETS)
-        self._promotion_wait = Histogram(LATENCY_SECONDS_BUCKETS)
-        self._recent_ttft: deque[float] = deque(maxlen=recent)
         self._received: Counter[str] = Counter()
         self._dropped: Counter[tuple[str, str]] = Counter()
         self._expected_drops: set[tuple[str, str]] = set()
@@ -262,11 +173,6 @@ class Pipeline:
         # Histogram counts at the last ``quantile_window`` samples, oldest first: the samples'
         # percentiles cover the observations since the oldest (like PromQL rate()[60s]).
         self._hist_ring: deque[dict] = deque(maxlen=max(quantile_window, 1))
-        # snapshots are folded first, by their sender (see _fold)
-        self._folds = ((ev.RequestStarted, self._fold_started), (ev.Lookup, self._fold_lookups),
-                       (ev.Transfer, self._fold_transfers), (ev.Eviction, self._fold_evictions),
-                       (ev.LatencyHistogram, self._fold_latency_histograms),
-                       (ev.RequestFinished, self._fold_finished))
 
     def subscribe(self, listener: Callable[[RequestRecord], None], early: bool = False) -> None:
         """Call ``listener`` with each finished request, on the ingesting or the sampling
@@ -286,40 +192,28 @@ class Pipeline:
     def ingest(self, source: str, events: Sequence[object], scope: str | None = None) -> None:
         """Fold ``events`` from emitter ``source`` into the state. ``scope``: the source whose
         requests the events' request ids name, when that is another source (see the class).
-
-        A batch is folded kind by kind (see :func:`by_kind`), so the per-event work is a few
-        C-level passes over each kind's fields rather than one dispatch per event.
-        """
-        groups = by_kind(events)
+        The fold is compiled (:class:`~kvscope.agent.fold.Fold`): this is the agent's ingest
+        path."""
         scope = scope or source
         with self._lock:
-            starts = groups[ev.RequestStarted]
-            cuts = self._assembler.reuse_cuts(scope, events, starts) if starts else None
-            if not cuts:
-                handover = self._fold(source, groups, len(events), scope)
-        if cuts:  # a reused id: folded in parts, each after the finish before it
-            for begin, end in itertools.pairwise((0, *cuts, len(events))):
-                self.ingest(source, events[begin:end], scope)
-            return
-        self._hand_over(source, groups, *handover)
+            handover = self._folded(source, events, scope)
+        self._hand_over(source, *handover)
 
-    def _fold(self, source: str, groups: dict[type, list], events: int, scope: str,
-              received: bool = True) -> tuple[list[RequestRecord], list[RequestRecord],
-                                              list[RequestRecord]]:
-        """Fold one batch's ``groups`` (:func:`by_kind`) of ``events`` events, under the lock;
-        ``received``: count them in ``source``'s events received (not a report's: see
-        :meth:`report`). Returns the records that finished, those for the early subscribers
-        and those for all subscribers, for :meth:`_hand_over` (outside the lock)."""
-        finished: list[RequestRecord] = []
+    def _folded(self, source: str, events: Sequence[object], scope: str,
+                received: bool = True) -> tuple[list, list[RequestRecord], list[RequestRecord],
+                                                list[RequestRecord]]:
+        """Fold one batch of ``events``, under the lock; ``received``: count them in
+        ``source``'s events received (not a report's: see :meth:`report`). Returns the batch's
+        lookups, the records that finished, those for the early subscribers and those for all
+        subscribers, for :meth:`_hand_over` (outside the lock)."""
         if scope != source:
             self._join(scope, self._join_window)
-        if groups[ev.TierSnapshot]:
-            self._fold_snapshots(source, scope, groups[ev.TierSnapshot])
-        for kind, fold in self._folds:
-            if groups[kind]:
-                fold(scope, groups[kind], finished)
+        finished, invalid, lookups = self._fold.fold(source, scope, events, self._known_tiers,
+                                                     scope not in self._joined)
+        if invalid:
+            self._dropped[(scope, "invalid")] += invalid
         if received:
-            self._received[source] += events
+            self._received[source] += len(events)
         ready, early = finished, []
         window = self._joined.get(scope)
         if finished and window is not None:
@@ -332,7 +226,7 @@ class Pipeline:
             ready = ready + self._settled()
         if self._assembler.amended:
             early = early + self._amended(finished + ready)
-        return finished, early, ready
+        return lookups, finished, early, ready
 
     def _amended(self, handed: list[RequestRecord]) -> list[RequestRecord]:
         """The records handed over already that were changed since (by the tap's finish or a
@@ -344,10 +238,10 @@ class Pipeline:
         self._assembler.amended.clear()
         return out
 
-    def _hand_over(self, source: str, groups: dict[type, list], finished: list[RequestRecord],
+    def _hand_over(self, source: str, lookups: list, finished: list[RequestRecord],
                    early: list[RequestRecord], ready: list[RequestRecord]) -> None:
-        """What :meth:`_fold` leaves to do outside the lock: the listeners and the table."""
-        for lookup in groups[ev.Lookup] if self._lookup_listeners else ():
+        """What :meth:`_folded` leaves to do outside the lock: the listeners and the table."""
+        for lookup in lookups if self._lookup_listeners else ():
             for on_lookup in self._lookup_listeners:
                 on_lookup(source, lookup)
         if finished:
@@ -382,7 +276,7 @@ class Pipeline:
             out.append(heapq.heappop(settling)[2])
             self._settling_ids.discard(id(out[-1]))
         if out:
-            self._observe(out)
+            self._fold.observe(out)
         return out
 
     def _notify(self, records: list[RequestRecord],
@@ -399,11 +293,10 @@ class Pipeline:
         of the last it finished, or one in the table, under way at ``started.ts``, else run
         within the span to ``finished.ts``: a client may reuse an id, see
         :func:`~kvscope.agent.requests.within`), the report amends its
-        record (:func:`~kvscope.agent.requests.amend`): exemplars that carried its old trace
-        id carry the new one, and a record handed over already goes to the early subscribers
+        record (:func:`~kvscope.agent.requests.amend`; exemplars name a record's trace id as it
+        is when read, so the new one), and a record handed over already goes to the early subscribers
         again (the store keeps the last version). Otherwise, with ``new_request``, the events
         are folded: they finish the request in flight, or make one. True when it amended."""
-        groups = by_kind((started, finished))
         handover = republish = None
         with self._lock:
             record = self._assembler.finished_recently(source, finished.request_id, started.ts,
@@ -414,24 +307,16 @@ class Pipeline:
                                                or within(record, started.ts, finished.ts)):
                     record = None
             if record is not None:
-                before = record.trace_id
                 amend(record, trace_id, finished)
-                self._retrace(before, record.trace_id)
                 self._assembler.amended[id(record)] = record
                 republish = self._amended([])  # when handed over already
             elif new_request:
-                handover = self._fold(source, groups, 2, source, received=False)
+                handover = self._folded(source, (started, finished), source, received=False)
         if handover is not None:
-            self._hand_over(source, groups, *handover)
+            self._hand_over(source, *handover)
         if republish:  # the store keeps the last version
             self._notify(republish, self._early_listeners)
         return record is not None
-
-    def _retrace(self, before: str, after: str) -> None:
-        """Exemplars of trace ``before`` name ``after`` (a record's trace id changed)."""
-        if after != before:
-            for hist in (self._ttft, *self._transfer_seconds.values()):
-                hist.retrace(before, after)
 
     def events_received(self) -> dict[str, int]:
         """Events accepted so far, by source (a cheap read; :meth:`snapshot` copies everything)."""
@@ -457,7 +342,7 @@ class Pipeline:
         restarted process."""
         self.requests.add(records)
         with self._lock:
-            self._recent_ttft.extend(r.ttft for r in records if r.finished is not None)
+            self._fold.remember_ttfts([r.ttft for r in records if r.finished is not None])
 
     def expect_drops(self, source: str, reasons: Iterable[str]) -> None:
         """Export ``source``'s drops for each of ``reasons`` from now on, at 0 until one
@@ -475,20 +360,16 @@ class Pipeline:
         with self._lock:
             self._source_info[source] = (engine[:64], model[:64])
 
-    # One fold per event kind, called under the lock: (source whose requests the events are
-    # about, that kind's events of one batch in arrival order, finished records); snapshots
-    # also by their sender.
-
-    def _fold_started(self, source: str, events: list[ev.RequestStarted],
-                      finished: list) -> None:
-        for before, after in self._assembler.started(source, events):
-            self._retrace(before, after)
-
-    def _fold_snapshots(self, source: str, scope: str, events: list[ev.TierSnapshot]) -> None:
-        """Keep sender ``source``'s last snapshot of each tier (two taps of one scope each
-        report their own) and sum each tier's."""
-        self._tier_parts.update(((scope, source, event.tier), event) for event in events)
-        self._sum_tiers(set(map(_TIER, events)))
+    def _known_tiers(self, source: str, scope: str, snapshots: list[ev.TierSnapshot]) -> int:
+        """Keep sender ``source``'s last snapshot of each tier of ``snapshots`` (two taps of
+        one scope each report their own) and sum each tier's; returns the tiers ``scope``'s
+        taps have reported, as a bit mask by :data:`~kvscope.agent.fold.TIERS` (the fold's
+        callback, under the lock)."""
+        if snapshots:
+            self._tier_parts.update(((scope, source, event.tier), event) for event in snapshots)
+            self._sum_tiers({event.tier for event in snapshots})
+        known = {tier for (owner, _, tier) in self._tier_parts if owner == scope}
+        return sum(1 << i for i, tier in enumerate(TIERS) if tier in known)
 
     def _sum_tiers(self, tiers: Iterable[str]) -> None:
         """Sum each of ``tiers`` over its sources' last snapshots; a tier none reports leaves."""
@@ -498,7 +379,7 @@ class Pipeline:
                 self._tiers.pop(tier, None)
                 continue
             self._tiers[tier] = ev.TierSnapshot(
-                ts=max(map(_TS, mine)), tier=tier,
+                ts=max(snap.ts for snap in mine), tier=tier,
                 capacity_bytes=sum(snap.capacity_bytes for snap in mine),
                 resident_bytes=sum(snap.resident_bytes for snap in mine),
                 capacity_blocks=sum(snap.capacity_blocks for snap in mine),
@@ -513,125 +394,27 @@ class Pipeline:
                 del self._tier_parts[key]
             self._sum_tiers({tier for _, _, tier in gone})
 
-    def _fold_lookups(self, source: str, events: list[ev.Lookup], finished: list) -> None:
-        self._assembler.lookups(source, events)
-        # under 1 token/s is no prefill rate: a tiny one would make the seconds saved infinite
-        rates = [rate if rate >= 1.0 else self._prefill_rate
-                 for rate in map(_PREFILL_RATE, events)]
-        tokens = list(map(_TOKENS, events))
-        for src in ev.TOKEN_SOURCES:
-            counts = list(map(operator.methodcaller("get", src, 0), tokens))
-            total = sum(counts)
-            if total:
-                self._prompt_tokens[src] += total
-                if src != "recompute":
-                    self._saved[src] += sum(map(operator.truediv, counts, rates))
-        # Each block counts as a hit in the first tier, top down, that held it, and as a miss
-        # in each tier the engine has above that one. A lookup's tiers are those its source
-        # reported in snapshots and those its hits name (not another engine's on the node).
-        block_hits = list(map(_BLOCK_HITS, events))
-        remaining = list(map(_BLOCKS, events))
-        known = {tier for (scope, _, tier) in self._tier_parts if scope == source}
-        for tier in TIER_ORDER:
-            if not any(remaining):
-                break
-            counted = None if tier in known else list(
-                map(operator.contains, block_hits, itertools.repeat(tier)))
-            if counted is not None and not any(itertools.compress(remaining, counted)):
-                continue
-            hits = list(map(min, map(operator.methodcaller("get", tier, 0), block_hits),
-                            remaining))
-            remaining = list(map(operator.sub, remaining, hits))
-            self._lookup_blocks[(tier, "hit")] += sum(hits)
-            self._lookup_blocks[(tier, "miss")] += sum(
-                remaining if counted is None else itertools.compress(remaining, counted))
-
-    def _fold_transfers(self, source: str, events: list[ev.Transfer], finished: list) -> None:
-        trace_ids = self._assembler.transfers(source, events)
-        for (src, dst, ok, timed), indices in _groups(map(_TRANSFER_KEY, events)).items():
-            group = [events[i] for i in indices]
-            key = (src, dst)
-            if not ok:
-                for event in group:
-                    reason = event.reason if event.reason in FAILURE_REASONS else "other"
-                    self._transfer_failures[(src, dst, reason)] += 1
-                continue
-            self._transfer_bytes[key] += sum(map(_BYTES, group))
-            self._transfer_blocks[key] += sum(map(_BLOCKS, group))
-            if not timed:  # seen, not timed: its duration is no measurement
-                continue
-            hist = self._transfer_seconds.get(key)
-            if hist is None:
-                hist = self._transfer_seconds[key] = Histogram(TRANSFER_SECONDS_BUCKETS)
-            hist.observe(list(map(_DURATION, group)), trace_ids=[trace_ids[i] for i in indices],
-                         times=list(map(_TS, group)))
-
-    def _fold_evictions(self, source: str, events: list[ev.Eviction], finished: list) -> None:
-        for (tier, reason, offloaded, measured), indices in _groups(
-                map(_EVICTION_KEY, events)).items():
-            group = [events[i] for i in indices]
-            blocks = list(map(_BLOCKS, group))
-            self._evicted_blocks[(tier, reason)] += sum(blocks)
-            if not offloaded:
-                self._dropped_blocks[tier] += sum(blocks)
-            if not measured:  # the source cannot see age and hits
-                continue
-            hits = self._evicted_hits.get(tier)
-            if hits is None:
-                hits = self._evicted_hits[tier] = Histogram(EVICTED_HITS_BUCKETS)
-                self._residency[tier] = Histogram(RESIDENCY_SECONDS_BUCKETS)
-            weights = list(map(operator.mul, blocks, map(_WEIGHT, group)))
-            hits.observe(list(map(_HITS, group)), weights)
-            self._residency[tier].observe(list(map(_AGE, group)), weights)
-
-    def _fold_latency_histograms(self, source: str, events: list[ev.LatencyHistogram],
-                                 finished: list) -> None:
-        for event in events:
-            self._ttft.add_buckets(event.bounds, event.counts, event.sum)
-
-    def _fold_finished(self, source: str, events: list[ev.RequestFinished],
-                       finished: list) -> None:
-        records = self._assembler.finished(source, events)
-        ahead = time.time() + FUTURE
-        if any(r.finished > ahead or r.arrival > ahead for r in records):  # corrupt times
-            kept = [r for r in records if r.finished <= ahead and r.arrival <= ahead]
-            self._dropped[(source, "invalid")] += len(records) - len(kept)
-            records = kept
-        if not records:  # the requests had finished already: their records were completed
-            return
-        finished += records
-        if source not in self._joined:  # else once they waited (see _settled)
-            self._observe(records)
-
-    def _observe(self, records: list[RequestRecord]) -> None:
-        """Count finished ``records`` in the request metrics, as they are now."""
-        self._requests += len(records)
-        ttfts = list(map(_TTFT, records))
-        self._ttft.observe(ttfts, trace_ids=list(map(_TRACE_ID, records)),
-                           times=list(map(_FINISHED, records)))
-        self._promotion_wait.observe(list(map(_PROMOTION_WAIT, records)))
-        self._recent_ttft.extend(ttfts)
-
     def snapshot(self) -> Snapshot:
         """A consistent copy of the aggregated state."""
         with self._lock:
+            state = self._fold.state()
             return Snapshot(
-                prompt_tokens=dict(self._prompt_tokens),
-                lookup_blocks=dict(self._lookup_blocks),
-                prefill_seconds_saved=dict(self._saved),
-                transfer_bytes=dict(self._transfer_bytes),
-                transfer_blocks=dict(self._transfer_blocks),
-                transfer_seconds={k: h.copy() for k, h in self._transfer_seconds.items()},
-                transfer_failures=dict(self._transfer_failures),
-                evicted_blocks=dict(self._evicted_blocks),
-                dropped_blocks=dict(self._dropped_blocks),
-                evicted_block_hits={k: h.copy() for k, h in self._evicted_hits.items()},
-                block_residency_seconds={k: h.copy() for k, h in self._residency.items()},
+                prompt_tokens=state["prompt_tokens"],
+                lookup_blocks=state["lookup_blocks"],
+                prefill_seconds_saved=state["prefill_seconds_saved"],
+                transfer_bytes=state["transfer_bytes"],
+                transfer_blocks=state["transfer_blocks"],
+                transfer_seconds=_histograms(state["transfer_seconds"]),
+                transfer_failures=state["transfer_failures"],
+                evicted_blocks=state["evicted_blocks"],
+                dropped_blocks=state["dropped_blocks"],
+                evicted_block_hits=_histograms(state["evicted_block_hits"]),
+                block_residency_seconds=_histograms(state["block_residency_seconds"]),
                 tiers=dict(self._tiers),
-                requests=self._requests,
-                ttft_seconds=self._ttft.copy(),
-                promotion_wait_seconds=self._promotion_wait.copy(),
-                recent_ttft=list(self._recent_ttft),
+                requests=state["requests"],
+                ttft_seconds=Histogram(*state["ttft_seconds"]),
+                promotion_wait_seconds=Histogram(*state["promotion_wait_seconds"]),
+                recent_ttft=state["recent_ttft"],
                 events_received=dict(self._received),
                 events_dropped={**self._dropped, **{
                     (source, "abandoned"): n for source, n in self._assembler.abandoned.items()}},
@@ -667,45 +450,47 @@ class Pipeline:
         The percentile work happens here, once per sample, never per event.
         """
         with self._lock:
-            evicted: Counter[str] = Counter()
-            for (tier, _reason), n in self._evicted_blocks.items():
-                evicted[tier] += n
-            hists = {"ttft": list(self._ttft.counts), "wait": list(self._promotion_wait.counts),
-                     **{"->".join(k): list(h.counts) for k, h in self._transfer_seconds.items()}}
+            state = self._fold.state()
+            tiers = dict(self._tiers)
+        evicted: Counter[str] = Counter()
+        for (tier, _reason), n in state["evicted_blocks"].items():
+            evicted[tier] += n
+        # a histogram's state: (buckets, counts, sum, exemplars)
+        transfers = {"->".join(k): h for k, h in state["transfer_seconds"].items()}
+        hists = {"ttft": state["ttft_seconds"][1], "wait": state["promotion_wait_seconds"][1],
+                 **{key: h[1] for key, h in transfers.items()}}
+        with self._lock:
             old = self._hist_ring[0] if self._hist_ring else {}
             self._hist_ring.append(hists)
             transfer_q = {}
-            for key, counts in hists.items():
-                if key in ("ttft", "wait"):
-                    continue
-                window = _minus(counts, old.get(key))
+            for key in transfers:
+                window = _minus(hists[key], old.get(key))
                 if sum(window) > 0:
                     transfer_q[key] = bucket_percentiles(TRANSFER_SECONDS_BUCKETS, window)
             self._samples.append({
                 "ts": ts,
-                "prompt_tokens": dict(self._prompt_tokens),
-                "transfer_bytes": _by_key(self._transfer_bytes),
+                "prompt_tokens": state["prompt_tokens"],
+                "transfer_bytes": _by_key(state["transfer_bytes"]),
                 "evicted_blocks": dict(evicted),
-                "tier_resident_bytes": {t: s.resident_bytes for t, s in self._tiers.items()},
-                "tier_capacity_bytes": {t: s.capacity_bytes for t, s in self._tiers.items()},
+                "tier_resident_bytes": {t: s.resident_bytes for t, s in tiers.items()},
+                "tier_capacity_bytes": {t: s.capacity_bytes for t, s in tiers.items()},
                 "host_memory_available_bytes": host_memory_available,
                 # added for the dashboard (issue 6)
-                "requests": self._requests,
-                "prefill_seconds_saved": dict(self._saved),
-                "transfer_blocks": _by_key(self._transfer_blocks),
-                "transfer_seconds_sum": {"->".join(k): h.sum
-                                         for k, h in self._transfer_seconds.items()},
-                "dropped_blocks": dict(self._dropped_blocks),
-                "evicted_block_hits": {t: list(h.counts) for t, h in self._evicted_hits.items()},
-                "block_residency_seconds": {t: list(h.counts)
-                                            for t, h in self._residency.items()},
+                "requests": state["requests"],
+                "prefill_seconds_saved": state["prefill_seconds_saved"],
+                "transfer_blocks": _by_key(state["transfer_blocks"]),
+                "transfer_seconds_sum": {key: h[2] for key, h in transfers.items()},
+                "dropped_blocks": state["dropped_blocks"],
+                "evicted_block_hits": {t: h[1] for t, h in state["evicted_block_hits"].items()},
+                "block_residency_seconds": {t: h[1] for t, h
+                                            in state["block_residency_seconds"].items()},
                 "ttft_seconds": bucket_percentiles(LATENCY_SECONDS_BUCKETS,
                                                    _minus(hists["ttft"], old.get("ttft"))),
                 "promotion_wait_seconds": bucket_percentiles(
                     LATENCY_SECONDS_BUCKETS, _minus(hists["wait"], old.get("wait"))),
                 "transfer_seconds": transfer_q,
-                "tier_resident_blocks": {t: s.resident_blocks for t, s in self._tiers.items()},
-                "tier_capacity_blocks": {t: s.capacity_blocks for t, s in self._tiers.items()},
+                "tier_resident_blocks": {t: s.resident_blocks for t, s in tiers.items()},
+                "tier_capacity_blocks": {t: s.capacity_blocks for t, s in tiers.items()},
                 "host_memory_reserve_bytes": host_memory_reserve,
                 "host_memory_headroom_bytes": host_memory_headroom,
                 "offload_budget_bytes": dict(offload_budgets or {}),

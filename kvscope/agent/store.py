@@ -34,6 +34,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvscope.agent.record_data import RecordData
 from kvscope.agent.requests import FUTURE, MAX_TRANSFERS, RequestRecord
 from kvscope.events import MAX_SECONDS
 from kvscope.agent.worker import Worker
@@ -57,8 +58,8 @@ def _frame_at(data: memoryview, offset: int,
     if zlib.crc32(payload) != crc:
         return None
     try:
-        return decoder.decode(payload), end
-    except msgspec.DecodeError:
+        return RequestRecord.from_data(decoder.decode(payload)), end
+    except (msgspec.DecodeError, OverflowError):  # OverflowError: a count past 64 bits
         return None
 
 
@@ -82,7 +83,7 @@ def read_segment(path: Path) -> list[RequestRecord]:
     what is resumed from is a real frame.
     """
     data = memoryview(path.read_bytes())
-    decoder = msgspec.msgpack.Decoder(RequestRecord)
+    decoder = msgspec.msgpack.Decoder(RecordData)
     records: list[RequestRecord] = []
     offset, damaged = 0, None  # damaged: where the bytes being skipped began
     while offset < len(data):
@@ -284,7 +285,7 @@ class RequestStore(Worker):
         written = 0
         for record in records:
             try:
-                payload = self._encoder.encode(record)
+                payload = self._encoder.encode(record.data())
             except (OverflowError, TypeError, msgspec.EncodeError) as exc:
                 # a value msgpack cannot hold (the events' bounds keep them out): skip that
                 # record, never the store

@@ -1,0 +1,36 @@
+from kvscope.agent.requests cimport RequestRecord, Ring
+
+
+cdef class _Recent:
+    cdef dict by_id  # request id -> its record, or a tuple of its records (oldest first)
+    cdef Ring order  # records in finish order (see _Recent in the .pyx)
+    cdef Py_ssize_t count, capacity
+
+    cdef tuple of(self, str request_id)
+    cdef RequestRecord newest(self, str request_id)
+    cdef int add(self, RequestRecord record) except -1
+
+
+cdef class _Requests:
+    cdef dict inflight  # request id -> record, oldest first
+    cdef _Recent recent
+    cdef set unstarted
+
+
+cdef class RequestAssembler:
+    cdef dict _sources  # source -> _Requests
+    cdef Py_ssize_t _max, _max_recent
+    cdef public object joined
+    cdef public object abandoned
+    cdef public dict amended
+
+    cdef _Requests _tables(self, str source)
+    cdef RequestRecord _find(self, str source, _Requests tables, str request_id, double ts)
+    cdef RequestRecord _open(self, str source, _Requests tables, str request_id, double ts)
+    cdef int _bound(self, str source, _Requests tables) except -1
+    cpdef started(self, str source, list events)
+    cpdef lookups(self, str source, list events)
+    cpdef list transfers(self, str source, list events)
+    cpdef list finished(self, str source, list events)
+    cpdef RequestRecord finished_recently(self, str source, str request_id, double ts,
+                                          until=*)

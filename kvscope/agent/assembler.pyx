@@ -1,0 +1,324 @@
+# cython: language_level=3, embedsignature=True
+"""The request assembler: builds request records from events, source by source (compiled).
+
+Each method takes one source's events of one kind in arrival order (the pipeline folds a batch
+kind by kind, see :mod:`kvscope.agent.fold`).
+"""
+
+import logging
+from collections import Counter
+
+cimport cython
+from cpython.dict cimport PyDict_SetDefault
+from libc.stdint cimport int64_t
+
+from kvscope import events as ev
+from kvscope.agent.requests cimport (RequestRecord, Ring, new_record, prefill_within,
+                                     under_way, within)
+from kvscope.agent.requests import MAX_TRANSFERS, arrival_of
+from kvscope.agent.slots cimport bool_field, field, float_field, int_field, offset_of
+
+log = logging.getLogger("kvscope.agent.requests")
+
+# Records kept per request id among the recent ones: a client may reuse an id (X-Request-Id),
+# and a late report must join the request it is about, not the newest of that id. vLLM sends a
+# batch of spans every 5 s: 64 covers a client reusing one id up to 10 times a second (at 4,
+# five requests of one id in a batch pushed one another out and all counted twice).
+MAX_REUSES = 64
+cdef Py_ssize_t _MAX_REUSES = MAX_REUSES
+cdef Py_ssize_t _MAX_TRANSFERS = MAX_TRANSFERS
+# what a second finish of one request may fill in (see RequestAssembler.finished)
+_FINISH_PARTS = ("output_tokens", "queueing", "lookup", "promotion_wait", "prefill", "itl")
+
+cdef Py_ssize_t S_TS = offset_of(ev.RequestStarted, "ts")
+cdef Py_ssize_t S_ID = offset_of(ev.RequestStarted, "request_id")
+cdef Py_ssize_t S_PROMPT = offset_of(ev.RequestStarted, "prompt_tokens")
+cdef Py_ssize_t S_TRACE = offset_of(ev.RequestStarted, "trace_id")
+cdef Py_ssize_t L_TS = offset_of(ev.Lookup, "ts")
+cdef Py_ssize_t L_ID = offset_of(ev.Lookup, "request_id")
+cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
+cdef Py_ssize_t T_TS = offset_of(ev.Transfer, "ts")
+cdef Py_ssize_t T_ID = offset_of(ev.Transfer, "request_id")
+cdef Py_ssize_t T_SRC = offset_of(ev.Transfer, "src")
+cdef Py_ssize_t T_DST = offset_of(ev.Transfer, "dst")
+cdef Py_ssize_t T_BLOCKS = offset_of(ev.Transfer, "blocks")
+cdef Py_ssize_t T_BYTES = offset_of(ev.Transfer, "bytes")
+cdef Py_ssize_t T_DURATION = offset_of(ev.Transfer, "duration")
+cdef Py_ssize_t T_OK = offset_of(ev.Transfer, "ok")
+cdef Py_ssize_t F_TS = offset_of(ev.RequestFinished, "ts")
+cdef Py_ssize_t F_ID = offset_of(ev.RequestFinished, "request_id")
+cdef Py_ssize_t F_TTFT = offset_of(ev.RequestFinished, "ttft")
+cdef Py_ssize_t F_PROMPT = offset_of(ev.RequestFinished, "prompt_tokens")
+cdef Py_ssize_t F_OUTPUT = offset_of(ev.RequestFinished, "output_tokens")
+cdef Py_ssize_t F_QUEUEING = offset_of(ev.RequestFinished, "queueing")
+cdef Py_ssize_t F_LOOKUP = offset_of(ev.RequestFinished, "lookup")
+cdef Py_ssize_t F_WAIT = offset_of(ev.RequestFinished, "promotion_wait")
+cdef Py_ssize_t F_PREFILL = offset_of(ev.RequestFinished, "prefill")
+cdef Py_ssize_t F_ITL = offset_of(ev.RequestFinished, "itl")
+
+
+@cython.final
+cdef class _Recent:
+    """A source's recently finished records, by id, bounded in records: the ids whose last
+    finish is oldest leave whole, first (a reused id moves to the newest end at each finish).
+
+    ``order`` lists every record added; the place of an id is that of its newest record, so an
+    older record of a reused id met at the front is skipped, and when such places outnumber
+    the records, ``order`` is rebuilt without them (each record costs its place once).
+    """
+
+    def __init__(self, Py_ssize_t capacity):
+        self.by_id, self.order, self.count, self.capacity = {}, Ring(), 0, capacity
+
+    cdef tuple of(self, str request_id):
+        """The records of ``request_id``, oldest first (() when none)."""
+        kept = self.by_id.get(request_id)
+        if kept is None:
+            return ()
+        return kept if type(kept) is tuple else (kept,)
+
+    cdef RequestRecord newest(self, str request_id):
+        kept = self.by_id.get(request_id)
+        return kept[len(kept) - 1] if type(kept) is tuple else kept
+
+    cdef int add(self, RequestRecord record) except -1:
+        cdef RequestRecord oldest
+        cdef tuple records
+        kept = <object>PyDict_SetDefault(self.by_id, record.request_id, record)
+        if kept is record:
+            self.count += 1
+        else:  # a reused id: its newest records, at most MAX_REUSES
+            records = kept if type(kept) is tuple else (kept,)
+            self.by_id[record.request_id] = (records + (record,))[-_MAX_REUSES:]
+            self.count += len(records) < _MAX_REUSES
+        self.order.push(record)
+        while self.count > self.capacity:
+            oldest = self.order.pop()
+            kept = self.by_id.get(oldest.request_id)
+            if type(kept) is tuple and kept[len(kept) - 1] is oldest:
+                self.count -= len(kept)
+                del self.by_id[oldest.request_id]
+            elif kept is oldest:
+                self.count -= 1
+                del self.by_id[oldest.request_id]
+        if self.order.size() > 2 * self.capacity + 64:
+            self.order.replace([r for r in self.order.values()
+                                if self.newest((<RequestRecord>r).request_id) is r])
+        return 0
+
+
+@cython.final
+cdef class _Requests:
+    """One source's requests: in flight, finished recently, and the ids in flight that another
+    event than the request's start opened (their arrival is that event's time until the start
+    or the finish comes)."""
+
+    def __init__(self, Py_ssize_t max_recent):
+        self.inflight, self.recent, self.unstarted = {}, _Recent(max_recent), set()
+
+
+@cython.final
+cdef class RequestAssembler:
+    """Builds :class:`~kvscope.agent.requests.RequestRecord` s from events, one method per
+    event kind, each taking one source's events of that kind in arrival order.
+
+    Each source's requests are kept apart (engines number requests on their own), and each
+    source has its own bounds, so a busy or broken engine cannot push out another's requests:
+    ``max_inflight`` requests started but not finished (beyond it the oldest is abandoned and
+    counted in ``abandoned`` by source: a bound against engines that never finish), and
+    ``max_recent`` finished records kept for late transfers (see :meth:`finished`).
+    ``joined``: the sources whose requests another source finishes too (a container).
+    ``amended``: the finished records changed since the pipeline last cleared it (by events
+    here, or by the pipeline's :func:`~kvscope.agent.requests.amend`), by ``id()``, for the
+    pipeline to store again. Not thread-safe: the pipeline calls it under its lock.
+    """
+
+    def __init__(self, Py_ssize_t max_inflight=10_000, Py_ssize_t max_recent=10_000,
+                 joined=()):
+        self._sources = {}
+        self._max, self._max_recent = max_inflight, max_recent
+        self.joined = joined
+        self.abandoned = Counter()
+        self.amended = {}
+
+    cdef _Requests _tables(self, str source):
+        cdef _Requests tables = self._sources.get(source)
+        if tables is None:
+            tables = self._sources[source] = _Requests(self._max_recent)
+        return tables
+
+    cdef RequestRecord _find(self, str source, _Requests tables, str request_id, double ts):
+        """``source``'s record of ``request_id`` in flight; for a joined source also one
+        finished recently that ``ts`` falls in (another source finished it first: vLLM's span
+        before the tap's events). An event after every such finish is a new request."""
+        cdef RequestRecord record = tables.inflight.get(request_id)
+        if record is None and source in self.joined:
+            record = self.finished_recently(source, request_id, ts)
+            if record is not None:
+                self.amended[id(record)] = record
+        return record
+
+    cpdef RequestRecord finished_recently(self, str source, str request_id, double ts,
+                                          until=None):
+        """``source``'s record of ``request_id``, among the last ``max_recent`` it finished,
+        of the request under way at ``ts`` (see :func:`~kvscope.agent.requests.under_way`),
+        the newest such; with ``until`` (a report of the span ``ts``-``until``), else of those
+        that ran within that span (see :func:`~kvscope.agent.requests.within`), the one
+        finishing nearest its end. None when there is none (an id reused: another request)."""
+        cdef _Requests tables = self._sources.get(source)
+        cdef RequestRecord record
+        if tables is None:
+            return None
+        cdef tuple records = tables.recent.of(request_id)
+        for record in reversed(records):
+            if under_way(record, ts):
+                return record
+        if until is None:
+            return None
+        # of those within the span, the one finishing nearest its end (a reused id's next
+        # request, arriving as this one finished, finishes after it)
+        cdef RequestRecord nearest = None
+        cdef double end = until
+        for record in records:
+            if within(record, ts, end) and (
+                    nearest is None or abs(record._finished - end) < abs(nearest._finished - end)):
+                nearest = record
+        return nearest
+
+    cdef RequestRecord _open(self, str source, _Requests tables, str request_id, double ts):
+        cdef RequestRecord record = self._find(source, tables, request_id, ts)
+        if record is None:
+            record = tables.inflight[request_id] = new_record(request_id, source, ts, 0)
+            tables.unstarted.add(request_id)
+            self._bound(source, tables)
+        return record
+
+    cdef int _bound(self, str source, _Requests tables) except -1:
+        cdef dict inflight = tables.inflight
+        if len(inflight) > self._max and not self.abandoned[source]:
+            log.warning("kvscope: source %r has %d requests started and not finished; the "
+                        "oldest are abandoned (counted as dropped, reason abandoned; logged "
+                        "once per source)", source, self._max)
+        while len(inflight) > self._max:
+            oldest = next(iter(inflight))
+            del inflight[oldest]
+            tables.unstarted.discard(oldest)
+            self.abandoned[source] += 1
+        return 0
+
+    cpdef started(self, str source, list events):
+        """Open the requests' records (a trace id that is not W3C's is taken as none)."""
+        cdef _Requests tables = self._tables(source)
+        cdef bint joined = source in self.joined
+        cdef RequestRecord record
+        cdef double ts
+        for event in events:
+            rid, ts, trace_id = field(event, S_ID), float_field(event, S_TS), field(event, S_TRACE)
+            if trace_id and not ev.w3c_trace_id(trace_id):  # as absent, not as a label
+                trace_id = ""
+            record = tables.inflight.get(rid)
+            if record is None and joined:
+                record = self._find(source, tables, rid, ts)
+            if record is None:
+                record = tables.inflight[rid] = new_record(rid, source, ts,
+                                                           int_field(event, S_PROMPT))
+                if trace_id:
+                    record.trace_id = trace_id
+                continue
+            # another emitter's event opened the record first: arrival and trace id are the
+            # start's, and its prompt tokens unless it has none (a span without usage)
+            tables.unstarted.discard(rid)
+            record.prompt_tokens = int_field(event, S_PROMPT) or record.prompt_tokens
+            record.arrival = ts
+            if trace_id:
+                record.trace_id = trace_id
+        self._bound(source, tables)
+
+    cpdef lookups(self, str source, list events):
+        cdef _Requests tables = self._tables(source)
+        cdef RequestRecord record
+        for event in events:
+            rid = field(event, L_ID)
+            if rid:
+                record = tables.inflight.get(rid)
+                if record is None:
+                    record = self._open(source, tables, rid, float_field(event, L_TS))
+                record.set_tokens(field(event, L_TOKENS))
+
+    cpdef list transfers(self, str source, list events):
+        """Attach transfers to their requests; return each one's record (None for none)."""
+        cdef _Requests tables = self._tables(source)
+        cdef RequestRecord record, earlier
+        cdef list records = []
+        cdef double ts
+        for event in events:
+            rid = field(event, T_ID)
+            if not rid:
+                records.append(None)
+                continue
+            ts = float_field(event, T_TS)
+            record = tables.inflight.get(rid)
+            if record is None or ts < record.arrival:
+                # a late worker's load joins the request under way at its start (of a reused
+                # id, an earlier one than the request in flight), else the one in flight,
+                # else the newest
+                earlier = self.finished_recently(source, rid, ts)
+                if earlier is not None or record is None:
+                    record = earlier or tables.recent.newest(rid)
+                    if record is None:
+                        record = self._open(source, tables, rid, ts)
+                    else:
+                        self.amended[id(record)] = record
+            if record._ntransfers < _MAX_TRANSFERS:
+                record.add_transfer(field(event, T_SRC), field(event, T_DST),
+                                    int_field(event, T_BLOCKS), int_field(event, T_BYTES), ts,
+                                    float_field(event, T_DURATION), bool_field(event, T_OK))
+            else:
+                record.transfers_omitted += 1
+            records.append(record)
+        return records
+
+    cpdef list finished(self, str source, list events):
+        """Complete and return the requests' records, and keep the newest ``max_recent`` of them
+        (at most :data:`MAX_REUSES` of one id) so that another source's transfers sent later
+        still join them (a worker tap may send its first batch after the scheduler's requests
+        finished). A joined source's requests
+        may be finished by another source first (vLLM's span before any of the tap's events):
+        a second finish of a kept record (of a request that arrived before that record
+        finished) only fills the parts the first left at 0 and returns no record (it is not a
+        new request)."""
+        cdef _Requests tables = self._tables(source)
+        cdef bint joined = source in self.joined
+        cdef RequestRecord record, kept
+        cdef list records = []
+        cdef int64_t prompt
+        for event in events:
+            rid = field(event, F_ID)
+            record = tables.inflight.pop(rid, None)
+            if record is None:
+                kept = (self.finished_recently(source, rid, arrival_of(event)) if joined
+                        else None)
+                if kept is not None:
+                    for part in _FINISH_PARTS:
+                        if not getattr(kept, part):
+                            setattr(kept, part, getattr(event, part))
+                    kept.prefill = prefill_within(kept)
+                    self.amended[id(kept)] = kept
+                    continue
+                record = new_record(rid, source, arrival_of(event), 0)
+            elif rid in tables.unstarted:  # its start went missing: its arrival was another's
+                tables.unstarted.discard(rid)
+                record.arrival = min(record.arrival, arrival_of(event))
+            prompt = int_field(event, F_PROMPT)
+            record.prompt_tokens = prompt or record.prompt_tokens
+            record.output_tokens = int_field(event, F_OUTPUT)
+            record.set_ttft(float_field(event, F_TTFT))
+            record.set_finished(float_field(event, F_TS))
+            record.queueing = float_field(event, F_QUEUEING)
+            record.lookup = float_field(event, F_LOOKUP)
+            record.promotion_wait = float_field(event, F_WAIT)
+            record.prefill = float_field(event, F_PREFILL)
+            record.itl = float_field(event, F_ITL)
+            records.append(record)
+            tables.recent.add(record)
+        return records

@@ -1,0 +1,452 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, embedsignature=True
+"""The fold: a batch of events into the pipeline's counters, histograms and records (compiled).
+
+:class:`Fold` holds what the pipeline aggregates — the catalog's counters and histograms, kept
+in C arrays over their bounded label sets, and the :class:`~kvscope.agent.assembler.
+RequestAssembler` — and folds one source's batch at a time, kind by kind (:data:`FOLD_ORDER`).
+The pipeline owns the lock around it and everything else (tiers, subscribers, samples).
+Compiled because the fold is the agent's ingest cost: interpreted, it took four times as
+long as msgspec's decode of the same batch (bench/ingest.py).
+"""
+
+import time
+
+cimport cython
+from cpython.dict cimport PyDict_Next
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_XDECREF, Py_XINCREF
+from libc.stdint cimport int64_t
+
+from kvscope import events as ev
+from kvscope.agent.assembler cimport RequestAssembler
+from kvscope.agent.requests cimport RequestRecord, tier_index, token_source
+from kvscope.agent.requests import FUTURE
+from kvscope.agent.slots cimport bool_field, field, float_field, int_field, offset_of
+from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, FAILURE_REASONS,
+                                      LATENCY_SECONDS_BUCKETS, RESIDENCY_SECONDS_BUCKETS,
+                                      TRANSFER_SECONDS_BUCKETS)
+
+# the order kinds are folded in within a batch: a request's start before its lookup,
+# transfers and finish; tier snapshots before lookups, which count misses in the tiers known
+FOLD_ORDER = (ev.TierSnapshot, ev.RequestStarted, ev.Lookup, ev.Transfer, ev.Eviction,
+              ev.LatencyHistogram, ev.RequestFinished)
+TIERS = ev.TIERS  # also the top-down order lookups cascade in
+EVICTION_REASONS = ("capacity", "cleared", "failed")
+
+cdef object _SNAPSHOT = ev.TierSnapshot, _STARTED = ev.RequestStarted, _LOOKUP = ev.Lookup
+cdef object _TRANSFER = ev.Transfer, _EVICTION = ev.Eviction, _LATENCY = ev.LatencyHistogram
+cdef object _FINISHED = ev.RequestFinished
+cdef Py_ssize_t S_ID = offset_of(ev.RequestStarted, "request_id")
+cdef Py_ssize_t F_ID = offset_of(ev.RequestFinished, "request_id")
+cdef Py_ssize_t L_BLOCKS = offset_of(ev.Lookup, "blocks")
+cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
+cdef Py_ssize_t L_HITS = offset_of(ev.Lookup, "block_hits")
+cdef Py_ssize_t L_RATE = offset_of(ev.Lookup, "prefill_tokens_per_second")
+cdef Py_ssize_t T_TS = offset_of(ev.Transfer, "ts")
+cdef Py_ssize_t T_SRC = offset_of(ev.Transfer, "src")
+cdef Py_ssize_t T_DST = offset_of(ev.Transfer, "dst")
+cdef Py_ssize_t T_BLOCKS = offset_of(ev.Transfer, "blocks")
+cdef Py_ssize_t T_BYTES = offset_of(ev.Transfer, "bytes")
+cdef Py_ssize_t T_DURATION = offset_of(ev.Transfer, "duration")
+cdef Py_ssize_t T_OK = offset_of(ev.Transfer, "ok")
+cdef Py_ssize_t T_REASON = offset_of(ev.Transfer, "reason")
+cdef Py_ssize_t T_TIMED = offset_of(ev.Transfer, "timed")
+cdef Py_ssize_t E_TIER = offset_of(ev.Eviction, "tier")
+cdef Py_ssize_t E_BLOCKS = offset_of(ev.Eviction, "blocks")
+cdef Py_ssize_t E_AGE = offset_of(ev.Eviction, "age")
+cdef Py_ssize_t E_HITS = offset_of(ev.Eviction, "hits")
+cdef Py_ssize_t E_OFFLOADED = offset_of(ev.Eviction, "offloaded")
+cdef Py_ssize_t E_REASON = offset_of(ev.Eviction, "reason")
+cdef Py_ssize_t E_MEASURED = offset_of(ev.Eviction, "measured")
+cdef Py_ssize_t E_WEIGHT = offset_of(ev.Eviction, "weight")
+
+cdef enum:
+    MAX_KEYS = 160  # the largest label set: 16 directions x 10 failure reasons
+    MAX_BUCKETS = 32
+cdef int _REASONS = len(FAILURE_REASONS)
+assert 16 * _REASONS <= MAX_KEYS
+cdef int _OTHER = FAILURE_REASONS.index("other")
+cdef dict _REASON_INDEX = {reason: i for i, reason in enumerate(FAILURE_REASONS)}
+cdef dict _EVICTION_INDEX = {reason: i for i, reason in enumerate(EVICTION_REASONS)}
+
+
+cdef list _reuse_cuts(list events):
+    """Where a batch must be cut for folding kind by kind: before each start of an id whose
+    request finished earlier in the batch (a client reusing an id back to back), else that
+    start would land on the finishing request's record."""
+    cdef list cuts = []
+    cdef set finished = set()
+    for i, event in enumerate(events):
+        if type(event) is _FINISHED:
+            finished.add(field(event, F_ID))
+        elif type(event) is _STARTED and field(event, S_ID) in finished:
+            cuts.append(i)
+            finished = set()
+    return cuts
+
+
+cdef struct Counts:
+    # a counter family over a fixed label set: each key's value, whether it was ever added to
+    # (a key exists from its first addition, 0 or not: Prometheus shows its series from then),
+    # and the order the keys first came
+    int64_t value[MAX_KEYS]
+    bint seen[MAX_KEYS]
+    int order[MAX_KEYS]
+    int n
+
+
+cdef inline void _add(Counts *counts, int key, int64_t value) noexcept:
+    if not counts.seen[key]:
+        counts.seen[key] = True
+        counts.order[counts.n] = key
+        counts.n += 1
+    counts.value[key] += value
+
+
+cdef dict _as_dict(Counts *counts, tuple keys):
+    return {keys[counts.order[i]]: counts.value[counts.order[i]] for i in range(counts.n)}
+
+
+@cython.final
+cdef class _Histogram:
+    """Observations counted per bucket (``counts[i]``: those <= ``bounds[i]`` and above the
+    bound before; the last, those above every bound), their sum, and per bucket the latest
+    observation of a request as its exemplar (the record, so that the exemplar names the
+    record's trace id as it is when read: a later report may change it)."""
+
+    cdef tuple buckets
+    cdef double bounds[MAX_BUCKETS]
+    cdef int n
+    cdef int64_t counts[MAX_BUCKETS]
+    cdef double sum
+    cdef PyObject *record[MAX_BUCKETS]  # owned references, NULL: no exemplar
+    cdef double value[MAX_BUCKETS], time[MAX_BUCKETS]
+    cdef int order[MAX_BUCKETS]  # the buckets in the order their first exemplar came
+    cdef int exemplars
+
+    def __init__(self, tuple buckets):
+        if len(buckets) >= MAX_BUCKETS:
+            raise ValueError(f"at most {MAX_BUCKETS - 1} buckets")
+        self.buckets, self.n = buckets, len(buckets)
+        for i, bound in enumerate(buckets):
+            self.bounds[i] = bound
+
+    def __dealloc__(self):
+        for i in range(self.n + 1):
+            Py_XDECREF(self.record[i])
+
+    cdef inline int _bucket(self, double value) noexcept:
+        # bisect_left: the first bound >= value (NaN lands in the first)
+        cdef int low = 0, high = self.n, middle
+        while low < high:
+            middle = (low + high) >> 1
+            if self.bounds[middle] < value:
+                low = middle + 1
+            else:
+                high = middle
+        return low
+
+    cdef void observe(self, double value, int64_t weight, PyObject *record, double at) noexcept:
+        cdef int i = self._bucket(value)
+        self.counts[i] += weight
+        self.sum += value * weight
+        if record != NULL:
+            if self.record[i] == NULL:
+                self.order[self.exemplars] = i
+                self.exemplars += 1
+            Py_XINCREF(record)
+            Py_XDECREF(self.record[i])
+            self.record[i], self.value[i], self.time[i] = record, value, at
+
+    cdef add_buckets(self, bounds, counts, double total):
+        """Fold in another histogram's per-bucket ``counts`` (``len(bounds) + 1`` entries, the
+        last above every bound) and their sum ``total``. Each engine bucket lands in our bucket
+        holding its upper bound, so quantiles err toward the slower side, never the faster."""
+        for i, n in enumerate(counts):
+            self.counts[self._bucket(bounds[i] if i < len(bounds) else float("inf"))] += n
+        self.sum += total
+
+    cdef tuple state(self):
+        """(buckets, per-bucket counts, sum, {bucket: (trace id, value, Unix seconds)})."""
+        exemplars = {}
+        for j in range(self.exemplars):
+            i = self.order[j]
+            trace_id = (<RequestRecord>self.record[i]).trace_id
+            if trace_id:
+                exemplars[i] = (trace_id, self.value[i], self.time[i])
+        return (self.buckets, [self.counts[i] for i in range(self.n + 1)], self.sum, exemplars)
+
+
+cdef tuple _DIRECTIONS = tuple((src, dst) for src in TIERS for dst in TIERS)
+cdef tuple _LOOKUP_KEYS = tuple((tier, result) for tier in TIERS for result in ("hit", "miss"))
+cdef tuple _FAILURE_KEYS = tuple((src, dst, reason) for src, dst in _DIRECTIONS
+                                 for reason in FAILURE_REASONS)
+cdef tuple _EVICTION_KEYS = tuple((tier, reason) for tier in TIERS for reason in EVICTION_REASONS)
+cdef tuple _TIER_KEYS = tuple(TIERS)
+cdef tuple _SOURCE_KEYS = tuple(ev.TOKEN_SOURCES)
+
+
+@cython.final
+cdef class Fold:
+    """The pipeline's aggregated state and its fold (not thread-safe: the pipeline calls it
+    under its lock).
+
+    ``prefill_tokens_per_second``: the rate behind the seconds saved when a lookup gives none;
+    ``recent``: TTFTs kept for percentiles; ``assembler``: where request records are built.
+    """
+
+    cdef readonly RequestAssembler assembler
+    cdef double _prefill_rate
+    cdef Counts _prompt, _lookups, _bytes, _blocks, _failures, _evicted, _dropped
+    cdef double _saved[4]
+    cdef Counts _saved_seen  # its values unused: which sources have seconds saved, in order
+    cdef list _transfer_seconds  # by direction (src * 4 + dst): _Histogram or None
+    cdef list _transfer_order, _hits, _residency, _measured_order
+    cdef _Histogram _ttft, _wait
+    cdef int64_t _requests
+    cdef list _recent  # a ring of the last TTFTs
+    cdef Py_ssize_t _recent_next, _recent_max
+
+    def __init__(self, RequestAssembler assembler, double prefill_tokens_per_second=10_000.0,
+                 Py_ssize_t recent=10_000):
+        self.assembler = assembler
+        self._prefill_rate = prefill_tokens_per_second
+        for i in range(4):  # every source's tokens are exported, 0 until some come
+            _add(&self._prompt, i, 0)
+        self._transfer_seconds, self._transfer_order = [None] * 16, []
+        self._hits, self._residency, self._measured_order = [None] * 4, [None] * 4, []
+        self._ttft = _Histogram(LATENCY_SECONDS_BUCKETS)
+        self._wait = _Histogram(LATENCY_SECONDS_BUCKETS)
+        self._recent, self._recent_next, self._recent_max = [], 0, recent
+
+    def fold(self, str source, str scope, events, tiers, bint observe):
+        """Fold one batch of sender ``source``'s ``events`` about ``scope``'s requests: tier
+        snapshots through ``tiers(source, scope, snapshots)`` first (which returns the bit mask,
+        by TIERS, of the tiers ``scope``'s lookups count misses in), then the other kinds in
+        :data:`FOLD_ORDER`; anything not an event is left out. ``observe``: count finished
+        requests in the request metrics now (else :meth:`observe` does later).
+
+        A batch where a request id finishes and then starts again (a client reusing it back
+        to back) is folded in parts (see :func:`_reuse_cuts`).
+
+        Returns (the records finished, in order; how many of them finished too far ahead of
+        the clock to be true and were dropped; the batch's Lookup events).
+        """
+        cdef list batch = events if type(events) is list else list(events)
+        cdef list groups = [[] for _ in range(7)]
+        cdef set finished_ids = None  # the ids finished so far in the batch
+        cdef bint reused = False
+        for event in batch:
+            kind = type(event)
+            if kind is _TRANSFER:
+                (<list>groups[3]).append(event)
+            elif kind is _LOOKUP:
+                (<list>groups[2]).append(event)
+            elif kind is _STARTED:
+                (<list>groups[1]).append(event)
+                reused = reused or (finished_ids is not None
+                                    and field(event, S_ID) in finished_ids)
+            elif kind is _FINISHED:
+                (<list>groups[6]).append(event)
+                if finished_ids is None:
+                    finished_ids = set()
+                finished_ids.add(field(event, F_ID))
+            elif kind is _EVICTION:
+                (<list>groups[4]).append(event)
+            elif kind is _SNAPSHOT:
+                (<list>groups[0]).append(event)
+            elif kind is _LATENCY:
+                (<list>groups[5]).append(event)
+        lookups = groups[2]
+        if not reused:
+            return (*self._fold(source, scope, groups, tiers, observe), lookups)
+        finished, invalid = [], 0
+        cuts = _reuse_cuts(batch)
+        for begin, end in zip((0, *cuts), (*cuts, len(batch))):
+            part, dropped, _ = self.fold(source, scope, batch[begin:end], tiers, observe)
+            finished += part
+            invalid += dropped
+        return finished, invalid, lookups
+
+    cdef tuple _fold(self, str source, str scope, list groups, tiers, bint observe):
+        if groups[0] or groups[2]:
+            known = tiers(source, scope, groups[0])
+        if groups[1]:
+            self.assembler.started(scope, groups[1])
+        if groups[2]:
+            self.assembler.lookups(scope, groups[2])
+            self._fold_lookups(groups[2], known)
+        if groups[3]:
+            self._fold_transfers(groups[3], self.assembler.transfers(scope, groups[3]))
+        if groups[4]:
+            self._fold_evictions(groups[4])
+        for event in groups[5]:
+            self._ttft.add_buckets(event.bounds, event.counts, event.sum)
+        if not groups[6]:
+            return [], 0
+        cdef list records = self.assembler.finished(scope, groups[6])
+        cdef double ahead = time.time() + FUTURE
+        cdef RequestRecord record
+        cdef list kept = [record for record in records
+                          if record._finished <= ahead and record.arrival <= ahead]
+        if observe:
+            self.observe(kept)
+        return kept, len(records) - len(kept)
+
+    cdef int _fold_lookups(self, list events, int known) except -1:
+        # Each block counts as a hit in the first tier, top down, that held it, and as a miss
+        # in each tier the engine has above that one. A lookup's tiers are those its source
+        # reported in snapshots and those its hits name (not another engine's on the node).
+        cdef int64_t total[4], hit[4], miss[4], found[4], remaining, n
+        cdef double saved[4], rate
+        cdef bint counted[4]
+        cdef int i, t, named
+        cdef dict tokens, hits
+        cdef Py_ssize_t position
+        cdef PyObject *key
+        cdef PyObject *value
+        for i in range(4):
+            total[i] = hit[i] = miss[i] = 0
+            saved[i] = 0.0
+            counted[i] = False
+        for event in events:
+            # under 1 token/s is no prefill rate: a tiny one would make the seconds saved
+            # infinite
+            rate = float_field(event, L_RATE)
+            if not rate >= 1.0:
+                rate = self._prefill_rate
+            tokens, position = <dict?>field(event, L_TOKENS), 0
+            while PyDict_Next(tokens, &position, &key, &value):
+                i = token_source(<object>key)
+                if i >= 0:
+                    n = <object>value
+                    total[i] += n
+                    saved[i] += n / rate
+            named, hits, position = 0, <dict?>field(event, L_HITS), 0
+            while PyDict_Next(hits, &position, &key, &value):
+                t = tier_index(<object>key)
+                if t >= 0:
+                    named |= 1 << t
+                    found[t] = <object>value
+            remaining = int_field(event, L_BLOCKS)
+            for t in range(4):
+                if remaining <= 0:
+                    break
+                if not (known | named) & (1 << t):  # neither its engine's nor named: skipped
+                    continue
+                counted[t] = True
+                if named & (1 << t):
+                    n = found[t] if found[t] < remaining else remaining
+                    remaining -= n
+                    hit[t] += n
+                miss[t] += remaining
+        for i in range(4):
+            if total[i]:
+                _add(&self._prompt, i, total[i])
+                if i != 3:  # recompute saves nothing
+                    _add(&self._saved_seen, i, 0)
+                    self._saved[i] += saved[i]
+        for t in range(4):
+            if counted[t]:
+                _add(&self._lookups, 2 * t, hit[t])
+                _add(&self._lookups, 2 * t + 1, miss[t])
+        return 0
+
+    cdef int _fold_transfers(self, list events, list records) except -1:
+        cdef int src, dst, direction, reason
+        cdef _Histogram hist
+        cdef Py_ssize_t j
+        for j, event in enumerate(events):
+            src = tier_index(field(event, T_SRC))
+            dst = tier_index(field(event, T_DST))
+            if src < 0 or dst < 0:
+                continue  # not a tier: the decoder refuses it; an event made in Python may not
+            direction = 4 * src + dst
+            if not bool_field(event, T_OK):
+                reason = _REASON_INDEX.get(field(event, T_REASON), _OTHER)
+                _add(&self._failures, direction * _REASONS + reason, 1)
+                continue
+            _add(&self._bytes, direction, int_field(event, T_BYTES))
+            _add(&self._blocks, direction, int_field(event, T_BLOCKS))
+            if not bool_field(event, T_TIMED):  # seen, not timed: its duration is no measurement
+                continue
+            hist = self._transfer_seconds[direction]
+            if hist is None:
+                hist = self._transfer_seconds[direction] = _Histogram(TRANSFER_SECONDS_BUCKETS)
+                self._transfer_order.append(direction)
+            record = records[j]
+            hist.observe(float_field(event, T_DURATION), 1,
+                         NULL if record is None else <PyObject *>record,
+                         float_field(event, T_TS))
+        return 0
+
+    cdef int _fold_evictions(self, list events) except -1:
+        cdef int tier
+        cdef int64_t blocks, weight
+        cdef _Histogram hits, residency
+        for event in events:
+            tier = tier_index(field(event, E_TIER))
+            if tier < 0:
+                continue
+            blocks = int_field(event, E_BLOCKS)
+            _add(&self._evicted, 3 * tier + _EVICTION_INDEX.get(field(event, E_REASON), 0),
+                 blocks)
+            if not bool_field(event, E_OFFLOADED):
+                _add(&self._dropped, tier, blocks)
+            if not bool_field(event, E_MEASURED):  # the source cannot see age and hits
+                continue
+            if self._hits[tier] is None:
+                self._hits[tier] = _Histogram(EVICTED_HITS_BUCKETS)
+                self._residency[tier] = _Histogram(RESIDENCY_SECONDS_BUCKETS)
+                self._measured_order.append(tier)
+            hits, residency = self._hits[tier], self._residency[tier]
+            weight = blocks * int_field(event, E_WEIGHT)
+            hits.observe(<double>int_field(event, E_HITS), weight, NULL, 0.0)
+            residency.observe(float_field(event, E_AGE), weight, NULL, 0.0)
+        return 0
+
+    def observe(self, list records):
+        """Count finished ``records`` in the request metrics (requests, TTFT and promotion-wait
+        histograms, the recent TTFTs), as they are now."""
+        cdef RequestRecord record
+        for record in records:
+            self._requests += 1
+            self._ttft.observe(record._ttft, 1, <PyObject *>record, record._finished)
+            self._wait.observe(record.promotion_wait, 1, NULL, 0.0)
+        self.remember_ttfts([record._ttft for record in records])
+
+    def remember_ttfts(self, list ttfts):
+        """Keep ``ttfts`` (seconds, oldest first) among the recent ones behind the percentiles."""
+        for ttft in ttfts:
+            if len(self._recent) < self._recent_max:
+                self._recent.append(ttft)
+            elif self._recent_max:
+                self._recent[self._recent_next] = ttft
+                self._recent_next = (self._recent_next + 1) % self._recent_max
+
+    def state(self):
+        """The aggregated state, as plain data keyed by label values (as
+        :class:`~kvscope.agent.pipeline.Snapshot` names them), a histogram as the tuple
+        (buckets, per-bucket counts, sum, {bucket: (trace id, value, Unix seconds)})."""
+        saved = {_SOURCE_KEYS[self._saved_seen.order[i]]: self._saved[self._saved_seen.order[i]]
+                 for i in range(self._saved_seen.n)}
+        return {
+            "prompt_tokens": _as_dict(&self._prompt, _SOURCE_KEYS),
+            "lookup_blocks": _as_dict(&self._lookups, _LOOKUP_KEYS),
+            "prefill_seconds_saved": saved,
+            "transfer_bytes": _as_dict(&self._bytes, _DIRECTIONS),
+            "transfer_blocks": _as_dict(&self._blocks, _DIRECTIONS),
+            "transfer_seconds": {_DIRECTIONS[d]: (<_Histogram>self._transfer_seconds[d]).state()
+                                 for d in self._transfer_order},
+            "transfer_failures": _as_dict(&self._failures, _FAILURE_KEYS),
+            "evicted_blocks": _as_dict(&self._evicted, _EVICTION_KEYS),
+            "dropped_blocks": _as_dict(&self._dropped, _TIER_KEYS),
+            "evicted_block_hits": {_TIER_KEYS[t]: (<_Histogram>self._hits[t]).state()
+                                   for t in self._measured_order},
+            "block_residency_seconds": {_TIER_KEYS[t]: (<_Histogram>self._residency[t]).state()
+                                        for t in self._measured_order},
+            "requests": self._requests,
+            "ttft_seconds": self._ttft.state(),
+            "promotion_wait_seconds": self._wait.state(),
+            "recent_ttft": self._recent[self._recent_next:] + self._recent[:self._recent_next],
+        }

@@ -1,0 +1,58 @@
+from cpython.object cimport PyObject
+from libc.stdint cimport int64_t, uint64_t, uint8_t
+
+
+cdef struct Transfer:
+    PyObject *src  # owned references to str (a tier's name)
+    PyObject *dst
+    int64_t blocks
+    int64_t bytes
+    double start
+    double duration
+    bint ok
+
+
+cdef class RequestRecord:
+    cdef public str request_id
+    cdef public str source
+    cdef str _trace_id  # None until read: then made from _tid (a trace id nobody reads costs nothing)
+    cdef uint64_t _tid_hi, _tid_lo
+    cdef public double arrival
+    cdef public int64_t prompt_tokens, output_tokens, transfers_omitted
+    cdef int64_t _tokens[4]  # by TOKEN_SOURCES
+    cdef uint8_t _tokens_set  # which of _tokens the record has (a lookup names some sources only)
+    cdef dict _tokens_other  # any other source's tokens (None when there are none)
+    cdef Transfer *_transfers  # NULL: the one in _first, when _ntransfers is 1
+    cdef Py_ssize_t _ntransfers, _capacity
+    cdef Transfer _first
+    cdef double _ttft, _finished
+    cdef bint _has_ttft, _has_finished
+    cdef public double queueing, lookup, promotion_wait, prefill, itl
+
+    cdef void _clear_transfers(self)
+    cdef int add_transfer(self, object src, object dst, int64_t blocks, int64_t nbytes,
+                          double start, double duration, bint ok) except -1
+    cdef int set_tokens(self, object tokens) except -1
+    cdef void set_ttft(self, double ttft)
+    cdef void set_finished(self, double finished)
+    cdef void new_trace_id(self)
+
+
+cdef class Ring:
+    cdef list _items
+    cdef Py_ssize_t _head
+
+    cdef void push(self, object item)
+    cdef object pop(self)
+    cdef Py_ssize_t size(self)
+    cdef list values(self)
+    cdef void replace(self, list items)
+
+
+cdef RequestRecord new_record(str request_id, str source, double arrival, int64_t prompt_tokens)
+cpdef bint under_way(RequestRecord record, double ts)
+cpdef bint within(RequestRecord record, double start, double end)
+cpdef double prefill_within(RequestRecord record)
+cdef int tier_index(object name)
+cdef object tier_name(object name)
+cdef int token_source(object name)

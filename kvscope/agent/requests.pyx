@@ -1,0 +1,472 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, embedsignature=True
+"""Per-request records, and the bounded table that keeps the finished ones.
+
+A record joins what the events say about one request — arrival, where its tokens came from,
+each transfer it waited for, the parts of its TTFT — so the API, the dashboard's waterfall, the
+OTLP exporter and the store all read one shape. Records are compiled (Cython): the pipeline
+fills their C fields without making a Python object per number, which once cost the agent's
+ingest most of its time (docs/agent.md, Ingest throughput). Their data form, for encoding, is
+:class:`~kvscope.agent.record_data.RecordData`.
+"""
+
+import os
+import threading
+
+cimport cython
+from cpython.dict cimport PyDict_Next, PyDict_SetDefault
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from libc.stdint cimport int64_t, uint64_t
+
+from kvscope.agent.record_data import RecordData, TransferRecord
+
+# Transfers kept per record: a request seldom waits for more than a few loads, and a sender
+# attaching 100,000 to one id made each append slower and one API answer 15 MB.
+MAX_TRANSFERS = 64
+# Seconds a request may finish ahead of the agent's clock (clocks step); further ahead it is a
+# corrupt time that would sort first in the table and never age out of the store.
+FUTURE = 3600.0
+# A late report names its request by its arrival (vLLM's span starts at the very arrival time
+# the tap sends, and arrival_of gives it to within float rounding when the start went missing).
+ARRIVAL_TOLERANCE = 0.001  # seconds
+# A span's ends and the tap's record of the same request are stamped apart, by different
+# code; a record within its span give or take this is the span's (see within).
+FINISH_TOLERANCE = 0.01  # seconds
+SORT_KEYS = ("finished", "arrival", "ttft", "prompt_tokens", "promotion_wait")
+
+cdef double _ARRIVAL_TOLERANCE = ARRIVAL_TOLERANCE
+cdef double _FINISH_TOLERANCE = FINISH_TOLERANCE
+# the names events use (msgspec hands out these very objects for Literal fields), so a
+# record's transfers and tokens point to them instead of keeping the event's strings
+cdef tuple _TIERS = ("gpu", "cpu", "disk", "remote")
+cdef tuple _TOKEN_SOURCES = ("gpu", "cpu", "disk", "recompute")
+
+
+cdef int tier_index(object name):
+    """The index of ``name`` in TIERS (also the lookups' top-down order), -1 when it is not one."""
+    cdef int i
+    for i in range(4):
+        if _TIERS[i] is name:
+            return i
+    for i in range(4):
+        if _TIERS[i] == name:
+            return i
+    return -1
+
+
+cdef object tier_name(object name):
+    """The shared str of tier ``name`` (or ``name`` itself when it is none of the tiers)."""
+    cdef int i = tier_index(name)
+    return name if i < 0 else _TIERS[i]
+
+
+cdef int token_source(object name):
+    """The index of ``name`` in TOKEN_SOURCES, -1 when it is not one."""
+    cdef int i
+    for i in range(4):
+        if _TOKEN_SOURCES[i] is name:
+            return i
+    for i in range(4):
+        if _TOKEN_SOURCES[i] == name:
+            return i
+    return -1
+
+
+# Trace ids: xoshiro256** (Blackman and Vigna, "Scrambled linear pseudorandom number
+# generators", 2021), seeded from the OS and again in a forked child, so that two agents or a
+# parent and its child never share a sequence. W3C asks for unique, random trace ids; this is
+# not for secrets.
+cdef uint64_t _rng[4]
+
+
+cdef inline uint64_t _rotl(uint64_t x, int k):
+    return (x << k) | (x >> (64 - k))
+
+
+cdef uint64_t _next64():
+    cdef uint64_t result = _rotl(_rng[1] * 5, 7) * 9
+    cdef uint64_t t = _rng[1] << 17
+    _rng[2] ^= _rng[0]
+    _rng[3] ^= _rng[1]
+    _rng[1] ^= _rng[2]
+    _rng[0] ^= _rng[3]
+    _rng[2] ^= t
+    _rng[3] = _rotl(_rng[3], 45)
+    return result
+
+
+def _seed():
+    seed = os.urandom(32)
+    for i in range(4):
+        _rng[i] = int.from_bytes(seed[8 * i:8 * i + 8], "little") | 1
+
+
+_seed()
+os.register_at_fork(after_in_child=_seed)
+
+cdef char *_HEX = b"0123456789abcdef"
+
+
+cdef str _hex128(uint64_t hi, uint64_t lo):
+    cdef char out[32]
+    cdef int i
+    for i in range(16):
+        out[15 - i] = _HEX[hi & 15]
+        out[31 - i] = _HEX[lo & 15]
+        hi >>= 4
+        lo >>= 4
+    return out[:32].decode("ascii")
+
+
+@cython.final
+@cython.no_gc
+@cython.freelist(256)
+cdef class RequestRecord:
+    """One request. Times are Unix seconds (``arrival``, ``finished``) or seconds (the TTFT
+    parts: ``queueing``, ``lookup``, ``promotion_wait``, ``prefill``, and ``ttft`` itself;
+    ``itl``, the mean inter-token latency, 0 when unknown). ``tokens``: dict[source, prompt
+    tokens]. ``transfers``: tuple of :class:`~kvscope.agent.record_data.TransferRecord`, the
+    first :data:`MAX_TRANSFERS` of its transfers in arrival order (the pipeline keeps no more);
+    ``transfers_omitted``: how many more it had (each still counts in the transfer metrics).
+    ``trace_id``: 32 hex chars (W3C). ``ttft`` and ``finished`` are None until known.
+
+    Counts are 64-bit: an int outside raises OverflowError. Records are never tracked by the
+    garbage collector (their fields cannot form a cycle): the table holds 100,000 of them.
+    Compare with ``==`` (field by field); :meth:`data` gives the msgspec form for encoding.
+    """
+
+    def __init__(self, str request_id, str trace_id, str source, double arrival,
+                 int64_t prompt_tokens=0, int64_t output_tokens=0, tokens=None,
+                 transfers=(), int64_t transfers_omitted=0, ttft=None, double queueing=0.0,
+                 double lookup=0.0, double promotion_wait=0.0, double prefill=0.0,
+                 finished=None, double itl=0.0):
+        self.request_id, self._trace_id, self.source = request_id, trace_id, source
+        self.arrival, self.prompt_tokens, self.output_tokens = arrival, prompt_tokens, output_tokens
+        self.tokens = tokens or {}
+        self.transfers = transfers
+        self.transfers_omitted = transfers_omitted
+        self.ttft, self.finished = ttft, finished
+        self.queueing, self.lookup, self.promotion_wait = queueing, lookup, promotion_wait
+        self.prefill, self.itl = prefill, itl
+
+    def __dealloc__(self):
+        self._clear_transfers()
+
+    cdef void _clear_transfers(self):
+        cdef Transfer *transfers = self._transfers if self._transfers != NULL else &self._first
+        cdef Py_ssize_t i
+        for i in range(self._ntransfers):
+            Py_DECREF(<object>transfers[i].src)
+            Py_DECREF(<object>transfers[i].dst)
+        PyMem_Free(self._transfers)
+        self._transfers, self._ntransfers, self._capacity = NULL, 0, 0
+
+    cdef int add_transfer(self, object src, object dst, int64_t blocks, int64_t nbytes,
+                          double start, double duration, bint ok) except -1:
+        """Append one transfer (the caller keeps to MAX_TRANSFERS)."""
+        cdef Transfer *grown
+        cdef Py_ssize_t capacity
+        if self._ntransfers == 1 and self._transfers == NULL:  # the second: leave _first
+            self._transfers = <Transfer *>PyMem_Malloc(4 * sizeof(Transfer))
+            if self._transfers == NULL:
+                raise MemoryError()
+            self._transfers[0] = self._first
+            self._capacity = 4
+        elif self._transfers != NULL and self._ntransfers == self._capacity:
+            capacity = 2 * self._capacity
+            grown = <Transfer *>PyMem_Realloc(self._transfers, capacity * sizeof(Transfer))
+            if grown == NULL:
+                raise MemoryError()
+            self._transfers, self._capacity = grown, capacity
+        src, dst = tier_name(src), tier_name(dst)
+        Py_INCREF(src)
+        Py_INCREF(dst)
+        cdef Transfer *slot = (&self._first if self._transfers == NULL
+                               else &self._transfers[self._ntransfers])
+        slot.src, slot.dst = <PyObject *>src, <PyObject *>dst
+        slot.blocks, slot.bytes, slot.start, slot.duration, slot.ok = (
+            blocks, nbytes, start, duration, ok)
+        self._ntransfers += 1
+        return 0
+
+    @property
+    def transfers(self):
+        cdef Transfer *transfers = self._transfers if self._transfers != NULL else &self._first
+        cdef Py_ssize_t i
+        return tuple([TransferRecord(<object>transfers[i].src, <object>transfers[i].dst,
+                                     transfers[i].blocks, transfers[i].bytes,
+                                     transfers[i].start, transfers[i].duration, transfers[i].ok)
+                      for i in range(self._ntransfers)])
+
+    @transfers.setter
+    def transfers(self, transfers):
+        self._clear_transfers()
+        for t in transfers:
+            self.add_transfer(t.src, t.dst, t.blocks, t.bytes, t.start, t.duration, t.ok)
+
+    cdef int set_tokens(self, object tokens) except -1:
+        """Take ``tokens`` (dict[source, tokens]) as the record's."""
+        cdef int i
+        cdef dict items = tokens if type(tokens) is dict else dict(tokens)
+        cdef Py_ssize_t position = 0
+        cdef PyObject *key
+        cdef PyObject *value
+        self._tokens_set, self._tokens_other = 0, None
+        while PyDict_Next(items, &position, &key, &value):
+            i = token_source(<object>key)
+            if i >= 0:
+                self._tokens[i] = <object>value
+                self._tokens_set |= 1 << i
+            else:
+                if self._tokens_other is None:
+                    self._tokens_other = {}
+                self._tokens_other[<object>key] = <object>value
+        return 0
+
+    @property
+    def tokens(self):
+        cdef int i
+        out = {_TOKEN_SOURCES[i]: self._tokens[i] for i in range(4) if self._tokens_set & (1 << i)}
+        if self._tokens_other is not None:
+            out.update(self._tokens_other)
+        return out
+
+    @tokens.setter
+    def tokens(self, tokens):
+        self.set_tokens(tokens)
+
+    cdef void new_trace_id(self):
+        self._trace_id = None
+        self._tid_hi, self._tid_lo = _next64(), _next64() | 1  # never all zeros
+
+    @property
+    def trace_id(self):
+        if self._trace_id is None:
+            self._trace_id = _hex128(self._tid_hi, self._tid_lo)
+        return self._trace_id
+
+    @trace_id.setter
+    def trace_id(self, str trace_id):
+        self._trace_id = trace_id
+
+    cdef void set_ttft(self, double ttft):
+        self._ttft, self._has_ttft = ttft, True
+
+    @property
+    def ttft(self):
+        return self._ttft if self._has_ttft else None
+
+    @ttft.setter
+    def ttft(self, ttft):
+        self._has_ttft = ttft is not None
+        self._ttft = ttft if self._has_ttft else 0.0
+
+    cdef void set_finished(self, double finished):
+        self._finished, self._has_finished = finished, True
+
+    @property
+    def finished(self):
+        return self._finished if self._has_finished else None
+
+    @finished.setter
+    def finished(self, finished):
+        self._has_finished = finished is not None
+        self._finished = finished if self._has_finished else 0.0
+
+    def data(self):
+        """This record as :class:`~kvscope.agent.record_data.RecordData`."""
+        return RecordData(self.request_id, self.trace_id, self.source, self.arrival,
+                          self.prompt_tokens, self.output_tokens, self.tokens, self.transfers,
+                          self.transfers_omitted, self.ttft, self.queueing, self.lookup,
+                          self.promotion_wait, self.prefill, self.finished, self.itl)
+
+    @staticmethod
+    def from_data(data):
+        """A record of :class:`~kvscope.agent.record_data.RecordData` ``data``."""
+        return RequestRecord(data.request_id, data.trace_id, data.source, data.arrival,
+                             data.prompt_tokens, data.output_tokens, data.tokens, data.transfers,
+                             data.transfers_omitted, data.ttft, data.queueing, data.lookup,
+                             data.promotion_wait, data.prefill, data.finished, data.itl)
+
+    def __eq__(self, other):
+        if not isinstance(other, RequestRecord):
+            return NotImplemented
+        return self.data() == other.data()
+
+    def __repr__(self):
+        return "RequestRecord" + repr(self.data()).removeprefix("RecordData")
+
+
+cdef RequestRecord new_record(str request_id, str source, double arrival, int64_t prompt_tokens):
+    """A record of a request that arrived at ``arrival``, with a new trace id."""
+    cdef RequestRecord record = RequestRecord.__new__(RequestRecord)
+    record.request_id, record.source = request_id, source
+    record.arrival, record.prompt_tokens = arrival, prompt_tokens
+    record.new_trace_id()
+    return record
+
+
+def arrival_of(finish):
+    """Unix seconds a request arrived, from its finish alone (its start went missing): the
+    finish less the decode (``itl`` between each two of the ``output_tokens``) and the TTFT;
+    exact for vLLM's tap, which reports the ITL as exactly that. Never before 1970, where
+    OTLP's unsigned times end."""
+    decode = finish.itl * (finish.output_tokens - 1) if finish.output_tokens > 1 else 0.0
+    return max(0.0, finish.ts - decode - finish.ttft)
+
+
+cpdef bint under_way(RequestRecord record, double ts):
+    """Whether finished ``record``'s request was under way at ``ts`` (Unix seconds): from its
+    arrival, less :data:`ARRIVAL_TOLERANCE`, to its finish."""
+    return record.arrival - _ARRIVAL_TOLERANCE <= ts <= record._finished
+
+
+cpdef bint within(RequestRecord record, double start, double end):
+    """Whether finished ``record``'s request ran within ``start`` to ``end`` (Unix seconds,
+    give or take :data:`FINISH_TOLERANCE`): the span of a report about it whose start comes
+    before the record's arrival (a record whose start event went missing dates its arrival
+    from its finish, an aborted one's is its finish). The next request of a reused id
+    finishes after the span's end."""
+    return (start - _FINISH_TOLERANCE <= record.arrival
+            and record._finished <= end + _FINISH_TOLERANCE)
+
+
+def amend(RequestRecord record, str trace_id, finish):
+    """Give a finished ``record`` what another report says of it (vLLM's span): ``trace_id``
+    (unless "") and, when ``finish.ttft`` is not 0, that TTFT, queueing and prefill (the
+    prefill cut so that the parts do not exceed the TTFT)."""
+    record.trace_id = trace_id or record.trace_id
+    if finish.ttft:
+        record.set_ttft(finish.ttft)
+        record.queueing, record.prefill = finish.queueing, finish.prefill
+        record.prefill = prefill_within(record)
+
+
+cpdef double prefill_within(RequestRecord record):
+    """``record``'s prefill, cut so that its TTFT parts, from two reports (the tap's and
+    vLLM's span), do not add up to more than its TTFT."""
+    return min(record.prefill, max(0.0, record._ttft - record.queueing - record.lookup
+                                   - record.promotion_wait))
+
+
+@cython.final
+cdef class Ring:
+    """A first-in first-out list of objects: appends and takes from the front in constant time
+    (amortised), without a method call (deque's, from compiled code, cost more than the rest
+    of a record's keeping)."""
+
+    def __init__(self):
+        self._items, self._head = [], 0
+
+    cdef void push(self, object item):
+        self._items.append(item)
+
+    cdef object pop(self):
+        """The oldest item, taken out (the ring must not be empty)."""
+        item = self._items[self._head]
+        self._items[self._head] = None
+        self._head += 1
+        if self._head > 64 and 2 * self._head > len(self._items):
+            del self._items[:self._head]
+            self._head = 0
+        return item
+
+    cdef Py_ssize_t size(self):
+        return len(self._items) - self._head
+
+    cdef list values(self):
+        """The items, oldest first (a copy)."""
+        return self._items[self._head:]
+
+    cdef void replace(self, list items):
+        """Hold ``items`` (oldest first) instead."""
+        self._items, self._head = items, 0
+
+
+@cython.final
+cdef class RequestTable:
+    """The most recent ``capacity`` finished requests, by source and request id (two engines
+    may use the same ids: each source's records stay apart). Thread-safe.
+
+    Kept as records in the order added (a request added again moves to the end: its earlier
+    place is skipped) and an index by source and id, so that adding one costs no more than a
+    dict entry: the pipeline adds every finished request.
+    """
+
+    cdef readonly Py_ssize_t capacity
+    cdef object _lock
+    cdef Ring _order  # records, oldest first; a record no longer indexed is skipped
+    cdef dict _index  # source -> request id -> record
+    cdef Py_ssize_t _live  # records indexed
+
+    def __init__(self, Py_ssize_t capacity=100_000):
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._order = Ring()
+        self._index = {}
+        self._live = 0
+
+    def add(self, records):
+        """Add finished ``records`` (the newest last); a known request's record moves to the
+        end."""
+        cdef RequestRecord record
+        cdef dict ids
+        cdef Py_ssize_t known
+        with self._lock:
+            for record in records:
+                ids = self._index.get(record.source)
+                if ids is None:
+                    ids = self._index[record.source] = {}
+                known = len(ids)
+                if <object>PyDict_SetDefault(ids, record.request_id, record) is not record:
+                    ids[record.request_id] = record  # a newer record of a known request
+                elif len(ids) > known:
+                    self._live += 1
+                else:  # the same record again (seldom): it leaves its place
+                    self._order.replace([r for r in self._order.values() if r is not record])
+                self._order.push(record)
+            while self._live > self.capacity:
+                record = self._order.pop()
+                ids = self._index[record.source]
+                if ids.get(record.request_id) is record:
+                    del ids[record.request_id]
+                    self._live -= 1
+            if self._order.size() > 2 * self.capacity + 64:  # mostly places left: drop them
+                self._order.replace(self._live_records())
+
+    cdef list _live_records(self):
+        cdef RequestRecord record
+        return [record for record in self._order.values()
+                if (<dict>self._index[record.source]).get(record.request_id) is record]
+
+    def __len__(self):
+        return self._live
+
+    def get(self, str request_id, str source=None):
+        """The record of ``request_id`` from ``source``; without ``source``, the one finished
+        last among the sources that have a request of that id."""
+        with self._lock:
+            if source is not None:
+                return self._index.get(source, {}).get(request_id)
+            found = [ids[request_id] for ids in self._index.values() if request_id in ids]
+        return max(found, key=lambda r: r.finished or 0.0, default=None)
+
+    def recent(self, Py_ssize_t limit=100, str sort="finished", bint descending=True,
+               min_ttft=None, str source=None):
+        """Up to ``limit`` records ordered by ``sort`` (one of :data:`SORT_KEYS`), largest
+        first unless ``descending`` is False; ``min_ttft`` (seconds) filters slow requests,
+        ``source`` one source's.
+
+        Raises ValueError for an unknown sort key.
+        """
+        if sort not in SORT_KEYS:
+            raise ValueError(f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
+        with self._lock:
+            records = self._live_records()
+        if source is not None:
+            records = [r for r in records if r.source == source]
+        if min_ttft is not None:
+            records = [r for r in records if (r.ttft or 0.0) >= min_ttft]
+        records.sort(key=lambda r: getattr(r, sort) or 0.0, reverse=descending)
+        return records[:limit]

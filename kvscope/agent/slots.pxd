@@ -1,0 +1,67 @@
+# Reading the fields of msgspec Structs (kvscope's events) from compiled code at C speed.
+#
+# msgspec keeps a Struct's fields as object slots after its header, each with a member
+# descriptor on the type giving its offset (as __slots__ do): read through that offset, a field
+# costs a pointer load instead of an attribute lookup. Callers check the event's exact type
+# first; the offsets come from the type itself (offset_of), so a msgspec that laid fields out
+# otherwise would fail at import with TypeError, never misread.
+
+from cpython.object cimport PyObject
+from libc.stdint cimport int64_t
+
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef *d_member
+    bint PyFloat_CheckExact(PyObject *)
+    double PyFloat_AS_DOUBLE(PyObject *)
+    bint PyLong_CheckExact(PyObject *)
+    long long PyLong_AsLongLong(PyObject *) except? -1
+    double PyFloat_AsDouble(object) except? -1.0
+    int PyObject_IsTrue(PyObject *) except -1
+
+
+cdef extern from "structmember.h":
+    int T_OBJECT_EX
+
+
+cdef inline Py_ssize_t offset_of(object cls, str name) except -1:
+    """The offset of field ``name`` in instances of msgspec Struct ``cls``."""
+    descriptor = getattr(cls, name)
+    if (type(descriptor).__name__ != "member_descriptor"
+            or (<PyMemberDescrObject *>descriptor).d_member.type != T_OBJECT_EX):
+        raise TypeError(f"{cls.__name__}.{name} is not a slot: this msgspec lays out Structs "
+                        "in a way kvscope's compiled fold does not know")
+    return (<PyMemberDescrObject *>descriptor).d_member.offset
+
+
+cdef inline PyObject *_at(object obj, Py_ssize_t offset):
+    return (<PyObject **>(<char *><PyObject *>obj + offset))[0]
+
+
+cdef inline object field(object obj, Py_ssize_t offset):
+    """The field at ``offset`` (a new reference)."""
+    return <object>_at(obj, offset)
+
+
+cdef inline double float_field(object obj, Py_ssize_t offset) except? -1.0:
+    """The float field at ``offset`` (an int in it, from an event made in Python, as float)."""
+    cdef PyObject *value = _at(obj, offset)
+    if PyFloat_CheckExact(value):
+        return PyFloat_AS_DOUBLE(value)
+    return PyFloat_AsDouble(<object>value)
+
+
+cdef inline int64_t int_field(object obj, Py_ssize_t offset) except? -1:
+    """The int field at ``offset``."""
+    cdef PyObject *value = _at(obj, offset)
+    if PyLong_CheckExact(value):
+        return PyLong_AsLongLong(value)
+    return int(<object>value)
+
+
+cdef inline bint bool_field(object obj, Py_ssize_t offset) except -1:
+    return PyObject_IsTrue(_at(obj, offset))
