@@ -2,11 +2,10 @@ from kvscope.agent.requests cimport RequestRecord, Ring
 
 
 cdef class _Recent:
-    cdef dict by_id  # request id -> its record, or a tuple of its records (oldest first)
+    cdef dict by_id  # request id -> its newest record (linked to its older ones)
     cdef Ring order  # records in finish order (see _Recent in the .pyx)
     cdef Py_ssize_t count, capacity
 
-    cdef tuple of(self, str request_id)
     cdef RequestRecord newest(self, str request_id)
     cdef int add(self, RequestRecord record) except -1
 

@@ -62,48 +62,45 @@ cdef class _Recent:
     """A source's recently finished records, by id, bounded in records: the ids whose last
     finish is oldest leave whole, first (a reused id moves to the newest end at each finish).
 
-    ``order`` lists every record added; the place of an id is that of its newest record, so an
-    older record of a reused id met at the front is skipped, and when such places outnumber
-    the records, ``order`` is rebuilt without them (each record costs its place once).
+    ``by_id`` maps an id to its newest record, which links to the id's older ones (at most
+    :data:`MAX_REUSES` in all, newest first). ``order`` lists every record added; a record a
+    newer one of its id superseded keeps its place there, skipped when met at the front, and
+    when such places outnumber the records ``order`` is rebuilt without them. A record
+    finished costs one dict entry and, once it leaves, its deletion.
     """
 
     def __init__(self, Py_ssize_t capacity):
         self.by_id, self.order, self.count, self.capacity = {}, Ring(), 0, capacity
 
-    cdef tuple of(self, str request_id):
-        """The records of ``request_id``, oldest first (() when none)."""
-        kept = self.by_id.get(request_id)
-        if kept is None:
-            return ()
-        return kept if type(kept) is tuple else (kept,)
-
     cdef RequestRecord newest(self, str request_id):
-        kept = self.by_id.get(request_id)
-        return kept[len(kept) - 1] if type(kept) is tuple else kept
+        return self.by_id.get(request_id)
 
     cdef int add(self, RequestRecord record) except -1:
+        cdef RequestRecord kept = <RequestRecord>PyDict_SetDefault(self.by_id, record.request_id,
+                                                                   record)
         cdef RequestRecord oldest
-        cdef tuple records
-        kept = <object>PyDict_SetDefault(self.by_id, record.request_id, record)
-        if kept is record:
-            self.count += 1
-        else:  # a reused id: its newest records, at most MAX_REUSES
-            records = kept if type(kept) is tuple else (kept,)
-            self.by_id[record.request_id] = (records + (record,))[-_MAX_REUSES:]
-            self.count += len(records) < _MAX_REUSES
+        cdef Py_ssize_t n
+        self.count += 1
+        if kept is not record:  # a reused id: its newest records, at most MAX_REUSES
+            self.by_id[record.request_id] = record
+            record._previous, kept._superseded = kept, True
+            n, kept = 1, record
+            while kept._previous is not None and n < _MAX_REUSES:
+                kept, n = kept._previous, n + 1
+            if kept._previous is not None:  # one too many: the oldest leaves
+                kept._previous = None
+                self.count -= 1
         self.order.push(record)
         while self.count > self.capacity:
             oldest = self.order.pop()
-            kept = self.by_id.get(oldest.request_id)
-            if type(kept) is tuple and kept[len(kept) - 1] is oldest:
-                self.count -= len(kept)
+            if not oldest._superseded:  # the newest of its id: the id leaves, whole
                 del self.by_id[oldest.request_id]
-            elif kept is oldest:
-                self.count -= 1
-                del self.by_id[oldest.request_id]
+                while oldest is not None:
+                    self.count -= 1
+                    oldest._previous, oldest = None, oldest._previous
         if self.order.size() > 2 * self.capacity + 64:
             self.order.replace([r for r in self.order.values()
-                                if self.newest((<RequestRecord>r).request_id) is r])
+                                if not (<RequestRecord>r)._superseded])
         return 0
 
 
@@ -169,20 +166,25 @@ cdef class RequestAssembler:
         cdef RequestRecord record
         if tables is None:
             return None
-        cdef tuple records = tables.recent.of(request_id)
-        for record in reversed(records):
+        cdef RequestRecord newest = tables.recent.newest(request_id)
+        record = newest
+        while record is not None:
             if under_way(record, ts):
                 return record
+            record = record._previous
         if until is None:
             return None
         # of those within the span, the one finishing nearest its end (a reused id's next
-        # request, arriving as this one finished, finishes after it)
+        # request, arriving as this one finished, finishes after it); of two as near, the
+        # older
         cdef RequestRecord nearest = None
         cdef double end = until
-        for record in records:
+        record = newest
+        while record is not None:
             if within(record, ts, end) and (
-                    nearest is None or abs(record._finished - end) < abs(nearest._finished - end)):
+                    nearest is None or abs(record._finished - end) <= abs(nearest._finished - end)):
                 nearest = record
+            record = record._previous
         return nearest
 
     cdef RequestRecord _open(self, str source, _Requests tables, str request_id, double ts):

@@ -28,6 +28,11 @@ cdef class RequestRecord:
     cdef double _ttft, _finished
     cdef bint _has_ttft, _has_finished
     cdef public double queueing, lookup, promotion_wait, prefill, itl
+    # the assembler's: the older record of the same request id it keeps, and whether a newer
+    # one has superseded this one (see assembler._Recent)
+    cdef RequestRecord _previous
+    cdef bint _superseded
+    cdef int _in_table  # places it holds in a RequestTable's order (see RequestTable.add)
 
     cdef void _clear_transfers(self)
     cdef int add_transfer(self, object src, object dst, int64_t blocks, int64_t nbytes,
@@ -45,6 +50,7 @@ cdef class Ring:
     cdef void push(self, object item)
     cdef object pop(self)
     cdef Py_ssize_t size(self)
+    cdef object at(self, Py_ssize_t i)
     cdef list values(self)
     cdef void replace(self, list items)
 

@@ -13,7 +13,7 @@ import os
 import threading
 
 cimport cython
-from cpython.dict cimport PyDict_Next, PyDict_SetDefault
+from cpython.dict cimport PyDict_Next
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
@@ -375,6 +375,10 @@ cdef class Ring:
     cdef Py_ssize_t size(self):
         return len(self._items) - self._head
 
+    cdef object at(self, Py_ssize_t i):
+        """The ``i``-th oldest item."""
+        return self._items[self._head + i]
+
     cdef list values(self):
         """The items, oldest first (a copy)."""
         return self._items[self._head:]
@@ -389,64 +393,87 @@ cdef class RequestTable:
     """The most recent ``capacity`` finished requests, by source and request id (two engines
     may use the same ids: each source's records stay apart). Thread-safe.
 
-    Kept as records in the order added (a request added again moves to the end: its earlier
-    place is skipped) and an index by source and id, so that adding one costs no more than a
-    dict entry: the pipeline adds every finished request.
+    Kept as records in the order added, and an index by source and id built when the table is
+    read, so that adding one costs no dict entry: the pipeline adds every finished request,
+    and the table is read far less often (the API, a late report about an old request). A
+    request added again supersedes its earlier record, which still holds its place until it
+    leaves (so the table holds fewer requests than ``capacity`` when ids are reused).
     """
 
     cdef readonly Py_ssize_t capacity
     cdef object _lock
-    cdef Ring _order  # records, oldest first; a record no longer indexed is skipped
-    cdef dict _index  # source -> request id -> record
-    cdef Py_ssize_t _live  # records indexed
+    cdef Ring _order  # records, oldest first
+    cdef dict _index  # source -> request id -> record, of the oldest _indexed records of _order
+    cdef Py_ssize_t _indexed, _live  # records of _order indexed; requests indexed
 
     def __init__(self, Py_ssize_t capacity=100_000):
         self.capacity = capacity
         self._lock = threading.Lock()
         self._order = Ring()
         self._index = {}
-        self._live = 0
+        self._indexed = self._live = 0
 
     def add(self, records):
         """Add finished ``records`` (the newest last); a known request's record moves to the
         end."""
         cdef RequestRecord record
-        cdef dict ids
-        cdef Py_ssize_t known
         with self._lock:
             for record in records:
-                ids = self._index.get(record.source)
-                if ids is None:
-                    ids = self._index[record.source] = {}
-                known = len(ids)
-                if <object>PyDict_SetDefault(ids, record.request_id, record) is not record:
-                    ids[record.request_id] = record  # a newer record of a known request
-                elif len(ids) > known:
-                    self._live += 1
-                else:  # the same record again (seldom): it leaves its place
-                    self._order.replace([r for r in self._order.values() if r is not record])
+                record._in_table += 1
                 self._order.push(record)
-            while self._live > self.capacity:
+            while self._order.size() > self.capacity:
                 record = self._order.pop()
-                ids = self._index[record.source]
-                if ids.get(record.request_id) is record:
-                    del ids[record.request_id]
-                    self._live -= 1
-            if self._order.size() > 2 * self.capacity + 64:  # mostly places left: drop them
-                self._order.replace(self._live_records())
+                record._in_table -= 1
+                if self._indexed:
+                    self._indexed -= 1
+                    self._unindex(record)
+
+    cdef void _unindex(self, RequestRecord record):
+        cdef dict ids = self._index[record.source]
+        if ids.get(record.request_id) is record and not record._in_table:
+            del ids[record.request_id]
+            self._live -= 1
+
+    cdef void _sync(self):
+        """Index the records added since the last read (under the lock)."""
+        cdef RequestRecord record
+        cdef dict ids
+        while self._indexed < self._order.size():
+            record = self._order.at(self._indexed)
+            self._indexed += 1
+            ids = self._index.get(record.source)
+            if ids is None:
+                ids = self._index[record.source] = {}
+            self._live += ids.get(record.request_id) is None
+            ids[record.request_id] = record
 
     cdef list _live_records(self):
+        """The records the index names, oldest first, each once (at its last place)."""
         cdef RequestRecord record
-        return [record for record in self._order.values()
-                if (<dict>self._index[record.source]).get(record.request_id) is record]
+        cdef list out = []
+        cdef set seen = set()
+        self._sync()
+        for i in range(self._order.size() - 1, -1, -1):
+            record = self._order.at(i)
+            if (<dict>self._index[record.source]).get(record.request_id) is record:
+                if record._in_table > 1:  # added more than once: only its last place
+                    if id(record) in seen:
+                        continue
+                    seen.add(id(record))
+                out.append(record)
+        out.reverse()
+        return out
 
     def __len__(self):
-        return self._live
+        with self._lock:
+            self._sync()
+            return self._live
 
     def get(self, str request_id, str source=None):
         """The record of ``request_id`` from ``source``; without ``source``, the one finished
         last among the sources that have a request of that id."""
         with self._lock:
+            self._sync()
             if source is not None:
                 return self._index.get(source, {}).get(request_id)
             found = [ids[request_id] for ids in self._index.values() if request_id in ids]
