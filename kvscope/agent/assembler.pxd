@@ -28,7 +28,7 @@ cdef class RequestAssembler:
     cdef RequestRecord _open(self, str source, _Requests tables, str request_id, double ts)
     cdef int _bound(self, str source, _Requests tables) except -1
     cpdef started(self, str source, list events)
-    cpdef lookups(self, str source, list events)
+    cpdef list lookups(self, str source, list events)
     cpdef list transfers(self, str source, list events)
     cpdef list finished(self, str source, list events)
     cpdef RequestRecord finished_recently(self, str source, str request_id, double ts,

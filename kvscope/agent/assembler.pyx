@@ -36,7 +36,6 @@ cdef Py_ssize_t S_PROMPT = offset_of(ev.RequestStarted, "prompt_tokens")
 cdef Py_ssize_t S_TRACE = offset_of(ev.RequestStarted, "trace_id")
 cdef Py_ssize_t L_TS = offset_of(ev.Lookup, "ts")
 cdef Py_ssize_t L_ID = offset_of(ev.Lookup, "request_id")
-cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
 cdef Py_ssize_t T_TS = offset_of(ev.Transfer, "ts")
 cdef Py_ssize_t T_ID = offset_of(ev.Transfer, "request_id")
 cdef Py_ssize_t T_SRC = offset_of(ev.Transfer, "src")
@@ -92,6 +91,7 @@ cdef class _Recent:
                 self.count -= 1
         self.order.push(record)
         while self.count > self.capacity:
+            self.order.prefetch_records(16)
             oldest = self.order.pop()
             if not oldest._superseded:  # the newest of its id: the id leaves, whole
                 del self.by_id[oldest.request_id]
@@ -236,16 +236,22 @@ cdef class RequestAssembler:
                 record.trace_id = trace_id
         self._bound(source, tables)
 
-    cpdef lookups(self, str source, list events):
+    cpdef list lookups(self, str source, list events):
+        """The record each lookup is about (None for one without a request id), opened when
+        not in flight; the caller gives it the lookup's tokens."""
         cdef _Requests tables = self._tables(source)
         cdef RequestRecord record
+        cdef list records = []
         for event in events:
             rid = field(event, L_ID)
-            if rid:
-                record = tables.inflight.get(rid)
-                if record is None:
-                    record = self._open(source, tables, rid, float_field(event, L_TS))
-                record.set_tokens(field(event, L_TOKENS))
+            if not rid:
+                records.append(None)
+                continue
+            record = tables.inflight.get(rid)
+            if record is None:
+                record = self._open(source, tables, rid, float_field(event, L_TS))
+            records.append(record)
+        return records
 
     cpdef list transfers(self, str source, list events):
         """Attach transfers to their requests; return each one's record (None for none)."""

@@ -274,8 +274,7 @@ cdef class Fold:
         if groups[1]:
             self.assembler.started(scope, groups[1])
         if groups[2]:
-            self.assembler.lookups(scope, groups[2])
-            self._fold_lookups(groups[2], known)
+            self._fold_lookups(groups[2], self.assembler.lookups(scope, groups[2]), known)
         if groups[3]:
             self._fold_transfers(groups[3], self.assembler.transfers(scope, groups[3]))
         if groups[4]:
@@ -293,7 +292,7 @@ cdef class Fold:
             self.observe(kept)
         return kept, len(records) - len(kept)
 
-    cdef int _fold_lookups(self, list events, int known) except -1:
+    cdef int _fold_lookups(self, list events, list records, int known) except -1:
         # Each block counts as a hit in the first tier, top down, that held it, and as a miss
         # in each tier the engine has above that one. A lookup's tiers are those its source
         # reported in snapshots and those its hits name (not another engine's on the node).
@@ -302,19 +301,23 @@ cdef class Fold:
         cdef bint counted[4]
         cdef int i, t, named
         cdef dict tokens, hits
-        cdef Py_ssize_t position
+        cdef RequestRecord record
+        cdef Py_ssize_t position, j
         cdef PyObject *key
         cdef PyObject *value
         for i in range(4):
             total[i] = hit[i] = miss[i] = 0
             saved[i] = 0.0
             counted[i] = False
-        for event in events:
+        for j, event in enumerate(events):
             # under 1 token/s is no prefill rate: a tiny one would make the seconds saved
             # infinite
             rate = float_field(event, L_RATE)
             if not rate >= 1.0:
                 rate = self._prefill_rate
+            record = records[j]
+            if record is not None:  # the lookup's tokens are the request's
+                record._tokens_set, record._tokens_other = 0, None
             tokens, position = <dict?>field(event, L_TOKENS), 0
             while PyDict_Next(tokens, &position, &key, &value):
                 i = token_source(<object>key)
@@ -322,6 +325,11 @@ cdef class Fold:
                     n = <object>value
                     total[i] += n
                     saved[i] += n / rate
+                    if record is not None:
+                        record._tokens[i] = n
+                        record._tokens_set |= 1 << i
+                elif record is not None:
+                    record.other_token(<object>key, <object>value)
             named, hits, position = 0, <dict?>field(event, L_HITS), 0
             while PyDict_Next(hits, &position, &key, &value):
                 t = tier_index(<object>key)

@@ -281,8 +281,9 @@ class Pipeline:
 
     def _notify(self, records: list[RequestRecord],
                 listeners: Sequence[Callable[[RequestRecord], None]] | None = None) -> None:
-        for record in records:
-            for listener in self._listeners if listeners is None else listeners:
+        listeners = self._listeners if listeners is None else listeners
+        for record in records if listeners else ():
+            for listener in listeners:
                 listener(record)
 
     def report(self, source: str, trace_id: str, started: ev.RequestStarted,

@@ -38,6 +38,7 @@ cdef class RequestRecord:
     cdef int add_transfer(self, object src, object dst, int64_t blocks, int64_t nbytes,
                           double start, double duration, bint ok) except -1
     cdef int set_tokens(self, object tokens) except -1
+    cdef int other_token(self, object source, object tokens) except -1
     cdef void set_ttft(self, double ttft)
     cdef void set_finished(self, double finished)
     cdef void new_trace_id(self)
@@ -51,6 +52,7 @@ cdef class Ring:
     cdef object pop(self)
     cdef Py_ssize_t size(self)
     cdef object at(self, Py_ssize_t i)
+    cdef void prefetch_records(self, Py_ssize_t ahead) noexcept
     cdef list values(self)
     cdef void replace(self, list items)
 

@@ -64,4 +64,7 @@ cdef inline int64_t int_field(object obj, Py_ssize_t offset) except? -1:
 
 
 cdef inline bint bool_field(object obj, Py_ssize_t offset) except -1:
-    return PyObject_IsTrue(_at(obj, offset))
+    cdef PyObject *value = _at(obj, offset)
+    if value == <PyObject *>True or value == <PyObject *>False:  # what msgspec decodes
+        return value == <PyObject *>True
+    return PyObject_IsTrue(value)

@@ -28,7 +28,7 @@ is logged with what was wrong. A refused batch whose header can be read still mo
 emitter's sequence on, so it is not counted again as a gap.
 
 Memory: the thread that folds takes what ZMQ holds between batches, and another takes it
-whenever that one is held up (:data:`STALL`), so that ZMQ's queue stays short: a tap that
+whenever that one is held up (:meth:`IngestSource._watch`), so that ZMQ's queue stays short: a tap that
 disconnected while the agent's receive queue was full lost its last batch (ZMQ drops the one
 message it holds for a full queue), uncounted, at every close. Batches received and not yet
 folded are at most ``queue_bytes`` in all, and one message more (each counted with
@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import select
 import socket
 import threading
 import time
@@ -78,8 +79,8 @@ MAX_WARNED = 1024  # distinct (source, reason) drops logged at most
 # Bytes a received message costs beyond its own (the bytes object and its place in the queue):
 # what the queue bound counts for it, so that empty messages cannot fill memory uncounted
 MESSAGE_OVERHEAD = 64
-# Seconds the folding thread may go without taking what ZMQ holds before another thread does
-STALL = 0.002
+# Seconds a message may wait in ZMQ, the folding thread held up, before another thread takes it
+STALL = 0.0002
 
 
 def _live_ipc(endpoint: str, settle: float = 1.0) -> bool:
@@ -129,7 +130,7 @@ class IngestSource(Worker):
         # held to use the socket and the queue: ZMQ sockets are not thread-safe (the lock's
         # memory barrier lets two threads take turns)
         self._receiving = threading.Lock()
-        self._drained = 0.0  # monotonic: when ZMQ's queue was last taken
+        self._taken = 0  # batches the folding thread took (the watcher's sign it goes on)
         self._max_sources = max_sources
         # source -> {session: (last seq, cumulative dropped)} of its emitters, latest last
         self._streams: dict[str, OrderedDict[str, tuple[int, int]]] = {}
@@ -158,10 +159,9 @@ class IngestSource(Worker):
     def run(self) -> None:
         """Receive and fold, oldest first, until stopping; then fold what was received.
 
-        This thread takes what ZMQ holds before each batch it folds (one thread: no handing
-        over between threads for each message, which cost the ingest a fifth of its time);
-        :meth:`_watch`, on a thread of its own, takes it whenever this one has not for
-        :data:`STALL` seconds (a fold held up: a lock, a slow subscriber)."""
+        This thread takes what ZMQ holds before each batch it folds (one thread: handing each
+        message over to another thread, and the GIL with it, cost the ingest a fifth of its
+        time); :meth:`_watch`, on a thread of its own, takes it while this one is held up."""
         watcher = threading.Thread(target=self._watch, name="kvscope-ingest-watch", daemon=True)
         watcher.start()
         poller = zmq.Poller()
@@ -179,6 +179,7 @@ class IngestSource(Worker):
                         continue
                     data = received.popleft()
                     self._received_bytes -= len(data) + MESSAGE_OVERHEAD
+                    self._taken += 1
                 try:
                     self.handle(data.buffer)
                 except Exception:  # noqa: BLE001 (counted and logged; ingest goes on)
@@ -198,18 +199,32 @@ class IngestSource(Worker):
                 break
             self._received.append(frame)
             self._received_bytes += len(frame) + MESSAGE_OVERHEAD
-        self._drained = time.monotonic()
 
     def _watch(self) -> None:
-        """Take what ZMQ holds while the folding thread is held up, so that ZMQ's queue stays
-        short: a tap that disconnected while the agent's receive queue was full lost its last
-        batch (ZMQ drops the one message it holds for a full queue), uncounted."""
-        while not self.stopping.wait(STALL):
-            if time.monotonic() - self._drained > STALL and self._receiving.acquire(False):
+        """Take what ZMQ holds while the folding thread is held up (a lock, a slow
+        subscriber), so that ZMQ's queue stays short: a tap that disconnected while the
+        agent's receive queue was full lost its last batches (ZMQ drops what it holds for a
+        full queue), uncounted.
+
+        It waits on the socket's notification descriptor (ZMQ_FD, an OS file: watching it
+        from another thread touches no ZMQ state); when a message comes and the folding
+        thread has taken no batch for :data:`STALL` seconds, it takes everything ZMQ holds,
+        and again at each message after, until that thread goes on."""
+        descriptor = self._socket.getsockopt(zmq.FD)
+        while not self.stopping.is_set():
+            if not select.select([descriptor], [], [], 0.1)[0]:
+                continue
+            taken = self._taken
+            time.sleep(STALL)  # the folding thread takes it, unless it is held up
+            while self._taken == taken and not self.stopping.is_set():
+                if not self._receiving.acquire(False):
+                    break  # the folding thread is receiving
                 try:
                     self._drain()
                 finally:
                     self._receiving.release()
+                if not select.select([descriptor], [], [], STALL)[0]:
+                    break
 
     def handle(self, data: bytes) -> None:
         """Check one received message and hand its events to the pipeline, or count the drop."""
@@ -270,6 +285,8 @@ class IngestSource(Worker):
     def _admit(self, source: str) -> bool:
         """Whether ``source`` is a name the agent accepts, and room is left for it; logs each
         refused name once (see :meth:`_warn_once`)."""
+        if source in self._streams:  # admitted before (the common case: no name check)
+            return True
         problem = ev.source_name_problem(source)
         if problem:
             self._warn_once(("name", source[:64]), "kvscope ingest: dropping batches from "
