@@ -1,4 +1,5 @@
-"""Builds kvscope's compiled modules (Cython): the agent's fold, records and assembler.
+"""Builds kvscope's compiled modules (Cython): the agent's fold, records and assembler, and
+ingest's stall watch.
 
 Everything else about the package is in pyproject.toml.
 """
@@ -6,10 +7,11 @@ Everything else about the package is in pyproject.toml.
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MODULES = ("requests", "assembler", "fold")
+MODULES = ("agent.requests", "agent.assembler", "agent.fold", "agent.sources.stalls")
 
 setup(ext_modules=cythonize(
-    [Extension(f"kvscope.agent.{name}", [f"kvscope/agent/{name}.pyx"], extra_compile_args=["-O2"])
+    [Extension(f"kvscope.{name}", [f"kvscope/{name.replace('.', '/')}.pyx"],
+               extra_compile_args=["-O2"])
      for name in MODULES],
     compiler_directives={"language_level": 3},
 ))

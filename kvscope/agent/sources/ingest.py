@@ -60,6 +60,7 @@ import zmq
 
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.sources.stalls import Progress
 from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ MAX_WARNED = 1024  # distinct (source, reason) drops logged at most
 # Bytes a received message costs beyond its own (the bytes object and its place in the queue):
 # what the queue bound counts for it, so that empty messages cannot fill memory uncounted
 MESSAGE_OVERHEAD = 64
-# Seconds a message may wait in ZMQ, the folding thread held up, before another thread takes it
+# Seconds the folding thread may wait (take no batch, use no CPU) while a message waits in ZMQ
+# before another thread takes it: ZMQ's queue of 4 messages fills in about this long when a tap
+# sends small batches as fast as it can
 STALL = 0.0002
 
 
@@ -130,7 +133,7 @@ class IngestSource(Worker):
         # held to use the socket and the queue: ZMQ sockets are not thread-safe (the lock's
         # memory barrier lets two threads take turns)
         self._receiving = threading.Lock()
-        self._taken = 0  # batches the folding thread took (the watcher's sign it goes on)
+        self._progress = Progress()  # batches the folding thread took (see _watch)
         self._max_sources = max_sources
         # source -> {session: (last seq, cumulative dropped)} of its emitters, latest last
         self._streams: dict[str, OrderedDict[str, tuple[int, int]]] = {}
@@ -162,6 +165,7 @@ class IngestSource(Worker):
         This thread takes what ZMQ holds before each batch it folds (one thread: handing each
         message over to another thread, and the GIL with it, cost the ingest a fifth of its
         time); :meth:`_watch`, on a thread of its own, takes it while this one is held up."""
+        self._progress.attach()
         watcher = threading.Thread(target=self._watch, name="kvscope-ingest-watch", daemon=True)
         watcher.start()
         poller = zmq.Poller()
@@ -179,13 +183,14 @@ class IngestSource(Worker):
                         continue
                     data = received.popleft()
                     self._received_bytes -= len(data) + MESSAGE_OVERHEAD
-                    self._taken += 1
+                    self._progress.took()
                 try:
                     self.handle(data.buffer)
                 except Exception:  # noqa: BLE001 (counted and logged; ingest goes on)
                     self.pipeline.drop(NAME, "malformed")
                     self.log_bug("handling a message")
         finally:
+            self._progress.stop()
             watcher.join()
             self._socket.close()
 
@@ -206,17 +211,16 @@ class IngestSource(Worker):
         agent's receive queue was full lost its last batches (ZMQ drops what it holds for a
         full queue), uncounted.
 
-        It waits on the socket's notification descriptor (ZMQ_FD, an OS file: watching it
-        from another thread touches no ZMQ state); when a message comes and the folding
-        thread has taken no batch for :data:`STALL` seconds, it takes everything ZMQ holds,
-        and again at each message after, until that thread goes on."""
+        :class:`~kvscope.agent.sources.stalls.Progress` waits, without the GIL, on the
+        socket's notification descriptor (ZMQ_FD, an OS file: watching it from another
+        thread touches no ZMQ state) until a message waits while the folding thread has
+        taken no batch and used no CPU for :data:`STALL` seconds; then this thread takes
+        everything ZMQ holds, and again at each message after, until that thread goes on."""
         descriptor = self._socket.getsockopt(zmq.FD)
-        while not self.stopping.is_set():
-            if not select.select([descriptor], [], [], 0.1)[0]:
-                continue
-            taken = self._taken
-            time.sleep(STALL)  # the folding thread takes it, unless it is held up
-            while self._taken == taken and not self.stopping.is_set():
+        progress = self._progress
+        while progress.held_up(descriptor, STALL):
+            taken = progress.taken
+            while progress.taken == taken and not self.stopping.is_set():
                 if not self._receiving.acquire(False):
                     break  # the folding thread is receiving
                 try:
