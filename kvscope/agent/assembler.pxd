@@ -1,8 +1,28 @@
+from cpython.object cimport PyObject
+
 from kvscope.agent.requests cimport RequestRecord, Ring
 
 
+cdef struct _Slot:
+    Py_hash_t hash
+    PyObject *key  # an owned str; NULL: the slot is free
+    PyObject *value  # an owned record
+
+
+cdef class _Index:
+    cdef _Slot *_slots
+    cdef Py_ssize_t _mask, _count
+
+    cdef Py_ssize_t _find(self, object key, Py_hash_t hash) except? -2
+    cdef RequestRecord get(self, object key)
+    cdef RequestRecord put_new(self, object key, RequestRecord value)
+    cdef void replace(self, object key, RequestRecord value)
+    cdef void remove(self, object key)
+    cdef void _grow(self)
+
+
 cdef class _Recent:
-    cdef dict by_id  # request id -> its newest record (linked to its older ones)
+    cdef _Index by_id  # request id -> its newest record (linked to its older ones)
     cdef Ring order  # records in finish order (see _Recent in the .pyx)
     cdef Py_ssize_t count, capacity
 

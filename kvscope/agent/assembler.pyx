@@ -9,7 +9,9 @@ import logging
 from collections import Counter
 
 cimport cython
-from cpython.dict cimport PyDict_SetDefault
+from cpython.mem cimport PyMem_Calloc, PyMem_Free
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF, Py_XDECREF
 from libc.stdint cimport int64_t
 
 from kvscope import events as ev
@@ -57,11 +59,111 @@ cdef Py_ssize_t F_ITL = offset_of(ev.RequestFinished, "itl")
 
 
 @cython.final
+cdef class _Index:
+    """Request ids to records: open addressing with linear probing, and deletion by backward
+    shift, so that no deleted slot is left behind. A dict of the recent records, each finish
+    adding one id and the oldest id leaving, rebuilt itself every few thousand changes,
+    touching all of it (most of a finish's cache misses)."""
+
+    def __cinit__(self, Py_ssize_t expected):
+        cdef Py_ssize_t size = 8
+        while size < 2 * expected:
+            size *= 2
+        self._slots = <_Slot *>PyMem_Calloc(size, sizeof(_Slot))
+        if self._slots == NULL:
+            raise MemoryError()
+        self._mask = size - 1
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self._slots != NULL:
+            for i in range(self._mask + 1):
+                Py_XDECREF(self._slots[i].key)
+                Py_XDECREF(self._slots[i].value)
+            PyMem_Free(self._slots)
+
+    cdef Py_ssize_t _find(self, object key, Py_hash_t hash) except? -2:
+        """The slot holding ``key``, or -1 - the free slot where it would go."""
+        cdef Py_ssize_t i = hash & self._mask
+        cdef _Slot *slot
+        while True:
+            slot = &self._slots[i]
+            if slot.key == NULL:
+                return -1 - i
+            if slot.hash == hash and (slot.key == <PyObject *>key or <object>slot.key == key):
+                return i
+            i = (i + 1) & self._mask
+
+    cdef RequestRecord get(self, object key):
+        cdef Py_ssize_t i = self._find(key, hash(key))
+        return None if i < 0 else <RequestRecord>self._slots[i].value
+
+    cdef RequestRecord put_new(self, object key, RequestRecord value):
+        """Add ``key`` with ``value`` and return None, or return the record it has."""
+        cdef Py_hash_t h = hash(key)
+        cdef Py_ssize_t i = self._find(key, h)
+        if i >= 0:
+            return <RequestRecord>self._slots[i].value
+        if 2 * (self._count + 1) > self._mask + 1:
+            self._grow()
+            i = self._find(key, h)
+        i = -1 - i
+        Py_INCREF(key)
+        Py_INCREF(value)
+        self._slots[i].hash, self._slots[i].key, self._slots[i].value = (
+            h, <PyObject *>key, <PyObject *>value)
+        self._count += 1
+        return None
+
+    cdef void replace(self, object key, RequestRecord value):
+        """Give ``key``, which the index has, ``value``."""
+        cdef Py_ssize_t i = self._find(key, hash(key))
+        Py_INCREF(value)
+        Py_XDECREF(self._slots[i].value)
+        self._slots[i].value = <PyObject *>value
+
+    cdef void remove(self, object key):
+        """Take out ``key``, which the index has, and close the gap after it."""
+        cdef Py_ssize_t i = self._find(key, hash(key)), j = i, home
+        Py_XDECREF(self._slots[i].key)
+        Py_XDECREF(self._slots[i].value)
+        self._slots[i].key = NULL
+        while True:
+            j = (j + 1) & self._mask
+            if self._slots[j].key == NULL:
+                break
+            home = self._slots[j].hash & self._mask
+            # a slot stays unless its home lies cyclically outside (i, j]
+            if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
+                continue
+            self._slots[i] = self._slots[j]
+            self._slots[j].key = NULL
+            i = j
+        self._count -= 1
+
+    cdef void _grow(self):
+        cdef _Slot *old = self._slots
+        cdef Py_ssize_t size = self._mask + 1, i, j
+        self._slots = <_Slot *>PyMem_Calloc(2 * size, sizeof(_Slot))
+        if self._slots == NULL:
+            self._slots = old
+            raise MemoryError()
+        self._mask = 2 * size - 1
+        for i in range(size):
+            if old[i].key != NULL:
+                j = old[i].hash & self._mask
+                while self._slots[j].key != NULL:
+                    j = (j + 1) & self._mask
+                self._slots[j] = old[i]
+        PyMem_Free(old)
+
+
+@cython.final
 cdef class _Recent:
     """A source's recently finished records, by id, bounded in records: the ids whose last
     finish is oldest leave whole, first (a reused id moves to the newest end at each finish).
 
-    ``by_id`` maps an id to its newest record, which links to the id's older ones (at most
+    ``by_id`` indexes an id's newest record, which links to the id's older ones (at most
     :data:`MAX_REUSES` in all, newest first). ``order`` lists every record added; a record a
     newer one of its id superseded keeps its place there, skipped when met at the front, and
     when such places outnumber the records ``order`` is rebuilt without them. A record
@@ -69,19 +171,18 @@ cdef class _Recent:
     """
 
     def __init__(self, Py_ssize_t capacity):
-        self.by_id, self.order, self.count, self.capacity = {}, Ring(), 0, capacity
+        self.by_id, self.order, self.count, self.capacity = _Index(capacity), Ring(), 0, capacity
 
     cdef RequestRecord newest(self, str request_id):
         return self.by_id.get(request_id)
 
     cdef int add(self, RequestRecord record) except -1:
-        cdef RequestRecord kept = <RequestRecord>PyDict_SetDefault(self.by_id, record.request_id,
-                                                                   record)
+        cdef RequestRecord kept = self.by_id.put_new(record.request_id, record)
         cdef RequestRecord oldest
         cdef Py_ssize_t n
         self.count += 1
-        if kept is not record:  # a reused id: its newest records, at most MAX_REUSES
-            self.by_id[record.request_id] = record
+        if kept is not None:  # a reused id: its newest records, at most MAX_REUSES
+            self.by_id.replace(record.request_id, record)
             record._previous, kept._superseded = kept, True
             n, kept = 1, record
             while kept._previous is not None and n < _MAX_REUSES:
@@ -94,7 +195,7 @@ cdef class _Recent:
             self.order.prefetch_records(16)
             oldest = self.order.pop()
             if not oldest._superseded:  # the newest of its id: the id leaves, whole
-                del self.by_id[oldest.request_id]
+                self.by_id.remove(oldest.request_id)
                 while oldest is not None:
                     self.count -= 1
                     oldest._previous, oldest = None, oldest._previous

@@ -1,0 +1,94 @@
+"""The compiled request bookkeeping against plain-Python models of what it promises.
+
+The assembler keeps each source's recently finished records in an index of its own (open
+addressing, see ``assembler._Index``), and the request table indexes its records only when it
+is read. Each test drives them with random sequences (hypothesis) and checks every answer
+against a model written the obvious way, with an OrderedDict or a list.
+"""
+
+from collections import OrderedDict
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvscope import events as ev
+from kvscope.agent.assembler import MAX_REUSES, RequestAssembler
+from kvscope.agent.requests import RequestRecord, RequestTable
+
+IDS = [f"id{i}" for i in range(7)] + ["", "a" * 200]  # a few ids, so that they are reused
+
+
+def _recent_model(finishes, capacity):
+    """The ids kept and, per id, the finish times of its records kept: an id's newest
+    MAX_REUSES records; ids leave whole, the one whose last finish is oldest first."""
+    kept, count = OrderedDict(), 0
+    for rid, ts in finishes:
+        times = kept.pop(rid, [])
+        count -= len(times)
+        times = (times + [ts])[-MAX_REUSES:]
+        kept[rid] = times
+        count += len(times)
+        while count > capacity:
+            count -= len(kept.popitem(last=False)[1])
+    return kept
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(min_value=1, max_value=150),
+       st.lists(st.sampled_from(IDS), min_size=1, max_size=400))
+@example(100, ["id0"] * 200)  # one id past MAX_REUSES: 64 kept, never counted more
+@example(70, ["id0"] * 100 + ["id1"] * 10)  # the count decides when id0 leaves
+def test_the_recent_records_are_those_the_model_keeps(capacity, ids):
+    """Request r finishes at time i (its i-th finish, TTFT 0, so it was under way at i only):
+    the assembler finds r's record under way at i exactly when the model kept that finish."""
+    assembler = RequestAssembler(max_recent=capacity)
+    finishes = [(rid, float(i)) for i, rid in enumerate(ids)]
+    for rid, ts in finishes:
+        assembler.finished("engine", [ev.RequestFinished(ts=ts, request_id=rid, ttft=0.0,
+                                                         prompt_tokens=1)])
+    kept = _recent_model(finishes, capacity)
+    for rid, ts in finishes:
+        found = assembler.finished_recently("engine", rid, ts)
+        assert (found is not None) == (ts in kept.get(rid, ())), (rid, ts)
+        assert found is None or (found.request_id, found.finished) == (rid, ts)
+
+
+def _record(rid, source, i):
+    return RequestRecord(rid, "ab" * 16, source, float(i), finished=float(i))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=1, max_value=10),
+       st.lists(st.tuples(st.sampled_from(IDS[:5]), st.sampled_from(["a", "b"]),
+                          st.booleans()), min_size=1, max_size=120))
+def test_the_table_answers_as_a_list_of_its_last_records(capacity, steps):
+    """Records added one batch after another (a step's boolean: read the table then, so its
+    index is built part way); the table holds the last ``capacity`` added and names each
+    request's newest among them, in the order they were last added."""
+    table, added = RequestTable(capacity), []
+    for i, (rid, source, read) in enumerate(steps):
+        record = _record(rid, source, i)
+        table.add([record])
+        added.append(record)
+        if read:
+            len(table)
+    held = added[-capacity:]
+    newest = {}
+    for record in held:
+        newest[(record.source, record.request_id)] = record
+    assert len(table) == len(newest)
+    for (source, rid), record in newest.items():
+        assert table.get(rid, source) is record
+    order = [r for r in held if newest[(r.source, r.request_id)] is r]
+    assert table.recent(capacity, "arrival", descending=False) == order
+    assert table.get("nowhere") is None
+
+
+def test_a_record_added_twice_moves_to_the_end_and_counts_once():
+    table = RequestTable(3)
+    a, b = _record("a", "s", 1), _record("b", "s", 2)
+    table.add([a, b])
+    table.add([a])
+    assert len(table) == 2 and [r.request_id for r in table.recent(3, "finished")] == ["b", "a"]
+    table.add([_record("c", "s", 3), _record("d", "s", 4)])  # b leaves; a, added last, stays
+    assert table.get("b") is None and table.get("a") is a and len(table) == 3
