@@ -5,8 +5,7 @@ from kvscope.agent.requests cimport RequestRecord, Ring
 
 cdef struct _Slot:
     Py_hash_t hash
-    PyObject *key  # an owned str; NULL: the slot is free
-    PyObject *value  # an owned record
+    PyObject *record  # owned; NULL: the slot is free (its key: the record's request_id)
 
 
 cdef class _Index:
@@ -15,9 +14,9 @@ cdef class _Index:
 
     cdef Py_ssize_t _find(self, object key, Py_hash_t hash) except? -2
     cdef RequestRecord get(self, object key)
-    cdef RequestRecord put_new(self, object key, RequestRecord value)
-    cdef void replace(self, object key, RequestRecord value)
-    cdef void remove(self, object key)
+    cdef RequestRecord put_new(self, RequestRecord record)
+    cdef void replace(self, RequestRecord record)
+    cdef void remove(self, RequestRecord record)
     cdef void _grow(self)
 
 

@@ -60,10 +60,12 @@ cdef Py_ssize_t F_ITL = offset_of(ev.RequestFinished, "itl")
 
 @cython.final
 cdef class _Index:
-    """Request ids to records: open addressing with linear probing, and deletion by backward
+    """Records by request id: open addressing with linear probing, and deletion by backward
     shift, so that no deleted slot is left behind. A dict of the recent records, each finish
     adding one id and the oldest id leaving, rebuilt itself every few thousand changes,
-    touching all of it (most of a finish's cache misses)."""
+    touching all of it (most of a finish's cache misses). A slot holds the record and the
+    hash of its request id, so that adding and taking out a record read no string (its id
+    cannot change: ``RequestRecord.request_id`` is read-only)."""
 
     def __cinit__(self, Py_ssize_t expected):
         cdef Py_ssize_t size = 8
@@ -78,66 +80,68 @@ cdef class _Index:
         cdef Py_ssize_t i
         if self._slots != NULL:
             for i in range(self._mask + 1):
-                Py_XDECREF(self._slots[i].key)
-                Py_XDECREF(self._slots[i].value)
+                Py_XDECREF(self._slots[i].record)
             PyMem_Free(self._slots)
 
     cdef Py_ssize_t _find(self, object key, Py_hash_t hash) except? -2:
-        """The slot holding ``key``, or -1 - the free slot where it would go."""
+        """The slot of the record of request id ``key``, or -1 - the free slot where it would
+        go."""
         cdef Py_ssize_t i = hash & self._mask
         cdef _Slot *slot
+        cdef PyObject *id
         while True:
             slot = &self._slots[i]
-            if slot.key == NULL:
+            if slot.record == NULL:
                 return -1 - i
-            if slot.hash == hash and (slot.key == <PyObject *>key or <object>slot.key == key):
-                return i
+            if slot.hash == hash:
+                id = <PyObject *>(<RequestRecord>slot.record).request_id
+                if id == <PyObject *>key or <object>id == key:
+                    return i
             i = (i + 1) & self._mask
 
     cdef RequestRecord get(self, object key):
         cdef Py_ssize_t i = self._find(key, hash(key))
-        return None if i < 0 else <RequestRecord>self._slots[i].value
+        return None if i < 0 else <RequestRecord>self._slots[i].record
 
-    cdef RequestRecord put_new(self, object key, RequestRecord value):
-        """Add ``key`` with ``value`` and return None, or return the record it has."""
-        cdef Py_hash_t h = hash(key)
-        cdef Py_ssize_t i = self._find(key, h)
+    cdef RequestRecord put_new(self, RequestRecord record):
+        """Add ``record`` and return None, or return the record its id has."""
+        cdef Py_ssize_t i = self._find(record.request_id, record._id_hash)
         if i >= 0:
-            return <RequestRecord>self._slots[i].value
+            return <RequestRecord>self._slots[i].record
         if 2 * (self._count + 1) > self._mask + 1:
             self._grow()
-            i = self._find(key, h)
+            i = self._find(record.request_id, record._id_hash)
         i = -1 - i
-        Py_INCREF(key)
-        Py_INCREF(value)
-        self._slots[i].hash, self._slots[i].key, self._slots[i].value = (
-            h, <PyObject *>key, <PyObject *>value)
+        Py_INCREF(record)
+        self._slots[i].hash, self._slots[i].record = record._id_hash, <PyObject *>record
         self._count += 1
         return None
 
-    cdef void replace(self, object key, RequestRecord value):
-        """Give ``key``, which the index has, ``value``."""
-        cdef Py_ssize_t i = self._find(key, hash(key))
-        Py_INCREF(value)
-        Py_XDECREF(self._slots[i].value)
-        self._slots[i].value = <PyObject *>value
+    cdef void replace(self, RequestRecord record):
+        """Put ``record`` in the place of its id's (which the index has)."""
+        cdef Py_ssize_t i = self._find(record.request_id, record._id_hash)
+        Py_INCREF(record)
+        Py_XDECREF(self._slots[i].record)
+        self._slots[i].record = <PyObject *>record
 
-    cdef void remove(self, object key):
-        """Take out ``key``, which the index has, and close the gap after it."""
-        cdef Py_ssize_t i = self._find(key, hash(key)), j = i, home
-        Py_XDECREF(self._slots[i].key)
-        Py_XDECREF(self._slots[i].value)
-        self._slots[i].key = NULL
+    cdef void remove(self, RequestRecord record):
+        """Take out ``record`` (which the index has) and close the gap after it."""
+        cdef Py_ssize_t i = record._id_hash & self._mask, j, home
+        while self._slots[i].record != <PyObject *>record:  # by identity: no string read
+            i = (i + 1) & self._mask
+        Py_XDECREF(self._slots[i].record)
+        self._slots[i].record = NULL
+        j = i
         while True:
             j = (j + 1) & self._mask
-            if self._slots[j].key == NULL:
+            if self._slots[j].record == NULL:
                 break
             home = self._slots[j].hash & self._mask
             # a slot stays unless its home lies cyclically outside (i, j]
             if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
                 continue
             self._slots[i] = self._slots[j]
-            self._slots[j].key = NULL
+            self._slots[j].record = NULL
             i = j
         self._count -= 1
 
@@ -150,9 +154,9 @@ cdef class _Index:
             raise MemoryError()
         self._mask = 2 * size - 1
         for i in range(size):
-            if old[i].key != NULL:
+            if old[i].record != NULL:
                 j = old[i].hash & self._mask
-                while self._slots[j].key != NULL:
+                while self._slots[j].record != NULL:
                     j = (j + 1) & self._mask
                 self._slots[j] = old[i]
         PyMem_Free(old)
@@ -177,12 +181,12 @@ cdef class _Recent:
         return self.by_id.get(request_id)
 
     cdef int add(self, RequestRecord record) except -1:
-        cdef RequestRecord kept = self.by_id.put_new(record.request_id, record)
+        cdef RequestRecord kept = self.by_id.put_new(record)
         cdef RequestRecord oldest
         cdef Py_ssize_t n
         self.count += 1
         if kept is not None:  # a reused id: its newest records, at most MAX_REUSES
-            self.by_id.replace(record.request_id, record)
+            self.by_id.replace(record)
             record._previous, kept._superseded = kept, True
             n, kept = 1, record
             while kept._previous is not None and n < _MAX_REUSES:
@@ -195,7 +199,7 @@ cdef class _Recent:
             self.order.prefetch_records(16)
             oldest = self.order.pop()
             if not oldest._superseded:  # the newest of its id: the id leaves, whole
-                self.by_id.remove(oldest.request_id)
+                self.by_id.remove(oldest)
                 while oldest is not None:
                     self.count -= 1
                     oldest._previous, oldest = None, oldest._previous

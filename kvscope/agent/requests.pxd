@@ -13,11 +13,23 @@ cdef struct Transfer:
 
 
 cdef class RequestRecord:
-    cdef public str request_id
+    # first, beside the object's header in one cache line: what a finish and the eviction of
+    # a recent record touch
+    cdef readonly str request_id
+    # the assembler's: the older record of the same request id it keeps, and whether a newer
+    # one has superseded this one (see assembler._Recent)
+    cdef RequestRecord _previous
+    cdef Py_hash_t _id_hash  # hash(request_id), so that indexing the record reads no string
+    cdef public double arrival
+    cdef double _finished
+    cdef int _in_table  # places it holds in a RequestTable's order (see RequestTable.add)
+    cdef bint _superseded, _has_finished
     cdef public str source
     cdef str _trace_id  # None until read: then made from _tid (a trace id nobody reads costs nothing)
     cdef uint64_t _tid_hi, _tid_lo
-    cdef public double arrival
+    cdef double _ttft
+    cdef bint _has_ttft
+    cdef public double queueing, lookup, promotion_wait, prefill, itl
     cdef public int64_t prompt_tokens, output_tokens, transfers_omitted
     cdef int64_t _tokens[4]  # by TOKEN_SOURCES
     cdef uint8_t _tokens_set  # which of _tokens the record has (a lookup names some sources only)
@@ -25,14 +37,6 @@ cdef class RequestRecord:
     cdef Transfer *_transfers  # NULL: the one in _first, when _ntransfers is 1
     cdef Py_ssize_t _ntransfers, _capacity
     cdef Transfer _first
-    cdef double _ttft, _finished
-    cdef bint _has_ttft, _has_finished
-    cdef public double queueing, lookup, promotion_wait, prefill, itl
-    # the assembler's: the older record of the same request id it keeps, and whether a newer
-    # one has superseded this one (see assembler._Recent)
-    cdef RequestRecord _previous
-    cdef bint _superseded
-    cdef int _in_table  # places it holds in a RequestTable's order (see RequestTable.add)
 
     cdef void _clear_transfers(self)
     cdef int add_transfer(self, object src, object dst, int64_t blocks, int64_t nbytes,

@@ -150,6 +150,7 @@ cdef class RequestRecord:
                  double lookup=0.0, double promotion_wait=0.0, double prefill=0.0,
                  finished=None, double itl=0.0):
         self.request_id, self._trace_id, self.source = request_id, trace_id, source
+        self._id_hash = hash(request_id)
         self.arrival, self.prompt_tokens, self.output_tokens = arrival, prompt_tokens, output_tokens
         self.tokens = tokens or {}
         self.transfers = transfers
@@ -315,6 +316,7 @@ cdef RequestRecord new_record(str request_id, str source, double arrival, int64_
     """A record of a request that arrived at ``arrival``, with a new trace id."""
     cdef RequestRecord record = RequestRecord.__new__(RequestRecord)
     record.request_id, record.source = request_id, source
+    record._id_hash = hash(request_id)
     record.arrival, record.prompt_tokens = arrival, prompt_tokens
     record.new_trace_id()
     return record
