@@ -9,6 +9,7 @@ import logging
 from collections import Counter
 
 cimport cython
+from cpython.dict cimport PyDict_SetDefault
 from cpython.mem cimport PyMem_Calloc, PyMem_Free
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
@@ -317,18 +318,23 @@ cdef class RequestAssembler:
         """Open the requests' records (a trace id that is not W3C's is taken as none)."""
         cdef _Requests tables = self._tables(source)
         cdef bint joined = source in self.joined
-        cdef RequestRecord record
+        cdef RequestRecord record, opened
         cdef double ts
         for event in events:
             rid, ts, trace_id = field(event, S_ID), float_field(event, S_TS), field(event, S_TRACE)
             if trace_id and not ev.w3c_trace_id(trace_id):  # as absent, not as a label
                 trace_id = ""
-            record = tables.inflight.get(rid)
-            if record is None and joined:
+            if joined:
+                opened = None
                 record = self._find(source, tables, rid, ts)
-            if record is None:
-                record = tables.inflight[rid] = new_record(rid, source, ts,
-                                                           int_field(event, S_PROMPT))
+                if record is None:
+                    record = tables.inflight[rid] = new_record(rid, source, ts, 0)
+                    opened = record
+            else:  # one lookup opens the request or finds it open
+                opened = new_record(rid, source, ts, 0)
+                record = <RequestRecord>PyDict_SetDefault(tables.inflight, rid, opened)
+            if record is opened:
+                record.prompt_tokens = int_field(event, S_PROMPT)
                 if trace_id:
                     record.trace_id = trace_id
                 continue
@@ -419,7 +425,8 @@ cdef class RequestAssembler:
                     self.amended[id(kept)] = kept
                     continue
                 record = new_record(rid, source, arrival_of(event), 0)
-            elif rid in tables.unstarted:  # its start went missing: its arrival was another's
+            elif tables.unstarted and rid in tables.unstarted:  # its start went missing: its
+                # arrival was another event's
                 tables.unstarted.discard(rid)
                 record.arrival = min(record.arrival, arrival_of(event))
             prompt = int_field(event, F_PROMPT)

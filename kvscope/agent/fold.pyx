@@ -13,15 +13,16 @@ import time
 
 cimport cython
 from cpython.dict cimport PyDict_Next
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_XDECREF, Py_XINCREF
 from libc.stdint cimport int64_t
 
 from kvscope import events as ev
 from kvscope.agent.assembler cimport RequestAssembler
-from kvscope.agent.requests cimport RequestRecord, tier_index, token_source
+from kvscope.agent.requests cimport RequestRecord
 from kvscope.agent.requests import FUTURE
-from kvscope.agent.slots cimport bool_field, field, float_field, int_field, offset_of
+from kvscope.agent.slots cimport bool_field, field, float_field, index_of, int_field, offset_of
 from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, FAILURE_REASONS,
                                       LATENCY_SECONDS_BUCKETS, RESIDENCY_SECONDS_BUCKETS,
                                       TRANSFER_SECONDS_BUCKETS)
@@ -67,7 +68,7 @@ cdef int _REASONS = len(FAILURE_REASONS)
 assert 16 * _REASONS <= MAX_KEYS
 cdef int _OTHER = FAILURE_REASONS.index("other")
 cdef dict _REASON_INDEX = {reason: i for i, reason in enumerate(FAILURE_REASONS)}
-cdef dict _EVICTION_INDEX = {reason: i for i, reason in enumerate(EVICTION_REASONS)}
+cdef tuple _EVICTION_REASONS = EVICTION_REASONS
 
 
 cdef list _reuse_cuts(list events):
@@ -204,8 +205,8 @@ cdef class Fold:
     cdef list _transfer_order, _hits, _residency, _measured_order
     cdef _Histogram _ttft, _wait
     cdef int64_t _requests
-    cdef list _recent  # a ring of the last TTFTs
-    cdef Py_ssize_t _recent_next, _recent_max
+    cdef double *_recent  # a ring of the last TTFTs, seconds
+    cdef Py_ssize_t _recent_count, _recent_next, _recent_max
 
     def __init__(self, RequestAssembler assembler, double prefill_tokens_per_second=10_000.0,
                  Py_ssize_t recent=10_000):
@@ -217,7 +218,13 @@ cdef class Fold:
         self._hits, self._residency, self._measured_order = [None] * 4, [None] * 4, []
         self._ttft = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._wait = _Histogram(LATENCY_SECONDS_BUCKETS)
-        self._recent, self._recent_next, self._recent_max = [], 0, recent
+        self._recent = <double *>PyMem_Malloc(max(recent, 1) * sizeof(double))
+        if self._recent == NULL:
+            raise MemoryError()
+        self._recent_max = recent
+
+    def __dealloc__(self):
+        PyMem_Free(self._recent)
 
     def fold(self, str source, str scope, events, tiers, bint observe):
         """Fold one batch of sender ``source``'s ``events`` about ``scope``'s requests: tier
@@ -320,7 +327,7 @@ cdef class Fold:
                 record._tokens_set, record._tokens_other = 0, None
             tokens, position = <dict?>field(event, L_TOKENS), 0
             while PyDict_Next(tokens, &position, &key, &value):
-                i = token_source(<object>key)
+                i = index_of(_SOURCE_KEYS, <object>key)
                 if i >= 0:
                     n = <object>value
                     total[i] += n
@@ -332,7 +339,7 @@ cdef class Fold:
                     record.other_token(<object>key, <object>value)
             named, hits, position = 0, <dict?>field(event, L_HITS), 0
             while PyDict_Next(hits, &position, &key, &value):
-                t = tier_index(<object>key)
+                t = index_of(_TIER_KEYS, <object>key)
                 if t >= 0:
                     named |= 1 << t
                     found[t] = <object>value
@@ -365,8 +372,8 @@ cdef class Fold:
         cdef _Histogram hist
         cdef Py_ssize_t j
         for j, event in enumerate(events):
-            src = tier_index(field(event, T_SRC))
-            dst = tier_index(field(event, T_DST))
+            src = index_of(_TIER_KEYS, field(event, T_SRC))
+            dst = index_of(_TIER_KEYS, field(event, T_DST))
             if src < 0 or dst < 0:
                 continue  # not a tier: the decoder refuses it; an event made in Python may not
             direction = 4 * src + dst
@@ -393,11 +400,11 @@ cdef class Fold:
         cdef int64_t blocks, weight
         cdef _Histogram hits, residency
         for event in events:
-            tier = tier_index(field(event, E_TIER))
+            tier = index_of(_TIER_KEYS, field(event, E_TIER))
             if tier < 0:
                 continue
             blocks = int_field(event, E_BLOCKS)
-            _add(&self._evicted, 3 * tier + _EVICTION_INDEX.get(field(event, E_REASON), 0),
+            _add(&self._evicted, 3 * tier + max(0, index_of(_EVICTION_REASONS, field(event, E_REASON))),
                  blocks)
             if not bool_field(event, E_OFFLOADED):
                 _add(&self._dropped, tier, blocks)
@@ -421,16 +428,20 @@ cdef class Fold:
             self._requests += 1
             self._ttft.observe(record._ttft, 1, <PyObject *>record, record._finished)
             self._wait.observe(record.promotion_wait, 1, NULL, 0.0)
-        self.remember_ttfts([record._ttft for record in records])
+            self._remember(record._ttft)
 
-    def remember_ttfts(self, list ttfts):
-        """Keep ``ttfts`` (seconds, oldest first) among the recent ones behind the percentiles."""
+    cdef void _remember(self, double ttft) noexcept:
+        if self._recent_max:
+            self._recent[self._recent_next] = ttft
+            self._recent_next = (self._recent_next + 1) % self._recent_max
+            self._recent_count = min(self._recent_count + 1, self._recent_max)
+
+    def remember_ttfts(self, ttfts):
+        """Keep ``ttfts`` (seconds, oldest first; None: unknown, left out) among the recent
+        ones behind the percentiles."""
         for ttft in ttfts:
-            if len(self._recent) < self._recent_max:
-                self._recent.append(ttft)
-            elif self._recent_max:
-                self._recent[self._recent_next] = ttft
-                self._recent_next = (self._recent_next + 1) % self._recent_max
+            if ttft is not None:
+                self._remember(ttft)
 
     def state(self):
         """The aggregated state, as plain data keyed by label values (as
@@ -456,5 +467,6 @@ cdef class Fold:
             "requests": self._requests,
             "ttft_seconds": self._ttft.state(),
             "promotion_wait_seconds": self._wait.state(),
-            "recent_ttft": self._recent[self._recent_next:] + self._recent[:self._recent_next],
+            "recent_ttft": [self._recent[(self._recent_next - self._recent_count + i)
+                                         % self._recent_max] for i in range(self._recent_count)],
         }

@@ -65,6 +65,3 @@ cdef RequestRecord new_record(str request_id, str source, double arrival, int64_
 cpdef bint under_way(RequestRecord record, double ts)
 cpdef bint within(RequestRecord record, double start, double end)
 cpdef double prefill_within(RequestRecord record)
-cdef int tier_index(object name)
-cdef object tier_name(object name)
-cdef int token_source(object name)

@@ -28,6 +28,8 @@ cdef extern from *:
     PyObject *PyList_GET_ITEM(object, Py_ssize_t) noexcept
 
 from kvscope.agent.record_data import RecordData, TransferRecord
+from kvscope.agent.slots cimport index_of
+from kvscope.events import TIERS, TOKEN_SOURCES
 
 # Transfers kept per record: a request seldom waits for more than a few loads, and a sender
 # attaching 100,000 to one id made each append slower and one API answer 15 MB.
@@ -45,40 +47,16 @@ SORT_KEYS = ("finished", "arrival", "ttft", "prompt_tokens", "promotion_wait")
 
 cdef double _ARRIVAL_TOLERANCE = ARRIVAL_TOLERANCE
 cdef double _FINISH_TOLERANCE = FINISH_TOLERANCE
-# the names events use (msgspec hands out these very objects for Literal fields), so a
-# record's transfers and tokens point to them instead of keeping the event's strings
-cdef tuple _TIERS = ("gpu", "cpu", "disk", "remote")
-cdef tuple _TOKEN_SOURCES = ("gpu", "cpu", "disk", "recompute")
-
-
-cdef int tier_index(object name):
-    """The index of ``name`` in TIERS (also the lookups' top-down order), -1 when it is not one."""
-    cdef int i
-    for i in range(4):
-        if _TIERS[i] is name:
-            return i
-    for i in range(4):
-        if _TIERS[i] == name:
-            return i
-    return -1
+# the names events use (msgspec hands out these very objects for Literal fields), so that a
+# record's transfers point to them instead of keeping the event's strings
+cdef tuple _TIERS = TIERS
+cdef tuple _TOKEN_SOURCES = TOKEN_SOURCES
 
 
 cdef object tier_name(object name):
     """The shared str of tier ``name`` (or ``name`` itself when it is none of the tiers)."""
-    cdef int i = tier_index(name)
+    cdef int i = index_of(_TIERS, name)
     return name if i < 0 else _TIERS[i]
-
-
-cdef int token_source(object name):
-    """The index of ``name`` in TOKEN_SOURCES, -1 when it is not one."""
-    cdef int i
-    for i in range(4):
-        if _TOKEN_SOURCES[i] is name:
-            return i
-    for i in range(4):
-        if _TOKEN_SOURCES[i] == name:
-            return i
-    return -1
 
 
 # Trace ids: xoshiro256** (Blackman and Vigna, "Scrambled linear pseudorandom number
@@ -223,7 +201,7 @@ cdef class RequestRecord:
         cdef PyObject *value
         self._tokens_set, self._tokens_other = 0, None
         while PyDict_Next(items, &position, &key, &value):
-            i = token_source(<object>key)
+            i = index_of(_TOKEN_SOURCES, <object>key)
             if i >= 0:
                 self._tokens[i] = <object>value
                 self._tokens_set |= 1 << i

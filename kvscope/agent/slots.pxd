@@ -19,9 +19,12 @@ cdef extern from "Python.h":
     bint PyFloat_CheckExact(PyObject *)
     double PyFloat_AS_DOUBLE(PyObject *)
     bint PyLong_CheckExact(PyObject *)
-    long long PyLong_AsLongLong(PyObject *) except? -1
     double PyFloat_AsDouble(object) except? -1.0
     int PyObject_IsTrue(PyObject *) except -1
+    Py_ssize_t PyTuple_GET_SIZE(tuple)
+    PyObject *PyTuple_GET_ITEM(tuple, Py_ssize_t)
+    bint PyUnicode_Check(PyObject *)
+    int PyUnicode_Compare(object, object) noexcept
 
 
 cdef extern from "structmember.h":
@@ -56,11 +59,11 @@ cdef inline double float_field(object obj, Py_ssize_t offset) except? -1.0:
 
 
 cdef inline int64_t int_field(object obj, Py_ssize_t offset) except? -1:
-    """The int field at ``offset``."""
-    cdef PyObject *value = _at(obj, offset)
-    if PyLong_CheckExact(value):
-        return PyLong_AsLongLong(value)
-    return int(<object>value)
+    """The int field at ``offset`` (Cython's conversion reads a small int's digit in place)."""
+    cdef object value = <object>_at(obj, offset)
+    if PyLong_CheckExact(<PyObject *>value):
+        return value
+    return int(value)
 
 
 cdef inline bint bool_field(object obj, Py_ssize_t offset) except -1:
@@ -68,3 +71,18 @@ cdef inline bint bool_field(object obj, Py_ssize_t offset) except -1:
     if value == <PyObject *>True or value == <PyObject *>False:  # what msgspec decodes
         return value == <PyObject *>True
     return PyObject_IsTrue(value)
+
+
+cdef inline int index_of(tuple names, object name) noexcept:
+    """The index of ``name`` in ``names`` (of str), -1 when it is none of them. msgspec hands
+    out the very str objects of the events' Literal types, so identity is tried first."""
+    cdef Py_ssize_t i, n = PyTuple_GET_SIZE(names)
+    for i in range(n):
+        if PyTuple_GET_ITEM(names, i) == <PyObject *>name:
+            return i
+    if not PyUnicode_Check(<PyObject *>name):
+        return -1
+    for i in range(n):
+        if PyUnicode_Compare(<object>PyTuple_GET_ITEM(names, i), name) == 0:
+            return i
+    return -1
