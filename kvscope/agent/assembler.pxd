@@ -46,9 +46,9 @@ cdef class RequestAssembler:
     cdef RequestRecord _find(self, str source, _Requests tables, str request_id, double ts)
     cdef RequestRecord _open(self, str source, _Requests tables, str request_id, double ts)
     cdef int _bound(self, str source, _Requests tables) except -1
-    cpdef started(self, str source, list events)
-    cpdef list lookups(self, str source, list events)
-    cpdef list transfers(self, str source, list events)
-    cpdef list finished(self, str source, list events)
+    cdef int start(self, str source, _Requests tables, bint joined, object event) except -1
+    cdef RequestRecord lookup(self, str source, _Requests tables, object event)
+    cdef RequestRecord transfer(self, str source, _Requests tables, object event)
+    cdef RequestRecord finish(self, str source, _Requests tables, bint joined, object event)
     cpdef RequestRecord finished_recently(self, str source, str request_id, double ts,
                                           until=*)

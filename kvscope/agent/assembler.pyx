@@ -1,8 +1,8 @@
 # cython: language_level=3, embedsignature=True
 """The request assembler: builds request records from events, source by source (compiled).
 
-Each method takes one source's events of one kind in arrival order (the pipeline folds a batch
-kind by kind, see :mod:`kvscope.agent.fold`).
+One method per event kind takes one event of one source, in arrival order (the pipeline folds
+a batch event by event, see :mod:`kvscope.agent.fold`).
 """
 
 import logging
@@ -223,7 +223,7 @@ cdef class _Requests:
 @cython.final
 cdef class RequestAssembler:
     """Builds :class:`~kvscope.agent.requests.RequestRecord` s from events, one method per
-    event kind, each taking one source's events of that kind in arrival order.
+    event kind, each taking one of a source's events in arrival order.
 
     Each source's requests are kept apart (engines number requests on their own), and each
     source has its own bounds, so a busy or broken engine cannot push out another's requests:
@@ -314,131 +314,109 @@ cdef class RequestAssembler:
             self.abandoned[source] += 1
         return 0
 
-    cpdef started(self, str source, list events):
-        """Open the requests' records (a trace id that is not W3C's is taken as none)."""
-        cdef _Requests tables = self._tables(source)
-        cdef bint joined = source in self.joined
-        cdef RequestRecord record, opened
-        cdef double ts
-        for event in events:
-            rid, ts, trace_id = field(event, S_ID), float_field(event, S_TS), field(event, S_TRACE)
-            if trace_id and not ev.w3c_trace_id(trace_id):  # as absent, not as a label
-                trace_id = ""
-            if joined:
-                opened = None
-                record = self._find(source, tables, rid, ts)
-                if record is None:
-                    record = tables.inflight[rid] = new_record(rid, source, ts, 0)
-                    opened = record
-            else:  # one lookup opens the request or finds it open
-                opened = new_record(rid, source, ts, 0)
-                record = <RequestRecord>PyDict_SetDefault(tables.inflight, rid, opened)
-            if record is opened:
-                record.prompt_tokens = int_field(event, S_PROMPT)
-                if trace_id:
-                    record.trace_id = trace_id
-                continue
-            # another emitter's event opened the record first: arrival and trace id are the
-            # start's, and its prompt tokens unless it has none (a span without usage)
-            tables.unstarted.discard(rid)
-            record.prompt_tokens = int_field(event, S_PROMPT) or record.prompt_tokens
-            record.arrival = ts
+    cdef int start(self, str source, _Requests tables, bint joined, object event) except -1:
+        """Open the request's record (a trace id that is not W3C's is taken as none)."""
+        cdef RequestRecord record, opened = None
+        rid, ts, trace_id = field(event, S_ID), float_field(event, S_TS), field(event, S_TRACE)
+        if trace_id and not ev.w3c_trace_id(trace_id):  # as absent, not as a label
+            trace_id = ""
+        if joined:
+            record = self._find(source, tables, rid, ts)
+            if record is None:
+                record = opened = tables.inflight[rid] = new_record(rid, source, ts, 0)
+        else:  # one lookup opens the request or finds it open
+            opened = new_record(rid, source, ts, 0)
+            record = <RequestRecord>PyDict_SetDefault(tables.inflight, rid, opened)
+        if record is opened:
+            record.prompt_tokens = int_field(event, S_PROMPT)
             if trace_id:
                 record.trace_id = trace_id
-        self._bound(source, tables)
+            return self._bound(source, tables)
+        # another emitter's event opened the record first: arrival and trace id are the
+        # start's, and its prompt tokens unless it has none (a span without usage)
+        tables.unstarted.discard(rid)
+        record.prompt_tokens = int_field(event, S_PROMPT) or record.prompt_tokens
+        record.arrival = ts
+        if trace_id:
+            record.trace_id = trace_id
+        return 0
 
-    cpdef list lookups(self, str source, list events):
-        """The record each lookup is about (None for one without a request id), opened when
-        not in flight; the caller gives it the lookup's tokens."""
-        cdef _Requests tables = self._tables(source)
-        cdef RequestRecord record
-        cdef list records = []
-        for event in events:
-            rid = field(event, L_ID)
-            if not rid:
-                records.append(None)
-                continue
-            record = tables.inflight.get(rid)
-            if record is None:
-                record = self._open(source, tables, rid, float_field(event, L_TS))
-            records.append(record)
-        return records
+    cdef RequestRecord lookup(self, str source, _Requests tables, object event):
+        """The record the lookup is about (None when it names no request), opened when not in
+        flight; the caller gives it the lookup's tokens."""
+        rid = field(event, L_ID)
+        if not rid:
+            return None
+        cdef RequestRecord record = tables.inflight.get(rid)
+        return record if record is not None else self._open(source, tables, rid,
+                                                            float_field(event, L_TS))
 
-    cpdef list transfers(self, str source, list events):
-        """Attach transfers to their requests; return each one's record (None for none)."""
-        cdef _Requests tables = self._tables(source)
-        cdef RequestRecord record, earlier
-        cdef list records = []
-        cdef double ts
-        for event in events:
-            rid = field(event, T_ID)
-            if not rid:
-                records.append(None)
-                continue
-            ts = float_field(event, T_TS)
-            record = tables.inflight.get(rid)
-            if record is None or ts < record.arrival:
-                # a late worker's load joins the request under way at its start (of a reused
-                # id, an earlier one than the request in flight), else the one in flight,
-                # else the newest
-                earlier = self.finished_recently(source, rid, ts)
-                if earlier is not None or record is None:
-                    record = earlier or tables.recent.newest(rid)
-                    if record is None:
-                        record = self._open(source, tables, rid, ts)
-                    else:
-                        self.amended[id(record)] = record
-            if record._ntransfers < _MAX_TRANSFERS:
-                record.add_transfer(field(event, T_SRC), field(event, T_DST),
-                                    int_field(event, T_BLOCKS), int_field(event, T_BYTES), ts,
-                                    float_field(event, T_DURATION), bool_field(event, T_OK))
-            else:
-                record.transfers_omitted += 1
-            records.append(record)
-        return records
+    cdef RequestRecord transfer(self, str source, _Requests tables, object event):
+        """Attach the transfer to its request; return that record (None when it names none)."""
+        rid = field(event, T_ID)
+        if not rid:
+            return None
+        cdef double ts = float_field(event, T_TS)
+        cdef RequestRecord earlier, record = tables.inflight.get(rid)
+        if record is None or ts < record.arrival:
+            # a late worker's load joins the request under way at its start (of a reused id,
+            # an earlier one than the request in flight), else the one in flight, else the
+            # newest
+            earlier = self.finished_recently(source, rid, ts)
+            if earlier is not None or record is None:
+                record = earlier or tables.recent.newest(rid)
+                if record is None:
+                    record = self._open(source, tables, rid, ts)
+                else:
+                    self.amended[id(record)] = record
+        if record._ntransfers < _MAX_TRANSFERS:
+            record.add_transfer(field(event, T_SRC), field(event, T_DST),
+                                int_field(event, T_BLOCKS), int_field(event, T_BYTES), ts,
+                                float_field(event, T_DURATION), bool_field(event, T_OK))
+        else:
+            record.transfers_omitted += 1
+        return record
 
-    cpdef list finished(self, str source, list events):
-        """Complete and return the requests' records, and keep the newest ``max_recent`` of them
-        (at most :data:`MAX_REUSES` of one id) so that another source's transfers sent later
-        still join them (a worker tap may send its first batch after the scheduler's requests
-        finished). A joined source's requests
-        may be finished by another source first (vLLM's span before any of the tap's events):
-        a second finish of a kept record (of a request that arrived before that record
-        finished) only fills the parts the first left at 0 and returns no record (it is not a
-        new request)."""
+    cdef RequestRecord finish(self, str source, _Requests tables, bint joined, object event):
+        """Complete the request's record and return it, and keep the newest ``max_recent``
+        records (at most :data:`MAX_REUSES` of one id) so that another source's transfers sent
+        later still join them (a worker tap may send its first batch after the scheduler's
+        requests finished). A joined source's requests may be finished by another source
+        first (vLLM's span before any of the tap's events): a second finish of a kept record
+        (of a request that arrived before that record finished) only fills the parts the
+        first left at 0 and returns None (it is not a new request)."""
+        rid = field(event, F_ID)
+        cdef RequestRecord kept, record = tables.inflight.pop(rid, None)
+        if record is None:
+            kept = self.finished_recently(source, rid, arrival_of(event)) if joined else None
+            if kept is not None:
+                for part in _FINISH_PARTS:
+                    if not getattr(kept, part):
+                        setattr(kept, part, getattr(event, part))
+                kept.prefill = prefill_within(kept)
+                self.amended[id(kept)] = kept
+                return None
+            record = new_record(rid, source, arrival_of(event), 0)
+        elif tables.unstarted and rid in tables.unstarted:  # its start went missing: its
+            # arrival was another event's
+            tables.unstarted.discard(rid)
+            record.arrival = min(record.arrival, arrival_of(event))
+        record.prompt_tokens = int_field(event, F_PROMPT) or record.prompt_tokens
+        record.output_tokens = int_field(event, F_OUTPUT)
+        record.set_ttft(float_field(event, F_TTFT))
+        record.set_finished(float_field(event, F_TS))
+        record.queueing = float_field(event, F_QUEUEING)
+        record.lookup = float_field(event, F_LOOKUP)
+        record.promotion_wait = float_field(event, F_WAIT)
+        record.prefill = float_field(event, F_PREFILL)
+        record.itl = float_field(event, F_ITL)
+        tables.recent.add(record)
+        return record
+
+    def finished(self, str source, list events):
+        """:meth:`finish` ``source``'s RequestFinished ``events`` in order; the records
+        finished (the pipeline folds a batch through :class:`~kvscope.agent.fold.Fold`)."""
         cdef _Requests tables = self._tables(source)
         cdef bint joined = source in self.joined
-        cdef RequestRecord record, kept
-        cdef list records = []
-        cdef int64_t prompt
-        for event in events:
-            rid = field(event, F_ID)
-            record = tables.inflight.pop(rid, None)
-            if record is None:
-                kept = (self.finished_recently(source, rid, arrival_of(event)) if joined
-                        else None)
-                if kept is not None:
-                    for part in _FINISH_PARTS:
-                        if not getattr(kept, part):
-                            setattr(kept, part, getattr(event, part))
-                    kept.prefill = prefill_within(kept)
-                    self.amended[id(kept)] = kept
-                    continue
-                record = new_record(rid, source, arrival_of(event), 0)
-            elif tables.unstarted and rid in tables.unstarted:  # its start went missing: its
-                # arrival was another event's
-                tables.unstarted.discard(rid)
-                record.arrival = min(record.arrival, arrival_of(event))
-            prompt = int_field(event, F_PROMPT)
-            record.prompt_tokens = prompt or record.prompt_tokens
-            record.output_tokens = int_field(event, F_OUTPUT)
-            record.set_ttft(float_field(event, F_TTFT))
-            record.set_finished(float_field(event, F_TS))
-            record.queueing = float_field(event, F_QUEUEING)
-            record.lookup = float_field(event, F_LOOKUP)
-            record.promotion_wait = float_field(event, F_WAIT)
-            record.prefill = float_field(event, F_PREFILL)
-            record.itl = float_field(event, F_ITL)
-            records.append(record)
-            tables.recent.add(record)
-        return records
+        records = [self.finish(source, tables, joined, event) for event in events]
+        return [record for record in records if record is not None]

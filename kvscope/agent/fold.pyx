@@ -3,7 +3,7 @@
 
 :class:`Fold` holds what the pipeline aggregates — the catalog's counters and histograms, kept
 in C arrays over their bounded label sets, and the :class:`~kvscope.agent.assembler.
-RequestAssembler` — and folds one source's batch at a time, kind by kind (:data:`FOLD_ORDER`).
+RequestAssembler` — and folds one source's batch at a time, event by event, in order.
 The pipeline owns the lock around it and everything else (tiers, subscribers, samples).
 Compiled because the fold is the agent's ingest cost: interpreted, it took four times as
 long as msgspec's decode of the same batch (bench/ingest.py).
@@ -14,12 +14,13 @@ import time
 cimport cython
 from cpython.dict cimport PyDict_Next
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.string cimport memset
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_XDECREF, Py_XINCREF
 from libc.stdint cimport int64_t
 
 from kvscope import events as ev
-from kvscope.agent.assembler cimport RequestAssembler
+from kvscope.agent.assembler cimport RequestAssembler, _Requests
 from kvscope.agent.requests cimport RequestRecord
 from kvscope.agent.requests import FUTURE
 from kvscope.agent.slots cimport bool_field, field, float_field, index_of, int_field, offset_of
@@ -27,18 +28,12 @@ from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, FAILURE_REASONS,
                                       LATENCY_SECONDS_BUCKETS, RESIDENCY_SECONDS_BUCKETS,
                                       TRANSFER_SECONDS_BUCKETS)
 
-# the order kinds are folded in within a batch: a request's start before its lookup,
-# transfers and finish; tier snapshots before lookups, which count misses in the tiers known
-FOLD_ORDER = (ev.TierSnapshot, ev.RequestStarted, ev.Lookup, ev.Transfer, ev.Eviction,
-              ev.LatencyHistogram, ev.RequestFinished)
 TIERS = ev.TIERS  # also the top-down order lookups cascade in
 EVICTION_REASONS = ("capacity", "cleared", "failed")
 
 cdef object _SNAPSHOT = ev.TierSnapshot, _STARTED = ev.RequestStarted, _LOOKUP = ev.Lookup
 cdef object _TRANSFER = ev.Transfer, _EVICTION = ev.Eviction, _LATENCY = ev.LatencyHistogram
 cdef object _FINISHED = ev.RequestFinished
-cdef Py_ssize_t S_ID = offset_of(ev.RequestStarted, "request_id")
-cdef Py_ssize_t F_ID = offset_of(ev.RequestFinished, "request_id")
 cdef Py_ssize_t L_BLOCKS = offset_of(ev.Lookup, "blocks")
 cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
 cdef Py_ssize_t L_HITS = offset_of(ev.Lookup, "block_hits")
@@ -71,19 +66,12 @@ cdef dict _REASON_INDEX = {reason: i for i, reason in enumerate(FAILURE_REASONS)
 cdef tuple _EVICTION_REASONS = EVICTION_REASONS
 
 
-cdef list _reuse_cuts(list events):
-    """Where a batch must be cut for folding kind by kind: before each start of an id whose
-    request finished earlier in the batch (a client reusing an id back to back), else that
-    start would land on the finishing request's record."""
-    cdef list cuts = []
-    cdef set finished = set()
-    for i, event in enumerate(events):
-        if type(event) is _FINISHED:
-            finished.add(field(event, F_ID))
-        elif type(event) is _STARTED and field(event, S_ID) in finished:
-            cuts.append(i)
-            finished = set()
-    return cuts
+cdef struct _Totals:
+    # a batch's lookups, added up before they are counted (see Fold._count_lookups)
+    int64_t tokens[4]  # by TOKEN_SOURCES
+    double saved[4]
+    int64_t hit[4], miss[4]  # by TIERS
+    bint counted[4]
 
 
 cdef struct Counts:
@@ -227,197 +215,161 @@ cdef class Fold:
         PyMem_Free(self._recent)
 
     def fold(self, str source, str scope, events, tiers, bint observe):
-        """Fold one batch of sender ``source``'s ``events`` about ``scope``'s requests: tier
-        snapshots through ``tiers(source, scope, snapshots)`` first (which returns the bit mask,
-        by TIERS, of the tiers ``scope``'s lookups count misses in), then the other kinds in
-        :data:`FOLD_ORDER`; anything not an event is left out. ``observe``: count finished
-        requests in the request metrics now (else :meth:`observe` does later).
-
-        A batch where a request id finishes and then starts again (a client reusing it back
-        to back) is folded in parts (see :func:`_reuse_cuts`).
+        """Fold one batch of sender ``source``'s ``events`` about ``scope``'s requests, in
+        their order; anything not an event is left out. A tier snapshot goes through
+        ``tiers(source, scope, snapshots)``, which returns the bit mask, by TIERS, of the
+        tiers ``scope``'s lookups count misses in (also called, with [], before a batch's
+        first lookup). ``observe``: count finished requests in the request metrics now (else
+        :meth:`observe` does later).
 
         Returns (the records finished, in order; how many of them finished too far ahead of
         the clock to be true and were dropped; the batch's Lookup events).
         """
-        cdef list batch = events if type(events) is list else list(events)
-        cdef list groups = [[] for _ in range(7)]
-        cdef set finished_ids = None  # the ids finished so far in the batch
-        cdef bint reused = False
-        for event in batch:
+        cdef RequestAssembler assembler = self.assembler
+        cdef _Requests tables = assembler._tables(scope)
+        cdef bint joined = scope in assembler.joined
+        cdef int known = -1  # the tiers scope's lookups count misses in, once asked
+        cdef _Totals totals
+        cdef list finished = [], lookups = []
+        cdef RequestRecord record
+        memset(&totals, 0, sizeof(totals))
+        for event in (events if type(events) is list else list(events)):
             kind = type(event)
             if kind is _TRANSFER:
-                (<list>groups[3]).append(event)
+                self._transfer(event, assembler.transfer(scope, tables, event))
             elif kind is _LOOKUP:
-                (<list>groups[2]).append(event)
+                if known < 0:
+                    known = tiers(source, scope, [])
+                self._lookup(event, assembler.lookup(scope, tables, event), known, &totals)
+                lookups.append(event)
             elif kind is _STARTED:
-                (<list>groups[1]).append(event)
-                reused = reused or (finished_ids is not None
-                                    and field(event, S_ID) in finished_ids)
+                assembler.start(scope, tables, joined, event)
             elif kind is _FINISHED:
-                (<list>groups[6]).append(event)
-                if finished_ids is None:
-                    finished_ids = set()
-                finished_ids.add(field(event, F_ID))
+                record = assembler.finish(scope, tables, joined, event)
+                if record is not None:
+                    finished.append(record)
             elif kind is _EVICTION:
-                (<list>groups[4]).append(event)
+                self._eviction(event)
             elif kind is _SNAPSHOT:
-                (<list>groups[0]).append(event)
+                known = tiers(source, scope, [event])
             elif kind is _LATENCY:
-                (<list>groups[5]).append(event)
-        lookups = groups[2]
-        if not reused:
-            return (*self._fold(source, scope, groups, tiers, observe), lookups)
-        finished, invalid = [], 0
-        cuts = _reuse_cuts(batch)
-        for begin, end in zip((0, *cuts), (*cuts, len(batch))):
-            part, dropped, _ = self.fold(source, scope, batch[begin:end], tiers, observe)
-            finished += part
-            invalid += dropped
-        return finished, invalid, lookups
-
-    cdef tuple _fold(self, str source, str scope, list groups, tiers, bint observe):
-        if groups[0] or groups[2]:
-            known = tiers(source, scope, groups[0])
-        if groups[1]:
-            self.assembler.started(scope, groups[1])
-        if groups[2]:
-            self._fold_lookups(groups[2], self.assembler.lookups(scope, groups[2]), known)
-        if groups[3]:
-            self._fold_transfers(groups[3], self.assembler.transfers(scope, groups[3]))
-        if groups[4]:
-            self._fold_evictions(groups[4])
-        for event in groups[5]:
-            self._ttft.add_buckets(event.bounds, event.counts, event.sum)
-        if not groups[6]:
-            return [], 0
-        cdef list records = self.assembler.finished(scope, groups[6])
+                self._ttft.add_buckets(event.bounds, event.counts, event.sum)
+        self._count_lookups(&totals)
         cdef double ahead = time.time() + FUTURE
-        cdef RequestRecord record
-        cdef list kept = [record for record in records
+        cdef list kept = [record for record in finished
                           if record._finished <= ahead and record.arrival <= ahead]
         if observe:
             self.observe(kept)
-        return kept, len(records) - len(kept)
+        return kept, len(finished) - len(kept), lookups
 
-    cdef int _fold_lookups(self, list events, list records, int known) except -1:
+    cdef int _lookup(self, object event, RequestRecord record, int known,
+                     _Totals *totals) except -1:
         # Each block counts as a hit in the first tier, top down, that held it, and as a miss
         # in each tier the engine has above that one. A lookup's tiers are those its source
         # reported in snapshots and those its hits name (not another engine's on the node).
-        cdef int64_t total[4], hit[4], miss[4], found[4], remaining, n
-        cdef double saved[4], rate
-        cdef bint counted[4]
-        cdef int i, t, named
-        cdef dict tokens, hits
-        cdef RequestRecord record
-        cdef Py_ssize_t position, j
+        cdef int64_t found[4], remaining, n
+        cdef double rate
+        cdef int i, t, named = 0
+        cdef dict tokens = <dict?>field(event, L_TOKENS), hits = <dict?>field(event, L_HITS)
+        cdef Py_ssize_t position = 0
         cdef PyObject *key
         cdef PyObject *value
+        # under 1 token/s is no prefill rate: a tiny one would make the seconds saved infinite
+        rate = float_field(event, L_RATE)
+        if not rate >= 1.0:
+            rate = self._prefill_rate
+        if record is not None:  # the lookup's tokens are the request's
+            record._tokens_set, record._tokens_other = 0, None
+        while PyDict_Next(tokens, &position, &key, &value):
+            i = index_of(_SOURCE_KEYS, <object>key)
+            if i >= 0:
+                n = <object>value
+                totals.tokens[i] += n
+                totals.saved[i] += n / rate
+                if record is not None:
+                    record._tokens[i] = n
+                    record._tokens_set |= 1 << i
+            elif record is not None:
+                record.other_token(<object>key, <object>value)
+        position = 0
+        while PyDict_Next(hits, &position, &key, &value):
+            t = index_of(_TIER_KEYS, <object>key)
+            if t >= 0:
+                named |= 1 << t
+                found[t] = <object>value
+        remaining = int_field(event, L_BLOCKS)
+        for t in range(4):
+            if remaining <= 0:
+                break
+            if not (known | named) & (1 << t):  # neither its engine's nor named: skipped
+                continue
+            totals.counted[t] = True
+            if named & (1 << t):
+                n = found[t] if found[t] < remaining else remaining
+                remaining -= n
+                totals.hit[t] += n
+            totals.miss[t] += remaining
+        return 0
+
+    cdef void _count_lookups(self, _Totals *totals) noexcept:
+        """Add a batch's lookups: tokens and the seconds they saved by source (those with
+        tokens), blocks by tier and result (the tiers consulted)."""
+        cdef int i
         for i in range(4):
-            total[i] = hit[i] = miss[i] = 0
-            saved[i] = 0.0
-            counted[i] = False
-        for j, event in enumerate(events):
-            # under 1 token/s is no prefill rate: a tiny one would make the seconds saved
-            # infinite
-            rate = float_field(event, L_RATE)
-            if not rate >= 1.0:
-                rate = self._prefill_rate
-            record = records[j]
-            if record is not None:  # the lookup's tokens are the request's
-                record._tokens_set, record._tokens_other = 0, None
-            tokens, position = <dict?>field(event, L_TOKENS), 0
-            while PyDict_Next(tokens, &position, &key, &value):
-                i = index_of(_SOURCE_KEYS, <object>key)
-                if i >= 0:
-                    n = <object>value
-                    total[i] += n
-                    saved[i] += n / rate
-                    if record is not None:
-                        record._tokens[i] = n
-                        record._tokens_set |= 1 << i
-                elif record is not None:
-                    record.other_token(<object>key, <object>value)
-            named, hits, position = 0, <dict?>field(event, L_HITS), 0
-            while PyDict_Next(hits, &position, &key, &value):
-                t = index_of(_TIER_KEYS, <object>key)
-                if t >= 0:
-                    named |= 1 << t
-                    found[t] = <object>value
-            remaining = int_field(event, L_BLOCKS)
-            for t in range(4):
-                if remaining <= 0:
-                    break
-                if not (known | named) & (1 << t):  # neither its engine's nor named: skipped
-                    continue
-                counted[t] = True
-                if named & (1 << t):
-                    n = found[t] if found[t] < remaining else remaining
-                    remaining -= n
-                    hit[t] += n
-                miss[t] += remaining
-        for i in range(4):
-            if total[i]:
-                _add(&self._prompt, i, total[i])
+            if totals.tokens[i]:
+                _add(&self._prompt, i, totals.tokens[i])
                 if i != 3:  # recompute saves nothing
                     _add(&self._saved_seen, i, 0)
-                    self._saved[i] += saved[i]
-        for t in range(4):
-            if counted[t]:
-                _add(&self._lookups, 2 * t, hit[t])
-                _add(&self._lookups, 2 * t + 1, miss[t])
-        return 0
+                    self._saved[i] += totals.saved[i]
+            if totals.counted[i]:
+                _add(&self._lookups, 2 * i, totals.hit[i])
+                _add(&self._lookups, 2 * i + 1, totals.miss[i])
 
-    cdef int _fold_transfers(self, list events, list records) except -1:
-        cdef int src, dst, direction, reason
+    cdef int _transfer(self, object event, RequestRecord record) except -1:
+        cdef int src = index_of(_TIER_KEYS, field(event, T_SRC))
+        cdef int dst = index_of(_TIER_KEYS, field(event, T_DST))
+        cdef int direction
         cdef _Histogram hist
-        cdef Py_ssize_t j
-        for j, event in enumerate(events):
-            src = index_of(_TIER_KEYS, field(event, T_SRC))
-            dst = index_of(_TIER_KEYS, field(event, T_DST))
-            if src < 0 or dst < 0:
-                continue  # not a tier: the decoder refuses it; an event made in Python may not
-            direction = 4 * src + dst
-            if not bool_field(event, T_OK):
-                reason = _REASON_INDEX.get(field(event, T_REASON), _OTHER)
-                _add(&self._failures, direction * _REASONS + reason, 1)
-                continue
-            _add(&self._bytes, direction, int_field(event, T_BYTES))
-            _add(&self._blocks, direction, int_field(event, T_BLOCKS))
-            if not bool_field(event, T_TIMED):  # seen, not timed: its duration is no measurement
-                continue
-            hist = self._transfer_seconds[direction]
-            if hist is None:
-                hist = self._transfer_seconds[direction] = _Histogram(TRANSFER_SECONDS_BUCKETS)
-                self._transfer_order.append(direction)
-            record = records[j]
-            hist.observe(float_field(event, T_DURATION), 1,
-                         NULL if record is None else <PyObject *>record,
-                         float_field(event, T_TS))
+        if src < 0 or dst < 0:
+            return 0  # not a tier: the decoder refuses it; an event made in Python may not
+        direction = 4 * src + dst
+        if not bool_field(event, T_OK):
+            _add(&self._failures, direction * _REASONS
+                 + _REASON_INDEX.get(field(event, T_REASON), _OTHER), 1)
+            return 0
+        _add(&self._bytes, direction, int_field(event, T_BYTES))
+        _add(&self._blocks, direction, int_field(event, T_BLOCKS))
+        if not bool_field(event, T_TIMED):  # seen, not timed: its duration is no measurement
+            return 0
+        hist = self._transfer_seconds[direction]
+        if hist is None:
+            hist = self._transfer_seconds[direction] = _Histogram(TRANSFER_SECONDS_BUCKETS)
+            self._transfer_order.append(direction)
+        hist.observe(float_field(event, T_DURATION), 1,
+                     NULL if record is None else <PyObject *>record, float_field(event, T_TS))
         return 0
 
-    cdef int _fold_evictions(self, list events) except -1:
-        cdef int tier
+    cdef int _eviction(self, object event) except -1:
+        cdef int tier = index_of(_TIER_KEYS, field(event, E_TIER))
         cdef int64_t blocks, weight
         cdef _Histogram hits, residency
-        for event in events:
-            tier = index_of(_TIER_KEYS, field(event, E_TIER))
-            if tier < 0:
-                continue
-            blocks = int_field(event, E_BLOCKS)
-            _add(&self._evicted, 3 * tier + max(0, index_of(_EVICTION_REASONS, field(event, E_REASON))),
-                 blocks)
-            if not bool_field(event, E_OFFLOADED):
-                _add(&self._dropped, tier, blocks)
-            if not bool_field(event, E_MEASURED):  # the source cannot see age and hits
-                continue
-            if self._hits[tier] is None:
-                self._hits[tier] = _Histogram(EVICTED_HITS_BUCKETS)
-                self._residency[tier] = _Histogram(RESIDENCY_SECONDS_BUCKETS)
-                self._measured_order.append(tier)
-            hits, residency = self._hits[tier], self._residency[tier]
-            weight = blocks * int_field(event, E_WEIGHT)
-            hits.observe(<double>int_field(event, E_HITS), weight, NULL, 0.0)
-            residency.observe(float_field(event, E_AGE), weight, NULL, 0.0)
+        if tier < 0:
+            return 0
+        blocks = int_field(event, E_BLOCKS)
+        _add(&self._evicted,
+             3 * tier + max(0, index_of(_EVICTION_REASONS, field(event, E_REASON))), blocks)
+        if not bool_field(event, E_OFFLOADED):
+            _add(&self._dropped, tier, blocks)
+        if not bool_field(event, E_MEASURED):  # the source cannot see age and hits
+            return 0
+        if self._hits[tier] is None:
+            self._hits[tier] = _Histogram(EVICTED_HITS_BUCKETS)
+            self._residency[tier] = _Histogram(RESIDENCY_SECONDS_BUCKETS)
+            self._measured_order.append(tier)
+        hits, residency = self._hits[tier], self._residency[tier]
+        weight = blocks * int_field(event, E_WEIGHT)
+        hits.observe(<double>int_field(event, E_HITS), weight, NULL, 0.0)
+        residency.observe(float_field(event, E_AGE), weight, NULL, 0.0)
         return 0
 
     def observe(self, list records):
