@@ -3,7 +3,7 @@
 #
 #   bash scripts/setup.sh          # .venv with kvscope + the reference engine (enough for `kvscope demo`);
 #                                  # a C compiler and Python's headers too (apt) when missing: the
-#                                  # agent's fold is compiled
+#                                  # agent's fold is compiled (Cython)
 #   bash scripts/setup.sh --test   # also Prometheus, Chromium, chromedriver (apt), the test extras
 #                                  # and vLLM's CPU build (scripts/vllm_env.sh, cached outside the clone)
 #
@@ -84,7 +84,8 @@ if [ -z "$PY" ]; then
 fi
 say "using $PY ($("$PY" -c 'import platform; print(platform.python_version())'))"
 
-# 3. A C compiler and Python's headers: the agent's fold is compiled (Cython, setup.py).
+# 3. A C compiler and Python's headers: the agent's fold, its records and ingest's stall watch
+#    are compiled (Cython: the .pyx files, built by setup.py).
 pyver="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 if ! command -v cc >/dev/null 2>&1; then
     apt_install gcc libc6-dev
@@ -113,7 +114,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # 5. Python packages, skipped when the stamp matches (it covers the compiled modules' sources).
 EXTRAS="engine"
 [ "$WANT_TEST" -eq 1 ] && EXTRAS="engine,test"
-stamp_key() { { cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/kvscope/agent/*.pyx "$ROOT"/kvscope/agent/*.pxd "${BASH_SOURCE[0]}"; echo "$1 $TORCH_SPEC"; } | sha256sum | cut -d' ' -f1; }
+compiled_sources() { find "$ROOT/kvscope" \( -name '*.pyx' -o -name '*.pxd' \) | sort; }
+stamp_key() { { cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "${BASH_SOURCE[0]}"; compiled_sources | xargs cat; echo "$1 $TORCH_SPEC"; } | sha256sum | cut -d' ' -f1; }
 stamp_ok() { [ -f "$VENV/.kvscope-setup-$1" ] && [ "$(cat "$VENV/.kvscope-setup-$1")" = "$(stamp_key "$1")" ]; }
 STAMP="$VENV/.kvscope-setup-$EXTRAS"
 # A venv set up with the test extras also satisfies the plain set-up.

@@ -26,6 +26,7 @@ cdef class _Recent:
     cdef Py_ssize_t count, capacity
 
     cdef RequestRecord newest(self, str request_id)
+    cdef void _prefetch(self) noexcept
     cdef int add(self, RequestRecord record) except -1
 
 

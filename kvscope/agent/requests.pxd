@@ -56,7 +56,7 @@ cdef class Ring:
     cdef object pop(self)
     cdef Py_ssize_t size(self)
     cdef object at(self, Py_ssize_t i)
-    cdef void prefetch_records(self, Py_ssize_t ahead) noexcept
+    cdef PyObject *peek(self, Py_ssize_t ahead) noexcept
     cdef list values(self)
     cdef void replace(self, list items)
 

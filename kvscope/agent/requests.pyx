@@ -5,7 +5,7 @@ A record joins what the events say about one request — arrival, where its toke
 each transfer it waited for, the parts of its TTFT — so the API, the dashboard's waterfall, the
 OTLP exporter and the store all read one shape. Records are compiled (Cython): the pipeline
 fills their C fields without making a Python object per number, which once cost the agent's
-ingest most of its time (docs/agent.md, Ingest throughput). Their data form, for encoding, is
+ingest most of its time (bench/ingest.py). Their data form, for encoding, is
 :class:`~kvscope.agent.record_data.RecordData`.
 """
 
@@ -20,11 +20,7 @@ from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.stdint cimport int64_t, uint64_t
 
 
-cdef extern from *:
-    """
-    #define _kv_prefetch(p) __builtin_prefetch((const void *)(p), 1, 3)
-    """
-    void _prefetch "_kv_prefetch" (const void *address) noexcept nogil
+cdef extern from "Python.h":
     PyObject *PyList_GET_ITEM(object, Py_ssize_t) noexcept
 
 from kvscope.agent.record_data import RecordData, TransferRecord
@@ -372,19 +368,10 @@ cdef class Ring:
         """The ``i``-th oldest item."""
         return self._items[self._head + i]
 
-    cdef void prefetch_records(self, Py_ssize_t ahead) noexcept:
-        """Ask the CPU for the records ``ahead`` places from the front, and for the request ids
-        of those half as far (their records came in since): taking old records from the
-        front of a ring of thousands misses the caches, three times a record."""
-        cdef Py_ssize_t far = self._head + ahead, near = self._head + ahead // 2
-        cdef PyObject *record
-        if far < len(self._items):
-            record = PyList_GET_ITEM(self._items, far)
-            _prefetch(record)
-            _prefetch(<char *>record + sizeof(RequestRecord) - 64)
-        if near < len(self._items):
-            record = PyList_GET_ITEM(self._items, near)
-            _prefetch(<PyObject *>(<RequestRecord>record).request_id)
+    cdef PyObject *peek(self, Py_ssize_t ahead) noexcept:
+        """The item ``ahead`` places from the front (borrowed), NULL past the end."""
+        ahead += self._head
+        return PyList_GET_ITEM(self._items, ahead) if ahead < len(self._items) else NULL
 
     cdef list values(self):
         """The items, oldest first (a copy)."""
