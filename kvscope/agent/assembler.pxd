@@ -1,4 +1,5 @@
 from cpython.object cimport PyObject
+from libc.stdint cimport int64_t
 
 from kvscope.agent.requests cimport RequestRecord, Ring
 
@@ -49,7 +50,9 @@ cdef class RequestAssembler:
     cdef int _bound(self, str source, _Requests tables) except -1
     cdef int start(self, str source, _Requests tables, bint joined, object event) except -1
     cdef RequestRecord lookup(self, str source, _Requests tables, object event)
-    cdef RequestRecord transfer(self, str source, _Requests tables, object event)
+    cdef RequestRecord transfer(self, str source, _Requests tables, object rid, double ts,
+                                object src, object dst, int64_t blocks, int64_t nbytes,
+                                double duration, bint ok)
     cdef RequestRecord finish(self, str source, _Requests tables, bint joined, object event)
     cpdef RequestRecord finished_recently(self, str source, str request_id, double ts,
                                           until=*)

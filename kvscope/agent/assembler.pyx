@@ -26,7 +26,7 @@ from kvscope import events as ev
 from kvscope.agent.requests cimport (RequestRecord, Ring, new_record, prefill_within,
                                      under_way, within)
 from kvscope.agent.requests import MAX_TRANSFERS, arrival_of
-from kvscope.agent.slots cimport bool_field, field, float_field, int_field, offset_of
+from kvscope.agent.slots cimport field, float_field, int_field, offset_of
 
 log = logging.getLogger("kvscope.agent.requests")
 
@@ -46,14 +46,6 @@ cdef Py_ssize_t S_PROMPT = offset_of(ev.RequestStarted, "prompt_tokens")
 cdef Py_ssize_t S_TRACE = offset_of(ev.RequestStarted, "trace_id")
 cdef Py_ssize_t L_TS = offset_of(ev.Lookup, "ts")
 cdef Py_ssize_t L_ID = offset_of(ev.Lookup, "request_id")
-cdef Py_ssize_t T_TS = offset_of(ev.Transfer, "ts")
-cdef Py_ssize_t T_ID = offset_of(ev.Transfer, "request_id")
-cdef Py_ssize_t T_SRC = offset_of(ev.Transfer, "src")
-cdef Py_ssize_t T_DST = offset_of(ev.Transfer, "dst")
-cdef Py_ssize_t T_BLOCKS = offset_of(ev.Transfer, "blocks")
-cdef Py_ssize_t T_BYTES = offset_of(ev.Transfer, "bytes")
-cdef Py_ssize_t T_DURATION = offset_of(ev.Transfer, "duration")
-cdef Py_ssize_t T_OK = offset_of(ev.Transfer, "ok")
 cdef Py_ssize_t F_TS = offset_of(ev.RequestFinished, "ts")
 cdef Py_ssize_t F_ID = offset_of(ev.RequestFinished, "request_id")
 cdef Py_ssize_t F_TTFT = offset_of(ev.RequestFinished, "ttft")
@@ -370,12 +362,13 @@ cdef class RequestAssembler:
         return record if record is not None else self._open(source, tables, rid,
                                                             float_field(event, L_TS))
 
-    cdef RequestRecord transfer(self, str source, _Requests tables, object event):
-        """Attach the transfer to its request; return that record (None when it names none)."""
-        rid = field(event, T_ID)
+    cdef RequestRecord transfer(self, str source, _Requests tables, object rid, double ts,
+                                object src, object dst, int64_t blocks, int64_t nbytes,
+                                double duration, bint ok):
+        """Attach a transfer (an event's fields, read by the caller) to request ``rid``;
+        return that record (None when ``rid`` is "": background work)."""
         if not rid:
             return None
-        cdef double ts = float_field(event, T_TS)
         cdef RequestRecord earlier, record = tables.inflight.get(rid)
         if record is None or ts < record.arrival:
             # a late worker's load joins the request under way at its start (of a reused id,
@@ -389,9 +382,7 @@ cdef class RequestAssembler:
                 else:
                     self.amended[id(record)] = record
         if record._ntransfers < _MAX_TRANSFERS:
-            record.add_transfer(field(event, T_SRC), field(event, T_DST),
-                                int_field(event, T_BLOCKS), int_field(event, T_BYTES), ts,
-                                float_field(event, T_DURATION), bool_field(event, T_OK))
+            record.add_transfer(src, dst, blocks, nbytes, ts, duration, ok)
         else:
             record.transfers_omitted += 1
         return record

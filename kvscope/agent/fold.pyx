@@ -39,6 +39,7 @@ cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
 cdef Py_ssize_t L_HITS = offset_of(ev.Lookup, "block_hits")
 cdef Py_ssize_t L_RATE = offset_of(ev.Lookup, "prefill_tokens_per_second")
 cdef Py_ssize_t T_TS = offset_of(ev.Transfer, "ts")
+cdef Py_ssize_t T_ID = offset_of(ev.Transfer, "request_id")
 cdef Py_ssize_t T_SRC = offset_of(ev.Transfer, "src")
 cdef Py_ssize_t T_DST = offset_of(ev.Transfer, "dst")
 cdef Py_ssize_t T_BLOCKS = offset_of(ev.Transfer, "blocks")
@@ -236,7 +237,7 @@ cdef class Fold:
         for event in (events if type(events) is list else list(events)):
             kind = type(event)
             if kind is _TRANSFER:
-                self._transfer(event, assembler.transfer(scope, tables, event))
+                self._transfer(scope, tables, event)
             elif kind is _LOOKUP:
                 if known < 0:
                     known = tiers(source, scope, [])
@@ -325,28 +326,32 @@ cdef class Fold:
                 _add(&self._lookups, 2 * i, totals.hit[i])
                 _add(&self._lookups, 2 * i + 1, totals.miss[i])
 
-    cdef int _transfer(self, object event, RequestRecord record) except -1:
-        cdef int src = index_of(_TIER_KEYS, field(event, T_SRC))
-        cdef int dst = index_of(_TIER_KEYS, field(event, T_DST))
-        cdef int direction
+    cdef int _transfer(self, str scope, _Requests tables, object event) except -1:
+        """Count the transfer, and give it to its request's record."""
+        cdef object src = field(event, T_SRC), dst = field(event, T_DST)
+        cdef int64_t blocks = int_field(event, T_BLOCKS), nbytes = int_field(event, T_BYTES)
+        cdef double ts = float_field(event, T_TS), duration = float_field(event, T_DURATION)
+        cdef bint ok = bool_field(event, T_OK)
+        cdef RequestRecord record = self.assembler.transfer(
+            scope, tables, field(event, T_ID), ts, src, dst, blocks, nbytes, duration, ok)
+        cdef int s = index_of(_TIER_KEYS, src), d = index_of(_TIER_KEYS, dst), direction
         cdef _Histogram hist
-        if src < 0 or dst < 0:
+        if s < 0 or d < 0:
             return 0  # not a tier: the decoder refuses it; an event made in Python may not
-        direction = 4 * src + dst
-        if not bool_field(event, T_OK):
+        direction = 4 * s + d
+        if not ok:
             _add(&self._failures, direction * _REASONS
                  + _REASON_INDEX.get(field(event, T_REASON), _OTHER), 1)
             return 0
-        _add(&self._bytes, direction, int_field(event, T_BYTES))
-        _add(&self._blocks, direction, int_field(event, T_BLOCKS))
+        _add(&self._bytes, direction, nbytes)
+        _add(&self._blocks, direction, blocks)
         if not bool_field(event, T_TIMED):  # seen, not timed: its duration is no measurement
             return 0
         hist = self._transfer_seconds[direction]
         if hist is None:
             hist = self._transfer_seconds[direction] = _Histogram(TRANSFER_SECONDS_BUCKETS)
             self._transfer_order.append(direction)
-        hist.observe(float_field(event, T_DURATION), 1,
-                     NULL if record is None else <PyObject *>record, float_field(event, T_TS))
+        hist.observe(duration, 1, NULL if record is None else <PyObject *>record, ts)
         return 0
 
     cdef int _eviction(self, object event) except -1:
