@@ -92,3 +92,22 @@ def test_a_record_added_twice_moves_to_the_end_and_counts_once():
     assert len(table) == 2 and [r.request_id for r in table.recent(3, "finished")] == ["b", "a"]
     table.add([_record("c", "s", 3), _record("d", "s", 4)])  # b leaves; a, added last, stays
     assert table.get("b") is None and table.get("a") is a and len(table) == 3
+
+
+def test_counts_past_64_bits_stop_at_the_end_never_wrap():
+    """A tap sends 1,100 transfers of 2**53 bytes each (the most an event may say): 1,100 x
+    2**53 is past 2**63, where the agent's 64-bit counters end. The bytes counter stops at
+    2**63 - 1 and a block sampled 1 in 2**20 blocks of 2**53 stands for 2**73 in the residency
+    histogram, also stopped there: neither wraps negative (Prometheus would read a counter
+    going down as a reset)."""
+    from kvscope.agent.pipeline import Pipeline
+
+    pipeline = Pipeline()
+    pipeline.ingest("engine", [ev.Transfer(ts=1.0, src="cpu", dst="gpu", blocks=1, bytes=2**53,
+                                           duration=0.001) for _ in range(1100)])
+    pipeline.ingest("engine", [ev.Eviction(ts=1.0, tier="cpu", blocks=2**53, bytes=1, age=1.0,
+                                           hits=0, weight=2**20)])
+    snap = pipeline.snapshot()
+    assert snap.transfer_bytes == {("cpu", "gpu"): 2**63 - 1}
+    assert snap.transfer_blocks == {("cpu", "gpu"): 1100}
+    assert snap.block_residency_seconds["cpu"].count == 2**63 - 1

@@ -14,10 +14,10 @@ import time
 cimport cython
 from cpython.dict cimport PyDict_Next
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.string cimport memset
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_XDECREF, Py_XINCREF
 from libc.stdint cimport int64_t
+from libc.string cimport memset
 
 from kvscope import events as ev
 from kvscope.agent.assembler cimport RequestAssembler, _Requests
@@ -61,7 +61,8 @@ cdef enum:
     MAX_KEYS = 160  # the largest label set: 16 directions x 10 failure reasons
     MAX_BUCKETS = 32
 cdef int _REASONS = len(FAILURE_REASONS)
-assert 16 * _REASONS <= MAX_KEYS
+if 16 * _REASONS > MAX_KEYS:
+    raise ImportError(f"{len(FAILURE_REASONS)} failure reasons: MAX_KEYS in fold.pyx is too small")
 cdef int _OTHER = FAILURE_REASONS.index("other")
 cdef dict _REASON_INDEX = {reason: i for i, reason in enumerate(FAILURE_REASONS)}
 cdef tuple _EVICTION_REASONS = EVICTION_REASONS
@@ -85,12 +86,31 @@ cdef struct Counts:
     int n
 
 
+cdef extern from *:
+    """
+    /* a + b, or the nearest int64 when that overflows: a tap's absurd counts (events carry up
+       to 2**53 each) stop a counter at its end, never wrap it negative */
+    static int64_t kv_saturated(int64_t a, int64_t b) {
+        int64_t sum;
+        if (__builtin_add_overflow(a, b, &sum)) return b > 0 ? INT64_MAX : INT64_MIN;
+        return sum;
+    }
+    static int64_t kv_saturated_product(int64_t a, int64_t b) {
+        int64_t product;
+        if (__builtin_mul_overflow(a, b, &product)) return (a > 0) == (b > 0) ? INT64_MAX : INT64_MIN;
+        return product;
+    }
+    """
+    int64_t kv_saturated(int64_t a, int64_t b) noexcept nogil
+    int64_t kv_saturated_product(int64_t a, int64_t b) noexcept nogil
+
+
 cdef inline void _add(Counts *counts, int key, int64_t value) noexcept:
     if not counts.seen[key]:
         counts.seen[key] = True
         counts.order[counts.n] = key
         counts.n += 1
-    counts.value[key] += value
+    counts.value[key] = kv_saturated(counts.value[key], value)
 
 
 cdef dict _as_dict(Counts *counts, tuple keys):
@@ -138,7 +158,7 @@ cdef class _Histogram:
 
     cdef void observe(self, double value, int64_t weight, PyObject *record, double at) noexcept:
         cdef int i = self._bucket(value)
-        self.counts[i] += weight
+        self.counts[i] = kv_saturated(self.counts[i], weight)
         self.sum += value * weight
         if record != NULL:
             if self.record[i] == NULL:
@@ -152,8 +172,10 @@ cdef class _Histogram:
         """Fold in another histogram's per-bucket ``counts`` (``len(bounds) + 1`` entries, the
         last above every bound) and their sum ``total``. Each engine bucket lands in our bucket
         holding its upper bound, so quantiles err toward the slower side, never the faster."""
+        cdef int j
         for i, n in enumerate(counts):
-            self.counts[self._bucket(bounds[i] if i < len(bounds) else float("inf"))] += n
+            j = self._bucket(bounds[i] if i < len(bounds) else float("inf"))
+            self.counts[j] = kv_saturated(self.counts[j], n)
         self.sum += total
 
     cdef tuple state(self):
@@ -285,7 +307,7 @@ cdef class Fold:
             i = index_of(_SOURCE_KEYS, <object>key)
             if i >= 0:
                 n = <object>value
-                totals.tokens[i] += n
+                totals.tokens[i] = kv_saturated(totals.tokens[i], n)
                 totals.saved[i] += n / rate
                 if record is not None:
                     record._tokens[i] = n
@@ -308,8 +330,8 @@ cdef class Fold:
             if named & (1 << t):
                 n = found[t] if found[t] < remaining else remaining
                 remaining -= n
-                totals.hit[t] += n
-            totals.miss[t] += remaining
+                totals.hit[t] = kv_saturated(totals.hit[t], n)
+            totals.miss[t] = kv_saturated(totals.miss[t], remaining)
         return 0
 
     cdef void _count_lookups(self, _Totals *totals) noexcept:
@@ -372,7 +394,7 @@ cdef class Fold:
             self._residency[tier] = _Histogram(RESIDENCY_SECONDS_BUCKETS)
             self._measured_order.append(tier)
         hits, residency = self._hits[tier], self._residency[tier]
-        weight = blocks * int_field(event, E_WEIGHT)
+        weight = kv_saturated_product(blocks, int_field(event, E_WEIGHT))
         hits.observe(<double>int_field(event, E_HITS), weight, NULL, 0.0)
         residency.observe(float_field(event, E_AGE), weight, NULL, 0.0)
         return 0
