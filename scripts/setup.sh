@@ -87,7 +87,10 @@ say "using $PY ($("$PY" -c 'import platform; print(platform.python_version())'))
 # 3. A C compiler and Python's headers: the agent's fold, its records and ingest's stall watch
 #    are compiled (Cython: the .pyx files, built by setup.py).
 pyver="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
-if ! command -v cc >/dev/null 2>&1; then
+# the compiler this Python was built with is the one its extensions build with (Debian's:
+# x86_64-linux-gnu-gcc, from the gcc package)
+compiler="$("$PY" -c 'import sysconfig; print((sysconfig.get_config_var("CC") or "cc").split()[0])')"
+if ! command -v "$compiler" >/dev/null 2>&1; then
     apt_install gcc libc6-dev
 fi
 if ! "$PY" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
@@ -114,8 +117,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # 5. Python packages, skipped when the stamp matches (it covers the compiled modules' sources).
 EXTRAS="engine"
 [ "$WANT_TEST" -eq 1 ] && EXTRAS="engine,test"
-compiled_sources() { find "$ROOT/kvscope" \( -name '*.pyx' -o -name '*.pxd' \) | sort; }
-stamp_key() { { cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "${BASH_SOURCE[0]}"; compiled_sources | xargs cat; echo "$1 $TORCH_SPEC"; } | sha256sum | cut -d' ' -f1; }
+compiled_sources() { find "$ROOT/kvscope" \( -name '*.pyx' -o -name '*.pxd' \) -print0 | sort -z; }
+stamp_key() { { cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "${BASH_SOURCE[0]}"; compiled_sources | xargs -0 cat; echo "$1 $TORCH_SPEC"; } | sha256sum | cut -d' ' -f1; }
 stamp_ok() { [ -f "$VENV/.kvscope-setup-$1" ] && [ "$(cat "$VENV/.kvscope-setup-$1")" = "$(stamp_key "$1")" ]; }
 STAMP="$VENV/.kvscope-setup-$EXTRAS"
 # A venv set up with the test extras also satisfies the plain set-up.

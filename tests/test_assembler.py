@@ -33,24 +33,43 @@ def _recent_model(finishes, capacity):
     return kept
 
 
+def _check_recent(capacity, ids, every=None):
+    """Request r finishes at time i (its i-th finish, TTFT 0, so it was under way at i only):
+    the assembler finds r's record under way at i exactly when the model kept that finish
+    (checked at the end, and after each ``every`` finishes)."""
+    assembler = RequestAssembler(max_recent=capacity)
+    finishes = []
+    for i, rid in enumerate(ids):
+        finishes.append((rid, float(i)))
+        assembler.finished("engine", [ev.RequestFinished(ts=float(i), request_id=rid, ttft=0.0,
+                                                         prompt_tokens=1)])
+        if (every and i % every == 0) or i == len(ids) - 1:
+            kept = _recent_model(finishes, capacity)
+            for rid_, ts in finishes:
+                found = assembler.finished_recently("engine", rid_, ts)
+                assert (found is not None) == (ts in kept.get(rid_, ())), (rid_, ts)
+                assert found is None or (found.request_id, found.finished) == (rid_, ts)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.integers(min_value=1, max_value=150),
        st.lists(st.sampled_from(IDS), min_size=1, max_size=400))
 @example(100, ["id0"] * 200)  # one id past MAX_REUSES: 64 kept, never counted more
 @example(70, ["id0"] * 100 + ["id1"] * 10)  # the count decides when id0 leaves
 def test_the_recent_records_are_those_the_model_keeps(capacity, ids):
-    """Request r finishes at time i (its i-th finish, TTFT 0, so it was under way at i only):
-    the assembler finds r's record under way at i exactly when the model kept that finish."""
-    assembler = RequestAssembler(max_recent=capacity)
-    finishes = [(rid, float(i)) for i, rid in enumerate(ids)]
-    for rid, ts in finishes:
-        assembler.finished("engine", [ev.RequestFinished(ts=ts, request_id=rid, ttft=0.0,
-                                                         prompt_tokens=1)])
-    kept = _recent_model(finishes, capacity)
-    for rid, ts in finishes:
-        found = assembler.finished_recently("engine", rid, ts)
-        assert (found is not None) == (ts in kept.get(rid, ())), (rid, ts)
-        assert found is None or (found.request_id, found.finished) == (rid, ts)
+    """A few ids, reused: the chains of an id's records and the ids' leaving (see
+    :func:`_check_recent`)."""
+    _check_recent(capacity, ids)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(min_value=0, max_value=40), st.integers(min_value=2, max_value=400),
+       st.lists(st.integers(min_value=0, max_value=399), min_size=1, max_size=1500))
+def test_many_ids_through_a_small_recent_window(capacity, pool, draws):
+    """Hundreds of ids through a window of at most 40 records: the index's slots collide, wrap
+    around its end, and close the gaps its deletions leave, all the time (see
+    :func:`_check_recent`; checked every 97 finishes too)."""
+    _check_recent(capacity, [f"r{d % pool}" for d in draws], every=97)
 
 
 def _record(rid, source, i):
@@ -82,6 +101,28 @@ def test_the_table_answers_as_a_list_of_its_last_records(capacity, steps):
     order = [r for r in held if newest[(r.source, r.request_id)] is r]
     assert table.recent(capacity, "arrival", descending=False) == order
     assert table.get("nowhere") is None
+
+
+def test_what_the_bookkeeping_is_given_wrong_is_an_error_not_a_crash():
+    """The compiled parts read events through their fields' offsets and take records by C
+    type: another kind of event, None or a negative bound is refused up front."""
+    import pytest
+
+    from kvscope.agent.fold import Fold
+    from kvscope.agent.requests import under_way
+
+    with pytest.raises(TypeError):
+        RequestAssembler().finished("s", [ev.RequestStarted(ts=1.0, request_id="x",
+                                                            prompt_tokens=3)])
+    with pytest.raises(TypeError):
+        RequestTable().add([None])
+    with pytest.raises(TypeError):
+        under_way(None, 1.0)
+    for make in (lambda: RequestTable(-1), lambda: RequestAssembler(max_recent=-1),
+                 lambda: RequestAssembler(max_inflight=-1),
+                 lambda: Fold(RequestAssembler(), recent=-1)):
+        with pytest.raises(ValueError):
+            make()
 
 
 def test_a_record_added_twice_moves_to_the_end_and_counts_once():

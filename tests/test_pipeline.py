@@ -624,3 +624,36 @@ def test_the_recently_finished_requests_are_bounded_in_records_not_ids():
     kept = [rid for rid in (f"id{i}" for i in range(10))
             if assembler.finished_recently("engine", rid, 1.0 + 30 * int(rid[2:]) + 29)]
     assert kept == ["id7", "id8", "id9"]
+
+
+def test_a_batch_folds_in_the_order_its_events_came():
+    """One batch: request X starts, finishes, and a second request of id X comes without a
+    start (its start went missing): its lookup (32 recompute tokens) and load are the second
+    request's, never the first's, and its finish makes it the second request (2 in all). A
+    lookup of 4 blocks before engine e's first tier snapshot (cpu) counts no cpu misses; the
+    same lookup after it counts 4."""
+    pipeline, records = Pipeline(), []
+    pipeline.subscribe(records.append)
+    pipeline.ingest("e", [
+        ev.RequestStarted(ts=1.0, request_id="X", prompt_tokens=16),
+        ev.Lookup(ts=1.0, request_id="X", tokens={"gpu": 16}),
+        ev.RequestFinished(ts=1.5, request_id="X", ttft=0.5, prompt_tokens=16),
+        ev.Lookup(ts=2.0, request_id="X", tokens={"recompute": 32}),
+        ev.Transfer(ts=2.1, src="cpu", dst="gpu", blocks=1, bytes=8, duration=0.01,
+                    request_id="X"),
+        ev.RequestFinished(ts=2.5, request_id="X", ttft=0.4, prompt_tokens=32),
+    ])
+    first, second = records  # the table keeps the newest of an id: the second
+    assert (first.tokens, first.transfers, first.finished) == ({"gpu": 16}, (), 1.5)
+    assert second.tokens == {"recompute": 32} and [t.start for t in second.transfers] == [2.1]
+    assert pipeline.snapshot().requests == 2 and pipeline.requests.get("X") is second
+
+    def lookup():
+        return ev.Lookup(ts=3.0, request_id="", tokens={"recompute": 64}, blocks=4)
+
+    snapshot = ev.TierSnapshot(ts=3.0, tier="cpu", capacity_bytes=1, resident_bytes=0,
+                               capacity_blocks=1, resident_blocks=0)
+    pipeline.ingest("f", [lookup(), snapshot])
+    assert pipeline.snapshot().lookup_blocks == {}
+    pipeline.ingest("f", [lookup()])
+    assert pipeline.snapshot().lookup_blocks == {("cpu", "hit"): 0, ("cpu", "miss"): 4}

@@ -405,6 +405,28 @@ def test_a_store_from_before_the_bounds_is_loaded_within_them(tmp_path):
     assert len(loaded[0].transfers) == 64 and loaded[0].transfers_omitted == 236
 
 
+def test_a_stored_count_past_64_bits_skips_its_record_only(tmp_path, caplog):
+    """A segment of an agent from before records held 64-bit counts: r1001's prompt tokens are
+    2**63. That intact frame is skipped, named as such (not as damaged bytes, nor read byte by
+    byte for the next frame), and the records around it load."""
+    import zlib
+
+    import msgspec
+
+    from kvscope.agent.record_data import RecordData
+    from kvscope.agent.store import _HEADER, _SUFFIX
+
+    frames = b""
+    for i, prompt in ((1000, 1), (1001, 2**63), (1002, 1)):
+        payload = msgspec.msgpack.encode(RecordData(f"r{i}", "ab" * 16, "engine", 2000.0,
+                                                    prompt_tokens=prompt, finished=2000.0))
+        frames += _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+    (tmp_path / f"seg-2000000-1-0{_SUFFIX}").write_bytes(frames)
+    store = RequestStore(tmp_path, clock=lambda: 3000.0)
+    assert _ids(store.load(10)) == ["r1000", "r1002"]
+    assert "count past 64 bits" in caplog.text and "damaged" not in caplog.text
+
+
 def test_a_removed_directory_is_made_again_and_the_store_writes_on(tmp_path):
     """The directory is removed while the store runs: it kept appending to the deleted segment,
     so every later record was lost without a word. Now the next flush starts a new segment in

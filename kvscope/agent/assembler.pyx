@@ -249,6 +249,9 @@ cdef class RequestAssembler:
 
     def __init__(self, Py_ssize_t max_inflight=10_000, Py_ssize_t max_recent=10_000,
                  joined=()):
+        if max_inflight < 0 or max_recent < 0:
+            raise ValueError(f"the assembler's bounds are 0 or more, not {max_inflight} "
+                             f"requests in flight and {max_recent} recent")
         self._sources = {}
         self._max, self._max_recent = max_inflight, max_recent
         self.joined = joined
@@ -428,5 +431,9 @@ cdef class RequestAssembler:
         finished (the pipeline folds a batch through :class:`~kvscope.agent.fold.Fold`)."""
         cdef _Requests tables = self._tables(source)
         cdef bint joined = source in self.joined
-        records = [self.finish(source, tables, joined, event) for event in events]
+        cdef list records = []
+        for event in events:
+            if type(event) is not ev.RequestFinished:  # its fields are read by their offsets
+                raise TypeError(f"finished() takes RequestFinished events, not {event!r}")
+            records.append(self.finish(source, tables, joined, event))
         return [record for record in records if record is not None]

@@ -72,7 +72,8 @@ cdef struct _Totals:
     # a batch's lookups, added up before they are counted (see Fold._count_lookups)
     int64_t tokens[4]  # by TOKEN_SOURCES
     double saved[4]
-    int64_t hit[4], miss[4]  # by TIERS
+    int64_t hit[4]  # by TIERS
+    int64_t miss[4]
     bint counted[4]
 
 
@@ -130,7 +131,8 @@ cdef class _Histogram:
     cdef int64_t counts[MAX_BUCKETS]
     cdef double sum
     cdef PyObject *record[MAX_BUCKETS]  # owned references, NULL: no exemplar
-    cdef double value[MAX_BUCKETS], time[MAX_BUCKETS]
+    cdef double value[MAX_BUCKETS]
+    cdef double time[MAX_BUCKETS]
     cdef int order[MAX_BUCKETS]  # the buckets in the order their first exemplar came
     cdef int exemplars
 
@@ -219,8 +221,11 @@ cdef class Fold:
     cdef double *_recent  # a ring of the last TTFTs, seconds
     cdef Py_ssize_t _recent_count, _recent_next, _recent_max
 
-    def __init__(self, RequestAssembler assembler, double prefill_tokens_per_second=10_000.0,
+    def __init__(self, RequestAssembler assembler not None,
+                 double prefill_tokens_per_second=10_000.0,
                  Py_ssize_t recent=10_000):
+        if recent < 0:
+            raise ValueError(f"the recent TTFTs kept are 0 or more, not {recent}")
         self.assembler = assembler
         self._prefill_rate = prefill_tokens_per_second
         for i in range(4):  # every source's tokens are exported, 0 until some come
@@ -290,7 +295,8 @@ cdef class Fold:
         # Each block counts as a hit in the first tier, top down, that held it, and as a miss
         # in each tier the engine has above that one. A lookup's tiers are those its source
         # reported in snapshots and those its hits name (not another engine's on the node).
-        cdef int64_t found[4], remaining, n
+        cdef int64_t found[4]
+        cdef int64_t remaining, n
         cdef double rate
         cdef int i, t, named = 0
         cdef dict tokens = <dict?>field(event, L_TOKENS), hits = <dict?>field(event, L_HITS)

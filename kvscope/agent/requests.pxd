@@ -62,6 +62,6 @@ cdef class Ring:
 
 
 cdef RequestRecord new_record(str request_id, str source, double arrival, int64_t prompt_tokens)
-cpdef bint under_way(RequestRecord record, double ts)
-cpdef bint within(RequestRecord record, double start, double end)
-cpdef double prefill_within(RequestRecord record)
+cpdef bint under_way(RequestRecord record, double ts) except -1
+cpdef bint within(RequestRecord record, double start, double end) except -1
+cpdef double prefill_within(RequestRecord record) except? -1.0

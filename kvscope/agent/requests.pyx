@@ -175,12 +175,17 @@ cdef class RequestRecord:
 
     @property
     def transfers(self):
-        cdef Transfer *transfers = self._transfers if self._transfers != NULL else &self._first
-        cdef Py_ssize_t i
-        return tuple([TransferRecord(<object>transfers[i].src, <object>transfers[i].dst,
-                                     transfers[i].blocks, transfers[i].bytes,
-                                     transfers[i].start, transfers[i].duration, transfers[i].ok)
-                      for i in range(self._ntransfers)])
+        cdef Transfer *transfer
+        cdef Py_ssize_t i = 0
+        cdef list out = []
+        while i < self._ntransfers:  # the array is found again each time: making a
+            # TransferRecord may run other threads, and one may have added a transfer
+            transfer = (self._transfers if self._transfers != NULL else &self._first) + i
+            out.append(TransferRecord(<object>transfer.src, <object>transfer.dst,
+                                      transfer.blocks, transfer.bytes, transfer.start,
+                                      transfer.duration, transfer.ok))
+            i += 1
+        return tuple(out)
 
     @transfers.setter
     def transfers(self, transfers):
@@ -305,23 +310,27 @@ def arrival_of(finish):
     return max(0.0, finish.ts - decode - finish.ttft)
 
 
-cpdef bint under_way(RequestRecord record, double ts):
+cpdef bint under_way(RequestRecord record, double ts) except -1:
     """Whether finished ``record``'s request was under way at ``ts`` (Unix seconds): from its
     arrival, less :data:`ARRIVAL_TOLERANCE`, to its finish."""
+    if record is None:
+        raise TypeError("a record, not None")
     return record.arrival - _ARRIVAL_TOLERANCE <= ts <= record._finished
 
 
-cpdef bint within(RequestRecord record, double start, double end):
+cpdef bint within(RequestRecord record, double start, double end) except -1:
     """Whether finished ``record``'s request ran within ``start`` to ``end`` (Unix seconds,
     give or take :data:`FINISH_TOLERANCE`): the span of a report about it whose start comes
     before the record's arrival (a record whose start event went missing dates its arrival
     from its finish, an aborted one's is its finish). The next request of a reused id
     finishes after the span's end."""
+    if record is None:
+        raise TypeError("a record, not None")
     return (start - _FINISH_TOLERANCE <= record.arrival
             and record._finished <= end + _FINISH_TOLERANCE)
 
 
-def amend(RequestRecord record, str trace_id, finish):
+def amend(RequestRecord record not None, str trace_id, finish):
     """Give a finished ``record`` what another report says of it (vLLM's span): ``trace_id``
     (unless "") and, when ``finish.ttft`` is not 0, that TTFT, queueing and prefill (the
     prefill cut so that the parts do not exceed the TTFT)."""
@@ -332,9 +341,11 @@ def amend(RequestRecord record, str trace_id, finish):
         record.prefill = prefill_within(record)
 
 
-cpdef double prefill_within(RequestRecord record):
+cpdef double prefill_within(RequestRecord record) except? -1.0:
     """``record``'s prefill, cut so that its TTFT parts, from two reports (the tap's and
     vLLM's span), do not add up to more than its TTFT."""
+    if record is None:
+        raise TypeError("a record, not None")
     return min(record.prefill, max(0.0, record._ttft - record.queueing - record.lookup
                                    - record.promotion_wait))
 
@@ -401,6 +412,8 @@ cdef class RequestTable:
     cdef Py_ssize_t _indexed, _live  # records of _order indexed; requests indexed
 
     def __init__(self, Py_ssize_t capacity=100_000):
+        if capacity < 0:
+            raise ValueError(f"a request table holds 0 records or more, not {capacity}")
         self.capacity = capacity
         self._lock = threading.Lock()
         self._order = Ring()
@@ -412,7 +425,10 @@ cdef class RequestTable:
         end."""
         cdef RequestRecord record
         with self._lock:
-            for record in records:
+            for item in records:
+                record = <RequestRecord?>item
+                if record is None:
+                    raise TypeError("a request table holds records, not None")
                 record._in_table += 1
                 self._order.push(record)
             while self._order.size() > self.capacity:

@@ -45,9 +45,10 @@ _SUFFIX = ".kvseg"
 
 
 def _frame_at(data: memoryview, offset: int,
-              decoder: msgspec.msgpack.Decoder) -> tuple[RequestRecord, int] | None:
+              decoder: msgspec.msgpack.Decoder) -> tuple[RequestRecord | None, int] | None:
     """The record whose frame starts at ``offset`` and where that frame ends, or None when no
-    intact frame starts there."""
+    intact frame starts there. An intact frame of a record with a count past 64 bits (a store
+    from before records held 64-bit counts) gives no record, and its end."""
     if offset + _HEADER.size > len(data):
         return None
     length, crc = _HEADER.unpack_from(data, offset)
@@ -58,9 +59,13 @@ def _frame_at(data: memoryview, offset: int,
     if zlib.crc32(payload) != crc:
         return None
     try:
-        return RequestRecord.from_data(decoder.decode(payload)), end
-    except (msgspec.DecodeError, OverflowError):  # OverflowError: a count past 64 bits
+        data = decoder.decode(payload)
+    except msgspec.DecodeError:
         return None
+    try:
+        return RequestRecord.from_data(data), end
+    except OverflowError:
+        return None, end
 
 
 def _segment_order(path: Path) -> tuple:
@@ -97,6 +102,10 @@ def read_segment(path: Path) -> list[RequestRecord]:
                         path, offset - damaged, damaged)
             damaged = None
         record, offset = frame
+        if record is None:
+            log.warning("kvscope store: %s: skipped a record with a count past 64 bits at "
+                        "offset %d", path, offset)
+            continue
         records.append(record)
     if damaged is None:
         return records

@@ -50,7 +50,6 @@ from __future__ import annotations
 import collections
 import errno
 import logging
-import select
 import socket
 import threading
 import time
@@ -166,7 +165,8 @@ class IngestSource(Worker):
         message over to another thread, and the GIL with it, cost the ingest a fifth of its
         time); :meth:`_watch`, on a thread of its own, takes it while this one is held up."""
         self._progress.attach()
-        watcher = threading.Thread(target=self._watch, name="kvscope-ingest-watch", daemon=True)
+        watcher = threading.Thread(target=self._watch, args=(self._socket.getsockopt(zmq.FD),),
+                                   name="kvscope-ingest-watch", daemon=True)
         watcher.start()
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
@@ -205,18 +205,17 @@ class IngestSource(Worker):
             self._received.append(frame)
             self._received_bytes += len(frame) + MESSAGE_OVERHEAD
 
-    def _watch(self) -> None:
+    def _watch(self, descriptor: int) -> None:
         """Take what ZMQ holds while the folding thread is held up (a lock, a slow
         subscriber), so that ZMQ's queue stays short: a tap that disconnected while the
         agent's receive queue was full lost its last batches (ZMQ drops what it holds for a
         full queue), uncounted.
 
         :class:`~kvscope.agent.sources.stalls.Progress` waits, without the GIL, on the
-        socket's notification descriptor (ZMQ_FD, an OS file: watching it from another
-        thread touches no ZMQ state) until a message waits while the folding thread has
+        socket's notification ``descriptor`` (ZMQ_FD, an OS file the folding thread reads
+        before this one starts: watching it touches no ZMQ state) until a message waits while the folding thread has
         taken no batch and used no CPU for :data:`STALL` seconds; then this thread takes
         everything ZMQ holds, and again at each message after, until that thread goes on."""
-        descriptor = self._socket.getsockopt(zmq.FD)
         progress = self._progress
         while progress.held_up(descriptor, STALL):
             taken = progress.taken
@@ -227,7 +226,7 @@ class IngestSource(Worker):
                     self._drain()
                 finally:
                     self._receiving.release()
-                if not select.select([descriptor], [], [], STALL)[0]:
+                if not progress.readable(descriptor, STALL):
                     break
 
     def handle(self, data: bytes) -> None:

@@ -75,6 +75,15 @@ cdef class Progress:
     def taken(self):
         return kv_load(&self._taken)
 
+    def readable(self, int descriptor, double seconds):
+        """Whether ``descriptor`` becomes readable within ``seconds`` (waited without the GIL;
+        poll(2), so any descriptor number)."""
+        cdef int milliseconds = <int>(seconds * 1000) or 1
+        cdef int ready
+        with nogil:
+            ready = kv_readable(descriptor, milliseconds)
+        return bool(ready)
+
     def held_up(self, int descriptor, double stall):
         """Wait, without the GIL, until a message waits (``descriptor``, the socket's ZMQ_FD,
         is readable) while the folding thread has taken no batch and used under half of
