@@ -65,6 +65,8 @@ def test_the_recent_records_are_those_the_model_keeps(capacity, ids):
 @settings(max_examples=40, deadline=None)
 @given(st.integers(min_value=0, max_value=40), st.integers(min_value=2, max_value=400),
        st.lists(st.integers(min_value=0, max_value=399), min_size=1, max_size=1500))
+@example(5, 400, [i * 7919 % 400 for i in range(1500)])  # 8 slots: clusters wrap the end
+@example(12, 50, [i * i % 50 for i in range(1500)])
 def test_many_ids_through_a_small_recent_window(capacity, pool, draws):
     """Hundreds of ids through a window of at most 40 records: the index's slots collide, wrap
     around its end, and close the gaps its deletions leave, all the time (see
