@@ -24,8 +24,10 @@ GPUS = [str(i) for i in range(8)]
 
 
 def fill(pipeline: Pipeline) -> None:
-    """Events touching every series a 4-tier node has."""
-    events = []
+    """Events touching every series a 4-tier node has (the tiers reported first, as an engine
+    does: a lookup counts misses in the tiers known by then)."""
+    events = [ev.TierSnapshot(ts=1.0, tier=tier, capacity_bytes=1 << 30, resident_bytes=1 << 29,
+                              capacity_blocks=1024, resident_blocks=512) for tier in TIERS]
     for i, (src, dst) in enumerate(itertools.permutations(TIERS, 2)):
         rid = f"r{i}"
         events += [
@@ -38,10 +40,8 @@ def fill(pipeline: Pipeline) -> None:
                         reason="io"),
             ev.RequestFinished(ts=1.1, request_id=rid, ttft=0.05 * (i + 1), prompt_tokens=64),
         ]
-    for tier in TIERS:
-        events += [ev.Eviction(ts=1.0, tier=tier, blocks=1, bytes=1, age=10.0, hits=1),
-                   ev.TierSnapshot(ts=1.0, tier=tier, capacity_bytes=1 << 30, resident_bytes=1 << 29,
-                                   capacity_blocks=1024, resident_blocks=512)]
+    events += [ev.Eviction(ts=1.0, tier=tier, blocks=1, bytes=1, age=10.0, hits=1)
+               for tier in TIERS]
     pipeline.ingest("engine", events)
     pipeline.set_source_up("ingest", True)
     pipeline.drop("ingest", "malformed")
