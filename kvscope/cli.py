@@ -84,8 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--host", type=host, help="address to listen on (default 127.0.0.1)")
     agent.add_argument("--port", type=port, help="port of /metrics and the API (default 9400)")
     agent.add_argument("--ingest", metavar="ENDPOINT",
-                       help="ZMQ endpoint taps send to (default tcp://127.0.0.1:5560; ipc:// too); "
-                            "turns ingest on even where the config turns it off")
+                       help="ZMQ endpoint taps send to (ingest is on by default, at "
+                            "tcp://127.0.0.1:5560; ipc:// too); turns ingest on even where the "
+                            "config turns it off")
     agent.add_argument("--store-dir", metavar="DIR",
                        type=_directory("to keep requests in memory only"),
                        help="persist finished requests here (default: memory only)")
