@@ -310,7 +310,7 @@ cdef class RequestAssembler:
     cdef RequestRecord _open(self, str source, _Requests tables, str request_id, double ts):
         cdef RequestRecord record = self._find(source, tables, request_id, ts)
         if record is None:
-            record = tables.inflight[request_id] = new_record(request_id, source, ts, 0)
+            record = tables.inflight[request_id] = new_record(request_id, source, ts)
             tables.unstarted.add(request_id)
             self._bound(source, tables)
         return record
@@ -337,9 +337,9 @@ cdef class RequestAssembler:
         if joined:
             record = self._find(source, tables, rid, ts)
             if record is None:
-                record = opened = tables.inflight[rid] = new_record(rid, source, ts, 0)
+                record = opened = tables.inflight[rid] = new_record(rid, source, ts)
         else:  # one lookup opens the request or finds it open
-            opened = new_record(rid, source, ts, 0)
+            opened = new_record(rid, source, ts)
             record = <RequestRecord>PyDict_SetDefault(tables.inflight, rid, opened)
         if record is opened:
             record.prompt_tokens = int_field(event, S_PROMPT)
@@ -401,7 +401,8 @@ cdef class RequestAssembler:
         rid = field(event, F_ID)
         cdef RequestRecord kept, record = tables.inflight.pop(rid, None)
         if record is None:
-            kept = self.finished_recently(source, rid, arrival_of(event)) if joined else None
+            arrival = arrival_of(event)
+            kept = self.finished_recently(source, rid, arrival) if joined else None
             if kept is not None:
                 for part in _FINISH_PARTS:
                     if not getattr(kept, part):
@@ -409,7 +410,7 @@ cdef class RequestAssembler:
                 kept.prefill = prefill_within(kept)
                 self.amended[id(kept)] = kept
                 return None
-            record = new_record(rid, source, arrival_of(event), 0)
+            record = new_record(rid, source, arrival)
         elif tables.unstarted and rid in tables.unstarted:  # its start went missing: its
             # arrival was another event's
             tables.unstarted.discard(rid)

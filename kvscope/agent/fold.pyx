@@ -308,18 +308,13 @@ cdef class Fold:
         if not rate >= 1.0:
             rate = self._prefill_rate
         if record is not None:  # the lookup's tokens are the request's
-            record._tokens_set, record._tokens_other = 0, None
+            record.set_tokens(tokens)
         while PyDict_Next(tokens, &position, &key, &value):
             i = index_of(_SOURCE_KEYS, <object>key)
             if i >= 0:
                 n = <object>value
                 totals.tokens[i] = kv_saturated(totals.tokens[i], n)
                 totals.saved[i] += n / rate
-                if record is not None:
-                    record._tokens[i] = n
-                    record._tokens_set |= 1 << i
-            elif record is not None:
-                record.other_token(<object>key, <object>value)
         position = 0
         while PyDict_Next(hits, &position, &key, &value):
             t = index_of(_TIER_KEYS, <object>key)

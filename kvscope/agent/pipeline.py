@@ -83,9 +83,6 @@ class Histogram:
     def count(self) -> int:
         return sum(self.counts)
 
-    def copy(self) -> Histogram:
-        return Histogram(self.buckets, list(self.counts), self.sum, dict(self.exemplars))
-
 
 @dataclass
 class Snapshot:

@@ -42,7 +42,6 @@ cdef class RequestRecord:
     cdef int add_transfer(self, object src, object dst, int64_t blocks, int64_t nbytes,
                           double start, double duration, bint ok) except -1
     cdef int set_tokens(self, object tokens) except -1
-    cdef int other_token(self, object source, object tokens) except -1
     cdef void set_ttft(self, double ttft)
     cdef void set_finished(self, double finished)
     cdef void new_trace_id(self)
@@ -61,7 +60,7 @@ cdef class Ring:
     cdef void replace(self, list items)
 
 
-cdef RequestRecord new_record(str request_id, str source, double arrival, int64_t prompt_tokens)
+cdef RequestRecord new_record(str request_id, str source, double arrival)
 cpdef bint under_way(RequestRecord record, double ts) except -1
 cpdef bint within(RequestRecord record, double start, double end) except -1
 cpdef double prefill_within(RequestRecord record) except? -1.0

@@ -206,15 +206,10 @@ cdef class RequestRecord:
             if i >= 0:
                 self._tokens[i] = <object>value
                 self._tokens_set |= 1 << i
-            else:
-                self.other_token(<object>key, <object>value)
-        return 0
-
-    cdef int other_token(self, object source, object tokens) except -1:
-        """Keep ``tokens`` of a ``source`` outside TOKEN_SOURCES."""
-        if self._tokens_other is None:
-            self._tokens_other = {}
-        self._tokens_other[source] = tokens
+            else:  # a source outside TOKEN_SOURCES
+                if self._tokens_other is None:
+                    self._tokens_other = {}
+                self._tokens_other[<object>key] = <object>value
         return 0
 
     @property
@@ -291,12 +286,12 @@ cdef class RequestRecord:
         return "RequestRecord" + repr(self.data()).removeprefix("RecordData")
 
 
-cdef RequestRecord new_record(str request_id, str source, double arrival, int64_t prompt_tokens):
-    """A record of a request that arrived at ``arrival``, with a new trace id."""
+cdef RequestRecord new_record(str request_id, str source, double arrival):
+    """A record of a request that arrived at ``arrival``, with a new trace id (its counts 0)."""
     cdef RequestRecord record = RequestRecord.__new__(RequestRecord)
     record.request_id, record.source = request_id, source
     record._id_hash = hash(request_id)
-    record.arrival, record.prompt_tokens = arrival, prompt_tokens
+    record.arrival = arrival
     record.new_trace_id()
     return record
 

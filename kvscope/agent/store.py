@@ -59,11 +59,11 @@ def _frame_at(data: memoryview, offset: int,
     if zlib.crc32(payload) != crc:
         return None
     try:
-        data = decoder.decode(payload)
+        record = decoder.decode(payload)
     except msgspec.DecodeError:
         return None
     try:
-        return RequestRecord.from_data(data), end
+        return RequestRecord.from_data(record), end
     except OverflowError:
         return None, end
 
