@@ -64,8 +64,9 @@ tree = sum(os.path.getsize(root / p) for p in listed.decode().split("\0")
 inside = dest.is_relative_to(root.resolve())
 sent = tree + (total if inside else 0)
 print(f"{tree / 2**20:8.2f} MiB  working tree that travels (tracked, untracked not ignored)")
-print(f"{sent / 2**20:8.2f} MiB  sent to the device with carry [\"{dest.relative_to(root.resolve()) if inside else dest}\"]"
-      f" (limit {limit >> 20} MiB)")
+carry = dest.relative_to(root.resolve()) if inside else dest
+print(f"{sent / 2**20:8.2f} MiB  sent to the device with carry [\"{carry}\"] "
+      f"(limit {limit >> 20} MiB)")
 if sent > limit:
     sys.exit("over the limit: carry less")
 EOF
