@@ -73,9 +73,11 @@ on the CPU with the host clock, and exit (both run without CUDA: tests/test_gpu_
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -148,6 +150,7 @@ def install_wheels(folder: Path) -> str:
     if not wheels:
         return f"no wheels in {folder}: using the installed packages"
     target = Path(tempfile.mkdtemp(prefix="kvscope-gpu-check-"))
+    atexit.register(shutil.rmtree, target, True)
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
            "--no-cache-dir", "--disable-pip-version-check", "--target", str(target),
            *map(str, wheels)]
@@ -673,7 +676,9 @@ def tap_worker(report, torch, device: str, blocks: int, block_bytes: int,
     from kvscope.agent.taps.emitter import Emitter
 
     wrapper, how, why_not = tap_wrapper()
-    endpoint = f"ipc://{tempfile.mkdtemp(prefix='kvscope-gpu-check-')}/tap.sock"
+    folder = tempfile.mkdtemp(prefix="kvscope-gpu-check-")
+    atexit.register(shutil.rmtree, folder, True)
+    endpoint = f"ipc://{folder}/tap.sock"
     sink = zmq.Context.instance().socket(zmq.PULL)
     sink.bind(endpoint)
     half = blocks // 2
