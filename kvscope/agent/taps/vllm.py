@@ -49,6 +49,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvscope import events as ev
+from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
 from kvscope.agent.taps.vllm_manager import (DEFAULT_SAMPLE_ONE_IN, TapManager,
                                               external_request_id)
 
@@ -110,14 +111,20 @@ def config_mistakes(ours: Mapping[str, Any], inner: Mapping[str, Any],
     return out
 
 
+def _inner_spec_call(cls, extra_config: Mapping[str, Any], *args, **kwargs):
+    """Where a classmethod of the spec goes (vLLM calls them with the extra config before any
+    spec exists: ``build_metric_definitions``, 0.33's ``config_info_keys``): the inner spec
+    class, with the inner spec's part of the extra config."""
+    ours, inner = split_extra_config(extra_config)
+    return inner_spec_class(ours), (inner, *args), kwargs
+
+
+@forwards_to_inner(OffloadingSpec, classmethod_target=_inner_spec_call)
 class KvscopeOffloadingSpec(OffloadingSpec):
     """See the module docstring. Raises from the constructor what the inner spec raises
-    (e.g. a missing ``cpu_bytes_to_use``), and ValueError for an unknown inner spec."""
-
-    @classmethod
-    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict:
-        ours, inner = split_extra_config(extra_config)
-        return inner_spec_class(ours).build_metric_definitions(inner)
+    (e.g. a missing ``cpu_bytes_to_use``), and ValueError for an unknown inner spec. Every
+    classmethod of vLLM's ``OffloadingSpec`` is the inner spec class's, given the inner spec's
+    extra config."""
 
     def __init__(self, config: OffloadingConfig) -> None:
         ours, inner_extra = split_extra_config(config.extra_config)
@@ -248,8 +255,10 @@ class _ClosingManager(TapManager):
             self._emitter.close()
 
 
+@forwards_to_inner(OffloadingWorker)
 class TapWorker(OffloadingWorker):
-    """Wraps vLLM's ``OffloadingWorker``: remembers each submitted job (direction, GPU blocks,
+    """Wraps vLLM's ``OffloadingWorker`` (members it does not observe, ``wait`` and what later
+    releases add, are the inner worker's): remembers each submitted job (direction, GPU blocks,
     submit time, request) and turns each ``TransferResult`` into a ``Transfer`` event: ``bytes``
     = ``transfer_size``, ``duration`` = ``transfer_time`` (seconds; CUDA-event timed in vLLM's
     GPU worker), ``ok`` = ``success``. Results without a size or time are sent untimed.
@@ -270,6 +279,7 @@ class TapWorker(OffloadingWorker):
         self._clock = clock
         self._max_jobs = max_jobs
         self._jobs: dict[int, tuple[str, str, int, float, str]] = {}
+        bind_forwarded(self)
 
     def _failed(self, where: str, exc: BaseException) -> None:
         self.errors += 1
@@ -293,8 +303,9 @@ class TapWorker(OffloadingWorker):
         self._submitted(job_id, "gpu", "cpu", src_spec)
         return ok
 
-    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
-        ok = self.inner.submit_load(job_id, src_spec, dst_spec)
+    def submit_load(self, job_id, src_spec, dst_spec, *args, **kwargs) -> bool:
+        # the rest as vLLM gave it (0.33: ``expedited`` for a load waited on within the step)
+        ok = self.inner.submit_load(job_id, src_spec, dst_spec, *args, **kwargs)
         try:
             rid = getattr(sys._getframe(1).f_locals.get("entry"), "req_id", "")
             rid = external_request_id(rid) if isinstance(rid, str) else ""
@@ -321,9 +332,6 @@ class TapWorker(OffloadingWorker):
         except Exception as exc:
             self._failed("get_finished", exc)
         return results
-
-    def wait(self, job_ids: set[int]) -> None:
-        return self.inner.wait(job_ids)
 
     def shutdown(self) -> None:
         try:

@@ -110,8 +110,10 @@ class CpuBlockCopyWorker(OffloadingWorker):
         self._done.append(self._copy(job_id, src_spec, dst_spec, gpu_to_cpu=True))
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        """CPU pool -> GPU (vLLM's KV cache), done when this returns."""
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        """CPU pool -> GPU (vLLM's KV cache), done when this returns (so every load is as an
+        ``expedited`` one of vLLM 0.33 asks: waited on within the step)."""
         self._done.append(self._copy(job_id, dst_spec, src_spec, gpu_to_cpu=False))
         return True
 

