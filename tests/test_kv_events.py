@@ -268,12 +268,20 @@ def test_the_agent_passes_tiers_on():
                              collectors={"gpu": {"enabled": False}, "host": {"enabled": False}})
     agent = Agent(settings, with_ingest=False)
     assert agent.kv_events.residency.tiers == {"gpu"}
-    # the metrics source leaves out what KV events report: GPU residency, gpu->cpu offloads
-    assert agent.vllm_metrics.mapper.gpu_snapshot is False
-    assert agent.vllm_metrics.mapper.stores is True
+    # the metrics source leaves out what KV events report: GPU residency, gpu->cpu offloads,
+    # promotions into the CPU tier and stores below it; and adds the CPU tier's capacity to
+    # the residency they report
+    def flags(mapper):
+        return (mapper.gpu_snapshot, mapper.stores, mapper.cpu_capacity,
+                mapper.tier_promotions, mapper.tier_offloads)
+
+    assert flags(agent.vllm_metrics.mapper) == (False, True, False, True, True)
     settings.kv_events.tiers = ["cpu", "disk"]  # GPU residency from /metrics again
-    mapper = Agent(settings, with_ingest=False).vllm_metrics.mapper
-    assert mapper.gpu_snapshot is True and mapper.stores is False
+    assert flags(Agent(settings, with_ingest=False).vllm_metrics.mapper) == (
+        True, False, True, False, False)
+    settings.kv_events.enabled = False  # everything from /metrics
+    assert flags(Agent(settings, with_ingest=False).vllm_metrics.mapper) == (
+        True, True, False, True, True)
 
 
 def test_bind_or_connect_follows_vllm():

@@ -5,10 +5,12 @@ request spans arrive at the agent's /v1/traces and join the tap's request record
 from __future__ import annotations
 
 import json
+import math
 import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +20,7 @@ from kvscope import events as ev
 from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
-from kvscope.agent.sources.vllm_metrics import MetricsMapper, parse
+from kvscope.agent.sources.vllm_metrics import MetricsMapper, parse, spread
 from conftest import wait_until
 from tests.vllm_env import child_env, kill_group, tail, vllm_python
 
@@ -63,8 +65,8 @@ def test_counters_map_as_deltas_and_missing_names_are_absent():
 
 
 def test_offloads_are_left_to_kv_events_when_it_reports_the_cpu_tier():
-    """``stores=False`` (the agent sets it when its KV events source reports ``cpu``, which sees
-    every offload): gpu->cpu bytes would be counted twice; cpu->gpu loads KV events cannot see."""
+    """``stores=False`` (so when the agent's KV events source reports ``cpu``, which sees every
+    offload): gpu->cpu bytes would be counted twice; cpu->gpu loads KV events cannot see."""
     mapper = MetricsMapper(gpu_snapshot=False, stores=False)
     text = (f"vllm:kv_offload_store_bytes_total{{{E}}} 100\n"
             f"vllm:kv_offload_load_bytes_total{{{E}}} 50\n")
@@ -79,6 +81,246 @@ def test_a_counter_reset_counts_from_zero():
     mapper.map(parse(f"vllm:prompt_tokens_total{{{E}}} 500\n"), 1.0)
     events = mapper.map(parse(f"vllm:prompt_tokens_total{{{E}}} 40\n"), 2.0)  # vLLM restarted
     assert events[0].tokens == {"recompute": 40}
+
+
+# vLLM's offloading metrics, as vLLM's own classes print them: tests/data/vllm_offload_metrics.py
+# made each file (two scrapes, two scheduler steps apart) with the vLLM named in its first line;
+# test_the_recorded_expositions_are_what_vllm_prints checks them against vLLM where it is.
+DATA = Path(__file__).resolve().parent / "data"
+NEXT_SCRAPE = "# ---- the next scrape ----\n"
+RECORDED = {"vllm-0.32.0-tiering.prom": ("0.32.0", "tiering"),
+            "vllm-0.33.0-tiering.prom": ("0.33.0", "tiering"),
+            "vllm-0.33.0-cpu.prom": ("0.33.0", "cpu")}
+KV_EVENTS_ALL = ("gpu", "cpu", "disk")  # the KV events source's default tiers
+
+
+def _mapped(name, **kwargs):
+    """The events of both scrapes of a recorded exposition, mapped with ``block_bytes`` 32768."""
+    mapper = MetricsMapper(block_bytes=32768, **kwargs)
+    first, second = (DATA / name).read_text().split(NEXT_SCRAPE)
+    return mapper.map(parse(first), 1.0), mapper.map(parse(second), 2.0)
+
+
+def _transfers(events):
+    """(src, dst, blocks, bytes, timed, ok) -> how many, of the Transfer events."""
+    out: dict = {}
+    for e in events:
+        if isinstance(e, ev.Transfer):
+            key = (e.src, e.dst, e.blocks, e.bytes, e.timed, e.ok)
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _cpu_capacity(events):
+    return [(e.capacity_blocks, e.capacity_bytes, e.resident_blocks, e.resident_bytes)
+            for e in events if isinstance(e, ev.TierSnapshot) and e.tier == "cpu"]
+
+
+# vLLM 0.33's promotion times of the second step: 0.003, 0.02, 0.02, 0.7 s, in its buckets
+# (0, 0.005], (0.01, 0.025] twice, (0.5, 1]; their sum 0.783 - 0.04 (the first step's) = 0.743.
+# Placed at one fraction f of each bucket: 0 + 2 x 0.01 + 0.5 + f x (0.005 + 2 x 0.015 + 0.5)
+# = 0.743, f = 0.223 / 0.535.
+F = 0.223 / 0.535
+PROMOTION_TIMES = [0.005 * F, 0.01 + 0.015 * F, 0.01 + 0.015 * F, 0.5 + 0.5 * F]
+
+
+def test_vllm_0_33_tiering_beside_kv_events_adds_capacity_lookups_times_and_failures():
+    """vLLM 0.33, TieringOffloadingSpec (CPU over fs and obj), the KV events source reporting
+    gpu, cpu and disk (the agent's default). By hand, from the recorded scrapes:
+    - config_info tier="0:primary": 64 chunks of 2 blocks, 4,194,304 bytes -> cpu capacity 128
+      blocks and 4,194,304 bytes, nothing resident (the KV events source's part), each scrape.
+    - chunk lookups of the second step: 0:primary 15 - 5 = 10 queries, 6 - 2 = 4 hits; 1:fs
+      9 - 3 = 6 queries (the primary's misses), 5 - 2 = 3 hits; 2:obj 4 - 1 = 3 queries, 1 hit
+      (its hits series new, on an engine seen before: counted from 0) -> 20 blocks looked up,
+      hits cpu 8, disk 6, remote 2.
+    - failed jobs (series new in the second scrape, counted from 0): 1 promotion from fs
+      (disk->cpu), 2 cascades to it (cpu->disk); no bytes.
+    - promotion times: four timed disk->cpu transfers of no bytes, PROMOTION_TIMES.
+    - tier bytes (disk->cpu 196,608, cpu->disk 327,680) and gpu->cpu stores: left to KV events.
+    """
+    first, second = _mapped("vllm-0.33.0-tiering.prom", kv_events_tiers=KV_EVENTS_ALL)
+    assert first == [e for e in first if isinstance(e, ev.TierSnapshot)]  # baselines only
+    assert _cpu_capacity(first) == _cpu_capacity(second) == [(128, 4_194_304, 0, 0)]
+    (lookup,) = [e for e in second if isinstance(e, ev.Lookup)]
+    assert (lookup.tokens, lookup.blocks, lookup.block_hits) == (
+        {}, 20, {"cpu": 8, "disk": 6, "remote": 2})
+    assert _transfers(second) == {("disk", "cpu", 0, 0, False, False): 1,
+                                  ("cpu", "disk", 0, 0, False, False): 2,
+                                  ("disk", "cpu", 0, 0, True, True): 4}
+    failed = [e for e in second if isinstance(e, ev.Transfer) and not e.ok]
+    assert {e.reason for e in failed} == {"unknown"}
+    times = sorted(e.duration for e in second if isinstance(e, ev.Transfer) and e.timed)
+    assert times == pytest.approx(PROMOTION_TIMES) and sum(times) == pytest.approx(0.743)
+    assert [type(e) for e in second if not isinstance(e, (ev.Lookup, ev.Transfer,
+                                                            ev.TierSnapshot))] == []
+
+
+def test_the_agent_shows_vllm_0_33_tiering_in_the_catalogs_metrics():
+    """The second scrape's events (as above) and the KV events source's cpu snapshot (40 blocks
+    of 32,768 bytes resident, capacity unknown: 0) in one agent. Its /metrics, by hand:
+    cpu capacity 128 blocks / 4,194,304 bytes and 40 blocks / 1,310,720 bytes resident (the two
+    sources' parts added); lookups: cpu 8 hits of 20, so 12 misses; disk asked for those 12: 6
+    hits, 6 misses; remote asked for 6: 2 hits, 4 misses; no gpu series (the GPU's lookups are
+    not this source's). disk->cpu transfer times PROMOTION_TIMES in kvscope's buckets (le):
+    0.0021 <= 0.005, 0.0163 twice <= 0.05, 0.708 <= 1: cumulative 0 at 0.001, 1 at 0.005 and
+    0.01, 3 at 0.05 to 0.5, 4 at 1; sum 0.743. Failures by reason unknown: disk->cpu 1,
+    cpu->disk 2."""
+    agent = Agent(AgentSettings(collectors={"gpu": {"enabled": False},
+                                            "host": {"enabled": False}}), with_ingest=False)
+    _, second = _mapped("vllm-0.33.0-tiering.prom", kv_events_tiers=KV_EVENTS_ALL)
+    agent.pipeline.ingest("kv_events", [ev.TierSnapshot(
+        ts=2.0, tier="cpu", capacity_bytes=0, resident_bytes=40 * 32768, capacity_blocks=0,
+        resident_blocks=40)])
+    agent.pipeline.ingest("vllm_metrics", second)
+    value = agent.registry.get_sample_value
+    assert [value(f"kvscope_tier_{what}", {"tier": "cpu"}) for what in (
+        "capacity_blocks", "capacity_bytes", "resident_blocks", "resident_bytes")] == [
+        128, 4_194_304, 40, 1_310_720]
+    lookups = {(tier, result): value("kvscope_lookup_blocks_total",
+                                     {"tier": tier, "result": result})
+               for tier in ("gpu", "cpu", "disk", "remote") for result in ("hit", "miss")}
+    assert lookups == {("gpu", "hit"): None, ("gpu", "miss"): None,
+                       ("cpu", "hit"): 8, ("cpu", "miss"): 12, ("disk", "hit"): 6,
+                       ("disk", "miss"): 6, ("remote", "hit"): 2, ("remote", "miss"): 4}
+    disk = {"src": "disk", "dst": "cpu"}
+    buckets = [value("kvscope_transfer_seconds_bucket", {**disk, "le": le})
+               for le in ("0.001", "0.005", "0.01", "0.05", "0.1", "0.5", "1.0", "+Inf")]
+    assert buckets == [0, 1, 1, 3, 3, 3, 4, 4]
+    assert value("kvscope_transfer_seconds_sum", disk) == pytest.approx(0.743)
+    assert value("kvscope_transfer_failures_total", {**disk, "reason": "unknown"}) == 1
+    assert value("kvscope_transfer_failures_total",
+                 {"src": "cpu", "dst": "disk", "reason": "unknown"}) == 2
+    assert value("kvscope_transfer_bytes_total", disk) == 0  # the bytes are KV events' to say
+
+
+def test_vllm_0_33_tiering_without_kv_events_maps_the_tier_bytes_and_no_lookups():
+    """No KV events source: the tier bytes are this source's. By hand: a chunk is 4,194,304 /
+    64 = 65,536 bytes of 2 blocks; disk->cpu 327,680 - 131,072 = 196,608 bytes = 3 chunks = 6
+    blocks; cpu->disk 393,216 - 65,536 = 327,680 = 5 chunks = 10 blocks; gpu->cpu stores
+    1,048,576 - 524,288 = 524,288 bytes / 32,768 = 16 blocks. Failures and promotion times as
+    beside KV events. No cpu capacity (nothing would report its residency: it would read 0) and
+    no lookup blocks (this source then reports the GPU tier, which the agent would take as
+    consulted and missed by all 20 blocks)."""
+    first, second = _mapped("vllm-0.33.0-tiering.prom")
+    assert first == []
+    assert _transfers(second) == {("gpu", "cpu", 16, 524_288, False, True): 1,
+                                  ("disk", "cpu", 6, 196_608, False, True): 1,
+                                  ("cpu", "disk", 10, 327_680, False, True): 1,
+                                  ("disk", "cpu", 0, 0, False, False): 1,
+                                  ("cpu", "disk", 0, 0, False, False): 2,
+                                  ("disk", "cpu", 0, 0, True, True): 4}
+    assert [e for e in second if not isinstance(e, ev.Transfer)] == []
+
+
+def test_vllm_0_32_tiering_maps_what_it_has_and_the_rest_is_absent():
+    """vLLM 0.32 has the tiering counters but neither config_info nor promotion times, beside
+    a KV events source reporting gpu only. By hand: disk->cpu 196,608 bytes / 32,768
+    (block_bytes) = 6 blocks, cpu->disk 327,680 / 32,768 = 10, gpu->cpu 16 (as for 0.33);
+    failures 1 and 2; no cpu capacity, no lookup blocks (blocks per chunk unknown), no times."""
+    first, second = _mapped("vllm-0.32.0-tiering.prom", kv_events_tiers=("gpu",))
+    assert first == []
+    assert _transfers(second) == {("gpu", "cpu", 16, 524_288, False, True): 1,
+                                  ("disk", "cpu", 6, 196_608, False, True): 1,
+                                  ("cpu", "disk", 10, 327_680, False, True): 1,
+                                  ("disk", "cpu", 0, 0, False, False): 1,
+                                  ("cpu", "disk", 0, 0, False, False): 2}
+    assert [e for e in second if not isinstance(e, ev.Transfer)] == []
+
+
+def test_vllm_0_33_cpu_offloading_gives_the_cpu_tiers_capacity():
+    """CPUOffloadingSpec's config_info has no tier label: 64 chunks x 2 blocks = 128 blocks,
+    4,194,304 bytes, beside a KV events source reporting cpu; the stores (1,048,576 - 524,288 =
+    524,288 bytes) are that source's then. Without it (or with tiers gpu only): no capacity,
+    and the stores are this source's (16 blocks)."""
+    first, second = _mapped("vllm-0.33.0-cpu.prom", kv_events_tiers=KV_EVENTS_ALL)
+    for events, ts in ((first, 1.0), (second, 2.0)):
+        assert events == [ev.TierSnapshot(ts=ts, tier="cpu", capacity_bytes=4_194_304,
+                                          resident_bytes=0, capacity_blocks=128,
+                                          resident_blocks=0)]
+    for tiers in ((), ("gpu",)):
+        _, second = _mapped("vllm-0.33.0-cpu.prom", kv_events_tiers=tiers)
+        assert _transfers(second) == {("gpu", "cpu", 16, 524_288, False, True): 1}
+        assert _cpu_capacity(second) == []
+
+
+def test_tiers_of_other_types_and_vllms_block_metrics_are_left_out():
+    """The tier label is ``<index + 1>:<tier_type>`` (kv_offload/tiering/metrics.py,
+    ``tier_label``); ``kvcr`` (KVCR's own DRAM and storage), ``example`` and out-of-tree classes
+    name no kvscope tier, so their bytes and queries count nowhere: only fs's 4 chunks of
+    writes (8 blocks) and the primary's lookups (6 queries, 2 hits -> 12 blocks, 4 hits) remain.
+    ``vllm:kv_block_*_seconds`` (--kv-cache-metrics, v1/metrics/loggers.py) map to nothing."""
+    def text(n):
+        tiers = ("1:fs", "2:kvcr", "3:example", "4:MyTier")
+        lines = [f'vllm:kv_offload_config_info{{{E},cpu_num_chunks="8",cpu_blocks_per_chunk='
+                 f'"2",cpu_kv_cache_size_bytes="8192",cpu_kv_cache_size_tokens="None",'
+                 f'tier="0:primary"}} 1.0',
+                 f'vllm:kv_offload_tiering_chunk_queries_total{{{E},tier="0:primary"}} {6 * n}',
+                 f'vllm:kv_offload_tiering_chunk_hits_total{{{E},tier="0:primary"}} {2 * n}']
+        for tier in tiers:
+            lines += [f'vllm:kv_offload_tiering_write_bytes_total{{{E},tier="{tier}"}} {4096 * n}',
+                      f'vllm:kv_offload_tiering_chunk_queries_total{{{E},tier="{tier}"}} {5 * n}']
+        lines += [f'vllm:kv_block_{name}_seconds_bucket{{{E},le="+Inf"}} {n}'
+                  for name in ("lifetime", "idle_before_evict", "reuse_gap")]
+        return "\n".join(lines) + "\n"
+
+    mapper = MetricsMapper(block_bytes=1024, kv_events_tiers=("gpu",))
+    mapper.map(parse(text(1)), 1.0)
+    events = mapper.map(parse(text(2)), 2.0)
+    (lookup,) = [e for e in events if isinstance(e, ev.Lookup)]
+    assert (lookup.blocks, lookup.block_hits) == (12, {"cpu": 4, "disk": 0})
+    assert _transfers(events) == {("cpu", "disk", 8, 4096, False, True): 1}
+    assert len(events) == 2
+
+
+def test_spread_keeps_each_observation_in_its_bucket_and_the_sum():
+    """Buckets (0, 1], (1, 2], (2, +Inf), one observation each. Sum 10: the finite buckets hold
+    at most 1 + 2 = 3, so both sit at their tops and the one above every bound is 10 - 3 = 7.
+    Sum 2.5: the lows are 0 + 1 + 2 = 3 > 2.5, so each sits just above its bucket's low (never
+    on the bound below: that would be the lower bucket). Sum 4: lows 3, the finite widths 2 ->
+    half-way, 0.5 and 1.5, and the top one at 2 (4 - 0.5 - 1.5)."""
+    assert spread([1.0, 2.0], [1, 1, 1], 10.0) == [(1.0, 1), (2.0, 1), (7.0, 1)]
+    low = spread([1.0, 2.0], [1, 1, 1], 2.5)
+    assert [v for v, _ in low] == [math.nextafter(0.0, 1), math.nextafter(1.0, 2),
+                                   math.nextafter(2.0, 3)]
+    assert spread([1.0, 2.0], [1, 1, 1], 4.0) == [(0.5, 1), (1.5, 1),
+                                                  (math.nextafter(2.0, 3), 1)]
+    assert spread([1.0, 2.0], [0, 3, 0], 4.5) == [(1.5, 3)]
+
+
+def test_an_absurd_number_of_promotion_times_is_left_out_once_logged(caplog):
+    """A promotion-latency count rising by 10**12 (no vLLM's: one job per tier and step) would
+    make 10**12 events: left out, logged once; the next scrape's 1 more (in (0.1, 0.25]) counts,
+    placed at the sum's 0.2."""
+    def text(count, total):
+        name = "vllm:kv_offload_tiering_promotion_latency_seconds"
+        labels = f'{E},result="success",tier="1:fs"'
+        return (f'{name}_bucket{{{labels},le="0.1"}} 0\n'
+                f'{name}_bucket{{{labels},le="0.25"}} {count}\n'
+                f'{name}_bucket{{{labels},le="+Inf"}} {count}\n'
+                f'{name}_sum{{{labels}}} {total}\n')
+
+    mapper = MetricsMapper(gpu_snapshot=False)
+    assert mapper.map(parse(text(0, 0.0)), 1.0) == []
+    with caplog.at_level("WARNING"):
+        assert mapper.map(parse(text(10**12, 2e11)), 2.0) == []
+    assert len(caplog.records) == 1
+    (event,) = mapper.map(parse(text(10**12 + 1, 2e11 + 0.2)), 3.0)
+    assert (event.src, event.dst, event.timed) == ("disk", "cpu", True)
+    assert event.duration == pytest.approx(0.2, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+def test_the_recorded_expositions_are_what_vllm_prints(name):
+    """Regenerate a file with: <vLLM's python> tests/data/vllm_offload_metrics.py <spec> >
+    tests/data/<name> (the 0.32 environment: scripts/vllm_env.sh; 0.33: --gpu-build)."""
+    version, spec = RECORDED[name]
+    python = vllm_python(gpu_build=version != "0.32.0")
+    printed = subprocess.run([python, str(DATA / "vllm_offload_metrics.py"), spec],
+                             capture_output=True, text=True, env=child_env(), timeout=300)
+    assert printed.returncode == 0, printed.stderr[-4000:]
+    assert printed.stdout.splitlines()[0].startswith(f"# vLLM {version} {spec}:"), \
+        f"{python} is not vLLM {version}"
+    assert printed.stdout == (DATA / name).read_text()
 
 
 class _Exposition:
@@ -184,6 +426,29 @@ def test_a_hostile_exposition_never_stops_the_scraper_nor_breaks_the_metrics(exp
     assert snap.events_dropped == {("vllm_metrics", "invalid"): 1}
     assert snap.source_up == {"vllm_metrics": True}
 
+
+
+def test_absurd_tiering_counters_never_fail_a_scrape(exposition_server):
+    """A CPU tier of 1-byte chunks, then 1.7e308 bytes written to fs, 1.7e308 chunks queried
+    and 1e300 failed jobs: blocks of 1.7e308 x 64 chunks / 1 byte once raised (an integer too
+    large for a float) and failed every scrape. Now both scrapes succeed; the transfer and the
+    lookup are out of bounds (2 dropped as invalid), the failed jobs over MAX_OBSERVATIONS left
+    out."""
+    source = _source(exposition_server)
+    info = ('vllm:kv_offload_config_info{engine="0",tier="0:primary",cpu_num_chunks="64",'
+            'cpu_blocks_per_chunk="2",cpu_kv_cache_size_bytes="1"} 1\n')
+    for n, failed in (("0", "0"), ("1.7e308", "1e300")):
+        exposition_server.body = (
+            info + f'vllm:kv_offload_tiering_write_bytes_total{{engine="0",tier="1:fs"}} {n}\n'
+            f'vllm:kv_offload_tiering_chunk_queries_total{{engine="0",tier="0:primary"}} {n}\n'
+            'vllm:kv_offload_tiering_cascade_job_failures_total{engine="0",tier="1:fs"} '
+            f'{failed}\n')
+        assert source.scrape_once(), n
+    snap = source.pipeline.snapshot()
+    source.shutdown()
+    assert snap.events_dropped == {("vllm_metrics", "invalid"): 2}
+    assert snap.transfer_bytes == {} and snap.transfer_failures == {}
+    assert snap.source_up == {"vllm_metrics": True}
 
 def test_an_answer_without_vllm_series_is_a_failed_scrape(exposition_server):
     """A url that answers 200 with an HTML page, or with another server's metrics (a wrong

@@ -68,9 +68,7 @@ class Agent(Worker):
         span_ttft = (lambda: self.otlp_receiver.last_ttft) if rx.enabled else None
         self.vllm_metrics = (VllmMetricsSource(self.pipeline, vm.url, interval=vm.interval,
                                                mapper=MetricsMapper(
-                                                   vm.block_bytes,
-                                                   gpu_snapshot="gpu" not in kv_tiers,
-                                                   stores="cpu" not in kv_tiers),
+                                                   vm.block_bytes, kv_events_tiers=kv_tiers),
                                                span_ttft=span_ttft, span_wait=rx.wait_seconds)
                              if vm.enabled else None)
         self.otlp = (RequestSpanExporter(settings.otlp_endpoint)

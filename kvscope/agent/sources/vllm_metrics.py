@@ -22,6 +22,48 @@ Mapped (vLLM 0.32 names, ``vllm/v1/metrics/loggers.py`` and the offloading conne
   ``TierSnapshot`` gpu, when ``gpu_snapshot`` is on (leave it off when the KV events source
   reports GPU residency; vLLM's usage counts blocks held by running requests only).
 
+Offloading (vLLM 0.33 ``kv_offload/base.py``, ``kv_offload/cpu/common.py``,
+``kv_offload/tiering/{base,spec,metrics}.py``, ``offloading/metrics.py``; the tiering counters
+are 0.32's too). ``kv_events_tiers`` names the tiers the agent's KV events source reports: what
+it sees is left to it, so that nothing counts twice.
+
+- ``vllm:kv_offload_config_info`` (0.33), the series whose ``cpu_num_chunks``,
+  ``cpu_blocks_per_chunk`` and ``cpu_kv_cache_size_bytes`` are numbers (the CPU tier's: plain,
+  or ``tier="0:primary"`` under tiering) -> ``TierSnapshot`` cpu with the capacity only
+  (chunks x blocks per chunk, vLLM's bytes, every engine's added up) and nothing resident, sent
+  only when the KV events source reports cpu (its snapshot holds the residency, and the
+  pipeline adds the two up); the blocks per chunk also turn the chunk counts below into blocks.
+- The tiering ``tier`` label is ``<index>:<type>``; :data:`TIER_TYPES` maps the type (``primary``
+  -> cpu, ``fs`` -> disk, ``obj`` and ``p2p`` -> remote); tiers of other types (``example``,
+  ``kvcr``, out-of-tree classes) are left out.
+- ``vllm:kv_offload_tiering_read_bytes_total{tier}`` / ``..._write_bytes_total{tier}`` ->
+  untimed ``Transfer`` <tier>->cpu / cpu-><tier> (blocks from the chunk size of
+  ``config_info``, else from ``block_bytes``); the reads only when the KV events source does
+  not report cpu, the writes only when it does not report disk (it sees those promotions and
+  stores, and names every STORAGE tier disk).
+- ``vllm:kv_offload_tiering_chunk_queries_total{tier}`` / ``..._chunk_hits_total{tier}`` (one
+  query per chunk and tier, a tier asked only when the tiers before it missed) -> the
+  aggregate ``Lookup``'s ``blocks`` (the primary tier's queries) and ``block_hits`` by tier, in
+  blocks (needs ``config_info``); only with ``gpu_snapshot`` off, as the agent would otherwise
+  take this source's GPU tier as consulted, missed by every block.
+- ``vllm:kv_offload_tiering_promotion_latency_seconds{tier,result="success"}`` (0.33; from the
+  promotion job's creation to its completion, queueing included) -> one timed ``Transfer``
+  <tier>->cpu of no bytes per observation (bucket deltas; each placed inside its vLLM bucket:
+  :func:`spread`), for ``kvscope_transfer_seconds``: its sum is vLLM's, and so are its buckets
+  from 5 ms up, as each holds whole vLLM buckets (vLLM's first one is (0, 5 ms]).
+- ``vllm:kv_offload_tiering_promotion_job_failures_total{tier}`` /
+  ``..._cascade_job_failures_total{tier}`` -> one failed ``Transfer`` <tier>->cpu / cpu-><tier>
+  per job (reason ``unknown``: vLLM does not say why).
+
+Left out (no kvscope metric fits them without counting something twice; vLLM exports them
+itself): the lookup delays (``lookup_{sync,async}_delay_seconds``, plain and tiering),
+``allocation_failure``, ``stores_skipped``, ``tiering_promotion_allocation_failures`` and
+``tiering_backpressure_*`` (stores never made), the in-flight gauges (``*_usage_perc``,
+``active_*_jobs``), the tiers' read and write times (sums only), and ``--kv-cache-metrics``'
+``vllm:kv_block_{lifetime,idle_before_evict,reuse_gap}_seconds`` (sampled GPU blocks: kvscope's
+residency histogram comes with evictions the KV events source counts, and per-block reuse
+cannot be rebuilt from totals).
+
 Parsing (:func:`parse`) and mapping (:class:`MetricsMapper`) do no I/O. The source scrapes with
 httpx every ``interval`` seconds; a failed scrape sets ``kvscope_source_up{source="vllm_metrics"}``
 to 0 and the next good one back to 1.
@@ -35,7 +77,7 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import httpx
 
@@ -47,6 +89,9 @@ log = logging.getLogger(__name__)
 NAME = "vllm_metrics"
 SOURCE_TIER = {"device": "gpu", "host": "cpu", "disk": "disk", "p2p": "cpu",
                "external_unspecified": "cpu"}
+# vLLM's tier types (TieringOffloadingSpec's ``secondary_tiers[].type``, registered in
+# ``kv_offload/tiering/factory.py``; the CPU tier is ``primary``) -> kvscope's tiers
+TIER_TYPES = {"primary": "cpu", "fs": "disk", "obj": "remote", "p2p": "remote"}
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -87,32 +132,87 @@ def _series(samples: Samples, name: str, **labels) -> dict[frozenset, float]:
     return {ls: v for (n, ls), v in samples.items() if n == name and want <= ls}
 
 
-BUCKET = "vllm:time_to_first_token_seconds_bucket"
-SUM = "vllm:time_to_first_token_seconds_sum"
+def tier_of(label: str) -> str | None:
+    """kvscope's tier of vLLM's tiering ``tier`` label (``"1:fs"``: disk), None for another."""
+    return TIER_TYPES.get(label.partition(":")[2])
+
+
+def spread(bounds: list[float], counts: list[int], total: float) -> list[tuple[float, int]]:
+    """``(value, n)`` standing for the observations of a histogram's buckets (``bounds``: the
+    finite upper bounds, ascending; ``counts``: per bucket, the last one above every bound;
+    ``total``: their sum): each value lies inside its bucket, ``lower < value <= upper``, at the
+    same fraction of every finite bucket, chosen so that the values add up to ``total`` where the
+    buckets allow it (what the finite buckets cannot hold goes to the ones above every bound).
+    Pure."""
+    lows = [0.0, *bounds]
+    low_sum = sum(n * low for n, low in zip(counts, lows))
+    width = sum(n * (high - low) for n, low, high in zip(counts, lows, bounds))
+    share = 1.0 if width <= 0 else min(1.0, max(0.0, (total - low_sum) / width))
+    out = []
+    for n, low, high in zip(counts, lows, bounds):
+        if n:
+            out.append((min(high, max(math.nextafter(low, math.inf),
+                                      low + share * (high - low))), n))
+    if len(counts) > len(bounds) and counts[-1]:
+        n, low = counts[-1], lows[-1]
+        excess = max(0.0, total - low_sum - share * width)
+        out.append((max(math.nextafter(low, math.inf), low + excess / n), n))
+    return out
+
+
+TTFT = "vllm:time_to_first_token_seconds"
+CONFIG_INFO = "vllm:kv_offload_config_info"
+_TIERING = "vllm:kv_offload_tiering_"
+READ_BYTES, WRITE_BYTES = _TIERING + "read_bytes_total", _TIERING + "write_bytes_total"
+CHUNK_QUERIES, CHUNK_HITS = _TIERING + "chunk_queries_total", _TIERING + "chunk_hits_total"
+PROMOTION_LATENCY = _TIERING + "promotion_latency_seconds"
+PROMOTION_FAILURES = _TIERING + "promotion_job_failures_total"
+CASCADE_FAILURES = _TIERING + "cascade_job_failures_total"
+# Events one scrape may make of observations and failed jobs (one each): vLLM makes a promotion
+# job per tier and step at most, hundreds per scrape; far more is no vLLM's, and is left out.
+MAX_OBSERVATIONS = 20_000
 
 
 class MetricsMapper:
     """Turns successive scrapes into kvscope events. ``block_bytes``: KV bytes per block (0:
-    unknown). ``gpu_snapshot``: report GPU usage as a TierSnapshot. ``stores``: report
-    gpu->cpu offloads. Not thread-safe.
+    unknown). ``kv_events_tiers``: the tiers the agent's KV events source reports (see the
+    module). ``gpu_snapshot``: report GPU usage as a TierSnapshot; ``stores``: report gpu->cpu
+    offloads; each None: as ``kv_events_tiers`` has it (gpu, resp. cpu, not among them). Not
+    thread-safe.
 
     A counter's increase is taken per series (one per vLLM engine and label set) and then
-    added up, so a series missing from a scrape is no reset of the sum. Baselines are kept for
-    :data:`MAX_SERIES` series; past that, only the latest scrape's (a series that comes back
-    then starts over from its value)."""
+    added up, so a series missing from a scrape is no reset of the sum. A series seen for the
+    first time is a baseline, but for the tiering ones, which vLLM makes at their first
+    observation (``offloading/metrics.py``, ``_get_prometheus_metric``): one of those that
+    appears on an engine the scrape before saw counts from 0 (a tier's first failed job is
+    counted). Baselines are kept for :data:`MAX_SERIES` series; past that, only the latest
+    scrape's (a series that comes back then starts over from its value, and from then on every
+    new series is a baseline)."""
 
-    def __init__(self, block_bytes: int = 0, gpu_snapshot: bool = True,
-                 stores: bool = True) -> None:
+    def __init__(self, block_bytes: int = 0, gpu_snapshot: bool | None = None,
+                 stores: bool | None = None, kv_events_tiers: Iterable[str] = ()) -> None:
+        told = frozenset(kv_events_tiers)
         self.block_bytes = block_bytes
-        self.gpu_snapshot = gpu_snapshot
-        self.stores = stores
+        self.gpu_snapshot = "gpu" not in told if gpu_snapshot is None else gpu_snapshot
+        self.stores = "cpu" not in told if stores is None else stores
+        # the CPU tier's capacity, beside the KV events source's residency of it
+        self.cpu_capacity = "cpu" in told
+        # bytes into the CPU tier from a lower one (KV events see those promotions) and out
+        # of it into a lower one (KV events see those stores, every STORAGE tier as disk)
+        self.tier_promotions = "cpu" not in told
+        self.tier_offloads = "disk" not in told
         self._last: dict[tuple, float] = {}
         self._seen: dict[tuple, float] = {}
+        # the engine labels of the scrape before (None once baselines were dropped: MAX_SERIES)
+        self._engines: frozenset | None = frozenset()
+        self._engines_before: frozenset | None = frozenset()
         # cached prompt tokens not yet matched by vllm:prompt_tokens (<= 0): see _lookup
         self._unmatched = 0
-        # per engine (labels but le), its TTFT bucket bounds, and other bounds seen once: _ttft
-        self._ttft_bounds: dict[frozenset, frozenset] = {}
-        self._ttft_pending: dict[frozenset, frozenset] = {}
+        # per (histogram, engine: labels but le), its bucket bounds, and other bounds seen
+        # once: _read_as_before
+        self._bounds: dict[tuple[str, frozenset], frozenset] = {}
+        self._pending: dict[tuple[str, frozenset], frozenset] = {}
+        self._too_many_logged = False
 
     def _increase(self, samples: Samples, name: str, **labels) -> float | None:
         """The sum over ``name``'s series carrying ``labels`` of their increase since the last
@@ -120,7 +220,10 @@ class MetricsMapper:
         its value); None when there is no such series."""
         return self._increase_of(name, _series(samples, name, **labels))
 
-    def _increase_of(self, name: str, series: dict[frozenset, float]) -> float | None:
+    def _increase_of(self, name: str, series: dict[frozenset, float],
+                     lazy: bool = False) -> float | None:
+        """See :meth:`_increase`; ``lazy``: vLLM makes these series at their first observation,
+        so one first seen on an engine the scrape before saw counts from 0 (see the class)."""
         if not series:
             return None
         total = 0.0
@@ -130,26 +233,56 @@ class MetricsMapper:
             self._seen[key] = value
             if last is not None:
                 total += value if value < last else value - last
+            elif lazy and self._engines_before and dict(ls).get("engine") in self._engines_before:
+                total += value
         return total
+
+    def _by_tier(self, samples: Samples, name: str) -> dict[tuple[str, str | None], float]:
+        """The increases of tiering counter ``name`` by (kvscope tier, engine label), for the
+        series whose ``tier`` kvscope maps (every series' baseline is kept)."""
+        out: dict[tuple[str, str | None], float] = {}
+        for ls, value in _series(samples, name).items():
+            labels = dict(ls)
+            increase = self._increase_of(name, {ls: value}, lazy=True)
+            tier = tier_of(labels.get("tier", ""))
+            if tier is not None and increase:
+                key = (tier, labels.get("engine"))
+                out[key] = out.get(key, 0.0) + increase
+        return out
 
     def map(self, samples: Samples, ts: float) -> list:
         self._seen = {}
+        if self._engines is not None:
+            self._engines_before = self._engines
+            self._engines = frozenset(dict(ls).get("engine") for _, ls in samples) - {None}
         out: list = []
-        lookup = self._lookup(samples, ts)
-        if lookup is not None:
-            out.append(lookup)
+        chunks = self._cpu_chunks(samples)
+        tokens = self._lookup(samples)
+        tiers = self._tier_lookups(samples, chunks) if not self.gpu_snapshot else None
+        if tokens or tiers:
+            blocks, hits = tiers or (0, {})
+            out.append(ev.Lookup(ts=ts, request_id="", tokens=tokens, blocks=blocks,
+                                 block_hits=hits))
         out += self._transfers(samples, ts)
+        out += self._tiering(samples, ts, chunks)
         hist = self._ttft(samples, ts)
         if hist is not None:
             out.append(hist)
         if self.gpu_snapshot:
             out += self._gpu(samples, ts)
+        if self.cpu_capacity and chunks:
+            out.append(ev.TierSnapshot(
+                ts=ts, tier="cpu", capacity_bytes=sum(c[2] for c in chunks.values()),
+                resident_bytes=0, capacity_blocks=sum(c[0] * c[1] for c in chunks.values()),
+                resident_blocks=0))
         self._last.update(self._seen)
         if len(self._last) > MAX_SERIES:  # series come and go by label: keep the current ones
             self._last = self._seen
+            self._engines = self._engines_before = None  # a new series may be an old one
         return out
 
-    def _lookup(self, samples: Samples, ts: float) -> ev.Lookup | None:
+    def _lookup(self, samples: Samples) -> dict[str, int]:
+        """The prompt tokens of this scrape by source (those with tokens)."""
         prompt = self._increase(samples, "vllm:prompt_tokens_total") or 0.0
         tokens: dict[str, int] = {}
         cached = "vllm:prompt_tokens_cached_by_source_total"
@@ -172,10 +305,40 @@ class MetricsMapper:
         owed = int(prompt) - cached_now + self._unmatched
         tokens["recompute"] = max(0, owed)
         self._unmatched = max(min(0, owed), -cached_now)
-        tokens = {k: v for k, v in tokens.items() if v > 0}
-        if not tokens:
+        return {k: v for k, v in tokens.items() if v > 0}
+
+    def _cpu_chunks(self, samples: Samples) -> dict[str | None, tuple[int, int, int]]:
+        """The CPU tier of each engine from ``vllm:kv_offload_config_info``: (chunks, blocks
+        per chunk, bytes), by engine label. Series of other tiers (their cpu_ labels empty)
+        and values that are no numbers are left out."""
+        out: dict[str | None, tuple[int, int, int]] = {}
+        for ls in _series(samples, CONFIG_INFO):
+            labels = dict(ls)
+            try:
+                shape = tuple(int(labels[key]) for key in (
+                    "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes"))
+            except (KeyError, ValueError):
+                continue
+            if shape[0] >= 0 and shape[1] >= 1 and shape[2] >= 0:
+                out[labels.get("engine")] = shape
+        return out
+
+    def _tier_lookups(self, samples: Samples, chunks: dict) -> tuple[int, dict[str, int]] | None:
+        """(blocks, block hits by tier) of the tiering lookups of this scrape: the primary
+        tier's chunk queries, and each tier's hits (every tier queried named, 0 hits too, so
+        that the agent counts its misses), in blocks; None without any."""
+        queries = self._by_tier(samples, CHUNK_QUERIES)
+        hits = self._by_tier(samples, CHUNK_HITS)
+        blocks: dict[str, int] = {}
+        found: dict[str, int] = {}
+        for into, counts in ((blocks, queries), (found, hits)):
+            for (tier, engine), n in counts.items():
+                shape = chunks.get(engine)
+                if shape is not None:
+                    into[tier] = into.get(tier, 0) + int(n) * shape[1]
+        if blocks.get("cpu", 0) <= 0:
             return None
-        return ev.Lookup(ts=ts, request_id="", tokens=tokens)
+        return blocks["cpu"], {tier: found.get(tier, 0) for tier in blocks}
 
     def _transfers(self, samples: Samples, ts: float) -> list:
         out = []
@@ -194,67 +357,140 @@ class MetricsMapper:
                                        duration=0.0, timed=False))
         return out
 
+    def _tiering(self, samples: Samples, ts: float, chunks: dict) -> list:
+        """Transfers between the CPU tier and the tiers below it: bytes, promotion times,
+        failed jobs."""
+        out: list = []
+        moved: dict[tuple[str, str], list[int]] = {}  # (src, dst) -> [blocks, bytes]
+        for name, promotion, wanted in ((READ_BYTES, True, self.tier_promotions),
+                                        (WRITE_BYTES, False, self.tier_offloads)):
+            if not wanted:
+                continue
+            for (tier, engine), value in self._by_tier(samples, name).items():
+                if tier == "cpu":
+                    continue
+                nbytes = int(value)
+                shape = chunks.get(engine)
+                if shape is not None and shape[0] > 0 and shape[2] > 0:  # whole chunks
+                    blocks = (nbytes * shape[0] + shape[2] // 2) // shape[2] * shape[1]
+                else:
+                    blocks = nbytes // self.block_bytes if self.block_bytes else 0
+                both = moved.setdefault((tier, "cpu") if promotion else ("cpu", tier), [0, 0])
+                both[0] += blocks
+                both[1] += nbytes
+        for (src, dst), (blocks, nbytes) in moved.items():
+            out.append(ev.Transfer(ts=ts, src=src, dst=dst, blocks=blocks, bytes=nbytes,
+                                   duration=0.0, timed=False))
+        # failed jobs, then promotion times: one event each
+        many: list[tuple[ev.Transfer, int]] = []
+        for name, promotion in ((PROMOTION_FAILURES, True), (CASCADE_FAILURES, False)):
+            for (tier, _), n in self._by_tier(samples, name).items():
+                if tier != "cpu":
+                    src, dst = (tier, "cpu") if promotion else ("cpu", tier)
+                    many.append((ev.Transfer(ts=ts, src=src, dst=dst, blocks=0, bytes=0,
+                                             duration=0.0, ok=False, reason="unknown",
+                                             timed=False), int(n)))
+
+        def succeeded(labels: dict) -> str | None:
+            tier = tier_of(labels.get("tier", ""))
+            return tier if labels.get("result") == "success" and tier != "cpu" else None
+
+        for tier, (bounds, counts, total) in self._histograms(
+                PROMOTION_LATENCY, samples, succeeded, lazy=True).items():
+            for duration, n in spread(bounds, counts, total):
+                many.append((ev.Transfer(ts=ts, src=tier, dst="cpu", blocks=0, bytes=0,
+                                         duration=duration), n))
+        if sum(n for _, n in many) > MAX_OBSERVATIONS:
+            if not self._too_many_logged:
+                self._too_many_logged = True
+                log.warning("vLLM metrics: a scrape has over %d tiering job failures and "
+                            "promotion times; they are left out (logged once)",
+                            MAX_OBSERVATIONS)
+            return out
+        for event, n in many:
+            out += [event] * n
+        return out
+
     def _ttft(self, samples: Samples, ts: float) -> ev.LatencyHistogram | None:
+        hist = self._histograms(TTFT, samples, lambda labels: "ttft").get("ttft")
+        if hist is None or not any(hist[1]):
+            return None
+        bounds, counts, total = hist
+        return ev.LatencyHistogram(ts=ts, metric="ttft", bounds=bounds, counts=counts, sum=total)
+
+    def _histograms(self, name: str, samples: Samples, group: Callable[[dict], str | None],
+                    lazy: bool = False) -> dict[str, tuple]:
+        """``{group: (bounds, counts, sum)}``: the increases since the last scrape of histogram
+        ``name``'s series, added up over the engines (each: its labels but ``le``) that
+        ``group`` gives that key (None: left out). ``bounds``: the finite bucket bounds,
+        ascending; ``counts``: per bucket (not cumulative), the last one above every bound;
+        ``sum``: of the observations counted. A bucket bound that is no number leaves the
+        histogram out. ``lazy``: see :meth:`_increase_of`."""
+        bucket, sum_name = f"{name}_bucket", f"{name}_sum"
         engines: dict[frozenset, dict[float, frozenset]] = {}  # labels but le -> le -> series
-        for ls in _series(samples, BUCKET):
+        for ls in _series(samples, bucket):
             labels = dict(ls)
             try:
                 bound = float(labels.pop("le", "+Inf"))
             except ValueError:  # not a bucket bound: not a histogram we can read
-                return None
+                return {}
             if math.isnan(bound):
-                return None
+                return {}
             engines.setdefault(frozenset(labels.items()), {})[bound] = ls
-        sums = _series(samples, SUM)  # by engine: its labels are the buckets' but le
-        by_bound: dict[float, dict[frozenset, float]] = {}  # le -> its series (one per engine)
-        counted: dict[frozenset, float] = {}  # the sums of the engines counted
+        sums = _series(samples, sum_name)  # by engine: its labels are the buckets' but le
+        # group -> (le -> its series (one per engine), the sums of the engines counted)
+        groups: dict[str, tuple[dict[float, dict[frozenset, float]], dict]] = {}
         for engine, series in engines.items():
-            if self._read_as_before(engine, series, samples):
+            key = group(dict(engine))
+            if key is None:
+                continue
+            if self._read_as_before(name, engine, series, samples):
+                by_bound, counted = groups.setdefault(key, ({}, {}))
                 for bound, ls in series.items():
-                    by_bound.setdefault(bound, {})[ls] = samples[(BUCKET, ls)]
+                    by_bound.setdefault(bound, {})[ls] = samples[(bucket, ls)]
                 if engine in sums:
                     counted[engine] = sums[engine]
-        if len(self._ttft_bounds) > MAX_SERIES:  # engines come and go: keep the current ones
-            self._ttft_bounds = {e: b for e, b in self._ttft_bounds.items() if e in engines}
-            self._ttft_pending = {e: b for e, b in self._ttft_pending.items() if e in engines}
-        if not by_bound:
-            return None
-        bounds = sorted(by_bound)
-        deltas = [self._increase_of(BUCKET, by_bound[b]) or 0.0 for b in bounds]
-        total = self._increase_of(SUM, counted) or 0.0
-        counts, previous = [], 0.0
-        for d in deltas:  # cumulative deltas -> per-bucket counts
-            counts.append(int(max(0.0, d - previous)))
-            previous = max(previous, d)
-        if not any(counts):
-            return None
-        finite = [b for b in bounds if not math.isinf(b)]
-        return ev.LatencyHistogram(ts=ts, metric="ttft", bounds=finite,
-                                   counts=counts[:len(finite)] + [sum(counts[len(finite):])],
-                                   sum=total)
+        if len(self._bounds) > MAX_SERIES:  # engines come and go: keep the current ones
+            def current(key: tuple[str, frozenset]) -> bool:
+                return key[0] != name or key[1] in engines
+            self._bounds = {k: b for k, b in self._bounds.items() if current(k)}
+            self._pending = {k: b for k, b in self._pending.items() if current(k)}
+        out = {}
+        for key, (by_bound, counted) in groups.items():
+            bounds = sorted(by_bound)
+            deltas = [self._increase_of(bucket, by_bound[b], lazy) or 0.0 for b in bounds]
+            total = self._increase_of(sum_name, counted, lazy) or 0.0
+            counts, previous = [], 0.0
+            for d in deltas:  # cumulative deltas -> per-bucket counts
+                counts.append(int(max(0.0, d - previous)))
+                previous = max(previous, d)
+            finite = [b for b in bounds if not math.isinf(b)]
+            out[key] = (finite, counts[:len(finite)] + [sum(counts[len(finite):])], total)
+        return out
 
-    def _read_as_before(self, engine: frozenset, series: dict[float, frozenset],
+    def _read_as_before(self, name: str, engine: frozenset, series: dict[float, frozenset],
                         samples: Samples) -> bool:
-        """Whether ``engine``'s TTFT buckets this scrape are the ones it had before (or it is
-        new), so their increases count. Cumulative buckets are read against the last scrape's:
-        one missing (a NaN is dropped) would count its observations in the next bucket up,
-        then again once it is back. Such a scrape counts nothing of that engine and leaves its
-        baselines (and its sum's); the same other buckets twice in a row (vLLM restarted with
-        other buckets) become its new baselines."""
-        bounds, before = frozenset(series), self._ttft_bounds.get(engine)
+        """Whether ``engine``'s buckets of histogram ``name`` this scrape are the ones it had
+        before (or it is new), so their increases count. Cumulative buckets are read against
+        the last scrape's: one missing (a NaN is dropped) would count its observations in the
+        next bucket up, then again once it is back. Such a scrape counts nothing of that engine
+        and leaves its baselines (and its sum's); the same other buckets twice in a row (vLLM
+        restarted with other buckets) become its new baselines."""
+        bounds, before = frozenset(series), self._bounds.get((name, engine))
         if before is None or bounds == before:
-            self._ttft_bounds[engine] = bounds
-            self._ttft_pending.pop(engine, None)
+            self._bounds[(name, engine)] = bounds
+            self._pending.pop((name, engine), None)
             return True
-        if self._ttft_pending.get(engine) != bounds:
-            self._ttft_pending[engine] = bounds
+        if self._pending.get((name, engine)) != bounds:
+            self._pending[(name, engine)] = bounds
             return False
         # baselines only: nothing counted
-        self._increase_of(BUCKET, {ls: samples[(BUCKET, ls)] for ls in series.values()})
-        if (SUM, engine) in samples:  # its sum's baseline too
-            self._increase_of(SUM, {engine: samples[(SUM, engine)]})
-        self._ttft_bounds[engine] = bounds
-        del self._ttft_pending[engine]
+        bucket, sum_name = f"{name}_bucket", f"{name}_sum"
+        self._increase_of(bucket, {ls: samples[(bucket, ls)] for ls in series.values()})
+        if (sum_name, engine) in samples:  # its sum's baseline too
+            self._increase_of(sum_name, {engine: samples[(sum_name, engine)]})
+        self._bounds[(name, engine)] = bounds
+        del self._pending[(name, engine)]
         return False
 
     def _gpu(self, samples: Samples, ts: float) -> list:
