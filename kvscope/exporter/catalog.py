@@ -71,7 +71,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _counter("kvscope_transfer_blocks_total", "KV blocks copied between tiers.", ["src", "dst"]),
     _histogram("kvscope_transfer_seconds",
                "Measured duration of one batched transfer between tiers; exemplars carry the "
-               "request's trace id.", ["src", "dst"], "seconds", TRANSFER_SECONDS_BUCKETS),
+               "request's trace id. vLLM's /metrics time a promotion into the cpu tier from "
+               "its job's creation, queueing included.", ["src", "dst"], "seconds",
+               TRANSFER_SECONDS_BUCKETS),
     _counter("kvscope_transfer_failures_total",
              "Transfers that failed, by reason (" + ", ".join(FAILURE_REASONS) + "); 0 for each "
              "reason of a direction that has transferred.", ["src", "dst", "reason"]),
