@@ -107,6 +107,27 @@ def test_cpu_stores_of_blocks_on_disk_are_promotions_not_offloads():
                                                                       "disk": 5}
 
 
+
+def test_storage_events_are_disk_whatever_their_ownership_or_locality():
+    """vLLM's ``BlockStored``/``BlockRemoved`` carry ``locality`` and ``ownership``
+    (0.32 and 0.33 ``distributed/kv_events.py``), but ``ownership`` names no tier type: only the
+    kvcr tier sets it, to "kvcr" (``kv_offload/tiering/kvcr/manager.py``); fs and obj both
+    publish STORAGE with no ownership (``tiering/fs/manager.py``, ``tiering/obj/manager.py``),
+    p2p publishes nothing. So every STORAGE block is the disk tier's: stores 7 (kvcr), 8
+    (locality REMOTE) and 9 -> cpu->disk 3, disk resident 3; the removal of 8 -> 2."""
+    r = KvResidency(tiers=["disk"])
+    out = r.apply(1.0, decode(payload(
+        {**stored([7], "STORAGE"), "ownership": "kvcr"},
+        {**stored([8], "STORAGE"), "locality": "REMOTE"}, stored([9], "STORAGE")))[1])
+    assert [(e.src, e.dst, e.blocks) for e in out if isinstance(e, ev.Transfer)] == [
+        ("cpu", "disk", 3)]
+    assert [(e.tier, e.resident_blocks) for e in out if isinstance(e, ev.TierSnapshot)] == [
+        ("disk", 3)]
+    out = r.apply(2.0, decode(payload({**removed([8], "STORAGE"), "locality": "REMOTE",
+                                       "ownership": None}))[1])
+    assert [(e.tier, e.resident_blocks) for e in out if isinstance(e, ev.TierSnapshot)] == [
+        ("disk", 2)]
+
 def test_tiers_limit_what_the_source_reports():
     """``tiers = ["gpu"]`` (the setting beside kvscope's tap): the same stream as above yields
     only the GPU tier: its residency and evictions, no transfers, nothing about cpu or disk.

@@ -89,6 +89,8 @@ from kvscope.agent.worker import Worker
 log = logging.getLogger(__name__)
 NAME = "kv_events"
 TIERS = ("gpu", "cpu", "disk")
+# Every STORAGE tier is disk: an event's ``ownership`` names no tier type (only vLLM's kvcr
+# tier sets it, to "kvcr"; fs and obj tiers leave it None), so obj reads as disk here.
 MEDIUM_TIER = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
 _OFFLOAD_FROM = {"cpu": "gpu", "disk": "cpu"}
 _MAPPED_TRANSFERS = (("gpu", "cpu"), ("disk", "cpu"), ("cpu", "disk"))  # what this source sends
