@@ -175,7 +175,8 @@ assert tap3.unseen_evictions == 8, tap3.unseen_evictions
 # key loaded once; three new keys (an untracked store) evict all three. Every chunk is counted
 # (3), the untracked one unmeasured; each tracked one stands for 2 in the histograms (weight 2),
 # by its loads. Three more new keys evict those three 10 ms later: unmeasured evictions are
-# summed for 50 ms, so they go out as one event, at shutdown here.
+# summed for 50 ms, so they go out as one event, from the emitter's tick once that is over
+# (not before it, and not at the scheduler step's end).
 sent.clear()
 pool = [bytes([200 + i]) * 12 for i in range(40)]
 tracked = [k for k in pool if hash(k) % 2 == 0][:2]
@@ -191,11 +192,17 @@ for clock5[0], batch in ((110.0, untracked[1:4]), (110.01, untracked[4:7])):
     assert len(tap5.prepare_store(batch, ctx).evicted_keys) == 3
     tap5.complete_store(batch, ctx)
 clock5[0] = 110.02
-tap5.shutdown()  # the last word: what was summed, and the tier as it ends
+class Step:
+    new_req_ids = []; preempted_req_ids = ()
+tap5.on_schedule_end(Step()); tap5.tick()
+assert len([e for e in sent if isinstance(e, ev.Eviction)]) == 3, sent
+clock5[0] = 110.06
+tap5.tick()
+tap5.shutdown()  # the last word: the tier as it ends
 evictions = [(e.ts, e.blocks, e.measured, e.weight, e.hits, e.age) for e in sent
              if isinstance(e, ev.Eviction)]
 assert sorted(evictions) == [(110.0, 1, False, 1, 0, 0.0), (110.0, 1, True, 2, 0, 10.0),
-                             (110.0, 1, True, 2, 1, 10.0), (110.02, 3, False, 1, 0, 0.0)], evictions
+                             (110.0, 1, True, 2, 1, 10.0), (110.06, 3, False, 1, 0, 0.0)], evictions
 snapshot = [e for e in sent if isinstance(e, ev.TierSnapshot)][-1]
 assert snapshot.resident_blocks == 3 and tap5.errors == 0, (snapshot, tap5.errors)
 # while vLLM is idle the emitter's thread calls tick(): a changed tier is reported, at most

@@ -18,8 +18,10 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
   manager also removals in ``take_events``) with each chunk's age and the loads it served.
   Every chunk is counted; ages and loads are tracked for the chunks of 1 in ``sample_one_in``
   stores (chosen by the hash of the store's first key), whose evictions carry that ``weight``;
-  the others are sent unmeasured, summed over at most ``UNMEASURED_EVERY`` seconds (and at each
-  scheduler step's end). Per-chunk bookkeeping in a map as large as the tier was most of the
+  the others are sent unmeasured, summed over at most ``UNMEASURED_EVERY`` seconds (sent by the
+  next eviction or :meth:`TapManager.tick`, so vLLM idling keeps none back; one event per
+  scheduler step cost the ``connector`` sequence of bench/tap_overhead.py about 5 us per
+  request). Per-chunk bookkeeping in a map as large as the tier was most of the
   tap's cost (bench/tap_overhead.py); a sample keeps the map small. With a tiering manager
   every chunk is tracked (its keys decide what a lower tier holds);
   lower tiers' removals from ``take_events`` (only when vLLM's KV events are enabled: only then
@@ -53,6 +55,7 @@ import itertools
 import logging
 import re
 import sys
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable
@@ -157,6 +160,7 @@ class TapManager(OffloadingManager):
         self._chunks = 0  # resident chunks, every one counted
         self._unmeasured: Counter[str] = Counter()  # untracked chunks evicted, unsent, by reason
         self._unmeasured_at = 0.0  # when to send them at the latest
+        self._unmeasured_lock = threading.Lock()  # tick() sends them from the emitter's thread
         # tiering only: resident keys a lower tier also holds, and CPU evictions held until the
         # step's take_events (key lists with their stored-at times and hits; one step's worth)
         self._below: set[bytes] = set()
@@ -291,8 +295,6 @@ class TapManager(OffloadingManager):
             if self._held and not self._took_events:
                 self._release(())
             self._took_events = False
-            if self._unmeasured:
-                self._send_unmeasured(self._clock())
             self._schedule_end(context.new_req_ids)
         except Exception as exc:
             self._failed("on_schedule_end", exc)
@@ -304,7 +306,7 @@ class TapManager(OffloadingManager):
             now, untracked = self._clock(), self._chunks - len(self._resident)
             self._evict(list(self._resident), "cpu", "cleared", now)
             if untracked > 0:
-                self._unmeasured["cleared"] += untracked
+                self._unmeasure("cleared", untracked)
             self._send_unmeasured(now)
             self._chunks = 0
             self._hits.clear()
@@ -338,6 +340,8 @@ class TapManager(OffloadingManager):
             if now >= self._next_snapshot and (self._chunks != self._reported
                                                or now >= self._refresh_at):
                 self._snapshot(now)
+            if self._unmeasured and now >= self._unmeasured_at:
+                self._send_unmeasured(now)
         except Exception as exc:
             self._failed("tick", exc)
 
@@ -458,7 +462,7 @@ class TapManager(OffloadingManager):
         popped = list(map(resident.pop, keys, itertools.repeat(0.0, n)))
         stored = list(itertools.compress(popped, popped))
         if len(stored) < n:
-            self._unmeasured[reason] += n - len(stored)
+            self._unmeasure(reason, n - len(stored))
             if now >= self._unmeasured_at:
                 self._send_unmeasured(now)
         if stored:
@@ -482,13 +486,18 @@ class TapManager(OffloadingManager):
                 self._evictions(tier, reason, now, list(itertools.compress(stored, pick)),
                                 list(itertools.compress(hits, pick)) if hits else (), offloaded)
 
+    def _unmeasure(self, reason: str, chunks: int) -> None:
+        with self._unmeasured_lock:
+            self._unmeasured[reason] += chunks
+
     def _send_unmeasured(self, now: float) -> None:
         """One unmeasured CPU Eviction per reason for the untracked chunks evicted since the
-        last one."""
-        for reason, chunks in self._unmeasured.items():
+        last one (from vLLM's thread or the emitter's)."""
+        with self._unmeasured_lock:
+            unmeasured, self._unmeasured = self._unmeasured, Counter()
+            self._unmeasured_at = now + UNMEASURED_EVERY
+        for reason, chunks in unmeasured.items():
             self._eviction(now, "cpu", reason, 0, chunks, 0.0, measured=False)
-        self._unmeasured.clear()
-        self._unmeasured_at = now + UNMEASURED_EVERY
 
     def _evictions(self, tier: str, reason: str, now: float, stored: list, hits,
                    offloaded: bool, weight: int = 1) -> None:
