@@ -128,3 +128,15 @@ def test_tiering_manager_cascades_promotions_evictions_and_reset(run):
         assert t["config_info"] == t["inner_config_info"] and t["config_info"][0]["tier"]
         assert t["config_info_keys"] == t["inner_config_info_keys"] and \
             "cpu_num_chunks" in t["config_info_keys"]
+
+
+def test_the_command_lines_in_docs_vllm_md_are_taken_as_written(run):
+    """Every ``--kv-transfer-config`` in docs/vllm.md passes the installed vLLM's
+    ``KVTransferConfig`` and builds kvscope's spec with no key kvscope would warn about, each
+    key not kvscope's reaching the inner spec; among them the 0.33 sync-load example and the
+    tiering (fs) one."""
+    docs = run["docs"]
+    assert docs and all(d["mistakes"] == [] and d["inner_extra"] for d in docs), docs
+    assert any("sync_load_budget_bytes" in d["keys"] for d in docs), docs
+    assert any(d["spec"] == "TieringOffloadingSpec" and "secondary_tiers" in d["keys"]
+               for d in docs), docs

