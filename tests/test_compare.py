@@ -38,10 +38,13 @@ def _mixture(n_low, n_mid, n_high):
     return np.repeat([0.05, 0.09, 0.11], [n_low, n_mid, n_high])
 
 
-def _verdict(tmp_path, baseline, candidate, *extra):
-    b = _capture(tmp_path / "baseline", baseline)
-    c = _capture(tmp_path / "candidate", candidate, cpu_tokens=32)
-    args = ["compare", str(b), str(c), "--json", "--resamples", "1000", *extra]
+def _verdict(tmp_path, baseline, candidate, *extra, runs=1):
+    """``kvscope compare`` arguments for ``runs`` captures per arm, each run holding the given
+    TTFTs (a repeated run that came out the same)."""
+    b = ",".join(str(_capture(tmp_path / f"baseline{i}", baseline)) for i in range(runs))
+    c = ",".join(str(_capture(tmp_path / f"candidate{i}", candidate, cpu_tokens=32))
+                 for i in range(runs))
+    args = ["compare", b, c, "--json", "--resamples", "1000", *extra]
     return args
 
 
@@ -65,14 +68,21 @@ def test_keep_when_every_candidate_ttft_is_under_the_budget(tmp_path, capsys):
 
 
 def test_roll_back_when_every_candidate_ttft_is_over_the_budget(tmp_path, capsys):
-    """Candidate TTFTs run 150-300 ms: every resampled p99 is at least the sample minimum,
-    150 ms, so the whole interval lies above the 100 ms budget -> roll back."""
-    args = _verdict(tmp_path, np.linspace(0.02, 0.06, 400), np.linspace(0.15, 0.3, 400),
-                    "--ttft-budget", str(BUDGET))
+    """Three runs per arm. Candidate TTFTs run 150-300 ms: every resampled p99 is at least the
+    sample minimum, 150 ms, so the whole interval lies above the 100 ms budget, and every
+    candidate value exceeds every baseline one (20-60 ms), so every replicate difference is
+    > 0 -> roll back. The same pair with one run per arm cannot tell that from run-to-run
+    noise -> inconclusive, and it says why."""
+    base, cand = np.linspace(0.02, 0.06, 400), np.linspace(0.15, 0.3, 400)
+    args = _verdict(tmp_path, base, cand, "--ttft-budget", str(BUDGET), runs=3)
     assert main(args) == 0
     verdict = json.loads(capsys.readouterr().out)["verdict"]
     assert verdict["decision"] == ROLL_BACK == "roll back (disable the newest tier)"
-    assert "above the 100 ms budget" in verdict["text"]
+    assert "over the 100 ms budget and significantly worse" in verdict["text"]
+    assert main(_verdict(tmp_path / "one", base, cand, "--ttft-budget", str(BUDGET))) == 0
+    verdict = json.loads(capsys.readouterr().out)["verdict"]
+    assert verdict["decision"] == INCONCLUSIVE and "run-to-run noise" in verdict["text"]
+    assert any("one run per arm" in r for r in verdict["reasons"]), verdict
 
 
 def test_keep_when_over_the_budget_but_better_than_the_baseline(tmp_path, capsys):
@@ -121,14 +131,17 @@ def test_inconclusive_when_the_p99_interval_straddles_the_budget(tmp_path, capsy
 
 
 def test_roll_back_when_the_interval_straddles_but_the_candidate_is_worse(tmp_path, capsys):
-    """Candidate: 980 at 50 ms, 8 at 90 ms, 12 at 110 ms: p99 = 110 ms (> budget), but a
-    resample drawing 9 or fewer 110 ms requests (Binomial(1000, 0.012), P = 0.24) has p99 <=
-    90.2 ms, so the interval straddles the budget. Baseline: 40-50 ms, p99 under 50 ms. A
-    candidate resample's p99 stays at 50 ms or less only if it draws 10 or fewer of the 20
-    slow requests (Binomial(1000, 0.02), P = 0.01 < 2.5%), so the difference interval lies
-    above 0: over budget by the estimate and significantly worse -> roll back."""
+    """Three identical runs per arm, so a replicate pools 3 x 1000 requests drawn from one
+    run's. Candidate: 980 at 50 ms, 8 at 90 ms, 12 at 110 ms per run: p99 (linear, position
+    2969.01 of the pooled 3000, whose top 36 are 110 ms) = 110 ms (> budget), but a replicate
+    drawing K <= 30 of them (K ~ Binomial(3000, 0.012), mean 36, sd 5.96: P(K <= 30) ~ 0.18)
+    has p99 <= 90.2 ms, so the interval straddles the budget. Baseline: 40-50 ms, p99 under
+    50 ms. A candidate replicate's p99 stays at 50 ms or less only if it draws 30 or fewer of
+    the slow requests (Binomial(3000, 0.02), mean 60, sd 7.7: P ~ 1e-4 < 2.5%), so the
+    difference interval lies above 0: over budget by the estimate and significantly worse ->
+    roll back."""
     args = _verdict(tmp_path, np.linspace(0.04, 0.05, 1000), _mixture(980, 8, 12),
-                    "--ttft-budget", str(BUDGET))
+                    "--ttft-budget", str(BUDGET), runs=3)
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     c, d = out["ttft"][2]["candidate"], out["ttft"][2]["difference"]
@@ -138,11 +151,12 @@ def test_roll_back_when_the_interval_straddles_but_the_candidate_is_worse(tmp_pa
 
 
 def test_without_a_budget_the_baseline_decides(tmp_path, capsys):
-    """Candidate 200-300 ms vs baseline 50-100 ms: every candidate value exceeds every baseline
-    value, so every replicate difference is > 0 -> roll back (a significant regression); the
-    swapped pair is significantly better -> keep."""
+    """Two runs per arm. Candidate 200-300 ms vs baseline 50-100 ms: every candidate value
+    exceeds every baseline value, so every replicate difference is > 0 -> roll back (a
+    significant regression); the swapped pair is significantly better -> keep."""
     slow, fast = np.linspace(0.2, 0.3, 300), np.linspace(0.05, 0.1, 300)
-    b, c = _capture(tmp_path / "fast", fast), _capture(tmp_path / "slow", slow)
+    b, c = (",".join(str(_capture(tmp_path / f"{name}{i}", x)) for i in range(2))
+            for name, x in (("fast", fast), ("slow", slow)))
     assert main(["compare", str(b), str(c), "--json", "--resamples", "500"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"]["decision"] == ROLL_BACK
     assert main(["compare", str(c), str(b), "--json", "--resamples", "500"]) == 0
@@ -262,3 +276,65 @@ def test_one_damaged_segment_in_a_capture_directory_is_skipped_with_a_warning(tm
     assert main(["compare", str(b), str(c)]) == 0
     assert "skipped" in caplog.text and "requests-999999999999999-1-000001.parquet" in caplog.text
     assert f"candidate {c} (10 requests)" in capsys.readouterr().out
+
+
+def test_two_stage_bootstrap_draws_runs_then_requests():
+    """Runs of constant values 1 (3 requests), 2 (2) and 3 (4): a replicate's minimum is 1 when
+    run 0 is among the 3 runs drawn with replacement (P = 1 - (2/3)^3 = 19/27), else 2 when run
+    1 is (P = (2/3)^3 - (1/3)^3 = 7/27), else 3 (1/27), whatever requests are drawn within
+    them. One run is the one-stage bootstrap, draw for draw."""
+    from kvscope.analysis.bootstrap import run_quantile_replicates
+
+    runs = [np.full(3, 1.0), np.full(2, 2.0), np.full(4, 3.0)]
+    reps = run_quantile_replicates(runs, [0.0], resamples=20_000,
+                                   rng=np.random.default_rng(3))[:, 0]
+    for value, p in ((1.0, 19 / 27), (2.0, 7 / 27), (3.0, 1 / 27)):
+        assert np.mean(reps == value) == pytest.approx(p, abs=0.01), value
+    x = np.linspace(0, 1, 50)
+    one = run_quantile_replicates([x], [0.5, 0.9], resamples=300, rng=np.random.default_rng(5))
+    assert np.array_equal(one, quantile_replicates(x, [0.5, 0.9], resamples=300,
+                                                   rng=np.random.default_rng(5)))
+
+
+def _runs_with_effects(rng, runs, shift=0.0, n=300, run_sd=0.05):
+    """``runs`` runs of ``n`` requests: TTFT = 100 ms + a run effect (normal, ``run_sd``
+    seconds: host noise, warm-up, scheduling shared by one run's requests) + 20 ms
+    exponential per request, + ``shift`` seconds."""
+    return [RequestSample(f"run{i}", 0.1 + shift + rng.normal(0, run_sd)
+                          + rng.exponential(0.02, n)) for i in range(runs)]
+
+
+def test_identical_arms_never_roll_back_while_a_planted_regression_is_found():
+    """A/A: 12 pairs of arms of 3 runs each drawn from one configuration whose runs differ by
+    a 50 ms (sd) run effect, far beyond the requests' own spread. Two-stage intervals carry
+    that variance: no pair is 'roll back'. Pooling each arm's requests as one run (the one-stage
+    bootstrap, as if they were independent) calls several of the same pairs significant: the
+    control that shows the A/A check can fail. A planted +1 s regression (20 run sds) is rolled
+    back in every one of 5 pairs."""
+    rng = np.random.default_rng(42)
+    pooled_significant = 0
+    for _ in range(12):
+        a, b = _runs_with_effects(rng, 3), _runs_with_effects(rng, 3)
+        result = compare(a, b, resamples=400)
+        assert result.verdict.decision != ROLL_BACK, result.verdict
+        pooled = compare(RequestSample("a", np.concatenate([r.ttft for r in a])),
+                         RequestSample("b", np.concatenate([r.ttft for r in b])), resamples=400)
+        pooled_significant += pooled.ttft[2].difference.low > 0 or \
+            pooled.ttft[2].difference.high < 0
+    assert pooled_significant >= 3, pooled_significant
+    for _ in range(5):
+        result = compare(_runs_with_effects(rng, 3), _runs_with_effects(rng, 3, shift=1.0),
+                         resamples=400)
+        assert result.verdict.decision == ROLL_BACK, result.verdict
+
+
+def test_an_arm_without_tokens_by_source_is_not_measured_never_zero(tmp_path, capsys):
+    """A GPU-only vLLM seen through its spans alone: records without tokens by source. Its hit
+    quality is 'not measured' (None in JSON, said in the report), not 0% of every source."""
+    base = RequestSample("spans-only", np.linspace(0.05, 0.1, 200))
+    cand = RequestSample("tap", np.linspace(0.05, 0.1, 200), tokens={"gpu": 52, "recompute": 48})
+    result = compare(base, cand, resamples=200)
+    assert result.baseline.token_share is None
+    assert result.candidate.token_share["gpu"] == pytest.approx(0.52)
+    assert to_dict(result)["baseline"]["token_share"] is None
+    assert "spans-only: not measured" in render_text(result)

@@ -68,11 +68,11 @@ def _capture(directory, ttfts):
 
 
 def test_page_compares_two_captures_and_reports_errors_plainly(tmp_path):
-    b = _capture(tmp_path / "b", np.linspace(0.02, 0.04, 150))
-    c = _capture(tmp_path / "c", np.linspace(0.2, 0.3, 150))
+    b, c = (",".join(_capture(tmp_path / f"{name}{i}", x) for i in range(2)) for name, x in
+            (("b", np.linspace(0.02, 0.04, 150)), ("c", np.linspace(0.2, 0.3, 150))))
     data, message = page.run_compare(b, c, 100, resamples=200)
     assert data["verdict"]["decision"] == "roll back (disable the newest tier)"
-    assert "150 requests" in message
+    assert "300 requests" in message
     *figures, banner, status = page.render(data, message)
     assert len(figures) == len(page.GRAPHS) and status == message
     assert "roll back" in banner.children[0].children
@@ -104,3 +104,18 @@ def test_page_and_command_line_give_the_same_intervals(tmp_path, capsys):
     assert main(["compare", b, c, "--ttft-budget", "0.1", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)
     assert data["ttft"] == cli["ttft"] and data["resamples"] == cli["resamples"]
+
+
+def test_hit_quality_says_not_measured_for_an_arm_without_tokens_by_source(tmp_path):
+    """A baseline whose records carry no tokens by source (a GPU-only vLLM seen through spans)
+    gets no bar and the words "not measured"; the candidate's split is drawn."""
+    from kvscope.analysis.compare import RequestSample, compare, to_dict
+
+    data = to_dict(compare(RequestSample("spans", np.linspace(0.05, 0.1, 150)),
+                           RequestSample("tap", np.linspace(0.05, 0.1, 150),
+                                         tokens={"gpu": 52, "recompute": 48}), resamples=100))
+    fig = fc.hit_quality(data)
+    texts = [a.text for a in fig.layout.annotations]
+    assert texts.count("not measured") == 1 and fig.layout.annotations[0].y == "baseline"
+    gpu = next(t for t in fig.data if t.name == "gpu")
+    assert list(gpu.x) == [None, 0.52]

@@ -172,6 +172,16 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     return _converted(path, "requests", lambda: _request_sample(table, name or str(path)))
 
 
+def read_runs(paths: str) -> list[RequestSample]:
+    """One :class:`RequestSample` per capture of ``paths``, a comma-separated list of capture
+    directories (or requests segments): the repeated runs of one arm. Raises TraceError as
+    :func:`read_request_sample` does, and for a list that names none."""
+    parts = [p.strip() for p in paths.split(",") if p.strip()]
+    if not parts:
+        raise TraceError(f"no capture named in {paths!r}")
+    return [read_request_sample(p) for p in parts]
+
+
 def _request_sample(table: pa.Table, name: str) -> RequestSample:
     col = {c: table.column(c).to_numpy() for c in _REQUEST_COLUMNS if c != "transfers"}
     ttft = col["ttft"].astype(np.float64)

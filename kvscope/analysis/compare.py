@@ -1,19 +1,23 @@
 """Rollout comparison: a baseline run against a candidate run, and the rollback verdict.
 
 Typical use: the baseline ran without the newest tier (say, no CPU offload), the candidate
-with it. :func:`compare` takes the finished requests of each (:class:`RequestSample`, read
-from an agent capture by :func:`kvscope.analysis.capture_reader.read_request_sample`) and
-reports:
+with it. :func:`compare` takes the finished requests of each arm, one
+:class:`RequestSample` per run (read from an agent capture by
+:func:`kvscope.analysis.capture_reader.read_request_sample`), and reports:
 
-- TTFT and ITL p50/p95/p99 of each run and of the difference (candidate minus baseline), with
+- TTFT and ITL p50/p95/p99 of each arm and of the difference (candidate minus baseline), with
   percentile-bootstrap confidence intervals (:mod:`kvscope.analysis.bootstrap`; Efron &
-  Tibshirani 1993);
-- hit quality: prompt tokens by source (``gpu``, ``cpu``, ``disk``, ``recompute``);
+  Tibshirani 1993); with several runs per arm, the two-stage bootstrap (runs, then requests
+  within runs; Davison & Hinkley 1997, section 3.8), so that run-to-run variance widens them;
+- hit quality: prompt tokens by source (``gpu``, ``cpu``, ``disk``, ``recompute``), or "not
+  measured" for an arm whose records carry none;
 - transfer cost: bytes, blocks and seconds per direction, failed transfers, and the promotion
   wait per request;
-- a verdict against the rollback rule: **p99 TTFT above the budget -> roll back** (disable the
-  newest tier), unless the baseline is significantly slower still. See :func:`verdict` for
-  exactly how the intervals decide it.
+- a verdict against the rollback rule: **p99 TTFT above the budget and significantly worse
+  than the baseline -> roll back** (disable the newest tier). With one run per arm the
+  run-to-run variance is not measured, and a candidate that looks worse is ``inconclusive``,
+  never ``roll back``: two runs of one configuration differ by more than their requests' own
+  spread suggests. See :func:`verdict` for exactly how the intervals decide it.
 
 Pure: samples in, dataclasses out. :func:`to_json` and :func:`render_text` render them.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -76,14 +81,17 @@ class QuantileRow:
 
 @dataclass(frozen=True)
 class Side:
-    """Hit quality and transfer cost of one run. ``token_share``: dict[source, 0-1];
+    """Hit quality and transfer cost of one arm (its runs added up). ``runs``: how many.
+    ``token_share``: dict[source, 0-1], or None when the records carry no tokens by source
+    (not measured, e.g. a GPU-only vLLM seen through spans alone);
     ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request; ``transfers``:
     dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}]."""
 
     name: str
     requests: int
+    runs: int
     tokens: dict[str, int]
-    token_share: dict[str, float]
+    token_share: dict[str, float] | None
     transfers: dict[str, dict[str, float]]
     transfer_failures: int
     promotion_wait_mean: float
@@ -115,13 +123,16 @@ class Comparison:
     verdict: Verdict
 
 
-def _rows(b: np.ndarray, c: np.ndarray, resamples: int, confidence: float,
+def _rows(b: list[np.ndarray], c: list[np.ndarray], resamples: int, confidence: float,
           seed: int) -> list[QuantileRow]:
-    if len(b) == 0 or len(c) == 0:  # e.g. no ITL reported on one side: no difference
+    """Quantile rows of two arms, each a list of runs' observations (runs without any left
+    out)."""
+    b, c = [x for x in b if len(x)], [x for x in c if len(x)]
+    if not b or not c:  # e.g. no ITL reported on one side: no difference
         one = {}
-        for key, x in (("baseline", b), ("candidate", c)):
-            one[key] = (quantile_cis(x, QUANTILES, resamples=resamples, confidence=confidence,
-                                     seed=seed) if len(x) else [None] * len(QUANTILES))
+        for key, runs in (("baseline", b), ("candidate", c)):
+            one[key] = (quantile_cis(runs, QUANTILES, resamples=resamples, confidence=confidence,
+                                     seed=seed) if runs else [None] * len(QUANTILES))
         return [QuantileRow(q, one["baseline"][i], one["candidate"][i], None)
                 for i, q in enumerate(QUANTILES)]
     two = compare_quantiles(b, c, QUANTILES, resamples=resamples, confidence=confidence,
@@ -130,18 +141,24 @@ def _rows(b: np.ndarray, c: np.ndarray, resamples: int, confidence: float,
             for i, q in enumerate(QUANTILES)]
 
 
-def _side(s: RequestSample) -> Side:
-    total = sum(s.tokens.values())
-    share = {src: (s.tokens.get(src, 0) / total if total else 0.0) for src in ev.TOKEN_SOURCES}
-    n = max(s.requests, 1)
-    directions = sorted(set(s.transfer_bytes) | set(s.transfer_seconds) | set(s.transfer_blocks))
-    transfers = {d: {"bytes": float(s.transfer_bytes.get(d, 0)),
-                     "blocks": float(s.transfer_blocks.get(d, 0)),
-                     "seconds": float(s.transfer_seconds.get(d, 0.0)),
-                     "bytes_per_request": s.transfer_bytes.get(d, 0) / n} for d in directions}
-    wait = np.asarray(s.promotion_wait, dtype=np.float64)
-    return Side(s.name, s.requests, {src: int(s.tokens.get(src, 0)) for src in ev.TOKEN_SOURCES},
-                share, transfers, s.transfer_failures,
+def _side(runs: list[RequestSample]) -> Side:
+    tokens = {src: sum(int(r.tokens.get(src, 0)) for r in runs) for src in ev.TOKEN_SOURCES}
+    total = sum(tokens.values())
+    share = {src: tokens[src] / total for src in ev.TOKEN_SOURCES} if total else None
+    requests = sum(r.requests for r in runs)
+    n = max(requests, 1)
+    moved: dict[str, dict[str, float]] = {}
+    for r in runs:
+        for d in set(r.transfer_bytes) | set(r.transfer_seconds) | set(r.transfer_blocks):
+            t = moved.setdefault(d, {"bytes": 0.0, "blocks": 0.0, "seconds": 0.0})
+            t["bytes"] += r.transfer_bytes.get(d, 0)
+            t["blocks"] += r.transfer_blocks.get(d, 0)
+            t["seconds"] += r.transfer_seconds.get(d, 0.0)
+    transfers = {d: {**moved[d], "bytes_per_request": moved[d]["bytes"] / n}
+                 for d in sorted(moved)}
+    wait = np.concatenate([np.asarray(r.promotion_wait, dtype=np.float64) for r in runs])
+    return Side(", ".join(r.name for r in runs), requests, len(runs), tokens, share, transfers,
+                sum(r.transfer_failures for r in runs),
                 float(wait.mean()) if len(wait) else 0.0,
                 float(np.quantile(wait, 0.99)) if len(wait) else 0.0)
 
@@ -162,26 +179,32 @@ def _bytes(n: float) -> str:
 
 def verdict(p99: QuantileRow, budget: float | None, confidence: float,
             baseline_requests: int, candidate_requests: int,
-            min_requests: int = DEFAULT_MIN_REQUESTS) -> Verdict:
+            min_requests: int = DEFAULT_MIN_REQUESTS, *, baseline_runs: int = 1,
+            candidate_runs: int = 1) -> Verdict:
     """Apply the rollback rule to the p99 TTFT row (seconds).
 
     With a ``budget`` B (seconds), candidate p99 estimate c with interval [lo, hi], and the
-    interval [dlo, dhi] of candidate minus baseline:
+    interval [dlo, dhi] of candidate minus baseline (worse: dlo > 0; better: dhi < 0):
 
     1. fewer than ``min_requests`` requests on either side -> inconclusive;
-    2. c > B (over the budget by the estimate) and dhi < 0 (significantly better than the
-       baseline, so disabling the tier would raise p99 further) -> keep;
-    3. lo > B (above the budget with confidence) -> roll back;
-    4. hi <= B (within the budget with confidence) -> keep;
-    5. the interval contains B: c > B and dlo > 0 (over the budget by the estimate and
-       significantly worse than the baseline) -> roll back; c <= B and dhi < 0 (within it by
-       the estimate and significantly better than the baseline) -> keep; else inconclusive.
+    2. c > B and better (disabling the tier would raise p99 further) -> keep;
+    3. hi <= B (within the budget with confidence) -> keep;
+    4. c > B and worse -> roll back; c <= B and better -> keep;
+    5. c > B but not worse than the baseline -> inconclusive (the newest tier is not shown to
+       be the cause: both arms are over the budget); else (the interval contains B)
+       inconclusive.
 
-    Without a budget only the baseline decides: dlo > 0 (a significant p99 regression) ->
-    roll back, otherwise keep.
+    Without a budget only the baseline decides: worse -> roll back, otherwise keep.
+
+    A roll back needs the run-to-run variance measured: with fewer than two runs on either
+    side (``baseline_runs``, ``candidate_runs``) it is inconclusive instead, as two runs of one
+    configuration differ by more than one run's requests suggest (identical arms must never
+    come out roll back).
     """
     pct = f"{confidence * 100:g}%"
-    reasons = [f"baseline {baseline_requests} requests, candidate {candidate_requests} requests"]
+    reasons = [f"baseline {baseline_requests} requests in {baseline_runs} run"
+               f"{'s' * (baseline_runs > 1)}, candidate {candidate_requests} requests in "
+               f"{candidate_runs} run{'s' * (candidate_runs > 1)}"]
     if min(baseline_requests, candidate_requests) < min_requests:
         reasons.append(f"fewer than {min_requests} requests on a side: a p99 rests on about "
                        "one request")
@@ -193,54 +216,76 @@ def verdict(p99: QuantileRow, budget: float | None, confidence: float,
            f"{_ms(d.low)} to {_ms(d.high)})"
     reasons += [cand, diff]
     worse, better = d.low > 0, d.high < 0
+    replicated = min(baseline_runs, candidate_runs) >= 2
+    if not replicated:
+        reasons.append("one run per arm: run-to-run variance not measured (give two or more "
+                       "captures per arm, e.g. kvscope compare A1,A2,A3 B1,B2,B3)")
+
+    def roll_back(why: str) -> Verdict:
+        if replicated:
+            return Verdict(ROLL_BACK, f"{ROLL_BACK}: {why}", reasons)
+        return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But with one run per arm the "
+                       "difference may be run-to-run noise: repeat each arm and compare the "
+                       "runs.", reasons)
+
+    base = _ms(p99.baseline.value)
     if budget is None:
         reasons.append("no TTFT budget given: judged against the baseline only")
         if worse:
-            return Verdict(ROLL_BACK, f"{ROLL_BACK}: {cand} is significantly above the "
-                           f"baseline's {_ms(p99.baseline.value)}.", reasons)
+            return roll_back(f"{cand} is significantly above the baseline's {base}.")
         return Verdict(KEEP, f"{KEEP}: {cand} shows no significant p99 regression against the "
-                       f"baseline's {_ms(p99.baseline.value)}.", reasons)
+                       f"baseline's {base}.", reasons)
     b = _ms(budget)
     reasons.append(f"budget {b}")
     if c.value > budget and better:
         return Verdict(KEEP, f"{KEEP}: {cand} is over the {b} budget, but significantly "
-                       f"below the baseline's {_ms(p99.baseline.value)}: disabling the tier "
-                       "would raise p99 further; the budget needs more than a rollback.",
-                       reasons)
-    if c.low > budget:
-        return Verdict(ROLL_BACK, f"{ROLL_BACK}: {cand} is above the {b} budget.", reasons)
+                       f"below the baseline's {base}: disabling the tier would raise p99 "
+                       "further; the budget needs more than a rollback.", reasons)
     if c.high <= budget:
         return Verdict(KEEP, f"{KEEP}: {cand} is within the {b} budget.", reasons)
     if c.value > budget and worse:
-        return Verdict(ROLL_BACK, f"{ROLL_BACK}: {cand} is over the {b} budget and "
-                       "significantly worse than the baseline.", reasons)
+        return roll_back(f"{cand} is over the {b} budget and significantly worse than the "
+                         f"baseline's {base}.")
     if c.value <= budget and better:
         return Verdict(KEEP, f"{KEEP}: {cand} is within the {b} budget by its estimate and "
                        "significantly better than the baseline.", reasons)
+    if c.value > budget:
+        return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {cand} is over the {b} budget, but not "
+                       f"significantly worse than the baseline's {base}: the newest tier is "
+                       "not shown to be the cause.", reasons)
     return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {cand} straddles the {b} budget; collect "
                    "more requests.", reasons)
 
 
-def compare(baseline: RequestSample, candidate: RequestSample, *,
+def compare(baseline: RequestSample | Sequence[RequestSample],
+            candidate: RequestSample | Sequence[RequestSample], *,
             ttft_budget: float | None = None, resamples: int = DEFAULT_RESAMPLES,
             confidence: float = DEFAULT_CONFIDENCE, seed: int = 0,
             min_requests: int = DEFAULT_MIN_REQUESTS) -> Comparison:
-    """Compare two runs (see the module docstring). ``ttft_budget``: seconds.
+    """Compare two arms (see the module docstring), each one run or a list of runs of one
+    configuration. ``ttft_budget``: seconds.
 
-    Raises ValueError when a run has no request with a TTFT, or for a bad option.
+    Raises ValueError when an arm has no run, a run has no request with a TTFT, or for a bad
+    option.
     """
     if ttft_budget is not None and ttft_budget <= 0:
         raise ValueError(f"TTFT budget must be > 0 seconds, got {ttft_budget}")
-    for s in (baseline, candidate):
-        if s.requests == 0:
-            raise ValueError(f"{s.name or 'run'}: no finished requests with a TTFT")
-    ttft = _rows(np.asarray(baseline.ttft, float), np.asarray(candidate.ttft, float),
-                 resamples, confidence, seed)
-    itl = _rows(np.asarray(baseline.itl, float), np.asarray(candidate.itl, float),
-                resamples, confidence, seed + 1)
+    arms = [[x] if isinstance(x, RequestSample) else list(x) for x in (baseline, candidate)]
+    for arm, label in zip(arms, ("baseline", "candidate")):
+        if not arm:
+            raise ValueError(f"no {label} run")
+        for s in arm:
+            if s.requests == 0:
+                raise ValueError(f"{s.name or 'run'}: no finished requests with a TTFT")
+    base, cand = arms
+    ttft = _rows([np.asarray(s.ttft, float) for s in base],
+                 [np.asarray(s.ttft, float) for s in cand], resamples, confidence, seed)
+    itl = _rows([np.asarray(s.itl, float) for s in base],
+                [np.asarray(s.itl, float) for s in cand], resamples, confidence, seed + 1)
+    sides = _side(base), _side(cand)
     p99 = next(r for r in ttft if r.quantile == 0.99)
-    judged = verdict(p99, ttft_budget, confidence, baseline.requests, candidate.requests,
-                     min_requests)
+    judged = verdict(p99, ttft_budget, confidence, sides[0].requests, sides[1].requests,
+                     min_requests, baseline_runs=len(base), candidate_runs=len(cand))
     # the rule reads p99 alone; a keep beside a slower median or p95 should not pass unremarked
     judged.reasons.extend(
         f"TTFT p{r.quantile * 100:g} is significantly worse than the baseline's "
@@ -248,8 +293,7 @@ def compare(baseline: RequestSample, candidate: RequestSample, *,
         f"{confidence * 100:g}% CI {_ms(r.difference.low)} to {_ms(r.difference.high)}); "
         "the rule judges p99 only"
         for r in ttft if r.quantile != 0.99 and r.difference is not None and r.difference.low > 0)
-    return Comparison(_side(baseline), _side(candidate), ttft, itl, ttft_budget, confidence,
-                      resamples, seed, judged)
+    return Comparison(*sides, ttft, itl, ttft_budget, confidence, resamples, seed, judged)
 
 
 def _clean(value):
@@ -275,13 +319,17 @@ def _cell(e: Estimate | None) -> str:
     return "-" if e is None else f"{e.value * 1e3:9.2f} [{e.low * 1e3:.2f}, {e.high * 1e3:.2f}]"
 
 
+def _count(side: Side) -> str:
+    return f"{side.requests} requests" + (f" in {side.runs} runs" if side.runs > 1 else "")
+
+
 def render_text(comparison: Comparison) -> str:
     """A plain-text report: verdict first, then latencies, hit quality and transfer cost."""
     c = comparison
     pct = f"{c.confidence * 100:g}%"
     lines = [f"verdict: {c.verdict.text}", *[f"  - {r}" for r in c.verdict.reasons], "",
-             f"baseline  {c.baseline.name} ({c.baseline.requests} requests)",
-             f"candidate {c.candidate.name} ({c.candidate.requests} requests)",
+             f"baseline  {c.baseline.name} ({_count(c.baseline)})",
+             f"candidate {c.candidate.name} ({_count(c.candidate)})",
              f"latency, ms, with {pct} bootstrap CI ({c.resamples} resamples, seed {c.seed}):"]
     for label, rows in (("TTFT", c.ttft), ("ITL", c.itl)):
         for r in rows:
@@ -289,8 +337,10 @@ def render_text(comparison: Comparison) -> str:
                          f"candidate {_cell(r.candidate)}  diff {_cell(r.difference)}")
     lines.append("hit quality, share of prompt tokens by source:")
     for side in (c.baseline, c.candidate):
-        lines.append(f"  {side.name}: " + ", ".join(
-            f"{s} {side.token_share[s] * 100:.1f}%" for s in ev.TOKEN_SOURCES))
+        lines.append(f"  {side.name}: " + (", ".join(
+            f"{s} {side.token_share[s] * 100:.1f}%" for s in ev.TOKEN_SOURCES)
+            if side.token_share is not None else "not measured (the records carry no tokens "
+            "by source)"))
     lines.append("transfer cost:")
     for side in (c.baseline, c.candidate):
         moved = ", ".join(f"{d} {_bytes(t['bytes'])} in {t['seconds']:.3f} s"

@@ -11,20 +11,25 @@ from kvscope.analysis.compare import DEFAULT_MIN_REQUESTS, compare, render_text,
 from kvscope.argtypes import fraction, positive
 
 DESCRIPTION = (
-    "Compare two agent captures (kvscope agent --capture-dir), e.g. a run without the newest "
-    "tier (BASELINE) and one with it (CANDIDATE): TTFT and ITL p50/p95/p99 with percentile-"
+    "Compare agent captures (kvscope agent --capture-dir), e.g. runs without the newest "
+    "tier (BASELINE) and with it (CANDIDATE): TTFT and ITL p50/p95/p99 with percentile-"
     "bootstrap confidence intervals, hit quality by source, transfer cost, and a verdict "
-    "against the rollback rule: p99 TTFT above the budget -> roll back (disable the newest "
-    "tier), unless the baseline is significantly slower still. The verdict is 'keep', "
-    "'roll back (disable the newest tier)' or 'inconclusive'.")
+    "against the rollback rule: p99 TTFT above the budget and significantly worse than the "
+    "baseline -> roll back (disable the newest tier). Give each arm as several captures of "
+    "repeated runs, comma-separated, so that run-to-run variance is measured (the intervals "
+    "resample runs, then requests within runs); with one capture per arm it is not, and a "
+    "candidate that looks worse is 'inconclusive', never 'roll back'. The verdict is 'keep', "
+    "'roll back (disable the newest tier)' or 'inconclusive'. Example: kvscope compare "
+    "runs/base1,runs/base2,runs/base3 runs/cpu1,runs/cpu2,runs/cpu3 --ttft-budget 0.5")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``compare`` options to ``parser``."""
     parser.add_argument("baseline", metavar="BASELINE",
-                        help="capture directory (or requests .parquet segment) of the baseline")
+                        help="capture directory (or requests .parquet segment) of the baseline, "
+                        "or several of repeated runs, comma-separated")
     parser.add_argument("candidate", metavar="CANDIDATE",
-                        help="capture directory (or requests .parquet segment) of the candidate")
+                        help="the same for the candidate")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.add_argument("--ttft-budget", type=positive(float), metavar="SECONDS",
                         help="p99 TTFT budget in seconds; above it the candidate is rolled back "
@@ -45,10 +50,9 @@ def run(args: argparse.Namespace, out=None) -> int:
     An unreadable capture raises TraceError (which the CLI turns into exit code 2); options
     the analysis refuses print one line to stderr and return 2.
     """
-    from kvscope.analysis.capture_reader import read_request_sample  # pyarrow only here
+    from kvscope.analysis.capture_reader import read_runs  # pyarrow only here
 
-    baseline = read_request_sample(args.baseline)
-    candidate = read_request_sample(args.candidate)
+    baseline, candidate = read_runs(args.baseline), read_runs(args.candidate)
     try:
         result = compare(baseline, candidate, ttft_budget=args.ttft_budget,
                          resamples=args.resamples, confidence=args.confidence, seed=args.seed,

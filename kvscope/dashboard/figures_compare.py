@@ -69,11 +69,14 @@ def hit_quality(data: dict | None) -> go.Figure:
     runs = ["baseline", "candidate"]
     for source in SOURCES:
         fig.add_trace(go.Bar(
-            y=runs, x=[data[r]["token_share"].get(source, 0.0) for r in runs], name=source,
+            y=runs, x=[(data[r]["token_share"] or {}).get(source) for r in runs], name=source,
             orientation="h", marker_color=COLOURS.get(source),
             customdata=[data[r]["tokens"].get(source, 0) for r in runs],
             hovertemplate="%{y}: %{x:.1%} (%{customdata:,} tokens)<extra>" + source
             + "</extra>"))
+    for r in runs:  # an arm whose records carry no tokens by source: said, not drawn as 0
+        if data[r]["token_share"] is None:
+            fig.add_annotation(x=0.5, y=r, text="not measured", showarrow=False)
     fig.update_xaxes(title_text="share of prompt tokens (%)", tickformat=".0%", range=[0, 1])
     return fig
 

@@ -32,9 +32,11 @@ def layout() -> html.Div:
     """The form (two capture paths, budget in ms, Compare button), the verdict banner, the
     status line and the four graphs. Typed values persist for the browser session."""
     form = html.Div([
-        dcc.Input(id="compare-baseline", type="text", placeholder="baseline capture directory",
+        dcc.Input(id="compare-baseline", type="text",
+                  placeholder="baseline capture directory (runs: comma-separated)",
                   persistence=True, persistence_type="session", style=_INPUT, debounce=True),
-        dcc.Input(id="compare-candidate", type="text", placeholder="candidate capture directory",
+        dcc.Input(id="compare-candidate", type="text",
+                  placeholder="candidate capture directory (runs: comma-separated)",
                   persistence=True, persistence_type="session", style=_INPUT, debounce=True),
         dcc.Input(id="compare-budget-ms", type="number", min=0, placeholder="p99 TTFT budget, ms",
                   persistence=True, persistence_type="session",
@@ -77,13 +79,12 @@ def run_compare(baseline: str | None, candidate: str | None, budget_ms: float | 
     """
     if not baseline or not candidate:
         return None, fc.EMPTY
-    from kvscope.analysis.capture_reader import read_request_sample
+    from kvscope.analysis.capture_reader import read_runs
     from kvscope.analysis.compare import compare, to_dict
     from kvscope.engine.workload import TraceError
 
     try:
-        result = compare(read_request_sample(baseline.strip()),
-                         read_request_sample(candidate.strip()),
+        result = compare(read_runs(baseline), read_runs(candidate),
                          ttft_budget=budget_ms / 1e3 if budget_ms else None, resamples=resamples)
     except (TraceError, ValueError) as exc:  # the dashboard's fetch boundary
         return None, f"cannot compare: {exc}"
