@@ -38,11 +38,12 @@ def _mixture(n_low, n_mid, n_high):
     return np.repeat([0.05, 0.09, 0.11], [n_low, n_mid, n_high])
 
 
-def _verdict(tmp_path, baseline, candidate, *extra, runs=1):
+def _verdict(tmp_path, baseline, candidate, *extra, runs=1, itl=(0.02, 0.02)):
     """``kvscope compare`` arguments for ``runs`` captures per arm, each run holding the given
-    TTFTs (a repeated run that came out the same)."""
-    b = ",".join(str(_capture(tmp_path / f"baseline{i}", baseline)) for i in range(runs))
-    c = ",".join(str(_capture(tmp_path / f"candidate{i}", candidate, cpu_tokens=32))
+    TTFTs (a repeated run that came out the same); ``itl``: each arm's (seconds, 0: none)."""
+    b = ",".join(str(_capture(tmp_path / f"baseline{i}", baseline, itl=itl[0]))
+                 for i in range(runs))
+    c = ",".join(str(_capture(tmp_path / f"candidate{i}", candidate, itl=itl[1], cpu_tokens=32))
                  for i in range(runs))
     args = ["compare", b, c, "--json", "--resamples", "1000", *extra]
     return args
@@ -338,3 +339,49 @@ def test_an_arm_without_tokens_by_source_is_not_measured_never_zero(tmp_path, ca
     assert result.candidate.token_share["gpu"] == pytest.approx(0.52)
     assert to_dict(result)["baseline"]["token_share"] is None
     assert "spans-only: not measured" in render_text(result)
+
+
+def test_budgets_are_seconds_or_a_percentage_of_the_baseline(tmp_path, capsys):
+    """"0.5" is 0.5 s; "+10%" the baseline's p99 plus 10%. Baseline TTFTs 90-100 ms (400, 3
+    runs): p99 (linear) = 90 + 10 * 395.01/399 = 99.90 ms, so "+50%" is 149.85 ms. A candidate
+    at 20-60 ms is within it with confidence -> keep; one at 200-300 ms is above it and worse
+    than every baseline value -> roll back. Malformed budgets are one line, exit 2."""
+    from kvscope.analysis.compare import Budget, parse_budget
+
+    assert parse_budget("0.5") == Budget(seconds=0.5) and parse_budget(0.25) == Budget(0.25)
+    assert parse_budget("+10%") == Budget(relative=0.1) and parse_budget(None) is None
+    for bad in ("abc", "0", "-1", "-100%", "nan%", "inf"):
+        with pytest.raises(ValueError):
+            parse_budget(bad)
+    base = np.linspace(0.09, 0.1, 400)
+    for name, cand, decision in (("fast", np.linspace(0.02, 0.06, 400), KEEP),
+                                 ("slow", np.linspace(0.2, 0.3, 400), ROLL_BACK)):
+        assert main(_verdict(tmp_path / name, base, cand, "--ttft-budget", "+50%", runs=3)) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["ttft_budget"] == pytest.approx(0.09990 * 1.5, rel=1e-3), out["ttft_budget"]
+        assert out["verdict"]["decision"] == decision, out["verdict"]
+        assert any("+50%" in r for r in out["verdict"]["reasons"]), out["verdict"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", "a", "b", "--ttft-budget", "fast"])
+    assert exit_.value.code == 2 and "--ttft-budget: budget 'fast'" in capsys.readouterr().err
+
+
+def test_an_itl_regression_over_its_budget_rolls_back_with_ttft_fine(tmp_path, capsys):
+    """Same TTFTs (20-60 ms, within the 100 ms budget) on both arms of 3 runs; every request's
+    ITL is 20 ms on the baseline and 50 ms on the candidate, so every replicate p99 ITL is 20
+    and 50 ms: over the 30 ms ITL budget and worse by 30 ms in every replicate -> roll back,
+    and the verdict names ITL. Without ITL on one arm an ITL budget cannot be judged ->
+    inconclusive."""
+    ttft = np.linspace(0.02, 0.06, 400)
+    args = _verdict(tmp_path, ttft, ttft, "--ttft-budget", str(BUDGET), "--itl-budget", "0.03",
+                    runs=3, itl=(0.02, 0.05))
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"]["decision"] == ROLL_BACK and out["itl_budget"] == 0.03
+    assert out["verdict"]["text"].startswith(f"{ROLL_BACK}: candidate p99 ITL 50 ms")
+    assert out["itl"][2]["difference"]["low"] == pytest.approx(0.03)
+    args = _verdict(tmp_path / "none", ttft, ttft, "--itl-budget", "0.03", runs=3,
+                    itl=(0.02, 0.0))
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"]["decision"] == INCONCLUSIVE and "ITL" in out["verdict"]["text"]

@@ -13,8 +13,9 @@ with it. :func:`compare` takes the finished requests of each arm, one
   measured" for an arm whose records carry none;
 - transfer cost: bytes, blocks and seconds per direction, failed transfers, and the promotion
   wait per request;
-- a verdict against the rollback rule: **p99 TTFT above the budget and significantly worse
-  than the baseline -> roll back** (disable the newest tier). With one run per arm the
+- a verdict against the rollback rule: **p99 TTFT or p99 ITL above its budget and
+  significantly worse than the baseline -> roll back** (disable the newest tier); a budget is
+  absolute (seconds) or relative to the baseline's p99 (:class:`Budget`, e.g. ``+10%``). With one run per arm the
   run-to-run variance is not measured, and a candidate that looks worse is ``inconclusive``,
   never ``roll back``: two runs of one configuration differ by more than their requests' own
   spread suggests. See :func:`verdict` for exactly how the intervals decide it.
@@ -109,14 +110,68 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A p99 latency budget: ``seconds`` (absolute), or ``relative`` to the baseline's p99
+    (0.1: the baseline's p99 plus 10%). Exactly one is set; :func:`parse_budget` reads the
+    command line's form."""
+
+    seconds: float | None = None
+    relative: float | None = None
+
+    def resolve(self, baseline_p99: float) -> float:
+        """The budget in seconds against a baseline p99 of ``baseline_p99`` seconds."""
+        if self.seconds is not None:
+            return self.seconds
+        return baseline_p99 * (1.0 + self.relative)
+
+    def describe(self, baseline_p99: float) -> str:
+        text = f"budget {_ms(self.resolve(baseline_p99))}"
+        if self.relative is not None:
+            text += f" (the baseline's p99 {_ms(baseline_p99)} {self.relative * 100:+g}%)"
+        return text
+
+
+def parse_budget(text: str | float | Budget | None) -> Budget | None:
+    """``"0.5"`` or ``0.5``: 0.5 seconds; ``"+10%"``: the baseline's p99 plus 10% (``"-5%"``:
+    5% below it, a required improvement); a :class:`Budget` or None as they are. Raises
+    ValueError for anything else, a budget of 0 s or less, or a relative one of -100% or
+    less."""
+    if text is None or isinstance(text, Budget):
+        return text
+    if isinstance(text, (int, float)):
+        seconds = float(text)
+    else:
+        spec = text.strip()
+        if spec.endswith("%"):
+            try:
+                relative = float(spec[:-1]) / 100.0
+            except ValueError:
+                relative = math.nan
+            if not math.isfinite(relative) or relative <= -1.0:
+                raise ValueError(f"budget {text!r}: a relative budget is a percentage above "
+                                 "-100%, e.g. +10% (the baseline's p99 plus 10%)")
+            return Budget(relative=relative)
+        try:
+            seconds = float(spec)
+        except ValueError:
+            raise ValueError(f"budget {text!r}: give seconds (e.g. 0.5) or a percentage of "
+                             "the baseline's p99 (e.g. +10%)") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"budget must be > 0 seconds, got {text}")
+    return Budget(seconds=seconds)
+
+
+@dataclass(frozen=True)
 class Comparison:
-    """Result of :func:`compare`; latencies in seconds. ``ttft_budget``: seconds or None."""
+    """Result of :func:`compare`; latencies in seconds. ``ttft_budget``, ``itl_budget``: the
+    p99 budgets in seconds (relative ones resolved against the baseline), or None."""
 
     baseline: Side
     candidate: Side
     ttft: list[QuantileRow]
     itl: list[QuantileRow]
     ttft_budget: float | None
+    itl_budget: float | None
     confidence: float
     resamples: int
     seed: int
@@ -177,11 +232,13 @@ def _bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
-def verdict(p99: QuantileRow, budget: float | None, confidence: float,
+def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
             baseline_requests: int, candidate_requests: int,
             min_requests: int = DEFAULT_MIN_REQUESTS, *, baseline_runs: int = 1,
-            candidate_runs: int = 1) -> Verdict:
-    """Apply the rollback rule to the p99 TTFT row (seconds).
+            candidate_runs: int = 1, metric: str = "TTFT") -> Verdict:
+    """Apply the rollback rule to a p99 row (seconds) of ``metric`` (TTFT or ITL; the
+    requests are those that reported it). ``budget``: seconds, or a :class:`Budget` (a
+    relative one is resolved against the baseline's p99 estimate).
 
     With a ``budget`` B (seconds), candidate p99 estimate c with interval [lo, hi], and the
     interval [dlo, dhi] of candidate minus baseline (worse: dlo > 0; better: dhi < 0):
@@ -208,10 +265,10 @@ def verdict(p99: QuantileRow, budget: float | None, confidence: float,
     if min(baseline_requests, candidate_requests) < min_requests:
         reasons.append(f"fewer than {min_requests} requests on a side: a p99 rests on about "
                        "one request")
-        return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: too few requests to judge p99 TTFT "
+        return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: too few requests to judge p99 {metric} "
                        f"(need {min_requests} per run).", reasons)
     c, d = p99.candidate, p99.difference
-    cand = f"candidate p99 TTFT {_ms(c.value)} ({pct} CI {_ms(c.low)}-{_ms(c.high)})"
+    cand = f"candidate p99 {metric} {_ms(c.value)} ({pct} CI {_ms(c.low)}-{_ms(c.high)})"
     diff = f"{'+' if d.value >= 0 else ''}{_ms(d.value)} vs baseline ({pct} CI " \
            f"{_ms(d.low)} to {_ms(d.high)})"
     reasons += [cand, diff]
@@ -229,14 +286,16 @@ def verdict(p99: QuantileRow, budget: float | None, confidence: float,
                        "runs.", reasons)
 
     base = _ms(p99.baseline.value)
+    budget = parse_budget(budget)
     if budget is None:
-        reasons.append("no TTFT budget given: judged against the baseline only")
+        reasons.append(f"no {metric} budget given: judged against the baseline only")
         if worse:
             return roll_back(f"{cand} is significantly above the baseline's {base}.")
         return Verdict(KEEP, f"{KEEP}: {cand} shows no significant p99 regression against the "
                        f"baseline's {base}.", reasons)
+    reasons.append(budget.describe(p99.baseline.value))
+    budget = budget.resolve(p99.baseline.value)
     b = _ms(budget)
-    reasons.append(f"budget {b}")
     if c.value > budget and better:
         return Verdict(KEEP, f"{KEEP}: {cand} is over the {b} budget, but significantly "
                        f"below the baseline's {base}: disabling the tier would raise p99 "
@@ -257,19 +316,33 @@ def verdict(p99: QuantileRow, budget: float | None, confidence: float,
                    "more requests.", reasons)
 
 
+def _combine(verdicts: list[Verdict]) -> Verdict:
+    """One verdict of several metrics' (TTFT, ITL): roll back when one says so, keep when all
+    do, inconclusive otherwise; its text and reasons are each metric's in turn."""
+    decisions = [v.decision for v in verdicts]
+    decision = ROLL_BACK if ROLL_BACK in decisions else KEEP if set(decisions) == {KEEP} \
+        else INCONCLUSIVE
+    if len(verdicts) == 1:
+        return verdicts[0]
+    text = " ".join(v.text for v in sorted(verdicts, key=lambda v: v.decision != decision))
+    return Verdict(decision, text, [r for v in verdicts for r in v.reasons])
+
+
 def compare(baseline: RequestSample | Sequence[RequestSample],
             candidate: RequestSample | Sequence[RequestSample], *,
-            ttft_budget: float | None = None, resamples: int = DEFAULT_RESAMPLES,
-            confidence: float = DEFAULT_CONFIDENCE, seed: int = 0,
-            min_requests: int = DEFAULT_MIN_REQUESTS) -> Comparison:
+            ttft_budget: float | str | Budget | None = None,
+            itl_budget: float | str | Budget | None = None,
+            resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
+            seed: int = 0, min_requests: int = DEFAULT_MIN_REQUESTS) -> Comparison:
     """Compare two arms (see the module docstring), each one run or a list of runs of one
-    configuration. ``ttft_budget``: seconds.
+    configuration. ``ttft_budget``, ``itl_budget``: seconds, or what :func:`parse_budget`
+    reads (``"+10%"``). ITL is judged when both arms reported it; where one did not, the
+    verdict says so and judges TTFT alone (an ITL budget then makes it inconclusive).
 
     Raises ValueError when an arm has no run, a run has no request with a TTFT, or for a bad
     option.
     """
-    if ttft_budget is not None and ttft_budget <= 0:
-        raise ValueError(f"TTFT budget must be > 0 seconds, got {ttft_budget}")
+    ttft_budget, itl_budget = parse_budget(ttft_budget), parse_budget(itl_budget)
     arms = [[x] if isinstance(x, RequestSample) else list(x) for x in (baseline, candidate)]
     for arm, label in zip(arms, ("baseline", "candidate")):
         if not arm:
@@ -283,17 +356,41 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
     itl = _rows([np.asarray(s.itl, float) for s in base],
                 [np.asarray(s.itl, float) for s in cand], resamples, confidence, seed + 1)
     sides = _side(base), _side(cand)
+    runs = {"baseline_runs": len(base), "candidate_runs": len(cand)}
     p99 = next(r for r in ttft if r.quantile == 0.99)
-    judged = verdict(p99, ttft_budget, confidence, sides[0].requests, sides[1].requests,
-                     min_requests, baseline_runs=len(base), candidate_runs=len(cand))
+    judged = [verdict(p99, ttft_budget, confidence, sides[0].requests, sides[1].requests,
+                      min_requests, **runs)]
+    itl99 = next(r for r in itl if r.quantile == 0.99)
+    itl_counts = sum(len(s.itl) for s in base), sum(len(s.itl) for s in cand)
+    notes = []
+    if itl99.difference is not None and (itl_budget is not None
+                                         or min(itl_counts) >= min_requests):
+        judged.append(verdict(itl99, itl_budget, confidence, *itl_counts, min_requests,
+                              metric="ITL", **runs))
+    elif itl99.difference is not None:  # no ITL budget asked for: too few is no verdict
+        notes.append(f"ITL not judged: fewer than {min_requests} requests reported one on an "
+                     "arm")
+    elif itl_budget is not None:
+        judged.append(Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: an ITL budget was given, but "
+                              "ITL was not measured on both arms.", ["ITL not measured"]))
     # the rule reads p99 alone; a keep beside a slower median or p95 should not pass unremarked
-    judged.reasons.extend(
-        f"TTFT p{r.quantile * 100:g} is significantly worse than the baseline's "
-        f"({'+' if r.difference.value >= 0 else ''}{_ms(r.difference.value)}, "
-        f"{confidence * 100:g}% CI {_ms(r.difference.low)} to {_ms(r.difference.high)}); "
-        "the rule judges p99 only"
-        for r in ttft if r.quantile != 0.99 and r.difference is not None and r.difference.low > 0)
-    return Comparison(*sides, ttft, itl, ttft_budget, confidence, resamples, seed, judged)
+    notes += [f"{label} p{r.quantile * 100:g} is significantly worse than the baseline's "
+             f"({'+' if r.difference.value >= 0 else ''}{_ms(r.difference.value)}, "
+             f"{confidence * 100:g}% CI {_ms(r.difference.low)} to {_ms(r.difference.high)}); "
+             "the rule judges p99 only"
+             for label, rows in (("TTFT", ttft), ("ITL", itl)) for r in rows
+             if r.quantile != 0.99 and r.difference is not None and r.difference.low > 0]
+    if itl99.difference is None:
+        notes.append("ITL not measured on both arms: judged on TTFT alone")
+    result = _combine(judged)
+    result.reasons.extend(notes)
+
+    def resolved(budget: Budget | None, row: QuantileRow) -> float | None:
+        return None if budget is None or row.baseline is None else \
+            budget.resolve(row.baseline.value)
+
+    return Comparison(*sides, ttft, itl, resolved(ttft_budget, p99),
+                      resolved(itl_budget, itl99), confidence, resamples, seed, result)
 
 
 def _clean(value):

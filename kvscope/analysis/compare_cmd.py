@@ -7,15 +7,16 @@ import argparse
 import sys
 
 from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
-from kvscope.analysis.compare import DEFAULT_MIN_REQUESTS, compare, render_text, to_json
+from kvscope.analysis.compare import (DEFAULT_MIN_REQUESTS, compare, parse_budget, render_text,
+                                      to_json)
 from kvscope.argtypes import fraction, positive
 
 DESCRIPTION = (
     "Compare agent captures (kvscope agent --capture-dir), e.g. runs without the newest "
     "tier (BASELINE) and with it (CANDIDATE): TTFT and ITL p50/p95/p99 with percentile-"
     "bootstrap confidence intervals, hit quality by source, transfer cost, and a verdict "
-    "against the rollback rule: p99 TTFT above the budget and significantly worse than the "
-    "baseline -> roll back (disable the newest tier). Give each arm as several captures of "
+    "against the rollback rule: p99 TTFT or ITL above its budget and significantly worse than "
+    "the baseline -> roll back (disable the newest tier). Give each arm as several captures of "
     "repeated runs, comma-separated, so that run-to-run variance is measured (the intervals "
     "resample runs, then requests within runs); with one capture per arm it is not, and a "
     "candidate that looks worse is 'inconclusive', never 'roll back'. The verdict is 'keep', "
@@ -31,9 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("candidate", metavar="CANDIDATE",
                         help="the same for the candidate")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
-    parser.add_argument("--ttft-budget", type=positive(float), metavar="SECONDS",
-                        help="p99 TTFT budget in seconds; above it the candidate is rolled back "
-                        "(default: none, judge against the baseline only)")
+    parser.add_argument("--ttft-budget", type=budget, metavar="SECONDS|+N%",
+                        help="p99 TTFT budget: seconds, or a percentage of the baseline's p99 "
+                        "(+10%%: 10%% above it); a candidate above it and significantly worse "
+                        "than the baseline is rolled back (default: none, judge against the "
+                        "baseline only)")
+    parser.add_argument("--itl-budget", type=budget, metavar="SECONDS|+N%",
+                        help="p99 inter-token latency budget, as --ttft-budget (default: none, "
+                        "judge against the baseline only)")
     parser.add_argument("--resamples", type=positive(int), default=DEFAULT_RESAMPLES,
                         metavar="N", help="bootstrap resamples (default %(default)s)")
     parser.add_argument("--confidence", type=fraction, default=DEFAULT_CONFIDENCE,
@@ -42,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS, metavar="N",
                         help="fewer finished requests on a side give 'inconclusive' "
                         "(default %(default)s)")
+
+
+def budget(text: str):
+    """argparse type of a budget (:func:`kvscope.analysis.compare.parse_budget`)."""
+    try:
+        return parse_budget(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace, out=None) -> int:
@@ -55,6 +69,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     baseline, candidate = read_runs(args.baseline), read_runs(args.candidate)
     try:
         result = compare(baseline, candidate, ttft_budget=args.ttft_budget,
+                         itl_budget=args.itl_budget,
                          resamples=args.resamples, confidence=args.confidence, seed=args.seed,
                          min_requests=args.min_requests)
     except ValueError as exc:  # the command-line boundary: one line, exit code 2

@@ -33,7 +33,7 @@ def _frame(title: str, y_title: str, height: int = 340) -> go.Figure:
 
 def latency(data: dict | None, metric: str = "ttft") -> go.Figure:
     """p50/p95/p99 of ``metric`` (``ttft`` or ``itl``) for both runs as grouped bars with CI
-    error bars, in seconds; for TTFT with a budget, a dashed line at the budget."""
+    error bars, in seconds; with a budget for it, a dashed line at the budget."""
     title = TTFT_TITLE if metric == "ttft" else ITL_TITLE
     if not data:
         return message_figure(title, EMPTY)
@@ -52,8 +52,8 @@ def latency(data: dict | None, metric: str = "ttft") -> go.Figure:
             error_y={"type": "data", "symmetric": False, "array": plus, "arrayminus": minus},
             hovertemplate="%{x}: %{y:.4s}s<extra>" + side + "</extra>"))
     fig.update_yaxes(tickformat="~s", ticksuffix="s")
-    budget = data.get("ttft_budget")
-    if metric == "ttft" and budget:
+    budget = data.get(f"{metric}_budget")
+    if budget:
         fig.add_hline(y=budget, line_dash="dash", line_color=VERDICT_COLOURS["roll back"],
                       annotation_text=f"budget {budget * 1e3:g} ms",
                       annotation_position="top left")
