@@ -53,7 +53,8 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
         ev.Eviction(ts=0.0, tier="gpu", blocks=1, bytes=32, age=1.0, hits=0),
         ev.TierSnapshot(ts=0.0, tier="cpu", capacity_bytes=128, resident_bytes=64,
                         capacity_blocks=4, resident_blocks=2),
-        ev.RequestFinished(ts=0.0, request_id="r", ttft=0.2, prompt_tokens=8),
+        ev.RequestFinished(ts=0.0, request_id="r", ttft=0.2, prompt_tokens=8,
+                           output_tokens=5, itl=0.02),
     ])
     agent.pipeline.drop("ingest", "malformed")
     agent.pipeline.set_source_up("ingest", True)
@@ -78,6 +79,10 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     assert value("kvscope_tier_resident_bytes", {"tier": "cpu"}) == 64
     assert value("kvscope_host_memory_available_bytes") == 9 * 2**30
     assert value("kvscope_ttft_seconds_count") == 1
+    # its mean inter-token latency, 20 ms, in the (10, 25] ms bucket
+    assert value("kvscope_itl_seconds_bucket", {"le": "0.01"}) == 0
+    assert value("kvscope_itl_seconds_bucket", {"le": "0.025"}) == 1
+    assert value("kvscope_itl_seconds_sum") == 0.02
     assert value("kvscope_otlp_spans_total", {"result": "dropped"}) == 0  # no OTLP export
     assert value("kvscope_records_dropped_total", {"sink": "store"}) == 0  # no store_dir
 

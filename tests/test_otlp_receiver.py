@@ -841,3 +841,30 @@ def test_spans_are_counted_on_the_wire_before_a_body_is_parsed():
             ResourceSpans(scope_spans=[ScopeSpans(spans=[Span(name="s")])])] * 7000)
         assert post(spread.SerializeToString()) == 200
     assert agent.otlp_receiver.ignored == MAX_SPANS + 7000  # no request ids
+
+
+def test_a_spans_decode_time_gives_the_inter_token_latency():
+    """vLLM's span: 4 completion tokens decoded in 0.3 s (``time_in_model_decode``, first token
+    to last) -> mean ITL 0.3 / 3 = 0.1 s, for a request only the span reports (a GPU-only
+    vLLM's baseline) and for one the tap finished with its own, step-late 0.12 s (vLLM's
+    replaces it). A single token has no ITL: 0, left out of the histogram."""
+    agent = _agent()
+    agent.otlp_receiver.start()
+    _spans_arrive(agent)
+    agent.pipeline.ingest("vllm", [
+        ev.RequestStarted(ts=T0, request_id="cmpl-9-0", prompt_tokens=300),
+        ev.RequestFinished(ts=T0 + 0.9, request_id="cmpl-9-0", ttft=0.3, prompt_tokens=300,
+                           output_tokens=4, itl=0.12)])
+    decode = {**ATTRS, "gen_ai.latency.time_in_model_decode": 0.3}
+    agent.otlp_receiver.handle([
+        otlp_span(decode),
+        otlp_span({**decode, "gen_ai.request.id": "cmpl-9-0"}),
+        otlp_span({**decode, "gen_ai.request.id": "cmpl-one-0",
+                   "gen_ai.usage.completion_tokens": 1})])
+    agent.pipeline.publish_settled(everything=True)
+    itl = {rid: agent.pipeline.requests.get(rid).itl for rid in
+           ("cmpl-1-0", "cmpl-9-0", "cmpl-one-0")}
+    assert itl == {"cmpl-1-0": pytest.approx(0.1), "cmpl-9-0": pytest.approx(0.1),
+                   "cmpl-one-0": 0.0}, itl
+    hist = agent.pipeline.snapshot().itl_seconds
+    assert sum(hist.counts) == 2 and hist.sum == pytest.approx(0.2)

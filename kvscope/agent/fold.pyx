@@ -216,7 +216,7 @@ cdef class Fold:
     cdef Counts _saved_seen  # its values unused: which sources have seconds saved, in order
     cdef list _transfer_seconds  # by direction (src * 4 + dst): _Histogram or None
     cdef list _transfer_order, _hits, _residency, _measured_order
-    cdef _Histogram _ttft, _wait
+    cdef _Histogram _ttft, _wait, _itl
     cdef int64_t _requests
     cdef double *_recent  # a ring of the last TTFTs, seconds
     cdef Py_ssize_t _recent_count, _recent_next, _recent_max
@@ -234,6 +234,7 @@ cdef class Fold:
         self._hits, self._residency, self._measured_order = [None] * 4, [None] * 4, []
         self._ttft = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._wait = _Histogram(LATENCY_SECONDS_BUCKETS)
+        self._itl = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._recent = <double *>PyMem_Malloc(max(recent, 1) * sizeof(double))
         if self._recent == NULL:
             raise MemoryError()
@@ -401,13 +402,15 @@ cdef class Fold:
         return 0
 
     def observe(self, list records):
-        """Count finished ``records`` in the request metrics (requests, TTFT and promotion-wait
-        histograms, the recent TTFTs), as they are now."""
+        """Count finished ``records`` in the request metrics (requests, TTFT, promotion-wait and
+        (for those that reported one) ITL histograms, the recent TTFTs), as they are now."""
         cdef RequestRecord record
         for record in records:
             self._requests += 1
             self._ttft.observe(record._ttft, 1, <PyObject *>record, record._finished)
             self._wait.observe(record.promotion_wait, 1, NULL, 0.0)
+            if record.itl > 0:  # 0: not reported (a single output token, or no decode time)
+                self._itl.observe(record.itl, 1, NULL, 0.0)
             self._remember(record._ttft)
 
     cdef void _remember(self, double ttft) noexcept:
@@ -447,6 +450,7 @@ cdef class Fold:
             "requests": self._requests,
             "ttft_seconds": self._ttft.state(),
             "promotion_wait_seconds": self._wait.state(),
+            "itl_seconds": self._itl.state(),
             "recent_ttft": [self._recent[(self._recent_next - self._recent_count + i)
                                          % self._recent_max] for i in range(self._recent_count)],
         }

@@ -105,6 +105,7 @@ class Snapshot:
     requests: int
     ttft_seconds: Histogram
     promotion_wait_seconds: Histogram
+    itl_seconds: Histogram
     recent_ttft: list[float]
     events_received: dict[str, int]
     events_dropped: dict[tuple[str, str], int]
@@ -412,6 +413,7 @@ class Pipeline:
                 requests=state["requests"],
                 ttft_seconds=Histogram(*state["ttft_seconds"]),
                 promotion_wait_seconds=Histogram(*state["promotion_wait_seconds"]),
+                itl_seconds=Histogram(*state["itl_seconds"]),
                 recent_ttft=state["recent_ttft"],
                 events_received=dict(self._received),
                 events_dropped={**self._dropped, **{

@@ -104,6 +104,11 @@ CATALOG: tuple[MetricSpec, ...] = (
     _histogram("kvscope_promotion_wait_seconds",
                "Seconds of a request's TTFT spent waiting for promotions.", [], "seconds",
                LATENCY_SECONDS_BUCKETS),
+    _histogram("kvscope_itl_seconds",
+               "Mean inter-token latency of each request that generated two or more tokens (the "
+               "tap's, or vLLM's decode time over its tokens from its span): one observation a "
+               "request, not one a token as vllm:inter_token_latency_seconds.", [], "seconds",
+               LATENCY_SECONDS_BUCKETS),
     # host
     _gauge("kvscope_host_memory_total_bytes", "Host physical memory (psutil).", [], "bytes"),
     _gauge("kvscope_host_memory_available_bytes",

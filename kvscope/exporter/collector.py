@@ -55,6 +55,7 @@ def pipeline_samples(snap: Snapshot) -> Samples:
         "kvscope_requests_total": [([], snap.requests)],
         "kvscope_ttft_seconds": [([], snap.ttft_seconds)],
         "kvscope_promotion_wait_seconds": [([], snap.promotion_wait_seconds)],
+        "kvscope_itl_seconds": [([], snap.itl_seconds)],
         "kvscope_events_received_total": _labelled(snap.events_received),
         "kvscope_events_dropped_total": _labelled({**dict.fromkeys(sorted(snap.expected_drops), 0),
                                                    **snap.events_dropped}),

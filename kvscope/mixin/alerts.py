@@ -50,6 +50,8 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
     offload = offload_tiers(cfg)
     q = str(cfg.ttft_budget_quantile)
     ttft = f'{r.ttft_quantile}{{quantile="{q}"}}'
+    qi = str(cfg.itl_budget_quantile)
+    itl = f'{r.itl_quantile}{{quantile="{qi}"}}'
     share_as_tier = f'label_replace({r.prompt_share}, "tier", "$1", "source", "(.+)")'
     fill = f"{r.tier_fill}{{{offload}}}"
     unused = f"{r.never_reused_share}{{{offload}}}"
@@ -65,6 +67,17 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "disable the newest offload tier (the one enabled last) and confirm TTFT returns "
             "under budget against the baseline before trying it again.",
             (ttft,)),
+        Alert(
+            "KvscopeITLBudgetBreach",
+            f"{itl} > {_g(cfg.itl_budget_seconds)}",
+            cfg.itl_budget_for, "critical",
+            "Inter-token latency is over its budget: roll back the newest offload tier.",
+            f"p{float(qi) * 100:g} of the requests' mean inter-token latency at "
+            "{{ $labels.instance }} is {{ $value | humanizeDuration }}, above the "
+            f"{_g(cfg.itl_budget_seconds)}s budget for {cfg.itl_budget_for}. Rollback rule: "
+            "disable the newest offload tier (the one enabled last) and confirm ITL returns "
+            "under budget against the baseline before trying it again.",
+            (itl,)),
         Alert(
             "KvscopeHostMemoryHeadroomLow",
             f"{r.headroom_ratio} < {_g(cfg.headroom_min_ratio)}",

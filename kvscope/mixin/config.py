@@ -39,6 +39,11 @@ class MixinConfig:
     ttft_budget_seconds: float = 2.5
     ttft_budget_quantile: float = 0.99
     ttft_budget_for: str = "15m"
+    # KvscopeITLBudgetBreach: the rollback rule's other half (the mean inter-token latency of
+    # each request, kvscope_itl_seconds).
+    itl_budget_seconds: float = 0.1
+    itl_budget_quantile: float = 0.99
+    itl_budget_for: str = "15m"
     # KvscopeHostMemoryHeadroomLow: headroom / memory limit below this (0: the reserve is eaten).
     headroom_min_ratio: float = 0.0
     headroom_for: str = "10m"

@@ -27,6 +27,7 @@ class Records:
     transfer_failures_ratio: str
     promotion_quantile: str
     ttft_quantile: str
+    itl_quantile: str
     never_reused_share: str
     tier_fill: str
     headroom_ratio: str
@@ -45,6 +46,7 @@ class Records:
             transfer_failures_ratio=f"kvscope:transfer_failures:ratio_rate{w}",
             promotion_quantile=f"kvscope:promotion_seconds:quantile_rate{w}",
             ttft_quantile=f"kvscope:ttft_seconds:quantile_rate{w}",
+            itl_quantile=f"kvscope:itl_seconds:quantile_rate{w}",
             never_reused_share=f"kvscope:evicted_blocks:never_reused_share_rate{w}",
             tier_fill="kvscope:tier_fill:ratio",
             headroom_ratio="kvscope:host_memory_headroom:ratio",
@@ -54,7 +56,7 @@ class Records:
 
 
 def quantiles(cfg: MixinConfig) -> tuple[float, ...]:
-    return tuple(sorted({*QUANTILES, cfg.ttft_budget_quantile}))
+    return tuple(sorted({*QUANTILES, cfg.ttft_budget_quantile, cfg.itl_budget_quantile}))
 
 
 def recording_rules(cfg: MixinConfig) -> list[dict]:
@@ -85,10 +87,12 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
     for q in QUANTILES:
         rules.append({"record": r.promotion_quantile, "labels": {"quantile": str(q)},
                       "expr": f"histogram_quantile({q}, sum by ({by}, src, dst, le) (\n  {promo}))"})
-    for q in quantiles(cfg):
-        rules.append({"record": r.ttft_quantile, "labels": {"quantile": str(q)},
-                      "expr": f"histogram_quantile({q}, sum by ({by}, le) "
-                              f"(rate(kvscope_ttft_seconds_bucket{s()}[{w}])))"})
+    for record, metric in ((r.ttft_quantile, "kvscope_ttft_seconds"),
+                           (r.itl_quantile, "kvscope_itl_seconds")):
+        for q in quantiles(cfg):
+            rules.append({"record": record, "labels": {"quantile": str(q)},
+                          "expr": f"histogram_quantile({q}, sum by ({by}, le) "
+                                  f"(rate({metric}_bucket{s()}[{w}])))"})
     rules += [
         {"record": r.never_reused_share,
          "expr": f"sum by ({by}, tier) (rate(kvscope_evicted_block_hits_bucket"

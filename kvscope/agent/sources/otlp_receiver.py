@@ -8,11 +8,12 @@ strings), optionally gzip-compressed. :func:`parse` turns either into :class:`Sp
 
 vLLM's request span (0.32 ``vllm/v1/engine/output_processor.py``: name ``llm_request``,
 attributes ``gen_ai.request.id``, ``gen_ai.usage.prompt_tokens`` / ``completion_tokens``,
-``gen_ai.latency.time_to_first_token`` / ``time_in_queue`` / ``time_in_model_prefill``, seconds)
-is joined with cache events by request id (vLLM's external id, which the in-process tap also
-reports): when the tap finished the request (the one of that id under way when the span
-starts: a client may reuse an id), the record takes the span's trace id and vLLM's own TTFT,
-queueing and prefill; otherwise the span becomes ``RequestStarted`` + ``RequestFinished``
+``gen_ai.latency.time_to_first_token`` / ``time_in_queue`` / ``time_in_model_prefill`` /
+``time_in_model_decode``, seconds; the mean inter-token latency is the decode time over the
+completion tokens after the first) is joined with cache events by request id (vLLM's external
+id, which the in-process tap also reports): when the tap finished the request (the one of that
+id under way when the span starts: a client may reuse an id), the record takes the span's
+trace id and vLLM's own TTFT, queueing, prefill and inter-token latency; otherwise the span becomes ``RequestStarted`` + ``RequestFinished``
 events under ``source`` (so a record the tap has open joins them): see
 :meth:`~kvscope.agent.pipeline.Pipeline.report`. Spans without ``gen_ai.request.id`` are
 counted and ignored, and so are spans of requests the tap did not finish that have no TTFT
@@ -327,15 +328,18 @@ class OtlpReceiver:
             trace_id = span.trace_id if ev.w3c_trace_id(span.trace_id) else ""
             ttft = _float(a, TTFT)
             prompt = _count(a, "gen_ai.usage.prompt_tokens")
+            output = _count(a, "gen_ai.usage.completion_tokens")
+            decode = _float(a, "gen_ai.latency.time_in_model_decode")
             try:  # as an emitter's events are checked: times, durations and counts in bounds
                 started = ev.validate(ev.RequestStarted(
                     ts=span.start_ns / 1e9, request_id=request_id, prompt_tokens=prompt,
                     trace_id=trace_id))
                 finished = ev.validate(ev.RequestFinished(
                     ts=max(span.end_ns, span.start_ns) / 1e9, request_id=request_id, ttft=ttft,
-                    prompt_tokens=prompt, output_tokens=_count(a, "gen_ai.usage.completion_tokens"),
+                    prompt_tokens=prompt, output_tokens=output,
                     queueing=_float(a, "gen_ai.latency.time_in_queue"),
-                    prefill=_float(a, "gen_ai.latency.time_in_model_prefill")))
+                    prefill=_float(a, "gen_ai.latency.time_in_model_prefill"),
+                    itl=decode / (output - 1) if output > 1 and decode > 0 else 0.0))
             except (ev.SchemaError, OverflowError) as exc:  # OverflowError: a time past float's
                 self._invalid(request_id, str(exc))
                 continue
