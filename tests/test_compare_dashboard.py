@@ -86,9 +86,29 @@ def test_page_registers_on_an_app_with_its_ids():
     app.layout = page.layout()
     page.register_callbacks(app, None)
     outputs = " ".join(app.callback_map)
-    for gid in (*page.GRAPHS, "compare-verdict", page.STATUS_ID):
+    for gid in (*page.GRAPHS, "compare-verdict", page.STATUS_ID, *page.FORM, page.URL_ID):
         assert gid in outputs
     assert (page.PATH, page.NAME) == ("/compare", "Compare")
+
+
+def test_callback_inputs_are_all_on_the_page():
+    """An Input from the shell (its ``url`` Location) would fire the callback on every page,
+    where the Compare button is missing: a console error in the browser on each page load."""
+    app = dash.Dash(__name__)
+    app.layout = layout = page.layout()
+    page.register_callbacks(app, None)
+
+    def ids(component):
+        found = {getattr(component, "id", None)}
+        children = getattr(component, "children", None)
+        for child in children if isinstance(children, list) else [children]:
+            if hasattr(child, "to_plotly_json"):
+                found |= ids(child)
+        return found
+
+    on_page = ids(layout)
+    inputs = [i["id"] for cb in app.callback_map.values() for i in cb["inputs"]]
+    assert {"compare-run", page.URL_ID} <= set(inputs) and set(inputs) <= on_page
 
 
 def test_page_and_command_line_give_the_same_intervals(tmp_path, capsys):
@@ -119,3 +139,65 @@ def test_hit_quality_says_not_measured_for_an_arm_without_tokens_by_source(tmp_p
     assert texts.count("not measured") == 1 and fig.layout.annotations[0].y == "baseline"
     gpu = next(t for t in fig.data if t.name == "gpu")
     assert list(gpu.x) == [None, 0.52]
+
+
+def test_link_opens_the_form_with_the_budget_in_milliseconds():
+    link = page.parse_link("?baseline=/runs/a1,/runs/a2&candidate=/runs/b&ttft_budget=0.08")
+    assert link == page.Link("/runs/a1,/runs/a2", "/runs/b", 80.0, "")
+    # the form shows the milliseconds as written: 1001, not 1.001 * 1e3 = 1000.9999999999999
+    assert page.parse_link("?baseline=a&ttft_budget=1.001").budget_ms == 1001.0
+    assert page.parse_link("baseline=a&candidate=b").budget_ms is None  # "?" is optional
+    assert page.parse_link("?candidate=b&utm_source=chat&x=1") == page.Link(None, "b", None)
+    for search in (None, "", "?", "?id=r1&source=engine"):  # no compare key: form untouched
+        assert page.parse_link(search) is None, search
+
+
+def test_link_with_a_bad_budget_is_one_status_line():
+    for raw in ("abc", "-1", "0", "nan", "inf", "0.5s", "x" * 100):
+        link = page.parse_link(f"?baseline=a&candidate=b&ttft_budget={raw}")
+        assert link.budget_ms is None and (link.baseline, link.candidate) == ("a", "b")
+        assert link.error.startswith("cannot compare: ttft_budget=") and "\n" not in link.error
+        assert "positive number of seconds" in link.error and len(link.error) < 200, raw
+
+
+def test_link_search_writes_seconds_and_reads_back():
+    search = page.link_search("/runs/a1,/runs/a2", "/runs/b c&d", 80)
+    assert search == "?baseline=/runs/a1,/runs/a2&candidate=/runs/b+c%26d&ttft_budget=0.08"
+    assert page.parse_link(search) == page.Link("/runs/a1,/runs/a2", "/runs/b c&d", 80.0)
+    assert page.link_search("a", "b", 1234.5678) == "?baseline=a&candidate=b&ttft_budget=1.2345678"
+    for none in (None, 0):  # the form's "no budget"
+        assert page.link_search("a", "b", none) == "?baseline=a&candidate=b"
+    assert page.link_search("", None, 80) == ""
+    assert page.budget_error(None) == page.budget_error(0) == page.budget_error(80) == ""
+    assert "positive number of milliseconds" in page.budget_error(-5)
+
+
+def test_respond_opens_a_link_and_a_click_writes_one(tmp_path):
+    import pytest
+
+    b = _capture(tmp_path / "b", np.linspace(0.02, 0.04, 150))
+    c = _capture(tmp_path / "c", np.linspace(0.2, 0.3, 150))
+    keep = dash.no_update
+    n = len(page.GRAPHS) + 2  # figures, verdict, status; then the form's 3 values, the query
+
+    out = page.respond(False, f"?baseline={b}&candidate={c}&ttft_budget=0.1", None, None, None,
+                       resamples=200)
+    assert out[n:] == (b, c, 100.0, keep)
+    assert "over the 100 ms budget" in out[n - 2].children[0].children  # 0.1 s, applied
+    assert "150 requests" in out[n - 1]
+
+    out = page.respond(True, "", b, c, 100, resamples=200)
+    assert out[-1] == f"?baseline={b}&candidate={c}&ttft_budget=0.1" and out[n:-1] == (keep,) * 3
+    assert "over the 100 ms budget" in out[n - 2].children[0].children
+    assert page.respond(True, out[-1], b, c, 100, resamples=200)[-1] is keep  # already there
+
+    out = page.respond(True, "", b, c, -5)  # the form's own bad budget: nothing read or written
+    assert out[n - 1].startswith("cannot compare:") and out[n:] == (keep,) * 4
+
+    out = page.respond(False, f"?baseline={b}&candidate={c}&ttft_budget=abc", b, c, 100)
+    assert out[n - 2] == "" and "ttft_budget='abc'" in out[n - 1]
+    assert out[n:] == (b, c, None, keep)
+    out = page.respond(False, f"?baseline={b}", None, None, None)
+    assert out[n - 1] == "the link names no candidate capture: type it and press Compare"
+    with pytest.raises(dash.exceptions.PreventUpdate):  # persisted values stay
+        page.respond(False, "?foo=1", b, c, 100)

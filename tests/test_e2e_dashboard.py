@@ -14,7 +14,7 @@ import json
 import os
 import time
 import urllib.request
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 from pathlib import Path
 
 import pytest
@@ -243,23 +243,61 @@ def test_dead_agent_shows_unreachable_not_a_traceback(browser):
         handle.shutdown()
 
 
-def test_compare_page_shows_two_captures_and_a_verdict(demo, browser, tmp_path):
+def _compare_captures(tmp_path) -> tuple[str, str]:
     """Two captures made by the agent's capture writer: the baseline's 200 requests take
-    100 ms, the candidate's 50 ms, with a 80 ms p99 budget, so the verdict is to keep."""
+    100 ms, the candidate's 50 ms (so with a 80 ms p99 budget the verdict is to keep)."""
     from test_compare import _capture
 
-    baseline = _capture(tmp_path / "baseline", [0.1] * 200)
-    candidate = _capture(tmp_path / "candidate", [0.05] * 200, cpu_tokens=32)
+    return (str(_capture(tmp_path / "baseline", [0.1] * 200)),
+            str(_capture(tmp_path / "candidate", [0.05] * 200, cpu_tokens=32)))
+
+
+def _verdict(browser) -> str:
+    wait_for_points(browser, ["compare-ttft"], minimum=1)
+    return wait_for(browser, lambda: browser.find_element("id", "compare-verdict").text,
+                    "the verdict")
+
+
+def test_compare_page_shows_two_captures_and_a_verdict(demo, browser, tmp_path):
+    """The form, filled and Compare pressed: the verdict, and the comparison's link in the
+    address bar (the budget in seconds, as kvscope compare --ttft-budget)."""
+    baseline, candidate = _compare_captures(tmp_path)
     browser.get(demo.ui_url + "compare")
     try:
         wait_for(browser, lambda: browser.find_elements("id", "compare-run"), "the form")
-        fill_in(browser, {"compare-baseline": str(baseline),
-                          "compare-candidate": str(candidate), "compare-budget-ms": "80"})
+        fill_in(browser, {"compare-baseline": baseline,
+                          "compare-candidate": candidate, "compare-budget-ms": "80"})
         browser.find_element("id", "compare-run").click()
-        wait_for_points(browser, ["compare-ttft"], minimum=1)
-        verdict = wait_for(browser, lambda: browser.find_element("id", "compare-verdict").text,
-                           "the verdict")
+        verdict = _verdict(browser)
+        wait_for(browser, lambda: "ttft_budget" in browser.current_url, "the link in the URL")
     finally:
         screenshot(browser, "dashboard-compare")
     assert "keep" in verdict.lower()
+    url = urlsplit(browser.current_url)
+    assert url.path.endswith("/compare")
+    assert parse_qs(url.query) == {"baseline": [baseline], "candidate": [candidate],
+                                   "ttft_budget": ["0.08"]}
+    assert not console_errors(browser)
+
+
+def test_compare_link_opens_the_verdict_without_a_click(demo, browser, tmp_path):
+    """/compare?baseline=...&candidate=...&ttft_budget=0.08 fills the form (80 ms) and
+    compares at once; a malformed budget in a link is one status line, not a traceback."""
+    baseline, candidate = _compare_captures(tmp_path)
+    browser.get(f"{demo.ui_url}compare?"
+                f"{urlencode({'baseline': baseline, 'candidate': candidate})}&ttft_budget=0.08")
+    try:
+        verdict = _verdict(browser)
+        form = {i: browser.find_element("id", i).get_attribute("value")
+                for i in ("compare-baseline", "compare-candidate", "compare-budget-ms")}
+    finally:
+        screenshot(browser, "dashboard-compare-link")
+    assert "keep" in verdict.lower() and "80 ms budget" in verdict
+    assert form == {"compare-baseline": baseline, "compare-candidate": candidate,
+                    "compare-budget-ms": "80"}
+    browser.get(f"{demo.ui_url}compare?baseline={baseline}&candidate={candidate}"
+                f"&ttft_budget=abc")
+    status = wait_for(browser, lambda: "ttft_budget" in status_text(browser, "compare-status")
+                      and status_text(browser, "compare-status"), "the bad-budget status")
+    assert status.startswith("cannot compare: ttft_budget='abc'")
     assert not console_errors(browser)

@@ -6,14 +6,26 @@ page then shows the verdict ("keep", "roll back (disable the newest tier)" or "i
 with its reasons, TTFT and ITL p50/p95/p99 with bootstrap confidence intervals, hit quality by
 source, and transfer cost — what ``kvscope compare BASELINE CANDIDATE`` prints.
 
+The page is linkable: ``/compare?baseline=DIR[,DIR...]&candidate=DIR[,DIR...]&ttft_budget=S``
+(the budget in seconds, as ``kvscope compare --ttft-budget``) fills the form and compares at
+once, and pressing Compare writes that query into the address bar (a ``dcc.Location`` on
+the page, without reloading), so a result can be shared or reopened. A link's values
+win over the form's persisted ones; a query without any of the three keys leaves the form as it
+was.
+
 :func:`run_compare` does the page's only I/O (reading the two captures) and the analysis;
-:func:`render` is pure (plain comparison data in, figures and texts out).
+:func:`render`, :func:`parse_link` and :func:`link_search` are pure.
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+from urllib.parse import parse_qs, urlencode
+
 import dash
 from dash import Input, Output, State, dcc, html
+from dash.exceptions import PreventUpdate
 
 from kvscope.analysis.bootstrap import DEFAULT_RESAMPLES
 from kvscope.dashboard import figures_compare as fc
@@ -21,11 +33,24 @@ from kvscope.dashboard import figures_compare as fc
 PATH = "/compare"
 NAME = "Compare"
 STATUS_ID = "compare-status"
+URL_ID = "compare-url"
 GRAPHS = {"compare-ttft": fc.TTFT_TITLE, "compare-itl": fc.ITL_TITLE,
           "compare-hit-quality": fc.HIT_QUALITY_TITLE, "compare-transfers": fc.TRANSFER_TITLE}
 _GRID = {"display": "grid", "gap": "8px", "padding": "8px",
          "gridTemplateColumns": "repeat(auto-fit, minmax(520px, 1fr))"}
 _INPUT = {"width": "340px", "marginRight": "10px", "padding": "4px"}
+FORM = ("compare-baseline", "compare-candidate", "compare-budget-ms")
+LINK_KEYS = ("baseline", "candidate", "ttft_budget")
+
+
+class Link(NamedTuple):
+    """What a ``/compare`` query asks for: the two arms (None when not named), the budget in
+    milliseconds as the form holds it (None: none), and ``error``, a status line ("" if none)."""
+
+    baseline: str | None
+    candidate: str | None
+    budget_ms: float | None
+    error: str = ""
 
 
 def layout() -> html.Div:
@@ -48,6 +73,10 @@ def layout() -> html.Div:
                         style={"minWidth": 0})
               for gid, fig in zip(GRAPHS, fc.all_figures(None))]
     return html.Div([
+        # the page's own URL: its query opens a comparison, and Compare writes it (no reload;
+        # "callback-nav" tells the shell's Location too). Not the shell's: with an Input
+        # outside the page, the callback would fire on every page, without its button there
+        dcc.Location(id=URL_ID, refresh="callback-nav"),
         form,
         html.Div(id="compare-verdict", style={"padding": "4px 16px", "fontSize": "15px"}),
         html.Div(fc.EMPTY, id=STATUS_ID, style={"color": "#555", "padding": "6px 16px",
@@ -57,17 +86,103 @@ def layout() -> html.Div:
 
 
 def register_callbacks(app: dash.Dash, ctx=None) -> None:
-    """Bind the Compare button to ``app`` (``ctx``, the shared page context, is unused: the
-    page reads capture directories, not the live backend)."""
+    """Bind the Compare button and the URL's query (the page's own ``dcc.Location``) to
+    ``app`` (``ctx``, the shared page context, is unused: the page reads capture directories,
+    not the live backend). The callback writes the query it reads; Dash does not call a
+    callback again for its own output."""
 
     @app.callback(*[Output(gid, "figure") for gid in GRAPHS],
                   Output("compare-verdict", "children"), Output(STATUS_ID, "children"),
-                  Input("compare-run", "n_clicks"), State("compare-baseline", "value"),
-                  State("compare-candidate", "value"), State("compare-budget-ms", "value"),
-                  prevent_initial_call=True)
-    def _compare(_n, baseline, candidate, budget_ms):
-        data, message = run_compare(baseline, candidate, budget_ms)
-        return render(data, message)
+                  *[Output(fid, "value") for fid in FORM], Output(URL_ID, "search"),
+                  Input("compare-run", "n_clicks"), Input(URL_ID, "search"),
+                  *[State(fid, "value") for fid in FORM])
+    def _compare(n_clicks, search, baseline, candidate, budget_ms):
+        # drawing the page "triggers" the button too, with 0 clicks
+        clicked = bool(n_clicks) and "compare-run.n_clicks" in dash.ctx.triggered_prop_ids
+        return respond(clicked, search, baseline, candidate, budget_ms)
+
+
+def respond(clicked: bool, search: str | None, baseline: str | None, candidate: str | None,
+            budget_ms: float | None, resamples: int = DEFAULT_RESAMPLES) -> tuple:
+    """The callback's outputs: (four figures, verdict, status, the form's three values, the
+    URL's query); ``dash.no_update`` where nothing changes.
+
+    ``clicked``: Compare was pressed, so compare the form's values and write them into the
+    URL (unless it already holds them). Otherwise the URL changed or the page was drawn: open
+    the link in ``search``, filling the form; a query naming none of :data:`LINK_KEYS` changes
+    nothing (:class:`~dash.exceptions.PreventUpdate`), so the persisted form stays as it was.
+    """
+    keep = dash.no_update
+    if clicked:
+        error = budget_error(budget_ms)
+        if error:
+            return (*render(None, error), keep, keep, keep, keep)
+        query = link_search(baseline, candidate, budget_ms)
+        return (*render(*run_compare(baseline, candidate, budget_ms, resamples)),
+                keep, keep, keep, keep if query == (search or "") else query)
+    link = parse_link(search)
+    if link is None:
+        raise PreventUpdate
+    form = (link.baseline, link.candidate, link.budget_ms)
+    if link.error:
+        return (*render(None, link.error), *form, keep)
+    if not (link.baseline and link.candidate):
+        missing = "candidate" if link.baseline else "baseline"
+        return (*render(None, f"the link names no {missing} capture: type it and press "
+                              f"Compare"), *form, keep)
+    return (*render(*run_compare(link.baseline, link.candidate, link.budget_ms, resamples)),
+            *form, keep)
+
+
+def parse_link(search: str | None) -> Link | None:
+    """The :class:`Link` in a URL query such as ``?baseline=a,b&candidate=c&ttft_budget=0.5``
+    (``ttft_budget`` in seconds, converted to the form's milliseconds); None when the query
+    names none of :data:`LINK_KEYS` (other keys are ignored; of a repeated key, the first
+    counts). A budget that is not a positive number of seconds gives ``error``."""
+    query = parse_qs((search or "").lstrip("?"))
+    if not any(key in query for key in LINK_KEYS):
+        return None
+    baseline, candidate = (query[key][0] if key in query else None
+                           for key in ("baseline", "candidate"))
+    raw = query["ttft_budget"][0] if "ttft_budget" in query else None
+    if raw is None:
+        return Link(baseline, candidate, None)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        shown = raw if len(raw) <= 40 else raw[:40] + "…"
+        return Link(baseline, candidate, None,
+                    f"cannot compare: ttft_budget={shown!r} in the link is not a positive number "
+                    f"of seconds (e.g. ttft_budget=0.5, as kvscope compare --ttft-budget 0.5)")
+    return Link(baseline, candidate, float(f"{seconds * 1e3:.12g}"))
+
+
+def link_search(baseline: str | None, candidate: str | None, budget_ms: float | None) -> str:
+    """The URL query that reopens this comparison (:func:`parse_link` reads it back): the
+    arms as typed, and the budget in seconds when there is one (a form budget of 0 or none
+    means none); "" when the form names neither arm."""
+    query = {key: value for key, value in (("baseline", baseline), ("candidate", candidate))
+             if value}
+    if not query:
+        return ""
+    if _number(budget_ms) and budget_ms > 0:
+        query["ttft_budget"] = f"{budget_ms / 1e3:.12g}"
+    return "?" + urlencode(query, safe="/,:")
+
+
+def budget_error(budget_ms: float | None) -> str:
+    """The status line refusing the form's budget ("" when it is none, 0 or positive)."""
+    if budget_ms is None or (_number(budget_ms) and budget_ms >= 0):
+        return ""
+    return (f"cannot compare: the p99 TTFT budget must be a positive number of milliseconds "
+            f"(empty or 0: none), not {budget_ms!r}")
+
+
+def _number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def run_compare(baseline: str | None, candidate: str | None, budget_ms: float | None,
