@@ -454,9 +454,31 @@ def test_a_removed_capture_directory_is_made_again_and_both_streams_go_on(tmp_pa
     writer.add_lookup("engine", _lookup(1))
     with pytest.raises(OSError):
         writer.flush()
-    assert writer.dropped == {"blocks": 16, "requests": 1}
+    assert writer.dropped == {"blocks": 16, "requests": 1, "totals": 0}
     now[0] += 1.0
     writer.add_lookup("engine", _lookup(2))
     writer.add_request(record)
     writer.close()
     assert [pq.read_table(p).num_rows for p in writer.segments()] in ([8, 1], [1, 8])
+
+
+def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path):
+    """A background store (no request) of 4 blocks, 4096 bytes, 2 ms, then a dashboard sample:
+    the capture's totals hold it, which no request row does; a second sample with nothing new
+    adds no rows."""
+    from kvscope.analysis.capture_reader import read_transfer_totals
+
+    agent = Agent(AgentSettings(capture_dir=tmp_path / "cap", collectors=NO_COLLECTORS),
+                  with_ingest=False)
+    agent.start()
+    try:
+        agent.pipeline.ingest("engine", [ev.Transfer(ts=T0, src="gpu", dst="cpu", blocks=4,
+                                                     bytes=4096, duration=0.002)])
+        agent.sample()
+        agent.sample()
+    finally:
+        agent.shutdown()
+    assert read_transfer_totals(tmp_path / "cap") == {"gpu->cpu": (4096, 4, 0.002)}
+    segments = list((tmp_path / "cap").glob("totals-*.parquet"))
+    assert len(segments) == 1 and pq.read_table(segments[0]).num_rows == 1
+    assert not list((tmp_path / "cap").glob("requests-*.parquet"))

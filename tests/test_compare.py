@@ -4,6 +4,7 @@ answer follows by hand (each case's docstring says why)."""
 import json
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from kvscope.agent.capture import CaptureWriter
@@ -385,3 +386,38 @@ def test_an_itl_regression_over_its_budget_rolls_back_with_ttft_fine(tmp_path, c
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["verdict"]["decision"] == INCONCLUSIVE and "ITL" in out["verdict"]["text"]
+
+
+def test_transfer_cost_counts_the_offloads_no_request_holds(tmp_path, capsys):
+    """The agent's samples (cumulative counters since it started) go to the capture's totals
+    when they change: gpu->cpu stores no request's record holds (1 MB, then 3 MB, then after a
+    restart 0.5 MB), cpu->gpu promotions (2 MB, in the records too). Per direction the cost is
+    the first row plus each increase, a drop counting from 0: gpu->cpu 3 + 0.5 = 3.5 MB in
+    0.02 + 0.005 s, cpu->gpu 2 MB; a sample that changed nothing adds no rows."""
+    from kvscope.analysis.capture_reader import read_transfer_totals
+
+    directory = tmp_path / "cap"
+    writer = CaptureWriter(directory)
+
+    def sample(ts, stored, seconds, promoted):
+        return {"ts": ts, "transfer_bytes": {"gpu->cpu": stored, "cpu->gpu": promoted},
+                "transfer_blocks": {"gpu->cpu": stored // 1000, "cpu->gpu": promoted // 1000},
+                "transfer_seconds_sum": {"gpu->cpu": seconds, "cpu->gpu": 0.002}}
+
+    for s in (sample(1.0, 1_000_000, 0.01, 2_000_000), sample(2.0, 3_000_000, 0.02, 2_000_000),
+              sample(3.0, 3_000_000, 0.02, 2_000_000), sample(4.0, 500_000, 0.005, 0)):
+        writer.add_totals(s)
+    for i in range(3):
+        writer.add_request(RequestRecord(f"r{i}", f"{i + 1:032x}", "engine", 1.0, prompt_tokens=8,
+                                         ttft=0.05, finished=1.1))
+    writer.close()
+    totals = read_transfer_totals(directory)
+    assert totals == {"gpu->cpu": (3_500_000, 3_500, pytest.approx(0.025)),
+                      "cpu->gpu": (2_000_000, 2_000, pytest.approx(0.002))}, totals
+    sample_ = read_request_sample(directory)
+    assert sample_.transfer_bytes == {"gpu->cpu": 3_500_000, "cpu->gpu": 2_000_000}
+    assert main(["compare", str(directory), str(directory), "--json", "--resamples", "100",
+                 "--min-requests", "1"]) == 0
+    transfers = json.loads(capsys.readouterr().out)["candidate"]["transfers"]
+    assert transfers["gpu->cpu"]["bytes"] == 3_500_000
+    assert pq.read_table(next(directory.glob("totals-*.parquet"))).num_rows == 6  # 3 changes

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import zmq
 from prometheus_client import CollectorRegistry
 
-from kvscope.agent.capture import CaptureWriter
+from kvscope.agent.capture import KINDS as CAPTURE_KINDS, CaptureWriter
 from kvscope.agent.collectors import CollectorSet
 from kvscope.agent.config import AgentSettings, ConfigError
 from kvscope.agent.pipeline import Pipeline
@@ -104,7 +104,7 @@ class Agent(Worker):
         store = self.store.lost + self.store.unwritable if self.store is not None else 0
         capture = self.capture.dropped if self.capture is not None else {}
         samples["kvscope_records_dropped_total"] = [(["store"], store)] + [
-            ([f"capture_{kind}"], capture.get(kind, 0)) for kind in ("requests", "blocks")]
+            ([f"capture_{kind}"], capture.get(kind, 0)) for kind in CAPTURE_KINDS]
         return samples
 
     def _components(self) -> list[tuple[str, object]]:
@@ -172,8 +172,10 @@ class Agent(Worker):
         links = ({d.gpu: d.link_max_bytes_per_second for d in gpu.gpus
                   if d.link_max_bytes_per_second} if gpu else None)
         self.pipeline.publish_settled()  # first, so that the sample counts what just settled
-        self.pipeline.record_sample(
+        sample = self.pipeline.record_sample(
             self._clock(), host.available if host else None,
             host_memory_reserve=host.reserve if host else None,
             host_memory_headroom=host.headroom if host else None,
             offload_budgets=host.budgets if host else None, pcie_link_max=links)
+        if self.capture is not None:  # the transfer cost compare reads, stores included
+            self.capture.add_totals(sample)

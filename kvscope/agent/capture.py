@@ -1,6 +1,7 @@
-"""The capture sink: block accesses and finished requests recorded to Parquet segments.
+"""The capture sink: block accesses, finished requests and transfer totals recorded to Parquet
+segments.
 
-A capture directory holds two kinds of segments, each a complete Parquet file (Apache Parquet
+A capture directory holds three kinds of segments, each a complete Parquet file (Apache Parquet
 format, written with pyarrow):
 
 - ``blocks-<ms>-<pid>-<seq>.parquet``: one row per block looked up (:data:`BLOCKS_SCHEMA`),
@@ -8,6 +9,10 @@ format, written with pyarrow):
   on request, e.g. ``OffloadEngine(record_blocks=True)``); ``kvscope analyze DIR`` reads them.
 - ``requests-<ms>-<pid>-<seq>.parquet``: one row per finished request (:data:`REQUESTS_SCHEMA`),
   from the pipeline's request records; ``kvscope compare BASELINE CANDIDATE`` reads them.
+- ``totals-<ms>-<pid>-<seq>.parquet``: the agent's cumulative transfer counters by direction
+  (:data:`TOTALS_SCHEMA`), a row per direction whenever they changed at a dashboard sample:
+  every transfer, the offloads no request's record holds included (vLLM's stores are
+  background work); ``kvscope compare`` takes the transfer cost from them.
 
 Crash safety: a segment is written as ``<name>.parquet.tmp`` (one row group per flush), then
 closed, fsynced and renamed to ``<name>.parquet``, so a ``.parquet`` file is always whole; a
@@ -45,7 +50,7 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".parquet"
 TMP_SUFFIX = ".parquet.tmp"
-KINDS = ("blocks", "requests")
+KINDS = ("blocks", "requests", "totals")
 _U64 = (1 << 64) - 1
 _I32 = (1 << 31) - 1
 
@@ -85,7 +90,15 @@ REQUESTS_SCHEMA = pa.schema([
     pa.field("transfers", pa.list_(TRANSFER_TYPE)),
 ], metadata={"kvscope.kind": "requests"})
 
-SCHEMAS = {"blocks": BLOCKS_SCHEMA, "requests": REQUESTS_SCHEMA}
+TOTALS_SCHEMA = pa.schema([
+    pa.field("ts", pa.float64()),           # Unix seconds of the agent's sample
+    pa.field("direction", pa.string()),     # "src->dst"
+    pa.field("bytes", pa.int64()),          # cumulative since the agent started
+    pa.field("blocks", pa.int64()),
+    pa.field("seconds", pa.float64()),      # of the timed transfers
+], metadata={"kvscope.kind": "totals"})
+
+SCHEMAS = {"blocks": BLOCKS_SCHEMA, "requests": REQUESTS_SCHEMA, "totals": TOTALS_SCHEMA}
 
 
 def segment_key(path: Path) -> tuple[str, str]:
@@ -119,7 +132,8 @@ class CaptureWriter(Worker):
 
     ``add_lookup`` / ``add_request`` are cheap (appends under a lock) and are meant to be
     subscribed to the pipeline (:meth:`~kvscope.agent.pipeline.Pipeline.subscribe_lookups`,
-    :meth:`~kvscope.agent.pipeline.Pipeline.subscribe`); a flush thread writes every
+    :meth:`~kvscope.agent.pipeline.Pipeline.subscribe`), ``add_totals`` to be given each
+    dashboard sample (the agent's sampler does); a flush thread writes every
     ``flush_interval`` seconds. Sizes in bytes, times in seconds. ``clock``: Unix seconds,
     for segment names and ages. ``start()`` / ``shutdown()`` (which finishes every open
     segment) are safe to repeat, and ``shutdown()`` is safe without ``start()``.
@@ -147,6 +161,7 @@ class CaptureWriter(Worker):
         self.dropped: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._unfit_logged = False
         self._dropped_before: int | None = None  # rows dropped when writes began failing
+        self._totals: dict[str, tuple] = {}  # the transfer counters last queued (add_totals)
 
     # -- sinks ------------------------------------------------------------------------------
 
@@ -209,6 +224,31 @@ class CaptureWriter(Worker):
             for name, value in row.items():
                 stream.pending[name].append(value)
             stream.rows += 1
+
+    def add_totals(self, sample: dict) -> None:
+        """Queue the transfer counters of one dashboard sample (:meth:`~kvscope.agent.pipeline.
+        Pipeline.record_sample`'s: ``ts``, and ``transfer_bytes``, ``transfer_blocks``,
+        ``transfer_seconds_sum`` by "src->dst"): a row per direction, when they changed since
+        the last rows queued (an idle agent adds none)."""
+        seconds = sample["transfer_seconds_sum"]
+        now = {d: (int(n), int(sample["transfer_blocks"].get(d, 0)), float(seconds.get(d, 0.0)))
+               for d, n in sample["transfer_bytes"].items()}
+        with self._lock:
+            if now == self._totals:
+                return
+            stream = self._streams["totals"]
+            if stream.rows + len(now) > self.max_pending_rows:
+                self.dropped["totals"] += len(now)
+                return
+            self._totals = now
+            cols = stream.pending
+            for direction, (nbytes, blocks, spent) in now.items():
+                cols["ts"].append(sample["ts"])
+                cols["direction"].append(direction)
+                cols["bytes"].append(nbytes)
+                cols["blocks"].append(blocks)
+                cols["seconds"].append(spent)
+            stream.rows += len(now)
 
     # -- lifecycle --------------------------------------------------------------------------
 

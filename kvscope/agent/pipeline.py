@@ -427,8 +427,9 @@ class Pipeline:
                       host_memory_reserve: float | None = None,
                       host_memory_headroom: float | None = None,
                       offload_budgets: Mapping[str, int] | None = None,
-                      pcie_link_max: Mapping[str, float] | None = None) -> None:
-        """Append a one-second sample: cumulative counters and current gauges at ``ts``.
+                      pcie_link_max: Mapping[str, float] | None = None) -> dict:
+        """Append a one-second sample, and return it: cumulative counters and current gauges at
+        ``ts``.
 
         ``host_memory_available``, ``host_memory_reserve``, ``host_memory_headroom``: bytes,
         None when unknown. ``offload_budgets``: dict[tier, bytes]. ``pcie_link_max``:
@@ -496,6 +497,7 @@ class Pipeline:
                 "offload_budget_bytes": dict(offload_budgets or {}),
                 "pcie_link_max_bytes_per_second": dict(pcie_link_max or {}),
             })
+            return self._samples[-1]
 
     def samples(self, since: float | None = None, window: float | None = None) -> list[dict]:
         """Samples with ``ts > since`` (all when None), oldest first; ``window``: seconds, only

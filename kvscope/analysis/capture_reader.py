@@ -13,6 +13,7 @@ Only finished segments (``*.parquet``) are read, in start-time order; a ``.parqu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -166,10 +167,46 @@ def _sum_by(keys: np.ndarray, values: np.ndarray) -> dict[str, float]:
 def read_request_sample(path: str | Path, name: str | None = None) -> RequestSample:
     """The finished requests of a capture as a :class:`RequestSample` (``name``: default the
     path). Requests without a TTFT are left out; ITL counts only requests that reported one.
+    The transfer cost is the capture's transfer totals (:func:`read_transfer_totals`: every
+    transfer, background offloads included) when it has them, else its requests' transfers.
     Raises TraceError for a missing capture, no request rows, or an unreadable segment."""
     path = Path(path)
     table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path)
-    return _converted(path, "requests", lambda: _request_sample(table, name or str(path)))
+    sample = _converted(path, "requests", lambda: _request_sample(table, name or str(path)))
+    totals = read_transfer_totals(path) if path.is_dir() else None
+    if not totals:
+        return sample
+    return dataclasses.replace(
+        sample, transfer_bytes={d: t[0] for d, t in totals.items()},
+        transfer_blocks={d: t[1] for d, t in totals.items()},
+        transfer_seconds={d: t[2] for d, t in totals.items()})
+
+
+def read_transfer_totals(path: str | Path) -> dict[str, tuple[int, int, float]] | None:
+    """The transfers the agent counted while the capture at ``path`` ran, by "src->dst":
+    (bytes, blocks, seconds), from its ``totals`` segments; None for a capture without any
+    (written before the agent recorded them). The rows are cumulative counters since the agent
+    started, which a restart resets: per direction, the first row's values plus each later
+    increase, a value lower than the one before counting from 0 (as Prometheus' increase()).
+    Raises TraceError for an unreadable segment."""
+    path = Path(path)
+    segments = capture_segments(path, "totals")
+    if not segments:
+        return None
+    table = _read(segments, ["ts", "direction", "bytes", "blocks", "seconds"], "totals", path)
+    rows = sorted(zip(*(table.column(c).to_pylist() for c in
+                        ("ts", "direction", "bytes", "blocks", "seconds"))),
+                  key=lambda row: row[0])
+    last: dict[str, tuple] = {}
+    out: dict[str, list] = {}
+    for _ts, direction, *values in rows:
+        before = last.get(direction)
+        total = out.setdefault(direction, [0, 0, 0.0])
+        for i, value in enumerate(values):
+            prior = before[i] if before is not None else 0
+            total[i] += value - prior if value >= prior else value
+        last[direction] = tuple(values)
+    return {d: (int(b), int(n), float(s)) for d, (b, n, s) in out.items()}
 
 
 def read_runs(paths: str) -> list[RequestSample]:

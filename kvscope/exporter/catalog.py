@@ -150,8 +150,9 @@ CATALOG: tuple[MetricSpec, ...] = (
              ["result"]),
     _counter("kvscope_records_dropped_total",
              "Records the agent could not write to disk (a full or removed disk, a value that "
-             "does not fit), by sink: store (finished requests, store_dir), capture_requests and "
-             "capture_blocks (the Parquet capture, capture_dir); 0 for a sink not configured.",
+             "does not fit), by sink: store (finished requests, store_dir), capture_requests, "
+             "capture_blocks and capture_totals (the Parquet capture, capture_dir); 0 for a sink "
+             "not configured.",
              ["sink"]),
     _gauge("kvscope_source_up", "1 when a source the agent reads works, 0 when it is failing: "
            "its ingest socket, OTLP receiver, KV events and vLLM metrics (the demo's engine "
