@@ -78,6 +78,19 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "disable the newest offload tier (the one enabled last) and confirm ITL returns "
             "under budget against the baseline before trying it again.",
             (itl,)),
+        *(Alert(
+            f"Kvscope{name}Regression",
+            f"{q99}\n  > {_g(1 + cfg.regression_ratio)} * ({q99} offset "
+            f"{cfg.regression_baseline_offset})",
+            cfg.regression_for, "warning",
+            f"{name} is well above its own baseline: did an offload tier roll out since?",
+            f"p{float(q) * 100:g} {name} at {{{{ $labels.instance }}}} is "
+            "{{ $value | humanizeDuration }}, more than "
+            f"{_pct(cfg.regression_ratio)} above its value {cfg.regression_baseline_offset} "
+            f"earlier, for {cfg.regression_for}. If a tier rolled out since, the rollback rule "
+            "applies: disable it and compare the runs (kvscope compare) before trying again.",
+            (q99,))
+          for name, q99, q in (("TTFT", ttft, q), ("ITL", itl, qi))),
         Alert(
             "KvscopeHostMemoryHeadroomLow",
             f"{r.headroom_ratio} < {_g(cfg.headroom_min_ratio)}",

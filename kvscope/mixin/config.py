@@ -44,6 +44,12 @@ class MixinConfig:
     itl_budget_seconds: float = 0.1
     itl_budget_quantile: float = 0.99
     itl_budget_for: str = "15m"
+    # KvscopeTTFTRegression / KvscopeITLRegression: the budget relative to a recorded baseline,
+    # the same p99 this long before (an offset window: the baseline is what the fleet did then,
+    # e.g. the day before a tier rolled out); above it by more than this share, for this long.
+    regression_baseline_offset: str = "1d"
+    regression_ratio: float = 0.25
+    regression_for: str = "30m"
     # KvscopeHostMemoryHeadroomLow: headroom / memory limit below this (0: the reserve is eaten).
     headroom_min_ratio: float = 0.0
     headroom_for: str = "10m"
