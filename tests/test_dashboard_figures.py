@@ -403,3 +403,28 @@ def test_refresh_shows_unreachable_agent_instead_of_failing():
     assert status.startswith("agent unreachable: http://127.0.0.1:9 (")
     assert [annotation_texts(f) for f in figs] == [
         ["agent unreachable: http://127.0.0.1:9"]] * len(overview.GRAPHS)
+
+
+def test_concurrency_and_prompt_lengths_come_from_the_records():
+    """Requests over [0, 2], [1, 3], [1.5, 1.6] and [3, 4] (Unix seconds): in flight 1 at 0,
+    2 at 1, 3 at 1.5, 2 at 1.6, 1 at 2, 0 at 3 (the finish at 3 before the arrival at 3), 1 at
+    3, 0 at 4; peak 3. Prompt lengths 100, 200, 300, 400: p50 250 and p95 385 (linear)
+    marked. Without records each says so."""
+    from kvscope.dashboard import figures_load as fl
+
+    records = [{"arrival": a, "finished": f, "prompt_tokens": p} for a, f, p in
+               ((0, 2, 100), (1, 3, 200), (1.5, 1.6, 300), (3, 4, 400))]
+    times, counts = fl.in_flight(records + [{"arrival": 5, "finished": None}])
+    assert times.tolist() == [0, 1, 1.5, 1.6, 2, 3, 3, 4]
+    assert counts.tolist() == [1, 2, 3, 2, 1, 0, 1, 0]
+    fig = fl.concurrency(records)
+    assert fig.data[0].name == "in flight (peak 3)" and fig.data[0].x[0] == 0.0
+    hist = fl.prompt_lengths(records)
+    bars = hist.data[0]  # 4 bins over [100, 400]: one request each
+    assert list(bars.y) == [1, 1, 1, 1] and list(bars.x) == [137.5, 212.5, 287.5, 362.5]
+    assert [a.text for a in hist.layout.annotations] == ["p50 250", "p95 385"]
+    for build in (fl.concurrency, fl.prompt_lengths):
+        assert annotation_texts(build([])) == [fl.NO_RECORDS]
+    figs = overview.render([], window_seconds=900, records=records)
+    ids = list(overview.GRAPHS)
+    assert figs[ids.index("concurrency")].data[0].name == "in flight (peak 3)"

@@ -28,7 +28,8 @@ TRACE = Path(os.environ.get("KVSCOPE_TRACE_DIR", Path(__file__).resolve().parent
                             / "traces")) / "mooncake_conversation_trace.jsonl"
 
 OVERVIEW_GRAPHS = ("hit-quality", "hit-share", "ttft", "promotion-latency",
-                   "transfer-throughput", "tier-residency", "host-memory", "evictions", "savings")
+                   "transfer-throughput", "tier-residency", "host-memory", "evictions", "savings",
+                   "concurrency", "prompt-lengths")
 TIERS_GRAPHS = ("tier-gpu", "tier-cpu", "block-flow", "eviction-age", "eviction-hits")
 
 # For each graph id: how many values > 0 it holds (y of lines and bars, Sankey link values).

@@ -45,7 +45,8 @@ def test_overview_over_prometheus(demo, fleet_dashboard, browser):
     browser.get(fleet_dashboard.url + "/")
     try:
         wait_for_points(browser, ["hit-quality", "hit-share", "ttft", "transfer-throughput",
-                                  "tier-residency", "host-memory", "evictions", "savings"])
+                                  "tier-residency", "host-memory", "evictions", "savings",
+                                  "concurrency", "prompt-lengths"])
         status = status_text(browser, "overview-status")
     finally:
         screenshot(browser, "dashboard-prometheus-overview")

@@ -1,10 +1,12 @@
 """The Overview page: does offload pay? Hit quality (rate and share), TTFT and promotion
 latency percentiles, transfer throughput against the PCIe link, tier residency against
 capacity and budget, host RAM against the reserve, evictions (and those never reused), and
-prefill seconds saved against transfer seconds spent.
+prefill seconds saved against transfer seconds spent; and the load they were measured under,
+which a baseline must record: concurrency and the context-length distribution (from the
+request records).
 
-:func:`refresh` does the page's only I/O (one backend read) and hands the samples to the pure
-:func:`render`.
+:func:`refresh` does the page's only I/O (the samples and the latest request records) and hands
+them to the pure :func:`render`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 import dash
 from dash import Input, Output, html
 
-from kvscope.dashboard import figures
+from kvscope.dashboard import figures, figures_load
 from kvscope.dashboard.backend import Backend, BackendUnavailable
 from kvscope.dashboard.pages.common import (GRID_STYLE, Context, graph, samples_status, status,
                                             unreachable_status)
@@ -35,7 +37,11 @@ GRAPHS = {
     "host-memory": (figures.host_memory, figures.HOST_MEMORY_TITLE),
     "evictions": (figures.evictions, figures.EVICTIONS_TITLE),
     "savings": (figures.savings, figures.SAVINGS_TITLE),
+    "concurrency": (figures_load.concurrency, figures_load.CONCURRENCY_TITLE),
+    "prompt-lengths": (figures_load.prompt_lengths, figures_load.PROMPT_LENGTHS_TITLE),
 }
+FROM_RECORDS = frozenset({"concurrency", "prompt-lengths"})  # drawn from request records
+RECORDS = 2000  # the latest finished requests drawn
 
 
 def layout() -> html.Div:
@@ -62,15 +68,19 @@ def refresh(backend: Backend, window_seconds: float, instance: str | None = None
     a status line saying so (never an exception into Dash)."""
     try:
         samples = backend.timeseries(window_seconds, instance)
+        _total, records = backend.requests(limit=RECORDS, instance=instance)
     except BackendUnavailable as exc:
         return (*[figures.unreachable_figure(title, exc.url, exc.what)
                   for _build, title in GRAPHS.values()], unreachable_status(exc))
-    figs = render(samples, window_seconds, max_points)
+    figs = render(samples, window_seconds, max_points, records)
     return (*figs, samples_status(backend, instance, samples))
 
 
-def render(samples: Sequence[dict], window_seconds: float, max_points: int = 720) -> list:
-    """The figures in :data:`GRAPHS` order from samples: the last ``window_seconds`` (relative
-    to the newest sample), thinned to ``max_points``."""
+def render(samples: Sequence[dict], window_seconds: float, max_points: int = 720,
+           records: Sequence[dict] = ()) -> list:
+    """The figures in :data:`GRAPHS` order: from samples (the last ``window_seconds``, relative
+    to the newest sample, thinned to ``max_points``), or, for :data:`FROM_RECORDS`, from
+    ``records`` (the API's request dicts)."""
     recent = thin(last_window(samples, window_seconds), max_points)
-    return [build(recent) for build, _title in GRAPHS.values()]
+    return [build(records if gid in FROM_RECORDS else recent)
+            for gid, (build, _title) in GRAPHS.items()]
