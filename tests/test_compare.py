@@ -421,3 +421,35 @@ def test_transfer_cost_counts_the_offloads_no_request_holds(tmp_path, capsys):
     transfers = json.loads(capsys.readouterr().out)["candidate"]["transfers"]
     assert transfers["gpu->cpu"]["bytes"] == 3_500_000
     assert pq.read_table(next(directory.glob("totals-*.parquet"))).num_rows == 6  # 3 changes
+
+
+def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_path, capsys):
+    """100 requests of 64 prompt tokens, 32 from the cpu tier and 32 recomputed in 3.2 ms of
+    prefill each: the engine prefilled 3,200 tokens in 0.32 s, 10,000 tokens/s, so the cpu
+    tier's 3,200 tokens saved 0.32 s; its copies took 1 ms of promotion each (0.1 s) plus the
+    agent's offload totals (gpu->cpu 0.05 s): 0.15 s. A baseline without prefill times has
+    its saving "not measured", never 0."""
+    directory = tmp_path / "cand"
+    writer = CaptureWriter(directory)
+    for i in range(100):
+        writer.add_request(RequestRecord(
+            f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64,
+            tokens={"cpu": 32, "recompute": 32}, ttft=0.01, prefill=0.0032,
+            transfers=[TransferRecord("cpu", "gpu", 2, 1_000_000, 1000.0 + i, 0.001)],
+            finished=1000.0 + i + 0.01))
+    writer.add_totals({"ts": 1100.0, "transfer_bytes": {"gpu->cpu": 10, "cpu->gpu": 100},
+                       "transfer_blocks": {"gpu->cpu": 1, "cpu->gpu": 200},
+                       "transfer_seconds_sum": {"gpu->cpu": 0.05, "cpu->gpu": 0.1}})
+    writer.close()
+    base = _capture(tmp_path / "base", np.linspace(0.01, 0.02, 100))
+    assert main(["compare", str(base), str(directory), "--json", "--resamples", "100"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cand = out["candidate"]
+    assert cand["prefill_rate"] == pytest.approx(10_000)
+    assert cand["value"]["cpu"] == {"tokens": 3200, "prefill_seconds_saved": pytest.approx(0.32),
+                                    "transfer_seconds": pytest.approx(0.15)}
+    assert out["baseline"]["prefill_rate"] is None and out["baseline"]["value"] == {}
+    assert main(["compare", str(base), str(directory), "--resamples", "100"]) == 0
+    text = capsys.readouterr().out
+    assert "prefill 10,000 tokens/s measured): cpu: 3,200 tokens, saved 320 ms, spent 150 ms" \
+        in text and "prefill rate not measured): none" in text

@@ -35,7 +35,7 @@ T = TypeVar("T")
 UNKNOWN_BLOCK_TOKENS = 16  # vLLM's default block_size, assumed when a capture does not say
 
 _BLOCK_COLUMNS = ["ts", "depth", "block_hash", "tokens", "block_tokens", "prompt_tokens"]
-_REQUEST_COLUMNS = ["ttft", "itl", "promotion_wait",
+_REQUEST_COLUMNS = ["ttft", "itl", "promotion_wait", "prefill",
                     *[f"tokens_{s}" for s in ev.TOKEN_SOURCES], "transfers"]
 
 
@@ -245,4 +245,4 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
         promotion_wait=wait[np.isfinite(wait)],
         tokens={s: int(col[f"tokens_{s}"].sum()) for s in ev.TOKEN_SOURCES},
         transfer_bytes=moved_bytes, transfer_blocks=moved_blocks, transfer_seconds=seconds,
-        transfer_failures=failures)
+        transfer_failures=failures, prefill_seconds=float(np.nansum(col["prefill"])))

@@ -51,7 +51,8 @@ class RequestSample:
     inter-token latency of each request that reported one (> 0). ``promotion_wait``: seconds
     per request. ``tokens``: dict[source, prompt tokens]. ``transfer_bytes``,
     ``transfer_blocks``: dict["src->dst", int]; ``transfer_seconds``: dict["src->dst", float]
-    (successful transfers); ``transfer_failures``: failed transfers. ``name``: for reports.
+    (successful transfers); ``transfer_failures``: failed transfers. ``prefill_seconds``:
+    the requests' prefill time in all (0: not reported). ``name``: for reports.
     """
 
     name: str
@@ -63,6 +64,7 @@ class RequestSample:
     transfer_blocks: dict[str, int] = field(default_factory=dict)
     transfer_seconds: dict[str, float] = field(default_factory=dict)
     transfer_failures: int = 0
+    prefill_seconds: float = 0.0
 
     @property
     def requests(self) -> int:
@@ -86,7 +88,12 @@ class Side:
     ``token_share``: dict[source, 0-1], or None when the records carry no tokens by source
     (not measured, e.g. a GPU-only vLLM seen through spans alone);
     ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request; ``transfers``:
-    dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}]."""
+    dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}]. ``prefill_rate``:
+    tokens/s the engine prefilled (recomputed tokens over prefill seconds), None when not
+    measured. ``value``: what each offload tier bought and cost, dict[tier,
+    {"tokens": prompt tokens it served, "prefill_seconds_saved": those tokens at the prefill
+    rate (None: not measured), "transfer_seconds": the seconds of its copies both ways
+    (promotions out of it, offloads into it)}]; a GPU prefix hit is not offload's doing."""
 
     name: str
     requests: int
@@ -97,6 +104,8 @@ class Side:
     transfer_failures: int
     promotion_wait_mean: float
     promotion_wait_p99: float
+    prefill_rate: float | None = None
+    value: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -212,10 +221,18 @@ def _side(runs: list[RequestSample]) -> Side:
     transfers = {d: {**moved[d], "bytes_per_request": moved[d]["bytes"] / n}
                  for d in sorted(moved)}
     wait = np.concatenate([np.asarray(r.promotion_wait, dtype=np.float64) for r in runs])
+    prefill = sum(r.prefill_seconds for r in runs)
+    rate = tokens["recompute"] / prefill if prefill > 0 and tokens["recompute"] else None
+    value = {}
+    for tier in ev.TIERS[1:]:  # the offload tiers: a GPU prefix hit is not offload's doing
+        spent = sum(t["seconds"] for d, t in transfers.items() if tier in d.split("->"))
+        if tokens.get(tier) or spent:
+            value[tier] = {"tokens": tokens.get(tier, 0), "transfer_seconds": spent,
+                           "prefill_seconds_saved": tokens.get(tier, 0) / rate if rate else None}
     return Side(", ".join(r.name for r in runs), requests, len(runs), tokens, share, transfers,
                 sum(r.transfer_failures for r in runs),
                 float(wait.mean()) if len(wait) else 0.0,
-                float(np.quantile(wait, 0.99)) if len(wait) else 0.0)
+                float(np.quantile(wait, 0.99)) if len(wait) else 0.0, rate, value)
 
 
 def _ms(x: float) -> str:
@@ -445,4 +462,14 @@ def render_text(comparison: Comparison) -> str:
         lines.append(f"  {side.name}: {moved}; promotion wait mean "
                      f"{_ms(side.promotion_wait_mean)}, p99 {_ms(side.promotion_wait_p99)}; "
                      f"failed transfers {side.transfer_failures}")
+    lines.append("offload's value per tier (prefill seconds saved by the tokens it served, "
+                 "against the seconds of its copies both ways):")
+    for side in (c.baseline, c.candidate):
+        rate = (f"prefill {side.prefill_rate:,.0f} tokens/s measured" if side.prefill_rate
+                else "prefill rate not measured")
+        tiers = "; ".join(
+            f"{tier}: {v['tokens']:,} tokens, saved "
+            f"{'not measured' if v['prefill_seconds_saved'] is None else _ms(v['prefill_seconds_saved'])}"
+            f", spent {_ms(v['transfer_seconds'])}" for tier, v in side.value.items()) or "none"
+        lines.append(f"  {side.name} ({rate}): {tiers}")
     return "\n".join(lines) + "\n"
