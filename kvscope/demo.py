@@ -117,6 +117,9 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
           + f", policy {config.policy}", file=out)
     print(f"  metrics and API: {api_url}/metrics  {api_url}/api/v1/summary", file=out)
     print(f"  dashboard:       {url(config.host, config.ui_port)}", file=out)
+    if config.capture_dir:
+        print(f"  capture:         {config.capture_dir} (kvscope analyze / kvscope compare read it)",
+              file=out)
     print("  stop with Ctrl-C" + (f" (or after {config.duration:g} s)" if config.duration else ""),
           file=out, flush=True)
     replay_thread.start()

@@ -460,9 +460,13 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
     path.write_text("".join(f'{{"timestamp": {i * 10}, "input_length": 1024, '
                             f'"output_length": 1, "hash_ids": [1, 2]}}\n' for i in range(3)))
     result = _kvscope("demo", "--trace", str(path), "--speed", "1000", "--duration", "4",
-                      "--metrics-port", str(free_port()), "--ui-port", str(free_port()))
+                      "--metrics-port", str(free_port()), "--ui-port", str(free_port()),
+                      "--capture-dir", str(tmp_path / "cap"))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
+    # it says where it captures (a new user could not tell)
+    assert f"  capture:         {tmp_path / 'cap'} (kvscope analyze / kvscope compare read it)" \
+        in lines
     assert "the workload has played out (3 requests)" in lines[-2]
     assert lines[-2].endswith("stay up until Ctrl-C or 4 s from the start")
     assert lines[-1] == "kvscope demo: stopped after 3 requests"
