@@ -17,6 +17,10 @@ from typing import Annotated, Generic, Literal, TypeVar, Union
 
 import msgspec
 
+# the vocabulary the schema's fields use, re-exported for the modules that read events
+from kvscope.vocabulary import (TIERS, TOKEN_SOURCES, EvictionReason, Tier,  # noqa: F401
+                                TokenSource)
+
 SCHEMA_VERSION = 1
 # What a batch's ``source`` (and ``scope``) may be: it becomes a metric label value.
 SOURCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
@@ -44,8 +48,6 @@ def source_name_problem(name: str) -> str | None:
     return None
 
 
-Tier = Literal["gpu", "cpu", "disk", "remote"]
-TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
 
 # Counts and sizes are never negative, and times and rates are finite and never negative: one
 # such value would turn a counter down (PromQL's rate() reads that as a reset) or a histogram's
@@ -68,8 +70,6 @@ TraceId = Annotated[str, msgspec.Meta(max_length=32)]
 # The agent follows each emitter by its session (a few per source): the emitter's is 16 hex.
 Session = Annotated[str, msgspec.Meta(max_length=64)]
 
-TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
-TOKEN_SOURCES: tuple[str, ...] = ("gpu", "cpu", "disk", "recompute")
 
 
 class SchemaError(ValueError):
@@ -167,7 +167,7 @@ class Eviction(_Event, tag="eviction"):
     age: Seconds
     hits: Count
     offloaded: bool = False
-    reason: Literal["capacity", "cleared", "failed"] = "capacity"
+    reason: EvictionReason = "capacity"
     measured: bool = True
     weight: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1  # 1 in a million at most
 

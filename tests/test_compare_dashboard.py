@@ -8,6 +8,7 @@ from kvscope.agent.requests import RequestRecord, TransferRecord
 from kvscope.analysis.compare import RequestSample, compare, to_dict
 from kvscope.dashboard import figures_compare as fc
 from kvscope.dashboard.pages import compare as page
+from kvscope.vocabulary import TOKEN_SOURCES
 
 
 def _data(budget=0.1, itl=True):
@@ -40,7 +41,7 @@ def test_itl_missing_on_one_side_still_draws_the_other():
 def test_hit_quality_and_transfer_figures():
     data = _data()
     hq = fc.hit_quality(data)
-    assert [t.name for t in hq.data] == list(fc.SOURCES)
+    assert [t.name for t in hq.data] == list(TOKEN_SOURCES)
     cpu = next(t for t in hq.data if t.name == "cpu")
     assert list(cpu.x) == [0.0, 0.5]
     tc = fc.transfer_cost(data)

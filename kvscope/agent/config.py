@@ -34,6 +34,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kvscope.argtypes import is_http_url
 from kvscope.events import source_name_problem
+from kvscope.vocabulary import LOCAL_TIERS, TIERS
 
 
 class ConfigError(ValueError):
@@ -43,7 +44,7 @@ class ConfigError(ValueError):
 # KVSCOPE_* variables of other kvscope tools (tests, benchmarks, scripts), not agent settings
 OTHER_VARIABLES = frozenset({"KVSCOPE_VLLM_PYTHON", "KVSCOPE_VLLM_GPU_BUILD_PYTHON",
                              "KVSCOPE_TRACE_DIR", "KVSCOPE_CACHE"})
-BUDGET_TIERS = ("gpu", "cpu", "disk", "remote")
+BUDGET_TIERS = TIERS
 
 
 def token_problem(token: str) -> str | None:
@@ -121,7 +122,7 @@ class IngestConfig(_Section):
         return _zmq_endpoint(value)
 
 
-KV_EVENTS_TIERS = ("gpu", "cpu", "disk")
+KV_EVENTS_TIERS = LOCAL_TIERS  # the tiers vLLM's KV events name (media GPU, CPU, STORAGE)
 
 
 class KvEventsConfig(_Section):

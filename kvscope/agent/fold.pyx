@@ -24,12 +24,11 @@ from kvscope.agent.assembler cimport RequestAssembler, _Requests
 from kvscope.agent.requests cimport RequestRecord
 from kvscope.agent.requests import FUTURE
 from kvscope.agent.slots cimport bool_field, field, float_field, index_of, int_field, offset_of
-from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, FAILURE_REASONS,
-                                      LATENCY_SECONDS_BUCKETS, RESIDENCY_SECONDS_BUCKETS,
-                                      TRANSFER_SECONDS_BUCKETS)
-
-TIERS = ev.TIERS  # also the top-down order lookups cascade in
-EVICTION_REASONS = ("capacity", "cleared", "failed")
+from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCKETS,
+                                      RESIDENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS)
+# TIERS is also the top-down order lookups cascade in
+from kvscope.vocabulary import (DIRECTIONS, EVICTION_REASONS, FAILURE_REASONS, TIERS,
+                                TOKEN_SOURCES)
 
 cdef object _SNAPSHOT = ev.TierSnapshot, _STARTED = ev.RequestStarted, _LOOKUP = ev.Lookup
 cdef object _TRANSFER = ev.Transfer, _EVICTION = ev.Eviction, _LATENCY = ev.LatencyHistogram
@@ -191,13 +190,13 @@ cdef class _Histogram:
         return (self.buckets, [self.counts[i] for i in range(self.n + 1)], self.sum, exemplars)
 
 
-cdef tuple _DIRECTIONS = tuple((src, dst) for src in TIERS for dst in TIERS)
+cdef tuple _DIRECTIONS = DIRECTIONS
 cdef tuple _LOOKUP_KEYS = tuple((tier, result) for tier in TIERS for result in ("hit", "miss"))
 cdef tuple _FAILURE_KEYS = tuple((src, dst, reason) for src, dst in _DIRECTIONS
                                  for reason in FAILURE_REASONS)
 cdef tuple _EVICTION_KEYS = tuple((tier, reason) for tier in TIERS for reason in EVICTION_REASONS)
 cdef tuple _TIER_KEYS = tuple(TIERS)
-cdef tuple _SOURCE_KEYS = tuple(ev.TOKEN_SOURCES)
+cdef tuple _SOURCE_KEYS = TOKEN_SOURCES
 
 
 @cython.final

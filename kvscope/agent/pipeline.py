@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 from kvscope import events as ev
 from kvscope.agent.assembler import RequestAssembler
-from kvscope.agent.fold import TIERS, Fold
+from kvscope.agent.fold import Fold
 from kvscope.agent.requests import RequestRecord, RequestTable, amend, under_way, within
 from kvscope.exporter.catalog import LATENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS
+from kvscope.vocabulary import TIERS
 
 QUANTILES = (0.5, 0.95, 0.99)  # the percentiles each sample carries, as "p50", "p95", "p99"
 MAX_JOINED = 64  # sources whose finished requests wait for other sources' events (a bound)
@@ -362,7 +363,7 @@ class Pipeline:
     def _known_tiers(self, source: str, scope: str, snapshots: list[ev.TierSnapshot]) -> int:
         """Keep sender ``source``'s last snapshot of each tier of ``snapshots`` (two taps of
         one scope each report their own) and sum each tier's; returns the tiers ``scope``'s
-        taps have reported, as a bit mask by :data:`~kvscope.agent.fold.TIERS` (the fold's
+        taps have reported, as a bit mask by :data:`~kvscope.vocabulary.TIERS` (the fold's
         callback, under the lock)."""
         if snapshots:
             self._tier_parts.update(((scope, source, event.tier), event) for event in snapshots)

@@ -25,7 +25,7 @@ cdef extern from "Python.h":
 
 from kvscope.agent.record_data import RecordData, TransferRecord
 from kvscope.agent.slots cimport index_of
-from kvscope.events import TIERS, TOKEN_SOURCES
+from kvscope.vocabulary import TIERS, TOKEN_SOURCES
 
 # Transfers kept per record: a request seldom waits for more than a few loads, and a sender
 # attaching 100,000 to one id made each append slower and one API answer 15 MB.

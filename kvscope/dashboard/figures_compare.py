@@ -10,12 +10,12 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from kvscope.dashboard.figures import COLOURS, message_figure
+from kvscope.vocabulary import TOKEN_SOURCES
 
 TTFT_TITLE = "TTFT percentiles, baseline vs candidate (bootstrap CI)"
 ITL_TITLE = "Inter-token latency percentiles, baseline vs candidate (bootstrap CI)"
 HIT_QUALITY_TITLE = "Hit quality: share of prompt tokens by source"
 TRANSFER_TITLE = "Transfer cost: bytes per request by direction"
-SOURCES = ("gpu", "cpu", "disk", "recompute")
 RUN_COLOURS = {"baseline": "#7f7f7f", "candidate": "#1f77b4"}
 VERDICT_COLOURS = {"keep": "#2ca02c", "inconclusive": "#b8860b", "roll back": "#d62728"}
 EMPTY = "choose a baseline and a candidate capture, then press Compare"
@@ -67,7 +67,7 @@ def hit_quality(data: dict | None) -> go.Figure:
     fig = _frame(HIT_QUALITY_TITLE, "", height=260)
     fig.update_layout(barmode="stack")
     runs = ["baseline", "candidate"]
-    for source in SOURCES:
+    for source in TOKEN_SOURCES:
         fig.add_trace(go.Bar(
             y=runs, x=[(data[r]["token_share"] or {}).get(source) for r in runs], name=source,
             orientation="h", marker_color=COLOURS.get(source),

@@ -15,9 +15,9 @@ from datetime import datetime, timezone
 import plotly.graph_objects as go
 
 from kvscope.dashboard.figures import COLOURS, message_figure, new_figure
+from kvscope.vocabulary import TOKEN_SOURCES
 
 WATERFALL_TITLE = "Request waterfall"
-SOURCES = ("gpu", "cpu", "disk", "recompute")
 
 # DataTable columns: (id, header, type); numbers are sortable and filterable as numbers.
 COLUMNS = (
@@ -26,7 +26,7 @@ COLUMNS = (
     ("finished", "finished (UTC)", "text"),
     ("ttft_ms", "TTFT (ms)", "numeric"),
     ("prompt_tokens", "prompt tokens", "numeric"),
-    *((f"tokens_{s}", f"{s} tokens", "numeric") for s in SOURCES),
+    *((f"tokens_{s}", f"{s} tokens", "numeric") for s in TOKEN_SOURCES),
     ("promotion_wait_ms", "promotion wait (ms)", "numeric"),
     ("transfers", "transfers", "numeric"),
 )
@@ -57,7 +57,7 @@ def table_rows(records: Sequence[Mapping]) -> list[dict]:
             "finished": _clock(r.get("finished")),
             "ttft_ms": round(_num(r, "ttft") * 1000, 2),
             "prompt_tokens": int(_num(r, "prompt_tokens")),
-            **{f"tokens_{s}": int(tokens.get(s, 0)) for s in SOURCES},
+            **{f"tokens_{s}": int(tokens.get(s, 0)) for s in TOKEN_SOURCES},
             "promotion_wait_ms": round(_num(r, "promotion_wait") * 1000, 2),
             "transfers": len(r.get("transfers") or ()),
         }

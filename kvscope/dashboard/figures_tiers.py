@@ -11,8 +11,9 @@ import plotly.graph_objects as go
 from kvscope.dashboard import series as S
 from kvscope.dashboard.figures import COLOURS, NO_DATA, base, line, message_figure, new_figure
 from kvscope.exporter.catalog import EVICTED_HITS_BUCKETS, RESIDENCY_SECONDS_BUCKETS
+from kvscope.vocabulary import LOCAL_TIERS
 
-TIERS = ("gpu", "cpu", "disk")  # the panels always shown; "remote" only when present
+TIERS = LOCAL_TIERS  # the panels always shown; "remote" only when present
 BLOCK_FLOW_TITLE = "Block flow between tiers (blocks in the window)"
 EVICTION_AGE_TITLE = "Block age at eviction"
 EVICTION_HITS_TITLE = "Hits before eviction"

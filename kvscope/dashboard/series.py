@@ -18,14 +18,16 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from kvscope.vocabulary import TIERS
+
 Sample = Mapping[str, object]
 Series = tuple[np.ndarray, np.ndarray]  # (times in epoch ms, values)
 
 # Canonical order of keys, so a source, tier or direction keeps its place across refreshes.
-ORDER = ("gpu", "cpu", "disk", "remote", "recompute",
+ORDER = (*TIERS, "recompute",
          "gpu->cpu", "cpu->gpu", "cpu->disk", "disk->cpu", "disk->gpu", "cpu->remote",
          "remote->cpu")
-TIER_RANK = {"gpu": 0, "cpu": 1, "disk": 2, "remote": 3}
+TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 PERCENTILES = ("p50", "p95", "p99")
 
 

@@ -39,11 +39,12 @@ from kvscope.engine.presets import ModelPreset
 from kvscope.engine.stats import EngineStats
 from kvscope.engine.tier import Resident, Tier
 from kvscope.engine.transfers import OFFLOAD, PROMOTE, SPILL, STAGE, CopyBatcher, Failure
+from kvscope.vocabulary import LOCAL_TIERS, TOKEN_SOURCES
 
 DEFAULT_PRIORITY = 35
 _DIRECTION = {SPILL: "cpu->disk", OFFLOAD: "gpu->cpu", STAGE: "disk->cpu", PROMOTE: "cpu->gpu"}
 _GPU, _CPU, _DISK, _RECOMPUTE = 0, 1, 2, 3
-_SOURCE_NAMES = ("gpu", "cpu", "disk", "recompute")
+_SOURCE_NAMES = TOKEN_SOURCES  # by the indices above
 
 
 def _block_sources(sources: list[int]) -> list[str]:
@@ -108,7 +109,7 @@ class OffloadEngine:
             raise EngineConfigError("a disk tier needs a cpu tier to stage through (cpu_blocks >= 1)")
         if store_threshold < 1:
             raise EngineConfigError(f"store_threshold must be >= 1, got {store_threshold}")
-        policies = policy if isinstance(policy, dict) else dict.fromkeys(("gpu", "cpu", "disk"), policy)
+        policies = policy if isinstance(policy, dict) else dict.fromkeys(LOCAL_TIERS, policy)
         self.preset = preset
         self.block_tokens = block_tokens or preset.block_tokens
         self.block_bytes = preset.bytes_per_block(self.block_tokens)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-TIERS = ("gpu", "cpu", "disk")
-SOURCES = ("gpu", "cpu", "disk", "recompute")
+from kvscope.vocabulary import LOCAL_TIERS, TOKEN_SOURCES
+
 DIRECTIONS = ("cpu->disk", "gpu->cpu", "disk->cpu", "cpu->gpu")  # in transfer phase order
 
 
@@ -44,10 +44,10 @@ class EngineStats:
     requests: int = 0
     block_accesses: int = 0
     prompt_tokens: int = 0
-    block_hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
-    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    offloaded: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    block_hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOCAL_TIERS, 0))
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOKEN_SOURCES, 0))
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOCAL_TIERS, 0))
+    offloaded: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOCAL_TIERS, 0))
     moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0.0))
     errors: dict[str, int] = field(default_factory=dict)

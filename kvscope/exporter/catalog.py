@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvscope.vocabulary import FAILURE_REASONS
+
 # Transfer-time buckets, seconds: 10 us .. 10 s, covering one-block PCIe copies up to disk reads.
 TRANSFER_SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
 # Request latency buckets (TTFT, promotion wait), seconds: 1 ms .. 60 s.
@@ -18,9 +20,6 @@ LATENCY_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 EVICTED_HITS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 # Block age at eviction, seconds: 100 ms .. 1 day.
 RESIDENCY_SECONDS_BUCKETS = (0.1, 1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
-# Transfer failure reasons become a label, so the set is fixed; any other counts as "other".
-FAILURE_REASONS = ("checksum", "corrupt", "disk_full", "io", "missing", "permission", "timeout",
-                   "truncated", "unknown", "other")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from prometheus_client.registry import Collector
 
 from kvscope import __version__
 from kvscope.agent.pipeline import Histogram, Pipeline, Snapshot
-from kvscope.exporter.catalog import CATALOG, FAILURE_REASONS, MetricSpec
+from kvscope.exporter.catalog import CATALOG, MetricSpec
+from kvscope.vocabulary import FAILURE_REASONS
 
 _FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
              "histogram": HistogramMetricFamily}

@@ -12,6 +12,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvscope.vocabulary import TIERS
+
 MIB = 1024 * 1024
 
 
@@ -28,7 +30,7 @@ class MixinConfig:
     # Window of every rate() in the recording rules (and so in the alerts).
     rate_window: str = "5m"
     # Tiers from nearest the GPU outward: a copy to a nearer tier is a promotion.
-    tiers: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
+    tiers: tuple[str, ...] = TIERS
     runbook_url_base: str = "https://github.com/kvscope/kvscope/blob/main/docs/runbooks.md"
     dashboard_uid_prefix: str = "kvscope"
     dashboard_tags: tuple[str, ...] = ("kvscope",)

@@ -85,13 +85,11 @@ from zmq.utils.monitor import recv_monitor_message
 from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.worker import Worker
+from kvscope.vocabulary import LOCAL_TIERS, VLLM_MEDIUM_TIER
 
 log = logging.getLogger(__name__)
 NAME = "kv_events"
-TIERS = ("gpu", "cpu", "disk")
-# Every STORAGE tier is disk: an event's ``ownership`` names no tier type (only vLLM's kvcr
-# tier sets it, to "kvcr"; fs and obj tiers leave it None), so obj reads as disk here.
-MEDIUM_TIER = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
+TIERS = LOCAL_TIERS  # the tiers vLLM's media name
 _OFFLOAD_FROM = {"cpu": "gpu", "disk": "cpu"}
 _MAPPED_TRANSFERS = (("gpu", "cpu"), ("disk", "cpu"), ("cpu", "disk"))  # what this source sends
 END_SEQ = -1
@@ -191,7 +189,7 @@ class KvResidency:
                         held.clear()
                         changed.add(tier)
                 continue
-            tier = MEDIUM_TIER.get((event.medium or "GPU").upper())
+            tier = VLLM_MEDIUM_TIER.get((event.medium or "GPU").upper())
             if tier is None or tier not in self.tracked:
                 continue
             held = resident.setdefault(tier, {})

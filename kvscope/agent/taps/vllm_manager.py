@@ -65,6 +65,7 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 
 from kvscope import events as ev
 from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
+from kvscope.vocabulary import LOCAL_TIERS, VLLM_MEDIUM_TIER
 
 # under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
 log = logging.getLogger("vllm." + __name__)
@@ -76,7 +77,6 @@ DEFAULT_SAMPLE_ONE_IN = 8  # stores whose chunks' ages and loads are tracked: 1 
 # while vLLM idles shows the tier within it (a snapshot is one small event)
 SNAPSHOT_REFRESH = 10.0
 UNMEASURED_EVERY = 0.05  # seconds: untracked evictions are summed this long (the emitter's interval)
-MEDIUM_TIER = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}  # vLLM medium -> kvscope tier
 # vLLM CacheHitSource value -> kvscope token source (p2p and unspecified count as cpu: they
 # arrive through host memory)
 HIT_SOURCE = {"device": "gpu", "host": "cpu", "disk": "disk"}
@@ -146,7 +146,7 @@ class TapManager(OffloadingManager):
         self._block_bytes = bytes_per_block
         self._capacity = capacity_chunks
         self._multi_tier = multi_tier
-        self._consulted = dict.fromkeys(("gpu", "cpu", "disk") if multi_tier else ("gpu", "cpu"), 0)
+        self._consulted = dict.fromkeys(LOCAL_TIERS if multi_tier else LOCAL_TIERS[:2], 0)
         self._clock = clock
         self._interval = snapshot_interval
         self._max_requests = max_requests
@@ -538,7 +538,7 @@ class TapManager(OffloadingManager):
         stored_below: set = set()
         if self._multi_tier:  # first what the lower tiers stored: it decides ``offloaded``
             for event in events:
-                tier = MEDIUM_TIER.get(getattr(event.medium, "value", str(event.medium)))
+                tier = VLLM_MEDIUM_TIER.get(getattr(event.medium, "value", str(event.medium)))
                 if tier not in (None, "gpu", "cpu") and not event.removed:
                     stored_below.update(event.keys)
             self._below.update(stored_below.intersection(self._resident))
@@ -546,7 +546,7 @@ class TapManager(OffloadingManager):
             if getattr(event, "metadata_only", False):
                 continue  # vLLM 0.33: a failed store's chunks freed, never stored or evicted
             medium = getattr(event.medium, "value", str(event.medium))
-            tier = MEDIUM_TIER.get(medium)
+            tier = VLLM_MEDIUM_TIER.get(medium)
             # A plain CPU manager's own events repeat what prepare_store / complete_store
             # already told the tap (and, read a step late, would look like new stores).
             if tier is None or tier == "gpu" or (tier == "cpu" and not self._multi_tier):

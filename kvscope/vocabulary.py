@@ -1,0 +1,38 @@
+"""kvscope's vocabulary, declared once: the bounded values of every label and event field that
+names a tier, a token source, a reason, and how engines' own names map onto them. Every other
+module imports them from here (``events.py`` re-exports the ones its schema uses).
+
+- **tier**: where KV blocks live, nearest the GPU first (``gpu``, ``cpu`` host RAM, ``disk``,
+  ``remote``); a copy toward the front is a promotion, toward the back an offload.
+- **token source**: where each prompt token came from: a tier that held it, or ``recompute``
+  (prefill computed it).
+- **direction**: a transfer's ``(src, dst)`` tiers.
+- **eviction reason**: why blocks left a tier (``capacity``: made room; ``cleared``: a cache
+  reset; ``failed``: a store that failed).
+- **failure reason**: why a transfer failed; a label, so the set is fixed (any other reason
+  counts as ``other``).
+
+Imports only the standard library (the in-engine taps import it).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Tier = Literal["gpu", "cpu", "disk", "remote"]
+TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
+EvictionReason = Literal["capacity", "cleared", "failed"]
+
+TIERS: tuple[str, ...] = get_args(Tier)
+TOKEN_SOURCES: tuple[str, ...] = get_args(TokenSource)
+EVICTION_REASONS: tuple[str, ...] = get_args(EvictionReason)
+DIRECTIONS: tuple[tuple[str, str], ...] = tuple((src, dst) for src in TIERS for dst in TIERS)
+FAILURE_REASONS: tuple[str, ...] = ("checksum", "corrupt", "disk_full", "io", "missing",
+                                    "permission", "timeout", "truncated", "unknown", "other")
+
+# The tiers of an engine without a remote one (the reference engine; vLLM's KV events, whose
+# media are GPU, CPU and STORAGE).
+LOCAL_TIERS: tuple[str, ...] = TIERS[:3]
+# vLLM's medium -> tier. Every STORAGE tier is disk: an event's ``ownership`` names no tier type
+# (vLLM 0.32 and 0.33: only the kvcr tier sets it, to "kvcr"; fs and obj tiers leave it None).
+VLLM_MEDIUM_TIER: dict[str, str] = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}

@@ -1,0 +1,43 @@
+"""kvscope's vocabulary is declared once (kvscope/vocabulary.py): no other module spells out the
+tiers, token sources, reasons or vLLM's media again, and the event schema uses the very same
+values."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import get_args, get_type_hints
+
+from kvscope import events as ev
+from kvscope import vocabulary as v
+from kvscope.engine import disk
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvscope"
+# a run of three of one vocabulary's words in a row, as a tuple, list or Literal spells it
+REDECLARED = re.compile(
+    r'"gpu",\s*"cpu",\s*"disk"|"cpu",\s*"disk",\s*"remote"|"capacity",\s*"cleared",\s*"failed"'
+    r'|"checksum",\s*"corrupt",\s*"disk_full"|"GPU":\s*"gpu",\s*"CPU"')
+
+
+def test_no_module_but_the_vocabulary_spells_it_out():
+    """Each tier list, source list, reason list and medium map is declared in vocabulary.py
+    alone (it once was in about ten modules); the others import it."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{text.count(chr(10), 0, m.start()) + 1}"
+             for path in sorted(PACKAGE.rglob("*.py*")) if path.suffix in (".py", ".pyx", ".pxd")
+             and path.name != "vocabulary.py"
+             for text in [path.read_text()] for m in REDECLARED.finditer(text)]
+    assert found == [], found
+
+
+def test_the_schema_uses_the_vocabulary_itself():
+    """The events' Literal fields are the vocabulary's (msgspec hands out these very strings,
+    which the compiled records compare by identity), and the reference engine's disk failure
+    reasons are among the labels' failure reasons."""
+    assert ev.Tier is v.Tier and ev.TokenSource is v.TokenSource
+    assert ev.TIERS is v.TIERS == get_args(v.Tier) == ("gpu", "cpu", "disk", "remote")
+    assert v.TOKEN_SOURCES == ("gpu", "cpu", "disk", "recompute")
+    hints = get_type_hints(ev.Eviction, include_extras=True)
+    assert hints["reason"] is v.EvictionReason and hints["tier"] is v.Tier
+    assert set(disk.REASONS) <= set(v.FAILURE_REASONS) and v.FAILURE_REASONS[-1] == "other"
+    assert v.LOCAL_TIERS == v.TIERS[:3] and set(v.VLLM_MEDIUM_TIER.values()) == set(v.LOCAL_TIERS)
+    assert len(v.DIRECTIONS) == 16 and ("gpu", "cpu") in v.DIRECTIONS
