@@ -41,7 +41,9 @@ GRAPHS = {
     "prompt-lengths": (figures_load.prompt_lengths, figures_load.PROMPT_LENGTHS_TITLE),
 }
 FROM_RECORDS = frozenset({"concurrency", "prompt-lengths"})  # drawn from request records
-RECORDS = 2000  # the latest finished requests drawn
+# the latest finished requests drawn: the Requests page's default, as every refresh reads them
+# and the agent sorts its table and encodes each of them for it
+RECORDS = 500
 
 
 def layout() -> html.Div:
