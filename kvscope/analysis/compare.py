@@ -134,9 +134,9 @@ class Budget:
         return baseline_p99 * (1.0 + self.relative)
 
     def describe(self, baseline_p99: float) -> str:
-        text = f"budget {_ms(self.resolve(baseline_p99))}"
+        text = f"budget {ms(self.resolve(baseline_p99))}"
         if self.relative is not None:
-            text += f" (the baseline's p99 {_ms(baseline_p99)} {self.relative * 100:+g}%)"
+            text += f" (the baseline's p99 {ms(baseline_p99)} {self.relative * 100:+g}%)"
         return text
 
 
@@ -235,7 +235,7 @@ def _side(runs: list[RequestSample]) -> Side:
                 float(np.quantile(wait, 0.99)) if len(wait) else 0.0, rate, value)
 
 
-def _ms(x: float) -> str:
+def ms(x: float) -> str:
     """Seconds as milliseconds to 3 significant digits, never in scientific notation: waits
     and differences run from microseconds to seconds."""
     return f"{np.format_float_positional(x * 1e3, precision=3, fractional=False, trim='-')} ms"
@@ -285,9 +285,9 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
         return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: too few requests to judge p99 {metric} "
                        f"(need {min_requests} per run).", reasons)
     c, d = p99.candidate, p99.difference
-    cand = f"candidate p99 {metric} {_ms(c.value)} ({pct} CI {_ms(c.low)}-{_ms(c.high)})"
-    diff = f"{'+' if d.value >= 0 else ''}{_ms(d.value)} vs baseline ({pct} CI " \
-           f"{_ms(d.low)} to {_ms(d.high)})"
+    cand = f"candidate p99 {metric} {ms(c.value)} ({pct} CI {ms(c.low)}-{ms(c.high)})"
+    diff = f"{'+' if d.value >= 0 else ''}{ms(d.value)} vs baseline ({pct} CI " \
+           f"{ms(d.low)} to {ms(d.high)})"
     reasons += [cand, diff]
     worse, better = d.low > 0, d.high < 0
     replicated = min(baseline_runs, candidate_runs) >= 2
@@ -302,7 +302,7 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
                        "difference may be run-to-run noise: repeat each arm and compare the "
                        "runs.", reasons)
 
-    base = _ms(p99.baseline.value)
+    base = ms(p99.baseline.value)
     budget = parse_budget(budget)
     if budget is None:
         reasons.append(f"no {metric} budget given: judged against the baseline only")
@@ -312,7 +312,7 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
                        f"baseline's {base}.", reasons)
     reasons.append(budget.describe(p99.baseline.value))
     budget = budget.resolve(p99.baseline.value)
-    b = _ms(budget)
+    b = ms(budget)
     if c.value > budget and better:
         return Verdict(KEEP, f"{KEEP}: {cand} is over the {b} budget, but significantly "
                        f"below the baseline's {base}: disabling the tier would raise p99 "
@@ -392,8 +392,8 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
                               "ITL was not measured on both arms.", ["ITL not measured"]))
     # the rule reads p99 alone; a keep beside a slower median or p95 should not pass unremarked
     notes += [f"{label} p{r.quantile * 100:g} is significantly worse than the baseline's "
-             f"({'+' if r.difference.value >= 0 else ''}{_ms(r.difference.value)}, "
-             f"{confidence * 100:g}% CI {_ms(r.difference.low)} to {_ms(r.difference.high)}); "
+             f"({'+' if r.difference.value >= 0 else ''}{ms(r.difference.value)}, "
+             f"{confidence * 100:g}% CI {ms(r.difference.low)} to {ms(r.difference.high)}); "
              "the rule judges p99 only"
              for label, rows in (("TTFT", ttft), ("ITL", itl)) for r in rows
              if r.quantile != 0.99 and r.difference is not None and r.difference.low > 0]
@@ -460,7 +460,7 @@ def render_text(comparison: Comparison) -> str:
         moved = ", ".join(f"{d} {_bytes(t['bytes'])} in {t['seconds']:.3f} s"
                           for d, t in side.transfers.items()) or "none"
         lines.append(f"  {side.name}: {moved}; promotion wait mean "
-                     f"{_ms(side.promotion_wait_mean)}, p99 {_ms(side.promotion_wait_p99)}; "
+                     f"{ms(side.promotion_wait_mean)}, p99 {ms(side.promotion_wait_p99)}; "
                      f"failed transfers {side.transfer_failures}")
     lines.append("offload's value per tier (prefill seconds saved by the tokens it served, "
                  "against the seconds of its copies both ways):")
@@ -469,7 +469,7 @@ def render_text(comparison: Comparison) -> str:
                 else "prefill rate not measured")
         tiers = "; ".join(
             f"{tier}: {v['tokens']:,} tokens, saved "
-            f"{'not measured' if v['prefill_seconds_saved'] is None else _ms(v['prefill_seconds_saved'])}"
-            f", spent {_ms(v['transfer_seconds'])}" for tier, v in side.value.items()) or "none"
+            f"{'not measured' if v['prefill_seconds_saved'] is None else ms(v['prefill_seconds_saved'])}"
+            f", spent {ms(v['transfer_seconds'])}" for tier, v in side.value.items()) or "none"
         lines.append(f"  {side.name} ({rate}): {tiers}")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,127 @@
+"""The rollout's verdict: each candidate against the baseline, per concurrency level and over
+the whole ramp, beside the A/A pair (the baseline against its own second run), which measures
+the noise floor.
+
+The statistics are :func:`kvscope.analysis.compare.compare`'s: quantiles with two-stage
+bootstrap intervals (runs, then requests within runs; Davison & Hinkley 1997, section 3.8) and
+its rollback rule on p99 TTFT and ITL. Over the whole ramp a run is one repetition of it (each
+level's requests of that repetition together), so every level weighs the same in every
+resample and the repetitions carry the run-to-run variance.
+
+The A/A gate: two runs of one configuration differ only by noise. When the A/A pair's p99
+difference (TTFT or ITL) is larger than the candidate's, the candidate's effect is within the
+noise floor and the verdict is ``inconclusive``, whatever the rule said; a ``roll back`` also
+needs the low end of the candidate's difference interval above the A/A pair's difference for
+TTFT or ITL (worse than noise, with confidence: with a few repetitions the bootstrap's
+intervals are narrow, Davison & Hinkley 1997, section 3.8, so the measured floor backs them);
+when the A/A pair itself comes out ``roll back``, the set-up is not stable enough to judge and
+the verdict is ``inconclusive`` too. Pure: request samples in, dataclasses out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvscope.analysis.compare import (INCONCLUSIVE, ROLL_BACK, Comparison, RequestSample,
+                                      Verdict, compare, ms)
+from kvscope.rollout.plan import Step, aa_slot
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """One candidate against the baseline: ``levels`` (concurrency -> :class:`Comparison`),
+    ``overall`` (the whole ramp), ``aa`` (the baseline's A/A pair over the whole ramp, or None
+    without one), ``aa_levels`` (per level) and the final ``verdict`` (the overall one after
+    the A/A gate)."""
+
+    candidate: str
+    levels: dict[int, Comparison]
+    overall: Comparison
+    aa: Comparison | None
+    aa_levels: dict[int, Comparison]
+    verdict: Verdict
+
+
+def pooled(samples: Sequence[RequestSample], name: str) -> RequestSample:
+    """Several runs' requests as one run (latencies concatenated, counts added up)."""
+    def added(key: str) -> dict:
+        out: dict = {}
+        for s in samples:
+            for k, v in getattr(s, key).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def joined(key: str) -> np.ndarray:
+        parts = [np.asarray(getattr(s, key), dtype=np.float64) for s in samples]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    return RequestSample(
+        name, joined("ttft"), joined("itl"), joined("promotion_wait"), added("tokens"),
+        added("transfer_bytes"), added("transfer_blocks"), added("transfer_seconds"),
+        sum(s.transfer_failures for s in samples), sum(s.prefill_seconds for s in samples))
+
+
+def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int | None
+          ) -> list[RequestSample]:
+    """``slot``'s runs at ``level`` (None: each repetition's levels pooled), by repetition."""
+    by_rep: dict[int, list[RequestSample]] = {}
+    for step, sample in results:
+        if step.slot == slot and (level is None or step.level == level) and sample.requests:
+            by_rep.setdefault(step.rep, []).append(sample)
+    return [pooled(by_rep[r], f"{slot} rep {r + 1}" + ("" if level is None else f" x{level}"))
+            for r in sorted(by_rep)]
+
+
+def _gate(verdict: Verdict, effect: Comparison, aa: Comparison) -> Verdict:
+    """The A/A gate (see the module) on ``verdict``, the verdict of ``effect``."""
+    why = []
+    if aa.verdict.decision == ROLL_BACK:
+        why.append("the A/A pair (the baseline against itself) came out 'roll back': runs of "
+                   "one configuration differ significantly here, so the set-up is too noisy "
+                   "to judge")
+    clear = []  # metrics whose regression clears the floor with confidence
+    for label, rows, aa_rows in (("TTFT", effect.ttft, aa.ttft), ("ITL", effect.itl, aa.itl)):
+        d, floor = rows[-1].difference, aa_rows[-1].difference
+        if d is None or floor is None:
+            continue
+        if abs(floor.value) > abs(d.value):
+            why.append(f"the A/A pair's p99 {label} differs by {ms(floor.value)}, more than "
+                       f"the candidate's {ms(d.value)}: the effect is within the noise floor")
+        elif d.low > abs(floor.value):
+            clear.append(label)
+    if verdict.decision == ROLL_BACK and not clear and not why:
+        why.append("the candidate's regression is not clear of the noise floor: the low end "
+                   "of its interval is under what the A/A pair differs by")
+    if not why or verdict.decision == INCONCLUSIVE:
+        return dataclasses.replace(verdict, reasons=verdict.reasons + why)
+    return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why[0]} (the rule alone said "
+                   f"'{verdict.decision}').", verdict.reasons + why)
+
+
+def judge(results: Sequence[tuple[Step, RequestSample]], baseline: str, candidate: str, *,
+          aa: bool = True, **options) -> Judgement:
+    """Judge ``candidate`` against ``baseline`` from the runs ``results`` ((step, requests) of
+    every run that finished). ``options``: :func:`~kvscope.analysis.compare.compare`'s
+    (budgets, resamples, confidence, seed, min_requests). Raises ValueError when an arm has
+    no finished request."""
+    levels = sorted({s.level for s, _ in results})
+    twin = aa_slot(baseline)
+
+    def versus(a: str, b: str, level: int | None) -> Comparison:
+        return compare(_runs(results, a, level), _runs(results, b, level), **options)
+
+    per_level = {lv: versus(baseline, candidate, lv) for lv in levels
+                 if _runs(results, baseline, lv) and _runs(results, candidate, lv)}
+    overall = versus(baseline, candidate, None)
+    floor = versus(baseline, twin, None) if aa and _runs(results, twin, None) else None
+    aa_levels = {lv: versus(baseline, twin, lv) for lv in levels
+                 if floor is not None and _runs(results, twin, lv)}
+    verdict = overall.verdict if floor is None else _gate(overall.verdict, overall, floor)
+    if aa and floor is None:
+        verdict = dataclasses.replace(verdict, reasons=verdict.reasons + [
+            "no A/A run finished: the noise floor is not measured"])
+    return Judgement(candidate, per_level, overall, floor, aa_levels, verdict)

@@ -1,0 +1,86 @@
+"""The rollout's verdict (kvscope.rollout.judge) on cases whose answer is known: identical arms
+never come out 'roll back', a planted regression far above the noise is found, and an A/A pair
+that differs more than the candidate makes the verdict inconclusive."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvscope.analysis.compare import INCONCLUSIVE, KEEP, ROLL_BACK, RequestSample
+from kvscope.rollout.judge import judge, pooled
+from kvscope.rollout.plan import aa_slot, plan
+
+OPTIONS = {"resamples": 400, "min_requests": 50}
+
+
+def _runs(arms, scale, *, seed, reps=3, levels=(1, 4), requests=60, run_sd=0.05):
+    """Runs of a plan with TTFT lognormal around ``scale[slot]`` seconds times the level (more
+    streams, longer waits), each run shifted by its own factor exp(N(0, run_sd)): the run-to-run
+    variance a single run cannot show. ITL likewise, a tenth of it."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in plan(arms, levels, reps):
+        drift = np.exp(rng.normal(0, run_sd))
+        ttft = scale[step.slot] * step.level * drift * rng.lognormal(0, 0.3, requests)
+        itl = ttft / 10
+        out.append((step, RequestSample(step.slot, ttft, itl, tokens={"gpu": 10, "recompute": 5},
+                                        transfer_bytes={"gpu->cpu": 100})))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_identical_arms_never_roll_back(seed):
+    """A/A: baseline, candidate and the A/A twin are one configuration (0.1 s): whatever the
+    seed, the verdict is keep or inconclusive, with and without a relative budget."""
+    scale = {"A": 0.1, "B": 0.1, aa_slot("A"): 0.1}
+    results = _runs(["A", "B"], scale, seed=seed)
+    for budget in (None, "+10%"):
+        j = judge(results, "A", "B", ttft_budget=budget, itl_budget=budget, seed=seed, **OPTIONS)
+        assert j.verdict.decision in (KEEP, INCONCLUSIVE), j.verdict.text
+        assert j.overall.baseline.runs == 3  # one pooled run per repetition
+        assert set(j.levels) == {1, 4} and j.aa is not None
+
+
+def test_a_planted_regression_far_above_the_noise_is_rolled_back():
+    """The candidate's latencies are 1.6x the baseline's at every level; run-to-run noise is
+    5% and the A/A twin matches the baseline: p99 rises ~60%, far above a +10% budget and
+    above the A/A floor -> roll back; per level too the difference is significant."""
+    scale = {"A": 0.1, "B": 0.16, aa_slot("A"): 0.1}
+    j = judge(_runs(["A", "B"], scale, seed=1), "A", "B", ttft_budget="+10%", **OPTIONS)
+    assert j.verdict.decision == ROLL_BACK, j.verdict.text
+    for comparison in j.levels.values():
+        assert comparison.ttft[-1].difference.low > 0
+
+
+def test_an_aa_pair_noisier_than_the_effect_makes_it_inconclusive():
+    """The twin runs 1.6x slower than the baseline (a noisy host), the candidate 1.3x: the rule
+    alone would roll back, but the A/A difference is larger than the effect."""
+    scale = {"A": 0.1, "B": 0.13, aa_slot("A"): 0.16}
+    results = _runs(["A", "B"], scale, seed=2)
+    rule_alone = judge(results, "A", "B", ttft_budget="+10%", aa=False, **OPTIONS)
+    assert rule_alone.verdict.decision == ROLL_BACK
+    j = judge(results, "A", "B", ttft_budget="+10%", **OPTIONS)
+    assert j.verdict.decision == INCONCLUSIVE
+    assert any("noise floor" in r for r in j.verdict.reasons)
+
+
+def test_pooled_adds_counts_and_concatenates_latencies():
+    a = RequestSample("a", np.array([1.0, 2.0]), np.array([0.1]), tokens={"gpu": 3},
+                      transfer_bytes={"gpu->cpu": 10}, transfer_seconds={"gpu->cpu": 0.5},
+                      transfer_failures=1, prefill_seconds=2.0)
+    b = RequestSample("b", np.array([3.0]), tokens={"gpu": 1, "cpu": 4},
+                      transfer_bytes={"gpu->cpu": 5, "cpu->gpu": 7}, prefill_seconds=1.0)
+    p = pooled([a, b], "ab")
+    assert list(p.ttft) == [1.0, 2.0, 3.0] and list(p.itl) == [0.1]
+    assert p.tokens == {"gpu": 4, "cpu": 4}
+    assert p.transfer_bytes == {"gpu->cpu": 15, "cpu->gpu": 7}
+    assert p.transfer_seconds == {"gpu->cpu": 0.5}
+    assert (p.transfer_failures, p.prefill_seconds) == (1, 3.0)
+
+
+def test_an_arm_without_finished_requests_is_an_error():
+    results = [(s, r) for s, r in _runs(["A", "B"], {"A": .1, "B": .1, aa_slot("A"): .1}, seed=0)
+               if s.slot != "B"]
+    with pytest.raises(ValueError, match="no candidate run"):
+        judge(results, "A", "B", **OPTIONS)
