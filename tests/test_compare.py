@@ -201,10 +201,10 @@ def test_the_report_gives_transfer_sizes_and_waits_in_readable_units(tmp_path, c
     assert main(["compare", str(b), str(c), "--resamples", "200"]) == 0
     text = capsys.readouterr().out
     assert "cpu->gpu 400.0 MB in 0.400 s; promotion wait mean 1 ms, p99 1 ms" in text
-    from kvscope.analysis.compare import _bytes, _ms
+    from kvscope.analysis.compare import _bytes, ms
     assert (_bytes(288_297_600_000), _bytes(999)) == ("288.3 GB", "999 B")
     # 3 significant digits, never 1.5e+03 nor 0.0
-    assert (_ms(1.5), _ms(7.3e-6), _ms(0.0902), _ms(4e-5)) == (
+    assert (ms(1.5), ms(7.3e-6), ms(0.0902), ms(4e-5)) == (
         "1500 ms", "0.0073 ms", "90.2 ms", "0.04 ms")
 
 
