@@ -146,6 +146,12 @@ def _parser() -> argparse.ArgumentParser:
         "compare", help="compare two captures: TTFT/ITL with CIs and a rollback verdict",
         description=COMPARE_DESCRIPTION))
 
+    from kvscope.rollout.command import add_arguments as add_rollout_arguments
+
+    add_rollout_arguments(sub.add_parser(
+        "rollout", help="baseline vs candidate servers under a load generator: tails per "
+        "concurrency level, hit quality, cost and a verdict"))
+
     docs = sub.add_parser("docs-metrics", help="write docs/metrics.md from the metric catalog")
     docs.add_argument("--output", default="docs/metrics.md", help="file to write (default %(default)s)")
     return parser
@@ -241,6 +247,12 @@ def _compare(args) -> int:
     return run(args)
 
 
+def _rollout(args) -> int:
+    from kvscope.rollout.command import run
+
+    return run(args)
+
+
 def _replay(args) -> int:
     from kvscope.engine.replay_cmd import run
 
@@ -261,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
     handler = {"demo": _demo, "agent": _agent, "dashboard": _dashboard,
                "docs-metrics": _docs_metrics, "analyze": _analyze, "replay": _replay,
-               "compare": _compare}[args.command]
+               "compare": _compare, "rollout": _rollout}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:  # Ctrl-C in a command that has no clean stop of its own

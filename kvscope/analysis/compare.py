@@ -410,19 +410,21 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
                       resolved(itl_budget, itl99), confidence, resamples, seed, result)
 
 
-def _clean(value):
+def json_ready(value):
+    """``value`` (dicts, lists, tuples, numbers) with every non-finite float as None: JSON
+    has no NaN."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
     return value
 
 
 def to_dict(comparison: Comparison) -> dict:
     """The comparison as JSON-ready plain data (seconds, bytes, 0-1 shares; NaN -> None)."""
-    return _clean(asdict(comparison))
+    return json_ready(asdict(comparison))
 
 
 def to_json(comparison: Comparison) -> str:

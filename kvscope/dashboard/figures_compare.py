@@ -16,6 +16,9 @@ TTFT_TITLE = "TTFT percentiles, baseline vs candidate (bootstrap CI)"
 ITL_TITLE = "Inter-token latency percentiles, baseline vs candidate (bootstrap CI)"
 HIT_QUALITY_TITLE = "Hit quality: share of prompt tokens by source"
 TRANSFER_TITLE = "Transfer cost: bytes per request by direction"
+LEVEL_TITLES = {"ttft": "p{q} TTFT per concurrency level (bootstrap CI over repetitions)",
+                "itl": "p{q} inter-token latency per concurrency level (bootstrap CI)",
+                "e2e": "p{q} end-to-end latency per concurrency level (bootstrap CI)"}
 RUN_COLOURS = {"baseline": "#7f7f7f", "candidate": "#1f77b4"}
 VERDICT_COLOURS = {"keep": "#2ca02c", "inconclusive": "#b8860b", "roll back": "#d62728"}
 EMPTY = "choose a baseline and a candidate capture, then press Compare"
@@ -100,6 +103,38 @@ def transfer_cost(data: dict | None) -> go.Figure:
             hovertemplate="%{x}: %{y:.4s}B per request; %{customdata[0]:.3f} s, "
             "%{customdata[1]:,} blocks in all<extra>" + side + "</extra>"))
     fig.update_yaxes(tickformat="~s", ticksuffix="B")
+    return fig
+
+
+def level_tails(tails: dict | None, metric: str = "ttft", quantile: float = 0.99) -> go.Figure:
+    """``quantile`` of ``metric`` (``ttft``, ``itl`` or ``e2e``) against concurrency, one line
+    per arm with CI error bars, in seconds. ``tails``: a rollout report's
+    ``{arm: {level: {metric: [{"quantile", "value", "low", "high"}, ...]}}}`` (levels as
+    strings or ints; a metric an arm did not report: an empty list)."""
+    title = LEVEL_TITLES[metric].format(q=f"{quantile * 100:g}")
+    if not tails:
+        return message_figure(title, "no rollout runs")
+    fig = _frame(title, "seconds (s)")
+    palette = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#bcbd22"]
+    for i, (arm, levels) in enumerate(tails.items()):
+        points = sorted((int(level), next((e for e in cells.get(metric, [])
+                                           if e["quantile"] == quantile), None))
+                        for level, cells in levels.items())
+        points = [(x, e) for x, e in points if e is not None]
+        if not points:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[x for x, _ in points], y=[e["value"] for _, e in points], name=arm,
+            mode="lines+markers", line={"color": palette[i % len(palette)],
+                                        "dash": "dot" if "A/A" in arm else "solid"},
+            error_y={"type": "data", "symmetric": False,
+                     "array": [e["high"] - e["value"] for _, e in points],
+                     "arrayminus": [e["value"] - e["low"] for _, e in points]},
+            hovertemplate="%{x} streams: %{y:.4s}s<extra>" + arm + "</extra>"))
+    if not fig.data:
+        return message_figure(title, f"no {metric.upper()} reported by any arm")
+    fig.update_xaxes(title_text="concurrent streams", type="log", dtick=0.30103)
+    fig.update_yaxes(tickformat="~s", ticksuffix="s")
     return fig
 
 

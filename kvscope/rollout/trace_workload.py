@@ -37,10 +37,11 @@ def block_token_ids(hash_id: int, block_tokens: int, vocab: int) -> list[int]:
     return [rng.randrange(FIRST_TOKEN, vocab) for _ in range(block_tokens)]
 
 
-def prompt_length(request: Request, block_tokens: int) -> int:
-    """``request``'s prompt length scaled from 512-token blocks to ``block_tokens`` (at least 1
-    token, at most its blocks' tokens)."""
-    scaled = round(request.prompt_tokens * block_tokens / MOONCAKE_BLOCK_TOKENS)
+def prompt_length(request: Request, block_tokens: int,
+                  source_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> int:
+    """``request``'s prompt length scaled from blocks of ``source_block_tokens`` (a Mooncake
+    trace's 512) to ``block_tokens`` (at least 1 token, at most its blocks' tokens)."""
+    scaled = round(request.prompt_tokens * block_tokens / source_block_tokens)
     return max(1, min(scaled, len(request.block_hashes) * block_tokens))
 
 

@@ -1,0 +1,191 @@
+"""A rollout's arms: the servers it drives, started by a command when it owns them, and what
+each run cost them, read from their metrics before and after it.
+
+An arm is an OpenAI-compatible server (``url``, vLLM's or another's) and, optionally, the
+kvscope agent beside it (``agent``) and the command that starts it (``command``, run in its
+own process group, stopped with it). Hit quality and transfer cost per run come from the
+agent's ``/metrics`` when the arm has one (prompt tokens by source, transfer bytes, blocks and
+seconds both ways); otherwise from the server's own ``/metrics`` through the vLLM metrics
+source's mapping (:class:`kvscope.agent.sources.vllm_metrics.MetricsMapper`: tokens by source,
+untimed offload and promotion bytes). The prefill seconds come from vLLM's
+``vllm:request_prefill_time_seconds`` either way. What neither reports stays empty: "not
+measured", never 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvscope import events as ev
+from kvscope.agent.sources.vllm_metrics import MAX_BODY, MetricsMapper, Samples, parse
+
+HEALTH_POLL_S = 1.0
+STOP_GRACE_S = 15.0
+SCRAPE_TIMEOUT_S = 10.0
+RUNNING_TIMEOUT_S = 15.0  # a server that should be up already: no long wait
+
+
+class ArmError(RuntimeError):
+    """An arm's server could not be started, answered no longer, or died; the message says
+    which arm and what to check."""
+
+
+@dataclass
+class Arm:
+    """One arm: ``name``, ``url`` (the server's base URL, e.g. ``http://127.0.0.1:8000``; its
+    ``/metrics`` and ``/health`` are read), ``agent`` (the kvscope agent's base URL, or None),
+    ``command`` (shell command that starts the server, or None: already running) and
+    ``health`` (the URL that answers 200 once it serves; default ``url + "/health"``)."""
+
+    name: str
+    url: str
+    agent: str | None = None
+    command: str | None = None
+    health: str | None = None
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def health_url(self) -> str:
+        return self.health or self.url.rstrip("/") + "/health"
+
+    def start(self, log: Path, timeout: float) -> None:
+        """Start the command (if any), its output to ``log``, and wait until the health URL
+        answers 200. Raises ArmError when the command exits or ``timeout`` seconds pass (at
+        most :data:`RUNNING_TIMEOUT_S` for a server said to be running already)."""
+        if not self.command:
+            timeout = min(timeout, RUNNING_TIMEOUT_S)
+        else:
+            with open(log, "ab") as out:
+                self.process = subprocess.Popen(
+                    self.command, shell=True, stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check()
+            if _ok(self.health_url):
+                return
+            if time.monotonic() > deadline:
+                raise ArmError(f"arm {self.name}: {self.health_url} did not answer 200 within "
+                               f"{timeout:.0f} s" + (f" (its log: {log})" if self.command else
+                                                      "; is the server running?"))
+            time.sleep(HEALTH_POLL_S)
+
+    def check(self) -> None:
+        """Raise ArmError if the arm's command has exited."""
+        if self.process is not None and self.process.poll() is not None:
+            raise ArmError(f"arm {self.name}: its server command exited with code "
+                           f"{self.process.returncode}: {shlex.quote(self.command or '')}")
+
+    def stop(self) -> None:
+        """Stop the command's process group: SIGTERM, then SIGKILL after a grace period."""
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def snapshot(self) -> tuple[Samples, Samples | None]:
+        """The server's and the agent's metrics now (the agent's None when the arm has none).
+        Raises ArmError when one cannot be read."""
+        return (_scrape(self.url, self.name),
+                _scrape(self.agent, f"{self.name}'s agent") if self.agent else None)
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def _scrape(base: str, who: str) -> Samples:
+    url = base.rstrip("/") + "/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as r:
+            body = r.read(MAX_BODY + 1)
+    except (OSError, ValueError) as exc:
+        raise ArmError(f"{who}: cannot read {url}: {exc}") from None
+    if len(body) > MAX_BODY:
+        raise ArmError(f"{who}: {url} is over {MAX_BODY >> 20} MiB")
+    return parse(body.decode("utf-8", "replace"))
+
+
+def _increase(before: Samples, after: Samples, name: str) -> dict[frozenset, float]:
+    """Each series of ``name`` in ``after``: its increase since ``before`` (a reset: its
+    value)."""
+    out = {}
+    for (n, labels), value in after.items():
+        if n == name:
+            last = before.get((n, labels), 0.0)
+            out[labels] = value if value < last else value - last
+    return out
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one run cost an arm: ``tokens`` (dict[source, prompt tokens]; empty: not
+    measured), ``transfer_bytes`` / ``transfer_blocks`` (dict["src->dst", int]),
+    ``transfer_seconds`` (dict["src->dst", float]; empty when only untimed bytes were seen),
+    ``transfer_failures`` and ``prefill_seconds`` (0: not reported). ``source``: where it was
+    read (``agent``, ``server`` or ``none``)."""
+
+    tokens: dict[str, int]
+    transfer_bytes: dict[str, int]
+    transfer_blocks: dict[str, int]
+    transfer_seconds: dict[str, float]
+    transfer_failures: int
+    prefill_seconds: float
+    source: str
+
+
+def cost(before: tuple[Samples, Samples | None], after: tuple[Samples, Samples | None]
+         ) -> Cost:
+    """The :class:`Cost` of a run from :meth:`Arm.snapshot` before and after it."""
+    (server0, agent0), (server1, agent1) = before, after
+    prefill = sum(_increase(server0, server1, "vllm:request_prefill_time_seconds_sum").values())
+    if agent0 is not None and agent1 is not None:
+        def by(name: str, key: str = "src") -> dict[str, float]:
+            out: dict[str, float] = {}
+            for labels, v in _increase(agent0, agent1, name).items():
+                d = dict(labels)
+                k = d.get("source", "") if key == "source" else f"{d.get('src')}->{d.get('dst')}"
+                if v:
+                    out[k] = out.get(k, 0.0) + v
+            return out
+
+        return Cost({k: int(v) for k, v in by("kvscope_prompt_tokens_total", "source").items()},
+                    {k: int(v) for k, v in by("kvscope_transfer_bytes_total").items()},
+                    {k: int(v) for k, v in by("kvscope_transfer_blocks_total").items()},
+                    by("kvscope_transfer_seconds_sum"),
+                    int(sum(_increase(agent0, agent1, "kvscope_transfer_failures_total")
+                            .values())), prefill, "agent")
+    mapper = MetricsMapper(stores=True, gpu_snapshot=False)
+    mapper.map(server0, 0.0)  # the baselines
+    tokens: dict[str, int] = {}
+    moved: dict[str, int] = {}
+    blocks: dict[str, int] = {}
+    for e in mapper.map(server1, 1.0):
+        if isinstance(e, ev.Lookup):
+            for k, v in e.tokens.items():
+                tokens[k] = tokens.get(k, 0) + v
+        elif isinstance(e, ev.Transfer) and e.ok and e.bytes:
+            d = f"{e.src}->{e.dst}"
+            moved[d] = moved.get(d, 0) + e.bytes
+            blocks[d] = blocks.get(d, 0) + e.blocks
+    return Cost(tokens, moved, blocks, {}, 0, prefill, "server" if tokens else "none")

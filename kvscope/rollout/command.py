@@ -1,0 +1,183 @@
+"""``kvscope rollout``: arguments and the handler. ``kvscope/cli.py`` only wires
+:func:`add_arguments` and :func:`run` into its subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
+from kvscope.analysis.compare import DEFAULT_MIN_REQUESTS
+from kvscope.analysis.compare_cmd import budget
+from kvscope.argtypes import fraction, http_url, positive
+from kvscope.rollout import loadgen
+from kvscope.rollout.arms import Arm
+from kvscope.rollout.plan import DEFAULT_LEVELS, DEFAULT_REPETITIONS
+from kvscope.rollout.session import Options, RolloutError, Session
+from kvscope.rollout.workload import MIXED
+
+DESCRIPTION = (
+    "Run the guide's rollout method unattended: drive a load generator (guidellm) against a "
+    "baseline and one or more candidates, warm-up first, then a concurrency ramp of a mixed "
+    "workload (shared system prompts, multi-turn sessions, one-off prompts, long and short), "
+    "interleaved and repeated so that drift hits every arm alike, with the baseline run twice "
+    "per repetition (the A/A pair) so that the noise floor is measured. Writes rollout.json and "
+    "a self-contained rollout.html into --out: per-level TTFT/ITL/end-to-end tails with "
+    "bootstrap intervals over repetitions, hit quality and transfer cost per arm, host "
+    "context, the exact commands, and a verdict per candidate: keep, roll back (disable the "
+    "newest tier) or inconclusive. The first --arm is the baseline.")
+EPILOG = """example, two vLLM servers already running, the candidate with the kvscope tap and agent:
+  kvscope rollout --arm base=http://127.0.0.1:8000 --arm cpu=http://127.0.0.1:8001 \\
+      --agent cpu=http://127.0.0.1:9400 --ttft-budget +10% --itl-budget +10% --out runs/cpu-tier
+
+or started by the rollout (and stopped when it ends), each with its health URL:
+  kvscope rollout --arm base=http://127.0.0.1:8000 --start 'base=vllm serve MODEL --port 8000' \\
+      --arm cpu=http://127.0.0.1:8001 --start 'cpu=vllm serve MODEL --port 8001 \\
+      --kv-transfer-config ...' --levels 1,2,4,8 --repetitions 3
+
+Exit codes: 0 done (whatever the verdict); 2 bad input, or the session stopped early (an arm
+unreachable or dead, the load generator missing or failing): one line says why, and the runs
+that finished are in the report."""
+
+
+def _pairs(flag: str, value_type=str):
+    """An argparse type for NAME=VALUE."""
+    def parse(text: str):
+        name, sep, value = text.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE (e.g. {flag} "
+                                             "base=http://127.0.0.1:8000)")
+        return name.strip(), value_type(value.strip())
+    parse.__name__ = "NAME=VALUE"
+    return parse
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct stream counts >= 1, "
+                                         "comma-separated (e.g. 1,2,4,8,16)")
+    return levels
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``rollout`` options to ``p``."""
+    p.description, p.epilog = textwrap.fill(DESCRIPTION, 79), EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    url = _pairs("--arm", http_url)
+    p.add_argument("--arm", type=url, action="append", required=True, metavar="NAME=URL",
+                   help="an arm: its name and its OpenAI-compatible server's base URL (its "
+                   "/v1/completions, /metrics and /health are used); repeat, the baseline first")
+    p.add_argument("--agent", type=_pairs("--agent", http_url), action="append", default=[],
+                   metavar="NAME=URL", help="the kvscope agent beside an arm: hit quality and "
+                   "transfer cost from its /metrics (default: from the server's /metrics)")
+    p.add_argument("--start", type=_pairs("--start"), action="append", default=[],
+                   metavar="NAME=COMMAND", help="a shell command that starts an arm's server; "
+                   "started before the first run, stopped at the end (default: running)")
+    p.add_argument("--health", type=_pairs("--health", http_url), action="append", default=[],
+                   metavar="NAME=URL", help="the URL that answers 200 once an arm serves "
+                   "(default: its URL + /health)")
+    p.add_argument("--levels", type=_levels, default=list(DEFAULT_LEVELS), metavar="N,N,...",
+                   help="concurrency levels, streams (default 1,2,4,8,16)")
+    p.add_argument("--repetitions", type=positive(int), default=DEFAULT_REPETITIONS, metavar="N",
+                   help="repetitions of the ramp per arm; 2 or more measure run-to-run "
+                   "variance (default %(default)s)")
+    p.add_argument("--requests", type=positive(int), default=200, metavar="N",
+                   help="requests per run, i.e. per arm, level and repetition "
+                   "(default %(default)s)")
+    p.add_argument("--warmup-requests", type=int, default=16, metavar="N",
+                   help="requests per arm before the first run, not measured (default "
+                   "%(default)s; 0: none)")
+    p.add_argument("--no-aa", dest="aa", action="store_false",
+                   help="leave out the A/A pair (the baseline's second run per repetition): "
+                   "faster, but the noise floor is then not measured")
+    p.add_argument("--workload", default=MIXED, metavar="mixed|TRACE",
+                   help="'mixed' (default), or a Mooncake JSONL trace (hash_ids of 512-token "
+                   "blocks) replayed in order")
+    p.add_argument("--block-tokens", type=positive(int), default=64, metavar="N",
+                   help="tokens per workload block: the mixed workload's unit, and what a "
+                   "trace's 512-token block becomes (default %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=positive(int), default=4096, metavar="N",
+                   help="longest prompt; longer ones are cut, keeping their prefix "
+                   "(default %(default)s)")
+    p.add_argument("--max-output-tokens", type=positive(int), default=256, metavar="N",
+                   help="longest completion asked for (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the "
+                   "bootstrap (default %(default)s)")
+    p.add_argument("--ttft-budget", type=budget, metavar="SECONDS|+N%",
+                   help="p99 TTFT budget: seconds, or relative to the baseline's p99 (+10%%); "
+                   "default none: judged against the baseline only")
+    p.add_argument("--itl-budget", type=budget, metavar="SECONDS|+N%",
+                   help="p99 inter-token latency budget, as --ttft-budget")
+    p.add_argument("--confidence", type=fraction, default=DEFAULT_CONFIDENCE, metavar="LEVEL",
+                   help="confidence level, 0-1 (default %(default)s)")
+    p.add_argument("--resamples", type=positive(int), default=DEFAULT_RESAMPLES, metavar="N",
+                   help="bootstrap resamples (default %(default)s)")
+    p.add_argument("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS, metavar="N",
+                   help="fewer finished requests per arm give 'inconclusive' (default "
+                   "%(default)s)")
+    p.add_argument("--loadgen", metavar="PATH", help="guidellm executable (default: the "
+                   "cached environment of scripts/vllm_env.sh --guidellm, then PATH)")
+    p.add_argument("--tokenizer", metavar="DIR|NAME", help="tokenizer guidellm counts tokens "
+                   "with (default: the served model's)")
+    p.add_argument("--start-timeout", type=positive(float), default=600, metavar="SECONDS",
+                   help="wait this long for an arm's health URL (default %(default)s)")
+    p.add_argument("--run-timeout", type=positive(float), default=1800, metavar="SECONDS",
+                   help="stop a run that takes longer (default %(default)s)")
+    p.add_argument("--out", metavar="DIR", help="report directory (default "
+                   "rollout-YYYYmmdd-HHMMSS); must be new or empty")
+
+
+def _arms(args: argparse.Namespace) -> list[Arm]:
+    arms = {name: Arm(name, url) for name, url in args.arm}
+    if len(arms) != len(args.arm):
+        raise ValueError("arm names repeat: give each --arm its own NAME")
+    for flag, dest, attr in (("--agent", "agent", "agent"), ("--start", "start", "command"),
+                             ("--health", "health", "health")):
+        for name, value in getattr(args, dest):
+            if name not in arms:
+                raise ValueError(f"{flag} {name}=...: no --arm named {name}")
+            setattr(arms[name], attr, value)
+    return list(arms.values())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the rollout; print where the report is and each verdict. Returns 0, or 2 for bad
+    input or a session that stopped early (one line on stderr; partial results kept)."""
+    try:
+        arms = _arms(args)
+        executable = loadgen.find(args.loadgen)
+        if args.workload != MIXED and not Path(args.workload).is_file():
+            raise ValueError(f"--workload {args.workload}: no such trace file (or 'mixed')")
+        out = Path(args.out or time.strftime("rollout-%Y%m%d-%H%M%S"))
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"--out {out}: exists and is not an empty directory")
+        options = Options(
+            levels=args.levels, repetitions=args.repetitions, requests=args.requests,
+            warmup_requests=max(0, args.warmup_requests), aa=args.aa, workload=args.workload,
+            block_tokens=args.block_tokens, max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens, seed=args.seed, loadgen=executable,
+            tokenizer=args.tokenizer, start_timeout=args.start_timeout,
+            run_timeout=args.run_timeout,
+            judge={"ttft_budget": args.ttft_budget, "itl_budget": args.itl_budget,
+                   "confidence": args.confidence, "resamples": args.resamples,
+                   "seed": args.seed, "min_requests": args.min_requests})
+        session = Session(arms, options, out)
+    except (ValueError, loadgen.LoadgenError) as exc:
+        print(f"kvscope rollout: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        doc = session.run()
+    except RolloutError as exc:
+        print(f"kvscope rollout: error: {exc}", file=sys.stderr)
+        return 2
+    for j in doc["judgements"]:
+        print(f"{j['candidate']}: {j['verdict']['text']}")
+    print(f"report: {out / 'rollout.html'} (data: {out / 'rollout.json'})")
+    return 0
