@@ -4,8 +4,9 @@
 #   bash scripts/setup.sh          # .venv with kvscope + the reference engine (enough for `kvscope demo`);
 #                                  # a C compiler and Python's headers too (apt) when missing: the
 #                                  # agent's fold is compiled (Cython)
-#   bash scripts/setup.sh --test   # also Prometheus, Chromium, chromedriver (apt), the test extras
-#                                  # and vLLM's CPU build (scripts/vllm_env.sh, cached outside the clone)
+#   bash scripts/setup.sh --test   # also Prometheus, Chromium, chromedriver (apt), the test extras,
+#                                  # vLLM's CPU build and guidellm (scripts/vllm_env.sh, cached
+#                                  # outside the clone)
 #
 # Idempotent: apt is skipped when the tools are already on PATH, the venv is reused, and the pip
 # steps are skipped when a stamp (.venv/.kvscope-setup-*) keyed by a hash of pyproject.toml, setup.py,
@@ -140,6 +141,8 @@ if [ "$WANT_TEST" -eq 1 ]; then
     bash "$ROOT/scripts/vllm_env.sh" >/dev/null
     say "vLLM GPU build's scheduler side (scripts/vllm_env.sh --gpu-build)"
     bash "$ROOT/scripts/vllm_env.sh" --gpu-build >/dev/null
+    say "guidellm, the rollout's load generator (scripts/vllm_env.sh --guidellm)"
+    bash "$ROOT/scripts/vllm_env.sh" --guidellm >/dev/null
 fi
 
 say "done. Try: $VENV/bin/kvscope demo"

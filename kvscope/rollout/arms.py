@@ -51,6 +51,8 @@ class Arm:
     command: str | None = None
     health: str | None = None
     process: subprocess.Popen | None = field(default=None, repr=False)
+    # whether the server has /metrics (found at start; a server without: not measured)
+    metrics: bool = field(default=True, repr=False)
 
     @property
     def health_url(self) -> str:
@@ -71,6 +73,7 @@ class Arm:
         while True:
             self.check()
             if _ok(self.health_url):
+                self.metrics = _ok(self.url.rstrip("/") + "/metrics")
                 return
             if time.monotonic() > deadline:
                 raise ArmError(f"arm {self.name}: {self.health_url} did not answer 200 within "
@@ -100,9 +103,9 @@ class Arm:
                 continue
 
     def snapshot(self) -> tuple[Samples, Samples | None]:
-        """The server's and the agent's metrics now (the agent's None when the arm has none).
-        Raises ArmError when one cannot be read."""
-        return (_scrape(self.url, self.name),
+        """The server's metrics now (empty when it has no ``/metrics``) and the agent's (None
+        when the arm has none). Raises ArmError when one cannot be read."""
+        return (_scrape(self.url, self.name) if self.metrics else {},
                 _scrape(self.agent, f"{self.name}'s agent") if self.agent else None)
 
 

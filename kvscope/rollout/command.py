@@ -130,6 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wait this long for an arm's health URL (default %(default)s)")
     p.add_argument("--run-timeout", type=positive(float), default=1800, metavar="SECONDS",
                    help="stop a run that takes longer (default %(default)s)")
+    p.add_argument("--request-timeout", type=positive(float), default=300, metavar="SECONDS",
+                   help="give up on a request whose server sends nothing for this long "
+                   "(default %(default)s)")
     p.add_argument("--out", metavar="DIR", help="report directory (default "
                    "rollout-YYYYmmdd-HHMMSS); must be new or empty")
 
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             block_tokens=args.block_tokens, max_prompt_tokens=args.max_prompt_tokens,
             max_output_tokens=args.max_output_tokens, seed=args.seed, loadgen=executable,
             tokenizer=args.tokenizer, start_timeout=args.start_timeout,
-            run_timeout=args.run_timeout,
+            run_timeout=args.run_timeout, request_timeout=args.request_timeout,
             judge={"ttft_budget": args.ttft_budget, "itl_budget": args.itl_budget,
                    "confidence": args.confidence, "resamples": args.resamples,
                    "seed": args.seed, "min_requests": args.min_requests})

@@ -97,10 +97,14 @@ def read_report(path: str | Path) -> LoadResult:
 
 
 def command(executable: str, *, target: str, tokenizer: str | None, level: int,
-            requests: int, data: str | Path, report: str | Path, seed: int) -> list[str]:
-    """The guidellm command line of one run (see the module)."""
+            requests: int, data: str | Path, report: str | Path, seed: int,
+            request_timeout: float) -> list[str]:
+    """The guidellm command line of one run (see the module). ``request_timeout``: seconds a
+    request may wait for the server's next bytes; without it guidellm 0.8.1 can wait forever
+    on the streams of a server that died."""
     argv = [executable, "run",
-            "--backend", f"kind=openai_http,target={target},request_format=/v1/completions",
+            "--backend", f"kind=openai_http,target={target},request_format=/v1/completions,"
+                         f"timeout={request_timeout:g}",
             "--profile", f"kind=concurrent,streams={level}",
             "--constraint", f"kind=max_requests,count={requests}",
             "--data", f"kind=json_file,path={data}",

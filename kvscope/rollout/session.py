@@ -43,8 +43,8 @@ class Options:
     ``warmup_requests`` per arm before the first run (0: none), ``aa`` (the A/A pair),
     ``workload`` (``"mixed"`` or a Mooncake trace), ``block_tokens``, ``max_prompt_tokens``,
     ``max_output_tokens``, ``seed``; the load generator's ``loadgen`` executable and
-    ``tokenizer`` (a directory or model name, or None); ``start_timeout`` and ``run_timeout``
-    (seconds); ``judge``: :func:`kvscope.rollout.judge.judge`'s options (budgets, resamples,
+    ``tokenizer`` (a directory or model name, or None); ``start_timeout``, ``run_timeout`` and
+    ``request_timeout`` (seconds); ``judge``: :func:`kvscope.rollout.judge.judge`'s options (budgets, resamples,
     confidence, min_requests)."""
 
     levels: list[int]
@@ -61,6 +61,7 @@ class Options:
     tokenizer: str | None
     start_timeout: float
     run_timeout: float
+    request_timeout: float
     judge: dict
 
 
@@ -110,7 +111,8 @@ class Session:
         workload.write_jsonl(data, rows)
         out = self.directory / "loadgen" / f"{name}.json"
         argv = loadgen.command(o.loadgen, target=arm.url, tokenizer=o.tokenizer, level=level,
-                               requests=requests, data=data, report=out, seed=seed)
+                               requests=requests, data=data, report=out, seed=seed,
+                               request_timeout=o.request_timeout)
         return loadgen.run(argv, report=out, log=self.directory / "logs" / f"{name}.log",
                            timeout=o.run_timeout), argv
 
@@ -121,8 +123,13 @@ class Session:
         before = arm.snapshot()
         started = time.time()
         with HostSampler() as host:
-            result, argv = self._load(arm, step.level, self.options.requests, seed,
-                                      f"run-{step.index + 1:03d}")
+            try:
+                result, argv = self._load(arm, step.level, self.options.requests, seed,
+                                          f"run-{step.index + 1:03d}")
+            except loadgen.LoadgenError as exc:
+                arm.check()  # a server that died is the cause to name
+                raise loadgen.LoadgenError(f"run {step.index + 1} ({step.slot} at "
+                                           f"{step.level} streams): {exc}") from None
         elapsed = time.time() - started
         arm.check()
         spent = cost(before, arm.snapshot())

@@ -1,0 +1,130 @@
+"""``kvscope rollout`` against guidellm's own mock OpenAI server (``guidellm mock-server``: a
+real HTTP server whose TTFT and ITL are set on its command line), so that the answer is known:
+a planted TTFT regression is rolled back; and the bad inputs end with one line on stderr, exit
+code 2 and the runs that finished kept. The mock has no ``/metrics``: hit quality is then "not
+measured". Skipped when guidellm's environment is absent (``bash scripts/vllm_env.sh
+--guidellm``; the README's test command builds it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_ports, wait_until
+
+from kvscope.rollout import loadgen
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["--requests", "12", "--warmup-requests", "0", "--max-prompt-tokens", "64",
+        "--max-output-tokens", "8", "--block-tokens", "8", "--resamples", "400",
+        "--request-timeout", "10"]
+
+
+def _guidellm() -> str:
+    try:
+        return loadgen.find()
+    except loadgen.LoadgenError as exc:
+        pytest.skip(str(exc))
+
+
+def _mock(guidellm: str, port: int, ttft_ms: float) -> str:
+    return (f"exec {shlex.quote(guidellm)} mock-server --host 127.0.0.1 --port {port} "
+            f"--ttft-ms {ttft_ms:g} --ttft-ms-std {ttft_ms / 10:g} --itl-ms 1 --output-tokens 8")
+
+
+def _rollout(*args: str, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    return subprocess.Popen([sys.executable, "-m", "kvscope", "rollout", *args], cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kwargs)
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error" in line]
+
+
+def test_a_planted_ttft_regression_is_rolled_back(tmp_path):
+    """Baseline mock TTFT 20 ms, candidate 80 ms (each +-10%), 2 levels x 2 repetitions of 12
+    requests: the candidate's p99 TTFT is about four times the baseline's, far over a +10%
+    budget and above the A/A floor -> roll back. Hit quality is not measured (no /metrics)."""
+    guidellm = _guidellm()
+    base, cand = free_ports(2)
+    done = _rollout("--arm", f"base=http://127.0.0.1:{base}",
+                    "--arm", f"slow=http://127.0.0.1:{cand}",
+                    "--start", f"base={_mock(guidellm, base, 20)}",
+                    "--start", f"slow={_mock(guidellm, cand, 80)}",
+                    "--levels", "1,2", "--repetitions", "2", "--ttft-budget", "+10%",
+                    "--min-requests", "20", "--out", str(tmp_path / "r"), *FAST)
+    out, err = done.communicate(timeout=600)
+    assert done.returncode == 0, err[-3000:]
+    doc = json.loads((tmp_path / "r" / "rollout.json").read_text())
+    (j,) = doc["judgements"]
+    assert j["verdict"]["decision"] == "roll back (disable the newest tier)", j["verdict"]
+    assert out.startswith("slow: roll back")
+    assert j["overall"]["baseline"]["token_share"] is None  # not measured, not 0
+    assert "not measured" in j["text"]
+    assert {r["cost"]["source"] for r in doc["runs"]} == {"none"}
+
+
+def test_a_server_that_dies_mid_run_stops_the_session_and_keeps_the_finished_runs(tmp_path):
+    """The candidate's mock server is killed once the first run finished: one error line
+    naming the arm, exit code 2, and rollout.json/html with the run(s) that finished."""
+    guidellm = _guidellm()
+    base, cand = free_ports(2)
+    report = tmp_path / "r" / "rollout.json"
+    pidfile = tmp_path / "slow.pid"
+    proc = _rollout("--arm", f"base=http://127.0.0.1:{base}",
+                    "--arm", f"slow=http://127.0.0.1:{cand}",
+                    "--start", f"base={_mock(guidellm, base, 5)}",
+                    "--start", f"slow=echo $$ > {pidfile}; {_mock(guidellm, cand, 5)}",
+                    "--levels", "1,2", "--repetitions", "2", "--no-aa",
+                    "--out", str(tmp_path / "r"), *FAST)
+    try:
+        assert wait_until(lambda: report.is_file() and json.loads(report.read_text())["runs"],
+                          timeout=300, interval=0.2), "no run finished"
+        os.killpg(int(pidfile.read_text()), signal.SIGKILL)  # the server and its workers
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2
+    (line,) = _errors(err)
+    assert line.startswith("kvscope rollout: error: ") and "slow" in line, err[-2000:]
+    doc = json.loads(report.read_text())
+    assert doc["error"] and 1 <= len(doc["runs"]) < 8
+    assert (tmp_path / "r" / "rollout.html").read_text().count("Partial results") == 1
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}",
+      "--start-timeout", "1"], "did not answer 200"),
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--loadgen",
+      "/nonexistent/guidellm"], "is not an executable file"),
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--ttft-budget",
+      "10ms"], "budget '10ms'"),
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--levels", "0,2"],
+     "distinct stream counts"),
+    (["--arm", "a=http://127.0.0.1:{p}"], "two arms or more"),
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--agent",
+      "c=http://127.0.0.1:1"], "no --arm named c"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, says):
+    """Nothing listens on the port; the load generator named does not exist; a budget, levels
+    or arms the command cannot use."""
+    port, = free_ports(1)
+    loadgen_args = [] if "--loadgen" in args else ["--loadgen", sys.executable]
+    proc = _rollout(*[a.format(p=port) for a in args], *loadgen_args,
+                    "--out", str(tmp_path / "r"))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    lines = err.strip().splitlines()
+    assert says in lines[-1] and len(_errors(err)) == 1, err
+    if "did not answer" in says:  # the session had begun: its (empty) report is kept
+        assert json.loads((tmp_path / "r" / "rollout.json").read_text())["runs"] == []
