@@ -27,7 +27,10 @@ import uvicorn
 from conftest import free_ports
 from vllm_env import child_env, vllm_python
 
+from kvscope.engine.workload import read_mooncake
 from kvscope.rollout import loadgen, tiny_model
+from kvscope.rollout.trace_workload import predicted_hits, prompt_length
+from traces import trace_path
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_BYTES = 2 * 2 * 32 * 2 * 32 * 4  # K and V, 2 layers, 32 tokens, 2 heads of 32 dims, fp32
@@ -42,15 +45,17 @@ def _guidellm() -> str:
         pytest.skip(str(exc))
 
 
-def _serve(python: str, model: Path, port: int, kv_transfer: dict | None = None) -> str:
-    """The shell command that starts vLLM's OpenAI server on ``port`` (the tiny model)."""
+def _serve(python: str, model: Path, port: int, kv_transfer: dict | None = None,
+           gpu_blocks: int = 24) -> str:
+    """The shell command that starts vLLM's OpenAI server on ``port`` (the tiny model, a GPU
+    cache of ``gpu_blocks`` blocks)."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in child_env().items()
                    if k in ("PYTHONPATH", "VLLM_ENABLE_V1_MULTIPROCESSING",
                             "VLLM_CPU_OMP_THREADS_BIND", "NO_PROXY", "no_proxy"))
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "512",
-            "--block-size", "32", "--num-gpu-blocks-override", "24",
-            "--kv-cache-memory-bytes", str(24 * BLOCK_BYTES), "--enforce-eager",
+            "--block-size", "32", "--num-gpu-blocks-override", str(gpu_blocks),
+            "--kv-cache-memory-bytes", str(gpu_blocks * BLOCK_BYTES), "--enforce-eager",
             "--host", "127.0.0.1", "--port", str(port)]
     if kv_transfer:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer)]
@@ -201,3 +206,32 @@ def test_identical_arms_never_roll_back(setting, seed):
     assert done.returncode == 0, done.stderr[-3000:]
     (j,) = json.loads((out / "rollout.json").read_text())["judgements"]
     assert j["verdict"]["decision"] in ("keep", "inconclusive"), j["verdict"]
+
+
+def test_a_trace_shaped_workload_gives_the_server_the_traces_prefix_hits(setting, tmp_path):
+    """The Mooncake conversation trace's first 40 requests that fit the model (under 448
+    tokens at 32 tokens a block), replayed by the rollout at concurrency 1 against vLLM with a
+    GPU cache that holds them all (640 blocks): in each run, vLLM's prefix-cache hit tokens
+    (its /metrics) equal :func:`~kvscope.rollout.trace_workload.predicted_hits` for those
+    requests, computed from the trace alone. Two arms on one server, each run salted."""
+    s, source = setting, trace_path()
+    fitting = [line for line, r in zip(source.read_text().splitlines(), read_mooncake(source))
+               if prompt_length(r, 32) < 448][:40]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(fitting) + "\n")
+    predicted = sum(predicted_hits(read_mooncake(trace), 32, 32))
+    port, = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    out = tmp_path / "r"
+    done = _rollout("--arm", f"a={url}", "--arm", f"b={url}",
+                    "--start", f"a={_serve(s['python'], s['model'], port, gpu_blocks=640)}",
+                    "--workload", str(trace), "--block-tokens", "32", "--max-prompt-tokens",
+                    "448", "--max-output-tokens", "4", "--requests", "40", "--levels", "1",
+                    "--repetitions", "1", "--no-aa", "--warmup-requests", "0",
+                    "--tokenizer", str(s["model"]), "--resamples", "200", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads((out / "rollout.json").read_text())["runs"]
+    assert predicted > 1000 and len(runs) == 2
+    for run in runs:
+        assert run["errors"] == 0 and run["cost"]["source"] == "server"
+        assert run["cost"]["tokens"]["gpu"] == predicted

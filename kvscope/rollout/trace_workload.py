@@ -25,6 +25,7 @@ from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, Request
 
 FIRST_TOKEN = 3  # token ids below it never occur in a prompt (bos, eos, padding in most vocabs)
 NEVER_IN_PROMPTS = 0  # a token id no prompt holds: generate it, and no later prompt matches it
+SALT_SHIFT = 64  # a salt goes above the 64-bit hash ids it changes
 
 
 def block_token_ids(hash_id: int, block_tokens: int, vocab: int) -> list[int]:
@@ -46,17 +47,24 @@ def prompt_length(request: Request, block_tokens: int,
 
 
 def prompt_token_ids(request: Request, block_tokens: int, vocab: int,
-                     cache: dict[int, list[int]] | None = None) -> list[int]:
-    """``request``'s prompt as token ids (see the module). ``cache``: hash id -> its tokens,
-    filled as blocks are made (replaying a trace makes each block once)."""
+                     cache: dict[int, list[int]] | None = None, *, salt: int = 0,
+                     source_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
+    """``request``'s prompt as token ids (see the module), its length scaled from blocks of
+    ``source_block_tokens``. ``cache``: hash id -> its tokens, filled as blocks are made
+    (replaying a trace makes each block once). ``salt``: another run of the same ids (0: the
+    ids' own tokens; any other value gives every block other tokens, so that two runs share
+    no prefix)."""
     cache = {} if cache is None else cache
+    length = prompt_length(request, block_tokens, source_block_tokens)
     out: list[int] = []
     for h in request.block_hashes:
+        if len(out) >= length:
+            break
         tokens = cache.get(h)
         if tokens is None:
-            tokens = cache[h] = block_token_ids(h, block_tokens, vocab)
+            tokens = cache[h] = block_token_ids(h + (salt << SALT_SHIFT), block_tokens, vocab)
         out += tokens
-    return out[:prompt_length(request, block_tokens)]
+    return out[:length]
 
 
 def predicted_hits(requests: Sequence[Request], block_tokens: int, cache_block: int) -> list[int]:

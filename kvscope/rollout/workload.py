@@ -5,7 +5,7 @@ output lengths.
 Both start as :class:`~kvscope.engine.workload.Request` s (prefix-hashed blocks): the mixed one
 from :func:`kvscope.engine.workload.synthetic`, the trace from
 :func:`~kvscope.engine.workload.read_mooncake`. Each block becomes a fixed run of
-``block_tokens`` token ids (:func:`kvscope.rollout.trace_workload.block_token_ids`; a trace's
+``block_tokens`` token ids (:func:`kvscope.rollout.trace_workload.prompt_token_ids`; a trace's
 512-token blocks and prompt lengths are scaled to it), salted by the run's seed so that no two
 runs share a prompt (a later run would otherwise find an earlier one's prefixes cached, and the
 A/A pair would not be alike), and the ids are written as words of the tiny model's tokenizer
@@ -25,10 +25,9 @@ from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, SyntheticConfig, rea
                                      synthetic)
 from kvscope.files import write_atomic
 from kvscope.rollout.tiny_model import VOCAB, words
-from kvscope.rollout.trace_workload import block_token_ids, prompt_length
+from kvscope.rollout.trace_workload import prompt_token_ids
 
 MIXED = "mixed"
-SALT_SHIFT = 64  # the run's seed goes above the 64-bit prefix hashes it salts
 # the mixed workload, in blocks: 4 system prompts of 8 blocks, sessions of up to 6 turns of
 # 1-4 blocks each, one-off prompts of 1-16 blocks; outputs of 4-64 tokens
 MIXED_SHAPE = {"system_prompts": 4, "system_blocks": 8, "turn_blocks": (1, 4),
@@ -72,16 +71,8 @@ def prompts(workload: str, count: int, seed: int, *, block_tokens: int,
     blocks: dict[int, list[int]] = {}
     out = []
     for r in chosen:
-        length = min(max_prompt_tokens, prompt_length(r, block_tokens, source_block))
-        ids: list[int] = []
-        for h in r.block_hashes:
-            if len(ids) >= length:
-                break
-            run = blocks.get(h)
-            if run is None:
-                run = blocks[h] = block_token_ids(h + (seed << SALT_SHIFT), block_tokens, VOCAB)
-            ids += run
-        ids = ids[:length]
+        ids = prompt_token_ids(r, block_tokens, VOCAB, blocks, salt=seed,
+                               source_block_tokens=source_block)[:max_prompt_tokens]
         out.append(Prompt(words(ids), len(ids), max(1, min(max_output_tokens, r.output_tokens))))
     return out
 
