@@ -202,3 +202,40 @@ def test_respond_opens_a_link_and_a_click_writes_one(tmp_path):
     assert out[n - 1] == "the link names no candidate capture: type it and press Compare"
     with pytest.raises(dash.exceptions.PreventUpdate):  # persisted values stay
         page.respond(False, "?foo=1", b, c, 100)
+
+
+def _rollout_report(directory):
+    """A rollout report written by kvscope's own judge and report writer from simulated runs
+    (tests/test_rollout_judge.py's): baseline ``A`` 0.1 s, candidate ``B`` 1.6x slower."""
+    from test_rollout_judge import _runs
+
+    from kvscope.rollout import report
+    from kvscope.rollout.judge import judge
+    from kvscope.rollout.plan import aa_slot
+
+    results = _runs(["A", "B"], {"A": 0.1, "B": 0.16, aa_slot("A"): 0.1}, seed=1)
+    runs = [{"index": s.index, "slot": s.slot, "arm": s.arm, "level": s.level, "rep": s.rep,
+             "ttft": list(r.ttft), "itl": list(r.itl), "e2e": list(r.ttft * 2)}
+            for s, r in results]
+    j = judge(results, "A", "B", ttft_budget="+10%", resamples=300, min_requests=50)
+    doc = {"baseline": "A", "levels": [1, 4], "repetitions": 3, "runs": runs,
+           "arms": [{"name": "A"}, {"name": "B"}], "judgements": [report.judgement_dict(j)],
+           "tails": report.tails(runs, resamples=200, confidence=0.95, seed=0)}
+    report.write(directory, doc)
+    return j
+
+
+def test_the_page_opens_a_rollout_directory_and_its_candidate(tmp_path):
+    """``?baseline=<rollout dir>`` alone opens its first candidate: the report's verdict (the
+    judge's, A/A gate included), the overall figures, and the per-level p99 TTFT of the
+    baseline, the candidate and the A/A twin; a candidate the report lacks is said so."""
+    j = _rollout_report(tmp_path)
+    out = page.respond(False, f"?baseline={tmp_path}", None, None, None)
+    *figures, banner, status, b, c, budget, _ = out
+    assert (b, c) == (str(tmp_path), None)
+    assert j.verdict.text in str(banner) and "rollout" in status and "B against A" in status
+    levels = figures[list(page.GRAPHS).index("compare-levels")]
+    assert sorted(t.name for t in levels.data) == ["A", "A (A/A)", "B"]
+    assert [list(t.x) for t in levels.data] == [[1, 4]] * 3
+    data, message = page.run_compare(str(tmp_path), "C", None)
+    assert data is None and "no candidate 'C' (it has B)" in message

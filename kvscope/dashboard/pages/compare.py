@@ -1,7 +1,10 @@
 """The Compare page: a baseline capture against a candidate capture, and the rollback verdict.
 
 The user names two capture directories (``kvscope agent --capture-dir``, read on the
-dashboard's host) and optionally a p99 TTFT budget in milliseconds, and presses Compare. The
+dashboard's host) and optionally a p99 TTFT budget in milliseconds, and presses Compare; or a
+``kvscope rollout`` report directory as the baseline, and optionally which of its candidates
+(default its first): the page then shows that candidate's judgement from the report (its
+verdict, the A/A gate included) and its per-level p99 TTFT beside the baseline's. The
 page then shows the verdict ("keep", "roll back (disable the newest tier)" or "inconclusive")
 with its reasons, TTFT and ITL p50/p95/p99 with bootstrap confidence intervals, hit quality by
 source, and transfer cost — what ``kvscope compare BASELINE CANDIDATE`` prints.
@@ -20,6 +23,7 @@ was.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qs, urlencode
 
@@ -35,7 +39,8 @@ NAME = "Compare"
 STATUS_ID = "compare-status"
 URL_ID = "compare-url"
 GRAPHS = {"compare-ttft": fc.TTFT_TITLE, "compare-itl": fc.ITL_TITLE,
-          "compare-hit-quality": fc.HIT_QUALITY_TITLE, "compare-transfers": fc.TRANSFER_TITLE}
+          "compare-hit-quality": fc.HIT_QUALITY_TITLE, "compare-transfers": fc.TRANSFER_TITLE,
+          "compare-levels": fc.LEVEL_TITLES["ttft"].format(q="99")}
 _GRID = {"display": "grid", "gap": "8px", "padding": "8px",
          "gridTemplateColumns": "repeat(auto-fit, minmax(520px, 1fr))"}
 _INPUT = {"width": "340px", "marginRight": "10px", "padding": "4px"}
@@ -71,7 +76,7 @@ def layout() -> html.Div:
               "gap": "6px", "padding": "10px 16px"})
     graphs = [dcc.Graph(id=gid, figure=fig, config={"displaylogo": False},
                         style={"minWidth": 0})
-              for gid, fig in zip(GRAPHS, fc.all_figures(None))]
+              for gid, fig in zip(GRAPHS, _figures(None))]
     return html.Div([
         # the page's own URL: its query opens a comparison, and Compare writes it (no reload;
         # "callback-nav" tells the shell's Location too). Not the shell's: with an Input
@@ -104,7 +109,7 @@ def register_callbacks(app: dash.Dash, ctx=None) -> None:
 
 def respond(clicked: bool, search: str | None, baseline: str | None, candidate: str | None,
             budget_ms: float | None, resamples: int = DEFAULT_RESAMPLES) -> tuple:
-    """The callback's outputs: (four figures, verdict, status, the form's three values, the
+    """The callback's outputs: (the figures, verdict, status, the form's three values, the
     URL's query); ``dash.no_update`` where nothing changes.
 
     ``clicked``: Compare was pressed, so compare the form's values and write them into the
@@ -126,7 +131,7 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     form = (link.baseline, link.candidate, link.budget_ms)
     if link.error:
         return (*render(None, link.error), *form, keep)
-    if not (link.baseline and link.candidate):
+    if not (link.baseline and link.candidate) and not _is_rollout(link.baseline):
         missing = "candidate" if link.baseline else "baseline"
         return (*render(None, f"the link names no {missing} capture: type it and press "
                               f"Compare"), *form, keep)
@@ -192,6 +197,8 @@ def run_compare(baseline: str | None, candidate: str | None, budget_ms: float | 
     ``budget_ms``: p99 TTFT budget in milliseconds (None or 0: judge against the baseline).
     Unreadable captures and bad input become the message (never an exception into Dash).
     """
+    if _is_rollout(baseline):
+        return _rollout(baseline, candidate)
     if not baseline or not candidate:
         return None, fc.EMPTY
     from kvscope.analysis.capture_reader import read_runs
@@ -209,9 +216,46 @@ def run_compare(baseline: str | None, candidate: str | None, budget_ms: float | 
                   f"resamples, {data['confidence'] * 100:g}% intervals")
 
 
+def _is_rollout(path: str | None) -> bool:
+    from kvscope.rollout.report import JSON_NAME
+
+    return bool(path) and Path(path, JSON_NAME).is_file()
+
+
+def _rollout(directory: str, candidate: str | None) -> tuple[dict | None, str]:
+    """A rollout report's judgement of ``candidate`` (None: its first) as comparison data,
+    with the report's verdict and the tails of the arms it compares; or None and why not."""
+    from kvscope.rollout.plan import aa_slot
+    from kvscope.rollout.report import read
+
+    try:
+        doc = read(directory)
+    except ValueError as exc:
+        return None, f"cannot compare: {exc}"
+    names = [j["candidate"] for j in doc["judgements"]]
+    if not names:
+        return None, f"cannot compare: the rollout in {directory} judged no candidate"
+    name = candidate or names[0]
+    if name not in names:
+        return None, (f"cannot compare: the rollout in {directory} has no candidate "
+                      f"{name!r} (it has {', '.join(names)})")
+    j = doc["judgements"][names.index(name)]
+    shown = (doc["baseline"], name, aa_slot(doc["baseline"]))
+    data = {**j["overall"], "verdict": j["verdict"],
+            "tails": {k: v for k, v in doc["tails"].items() if k in shown}}
+    return data, (f"rollout {directory}: {name} against {doc['baseline']}, "
+                  f"{len(doc['runs'])} runs, levels {doc['levels']}, "
+                  f"{doc['repetitions']} repetitions" + (" (stopped early: partial)"
+                                                         if doc.get("error") else ""))
+
+
+def _figures(data: dict | None) -> tuple:
+    return (*fc.all_figures(data), fc.level_tails((data or {}).get("tails")))
+
+
 def render(data: dict | None, message: str) -> tuple:
-    """(four figures in :data:`GRAPHS` order, verdict children, status line)."""
-    figures = fc.all_figures(data)
+    """(the figures in :data:`GRAPHS` order, verdict children, status line)."""
+    figures = _figures(data)
     if data is None:
         return (*figures, "", message)
     verdict = data["verdict"]
