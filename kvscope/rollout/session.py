@@ -172,9 +172,11 @@ class Session:
                     self._say(f"warming up {arm.name} ({o.warmup_requests} requests)")
                     self._load(arm, 1, o.warmup_requests,
                                o.seed * SEED_STRIDE + len(self.steps) + i, f"warmup-{i + 1}")
+            first = time.time()  # the runs' mean time so far estimates the rest
             for n, step in enumerate(self.steps):
                 done = time.time() - t0
-                left = (f", about {done / n * (len(self.steps) - n):.0f} s left" if n else "")
+                left = (f", about {(time.time() - first) / n * (len(self.steps) - n):.0f} s "
+                        "left" if n else "")
                 self._say(f"run {n + 1}/{len(self.steps)}: {step.slot} at {step.level} streams, "
                           f"repetition {step.rep + 1}/{o.repetitions} ({done:.0f} s{left})")
                 self.doc["runs"].append(self._run(step))
