@@ -32,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("candidate", metavar="CANDIDATE",
                         help="the same for the candidate")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
+    add_verdict_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
+
+
+def add_verdict_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the rollback rule's options (budgets, resamples, confidence, minimum requests) to
+    ``parser``: ``compare``'s and ``rollout``'s."""
     parser.add_argument("--ttft-budget", type=budget, metavar="SECONDS|+N%",
                         help="p99 TTFT budget: seconds, or a percentage of the baseline's p99 "
                         "(+10%%: 10%% above it); a candidate above it and significantly worse "
@@ -44,7 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="N", help="bootstrap resamples (default %(default)s)")
     parser.add_argument("--confidence", type=fraction, default=DEFAULT_CONFIDENCE,
                         metavar="LEVEL", help="confidence level, 0-1 (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
     parser.add_argument("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS, metavar="N",
                         help="fewer finished requests on a side give 'inconclusive' "
                         "(default %(default)s)")

@@ -9,10 +9,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
-from kvscope.analysis.compare import DEFAULT_MIN_REQUESTS
-from kvscope.analysis.compare_cmd import budget
-from kvscope.argtypes import fraction, http_url, positive
+from kvscope.analysis.compare_cmd import add_verdict_arguments
+from kvscope.argtypes import http_url, positive
 from kvscope.rollout import loadgen
 from kvscope.rollout.arms import Arm
 from kvscope.rollout.plan import DEFAULT_LEVELS, DEFAULT_REPETITIONS
@@ -110,18 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest completion asked for (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the "
                    "bootstrap (default %(default)s)")
-    p.add_argument("--ttft-budget", type=budget, metavar="SECONDS|+N%",
-                   help="p99 TTFT budget: seconds, or relative to the baseline's p99 (+10%%); "
-                   "default none: judged against the baseline only")
-    p.add_argument("--itl-budget", type=budget, metavar="SECONDS|+N%",
-                   help="p99 inter-token latency budget, as --ttft-budget")
-    p.add_argument("--confidence", type=fraction, default=DEFAULT_CONFIDENCE, metavar="LEVEL",
-                   help="confidence level, 0-1 (default %(default)s)")
-    p.add_argument("--resamples", type=positive(int), default=DEFAULT_RESAMPLES, metavar="N",
-                   help="bootstrap resamples (default %(default)s)")
-    p.add_argument("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS, metavar="N",
-                   help="fewer finished requests per arm give 'inconclusive' (default "
-                   "%(default)s)")
+    add_verdict_arguments(p)
     p.add_argument("--loadgen", metavar="PATH", help="guidellm executable (default: the "
                    "cached environment of scripts/vllm_env.sh --guidellm, then PATH)")
     p.add_argument("--tokenizer", metavar="DIR|NAME", help="tokenizer guidellm counts tokens "
