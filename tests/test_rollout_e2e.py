@@ -146,6 +146,8 @@ def test_rollout_baseline_against_a_cpu_tier(setting):
     doc = json.loads((out / "rollout.json").read_text())
     page = (out / "rollout.html").read_text()
     assert "Plotly" in page and not re.search(r"<script[^>]+src=", page)  # self-contained
+    # the baseline's load, as the guide asks a baseline to record
+    assert "baseline: Concurrency" in page and "baseline: Context length" in page
     assert len(doc["runs"]) == 12 and not doc.get("error")
     twin = "base (A/A)"
     for slot in ("base", "cpu", twin):
@@ -170,7 +172,8 @@ def test_rollout_baseline_against_a_cpu_tier(setting):
     assert doc["meta"]["loadgen"]["guidellm"] == loadgen.GUIDELLM_VERSION
     assert all(r["command"][:2] == [s["guidellm"], "run"] for r in doc["runs"])
     for run in doc["runs"]:
-        assert len(run["ttft"]) == 24 and run["errors"] == 0
+        assert len(run["ttft"]) == len(run["started_at"]) == 24 and run["errors"] == 0
+        assert all(a < e for a, e in zip(run["started_at"], run["ended_at"]))
         own = run["loadgen_percentiles"]
         for metric in ("ttft", "e2e"):
             for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):

@@ -50,8 +50,9 @@ def find(explicit: str | None = None) -> str:
 class LoadResult:
     """One run's successful requests: ``ttft``, ``itl`` (mean inter-token latency of requests
     with 2 output tokens or more), ``e2e`` (request latency), all seconds, in completion
-    order; ``prompt_tokens`` and ``output_tokens`` per request; ``errors``: requests that
-    failed or were cut off; ``percentiles``: guidellm's own, ``{metric: {"p50", "p95", "p99"}}``
+    order; ``prompt_tokens`` and ``output_tokens`` per request, and when each was sent and
+    ended (``started``, ``ended``: Unix seconds); ``errors``: requests that failed or were cut
+    off; ``percentiles``: guidellm's own, ``{metric: {"p50", "p95", "p99"}}``
     in seconds, for ``ttft``, ``itl`` and ``e2e``."""
 
     ttft: list[float]
@@ -59,6 +60,8 @@ class LoadResult:
     e2e: list[float]
     prompt_tokens: list[int]
     output_tokens: list[int]
+    started: list[float]
+    ended: list[float]
     errors: int
     percentiles: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -91,7 +94,9 @@ def read_report(path: str | Path) -> LoadResult:
         errors = len(requests.get("errored") or []) + len(requests.get("incomplete") or [])
         return LoadResult(out["ttft"], out["itl"], out["e2e"],
                           [int(r.get("prompt_tokens") or 0) for r in ok],
-                          [int(r.get("output_tokens") or 0) for r in ok], errors, percentiles)
+                          [int(r.get("output_tokens") or 0) for r in ok],
+                          [float(r["request_start_time"]) for r in ok],
+                          [float(r["request_end_time"]) for r in ok], errors, percentiles)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise LoadgenError(f"{path}: not a guidellm report of one benchmark ({exc!r})") from None
 

@@ -4,7 +4,8 @@ The JSON (``rollout.json``) holds everything: the arms, levels, repetitions and 
 and versions used, every run (its requests' TTFT, ITL and end-to-end latency in seconds, the
 load generator's own percentiles, hit quality and transfer cost, host context), the tails per
 arm and level with confidence intervals, and each candidate's comparison and verdict. The HTML
-(``rollout.html``) is drawn from the JSON alone, Plotly's JavaScript inlined, so it opens with
+(``rollout.html``) is drawn from the JSON alone (the baseline's concurrency over time and
+prompt lengths too, as the guide asks a baseline to record), Plotly's JavaScript inlined, so it opens with
 no network; the dashboard's Compare page reads the same JSON.
 
 Tails per arm and level: p50/p95/p99 of each metric over the arm's repetitions at that level,
@@ -24,6 +25,7 @@ import plotly.io as pio
 from kvscope.analysis.bootstrap import quantile_cis
 from kvscope.analysis.compare import QUANTILES, json_ready, render_text, to_dict
 from kvscope.dashboard import figures_compare as fc
+from kvscope.dashboard import figures_load
 from kvscope.files import write_atomic
 from kvscope.rollout.judge import Judgement
 
@@ -160,7 +162,14 @@ def page(doc: dict) -> str:
     for j in doc["judgements"]:
         figures += [f.update_layout(title_text=f"{j['candidate']}: {f.layout.title.text}")
                     for f in fc.all_figures(j["overall"])]
-    parts.append("<h2>Tails per concurrency level, and each candidate over the whole ramp</h2>")
+    records = [{"arrival": a, "finished": f, "prompt_tokens": n} for r in doc["runs"]
+               if r["slot"] == doc.get("baseline")
+               for a, f, n in zip(r.get("started_at", []), r.get("ended_at", []),
+                                  r.get("prompt_tokens", []))]
+    figures += [f.update_layout(title_text=f"baseline: {f.layout.title.text}") for f in
+                (figures_load.concurrency(records), figures_load.prompt_lengths(records))]
+    parts.append("<h2>Tails per concurrency level, each candidate over the whole ramp, and the "
+                 "baseline's load</h2>")
     for i, fig in enumerate(figures):
         parts.append(pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0)))
     for j in doc["judgements"]:

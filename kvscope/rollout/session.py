@@ -137,6 +137,7 @@ class Session:
                 "rep": step.rep, "seed": seed, "started": started, "elapsed_s": elapsed,
                 "ttft": result.ttft, "itl": result.itl, "e2e": result.e2e,
                 "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens,
+                "started_at": result.started, "ended_at": result.ended,
                 "errors": result.errors, "loadgen_percentiles": result.percentiles,
                 "cost": vars(spent), "host": host.summary(), "command": argv}
 
