@@ -10,7 +10,7 @@ from kvscope import __version__
 from kvscope.argtypes import host, http_url, non_negative, port, positive
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
-from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
+from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
 
 
 class _Parser(argparse.ArgumentParser):
@@ -220,7 +220,7 @@ def _dashboard(args) -> int:
           flush=True)
     stop = threading.Event()
     stop_on_signals(stop)
-    stop.wait()
+    wait_for_stop(stop)
     handle.shutdown()
     ignore_signals_while_exiting()
     return 0

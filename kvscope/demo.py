@@ -18,7 +18,7 @@ from kvscope.engine.presets import get_preset
 from kvscope.engine.replay import Replayer
 from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake,
                                      synthetic)
-from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
+from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     print("  stop with Ctrl-C" + (f" (or after {config.duration:g} s)" if config.duration else ""),
           file=out, flush=True)
     replay_thread.start()
-    stop.wait(config.duration)
+    wait_for_stop(stop, config.duration)
     stop.set()
     replay_thread.join()
     engine.close()

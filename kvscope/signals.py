@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 # SIGHUP: the terminal closed (e.g. an ssh session dropped); by default it killed the process
 # (exit code 129) without the agent's last store flush. There is no reload to do instead. Not on
@@ -69,6 +70,20 @@ def stop_on_signals(stop: threading.Event) -> None:
         if sig == _HANGUP and signal.getsignal(sig) == signal.SIG_IGN:
             continue
         signal.signal(sig, _relay.on_signal)
+
+
+def wait_for_stop(stop: threading.Event, timeout: float | None = None,
+                  tick: float = 0.5) -> None:
+    """Block the main thread until ``stop`` is set (or ``timeout`` seconds passed), waking
+    every ``tick`` seconds. A wait
+    without a timeout can miss the stop for good: the kernel may deliver SIGINT to another
+    thread (uvicorn's, say), and CPython runs the Python handler only when the main thread
+    next runs bytecode, which a thread blocked on a lock never does (1 agent in about 20
+    ignored its Ctrl-C so)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not stop.wait(tick if deadline is None else min(tick, deadline - time.monotonic())):
+        if deadline is not None and time.monotonic() >= deadline:
+            return
 
 
 def ignore_signals_while_exiting() -> None:

@@ -275,6 +275,29 @@ def test_stop_signals_set_the_stop_event_of_every_long_running_command(sig):
             signal.signal(s, handler)
 
 
+_SIGNAL_TO_ANOTHER_THREAD = r'''
+import signal, threading
+from kvscope.signals import stop_on_signals, wait_for_stop
+
+stop = threading.Event()
+stop_on_signals(stop)
+# the kernel may hand a process's SIGINT to any thread: here, one that is not the main one
+threading.Timer(0.2, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGINT)).start()
+wait_for_stop(stop)
+print("stopped")
+'''
+
+
+def test_a_stop_signal_delivered_to_another_thread_still_stops_the_command():
+    """1 agent in about 20 hung on Ctrl-C in the tests: the signal came to uvicorn's thread
+    while the main thread sat in ``stop.wait()`` with no timeout, where CPython never ran the
+    Python handler. ``wait_for_stop`` wakes the main thread so that it does; with
+    ``stop.wait()`` in its place this script never ends (the timeout is a hang guard only)."""
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_TO_ANOTHER_THREAD], capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert (done.returncode, done.stdout) == (0, "stopped\n"), done.stderr
+
+
 def test_commands_run_one_after_another_share_one_signal_relay():
     """Five commands in one process (a test, a notebook) each install the handlers: one relay
     thread serves them all, and a signal sets the newest command's event. Each once left a

@@ -12,7 +12,7 @@ from kvscope.agent.agent import Agent
 from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings, ConfigError
 from kvscope.agent.server import ApiServer, bind, url
-from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
+from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
 
 
 def _loopback(host: str) -> bool:
@@ -91,7 +91,7 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
               "it (ZMQ has no authentication); bind it to loopback or an ipc:// path unless "
               "taps on other hosts send to it", file=out)
     out.flush()
-    stop.wait()
+    wait_for_stop(stop)
     server.shutdown()
     agent.shutdown()
     print("kvscope agent: stopped", file=out, flush=True)
