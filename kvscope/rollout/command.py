@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from kvscope.analysis.compare_cmd import add_verdict_arguments
-from kvscope.argtypes import http_url, positive
+from kvscope.argtypes import http_url, non_negative, positive
 from kvscope.rollout import loadgen
 from kvscope.rollout.arms import Arm
 from kvscope.rollout.plan import DEFAULT_LEVELS, DEFAULT_REPETITIONS
@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=positive(int), default=200, metavar="N",
                    help="requests per run, i.e. per arm, level and repetition "
                    "(default %(default)s)")
-    p.add_argument("--warmup-requests", type=int, default=16, metavar="N",
+    p.add_argument("--warmup-requests", type=non_negative(int), default=16, metavar="N",
                    help="requests per arm before the first run, not measured (default "
                    "%(default)s; 0: none)")
     p.add_argument("--no-aa", dest="aa", action="store_false",
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {out}: exists and is not an empty directory")
         options = Options(
             levels=args.levels, repetitions=args.repetitions, requests=args.requests,
-            warmup_requests=max(0, args.warmup_requests), aa=args.aa, workload=args.workload,
+            warmup_requests=args.warmup_requests, aa=args.aa, workload=args.workload,
             block_tokens=args.block_tokens, max_prompt_tokens=args.max_prompt_tokens,
             max_output_tokens=args.max_output_tokens, seed=args.seed, loadgen=executable,
             tokenizer=args.tokenizer, start_timeout=args.start_timeout,

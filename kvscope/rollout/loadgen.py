@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,7 +132,7 @@ def run(argv: list[str], *, report: str | Path, log: str | Path, timeout: float)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise LoadgenError(f"guidellm ran past {timeout:.0f} s and was stopped; its log: "
                                f"{log}") from None
