@@ -18,14 +18,15 @@ import shlex
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import uvicorn
 
-from conftest import free_ports
-from vllm_env import child_env, vllm_python
+from conftest import free_ports, wait_until
+from vllm_env import child_env, kill_group, tail, vllm_python
 
 from kvscope.engine.workload import read_mooncake
 from kvscope.rollout import loadgen, tiny_model
@@ -191,17 +192,40 @@ def test_rollout_baseline_against_a_cpu_tier(setting):
         assert sorted(run["itl"]) == pytest.approx(sorted(itl))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_identical_arms_never_roll_back(setting, seed):
-    """A/A: baseline and candidate are one vLLM server (the rollout starts it once): a
-    session of 1 level x 2 repetitions, with a budget of +10% on both metrics, comes out keep
-    or inconclusive, for three seeds."""
-    s = setting
+@pytest.fixture(scope="module")
+def one_server(setting):
+    """One plain vLLM server (no offload) for the A/A sessions, started once: its URL."""
     port, = free_ports(1)
     url = f"http://127.0.0.1:{port}"
+    log = setting["tmp"] / "aa-server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(_serve(setting["python"], setting["model"], port), shell=True,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        if not wait_until(lambda: proc.poll() is None and _ok(url + "/health"), 300, 1.0):
+            pytest.fail(f"vLLM did not start (rc {proc.poll()}):\n{tail(log)}")
+        yield url
+    finally:
+        kill_group(proc)
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_identical_arms_never_roll_back(setting, one_server, seed):
+    """A/A: baseline and candidate are one vLLM server: a session of 1 level x 2
+    repetitions, with a budget of +10% on both metrics, comes out keep or inconclusive, for
+    three seeds."""
+    s, url = setting, one_server
     out = s["tmp"] / f"aa-{seed}"
     done = _rollout("--arm", f"a={url}", "--arm", f"b={url}",
-                    "--start", f"a={_serve(s['python'], s['model'], port)}",
                     "--levels", "2", "--repetitions", "2", "--warmup-requests", "4",
                     "--seed", str(seed), "--tokenizer", str(s["model"]),
                     "--ttft-budget", "+10%", "--itl-budget", "+10%", "--min-requests", "20",
