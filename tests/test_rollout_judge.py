@@ -14,16 +14,19 @@ from kvscope.rollout.plan import aa_slot, plan
 OPTIONS = {"resamples": 400, "min_requests": 50}
 
 
-def _runs(arms, scale, *, seed, reps=3, levels=(1, 4), requests=60, run_sd=0.05):
+def _runs(arms, scale, *, seed, reps=3, levels=(1, 4), requests=60, run_sd=0.05,
+          itl_scale=None):
     """Runs of a plan with TTFT lognormal around ``scale[slot]`` seconds times the level (more
     streams, longer waits), each run shifted by its own factor exp(N(0, run_sd)): the run-to-run
-    variance a single run cannot show. ITL likewise, a tenth of it."""
+    variance a single run cannot show. ITL likewise, a tenth of it; or, with ``itl_scale``
+    (seconds), drawn on its own around it for every slot alike."""
     rng = np.random.default_rng(seed)
     out = []
     for step in plan(arms, levels, reps):
         drift = np.exp(rng.normal(0, run_sd))
         ttft = scale[step.slot] * step.level * drift * rng.lognormal(0, 0.3, requests)
-        itl = ttft / 10
+        itl = ttft / 10 if itl_scale is None else \
+            itl_scale * np.exp(rng.normal(0, run_sd)) * rng.lognormal(0, 0.3, requests)
         out.append((step, RequestSample(step.slot, ttft, itl, tokens={"gpu": 10, "recompute": 5},
                                         transfer_bytes={"gpu->cpu": 100})))
     return out
@@ -51,6 +54,18 @@ def test_a_planted_regression_far_above_the_noise_is_rolled_back():
     assert j.verdict.decision == ROLL_BACK, j.verdict.text
     for comparison in j.levels.values():
         assert comparison.ttft[-1].difference.low > 0
+
+
+def test_a_ttft_regression_is_rolled_back_though_an_unchanged_itl_is_noisy():
+    """TTFT 1.6x on the candidate; ITL the same on every arm (1 ms), so its A/A difference is
+    noise that may exceed the candidate's (also noise): that must not hide the TTFT regression
+    (guidellm's mock server, test_rollout_cli.py, once came out inconclusive so)."""
+    scale = {"A": 0.1, "B": 0.16, aa_slot("A"): 0.1}
+    for seed in range(4):
+        results = _runs(["A", "B"], scale, seed=seed, itl_scale=0.001)
+        j = judge(results, "A", "B", ttft_budget="+10%", itl_budget="+10%", **OPTIONS)
+        assert j.verdict.decision == ROLL_BACK, j.verdict.text
+        assert any(r.startswith("noise floor: the A/A pair's p99 ITL") for r in j.verdict.reasons)
 
 
 def test_an_aa_pair_noisier_than_the_effect_makes_it_inconclusive():

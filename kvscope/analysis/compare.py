@@ -173,7 +173,9 @@ def parse_budget(text: str | float | Budget | None) -> Budget | None:
 @dataclass(frozen=True)
 class Comparison:
     """Result of :func:`compare`; latencies in seconds. ``ttft_budget``, ``itl_budget``: the
-    p99 budgets in seconds (relative ones resolved against the baseline), or None."""
+    p99 budgets in seconds (relative ones resolved against the baseline), or None.
+    ``verdict``: the combined one; ``by_metric``: each judged metric's own (``"TTFT"``,
+    ``"ITL"``), which :func:`combine` made it from."""
 
     baseline: Side
     candidate: Side
@@ -185,6 +187,7 @@ class Comparison:
     resamples: int
     seed: int
     verdict: Verdict
+    by_metric: dict[str, Verdict] = field(default_factory=dict)
 
 
 def _rows(b: list[np.ndarray], c: list[np.ndarray], resamples: int, confidence: float,
@@ -333,7 +336,7 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
                    "more requests.", reasons)
 
 
-def _combine(verdicts: list[Verdict]) -> Verdict:
+def combine(verdicts: list[Verdict]) -> Verdict:
     """One verdict of several metrics' (TTFT, ITL): roll back when one says so, keep when all
     do, inconclusive otherwise; its text and reasons are each metric's in turn."""
     decisions = [v.decision for v in verdicts]
@@ -399,15 +402,17 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
              if r.quantile != 0.99 and r.difference is not None and r.difference.low > 0]
     if itl99.difference is None:
         notes.append("ITL not measured on both arms: judged on TTFT alone")
-    result = _combine(judged)
-    result.reasons.extend(notes)
+    by_metric = {"TTFT": judged[0], **({"ITL": judged[1]} if len(judged) > 1 else {})}
+    result = combine(judged)
+    result = Verdict(result.decision, result.text, result.reasons + notes)
 
     def resolved(budget: Budget | None, row: QuantileRow) -> float | None:
         return None if budget is None or row.baseline is None else \
             budget.resolve(row.baseline.value)
 
     return Comparison(*sides, ttft, itl, resolved(ttft_budget, p99),
-                      resolved(itl_budget, itl99), confidence, resamples, seed, result)
+                      resolved(itl_budget, itl99), confidence, resamples, seed, result,
+                      by_metric)
 
 
 def json_ready(value):

@@ -8,14 +8,16 @@ its rollback rule on p99 TTFT and ITL. Over the whole ramp a run is one repetiti
 level's requests of that repetition together), so every level weighs the same in every
 resample and the repetitions carry the run-to-run variance.
 
-The A/A gate: two runs of one configuration differ only by noise. When the A/A pair's p99
-difference (TTFT or ITL) is larger than the candidate's, the candidate's effect is within the
-noise floor and the verdict is ``inconclusive``, whatever the rule said; a ``roll back`` also
-needs the low end of the candidate's difference interval above the A/A pair's difference for
-TTFT or ITL (worse than noise, with confidence: with a few repetitions the bootstrap's
-intervals are narrow, Davison & Hinkley 1997, section 3.8, so the measured floor backs them);
-when the A/A pair itself comes out ``roll back``, the set-up is not stable enough to judge and
-the verdict is ``inconclusive`` too. Pure: request samples in, dataclasses out.
+The A/A gate: two runs of one configuration differ only by noise, so a regression the rule
+finds must be larger than that. Per metric (TTFT, ITL), a ``roll back`` stands only when the low
+end of the candidate's p99 difference interval is above the A/A pair's p99 difference (worse
+than the noise floor, with confidence: with a few repetitions the bootstrap's intervals are
+narrow, Davison & Hinkley 1997, section 3.8, so the measured floor backs them); otherwise that
+metric is ``inconclusive``, and the metrics are combined as :func:`compare` does (roll back if
+one says so, keep if all do). A ``keep`` is not gated: it says no regression beyond the noise
+was found, and the reasons give the floor beside each effect. When the A/A pair itself comes
+out ``roll back``, the set-up is too noisy to judge and the verdict is ``inconclusive``.
+Pure: request samples in, dataclasses out.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvscope.analysis.compare import (INCONCLUSIVE, ROLL_BACK, Comparison, RequestSample,
-                                      Verdict, compare, ms)
+                                      Verdict, combine, compare, ms)
 from kvscope.rollout.plan import Step, aa_slot
 
 
@@ -76,30 +78,32 @@ def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int |
             for r in sorted(by_rep)]
 
 
-def _gate(verdict: Verdict, effect: Comparison, aa: Comparison) -> Verdict:
-    """The A/A gate (see the module) on ``verdict``, the verdict of ``effect``."""
-    why = []
+def _gate(effect: Comparison, aa: Comparison) -> Verdict:
+    """The A/A gate (see the module) on the verdict of ``effect``."""
+    gated, why = [], []
+    for label, rows, aa_rows in (("TTFT", effect.ttft, aa.ttft), ("ITL", effect.itl, aa.itl)):
+        v = effect.by_metric.get(label)
+        if v is None:
+            continue
+        d, floor = rows[-1].difference, aa_rows[-1].difference
+        if d is not None and floor is not None:
+            why.append(f"noise floor: the A/A pair's p99 {label} differs by {ms(floor.value)}, "
+                       f"the candidate's by {ms(d.value)} (95% CI from {ms(d.low)})")
+            if v.decision == ROLL_BACK and not d.low > abs(floor.value):
+                v = Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: the candidate's p99 {label} is "
+                            f"worse by {ms(d.value)}, but not clear of the noise floor: the A/A "
+                            f"pair differs by {ms(floor.value)} (the rule alone said roll "
+                            "back).", v.reasons)
+        gated.append(v)
+    result = combine(gated) if gated else effect.verdict
     if aa.verdict.decision == ROLL_BACK:
         why.append("the A/A pair (the baseline against itself) came out 'roll back': runs of "
-                   "one configuration differ significantly here, so the set-up is too noisy "
-                   "to judge")
-    clear = []  # metrics whose regression clears the floor with confidence
-    for label, rows, aa_rows in (("TTFT", effect.ttft, aa.ttft), ("ITL", effect.itl, aa.itl)):
-        d, floor = rows[-1].difference, aa_rows[-1].difference
-        if d is None or floor is None:
-            continue
-        if abs(floor.value) > abs(d.value):
-            why.append(f"the A/A pair's p99 {label} differs by {ms(floor.value)}, more than "
-                       f"the candidate's {ms(d.value)}: the effect is within the noise floor")
-        elif d.low > abs(floor.value):
-            clear.append(label)
-    if verdict.decision == ROLL_BACK and not clear and not why:
-        why.append("the candidate's regression is not clear of the noise floor: the low end "
-                   "of its interval is under what the A/A pair differs by")
-    if not why or verdict.decision == INCONCLUSIVE:
-        return dataclasses.replace(verdict, reasons=verdict.reasons + why)
-    return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why[0]} (the rule alone said "
-                   f"'{verdict.decision}').", verdict.reasons + why)
+                   "one configuration differ significantly here")
+        result = Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: the A/A pair (the baseline against "
+                         "itself) differs significantly, so the set-up is too noisy to judge "
+                         f"(the rule alone said '{effect.verdict.decision}').", [])
+    notes = [r for r in effect.verdict.reasons if r not in result.reasons]
+    return Verdict(result.decision, result.text, result.reasons + notes + why)
 
 
 def judge(results: Sequence[tuple[Step, RequestSample]], baseline: str, candidate: str, *,
@@ -120,7 +124,7 @@ def judge(results: Sequence[tuple[Step, RequestSample]], baseline: str, candidat
     floor = versus(baseline, twin, None) if aa and _runs(results, twin, None) else None
     aa_levels = {lv: versus(baseline, twin, lv) for lv in levels
                  if floor is not None and _runs(results, twin, lv)}
-    verdict = overall.verdict if floor is None else _gate(overall.verdict, overall, floor)
+    verdict = overall.verdict if floor is None else _gate(overall, floor)
     if aa and floor is None:
         verdict = dataclasses.replace(verdict, reasons=verdict.reasons + [
             "no A/A run finished: the noise floor is not measured"])
