@@ -286,7 +286,7 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
         reasons.append(f"fewer than {min_requests} requests on a side: a p99 rests on about "
                        "one request")
         return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: too few requests to judge p99 {metric} "
-                       f"(need {min_requests} per run).", reasons)
+                       f"(need {min_requests} per arm).", reasons)
     c, d = p99.candidate, p99.difference
     cand = f"candidate p99 {metric} {ms(c.value)} ({pct} CI {ms(c.low)}-{ms(c.high)})"
     diff = f"{'+' if d.value >= 0 else ''}{ms(d.value)} vs baseline ({pct} CI " \

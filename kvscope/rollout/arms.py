@@ -51,6 +51,7 @@ class Arm:
     command: str | None = None
     health: str | None = None
     process: subprocess.Popen | None = field(default=None, repr=False)
+    log: Path | None = field(default=None, repr=False)  # the started server's output
     # whether the server has /metrics (found at start; a server without: not measured)
     metrics: bool = field(default=True, repr=False)
 
@@ -65,6 +66,7 @@ class Arm:
         if not self.command:
             timeout = min(timeout, RUNNING_TIMEOUT_S)
         else:
+            self.log = log
             with open(log, "ab") as out:
                 self.process = subprocess.Popen(
                     self.command, shell=True, stdin=subprocess.DEVNULL, stdout=out,
@@ -84,8 +86,11 @@ class Arm:
     def check(self) -> None:
         """Raise ArmError if the arm's command has exited."""
         if self.process is not None and self.process.poll() is not None:
+            last = _last_line(self.log)
             raise ArmError(f"arm {self.name}: its server command exited with code "
-                           f"{self.process.returncode}: {shlex.quote(self.command or '')}")
+                           f"{self.process.returncode}" + (f", its last words: {last!r}"
+                                                           if last else "") +
+                           f" (its log: {self.log}): {shlex.quote(self.command or '')}")
 
     def stop(self) -> None:
         """Stop the command's process group: SIGTERM, then SIGKILL after a grace period."""
@@ -107,6 +112,17 @@ class Arm:
         when the arm has none). Raises ArmError when one cannot be read."""
         return (_scrape(self.url, self.name) if self.metrics else {},
                 _scrape(self.agent, f"{self.name}'s agent") if self.agent else None)
+
+
+def _last_line(path: Path | None) -> str:
+    """The last non-empty line of the file at ``path`` (at most 300 characters), or ""."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            lines = f.read().decode("utf-8", "replace").strip().splitlines()
+    except (OSError, TypeError):
+        return ""
+    return lines[-1][-300:] if lines else ""
 
 
 def _ok(url: str) -> bool:
