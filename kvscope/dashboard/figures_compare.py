@@ -10,6 +10,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from kvscope.dashboard.figures import COLOURS, message_figure
+from kvscope.rollout.plan import AA_SUFFIX
 from kvscope.vocabulary import TOKEN_SOURCES
 
 TTFT_TITLE = "TTFT percentiles, baseline vs candidate (bootstrap CI)"
@@ -126,7 +127,7 @@ def level_tails(tails: dict | None, metric: str = "ttft", quantile: float = 0.99
         fig.add_trace(go.Scatter(
             x=[x for x, _ in points], y=[e["value"] for _, e in points], name=arm,
             mode="lines+markers", line={"color": palette[i % len(palette)],
-                                        "dash": "dot" if "A/A" in arm else "solid"},
+                                        "dash": "dot" if arm.endswith(AA_SUFFIX) else "solid"},
             error_y={"type": "data", "symmetric": False,
                      "array": [e["high"] - e["value"] for _, e in points],
                      "arrayminus": [e["value"] - e["low"] for _, e in points]},

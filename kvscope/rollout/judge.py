@@ -88,7 +88,8 @@ def _gate(effect: Comparison, aa: Comparison) -> Verdict:
         d, floor = rows[-1].difference, aa_rows[-1].difference
         if d is not None and floor is not None:
             why.append(f"noise floor: the A/A pair's p99 {label} differs by {ms(floor.value)}, "
-                       f"the candidate's by {ms(d.value)} (95% CI from {ms(d.low)})")
+                       f"the candidate's by {ms(d.value)} ({effect.confidence * 100:g}% CI "
+                       f"from {ms(d.low)})")
             if v.decision == ROLL_BACK and not d.low > abs(floor.value):
                 v = Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: the candidate's p99 {label} is "
                             f"worse by {ms(d.value)}, but not clear of the noise floor: the A/A "
@@ -115,15 +116,17 @@ def judge(results: Sequence[tuple[Step, RequestSample]], baseline: str, candidat
     levels = sorted({s.level for s, _ in results})
     twin = aa_slot(baseline)
 
-    def versus(a: str, b: str, level: int | None) -> Comparison:
-        return compare(_runs(results, a, level), _runs(results, b, level), **options)
+    def versus(a: str, b: str, level: int | None) -> Comparison | None:
+        """``b`` against ``a`` at ``level``, or None when either has no finished run there."""
+        runs_a, runs_b = _runs(results, a, level), _runs(results, b, level)
+        return compare(runs_a, runs_b, **options) if runs_a and runs_b else None
 
-    per_level = {lv: versus(baseline, candidate, lv) for lv in levels
-                 if _runs(results, baseline, lv) and _runs(results, candidate, lv)}
-    overall = versus(baseline, candidate, None)
-    floor = versus(baseline, twin, None) if aa and _runs(results, twin, None) else None
-    aa_levels = {lv: versus(baseline, twin, lv) for lv in levels
-                 if floor is not None and _runs(results, twin, lv)}
+    # the whole ramp first: compare raises, naming the arm, when one has no finished run
+    overall = compare(_runs(results, baseline, None), _runs(results, candidate, None),
+                      **options)
+    per_level = {lv: c for lv in levels if (c := versus(baseline, candidate, lv))}
+    floor = versus(baseline, twin, None) if aa else None
+    aa_levels = {lv: c for lv in levels if floor and (c := versus(baseline, twin, lv))}
     verdict = overall.verdict if floor is None else _gate(overall, floor)
     if aa and floor is None:
         verdict = dataclasses.replace(verdict, reasons=verdict.reasons + [

@@ -23,7 +23,7 @@ import numpy as np
 import plotly.io as pio
 
 from kvscope.analysis.bootstrap import quantile_cis
-from kvscope.analysis.compare import QUANTILES, json_ready, render_text, to_dict
+from kvscope.analysis.compare import QUANTILES, json_ready, ms, render_text, to_dict
 from kvscope.dashboard import figures_compare as fc
 from kvscope.dashboard import figures_load
 from kvscope.files import write_atomic
@@ -67,14 +67,21 @@ def judgement_dict(j: Judgement) -> dict:
             "aa_levels": {str(k): to_dict(v) for k, v in j.aa_levels.items()}}
 
 
+def write_json(directory: str | Path, doc: dict) -> Path:
+    """Write ``doc`` as ``rollout.json`` in ``directory``, whole or not at all (a session
+    does after every run). Returns its path."""
+    path = Path(directory) / JSON_NAME
+    write_atomic(path, json.dumps(json_ready(doc), indent=1))
+    return path
+
+
 def write(directory: str | Path, doc: dict) -> tuple[Path, Path]:
     """Write ``doc`` as ``rollout.json`` and its page as ``rollout.html`` in ``directory``, each
     whole or not at all. Returns their paths."""
-    directory = Path(directory)
-    paths = directory / JSON_NAME, directory / HTML_NAME
-    write_atomic(paths[0], json.dumps(json_ready(doc), indent=1))
-    write_atomic(paths[1], page(doc))
-    return paths
+    html_path = Path(directory) / HTML_NAME
+    json_path = write_json(directory, doc)
+    write_atomic(html_path, page(doc))
+    return json_path, html_path
 
 
 def read(path: str | Path) -> dict:
@@ -96,10 +103,6 @@ def _e(text) -> str:
     return html.escape(str(text))
 
 
-def _ms(x: float | None) -> str:
-    return "not measured" if x is None else f"{x * 1e3:.1f}"
-
-
 def _floor_rows(doc: dict) -> str:
     rows = []
     for j in doc["judgements"]:
@@ -107,9 +110,13 @@ def _floor_rows(doc: dict) -> str:
             d = j["overall"][key][-1]["difference"]
             aa = (j.get("aa") or {}).get(key, [{}])[-1].get("difference") if j.get("aa") else None
             rows.append(f"<tr><td>{_e(j['candidate'])}</td><td>p99 {label}</td>"
-                        f"<td>{_ms(d and d['value'])}</td><td>{_ms(aa and aa['value'])}</td></tr>")
-    return ("<table><tr><th>candidate</th><th>metric</th><th>candidate - baseline (ms)</th>"
-            "<th>A/A pair: baseline - baseline (ms)</th></tr>" + "".join(rows) + "</table>")
+                        f"<td>{_cell(d)}</td><td>{_cell(aa)}</td></tr>")
+    return ("<table><tr><th>candidate</th><th>metric</th><th>candidate - baseline</th>"
+            "<th>A/A pair: baseline - baseline</th></tr>" + "".join(rows) + "</table>")
+
+
+def _cell(estimate: dict | None) -> str:
+    return "not measured" if estimate is None else ms(estimate["value"])
 
 
 def _runs_table(doc: dict) -> str:

@@ -10,7 +10,6 @@ report is then written from the runs that finished, with the error in it, and
 
 from __future__ import annotations
 
-import json
 import platform
 import subprocess
 import sys
@@ -21,9 +20,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvscope import __version__
+from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
 from kvscope.analysis.compare import RequestSample
 from kvscope.engine.workload import TraceError
-from kvscope.files import write_atomic
 from kvscope.rollout import loadgen, report, workload
 from kvscope.rollout.arms import Arm, ArmError, cost
 from kvscope.rollout.host import HostSampler
@@ -141,9 +140,6 @@ class Session:
                 "errors": result.errors, "loadgen_percentiles": result.percentiles,
                 "cost": vars(spent), "host": host.summary(), "command": argv}
 
-    def _save(self) -> None:
-        write_atomic(self.directory / report.JSON_NAME, json.dumps(self.doc))
-
     def run(self) -> dict:
         """Run the session; return the report's document. Raises RolloutError (after writing
         the partial report) when it stops early."""
@@ -181,7 +177,7 @@ class Session:
                 self._say(f"run {n + 1}/{len(self.steps)}: {step.slot} at {step.level} streams, "
                           f"repetition {step.rep + 1}/{o.repetitions} ({done:.0f} s{left})")
                 self.doc["runs"].append(self._run(step))
-                self._save()
+                report.write_json(self.directory, self.doc)
         except (ArmError, loadgen.LoadgenError, TraceError, ValueError, OSError) as exc:
             error = str(exc)
             self.doc["error"] = error
@@ -197,9 +193,9 @@ class Session:
         o = self.options
         runs = self.doc["runs"]
         self.doc["meta"]["elapsed_s"] = elapsed
-        self.doc["tails"] = report.tails(runs, resamples=o.judge.get("resamples", 2000),
-                                         confidence=o.judge.get("confidence", 0.95),
-                                         seed=o.judge.get("seed", 0))
+        self.doc["tails"] = report.tails(
+            runs, resamples=o.judge.get("resamples", DEFAULT_RESAMPLES),
+            confidence=o.judge.get("confidence", DEFAULT_CONFIDENCE), seed=o.judge.get("seed", 0))
         steps = {s.index: s for s in self.steps}
         results = [(steps[r["index"]], _sample(r)) for r in runs]
         for name in list(self.arms)[1:]:
