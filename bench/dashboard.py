@@ -22,11 +22,11 @@ import statistics
 import time
 
 from kvscope import events as ev
-from kvscope.agent.agent import Agent
-from kvscope.agent.api import create_app as create_api
 from kvscope.agent.config import AgentSettings
-from kvscope.agent.server import ApiServer, bind
 from kvscope.dashboard.app import create_app
+from kvscope.service.agent import Agent
+from kvscope.service.api import create_app as create_api
+from kvscope.service.server import ApiServer, bind
 
 T0 = 1764410000.0
 TRACE = os.path.join(os.environ.get("KVSCOPE_TRACE_DIR", os.path.join(

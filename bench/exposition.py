@@ -15,9 +15,11 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvscope import events as ev
+from kvscope import catalog as m
+from kvscope.agent.metrics import snapshot_samples
 from kvscope.agent.pipeline import Pipeline
-from kvscope.exporter.catalog import CATALOG
-from kvscope.exporter.collector import KvscopeCollector
+from kvscope.catalog import CATALOG
+from kvscope.exporter.prometheus import Exposition
 
 TIERS = ("gpu", "cpu", "disk", "remote")
 GPUS = [str(i) for i in range(8)]
@@ -51,19 +53,19 @@ def node() -> dict:
     """What the host and GPU collectors give on an 8-GPU node."""
     per_gpu = lambda v: [([g], v) for g in GPUS]  # noqa: E731
     return {
-        "kvscope_host_memory_total_bytes": [([], 2e12)],
-        "kvscope_host_memory_available_bytes": [([], 1e12)],
-        "kvscope_host_memory_limit_bytes": [([], 2e12)],
-        "kvscope_host_swap_used_bytes": [([], 0.0)],
-        "kvscope_host_memory_reserve_bytes": [([], 6.4e10)],
-        "kvscope_host_memory_headroom_bytes": [([], 9e11)],
-        "kvscope_offload_budget_bytes": [([t], 1e11) for t in TIERS[1:]],
-        "kvscope_pcie_bytes_total": [([g, d], 1e12) for g in GPUS for d in ("tx", "rx")],
-        "kvscope_pcie_link_max_bytes_per_second": per_gpu(3.15e10),
-        "kvscope_gpu_memory_used_bytes": per_gpu(1e11),
-        "kvscope_gpu_memory_total_bytes": per_gpu(1.4e11),
-        "kvscope_collector_up": [(["host"], 1.0), (["gpu"], 1.0)],
-        "kvscope_collector_duration_seconds": [(["host"], 1e-4), (["gpu"], 1e-3)],
+        m.HOST_MEMORY_TOTAL_BYTES: [([], 2e12)],
+        m.HOST_MEMORY_AVAILABLE_BYTES: [([], 1e12)],
+        m.HOST_MEMORY_LIMIT_BYTES: [([], 2e12)],
+        m.HOST_SWAP_USED_BYTES: [([], 0.0)],
+        m.HOST_MEMORY_RESERVE_BYTES: [([], 6.4e10)],
+        m.HOST_MEMORY_HEADROOM_BYTES: [([], 9e11)],
+        m.OFFLOAD_BUDGET_BYTES: [([t], 1e11) for t in TIERS[1:]],
+        m.PCIE_BYTES: [([g, d], 1e12) for g in GPUS for d in ("tx", "rx")],
+        m.PCIE_LINK_MAX_BYTES_PER_SECOND: per_gpu(3.15e10),
+        m.GPU_MEMORY_USED_BYTES: per_gpu(1e11),
+        m.GPU_MEMORY_TOTAL_BYTES: per_gpu(1.4e11),
+        m.COLLECTOR_UP: [(["host"], 1.0), (["gpu"], 1.0)],
+        m.COLLECTOR_DURATION_SECONDS: [(["host"], 1e-4), (["gpu"], 1e-3)],
     }
 
 
@@ -108,8 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     pipeline = Pipeline()
     fill(pipeline)
-    ours = CollectorRegistry()
-    ours.register(KvscopeCollector(pipeline, node))
+    ours = Exposition(lambda: snapshot_samples(pipeline.snapshot()), node).registry
     text = generate_latest(ours)
     series = sum(1 for line in text.decode().splitlines() if line and not line.startswith("#"))
     theirs = baseline_registry(text)

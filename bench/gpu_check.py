@@ -31,7 +31,7 @@ nothing runs), 1 when one failed, 3 when the watchdog fired.
    - memory: NVML's total within 2% of CUDA's; NVML's used grows by a 1 GiB allocation.
    - PCIe bytes, per direction: the reference engine copies a known number of bytes (about
      ``--pcie-seconds`` of back-to-back copies) while a thread reads the collector continuously;
-     ``kvscope_pcie_bytes_total`` (the exported samples, ``kvscope.exporter.node``) must grow by
+     ``kvscope_pcie_bytes_total`` (the exported samples, ``kvscope.agent.collectors.metrics``) must grow by
      that many bytes within the counters' granularity. Host->device is the GPU's ``rx``.
      With NVML's cumulative byte counters (``NVML_FI_DEV_PCIE_COUNT_{TX,RX}_BYTES``) nothing is
      sampled: 0.99 to 1.5 x the payload. Below 1 only a count missing bytes can fall (1% for a
@@ -102,7 +102,7 @@ MiB = 2**20
 CHECK_MODULES = ("kvscope.events", "kvscope.agent.taps.emitter",
                  "kvscope.agent.taps.worker_events", "kvscope.engine.tier",
                  "kvscope.engine.transfers", "kvscope.agent.collectors.gpu",
-                 "kvscope.exporter.node", "pynvml")
+                 "kvscope.agent.collectors.metrics", "pynvml")
 WHEEL_MODULES = {"msgspec": "msgspec", "zmq": "pyzmq", "psutil": "psutil", "pynvml": "nvidia-ml-py"}
 ALLOWED_EXTRA = {"kvscope", "typing_extensions", "cython_runtime"}  # pyzmq is built with Cython
 
@@ -318,13 +318,12 @@ def nvml_index(pynvml, torch, readings) -> str:
 def pcie_total(reading, gpu: str, direction: str) -> float | None:
     """``kvscope_pcie_bytes_total{gpu, direction}`` as kvscope exports it from ``reading``."""
     from kvscope.agent.collectors.base import CollectorResult
-    from kvscope.exporter.catalog import BY_NAME
-    from kvscope.exporter.node import node_samples
+    from kvscope.agent.collectors.metrics import collector_samples
+    from kvscope.catalog import PCIE_BYTES
 
-    labels = BY_NAME["kvscope_pcie_bytes_total"].labels
-    samples = node_samples({"gpu": CollectorResult(True, 0.0, reading)})
-    for values, value in samples["kvscope_pcie_bytes_total"]:
-        named = dict(zip(labels, values))
+    samples = collector_samples({"gpu": CollectorResult(True, 0.0, reading)})
+    for values, value in samples[PCIE_BYTES]:
+        named = dict(zip(PCIE_BYTES.labels, values))
         if named["gpu"] == gpu and named["direction"] == direction:
             return value
     return None

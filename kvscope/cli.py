@@ -181,7 +181,7 @@ def agent_settings(args):
 
 
 def _agent(args) -> int:
-    from kvscope.agent.run import run_agent
+    from kvscope.service.run import run_agent
 
     return run_agent(agent_settings(args))
 
@@ -189,8 +189,8 @@ def _agent(args) -> int:
 def _dashboard(args) -> int:
     import threading
 
-    from kvscope.agent.server import url
     from kvscope.dashboard.app import create_app, serve
+    from kvscope.service.server import url
 
     backend = None
     if args.backend == "prometheus":
@@ -227,7 +227,7 @@ def _dashboard(args) -> int:
 
 
 def _docs_metrics(args) -> int:
-    from kvscope.exporter.catalog import render_markdown
+    from kvscope.catalog import render_markdown
     from kvscope.files import write_atomic
 
     write_atomic(args.output, render_markdown())

@@ -7,10 +7,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from kvscope.agent.agent import Agent
-from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
-from kvscope.agent.server import ApiServer, PortInUse, bind, url
 from kvscope.dashboard.app import create_app as create_dashboard
 from kvscope.dashboard.app import serve as serve_dashboard
 from kvscope.engine.engine import OffloadEngine
@@ -18,6 +15,9 @@ from kvscope.engine.presets import get_preset
 from kvscope.engine.replay import Replayer
 from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake,
                                      synthetic)
+from kvscope.service.agent import Agent
+from kvscope.service.api import create_app
+from kvscope.service.server import ApiServer, PortInUse, bind, url
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
 
 
@@ -56,7 +56,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
 
     Raises :class:`~kvscope.engine.workload.TraceError` for an unreadable trace,
     :class:`~kvscope.engine.engine.EngineConfigError` for impossible tier sizes and
-    :class:`~kvscope.agent.server.PortInUse` for a port already taken, before anything is left
+    :class:`~kvscope.service.server.PortInUse` for a port already taken, before anything is left
     running.
     """
     preset = get_preset(config.preset)

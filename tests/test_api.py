@@ -6,9 +6,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from kvscope import events as ev
-from kvscope.agent.agent import Agent
-from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
+from kvscope.service.agent import Agent
+from kvscope.service.api import create_app
 
 TRACE = "0123456789abcdef" * 2
 
@@ -211,7 +211,7 @@ def served():
     """(port, server, uvicorn's error log records): the API on a real socket."""
     import logging
 
-    from kvscope.agent.server import ApiServer, bind
+    from kvscope.service.server import ApiServer, bind
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()

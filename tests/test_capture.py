@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvscope import events as ev
-from kvscope.agent.agent import Agent
 from kvscope.agent.capture import TMP_SUFFIX, CaptureWriter
 from kvscope.agent.config import AgentSettings
 from kvscope.analysis.analyze import AnalyzeOptions, analyze
@@ -25,6 +24,7 @@ from kvscope.cli import main
 from kvscope.engine.engine import OffloadEngine
 from kvscope.engine.presets import get_preset
 from kvscope.engine.workload import SyntheticConfig, TraceError, synthetic
+from kvscope.service.agent import Agent
 
 T0 = 1_700_000_000.0  # Unix seconds at workload time 0
 PRESET = get_preset("tiny")

@@ -7,9 +7,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope import events as ev
-from kvscope.agent.agent import Agent
 from kvscope.agent.collectors import CollectorSet
-from kvscope.exporter.catalog import CATALOG, render_markdown
+from kvscope.catalog import CATALOG, render_markdown
+from kvscope.service.agent import Agent
 
 ROOT = Path(__file__).resolve().parent.parent
 SKELETON_NAMES = {  # fixed by the skeleton issue; never renamed
@@ -59,13 +59,13 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     agent.pipeline.drop("ingest", "malformed")
     agent.pipeline.set_source_up("ingest", True)
     agent.pipeline.set_source_info("engine", "kvscope-reference", "tiny")
-    families = {f.name: f for f in text_string_to_metric_families(generate_latest(agent.registry).decode())}
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(agent.exposition.registry).decode())}
     for spec in CATALOG:
         family_name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
         assert family_name in families, spec.name
         if not spec.gpu_only:
             assert families[family_name].samples, spec.name
-    value = agent.registry.get_sample_value
+    value = agent.exposition.registry.get_sample_value
     assert value("kvscope_prompt_tokens_total", {"source": "recompute"}) == 3
     assert value("kvscope_transfer_bytes_total", {"src": "cpu", "dst": "gpu"}) == 64
     # every reason of each direction seen exported, at 0 until it happens

@@ -134,7 +134,7 @@ def test_unreadable_trace_is_one_line(tmp_path):
 
 
 def test_docs_metrics_writes_the_catalog_atomically(tmp_path):
-    from kvscope.exporter.catalog import render_markdown
+    from kvscope.catalog import render_markdown
 
     out = tmp_path / "metrics.md"
     assert _kvscope("docs-metrics", "--output", str(out)).returncode == 0
@@ -448,7 +448,7 @@ def test_agent_banner_without_kv_events_has_no_kv_events_line(tmp_path):
 def test_the_agent_warns_about_an_open_api_only_off_loopback(host, loopback):
     """Without a token the banner warns when the agent listens beyond loopback (a host name
     may resolve to anything, so it counts as beyond)."""
-    from kvscope.agent.run import _loopback
+    from kvscope.service.run import _loopback
 
     assert _loopback(host) is loopback
 
@@ -459,7 +459,7 @@ def test_the_agent_warns_about_an_open_api_only_off_loopback(host, loopback):
     ("tcp://10.1.2.3:5560", True)])
 def test_the_agent_warns_about_an_ingest_endpoint_other_hosts_reach(endpoint, reachable):
     """ZMQ ingest has no authentication: the banner warns when other hosts can reach it."""
-    from kvscope.agent.run import _reachable_off_host
+    from kvscope.service.run import _reachable_off_host
 
     assert _reachable_off_host(endpoint) is reachable
 
@@ -470,7 +470,7 @@ def test_a_misspelt_top_level_flag_is_named():
 
 
 def test_banner_urls_put_an_ipv6_host_in_brackets():
-    from kvscope.agent.server import url
+    from kvscope.service.server import url
 
     assert url("::1", 9400, "/metrics") == "http://[::1]:9400/metrics"
     assert url("127.0.0.1", 8050) == "http://127.0.0.1:8050/"

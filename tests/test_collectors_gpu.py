@@ -18,7 +18,7 @@ import pytest
 
 from kvscope.agent.collectors import CollectorSet, GpuCollector
 from kvscope.agent.collectors.gpu import advance_counter, link_max_bytes_per_second
-from kvscope.exporter.node import node_samples
+from kvscope.agent.collectors.metrics import collector_samples
 
 GiB = 2**30
 LOGGER = "kvscope.agent.collectors"
@@ -52,7 +52,7 @@ def test_real_pynvml_without_driver_is_down_with_one_log_line(caplog):
     lines = [rec for rec in caplog.records if rec.name.startswith(LOGGER)]
     assert len(lines) == 1, [rec.getMessage() for rec in lines]
     assert lines[0].levelno == logging.INFO and "gpu" in lines[0].getMessage()
-    samples = node_samples(results[-1])
+    samples = {spec.name: v for spec, v in collector_samples(results[-1]).items()}
     assert samples["kvscope_collector_up"] == [(["gpu"], 0.0), (["host"], 1.0)]
     assert [labels for labels, _ in samples["kvscope_collector_duration_seconds"]] == [["gpu"],
                                                                                        ["host"]]
@@ -264,7 +264,7 @@ def test_gpu_samples_follow_the_catalog():
                     used=GiB, total=24 * GiB),
             FakeGpu(gen=None, width=None, max_gen=None, max_width=None, used=0, total=GiB)]
     collectors = _gpu_set(StandInNvml(gpus), Clock())
-    s = node_samples(collectors.collect())
+    s = {spec.name: v for spec, v in collector_samples(collectors.collect()).items()}
     assert s["kvscope_pcie_bytes_total"] == [(["0", "tx"], 1_000.0), (["0", "rx"], 2_000.0),
                                              (["1", "tx"], 7.0)]
     link = dict((tuple(labels), v) for labels, v in s["kvscope_pcie_link_max_bytes_per_second"])

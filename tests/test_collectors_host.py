@@ -19,7 +19,7 @@ from kvscope.agent.collectors.host import (CgroupParseError, HostCollector, Host
                                            parse_inactive_file, parse_memory_max,
                                            parse_proc_cgroup,
                                            read_cgroup_memory)
-from kvscope.exporter.node import node_samples
+from kvscope.agent.collectors.metrics import collector_samples
 
 GiB = 2**30
 MiB = 2**20
@@ -189,7 +189,7 @@ def test_bad_cgroup_file_marks_host_down_and_logs_once(tmp_path, caplog):
 
 
 def test_host_samples_follow_the_catalog(tmp_path):
-    """node_samples on the 8 GiB pod reading: every host metric, budgets by tier, and the
+    """collector_samples on the 8 GiB pod reading: every host metric, budgets by tier, and the
     collector's up and duration (clock stepped by 0.25 s per call)."""
     proc = _tree(tmp_path / "cgroup", "/ctr", {"ctr": (str(8 * GiB), 6 * GiB)})
     ticks = iter([10.0, 10.25])
@@ -197,7 +197,7 @@ def test_host_samples_follow_the_catalog(tmp_path):
         "virtual_memory": _vm(64 * GiB, 40 * GiB), "swap_memory": _swap(MiB),
         "reserve_bytes": GiB, "budgets": {"cpu": 4 * GiB, "disk": 100 * GiB},
         "cgroup_root": tmp_path / "cgroup", "proc_cgroup": proc}}, clock=lambda: next(ticks))
-    samples = node_samples(collectors.collect())
+    samples = {spec.name: v for spec, v in collector_samples(collectors.collect()).items()}
     assert samples["kvscope_host_memory_total_bytes"] == [([], 64 * GiB)]
     assert samples["kvscope_host_memory_available_bytes"] == [([], 2 * GiB)]
     assert samples["kvscope_host_memory_limit_bytes"] == [([], 8 * GiB)]

@@ -348,10 +348,10 @@ def test_the_dashboard_reads_an_agent_that_has_a_token():
     """The agent wants a bearer token on /api: the dashboard's app built with it reads the
     agent's samples; without it the status says which variable to set (it said "HTTP 401",
     and the dashboard had no way to pass a token)."""
-    from kvscope.agent.agent import Agent
-    from kvscope.agent.api import create_app as create_api
     from kvscope.agent.config import AgentSettings
-    from kvscope.agent.server import ApiServer, bind
+    from kvscope.service.agent import Agent
+    from kvscope.service.api import create_app as create_api
+    from kvscope.service.server import ApiServer, bind
 
     sock = bind("127.0.0.1", 0, "--port")
     agent = Agent(AgentSettings(token="s3cret"), with_ingest=False)

@@ -9,10 +9,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvscope import events as ev
-from kvscope.agent.agent import Agent
-from kvscope.agent.api import SAMPLE_FIELDS, create_app
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline, histogram_quantile
+from kvscope.service.agent import Agent
+from kvscope.service.api import SAMPLE_FIELDS, create_app
 
 T = 1764410000.0
 

@@ -909,13 +909,14 @@ def test_a_taps_drop_series_exist_at_0_from_its_first_batch(source):
     """Prometheus cannot see the first burst of drops in increase() when the series appears
     with it; so from a tap's first valid batch each drop reason is exported at 0, and the
     agent's own "ingest" reasons from the start. A refused name gets no series of its own."""
-    from kvscope.exporter.collector import pipeline_samples
+    from kvscope import catalog
+    from kvscope.agent.metrics import snapshot_samples
 
     source.handle(_batch(0, "a"))
     source.handle(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="Bad Name", seq=0,
                                            events=[_lookup(0)])))
     dropped = {tuple(labels): value for labels, value in
-               pipeline_samples(source.pipeline.snapshot())["kvscope_events_dropped_total"]}
+               snapshot_samples(source.pipeline.snapshot())[catalog.EVENTS_DROPPED]}
     assert {reason for (name, reason) in dropped if name == "engine"} == {
         "emitter_buffer", "gap", "too_large", "malformed", "invalid", "version", "bad_source",
         "abandoned"}
@@ -940,3 +941,4 @@ def test_the_tap_example_in_the_docs_runs_and_reaches_the_agent(source, tmp_path
     # 32 blocks of 16 tokens of Llama 3 8B: 32 layers x 8 KV heads x 128 x 2 x 2 bytes x 16
     assert [(t.src, t.dst, t.blocks, t.bytes) for t in record.transfers] == [
         ("cpu", "gpu", 32, 32 * 32 * 8 * 128 * 2 * 2 * 16)]
+

@@ -13,10 +13,10 @@ import pytest
 import zmq
 
 from kvscope import events as ev
-from kvscope.agent.agent import Agent
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.kv_events import KvEventsSource, KvResidency, decode, vllm_binds
+from kvscope.service.agent import Agent
 from conftest import wait_until
 from tests.vllm_env import run_driver, vllm_python
 

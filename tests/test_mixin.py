@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
-from kvscope.exporter.catalog import CATALOG
+from kvscope.catalog import CATALOG
 from kvscope.mixin import MixinConfig, MixinConfigError, load_config
 from kvscope.mixin.__main__ import main
 from kvscope.mixin.alerts import alerts

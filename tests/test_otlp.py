@@ -331,9 +331,9 @@ def test_an_agent_with_an_otlp_endpoint_exports_what_its_taps_send(receiver: Otl
     from conftest import wait_until
 
     from kvscope import events as ev
-    from kvscope.agent.agent import Agent
     from kvscope.agent.config import AgentSettings
     from kvscope.agent.taps.emitter import Emitter
+    from kvscope.service.agent import Agent
 
     endpoint = f"ipc://{tmp_path}/ingest.sock"
     agent = Agent(AgentSettings(otlp_endpoint=receiver.url, ingest={"endpoint": endpoint}))
@@ -358,4 +358,4 @@ def test_an_agent_with_an_otlp_endpoint_exports_what_its_taps_send(receiver: Otl
     assert transfer.parent_span_id == request.span_id
     assert (transfer.start_time_unix_nano, transfer.end_time_unix_nano) == (
         1_700_000_000_250_000_000, 1_700_000_000_375_000_000)
-    assert agent.registry.get_sample_value("kvscope_otlp_spans_total", {"result": "sent"}) == 2
+    assert agent.exposition.registry.get_sample_value("kvscope_otlp_spans_total", {"result": "sent"}) == 2

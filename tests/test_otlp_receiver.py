@@ -15,11 +15,11 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
 from kvscope import events as ev
-from kvscope.agent.agent import Agent
-from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.sources.otlp_receiver import OtlpError, Span as ReceivedSpan, parse
-from kvscope.exporter.catalog import LATENCY_SECONDS_BUCKETS
+from kvscope.catalog import LATENCY_SECONDS_BUCKETS
+from kvscope.service.agent import Agent
+from kvscope.service.api import create_app
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 T0 = 1_700_000_000.0  # Unix seconds the spans below start (and end 1 s later)

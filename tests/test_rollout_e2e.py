@@ -73,9 +73,9 @@ def _rollout(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
 def setting(tmp_path_factory):
     """vLLM's python, guidellm, the tiny model with its tokenizer, and a kvscope agent on
     loopback whose ingest the candidate's tap sends to."""
-    from kvscope.agent.agent import Agent
-    from kvscope.agent.api import create_app
     from kvscope.agent.config import AgentSettings
+    from kvscope.service.agent import Agent
+    from kvscope.service.api import create_app
 
     python, guidellm = vllm_python(), _guidellm()
     tmp = tmp_path_factory.mktemp("rollout")

@@ -265,7 +265,7 @@ def test_the_agent_is_live_while_it_restores_its_store(tmp_path, monkeypatch):
     are refused meanwhile (503, which OTLP exporters retry): one for a stored request would
     have made a second request."""
     from kvscope.agent.config import AgentSettings
-    from kvscope.agent.run import run_agent
+    from kvscope.service.run import run_agent
 
     restoring, restored = threading.Event(), threading.Event()
     real_load = RequestStore.load
@@ -304,8 +304,8 @@ def test_a_request_waiting_for_late_transfers_is_stored_when_the_agent_stops(tmp
     tap) waits before it reaches the sinks; stopping the agent hands it over before the store
     closes, so a restarted agent has it. (A sample interval of an hour: only the stop can
     hand it over.)"""
-    from kvscope.agent.agent import Agent
     from kvscope.agent.config import AgentSettings
+    from kvscope.service.agent import Agent
 
     settings = AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
                              store_dir=str(tmp_path), sample_interval=3600)
@@ -503,9 +503,9 @@ def test_a_restarted_agents_summary_percentiles_include_the_restored_requests(tm
     the request counter starts again at 0."""
     from fastapi.testclient import TestClient
 
-    from kvscope.agent.agent import Agent
-    from kvscope.agent.api import create_app
     from kvscope.agent.config import AgentSettings
+    from kvscope.service.agent import Agent
+    from kvscope.service.api import create_app
 
     now = time.time()
     store = RequestStore(tmp_path)
@@ -530,8 +530,8 @@ def test_records_the_store_could_not_write_are_exported(tmp_path, monkeypatch):
     """One request finishes while the disk is full (ENOSPC from fsync stands in for it): the
     agent's /metrics counts it in kvscope_records_dropped_total{sink="store"}; the capture's
     sinks, not configured, read 0."""
-    from kvscope.agent.agent import Agent
     from kvscope.agent.config import AgentSettings
+    from kvscope.service.agent import Agent
 
     agent = Agent(AgentSettings(store_dir=str(tmp_path), ingest={"enabled": False},
                                 collectors={"gpu": {"enabled": False}}))
@@ -545,7 +545,7 @@ def test_records_the_store_could_not_write_are_exported(tmp_path, monkeypatch):
     finally:
         monkeypatch.setattr(os, "fsync", real_fsync)
         agent.shutdown()
-    value = agent.registry.get_sample_value
+    value = agent.exposition.registry.get_sample_value
     assert value("kvscope_records_dropped_total", {"sink": "store"}) == 1
     assert value("kvscope_records_dropped_total", {"sink": "capture_blocks"}) == 0
 

@@ -29,12 +29,12 @@ import zmq
 from fastapi.testclient import TestClient
 
 from conftest import wait_until
-from kvscope.agent.agent import Agent
-from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.kv_events import (BlockRemoved, BlockStored, KvEventsSource,
                                              KvResidency, decode)
+from kvscope.service.agent import Agent
+from kvscope.service.api import create_app
 from tests.vllm_env import remember_tiers_at_close, run_driver, vllm_python
 
 STORED, PROMOTED, CPU_EVICTED, CPU_TIER_BLOCKS = 161, 34, 155, 40  # test_vllm_tiering.py

@@ -17,10 +17,10 @@ import pytest
 import uvicorn
 
 from kvscope import events as ev
-from kvscope.agent.agent import Agent
-from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.sources.vllm_metrics import MetricsMapper, parse, spread
+from kvscope.service.agent import Agent
+from kvscope.service.api import create_app
 from conftest import wait_until
 from tests.vllm_env import child_env, kill_group, tail, vllm_python
 
@@ -172,7 +172,7 @@ def test_the_agent_shows_vllm_0_33_tiering_in_the_catalogs_metrics():
         ts=2.0, tier="cpu", capacity_bytes=0, resident_bytes=40 * 32768, capacity_blocks=0,
         resident_blocks=40)])
     agent.pipeline.ingest("vllm_metrics", second)
-    value = agent.registry.get_sample_value
+    value = agent.exposition.registry.get_sample_value
     assert [value(f"kvscope_tier_{what}", {"tier": "cpu"}) for what in (
         "capacity_blocks", "capacity_bytes", "resident_blocks", "resident_bytes")] == [
         128, 4_194_304, 40, 1_310_720]

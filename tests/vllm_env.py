@@ -134,9 +134,9 @@ def tap_run(python: str, tmp: Path, mode: str) -> Iterator[dict]:
     from fastapi.testclient import TestClient
 
     from conftest import wait_until
-    from kvscope.agent.agent import Agent
-    from kvscope.agent.api import create_app
     from kvscope.agent.config import AgentSettings
+    from kvscope.service.agent import Agent
+    from kvscope.service.api import create_app
 
     endpoint = f"ipc://{tmp}/ingest.sock"
     agent = Agent(AgentSettings(ingest={"endpoint": endpoint},

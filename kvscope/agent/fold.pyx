@@ -24,7 +24,7 @@ from kvscope.agent.assembler cimport RequestAssembler, _Requests
 from kvscope.agent.requests cimport RequestRecord
 from kvscope.agent.requests import FUTURE
 from kvscope.agent.slots cimport bool_field, field, float_field, index_of, int_field, offset_of
-from kvscope.exporter.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCKETS,
+from kvscope.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCKETS,
                                       RESIDENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS)
 # TIERS is also the top-down order lookups cascade in
 from kvscope.vocabulary import (DIRECTIONS, EVICTION_REASONS, FAILURE_REASONS, TIERS,

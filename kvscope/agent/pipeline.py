@@ -21,7 +21,7 @@ from kvscope import events as ev
 from kvscope.agent.assembler import RequestAssembler
 from kvscope.agent.fold import Fold
 from kvscope.agent.requests import RequestRecord, RequestTable, amend, under_way, within
-from kvscope.exporter.catalog import LATENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS
+from kvscope.catalog import LATENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS
 from kvscope.vocabulary import TIERS
 
 QUANTILES = (0.5, 0.95, 0.99)  # the percentiles each sample carries, as "p50", "p95", "p99"

@@ -2,8 +2,10 @@
 
 One module, one job:
 
-- :mod:`~kvscope.analysis.inputs`: trace files -> :class:`~kvscope.analysis.inputs.AccessTrace`
-  (the only module here that does I/O);
+- :mod:`~kvscope.analysis.trace`: :class:`~kvscope.analysis.trace.AccessTrace`, the flat stream
+  of block accesses every analysis reads;
+- :mod:`~kvscope.analysis.inputs`: trace files -> an access trace (with
+  :mod:`~kvscope.analysis.capture_reader`, the only modules here that do I/O);
 - :mod:`~kvscope.analysis.stackdist`: exact LRU stack distances (Mattson et al. 1970);
 - :mod:`~kvscope.analysis.mrc`: miss-ratio curves from stack distances;
 - :mod:`~kvscope.analysis.shards`: SHARDS sampling (Waldspurger et al., FAST'15);

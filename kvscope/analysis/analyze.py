@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvscope.engine.workload import TraceError
 from kvscope.analysis import shards
 from kvscope.analysis.arc import arc_curve
-from kvscope.analysis.inputs import AccessTrace
 from kvscope.analysis.mrc import DistanceHistogram, MissRatioCurve, curve_from_histogram, size_grid
 from kvscope.analysis.reuse import ReuseStats, reuse_stats
 from kvscope.analysis.sizing import DEFAULT_BANDWIDTH, SizingAdvice, SizingParams, advise
 from kvscope.analysis.stackdist import stack_distances
+from kvscope.analysis.trace import AccessTrace
 from kvscope.engine.presets import ModelPreset
+from kvscope.engine.workload import TraceError
 
 METHODS = ("auto", "exact", "shards-rate", "shards-size")
 # Below this many distinct sampled blocks a SHARDS curve is too coarse to size from (the SHARDS

@@ -1,7 +1,7 @@
 """Readers of the agent's Parquet captures (:mod:`kvscope.agent.capture`).
 
 - :func:`read_block_trace`: the ``blocks`` segments of a capture directory (or one segment file)
-  -> :class:`~kvscope.analysis.inputs.AccessTrace`, for ``kvscope analyze``; registered in
+  -> :class:`~kvscope.analysis.trace.AccessTrace`, for ``kvscope analyze``; registered in
   :mod:`kvscope.analysis.inputs` for directories and ``.parquet`` files.
 - :func:`read_request_sample`: the ``requests`` segments -> :class:`~kvscope.analysis.compare.
   RequestSample`, for ``kvscope compare``.
@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from kvscope import events as ev
 from kvscope.agent.capture import SUFFIX, TMP_SUFFIX, segment_key
 from kvscope.analysis.compare import RequestSample
-from kvscope.analysis.inputs import AccessTrace
+from kvscope.analysis.trace import AccessTrace
 from kvscope.engine.workload import TraceError
 
 log = logging.getLogger(__name__)

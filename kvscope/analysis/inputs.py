@@ -1,6 +1,6 @@
 """Analysis input: a flat stream of block accesses, and the readers that produce it.
 
-Every analysis works on one :class:`AccessTrace`: the block accesses of all requests in arrival
+Every analysis works on one :class:`~kvscope.analysis.trace.AccessTrace`: the block accesses of all requests in arrival
 order, as parallel numpy arrays. Readers turn a file into requests and
 :func:`from_requests` flattens them; a new input format is one more function registered with
 :func:`register_reader` for its file suffix (or ``"/"`` for a directory), and the rest of the
@@ -13,46 +13,13 @@ captures (a capture directory, or one ``.parquet`` segment; read by
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from kvscope.analysis.trace import AccessTrace
 from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, Request, TraceError,
                                      block_token_counts, read_mooncake)
-
-
-@dataclass(frozen=True, eq=False)
-class AccessTrace:
-    """Block accesses of a workload, first to last, as parallel arrays of length ``accesses``.
-
-    ``block_ids``: uint64, the prefix hash of each accessed block (equal ids = reusable KV).
-    ``times``: float64 seconds from the workload's start (the request's arrival).
-    ``tokens``: int64 tokens each access covers (``block_tokens``, less for a partial last block).
-    ``requests``: int64 index of the request making the access (0-based, arrival order).
-    ``depths``: int64 position of the block in its request's prompt (0 = first block).
-    ``block_tokens``: tokens per full block. ``prompt_tokens``: total prompt tokens of all
-    requests (may exceed ``tokens.sum()`` when a trace lists fewer blocks than a prompt needs).
-    ``source``: where the trace came from, for reports.
-    """
-
-    block_ids: np.ndarray
-    times: np.ndarray
-    tokens: np.ndarray
-    requests: np.ndarray
-    depths: np.ndarray
-    block_tokens: int
-    request_count: int
-    prompt_tokens: int
-    source: str = ""
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-    @property
-    def duration(self) -> float:
-        """Seconds from the first to the last access (0 for fewer than two)."""
-        return float(self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
 
 
 def from_requests(requests: Iterable[Request], block_tokens: int, source: str = "") -> AccessTrace:

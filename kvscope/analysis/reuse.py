@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvscope.analysis.inputs import AccessTrace
 from kvscope.analysis.stackdist import previous_access, stack_distances
+from kvscope.analysis.trace import AccessTrace
 
 PERCENTILES = (50, 90, 99)
 

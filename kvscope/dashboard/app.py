@@ -15,12 +15,12 @@ import dash
 from dash import Input, Output, dcc, html
 from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 
-from kvscope.agent.server import bind
-from kvscope.agent.server import url as http_url
 from kvscope.dashboard.backend import AgentBackend, Backend, BackendUnavailable
 from kvscope.dashboard.pages import compare, overview, requests, sizing, tiers
 from kvscope.dashboard.pages.common import Context
 from kvscope.dashboard.sizing import SizingSource
+from kvscope.service.server import bind
+from kvscope.service.server import url as http_url
 
 PAGES = (overview, requests, tiers, sizing, compare)
 NAV_STYLE = {"marginRight": "14px", "textDecoration": "none", "color": "#1f4e99",
@@ -160,7 +160,7 @@ def serve(app: dash.Dash, host: str = "127.0.0.1", port: int = 8050,
           flag: str = "--port") -> ServerHandle:
     """Serve ``app`` on ``host``:``port`` from a daemon thread; port 0 picks a free port.
 
-    Raises :class:`~kvscope.agent.server.PortInUse`, naming ``flag`` (or ``--host``), when the
+    Raises :class:`~kvscope.service.server.PortInUse`, naming ``flag`` (or ``--host``), when the
     address cannot be bound. (The socket is bound here because werkzeug's own bind error calls
     ``sys.exit``.)
     """

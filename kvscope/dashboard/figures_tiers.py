@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
+from kvscope.catalog import EVICTED_HITS_BUCKETS, RESIDENCY_SECONDS_BUCKETS
 from kvscope.dashboard import series as S
 from kvscope.dashboard.figures import COLOURS, NO_DATA, base, line, message_figure, new_figure
-from kvscope.exporter.catalog import EVICTED_HITS_BUCKETS, RESIDENCY_SECONDS_BUCKETS
 from kvscope.vocabulary import LOCAL_TIERS
 
 TIERS = LOCAL_TIERS  # the panels always shown; "remote" only when present

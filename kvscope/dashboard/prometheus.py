@@ -1,7 +1,7 @@
 """The Prometheus backend: a fleet of agents, read through a Prometheus server's HTTP API.
 
 Time series come from PromQL range queries over the catalog's metrics
-(:mod:`kvscope.exporter.catalog`) and are turned into samples of the agent's shape, so every
+(:mod:`kvscope.catalog`) and are turned into samples of the agent's shape, so every
 figure works unchanged:
 
 - counters: ``sum by (labels) (rate(metric[rate_window]))`` at each step, accumulated as

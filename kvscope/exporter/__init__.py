@@ -1,1 +1,2 @@
-"""The exporter: metric catalog and the Prometheus collector."""
+"""Sinks that encode what the agent holds: the Prometheus exposition (``prometheus.py``) and
+OpenTelemetry span export (``otlp.py``)."""

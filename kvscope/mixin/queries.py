@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvscope.exporter.catalog import BY_NAME
+from kvscope.catalog import BY_NAME
 from kvscope.mixin.alerts import alerts
 from kvscope.mixin.config import MixinConfig
 from kvscope.mixin.dashboards import dashboards

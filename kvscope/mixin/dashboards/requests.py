@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvscope.exporter.catalog import LATENCY_SECONDS_BUCKETS
+from kvscope.catalog import LATENCY_SECONDS_BUCKETS
 from kvscope.mixin.config import MixinConfig
 from kvscope.mixin.dashboards.common import RATE, P, Q, Row, board, s
 from kvscope.mixin.promql import le_matcher

@@ -8,10 +8,10 @@ import logging
 import sys
 import threading
 
-from kvscope.agent.agent import Agent
-from kvscope.agent.api import create_app
 from kvscope.agent.config import AgentSettings, ConfigError
-from kvscope.agent.server import ApiServer, bind, url
+from kvscope.service.agent import Agent
+from kvscope.service.api import create_app
+from kvscope.service.server import ApiServer, bind, url
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
 
 
@@ -44,7 +44,7 @@ def _log_to_stderr(level: str) -> None:
 def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | None = None) -> int:
     """Serve until SIGINT, SIGTERM or SIGHUP (or ``stop`` is set); return the exit code.
 
-    Raises :class:`~kvscope.agent.server.PortInUse` or :class:`ConfigError` (a part that
+    Raises :class:`~kvscope.service.server.PortInUse` or :class:`ConfigError` (a part that
     cannot start: ingest endpoint taken, store directory impossible) before anything is left
     running.
     """

@@ -8,11 +8,13 @@ import time
 from collections.abc import Callable
 
 import zmq
-from prometheus_client import CollectorRegistry
 
+from kvscope import catalog as m
 from kvscope.agent.capture import KINDS as CAPTURE_KINDS, CaptureWriter
 from kvscope.agent.collectors import CollectorSet
+from kvscope.agent.collectors.metrics import collector_samples
 from kvscope.agent.config import AgentSettings, ConfigError
+from kvscope.agent.metrics import snapshot_samples
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.requests import RequestTable
 from kvscope.agent.sources.ingest import IngestSource
@@ -21,9 +23,9 @@ from kvscope.agent.sources.otlp_receiver import OtlpReceiver
 from kvscope.agent.sources.vllm_metrics import MetricsMapper, VllmMetricsSource
 from kvscope.agent.store import RequestStore
 from kvscope.agent.worker import Worker
-from kvscope.exporter.collector import KvscopeCollector
-from kvscope.exporter.node import node_samples
+from kvscope.catalog import Samples
 from kvscope.exporter.otlp import SPAN_RESULTS, RequestSpanExporter
+from kvscope.exporter.prometheus import Exposition
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +85,8 @@ class Agent(Worker):
         if self.capture is not None:
             self.pipeline.subscribe_lookups(self.capture.add_lookup)
             self.pipeline.subscribe(self.capture.add_request)
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(KvscopeCollector(self.pipeline, self._scrape_samples))
+        self.exposition = Exposition(lambda: snapshot_samples(self.pipeline.snapshot()),
+                                     self._scrape_samples)
         self.sample_interval = settings.sample_interval
         self.started_at = clock()
         self.ready = False
@@ -94,16 +96,16 @@ class Agent(Worker):
 
     thread_name = "kvscope-sampler"
 
-    def _scrape_samples(self) -> dict:
+    def _scrape_samples(self) -> Samples:
         """The metrics read at scrape time outside the pipeline: the host and GPU collectors',
         the OTLP exporter's span counts and the store's and capture's lost records (0 without
         them: nothing sent or lost)."""
-        samples = node_samples(self.collectors.collect())
+        samples = collector_samples(self.collectors.collect())
         spans = self.otlp.spans if self.otlp is not None else dict.fromkeys(SPAN_RESULTS, 0)
-        samples["kvscope_otlp_spans_total"] = [([result], n) for result, n in spans.items()]
+        samples[m.OTLP_SPANS] = [([result], n) for result, n in spans.items()]
         store = self.store.lost + self.store.unwritable if self.store is not None else 0
         capture = self.capture.dropped if self.capture is not None else {}
-        samples["kvscope_records_dropped_total"] = [(["store"], store)] + [
+        samples[m.RECORDS_DROPPED] = [(["store"], store)] + [
             ([f"capture_{kind}"], capture.get(kind, 0)) for kind in CAPTURE_KINDS]
         return samples
 

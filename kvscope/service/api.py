@@ -20,15 +20,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import ClientDisconnect
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from kvscope import __version__, events as ev
-from kvscope.agent.agent import Agent
 from kvscope.agent.pipeline import bucket_percentiles
 from kvscope.agent.requests import SORT_KEYS
 from kvscope.agent.sources import otlp_receiver as otlp_in
+from kvscope.service.agent import Agent
 
 MAX_LIMIT = 10_000
 SAMPLE_FIELDS = ("prompt_tokens", "transfer_bytes", "evicted_blocks", "tier_resident_bytes",
@@ -96,9 +93,8 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     @app.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
     def metrics(request: Request) -> Response:
-        if "application/openmetrics-text" in request.headers.get("accept", ""):
-            return Response(generate_openmetrics(agent.registry), media_type=OPENMETRICS_TYPE)
-        return Response(generate_latest(agent.registry), media_type=CONTENT_TYPE_LATEST)
+        body, content_type = agent.exposition.render(request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
 
     @app.api_route("/healthz", methods=["GET", "HEAD"], include_in_schema=False)
     def healthz() -> Response:

@@ -1,0 +1,56 @@
+"""The pipeline's snapshot as catalog samples: what ``/metrics`` shows of the aggregated events.
+
+Pure: :func:`snapshot_samples` maps one :class:`~kvscope.agent.pipeline.Snapshot` onto the
+catalog's specs; the exposition (``exporter/prometheus.py``) encodes them.
+"""
+
+from __future__ import annotations
+
+from kvscope import __version__
+from kvscope import catalog as m
+from kvscope.agent.pipeline import Snapshot
+from kvscope.catalog import Samples
+from kvscope.vocabulary import FAILURE_REASONS
+
+
+def _labelled(mapping: dict) -> list[tuple[list[str], object]]:
+    return [(list(key) if isinstance(key, tuple) else [key], value) for key, value in mapping.items()]
+
+
+def snapshot_samples(snap: Snapshot) -> Samples:
+    """Per catalog metric the pipeline owns: ``(label values, value)`` pairs; a value is a
+    number or a :class:`~kvscope.agent.pipeline.Histogram`."""
+    tiers = snap.tiers.items()
+    return {
+        m.PROMPT_TOKENS: _labelled(snap.prompt_tokens),
+        m.LOOKUP_BLOCKS: _labelled(snap.lookup_blocks),
+        m.PREFILL_SECONDS_SAVED: _labelled(snap.prefill_seconds_saved),
+        m.TRANSFER_BYTES: _labelled(snap.transfer_bytes),
+        m.TRANSFER_BLOCKS: _labelled(snap.transfer_blocks),
+        m.TRANSFER_SECONDS: _labelled(snap.transfer_seconds),
+        # at 0 until they happen, so the first failures show in rate() (Prometheus's advice:
+        # initialise the label sets known in advance)
+        m.TRANSFER_FAILURES: _labelled({
+            **{(src, dst, reason): 0 for src, dst in
+               [*snap.transfer_bytes, *(key[:2] for key in snap.transfer_failures)]
+               for reason in FAILURE_REASONS},
+            **snap.transfer_failures}),
+        m.EVICTED_BLOCKS: _labelled(snap.evicted_blocks),
+        m.DROPPED_BLOCKS: _labelled(snap.dropped_blocks),
+        m.EVICTED_BLOCK_HITS: _labelled(snap.evicted_block_hits),
+        m.BLOCK_RESIDENCY_SECONDS: _labelled(snap.block_residency_seconds),
+        m.TIER_CAPACITY_BYTES: [([t], s.capacity_bytes) for t, s in tiers],
+        m.TIER_RESIDENT_BYTES: [([t], s.resident_bytes) for t, s in tiers],
+        m.TIER_CAPACITY_BLOCKS: [([t], s.capacity_blocks) for t, s in tiers],
+        m.TIER_RESIDENT_BLOCKS: [([t], s.resident_blocks) for t, s in tiers],
+        m.REQUESTS: [([], snap.requests)],
+        m.TTFT_SECONDS: [([], snap.ttft_seconds)],
+        m.PROMOTION_WAIT_SECONDS: [([], snap.promotion_wait_seconds)],
+        m.ITL_SECONDS: [([], snap.itl_seconds)],
+        m.EVENTS_RECEIVED: _labelled(snap.events_received),
+        m.EVENTS_DROPPED: _labelled({**dict.fromkeys(sorted(snap.expected_drops), 0),
+                                     **snap.events_dropped}),
+        m.SOURCE_UP: [([s], float(up)) for s, up in snap.source_up.items()],
+        m.ENGINE_INFO: [([s, e, model], 1) for s, (e, model) in snap.source_info.items()],
+        m.BUILD_INFO: [([__version__], 1)],
+    }

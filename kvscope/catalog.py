@@ -1,0 +1,219 @@
+"""The metric catalog: every metric kvscope exports, defined once, as a :class:`MetricSpec`.
+
+Producers (the pipeline's snapshot, the collectors, the agent's sinks) hand over their values as
+:data:`Samples` keyed by these spec objects, never by name; the Prometheus exposition
+(``exporter/prometheus.py``), ``docs/metrics.md``, the Grafana mixin and the tests follow from
+this table. Names follow Prometheus conventions (``kvscope_`` prefix, base units, ``_total`` on
+counters); labels come from bounded sets only (``vocabulary.py``), never request ids or block
+hashes. Adding a metric: one entry here (and in :data:`CATALOG`), the code that produces its
+value, and (if shown) one figure or panel.
+
+Imports only the standard library and the vocabulary (below everything that uses it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvscope.vocabulary import FAILURE_REASONS
+
+# Transfer-time buckets, seconds: 10 us .. 10 s, covering one-block PCIe copies up to disk reads.
+TRANSFER_SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
+# Request latency buckets (TTFT, promotion wait), seconds: 1 ms .. 60 s.
+LATENCY_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                           10.0, 30.0, 60.0)
+# Hits a block got before eviction: 0 means it was stored for nothing.
+EVICTED_HITS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
+# Block age at eviction, seconds: 100 ms .. 1 day.
+RESIDENCY_SECONDS_BUCKETS = (0.1, 1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
+
+
+@dataclass(frozen=True, eq=False)  # one object per metric: hashed by identity, a Samples key
+class MetricSpec:
+    """One metric. ``type``: counter, gauge or histogram. ``unit``: base unit or "" (counts).
+    ``buckets``: upper bounds for histograms, in the unit. ``gpu_only``: has series only where
+    an NVIDIA GPU is present."""
+
+    name: str
+    type: str
+    help: str
+    labels: tuple[str, ...] = ()
+    unit: str = ""
+    buckets: tuple[float, ...] = ()
+    gpu_only: bool = False
+
+    def label_values(self, **values: str) -> list[str]:
+        """``values`` in this metric's label order; KeyError names a label not given."""
+        return [values[label] for label in self.labels]
+
+
+def _counter(name, help, labels=(), unit="", gpu_only=False):
+    return MetricSpec(name, "counter", help, tuple(labels), unit, gpu_only=gpu_only)
+
+
+def _gauge(name, help, labels=(), unit="", gpu_only=False):
+    return MetricSpec(name, "gauge", help, tuple(labels), unit, gpu_only=gpu_only)
+
+
+def _histogram(name, help, labels, unit, buckets):
+    return MetricSpec(name, "histogram", help, tuple(labels), unit, buckets)
+
+
+# hit quality
+PROMPT_TOKENS = _counter("kvscope_prompt_tokens_total",
+    "Prompt tokens by where their KV came from: gpu (resident), cpu or disk (promoted), "
+    "recompute (prefill).", ["source"])
+LOOKUP_BLOCKS = _counter("kvscope_lookup_blocks_total",
+    "Block lookups per tier consulted, by result (hit or miss); a tier is consulted when every "
+    "tier above it missed. Every resident block of a prompt counts as a hit, even after an "
+    "earlier miss, while only the leading run of hits serves tokens "
+    "(kvscope_prompt_tokens_total), so hits can exceed the blocks promoted.", ["tier", "result"])
+PREFILL_SECONDS_SAVED = _counter("kvscope_prefill_seconds_saved_total",
+    "Estimated prefill seconds saved by tokens served from cache (cost model).",
+    ["source"], "seconds")
+
+# transfers
+TRANSFER_BYTES = _counter("kvscope_transfer_bytes_total",
+    "Bytes copied between tiers (offloads away from the GPU, promotions toward it).",
+    ["src", "dst"], "bytes")
+TRANSFER_BLOCKS = _counter("kvscope_transfer_blocks_total",
+    "KV blocks copied between tiers.", ["src", "dst"])
+TRANSFER_SECONDS = _histogram("kvscope_transfer_seconds",
+    "Measured duration of one batched transfer between tiers; exemplars carry the request's "
+    "trace id. vLLM's /metrics time a promotion into the cpu tier from its job's creation, "
+    "queueing included.", ["src", "dst"], "seconds", TRANSFER_SECONDS_BUCKETS)
+TRANSFER_FAILURES = _counter("kvscope_transfer_failures_total",
+    "Transfers that failed, by reason (" + ", ".join(FAILURE_REASONS) + "); 0 for each "
+    "reason of a direction that has transferred.", ["src", "dst", "reason"])
+
+# evictions
+EVICTED_BLOCKS = _counter("kvscope_evicted_blocks_total",
+    "KV blocks that left a tier, by reason (capacity: made room; cleared: the engine reset; "
+    "failed: unreadable).", ["tier", "reason"])
+DROPPED_BLOCKS = _counter("kvscope_dropped_blocks_total",
+    "KV blocks evicted from a tier with no copy kept in a tier below (they left the cache).",
+    ["tier"])
+EVICTED_BLOCK_HITS = _histogram("kvscope_evicted_block_hits",
+    "Hits a block got while resident, observed when it is evicted (0: stored for nothing). A "
+    "sampling source (vLLM's tap) counts each sampled block for the ones it stands for.",
+    ["tier"], "", EVICTED_HITS_BUCKETS)
+BLOCK_RESIDENCY_SECONDS = _histogram("kvscope_block_residency_seconds",
+    "Age of a block when it is evicted. A sampling source (vLLM's tap) counts each sampled "
+    "block for the ones it stands for.", ["tier"], "seconds", RESIDENCY_SECONDS_BUCKETS)
+
+# tiers
+TIER_CAPACITY_BYTES = _gauge("kvscope_tier_capacity_bytes",
+    "Bytes a tier may hold.", ["tier"], "bytes")
+TIER_RESIDENT_BYTES = _gauge("kvscope_tier_resident_bytes",
+    "Bytes a tier currently holds.", ["tier"], "bytes")
+TIER_CAPACITY_BLOCKS = _gauge("kvscope_tier_capacity_blocks",
+    "KV blocks a tier may hold.", ["tier"])
+TIER_RESIDENT_BLOCKS = _gauge("kvscope_tier_resident_blocks",
+    "KV blocks a tier currently holds.", ["tier"])
+
+# requests
+REQUESTS = _counter("kvscope_requests_total",
+    "Requests that finished their prefill.")
+TTFT_SECONDS = _histogram("kvscope_ttft_seconds",
+    "Time to first token of each request; exemplars carry its trace id.",
+    [], "seconds", LATENCY_SECONDS_BUCKETS)
+PROMOTION_WAIT_SECONDS = _histogram("kvscope_promotion_wait_seconds",
+    "Seconds of a request's TTFT spent waiting for promotions.",
+    [], "seconds", LATENCY_SECONDS_BUCKETS)
+ITL_SECONDS = _histogram("kvscope_itl_seconds",
+    "Mean inter-token latency of each request that generated two or more tokens (the tap's, or "
+    "vLLM's decode time over its tokens from its span): one observation a request, not one a "
+    "token as vllm:inter_token_latency_seconds.", [], "seconds", LATENCY_SECONDS_BUCKETS)
+
+# host
+HOST_MEMORY_TOTAL_BYTES = _gauge("kvscope_host_memory_total_bytes",
+    "Host physical memory (psutil).", [], "bytes")
+HOST_MEMORY_AVAILABLE_BYTES = _gauge("kvscope_host_memory_available_bytes",
+    "Host memory available to new allocations without swapping (psutil), capped by the cgroup's"
+    " remaining limit when that is tighter.", [], "bytes")
+HOST_MEMORY_LIMIT_BYTES = _gauge("kvscope_host_memory_limit_bytes",
+    "The tighter of host physical memory and the cgroup v2 memory.max.", [], "bytes")
+HOST_SWAP_USED_BYTES = _gauge("kvscope_host_swap_used_bytes",
+    "Swap in use (psutil).", [], "bytes")
+HOST_MEMORY_RESERVE_BYTES = _gauge("kvscope_host_memory_reserve_bytes",
+    "Memory the operator keeps free for the OS and other services (config).", [], "bytes")
+HOST_MEMORY_HEADROOM_BYTES = _gauge("kvscope_host_memory_headroom_bytes",
+    "Available memory minus the reserve; negative when the reserve is eaten into.", [], "bytes")
+OFFLOAD_BUDGET_BYTES = _gauge("kvscope_offload_budget_bytes",
+    "Bytes the operator reserved for an offload tier (e.g. vLLM cpu_bytes_to_use).",
+    ["tier"], "bytes")
+
+# GPU (NVML)
+PCIE_BYTES = _counter("kvscope_pcie_bytes_total",
+    "PCIe bytes moved by a GPU, by direction (tx, rx).",
+    ["gpu", "direction"], "bytes", gpu_only=True)
+PCIE_LINK_MAX_BYTES_PER_SECOND = _gauge("kvscope_pcie_link_max_bytes_per_second",
+    "Maximum PCIe throughput of a GPU's current link, one direction.",
+    ["gpu"], "bytes_per_second", gpu_only=True)
+GPU_MEMORY_USED_BYTES = _gauge("kvscope_gpu_memory_used_bytes",
+    "GPU memory in use (NVML).", ["gpu"], "bytes", gpu_only=True)
+GPU_MEMORY_TOTAL_BYTES = _gauge("kvscope_gpu_memory_total_bytes",
+    "GPU memory in all (NVML).", ["gpu"], "bytes", gpu_only=True)
+
+# the agent itself
+EVENTS_RECEIVED = _counter("kvscope_events_received_total",
+    "kvscope events the agent accepted, by source.", ["source"])
+EVENTS_DROPPED = _counter("kvscope_events_dropped_total",
+    "kvscope events the agent (or a tap's emitter) dropped, by source and reason (reason gap "
+    "counts missing batches, abandoned requests never finished).", ["source", "reason"])
+OTLP_SPANS = _counter("kvscope_otlp_spans_total",
+    "Request and transfer spans of OTLP export (0 without otlp_endpoint), by result: sent (the "
+    "endpoint accepted them), failed (refused, or unreachable after retries), dropped (never "
+    "queued: the endpoint was too slow or away and the queue was full).", ["result"])
+RECORDS_DROPPED = _counter("kvscope_records_dropped_total",
+    "Records the agent could not write to disk (a full or removed disk, a value that does not "
+    "fit), by sink: store (finished requests, store_dir), capture_requests, capture_blocks and "
+    "capture_totals (the Parquet capture, capture_dir); 0 for a sink not configured.", ["sink"])
+SOURCE_UP = _gauge("kvscope_source_up",
+    "1 when a source the agent reads works, 0 when it is failing: its ingest socket, OTLP "
+    "receiver, KV events and vLLM metrics (the demo's engine too), not each tap.", ["source"])
+COLLECTOR_UP = _gauge("kvscope_collector_up",
+    "1 when a collector's last run succeeded, 0 otherwise.", ["collector"])
+COLLECTOR_DURATION_SECONDS = _gauge("kvscope_collector_duration_seconds",
+    "How long a collector's last run took.", ["collector"], "seconds")
+ENGINE_INFO = _gauge("kvscope_engine_info",
+    "Always 1; the engine and model a source observes.", ["source", "engine", "model"])
+BUILD_INFO = _gauge("kvscope_build_info",
+    "Always 1; the kvscope version in a label.", ["version"])
+
+# in exposition order (docs/metrics.md, /metrics)
+CATALOG: tuple[MetricSpec, ...] = (
+    PROMPT_TOKENS, LOOKUP_BLOCKS, PREFILL_SECONDS_SAVED, TRANSFER_BYTES, TRANSFER_BLOCKS,
+    TRANSFER_SECONDS, TRANSFER_FAILURES, EVICTED_BLOCKS, DROPPED_BLOCKS, EVICTED_BLOCK_HITS,
+    BLOCK_RESIDENCY_SECONDS, TIER_CAPACITY_BYTES, TIER_RESIDENT_BYTES, TIER_CAPACITY_BLOCKS,
+    TIER_RESIDENT_BLOCKS, REQUESTS, TTFT_SECONDS, PROMOTION_WAIT_SECONDS, ITL_SECONDS,
+    HOST_MEMORY_TOTAL_BYTES, HOST_MEMORY_AVAILABLE_BYTES, HOST_MEMORY_LIMIT_BYTES,
+    HOST_SWAP_USED_BYTES, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,
+    OFFLOAD_BUDGET_BYTES, PCIE_BYTES, PCIE_LINK_MAX_BYTES_PER_SECOND, GPU_MEMORY_USED_BYTES,
+    GPU_MEMORY_TOTAL_BYTES, EVENTS_RECEIVED, EVENTS_DROPPED, OTLP_SPANS, RECORDS_DROPPED,
+    SOURCE_UP, COLLECTOR_UP, COLLECTOR_DURATION_SECONDS, ENGINE_INFO, BUILD_INFO,
+)
+
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
+
+# What producers hand the exposition: per metric, ``(label values in the spec's order, value)``
+# pairs; a value is a number, or for a histogram an object with ``buckets``, ``counts`` (per
+# bucket, +Inf last), ``sum`` and ``exemplars`` (``agent.pipeline.Histogram``).
+Samples = dict[MetricSpec, list[tuple[Sequence[str], object]]]
+
+
+def render_markdown() -> str:
+    """``docs/metrics.md``: the catalog as a Markdown table (generated; do not edit by hand)."""
+    lines = [
+        "# kvscope metrics",
+        "",
+        "Generated from `kvscope/catalog.py` by `kvscope docs-metrics`; do not edit by hand.",
+        "",
+        "| name | type | unit | labels | help |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for spec in CATALOG:
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "-"
+        lines.append(f"| `{spec.name}` | {spec.type} | {spec.unit or '-'} | {labels} | {spec.help} |")
+    return "\n".join(lines) + "\n"
