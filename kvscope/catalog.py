@@ -170,6 +170,11 @@ RECORDS_DROPPED = _counter("kvscope_records_dropped_total",
     "Records the agent could not write to disk (a full or removed disk, a value that does not "
     "fit), by sink: store (finished requests, store_dir), capture_requests, capture_blocks and "
     "capture_totals (the Parquet capture, capture_dir); 0 for a sink not configured.", ["sink"])
+TAP_ERRORS = _counter("kvscope_tap_errors_total",
+    "What an in-engine tap could not observe, by source and reason (internal: the tap's own "
+    "code failed at its boundary, or it had to forget state it tracks, and the engine ran on; "
+    "unattributed: a request the tap could not follow, its blocks counted without it), as the "
+    "tap reports it with its batches.", ["source", "reason"])
 SOURCE_UP = _gauge("kvscope_source_up",
     "1 when a source the agent reads works, 0 when it is failing: its ingest socket, OTLP "
     "receiver, KV events and vLLM metrics (the demo's engine too), not each tap.", ["source"])
@@ -192,7 +197,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     HOST_SWAP_USED_BYTES, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,
     OFFLOAD_BUDGET_BYTES, PCIE_BYTES, PCIE_LINK_MAX_BYTES_PER_SECOND, GPU_MEMORY_USED_BYTES,
     GPU_MEMORY_TOTAL_BYTES, EVENTS_RECEIVED, EVENTS_DROPPED, OTLP_SPANS, RECORDS_DROPPED,
-    SOURCE_UP, COLLECTOR_UP, COLLECTOR_DURATION_SECONDS, ENGINE_INFO, BUILD_INFO,
+    TAP_ERRORS, SOURCE_UP, COLLECTOR_UP, COLLECTOR_DURATION_SECONDS, ENGINE_INFO, BUILD_INFO,
 )
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}

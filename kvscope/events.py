@@ -245,7 +245,9 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     ``scope``: the source whose requests this emitter's request ids name, when that is another
     emitter (vLLM's worker tap names the scheduler tap's requests): the agent joins its events to
     that source's request records. "" for its own. ``final``: the emitter's last batch (sent by
-    ``close``): the engine stopped, and its tiers leave the tier gauges.
+    ``close``): the engine stopped, and its tiers leave the tier gauges. ``errors``: the tap's
+    own failures since its emitter started (cumulative, like ``dropped``), by reason
+    (:data:`~kvscope.vocabulary.TAP_ERROR_REASONS`); empty from an emitter that counts none.
     """
 
     version: int
@@ -258,6 +260,7 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     model: str = ""
     scope: str = ""
     final: bool = False
+    errors: dict[str, Count] = {}
 
 
 def validate(event: Event) -> Event:
@@ -340,6 +343,7 @@ class BatchHeader(msgspec.Struct):
     events: list[msgspec.Raw] = []
     session: Session = ""
     dropped: Count = 0
+    errors: dict[str, Count] = {}
 
 
 _header_decoder = msgspec.msgpack.Decoder(BatchHeader)

@@ -11,6 +11,9 @@ module imports them from here (``events.py`` re-exports the ones its schema uses
   reset; ``failed``: a store that failed).
 - **failure reason**: why a transfer failed; a label, so the set is fixed (any other reason
   counts as ``other``).
+- **tap error reason**: what an in-engine tap could not observe (``internal``: its own code
+  failed at its boundary, or it had to forget state it tracks; ``unattributed``: a request it
+  could not follow).
 
 Imports only the standard library (the in-engine taps import it).
 """
@@ -29,6 +32,7 @@ EVICTION_REASONS: tuple[str, ...] = get_args(EvictionReason)
 DIRECTIONS: tuple[tuple[str, str], ...] = tuple((src, dst) for src in TIERS for dst in TIERS)
 FAILURE_REASONS: tuple[str, ...] = ("checksum", "corrupt", "disk_full", "io", "missing",
                                     "permission", "timeout", "truncated", "unknown", "other")
+TAP_ERROR_REASONS: tuple[str, ...] = ("internal", "unattributed")
 
 # The tiers of an engine without a remote one (the reference engine; vLLM's KV events, whose
 # media are GPU, CPU and STORAGE).

@@ -57,6 +57,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
                            output_tokens=5, itl=0.02),
     ])
     agent.pipeline.drop("ingest", "malformed")
+    agent.pipeline.count_tap_errors("engine", "internal", 2)
     agent.pipeline.set_source_up("ingest", True)
     agent.pipeline.set_source_info("engine", "kvscope-reference", "tiny")
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(agent.exposition.registry).decode())}
@@ -85,8 +86,10 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     assert value("kvscope_itl_seconds_sum") == 0.02
     assert value("kvscope_otlp_spans_total", {"result": "dropped"}) == 0  # no OTLP export
     assert value("kvscope_records_dropped_total", {"sink": "store"}) == 0  # no store_dir
+    assert value("kvscope_tap_errors_total", {"source": "engine", "reason": "internal"}) == 2
 
 
 def test_docs_metrics_is_generated_from_the_catalog():
     """Regenerate with `kvscope docs-metrics`."""
     assert (ROOT / "docs" / "metrics.md").read_text() == render_markdown()
+

@@ -942,3 +942,60 @@ def test_the_tap_example_in_the_docs_runs_and_reaches_the_agent(source, tmp_path
     assert [(t.src, t.dst, t.blocks, t.bytes) for t in record.transfers] == [
         ("cpu", "gpu", 32, 32 * 32 * 8 * 128 * 2 * 2 * 16)]
 
+
+def _errors_batch(seq, session, errors):
+    return ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="vllm", seq=seq,
+                                    session=session, events=[_lookup(seq)], errors=errors))
+
+
+def test_a_taps_error_totals_become_counted_increases(caplog):
+    """Tap error totals are cumulative per emitter, as drops are. Session s1 sends internal
+    0, 3, 3 and unattributed 0, 1, 2; a restarted tap (s2) sends internal 2; a batch naming a
+    reason outside the vocabulary is counted for nothing and logged once. By hand: internal
+    3 + 2 = 5, unattributed 2; both series exist from s1's first batch, at 0."""
+    from kvscope import catalog
+    from kvscope.agent.metrics import snapshot_samples
+
+    pipeline = Pipeline()
+    ingest = IngestSource(pipeline)
+    ingest.handle(_errors_batch(0, "s1", {"internal": 0, "unattributed": 0}))
+    assert pipeline.snapshot().tap_errors == {("vllm", "internal"): 0,
+                                              ("vllm", "unattributed"): 0}
+    for seq, errors in ((1, {"internal": 3, "unattributed": 1}),
+                        (2, {"internal": 3, "unattributed": 2})):
+        ingest.handle(_errors_batch(seq, "s1", errors))
+    ingest.handle(_errors_batch(0, "s2", {"internal": 2}))
+    for seq in (1, 2):
+        ingest.handle(_errors_batch(seq, "s2", {"internal": 2, "request_id_abc": 9}))
+    snap = pipeline.snapshot()
+    assert snap.tap_errors == {("vllm", "internal"): 5, ("vllm", "unattributed"): 2}
+    assert snapshot_samples(snap)[catalog.TAP_ERRORS] == [(["vllm", "internal"], 5),
+                                                         (["vllm", "unattributed"], 2)]
+    assert snap.events_dropped == {}  # the batches themselves were fine
+    assert [r.getMessage() for r in caplog.records].count(
+        "kvscope ingest: source 'vllm' reports tap errors for reason 'request_id_abc', not one "
+        "of internal, unattributed; not counted") == 1
+
+
+def test_an_emitter_sends_its_taps_error_totals_and_survives_a_hook_that_raises(source,
+                                                                                tmp_path):
+    """The hook the tap sets is read for each batch; one that raises is dropped, and the
+    emitter goes on sending."""
+    emitter = Emitter(_endpoint(tmp_path), source="vllm", flush_interval=0.01)
+    try:
+        totals = {"internal": 4, "unattributed": 1}
+        emitter.tap_errors = lambda: totals
+        emitter.emit(_lookup(0))
+        assert wait_until(lambda: source.pipeline.snapshot().tap_errors == {
+            ("vllm", "internal"): 4, ("vllm", "unattributed"): 1})
+
+        def broken():
+            raise RuntimeError("hook exploded")
+
+        emitter.tap_errors = broken
+        emitter.emit(_lookup(1))
+        assert wait_until(lambda: source.pipeline.events_received().get("vllm") == 2)
+        assert emitter.tap_errors is None
+        assert source.pipeline.snapshot().tap_errors[("vllm", "internal")] == 4
+    finally:
+        emitter.close()

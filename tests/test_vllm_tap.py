@@ -276,6 +276,16 @@ odd = types.SimpleNamespace(block_ids=iter([1, 2]))
 worker = TapWorker(Inner(), types.SimpleNamespace(emit=sent.append))
 assert worker.submit_store(1, odd, odd) == "stored" and worker.submit_load(2, odd, odd) == "loaded"
 assert worker.errors == 2, worker.errors
+# ... and reported to the agent: each batch carries what its emitter's hook reads
+assert worker._emitter.tap_errors() == {"internal": 2}
+from kvscope.agent.taps.vllm import _ClosingManager
+hooked = types.SimpleNamespace()
+tap6 = _ClosingManager(CPUOffloadingManager(num_chunks=2), broken, emitter=hooked,
+                       tokens_per_block=32, blocks_per_chunk=1, bytes_per_block=100,
+                       capacity_chunks=2)
+tap6.prepare_store(keys[:2], ctx); tap6.complete_store(keys[:2], ctx)
+tap6.prepare_store(keys[2:4], ctx)  # evicts: the broken emit fails inside the tap
+assert tap6.errors >= 1 and hooked.tap_errors() == {"internal": tap6.errors, "unattributed": 0}
 assert trace_id_of({"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}) == "ab" * 16
 print("ok")
 '''

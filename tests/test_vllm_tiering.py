@@ -137,6 +137,9 @@ def test_nothing_dropped_and_the_tap_never_failed(tiering_run):
     request provides for the 18th; the extra one itself the tap reports at shutdown."""
     snap, tap = tiering_run["snapshot"], tiering_run["result"]["tap"]
     assert snap.events_dropped == {}
+    # what the agent heard of the same counters, with the taps' batches
+    assert snap.tap_errors == {("vllm", "internal"): 0, ("vllm", "unattributed"): 0,
+                               ("vllm-worker", "internal"): 0}
     assert tap == {"spec": 0, "manager": 0, "worker": 0, "unattributed": 0,
                    "unseen_evictions": 0, "managers": 1, "workers": 1}, tap
     assert len(tiering_run["result"]["outputs"]) == 18

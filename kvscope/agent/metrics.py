@@ -50,6 +50,7 @@ def snapshot_samples(snap: Snapshot) -> Samples:
         m.EVENTS_RECEIVED: _labelled(snap.events_received),
         m.EVENTS_DROPPED: _labelled({**dict.fromkeys(sorted(snap.expected_drops), 0),
                                      **snap.events_dropped}),
+        m.TAP_ERRORS: _labelled(snap.tap_errors),
         m.SOURCE_UP: [([s], float(up)) for s, up in snap.source_up.items()],
         m.ENGINE_INFO: [([s, e, model], 1) for s, (e, model) in snap.source_info.items()],
         m.BUILD_INFO: [([__version__], 1)],

@@ -113,6 +113,7 @@ class Snapshot:
     source_up: dict[str, bool]
     source_info: dict[str, tuple[str, str]]
     expected_drops: frozenset[tuple[str, str]] = frozenset()  # (source, reason) exported at 0
+    tap_errors: dict[tuple[str, str], int] = field(default_factory=dict)  # (source, reason)
 
 
 def _histograms(states: Mapping) -> dict:
@@ -166,6 +167,7 @@ class Pipeline:
         self._received: Counter[str] = Counter()
         self._dropped: Counter[tuple[str, str]] = Counter()
         self._expected_drops: set[tuple[str, str]] = set()
+        self._tap_errors: Counter[tuple[str, str]] = Counter()
         self._source_up: dict[str, bool] = {}
         self._source_info: dict[str, tuple[str, str]] = {}
         self._samples: deque[dict] = deque(maxlen=history)
@@ -335,6 +337,12 @@ class Pipeline:
         with self._lock:
             self._dropped[(source, reason)] += events
 
+    def count_tap_errors(self, source: str, reason: str, errors: int) -> None:
+        """Count ``errors`` of ``source``'s tap for ``reason`` (of
+        :data:`~kvscope.vocabulary.TAP_ERROR_REASONS`); 0 makes the series exist."""
+        with self._lock:
+            self._tap_errors[(source, reason)] += errors
+
     def restore(self, records: Sequence[RequestRecord]) -> None:
         """Take back ``records`` a store kept from before a restart (oldest first): into the
         request table, and their TTFTs into the recent window behind the summary's
@@ -422,6 +430,7 @@ class Pipeline:
                 source_up=dict(self._source_up),
                 source_info=dict(self._source_info),
                 expected_drops=frozenset(self._expected_drops),
+                tap_errors=dict(self._tap_errors),
             )
 
     def record_sample(self, ts: float, host_memory_available: float | None, *,

@@ -32,6 +32,7 @@ class Records:
     tier_fill: str
     headroom_ratio: str
     events_dropped_rate: str
+    tap_errors_rate: str
     pcie_utilization: str
 
     @classmethod
@@ -51,6 +52,7 @@ class Records:
             tier_fill="kvscope:tier_fill:ratio",
             headroom_ratio="kvscope:host_memory_headroom:ratio",
             events_dropped_rate=f"kvscope:events_dropped:rate{w}",
+            tap_errors_rate=f"kvscope:tap_errors:rate{w}",
             pcie_utilization=f"kvscope:pcie_link:utilization_rate{w}",
         )
 
@@ -106,6 +108,9 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
                  f"  / (sum by ({by}) (kvscope_host_memory_limit_bytes{s()}) > 0)"},
         {"record": r.events_dropped_rate,
          "expr": f"sum by ({by}, source) (rate(kvscope_events_dropped_total{s()}[{w}]))\n"
+                 f"or 0 * sum by ({by}, source) (rate(kvscope_events_received_total{s()}[{w}]))"},
+        {"record": r.tap_errors_rate,
+         "expr": f"sum by ({by}, source, reason) (rate(kvscope_tap_errors_total{s()}[{w}]))\n"
                  f"or 0 * sum by ({by}, source) (rate(kvscope_events_received_total{s()}[{w}]))"},
         {"record": r.pcie_utilization,
          "expr": f"sum by ({by}, gpu, direction) (rate(kvscope_pcie_bytes_total{s()}[{w}]))\n"

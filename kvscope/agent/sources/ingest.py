@@ -36,12 +36,18 @@ folded are at most ``queue_bytes`` in all, and one message more (each counted wi
 ZMQ queues at most ``queue_bytes`` of messages per connection (the receive high-water mark is
 that over the largest message ZMQ accepts).
 
+A tap that counts its own failures sends their totals with each batch (``Batch.errors``, by
+reason); their increases become ``kvscope_tap_errors_total{source, reason}``, each reason at 0
+from the first batch that names it. A reason outside
+:data:`~kvscope.vocabulary.TAP_ERROR_REASONS` is not counted (labels stay bounded) and is
+logged once.
+
 Counters stay correct across tap restarts: events carry deltas, not totals, so the agent adds
 them up; a restarted emitter has a new ``session`` and its sequence starts again. Each emitter
 (source and session, the latest 64 sessions of each source) is followed on its own, so two
 taps that share a source name do not count each other's batches as gaps or restarts; the agent
 warns once that they should not. An agent restarted while an emitter runs takes that emitter's
-drop count (``Batch.dropped``, cumulative) as new, so drops an earlier agent had counted count
+drop and error counts (``Batch.dropped``, ``Batch.errors``, cumulative) as new, so drops an earlier agent had counted count
 again once, after the counter reset.
 """
 
@@ -61,6 +67,7 @@ from kvscope import events as ev
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.stalls import Progress
 from kvscope.agent.worker import Worker
+from kvscope.vocabulary import TAP_ERROR_REASONS
 
 log = logging.getLogger(__name__)
 NAME = "ingest"
@@ -134,8 +141,9 @@ class IngestSource(Worker):
         self._receiving = threading.Lock()
         self._progress = Progress()  # batches the folding thread took (see _watch)
         self._max_sources = max_sources
-        # source -> {session: (last seq, cumulative dropped)} of its emitters, latest last
-        self._streams: dict[str, OrderedDict[str, tuple[int, int]]] = {}
+        # source -> {session: (last seq, cumulative dropped, cumulative errors by reason)} of
+        # its emitters, latest last
+        self._streams: dict[str, OrderedDict[str, tuple[int, int, dict[str, int]]]] = {}
         self._warned: set = set()  # what was logged once (see _warn_once)
         self._socket = None
 
@@ -321,7 +329,7 @@ class IngestSource(Worker):
                             "are merged)", source)
         # a new emitter, or an agent restarted mid-stream: batches before the first one seen
         # here went to an earlier agent
-        seq, dropped = streams.pop(session, (batch.seq - 1, 0))
+        seq, dropped, errors = streams.pop(session, (batch.seq - 1, 0, {}))
         missing = batch.seq - seq - 1
         if missing > MAX_GAP:
             self._warn_once((source, "seq"), "kvscope ingest: source %r jumped %d batches ahead "
@@ -338,6 +346,22 @@ class IngestSource(Worker):
                             "slower than the engine; or they did not encode: the tap's log "
                             "says); logged once per source", source,
                             batch.dropped - dropped)
-        streams[session] = (max(seq, batch.seq), max(dropped, batch.dropped))
+        streams[session] = (max(seq, batch.seq), max(dropped, batch.dropped),
+                            self._count_errors(source, errors, batch.errors))
         if len(streams) > STREAMS_PER_SOURCE:  # a restarted tap's old sessions, oldest first
             streams.popitem(last=False)
+
+    def _count_errors(self, source: str, before: dict[str, int],
+                      now: dict[str, int]) -> dict[str, int]:
+        """Count the increase of a tap's error totals from ``before`` to ``now``; return the
+        totals to compare the next batch with."""
+        totals = dict(before)
+        for reason, total in now.items():
+            if reason not in TAP_ERROR_REASONS:
+                self._warn_once((source, "tap_errors"), "kvscope ingest: source %r reports tap "
+                                "errors for reason %r, not one of %s; not counted",
+                                source, reason, ", ".join(TAP_ERROR_REASONS))
+                continue
+            self.pipeline.count_tap_errors(source, reason, max(0, total - before.get(reason, 0)))
+            totals[reason] = max(total, before.get(reason, 0))
+        return totals

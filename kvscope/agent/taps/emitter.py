@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 import zmq
@@ -73,7 +73,10 @@ class Emitter:
     its maker it starts again at the child's first :meth:`emit`, as a new session, with an
     empty buffer and no ``on_tick``. ``on_tick``: set it to a function of no arguments to have
     it called on the sender thread before each send (e.g. to emit a gauge while the caller is
-    idle); if it raises it is logged and not called again.
+    idle); if it raises it is logged and not called again. ``tap_errors``: set it to a function
+    of no arguments returning the tap's own failures so far by reason (``Batch.errors``; e.g.
+    ``{"internal": 2}``), read on the sender thread for each batch; if it raises it is logged
+    and not called again.
     ``logger``: where it logs (default this module's); a tap inside an engine passes one under
     the engine's logger, so the lines come out in the engine's log format.
     Raises ValueError for a ``source`` or ``scope`` the agent would refuse, a bound below 1
@@ -125,6 +128,7 @@ class Emitter:
         self._warned = False
         self._told_unencodable = False
         self.on_tick: Callable[[], None] | None = None  # called on the sender thread each interval
+        self.tap_errors: Callable[[], Mapping[str, int]] | None = None  # read for each batch
         self._drain_until = 0.0  # monotonic deadline for the final flush, set by close()
         self._endpoint, self._send_hwm = endpoint, send_hwm
         self._start()
@@ -166,7 +170,7 @@ class Emitter:
         # the parent's locks may have been held at the fork, by threads the child lacks;
         # reentrant: an emit() from a signal handler may come while the first one starts it
         self._fork_lock, self._stop = threading.RLock(), threading.Event()
-        self.on_tick = None  # the parent's hook reports the parent's state
+        self.on_tick = self.tap_errors = None  # the parent's hooks report the parent's state
         self._buffer.clear()  # the parent's events, the parent's to send
         self._pending, self._pending_events = None, 0
         self.dropped = self.sent_batches = 0
@@ -285,7 +289,19 @@ class Emitter:
     def _batch(self, events: list, final: bool = False) -> ev.Batch:
         return ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
                         events=events, session=self._session, dropped=self.dropped,
-                        engine=self._engine, model=self._model, scope=self._scope, final=final)
+                        engine=self._engine, model=self._model, scope=self._scope, final=final,
+                        errors=self._errors())
+
+    def _errors(self) -> dict[str, int]:
+        if self.tap_errors is None:
+            return {}
+        try:
+            return dict(self.tap_errors())
+        except Exception as exc:  # the caller's hook must not stop the sends
+            self._log.warning("kvscope emitter: tap_errors failed (%s: %s); not calling it "
+                              "again", type(exc).__name__, exc)
+            self.tap_errors = None
+            return {}
 
     def _encode(self, events: list) -> bytes | None:
         """``events`` as one batch, or as its first part when the whole is over

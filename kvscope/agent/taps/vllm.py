@@ -249,6 +249,7 @@ class _ClosingManager(TapManager):
         super().__init__(inner, emit, **kwargs)
         self._emitter = emitter
         emitter.on_tick = self.tick
+        emitter.tap_errors = lambda: {"internal": self.errors, "unattributed": self.unattributed}
 
     def shutdown(self) -> None:
         try:
@@ -277,6 +278,7 @@ class TapWorker(OffloadingWorker):
         self.inner = inner
         self._emitter = emitter
         self.observer = WorkerObserver(emitter.emit, clock=clock, max_jobs=max_jobs)
+        emitter.tap_errors = lambda: {"internal": self.observer.errors}
         self._submitted = self.observer.submitted  # bound once: a job costs one call, as before
         self._finished = self.observer.finished
         bind_forwarded(self)

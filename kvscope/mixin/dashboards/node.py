@@ -74,17 +74,22 @@ def node(cfg: MixinConfig) -> dict:
               (Q(f"kvscope_collector_duration_seconds{s(cfg)}", "{{instance}} {{collector}}"),),
               unit="s", width=6),
         )),
-        Row("Trace export and disk", (
+        Row("What the agent and the taps lost", (
             P("OTLP spans by result", "Request and transfer spans the agent exports over OTLP "
               "(0 without otlp_endpoint): sent, failed (refused or unreachable) or dropped (the "
               "export queue was full). Failed or dropped spans mean traces with gaps.",
               (Q(f"sum by (instance, result) (rate(kvscope_otlp_spans_total{s(cfg)}[{RATE}]))",
-                 "{{instance}} {{result}}"),), unit="short", width=12),
+                 "{{instance}} {{result}}"),), unit="short", width=8),
             P("Records not written to disk", "Finished requests the store, and rows the Parquet "
               "capture, could not write (a full or removed disk): a restarted agent or "
               "kvscope analyze will miss them.",
               (Q(f"sum by (instance, sink) (rate(kvscope_records_dropped_total{s(cfg)}[{RATE}]))",
-                 "{{instance}} {{sink}}"),), unit="short", width=12),
+                 "{{instance}} {{sink}}"),), unit="short", width=8),
+            P("Tap errors", "What an in-engine tap could not observe, per second: internal (the "
+              "tap's own code failed, the engine ran on) or unattributed (a request it could not "
+              "follow). Its counts undercount by that much; the engine's log has the first error.",
+              (Q(f"sum by (instance, source, reason) ({r.tap_errors_rate}{s(cfg)})",
+                 "{{instance}} {{source}} {{reason}}"),), unit="short", width=8),
         )),
     ]
     return board(cfg, "node", "Node",
