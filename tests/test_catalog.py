@@ -1,11 +1,14 @@
 """The metric catalog follows Prometheus conventions and the exporter and docs follow it."""
 
+import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvscope import __version__
 from kvscope import events as ev
 from kvscope.agent.collectors import CollectorSet
 from kvscope.catalog import CATALOG, render_markdown
@@ -93,3 +96,66 @@ def test_docs_metrics_is_generated_from_the_catalog():
     """Regenerate with `kvscope docs-metrics`."""
     assert (ROOT / "docs" / "metrics.md").read_text() == render_markdown()
 
+
+GOLDEN = ROOT / "tests" / "data" / "golden_metrics.txt"
+
+
+def _golden_agent(tmp_path) -> Agent:
+    """An agent with host readings and collector timings fixed, after a fixed event sequence
+    from two sources: a vLLM-like tap (tiers gpu and cpu, a failed offload, a sampled eviction,
+    tap errors) and the reference engine (a disk tier, a dropped block, a request with
+    promotion wait and ITL)."""
+    swap = SimpleNamespace(used=2**20)  # psutil's swap_memory() of a host with 1 MiB swapped
+    collectors = CollectorSet(["host"], {"host": {"virtual_memory": lambda: _VM,
+                                                  "swap_memory": lambda: swap,
+                                                  "cgroup_root": tmp_path,
+                                                  "budgets": {"cpu": 2**30}}}, clock=lambda: 1.0)
+    agent = Agent(with_ingest=False, collectors=collectors)
+    p = agent.pipeline
+    p.ingest("vllm", [
+        ev.TierSnapshot(ts=10.0, tier="gpu", capacity_bytes=4096, resident_bytes=1024,
+                        capacity_blocks=64, resident_blocks=16),
+        ev.TierSnapshot(ts=10.0, tier="cpu", capacity_bytes=8192, resident_bytes=2048,
+                        capacity_blocks=128, resident_blocks=32),
+        ev.RequestStarted(ts=10.0, request_id="a", prompt_tokens=64, trace_id="ab" * 16),
+        ev.Lookup(ts=10.0, request_id="a", tokens={"gpu": 32, "cpu": 16, "recompute": 16},
+                  blocks=4, block_hits={"gpu": 2, "cpu": 1}),
+        ev.Transfer(ts=10.01, src="cpu", dst="gpu", blocks=1, bytes=64, duration=0.0004,
+                    request_id="a"),
+        ev.Transfer(ts=10.02, src="gpu", dst="cpu", blocks=2, bytes=128, duration=0.002,
+                    ok=False, reason="timeout"),
+        ev.Eviction(ts=10.03, tier="cpu", blocks=4, bytes=256, age=42.0, hits=0, weight=4),
+        ev.RequestFinished(ts=10.2, request_id="a", ttft=0.05, prompt_tokens=64,
+                           output_tokens=9, itl=0.012),
+    ])
+    p.ingest("engine", [
+        ev.TierSnapshot(ts=11.0, tier="disk", capacity_bytes=1 << 20, resident_bytes=1 << 19,
+                        capacity_blocks=1024, resident_blocks=512),
+        ev.RequestStarted(ts=11.0, request_id="b", prompt_tokens=32, trace_id="cd" * 16),
+        ev.Lookup(ts=11.0, request_id="b", tokens={"disk": 16, "recompute": 16}, blocks=2,
+                  block_hits={"disk": 1}),
+        ev.Transfer(ts=11.0, src="disk", dst="cpu", blocks=1, bytes=64, duration=0.03,
+                    request_id="b"),
+        ev.Eviction(ts=11.1, tier="disk", blocks=1, bytes=64, age=3600.0, hits=5),
+        ev.RequestFinished(ts=11.5, request_id="b", ttft=0.4, prompt_tokens=32,
+                           output_tokens=1, promotion_wait=0.03),
+    ])
+    p.publish_settled(everything=True)
+    p.drop("ingest", "malformed", 2)
+    p.count_tap_errors("vllm", "internal", 3)
+    p.count_tap_errors("vllm", "unattributed", 0)
+    p.set_source_up("ingest", True)
+    p.set_source_info("vllm", "vllm", "tiny-llama")
+    return agent
+
+
+def test_the_exposition_of_a_fixed_event_sequence_is_the_committed_golden_file(tmp_path):
+    """Any change to a metric's name, help, labels or value shows up as a diff of
+    tests/data/golden_metrics.txt (OpenMetrics, with exemplars). After a deliberate change,
+    rewrite it with ``KVSCOPE_UPDATE_GOLDEN=1 pytest tests/test_catalog.py`` and review the
+    diff."""
+    body, _ = _golden_agent(tmp_path).exposition.render("application/openmetrics-text")
+    text = body.decode().replace(__version__, "VERSION")  # a release is no exposition change
+    if os.environ.get("KVSCOPE_UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
