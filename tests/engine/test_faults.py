@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT
 from kvscope import events as ev
 from kvscope.engine.engine import OffloadEngine
 from kvscope.engine.presets import get_preset
@@ -24,7 +25,7 @@ from test_engine import _req, _resident_bytes_ok
 
 TINY = get_preset("tiny")
 A, B, C, D, E = 201, 202, 203, 204, 205
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 
 
 def _no_temporary_files(directory):

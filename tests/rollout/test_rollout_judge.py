@@ -7,29 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from known_runs import simulated_runs
 from kvscope.analysis.compare import INCONCLUSIVE, KEEP, ROLL_BACK, RequestSample
 from kvscope.rollout.judge import judge, pooled
-from kvscope.rollout.plan import aa_slot, plan
+from kvscope.rollout.plan import aa_slot
 
 OPTIONS = {"resamples": 400, "min_requests": 50}
-
-
-def _runs(arms, scale, *, seed, reps=3, levels=(1, 4), requests=60, run_sd=0.05,
-          itl_scale=None):
-    """Runs of a plan with TTFT lognormal around ``scale[slot]`` seconds times the level (more
-    streams, longer waits), each run shifted by its own factor exp(N(0, run_sd)): the run-to-run
-    variance a single run cannot show. ITL likewise, a tenth of it; or, with ``itl_scale``
-    (seconds), drawn on its own around it for every slot alike."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for step in plan(arms, levels, reps):
-        drift = np.exp(rng.normal(0, run_sd))
-        ttft = scale[step.slot] * step.level * drift * rng.lognormal(0, 0.3, requests)
-        itl = ttft / 10 if itl_scale is None else \
-            itl_scale * np.exp(rng.normal(0, run_sd)) * rng.lognormal(0, 0.3, requests)
-        out.append((step, RequestSample(step.slot, ttft, itl, tokens={"gpu": 10, "recompute": 5},
-                                        transfer_bytes={"gpu->cpu": 100})))
-    return out
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -37,7 +20,7 @@ def test_identical_arms_never_roll_back(seed):
     """A/A: baseline, candidate and the A/A twin are one configuration (0.1 s): whatever the
     seed, the verdict is keep or inconclusive, with and without a relative budget."""
     scale = {"A": 0.1, "B": 0.1, aa_slot("A"): 0.1}
-    results = _runs(["A", "B"], scale, seed=seed)
+    results = simulated_runs(["A", "B"], scale, seed=seed)
     for budget in (None, "+10%"):
         j = judge(results, "A", "B", ttft_budget=budget, itl_budget=budget, seed=seed, **OPTIONS)
         assert j.verdict.decision in (KEEP, INCONCLUSIVE), j.verdict.text
@@ -50,7 +33,7 @@ def test_a_planted_regression_far_above_the_noise_is_rolled_back():
     5% and the A/A twin matches the baseline: p99 rises ~60%, far above a +10% budget and
     above the A/A floor -> roll back; per level too the difference is significant."""
     scale = {"A": 0.1, "B": 0.16, aa_slot("A"): 0.1}
-    j = judge(_runs(["A", "B"], scale, seed=1), "A", "B", ttft_budget="+10%", **OPTIONS)
+    j = judge(simulated_runs(["A", "B"], scale, seed=1), "A", "B", ttft_budget="+10%", **OPTIONS)
     assert j.verdict.decision == ROLL_BACK, j.verdict.text
     for comparison in j.levels.values():
         assert comparison.ttft[-1].difference.low > 0
@@ -62,7 +45,7 @@ def test_a_ttft_regression_is_rolled_back_though_an_unchanged_itl_is_noisy():
     (guidellm's mock server, test_rollout_cli.py, once came out inconclusive so)."""
     scale = {"A": 0.1, "B": 0.16, aa_slot("A"): 0.1}
     for seed in range(4):
-        results = _runs(["A", "B"], scale, seed=seed, itl_scale=0.001)
+        results = simulated_runs(["A", "B"], scale, seed=seed, itl_scale=0.001)
         j = judge(results, "A", "B", ttft_budget="+10%", itl_budget="+10%", **OPTIONS)
         assert j.verdict.decision == ROLL_BACK, j.verdict.text
         assert any(r.startswith("noise floor: the A/A pair's p99 ITL") for r in j.verdict.reasons)
@@ -72,7 +55,7 @@ def test_an_aa_pair_noisier_than_the_effect_makes_it_inconclusive():
     """The twin runs 1.6x slower than the baseline (a noisy host), the candidate 1.3x: the rule
     alone would roll back, but the A/A difference is larger than the effect."""
     scale = {"A": 0.1, "B": 0.13, aa_slot("A"): 0.16}
-    results = _runs(["A", "B"], scale, seed=2)
+    results = simulated_runs(["A", "B"], scale, seed=2)
     rule_alone = judge(results, "A", "B", ttft_budget="+10%", aa=False, **OPTIONS)
     assert rule_alone.verdict.decision == ROLL_BACK
     j = judge(results, "A", "B", ttft_budget="+10%", **OPTIONS)
@@ -95,7 +78,7 @@ def test_pooled_adds_counts_and_concatenates_latencies():
 
 
 def test_an_arm_without_finished_requests_is_an_error():
-    results = [(s, r) for s, r in _runs(["A", "B"], {"A": .1, "B": .1, aa_slot("A"): .1}, seed=0)
-               if s.slot != "B"]
+    scale = {"A": .1, "B": .1, aa_slot("A"): .1}
+    results = [(s, r) for s, r in simulated_runs(["A", "B"], scale, seed=0) if s.slot != "B"]
     with pytest.raises(ValueError, match="no candidate run"):
         judge(results, "A", "B", **OPTIONS)

@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from known_runs import write_capture
 from kvscope.agent.capture import CaptureWriter
 from kvscope.agent.requests import RequestRecord, TransferRecord
 from kvscope.analysis.bootstrap import compare_quantiles, quantile_cis, quantile_replicates
@@ -18,22 +19,6 @@ from kvscope.cli import main
 BUDGET = 0.1  # seconds
 
 
-def _capture(directory, ttfts, itl=0.02, cpu_tokens=0):
-    """A capture of one finished request per TTFT (seconds): 64-token prompts, ``cpu_tokens``
-    of them promoted from the cpu tier by one 2-block transfer (1 MB, 1 ms) each."""
-    writer = CaptureWriter(directory)
-    for i, ttft in enumerate(ttfts):
-        transfers = [TransferRecord("cpu", "gpu", 2, 1_000_000, 1000.0 + i, 0.001)] \
-            if cpu_tokens else []
-        writer.add_request(RequestRecord(
-            f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64, output_tokens=8,
-            tokens={"cpu": cpu_tokens, "recompute": 64 - cpu_tokens}, transfers=transfers,
-            ttft=float(ttft), promotion_wait=0.001 if cpu_tokens else 0.0,
-            finished=1000.0 + i + ttft, itl=itl))
-    writer.close()
-    return directory
-
-
 def _mixture(n_low, n_mid, n_high):
     """n_low requests at 50 ms, n_mid at 90 ms, n_high at 110 ms."""
     return np.repeat([0.05, 0.09, 0.11], [n_low, n_mid, n_high])
@@ -42,10 +27,10 @@ def _mixture(n_low, n_mid, n_high):
 def _verdict(tmp_path, baseline, candidate, *extra, runs=1, itl=(0.02, 0.02)):
     """``kvscope compare`` arguments for ``runs`` captures per arm, each run holding the given
     TTFTs (a repeated run that came out the same); ``itl``: each arm's (seconds, 0: none)."""
-    b = ",".join(str(_capture(tmp_path / f"baseline{i}", baseline, itl=itl[0]))
+    b = ",".join(str(write_capture(tmp_path / f"baseline{i}", baseline, itl=itl[0]))
                  for i in range(runs))
-    c = ",".join(str(_capture(tmp_path / f"candidate{i}", candidate, itl=itl[1], cpu_tokens=32))
-                 for i in range(runs))
+    c = ",".join(str(write_capture(tmp_path / f"candidate{i}", candidate, itl=itl[1],
+                                   cpu_tokens=32)) for i in range(runs))
     args = ["compare", b, c, "--json", "--resamples", "1000", *extra]
     return args
 
@@ -157,7 +142,7 @@ def test_without_a_budget_the_baseline_decides(tmp_path, capsys):
     exceeds every baseline value, so every replicate difference is > 0 -> roll back (a
     significant regression); the swapped pair is significantly better -> keep."""
     slow, fast = np.linspace(0.2, 0.3, 300), np.linspace(0.05, 0.1, 300)
-    b, c = (",".join(str(_capture(tmp_path / f"{name}{i}", x)) for i in range(2))
+    b, c = (",".join(str(write_capture(tmp_path / f"{name}{i}", x)) for i in range(2))
             for name, x in (("fast", fast), ("slow", slow)))
     assert main(["compare", str(b), str(c), "--json", "--resamples", "500"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"]["decision"] == ROLL_BACK
@@ -172,7 +157,7 @@ def test_a_keep_names_a_median_significantly_worse_than_the_baseline(tmp_path, c
     verdict's reasons say so (a keep once read as an endorsement of a slower run)."""
     base = np.repeat([0.02, 0.15], [400, 100])
     cand = np.repeat([0.04, 0.15], [400, 100])
-    b, c = _capture(tmp_path / "b", base), _capture(tmp_path / "c", cand)
+    b, c = write_capture(tmp_path / "b", base), write_capture(tmp_path / "c", cand)
     assert main(["compare", str(b), str(c), "--json", "--resamples", "500"]) == 0
     verdict = json.loads(capsys.readouterr().out)["verdict"]
     assert verdict["decision"] == KEEP
@@ -184,7 +169,7 @@ def test_a_keep_names_a_median_significantly_worse_than_the_baseline(tmp_path, c
 def test_too_few_requests_is_inconclusive_and_the_report_says_so(tmp_path, capsys):
     """50 requests per side: a p99 rests on about one request -> inconclusive."""
     few = np.linspace(0.01, 0.02, 50)
-    b, c = _capture(tmp_path / "b", few), _capture(tmp_path / "c", few)
+    b, c = write_capture(tmp_path / "b", few), write_capture(tmp_path / "c", few)
     assert main(["compare", str(b), str(c), "--ttft-budget", "0.1", "--resamples", "200"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("verdict: inconclusive: too few requests")
@@ -196,8 +181,8 @@ def test_the_report_gives_transfer_sizes_and_waits_in_readable_units(tmp_path, c
     of 1 ms. Sizes were always in MB (288,297.6 MB for 288 GB), and a 7 us wait read 0.0 ms
     (a new user)."""
     ttfts = np.linspace(0.02, 0.06, 400)
-    b = _capture(tmp_path / "b", ttfts)
-    c = _capture(tmp_path / "c", ttfts, cpu_tokens=32)
+    b = write_capture(tmp_path / "b", ttfts)
+    c = write_capture(tmp_path / "c", ttfts, cpu_tokens=32)
     assert main(["compare", str(b), str(c), "--resamples", "200"]) == 0
     text = capsys.readouterr().out
     assert "cpu->gpu 400.0 MB in 0.400 s; promotion wait mean 1 ms, p99 1 ms" in text
@@ -209,8 +194,8 @@ def test_the_report_gives_transfer_sizes_and_waits_in_readable_units(tmp_path, c
 
 
 def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
-    b = _capture(tmp_path / "b", np.linspace(0.01, 0.02, 200))
-    c = _capture(tmp_path / "c", np.linspace(0.01, 0.03, 200))
+    b = write_capture(tmp_path / "b", np.linspace(0.01, 0.02, 200))
+    c = write_capture(tmp_path / "c", np.linspace(0.01, 0.03, 200))
     sb, sc = read_request_sample(b), read_request_sample(c)
     assert to_dict(compare(sb, sc, seed=7, resamples=300)) == \
         to_dict(compare(sb, sc, seed=7, resamples=300))
@@ -234,7 +219,7 @@ def test_a_parquet_file_of_another_kind_is_one_line_saying_what_to_pass(tmp_path
 
     other = tmp_path / "blocks-1.parquet"
     pq.write_table(pa.table({"ts": [1.0], "block_hash": [7], "depth": [0]}), other)
-    c = _capture(tmp_path / "c", [0.02] * 10)
+    c = write_capture(tmp_path / "c", [0.02] * 10)
     assert main(["compare", str(other), str(c)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
@@ -273,7 +258,7 @@ def test_one_damaged_segment_in_a_capture_directory_is_skipped_with_a_warning(tm
     """A capture directory holding a requests segment that is not Parquet (a damaged copy):
     compare used to refuse the whole directory. Now that file is skipped, a warning names it,
     and the comparison runs on the readable segments (10 requests each side)."""
-    b, c = _capture(tmp_path / "b", [0.02] * 10), _capture(tmp_path / "c", [0.04] * 10)
+    b, c = write_capture(tmp_path / "b", [0.02] * 10), write_capture(tmp_path / "c", [0.04] * 10)
     (c / f"requests-{'9' * 15}-1-000001.parquet").write_bytes(b"not parquet")
     assert main(["compare", str(b), str(c)]) == 0
     assert "skipped" in caplog.text and "requests-999999999999999-1-000001.parquet" in caplog.text
@@ -441,7 +426,7 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
                        "transfer_blocks": {"gpu->cpu": 1, "cpu->gpu": 200},
                        "transfer_seconds_sum": {"gpu->cpu": 0.05, "cpu->gpu": 0.1}})
     writer.close()
-    base = _capture(tmp_path / "base", np.linspace(0.01, 0.02, 100))
+    base = write_capture(tmp_path / "base", np.linspace(0.01, 0.02, 100))
     assert main(["compare", str(base), str(directory), "--json", "--resamples", "100"]) == 0
     out = json.loads(capsys.readouterr().out)
     cand = out["candidate"]

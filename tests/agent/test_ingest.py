@@ -15,7 +15,7 @@ from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.ingest import IngestSource
 from kvscope.agent.taps.emitter import Emitter
 
-from conftest import wait_until
+from conftest import REPO_ROOT, wait_until
 
 
 def _endpoint(tmp_path):
@@ -929,9 +929,8 @@ def test_the_tap_example_in_the_docs_runs_and_reaches_the_agent(source, tmp_path
     """docs/agent.md's tap example, run as written against a real ingest source (only its
     endpoint changed): its 4 events arrive and make one request with its promotion."""
     import re
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "agent.md").read_text()
+    text = (REPO_ROOT / "docs" / "agent.md").read_text()
     code = re.search(r"A tap of your own.*?```python\n(.*?)```", text, re.S).group(1)
     exec(code.replace("tcp://127.0.0.1:5560", _endpoint(tmp_path)), {})
     assert wait_until(lambda: source.pipeline.events_received().get("myengine") == 4)

@@ -1,7 +1,7 @@
 """The vLLM worker tap's bookkeeping and mapping (kvscope.agent.taps.worker_events), without vLLM.
 
 TapWorker (kvscope.agent.taps.vllm) is the vLLM shell around this observer; it is tested with
-vLLM in tests/test_vllm_tap.py and tests/test_vllm_managers.py, and bench/gpu_check.py runs the
+vLLM in tests/agent/test_vllm_tap.py and tests/agent/test_vllm_managers.py, and bench/gpu_check.py runs the
 observer on a GPU's CUDA-event-timed copies.
 """
 
@@ -11,13 +11,13 @@ import ast
 import logging
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+from conftest import REPO_ROOT
 from kvscope import events as ev
 from kvscope.agent.taps.worker_events import WorkerObserver
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 
 
 def result(job_id: int, success: bool, transfer_size: int | None = None,

@@ -206,14 +206,14 @@ def test_respond_opens_a_link_and_a_click_writes_one(tmp_path):
 
 def _rollout_report(directory):
     """A rollout report written by kvscope's own judge and report writer from simulated runs
-    (tests/test_rollout_judge.py's): baseline ``A`` 0.1 s, candidate ``B`` 1.6x slower."""
-    from test_rollout_judge import _runs
+    (tests/rollout/test_rollout_judge.py's): baseline ``A`` 0.1 s, candidate ``B`` 1.6x slower."""
+    from known_runs import simulated_runs
 
     from kvscope.rollout import report
     from kvscope.rollout.judge import judge
     from kvscope.rollout.plan import aa_slot
 
-    results = _runs(["A", "B"], {"A": 0.1, "B": 0.16, aa_slot("A"): 0.1}, seed=1)
+    results = simulated_runs(["A", "B"], {"A": 0.1, "B": 0.16, aa_slot("A"): 0.1}, seed=1)
     runs = [{"index": s.index, "slot": s.slot, "arm": s.arm, "level": s.level, "rep": s.rep,
              "ttft": list(r.ttft), "itl": list(r.itl), "e2e": list(r.ttft * 2)}
             for s, r in results]

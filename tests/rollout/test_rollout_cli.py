@@ -13,15 +13,14 @@ import shlex
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import free_ports, wait_until
+from conftest import REPO_ROOT, free_ports, wait_until
 
 from kvscope.rollout import loadgen
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 FAST = ["--requests", "12", "--warmup-requests", "0", "--max-prompt-tokens", "64",
         "--max-output-tokens", "8", "--block-tokens", "8", "--resamples", "400",
         "--request-timeout", "10"]
