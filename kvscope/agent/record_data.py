@@ -1,9 +1,13 @@
-"""A request record as data: what the store writes, the API serves and the OTLP exporter reads.
+"""The request schema: :class:`RecordData` declares what kvscope knows of one request, once.
 
-:class:`~kvscope.agent.requests.RequestRecord` keeps its numbers in C fields for the pipeline's
-fold; :meth:`~kvscope.agent.requests.RequestRecord.data` gives this msgspec form of it (field
-for field the same, so the store's segments and the API's JSON keep their shape) and
-:meth:`~kvscope.agent.requests.RequestRecord.from_data` takes one back.
+Every other form follows from its fields, and ``tests/test_request_schema.py`` fails when one
+drifts: :class:`~kvscope.agent.requests.RequestRecord` keeps the same fields in C for the
+pipeline's fold (:meth:`~kvscope.agent.requests.RequestRecord.data` gives this msgspec form,
+:meth:`~kvscope.agent.requests.RequestRecord.from_data` takes one back); the store's segments
+(msgpack) and the API's JSON are this struct as is; the capture's ``requests`` columns and the
+OTLP ``kv.request`` span's attributes (``exporter/otlp.py``, ``REQUEST_ATTRIBUTES``) cover
+each field; and :class:`~kvscope.events.RequestFinished` names its fields as this does.
+Adding a field: here, in ``requests.pyx`` (and ``.pxd``), and in each form the test names.
 """
 
 from __future__ import annotations

@@ -17,7 +17,10 @@ Span shapes (times are Unix nanoseconds, from the record's Unix seconds, see :fu
   token source (``gpu``, ``cpu``, ``disk``, ``recompute`` always present, 0 when absent, plus
   any other key of ``record.tokens``), ``kv.ttft_seconds`` float (only when ttft is known),
   ``kv.queueing_seconds``, ``kv.lookup_seconds``, ``kv.promotion_wait_seconds``,
-  ``kv.prefill_seconds`` float seconds.
+  ``kv.prefill_seconds`` float seconds, ``kv.itl_seconds`` float (only when known: > 0),
+  ``kv.transfers_omitted`` int (only when some were: > 0). Every field of the request schema
+  (:class:`~kvscope.agent.record_data.RecordData`) is an attribute
+  (:data:`REQUEST_ATTRIBUTES`) or carried by the span's shape (:data:`REQUEST_SPAN_SHAPE`).
 - ``kv.transfer`` (child of ``kv.request``, one per ``record.transfers`` entry), from ``start``
   to ``start + duration``. Attributes: ``kv.route`` str ``"<src>-><dst>"``, ``kv.src`` and
   ``kv.dst`` str tiers, ``kv.blocks`` int, ``kv.bytes`` int bytes, ``kv.ok`` bool. A failed
@@ -53,6 +56,21 @@ _SDK_LOG = logging.getLogger(OTLPSpanExporter.__module__)  # where the SDK logs 
 
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP traces path (OTLP specification, "OTLP/HTTP Request")
 _TRACE_ID = re.compile(r"[0-9a-fA-F]{32}")
+# The request schema on the kv.request span: each RecordData field's attribute ...
+REQUEST_ATTRIBUTES: dict[str, str] = {
+    "request_id": "kv.request_id", "source": "kv.source", "prompt_tokens": "kv.prompt_tokens",
+    "output_tokens": "kv.output_tokens", "tokens": "kv.tokens.{source}",
+    "ttft": "kv.ttft_seconds", "queueing": "kv.queueing_seconds", "lookup": "kv.lookup_seconds",
+    "promotion_wait": "kv.promotion_wait_seconds", "prefill": "kv.prefill_seconds",
+    "itl": "kv.itl_seconds", "transfers_omitted": "kv.transfers_omitted",
+}
+_WHEN_KNOWN = ("ttft", "itl", "transfers_omitted")  # None or 0 means unknown or none: left out
+# ... or, for the rest, the part of the span's shape that carries it
+REQUEST_SPAN_SHAPE: dict[str, str] = {
+    "trace_id": "the trace id", "arrival": "the span's start",
+    "finished": "the span's end when the TTFT is unknown",
+    "transfers": "a kv.transfer child span each",
+}
 SPAN_RESULTS = ("sent", "failed", "dropped")  # what becomes of a span (RequestSpanExporter.spans)
 
 
@@ -318,20 +336,14 @@ class RequestSpanExporter:
 
 
 def _request_attributes(record: RequestRecord) -> dict[str, str | int | float]:
-    attributes: dict[str, str | int | float] = {
-        "kv.request_id": record.request_id,
-        "kv.source": record.source,
-        "kv.prompt_tokens": record.prompt_tokens,
-        "kv.output_tokens": record.output_tokens,
-    }
-    for source in (*TOKEN_SOURCES, *sorted(set(record.tokens) - set(TOKEN_SOURCES))):
-        attributes[f"kv.tokens.{source}"] = int(record.tokens.get(source, 0))
-    if record.ttft is not None:
-        attributes["kv.ttft_seconds"] = float(record.ttft)
-    attributes["kv.queueing_seconds"] = float(record.queueing)
-    attributes["kv.lookup_seconds"] = float(record.lookup)
-    attributes["kv.promotion_wait_seconds"] = float(record.promotion_wait)
-    attributes["kv.prefill_seconds"] = float(record.prefill)
+    attributes: dict[str, str | int | float] = {}
+    for field, name in REQUEST_ATTRIBUTES.items():
+        value = getattr(record, field)
+        if field == "tokens":
+            for source in (*TOKEN_SOURCES, *sorted(set(value) - set(TOKEN_SOURCES))):
+                attributes[name.format(source=source)] = int(value.get(source, 0))
+        elif not (field in _WHEN_KNOWN and not value):
+            attributes[name] = value
     return attributes
 
 
