@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 
 from kvscope import events as ev
 from kvscope.agent.requests import RequestRecord
+from kvscope.agent.segments import OutageLog, prune
 from kvscope.agent.worker import Worker
 from kvscope.engine.workload import block_token_counts
 
@@ -160,7 +161,10 @@ class CaptureWriter(Worker):
         self._seq = 0
         self.dropped: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._unfit_logged = False
-        self._dropped_before: int | None = None  # rows dropped when writes began failing
+        self._outage = OutageLog(
+            self.directory, lambda: sum(self.dropped.values()), self.log_bug,
+            label="kvscope capture", meanwhile="rows are dropped until it can",
+            lost_as="rows could not be written")
         self._totals: dict[str, tuple] = {}  # the transfer counters last queued (add_totals)
 
     # -- sinks ------------------------------------------------------------------------------
@@ -264,25 +268,9 @@ class CaptureWriter(Worker):
         self._logged(self.close)
 
     def _logged(self, step: Callable[[], int | None]) -> None:
-        """Run ``step``; a failure to write is logged once until rows are written again, and
-        that is logged too, with the rows lost meanwhile (once a second, a full disk filled
-        the log)."""
-        dropped = sum(self.dropped.values())
-        try:
-            written = step()
-        except OSError as exc:  # disk full, directory removed: keep serving, say so
-            if self._dropped_before is None:
-                self._dropped_before = dropped
-                log.warning("kvscope capture: could not write %s: %s; rows are dropped until "
-                            "it can (logged again when it can)", self.directory, exc)
-            return
-        except Exception:  # a bug: say so, and keep the thread (and every later row) alive
-            self.log_bug(step.__name__)
-            return
-        if self._dropped_before is not None and written:
-            log.warning("kvscope capture: writing %s again; %d rows could not be written",
-                        self.directory, sum(self.dropped.values()) - self._dropped_before)
-            self._dropped_before = None
+        """Run ``step`` (flush or close), logging a failure to write once until rows are
+        written again (see :class:`~kvscope.agent.segments.OutageLog`)."""
+        self._outage.run(step, step.__name__)
 
     # -- segments ---------------------------------------------------------------------------
 
@@ -408,21 +396,7 @@ class CaptureWriter(Worker):
         except OSError as exc:
             log.warning("kvscope capture: could not fsync %s after writing %s: %s",
                         self.directory, final.name, exc)
-        self._prune(keep=final)
-
-    def _prune(self, keep: Path) -> None:
-        segments = self.segments()
-        sizes = {p: p.stat().st_size for p in segments}
-        total = sum(sizes.values())
-        for path in segments:
-            if total <= self.max_bytes:
-                break
-            if path != keep:
-                try:
-                    path.unlink(missing_ok=True)
-                except OSError:  # not ours to delete (permissions): prune the others
-                    continue
-                total -= sizes[path]
+        prune(self.segments(), self.max_bytes, keep=final)
 
     def _remove_orphans(self) -> None:
         """Delete ``.tmp`` segments left by writers that are no longer running: those no

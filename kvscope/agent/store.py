@@ -36,6 +36,7 @@ import msgspec
 
 from kvscope.agent.record_data import RecordData
 from kvscope.agent.requests import FUTURE, MAX_TRANSFERS, RequestRecord
+from kvscope.agent.segments import OutageLog, prune
 from kvscope.events import MAX_SECONDS
 from kvscope.agent.worker import Worker
 
@@ -167,7 +168,10 @@ class RequestStore(Worker):
         self._seq = 0  # tells apart segments opened in the same millisecond
         self.unwritable = 0  # records skipped: a value msgpack cannot encode
         self.lost = 0  # records not known written: the disk failed (full, removed) meanwhile
-        self._lost_before: int | None = None  # lost when writes began failing; None: they work
+        self._outage = OutageLog(
+            self.directory, lambda: self.lost, self.log_bug, label="kvscope store",
+            meanwhile="requests finishing until it can are not stored",
+            lost_as="requests could not be stored")
 
     def segments(self) -> list[Path]:
         """Segment files, oldest first (anything else with their suffix is left alone)."""
@@ -253,27 +257,12 @@ class RequestStore(Worker):
         self._owner = None
 
     def _flush_logged(self) -> None:
-        lost = self.lost
-        try:
-            written = self.flush()
-        except OSError as exc:  # e.g. disk full: keep serving, start a new segment next time
-            self._abandon()
-            if self._lost_before is None:
-                self._lost_before = lost
-                log.warning("kvscope store: could not write %s: %s; requests finishing until it "
-                            "can are not stored (logged again when it can)", self.directory, exc)
-            return
-        except Exception:  # a bug: say so, and keep the thread (and every later record) alive
-            self.log_bug("a flush")
-            return
-        if self._lost_before is not None and written:
-            log.warning("kvscope store: writing %s again; %d requests could not be stored",
-                        self.directory, self.lost - self._lost_before)
-            self._lost_before = None
+        self._outage.run(self.flush, "a flush")
 
     def flush(self) -> int:
         """Write and fsync what arrived since the last flush; rotate and prune segments.
-        Returns how many records were written; raises OSError when the disk fails."""
+        Returns how many records were written; raises OSError when the disk fails (e.g. full),
+        giving up the segment being written: the next flush starts a new one."""
         with self._lock:
             records, self._queue, self._overflowed = self._queue, [], False
         skipped = self.unwritable
@@ -286,6 +275,7 @@ class RequestStore(Worker):
             written = self._write(records)
         except OSError:
             self.lost += len(records) - (self.unwritable - skipped)
+            self._abandon()
             raise
         self._prune()
         return written
@@ -386,21 +376,5 @@ class RequestStore(Worker):
     def _prune(self) -> None:
         """Delete the oldest segments beyond ``max_bytes`` in all, and those last written
         more than ``max_age`` ago (every record in them is older); never the one being written."""
-        now = self._clock()
-        segments = []
-        for path in self.segments():
-            try:
-                segments.append((path, path.stat()))
-            except FileNotFoundError:  # deleted meanwhile
-                continue
-        total = sum(stat.st_size for _, stat in segments)
-        for path, stat in segments:
-            if path != self._path and (total > self._max_bytes
-                                       or now - stat.st_mtime > self._max_age):
-                try:
-                    path.unlink(missing_ok=True)
-                except OSError as exc:  # not ours to delete: prune the others (a failure
-                    # here is no failure to write: the flush's records are on disk)
-                    log.warning("kvscope store: cannot delete %s: %s", path, exc)
-                    continue
-                total -= stat.st_size
+        prune(self.segments(), self._max_bytes, keep=self._path,
+              older_than=self._clock() - self._max_age, label="kvscope store")
