@@ -22,19 +22,19 @@ Example TOML (every key optional)::
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from kvscope.argtypes import is_http_url
-from kvscope.events import source_name_problem
-from kvscope.vocabulary import LOCAL_TIERS, TIERS
+from kvscope.agent.sections import NUMBERS_NOT_BOOLEANS, Section, TierSize, http_url, tier_keys
+from kvscope.agent.sources import REGISTRY as SOURCES
+from kvscope.agent.sources import check_overlaps
+from kvscope.vocabulary import TIERS
 
 
 class ConfigError(ValueError):
@@ -58,161 +58,7 @@ def token_problem(token: str) -> str | None:
     return None
 
 
-def _http_url(value: str, example: str) -> str:
-    """``value`` if it is an http(s) URL with a host, else ValueError naming ``example``."""
-    if not is_http_url(value):
-        raise ValueError(f"must be an http:// or https:// URL with a host, e.g. {example}")
-    return value
-
-
-def _tier_keys(value: dict, tiers: tuple[str, ...]) -> dict:
-    unknown = [t for t in value if t not in tiers]
-    if unknown:
-        raise ValueError(f"unknown tier {unknown[0]!r}: the tiers are {', '.join(tiers)}")
-    return value
-
-
-def _numbers_not_booleans(cls, value, info):
-    # pydantic reads true as 1 for a number: `port = true` would listen on port 1
-    if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in (int, float):
-        raise ValueError("is true or false; give a number")
-    return value
-
-
-_NUMBERS_NOT_BOOLEANS = field_validator("*", mode="before")(_numbers_not_booleans)
-# A per-tier size (bytes or blocks) in a table: not negative, and strict, since the check above
-# does not reach into tables (`cpu = true` would be 1).
-TierSize = Annotated[int, Field(ge=0, strict=True)]
-
-
-def _zmq_endpoint(value: str) -> str:
-    """``value`` if it is a ZMQ endpoint the agent can use: ``ipc://PATH``, or
-    ``tcp://HOST:PORT`` with a port of 1-65535 (ZMQ itself would read ``:99999`` as another
-    port, and ``:*`` as any free one, which no tap could find)."""
-    if value.startswith("ipc://"):
-        return value
-    if not value.startswith("tcp://"):
-        raise ValueError("must start with tcp:// or ipc://")
-    port = value.rpartition(":")[2]
-    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):  # not "٥٥٦٠"
-        raise ValueError(f"must end in :PORT, a port of 1-65535 (tcp://127.0.0.1:5560), "
-                         f"not {value!r}")
-    return value
-
-
-class _Section(BaseModel):
-    """A config table: unknown keys are refused, so a misspelt key never silently keeps its
-    default, and a boolean is no number."""
-
-    model_config = ConfigDict(extra="forbid")
-    _numbers = _NUMBERS_NOT_BOOLEANS
-
-
-class IngestConfig(_Section):
-    """ZMQ PULL endpoint for taps' emitters; sizes in bytes."""
-
-    enabled: bool = True
-    endpoint: str = "tcp://127.0.0.1:5560"
-    max_batch_bytes: int = Field(4 << 20, gt=0, le=1 << 30)  # ZMQ's size limit is twice this
-    max_sources: int = Field(16, gt=0)
-
-    @field_validator("endpoint")
-    @classmethod
-    def _endpoint(cls, value: str) -> str:
-        return _zmq_endpoint(value)
-
-
-KV_EVENTS_TIERS = LOCAL_TIERS  # the tiers vLLM's KV events name (media GPU, CPU, STORAGE)
-
-
-class KvEventsConfig(_Section):
-    """vLLM's ``--kv-events-config`` stream (source ``kv_events``): ``endpoint`` as given to vLLM
-    (with ``*``: vLLM binds, the agent connects; else the agent binds), ``replay_endpoint``
-    (vLLM's, to fetch gaps; None: gaps are only counted), ``topic``; ``block_bytes``: KV bytes
-    per block (0: unknown); ``capacity_blocks``: blocks per tier for the capacity gauges;
-    ``tiers``: the kvscope tiers this source reports (residency, transfers into them, evictions
-    from them). With kvscope's vLLM tap, which reports the cpu and disk tiers itself, set it to
-    ``["gpu"]``: otherwise those tiers' transfers and evictions are counted twice. In the
-    environment either JSON or a comma-separated list: ``KVSCOPE_KV_EVENTS__TIERS=gpu``.
-    """
-
-    enabled: bool = False
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    topic: str = ""
-    block_bytes: int = Field(0, ge=0)
-    capacity_blocks: dict[str, TierSize] = {}
-    # ``| str`` only so that pydantic-settings passes a plain (non-JSON) environment value on to
-    # the validator below instead of refusing it; the value is always a list.
-    tiers: list[str] | str = list(KV_EVENTS_TIERS)
-
-    @field_validator("endpoint", "replay_endpoint")
-    @classmethod
-    def _zmq(cls, value: str | None) -> str | None:
-        return value if value is None else _zmq_endpoint(value)
-
-    @field_validator("capacity_blocks")
-    @classmethod
-    def _capacity(cls, value: dict[str, int]) -> dict[str, int]:
-        return _tier_keys(value, KV_EVENTS_TIERS)
-
-    @field_validator("tiers", mode="before")
-    @classmethod
-    def _tiers(cls, value: object) -> list[str]:
-        if isinstance(value, str):
-            try:
-                value = (json.loads(value) if value.lstrip().startswith("[")
-                         else [t.strip() for t in value.split(",") if t.strip()])
-            except json.JSONDecodeError:
-                raise ValueError("must be a list of tiers, e.g. [\"gpu\"] or gpu,cpu") from None
-        if not isinstance(value, list | tuple) or not all(isinstance(t, str) for t in value):
-            raise ValueError("must be a list of tiers, e.g. [\"gpu\"]")
-        unknown = [t for t in value if t not in KV_EVENTS_TIERS]
-        if unknown:
-            raise ValueError(f"unknown tier {unknown[0]!r}: the tiers are gpu, cpu and disk")
-        if not value:
-            raise ValueError("must name at least one tier (to turn the source off: "
-                             "enabled = false)")
-        return list(dict.fromkeys(value))
-
-
-class VllmMetricsConfig(_Section):
-    """Scrape vLLM's ``/metrics`` (source ``vllm_metrics``) every ``interval`` seconds;
-    ``block_bytes``: KV bytes per block (0: unknown)."""
-
-    enabled: bool = False
-    url: str = "http://127.0.0.1:8000/metrics"
-    interval: float = Field(5.0, ge=0.1, le=3600, allow_inf_nan=False)
-    block_bytes: int = Field(0, ge=0)
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        return _http_url(value, "http://127.0.0.1:8000/metrics")
-
-
-class OtlpReceiverConfig(_Section):
-    """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source`` (a
-    tap's source name, :func:`kvscope.events.source_name_problem`), whose finished requests wait
-    ``wait_seconds`` for their span, from the first span on, before they are counted and
-    exported (vLLM sends spans every 5 s by default)."""
-
-    enabled: bool = True
-    source: str = "vllm"
-    wait_seconds: float = Field(6.0, ge=0, le=3600, allow_inf_nan=False)
-
-    @field_validator("source")
-    @classmethod
-    def _source(cls, value: str) -> str:
-        # it becomes a metric label and must match the engine tap's own source name, which the
-        # ingest refuses unless it is such a word
-        problem = source_name_problem(value)
-        if problem:
-            raise ValueError(f"{value!r} {problem}; use the engine tap's source name, e.g. vllm")
-        return value
-
-
-class HostCollectorConfig(_Section):
+class HostCollectorConfig(Section):
     """``reserve_bytes``: memory kept free for the OS and other services; ``budgets``: bytes
     reserved per offload tier (e.g. vLLM's ``cpu_bytes_to_use`` for ``cpu``). Neither may be
     negative: refused here, by key, before the host collector would refuse it at start."""
@@ -224,19 +70,19 @@ class HostCollectorConfig(_Section):
     @field_validator("budgets")
     @classmethod
     def _budgets(cls, value: dict[str, int]) -> dict[str, int]:
-        return _tier_keys(value, BUDGET_TIERS)
+        return tier_keys(value, BUDGET_TIERS)
 
 
-class GpuCollectorConfig(_Section):
+class GpuCollectorConfig(Section):
     enabled: bool = True
 
 
-class CollectorsConfig(_Section):
+class CollectorsConfig(Section):
     host: HostCollectorConfig = HostCollectorConfig()
     gpu: GpuCollectorConfig = GpuCollectorConfig()
 
 
-class AgentSettings(BaseSettings):
+class _Settings(BaseSettings):
     """Everything ``kvscope agent`` can be told. Sizes in bytes, times in seconds.
 
     ``host``: the listen address, never empty (``0.0.0.0`` or ``::`` for every interface).
@@ -248,11 +94,13 @@ class AgentSettings(BaseSettings):
     ``capture_dir``: where block accesses and finished requests are captured as Parquet
     segments for ``kvscope analyze`` / ``kvscope compare`` (None: off; never empty); the
     oldest segments are deleted beyond ``capture_max_bytes`` (:mod:`kvscope.agent.capture`).
+    Each registered source has its table (``ingest``, ``kv_events``, ...), declared beside it in
+    ``agent/sources/``; two enabled sources that would report one tier are refused.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVSCOPE_", env_nested_delimiter="__",
                                       extra="forbid")
-    _numbers = _NUMBERS_NOT_BOOLEANS
+    _numbers = NUMBERS_NOT_BOOLEANS
 
     host: str = "127.0.0.1"
     port: int = Field(9400, gt=0, lt=65536)
@@ -268,10 +116,6 @@ class AgentSettings(BaseSettings):
     otlp_endpoint: str | None = None
     capture_dir: Path | None = None
     capture_max_bytes: int = Field(1 << 30, gt=0)
-    ingest: IngestConfig = IngestConfig()
-    kv_events: KvEventsConfig = KvEventsConfig()
-    vllm_metrics: VllmMetricsConfig = VllmMetricsConfig()
-    otlp_receiver: OtlpReceiverConfig = OtlpReceiverConfig()
     collectors: CollectorsConfig = CollectorsConfig()
 
     @field_validator("host")
@@ -297,7 +141,7 @@ class AgentSettings(BaseSettings):
     @field_validator("otlp_endpoint")
     @classmethod
     def _otlp_url(cls, value: str | None) -> str | None:
-        return value if value is None else _http_url(value, "http://127.0.0.1:4318")
+        return value if value is None else http_url(value, "http://127.0.0.1:4318")
 
     @field_validator("token")
     @classmethod
@@ -306,6 +150,18 @@ class AgentSettings(BaseSettings):
         if problem:
             raise ValueError(problem)
         return value
+
+    @model_validator(mode="after")
+    def _sources_agree(self) -> _Settings:
+        check_overlaps({name: getattr(self, name) for name in SOURCES})
+        return self
+
+
+# One table per registered source (agent/sources/*.py): a new source needs no line here.
+AgentSettings = create_model("AgentSettings", __base__=_Settings, __module__=__name__,
+                             __doc__=_Settings.__doc__,
+                             **{name: (spec.config, spec.config())
+                                for name, spec in SOURCES.items()})
 
 
 def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:

@@ -17,10 +17,8 @@ from kvscope.agent.config import AgentSettings, ConfigError
 from kvscope.agent.metrics import snapshot_samples
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.requests import RequestTable
-from kvscope.agent.sources.ingest import IngestSource
-from kvscope.agent.sources.kv_events import KvEventsSource, KvResidency
-from kvscope.agent.sources.otlp_receiver import OtlpReceiver
-from kvscope.agent.sources.vllm_metrics import MetricsMapper, VllmMetricsSource
+from kvscope.agent.sources import REGISTRY as SOURCES
+from kvscope.agent.sources import build_sources
 from kvscope.agent.store import RequestStore
 from kvscope.agent.worker import Worker
 from kvscope.catalog import Samples
@@ -51,28 +49,12 @@ class Agent(Worker):
         self.store = (RequestStore(settings.store_dir, max_bytes=settings.store_max_bytes,
                                    max_age=settings.store_max_age, clock=clock)
                       if settings.store_dir else None)
-        self.ingest = (IngestSource(self.pipeline, settings.ingest.endpoint,
-                                    max_batch_bytes=settings.ingest.max_batch_bytes,
-                                    max_sources=settings.ingest.max_sources)
-                       if with_ingest and settings.ingest.enabled else None)
-        kv, vm = settings.kv_events, settings.vllm_metrics
-        self.kv_events = (KvEventsSource(self.pipeline, kv.endpoint,
-                                         replay_endpoint=kv.replay_endpoint, topic=kv.topic,
-                                         residency=KvResidency(kv.block_bytes, kv.capacity_blocks,
-                                                               tiers=kv.tiers))
-                          if kv.enabled else None)
-        # what the KV events source reports, the metrics source leaves out (else counted twice)
-        kv_tiers = kv.tiers if kv.enabled else []
-        rx = settings.otlp_receiver
-        self.otlp_receiver = (OtlpReceiver(self.pipeline, rx.source, rx.wait_seconds)
-                              if rx.enabled else None)
-        # vLLM's spans and its TTFT histogram report the same requests: one of them counts
-        span_ttft = (lambda: self.otlp_receiver.last_ttft) if rx.enabled else None
-        self.vllm_metrics = (VllmMetricsSource(self.pipeline, vm.url, interval=vm.interval,
-                                               mapper=MetricsMapper(
-                                                   vm.block_bytes, kv_events_tiers=kv_tiers),
-                                               span_ttft=span_ttft, span_wait=rx.wait_seconds)
-                             if vm.enabled else None)
+        # every registered source whose table is enabled (agent/sources/), by name
+        self.sources = build_sources({name: getattr(settings, name) for name in SOURCES},
+                                     self.pipeline, skip=() if with_ingest else ("ingest",))
+        self.ingest, self.kv_events, self.otlp_receiver, self.vllm_metrics = (
+            self.sources.get(name) for name in ("ingest", "kv_events", "otlp_receiver",
+                                                 "vllm_metrics"))
         self.otlp = (RequestSpanExporter(settings.otlp_endpoint)
                      if settings.otlp_endpoint else None)
         self.capture = (CaptureWriter(settings.capture_dir, max_bytes=settings.capture_max_bytes,
@@ -114,9 +96,8 @@ class Agent(Worker):
         s = self.settings
         parts = [(f"store_dir {s.store_dir}", self.store),
                  (f"capture_dir {s.capture_dir}", self.capture),
-                 (f"ingest endpoint {s.ingest.endpoint}", self.ingest),
-                 (f"kv_events endpoint {s.kv_events.endpoint}", self.kv_events),
-                 ("vllm_metrics", self.vllm_metrics), ("otlp_receiver", self.otlp_receiver)]
+                 *((SOURCES[name].describe(getattr(s, name)), part)
+                   for name, part in self.sources.items())]
         return [(name, part) for name, part in parts if part is not None]
 
     def prepare(self) -> None:

@@ -62,9 +62,11 @@ import time
 from collections import OrderedDict
 
 import zmq
+from pydantic import Field, field_validator
 
 from kvscope import events as ev
-from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.sections import Section, zmq_endpoint
+from kvscope.agent.sources.base import Consumer, SourceSpec, register
 from kvscope.agent.sources.stalls import Progress
 from kvscope.agent.worker import Worker
 from kvscope.vocabulary import TAP_ERROR_REASONS
@@ -123,7 +125,7 @@ class IngestSource(Worker):
     path another agent listens on.
     """
 
-    def __init__(self, pipeline: Pipeline, endpoint: str = "tcp://127.0.0.1:5560", *,
+    def __init__(self, pipeline: Consumer, endpoint: str = "tcp://127.0.0.1:5560", *,
                  max_batch_bytes: int = 4 << 20, queue_bytes: int = 32 << 20,
                  max_sources: int = 16) -> None:
         super().__init__()
@@ -365,3 +367,25 @@ class IngestSource(Worker):
             self.pipeline.count_tap_errors(source, reason, max(0, total - before.get(reason, 0)))
             totals[reason] = max(total, before.get(reason, 0))
         return totals
+
+
+class IngestConfig(Section):
+    """ZMQ PULL endpoint for taps' emitters; sizes in bytes."""
+
+    enabled: bool = True
+    endpoint: str = "tcp://127.0.0.1:5560"
+    max_batch_bytes: int = Field(4 << 20, gt=0, le=1 << 30)  # ZMQ's size limit is twice this
+    max_sources: int = Field(16, gt=0)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        return zmq_endpoint(value)
+
+
+register(SourceSpec(
+    NAME, IngestConfig,
+    lambda config, consumer, built: IngestSource(consumer, config.endpoint,
+                                                 max_batch_bytes=config.max_batch_bytes,
+                                                 max_sources=config.max_sources),
+    describe=lambda config: f"ingest endpoint {config.endpoint}"))

@@ -73,6 +73,7 @@ reads as duplicates and restarts.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
@@ -80,10 +81,12 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 import zmq
+from pydantic import Field, field_validator
 from zmq.utils.monitor import recv_monitor_message
 
 from kvscope import events as ev
-from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.sections import Section, TierSize, tier_keys, zmq_endpoint
+from kvscope.agent.sources.base import Consumer, SourceSpec, register
 from kvscope.agent.worker import Worker
 from kvscope.vocabulary import LOCAL_TIERS, VLLM_MEDIUM_TIER
 
@@ -290,7 +293,7 @@ class KvEventsSource(Worker):
     ``zmq.ZMQError`` when the endpoint cannot be bound or connected; ``shutdown()`` is safe
     twice and without start."""
 
-    def __init__(self, pipeline: Pipeline, endpoint: str = "tcp://127.0.0.1:5557", *,
+    def __init__(self, pipeline: Consumer, endpoint: str = "tcp://127.0.0.1:5557", *,
                  replay_endpoint: str | None = None, topic: str = "",
                  residency: KvResidency | None = None, replay_timeout: float = 2.0,
                  overlap_check: float = 5.0,
@@ -529,3 +532,66 @@ class KvEventsSource(Worker):
             self._apply(got[seq])
         self.replayed += len(got)
         return len(got)
+
+
+KV_EVENTS_TIERS = LOCAL_TIERS  # the tiers vLLM's KV events name (media GPU, CPU, STORAGE)
+
+
+class KvEventsConfig(Section):
+    """vLLM's ``--kv-events-config`` stream (source ``kv_events``): ``endpoint`` as given to vLLM
+    (with ``*``: vLLM binds, the agent connects; else the agent binds), ``replay_endpoint``
+    (vLLM's, to fetch gaps; None: gaps are only counted), ``topic``; ``block_bytes``: KV bytes
+    per block (0: unknown); ``capacity_blocks``: blocks per tier for the capacity gauges;
+    ``tiers``: the kvscope tiers this source reports (residency, transfers into them, evictions
+    from them). With kvscope's vLLM tap, which reports the cpu and disk tiers itself, set it to
+    ``["gpu"]``: otherwise those tiers' transfers and evictions are counted twice. In the
+    environment either JSON or a comma-separated list: ``KVSCOPE_KV_EVENTS__TIERS=gpu``.
+    """
+
+    enabled: bool = False
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    block_bytes: int = Field(0, ge=0)
+    capacity_blocks: dict[str, TierSize] = {}
+    # ``| str`` only so that pydantic-settings passes a plain (non-JSON) environment value on to
+    # the validator below instead of refusing it; the value is always a list.
+    tiers: list[str] | str = list(KV_EVENTS_TIERS)
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq(cls, value: str | None) -> str | None:
+        return value if value is None else zmq_endpoint(value)
+
+    @field_validator("capacity_blocks")
+    @classmethod
+    def _capacity(cls, value: dict[str, int]) -> dict[str, int]:
+        return tier_keys(value, KV_EVENTS_TIERS)
+
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tiers(cls, value: object) -> list[str]:
+        if isinstance(value, str):
+            try:
+                value = (json.loads(value) if value.lstrip().startswith("[")
+                         else [t.strip() for t in value.split(",") if t.strip()])
+            except json.JSONDecodeError:
+                raise ValueError("must be a list of tiers, e.g. [\"gpu\"] or gpu,cpu") from None
+        if not isinstance(value, list | tuple) or not all(isinstance(t, str) for t in value):
+            raise ValueError("must be a list of tiers, e.g. [\"gpu\"]")
+        unknown = [t for t in value if t not in KV_EVENTS_TIERS]
+        if unknown:
+            raise ValueError(f"unknown tier {unknown[0]!r}: the tiers are gpu, cpu and disk")
+        if not value:
+            raise ValueError("must name at least one tier (to turn the source off: "
+                             "enabled = false)")
+        return list(dict.fromkeys(value))
+
+
+register(SourceSpec(
+    NAME, KvEventsConfig,
+    lambda config, consumer, built: KvEventsSource(
+        consumer, config.endpoint, replay_endpoint=config.replay_endpoint, topic=config.topic,
+        residency=KvResidency(config.block_bytes, config.capacity_blocks, tiers=config.tiers)),
+    describe=lambda config: f"kv_events endpoint {config.endpoint}",
+    tiers=lambda config: config.tiers))

@@ -40,9 +40,13 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+from pydantic import Field, field_validator
+
 from kvscope import events as ev
-from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.requests import FUTURE
+from kvscope.agent.sections import Section
+from kvscope.agent.sources.base import Consumer, SourceSpec, register
+from kvscope.events import source_name_problem
 
 log = logging.getLogger(__name__)
 NAME = "otlp"
@@ -285,7 +289,7 @@ class OtlpReceiver:
     span counters; ``last_ttft``: when a span last brought a request's TTFT (monotonic
     seconds, -inf before any)."""
 
-    def __init__(self, pipeline: Pipeline, source: str = "vllm", wait: float = 6.0) -> None:
+    def __init__(self, pipeline: Consumer, source: str = "vllm", wait: float = 6.0) -> None:
         self.pipeline = pipeline
         self.source = source
         self.wait = wait
@@ -360,3 +364,30 @@ class OtlpReceiver:
                 self.ignored += 1
                 if a.get(TTFT) is not None:  # one was sent, but no usable number of seconds
                     self._invalid(request_id, f"{TTFT} {a.get(TTFT)!r} is no number of seconds")
+
+
+class OtlpReceiverConfig(Section):
+    """Accept OTLP/HTTP traces at ``/v1/traces``; spans join requests of engine ``source`` (a
+    tap's source name, :func:`kvscope.events.source_name_problem`), whose finished requests wait
+    ``wait_seconds`` for their span, from the first span on, before they are counted and
+    exported (vLLM sends spans every 5 s by default)."""
+
+    enabled: bool = True
+    source: str = "vllm"
+    wait_seconds: float = Field(6.0, ge=0, le=3600, allow_inf_nan=False)
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        # it becomes a metric label and must match the engine tap's own source name, which the
+        # ingest refuses unless it is such a word
+        problem = source_name_problem(value)
+        if problem:
+            raise ValueError(f"{value!r} {problem}; use the engine tap's source name, e.g. vllm")
+        return value
+
+
+register(SourceSpec(
+    "otlp_receiver", OtlpReceiverConfig,
+    lambda config, consumer, built: OtlpReceiver(consumer, config.source, config.wait_seconds),
+    describe=lambda config: "otlp_receiver"))

@@ -80,9 +80,11 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 import httpx
+from pydantic import Field, field_validator
 
 from kvscope import events as ev
-from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.sections import Section, http_url
+from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register, yielded_tiers
 from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -521,7 +523,7 @@ class VllmMetricsSource(Worker):
     ``span_ttft``, ``span_wait``: see the module (TTFT from spans or from the histogram).
     ``start()`` returns at once; ``shutdown()`` is safe twice and without start."""
 
-    def __init__(self, pipeline: Pipeline, url: str = "http://127.0.0.1:8000/metrics", *,
+    def __init__(self, pipeline: Consumer, url: str = "http://127.0.0.1:8000/metrics", *,
                  interval: float = 5.0, timeout: float = 3.0, mapper: MetricsMapper | None = None,
                  clock: Callable[[], float] = time.time,
                  span_ttft: Callable[[], float] | None = None, span_wait: float = 6.0) -> None:
@@ -631,3 +633,34 @@ class VllmMetricsSource(Worker):
         self.scrape_once()
         while not self.stopping.wait(self.interval):
             self.scrape_once()
+
+
+class VllmMetricsConfig(Section):
+    """Scrape vLLM's ``/metrics`` (source ``vllm_metrics``) every ``interval`` seconds;
+    ``block_bytes``: KV bytes per block (0: unknown)."""
+
+    enabled: bool = False
+    url: str = "http://127.0.0.1:8000/metrics"
+    interval: float = Field(5.0, ge=0.1, le=3600, allow_inf_nan=False)
+    block_bytes: int = Field(0, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return http_url(value, "http://127.0.0.1:8000/metrics")
+
+
+def _build(config: VllmMetricsConfig, consumer: Consumer, built: Built) -> VllmMetricsSource:
+    # vLLM's spans and its TTFT histogram report the same requests: one of them counts
+    receiver = built.parts.get("otlp_receiver")
+    return VllmMetricsSource(
+        consumer, config.url, interval=config.interval,
+        mapper=MetricsMapper(config.block_bytes,
+                             kv_events_tiers=yielded_tiers(SPEC, built.configs)),
+        span_ttft=(lambda: receiver.last_ttft) if receiver is not None else None,
+        span_wait=built.configs["otlp_receiver"].wait_seconds)
+
+
+# what the KV events source reports, this one leaves out (else counted twice)
+SPEC = register(SourceSpec(NAME, VllmMetricsConfig, _build, describe=lambda config: NAME,
+                           tiers=lambda config: ("cpu",), yields_to=("kv_events",)))

@@ -1,0 +1,153 @@
+"""The contract every source keeps: what it may ask of the pipeline, and how it is registered.
+
+A source is one module under ``agent/sources/``: the part that turns what an engine offers into
+kvscope events (a socket it binds, an endpoint it scrapes, a route it serves), its config table
+(a :class:`~kvscope.agent.sections.Section`) beside it, and one ``register(SourceSpec(...))``
+at import time. The agent builds every registered source whose table is enabled, in
+registration order (a source reading another at build time registers after it), hands each the
+:class:`Consumer` (the pipeline, seen through the methods a source may call), and starts and
+stops it with the other parts. Rules between sources are declared on their specs and checked
+when the settings are validated (:func:`check_overlaps`), not discovered at run time. Writing a
+source: docs/agent.md, "Writing a source".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvscope import events as ev
+from kvscope.agent.sections import Section
+
+if TYPE_CHECKING:  # the pipeline's types, for annotations only: sources hold a Consumer
+    from kvscope.agent.pipeline import Snapshot
+
+
+class Consumer(Protocol):
+    """The pipeline as a source sees it (``agent/pipeline.py`` implements it). Every method is
+    safe from any thread. ``source``: the name the events count under (a metric label: a
+    short lowercase word, see :func:`kvscope.events.source_name_problem`)."""
+
+    def ingest(self, source: str, events: Sequence[object], scope: str | None = None) -> None:
+        """Fold ``events`` (kvscope events) of ``source``; ``scope``: the source whose requests
+        their request ids name, when that is another one."""
+
+    def drop(self, source: str, reason: str, events: int = 1) -> None:
+        """Count ``events`` of ``source`` lost for ``reason`` (a short fixed word)."""
+
+    def expect_drops(self, source: str, reasons: Iterable[str]) -> None:
+        """Export ``source``'s drops for each of ``reasons`` at 0 until one happens."""
+
+    def set_source_up(self, source: str, up: bool) -> None:
+        """``kvscope_source_up{source}``: whether the source works now."""
+
+    def set_source_info(self, source: str, engine: str, model: str) -> None:
+        """``kvscope_engine_info``: the engine and model ``source`` observes."""
+
+    def add_received(self, source: str, events: int) -> None:
+        """Count ``events`` taken in that reach the pipeline otherwise, or not at all."""
+
+    def forget_tiers(self, source: str) -> None:
+        """``source``'s engine stopped: its tiers leave the tier gauges."""
+
+    def count_tap_errors(self, source: str, reason: str, errors: int) -> None:
+        """Count ``errors`` a tap of ``source`` reported for ``reason``."""
+
+    def join(self, source: str, window: float) -> None:
+        """Hold ``source``'s finished requests ``window`` seconds for parts sent later."""
+
+    def report(self, source: str, trace_id: str, started: ev.RequestStarted,
+               finished: ev.RequestFinished, new_request: bool = True) -> bool:
+        """Join a request another source saw whole (a span) to ``source``'s record of it."""
+
+    def snapshot(self) -> Snapshot:
+        """A consistent copy of the aggregated state (to tell another source's share)."""
+
+
+class Part(Protocol):
+    """What the agent starts and stops: ``start()`` raises when the source cannot start (a port
+    or endpoint taken); ``shutdown()`` is safe twice and without ``start()``."""
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class Built:
+    """What a source's ``build`` may read of the others: ``configs``: every source's table by
+    name; ``parts``: the sources built before it (an enabled one only)."""
+
+    configs: Mapping[str, Section]
+    parts: dict[str, Part]
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source, as the agent builds it.
+
+    ``name``: its config table (``[kv_events]``), the key of ``AgentSettings`` and, for a
+    source that reports under one name, that name. ``config``: the table's model (with an
+    ``enabled`` field). ``build(config, consumer, built)``: the source; ``built``: every
+    source's config and the sources built before it (:class:`Built`). ``describe(config)``:
+    what an error that it cannot start names (e.g. its endpoint). ``tiers(config)``: the tiers it
+    reports itself (residency, transfers into them, evictions from them), when config says;
+    ``yields_to``: sources whose tiers it leaves to them (so two never count one tier twice).
+    """
+
+    name: str
+    config: type[Section]
+    build: Callable[[Section, Consumer, Built], Part]
+    describe: Callable[[Section], str] = lambda config: ""
+    tiers: Callable[[Section], Iterable[str]] = lambda config: ()
+    yields_to: tuple[str, ...] = ()
+
+
+REGISTRY: dict[str, SourceSpec] = {}
+
+
+def register(spec: SourceSpec) -> SourceSpec:
+    """Add ``spec`` to the sources the agent builds. Raises ValueError when its name is taken
+    (two modules claiming one table) or when it yields to a source registered after it."""
+    if spec.name in REGISTRY and REGISTRY[spec.name] is not spec:
+        raise ValueError(f"source {spec.name!r} registered twice")
+    later = [name for name in spec.yields_to if name not in REGISTRY]
+    if later:
+        raise ValueError(f"source {spec.name!r} yields to {later[0]!r}, which must register "
+                         "first")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def yielded_tiers(spec: SourceSpec, configs: Mapping[str, Section]) -> set[str]:
+    """The tiers ``spec``'s source leaves to the enabled sources it yields to."""
+    return {tier for name in spec.yields_to if configs[name].enabled
+            for tier in REGISTRY[name].tiers(configs[name])}
+
+
+def check_overlaps(configs: Mapping[str, Section]) -> None:
+    """Raise ValueError naming two enabled sources that would report one tier and neither
+    yields to the other (its transfers and evictions would count twice)."""
+    claims: dict[str, str] = {}
+    for name, spec in REGISTRY.items():
+        config = configs[name]
+        if not config.enabled:
+            continue
+        for tier in set(spec.tiers(config)) - yielded_tiers(spec, configs):
+            if tier in claims:
+                raise ValueError(f"[{claims[tier]}] and [{name}] both report the {tier} tier, "
+                                 "so its transfers and evictions would count twice: leave it "
+                                 "to one of them")
+            claims[tier] = name
+
+
+def build_sources(configs: Mapping[str, Section], consumer: Consumer,
+                  skip: Iterable[str] = ()) -> dict[str, Part]:
+    """Every enabled registered source not in ``skip``, by name, in registration order.
+    ``configs``: each registered source's table by name."""
+    built = Built(configs, {})
+    for name, spec in REGISTRY.items():
+        if configs[name].enabled and name not in skip:
+            built.parts[name] = spec.build(configs[name], consumer, built)
+    return built.parts

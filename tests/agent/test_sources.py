@@ -1,0 +1,123 @@
+"""The sources' contract (agent/sources/base.py): each source asks of the pipeline only what the
+Consumer interface offers, the pipeline offers all of it, every source is registered with its
+config table, and rules between sources are checked on the settings."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from kvscope.agent import sources
+from kvscope.agent.config import AgentSettings, load_settings
+from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.sections import Section
+from kvscope.agent.sources import base
+from kvscope.service.agent import Agent
+
+SOURCE_MODULES = sorted(p for p in Path(sources.__file__).parent.glob("*.py")
+                        if p.stem not in ("__init__", "base"))
+CONSUMER = {name for name, member in vars(base.Consumer).items()
+            if inspect.isfunction(member) and not name.startswith("_")}
+
+
+def _pipeline_calls(path: Path) -> set[str]:
+    """Attributes a module reads of ``self.pipeline``."""
+    return {node.attr for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "pipeline"}
+
+
+@pytest.mark.parametrize("path", SOURCE_MODULES, ids=lambda p: p.stem)
+def test_a_source_asks_only_what_the_consumer_interface_offers(path):
+    assert _pipeline_calls(path) <= CONSUMER
+
+
+def test_the_reader_sees_calls_outside_the_interface(tmp_path):
+    """The check above can fail: a source reaching into the pipeline's fold is caught."""
+    module = tmp_path / "rogue.py"
+    module.write_text("class S:\n    def run(self):\n        self.pipeline._fold.state()\n"
+                      "        self.pipeline.drop('s', 'gap')\n")
+    assert _pipeline_calls(module) - CONSUMER == {"_fold"}
+
+
+@pytest.mark.parametrize("name", sorted(CONSUMER))
+def test_the_pipeline_offers_the_whole_interface(name):
+    ours = inspect.signature(getattr(Pipeline, name))
+    theirs = inspect.signature(getattr(base.Consumer, name))
+    assert list(ours.parameters) == list(theirs.parameters)
+
+
+def test_every_source_is_registered_with_its_table_in_the_settings():
+    assert set(base.REGISTRY) == {"ingest", "kv_events", "otlp_receiver", "vllm_metrics"}
+    for name, spec in base.REGISTRY.items():
+        assert AgentSettings.model_fields[name].annotation is spec.config
+        assert "enabled" in spec.config.model_fields
+    # the environment reaches a source's table by its registered name
+    assert load_settings(None, **{"kv_events.tiers": "gpu"}).kv_events.tiers == ["gpu"]
+
+
+class _Config(Section):
+    enabled: bool = True
+    tiers: list[str] = ["cpu"]
+
+
+def _spec(name, yields_to=()):
+    return base.SourceSpec(name, _Config, lambda config, consumer, built: (name, built),
+                           tiers=lambda config: config.tiers, yields_to=yields_to)
+
+
+def test_two_sources_reporting_one_tier_are_refused_unless_one_yields(monkeypatch):
+    """a and b both report cpu: refused, naming both tables. b yielding to a: accepted. b off:
+    accepted. A tier each: accepted."""
+    monkeypatch.setattr(base, "REGISTRY", {})
+    base.register(_spec("a"))
+    base.register(_spec("b"))
+    with pytest.raises(ValueError, match=r"\[a\] and \[b\] both report the cpu tier"):
+        base.check_overlaps({"a": _Config(), "b": _Config()})
+    base.check_overlaps({"a": _Config(), "b": _Config(enabled=False)})
+    base.check_overlaps({"a": _Config(), "b": _Config(tiers=["disk"])})
+    monkeypatch.setattr(base, "REGISTRY", {})
+    base.register(_spec("a"))
+    base.register(_spec("b", yields_to=("a",)))
+    base.check_overlaps({"a": _Config(), "b": _Config()})
+    assert base.yielded_tiers(base.REGISTRY["b"], {"a": _Config(), "b": _Config()}) == {"cpu"}
+
+
+def test_registering_twice_or_yielding_to_a_later_source_is_an_error(monkeypatch):
+    monkeypatch.setattr(base, "REGISTRY", {})
+    base.register(_spec("a"))
+    with pytest.raises(ValueError, match="registered twice"):
+        base.register(_spec("a"))
+    with pytest.raises(ValueError, match="'later', which must register first"):
+        base.register(_spec("b", yields_to=("later",)))
+
+
+def test_a_new_source_is_built_from_its_spec_alone(monkeypatch):
+    """A source registered by a new module is built with its own table, after the sources
+    registered before it (which it may read), unless disabled or skipped."""
+    monkeypatch.setattr(base, "REGISTRY", {})
+    base.register(_spec("first"))
+    base.register(_spec("new"))
+    configs = {"first": _Config(), "new": _Config(tiers=["disk"])}
+    built = base.build_sources(configs, consumer=None)
+    assert list(built) == ["first", "new"]
+    name, seen = built["new"]
+    assert name == "new" and list(seen.parts) == ["first", "new"] and seen.configs is configs
+    assert list(base.build_sources(configs, None, skip=("first",))) == ["new"]
+    assert list(base.build_sources({**configs, "new": _Config(enabled=False)}, None)) == ["first"]
+
+
+@pytest.mark.parametrize("tiers", [["gpu"], ["gpu", "cpu"]])
+def test_the_real_rule_holds_in_the_settings_and_the_built_agent(tiers):
+    """vllm_metrics leaves the tiers the KV events report to them: both on is valid, and the
+    built metrics source's mapper takes no GPU snapshot, and no cpu stores when kv_events
+    reports cpu."""
+    settings = AgentSettings(kv_events={"enabled": True, "tiers": tiers},
+                             vllm_metrics={"enabled": True})
+    configs = {name: getattr(settings, name) for name in base.REGISTRY}
+    assert base.yielded_tiers(base.REGISTRY["vllm_metrics"], configs) == set(tiers)
+    mapper = Agent(settings, with_ingest=False).vllm_metrics.mapper
+    assert (mapper.gpu_snapshot, mapper.stores) == (False, "cpu" not in tiers)
