@@ -21,7 +21,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvscope"
 # part -> parts it must never import (prefixes of module names)
 FORBIDDEN = {
     "kvscope.vocabulary": ("kvscope.",),
-    "kvscope.catalog": ("kvscope.events", "kvscope.agent", "kvscope.engine", "kvscope.exporter",
+    "kvscope.catalog": ("kvscope.events", "kvscope.samples", "kvscope.agent", "kvscope.engine",
+                        "kvscope.exporter", "kvscope.service", "kvscope.dashboard",
+                        "kvscope.analysis"),
+    "kvscope.samples": ("kvscope.events", "kvscope.agent", "kvscope.engine", "kvscope.exporter",
                         "kvscope.service", "kvscope.dashboard", "kvscope.analysis"),
     "kvscope.events": ("kvscope.catalog", "kvscope.agent", "kvscope.engine", "kvscope.exporter",
                        "kvscope.service", "kvscope.dashboard", "kvscope.analysis"),

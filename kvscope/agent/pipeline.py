@@ -21,10 +21,9 @@ from kvscope import events as ev
 from kvscope.agent.assembler import RequestAssembler
 from kvscope.agent.fold import Fold
 from kvscope.agent.requests import RequestRecord, RequestTable, amend, under_way, within
-from kvscope.catalog import LATENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS
+from kvscope import samples as sf
 from kvscope.vocabulary import TIERS
 
-QUANTILES = (0.5, 0.95, 0.99)  # the percentiles each sample carries, as "p50", "p95", "p99"
 MAX_JOINED = 64  # sources whose finished requests wait for other sources' events (a bound)
 MAX_SETTLING = 10_000  # finished requests waiting at most (the oldest go early beyond it)
 
@@ -59,7 +58,7 @@ def bucket_percentiles(bounds: Sequence[float],
                        counts: Sequence[float]) -> dict[str, float | None]:
     """``{"p50": ..., "p95": ..., "p99": ...}`` of observations counted per bucket (see
     :func:`histogram_quantile`); None each when there are none."""
-    return {f"p{round(q * 100)}": histogram_quantile(q, bounds, counts) for q in QUANTILES}
+    return {p: histogram_quantile(q, bounds, counts) for p, q in sf.PERCENTILES.items()}
 
 
 def _minus(now: Sequence[int], before: Sequence[int] | None) -> list[int]:
@@ -121,8 +120,8 @@ def _histograms(states: Mapping) -> dict:
     return {key: Histogram(*state) for key, state in states.items()}
 
 
-def _by_key(counts: Mapping[tuple[str, ...], int], sep: str = "->") -> dict[str, int]:
-    return {sep.join(k): v for k, v in counts.items()}
+def _by_key(counts: Mapping[tuple[str, ...], int]) -> dict[str, int]:
+    return {sf.join_key(k): v for k, v in counts.items()}
 
 
 class Pipeline:
@@ -438,25 +437,14 @@ class Pipeline:
                       host_memory_headroom: float | None = None,
                       offload_budgets: Mapping[str, int] | None = None,
                       pcie_link_max: Mapping[str, float] | None = None) -> dict:
-        """Append a one-second sample, and return it: cumulative counters and current gauges at
-        ``ts``.
+        """Append a one-second sample, and return it: ``ts`` and every field of
+        :data:`kvscope.samples.FIELDS` (their shapes, keys and units are declared there):
+        cumulative counters and current gauges at ``ts``, and percentiles of the observations
+        in the last ``quantile_window`` samples.
 
         ``host_memory_available``, ``host_memory_reserve``, ``host_memory_headroom``: bytes,
         None when unknown. ``offload_budgets``: dict[tier, bytes]. ``pcie_link_max``:
-        dict[gpu, bytes/s] of each GPU's current link, one direction. Fields (units in names;
-        dict keys are sources, tiers or "src->dst" directions):
-
-        - counters (cumulative): ``prompt_tokens``, ``prefill_seconds_saved``,
-          ``transfer_bytes``, ``transfer_blocks``, ``transfer_seconds_sum`` (seconds spent),
-          ``evicted_blocks``, ``dropped_blocks`` (evicted with no copy kept below), ``requests``;
-          ``evicted_block_hits`` and ``block_residency_seconds``: dict[tier, per-bucket counts]
-          over the catalog's buckets plus +Inf (not cumulative across buckets);
-        - percentiles ``{"p50", "p95", "p99"}`` (seconds, None without observations) of the
-          observations in the last ``quantile_window`` samples: ``ttft_seconds``,
-          ``promotion_wait_seconds``, and ``transfer_seconds`` per direction;
-        - gauges: ``tier_resident_bytes``, ``tier_capacity_bytes``, ``tier_resident_blocks``,
-          ``tier_capacity_blocks``, the host values and ``offload_budget_bytes``,
-          ``pcie_link_max_bytes_per_second``.
+        dict[gpu, bytes/s] of each GPU's current link, one direction.
 
         The percentile work happens here, once per sample, never per event.
         """
@@ -467,7 +455,7 @@ class Pipeline:
         for (tier, _reason), n in state["evicted_blocks"].items():
             evicted[tier] += n
         # a histogram's state: (buckets, counts, sum, exemplars)
-        transfers = {"->".join(k): h for k, h in state["transfer_seconds"].items()}
+        transfers = {sf.join_key(k): h for k, h in state["transfer_seconds"].items()}
         hists = {"ttft": state["ttft_seconds"][1], "wait": state["promotion_wait_seconds"][1],
                  **{key: h[1] for key, h in transfers.items()}}
         with self._lock:
@@ -477,36 +465,34 @@ class Pipeline:
             for key in transfers:
                 window = _minus(hists[key], old.get(key))
                 if sum(window) > 0:
-                    transfer_q[key] = bucket_percentiles(TRANSFER_SECONDS_BUCKETS, window)
-            self._samples.append({
-                "ts": ts,
-                "prompt_tokens": state["prompt_tokens"],
-                "transfer_bytes": _by_key(state["transfer_bytes"]),
-                "evicted_blocks": dict(evicted),
-                "tier_resident_bytes": {t: s.resident_bytes for t, s in tiers.items()},
-                "tier_capacity_bytes": {t: s.capacity_bytes for t, s in tiers.items()},
-                "host_memory_available_bytes": host_memory_available,
-                # added for the dashboard (issue 6)
-                "requests": state["requests"],
-                "prefill_seconds_saved": state["prefill_seconds_saved"],
-                "transfer_blocks": _by_key(state["transfer_blocks"]),
-                "transfer_seconds_sum": {key: h[2] for key, h in transfers.items()},
-                "dropped_blocks": state["dropped_blocks"],
-                "evicted_block_hits": {t: h[1] for t, h in state["evicted_block_hits"].items()},
-                "block_residency_seconds": {t: h[1] for t, h
-                                            in state["block_residency_seconds"].items()},
-                "ttft_seconds": bucket_percentiles(LATENCY_SECONDS_BUCKETS,
-                                                   _minus(hists["ttft"], old.get("ttft"))),
-                "promotion_wait_seconds": bucket_percentiles(
-                    LATENCY_SECONDS_BUCKETS, _minus(hists["wait"], old.get("wait"))),
-                "transfer_seconds": transfer_q,
-                "tier_resident_blocks": {t: s.resident_blocks for t, s in tiers.items()},
-                "tier_capacity_blocks": {t: s.capacity_blocks for t, s in tiers.items()},
-                "host_memory_reserve_bytes": host_memory_reserve,
-                "host_memory_headroom_bytes": host_memory_headroom,
-                "offload_budget_bytes": dict(offload_budgets or {}),
-                "pcie_link_max_bytes_per_second": dict(pcie_link_max or {}),
-            })
+                    transfer_q[key] = bucket_percentiles(sf.TRANSFER_SECONDS.spec.buckets, window)
+            self._samples.append(sf.record(ts, {
+                sf.PROMPT_TOKENS: state["prompt_tokens"],
+                sf.TRANSFER_BYTES: _by_key(state["transfer_bytes"]),
+                sf.EVICTED_BLOCKS: dict(evicted),
+                sf.TIER_RESIDENT_BYTES: {t: s.resident_bytes for t, s in tiers.items()},
+                sf.TIER_CAPACITY_BYTES: {t: s.capacity_bytes for t, s in tiers.items()},
+                sf.HOST_MEMORY_AVAILABLE_BYTES: host_memory_available,
+                sf.REQUESTS: state["requests"],
+                sf.PREFILL_SECONDS_SAVED: state["prefill_seconds_saved"],
+                sf.TRANSFER_BLOCKS: _by_key(state["transfer_blocks"]),
+                sf.TRANSFER_SECONDS_SUM: {key: h[2] for key, h in transfers.items()},
+                sf.DROPPED_BLOCKS: state["dropped_blocks"],
+                sf.EVICTED_BLOCK_HITS: {t: h[1] for t, h in state["evicted_block_hits"].items()},
+                sf.BLOCK_RESIDENCY_SECONDS: {t: h[1] for t, h
+                                             in state["block_residency_seconds"].items()},
+                sf.TTFT_SECONDS: bucket_percentiles(
+                    sf.TTFT_SECONDS.spec.buckets, _minus(hists["ttft"], old.get("ttft"))),
+                sf.PROMOTION_WAIT_SECONDS: bucket_percentiles(
+                    sf.PROMOTION_WAIT_SECONDS.spec.buckets, _minus(hists["wait"], old.get("wait"))),
+                sf.TRANSFER_SECONDS: transfer_q,
+                sf.TIER_RESIDENT_BLOCKS: {t: s.resident_blocks for t, s in tiers.items()},
+                sf.TIER_CAPACITY_BLOCKS: {t: s.capacity_blocks for t, s in tiers.items()},
+                sf.HOST_MEMORY_RESERVE_BYTES: host_memory_reserve,
+                sf.HOST_MEMORY_HEADROOM_BYTES: host_memory_headroom,
+                sf.OFFLOAD_BUDGET_BYTES: dict(offload_budgets or {}),
+                sf.PCIE_LINK_MAX_BYTES_PER_SECOND: dict(pcie_link_max or {}),
+            }))
             return self._samples[-1]
 
     def samples(self, since: float | None = None, window: float | None = None) -> list[dict]:

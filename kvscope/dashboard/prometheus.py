@@ -2,13 +2,17 @@
 
 Time series come from PromQL range queries over the catalog's metrics
 (:mod:`kvscope.catalog`) and are turned into samples of the agent's shape, so every
-figure works unchanged:
+figure works unchanged: one query per field of the sample's declaration
+(:data:`kvscope.samples.FIELDS`, see :func:`queries`), over its metric's series, by its key's
+labels:
 
 - counters: ``sum by (labels) (rate(metric[rate_window]))`` at each step, accumulated as
   ``rate x step``; the figures' per-step rate is then exactly PromQL's rate, and restarts of
   single agents in the fleet are handled by ``rate()`` itself;
 - percentiles: ``histogram_quantile(q, sum by (le, ...) (rate(metric_bucket[rate_window])))``;
-- gauges: ``sum by (labels) (metric)`` (``max`` for the PCIe link).
+- histogram buckets: ``sum by (..., le) (rate(metric_bucket[rate_window]))``, accumulated
+  like counters and turned into per-bucket counts;
+- gauges: ``sum by (labels) (metric)`` (``max by (instance, gpu)`` for the PCIe link).
 
 Requests live in the agents, not in Prometheus: each scrape target's URL (from
 ``/api/v1/targets``) is an agent whose ``/api/v1/requests`` is read directly.
@@ -27,42 +31,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvscope.dashboard.backend import AgentBackend, BackendUnavailable
-
-# (sample field, metric, labels that make the key); keys join label values with "->".
-COUNTERS = (
-    ("prompt_tokens", "kvscope_prompt_tokens_total", ("source",)),
-    ("prefill_seconds_saved", "kvscope_prefill_seconds_saved_total", ("source",)),
-    ("transfer_bytes", "kvscope_transfer_bytes_total", ("src", "dst")),
-    ("transfer_blocks", "kvscope_transfer_blocks_total", ("src", "dst")),
-    ("transfer_seconds_sum", "kvscope_transfer_seconds_sum", ("src", "dst")),
-    ("evicted_blocks", "kvscope_evicted_blocks_total", ("tier",)),
-    ("dropped_blocks", "kvscope_dropped_blocks_total", ("tier",)),
-    ("requests", "kvscope_requests_total", ()),
-)
-HISTOGRAMS = (  # per-bucket counters, key: tier
-    ("evicted_block_hits", "kvscope_evicted_block_hits_bucket"),
-    ("block_residency_seconds", "kvscope_block_residency_seconds_bucket"),
-)
-GAUGES = (
-    ("tier_resident_bytes", "sum", "kvscope_tier_resident_bytes", ("tier",)),
-    ("tier_capacity_bytes", "sum", "kvscope_tier_capacity_bytes", ("tier",)),
-    ("tier_resident_blocks", "sum", "kvscope_tier_resident_blocks", ("tier",)),
-    ("tier_capacity_blocks", "sum", "kvscope_tier_capacity_blocks", ("tier",)),
-    ("offload_budget_bytes", "sum", "kvscope_offload_budget_bytes", ("tier",)),
-    ("pcie_link_max_bytes_per_second", "max", "kvscope_pcie_link_max_bytes_per_second",
-     ("instance", "gpu")),
-)
-SCALARS = (
-    ("host_memory_available_bytes", "kvscope_host_memory_available_bytes"),
-    ("host_memory_reserve_bytes", "kvscope_host_memory_reserve_bytes"),
-    ("host_memory_headroom_bytes", "kvscope_host_memory_headroom_bytes"),
-)
-QUANTILES = (  # (field, histogram, labels making the key; () for one value per sample)
-    ("ttft_seconds", "kvscope_ttft_seconds_bucket", ()),
-    ("promotion_wait_seconds", "kvscope_promotion_wait_seconds_bucket", ()),
-    ("transfer_seconds", "kvscope_transfer_seconds_bucket", ("src", "dst")),
-)
-PERCENTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
+from kvscope.samples import FIELDS, PERCENTILES, Kind, join_key
 
 
 class PrometheusBackend:
@@ -140,25 +109,7 @@ class PrometheusBackend:
         step = max(1.0, math.ceil(window_seconds / self.max_points))
         start = end - step * math.floor(window_seconds / step)
         grid = [start + i * step for i in range(int((end - start) / step) + 1)]
-        sel, rw = self._matchers(instance), self.rate_window
-        jobs: list[tuple[str, str, Callable]] = []
-        for field, metric, labels in COUNTERS:
-            by = ", ".join(labels)
-            jobs.append((field, f"sum by ({by}) (rate({metric}{sel}[{rw}]))",
-                         _counter_into(labels, step)))
-        for field, metric in HISTOGRAMS:
-            jobs.append((field, f"sum by (tier, le) (rate({metric}{sel}[{rw}]))",
-                         _buckets_into(step)))
-        for field, agg, metric, labels in GAUGES:
-            jobs.append((field, f"{agg} by ({', '.join(labels)}) ({metric}{sel})",
-                         _gauge_into(labels)))
-        for field, metric in SCALARS:
-            jobs.append((field, f"sum({metric}{sel})", _scalar_into))
-        for field, metric, labels in QUANTILES:
-            by = ", ".join(("le", *labels))
-            for p, q in PERCENTILES.items():
-                jobs.append((field, f"histogram_quantile({q}, sum by ({by}) "
-                                    f"(rate({metric}{sel}[{rw}])))", _quantile_into(p, labels)))
+        jobs = queries(self._matchers(instance), self.rate_window, step)
         futures = [(field, fill, self._pool.submit(self.query_range, expr, start, end, step))
                    for field, expr, fill in jobs]
         samples = {t: {"ts": float(t)} for t in grid}
@@ -247,14 +198,42 @@ class PrometheusBackend:
             agent.close()
 
 
-# --- turning query results into sample fields (pure) -------------------------------------
+# --- the queries, and turning their results into sample fields (pure) ------------------
+
+def queries(sel: str, rw: str, step: float) -> list[tuple[str, str, Callable]]:
+    """``(field, PromQL, fill)`` for every field of :data:`kvscope.samples.FIELDS`: ``sel``
+    the label matchers (``{...}``), ``rw`` the range of ``rate()``, ``step`` the grid's step in
+    seconds (a counter's rate becomes ``rate x step`` per step)."""
+    jobs: list[tuple[str, str, Callable]] = []
+    for f in FIELDS:
+        if f.kind in (Kind.COUNTER, Kind.SUM):
+            jobs.append((f.name, f"sum by ({', '.join(f.key)}) (rate({f.series}{sel}[{rw}]))",
+                         _counter_into(f.key, step)))
+        elif f.kind is Kind.BUCKETS:
+            jobs.append((f.name, f"sum by ({', '.join((*f.key, 'le'))}) "
+                                 f"(rate({f.series}{sel}[{rw}]))", _buckets_into(f.key, step)))
+        elif f.kind is Kind.GAUGE:
+            by = (*f.fleet_by, *f.key)
+            jobs.append((f.name, f"{f.fleet} by ({', '.join(by)}) ({f.series}{sel})",
+                         _gauge_into(by)))
+        elif f.kind is Kind.SCALAR:
+            jobs.append((f.name, f"{f.fleet}({f.series}{sel})", _scalar_into))
+        elif f.kind is Kind.PERCENTILES:
+            by = ", ".join(("le", *f.key))
+            for p, q in PERCENTILES.items():
+                jobs.append((f.name, f"histogram_quantile({q}, sum by ({by}) "
+                                     f"(rate({f.series}{sel}[{rw}])))", _quantile_into(p, f.key)))
+        else:  # pragma: no cover - a new kind needs its query here
+            raise ValueError(f"no query for {f.kind} ({f.name})")
+    return jobs
+
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _key(metric: dict, labels) -> str:
-    return "->".join(metric.get(label, "") for label in labels)
+    return join_key([metric.get(label, "") for label in labels])
 
 
 def _points(series: dict):
@@ -281,28 +260,28 @@ def _counter_into(labels, step: float) -> Callable:
     return fill
 
 
-def _buckets_into(step: float) -> Callable:
+def _buckets_into(labels, step: float) -> Callable:
     def fill(samples, field, result, present):
-        by_tier: dict[str, list[tuple[float, dict]]] = {}
+        by_key: dict[str, list[tuple[float, dict]]] = {}
         for series in result:
             le = series["metric"].get("le", "+Inf")
-            by_tier.setdefault(series["metric"].get("tier", ""), []).append(
+            by_key.setdefault(_key(series["metric"], labels), []).append(
                 (math.inf if le == "+Inf" else float(le), dict(_points(series))))
-        for tier, buckets in by_tier.items():
+        for key, buckets in by_key.items():
             buckets.sort(key=lambda b: b[0])
             totals = [0.0] * len(buckets)
             for t, sample in samples.items():
                 cumulative = [rates.get(t, 0.0) for _le, rates in buckets]
                 for i, c in enumerate(cumulative):
                     totals[i] += (c - (cumulative[i - 1] if i else 0.0)) * step
-                sample.setdefault(field, {})[tier] = list(totals)
+                sample.setdefault(field, {})[key] = list(totals)
     return fill
 
 
 def _gauge_into(labels) -> Callable:
     def fill(samples, field, result, present):
         for series in result:
-            key = "/".join(series["metric"].get(label, "") for label in labels)
+            key = _key(series["metric"], labels)
             for t, v in _points(series):
                 if t in samples:
                     samples[t].setdefault(field, {})[key] = v

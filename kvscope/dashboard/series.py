@@ -1,9 +1,9 @@
 """Pure transforms from samples to plottable series (no I/O, no clock; house rule 9).
 
 A *sample* is one entry of the agent's ``GET /api/v1/timeseries`` answer (the Prometheus
-backend builds the same shape), a dict with ``ts`` (Unix seconds) and the fields listed in
-:meth:`kvscope.agent.pipeline.Pipeline.record_sample`: cumulative counters (dicts keyed by
-source, tier or ``"src->dst"``), gauges, and percentiles ``{"p50", "p95", "p99"}``.
+backend builds the same shape), a dict with ``ts`` (Unix seconds) and the fields declared in
+:mod:`kvscope.samples`: cumulative counters (dicts keyed by source, tier or ``"src->dst"``),
+gauges, and percentiles ``{"p50", "p95", "p99"}``.
 Any field or key may be missing: a counter key that never occurred counts as 0, a gauge key
 without a value draws no point.
 
@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from kvscope.samples import PERCENTILES as _PERCENTILES
 from kvscope.vocabulary import TIERS
 
 Sample = Mapping[str, object]
@@ -28,7 +29,7 @@ ORDER = (*TIERS, "recompute",
          "gpu->cpu", "cpu->gpu", "cpu->disk", "disk->cpu", "disk->gpu", "cpu->remote",
          "remote->cpu")
 TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
-PERCENTILES = ("p50", "p95", "p99")
+PERCENTILES = tuple(_PERCENTILES)  # ("p50", "p95", "p99")
 
 
 def last_window(samples: Sequence[Sample], seconds: float) -> list[Sample]:

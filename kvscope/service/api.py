@@ -25,18 +25,10 @@ from kvscope import __version__, events as ev
 from kvscope.agent.pipeline import bucket_percentiles
 from kvscope.agent.requests import SORT_KEYS
 from kvscope.agent.sources import otlp_receiver as otlp_in
+from kvscope.samples import NAMES as SAMPLE_FIELDS  # the fields of a sample (kvscope/samples.py)
 from kvscope.service.agent import Agent
 
 MAX_LIMIT = 10_000
-SAMPLE_FIELDS = ("prompt_tokens", "transfer_bytes", "evicted_blocks", "tier_resident_bytes",
-                 "tier_capacity_bytes", "host_memory_available_bytes",
-                 # added for the dashboard (issue 6); see Pipeline.record_sample for units
-                 "requests", "prefill_seconds_saved", "transfer_blocks", "transfer_seconds_sum",
-                 "dropped_blocks", "evicted_block_hits", "block_residency_seconds",
-                 "ttft_seconds", "promotion_wait_seconds", "transfer_seconds",
-                 "tier_resident_blocks", "tier_capacity_blocks", "host_memory_reserve_bytes",
-                 "host_memory_headroom_bytes", "offload_budget_bytes",
-                 "pcie_link_max_bytes_per_second")
 
 
 def percentiles(values: list[float], qs=(50, 95, 99)) -> dict[str, float | None]:

@@ -279,7 +279,7 @@ def test_cumulative_le_buckets_become_per_bucket_counts():
     result = [_series({"tier": "cpu", "le": "0"}, [(T, 1)]),
               _series({"tier": "cpu", "le": "+Inf"}, [(T, 3)]),
               _series({"tier": "cpu", "le": "1"}, [(T, 2)])]
-    P._buckets_into(1.0)(samples, "evicted_block_hits", result, set())
+    P._buckets_into(("tier",), 1.0)(samples, "evicted_block_hits", result, set())
     assert samples[T]["evicted_block_hits"] == {"cpu": [1, 1, 1]}
 
 
