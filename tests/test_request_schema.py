@@ -1,15 +1,18 @@
 """One request schema: :class:`~kvscope.agent.record_data.RecordData`'s fields are the request,
 and every other form follows from them. The compiled record carries each field, the store and
-the API write it as is, the capture's columns and the OTLP span's attributes cover each one, and
+the API write it as is, the capture's columns (derived from it) and the OTLP span's attributes
+cover each one, and
 the finish event names its fields as the schema does. Each test fails when one form drifts from
 the schema: a field added to RecordData and not to a form, or the other way round."""
 
 from __future__ import annotations
 
 import msgspec
+import pyarrow.parquet as pq
 import pytest
 
 from kvscope import events as ev
+from kvscope.agent.capture import CaptureWriter
 from kvscope.agent.record_data import RecordData, TransferRecord
 from kvscope.agent.requests import RequestRecord
 from kvscope.exporter.otlp import REQUEST_ATTRIBUTES, REQUEST_SPAN_SHAPE, _request_attributes
@@ -46,6 +49,19 @@ def test_the_store_and_the_api_write_the_schema_as_is():
     for encode, decode in ((msgspec.msgpack.encode, msgspec.msgpack.Decoder(RecordData).decode),
                            (msgspec.json.encode, msgspec.json.Decoder(RecordData).decode)):
         assert decode(encode(RequestRecord.from_data(FULL).data())) == FULL
+
+
+def test_the_capture_writes_every_field(tmp_path):
+    """One row of the capture's requests segment gives the record back, field for field (its
+    prompt tokens one column per source)."""
+    writer = CaptureWriter(tmp_path)
+    writer.add_request(RequestRecord.from_data(FULL))
+    writer.close()
+    (path,) = tmp_path.glob("requests-*.parquet")
+    (row,) = pq.read_table(path).to_pylist()
+    row["tokens"] = {s: row.pop(f"tokens_{s}") for s in ev.TOKEN_SOURCES}
+    row["transfers"] = tuple(TransferRecord(**t) for t in row["transfers"])
+    assert RecordData(**row) == FULL
 
 
 def test_every_field_reaches_the_otlp_span_as_an_attribute_or_its_shape():

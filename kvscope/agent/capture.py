@@ -38,10 +38,13 @@ from collections.abc import Callable
 from typing import BinaryIO
 from pathlib import Path
 
+import msgspec
+import msgspec.inspect as mi
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvscope import events as ev
+from kvscope.agent.record_data import RecordData
 from kvscope.agent.requests import RequestRecord
 from kvscope.agent.segments import OutageLog, prune
 from kvscope.agent.worker import Worker
@@ -67,29 +70,40 @@ BLOCKS_SCHEMA = pa.schema([
     pa.field("prompt_tokens", pa.int64()),  # the request's prompt length, tokens
 ], metadata={"kvscope.kind": "blocks"})
 
-TRANSFER_TYPE = pa.struct([
-    pa.field("src", pa.string()), pa.field("dst", pa.string()), pa.field("blocks", pa.int64()),
-    pa.field("bytes", pa.int64()), pa.field("start", pa.float64()),
-    pa.field("duration", pa.float64()), pa.field("ok", pa.bool_()),
-])
+# Scalar types of the request schema (RecordData) as Arrow types; float | None is a float
+# column with NaN for None (unknown)
+_ARROW = {mi.StrType: pa.string(), mi.FloatType: pa.float64(), mi.IntType: pa.int64(),
+          mi.BoolType: pa.bool_()}
 
-REQUESTS_SCHEMA = pa.schema([
-    pa.field("request_id", pa.string()),
-    pa.field("source", pa.string()),
-    pa.field("trace_id", pa.string()),
-    pa.field("arrival", pa.float64()),       # Unix seconds
-    pa.field("finished", pa.float64()),      # Unix seconds (NaN unknown)
-    pa.field("ttft", pa.float64()),          # seconds (NaN unknown)
-    pa.field("itl", pa.float64()),           # mean inter-token latency, seconds (0 unknown)
-    pa.field("queueing", pa.float64()),      # the TTFT parts, seconds
-    pa.field("lookup", pa.float64()),
-    pa.field("promotion_wait", pa.float64()),
-    pa.field("prefill", pa.float64()),
-    pa.field("prompt_tokens", pa.int64()),
-    pa.field("output_tokens", pa.int64()),
-    *[pa.field(f"tokens_{s}", pa.int64()) for s in ev.TOKEN_SOURCES],  # prompt tokens by source
-    pa.field("transfers", pa.list_(TRANSFER_TYPE)),
-], metadata={"kvscope.kind": "requests"})
+
+def _arrow(kind: mi.Type) -> pa.DataType:
+    if isinstance(kind, mi.UnionType):
+        (kind,) = [t for t in kind.types if not isinstance(t, mi.NoneType)]
+    if isinstance(kind, mi.VarTupleType):  # the transfers: a list of structs
+        return pa.list_(pa.struct([pa.field(f.name, _arrow(f.type))
+                                   for f in kind.item_type.fields]))
+    return _ARROW[type(kind)]
+
+
+_REQUEST_FIELDS = mi.type_info(RecordData).fields
+
+
+def _request_fields() -> list[pa.Field]:
+    """The capture's columns of the request schema, field for field, in its order; its
+    dict of prompt tokens by source is one column per token source (``tokens_<source>``)."""
+    out = []
+    for f in _REQUEST_FIELDS:
+        if isinstance(f.type, mi.DictType):
+            out += [pa.field(f"{f.name}_{s}", _arrow(f.type.value_type))
+                    for s in ev.TOKEN_SOURCES]
+        else:
+            out.append(pa.field(f.name, _arrow(f.type)))
+    return out
+
+
+# one row per finished request: the request schema (agent/record_data.py), times in Unix
+# seconds, durations in seconds, NaN for a TTFT or finish unknown
+REQUESTS_SCHEMA = pa.schema(_request_fields(), metadata={"kvscope.kind": "requests"})
 
 TOTALS_SCHEMA = pa.schema([
     pa.field("ts", pa.float64()),           # Unix seconds of the agent's sample
@@ -205,21 +219,16 @@ class CaptureWriter(Worker):
             stream.rows += n
 
     def add_request(self, record: RequestRecord) -> None:
-        """Queue one row for a finished request record."""
-        nan = float("nan")
-        row = {
-            "request_id": record.request_id, "source": record.source, "trace_id": record.trace_id,
-            "arrival": record.arrival,
-            "finished": record.finished if record.finished is not None else nan,
-            "ttft": record.ttft if record.ttft is not None else nan, "itl": record.itl,
-            "queueing": record.queueing, "lookup": record.lookup,
-            "promotion_wait": record.promotion_wait, "prefill": record.prefill,
-            "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
-            **{f"tokens_{s}": record.tokens.get(s, 0) for s in ev.TOKEN_SOURCES},
-            "transfers": [{"src": t.src, "dst": t.dst, "blocks": t.blocks, "bytes": t.bytes,
-                           "start": t.start, "duration": t.duration, "ok": t.ok}
-                          for t in record.transfers],
-        }
+        """Queue one row for a finished request record (:data:`REQUESTS_SCHEMA`)."""
+        row = msgspec.structs.asdict(record.data())
+        for f in _REQUEST_FIELDS:  # the columns' forms of the schema's fields (_request_fields)
+            if isinstance(f.type, mi.UnionType) and row[f.name] is None:
+                row[f.name] = float("nan")
+            elif isinstance(f.type, mi.DictType):
+                by_source = row.pop(f.name)
+                row.update({f"{f.name}_{s}": by_source.get(s, 0) for s in ev.TOKEN_SOURCES})
+            elif isinstance(f.type, mi.VarTupleType):
+                row[f.name] = [msgspec.structs.asdict(item) for item in row[f.name]]
         with self._lock:
             stream = self._streams["requests"]
             if stream.rows + 1 > self.max_pending_rows:
