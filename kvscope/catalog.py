@@ -204,7 +204,7 @@ BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
 
 # What producers hand the exposition: per metric, ``(label values in the spec's order, value)``
 # pairs; a value is a number, or for a histogram an object with ``buckets``, ``counts`` (per
-# bucket, +Inf last), ``sum`` and ``exemplars`` (``agent.pipeline.Histogram``).
+# bucket, +Inf last), ``sum`` and ``exemplars`` (``agent.histograms.Histogram``).
 Samples = dict[MetricSpec, list[tuple[Sequence[str], object]]]
 
 

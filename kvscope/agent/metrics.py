@@ -19,7 +19,7 @@ def _labelled(mapping: dict) -> list[tuple[list[str], object]]:
 
 def snapshot_samples(snap: Snapshot) -> Samples:
     """Per catalog metric the pipeline owns: ``(label values, value)`` pairs; a value is a
-    number or a :class:`~kvscope.agent.pipeline.Histogram`."""
+    number or a :class:`~kvscope.agent.histograms.Histogram`."""
     tiers = snap.tiers.items()
     return {
         m.PROMPT_TOKENS: _labelled(snap.prompt_tokens),

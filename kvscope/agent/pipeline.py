@@ -1,87 +1,31 @@
-"""The pipeline: the one owner of aggregated state.
+"""The pipeline: the one owner of aggregated state, and its lock and fan-out.
 
 Sources hand it :mod:`kvscope.events` events; it folds them into counters, gauges and
-histograms, assembles per-request records into a bounded table, and keeps a ring of one-second
-samples for the dashboard. Sinks (the exporter, the HTTP API, the store, OTLP) read consistent
-copies through :meth:`Pipeline.snapshot`, :meth:`Pipeline.samples` and :attr:`Pipeline.requests`,
-or subscribe to finished requests. Thread-safe: sources and sinks run on different threads.
+histograms (:mod:`~kvscope.agent.fold`, compiled), assembles per-request records into a bounded
+table (:mod:`~kvscope.agent.assembler`), lets a joined source's finished records wait for their
+late parts (:mod:`~kvscope.agent.settling`), sums the tiers its senders report
+(:mod:`~kvscope.agent.tier_totals`) and keeps the dashboard's one-second samples
+(:mod:`~kvscope.agent.sample_history`). Sinks (the exporter, the HTTP API, the store, OTLP) read
+consistent copies through :meth:`Pipeline.snapshot`, :meth:`Pipeline.samples` and
+:attr:`Pipeline.requests`, or subscribe to finished requests. Thread-safe: sources and sinks
+run on different threads.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
-import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvscope import events as ev
 from kvscope.agent.assembler import RequestAssembler
 from kvscope.agent.fold import Fold
+from kvscope.agent.histograms import Histogram
 from kvscope.agent.requests import RequestRecord, RequestTable, amend, under_way, within
-from kvscope import samples as sf
-from kvscope.vocabulary import TIERS
-
-MAX_JOINED = 64  # sources whose finished requests wait for other sources' events (a bound)
-MAX_SETTLING = 10_000  # finished requests waiting at most (the oldest go early beyond it)
-
-
-def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float | None:
-    """The ``q``-quantile (0-1) of observations counted per bucket, as PromQL's
-    ``histogram_quantile`` computes it: linear interpolation inside the bucket holding the
-    rank, the first bucket starting at 0 (or at its bound when that is <= 0), and a rank in the
-    +Inf bucket answered with the highest finite bound.
-
-    ``bounds``: upper bounds, ascending; ``counts``: per-bucket (not cumulative) counts, one
-    more than ``bounds`` (the last is +Inf). None when there are no observations.
-    Source: prometheus/promql/quantile.go (bucketQuantile).
-    """
-    total = sum(counts)
-    if total <= 0:
-        return None
-    rank = q * total
-    seen = 0.0
-    for i, n in enumerate(counts):
-        if seen + n >= rank and n > 0:
-            if i == len(bounds):
-                return float(bounds[-1])
-            upper = float(bounds[i])
-            lower = float(bounds[i - 1]) if i > 0 else (0.0 if upper > 0 else upper)
-            return lower + (upper - lower) * (rank - seen) / n
-        seen += n
-    return float(bounds[-1])
-
-
-def bucket_percentiles(bounds: Sequence[float],
-                       counts: Sequence[float]) -> dict[str, float | None]:
-    """``{"p50": ..., "p95": ..., "p99": ...}`` of observations counted per bucket (see
-    :func:`histogram_quantile`); None each when there are none."""
-    return {p: histogram_quantile(q, bounds, counts) for p, q in sf.PERCENTILES.items()}
-
-
-def _minus(now: Sequence[int], before: Sequence[int] | None) -> list[int]:
-    return list(now) if before is None else [a - b for a, b in zip(now, before)]
-
-
-@dataclass
-class Histogram:
-    """Observations counted per bucket. ``counts[i]``: observations <= ``buckets[i]`` and above
-    the previous bound; the last entry counts those above every bound. ``exemplars``: per bucket
-    index, the latest ``(trace_id, value, unix_seconds)`` observed with a trace id."""
-
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    exemplars: dict[int, tuple[str, float, float]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.counts = self.counts or [0] * (len(self.buckets) + 1)
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
+from kvscope.agent.sample_history import SampleHistory
+from kvscope.agent.settling import Settling
+from kvscope.agent.tier_totals import TierTotals
 
 
 @dataclass
@@ -120,10 +64,6 @@ def _histograms(states: Mapping) -> dict:
     return {key: Histogram(*state) for key, state in states.items()}
 
 
-def _by_key(counts: Mapping[tuple[str, ...], int]) -> dict[str, int]:
-    return {sf.join_key(k): v for k, v in counts.items()}
-
-
 class Pipeline:
     """Aggregates events.
 
@@ -148,31 +88,20 @@ class Pipeline:
                  quantile_window: int = 60, join_window: float = 1.0) -> None:
         self._lock = threading.Lock()
         self.requests = table if table is not None else RequestTable()
-        self._join_window = join_window
-        self._joined: dict[str, float] = {}  # source -> seconds its records wait (see above)
-        self._assembler = RequestAssembler(joined=self._joined)
-        # a heap of (due: monotonic seconds, arrival order, record): windows differ by source
-        self._settling: list[tuple[float, int, RequestRecord]] = []
-        self._settling_ids: set[int] = set()  # id() of the records in it
-        self._settle_order = itertools.count()
+        self._settling = Settling(join_window)
+        self._assembler = RequestAssembler(joined=self._settling.joined)
         self._listeners: list[Callable[[RequestRecord], None]] = []
         self._early_listeners: list[Callable[[RequestRecord], None]] = []
         self._lookup_listeners: list[Callable[[str, ev.Lookup], None]] = []
         self._fold = Fold(self._assembler, prefill_tokens_per_second, recent)
-        # each source's last snapshot of each tier, by (scope, source, tier), and their sum per
-        # tier (what is exported): a node's engines each report their own tiers
-        self._tier_parts: dict[tuple[str, str, str], ev.TierSnapshot] = {}
-        self._tiers: dict[str, ev.TierSnapshot] = {}
+        self._tiers = TierTotals()
         self._received: Counter[str] = Counter()
         self._dropped: Counter[tuple[str, str]] = Counter()
         self._expected_drops: set[tuple[str, str]] = set()
         self._tap_errors: Counter[tuple[str, str]] = Counter()
         self._source_up: dict[str, bool] = {}
         self._source_info: dict[str, tuple[str, str]] = {}
-        self._samples: deque[dict] = deque(maxlen=history)
-        # Histogram counts at the last ``quantile_window`` samples, oldest first: the samples'
-        # percentiles cover the observations since the oldest (like PromQL rate()[60s]).
-        self._hist_ring: deque[dict] = deque(maxlen=max(quantile_window, 1))
+        self._history = SampleHistory(history, quantile_window)
 
     def subscribe(self, listener: Callable[[RequestRecord], None], early: bool = False) -> None:
         """Call ``listener`` with each finished request, on the ingesting or the sampling
@@ -207,21 +136,15 @@ class Pipeline:
         lookups, the records that finished, those for the early subscribers and those for all
         subscribers, for :meth:`_hand_over` (outside the lock)."""
         if scope != source:
-            self._join(scope, self._join_window)
-        finished, invalid, lookups = self._fold.fold(source, scope, events, self._known_tiers,
-                                                     scope not in self._joined)
+            self._settling.join(scope)
+        finished, invalid, lookups = self._fold.fold(source, scope, events, self._tiers.update,
+                                                     scope not in self._settling.joined)
         if invalid:
             self._dropped[(scope, "invalid")] += invalid
         if received:
             self._received[source] += len(events)
-        ready, early = finished, []
-        window = self._joined.get(scope)
-        if finished and window is not None:
-            due = time.monotonic() + window
-            for record in finished:
-                heapq.heappush(self._settling, (due, next(self._settle_order), record))
-                self._settling_ids.add(id(record))
-            ready, early = [], finished
+        ready = self._settling.hold(scope, finished)
+        early = [] if ready is finished else finished
         if self._settling:
             ready = ready + self._settled()
         if self._assembler.amended:
@@ -233,7 +156,7 @@ class Pipeline:
         late transfer after vLLM's span finished them, or by a late span: :meth:`report`), for
         the early subscribers again: the store keeps the last version. Those still waiting, or
         ``handed`` over now, go out anyway."""
-        fresh = set(map(id, handed)) | self._settling_ids
+        fresh = set(map(id, handed)) | self._settling.ids
         out = [r for key, r in self._assembler.amended.items() if key not in fresh]
         self._assembler.amended.clear()
         return out
@@ -252,13 +175,9 @@ class Pipeline:
     def join(self, source: str, window: float) -> None:
         """Have the finished records of ``source`` wait ``window`` seconds (at least) before the
         subscribers get them, for what another source sends about them later (see the class).
-        At most :data:`MAX_JOINED` sources."""
+        At most :data:`~kvscope.agent.settling.MAX_JOINED` sources."""
         with self._lock:
-            self._join(source, window)
-
-    def _join(self, source: str, window: float) -> None:
-        if source in self._joined or len(self._joined) < MAX_JOINED:
-            self._joined[source] = max(window, self._joined.get(source, 0.0))
+            self._settling.join(source, window)
 
     def publish_settled(self, everything: bool = False) -> None:
         """Hand the subscribers the finished records whose wait is over (``everything``: all of
@@ -270,11 +189,7 @@ class Pipeline:
     def _settled(self, everything: bool = False) -> list[RequestRecord]:
         """The waiting records whose wait is over, counted in the request metrics now that
         what joined them (the span's TTFT, the tap's promotion wait) is in."""
-        now, out = time.monotonic(), []
-        settling = self._settling
-        while settling and (everything or settling[0][0] <= now or len(settling) > MAX_SETTLING):
-            out.append(heapq.heappop(settling)[2])
-            self._settling_ids.discard(id(out[-1]))
+        out = self._settling.due(everything)
         if out:
             self._fold.observe(out)
         return out
@@ -367,39 +282,11 @@ class Pipeline:
         with self._lock:
             self._source_info[source] = (engine[:64], model[:64])
 
-    def _known_tiers(self, source: str, scope: str, snapshots: list[ev.TierSnapshot]) -> int:
-        """Keep sender ``source``'s last snapshot of each tier of ``snapshots`` (two taps of
-        one scope each report their own) and sum each tier's; returns the tiers ``scope``'s
-        taps have reported, as a bit mask by :data:`~kvscope.vocabulary.TIERS` (the fold's
-        callback, under the lock)."""
-        if snapshots:
-            self._tier_parts.update(((scope, source, event.tier), event) for event in snapshots)
-            self._sum_tiers({event.tier for event in snapshots})
-        known = {tier for (owner, _, tier) in self._tier_parts if owner == scope}
-        return sum(1 << i for i, tier in enumerate(TIERS) if tier in known)
-
-    def _sum_tiers(self, tiers: Iterable[str]) -> None:
-        """Sum each of ``tiers`` over its sources' last snapshots; a tier none reports leaves."""
-        for tier in tiers:
-            mine = [snap for (_, _, t), snap in self._tier_parts.items() if t == tier]
-            if not mine:
-                self._tiers.pop(tier, None)
-                continue
-            self._tiers[tier] = ev.TierSnapshot(
-                ts=max(snap.ts for snap in mine), tier=tier,
-                capacity_bytes=sum(snap.capacity_bytes for snap in mine),
-                resident_bytes=sum(snap.resident_bytes for snap in mine),
-                capacity_blocks=sum(snap.capacity_blocks for snap in mine),
-                resident_blocks=sum(snap.resident_blocks for snap in mine))
-
     def forget_tiers(self, source: str) -> None:
         """Leave sender ``source``'s tier snapshots out of the tier gauges from now on (its
         emitter closed: an engine that stopped holds no tier)."""
         with self._lock:
-            gone = [key for key in self._tier_parts if key[1] == source]
-            for key in gone:
-                del self._tier_parts[key]
-            self._sum_tiers({tier for _, _, tier in gone})
+            self._tiers.forget(source)
 
     def snapshot(self) -> Snapshot:
         """A consistent copy of the aggregated state."""
@@ -417,7 +304,7 @@ class Pipeline:
                 dropped_blocks=state["dropped_blocks"],
                 evicted_block_hits=_histograms(state["evicted_block_hits"]),
                 block_residency_seconds=_histograms(state["block_residency_seconds"]),
-                tiers=dict(self._tiers),
+                tiers=dict(self._tiers.totals),
                 requests=state["requests"],
                 ttft_seconds=Histogram(*state["ttft_seconds"]),
                 promotion_wait_seconds=Histogram(*state["promotion_wait_seconds"]),
@@ -437,70 +324,18 @@ class Pipeline:
                       host_memory_headroom: float | None = None,
                       offload_budgets: Mapping[str, int] | None = None,
                       pcie_link_max: Mapping[str, float] | None = None) -> dict:
-        """Append a one-second sample, and return it: ``ts`` and every field of
-        :data:`kvscope.samples.FIELDS` (their shapes, keys and units are declared there):
-        cumulative counters and current gauges at ``ts``, and percentiles of the observations
-        in the last ``quantile_window`` samples.
-
-        ``host_memory_available``, ``host_memory_reserve``, ``host_memory_headroom``: bytes,
-        None when unknown. ``offload_budgets``: dict[tier, bytes]. ``pcie_link_max``:
-        dict[gpu, bytes/s] of each GPU's current link, one direction.
-
-        The percentile work happens here, once per sample, never per event.
-        """
+        """Append a one-second sample of the state now, and return it (see
+        :meth:`~kvscope.agent.sample_history.SampleHistory.record`: the fields, host values
+        and units)."""
         with self._lock:
             state = self._fold.state()
-            tiers = dict(self._tiers)
-        evicted: Counter[str] = Counter()
-        for (tier, _reason), n in state["evicted_blocks"].items():
-            evicted[tier] += n
-        # a histogram's state: (buckets, counts, sum, exemplars)
-        transfers = {sf.join_key(k): h for k, h in state["transfer_seconds"].items()}
-        hists = {"ttft": state["ttft_seconds"][1], "wait": state["promotion_wait_seconds"][1],
-                 **{key: h[1] for key, h in transfers.items()}}
-        with self._lock:
-            old = self._hist_ring[0] if self._hist_ring else {}
-            self._hist_ring.append(hists)
-            transfer_q = {}
-            for key in transfers:
-                window = _minus(hists[key], old.get(key))
-                if sum(window) > 0:
-                    transfer_q[key] = bucket_percentiles(sf.TRANSFER_SECONDS.spec.buckets, window)
-            self._samples.append(sf.record(ts, {
-                sf.PROMPT_TOKENS: state["prompt_tokens"],
-                sf.TRANSFER_BYTES: _by_key(state["transfer_bytes"]),
-                sf.EVICTED_BLOCKS: dict(evicted),
-                sf.TIER_RESIDENT_BYTES: {t: s.resident_bytes for t, s in tiers.items()},
-                sf.TIER_CAPACITY_BYTES: {t: s.capacity_bytes for t, s in tiers.items()},
-                sf.HOST_MEMORY_AVAILABLE_BYTES: host_memory_available,
-                sf.REQUESTS: state["requests"],
-                sf.PREFILL_SECONDS_SAVED: state["prefill_seconds_saved"],
-                sf.TRANSFER_BLOCKS: _by_key(state["transfer_blocks"]),
-                sf.TRANSFER_SECONDS_SUM: {key: h[2] for key, h in transfers.items()},
-                sf.DROPPED_BLOCKS: state["dropped_blocks"],
-                sf.EVICTED_BLOCK_HITS: {t: h[1] for t, h in state["evicted_block_hits"].items()},
-                sf.BLOCK_RESIDENCY_SECONDS: {t: h[1] for t, h
-                                             in state["block_residency_seconds"].items()},
-                sf.TTFT_SECONDS: bucket_percentiles(
-                    sf.TTFT_SECONDS.spec.buckets, _minus(hists["ttft"], old.get("ttft"))),
-                sf.PROMOTION_WAIT_SECONDS: bucket_percentiles(
-                    sf.PROMOTION_WAIT_SECONDS.spec.buckets, _minus(hists["wait"], old.get("wait"))),
-                sf.TRANSFER_SECONDS: transfer_q,
-                sf.TIER_RESIDENT_BLOCKS: {t: s.resident_blocks for t, s in tiers.items()},
-                sf.TIER_CAPACITY_BLOCKS: {t: s.capacity_blocks for t, s in tiers.items()},
-                sf.HOST_MEMORY_RESERVE_BYTES: host_memory_reserve,
-                sf.HOST_MEMORY_HEADROOM_BYTES: host_memory_headroom,
-                sf.OFFLOAD_BUDGET_BYTES: dict(offload_budgets or {}),
-                sf.PCIE_LINK_MAX_BYTES_PER_SECOND: dict(pcie_link_max or {}),
-            }))
-            return self._samples[-1]
+            tiers = dict(self._tiers.totals)
+        return self._history.record(ts, state, tiers, host_memory_available,
+                                    host_memory_reserve=host_memory_reserve,
+                                    host_memory_headroom=host_memory_headroom,
+                                    offload_budgets=offload_budgets, pcie_link_max=pcie_link_max)
 
     def samples(self, since: float | None = None, window: float | None = None) -> list[dict]:
         """Samples with ``ts > since`` (all when None), oldest first; ``window``: seconds, only
         those no older than that before the newest sample."""
-        with self._lock:
-            out = [s for s in self._samples if since is None or s["ts"] > since]
-        if window is not None and out:
-            newest = out[-1]["ts"]
-            out = [s for s in out if s["ts"] >= newest - window]
-        return out
+        return self._history.since(since, window)

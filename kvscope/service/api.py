@@ -22,7 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import ClientDisconnect
 
 from kvscope import __version__, events as ev
-from kvscope.agent.pipeline import bucket_percentiles
+from kvscope.agent.histograms import bucket_percentiles
 from kvscope.agent.requests import SORT_KEYS
 from kvscope.agent.sources import otlp_receiver as otlp_in
 from kvscope.samples import NAMES as SAMPLE_FIELDS  # the fields of a sample (kvscope/samples.py)
