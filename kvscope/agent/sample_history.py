@@ -9,7 +9,8 @@ from collections.abc import Mapping
 
 from kvscope import events as ev
 from kvscope import samples as sf
-from kvscope.agent.histograms import bucket_percentiles, window_counts
+from kvscope.agent.histograms import window_counts
+from kvscope.percentiles import bucket_percentiles
 
 
 def by_key(counts: Mapping[tuple[str, ...], int]) -> dict[str, int]:

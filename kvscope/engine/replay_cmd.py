@@ -111,7 +111,8 @@ def render(summary: dict) -> str:
              "transfers " + ", ".join(f"{d} {v['blocks']} blocks {v['seconds']:.3f} s"
                                       for d, v in summary["transfers"].items() if v["blocks"]),
              "evictions " + ", ".join(f"{k} {v}" for k, v in summary["evictions"].items()),
-             f"ttft p50 {t['p50'] * 1e3:.2f} ms, p95 {t['p95'] * 1e3:.2f} ms, p99 {t['p99'] * 1e3:.2f} ms"]
+             "ttft " + ", ".join(f"{p} " + ("not measured" if t[p] is None else
+                                           f"{t[p] * 1e3:.2f} ms") for p in ("p50", "p95", "p99"))]
     if summary["errors"]:
         lines.append("errors " + ", ".join(f"{k} {v}" for k, v in summary["errors"].items()))
     return "\n".join(lines)

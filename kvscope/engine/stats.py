@@ -11,23 +11,12 @@ Two hit ratios, both 0-1:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from kvscope.percentiles import value_percentiles
 from kvscope.vocabulary import LOCAL_TIERS, TOKEN_SOURCES
 
 DIRECTIONS = ("cpu->disk", "gpu->cpu", "disk->cpu", "cpu->gpu")  # in transfer phase order
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) with linear interpolation between closest ranks (the
-    default of ``numpy.percentile``); 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(rank), math.ceil(rank)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
 @dataclass
@@ -79,8 +68,8 @@ class EngineStats:
             "evictions": dict(self.evictions),
             "evictions_offloaded": dict(self.offloaded),
             "errors": dict(self.errors),
-            "ttft_seconds": {"p50": percentile(self.ttfts, 50), "p95": percentile(self.ttfts, 95),
-                             "p99": percentile(self.ttfts, 99),
-                             "mean": sum(self.ttfts) / len(self.ttfts) if self.ttfts else 0.0},
+            # None when no request finished: not measured
+            "ttft_seconds": {**value_percentiles(self.ttfts),
+                             "mean": sum(self.ttfts) / len(self.ttfts) if self.ttfts else None},
             "wall_seconds": wall_seconds,
         }

@@ -14,7 +14,6 @@ import asyncio
 import hmac
 
 import msgspec
-import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
@@ -22,20 +21,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import ClientDisconnect
 
 from kvscope import __version__, events as ev
-from kvscope.agent.histograms import bucket_percentiles
 from kvscope.agent.requests import SORT_KEYS
 from kvscope.agent.sources import otlp_receiver as otlp_in
+from kvscope.percentiles import bucket_percentiles, value_percentiles
 from kvscope.samples import NAMES as SAMPLE_FIELDS  # the fields of a sample (kvscope/samples.py)
 from kvscope.service.agent import Agent
 
 MAX_LIMIT = 10_000
-
-
-def percentiles(values: list[float], qs=(50, 95, 99)) -> dict[str, float | None]:
-    """``{"p50": ..., ...}`` of ``values`` (linear interpolation); None when empty."""
-    if not values:
-        return {f"p{q}": None for q in qs}
-    return {f"p{q}": float(v) for q, v in zip(qs, np.percentile(values, qs))}
 
 
 def _json(value) -> Response:
@@ -151,7 +143,7 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                       "offload_budget_bytes": dict(host.budgets)} if host else None),
             # exact over the last requests; where none are known, only vLLM's histogram
             # (metrics-only mode): estimated from its buckets
-            "ttft_seconds": (percentiles(snap.recent_ttft) if snap.recent_ttft else
+            "ttft_seconds": (value_percentiles(snap.recent_ttft) if snap.recent_ttft else
                              bucket_percentiles(snap.ttft_seconds.buckets,
                                                 snap.ttft_seconds.counts)),
             "events_received": snap.events_received,

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from kvscope import events as ev
 from kvscope.agent.config import AgentSettings
-from kvscope.agent.histograms import histogram_quantile
+from kvscope.percentiles import histogram_quantile
 from kvscope.agent.pipeline import Pipeline
 from kvscope.service.agent import Agent
 from kvscope.service.api import SAMPLE_FIELDS, create_app
