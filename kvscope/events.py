@@ -127,6 +127,19 @@ class Lookup(_Event, tag="lookup"):
     block_tokens: Count = 0
 
 
+def block_token_counts(prompt_tokens: int, blocks: int, block_tokens: int) -> list[int]:
+    """Tokens in each of ``blocks`` blocks of ``block_tokens`` (a lookup's blocks, first to
+    last): full blocks, then the remainder of ``prompt_tokens`` in the last one.
+
+    A trace may list fewer blocks than the prompt needs; tokens beyond the listed blocks are
+    not counted here (the engine treats them as recomputed).
+    """
+    counts = []
+    for i in range(blocks):
+        counts.append(max(0, min(block_tokens, prompt_tokens - i * block_tokens)))
+    return counts
+
+
 class Transfer(_Event, tag="transfer"):
     """One timed copy of ``blocks`` KV blocks (``bytes`` in all) from ``src`` to ``dst`` tier.
 

@@ -31,7 +31,7 @@ FORBIDDEN = {
                             "kvscope.analysis"),
     "kvscope.events": ("kvscope.catalog", "kvscope.agent", "kvscope.engine", "kvscope.exporter",
                        "kvscope.service", "kvscope.dashboard", "kvscope.analysis"),
-    "kvscope.agent": ("kvscope.exporter", "kvscope.service", "kvscope.dashboard",
+    "kvscope.agent": ("kvscope.engine", "kvscope.exporter", "kvscope.service", "kvscope.dashboard",
                       "kvscope.analysis", "kvscope.rollout", "kvscope.mixin", "kvscope.cli",
                       "kvscope.demo"),
     "kvscope.exporter": ("kvscope.service", "kvscope.dashboard", "kvscope.analysis",

@@ -48,7 +48,6 @@ from kvscope.agent.record_data import RecordData
 from kvscope.agent.requests import RequestRecord
 from kvscope.agent.segments import OutageLog, prune
 from kvscope.agent.worker import Worker
-from kvscope.engine.workload import block_token_counts
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +196,7 @@ class CaptureWriter(Worker):
         n = len(hashes)
         prompt = sum(lookup.tokens.values())
         bt = lookup.block_tokens
-        tokens = block_token_counts(prompt, n, bt) if bt > 0 else [0] * n
+        tokens = ev.block_token_counts(prompt, n, bt) if bt > 0 else [0] * n
         outcomes = list(lookup.block_sources) if len(lookup.block_sources) == n else [""] * n
         with self._lock:
             stream = self._streams["blocks"]

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from kvscope.analysis.trace import AccessTrace
-from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, Request, TraceError,
-                                     block_token_counts, read_mooncake)
+from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, Request, TraceError, read_mooncake
+from kvscope.events import block_token_counts
 
 
 def from_requests(requests: Iterable[Request], block_tokens: int, source: str = "") -> AccessTrace:

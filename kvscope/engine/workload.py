@@ -40,18 +40,6 @@ class Request:
     block_priorities: tuple[int, ...] = ()
 
 
-def block_token_counts(prompt_tokens: int, blocks: int, block_tokens: int) -> list[int]:
-    """Tokens in each of ``blocks`` blocks: full blocks, then the remainder in the last one.
-
-    A trace may list fewer blocks than the prompt needs; tokens beyond the listed blocks are
-    not counted here (the engine treats them as recomputed).
-    """
-    counts = []
-    for i in range(blocks):
-        counts.append(max(0, min(block_tokens, prompt_tokens - i * block_tokens)))
-    return counts
-
-
 def _chain(parent: int, content: str) -> int:
     digest = hashlib.blake2b(f"{parent}:{content}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")

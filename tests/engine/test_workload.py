@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from kvscope.engine.workload import (SyntheticConfig, TraceError, block_token_counts,
-                                     read_mooncake, synthetic)
+from kvscope.engine.workload import SyntheticConfig, TraceError, read_mooncake, synthetic
+from kvscope.events import block_token_counts
 from traces import trace_path
 
 
