@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvscope import events as ev
 from kvscope.agent.sections import Section
+from kvscope.agent.worker import Worker
 
 if TYPE_CHECKING:  # the pipeline's types, for annotations only: sources hold a Consumer
     from kvscope.agent.pipeline import Snapshot
@@ -63,6 +64,32 @@ class Consumer(Protocol):
 
     def snapshot(self) -> Snapshot:
         """A consistent copy of the aggregated state (to tell another source's share)."""
+
+
+class SourceWorker(Worker):
+    """A source that works on a thread of its own: :class:`~kvscope.agent.worker.Worker`'s
+    lifecycle, reporting as ``name`` (a class attribute), and the one boundary every message it
+    takes crosses (:meth:`guarded`)."""
+
+    name = ""
+
+    def __init__(self, consumer: Consumer) -> None:
+        super().__init__()
+        self.pipeline = consumer
+
+    def report_up(self, up: bool) -> None:
+        """``kvscope_source_up{source=name}``: whether the source works now."""
+        self.pipeline.set_source_up(self.name, up)
+
+    def guarded(self, handle: Callable[[object], None], message: object) -> None:
+        """``handle(message)``; an exception there (a bug, or input nobody foresaw) costs that
+        message alone: counted as dropped (``malformed``) and logged once per exception type,
+        and the source goes on."""
+        try:
+            handle(message)
+        except Exception:  # noqa: BLE001 (counted and logged; the source goes on)
+            self.pipeline.drop(self.name, "malformed")
+            self.log_bug("handling a message")
 
 
 class Part(Protocol):

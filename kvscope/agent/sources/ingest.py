@@ -66,9 +66,8 @@ from pydantic import Field, field_validator
 
 from kvscope import events as ev
 from kvscope.agent.sections import Section, zmq_endpoint
-from kvscope.agent.sources.base import Consumer, SourceSpec, register
+from kvscope.agent.sources.base import Consumer, SourceSpec, SourceWorker, register
 from kvscope.agent.sources.stalls import Progress
-from kvscope.agent.worker import Worker
 from kvscope.vocabulary import TAP_ERROR_REASONS
 
 log = logging.getLogger(__name__)
@@ -114,7 +113,7 @@ def _live_ipc(endpoint: str, settle: float = 1.0) -> bool:
         time.sleep(0.05)
 
 
-class IngestSource(Worker):
+class IngestSource(SourceWorker):
     """Binds ``endpoint`` (``tcp://HOST:PORT`` or ``ipc://PATH``) and feeds ``pipeline``.
 
     ``max_batch_bytes``: largest batch accepted; ``queue_bytes``: batches received and waiting
@@ -128,8 +127,7 @@ class IngestSource(Worker):
     def __init__(self, pipeline: Consumer, endpoint: str = "tcp://127.0.0.1:5560", *,
                  max_batch_bytes: int = 4 << 20, queue_bytes: int = 32 << 20,
                  max_sources: int = 16) -> None:
-        super().__init__()
-        self.pipeline = pipeline
+        super().__init__(pipeline)
         self.endpoint = endpoint
         self._max_bytes = max_batch_bytes
         # ZMQ refuses messages over twice the limit itself; between the two they are counted
@@ -149,6 +147,7 @@ class IngestSource(Worker):
         self._warned: set = set()  # what was logged once (see _warn_once)
         self._socket = None
 
+    name = NAME
     thread_name = "kvscope-ingest"
 
     def prepare(self) -> None:
@@ -166,7 +165,7 @@ class IngestSource(Worker):
         except zmq.ZMQError:
             self._socket.close()
             raise
-        self.pipeline.set_source_up(NAME, True)
+        self.report_up(True)
 
     def run(self) -> None:
         """Receive and fold, oldest first, until stopping; then fold what was received.
@@ -194,11 +193,7 @@ class IngestSource(Worker):
                     data = received.popleft()
                     self._received_bytes -= len(data) + MESSAGE_OVERHEAD
                     self._progress.took()
-                try:
-                    self.handle(data.buffer)
-                except Exception:  # noqa: BLE001 (counted and logged; ingest goes on)
-                    self.pipeline.drop(NAME, "malformed")
-                    self.log_bug("handling a message")
+                self.guarded(self.handle, data.buffer)
         finally:
             self._progress.stop()
             watcher.join()

@@ -86,8 +86,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvscope import events as ev
 from kvscope.agent.sections import Section, TierSize, tier_keys, zmq_endpoint
-from kvscope.agent.sources.base import Consumer, SourceSpec, register
-from kvscope.agent.worker import Worker
+from kvscope.agent.sources.base import Consumer, SourceSpec, SourceWorker, register
 from kvscope.vocabulary import LOCAL_TIERS, VLLM_MEDIUM_TIER
 
 log = logging.getLogger(__name__)
@@ -284,7 +283,7 @@ def describe_endpoint(endpoint: str) -> str:
             f"\"{vllm}\" (with * or :: vLLM binds as well and nothing arrives)")
 
 
-class KvEventsSource(Worker):
+class KvEventsSource(SourceWorker):
     """Subscribes to ``endpoint`` and feeds ``pipeline``. ``replay_endpoint``: vLLM's replay
     ROUTER (None: gaps are only counted). ``topic``: vLLM's ``topic`` (prefix match).
     ``replay_timeout``: seconds one replay may take. ``overlap_check``: seconds between
@@ -298,8 +297,7 @@ class KvEventsSource(Worker):
                  residency: KvResidency | None = None, replay_timeout: float = 2.0,
                  overlap_check: float = 5.0,
                  clock: Callable[[], float] = time.time) -> None:
-        super().__init__()
-        self.pipeline = pipeline
+        super().__init__(pipeline)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
@@ -320,6 +318,7 @@ class KvEventsSource(Worker):
         self._monitor = None
         self._peers = 0  # publishers connected
 
+    name = NAME
     thread_name = "kvscope-kv-events"
 
     def describe(self) -> str:
@@ -357,7 +356,7 @@ class KvEventsSource(Worker):
         # Up while vLLM's publisher is connected: a SUB socket receives nothing, silently, from
         # an endpoint nobody publishes on, so the connection events are the only sign.
         self._monitor = sock.get_monitor_socket(_PEER_EVENTS)
-        self.pipeline.set_source_up(NAME, False)
+        self.report_up(False)
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -380,11 +379,7 @@ class KvEventsSource(Worker):
                         frames = self._socket.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    try:
-                        self.handle(frames)
-                    except Exception:  # noqa: BLE001 (counted and logged; the source goes on)
-                        self.pipeline.drop(NAME, "malformed")
-                        self.log_bug("handling a message")
+                    self.guarded(self.handle, frames)
         finally:
             self._socket.disable_monitor()
             self._monitor.close()
@@ -396,7 +391,7 @@ class KvEventsSource(Worker):
         if (self._peers > 0) != was_up:
             log.info("kvscope kv_events: %s vLLM's publisher at %s",
                      "lost" if was_up else "connected to", self.endpoint)
-            self.pipeline.set_source_up(NAME, not was_up)
+            self.report_up(not was_up)
 
     def handle(self, frames: list[bytes]) -> None:
         """One published message: check its sequence, fetch gaps, fold its events in."""

@@ -84,8 +84,8 @@ from pydantic import Field, field_validator
 
 from kvscope import events as ev
 from kvscope.agent.sections import Section, http_url
-from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register, yielded_tiers
-from kvscope.agent.worker import Worker
+from kvscope.agent.sources.base import (Built, Consumer, SourceSpec, SourceWorker, register,
+                                        yielded_tiers)
 
 log = logging.getLogger(__name__)
 NAME = "vllm_metrics"
@@ -517,7 +517,7 @@ class MetricsMapper:
                                 resident_blocks=used)]
 
 
-class VllmMetricsSource(Worker):
+class VllmMetricsSource(SourceWorker):
     """Scrapes ``url`` (vLLM's ``/metrics``) every ``interval`` seconds into ``pipeline``.
     ``timeout``: seconds a scrape may take in all, headers included.
     ``span_ttft``, ``span_wait``: see the module (TTFT from spans or from the histogram).
@@ -527,8 +527,7 @@ class VllmMetricsSource(Worker):
                  interval: float = 5.0, timeout: float = 3.0, mapper: MetricsMapper | None = None,
                  clock: Callable[[], float] = time.time,
                  span_ttft: Callable[[], float] | None = None, span_wait: float = 6.0) -> None:
-        super().__init__()
-        self.pipeline = pipeline
+        super().__init__(pipeline)
         self.url = url
         self.interval = interval
         self.mapper = mapper or MetricsMapper()
@@ -580,7 +579,7 @@ class VllmMetricsSource(Worker):
         self._scraped = now
         if events:
             self.pipeline.ingest(NAME, events)
-        self.pipeline.set_source_up(NAME, True)
+        self.report_up(True)
         return True
 
     def _fetch(self) -> str:
@@ -611,7 +610,7 @@ class VllmMetricsSource(Worker):
         self.failures += 1
         if self.failures == 1:
             log.warning("vLLM metrics at %s %s", self.url, why)
-        self.pipeline.set_source_up(NAME, False)
+        self.report_up(False)
         return False
 
     def _released(self, now: float) -> list[ev.LatencyHistogram]:
@@ -623,11 +622,12 @@ class VllmMetricsSource(Worker):
                 out.append(hist)
         return out
 
+    name = NAME
     thread_name = "kvscope-vllm-metrics"
 
     def prepare(self) -> None:
         self.pipeline.expect_drops(NAME, ("invalid",))
-        self.pipeline.set_source_up(NAME, False)
+        self.report_up(False)
 
     def run(self) -> None:
         self.scrape_once()
