@@ -9,6 +9,7 @@ import sys
 import threading
 
 from kvscope.agent.config import AgentSettings, ConfigError
+from kvscope.agent.sources import REGISTRY as SOURCES
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
 from kvscope.service.server import ApiServer, bind, url
@@ -65,16 +66,8 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
         raise
     base = url(settings.host, settings.port, "")
     print(f"kvscope agent: {base}/metrics  {base}/api/v1/summary  (docs: {base}/docs)", file=out)
-    if agent.ingest is not None:
-        print(f"  ingest: {settings.ingest.endpoint}", file=out)
-    if agent.kv_events is not None:
-        print(f"  kv_events: {agent.kv_events.describe()}", file=out)
-    if agent.vllm_metrics is not None:
-        print(f"  vllm_metrics: {settings.vllm_metrics.url} every "
-              f"{settings.vllm_metrics.interval:g} s", file=out)
-    if agent.otlp_receiver is not None:
-        print(f"  otlp receiver: {base}/v1/traces (joins source "
-              f"{settings.otlp_receiver.source!r})", file=out)
+    for name, part in agent.sources.items():
+        print("  " + SOURCES[name].banner(getattr(settings, name), part, base), file=out)
     if settings.store_dir:
         print(f"  store: {settings.store_dir} ({len(agent.pipeline.requests)} requests restored)",
               file=out)

@@ -118,7 +118,9 @@ class SourceSpec:
     source that reports under one name, that name. ``config``: the table's model (with an
     ``enabled`` field). ``build(config, consumer, built)``: the source; ``built``: every
     source's config and the sources built before it (:class:`Built`). ``describe(config)``:
-    what an error that it cannot start names (e.g. its endpoint). ``tiers(config)``: the tiers it
+    what an error that it cannot start names (e.g. its endpoint). ``banner(config, part,
+    base_url)``: its line in the agent's start-up banner (``base_url``: the agent's, for a
+    route it serves). ``tiers(config)``: the tiers it
     reports itself (residency, transfers into them, evictions from them), when config says;
     ``yields_to``: sources whose tiers it leaves to them (so two never count one tier twice).
     """
@@ -127,6 +129,7 @@ class SourceSpec:
     config: type[Section]
     build: Callable[[Section, Consumer, Built], Part]
     describe: Callable[[Section], str] = lambda config: ""
+    banner: Callable[[Section, Part, str], str] = lambda config, part, base_url: ""
     tiers: Callable[[Section], Iterable[str]] = lambda config: ()
     yields_to: tuple[str, ...] = ()
 

@@ -383,4 +383,5 @@ register(SourceSpec(
     lambda config, consumer, built: IngestSource(consumer, config.endpoint,
                                                  max_batch_bytes=config.max_batch_bytes,
                                                  max_sources=config.max_sources),
-    describe=lambda config: f"ingest endpoint {config.endpoint}"))
+    describe=lambda config: f"ingest endpoint {config.endpoint}",
+    banner=lambda config, part, base_url: f"ingest: {config.endpoint}"))

@@ -589,4 +589,5 @@ register(SourceSpec(
         consumer, config.endpoint, replay_endpoint=config.replay_endpoint, topic=config.topic,
         residency=KvResidency(config.block_bytes, config.capacity_blocks, tiers=config.tiers)),
     describe=lambda config: f"kv_events endpoint {config.endpoint}",
+    banner=lambda config, part, base_url: f"kv_events: {part.describe()}",
     tiers=lambda config: config.tiers))

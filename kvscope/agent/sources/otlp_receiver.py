@@ -390,4 +390,6 @@ class OtlpReceiverConfig(Section):
 register(SourceSpec(
     "otlp_receiver", OtlpReceiverConfig,
     lambda config, consumer, built: OtlpReceiver(consumer, config.source, config.wait_seconds),
-    describe=lambda config: "otlp_receiver"))
+    describe=lambda config: "otlp_receiver",
+    banner=lambda config, part, base_url: (f"otlp receiver: {base_url}/v1/traces (joins source "
+                                           f"{config.source!r})")))

@@ -662,5 +662,7 @@ def _build(config: VllmMetricsConfig, consumer: Consumer, built: Built) -> VllmM
 
 
 # what the KV events source reports, this one leaves out (else counted twice)
-SPEC = register(SourceSpec(NAME, VllmMetricsConfig, _build, describe=lambda config: NAME,
-                           tiers=lambda config: ("cpu",), yields_to=("kv_events",)))
+SPEC = register(SourceSpec(
+    NAME, VllmMetricsConfig, _build, describe=lambda config: NAME,
+    banner=lambda config, part, base_url: f"{NAME}: {config.url} every {config.interval:g} s",
+    tiers=lambda config: ("cpu",), yields_to=("kv_events",)))
