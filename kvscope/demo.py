@@ -99,10 +99,12 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     server.start()
     api_url = url(config.host, config.metrics_port, "")
     try:
+        # the agent takes KVSCOPE_TOKEN from the environment: its dashboard must send it
         dashboard = serve_dashboard(create_dashboard(api_url, sizing_trace=config.trace,
                                                        sizing_preset=preset.name,
                                                        sizing_gpu_tokens=config.gpu_blocks
-                                                       * block_tokens),
+                                                       * block_tokens,
+                                                       token=agent.settings.token),
                                     config.host, config.ui_port, "--ui-port")
     except PortInUse:
         server.shutdown()

@@ -158,18 +158,19 @@ def _stop(proc: subprocess.Popen) -> int | None:
         return None
 
 
-@pytest.fixture(scope="session")
-def demo() -> Iterator[Demo]:
-    """Session-wide `kvscope demo` on free loopback ports; asserts it stops cleanly on Ctrl-C."""
+@contextlib.contextmanager
+def running_demo(env: dict[str, str] | None = None, log_name: str = "demo.log") -> Iterator[Demo]:
+    """A real `kvscope demo` on free loopback ports (``env``: extra environment), until it is
+    stopped with Ctrl-C afterwards; asserts it stops cleanly."""
     metrics_port, ui_port = free_ports(2)
-    log_path = artifacts_dir() / "demo.log"
+    log_path = artifacts_dir() / log_name
     cmd = [
         sys.executable, "-m", "kvscope", "demo",
         "--duration", str(DEMO_DURATION_S),
         "--metrics-port", str(metrics_port),
         "--ui-port", str(ui_port),
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "wb") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
@@ -193,6 +194,13 @@ def demo() -> Iterator[Demo]:
         f"kvscope demo did not stop within {DEMO_STOP_TIMEOUT_S:.0f}s of SIGINT; killed:\n{d.log_tail()}"
     )
     assert rc == 0, f"kvscope demo exited with code {rc} after SIGINT (want 0):\n{d.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def demo() -> Iterator[Demo]:
+    """Session-wide `kvscope demo` on free loopback ports; asserts it stops cleanly on Ctrl-C."""
+    with running_demo() as d:
+        yield d
 
 
 PROMETHEUS = "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else shutil.which("prometheus")

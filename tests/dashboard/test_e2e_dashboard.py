@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, http_status, running_demo
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -180,7 +180,7 @@ def _first_request(demo) -> dict:
 
 def test_selecting_a_request_opens_its_waterfall(demo, browser):
     browser.get(demo.ui_url + "requests")
-    cell = 'td[data-dash-column="request_id"]'
+    cell = '.ag-cell[col-id="request_id"]'  # AG Grid's cells
     try:
         wait_for(browser, lambda: browser.find_elements("css selector", cell), "table rows")
         browser.find_elements("css selector", cell)[0].click()
@@ -205,6 +205,87 @@ def test_deep_link_opens_a_request(demo, browser):
     finally:
         screenshot(browser, "dashboard-request-deep-link")
     assert trace[0].text == record["trace_id"]
+    assert not console_errors(browser)
+
+
+# The Requests grid as the page shows it: the page the paginator is on, its page size, the
+# rows drawn, and each row after AG Grid's filter and sort as [request id, TTFT (ms)].
+GRID_JS = """
+const api = dash_ag_grid.getApi('requests-table');
+const rows = [];
+api.forEachNodeAfterFilterAndSort(n => rows.push([n.data.request_id, n.data.ttft_ms]));
+const shown = Array.from(document.querySelectorAll(
+  '#requests-table .ag-center-cols-container .ag-row'));
+return {page: api.paginationGetCurrentPage(), pageSize: api.paginationGetPageSize(),
+        rows: rows, shown: shown.length};
+"""
+# The grid's row style for the request arguments[0] (its background), and the ids of the other
+# rows that have one.
+ROW_STYLE_JS = """
+const api = dash_ag_grid.getApi('requests-table');
+const style = api.getGridOption('getRowStyle');
+const out = {yes: null, others: []};
+api.forEachNode(n => {
+  const s = style ? style({data: n.data, node: n, api: api}) : null;
+  const bg = s && s.backgroundColor;
+  if (n.data.request_id === arguments[0]) { out.yes = bg || null; }
+  else if (bg) { out.others.push(n.data.request_id); }
+});
+return out;
+"""
+
+
+def _grid(browser) -> dict:
+    return browser.execute_script(GRID_JS)
+
+
+def test_requests_grid_sorts_filters_pages_and_highlights(demo, browser):
+    """The Requests grid keeps what the DataTable did: 15 rows a page, the page kept across
+    refreshes; sorting by TTFT asks the agent (the first row is the slowest of its whole
+    table); "> X" under TTFT (ms) filters the rows; the deep-linked request's row is marked."""
+    browser.get(demo.ui_url + "requests")
+    try:
+        grid = wait_for(browser, lambda: (g := _grid(browser)) and len(g["rows"]) > 30 and g,
+                        "more than two pages of rows")
+        assert grid["pageSize"] == 15 and grid["shown"] == 15 and grid["page"] == 0
+        newest = grid["rows"][0][0]  # still in the latest 500 when the deep link opens it
+        browser.find_element("css selector", '#requests-table [aria-label="Next Page"]').click()
+        time.sleep(5)  # two refreshes (every 2 s) bring new rows
+        assert _grid(browser)["page"] == 1
+
+        ttft_header = '#requests-table .ag-header-cell[col-id="ttft_ms"] .ag-header-cell-label'
+        browser.find_element("css selector", ttft_header).click()  # ascending
+        browser.find_element("css selector", ttft_header).click()  # descending
+
+        def slowest_first():
+            with urllib.request.urlopen(f"{demo.api_url}/api/v1/requests?limit=1&sort=ttft"
+                                        f"&order=desc", timeout=5) as resp:
+                slowest = json.load(resp)["requests"][0]
+            rows = _grid(browser)["rows"]
+            return rows and rows[0][1] == round(slowest["ttft"] * 1000, 2) and rows
+
+        rows = wait_for(browser, slowest_first, "the agent's slowest request first")
+        ttfts = [t for _, t in rows]
+        assert ttfts == sorted(ttfts, reverse=True)
+
+        cut = ttfts[len(ttfts) // 2]
+        header = browser.find_element("css selector",
+                                      '#requests-table .ag-header-cell[col-id="ttft_ms"]')
+        column = header.get_attribute("aria-colindex")
+        floating = browser.find_element(
+            "css selector", f'#requests-table .ag-floating-filter[aria-colindex="{column}"] input')
+        floating.send_keys(f"> {cut}")
+        filtered = wait_for(browser, lambda: (r := _grid(browser)["rows"]) and
+                            all(t is not None and t > cut for _, t in r) and r,
+                            f"only rows with TTFT > {cut} ms")
+        assert 0 < len(filtered) < len(rows)
+
+        browser.get(f"{demo.ui_url}requests?id={newest}")
+        wait_for(browser, lambda: browser.execute_script(ROW_STYLE_JS, newest)
+                 == {"yes": "#fff3c4", "others": []},
+                 "the deep-linked request's row marked, and no other")
+    finally:
+        screenshot(browser, "dashboard-requests-grid")
     assert not console_errors(browser)
 
 
@@ -244,6 +325,19 @@ def test_dead_agent_shows_unreachable_not_a_traceback(browser):
         assert not console_errors(browser)
     finally:
         handle.shutdown()
+
+
+def test_a_demo_with_a_token_shows_its_overview(browser):
+    """With KVSCOPE_TOKEN set the demo's agent demands the token (401 without it), and its own
+    dashboard sends it: the Overview draws, not "agent unreachable: HTTP 401"."""
+    with running_demo(env={"KVSCOPE_TOKEN": "demo-token-4f2a"}, log_name="demo-token.log") as d:
+        assert http_status(f"{d.api_url}/api/v1/summary") == 401
+        browser.get(d.ui_url)
+        try:
+            wait_for_points(browser, ["hit-quality", "tier-residency"])
+        finally:
+            screenshot(browser, "dashboard-demo-token")
+        assert "unreachable" not in status_text(browser, "overview-status")
 
 
 def _compare_captures(tmp_path) -> tuple[str, str]:
