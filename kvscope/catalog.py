@@ -143,6 +143,11 @@ HOST_MEMORY_HEADROOM_BYTES = _gauge("kvscope_host_memory_headroom_bytes",
 OFFLOAD_BUDGET_BYTES = _gauge("kvscope_offload_budget_bytes",
     "Bytes the operator reserved for an offload tier (e.g. vLLM cpu_bytes_to_use).",
     ["tier"], "bytes")
+HOST_NUMA_NODES = _gauge("kvscope_host_numa_nodes",
+    "NUMA nodes online on the host (/sys/devices/system/node/online).")
+PROCESS_NUMA_BYTES = _gauge("kvscope_process_numa_bytes",
+    "Memory the engine process (collectors.numa engine_pid) has mapped on each NUMA node, from "
+    "/proc/<pid>/numa_maps; only with engine_pid set.", ["numa_node"], "bytes")
 
 # GPU (NVML)
 PCIE_BYTES = _counter("kvscope_pcie_bytes_total",
@@ -155,6 +160,13 @@ GPU_MEMORY_USED_BYTES = _gauge("kvscope_gpu_memory_used_bytes",
     "GPU memory in use (NVML).", ["gpu"], "bytes", gpu_only=True)
 GPU_MEMORY_TOTAL_BYTES = _gauge("kvscope_gpu_memory_total_bytes",
     "GPU memory in all (NVML).", ["gpu"], "bytes", gpu_only=True)
+GPU_TOPOLOGY_INFO = _gauge("kvscope_gpu_topology_info",
+    "Always 1; a GPU's PCIe link, current (pcie_generation, pcie_width: an idle GPU drops "
+    "to a lower generation) and maximum (pcie_max_generation, pcie_max_width), and the host "
+    "NUMA node nearest to it (numa_node: NVML's memory affinity, else the PCI device's "
+    "numa_node in sysfs); a label is empty when NVML or the kernel does not say.",
+    ["gpu", "pcie_generation", "pcie_width", "pcie_max_generation", "pcie_max_width",
+     "numa_node"], gpu_only=True)
 
 # the agent itself
 EVENTS_RECEIVED = _counter("kvscope_events_received_total",
@@ -195,8 +207,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     TIER_RESIDENT_BLOCKS, REQUESTS, TTFT_SECONDS, PROMOTION_WAIT_SECONDS, ITL_SECONDS,
     HOST_MEMORY_TOTAL_BYTES, HOST_MEMORY_AVAILABLE_BYTES, HOST_MEMORY_LIMIT_BYTES,
     HOST_SWAP_USED_BYTES, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,
-    OFFLOAD_BUDGET_BYTES, PCIE_BYTES, PCIE_LINK_MAX_BYTES_PER_SECOND, GPU_MEMORY_USED_BYTES,
-    GPU_MEMORY_TOTAL_BYTES, EVENTS_RECEIVED, EVENTS_DROPPED, OTLP_SPANS, RECORDS_DROPPED,
+    OFFLOAD_BUDGET_BYTES, HOST_NUMA_NODES, PROCESS_NUMA_BYTES, PCIE_BYTES,
+    PCIE_LINK_MAX_BYTES_PER_SECOND, GPU_MEMORY_USED_BYTES, GPU_MEMORY_TOTAL_BYTES,
+    GPU_TOPOLOGY_INFO, EVENTS_RECEIVED, EVENTS_DROPPED, OTLP_SPANS, RECORDS_DROPPED,
     TAP_ERRORS, SOURCE_UP, COLLECTOR_UP, COLLECTOR_DURATION_SECONDS, ENGINE_INFO, BUILD_INFO,
 )
 

@@ -21,11 +21,26 @@ SKELETON_NAMES = {  # fixed by the skeleton issue; never renamed
     "kvscope_host_memory_available_bytes",
 }
 BOUNDED_LABELS = {"tier", "source", "src", "dst", "reason", "engine", "model", "gpu", "direction",
-                  "collector", "result", "version", "sink"}
+                  "collector", "result", "version", "sink",
+                  # PCIe generations (1-7), lane counts (1-32) and NUMA node numbers
+                  "pcie_generation", "pcie_width", "pcie_max_generation", "pcie_max_width",
+                  "numa_node"}
 
 
 class _VM:
     total, available = 16 * 2**30, 9 * 2**30
+
+
+def _numa(tmp_path) -> dict:
+    """The NUMA collector's options over a two-node sysfs and a /proc holding engine process
+    4242: 16 pages of heap on node 0, a 1 MiB pool (256 pages of 4 KiB) bound to node 1."""
+    (tmp_path / "node").mkdir()
+    (tmp_path / "node" / "online").write_text("0-1\n")
+    (tmp_path / "proc" / "4242").mkdir(parents=True)
+    (tmp_path / "proc" / "4242" / "numa_maps").write_text(
+        "00e4f000 default heap anon=16 dirty=16 N0=16 kernelpagesize_kB=4\n"
+        "7f0000000000 bind:1 anon=256 dirty=256 N1=256 kernelpagesize_kB=4\n")
+    return {"engine_pid": 4242, "node_root": tmp_path / "node", "proc": tmp_path / "proc"}
 
 
 def test_names_follow_prometheus_conventions():
@@ -43,8 +58,9 @@ def test_names_follow_prometheus_conventions():
 
 def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     # psutil injected to fix the numbers; an empty cgroup root means no cgroup limit
-    collectors = CollectorSet(["host"], {"host": {"virtual_memory": lambda: _VM, "cgroup_root": tmp_path,
-                                                   "budgets": {"cpu": 2**30}}})
+    collectors = CollectorSet(["host", "numa"], {"host": {"virtual_memory": lambda: _VM, "cgroup_root": tmp_path,
+                                                           "budgets": {"cpu": 2**30}},
+                                                  "numa": _numa(tmp_path)})
     agent = Agent(with_ingest=False, collectors=collectors)
     agent.pipeline.ingest("engine", [
         ev.RequestStarted(ts=0.0, request_id="r", prompt_tokens=8, trace_id="cd" * 16),
@@ -82,6 +98,8 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     assert value("kvscope_transfer_seconds_bucket", {"src": "cpu", "dst": "gpu", "le": "0.001"}) == 1
     assert value("kvscope_tier_resident_bytes", {"tier": "cpu"}) == 64
     assert value("kvscope_host_memory_available_bytes") == 9 * 2**30
+    assert value("kvscope_host_numa_nodes") == 2
+    assert value("kvscope_process_numa_bytes", {"numa_node": "1"}) == 2**20
     assert value("kvscope_ttft_seconds_count") == 1
     # its mean inter-token latency, 20 ms, in the (10, 25] ms bucket
     assert value("kvscope_itl_seconds_bucket", {"le": "0.01"}) == 0
@@ -101,15 +119,18 @@ GOLDEN = ROOT / "tests" / "data" / "golden_metrics.txt"
 
 
 def _golden_agent(tmp_path) -> Agent:
-    """An agent with host readings and collector timings fixed, after a fixed event sequence
+    """An agent with host and NUMA readings and collector timings fixed, after a fixed event sequence
     from two sources: a vLLM-like tap (tiers gpu and cpu, a failed offload, a sampled eviction,
     tap errors) and the reference engine (a disk tier, a dropped block, a request with
     promotion wait and ITL)."""
     swap = SimpleNamespace(used=2**20)  # psutil's swap_memory() of a host with 1 MiB swapped
-    collectors = CollectorSet(["host"], {"host": {"virtual_memory": lambda: _VM,
-                                                  "swap_memory": lambda: swap,
-                                                  "cgroup_root": tmp_path,
-                                                  "budgets": {"cpu": 2**30}}}, clock=lambda: 1.0)
+    collectors = CollectorSet(["host", "numa"], {"host": {"virtual_memory": lambda: _VM,
+                                                          "swap_memory": lambda: swap,
+                                                          "cgroup_root": tmp_path,
+                                                          "budgets": {"cpu": 2**30}},
+                                                 "numa": {**_numa(tmp_path),
+                                                          "page_size": lambda: 4096}},
+                              clock=lambda: 1.0)
     agent = Agent(with_ingest=False, collectors=collectors)
     p = agent.pipeline
     p.ingest("vllm", [

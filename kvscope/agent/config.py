@@ -17,6 +17,9 @@ Example TOML (every key optional)::
 
     [collectors.gpu]
     enabled = false
+
+    [collectors.numa]
+    engine_pid = 12345
 """
 
 from __future__ import annotations
@@ -77,9 +80,25 @@ class GpuCollectorConfig(Section):
     enabled: bool = True
 
 
+class NumaCollectorConfig(Section):
+    """``engine_pid``: the serving engine's process, whose memory per NUMA node is read from
+    ``/proc/<pid>/numa_maps`` (None: the host's NUMA nodes only)."""
+
+    enabled: bool = True
+    engine_pid: int | None = Field(None, gt=0)
+
+    @field_validator("engine_pid", mode="before")
+    @classmethod
+    def _pid_not_boolean(cls, value):
+        if isinstance(value, bool):  # pydantic would read true as process 1
+            raise ValueError("is true or false; give a process id")
+        return value
+
+
 class CollectorsConfig(Section):
     host: HostCollectorConfig = HostCollectorConfig()
     gpu: GpuCollectorConfig = GpuCollectorConfig()
+    numa: NumaCollectorConfig = NumaCollectorConfig()
 
 
 class _Settings(BaseSettings):

@@ -10,6 +10,7 @@ structures the real library hands back.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass, field
 
@@ -17,7 +18,8 @@ import pynvml
 import pytest
 
 from kvscope.agent.collectors import CollectorSet, GpuCollector
-from kvscope.agent.collectors.gpu import advance_counter, link_max_bytes_per_second
+from kvscope.agent.collectors.gpu import (advance_counter, link_max_bytes_per_second,
+                                          parse_numa_node, sysfs_bus_id)
 from kvscope.agent.collectors.metrics import collector_samples
 
 GiB = 2**30
@@ -57,7 +59,8 @@ def test_real_pynvml_without_driver_is_down_with_one_log_line(caplog):
     assert [labels for labels, _ in samples["kvscope_collector_duration_seconds"]] == [["gpu"],
                                                                                        ["host"]]
     for metric in ("kvscope_pcie_bytes_total", "kvscope_pcie_link_max_bytes_per_second",
-                   "kvscope_gpu_memory_used_bytes", "kvscope_gpu_memory_total_bytes"):
+                   "kvscope_gpu_memory_used_bytes", "kvscope_gpu_memory_total_bytes",
+                   "kvscope_gpu_topology_info"):
         assert samples[metric] == []
     assert samples["kvscope_host_memory_reserve_bytes"] == [([], GiB)]
     collectors.shutdown()
@@ -114,6 +117,8 @@ class FakeGpu:
     used: int = 10 * GiB
     total: int = 80 * GiB
     lost: bool = False
+    memory_nodes: tuple[int, ...] | None = None  # nearest memory nodes; None: NOT_SUPPORTED
+    bus_id: str | None = None  # NVML's form, "00000000:3B:00.0"; None: NOT_SUPPORTED
 
 
 class StandInNvml:
@@ -191,6 +196,20 @@ class StandInNvml:
 
     def nvmlDeviceGetPcieThroughput(self, device, counter):
         return self._maybe(self._live(device).throughput.get(counter))
+
+    def nvmlDeviceGetMemoryAffinity(self, handle, nodeSetSize, scope):
+        nodes = self._maybe(self._live(handle).memory_nodes)
+        if scope != pynvml.NVML_AFFINITY_SCOPE_NODE:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        mask = (ctypes.c_ulonglong * nodeSetSize)()  # pynvml's return type
+        for node in nodes:
+            mask[node // 64] |= 1 << (node % 64)
+        return mask
+
+    def nvmlDeviceGetPciInfo(self, handle):
+        info = pynvml.nvmlPciInfo_t()
+        info.busId = self._maybe(self._live(handle).bus_id).encode()
+        return info
 
 
 class Clock:
@@ -302,3 +321,58 @@ def test_shutdown_without_collect_does_not_touch_nvml():
     collector.shutdown()
     collector.shutdown()
     assert (nvml.inits, nvml.shutdowns) == (0, 0)
+
+
+# ---- topology: link and NUMA node ---------------------------------------------------------------
+
+def test_sysfs_bus_id_and_numa_node_text():
+    assert sysfs_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
+    assert sysfs_bus_id("00000001:C1:1F.7\n") == "0001:c1:1f.7"
+    assert sysfs_bus_id("") is None and sysfs_bus_id("3B:00.0") is None
+    assert parse_numa_node("1\n") == 1
+    assert parse_numa_node("-1\n") is None   # the platform ties the device to no node
+    assert parse_numa_node("") is None
+
+
+def _pci_tree(root, nodes: dict[str, str]):
+    """/sys/bus/pci/devices as the kernel lays it out: one directory per bus id with its
+    numa_node file."""
+    for bus_id, node in nodes.items():
+        (root / bus_id).mkdir(parents=True)
+        (root / bus_id / "numa_node").write_text(node + "\n")
+    return root
+
+
+def test_topology_info_per_gpu(tmp_path):
+    """GPU 0: NVML's memory affinity names node 65 alone (bit 1 of the second 64-bit word).
+    GPU 1: affinity names nodes 0 and 1, so the kernel's numa_node of its PCI device decides:
+    0000:3b:00.0 -> 0. GPU 2: no affinity; its device's numa_node is -1 (no node): empty.
+    GPU 3: neither source (and no link figures): every unknown label is empty."""
+    gpus = [FakeGpu(memory_nodes=(65,), gen=5, width=16, max_gen=5, max_width=16),
+            FakeGpu(memory_nodes=(0, 1), bus_id="00000000:3B:00.0", gen=1, width=16),
+            FakeGpu(bus_id="00000000:86:00.0", gen=4, width=8, max_width=16),
+            FakeGpu(gen=None, width=None, max_gen=None, max_width=None)]
+    pci = _pci_tree(tmp_path / "devices", {"0000:3b:00.0": "0", "0000:86:00.0": "-1"})
+    collectors = CollectorSet(["gpu"], {"gpu": {"nvml": StandInNvml(gpus), "clock": Clock(),
+                                                "pci_devices": pci}})
+    reading = collectors.collect()["gpu"].reading
+    assert [d.numa_node for d in reading.gpus] == [65, 0, None, None]
+    assert [(d.link_max_generation, d.link_max_width) for d in reading.gpus] == [
+        (5, 16), (4, 16), (4, 16), (None, None)]
+    s = {spec.name: v for spec, v in collector_samples(collectors.collect()).items()}
+    # labels: gpu, pcie_generation, pcie_width, pcie_max_generation, pcie_max_width, numa_node
+    assert s["kvscope_gpu_topology_info"] == [
+        (["0", "5", "16", "5", "16", "65"], 1.0),
+        (["1", "1", "16", "4", "16", "0"], 1.0),
+        (["2", "4", "8", "4", "16", ""], 1.0),
+        (["3", "", "", "", "", ""], 1.0)]
+
+
+def test_topology_without_pci_devices_leaves_the_node_unknown(tmp_path):
+    """A bus id the sysfs tree does not hold (a container without the host's /sys): no node,
+    the collector still up."""
+    nvml = StandInNvml([FakeGpu(bus_id="00000000:3B:00.0")])
+    collectors = CollectorSet(["gpu"], {"gpu": {"nvml": nvml, "clock": Clock(),
+                                                "pci_devices": tmp_path / "absent"}})
+    result = collectors.collect()["gpu"]
+    assert result.up and result.reading.gpus[0].numa_node is None

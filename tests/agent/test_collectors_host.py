@@ -235,7 +235,7 @@ def test_from_config_sections(tmp_path):
     collectors = CollectorSet.from_config(config, overrides={"host": {
         "virtual_memory": _vm(64 * GiB, 40 * GiB), "swap_memory": _swap(),
         "cgroup_root": tmp_path}})
-    assert collectors.names == ["host"]
+    assert collectors.names == ["host", "numa"]  # numa has no section: on, its default
     r = collectors.reading("host")
     assert (r.headroom, r.budgets) == (32 * GiB, {"cpu": 16 * GiB})
     assert collectors.reading("gpu") is None

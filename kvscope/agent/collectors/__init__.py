@@ -1,4 +1,4 @@
-"""Collectors: read the node (host memory, GPUs) at scrape time.
+"""Collectors: read the node (host memory, GPUs, NUMA placement) at scrape time.
 
 Each collector module registers itself by name (``base.register``, node_exporter's
 ``registerCollector``) with a default-enabled flag; ``CollectorSet`` builds the enabled ones from
@@ -18,10 +18,11 @@ from kvscope.agent.collectors.base import (REGISTRY, Collector, CollectorError, 
                                            NoDataError, UnknownCollectorError, register)
 from kvscope.agent.collectors.gpu import GpuCollector, GpuDevice, GpuReading
 from kvscope.agent.collectors.host import HostCollector, HostReading
+from kvscope.agent.collectors.numa import NumaCollector, NumaReading
 
 __all__ = ["REGISTRY", "CollectorError", "CollectorResult", "CollectorSet", "GpuCollector",
            "GpuDevice", "GpuReading", "HostCollector", "HostReading", "NoDataError",
-           "UnknownCollectorError", "default_enabled", "register", "resolve_enabled"]
+           "NumaCollector", "NumaReading", "UnknownCollectorError", "default_enabled", "register", "resolve_enabled"]
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 from kvscope.agent.collectors.base import CollectorError, NoDataError, register
@@ -30,6 +31,8 @@ PCIE_GENERATIONS: dict[int, tuple[float, int, int]] = {
 THROUGHPUT_UNIT_BYTES = 1024  # nvmlDeviceGetPcieThroughput reports "KB/s"; read as KiB/s
 RESET_SLACK = 2.0  # a decrease implying more than this x the link's maximum is a reset, not a wrap
 DIRECTIONS = ("tx", "rx")
+DEFAULT_PCI_DEVICES = Path("/sys/bus/pci/devices")
+AFFINITY_WORDS = 16  # 64-bit words of the node mask asked of NVML: nodes 0 to 1023
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,33 @@ def advance_counter(previous: int, raw: int, bits: int,
     return wrapped, False
 
 
+def sysfs_bus_id(nvml_bus_id: str) -> str | None:
+    """NVML's PCI bus id (``domain:bus:device.function`` in hex, the domain in 8 digits:
+    ``"00000000:3B:00.0"``) as sysfs names the device under ``/sys/bus/pci/devices``
+    (``"0000:3b:00.0"``: lower case, the domain in 4 digits); None when it is no bus id."""
+    try:
+        domain, bus, slot = nvml_bus_id.strip().split(":")
+        device, function = slot.split(".")
+        return (f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(device, 16):02x}."
+                f"{int(function, 16):x}")
+    except ValueError:
+        return None
+
+
+def parse_numa_node(text: str) -> int | None:
+    """A PCI device's sysfs ``numa_node`` -> the node, or None for ``-1`` (the platform ties the
+    device to no node) or anything that is no node number."""
+    try:
+        node = int(text.strip())
+    except ValueError:
+        return None
+    return node if node >= 0 else None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("ascii", "replace") if isinstance(value, bytes) else value
+
+
 @dataclass(frozen=True)
 class GpuDevice:
     """One GPU. ``gpu``: NVML index as a string ("0", "1", ...).
@@ -70,6 +100,9 @@ class GpuDevice:
     "counter" | "throughput"] (throughput: integrated estimate). ``link_generation``,
     ``link_width``: the current link (GPUs drop to a lower generation when idle).
     ``link_max_bytes_per_second``: that link's one-direction maximum, bytes/s, or None.
+    ``link_max_generation``, ``link_max_width``: the most the link can run at.
+    ``numa_node``: the host NUMA node nearest to the GPU (:func:`gpu_numa_node`), or None when
+    unknown or the platform has none.
     ``memory_used_bytes``/``memory_total_bytes``: NVML memory info, bytes."""
 
     gpu: str
@@ -81,6 +114,9 @@ class GpuDevice:
     link_generation: int | None = None
     link_width: int | None = None
     link_max_bytes_per_second: float | None = None
+    link_max_generation: int | None = None
+    link_max_width: int | None = None
+    numa_node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +153,8 @@ class GpuCollector:
 
     ``nvml``: a module with pynvml's interface (default: the real ``pynvml``, imported on first
     use). ``clock``: monotonic seconds, for the throughput fallback and the reset bound.
+    ``pci_devices``: where sysfs lists PCI devices (``/sys/bus/pci/devices``), for a GPU's NUMA
+    node when NVML does not give it.
     ``collect()`` raises NoDataError without a driver or without nvidia-ml-py, CollectorError when
     NVML fails otherwise. ``shutdown()`` calls ``nvmlShutdown`` once per successful init; safe
     twice and without a read."""
@@ -124,9 +162,11 @@ class GpuCollector:
     name = "gpu"
 
     def __init__(self, nvml: ModuleType | object | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 pci_devices: Path | str = DEFAULT_PCI_DEVICES) -> None:
         self._nvml = nvml
         self._clock = clock
+        self._pci_devices = Path(pci_devices)
         self._initialized = False
         self._counters: dict[tuple[str, str], _Counter] = {}
 
@@ -169,7 +209,10 @@ class GpuCollector:
         width = self._optional(nvml, nvml.nvmlDeviceGetCurrPcieLinkWidth, handle)
         link_max = (link_max_bytes_per_second(generation, width)
                     if generation is not None and width is not None else None)
-        bound = self._capability(nvml, handle) or link_max
+        max_generation, max_width = self._capability(nvml, handle)
+        capability = (link_max_bytes_per_second(max_generation, max_width)
+                      if max_generation is not None and max_width is not None else None)
+        bound = capability or link_max
         raw = self._field_counters(nvml, handle)
         totals, sources = {}, {}
         for direction in DIRECTIONS:
@@ -186,7 +229,9 @@ class GpuCollector:
                          memory_total_bytes=int(memory.total), pcie_tx_bytes=totals.get("tx"),
                          pcie_rx_bytes=totals.get("rx"), pcie_source=sources or None,
                          link_generation=generation, link_width=width,
-                         link_max_bytes_per_second=link_max)
+                         link_max_bytes_per_second=link_max,
+                         link_max_generation=max_generation, link_max_width=max_width,
+                         numa_node=self._numa_node(nvml, handle))
 
     @staticmethod
     def _optional(nvml, fn, *args):
@@ -199,18 +244,47 @@ class GpuCollector:
                 return None
             raise
 
-    def _capability(self, nvml, handle) -> float | None:
-        """The most the link can ever carry (max generation x max width), bytes/s: the bound for
-        telling a wrap from a reset, since the current link drops a generation when idle."""
+    def _capability(self, nvml, handle) -> tuple[int | None, int | None]:
+        """The most the link can run at: (max generation, max width), each None when NVML does
+        not say. Their product bounds a wrap against a reset, since the current link drops a
+        generation when idle."""
         get_gen = getattr(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", None)
         get_width = getattr(nvml, "nvmlDeviceGetMaxPcieLinkWidth", None)
-        if get_gen is None or get_width is None:
+        generation = self._optional(nvml, get_gen, handle) if get_gen else None
+        width = self._optional(nvml, get_width, handle) if get_width else None
+        return generation, width
+
+    def _numa_node(self, nvml, handle) -> int | None:
+        """The host NUMA node nearest to the GPU, or None when neither source says.
+
+        First NVML's memory affinity at node scope (``nvmlDeviceGetMemoryAffinity``: a mask of
+        the nodes whose memory is nearest, nvml.h), when it names exactly one node; else the
+        kernel's ``numa_node`` of the GPU's PCI device (``<pci_devices>/<bus id>/numa_node``,
+        -1: no node). ``nvmlDeviceGetNumaNodeId`` is not used: nvml.h says it "only applies to
+        platforms where the GPUs are NUMA nodes", and there it names the GPU's own memory node,
+        not the host memory beside it."""
+        # a label: any NVML error here leaves it unknown rather than failing the collector
+        try:
+            get_affinity = getattr(nvml, "nvmlDeviceGetMemoryAffinity", None)
+            mask = get_affinity(handle, AFFINITY_WORDS,
+                                getattr(nvml, "NVML_AFFINITY_SCOPE_NODE", 0)) if get_affinity else ()
+        except nvml.NVMLError:
+            mask = ()
+        nodes = [64 * i + bit for i, word in enumerate(mask) for bit in range(64)
+                 if int(word) >> bit & 1]
+        if len(nodes) == 1:
+            return nodes[0]
+        try:
+            get_pci = getattr(nvml, "nvmlDeviceGetPciInfo", None)
+            bus_id = sysfs_bus_id(_text(get_pci(handle).busId)) if get_pci else None
+        except nvml.NVMLError:
+            bus_id = None
+        if bus_id is None:
             return None
-        generation = self._optional(nvml, get_gen, handle)
-        width = self._optional(nvml, get_width, handle)
-        if generation is None or width is None:
+        try:
+            return parse_numa_node((self._pci_devices / bus_id / "numa_node").read_text())
+        except OSError:  # no such device here (a container without /sys), or unreadable
             return None
-        return link_max_bytes_per_second(generation, width)
 
     def _field_counters(self, nvml, handle) -> dict[str, tuple[int, int]]:
         """direction -> (raw value, bits) for each PCIe byte counter field NVML answers."""

@@ -1,4 +1,4 @@
-"""The host and GPU collectors' results as catalog samples.
+"""The node collectors' results (host, GPU, NUMA) as catalog samples.
 
 Pure: turns ``dict[name, CollectorResult]`` into catalog :data:`~kvscope.catalog.Samples`. Every
 metric this module owns is a key, with an empty list when there is nothing to report (no GPU, a
@@ -14,14 +14,15 @@ from kvscope import catalog as m
 from kvscope.agent.collectors.base import CollectorResult
 from kvscope.agent.collectors.gpu import GpuReading
 from kvscope.agent.collectors.host import HostReading
+from kvscope.agent.collectors.numa import NumaReading
 from kvscope.catalog import Samples
 
 NODE_METRICS = (
     m.HOST_MEMORY_TOTAL_BYTES, m.HOST_MEMORY_AVAILABLE_BYTES, m.HOST_MEMORY_LIMIT_BYTES,
     m.HOST_SWAP_USED_BYTES, m.HOST_MEMORY_RESERVE_BYTES, m.HOST_MEMORY_HEADROOM_BYTES,
-    m.OFFLOAD_BUDGET_BYTES, m.PCIE_BYTES, m.PCIE_LINK_MAX_BYTES_PER_SECOND,
-    m.GPU_MEMORY_USED_BYTES, m.GPU_MEMORY_TOTAL_BYTES, m.COLLECTOR_UP,
-    m.COLLECTOR_DURATION_SECONDS,
+    m.OFFLOAD_BUDGET_BYTES, m.HOST_NUMA_NODES, m.PROCESS_NUMA_BYTES, m.PCIE_BYTES,
+    m.PCIE_LINK_MAX_BYTES_PER_SECOND, m.GPU_MEMORY_USED_BYTES, m.GPU_MEMORY_TOTAL_BYTES,
+    m.GPU_TOPOLOGY_INFO, m.COLLECTOR_UP, m.COLLECTOR_DURATION_SECONDS,
 )
 
 
@@ -52,6 +53,23 @@ def _gpu(out: Samples, r: GpuReading) -> None:
             (m.GPU_MEMORY_USED_BYTES.label_values(gpu=d.gpu), float(d.memory_used_bytes)))
         out[m.GPU_MEMORY_TOTAL_BYTES].append(
             (m.GPU_MEMORY_TOTAL_BYTES.label_values(gpu=d.gpu), float(d.memory_total_bytes)))
+        out[m.GPU_TOPOLOGY_INFO].append((m.GPU_TOPOLOGY_INFO.label_values(
+            gpu=d.gpu, pcie_generation=_label(d.link_generation), pcie_width=_label(d.link_width),
+            pcie_max_generation=_label(d.link_max_generation),
+            pcie_max_width=_label(d.link_max_width), numa_node=_label(d.numa_node)), 1.0))
+
+
+def _label(value: int | None) -> str:
+    """An info label's value: empty (the label absent, to Prometheus) when unknown."""
+    return "" if value is None else str(value)
+
+
+def _numa(out: Samples, r: NumaReading) -> None:
+    if r.nodes is not None:
+        out[m.HOST_NUMA_NODES].append(([], float(len(r.nodes))))
+    for node, size in (r.engine_bytes or {}).items():
+        out[m.PROCESS_NUMA_BYTES].append(
+            (m.PROCESS_NUMA_BYTES.label_values(numa_node=str(node)), float(size)))
 
 
 def collector_samples(results: Mapping[str, CollectorResult]) -> Samples:
@@ -70,4 +88,6 @@ def collector_samples(results: Mapping[str, CollectorResult]) -> Samples:
             _host(out, result.reading)
         elif isinstance(result.reading, GpuReading):
             _gpu(out, result.reading)
+        elif isinstance(result.reading, NumaReading):
+            _numa(out, result.reading)
     return out
