@@ -3,6 +3,7 @@ one process, on loopback by default."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -86,8 +87,10 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
 
     block_bytes = preset.bytes_per_block(block_tokens)
     budgets = {"cpu": config.cpu_blocks * block_bytes, "disk": config.disk_blocks * block_bytes}
-    agent = Agent(AgentSettings(capture_dir=config.capture_dir, collectors={"host": {
-        "budgets": {tier: n for tier, n in budgets.items() if n}}}), with_ingest=False)
+    # the reference engine runs in this process: its host tiers are this process's memory
+    agent = Agent(AgentSettings(capture_dir=config.capture_dir, collectors={
+        "host": {"budgets": {tier: n for tier, n in budgets.items() if n}},
+        "numa": {"engine_pid": os.getpid()}}), with_ingest=False)
     agent.pipeline.set_source_info("engine", "kvscope-reference", preset.name)
     agent.pipeline.set_source_up("engine", True)  # the engine feeds the pipeline in-process
     server = ApiServer(create_app(agent), metrics_sock)

@@ -1,4 +1,5 @@
-"""Node: host RAM and headroom, PCIe throughput against the link maximum, GPU memory."""
+"""Node: host RAM and headroom, PCIe throughput against the link maximum, the transfer
+topology (PCIe links, NUMA placement), GPU memory."""
 
 from __future__ import annotations
 
@@ -59,6 +60,23 @@ def node(cfg: MixinConfig) -> dict:
               (Q(f"sum by (instance, src, dst) ({r.transfer_bytes_rate}{s(cfg)})",
                  "{{instance}} {{src}} → {{dst}}"),), unit="Bps", width=24),
         )),
+        Row("Topology", (
+            P("GPU topology (GPU only)", "Each GPU's PCIe link, current (an idle GPU drops to a "
+              "lower generation) and maximum, and the host NUMA node nearest to it (empty: "
+              "unknown or none). The figures above were measured on this topology.",
+              (Q(f"max by (instance, gpu, pcie_generation, pcie_width, pcie_max_generation, "
+                 f"pcie_max_width, numa_node) (kvscope_gpu_topology_info{s(cfg)})",
+                 instant=True),), kind="table", width=12),
+            P("Engine memory per NUMA node", "Memory the engine process (collectors.numa "
+              "engine_pid) has mapped on each NUMA node, its host KV pool among it. On a "
+              "multi-socket host the pool belongs on the GPU's node (GPU topology); memory on "
+              "another node crosses the socket link on every transfer.",
+              (Q(f"sum by (instance, numa_node) (kvscope_process_numa_bytes{s(cfg)})",
+                 "{{instance}} node {{numa_node}}"),), unit="bytes", stack="normal", width=8),
+            P("NUMA nodes", "NUMA nodes online on the host (absent on a kernel without NUMA "
+              "support).", (Q(f"kvscope_host_numa_nodes{s(cfg)}", "{{instance}}"),),
+              kind="stat", width=4),
+        )),
         Row("GPU memory and collectors", (
             P("GPU memory used against total (GPU only)", "GPU memory in use and in all (NVML).",
               (Q(f"sum by (instance, gpu) (kvscope_gpu_memory_used_bytes{s(cfg)})",
@@ -93,5 +111,6 @@ def node(cfg: MixinConfig) -> dict:
         )),
     ]
     return board(cfg, "node", "Node",
-                 "Host RAM and headroom, PCIe throughput against the link maximum, GPU memory.",
+                 "Host RAM and headroom, PCIe throughput against the link maximum, the transfer "
+                 "topology (PCIe links, NUMA placement), GPU memory.",
                  rows)
