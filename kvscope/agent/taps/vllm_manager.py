@@ -158,7 +158,10 @@ class TapManager(OffloadingManager):
         self._resident: dict[bytes, float] = {}        # tracked key -> stored at (Unix seconds)
         self._hits: Counter[bytes] = Counter()         # tracked key -> loads served (if > 0)
         self._chunks = 0  # resident chunks, every one counted
-        self._unmeasured: Counter[str] = Counter()  # untracked chunks evicted, unsent, by reason
+        # untracked chunks evicted since the start, by reason: written by vLLM's thread alone
+        # (no lock per eviction); of them, sent (by either thread, under the lock)
+        self._unmeasured: dict[str, int] = {}
+        self._unmeasured_sent: dict[str, int] = {}
         self._unmeasured_at = 0.0  # when to send them at the latest
         self._unmeasured_lock = threading.Lock()  # tick() sends them from the emitter's thread
         # tiering only: resident keys a lower tier also holds, and CPU evictions held until the
@@ -208,12 +211,13 @@ class TapManager(OffloadingManager):
     def prepare_load(self, keys: Collection, req_context):
         spec = self.inner.prepare_load(keys, req_context)
         try:
-            now = self._clock()
-            # a Counter: counted in C (vLLM loads resident keys only: tracked ones are resident)
-            self._hits.update(filter(self._resident.__contains__, keys))
+            # vLLM loads resident keys only: tracked ones are resident (1 in sample_one_in)
+            hits = self._hits
+            for key in filter(self._resident.__contains__, keys):
+                hits[key] = hits.get(key, 0) + 1
             req = self._reqs.get(req_context.req_id)
             if req is not None:
-                req.load_start = now
+                req.load_start = self._clock()
                 if self._multi_tier:
                     if req.sources is None:
                         req.sources = Counter()
@@ -264,7 +268,24 @@ class TapManager(OffloadingManager):
     def on_new_request(self, req_context):
         result = self.inner.on_new_request(req_context)
         try:
-            self._started(req_context, sys._getframe(1).f_locals.get("request"))
+            rid = req_context.req_id
+            reqs = self._reqs
+            if rid not in reqs:
+                request = sys._getframe(1).f_locals.get("request")
+                try:
+                    prompt = int(request.num_prompt_tokens)
+                except AttributeError:  # no request in the caller's frame (None included)
+                    self.unattributed += 1
+                    return result
+                arrival = float(getattr(request, "arrival_time", 0.0) or self._clock())
+                req = reqs[rid] = _Req(request, external_request_id(rid), arrival)
+                if len(reqs) > self._max_requests:
+                    _, dropped = reqs.popitem(last=False)
+                    self._awaiting_first.pop(dropped.rid, None)
+                    self.unattributed += 1
+                headers = getattr(request, "trace_headers", None)
+                self._emit(ev.RequestStarted(ts=arrival, request_id=req.rid, prompt_tokens=prompt,
+                                             trace_id=trace_id_of(headers) if headers else ""))
         except Exception as exc:
             self._failed("on_new_request", exc)
         return result
@@ -281,7 +302,8 @@ class TapManager(OffloadingManager):
         events = list(self.inner.take_events())
         try:
             self._took_events = True
-            self._manager_events(events)
+            if events or self._held:
+                self._manager_events(events)
         except Exception as exc:
             self._failed("take_events", exc)
         return events
@@ -295,7 +317,20 @@ class TapManager(OffloadingManager):
             if self._held and not self._took_events:
                 self._release(())
             self._took_events = False
-            self._schedule_end(context.new_req_ids)
+            now = self._clock()
+            reqs = self._reqs
+            for rid in context.new_req_ids:
+                req = reqs.get(rid)
+                if req is not None and req.scheduled is None:
+                    req.scheduled = now
+                    self._awaiting_first[rid] = req
+                    self._emit(self._lookup_event(req, now))
+            awaiting = self._awaiting_first
+            if awaiting:
+                for rid in [r for r, q in awaiting.items() if q.request.num_output_tokens > 0]:
+                    awaiting.pop(rid).first_token = now
+            if now >= self._next_snapshot:
+                self._snapshot(now)
         except Exception as exc:
             self._failed("on_schedule_end", exc)
         return result
@@ -340,7 +375,7 @@ class TapManager(OffloadingManager):
             if now >= self._next_snapshot and (self._chunks != self._reported
                                                or now >= self._refresh_at):
                 self._snapshot(now)
-            if self._unmeasured and now >= self._unmeasured_at:
+            if now >= self._unmeasured_at and self._unmeasured != self._unmeasured_sent:
                 self._send_unmeasured(now)
         except Exception as exc:
             self._failed("tick", exc)
@@ -353,37 +388,6 @@ class TapManager(OffloadingManager):
 
     # -- observation (called inside the boundary) -------------------------------------------
 
-    def _started(self, req_context, request) -> None:
-        rid = req_context.req_id
-        if rid in self._reqs:
-            return
-        if request is None or not hasattr(request, "num_prompt_tokens"):
-            self.unattributed += 1
-            return
-        arrival = float(getattr(request, "arrival_time", 0.0) or self._clock())
-        req = self._reqs[rid] = _Req(request, external_request_id(rid), arrival)
-        if len(self._reqs) > self._max_requests:
-            _, dropped = self._reqs.popitem(last=False)
-            self._awaiting_first.pop(dropped.rid, None)
-            self.unattributed += 1
-        self._emit(ev.RequestStarted(ts=arrival, request_id=req.rid,
-                                     prompt_tokens=int(request.num_prompt_tokens),
-                                     trace_id=trace_id_of(getattr(request, "trace_headers", None))))
-
-    def _schedule_end(self, new_req_ids) -> None:
-        now = self._clock()
-        for rid in new_req_ids:
-            req = self._reqs.get(rid)
-            if req is not None and req.scheduled is None:
-                req.scheduled = now
-                self._awaiting_first[rid] = req
-                self._emit(self._lookup_event(req, now))
-        if self._awaiting_first:
-            for rid in [r for r, q in self._awaiting_first.items()
-                        if q.request.num_output_tokens > 0]:
-                self._awaiting_first.pop(rid).first_token = now
-        self._snapshot(now)
-
     def _lookup_event(self, req: _Req, now: float) -> ev.Lookup:
         request = req.request
         prompt = int(request.num_prompt_tokens)
@@ -392,25 +396,34 @@ class TapManager(OffloadingManager):
             local, external = stats.num_local_cached_tokens, stats.num_external_cached_tokens
         else:  # stats already taken: what the scheduler had computed when it admitted it
             local, external = min(int(request.num_computed_tokens), prompt), 0
-        tokens: dict[str, int] = {"gpu": local} if local else {}
-        total = sum(req.sources.values()) if req.sources else 0
-        if external and total:  # tiering: split by where the loaded keys came from
-            for tier, chunks in req.sources.items():
-                tokens[tier] = tokens.get(tier, 0) + external * chunks // total
-            tokens["cpu"] = tokens.get("cpu", 0) + external - sum(
-                external * c // total for c in req.sources.values())
-        elif external:
-            tokens["cpu"] = external
         tpb = self._tpb
         # every tier vLLM consulted gets an entry, 0 included: the agent counts a tier's misses
         # only where it knows the tier exists (vLLM's GPU and lower tiers send no snapshots)
-        hits = dict(self._consulted)
-        for tier, n in tokens.items():
-            hits[tier] = n // tpb
+        hits = self._consulted.copy()
+        sources = req.sources
+        total = sum(sources.values()) if external and sources else 0
+        if total:  # tiering: split by where the loaded keys came from
+            tokens: dict[str, int] = {"gpu": local} if local else {}
+            for tier, chunks in sources.items():
+                tokens[tier] = tokens.get(tier, 0) + external * chunks // total
+            tokens["cpu"] = tokens.get("cpu", 0) + external - sum(
+                external * c // total for c in sources.values())
+            for tier, n in tokens.items():
+                if n:
+                    hits[tier] = n // tpb
+            tokens = {k: v for k, v in tokens.items() if v}
+        else:  # the usual case, in a few dict stores
+            tokens = {}
+            if local:
+                tokens["gpu"] = local
+                hits["gpu"] = local // tpb
+            if external:
+                tokens["cpu"] = external
+                hits["cpu"] = external // tpb
         if prompt > local + external:
             tokens["recompute"] = prompt - local - external
-        return ev.Lookup(ts=now, request_id=req.rid, tokens={k: v for k, v in tokens.items() if v},
-                         blocks=prompt // tpb, block_hits=hits)
+        return ev.Lookup(ts=now, request_id=req.rid, tokens=tokens, blocks=prompt // tpb,
+                         block_hits=hits)
 
     def _forget_oldest(self) -> None:
         """Keep the newest half of ``_max_tracked`` chunks (their ages and hits); count the rest
@@ -431,20 +444,31 @@ class TapManager(OffloadingManager):
         req = self._reqs.pop(rid, None)
         if req is None:
             return
-        self._awaiting_first.pop(rid, None)
         now = self._clock()
-        first = req.first_token or now
-        ttft = max(0.0, first - req.arrival)
-        prefill = max(0.0, first - req.scheduled) if req.scheduled is not None else 0.0
-        wait = min(req.load_wait, ttft)
-        prefill = min(prefill, ttft - wait)
+        first = req.first_token
+        if first is None:  # still awaiting its first token
+            self._awaiting_first.pop(rid, None)
+            first = now
+        # conditionals rather than max() and min(): no builtin calls on the hot path
+        ttft = first - req.arrival
+        if not ttft > 0.0:
+            ttft = 0.0
+        wait = req.load_wait
+        if wait > ttft:
+            wait = ttft
+        prefill = 0.0 if req.scheduled is None else first - req.scheduled
+        if prefill > ttft - wait:
+            prefill = ttft - wait
+        if not prefill > 0.0:
+            prefill = 0.0
+        queueing = ttft - wait - prefill
         request = req.request
         output = int(request.num_output_tokens)
         itl = (now - first) / (output - 1) if req.first_token is not None and output > 1 else 0.0
         self._emit(ev.RequestFinished(
             ts=now, request_id=req.rid, ttft=ttft, prompt_tokens=int(request.num_prompt_tokens),
-            output_tokens=output, queueing=max(0.0, ttft - wait - prefill),
-            promotion_wait=wait, prefill=prefill, itl=max(0.0, itl)))
+            output_tokens=output, queueing=queueing if queueing > 0.0 else 0.0,
+            promotion_wait=wait, prefill=prefill, itl=itl if itl > 0.0 else 0.0))
 
     def _evict(self, keys, tier: str, reason: str, now: float) -> None:
         """Forget ``keys`` and report them evicted (tiering: at the step's take_events)."""
@@ -457,6 +481,11 @@ class TapManager(OffloadingManager):
             stored = list(map(resident.pop, keys, itertools.repeat(now, n)))
             counts = list(map(hits.pop, keys, itertools.repeat(0, n))) if hits else ()
             self._held.append((keys, stored, counts, tier, reason, now))
+            return
+        if resident.keys().isdisjoint(keys):  # none tracked (the usual case: a sample is)
+            self._unmeasure(reason, n)
+            if now >= self._unmeasured_at:
+                self._send_unmeasured(now)
             return
         # popped in C; untracked keys give 0.0, which compress() leaves out
         popped = list(map(resident.pop, keys, itertools.repeat(0.0, n)))
@@ -487,17 +516,21 @@ class TapManager(OffloadingManager):
                                 list(itertools.compress(hits, pick)) if hits else (), offloaded)
 
     def _unmeasure(self, reason: str, chunks: int) -> None:
-        with self._unmeasured_lock:
-            self._unmeasured[reason] += chunks
+        """Count untracked chunks evicted (vLLM's thread only, so no lock)."""
+        unmeasured = self._unmeasured
+        unmeasured[reason] = unmeasured.get(reason, 0) + chunks
 
     def _send_unmeasured(self, now: float) -> None:
         """One unmeasured CPU Eviction per reason for the untracked chunks evicted since the
         last one (from vLLM's thread or the emitter's)."""
         with self._unmeasured_lock:
-            unmeasured, self._unmeasured = self._unmeasured, Counter()
+            total, sent = self._unmeasured.copy(), self._unmeasured_sent
+            self._unmeasured_sent = total
             self._unmeasured_at = now + UNMEASURED_EVERY
-        for reason, chunks in unmeasured.items():
-            self._eviction(now, "cpu", reason, 0, chunks, 0.0, measured=False)
+        for reason, chunks in total.items():
+            chunks -= sent.get(reason, 0)
+            if chunks > 0:
+                self._eviction(now, "cpu", reason, 0, chunks, 0.0, measured=False)
 
     def _evictions(self, tier: str, reason: str, now: float, stored: list, hits,
                    offloaded: bool, weight: int = 1) -> None:
