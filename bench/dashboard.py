@@ -113,7 +113,7 @@ def main() -> None:
         print(f"sizing page: {sizing.status} ({args.sizing_trace or 'no trace'})")
         client = app.server.test_client()
         values = {"refresh.n_intervals": 1, "instance.value": None, "requests-limit.value": 500,
-                  "requests-table.sort_by": [], "min-ttft.value": None,
+                  "requests-sort.data": [], "min-ttft.value": None,
                   "url.search": f"?id={rid}"}
         keys = {page: next(k for k in app.callback_map if marker in k) for page, marker in (
             ("overview", "overview-status.children"), ("tiers", "tiers-status.children"),

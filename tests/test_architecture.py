@@ -43,6 +43,7 @@ FORBIDDEN = {
 CONFINED = {
     "prometheus_client": ("kvscope.exporter",),
     "dash": ("kvscope.dashboard",),
+    "dash_ag_grid": ("kvscope.dashboard",),
     "fastapi": ("kvscope.service",),
     "uvicorn": ("kvscope.service",),
 }

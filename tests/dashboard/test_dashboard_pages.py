@@ -123,17 +123,76 @@ def test_deep_link_opens_the_request_and_unknown_ids_explain_themselves():
     assert annotation_texts(fig) == ["select a request in the table"]
 
 
-def test_selecting_a_cell_writes_the_deep_link():
+def test_clicking_a_row_writes_the_deep_link():
     """Two engines' requests share the id "a b": each row's link names its source (and, in a
-    fleet, its instance), and the highlight marks only that source's row."""
+    fleet, its instance), and the highlight marks only that source's row. The click is AG
+    Grid's ``cellClicked`` (the row's id is the grid's ``getRowId``, the row's ``id``)."""
     rows = fr.table_rows([{"request_id": "a b", "source": "vllm", "instance": "node1:9400"},
                           {"request_id": "a b", "source": "engine", "instance": "node1:9400"}])
     assert rows[0]["id"] != rows[1]["id"]
-    link = requests_page.select({"row": 1, "row_id": rows[1]["id"]}, rows)
+    click = {"colId": "ttft_ms", "rowIndex": 1, "rowId": rows[1]["id"], "value": 30.0}
+    link = requests_page.select(click, rows)
     assert link == "?id=a+b&source=engine&instance=node1%3A9400"
-    assert requests_page.highlight(link)[0]["if"]["filter_query"] == \
-        '{request_id} = "a b" && {source} = "engine"'
+    (rule,) = requests_page.highlight(link)["styleConditions"]
+    assert rule["condition"] == \
+        'params.data.request_id === "a b" && params.data.source === "engine"'
+    assert requests_page.highlight("")["styleConditions"] == []
     assert requests_page.select(None, rows) is requests_page.dash.no_update
+    assert requests_page.select({**click, "rowId": "gone"}, rows) is requests_page.dash.no_update
+
+
+def test_the_grids_sort_is_what_the_table_sorts_by():
+    """AG Grid reports its sort in ``columnState`` (every column, ``sort`` None when unsorted);
+    the table asks the backend for the column sorted first."""
+    state = [{"colId": "request_id", "sort": None, "sortIndex": None, "width": 120},
+             {"colId": "ttft_ms", "sort": "desc", "sortIndex": 0, "width": 90}]
+    assert requests_page.sort_by(state) == [{"column_id": "ttft_ms", "direction": "desc"}]
+    assert requests_page.sort_by([{"colId": "ttft_ms", "sort": None}]) == []
+    assert requests_page.sort_by(None) == []
+    backend = FakeBackend()
+    requests_page.table(backend, requests_page.sort_by(state), None, 500, None)
+    assert backend.calls == [(500, "ttft", True, None, None)]
+
+
+def test_what_was_not_measured_reads_not_measured_never_0():
+    """A request with no TTFT and no tokens by source: its row holds None there (the grid shows
+    "not measured"), the waterfall's details say so; measured zeros stay 0."""
+    record = {**RECORD, "request_id": "r-none", "ttft": None, "tokens": {}}
+    rows, _ = requests_page.table(FakeBackend([record, RECORD]), None, None, 500, None)
+    assert rows[0]["ttft_ms"] is None and rows[0]["tokens_gpu"] is None
+    assert rows[1]["ttft_ms"] == 30.0 and rows[1]["tokens_disk"] == 0
+    assert rows[0]["promotion_wait_ms"] == 12.0
+    _, details = requests_page.waterfall(FakeBackend([record]), "?id=r-none", None)
+    assert "TTFT not measured" in str(details)
+    formats = {c["field"]: c.get("valueFormatter") for c in requests_page.column_defs()}
+    assert "not measured" in formats["ttft_ms"]["function"]
+    assert formats["request_id"] is None
+
+
+def test_grid_columns_keep_their_headers_units_and_filters():
+    """Every column of the table, with the header (and unit) it had; number columns take the
+    comparison filter ("> 50") the DataTable's filter row took."""
+    defs = requests_page.column_defs()
+    assert [(c["field"], c["headerName"]) for c in defs] == [(c[0], c[1]) for c in fr.COLUMNS]
+    ttft = next(c for c in defs if c["field"] == "ttft_ms")
+    assert ttft["headerName"] == "TTFT (ms)"
+    assert ttft["filterParams"]["textMatcher"]["function"] == requests_page.NUMBER_MATCHER
+    for op in (">=", "<=", "!=", ">", "<", "="):
+        assert f"startsWith('{op}')" in requests_page.NUMBER_MATCHER
+
+
+def test_building_the_requests_page_raises_no_deprecation_warning():
+    """Dash deprecates dash_table.DataTable (a DeprecationWarning when one is built): the page
+    and the whole app build without any."""
+    import warnings
+
+    from kvscope.dashboard.app import create_app
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        requests_page.layout()
+        app = create_app("http://127.0.0.1:9")
+    app.kvscope.backend.close()
 
 
 # --- Tiers ----------------------------------------------------------------------------------

@@ -125,6 +125,25 @@ def fill_in(browser, values: dict[str, str]) -> None:
     pytest.fail(f"typed {values}, the inputs hold {held}")
 
 
+def click_first(browser, selector: str) -> None:
+    """Click the first element matching ``selector`` once the page shows one. The Requests
+    grid redraws its rows on every refresh, so a row found may be gone by the click (stale):
+    then find it again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    def click():
+        try:
+            found = browser.find_elements("css selector", selector)
+            if found:
+                found[0].click()
+                return True
+        except StaleElementReferenceException:
+            pass
+        return False
+
+    wait_for(browser, click, f"a {selector} to click")
+
+
 def console_errors(browser) -> list:
     return [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
 
@@ -182,8 +201,7 @@ def test_selecting_a_request_opens_its_waterfall(demo, browser):
     browser.get(demo.ui_url + "requests")
     cell = '.ag-cell[col-id="request_id"]'  # AG Grid's cells
     try:
-        wait_for(browser, lambda: browser.find_elements("css selector", cell), "table rows")
-        browser.find_elements("css selector", cell)[0].click()
+        click_first(browser, cell)
         wait_for(browser, lambda: "?id=" in browser.current_url, "the deep link URL")
         request_id = parse_qs(urlsplit(browser.current_url).query)["id"][0]
         wait_for_points(browser, ["waterfall"], minimum=2)
@@ -211,7 +229,8 @@ def test_deep_link_opens_a_request(demo, browser):
 # The Requests grid as the page shows it: the page the paginator is on, its page size, the
 # rows drawn, and each row after AG Grid's filter and sort as [request id, TTFT (ms)].
 GRID_JS = """
-const api = dash_ag_grid.getApi('requests-table');
+let api;
+try { api = dash_ag_grid.getApi('requests-table'); } catch (e) { return null; }  // not drawn yet
 const rows = [];
 api.forEachNodeAfterFilterAndSort(n => rows.push([n.data.request_id, n.data.ttft_ms]));
 const shown = Array.from(document.querySelectorAll(
@@ -222,7 +241,8 @@ return {page: api.paginationGetCurrentPage(), pageSize: api.paginationGetPageSiz
 # The grid's row style for the request arguments[0] (its background), and the ids of the other
 # rows that have one.
 ROW_STYLE_JS = """
-const api = dash_ag_grid.getApi('requests-table');
+let api;
+try { api = dash_ag_grid.getApi('requests-table'); } catch (e) { return null; }  // not drawn yet
 const style = api.getGridOption('getRowStyle');
 const out = {yes: null, others: []};
 api.forEachNode(n => {
@@ -234,9 +254,27 @@ api.forEachNode(n => {
 return out;
 """
 
+# The background the grid draws for request arguments[0]'s row ("" unmarked, null not drawn).
+DRAWN_STYLE_JS = """
+for (const row of document.querySelectorAll('#requests-table .ag-center-cols-container .ag-row')) {
+  const cell = row.querySelector('[col-id="request_id"]');
+  if (cell && cell.textContent === arguments[0]) { return getComputedStyle(row).backgroundColor; }
+}
+return null;
+"""
+
 
 def _grid(browser) -> dict:
     return browser.execute_script(GRID_JS)
+
+
+def type_filter(browser, column: str, text: str) -> None:
+    """Type ``text`` into the Requests grid's filter row under ``column``."""
+    header = browser.find_element("css selector",
+                                  f'#requests-table .ag-header-cell[col-id="{column}"]')
+    index = header.get_attribute("aria-colindex")
+    browser.find_element("css selector", f'#requests-table .ag-floating-filter'
+                                         f'[aria-colindex="{index}"] input').send_keys(text)
 
 
 def test_requests_grid_sorts_filters_pages_and_highlights(demo, browser):
@@ -269,12 +307,7 @@ def test_requests_grid_sorts_filters_pages_and_highlights(demo, browser):
         assert ttfts == sorted(ttfts, reverse=True)
 
         cut = ttfts[len(ttfts) // 2]
-        header = browser.find_element("css selector",
-                                      '#requests-table .ag-header-cell[col-id="ttft_ms"]')
-        column = header.get_attribute("aria-colindex")
-        floating = browser.find_element(
-            "css selector", f'#requests-table .ag-floating-filter[aria-colindex="{column}"] input')
-        floating.send_keys(f"> {cut}")
+        type_filter(browser, "ttft_ms", f"> {cut}")
         filtered = wait_for(browser, lambda: (r := _grid(browser)["rows"]) and
                             all(t is not None and t > cut for _, t in r) and r,
                             f"only rows with TTFT > {cut} ms")
@@ -284,6 +317,10 @@ def test_requests_grid_sorts_filters_pages_and_highlights(demo, browser):
         wait_for(browser, lambda: browser.execute_script(ROW_STYLE_JS, newest)
                  == {"yes": "#fff3c4", "others": []},
                  "the deep-linked request's row marked, and no other")
+        # and drawn so: filter the request column to it, and its row shows marked
+        type_filter(browser, "request_id", newest)
+        wait_for(browser, lambda: browser.execute_script(DRAWN_STYLE_JS, newest)
+                 == "rgb(255, 243, 196)", "the deep-linked request's row drawn marked")
     finally:
         screenshot(browser, "dashboard-requests-grid")
     assert not console_errors(browser)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import needs_prometheus, running_prometheus
-from test_e2e_dashboard import (browser, console_errors, screenshot, status_text,  # noqa: F401
-                                wait_for, wait_for_points)
+from test_e2e_dashboard import (browser, click_first, console_errors, screenshot,  # noqa: F401
+                                status_text, wait_for, wait_for_points)
 
 
 pytestmark = needs_prometheus
@@ -74,10 +74,9 @@ def test_tiers_and_requests_over_prometheus(demo, fleet_dashboard, browser):
     finally:
         screenshot(browser, "dashboard-prometheus-tiers")
     browser.get(fleet_dashboard.url + "/requests")
-    cell = 'td[data-dash-column="request_id"]'
+    cell = '.ag-cell[col-id="request_id"]'  # AG Grid's cells
     try:
-        wait_for(browser, lambda: browser.find_elements("css selector", cell), "table rows")
-        browser.find_elements("css selector", cell)[0].click()
+        click_first(browser, cell)
         wait_for_points(browser, ["waterfall"], minimum=2)
         wait_for(browser, lambda: "instance=" in browser.current_url, "instance in the deep link")
     finally:

@@ -1,37 +1,72 @@
-"""The Requests page: a sortable, filterable table of recent requests; selecting one opens
-its waterfall. Deep link: ``/requests?id=<request id>``, with ``&source=<source>`` to pick one of
-two engines' requests of that id (without it: the one that finished last) and, in a fleet,
-``&instance=<instance>``.
+"""The Requests page: a sortable, filterable, paged table of recent requests (AG Grid);
+clicking a row opens its waterfall. Deep link: ``/requests?id=<request id>``, with
+``&source=<source>`` to pick one of two engines' requests of that id (without it: the one that
+finished last) and, in a fleet, ``&instance=<instance>``.
 
 Sorting by TTFT, prompt tokens, promotion wait or finish time asks the backend (so "slowest
 first" covers the agent's whole table, not just the rows shown); other columns sort the rows
 shown. The filter row filters the rows shown (e.g. ``> 50`` under TTFT); "min TTFT" asks the
-backend for slow requests only.
+backend for slow requests only. A value the engine did not report reads "not measured", never 0.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from urllib.parse import parse_qs, urlencode
 
 import dash
-from dash import Input, Output, State, dash_table, dcc, html
+import dash_ag_grid as dag
+from dash import Input, Output, State, dcc, html
 
 from kvscope.dashboard import figures_requests as fr
 from kvscope.dashboard.backend import Backend, BackendUnavailable
 from kvscope.dashboard.pages.common import STATUS_STYLE, Context, graph, status, where
+from kvscope.vocabulary import TOKEN_SOURCES
 
 PATH = "/requests"
 NAME = "Requests"
 STATUS_ID = "requests-status"
 LIMITS = (100, 500, 1000, 5000)
+PAGE_SIZE = 15
 # table column -> the agent's sort key (kvscope.agent.requests.SORT_KEYS)
 API_SORT = {"finished": "finished", "ttft_ms": "ttft", "prompt_tokens": "prompt_tokens",
             "promotion_wait_ms": "promotion_wait"}
+NOT_MEASURED = "not measured"
+HIGHLIGHT = {"backgroundColor": "#fff3c4", "fontWeight": "600"}
+
+# AG Grid evaluates these expressions in the browser (dash-ag-grid's function strings).
+# A number column's filter reads "50" (= 50), "> 50", ">= 50", "< 50", "<= 50", "!= 50", as
+# the DataTable's filter row did; a blank ("not measured") never matches.
+_OPERATORS = ((">=", ">="), ("<=", "<="), ("!=", "!=="), (">", ">"), ("<", "<"), ("=", "==="))
+_TEXT = "params.filterText.trim()"
+NUMBER_MATCHER = "".join(
+    f"{_TEXT}.startsWith('{op}') ? Number(params.value) {js} Number({_TEXT}.slice({len(op)})) : "
+    for op, js in _OPERATORS) + f"Number(params.value) === Number({_TEXT})"
+NUMBER_FORMAT = f"params.value == null ? '{NOT_MEASURED}' : '' + params.value"
+# every column filters by the text typed in the filter row: one condition, no operator menu
+_FILTER = {"filterOptions": ["contains"], "maxNumConditions": 1}
+
+
+def column_defs() -> list[dict]:
+    """AG Grid columns from :data:`fr.COLUMNS`: headers with their units, numbers right-aligned
+    with the comparison filter, blanks shown as "not measured"."""
+    defs = []
+    for cid, name, kind in fr.COLUMNS:
+        col = {"field": cid, "headerName": name,
+               "minWidth": {"request_id": 110, "finished": 135}.get(cid, 90)}
+        if kind == "numeric":
+            col.update(type="rightAligned", cellDataType=False,
+                       valueFormatter={"function": NUMBER_FORMAT},
+                       headerTooltip=f"{name}; filter: 50, > 50, <= 10, != 0",
+                       filterParams={**_FILTER, "textMatcher": {"function": NUMBER_MATCHER}})
+        else:
+            col.update(cellDataType="text", filterParams=_FILTER)
+        defs.append(col)
+    return defs
 
 
 def layout() -> html.Div:
-    columns = [{"id": cid, "name": name, "type": kind} for cid, name, kind in fr.COLUMNS]
     return html.Div([
         html.Div([
             html.Label("min TTFT (ms) ", htmlFor="min-ttft"),
@@ -44,15 +79,27 @@ def layout() -> html.Div:
         ], style={"padding": "8px 16px", "display": "flex", "alignItems": "center",
                   "gap": "6px"}),
         status(STATUS_ID),
-        html.Div(dash_table.DataTable(
-            id="requests-table", columns=columns, data=[], sort_action="custom",
-            sort_mode="single", sort_by=[], filter_action="native", page_action="native",
-            page_size=15, cell_selectable=True,
-            style_table={"overflowX": "auto"},
-            style_cell={"fontFamily": "system-ui, sans-serif", "fontSize": "13px",
-                        "padding": "4px 8px"},
-            style_header={"fontWeight": "600"},
-            style_cell_conditional=[{"if": {"column_id": "request_id"}, "textAlign": "left"}],
+        # the grid's sort, as [{"column_id", "direction"}]: the table callback reads this, not
+        # the grid's columnState, which also changes when a column is resized or moved
+        dcc.Store(id="requests-sort", data=[]),
+        html.Div(dag.AgGrid(
+            id="requests-table", columnDefs=column_defs(), rowData=[],
+            getRowId="params.data.id",
+            # the filter row is the filter: no header menus (a number column's menu would
+            # offer the text filter's "contains"); long headers wrap rather than being cut
+            defaultColDef={"sortable": True, "filter": "agTextColumnFilter",
+                           "floatingFilter": True, "suppressFloatingFilterButton": True,
+                           "resizable": True,
+                           "suppressHeaderMenuButton": True, "suppressHeaderFilterButton": True,
+                           "wrapHeaderText": True, "autoHeaderHeight": True},
+            columnSize="responsiveSizeToFit",
+            dashGridOptions={"pagination": True, "paginationPageSize": PAGE_SIZE,
+                             "paginationPageSizeSelector": [PAGE_SIZE, 50, 100],
+                             "domLayout": "autoHeight", "rowHeight": 30,
+                             "floatingFiltersHeight": 34, "animateRows": False,
+                             "tooltipShowDelay": 300},
+            getRowStyle={"styleConditions": []},
+            style={"fontSize": "13px"},
         ), style={"padding": "0 16px"}),
         html.Div(id="request-details", style=STATUS_STYLE),
         graph("waterfall", fr.waterfall_placeholder()),
@@ -60,27 +107,39 @@ def layout() -> html.Div:
 
 
 def register_callbacks(app: dash.Dash, ctx: Context) -> None:
-    @app.callback(Output("requests-table", "data"), Output(STATUS_ID, "children"),
-                  Output("requests-table", "active_cell"),
-                  Output("requests-table", "selected_cells"),
-                  Input("refresh", "n_intervals"), Input("requests-table", "sort_by"),
+    @app.callback(Output("requests-sort", "data"), Input("requests-table", "columnState"),
+                  State("requests-sort", "data"), prevent_initial_call=True)
+    def _sort(column_state, current):
+        new = sort_by(column_state)
+        return dash.no_update if new == current else new
+
+    @app.callback(Output("requests-table", "rowData"), Output(STATUS_ID, "children"),
+                  Input("refresh", "n_intervals"), Input("requests-sort", "data"),
                   Input("min-ttft", "value"), Input("requests-limit", "value"),
                   Input("instance", "value"))
-    def _table(_n, sort_by, min_ttft_ms, limit, instance):
-        # new rows: drop the cell selection (it would point at another request now); the
-        # open request stays highlighted through the URL (see _waterfall)
-        return (*table(ctx.backend, sort_by, min_ttft_ms, limit or 500, instance), None, [])
+    def _table(_n, sort, min_ttft_ms, limit, instance):
+        return table(ctx.backend, sort, min_ttft_ms, limit or 500, instance)
 
-    @app.callback(Output("url", "search"), Input("requests-table", "active_cell"),
-                  State("requests-table", "data"), prevent_initial_call=True)
+    @app.callback(Output("url", "search"), Input("requests-table", "cellClicked"),
+                  State("requests-table", "rowData"), prevent_initial_call=True)
     def _select(cell, rows):
         return select(cell, rows)
 
     @app.callback(Output("waterfall", "figure"), Output("request-details", "children"),
-                  Output("requests-table", "style_data_conditional"),
+                  Output("requests-table", "getRowStyle"),
                   Input("url", "search"), Input("instance", "value"))
     def _waterfall(search, instance):
         return (*waterfall(ctx.backend, search, instance), highlight(search))
+
+
+def sort_by(column_state: Sequence[Mapping] | None) -> list[dict]:
+    """The grid's sort (its ``columnState``) as ``[{"column_id", "direction"}]``: the column
+    sorted first, or ``[]`` when none is."""
+    sorted_columns = [c for c in column_state or () if c.get("sort") in ("asc", "desc")]
+    if not sorted_columns:
+        return []
+    first = min(sorted_columns, key=lambda c: c.get("sortIndex") or 0)
+    return [{"column_id": first["colId"], "direction": first["sort"]}]
 
 
 def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, limit: int,
@@ -94,20 +153,32 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
                                           descending, min_ttft, instance)
     except BackendUnavailable as exc:
         return [], f"{exc.what} unreachable: {exc.url} ({exc.reason})"
-    rows = fr.table_rows(records)
+    rows = unmeasured(fr.table_rows(records), records)
     if column not in API_SORT:
         rows.sort(key=lambda r: r.get(column) or 0, reverse=descending)
     shown = f"{len(rows):,} of {total:,} requests"
     if min_ttft is not None:
         shown += f" with TTFT ≥ {min_ttft * 1000:g} ms"
-    return rows, f"{where(backend, instance)} · {shown} · select a cell to open its waterfall"
+    return rows, f"{where(backend, instance)} · {shown} · click a row to open its waterfall"
+
+
+def unmeasured(rows: list[dict], records: Sequence[Mapping]) -> list[dict]:
+    """``rows`` (one per record) with None, shown as "not measured", where the record has no
+    value: no TTFT, or no tokens by source at all (a source that did not report them)."""
+    for row, record in zip(rows, records):
+        if record.get("ttft") is None:
+            row["ttft_ms"] = None
+        if not record.get("tokens"):
+            row.update((f"tokens_{s}", None) for s in TOKEN_SOURCES)
+    return rows
 
 
 def select(cell: dict | None, rows: list[dict] | None) -> str:
-    """The URL query opening the request of the selected cell (``dash.no_update`` without)."""
-    if not cell or cell.get("row_id") is None:
+    """The URL query opening the request of the clicked cell (the grid's ``cellClicked``;
+    ``dash.no_update`` without)."""
+    if not cell or cell.get("rowId") is None:
         return dash.no_update
-    row = next((r for r in rows or () if r.get("id") == cell["row_id"]), None)
+    row = next((r for r in rows or () if r.get("id") == cell["rowId"]), None)
     if row is None:
         return dash.no_update
     query = {"id": row["request_id"]}
@@ -121,15 +192,15 @@ def _link(search: str | None) -> dict[str, str]:
     return {key: query[key][0] for key in ("id", "source", "instance") if query.get(key)}
 
 
-def highlight(search: str | None) -> list[dict]:
-    """DataTable style rules marking the row of the request the URL opens."""
+def highlight(search: str | None) -> dict:
+    """The grid's ``getRowStyle``: marks the row of the request the URL opens."""
     link = _link(search)
     if "id" not in link:
-        return []
-    match = "{request_id} = " + json.dumps(link["id"])
+        return {"styleConditions": []}
+    match = "params.data.request_id === " + json.dumps(link["id"])
     if "source" in link:
-        match += " && {source} = " + json.dumps(link["source"])
-    return [{"if": {"filter_query": match}, "backgroundColor": "#fff3c4", "fontWeight": "600"}]
+        match += " && params.data.source === " + json.dumps(link["source"])
+    return {"styleConditions": [{"condition": match, "style": HIGHLIGHT}]}
 
 
 def waterfall(backend: Backend, search: str | None, instance: str | None) -> tuple:
@@ -154,7 +225,10 @@ def waterfall(backend: Backend, search: str | None, instance: str | None) -> tup
                               ("instance", record.get("instance"))) if v}
     details = [html.B(f"request {request_id}"), " · trace id ",
                html.Code(record.get("trace_id", ""), id="trace-id"),
-               f" · TTFT {float(record.get('ttft') or 0) * 1000:.3g} ms · "
-               f"{len(transfers)} transfers · ",
+               f" · TTFT {_ms(record.get('ttft'))} · {len(transfers)} transfers · ",
                dcc.Link("link to this request", href=f"{PATH}?{urlencode(link)}")]
     return fr.waterfall(record), details
+
+
+def _ms(seconds: float | None) -> str:
+    return NOT_MEASURED if seconds is None else f"{float(seconds) * 1000:.3g} ms"
