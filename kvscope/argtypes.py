@@ -6,6 +6,7 @@ Each raises ``argparse.ArgumentTypeError`` with the reason, so argparse reports 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 from urllib.parse import urlsplit
 
@@ -79,3 +80,12 @@ def http_url(text: str) -> str:
         raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL with a host, "
                                          f"e.g. http://127.0.0.1:9400, got {text}")
     return text
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or ``localhost``) listens on loopback only; a host name
+    may resolve to anything, so it is not."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False

@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--speed", type=positive(float), default=1.0,
                       help="workload seconds per wall second (default %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
+    demo.add_argument("--insecure", action="store_true",
+                      help="with a --host beyond loopback and no KVSCOPE_TOKEN: serve the API "
+                           "and the dashboard to anyone who reaches them (otherwise refused)")
     demo.add_argument("--capture-dir", metavar="DIR", type=_directory("not to capture"),
                       help="capture block accesses and requests here as Parquet for kvscope "
                       "analyze/compare (default: off)")
@@ -106,6 +109,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="agent base URL (default %(default)s)")
     dash.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on (default %(default)s)")
     dash.add_argument("--port", type=port, default=8050, help="port (default %(default)s)")
+    dash.add_argument("--insecure", action="store_true",
+                      help="with a --host beyond loopback and no KVSCOPE_TOKEN: serve the "
+                           "dashboard to anyone who reaches it (otherwise refused; with the "
+                           "token, visitors open it as /?token=TOKEN)")
+    dash.add_argument("--capture-root", metavar="DIR", action="append", default=[],
+                      type=_directory("for a Compare page that reads nothing"),
+                      help="a directory whose captures and rollout reports the Compare page "
+                           "may read (repeatable; default: none, the page reads nothing)")
     dash.add_argument("--refresh", type=positive(float), default=2.0,
                       help="seconds between refreshes (default %(default)s)")
     dash.add_argument("--window", type=positive(float), default=900.0,
@@ -164,7 +175,8 @@ def _demo(args) -> int:
                         metrics_port=args.metrics_port, ui_port=args.ui_port, preset=args.preset,
                         gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
                         disk_blocks=args.disk_blocks, policy=args.policy, speed=args.speed,
-                        seed=args.seed, capture_dir=args.capture_dir)
+                        seed=args.seed, capture_dir=args.capture_dir,
+                        dashboard_token=_visitor_token(args.host, args.insecure))
     return run_demo(config)
 
 
@@ -186,6 +198,35 @@ def _agent(args) -> int:
     return run_agent(agent_settings(args))
 
 
+def _token() -> str | None:
+    """The agent's token, as the agent takes it (KVSCOPE_TOKEN; never a flag, which ps would
+    show); raises ConfigError when the agent would refuse it."""
+    from kvscope.agent.config import ConfigError, token_problem
+
+    token = os.environ.get("KVSCOPE_TOKEN") or None
+    if token is not None and (problem := token_problem(token)):
+        raise ConfigError(f"KVSCOPE_TOKEN {problem}")
+    return token
+
+
+def _visitor_token(host: str, insecure: bool) -> str | None:
+    """The token a dashboard listening on ``host`` demands of its visitors: KVSCOPE_TOKEN
+    when it listens beyond loopback, None on loopback or when told ``--insecure``. Raises
+    ConfigError beyond loopback without a token and without ``--insecure``."""
+    from kvscope.agent.config import ConfigError
+    from kvscope.argtypes import is_loopback
+
+    token = _token()
+    if is_loopback(host) or insecure:
+        return None if is_loopback(host) else token
+    if token is None:
+        raise ConfigError(f"--host {host} listens beyond loopback, and the dashboard has no "
+                          "authentication of its own: set KVSCOPE_TOKEN (visitors open it as "
+                          "/?token=TOKEN), or pass --insecure to serve it to anyone who "
+                          "reaches it")
+    return token
+
+
 def _dashboard(args) -> int:
     import threading
 
@@ -204,16 +245,12 @@ def _dashboard(args) -> int:
         from kvscope.analysis.inputs import trace_reader
 
         trace_reader(args.sizing_trace)
-    from kvscope.agent.config import ConfigError, token_problem
-
-    # the agent's token, as the agent takes it: never a flag, which ps would show
-    token = os.environ.get("KVSCOPE_TOKEN") or None
-    if token is not None and (problem := token_problem(token)):
-        raise ConfigError(f"KVSCOPE_TOKEN {problem}")
+    visitors = _visitor_token(args.host, args.insecure)
     handle = serve(create_app(args.api, refresh_seconds=args.refresh, window_seconds=args.window,
                               backend=backend, sizing_trace=args.sizing_trace,
                               sizing_preset=args.sizing_preset,
-                              sizing_gpu_tokens=args.sizing_gpu_tokens, token=token),
+                              sizing_gpu_tokens=args.sizing_gpu_tokens, token=_token(),
+                              capture_roots=args.capture_root, require_token=visitors),
                    args.host, args.port)
     source = args.prometheus if backend is not None else args.api
     print(f"kvscope dashboard: {url(args.host, args.port)} reading {args.backend} {source}",

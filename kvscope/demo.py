@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass
 
 from kvscope.agent.config import AgentSettings
+from kvscope.argtypes import is_loopback
 from kvscope.dashboard.app import create_app as create_dashboard
 from kvscope.dashboard.app import serve as serve_dashboard
 from kvscope.engine.engine import OffloadEngine
@@ -26,7 +27,9 @@ from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_
 class DemoConfig:
     """``duration``: seconds to run (None: until Ctrl-C). ``trace``: Mooncake JSONL path or None
     for the synthetic workload. Pool sizes are in blocks. ``capture_dir``: where the agent
-    captures block accesses and requests as Parquet (None: off)."""
+    captures block accesses and requests as Parquet (None: off; the dashboard's Compare page
+    reads captures there and nowhere else). ``dashboard_token``: the token the dashboard
+    demands of its visitors (None: open, as on loopback)."""
 
     duration: float | None = None
     trace: str | None = None
@@ -41,6 +44,7 @@ class DemoConfig:
     speed: float = 1.0
     seed: int = 0
     capture_dir: str | None = None
+    dashboard_token: str | None = None
 
 
 def _replay(replayer: Replayer, out, duration: float | None) -> None:
@@ -107,7 +111,10 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
                                                        sizing_preset=preset.name,
                                                        sizing_gpu_tokens=config.gpu_blocks
                                                        * block_tokens,
-                                                       token=agent.settings.token),
+                                                       token=agent.settings.token,
+                                                       capture_roots=[config.capture_dir]
+                                                       if config.capture_dir else (),
+                                                       require_token=config.dashboard_token),
                                     config.host, config.ui_port, "--ui-port")
     except PortInUse:
         server.shutdown()
@@ -121,7 +128,11 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
           + (f", disk {config.disk_blocks} blocks" if config.disk_blocks else "")
           + f", policy {config.policy}", file=out)
     print(f"  metrics and API: {api_url}/metrics  {api_url}/api/v1/summary", file=out)
-    print(f"  dashboard:       {url(config.host, config.ui_port)}", file=out)
+    print(f"  dashboard:       {url(config.host, config.ui_port)}"
+          + ("/?token=<KVSCOPE_TOKEN>" if config.dashboard_token else ""), file=out)
+    if config.dashboard_token is None and not is_loopback(config.host):
+        print(f"  warning: the dashboard and /api are open to anyone who reaches "
+              f"{config.host} (--insecure)", file=out)
     if config.capture_dir:
         print(f"  capture:         {config.capture_dir} (kvscope analyze / kvscope compare read it)",
               file=out)

@@ -13,9 +13,9 @@ import pytest
 from conftest import free_port
 
 
-def _kvscope(*args, timeout=60):
+def _kvscope(*args, timeout=60, env=None):
     return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
 
 
 def _started_agent(*args, ingest, stderr=subprocess.STDOUT):
@@ -195,6 +195,16 @@ def test_the_log_level_hides_kvscopes_info_lines():
 def test_an_empty_host_is_refused():
     result = _kvscope("demo", "--host", "", "--duration", "5")
     assert result.returncode == 2 and "must be an address" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["demo", "--duration", "5"], ["dashboard"]])
+def test_a_dashboard_beyond_loopback_without_a_token_is_refused(command):
+    """The dashboard has no authentication of its own: beyond loopback it needs KVSCOPE_TOKEN
+    or --insecure, and says so before taking a port."""
+    env = {k: v for k, v in os.environ.items() if k != "KVSCOPE_TOKEN"}
+    result = _kvscope(*command, "--host", "0.0.0.0", env=env)
+    assert result.returncode == 2, result.stderr
+    assert "set KVSCOPE_TOKEN" in result.stderr and "--insecure" in result.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
@@ -448,9 +458,9 @@ def test_agent_banner_without_kv_events_has_no_kv_events_line(tmp_path):
 def test_the_agent_warns_about_an_open_api_only_off_loopback(host, loopback):
     """Without a token the banner warns when the agent listens beyond loopback (a host name
     may resolve to anything, so it counts as beyond)."""
-    from kvscope.service.run import _loopback
+    from kvscope.argtypes import is_loopback
 
-    assert _loopback(host) is loopback
+    assert is_loopback(host) is loopback
 
 
 @pytest.mark.parametrize("endpoint,reachable", [

@@ -9,12 +9,15 @@ page registry, so several independent apps can live in one process (tests build 
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Iterable
 
 import dash
 from dash import Input, Output, dcc, html
 from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 
+from kvscope.dashboard.access import protect, resolve_roots
 from kvscope.dashboard.backend import AgentBackend, Backend, BackendUnavailable
 from kvscope.dashboard.pages import compare, overview, requests, sizing, tiers
 from kvscope.dashboard.pages.common import Context
@@ -31,7 +34,8 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
                window_seconds: float = 900.0, *, backend: Backend | None = None,
                sizing_trace: str | None = None, sizing_preset: str = "llama-3-8b",
                sizing_gpu_tokens: int = 0, max_points: int = 720,
-               token: str | None = None) -> dash.Dash:
+               token: str | None = None, capture_roots: Iterable[str | os.PathLike] = (),
+               require_token: str | None = None) -> dash.Dash:
     """A new Dash app showing the agent at ``api_url`` (e.g. ``http://127.0.0.1:9400``), or
     ``backend`` (e.g. a :class:`~kvscope.dashboard.prometheus.PrometheusBackend`).
 
@@ -39,8 +43,10 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
     drawn, counted back from the newest sample. ``sizing_trace``: a trace file for the Sizing
     page, analysed in the background with model ``sizing_preset`` and a GPU prefix cache of
     ``sizing_gpu_tokens`` tokens. ``max_points``: points per
-    series at most. ``token``: the agent's bearer token, when it has one. Each call builds an
-    independent app.
+    series at most. ``token``: the agent's bearer token, when it has one. ``capture_roots``:
+    the directories the Compare page may read (none: it reads nothing). ``require_token``: the
+    token every visitor must present (None: open; see :mod:`kvscope.dashboard.access`). Each
+    call builds an independent app.
     """
     if backend is None:
         if api_url is None:
@@ -48,13 +54,15 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
         backend = AgentBackend(api_url, token=token)
     source = SizingSource(sizing_trace, sizing_preset, sizing_gpu_tokens)
     source.start()
-    ctx = Context(backend, window_seconds, max_points, source)
+    ctx = Context(backend, window_seconds, max_points, source, resolve_roots(capture_roots))
     app = dash.Dash(__name__, title="kvscope", update_title=None,
                     use_pages=False, pages_folder="")
     app.layout = shell(refresh_seconds, fleet=backend.kind == "prometheus")
     app.validation_layout = html.Div([shell(refresh_seconds, fleet=True),
                                       *[page.layout() for page in PAGES]])
     app.kvscope = ctx  # for tests and benchmarks: the backend and settings behind the app
+    if require_token is not None:
+        protect(app.server, require_token)
     register_shell(app, ctx)
     for page in PAGES:
         page.register_callbacks(app, ctx)

@@ -3,24 +3,17 @@ SIGHUP)."""
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import sys
 import threading
 
 from kvscope.agent.config import AgentSettings, ConfigError
 from kvscope.agent.sources import REGISTRY as SOURCES
+from kvscope.argtypes import is_loopback
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
 from kvscope.service.server import ApiServer, bind, url
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
 
 
 def _reachable_off_host(endpoint: str) -> bool:
@@ -28,7 +21,7 @@ def _reachable_off_host(endpoint: str) -> bool:
     ``*`` or an address that is not loopback (``ipc://`` is a local socket file)."""
     if not endpoint.startswith("tcp://"):
         return False
-    return not _loopback(endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]"))
+    return not is_loopback(endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]"))
 
 
 def _log_to_stderr(level: str) -> None:
@@ -76,7 +69,7 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
               file=out)
     if settings.otlp_endpoint:
         print(f"  otlp export: {agent.otlp.endpoint}", file=out)
-    if settings.token is None and not _loopback(settings.host):
+    if settings.token is None and not is_loopback(settings.host):
         print(f"  warning: /api and /v1/traces are open to anyone who reaches {settings.host}:"
               f"{settings.port}; set token in the config (or KVSCOPE_TOKEN)", file=out)
     if agent.ingest is not None and _reachable_off_host(settings.ingest.endpoint):

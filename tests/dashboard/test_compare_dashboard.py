@@ -7,6 +7,7 @@ from kvscope.agent.capture import CaptureWriter
 from kvscope.agent.requests import RequestRecord, TransferRecord
 from kvscope.analysis.compare import RequestSample, compare, to_dict
 from kvscope.dashboard import figures_compare as fc
+from kvscope.dashboard.access import resolve_roots
 from kvscope.dashboard.pages import compare as page
 from kvscope.vocabulary import TOKEN_SOURCES
 
@@ -180,28 +181,32 @@ def test_respond_opens_a_link_and_a_click_writes_one(tmp_path):
     c = _capture(tmp_path / "c", np.linspace(0.2, 0.3, 150))
     keep = dash.no_update
     n = len(page.GRAPHS) + 2  # figures, verdict, status; then the form's 3 values, the query
+    roots = resolve_roots([tmp_path])  # the page reads under these only
 
     out = page.respond(False, f"?baseline={b}&candidate={c}&ttft_budget=0.1", None, None, None,
-                       resamples=200)
+                       resamples=200, roots=roots)
     assert out[n:] == (b, c, 100.0, keep)
     assert "over the 100 ms budget" in out[n - 2].children[0].children  # 0.1 s, applied
     assert "150 requests" in out[n - 1]
 
-    out = page.respond(True, "", b, c, 100, resamples=200)
+    out = page.respond(True, "", b, c, 100, resamples=200, roots=roots)
     assert out[-1] == f"?baseline={b}&candidate={c}&ttft_budget=0.1" and out[n:-1] == (keep,) * 3
     assert "over the 100 ms budget" in out[n - 2].children[0].children
-    assert page.respond(True, out[-1], b, c, 100, resamples=200)[-1] is keep  # already there
+    # already there
+    assert page.respond(True, out[-1], b, c, 100, resamples=200, roots=roots)[-1] is keep
 
-    out = page.respond(True, "", b, c, -5)  # the form's own bad budget: nothing read or written
+    # the form's own bad budget: nothing read or written
+    out = page.respond(True, "", b, c, -5, roots=roots)
     assert out[n - 1].startswith("cannot compare:") and out[n:] == (keep,) * 4
 
-    out = page.respond(False, f"?baseline={b}&candidate={c}&ttft_budget=abc", b, c, 100)
+    out = page.respond(False, f"?baseline={b}&candidate={c}&ttft_budget=abc", b, c, 100,
+                       roots=roots)
     assert out[n - 2] == "" and "ttft_budget='abc'" in out[n - 1]
     assert out[n:] == (b, c, None, keep)
-    out = page.respond(False, f"?baseline={b}", None, None, None)
+    out = page.respond(False, f"?baseline={b}", None, None, None, roots=roots)
     assert out[n - 1] == "the link names no candidate capture: type it and press Compare"
     with pytest.raises(dash.exceptions.PreventUpdate):  # persisted values stay
-        page.respond(False, "?foo=1", b, c, 100)
+        page.respond(False, "?foo=1", b, c, 100, roots=roots)
 
 
 def _rollout_report(directory):
@@ -230,7 +235,8 @@ def test_the_page_opens_a_rollout_directory_and_its_candidate(tmp_path):
     judge's, A/A gate included), the overall figures, and the per-level p99 TTFT of the
     baseline, the candidate and the A/A twin; a candidate the report lacks is said so."""
     j = _rollout_report(tmp_path)
-    out = page.respond(False, f"?baseline={tmp_path}", None, None, None)
+    out = page.respond(False, f"?baseline={tmp_path}", None, None, None,
+                       roots=resolve_roots([tmp_path]))
     *figures, banner, status, b, c, budget, _ = out
     assert (b, c) == (str(tmp_path), None)
     assert j.verdict.text in str(banner) and "rollout" in status and "B against A" in status

@@ -392,11 +392,38 @@ def _verdict(browser) -> str:
                     "the verdict")
 
 
-def test_compare_page_shows_two_captures_and_a_verdict(demo, browser, tmp_path):
+@pytest.fixture
+def compare_dashboard(demo, tmp_path):
+    """A dashboard, in-process, on the demo's agent, whose Compare page may read ``tmp_path``
+    (the demo's own reads only its capture directory: it has none)."""
+    from kvscope.dashboard.app import create_app, serve
+
+    app = create_app(demo.api_url, capture_roots=[tmp_path])
+    handle = serve(app, "127.0.0.1", 0)
+    yield handle
+    handle.shutdown()
+    app.kvscope.backend.close()
+
+
+def test_the_compare_page_reads_nothing_outside_its_capture_roots(demo, browser):
+    """The demo's dashboard has no capture directory to read: a link naming /etc/shadow and one
+    naming a missing path get the same line, which says nothing about either."""
+    lines = []
+    for path in ("/etc/shadow", "/no/such/capture"):
+        browser.get(f"{demo.ui_url}compare?{urlencode({'baseline': path, 'candidate': path})}")
+        lines.append(wait_for(browser, lambda: "cannot compare" in status_text(
+            browser, "compare-status") and status_text(browser, "compare-status"),
+            f"the refusal of {path}"))
+    assert lines[0] == lines[1] == ("cannot compare: this dashboard reads no captures; start it "
+                                    "with --capture-root DIR (the directories it may read)")
+    assert not console_errors(browser)
+
+
+def test_compare_page_shows_two_captures_and_a_verdict(compare_dashboard, browser, tmp_path):
     """The form, filled and Compare pressed: the verdict, and the comparison's link in the
     address bar (the budget in seconds, as kvscope compare --ttft-budget)."""
     baseline, candidate = _compare_captures(tmp_path)
-    browser.get(demo.ui_url + "compare")
+    browser.get(compare_dashboard.url + "/compare")
     try:
         wait_for(browser, lambda: browser.find_elements("id", "compare-run"), "the form")
         fill_in(browser, {"compare-baseline": baseline,
@@ -414,11 +441,11 @@ def test_compare_page_shows_two_captures_and_a_verdict(demo, browser, tmp_path):
     assert not console_errors(browser)
 
 
-def test_compare_link_opens_the_verdict_without_a_click(demo, browser, tmp_path):
+def test_compare_link_opens_the_verdict_without_a_click(compare_dashboard, browser, tmp_path):
     """/compare?baseline=...&candidate=...&ttft_budget=0.08 fills the form (80 ms) and
     compares at once; a malformed budget in a link is one status line, not a traceback."""
     baseline, candidate = _compare_captures(tmp_path)
-    browser.get(f"{demo.ui_url}compare?"
+    browser.get(f"{compare_dashboard.url}/compare?"
                 f"{urlencode({'baseline': baseline, 'candidate': candidate})}&ttft_budget=0.08")
     try:
         verdict = _verdict(browser)
@@ -429,7 +456,7 @@ def test_compare_link_opens_the_verdict_without_a_click(demo, browser, tmp_path)
     assert "keep" in verdict.lower() and "80 ms budget" in verdict
     assert form == {"compare-baseline": baseline, "compare-candidate": candidate,
                     "compare-budget-ms": "80"}
-    browser.get(f"{demo.ui_url}compare?baseline={baseline}&candidate={candidate}"
+    browser.get(f"{compare_dashboard.url}/compare?baseline={baseline}&candidate={candidate}"
                 f"&ttft_budget=abc")
     status = wait_for(browser, lambda: "ttft_budget" in status_text(browser, "compare-status")
                       and status_text(browser, "compare-status"), "the bad-budget status")

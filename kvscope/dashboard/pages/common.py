@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import plotly.graph_objects as go
 from dash import dcc, html
@@ -21,12 +22,15 @@ STATUS_STYLE = {"color": "#555", "padding": "6px 16px", "fontSize": "14px"}
 @dataclass
 class Context:
     """Everything a page's callbacks read. ``window_seconds``: seconds of history drawn;
-    ``max_points``: points per series at most (older samples are thinned)."""
+    ``max_points``: points per series at most (older samples are thinned);
+    ``capture_roots``: the resolved directories the Compare page may read
+    (:mod:`kvscope.dashboard.access`)."""
 
     backend: Backend
     window_seconds: float = 900.0
     max_points: int = 720
     sizing: SizingSource | None = None
+    capture_roots: tuple[Path, ...] = ()
 
 
 def graph(gid: str, figure: go.Figure) -> dcc.Graph:

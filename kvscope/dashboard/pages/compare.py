@@ -1,7 +1,7 @@
 """The Compare page: a baseline capture against a candidate capture, and the rollback verdict.
 
 The user names two capture directories (``kvscope agent --capture-dir``, read on the
-dashboard's host) and optionally a p99 TTFT budget in milliseconds, and presses Compare; or a
+dashboard's host, under the directories the dashboard may read: :mod:`kvscope.dashboard.access`) and optionally a p99 TTFT budget in milliseconds, and presses Compare; or a
 ``kvscope rollout`` report directory as the baseline, and optionally which of its candidates
 (default its first): the page then shows that candidate's judgement from the report (its
 verdict, the A/A gate included) and its per-level p99 TTFT beside the baseline's. The
@@ -23,6 +23,7 @@ was.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qs, urlencode
@@ -33,6 +34,8 @@ from dash.exceptions import PreventUpdate
 
 from kvscope.analysis.bootstrap import DEFAULT_RESAMPLES
 from kvscope.dashboard import figures_compare as fc
+from kvscope.dashboard.access import outside_roots
+from kvscope.dashboard.pages.common import Context
 
 PATH = "/compare"
 NAME = "Compare"
@@ -90,11 +93,11 @@ def layout() -> html.Div:
     ])
 
 
-def register_callbacks(app: dash.Dash, ctx=None) -> None:
+def register_callbacks(app: dash.Dash, ctx: Context) -> None:
     """Bind the Compare button and the URL's query (the page's own ``dcc.Location``) to
-    ``app`` (``ctx``, the shared page context, is unused: the page reads capture directories,
-    not the live backend). The callback writes the query it reads; Dash does not call a
-    callback again for its own output."""
+    ``app``; of ``ctx``, the shared page context, the page reads only ``capture_roots`` (it
+    reads capture directories, not the live backend). The callback writes the query it reads;
+    Dash does not call a callback again for its own output."""
 
     @app.callback(*[Output(gid, "figure") for gid in GRAPHS],
                   Output("compare-verdict", "children"), Output(STATUS_ID, "children"),
@@ -104,13 +107,17 @@ def register_callbacks(app: dash.Dash, ctx=None) -> None:
     def _compare(n_clicks, search, baseline, candidate, budget_ms):
         # drawing the page "triggers" the button too, with 0 clicks
         clicked = bool(n_clicks) and "compare-run.n_clicks" in dash.ctx.triggered_prop_ids
-        return respond(clicked, search, baseline, candidate, budget_ms)
+        return respond(clicked, search, baseline, candidate, budget_ms,
+                       roots=ctx.capture_roots)
 
 
 def respond(clicked: bool, search: str | None, baseline: str | None, candidate: str | None,
-            budget_ms: float | None, resamples: int = DEFAULT_RESAMPLES) -> tuple:
+            budget_ms: float | None, resamples: int = DEFAULT_RESAMPLES, *,
+            roots: Sequence[Path]) -> tuple:
     """The callback's outputs: (the figures, verdict, status, the form's three values, the
-    URL's query); ``dash.no_update`` where nothing changes.
+    URL's query); ``dash.no_update`` where nothing changes. ``roots``: the resolved
+    directories the page may read (:func:`~kvscope.dashboard.access.outside_roots`); a path
+    outside them is refused before anything is read.
 
     ``clicked``: Compare was pressed, so compare the form's values and write them into the
     URL (unless it already holds them). Otherwise the URL changed or the page was drawn: open
@@ -119,7 +126,8 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     """
     keep = dash.no_update
     if clicked:
-        error = budget_error(budget_ms)
+        error = (budget_error(budget_ms) or outside_roots(baseline, roots)
+                 or outside_roots(candidate, roots))
         if error:
             return (*render(None, error), keep, keep, keep, keep)
         query = link_search(baseline, candidate, budget_ms)
@@ -129,8 +137,9 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     if link is None:
         raise PreventUpdate
     form = (link.baseline, link.candidate, link.budget_ms)
-    if link.error:
-        return (*render(None, link.error), *form, keep)
+    refused = outside_roots(link.baseline, roots) or outside_roots(link.candidate, roots)
+    if link.error or refused:
+        return (*render(None, link.error or refused), *form, keep)
     if not (link.baseline and link.candidate) and not _is_rollout(link.baseline):
         missing = "candidate" if link.baseline else "baseline"
         return (*render(None, f"the link names no {missing} capture: type it and press "

@@ -1,0 +1,80 @@
+"""Who may open the dashboard, and which captures it may read.
+
+- **Capture roots.** The Compare page reads capture and rollout directories that a visitor
+  names. It reads only under the directories the operator allowed at start (``kvscope
+  dashboard --capture-root DIR``; the demo's own capture directory): any other path, existing
+  or not, gets one message that says nothing about it (:func:`outside_roots`). Paths are
+  resolved first (``..`` and symbolic links), so none leads out of a root.
+- **Token.** A dashboard listening beyond loopback demands the token (``KVSCOPE_TOKEN``, the
+  agent's): from the address bar once (``?token=...``, then kept in an HttpOnly, SameSite=Strict
+  cookie), or as a bearer token (:func:`protect`). Without one it does not start unless
+  told ``--insecure`` (the CLI's rule).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from flask import Flask, g, request
+from werkzeug.wrappers import Response
+
+COOKIE = "kvscope_token"
+
+
+def resolve_roots(roots: Iterable[str | os.PathLike]) -> tuple[Path, ...]:
+    """``roots`` as absolute, resolved directories (for :func:`outside_roots`)."""
+    return tuple(Path(os.path.realpath(root)) for root in roots)
+
+
+def _inside(path: str, roots: Sequence[Path]) -> bool:
+    resolved = Path(os.path.realpath(path))
+    return any(resolved == root or root in resolved.parents for root in roots)
+
+
+def outside_roots(paths: str | None, roots: Sequence[Path]) -> str:
+    """The status line refusing ``paths`` (one directory, or several comma-separated) when any
+    is not under one of ``roots`` (resolved, see :func:`resolve_roots`); "" when all are, or
+    none is named. The line depends only on what was typed, never on what exists."""
+    named = [p.strip() for p in (paths or "").split(",") if p.strip()]
+    if not named:
+        return ""
+    if not roots:
+        return ("cannot compare: this dashboard reads no captures; start it with "
+                "--capture-root DIR (the directories it may read)")
+    refused = next((p for p in named if not _inside(p, roots)), None)
+    if refused is None:
+        return ""
+    shown = refused if len(refused) <= 200 else refused[:200] + "…"
+    return (f"cannot compare: {shown!r} is not under a directory this dashboard may read "
+            f"(--capture-root: {', '.join(map(str, roots))})")
+
+
+def protect(server: Flask, token: str) -> None:
+    """Make every request to ``server`` (the Dash app's Flask server) present ``token``: as
+    ``?token=`` (then remembered in a cookie for the browser's later requests), the cookie, or
+    ``Authorization: Bearer``. Anything else gets 401 with a line saying how to open it."""
+
+    def given() -> str | None:
+        header = request.headers.get("Authorization", "")
+        bearer = header.removeprefix("Bearer ") if header.startswith("Bearer ") else None
+        return request.args.get("token") or request.cookies.get(COOKIE) or bearer
+
+    @server.before_request
+    def _check() -> Response | None:
+        offered = given()
+        if offered is not None and hmac.compare_digest(offered.encode(), token.encode()):
+            g.kvscope_remember = "token" in request.args
+            return None
+        return Response("this dashboard needs its token: open it as /?token=TOKEN (the "
+                        "KVSCOPE_TOKEN it was started with)\n", 401,
+                        {"Content-Type": "text/plain; charset=utf-8",
+                         "WWW-Authenticate": "Bearer"})
+
+    @server.after_request
+    def _remember(response: Response) -> Response:
+        if g.get("kvscope_remember"):
+            response.set_cookie(COOKIE, token, httponly=True, samesite="Strict")
+        return response

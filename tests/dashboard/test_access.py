@@ -1,0 +1,89 @@
+"""Who may open the dashboard and which captures it reads (kvscope/dashboard/access.py): on a
+real directory tree with a symbolic link out of it, and through the Flask server of a real
+Dash app."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvscope.dashboard.access import COOKIE, outside_roots, resolve_roots
+from kvscope.dashboard.app import create_app
+from kvscope.dashboard.pages import compare
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """root/ holding run1/ and a link escape -> outside/; outside/ holding secret.parquet."""
+    (tmp_path / "root" / "run1").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.parquet").write_bytes(b"PAR1")
+    os.symlink(tmp_path / "outside", tmp_path / "root" / "escape")
+    return tmp_path
+
+
+def test_paths_under_a_root_are_read_and_no_other(tree):
+    roots = resolve_roots([tree / "root"])
+    assert outside_roots(str(tree / "root" / "run1"), roots) == ""
+    assert outside_roots(f"{tree / 'root' / 'run1'},{tree / 'root'}", roots) == ""
+    assert outside_roots(str(tree / "root" / "not-yet"), roots) == ""  # inside: its own errors
+    assert outside_roots("", roots) == outside_roots(None, roots) == ""
+    for escape in (tree / "outside", tree / "root" / "escape", tree / "root" / ".." / "outside",
+                   tree / "root" / "escape" / "secret.parquet", "/etc/passwd"):
+        assert "is not under a directory this dashboard may read" in outside_roots(
+            str(escape), roots), escape
+    # one outside path among several refuses the lot
+    assert outside_roots(f"{tree / 'root' / 'run1'},/etc", roots)
+
+
+def test_the_refusal_says_nothing_about_what_exists(tree):
+    """An existing file and a missing one outside the roots give the same line, up to the path
+    typed (which the visitor knows already)."""
+    roots = resolve_roots([tree / "root"])
+    there = str(tree / "outside" / "secret.parquet")
+    missing = str(tree / "outside" / "nothing.parquet")
+    assert (outside_roots(there, roots).replace(there, "P")
+            == outside_roots(missing, roots).replace(missing, "P"))
+
+
+def test_without_roots_the_page_reads_nothing(tree):
+    assert "start it with --capture-root DIR" in outside_roots(str(tree / "root"), ())
+
+
+def test_the_compare_page_refuses_before_reading(tree):
+    """A link or the form naming a path outside the roots gets the refusal as its status,
+    without reading: not even whether a rollout report is there."""
+    roots = resolve_roots([tree / "root"])
+    for out in (compare.respond(False, f"?baseline={tree / 'outside'}&candidate=/etc", None,
+                                None, None, roots=roots),
+                compare.respond(True, "", str(tree / "root" / "run1"), "/etc/shadow", None,
+                                roots=roots)):
+        status = out[len(compare.GRAPHS) + 1]
+        assert "is not under a directory this dashboard may read" in status, status
+
+
+def test_a_protected_dashboard_wants_its_token_once(tree):
+    """Without the token: 401 saying how to open it. With ?token=: the page, and a cookie
+    (HttpOnly, SameSite=Strict) that lets the browser's later requests in; a bearer header
+    works too; a wrong token does not."""
+    app = create_app("http://127.0.0.1:9", require_token="s3cret-tok")
+    client = app.server.test_client()
+    refused = client.get("/")
+    assert refused.status_code == 401 and "/?token=TOKEN" in refused.get_data(as_text=True)
+    assert client.get("/?token=wrong").status_code == 401
+    opened = client.get("/?token=s3cret-tok")
+    assert opened.status_code == 200
+    cookie = opened.headers["Set-Cookie"]
+    assert cookie.startswith(f"{COOKIE}=s3cret-tok") and "HttpOnly" in cookie
+    assert "SameSite=Strict" in cookie
+    assert client.get("/_dash-layout").status_code == 200  # the cookie, sent back
+    other = app.server.test_client()
+    assert other.get("/_dash-layout").status_code == 401
+    assert other.get("/_dash-layout",
+                     headers={"Authorization": "Bearer s3cret-tok"}).status_code == 200
+
+
+def test_an_open_dashboard_stays_open():
+    app = create_app("http://127.0.0.1:9")
+    assert app.server.test_client().get("/").status_code == 200
