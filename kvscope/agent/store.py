@@ -69,6 +69,30 @@ def _frame_at(data: memoryview, offset: int,
         return None, end
 
 
+# The bytes a msgpack map begins with (fixmap, map 16, map 32), as 1s among 0s: a record's
+# payload is a map (RecordData decodes from nothing else), so a frame starts only 8 bytes before one
+_MAP_BYTES = bytes((*range(0x80, 0x90), 0xDE, 0xDF))
+_MAP_STARTS = bytes(int(b in _MAP_BYTES) for b in range(256))
+_MAX_CHUNK = 1 << 20
+
+
+def _next_start(data: memoryview, offset: int) -> int:
+    """The first offset from ``offset`` where a frame can start: its payload (``_HEADER.size``
+    bytes on) begins with a msgpack map; ``len(data)`` when none does. Every other offset would
+    fail :func:`_frame_at`'s decode, so skipping them changes no result. Searched in C (a
+    translate and a find, in chunks that double from 512 bytes to 1 MiB): damaged bytes, zeroed
+    after a power loss, are passed at hundreds of MB/s rather than the 1.2 MB/s of trying every
+    offset in Python; random damage still offers a start every 14 bytes or so."""
+    pos, size = offset + _HEADER.size, 512
+    while pos < len(data):
+        hit = bytes(data[pos:pos + size]).translate(_MAP_STARTS).find(1)
+        if hit >= 0:
+            return pos + hit - _HEADER.size
+        pos += size
+        size = min(2 * size, _MAX_CHUNK)
+    return len(data)
+
+
 def _segment_order(path: Path) -> tuple:
     """Sort key of a segment: its stamp, pid and sequence as numbers (a stamp past 15 digits,
     after a segment named far ahead, still sorts after it), a name not of that form first."""
@@ -86,7 +110,9 @@ def read_segment(path: Path) -> list[RequestRecord]:
     skipped with a warning: reading resumes at the next offset where a whole frame holds — a
     length that fits, a matching CRC-32 and a payload that decodes as a record. A false match
     in damaged or payload bytes needs a 1-in-2**32 CRC coincidence and then a valid record, so
-    what is resumed from is a real frame.
+    what is resumed from is a real frame. Only offsets where a frame can start are tried (see
+    :func:`_next_start`): 256 MiB zeroed by a power loss are passed in about a second, not
+    minutes.
     """
     data = memoryview(path.read_bytes())
     decoder = msgspec.msgpack.Decoder(RecordData)
@@ -96,7 +122,7 @@ def read_segment(path: Path) -> list[RequestRecord]:
         frame = _frame_at(data, offset, decoder)
         if frame is None:
             damaged = offset if damaged is None else damaged
-            offset += 1
+            offset = _next_start(data, offset + 1)
             continue
         if damaged is not None:
             log.warning("kvscope store: %s: skipped %d damaged bytes at offset %d",
