@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 from kvscope import events as ev
 from kvscope.agent.record_data import RecordData
 from kvscope.agent.requests import RequestRecord
-from kvscope.agent.segments import OutageLog, prune
+from kvscope.agent.segments import OutageLog, check_writable, prune
 from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,10 @@ class CaptureWriter(Worker):
     thread_name = "kvscope-capture"
 
     def prepare(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Make the directory if missing and remove orphaned ``.tmp`` segments; raises OSError
+        where no file can be written there (see :func:`~kvscope.agent.segments.check_writable`):
+        a capture that would drop every row does not start."""
+        check_writable(self.directory)
         self._remove_orphans()
 
     def run(self) -> None:

@@ -36,7 +36,7 @@ import msgspec
 
 from kvscope.agent.record_data import RecordData
 from kvscope.agent.requests import FUTURE, MAX_TRANSFERS, RequestRecord
-from kvscope.agent.segments import OutageLog, prune
+from kvscope.agent.segments import OutageLog, check_writable, prune
 from kvscope.events import MAX_SECONDS
 from kvscope.agent.worker import Worker
 
@@ -256,10 +256,11 @@ class RequestStore(Worker):
         """Take the directory (created if missing) for this store alone, until the store stops
         or the process exits. Raises OSError (EBUSY) when another store, e.g. another agent's,
         has it: two writers would delete each other's segments and restore each other's
-        records."""
+        records; other OSErrors where no file can be written there (see
+        :func:`~kvscope.agent.segments.check_writable`)."""
         if self._owner is not None:
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
+        check_writable(self.directory)
         owner = open(self.directory / ".lock", "w")
         try:
             fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)

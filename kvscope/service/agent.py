@@ -17,6 +17,7 @@ from kvscope.agent.config import AgentSettings, ConfigError
 from kvscope.agent.metrics import snapshot_samples
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.requests import RequestTable
+from kvscope.agent.segments import check_writable
 from kvscope.agent.sources import REGISTRY as SOURCES
 from kvscope.agent.sources import build_sources
 from kvscope.agent.store import RequestStore
@@ -26,6 +27,15 @@ from kvscope.exporter.otlp import SPAN_RESULTS, RequestSpanExporter
 from kvscope.exporter.prometheus import Exposition
 
 log = logging.getLogger(__name__)
+
+
+def _unusable(key: str, directory, exc: OSError) -> ConfigError:
+    """The error refusing the directory of the sink set by ``key``: what failed, and what to
+    fix (but for another agent holding it)."""
+    fix = ("" if exc.errno == errno.EBUSY else
+           f" (the agent writes its files there: make it a directory this user can create "
+           f"files in, or set {key} to one)")
+    return ConfigError(f"cannot use {key} {directory}: {exc.strerror or exc}{fix}")
 
 
 class Agent(Worker):
@@ -103,14 +113,19 @@ class Agent(Worker):
     def prepare(self) -> None:
         """Restore stored requests, subscribe the store and start every part; raises
         :class:`~kvscope.agent.config.ConfigError` naming the part that could not start (a
-        port or endpoint taken, a directory that cannot be made), with nothing left running."""
+        port or endpoint taken, a directory where no file can be written: every sink that
+        writes files refuses one, before the store is restored), with nothing left running."""
+        if self.capture is not None:
+            try:
+                check_writable(self.capture.directory)
+            except OSError as exc:
+                raise _unusable("capture_dir", self.capture.directory, exc) from None
         if self.store is not None:
             try:
                 self.store.take()
                 restored = self.store.load(self.pipeline.requests.capacity)
             except OSError as exc:  # another agent's, or a segment this user cannot read
-                raise ConfigError(f"cannot use store_dir {self.store.directory}: "
-                                  f"{exc.strerror or exc}") from None
+                raise _unusable("store_dir", self.store.directory, exc) from None
             self.pipeline.restore(restored)
             self.pipeline.subscribe(self.store.add, early=True)  # kill -9 loses 1 s at most
         self.restoring = False

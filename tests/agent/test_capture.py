@@ -7,7 +7,10 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
+import threading
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -15,7 +18,7 @@ import pytest
 
 from kvscope import events as ev
 from kvscope.agent.capture import TMP_SUFFIX, CaptureWriter
-from kvscope.agent.config import AgentSettings
+from kvscope.agent.config import AgentSettings, ConfigError
 from kvscope.analysis.analyze import AnalyzeOptions, analyze
 from kvscope.analysis.capture_reader import read_block_trace, read_request_sample
 from kvscope.analysis.inputs import from_requests, load_trace
@@ -482,3 +485,59 @@ def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path):
     segments = list((tmp_path / "cap").glob("totals-*.parquet"))
     assert len(segments) == 1 and pq.read_table(segments[0]).num_rows == 1
     assert not list((tmp_path / "cap").glob("requests-*.parquet"))
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """A read-only tmpfs at tmp_path/"ro" (denies root too); skipped where mounting is not
+    allowed."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
+                          capture_output=True, check=False)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def _unwritable(how, tmp_path, request):
+    """A directory path no file can be written under, for root too (CI runs as root, whom
+    chmod does not stop), but for "mode 555" (skipped as root)."""
+    if how == "parent is a file":
+        (tmp_path / "file").write_text("")
+        return tmp_path / "file" / "sink"
+    if how == "a file in its place":
+        (tmp_path / "sink").write_text("")
+        return tmp_path / "sink"
+    if how == "takes no files":
+        return Path("/proc/self")  # a directory: procfs creates no file there
+    if how == "read-only mount":
+        return request.getfixturevalue("read_only_mount")
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a mode 555 directory")
+    directory = tmp_path / "sink"
+    directory.mkdir(mode=0o555)
+    return directory
+
+
+@pytest.mark.parametrize("key", ["store_dir", "capture_dir"])
+@pytest.mark.parametrize("how", ["parent is a file", "a file in its place", "takes no files",
+                                 "read-only mount", "mode 555"])
+def test_every_sink_refuses_to_start_in_a_directory_it_cannot_write(tmp_path, request, key,
+                                                                     how):
+    """One start-up rule for every sink that writes files: a store_dir or capture_dir where no
+    file can be written stops the agent at start, naming the key, the directory and what to
+    fix (a read-only capture_dir used to start and drop every row), with nothing running."""
+    directory = _unwritable(how, tmp_path, request)
+    agent = Agent(AgentSettings(**{key: directory}, collectors=NO_COLLECTORS),
+                  with_ingest=False)
+    with pytest.raises(ConfigError) as refused:
+        agent.start()
+    message = str(refused.value)
+    assert message.startswith(f"cannot use {key} {directory}: ")
+    assert f"make it a directory this user can create files in, or set {key} to one" in message
+    assert not agent.ready and not [t for t in threading.enumerate()
+                                    if t.name in ("kvscope-store", "kvscope-capture")]
