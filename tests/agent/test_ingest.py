@@ -998,3 +998,33 @@ def test_an_emitter_sends_its_taps_error_totals_and_survives_a_hook_that_raises(
         assert source.pipeline.snapshot().tap_errors[("vllm", "internal")] == 4
     finally:
         emitter.close()
+
+
+@pytest.mark.parametrize("case", ["too_large", "invalid", "version"])
+def test_refusing_a_message_costs_a_small_constant_not_an_object_per_event(case):
+    """8 MiB of one-byte events (4 MiB under max_batch_bytes for the invalid and version cases)
+    refused: its header was decoded into an object per event, up to three times (peak traced
+    memory about 60 times the message: 480 MB of RSS for 8 MiB). Now the header is read with
+    its events undecoded and counted off the msgpack array's own header: the peak is a few KB,
+    far under twice the message, and the drop still counts every event, exactly."""
+    import tracemalloc
+
+    limit = 4 << 20
+    n = 2 * limit - 64 if case == "too_large" else limit - 64
+    version = ev.SCHEMA_VERSION + (case == "version")
+    data = msgspec.msgpack.encode({"version": version, "source": "engine", "seq": 0,
+                                   "events": [1] * n})
+    assert len(data) <= (2 if case == "too_large" else 1) * limit
+    pipeline = Pipeline()
+    source = IngestSource(pipeline, max_batch_bytes=limit)
+    source.handle(memoryview(data))  # a first one: logs its reason once
+    message = memoryview(data)  # as ZMQ hands it over: a view of the frame
+    tracemalloc.start()
+    try:
+        source.handle(message)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert pipeline.snapshot().events_dropped == {("ingest", case): 2 * n}
+    assert peak < 2 * len(data), f"{peak / len(data):.1f} times the message's {len(data)} bytes"
+    assert peak < 64 << 10, f"{peak} bytes to refuse one message"

@@ -25,7 +25,9 @@ and a message whose header cannot be read, which counts one. A drop is counted u
 the batch names when that source has sent a valid batch (one of the ``max_sources``), else under
 ``ingest``, so refused batches never take a source's place; the first of each source and reason
 is logged with what was wrong. A refused batch whose header can be read still moves its
-emitter's sequence on, so it is not counted again as a gap.
+emitter's sequence on, so it is not counted again as a gap. Refusing a message costs a few KB
+whatever it holds: its header is read with the events counted off the array, none decoded
+(:class:`kvscope.events.BatchHeader`; a refused 8 MiB of one-byte events once cost 480 MB).
 
 Memory: the thread that folds takes what ZMQ holds between batches, and another takes it
 whenever that one is held up (:meth:`IngestSource._watch`), so that ZMQ's queue stays short: a tap that
@@ -244,13 +246,17 @@ class IngestSource(SourceWorker):
                 batch = ev.decode_batch(data)
             except ev.SchemaError as exc:
                 reason, detail = exc.reason, str(exc)
-            # invalid events cost only themselves (one once cost its whole batch), unless the
-            # batch's own fields are invalid too (outside the except: its traceback holds the
-            # decoder's frame, and a list of every raw event with it)
-            salvaged = ev.salvage_batch(data) if reason == "invalid" else None
-            if salvaged is not None:
-                (batch, invalid), invalid_detail, reason = salvaged, detail, None
+        # a refused batch's header is read once, its events counted, none decoded: refusing
+        # costs the same whatever the batch holds (see ev.BatchHeader)
         header = batch or ev.read_header(data)
+        # invalid events cost only themselves (one once cost its whole batch), unless the
+        # batch's own fields are invalid too (outside the except: its traceback holds the
+        # decoder's frame)
+        salvaged = (ev.salvage_batch(data, header) if reason == "invalid" and header is not None
+                    else None)
+        if salvaged is not None:
+            (batch, invalid), invalid_detail, reason = salvaged, detail, None
+            header = batch
         if header is None:  # not even a batch's header: nobody to blame
             self.pipeline.drop(NAME, reason)
             self._warn_once((NAME, reason), "kvscope ingest: dropped a message (%s): %s; logged "
@@ -265,7 +271,7 @@ class IngestSource(SourceWorker):
         source = header.source if admitted else NAME
         if admitted:
             self._account(header)
-        events = len(header.events) + invalid
+        events = (len(batch.events) if batch is not None else header.count) + invalid
         if reason is not None:
             self.pipeline.drop(source, reason, events)
             named = header.source[:64]  # also a tap whose every batch is refused gets named
