@@ -295,7 +295,10 @@ class CaptureWriter(Worker):
         """Write pending rows into the open segments; finish those due for rotation. A stream
         whose segment cannot be written (a full disk, the directory removed) gives that
         segment up (see :meth:`_abandon`); the other stream is still written, and the first
-        such OSError is raised afterwards. Returns the rows written."""
+        such OSError is raised afterwards. Returns the rows of the segments it finished: rows
+        only in an open segment are not written yet (a full disk took them, then refused the
+        segment's end, and counting them made the outage log "writing again" every other
+        flush)."""
         failure: OSError | None = None
         written = 0
         with self._io_lock:
@@ -312,12 +315,11 @@ class CaptureWriter(Worker):
                         stream.writer.write_table(table)
                         stream.segment_rows += rows
                         unwritten = 0
-                        written += rows
                     if stream.writer is not None and (
                             stream.segment_rows >= self.segment_rows
                             or now - stream.opened_at >= self.segment_seconds
                             or stream.tmp.stat().st_size >= self.segment_bytes):
-                        self._finish(stream)
+                        written += self._finish(stream)
                 except OSError as exc:  # this segment cannot be whole
                     self._abandon(stream, unwritten)
                     failure = failure or exc
@@ -340,24 +342,27 @@ class CaptureWriter(Worker):
                             "schema: %s (logged once)", rows, stream.kind, exc)
             return None
 
-    def close(self) -> None:
+    def close(self) -> int:
         """Flush, then finish every open segment (shutdown does this); one that cannot be
-        finished is given up (see :meth:`_abandon`), and the first OSError raised afterwards."""
+        finished is given up (see :meth:`_abandon`), and the first OSError raised afterwards.
+        Returns the rows of the segments finished."""
         failure: OSError | None = None
+        written = 0
         try:
-            self.flush()
+            written = self.flush()
         except OSError as exc:
             failure = exc
         with self._io_lock:
             for stream in self._streams.values():
                 if stream.writer is not None:
                     try:
-                        self._finish(stream)
+                        written += self._finish(stream)
                     except OSError as exc:
                         self._abandon(stream, 0)
                         failure = failure or exc
         if failure is not None:
             raise failure
+        return written
 
     def _open(self, stream: _Stream, now: float) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -386,10 +391,11 @@ class CaptureWriter(Worker):
         _release(stream)
         stream.writer, stream.tmp, stream.segment_rows = None, None, 0
 
-    def _finish(self, stream: _Stream) -> None:
-        """Close the open segment, fsync it, rename it into place, then prune. Until the
-        rename, a failure leaves the segment to :meth:`_abandon` (deleted, its rows counted)."""
-        tmp = stream.tmp
+    def _finish(self, stream: _Stream) -> int:
+        """Close the open segment, fsync it, rename it into place, then prune; returns its
+        rows. Until the rename, a failure leaves the segment to :meth:`_abandon` (deleted, its
+        rows counted)."""
+        tmp, rows = stream.tmp, stream.segment_rows
         stream.writer.close()
         stream.writer = None
         with open(tmp, "rb+") as f:
@@ -408,6 +414,7 @@ class CaptureWriter(Worker):
             log.warning("kvscope capture: could not fsync %s after writing %s: %s",
                         self.directory, final.name, exc)
         prune(self.segments(), self.max_bytes, keep=final)
+        return rows
 
     def _remove_orphans(self) -> None:
         """Delete ``.tmp`` segments left by writers that are no longer running: those no

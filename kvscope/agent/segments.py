@@ -52,7 +52,9 @@ class OutageLog:
         self._lost_before: int | None = None  # lost when writes began failing; None: they work
 
     def run(self, step: Callable[[], int | None], doing: str) -> None:
-        """Run ``step`` (a flush: returns how many things it wrote; None counts as 0) and raise
+        """Run ``step`` (a flush: returns how many things it wrote where they will last, e.g.
+        the capture's rows in segments it finished, not those in one still open; None counts
+        as 0) and raise
         nothing: an OSError (full disk, directory removed) is logged only when writes were
         working until then; any other exception goes to ``bug(doing)``, as the thread running
         the flushes must outlive a bug. The outage ends at the first ``step`` that writes

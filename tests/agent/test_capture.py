@@ -365,21 +365,29 @@ def test_a_segment_that_fails_to_write_is_deleted_and_its_rows_counted(tmp_path)
     assert pq.read_table(segment).num_rows == 8
 
 
+def _disk_full(fd):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _logged_flushes(writer, lookups, now=None):
+    """For each i of ``lookups``: queue ``_lookup(i)``, run a flush as the flush thread does
+    (its failures logged by the outage log), then advance ``now[0]`` a second when given."""
+    for i in lookups:
+        writer.add_lookup("engine", _lookup(i))
+        writer._logged(writer.flush)
+        if now is not None:
+            now[0] += 1.0
+
+
 def test_a_full_disk_is_logged_once_and_again_when_rows_are_written(tmp_path, monkeypatch,
                                                                        caplog):
     """Three flushes fail (ENOSPC from fsync, as each finishes its one-row segment): one
     warning, not one a second; the first flush that writes again says so, with the 3 rows
     lost meanwhile (8 blocks each: 24)."""
     writer = CaptureWriter(tmp_path, segment_rows=1)
-
-    def full(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
     real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", full)
-    for i in range(3):
-        writer.add_lookup("engine", _lookup(i))
-        writer._logged(writer.flush)
+    monkeypatch.setattr(os, "fsync", _disk_full)
+    _logged_flushes(writer, range(3))
     monkeypatch.setattr(os, "fsync", real_fsync)
     writer._logged(writer.flush)  # nothing to write: no recovery yet
     writer.add_lookup("engine", _lookup(3))
@@ -387,6 +395,29 @@ def test_a_full_disk_is_logged_once_and_again_when_rows_are_written(tmp_path, mo
     assert caplog.text.count("could not write") == 1
     assert caplog.text.count("writing") == 1 and "24 rows could not be written" in caplog.text
     assert len(writer.segments("blocks")) == 1
+
+
+def test_a_full_disk_is_logged_once_while_open_segments_still_take_rows(tmp_path, monkeypatch,
+                                                                        caplog):
+    """Segments finish every 2 s and the disk refuses their ends (ENOSPC from fsync): each
+    segment takes two flushes' rows, then is given up at the third, and the next flush opens a
+    new one. That flush's rows were counted written, so the log said "writing again" and
+    "could not write" once more at every segment (7 pairs in 25 s); now rows count as written
+    once their segment is finished: one line for 9 failing flushes, and one when a segment is
+    written whole again, with the 9 lookups' 72 rows lost."""
+    now = [T0]
+    writer = CaptureWriter(tmp_path, segment_seconds=2.0, clock=lambda: now[0])
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", _disk_full)
+    _logged_flushes(writer, range(9), now)
+    assert caplog.text.count("could not write") == 1 and " again; " not in caplog.text
+    assert writer.dropped["blocks"] == 72 and not writer.segments()
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    _logged_flushes(writer, range(9, 12), now)  # the segment opened now finishes at the third
+    assert caplog.text.count("could not write") == 1
+    assert caplog.text.count(" again; ") == 1 and "72 rows could not be written" in caplog.text
+    (segment,) = writer.segments("blocks")
+    assert pq.read_table(segment).num_rows == 24
 
 
 def test_a_segment_whose_rename_fails_leaves_no_temporary_file(tmp_path, monkeypatch):

@@ -501,6 +501,61 @@ def test_records_a_full_disk_refuses_are_counted_and_the_store_recovers(tmp_path
     assert all(path.stat().st_size for path in store.segments())  # no empty segment left
 
 
+# Flushes 100 records at a time into a store at argv[1], under a file-size limit of argv[2]
+# bytes (0: none) that makes writes past it fail with EFBIG, as a full disk's fail with ENOSPC,
+# in segments of at most argv[3] bytes; prints how many records the store counted lost.
+_FILL = """
+import resource, signal, sys
+from kvscope.agent.requests import RequestRecord
+from kvscope.agent.store import RequestStore
+store = RequestStore(sys.argv[1], clock=lambda: 3000.0, segment_bytes=int(sys.argv[3]))
+store.take()
+if int(sys.argv[2]):
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a signal that kills
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]),) * 2)
+for flush in range(8):
+    for i in range(1000 + 100 * flush, 1100 + 100 * flush):
+        store.add(RequestRecord(f"r{i}", f"{i:032x}", "engine", 2990.0, prompt_tokens=64,
+                                ttft=0.05, finished=2991.0))
+    store._flush_logged()
+print(store.lost)
+"""
+
+
+@pytest.mark.parametrize("limit, segment_bytes", [("file size limit", 8 << 20),
+                                                  ("full tmpfs", 8 << 20), ("full tmpfs", 10_000)])
+def test_records_counted_lost_on_a_full_disk_are_exactly_those_missing_after_a_restart(
+        tmp_path, limit, segment_bytes):
+    """8 flushes of 100 records (29 KB each) into a disk that takes 64 KiB per segment (a
+    file size limit; writes past it fail with EFBIG, on the path ENOSPC takes) or 128 KiB in
+    all (a tmpfs; skipped where mounting is not allowed): flushes fail with frames of theirs
+    written before the failure. Those frames came back at a restart though counted lost
+    (10,533 counted, 10,308 missing on a real full disk); now the segment is cut back to its
+    last fsync, and a restarted store reads back all but exactly the records counted lost.
+    With 10 KB segments a failing flush has first filled (and fsynced) others: their records
+    count as written."""
+    directory = tmp_path / "store"
+    directory.mkdir()
+    if limit == "full tmpfs":
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs",
+                                  str(directory)], capture_output=True, check=False)
+        if mounted.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        done = subprocess.run([sys.executable, "-c", _FILL, str(directory),
+                               str(64 << 10 if limit == "file size limit" else 0),
+                               str(segment_bytes)],
+                              capture_output=True, text=True, check=True, timeout=60)
+        lost = int(done.stdout)
+        back = RequestStore(directory, clock=lambda: 3000.0).load(10_000)
+    finally:
+        if limit == "full tmpfs":
+            subprocess.run(["umount", str(directory)], check=False)
+    assert "could not write" in done.stderr  # the disk did refuse writes
+    assert 0 < lost < 800 and len(back) == 800 - lost
+    assert len({r.request_id for r in back}) == len(back)
+
+
 def test_flushes_a_full_disk_refuses_leave_no_segment_behind(tmp_path, monkeypatch):
     """Three flushes fail (ENOSPC from fsync stands in for a full disk): each gave its
     segment up and started a new one at the next, and each such segment, holding nothing
