@@ -1028,3 +1028,74 @@ def test_refusing_a_message_costs_a_small_constant_not_an_object_per_event(case)
     assert pipeline.snapshot().events_dropped == {("ingest", case): 2 * n}
     assert peak < 2 * len(data), f"{peak / len(data):.1f} times the message's {len(data)} bytes"
     assert peak < 64 << 10, f"{peak} bytes to refuse one message"
+
+
+def test_a_graceful_stop_folds_or_counts_every_event_that_reached_the_socket(tmp_path):
+    """A tap sends 100,000 events/s; a third of a second in, the agent stops (the tap goes on
+    to the end of its second and closes, as taps do when a node shuts down). The agent closed
+    its socket at once with ZMQ's queue unread (linger 0), and the tap's later batches went
+    nowhere: lost, counted by nobody. Now the stopping agent folds what arrives until ZMQ has
+    been quiet a moment (up to drain_seconds), then stops accepting and counts what is left
+    (``shutdown``): emitted == folded + counted as dropped, the emitter's own count
+    included, exactly."""
+    pipeline = Pipeline()
+    source = IngestSource(pipeline, _endpoint(tmp_path), drain_seconds=30.0)
+    source.start()
+    emitter = Emitter(_endpoint(tmp_path), source="engine", batch_size=100,
+                      flush_interval=0.001, max_buffer=1_000_000)
+    time.sleep(0.3)  # connected
+    stopper = threading.Thread(target=source.shutdown)
+    emitted, start = 0, time.monotonic()
+    while (elapsed := time.monotonic() - start) < 1.0:
+        for _ in range(int(elapsed * 100_000) - emitted):
+            emitter.emit(ev.Transfer(ts=1.0, src="cpu", dst="gpu", blocks=1, bytes=4096,
+                                     duration=1e-4))
+            emitted += 1
+        if elapsed > 0.3 and not stopper.is_alive() and not source.stopping.is_set():
+            stopper.start()
+        time.sleep(0.001)
+    assert source.stopping.is_set()  # the agent began to stop while the tap sent
+    emitter.close(timeout=2.0)
+    stopper.join(timeout=60)
+    assert not stopper.is_alive()
+    dropped = {key: n for key, n in pipeline.snapshot().events_dropped.items()
+               if key[1] != "emitter_buffer"}  # the emitter's own count, reported in-band
+    folded = pipeline.events_received().get("engine", 0)
+    assert folded > 0 and emitted > 90_000
+    assert emitted == folded + sum(dropped.values()) + emitter.dropped, (
+        f"{emitted} emitted, {folded} folded, dropped {dropped} and {emitter.dropped} by the "
+        "emitter")
+
+
+def test_what_a_stopping_agent_has_no_time_to_fold_is_counted_as_shutdown(tmp_path,
+                                                                          monkeypatch):
+    """50 batches of 10 events wait (the fold is held on the first) when the agent stops with
+    no time to fold (drain_seconds 0): the 49 that reached its socket and were not folded, in
+    its own queue, ZMQ's or the OS's, count as dropped (shutdown) under their source, each
+    event once."""
+    pipeline = Pipeline()
+    release, fold = threading.Event(), pipeline.ingest
+
+    def held(*args, **kwargs):
+        release.wait()
+        fold(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "ingest", held)
+    source = IngestSource(pipeline, _endpoint(tmp_path), drain_seconds=0.0)
+    source.start()
+    transfer = ev.Transfer(ts=1.0, src="cpu", dst="gpu", blocks=1, bytes=4096, duration=1e-4)
+    sender = zmq.Context.instance().socket(zmq.PUSH)  # open until the agent stopped
+    sender.connect(_endpoint(tmp_path))
+    for i in range(50):
+        sender.send(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="engine", seq=i,
+                                             session="s", events=[transfer] * 10)))
+    time.sleep(0.3)  # every batch reached the agent's socket
+    stopper = threading.Thread(target=source.shutdown)
+    stopper.start()
+    time.sleep(0.1)
+    release.set()
+    stopper.join(timeout=30)
+    sender.close(linger=0)
+    snap = pipeline.snapshot()
+    assert snap.events_received == {"engine": 10}
+    assert {key: n for key, n in snap.events_dropped.items() if n} == {("engine", "shutdown"): 490}

@@ -18,7 +18,12 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
 - ``gap``: batches missing from an emitter's sequence after the first batch this agent received
   from that emitter (an agent restarted mid-stream joins it there). A jump of more than
   :data:`MAX_GAP` batches is no loss but a confused sender: the agent follows it from there and
-  logs it.
+  logs it;
+- ``shutdown``: batches a stopping agent received and did not fold. It goes on folding until
+  ZMQ has held nothing for :data:`QUIET` seconds, for up to ``drain_seconds``, then stops
+  accepting (ZMQ closes the taps' connections and keeps what it holds to be received) and
+  counts what is left, so that a graceful stop loses nothing that reached the socket. A tap
+  still sending when the time runs out loses what was on the wire then, uncounted.
 
 Each counts the events lost, except ``gap``, which counts batches (their events are unknown),
 and a message whose header cannot be read, which counts one. A drop is counted under the source
@@ -93,6 +98,11 @@ MESSAGE_OVERHEAD = 64
 # before another thread takes it: ZMQ's queue of 4 messages fills in about this long when a tap
 # sends small batches as fast as it can
 STALL = 0.0002
+# A stopping agent goes on receiving and folding for up to this many seconds, until ZMQ has held
+# nothing for QUIET seconds: what reached its socket is folded, and so are the last batches of
+# taps that close as it stops (a node shutting down stops its engines and the agent together)
+DRAIN_SECONDS = 1.0
+QUIET = 0.1
 
 
 def _live_ipc(endpoint: str, settle: float = 1.0) -> bool:
@@ -121,16 +131,18 @@ class IngestSource(SourceWorker):
     ``max_batch_bytes``: largest batch accepted; ``queue_bytes``: batches received and waiting
     to be folded, at most, and messages ZMQ may queue per connection beyond them (the memory
     bound, with the number of taps: see the module);
-    ``max_sources``: distinct source names accepted.
+    ``max_sources``: distinct source names accepted. ``drain_seconds``: how long a stopping
+    source goes on folding what arrives (:meth:`run`).
     ``start()`` raises ``zmq.ZMQError`` when the endpoint cannot be bound, or is an ``ipc://``
     path another agent listens on.
     """
 
     def __init__(self, pipeline: Consumer, endpoint: str = "tcp://127.0.0.1:5560", *,
                  max_batch_bytes: int = 4 << 20, queue_bytes: int = 32 << 20,
-                 max_sources: int = 16) -> None:
+                 max_sources: int = 16, drain_seconds: float = DRAIN_SECONDS) -> None:
         super().__init__(pipeline)
         self.endpoint = endpoint
+        self._drain_seconds = drain_seconds
         self._max_bytes = max_batch_bytes
         # ZMQ refuses messages over twice the limit itself; between the two they are counted
         self._max_message = 2 * max_batch_bytes
@@ -164,13 +176,16 @@ class IngestSource(SourceWorker):
             if _live_ipc(self.endpoint):  # ZMQ would replace the socket file under it
                 raise zmq.ZMQError(errno.EADDRINUSE)
             self._socket.bind(self.endpoint)
+            self._bound = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)  # a port 0 resolved
         except zmq.ZMQError:
             self._socket.close()
             raise
         self.report_up(True)
 
     def run(self) -> None:
-        """Receive and fold, oldest first, until stopping; then fold what was received.
+        """Receive and fold, oldest first, until stopping; then go on for up to
+        ``drain_seconds``, until ZMQ has held nothing for :data:`QUIET` seconds; then stop
+        accepting and count what is left (:meth:`_discard`).
 
         This thread takes what ZMQ holds before each batch it folds (one thread: handing each
         message over to another thread, and the GIL with it, cost the ingest a fifth of its
@@ -182,15 +197,20 @@ class IngestSource(SourceWorker):
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         received = self._received
+        deadline = None  # monotonic, once stopping: when the drain gives up
         try:
             while True:
                 with self._receiving:
-                    if not self.stopping.is_set():
-                        self._drain()
+                    if deadline is None and self.stopping.is_set():
+                        deadline = time.monotonic() + self._drain_seconds
+                    left = 1.0 if deadline is None else deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._drain()
                     if not received:
-                        if self.stopping.is_set():
-                            return
-                        poller.poll(100)
+                        wait = 100 if deadline is None else min(QUIET, left) * 1000
+                        if not poller.poll(wait) and deadline is not None:
+                            break  # stopping, and every tap has sent what it had
                         continue
                     data = received.popleft()
                     self._received_bytes -= len(data) + MESSAGE_OVERHEAD
@@ -199,7 +219,56 @@ class IngestSource(SourceWorker):
         finally:
             self._progress.stop()
             watcher.join()
-            self._socket.close()
+            try:
+                self._discard()
+            finally:
+                self._socket.close()
+
+    def _discard(self) -> None:
+        """Count what is left unfolded as dropped (``shutdown``), under the source each batch
+        names, and log it: what this source took from ZMQ, what ZMQ takes still (its queue per
+        connection is short, and the rest waits in the OS until it is taken; for at most
+        ``5 * QUIET`` seconds, until nothing comes for ``QUIET / 5``), then stop accepting (ZMQ
+        closes the taps' connections, and keeps its queue to be received) and what its queue
+        held. What a tap had on the wire when its connection closed is lost uncounted: that
+        happens only to a tap still sending when ``drain_seconds`` ran out."""
+        batches = events = 0
+
+        def count(frame: zmq.Frame) -> None:
+            nonlocal batches, events
+            batches, events = batches + 1, events + self._count_left(frame.buffer)
+
+        while self._received:
+            count(self._received.popleft())
+        self._received_bytes = 0
+        for unbind in (True, False):
+            until = time.monotonic() + QUIET * 5
+            while time.monotonic() < until and self._socket.poll(QUIET * 1000 / 5):
+                while True:
+                    try:
+                        count(self._socket.recv(zmq.NOBLOCK, copy=False))
+                    except zmq.Again:
+                        break
+            if unbind:
+                try:
+                    self._socket.unbind(self._bound)
+                except zmq.ZMQError:  # gone already
+                    pass
+        if batches:
+            log.warning("kvscope ingest: stopped with %d batches (%d events) received and not "
+                        "folded: counted as dropped (reason shutdown)", batches, events)
+
+    def _count_left(self, data: bytes) -> int:
+        """Count a batch received and not folded as dropped (``shutdown``); its events."""
+        header = ev.read_header(data)
+        if header is None:
+            self.pipeline.drop(NAME, "shutdown")
+            return 1
+        source = header.source if header.source in self._streams else NAME
+        if source != NAME:  # its emitter's own drops and sequence, as for a folded batch
+            self._account(header)
+        self.pipeline.drop(source, "shutdown", header.count)
+        return header.count
 
     def _drain(self) -> None:
         """Take every message ZMQ holds, holding at most ``queue_bytes`` unfolded (and one
