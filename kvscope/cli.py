@@ -176,7 +176,9 @@ def _demo(args) -> int:
                         gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
                         disk_blocks=args.disk_blocks, policy=args.policy, speed=args.speed,
                         seed=args.seed, capture_dir=args.capture_dir,
-                        dashboard_token=_visitor_token(args.host, args.insecure))
+                        dashboard_token=_visitor_token(
+                            args.host, args.insecure,
+                            "the demo's dashboard (and, without a token, its API) has"))
     return run_demo(config)
 
 
@@ -209,10 +211,11 @@ def _token() -> str | None:
     return token
 
 
-def _visitor_token(host: str, insecure: bool) -> str | None:
+def _visitor_token(host: str, insecure: bool, what: str = "the dashboard has") -> str | None:
     """The token a dashboard listening on ``host`` demands of its visitors: KVSCOPE_TOKEN
     when it listens beyond loopback, None on loopback or when told ``--insecure``. Raises
-    ConfigError beyond loopback without a token and without ``--insecure``."""
+    ConfigError beyond loopback without a token and without ``--insecure`` (``what``: the
+    subject of its message)."""
     from kvscope.agent.config import ConfigError
     from kvscope.argtypes import is_loopback
 
@@ -220,7 +223,7 @@ def _visitor_token(host: str, insecure: bool) -> str | None:
     if is_loopback(host) or insecure:
         return None if is_loopback(host) else token
     if token is None:
-        raise ConfigError(f"--host {host} listens beyond loopback, and the dashboard has no "
+        raise ConfigError(f"--host {host} listens beyond loopback, and {what} no "
                           "authentication of its own: set KVSCOPE_TOKEN (visitors open it as "
                           "/?token=TOKEN), or pass --insecure to serve it to anyone who "
                           "reaches it")
@@ -245,7 +248,13 @@ def _dashboard(args) -> int:
         from kvscope.analysis.inputs import trace_reader
 
         trace_reader(args.sizing_trace)
+    from kvscope.agent.config import ConfigError
+
     visitors = _visitor_token(args.host, args.insecure)
+    for root in args.capture_root:
+        if not os.path.isdir(root):
+            raise ConfigError(f"--capture-root {root} is not a directory: give the directory "
+                              "holding the captures or rollout reports the Compare page may read")
     handle = serve(create_app(args.api, refresh_seconds=args.refresh, window_seconds=args.window,
                               backend=backend, sizing_trace=args.sizing_trace,
                               sizing_preset=args.sizing_preset,
@@ -253,8 +262,16 @@ def _dashboard(args) -> int:
                               capture_roots=args.capture_root, require_token=visitors),
                    args.host, args.port)
     source = args.prometheus if backend is not None else args.api
-    print(f"kvscope dashboard: {url(args.host, args.port)} reading {args.backend} {source}",
-          flush=True)
+    print(f"kvscope dashboard: {url(args.host, args.port)}"
+          + ("?token=<KVSCOPE_TOKEN>" if visitors else "")
+          + f" reading {args.backend} {source}", flush=True)
+    if args.capture_root:
+        print(f"  compare page reads under: {', '.join(args.capture_root)}", flush=True)
+    from kvscope.argtypes import is_loopback
+
+    if visitors is None and not is_loopback(args.host):
+        print(f"  warning: open to anyone who reaches {args.host}:{args.port} (--insecure)",
+              flush=True)
     stop = threading.Event()
     stop_on_signals(stop)
     wait_for_stop(stop)

@@ -129,7 +129,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
           + f", policy {config.policy}", file=out)
     print(f"  metrics and API: {api_url}/metrics  {api_url}/api/v1/summary", file=out)
     print(f"  dashboard:       {url(config.host, config.ui_port)}"
-          + ("/?token=<KVSCOPE_TOKEN>" if config.dashboard_token else ""), file=out)
+          + ("?token=<KVSCOPE_TOKEN>" if config.dashboard_token else ""), file=out)
     if config.dashboard_token is None and not is_loopback(config.host):
         print(f"  warning: the dashboard and /api are open to anyone who reaches "
               f"{config.host} (--insecure)", file=out)

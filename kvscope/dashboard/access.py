@@ -42,14 +42,14 @@ def outside_roots(paths: str | None, roots: Sequence[Path]) -> str:
     if not named:
         return ""
     if not roots:
-        return ("cannot compare: this dashboard reads no captures; start it with "
-                "--capture-root DIR (the directories it may read)")
+        return ("cannot compare: this dashboard reads no captures; give it a directory it may "
+                "read (kvscope dashboard --capture-root DIR; the demo reads its --capture-dir)")
     refused = next((p for p in named if not _inside(p, roots)), None)
     if refused is None:
         return ""
     shown = refused if len(refused) <= 200 else refused[:200] + "…"
     return (f"cannot compare: {shown!r} is not under a directory this dashboard may read "
-            f"(--capture-root: {', '.join(map(str, roots))})")
+            f"({', '.join(map(str, roots))})")
 
 
 def protect(server: Flask, token: str) -> None:
@@ -57,16 +57,16 @@ def protect(server: Flask, token: str) -> None:
     ``?token=`` (then remembered in a cookie for the browser's later requests), the cookie, or
     ``Authorization: Bearer``. Anything else gets 401 with a line saying how to open it."""
 
-    def given() -> str | None:
-        header = request.headers.get("Authorization", "")
-        bearer = header.removeprefix("Bearer ") if header.startswith("Bearer ") else None
-        return request.args.get("token") or request.cookies.get(COOKIE) or bearer
+    def matches(offered: str | None) -> bool:
+        return offered is not None and hmac.compare_digest(offered.encode(), token.encode())
 
     @server.before_request
     def _check() -> Response | None:
-        offered = given()
-        if offered is not None and hmac.compare_digest(offered.encode(), token.encode()):
-            g.kvscope_remember = "token" in request.args
+        header = request.headers.get("Authorization", "")
+        bearer = header.removeprefix("Bearer ") if header.startswith("Bearer ") else None
+        in_query = matches(request.args.get("token"))
+        if in_query or matches(request.cookies.get(COOKIE)) or matches(bearer):
+            g.kvscope_remember = in_query  # a stale ?token= beside a good cookie still opens
             return None
         return Response("this dashboard needs its token: open it as /?token=TOKEN (the "
                         "KVSCOPE_TOKEN it was started with)\n", 401,

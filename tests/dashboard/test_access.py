@@ -48,7 +48,7 @@ def test_the_refusal_says_nothing_about_what_exists(tree):
 
 
 def test_without_roots_the_page_reads_nothing(tree):
-    assert "start it with --capture-root DIR" in outside_roots(str(tree / "root"), ())
+    assert "kvscope dashboard --capture-root DIR" in outside_roots(str(tree / "root"), ())
 
 
 def test_the_compare_page_refuses_before_reading(tree):
@@ -78,6 +78,7 @@ def test_a_protected_dashboard_wants_its_token_once(tree):
     assert cookie.startswith(f"{COOKIE}=s3cret-tok") and "HttpOnly" in cookie
     assert "SameSite=Strict" in cookie
     assert client.get("/_dash-layout").status_code == 200  # the cookie, sent back
+    assert client.get("/?token=an-old-one").status_code == 200  # a stale link: the cookie
     other = app.server.test_client()
     assert other.get("/_dash-layout").status_code == 401
     assert other.get("/_dash-layout",

@@ -245,3 +245,10 @@ def test_the_page_opens_a_rollout_directory_and_its_candidate(tmp_path):
     assert [list(t.x) for t in levels.data] == [[1, 4]] * 3
     data, message = page.run_compare(str(tmp_path), "C", None)
     assert data is None and "no candidate 'C' (it has B)" in message
+    # a candidate names one of the report's arms, not a path: it is not held to the roots
+    roots = resolve_roots([tmp_path])
+    for out in (page.respond(False, f"?baseline={tmp_path}&candidate=B", None, None, None,
+                             roots=roots),
+                page.respond(True, "", str(tmp_path), "B", None, roots=roots)):
+        status = out[len(page.GRAPHS) + 1]
+        assert "B against A" in status, status

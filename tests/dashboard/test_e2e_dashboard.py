@@ -414,8 +414,9 @@ def test_the_compare_page_reads_nothing_outside_its_capture_roots(demo, browser)
         lines.append(wait_for(browser, lambda: "cannot compare" in status_text(
             browser, "compare-status") and status_text(browser, "compare-status"),
             f"the refusal of {path}"))
-    assert lines[0] == lines[1] == ("cannot compare: this dashboard reads no captures; start it "
-                                    "with --capture-root DIR (the directories it may read)")
+    assert lines[0] == lines[1] == (
+        "cannot compare: this dashboard reads no captures; give it a directory it may read "
+        "(kvscope dashboard --capture-root DIR; the demo reads its --capture-dir)")
     assert not console_errors(browser)
 
 

@@ -126,8 +126,7 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     """
     keep = dash.no_update
     if clicked:
-        error = (budget_error(budget_ms) or outside_roots(baseline, roots)
-                 or outside_roots(candidate, roots))
+        error = budget_error(budget_ms) or _refused(baseline, candidate, roots)
         if error:
             return (*render(None, error), keep, keep, keep, keep)
         query = link_search(baseline, candidate, budget_ms)
@@ -137,7 +136,7 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     if link is None:
         raise PreventUpdate
     form = (link.baseline, link.candidate, link.budget_ms)
-    refused = outside_roots(link.baseline, roots) or outside_roots(link.candidate, roots)
+    refused = _refused(link.baseline, link.candidate, roots)
     if link.error or refused:
         return (*render(None, link.error or refused), *form, keep)
     if not (link.baseline and link.candidate) and not _is_rollout(link.baseline):
@@ -146,6 +145,16 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
                               f"Compare"), *form, keep)
     return (*render(*run_compare(link.baseline, link.candidate, link.budget_ms, resamples)),
             *form, keep)
+
+
+def _refused(baseline: str | None, candidate: str | None, roots: Sequence[Path]) -> str:
+    """Why the arms may not be read ("" when they may): each a path under ``roots``, except the
+    candidate of a rollout report, which names one of its arms (looked for only once the
+    report's own directory is known to be under a root)."""
+    refused = outside_roots(baseline, roots)
+    if refused or _is_rollout(baseline):
+        return refused
+    return outside_roots(candidate, roots)
 
 
 def parse_link(search: str | None) -> Link | None:
