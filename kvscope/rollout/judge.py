@@ -16,7 +16,9 @@ narrow, Davison & Hinkley 1997, section 3.8, so the measured floor backs them); 
 metric is ``inconclusive``, and the metrics are combined as :func:`compare` does (roll back if
 one says so, keep if all do). A ``keep`` is not gated: it says no regression beyond the noise
 was found, and the reasons give the floor beside each effect. When the A/A pair itself comes
-out ``roll back``, the set-up is too noisy to judge and the verdict is ``inconclusive``.
+out ``roll back`` on a metric, the set-up is too noisy to judge that metric, whose ``roll
+back`` becomes ``inconclusive``; the other metric still stands on its own floor (sub-millisecond
+ITL jitter between two runs of one server must not hide a TTFT regression four times over).
 Pure: request samples in, dataclasses out.
 """
 
@@ -95,14 +97,17 @@ def _gate(effect: Comparison, aa: Comparison) -> Verdict:
                             f"worse by {ms(d.value)}, but not clear of the noise floor: the A/A "
                             f"pair differs by {ms(floor.value)} (the rule alone said roll "
                             "back).", v.reasons)
+        noisy = aa.by_metric.get(label)
+        if noisy is not None and noisy.decision == ROLL_BACK:
+            why.append(f"the A/A pair (the baseline against itself) came out 'roll back' on "
+                       f"{label}: runs of one configuration differ significantly here")
+            if v.decision == ROLL_BACK:
+                v = Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: the A/A pair (the baseline "
+                            f"against itself) differs significantly in p99 {label}, so {label} "
+                            "is too noisy to judge here (the rule alone said roll back).",
+                            v.reasons)
         gated.append(v)
     result = combine(gated) if gated else effect.verdict
-    if aa.verdict.decision == ROLL_BACK:
-        why.append("the A/A pair (the baseline against itself) came out 'roll back': runs of "
-                   "one configuration differ significantly here")
-        result = Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: the A/A pair (the baseline against "
-                         "itself) differs significantly, so the set-up is too noisy to judge "
-                         f"(the rule alone said '{effect.verdict.decision}').", [])
     notes = [r for r in effect.verdict.reasons if r not in result.reasons]
     return Verdict(result.decision, result.text, result.reasons + notes + why)
 

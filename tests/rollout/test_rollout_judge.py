@@ -4,6 +4,8 @@ that differs more than the candidate makes the verdict inconclusive."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -61,6 +63,26 @@ def test_an_aa_pair_noisier_than_the_effect_makes_it_inconclusive():
     j = judge(results, "A", "B", ttft_budget="+10%", **OPTIONS)
     assert j.verdict.decision == INCONCLUSIVE
     assert any("noise floor" in r for r in j.verdict.reasons)
+
+
+def test_an_aa_pair_noisy_in_itl_alone_leaves_a_ttft_regression_standing():
+    """The twin's ITL 1.5x the baseline's (the A/A pair itself says roll back on ITL: a noisy
+    host, as guidellm's mock server once gave in test_rollout_cli.py), TTFT alike; the candidate
+    1.6x slower in TTFT, its ITL the baseline's: TTFT rolls back on its own floor, ITL is too
+    noisy to judge. With no TTFT effect (identical arms), nothing rolls back."""
+    twin = aa_slot("A")
+    for scale, want in (({"A": 0.1, "B": 0.16, twin: 0.1}, ROLL_BACK),
+                        ({"A": 0.1, "B": 0.1, twin: 0.1}, None)):
+        for seed in range(3):
+            results = [(s, dataclasses.replace(r, itl=r.itl * 1.5) if s.slot == twin else r)
+                       for s, r in simulated_runs(["A", "B"], scale, seed=seed)]
+            j = judge(results, "A", "B", ttft_budget="+10%", **OPTIONS)
+            assert j.aa.by_metric["ITL"].decision == ROLL_BACK  # the planted noise is seen
+            if want is None:
+                assert j.verdict.decision != ROLL_BACK, j.verdict.text
+            else:
+                assert j.verdict.decision == want, j.verdict.text
+                assert any("came out 'roll back' on ITL" in r for r in j.verdict.reasons)
 
 
 def test_pooled_adds_counts_and_concatenates_latencies():
