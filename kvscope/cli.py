@@ -212,17 +212,17 @@ def _token() -> str | None:
 
 
 def _visitor_token(host: str, insecure: bool, what: str = "the dashboard has") -> str | None:
-    """The token a dashboard listening on ``host`` demands of its visitors: KVSCOPE_TOKEN
-    when it listens beyond loopback, None on loopback or when told ``--insecure``. Raises
-    ConfigError beyond loopback without a token and without ``--insecure`` (``what``: the
-    subject of its message)."""
+    """The token a dashboard listening on ``host`` demands of its visitors: None on loopback,
+    else KVSCOPE_TOKEN (None with ``--insecure`` and no token). Raises ConfigError beyond
+    loopback without a token and without ``--insecure`` (``what``: the subject of its
+    message)."""
     from kvscope.agent.config import ConfigError
     from kvscope.argtypes import is_loopback
 
+    if is_loopback(host):
+        return None
     token = _token()
-    if is_loopback(host) or insecure:
-        return None if is_loopback(host) else token
-    if token is None:
+    if token is None and not insecure:
         raise ConfigError(f"--host {host} listens beyond loopback, and {what} no "
                           "authentication of its own: set KVSCOPE_TOKEN (visitors open it as "
                           "/?token=TOKEN), or pass --insecure to serve it to anyone who "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvscope.samples import PERCENTILES
 
 
@@ -46,17 +48,10 @@ def bucket_percentiles(bounds: Sequence[float],
 
 
 def value_percentiles(values: Sequence[float]) -> dict[str, float | None]:
-    """``{"p50": ..., "p95": ..., "p99": ...}`` of ``values`` with linear interpolation between
-    closest ranks (``numpy.percentile``'s default, Hyndman & Fan 1996 type 7); None each when
-    there are none."""
-    ordered = sorted(values)
-    out: dict[str, float | None] = {}
-    for name, q in PERCENTILES.items():
-        if not ordered:
-            out[name] = None
-            continue
-        rank = (len(ordered) - 1) * q
-        lo = int(rank)
-        hi = min(lo + 1, len(ordered) - 1)
-        out[name] = float(ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo))
-    return out
+    """``{"p50": ..., "p95": ..., "p99": ...}`` of ``values`` by ``numpy.percentile`` (linear
+    interpolation between closest ranks, Hyndman & Fan 1996 type 7); None each when there are
+    none."""
+    if len(values) == 0:
+        return dict.fromkeys(PERCENTILES)
+    found = np.percentile(values, [q * 100 for q in PERCENTILES.values()])
+    return {name: float(v) for name, v in zip(PERCENTILES, found)}
