@@ -1099,3 +1099,129 @@ def test_what_a_stopping_agent_has_no_time_to_fold_is_counted_as_shutdown(tmp_pa
     snap = pipeline.snapshot()
     assert snap.events_received == {"engine": 10}
     assert {key: n for key, n in snap.events_dropped.items() if n} == {("engine", "shutdown"): 490}
+
+
+def _tap_batch(seq, dropped=0, errors=None, events=10):
+    return ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="vllm", seq=seq,
+                                    session="s", dropped=dropped, errors=errors or {},
+                                    events=[_lookup(i) for i in range(events)]))
+
+
+def test_a_restarted_agent_counts_the_batches_lost_while_it_was_away(tmp_path):
+    """Agent A folds batches 0-4 of emitter session s (which says it dropped 3 events and
+    failed once so far) and stops gracefully; batches 5-7 are lost on the way while no agent
+    listens; agent B, reading A's state file, receives batch 8 (the emitter now at 5 dropped,
+    2 failures). By hand: B counts gap 3 (5, 6, 7), emitter_buffer 5 - 3 = 2, internal errors
+    2 - 1 = 1. Before, B took batch 8 as its first (no gap) and the cumulative 5 and 2 as new:
+    the lost batches counted nowhere, the drops A had counted counted again."""
+    state = tmp_path / "ingest-streams.json"
+
+    def agent():
+        pipeline = Pipeline()
+        source = IngestSource(pipeline, _endpoint(tmp_path))
+        source.state_path = state
+        source.start()
+        return pipeline, source
+
+    pipeline, a = agent()
+    _push(_endpoint(tmp_path), *(_tap_batch(seq, dropped=3, errors={"internal": 1})
+                                 for seq in range(5)))
+    assert wait_until(lambda: pipeline.events_received().get("vllm") == 50)
+    a.shutdown()
+    assert pipeline.snapshot().events_dropped[("vllm", "emitter_buffer")] == 3
+    pipeline, b = agent()
+    try:
+        _push(_endpoint(tmp_path), _tap_batch(8, dropped=5, errors={"internal": 2}))
+        assert wait_until(lambda: pipeline.events_received().get("vllm") == 10)
+        snap = pipeline.snapshot()
+        assert {k: n for k, n in snap.events_dropped.items() if n} == {
+            ("vllm", "gap"): 3, ("vllm", "emitter_buffer"): 2}
+        assert snap.tap_errors == {("vllm", "internal"): 1}
+    finally:
+        b.shutdown()
+
+
+def test_a_state_file_that_cannot_be_read_is_logged_and_the_agent_runs_on(tmp_path, caplog):
+    """A damaged state file (a half-written one cannot happen: it is replaced atomically, but
+    a disk can flip bits or an operator edit it) costs only the gap count of that restart:
+    the agent starts, says so, follows emitters afresh and saves a good file at stop."""
+    state = tmp_path / "ingest-streams.json"
+    state.write_text('{"version": 1, "streams": {"vllm": [["s", "seven", 0, {}]]}}')
+    pipeline = Pipeline()
+    source = IngestSource(pipeline, _endpoint(tmp_path))
+    source.state_path = state
+    source.start()
+    try:
+        _push(_endpoint(tmp_path), _tap_batch(8))
+        assert wait_until(lambda: pipeline.events_received().get("vllm") == 10)
+    finally:
+        source.shutdown()
+    assert "cannot read the emitters' sequence numbers" in caplog.text
+    assert not any(n for n in pipeline.snapshot().events_dropped.values())
+    assert msgspec.json.decode(state.read_bytes())["streams"] == {"vllm": [["s", 8, 0, {}]]}
+
+
+_KILLED_AGENT = """
+import sys, time
+from pathlib import Path
+from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.sources.ingest import IngestSource
+source = IngestSource(Pipeline(), sys.argv[1])
+source.state_path = Path(sys.argv[2])
+source.start()
+print("up", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_after_a_kill_9_every_batch_sent_is_folded_or_counted(tmp_path):
+    """A tap sends batches of 10 events, one every 2 ms, through a kill -9 of the agent and a
+    new agent's start. The killed agent's last saved sequence number S is its share (what it
+    folded after its last save died with it); the new agent counts the rest: every batch sent
+    is at or below S, counted as gap, or folded by the new agent, and the gap is not 0 (the
+    kill lost batches on the way, which nobody counted before)."""
+    import subprocess
+    import sys
+
+    state, endpoint = tmp_path / "ingest-streams.json", _endpoint(tmp_path)
+    killed = subprocess.Popen([sys.executable, "-c", _KILLED_AGENT, endpoint, str(state)],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert killed.stdout.readline().strip() == "up"
+    sender = zmq.Context.instance().socket(zmq.PUSH)
+    sender.setsockopt(zmq.IMMEDIATE, 1)  # as the emitter: nothing queued without an agent
+    sender.setsockopt(zmq.LINGER, 0)
+    sender.connect(endpoint)
+    sent, pipeline, new = 0, Pipeline(), None
+
+    def send_for(seconds):
+        nonlocal sent
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            try:
+                sender.send(_tap_batch(sent), zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:  # no agent: the emitter keeps it and sends it later
+                pass
+            time.sleep(0.002)
+
+    try:
+        send_for(2.5)  # the killed agent saves at least twice meanwhile
+        killed.kill()
+        killed.wait()
+        send_for(0.3)  # into the dead agent's connection until ZMQ sees it closed
+        new = IngestSource(pipeline, endpoint)
+        new.state_path = state
+        saved = msgspec.json.decode(state.read_bytes())["streams"]["vllm"][0][1]
+        new.start()
+        send_for(1.0)
+        assert wait_until(lambda: (pipeline.events_received().get("vllm", 0) // 10
+                                   + pipeline.snapshot().events_dropped.get(("vllm", "gap"), 0)
+                                   == sent - saved - 1))
+    finally:
+        sender.close()
+        killed.kill()
+        if new is not None:
+            new.shutdown()
+    gap = pipeline.snapshot().events_dropped.get(("vllm", "gap"), 0)
+    assert saved > 100 and gap > 0

@@ -15,8 +15,10 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
   logged once per name;
 - ``emitter_buffer``: events an emitter reports it dropped (``Batch.dropped`` deltas: a full
   buffer, events that did not encode, or left at close);
-- ``gap``: batches missing from an emitter's sequence after the first batch this agent received
-  from that emitter (an agent restarted mid-stream joins it there). A jump of more than
+- ``gap``: batches missing from an emitter's sequence: after the first batch this agent
+  received from that emitter, or, with the agent's store, after the last one an earlier agent
+  folded (:attr:`IngestSource.state_path`: batches sent while the agent restarted and lost on
+  the way count too). A jump of more than
   :data:`MAX_GAP` batches is no loss but a confused sender: the agent follows it from there and
   logs it;
 - ``shutdown``: batches a stopping agent received and did not fold. It goes on folding until
@@ -53,9 +55,10 @@ Counters stay correct across tap restarts: events carry deltas, not totals, so t
 them up; a restarted emitter has a new ``session`` and its sequence starts again. Each emitter
 (source and session, the latest 64 sessions of each source) is followed on its own, so two
 taps that share a source name do not count each other's batches as gaps or restarts; the agent
-warns once that they should not. An agent restarted while an emitter runs takes that emitter's
-drop and error counts (``Batch.dropped``, ``Batch.errors``, cumulative) as new, so drops an earlier agent had counted count
-again once, after the counter reset.
+warns once that they should not. An agent restarted while an emitter runs goes on from the
+emitter's drop and error counts (``Batch.dropped``, ``Batch.errors``, cumulative) the earlier
+agent saved (with a store); without one it takes them as new, so drops an earlier agent had
+counted count again once, after the counter reset.
 """
 
 from __future__ import annotations
@@ -67,11 +70,14 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 
+import msgspec
 import zmq
 from pydantic import Field, field_validator
 
 from kvscope import events as ev
+from kvscope.files import write_atomic
 from kvscope.agent.sections import Section, zmq_endpoint
 from kvscope.agent.sources.base import Consumer, SourceSpec, SourceWorker, register
 from kvscope.agent.sources.stalls import Progress
@@ -103,6 +109,21 @@ STALL = 0.0002
 # taps that close as it stops (a node shutting down stops its engines and the agent together)
 DRAIN_SECONDS = 1.0
 QUIET = 0.1
+# Seconds between saves of the emitters' sequence numbers (IngestSource.state_path): the store's
+# flush interval, so a kill -9 loses as much of the one as of the other
+SAVE_INTERVAL = 1.0
+STATE_FILE = "ingest-streams.json"  # in the store's directory (kvscope.service.agent)
+
+
+class _State(msgspec.Struct, forbid_unknown_fields=True):
+    """The file :attr:`IngestSource.state_path`: per source, its emitters (sessions, oldest
+    first) as ``[session, last folded seq, cumulative dropped, cumulative errors by reason]``."""
+
+    version: int
+    streams: dict[str, list[tuple[str, int, int, dict[str, int]]]]
+
+
+STATE_VERSION = 1
 
 
 def _live_ipc(endpoint: str, settle: float = 1.0) -> bool:
@@ -135,6 +156,15 @@ class IngestSource(SourceWorker):
     source goes on folding what arrives (:meth:`run`).
     ``start()`` raises ``zmq.ZMQError`` when the endpoint cannot be bound, or is an ``ipc://``
     path another agent listens on.
+
+    ``state_path`` (set before ``start()``; None: not kept): a file where the emitters' last
+    folded sequence numbers and cumulative drop and error counts are saved (every
+    :data:`SAVE_INTERVAL` seconds while they change, and at stop) and read back at start, so
+    that a restarted agent counts the batches lost while it was away as ``gap`` and an
+    emitter's drops and errors that the earlier agent counted are not counted again. After a
+    graceful stop the count is exact; after a kill -9, batches folded in the killed agent's
+    last :data:`SAVE_INTERVAL` count as ``gap`` too (what they told it was lost with it). A
+    file that cannot be read or written is logged and the source runs on without it.
     """
 
     def __init__(self, pipeline: Consumer, endpoint: str = "tcp://127.0.0.1:5560", *,
@@ -159,13 +189,18 @@ class IngestSource(SourceWorker):
         # its emitters, latest last
         self._streams: dict[str, OrderedDict[str, tuple[int, int, dict[str, int]]]] = {}
         self._warned: set = set()  # what was logged once (see _warn_once)
+        self._expected: set[str] = set()  # sources whose drop reasons are exported
         self._socket = None
+        self.state_path: Path | None = None
+        self._unsaved = False  # _streams changed since the last save
+        self._save_at = 0.0  # monotonic: when the next save may come
 
     name = NAME
     thread_name = "kvscope-ingest"
 
     def prepare(self) -> None:
         self.pipeline.expect_drops(NAME, INGEST_DROPS)
+        self._load_state()
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.RCVHWM, self._hwm)
         self._socket.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
@@ -216,6 +251,8 @@ class IngestSource(SourceWorker):
                     self._received_bytes -= len(data) + MESSAGE_OVERHEAD
                     self._progress.took()
                 self.guarded(self.handle, data.buffer)
+                if self._unsaved and time.monotonic() >= self._save_at:
+                    self._save_state()
         finally:
             self._progress.stop()
             watcher.join()
@@ -223,6 +260,8 @@ class IngestSource(SourceWorker):
                 self._discard()
             finally:
                 self._socket.close()
+                if self._unsaved:
+                    self._save_state()
 
     def _discard(self) -> None:
         """Count what is left unfolded as dropped (``shutdown``), under the source each batch
@@ -391,8 +430,10 @@ class IngestSource(SourceWorker):
 
     def _account(self, batch: ev.Batch | ev.BatchHeader) -> None:
         source, session = batch.source, batch.session
-        if not self._streams.get(source):  # its first batch (a scope named it before, maybe)
+        if source not in self._expected:  # its first batch (a scope named it, or a restart)
+            self._expected.add(source)
             self.pipeline.expect_drops(source, TAP_DROPS)
+        self._unsaved = True
         streams = self._streams.setdefault(source, OrderedDict())
         if session in streams and next(reversed(streams)) != session:
             # an emitter sends again after another took the name: two live taps share it
@@ -422,6 +463,50 @@ class IngestSource(SourceWorker):
                             self._count_errors(source, errors, batch.errors))
         if len(streams) > STREAMS_PER_SOURCE:  # a restarted tap's old sessions, oldest first
             streams.popitem(last=False)
+
+    def _load_state(self) -> None:
+        """Follow the emitters of :attr:`state_path` on from where an earlier agent left them
+        (see the class); a missing file is a first start, an unreadable one is logged."""
+        if self.state_path is None:
+            return
+        try:
+            state = msgspec.json.decode(self.state_path.read_bytes(), type=_State)
+            if state.version != STATE_VERSION:
+                raise ValueError(f"version {state.version}, not {STATE_VERSION}")
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:  # msgspec's errors are ValueErrors
+            log.warning("kvscope ingest: cannot read the emitters' sequence numbers from %s (%s);"
+                        " batches lost while the agent was away are not counted this time",
+                        self.state_path, exc)
+            return
+        for source, sessions in state.streams.items():
+            if ev.source_name_problem(source) or len(self._streams) >= self._max_sources:
+                continue  # a name this agent would refuse, or more than it takes
+            self._streams[source] = OrderedDict(
+                (session, (seq, dropped, {r: n for r, n in errors.items()
+                                          if r in TAP_ERROR_REASONS}))
+                for session, seq, dropped, errors in sessions[-STREAMS_PER_SOURCE:])
+
+    def _save_state(self) -> None:
+        """Write the emitters' sequence numbers and counts to :attr:`state_path` (atomically);
+        a failure is logged once and tried again after :data:`SAVE_INTERVAL`."""
+        self._save_at = time.monotonic() + SAVE_INTERVAL
+        if self.state_path is None:
+            self._unsaved = False
+            return
+        state = _State(STATE_VERSION, {
+            source: [(session, *counts) for session, counts in streams.items()]
+            for source, streams in self._streams.items() if streams})
+        try:
+            write_atomic(self.state_path, msgspec.json.encode(state).decode())
+        except OSError as exc:
+            self._warn_once("state", "kvscope ingest: cannot save the emitters' sequence numbers "
+                            "to %s (%s): a restart would not count batches lost while the "
+                            "agent is away; trying again every %g s", self.state_path, exc,
+                            SAVE_INTERVAL)
+            return
+        self._unsaved = False
 
     def _count_errors(self, source: str, before: dict[str, int],
                       now: dict[str, int]) -> dict[str, int]:
