@@ -107,7 +107,7 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                 return Response(status_code=400)
             except otlp_in.OtlpError as exc:
                 return JSONResponse({"detail": str(exc)}, exc.status)
-            if content_type.startswith("application/x-protobuf"):
+            if content_type.split(";")[0].strip().lower() == "application/x-protobuf":
                 return Response(otlp_in.EMPTY_RESPONSE, media_type="application/x-protobuf")
             return JSONResponse({})
 
