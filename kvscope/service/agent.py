@@ -20,6 +20,7 @@ from kvscope.agent.requests import RequestTable
 from kvscope.agent.segments import check_writable
 from kvscope.agent.sources import REGISTRY as SOURCES
 from kvscope.agent.sources import build_sources
+from kvscope.agent.sources.ingest import STATE_FILE as INGEST_STATE_FILE
 from kvscope.agent.store import RequestStore
 from kvscope.agent.worker import Worker
 from kvscope.catalog import Samples
@@ -65,6 +66,9 @@ class Agent(Worker):
         self.ingest, self.kv_events, self.otlp_receiver, self.vllm_metrics = (
             self.sources.get(name) for name in ("ingest", "kv_events", "otlp_receiver",
                                                  "vllm_metrics"))
+        if self.ingest is not None and self.store is not None:
+            # beside the requests they counted: a restart counts what was lost meanwhile
+            self.ingest.state_path = self.store.directory / INGEST_STATE_FILE
         self.otlp = (RequestSpanExporter(settings.otlp_endpoint)
                      if settings.otlp_endpoint else None)
         self.capture = (CaptureWriter(settings.capture_dir, max_bytes=settings.capture_max_bytes,

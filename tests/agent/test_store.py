@@ -345,6 +345,42 @@ def test_a_request_waiting_for_late_transfers_is_stored_when_the_agent_stops(tmp
         restarted.shutdown()
 
 
+def test_an_agent_restarted_on_its_store_counts_the_batches_lost_while_it_was_away(tmp_path):
+    """With a store_dir, the agent keeps its emitters' sequence numbers there: batches 0-2 of
+    a tap reach the first agent, 3-4 are lost while it restarts, 5 reaches the second one,
+    which counts gap 2 (by hand). Without the store it would count none."""
+    import zmq
+
+    from kvscope.agent.config import AgentSettings
+    from kvscope.service.agent import Agent
+
+    endpoint = f"ipc://{tmp_path}/in.sock"
+    settings = AgentSettings(ingest={"endpoint": endpoint}, collectors={"gpu": {"enabled": False}},
+                             store_dir=str(tmp_path / "store"), sample_interval=3600)
+
+    def send(agent, *seqs):
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.connect(endpoint)
+        lookup = ev.Lookup(ts=time.time(), request_id="r", tokens={"gpu": 16})
+        for seq in seqs:
+            sock.send(ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="vllm", seq=seq,
+                                               session="s", events=[lookup])))
+        sock.close(linger=5000)
+        assert wait_until(lambda: agent.pipeline.events_received().get("vllm") == len(seqs))
+
+    first = Agent(settings)
+    first.start()
+    send(first, 0, 1, 2)
+    first.shutdown()
+    restarted = Agent(settings)
+    restarted.start()
+    try:
+        send(restarted, 5)
+        assert restarted.pipeline.snapshot().events_dropped.get(("vllm", "gap")) == 2
+    finally:
+        restarted.shutdown()
+
+
 def test_a_request_stored_twice_is_loaded_once_as_last_written(tmp_path):
     """r1 written at its finish (TTFT 0.05), r2, then r1 again once joined (TTFT 0.25): load
     gives r2 then r1 (its last place) with TTFT 0.25; with a limit of 1, r1 alone."""
