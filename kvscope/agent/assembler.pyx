@@ -320,7 +320,8 @@ cdef class RequestAssembler:
         if len(inflight) > self._max and not self.abandoned[source]:
             log.warning("kvscope: source %r has %d requests started and not finished; the "
                         "oldest are abandoned (counted as dropped, reason abandoned; logged "
-                        "once per source)", source, self._max)
+                        "once per source; the agent's requests_open_per_source raises the "
+                        "bound, at about 4 KB a request)", source, self._max)
         while len(inflight) > self._max:
             oldest = next(iter(inflight))
             del inflight[oldest]

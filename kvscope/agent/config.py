@@ -110,6 +110,11 @@ class _Settings(BaseSettings):
     empty, which would mean the working directory).
     ``otlp_endpoint``: OTLP/HTTP traces URL to export request spans to (None: off).
     ``log_level``: the least severe of kvscope's own log lines shown on stderr.
+    ``requests_capacity``: finished requests kept in the table, all sources together.
+    ``requests_open_per_source``: requests started and not finished held per source (beyond
+    it the oldest is abandoned, counted in ``kvscope_events_dropped_total{reason="abandoned"}``);
+    ``requests_recent_per_source``: finished records kept per source for late parts to join.
+    Both 1 to 1,000,000 (about 4 KB per request with 64 transfers: docs/agent.md, "Memory").
     ``capture_dir``: where block accesses and finished requests are captured as Parquet
     segments for ``kvscope analyze`` / ``kvscope compare`` (None: off; never empty); the
     oldest segments are deleted beyond ``capture_max_bytes`` (:mod:`kvscope.agent.capture`).
@@ -128,6 +133,10 @@ class _Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     prefill_tokens_per_second: float = Field(10_000.0, ge=1, allow_inf_nan=False)
     requests_capacity: int = Field(100_000, gt=0)
+    # per source, beside the table (docs/agent.md, "Memory"); 100 times the default at most:
+    # the recent index is allocated whole at a source's first event
+    requests_open_per_source: int = Field(10_000, gt=0, le=1_000_000)
+    requests_recent_per_source: int = Field(10_000, gt=0, le=1_000_000)
     store_dir: Path | None = None
     store_max_bytes: int = Field(256 << 20, gt=0)
     store_max_age: float = Field(86_400.0, gt=0, le=10 * 365 * 86_400,  # 10 years at most

@@ -70,6 +70,10 @@ class Pipeline:
     ``prefill_tokens_per_second``: the rate behind ``kvscope_prefill_seconds_saved_total`` when
     an engine does not report its own. ``recent``: TTFTs kept for percentiles. ``history``:
     one-second samples kept (default an hour). ``table``: where finished requests go.
+    ``open_per_source``: requests started and not finished held per source, beyond which the
+    oldest is abandoned (counted in ``events_dropped`` as ``(source, "abandoned")``);
+    ``recent_per_source``: finished records each source keeps for late parts to join (both
+    the agent's ``requests_*_per_source`` settings; ValueError when negative).
 
     A source's requests may be joined by what other sources send later: vLLM's worker tap sends
     the transfers of the scheduler tap's requests on another connection (``scope`` in
@@ -85,11 +89,13 @@ class Pipeline:
 
     def __init__(self, prefill_tokens_per_second: float = 10_000.0, recent: int = 10_000,
                  history: int = 3600, table: RequestTable | None = None,
-                 quantile_window: int = 60, join_window: float = 1.0) -> None:
+                 quantile_window: int = 60, join_window: float = 1.0,
+                 open_per_source: int = 10_000, recent_per_source: int = 10_000) -> None:
         self._lock = threading.Lock()
         self.requests = table if table is not None else RequestTable()
         self._settling = Settling(join_window)
-        self._assembler = RequestAssembler(joined=self._settling.joined)
+        self._assembler = RequestAssembler(open_per_source, recent_per_source,
+                                           joined=self._settling.joined)
         self._listeners: list[Callable[[RequestRecord], None]] = []
         self._early_listeners: list[Callable[[RequestRecord], None]] = []
         self._lookup_listeners: list[Callable[[str, ev.Lookup], None]] = []

@@ -55,7 +55,9 @@ class Agent(Worker):
         super().__init__()
         self.settings = settings = settings or AgentSettings()
         self.pipeline = Pipeline(settings.prefill_tokens_per_second,
-                                 table=RequestTable(settings.requests_capacity))
+                                 table=RequestTable(settings.requests_capacity),
+                                 open_per_source=settings.requests_open_per_source,
+                                 recent_per_source=settings.requests_recent_per_source)
         self.collectors = collectors or CollectorSet.from_config(settings.collectors.model_dump())
         self.store = (RequestStore(settings.store_dir, max_bytes=settings.store_max_bytes,
                                    max_age=settings.store_max_age, clock=clock)
