@@ -269,7 +269,7 @@ def test_hostile_bodies_get_2xx_or_4xx_and_a_refused_body_leaves_nothing_behind(
     events_received{otlp} as the receiver counts it, and answers in the content type it was
     sent in. After the fuzz, a valid span still becomes a request."""
     with served_agent() as (agent, port):
-        @settings(max_examples=500, deadline=None, suppress_health_check=HEALTH)
+        @settings(max_examples=600, deadline=None, suppress_health_check=HEALTH)
         @given(case=hostile)
         def fuzz(case):
             body, headers = case
@@ -388,7 +388,7 @@ def test_spans_with_random_attribute_values_become_a_request_or_are_counted():
     counted as ignored, not invalid. After the fuzz a valid span still becomes a request."""
     serial = itertools.count()
     with served_agent() as (agent, port):
-        @settings(max_examples=300, deadline=None, suppress_health_check=HEALTH)
+        @settings(max_examples=500, deadline=None, suppress_health_check=HEALTH)
         @given(case=span_case(), as_json=st.booleans(), gzipped=st.booleans())
         def fuzz(case, as_json, gzipped):
             attrs, ahead, outcome = case
