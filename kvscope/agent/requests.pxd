@@ -22,6 +22,9 @@ cdef class RequestRecord:
     cdef Py_hash_t _id_hash  # hash(request_id), so that indexing the record reads no string
     cdef public double arrival
     cdef double _finished
+    # the largest finish a RequestTable had been given when it last added this record: no
+    # record at or before that place finished later (see RequestTable.page)
+    cdef double _bound
     cdef int _in_table  # places it holds in a RequestTable's order (see RequestTable.add)
     cdef bint _superseded, _has_finished
     cdef public str source

@@ -11,6 +11,7 @@ ingest most of its time (bench/ingest.py). Their data form, for encoding, is
 
 import os
 import threading
+from heapq import heappush, heappushpop
 
 cimport cython
 from cpython.dict cimport PyDict_Next
@@ -348,6 +349,64 @@ cpdef double prefill_within(RequestRecord record) except? -1.0:
                                    - record.promotion_wait))
 
 
+cdef inline double _finish_key(RequestRecord record):
+    return record._finished if record._has_finished else 0.0
+
+
+cdef inline double _ttft_key(RequestRecord record):
+    return record._ttft if record._has_ttft else 0.0
+
+
+cdef double _sort_key(RequestRecord record, int by):
+    """``record``'s value of ``SORT_KEYS[by]``, None (not known) as 0 (a count is exact to 2^53)."""
+    if by == 0:
+        return _finish_key(record)
+    if by == 1:
+        return record.arrival
+    if by == 2:
+        return _ttft_key(record)
+    if by == 3:
+        return <double>record.prompt_tokens
+    return record.promotion_wait
+
+
+@cython.final
+cdef class _Best:
+    """The ``limit`` best records offered (``limit`` > 0): the largest keys when ``descending``,
+    else the smallest; of equal keys, those of the older places (as a stable sort leaves them).
+    Only a record that beats the ones kept costs more than a comparison."""
+    cdef Py_ssize_t limit
+    cdef bint descending
+    cdef list kept  # a min-heap of (value, -place) of the ``limit`` best offered so far
+    cdef list found  # (value, -place, record) of each record that was among the best when offered
+    cdef double least  # kept[0]'s value and place, once ``limit`` are kept
+    cdef Py_ssize_t least_place
+
+    def __cinit__(self, Py_ssize_t limit, bint descending):
+        self.limit, self.descending, self.kept, self.found = limit, descending, [], []
+
+    cdef inline bint full(self):
+        return len(self.kept) == self.limit
+
+    cdef int offer(self, double key, Py_ssize_t place, RequestRecord record) except -1:
+        cdef double value = key if self.descending else -key  # the best: the largest value
+        if not self.full():
+            heappush(self.kept, (value, -place))
+        elif value > self.least or (value == self.least and place < self.least_place):
+            heappushpop(self.kept, (value, -place))
+        else:
+            return 0
+        self.found.append((value, -place, record))
+        if self.full():
+            self.least, self.least_place = self.kept[0][0], -self.kept[0][1]
+        return 0
+
+    cdef list records(self):
+        """The best, in order."""
+        self.found.sort(reverse=True)  # places are distinct: records are never compared
+        return [entry[2] for entry in self.found[:self.limit]]
+
+
 @cython.final
 cdef class Ring:
     """A first-in first-out list of objects: appends and takes from the front in constant time
@@ -401,6 +460,11 @@ cdef class RequestTable:
     and the table is read far less often (the API, a late report about an old request). A
     request added again supersedes its earlier record, which still holds its place until it
     leaves (so the table holds fewer requests than ``capacity`` when ids are reused).
+
+    Records come in about the order they finished, so the newest end holds those that finished
+    last: each record added notes the latest finish added up to it (``_bound``), and
+    :meth:`page` reads back from the newest end only until no older record can finish later
+    than those it has. A record's ``finished`` must not change while a table holds it.
     """
 
     cdef readonly Py_ssize_t capacity
@@ -408,6 +472,7 @@ cdef class RequestTable:
     cdef Ring _order  # records, oldest first
     cdef dict _index  # source -> request id -> record, of the oldest _indexed records of _order
     cdef Py_ssize_t _indexed, _live  # records of _order indexed; requests indexed
+    cdef double _latest  # the largest finish added so far (as pages sort it: None as 0)
 
     def __init__(self, Py_ssize_t capacity=100_000):
         if capacity < 0:
@@ -417,6 +482,7 @@ cdef class RequestTable:
         self._order = Ring()
         self._index = {}
         self._indexed = self._live = 0
+        self._latest = float("-inf")
 
     def add(self, records):
         """Add finished ``records`` (the newest last); a known request's record moves to the
@@ -428,17 +494,23 @@ cdef class RequestTable:
                 if record is None:
                     raise TypeError("a request table holds records, not None")
                 record._in_table += 1
+                self._latest = max(self._latest, _finish_key(record))
+                record._bound = self._latest
                 self._order.push(record)
             while self._order.size() > self.capacity:
                 record = self._order.pop()
                 record._in_table -= 1
-                if self._indexed:
+                if self._indexed:  # the place leaving was indexed
                     self._indexed -= 1
+                # the index may name a record from an older place even when this place was
+                # not indexed yet (the record was added again since the last read)
+                if not record._in_table and self._index:
                     self._unindex(record)
 
     cdef void _unindex(self, RequestRecord record):
-        cdef dict ids = self._index[record.source]
-        if ids.get(record.request_id) is record and not record._in_table:
+        """Forget ``record``, which holds no place any more, where the index names it."""
+        cdef dict ids = self._index.get(record.source)
+        if ids is not None and ids.get(record.request_id) is record:
             del ids[record.request_id]
             self._live -= 1
 
@@ -493,15 +565,84 @@ cdef class RequestTable:
         first unless ``descending`` is False; ``min_ttft`` (seconds) filters slow requests,
         ``source`` one source's.
 
-        Raises ValueError for an unknown sort key.
+        Raises ValueError for an unknown sort key or a negative ``limit``.
+        """
+        return self.page(limit, sort, descending, min_ttft, source)[0]
+
+    def page(self, Py_ssize_t limit=100, str sort="finished", bint descending=True,
+             min_ttft=None, str source=None):
+        """``(records, total)``: the first ``limit`` records in the order of :meth:`recent`
+        (a key's None counts as 0; records with equal keys in the order they were added, as a
+        stable sort leaves them), and ``total``, how many records ``min_ttft`` (seconds) and
+        ``source`` select.
+
+        Without a full sort: the default order (``finished``, descending) without ``min_ttft``
+        reads about ``limit`` records back from the newest end (more when records were added
+        far out of finish order), and holds the lock only for that; any other copies the
+        records out under the lock, as :meth:`recent` always did, then reads each once, keeping
+        the best ``limit``.
+
+        Raises ValueError for an unknown sort key or a negative ``limit``.
         """
         if sort not in SORT_KEYS:
             raise ValueError(f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
-        with self._lock:
-            records = self._live_records()
-        if source is not None:
-            records = [r for r in records if r.source == source]
-        if min_ttft is not None:
-            records = [r for r in records if (r.ttft or 0.0) >= min_ttft]
-        records.sort(key=lambda r: getattr(r, sort) or 0.0, reverse=descending)
-        return records[:limit]
+        if limit < 0:
+            raise ValueError(f"a page holds 0 records or more, not {limit}")
+        cdef int by = SORT_KEYS.index(sort)
+        cdef _Best best = _Best(max(limit, 1), descending)
+        cdef Py_ssize_t total
+        if by == 0 and descending and min_ttft is None:
+            with self._lock:
+                self._finished_last(best, source)
+                total = self._live if source is None else len(self._index.get(source, ()))
+        else:
+            with self._lock:
+                records = self._live_records()
+            total = _choose(best, records, by, source, min_ttft)
+        return (best.records() if limit else []), total
+
+    cdef int _finished_last(self, _Best best, str source) except -1:
+        """Offer ``best`` the live records of ``source`` (any, when None) from the newest place
+        back, until no older one can be kept (under the lock)."""
+        cdef set seen = None
+        cdef RequestRecord record
+        cdef Py_ssize_t i
+        self._sync()
+        for i in range(self._order.size() - 1, -1, -1):
+            record = self._order.at(i)
+            # nothing here or older can finish later than the least kept, nor tie it (a tie
+            # would go to the older place)
+            if best.full() and best.least > record._bound:
+                return 0
+            if source is not None and record.source != source:
+                continue
+            if (<dict>self._index[record.source]).get(record.request_id) is not record:
+                continue  # superseded
+            if record._in_table > 1:  # added more than once: only its last place
+                if seen is None:
+                    seen = set()
+                if id(record) in seen:
+                    continue
+                seen.add(id(record))
+            best.offer(_finish_key(record), i, record)
+        return 0
+
+
+cdef Py_ssize_t _choose(_Best best, list records, int by, str source, object min_ttft) except -1:
+    """Offer ``best`` each of ``records`` (live, oldest first) that ``source`` and ``min_ttft``
+    select, from the newest when it keeps the largest keys, else from the oldest (keys that grow
+    with time, as finish and arrival do, then find the best first); how many they select."""
+    cdef bint any_ttft = min_ttft is None
+    cdef double least_ttft = 0.0 if any_ttft else min_ttft
+    cdef Py_ssize_t n = len(records), selected = 0, k, i
+    cdef RequestRecord record
+    for k in range(n):
+        i = n - 1 - k if best.descending else k
+        record = records[i]
+        if source is not None and record.source != source:
+            continue
+        if not any_ttft and not _ttft_key(record) >= least_ttft:
+            continue
+        selected += 1
+        best.offer(_sort_key(record, by), i, record)
+    return selected
