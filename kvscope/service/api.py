@@ -176,12 +176,13 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                  source: str | None = Query(None, max_length=64,
                                             description="only this source's requests")) -> Response:
         """Recent finished requests, sorted and filtered; ``total`` counts those the filters
-        match (``limit`` of them are returned)."""
+        match (``limit`` of them are returned). The default order costs about ``limit``
+        records' work, any other one pass over the table (see RequestTable.page)."""
         if sort not in SORT_KEYS:
             raise HTTPException(422, f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
-        table = agent.pipeline.requests
-        records = table.recent(table.capacity, sort, order == "desc", min_ttft, source)
-        return _json({"total": len(records), "requests": [r.data() for r in records[:limit]]})
+        records, total = agent.pipeline.requests.page(limit, sort, order == "desc", min_ttft,
+                                                      source)
+        return _json({"total": total, "requests": [r.data() for r in records]})
 
     # ``:path``: a request id may hold a slash (vLLM takes the client's X-Request-Id)
     @app.get("/api/v1/requests/{request_id:path}", dependencies=[Depends(authorize)])
