@@ -126,6 +126,24 @@ ITL_SECONDS = _histogram("kvscope_itl_seconds",
     "vLLM's decode time over its tokens from its span): one observation a request, not one a "
     "token as vllm:inter_token_latency_seconds.", [], "seconds", LATENCY_SECONDS_BUCKETS)
 
+# the scheduler: is GPU memory the limiter? (each source's own, absent until it reports it)
+REQUESTS_WAITING = _gauge("kvscope_requests_waiting",
+    "Requests that arrived and wait to be scheduled, as the source's engine reports them "
+    "(vLLM's vllm:num_requests_waiting over its engines; the reference engine's replay queue).",
+    ["source"])
+REQUESTS_RUNNING = _gauge("kvscope_requests_running",
+    "Requests in the engine's running batches (prefilling or decoding), as the source's engine "
+    "reports them (vLLM's vllm:num_requests_running over its engines; the reference engine's "
+    "replay: 1 while it serves, 0 once played out).", ["source"])
+PREEMPTIONS = _counter("kvscope_preemptions_total",
+    "Requests the engine preempted (their GPU KV blocks freed for others, to be recomputed "
+    "when resumed): GPU memory is the limiter when this rises. Only from an engine that "
+    "preempts (vLLM's vllm:num_preemptions_total).", ["source"])
+GPU_KV_CACHE_USAGE_RATIO = _gauge("kvscope_gpu_kv_cache_usage_ratio",
+    "Share of the GPU KV cache in use, 0 to 1, as the source's engine reports it (vLLM's "
+    "vllm:kv_cache_usage_perc, the fullest of its engines; the reference engine's GPU tier).",
+    ["source"], "ratio")
+
 # host
 HOST_MEMORY_TOTAL_BYTES = _gauge("kvscope_host_memory_total_bytes",
     "Host physical memory (psutil).", [], "bytes")
@@ -205,6 +223,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     TRANSFER_SECONDS, TRANSFER_FAILURES, EVICTED_BLOCKS, DROPPED_BLOCKS, EVICTED_BLOCK_HITS,
     BLOCK_RESIDENCY_SECONDS, TIER_CAPACITY_BYTES, TIER_RESIDENT_BYTES, TIER_CAPACITY_BLOCKS,
     TIER_RESIDENT_BLOCKS, REQUESTS, TTFT_SECONDS, PROMOTION_WAIT_SECONDS, ITL_SECONDS,
+    REQUESTS_WAITING, REQUESTS_RUNNING, PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO,
     HOST_MEMORY_TOTAL_BYTES, HOST_MEMORY_AVAILABLE_BYTES, HOST_MEMORY_LIMIT_BYTES,
     HOST_SWAP_USED_BYTES, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,
     OFFLOAD_BUDGET_BYTES, HOST_NUMA_NODES, PROCESS_NUMA_BYTES, PCIE_BYTES,

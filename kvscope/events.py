@@ -62,6 +62,7 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 # would otherwise sort first in the request table forever and outlive the store's age limit.
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=4_102_444_800.0)]  # 2100-01-01T00:00Z
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]  # per second
+Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]  # a share: 1 is all
 # Request ids are kept per request (100,000 by default) and trace ids are W3C's 32 hex digits:
 # both bounded, so a sender cannot grow the agent's memory through them.
 MAX_REQUEST_ID = 256  # characters; senders cut longer ids to this (the same cut on every side)
@@ -239,8 +240,30 @@ class LatencyHistogram(_Event, tag="latency_histogram"):
             raise ValueError("a latency histogram's bounds must ascend")
 
 
+class SchedulerStats(_Event, tag="scheduler_stats"):
+    """What an engine's scheduler holds now, and what it preempted since its last report: the
+    signal that says whether GPU memory is the limiter (a queue that grows, preemptions, a GPU
+    KV cache near full) or not.
+
+    ``waiting``: requests arrived and not yet scheduled; ``running``: requests in the engine's
+    batches (prefilling or decoding); ``preemptions``: requests the scheduler preempted (their
+    GPU KV blocks freed, to be recomputed or reloaded when resumed) since this sender's previous
+    report: a delta, which the agent adds up into a counter; ``gpu_kv_usage``: the share of the
+    GPU KV cache in use, 0 to 1 (vLLM's ``kv_cache_usage_perc``, a share despite its name).
+
+    Each is None when the sender does not know it (an engine that never preempts has no
+    preemptions to report, not 0): its metric stays absent until a report carries it, and a
+    report without it leaves the last value as it was.
+    """
+
+    waiting: Count | None = None
+    running: Count | None = None
+    preemptions: Count | None = None
+    gpu_kv_usage: Ratio | None = None
+
+
 Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished,
-              LatencyHistogram]
+              LatencyHistogram, SchedulerStats]
 
 
 E = TypeVar("E")

@@ -111,6 +111,13 @@ OFFLOAD_BUDGET_BYTES = _f("offload_budget_bytes", c.OFFLOAD_BUDGET_BYTES, Kind.G
 PCIE_LINK_MAX_BYTES_PER_SECOND = _f("pcie_link_max_bytes_per_second",
                                     c.PCIE_LINK_MAX_BYTES_PER_SECOND, Kind.GAUGE, ["gpu"],
                                     fleet="max", fleet_by=["instance"])
+# is GPU memory the limiter? Each source's scheduler, keyed by source (a fleet: the queues
+# added up, the fullest GPU KV cache); absent for a source that does not report it
+REQUESTS_WAITING = _f("requests_waiting", c.REQUESTS_WAITING, Kind.GAUGE, ["source"])
+REQUESTS_RUNNING = _f("requests_running", c.REQUESTS_RUNNING, Kind.GAUGE, ["source"])
+PREEMPTIONS = _f("preemptions", c.PREEMPTIONS, Kind.COUNTER, ["source"])
+GPU_KV_CACHE_USAGE_RATIO = _f("gpu_kv_cache_usage_ratio", c.GPU_KV_CACHE_USAGE_RATIO, Kind.GAUGE,
+                              ["source"], fleet="max")
 
 # in sample order (the order of a recorded sample's keys, after ``ts``)
 FIELDS: tuple[SampleField, ...] = (
@@ -119,7 +126,8 @@ FIELDS: tuple[SampleField, ...] = (
     TRANSFER_SECONDS_SUM, DROPPED_BLOCKS, EVICTED_BLOCK_HITS, BLOCK_RESIDENCY_SECONDS,
     TTFT_SECONDS, PROMOTION_WAIT_SECONDS, TRANSFER_SECONDS, TIER_RESIDENT_BLOCKS,
     TIER_CAPACITY_BLOCKS, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,
-    OFFLOAD_BUDGET_BYTES, PCIE_LINK_MAX_BYTES_PER_SECOND,
+    OFFLOAD_BUDGET_BYTES, PCIE_LINK_MAX_BYTES_PER_SECOND, REQUESTS_WAITING, REQUESTS_RUNNING,
+    PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO,
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 BY_NAME: dict[str, SampleField] = {f.name: f for f in FIELDS}

@@ -74,6 +74,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
                         capacity_blocks=4, resident_blocks=2),
         ev.RequestFinished(ts=0.0, request_id="r", ttft=0.2, prompt_tokens=8,
                            output_tokens=5, itl=0.02),
+        ev.SchedulerStats(ts=0.0, waiting=2, running=1, preemptions=1, gpu_kv_usage=0.5),
     ])
     agent.pipeline.drop("ingest", "malformed")
     agent.pipeline.count_tap_errors("engine", "internal", 2)
@@ -108,6 +109,9 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     assert value("kvscope_otlp_spans_total", {"result": "dropped"}) == 0  # no OTLP export
     assert value("kvscope_records_dropped_total", {"sink": "store"}) == 0  # no store_dir
     assert value("kvscope_tap_errors_total", {"source": "engine", "reason": "internal"}) == 2
+    assert value("kvscope_requests_waiting", {"source": "engine"}) == 2
+    assert value("kvscope_preemptions_total", {"source": "engine"}) == 1
+    assert value("kvscope_gpu_kv_cache_usage_ratio", {"source": "engine"}) == 0.5
 
 
 def test_docs_metrics_is_generated_from_the_catalog():
@@ -121,8 +125,8 @@ GOLDEN = ROOT / "tests" / "data" / "golden_metrics.txt"
 def _golden_agent(tmp_path) -> Agent:
     """An agent with host and NUMA readings and collector timings fixed, after a fixed event sequence
     from two sources: a vLLM-like tap (tiers gpu and cpu, a failed offload, a sampled eviction,
-    tap errors) and the reference engine (a disk tier, a dropped block, a request with
-    promotion wait and ITL)."""
+    tap errors, its scheduler with preemptions) and the reference engine (a disk tier, a
+    dropped block, a request with promotion wait and ITL, its queue without preemptions)."""
     swap = SimpleNamespace(used=2**20)  # psutil's swap_memory() of a host with 1 MiB swapped
     collectors = CollectorSet(["host", "numa"], {"host": {"virtual_memory": lambda: _VM,
                                                           "swap_memory": lambda: swap,
@@ -148,6 +152,7 @@ def _golden_agent(tmp_path) -> Agent:
         ev.Eviction(ts=10.03, tier="cpu", blocks=4, bytes=256, age=42.0, hits=0, weight=4),
         ev.RequestFinished(ts=10.2, request_id="a", ttft=0.05, prompt_tokens=64,
                            output_tokens=9, itl=0.012),
+        ev.SchedulerStats(ts=10.3, waiting=3, running=2, preemptions=4, gpu_kv_usage=0.875),
     ])
     p.ingest("engine", [
         ev.TierSnapshot(ts=11.0, tier="disk", capacity_bytes=1 << 20, resident_bytes=1 << 19,
@@ -160,6 +165,8 @@ def _golden_agent(tmp_path) -> Agent:
         ev.Eviction(ts=11.1, tier="disk", blocks=1, bytes=64, age=3600.0, hits=5),
         ev.RequestFinished(ts=11.5, request_id="b", ttft=0.4, prompt_tokens=32,
                            output_tokens=1, promotion_wait=0.03),
+        # the reference engine never preempts: no preemptions series of its source
+        ev.SchedulerStats(ts=11.6, waiting=1, running=1, gpu_kv_usage=0.25),
     ])
     p.publish_settled(everything=True)
     p.drop("ingest", "malformed", 2)

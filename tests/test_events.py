@@ -19,6 +19,8 @@ def test_round_trip_keeps_every_event_kind():
         ev.TierSnapshot(ts=1.3, tier="cpu", capacity_bytes=100, resident_bytes=50,
                         capacity_blocks=10, resident_blocks=5),
         ev.RequestFinished(ts=1.4, request_id="r1", ttft=0.25, prompt_tokens=40, output_tokens=3),
+        ev.SchedulerStats(ts=1.5, waiting=4, running=2, preemptions=1, gpu_kv_usage=0.75),
+        ev.SchedulerStats(ts=1.6, waiting=0),  # the rest unknown: None, not 0
     ]
     decoded = ev.decode_batch(ev.encode_batch(_batch(events)))
     assert decoded.events == events
@@ -39,6 +41,27 @@ def test_unknown_tier_or_a_weight_below_one_is_refused(field, value):
     with pytest.raises(ev.SchemaError, match=field) as info:
         ev.decode_batch(msgspec.msgpack.encode(raw))
     assert info.value.reason == "invalid"
+
+
+def test_scheduler_stats_leave_what_the_sender_does_not_know_as_none():
+    stats = ev.SchedulerStats(ts=1.0, running=1)
+    assert (stats.waiting, stats.preemptions, stats.gpu_kv_usage) == (None, None, None)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("gpu_kv_usage", 1.0001),  # a share: vLLM's kv_cache_usage_perc, not a percentage
+    ("gpu_kv_usage", -0.1), ("gpu_kv_usage", float("nan")), ("gpu_kv_usage", float("inf")),
+    ("waiting", -1), ("running", 2.5), ("preemptions", -3), ("preemptions", 2**53 + 1)])
+def test_scheduler_stats_out_of_bounds_are_refused(field, value):
+    """A negative preemption delta would turn the counter down (rate() reads a reset); a usage
+    beyond 0..1 is no share."""
+    stats = {"kind": "scheduler_stats", "ts": 0.0, field: value}
+    raw = {"version": ev.SCHEMA_VERSION, "source": "x", "seq": 0, "events": [stats]}
+    with pytest.raises(ev.SchemaError, match=field) as info:
+        ev.decode_batch(msgspec.msgpack.encode(raw))
+    assert info.value.reason == "invalid"
+    with pytest.raises(ev.SchemaError, match=field):
+        ev.validate(ev.SchedulerStats(ts=0.0, **{field: value}))
 
 
 @pytest.mark.parametrize("payload", [b"", b"\x00\x01garbage", b"\x93\x01"])

@@ -36,6 +36,7 @@ def _busy_pipeline() -> Pipeline:
         ev.Eviction(ts=T, tier="cpu", blocks=2, bytes=2048, age=20.0, hits=3, offloaded=False),
         ev.RequestFinished(ts=T, request_id="a", ttft=0.02, prompt_tokens=16,
                            promotion_wait=0.01),
+        ev.SchedulerStats(ts=T, waiting=2, running=1, preemptions=1, gpu_kv_usage=0.5),
     ])
     return pipe
 
@@ -157,6 +158,13 @@ def test_the_prometheus_backend_queries_every_field_from_its_declaration():
         'max by (instance, gpu) (kvscope_pcie_link_max_bytes_per_second{job="kvscope"})']
     assert by_field["host_memory_headroom_bytes"] == [
         'sum(kvscope_host_memory_headroom_bytes{job="kvscope"})']
+    # a fleet's queue is every engine's; its GPU KV usage, the fullest engine's
+    assert by_field["requests_waiting"] == [
+        'sum by (source) (kvscope_requests_waiting{job="kvscope"})']
+    assert by_field["preemptions"] == [
+        'sum by (source) (rate(kvscope_preemptions_total{job="kvscope"}[1m]))']
+    assert by_field["gpu_kv_cache_usage_ratio"] == [
+        'max by (source) (kvscope_gpu_kv_cache_usage_ratio{job="kvscope"})']
     assert by_field["ttft_seconds"][1] == (
         'histogram_quantile(0.95, sum by (le) '
         '(rate(kvscope_ttft_seconds_bucket{job="kvscope"}[1m])))')

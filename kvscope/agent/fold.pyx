@@ -2,7 +2,8 @@
 """The fold: a batch of events into the pipeline's counters, histograms and records (compiled).
 
 :class:`Fold` holds what the pipeline aggregates — the catalog's counters and histograms, kept
-in C arrays over their bounded label sets, and the :class:`~kvscope.agent.assembler.
+in C arrays over their bounded label sets, each sender's scheduler gauges and preemptions
+(:class:`~kvscope.events.SchedulerStats`), and the :class:`~kvscope.agent.assembler.
 RequestAssembler` — and folds one source's batch at a time, event by event, in order.
 The pipeline owns the lock around it and everything else (tiers, subscribers, samples).
 Compiled because the fold is the agent's ingest cost: interpreted, it took four times as
@@ -32,7 +33,7 @@ from kvscope.vocabulary import (DIRECTIONS, EVICTION_REASONS, FAILURE_REASONS, T
 
 cdef object _SNAPSHOT = ev.TierSnapshot, _STARTED = ev.RequestStarted, _LOOKUP = ev.Lookup
 cdef object _TRANSFER = ev.Transfer, _EVICTION = ev.Eviction, _LATENCY = ev.LatencyHistogram
-cdef object _FINISHED = ev.RequestFinished
+cdef object _FINISHED = ev.RequestFinished, _SCHEDULER = ev.SchedulerStats
 cdef Py_ssize_t L_BLOCKS = offset_of(ev.Lookup, "blocks")
 cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
 cdef Py_ssize_t L_HITS = offset_of(ev.Lookup, "block_hits")
@@ -55,6 +56,10 @@ cdef Py_ssize_t E_OFFLOADED = offset_of(ev.Eviction, "offloaded")
 cdef Py_ssize_t E_REASON = offset_of(ev.Eviction, "reason")
 cdef Py_ssize_t E_MEASURED = offset_of(ev.Eviction, "measured")
 cdef Py_ssize_t E_WEIGHT = offset_of(ev.Eviction, "weight")
+cdef Py_ssize_t S_WAITING = offset_of(ev.SchedulerStats, "waiting")
+cdef Py_ssize_t S_RUNNING = offset_of(ev.SchedulerStats, "running")
+cdef Py_ssize_t S_PREEMPTIONS = offset_of(ev.SchedulerStats, "preemptions")
+cdef Py_ssize_t S_USAGE = offset_of(ev.SchedulerStats, "gpu_kv_usage")
 
 cdef enum:
     MAX_KEYS = 160  # the largest label set: 16 directions x 10 failure reasons
@@ -219,6 +224,9 @@ cdef class Fold:
     cdef int64_t _requests
     cdef double *_recent  # a ring of the last TTFTs, seconds
     cdef Py_ssize_t _recent_count, _recent_next, _recent_max
+    # per sender: its scheduler's last gauges and its preemptions added up, each only once
+    # reported (a dict per metric, keyed by source; see _scheduler_stats)
+    cdef dict _waiting, _running, _preemptions, _gpu_kv_usage
 
     def __init__(self, RequestAssembler assembler not None,
                  double prefill_tokens_per_second=10_000.0,
@@ -234,6 +242,7 @@ cdef class Fold:
         self._ttft = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._wait = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._itl = _Histogram(LATENCY_SECONDS_BUCKETS)
+        self._waiting, self._running, self._preemptions, self._gpu_kv_usage = {}, {}, {}, {}
         self._recent = <double *>PyMem_Malloc(max(recent, 1) * sizeof(double))
         if self._recent == NULL:
             raise MemoryError()
@@ -282,6 +291,8 @@ cdef class Fold:
                 known = tiers(source, scope, [event])
             elif kind is _LATENCY:
                 self._ttft.add_buckets(event.bounds, event.counts, event.sum)
+            elif kind is _SCHEDULER:
+                self._scheduler_stats(source, event)
         self._count_lookups(&totals)
         cdef double ahead = time.time() + FUTURE
         cdef list kept = [record for record in finished
@@ -400,6 +411,29 @@ cdef class Fold:
         residency.observe(float_field(event, E_AGE), weight, NULL, 0.0)
         return 0
 
+    cdef int _scheduler_stats(self, str source, object event) except -1:
+        """Keep sender ``source``'s scheduler gauges and add its preemptions; a field the
+        event leaves None (unknown) changes nothing, so its metric stays absent or as it was."""
+        value = field(event, S_WAITING)
+        if value is not None:
+            self._waiting[source] = value
+        value = field(event, S_RUNNING)
+        if value is not None:
+            self._running[source] = value
+        value = field(event, S_PREEMPTIONS)
+        if value is not None:  # a Python int: no bound to overflow
+            self._preemptions[source] = self._preemptions.get(source, 0) + value
+        value = field(event, S_USAGE)
+        if value is not None:
+            self._gpu_kv_usage[source] = value
+        return 0
+
+    def forget_gauges(self, str source):
+        """Leave sender ``source``'s scheduler gauges (waiting, running, GPU KV usage) out from
+        now on: its engine stopped. Its preemptions stay counted, as counters do."""
+        for gauges in (self._waiting, self._running, self._gpu_kv_usage):
+            gauges.pop(source, None)
+
     def observe(self, list records):
         """Count finished ``records`` in the request metrics (requests, TTFT, promotion-wait and
         (for those that reported one) ITL histograms, the recent TTFTs), as they are now."""
@@ -450,6 +484,10 @@ cdef class Fold:
             "ttft_seconds": self._ttft.state(),
             "promotion_wait_seconds": self._wait.state(),
             "itl_seconds": self._itl.state(),
+            "requests_waiting": dict(self._waiting),
+            "requests_running": dict(self._running),
+            "preemptions": dict(self._preemptions),
+            "gpu_kv_cache_usage": dict(self._gpu_kv_usage),
             "recent_ttft": [self._recent[(self._recent_next - self._recent_count + i)
                                          % self._recent_max] for i in range(self._recent_count)],
         }

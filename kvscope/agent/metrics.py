@@ -47,6 +47,11 @@ def snapshot_samples(snap: Snapshot) -> Samples:
         m.TTFT_SECONDS: [([], snap.ttft_seconds)],
         m.PROMOTION_WAIT_SECONDS: [([], snap.promotion_wait_seconds)],
         m.ITL_SECONDS: [([], snap.itl_seconds)],
+        # each source's own, and only a source's that reported it: never 0 for "not measured"
+        m.REQUESTS_WAITING: _labelled(snap.requests_waiting),
+        m.REQUESTS_RUNNING: _labelled(snap.requests_running),
+        m.PREEMPTIONS: _labelled(snap.preemptions),
+        m.GPU_KV_CACHE_USAGE_RATIO: _labelled(snap.gpu_kv_cache_usage),
         m.EVENTS_RECEIVED: _labelled(snap.events_received),
         m.EVENTS_DROPPED: _labelled({**dict.fromkeys(sorted(snap.expected_drops), 0),
                                      **snap.events_dropped}),

@@ -32,7 +32,10 @@ from kvscope.agent.tier_totals import TierTotals
 class Snapshot:
     """A consistent copy of the pipeline's state, keyed by label values: ``source``;
     ``(tier, result)``; ``(src, dst)``; ``(src, dst, reason)``; ``(tier, reason)``; ``tier``.
-    Bytes and seconds in base units; ``tiers``: dict[tier, TierSnapshot]."""
+    Bytes and seconds in base units; ``tiers``: dict[tier, TierSnapshot]. The scheduler's
+    (:class:`~kvscope.events.SchedulerStats`), keyed by the sender's source and holding only
+    the senders that reported each: ``requests_waiting``, ``requests_running`` (requests now),
+    ``preemptions`` (added up since the agent started), ``gpu_kv_cache_usage`` (0 to 1)."""
 
     prompt_tokens: dict[str, int]
     lookup_blocks: dict[tuple[str, str], int]
@@ -57,6 +60,10 @@ class Snapshot:
     source_info: dict[str, tuple[str, str]]
     expected_drops: frozenset[tuple[str, str]] = frozenset()  # (source, reason) exported at 0
     tap_errors: dict[tuple[str, str], int] = field(default_factory=dict)  # (source, reason)
+    requests_waiting: dict[str, int] = field(default_factory=dict)
+    requests_running: dict[str, int] = field(default_factory=dict)
+    preemptions: dict[str, int] = field(default_factory=dict)
+    gpu_kv_cache_usage: dict[str, float] = field(default_factory=dict)
 
 
 def _histograms(states: Mapping) -> dict:
@@ -289,10 +296,12 @@ class Pipeline:
             self._source_info[source] = (engine[:64], model[:64])
 
     def forget_tiers(self, source: str) -> None:
-        """Leave sender ``source``'s tier snapshots out of the tier gauges from now on (its
-        emitter closed: an engine that stopped holds no tier)."""
+        """Leave sender ``source``'s tier snapshots out of the tier gauges, and its scheduler
+        gauges (waiting, running, GPU KV usage) out of the snapshot, from now on (its emitter
+        closed: an engine that stopped holds no tier and no queue). Its counters stay."""
         with self._lock:
             self._tiers.forget(source)
+            self._fold.forget_gauges(source)
 
     def snapshot(self) -> Snapshot:
         """A consistent copy of the aggregated state."""
@@ -323,6 +332,10 @@ class Pipeline:
                 source_info=dict(self._source_info),
                 expected_drops=frozenset(self._expected_drops),
                 tap_errors=dict(self._tap_errors),
+                requests_waiting=state["requests_waiting"],
+                requests_running=state["requests_running"],
+                preemptions=state["preemptions"],
+                gpu_kv_cache_usage=state["gpu_kv_cache_usage"],
             )
 
     def record_sample(self, ts: float, host_memory_available: float | None, *,

@@ -89,6 +89,10 @@ class SampleHistory:
                 sf.HOST_MEMORY_HEADROOM_BYTES: host_memory_headroom,
                 sf.OFFLOAD_BUDGET_BYTES: dict(offload_budgets or {}),
                 sf.PCIE_LINK_MAX_BYTES_PER_SECOND: dict(pcie_link_max or {}),
+                sf.REQUESTS_WAITING: state["requests_waiting"],
+                sf.REQUESTS_RUNNING: state["requests_running"],
+                sf.PREEMPTIONS: state["preemptions"],
+                sf.GPU_KV_CACHE_USAGE_RATIO: state["gpu_kv_cache_usage"],
             }))
             return self._samples[-1]
 

@@ -657,3 +657,32 @@ def test_a_batch_folds_in_the_order_its_events_came():
     assert pipeline.snapshot().lookup_blocks == {}
     pipeline.ingest("f", [lookup()])
     assert pipeline.snapshot().lookup_blocks == {("cpu", "hit"): 0, ("cpu", "miss"): 4}
+
+
+def test_scheduler_stats_are_kept_per_source_and_absent_until_reported():
+    """Two senders. "vllm": waiting 3, running 2, 1 preemption, 40% of its GPU KV cache; then
+    waiting 0 and 2 more preemptions, running and usage not said (kept: 2, 0.4). "engine" never
+    reports preemptions (it has none to count): no series, not 0; its waiting 5, running 1,
+    usage 0.25. Preemptions add up: 1 + 2 = 3. Once "engine"'s emitter closes, its gauges
+    leave; "vllm"'s counter and gauges stay. A pipeline nobody reported to has none."""
+    pipeline = Pipeline()
+    assert (pipeline.snapshot().requests_waiting, pipeline.snapshot().preemptions) == ({}, {})
+    pipeline.ingest("vllm", [
+        ev.SchedulerStats(ts=1.0, waiting=3, running=2, preemptions=1, gpu_kv_usage=0.4),
+        ev.SchedulerStats(ts=2.0, waiting=0, preemptions=2)])
+    pipeline.ingest("engine", [ev.SchedulerStats(ts=2.0, waiting=5, running=1,
+                                                 gpu_kv_usage=0.25)])
+    snap = pipeline.snapshot()
+    assert snap.requests_waiting == {"vllm": 0, "engine": 5}
+    assert snap.requests_running == {"vllm": 2, "engine": 1}
+    assert snap.preemptions == {"vllm": 3}
+    assert snap.gpu_kv_cache_usage == {"vllm": 0.4, "engine": 0.25}
+    pipeline.forget_tiers("engine")
+    pipeline.forget_tiers("vllm")
+    pipeline.ingest("vllm", [ev.SchedulerStats(ts=3.0, waiting=7)])  # it came back
+    snap = pipeline.snapshot()
+    assert (snap.requests_waiting, snap.requests_running, snap.gpu_kv_cache_usage,
+            snap.preemptions) == ({"vllm": 7}, {}, {}, {"vllm": 3})
+    sample = pipeline.record_sample(4.0, None)
+    assert (sample["requests_waiting"], sample["requests_running"], sample["preemptions"],
+            sample["gpu_kv_cache_usage_ratio"]) == ({"vllm": 7}, {}, {"vllm": 3}, {})
