@@ -48,7 +48,8 @@ def test_counters_map_as_deltas_and_missing_names_are_absent():
     mapper = MetricsMapper(block_bytes=100)
     first = exposition(100, 20, 0, 0, 0, [("0.1", 1), ("1.0", 0), ("+Inf", 0)])
     baseline = mapper.map(parse(first), 1.0)
-    assert [type(e) for e in baseline] == [ev.TierSnapshot]  # counters: baseline only
+    # counters: baseline only; gauges as they are
+    assert [type(e) for e in baseline] == [ev.TierSnapshot, ev.SchedulerStats]
     second = exposition(400, 70, 64, 3200, 6400, [("0.1", 3), ("1.0", 2), ("+Inf", 1)])
     events = mapper.map(parse(second), 2.0)
     lookup = next(e for e in events if isinstance(e, ev.Lookup))
@@ -60,7 +61,10 @@ def test_counters_map_as_deltas_and_missing_names_are_absent():
     assert hist.bounds == [0.1, 1.0] and hist.counts == [2, 2, 1]
     gpu = next(e for e in events if isinstance(e, ev.TierSnapshot))
     assert gpu.capacity_blocks == 24 and gpu.resident_blocks == 12 and gpu.capacity_bytes == 2400
-    assert MetricsMapper().map(parse("vllm:num_requests_running 1\n"), 3.0) == []
+    # what vLLM does not print stays unknown (None), never 0
+    assert MetricsMapper().map(parse("vllm:num_requests_running 1\n"), 3.0) == [
+        ev.SchedulerStats(ts=3.0, running=1)]
+    assert MetricsMapper().map(parse("vllm:engine_sleep_state 1\n"), 3.0) == []
 
 
 def test_offloads_are_left_to_kv_events_when_it_reports_the_cpu_tier():
@@ -584,13 +588,97 @@ def test_cached_tokens_never_matched_by_prompt_tokens_are_forgotten_after_a_scra
 
 def test_the_gpu_tier_adds_each_engines_own_share_of_its_own_blocks():
     """Engine 0: 25% of 100 blocks, engine 1: 50% of 200: 125 of 300 blocks resident (adding
-    the shares first made 0.75 x 300 = 225)."""
+    the shares first made 0.75 x 300 = 225). The scheduler's usage is the fuller engine's, 0.5."""
     text = ('vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
             'vllm:kv_cache_usage_perc{engine="1"} 0.5\n'
             'vllm:cache_config_info{engine="0",num_gpu_blocks="100"} 1.0\n'
             'vllm:cache_config_info{engine="1",num_gpu_blocks="200"} 1.0\n')
-    (gpu,) = MetricsMapper(block_bytes=100).map(parse(text), 1.0)
+    gpu, stats = MetricsMapper(block_bytes=100).map(parse(text), 1.0)
     assert (gpu.resident_blocks, gpu.capacity_blocks, gpu.resident_bytes) == (125, 300, 12_500)
+    assert stats == ev.SchedulerStats(ts=1.0, gpu_kv_usage=0.5)
+
+
+def scheduler_exposition(running, waiting, capacity, preemptions, usage):
+    """vLLM 0.32's and 0.33's scheduler series as prometheus_client prints them for two engines
+    of one model (``v1/metrics/loggers.py``, the same in both: gauges
+    ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (``num_waiting_reqs`` +
+    ``num_skipped_waiting_reqs``), ``vllm:num_requests_waiting_by_reason{reason}`` (its split:
+    capacity, deferred), ``vllm:kv_cache_usage_perc`` (a share, "1 means 100 percent usage");
+    counter ``vllm:num_preemptions``, printed as ``_total`` and ``_created``; labels
+    ``model_name``, ``engine``). Each argument: the value per engine, (engine 0, engine 1)."""
+    lines = []
+    for name, kind, values in (("vllm:num_requests_running", "gauge", running),
+                               ("vllm:num_requests_waiting", "gauge", waiting),
+                               ("vllm:kv_cache_usage_perc", "gauge", usage),
+                               ("vllm:num_preemptions", "counter", preemptions)):
+        lines += [f"# HELP {name} (vLLM's help)", f"# TYPE {name} {kind}"]
+        for engine, value in enumerate(values):
+            labels = f'engine="{engine}",model_name="m"'
+            if kind == "counter":
+                lines += [f"{name}_total{{{labels}}} {float(value)}",
+                          f"{name}_created{{{labels}}} 1.7644e+09"]
+            else:
+                lines.append(f"{name}{{{labels}}} {float(value)}")
+    name = "vllm:num_requests_waiting_by_reason"
+    lines += [f"# HELP {name} (vLLM's help)", f"# TYPE {name} gauge"]
+    for engine, (total, for_capacity) in enumerate(zip(waiting, capacity)):
+        labels = f'engine="{engine}",model_name="m"'
+        lines += [f'{name}{{{labels},reason="capacity"}} {float(for_capacity)}',
+                  f'{name}{{{labels},reason="deferred"}} {float(total - for_capacity)}']
+    return "\n".join(lines) + "\n"
+
+
+# three scrapes of two engines: running, waiting, of those waiting for capacity, preemptions
+# (cumulative; engine 0 restarts before the third), GPU KV cache usage
+SCHEDULER_SCRAPES = [((2, 1), (4, 0), (3, 0), (5, 0), (0.9375, 0.25)),
+                     ((2, 2), (6, 1), (6, 0), (8, 1), (1.0, 0.5)),
+                     ((0, 2), (0, 1), (0, 1), (2, 1), (0.0, 0.5))]
+
+
+def test_the_scheduler_maps_to_one_event_per_scrape_over_both_engines():
+    """By hand (engine 0 + engine 1; usage the larger):
+    scrape 1: running 2 + 1 = 3, waiting 4 + 0 = 4, preemptions 0 (the counter's baseline: a
+    number, as vLLM counts preemptions), usage 0.9375;
+    scrape 2: running 4, waiting 7, preemptions (8 - 5) + (1 - 0) = 4, usage 1.0;
+    scrape 3 (engine 0 restarted): running 2, waiting 1, preemptions 2 (reset: its value) + 0,
+    usage 0.5. waiting_by_reason (its split) counts nowhere: 4, 7, 1 are the totals. The same
+    with gpu_snapshot off (the KV events source reports the GPU tier): these are no tier's."""
+    for gpu_snapshot in (True, False):
+        mapper = MetricsMapper(gpu_snapshot=gpu_snapshot)
+        stats = [mapper.map(parse(scheduler_exposition(*scrape)), float(i))
+                 for i, scrape in enumerate(SCHEDULER_SCRAPES)]
+        assert stats == [[ev.SchedulerStats(ts=0.0, waiting=4, running=3, preemptions=0,
+                                            gpu_kv_usage=0.9375)],
+                         [ev.SchedulerStats(ts=1.0, waiting=7, running=4, preemptions=4,
+                                            gpu_kv_usage=1.0)],
+                         [ev.SchedulerStats(ts=2.0, waiting=1, running=2, preemptions=2,
+                                            gpu_kv_usage=0.5)]]
+
+
+def test_the_agent_shows_vllms_scheduler_under_its_source_and_refuses_a_usage_over_one(
+        exposition_server):
+    """The three scrapes above, served over HTTP and scraped into an agent: its /metrics says
+    waiting 1, running 2, usage 0.5 (the last scrape's) and preemptions 0 + 4 + 2 = 6, under
+    source vllm_metrics. Then a scrape whose usage reads 1.5 (no share; vLLM's is at most 1):
+    its event is dropped and counted invalid, and the gauges keep their values."""
+    from kvscope.agent.sources.vllm_metrics import VllmMetricsSource
+
+    agent = Agent(AgentSettings(collectors={"gpu": {"enabled": False},
+                                            "host": {"enabled": False}}), with_ingest=False)
+    source = VllmMetricsSource(agent.pipeline, exposition_server.url, mapper=MetricsMapper())
+    for scrape in SCHEDULER_SCRAPES:
+        exposition_server.body = scheduler_exposition(*scrape)
+        assert source.scrape_once()
+    value = agent.exposition.registry.get_sample_value
+    names = ("kvscope_requests_waiting", "kvscope_requests_running", "kvscope_preemptions_total",
+             "kvscope_gpu_kv_cache_usage_ratio")
+    assert [value(name, {"source": "vllm_metrics"}) for name in names] == [1, 2, 6, 0.5]
+    exposition_server.body = scheduler_exposition(*SCHEDULER_SCRAPES[2][:4], (1.5, 0.5))
+    assert source.scrape_once()
+    assert [value(name, {"source": "vllm_metrics"}) for name in names] == [1, 2, 6, 0.5]
+    assert value("kvscope_events_dropped_total",
+                 {"source": "vllm_metrics", "reason": "invalid"}) == 1
+    source.shutdown()
 
 
 @pytest.mark.parametrize("trickle", ["body", "headers"])
@@ -700,7 +788,12 @@ def test_vllm_serve_metrics_spans_and_tap_reach_the_agent(vllm_serve):
     mapper.map(zeros, 0.0)
     events = mapper.map(parse(text), 1.0)
     kinds = {type(e).__name__ for e in events}
-    assert {"Lookup", "Transfer", "LatencyHistogram", "TierSnapshot"} <= kinds, kinds
+    assert {"Lookup", "Transfer", "LatencyHistogram", "TierSnapshot",
+            "SchedulerStats"} <= kinds, kinds
+    # both requests done, one after the other in 24 blocks: none waits, runs or was preempted
+    (stats,) = [e for e in events if isinstance(e, ev.SchedulerStats)]
+    assert (stats.waiting, stats.running, stats.preemptions) == (0, 0, 0)
+    assert 0.0 <= stats.gpu_kv_usage <= 1.0
     hist = next(e for e in events if isinstance(e, ev.LatencyHistogram))
     assert sum(hist.counts) == 2 and hist.bounds  # both requests' TTFTs
     lookup = next(e for e in events if isinstance(e, ev.Lookup))
@@ -708,6 +801,15 @@ def test_vllm_serve_metrics_spans_and_tap_reach_the_agent(vllm_serve):
     # the agent's own scrape: source up, events received
     assert wait_until(lambda: agent.pipeline.snapshot().source_up.get("vllm_metrics"), 120)
     assert wait_until(lambda: agent.pipeline.snapshot().events_received.get("vllm_metrics", 0) > 0, 120)
+    # ... and its /metrics has vLLM's scheduler under the source, measured (0), not absent
+    def scheduler():
+        value = agent.exposition.registry.get_sample_value
+        return [value(name, {"source": "vllm_metrics"}) for name in (
+            "kvscope_requests_waiting", "kvscope_requests_running", "kvscope_preemptions_total")]
+    assert wait_until(lambda: scheduler() == [0, 0, 0], 60), scheduler()
+    usage = agent.exposition.registry.get_sample_value("kvscope_gpu_kv_cache_usage_ratio",
+                                                       {"source": "vllm_metrics"})
+    assert usage is not None and 0.0 <= usage <= 1.0
     # the second request reused the prefix from the GPU prefix cache (tap's lookup)
     assert wait_until(lambda: all(agent.pipeline.requests.get(f"{i}-0") for i in ids), 120), \
         (ids, [r.request_id for r in agent.pipeline.requests.recent(10)], tail(log))

@@ -21,6 +21,14 @@ Mapped (vLLM 0.32 names, ``vllm/v1/metrics/loggers.py`` and the offloading conne
 - ``vllm:kv_cache_usage_perc`` x ``num_gpu_blocks`` (``vllm:cache_config_info``) ->
   ``TierSnapshot`` gpu, when ``gpu_snapshot`` is on (leave it off when the KV events source
   reports GPU residency; vLLM's usage counts blocks held by running requests only).
+- The scheduler, whether GPU memory is the limiter -> one ``SchedulerStats`` per scrape, each
+  field absent when vLLM has no such series: ``vllm:num_requests_waiting`` and
+  ``vllm:num_requests_running`` (gauges, added up over the engines); the increase of
+  ``vllm:num_preemptions_total`` (a counter, as the others); ``vllm:kv_cache_usage_perc`` (a
+  share, 0 to 1, despite its name), the largest over the engines: one engine that is full
+  preempts and queues however empty the others are, and the mean would hide it (the
+  ``TierSnapshot`` above holds the blocks in use over all of them). Every gauge of the scrape,
+  whatever ``gpu_snapshot`` says: they are this source's own metrics, no tier's.
 
 Offloading (vLLM 0.33 ``kv_offload/base.py``, ``kv_offload/cpu/common.py``,
 ``kv_offload/tiering/{base,spec,metrics}.py``, ``offloading/metrics.py``; the tiering counters
@@ -57,9 +65,11 @@ it sees is left to it, so that nothing counts twice.
 
 Left out (no kvscope metric fits them without counting something twice; vLLM exports them
 itself): the lookup delays (``lookup_{sync,async}_delay_seconds``, plain and tiering),
-``allocation_failure``, ``stores_skipped``, ``tiering_promotion_allocation_failures`` and
-``tiering_backpressure_*`` (stores never made), the in-flight gauges (``*_usage_perc``,
-``active_*_jobs``), the tiers' read and write times (sums only), and ``--kv-cache-metrics``'
+``vllm:num_requests_waiting_by_reason`` (the waiting requests split by reason: the total is
+mapped), ``allocation_failure``, ``stores_skipped``,
+``tiering_promotion_allocation_failures`` and ``tiering_backpressure_*`` (stores never made),
+the in-flight gauges (``kv_offload_*_usage_perc``, ``active_*_jobs``), the tiers' read and
+write times (sums only), and ``--kv-cache-metrics``'
 ``vllm:kv_block_{lifetime,idle_before_evict,reuse_gap}_seconds`` (sampled GPU blocks: kvscope's
 residency histogram comes with evictions the KV events source counts, and per-block reuse
 cannot be rebuilt from totals).
@@ -163,6 +173,9 @@ def spread(bounds: list[float], counts: list[int], total: float) -> list[tuple[f
 
 
 TTFT = "vllm:time_to_first_token_seconds"
+WAITING, RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
+PREEMPTIONS = "vllm:num_preemptions_total"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 CONFIG_INFO = "vllm:kv_offload_config_info"
 _TIERING = "vllm:kv_offload_tiering_"
 READ_BYTES, WRITE_BYTES = _TIERING + "read_bytes_total", _TIERING + "write_bytes_total"
@@ -277,11 +290,28 @@ class MetricsMapper:
                 ts=ts, tier="cpu", capacity_bytes=sum(c[2] for c in chunks.values()),
                 resident_bytes=0, capacity_blocks=sum(c[0] * c[1] for c in chunks.values()),
                 resident_blocks=0))
+        out += self._scheduler(samples, ts)
         self._last.update(self._seen)
         if len(self._last) > MAX_SERIES:  # series come and go by label: keep the current ones
             self._last = self._seen
             self._engines = self._engines_before = None  # a new series may be an old one
         return out
+
+    def _scheduler(self, samples: Samples, ts: float) -> list[ev.SchedulerStats]:
+        """The scheduler's gauges over every engine and its preemptions since the last scrape
+        (see the module); [] when vLLM has none of them. A value out of the event's bounds
+        (no vLLM's) makes the event invalid: the scrape drops and counts it."""
+        def added(name: str) -> int | None:
+            series = _series(samples, name)
+            return int(sum(series.values())) if series else None
+
+        preempted = self._increase(samples, PREEMPTIONS)
+        usage = _series(samples, KV_CACHE_USAGE)
+        stats = ev.SchedulerStats(
+            ts=ts, waiting=added(WAITING), running=added(RUNNING),
+            preemptions=None if preempted is None else int(preempted),
+            gpu_kv_usage=max(usage.values()) if usage else None)
+        return [] if stats == ev.SchedulerStats(ts=ts) else [stats]
 
     def _lookup(self, samples: Samples) -> dict[str, int]:
         """The prompt tokens of this scrape by source (those with tokens)."""
@@ -506,7 +536,7 @@ class MetricsMapper:
                 blocks[engine(ls)] = int(float(dict(ls).get("num_gpu_blocks", "None")))
             except (ValueError, OverflowError):  # "None" (not known yet), or not a number
                 continue
-        usage = {engine(ls): v for ls, v in _series(samples, "vllm:kv_cache_usage_perc").items()
+        usage = {engine(ls): v for ls, v in _series(samples, KV_CACHE_USAGE).items()
                  if blocks.get(engine(ls), 0) > 0}
         if not usage:
             return []
