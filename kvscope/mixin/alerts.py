@@ -45,39 +45,76 @@ def _pct(value: float) -> str:
     return f"{value * 100:g}%"
 
 
+def _bytes(value: float) -> str:
+    """A byte count as the descriptions print it: 67108864 -> 64 MiB (humanize1024's units)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:g} {unit}"
+    return f"{value:g} B"
+
+
+def _floor(per_second: str, by: str, minimum: float) -> str:
+    """``and on (by) <events per second> >= minimum``: a traffic floor for a ratio or quantile
+    alert, so that a handful of requests or transfers cannot fire it."""
+    return f"\nand on ({by})\n{per_second} >= {_g(minimum)}"
+
+
 def alerts(cfg: MixinConfig) -> list[Alert]:
-    r, by = Records.of(cfg), cfg.by
+    r, by, w = Records.of(cfg), cfg.by, cfg.rate_window
     offload = offload_tiers(cfg)
     q = str(cfg.ttft_budget_quantile)
     ttft = f'{r.ttft_quantile}{{quantile="{q}"}}'
     qi = str(cfg.itl_budget_quantile)
     itl = f'{r.itl_quantile}{{quantile="{qi}"}}'
+    requests = {metric: f"sum by ({by}) (rate({metric}_count{sel(cfg)}[{w}]))"
+                for metric in ("kvscope_ttft_seconds", "kvscope_itl_seconds")}
+    # Transfers per second per direction: failed ones plus completed ones (a direction that
+    # only failed has no completed series).
+    transfers = (f"({r.transfer_failures_rate}\n  + (sum by ({by}, src, dst) "
+                 f"(rate(kvscope_transfer_seconds_count{sel(cfg)}[{w}]))\n"
+                 f"     or 0 * {r.transfer_failures_rate}))")
+    dropped = f"sum by ({by}, tier) (rate(kvscope_dropped_blocks_total{sel(cfg)}[{w}]))"
     share_as_tier = f'label_replace({r.prompt_share}, "tier", "$1", "source", "(.+)")'
     fill = f"{r.tier_fill}{{{offload}}}"
     unused = f"{r.never_reused_share}{{{offload}}}"
     promo = f'{r.promotion_quantile}{{quantile="0.99"}}'
+    rollback = ("Rollback rule: disable the newest offload tier (the one enabled last) and confirm "
+                "{name} returns under budget against the baseline before trying it again.")
+    ttft_warning = cfg.ttft_budget_seconds * cfg.ttft_budget_warning_ratio
+    up = f"up{sel(cfg)}"
     return [
         Alert(
             "KvscopeTTFTBudgetBreach",
-            f"{ttft} > {_g(cfg.ttft_budget_seconds)}",
+            f"{ttft} > {_g(cfg.ttft_budget_seconds)}"
+            + _floor(requests["kvscope_ttft_seconds"], by, cfg.min_requests_per_second),
             cfg.ttft_budget_for, "critical",
             "Time to first token is over its budget: roll back the newest offload tier.",
             f"p{float(q) * 100:g} TTFT at {{{{ $labels.instance }}}} is {{{{ $value | humanizeDuration }}}}, "
-            f"above the {_g(cfg.ttft_budget_seconds)}s budget for {cfg.ttft_budget_for}. Rollback rule: "
-            "disable the newest offload tier (the one enabled last) and confirm TTFT returns "
-            "under budget against the baseline before trying it again.",
+            f"above the {_g(cfg.ttft_budget_seconds)}s budget for {cfg.ttft_budget_for}. "
+            + rollback.format(name="TTFT"),
+            (ttft, requests["kvscope_ttft_seconds"])),
+        Alert(
+            "KvscopeTTFTBudgetBreach",
+            f"{ttft} > {_g(ttft_warning)}"
+            + _floor(requests["kvscope_ttft_seconds"], by, cfg.min_requests_per_second),
+            cfg.ttft_budget_for, "warning",
+            "Time to first token is nearing its budget.",
+            f"p{float(q) * 100:g} TTFT at {{{{ $labels.instance }}}} is {{{{ $value | humanizeDuration }}}}, "
+            f"above {_pct(cfg.ttft_budget_warning_ratio)} of the {_g(cfg.ttft_budget_seconds)}s "
+            f"budget for {cfg.ttft_budget_for}. At the budget the rollback rule applies: find "
+            "what grew (promotion wait, recompute share) before it does.",
             (ttft,)),
         Alert(
             "KvscopeITLBudgetBreach",
-            f"{itl} > {_g(cfg.itl_budget_seconds)}",
+            f"{itl} > {_g(cfg.itl_budget_seconds)}"
+            + _floor(requests["kvscope_itl_seconds"], by, cfg.min_requests_per_second),
             cfg.itl_budget_for, "critical",
             "Inter-token latency is over its budget: roll back the newest offload tier.",
             f"p{float(qi) * 100:g} of the requests' mean inter-token latency at "
             "{{ $labels.instance }} is {{ $value | humanizeDuration }}, above the "
-            f"{_g(cfg.itl_budget_seconds)}s budget for {cfg.itl_budget_for}. Rollback rule: "
-            "disable the newest offload tier (the one enabled last) and confirm ITL returns "
-            "under budget against the baseline before trying it again.",
-            (itl,)),
+            f"{_g(cfg.itl_budget_seconds)}s budget for {cfg.itl_budget_for}. "
+            + rollback.format(name="ITL"),
+            (itl, requests["kvscope_itl_seconds"])),
         *(Alert(
             f"Kvscope{name}Regression",
             f"{q99}\n  > {_g(1 + cfg.regression_ratio)} * ({q99} offset "
@@ -91,15 +128,22 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "applies: disable it and compare the runs (kvscope compare) before trying again.",
             (q99,))
           for name, q99, q in (("TTFT", ttft, q), ("ITL", itl, qi))),
-        Alert(
+        *(Alert(
             "KvscopeHostMemoryHeadroomLow",
-            f"{r.headroom_ratio} < {_g(cfg.headroom_min_ratio)}",
-            cfg.headroom_for, "critical",
-            "Host RAM available to the node is below the configured reserve.",
+            f"{r.headroom_ratio} < {_g(ratio)}",
+            cfg.headroom_for, severity, summary,
             "Host RAM headroom at {{ $labels.instance }} is {{ $value | humanizePercentage }} of "
-            "the memory limit: available memory is below the reserve kept for the OS and other "
-            "services, so the kernel may swap or kill processes. Shrink the cpu offload tier.",
-            (r.headroom_ratio,)),
+            f"the memory limit{consequence} Shrink the cpu offload tier.",
+            (r.headroom_ratio,))
+          for ratio, severity, summary, consequence in (
+              (cfg.headroom_warning_ratio, "warning",
+               "Host RAM available to the node is close to the configured reserve.",
+               f", below {_pct(cfg.headroom_warning_ratio)}: the reserve kept for the OS and "
+               "other services is next."),
+              (cfg.headroom_min_ratio, "critical",
+               "Host RAM available to the node is below the configured reserve.",
+               ": available memory is below the reserve kept for the OS and other services, so "
+               "the kernel may swap or kill processes."))),
         Alert(
             "KvscopeOffloadThrash",
             f"{unused} > {_g(cfg.thrash_unused_share)}\n"
@@ -109,7 +153,7 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "Most blocks offloaded to a tier are evicted before they are ever reused.",
             "{{ $value | humanizePercentage }} of the blocks evicted from the {{ $labels.tier }} "
             "tier at {{ $labels.instance }} were never hit, while offloads into it stay above "
-            f"{_g(cfg.thrash_min_offload_bytes_per_second)} bytes/s: the tier pays transfer "
+            f"{_bytes(cfg.thrash_min_offload_bytes_per_second)}/s: the tier pays transfer "
             "bandwidth for nothing. Enable admission (store only reused prefixes) or grow the tier.",
             (unused, r.offload_bytes_rate)),
         Alert(
@@ -124,14 +168,21 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             f"{_pct(cfg.ineffective_max_share)} of prompt tokens for {cfg.ineffective_for}: its "
             "memory buys no hits. Shrink or disable it, or check that lookups reach it.",
             (fill, r.prompt_share)),
+        # Full is an LRU tier's steady state; it matters when the tier loses KV that was being
+        # reused: blocks leave the cache altogether (no copy below) while a fair share of what
+        # it evicts had been hit.
         Alert(
             "KvscopeTierNearlyFull",
-            f"{fill} > {_g(cfg.tier_full_ratio)}",
+            f"{fill} > {_g(cfg.tier_full_ratio)}\n"
+            f"and on ({by}, tier)\n{dropped} > 0\n"
+            f"and on ({by}, tier)\n{unused} < {_g(1 - cfg.tier_full_reused_share)}",
             cfg.tier_full_for, "warning",
-            "KV offload tier is nearly full.",
+            "A KV offload tier is full and losing blocks that were being reused.",
             "The {{ $labels.tier }} tier at {{ $labels.instance }} is "
-            "{{ $value | humanizePercentage }} full; new offloads will evict reusable blocks.",
-            (fill,)),
+            "{{ $value | humanizePercentage }} full and drops blocks out of the cache while more "
+            f"than {_pct(cfg.tier_full_reused_share)} of the blocks it evicts had been hit: "
+            "reused prefixes are lost and recomputed. Grow the tier or add one below it.",
+            (fill, dropped, unused)),
         Alert(
             "KvscopePromotionLatencyHigh",
             f"{promo} > {_g(cfg.promotion_p99_seconds)}",
@@ -153,13 +204,14 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             (r.pcie_utilization,)),
         Alert(
             "KvscopeTransferFailures",
-            f"{r.transfer_failures_ratio} > {_g(cfg.transfer_failure_ratio)}",
+            f"{r.transfer_failures_ratio} > {_g(cfg.transfer_failure_ratio)}"
+            + _floor(transfers, f"{by}, src, dst", cfg.min_transfers_per_second),
             cfg.transfer_failures_for, "warning",
             "KV block transfers between tiers are failing.",
             "{{ $value | humanizePercentage }} of {{ $labels.src }} -> {{ $labels.dst }} transfers "
             "at {{ $labels.instance }} failed; their blocks are dropped and recomputed. See "
             "kvscope_transfer_failures_total by reason.",
-            (r.transfer_failures_ratio,)),
+            (r.transfer_failures_ratio, transfers)),
         Alert(
             "KvscopeEventsDropped",
             f"{r.events_dropped_rate} > {_g(cfg.events_dropped_per_second)}",
@@ -176,14 +228,19 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "Source {{ $labels.source }} at {{ $labels.instance }} has been failing for "
             f"{cfg.source_down_for}; kvscope no longer sees that engine's KV cache.",
             (f"kvscope_source_up{sel(cfg)}",)),
+        # up == 0 only covers targets Prometheus still scrapes; one that vanished from service
+        # discovery has no up at all, so also fire for a target seen within the window and
+        # gone now (the count-unless form; absent() would only catch the whole job vanishing).
         Alert(
             "KvscopeAgentDown",
-            f"up{sel(cfg)} == 0",
+            f"{up} == 0\nor (\n  group by ({by}) (max_over_time({up}[{cfg.agent_vanished_window}]))"
+            f"\n  unless on ({by})\n  {up}\n)",
             cfg.agent_down_for, "warning",
-            "Prometheus cannot scrape a kvscope agent.",
-            "The kvscope agent at {{ $labels.instance }} has not answered scrapes for "
-            f"{cfg.agent_down_for}; every kvscope panel and alert for it is blind.",
-            (f"up{sel(cfg)}",)),
+            "Prometheus cannot scrape a kvscope agent, or it vanished from discovery.",
+            "The kvscope agent at {{ $labels.instance }} has not answered scrapes, or has vanished "
+            f"from service discovery, for {cfg.agent_down_for}; every kvscope panel and alert for "
+            "it is blind.",
+            (up,)),
     ]
 
 

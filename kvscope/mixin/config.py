@@ -27,6 +27,12 @@ class MixinConfig:
     selector: str = 'job="kvscope"'
     # Labels that identify one agent; rules aggregate by these (plus their own labels).
     group_labels: tuple[str, ...] = ("job", "instance")
+    # The label that tells clusters apart in a multi-cluster Prometheus (Thanos, Mimir), kept in
+    # every rule's and alert's ``by`` (a series without it just lacks it); "" to drop it.
+    # show_multi_cluster adds a $cluster variable that every board query filters by
+    # (kubernetes-mixin's clusterLabel and showMultiCluster).
+    cluster_label: str = "cluster"
+    show_multi_cluster: bool = False
     # Window of every rate() in the recording rules (and so in the alerts).
     rate_window: str = "5m"
     # Tiers from nearest the GPU outward: a copy to a nearer tier is a promotion.
@@ -37,10 +43,17 @@ class MixinConfig:
     dashboard_refresh: str = "30s"
     dashboard_time_from: str = "now-1h"
 
-    # KvscopeTTFTBudgetBreach: the rollback rule.
+    # Traffic floors: a latency quantile or a failed share over a handful of events is noise, so
+    # the TTFT/ITL budget alerts need this many requests, and KvscopeTransferFailures this many
+    # transfers, per second over the rate window (0.2/s: 60 in 5m).
+    min_requests_per_second: float = 0.2
+    min_transfers_per_second: float = 0.2
+    # KvscopeTTFTBudgetBreach: the rollback rule (critical), and a warning at this share of the
+    # budget first.
     ttft_budget_seconds: float = 2.5
     ttft_budget_quantile: float = 0.99
     ttft_budget_for: str = "15m"
+    ttft_budget_warning_ratio: float = 0.8
     # KvscopeITLBudgetBreach: the rollback rule's other half (the mean inter-token latency of
     # each request, kvscope_itl_seconds).
     itl_budget_seconds: float = 0.1
@@ -52,8 +65,10 @@ class MixinConfig:
     regression_baseline_offset: str = "1d"
     regression_ratio: float = 0.25
     regression_for: str = "30m"
-    # KvscopeHostMemoryHeadroomLow: headroom / memory limit below this (0: the reserve is eaten).
+    # KvscopeHostMemoryHeadroomLow: headroom / memory limit below this is critical (0: the
+    # reserve is eaten), below the warning ratio a warning.
     headroom_min_ratio: float = 0.0
+    headroom_warning_ratio: float = 0.05
     headroom_for: str = "10m"
     # KvscopeOffloadThrash: share of a tier's evictions that were never hit, while offloads run.
     thrash_unused_share: float = 0.8
@@ -63,8 +78,10 @@ class MixinConfig:
     ineffective_fill_ratio: float = 0.9
     ineffective_max_share: float = 0.01
     ineffective_for: str = "1h"
-    # KvscopeTierNearlyFull.
+    # KvscopeTierNearlyFull: this full, and losing reused KV: it drops blocks out of the cache
+    # (no copy kept below) while more than this share of its evicted blocks had been hit.
     tier_full_ratio: float = 0.95
+    tier_full_reused_share: float = 0.2
     tier_full_for: str = "15m"
     # KvscopePromotionLatencyHigh: p99 of one batched promotion.
     promotion_p99_seconds: float = 0.1
@@ -81,11 +98,15 @@ class MixinConfig:
     # KvscopeSourceDown / KvscopeAgentDown.
     source_down_for: str = "10m"
     agent_down_for: str = "10m"
+    # KvscopeAgentDown also fires for a target scraped within this window that is gone now
+    # (vanished from service discovery); it resolves when the window has passed.
+    agent_vanished_window: str = "1h"
 
     @property
     def by(self) -> str:
-        """The group labels as a PromQL label list: ``job, instance``."""
-        return ", ".join(self.group_labels)
+        """The cluster label and the group labels as a PromQL label list:
+        ``cluster, job, instance``."""
+        return ", ".join(label for label in (self.cluster_label, *self.group_labels) if label)
 
     def runbook_url(self, alert: str) -> str:
         return f"{self.runbook_url_base}#{alert.lower()}"

@@ -83,7 +83,7 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
         {"record": r.transfer_failures_ratio,
          "expr": f"{r.transfer_failures_rate}\n  / ({r.transfer_failures_rate}\n"
                  f"     + (sum by ({by}, src, dst) (rate(kvscope_transfer_seconds_count{s()}[{w}]))"
-                 f"\n        or 0 * {r.transfer_failures_rate}))"},
+                 f"\n        or 0 * {r.transfer_failures_rate}) > 0)"},
     ]
     promo = union("rate", "kvscope_transfer_seconds_bucket", cfg, promotion_matchers(cfg), w)
     for q in QUANTILES:

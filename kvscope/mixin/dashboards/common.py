@@ -1,8 +1,9 @@
 """Panel and board helpers over grafana-foundation-sdk, so each board reads as a list of panels.
 
 Every panel reads the ``$datasource`` variable; every query filters with the config selector and
-``instance=~"$instance"``. The ``engine`` and ``model`` variables narrow the instance list (chained
-variables over ``kvscope_engine_info``), so panel queries need no joins.
+``instance=~"$instance"`` (and ``$cluster`` with ``show_multi_cluster``). The ``engine`` and
+``model`` variables narrow the instance list (chained variables over ``kvscope_engine_info``),
+so panel queries need no joins.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from grafana_foundation_sdk.builders import timeseries as tsb
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from kvscope.mixin.config import MixinConfig
 from kvscope.mixin.promql import sel
@@ -28,11 +30,20 @@ INSTANCE = 'instance=~"$instance"'
 ENGINE = 'engine=~"$engine"'
 MODEL = 'model=~"$model"'
 RATE = "$__rate_interval"
+NO_TRAFFIC = "no traffic"  # what a ratio shows when its denominator is 0 (guarded by > 0)
+# 1/0 gauges (sources, collectors): red at 0 whatever the colour scheme.
+UP_DOWN = (("0", "down", "red"), ("1", "up", "green"))
+RED_BELOW_ONE = ((None, "red"), (1, "green"))
+
+
+def cluster_matcher(cfg: MixinConfig) -> str:
+    return f'{cfg.cluster_label}=~"$cluster"' if cfg.show_multi_cluster else ""
 
 
 def s(cfg: MixinConfig, *matchers: str) -> str:
-    """A board selector: the config selector, the instance variable, and extra matchers."""
-    return sel(cfg, INSTANCE, *matchers)
+    """A board selector: the config selector, the cluster and instance variables, and extra
+    matchers."""
+    return sel(cfg, cluster_matcher(cfg), INSTANCE, *matchers)
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,7 @@ class Q:
     legend: str = ""
     exemplar: bool = False
     instant: bool = False
+    table: bool = False  # an instant query in table format: one row per series
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,11 @@ class P:
     stack: str = ""  # "", "normal" or "percent"
     max: float | None = None
     min: float | None = None
-    thresholds: tuple[tuple[float, str], ...] = ()
+    # (value, colour) steps; a first step with value None is the base (else green).
+    thresholds: tuple[tuple[float | None, str], ...] = ()
+    mappings: tuple[tuple[str, str, str], ...] = ()  # (value, text, colour)
+    no_value: str = ""
+    hide_columns: tuple[str, ...] = ()  # table columns to drop (e.g. Time)
 
 
 @dataclass(frozen=True)
@@ -74,13 +90,16 @@ def _target(q: Q, ref: str) -> pb.Dataquery:
         t = t.legend_format(q.legend)
     if q.exemplar:
         t = t.exemplar(True)
-    return t.instant() if q.instant else t.range()
+    if q.table:
+        t = t.format(PromQueryFormat.TABLE)
+    return t.instant() if q.instant or q.table else t.range()
 
 
-def _thresholds(steps: tuple[tuple[float, str], ...]) -> db.ThresholdsConfig:
-    base = [dm.Threshold(value=None, color="green")]
+def _thresholds(steps: tuple[tuple[float | None, str], ...]) -> db.ThresholdsConfig:
+    if steps[0][0] is not None:
+        steps = ((None, "green"), *steps)
     return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
-        base + [dm.Threshold(value=v, color=c) for v, c in steps])
+        [dm.Threshold(value=v, color=c) for v, c in steps])
 
 
 def _panel(p: P):
@@ -111,6 +130,14 @@ def _panel(p: P):
         b = b.max(p.max)
     if p.thresholds:
         b = b.thresholds(_thresholds(p.thresholds))
+    if p.mappings:
+        b = b.mappings([dm.ValueMap({v: dm.ValueMappingResult(text=text, color=color, index=i)})
+                        for i, (v, text, color) in enumerate(p.mappings)])
+    if p.no_value:
+        b = b.no_value(p.no_value)
+    if p.hide_columns:
+        b = b.with_transformation(dm.DataTransformerConfig(
+            "organize", options={"excludeByName": {c: True for c in p.hide_columns}}))
     for i, q in enumerate(p.queries):
         b = b.with_target(_target(q, chr(ord("A") + i)))
     return b
@@ -118,24 +145,37 @@ def _panel(p: P):
 
 def variables(cfg: MixinConfig) -> list:
     info = "kvscope_engine_info"
+    cluster = cluster_matcher(cfg)
 
-    def query_var(name: str, label: str, query: str, description: str):
-        return (db.QueryVariable(name).label(label).description(description)
-                .datasource(DATASOURCE).query(query).multi(True).include_all(True)
-                .all_value(".*").refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
-                .sort(dm.VariableSort.ALPHABETICAL_ASC)
-                .current(dm.VariableOption(selected=True, text="All", value="$__all")))
+    def query_var(name: str, label: str, query: str, description: str, all_value: str | None):
+        v = (db.QueryVariable(name).label(label).description(description)
+             .datasource(DATASOURCE).query(query).multi(True).include_all(True)
+             .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+             .sort(dm.VariableSort.ALPHABETICAL_ASC)
+             .current(dm.VariableOption(selected=True, text="All", value="$__all")))
+        return v.all_value(all_value) if all_value is not None else v
 
-    return [
-        db.DatasourceVariable("datasource").label("Data source").type("prometheus")
-        .description("The Prometheus that scrapes the kvscope agents."),
-        query_var("engine", "Engine", f"label_values({info}{sel(cfg)}, engine)",
-                  "Serving engines (kvscope_engine_info); narrows the instance list."),
-        query_var("model", "Model", f"label_values({info}{sel(cfg, ENGINE)}, model)",
-                  "Models served (kvscope_engine_info); narrows the instance list."),
+    out = [db.DatasourceVariable("datasource").label("Data source").type("prometheus")
+           .description("The Prometheus that scrapes the kvscope agents.")]
+    if cfg.show_multi_cluster:
+        out.append(query_var(
+            "cluster", "Cluster", f"label_values(kvscope_build_info{sel(cfg)}, {cfg.cluster_label})",
+            "Clusters (the cluster label); every panel filters by it.", ".*"))
+    # engine and model: All is ".*", which is right for them, since they only filter the
+    # info metric that the instance list comes from.
+    return out + [
+        query_var("engine", "Engine", f"label_values({info}{sel(cfg, cluster)}, engine)",
+                  "Serving engines (kvscope_engine_info); narrows the instance list.", ".*"),
+        query_var("model", "Model", f"label_values({info}{sel(cfg, cluster, ENGINE)}, model)",
+                  "Models served (kvscope_engine_info); narrows the instance list.", ".*"),
+        # No allValue: All expands to the listed instances, those of the selected engines and
+        # models, so the engine and model choice holds at All too (an allValue of ".*" would
+        # show every agent). Filtering each panel by an info-metric join instead would make
+        # every query heavier and count an agent that observes several engines once per engine.
         query_var("instance", "Instance",
-                  f"label_values({info}{sel(cfg, ENGINE, MODEL)}, instance)",
-                  "kvscope agents running the selected engines and models; every panel filters by it."),
+                  f"label_values({info}{sel(cfg, cluster, ENGINE, MODEL)}, instance)",
+                  "kvscope agents running the selected engines and models; every panel filters "
+                  "by it.", None),
     ]
 
 
@@ -162,3 +202,13 @@ def board(cfg: MixinConfig, key: str, title: str, description: str, rows: list[R
     for var in model["templating"]["list"]:
         var.pop("id", None)  # the SDK writes a zero UUID; Grafana assigns its own
     return model
+
+
+def headroom_steps(cfg: MixinConfig) -> tuple[tuple[float | None, str], ...]:
+    """Headroom is bad when low: red below the critical ratio, orange below the warning one."""
+    return ((None, "red"), (cfg.headroom_min_ratio, "orange"), (cfg.headroom_warning_ratio, "green"))
+
+
+def quantile(q: float) -> str:
+    """The matcher of one recorded quantile: ``quantile="0.99"``."""
+    return f'quantile="{q}"'

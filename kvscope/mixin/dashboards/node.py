@@ -1,10 +1,11 @@
-"""Node: host RAM and headroom, PCIe throughput against the link maximum, the transfer
-topology (PCIe links, NUMA placement), GPU memory."""
+"""Node: is the host the limiter? Host RAM and headroom, PCIe throughput against the link
+maximum, the transfer topology (PCIe links, NUMA placement), GPU memory, and what the agent lost."""
 
 from __future__ import annotations
 
 from kvscope.mixin.config import MixinConfig
-from kvscope.mixin.dashboards.common import RATE, P, Q, Row, board, s
+from kvscope.mixin.dashboards.common import (
+    RATE, RED_BELOW_ONE, UP_DOWN, P, Q, Row, board, headroom_steps, s)
 from kvscope.mixin.promql import offload_tiers
 from kvscope.mixin.rules import Records
 
@@ -25,11 +26,11 @@ def node(cfg: MixinConfig) -> dict:
             P("Headroom", "Available memory minus the reserve; negative when the reserve is "
               "eaten into.",
               (host("kvscope_host_memory_headroom_bytes", "headroom"),),
-              unit="bytes", width=6, thresholds=((0, "red"),)),
+              unit="bytes", width=6, thresholds=((None, "red"), (0, "green"))),
             P("Headroom ratio", "Headroom as a share of the memory limit (recording rule the "
               "alert reads).",
               (Q(f"{r.headroom_ratio}{s(cfg)}", "{{instance}}"),),
-              unit="percentunit", width=6, thresholds=((cfg.headroom_min_ratio, "red"),)),
+              unit="percentunit", width=6, thresholds=headroom_steps(cfg)),
             P("Offload tiers against their budget",
               "Bytes resident in each offload tier against the budget the operator reserved "
               "for it (e.g. vLLM cpu_bytes_to_use).",
@@ -45,7 +46,8 @@ def node(cfg: MixinConfig) -> dict:
         Row("PCIe", (
             P("PCIe throughput against link maximum (GPU only)",
               "Bytes per second each GPU moves over PCIe, by direction, against its link's "
-              "one-direction maximum (NVML).",
+              "one-direction maximum (NVML); the KV copies among it are Tiers / Transfer "
+              "throughput.",
               (Q(f"sum by (instance, gpu, direction) (rate(kvscope_pcie_bytes_total{s(cfg)}"
                  f"[{RATE}]))", "{{instance}} GPU {{gpu}} {{direction}}"),
                Q(f"max by (instance, gpu) (kvscope_pcie_link_max_bytes_per_second{s(cfg)})",
@@ -55,10 +57,6 @@ def node(cfg: MixinConfig) -> dict:
               "maximum (recording rule the alert reads).",
               (Q(f"{r.pcie_utilization}{s(cfg)}", "{{instance}} GPU {{gpu}} {{direction}}"),),
               unit="percentunit", min=0, max=1, thresholds=((cfg.pcie_saturation_ratio, "red"),)),
-            P("KV copies between tiers", "The KV share of the link: bytes kvscope saw copied "
-              "between tiers (from transfer events, available without a GPU).",
-              (Q(f"sum by (instance, src, dst) ({r.transfer_bytes_rate}{s(cfg)})",
-                 "{{instance}} {{src}} → {{dst}}"),), unit="Bps", width=24),
         )),
         Row("Topology", (
             P("GPU topology (GPU only)", "Each GPU's PCIe link, current (an idle GPU drops to a "
@@ -66,7 +64,7 @@ def node(cfg: MixinConfig) -> dict:
               "unknown or none). The figures above were measured on this topology.",
               (Q(f"max by (instance, gpu, pcie_generation, pcie_width, pcie_max_generation, "
                  f"pcie_max_width, numa_node) (kvscope_gpu_topology_info{s(cfg)})",
-                 instant=True),), kind="table", width=12),
+                 table=True),), kind="table", width=12, hide_columns=("Time", "Value")),
             P("Engine memory per NUMA node", "Memory the engine process (collectors.numa "
               "engine_pid) has mapped on each NUMA node, its host KV pool among it. On a "
               "multi-socket host the pool belongs on the GPU's node (GPU topology); memory on "
@@ -84,10 +82,10 @@ def node(cfg: MixinConfig) -> dict:
                Q(f"sum by (instance, gpu) (kvscope_gpu_memory_total_bytes{s(cfg)})",
                  "{{instance}} GPU {{gpu}} total")),
               unit="bytes"),
-            P("Collectors up", "1 when a collector's last run succeeded (gpu is 0 on hosts "
-              "without an NVIDIA driver).",
+            P("Collectors up", "Each collector: up when its last run succeeded (gpu is down on "
+              "hosts without an NVIDIA driver).",
               (Q(f"kvscope_collector_up{s(cfg)}", "{{instance}} {{collector}}"),),
-              kind="stat", width=6, thresholds=((1, "green"),)),
+              kind="stat", width=6, thresholds=RED_BELOW_ONE, mappings=UP_DOWN),
             P("Collector run time", "How long each collector's last run took.",
               (Q(f"kvscope_collector_duration_seconds{s(cfg)}", "{{instance}} {{collector}}"),),
               unit="s", width=6),
@@ -97,17 +95,18 @@ def node(cfg: MixinConfig) -> dict:
               "(0 without otlp_endpoint): sent, failed (refused or unreachable) or dropped (the "
               "export queue was full). Failed or dropped spans mean traces with gaps.",
               (Q(f"sum by (instance, result) (rate(kvscope_otlp_spans_total{s(cfg)}[{RATE}]))",
-                 "{{instance}} {{result}}"),), unit="short", width=8),
+                 "{{instance}} {{result}}"),), unit="suffix: spans/s", min=0, width=8),
             P("Records not written to disk", "Finished requests the store, and rows the Parquet "
               "capture, could not write (a full or removed disk): a restarted agent or "
               "kvscope analyze will miss them.",
               (Q(f"sum by (instance, sink) (rate(kvscope_records_dropped_total{s(cfg)}[{RATE}]))",
-                 "{{instance}} {{sink}}"),), unit="short", width=8),
+                 "{{instance}} {{sink}}"),), unit="suffix: records/s", min=0, width=8),
             P("Tap errors", "What an in-engine tap could not observe, per second: internal (the "
               "tap's own code failed, the engine ran on) or unattributed (a request it could not "
               "follow). Its counts undercount by that much; the engine's log has the first error.",
               (Q(f"sum by (instance, source, reason) ({r.tap_errors_rate}{s(cfg)})",
-                 "{{instance}} {{source}} {{reason}}"),), unit="short", width=8),
+                 "{{instance}} {{source}} {{reason}}"),), unit="suffix: errors/s", min=0,
+              width=8),
         )),
     ]
     return board(cfg, "node", "Node",

@@ -1,12 +1,12 @@
-"""Requests & SLO: request rate, TTFT against its budget, and what promotions add to it."""
+"""Requests & SLO: are requests within their latency budget, and what do promotions add to it?"""
 
 from __future__ import annotations
 
 from kvscope.catalog import LATENCY_SECONDS_BUCKETS
 from kvscope.mixin.config import MixinConfig
-from kvscope.mixin.dashboards.common import RATE, P, Q, Row, board, s
+from kvscope.mixin.dashboards.common import NO_TRAFFIC, RATE, P, Q, Row, board, quantile, s
 from kvscope.mixin.promql import le_matcher
-from kvscope.mixin.rules import Records
+from kvscope.mixin.rules import QUANTILES, Records
 
 
 def budget_bucket(budget: float) -> float:
@@ -17,56 +17,58 @@ def budget_bucket(budget: float) -> float:
 def requests(cfg: MixinConfig) -> dict:
     r = Records.of(cfg)
     bucket = budget_bucket(cfg.ttft_budget_seconds)
-    budget = ((cfg.ttft_budget_seconds, "red"),)
-    quantile = f'quantile="{cfg.ttft_budget_quantile}"'
-    hist = lambda metric, q, by="": (  # noqa: E731
-        f"histogram_quantile({q}, sum by ({by + ', ' if by else ''}le) "
-        f"(rate({metric}_bucket{s(cfg)}[{RATE}])))")
+    budget = ((cfg.ttft_budget_seconds * cfg.ttft_budget_warning_ratio, "orange"),
+              (cfg.ttft_budget_seconds, "red"))
+    hist = lambda metric, q: (  # noqa: E731
+        f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{s(cfg)}[{RATE}])))")
+    rate = lambda series: f"sum(rate({series}{s(cfg)}[{RATE}]))"  # noqa: E731
     ttft_q = tuple(Q(hist("kvscope_ttft_seconds", q), f"p{q * 100:g}", exemplar=(q == 0.99))
-                   for q in (0.5, 0.95, 0.99))
+                   for q in QUANTILES)
     wait_q = tuple(Q(hist("kvscope_promotion_wait_seconds", q), f"p{q * 100:g}")
-                   for q in (0.5, 0.95, 0.99))
+                   for q in QUANTILES)
+    within = (f"sum(rate(kvscope_ttft_seconds_bucket{s(cfg, le_matcher(bucket))}[{RATE}]))\n"
+              f"  / ({rate('kvscope_ttft_seconds_count')} > 0)")
     rows = [
         Row("Throughput and SLO", (
             P("Requests per second", "Requests that finished their prefill.",
-              (Q(f"sum(rate(kvscope_requests_total{s(cfg)}[{RATE}]))", "requests/s"),),
-              unit="reqps", width=12),
+              (Q(rate("kvscope_requests_total"), "requests/s"),), unit="reqps", min=0, width=8),
             P(f"Requests with TTFT within {bucket:g}s",
               f"Share of requests whose TTFT fell in a bucket at or under {bucket:g}s, the "
               f"bucket bound nearest above the {cfg.ttft_budget_seconds:g}s budget.",
-              (Q(f"sum(rate(kvscope_ttft_seconds_bucket{s(cfg, le_matcher(bucket))}[{RATE}]))\n"
-                 f"  / sum(rate(kvscope_ttft_seconds_count{s(cfg)}[{RATE}]))"),),
-              unit="percentunit", kind="stat", width=6, max=1, min=0),
-            P(f"TTFT p{cfg.ttft_budget_quantile * 100:g} (rollback rule)",
-              f"What the TTFT budget alert compares with {cfg.ttft_budget_seconds:g}s "
-              f"(recording rule over {cfg.rate_window}).",
-              (Q(f"max({r.ttft_quantile}{s(cfg, quantile)})"),),
-              unit="s", kind="stat", width=6, thresholds=budget),
+              (Q(within),), unit="percentunit", kind="stat", width=4, max=1, min=0,
+              no_value=NO_TRAFFIC),
+            P(f"TTFT p{cfg.ttft_budget_quantile * 100:g} by instance (what the budget alerts "
+              "compare)",
+              f"Each instance's p{cfg.ttft_budget_quantile * 100:g} time to first token "
+              f"(recording rule over {cfg.rate_window}); the alert warns above "
+              f"{cfg.ttft_budget_warning_ratio:.0%} of the {cfg.ttft_budget_seconds:g}s budget "
+              "and rolls back above it, when the instance serves enough requests.",
+              (Q(f"max by (instance) ({r.ttft_quantile}{s(cfg, quantile(cfg.ttft_budget_quantile))})",
+                 "{{instance}}"),),
+              unit="s", width=12, thresholds=budget),
         )),
         Row("Time to first token", (
-            P("TTFT p50 / p95 / p99 (exemplars link to traces)",
-              "Time to first token; exemplar dots on p99 carry the request's trace id. The "
-              "dashed line is the budget.",
+            P("TTFT p50 / p95 / p99, fleet (exemplars link to traces)",
+              "Time to first token over the selected instances together; exemplar dots on p99 "
+              "carry the request's trace id. The dashed lines are the budget and its warning.",
               ttft_q, unit="s", thresholds=budget),
-            P("Mean TTFT", "Sum of TTFT over requests.",
-              (Q(f"sum(rate(kvscope_ttft_seconds_sum{s(cfg)}[{RATE}]))\n"
-                 f"  / sum(rate(kvscope_ttft_seconds_count{s(cfg)}[{RATE}]))", "mean"),),
-              unit="s"),
+            P("Mean TTFT", "Sum of TTFT over requests, fleet.",
+              (Q(f"{rate('kvscope_ttft_seconds_sum')}\n  / ({rate('kvscope_ttft_seconds_count')}"
+                 " > 0)", "mean"),),
+              unit="s", no_value=NO_TRAFFIC),
         )),
         Row("Promotions", (
-            P("Promotion wait per request p50 / p95 / p99",
-              "Seconds of each request's TTFT spent waiting for promotions.",
-              wait_q, unit="s", width=8),
+            P("Promotion wait per request p50 / p95 / p99, fleet",
+              "Seconds of each request's TTFT spent waiting for promotions (transfer times "
+              "by direction on the Tiers board).",
+              wait_q, unit="s"),
             P("Share of TTFT spent waiting for promotions",
               "Promotion wait against TTFT, summed over requests.",
-              (Q(f"sum(rate(kvscope_promotion_wait_seconds_sum{s(cfg)}[{RATE}]))\n"
-                 f"  / sum(rate(kvscope_ttft_seconds_sum{s(cfg)}[{RATE}]))", "share"),),
-              unit="percentunit", min=0, width=8),
-            P("Transfer time p99 by direction (exemplars link to traces)",
-              "Duration of one batched transfer; exemplar dots carry the request's trace id.",
-              (Q(hist("kvscope_transfer_seconds", 0.99, "src, dst"), "{{src}} → {{dst}}",
-                 exemplar=True),), unit="s", width=8),
+              (Q(f"{rate('kvscope_promotion_wait_seconds_sum')}\n"
+                 f"  / ({rate('kvscope_ttft_seconds_sum')} > 0)", "share"),),
+              unit="percentunit", min=0, no_value=NO_TRAFFIC),
         )),
     ]
     return board(cfg, "requests", "Requests & SLO",
-                 "Requests, time to first token against its budget, and promotion wait.", rows)
+                 "Are requests within their latency budget, and what do promotions add to it.",
+                 rows)

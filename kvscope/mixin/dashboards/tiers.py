@@ -1,19 +1,23 @@
-"""Tiers: residency against capacity, lookups, evictions and the transfers between tiers."""
+"""Tiers: is each tier the right size and are its transfers healthy? Residency against capacity,
+lookups, evictions, and the transfers between tiers."""
 
 from __future__ import annotations
 
 from kvscope.mixin.config import MixinConfig
-from kvscope.mixin.dashboards.common import RATE, P, Q, Row, board, s
-from kvscope.mixin.rules import Records
+from kvscope.mixin.dashboards.common import NO_TRAFFIC, RATE, P, Q, Row, board, quantile, s
+from kvscope.mixin.rules import QUANTILES, Records
 
 
 HIT = 'result="hit"'
+BLOCKS_PER_S = "suffix: blocks/s"
 
 
 def tiers(cfg: MixinConfig) -> dict:
     r = Records.of(cfg)
     hist = lambda metric, q, by: (  # noqa: E731
         f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{s(cfg)}[{RATE}])))")
+    lookups = lambda *m: (  # noqa: E731
+        f"sum by (tier) (rate(kvscope_lookup_blocks_total{s(cfg, *m)}[{RATE}]))")
     rows = [
         Row("Residency", (
             P("Resident bytes against capacity", "Bytes each tier holds and may hold.",
@@ -24,7 +28,9 @@ def tiers(cfg: MixinConfig) -> dict:
               (Q(f"sum by (tier) (kvscope_tier_resident_blocks{s(cfg)})", "{{tier}} resident"),
                Q(f"sum by (tier) (kvscope_tier_capacity_blocks{s(cfg)})", "{{tier}} capacity")),
               unit="short", width=8),
-            P("Tier fill", "Resident bytes against capacity (recording rule).",
+            P("Tier fill", "Resident bytes against capacity (recording rule). Full is an LRU "
+              "tier's steady state; the alert fires only when a full tier also loses reused "
+              "blocks (see the evictions below).",
               (Q(f"{r.tier_fill}{s(cfg)}", "{{instance}} {{tier}}"),),
               unit="percentunit", max=1, min=0, width=8,
               thresholds=((cfg.tier_full_ratio, "orange"),)),
@@ -33,20 +39,18 @@ def tiers(cfg: MixinConfig) -> dict:
             P("Lookup hit ratio by tier",
               "Blocks found in a tier out of the blocks looked up there (a tier is consulted "
               "when every tier above it missed).",
-              (Q(f'sum by (tier) (rate(kvscope_lookup_blocks_total{s(cfg, HIT)}'
-                 f"[{RATE}]))\n  / sum by (tier) (rate(kvscope_lookup_blocks_total{s(cfg)}"
-                 f"[{RATE}]))", "{{tier}}"),),
-              unit="percentunit", max=1, min=0),
+              (Q(f"{lookups(HIT)}\n  / ({lookups()} > 0)", "{{tier}}"),),
+              unit="percentunit", max=1, min=0, no_value=NO_TRAFFIC),
             P("Evictions by tier and reason", "KV blocks leaving each tier per second, and "
               "those that left the cache altogether (no copy kept below).",
               (Q(f"sum by (tier, reason) (rate(kvscope_evicted_blocks_total{s(cfg)}[{RATE}]))",
                  "{{tier}} {{reason}}"),
                Q(f"sum by (tier) (rate(kvscope_dropped_blocks_total{s(cfg)}[{RATE}]))",
-                 "{{tier}} dropped")), unit="short"),
+                 "{{tier}} dropped")), unit=BLOCKS_PER_S, min=0),
             P("Evicted before any reuse",
               "Share of evicted blocks that were never hit while resident (recording rule).",
               (Q(f"{r.never_reused_share}{s(cfg)}", "{{instance}} {{tier}}"),),
-              unit="percentunit", max=1, min=0, width=8,
+              unit="percentunit", max=1, min=0, width=8, no_value=NO_TRAFFIC,
               thresholds=((cfg.thrash_unused_share, "orange"),)),
             P("Hits per evicted block (median, p90)",
               "How often blocks were reused before they were evicted.",
@@ -59,36 +63,39 @@ def tiers(cfg: MixinConfig) -> dict:
               unit="s", width=8),
         )),
         Row("Transfers", (
-            P("Transfer throughput", "Bytes copied between tiers per second (recording rule).",
+            P("Transfer throughput", "Bytes copied between tiers per second (recording rule): "
+              "offloads away from the GPU, promotions toward it. The KV share of the PCIe link "
+              "on the Node board.",
               (Q(f"sum by (src, dst) ({r.transfer_bytes_rate}{s(cfg)})", "{{src}} → {{dst}}"),),
-              unit="Bps", width=8),
+              unit="Bps", min=0),
             P("Blocks copied", "KV blocks copied between tiers per second.",
               (Q(f"sum by (src, dst) (rate(kvscope_transfer_blocks_total{s(cfg)}[{RATE}]))",
-                 "{{src}} → {{dst}}"),), unit="short", width=8),
-            P("Offloads into each tier", "Bytes per second copied away from the GPU, by target "
-              "tier (recording rule).",
-              (Q(f"sum by (tier) ({r.offload_bytes_rate}{s(cfg)})", "{{tier}}"),),
-              unit="Bps", width=8),
-            P("Transfer time p50 / p99 by direction (exemplars link to traces)",
-              "Duration of one batched transfer; exemplar dots carry the request's trace id.",
+                 "{{src}} → {{dst}}"),), unit=BLOCKS_PER_S, min=0),
+            P("Transfer time p50 / p99 by direction, fleet (exemplars link to traces)",
+              "Duration of one batched transfer over the selected instances together; exemplar "
+              "dots carry the request's trace id.",
               (Q(hist("kvscope_transfer_seconds", 0.99, "src, dst"), "{{src}} → {{dst}} p99",
                  exemplar=True),
                Q(hist("kvscope_transfer_seconds", 0.5, "src, dst"), "{{src}} → {{dst}} p50")),
               unit="s"),
-            P("Promotion latency p50 / p95 / p99",
-              "Copies toward the GPU only (recording rule the alert reads).",
-              (Q(f"max by (src, dst, quantile) ({r.promotion_quantile}{s(cfg)})",
-                 "{{src}} → {{dst}} p{{quantile}}"),),
+            P("Promotion latency p50 / p95 / p99, worst instance",
+              "Copies toward the GPU only, the highest of the selected instances (recording "
+              "rule the alert reads).",
+              tuple(Q(f"max by (src, dst) ({r.promotion_quantile}{s(cfg, quantile(q))})",
+                      f"{{{{src}}}} → {{{{dst}}}} p{q * 100:g}") for q in QUANTILES),
               unit="s", thresholds=((cfg.promotion_p99_seconds, "red"),)),
             P("Transfer failures by reason", "Failed transfers per second (0 when none).",
               (Q(f"sum by (src, dst, reason) (rate(kvscope_transfer_failures_total{s(cfg)}"
                  f"[{RATE}]))\nor 0 * sum by (src, dst) (rate(kvscope_transfer_blocks_total"
-                 f"{s(cfg)}[{RATE}]))", "{{src}} → {{dst}} {{reason}}"),), unit="short"),
+                 f"{s(cfg)}[{RATE}]))", "{{src}} → {{dst}} {{reason}}"),),
+              unit="suffix: transfers/s", min=0),
             P("Failed share of transfers", "Failed transfers out of all transfers (recording "
               "rule).",
               (Q(f"{r.transfer_failures_ratio}{s(cfg)}", "{{instance}} {{src}} → {{dst}}"),),
-              unit="percentunit", min=0, thresholds=((cfg.transfer_failure_ratio, "red"),)),
+              unit="percentunit", min=0, no_value=NO_TRAFFIC,
+              thresholds=((cfg.transfer_failure_ratio, "red"),)),
         )),
     ]
     return board(cfg, "tiers", "Tiers",
-                 "Per tier: residency, lookups, evictions and the transfers between tiers.", rows)
+                 "Is each tier the right size and are its transfers healthy: residency, "
+                 "lookups, evictions and the transfers between tiers.", rows)
