@@ -102,10 +102,12 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                     await run_in_threadpool(lambda: receiver.handle(
                         otlp_in.parse(body, content_type, encoding)))
             except BodyTooLarge:
+                receiver.refused(otlp_in.OtlpError(too_large["detail"], 413))
                 return JSONResponse(too_large, 413)
             except ClientDisconnect:  # gone mid-body (an exporter giving up): nobody to answer
                 return Response(status_code=400)
             except otlp_in.OtlpError as exc:
+                receiver.refused(exc)
                 return JSONResponse({"detail": str(exc)}, exc.status)
             if content_type.split(";")[0].strip().lower() == "application/x-protobuf":
                 return Response(otlp_in.EMPTY_RESPONSE, media_type="application/x-protobuf")

@@ -6,9 +6,9 @@ and valid-looking spans with random attribute values.
 One server per test, driven by an inner ``@given`` function so that the test can check after
 the fuzz that the receiver still takes a valid span. Example counts keep each test to a few
 seconds on a 2-core machine; hypothesis picks new examples each run, as the repository's other
-property tests do. A body the receiver refuses is counted nowhere (the exporter gets the 4xx):
-what these tests can check is that a refused body leaves no trace in any counter, and that an
-accepted span that cannot be used is counted ``invalid`` or ignored.
+property tests do. A body the receiver refuses counts one dropped event (``malformed``, or
+``too_large`` for a 413) and leaves no other trace; an accepted span that cannot be used is
+counted ``invalid`` or ignored.
 """
 
 from __future__ import annotations
@@ -95,12 +95,14 @@ def _still_takes_a_valid_span(agent: Agent, port: int, request_id: str) -> None:
     assert record is not None and record.ttft == 0.25
 
 
-def _counts(agent: Agent) -> tuple[int, int, int, int]:
+def _counts(agent: Agent) -> tuple[int, int, int, int, int]:
     """(spans received by the receiver, spans counted in events_received{otlp}, spans dropped as
-    invalid, records in the request table)."""
+    invalid, records in the request table, bodies refused: dropped as malformed or too_large)."""
     snap = agent.pipeline.snapshot()
     return (agent.otlp_receiver.received, snap.events_received.get("otlp", 0),
-            snap.events_dropped.get(("otlp", "invalid"), 0), len(agent.pipeline.requests))
+            snap.events_dropped.get(("otlp", "invalid"), 0), len(agent.pipeline.requests),
+            sum(snap.events_dropped.get(("otlp", reason), 0)
+                for reason in ("malformed", "too_large")))
 
 
 def test_a_protobuf_export_with_its_media_type_in_capitals_is_answered_in_protobuf():
@@ -262,10 +264,11 @@ hostile = encoded(st.one_of(
     *map(_as("application/x-protobuf"), (pb_request, mangled(pb_request)))))
 
 
-def test_hostile_bodies_get_2xx_or_4xx_and_a_refused_body_leaves_nothing_behind():
+def test_hostile_bodies_get_2xx_or_4xx_and_a_refused_body_is_counted_once():
     """Promise, on every example: the answer is 2xx or 4xx (never 5xx, never a dropped
-    connection); a 4xx carries a JSON ``detail``; a refused body changes no counter and no
-    record (it was not half taken); an accepted one counts each of its spans in
+    connection); a 4xx carries a JSON ``detail``; a refused body counts one dropped event and
+    changes no other counter and no record (it was not half taken); an accepted one counts
+    each of its spans in
     events_received{otlp} as the receiver counts it, and answers in the content type it was
     sent in. After the fuzz, a valid span still becomes a request."""
     with served_agent() as (agent, port):
@@ -280,8 +283,10 @@ def test_hostile_bodies_get_2xx_or_4xx_and_a_refused_body_leaves_nothing_behind(
             assert 200 <= status < 500, (status, answer[:300])
             if status >= 400:
                 assert isinstance(json.loads(answer)["detail"], str)
-                assert after == before, "a refused body changed a counter or a record"
+                assert after[:4] == before[:4], "a refused body changed a counter or a record"
+                assert after[4] == before[4] + 1, "a refused body was not counted once"
             else:
+                assert after[4] == before[4]
                 received = after[0] - before[0]
                 assert after[1] - before[1] == received
                 assert 0 <= after[2] - before[2] <= received
@@ -401,7 +406,7 @@ def test_spans_with_random_attribute_values_become_a_request_or_are_counted():
             headers = {"Content-Type": content_type}
             if gzipped:
                 body, headers["Content-Encoding"] = gzip.compress(body), "gzip"
-            ignored, (_, _, invalid, _) = agent.otlp_receiver.ignored, _counts(agent)
+            ignored, (_, _, invalid, _, _) = agent.otlp_receiver.ignored, _counts(agent)
             status, _, answer = send(port, body, headers)
             assert status == 200, (status, answer[:300])
             event(outcome)

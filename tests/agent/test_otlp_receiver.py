@@ -150,7 +150,9 @@ def test_json_nulls_are_defaults_as_in_the_proto3_json_mapping():
     assert parse(json.dumps(doc).encode(), "application/json")[0].attributes["x"] is None
 
 
-def test_bad_bodies_are_refused_and_spans_without_request_ids_ignored():
+def test_bad_bodies_are_refused_counted_and_spans_without_request_ids_ignored(caplog):
+    """Four bodies refused (two 400s, two 415s) count 4 dropped as malformed, each reason
+    logged once; a span without a request id is ignored, not dropped."""
     agent = _agent()
     with TestClient(create_app(agent)) as client:
         assert client.post("/v1/traces", content=b"\xff\x00garbage",
@@ -165,6 +167,9 @@ def test_bad_bodies_are_refused_and_spans_without_request_ids_ignored():
                          headers={"content-type": "application/x-protobuf"})
     assert ok.status_code == 200
     assert agent.otlp_receiver.ignored == 1 and len(agent.pipeline.requests) == 0
+    assert {k: n for k, n in agent.pipeline.snapshot().events_dropped.items() if n} == {
+        ("otlp", "malformed"): 4}
+    assert caplog.text.count("refused an export (malformed)") == 1
 
 
 def test_a_span_for_a_request_the_tap_finished_enriches_that_record():
@@ -691,6 +696,7 @@ def test_a_chunked_body_over_the_limit_is_refused_without_a_declared_length():
         assert response.status_code == 413
         assert client.post("/v1/traces", content=protobuf_body(), headers={
             "content-type": "application/x-protobuf"}).status_code == 200
+    assert agent.pipeline.snapshot().events_dropped[("otlp", "too_large")] == 1
 
 
 def test_a_span_without_ttft_for_an_unknown_request_makes_no_request():
@@ -774,7 +780,8 @@ def test_hostile_json_and_gzip_bodies_are_refused_with_400_not_500():
         assert client.post("/v1/traces", content=json.dumps(huge).encode(), headers={
             "content-type": "application/json"}).status_code == 200
     assert agent.pipeline.requests.get("cmpl-1-0") is not None
-    assert agent.pipeline.snapshot().events_dropped == {("otlp", "invalid"): 2}
+    assert agent.pipeline.snapshot().events_dropped == {("otlp", "malformed"): 3,
+                                                        ("otlp", "invalid"): 2}
 
 
 def test_a_boolean_ttft_and_a_trace_id_that_is_not_hex_are_not_taken():

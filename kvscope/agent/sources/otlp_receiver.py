@@ -50,6 +50,9 @@ from kvscope.events import source_name_problem
 
 log = logging.getLogger(__name__)
 NAME = "otlp"
+# drop reasons, each exported at 0 from the start: spans that cannot be used, and bodies
+# refused whole (one each)
+REASONS = ("invalid", "malformed", "too_large")
 REQUEST_ID = "gen_ai.request.id"
 TTFT = "gen_ai.latency.time_to_first_token"
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP traces path (OTLP specification, "OTLP/HTTP Request")
@@ -298,11 +301,25 @@ class OtlpReceiver:
         self.joined = 0
         self.last_ttft = -math.inf
         self._warned = False
+        self._refusals_logged: set[str] = set()
         self._joining = False  # the source's records wait for spans (from the first span on)
 
     def start(self) -> None:
-        self.pipeline.expect_drops(NAME, ("invalid",))
+        self.pipeline.expect_drops(NAME, REASONS)
         self.pipeline.set_source_up(NAME, True)
+
+    def refused(self, error: OtlpError) -> None:
+        """Count a body refused with ``error`` (its status: 413 ``too_large``, else
+        ``malformed``) as one dropped event: its spans are unknown, as for an ingest message
+        whose header cannot be read. The exporter is told by the status; the operator by this
+        count, and by the first refusal of each kind in the log."""
+        reason = "too_large" if error.status == 413 else "malformed"
+        self.pipeline.drop(NAME, reason)
+        if reason not in self._refusals_logged:
+            self._refusals_logged.add(reason)
+            log.warning("kvscope OTLP receiver: refused an export (%s): %s; counted in "
+                        "kvscope_events_dropped_total{source=\"otlp\", reason=%r}, logged once "
+                        "per reason", reason, error, reason)
 
     def shutdown(self) -> None:
         return
