@@ -141,7 +141,9 @@ PREEMPTIONS = _counter("kvscope_preemptions_total",
     "preempts (vLLM's vllm:num_preemptions_total).", ["source"])
 GPU_KV_CACHE_USAGE_RATIO = _gauge("kvscope_gpu_kv_cache_usage_ratio",
     "Share of the GPU KV cache in use, 0 to 1, as the source's engine reports it (vLLM's "
-    "vllm:kv_cache_usage_perc, the fullest of its engines; the reference engine's GPU tier).",
+    "vllm:kv_cache_usage_perc, the fullest of its engines; the reference engine: the blocks of "
+    "the request it serves). Blocks held by running requests, not the cached ones a warm tier "
+    "keeps (those are in kvscope_tier_resident_blocks).",
     ["source"], "ratio")
 
 # host

@@ -249,7 +249,9 @@ class SchedulerStats(_Event, tag="scheduler_stats"):
     batches (prefilling or decoding); ``preemptions``: requests the scheduler preempted (their
     GPU KV blocks freed, to be recomputed or reloaded when resumed) since this sender's previous
     report: a delta, which the agent adds up into a counter; ``gpu_kv_usage``: the share of the
-    GPU KV cache in use, 0 to 1 (vLLM's ``kv_cache_usage_perc``, a share despite its name).
+    GPU KV cache held by running requests, 0 to 1 (vLLM's ``kv_cache_usage_perc``, a share
+    despite its name; blocks cached for reuse and held by no request do not count: a warm
+    cache is always full, and its fill is a ``TierSnapshot``'s).
 
     Each is None when the sender does not know it (an engine that never preempts has no
     preemptions to report, not 0): its metric stays absent until a report carries it, and a

@@ -453,6 +453,26 @@ class OffloadEngine:
                                 queueing=outcome.queueing, lookup=outcome.lookup,
                                 promotion_wait=wait, prefill=outcome.prefill, itl=itl))
 
+    def report_queue(self, waiting: int, serving=None) -> None:
+        """Emit a :class:`~kvscope.events.SchedulerStats` of the queue the caller keeps for the
+        engine (the replay's): ``waiting`` requests arrived and not yet taken; ``serving``, the
+        :class:`~kvscope.engine.workload.Request` the engine takes now (running 1), or None
+        when it is idle (running 0). ``gpu_kv_usage``: the share of the ``gpu`` tier that
+        request's blocks hold while it is served (at most all of it; 0 when idle), as vLLM's
+        ``kv_cache_usage_perc`` counts blocks held by running requests, not the cached ones a
+        tier keeps between requests (a warm tier is always full; its fill is
+        ``kvscope_tier_resident_blocks``). ``preemptions`` stay absent: the engine never
+        preempts (it serves one prompt at a time, and its ``gpu`` tier makes room by evicting
+        blocks, never a request), so it has no count to report, not even 0. Nothing without
+        ``emit``."""
+        if self._emit is None:
+            return
+        capacity = self.gpu.capacity_blocks
+        held = 0 if serving is None else min(len(serving.block_hashes), capacity)
+        self._emit(ev.SchedulerStats(ts=self._clock(), waiting=waiting,
+                                     running=0 if serving is None else 1,
+                                     gpu_kv_usage=held / capacity))
+
     def _report_tiers(self, ts: float) -> None:
         for tier in self.tiers:
             self._emit(ev.TierSnapshot(ts=ts, tier=tier.name, capacity_bytes=tier.capacity_bytes,

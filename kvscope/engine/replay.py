@@ -3,12 +3,19 @@
 The engine is modelled as one server taking requests first come, first served: a request starts
 when it has arrived and the previous one has finished its prefill, so its queueing delay is
 ``start - arrival`` in workload time. Pacing maps workload seconds to wall seconds by ``speed``.
+
+At each arrival the replay reports that server's queue through the engine
+(:meth:`~kvscope.engine.engine.OffloadEngine.report_queue`): the requests arrived and not yet
+started (this one too when it must wait), and the one the engine takes now as running (the
+server is busy at every arrival, with an earlier request or this one); at the end, none of
+either.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 
 from kvscope.engine.engine import OffloadEngine
@@ -36,10 +43,14 @@ class Replayer:
             self._run()
         finally:
             self.engine.drain()
+            self.engine.report_queue(waiting=0)  # the server is idle now
 
     def _run(self) -> None:
         wall0 = time.monotonic()
         busy_until = 0.0  # workload seconds when the server is free again
+        # the starts (workload seconds, ascending: first come, first served) of the requests
+        # arrived and not started yet: one float per request waiting
+        queued: deque[float] = deque()
         for request in self.requests:
             if self.speed is not None:
                 delay = wall0 + request.arrival / self.speed - time.monotonic()
@@ -49,6 +60,11 @@ class Replayer:
                 return
             start = max(request.arrival, busy_until)
             queueing = start - request.arrival
+            while queued and queued[0] <= request.arrival:
+                queued.popleft()
+            if start > request.arrival:
+                queued.append(start)
+            self.engine.report_queue(waiting=len(queued), serving=request)
             outcome = self.engine.process(request, queueing=queueing)
             # with CUDA, promotion times may still be pending here; service_seconds then
             # counts what is known (lookup and prefill)

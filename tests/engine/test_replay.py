@@ -104,3 +104,33 @@ def test_replay_text_report_and_bad_input(tmp_path):
     assert result.returncode == 2 and "cpu tier" in result.stderr
     result = _kvscope("--trace", str(tmp_path / "absent.jsonl"))
     assert result.returncode == 2 and "cannot read trace" in result.stderr
+
+
+def test_the_replay_reports_its_queue_and_the_gpu_tiers_fill():
+    """Three requests arrive at 0 s, the fourth long after (1e6 s), replayed as fast as possible
+    through the simulator (its prefills take modelled time, so the second waits for the first
+    and the third for both). At each arrival, by hand: waiting 0 (the first starts at once),
+    1 (the second), 2 (the second and third), 0 (the fourth finds the server idle); running 1
+    each time; at the end 0 and 0. GPU KV usage, the share of the gpu tier's 8 blocks the
+    request taken holds: 3/8, 2/8, 1/8, all of it (the fourth's 9 blocks), and 0 at the end,
+    although the tier then holds 8 cached blocks (its fill is another metric). The engine never
+    preempts: preemptions absent (None) in every report."""
+    from kvscope import events as ev
+    from kvscope.engine.replay import Replayer
+    from kvscope.engine.workload import Request
+
+    preset = get_preset("tiny")
+    bt = preset.block_tokens
+    emitted = []
+    engine = OffloadEngine(preset, 8, 16, payload=False, emit=emitted.append)
+    blocks = [(1, 2, 3), (4, 5), (6,), tuple(range(7, 16))]
+    arrivals = [0.0, 0.0, 0.0, 1e6]
+    requests = [Request(f"r{i}", arrival, len(hashes) * bt, 1, hashes)
+                for i, (arrival, hashes) in enumerate(zip(arrivals, blocks))]
+    Replayer(engine, requests, speed=None).run()
+    engine.close()
+    stats = [e for e in emitted if isinstance(e, ev.SchedulerStats)]
+    assert [(s.waiting, s.running, s.gpu_kv_usage) for s in stats] == [
+        (0, 1, 3 / 8), (1, 1, 2 / 8), (2, 1, 1 / 8), (0, 1, 1.0), (0, 0, 0.0)]
+    assert len(engine.gpu) == 8
+    assert {s.preemptions for s in stats} == {None}
