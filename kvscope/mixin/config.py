@@ -86,6 +86,9 @@ class MixinConfig:
     # KvscopePromotionLatencyHigh: p99 of one batched promotion.
     promotion_p99_seconds: float = 0.1
     promotion_for: str = "15m"
+    # Node board only: GPU KV cache usage drawn orange from this share (a full GPU KV cache
+    # makes the engine queue or preempt).
+    gpu_kv_usage_warning_ratio: float = 0.9
     # KvscopePCIeLinkSaturated: PCIe bytes/s against the link maximum, per direction.
     pcie_saturation_ratio: float = 0.9
     pcie_for: str = "15m"

@@ -6,8 +6,9 @@ The rule (documented in docs/grafana.md): every board query, variable query and 
 returns at least one finite sample on the healthy demo; an alert is checked through its
 *signals* (the expressions it compares, without the threshold), since on a healthy system it
 must stay silent. Rare-event rules (failures, drops) fall back to 0 so they have data too. The
-listed exception is the GPU-only queries (catalog `gpu_only`), which have no series without an
-NVIDIA driver: they are checked to parse and evaluate. Exemplar panels must return exemplars
+listed exceptions are the GPU-only queries (catalog `gpu_only`), which have no series without an
+NVIDIA driver, and the queries of signals the demo's engine does not produce (NOT_ON_DEMO): they
+are checked to parse and evaluate (and the latter to stay empty, so the list cannot go stale). Exemplar panels must return exemplars
 with a trace id, and every loaded rule must evaluate without error.
 
 Selecting an engine: with a fleet of two agents of different engines and models, selecting one
@@ -36,7 +37,7 @@ from kvscope.mixin import MixinConfig
 from kvscope.mixin.alerts import alerts
 from kvscope.mixin.dashboards import dashboards
 from kvscope.catalog import BY_NAME
-from kvscope.mixin.queries import Query, all_queries, gpu_only, metric_names, substitute
+from kvscope.mixin.queries import Query, all_queries, gpu_only, metric_names, reads, substitute
 from kvscope.mixin.rules import Records
 
 RULE_FILES = [REPO_ROOT / "grafana" / "rules" / "kvscope.rules.yml", REPO_ROOT / "grafana" / "alerts" / "kvscope.alerts.yml"]
@@ -44,6 +45,9 @@ CFG = MixinConfig()
 TIER_FILL = Records.of(CFG).tier_fill  # a recorded series: the rules have run
 DATA_TIMEOUT_S = 150.0  # bound on polling until every query has data; not a speed assertion
 POLL_S = 2.0
+# Signals the demo's reference engine does not produce: it serves one prompt at a time and makes
+# room by evicting blocks, never a request, so it has no preemption to count (vLLM does).
+NOT_ON_DEMO = {"kvscope_preemptions_total"}
 
 pytestmark = needs_prometheus
 
@@ -76,6 +80,10 @@ def _finite(result: list[dict]) -> bool:
     return any(math.isfinite(float(r["value"][1])) for r in result)
 
 
+def demo_lacks(expr: str) -> bool:
+    return bool(reads(expr, CFG) & NOT_ON_DEMO)
+
+
 def _problem(prom: Prom, q: Query, instance: str) -> str | None:
     """None when the query is fine, else what is wrong with it."""
     body = prom.instant(substitute(q.expr, instance=instance))
@@ -83,6 +91,8 @@ def _problem(prom: Prom, q: Query, instance: str) -> str | None:
         return f"error: {body.get('error')}"
     if gpu_only(q.expr, CFG):
         return None  # parses and evaluates; no series without a GPU
+    if demo_lacks(q.expr):
+        return "has data: the demo produces it now, drop it from NOT_ON_DEMO" if body["data"]["result"] else None
     if not _finite(body["data"]["result"]):
         return f"no finite sample ({len(body['data']['result'])} series)"
     return None
@@ -209,7 +219,7 @@ def fleet_prometheus(demo, tmp_path: Path) -> Iterator[Prom]:
     promtool = Path(PROMETHEUS).with_name("promtool")
     # Record once the demo has exposed every metric a panel reads (evictions come after warm-up).
     wanted = {m for q in all_queries(CFG) if q.kind == "panel" for m in metric_names(q.expr)
-              if not BY_NAME[m].gpu_only}
+              if not BY_NAME[m].gpu_only and m not in NOT_ON_DEMO}
     deadline = time.monotonic() + DATA_TIMEOUT_S
     while wanted - _exposed(_scrape(demo.metrics_url)):
         assert time.monotonic() < deadline, f"the demo never exposed {wanted - _exposed(_scrape(demo.metrics_url))}"
@@ -266,7 +276,7 @@ def test_selecting_an_engine_shows_only_its_agents(fleet_prometheus: Prom) -> No
     problems, differs = [], set()
     for q in panels:
         got = run(q.expr, f'instance=~"{all_value or _grafana_regex(selected)}"')
-        if not got and not gpu_only(q.expr, CFG):
+        if not got and not gpu_only(q.expr, CFG) and not demo_lacks(q.expr):
             problems.append(f"{q.where}: no data for engine vllm")
         if any(dict(k).get("instance") == b for k in got):
             problems.append(f"{q.where}: shows {b}, which runs sglang")

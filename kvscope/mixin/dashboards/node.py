@@ -1,5 +1,6 @@
 """Node: is the host the limiter? Host RAM and headroom, PCIe throughput against the link
-maximum, the transfer topology (PCIe links, NUMA placement), GPU memory, and what the agent lost."""
+maximum, the transfer topology (PCIe links, NUMA placement), whether GPU memory is the limiter
+(GPU KV usage, the scheduler's queue, preemptions), and what the agent lost."""
 
 from __future__ import annotations
 
@@ -75,13 +76,39 @@ def node(cfg: MixinConfig) -> dict:
               "support).", (Q(f"kvscope_host_numa_nodes{s(cfg)}", "{{instance}}"),),
               kind="stat", width=4),
         )),
-        Row("GPU memory and collectors", (
-            P("GPU memory used against total (GPU only)", "GPU memory in use and in all (NVML).",
+        Row("Is GPU memory the limiter?", (
+            P("GPU KV cache usage", "Share of the GPU KV cache held by running requests, as "
+              "each source's engine reports it (vLLM: its fullest engine). Cached blocks kept for "
+              "reuse do not count (Tiers / Resident blocks has them): near 1 the engine queues "
+              "or preempts.",
+              (Q(f"max by (instance, source) (kvscope_gpu_kv_cache_usage_ratio{s(cfg)})",
+                 "{{instance}} {{source}}"),),
+              unit="percentunit", min=0, max=1, width=8,
+              thresholds=((cfg.gpu_kv_usage_warning_ratio, "orange"),)),
+            P("Requests waiting and running", "Requests queued for the scheduler and requests "
+              "in its running batches, as each source's engine reports them. A queue that grows "
+              "while GPU KV usage is near 1 means GPU memory is the limiter.",
+              (Q(f"sum by (instance, source) (kvscope_requests_waiting{s(cfg)})",
+                 "{{instance}} {{source}} waiting"),
+               Q(f"sum by (instance, source) (kvscope_requests_running{s(cfg)})",
+                 "{{instance}} {{source}} running")),
+              unit="short", min=0, width=8),
+            P("Preemptions", "Requests the engine preempted per second (their GPU KV blocks "
+              "freed for others, recomputed when resumed): GPU memory is the limiter. Only an "
+              "engine that preempts reports it (vLLM; not the reference engine).",
+              (Q(f"sum by (instance, source) (rate(kvscope_preemptions_total{s(cfg)}[{RATE}]))",
+                 "{{instance}} {{source}}"),),
+              unit="suffix: preemptions/s", min=0, width=8, no_value="none reported"),
+            P("GPU memory used against total (GPU only)", "GPU memory in use and in all (NVML); "
+              "vLLM allocates its KV cache up front, so this stays flat while the usage above "
+              "moves.",
               (Q(f"sum by (instance, gpu) (kvscope_gpu_memory_used_bytes{s(cfg)})",
                  "{{instance}} GPU {{gpu}} used"),
                Q(f"sum by (instance, gpu) (kvscope_gpu_memory_total_bytes{s(cfg)})",
                  "{{instance}} GPU {{gpu}} total")),
               unit="bytes"),
+        )),
+        Row("Collectors", (
             P("Collectors up", "Each collector: up when its last run succeeded (gpu is down on "
               "hosts without an NVIDIA driver).",
               (Q(f"kvscope_collector_up{s(cfg)}", "{{instance}} {{collector}}"),),
@@ -111,5 +138,6 @@ def node(cfg: MixinConfig) -> dict:
     ]
     return board(cfg, "node", "Node",
                  "Host RAM and headroom, PCIe throughput against the link maximum, the transfer "
-                 "topology (PCIe links, NUMA placement), GPU memory.",
+                 "topology (PCIe links, NUMA placement), and whether GPU memory is the limiter "
+                 "(GPU KV usage, the queue, preemptions, GPU memory).",
                  rows)
