@@ -18,6 +18,9 @@ def tiers(cfg: MixinConfig) -> dict:
         f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{s(cfg)}[{RATE}])))")
     lookups = lambda *m: (  # noqa: E731
         f"sum by (tier) (rate(kvscope_lookup_blocks_total{s(cfg, *m)}[{RATE}]))")
+    per_transfer = lambda series: (  # noqa: E731
+        f"sum by (src, dst) (rate(kvscope_transfer_bytes_total{s(cfg)}[{RATE}]))\n"
+        f"  / (sum by (src, dst) (rate({series}{s(cfg)}[{RATE}])) > 0)")
     rows = [
         Row("Residency", (
             P("Resident bytes against capacity", "Bytes each tier holds and may hold.",
@@ -71,6 +74,20 @@ def tiers(cfg: MixinConfig) -> dict:
             P("Blocks copied", "KV blocks copied between tiers per second.",
               (Q(f"sum by (src, dst) (rate(kvscope_transfer_blocks_total{s(cfg)}[{RATE}]))",
                  "{{src}} → {{dst}}"),), unit=BLOCKS_PER_S, min=0),
+            P("Bandwidth of a transfer by direction, against the link maximum",
+              "Bytes moved per second of transfer time (bytes over the summed durations of "
+              "the transfers), against the fastest PCIe link's one-direction maximum (NVML; "
+              "absent without a GPU). Well under the link while transfers are slow points at "
+              "small transfers (below) or NUMA placement (Node); vLLM times a promotion into the "
+              "cpu tier from its job's creation, so queueing lowers it there.",
+              (Q(per_transfer("kvscope_transfer_seconds_sum"), "{{src}} → {{dst}}"),
+               Q(f"max(kvscope_pcie_link_max_bytes_per_second{s(cfg)})", "PCIe link max")),
+              unit="Bps", min=0, no_value=NO_TRAFFIC),
+            P("Average transfer size by direction",
+              "Bytes per batched transfer: small transfers pay the fixed cost of a copy each "
+              "and stay far from the link's bandwidth.",
+              (Q(per_transfer("kvscope_transfer_seconds_count"), "{{src}} → {{dst}}"),),
+              unit="bytes", min=0, no_value=NO_TRAFFIC),
             P("Transfer time p50 / p99 by direction, fleet (exemplars link to traces)",
               "Duration of one batched transfer over the selected instances together; exemplar "
               "dots carry the request's trace id.",
