@@ -60,7 +60,10 @@ def tiers(cfg: MixinConfig) -> dict:
               (Q(hist("kvscope_evicted_block_hits", 0.5, "tier"), "{{tier}} median"),
                Q(hist("kvscope_evicted_block_hits", 0.9, "tier"), "{{tier}} p90")),
               unit="short", width=8),
-            P("Block age at eviction (median, p95)", "How long blocks stayed in each tier.",
+            P("Block age at eviction (median, p95)", "How long blocks stayed in each tier: "
+              "how far back in time the tier reaches, the signal for sizing it. A prefix reused "
+              "after a longer gap than this misses the tier; a larger tier holds blocks longer. "
+              "(The idle time since a block's last hit is not measured.)",
               (Q(hist("kvscope_block_residency_seconds", 0.5, "tier"), "{{tier}} median"),
                Q(hist("kvscope_block_residency_seconds", 0.95, "tier"), "{{tier}} p95")),
               unit="s", width=8),
