@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from grafana_foundation_sdk.builders import common as cb
 from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import heatmap as heatmapb
 from grafana_foundation_sdk.builders import prometheus as pb
 from grafana_foundation_sdk.builders import stat as statb
 from grafana_foundation_sdk.builders import table as tableb
@@ -20,6 +21,7 @@ from grafana_foundation_sdk.builders import timeseries as tsb
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import heatmap as hm
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from kvscope.mixin.config import MixinConfig
@@ -59,7 +61,9 @@ class Q:
 
 @dataclass(frozen=True)
 class P:
-    """One panel. ``kind``: timeseries, stat or table. ``width`` in grid columns (of 24)."""
+    """One panel. ``kind``: timeseries, stat, table or heatmap (of a histogram's buckets, by
+    ``le``: ``unit`` is the cells', ``y_unit`` the bucket bounds'). ``width`` in grid columns
+    (of 24)."""
 
     title: str
     description: str
@@ -76,6 +80,7 @@ class P:
     mappings: tuple[tuple[str, str, str], ...] = ()  # (value, text, colour)
     no_value: str = ""
     hide_columns: tuple[str, ...] = ()  # table columns to drop (e.g. Time)
+    y_unit: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,10 @@ class Row:
     panels: tuple[P, ...] = field(default_factory=tuple)
 
 
-def _target(q: Q, ref: str) -> pb.Dataquery:
+def _target(q: Q, ref: str, heatmap: bool) -> pb.Dataquery:
     t = pb.Dataquery().expr(q.expr).ref_id(ref).datasource(DATASOURCE)
+    if heatmap:  # Grafana turns cumulative le buckets into per-bucket counts, sorted by le
+        t = t.format(PromQueryFormat.HEATMAP)
     if q.legend:
         t = t.legend_format(q.legend)
     if q.exemplar:
@@ -120,6 +127,15 @@ def _panel(p: P):
              .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"])))
     elif p.kind == "table":
         b = tableb.Panel()
+    elif p.kind == "heatmap":
+        # buckets as Prometheus computed them, not re-bucketed by Grafana
+        b = (heatmapb.Panel().calculate(False).y_axis(heatmapb.YAxisConfig().unit(p.y_unit))
+             .cell_values(heatmapb.CellValues().unit(p.unit))
+             .color(heatmapb.HeatmapColorOptions().mode(hm.HeatmapColorMode.SCHEME)
+                    .scheme("Oranges").scale(hm.HeatmapColorScale.EXPONENTIAL).exponent(0.5)
+                    .steps(64).fill("dark-orange"))
+             .rows_frame(heatmapb.RowsHeatmapOptions().layout(cm.HeatmapCellLayout.LE))
+             .show_tooltip())
     else:
         raise ValueError(f"unknown panel kind {p.kind!r}")
     b = (b.title(p.title).description(p.description).datasource(DATASOURCE).unit(p.unit)
@@ -139,7 +155,7 @@ def _panel(p: P):
         b = b.with_transformation(dm.DataTransformerConfig(
             "organize", options={"excludeByName": {c: True for c in p.hide_columns}}))
     for i, q in enumerate(p.queries):
-        b = b.with_target(_target(q, chr(ord("A") + i)))
+        b = b.with_target(_target(q, chr(ord("A") + i), p.kind == "heatmap"))
     return b
 
 

@@ -24,6 +24,7 @@ def requests(cfg: MixinConfig) -> dict:
     rate = lambda series: f"sum(rate({series}{s(cfg)}[{RATE}]))"  # noqa: E731
     ttft_q = tuple(Q(hist("kvscope_ttft_seconds", q), f"p{q * 100:g}", exemplar=(q == 0.99))
                    for q in QUANTILES)
+    itl_q = tuple(Q(hist("kvscope_itl_seconds", q), f"p{q * 100:g}") for q in QUANTILES)
     wait_q = tuple(Q(hist("kvscope_promotion_wait_seconds", q), f"p{q * 100:g}")
                    for q in QUANTILES)
     within = (f"sum(rate(kvscope_ttft_seconds_bucket{s(cfg, le_matcher(bucket))}[{RATE}]))\n"
@@ -47,11 +48,21 @@ def requests(cfg: MixinConfig) -> dict:
                  "{{instance}}"),),
               unit="s", width=12, thresholds=budget),
         )),
-        Row("Time to first token", (
+        Row("Time to first token and inter-token latency", (
             P("TTFT p50 / p95 / p99, fleet (exemplars link to traces)",
               "Time to first token over the selected instances together; exemplar dots on p99 "
               "carry the request's trace id. The dashed lines are the budget and its warning.",
               ttft_q, unit="s", thresholds=budget),
+            P("ITL p50 / p95 / p99, fleet",
+              "Each request's mean inter-token latency (one observation a request) over the "
+              "selected instances together: what promotions and a busy batch cost decoding. The "
+              f"dashed line is the {cfg.itl_budget_seconds:g}s budget.",
+              itl_q, unit="s", thresholds=((cfg.itl_budget_seconds, "red"),)),
+            P("TTFT distribution, fleet",
+              "Requests per second in each TTFT bucket (le: the bucket's upper bound): a second "
+              "band of slow requests (promotions, queueing) shows here before it moves p99.",
+              (Q(f"sum by (le) (rate(kvscope_ttft_seconds_bucket{s(cfg)}[{RATE}]))", "{{le}}"),),
+              kind="heatmap", unit="reqps", y_unit="s"),
             P("Mean TTFT", "Sum of TTFT over requests, fleet.",
               (Q(f"{rate('kvscope_ttft_seconds_sum')}\n  / ({rate('kvscope_ttft_seconds_count')}"
                  " > 0)", "mean"),),
