@@ -33,6 +33,10 @@ class MixinConfig:
     # (kubernetes-mixin's clusterLabel and showMultiCluster).
     cluster_label: str = "cluster"
     show_multi_cluster: bool = False
+    # The Requests board's list of slow requests' traces and its $traces variable (a Tempo
+    # datasource, where `kvscope agent --otlp-endpoint` sends spans); false where none is
+    # provisioned, so no empty variable and broken panel show.
+    show_traces: bool = True
     # Window of every rate() in the recording rules (and so in the alerts).
     rate_window: str = "5m"
     # Tiers from nearest the GPU outward: a copy to a nearer tier is a promotion.

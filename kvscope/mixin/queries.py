@@ -81,6 +81,8 @@ def all_queries(cfg: MixinConfig) -> list[Query]:
                 expr = m.group(1) if m else var["query"]
                 out.append(Query("variable", f"{title} / ${var['name']}", expr))
         for panel in board["panels"]:
+            if panel.get("datasource", {}).get("type") == "tempo":
+                continue  # TraceQL, not PromQL
             for target in panel.get("targets", []):
                 out.append(Query("panel", f"{title} / {panel['title']}", target["expr"],
                                  bool(target.get("exemplar"))))

@@ -130,9 +130,9 @@ def test_cluster_label_and_variable() -> None:
     multi = dataclasses.replace(CFG, show_multi_cluster=True, cluster_label="k8s_cluster")
     for board in dashboards(multi).values():
         names = [v["name"] for v in board["templating"]["list"]]
-        assert names == ["datasource", "cluster", "engine", "model", "instance"]
-        for panel in board["panels"]:
-            for target in panel.get("targets", []):
+        assert names[:5] == ["datasource", "cluster", "engine", "model", "instance"]
+        for panel in _panels(board):
+            for target in panel["targets"]:
                 assert 'k8s_cluster=~"$cluster"' in target["expr"], (panel["title"], target["expr"])
 
 
@@ -160,13 +160,13 @@ def test_dashboards() -> None:
     assert [b["title"] for b in boards.values()] == [
         "kvscope / Overview", "kvscope / Tiers", "kvscope / Requests & SLO", "kvscope / Node"]
     assert len({b["uid"] for b in boards.values()}) == 4
-    for board in boards.values():
-        assert [v["name"] for v in board["templating"]["list"]] == ["datasource", "engine", "model", "instance"]
+    for name, board in boards.items():
+        traces = ["traces"] if name == "kvscope-requests.json" else []
+        assert [v["name"] for v in board["templating"]["list"]] == ["datasource", "engine", "model", "instance",
+                                                                     *traces]
         ids = [p["id"] for p in board["panels"]]
         assert len(ids) == len(set(ids))
-        for panel in board["panels"]:
-            if panel["type"] == "row":
-                continue
+        for panel in _panels(board):
             assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
             assert panel["description"], panel["title"]
             for target in panel["targets"]:
@@ -205,7 +205,27 @@ def test_provisioning_files() -> None:
 
 
 def _panels(board: dict) -> list[dict]:
-    return [p for p in board["panels"] if p["type"] != "row"]
+    """A board's PromQL panels (not rows, not the Tempo trace list)."""
+    return [p for p in board["panels"] if p["type"] != "row" and p["datasource"]["type"] == "prometheus"]
+
+
+def _trace_panels(board: dict) -> list[dict]:
+    return [p for p in board["panels"] if p.get("datasource", {}).get("type") == "tempo"]
+
+
+def test_trace_list_reads_the_traces_variable_and_goes_with_it() -> None:
+    """The Requests board lists slow requests' traces from the $traces Tempo datasource; with
+    show_traces off (no Tempo provisioned) neither the panel nor the variable is there."""
+    board = dashboards(CFG)["kvscope-requests.json"]
+    (panel,) = _trace_panels(board)
+    (target,) = panel["targets"]
+    assert target["datasource"] == {"type": "tempo", "uid": "${traces}"} and target["queryType"] == "traceql"
+    slow = CFG.ttft_budget_seconds * CFG.ttft_budget_warning_ratio
+    assert target["query"] == f'{{ name = "kv.request" && span.kv.ttft_seconds >= {slow:g} }}'
+    assert sum(len(_trace_panels(b)) for b in dashboards(CFG).values()) == 1
+    off = dashboards(dataclasses.replace(CFG, show_traces=False))["kvscope-requests.json"]
+    assert not _trace_panels(off)
+    assert "traces" not in [v["name"] for v in off["templating"]["list"]]
 
 
 def _normal(expr: str) -> str:

@@ -17,6 +17,7 @@ from grafana_foundation_sdk.builders import heatmap as heatmapb
 from grafana_foundation_sdk.builders import prometheus as pb
 from grafana_foundation_sdk.builders import stat as statb
 from grafana_foundation_sdk.builders import table as tableb
+from grafana_foundation_sdk.builders import tempo as tempob
 from grafana_foundation_sdk.builders import timeseries as tsb
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as cm
@@ -28,6 +29,8 @@ from kvscope.mixin.config import MixinConfig
 from kvscope.mixin.promql import sel
 
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+TRACES = dm.DataSourceRef(type_val="tempo", uid="${traces}")
+TRACE_LIMIT = 20
 INSTANCE = 'instance=~"$instance"'
 ENGINE = 'engine=~"$engine"'
 MODEL = 'model=~"$model"'
@@ -61,9 +64,10 @@ class Q:
 
 @dataclass(frozen=True)
 class P:
-    """One panel. ``kind``: timeseries, stat, table or heatmap (of a histogram's buckets, by
-    ``le``: ``unit`` is the cells', ``y_unit`` the bucket bounds'). ``width`` in grid columns
-    (of 24)."""
+    """One panel. ``kind``: timeseries, stat, table, heatmap (of a histogram's buckets, by
+    ``le``: ``unit`` is the cells', ``y_unit`` the bucket bounds') or traces (a table of the
+    traces a TraceQL query finds, from the ``$traces`` Tempo datasource). ``width`` in grid
+    columns (of 24)."""
 
     title: str
     description: str
@@ -125,7 +129,7 @@ def _panel(p: P):
     elif p.kind == "stat":
         b = (statb.Panel().graph_mode(cm.BigValueGraphMode.AREA)
              .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"])))
-    elif p.kind == "table":
+    elif p.kind in ("table", "traces"):
         b = tableb.Panel()
     elif p.kind == "heatmap":
         # buckets as Prometheus computed them, not re-bucketed by Grafana
@@ -138,8 +142,9 @@ def _panel(p: P):
              .show_tooltip())
     else:
         raise ValueError(f"unknown panel kind {p.kind!r}")
-    b = (b.title(p.title).description(p.description).datasource(DATASOURCE).unit(p.unit)
-         .span(p.width).height(p.height))
+    traces = p.kind == "traces"
+    b = (b.title(p.title).description(p.description).datasource(TRACES if traces else DATASOURCE)
+         .unit(p.unit).span(p.width).height(p.height))
     if p.min is not None:
         b = b.min(p.min)
     if p.max is not None:
@@ -155,7 +160,11 @@ def _panel(p: P):
         b = b.with_transformation(dm.DataTransformerConfig(
             "organize", options={"excludeByName": {c: True for c in p.hide_columns}}))
     for i, q in enumerate(p.queries):
-        b = b.with_target(_target(q, chr(ord("A") + i), p.kind == "heatmap"))
+        ref = chr(ord("A") + i)
+        b = b.with_target(
+            tempob.TempoQuery().ref_id(ref).datasource(TRACES).query_type("traceql")
+            .query(q.expr).limit(TRACE_LIMIT) if traces
+            else _target(q, ref, p.kind == "heatmap"))
     return b
 
 
@@ -206,6 +215,9 @@ def board(cfg: MixinConfig, key: str, title: str, description: str, rows: list[R
                .keep_time(True)))
     for v in variables(cfg):
         d = d.with_variable(v)
+    if any(p.kind == "traces" for row in rows for p in row.panels):
+        d = d.with_variable(db.DatasourceVariable("traces").label("Traces").type("tempo")
+                            .description("The Tempo that receives the agents' OTLP spans."))
     for row in rows:
         d = d.with_row(db.Row(row.title))
         for p in row.panels:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kvscope.catalog import LATENCY_SECONDS_BUCKETS
 from kvscope.mixin.config import MixinConfig
-from kvscope.mixin.dashboards.common import NO_TRAFFIC, RATE, P, Q, Row, board, quantile, s
+from kvscope.mixin.dashboards.common import (
+    NO_TRAFFIC, RATE, TRACE_LIMIT, P, Q, Row, board, quantile, s)
 from kvscope.mixin.promql import le_matcher
 from kvscope.mixin.rules import QUANTILES, Records
 
@@ -80,6 +81,17 @@ def requests(cfg: MixinConfig) -> dict:
               unit="percentunit", min=0, no_value=NO_TRAFFIC),
         )),
     ]
+    if cfg.show_traces:
+        slow = cfg.ttft_budget_seconds * cfg.ttft_budget_warning_ratio
+        rows.append(Row("Traces", (
+            P(f"Requests with TTFT of {slow:g}s or more (traces)",
+              f"The latest {TRACE_LIMIT} requests over the budget's warning, from the Tempo that "
+              "receives the agents' spans (`kvscope agent --otlp-endpoint`): open one to see its "
+              "lookups, promotions and transfers. Spans carry no instance, so this lists every "
+              "agent that exports there, whatever the selection above.",
+              (Q(f'{{ name = "kv.request" && span.kv.ttft_seconds >= {slow:g} }}'),),
+              kind="traces", width=24),
+        )))
     return board(cfg, "requests", "Requests & SLO",
                  "Are requests within their latency budget, and what do promotions add to it.",
                  rows)
