@@ -284,6 +284,31 @@ def test_rate_panels_have_per_second_units() -> None:
     assert not _unit_per_second("short") and not _unit_per_second("s")
 
 
+def test_rate_panels_start_at_zero() -> None:
+    """A rate is never negative; an axis that starts at the data's minimum makes a flat rate
+    look like swings (a heatmap's axis is its buckets, not the rate)."""
+    for board in dashboards(CFG).values():
+        for panel in _panels(board):
+            if panel["type"] != "heatmap" and any(shows_rate(t["expr"]) for t in panel["targets"]):
+                assert panel["fieldConfig"]["defaults"].get("min") == 0, f"{board['title']} / {panel['title']}"
+
+
+def test_fleet_panels_have_table_legends() -> None:
+    """A time series per agent: the legend is a table of mean, max and last, sorted by max."""
+    checked = 0
+    for board in dashboards(CFG).values():
+        for panel in _panels(board):
+            if any("{{instance}}" in t.get("legendFormat", "") for t in panel["targets"]):
+                if panel["type"] != "timeseries":
+                    continue
+                checked += 1
+                legend = panel["options"]["legend"]
+                assert legend["displayMode"] == "table", panel["title"]
+                assert legend["calcs"] == ["mean", "max", "lastNotNull"], panel["title"]
+                assert (legend["sortBy"], legend["sortDesc"]) == ("Max", True), panel["title"]
+    assert checked >= 10
+
+
 def _defaults(title: str) -> dict:
     for board in dashboards(CFG).values():
         for panel in _panels(board):

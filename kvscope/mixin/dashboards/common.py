@@ -31,6 +31,8 @@ from kvscope.mixin.promql import sel
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 TRACES = dm.DataSourceRef(type_val="tempo", uid="${traces}")
 TRACE_LIMIT = 20
+FLEET_LEGEND = "{{instance}}"  # a legend naming the instance: one series per agent
+LEGEND_CALCS = ["mean", "max", "lastNotNull"]
 INSTANCE = 'instance=~"$instance"'
 ENGINE = 'engine=~"$engine"'
 MODEL = 'model=~"$model"'
@@ -115,9 +117,15 @@ def _thresholds(steps: tuple[tuple[float | None, str], ...]) -> db.ThresholdsCon
 
 def _panel(p: P):
     if p.kind == "timeseries":
-        b = (tsb.Panel().legend(cb.VizLegendOptions().show_legend(True)
-                                .display_mode(cm.LegendDisplayMode.LIST)
-                                .placement(cm.LegendPlacement.BOTTOM))
+        legend = cb.VizLegendOptions().show_legend(True).placement(cm.LegendPlacement.BOTTOM)
+        if any(FLEET_LEGEND in q.legend for q in p.queries):
+            # a series per agent: a table of mean, max and last, sorted by max, tells the
+            # outlier from the fleet
+            legend = (legend.display_mode(cm.LegendDisplayMode.TABLE).calcs(LEGEND_CALCS)
+                      .sort_by("Max").sort_desc(True))
+        else:
+            legend = legend.display_mode(cm.LegendDisplayMode.LIST)
+        b = (tsb.Panel().legend(legend)
              .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI)
                       .sort(cm.SortOrder.DESCENDING))
              .fill_opacity(10).line_width(1))

@@ -53,7 +53,7 @@ def node(cfg: MixinConfig) -> dict:
                  f"[{RATE}]))", "{{instance}} GPU {{gpu}} {{direction}}"),
                Q(f"max by (instance, gpu) (kvscope_pcie_link_max_bytes_per_second{s(cfg)})",
                  "{{instance}} GPU {{gpu}} link max")),
-              unit="Bps"),
+              unit="Bps", min=0),
             P("PCIe link utilisation (GPU only)", "PCIe throughput as a share of the link "
               "maximum (recording rule the alert reads).",
               (Q(f"{r.pcie_utilization}{s(cfg)}", "{{instance}} GPU {{gpu}} {{direction}}"),),

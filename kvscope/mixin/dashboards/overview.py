@@ -68,7 +68,8 @@ def overview(cfg: MixinConfig) -> dict:
               kind="stat", width=4, thresholds=RED_BELOW_ONE, mappings=UP_DOWN),
             P("Events dropped per second", "Events the agent or a tap dropped (0 when none).",
               (Q(f"sum by (source) ({r.events_dropped_rate}{s(cfg)})", "{{source}}"),),
-              unit="suffix: events/s", kind="stat", width=4, thresholds=((1e-9, "red"),)),
+              unit="suffix: events/s", kind="stat", width=4, min=0,
+              thresholds=((1e-9, "red"),)),
             P("Engines", "One row per engine and model the selected agents observe; Value: "
               "how many sources observe it.",
               (Q(f"count by (engine, model) (kvscope_engine_info{s(cfg)})", table=True),),
