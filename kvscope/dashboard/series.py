@@ -126,6 +126,17 @@ def window_increase(samples: Sequence[Sample], field: str) -> dict[str, float]:
     return {key: float(_increases(values[:, j]).sum()) for j, key in enumerate(keys)}
 
 
+def scalar_increase(samples: Sequence[Sample], field: str) -> float | None:
+    """The increase of the unkeyed cumulative counter ``sample[field]`` (e.g. ``requests``)
+    over the samples that hold a number for it (resets as in :func:`counter_rates`); None when
+    no sample holds one."""
+    values = np.asarray([float(v) for s in samples
+                         if isinstance(v := s.get(field), (int, float))], float)
+    if not len(values):
+        return None
+    return float(_increases(values).sum()) if len(values) > 1 else 0.0
+
+
 def cumulative_increase(samples: Sequence[Sample], field: str) -> dict[str, Series]:
     """Each counter's running increase since the first sample: dict[key, (times, values)]."""
     if len(samples) < 2:

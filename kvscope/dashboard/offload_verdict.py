@@ -1,0 +1,357 @@
+"""Should I offload here? The guide's five "skip offload when" conditions, judged from samples.
+
+The guide (shared/guide/kv-offload-guide.txt, "When KV cache offload is the wrong
+optimization") says to skip KV cache offload for now when:
+
+1. GPU memory is not the limiter.
+2. Prompts are nearly all unique, so retained prefixes do not return.
+3. The primary SLO is very low tail latency and the transfer path cannot be shown to fit inside it.
+4. Host DRAM or storage is already a contested production resource.
+5. Prefix caching, batching, context limits, model selection, or cache quantization have not yet
+   been evaluated.
+
+The guide gives no numbers for any of them, so every threshold here is a documented default in
+:class:`Settings` (docs/dashboard.md, "Should I offload here?"). Each condition gets one
+:class:`Check` whose verdict is one of :data:`VERDICTS`, with its evidence (numbers and the
+window they come from); :func:`assess` adds the overall verdict and the headline figures.
+A signal no source reports is "not measured", never 0 and never a pass.
+
+Pure: samples (the shape of :mod:`kvscope.samples`) and request records (the API's dicts) in,
+plain dataclasses out; no I/O and no clock (house rule 9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvscope.dashboard.series import (TIER_RANK, Sample, last_window, mapping, ordered,
+                                      scalar_increase, window_increase)
+from kvscope.mixin.config import MixinConfig
+
+PAYS = "offload pays"
+SKIP = "skip offload"
+NOT_MEASURED = "not measured"
+TOO_LITTLE = "too little traffic"
+VERDICTS = (PAYS, SKIP, NOT_MEASURED, TOO_LITTLE)
+
+# the guide's wording of each condition, keyed by the check's stable id
+CONDITIONS = {
+    "gpu-limiter": "GPU memory is not the limiter",
+    "unique-prompts": "Prompts are nearly all unique, so retained prefixes do not return",
+    "tail-slo": "The tail SLO is tight and the transfer path cannot be shown to fit inside it",
+    "host-dram": "Host DRAM is already a contested resource",
+    "cheaper-steps": "Prefix caching, batching, context limits, model selection or cache "
+                     "quantization not yet evaluated",
+}
+CACHE_SOURCES = ("gpu", "cpu", "disk", "remote")  # prompt-token sources that are cache hits
+GIB = 1024 ** 3
+_MIXIN = MixinConfig()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Thresholds (the guide gives none; these are kvscope's defaults, each overridable).
+
+    ``window_seconds``: the samples judged, counted back from the newest (default 300 s, the
+    mixin's rate window). ``min_requests``: fewer finished requests in the window give "too
+    little traffic" for checks 1-3 (default 20: a p99 over fewer is one request).
+    Check 1: GPU memory is the limiter when the window saw at least ``min_preemptions``
+    preemptions (default 1), or GPU KV usage at or above ``gpu_kv_usage_high`` (0-1, default
+    0.9) in at least ``pressure_share`` of its samples (0-1, default 0.1), or at least
+    ``waiting_min`` requests waiting (default 1) in that share of its samples.
+    Check 2: prompts are nearly all unique when under ``min_reuse_share`` of prompt tokens
+    (0-1, default 0.1) came from any cache (gpu, cpu, disk, remote).
+    Check 3: ``ttft_budget_seconds`` (default the mixin's ``ttft_budget_seconds``, 2.5 s, its
+    KvscopeTTFTBudgetBreach rollback rule) for the p99 TTFT; over it, the transfer path is
+    blamed when promotion wait is at least ``promotion_share_max`` of TTFT (0-1, default 0.1).
+    Check 4: host DRAM is contested when headroom (available minus the reserve) fell below
+    ``min_headroom_bytes`` (default 0: the reserve is being eaten into).
+    """
+
+    window_seconds: float = 300.0
+    min_requests: int = 20
+    min_preemptions: int = 1
+    gpu_kv_usage_high: float = 0.9
+    waiting_min: float = 1.0
+    pressure_share: float = 0.1
+    min_reuse_share: float = 0.1
+    ttft_budget_seconds: float = _MIXIN.ttft_budget_seconds
+    promotion_share_max: float = 0.1
+    min_headroom_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Check:
+    """One condition: ``key`` (a :data:`CONDITIONS` key), the guide's ``condition``, the
+    ``verdict`` (one of :data:`VERDICTS`) and ``evidence``, one line per signal."""
+
+    key: str
+    condition: str
+    verdict: str
+    evidence: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The figures read first, over the window. ``token_share``: dict[source, 0-1] of prompt
+    tokens (empty without any); ``saved_vs_spent``: dict[tier, (prefill seconds saved, transfer
+    seconds spent)] for each offload tier (transfers counted to the tier away from the GPU);
+    ``ttft_p99``: seconds (the worst per-sample p99) or None; ``ttft_budget``: seconds;
+    ``headroom_bytes``, ``reserve_bytes``: the newest values, None when not measured."""
+
+    token_share: dict[str, float]
+    saved_vs_spent: dict[str, tuple[float, float]]
+    ttft_p99: float | None
+    ttft_budget: float
+    headroom_bytes: float | None
+    reserve_bytes: float | None
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """The overall ``verdict``, the five ``checks`` in the guide's order, the ``headline``, and
+    the window: ``span_seconds`` between its first and last sample, ``n_samples``, ``requests``
+    finished in it."""
+
+    verdict: str
+    checks: tuple[Check, ...]
+    headline: Headline
+    span_seconds: float
+    n_samples: int
+    requests: float
+    reasons: tuple[str, ...] = ()
+
+
+def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
+           settings: Settings = Settings()) -> Assessment:
+    """Judge the last ``settings.window_seconds`` of ``samples`` (oldest first) and the request
+    ``records`` finished in it (for the promotion wait share of TTFT).
+
+    The overall verdict: "skip offload" when any check says so (the guide: skip when any
+    condition holds); else "too little traffic" when a traffic check (1-3) says so; else
+    "offload pays" when any check does, the others not measured; else "not measured".
+    ``reasons`` names the checks behind it.
+    """
+    window = last_window(samples, settings.window_seconds)
+    span = float(window[-1]["ts"]) - float(window[0]["ts"]) if window else 0.0
+    requests = scalar_increase(window, "requests") or 0.0
+    tokens = window_increase(window, "prompt_tokens")
+    start = float(window[0]["ts"]) if window else float("inf")
+    recent = [r for r in records if _number(r.get("finished")) and r["finished"] >= start]
+    where = f"last {span:.0f} s, {len(window)} samples, {requests:.0f} requests"
+    low_traffic = requests < settings.min_requests
+    checks = (
+        gpu_limiter(window, settings, low_traffic),
+        unique_prompts(tokens, settings, low_traffic),
+        tail_slo(window, tokens, recent, settings, low_traffic),
+        host_dram(window, settings),
+        cheaper_steps(tokens),
+    )
+    checks = tuple(Check(c.key, c.condition, c.verdict, (*c.evidence, where)) for c in checks)
+    verdict, reasons = overall(checks)
+    return Assessment(verdict, checks, headline(window, tokens, settings), span, len(window),
+                      requests, reasons)
+
+
+def overall(checks: Sequence[Check]) -> tuple[str, tuple[str, ...]]:
+    """(verdict, the keys of the checks that decided it); see :func:`assess`."""
+    for verdict, keys in ((SKIP, None), (TOO_LITTLE, ("gpu-limiter", "unique-prompts",
+                                                       "tail-slo")), (PAYS, None)):
+        hits = tuple(c.key for c in checks
+                     if c.verdict == verdict and (keys is None or c.key in keys))
+        if hits:
+            return verdict, hits
+    return NOT_MEASURED, ()
+
+
+def gpu_limiter(window: Sequence[Sample], s: Settings, low_traffic: bool) -> Check:
+    """Check 1, GPU memory is not the limiter. Signals: preemptions (counter, summed over
+    sources), GPU KV usage (0-1, the fullest source per sample) and requests waiting (summed
+    over sources per sample). Any signal over its threshold (:class:`Settings`): "offload
+    pays" (GPU memory is the limiter); all three measured and under: "skip offload"; otherwise
+    "not measured" (what is unmeasured could be the limiter)."""
+    key = "gpu-limiter"
+    preempted = window_increase(window, "preemptions")
+    usage = _per_sample(window, "gpu_kv_cache_usage_ratio", max)
+    waiting = _per_sample(window, "requests_waiting", sum)
+    lines, pressure, measured = [], [], 0
+    if preempted:
+        n = sum(preempted.values())
+        measured += 1
+        pressure.append(n >= s.min_preemptions)
+        lines.append(f"preemptions: {n:.0f} in the window (limiter at {s.min_preemptions})")
+    else:
+        lines.append("preemptions: not measured (no source reports them)")
+    for name, values, at, unit in (("GPU KV usage", usage, s.gpu_kv_usage_high, "ratio"),
+                                   ("requests waiting", waiting, s.waiting_min, "requests")):
+        if values is None:
+            lines.append(f"{name}: not measured (no source reports it)")
+            continue
+        share = float(np.mean(values >= at))
+        measured += 1
+        pressure.append(share >= s.pressure_share)
+        shown = _ratio if unit == "ratio" else (lambda v: f"{v:.1f}")
+        lines.append(f"{name} ≥ {shown(at)} in {share:.0%} of samples (limiter at "
+                     f"{s.pressure_share:.0%}); mean {shown(float(np.mean(values)))}, "
+                     f"max {shown(float(np.max(values)))}")
+    if low_traffic:
+        verdict = TOO_LITTLE
+    elif any(pressure):
+        verdict = PAYS
+    else:
+        verdict = SKIP if measured == 3 else NOT_MEASURED
+    return Check(key, CONDITIONS[key], verdict, tuple(lines))
+
+
+def unique_prompts(tokens: Mapping[str, float], s: Settings, low_traffic: bool) -> Check:
+    """Check 2, prompts nearly all unique. ``tokens``: prompt tokens by source in the window.
+    The reuse share (tokens from any cache / all prompt tokens, 0-1) under
+    ``min_reuse_share``: "skip offload"; at or over it: "offload pays"."""
+    key = "unique-prompts"
+    total = sum(tokens.values())
+    if not total:
+        return Check(key, CONDITIONS[key], TOO_LITTLE if low_traffic else NOT_MEASURED,
+                     ("prompt tokens by source: none in the window",))
+    reused = sum(tokens.get(src, 0.0) for src in CACHE_SOURCES)
+    share = reused / total
+    lines = (f"reuse share {share:.1%} of {total:,.0f} prompt tokens (unique under "
+             f"{s.min_reuse_share:.0%})", "by source: " + _shares(tokens))
+    verdict = TOO_LITTLE if low_traffic else SKIP if share < s.min_reuse_share else PAYS
+    return Check(key, CONDITIONS[key], verdict, lines)
+
+
+def tail_slo(window: Sequence[Sample], tokens: Mapping[str, float],
+             records: Sequence[Mapping], s: Settings, low_traffic: bool) -> Check:
+    """Check 3, tail SLO. p99 TTFT: the worst per-sample p99 in the window (each over its last
+    minute); promotion wait share: summed promotion wait / summed TTFT of the ``records``
+    finished in the window. No TTFT: "not measured"; no promoted tokens (cpu, disk, remote):
+    "not measured" (the transfer path was not exercised); p99 TTFT within budget: "offload
+    pays"; over it with promotions at least ``promotion_share_max`` of TTFT: "skip offload";
+    over it with less: "offload pays" (the transfer path fits; the breach is elsewhere)."""
+    key = "tail-slo"
+    p99 = _worst_p99(window, "ttft_seconds")
+    wait_p99 = _worst_p99(window, "promotion_wait_seconds")
+    promoted = sum(tokens.get(src, 0.0) for src in CACHE_SOURCES if src != "gpu")
+    pairs = [(r["promotion_wait"], r["ttft"]) for r in records
+             if _number(r.get("promotion_wait")) and _number(r.get("ttft"))]
+    ttft_sum = sum(t for _w, t in pairs)
+    share = sum(w for w, _t in pairs) / ttft_sum if ttft_sum > 0 else None
+    lines = [f"p99 TTFT {_seconds(p99)} against a budget of {_seconds(s.ttft_budget_seconds)}"
+             if p99 is not None else "p99 TTFT: not measured",
+             f"p99 promotion wait {_seconds(wait_p99)}" if wait_p99 is not None
+             else "p99 promotion wait: no promotions measured",
+             f"promotion wait {share:.1%} of TTFT over {len(pairs)} requests (blamed from "
+             f"{s.promotion_share_max:.0%})" if share is not None
+             else "promotion wait share of TTFT: not measured (no request records)"]
+    if low_traffic:
+        verdict = TOO_LITTLE
+    elif p99 is None or not promoted:
+        verdict = NOT_MEASURED
+        if p99 is not None:
+            lines.append("no tokens were promoted: the transfer path was not exercised")
+    elif p99 <= s.ttft_budget_seconds:
+        verdict = PAYS
+    else:
+        verdict = SKIP if share is None or share >= s.promotion_share_max else PAYS
+    return Check(key, CONDITIONS[key], verdict, tuple(lines))
+
+
+def host_dram(window: Sequence[Sample], s: Settings) -> Check:
+    """Check 4, host DRAM contested. Headroom (bytes, available minus the reserve; the host
+    collector's) at its lowest in the window under ``min_headroom_bytes``: "skip offload";
+    otherwise "offload pays"; none reported: "not measured". Swap and other processes' memory
+    have no signal yet and say so."""
+    key = "host-dram"
+    headroom = [float(v) for x in window if _number(v := x.get("host_memory_headroom_bytes"))]
+    reserve = _newest(window, "host_memory_reserve_bytes")
+    available = _newest(window, "host_memory_available_bytes")
+    lines = [f"headroom at least {_gib(min(headroom))} (contested under "
+             f"{_gib(s.min_headroom_bytes)})" if headroom else "headroom: not measured",
+             f"available {_gib(available)}, reserve {_gib(reserve)}" if available is not None
+             and reserve is not None else "available and reserve: not measured",
+             "swap: not measured (no swap signal)",
+             "other processes' memory: not measured"]
+    if not headroom:
+        verdict = NOT_MEASURED
+    else:
+        verdict = SKIP if min(headroom) < s.min_headroom_bytes else PAYS
+    return Check(key, CONDITIONS[key], verdict, tuple(lines))
+
+
+def cheaper_steps(tokens: Mapping[str, float]) -> Check:
+    """Check 5, cheaper steps first. kvscope sees whether the GPU prefix cache serves tokens
+    (then prefix caching is on) but not batching, context limits, model choice or cache
+    quantization: always "not measured", with what to check by hand."""
+    key = "cheaper-steps"
+    total = sum(tokens.values())
+    gpu = tokens.get("gpu", 0.0)
+    seen = (f"GPU prefix cache served {gpu / total:.1%} of prompt tokens: prefix caching is on"
+            if gpu > 0 and total else "GPU prefix cache served no tokens: check prefix caching "
+            "is on (vLLM --enable-prefix-caching)")
+    return Check(key, CONDITIONS[key], NOT_MEASURED, (
+        seen, "check by hand: KV cache quantization (vLLM --kv-cache-dtype fp8), batching "
+              "(--max-num-seqs, --max-num-batched-tokens), context limits (--max-model-len), "
+              "model selection"))
+
+
+def headline(window: Sequence[Sample], tokens: Mapping[str, float], s: Settings) -> Headline:
+    """The :class:`Headline` of the window."""
+    total = sum(tokens.values())
+    share = {src: tokens[src] / total for src in ordered(tokens)} if total else {}
+    saved = window_increase(window, "prefill_seconds_saved")
+    spent: dict[str, float] = {}
+    for direction, seconds in window_increase(window, "transfer_seconds_sum").items():
+        src, _, dst = direction.partition("->")
+        tier = max(src, dst, key=lambda t: TIER_RANK.get(t, 9))
+        spent[tier] = spent.get(tier, 0.0) + seconds
+    tiers = [t for t in ordered(set(saved) | set(spent)) if t != "gpu"]
+    return Headline(share, {t: (saved.get(t, 0.0), spent.get(t, 0.0)) for t in tiers},
+                    _worst_p99(window, "ttft_seconds"), s.ttft_budget_seconds,
+                    _newest(window, "host_memory_headroom_bytes"),
+                    _newest(window, "host_memory_reserve_bytes"))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _per_sample(window: Sequence[Sample], name: str, combine) -> np.ndarray | None:
+    """``combine`` (sum, max) of each sample's values of the keyed gauge ``name``; samples
+    without any skipped; None when none has one (not measured)."""
+    values = [float(combine(v for v in mapping(x, name).values() if _number(v)))
+              for x in window if any(_number(v) for v in mapping(x, name).values())]
+    return np.asarray(values) if values else None
+
+
+def _worst_p99(window: Sequence[Sample], name: str) -> float | None:
+    values = [p for x in window if _number(p := mapping(x, name).get("p99"))]
+    return max(values) if values else None
+
+
+def _newest(window: Sequence[Sample], name: str) -> float | None:
+    for x in reversed(window):
+        if _number(value := x.get(name)):
+            return float(value)
+    return None
+
+
+def _shares(tokens: Mapping[str, float]) -> str:
+    total = sum(tokens.values())
+    return ", ".join(f"{src} {tokens[src] / total:.0%}" for src in ordered(tokens))
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.0%}"
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "not measured"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _gib(value: float | None) -> str:
+    return "not measured" if value is None else f"{value / GIB:.2f} GiB"

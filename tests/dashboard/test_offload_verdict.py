@@ -1,0 +1,244 @@
+"""The "Should I offload here?" verdicts (kvscope/dashboard/offload_verdict.py) on hand-built
+samples: each of the guide's five conditions, its thresholds just under and just over, and the
+signals no source reports ("not measured", never 0 or a pass)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvscope.dashboard import offload_verdict as V
+from kvscope.dashboard.offload_verdict import NOT_MEASURED, PAYS, SKIP, TOO_LITTLE, Settings
+
+T0 = 1_700_000_000.0
+N = 61  # samples, one a second: a 60 s window
+GIB = 1024 ** 3
+
+
+def window(n: int = N, *, requests_per_s: float = 2.0, tokens_per_s=None,
+           waiting=lambda i: 0, usage=lambda i: 0.2, preemptions=lambda i: 0,
+           ttft_p99: float | None = 0.5, wait_p99: float | None = 0.01,
+           headroom: float | None = 4 * GIB, saved=None, spent=None, drop=()) -> list[dict]:
+    """``n`` samples a second apart: counters growing at the given rates per second, gauges
+    from the per-index functions; field names in ``drop`` left out (a source that does not
+    report them)."""
+    tokens_per_s = tokens_per_s or {"gpu": 300.0, "cpu": 200.0, "recompute": 500.0}
+    saved = saved or {"gpu": 0.01, "cpu": 0.02}
+    spent = spent or {"gpu->cpu": 0.004, "cpu->gpu": 0.003}
+    out = []
+    for i in range(n):
+        s = {"ts": T0 + i, "requests": requests_per_s * i,
+             "prompt_tokens": {k: v * i for k, v in tokens_per_s.items()},
+             "prefill_seconds_saved": {k: v * i for k, v in saved.items()},
+             "transfer_seconds_sum": {k: v * i for k, v in spent.items()},
+             "requests_waiting": {"engine": waiting(i)},
+             "requests_running": {"engine": 1},
+             "gpu_kv_cache_usage_ratio": {"engine": usage(i)},
+             "preemptions": {"engine": preemptions(i)},
+             "ttft_seconds": {"p50": None if ttft_p99 is None else ttft_p99 / 4, "p95": None,
+                              "p99": ttft_p99},
+             "promotion_wait_seconds": {"p50": None, "p95": None, "p99": wait_p99},
+             "host_memory_available_bytes": None if headroom is None else headroom + GIB,
+             "host_memory_reserve_bytes": None if headroom is None else GIB,
+             "host_memory_headroom_bytes": headroom}
+        for name in drop:
+            s[name] = {} if isinstance(s[name], dict) else None
+        out.append(s)
+    return out
+
+
+def records(n: int, ttft: float, wait: float) -> list[dict]:
+    return [{"finished": T0 + 30 + i * 0.1, "ttft": ttft, "promotion_wait": wait}
+            for i in range(n)]
+
+
+def check(assessment, key):
+    return next(c for c in assessment.checks if c.key == key)
+
+
+def verdicts(assessment) -> dict[str, str]:
+    return {c.key: c.verdict for c in assessment.checks}
+
+
+# --- 1. GPU memory is not the limiter ------------------------------------------------------
+
+def test_gpu_not_the_limiter_when_all_three_signals_are_low():
+    a = V.assess(window())
+    assert check(a, "gpu-limiter").verdict == SKIP
+    assert a.verdict == SKIP and a.reasons == ("gpu-limiter",)
+
+
+@pytest.mark.parametrize("preempted, verdict", [(0, SKIP), (1, PAYS)])
+def test_one_preemption_makes_gpu_memory_the_limiter(preempted, verdict):
+    a = V.assess(window(preemptions=lambda i: preempted if i == N - 1 else 0))
+    assert check(a, "gpu-limiter").verdict == verdict
+
+
+@pytest.mark.parametrize("high, verdict", [(4, SKIP), (5, PAYS)])
+def test_gpu_kv_usage_near_miss(high, verdict):
+    """50 samples: usage 0.9 in 5 (10%, the line) is pressure; in 4 (8%) it is not; 0.8999
+    never counts."""
+    a = V.assess(window(n=50, usage=lambda i: 0.9 if i < high else 0.8999))
+    assert check(a, "gpu-limiter").verdict == verdict
+
+
+@pytest.mark.parametrize("queued, verdict", [(4, SKIP), (5, PAYS)])
+def test_waiting_queue_near_miss(queued, verdict):
+    a = V.assess(window(n=50, waiting=lambda i: 1 if i < queued else 0))
+    assert check(a, "gpu-limiter").verdict == verdict
+
+
+def test_preemptions_not_reported_are_not_measured_not_zero():
+    """The reference engine never reports preemptions: low usage and no queue cannot show
+    GPU memory is not the limiter, and the evidence says "not measured"."""
+    a = V.assess(window(drop=("preemptions",)))
+    c = check(a, "gpu-limiter")
+    assert c.verdict == NOT_MEASURED
+    assert "preemptions: not measured (no source reports them)" in c.evidence
+    assert not any("preemptions: 0" in line for line in c.evidence)
+
+
+def test_one_signal_over_is_enough_when_others_are_not_measured():
+    a = V.assess(window(usage=lambda i: 1.0, drop=("preemptions", "requests_waiting")))
+    c = check(a, "gpu-limiter")
+    assert c.verdict == PAYS
+    assert "requests waiting: not measured (no source reports it)" in c.evidence
+
+
+def test_several_sources_add_their_queues_and_take_the_fullest_gpu():
+    samples = window(n=20)
+    for s in samples:
+        s["requests_waiting"] = {"a": 0, "b": 1}
+        s["gpu_kv_cache_usage_ratio"] = {"a": 0.1, "b": 0.95}
+    c = check(V.assess(samples), "gpu-limiter")
+    assert c.verdict == PAYS
+    assert any(line.startswith("GPU KV usage ≥ 90% in 100% of samples") for line in c.evidence)
+
+
+# --- 2. prompts nearly all unique ----------------------------------------------------------
+
+@pytest.mark.parametrize("reused, verdict", [(99.0, SKIP), (100.0, PAYS)])
+def test_reuse_share_near_miss(reused, verdict):
+    """Reuse 9.9% of prompt tokens is "nearly all unique"; 10% is not."""
+    a = V.assess(window(tokens_per_s={"cpu": reused, "recompute": 1000.0 - reused}))
+    c = check(a, "unique-prompts")
+    assert c.verdict == verdict
+    assert c.evidence[0].startswith(f"reuse share {reused / 10:.1f}% of")
+
+
+def test_gpu_hits_count_as_reuse():
+    a = V.assess(window(tokens_per_s={"gpu": 500.0, "recompute": 500.0}))
+    assert check(a, "unique-prompts").verdict == PAYS
+
+
+def test_unique_prompts_skip_offload_whatever_else():
+    a = V.assess(window(tokens_per_s={"recompute": 1000.0}, usage=lambda i: 1.0))
+    assert verdicts(a)["unique-prompts"] == SKIP
+    assert a.verdict == SKIP and "unique-prompts" in a.reasons
+
+
+# --- 3. tail SLO ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p99, verdict", [(2.5, PAYS), (2.5001, SKIP)])
+def test_p99_ttft_against_the_budget(p99, verdict):
+    """The default budget is the mixin's (2.5 s); over it with promotions 20% of TTFT: skip."""
+    a = V.assess(window(ttft_p99=p99), records(30, ttft=3.0, wait=0.6))
+    assert check(a, "tail-slo").verdict == verdict
+
+
+@pytest.mark.parametrize("wait, verdict", [(0.299, PAYS), (0.3, SKIP)])
+def test_over_budget_blames_promotions_only_from_a_tenth_of_ttft(wait, verdict):
+    a = V.assess(window(ttft_p99=4.0), records(30, ttft=3.0, wait=wait))
+    c = check(a, "tail-slo")
+    assert c.verdict == verdict
+    assert any(line.startswith(f"promotion wait {wait / 3:.1%} of TTFT over 30 requests")
+               for line in c.evidence)
+
+
+def test_records_outside_the_window_do_not_count():
+    old = [{"finished": T0 - 10, "ttft": 3.0, "promotion_wait": 3.0}]
+    a = V.assess(window(ttft_p99=4.0), old + records(30, ttft=3.0, wait=0.0))
+    assert check(a, "tail-slo").verdict == PAYS
+
+
+def test_ttft_budget_is_a_setting():
+    a = V.assess(window(ttft_p99=0.5), records(30, ttft=0.5, wait=0.2),
+                 Settings(ttft_budget_seconds=0.4))
+    assert check(a, "tail-slo").verdict == SKIP
+    assert a.headline.ttft_budget == 0.4
+
+
+def test_tail_slo_not_measured_without_ttft_or_without_promotions():
+    assert check(V.assess(window(ttft_p99=None)), "tail-slo").verdict == NOT_MEASURED
+    c = check(V.assess(window(tokens_per_s={"gpu": 10.0, "recompute": 90.0})), "tail-slo")
+    assert c.verdict == NOT_MEASURED
+    assert "no tokens were promoted: the transfer path was not exercised" in c.evidence
+
+
+# --- 4. host DRAM contested ----------------------------------------------------------------
+
+@pytest.mark.parametrize("low, verdict", [(0.0, PAYS), (-1.0, SKIP)])
+def test_headroom_near_miss(low, verdict):
+    samples = window()
+    samples[10]["host_memory_headroom_bytes"] = low
+    c = check(V.assess(samples), "host-dram")
+    assert c.verdict == verdict
+    assert "swap: not measured (no swap signal)" in c.evidence
+
+
+def test_host_dram_not_measured_without_headroom():
+    c = check(V.assess(window(headroom=None)), "host-dram")
+    assert c.verdict == NOT_MEASURED
+    assert "headroom: not measured" in c.evidence
+
+
+# --- 5. cheaper steps ----------------------------------------------------------------------
+
+def test_cheaper_steps_are_never_a_pass():
+    c = check(V.assess(window()), "cheaper-steps")
+    assert c.verdict == NOT_MEASURED
+    assert c.evidence[0].startswith("GPU prefix cache served 30.0% of prompt tokens")
+    assert any(line.startswith("check by hand:") for line in c.evidence)
+
+
+# --- traffic, window, overall, headline ----------------------------------------------------
+
+@pytest.mark.parametrize("n, verdict", [(20, TOO_LITTLE), (21, PAYS)])
+def test_too_little_traffic_near_miss(n, verdict):
+    """1 request a second: 19 requests over 20 samples is too little, 20 over 21 is enough."""
+    a = V.assess(window(n=n, requests_per_s=1.0, usage=lambda i: 1.0))
+    assert check(a, "gpu-limiter").verdict == verdict
+    assert check(a, "unique-prompts").verdict == verdict
+
+
+def test_overall_offload_pays_with_reuse_and_gpu_pressure():
+    a = V.assess(window(usage=lambda i: 1.0, drop=("preemptions",)),
+                 records(30, ttft=0.5, wait=0.01))
+    assert verdicts(a) == {"gpu-limiter": PAYS, "unique-prompts": PAYS, "tail-slo": PAYS,
+                           "host-dram": PAYS, "cheaper-steps": NOT_MEASURED}
+    assert a.verdict == PAYS
+    assert a.reasons == ("gpu-limiter", "unique-prompts", "tail-slo", "host-dram")
+
+
+def test_overall_too_little_traffic_and_empty():
+    a = V.assess(window(n=5, usage=lambda i: 1.0))
+    assert a.verdict == TOO_LITTLE
+    empty = V.assess([])
+    assert empty.verdict == TOO_LITTLE and empty.n_samples == 0
+    assert empty.headline.token_share == {} and empty.headline.ttft_p99 is None
+
+
+def test_every_check_names_its_window():
+    a = V.assess(window(n=400), settings=Settings(window_seconds=120))
+    assert a.n_samples == 121 and a.span_seconds == 120 and a.requests == 240
+    for c in a.checks:
+        assert c.verdict in V.VERDICTS
+        assert c.evidence[-1] == "last 120 s, 121 samples, 240 requests"
+
+
+def test_headline_shares_and_seconds_per_tier():
+    h = V.assess(window(spent={"gpu->cpu": 0.004, "cpu->gpu": 0.003, "cpu->disk": 0.001})
+                 ).headline
+    assert h.token_share == {"gpu": 0.3, "cpu": 0.2, "recompute": 0.5}
+    assert h.saved_vs_spent == {"cpu": pytest.approx((1.2, 0.42)),
+                                "disk": pytest.approx((0.0, 0.06))}
+    assert h.ttft_p99 == 0.5 and h.headroom_bytes == 4 * GIB and h.reserve_bytes == GIB
