@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.client
 import json
 import os
 import shutil
@@ -42,6 +43,25 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool
             return False
         time.sleep(interval)
     return True
+
+
+def http_exchange(port: int, method: str, target: str, headers: dict[str, str] | None = None,
+                  body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One raw HTTP request to 127.0.0.1:``port`` on a new connection, headers sent as given
+    (latin-1): (status, lowercase headers, body). A connection the server drops raises here
+    (http.client's RemoteDisconnected, ConnectionResetError)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.putrequest(method, target, skip_accept_encoding=True)
+        for name, value in (headers or {}).items():
+            conn.putheader(name, value.encode("latin-1"))
+        if body is not None:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        answer = conn.getresponse()
+        return answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read()
+    finally:
+        conn.close()
 
 
 def free_port() -> int:

@@ -14,7 +14,6 @@ counted ``invalid`` or ignored.
 from __future__ import annotations
 
 import gzip
-import http.client
 import itertools
 import json
 import math
@@ -33,6 +32,8 @@ from kvscope.agent.config import AgentSettings
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
 from kvscope.service.server import ApiServer, bind
+
+from conftest import http_exchange
 
 REQUEST_ID = "gen_ai.request.id"
 TTFT = "gen_ai.latency.time_to_first_token"
@@ -58,21 +59,9 @@ def served_agent():
         server.shutdown()
 
 
-def send(port: int, body: bytes, headers: dict[str, str], method: str = "POST",
-         path: str = "/v1/traces") -> tuple[int, dict[str, str], bytes]:
-    """One request on a new connection: (status, lowercase headers, body). A connection the
-    server drops raises here (http.client's RemoteDisconnected, ConnectionResetError)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.putrequest(method, path, skip_host=False, skip_accept_encoding=True)
-        for name, value in headers.items():
-            conn.putheader(name, value)
-        conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body)
-        answer = conn.getresponse()
-        return answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read()
-    finally:
-        conn.close()
+def send(port: int, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    """One export POSTed on a new connection: (status, lowercase headers, body)."""
+    return http_exchange(port, "POST", "/v1/traces", headers, body)
 
 
 def _valid_span_body(request_id: str) -> bytes:

@@ -13,7 +13,6 @@ property tests do.
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
 import string
@@ -28,6 +27,8 @@ from kvscope.agent.config import AgentSettings
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
 from kvscope.service.server import ApiServer, bind
+
+from conftest import http_exchange
 
 TOKEN = "s3cret-Tok3n"
 HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -64,26 +65,8 @@ def served(**settings):
         server.shutdown()
 
 
-def send(port: int, method: str, target: str, headers: dict[str, str] | None = None,
-         body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
-    """One request on a new connection: (status, lowercase headers, body). A connection the
-    server drops raises here."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.putrequest(method, target, skip_accept_encoding=True)
-        for name, value in (headers or {}).items():
-            conn.putheader(name, value.encode("latin-1"))
-        if body is not None:
-            conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body)
-        answer = conn.getresponse()
-        return answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read()
-    finally:
-        conn.close()
-
-
 def _still_answers(port: int, headers: dict[str, str] | None = None) -> None:
-    status, _, body = send(port, "GET", "/api/v1/requests?sort=ttft&order=asc", headers)
+    status, _, body = http_exchange(port, "GET", "/api/v1/requests?sort=ttft&order=asc", headers)
     assert status == 200, (status, body[:300])
     assert [r["request_id"] for r in json.loads(body)["requests"]] == ["r0", "r1", "tenant/7"]
 
@@ -177,7 +160,7 @@ def test_random_requests_are_never_answered_with_5xx():
         @given(case=requests())
         def fuzz(case):
             method, target, headers, body = case
-            status, answer_headers, answer = send(port, method, target, headers, body)
+            status, answer_headers, answer = http_exchange(port, method, target, headers, body)
             _check(method, target, status, answer_headers, answer)
 
         fuzz()
@@ -228,7 +211,7 @@ def test_with_a_token_nothing_but_the_token_opens_the_api():
             st.none(), authorizations()))
         def fuzz(path, authorization):
             headers = {} if authorization is None else {"Authorization": authorization}
-            status, answer_headers, answer = send(port, "GET", path, headers)
+            status, answer_headers, answer = http_exchange(port, "GET", path, headers)
             canonical = (authorization is not None
                          and re.fullmatch(r"[ \t]*(?i:bearer) +" + re.escape(TOKEN) + r"[ \t]*",
                                           authorization) is not None)
