@@ -29,7 +29,8 @@ class DemoConfig:
     for the synthetic workload. Pool sizes are in blocks. ``capture_dir``: where the agent
     captures block accesses and requests as Parquet (None: off; the dashboard's Compare page
     reads captures there and nowhere else). ``dashboard_token``: the token the dashboard
-    demands of its visitors (None: open, as on loopback)."""
+    demands of its visitors (None: open, as on loopback). ``one_off_share``: the synthetic
+    workload's share of unique one-off prompts (0-1; 1: no prompt is ever reused)."""
 
     duration: float | None = None
     trace: str | None = None
@@ -45,6 +46,7 @@ class DemoConfig:
     seed: int = 0
     capture_dir: str | None = None
     dashboard_token: str | None = None
+    one_off_share: float = SyntheticConfig.one_off_share
 
 
 def _replay(replayer: Replayer, out, duration: float | None) -> None:
@@ -69,7 +71,8 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         requests, block_tokens = read_mooncake(config.trace), MOONCAKE_BLOCK_TOKENS
     else:
         block_tokens = preset.block_tokens
-        requests = synthetic(SyntheticConfig(seed=config.seed, block_tokens=block_tokens))
+        requests = synthetic(SyntheticConfig(seed=config.seed, block_tokens=block_tokens,
+                                             one_off_share=config.one_off_share))
     if config.metrics_port == config.ui_port:
         raise PortInUse(f"--metrics-port and --ui-port are both {config.ui_port}; give them "
                         "different ports")
