@@ -19,6 +19,7 @@ from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 
 from kvscope.dashboard.access import protect, resolve_roots
 from kvscope.dashboard.backend import AgentBackend, Backend, BackendUnavailable
+from kvscope.dashboard.offload_verdict import Settings as OffloadSettings
 from kvscope.dashboard.pages import compare, overview, requests, sizing, tiers
 from kvscope.dashboard.pages.common import Context
 from kvscope.dashboard.sizing import SizingSource
@@ -35,7 +36,8 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
                sizing_trace: str | None = None, sizing_preset: str = "llama-3-8b",
                sizing_gpu_tokens: int = 0, max_points: int = 720,
                token: str | None = None, capture_roots: Iterable[str | os.PathLike] = (),
-               require_token: str | None = None) -> dash.Dash:
+               require_token: str | None = None,
+               offload_settings: OffloadSettings | None = None) -> dash.Dash:
     """A new Dash app showing the agent at ``api_url`` (e.g. ``http://127.0.0.1:9400``), or
     ``backend`` (e.g. a :class:`~kvscope.dashboard.prometheus.PrometheusBackend`).
 
@@ -45,7 +47,9 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
     ``sizing_gpu_tokens`` tokens. ``max_points``: points per
     series at most. ``token``: the agent's bearer token, when it has one. ``capture_roots``:
     the directories the Compare page may read (none: it reads nothing). ``require_token``: the
-    token every visitor must present (None: open; see :mod:`kvscope.dashboard.access`). Each
+    token every visitor must present (None: open; see :mod:`kvscope.dashboard.access`).
+    ``offload_settings``: the thresholds and TTFT budget of the Overview's "Should I offload
+    here?" (None: the defaults of :class:`~kvscope.dashboard.offload_verdict.Settings`). Each
     call builds an independent app.
     """
     if backend is None:
@@ -54,7 +58,8 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
         backend = AgentBackend(api_url, token=token)
     source = SizingSource(sizing_trace, sizing_preset, sizing_gpu_tokens)
     source.start()
-    ctx = Context(backend, window_seconds, max_points, source, resolve_roots(capture_roots))
+    ctx = Context(backend, window_seconds, max_points, source, resolve_roots(capture_roots),
+                  offload_settings or OffloadSettings())
     app = dash.Dash(__name__, title="kvscope", update_title=None,
                     use_pages=False, pages_folder="")
     app.layout = shell(refresh_seconds, fleet=backend.kind == "prometheus")

@@ -239,9 +239,9 @@ def tail_slo(window: Sequence[Sample], tokens: Mapping[str, float],
              if _number(r.get("promotion_wait")) and _number(r.get("ttft"))]
     ttft_sum = sum(t for _w, t in pairs)
     share = sum(w for w, _t in pairs) / ttft_sum if ttft_sum > 0 else None
-    lines = [f"p99 TTFT {_seconds(p99)} against a budget of {_seconds(s.ttft_budget_seconds)}"
+    lines = [f"p99 TTFT {seconds_text(p99)} against a budget of {seconds_text(s.ttft_budget_seconds)}"
              if p99 is not None else "p99 TTFT: not measured",
-             f"p99 promotion wait {_seconds(wait_p99)}" if wait_p99 is not None
+             f"p99 promotion wait {seconds_text(wait_p99)}" if wait_p99 is not None
              else "p99 promotion wait: no promotions measured",
              f"promotion wait {share:.1%} of TTFT over {len(pairs)} requests (blamed from "
              f"{s.promotion_share_max:.0%})" if share is not None
@@ -347,7 +347,8 @@ def _ratio(value: float) -> str:
     return f"{value:.0%}"
 
 
-def _seconds(value: float | None) -> str:
+def seconds_text(value: float | None) -> str:
+    """"12.3 ms" under a second, "2.50 s" from one, "not measured" for None."""
     if value is None:
         return "not measured"
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"

@@ -242,3 +242,21 @@ def test_headline_shares_and_seconds_per_tier():
     assert h.saved_vs_spent == {"cpu": pytest.approx((1.2, 0.42)),
                                 "disk": pytest.approx((0.0, 0.06))}
     assert h.ttft_p99 == 0.5 and h.headroom_bytes == 4 * GIB and h.reserve_bytes == GIB
+
+
+# --- the view ------------------------------------------------------------------------------
+
+def test_the_view_marks_each_row_with_its_verdict():
+    from kvscope.dashboard import verdict_view
+
+    a = V.assess(window(drop=("preemptions",)), records(30, ttft=0.5, wait=0.01))
+    children = verdict_view.section(a)
+    text = str(children)
+    for c in a.checks:
+        assert f"'id': 'offload-check-{c.key}'" in text or f"id='offload-check-{c.key}'" in text
+    assert "preemptions: not measured (no source reports them)" in text
+    banner = verdict_view.banner(a)
+    assert getattr(banner, "data-verdict") == a.verdict == PAYS
+    cards = {card.id: card.children[1].children for card in verdict_view.cards(a).children}
+    assert cards == {"offload-card-tokens": "50%", "offload-card-savings": "2.9×",
+                     "offload-card-ttft": "500.0 ms", "offload-card-headroom": "4.0 GiB"}

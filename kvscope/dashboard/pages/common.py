@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 from dash import dcc, html
 
 from kvscope.dashboard.backend import Backend, BackendUnavailable
+from kvscope.dashboard.offload_verdict import Settings as OffloadSettings
 from kvscope.dashboard.sizing import SizingSource
 
 GRID_STYLE = {"display": "grid", "gap": "8px", "padding": "8px",
@@ -24,13 +25,15 @@ class Context:
     """Everything a page's callbacks read. ``window_seconds``: seconds of history drawn;
     ``max_points``: points per series at most (older samples are thinned);
     ``capture_roots``: the resolved directories the Compare page may read
-    (:mod:`kvscope.dashboard.access`)."""
+    (:mod:`kvscope.dashboard.access`); ``offload``: the thresholds of the Overview's "Should I
+    offload here?" (:mod:`kvscope.dashboard.offload_verdict`)."""
 
     backend: Backend
     window_seconds: float = 900.0
     max_points: int = 720
     sizing: SizingSource | None = None
     capture_roots: tuple[Path, ...] = ()
+    offload: OffloadSettings = OffloadSettings()
 
 
 def graph(gid: str, figure: go.Figure) -> dcc.Graph:

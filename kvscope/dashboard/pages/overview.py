@@ -1,4 +1,7 @@
-"""The Overview page: does offload pay? Hit quality (rate and share), TTFT and promotion
+"""The Overview page: does offload pay? First, "Should I offload here?": headline stat cards and
+the guide's five "skip offload when" conditions judged from the same data
+(:mod:`kvscope.dashboard.offload_verdict`), read before any chart because it is the question the
+charts below answer in detail. Then hit quality (rate and share), TTFT and promotion
 latency percentiles, transfer throughput against the PCIe link, tier residency against
 capacity and budget, host RAM against the reserve, evictions (and those never reused), and
 prefill seconds saved against transfer seconds spent; and the load they were measured under,
@@ -16,7 +19,7 @@ from collections.abc import Sequence
 import dash
 from dash import Input, Output, html
 
-from kvscope.dashboard import figures, figures_load
+from kvscope.dashboard import figures, figures_load, offload_verdict, verdict_view
 from kvscope.dashboard.backend import Backend, BackendUnavailable
 from kvscope.dashboard.pages.common import (GRID_STYLE, Context, graph, samples_status, status,
                                             unreachable_status)
@@ -47,9 +50,12 @@ RECORDS = 500
 
 
 def layout() -> html.Div:
-    """The status line, then the graphs in a grid (drawn empty until the first refresh)."""
+    """The status line, "Should I offload here?", then the graphs in a grid (drawn empty until
+    the first refresh)."""
     return html.Div([
         status(STATUS_ID),
+        html.Div(verdict_view.placeholder(), id=verdict_view.SECTION_ID,
+                 style={"padding": "0 16px"}),
         html.Div([graph(gid, figures.message_figure(title, "loading…"))
                   for gid, (_build, title) in GRAPHS.items()], style=GRID_STYLE),
     ])
@@ -58,24 +64,29 @@ def layout() -> html.Div:
 def register_callbacks(app: dash.Dash, ctx: Context) -> None:
     """Bind this page's refresh to ``app`` (not Dash's global list)."""
 
-    @app.callback(*[Output(gid, "figure") for gid in GRAPHS], Output(STATUS_ID, "children"),
+    @app.callback(*[Output(gid, "figure") for gid in GRAPHS],
+                  Output(verdict_view.SECTION_ID, "children"), Output(STATUS_ID, "children"),
                   Input("refresh", "n_intervals"), Input("instance", "value"))
     def _refresh(_n: int, instance: str | None) -> tuple:
-        return refresh(ctx.backend, ctx.window_seconds, instance, ctx.max_points)
+        return refresh(ctx.backend, ctx.window_seconds, instance, ctx.max_points, ctx.offload)
 
 
 def refresh(backend: Backend, window_seconds: float, instance: str | None = None,
-            max_points: int = 720) -> tuple:
-    """Read the backend once and render; an unreachable backend gives placeholder figures and
-    a status line saying so (never an exception into Dash)."""
+            max_points: int = 720,
+            offload: offload_verdict.Settings = offload_verdict.Settings()) -> tuple:
+    """Read the backend once and render: (*figures in :data:`GRAPHS` order, the "Should I
+    offload here?" block judged with ``offload``, the status line). An unreachable backend gives
+    placeholders and a status line saying so (never an exception into Dash)."""
     try:
         samples = backend.timeseries(window_seconds, instance)
         _total, records = backend.requests(limit=RECORDS, instance=instance)
     except BackendUnavailable as exc:
         return (*[figures.unreachable_figure(title, exc.url, exc.what)
-                  for _build, title in GRAPHS.values()], unreachable_status(exc))
+                  for _build, title in GRAPHS.values()],
+                verdict_view.placeholder(unreachable_status(exc)), unreachable_status(exc))
     figs = render(samples, window_seconds, max_points, records)
-    return (*figs, samples_status(backend, instance, samples))
+    advice = verdict_view.section(offload_verdict.assess(samples, records, offload))
+    return (*figs, advice, samples_status(backend, instance, samples))
 
 
 def render(samples: Sequence[dict], window_seconds: float, max_points: int = 720,

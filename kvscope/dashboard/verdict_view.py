@@ -1,0 +1,110 @@
+"""The "Should I offload here?" block at the top of the Overview: headline stat cards, the
+overall verdict and the guide's five conditions with their evidence.
+
+Pure: an :class:`~kvscope.dashboard.offload_verdict.Assessment` in, Dash components out. Each
+condition's row has the id ``offload-check-<key>`` and its verdict in ``data-verdict``; the
+banner is ``offload-verdict`` (tests and docs refer to them).
+"""
+
+from __future__ import annotations
+
+from dash import html
+
+from kvscope.dashboard.offload_verdict import (CONDITIONS, GIB, NOT_MEASURED, PAYS, SKIP,
+                                               TOO_LITTLE, Assessment, seconds_text)
+
+SECTION_ID = "offload-advice"
+TITLE = "Should I offload here?"
+VERDICT_COLOURS = {PAYS: "#2ca02c", SKIP: "#d62728", NOT_MEASURED: "#7f7f7f",
+                   TOO_LITTLE: "#e6a000"}
+CARD_STYLE = {"border": "1px solid #ddd", "borderRadius": "6px", "padding": "8px 12px",
+              "minWidth": "220px", "flex": "1"}
+CELL_STYLE = {"borderBottom": "1px solid #eee", "padding": "4px 8px", "verticalAlign": "top",
+              "textAlign": "left"}
+
+
+def placeholder(text: str = "loading…") -> html.Div:
+    """The block before the first refresh, or when the backend cannot be read."""
+    return html.Div([html.H3(TITLE, style={"margin": "4px 0"}), html.Div(text)])
+
+
+def section(a: Assessment) -> list:
+    """The block's children: the title, the stat cards, the overall verdict, the conditions."""
+    return [html.H3(TITLE, style={"margin": "4px 0"}), cards(a), banner(a), table(a)]
+
+
+def badge(verdict: str) -> html.Span:
+    return html.Span(verdict, className="offload-verdict-badge",
+                     style={"background": VERDICT_COLOURS[verdict], "color": "white",
+                            "borderRadius": "4px", "padding": "1px 8px",
+                            "whiteSpace": "nowrap", "fontWeight": "600"})
+
+
+def card(cid: str, title: str, value: str, detail: str, colour: str = "#222") -> html.Div:
+    return html.Div([html.Div(title, style={"color": "#555", "fontSize": "13px"}),
+                     html.Div(value, className="offload-card-value",
+                              style={"fontSize": "22px", "fontWeight": "600",
+                                     "color": colour}),
+                     html.Div(detail, style={"color": "#555", "fontSize": "13px"})],
+                    id=cid, style=CARD_STYLE)
+
+
+def cards(a: Assessment) -> html.Div:
+    """Four cards: prompt tokens reused (and the share by source), prefill seconds saved vs
+    transfer seconds spent per offload tier, p99 TTFT against the budget, host RAM headroom."""
+    h = a.headline
+    reused = sum(v for k, v in h.token_share.items() if k != "recompute")
+    shares = " · ".join(f"{k} {v:.0%}" for k, v in h.token_share.items())
+    tiers = " · ".join(f"{tier} {saved:.2f} s saved / {spent:.2f} s spent"
+                       for tier, (saved, spent) in h.saved_vs_spent.items())
+    over = h.ttft_p99 is not None and h.ttft_p99 > h.ttft_budget
+    return html.Div([
+        card("offload-card-tokens", "prompt tokens from a cache",
+             f"{reused:.0%}" if h.token_share else NOT_MEASURED, shares or "no prompt tokens"),
+        card("offload-card-savings", "prefill seconds saved per transfer second",
+             _net(h.saved_vs_spent), tiers or "no offload tier served or moved anything"),
+        card("offload-card-ttft", "p99 TTFT vs budget",
+             seconds_text(h.ttft_p99), f"budget {seconds_text(h.ttft_budget)}",
+             VERDICT_COLOURS[SKIP] if over else "#222"),
+        card("offload-card-headroom", "host RAM headroom",
+             NOT_MEASURED if h.headroom_bytes is None else f"{h.headroom_bytes / GIB:.1f} GiB",
+             "reserve " + (NOT_MEASURED if h.reserve_bytes is None
+                           else f"{h.reserve_bytes / GIB:.1f} GiB"),
+             VERDICT_COLOURS[SKIP] if (h.headroom_bytes or 0) < 0 else "#222"),
+    ], style={"display": "flex", "gap": "8px", "flexWrap": "wrap", "margin": "6px 0"})
+
+
+def banner(a: Assessment) -> html.Div:
+    """The overall verdict, the conditions behind it and the window."""
+    behind = ", ".join(str(list(CONDITIONS).index(k) + 1) for k in a.reasons)
+    return html.Div([badge(a.verdict),
+                     html.Span(f" overall, from condition{'s' if len(a.reasons) > 1 else ''} "
+                               f"{behind}" if behind else " overall"),
+                     html.Span(f" · last {a.span_seconds:.0f} s, {a.n_samples} samples, "
+                               f"{a.requests:.0f} requests", style={"color": "#555"})],
+                    id="offload-verdict", **{"data-verdict": a.verdict},
+                    style={"margin": "6px 0"})
+
+
+def table(a: Assessment) -> html.Table:
+    """One row per condition: number and the guide's wording, verdict, evidence lines (the
+    last, the window, is in the banner and left out here)."""
+    head = html.Tr([html.Th(t, style=CELL_STYLE) for t in ("skip offload when", "verdict",
+                                                           "evidence")])
+    rows = [html.Tr([html.Td(f"{i}. {c.condition}", style=CELL_STYLE),
+                     html.Td(badge(c.verdict), style=CELL_STYLE),
+                     html.Td([html.Div(line) for line in c.evidence[:-1]],
+                             style={**CELL_STYLE, "fontSize": "13px"})],
+                    id=f"offload-check-{c.key}", **{"data-verdict": c.verdict})
+            for i, c in enumerate(a.checks, 1)]
+    return html.Table([html.Thead(head), html.Tbody(rows)],
+                      style={"borderCollapse": "collapse", "width": "100%"})
+
+
+def _net(saved_vs_spent: dict[str, tuple[float, float]]) -> str:
+    saved = sum(s for s, _ in saved_vs_spent.values())
+    spent = sum(t for _, t in saved_vs_spent.values())
+    if not saved_vs_spent:
+        return NOT_MEASURED
+    return f"{saved / spent:.1f}×" if spent > 0 else f"{saved:.2f} s saved"
+
