@@ -101,6 +101,14 @@ EVICTED_BLOCK_HITS = _histogram("kvscope_evicted_block_hits",
 BLOCK_RESIDENCY_SECONDS = _histogram("kvscope_block_residency_seconds",
     "Age of a block when it is evicted. A sampling source (vLLM's tap) counts each sampled "
     "block for the ones it stands for.", ["tier"], "seconds", RESIDENCY_SECONDS_BUCKETS)
+BLOCK_IDLE_SECONDS = _histogram("kvscope_block_idle_seconds",
+    "Seconds an evicted block had gone unused: since its last hit, or since it was stored if "
+    "never hit; observed at eviction, the signal for sizing a tier (blocks evicted long idle: "
+    "the tier is big enough; evicted soon after a hit: too small). From the reference engine, "
+    "vLLM's tap (its sampled CPU chunks, each counted for the ones it stands for) and vLLM's "
+    "vllm:kv_block_idle_before_evict_seconds (GPU blocks, vLLM's sample as it is: the shape, "
+    "not the number of evictions); absent for a tier no source measures.",
+    ["tier"], "seconds", RESIDENCY_SECONDS_BUCKETS)
 
 # tiers
 TIER_CAPACITY_BYTES = _gauge("kvscope_tier_capacity_bytes",
@@ -223,8 +231,8 @@ BUILD_INFO = _gauge("kvscope_build_info",
 CATALOG: tuple[MetricSpec, ...] = (
     PROMPT_TOKENS, LOOKUP_BLOCKS, PREFILL_SECONDS_SAVED, TRANSFER_BYTES, TRANSFER_BLOCKS,
     TRANSFER_SECONDS, TRANSFER_FAILURES, EVICTED_BLOCKS, DROPPED_BLOCKS, EVICTED_BLOCK_HITS,
-    BLOCK_RESIDENCY_SECONDS, TIER_CAPACITY_BYTES, TIER_RESIDENT_BYTES, TIER_CAPACITY_BLOCKS,
-    TIER_RESIDENT_BLOCKS, REQUESTS, TTFT_SECONDS, PROMOTION_WAIT_SECONDS, ITL_SECONDS,
+    BLOCK_RESIDENCY_SECONDS, BLOCK_IDLE_SECONDS, TIER_CAPACITY_BYTES, TIER_RESIDENT_BYTES,
+    TIER_CAPACITY_BLOCKS, TIER_RESIDENT_BLOCKS, REQUESTS, TTFT_SECONDS, PROMOTION_WAIT_SECONDS, ITL_SECONDS,
     REQUESTS_WAITING, REQUESTS_RUNNING, PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO,
     HOST_MEMORY_TOTAL_BYTES, HOST_MEMORY_AVAILABLE_BYTES, HOST_MEMORY_LIMIT_BYTES,
     HOST_SWAP_USED_BYTES, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,

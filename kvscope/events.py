@@ -172,7 +172,10 @@ class Eviction(_Event, tag="eviction"):
     blocks, but keep ``age`` and ``hits`` out of the residency and hits histograms.
     ``weight``: evicted blocks each of these stands for in those histograms, for a source that
     tracks the age and hits of a sample of 1 in ``weight`` blocks (its unsampled blocks come
-    unmeasured); ``blocks`` itself counts as is.
+    unmeasured); ``blocks`` itself counts as is. ``idle``: seconds each had gone unused when
+    evicted, since its last hit (since it was stored when ``hits`` is 0), the signal for sizing
+    a tier; None when the source does not see it (kept out of the idle histogram, never 0).
+    A source that groups blocks into one event sends their mean ``age`` and mean ``idle``.
     """
 
     tier: Tier
@@ -184,6 +187,7 @@ class Eviction(_Event, tag="eviction"):
     reason: EvictionReason = "capacity"
     measured: bool = True
     weight: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1  # 1 in a million at most
+    idle: Seconds | None = None
 
 
 class TierSnapshot(_Event, tag="tier_snapshot"):
@@ -232,12 +236,37 @@ class LatencyHistogram(_Event, tag="latency_histogram"):
     sum: Seconds = 0.0
 
     def __post_init__(self) -> None:
-        # msgspec turns these into a ValidationError when decoding: the event is invalid
-        if len(self.counts) != len(self.bounds) + 1:
-            raise ValueError(f"a latency histogram has {len(self.bounds)} bounds, so "
-                             f"{len(self.bounds) + 1} counts, not {len(self.counts)}")
-        if any(low >= high for low, high in zip(self.bounds, self.bounds[1:])):
-            raise ValueError("a latency histogram's bounds must ascend")
+        _check_buckets(self.bounds, self.counts)
+
+
+def _check_buckets(bounds: list[float], counts: list[int]) -> None:
+    """ValueError unless ``counts`` has one entry per bucket of ascending ``bounds`` and one
+    above them (msgspec turns it into a ValidationError when decoding: the event is invalid)."""
+    if len(counts) != len(bounds) + 1:
+        raise ValueError(f"a histogram has {len(bounds)} bounds, so "
+                         f"{len(bounds) + 1} counts, not {len(counts)}")
+    if any(low >= high for low, high in zip(bounds, bounds[1:])):
+        raise ValueError("a histogram's bounds must ascend")
+
+
+class IdleHistogram(_Event, tag="idle_histogram"):
+    """Idle seconds before eviction that an engine aggregated itself over a sample of its
+    blocks (vLLM's ``vllm:kv_block_idle_before_evict_seconds`` between two scrapes): each
+    observation is one evicted block's time since its last hit, or since it was stored.
+
+    ``tier``: the tier the blocks left. ``bounds``: the engine's finite bucket upper bounds,
+    seconds, ascending. ``counts``: observations per bucket since the previous event (not
+    cumulative), ``len(bounds) + 1`` entries, the last one above every bound. ``sum``: seconds,
+    the sum of those observations.
+    """
+
+    tier: Tier
+    bounds: list[Seconds]
+    counts: list[Count]
+    sum: Seconds = 0.0
+
+    def __post_init__(self) -> None:
+        _check_buckets(self.bounds, self.counts)
 
 
 class SchedulerStats(_Event, tag="scheduler_stats"):
@@ -265,7 +294,7 @@ class SchedulerStats(_Event, tag="scheduler_stats"):
 
 
 Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished,
-              LatencyHistogram, SchedulerStats]
+              LatencyHistogram, SchedulerStats, IdleHistogram]
 
 
 E = TypeVar("E")

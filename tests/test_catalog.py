@@ -69,7 +69,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
         ev.Transfer(ts=0.0, src="gpu", dst="cpu", blocks=1, bytes=32, duration=1.0, ok=False,
                     reason="io"),
         ev.Transfer(ts=0.0, src="cpu", dst="gpu", blocks=2, bytes=64, duration=0.001),
-        ev.Eviction(ts=0.0, tier="gpu", blocks=1, bytes=32, age=1.0, hits=0),
+        ev.Eviction(ts=0.0, tier="gpu", blocks=1, bytes=32, age=1.0, hits=0, idle=1.0),
         ev.TierSnapshot(ts=0.0, tier="cpu", capacity_bytes=128, resident_bytes=64,
                         capacity_blocks=4, resident_blocks=2),
         ev.RequestFinished(ts=0.0, request_id="r", ttft=0.2, prompt_tokens=8,
@@ -149,7 +149,12 @@ def _golden_agent(tmp_path) -> Agent:
                     request_id="a"),
         ev.Transfer(ts=10.02, src="gpu", dst="cpu", blocks=2, bytes=128, duration=0.002,
                     ok=False, reason="timeout"),
-        ev.Eviction(ts=10.03, tier="cpu", blocks=4, bytes=256, age=42.0, hits=0, weight=4),
+        # a sampled chunk of 4 blocks standing for 4: 16 observations of 42 s idle
+        ev.Eviction(ts=10.03, tier="cpu", blocks=4, bytes=256, age=42.0, hits=0, weight=4,
+                    idle=42.0),
+        # vLLM's sampled GPU blocks between two scrapes: 0.5 s, 2 s and 2 s; 1 over 1800 s
+        ev.IdleHistogram(ts=10.04, tier="gpu", bounds=[1.0, 5.0, 1800.0], counts=[1, 2, 0, 1],
+                         sum=2004.5),
         ev.RequestFinished(ts=10.2, request_id="a", ttft=0.05, prompt_tokens=64,
                            output_tokens=9, itl=0.012),
         ev.SchedulerStats(ts=10.3, waiting=3, running=2, preemptions=4, gpu_kv_usage=0.875),
@@ -162,7 +167,7 @@ def _golden_agent(tmp_path) -> Agent:
                   block_hits={"disk": 1}),
         ev.Transfer(ts=11.0, src="disk", dst="cpu", blocks=1, bytes=64, duration=0.03,
                     request_id="b"),
-        ev.Eviction(ts=11.1, tier="disk", blocks=1, bytes=64, age=3600.0, hits=5),
+        ev.Eviction(ts=11.1, tier="disk", blocks=1, bytes=64, age=3600.0, hits=5, idle=600.0),
         ev.RequestFinished(ts=11.5, request_id="b", ttft=0.4, prompt_tokens=32,
                            output_tokens=1, promotion_wait=0.03),
         # the reference engine never preempts: no preemptions series of its source

@@ -21,6 +21,8 @@ def test_round_trip_keeps_every_event_kind():
         ev.RequestFinished(ts=1.4, request_id="r1", ttft=0.25, prompt_tokens=40, output_tokens=3),
         ev.SchedulerStats(ts=1.5, waiting=4, running=2, preemptions=1, gpu_kv_usage=0.75),
         ev.SchedulerStats(ts=1.6, waiting=0),  # the rest unknown: None, not 0
+        ev.Eviction(ts=1.7, tier="cpu", blocks=2, bytes=64, age=9.0, hits=1, idle=4.0),
+        ev.IdleHistogram(ts=1.8, tier="gpu", bounds=[0.5, 2.0], counts=[1, 0, 2], sum=9.5),
     ]
     decoded = ev.decode_batch(ev.encode_batch(_batch(events)))
     assert decoded.events == events
@@ -74,3 +76,20 @@ def test_truncated_batch_is_refused():
     data = ev.encode_batch(_batch([ev.Lookup(ts=0.0, request_id="r", tokens={"gpu": 1})]))
     with pytest.raises(ev.SchemaError):
         ev.decode_batch(data[:-3])
+
+
+@pytest.mark.parametrize("event", [
+    ev.Eviction(ts=0.0, tier="cpu", blocks=1, bytes=1, age=1.0, hits=0, idle=-1.0),
+    ev.IdleHistogram(ts=0.0, tier="cache", bounds=[1.0], counts=[1, 0]),
+    ev.IdleHistogram(ts=0.0, tier="gpu", bounds=[1.0], counts=[-1, 0]),
+])
+def test_a_negative_idle_time_or_a_bad_idle_histogram_is_invalid(event):
+    with pytest.raises(ev.SchemaError):
+        ev.validate(event)
+
+
+def test_idle_histogram_counts_one_more_than_its_bounds():
+    with pytest.raises(ValueError):
+        ev.IdleHistogram(ts=0.0, tier="gpu", bounds=[1.0, 2.0], counts=[1, 0])
+    with pytest.raises(ValueError):
+        ev.IdleHistogram(ts=0.0, tier="gpu", bounds=[2.0, 1.0], counts=[1, 0, 0])

@@ -201,17 +201,23 @@ def unforwarded() -> dict[str, list[str]]:
 def cpu_run() -> dict:
     """vLLM's CPUOffloadingManager (4 chunks). R1 = k0..k3 misses and stores them; R2 = k0, k1,
     k4, k5 loads k0, k1 and stores k4, k5, evicting k2, k3 (LRU; k0, k1 are pinned by the
-    load); then a cache reset clears k0, k1, k4, k5."""
+    load); then a cache reset clears k0, k1, k4, k5. The tap's clock: R1's step at t, R2's
+    at t + 10 s, the reset at t + 30 s."""
     sent: list = []
     inner = CPUOffloadingManager(num_chunks=CPU_CHUNKS, enable_events=True)
+    start = time.time()
+    now = [start]
     tap = TapManager(inner, sent.append, tokens_per_block=TPB, blocks_per_chunk=1,
-                     bytes_per_block=PAGE, capacity_chunks=CPU_CHUNKS, sample_one_in=1)
+                     bytes_per_block=PAGE, capacity_chunks=CPU_CHUNKS, sample_one_in=1,
+                     clock=lambda: now[0])
     conn = Connector(tap)
     conn.add("r1", [key(i) for i in range(4)])
     hits = conn.step(schedule=["r1"])
+    now[0] = start + 10.0
     conn.add("r2", [key(0), key(1), key(4), key(5)])
     hits |= conn.step(schedule=["r2"], finished=["r1"])
     conn.step(finished=["r2"])
+    now[0] = start + 30.0
     with conn._locked():
         tap.reset_cache()
     if V033:

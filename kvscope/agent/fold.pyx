@@ -34,6 +34,7 @@ from kvscope.vocabulary import (DIRECTIONS, EVICTION_REASONS, FAILURE_REASONS, T
 cdef object _SNAPSHOT = ev.TierSnapshot, _STARTED = ev.RequestStarted, _LOOKUP = ev.Lookup
 cdef object _TRANSFER = ev.Transfer, _EVICTION = ev.Eviction, _LATENCY = ev.LatencyHistogram
 cdef object _FINISHED = ev.RequestFinished, _SCHEDULER = ev.SchedulerStats
+cdef object _IDLE = ev.IdleHistogram
 cdef Py_ssize_t L_BLOCKS = offset_of(ev.Lookup, "blocks")
 cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
 cdef Py_ssize_t L_HITS = offset_of(ev.Lookup, "block_hits")
@@ -56,6 +57,7 @@ cdef Py_ssize_t E_OFFLOADED = offset_of(ev.Eviction, "offloaded")
 cdef Py_ssize_t E_REASON = offset_of(ev.Eviction, "reason")
 cdef Py_ssize_t E_MEASURED = offset_of(ev.Eviction, "measured")
 cdef Py_ssize_t E_WEIGHT = offset_of(ev.Eviction, "weight")
+cdef Py_ssize_t E_IDLE = offset_of(ev.Eviction, "idle")
 cdef Py_ssize_t S_WAITING = offset_of(ev.SchedulerStats, "waiting")
 cdef Py_ssize_t S_RUNNING = offset_of(ev.SchedulerStats, "running")
 cdef Py_ssize_t S_PREEMPTIONS = offset_of(ev.SchedulerStats, "preemptions")
@@ -220,6 +222,7 @@ cdef class Fold:
     cdef Counts _saved_seen  # its values unused: which sources have seconds saved, in order
     cdef list _transfer_seconds  # by direction (src * 4 + dst): _Histogram or None
     cdef list _transfer_order, _hits, _residency, _measured_order
+    cdef list _idle, _idle_order  # by tier: _Histogram or None; the tiers in order first seen
     cdef _Histogram _ttft, _wait, _itl
     cdef int64_t _requests
     cdef double *_recent  # a ring of the last TTFTs, seconds
@@ -239,6 +242,7 @@ cdef class Fold:
             _add(&self._prompt, i, 0)
         self._transfer_seconds, self._transfer_order = [None] * 16, []
         self._hits, self._residency, self._measured_order = [None] * 4, [None] * 4, []
+        self._idle, self._idle_order = [None] * 4, []
         self._ttft = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._wait = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._itl = _Histogram(LATENCY_SECONDS_BUCKETS)
@@ -269,6 +273,7 @@ cdef class Fold:
         cdef _Totals totals
         cdef list finished = [], lookups = []
         cdef RequestRecord record
+        cdef int t
         memset(&totals, 0, sizeof(totals))
         for event in (events if type(events) is list else list(events)):
             kind = type(event)
@@ -293,6 +298,10 @@ cdef class Fold:
                 self._ttft.add_buckets(event.bounds, event.counts, event.sum)
             elif kind is _SCHEDULER:
                 self._scheduler_stats(source, event)
+            elif kind is _IDLE:
+                t = index_of(_TIER_KEYS, event.tier)
+                if t >= 0:
+                    self._idle_of(t).add_buckets(event.bounds, event.counts, event.sum)
         self._count_lookups(&totals)
         cdef double ahead = time.time() + FUTURE
         cdef list kept = [record for record in finished
@@ -399,6 +408,10 @@ cdef class Fold:
              3 * tier + max(0, index_of(_EVICTION_REASONS, field(event, E_REASON))), blocks)
         if not bool_field(event, E_OFFLOADED):
             _add(&self._dropped, tier, blocks)
+        idle = field(event, E_IDLE)
+        weight = kv_saturated_product(blocks, int_field(event, E_WEIGHT))
+        if idle is not None:  # None: the source does not see it (never a 0)
+            self._idle_of(tier).observe(<double>idle, weight, NULL, 0.0)
         if not bool_field(event, E_MEASURED):  # the source cannot see age and hits
             return 0
         if self._hits[tier] is None:
@@ -406,10 +419,17 @@ cdef class Fold:
             self._residency[tier] = _Histogram(RESIDENCY_SECONDS_BUCKETS)
             self._measured_order.append(tier)
         hits, residency = self._hits[tier], self._residency[tier]
-        weight = kv_saturated_product(blocks, int_field(event, E_WEIGHT))
         hits.observe(<double>int_field(event, E_HITS), weight, NULL, 0.0)
         residency.observe(float_field(event, E_AGE), weight, NULL, 0.0)
         return 0
+
+    cdef _Histogram _idle_of(self, int tier):
+        """Tier ``tier``'s idle-before-eviction histogram, made at its first observation (a
+        tier no source measures has none: absent, not 0)."""
+        if self._idle[tier] is None:
+            self._idle[tier] = _Histogram(RESIDENCY_SECONDS_BUCKETS)
+            self._idle_order.append(tier)
+        return self._idle[tier]
 
     cdef int _scheduler_stats(self, str source, object event) except -1:
         """Keep sender ``source``'s scheduler gauges and add its preemptions; a field the
@@ -480,6 +500,8 @@ cdef class Fold:
                                    for t in self._measured_order},
             "block_residency_seconds": {_TIER_KEYS[t]: (<_Histogram>self._residency[t]).state()
                                         for t in self._measured_order},
+            "block_idle_seconds": {_TIER_KEYS[t]: (<_Histogram>self._idle[t]).state()
+                                   for t in self._idle_order},
             "requests": self._requests,
             "ttft_seconds": self._ttft.state(),
             "promotion_wait_seconds": self._wait.state(),

@@ -39,6 +39,7 @@ def snapshot_samples(snap: Snapshot) -> Samples:
         m.DROPPED_BLOCKS: _labelled(snap.dropped_blocks),
         m.EVICTED_BLOCK_HITS: _labelled(snap.evicted_block_hits),
         m.BLOCK_RESIDENCY_SECONDS: _labelled(snap.block_residency_seconds),
+        m.BLOCK_IDLE_SECONDS: _labelled(snap.block_idle_seconds),
         m.TIER_CAPACITY_BYTES: [([t], s.capacity_bytes) for t, s in tiers],
         m.TIER_RESIDENT_BYTES: [([t], s.resident_bytes) for t, s in tiers],
         m.TIER_CAPACITY_BLOCKS: [([t], s.capacity_blocks) for t, s in tiers],

@@ -35,7 +35,8 @@ class Snapshot:
     Bytes and seconds in base units; ``tiers``: dict[tier, TierSnapshot]. The scheduler's
     (:class:`~kvscope.events.SchedulerStats`), keyed by the sender's source and holding only
     the senders that reported each: ``requests_waiting``, ``requests_running`` (requests now),
-    ``preemptions`` (added up since the agent started), ``gpu_kv_cache_usage`` (0 to 1)."""
+    ``preemptions`` (added up since the agent started), ``gpu_kv_cache_usage`` (0 to 1).
+    ``block_idle_seconds``: per tier, only the tiers some source measured idle time of."""
 
     prompt_tokens: dict[str, int]
     lookup_blocks: dict[tuple[str, str], int]
@@ -64,6 +65,7 @@ class Snapshot:
     requests_running: dict[str, int] = field(default_factory=dict)
     preemptions: dict[str, int] = field(default_factory=dict)
     gpu_kv_cache_usage: dict[str, float] = field(default_factory=dict)
+    block_idle_seconds: dict[str, Histogram] = field(default_factory=dict)
 
 
 def _histograms(states: Mapping) -> dict:
@@ -336,6 +338,7 @@ class Pipeline:
                 requests_running=state["requests_running"],
                 preemptions=state["preemptions"],
                 gpu_kv_cache_usage=state["gpu_kv_cache_usage"],
+                block_idle_seconds=_histograms(state["block_idle_seconds"]),
             )
 
     def record_sample(self, ts: float, host_memory_available: float | None, *,

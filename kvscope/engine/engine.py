@@ -198,6 +198,7 @@ class OffloadEngine:
             entry = gpu_get(h)
             if entry is not None:
                 entry.hits += 1
+                entry.last_hit = now
                 gpu_hit(h)
                 hits[0] += 1
                 append(_GPU if in_prefix else _RECOMPUTE)
@@ -220,7 +221,7 @@ class OffloadEngine:
             if in_prefix:
                 centry = cpu_get(h)
                 if centry is not None:
-                    cpu.touch(h)
+                    cpu.touch(h, now)
                     self._moved[PROMOTE] += 1
                     if batch is not None:
                         batch.copy(PROMOTE, cpu, centry.slot, gpu, slot, h, prefill_value(h))
@@ -288,7 +289,7 @@ class OffloadEngine:
 
     def _stage(self, h: int, gpu_slot: int, now: float) -> int:
         """Promote ``h`` from ``disk`` through ``cpu`` into ``gpu_slot``; return its source."""
-        disk_slot = self.disk.touch(h).slot
+        disk_slot = self.disk.touch(h, now).slot
         cpu_slot = self._cpu_slot(h, now)
         if h not in self.disk.policy:  # making room in cpu pushed it off the disk tier
             self.cpu.remove(h)
@@ -325,11 +326,13 @@ class OffloadEngine:
                 now = self._clock()
                 self._evictions.append(ev.Eviction(
                     ts=now, tier=tier.name, blocks=1, bytes=tier.block_bytes,
-                    age=now - entry.stored_at, hits=entry.hits, reason="failed"))
+                    age=now - entry.stored_at, hits=entry.hits, reason="failed",
+                    idle=entry.idle(now)))
 
     def _eviction(self, tier: Tier, resident, now: float, offloaded: bool) -> ev.Eviction:
         return ev.Eviction(ts=now, tier=tier.name, blocks=1, bytes=tier.block_bytes,
-                           age=now - resident.stored_at, hits=resident.hits, offloaded=offloaded)
+                           age=now - resident.stored_at, hits=resident.hits, offloaded=offloaded,
+                           idle=resident.idle(now))
 
     # -- accounting and events --------------------------------------------------------------
 

@@ -15,11 +15,17 @@ from kvscope.engine.policy import make_policy
 
 @dataclass(slots=True)
 class Resident:
-    """Book-keeping of one resident block: its slot, when it was stored (Unix s), hits since."""
+    """Book-keeping of one resident block: its slot, when it was stored (Unix s), hits since,
+    and when the last of them came (Unix s; meaningless while ``hits`` is 0)."""
 
     slot: int
     stored_at: float
     hits: int = 0
+    last_hit: float = 0.0
+
+    def idle(self, now: float) -> float:
+        """Seconds it has gone unused at ``now``: since its last hit, else since stored."""
+        return now - (self.last_hit if self.hits else self.stored_at)
 
 
 class BlockPool:
@@ -113,10 +119,12 @@ class Tier:
     def __len__(self) -> int:
         return len(self.policy)
 
-    def touch(self, block_hash: int) -> Resident:
-        """Record a hit on a resident block (the policy updates its order); return its record."""
+    def touch(self, block_hash: int, now: float) -> Resident:
+        """Record a hit at ``now`` (Unix s) on a resident block (the policy updates its order);
+        return its record."""
         entry = self.policy.get(block_hash)
         entry.hits += 1
+        entry.last_hit = now
         self.policy.hit(block_hash)
         return entry
 

@@ -686,3 +686,23 @@ def test_scheduler_stats_are_kept_per_source_and_absent_until_reported():
     sample = pipeline.record_sample(4.0, None)
     assert (sample["requests_waiting"], sample["requests_running"], sample["preemptions"],
             sample["gpu_kv_cache_usage_ratio"]) == ({"vllm": 7}, {}, {"vllm": 3}, {})
+
+
+def test_idle_time_before_eviction_is_absent_where_no_source_measures_it():
+    """cpu: a sampled chunk of 2 blocks standing for 4 each (8 observations of 30 s) and one
+    block of 0.5 s; gpu: evictions without ``idle`` (KV events: unmeasured; a sender that
+    does not see it) make no idle histogram, not one of zeros, though they count as
+    evictions."""
+    pipeline = Pipeline()
+    pipeline.ingest("vllm", [
+        ev.Eviction(ts=1.0, tier="cpu", blocks=2, bytes=64, age=40.0, hits=1, weight=4,
+                    idle=30.0),
+        ev.Eviction(ts=1.0, tier="cpu", blocks=1, bytes=32, age=0.5, hits=0, idle=0.5),
+        ev.Eviction(ts=1.0, tier="gpu", blocks=3, bytes=96, age=0.0, hits=0, measured=False),
+        ev.Eviction(ts=1.0, tier="gpu", blocks=1, bytes=32, age=2.0, hits=0)])
+    snap = pipeline.snapshot()
+    assert list(snap.block_idle_seconds) == ["cpu"]
+    idle = snap.block_idle_seconds["cpu"]
+    by_bound = dict(zip((*idle.buckets, float("inf")), idle.counts))
+    assert (by_bound[1.0], by_bound[60.0], idle.count, idle.sum) == (1, 8, 9, 240.5)
+    assert snap.evicted_blocks == {("cpu", "capacity"): 3, ("gpu", "capacity"): 4}

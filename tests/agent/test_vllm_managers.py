@@ -51,7 +51,10 @@ def test_cpu_manager_stores_loads_evictions_and_reset(run):
     """CPU tier of 4 chunks of one 16-token block. R1 = k0..k3: 4 blocks missed (64 tokens
     recomputed), stored. R2 = k0, k1, k4, k5: k0, k1 loaded (32 cpu tokens), k4, k5 stored,
     which evicts 2 chunks (k2, k3: the loaded ones are pinned), never loaded. The reset
-    clears the 4 left: k0 and k1 each served one load, k4 and k5 none."""
+    clears the 4 left: k0 and k1 each served one load, k4 and k5 none. Ages and idle times
+    (R1 at t, R2 at t + 10 s, the reset at t + 30 s): k2, k3 stored at t, evicted at t + 10,
+    never loaded: age 10, idle 10; k0, k1 stored at t, loaded at t + 10: age 30, idle 20;
+    k4, k5 stored at t + 10: age 20, idle 20 (never loaded: since stored)."""
     cpu = run["cpu"]
     assert cpu["hits"] == {"r1": 0, "r2": 2} and cpu["errors"] == 0
     events = cpu["events"]
@@ -59,10 +62,14 @@ def test_cpu_manager_stores_loads_evictions_and_reset(run):
     assert lookups == {"r1": ({"recompute": 64}, {"gpu": 0, "cpu": 0}),
                        "r2": ({"cpu": 32, "recompute": 32}, {"gpu": 0, "cpu": 2})}, lookups
     evicted: Counter = Counter()
+    times = {}
     for e in of(events, "Eviction"):
         assert e["tier"] == "cpu" and e["bytes"] == e["blocks"] * PAGE and e["measured"], e
         evicted[e["reason"], e["hits"]] += e["blocks"]
+        times[e["reason"], e["hits"]] = (round(e["age"], 6), round(e["idle"], 6))
     assert evicted == {("capacity", 0): 2, ("cleared", 1): 2, ("cleared", 0): 2}, evicted
+    assert times == {("capacity", 0): (10.0, 10.0), ("cleared", 1): (30.0, 20.0),
+                     ("cleared", 0): (20.0, 20.0)}, times
     assert sorted(e["request_id"] for e in of(events, "RequestFinished")) == ["r1", "r2"]
     last = of(events, "TierSnapshot")[-1]
     assert (last["resident_blocks"], last["capacity_blocks"], last["capacity_bytes"]) == \

@@ -17,6 +17,7 @@ import uvicorn
 
 from kvscope import events as ev
 from kvscope.agent.config import AgentSettings
+from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.vllm_metrics import MetricsMapper, parse, spread
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
@@ -251,7 +252,9 @@ def test_tiers_of_other_types_and_vllms_block_metrics_are_left_out():
     ``tier_label``); ``kvcr`` (KVCR's own DRAM and storage), ``example`` and out-of-tree classes
     name no kvscope tier, so their bytes and queries count nowhere: only fs's 4 chunks of
     writes (8 blocks) and the primary's lookups (6 queries, 2 hits -> 12 blocks, 4 hits) remain.
-    ``vllm:kv_block_*_seconds`` (--kv-cache-metrics, v1/metrics/loggers.py) map to nothing."""
+    ``vllm:kv_block_{lifetime,reuse_gap}_seconds`` (--kv-cache-metrics, v1/metrics/loggers.py)
+    map to nothing; ``idle_before_evict`` to the gpu tier's idle histogram (1 more above every
+    bound, and no sum series: 0)."""
     def text(n):
         tiers = ("1:fs", "2:kvcr", "3:example", "4:MyTier")
         lines = [f'vllm:kv_offload_config_info{{{E},cpu_num_chunks="8",cpu_blocks_per_chunk='
@@ -272,7 +275,9 @@ def test_tiers_of_other_types_and_vllms_block_metrics_are_left_out():
     (lookup,) = [e for e in events if isinstance(e, ev.Lookup)]
     assert (lookup.blocks, lookup.block_hits) == (12, {"cpu": 4, "disk": 0})
     assert _transfers(events) == {("cpu", "disk", 8, 4096, False, True): 1}
-    assert len(events) == 2
+    (idle,) = [e for e in events if isinstance(e, ev.IdleHistogram)]
+    assert (idle.tier, idle.bounds, idle.counts, idle.sum) == ("gpu", [], [1], 0.0)
+    assert len(events) == 3
 
 
 def test_spread_keeps_each_observation_in_its_bucket_and_the_sum():
@@ -823,3 +828,35 @@ def test_vllm_serve_metrics_spans_and_tap_reach_the_agent(vllm_serve):
     assert record.tokens.get("gpu", 0) >= 256 - 32 and record.ttft and len(record.trace_id) == 32
     # counted once joined: after the receiver's wait (6 s), on the agent's sampling thread
     assert wait_until(lambda: agent.pipeline.snapshot().requests == 2, 60)
+
+
+def _idle_scrape(mapper, buckets, total, engine="0"):
+    """One scrape of vLLM's idle-before-evict histogram of engine ``engine`` in vLLM's format
+    (``{le: cumulative count}``, the sum ``total``), and the IdleHistogram events it made."""
+    name = "vllm:kv_block_idle_before_evict_seconds"
+    labels = f'engine="{engine}",model_name="tiny"'
+    text = (f"# HELP {name} Histogram of idle time before KV cache block eviction.\n"
+            f"# TYPE {name} histogram\n"
+            + "".join(f'{name}_bucket{{{labels},le="{le}"}} {n}\n' for le, n in buckets.items())
+            + f"{name}_count{{{labels}}} {buckets['+Inf']}\n{name}_sum{{{labels}}} {total}\n")
+    return [e for e in mapper.map(parse(text), 1.0) if isinstance(e, ev.IdleHistogram)]
+
+
+def test_gpu_idle_before_eviction_comes_as_bucket_deltas():
+    """vLLM's buckets 0.5/2/30/+Inf go 1/1/2/2 (sum 40: the baseline), then 3/6/7/8 (sum
+    130.5): 6 more observations, 2 under 0.5 s, 3 in (0.5, 2], 0 in (2, 30] and 1 above, summing
+    90.5 s, all of the gpu tier. A scrape with nothing new makes no event; the pipeline puts
+    them in its buckets holding their upper bounds: 0.5 -> 1, 2 -> 10."""
+    mapper = MetricsMapper(gpu_snapshot=False)
+    assert _idle_scrape(mapper, {"0.5": 1, "2.0": 1, "30.0": 2, "+Inf": 2}, 40.0) == []
+    (hist,) = _idle_scrape(mapper, {"0.5": 3, "2.0": 6, "30.0": 6, "+Inf": 8}, 130.5)
+    assert (hist.tier, hist.bounds, hist.counts, hist.sum) == \
+        ("gpu", [0.5, 2.0, 30.0], [2, 3, 0, 1], 90.5), hist
+    assert _idle_scrape(mapper, {"0.5": 3, "2.0": 6, "30.0": 6, "+Inf": 8}, 130.5) == []
+    pipeline = Pipeline()
+    pipeline.ingest("vllm_metrics", [hist])
+    idle = pipeline.snapshot().block_idle_seconds
+    assert list(idle) == ["gpu"]
+    by_bound = dict(zip((*idle["gpu"].buckets, float("inf")), idle["gpu"].counts))
+    assert (by_bound[1.0], by_bound[10.0], by_bound[60.0], by_bound[float("inf")]) == (2, 3, 0, 1)
+    assert idle["gpu"].sum == 90.5

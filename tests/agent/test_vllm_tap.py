@@ -174,7 +174,9 @@ assert tap3.unseen_evictions == 8, tap3.unseen_evictions
 # process hashes): two tracked stores of a key each, then an untracked one, the first tracked
 # key loaded once; three new keys (an untracked store) evict all three. Every chunk is counted
 # (3), the untracked one unmeasured; each tracked one stands for 2 in the histograms (weight 2),
-# by its loads. Three more new keys evict those three 10 ms later: unmeasured evictions are
+# by its loads, with its idle time (stored at 100 s, the load at 104 s, evicted at 110 s: 6 s
+# since the load, 10 s for the one never loaded; unmeasured ones have none). Three more new
+# keys evict those three 10 ms later: unmeasured evictions are
 # summed for 50 ms, so they go out as one event, from the emitter's tick once that is over
 # (not before it, and not at the scheduler step's end).
 sent.clear()
@@ -187,6 +189,7 @@ tap5 = TapManager(CPUOffloadingManager(num_chunks=3), emit, tokens_per_block=32,
                   clock=lambda: clock5[0])
 for key in tracked + untracked[:1]:
     tap5.prepare_store([key], ctx); tap5.complete_store([key], ctx)
+clock5[0] = 104.0
 tap5.prepare_load(tracked[:1], ctx); tap5.complete_load(tracked[:1], ctx)
 for clock5[0], batch in ((110.0, untracked[1:4]), (110.01, untracked[4:7])):
     assert len(tap5.prepare_store(batch, ctx).evicted_keys) == 3
@@ -199,10 +202,11 @@ assert len([e for e in sent if isinstance(e, ev.Eviction)]) == 3, sent
 clock5[0] = 110.06
 tap5.tick()
 tap5.shutdown()  # the last word: the tier as it ends
-evictions = [(e.ts, e.blocks, e.measured, e.weight, e.hits, e.age) for e in sent
+evictions = [(e.ts, e.blocks, e.measured, e.weight, e.hits, e.age, e.idle) for e in sent
              if isinstance(e, ev.Eviction)]
-assert sorted(evictions) == [(110.0, 1, False, 1, 0, 0.0), (110.0, 1, True, 2, 0, 10.0),
-                             (110.0, 1, True, 2, 1, 10.0), (110.06, 3, False, 1, 0, 0.0)], evictions
+assert sorted(evictions, key=str) == sorted([
+    (110.0, 1, False, 1, 0, 0.0, None), (110.0, 1, True, 2, 0, 10.0, 10.0),
+    (110.0, 1, True, 2, 1, 10.0, 6.0), (110.06, 3, False, 1, 0, 0.0, None)], key=str), evictions
 snapshot = [e for e in sent if isinstance(e, ev.TierSnapshot)][-1]
 assert snapshot.resident_blocks == 3 and tap5.errors == 0, (snapshot, tap5.errors)
 # while vLLM is idle the emitter's thread calls tick(): a changed tier is reported, at most

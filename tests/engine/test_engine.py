@@ -303,3 +303,35 @@ def test_the_first_requests_blocks_count_as_lookups_in_the_engines_tiers():
     engine.drain()
     assert {key: n for key, n in pipeline.snapshot().lookup_blocks.items() if n} == {
         ("gpu", "miss"): 3, ("cpu", "miss"): 3}
+
+
+def test_idle_time_before_eviction_counts_from_the_last_hit():
+    """gpu holds 2 blocks, cpu 3 (LRU, least recent first); a block's idle time is since its
+    last hit, or since it was stored if it had none (t: the engine's clock, seconds).
+
+    t=0   r0 [A,B]  gpu [A,B]
+    t=10  r1 [A]    gpu hit on A                      gpu [B,A]
+    t=30  r2 [C]    gpu evicts B: age 30, 0 hits, idle 30; cpu [B]
+    t=50  r3 [D]    gpu evicts A: age 50, 1 hit (t=10), idle 40; cpu [B,A]
+    t=60  r4 [B]    gpu evicts C: age 30, idle 30; cpu [B,A,C]; B promoted: a cpu hit at 60,
+                    cpu [A,C,B]
+    t=100 r5 [E]    gpu evicts D: age 50, idle 50; cpu drops A: age 50, idle 50; cpu [C,B,D]
+    t=130 r6 [G]    gpu evicts B (stored at 60): age 70, idle 70 (already in cpu)
+    t=150 r7 [H]    gpu evicts E: age 50, idle 50; cpu drops C: age 90, idle 90
+    t=170 r8 [I]    gpu evicts G: age 40, idle 40; cpu drops B: stored at 30, age 140,
+                    1 hit (t=60): idle 110
+    """
+    G, H, I = 107, 108, 109
+    events, now = [], [0.0]
+    engine = OffloadEngine(TINY, 2, 3, emit=events.append, clock=lambda: now[0])
+    for t, hashes in ((0, (A, B)), (10, (A,)), (30, (C,)), (50, (D,)), (60, (B,)),
+                      (100, (E,)), (130, (G,)), (150, (H,)), (170, (I,))):
+        now[0] = float(t)
+        engine.process(_req(f"r{t}", *hashes))
+    evictions = {tier: [(e.ts, e.age, e.hits, e.idle) for e in _of(events, ev.Eviction)
+                        if e.tier == tier] for tier in ("gpu", "cpu")}
+    assert evictions["gpu"] == [(30, 30, 0, 30), (50, 50, 1, 40), (60, 30, 0, 30),
+                                (100, 50, 0, 50), (130, 70, 0, 70), (150, 50, 0, 50),
+                                (170, 40, 0, 40)], evictions["gpu"]
+    assert evictions["cpu"] == [(100, 50, 0, 50), (150, 90, 0, 90), (170, 140, 1, 110)], \
+        evictions["cpu"]

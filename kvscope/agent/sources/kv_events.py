@@ -29,7 +29,12 @@ are not remembered, so their promotions count as offloads. Promotions into the G
 (cpu->gpu) stay invisible: a loaded GPU block's ``BlockStored`` looks like a computed one (the
 in-process tap reports those).
 
-A hash whose last reference goes is an ``Eviction`` (age and hits unknown: ``measured=False``).
+A hash whose last reference goes is an ``Eviction`` (age and hits unknown: ``measured=False``;
+idle time before eviction unknown too, ``idle`` None: KV events report no hits, neither a GPU
+block's prefix-cache reuse nor a CPU block's load, so the idle time would be the age, which
+makes every reused block look idle since it was stored; and residency keeps reference counts,
+not store times. vLLM's own ``kv_block_idle_before_evict_seconds``, mapped by the vLLM metrics
+source, measures the GPU tier's; the tap the CPU tier's).
 The removal of a hash this source never saw stored is ignored: KV events carry no snapshot, so an
 agent (re)started while vLLM runs cannot know where such a block's copy is (counting it as
 dropped raised false alarms), and residency counts only the blocks stored since it listens.

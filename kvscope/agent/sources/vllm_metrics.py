@@ -59,6 +59,14 @@ it sees is left to it, so that nothing counts twice.
   <tier>->cpu of no bytes per observation (bucket deltas; each placed inside its vLLM bucket:
   :func:`spread`), for ``kvscope_transfer_seconds``: its sum is vLLM's, and so are its buckets
   from 5 ms up, as each holds whole vLLM buckets (vLLM's first one is (0, 5 ms]).
+- ``vllm:kv_block_idle_before_evict_seconds`` (with ``--kv-cache-metrics``; ``v1/core/
+  kv_cache_metrics.py``) -> ``IdleHistogram`` gpu (bucket deltas over the engines): vLLM
+  samples GPU blocks only (1 in 100 by default, ``--kv-cache-metrics-sample``; the rate is not
+  on /metrics) when they are allocated, and observes, when the block pool hands a sampled block
+  out again, the seconds since its last hit (a prefix-cache ``touch``) or its allocation. So
+  the counts are vLLM's sample, the shape of idle times and not how many blocks left, and a
+  block freed before it was cached (no hash) counts too. Its buckets (1 ms .. 30 min) land
+  in kvscope's bucket holding their upper bound.
 - ``vllm:kv_offload_tiering_promotion_job_failures_total{tier}`` /
   ``..._cascade_job_failures_total{tier}`` -> one failed ``Transfer`` <tier>->cpu / cpu-><tier>
   per job (reason ``unknown``: vLLM does not say why).
@@ -70,9 +78,10 @@ mapped), ``allocation_failure``, ``stores_skipped``,
 ``tiering_promotion_allocation_failures`` and ``tiering_backpressure_*`` (stores never made),
 the in-flight gauges (``kv_offload_*_usage_perc``, ``active_*_jobs``), the tiers' read and
 write times (sums only), and ``--kv-cache-metrics``'
-``vllm:kv_block_{lifetime,idle_before_evict,reuse_gap}_seconds`` (sampled GPU blocks: kvscope's
-residency histogram comes with evictions the KV events source counts, and per-block reuse
-cannot be rebuilt from totals).
+``vllm:kv_block_{lifetime,reuse_gap}_seconds`` (sampled GPU blocks: kvscope's residency
+histogram comes with evictions the KV events source counts, and per-block reuse cannot be
+rebuilt from totals); their sibling idle-before-evict histogram is mapped (above), as no other
+source measures a GPU block's idle time.
 
 Parsing (:func:`parse`) and mapping (:class:`MetricsMapper`) do no I/O. The source scrapes with
 httpx every ``interval`` seconds; a failed scrape sets ``kvscope_source_up{source="vllm_metrics"}``
@@ -181,6 +190,7 @@ _TIERING = "vllm:kv_offload_tiering_"
 READ_BYTES, WRITE_BYTES = _TIERING + "read_bytes_total", _TIERING + "write_bytes_total"
 CHUNK_QUERIES, CHUNK_HITS = _TIERING + "chunk_queries_total", _TIERING + "chunk_hits_total"
 PROMOTION_LATENCY = _TIERING + "promotion_latency_seconds"
+IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
 PROMOTION_FAILURES = _TIERING + "promotion_job_failures_total"
 CASCADE_FAILURES = _TIERING + "cascade_job_failures_total"
 # Events one scrape may make of observations and failed jobs (one each): vLLM makes a promotion
@@ -283,6 +293,7 @@ class MetricsMapper:
         hist = self._ttft(samples, ts)
         if hist is not None:
             out.append(hist)
+        out += self._idle(samples, ts)
         if self.gpu_snapshot:
             out += self._gpu(samples, ts)
         if self.cpu_capacity and chunks:
@@ -449,6 +460,15 @@ class MetricsMapper:
             return None
         bounds, counts, total = hist
         return ev.LatencyHistogram(ts=ts, metric="ttft", bounds=bounds, counts=counts, sum=total)
+
+    def _idle(self, samples: Samples, ts: float) -> list[ev.IdleHistogram]:
+        """The GPU blocks' idle seconds before eviction since the last scrape, vLLM's sample
+        over every engine (see the module); [] without the histogram or new observations."""
+        hist = self._histograms(IDLE_BEFORE_EVICT, samples, lambda labels: "gpu").get("gpu")
+        if hist is None or not any(hist[1]):
+            return []
+        bounds, counts, total = hist
+        return [ev.IdleHistogram(ts=ts, tier="gpu", bounds=bounds, counts=counts, sum=total)]
 
     def _histograms(self, name: str, samples: Samples, group: Callable[[dict], str | None],
                     lazy: bool = False) -> dict[str, tuple]:

@@ -15,7 +15,8 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
   connector -> ``cpu`` (``disk`` for keys a tiering manager says came from disk), the rest ->
   ``recompute``).
 - ``Eviction`` of CPU-tier chunks (``prepare_store``'s ``evicted_keys``; with a tiering
-  manager also removals in ``take_events``) with each chunk's age and the loads it served.
+  manager also removals in ``take_events``) with each chunk's age, the loads it served and
+  its idle time (since its last load, or since it was stored if it served none).
   Every chunk is counted; ages and loads are tracked for the chunks of 1 in ``sample_one_in``
   stores (chosen by the hash of the store's first key), whose evictions carry that ``weight``;
   the others are sent unmeasured, summed over at most ``UNMEASURED_EVERY`` seconds (sent by the
@@ -157,6 +158,7 @@ class TapManager(OffloadingManager):
         self._one_in = 1 if multi_tier else sample_one_in
         self._resident: dict[bytes, float] = {}        # tracked key -> stored at (Unix seconds)
         self._hits: Counter[bytes] = Counter()         # tracked key -> loads served (if > 0)
+        self._last_hit: dict[bytes, float] = {}        # the same keys -> last load (Unix s)
         self._chunks = 0  # resident chunks, every one counted
         # untracked chunks evicted since the start, by reason: written by vLLM's thread alone
         # (no lock per eviction); of them, sent (by either thread, under the lock)
@@ -211,13 +213,15 @@ class TapManager(OffloadingManager):
     def prepare_load(self, keys: Collection, req_context):
         spec = self.inner.prepare_load(keys, req_context)
         try:
-            # vLLM loads resident keys only: tracked ones are resident (1 in sample_one_in)
-            hits = self._hits
+            # vLLM loads resident keys only: tracked ones are resident (1 in sample_one_in);
+            # one clock read serves the last-hit times and the request's load start
+            now, hits, last = self._clock(), self._hits, self._last_hit
             for key in filter(self._resident.__contains__, keys):
                 hits[key] = hits.get(key, 0) + 1
+                last[key] = now
             req = self._reqs.get(req_context.req_id)
             if req is not None:
-                req.load_start = self._clock()
+                req.load_start = now
                 if self._multi_tier:
                     if req.sources is None:
                         req.sources = Counter()
@@ -345,6 +349,7 @@ class TapManager(OffloadingManager):
             self._send_unmeasured(now)
             self._chunks = 0
             self._hits.clear()
+            self._last_hit.clear()
             self._snapshot(self._clock(), force=True)
         except Exception as exc:
             self._failed("reset_cache", exc)
@@ -438,6 +443,7 @@ class TapManager(OffloadingManager):
         self._chunks -= len(items) - keep
         resident = self._resident = dict(items[-keep:])
         self._hits = Counter({k: n for k, n in self._hits.items() if k in resident})
+        self._last_hit = {k: t for k, t in self._last_hit.items() if k in resident}
         self._below.intersection_update(resident)
 
     def _finished(self, rid: str) -> None:
@@ -476,11 +482,14 @@ class TapManager(OffloadingManager):
         if not n:
             return
         self._chunks -= n
-        resident, hits = self._resident, self._hits
+        resident, hits, last = self._resident, self._hits, self._last_hit
         if self._multi_tier:  # every key tracked: one never seen stored counts as age 0
             stored = list(map(resident.pop, keys, itertools.repeat(now, n)))
-            counts = list(map(hits.pop, keys, itertools.repeat(0, n))) if hits else ()
-            self._held.append((keys, stored, counts, tier, reason, now))
+            counts = lasts = ()
+            if hits:
+                counts = list(map(hits.pop, keys, itertools.repeat(0, n)))
+                lasts = list(map(last.pop, keys, itertools.repeat(now, n)))
+            self._held.append((keys, stored, counts, lasts, tier, reason, now))
             return
         if resident.keys().isdisjoint(keys):  # none tracked (the usual case: a sample is)
             self._unmeasure(reason, n)
@@ -495,25 +504,30 @@ class TapManager(OffloadingManager):
             if now >= self._unmeasured_at:
                 self._send_unmeasured(now)
         if stored:
-            counts = (list(map(hits.pop, itertools.compress(keys, popped),
-                               itertools.repeat(0, len(stored)))) if hits else ())
-            self._evictions(tier, reason, now, stored, counts, False, self._one_in)
+            counts = lasts = ()
+            if hits:
+                tracked = list(itertools.compress(keys, popped))
+                counts = list(map(hits.pop, tracked, itertools.repeat(0, len(stored))))
+                lasts = list(map(last.pop, tracked, itertools.repeat(now, len(stored))))
+            self._evictions(tier, reason, now, stored, counts, lasts, False, self._one_in)
 
     def _release(self, stored_below) -> None:
         """Emit the held (tiering) evictions: ``offloaded`` for keys a lower tier holds
         (``_below``) or reported storing in this step (``stored_below``)."""
         held, self._held = self._held, []
         below = self._below
-        for keys, stored, hits, tier, reason, now in held:
+        for keys, stored, hits, lasts, tier, reason, now in held:
             flags = [key in below or key in stored_below for key in keys]
             below.difference_update(keys)
             if all(flags) or not any(flags):
-                self._evictions(tier, reason, now, stored, hits, flags[0])
+                self._evictions(tier, reason, now, stored, hits, lasts, flags[0])
                 continue
             for offloaded in (True, False):
                 pick = [flag is offloaded for flag in flags]
                 self._evictions(tier, reason, now, list(itertools.compress(stored, pick)),
-                                list(itertools.compress(hits, pick)) if hits else (), offloaded)
+                                list(itertools.compress(hits, pick)) if hits else (),
+                                list(itertools.compress(lasts, pick)) if hits else (),
+                                offloaded)
 
     def _unmeasure(self, reason: str, chunks: int) -> None:
         """Count untracked chunks evicted (vLLM's thread only, so no lock)."""
@@ -532,39 +546,46 @@ class TapManager(OffloadingManager):
             if chunks > 0:
                 self._eviction(now, "cpu", reason, 0, chunks, 0.0, measured=False)
 
-    def _evictions(self, tier: str, reason: str, now: float, stored: list, hits,
+    def _evictions(self, tier: str, reason: str, now: float, stored: list, hits, lasts,
                    offloaded: bool, weight: int = 1) -> None:
-        """One Eviction per distinct hit count (the event carries one ``hits`` for its blocks)."""
+        """One Eviction per distinct hit count (the event carries one ``hits`` for its blocks),
+        with the chunks' mean age and mean idle time. ``stored``, ``hits``, ``lasts``: per
+        chunk, when stored, loads served and the last load's time (``hits``, ``lasts``: () when
+        none was loaded)."""
         n = len(stored)
         if not n:
             return
-        if not any(hits):  # max(): float rounding must not make an age negative
-            self._eviction(now, tier, reason, 0, n, max(0.0, now - sum(stored) / n), offloaded,
-                           weight=weight)
+        if not any(hits):  # never loaded: idle since stored; max(): rounding must not go < 0
+            age = max(0.0, now - sum(stored) / n)
+            self._eviction(now, tier, reason, 0, n, age, offloaded, weight=weight, idle=age)
             return
         # Most evicted chunks were never loaded: only the loaded ones are grouped in Python.
         hit_counts = list(itertools.compress(hits, hits))
         hit_stored = list(itertools.compress(stored, hits))
-        groups = {0: [n - len(hit_counts), sum(stored) - sum(hit_stored)]}  # count: [chunks, sum]
-        for count, at in zip(hit_counts, hit_stored):
+        hit_lasts = list(itertools.compress(lasts, hits))
+        unloaded = sum(stored) - sum(hit_stored)
+        # count: [chunks, sum of stored-at, sum of last-used-at]
+        groups = {0: [n - len(hit_counts), unloaded, unloaded]}
+        for count, at, used in zip(hit_counts, hit_stored, hit_lasts):
             group = groups.get(count)
             if group is None:
-                groups[count] = [1, at]
+                groups[count] = [1, at, used]
             else:
                 group[0] += 1
                 group[1] += at
-        for count, (chunks, total) in groups.items():
+                group[2] += used
+        for count, (chunks, total, used) in groups.items():
             if chunks:
                 self._eviction(now, tier, reason, count, chunks, max(0.0, now - total / chunks),
-                               offloaded, weight=weight)
+                               offloaded, weight=weight, idle=max(0.0, now - used / chunks))
 
     def _eviction(self, now: float, tier: str, reason: str, hits: int, chunks: int,
                   age: float, offloaded: bool = False, *, measured: bool = True,
-                  weight: int = 1) -> None:
+                  weight: int = 1, idle: float | None = None) -> None:
         blocks = chunks * self._bpc
         self._emit(ev.Eviction(ts=now, tier=tier, blocks=blocks, bytes=blocks * self._block_bytes,
                                age=age, hits=hits, offloaded=offloaded, reason=reason,
-                               measured=measured, weight=weight))
+                               measured=measured, weight=weight, idle=idle))
 
     def _manager_events(self, events) -> None:
         now = self._clock()

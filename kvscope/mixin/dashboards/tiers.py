@@ -61,12 +61,20 @@ def tiers(cfg: MixinConfig) -> dict:
                Q(hist("kvscope_evicted_block_hits", 0.9, "tier"), "{{tier}} p90")),
               unit="short", width=8),
             P("Block age at eviction (median, p95)", "How long blocks stayed in each tier: "
-              "how far back in time the tier reaches, the signal for sizing it. A prefix reused "
-              "after a longer gap than this misses the tier; a larger tier holds blocks longer. "
-              "(The idle time since a block's last hit is not measured.)",
+              "how far back in time the tier reaches. A prefix reused after a longer gap than "
+              "this misses the tier; a larger tier holds blocks longer.",
               (Q(hist("kvscope_block_residency_seconds", 0.5, "tier"), "{{tier}} median"),
                Q(hist("kvscope_block_residency_seconds", 0.95, "tier"), "{{tier}} p95")),
-              unit="s", width=8),
+              unit="s", width=12),
+            P("Idle time before eviction (median, p95)", "How long an evicted block had gone "
+              "unused: since its last hit, or since it was stored if never hit. The signal for "
+              "sizing a tier: blocks evicted soon after a hit were still in use (the tier is "
+              "too small); a long idle time means room to spare. gpu from vLLM's sampled "
+              "blocks (--kv-cache-metrics), cpu from the tap's sampled chunks; a tier no source "
+              "measures has no series.",
+              (Q(hist("kvscope_block_idle_seconds", 0.5, "tier"), "{{tier}} median"),
+               Q(hist("kvscope_block_idle_seconds", 0.95, "tier"), "{{tier}} p95")),
+              unit="s", width=12),
         )),
         Row("Transfers", (
             P("Transfer throughput", "Bytes copied between tiers per second (recording rule): "
