@@ -109,6 +109,14 @@ BLOCK_IDLE_SECONDS = _histogram("kvscope_block_idle_seconds",
     "vllm:kv_block_idle_before_evict_seconds (GPU blocks, vLLM's sample as it is: the shape, "
     "not the number of evictions); absent for a tier no source measures.",
     ["tier"], "seconds", RESIDENCY_SECONDS_BUCKETS)
+STORE_ADMISSIONS = _counter("kvscope_store_admissions_total",
+    "KV blocks offered to a tier for storing, by result (blocks, not chunks or calls): stored "
+    "(written there), skipped (declined unwritten, by the admission policy, e.g. a store "
+    "threshold or minimum priority, or because the tier could not make room), failed "
+    "(admitted, but the write failed). From the reference engine (cpu and disk), vLLM's tap "
+    "(cpu: stored and failed store jobs, skipped when vLLM's manager could not make room) and "
+    "vLLM's vllm:kv_offload_stores_skipped (cpu: skipped by its store threshold); a result no "
+    "source reports is absent.", ["tier", "result"])
 
 # tiers
 TIER_CAPACITY_BYTES = _gauge("kvscope_tier_capacity_bytes",
@@ -231,8 +239,9 @@ BUILD_INFO = _gauge("kvscope_build_info",
 CATALOG: tuple[MetricSpec, ...] = (
     PROMPT_TOKENS, LOOKUP_BLOCKS, PREFILL_SECONDS_SAVED, TRANSFER_BYTES, TRANSFER_BLOCKS,
     TRANSFER_SECONDS, TRANSFER_FAILURES, EVICTED_BLOCKS, DROPPED_BLOCKS, EVICTED_BLOCK_HITS,
-    BLOCK_RESIDENCY_SECONDS, BLOCK_IDLE_SECONDS, TIER_CAPACITY_BYTES, TIER_RESIDENT_BYTES,
-    TIER_CAPACITY_BLOCKS, TIER_RESIDENT_BLOCKS, REQUESTS, TTFT_SECONDS, PROMOTION_WAIT_SECONDS, ITL_SECONDS,
+    BLOCK_RESIDENCY_SECONDS, BLOCK_IDLE_SECONDS, STORE_ADMISSIONS, TIER_CAPACITY_BYTES,
+    TIER_RESIDENT_BYTES, TIER_CAPACITY_BLOCKS, TIER_RESIDENT_BLOCKS, REQUESTS, TTFT_SECONDS,
+    PROMOTION_WAIT_SECONDS, ITL_SECONDS,
     REQUESTS_WAITING, REQUESTS_RUNNING, PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO,
     HOST_MEMORY_TOTAL_BYTES, HOST_MEMORY_AVAILABLE_BYTES, HOST_MEMORY_LIMIT_BYTES,
     HOST_SWAP_USED_BYTES, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,

@@ -269,6 +269,22 @@ class IdleHistogram(_Event, tag="idle_histogram"):
         _check_buckets(self.bounds, self.counts)
 
 
+class Admission(_Event, tag="admission"):
+    """Blocks offered to ``tier`` for storing since the sender's previous ``Admission`` of that
+    tier (deltas, never cumulative), by outcome; blocks, not chunks or calls.
+
+    ``stored``: written into the tier. ``skipped``: declined without a write, by the admission
+    policy (a store threshold, a minimum priority) or because the tier could not make room.
+    ``failed``: admitted, but the write failed. None: the sender does not see that outcome
+    (its series stays absent, never a 0); 0: it saw none.
+    """
+
+    tier: Tier
+    stored: Count | None = None
+    skipped: Count | None = None
+    failed: Count | None = None
+
+
 class SchedulerStats(_Event, tag="scheduler_stats"):
     """What an engine's scheduler holds now, and what it preempted since its last report: the
     signal that says whether GPU memory is the limiter (a queue that grows, preemptions, a GPU
@@ -294,7 +310,7 @@ class SchedulerStats(_Event, tag="scheduler_stats"):
 
 
 Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished,
-              LatencyHistogram, SchedulerStats, IdleHistogram]
+              LatencyHistogram, SchedulerStats, IdleHistogram, Admission]
 
 
 E = TypeVar("E")

@@ -9,6 +9,9 @@ module imports them from here (``events.py`` re-exports the ones its schema uses
 - **direction**: a transfer's ``(src, dst)`` tiers.
 - **eviction reason**: why blocks left a tier (``capacity``: made room; ``cleared``: a cache
   reset; ``failed``: a store that failed).
+- **admission result**: what became of blocks offered to a tier for storing (``stored``:
+  written there; ``skipped``: declined unwritten, by the admission policy or for want of room;
+  ``failed``: admitted, but the write failed).
 - **failure reason**: why a transfer failed; a label, so the set is fixed (any other reason
   counts as ``other``).
 - **tap error reason**: what an in-engine tap could not observe (``internal``: its own code
@@ -25,10 +28,12 @@ from typing import Literal, get_args
 Tier = Literal["gpu", "cpu", "disk", "remote"]
 TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
 EvictionReason = Literal["capacity", "cleared", "failed"]
+AdmissionResult = Literal["stored", "skipped", "failed"]
 
 TIERS: tuple[str, ...] = get_args(Tier)
 TOKEN_SOURCES: tuple[str, ...] = get_args(TokenSource)
 EVICTION_REASONS: tuple[str, ...] = get_args(EvictionReason)
+ADMISSION_RESULTS: tuple[str, ...] = get_args(AdmissionResult)
 DIRECTIONS: tuple[tuple[str, str], ...] = tuple((src, dst) for src in TIERS for dst in TIERS)
 FAILURE_REASONS: tuple[str, ...] = ("checksum", "corrupt", "disk_full", "io", "missing",
                                     "permission", "timeout", "truncated", "unknown", "other")

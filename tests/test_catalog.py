@@ -70,6 +70,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
                     reason="io"),
         ev.Transfer(ts=0.0, src="cpu", dst="gpu", blocks=2, bytes=64, duration=0.001),
         ev.Eviction(ts=0.0, tier="gpu", blocks=1, bytes=32, age=1.0, hits=0, idle=1.0),
+        ev.Admission(ts=0.0, tier="cpu", stored=1, skipped=0, failed=0),
         ev.TierSnapshot(ts=0.0, tier="cpu", capacity_bytes=128, resident_bytes=64,
                         capacity_blocks=4, resident_blocks=2),
         ev.RequestFinished(ts=0.0, request_id="r", ttft=0.2, prompt_tokens=8,
@@ -155,6 +156,8 @@ def _golden_agent(tmp_path) -> Agent:
         # vLLM's sampled GPU blocks between two scrapes: 0.5 s, 2 s and 2 s; 1 over 1800 s
         ev.IdleHistogram(ts=10.04, tier="gpu", bounds=[1.0, 5.0, 1800.0], counts=[1, 2, 0, 1],
                          sum=2004.5),
+        # the tap's store outcomes in blocks: cpu 6 stored, 2 skipped (no room), 2 failed
+        ev.Admission(ts=10.05, tier="cpu", stored=6, skipped=2, failed=2),
         ev.RequestFinished(ts=10.2, request_id="a", ttft=0.05, prompt_tokens=64,
                            output_tokens=9, itl=0.012),
         ev.SchedulerStats(ts=10.3, waiting=3, running=2, preemptions=4, gpu_kv_usage=0.875),

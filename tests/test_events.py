@@ -23,6 +23,8 @@ def test_round_trip_keeps_every_event_kind():
         ev.SchedulerStats(ts=1.6, waiting=0),  # the rest unknown: None, not 0
         ev.Eviction(ts=1.7, tier="cpu", blocks=2, bytes=64, age=9.0, hits=1, idle=4.0),
         ev.IdleHistogram(ts=1.8, tier="gpu", bounds=[0.5, 2.0], counts=[1, 0, 2], sum=9.5),
+        ev.Admission(ts=1.9, tier="cpu", stored=3, skipped=1, failed=0),
+        ev.Admission(ts=1.9, tier="cpu", skipped=2),  # stored, failed unseen: None, not 0
     ]
     decoded = ev.decode_batch(ev.encode_batch(_batch(events)))
     assert decoded.events == events
@@ -82,6 +84,8 @@ def test_truncated_batch_is_refused():
     ev.Eviction(ts=0.0, tier="cpu", blocks=1, bytes=1, age=1.0, hits=0, idle=-1.0),
     ev.IdleHistogram(ts=0.0, tier="cache", bounds=[1.0], counts=[1, 0]),
     ev.IdleHistogram(ts=0.0, tier="gpu", bounds=[1.0], counts=[-1, 0]),
+    ev.Admission(ts=0.0, tier="cpu", skipped=-1),
+    ev.Admission(ts=0.0, tier="cache", stored=1),
 ])
 def test_a_negative_idle_time_or_a_bad_idle_histogram_is_invalid(event):
     with pytest.raises(ev.SchemaError):

@@ -230,6 +230,38 @@ def cpu_run() -> dict:
     return out
 
 
+def admission_run() -> dict:
+    """vLLM's CPUOffloadingManager (4 chunks of 1 block): what became of each store offered.
+    R1 = k0, k1 stored (2). A store of k2 completes with success=False (1 failed). Then k3, k4
+    are stored (2; the tier is full) and, with k0, k1 pinned by a load, a store of k5, k6, k7
+    needs 3 chunks where only k3, k4 can go: vLLM's manager answers None (3 skipped). The
+    tap's tick a second after the failed store sends the first delta; shutdown the rest."""
+    sent: list = []
+    inner = CPUOffloadingManager(num_chunks=CPU_CHUNKS, enable_events=True)
+    now = [time.time()]
+    tap = TapManager(inner, sent.append, tokens_per_block=TPB, blocks_per_chunk=1,
+                     bytes_per_block=PAGE, capacity_chunks=CPU_CHUNKS, sample_one_in=1,
+                     clock=lambda: now[0])
+    conn = Connector(tap)
+    conn.add("r1", [key(0), key(1)])
+    conn.step(schedule=["r1"])
+    conn.add("r2", [key(i) for i in range(2, 8)])
+    ctx = conn.requests["r2"][0]
+    with conn._locked():
+        out = tap.prepare_store([key(2)], ctx)
+        tap.complete_store(out.keys_to_store, ctx, success=False)
+    now[0] += 1.0
+    tap.tick()
+    with conn._locked():
+        out = tap.prepare_store([key(3), key(4)], ctx)
+        tap.complete_store(out.keys_to_store, ctx)
+        tap.prepare_load([key(0), key(1)], ctx)  # pinned until complete_load
+        skipped = tap.prepare_store([key(5), key(6), key(7)], ctx)
+        tap.complete_load([key(0), key(1)], ctx)
+    tap.shutdown()
+    return {"skipped_is_none": skipped is None, "events": events(sent), "errors": tap.errors}
+
+
 def tiering_run(root: str) -> dict:
     """vLLM's TieringOffloadingSpec (CPU tier of 4 chunks over its fs tier, KV events on),
     built through kvscope's spec; the tap driven as vLLM's connector drives it:
@@ -347,7 +379,8 @@ def docs_run(doc: Path) -> list[dict]:
 def main() -> None:
     out_path, root = sys.argv[1], sys.argv[2]
     result = {"vllm": vllm.__version__, "order": "0.33" if V033 else "0.32",
-              "unforwarded": unforwarded(), "cpu": cpu_run(), "tiering": tiering_run(root),
+              "unforwarded": unforwarded(), "cpu": cpu_run(), "admission": admission_run(),
+              "tiering": tiering_run(root),
               "worker": worker_run(),
               "docs": docs_run(Path(__file__).resolve().parent.parent / "docs" / "vllm.md")}
     Path(out_path).write_text(json.dumps(result, default=str))

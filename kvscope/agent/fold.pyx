@@ -28,13 +28,13 @@ from kvscope.agent.slots cimport bool_field, field, float_field, index_of, int_f
 from kvscope.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCKETS,
                                       RESIDENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS)
 # TIERS is also the top-down order lookups cascade in
-from kvscope.vocabulary import (DIRECTIONS, EVICTION_REASONS, FAILURE_REASONS, TIERS,
-                                TOKEN_SOURCES)
+from kvscope.vocabulary import (ADMISSION_RESULTS, DIRECTIONS, EVICTION_REASONS,
+                                FAILURE_REASONS, TIERS, TOKEN_SOURCES)
 
 cdef object _SNAPSHOT = ev.TierSnapshot, _STARTED = ev.RequestStarted, _LOOKUP = ev.Lookup
 cdef object _TRANSFER = ev.Transfer, _EVICTION = ev.Eviction, _LATENCY = ev.LatencyHistogram
 cdef object _FINISHED = ev.RequestFinished, _SCHEDULER = ev.SchedulerStats
-cdef object _IDLE = ev.IdleHistogram
+cdef object _IDLE = ev.IdleHistogram, _ADMISSION = ev.Admission
 cdef Py_ssize_t L_BLOCKS = offset_of(ev.Lookup, "blocks")
 cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
 cdef Py_ssize_t L_HITS = offset_of(ev.Lookup, "block_hits")
@@ -203,6 +203,7 @@ cdef tuple _FAILURE_KEYS = tuple((src, dst, reason) for src, dst in _DIRECTIONS
                                  for reason in FAILURE_REASONS)
 cdef tuple _EVICTION_KEYS = tuple((tier, reason) for tier in TIERS for reason in EVICTION_REASONS)
 cdef tuple _TIER_KEYS = tuple(TIERS)
+cdef tuple _ADMISSION_KEYS = tuple((tier, result) for tier in TIERS for result in ADMISSION_RESULTS)
 cdef tuple _SOURCE_KEYS = TOKEN_SOURCES
 
 
@@ -218,6 +219,7 @@ cdef class Fold:
     cdef readonly RequestAssembler assembler
     cdef double _prefill_rate
     cdef Counts _prompt, _lookups, _bytes, _blocks, _failures, _evicted, _dropped
+    cdef Counts _admissions  # by (tier, result): _ADMISSION_KEYS
     cdef double _saved[4]
     cdef Counts _saved_seen  # its values unused: which sources have seconds saved, in order
     cdef list _transfer_seconds  # by direction (src * 4 + dst): _Histogram or None
@@ -302,6 +304,8 @@ cdef class Fold:
                 t = index_of(_TIER_KEYS, event.tier)
                 if t >= 0:
                     self._idle_of(t).add_buckets(event.bounds, event.counts, event.sum)
+            elif kind is _ADMISSION:
+                self._admission(event)
         self._count_lookups(&totals)
         cdef double ahead = time.time() + FUTURE
         cdef list kept = [record for record in finished
@@ -423,6 +427,17 @@ cdef class Fold:
         residency.observe(float_field(event, E_AGE), weight, NULL, 0.0)
         return 0
 
+    cdef int _admission(self, object event) except -1:
+        """Add an Admission's blocks per result; a result it leaves None (not seen) stays
+        absent, a 0 makes its series appear."""
+        cdef int tier = index_of(_TIER_KEYS, event.tier)
+        if tier < 0:
+            return 0
+        for i, n in enumerate((event.stored, event.skipped, event.failed)):
+            if n is not None:
+                _add(&self._admissions, 3 * tier + i, n)
+        return 0
+
     cdef _Histogram _idle_of(self, int tier):
         """Tier ``tier``'s idle-before-eviction histogram, made at its first observation (a
         tier no source measures has none: absent, not 0)."""
@@ -496,6 +511,7 @@ cdef class Fold:
             "transfer_failures": _as_dict(&self._failures, _FAILURE_KEYS),
             "evicted_blocks": _as_dict(&self._evicted, _EVICTION_KEYS),
             "dropped_blocks": _as_dict(&self._dropped, _TIER_KEYS),
+            "store_admissions": _as_dict(&self._admissions, _ADMISSION_KEYS),
             "evicted_block_hits": {_TIER_KEYS[t]: (<_Histogram>self._hits[t]).state()
                                    for t in self._measured_order},
             "block_residency_seconds": {_TIER_KEYS[t]: (<_Histogram>self._residency[t]).state()

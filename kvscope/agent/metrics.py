@@ -40,6 +40,7 @@ def snapshot_samples(snap: Snapshot) -> Samples:
         m.EVICTED_BLOCK_HITS: _labelled(snap.evicted_block_hits),
         m.BLOCK_RESIDENCY_SECONDS: _labelled(snap.block_residency_seconds),
         m.BLOCK_IDLE_SECONDS: _labelled(snap.block_idle_seconds),
+        m.STORE_ADMISSIONS: _labelled(snap.store_admissions),
         m.TIER_CAPACITY_BYTES: [([t], s.capacity_bytes) for t, s in tiers],
         m.TIER_RESIDENT_BYTES: [([t], s.resident_bytes) for t, s in tiers],
         m.TIER_CAPACITY_BLOCKS: [([t], s.capacity_blocks) for t, s in tiers],

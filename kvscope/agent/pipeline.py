@@ -36,7 +36,9 @@ class Snapshot:
     (:class:`~kvscope.events.SchedulerStats`), keyed by the sender's source and holding only
     the senders that reported each: ``requests_waiting``, ``requests_running`` (requests now),
     ``preemptions`` (added up since the agent started), ``gpu_kv_cache_usage`` (0 to 1).
-    ``block_idle_seconds``: per tier, only the tiers some source measured idle time of."""
+    ``block_idle_seconds``: per tier, only the tiers some source measured idle time of.
+    ``store_admissions``: blocks offered for storing by (tier, result), added up since the agent
+    started (:class:`~kvscope.events.Admission`), only the results some source reported."""
 
     prompt_tokens: dict[str, int]
     lookup_blocks: dict[tuple[str, str], int]
@@ -66,6 +68,7 @@ class Snapshot:
     preemptions: dict[str, int] = field(default_factory=dict)
     gpu_kv_cache_usage: dict[str, float] = field(default_factory=dict)
     block_idle_seconds: dict[str, Histogram] = field(default_factory=dict)
+    store_admissions: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 def _histograms(states: Mapping) -> dict:
@@ -339,6 +342,7 @@ class Pipeline:
                 preemptions=state["preemptions"],
                 gpu_kv_cache_usage=state["gpu_kv_cache_usage"],
                 block_idle_seconds=_histograms(state["block_idle_seconds"]),
+                store_admissions=state["store_admissions"],
             )
 
     def record_sample(self, ts: float, host_memory_available: float | None, *,

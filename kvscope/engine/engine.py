@@ -43,6 +43,8 @@ from kvscope.vocabulary import LOCAL_TIERS, TOKEN_SOURCES
 
 DEFAULT_PRIORITY = 35
 _DIRECTION = {SPILL: "cpu->disk", OFFLOAD: "gpu->cpu", STAGE: "disk->cpu", PROMOTE: "cpu->gpu"}
+# a store into a lower tier (offload, spill) -> its index in _report_admissions: cpu, disk
+_STORES = {("gpu", "cpu"): 0, ("cpu", "disk"): 1}
 _GPU, _CPU, _DISK, _RECOMPUTE = 0, 1, 2, 3
 _SOURCE_NAMES = TOKEN_SOURCES  # by the indices above
 
@@ -149,6 +151,9 @@ class OffloadEngine:
         self._batch: CopyBatcher | None = None
         self._evictions: list[ev.Eviction] = []
         self._failed: set[int] = set()
+        # blocks the admission policy declined, cpu and disk, not yet reported (an Admission
+        # event per tier at the next finished request, with that request's stored and failed)
+        self._skipped = [0, 0]
         self._tiers_reported = False
         self._inflight: deque[tuple[ev.RequestStarted, list, RequestOutcome]] = deque()
 
@@ -250,12 +255,16 @@ class OffloadEngine:
         stats.evictions["gpu"] += 1
         cpu = self.cpu
         offloaded = v in cpu.policy
-        if not offloaded and cpu.capacity_blocks and self._admitted(v):
-            cpu_slot = self._cpu_slot(v, now)  # spills the cpu victim first (reads its slot)
-            self._moved[OFFLOAD] += 1
-            if self._batch is not None:
-                self._batch.copy(OFFLOAD, self.gpu, gpu_slot, cpu, cpu_slot, v, prefill_value(v))
-            offloaded = True
+        if not offloaded and cpu.capacity_blocks:
+            if self._admitted(v):
+                cpu_slot = self._cpu_slot(v, now)  # spills the cpu victim first (reads its slot)
+                self._moved[OFFLOAD] += 1
+                if self._batch is not None:
+                    self._batch.copy(OFFLOAD, self.gpu, gpu_slot, cpu, cpu_slot, v,
+                                     prefill_value(v))
+                offloaded = True
+            else:
+                self._skipped[0] += 1
         if offloaded:
             stats.offloaded["gpu"] += 1
         if self._emit is not None:
@@ -271,16 +280,19 @@ class OffloadEngine:
         stats.evictions["cpu"] += 1
         disk = self.disk
         offloaded = v in disk.policy
-        if not offloaded and disk.capacity_blocks and self._admitted(v):
-            disk_slot, dropped = disk.insert(v, now)
-            if dropped is not None:
-                stats.evictions["disk"] += 1
-                if self._emit is not None:
-                    self._evictions.append(self._eviction(disk, dropped[1], now, False))
-            self._moved[SPILL] += 1
-            if self._batch is not None:
-                self._batch.copy(SPILL, self.cpu, slot, disk, disk_slot, v, prefill_value(v))
-            offloaded = True
+        if not offloaded and disk.capacity_blocks:
+            if self._admitted(v):
+                disk_slot, dropped = disk.insert(v, now)
+                if dropped is not None:
+                    stats.evictions["disk"] += 1
+                    if self._emit is not None:
+                        self._evictions.append(self._eviction(disk, dropped[1], now, False))
+                self._moved[SPILL] += 1
+                if self._batch is not None:
+                    self._batch.copy(SPILL, self.cpu, slot, disk, disk_slot, v, prefill_value(v))
+                offloaded = True
+            else:
+                self._skipped[1] += 1
         if offloaded:
             stats.offloaded["cpu"] += 1
         if self._emit is not None:
@@ -447,6 +459,7 @@ class OffloadEngine:
                              duration=seconds, ok=r.ok, reason=r.reason, request_id=request_id))
         for eviction in evictions:
             emit(eviction)
+        self._report_admissions(outcome.results)
         self._report_tiers(self._clock())
         itl = self.preset.decode_seconds(1) if outcome.output_tokens > 1 else 0.0
         emit(ev.RequestFinished(ts=started.ts + outcome.ttft, request_id=request_id,
@@ -475,6 +488,23 @@ class OffloadEngine:
         self._emit(ev.SchedulerStats(ts=self._clock(), waiting=waiting,
                                      running=0 if serving is None else 1,
                                      gpu_kv_usage=held / capacity))
+
+    def _report_admissions(self, results) -> None:
+        """One :class:`~kvscope.events.Admission` per lower tier (``cpu``, ``disk``) that was
+        offered blocks: a request's offloads (gpu->cpu) and spills (cpu->disk) as its timed
+        copies ended, stored when the copy succeeded and failed when not (a disk write can
+        fail), with the blocks the policy declined since the last report (``_skipped``)."""
+        counts = [[0, self._skipped[0], 0], [0, self._skipped[1], 0]]  # stored, skipped, failed
+        self._skipped = [0, 0]
+        for r in results:
+            i = _STORES.get((r.src, r.dst))  # promotions and stages are no admissions
+            if i is not None:
+                counts[i][0 if r.ok else 2] += r.blocks
+        now = self._clock()
+        for tier, (stored, skipped, failed) in zip((self.cpu, self.disk), counts):
+            if tier.capacity_blocks and (stored or skipped or failed):
+                self._emit(ev.Admission(ts=now, tier=tier.name, stored=stored, skipped=skipped,
+                                        failed=failed))
 
     def _report_tiers(self, ts: float) -> None:
         for tier in self.tiers:

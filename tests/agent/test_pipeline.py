@@ -706,3 +706,22 @@ def test_idle_time_before_eviction_is_absent_where_no_source_measures_it():
     by_bound = dict(zip((*idle.buckets, float("inf")), idle.counts))
     assert (by_bound[1.0], by_bound[60.0], idle.count, idle.sum) == (1, 8, 9, 240.5)
     assert snap.evicted_blocks == {("cpu", "capacity"): 3, ("gpu", "capacity"): 4}
+
+
+def test_store_admissions_add_up_per_tier_and_result_and_a_none_stays_absent():
+    """The engine's two cpu deltas (2 stored, 1 skipped; then 1 stored, 3 skipped, 0 failed)
+    and one of disk (1 failed, stored 0), and vLLM's metrics source's cpu skipped 4 (stored and
+    failed None: not seen). cpu: 3 stored, 8 skipped, 0 failed; disk: 0 stored, 0 skipped, 1
+    failed; a tier (gpu) outside the events has no series."""
+    pipeline = Pipeline()
+    pipeline.ingest("engine", [
+        ev.Admission(ts=1.0, tier="cpu", stored=2, skipped=1, failed=0),
+        ev.Admission(ts=2.0, tier="disk", stored=0, skipped=0, failed=1),
+        ev.Admission(ts=3.0, tier="cpu", stored=1, skipped=3, failed=0)])
+    pipeline.ingest("vllm_metrics", [ev.Admission(ts=3.0, tier="cpu", skipped=4)])
+    assert pipeline.snapshot().store_admissions == {
+        ("cpu", "stored"): 3, ("cpu", "skipped"): 8, ("cpu", "failed"): 0,
+        ("disk", "stored"): 0, ("disk", "skipped"): 0, ("disk", "failed"): 1}
+    pipeline = Pipeline()
+    pipeline.ingest("vllm_metrics", [ev.Admission(ts=3.0, tier="cpu", skipped=4)])
+    assert pipeline.snapshot().store_admissions == {("cpu", "skipped"): 4}

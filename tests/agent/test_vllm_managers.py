@@ -71,11 +71,26 @@ def test_cpu_manager_stores_loads_evictions_and_reset(run):
     assert times == {("capacity", 0): (10.0, 10.0), ("cleared", 1): (30.0, 20.0),
                      ("cleared", 0): (20.0, 20.0)}, times
     assert sorted(e["request_id"] for e in of(events, "RequestFinished")) == ["r1", "r2"]
+    admitted = [sum(e[k] for e in of(events, "Admission")) for k in ("stored", "skipped", "failed")]
+    assert admitted == [6, 0, 0], admitted  # k0..k3, then k4, k5
     last = of(events, "TierSnapshot")[-1]
     assert (last["resident_blocks"], last["capacity_blocks"], last["capacity_bytes"]) == \
         (0, 4, 4 * PAGE), last
     if run["order"] == "0.33":  # vllm:kv_offload_config_info keeps vLLM's labels
         assert cpu["config_info"] == cpu["inner_config_info"], cpu["config_info"]
+
+
+def test_cpu_manager_store_admission_outcomes(run):
+    """vLLM's CPU manager through the tap (``admission_run``): R1's k0, k1 stored; a store of
+    k2 completed with success=False; the tick a second later sends stored 2, failed 1. Then
+    k3, k4 stored, and with k0, k1 pinned a store of k5, k6, k7 finds 2 evictable chunks for 3:
+    vLLM answers None, the 3 keys skipped; shutdown sends stored 2, skipped 3. Blocks (1 per
+    chunk), cpu tier, every outcome named (0 when none)."""
+    a = run["admission"]
+    assert a["skipped_is_none"] and a["errors"] == 0
+    got = [(e["tier"], e["stored"], e["skipped"], e["failed"])
+           for e in of(a["events"], "Admission")]
+    assert got == [("cpu", 2, 0, 1), ("cpu", 2, 3, 0)], got
 
 
 def test_kvscope_cpu_worker_in_the_tap_takes_expedited_loads(run):

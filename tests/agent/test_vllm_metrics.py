@@ -860,3 +860,32 @@ def test_gpu_idle_before_eviction_comes_as_bucket_deltas():
     by_bound = dict(zip((*idle["gpu"].buckets, float("inf")), idle["gpu"].counts))
     assert (by_bound[1.0], by_bound[10.0], by_bound[60.0], by_bound[float("inf")]) == (2, 3, 0, 1)
     assert idle["gpu"].sum == 90.5
+
+
+def _skipped_scrape(mapper, skipped, ts, blocks_per_chunk=2):
+    """One scrape of engine 0's config_info (64 chunks of ``blocks_per_chunk`` blocks) and,
+    unless None, its vllm:kv_offload_stores_skipped_total ``skipped`` (chunks); the Admission
+    events it made."""
+    text = ('vllm:kv_offload_config_info{cpu_blocks_per_chunk="%d",cpu_kv_cache_size_bytes='
+            '"4194304",cpu_num_chunks="64",engine="0",model_name="m"} 1.0\n' % blocks_per_chunk)
+    if skipped is not None:
+        text += ("# TYPE vllm:kv_offload_stores_skipped_total counter\n"
+                 f'vllm:kv_offload_stores_skipped_total{{engine="0",model_name="m"}} {skipped}\n')
+    return [e for e in mapper.map(parse(text), ts) if isinstance(e, ev.Admission)]
+
+
+def test_stores_its_threshold_skipped_are_cpu_admissions_in_blocks():
+    """vLLM's CPU manager makes stores_skipped at its first increase: scrape 1 has none (no
+    event); scrape 2 shows 3 chunks on an engine scrape 1 saw, so from 0: 3 x 2 = 6 blocks;
+    scrape 3, 5 chunks: 4 blocks; scrape 4 unchanged: 0 (the series exists); scrape 5, a
+    reset to 1: 2 blocks. Only ``skipped``: the other outcomes stay None (absent), even
+    beside a KV events source reporting cpu (it sees no declined store). Folded: cpu skipped
+    12 and no stored or failed series."""
+    mapper = MetricsMapper(kv_events_tiers=KV_EVENTS_ALL)
+    assert _skipped_scrape(mapper, None, 1.0) == []
+    got = [_skipped_scrape(mapper, n, float(ts)) for ts, n in ((2, 3), (3, 5), (4, 5), (5, 1))]
+    assert got == [[ev.Admission(ts=float(ts), tier="cpu", skipped=blocks)]
+                   for ts, blocks in ((2, 6), (3, 4), (4, 0), (5, 2))], got
+    pipeline = Pipeline()
+    pipeline.ingest("vllm_metrics", [e for events in got for e in events])
+    assert pipeline.snapshot().store_admissions == {("cpu", "skipped"): 12}

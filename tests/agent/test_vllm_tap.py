@@ -220,8 +220,13 @@ tap4 = TapManager(CPUOffloadingManager(num_chunks=4), snaps.append, tokens_per_b
 tap4.complete_store([keys[0]], ctx); tap4.tick(); tap4.tick()
 tap4.complete_store([keys[1]], ctx); clock[0] = 100.5; tap4.tick()
 clock[0] = 101.0; tap4.tick(); clock[0] = 105.0; tap4.tick(); clock[0] = 111.0; tap4.tick()
-assert [(e.ts, e.resident_blocks, e.resident_bytes) for e in snaps] == \
+assert [(e.ts, e.resident_blocks, e.resident_bytes) for e in snaps
+        if type(e).__name__ == "TierSnapshot"] == \
     [(100.0, 1, 100), (101.0, 2, 200), (111.0, 2, 200)], snaps
+# the stores as Admission deltas, from tick too, at most once per UNMEASURED_EVERY (50 ms):
+# k0's at the first tick (100.0; the second, at once, sends nothing), k1's at 100.5
+assert [(e.ts, e.stored, e.skipped, e.failed) for e in snaps
+        if type(e).__name__ == "Admission"] == [(100.0, 1, 0, 0), (100.5, 1, 0, 0)], snaps
 # ... and the spec's manager is wired to its emitter's thread that way
 from kvscope.agent.taps.emitter import Emitter
 from kvscope.agent.taps.vllm import _ClosingManager

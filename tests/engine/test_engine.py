@@ -27,6 +27,15 @@ def _of(events, kind, request_id=None):
             and (request_id is None or getattr(e, "request_id", None) == request_id)]
 
 
+def _admissions(events):
+    """The Admission events' blocks added up: {tier: (stored, skipped, failed)}."""
+    out = {}
+    for e in _of(events, ev.Admission):
+        s, k, f = out.get(e.tier, (0, 0, 0))
+        out[e.tier] = (s + e.stored, k + e.skipped, f + e.failed)
+    return out
+
+
 def test_block_size_of_tiny_preset():
     assert BLOCK == 2 * 4 * 16 * 2 * 64 * 2 == 32768
 
@@ -156,6 +165,8 @@ def test_hand_worked_three_tier_cascade(tmp_path):
     assert all(t.ok and t.bytes == t.blocks * BLOCK for t in _of(events, ev.Transfer))
     assert [engine.gpu.order(), engine.cpu.order(), engine.disk.order()] == [[A], [A], [A, C]]
     assert engine.stats.evictions == {"gpu": 3, "cpu": 3, "disk": 1}
+    # every offer admitted: offloads A, B, C into cpu; spills A (r2), B and C (r3) into disk
+    assert _admissions(events) == {"cpu": (3, 0, 0), "disk": (3, 0, 0)}
     (finished,) = _of(events, ev.RequestFinished, "r3")
     stage = [t.duration for t in _of(events, ev.Transfer, "r3") if t.dst == "gpu" or t.src == "disk"]
     assert finished.promotion_wait == pytest.approx(sum(stage)) and finished.promotion_wait > 0
@@ -190,24 +201,32 @@ def test_arc_keeps_a_reused_block_through_a_scan(policy, last_is_hit):
 
 def test_store_threshold_offloads_only_blocks_seen_often_enough():
     """store_threshold=2, gpu 1, cpu 4: A seen once is dropped, seen twice is offloaded."""
-    engine = OffloadEngine(TINY, 1, 4, store_threshold=2, payload=False)
+    events = []
+    engine = OffloadEngine(TINY, 1, 4, store_threshold=2, payload=False, emit=events.append)
     for i, h in enumerate([A, B, A, B]):
         engine.process(_req(f"r{i}", h))
     # r1 evicts A (seen once): dropped. r2 evicts B (once): dropped. r3 evicts A (twice): kept.
     assert engine.cpu.order() == [A]
     assert engine.stats.offloaded["gpu"] == 1 and engine.stats.evictions["gpu"] == 3
+    # the admission outcomes, cpu: 1 stored (A at r3), 2 skipped (A at r1, B at r2); no disk
+    assert _admissions(events) == {"cpu": (1, 2, 0)}
+    # one event per request that offered blocks (r1, r2, r3), none for r0 (nothing evicted)
+    assert [(a.stored, a.skipped) for a in _of(events, ev.Admission)] == [(0, 1), (0, 1), (1, 0)]
     assert engine.process(_req("r4", A)).tokens["cpu"] == 16
 
 
 def test_min_priority_drops_low_priority_blocks_instead_of_offloading():
     """min_priority=50: the system-prompt-like block (90) is offloaded, the low one (10) and
     one without a priority (default 35) are dropped."""
-    engine = OffloadEngine(TINY, 1, 4, min_priority=50, payload=False)
+    events = []
+    engine = OffloadEngine(TINY, 1, 4, min_priority=50, payload=False, emit=events.append)
     engine.process(Request("r0", 0.0, 32, 1, (A, B), (90, 10)))
     engine.process(_req("r1", C))
     engine.process(_req("r2", D))
     assert engine.cpu.order() == [A]
     assert engine.stats.evictions["gpu"] == 3 and engine.stats.offloaded["gpu"] == 1
+    # A stored (r0, evicted by B), B (10) skipped at r1, C (default 35) skipped at r2
+    assert _admissions(events) == {"cpu": (1, 2, 0)}
 
 
 def test_ttft_is_queueing_plus_lookup_plus_promotion_plus_prefill():

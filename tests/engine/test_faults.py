@@ -107,7 +107,8 @@ def test_disk_full_drops_the_spill_and_the_block_is_recomputed(tmp_path):
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
-        engine = OffloadEngine(TINY, 1, 1, 4, disk_dir=directory)
+        events = []
+        engine = OffloadEngine(TINY, 1, 1, 4, disk_dir=directory, emit=events.append)
         if not mounted:
             resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, old_limit[1]))
         for i, h in enumerate([A, B, C]):
@@ -115,6 +116,10 @@ def test_disk_full_drops_the_spill_and_the_block_is_recomputed(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         assert engine.stats.errors == {"disk_full": 1}
         assert A not in engine.disk and engine.stats.moved["cpu->disk"] == 0
+        # the spill was admitted and its write failed: disk failed 1, stored 0
+        failed = [(e.stored, e.skipped, e.failed) for e in events
+                  if isinstance(e, ev.Admission) and e.tier == "disk"]
+        assert failed == [(0, 0, 1)], failed
         assert _no_temporary_files(directory) and list(directory.iterdir()) == []
         outcome = engine.process(_req("r3", A))  # A is nowhere: recomputed
         assert outcome.tokens["recompute"] == 16

@@ -67,6 +67,13 @@ it sees is left to it, so that nothing counts twice.
   the counts are vLLM's sample, the shape of idle times and not how many blocks left, and a
   block freed before it was cached (no hash) counts too. Its buckets (1 ms .. 30 min) land
   in kvscope's bucket holding their upper bound.
+- ``vllm:kv_offload_stores_skipped_total`` (``kv_offload/cpu/common.py``; vLLM's CPU manager,
+  only with a ``store_threshold`` of 2 or more: store candidates, chunks, declined for being
+  seen fewer times; made at its first increase) -> ``Admission`` cpu ``skipped``, in blocks
+  (x the blocks per chunk of ``config_info``, 0.33; an engine without it is left out), every
+  scrape that has the series (0 included). Whatever ``kv_events_tiers`` says: neither the KV
+  events (they report stores made) nor the tap (it counts the keys of a store the manager
+  could not make room for) sees these declines, so nothing counts twice.
 - ``vllm:kv_offload_tiering_promotion_job_failures_total{tier}`` /
   ``..._cascade_job_failures_total{tier}`` -> one failed ``Transfer`` <tier>->cpu / cpu-><tier>
   per job (reason ``unknown``: vLLM does not say why).
@@ -74,10 +81,11 @@ it sees is left to it, so that nothing counts twice.
 Left out (no kvscope metric fits them without counting something twice; vLLM exports them
 itself): the lookup delays (``lookup_{sync,async}_delay_seconds``, plain and tiering),
 ``vllm:num_requests_waiting_by_reason`` (the waiting requests split by reason: the total is
-mapped), ``allocation_failure``, ``stores_skipped``,
-``tiering_promotion_allocation_failures`` and ``tiering_backpressure_*`` (stores never made),
-the in-flight gauges (``kv_offload_*_usage_perc``, ``active_*_jobs``), the tiers' read and
-write times (sums only), and ``--kv-cache-metrics``'
+mapped), ``allocation_failure`` (one per ``prepare_store`` call the manager could not make
+room for, whatever the chunks offered: no block count; the tap counts those chunks as
+skipped), ``tiering_promotion_allocation_failures`` and ``tiering_backpressure_*`` (stores
+never made), the in-flight gauges (``kv_offload_*_usage_perc``, ``active_*_jobs``), the tiers'
+read and write times (sums only), and ``--kv-cache-metrics``'
 ``vllm:kv_block_{lifetime,reuse_gap}_seconds`` (sampled GPU blocks: kvscope's residency
 histogram comes with evictions the KV events source counts, and per-block reuse cannot be
 rebuilt from totals); their sibling idle-before-evict histogram is mapped (above), as no other
@@ -193,6 +201,7 @@ PROMOTION_LATENCY = _TIERING + "promotion_latency_seconds"
 IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
 PROMOTION_FAILURES = _TIERING + "promotion_job_failures_total"
 CASCADE_FAILURES = _TIERING + "cascade_job_failures_total"
+STORES_SKIPPED = "vllm:kv_offload_stores_skipped_total"
 # Events one scrape may make of observations and failed jobs (one each): vLLM makes a promotion
 # job per tier and step at most, hundreds per scrape; far more is no vLLM's, and is left out.
 MAX_OBSERVATIONS = 20_000
@@ -294,6 +303,7 @@ class MetricsMapper:
         if hist is not None:
             out.append(hist)
         out += self._idle(samples, ts)
+        out += self._stores_skipped(samples, ts, chunks)
         if self.gpu_snapshot:
             out += self._gpu(samples, ts)
         if self.cpu_capacity and chunks:
@@ -453,6 +463,21 @@ class MetricsMapper:
         for event, n in many:
             out += [event] * n
         return out
+
+    def _stores_skipped(self, samples: Samples, ts: float, chunks: dict) -> list[ev.Admission]:
+        """The CPU manager's store candidates its threshold declined since the last scrape,
+        in blocks, as one cpu ``Admission`` (``skipped`` only); [] without the series or
+        the engines' chunk sizes (every series' baseline is kept)."""
+        blocks, seen = 0, False
+        for ls, value in _series(samples, STORES_SKIPPED).items():
+            increase = self._increase_of(STORES_SKIPPED, {ls: value}, lazy=True)
+            labels = dict(ls)
+            shape = chunks.get(labels.get("engine"))
+            if shape is None or tier_of(labels.get("tier", "0:primary")) != "cpu":
+                continue
+            seen = True
+            blocks += int(increase or 0) * shape[1]
+        return [ev.Admission(ts=ts, tier="cpu", skipped=blocks)] if seen else []
 
     def _ttft(self, samples: Samples, ts: float) -> ev.LatencyHistogram | None:
         hist = self._histograms(TTFT, samples, lambda labels: "ttft").get("ttft")

@@ -32,6 +32,12 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
   from one; such evictions are emitted at the step's ``take_events``, after the lower tiers'
   stores of the same step (the tiering manager processes a finished cascade, which unpins the
   chunk, right before it may evict it).
+- ``Admission`` of the CPU tier, in blocks: ``stored`` (chunks of store jobs vLLM completed
+  with success), ``failed`` (completed without), ``skipped`` (every key of a ``prepare_store``
+  the manager answered None: it could not make room). Plain int additions per call, sent as
+  deltas with the unmeasured evictions (at most once per ``UNMEASURED_EVERY``). Keys vLLM's
+  manager declines by its store threshold are not seen here (vLLM counts them in
+  ``vllm:kv_offload_stores_skipped``, which the vLLM metrics source maps).
 - ``Transfer`` ``disk->cpu`` / ``cpu->disk`` seen only as manager events (untimed); a
   ``disk->cpu`` promotion names the request whose lookup started it (its lookup answered
   ``HIT_PENDING`` for a key the CPU tier did not hold).
@@ -166,6 +172,11 @@ class TapManager(OffloadingManager):
         self._unmeasured_sent: dict[str, int] = {}
         self._unmeasured_at = 0.0  # when to send them at the latest
         self._unmeasured_lock = threading.Lock()  # tick() sends them from the emitter's thread
+        # chunks offered for storing since the start, by outcome (plain ints, vLLM's thread
+        # alone writes them), and the totals last sent (under the lock): sent as Admission
+        # deltas with the unmeasured evictions, at most once per UNMEASURED_EVERY
+        self._stored = self._skipped = self._store_failed = 0
+        self._admissions_sent = (0, 0, 0)
         # tiering only: resident keys a lower tier also holds, and CPU evictions held until the
         # step's take_events (key lists with their stored-at times and hits; one step's worth)
         self._below: set[bytes] = set()
@@ -246,7 +257,9 @@ class TapManager(OffloadingManager):
     def prepare_store(self, keys: Collection, req_context):
         output = self.inner.prepare_store(keys, req_context)
         try:
-            if output is not None and output.evicted_keys:
+            if output is None:  # the manager could not make room: every key offered skipped
+                self._skipped += len(keys)
+            elif output.evicted_keys:
                 self._evict(output.evicted_keys, "cpu", "capacity", self._clock())
         except Exception as exc:
             self._failed("prepare_store", exc)
@@ -255,8 +268,12 @@ class TapManager(OffloadingManager):
     def complete_store(self, keys, req_context, success: bool = True):
         result = self.inner.complete_store(keys, req_context, success)
         try:
-            if success and keys:  # vLLM completes a store job with exactly the keys it stored
-                self._chunks += len(keys)
+            if not success:
+                self._store_failed += len(keys)
+            elif keys:  # vLLM completes a store job with exactly the keys it stored
+                n = len(keys)
+                self._chunks += n
+                self._stored += n
                 if self._one_in == 1 or hash(next(iter(keys))) % self._one_in == 0:
                     # a plain loop: measured faster than update(dict.fromkeys(...)), which
                     # builds a temporary dict first (bench/tap_overhead.py)
@@ -380,7 +397,9 @@ class TapManager(OffloadingManager):
             if now >= self._next_snapshot and (self._chunks != self._reported
                                                or now >= self._refresh_at):
                 self._snapshot(now)
-            if now >= self._unmeasured_at and self._unmeasured != self._unmeasured_sent:
+            if now >= self._unmeasured_at and (
+                    self._unmeasured != self._unmeasured_sent or self._admissions_sent
+                    != (self._stored, self._skipped, self._store_failed)):
                 self._send_unmeasured(now)
         except Exception as exc:
             self._failed("tick", exc)
@@ -536,15 +555,23 @@ class TapManager(OffloadingManager):
 
     def _send_unmeasured(self, now: float) -> None:
         """One unmeasured CPU Eviction per reason for the untracked chunks evicted since the
-        last one (from vLLM's thread or the emitter's)."""
+        last one, and one CPU Admission of the chunks offered for storing since then, in
+        blocks, when any were (from vLLM's thread or the emitter's)."""
         with self._unmeasured_lock:
             total, sent = self._unmeasured.copy(), self._unmeasured_sent
             self._unmeasured_sent = total
             self._unmeasured_at = now + UNMEASURED_EVERY
+            before = self._admissions_sent
+            offered = self._admissions_sent = (self._stored, self._skipped, self._store_failed)
         for reason, chunks in total.items():
             chunks -= sent.get(reason, 0)
             if chunks > 0:
                 self._eviction(now, "cpu", reason, 0, chunks, 0.0, measured=False)
+        if offered != before:
+            bpc = self._bpc
+            stored, skipped, failed = (max(0, (a - b) * bpc) for a, b in zip(offered, before))
+            self._emit(ev.Admission(ts=now, tier="cpu", stored=stored, skipped=skipped,
+                                    failed=failed))
 
     def _evictions(self, tier: str, reason: str, now: float, stored: list, hits, lasts,
                    offloaded: bool, weight: int = 1) -> None:

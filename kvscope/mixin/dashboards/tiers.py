@@ -9,6 +9,7 @@ from kvscope.mixin.rules import QUANTILES, Records
 
 
 HIT = 'result="hit"'
+STORED, SKIPPED, FAILED = 'result="stored"', 'result="skipped"', 'result="failed"'
 BLOCKS_PER_S = "suffix: blocks/s"
 
 
@@ -18,6 +19,11 @@ def tiers(cfg: MixinConfig) -> dict:
         f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{s(cfg)}[{RATE}])))")
     lookups = lambda *m: (  # noqa: E731
         f"sum by (tier) (rate(kvscope_lookup_blocks_total{s(cfg, *m)}[{RATE}]))")
+    admissions = lambda *m: (  # noqa: E731
+        f"sum by (tier) (rate(kvscope_store_admissions_total{s(cfg, *m)}[{RATE}]))")
+    # blocks offered per tier, where some source counts the stored ones (guarded: > 0)
+    offered = (f"({admissions()}\n     * on (tier) "
+               f"group by (tier) (kvscope_store_admissions_total{s(cfg, STORED)}) > 0)")
     per_transfer = lambda series: (  # noqa: E731
         f"sum by (src, dst) (rate(kvscope_transfer_bytes_total{s(cfg)}[{RATE}]))\n"
         f"  / (sum by (src, dst) (rate({series}{s(cfg)}[{RATE}])) > 0)")
@@ -75,6 +81,24 @@ def tiers(cfg: MixinConfig) -> dict:
               (Q(hist("kvscope_block_idle_seconds", 0.5, "tier"), "{{tier}} median"),
                Q(hist("kvscope_block_idle_seconds", 0.95, "tier"), "{{tier}} p95")),
               unit="s", width=12),
+        )),
+        Row("Store admission", (
+            P("Store admissions by tier and result", "KV blocks offered to each tier for "
+              "storing per second: stored (written), skipped (declined unwritten: the admission "
+              "policy, e.g. a store threshold, or no room) and failed (admitted, the write "
+              "failed). Where admission is on, skipped is what it keeps out. cpu from the tap "
+              "(stored, failed, skipped when vLLM could not make room) and vLLM's "
+              "stores_skipped (its store threshold); a result no source reports has no series.",
+              (Q(f"sum by (tier, result) (rate(kvscope_store_admissions_total{s(cfg)}[{RATE}]))",
+                 "{{tier}} {{result}}"),), unit=BLOCKS_PER_S, min=0),
+            P("Stores not made (skipped or failed share)", "Of the blocks offered to each "
+              "tier, the share skipped and the share failed. A high skipped share with "
+              "thrash gone is admission working; failed should stay at 0. Only for a tier "
+              "whose stores are counted too (vLLM's metrics source alone reports skipped "
+              "only: no total to take a share of).",
+              (Q(f"{admissions(SKIPPED)}\n  / {offered}", "{{tier}} skipped"),
+               Q(f"{admissions(FAILED)}\n  / {offered}", "{{tier}} failed")),
+              unit="percentunit", max=1, min=0, no_value=NO_TRAFFIC),
         )),
         Row("Transfers", (
             P("Transfer throughput", "Bytes copied between tiers per second (recording rule): "
