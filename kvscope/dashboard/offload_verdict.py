@@ -30,6 +30,7 @@ import numpy as np
 from kvscope.dashboard.series import (TIER_RANK, Sample, last_window, mapping, ordered,
                                       scalar_increase, window_increase)
 from kvscope.mixin.config import MixinConfig
+from kvscope.vocabulary import TIERS
 
 PAYS = "offload pays"
 SKIP = "skip offload"
@@ -46,7 +47,7 @@ CONDITIONS = {
     "cheaper-steps": "Prefix caching, batching, context limits, model selection or cache "
                      "quantization not yet evaluated",
 }
-CACHE_SOURCES = ("gpu", "cpu", "disk", "remote")  # prompt-token sources that are cache hits
+CACHE_SOURCES = TIERS  # prompt-token sources that are cache hits: every tier, not recompute
 GIB = 1024 ** 3
 _MIXIN = MixinConfig()
 
