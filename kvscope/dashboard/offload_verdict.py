@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.dashboard.series import (TIER_RANK, Sample, last_window, mapping, ordered,
-                                      scalar_increase, window_increase)
+from kvscope.dashboard.series import (TIER_RANK, Sample, is_number, last_window, mapping,
+                                      ordered, scalar_increase, window_increase)
 from kvscope.mixin.config import MixinConfig
 from kvscope.vocabulary import TIERS
 
@@ -141,7 +141,7 @@ def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
     requests = scalar_increase(window, "requests") or 0.0
     tokens = window_increase(window, "prompt_tokens")
     start = float(window[0]["ts"]) if window else float("inf")
-    recent = [r for r in records if _number(r.get("finished")) and r["finished"] >= start]
+    recent = [r for r in records if is_number(r.get("finished")) and r["finished"] >= start]
     where = f"last {span:.0f} s, {len(window)} samples, {requests:.0f} requests"
     low_traffic = requests < settings.min_requests
     checks = (
@@ -237,7 +237,7 @@ def tail_slo(window: Sequence[Sample], tokens: Mapping[str, float],
     wait_p99 = _worst_p99(window, "promotion_wait_seconds")
     promoted = sum(tokens.get(src, 0.0) for src in CACHE_SOURCES if src != "gpu")
     pairs = [(r["promotion_wait"], r["ttft"]) for r in records
-             if _number(r.get("promotion_wait")) and _number(r.get("ttft"))]
+             if is_number(r.get("promotion_wait")) and is_number(r.get("ttft"))]
     ttft_sum = sum(t for _w, t in pairs)
     share = sum(w for w, _t in pairs) / ttft_sum if ttft_sum > 0 else None
     lines = [f"p99 TTFT {seconds_text(p99)} against a budget of {seconds_text(s.ttft_budget_seconds)}"
@@ -266,7 +266,7 @@ def host_dram(window: Sequence[Sample], s: Settings) -> Check:
     otherwise "offload pays"; none reported: "not measured". Swap and other processes' memory
     have no signal yet and say so."""
     key = "host-dram"
-    headroom = [float(v) for x in window if _number(v := x.get("host_memory_headroom_bytes"))]
+    headroom = [float(v) for x in window if is_number(v := x.get("host_memory_headroom_bytes"))]
     reserve = _newest(window, "host_memory_reserve_bytes")
     available = _newest(window, "host_memory_available_bytes")
     lines = [f"headroom at least {_gib(min(headroom))} (contested under "
@@ -315,26 +315,22 @@ def headline(window: Sequence[Sample], tokens: Mapping[str, float], s: Settings)
                     _newest(window, "host_memory_reserve_bytes"))
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _per_sample(window: Sequence[Sample], name: str, combine) -> np.ndarray | None:
     """``combine`` (sum, max) of each sample's values of the keyed gauge ``name``; samples
     without any skipped; None when none has one (not measured)."""
-    values = [float(combine(v for v in mapping(x, name).values() if _number(v)))
-              for x in window if any(_number(v) for v in mapping(x, name).values())]
+    values = [float(combine(v for v in mapping(x, name).values() if is_number(v)))
+              for x in window if any(is_number(v) for v in mapping(x, name).values())]
     return np.asarray(values) if values else None
 
 
 def _worst_p99(window: Sequence[Sample], name: str) -> float | None:
-    values = [p for x in window if _number(p := mapping(x, name).get("p99"))]
+    values = [p for x in window if is_number(p := mapping(x, name).get("p99"))]
     return max(values) if values else None
 
 
 def _newest(window: Sequence[Sample], name: str) -> float | None:
     for x in reversed(window):
-        if _number(value := x.get(name)):
+        if is_number(value := x.get(name)):
             return float(value)
     return None
 

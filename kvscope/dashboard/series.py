@@ -14,6 +14,7 @@ over an hour of samples cheap (see bench/dashboard.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -30,6 +31,12 @@ ORDER = (*TIERS, "recompute",
          "remote->cpu")
 TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 PERCENTILES = tuple(_PERCENTILES)  # ("p50", "p95", "p99")
+
+
+def is_number(value) -> bool:
+    """Whether ``value`` is a finite int or float and no bool (a sample's or a record's value
+    that can be shown; anything else is not measured)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def last_window(samples: Sequence[Sample], seconds: float) -> list[Sample]:

@@ -36,6 +36,7 @@ from kvscope.analysis.bootstrap import DEFAULT_RESAMPLES
 from kvscope.dashboard import figures_compare as fc
 from kvscope.dashboard.access import outside_roots
 from kvscope.dashboard.pages.common import Context
+from kvscope.dashboard.series import is_number
 
 PATH = "/compare"
 NAME = "Compare"
@@ -190,22 +191,17 @@ def link_search(baseline: str | None, candidate: str | None, budget_ms: float | 
              if value}
     if not query:
         return ""
-    if _number(budget_ms) and budget_ms > 0:
+    if is_number(budget_ms) and budget_ms > 0:
         query["ttft_budget"] = f"{budget_ms / 1e3:.12g}"
     return "?" + urlencode(query, safe="/,:")
 
 
 def budget_error(budget_ms: float | None) -> str:
     """The status line refusing the form's budget ("" when it is none, 0 or positive)."""
-    if budget_ms is None or (_number(budget_ms) and budget_ms >= 0):
+    if budget_ms is None or (is_number(budget_ms) and budget_ms >= 0):
         return ""
     return (f"cannot compare: the p99 TTFT budget must be a positive number of milliseconds "
             f"(empty or 0: none), not {budget_ms!r}")
-
-
-def _number(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
 
 
 def run_compare(baseline: str | None, candidate: str | None, budget_ms: float | None,
