@@ -480,20 +480,22 @@ class MetricsMapper:
         return [ev.Admission(ts=ts, tier="cpu", skipped=blocks)] if seen else []
 
     def _ttft(self, samples: Samples, ts: float) -> ev.LatencyHistogram | None:
-        hist = self._histograms(TTFT, samples, lambda labels: "ttft").get("ttft")
-        if hist is None or not any(hist[1]):
-            return None
-        bounds, counts, total = hist
-        return ev.LatencyHistogram(ts=ts, metric="ttft", bounds=bounds, counts=counts, sum=total)
+        hist = self._observed(TTFT, samples)
+        return None if hist is None else ev.LatencyHistogram(
+            ts=ts, metric="ttft", bounds=hist[0], counts=hist[1], sum=hist[2])
 
     def _idle(self, samples: Samples, ts: float) -> list[ev.IdleHistogram]:
         """The GPU blocks' idle seconds before eviction since the last scrape, vLLM's sample
         over every engine (see the module); [] without the histogram or new observations."""
-        hist = self._histograms(IDLE_BEFORE_EVICT, samples, lambda labels: "gpu").get("gpu")
-        if hist is None or not any(hist[1]):
-            return []
-        bounds, counts, total = hist
-        return [ev.IdleHistogram(ts=ts, tier="gpu", bounds=bounds, counts=counts, sum=total)]
+        hist = self._observed(IDLE_BEFORE_EVICT, samples)
+        return [] if hist is None else [ev.IdleHistogram(
+            ts=ts, tier="gpu", bounds=hist[0], counts=hist[1], sum=hist[2])]
+
+    def _observed(self, name: str, samples: Samples) -> tuple | None:
+        """Histogram ``name``'s ``(bounds, counts, sum)`` since the last scrape over every
+        engine (see :meth:`_histograms`), None without the histogram or new observations."""
+        hist = self._histograms(name, samples, lambda labels: "all").get("all")
+        return hist if hist is not None and any(hist[1]) else None
 
     def _histograms(self, name: str, samples: Samples, group: Callable[[dict], str | None],
                     lazy: bool = False) -> dict[str, tuple]:
