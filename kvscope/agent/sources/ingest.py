@@ -433,7 +433,7 @@ class IngestSource(SourceWorker):
         if source not in self._expected:  # its first batch (a scope named it, or a restart)
             self._expected.add(source)
             self.pipeline.expect_drops(source, TAP_DROPS)
-        self._unsaved = True
+        self._unsaved = self.state_path is not None  # kept only where it is saved
         streams = self._streams.setdefault(source, OrderedDict())
         if session in streams and next(reversed(streams)) != session:
             # an emitter sends again after another took the name: two live taps share it
@@ -492,9 +492,6 @@ class IngestSource(SourceWorker):
         """Write the emitters' sequence numbers and counts to :attr:`state_path` (atomically);
         a failure is logged once and tried again after :data:`SAVE_INTERVAL`."""
         self._save_at = time.monotonic() + SAVE_INTERVAL
-        if self.state_path is None:
-            self._unsaved = False
-            return
         state = _State(STATE_VERSION, {
             source: [(session, *counts) for session, counts in streams.items()]
             for source, streams in self._streams.items() if streams})
