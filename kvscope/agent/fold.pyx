@@ -449,18 +449,14 @@ cdef class Fold:
     cdef int _scheduler_stats(self, str source, object event) except -1:
         """Keep sender ``source``'s scheduler gauges and add its preemptions; a field the
         event leaves None (unknown) changes nothing, so its metric stays absent or as it was."""
-        value = field(event, S_WAITING)
-        if value is not None:
-            self._waiting[source] = value
-        value = field(event, S_RUNNING)
-        if value is not None:
-            self._running[source] = value
+        for offset, gauges in ((S_WAITING, self._waiting), (S_RUNNING, self._running),
+                               (S_USAGE, self._gpu_kv_usage)):
+            value = field(event, offset)
+            if value is not None:
+                gauges[source] = value
         value = field(event, S_PREEMPTIONS)
         if value is not None:  # a Python int: no bound to overflow
             self._preemptions[source] = self._preemptions.get(source, 0) + value
-        value = field(event, S_USAGE)
-        if value is not None:
-            self._gpu_kv_usage[source] = value
         return 0
 
     def forget_gauges(self, str source):
