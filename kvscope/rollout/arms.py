@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvscope import events as ev
-from kvscope.agent.sources.vllm_metrics import MAX_BODY, MetricsMapper, Samples, parse
+from kvscope.agent.sources.scrape import MAX_BODY, Samples, parse
+from kvscope.agent.sources.vllm_metrics import MetricsMapper
 
 HEALTH_POLL_S = 1.0
 STOP_GRACE_S = 15.0

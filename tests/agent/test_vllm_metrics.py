@@ -18,7 +18,8 @@ import uvicorn
 from kvscope import events as ev
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
-from kvscope.agent.sources.vllm_metrics import MetricsMapper, parse, spread
+from kvscope.agent.sources.scrape import parse, spread
+from kvscope.agent.sources.vllm_metrics import MetricsMapper
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
 from conftest import REPO_ROOT, wait_until

@@ -3,7 +3,7 @@ agent's when it has one, else vLLM's own; what neither reports stays empty (not 
 
 from __future__ import annotations
 
-from kvscope.agent.sources.vllm_metrics import parse
+from kvscope.agent.sources.scrape import parse
 from kvscope.rollout.arms import cost
 
 AGENT = """kvscope_prompt_tokens_total{{source="gpu"}} {gpu}

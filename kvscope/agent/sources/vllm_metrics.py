@@ -91,28 +91,26 @@ histogram comes with evictions the KV events source counts, and per-block reuse 
 rebuilt from totals); their sibling idle-before-evict histogram is mapped (above), as no other
 source measures a GPU block's idle time.
 
-Parsing (:func:`parse`) and mapping (:class:`MetricsMapper`) do no I/O. The source scrapes with
-httpx every ``interval`` seconds; a failed scrape sets ``kvscope_source_up{source="vllm_metrics"}``
-to 0 and the next good one back to 1.
+Mapping (:class:`MetricsMapper`) does no I/O; the scrape loop is
+:class:`~kvscope.agent.sources.scrape.ScrapeSource`'s: every ``interval`` seconds, a failed
+scrape sets ``kvscope_source_up{source="vllm_metrics"}`` to 0 and the next good one back to 1.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-import httpx
 from pydantic import Field, field_validator
 
 from kvscope import events as ev
 from kvscope.agent.sections import Section, http_url
-from kvscope.agent.sources.base import (Built, Consumer, SourceSpec, SourceWorker, register,
-                                        yielded_tiers)
+from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register, yielded_tiers
+from kvscope.agent.sources.scrape import (MAX_SERIES, Counters, Samples, ScrapeSource, series,
+                                          spread)
 
 log = logging.getLogger(__name__)
 NAME = "vllm_metrics"
@@ -121,72 +119,9 @@ SOURCE_TIER = {"device": "gpu", "host": "cpu", "disk": "disk", "p2p": "cpu",
 # vLLM's tier types (TieringOffloadingSpec's ``secondary_tiers[].type``, registered in
 # ``kv_offload/tiering/factory.py``; the CPU tier is ``primary``) -> kvscope's tiers
 TIER_TYPES = {"primary": "cpu", "fs": "disk", "obj": "remote", "p2p": "remote"}
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-Samples = dict[tuple[str, frozenset], float]
-# A vLLM /metrics body is tens of kB; a far larger one is not vLLM's, and read whole it would be
-# held in memory many times over while parsed.
-MAX_BODY = 16 << 20
-MAX_SERIES = 10_000  # counter series whose last value is kept (vLLM exposes a few hundred)
-
-
-class BodyError(ValueError):
-    """A scrape's answer was too slow or too large to read."""
-
-
-def parse(text: str) -> Samples:
-    """Prometheus text exposition -> {(name, frozenset(labels)): value}, one entry per series
-    (a repeated line: the last); comments, blank and unparsable lines, and values that are not
-    finite numbers (NaN, +-Inf: no counter holds one) are skipped. Pure."""
-    out: Samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _LINE.match(line.strip())
-        if not match:
-            continue
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
-        if math.isfinite(value):
-            out[(match.group(1), frozenset(_LABEL.findall(match.group(2) or "")))] = value
-    return out
-
-
-def _series(samples: Samples, name: str, **labels) -> dict[frozenset, float]:
-    """The series of ``name`` that carry ``labels``: {labels: value}."""
-    want = set(labels.items())
-    return {ls: v for (n, ls), v in samples.items() if n == name and want <= ls}
-
-
 def tier_of(label: str) -> str | None:
     """kvscope's tier of vLLM's tiering ``tier`` label (``"1:fs"``: disk), None for another."""
     return TIER_TYPES.get(label.partition(":")[2])
-
-
-def spread(bounds: list[float], counts: list[int], total: float) -> list[tuple[float, int]]:
-    """``(value, n)`` standing for the observations of a histogram's buckets (``bounds``: the
-    finite upper bounds, ascending; ``counts``: per bucket, the last one above every bound;
-    ``total``: their sum): each value lies inside its bucket, ``lower < value <= upper``, at the
-    same fraction of every finite bucket, chosen so that the values add up to ``total`` where the
-    buckets allow it (what the finite buckets cannot hold goes to the ones above every bound).
-    Pure."""
-    lows = [0.0, *bounds]
-    low_sum = sum(n * low for n, low in zip(counts, lows))
-    width = sum(n * (high - low) for n, low, high in zip(counts, lows, bounds))
-    share = 1.0 if width <= 0 else min(1.0, max(0.0, (total - low_sum) / width))
-    out = []
-    for n, low, high in zip(counts, lows, bounds):
-        if n:
-            out.append((min(high, max(math.nextafter(low, math.inf),
-                                      low + share * (high - low))), n))
-    if len(counts) > len(bounds) and counts[-1]:
-        n, low = counts[-1], lows[-1]
-        excess = max(0.0, total - low_sum - share * width)
-        out.append((max(math.nextafter(low, math.inf), low + excess / n), n))
-    return out
 
 
 TTFT = "vllm:time_to_first_token_seconds"
@@ -235,8 +170,7 @@ class MetricsMapper:
         # of it into a lower one (KV events see those stores, every STORAGE tier as disk)
         self.tier_promotions = "cpu" not in told
         self.tier_offloads = "disk" not in told
-        self._last: dict[tuple, float] = {}
-        self._seen: dict[tuple, float] = {}
+        self._counters = Counters()
         # the engine labels of the scrape before (None once baselines were dropped: MAX_SERIES)
         self._engines: frozenset | None = frozenset()
         self._engines_before: frozenset | None = frozenset()
@@ -252,30 +186,22 @@ class MetricsMapper:
         """The sum over ``name``'s series carrying ``labels`` of their increase since the last
         scrape (a series seen for the first time: 0, its baseline; one that went down: reset,
         its value); None when there is no such series."""
-        return self._increase_of(name, _series(samples, name, **labels))
+        return self._increase_of(name, series(samples, name, **labels))
 
-    def _increase_of(self, name: str, series: dict[frozenset, float],
+    def _increase_of(self, name: str, values: dict[frozenset, float],
                      lazy: bool = False) -> float | None:
         """See :meth:`_increase`; ``lazy``: vLLM makes these series at their first observation,
         so one first seen on an engine the scrape before saw counts from 0 (see the class)."""
-        if not series:
-            return None
-        total = 0.0
-        for ls, value in series.items():
-            key = (name, ls)
-            last = self._last.get(key)
-            self._seen[key] = value
-            if last is not None:
-                total += value if value < last else value - last
-            elif lazy and self._engines_before and dict(ls).get("engine") in self._engines_before:
-                total += value
-        return total
+        return self._counters.increase(name, values, self._on_known_engine if lazy else None)
+
+    def _on_known_engine(self, labels: frozenset) -> bool:
+        return bool(self._engines_before) and dict(labels).get("engine") in self._engines_before
 
     def _by_tier(self, samples: Samples, name: str) -> dict[tuple[str, str | None], float]:
         """The increases of tiering counter ``name`` by (kvscope tier, engine label), for the
         series whose ``tier`` kvscope maps (every series' baseline is kept)."""
         out: dict[tuple[str, str | None], float] = {}
-        for ls, value in _series(samples, name).items():
+        for ls, value in series(samples, name).items():
             labels = dict(ls)
             increase = self._increase_of(name, {ls: value}, lazy=True)
             tier = tier_of(labels.get("tier", ""))
@@ -285,7 +211,6 @@ class MetricsMapper:
         return out
 
     def map(self, samples: Samples, ts: float) -> list:
-        self._seen = {}
         if self._engines is not None:
             self._engines_before = self._engines
             self._engines = frozenset(dict(ls).get("engine") for _, ls in samples) - {None}
@@ -312,9 +237,7 @@ class MetricsMapper:
                 resident_bytes=0, capacity_blocks=sum(c[0] * c[1] for c in chunks.values()),
                 resident_blocks=0))
         out += self._scheduler(samples, ts)
-        self._last.update(self._seen)
-        if len(self._last) > MAX_SERIES:  # series come and go by label: keep the current ones
-            self._last = self._seen
+        if self._counters.commit():  # baselines dropped: keep the current ones
             self._engines = self._engines_before = None  # a new series may be an old one
         return out
 
@@ -323,11 +246,11 @@ class MetricsMapper:
         (see the module); [] when vLLM has none of them. A value out of the event's bounds
         (no vLLM's) makes the event invalid: the scrape drops and counts it."""
         def added(name: str) -> int | None:
-            series = _series(samples, name)
-            return int(sum(series.values())) if series else None
+            values = series(samples, name)
+            return int(sum(values.values())) if values else None
 
         preempted = self._increase(samples, PREEMPTIONS)
-        usage = _series(samples, KV_CACHE_USAGE)
+        usage = series(samples, KV_CACHE_USAGE)
         stats = ev.SchedulerStats(
             ts=ts, waiting=added(WAITING), running=added(RUNNING),
             preemptions=None if preempted is None else int(preempted),
@@ -339,7 +262,7 @@ class MetricsMapper:
         prompt = self._increase(samples, "vllm:prompt_tokens_total") or 0.0
         tokens: dict[str, int] = {}
         cached = "vllm:prompt_tokens_cached_by_source_total"
-        by_source = _series(samples, cached)
+        by_source = series(samples, cached)
         if by_source:
             for ls, value in by_source.items():  # one series per engine and source
                 tier = SOURCE_TIER.get(dict(ls).get("source", "external_unspecified"), "cpu")
@@ -365,7 +288,7 @@ class MetricsMapper:
         per chunk, bytes), by engine label. Series of other tiers (their cpu_ labels empty)
         and values that are no numbers are left out."""
         out: dict[str | None, tuple[int, int, int]] = {}
-        for ls in _series(samples, CONFIG_INFO):
+        for ls in series(samples, CONFIG_INFO):
             labels = dict(ls)
             try:
                 shape = tuple(int(labels[key]) for key in (
@@ -469,7 +392,7 @@ class MetricsMapper:
         in blocks, as one cpu ``Admission`` (``skipped`` only); [] without the series or
         the engines' chunk sizes (every series' baseline is kept)."""
         blocks, seen = 0, False
-        for ls, value in _series(samples, STORES_SKIPPED).items():
+        for ls, value in series(samples, STORES_SKIPPED).items():
             increase = self._increase_of(STORES_SKIPPED, {ls: value}, lazy=True)
             labels = dict(ls)
             shape = chunks.get(labels.get("engine"))
@@ -507,7 +430,7 @@ class MetricsMapper:
         histogram out. ``lazy``: see :meth:`_increase_of`."""
         bucket, sum_name = f"{name}_bucket", f"{name}_sum"
         engines: dict[frozenset, dict[float, frozenset]] = {}  # labels but le -> le -> series
-        for ls in _series(samples, bucket):
+        for ls in series(samples, bucket):
             labels = dict(ls)
             try:
                 bound = float(labels.pop("le", "+Inf"))
@@ -516,16 +439,16 @@ class MetricsMapper:
             if math.isnan(bound):
                 return {}
             engines.setdefault(frozenset(labels.items()), {})[bound] = ls
-        sums = _series(samples, sum_name)  # by engine: its labels are the buckets' but le
+        sums = series(samples, sum_name)  # by engine: its labels are the buckets' but le
         # group -> (le -> its series (one per engine), the sums of the engines counted)
         groups: dict[str, tuple[dict[float, dict[frozenset, float]], dict]] = {}
-        for engine, series in engines.items():
+        for engine, by_le in engines.items():
             key = group(dict(engine))
             if key is None:
                 continue
-            if self._read_as_before(name, engine, series, samples):
+            if self._read_as_before(name, engine, by_le, samples):
                 by_bound, counted = groups.setdefault(key, ({}, {}))
-                for bound, ls in series.items():
+                for bound, ls in by_le.items():
                     by_bound.setdefault(bound, {})[ls] = samples[(bucket, ls)]
                 if engine in sums:
                     counted[engine] = sums[engine]
@@ -578,12 +501,12 @@ class MetricsMapper:
             return dict(labels).get("engine")
 
         blocks: dict[str | None, int] = {}
-        for ls in _series(samples, "vllm:cache_config_info"):
+        for ls in series(samples, "vllm:cache_config_info"):
             try:
                 blocks[engine(ls)] = int(float(dict(ls).get("num_gpu_blocks", "None")))
             except (ValueError, OverflowError):  # "None" (not known yet), or not a number
                 continue
-        usage = {engine(ls): v for ls, v in _series(samples, KV_CACHE_USAGE).items()
+        usage = {engine(ls): v for ls, v in series(samples, KV_CACHE_USAGE).items()
                  if blocks.get(engine(ls), 0) > 0}
         if not usage:
             return []
@@ -594,59 +517,33 @@ class MetricsMapper:
                                 resident_blocks=used)]
 
 
-class VllmMetricsSource(SourceWorker):
-    """Scrapes ``url`` (vLLM's ``/metrics``) every ``interval`` seconds into ``pipeline``.
-    ``timeout``: seconds a scrape may take in all, headers included.
-    ``span_ttft``, ``span_wait``: see the module (TTFT from spans or from the histogram).
-    ``start()`` returns at once; ``shutdown()`` is safe twice and without start."""
+class VllmMetricsSource(ScrapeSource):
+    """Scrapes ``url`` (vLLM's ``/metrics``) every ``interval`` seconds into ``pipeline``
+    (:class:`~kvscope.agent.sources.scrape.ScrapeSource`: ``timeout``, ``clock``).
+    ``span_ttft``, ``span_wait``: see the module (TTFT from spans or from the histogram)."""
+
+    name = NAME
+    thread_name = "kvscope-vllm-metrics"
+    engine = "vLLM"
+    prefix = "vllm:"
 
     def __init__(self, pipeline: Consumer, url: str = "http://127.0.0.1:8000/metrics", *,
                  interval: float = 5.0, timeout: float = 3.0, mapper: MetricsMapper | None = None,
                  clock: Callable[[], float] = time.time,
                  span_ttft: Callable[[], float] | None = None, span_wait: float = 6.0) -> None:
-        super().__init__(pipeline)
-        self.url = url
-        self.interval = interval
+        super().__init__(pipeline, url, interval=interval, timeout=timeout, clock=clock)
         self.mapper = mapper or MetricsMapper()
-        self.failures = 0
-        self._timeout = timeout
-        self._invalid_logged = False
-        self._clock = clock
         self._span_ttft = span_ttft
         self._span_wait = span_wait
         # (monotonic seconds of the scrape before, of this one, its TTFT histogram), oldest first
         self._held: deque[tuple[float, float, ev.LatencyHistogram]] = deque()
         self._scraped = -math.inf
 
-    def scrape_once(self) -> bool:
-        """Scrape and map once; False (and source down) when vLLM did not answer with 200 within
-        ``timeout`` seconds, with a body of at most :data:`MAX_BODY` bytes holding some
-        ``vllm:`` series (an HTML page, or another server's metrics, once kept the source up
-        while nothing was read), or when its answer could not be mapped. Mapped events are
-        checked like an emitter's (:func:`kvscope.events.validate`): one out of bounds is
-        dropped and counted as invalid."""
-        try:
-            samples = parse(self._fetch())
-            if not any(name.startswith("vllm:") for name, _ in samples):  # another server's
-                return self._failed("no vllm: series in the answer; is the url vLLM's "
-                                    "/metrics?")
-            events = self.mapper.map(samples, self._clock())
-        except (httpx.HTTPError, BodyError) as exc:
-            return self._failed(f"unavailable: {exc}")
-        except Exception as exc:  # a body the mapping cannot read: the next scrape may do
-            return self._failed(f"unreadable ({type(exc).__name__}: {exc})")
-        self.failures = 0
-        checked = []
-        for event in events:
-            try:
-                checked.append(ev.validate(event))
-            except ev.SchemaError as exc:
-                self.pipeline.drop(NAME, "invalid")
-                if not self._invalid_logged:
-                    self._invalid_logged = True
-                    log.warning("vLLM metrics at %s: dropped a %s out of bounds: %s (logged "
-                                "once)", self.url, type(event).__name__, exc)
-        events = checked
+    def map(self, samples: Samples, now: float) -> list:
+        return self.mapper.map(samples, now)
+
+    def deliver(self, events: list) -> None:
+        """Hold each TTFT histogram ``span_wait`` seconds when spans may report its requests."""
         now = time.monotonic()
         if self._span_ttft is not None:
             held = [e for e in events if isinstance(e, ev.LatencyHistogram)]
@@ -654,41 +551,7 @@ class VllmMetricsSource(SourceWorker):
             self._held.extend((self._scraped, now, hist) for hist in held)
             events += self._released(now)
         self._scraped = now
-        if events:
-            self.pipeline.ingest(NAME, events)
-        self.report_up(True)
-        return True
-
-    def _fetch(self) -> str:
-        """The body of ``url``; raises :class:`BodyError` past ``timeout`` seconds in all (a
-        server trickling bytes, of its headers too, would otherwise hold the scrape, and the
-        agent's stop, forever: httpx's timeouts are per read) or past :data:`MAX_BODY` bytes,
-        httpx's errors otherwise."""
-        # asyncio cancels the request at the deadline wherever it waits on the server; a host
-        # name's lookup runs in a thread asyncio.run waits for (vLLM's is an address as a rule)
-        try:
-            return asyncio.run(asyncio.wait_for(self._fetch_async(), self._timeout))
-        except TimeoutError:
-            raise BodyError(f"no whole answer within {self._timeout:g} s") from None
-
-    async def _fetch_async(self) -> str:
-        chunks, size = [], 0
-        async with httpx.AsyncClient(timeout=self._timeout, trust_env=False) as client:
-            async with client.stream("GET", self.url) as response:
-                response.raise_for_status()
-                async for chunk in response.aiter_bytes():
-                    size += len(chunk)
-                    if size > MAX_BODY:
-                        raise BodyError(f"a body over {MAX_BODY} bytes")
-                    chunks.append(chunk)
-        return b"".join(chunks).decode("utf-8", errors="replace")
-
-    def _failed(self, why: str) -> bool:
-        self.failures += 1
-        if self.failures == 1:
-            log.warning("vLLM metrics at %s %s", self.url, why)
-        self.report_up(False)
-        return False
+        super().deliver(events)
 
     def _released(self, now: float) -> list[ev.LatencyHistogram]:
         """The held TTFT histograms whose spans had time to come, but did not."""
@@ -698,18 +561,6 @@ class VllmMetricsSource(SourceWorker):
             if self._span_ttft() < since:
                 out.append(hist)
         return out
-
-    name = NAME
-    thread_name = "kvscope-vllm-metrics"
-
-    def prepare(self) -> None:
-        self.pipeline.expect_drops(NAME, ("invalid",))
-        self.report_up(False)
-
-    def run(self) -> None:
-        self.scrape_once()
-        while not self.stopping.wait(self.interval):
-            self.scrape_once()
 
 
 class VllmMetricsConfig(Section):

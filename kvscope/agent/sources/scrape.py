@@ -1,0 +1,236 @@
+"""What every source that scrapes an engine's Prometheus endpoint shares: reading the text
+exposition (:func:`parse`), counters as increases between scrapes (:class:`Counters`), placing a
+histogram's bucket counts (:func:`spread`), and the scrape loop itself (:class:`ScrapeSource`:
+a bounded, timed fetch, the events checked, the source's up/down state).
+
+An engine's module (``vllm_metrics.py`` and the others) keeps only its mapping: which series
+mean what in kvscope's vocabulary. Parsing and counting do no I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+
+import httpx
+
+from kvscope import events as ev
+from kvscope.agent.sources.base import Consumer, SourceWorker
+
+log = logging.getLogger(__name__)
+
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+Samples = dict[tuple[str, frozenset], float]
+# An engine's /metrics body is tens of kB; a far larger one is no engine's, and read whole it
+# would be held in memory many times over while parsed.
+MAX_BODY = 16 << 20
+MAX_SERIES = 10_000  # counter series whose last value is kept (an engine exposes a few hundred)
+
+
+class BodyError(ValueError):
+    """A scrape's answer was too slow or too large to read."""
+
+
+def parse(text: str) -> Samples:
+    """Prometheus text exposition -> {(name, frozenset(labels)): value}, one entry per series
+    (a repeated line: the last); comments, blank and unparsable lines, and values that are not
+    finite numbers (NaN, +-Inf: no counter holds one) are skipped. Pure."""
+    out: Samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _LINE.match(line.strip())
+        if not match:
+            continue
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            out[(match.group(1), frozenset(_LABEL.findall(match.group(2) or "")))] = value
+    return out
+
+
+def series(samples: Samples, name: str, **labels: str) -> dict[frozenset, float]:
+    """The series of ``name`` that carry ``labels``: {labels: value}."""
+    want = set(labels.items())
+    return {ls: v for (n, ls), v in samples.items() if n == name and want <= ls}
+
+
+def spread(bounds: list[float], counts: list[int], total: float) -> list[tuple[float, int]]:
+    """``(value, n)`` standing for the observations of a histogram's buckets (``bounds``: the
+    finite upper bounds, ascending; ``counts``: per bucket, the last one above every bound;
+    ``total``: their sum): each value lies inside its bucket, ``lower < value <= upper``, at the
+    same fraction of every finite bucket, chosen so that the values add up to ``total`` where the
+    buckets allow it (what the finite buckets cannot hold goes to the ones above every bound).
+    Pure."""
+    lows = [0.0, *bounds]
+    low_sum = sum(n * low for n, low in zip(counts, lows))
+    width = sum(n * (high - low) for n, low, high in zip(counts, lows, bounds))
+    share = 1.0 if width <= 0 else min(1.0, max(0.0, (total - low_sum) / width))
+    out = []
+    for n, low, high in zip(counts, lows, bounds):
+        if n:
+            out.append((min(high, max(math.nextafter(low, math.inf),
+                                      low + share * (high - low))), n))
+    if len(counts) > len(bounds) and counts[-1]:
+        n, low = counts[-1], lows[-1]
+        excess = max(0.0, total - low_sum - share * width)
+        out.append((max(math.nextafter(low, math.inf), low + excess / n), n))
+    return out
+
+
+class Counters:
+    """Counter increases between scrapes, per series (one per engine process and label set)
+    and then added up, so that a series missing from a scrape is no reset of the sum. A series
+    seen for the first time is a baseline (its increase 0) unless ``from_zero`` says it counts
+    from 0 (an engine that makes a series at its first observation); one that went down was
+    reset, and its value is the increase. Values are kept for :data:`MAX_SERIES` series; past
+    that, only the latest scrape's (a series that comes back then starts over from its value).
+    Not thread-safe: one per source."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, frozenset], float] = {}
+        self._seen: dict[tuple[str, frozenset], float] = {}
+
+    def increase(self, name: str, values: Mapping[frozenset, float],
+                 from_zero: Callable[[frozenset], bool] | None = None) -> float | None:
+        """The summed increase of counter ``name``'s series ``values`` ({labels: value}, as
+        :func:`series` gives) since the scrape before; None when there is no such series."""
+        if not values:
+            return None
+        total = 0.0
+        for labels, value in values.items():
+            key = (name, labels)
+            last = self._last.get(key)
+            self._seen[key] = value
+            if last is not None:
+                total += value if value < last else value - last
+            elif from_zero is not None and from_zero(labels):
+                total += value
+        return total
+
+    def commit(self) -> bool:
+        """End a scrape: what it saw becomes the next one's baselines. True when more than
+        :data:`MAX_SERIES` series were kept, so that only this scrape's stay (series come and go
+        by label) and a series new to the next scrape may be an old one."""
+        seen, self._seen = self._seen, {}
+        self._last.update(seen)
+        if len(self._last) > MAX_SERIES:
+            self._last = seen
+            return True
+        return False
+
+
+class ScrapeSource(SourceWorker):
+    """A source that scrapes ``url`` (an engine's Prometheus endpoint) every ``interval``
+    seconds and maps what it reads into kvscope events for ``pipeline``. A subclass sets
+    ``name``, ``thread_name``, ``engine`` (the engine's name in messages) and ``prefix`` (a
+    series name prefix only that engine's answer has), and implements :meth:`map`; it may
+    override :meth:`deliver` to hold events back. ``timeout``: seconds a scrape may take in all,
+    headers included; ``clock``: the events' Unix timestamps. ``start()`` returns at once;
+    ``shutdown()`` is safe twice and without start."""
+
+    engine = ""
+    prefix = ""
+
+    def __init__(self, pipeline: Consumer, url: str, *, interval: float = 5.0,
+                 timeout: float = 3.0, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(pipeline)
+        self.url = url
+        self.interval = interval
+        self.failures = 0
+        self._timeout = timeout
+        self._clock = clock
+        self._invalid_logged = False
+
+    def map(self, samples: Samples, now: float) -> list:
+        """The events one scrape's ``samples`` make (``now``: Unix seconds). An exception
+        fails that scrape alone."""
+        raise NotImplementedError
+
+    def deliver(self, events: list) -> None:
+        """Hand a scrape's checked events to the pipeline."""
+        if events:
+            self.pipeline.ingest(self.name, events)
+
+    def scrape_once(self) -> bool:
+        """Scrape and map once; False (and source down) when the engine did not answer with 200
+        within ``timeout`` seconds, with a body of at most :data:`MAX_BODY` bytes holding some
+        series named ``prefix...`` (an HTML page, or another server's metrics, would otherwise
+        keep the source up while nothing is read), or when its answer could not be mapped.
+        Mapped events are checked like an emitter's (:func:`kvscope.events.validate`): one out
+        of bounds is dropped and counted as invalid."""
+        try:
+            samples = parse(self._fetch())
+            if not any(name.startswith(self.prefix) for name, _ in samples):
+                return self._failed(f"no {self.prefix} series in the answer; is the url "
+                                    f"{self.engine}'s metrics endpoint?")
+            events = self.map(samples, self._clock())
+        except (httpx.HTTPError, BodyError) as exc:
+            return self._failed(f"unavailable: {exc}")
+        except Exception as exc:  # a body the mapping cannot read: the next scrape may do
+            return self._failed(f"unreadable ({type(exc).__name__}: {exc})")
+        self.failures = 0
+        self.deliver([e for e in events if self._valid(e)])
+        self.report_up(True)
+        return True
+
+    def _valid(self, event: object) -> bool:
+        try:
+            ev.validate(event)
+        except ev.SchemaError as exc:
+            self.pipeline.drop(self.name, "invalid")
+            if not self._invalid_logged:
+                self._invalid_logged = True
+                log.warning("%s metrics at %s: dropped a %s out of bounds: %s (logged once)",
+                            self.engine, self.url, type(event).__name__, exc)
+            return False
+        return True
+
+    def _fetch(self) -> str:
+        """The body of ``url``; raises :class:`BodyError` past ``timeout`` seconds in all (a
+        server trickling bytes, of its headers too, would otherwise hold the scrape, and the
+        agent's stop, forever: httpx's timeouts are per read) or past :data:`MAX_BODY` bytes,
+        httpx's errors otherwise."""
+        # asyncio cancels the request at the deadline wherever it waits on the server; a host
+        # name's lookup runs in a thread asyncio.run waits for (an engine's is an address as a
+        # rule)
+        try:
+            return asyncio.run(asyncio.wait_for(self._fetch_async(), self._timeout))
+        except TimeoutError:
+            raise BodyError(f"no whole answer within {self._timeout:g} s") from None
+
+    async def _fetch_async(self) -> str:
+        chunks, size = [], 0
+        async with httpx.AsyncClient(timeout=self._timeout, trust_env=False) as client:
+            async with client.stream("GET", self.url) as response:
+                response.raise_for_status()
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > MAX_BODY:
+                        raise BodyError(f"a body over {MAX_BODY} bytes")
+                    chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", errors="replace")
+
+    def _failed(self, why: str) -> bool:
+        self.failures += 1
+        if self.failures == 1:
+            log.warning("%s metrics at %s %s", self.engine, self.url, why)
+        self.report_up(False)
+        return False
+
+    def prepare(self) -> None:
+        self.pipeline.expect_drops(self.name, ("invalid",))
+        self.report_up(False)
+
+    def run(self) -> None:
+        self.scrape_once()
+        while not self.stopping.wait(self.interval):
+            self.scrape_once()
