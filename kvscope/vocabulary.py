@@ -45,3 +45,9 @@ LOCAL_TIERS: tuple[str, ...] = TIERS[:3]
 # vLLM's medium -> tier. Every STORAGE tier is disk: an event's ``ownership`` names no tier type
 # (vLLM 0.32 and 0.33: only the kvcr tier sets it, to "kvcr"; fs and obj tiers leave it None).
 VLLM_MEDIUM_TIER: dict[str, str] = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
+# TensorRT-LLM's ``cache_tier`` label (main ``tensorrt_llm/metrics/enums.py``
+# ``CACHE_TIER_LABELS``; the KV cache manager's tier of each level) -> the token source of the
+# tokens it served. A KV connector's external store (remote) counts as cpu, as vLLM's external
+# hits do; ``none`` (tokens skipped outside every sliding window) is no source.
+TRTLLM_CACHE_TIER_SOURCE: dict[str, str] = {"gpu": "gpu", "host": "cpu", "cpu": "cpu",
+                                            "disk": "disk", "remote": "cpu"}
