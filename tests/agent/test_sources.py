@@ -54,6 +54,7 @@ def test_every_source_is_registered_with_its_table_in_the_settings():
     assert set(base.REGISTRY) == {
         "ingest", "kv_events", "otlp_receiver", "vllm_metrics",
         "kvbm_metrics",
+        "lmcache_metrics",
         "trtllm",
     }
     for name, spec in base.REGISTRY.items():

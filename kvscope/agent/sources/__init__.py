@@ -8,6 +8,7 @@ reads another while it is built imports after it.
 from kvscope.agent.sources import ingest, kv_events, otlp_receiver, vllm_metrics  # noqa: F401
 from kvscope.agent.sources import trtllm  # noqa: F401
 from kvscope.agent.sources import kvbm_metrics  # noqa: F401
+from kvscope.agent.sources import lmcache_metrics  # noqa: F401
 from kvscope.agent.sources.base import REGISTRY, build_sources, check_overlaps
 
 __all__ = ["REGISTRY", "build_sources", "check_overlaps"]
