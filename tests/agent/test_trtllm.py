@@ -349,3 +349,50 @@ def test_the_table_is_off_by_default_checked_and_claims_its_levels_tiers():
             load_settings(None, **{"trtllm.levels": levels})
     with pytest.raises(ValueError, match=r"\[kv_events\] and \[trtllm\] both report"):
         load_settings(None, **{"trtllm.enabled": "true", "kv_events.enabled": "true"})
+
+
+def test_an_agent_with_trtllm_enabled_drains_and_scrapes_on_its_own():
+    """The agent as `kvscope agent` builds it from [trtllm] (events and metrics on, every
+    0.1 s) against the loopback server: it polls by itself until drain 1 is in (gpu 4 of 100
+    resident) and a scrape set the request gauges (2 waiting), says so in its banner line, and
+    keeps draining, and
+    stops cleanly (shutdown twice is safe)."""
+    from conftest import wait_until
+    from kvscope.agent.sources.base import REGISTRY
+
+    expositions = [(DATA / "metrics-main-1.prom").read_text()]
+    with serving_trtllm(DRAINS[:1], expositions) as server:
+        settings = AgentSettings(trtllm={"enabled": True, "url": server.url, "metrics": True,
+                                         "interval": 0.1},
+                                 collectors={"gpu": {"enabled": False},
+                                             "host": {"enabled": False}})
+        agent = Agent(settings, with_ingest=False)
+        part = agent.sources["trtllm"]
+        line = REGISTRY["trtllm"].banner(settings.trtllm, part, "")
+        assert line == (f"trtllm: POST {server.url}/kv_cache_events and GET {server.url}"
+                        "/prometheus/metrics every 0.1 s; reports tiers gpu, cpu")
+        agent.start()
+        try:
+            value = agent.exposition.registry.get_sample_value
+            assert wait_until(lambda: value("kvscope_tier_resident_blocks", {"tier": "gpu"})
+                              == 4 and value("kvscope_requests_waiting",
+                                             {"source": "trtllm"}) == 2, timeout=20)
+            assert value("kvscope_tier_capacity_blocks", {"tier": "gpu"}) == 100
+            assert value("kvscope_source_up", {"source": "trtllm"}) == 1
+            assert wait_until(lambda: server.posts >= 3, timeout=20)  # it goes on draining
+        finally:
+            agent.shutdown()
+            agent.shutdown()
+
+
+def test_the_table_in_docs_engines_loads_as_it_stands(tmp_path):
+    """docs/engines.md's [trtllm] example is a valid table (it drifts otherwise)."""
+    from conftest import REPO_ROOT
+
+    section = (REPO_ROOT / "docs" / "engines.md").read_text().split("## TensorRT-LLM", 1)[1]
+    example = section.split("```toml", 1)[1].split("```", 1)[0]
+    path = tmp_path / "agent.toml"
+    path.write_text(example)
+    config = load_settings(path).trtllm
+    assert (config.enabled, config.events, config.metrics, config.levels) == (
+        True, True, True, ["gpu", "cpu"])

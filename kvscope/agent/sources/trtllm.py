@@ -60,7 +60,7 @@ from kvscope import events as ev
 from kvscope.agent.sections import Section, http_url
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register
 from kvscope.agent.sources.scrape import BodyError, Counters, Samples, ScrapeSource, series
-from kvscope.agent.sources.trtllm_events import TrtllmResidency, check_levels, decode
+from kvscope.agent.sources.trtllm_events import Decoded, TrtllmResidency, check_levels, decode
 from kvscope.vocabulary import TRTLLM_CACHE_TIER_SOURCE
 
 log = logging.getLogger(__name__)
@@ -243,6 +243,14 @@ class TrtllmSource(ScrapeSource):
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError,
                 UnicodeDecodeError) as exc:
             return self._drain_failed("answered no JSON array of events", "malformed", exc)
+        self.guarded(self._fold, decoded)  # a bug in the fold costs this drain alone
+        self._drain_failures = 0
+        self._drained = True
+        self._report()
+        return True
+
+    def _fold(self, decoded: Decoded) -> None:
+        """One drain's events into the pipeline, and what it lost counted."""
         events, drops = self.residency.apply(self._clock(), decoded)
         if self._lost is not None:  # the next event_id tells how many that drain lost
             drops[self._lost] += max(0, drops.pop("gap", 0) - 1)
@@ -250,10 +258,6 @@ class TrtllmSource(ScrapeSource):
         for reason, n in (+drops).items():
             self.pipeline.drop(NAME, reason, n)
         self.deliver([e for e in events if self._valid(e)])
-        self._drain_failures = 0
-        self._drained = True
-        self._report()
-        return True
 
     async def _drain_async(self) -> bytes:
         chunks, size = [], 0

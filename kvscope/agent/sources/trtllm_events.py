@@ -112,8 +112,9 @@ _type = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 class Decoded(msgspec.Struct):
     """One drain's events: ``events``, ``(rank, window, event_id, data)`` in order (``data``
-    None for one counted in ``drops``, its id kept so that it reads as no gap); ``drops``: events that could not be read, by reason (``unknown_kind``: a ``type`` this
-    module does not know; ``invalid``: a known one, or an envelope, of the wrong shape)."""
+    None for one counted in ``drops``, its id kept so that it reads as no gap); ``drops``:
+    events that could not be read, by reason (``unknown_kind``: a ``type`` this module does
+    not know; ``invalid``: a known one, or an envelope, of the wrong shape)."""
 
     events: list[tuple[int, int, int, Data | None]]
     drops: Counter
