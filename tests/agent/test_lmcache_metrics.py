@@ -128,6 +128,31 @@ def test_an_emptied_l1_keeps_its_size_and_loads_ahead_of_writes_carry_over():
     assert _moved(third) == {("gpu", "cpu"): (6, 0)}
 
 
+def test_a_restarted_server_is_another_l1_of_unknown_size_and_counts_from_0():
+    """16 MiB known from a half-full L1 (8 MiB at 0.5); the server restarts (another
+    service_instance_id) with its L1 empty: its size is unknown again (no snapshot, not the
+    old 16 MiB), and its first 3 writes count (counters start at 0 in a new process)."""
+    mapper = LMCacheMapper()
+    base = dict(loads=0, retrieved=0, stored=0, evicted=0, requested=0, l1_hits=0, l2_hits=0)
+    mapper.map(parse(exposition(10, used=8 << 20, ratio=0.5, **base)), 1.0)
+    restarted = exposition(3, used=0, ratio=0.0, **base).replace('"3c1b"', '"9f2e"')
+    events = mapper.map(parse(restarted), 2.0)
+    assert not [e for e in events if isinstance(e, ev.TierSnapshot)]
+    assert _moved(events) == {("gpu", "cpu"): (3, 0)}
+
+
+def test_an_l1_on_gpudirect_storage_is_the_disk_tier():
+    """An L1 manager on GDS (``backend="gds"``: NVMe, not host memory) with an fs L2: 4
+    stores land on disk, and its capacity (1 GiB at 0.25 = 4 GiB) is the disk tier's."""
+    text = exposition(4, 0, 0, 0, 0, 0, 0, 0, 1 << 30, 0.25).replace('"dram"', '"gds"')
+    mapper = LMCacheMapper()
+    mapper.map(parse(IDLE.replace('"dram"', '"gds"')), 1.0)
+    events = mapper.map(parse(text), 2.0)
+    assert _moved(events) == {("gpu", "disk"): (4, 0)}
+    [snapshot] = [e for e in events if isinstance(e, ev.TierSnapshot)]
+    assert (snapshot.tier, snapshot.capacity_bytes) == ("disk", 4 << 30)
+
+
 def test_the_first_scrape_of_a_busy_server_is_only_baselines():
     """An agent started beside a server that has run: its counters are totals of the past,
     not traffic since the scrape before, so they count nothing; L1 is reported as it is."""

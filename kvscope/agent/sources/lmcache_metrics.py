@@ -41,7 +41,8 @@ from 0.
   token, LMCache's hits as external).
 - ``l1_memory_usage_bytes`` and ``l1_usage_ratio`` (per L1 manager) -> ``TierSnapshot`` of L1's
   tier: resident bytes, capacity = bytes / ratio (kept from the last scrape with a ratio above
-  0: an empty L1 says nothing of its size, and until one has, no snapshot), blocks from
+  0: an empty L1 says nothing of its size, and until one has, no snapshot; forgotten when
+  ``target_info``'s ``service_instance_id`` says another server process answers), blocks from
   ``chunk_bytes`` (0 when unknown).
 
 Left out: L2 residency (``l2_usage_bytes`` has no capacity beside it, and a capacity of 0 would
@@ -116,8 +117,13 @@ class LMCacheMapper:
         self._scraped = False  # a scrape before this one was kept: new series count from 0
         self._deficit = 0.0  # L2 loads counted before the L1 writes they made
         self._capacity: dict[frozenset, float] = {}  # an L1 manager's bytes, once known
+        self._instance: str | None = None  # the server process's OTel service.instance.id
 
     def map(self, samples: Samples, now: float) -> list:
+        instance = next((dict(labels).get("service_instance_id")
+                         for labels in series(samples, "target_info")), None)
+        if instance != self._instance:  # another server process: its L1 may be another size
+            self._instance, self._capacity, self._deficit = instance, {}, 0.0
         l1 = level_tier(samples, L1_BYTES, "backend", L1_BACKENDS) or "cpu"
         l2 = level_tier(samples, L2_BYTES, "l2_name", self.l2_tiers)
         scraped = self._scraped
