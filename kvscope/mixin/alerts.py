@@ -118,7 +118,8 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
         *(Alert(
             f"Kvscope{name}Regression",
             f"{q99}\n  > {_g(1 + cfg.regression_ratio)} * ({q99} offset "
-            f"{cfg.regression_baseline_offset})",
+            f"{cfg.regression_baseline_offset})"
+            + _floor(requests[metric], by, cfg.min_requests_per_second),
             cfg.regression_for, "warning",
             f"{name} is well above its own baseline: did an offload tier roll out since?",
             f"p{float(q) * 100:g} {name} at {{{{ $labels.instance }}}} is "
@@ -126,8 +127,9 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             f"{_pct(cfg.regression_ratio)} above its value {cfg.regression_baseline_offset} "
             f"earlier, for {cfg.regression_for}. If a tier rolled out since, the rollback rule "
             "applies: disable it and compare the runs (kvscope compare) before trying again.",
-            (q99,))
-          for name, q99, q in (("TTFT", ttft, q), ("ITL", itl, qi))),
+            (q99, requests[metric]))
+          for name, q99, q, metric in (("TTFT", ttft, q, "kvscope_ttft_seconds"),
+                                       ("ITL", itl, qi, "kvscope_itl_seconds"))),
         *(Alert(
             "KvscopeHostMemoryHeadroomLow",
             f"{r.headroom_ratio} < {_g(ratio)}",
