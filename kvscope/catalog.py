@@ -161,6 +161,13 @@ GPU_KV_CACHE_USAGE_RATIO = _gauge("kvscope_gpu_kv_cache_usage_ratio",
     "the request it serves). Blocks held by running requests, not the cached ones a warm tier "
     "keeps (those are in kvscope_tier_resident_blocks).",
     ["source"], "ratio")
+TRANSFERS_IN_FLIGHT = _gauge("kvscope_transfers_in_flight",
+    "Copies from src to dst the source's engine submitted and has not seen finish, now (vLLM's "
+    "worker jobs through the tap; the reference engine's batched copies). Climbing while "
+    "finished transfers stay flat: the copy engine fell behind, or a job never completes.",
+    ["source", "src", "dst"])
+TRANSFER_BLOCKS_IN_FLIGHT = _gauge("kvscope_transfer_blocks_in_flight",
+    "KV blocks in the copies of kvscope_transfers_in_flight.", ["source", "src", "dst"])
 
 # host
 HOST_MEMORY_TOTAL_BYTES = _gauge("kvscope_host_memory_total_bytes",
@@ -242,7 +249,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     BLOCK_RESIDENCY_SECONDS, BLOCK_IDLE_SECONDS, STORE_ADMISSIONS, TIER_CAPACITY_BYTES,
     TIER_RESIDENT_BYTES, TIER_CAPACITY_BLOCKS, TIER_RESIDENT_BLOCKS, REQUESTS, TTFT_SECONDS,
     PROMOTION_WAIT_SECONDS, ITL_SECONDS,
-    REQUESTS_WAITING, REQUESTS_RUNNING, PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO,
+    REQUESTS_WAITING, REQUESTS_RUNNING, PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO, TRANSFERS_IN_FLIGHT,
+    TRANSFER_BLOCKS_IN_FLIGHT,
     HOST_MEMORY_TOTAL_BYTES, HOST_MEMORY_AVAILABLE_BYTES, HOST_MEMORY_LIMIT_BYTES,
     HOST_SWAP_USED_BYTES, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,
     OFFLOAD_BUDGET_BYTES, HOST_NUMA_NODES, PROCESS_NUMA_BYTES, PCIE_BYTES,

@@ -310,8 +310,22 @@ class SchedulerStats(_Event, tag="scheduler_stats"):
     gpu_kv_usage: Ratio | None = None
 
 
+class TransfersInFlight(_Event, tag="transfers_in_flight"):
+    """The copies from ``src`` to ``dst`` the sender submitted and has not seen finish, now:
+    ``transfers`` jobs (vLLM's worker jobs, the reference engine's batched copies) of
+    ``blocks`` KV blocks in all. A gauge per sender and direction, sent when it changes: a
+    count that climbs while the finished ones stay flat is a copy engine that fell behind, or
+    a job that never completes.
+    """
+
+    src: Tier
+    dst: Tier
+    transfers: Count
+    blocks: Count
+
+
 Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished,
-              LatencyHistogram, SchedulerStats, IdleHistogram, Admission]
+              LatencyHistogram, SchedulerStats, IdleHistogram, Admission, TransfersInFlight]
 
 
 E = TypeVar("E")

@@ -76,6 +76,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
         ev.RequestFinished(ts=0.0, request_id="r", ttft=0.2, prompt_tokens=8,
                            output_tokens=5, itl=0.02),
         ev.SchedulerStats(ts=0.0, waiting=2, running=1, preemptions=1, gpu_kv_usage=0.5),
+        ev.TransfersInFlight(ts=0.0, src="gpu", dst="cpu", transfers=3, blocks=7),
     ])
     agent.pipeline.drop("ingest", "malformed")
     agent.pipeline.count_tap_errors("engine", "internal", 2)
@@ -113,6 +114,8 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     assert value("kvscope_requests_waiting", {"source": "engine"}) == 2
     assert value("kvscope_preemptions_total", {"source": "engine"}) == 1
     assert value("kvscope_gpu_kv_cache_usage_ratio", {"source": "engine"}) == 0.5
+    assert value("kvscope_transfer_blocks_in_flight",
+                 {"source": "engine", "src": "gpu", "dst": "cpu"}) == 7
 
 
 def test_docs_metrics_is_generated_from_the_catalog():

@@ -35,6 +35,7 @@ cdef object _SNAPSHOT = ev.TierSnapshot, _STARTED = ev.RequestStarted, _LOOKUP =
 cdef object _TRANSFER = ev.Transfer, _EVICTION = ev.Eviction, _LATENCY = ev.LatencyHistogram
 cdef object _FINISHED = ev.RequestFinished, _SCHEDULER = ev.SchedulerStats
 cdef object _IDLE = ev.IdleHistogram, _ADMISSION = ev.Admission
+cdef object _IN_FLIGHT = ev.TransfersInFlight
 cdef Py_ssize_t L_BLOCKS = offset_of(ev.Lookup, "blocks")
 cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
 cdef Py_ssize_t L_HITS = offset_of(ev.Lookup, "block_hits")
@@ -232,6 +233,7 @@ cdef class Fold:
     # per sender: its scheduler's last gauges and its preemptions added up, each only once
     # reported (a dict per metric, keyed by source; see _scheduler_stats)
     cdef dict _waiting, _running, _preemptions, _gpu_kv_usage
+    cdef dict _in_flight  # (source, src, dst) -> (transfers, blocks): each sender's last report
 
     def __init__(self, RequestAssembler assembler not None,
                  double prefill_tokens_per_second=10_000.0,
@@ -249,6 +251,7 @@ cdef class Fold:
         self._wait = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._itl = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._waiting, self._running, self._preemptions, self._gpu_kv_usage = {}, {}, {}, {}
+        self._in_flight = {}
         self._recent = <double *>PyMem_Malloc(max(recent, 1) * sizeof(double))
         if self._recent == NULL:
             raise MemoryError()
@@ -306,6 +309,8 @@ cdef class Fold:
                     self._idle_of(t).add_buckets(event.bounds, event.counts, event.sum)
             elif kind is _ADMISSION:
                 self._admission(event)
+            elif kind is _IN_FLIGHT:
+                self._in_flight[(source, event.src, event.dst)] = (event.transfers, event.blocks)
         self._count_lookups(&totals)
         cdef double ahead = time.time() + FUTURE
         cdef list kept = [record for record in finished
@@ -460,10 +465,13 @@ cdef class Fold:
         return 0
 
     def forget_gauges(self, str source):
-        """Leave sender ``source``'s scheduler gauges (waiting, running, GPU KV usage) out from
-        now on: its engine stopped. Its preemptions stay counted, as counters do."""
+        """Leave sender ``source``'s gauges (waiting, running, GPU KV usage, transfers in
+        flight) out from now on: its engine stopped. Its preemptions stay counted, as counters
+        do."""
         for gauges in (self._waiting, self._running, self._gpu_kv_usage):
             gauges.pop(source, None)
+        for key in [key for key in self._in_flight if key[0] == source]:
+            del self._in_flight[key]
 
     def observe(self, list records):
         """Count finished ``records`` in the request metrics (requests, TTFT, promotion-wait and
@@ -522,6 +530,8 @@ cdef class Fold:
             "requests_running": dict(self._running),
             "preemptions": dict(self._preemptions),
             "gpu_kv_cache_usage": dict(self._gpu_kv_usage),
+            "transfers_in_flight": {key: n for key, (n, _) in self._in_flight.items()},
+            "transfer_blocks_in_flight": {key: n for key, (_, n) in self._in_flight.items()},
             "recent_ttft": [self._recent[(self._recent_next - self._recent_count + i)
                                          % self._recent_max] for i in range(self._recent_count)],
         }

@@ -54,6 +54,8 @@ def snapshot_samples(snap: Snapshot) -> Samples:
         m.REQUESTS_RUNNING: _labelled(snap.requests_running),
         m.PREEMPTIONS: _labelled(snap.preemptions),
         m.GPU_KV_CACHE_USAGE_RATIO: _labelled(snap.gpu_kv_cache_usage),
+        m.TRANSFERS_IN_FLIGHT: _labelled(snap.transfers_in_flight),
+        m.TRANSFER_BLOCKS_IN_FLIGHT: _labelled(snap.transfer_blocks_in_flight),
         m.EVENTS_RECEIVED: _labelled(snap.events_received),
         m.EVENTS_DROPPED: _labelled({**dict.fromkeys(sorted(snap.expected_drops), 0),
                                      **snap.events_dropped}),

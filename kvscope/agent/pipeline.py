@@ -36,6 +36,8 @@ class Snapshot:
     (:class:`~kvscope.events.SchedulerStats`), keyed by the sender's source and holding only
     the senders that reported each: ``requests_waiting``, ``requests_running`` (requests now),
     ``preemptions`` (added up since the agent started), ``gpu_kv_cache_usage`` (0 to 1).
+    ``transfers_in_flight``, ``transfer_blocks_in_flight``: by (source, src, dst), each
+    sender's last :class:`~kvscope.events.TransfersInFlight` (only directions it reported).
     ``block_idle_seconds``: per tier, only the tiers some source measured idle time of.
     ``store_admissions``: blocks offered for storing by (tier, result), added up since the agent
     started (:class:`~kvscope.events.Admission`), only the results some source reported."""
@@ -67,6 +69,8 @@ class Snapshot:
     requests_running: dict[str, int] = field(default_factory=dict)
     preemptions: dict[str, int] = field(default_factory=dict)
     gpu_kv_cache_usage: dict[str, float] = field(default_factory=dict)
+    transfers_in_flight: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    transfer_blocks_in_flight: dict[tuple[str, str, str], int] = field(default_factory=dict)
     block_idle_seconds: dict[str, Histogram] = field(default_factory=dict)
     store_admissions: dict[tuple[str, str], int] = field(default_factory=dict)
 
@@ -341,6 +345,8 @@ class Pipeline:
                 requests_running=state["requests_running"],
                 preemptions=state["preemptions"],
                 gpu_kv_cache_usage=state["gpu_kv_cache_usage"],
+                transfers_in_flight=state["transfers_in_flight"],
+                transfer_blocks_in_flight=state["transfer_blocks_in_flight"],
                 block_idle_seconds=_histograms(state["block_idle_seconds"]),
                 store_admissions=state["store_admissions"],
             )

@@ -156,6 +156,8 @@ class OffloadEngine:
         self._skipped = [0, 0]
         self._tiers_reported = False
         self._inflight: deque[tuple[ev.RequestStarted, list, RequestOutcome]] = deque()
+        # the copies in flight by direction as last reported: (copies, blocks)
+        self._in_flight_reported: dict[str, tuple[int, int]] = {}
 
     # -- the request path -------------------------------------------------------------------
 
@@ -407,9 +409,10 @@ class OffloadEngine:
         while self._inflight:
             started, evictions, outcome = self._inflight[0]
             if not all(r.resolve(wait) for r in outcome.results):
-                return
+                break
             self._inflight.popleft()
             self._finish(started, evictions, outcome)
+        self._report_in_flight()
 
     def drain(self) -> None:
         """Wait for every pending copy and finish every request."""
@@ -488,6 +491,29 @@ class OffloadEngine:
         self._emit(ev.SchedulerStats(ts=self._clock(), waiting=waiting,
                                      running=0 if serving is None else 1,
                                      gpu_kv_usage=held / capacity))
+
+    def _report_in_flight(self) -> None:
+        """Emit a :class:`~kvscope.events.TransfersInFlight` for each direction between the
+        engine's tiers whose batched copies issued and not yet timed (CUDA events pending), or
+        their blocks, changed since the last report (the first report: every direction, 0s
+        included: on a CPU every copy ends before the next request, and 0 in flight is what the
+        engine knows, not a value it lacks). Nothing without ``emit``."""
+        if self._emit is None:
+            return
+        names = {tier.name for tier in self.tiers}
+        counts = {d: [0, 0] for d in _DIRECTION.values() if set(d.split("->")) <= names}
+        for _, _, outcome in self._inflight:
+            for r in outcome.results:
+                if r.duration is None:
+                    count = counts[f"{r.src}->{r.dst}"]
+                    count[0] += 1
+                    count[1] += r.blocks
+        for direction, (copies, blocks) in counts.items():
+            if self._in_flight_reported.get(direction) != (copies, blocks):
+                self._in_flight_reported[direction] = (copies, blocks)
+                src, dst = direction.split("->")
+                self._emit(ev.TransfersInFlight(ts=self._clock(), src=src, dst=dst,
+                                                transfers=copies, blocks=blocks))
 
     def _report_admissions(self, results) -> None:
         """One :class:`~kvscope.events.Admission` per lower tier (``cpu``, ``disk``) that was

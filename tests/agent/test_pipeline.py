@@ -4,7 +4,9 @@ import time
 
 import pytest
 
+from kvscope import catalog
 from kvscope import events as ev
+from kvscope.agent.metrics import snapshot_samples
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.assembler import MAX_REUSES, RequestAssembler
 from kvscope.agent.requests import RequestRecord
@@ -725,3 +727,29 @@ def test_store_admissions_add_up_per_tier_and_result_and_a_none_stays_absent():
     pipeline = Pipeline()
     pipeline.ingest("vllm_metrics", [ev.Admission(ts=3.0, tier="cpu", skipped=4)])
     assert pipeline.snapshot().store_admissions == {("cpu", "skipped"): 4}
+
+
+def test_transfers_in_flight_are_each_senders_last_report_and_leave_with_it():
+    """"vllm" reports 2 stores (5 blocks) then 1 (2 blocks) in flight, and 1 load (4 blocks);
+    "engine" 0 stores. Each sender's last report per direction stands; "engine"'s leave once
+    its emitter closes, "vllm"'s stay. /metrics shows them per source and direction."""
+    pipeline = Pipeline()
+    assert pipeline.snapshot().transfers_in_flight == {}
+    pipeline.ingest("vllm", [
+        ev.TransfersInFlight(ts=1.0, src="gpu", dst="cpu", transfers=2, blocks=5),
+        ev.TransfersInFlight(ts=1.0, src="cpu", dst="gpu", transfers=1, blocks=4),
+        ev.TransfersInFlight(ts=2.0, src="gpu", dst="cpu", transfers=1, blocks=2)])
+    pipeline.ingest("engine", [ev.TransfersInFlight(ts=2.0, src="gpu", dst="cpu", transfers=0,
+                                                    blocks=0)])
+    snap = pipeline.snapshot()
+    assert snap.transfers_in_flight == {("vllm", "gpu", "cpu"): 1, ("vllm", "cpu", "gpu"): 1,
+                                        ("engine", "gpu", "cpu"): 0}
+    assert snap.transfer_blocks_in_flight == {("vllm", "gpu", "cpu"): 2,
+                                              ("vllm", "cpu", "gpu"): 4,
+                                              ("engine", "gpu", "cpu"): 0}
+    samples = snapshot_samples(snap)
+    assert sorted(samples[catalog.TRANSFER_BLOCKS_IN_FLIGHT]) == [
+        (["engine", "gpu", "cpu"], 0), (["vllm", "cpu", "gpu"], 4), (["vllm", "gpu", "cpu"], 2)]
+    pipeline.forget_tiers("engine")
+    assert pipeline.snapshot().transfers_in_flight == {("vllm", "gpu", "cpu"): 1,
+                                                       ("vllm", "cpu", "gpu"): 1}

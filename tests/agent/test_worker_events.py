@@ -115,3 +115,32 @@ def test_imports_without_vllm():
     assert proc.returncode == 0, proc.stderr
     brought = set(ast.literal_eval(proc.stdout))
     assert brought <= {"kvscope", "msgspec", "typing_extensions"}, proc.stdout
+
+
+def test_jobs_in_flight_are_reported_per_direction_when_they_change():
+    """Stores of 3 and 2 blocks and a load of 4: gpu->cpu 2 jobs, 5 blocks; cpu->gpu 1, 4.
+    Store 1 (3 blocks) finishes: gpu->cpu 1 job, 2 blocks, and only that direction is sent
+    again; a report with nothing changed sends nothing. Past ``max_jobs`` the forgotten job
+    leaves the count too (else a lost job would stay in flight for good)."""
+    obs, sent = observer(max_jobs=3)
+    assert not obs.in_flight_changed
+    obs.submitted(1, "gpu", "cpu", spec(0, 1, 2))
+    obs.submitted(2, "gpu", "cpu", spec(3, 4))
+    obs.submitted(3, "cpu", "gpu", spec(5, 6, 7, 8), "req-1")
+    assert obs.in_flight_changed
+    obs.report_in_flight()
+    assert sent == [ev.TransfersInFlight(ts=103.0, src="gpu", dst="cpu", transfers=2, blocks=5),
+                    ev.TransfersInFlight(ts=103.0, src="cpu", dst="gpu", transfers=1, blocks=4)]
+    assert not obs.in_flight_changed
+    obs.finished([result(1, True, 6144, 0.5)])
+    obs.report_in_flight()
+    assert sent[3:] == [ev.TransfersInFlight(ts=104.0, src="gpu", dst="cpu", transfers=1,
+                                             blocks=2)]
+    obs.report_in_flight()
+    assert len(sent) == 4
+    obs.submitted(4, "gpu", "cpu", spec(9))
+    obs.submitted(5, "gpu", "cpu", spec(10))  # 4 jobs > max_jobs 3: job 2 (2 blocks) forgotten
+    obs.report_in_flight()
+    assert sent[4:] == [ev.TransfersInFlight(ts=107.0, src="gpu", dst="cpu", transfers=2,
+                                             blocks=2)]
+    assert obs.errors == 1

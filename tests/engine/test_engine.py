@@ -354,3 +354,50 @@ def test_idle_time_before_eviction_counts_from_the_last_hit():
                                 (170, 40, 0, 40)], evictions["gpu"]
     assert evictions["cpu"] == [(100, 50, 0, 50), (150, 90, 0, 90), (170, 140, 1, 110)], \
         evictions["cpu"]
+
+
+class _PendingEvent:
+    """A CUDA event's interface (``torch.cuda.Event``: query, synchronize, elapsed_time), for
+    the one boundary this machine lacks: a copy whose timing has not completed yet. ``done``:
+    a shared flag the test sets when the "GPU" finishes."""
+
+    def __init__(self, done: list[bool], at_ms: float) -> None:
+        self._done, self._at = done, at_ms
+
+    def query(self) -> bool:
+        return self._done[0]
+
+    def synchronize(self) -> None:
+        self._done[0] = True
+
+    def elapsed_time(self, end: "_PendingEvent") -> float:
+        return end._at - self._at
+
+
+def test_copies_in_flight_are_reported_per_direction_when_they_change(monkeypatch):
+    """On this CPU every copy is timed when issued: the first request's report says 0 copies in
+    flight for each direction between the two tiers (gpu->cpu, cpu->gpu; no disk tier, no disk
+    directions), and later requests send nothing (nothing changed). With copies whose CUDA
+    events are pending (gpu 1 block, cpu 4): r3 [C] evicts B (offload, one batched copy of 1
+    block), so gpu->cpu reports 1 copy, 1 block, while it is pending; once the events complete
+    and the engine drains, 0 again."""
+    events = []
+    engine = _engine(1, 4, events)
+    engine.process(_req("r1", A))
+    engine.process(_req("r2", B))
+    assert _of(events, ev.TransfersInFlight) == [
+        ev.TransfersInFlight(ts=e.ts, src=s, dst=d, transfers=0, blocks=0)
+        for e, (s, d) in zip(_of(events, ev.TransfersInFlight), [("gpu", "cpu"), ("cpu", "gpu")])]
+    done = [False]
+    monkeypatch.setattr(engine._copier, "copy", lambda *args: (
+        None, (_PendingEvent(done, 0.0), _PendingEvent(done, 2.0))))
+    engine.process(_req("r3", C))
+    reported = _of(events, ev.TransfersInFlight)[2:]
+    assert [(e.src, e.dst, e.transfers, e.blocks) for e in reported] == [("gpu", "cpu", 1, 1)]
+    done[0] = True
+    engine.drain()
+    reported = _of(events, ev.TransfersInFlight)[3:]
+    assert [(e.src, e.dst, e.transfers, e.blocks) for e in reported] == [("gpu", "cpu", 0, 0)]
+    (offload,) = [t for t in _of(events, ev.Transfer, "r3")]
+    assert (offload.src, offload.dst, offload.duration) == ("gpu", "cpu", 0.002)
+    engine.close()

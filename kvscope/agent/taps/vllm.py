@@ -309,6 +309,9 @@ class TapWorker(OffloadingWorker):
         results = self.inner.get_finished()
         if results:  # most steps finish nothing: no call then
             self._finished(results)  # never raises
+        observer = self.observer
+        if observer.in_flight_changed:  # vLLM asks every step; submits and results change it
+            observer.report_in_flight()  # never raises
         return results
 
     def shutdown(self) -> None:

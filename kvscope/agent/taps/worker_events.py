@@ -29,7 +29,9 @@ class WorkerObserver:
     Results without a size or time are sent untimed (``timed`` False, 0 bytes and seconds).
     ``clock``: Unix seconds for ``ts`` (the submit time). Jobs it never hears back about are
     bounded by ``max_jobs`` (oldest forgotten, counted in ``errors``); results for jobs it did
-    not see submitted are skipped.
+    not see submitted are skipped. The jobs and blocks submitted and not finished, per
+    direction, go to ``emit`` as a ``TransfersInFlight`` when :meth:`report_in_flight` finds
+    them changed since it last sent them.
 
     Never raises: a failure is counted in :attr:`errors`, the first one logged (under vLLM's
     logger) and the rest counted silently."""
@@ -41,6 +43,10 @@ class WorkerObserver:
         self._clock = clock
         self._max_jobs = max_jobs
         self._jobs: dict[int, tuple[str, str, int, float, str]] = {}
+        # (src, dst) -> [jobs, blocks] submitted and not finished; and as last reported
+        self._in_flight: dict[tuple[str, str], list[int]] = {}
+        self._reported: dict[tuple[str, str], tuple[int, int]] = {}
+        self.in_flight_changed = False
 
     def failed(self, where: str, exc: BaseException) -> None:
         """Count a failure of the tap's worker side at ``where``; the first one is logged."""
@@ -56,8 +62,10 @@ class WorkerObserver:
         try:
             blocks = len(getattr(spec, "block_ids", ()))
             self._jobs[job_id] = (src, dst, blocks, self._clock(), request_id)
+            self._count(src, dst, 1, blocks)
             if len(self._jobs) > self._max_jobs:
-                del self._jobs[next(iter(self._jobs))]
+                forgotten = self._jobs.pop(next(iter(self._jobs)))
+                self._count(forgotten[0], forgotten[1], -1, -forgotten[2])
                 self.errors += 1
         except Exception as exc:
             self.failed("submit", exc)
@@ -72,6 +80,7 @@ class WorkerObserver:
                 if job is None:
                     continue
                 src, dst, blocks, started, rid = job
+                self._count(src, dst, -1, -blocks)
                 timed = result.transfer_time is not None and result.transfer_size is not None
                 self._emit(ev.Transfer(
                     ts=started, src=src, dst=dst, blocks=blocks,
@@ -81,3 +90,25 @@ class WorkerObserver:
                     request_id=rid, timed=timed))
         except Exception as exc:
             self.failed("get_finished", exc)
+
+    def _count(self, src: str, dst: str, jobs: int, blocks: int) -> None:
+        counts = self._in_flight.setdefault((src, dst), [0, 0])
+        counts[0] += jobs
+        counts[1] += blocks
+        self.in_flight_changed = True
+
+    def report_in_flight(self) -> None:
+        """A ``TransfersInFlight`` to ``emit`` for each direction whose jobs or blocks in flight
+        changed since this last sent it (the caller checks :attr:`in_flight_changed` first, a
+        flag, so that a step that moved nothing costs no call)."""
+        try:
+            self.in_flight_changed = False
+            now = None
+            for (src, dst), (jobs, blocks) in self._in_flight.items():
+                if self._reported.get((src, dst)) != (jobs, blocks):
+                    self._reported[(src, dst)] = (jobs, blocks)
+                    now = self._clock() if now is None else now
+                    self._emit(ev.TransfersInFlight(ts=now, src=src, dst=dst, transfers=jobs,
+                                                    blocks=blocks))
+        except Exception as exc:
+            self.failed("report_in_flight", exc)

@@ -136,6 +136,16 @@ def tiers(cfg: MixinConfig) -> dict:
               tuple(Q(f"max by (src, dst) ({r.promotion_quantile}{s(cfg, quantile(q))})",
                       f"{{{{src}}}} → {{{{dst}}}} p{q * 100:g}") for q in QUANTILES),
               unit="s", thresholds=((cfg.promotion_p99_seconds, "red"),)),
+            P("Transfers in flight by direction",
+              "Copies submitted and not yet finished, and their KV blocks, now, as each engine reports them (vLLM's "
+              "worker jobs through the tap; the reference engine's copies whose timing is "
+              "pending). A count that climbs while the throughput above stays flat: the copy "
+              "engine fell behind, or a job never completes.",
+              (Q(f"sum by (instance, src, dst) (kvscope_transfers_in_flight{s(cfg)})",
+                 "{{instance}} {{src}} → {{dst}} transfers"),
+               Q(f"sum by (instance, src, dst) (kvscope_transfer_blocks_in_flight{s(cfg)})",
+                 "{{instance}} {{src}} → {{dst}} blocks")),
+              unit="short", min=0, no_value="none reported"),
             P("Transfer failures by reason", "Failed transfers per second (0 when none).",
               (Q(f"sum by (src, dst, reason) (rate(kvscope_transfer_failures_total{s(cfg)}"
                  f"[{RATE}]))\nor 0 * sum by (src, dst) (rate(kvscope_transfer_blocks_total"
