@@ -126,3 +126,17 @@ def test_the_real_rule_holds_in_the_settings_and_the_built_agent(tiers):
     assert base.yielded_tiers(base.REGISTRY["vllm_metrics"], configs) == set(tiers)
     mapper = Agent(settings, with_ingest=False).vllm_metrics.mapper
     assert (mapper.gpu_snapshot, mapper.stores) == (False, "cpu" not in tiers)
+
+
+@pytest.mark.parametrize("other", ["kvbm_metrics", "lmcache_metrics"])
+def test_vllm_metrics_beside_kvbm_or_lmcache_leaves_them_their_tiers(other):
+    """Under KVBM's or LMCache's connector vLLM has no vllm:kv_offload_* series: the connector's
+    source reports cpu, disk and remote, and vllm_metrics beside it (vLLM's tokens, TTFT and
+    scheduler) is valid, its mapper reporting no cpu stores; both turned on with the KV events
+    reporting cpu too is refused (two would count the cpu tier)."""
+    settings = AgentSettings(vllm_metrics={"enabled": True}, **{other: {"enabled": True}})
+    mapper = Agent(settings, with_ingest=False).vllm_metrics.mapper
+    assert (mapper.gpu_snapshot, mapper.stores) == (True, False)
+    with pytest.raises(ValueError, match=r"both report the cpu tier"):
+        AgentSettings(kv_events={"enabled": True, "tiers": ["gpu", "cpu"]},
+                      **{other: {"enabled": True}})

@@ -95,14 +95,7 @@ class KvbmMetricsSource(ScrapeSource):
     thread_name = "kvscope-kvbm-metrics"
     engine = "Dynamo KVBM"
     prefix = "kvbm_"
-
-    def __init__(self, pipeline: Consumer, url: str = DEFAULT_URL, *,
-                 mapper: KvbmMapper | None = None, **kwargs) -> None:
-        super().__init__(pipeline, url, **kwargs)
-        self.mapper = mapper or KvbmMapper()
-
-    def map(self, samples: Samples, now: float) -> list:
-        return self.mapper.map(samples, now)
+    mapper_class = KvbmMapper
 
 
 class KvbmMetricsConfig(Section):

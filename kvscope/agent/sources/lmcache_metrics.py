@@ -232,14 +232,7 @@ class LMCacheMetricsSource(ScrapeSource):
     thread_name = "kvscope-lmcache-metrics"
     engine = "LMCache"
     prefix = _P
-
-    def __init__(self, pipeline: Consumer, url: str = DEFAULT_URL, *,
-                 mapper: LMCacheMapper | None = None, **kwargs) -> None:
-        super().__init__(pipeline, url, **kwargs)
-        self.mapper = mapper or LMCacheMapper()
-
-    def map(self, samples: Samples, now: float) -> list:
-        return self.mapper.map(samples, now)
+    mapper_class = LMCacheMapper
 
 
 class LMCacheMetricsConfig(Section):

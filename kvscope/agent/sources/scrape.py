@@ -131,19 +131,24 @@ class Counters:
 class ScrapeSource(SourceWorker):
     """A source that scrapes ``url`` (an engine's Prometheus endpoint) every ``interval``
     seconds and maps what it reads into kvscope events for ``pipeline``. A subclass sets
-    ``name``, ``thread_name``, ``engine`` (the engine's name in messages) and ``prefix`` (a
-    series name prefix only that engine's answer has), and implements :meth:`map`; it may
-    override :meth:`deliver` to hold events back. ``timeout``: seconds a scrape may take in all,
-    headers included; ``clock``: the events' Unix timestamps. ``start()`` returns at once;
-    ``shutdown()`` is safe twice and without start."""
+    ``name``, ``thread_name``, ``engine`` (the engine's name in messages), ``prefix`` (a
+    series name prefix only that engine's answer has) and ``mapper_class`` (what it maps with,
+    made when no ``mapper`` is given: an object with ``map(samples, now) -> events``, pure), or
+    overrides :meth:`map`; it may override :meth:`deliver` to hold events back. ``timeout``:
+    seconds a scrape may take in all, headers included; ``clock``: the events' Unix
+    timestamps. ``start()`` returns at once; ``shutdown()`` is safe twice and without start."""
 
     engine = ""
     prefix = ""
+    mapper_class: Callable[[], object] | None = None
 
-    def __init__(self, pipeline: Consumer, url: str, *, interval: float = 5.0,
-                 timeout: float = 3.0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, pipeline: Consumer, url: str, *, mapper: object | None = None,
+                 interval: float = 5.0, timeout: float = 3.0,
+                 clock: Callable[[], float] = time.time) -> None:
         super().__init__(pipeline)
         self.url = url
+        self.mapper = mapper if mapper is not None or self.mapper_class is None \
+            else self.mapper_class()
         self.interval = interval
         self.failures = 0
         self._timeout = timeout
@@ -151,9 +156,9 @@ class ScrapeSource(SourceWorker):
         self._invalid_logged = False
 
     def map(self, samples: Samples, now: float) -> list:
-        """The events one scrape's ``samples`` make (``now``: Unix seconds). An exception
-        fails that scrape alone."""
-        raise NotImplementedError
+        """The events one scrape's ``samples`` make (``now``: Unix seconds): the mapper's. An
+        exception fails that scrape alone."""
+        return self.mapper.map(samples, now)
 
     def deliver(self, events: list) -> None:
         """Hand a scrape's checked events to the pipeline."""

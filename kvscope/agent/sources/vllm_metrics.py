@@ -32,8 +32,10 @@ Mapped (vLLM 0.32 names, ``vllm/v1/metrics/loggers.py`` and the offloading conne
 
 Offloading (vLLM 0.33 ``kv_offload/base.py``, ``kv_offload/cpu/common.py``,
 ``kv_offload/tiering/{base,spec,metrics}.py``, ``offloading/metrics.py``; the tiering counters
-are 0.32's too). ``kv_events_tiers`` names the tiers the agent's KV events source reports: what
-it sees is left to it, so that nothing counts twice.
+are 0.32's too). ``kv_events_tiers`` names the tiers the agent's KV events source reports
+(and, under their connectors, Dynamo KVBM's and LMCache's sources, where vLLM has no
+``vllm:kv_offload_*`` series of its own): what it sees is left to it, so that nothing counts
+twice.
 
 - ``vllm:kv_offload_config_info`` (0.33), the series whose ``cpu_num_chunks``,
   ``cpu_blocks_per_chunk`` and ``cpu_kv_cache_size_bytes`` are numbers (the CPU tier's: plain,
@@ -526,21 +528,17 @@ class VllmMetricsSource(ScrapeSource):
     thread_name = "kvscope-vllm-metrics"
     engine = "vLLM"
     prefix = "vllm:"
+    mapper_class = MetricsMapper
 
     def __init__(self, pipeline: Consumer, url: str = "http://127.0.0.1:8000/metrics", *,
-                 interval: float = 5.0, timeout: float = 3.0, mapper: MetricsMapper | None = None,
-                 clock: Callable[[], float] = time.time,
-                 span_ttft: Callable[[], float] | None = None, span_wait: float = 6.0) -> None:
-        super().__init__(pipeline, url, interval=interval, timeout=timeout, clock=clock)
-        self.mapper = mapper or MetricsMapper()
+                 span_ttft: Callable[[], float] | None = None, span_wait: float = 6.0,
+                 **kwargs) -> None:
+        super().__init__(pipeline, url, **kwargs)
         self._span_ttft = span_ttft
         self._span_wait = span_wait
         # (monotonic seconds of the scrape before, of this one, its TTFT histogram), oldest first
         self._held: deque[tuple[float, float, ev.LatencyHistogram]] = deque()
         self._scraped = -math.inf
-
-    def map(self, samples: Samples, now: float) -> list:
-        return self.mapper.map(samples, now)
 
     def deliver(self, events: list) -> None:
         """Hold each TTFT histogram ``span_wait`` seconds when spans may report its requests."""
@@ -593,4 +591,4 @@ def _build(config: VllmMetricsConfig, consumer: Consumer, built: Built) -> VllmM
 SPEC = register(SourceSpec(
     NAME, VllmMetricsConfig, _build, describe=lambda config: NAME,
     banner=lambda config, part, base_url: f"{NAME}: {config.url} every {config.interval:g} s",
-    tiers=lambda config: ("cpu",), yields_to=("kv_events",)))
+    tiers=lambda config: ("cpu",), yields_to=("kv_events", "kvbm_metrics", "lmcache_metrics")))
