@@ -62,3 +62,12 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     _numbers = NUMBERS_NOT_BOOLEANS
+
+
+class EngineSection(Section):
+    """The table of a source that observes one engine through the engine's own interface (no
+    tap sends its name): ``model``, the model that engine serves, is the ``model`` label of
+    ``kvscope_engine_info`` (the boards' ``$model``; empty: none); the source's spec names the
+    engine (:class:`~kvscope.agent.sources.base.SourceSpec` ``engine``)."""
+
+    model: str = Field("", max_length=64)

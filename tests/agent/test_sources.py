@@ -140,3 +140,23 @@ def test_vllm_metrics_beside_kvbm_or_lmcache_leaves_them_their_tiers(other):
     with pytest.raises(ValueError, match=r"both report the cpu tier"):
         AgentSettings(kv_events={"enabled": True, "tiers": ["gpu", "cpu"]},
                       **{other: {"enabled": True}})
+
+
+ENGINES = {"vllm_metrics": "vllm", "trtllm": "tensorrt-llm", "kvbm_metrics": "dynamo",
+           "lmcache_metrics": "lmcache"}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_a_source_of_an_engine_tells_its_engine_and_model(name):
+    """No tap names the engine behind a zero-code source, so the agent exports
+    ``kvscope_engine_info{source=name, engine, model}`` from its spec and its table's ``model``:
+    without it the boards' ``$instance`` (the info metric's instances) would not list the
+    agent. Built, not started: it is there before the engine first answers."""
+    agent = Agent(AgentSettings(**{name: {"enabled": True, "model": "llama-3-8b"}}),
+                  with_ingest=False)
+    value = agent.exposition.registry.get_sample_value
+    assert value("kvscope_engine_info", {"source": name, "engine": ENGINES[name],
+                                         "model": "llama-3-8b"}) == 1
+    assert agent.pipeline.snapshot().source_info == {name: (ENGINES[name], "llama-3-8b")}
+    with pytest.raises(ValueError, match="model"):
+        AgentSettings(**{name: {"enabled": True, "model": "m" * 65}})

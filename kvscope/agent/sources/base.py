@@ -123,6 +123,10 @@ class SourceSpec:
     route it serves). ``tiers(config)``: the tiers it
     reports itself (residency, transfers into them, evictions from them), when config says;
     ``yields_to``: sources whose tiers it leaves to them (so two never count one tier twice).
+    ``engine(config)``: the engine it observes, a short lowercase word (``kvscope_engine_info``'s
+    ``engine`` label, with its table's ``model``: how the boards' ``$engine``, ``$model`` and
+    ``$instance`` find the agent), for a source no tap names its engine to; "" for one that
+    names none (the ingest source takes each tap's from its batches).
     """
 
     name: str
@@ -132,6 +136,7 @@ class SourceSpec:
     banner: Callable[[Section, Part, str], str] = lambda config, part, base_url: ""
     tiers: Callable[[Section], Iterable[str]] = lambda config: ()
     yields_to: tuple[str, ...] = ()
+    engine: Callable[[Section], str] = lambda config: ""
 
 
 REGISTRY: dict[str, SourceSpec] = {}
@@ -174,10 +179,13 @@ def check_overlaps(configs: Mapping[str, Section]) -> None:
 
 def build_sources(configs: Mapping[str, Section], consumer: Consumer,
                   skip: Iterable[str] = ()) -> dict[str, Part]:
-    """Every enabled registered source not in ``skip``, by name, in registration order.
+    """Every enabled registered source not in ``skip``, by name, in registration order, each
+    with the engine and model it observes told to ``consumer`` (when its spec names one).
     ``configs``: each registered source's table by name."""
     built = Built(configs, {})
     for name, spec in REGISTRY.items():
         if configs[name].enabled and name not in skip:
             built.parts[name] = spec.build(configs[name], consumer, built)
+            if engine := spec.engine(configs[name]):
+                consumer.set_source_info(name, engine, getattr(configs[name], "model", ""))
     return built.parts

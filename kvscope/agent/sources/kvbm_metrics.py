@@ -43,7 +43,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from kvscope import events as ev
-from kvscope.agent.sections import Section, http_url
+from kvscope.agent.sections import EngineSection, http_url
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register
 from kvscope.agent.sources.scrape import Counters, Samples, ScrapeSource, series
 
@@ -98,7 +98,7 @@ class KvbmMetricsSource(ScrapeSource):
     mapper_class = KvbmMapper
 
 
-class KvbmMetricsConfig(Section):
+class KvbmMetricsConfig(EngineSection):
     """Scrape Dynamo KVBM's ``/metrics`` (source ``kvbm_metrics``) every ``interval``
     seconds; ``block_bytes``: KV bytes per block (0: unknown, and so are the bytes moved)."""
 
@@ -122,4 +122,4 @@ def _build(config: KvbmMetricsConfig, consumer: Consumer, built: Built) -> KvbmM
 SPEC = register(SourceSpec(
     NAME, KvbmMetricsConfig, _build, describe=lambda config: NAME,
     banner=lambda config, part, base_url: f"{NAME}: {config.url} every {config.interval:g} s",
-    tiers=lambda config: ("cpu", "disk", "remote")))
+    tiers=lambda config: ("cpu", "disk", "remote"), engine=lambda config: "dynamo"))

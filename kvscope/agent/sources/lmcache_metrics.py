@@ -60,7 +60,7 @@ from collections.abc import Mapping
 from pydantic import Field, field_validator
 
 from kvscope import events as ev
-from kvscope.agent.sections import Section, http_url
+from kvscope.agent.sections import EngineSection, http_url
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register
 from kvscope.agent.sources.scrape import Counters, Samples, ScrapeSource, series
 from kvscope.vocabulary import Tier
@@ -235,7 +235,7 @@ class LMCacheMetricsSource(ScrapeSource):
     mapper_class = LMCacheMapper
 
 
-class LMCacheMetricsConfig(Section):
+class LMCacheMetricsConfig(EngineSection):
     """Scrape LMCache's multiprocess server's ``/metrics`` (source ``lmcache_metrics``) every
     ``interval`` seconds. ``chunk_blocks``: engine blocks per LMCache chunk (its chunk size over
     the engine's block size; 1: count chunks as blocks); ``chunk_bytes``: KV bytes per chunk (0:
@@ -270,4 +270,4 @@ def _build(config: LMCacheMetricsConfig, consumer: Consumer,
 SPEC = register(SourceSpec(
     NAME, LMCacheMetricsConfig, _build, describe=lambda config: NAME,
     banner=lambda config, part, base_url: f"{NAME}: {config.url} every {config.interval:g} s",
-    tiers=lambda config: ("cpu", "disk", "remote")))
+    tiers=lambda config: ("cpu", "disk", "remote"), engine=lambda config: "lmcache"))

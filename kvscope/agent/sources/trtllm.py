@@ -57,7 +57,7 @@ import msgspec
 from pydantic import Field, field_validator
 
 from kvscope import events as ev
-from kvscope.agent.sections import Section, http_url
+from kvscope.agent.sections import EngineSection, http_url
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register
 from kvscope.agent.sources.scrape import BodyError, Counters, Samples, ScrapeSource, series
 from kvscope.agent.sources.trtllm_events import Decoded, TrtllmResidency, check_levels, decode
@@ -301,7 +301,7 @@ class TrtllmSource(ScrapeSource):
                 return
 
 
-class TrtllmConfig(Section):
+class TrtllmConfig(EngineSection):
     """``trtllm-serve`` (source ``trtllm``) at ``url`` every ``interval`` seconds: its KV cache
     events (``events``; needs ``kv_cache_config.event_buffer_max_size`` > 0) and its Prometheus
     metrics (``metrics``; needs ``return_perf_metrics``). ``levels``: the tier of each cache
@@ -352,4 +352,4 @@ def _banner(config: TrtllmConfig, part: TrtllmSource, base_url: str) -> str:
 register(SourceSpec(NAME, TrtllmConfig, _build,
                     describe=lambda config: f"trtllm-serve at {config.url}", banner=_banner,
                     tiers=lambda config: config.levels if config.events or config.metrics
-                    else ()))
+                    else (), engine=lambda config: "tensorrt-llm"))

@@ -109,7 +109,7 @@ from collections.abc import Callable, Iterable
 from pydantic import Field, field_validator
 
 from kvscope import events as ev
-from kvscope.agent.sections import Section, http_url
+from kvscope.agent.sections import EngineSection, http_url
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register, yielded_tiers
 from kvscope.agent.sources.scrape import (MAX_SERIES, Counters, Samples, ScrapeSource, series,
                                           spread)
@@ -561,7 +561,7 @@ class VllmMetricsSource(ScrapeSource):
         return out
 
 
-class VllmMetricsConfig(Section):
+class VllmMetricsConfig(EngineSection):
     """Scrape vLLM's ``/metrics`` (source ``vllm_metrics``) every ``interval`` seconds;
     ``block_bytes``: KV bytes per block (0: unknown)."""
 
@@ -591,4 +591,5 @@ def _build(config: VllmMetricsConfig, consumer: Consumer, built: Built) -> VllmM
 SPEC = register(SourceSpec(
     NAME, VllmMetricsConfig, _build, describe=lambda config: NAME,
     banner=lambda config, part, base_url: f"{NAME}: {config.url} every {config.interval:g} s",
-    tiers=lambda config: ("cpu",), yields_to=("kv_events", "kvbm_metrics", "lmcache_metrics")))
+    tiers=lambda config: ("cpu",), yields_to=("kv_events", "kvbm_metrics", "lmcache_metrics"),
+    engine=lambda config: "vllm"))
