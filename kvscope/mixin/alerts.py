@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvscope.mixin.config import MixinConfig
-from kvscope.mixin.promql import offload_tiers, sel
+from kvscope.mixin.promql import offload_tiers, sel, tier_matcher
 from kvscope.mixin.rules import Records
 
 
@@ -82,6 +82,10 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
                 "{name} returns under budget against the baseline before trying it again.")
     ttft_warning = cfg.ttft_budget_seconds * cfg.ttft_budget_warning_ratio
     up = f"up{sel(cfg)}"
+    host = {metric: f"sum by ({by}) ({metric}{sel(cfg)})"
+            for metric in ("kvscope_host_memory_reserve_bytes", "kvscope_host_memory_limit_bytes")}
+    host_budget = (f"sum by ({by}) (kvscope_offload_budget_bytes"
+                   f"{sel(cfg, tier_matcher(cfg.host_memory_tiers))})")
     return [
         Alert(
             "KvscopeTTFTBudgetBreach",
@@ -146,6 +150,21 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
                "Host RAM available to the node is below the configured reserve.",
                ": available memory is below the reserve kept for the OS and other services, so "
                "the kernel may swap or kill processes."))),
+        # Misconfiguration (the guide's failure mode 3, overcommitting host RAM): the tier's
+        # budget is what it grows to, so budget + reserve over the limit is an OOM waiting for
+        # the tier to fill, whatever the headroom says now.
+        Alert(
+            "KvscopeOffloadBudgetOverLimit",
+            f"(\n  {host_budget}\n  + on ({by})\n  {host['kvscope_host_memory_reserve_bytes']}\n)\n"
+            f"- on ({by})\n{host['kvscope_host_memory_limit_bytes']}\n> 0",
+            cfg.budget_over_limit_for, "warning",
+            "The host-RAM offload budget plus the reserve exceeds the host's memory limit.",
+            f"At {{{{ $labels.instance }}}} the {'/'.join(cfg.host_memory_tiers)} offload "
+            "budget plus the reserve exceed the memory limit (physical RAM or the cgroup's "
+            "memory.max, the tighter) by {{ $value | humanize1024 }}B: once the tier fills, the "
+            "kernel swaps or the OOM killer picks a process. Shrink the budget (vLLM "
+            "--kv-offloading-size / cpu_bytes_to_use) by at least that much, or raise the limit.",
+            (host_budget, *host.values())),
         Alert(
             "KvscopeOffloadThrash",
             f"{unused} > {_g(cfg.thrash_unused_share)}\n"

@@ -74,6 +74,10 @@ class MixinConfig:
     headroom_min_ratio: float = 0.0
     headroom_warning_ratio: float = 0.05
     headroom_for: str = "10m"
+    # KvscopeOffloadBudgetOverLimit: the host-RAM offload budgets (tiers in
+    # host_memory_tiers) plus the reserve exceed the memory limit (RAM or cgroup memory.max).
+    host_memory_tiers: tuple[str, ...] = ("cpu",)
+    budget_over_limit_for: str = "5m"
     # KvscopeOffloadThrash: share of a tier's evictions that were never hit, while offloads run.
     thrash_unused_share: float = 0.8
     thrash_min_offload_bytes_per_second: float = 64 * MIB

@@ -54,6 +54,11 @@ def offload_tiers(cfg: MixinConfig) -> str:
     return _one_or_regex("tier", list(cfg.tiers[1:]))
 
 
+def tier_matcher(tiers) -> str:
+    """Matcher for these tiers: ``tier="cpu"``, or ``tier=~"cpu|disk"`` for several."""
+    return _one_or_regex("tier", list(tiers))
+
+
 def union(fn: str, metric: str, cfg: MixinConfig, matcher_sets: list[str], window: str) -> str:
     """``fn(metric{sel, m1}[w]) or fn(metric{sel, m2}[w]) or ...``."""
     return "\n  or ".join(f"{fn}({metric}{sel(cfg, m)}[{window}])" for m in matcher_sets)
