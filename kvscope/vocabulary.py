@@ -45,6 +45,10 @@ LOCAL_TIERS: tuple[str, ...] = TIERS[:3]
 # vLLM's medium -> tier. Every STORAGE tier is disk: an event's ``ownership`` names no tier type
 # (vLLM 0.32 and 0.33: only the kvcr tier sets it, to "kvcr"; fs and obj tiers leave it None).
 VLLM_MEDIUM_TIER: dict[str, str] = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}
+# SGLang's medium -> tier (0.5.23 ``srt/disaggregation/kv_events.py`` ``StorageMedium``: device
+# HBM, host pinned memory, SSD, a shared or remote pool such as Mooncake).
+SGLANG_MEDIUM_TIER: dict[str, str] = {"GPU": "gpu", "CPU_PINNED": "cpu", "DISK": "disk",
+                                      "EXTERNAL": "remote"}
 # TensorRT-LLM's ``cache_tier`` label (main ``tensorrt_llm/metrics/enums.py``
 # ``CACHE_TIER_LABELS``; the KV cache manager's tier of each level) -> the token source of the
 # tokens it served. A KV connector's external store (remote) counts as cpu, as vLLM's external

@@ -1,4 +1,4 @@
-"""The vLLM KV events source: subscribes to vLLM's ``--kv-events-config`` ZMQ stream.
+"""The KV events source: subscribes to vLLM's (or SGLang's) ``--kv-events-config`` ZMQ stream.
 
 vLLM (0.32 ``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``) publishes multipart
 messages ``(topic, seq as 8 bytes big-endian, msgpack KVEventBatch)``; a batch is the array
@@ -74,6 +74,23 @@ sequence numbers count as ``malformed``, unknown event kinds as ``unknown_kind``
 backwards means vLLM restarted: residency starts over, and every reported tier's gauges say so
 at once. The stream is one publisher's: a second one on the same endpoint (its own sequence)
 reads as duplicates and restarts.
+
+**SGLang** (``engine = "sglang"``; 0.5.23 ``srt/disaggregation/kv_events.py``,
+``srt/mem_cache/events.py``) publishes the same framing, replay included: the batch's third item
+is its ``attn_dp_rank``, and ``BlockStored`` carries more fields (``token_ids``, ``lora_id``,
+``cache_salt``, ``session_id``, ``lora_name``: not read). Its media (:class:`Flavour`,
+:data:`~kvscope.vocabulary.SGLANG_MEDIUM_TIER`) are ``GPU``, ``CPU_PINNED`` (the HiCache host
+pool), ``DISK`` and ``EXTERNAL`` (-> remote; a new remote hash is a cpu->remote offload, a cpu
+hash resident there a remote->cpu promotion, like disk). 0.5.23 publishes GPU and CPU_PINNED
+only (every ``record_store``/``record_remove`` call of its radix trees names one of those), so
+its default ``tiers`` are gpu and cpu. A CPU_PINNED store is a write-through backup of a GPU
+block, or a block prefetched from the storage layer (L3) into the host pool: the events do not
+tell them apart, and both count as gpu->cpu offloads (the SGLang metrics source counts the
+prefetches). SGLang also binds ``0.0.0.0``. With data parallelism each DP rank publishes on its
+own port, the endpoint's plus the rank (``ZmqEventPublisher.offset_endpoint_port``; its replay
+endpoint likewise), with its own sequence and its own KV cache: with ``dp_size`` N the source
+subscribes to all N ports, keeps a sequence, gaps, replays and restarts per rank (the batch's
+rank), and tracks each rank's blocks apart (one hash in two ranks is two blocks).
 """
 
 from __future__ import annotations
@@ -82,23 +99,28 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 import zmq
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from zmq.utils.monitor import recv_monitor_message
 
 from kvscope import events as ev
 from kvscope.agent.sections import Section, TierSize, tier_keys, zmq_endpoint
 from kvscope.agent.sources.base import Consumer, SourceSpec, SourceWorker, register
-from kvscope.vocabulary import LOCAL_TIERS, VLLM_MEDIUM_TIER
+from kvscope.vocabulary import LOCAL_TIERS, SGLANG_MEDIUM_TIER, VLLM_MEDIUM_TIER
+from kvscope.vocabulary import TIERS as ALL_TIERS
 
 log = logging.getLogger(__name__)
 NAME = "kv_events"
-TIERS = LOCAL_TIERS  # the tiers vLLM's media name
-_OFFLOAD_FROM = {"cpu": "gpu", "disk": "cpu"}
-_MAPPED_TRANSFERS = (("gpu", "cpu"), ("disk", "cpu"), ("cpu", "disk"))  # what this source sends
+_OFFLOAD_FROM = {"cpu": "gpu", "disk": "cpu", "remote": "cpu"}
+_BELOW_CPU = ("disk", "remote")  # the tiers a cpu block is offloaded to and promoted from
+# what this source sends
+_MAPPED_TRANSFERS = (("gpu", "cpu"), ("disk", "cpu"), ("cpu", "disk"), ("remote", "cpu"),
+                     ("cpu", "remote"))
 END_SEQ = -1
 # A sequence jump beyond this is no loss but a confused (or second) publisher; a gap beyond
 # MAX_REPLAY batches is more than vLLM's replay buffer holds, so it is not asked for; after a
@@ -110,6 +132,35 @@ REPLAY_BACKOFF = 30.0
 # Bytes a message may have where the agent binds (see KvEventsSource.prepare): vLLM's own are
 # kilobytes a step, about 4 bytes per prompt token, so 16 MiB holds a step of 4M tokens.
 MAX_BOUND_MESSAGE = 16 << 20
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """An engine's dialect of the KV events framing. ``engine``: its ``[kv_events] engine``;
+    ``title``: its name in messages; ``media``: medium -> tier; ``default_tiers``: the tiers
+    reported when ``[kv_events] tiers`` is not set; ``binds_any``: whether the engine binds a
+    ``0.0.0.0`` endpoint too (besides ``*``, ``::``, ``ipc://`` and ``inproc://``)."""
+
+    engine: str
+    title: str
+    media: Mapping[str, str]
+    default_tiers: tuple[str, ...]
+    binds_any: bool = False
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers its media name, nearest the GPU first."""
+        return tuple(t for t in ALL_TIERS if t in self.media.values())
+
+    def binds(self, endpoint: str) -> bool:
+        """Whether the engine binds ``endpoint`` (else it connects to it)."""
+        return vllm_binds(endpoint) or (self.binds_any and "tcp://0.0.0.0:" in endpoint)
+
+
+VLLM = Flavour("vllm", "vLLM", VLLM_MEDIUM_TIER, LOCAL_TIERS)
+# SGLang 0.5.23 publishes no DISK or EXTERNAL event (see the module)
+SGLANG = Flavour("sglang", "SGLang", SGLANG_MEDIUM_TIER, ("gpu", "cpu"), binds_any=True)
+FLAVOURS = {f.engine: f for f in (VLLM, SGLANG)}
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored"):
@@ -134,7 +185,14 @@ class KvBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
+class _Rank(msgspec.Struct, array_like=True):
+    ts: float
+    events: msgspec.Raw
+    data_parallel_rank: int | None = None
+
+
 _batch_decoder = msgspec.msgpack.Decoder(KvBatch)
+_rank_decoder = msgspec.msgpack.Decoder(_Rank)
 _event_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
 
 
@@ -153,32 +211,47 @@ def decode(payload: bytes) -> tuple[float, list, int]:
     return batch.ts, events, unknown
 
 
+def batch_rank(payload: bytes) -> int | None:
+    """The data-parallel rank a KVEventBatch payload names (its third item; None when it has
+    none, or is no batch), read without decoding its events."""
+    try:
+        return _rank_decoder.decode(payload).data_parallel_rank
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+        return None
+
+
 class KvResidency:
-    """Folds vLLM KV events into kvscope events. ``block_bytes``: KV bytes per block (0:
+    """Folds KV events into kvscope events. ``block_bytes``: KV bytes per block (0:
     unknown). ``capacity_blocks``: dict[tier, blocks] (missing: 0, unknown). ``max_tracked``:
     hashes tracked per tier (beyond it new hashes are counted but not remembered). ``tiers``:
-    the tiers to report (of gpu, cpu, disk)."""
+    the tiers to report (of those ``flavour``'s media name: vLLM's gpu, cpu, disk)."""
 
     def __init__(self, block_bytes: int = 0, capacity_blocks: dict[str, int] | None = None,
-                 max_tracked: int = 4_000_000, tiers: Iterable[str] = TIERS) -> None:
+                 max_tracked: int = 4_000_000, tiers: Iterable[str] | None = None,
+                 flavour: Flavour = VLLM) -> None:
         self.block_bytes = block_bytes
         self.capacity = dict(capacity_blocks or {})
         self._max = max_tracked
-        self.tiers = frozenset(tiers)
-        unknown = self.tiers.difference(TIERS)
+        self.media = flavour.media
+        self.tiers = frozenset(flavour.tiers if tiers is None else tiers)
+        unknown = self.tiers.difference(flavour.tiers)
         if unknown:
-            raise ValueError(f"unknown tiers {sorted(unknown)}: the tiers are {', '.join(TIERS)}")
-        # the tiers below a reported one are tracked (not reported): disk residency tells cpu
-        # promotions from offloads, and cpu and disk residency tell an evicted block's kept
-        # copy (offloaded) from a dropped one
+            raise ValueError(f"unknown tiers {sorted(unknown)}: the tiers are "
+                             f"{', '.join(flavour.tiers)}")
+        # the tiers below a reported one are tracked (not reported): disk (remote) residency
+        # tells cpu promotions from offloads, and cpu and disk (remote) residency tell an
+        # evicted block's kept copy (offloaded) from a dropped one
         self.tracked = set(self.tiers)
         if "gpu" in self.tiers:
-            self.tracked |= {"cpu", "disk"}
+            self.tracked |= {"cpu", *_BELOW_CPU}
         if "cpu" in self.tiers:
-            self.tracked.add("disk")
+            self.tracked.update(_BELOW_CPU)
         self.resident: dict[str, dict[bytes | int, int]] = {}
 
-    def apply(self, ts: float, events: list) -> list:
+    def apply(self, ts: float, events: list, rank: int | None = None) -> list:
+        """kvscope events of one batch (``ts``: its time; ``events``: its decoded events).
+        ``rank``: the data-parallel rank that sent it, when the source follows several (each
+        rank's cache is its own: its hashes are tracked as ``(rank, hash)``), else None."""
         moved: Counter[tuple[str, str]] = Counter()             # (src, dst) -> blocks
         evicted: Counter[tuple[str, str, bool]] = Counter()     # (tier, reason, offloaded)
         # (tier, hash, reason) of gpu and cpu hashes that left their tier: offloaded iff the
@@ -192,29 +265,38 @@ class KvResidency:
                 for tier in ("gpu", "cpu"):
                     held = resident.get(tier)
                     if held:
-                        left.extend((tier, h, "cleared") for h in held)
-                        held.clear()
+                        gone = list(held) if rank is None else [k for k in held if k[0] == rank]
+                        left.extend((tier, h, "cleared") for h in gone)
+                        for h in gone:
+                            del held[h]
                         changed.add(tier)
                 continue
-            tier = VLLM_MEDIUM_TIER.get((event.medium or "GPU").upper())
+            tier = self.media.get((event.medium or "GPU").upper())
             if tier is None or tier not in self.tracked:
                 continue
             held = resident.setdefault(tier, {})
             changed.add(tier)
+            hashes = (event.block_hashes if rank is None
+                      else [(rank, h) for h in event.block_hashes])
             if isinstance(event, BlockStored):
-                disk = resident.get("disk", {}) if tier == "cpu" else None
-                for h in event.block_hashes:
+                # the tiers a new cpu hash may be promoted from (those holding any block)
+                below = ([(t, resident[t]) for t in _BELOW_CPU if resident.get(t)]
+                         if tier == "cpu" else ())
+                for h in hashes:
                     count = held.get(h, 0)
                     if count == 0:
-                        if disk is not None and h in disk:
-                            moved[("disk", "cpu")] += 1
-                        elif tier != "gpu":
-                            moved[(_OFFLOAD_FROM[tier], tier)] += 1
+                        for source, copies in below:
+                            if h in copies:
+                                moved[(source, "cpu")] += 1
+                                break
+                        else:
+                            if tier != "gpu":
+                                moved[(_OFFLOAD_FROM[tier], tier)] += 1
                         if len(held) >= self._max:
                             continue
                     held[h] = count + 1
             else:
-                for h in event.block_hashes:
+                for h in hashes:
                     count = held.get(h, 0)
                     if count == 0:  # stored before this agent listened, or not remembered
                         continue
@@ -222,14 +304,16 @@ class KvResidency:
                         held[h] = count - 1
                         continue
                     del held[h]
-                    if tier == "disk":
+                    if tier in _BELOW_CPU:  # the lowest tiers: nothing is kept below
                         evicted[(tier, "capacity", False)] += 1
                     else:
                         left.append((tier, h, "capacity"))
         if left:
-            cpu, disk = resident.get("cpu", {}), resident.get("disk", {})
+            cpu = resident.get("cpu", {})
+            lower = [resident[t] for t in _BELOW_CPU if resident.get(t)]
             for tier, h, reason in left:
-                evicted[(tier, reason, h in disk or (tier == "gpu" and h in cpu))] += 1
+                kept = any(h in copies for copies in lower) or (tier == "gpu" and h in cpu)
+                evicted[(tier, reason, kept)] += 1
         out: list = []
         report = self.tiers
         bpb = self.block_bytes
@@ -256,8 +340,14 @@ class KvResidency:
                                        capacity_blocks=cap, resident_blocks=blocks))
         return out
 
-    def reset(self) -> None:
-        self.resident.clear()
+    def reset(self, rank: int | None = None) -> None:
+        """Forget every block (of data-parallel rank ``rank`` only, when given)."""
+        if rank is None:
+            self.resident.clear()
+            return
+        for held in self.resident.values():
+            for h in [k for k in held if k[0] == rank]:
+                del held[h]
 
 
 _PEER_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
@@ -269,51 +359,69 @@ def vllm_binds(endpoint: str) -> bool:
 
 
 def connect_address(endpoint: str) -> str:
-    """Where to connect to an endpoint vLLM binds: the wildcard host becomes loopback."""
-    return endpoint.replace("tcp://*:", "tcp://127.0.0.1:").replace("tcp://[::]:", "tcp://[::1]:")
+    """Where to connect to an endpoint the engine binds: the wildcard host becomes loopback."""
+    return (endpoint.replace("tcp://*:", "tcp://127.0.0.1:")
+            .replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://[::]:", "tcp://[::1]:"))
 
 
-def describe_endpoint(endpoint: str) -> str:
-    """What the agent does with ``endpoint`` and which vLLM ``--kv-events-config`` endpoint
-    that takes (for the start-up banner: two sides that both connect get nothing, silently)."""
-    if vllm_binds(endpoint):
-        text = (f"connects to {connect_address(endpoint)}: vLLM must bind, so its "
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint data-parallel rank ``rank`` publishes on, given the engine ``endpoint``: the
+    port plus the rank (SGLang 0.5.23 ``ZmqEventPublisher.offset_endpoint_port``; rank 0: the
+    endpoint itself). ``endpoint``: ``tcp://HOST:PORT`` unless ``rank`` is 0."""
+    if rank == 0:
+        return endpoint
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + rank}"
+
+
+def describe_endpoint(endpoint: str, flavour: Flavour = VLLM) -> str:
+    """What the agent does with ``endpoint`` and which ``--kv-events-config`` endpoint the
+    engine then takes (for the start-up banner: two sides that both connect get nothing,
+    silently)."""
+    name = flavour.title
+    if flavour.binds(endpoint):
+        text = (f"connects to {connect_address(endpoint)}: {name} must bind, so its "
                 f"--kv-events-config endpoint must be \"{endpoint}\"")
-        return text + (" (with a host address vLLM connects as well and nothing arrives)"
+        return text + (f" (with a host address {name} connects as well and nothing arrives)"
                        if endpoint.startswith("tcp://") else "")
     port = endpoint.rpartition(":")[2]
-    vllm = (f"tcp://<this host's address>:{port}" if endpoint.startswith("tcp://0.0.0.0:")
-            else endpoint)
-    return (f"binds {endpoint}: vLLM must connect, so its --kv-events-config endpoint must be "
-            f"\"{vllm}\" (with * or :: vLLM binds as well and nothing arrives)")
+    engine = (f"tcp://<this host's address>:{port}" if endpoint.startswith("tcp://0.0.0.0:")
+              else endpoint)
+    wildcards = "*, :: or 0.0.0.0" if flavour.binds_any else "* or ::"
+    return (f"binds {endpoint}: {name} must connect, so its --kv-events-config endpoint must be "
+            f"\"{engine}\" (with {wildcards} {name} binds as well and nothing arrives)")
 
 
 class KvEventsSource(SourceWorker):
-    """Subscribes to ``endpoint`` and feeds ``pipeline``. ``replay_endpoint``: vLLM's replay
-    ROUTER (None: gaps are only counted). ``topic``: vLLM's ``topic`` (prefix match).
-    ``replay_timeout``: seconds one replay may take. ``overlap_check``: seconds between
-    :meth:`check_overlap` calls on the source's thread (0: never). ``clock``: unused by the
-    mapping (vLLM's batch ``ts`` is used), kept for symmetry. ``start()`` raises
-    ``zmq.ZMQError`` when the endpoint cannot be bound or connected; ``shutdown()`` is safe
+    """Subscribes to ``endpoint`` and feeds ``pipeline``. ``replay_endpoint``: the engine's
+    replay ROUTER (None: gaps are only counted). ``topic``: the engine's ``topic`` (prefix
+    match). ``flavour``: the engine (:data:`VLLM`, :data:`SGLANG`). ``dp_size``: data-parallel
+    ranks to follow, each on its own port (see the module; 1: one publisher, whatever rank its
+    batches name). ``replay_timeout``: seconds one replay may take. ``overlap_check``: seconds
+    between :meth:`check_overlap` calls on the source's thread (0: never). ``clock``: unused by
+    the mapping (the engine's batch ``ts`` is used), kept for symmetry. ``start()`` raises
+    ``zmq.ZMQError`` when an endpoint cannot be bound or connected; ``shutdown()`` is safe
     twice and without start."""
 
     def __init__(self, pipeline: Consumer, endpoint: str = "tcp://127.0.0.1:5557", *,
                  replay_endpoint: str | None = None, topic: str = "",
                  residency: KvResidency | None = None, replay_timeout: float = 2.0,
-                 overlap_check: float = 5.0,
+                 overlap_check: float = 5.0, flavour: Flavour = VLLM, dp_size: int = 1,
                  clock: Callable[[], float] = time.time) -> None:
         super().__init__(pipeline)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
-        self.residency = residency or KvResidency()
+        self.flavour = flavour
+        self.dp_size = dp_size
+        self.residency = residency or KvResidency(flavour=flavour)
         self.replay_timeout = replay_timeout
         self.overlap_check = overlap_check
         self.replayed = 0  # batches recovered from the replay endpoint
         self._replay_after = 0.0  # monotonic: no replay before (see REPLAY_BACKOFF)
         self._jump_logged = False
         self._topic_logged = False
-        self.last_seq: int | None = None
+        self.last_seqs: dict[int, int] = {}  # by data-parallel rank (0 with one publisher)
         self.shared_tiers: set[str] = set()  # reported tiers another source reports too
         # what this source ingested, to tell its share of the pipeline's totals: blocks and
         # bytes per transfer direction, blocks per (evicted tier, reason)
@@ -326,12 +434,22 @@ class KvEventsSource(SourceWorker):
     name = NAME
     thread_name = "kvscope-kv-events"
 
+    @property
+    def last_seq(self) -> int | None:
+        """The last sequence number taken (of rank 0, when following several ranks)."""
+        return self.last_seqs.get(0)
+
     def describe(self) -> str:
-        """The start-up banner's line for this source: bind or connect, and what vLLM needs."""
-        text = f"{self.endpoint} -> {describe_endpoint(self.endpoint)}"
+        """The start-up banner's line for this source: bind or connect, and what the engine
+        needs."""
+        text = (f"{self.flavour.title}: {self.endpoint} -> "
+                f"{describe_endpoint(self.endpoint, self.flavour)}")
+        if self.dp_size > 1:
+            text += (f"; {self.dp_size} data-parallel ranks, to "
+                     f"{rank_endpoint(self.endpoint, self.dp_size - 1)}")
         if self.replay_endpoint:
             text += f"; replay: connects to {connect_address(self.replay_endpoint)}"
-        return text + f"; reports tiers {', '.join(t for t in TIERS if t in self.residency.tiers)}"
+        return text + f"; reports tiers {', '.join(t for t in ALL_TIERS if t in self.residency.tiers)}"
 
     def prepare(self) -> None:
         self.pipeline.expect_drops(NAME, ("malformed", "gap", "unknown_kind"))
@@ -343,22 +461,24 @@ class KvEventsSource(SourceWorker):
         # every topic, so that a topic other than the one configured is told (handle())
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         try:
-            if vllm_binds(self.endpoint):
-                # connecting to the vLLM named, whose messages are not bounded: a step with a
+            if self.flavour.binds(self.endpoint):
+                # connecting to the engine named, whose messages are not bounded: a step with a
                 # million prompt tokens publishes megabytes, and a connecting socket that met
                 # one over MAXMSGSIZE heard nothing again (ZMQ ends that session for good)
-                sock.connect(connect_address(self.endpoint))
+                for rank in range(self.dp_size):
+                    sock.connect(connect_address(rank_endpoint(self.endpoint, rank)))
             else:
                 # anyone may connect to what the agent binds: at most RCVHWM messages of
                 # MAXMSGSIZE each per connection; ZMQ refuses a larger one and resets that
                 # connection, which then reconnects (a gap, replayed or counted)
                 sock.setsockopt(zmq.MAXMSGSIZE, MAX_BOUND_MESSAGE)
-                sock.bind(self.endpoint)
+                for rank in range(self.dp_size):
+                    sock.bind(rank_endpoint(self.endpoint, rank))
         except zmq.ZMQError:
             sock.close()
             raise
         self._socket = sock
-        # Up while vLLM's publisher is connected: a SUB socket receives nothing, silently, from
+        # Up while a publisher is connected: a SUB socket receives nothing, silently, from
         # an endpoint nobody publishes on, so the connection events are the only sign.
         self._monitor = sock.get_monitor_socket(_PEER_EVENTS)
         self.report_up(False)
@@ -394,8 +514,8 @@ class KvEventsSource(SourceWorker):
         was_up = self._peers > 0
         self._peers = max(0, self._peers + (-1 if event == zmq.EVENT_DISCONNECTED else 1))
         if (self._peers > 0) != was_up:
-            log.info("kvscope kv_events: %s vLLM's publisher at %s",
-                     "lost" if was_up else "connected to", self.endpoint)
+            log.info("kvscope kv_events: %s %s's publisher at %s",
+                     "lost" if was_up else "connected to", self.flavour.title, self.endpoint)
             self.report_up(not was_up)
 
     def handle(self, frames: list[bytes]) -> None:
@@ -406,21 +526,27 @@ class KvEventsSource(SourceWorker):
             if not self._topic_logged:
                 self._topic_logged = True
                 log.warning("kv_events: ignoring messages on topic %r, as [kv_events] topic is "
-                            "%r; if vLLM publishes on that one, set topic to its "
+                            "%r; if %s publishes on that one, set topic to its "
                             "--kv-events-config topic (logged once)", frames[0][:64].decode(
-                                errors="replace"), self.topic)
+                                errors="replace"), self.topic, self.flavour.title)
             return
         if len(frames) != 3 or len(frames[1]) != 8:
             self.pipeline.drop(NAME, "malformed")
             return
         seq = int.from_bytes(frames[1], "big", signed=True)
-        if seq < 0:  # vLLM counts from 0 up; not its batch
+        if seq < 0:  # the engine counts from 0 up; not its batch
             self.pipeline.drop(NAME, "malformed")
             return
-        last = self.last_seq
+        rank = 0
+        if self.dp_size > 1:  # each rank's sequence and cache are its own
+            rank = batch_rank(frames[2])
+            if rank is None or not 0 <= rank < self.dp_size:
+                self.pipeline.drop(NAME, "malformed")
+                return
+        last = self.last_seqs.get(rank)
         if last is not None and seq <= last:
-            if seq < last:  # vLLM restarted: its cache is empty again
-                self._restarted()
+            if seq < last:  # the engine restarted: its cache is empty again
+                self._restarted(rank)
             else:
                 return  # a duplicate
         elif last is not None and seq - last - 1 > MAX_GAP:
@@ -430,23 +556,28 @@ class KvEventsSource(SourceWorker):
                 log.warning("kv_events: the sequence jumped %d batches ahead; following it from "
                             "there, not counted as a gap (logged once)", seq - last - 1)
         elif last is not None and seq > last + 1:
-            recovered = self._replay(last + 1, seq)
+            recovered = self._replay(last + 1, seq, rank)
             lost = seq - last - 1 - recovered
             if lost:
                 self.pipeline.drop(NAME, "gap", lost)
-        self.last_seq = seq
-        self._apply(frames[2])
+        self.last_seqs[rank] = seq
+        self._apply(frames[2], rank)
 
-    def _restarted(self) -> None:
-        """vLLM restarted: every tier is empty; say so at once for each tier reported so far (a
-        tier without events in the next batch would otherwise keep its old gauges)."""
-        seen = list(self.residency.resident)  # only tiers vLLM has: others were never reported
-        self.residency.reset()
+    def _key(self, rank: int) -> int | None:
+        """The rank the residency keys blocks by: None with one publisher."""
+        return rank if self.dp_size > 1 else None
+
+    def _restarted(self, rank: int) -> None:
+        """The engine (its data-parallel rank ``rank``) restarted: every tier is empty of its
+        blocks; say so at once for each tier reported so far (a tier without events in the
+        next batch would otherwise keep its old gauges)."""
+        seen = list(self.residency.resident)  # only tiers the engine has: others never reported
+        self.residency.reset(self._key(rank))
         snapshots = self.residency.snapshots(time.time(), seen)
         if snapshots:
             self.pipeline.ingest(NAME, snapshots)
 
-    def _apply(self, payload: bytes) -> None:
+    def _apply(self, payload: bytes, rank: int) -> None:
         try:
             ts, events, unknown = decode(payload)
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
@@ -454,7 +585,7 @@ class KvEventsSource(SourceWorker):
             return
         if unknown:
             self.pipeline.drop(NAME, "unknown_kind", unknown)
-        out = self.residency.apply(ts, events)
+        out = self.residency.apply(ts, events, self._key(rank))
         if out:
             for event in out:
                 if type(event) is ev.Transfer:
@@ -486,7 +617,7 @@ class KvEventsSource(SourceWorker):
                 shared.add(tier)
         if shared and not self.shared_tiers:
             others = sorted(s for s in snap.events_received if s != NAME) or ["unknown"]
-            keep = [t for t in TIERS if t in report and t not in shared]
+            keep = [t for t in ALL_TIERS if t in report and t not in shared]
             log.warning(
                 "kv_events: transfers into or evictions from tier %s are reported by another "
                 "source as well (sources: %s), so they are counted twice. Let only one source "
@@ -500,9 +631,10 @@ class KvEventsSource(SourceWorker):
         self.shared_tiers |= shared
         return shared
 
-    def _replay(self, first: int, until: int) -> int:
-        """Fetch batches ``first..until-1`` from the replay endpoint and apply them in order;
-        returns how many arrived (0 without a replay endpoint or when it does not answer)."""
+    def _replay(self, first: int, until: int, rank: int) -> int:
+        """Fetch batches ``first..until-1`` of data-parallel rank ``rank`` from its replay
+        endpoint and apply them in order; returns how many arrived (0 without a replay endpoint
+        or when it does not answer)."""
         if (not self.replay_endpoint or until - first > MAX_REPLAY
                 or time.monotonic() < self._replay_after):
             return 0
@@ -510,7 +642,7 @@ class KvEventsSource(SourceWorker):
         sock.setsockopt(zmq.LINGER, 0)
         got: dict[int, bytes] = {}
         try:
-            sock.connect(connect_address(self.replay_endpoint))
+            sock.connect(connect_address(rank_endpoint(self.replay_endpoint, rank)))
             sock.send_multipart([b"", first.to_bytes(8, "big")])
             deadline = time.monotonic() + self.replay_timeout
             while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
@@ -529,48 +661,80 @@ class KvEventsSource(SourceWorker):
         if not got:
             self._replay_after = time.monotonic() + REPLAY_BACKOFF
         for seq in sorted(got):
-            self._apply(got[seq])
+            self._apply(got[seq], rank)
         self.replayed += len(got)
         return len(got)
 
 
 KV_EVENTS_TIERS = LOCAL_TIERS  # the tiers vLLM's KV events name (media GPU, CPU, STORAGE)
+MAX_DP_SIZE = 1024  # data-parallel ranks one source follows (a socket and a sequence each)
+
+
+def _flavour(info: ValidationInfo) -> Flavour:
+    """The flavour of the table being validated (vLLM's while ``engine`` is itself invalid)."""
+    return FLAVOURS.get(info.data.get("engine", "vllm"), VLLM)
 
 
 class KvEventsConfig(Section):
-    """vLLM's ``--kv-events-config`` stream (source ``kv_events``): ``endpoint`` as given to vLLM
-    (with ``*``: vLLM binds, the agent connects; else the agent binds), ``replay_endpoint``
-    (vLLM's, to fetch gaps; None: gaps are only counted), ``topic``; ``block_bytes``: KV bytes
-    per block (0: unknown); ``capacity_blocks``: blocks per tier for the capacity gauges;
-    ``tiers``: the kvscope tiers this source reports (residency, transfers into them, evictions
-    from them). With kvscope's vLLM tap, which reports the cpu and disk tiers itself, set it to
-    ``["gpu"]``: otherwise those tiers' transfers and evictions are counted twice. In the
-    environment either JSON or a comma-separated list: ``KVSCOPE_KV_EVENTS__TIERS=gpu``.
+    """An engine's ``--kv-events-config`` stream (source ``kv_events``): ``engine``: ``vllm`` or
+    ``sglang`` (its media, see the module); ``endpoint`` as given to the engine (with ``*``, and
+    for SGLang ``0.0.0.0``: the engine binds, the agent connects; else the agent binds),
+    ``replay_endpoint`` (the engine's, to fetch gaps; None: gaps are only counted), ``topic``;
+    ``dp_size``: the engine's data-parallel ranks, each publishing on the endpoint's port plus
+    its rank (tcp endpoints only); ``block_bytes``: KV bytes per block (0: unknown);
+    ``capacity_blocks``: blocks per tier for the capacity gauges; ``tiers``: the kvscope tiers
+    this source reports (residency, transfers into them, evictions from them; unset: vLLM's
+    gpu, cpu and disk, SGLang's gpu and cpu). With kvscope's vLLM tap, which reports the cpu and
+    disk tiers itself, set it to ``["gpu"]``: otherwise those tiers' transfers and evictions are
+    counted twice. In the environment either JSON or a comma-separated list:
+    ``KVSCOPE_KV_EVENTS__TIERS=gpu``.
     """
 
     enabled: bool = False
+    engine: Literal["vllm", "sglang"] = "vllm"
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
     topic: str = ""
+    dp_size: int = Field(1, ge=1, le=MAX_DP_SIZE)
     block_bytes: int = Field(0, ge=0)
     capacity_blocks: dict[str, TierSize] = {}
     # ``| str`` only so that pydantic-settings passes a plain (non-JSON) environment value on to
-    # the validator below instead of refusing it; the value is always a list.
-    tiers: list[str] | str = list(KV_EVENTS_TIERS)
+    # the validator below instead of refusing it; the value is always a list (None: the
+    # engine's default tiers).
+    tiers: list[str] | str | None = Field(None, validate_default=True)
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
     def _zmq(cls, value: str | None) -> str | None:
         return value if value is None else zmq_endpoint(value)
 
+    @field_validator("dp_size")
+    @classmethod
+    def _ranks(cls, value: int, info: ValidationInfo) -> int:
+        if value == 1:
+            return value
+        for key in ("endpoint", "replay_endpoint"):
+            endpoint = info.data.get(key)
+            if endpoint is None:
+                continue
+            if not endpoint.startswith("tcp://"):
+                raise ValueError(f"with more than one rank the {key} must be tcp:// (each rank "
+                                 "publishes on its port plus the rank)")
+            if int(endpoint.rpartition(":")[2]) + value - 1 > 65535:
+                raise ValueError(f"{value} ranks from the {key}'s port run past port 65535")
+        return value
+
     @field_validator("capacity_blocks")
     @classmethod
-    def _capacity(cls, value: dict[str, int]) -> dict[str, int]:
-        return tier_keys(value, KV_EVENTS_TIERS)
+    def _capacity(cls, value: dict[str, int], info: ValidationInfo) -> dict[str, int]:
+        return tier_keys(value, _flavour(info).tiers)
 
     @field_validator("tiers", mode="before")
     @classmethod
-    def _tiers(cls, value: object) -> list[str]:
+    def _tiers(cls, value: object, info: ValidationInfo) -> list[str]:
+        flavour = _flavour(info)
+        if value is None:
+            return list(flavour.default_tiers)
         if isinstance(value, str):
             try:
                 value = (json.loads(value) if value.lstrip().startswith("[")
@@ -579,9 +743,10 @@ class KvEventsConfig(Section):
                 raise ValueError("must be a list of tiers, e.g. [\"gpu\"] or gpu,cpu") from None
         if not isinstance(value, list | tuple) or not all(isinstance(t, str) for t in value):
             raise ValueError("must be a list of tiers, e.g. [\"gpu\"]")
-        unknown = [t for t in value if t not in KV_EVENTS_TIERS]
+        unknown = [t for t in value if t not in flavour.tiers]
         if unknown:
-            raise ValueError(f"unknown tier {unknown[0]!r}: the tiers are gpu, cpu and disk")
+            raise ValueError(f"unknown tier {unknown[0]!r}: {flavour.title}'s tiers are "
+                             f"{', '.join(flavour.tiers)}")
         if not value:
             raise ValueError("must name at least one tier (to turn the source off: "
                              "enabled = false)")
@@ -592,7 +757,9 @@ register(SourceSpec(
     NAME, KvEventsConfig,
     lambda config, consumer, built: KvEventsSource(
         consumer, config.endpoint, replay_endpoint=config.replay_endpoint, topic=config.topic,
-        residency=KvResidency(config.block_bytes, config.capacity_blocks, tiers=config.tiers)),
+        flavour=FLAVOURS[config.engine], dp_size=config.dp_size,
+        residency=KvResidency(config.block_bytes, config.capacity_blocks, tiers=config.tiers,
+                              flavour=FLAVOURS[config.engine])),
     describe=lambda config: f"kv_events endpoint {config.endpoint}",
     banner=lambda config, part, base_url: f"kv_events: {part.describe()}",
     tiers=lambda config: config.tiers))

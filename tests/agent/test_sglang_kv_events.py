@@ -1,0 +1,291 @@
+"""The KV events source with ``engine = "sglang"``: SGLang 0.5.23's own KV events, made by its
+``KVCacheEventRecorder`` and sent by its ``ZmqEventPublisher`` (tests/sglang_driver.py, in
+SGLang's cached environment) over real ZMQ sockets, one publisher per data-parallel rank on the
+endpoint's port plus the rank, replayed by its own ROUTER; and the config that selects it.
+
+Why not an SGLang server: SGLang 0.5.23 does not run on this machine's CPU (tried with
+``python -m sglang.launch_server --device cpu --attention-backend torch_native --load-format
+dummy`` on a tiny Llama, sglang installed ``--no-deps`` over the CPU torch 2.13.0). Its wheel
+pins torch 2.14.1 and CUDA packages (flashinfer cu13, sglang-kernel); its CPU engine
+(``SGLANG_USE_CPU_ENGINE=1``, without which ``--device cpu`` takes CUDA paths) imports
+``copy_all_layer_kv_cache_cpu`` from ``sgl_kernel`` at start (``kernels/ops/kvcache/
+cache_move.py``), an op of sgl-kernel's CPU build, which PyPI does not have: ``sglang-kernel``
+0.4.10 on PyPI ships CUDA ops only (``sm90``/``sm100`` ``common_ops``, ``flash_ops``), pinned to
+torch 2.14.1. Before that, its config imports need torchvision, whose PyPI wheel is a CUDA
+build that fails to load beside the CPU torch (``operator torchvision::nms does not exist``).
+HiCache's host pool and cache controller are CUDA-stream code besides. So the events come from
+SGLang's own classes, as its scheduler would publish them, and tests skip with the reason when
+the environment (``bash scripts/vllm_env.sh --sglang``) is absent.
+
+Each scenario's expected totals are worked out by hand in its test's docstring from
+tests/sglang_driver.py's batches (pages of 4 tokens: node A = 2 blocks A1 A2, B = 1 block below
+A, C = 1 block).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvscope.agent.config import AgentSettings, ConfigError, load_settings
+from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.sources.kv_events import (SGLANG, VLLM, KvEventsConfig, KvEventsSource,
+                                             KvResidency, batch_rank, describe_endpoint,
+                                             rank_endpoint)
+from kvscope.service.agent import Agent
+from conftest import wait_until
+from tests.vllm_env import kill_group
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "tests" / "sglang_driver.py"
+# scripts/vllm_env.sh --sglang builds it; the same versions there
+SGLANG_ENV = (Path(os.environ.get("KVSCOPE_CACHE", "/var/cache/kvscope"))
+              / "sglang-0.5.23-torch-2.13.0")
+BLOCK_BYTES = 100
+
+
+def sglang_python() -> str:
+    """The python of SGLang's environment (``KVSCOPE_SGLANG_PYTHON``, else the cached one), or
+    skip the calling test saying how to get it."""
+    candidate = os.environ.get("KVSCOPE_SGLANG_PYTHON") or str(SGLANG_ENV / "bin" / "python")
+    ready = Path(candidate).parent.parent / ".ready"
+    if not Path(candidate).is_file() or (not os.environ.get("KVSCOPE_SGLANG_PYTHON")
+                                         and not ready.is_file()):
+        pytest.skip(f"no SGLang environment at {candidate}: run `bash scripts/vllm_env.sh "
+                    "--sglang` and/or set KVSCOPE_SGLANG_PYTHON")
+    return candidate
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports (each rank publishes on its own)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free run of ports")
+
+
+@contextmanager
+def sglang_publishing(scenario: str, endpoint: str, *args: str):
+    """tests/sglang_driver.py publishing ``scenario`` with SGLang's classes; yields once its
+    publishers have sent every batch; keeps them (and their replay ROUTERs) up until the block
+    ends."""
+    proc = subprocess.Popen([sglang_python(), str(DRIVER), scenario, endpoint, "--topic", "kv",
+                             *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, cwd="/")
+    try:
+        line = proc.stdout.readline()
+        if line.strip() != b"published":
+            proc.stdin.close()
+            kill_group(proc)
+            pytest.fail(f"SGLang driver: {line!r} {proc.stderr.read()[-3000:]!r}")
+        yield proc
+    finally:
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def totals(pipeline: Pipeline) -> dict:
+    snap = pipeline.snapshot()
+    return {"moved": snap.transfer_blocks, "evicted": snap.evicted_blocks,
+            "dropped": snap.dropped_blocks,
+            "resident": {t: s.resident_blocks for t, s in snap.tiers.items()}}
+
+
+def sglang_source(pipeline: Pipeline, endpoint: str, **kwargs) -> KvEventsSource:
+    tiers = kwargs.pop("tiers", None)
+    return KvEventsSource(pipeline, endpoint, topic="kv", flavour=SGLANG,
+                          residency=KvResidency(BLOCK_BYTES, tiers=tiers, flavour=SGLANG),
+                          **kwargs)
+
+
+def test_sglang_streams_its_radix_tree_into_gpu_and_cpu_tiers():
+    """SGLang binds ``tcp://*:PORT`` (its default), the agent connects. Scenario ``tree``:
+
+    batch 0: GPU stores A1 A2 B1 (one coalesced event), C1 -> gpu holds 4; no transfer
+    batch 1: CPU_PINNED stores A1 A2 (write-through backup) -> gpu->cpu 2 (200 bytes)
+    batch 2: GPU removes B1 A1 A2 -> gpu capacity evictions 3: B1 dropped (no host copy),
+             A1 A2 offloaded (on cpu)
+    batch 3: GPU stores A1 A2 (load back) -> no transfer (a GPU store never is one)
+    batch 4: CPU_PINNED removes A1 A2 -> cpu capacity evictions 2, dropped (nothing below)
+    batch 5: AllBlocksCleared -> gpu cleared 3 (A1 A2 C1), dropped (cpu is empty)
+    Totals: gpu->cpu 2; evicted gpu capacity 3, gpu cleared 3, cpu capacity 2; dropped gpu
+    1 + 3 = 4, cpu 2; resident gpu 0, cpu 0; no gap, nothing malformed or unknown."""
+    port = free_ports(1)
+    pipeline = Pipeline()
+    source = sglang_source(pipeline, f"tcp://*:{port}")
+    source.start()
+    try:
+        with sglang_publishing("tree", f"tcp://*:{port}"):
+            assert wait_until(lambda: source.last_seq == 5, timeout=20), source.last_seq
+    finally:
+        source.shutdown()
+    assert totals(pipeline) == {
+        "moved": {("gpu", "cpu"): 2},
+        "evicted": {("gpu", "capacity"): 3, ("gpu", "cleared"): 3, ("cpu", "capacity"): 2},
+        "dropped": {"gpu": 4, "cpu": 2}, "resident": {"gpu": 0, "cpu": 0}}
+    snap = pipeline.snapshot()
+    assert snap.transfer_bytes[("gpu", "cpu")] == 2 * BLOCK_BYTES
+    assert snap.events_dropped == {}
+
+
+def test_each_data_parallel_rank_is_followed_on_its_own_port_and_cache():
+    """``dp_size`` 2: SGLang's rank r binds the endpoint's port + r (``offset_endpoint_port``)
+    with its own sequence; both ranks hold the same hashes in their own caches. Rank 0
+    publishes all of ``tree`` (see the test above), rank 1 its batches 0-4 (no reset).
+    Rank 0: gpu->cpu 2; gpu capacity 3 (dropped 1), cpu capacity 2 (dropped 2), gpu cleared 3
+    (dropped 3); resident 0. Rank 1: gpu->cpu 2; gpu capacity 3 (dropped 1), cpu capacity 2
+    (dropped 2); resident gpu A1 A2 C1 = 3. Totals: gpu->cpu 4; evicted gpu capacity 6, cpu
+    capacity 4, gpu cleared 3; dropped gpu 5, cpu 4; resident gpu 3 (rank 0's reset leaves
+    rank 1's blocks, one hash in two ranks being two blocks), cpu 0."""
+    port = free_ports(2)
+    pipeline = Pipeline()
+    source = sglang_source(pipeline, f"tcp://*:{port}", dp_size=2)
+    source.start()
+    try:
+        with sglang_publishing("tree", f"tcp://*:{port}", "--dp-size", "2",
+                               "--rank-batches", "5"):
+            assert wait_until(lambda: source.last_seqs == {0: 5, 1: 4}, timeout=20), (
+                source.last_seqs)
+    finally:
+        source.shutdown()
+    assert totals(pipeline) == {
+        "moved": {("gpu", "cpu"): 4},
+        "evicted": {("gpu", "capacity"): 6, ("gpu", "cleared"): 3, ("cpu", "capacity"): 4},
+        "dropped": {"gpu": 5, "cpu": 4}, "resident": {"gpu": 3, "cpu": 0}}
+    assert pipeline.snapshot().events_dropped == {}
+
+
+def test_gaps_are_replayed_from_each_ranks_own_replay_endpoint():
+    """SGLang's replay ROUTER of rank r binds the replay endpoint's port + r. The batches of
+    two ranks are taken off the wire with a plain SUB socket, and the source is handed only
+    rank 0's seq 0 and 5 and rank 1's seq 0 and 4: it asks rank 0's ROUTER for 1-4 and rank 1's
+    for 1-3, gets all 7, and ends with the totals of the test above (no gap counted)."""
+    port = free_ports(2)
+    replay = free_ports(2)
+    while abs(replay - port) < 2:
+        replay = free_ports(2)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    for rank in range(2):
+        sub.connect(f"tcp://127.0.0.1:{port + rank}")
+    pipeline = Pipeline()
+    source = sglang_source(pipeline, f"tcp://*:{port}", dp_size=2,
+                           replay_endpoint=f"tcp://127.0.0.1:{replay}")
+    taken: dict[tuple[int, int], list[bytes]] = {}
+    try:
+        with sglang_publishing("tree", f"tcp://*:{port}", "--dp-size", "2", "--rank-batches",
+                               "5", "--replay", f"tcp://*:{replay}"):
+            while len(taken) < 11 and sub.poll(5000):
+                frames = sub.recv_multipart()
+                taken[(batch_rank(frames[2]), int.from_bytes(frames[1], "big"))] = frames
+            assert len(taken) == 11, sorted(taken)
+            for key in ((0, 0), (1, 0), (0, 5), (1, 4)):
+                source.handle(taken[key])
+    finally:
+        sub.close()
+    assert source.replayed == 7
+    assert totals(pipeline) == {
+        "moved": {("gpu", "cpu"): 4},
+        "evicted": {("gpu", "capacity"): 6, ("gpu", "cleared"): 3, ("cpu", "capacity"): 4},
+        "dropped": {"gpu": 5, "cpu": 4}, "resident": {"gpu": 3, "cpu": 0}}
+    assert pipeline.snapshot().events_dropped == {}
+
+
+def test_disk_and_external_media_are_the_disk_and_remote_tiers():
+    """The media SGLang 0.5.23 defines but does not publish yet, with ``tiers`` set to all
+    four. Scenario ``storage``:
+
+    batch 0: GPU A1 A2; CPU_PINNED A1 A2 -> gpu->cpu 2
+    batch 1: EXTERNAL A1 A2 -> cpu->remote 2; GPU C1; CPU_PINNED C1 -> gpu->cpu 1; DISK C1 ->
+             cpu->disk 1
+    batch 2: CPU_PINNED removes A1 A2 C1 -> cpu capacity 3, all offloaded (A on remote, C on
+             disk)
+    batch 3: CPU_PINNED A1 A2 -> remote->cpu 2 (promotions); CPU_PINNED C1 -> disk->cpu 1
+    batch 4: EXTERNAL removes A1 A2 -> remote capacity 2, dropped (nothing below)
+    Totals: gpu->cpu 3, cpu->remote 2, cpu->disk 1, remote->cpu 2, disk->cpu 1; evicted cpu 3,
+    remote 2; dropped remote 2; resident gpu 3, cpu 3, disk 1, remote 0."""
+    port = free_ports(1)
+    pipeline = Pipeline()
+    source = sglang_source(pipeline, f"tcp://*:{port}", tiers=["gpu", "cpu", "disk", "remote"])
+    source.start()
+    try:
+        with sglang_publishing("storage", f"tcp://*:{port}"):
+            assert wait_until(lambda: source.last_seq == 4, timeout=20), source.last_seq
+    finally:
+        source.shutdown()
+    assert totals(pipeline) == {
+        "moved": {("gpu", "cpu"): 3, ("cpu", "remote"): 2, ("cpu", "disk"): 1,
+                  ("remote", "cpu"): 2, ("disk", "cpu"): 1},
+        "evicted": {("cpu", "capacity"): 3, ("remote", "capacity"): 2},
+        "dropped": {"remote": 2},
+        "resident": {"gpu": 3, "cpu": 3, "disk": 1, "remote": 0}}
+
+
+def test_the_engine_selects_media_default_tiers_and_binding():
+    """``engine`` picks the media and the default tiers (vLLM gpu, cpu, disk; SGLang gpu and
+    cpu, the only media 0.5.23 publishes); remote is SGLang's only; SGLang binds 0.0.0.0 too,
+    vLLM does not; ranks need tcp endpoints and ports that exist."""
+    assert KvEventsConfig().tiers == ["gpu", "cpu", "disk"]
+    assert KvEventsConfig(engine="sglang").tiers == ["gpu", "cpu"]
+    assert KvEventsConfig(engine="sglang", tiers="gpu,remote").tiers == ["gpu", "remote"]
+    with pytest.raises(ValueError, match="vLLM's tiers are gpu, cpu, disk"):
+        KvEventsConfig(tiers=["remote"])
+    with pytest.raises(ValueError, match="unknown tier 'remote'"):
+        KvEventsConfig(capacity_blocks={"remote": 1})
+    assert KvEventsConfig(engine="sglang", capacity_blocks={"remote": 1}).capacity_blocks
+    with pytest.raises(ValueError, match="must be tcp://"):
+        KvEventsConfig(endpoint="ipc:///tmp/kv", dp_size=2)
+    with pytest.raises(ValueError, match="past port 65535"):
+        KvEventsConfig(endpoint="tcp://*:65535", dp_size=2)
+    assert rank_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
+    assert SGLANG.binds("tcp://0.0.0.0:5557") and not VLLM.binds("tcp://0.0.0.0:5557")
+    assert describe_endpoint("tcp://0.0.0.0:5557", SGLANG).startswith(
+        "connects to tcp://127.0.0.1:5557: SGLang must bind")
+    assert "vLLM must connect" in describe_endpoint("tcp://0.0.0.0:5557")
+
+
+def test_a_bad_engine_or_rank_count_names_its_key(tmp_path, monkeypatch):
+    for key in [k for k in os.environ if k.startswith("KVSCOPE_")]:
+        monkeypatch.delenv(key)
+    path = tmp_path / "agent.toml"
+    path.write_text('[kv_events]\nengine = "trtllm"\n')
+    with pytest.raises(ConfigError, match="kv_events.engine"):
+        load_settings(path)
+    path.write_text('[kv_events]\nengine = "sglang"\ntiers = ["gpu", "tape"]\n')
+    with pytest.raises(ConfigError, match="kv_events.tiers.*SGLang's tiers are gpu, cpu, disk, "
+                                          "remote"):
+        load_settings(path)
+
+
+def test_the_agent_builds_the_flavour_and_its_ranks():
+    settings = AgentSettings(kv_events={"enabled": True, "engine": "sglang", "dp_size": 2,
+                                        "endpoint": "tcp://*:5557"},
+                             collectors={"gpu": {"enabled": False}, "host": {"enabled": False}})
+    source = Agent(settings, with_ingest=False).kv_events
+    assert source.flavour is SGLANG and source.dp_size == 2
+    assert source.residency.tiers == {"gpu", "cpu"} and source.residency.media is SGLANG.media
+    assert "SGLang: tcp://*:5557 -> connects to tcp://127.0.0.1:5557" in source.describe()
+    assert "2 data-parallel ranks, to tcp://*:5558" in source.describe()
