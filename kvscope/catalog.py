@@ -179,6 +179,10 @@ HOST_MEMORY_LIMIT_BYTES = _gauge("kvscope_host_memory_limit_bytes",
     "The tighter of host physical memory and the cgroup v2 memory.max.", [], "bytes")
 HOST_SWAP_USED_BYTES = _gauge("kvscope_host_swap_used_bytes",
     "Swap in use (psutil).", [], "bytes")
+HOST_SWAP_IN_BYTES = _counter("kvscope_host_swap_in_bytes_total",
+    "Bytes the host read back in from swap since boot (psutil swap_memory().sin: Linux's "
+    "/proc/vmstat pswpin pages), host-wide; absent where psutil does not report it. Rising "
+    "means pages the host needs now were swapped out: memory is overcommitted.", [], "bytes")
 HOST_MEMORY_RESERVE_BYTES = _gauge("kvscope_host_memory_reserve_bytes",
     "Memory the operator keeps free for the OS and other services (config).", [], "bytes")
 HOST_MEMORY_HEADROOM_BYTES = _gauge("kvscope_host_memory_headroom_bytes",
@@ -252,7 +256,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     REQUESTS_WAITING, REQUESTS_RUNNING, PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO, TRANSFERS_IN_FLIGHT,
     TRANSFER_BLOCKS_IN_FLIGHT,
     HOST_MEMORY_TOTAL_BYTES, HOST_MEMORY_AVAILABLE_BYTES, HOST_MEMORY_LIMIT_BYTES,
-    HOST_SWAP_USED_BYTES, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,
+    HOST_SWAP_USED_BYTES, HOST_SWAP_IN_BYTES, HOST_MEMORY_RESERVE_BYTES,
+    HOST_MEMORY_HEADROOM_BYTES,
     OFFLOAD_BUDGET_BYTES, HOST_NUMA_NODES, PROCESS_NUMA_BYTES, PCIE_BYTES,
     PCIE_LINK_MAX_BYTES_PER_SECOND, GPU_MEMORY_USED_BYTES, GPU_MEMORY_TOTAL_BYTES,
     GPU_TOPOLOGY_INFO, EVENTS_RECEIVED, EVENTS_DROPPED, OTLP_SPANS, RECORDS_DROPPED,

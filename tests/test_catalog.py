@@ -131,7 +131,8 @@ def _golden_agent(tmp_path) -> Agent:
     from two sources: a vLLM-like tap (tiers gpu and cpu, a failed offload, a sampled eviction,
     tap errors, its scheduler with preemptions) and the reference engine (a disk tier, a
     dropped block, a request with promotion wait and ITL, its queue without preemptions)."""
-    swap = SimpleNamespace(used=2**20)  # psutil's swap_memory() of a host with 1 MiB swapped
+    # psutil's swap_memory() of a host with 1 MiB swapped out and 64 KiB read back in
+    swap = SimpleNamespace(used=2**20, sin=2**16)
     collectors = CollectorSet(["host", "numa"], {"host": {"virtual_memory": lambda: _VM,
                                                           "swap_memory": lambda: swap,
                                                           "cgroup_root": tmp_path,

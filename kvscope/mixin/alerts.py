@@ -86,6 +86,10 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             for metric in ("kvscope_host_memory_reserve_bytes", "kvscope_host_memory_limit_bytes")}
     host_budget = (f"sum by ({by}) (kvscope_offload_budget_bytes"
                    f"{sel(cfg, tier_matcher(cfg.host_memory_tiers))})")
+    swap_in = f"sum by ({by}) (rate(kvscope_host_swap_in_bytes_total{sel(cfg)}[{w}]))"
+    host_tiers = tier_matcher(cfg.host_memory_tiers)
+    host_offload_on = (f"(\n  {host_budget} > 0\n  or\n  sum by ({by}) "
+                       f"(kvscope_tier_capacity_bytes{sel(cfg, host_tiers)}) > 0\n)")
     return [
         Alert(
             "KvscopeTTFTBudgetBreach",
@@ -165,6 +169,16 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "kernel swaps or the OOM killer picks a process. Shrink the budget (vLLM "
             "--kv-offloading-size / cpu_bytes_to_use) by at least that much, or raise the limit.",
             (host_budget, *host.values())),
+        Alert(
+            "KvscopeSwapInWhileOffloading",
+            f"{swap_in} > {_g(cfg.swap_in_bytes_per_second)}\nand on ({by})\n{host_offload_on}",
+            cfg.swap_in_for, "warning",
+            "The host reads pages back from swap while a host-RAM offload tier is on.",
+            "The host at {{ $labels.instance }} reads {{ $value | humanize1024 }}B/s back in "
+            f"from swap while the {'/'.join(cfg.host_memory_tiers)} offload tier is configured: "
+            "host RAM is overcommitted, and pinned KV buffers and the engine compete with "
+            "whatever was swapped out. Shrink the tier's budget or move what else runs here.",
+            (swap_in, host_offload_on)),
         Alert(
             "KvscopeOffloadThrash",
             f"{unused} > {_g(cfg.thrash_unused_share)}\n"

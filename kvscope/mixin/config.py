@@ -78,6 +78,10 @@ class MixinConfig:
     # host_memory_tiers) plus the reserve exceed the memory limit (RAM or cgroup memory.max).
     host_memory_tiers: tuple[str, ...] = ("cpu",)
     budget_over_limit_for: str = "5m"
+    # KvscopeSwapInWhileOffloading: bytes/s read back in from swap (host-wide) above this while
+    # a host-RAM offload tier is configured (a budget or a capacity above 0).
+    swap_in_bytes_per_second: float = 0.0
+    swap_in_for: str = "5m"
     # KvscopeOffloadThrash: share of a tier's evictions that were never hit, while offloads run.
     thrash_unused_share: float = 0.8
     thrash_min_offload_bytes_per_second: float = 64 * MIB

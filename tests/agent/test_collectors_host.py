@@ -9,6 +9,7 @@ machine's real psutil and real cgroup.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,8 +30,8 @@ def _vm(total: int, available: int):
     return lambda: SimpleNamespace(total=total, available=available)
 
 
-def _swap(used: int = 0):
-    return lambda: SimpleNamespace(used=used)
+def _swap(used: int = 0, **more):
+    return lambda: SimpleNamespace(used=used, **more)
 
 
 def _tree(root: Path, own: str, levels: dict[str, tuple]) -> Path:
@@ -168,6 +169,25 @@ def test_this_machines_cgroup_reads_without_error():
     assert r.headroom == r.available - GiB
     if r.cgroup is not None:
         assert r.available <= r.cgroup.remaining and r.limit <= r.cgroup.limit
+    # Linux: psutil's sin is /proc/vmstat's pswpin pages x the page size, there without swap
+    # too; a counter, so a later reading holds at least what vmstat said before it
+    vmstat = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+    later = HostCollector().collect()
+    assert later.swap_in is not None
+    assert later.swap_in >= int(vmstat["pswpin"]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_swap_in_is_a_counter_of_bytes_read_back_and_absent_when_not_reported(tmp_path):
+    """psutil's swap_memory().sin (bytes swapped in since boot) becomes
+    kvscope_host_swap_in_bytes_total; a swap_memory() without it (an older psutil, a platform
+    that does not say) leaves the counter out rather than reporting 0."""
+    proc = _tree(tmp_path / "cgroup", "/ctr", {"ctr": ("max", 0)})
+    for swap, want in ((_swap(MiB, sin=3 * MiB), [([], 3 * MiB)]), (_swap(MiB), [])):
+        collectors = CollectorSet(["host"], {"host": {
+            "virtual_memory": _vm(64 * GiB, 40 * GiB), "swap_memory": swap,
+            "cgroup_root": tmp_path / "cgroup", "proc_cgroup": proc}})
+        samples = {spec.name: v for spec, v in collector_samples(collectors.collect()).items()}
+        assert samples["kvscope_host_swap_in_bytes_total"] == want
 
 
 def test_bad_cgroup_file_marks_host_down_and_logs_once(tmp_path, caplog):

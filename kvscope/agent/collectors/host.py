@@ -70,6 +70,8 @@ class HostReading:
     limit applies (see :class:`CgroupLevel`), else psutil's ``available`` (memory new
     allocations get without swapping).
     ``limit``: ``min(total, cgroup memory.max)``. ``swap_used``: psutil ``swap_memory().used``.
+    ``swap_in``: bytes read back in from swap since boot, a counter (psutil
+    ``swap_memory().sin``, host-wide), None where psutil does not report it.
     ``reserve``: what must stay free for the OS and other services (config).
     ``budgets``: dict[tier, bytes] reserved per offload tier (config, e.g. vLLM cpu_bytes_to_use).
     ``headroom``: ``available - reserve``; negative when the reserve is being eaten into.
@@ -84,6 +86,7 @@ class HostReading:
     budgets: Mapping[str, int] = field(default_factory=dict)
     headroom: int = 0
     cgroup: CgroupMemory | None = None
+    swap_in: int | None = None
 
 
 
@@ -171,7 +174,8 @@ def read_cgroup_memory(root: Path = DEFAULT_CGROUP_ROOT,
 
 
 def host_reading(total: int, psutil_available: int, swap_used: int, reserve: int,
-                 budgets: Mapping[str, int], cgroup: CgroupMemory | None) -> HostReading:
+                 budgets: Mapping[str, int], cgroup: CgroupMemory | None,
+                 swap_in: int | None = None) -> HostReading:
     """Combine the inputs (bytes) into a HostReading; pure arithmetic, see HostReading."""
     available, limit = psutil_available, total
     if cgroup is not None:
@@ -179,7 +183,7 @@ def host_reading(total: int, psutil_available: int, swap_used: int, reserve: int
         limit = min(limit, cgroup.limit)
     return HostReading(total=total, available=available, limit=limit, swap_used=swap_used,
                        reserve=reserve, budgets=dict(budgets), headroom=available - reserve,
-                       cgroup=cgroup)
+                       cgroup=cgroup, swap_in=swap_in)
 
 
 @register("host", default_enabled=True)
@@ -211,10 +215,11 @@ class HostCollector:
 
     def collect(self) -> HostReading:
         vm = self._virtual_memory()
-        swap_used = self._swap_memory().used
+        swap = self._swap_memory()
         cgroup = read_cgroup_memory(self._cgroup_root, self._proc_cgroup)
-        return host_reading(vm.total, vm.available, swap_used, self._reserve, self._budgets,
-                            cgroup)
+        swap_in = getattr(swap, "sin", None)
+        return host_reading(vm.total, vm.available, swap.used, self._reserve, self._budgets,
+                            cgroup, None if swap_in is None else int(swap_in))
 
     def shutdown(self) -> None:
         """Nothing to release."""

@@ -19,8 +19,8 @@ from kvscope.catalog import Samples
 
 NODE_METRICS = (
     m.HOST_MEMORY_TOTAL_BYTES, m.HOST_MEMORY_AVAILABLE_BYTES, m.HOST_MEMORY_LIMIT_BYTES,
-    m.HOST_SWAP_USED_BYTES, m.HOST_MEMORY_RESERVE_BYTES, m.HOST_MEMORY_HEADROOM_BYTES,
-    m.OFFLOAD_BUDGET_BYTES, m.HOST_NUMA_NODES, m.PROCESS_NUMA_BYTES, m.PCIE_BYTES,
+    m.HOST_SWAP_USED_BYTES, m.HOST_SWAP_IN_BYTES, m.HOST_MEMORY_RESERVE_BYTES,
+    m.HOST_MEMORY_HEADROOM_BYTES, m.OFFLOAD_BUDGET_BYTES, m.HOST_NUMA_NODES, m.PROCESS_NUMA_BYTES, m.PCIE_BYTES,
     m.PCIE_LINK_MAX_BYTES_PER_SECOND, m.GPU_MEMORY_USED_BYTES, m.GPU_MEMORY_TOTAL_BYTES,
     m.GPU_TOPOLOGY_INFO, m.COLLECTOR_UP, m.COLLECTOR_DURATION_SECONDS,
 )
@@ -34,6 +34,8 @@ def _host(out: Samples, r: HostReading) -> None:
                           (m.HOST_MEMORY_RESERVE_BYTES, r.reserve),
                           (m.HOST_MEMORY_HEADROOM_BYTES, r.headroom)):
         out[metric].append(([], float(value)))
+    if r.swap_in is not None:
+        out[m.HOST_SWAP_IN_BYTES].append(([], float(r.swap_in)))
     for tier, budget in sorted(r.budgets.items()):
         out[m.OFFLOAD_BUDGET_BYTES].append(
             (m.OFFLOAD_BUDGET_BYTES.label_values(tier=tier), float(budget)))
