@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvscope.mixin.config import MixinConfig
-from kvscope.mixin.promql import offload_tiers, sel, tier_matcher
+from kvscope.mixin.promql import (offload_tiers, promotion_matchers, sel, tier_matcher,
+                                  union)
 from kvscope.mixin.rules import Records
 
 
@@ -90,6 +91,17 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
     host_tiers = tier_matcher(cfg.host_memory_tiers)
     host_offload_on = (f"(\n  {host_budget} > 0\n  or\n  sum by ({by}) "
                        f"(kvscope_tier_capacity_bytes{sel(cfg, host_tiers)}) > 0\n)")
+    # per offload tier: promotions out of it (copies toward the GPU whose src is the tier) and
+    # the prefill seconds its tokens saved, both per second
+    def from_tier(metric: str) -> str:
+        return (f"sum by ({by}, tier) (label_replace(\n  "
+                + union("rate", metric, cfg, promotion_matchers(cfg), w)
+                + ',\n  "tier", "$1", "src", "(.+)"))')
+    promo_spent = from_tier("kvscope_transfer_seconds_sum")
+    promo_count = from_tier("kvscope_transfer_seconds_count")
+    saved = (f'sum by ({by}, tier) (label_replace(rate(kvscope_prefill_seconds_saved_total'
+             f'{sel(cfg, tier_matcher(cfg.tiers[1:], "source"))}[{w}]), "tier", "$1", "source", '
+             '"(.+)"))')
     return [
         Alert(
             "KvscopeTTFTBudgetBreach",
@@ -191,6 +203,19 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             f"{_bytes(cfg.thrash_min_offload_bytes_per_second)}/s: the tier pays transfer "
             "bandwidth for nothing. Enable admission (store only reused prefixes) or grow the tier.",
             (unused, r.offload_bytes_rate)),
+        # The guide's "secondary tier added too early" in its sharpest form: fetching a
+        # tier's blocks takes longer than computing their tokens again would.
+        Alert(
+            "KvscopePromotionSlowerThanRecompute",
+            f"{promo_spent}\n/ on ({by}, tier)\n{saved}\n> {_g(cfg.recompute_faster_ratio)}"
+            + _floor(promo_count, f"{by}, tier", cfg.min_transfers_per_second),
+            cfg.recompute_faster_for, "warning",
+            "Promotions from an offload tier take longer than recomputing their tokens.",
+            "Promotions from the {{ $labels.tier }} tier at {{ $labels.instance }} take "
+            "{{ $value | humanize }} times the prefill seconds their tokens save (more than "
+            f"{_g(cfg.recompute_faster_ratio)}): recomputing them would be faster. Disable the "
+            "tier, or move it to faster storage, and watch TTFT.",
+            (promo_spent, saved)),
         Alert(
             "KvscopeTierIneffective",
             f"(\n  {fill} > {_g(cfg.ineffective_fill_ratio)}\n"

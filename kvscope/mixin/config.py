@@ -90,6 +90,11 @@ class MixinConfig:
     ineffective_fill_ratio: float = 0.9
     ineffective_max_share: float = 0.01
     ineffective_for: str = "1h"
+    # KvscopePromotionSlowerThanRecompute: transfer seconds spent promoting from a tier above
+    # this multiple of the prefill seconds its tokens saved (the cost model's), for this long,
+    # at min_transfers_per_second promotions or more.
+    recompute_faster_ratio: float = 1.0
+    recompute_faster_for: str = "15m"
     # KvscopeTierNearlyFull: this full, and losing reused KV: it drops blocks out of the cache
     # (no copy kept below) while more than this share of its evicted blocks had been hit.
     tier_full_ratio: float = 0.95

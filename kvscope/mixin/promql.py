@@ -54,9 +54,10 @@ def offload_tiers(cfg: MixinConfig) -> str:
     return _one_or_regex("tier", list(cfg.tiers[1:]))
 
 
-def tier_matcher(tiers) -> str:
-    """Matcher for these tiers: ``tier="cpu"``, or ``tier=~"cpu|disk"`` for several."""
-    return _one_or_regex("tier", list(tiers))
+def tier_matcher(tiers, label: str = "tier") -> str:
+    """Matcher for these tiers: ``tier="cpu"``, or ``tier=~"cpu|disk"`` for several (``label``:
+    another label holding tier names, e.g. ``source``)."""
+    return _one_or_regex(label, list(tiers))
 
 
 def union(fn: str, metric: str, cfg: MixinConfig, matcher_sets: list[str], window: str) -> str:
