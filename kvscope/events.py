@@ -24,10 +24,11 @@ from kvscope.vocabulary import (TIERS, TOKEN_SOURCES, EvictionReason, Tier,  # n
 SCHEMA_VERSION = 1
 # What a batch's ``source`` (and ``scope``) may be: it becomes a metric label value.
 SOURCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
-# The agent's own sources (its ingest socket, OTLP receiver, KV events, vLLM metrics and
-# TensorRT-LLM sources) count under these names: a tap named so would merge its series with
-# theirs.
-RESERVED_SOURCES = frozenset({"ingest", "otlp", "kv_events", "vllm_metrics", "trtllm"})
+# The agent's own sources (its ingest socket, OTLP receiver, KV events, vLLM metrics,
+# TensorRT-LLM and SGLang metrics sources) count under these names: a tap named so would merge
+# its series with theirs.
+RESERVED_SOURCES = frozenset({"ingest", "otlp", "kv_events", "vllm_metrics", "trtllm",
+                              "sglang_metrics"})
 
 
 def w3c_trace_id(trace_id: str) -> bool:

@@ -51,15 +51,13 @@ BLOCK_BYTES = 100
 
 
 def sglang_python() -> str:
-    """The python of SGLang's environment (``KVSCOPE_SGLANG_PYTHON``, else the cached one), or
-    skip the calling test saying how to get it."""
-    candidate = os.environ.get("KVSCOPE_SGLANG_PYTHON") or str(SGLANG_ENV / "bin" / "python")
-    ready = Path(candidate).parent.parent / ".ready"
-    if not Path(candidate).is_file() or (not os.environ.get("KVSCOPE_SGLANG_PYTHON")
-                                         and not ready.is_file()):
-        pytest.skip(f"no SGLang environment at {candidate}: run `bash scripts/vllm_env.sh "
-                    "--sglang` and/or set KVSCOPE_SGLANG_PYTHON")
-    return candidate
+    """The python of SGLang's cached environment, or skip the calling test saying how to get
+    it."""
+    python = SGLANG_ENV / "bin" / "python"
+    if not python.is_file() or not (SGLANG_ENV / ".ready").is_file():
+        pytest.skip(f"no SGLang environment at {SGLANG_ENV}: run `bash scripts/vllm_env.sh "
+                    "--sglang`")
+    return str(python)
 
 
 def free_ports(n: int) -> int:

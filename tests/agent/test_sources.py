@@ -56,6 +56,7 @@ def test_every_source_is_registered_with_its_table_in_the_settings():
         "kvbm_metrics",
         "lmcache_metrics",
         "trtllm",
+        "sglang_metrics",
     }
     for name, spec in base.REGISTRY.items():
         assert AgentSettings.model_fields[name].annotation is spec.config
@@ -143,7 +144,7 @@ def test_vllm_metrics_beside_kvbm_or_lmcache_leaves_them_their_tiers(other):
 
 
 ENGINES = {"vllm_metrics": "vllm", "trtllm": "tensorrt-llm", "kvbm_metrics": "dynamo",
-           "lmcache_metrics": "lmcache"}
+           "lmcache_metrics": "lmcache", "sglang_metrics": "sglang"}
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))

@@ -7,6 +7,7 @@ reads another while it is built imports after it.
 
 from kvscope.agent.sources import ingest, kv_events, otlp_receiver  # noqa: F401
 from kvscope.agent.sources import kvbm_metrics, lmcache_metrics, trtllm  # noqa: F401
+from kvscope.agent.sources import sglang_metrics  # noqa: F401  (yields to kv_events)
 from kvscope.agent.sources import vllm_metrics  # noqa: F401  (yields to the ones above)
 from kvscope.agent.sources.base import REGISTRY, build_sources, check_overlaps
 

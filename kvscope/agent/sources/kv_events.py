@@ -762,4 +762,6 @@ register(SourceSpec(
                               flavour=FLAVOURS[config.engine])),
     describe=lambda config: f"kv_events endpoint {config.endpoint}",
     banner=lambda config, part, base_url: f"kv_events: {part.describe()}",
-    tiers=lambda config: config.tiers))
+    tiers=lambda config: config.tiers,
+    # vLLM's is named by its tap or its metrics source; nothing else may name SGLang
+    engine=lambda config: "sglang" if config.engine == "sglang" else ""))
