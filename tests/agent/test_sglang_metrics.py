@@ -17,9 +17,12 @@ the same logical count, and their own byte counts.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from kvscope.agent.config import AgentSettings
+from conftest import REPO_ROOT
+from kvscope.agent.config import AgentSettings, load_settings
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.scrape import parse
 from kvscope.agent.sources.sglang_metrics import (SglangMapper, SglangMetricsConfig,
@@ -211,3 +214,17 @@ def test_the_config_table_validates(page):
     assert SglangMetricsConfig(page_size=page).page_size == page
     with pytest.raises(ValueError):
         SglangMetricsConfig(page_size=-1)
+
+
+def test_the_tables_docs_engines_md_gives_load_as_they_stand(tmp_path, monkeypatch):
+    """docs/engines.md's SGLang tables are valid and turn both sources on (they drift
+    otherwise)."""
+    for key in [k for k in os.environ if k.startswith("KVSCOPE_")]:
+        monkeypatch.delenv(key)
+    section = (REPO_ROOT / "docs" / "engines.md").read_text().split("## SGLang HiCache", 1)[1]
+    path = tmp_path / "agent.toml"
+    path.write_text(section.split("```toml\n", 1)[1].split("```", 1)[0])
+    settings = load_settings(path)
+    assert settings.kv_events.enabled and settings.kv_events.engine == "sglang"
+    assert settings.kv_events.tiers == ["gpu", "cpu"]
+    assert settings.sglang_metrics.enabled and settings.sglang_metrics.model == "MODEL"
