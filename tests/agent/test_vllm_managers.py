@@ -95,12 +95,17 @@ def test_cpu_manager_store_admission_outcomes(run):
 
 def test_kvscope_cpu_worker_in_the_tap_takes_expedited_loads(run):
     """Two blocks stored and loaded back (0.33's ``submit_load(..., expedited=True)``): the
-    bytes arrive, and each job is a timed Transfer of 2 blocks x 4096 bytes."""
+    bytes arrive, and each job is a timed Transfer of 2 blocks x 4096 bytes. kvscope's CPU
+    worker copies as it is submitted, so each job has finished by the ``get_finished`` after
+    it: each direction's first in-flight report says 0 jobs, 0 blocks."""
     worker = run["worker"]
     assert worker["ok"] == [True, True] and worker["copied"] and worker["errors"] == 0
     assert [(t["src"], t["dst"], t["blocks"], t["bytes"], t["timed"], t["ok"])
             for t in of(worker["events"], "Transfer")] == \
         [("gpu", "cpu", 2, 2 * PAGE, True, True), ("cpu", "gpu", 2, 2 * PAGE, True, True)]
+    assert [(t["src"], t["dst"], t["transfers"], t["blocks"])
+            for t in of(worker["events"], "TransfersInFlight")] == \
+        [("gpu", "cpu", 0, 0), ("cpu", "gpu", 0, 0)]
 
 
 def test_tiering_manager_cascades_promotions_evictions_and_reset(run):
