@@ -102,6 +102,15 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
     saved = (f'sum by ({by}, tier) (label_replace(rate(kvscope_prefill_seconds_saved_total'
              f'{sel(cfg, tier_matcher(cfg.tiers[1:], "source"))}[{w}]), "tier", "$1", "source", '
              '"(.+)"))')
+    # the share of the engine process's memory on a NUMA node a GPU of the host sits on (0
+    # when none is); only where NVML or sysfs names the GPUs' nodes
+    gpu_nodes = "kvscope_gpu_topology_info" + sel(cfg, 'numa_node!=""')
+    engine_numa = f"sum by ({by}) (kvscope_process_numa_bytes{sel(cfg)})"
+    numa_local = (f"(\n  sum by ({by}) (\n    kvscope_process_numa_bytes{sel(cfg)}\n"
+                  f"    and on ({by}, numa_node)\n    {gpu_nodes}\n  )\n"
+                  f"  or on ({by})\n  0 * {engine_numa}\n)\n/ on ({by})\n"
+                  f"({engine_numa} > 0)")
+    gpu_nodes_known = f"\nand on ({by})\ncount by ({by}) ({gpu_nodes})"
     return [
         Alert(
             "KvscopeTTFTBudgetBreach",
@@ -216,6 +225,19 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             f"{_g(cfg.recompute_faster_ratio)}): recomputing them would be faster. Disable the "
             "tier, or move it to faster storage, and watch TTFT.",
             (promo_spent, saved)),
+        # The guide's failure mode 5 (transfer topology): every copy between the host KV pool
+        # and the GPU crosses the socket interconnect when they sit on different nodes.
+        Alert(
+            "KvscopeKVPoolRemoteNUMA",
+            f"{numa_local}\n< {_g(cfg.numa_local_min_share)}{gpu_nodes_known}",
+            cfg.numa_remote_for, "warning",
+            "The engine's host memory, its KV pool among it, is on another NUMA node than its "
+            "GPU.",
+            "Only {{ $value | humanizePercentage }} of the engine process's memory at "
+            "{{ $labels.instance }} is on the NUMA node of a GPU: offloads and promotions "
+            "cross the socket interconnect. Bind the engine to its GPU's node (numactl "
+            "--cpunodebind=N --membind=N, N the GPU's numa_node) and restart it.",
+            (numa_local + gpu_nodes_known,)),
         Alert(
             "KvscopeTierIneffective",
             f"(\n  {fill} > {_g(cfg.ineffective_fill_ratio)}\n"

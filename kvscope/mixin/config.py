@@ -95,6 +95,10 @@ class MixinConfig:
     # at min_transfers_per_second promotions or more.
     recompute_faster_ratio: float = 1.0
     recompute_faster_for: str = "15m"
+    # KvscopeKVPoolRemoteNUMA: share of the engine process's memory (its host KV pool's
+    # placement, numa_maps) on the NUMA nodes of the host's GPUs, below this, for this long.
+    numa_local_min_share: float = 0.5
+    numa_remote_for: str = "15m"
     # KvscopeTierNearlyFull: this full, and losing reused KV: it drops blocks out of the cache
     # (no copy kept below) while more than this share of its evicted blocks had been hit.
     tier_full_ratio: float = 0.95
