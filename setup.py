@@ -1,5 +1,5 @@
-"""Builds kvscope's compiled modules (Cython): the agent's fold, records and assembler, and
-ingest's stall watch.
+"""Builds kvscope's compiled modules (Cython): the agent's fold, records and assembler,
+ingest's stall watch, and the block-hash sampling predicate the vLLM tap and the analysis share.
 
 Everything else about the package is in pyproject.toml.
 """
@@ -7,7 +7,7 @@ Everything else about the package is in pyproject.toml.
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MODULES = ("agent.requests", "agent.assembler", "agent.fold", "agent.sources.stalls")
+MODULES = ("agent.requests", "agent.assembler", "agent.fold", "agent.sources.stalls", "sampling")
 
 setup(ext_modules=cythonize(
     [Extension(f"kvscope.{name}", [f"kvscope/{name.replace('.', '/')}.pyx"],

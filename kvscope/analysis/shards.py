@@ -16,9 +16,15 @@ distance ``d`` in the sample stands for ``d / R`` in the full trace.
   the expected total is the trace's own, so the same first-bucket adjustment applies (our
   extension; on the Mooncake conversation trace it cuts the error about fivefold).
 
-The hash is MurmurHash3's 64-bit finalizer (Appleby, ``fmix64``) of the block id xor a seed,
-plus SplitMix64's odd increment (Steele, Lea & Flood, OOPSLA 2014) so that id 0 (often the
-hottest block: a shared first block) is not always sampled; ``P = 2**32`` (the top 32 bits).
+- **Already sampled** (a vLLM tap's capture: the tap keeps the blocks of a fixed rate ``R``):
+  :func:`fixed_rate` with ``sampled_at=R`` and the full stream's ``total`` scales the sample as
+  fixed rate does; a lower ``rate`` samples it again (nested rates nest, see
+  :mod:`kvscope.sampling`).
+
+Histograms are in the full stream's units: each sampled access weighs ``1 / R`` of its weight.
+
+The hash and the predicate are :mod:`kvscope.sampling`'s (one definition, shared with the tap):
+MurmurHash3's 64-bit finalizer of the block id xor a seed, ``P = 2**32``.
 """
 
 from __future__ import annotations
@@ -28,23 +34,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvscope import sampling
 from kvscope.analysis.mrc import DistanceHistogram
 from kvscope.analysis.stackdist import StackCounter, stack_distances
 
-MODULUS = 1 << 32  # P: sampling thresholds T are integers in [0, P]
+MODULUS = sampling.MODULUS  # P: sampling thresholds T are integers in [1, P]
 
 
 def spatial_hash(block_ids: np.ndarray, seed: int = 0) -> np.ndarray:
-    """Uniform hash of each block id into ``[0, 2**32)``; int64 array (MurmurHash3 fmix64)."""
-    x = np.asarray(block_ids).astype(np.uint64) ^ np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
-    with np.errstate(over="ignore"):
-        x += np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment: id 0 must not hash to 0
-        x ^= x >> np.uint64(33)
-        x *= np.uint64(0xFF51AFD7ED558CCD)
-        x ^= x >> np.uint64(33)
-        x *= np.uint64(0xC4CEB9FE1A85EC53)
-        x ^= x >> np.uint64(33)
-    return (x >> np.uint64(32)).astype(np.int64)
+    """Uniform hash of each block id into ``[0, 2**32)``; int64 array
+    (:func:`kvscope.sampling.spatial_hash` of each id, reduced mod 2**64)."""
+    ids = np.ascontiguousarray(np.asarray(block_ids).astype(np.uint64))
+    out = np.empty(len(ids), dtype=np.int64)
+    sampling.hash_array(ids, seed, out)
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,29 +69,34 @@ def _weights(block_ids: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
 
 
 def fixed_rate(block_ids: np.ndarray, rate: float, weights: np.ndarray | None = None,
-               seed: int = 0, adjust: bool = True) -> ShardsResult:
+               seed: int = 0, adjust: bool = True, sampled_at: float = 1.0,
+               total: float | None = None) -> ShardsResult:
     """SHARDS at a fixed sampling ``rate`` (0 < rate <= 1), vectorized.
 
     ``weights``: per-access weight (tokens) or None to count accesses. ``adjust``: apply
-    SHARDS_adj. Raises ValueError for a rate outside (0, 1].
+    SHARDS_adj. ``sampled_at``: the rate the ids were already sampled at with this seed (a
+    tap's capture; 1: the full stream); the sample's rate is the lower of the two.
+    ``total``: the full stream's weight (accesses, or tokens with ``weights``), for SHARDS_adj;
+    None: the ids' own, right only when ``sampled_at`` is 1. Raises ValueError for a rate
+    outside (0, 1].
     """
-    if not 0 < rate <= 1:
-        raise ValueError(f"sampling rate must be in (0, 1], got {rate}")
     ids = np.asarray(block_ids)
     w = _weights(ids, weights)
-    threshold = max(1, round(rate * MODULUS))
-    effective = threshold / MODULUS
-    sampled = spatial_hash(ids, seed) < threshold
+    limit = min(sampling.threshold(rate), sampling.threshold(sampled_at))
+    effective = sampling.rate_of(limit)
+    sampled = spatial_hash(ids, seed) < limit
     sample_ids, sample_w = ids[sampled], w[sampled]
-    histogram = DistanceHistogram.from_distances(stack_distances(sample_ids), sample_w,
-                                                 scale=1.0 / effective)
+    histogram = DistanceHistogram.from_distances(stack_distances(sample_ids),
+                                                 sample_w / effective, scale=1.0 / effective)
     if adjust:
-        histogram = _adjusted(histogram.hits, histogram.total, effective * float(w.sum()))
+        histogram = _adjusted(histogram.hits, histogram.total,
+                              float(w.sum()) if total is None else float(total))
     return ShardsResult(histogram, effective, int(sampled.sum()), len(np.unique(sample_ids)))
 
 
 def _adjusted(hits: np.ndarray, total: float, expected: float) -> DistanceHistogram:
-    """SHARDS_adj: put ``expected - total`` (either sign) into the first bucket."""
+    """SHARDS_adj: put ``expected - total`` (either sign) into the first bucket (full-stream
+    units: ``expected`` is the full stream's weight, ``total`` the sample's scaled by 1 / R)."""
     hits = hits.astype(np.float64, copy=True)
     if len(hits) == 0:
         hits = np.zeros(1)
