@@ -118,6 +118,14 @@ class Lookup(_Event, tag="lookup"):
     looked up, first to last (unsigned 64-bit); ``block_sources``: the source that served each
     of those blocks (prefix semantics: after the first ``recompute`` block every later one is
     ``recompute``). ``block_tokens``: tokens per full block (0: unknown).
+
+    A spatially sampled lookup (the vLLM tap: SHARDS, see :mod:`kvscope.sampling`) carries only
+    its sampled blocks: ``block_sample_rate`` (0-1, a share of the block-hash space) is the rate
+    its blocks were kept at (1: every block), and ``block_depths`` the position in the prompt
+    (0 = first) of each of ``block_hashes`` (empty: they are the prompt's blocks, first to
+    last). ``block_sources`` may then be empty (the engine cannot say which tier served each).
+    A sampled lookup with no block sampled carries a rate below 1 and no hashes: its
+    ``blocks`` still count in the full stream's accesses.
     """
 
     request_id: RequestId
@@ -128,6 +136,8 @@ class Lookup(_Event, tag="lookup"):
     block_hashes: tuple[int, ...] = ()
     block_sources: tuple[TokenSource, ...] = ()
     block_tokens: Count = 0
+    block_sample_rate: Ratio = 1.0
+    block_depths: tuple[Count, ...] = ()
 
 
 def block_token_counts(prompt_tokens: int, blocks: int, block_tokens: int) -> list[int]:

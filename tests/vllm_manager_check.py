@@ -95,6 +95,7 @@ class Connector:
     def add(self, rid: str, keys: list[bytes]) -> None:
         """``on_new_request``, from a frame holding the request as vLLM's does."""
         request = Request(len(keys))
+        request.block_hashes = list(keys)  # vLLM's: the prompt's block hashes (bytes)
         ctx = ReqContext(req_id=rid)
         self.requests[rid] = (ctx, request, keys)
         with self._locked():
@@ -228,6 +229,28 @@ def cpu_run() -> dict:
         out["config_info"] = [dict(m) for m in tap.config_info()]
         out["inner_config_info"] = [dict(m) for m in inner.config_info()]
     return out
+
+
+def sampling_run() -> dict:
+    """vLLM's CPUOffloadingManager (64 chunks) behind a tap sampling block hashes at 1/2 (the
+    requests' ``block_hashes`` are their keys). R1 = k0..k39: 40 blocks missed, stored. R2 =
+    k0..k19, k100..k119: 20 loaded (cpu), 20 recomputed. R3's hashes are not bytes: its
+    lookup goes without blocks, the failure counted. The test checks which blocks came."""
+    sent: list = []
+    tap = TapManager(CPUOffloadingManager(num_chunks=64, enable_events=True), sent.append,
+                     tokens_per_block=TPB, blocks_per_chunk=1, bytes_per_block=PAGE,
+                     capacity_chunks=64, block_sample_rate=0.5)
+    conn = Connector(tap)
+    conn.add("r1", [key(i) for i in range(40)])
+    hits = conn.step(schedule=["r1"])
+    conn.add("r2", [key(i) for i in range(20)] + [key(i) for i in range(100, 120)])
+    hits |= conn.step(schedule=["r2"], finished=["r1"])
+    conn.add("r3", [key(i) for i in range(200, 204)])
+    conn.requests["r3"][1].block_hashes = ["not", "a", "hash", "!"]
+    hits |= conn.step(schedule=["r3"], finished=["r2"])
+    tap.shutdown()
+    return {"hits": hits, "events": events(sent), "errors": tap.errors,
+            "keys": {rid: [k.hex() for k in keys] for rid, (_, _, keys) in conn.requests.items()}}
 
 
 def admission_run() -> dict:
@@ -380,6 +403,7 @@ def main() -> None:
     out_path, root = sys.argv[1], sys.argv[2]
     result = {"vllm": vllm.__version__, "order": "0.33" if V033 else "0.32",
               "unforwarded": unforwarded(), "cpu": cpu_run(), "admission": admission_run(),
+              "sampling": sampling_run(),
               "tiering": tiering_run(root),
               "worker": worker_run(),
               "docs": docs_run(Path(__file__).resolve().parent.parent / "docs" / "vllm.md")}

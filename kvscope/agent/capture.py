@@ -6,7 +6,10 @@ format, written with pyarrow):
 
 - ``blocks-<ms>-<pid>-<seq>.parquet``: one row per block looked up (:data:`BLOCKS_SCHEMA`),
   from :class:`~kvscope.events.Lookup` events that carry ``block_hashes`` (engines fill them
-  on request, e.g. ``OffloadEngine(record_blocks=True)``); ``kvscope analyze DIR`` reads them.
+  on request, e.g. ``OffloadEngine(record_blocks=True)``; the vLLM tap fills them with a
+  spatially hashed sample of the blocks, whose rate each row records, and a sampled lookup
+  with no block sampled is one row of depth -1, so that its blocks count in the full
+  stream); ``kvscope analyze DIR`` reads them.
 - ``requests-<ms>-<pid>-<seq>.parquet``: one row per finished request (:data:`REQUESTS_SCHEMA`),
   from the pipeline's request records; ``kvscope compare BASELINE CANDIDATE`` reads them.
 - ``totals-<ms>-<pid>-<seq>.parquet``: the agent's cumulative transfer counters by direction
@@ -67,7 +70,11 @@ BLOCKS_SCHEMA = pa.schema([
     pa.field("tokens", pa.int32()),         # tokens this block covers (partial last block)
     pa.field("block_tokens", pa.int32()),   # tokens per full block (0 unknown)
     pa.field("prompt_tokens", pa.int64()),  # the request's prompt length, tokens
+    # share of blocks (0-1, by hash) the lookup's rows were sampled at (1: every block)
+    pa.field("sample_rate", pa.float64()),
+    pa.field("lookup_blocks", pa.int64()),  # blocks the lookup looked up, sampled or not
 ], metadata={"kvscope.kind": "blocks"})
+BLOCKS_ADDED = {"sample_rate": 1.0, "lookup_blocks": -1}  # columns older captures lack: default
 
 # Scalar types of the request schema (RecordData) as Arrow types; float | None is a float
 # column with NaN for None (unknown)
@@ -183,39 +190,54 @@ class CaptureWriter(Worker):
     # -- sinks ------------------------------------------------------------------------------
 
     def add_lookup(self, source: str, lookup: ev.Lookup) -> None:
-        """Queue one row per block of ``lookup`` (nothing when it carries no block hashes).
+        """Queue one row per block of ``lookup`` (nothing when it carries no block hashes and
+        is not sampled; one row of depth -1, hash 0, when it is sampled and none was kept).
 
         Hashes are stored as unsigned 64-bit (a negative or wider int is reduced mod 2**64).
-        A block's tokens come from the prompt length (the sum of ``lookup.tokens``) and
+        A block's position is its ``block_depths`` entry (its index when there are none); its
+        tokens come from the prompt length (the sum of ``lookup.tokens``) and
         ``lookup.block_tokens`` (0 when unknown). Rows that do not fit (``max_pending_rows``
         queued, or a block over 2**31 - 1 tokens) are counted in ``dropped``.
         """
         hashes = lookup.block_hashes
-        if not hashes:
+        rate = lookup.block_sample_rate
+        if not hashes and rate >= 1.0:
             return
         n = len(hashes)
         prompt = sum(lookup.tokens.values())
         bt = lookup.block_tokens
-        tokens = ev.block_token_counts(prompt, n, bt) if bt > 0 else [0] * n
-        outcomes = list(lookup.block_sources) if len(lookup.block_sources) == n else [""] * n
+        depths = lookup.block_depths if len(lookup.block_depths) == n else range(n)
+        if not n:  # sampled, none kept: the lookup's blocks still count in the full stream
+            hashes, depths = (0,), (-1,)
+            tokens, outcomes = [0], [""]
+        elif bt > 0:
+            counts = ev.block_token_counts(prompt, depths[-1] + 1, bt)
+            tokens = [counts[d] for d in depths]
+        else:
+            tokens = [0] * n
+        if n:
+            outcomes = list(lookup.block_sources) if len(lookup.block_sources) == n else [""] * n
+        rows = len(hashes)
         with self._lock:
             stream = self._streams["blocks"]
             # a block of 2**31 tokens or more is no block (its columns are int32): this
             # lookup's rows are dropped, never the flush with every other lookup's rows
-            if stream.rows + n > self.max_pending_rows or bt > _I32:
-                self.dropped["blocks"] += n
+            if stream.rows + rows > self.max_pending_rows or bt > _I32:
+                self.dropped["blocks"] += rows
                 return
             cols = stream.pending
-            cols["ts"].extend([lookup.ts] * n)
-            cols["source"].extend([source] * n)
-            cols["request_id"].extend([lookup.request_id] * n)
-            cols["depth"].extend(range(n))
+            cols["ts"].extend([lookup.ts] * rows)
+            cols["source"].extend([source] * rows)
+            cols["request_id"].extend([lookup.request_id] * rows)
+            cols["depth"].extend(depths)
             cols["block_hash"].extend([h & _U64 for h in hashes])
             cols["outcome"].extend(outcomes)
             cols["tokens"].extend(tokens)
-            cols["block_tokens"].extend([bt] * n)
-            cols["prompt_tokens"].extend([prompt] * n)
-            stream.rows += n
+            cols["block_tokens"].extend([bt] * rows)
+            cols["prompt_tokens"].extend([prompt] * rows)
+            cols["sample_rate"].extend([rate] * rows)
+            cols["lookup_blocks"].extend([max(lookup.blocks, n)] * rows)
+            stream.rows += rows
 
     def add_request(self, record: RequestRecord) -> None:
         """Queue one row for a finished request record (:data:`REQUESTS_SCHEMA`)."""

@@ -10,7 +10,10 @@ Extra keys: ``kvscope_inner_spec`` (default ``CPUOffloadingSpec``; ``TieringOffl
 or any spec vLLM's factory knows), ``kvscope_inner_spec_module_path`` (for an out-of-tree inner
 spec), ``kvscope_endpoint`` (the agent's ingest endpoint, default ``tcp://127.0.0.1:5560``),
 ``kvscope_sample_one_in`` (default 8: the age and loads of the CPU chunks of 1 in 8 stores are
-tracked for the residency and hits histograms; 1 tracks every chunk; tiering always tracks all).
+tracked for the residency and hits histograms; 1 tracks every chunk; tiering always tracks all),
+``kvscope_block_sample_rate`` (default 1/16: each lookup carries the prefix hashes of the
+prompt's blocks sampled at this rate, SHARDS-style, for ``kvscope analyze`` to size the CPU
+tier from a capture; 1 records every block, 0 none; see :mod:`kvscope.sampling`).
 Every other key passes through to the inner spec unchanged.
 
 - The scheduler side wraps the inner manager (:class:`~kvscope.agent.taps.vllm_manager.TapManager`).
@@ -50,6 +53,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from kvscope import sampling
 from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
 from kvscope.agent.taps.vllm_manager import (DEFAULT_SAMPLE_ONE_IN, TapManager,
                                               external_request_id)
@@ -62,7 +66,7 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:5560"
 SPEC_NAME = "KvscopeOffloadingSpec"
 _OWN_KEYS = ("spec_name", "spec_module_path")
 _KNOWN_KEYS = ("kvscope_inner_spec", "kvscope_inner_spec_module_path", "kvscope_endpoint",
-               "kvscope_sample_one_in")
+               "kvscope_sample_one_in", "kvscope_block_sample_rate")
 
 
 def split_extra_config(extra: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -97,6 +101,16 @@ def sample_one_in(ours: Mapping[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
+def block_sample_rate(ours: Mapping[str, Any]) -> float | None:
+    """``kvscope_block_sample_rate`` (default :data:`kvscope.sampling.DEFAULT_RATE`): the share
+    of blocks (0-1, by the hash of the block) whose hashes lookups carry; 0 records none. None
+    when the value is not a number in [0, 1]."""
+    value = ours.get("kvscope_block_sample_rate", sampling.DEFAULT_RATE)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        return None
+    return float(value)
+
+
 def config_mistakes(ours: Mapping[str, Any], inner: Mapping[str, Any],
                     inner_spec: type[OffloadingSpec]) -> list[str]:
     """Likely mistakes in the extra config that vLLM would not report: a ``kvscope_`` key this
@@ -107,6 +121,9 @@ def config_mistakes(ours: Mapping[str, Any], inner: Mapping[str, Any],
     if sample_one_in(ours) is None:
         out.append(f"kvscope_sample_one_in must be a whole number >= 1, not "
                    f"{ours['kvscope_sample_one_in']!r}; using {DEFAULT_SAMPLE_ONE_IN}")
+    if block_sample_rate(ours) is None:
+        out.append(f"kvscope_block_sample_rate must be a number in [0, 1], not "
+                   f"{ours['kvscope_block_sample_rate']!r}; using {sampling.DEFAULT_RATE}")
     if "secondary_tiers" in inner and not _is_tiering(inner_spec):
         out.append(f"secondary_tiers given, but kvscope_inner_spec is {inner_spec.__name__}: "
                    "they take effect only with \"kvscope_inner_spec\": \"TieringOffloadingSpec\"")
@@ -141,6 +158,8 @@ class KvscopeOffloadingSpec(OffloadingSpec):
             setattr(self, name, getattr(self.inner, name))
         self.endpoint = str(ours.get("kvscope_endpoint", DEFAULT_ENDPOINT))
         self.sample_one_in = sample_one_in(ours) or DEFAULT_SAMPLE_ONE_IN  # bad: warned above
+        rate = block_sample_rate(ours)
+        self.block_sample_rate = sampling.DEFAULT_RATE if rate is None else rate
         self.errors = 0
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -185,7 +204,8 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                     blocks_per_chunk=self.blocks_per_chunk, bytes_per_block=self.bytes_per_block,
                     capacity_chunks=int(getattr(self.inner, "num_chunks", 0)),
                     multi_tier=tiering, emitter=emitter,
-                    sample_one_in=self.sample_one_in)
+                    sample_one_in=self.sample_one_in,
+                    block_sample_rate=self.block_sample_rate)
                 try:
                     for gap in tiering_blind_spots(self.inner) if tiering else ():
                         log.warning("kvscope vLLM tap: %s", gap)

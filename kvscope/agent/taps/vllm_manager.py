@@ -13,7 +13,12 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
 - ``Lookup`` when the request is first scheduled, from vLLM's own split of the prompt
   (``Request.prefill_stats``: local prefix-cache tokens -> ``gpu``, tokens loaded through this
   connector -> ``cpu`` (``disk`` for keys a tiering manager says came from disk), the rest ->
-  ``recompute``).
+  ``recompute``), with the prefix hashes (``Request.block_hashes``) of the prompt's blocks
+  sampled at ``block_sample_rate`` (:func:`kvscope.sampling.sample`, SHARDS: every block
+  whose hash falls under the threshold, in every request), their positions and sources, for
+  ``kvscope analyze`` of a capture. At most
+  :data:`~kvscope.sampling.MAX_SAMPLED_PER_LOOKUP` a lookup: the rest are counted in
+  :attr:`TapManager.sampled_blocks_dropped`.
 - ``Eviction`` of CPU-tier chunks (``prepare_store``'s ``evicted_keys``; with a tiering
   manager also removals in ``take_events``) with each chunk's age, the loads it served and
   its idle time (since its last load, or since it was stored if it served none).
@@ -71,6 +76,7 @@ import msgspec
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 
 from kvscope import events as ev
+from kvscope import sampling
 from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
 from kvscope.vocabulary import LOCAL_TIERS, VLLM_MEDIUM_TIER
 
@@ -133,18 +139,27 @@ class TapManager(OffloadingManager):
     each loaded key comes from (tiering; every chunk is then tracked). ``sample_one_in``: track
     the age and loads of the chunks of 1 in this many stores (1: all; see the module
     docstring). ``clock``: Unix seconds. ``max_requests``: requests tracked at once (oldest
-    dropped beyond it, counted in ``unattributed``). Raises ValueError for ``sample_one_in`` < 1.
+    dropped beyond it, counted in ``unattributed``). ``block_sample_rate``: the share of
+    blocks (0-1, by hash) whose prefix hashes each Lookup carries (0: none). Raises ValueError
+    for ``sample_one_in`` < 1 or a ``block_sample_rate`` outside [0, 1].
     """
 
     def __init__(self, inner: OffloadingManager, emit: Callable[[object], None], *,
                  tokens_per_block: int, blocks_per_chunk: int, bytes_per_block: int,
                  capacity_chunks: int, multi_tier: bool = False,
                  sample_one_in: int = DEFAULT_SAMPLE_ONE_IN,
+                 block_sample_rate: float = sampling.DEFAULT_RATE,
                  clock: Callable[[], float] = time.time, snapshot_interval: float = 1.0,
                  max_requests: int = 100_000) -> None:
         if sample_one_in < 1:
             raise ValueError(f"sample_one_in must be >= 1, not {sample_one_in}")
+        if not 0 <= block_sample_rate <= 1:
+            raise ValueError(f"block_sample_rate must be in [0, 1], not {block_sample_rate}")
         self.inner = inner
+        # sampling threshold of block hashes (0: none sampled) and the exact rate it gives
+        self._block_t = sampling.threshold(block_sample_rate) if block_sample_rate else 0
+        self._block_rate = sampling.rate_of(self._block_t)
+        self.sampled_blocks_dropped = 0  # sampled blocks beyond a lookup's cap
         self.errors = 0        # observations that failed (each caught, never raised)
         self.unattributed = 0  # requests whose vLLM Request object the tap could not see
         self._emit = emit
@@ -446,8 +461,41 @@ class TapManager(OffloadingManager):
                 hits["cpu"] = external // tpb
         if prompt > local + external:
             tokens["recompute"] = prompt - local - external
+        if self._block_t:
+            return self._sampled_lookup(request, now, req.rid, tokens, prompt // tpb, hits,
+                                        local // tpb, (local + external) // tpb, total)
         return ev.Lookup(ts=now, request_id=req.rid, tokens=tokens, blocks=prompt // tpb,
                          block_hits=hits)
+
+    def _sampled_lookup(self, request, now: float, rid: str, tokens: dict, blocks: int,
+                        hits: dict, local: int, cached: int, tiers: int) -> ev.Lookup:
+        """The Lookup with the sampled blocks of the prompt (``blocks`` full blocks; the first
+        ``local`` served by the GPU, up to ``cached`` loaded; ``tiers``: loaded chunks by tier
+        were counted, tiering, so a loaded block's tier is not known). A failure to sample
+        is counted in ``errors`` and the Lookup goes without blocks."""
+        try:
+            keys, depths, dropped = sampling.sample(request.block_hashes, blocks, self._block_t)
+        except Exception as exc:  # the tap boundary: the lookup itself still goes
+            self._failed("block sampling", exc)
+            return ev.Lookup(ts=now, request_id=rid, tokens=tokens, blocks=blocks,
+                             block_hits=hits)
+        if dropped:
+            self._dropped_blocks(dropped)
+        sources: tuple = ()
+        if not tiers:
+            sources = tuple(["gpu" if d < local else "cpu" if d < cached else "recompute"
+                             for d in depths])
+        return ev.Lookup(ts=now, request_id=rid, tokens=tokens, blocks=blocks, block_hits=hits,
+                         block_hashes=tuple(keys), block_sources=sources,
+                         block_tokens=self._tpb, block_sample_rate=self._block_rate,
+                         block_depths=tuple(depths))
+
+    def _dropped_blocks(self, n: int) -> None:
+        if not self.sampled_blocks_dropped:
+            log.warning("kvscope vLLM tap: a prompt had more than %d sampled blocks; the rest "
+                        "are left out of its lookup (counted in sampled_blocks_dropped; lower "
+                        "kvscope_block_sample_rate)", sampling.MAX_SAMPLED_PER_LOOKUP)
+        self.sampled_blocks_dropped += n
 
     def _forget_oldest(self) -> None:
         """Keep the newest half of ``_max_tracked`` chunks (their ages and hits); count the rest
