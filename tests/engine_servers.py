@@ -30,23 +30,40 @@ LMCACHE_ENV = (Path(os.environ.get("KVSCOPE_CACHE", "/var/cache/kvscope"))
 class Exposition:
     """A metrics endpoint on 127.0.0.1 (the standard library's HTTP server): GET ``path``
     answers 200 with ``body`` (settable between scrapes), any other path 404. ``url``: the
-    endpoint's."""
+    endpoint's. ``trickle`` (settable), a stuck or hostile server: "body" sends a long
+    Content-Length, then one byte per 0.2 s; "headers" one byte of a header per 0.2 s."""
 
     def __init__(self, body: str = "", path: str = "/metrics") -> None:
         owner = self
-        self.body = body
+        self.body, self.trickle = body, ""
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
                 if self.path != path:
                     self.send_error(404)
                     return
+                if owner.trickle == "headers":
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                    self._trickle(b"a")
+                    return
                 data = owner.body.encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", str(10**8 if owner.trickle else len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if owner.trickle:
+                    self._trickle(b"#")
+                else:
+                    self.wfile.write(data)
+
+            def _trickle(self, byte: bytes) -> None:
+                try:
+                    for _ in range(300):
+                        self.wfile.write(byte)
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                except OSError:  # the scraper gave up: what a test of it wants
+                    pass
 
             def log_message(self, *args):
                 pass

@@ -23,6 +23,7 @@ from kvscope.agent.sources.vllm_metrics import MetricsMapper
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
 from conftest import REPO_ROOT, wait_until
+from tests.engine_servers import Exposition
 from tests.vllm_env import child_env, kill_group, tail, vllm_python
 
 E = 'engine="0",model_name="m"'
@@ -332,57 +333,9 @@ def test_the_recorded_expositions_are_what_vllm_prints(name):
     assert printed.stdout == (DATA / name).read_text()
 
 
-class _Exposition:
-    """A /metrics endpoint on loopback (stdlib HTTP server) serving ``body``; ``trickle``:
-    "body" sends a long Content-Length, then one byte per 0.2 s; "headers" one byte of a header
-    per 0.2 s (a stuck or hostile server)."""
-
-    def __init__(self) -> None:
-        import http.server
-
-        owner = self
-        self.body, self.trickle = "", ""
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                body = owner.body.encode()
-                if owner.trickle == "headers":
-                    try:
-                        self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
-                        for _ in range(300):
-                            self.wfile.write(b"a")
-                            self.wfile.flush()
-                            time.sleep(0.2)
-                    except OSError:  # the scraper gave up: what the test wants
-                        pass
-                    return
-                self.send_response(200)
-                self.send_header("Content-Length", str(10**8 if owner.trickle else len(body)))
-                self.end_headers()
-                if not owner.trickle:
-                    self.wfile.write(body)
-                    return
-                for _ in range(300):
-                    self.wfile.write(b"#")
-                    self.wfile.flush()
-                    time.sleep(0.2)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def exposition_server():
-    server = _Exposition()
+    server = Exposition()
     yield server
     server.close()
 
