@@ -71,3 +71,18 @@ class EngineSection(Section):
     engine (:class:`~kvscope.agent.sources.base.SourceSpec` ``engine``)."""
 
     model: str = Field("", max_length=64)
+
+
+class ScrapeSection(EngineSection):
+    """The table of a source that scrapes an engine's metrics endpoint: ``url`` (a subclass
+    gives its engine's as the default, also the example a bad value is told), ``interval``
+    seconds between scrapes; off by default (the engine may not run here)."""
+
+    enabled: bool = False
+    url: str
+    interval: float = Field(5.0, ge=0.1, le=3600, allow_inf_nan=False)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return http_url(value, cls.model_fields["url"].default)

@@ -77,18 +77,27 @@ def exposition(v: dict) -> str:
         f'sglang:backuped_tokens_total{{{STORE}}} {v["backuped"]}',
         f'sglang:hicache_backup_dropped_tokens_total{{{STORE}}} {v["l3_declined"]}',
         f'sglang:storage_prefetch_hit_tokens_total{{{STORE}}} 999.0',
+        "# TYPE sglang:time_to_first_token_seconds histogram",
+        *(f'sglang:time_to_first_token_seconds_bucket{{{TOK},is_streaming="false",le="{le}"}} '
+          f'{n}' for le, n in zip(TTFT_LE, v["ttft"])),
+        f'sglang:time_to_first_token_seconds_count{{{TOK},is_streaming="false"}} {v["ttft"][-1]}',
+        f'sglang:time_to_first_token_seconds_sum{{{TOK},is_streaming="false"}} {v["ttft_sum"]}',
     ]
     return "\n".join(lines) + "\n"
 
 
-FIRST = dict(used=1024, evictable=2048, queue=3, running=5, host_used=4096, retracted=2,
+# SGLang's default TTFT buckets (metrics_collector.py), as prometheus_client writes them
+TTFT_LE = ["0.1", "0.2", "0.4", "0.6", "0.8", "1.0", "2.0", "4.0", "6.0", "8.0", "10.0", "20.0",
+           "40.0", "60.0", "80.0", "100.0", "200.0", "400.0", "+Inf"]
+FIRST = dict(ttft=[1, 2, 3] + [3] * 16, ttft_sum=0.5, used=1024, evictable=2048, queue=3, running=5, host_used=4096, retracted=2,
              backup=640, backup_bytes=1e6, load=320, load_bytes=5e5, evicted=800, dropped=32,
              prompt=1000, prompt_streamed=200, device=300, host=100, storage=50,
              prefetched=160, backuped=480, l3_declined=16)
 SECOND = dict(FIRST, used=1600, evictable=2400, queue=4, running=6, host_used=8192,
               retracted=5, backup=1280, backup_bytes=3e6, load=400, load_bytes=7e5,
               evicted=1600, dropped=64, unbacked=16, prompt=1600, prompt_streamed=400,
-              device=500, host=250, storage=100, prefetched=320, backuped=800, l3_declined=40)
+              device=500, host=250, storage=100, prefetched=320, backuped=800, l3_declined=40,
+              ttft=[1, 4, 6] + [7] * 16, ttft_sum=1.9)
 BLOCK_BYTES = 1000
 
 
@@ -122,6 +131,8 @@ def test_sglang_hicache_metrics_map_onto_tiers_sources_and_the_scheduler():
       8192 / 16 = 512 capacity, (1600 + 2400) / 16 = 250 resident.
     - scheduler: waiting 4, running 6 (one rank's), preemptions 5 - 2 = 3 retractions, GPU KV
       usage 1600 / 8192 = 0.1953125.
+    - TTFT: cumulative buckets 1, 2, 3, 3... -> 1, 4, 6, 7..., increases 0, 2, 3, 4...: 2 new
+      in (0.1, 0.2], 1 in (0.2, 0.4], 1 in (0.4, 0.6]; 4 requests, sum 1.9 - 0.5 = 1.4 s.
     - cache_hit_rate and storage_prefetch_hit_tokens_total: not mapped."""
     snap = scraped(SglangMapper(block_bytes=BLOCK_BYTES)).snapshot()
     assert snap.prompt_tokens == {"gpu": 200, "cpu": 150, "disk": 50, "recompute": 400}
@@ -140,6 +151,7 @@ def test_sglang_hicache_metrics_map_onto_tiers_sources_and_the_scheduler():
     assert (snap.requests_waiting[source], snap.requests_running[source],
             snap.preemptions[source], snap.gpu_kv_cache_usage[source]) == (4, 6, 3, 0.1953125)
     assert snap.events_dropped == {}
+    assert snap.ttft_seconds.count == 4 and snap.ttft_seconds.sum == pytest.approx(1.4)
 
 
 def test_beside_sglang_kv_events_what_they_report_is_left_to_them():

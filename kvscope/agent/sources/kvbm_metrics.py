@@ -40,10 +40,10 @@ Parsing and mapping (:class:`KvbmMapper`) do no I/O; the scrape loop is
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from kvscope import events as ev
-from kvscope.agent.sections import EngineSection, http_url
+from kvscope.agent.sections import ScrapeSection
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register
 from kvscope.agent.sources.scrape import Counters, Samples, ScrapeSource, series
 
@@ -98,19 +98,12 @@ class KvbmMetricsSource(ScrapeSource):
     mapper_class = KvbmMapper
 
 
-class KvbmMetricsConfig(EngineSection):
+class KvbmMetricsConfig(ScrapeSection):
     """Scrape Dynamo KVBM's ``/metrics`` (source ``kvbm_metrics``) every ``interval``
     seconds; ``block_bytes``: KV bytes per block (0: unknown, and so are the bytes moved)."""
 
-    enabled: bool = False
     url: str = DEFAULT_URL
-    interval: float = Field(5.0, ge=0.1, le=3600, allow_inf_nan=False)
     block_bytes: int = Field(0, ge=0)
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        return http_url(value, DEFAULT_URL)
 
 
 def _build(config: KvbmMetricsConfig, consumer: Consumer, built: Built) -> KvbmMetricsSource:

@@ -54,13 +54,12 @@ I/O; the scrape loop is :class:`~kvscope.agent.sources.scrape.ScrapeSource`'s.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from kvscope import events as ev
-from kvscope.agent.sections import EngineSection, http_url
+from kvscope.agent.sections import ScrapeSection
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register
 from kvscope.agent.sources.scrape import Counters, Samples, ScrapeSource, series
 from kvscope.vocabulary import Tier
@@ -130,7 +129,7 @@ class LMCacheMapper:
         up = {name: self.counters.increase(name, series(samples, name),
                                            lambda labels: scraped)
               for name in COUNTERS}
-        idle = self._observed(IDLE, samples, scraped)
+        idle = self.counters.observed(IDLE, samples, lambda labels: scraped)
         self._scraped = not self.counters.commit()
         events: list = []
         stores = self._stores(up[L1_WRITES], up[L2_LOADED])
@@ -196,33 +195,6 @@ class LMCacheMapper:
             capacity_blocks=int(capacity // per_block) if per_block else 0,
             resident_blocks=int(resident // per_block) if per_block else 0)]
 
-    def _observed(self, name: str, samples: Samples,
-                  scraped: bool) -> tuple[list[float], list[int], float] | None:
-        """Histogram ``name``'s observations since the scrape before, over every label set:
-        ``(finite bounds, counts per bucket and one above them, sum)``; None without the
-        histogram, or without new observations."""
-        buckets: dict[float, dict[frozenset, float]] = {}
-        for labels, value in series(samples, f"{name}_bucket").items():
-            try:
-                bound = float(dict(labels).get("le", "nan"))
-            except ValueError:
-                return None
-            if math.isnan(bound):
-                return None
-            buckets.setdefault(bound, {})[labels] = value
-        total = self.counters.increase(f"{name}_sum", series(samples, f"{name}_sum"),
-                                       lambda labels: scraped)
-        counts, below = [], 0.0
-        for bound in sorted(buckets):
-            cumulative = self.counters.increase(f"{name}_bucket", buckets[bound],
-                                                lambda labels: scraped) or 0.0
-            counts.append(int(max(0.0, cumulative - below)))
-            below = max(below, cumulative)
-        if not any(counts):
-            return None
-        bounds = [b for b in sorted(buckets) if not math.isinf(b)]
-        return bounds, counts[:len(bounds)] + [sum(counts[len(bounds):])], total or 0.0
-
 
 class LMCacheMetricsSource(ScrapeSource):
     """Scrapes LMCache's ``url`` every ``interval`` seconds into ``pipeline`` (see the
@@ -235,25 +207,18 @@ class LMCacheMetricsSource(ScrapeSource):
     mapper_class = LMCacheMapper
 
 
-class LMCacheMetricsConfig(EngineSection):
+class LMCacheMetricsConfig(ScrapeSection):
     """Scrape LMCache's multiprocess server's ``/metrics`` (source ``lmcache_metrics``) every
     ``interval`` seconds. ``chunk_blocks``: engine blocks per LMCache chunk (its chunk size over
     the engine's block size; 1: count chunks as blocks); ``chunk_bytes``: KV bytes per chunk (0:
     unknown); ``l2_tiers``: L2 adapter types -> tier, for those kvscope does not place;
     ``lookups``: map LMCache's lookups (unset: unless ``[vllm_metrics]`` is enabled)."""
 
-    enabled: bool = False
     url: str = DEFAULT_URL
-    interval: float = Field(5.0, ge=0.1, le=3600, allow_inf_nan=False)
     chunk_blocks: int = Field(1, ge=1, le=1 << 20)
     chunk_bytes: int = Field(0, ge=0)
     l2_tiers: dict[str, Tier] = {}
     lookups: bool | None = None
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        return http_url(value, DEFAULT_URL)
 
 
 def _build(config: LMCacheMetricsConfig, consumer: Consumer,

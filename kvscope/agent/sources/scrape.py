@@ -116,6 +116,33 @@ class Counters:
                 total += value
         return total
 
+    def observed(self, name: str, samples: Samples,
+                 from_zero: Callable[[frozenset], bool] | None = None,
+                 ) -> tuple[list[float], list[int], float] | None:
+        """Histogram ``name``'s observations since the scrape before, over every label set:
+        ``(finite bounds, counts per bucket and one above them, sum)`` (seconds or whatever the
+        histogram counts); None without the histogram, with a bucket bound that is no number,
+        or without new observations. ``from_zero`` as for :meth:`increase`."""
+        buckets: dict[float, dict[frozenset, float]] = {}
+        for labels, value in series(samples, f"{name}_bucket").items():
+            try:
+                bound = float(dict(labels).get("le", "nan"))
+            except ValueError:
+                return None
+            if math.isnan(bound):
+                return None
+            buckets.setdefault(bound, {})[labels] = value
+        total = self.increase(f"{name}_sum", series(samples, f"{name}_sum"), from_zero)
+        counts, below = [], 0.0
+        for bound in sorted(buckets):
+            cumulative = self.increase(f"{name}_bucket", buckets[bound], from_zero) or 0.0
+            counts.append(int(max(0.0, cumulative - below)))
+            below = max(below, cumulative)
+        if not any(counts):
+            return None
+        bounds = [b for b in sorted(buckets) if not math.isinf(b)]
+        return bounds, counts[:len(bounds)] + [sum(counts[len(bounds):])], total or 0.0
+
     def commit(self) -> bool:
         """End a scrape: what it saw becomes the next one's baselines. True when more than
         :data:`MAX_SERIES` series were kept, so that only this scrape's stay (series come and go

@@ -38,6 +38,8 @@ SGLang series                                   kvscope
 ``num_retracted_requests_total``                SGLang retracts a request when its KV pool runs
                                                 out; gpu_kv_usage: used / total slots, the
                                                 largest over DP ranks)
+``time_to_first_token_seconds`` (histogram)     ``LatencyHistogram`` ttft (bucket increases over
+                                                every label set, SGLang's buckets)
 ==============================================  ==================================================
 
 Ranks: SGLang's radix cache reports its token counters on every tensor- (and pipeline-)
@@ -57,8 +59,11 @@ computed one.
 Left out: ``cache_hit_rate`` (a gauge: kvscope exports counters), the L3 prefetch diagnostics
 ``storage_prefetch_{hit,unfulfilled,deferred}_tokens_total`` (attempts, by reason: what was
 fetched is ``prefetched_tokens_total``, what served a prompt ``cached_tokens_total``),
-``hicache_prefetch_aux_alloc_failed_tokens_total``, and the histograms (TTFT, load-back,
-backup and eviction durations, pages and bandwidth per L3 operation).
+``hicache_prefetch_aux_alloc_failed_tokens_total``, and the other histograms: load-back,
+backup and eviction durations (one timed transfer of no bytes per observation would make
+kvscope's average transfer size, bytes over timed transfers, meaningless beside the untimed
+transfers that carry the bytes), inter-token latency (kvscope's ITL is a per-request mean),
+pages and bandwidth per L3 operation.
 
 A counter series SGLang makes at its first increment (its labelled counters are created on
 use) counts from 0 when it appears after a scrape that saw SGLang; at the agent's first scrape
@@ -71,10 +76,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from kvscope import events as ev
-from kvscope.agent.sections import EngineSection, http_url
+from kvscope.agent.sections import ScrapeSection
 from kvscope.agent.sources.base import (Built, Consumer, SourceSpec, register,
                                         yielded_tiers)
 from kvscope.agent.sources.scrape import Counters, Samples, ScrapeSource, series
@@ -100,6 +105,7 @@ GPU_TOTAL, GPU_USED = P + "max_total_num_tokens", P + "kv_used_tokens"
 GPU_EVICTABLE = P + "kv_evictable_tokens"
 WAITING, RUNNING = P + "num_queue_reqs", P + "num_running_reqs"
 RETRACTED = P + "num_retracted_requests_total"
+TTFT = P + "time_to_first_token_seconds"
 
 
 def one_rank(values: Mapping[frozenset, float]) -> dict[frozenset, float]:
@@ -157,9 +163,13 @@ class SglangMapper:
         evicted, dropped = increase(EVICTED), increase(DROPPED, pool="kv")
         skipped = increase(ADMISSION_SKIPPED)
         retracted = increase(RETRACTED)
+        ttft = self.counters.observed(TTFT, samples, from_zero)
         self.counters.commit()
         self._scraped = True
         out += self._scheduler(samples, retracted, now)
+        if ttft is not None:
+            out.append(ev.LatencyHistogram(ts=now, metric="ttft", bounds=ttft[0],
+                                           counts=ttft[1], sum=ttft[2]))
         if not page:
             return out
         for name, (src, dst, _) in TRANSFERS.items():
@@ -272,21 +282,14 @@ class SglangMetricsSource(ScrapeSource):
     mapper_class = SglangMapper
 
 
-class SglangMetricsConfig(EngineSection):
+class SglangMetricsConfig(ScrapeSection):
     """Scrape SGLang's ``/metrics`` (source ``sglang_metrics``; SGLang with ``--enable-metrics``)
     every ``interval`` seconds; ``page_size``: tokens per KV page when SGLang does not export
     ``sglang:page_size`` (0: unknown); ``block_bytes``: KV bytes per page (0: unknown)."""
 
-    enabled: bool = False
     url: str = DEFAULT_URL
-    interval: float = Field(5.0, ge=0.1, le=3600, allow_inf_nan=False)
     page_size: int = Field(0, ge=0)
     block_bytes: int = Field(0, ge=0)
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        return http_url(value, DEFAULT_URL)
 
 
 def _build(config: SglangMetricsConfig, consumer: Consumer, built: Built) -> SglangMetricsSource:
