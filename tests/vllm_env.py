@@ -124,13 +124,14 @@ def remember_tiers_at_close(pipeline) -> dict:
 
 
 @contextmanager
-def tap_run(python: str, tmp: Path, mode: str) -> Iterator[dict]:
+def tap_run(python: str, tmp: Path, mode: str, capture_dir: Path | None = None) -> Iterator[dict]:
     """tests/vllm_driver.py ``mode`` with the tap sending to a real agent (ipc ingest, real
     /metrics). Yields, once both tap emitters were heard from and nothing new arrived for half
     a second: ``result`` (the driver's JSON), ``metrics`` (:func:`samples` of /metrics),
     ``exposition`` (its text), ``snapshot`` (the pipeline's), ``records`` (the request table's),
     ``tiers_at_close`` (source -> the pipeline's tier gauges when that source's emitter last
-    closed, before it took its tiers out) and ``log`` (the driver's log)."""
+    closed, before it took its tiers out) and ``log`` (the driver's log). ``capture_dir``: the
+    agent captures there too (its segments are finished once the context exits)."""
     from fastapi.testclient import TestClient
 
     from conftest import wait_until
@@ -139,7 +140,7 @@ def tap_run(python: str, tmp: Path, mode: str) -> Iterator[dict]:
     from kvscope.service.api import create_app
 
     endpoint = f"ipc://{tmp}/ingest.sock"
-    agent = Agent(AgentSettings(ingest={"endpoint": endpoint},
+    agent = Agent(AgentSettings(ingest={"endpoint": endpoint}, capture_dir=capture_dir,
                                 collectors={"gpu": {"enabled": False}}))
     tiers_at_close = remember_tiers_at_close(agent.pipeline)
     agent.start()

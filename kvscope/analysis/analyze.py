@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from kvscope.analysis import shards
 from kvscope.analysis.arc import arc_curve
+from kvscope import sampling
 from kvscope.analysis.mrc import DistanceHistogram, MissRatioCurve, curve_from_histogram, size_grid
+from kvscope.analysis.rates import MeasuredRates
 from kvscope.analysis.reuse import ReuseStats, reuse_stats
 from kvscope.analysis.sizing import DEFAULT_BANDWIDTH, SizingAdvice, SizingParams, advise
 from kvscope.analysis.stackdist import stack_distances
@@ -33,10 +35,18 @@ class AnalyzeOptions:
     ``sample_blocks`` blocks), or ``auto`` (exact up to ``exact_limit`` accesses, else
     ``shards-rate`` at a rate that samples about ``sample_target`` accesses).
     ``arc_points``: sizes of the ARC curve (0: skip ARC); ``arc_sample_target``: sampled
-    accesses per ARC size. The rest are :class:`~kvscope.analysis.sizing.SizingParams`."""
+    accesses per ARC size. ``bandwidth`` (bytes/s) and ``prefill_tokens_per_second``: None
+    takes ``measured``'s (the capture's own, :mod:`~kvscope.analysis.rates`), else assumes
+    :data:`~kvscope.analysis.sizing.DEFAULT_BANDWIDTH` and the preset's prefill rate. A trace
+    the tap already sampled (``AccessTrace.sample_rate`` < 1) is analysed at its rate
+    (``exact``, and ``auto`` up to ``exact_limit``) or sampled again lower (``shards-rate``;
+    ``shards-size`` cannot start from a sample). The rest are
+    :class:`~kvscope.analysis.sizing.SizingParams`."""
 
     preset: ModelPreset
-    bandwidth: float = DEFAULT_BANDWIDTH
+    bandwidth: float | None = None
+    prefill_tokens_per_second: float | None = None
+    measured: MeasuredRates | None = None
     gpu_tokens: int = 0
     budget_bytes: float | None = None
     target_share: float = 0.9
@@ -56,8 +66,11 @@ class AnalyzeOptions:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.sample_rate is not None and not 0 < self.sample_rate <= 1:
             raise ValueError(f"sample rate must be in (0, 1], got {self.sample_rate}")
-        if self.bandwidth <= 0:
+        if self.bandwidth is not None and not self.bandwidth > 0:
             raise ValueError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        if self.prefill_tokens_per_second is not None and not self.prefill_tokens_per_second > 0:
+            raise ValueError(f"prefill rate must be > 0 tokens/s, got "
+                             f"{self.prefill_tokens_per_second}")
         if self.gpu_tokens < 0:
             raise ValueError(f"gpu tokens must be >= 0, got {self.gpu_tokens}")
         if self.budget_bytes is not None and self.budget_bytes <= 0:
@@ -70,7 +83,9 @@ class AnalyzeOptions:
 class Analysis:
     """Result of :func:`analyze`. ``lru``: miss ratio by accesses; ``lru_tokens``: by tokens;
     ``arc``: by accesses (None when skipped). ``bytes_per_block``: for the preset at the trace's
-    block size. ``method``: how the LRU curves were built (with the sampling rate if any)."""
+    block size. ``method``: how the LRU curves were built (with the sampling rate if any).
+    ``accesses``: of the full stream; ``sample_rate``: the rate the tap sampled the trace at
+    (1: every block), ``sampled_accesses``: the accesses the trace holds."""
 
     source: str
     accesses: int
@@ -85,36 +100,81 @@ class Analysis:
     arc: MissRatioCurve | None
     sizing: SizingAdvice
     notes: list[str] = field(default_factory=list)
+    sample_rate: float = 1.0
+    sampled_accesses: int = 0
 
 
 def _histograms(trace: AccessTrace, options: AnalyzeOptions):
     """(accesses histogram, tokens histogram, reuse distances, method label)."""
     ids, tokens, n = trace.block_ids, trace.tokens, len(trace)
+    tapped = trace.sample_rate < 1.0
     method = options.method
     if method == "auto":
         method = "exact" if n <= options.exact_limit else "shards-rate"
-    if method == "exact":
+    if method == "exact" and not tapped:
         d = stack_distances(ids)
         return (DistanceHistogram.from_distances(d), DistanceHistogram.from_distances(d, tokens),
                 d[d >= 0], "lru-exact")
+    # the tap samples with seed 0: sampling its sample again must use the same hash
+    seed = 0 if tapped else options.seed
     if method == "shards-size":
-        by_access = shards.fixed_size(ids, options.sample_blocks, seed=options.seed)
-        by_token = shards.fixed_size(ids, options.sample_blocks, tokens, seed=options.seed)
+        if tapped:
+            raise ValueError(f"--method shards-size cannot start from a capture the tap "
+                             f"sampled (1 block in {1 / trace.sample_rate:.4g}); use --method "
+                             "exact, or shards-rate with a lower --sample-rate")
+        by_access = shards.fixed_size(ids, options.sample_blocks, seed=seed)
+        by_token = shards.fixed_size(ids, options.sample_blocks, tokens, seed=seed)
         label = f"lru-shards-fixed-size(blocks={options.sample_blocks}, final R={by_access.rate:.3g})"
     else:
-        rate = options.sample_rate or min(1.0, options.sample_target / max(n, 1))
-        by_access = shards.fixed_rate(ids, rate, seed=options.seed)
-        by_token = shards.fixed_rate(ids, rate, tokens, seed=options.seed)
-        label = f"lru-shards-fixed-rate(R={by_access.rate:.3g})"
-    if by_access.sampled_blocks < MIN_SAMPLED_BLOCKS < len(np.unique(ids)):
+        rate = (trace.sample_rate if method == "exact" else options.sample_rate
+                or min(1.0, trace.sample_rate * options.sample_target / max(n, 1)))
+        common = dict(seed=seed, sampled_at=trace.sample_rate)
+        by_access = shards.fixed_rate(ids, rate, total=trace.full_accesses, **common)
+        by_token = shards.fixed_rate(ids, rate, tokens, total=trace.full_tokens, **common)
+        label = f"lru-shards-fixed-rate(R={by_access.rate:.3g}" + (
+            ", sampled by the tap)" if tapped else ")")
+    if not tapped and by_access.sampled_blocks < MIN_SAMPLED_BLOCKS < len(np.unique(ids)):
         raise ValueError(f"the SHARDS sample holds only {by_access.sampled_blocks} distinct blocks "
                          f"(R={by_access.rate:.3g}), too few for a curve to size a tier from; "
                          f"raise --sample-rate / --sample-blocks or use --method exact")
     # reuse distances for the distribution: the sample's, stretched by 1/R (an estimate)
     rate = by_access.rate
-    keep = shards.spatial_hash(ids, options.seed) < max(1, round(rate * shards.MODULUS))
+    keep = shards.spatial_hash(ids, seed) < sampling.threshold(rate)
     d = stack_distances(ids[keep])
     return by_access.histogram, by_token.histogram, np.floor(d[d >= 0] / rate), label
+
+
+def _sampled_reuse(reuse: ReuseStats, trace: AccessTrace) -> ReuseStats:
+    """``reuse`` of a trace the tap sampled at rate R, as estimates for the full stream: block
+    counts scaled by 1 / R (shares are ratios: the sample's estimate them as they are), and no
+    shared prefixes (they need every block of a prompt)."""
+    rate = trace.sample_rate
+    return replace(reuse, accesses=trace.full_accesses,
+                   unique_blocks=round(reuse.unique_blocks / rate),
+                   reused_blocks=round(reuse.reused_blocks / rate), top_prefixes=[])
+
+
+def _rates(options: AnalyzeOptions) -> tuple[float, float | None, dict[str, str]]:
+    """(bandwidth bytes/s, prefill tokens/s or None for the preset's, where each came from)."""
+    measured = options.measured or MeasuredRates()
+    sources = {}
+    bandwidth = options.bandwidth
+    if bandwidth is not None:
+        sources["bandwidth"] = "given (--bandwidth-gbps)"
+    elif measured.bandwidth is not None:
+        bandwidth = measured.bandwidth
+        sources["bandwidth"] = "measured: " + measured.evidence["bandwidth"]
+    else:
+        bandwidth = DEFAULT_BANDWIDTH
+        sources["bandwidth"] = (f"assumed: {DEFAULT_BANDWIDTH / 1e9:g} GB/s, about 80% of PCIe "
+                                "4.0 x16 (no timed cpu->gpu copy in the input)")
+    prefill = options.prefill_tokens_per_second
+    if prefill is not None:
+        sources["prefill"] = "given"
+    elif measured.prefill_tokens_per_second is not None:
+        prefill = measured.prefill_tokens_per_second
+        sources["prefill"] = "measured: " + measured.evidence["prefill"]
+    return bandwidth, prefill, sources
 
 
 def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
@@ -127,16 +187,33 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
         raise TraceError(f"{trace.source or 'trace'}: no block accesses to analyze")
     by_access, by_token, reuse_distances, method = _histograms(trace, options)
     reuse = reuse_stats(trace, reuse_distances)
+    tapped = trace.sample_rate < 1.0
+    if tapped:
+        reuse = _sampled_reuse(reuse, trace)
     working_set = max(by_access.max_useful_size, 1)
     grid = size_grid(working_set, options.curve_points)
     lru = curve_from_histogram(by_access, grid, method)
     lru_tokens = curve_from_histogram(by_token, grid, method, weight="tokens")
-    params = SizingParams(options.preset, trace.block_tokens, options.bandwidth,
-                          options.gpu_tokens, options.budget_bytes, options.target_share)
+    bandwidth, prefill, rate_sources = _rates(options)
+    params = SizingParams(options.preset, trace.block_tokens, bandwidth,
+                          options.gpu_tokens, options.budget_bytes, options.target_share,
+                          prefill_tokens_per_second=prefill, rate_sources=rate_sources)
     sizing = advise(by_token, params, trace.duration)
     notes = []
+    if tapped:
+        distinct = len(np.unique(trace.block_ids))
+        notes.append(f"The tap sampled 1 block in {1 / trace.sample_rate:.4g} by its hash "
+                     f"(SHARDS, R={trace.sample_rate:.4g}): the curves are the sample's, scaled "
+                     f"to the full stream's {trace.full_accesses:,} block accesses, and block "
+                     "counts are estimates; most shared prefixes are not shown (they need every "
+                     "block).")
+        if distinct < MIN_SAMPLED_BLOCKS:
+            notes.append(f"The sample holds only {distinct:,} distinct blocks: the curve is "
+                         "coarse (capture longer, or raise the tap's kvscope_block_sample_rate).")
     arc = None
-    if options.arc_points > 0:
+    if options.arc_points > 0 and tapped:
+        notes.append("No ARC curve: the tap's sample would have to be sampled again for it.")
+    elif options.arc_points > 0:
         arc_sizes = np.unique(np.linspace(working_set / options.arc_points, working_set,
                                           options.arc_points).round().astype(np.int64))
         arc_rate = min(1.0, options.arc_sample_target / len(trace))
@@ -147,7 +224,9 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
         notes.append("No GPU prefix cache assumed: the CPU tier is credited with every reuse "
                      "it holds; give vLLM's 'GPU KV cache size' in tokens (analyze "
                      "--gpu-tokens, dashboard --sizing-gpu-tokens).")
-    return Analysis(source=trace.source, accesses=len(trace), requests=trace.request_count,
+    return Analysis(source=trace.source, accesses=trace.full_accesses,
+                    requests=trace.request_count, sample_rate=trace.sample_rate,
+                    sampled_accesses=len(trace),
                     duration_seconds=trace.duration, block_tokens=trace.block_tokens,
                     bytes_per_block=params.bytes_per_block, method=method, reuse=reuse,
                     lru=lru, lru_tokens=lru_tokens, arc=arc, sizing=sizing, notes=notes)

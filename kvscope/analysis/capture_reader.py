@@ -25,8 +25,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvscope import events as ev
-from kvscope.agent.capture import SUFFIX, TMP_SUFFIX, segment_key
+from kvscope import sampling
+from kvscope.agent.capture import BLOCKS_ADDED, SUFFIX, TMP_SUFFIX, segment_key
 from kvscope.analysis.compare import RequestSample
+from kvscope.analysis.rates import MeasuredRates, measured_rates
+from kvscope.analysis.shards import spatial_hash
 from kvscope.analysis.trace import AccessTrace
 from kvscope.engine.workload import TraceError
 
@@ -34,7 +37,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 UNKNOWN_BLOCK_TOKENS = 16  # vLLM's default block_size, assumed when a capture does not say
 
-_BLOCK_COLUMNS = ["ts", "depth", "block_hash", "tokens", "block_tokens", "prompt_tokens"]
+_BLOCK_COLUMNS = ["ts", "request_id", "depth", "block_hash", "tokens", "block_tokens",
+                  "prompt_tokens", *BLOCKS_ADDED]
 _REQUEST_COLUMNS = ["ttft", "itl", "promotion_wait", "prefill",
                     *[f"tokens_{s}" for s in ev.TOKEN_SOURCES], "transfers"]
 
@@ -52,15 +56,22 @@ def capture_segments(path: str | Path, kind: str) -> list[Path]:
     raise TraceError(f"{path}: no such capture directory or file")
 
 
-def _read(paths: list[Path], columns: list[str], kind: str, where: Path) -> pa.Table:
-    """The ``columns`` of every segment, concatenated in order. A segment deleted meanwhile
+def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
+          added: dict[str, object] | None = None) -> pa.Table:
+    """The ``columns`` of every segment, concatenated in order; ``added``: columns a segment
+    written before them lacks -> the value they read as there. A segment deleted meanwhile
     (pruned by a running agent) is skipped. An unreadable one raises TraceError naming it,
     unless ``where`` is a directory with other readable segments: then it is skipped and a
     warning names it (one damaged copy should not cost the analysis of the rest)."""
     tables, problems = [], []
     for p in paths:
         try:
-            table = pq.read_table(p, columns=columns)
+            table = pq.read_table(p, columns=_present(p, columns, added))
+            for name, default in (added or {}).items():
+                if name not in table.column_names:
+                    table = table.append_column(name, pa.array([default] * table.num_rows,
+                                                               type=_ADDED_TYPES[name]))
+            table = table.select(columns)
         except FileNotFoundError:
             continue
         except (pa.ArrowInvalid, OSError, KeyError) as exc:
@@ -100,6 +111,17 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path) -> pa.T
     return table
 
 
+_ADDED_TYPES = {"sample_rate": pa.float64(), "lookup_blocks": pa.int64()}
+
+
+def _present(path: Path, columns: list[str], added: dict | None) -> list[str]:
+    """``columns`` less the ``added`` ones the segment at ``path`` was written without."""
+    if not added:
+        return columns
+    names = set(pq.read_schema(path).names)
+    return [c for c in columns if c in names or c not in added]
+
+
 def _converted(path: Path, kind: str, build: Callable[[], T]) -> T:
     """``build()``; a failure on values the agent never writes (nulls, a foreign file's types)
     becomes a TraceError naming the capture."""
@@ -117,20 +139,23 @@ def read_block_trace(path: str | Path) -> AccessTrace:
     together, in depth order), as an :class:`AccessTrace`.
 
     ``times``: seconds since the first access; ``requests``: one per lookup (a new one starts
-    at each depth-0 block). When the capture does not record the block size, 16 tokens
-    (vLLM's default ``block_size``) are assumed and every block counts as full; the trace's
-    ``source`` says so. Raises TraceError for a missing capture, no block rows, an unreadable
-    segment, or segments with different block sizes.
+    where the time, the request or a non-increasing depth says so). When the capture does not
+    record the block size, 16 tokens (vLLM's default ``block_size``) are assumed and every
+    block counts as full; the trace's ``source`` says so. A sampled capture (the vLLM tap's)
+    gives a sampled trace at the lowest rate it holds: rows sampled at a higher rate are
+    sampled again at it (the predicate nests, :mod:`kvscope.sampling`), and each lookup's
+    blocks, sampled or not, count in the full stream's totals. Raises TraceError for a missing
+    capture, no block rows, an unreadable segment, or segments with different block sizes.
     """
     path = Path(path)
-    table = _read(capture_segments(path, "blocks"), _BLOCK_COLUMNS, "blocks", path)
+    table = _read(capture_segments(path, "blocks"), _BLOCK_COLUMNS, "blocks", path, BLOCKS_ADDED)
     if table.num_rows == 0:
         raise TraceError(f"{path}: the capture holds no block accesses")
     return _converted(path, "blocks", lambda: _block_trace(table, path))
 
 
 def _block_trace(table: pa.Table, path: Path) -> AccessTrace:
-    col = {name: table.column(name).to_numpy() for name in _BLOCK_COLUMNS}
+    col = {name: table.column(name).to_numpy(zero_copy_only=False) for name in _BLOCK_COLUMNS}
     sizes = np.unique(col["block_tokens"])
     known = sizes[sizes > 0]
     if len(known) > 1:
@@ -144,20 +169,40 @@ def _block_trace(table: pa.Table, path: Path) -> AccessTrace:
         tokens = np.full(table.num_rows, block_tokens, dtype=np.int64)
         source += f" (block size unknown for some blocks: {block_tokens} tokens assumed)"
     depths = col["depth"].astype(np.int64)
-    starts = depths == 0
-    requests = np.maximum(np.cumsum(starts) - 1, 0).astype(np.int64)
     ts = col["ts"].astype(np.float64)
+    rid = col["request_id"]
+    # a lookup's rows are written together, depths increasing; a sampled one may lack depth 0
+    starts = np.ones(len(ts), dtype=bool)
+    starts[1:] = (ts[1:] != ts[:-1]) | (rid[1:] != rid[:-1]) | (depths[1:] <= depths[:-1])
+    lookup = np.cumsum(starts) - 1
     # Lookups in time order, each one's blocks together at its time: two taps' batches may
     # interleave, and a clock may step back (times once ran backwards: a negative duration).
-    lookup_ts = (ts[starts] if starts.any() else ts[:1])[requests]
+    lookup_ts = ts[starts][lookup]
     order = np.lexsort((np.arange(len(ts)), lookup_ts))
     depths, starts, lookup_ts = depths[order], starts[order], lookup_ts[order]
-    requests = np.maximum(np.cumsum(starts) - 1, 0).astype(np.int64)
+    ids, tokens = col["block_hash"].astype(np.uint64)[order], tokens[order]
+    rates = col["sample_rate"].astype(np.float64)[order]
+    requests = np.cumsum(starts) - 1
+    first = np.flatnonzero(starts)
+    prompts = col["prompt_tokens"][order][first].astype(np.int64)
+    rate = float(rates.min())
+    keep = depths >= 0  # not a sampled lookup's row that stands for no block
+    if rate < 1.0:
+        keep &= (rates == rate) | (spatial_hash(ids) < sampling.threshold(rate))
+    totals = None
+    if rate < 1.0 or not keep.all():
+        per_lookup = col["lookup_blocks"][order][first].astype(np.int64)
+        counted = np.bincount(requests[depths >= 0], minlength=len(first))
+        blocks = np.where(per_lookup >= 0, per_lookup, counted)
+        totals = (int(blocks.sum()), int(np.minimum(prompts, blocks * block_tokens).sum()))
+        source += f" (sampled by the tap: 1 block in {1 / rate:.4g})" if rate < 1.0 else ""
+    lookup_ts = lookup_ts[keep]
+    times = lookup_ts - lookup_ts[0] if len(lookup_ts) else lookup_ts
     return AccessTrace(
-        block_ids=col["block_hash"].astype(np.uint64)[order], times=lookup_ts - lookup_ts[0],
-        tokens=tokens[order], requests=requests, depths=depths, block_tokens=block_tokens,
-        request_count=int(requests[-1]) + 1,
-        prompt_tokens=int(col["prompt_tokens"][order][starts].sum()), source=source)
+        block_ids=ids[keep], times=times, tokens=tokens[keep], requests=requests[keep],
+        depths=depths[keep], block_tokens=block_tokens, request_count=len(first),
+        prompt_tokens=int(prompts.sum()), source=source, sample_rate=rate,
+        total_accesses=totals[0] if totals else None, total_tokens=totals[1] if totals else None)
 
 
 def _sum_by(keys: np.ndarray, values: np.ndarray) -> dict[str, float]:
@@ -207,6 +252,28 @@ def read_transfer_totals(path: str | Path) -> dict[str, tuple[int, int, float]] 
             total[i] += value - prior if value >= prior else value
         last[direction] = tuple(values)
     return {d: (int(b), int(n), float(s)) for d, (b, n, s) in out.items()}
+
+
+def read_measured_rates(path: str | Path) -> MeasuredRates:
+    """The promotion bandwidth and prefill rate the capture directory at ``path`` measured
+    (:mod:`~kvscope.analysis.rates`): from its requests (and transfer totals), or its transfer
+    totals alone when it has no requests segment; nothing measured for a single segment file.
+    A capture whose requests cannot be read is warned about and measures nothing: the block
+    accesses can still be sized."""
+    path = Path(path)
+    if not path.is_dir():
+        return MeasuredRates()
+    try:
+        if capture_segments(path, "requests"):
+            sample = read_request_sample(path)
+            return measured_rates(sample.tokens.get("recompute", 0), sample.prefill_seconds,
+                                  sample.transfer_bytes, sample.transfer_seconds)
+        totals = read_transfer_totals(path) or {}
+    except TraceError as exc:
+        log.warning("kvscope: no rates measured from %s: %s", path, exc)
+        return MeasuredRates()
+    return measured_rates(0, 0.0, {d: t[0] for d, t in totals.items()},
+                          {d: t[2] for d, t in totals.items()})
 
 
 def read_runs(paths: str) -> list[RequestSample]:

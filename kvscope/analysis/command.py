@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from kvscope.analysis.analyze import METHODS, AnalyzeOptions, analyze
-from kvscope.analysis.inputs import load_trace
+from kvscope.analysis.inputs import load_measured_rates, load_trace
 from kvscope.analysis.report import render_text, to_json
 from kvscope.analysis.sizing import DEFAULT_BANDWIDTH, GIB
 from kvscope.engine.presets import PRESETS, get_preset
@@ -22,9 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.add_argument("--preset", default="llama-3-8b", choices=sorted(PRESETS),
                         help="model preset for bytes per block and prefill cost (default %(default)s)")
-    parser.add_argument("--bandwidth-gbps", type=positive(float), default=DEFAULT_BANDWIDTH / 1e9,
-                        metavar="GB/S", help="host-to-device promotion bandwidth, GB/s (default "
-                        "%(default)s; use the agent's measured value when you have one)")
+    parser.add_argument("--bandwidth-gbps", type=positive(float), metavar="GB/S",
+                        help="host-to-device promotion bandwidth, GB/s (default: a capture's "
+                        "own, measured over its timed cpu->gpu copies; without any, "
+                        f"{DEFAULT_BANDWIDTH / 1e9:g}, assumed)")
+    parser.add_argument("--prefill-tokens-per-second", type=positive(float), metavar="TOKENS",
+                        help="prefill rate (default: a capture's own, its recomputed tokens "
+                        "over its prefill seconds; without them, the preset's, assumed)")
     parser.add_argument("--gpu-tokens", type=non_negative(int), default=0, metavar="TOKENS",
                         help="GPU prefix-cache capacity in tokens (vLLM logs it as 'GPU KV cache "
                         "size'; default 0: none)")
@@ -48,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from(args: argparse.Namespace) -> AnalyzeOptions:
     """Build :class:`AnalyzeOptions` from parsed arguments (raises UnknownPreset, ValueError)."""
     return AnalyzeOptions(
-        preset=get_preset(args.preset), bandwidth=args.bandwidth_gbps * 1e9,
+        preset=get_preset(args.preset),
+        bandwidth=args.bandwidth_gbps * 1e9 if args.bandwidth_gbps else None,
+        prefill_tokens_per_second=args.prefill_tokens_per_second,
         gpu_tokens=args.gpu_tokens,
         budget_bytes=args.budget_gib * GIB if args.budget_gib else None,
         target_share=args.target_share, method=args.method, sample_rate=args.sample_rate,
@@ -64,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = options_from(args)
         options.validate()
-        analysis = analyze(load_trace(args.input), options)
+        trace = load_trace(args.input)
+        options = replace(options, measured=load_measured_rates(args.input))
+        analysis = analyze(trace, options)
     except ValueError as exc:  # TraceError included  # the command-line boundary: one line, exit code 2
         print(f"kvscope: error: {exc}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ import numpy as np
 from kvscope import events as ev
 from kvscope.analysis.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, Estimate,
                                         compare_quantiles, quantile_cis)
+from kvscope.analysis.rates import prefill_rate
 
 QUANTILES = (0.5, 0.95, 0.99)
 KEEP = "keep"
@@ -225,7 +226,7 @@ def _side(runs: list[RequestSample]) -> Side:
                  for d in sorted(moved)}
     wait = np.concatenate([np.asarray(r.promotion_wait, dtype=np.float64) for r in runs])
     prefill = sum(r.prefill_seconds for r in runs)
-    rate = tokens["recompute"] / prefill if prefill > 0 and tokens["recompute"] else None
+    rate = prefill_rate(tokens["recompute"], prefill)
     value = {}
     for tier in ev.TIERS[1:]:  # the offload tiers: a GPU prefix hit is not offload's doing
         spent = sum(t["seconds"] for d, t in transfers.items() if tier in d.split("->"))

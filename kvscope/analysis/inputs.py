@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvscope.analysis.rates import MeasuredRates
 from kvscope.analysis.trace import AccessTrace
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, Request, TraceError, read_mooncake
 from kvscope.events import block_token_counts
@@ -90,6 +91,17 @@ def load_trace(path: str | Path) -> AccessTrace:
     a malformed record (the message names the file).
     """
     return trace_reader(path)(Path(path))
+
+
+def load_measured_rates(path: str | Path) -> MeasuredRates:
+    """The rates the input at ``path`` measured itself: a capture directory's promotion
+    bandwidth and prefill rate (:func:`~kvscope.analysis.capture_reader.read_measured_rates`);
+    nothing for a trace file. Raises nothing a readable capture would not."""
+    if not Path(path).is_dir():
+        return MeasuredRates()
+    from kvscope.analysis.capture_reader import read_measured_rates  # pyarrow only when needed
+
+    return read_measured_rates(path)
 
 
 def trace_reader(path: str | Path) -> Callable[[Path], AccessTrace]:

@@ -22,6 +22,8 @@ def to_dict(analysis: Analysis) -> dict:
         "schema": SCHEMA,
         "source": analysis.source,
         "accesses": analysis.accesses,
+        "sample_rate": analysis.sample_rate,
+        "sampled_accesses": analysis.sampled_accesses,
         "requests": analysis.requests,
         "duration_seconds": analysis.duration_seconds,
         "block_tokens": analysis.block_tokens,
@@ -108,6 +110,9 @@ def render_text(analysis: Analysis) -> str:
         f"{analysis.block_tokens} tokens over {analysis.duration_seconds:,.0f} s; "
         f"{analysis.bytes_per_block:,} bytes/block (preset {a['preset']}; --preset for "
         "your model)",
+        *([f"  sampled by the tap: 1 block in {1 / analysis.sample_rate:.4g} "
+           f"(R={analysis.sample_rate:.4g}, {analysis.sampled_accesses:,} accesses kept); "
+           "counts and curves scaled to the full stream"] if analysis.sample_rate < 1 else []),
         "",
         "Reuse",
         f"  unique blocks {r.unique_blocks:,}; reused blocks {r.reused_blocks:,}",
@@ -130,6 +135,8 @@ def render_text(analysis: Analysis) -> str:
               f"  assumptions: promotion {a['bandwidth_bytes_per_second'] / 1e9:.3g} GB/s, prefill "
               f"{a['prefill_tokens_per_second']:,.0f} tokens/s, GPU prefix cache {a['gpu_tokens']:,} "
               f"tokens, CPU tier {a['cpu_tier']}",
+              f"    promotion bandwidth {a['bandwidth_source']}",
+              f"    prefill rate {a['prefill_source']}",
               f"  GPU prefix cache alone serves {s.gpu_token_hit_share:.2%} of prompt tokens"]
     if s.knee is not None:
         lines.append(f"  knee: {s.knee.blocks:,} blocks ({_gib(s.knee.bytes)}): CPU tier serves "

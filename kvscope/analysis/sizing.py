@@ -8,8 +8,10 @@ The model, stated so it can be checked:
   the tiers' capacities in blocks. So the CPU tier adds ``H(max(C, G)) - H(G)`` of the prompt
   tokens, ``H`` being the token-weighted LRU hit ratio (Mattson et al. 1970). Under LRU with
   prefix hashes a cached block's whole prefix is cached too, so block hits are prefix hits.
-- A promoted token saves its prefill, ``1 / prefill_tokens_per_second`` seconds (the preset's
-  cost model), and costs ``bytes_per_token / bandwidth`` seconds of host-to-device copy.
+- A promoted token saves its prefill, ``1 / prefill_tokens_per_second`` seconds (measured by
+  the capture when it can, else the preset's cost model), and costs ``bytes_per_token /
+  bandwidth`` seconds of host-to-device copy (measured, given, or assumed:
+  :data:`DEFAULT_BANDWIDTH`); the advice's assumptions say which (:mod:`~kvscope.analysis.rates`).
 - Every recomputed block is stored to the CPU tier once (device-to-host, off the critical path).
 
 The *knee* is where the CPU tier's gain curve bends most (Kneedle: Satopää, Albrecht, Irwin &
@@ -41,7 +43,10 @@ class SizingParams:
     (vLLM logs it as "GPU KV cache size"). ``budget_bytes``: most host RAM to give the tier
     (None: no limit). ``target_share``: share of the affordable gain to recommend (0-1).
     ``min_reuse_share``: below this token reuse share, prompts count as unique.
-    ``min_gain``: below this token hit share, a CPU tier is not worth having."""
+    ``min_gain``: below this token hit share, a CPU tier is not worth having.
+    ``prefill_tokens_per_second``: None: the preset's. ``rate_sources``: where ``bandwidth`` and
+    the prefill rate came from (``bandwidth``, ``prefill`` -> "measured: ...", "given",
+    "assumed: ..."), for the report."""
 
     preset: ModelPreset
     block_tokens: int
@@ -51,6 +56,13 @@ class SizingParams:
     target_share: float = 0.9
     min_reuse_share: float = 0.05
     min_gain: float = 0.02
+    prefill_tokens_per_second: float | None = None
+    rate_sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def prefill_rate(self) -> float:
+        """Prefill tokens/s: the given one, else the preset's."""
+        return self.prefill_tokens_per_second or self.preset.prefill_tokens_per_second
 
     @property
     def bytes_per_block(self) -> int:
@@ -137,7 +149,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     reuse = float(histogram.hit_ratio([working_set])[0])
     cpu = hit - gpu_hit
     promoted = cpu * total
-    saved = promoted / preset.prefill_tokens_per_second
+    saved = promoted / params.prefill_rate
     moved = promoted * bpt / params.bandwidth
     curve = [SizePoint(int(s), int(s) * bpb, float(h), float(c), float(sv), float(mv))
              for s, h, c, sv, mv in zip(sizes, hit, cpu, saved, moved)]
@@ -149,7 +161,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     if reuse < params.min_reuse_share:
         reasons.append(f"Prompts are nearly all unique: only {reuse:.1%} of prompt tokens are ever "
                        f"reused, so no cache of any size can serve more.")
-    recompute_s, promote_s = 1.0 / preset.prefill_tokens_per_second, bpt / params.bandwidth
+    recompute_s, promote_s = 1.0 / params.prefill_rate, bpt / params.bandwidth
     if promote_s >= recompute_s:
         reasons.append(f"Promotions are slower than recomputing: copying one token's KV "
                        f"({bpt} bytes at {params.bandwidth / 1e9:.3g} GB/s) takes "
@@ -192,6 +204,9 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
         curve=curve,
         assumptions={"preset": preset.name, "block_tokens": params.block_tokens,
                      "bytes_per_block": bpb, "bandwidth_bytes_per_second": params.bandwidth,
-                     "prefill_tokens_per_second": preset.prefill_tokens_per_second,
+                     "prefill_tokens_per_second": params.prefill_rate,
+                     "bandwidth_source": params.rate_sources.get("bandwidth", "given"),
+                     "prefill_source": params.rate_sources.get(
+                         "prefill", f"assumed: preset {preset.name}'s cost model"),
                      "gpu_tokens": params.gpu_tokens, "budget_bytes": params.budget_bytes,
                      "target_share": params.target_share, "cpu_tier": "inclusive LRU"})

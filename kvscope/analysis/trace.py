@@ -20,6 +20,11 @@ class AccessTrace:
     ``block_tokens``: tokens per full block. ``prompt_tokens``: total prompt tokens of all
     requests (may exceed ``tokens.sum()`` when a trace lists fewer blocks than a prompt needs).
     ``source``: where the trace came from, for reports.
+
+    A spatially sampled trace (a vLLM tap's capture; SHARDS, :mod:`kvscope.sampling`) holds the
+    accesses to the sampled blocks only: ``sample_rate`` is the rate (0-1; 1: every access),
+    ``total_accesses`` and ``total_tokens`` the full stream's block accesses and their tokens
+    (None: the trace's own). ``request_count`` and ``prompt_tokens`` are the full stream's.
     """
 
     block_ids: np.ndarray
@@ -31,6 +36,19 @@ class AccessTrace:
     request_count: int
     prompt_tokens: int
     source: str = ""
+    sample_rate: float = 1.0
+    total_accesses: int | None = None
+    total_tokens: int | None = None
+
+    @property
+    def full_accesses(self) -> int:
+        """Block accesses of the full stream (the trace's own unless sampled)."""
+        return len(self) if self.total_accesses is None else self.total_accesses
+
+    @property
+    def full_tokens(self) -> int:
+        """Tokens of the full stream's block accesses (the trace's own unless sampled)."""
+        return int(self.tokens.sum()) if self.total_tokens is None else self.total_tokens
 
     def __len__(self) -> int:
         return len(self.block_ids)

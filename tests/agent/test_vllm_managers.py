@@ -93,6 +93,29 @@ def test_cpu_manager_store_admission_outcomes(run):
     assert got == [("cpu", 2, 0, 1), ("cpu", 2, 3, 0)], got
 
 
+def test_lookups_carry_the_blocks_whose_hash_falls_under_the_sampling_threshold(run):
+    """``sampling_run``: a tap at block_sample_rate 1/2. Each lookup carries exactly the blocks
+    whose key (a hash's first 8 bytes, little-endian) has a reference fmix64 hash
+    (tests/analysis/test_block_sampling.py) under 2**31, with their positions; R2's first 20
+    blocks were loaded (cpu), its last 20 recomputed; R3's hashes are not bytes: its lookup
+    comes without blocks and the failure is counted (1 error), never raised."""
+    from tests.analysis.test_block_sampling import reference_hash, reference_key
+
+    s = run["sampling"]
+    assert s["hits"] == {"r1": 0, "r2": 20, "r3": 0} and s["errors"] == 1
+    lookups = {e["request_id"]: e for e in of(s["events"], "Lookup")}
+    for rid in ("r1", "r2"):
+        keys = [reference_key(bytes.fromhex(k)) for k in s["keys"][rid]]
+        want = [(k, d) for d, k in enumerate(keys) if reference_hash(k) < 1 << 31]
+        got = lookups[rid]
+        assert list(zip(got["block_hashes"], got["block_depths"])) == want
+        assert 5 < len(want) < 35 and got["block_sample_rate"] == 0.5
+        assert got["block_tokens"] == TPB and got["blocks"] == 40
+    r2 = lookups["r2"]
+    assert r2["block_sources"] == ["cpu" if d < 20 else "recompute" for d in r2["block_depths"]]
+    assert lookups["r3"]["block_hashes"] == [] and lookups["r3"]["tokens"] == {"recompute": 64}
+
+
 def test_kvscope_cpu_worker_in_the_tap_takes_expedited_loads(run):
     """Two blocks stored and loaded back (0.33's ``submit_load(..., expedited=True)``): the
     bytes arrive, and each job is a timed Transfer of 2 blocks x 4096 bytes. kvscope's CPU

@@ -1,0 +1,55 @@
+"""The rates sizing prices transfers and prefills at: measured by a capture when it can say,
+assumed (and labelled so) when it cannot.
+
+- **Promotion bandwidth** (bytes/s, host to device): the capture's ``cpu->gpu`` bytes over the
+  seconds its timed copies took (the agent's transfer totals, or its requests' transfers).
+- **Prefill rate** (tokens/s): the recomputed prompt tokens over the requests' prefill seconds
+  (first scheduled to first token: vLLM's tap; the reference engine's roofline), as
+  ``kvscope compare`` measures it.
+
+Pure: the capture's figures come in as a :class:`~kvscope.analysis.compare.RequestSample`
+(read by :mod:`~kvscope.analysis.capture_reader`). Sizing names where each rate came from:
+``measured`` (with what it was measured over), ``given`` (on the command line) or ``assumed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROMOTION = "cpu->gpu"
+
+
+@dataclass(frozen=True)
+class MeasuredRates:
+    """What a capture measured. ``bandwidth``: host-to-device bytes/s, None when it timed no
+    promotion. ``prefill_tokens_per_second``: None when it recorded no prefill time or no
+    recomputed token. ``evidence``: rate name (``bandwidth``, ``prefill``) -> what it was
+    measured over, in words."""
+
+    bandwidth: float | None = None
+    prefill_tokens_per_second: float | None = None
+    evidence: dict[str, str] = field(default_factory=dict)
+
+
+def prefill_rate(recomputed_tokens: float, prefill_seconds: float) -> float | None:
+    """Prefill tokens/s: ``recomputed_tokens`` over ``prefill_seconds``; None when either is 0
+    (not measured, never 0 tokens/s)."""
+    return recomputed_tokens / prefill_seconds if prefill_seconds > 0 and recomputed_tokens else None
+
+
+def measured_rates(recomputed_tokens: int, prefill_seconds: float,
+                   transfer_bytes: dict[str, int], transfer_seconds: dict[str, float]
+                   ) -> MeasuredRates:
+    """The rates a capture measured: its recomputed prompt tokens and prefill seconds (all
+    requests), and its transfers' bytes and seconds by "src->dst"."""
+    evidence = {}
+    nbytes, seconds = transfer_bytes.get(PROMOTION, 0), transfer_seconds.get(PROMOTION, 0.0)
+    bandwidth = nbytes / seconds if nbytes > 0 and seconds > 0 else None
+    if bandwidth is not None:
+        evidence["bandwidth"] = (f"{nbytes:,} bytes of {PROMOTION} copies in {seconds:.4g} s "
+                                 "(the capture's timed transfers)")
+    prefill = prefill_rate(recomputed_tokens, prefill_seconds)
+    if prefill is not None:
+        evidence["prefill"] = (f"{recomputed_tokens:,} recomputed prompt tokens in "
+                               f"{prefill_seconds:.4g} s of prefill (the capture's requests)")
+    return MeasuredRates(bandwidth, prefill, evidence)
