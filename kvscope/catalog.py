@@ -243,6 +243,11 @@ COLLECTOR_DURATION_SECONDS = _gauge("kvscope_collector_duration_seconds",
     "How long a collector's last run took.", ["collector"], "seconds")
 ENGINE_INFO = _gauge("kvscope_engine_info",
     "Always 1; the engine and model a source observes.", ["source", "engine", "model"])
+ENGINE_WEIGHT_OFFLOAD_BYTES = _gauge("kvscope_engine_weight_offload_bytes",
+    "Model weight bytes per GPU the engine keeps in host RAM and streams to the GPU on every "
+    "forward pass: vLLM's --cpu-offload-gb x 2^30, read from the command line of the engine "
+    "process (collectors.engine_args engine_pid); 0 without the flag, absent when no engine "
+    "process is configured or it is not vLLM. Weight offload, not KV offload.", [], "bytes")
 BUILD_INFO = _gauge("kvscope_build_info",
     "Always 1; the kvscope version in a label.", ["version"])
 
@@ -261,7 +266,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     OFFLOAD_BUDGET_BYTES, HOST_NUMA_NODES, PROCESS_NUMA_BYTES, PCIE_BYTES,
     PCIE_LINK_MAX_BYTES_PER_SECOND, GPU_MEMORY_USED_BYTES, GPU_MEMORY_TOTAL_BYTES,
     GPU_TOPOLOGY_INFO, EVENTS_RECEIVED, EVENTS_DROPPED, OTLP_SPANS, RECORDS_DROPPED,
-    TAP_ERRORS, SOURCE_UP, COLLECTOR_UP, COLLECTOR_DURATION_SECONDS, ENGINE_INFO, BUILD_INFO,
+    TAP_ERRORS, SOURCE_UP, COLLECTOR_UP, COLLECTOR_DURATION_SECONDS, ENGINE_INFO,
+    ENGINE_WEIGHT_OFFLOAD_BYTES, BUILD_INFO,
 )
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}

@@ -58,9 +58,15 @@ def test_names_follow_prometheus_conventions():
 
 def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     # psutil injected to fix the numbers; an empty cgroup root means no cgroup limit
-    collectors = CollectorSet(["host", "numa"], {"host": {"virtual_memory": lambda: _VM, "cgroup_root": tmp_path,
-                                                           "budgets": {"cpu": 2**30}},
-                                                  "numa": _numa(tmp_path)})
+    # the engine_args collector on a /proc tree holding one vLLM command line
+    (tmp_path / "proc" / "7").mkdir(parents=True)
+    (tmp_path / "proc" / "7" / "cmdline").write_bytes(
+        b"\0".join([b"vllm", b"serve", b"m", b"--cpu-offload-gb", b"1", b""]))
+    collectors = CollectorSet(["host", "numa", "engine_args"],
+                              {"host": {"virtual_memory": lambda: _VM, "cgroup_root": tmp_path,
+                                        "budgets": {"cpu": 2**30}},
+                               "numa": _numa(tmp_path),
+                               "engine_args": {"engine_pid": 7, "proc": tmp_path / "proc"}})
     agent = Agent(with_ingest=False, collectors=collectors)
     agent.pipeline.ingest("engine", [
         ev.RequestStarted(ts=0.0, request_id="r", prompt_tokens=8, trace_id="cd" * 16),
@@ -93,6 +99,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     assert value("kvscope_transfer_bytes_total", {"src": "cpu", "dst": "gpu"}) == 64
     # every reason of each direction seen exported, at 0 until it happens
     failures = {(s.labels["src"], s.labels["dst"], s.labels["reason"]): s.value
+    assert value("kvscope_engine_weight_offload_bytes") == 2**30
                 for s in families["kvscope_transfer_failures"].samples
                 if s.name.endswith("_total")}
     assert failures[("gpu", "cpu", "io")] == 1

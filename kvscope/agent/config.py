@@ -95,10 +95,25 @@ class NumaCollectorConfig(Section):
         return value
 
 
+class EngineArgsCollectorConfig(NumaCollectorConfig):
+    """``engine_pid`` (checked as the numa collector's): the serving engine's process, whose
+    command line says what no metric of the engine does (vLLM's ``--cpu-offload-gb``); None:
+    ``[collectors.numa] engine_pid``."""
+
+
 class CollectorsConfig(Section):
     host: HostCollectorConfig = HostCollectorConfig()
     gpu: GpuCollectorConfig = GpuCollectorConfig()
     numa: NumaCollectorConfig = NumaCollectorConfig()
+    engine_args: EngineArgsCollectorConfig = EngineArgsCollectorConfig()
+
+    @model_validator(mode="after")
+    def _one_engine_pid(self):
+        """The engine process named once serves every collector that reads it."""
+        if self.engine_args.engine_pid is None and self.numa.engine_pid is not None:
+            self.engine_args = self.engine_args.model_copy(
+                update={"engine_pid": self.numa.engine_pid})
+        return self
 
 
 class _Settings(BaseSettings):

@@ -111,6 +111,10 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
                   f"  or on ({by})\n  0 * {engine_numa}\n)\n/ on ({by})\n"
                   f"({engine_numa} > 0)")
     gpu_nodes_known = f"\nand on ({by})\ncount by ({by}) ({gpu_nodes})"
+    weights = f"sum by ({by}) (kvscope_engine_weight_offload_bytes{sel(cfg)})"
+    kv_offload_on = (f"(\n  sum by ({by}) (kvscope_offload_budget_bytes{sel(cfg, offload)}) > 0\n"
+                     f"  or sum by ({by}) (kvscope_tier_capacity_bytes{sel(cfg, offload)}) > 0\n"
+                     f"  or sum by ({by}) ({r.offload_bytes_rate}) > 0\n)")
     return [
         Alert(
             "KvscopeTTFTBudgetBreach",
@@ -190,6 +194,18 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "kernel swaps or the OOM killer picks a process. Shrink the budget (vLLM "
             "--kv-offloading-size / cpu_bytes_to_use) by at least that much, or raise the limit.",
             (host_budget, *host.values())),
+        # The guide's failure mode 2: weight offload taken for KV offload.
+        Alert(
+            "KvscopeWeightOffloadWithoutKVOffload",
+            f"{weights} > 0\nunless on ({by})\n{kv_offload_on}",
+            cfg.weight_offload_for, "warning",
+            "The engine offloads model weights to host RAM, but no KV cache.",
+            "The engine at {{ $labels.instance }} keeps {{ $value | humanize1024 }}B of model "
+            "weights per GPU in host RAM (vLLM --cpu-offload-gb) and no KV offload tier is "
+            "configured: this moves weights, not KV; it adds transfer work to every forward "
+            "pass and creates no room for KV blocks. Drop --cpu-offload-gb if the model fits "
+            "without it; for KV offload use --kv-offloading-size.",
+            (weights, kv_offload_on)),
         Alert(
             "KvscopeSwapInWhileOffloading",
             f"{swap_in} > {_g(cfg.swap_in_bytes_per_second)}\nand on ({by})\n{host_offload_on}",

@@ -82,6 +82,9 @@ class MixinConfig:
     # a host-RAM offload tier is configured (a budget or a capacity above 0).
     swap_in_bytes_per_second: float = 0.0
     swap_in_for: str = "5m"
+    # KvscopeWeightOffloadWithoutKVOffload: the engine offloads model weights (vLLM
+    # --cpu-offload-gb) while no KV offload tier has a budget, a capacity or traffic.
+    weight_offload_for: str = "5m"
     # KvscopeOffloadThrash: share of a tier's evictions that were never hit, while offloads run.
     thrash_unused_share: float = 0.8
     thrash_min_offload_bytes_per_second: float = 64 * MIB

@@ -255,7 +255,8 @@ def test_from_config_sections(tmp_path):
     collectors = CollectorSet.from_config(config, overrides={"host": {
         "virtual_memory": _vm(64 * GiB, 40 * GiB), "swap_memory": _swap(),
         "cgroup_root": tmp_path}})
-    assert collectors.names == ["host", "numa"]  # numa has no section: on, its default
+    # numa and engine_args have no section: on, their default
+    assert collectors.names == ["engine_args", "host", "numa"]
     r = collectors.reading("host")
     assert (r.headroom, r.budgets) == (32 * GiB, {"cpu": 16 * GiB})
     assert collectors.reading("gpu") is None

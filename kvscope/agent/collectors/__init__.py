@@ -16,11 +16,13 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 from kvscope.agent.collectors.base import (REGISTRY, Collector, CollectorError, CollectorResult,
                                            NoDataError, UnknownCollectorError, register)
+from kvscope.agent.collectors.engine_args import EngineArgsCollector, EngineArgsReading
 from kvscope.agent.collectors.gpu import GpuCollector, GpuDevice, GpuReading
 from kvscope.agent.collectors.host import HostCollector, HostReading
 from kvscope.agent.collectors.numa import NumaCollector, NumaReading
 
-__all__ = ["REGISTRY", "CollectorError", "CollectorResult", "CollectorSet", "GpuCollector",
+__all__ = ["REGISTRY", "CollectorError", "CollectorResult", "CollectorSet",
+           "EngineArgsCollector", "EngineArgsReading", "GpuCollector",
            "GpuDevice", "GpuReading", "HostCollector", "HostReading", "NoDataError",
            "NumaCollector", "NumaReading", "UnknownCollectorError", "default_enabled", "register", "resolve_enabled"]
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from kvscope import catalog as m
 from kvscope.agent.collectors.base import CollectorResult
+from kvscope.agent.collectors.engine_args import EngineArgsReading
 from kvscope.agent.collectors.gpu import GpuReading
 from kvscope.agent.collectors.host import HostReading
 from kvscope.agent.collectors.numa import NumaReading
@@ -22,7 +23,8 @@ NODE_METRICS = (
     m.HOST_SWAP_USED_BYTES, m.HOST_SWAP_IN_BYTES, m.HOST_MEMORY_RESERVE_BYTES,
     m.HOST_MEMORY_HEADROOM_BYTES, m.OFFLOAD_BUDGET_BYTES, m.HOST_NUMA_NODES, m.PROCESS_NUMA_BYTES, m.PCIE_BYTES,
     m.PCIE_LINK_MAX_BYTES_PER_SECOND, m.GPU_MEMORY_USED_BYTES, m.GPU_MEMORY_TOTAL_BYTES,
-    m.GPU_TOPOLOGY_INFO, m.COLLECTOR_UP, m.COLLECTOR_DURATION_SECONDS,
+    m.GPU_TOPOLOGY_INFO, m.ENGINE_WEIGHT_OFFLOAD_BYTES, m.COLLECTOR_UP,
+    m.COLLECTOR_DURATION_SECONDS,
 )
 
 
@@ -92,4 +94,8 @@ def collector_samples(results: Mapping[str, CollectorResult]) -> Samples:
             _gpu(out, result.reading)
         elif isinstance(result.reading, NumaReading):
             _numa(out, result.reading)
+        elif isinstance(result.reading, EngineArgsReading):
+            if result.reading.weight_offload_bytes is not None:
+                out[m.ENGINE_WEIGHT_OFFLOAD_BYTES].append(
+                    ([], float(result.reading.weight_offload_bytes)))
     return out
