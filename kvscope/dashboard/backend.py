@@ -10,6 +10,7 @@ both raise :class:`BackendUnavailable` — never anything else — when the data
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import quote
 
@@ -48,6 +49,11 @@ class Backend(Protocol):
                 source: str | None = None) -> dict | None:
         """One request record (of ``source``, else the one that finished last), or None when no
         table holds it."""
+
+    def node(self, metrics: Sequence[str], instance: str | None = None) -> list[dict]:
+        """The node collectors' current series of ``metrics`` (catalog names), each
+        ``{"name", "labels": {label: value}, "value"}``; in a fleet, ``labels`` hold the
+        ``instance``. A label the collector does not know is "" or absent."""
 
     def close(self) -> None: ...
 
@@ -130,6 +136,17 @@ class AgentBackend:
         body = self._get_json(f"/api/v1/requests/{quote(request_id, safe='')}",
                               {"source": source} if source else {}, missing_ok=True)
         return body if isinstance(body, dict) else None
+
+    def node(self, metrics: Sequence[str], instance: str | None = None) -> list[dict]:
+        """``GET /api/v1/node?metric=...``: the agent's node collectors now. Raises
+        :class:`BackendUnavailable` (also on an agent too old to have the endpoint: HTTP 404)."""
+        body = self._get_json("/api/v1/node", {"metric": list(metrics)})
+        series = body.get("series") if isinstance(body, dict) else None
+        if not isinstance(series, list) or not all(
+                isinstance(s, dict) and isinstance(s.get("name"), str)
+                and isinstance(s.get("labels"), dict) for s in series):
+            raise BackendUnavailable(self.base_url, "unexpected node payload")
+        return series
 
     def close(self) -> None:
         """Close the HTTP client; safe to call twice."""

@@ -67,7 +67,8 @@ def table_rows(records: Sequence[Mapping]) -> list[dict]:
     return rows
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """A byte count for the page, in decimal units: "1.23 GB", "512 B"."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
@@ -91,7 +92,7 @@ def waterfall(record: Mapping) -> go.Figure:
         direction = f"{t.get('src')}->{t.get('dst')}"
         ok = t.get("ok", True)
         label = (f"#{i + 1} {direction} · {int(t.get('blocks', 0))} blocks · "
-                 f"{_size(float(t.get('bytes', 0)))}" + ("" if ok else " · FAILED"))
+                 f"{size_text(float(t.get('bytes', 0)))}" + ("" if ok else " · FAILED"))
         start = (float(t.get("start", arrival)) - arrival) * 1000
         rows.append((label, start, float(t.get("duration", 0.0)) * 1000,
                      COLOURS.get(direction, "#8c564b") if ok else "#d62728", direction))

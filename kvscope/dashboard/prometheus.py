@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -189,6 +189,20 @@ class PrometheusBackend:
             if record is not None:
                 return {**record, "instance": name}
         return None
+
+    def node(self, metrics: Sequence[str], instance: str | None = None) -> list[dict]:
+        """The latest series of ``metrics`` (one instant query over their names), in the
+        agent's ``/api/v1/node`` shape; ``labels`` hold ``instance`` (and ``job``). Raises
+        :class:`BackendUnavailable`."""
+        names = "|".join(metrics)  # catalog names: [a-z_] only
+        matchers = self._matchers(instance)[1:-1]
+        expr = "{" + ",".join(filter(None, (f'__name__=~"{names}"', matchers))) + "}"
+        out = []
+        for r in self.query(expr):
+            labels = dict(r.get("metric", {}))
+            name = labels.pop("__name__", "")
+            out.append({"name": name, "labels": labels, "value": float(r["value"][1])})
+        return out
 
     def close(self) -> None:
         """Close every client; safe to call twice."""

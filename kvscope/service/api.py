@@ -1,7 +1,7 @@
 """The agent's HTTP API (FastAPI).
 
 ``/metrics`` (Prometheus text, or OpenMetrics with exemplars when asked), ``/healthz``,
-``/readyz``, and under ``/api/v1``: ``summary``, ``timeseries``, ``requests``,
+``/readyz``, and under ``/api/v1``: ``summary``, ``timeseries``, ``node``, ``requests``,
 ``requests/{id}``. OpenAPI at ``/openapi.json`` and ``/docs``. With a token configured,
 ``/api`` and ``/v1/traces`` need ``Authorization: Bearer <token>`` (declared in the OpenAPI
 document, so ``/docs`` can send it). Request bodies over ``max_body_bytes`` are refused with 413,
@@ -21,6 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import ClientDisconnect
 
 from kvscope import __version__, events as ev
+from kvscope.agent.collectors.metrics import NODE_METRICS, collector_samples
 from kvscope.agent.requests import SORT_KEYS
 from kvscope.agent.sources import otlp_receiver as otlp_in
 from kvscope.percentiles import bucket_percentiles, value_percentiles
@@ -169,6 +170,26 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                 raise HTTPException(422, f"unknown metric {unknown[0]!r}; use {', '.join(SAMPLE_FIELDS)}")
             samples = [{"ts": s["ts"], **{m: s.get(m) for m in metric}} for s in samples]
         return {"interval": agent.sample_interval, "samples": samples}
+
+    node_metrics = {spec.name: spec for spec in NODE_METRICS}
+
+    @app.get("/api/v1/node", dependencies=[Depends(authorize)])
+    def node(metric: list[str] | None = Query(
+            None, max_length=len(node_metrics),
+            description=f"metrics to return: {', '.join(node_metrics)}")) -> dict:
+        """The node collectors' metrics now (host, GPU, NUMA; docs/collectors.md), as on
+        ``/metrics``: ``{"series": [{"name", "labels": {label: value}, "value"}]}``, only the
+        named metrics with ``metric``. An info label NVML or the kernel does not give is ""
+        (absent to Prometheus); a series that is not known is not listed. Runs the collectors
+        once."""
+        unknown = sorted(set(metric or ()) - set(node_metrics))
+        if unknown:
+            raise HTTPException(422, f"unknown metric {unknown[0]!r}; use {', '.join(node_metrics)}")
+        samples = collector_samples(agent.collectors.collect())
+        return {"series": [
+            {"name": spec.name, "labels": dict(zip(spec.labels, values)), "value": value}
+            for spec, series in samples.items() if not metric or spec.name in metric
+            for values, value in series]}
 
     @app.get("/api/v1/requests", dependencies=[Depends(authorize)])
     def requests(limit: int = Query(100, ge=1, le=MAX_LIMIT),

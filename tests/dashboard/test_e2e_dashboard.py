@@ -192,6 +192,53 @@ def test_tiers_page_draws_residency_flow_and_histograms(demo, browser):
     assert not console_errors(browser)
 
 
+# The topology panel's parts as drawn: {class name: [data-state, text]}.
+TOPOLOGY_JS = """
+const out = {};
+for (const el of document.querySelectorAll('#topology [data-state]')) {
+  out[el.className] = [el.getAttribute('data-state'), el.innerText];
+}
+return out;
+"""
+
+
+def test_tiers_page_shows_transfers_beside_their_topology(demo, browser):
+    """The transfer charts on the Tiers page carry data, and beside them the topology the
+    agent's collectors read on this machine: the GPUs' links (here, without an NVIDIA driver,
+    "no GPU", never a 0), the host's NUMA nodes as /sys shows them, and the demo process's
+    memory by NUMA node as its numa_maps does (the demo sets engine_pid to itself)."""
+    from kvscope.agent.collectors.numa import parse_node_list
+
+    with urllib.request.urlopen(f"{demo.api_url}/api/v1/node", timeout=5) as resp:
+        series = json.load(resp)["series"]
+    gpus = [s for s in series if s["name"] == "kvscope_gpu_topology_info"]
+    engine_nodes = sorted(s["labels"]["numa_node"] for s in series
+                          if s["name"] == "kvscope_process_numa_bytes")
+    online = Path("/sys/devices/system/node/online")
+    browser.get(demo.ui_url + "tiers")
+    try:
+        wait_for_points(browser, ("tiers-transfer-throughput", "tiers-promotion-latency"),
+                        minimum=2)
+        drawn = wait_for(browser, lambda: (t := browser.execute_script(TOPOLOGY_JS))
+                         and len(t) == 3 and t, "the topology panel")
+    finally:
+        screenshot(browser, "dashboard-tiers-topology")
+    state, text = drawn["topology-gpus"]
+    if gpus:
+        assert state == "measured" and "Gen" in text, text
+    else:
+        assert state == "no-gpu" and "no GPU" in text and "not measured" in text, text
+    state, text = drawn["topology-numa-nodes"]
+    if online.is_file():
+        assert (state, text) == ("measured", "host NUMA nodes online: "
+                                 f"{len(parse_node_list(online.read_text()))}")
+    state, text = drawn["topology-engine-numa"]
+    assert engine_nodes, "the demo's agent reads its own numa_maps"
+    assert state == "measured" and [part.split(":")[0] for part in text.split(": ", 1)[1]
+                                    .split(" · ")] == [f"node {n}" for n in engine_nodes], text
+    assert not console_errors(browser)
+
+
 def _first_request(demo) -> dict:
     with urllib.request.urlopen(f"{demo.api_url}/api/v1/requests?limit=1", timeout=5) as resp:
         return json.load(resp)["requests"][0]

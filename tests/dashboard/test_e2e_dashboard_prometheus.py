@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import needs_prometheus, running_prometheus
-from test_e2e_dashboard import (browser, click_first, console_errors, screenshot,  # noqa: F401
-                                status_text, wait_for, wait_for_points)
+from test_e2e_dashboard import (TOPOLOGY_JS, browser, click_first,  # noqa: F401
+                                console_errors, screenshot, status_text, wait_for,
+                                wait_for_points)
 
 
 pytestmark = needs_prometheus
@@ -69,10 +70,17 @@ def test_instance_selector_lists_the_demo(demo, fleet_dashboard, browser):
 def test_tiers_and_requests_over_prometheus(demo, fleet_dashboard, browser):
     browser.get(fleet_dashboard.url + "/tiers")
     try:
-        wait_for_points(browser, ["tier-gpu", "tier-cpu", "block-flow", "eviction-hits"],
-                        minimum=2)
+        wait_for_points(browser, ["tier-gpu", "tier-cpu", "block-flow", "eviction-hits",
+                                  "tiers-transfer-throughput"], minimum=2)
+        # the topology from Prometheus' latest series, under the demo's instance: the demo's
+        # process memory by NUMA node (it is its own engine_pid); GPUs as the agent saw them
+        topology = wait_for(browser, lambda: (t := browser.execute_script(TOPOLOGY_JS))
+                            and len(t) == 3 and t, "the topology panel")
     finally:
         screenshot(browser, "dashboard-prometheus-tiers")
+    assert f"127.0.0.1:{demo.metrics_port}" in browser.find_element("id", "topology").text
+    assert topology["topology-engine-numa"][0] == "measured", topology
+    assert topology["topology-gpus"][0] in ("measured", "no-gpu"), topology
     browser.get(fleet_dashboard.url + "/requests")
     cell = '.ag-cell[col-id="request_id"]'  # AG Grid's cells
     try:

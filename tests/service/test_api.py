@@ -292,3 +292,34 @@ def test_a_client_leaving_inside_its_body_logs_no_traceback(served):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30) as answer:
         assert answer.status == 200  # served on, and the closed requests were handled by now
     assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
+
+
+def test_node_gives_the_collectors_series_as_on_metrics():
+    """``/api/v1/node``: the node collectors read now, on this machine's real /sys and /proc
+    (this test process as the engine), in the exposition's names and labels; ``metric`` picks
+    some, an unknown one is refused."""
+    import os
+    from pathlib import Path
+
+    from kvscope.agent.collectors.numa import parse_node_list
+
+    agent = Agent(AgentSettings(collectors={"numa": {"engine_pid": os.getpid()}}),
+                  with_ingest=False)
+    with TestClient(create_app(agent)) as c:
+        series = c.get("/api/v1/node").json()["series"]
+        up = {s["labels"]["collector"]: s["value"] for s in series
+              if s["name"] == "kvscope_collector_up"}
+        assert up["numa"] == 1.0 and up["host"] == 1.0
+        online = Path("/sys/devices/system/node/online")
+        if online.is_file():
+            (nodes,) = [s["value"] for s in series if s["name"] == "kvscope_host_numa_nodes"]
+            assert nodes == len(parse_node_list(online.read_text()))
+            placed = {s["labels"]["numa_node"]: s["value"] for s in series
+                      if s["name"] == "kvscope_process_numa_bytes"}
+            assert sum(placed.values()) > 0  # this process has memory somewhere
+        gpus = [s for s in series if s["name"] == "kvscope_gpu_topology_info"]
+        assert bool(gpus) == (up.get("gpu") == 1.0)  # no driver: no GPU series, never zeros
+        picked = c.get("/api/v1/node", params={"metric": ["kvscope_collector_up"]}).json()
+        assert {s["name"] for s in picked["series"]} == {"kvscope_collector_up"}
+        bad = c.get("/api/v1/node", params={"metric": "kvscope_nope"})
+        assert bad.status_code == 422 and "kvscope_nope" in bad.json()["detail"]
