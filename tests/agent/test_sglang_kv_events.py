@@ -1,7 +1,8 @@
 """The KV events source with ``engine = "sglang"``: SGLang 0.5.23's own KV events, made by its
 ``KVCacheEventRecorder`` and sent by its ``ZmqEventPublisher`` (tests/sglang_driver.py, in
 SGLang's cached environment) over real ZMQ sockets, one publisher per data-parallel rank on the
-endpoint's port plus the rank, replayed by its own ROUTER; and the config that selects it.
+endpoint's port plus the rank, replayed by its own ROUTER; the config that selects it; and the
+agent with it beside the SGLang metrics source, read from the agent's own exposition.
 
 Why not an SGLang server: SGLang 0.5.23 does not run on this machine's CPU (tried with
 ``python -m sglang.launch_server --device cpu --attention-backend torch_native --load-format
@@ -40,6 +41,8 @@ from kvscope.agent.sources.kv_events import (SGLANG, VLLM, KvEventsConfig, KvEve
                                              rank_endpoint)
 from kvscope.service.agent import Agent
 from conftest import wait_until
+from tests.agent.test_sglang_metrics import FIRST, SECOND, exposition
+from tests.engine_servers import exposition_server
 from tests.vllm_env import kill_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -287,3 +290,48 @@ def test_the_agent_builds_the_flavour_and_its_ranks():
     assert source.residency.tiers == {"gpu", "cpu"} and source.residency.media is SGLANG.media
     assert "SGLang: tcp://*:5557 -> connects to tcp://127.0.0.1:5557" in source.describe()
     assert "2 data-parallel ranks, to tcp://*:5558" in source.describe()
+
+
+def test_through_the_agent_kv_events_and_metrics_side_by_side():
+    """The agent as ``docs/engines.md`` sets it up for SGLang: ``[kv_events] engine = "sglang"``
+    receiving the ``tree`` scenario from SGLang's publisher, and ``[sglang_metrics]`` scraping
+    SGLang's exposition (tests/agent/test_sglang_metrics.py's FIRST, then SECOND), read from
+    the agent's own ``/metrics`` registry. From the KV events (the test above): gpu->cpu 2, GPU
+    evictions capacity 3 (dropped 1) and cleared 3 (dropped 3), CPU capacity 2 (dropped 2). From
+    the metrics, which leave gpu and cpu to the KV events: loads back cpu->gpu 80 / 16 = 5
+    blocks, L3 backups cpu->disk 320 / 16 = 20, no gpu->cpu of theirs (40 would make it 42), the
+    cpu tier's capacity 65536 / 16 = 4096 blocks beside the KV events' residency 0, recomputed
+    prompt tokens 400, and both sources named engine "sglang"."""
+    port = free_ports(1)
+    with exposition_server(exposition(FIRST)) as server:
+        settings = AgentSettings(
+            kv_events={"enabled": True, "engine": "sglang", "endpoint": f"tcp://*:{port}",
+                       "topic": "kv"},
+            sglang_metrics={"enabled": True, "url": server.url, "interval": 0.2,
+                            "model": "tiny"},
+            collectors={"gpu": {"enabled": False}, "host": {"enabled": False},
+                        "numa": {"enabled": False}})
+        agent = Agent(settings, with_ingest=False)
+        value = agent.exposition.registry.get_sample_value
+        agent.start()
+        try:
+            assert wait_until(lambda: agent.pipeline.snapshot().source_up.get("sglang_metrics"))
+            server.body = exposition(SECOND)
+            with sglang_publishing("tree", f"tcp://*:{port}"):
+                assert wait_until(lambda: agent.kv_events.last_seq == 5, timeout=20)
+            assert wait_until(lambda: value("kvscope_transfer_blocks_total",
+                                            {"src": "cpu", "dst": "disk"}) == 20)
+        finally:
+            agent.shutdown()
+    moved = {(s, d): value("kvscope_transfer_blocks_total", {"src": s, "dst": d})
+             for s, d in (("gpu", "cpu"), ("cpu", "gpu"), ("cpu", "disk"), ("disk", "cpu"))}
+    assert moved == {("gpu", "cpu"): 2, ("cpu", "gpu"): 5, ("cpu", "disk"): 20,
+                     ("disk", "cpu"): None}
+    assert value("kvscope_evicted_blocks_total", {"tier": "gpu", "reason": "capacity"}) == 3
+    assert value("kvscope_dropped_blocks_total", {"tier": "gpu"}) == 4
+    assert value("kvscope_tier_capacity_blocks", {"tier": "cpu"}) == 4096
+    assert value("kvscope_tier_resident_blocks", {"tier": "cpu"}) == 0
+    assert value("kvscope_prompt_tokens_total", {"source": "recompute"}) == 400
+    for source in ("kv_events", "sglang_metrics"):
+        assert value("kvscope_engine_info", {"source": source, "engine": "sglang",
+                                             "model": "tiny" if source != "kv_events" else ""})
