@@ -188,8 +188,13 @@ HOST_MEMORY_RESERVE_BYTES = _gauge("kvscope_host_memory_reserve_bytes",
 HOST_MEMORY_HEADROOM_BYTES = _gauge("kvscope_host_memory_headroom_bytes",
     "Available memory minus the reserve; negative when the reserve is eaten into.", [], "bytes")
 OFFLOAD_BUDGET_BYTES = _gauge("kvscope_offload_budget_bytes",
-    "Bytes the operator reserved for an offload tier (e.g. vLLM cpu_bytes_to_use).",
-    ["tier"], "bytes")
+    "Bytes reserved for an offload tier: what the engine reports (vLLM's tap: cpu_bytes_to_use), "
+    "unless the agent's collectors.host budgets override it.", ["tier"], "bytes")
+HOST_MEMORY_PART_BYTES = _gauge("kvscope_host_memory_part_bytes",
+    "The host's memory limit split into parts that add up to it: kv_offload (the KV offload "
+    "budget), engine_other (the engine process's memory beyond it), other (in use by everything "
+    "else), reserve, free (docs/collectors.md, Memory budgets); a part not measured is absent.",
+    ["part"], "bytes")
 HOST_NUMA_NODES = _gauge("kvscope_host_numa_nodes",
     "NUMA nodes online on the host (/sys/devices/system/node/online).")
 PROCESS_NUMA_BYTES = _gauge("kvscope_process_numa_bytes",
@@ -207,6 +212,11 @@ GPU_MEMORY_USED_BYTES = _gauge("kvscope_gpu_memory_used_bytes",
     "GPU memory in use (NVML).", ["gpu"], "bytes", gpu_only=True)
 GPU_MEMORY_TOTAL_BYTES = _gauge("kvscope_gpu_memory_total_bytes",
     "GPU memory in all (NVML).", ["gpu"], "bytes", gpu_only=True)
+GPU_MEMORY_PART_BYTES = _gauge("kvscope_gpu_memory_part_bytes",
+    "A GPU's memory (NVML total) split into parts that add up to it: kv_cache and weights (from "
+    "the engine's tap), workspace (activations, CUDA graphs and context), other (in use, "
+    "unattributed), free (docs/collectors.md, Memory budgets).", ["gpu", "part"], "bytes",
+    gpu_only=True)
 GPU_TOPOLOGY_INFO = _gauge("kvscope_gpu_topology_info",
     "Always 1; a GPU's PCIe link, current (pcie_generation, pcie_width: an idle GPU drops "
     "to a lower generation) and maximum (pcie_max_generation, pcie_max_width), and the host "
@@ -263,9 +273,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     HOST_MEMORY_TOTAL_BYTES, HOST_MEMORY_AVAILABLE_BYTES, HOST_MEMORY_LIMIT_BYTES,
     HOST_SWAP_USED_BYTES, HOST_SWAP_IN_BYTES, HOST_MEMORY_RESERVE_BYTES,
     HOST_MEMORY_HEADROOM_BYTES,
-    OFFLOAD_BUDGET_BYTES, HOST_NUMA_NODES, PROCESS_NUMA_BYTES, PCIE_BYTES,
+    OFFLOAD_BUDGET_BYTES, HOST_MEMORY_PART_BYTES, HOST_NUMA_NODES, PROCESS_NUMA_BYTES, PCIE_BYTES,
     PCIE_LINK_MAX_BYTES_PER_SECOND, GPU_MEMORY_USED_BYTES, GPU_MEMORY_TOTAL_BYTES,
-    GPU_TOPOLOGY_INFO, EVENTS_RECEIVED, EVENTS_DROPPED, OTLP_SPANS, RECORDS_DROPPED,
+    GPU_MEMORY_PART_BYTES, GPU_TOPOLOGY_INFO, EVENTS_RECEIVED, EVENTS_DROPPED, OTLP_SPANS, RECORDS_DROPPED,
     TAP_ERRORS, SOURCE_UP, COLLECTOR_UP, COLLECTOR_DURATION_SECONDS, ENGINE_INFO,
     ENGINE_WEIGHT_OFFLOAD_BYTES, BUILD_INFO,
 )

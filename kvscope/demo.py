@@ -92,11 +92,13 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         engine.close()
         raise
 
-    block_bytes = preset.bytes_per_block(block_tokens)
-    budgets = {"cpu": config.cpu_blocks * block_bytes, "disk": config.disk_blocks * block_bytes}
-    # the reference engine runs in this process: its host tiers are this process's memory
+    disk_budget = config.disk_blocks * preset.bytes_per_block(block_tokens)
+    # the reference engine runs in this process: its host tiers are this process's memory. It
+    # reports its cpu tier's size as its host KV budget itself, as vLLM's tap does; the disk
+    # tier's is configured (no engine reports it)
     agent = Agent(AgentSettings(capture_dir=config.capture_dir, collectors={
-        "host": {"budgets": {tier: n for tier, n in budgets.items() if n}},
+        "host": {"budgets": {"disk": disk_budget} if disk_budget else {},
+                 "engine_pid": os.getpid()},
         "numa": {"engine_pid": os.getpid()}}), with_ingest=False)
     agent.pipeline.set_source_info("engine", "kvscope-reference", preset.name)
     agent.pipeline.set_source_up("engine", True)  # the engine feeds the pipeline in-process

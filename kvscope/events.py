@@ -335,8 +335,33 @@ class TransfersInFlight(_Event, tag="transfers_in_flight"):
     blocks: Count
 
 
+class EngineMemory(_Event, tag="engine_memory"):
+    """Memory an engine set aside, as the engine itself sized or measured it; bytes. The node's
+    memory budget breakdown (docs/collectors.md, "Memory budgets") is built from these and the
+    collectors' readings. Each field is None where the sender does not know it (absent, never
+    0), and a report without it leaves the last value as it was; a sender repeats its report
+    now and then, so that an agent restarted meanwhile learns it.
+
+    ``device``: "" for host memory, else the GPU it lies on, as its PCI address in sysfs form
+    (``"0000:3b:00.0"``: domain, bus, device, function; what the GPU collector matches to NVML's
+    device). ``kv_offload_budget``: host bytes the engine's configuration gives its host KV
+    offload tier, as the operator typed it (vLLM's ``cpu_bytes_to_use``; the reference engine's
+    cpu tier size); host only. ``kv_cache``: bytes of the engine's KV cache tensors on
+    ``device`` (vLLM: the tensors handed to the offloading connector). ``allocated``: bytes the
+    engine's allocator had in use on ``device`` when the KV cache was handed over, after the
+    weights were loaded and before any request (torch's ``memory_allocated``): weights, the KV
+    cache and the engine's persistent buffers.
+    """
+
+    device: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    kv_offload_budget: Count | None = None
+    kv_cache: Count | None = None
+    allocated: Count | None = None
+
+
 Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished,
-              LatencyHistogram, SchedulerStats, IdleHistogram, Admission, TransfersInFlight]
+              LatencyHistogram, SchedulerStats, IdleHistogram, Admission, TransfersInFlight,
+              EngineMemory]
 
 
 E = TypeVar("E")
@@ -357,6 +382,9 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     ``close``): the engine stopped, and its tiers leave the tier gauges. ``errors``: the tap's
     own failures since its emitter started (cumulative, like ``dropped``), by reason
     (:data:`~kvscope.vocabulary.TAP_ERROR_REASONS`); empty from an emitter that counts none.
+    ``pid``: the emitter's process (``os.getpid()`` when the batch was made: a forked worker's
+    own), the engine process the tap runs in, whose ``/proc/<pid>/numa_maps`` places its host KV
+    pool (the numa collector); 0: not sent (an older tap).
     """
 
     version: int
@@ -370,6 +398,7 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     scope: str = ""
     final: bool = False
     errors: dict[str, Count] = {}
+    pid: Count = 0
 
 
 def validate(event: Event) -> Event:

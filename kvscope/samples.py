@@ -118,6 +118,15 @@ REQUESTS_RUNNING = _f("requests_running", c.REQUESTS_RUNNING, Kind.GAUGE, ["sour
 PREEMPTIONS = _f("preemptions", c.PREEMPTIONS, Kind.COUNTER, ["source"])
 GPU_KV_CACHE_USAGE_RATIO = _f("gpu_kv_cache_usage_ratio", c.GPU_KV_CACHE_USAGE_RATIO, Kind.GAUGE,
                               ["source"], fleet="max")
+# the memory budget breakdown: host parts by part (a fleet: added up), GPU parts by
+# "gpu->part" (a fleet: per host, GPU indices repeat across hosts), and the wholes they add up to
+HOST_MEMORY_PART_BYTES = _f("host_memory_part_bytes", c.HOST_MEMORY_PART_BYTES, Kind.GAUGE,
+                            ["part"])
+GPU_MEMORY_PART_BYTES = _f("gpu_memory_part_bytes", c.GPU_MEMORY_PART_BYTES, Kind.GAUGE,
+                           ["gpu", "part"], fleet_by=["instance"])
+HOST_MEMORY_LIMIT_BYTES = _f("host_memory_limit_bytes", c.HOST_MEMORY_LIMIT_BYTES, Kind.SCALAR)
+GPU_MEMORY_TOTAL_BYTES = _f("gpu_memory_total_bytes", c.GPU_MEMORY_TOTAL_BYTES, Kind.GAUGE,
+                            ["gpu"], fleet_by=["instance"])
 
 # in sample order (the order of a recorded sample's keys, after ``ts``)
 FIELDS: tuple[SampleField, ...] = (
@@ -127,7 +136,8 @@ FIELDS: tuple[SampleField, ...] = (
     TTFT_SECONDS, PROMOTION_WAIT_SECONDS, TRANSFER_SECONDS, TIER_RESIDENT_BLOCKS,
     TIER_CAPACITY_BLOCKS, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,
     OFFLOAD_BUDGET_BYTES, PCIE_LINK_MAX_BYTES_PER_SECOND, REQUESTS_WAITING, REQUESTS_RUNNING,
-    PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO,
+    PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO, HOST_MEMORY_PART_BYTES, GPU_MEMORY_PART_BYTES,
+    HOST_MEMORY_LIMIT_BYTES, GPU_MEMORY_TOTAL_BYTES,
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 BY_NAME: dict[str, SampleField] = {f.name: f for f in FIELDS}

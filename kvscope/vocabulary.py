@@ -17,6 +17,7 @@ module imports them from here (``events.py`` re-exports the ones its schema uses
 - **tap error reason**: what an in-engine tap could not observe (``internal``: its own code
   failed at its boundary, or it had to forget state it tracks; ``unattributed``: a request it
   could not follow).
+- **memory part**: a share of the host's or a GPU's memory in a budget breakdown.
 
 Imports only the standard library (the in-engine taps import it).
 """
@@ -38,6 +39,17 @@ DIRECTIONS: tuple[tuple[str, str], ...] = tuple((src, dst) for src in TIERS for 
 FAILURE_REASONS: tuple[str, ...] = ("checksum", "corrupt", "disk_full", "io", "missing",
                                     "permission", "timeout", "truncated", "unknown", "other")
 TAP_ERROR_REASONS: tuple[str, ...] = ("internal", "unattributed")
+# The parts of a memory budget breakdown (``kvscope_host_memory_part_bytes``,
+# ``kvscope_gpu_memory_part_bytes``; docs/collectors.md, "Memory budgets"), each set summing to
+# its whole: the host's memory limit, a GPU's NVML total. Host: ``kv_offload`` the engine's KV
+# offload budget, ``engine_other`` the engine process's memory beyond it, ``other`` what every
+# other process and the kernel hold, ``reserve`` the operator's reserve, ``free`` the rest.
+# GPU: ``kv_cache`` the KV cache tensors, ``weights`` (with the engine's persistent buffers),
+# ``workspace`` the rest the engine's allocation leaves of what is in use (activations, CUDA
+# graphs and context, allocator cache, other processes), ``other`` in use and in no engine's
+# report, ``free``.
+HOST_MEMORY_PARTS: tuple[str, ...] = ("kv_offload", "engine_other", "other", "reserve", "free")
+GPU_MEMORY_PARTS: tuple[str, ...] = ("kv_cache", "weights", "workspace", "other", "free")
 
 # The tiers of an engine without a remote one (the reference engine; vLLM's KV events, whose
 # media are GPU, CPU and STORAGE).

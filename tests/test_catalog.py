@@ -24,7 +24,9 @@ BOUNDED_LABELS = {"tier", "source", "src", "dst", "reason", "engine", "model", "
                   "collector", "result", "version", "sink",
                   # PCIe generations (1-7), lane counts (1-32) and NUMA node numbers
                   "pcie_generation", "pcie_width", "pcie_max_generation", "pcie_max_width",
-                  "numa_node"}
+                  "numa_node",
+                  # a memory budget breakdown's parts (vocabulary.HOST_/GPU_MEMORY_PARTS)
+                  "part"}
 
 
 class _VM:
@@ -97,9 +99,9 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     value = agent.exposition.registry.get_sample_value
     assert value("kvscope_prompt_tokens_total", {"source": "recompute"}) == 3
     assert value("kvscope_transfer_bytes_total", {"src": "cpu", "dst": "gpu"}) == 64
+    assert value("kvscope_engine_weight_offload_bytes") == 2**30
     # every reason of each direction seen exported, at 0 until it happens
     failures = {(s.labels["src"], s.labels["dst"], s.labels["reason"]): s.value
-    assert value("kvscope_engine_weight_offload_bytes") == 2**30
                 for s in families["kvscope_transfer_failures"].samples
                 if s.name.endswith("_total")}
     assert failures[("gpu", "cpu", "io")] == 1

@@ -117,7 +117,10 @@ def test_record_orders_the_fields_and_refuses_missing_or_unknown_ones():
 def test_the_pipeline_records_exactly_the_declared_fields_in_their_shapes():
     pipe = _busy_pipeline()
     sample = pipe.record_sample(T, 1e9, host_memory_reserve=2e8, host_memory_headroom=8e8,
-                                offload_budgets={"cpu": 4096}, pcie_link_max={"0": 3.2e10})
+                                offload_budgets={"cpu": 4096}, pcie_link_max={"0": 3.2e10},
+                                host_memory_parts={"kv_offload": 4096.0, "free": 1e9},
+                                gpu_memory_parts={"0->kv_cache": 2048.0},
+                                host_memory_limit=2e9, gpu_memory_total={"0": 8e10})
     assert list(sample) == ["ts", *NAMES]  # the JSON's keys, in this order
     assert pipe.samples()[-1] is sample
     for f in FIELDS:

@@ -110,13 +110,15 @@ def value(metrics, name, **labels) -> float:
 
 def remember_tiers_at_close(pipeline) -> dict:
     """source -> ``pipeline``'s tier gauges when that source's emitter last closed, just before
-    it took its tiers out (vLLM has stopped by the time a test reads the agent). Observes the
-    pipeline's ``forget_tiers``; the product's call goes on."""
+    it took its tiers out (vLLM has stopped by the time a test reads the agent), and
+    ``(source, "memory")`` -> the engines' memory reports then (``Pipeline.engine_memory``).
+    Observes the pipeline's ``forget_tiers``; the product's call goes on."""
     tiers_at_close: dict = {}
     forget = pipeline.forget_tiers
 
     def remember(source: str) -> None:
         tiers_at_close[source] = pipeline.snapshot().tiers
+        tiers_at_close[source, "memory"] = pipeline.engine_memory()
         forget(source)
 
     pipeline.forget_tiers = remember

@@ -13,7 +13,7 @@ Example TOML (every key optional)::
 
     [collectors.host]
     reserve_bytes = 8589934592
-    budgets = { cpu = 68719476736 }
+    engine_pid = 12345
 
     [collectors.gpu]
     enabled = false
@@ -61,14 +61,30 @@ def token_problem(token: str) -> str | None:
     return None
 
 
+def _pid(value):
+    """A process id as given, refusing a boolean (pydantic would read true as process 1)."""
+    if isinstance(value, bool):
+        raise ValueError("is true or false; give a process id")
+    return value
+
+
 class HostCollectorConfig(Section):
     """``reserve_bytes``: memory kept free for the OS and other services; ``budgets``: bytes
-    reserved per offload tier (e.g. vLLM's ``cpu_bytes_to_use`` for ``cpu``). Neither may be
-    negative: refused here, by key, before the host collector would refuse it at start."""
+    reserved per offload tier, overriding what the engine reports (vLLM's tap reports its
+    ``cpu_bytes_to_use`` for ``cpu``: give it here only where no tap runs). Neither may be
+    negative: refused here, by key, before the host collector would refuse it at start.
+    ``engine_pid``: the serving engine's process, whose memory (its descendants' included) is
+    the memory budget breakdown's engine part (None: not measured)."""
 
     enabled: bool = True
     reserve_bytes: int = Field(0, ge=0)
     budgets: dict[str, TierSize] = {}
+    engine_pid: int | None = Field(None, gt=0)
+
+    @field_validator("engine_pid", mode="before")
+    @classmethod
+    def _pid_not_boolean(cls, value):
+        return _pid(value)
 
     @field_validator("budgets")
     @classmethod
@@ -90,9 +106,7 @@ class NumaCollectorConfig(Section):
     @field_validator("engine_pid", mode="before")
     @classmethod
     def _pid_not_boolean(cls, value):
-        if isinstance(value, bool):  # pydantic would read true as process 1
-            raise ValueError("is true or false; give a process id")
-        return value
+        return _pid(value)
 
 
 class EngineArgsCollectorConfig(NumaCollectorConfig):
@@ -109,10 +123,13 @@ class CollectorsConfig(Section):
 
     @model_validator(mode="after")
     def _one_engine_pid(self):
-        """The engine process named once serves every collector that reads it."""
-        if self.engine_args.engine_pid is None and self.numa.engine_pid is not None:
-            self.engine_args = self.engine_args.model_copy(
-                update={"engine_pid": self.numa.engine_pid})
+        """The engine process named once serves every collector that reads it: one named in
+        [collectors.numa] or [collectors.host] goes to those sections that name none."""
+        pid = self.numa.engine_pid or self.host.engine_pid
+        for name in ("numa", "host", "engine_args"):
+            section = getattr(self, name)
+            if section.engine_pid is None and pid is not None:
+                setattr(self, name, section.model_copy(update={"engine_pid": pid}))
         return self
 
 

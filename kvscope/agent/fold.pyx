@@ -36,6 +36,8 @@ cdef object _TRANSFER = ev.Transfer, _EVICTION = ev.Eviction, _LATENCY = ev.Late
 cdef object _FINISHED = ev.RequestFinished, _SCHEDULER = ev.SchedulerStats
 cdef object _IDLE = ev.IdleHistogram, _ADMISSION = ev.Admission
 cdef object _IN_FLIGHT = ev.TransfersInFlight
+cdef object _MEMORY = ev.EngineMemory
+cdef tuple MEMORY_FIELDS = ("kv_offload_budget", "kv_cache", "allocated")
 cdef Py_ssize_t L_BLOCKS = offset_of(ev.Lookup, "blocks")
 cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
 cdef Py_ssize_t L_HITS = offset_of(ev.Lookup, "block_hits")
@@ -234,6 +236,7 @@ cdef class Fold:
     # reported (a dict per metric, keyed by source; see _scheduler_stats)
     cdef dict _waiting, _running, _preemptions, _gpu_kv_usage
     cdef dict _in_flight  # (source, src, dst) -> (transfers, blocks): each sender's last report
+    cdef dict _memory  # (source, device) -> {field: bytes}: what each sender reported, merged
 
     def __init__(self, RequestAssembler assembler not None,
                  double prefill_tokens_per_second=10_000.0,
@@ -252,6 +255,7 @@ cdef class Fold:
         self._itl = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._waiting, self._running, self._preemptions, self._gpu_kv_usage = {}, {}, {}, {}
         self._in_flight = {}
+        self._memory = {}
         self._recent = <double *>PyMem_Malloc(max(recent, 1) * sizeof(double))
         if self._recent == NULL:
             raise MemoryError()
@@ -311,6 +315,8 @@ cdef class Fold:
                 self._admission(event)
             elif kind is _IN_FLIGHT:
                 self._in_flight[(source, event.src, event.dst)] = (event.transfers, event.blocks)
+            elif kind is _MEMORY:
+                self._engine_memory(source, event)
         self._count_lookups(&totals)
         cdef double ahead = time.time() + FUTURE
         cdef list kept = [record for record in finished
@@ -464,14 +470,30 @@ cdef class Fold:
             self._preemptions[source] = self._preemptions.get(source, 0) + value
         return 0
 
+    cdef int _engine_memory(self, str source, object event) except -1:
+        # a field left None keeps what the sender said before (events.EngineMemory)
+        known = self._memory.setdefault((source, event.device), {})
+        for name in MEMORY_FIELDS:
+            value = getattr(event, name)
+            if value is not None:
+                known[name] = value
+        return 0
+
+    def engine_memory(self):
+        """dict[(source, device), dict[field, bytes]]: each sender's
+        :class:`~kvscope.events.EngineMemory` reports, merged (only the fields it reported)."""
+        return {key: dict(known) for key, known in self._memory.items()}
+
     def forget_gauges(self, str source):
         """Leave sender ``source``'s gauges (waiting, running, GPU KV usage, transfers in
-        flight) out from now on: its engine stopped. Its preemptions stay counted, as counters
+        flight, engine memory) out from now on: its engine stopped. Its preemptions stay counted, as counters
         do."""
         for gauges in (self._waiting, self._running, self._gpu_kv_usage):
             gauges.pop(source, None)
         for key in [key for key in self._in_flight if key[0] == source]:
             del self._in_flight[key]
+        for key in [key for key in self._memory if key[0] == source]:
+            del self._memory[key]
 
     def observe(self, list records):
         """Count finished ``records`` in the request metrics (requests, TTFT, promotion-wait and
@@ -532,6 +554,7 @@ cdef class Fold:
             "gpu_kv_cache_usage": dict(self._gpu_kv_usage),
             "transfers_in_flight": {key: n for key, (n, _) in self._in_flight.items()},
             "transfer_blocks_in_flight": {key: n for key, (_, n) in self._in_flight.items()},
+            "engine_memory": self.engine_memory(),
             "recent_ttft": [self._recent[(self._recent_next - self._recent_count + i)
                                          % self._recent_max] for i in range(self._recent_count)],
         }

@@ -40,7 +40,10 @@ class Snapshot:
     sender's last :class:`~kvscope.events.TransfersInFlight` (only directions it reported).
     ``block_idle_seconds``: per tier, only the tiers some source measured idle time of.
     ``store_admissions``: blocks offered for storing by (tier, result), added up since the agent
-    started (:class:`~kvscope.events.Admission`), only the results some source reported."""
+    started (:class:`~kvscope.events.Admission`), only the results some source reported.
+    ``engine_memory``: by (source, device), what each sender's
+    :class:`~kvscope.events.EngineMemory` reports said, merged: dict[field, bytes] with only
+    the fields it reported (``kv_offload_budget``, ``kv_cache``, ``allocated``)."""
 
     prompt_tokens: dict[str, int]
     lookup_blocks: dict[tuple[str, str], int]
@@ -73,6 +76,7 @@ class Snapshot:
     transfer_blocks_in_flight: dict[tuple[str, str, str], int] = field(default_factory=dict)
     block_idle_seconds: dict[str, Histogram] = field(default_factory=dict)
     store_admissions: dict[tuple[str, str], int] = field(default_factory=dict)
+    engine_memory: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
 
 
 def _histograms(states: Mapping) -> dict:
@@ -306,8 +310,9 @@ class Pipeline:
 
     def forget_tiers(self, source: str) -> None:
         """Leave sender ``source``'s tier snapshots out of the tier gauges, and its scheduler
-        gauges (waiting, running, GPU KV usage) out of the snapshot, from now on (its emitter
-        closed: an engine that stopped holds no tier and no queue). Its counters stay."""
+        gauges (waiting, running, GPU KV usage) and memory reports out of the snapshot, from
+        now on (its emitter closed: an engine that stopped holds no tier, no queue and no
+        memory). Its counters stay."""
         with self._lock:
             self._tiers.forget(source)
             self._fold.forget_gauges(source)
@@ -349,13 +354,24 @@ class Pipeline:
                 transfer_blocks_in_flight=state["transfer_blocks_in_flight"],
                 block_idle_seconds=_histograms(state["block_idle_seconds"]),
                 store_admissions=state["store_admissions"],
+                engine_memory=state["engine_memory"],
             )
+
+    def engine_memory(self) -> dict[tuple[str, str], dict[str, int]]:
+        """:attr:`Snapshot.engine_memory` alone, without the cost of a whole snapshot (read at
+        every scrape and sample for the memory budget breakdown)."""
+        with self._lock:
+            return self._fold.engine_memory()
 
     def record_sample(self, ts: float, host_memory_available: float | None, *,
                       host_memory_reserve: float | None = None,
                       host_memory_headroom: float | None = None,
                       offload_budgets: Mapping[str, int] | None = None,
-                      pcie_link_max: Mapping[str, float] | None = None) -> dict:
+                      pcie_link_max: Mapping[str, float] | None = None,
+                      host_memory_parts: Mapping[str, float] | None = None,
+                      gpu_memory_parts: Mapping[str, float] | None = None,
+                      host_memory_limit: float | None = None,
+                      gpu_memory_total: Mapping[str, float] | None = None) -> dict:
         """Append a one-second sample of the state now, and return it (see
         :meth:`~kvscope.agent.sample_history.SampleHistory.record`: the fields, host values
         and units)."""
@@ -365,7 +381,11 @@ class Pipeline:
         return self._history.record(ts, state, tiers, host_memory_available,
                                     host_memory_reserve=host_memory_reserve,
                                     host_memory_headroom=host_memory_headroom,
-                                    offload_budgets=offload_budgets, pcie_link_max=pcie_link_max)
+                                    offload_budgets=offload_budgets, pcie_link_max=pcie_link_max,
+                                    host_memory_parts=host_memory_parts,
+                                    gpu_memory_parts=gpu_memory_parts,
+                                    host_memory_limit=host_memory_limit,
+                                    gpu_memory_total=gpu_memory_total)
 
     def samples(self, since: float | None = None, window: float | None = None) -> list[dict]:
         """Samples with ``ts > since`` (all when None), oldest first; ``window``: seconds, only

@@ -34,7 +34,11 @@ class SampleHistory:
                host_memory_reserve: float | None = None,
                host_memory_headroom: float | None = None,
                offload_budgets: Mapping[str, int] | None = None,
-               pcie_link_max: Mapping[str, float] | None = None) -> dict:
+               pcie_link_max: Mapping[str, float] | None = None,
+               host_memory_parts: Mapping[str, float] | None = None,
+               gpu_memory_parts: Mapping[str, float] | None = None,
+               host_memory_limit: float | None = None,
+               gpu_memory_total: Mapping[str, float] | None = None) -> dict:
         """Append a one-second sample, and return it: ``ts`` and every field of
         :data:`kvscope.samples.FIELDS` (their shapes, keys and units are declared there):
         cumulative counters and current gauges at ``ts``, and percentiles of the observations
@@ -44,7 +48,10 @@ class SampleHistory:
         tier totals then. ``host_memory_available``, ``host_memory_reserve``,
         ``host_memory_headroom``: bytes, None when unknown. ``offload_budgets``: dict[tier,
         bytes]. ``pcie_link_max``: dict[gpu, bytes/s] of each GPU's current link, one
-        direction.
+        direction. ``host_memory_parts``: dict[part, bytes]; ``gpu_memory_parts``:
+        dict["gpu->part", bytes] (the memory budget breakdown, :mod:`kvscope.agent.memory_budget`),
+        and the wholes they add up to: ``host_memory_limit``, bytes (None when unknown), and
+        ``gpu_memory_total``: dict[gpu, bytes].
 
         The percentile work happens here, once per sample, never per event.
         """
@@ -93,6 +100,10 @@ class SampleHistory:
                 sf.REQUESTS_RUNNING: state["requests_running"],
                 sf.PREEMPTIONS: state["preemptions"],
                 sf.GPU_KV_CACHE_USAGE_RATIO: state["gpu_kv_cache_usage"],
+                sf.HOST_MEMORY_PART_BYTES: dict(host_memory_parts or {}),
+                sf.GPU_MEMORY_PART_BYTES: dict(gpu_memory_parts or {}),
+                sf.HOST_MEMORY_LIMIT_BYTES: host_memory_limit,
+                sf.GPU_MEMORY_TOTAL_BYTES: dict(gpu_memory_total or {}),
             }))
             return self._samples[-1]
 

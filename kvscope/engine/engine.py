@@ -45,6 +45,7 @@ DEFAULT_PRIORITY = 35
 _DIRECTION = {SPILL: "cpu->disk", OFFLOAD: "gpu->cpu", STAGE: "disk->cpu", PROMOTE: "cpu->gpu"}
 # a store into a lower tier (offload, spill) -> its index in _report_admissions: cpu, disk
 _STORES = {("gpu", "cpu"): 0, ("cpu", "disk"): 1}
+MEMORY_REFRESH = 10.0  # seconds between the host KV budget's reports (an agent may restart)
 _GPU, _CPU, _DISK, _RECOMPUTE = 0, 1, 2, 3
 _SOURCE_NAMES = TOKEN_SOURCES  # by the indices above
 
@@ -155,6 +156,7 @@ class OffloadEngine:
         # event per tier at the next finished request, with that request's stored and failed)
         self._skipped = [0, 0]
         self._tiers_reported = False
+        self._memory_due = float("-inf")  # when the cpu tier's budget is reported next
         self._inflight: deque[tuple[ev.RequestStarted, list, RequestOutcome]] = deque()
         # the copies in flight by direction as last reported: (copies, blocks)
         self._in_flight_reported: dict[str, tuple[int, int]] = {}
@@ -533,6 +535,10 @@ class OffloadEngine:
                                         failed=failed))
 
     def _report_tiers(self, ts: float) -> None:
+        if self.cpu.capacity_blocks and ts >= self._memory_due:
+            # the cpu tier's size is the engine's host KV budget: the agent's breakdown shows it
+            self._memory_due = ts + MEMORY_REFRESH
+            self._emit(ev.EngineMemory(ts=ts, kv_offload_budget=self.cpu.capacity_bytes))
         for tier in self.tiers:
             self._emit(ev.TierSnapshot(ts=ts, tier=tier.name, capacity_bytes=tier.capacity_bytes,
                                        resident_bytes=tier.resident_bytes,

@@ -14,6 +14,7 @@ from kvscope.agent.capture import KINDS as CAPTURE_KINDS, CaptureWriter
 from kvscope.agent.collectors import CollectorSet
 from kvscope.agent.collectors.metrics import collector_samples
 from kvscope.agent.config import AgentSettings, ConfigError
+from kvscope.agent.memory_budget import memory_samples
 from kvscope.agent.metrics import snapshot_samples
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.requests import RequestTable
@@ -24,6 +25,7 @@ from kvscope.agent.sources.ingest import STATE_FILE as INGEST_STATE_FILE
 from kvscope.agent.store import RequestStore
 from kvscope.agent.worker import Worker
 from kvscope.catalog import Samples
+from kvscope.samples import join_key
 from kvscope.exporter.otlp import SPAN_RESULTS, RequestSpanExporter
 from kvscope.exporter.prometheus import Exposition
 
@@ -37,6 +39,11 @@ def _unusable(key: str, directory, exc: OSError) -> ConfigError:
            f" (the agent writes its files there: make it a directory this user can create "
            f"files in, or set {key} to one)")
     return ConfigError(f"cannot use {key} {directory}: {exc.strerror or exc}{fix}")
+
+
+def _keyed(samples: Samples, spec: m.MetricSpec) -> dict[str, float]:
+    """``samples[spec]`` as a dashboard sample's dict: label values joined as its keys."""
+    return {join_key(labels): value for labels, value in samples[spec]}
 
 
 class Agent(Worker):
@@ -96,9 +103,15 @@ class Agent(Worker):
 
     def _scrape_samples(self) -> Samples:
         """The metrics read at scrape time outside the pipeline: the host and GPU collectors',
-        the OTLP exporter's span counts and the store's and capture's lost records (0 without
-        them: nothing sent or lost)."""
-        samples = collector_samples(self.collectors.collect())
+        the memory budget breakdown (the collectors' readings with the engines' memory reports;
+        its budgets, the engines' with the configured ones over them, replace the collector's
+        configured ones), the OTLP exporter's span counts and the store's and capture's lost
+        records (0 without them: nothing sent or lost)."""
+        results = self.collectors.collect()
+        samples = collector_samples(results)
+        host, gpu = (results[name].reading if name in results else None
+                     for name in ("host", "gpu"))
+        samples.update(memory_samples(host, gpu, self.pipeline.engine_memory()))
         spans = self.otlp.spans if self.otlp is not None else dict.fromkeys(SPAN_RESULTS, 0)
         samples[m.OTLP_SPANS] = [([result], n) for result, n in spans.items()]
         store = self.store.lost + self.store.unwritable if self.store is not None else 0
@@ -175,11 +188,16 @@ class Agent(Worker):
         gpu = self.collectors.reading("gpu")
         links = ({d.gpu: d.link_max_bytes_per_second for d in gpu.gpus
                   if d.link_max_bytes_per_second} if gpu else None)
+        memory = memory_samples(host, gpu, self.pipeline.engine_memory())
         self.pipeline.publish_settled()  # first, so that the sample counts what just settled
         sample = self.pipeline.record_sample(
             self._clock(), host.available if host else None,
             host_memory_reserve=host.reserve if host else None,
             host_memory_headroom=host.headroom if host else None,
-            offload_budgets=host.budgets if host else None, pcie_link_max=links)
+            offload_budgets=_keyed(memory, m.OFFLOAD_BUDGET_BYTES) if host else None,
+            pcie_link_max=links, host_memory_parts=_keyed(memory, m.HOST_MEMORY_PART_BYTES),
+            gpu_memory_parts=_keyed(memory, m.GPU_MEMORY_PART_BYTES),
+            host_memory_limit=host.limit if host else None,
+            gpu_memory_total={d.gpu: d.memory_total_bytes for d in gpu.gpus} if gpu else None)
         if self.capture is not None:  # the transfer cost compare reads, stores included
             self.capture.add_totals(sample)

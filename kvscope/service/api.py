@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from kvscope import __version__, events as ev
 from kvscope.agent.collectors.metrics import NODE_METRICS, collector_samples
+from kvscope.agent.memory_budget import offload_budgets
 from kvscope.agent.requests import SORT_KEYS
 from kvscope.agent.sources import otlp_receiver as otlp_in
 from kvscope.percentiles import bucket_percentiles, value_percentiles
@@ -143,7 +144,8 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             "host": ({"memory_total_bytes": host.total, "memory_available_bytes": host.available,
                       "memory_limit_bytes": host.limit, "memory_reserve_bytes": host.reserve,
                       "memory_headroom_bytes": host.headroom, "swap_used_bytes": host.swap_used,
-                      "offload_budget_bytes": dict(host.budgets)} if host else None),
+                      "offload_budget_bytes": offload_budgets(
+                          host.budgets, agent.pipeline.engine_memory())} if host else None),
             # exact over the last requests; where none are known, only vLLM's histogram
             # (metrics-only mode): estimated from its buckets
             "ttft_seconds": (value_percentiles(snap.recent_ttft) if snap.recent_ttft else

@@ -305,3 +305,16 @@ def test_tap_passes_answers_through_and_never_raises_into_vllm():
     proc = subprocess.run([python, "-c", _TAP_CHECK], capture_output=True, text=True,
                           timeout=180, env=child_env(), stdin=subprocess.DEVNULL)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_the_tap_reports_the_host_kv_budget_vllm_was_given(offload_run):
+    """The scheduler tap sends vLLM's ``cpu_bytes_to_use`` (tests/vllm_driver.py: CPU_CHUNKS x
+    BYTES_PER_BLOCK, a multiple of vLLM's chunk alignment, so the pool vLLM sized from it holds
+    exactly that: the tier's capacity) as the host KV budget; the worker on vLLM's CPU build,
+    whose KV cache is host memory, reports no GPU. Until vLLM stopped, the agent's budget
+    was the engine's, with nothing configured."""
+    memory = offload_run["tiers_at_close"]["vllm", "memory"]
+    cpu = offload_run["tiers_at_close"]["vllm"]["cpu"]
+    assert memory == {("vllm", ""): {"kv_offload_budget": cpu.capacity_bytes}}
+    assert cpu.capacity_bytes == offload_run["result"]["cpu_blocks"] * \
+        offload_run["result"]["bytes_per_block"] > 0

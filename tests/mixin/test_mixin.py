@@ -30,6 +30,7 @@ REQUIRED_ALERTS = {
 }
 # The listed exception of the end-to-end check: panels that only have data where NVML sees a GPU.
 GPU_ONLY_PANELS = [
+    "kvscope / Node / GPU memory budget (GPU only)",
     "kvscope / Node / GPU memory used against total (GPU only)",
     "kvscope / Node / GPU topology (GPU only)",
     "kvscope / Node / PCIe link utilisation (GPU only)",

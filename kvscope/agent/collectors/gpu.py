@@ -103,6 +103,9 @@ class GpuDevice:
     ``link_max_generation``, ``link_max_width``: the most the link can run at.
     ``numa_node``: the host NUMA node nearest to the GPU (:func:`gpu_numa_node`), or None when
     unknown or the platform has none.
+    ``pci_bus_id``: the GPU's PCI address in sysfs form (``"0000:3b:00.0"``, from NVML's
+    ``nvmlDeviceGetPciInfo().busId``), by which an engine's memory reports name it; None when
+    NVML does not give it.
     ``memory_used_bytes``/``memory_total_bytes``: NVML memory info, bytes."""
 
     gpu: str
@@ -117,6 +120,7 @@ class GpuDevice:
     link_max_generation: int | None = None
     link_max_width: int | None = None
     numa_node: int | None = None
+    pci_bus_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,7 @@ class GpuCollector:
         link_max = (link_max_bytes_per_second(generation, width)
                     if generation is not None and width is not None else None)
         max_generation, max_width = self._capability(nvml, handle)
+        bus_id = self._bus_id(nvml, handle)
         capability = (link_max_bytes_per_second(max_generation, max_width)
                       if max_generation is not None and max_width is not None else None)
         bound = capability or link_max
@@ -231,7 +236,7 @@ class GpuCollector:
                          link_generation=generation, link_width=width,
                          link_max_bytes_per_second=link_max,
                          link_max_generation=max_generation, link_max_width=max_width,
-                         numa_node=self._numa_node(nvml, handle))
+                         numa_node=self._numa_node(nvml, handle, bus_id), pci_bus_id=bus_id)
 
     @staticmethod
     def _optional(nvml, fn, *args):
@@ -254,13 +259,24 @@ class GpuCollector:
         width = self._optional(nvml, get_width, handle) if get_width else None
         return generation, width
 
-    def _numa_node(self, nvml, handle) -> int | None:
+    @staticmethod
+    def _bus_id(nvml, handle) -> str | None:
+        """The GPU's PCI address in sysfs form (:func:`sysfs_bus_id` of NVML's
+        ``nvmlDeviceGetPciInfo().busId``), or None when NVML does not give it (a label's and a
+        match key's input: an NVML error here leaves it unknown, the collector up)."""
+        try:
+            get_pci = getattr(nvml, "nvmlDeviceGetPciInfo", None)
+            return sysfs_bus_id(_text(get_pci(handle).busId)) if get_pci else None
+        except nvml.NVMLError:
+            return None
+
+    def _numa_node(self, nvml, handle, bus_id: str | None) -> int | None:
         """The host NUMA node nearest to the GPU, or None when neither source says.
 
         First NVML's memory affinity at node scope (``nvmlDeviceGetMemoryAffinity``: a mask of
         the nodes whose memory is nearest, nvml.h), when it names exactly one node; else the
-        kernel's ``numa_node`` of the GPU's PCI device (``<pci_devices>/<bus id>/numa_node``,
-        -1: no node). ``nvmlDeviceGetNumaNodeId`` is not used: nvml.h says it "only applies to
+        kernel's ``numa_node`` of the GPU's PCI device ``bus_id`` (sysfs form:
+        ``<pci_devices>/<bus id>/numa_node``, -1: no node). ``nvmlDeviceGetNumaNodeId`` is not used: nvml.h says it "only applies to
         platforms where the GPUs are NUMA nodes", and there it names the GPU's own memory node,
         not the host memory beside it."""
         # a label: any NVML error here leaves it unknown rather than failing the collector
@@ -274,11 +290,6 @@ class GpuCollector:
                  if int(word) >> bit & 1]
         if len(nodes) == 1:
             return nodes[0]
-        try:
-            get_pci = getattr(nvml, "nvmlDeviceGetPciInfo", None)
-            bus_id = sysfs_bus_id(_text(get_pci(handle).busId)) if get_pci else None
-        except nvml.NVMLError:
-            bus_id = None
         if bus_id is None:
             return None
         try:

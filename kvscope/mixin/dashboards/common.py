@@ -79,6 +79,9 @@ class P:
     width: int = 12
     height: int = 8
     stack: str = ""  # "", "normal" or "percent"
+    # queries (by ref id, "B") kept out of the stack: a dashed line, such as the total the
+    # stacked parts add up to
+    unstacked: tuple[str, ...] = ()
     max: float | None = None
     min: float | None = None
     # (value, colour) steps; a first step with value None is the base (else green).
@@ -131,6 +134,11 @@ def _panel(p: P):
              .fill_opacity(10).line_width(1))
         if p.stack:
             b = b.stacking(cb.StackingConfig().mode(cm.StackingMode(p.stack))).fill_opacity(60)
+        for ref in p.unstacked:
+            b = b.override_by_query(ref, [
+                dm.DynamicConfigValue("custom.stacking", {"mode": "none", "group": ref}),
+                dm.DynamicConfigValue("custom.fillOpacity", 0),
+                dm.DynamicConfigValue("custom.lineStyle", {"fill": "dash", "dash": [10, 10]})])
         if p.thresholds:
             b = b.thresholds_style(cb.GraphThresholdsStyleConfig()
                                    .mode(cm.GraphTresholdsStyleMode.DASHED))

@@ -15,6 +15,14 @@ def node(cfg: MixinConfig) -> dict:
     r = Records.of(cfg)
     host = lambda metric, legend: Q(f"sum by (instance) ({metric}{s(cfg)})",  # noqa: E731
                                     f"{{{{instance}}}} {legend}")
+
+    def breakdown(metric: str, whole: str, legend: str) -> dict:
+        """A memory budget breakdown's queries and style: ``metric``'s parts stacked, and the
+        ``whole`` they add up to as a dashed line."""
+        return dict(queries=(Q(f"sum by (part) ({metric}{s(cfg)})", "{{part}}"),
+                             Q(f"sum({whole}{s(cfg)})", legend)),
+                    unit="bytes", stack="normal", unstacked=("B",))
+
     rows = [
         Row("Host memory", (
             P("Host memory", "Physical memory, the tighter of it and the cgroup limit, memory "
@@ -40,6 +48,14 @@ def node(cfg: MixinConfig) -> dict:
                Q(f"sum by (instance, tier) (kvscope_offload_budget_bytes{s(cfg)})",
                  "{{instance}} {{tier}} budget")),
               unit="bytes"),
+            P("Host memory budget", "The host's memory limit split into parts that add up to "
+              "it, stacked: the KV offload budget (what the engine reports, vLLM's "
+              "cpu_bytes_to_use, unless collectors.host budgets override it), the engine "
+              "process's other memory (collectors.host engine_pid), what every other process "
+              "and the kernel hold, the reserve, and what is free. The dashed line is the limit: "
+              "a stack above it is overcommitted. The selected instances together.",
+              **breakdown("kvscope_host_memory_part_bytes", "kvscope_host_memory_limit_bytes",
+                          "limit")),
             P("Swap in use", "Swap the host uses; KV offload in host RAM should not push the "
               "host into swap.",
               (host("kvscope_host_swap_used_bytes", "swap"),), unit="bytes"),
@@ -107,6 +123,15 @@ def node(cfg: MixinConfig) -> dict:
                Q(f"sum by (instance, gpu) (kvscope_gpu_memory_total_bytes{s(cfg)})",
                  "{{instance}} GPU {{gpu}} total")),
               unit="bytes"),
+            P("GPU memory budget (GPU only)", "GPU memory split into parts that add up to NVML's "
+              "total, stacked: the KV cache and the weights with the engine's persistent buffers "
+              "(from vLLM's tap: its KV cache tensors, and the allocator's bytes in use when they "
+              "were handed over), workspace (the rest in use: activations, CUDA graphs and "
+              "context, the allocator's cache, other processes), other (in use, no engine report "
+              "for that GPU) and free. The dashed line is the total. The selected instances' "
+              "GPUs together; docs/collectors.md, Memory budgets.",
+              **breakdown("kvscope_gpu_memory_part_bytes", "kvscope_gpu_memory_total_bytes",
+                          "total")),
         )),
         Row("Collectors", (
             P("Collectors up", "Each collector: up when its last run succeeded (gpu is down on "
