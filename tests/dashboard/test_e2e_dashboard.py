@@ -510,3 +510,39 @@ def test_compare_link_opens_the_verdict_without_a_click(compare_dashboard, brows
                       and status_text(browser, "compare-status"), "the bad-budget status")
     assert status.startswith("cannot compare: ttft_budget='abc'")
     assert not console_errors(browser)
+
+
+# The memory budget figure's bars as drawn: {trace name: [y per whole]}, and its wholes.
+MEMORY_BUDGET_JS = """
+const el = document.getElementById('memory-budget');
+const plot = el && el.querySelector('.js-plotly-plot');
+const out = {};
+for (const t of (plot && plot.data) || []) {
+  out[t.name] = Array.from(t.y || []);
+  out['x:' + t.name] = Array.from(t.x || []);
+}
+return out;
+"""
+
+
+def test_overview_memory_budget_shows_the_engines_own_host_budget(demo, browser):
+    """The demo types no cpu budget: the reference engine reports its cpu tier's size
+    (1024 blocks x its block bytes by default) as its host KV budget, and the host bar's
+    kv_offload part is that, exactly the cpu tier's capacity; the agent's summary agrees. The
+    bar has its limit mark, and the engine's other memory is measured (the demo names its own
+    process as the engine)."""
+    with urllib.request.urlopen(demo.api_url + "/api/v1/summary", timeout=10) as resp:
+        summary = json.load(resp)
+    capacity = summary["tiers"]["cpu"]["capacity_bytes"]
+    assert capacity > 0 and summary["host"]["offload_budget_bytes"] == {"cpu": capacity}
+    browser.get(demo.ui_url)
+    try:
+        drawn = wait_for(browser, lambda: (lambda d: d if d.get("kv_offload") else None)(
+            browser.execute_script(MEMORY_BUDGET_JS)), "the memory budget's host bar")
+    finally:
+        screenshot(browser, "dashboard-memory-budget")
+    host = drawn["x:kv_offload"].index("host")
+    assert drawn["kv_offload"][host] == capacity
+    assert drawn["x:total"][0] == "host" and drawn["total"][0] > capacity
+    assert "engine_other" in drawn and "free" in drawn
+    assert not console_errors(browser)

@@ -3,7 +3,8 @@ the guide's five "skip offload when" conditions judged from the same data
 (:mod:`kvscope.dashboard.offload_verdict`), read before any chart because it is the question the
 charts below answer in detail. Then hit quality (rate and share), TTFT and promotion
 latency percentiles, transfer throughput against the PCIe link, tier residency against
-capacity and budget, host RAM against the reserve, evictions (and those never reused), and
+capacity and budget, host RAM against the reserve, the memory budgets (host and GPU memory by
+part, stacked against the total), evictions (and those never reused), and
 prefill seconds saved against transfer seconds spent; and the load they were measured under,
 which a baseline must record: concurrency and the context-length distribution (from the
 request records).
@@ -19,7 +20,8 @@ from collections.abc import Sequence
 import dash
 from dash import Input, Output, html
 
-from kvscope.dashboard import figures, figures_load, offload_verdict, verdict_view
+from kvscope.dashboard import (figures, figures_load, figures_memory, offload_verdict,
+                               verdict_view)
 from kvscope.dashboard.backend import Backend, BackendUnavailable
 from kvscope.dashboard.pages.common import (GRID_STYLE, Context, graph, samples_status, status,
                                             unreachable_status)
@@ -38,6 +40,7 @@ GRAPHS = {
     "transfer-throughput": (figures.transfer_throughput, figures.TRANSFER_THROUGHPUT_TITLE),
     "tier-residency": (figures.tier_residency, figures.TIER_RESIDENCY_TITLE),
     "host-memory": (figures.host_memory, figures.HOST_MEMORY_TITLE),
+    "memory-budget": (figures_memory.memory_budget, figures_memory.MEMORY_BUDGET_TITLE),
     "evictions": (figures.evictions, figures.EVICTIONS_TITLE),
     "savings": (figures.savings, figures.SAVINGS_TITLE),
     "concurrency": (figures_load.concurrency, figures_load.CONCURRENCY_TITLE),
