@@ -98,7 +98,8 @@ class GpuCollectorConfig(Section):
 
 class NumaCollectorConfig(Section):
     """``engine_pid``: the serving engine's process, whose memory per NUMA node is read from
-    ``/proc/<pid>/numa_maps`` (None: the host's NUMA nodes only)."""
+    ``/proc/<pid>/numa_maps`` (None: the processes the taps run in, as their batches name
+    them, and the host's NUMA nodes only while no tap has sent; docs/collectors.md)."""
 
     enabled: bool = True
     engine_pid: int | None = Field(None, gt=0)

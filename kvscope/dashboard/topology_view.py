@@ -154,7 +154,8 @@ def _numa_part(t: Topology) -> list[html.Div]:
                              f"{placement_text(t.engine_bytes)}",
                              className="topology-engine-numa", **{"data-state": "measured"})
     else:
-        why = ("no [collectors.numa] engine_pid set, or the kernel has no numa_maps"
+        why = ("no [collectors.numa] engine_pid set and no tap heard from, or the kernel "
+               "has no numa_maps"
                if t.numa_up else
                "the numa collector is down: see kvscope_collector_up{collector=\"numa\"}"
                if t.numa_up is False else "the numa collector is off")

@@ -78,6 +78,10 @@ class Agent(Worker):
         if self.ingest is not None and self.store is not None:
             # beside the requests they counted: a restart counts what was lost meanwhile
             self.ingest.state_path = self.store.directory / INGEST_STATE_FILE
+        numa = self.collectors.get("numa")
+        if numa is not None and self.ingest is not None:
+            # without [collectors.numa] engine_pid: the processes the taps run in
+            numa.follow(self.ingest.engine_pids)
         self.otlp = (RequestSpanExporter(settings.otlp_endpoint)
                      if settings.otlp_endpoint else None)
         self.capture = (CaptureWriter(settings.capture_dir, max_bytes=settings.capture_max_bytes,

@@ -186,3 +186,36 @@ def test_real_proc_sees_this_process_grow_by_what_it_touches():
     grown = sum(after.engine_bytes.values()) - sum(before.engine_bytes.values())
     assert 56 * MiB <= grown <= 72 * MiB, grown
     del block
+
+
+def test_without_engine_pid_it_follows_the_taps_processes_and_adds_them_up(tmp_path):
+    """No engine_pid: the processes the taps run in (``follow``, from each batch's pid) are
+    read and added up per node; one that has ended is skipped, not a failure; a configured
+    engine_pid wins over them."""
+    tree = _tree(tmp_path, online="0-2\n")  # process 4242 with the two-node numa_maps
+    (tree["proc"] / "4343").mkdir()
+    (tree["proc"] / "4343" / "numa_maps").write_text(
+        "7f0000000000 bind:2 anon=256 dirty=256 N2=256 kernelpagesize_kB=4\n")
+    collector = NumaCollector(**tree)
+    asked = []
+    collector.follow(lambda: asked.append(1) or [4343, 4242, 4242, 5555])  # 5555 has ended
+    reading = collector.collect()
+    assert reading == NumaReading((0, 1, 2), None, {0: 22_982_656, 1: 1_090_650_112,
+                                                    2: 256 * PAGE}, (4242, 4343, 5555))
+    s = _samples({"numa": CollectorSet(["numa"], {"numa": tree}).collect()["numa"]})
+    assert s["kvscope_process_numa_bytes"] == []  # a collector nothing told to follow
+    collector.follow(lambda: [5555])  # every tap's process ended: nothing known, still up
+    assert collector.collect() == NumaReading((0, 1, 2), None, None, (5555,))
+    configured = NumaCollector(4242, **tree)
+    configured.follow(lambda: [4343])
+    assert configured.collect().engine_bytes == {0: 22_982_656, 1: 1_090_650_112, 2: 0}
+    assert len(asked) == 1
+
+
+def test_following_this_process_on_the_real_proc():
+    """On this machine's real /proc: the test process, followed as a tap's, has memory on
+    some node."""
+    collector = NumaCollector()
+    collector.follow(lambda: [os.getpid()])
+    reading = collector.collect()
+    assert reading.followed == (os.getpid(),) and sum(reading.engine_bytes.values()) > 0

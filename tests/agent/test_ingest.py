@@ -1225,3 +1225,32 @@ def test_after_a_kill_9_every_batch_sent_is_folded_or_counted(tmp_path):
             new.shutdown()
     gap = pipeline.snapshot().events_dropped.get(("vllm", "gap"), 0)
     assert saved > 100 and gap > 0
+
+
+def test_the_agent_learns_the_processes_the_taps_run_in(source, tmp_path):
+    """Each batch names its emitter's process: a real emitter's is this one. With a worker tap
+    (a scope: vLLM's worker, which holds the host KV pool) among them, only the workers' count;
+    a tap that closes (its final batch) leaves; an older tap's batch (pid 0) adds nothing."""
+    emitter = Emitter(_endpoint(tmp_path), source="engine", flush_interval=0.01)
+    emitter.emit(_lookup(0))
+    assert wait_until(lambda: source.engine_pids() == (os.getpid(),))
+
+    def batch(src, pid, scope="", final=False):
+        return ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source=src, seq=0,
+                                        session=f"{src}-{pid}", events=[], scope=scope,
+                                        final=final, pid=pid))
+
+    ingest = IngestSource(Pipeline())
+    ingest.handle(batch("vllm", 0))
+    assert ingest.engine_pids() == ()
+    ingest.handle(batch("vllm", 100))
+    assert ingest.engine_pids() == (100,)
+    ingest.handle(batch("vllm-worker", 201, scope="vllm"))
+    ingest.handle(batch("vllm-worker", 202, scope="vllm"))
+    assert ingest.engine_pids() == (201, 202)
+    ingest.handle(batch("vllm-worker", 201, scope="vllm", final=True))
+    assert ingest.engine_pids() == (202,)
+    ingest.handle(batch("vllm-worker", 202, scope="vllm", final=True))
+    assert ingest.engine_pids() == (100,)
+    emitter.close()
+    assert wait_until(lambda: source.engine_pids() == ())

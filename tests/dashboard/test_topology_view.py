@@ -84,7 +84,8 @@ def test_a_host_without_a_gpu_says_no_gpu_never_zero():
     assert " 0" not in text
     assert parts["topology-engine-numa"] == (
         "not-measured", "engine process memory by NUMA node: not measured (no "
-        "[collectors.numa] engine_pid set, or the kernel has no numa_maps)")
+        "[collectors.numa] engine_pid set and no tap heard from, or the kernel has no "
+        "numa_maps)")
     # collectors switched off or down say so, not a number
     parts = _parts(tv.section([_s("kvscope_collector_up", 0.0, collector="numa")]))
     assert "the gpu collector is off" in parts["topology-gpus"][1]

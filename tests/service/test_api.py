@@ -323,3 +323,34 @@ def test_node_gives_the_collectors_series_as_on_metrics():
         assert {s["name"] for s in picked["series"]} == {"kvscope_collector_up"}
         bad = c.get("/api/v1/node", params={"metric": "kvscope_nope"})
         assert bad.status_code == 422 and "kvscope_nope" in bad.json()["detail"]
+
+
+def test_without_engine_pid_the_node_places_the_memory_of_the_process_a_tap_runs_in(tmp_path):
+    """The agent's numa collector, with no engine_pid configured, reads the process a tap's
+    batches come from (here this one, through a real emitter and the agent's real ingest):
+    kvscope_process_numa_bytes appears once the tap has sent, and leaves when it closes."""
+    import os
+
+    from conftest import wait_until
+    from kvscope.agent.taps.emitter import Emitter
+
+    endpoint = f"ipc://{tmp_path}/ingest.sock"
+    agent = Agent(AgentSettings(ingest={"endpoint": endpoint}, collectors={"gpu": {
+        "enabled": False}}))
+
+    def placed(c):
+        return {s["labels"]["numa_node"]: s["value"] for s in c.get(
+            "/api/v1/node", params={"metric": "kvscope_process_numa_bytes"}).json()["series"]}
+
+    agent.start()
+    try:
+        with TestClient(create_app(agent)) as c:
+            assert placed(c) == {}  # no engine_pid, no tap yet: not known, not 0
+            emitter = Emitter(endpoint, source="engine", flush_interval=0.01)
+            emitter.emit(ev.Lookup(ts=1.0, request_id="r", tokens={"recompute": 16}))
+            assert wait_until(lambda: agent.ingest.engine_pids() == (os.getpid(),))
+            assert sum(placed(c).values()) > 0
+            emitter.close()
+            assert wait_until(lambda: placed(c) == {})
+    finally:
+        agent.shutdown()

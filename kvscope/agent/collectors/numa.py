@@ -144,13 +144,16 @@ def numa_node_bytes(mappings: Iterable[NumaMapping], base_page_size: int,
 class NumaReading:
     """``nodes``: the host's online NUMA nodes (``/sys/devices/system/node/online``), or None
     when the kernel shows none (no NUMA support). ``engine_pid``: the process read, or None.
-    ``engine_bytes``: dict[node, bytes] of that process's mapped memory per node, a node of
-    ``nodes`` without its pages at 0; None when no process is configured or the kernel has no
-    ``numa_maps``."""
+    ``engine_bytes``: dict[node, bytes] of that process's mapped memory per node (of the
+    followed processes together, without one), a node of ``nodes`` without its pages at 0;
+    None when no process is configured or followed, or the kernel has no ``numa_maps``.
+    ``followed``: the taps' processes read, without ``engine_pid`` (:meth:`NumaCollector.follow`),
+    sorted; () when none."""
 
     nodes: tuple[int, ...] | None = None
     engine_pid: int | None = None
     engine_bytes: Mapping[int, int] | None = None
+    followed: tuple[int, ...] = ()
 
 
 def _read(path: Path) -> str | None:
@@ -166,7 +169,7 @@ class NumaCollector:
     once per ``collect()``.
 
     ``engine_pid``: the serving engine's process (vLLM's, whose pinned host KV pool is the one
-    to place), or None. ``node_root``: ``/sys/devices/system/node``. ``proc``: ``/proc``.
+    to place), or None: then the processes :meth:`follow` names, if any. ``node_root``: ``/sys/devices/system/node``. ``proc``: ``/proc``.
     ``page_size``: the kernel's base page size in bytes (default ``os.sysconf``), for ranges
     whose line does not give one.
     ``collect()`` raises NoDataError when the kernel shows no NUMA nodes and no process is
@@ -186,24 +189,42 @@ class NumaCollector:
         self._node_root = Path(node_root)
         self._proc = Path(proc)
         self._page_size = page_size
+        self._follow: Callable[[], Iterable[int]] = tuple
+
+    def follow(self, pids: Callable[[], Iterable[int]]) -> None:
+        """Without ``engine_pid``, read the processes ``pids()`` names at each collect: the
+        engine processes the taps run in (``IngestSource.engine_pids``, from each batch's
+        ``pid``), their memory per node added up. One that has ended meanwhile is skipped."""
+        self._follow = pids
 
     def collect(self) -> NumaReading:
         online = _read(self._node_root / "online")
         nodes = parse_node_list(online) if online is not None else None
-        if self._pid is None:
-            if nodes is None:
-                raise NoDataError(f"no NUMA nodes shown in {self._node_root}")
-            return NumaReading(nodes=nodes)
-        return NumaReading(nodes, self._pid, self._engine_bytes(nodes))
+        if self._pid is not None:
+            return NumaReading(nodes, self._pid, self._engine_bytes(self._pid, nodes))
+        followed = tuple(sorted(set(self._follow())))
+        if followed:
+            found = [b for pid in followed
+                     if (b := self._engine_bytes(pid, nodes, followed=True)) is not None]
+            total = ({node: sum(b.get(node, 0) for b in found) for node in sorted(
+                {node for b in found for node in b})} if found else None)
+            return NumaReading(nodes, None, total, followed)
+        if nodes is None:
+            raise NoDataError(f"no NUMA nodes shown in {self._node_root}")
+        return NumaReading(nodes=nodes)
 
-    def _engine_bytes(self, nodes: tuple[int, ...] | None) -> dict[int, int] | None:
-        process = self._proc / str(self._pid)
+    def _engine_bytes(self, pid: int, nodes: tuple[int, ...] | None,
+                      followed: bool = False) -> dict[int, int] | None:
+        """Process ``pid``'s bytes per node; None when the kernel has no numa_maps, or a
+        ``followed`` process has ended. Raises CollectorError for a configured process that has
+        ended and for one that may not be read."""
+        process = self._proc / str(pid)
         try:
             text = (process / "numa_maps").read_text()
         except (FileNotFoundError, ProcessLookupError):
-            if process.is_dir():
-                return None  # a kernel without NUMA support has no numa_maps
-            raise CollectorError(f"engine process {self._pid} (engine_pid) is not running") from None
+            if process.is_dir() or followed:
+                return None  # a kernel without NUMA support has no numa_maps; a tap's engine ended
+            raise CollectorError(f"engine process {pid} (engine_pid) is not running") from None
         except PermissionError:
             raise CollectorError(f"cannot read {process / 'numa_maps'}: it needs the engine's "
                                  "user (or ptrace read access)") from None

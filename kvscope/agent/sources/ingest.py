@@ -97,6 +97,7 @@ STREAMS_PER_SOURCE = 64
 # sequence is a sender that is confused, not 10^6 lost batches.
 MAX_GAP = 1 << 20
 MAX_WARNED = 1024  # distinct (source, reason) drops logged at most
+MAX_PIDS = 256  # emitters whose process is kept (engine_pids): a node's taps, with room
 # Bytes a received message costs beyond its own (the bytes object and its place in the queue):
 # what the queue bound counts for it, so that empty messages cannot fill memory uncounted
 MESSAGE_OVERHEAD = 64
@@ -189,6 +190,9 @@ class IngestSource(SourceWorker):
         # its emitters, latest last
         self._streams: dict[str, OrderedDict[str, tuple[int, int, dict[str, int]]]] = {}
         self._warned: set = set()  # what was logged once (see _warn_once)
+        # (source, session) -> (its process, a worker tap's), latest last: see engine_pids
+        self._pids: OrderedDict[tuple[str, str], tuple[int, bool]] = OrderedDict()
+        self._pids_lock = threading.Lock()  # read from the scrape thread
         self._expected: set[str] = set()  # sources whose drop reasons are exported
         self._socket = None
         self.state_path: Path | None = None
@@ -401,8 +405,32 @@ class IngestSource(SourceWorker):
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
         self.pipeline.ingest(batch.source, batch.events, scope=batch.scope or None)
+        self._note_pid(batch)
         if batch.final:
             self.pipeline.forget_tiers(batch.source)
+
+    def _note_pid(self, batch: ev.Batch) -> None:
+        """Keep the process of the batch's emitter (``Batch.pid``; a final batch's leaves), at
+        most :data:`MAX_PIDS` emitters, the least recently heard from going first."""
+        if not batch.pid:
+            return
+        key = (batch.source, batch.session)
+        with self._pids_lock:
+            self._pids.pop(key, None)
+            if not batch.final:
+                self._pids[key] = (batch.pid, bool(batch.scope))
+                while len(self._pids) > MAX_PIDS:
+                    self._pids.popitem(last=False)
+
+    def engine_pids(self) -> tuple[int, ...]:
+        """The engine processes the taps run in, as their batches name them (``Batch.pid``),
+        sorted and distinct: those of worker taps (a ``scope``: vLLM's workers, which hold the
+        host KV pool) when any, else every tap's; a tap that closed is left out. What the numa
+        collector reads when no ``engine_pid`` is configured. Thread-safe."""
+        with self._pids_lock:
+            taps = list(self._pids.values())
+        workers = {pid for pid, worker in taps if worker}
+        return tuple(sorted(workers or {pid for pid, _worker in taps}))
 
     def _admit(self, source: str) -> bool:
         """Whether ``source`` is a name the agent accepts, and room is left for it; logs each

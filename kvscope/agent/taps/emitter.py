@@ -290,7 +290,7 @@ class Emitter:
         return ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
                         events=events, session=self._session, dropped=self.dropped,
                         engine=self._engine, model=self._model, scope=self._scope, final=final,
-                        errors=self._errors())
+                        errors=self._errors(), pid=os.getpid())
 
     def _errors(self) -> dict[str, int]:
         if self.tap_errors is None:
