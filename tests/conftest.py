@@ -231,18 +231,19 @@ PROMETHEUS_START_TIMEOUT_S = 60.0
 
 
 @contextlib.contextmanager
-def running_prometheus(target: str, workdir: Path, log_name: str, rule_files=(),
+def running_prometheus(target: str | list[str], workdir: Path, log_name: str, rule_files=(),
                        flags=()) -> Iterator[str]:
     """A real Prometheus (Debian's package) on a free loopback port, scraping ``target``
-    (host:port) every second with ``rule_files`` loaded, its TSDB under ``workdir``; yields its
-    base URL and stops it with SIGTERM afterwards. Fails the test with the log's tail when it
-    does not become ready within a bound."""
+    (host:port, or a list of them) every second with ``rule_files`` loaded, its TSDB under
+    ``workdir``; yields its base URL and stops it with SIGTERM afterwards. Fails the test with
+    the log's tail when it does not become ready within a bound."""
     port = free_port()
     config = workdir / "prometheus.yml"
     config.write_text(json.dumps({  # JSON is YAML
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": "kvscope", "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": [{"job_name": "kvscope", "static_configs": [
+            {"targets": [target] if isinstance(target, str) else target}]}],
     }))
     log_path = artifacts_dir() / log_name
     cmd = [PROMETHEUS, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
