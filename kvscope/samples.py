@@ -127,6 +127,12 @@ GPU_MEMORY_PART_BYTES = _f("gpu_memory_part_bytes", c.GPU_MEMORY_PART_BYTES, Kin
 HOST_MEMORY_LIMIT_BYTES = _f("host_memory_limit_bytes", c.HOST_MEMORY_LIMIT_BYTES, Kind.SCALAR)
 GPU_MEMORY_TOTAL_BYTES = _f("gpu_memory_total_bytes", c.GPU_MEMORY_TOTAL_BYTES, Kind.GAUGE,
                             ["gpu"], fleet_by=["instance"])
+# misconfigurations (kvscope.dashboard.misconfig): bytes read back in from swap since boot (a
+# counter, 0 without a host reading: measured only where host_memory_limit_bytes is), and the
+# model weights per GPU the engine keeps in host RAM (a fleet: the largest)
+HOST_SWAP_IN_BYTES = _f("host_swap_in_bytes", c.HOST_SWAP_IN_BYTES, Kind.COUNTER)
+ENGINE_WEIGHT_OFFLOAD_BYTES = _f("engine_weight_offload_bytes", c.ENGINE_WEIGHT_OFFLOAD_BYTES,
+                                 Kind.SCALAR, fleet="max")
 
 # in sample order (the order of a recorded sample's keys, after ``ts``)
 FIELDS: tuple[SampleField, ...] = (
@@ -137,7 +143,8 @@ FIELDS: tuple[SampleField, ...] = (
     TIER_CAPACITY_BLOCKS, HOST_MEMORY_RESERVE_BYTES, HOST_MEMORY_HEADROOM_BYTES,
     OFFLOAD_BUDGET_BYTES, PCIE_LINK_MAX_BYTES_PER_SECOND, REQUESTS_WAITING, REQUESTS_RUNNING,
     PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO, HOST_MEMORY_PART_BYTES, GPU_MEMORY_PART_BYTES,
-    HOST_MEMORY_LIMIT_BYTES, GPU_MEMORY_TOTAL_BYTES,
+    HOST_MEMORY_LIMIT_BYTES, GPU_MEMORY_TOTAL_BYTES, HOST_SWAP_IN_BYTES,
+    ENGINE_WEIGHT_OFFLOAD_BYTES,
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 BY_NAME: dict[str, SampleField] = {f.name: f for f in FIELDS}

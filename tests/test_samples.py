@@ -120,7 +120,8 @@ def test_the_pipeline_records_exactly_the_declared_fields_in_their_shapes():
                                 offload_budgets={"cpu": 4096}, pcie_link_max={"0": 3.2e10},
                                 host_memory_parts={"kv_offload": 4096.0, "free": 1e9},
                                 gpu_memory_parts={"0->kv_cache": 2048.0},
-                                host_memory_limit=2e9, gpu_memory_total={"0": 8e10})
+                                host_memory_limit=2e9, gpu_memory_total={"0": 8e10},
+                                host_swap_in=4096.0, engine_weight_offload=2.0**31)
     assert list(sample) == ["ts", *NAMES]  # the JSON's keys, in this order
     assert pipe.samples()[-1] is sample
     for f in FIELDS:

@@ -371,7 +371,9 @@ class Pipeline:
                       host_memory_parts: Mapping[str, float] | None = None,
                       gpu_memory_parts: Mapping[str, float] | None = None,
                       host_memory_limit: float | None = None,
-                      gpu_memory_total: Mapping[str, float] | None = None) -> dict:
+                      gpu_memory_total: Mapping[str, float] | None = None,
+                      host_swap_in: float | None = None,
+                      engine_weight_offload: float | None = None) -> dict:
         """Append a one-second sample of the state now, and return it (see
         :meth:`~kvscope.agent.sample_history.SampleHistory.record`: the fields, host values
         and units)."""
@@ -385,7 +387,9 @@ class Pipeline:
                                     host_memory_parts=host_memory_parts,
                                     gpu_memory_parts=gpu_memory_parts,
                                     host_memory_limit=host_memory_limit,
-                                    gpu_memory_total=gpu_memory_total)
+                                    gpu_memory_total=gpu_memory_total,
+                                    host_swap_in=host_swap_in,
+                                    engine_weight_offload=engine_weight_offload)
 
     def samples(self, since: float | None = None, window: float | None = None) -> list[dict]:
         """Samples with ``ts > since`` (all when None), oldest first; ``window``: seconds, only

@@ -38,7 +38,9 @@ class SampleHistory:
                host_memory_parts: Mapping[str, float] | None = None,
                gpu_memory_parts: Mapping[str, float] | None = None,
                host_memory_limit: float | None = None,
-               gpu_memory_total: Mapping[str, float] | None = None) -> dict:
+               gpu_memory_total: Mapping[str, float] | None = None,
+               host_swap_in: float | None = None,
+               engine_weight_offload: float | None = None) -> dict:
         """Append a one-second sample, and return it: ``ts`` and every field of
         :data:`kvscope.samples.FIELDS` (their shapes, keys and units are declared there):
         cumulative counters and current gauges at ``ts``, and percentiles of the observations
@@ -51,7 +53,10 @@ class SampleHistory:
         direction. ``host_memory_parts``: dict[part, bytes]; ``gpu_memory_parts``:
         dict["gpu->part", bytes] (the memory budget breakdown, :mod:`kvscope.agent.memory_budget`),
         and the wholes they add up to: ``host_memory_limit``, bytes (None when unknown), and
-        ``gpu_memory_total``: dict[gpu, bytes].
+        ``gpu_memory_total``: dict[gpu, bytes]. ``host_swap_in``: bytes read back in from swap
+        since boot (a counter: 0 when unknown, as ``host_memory_limit`` then says);
+        ``engine_weight_offload``: model weight bytes per GPU the engine keeps in host RAM,
+        None when unknown.
 
         The percentile work happens here, once per sample, never per event.
         """
@@ -104,6 +109,8 @@ class SampleHistory:
                 sf.GPU_MEMORY_PART_BYTES: dict(gpu_memory_parts or {}),
                 sf.HOST_MEMORY_LIMIT_BYTES: host_memory_limit,
                 sf.GPU_MEMORY_TOTAL_BYTES: dict(gpu_memory_total or {}),
+                sf.HOST_SWAP_IN_BYTES: host_swap_in or 0.0,
+                sf.ENGINE_WEIGHT_OFFLOAD_BYTES: engine_weight_offload,
             }))
             return self._samples[-1]
 

@@ -190,6 +190,7 @@ class Agent(Worker):
         """Record one dashboard sample now, with the host and GPU readings that are up."""
         host = self.collectors.reading("host")
         gpu = self.collectors.reading("gpu")
+        engine = self.collectors.reading("engine_args")
         links = ({d.gpu: d.link_max_bytes_per_second for d in gpu.gpus
                   if d.link_max_bytes_per_second} if gpu else None)
         memory = memory_samples(host, gpu, self.pipeline.engine_memory())
@@ -202,6 +203,8 @@ class Agent(Worker):
             pcie_link_max=links, host_memory_parts=_keyed(memory, m.HOST_MEMORY_PART_BYTES),
             gpu_memory_parts=_keyed(memory, m.GPU_MEMORY_PART_BYTES),
             host_memory_limit=host.limit if host else None,
-            gpu_memory_total={d.gpu: d.memory_total_bytes for d in gpu.gpus} if gpu else None)
+            gpu_memory_total={d.gpu: d.memory_total_bytes for d in gpu.gpus} if gpu else None,
+            host_swap_in=host.swap_in if host else None,
+            engine_weight_offload=engine.weight_offload_bytes if engine else None)
         if self.capture is not None:  # the transfer cost compare reads, stores included
             self.capture.add_totals(sample)

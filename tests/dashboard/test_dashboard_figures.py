@@ -399,7 +399,8 @@ def test_backend_raises_typed_error_when_nothing_listens():
 
 def test_refresh_shows_unreachable_agent_instead_of_failing():
     backend = AgentBackend("http://127.0.0.1:9", timeout=1.0)
-    *figs, advice, status = overview.refresh(backend, window_seconds=900)
+    *figs, advice, found, status = overview.refresh(backend, window_seconds=900)
+    assert found == []  # no misconfiguration banner without data
     assert status.startswith("agent unreachable: http://127.0.0.1:9 (")
     assert status in str(advice)
     assert [annotation_texts(f) for f in figs] == [

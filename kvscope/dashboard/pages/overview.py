@@ -23,6 +23,9 @@ from dash import Input, Output, html
 from kvscope.dashboard import (figures, figures_load, figures_memory, offload_verdict,
                                verdict_view)
 from kvscope.dashboard.backend import Backend, BackendUnavailable
+from kvscope.dashboard.misconfig import detect as detect_misconfig
+from kvscope.dashboard.misconfig_view import SECTION_ID as MISCONFIG_ID
+from kvscope.dashboard.misconfig_view import section as misconfig_section
 from kvscope.dashboard.pages.common import (GRID_STYLE, Context, graph, samples_status, status,
                                             unreachable_status)
 from kvscope.dashboard.series import last_window, thin
@@ -59,6 +62,7 @@ def layout() -> html.Div:
         status(STATUS_ID),
         html.Div(verdict_view.placeholder(), id=verdict_view.SECTION_ID,
                  style={"padding": "0 16px"}),
+        html.Div([], id=MISCONFIG_ID, style={"padding": "0 16px"}),
         html.Div([graph(gid, figures.message_figure(title, "loading…"))
                   for gid, (_build, title) in GRAPHS.items()], style=GRID_STYLE),
     ])
@@ -68,7 +72,8 @@ def register_callbacks(app: dash.Dash, ctx: Context) -> None:
     """Bind this page's refresh to ``app`` (not Dash's global list)."""
 
     @app.callback(*[Output(gid, "figure") for gid in GRAPHS],
-                  Output(verdict_view.SECTION_ID, "children"), Output(STATUS_ID, "children"),
+                  Output(verdict_view.SECTION_ID, "children"),
+                  Output(MISCONFIG_ID, "children"), Output(STATUS_ID, "children"),
                   Input("refresh", "n_intervals"), Input("instance", "value"))
     def _refresh(_n: int, instance: str | None) -> tuple:
         return refresh(ctx.backend, ctx.window_seconds, instance, ctx.max_points, ctx.offload)
@@ -78,18 +83,21 @@ def refresh(backend: Backend, window_seconds: float, instance: str | None = None
             max_points: int = 720,
             offload: offload_verdict.Settings = offload_verdict.Settings()) -> tuple:
     """Read the backend once and render: (*figures in :data:`GRAPHS` order, the "Should I
-    offload here?" block judged with ``offload``, the status line). An unreachable backend gives
-    placeholders and a status line saying so (never an exception into Dash)."""
+    offload here?" block judged with ``offload``, the misconfiguration banners (judged on the
+    same window), the status line). An unreachable backend gives placeholders and a status line
+    saying so (never an exception into Dash)."""
     try:
         samples = backend.timeseries(window_seconds, instance)
         _total, records = backend.requests(limit=RECORDS, instance=instance)
     except BackendUnavailable as exc:
         return (*[figures.unreachable_figure(title, exc.url, exc.what)
                   for _build, title in GRAPHS.values()],
-                verdict_view.placeholder(unreachable_status(exc)), unreachable_status(exc))
+                verdict_view.placeholder(unreachable_status(exc)), [],
+                unreachable_status(exc))
     figs = render(samples, window_seconds, max_points, records)
     advice = verdict_view.section(offload_verdict.assess(samples, records, offload))
-    return (*figs, advice, samples_status(backend, instance, samples))
+    found = misconfig_section(detect_misconfig(last_window(samples, offload.window_seconds)))
+    return (*figs, advice, found, samples_status(backend, instance, samples))
 
 
 def render(samples: Sequence[dict], window_seconds: float, max_points: int = 720,

@@ -1,0 +1,306 @@
+"""Misconfiguration detectors: the guide's failure modes that a setting causes, each judged from
+the dashboard's samples with what is wrong and what to change.
+
+The same conditions as the mixin's alerts (``kvscope/mixin/alerts.py``, their runbooks in
+docs/runbooks.md), with the alerts' thresholds (:class:`~kvscope.mixin.config.MixinConfig`)
+applied to the window the Overview shows instead of a rate window and a ``for:``:
+
+- ``weight-offload``: weight offload without KV offload (the guide's failure mode 2;
+  KvscopeWeightOffloadWithoutKVOffload);
+- ``budget-over-limit``: the host-RAM budget + reserve above the memory limit (3;
+  KvscopeOffloadBudgetOverLimit);
+- ``swap-in``: swap-in while a host-RAM tier is on (3; KvscopeSwapInWhileOffloading);
+- ``tier-negligible``: a tier holds data but serves a negligible share of tokens (4;
+  KvscopeTierIneffective, which also needs the tier nearly full);
+- ``promotion-slower``: promotions slower than recompute (4;
+  KvscopePromotionSlowerThanRecompute);
+- ``stored-for-nothing``: evicted blocks never reused (1; KvscopeOffloadThrash);
+- ``numa-remote``: the host KV pool on another NUMA node than its GPU (5;
+  KvscopeKVPoolRemoteNUMA).
+
+Each gives one :class:`Finding` whose status is one of :data:`STATUSES`. A detector whose
+signal no sample carries says "not measured" and why, never "ok".
+
+Pure: samples (the shape of :mod:`kvscope.samples`) in, findings out; no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvscope.dashboard.series import (Sample, bucket_increase, is_number, is_promotion, mapping,
+                                      ordered, scalar_increase, window_increase)
+from kvscope.mixin.config import MixinConfig
+from kvscope.vocabulary import TIERS
+
+MISCONFIGURED = "misconfigured"
+OK = "ok"
+NOT_MEASURED = "not measured"
+STATUSES = (MISCONFIGURED, OK, NOT_MEASURED)
+OFFLOAD_TIERS = TIERS[1:]  # every tier but the GPU's own prefix cache
+GIB = 1024 ** 3
+_MIXIN = MixinConfig()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Thresholds, by default the alerts' (:class:`~kvscope.mixin.config.MixinConfig`):
+    ``host_memory_tiers``: tiers whose budget is host RAM; ``negligible_share``: a tier's share
+    of prompt tokens (0-1) under which it serves nothing worth its memory;
+    ``recompute_faster_ratio``: promotion seconds per prefill second saved above which
+    recomputing is faster; ``unused_share``: share of evicted blocks never hit (0-1) above which
+    a tier stores for nothing, judged from ``min_evictions`` evicted blocks (default 20);
+    ``numa_local_min_share``: share of the engine's memory (0-1) on a GPU's NUMA node."""
+
+    host_memory_tiers: tuple[str, ...] = _MIXIN.host_memory_tiers
+    negligible_share: float = _MIXIN.ineffective_max_share
+    recompute_faster_ratio: float = _MIXIN.recompute_faster_ratio
+    unused_share: float = _MIXIN.thrash_unused_share
+    min_evictions: int = 20
+    numa_local_min_share: float = _MIXIN.numa_local_min_share
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One detector's answer: ``key`` (stable, see the module), ``title`` (the
+    misconfiguration), ``status`` (:data:`STATUSES`), ``wrong`` (what is wrong, with numbers;
+    or why it is fine or not measured), ``change`` (what to change; empty unless misconfigured)
+    and ``alert``, the mixin alert of the same condition."""
+
+    key: str
+    title: str
+    status: str
+    wrong: str
+    change: str = ""
+    alert: str = ""
+
+
+TITLES = {
+    "weight-offload": ("Weight offload without KV offload", "KvscopeWeightOffloadWithoutKVOffload"),
+    "budget-over-limit": ("KV offload budget + reserve above the memory limit",
+                          "KvscopeOffloadBudgetOverLimit"),
+    "swap-in": ("Swap-in while host-RAM offload is on", "KvscopeSwapInWhileOffloading"),
+    "tier-negligible": ("A tier holds data but serves a negligible share of tokens",
+                        "KvscopeTierIneffective"),
+    "promotion-slower": ("Promotions slower than recompute", "KvscopePromotionSlowerThanRecompute"),
+    "stored-for-nothing": ("Blocks stored for nothing", "KvscopeOffloadThrash"),
+    "numa-remote": ("Host KV pool on another NUMA node than its GPU", "KvscopeKVPoolRemoteNUMA"),
+}
+
+
+def _finding(key: str, status: str, wrong: str, change: str = "") -> Finding:
+    title, alert = TITLES[key]
+    return Finding(key, title, status, wrong, change if status == MISCONFIGURED else "", alert)
+
+
+def _missing(key: str, field: str, how: str) -> Finding:
+    return _finding(key, NOT_MEASURED, f"not measured: no sample carries {field} ({how}); the "
+                    f"alert {TITLES[key][1]} evaluates it in Prometheus")
+
+
+def detect(window: Sequence[Sample], settings: Settings = Settings()) -> tuple[Finding, ...]:
+    """Every detector on ``window`` (the samples judged, oldest first), in :data:`TITLES`
+    order."""
+    s = settings
+    return (weight_offload(window), budget_over_limit(window, s), swap_in(window, s),
+            tier_negligible(window, s), promotion_slower(window, s),
+            stored_for_nothing(window, s), numa_remote(window, s))
+
+
+def kv_offload_on(window: Sequence[Sample], tiers: Sequence[str] = OFFLOAD_TIERS) -> bool:
+    """Whether any of ``tiers`` has a budget or a capacity above 0 (newest sample), or blocks
+    were offloaded into it in the window."""
+    newest = window[-1] if window else {}
+    sized = any(_positive(mapping(newest, f).get(t)) for t in tiers
+                for f in ("offload_budget_bytes", "tier_capacity_bytes"))
+    stored = window_increase(window, "transfer_bytes")
+    return sized or any(v > 0 for d, v in stored.items()
+                        if not is_promotion(d) and d.partition("->")[2] in tiers)
+
+
+def weight_offload(window: Sequence[Sample]) -> Finding:
+    """``engine_weight_offload_bytes`` (bytes per GPU, vLLM's --cpu-offload-gb) above 0 while
+    no offload tier is on (:func:`kv_offload_on`)."""
+    key = "weight-offload"
+    weights = _newest(window, "engine_weight_offload_bytes")
+    if weights is None:
+        return _missing(key, "engine_weight_offload_bytes",
+                        "the engine's command line, [collectors.engine_args] engine_pid")
+    if weights > 0 and not kv_offload_on(window):
+        return _finding(key, MISCONFIGURED,
+                        f"the engine keeps {_gib(weights)} of model weights per GPU in host RAM "
+                        "(--cpu-offload-gb) and no KV offload tier is configured: this moves "
+                        "weights, not KV; it adds transfer work to every forward pass",
+                        "drop --cpu-offload-gb if the model fits without it; for KV offload "
+                        "use --kv-offloading-size")
+    return _finding(key, OK, f"weight offload {_gib(weights)} per GPU"
+                    + (", with KV offload on" if weights > 0 else ""))
+
+
+def budget_over_limit(window: Sequence[Sample], s: Settings) -> Finding:
+    """The host-RAM tiers' budget (bytes) plus the reserve against the memory limit (bytes,
+    ``host_memory_limit_bytes``: RAM or cgroup memory.max), newest values."""
+    key = "budget-over-limit"
+    limit = _newest(window, "host_memory_limit_bytes")
+    reserve = _newest(window, "host_memory_reserve_bytes")
+    if limit is None or reserve is None:
+        return _missing(key, "host_memory_limit_bytes" if limit is None
+                        else "host_memory_reserve_bytes", "the host collector")
+    budgets = mapping(window[-1], "offload_budget_bytes")
+    budget = sum(float(budgets[t]) for t in s.host_memory_tiers if is_number(budgets.get(t)))
+    over = budget + reserve - limit
+    facts = (f"{'/'.join(s.host_memory_tiers)} budget {_gib(budget)} + reserve {_gib(reserve)} "
+             f"against a limit of {_gib(limit)}")
+    if over > 0:
+        return _finding(key, MISCONFIGURED, f"{facts}: {_gib(over)} over; once the tier fills "
+                        "the host swaps or the OOM killer picks a process",
+                        f"shrink the budget (--kv-offloading-size / cpu_bytes_to_use) by at "
+                        f"least {_gib(over)}, or raise the limit")
+    return _finding(key, OK, f"{facts}: fits")
+
+
+def swap_in(window: Sequence[Sample], s: Settings) -> Finding:
+    """Bytes read back in from swap in the window (``host_swap_in_bytes``, a host-wide
+    counter) above 0 while a host-RAM tier has a budget or a capacity. The counter is 0 where
+    the host collector gave no reading: measured only where ``host_memory_limit_bytes`` is."""
+    key = "swap-in"
+    swapped = scalar_increase(window, "host_swap_in_bytes")
+    if swapped is None or _newest(window, "host_memory_limit_bytes") is None:
+        return _missing(key, "host_swap_in_bytes", "the host collector, psutil's sin")
+    on = kv_offload_on(window[-1:], s.host_memory_tiers)
+    if swapped > 0 and on:
+        return _finding(key, MISCONFIGURED,
+                        f"the host read {swapped / 2**20:.1f} MiB back in from swap in the "
+                        "window while the host-RAM offload tier is configured: host RAM is "
+                        "overcommitted", "shrink the tier's budget, or move what else runs on "
+                        "this host; raise the agent's reserve to what the rest really uses")
+    return _finding(key, OK, f"{swapped / 2**20:.1f} MiB swapped in"
+                    + ("" if on else ", no host-RAM offload tier"))
+
+
+def tier_negligible(window: Sequence[Sample], s: Settings) -> Finding:
+    """Each offload tier that holds data (resident bytes above 0 in the newest sample, or, with
+    no residency reported, blocks offloaded into it in the window) while its share of the
+    window's prompt tokens is under ``negligible_share``."""
+    key = "tier-negligible"
+    tokens = window_increase(window, "prompt_tokens")
+    total = sum(tokens.values())
+    if not total:
+        return _finding(key, NOT_MEASURED, "not measured: no prompt tokens in the window")
+    resident = mapping(window[-1], "tier_resident_bytes")
+    stored = {d.partition("->")[2]: v for d, v in window_increase(window, "transfer_bytes").items()
+              if not is_promotion(d)}
+    held = {t: (f"holds {_gib(float(resident[t]))}" if is_number(resident.get(t))
+                else f"took {_gib(stored.get(t, 0.0))} of offloads")
+            for t in OFFLOAD_TIERS
+            if _positive(resident.get(t)) or (not is_number(resident.get(t))
+                                              and stored.get(t, 0.0) > 0)}
+    idle = {t: tokens.get(t, 0.0) / total for t in ordered(held)
+            if tokens.get(t, 0.0) / total < s.negligible_share}
+    if idle:
+        what = "; ".join(f"the {t} tier {held[t]} but served {share:.2%} of "
+                         f"{total:,.0f} prompt tokens" for t, share in idle.items())
+        return _finding(key, MISCONFIGURED, f"{what} (negligible under "
+                        f"{s.negligible_share:.0%})", "shrink or disable the tier and give the "
+                        "memory back; check that lookups reach it; route requests that share "
+                        "prefixes to the instance that holds them")
+    if not held:
+        return _finding(key, OK, "no offload tier holds data")
+    return _finding(key, OK, "; ".join(f"{t} served {tokens.get(t, 0.0) / total:.1%}"
+                                       for t in ordered(held)))
+
+
+def promotion_slower(window: Sequence[Sample], s: Settings) -> Finding:
+    """Per offload tier, transfer seconds of promotions out of it (copies toward the GPU whose
+    source is the tier) over the prefill seconds its tokens saved, in the window; above
+    ``recompute_faster_ratio``: recomputing is faster."""
+    key = "promotion-slower"
+    spent: dict[str, float] = {}
+    for direction, seconds in window_increase(window, "transfer_seconds_sum").items():
+        if is_promotion(direction) and seconds > 0:
+            src = direction.partition("->")[0]
+            spent[src] = spent.get(src, 0.0) + seconds
+    if not spent:
+        return _finding(key, NOT_MEASURED, "not measured: no timed promotions in the window "
+                        "(vLLM's KV events and /metrics do not time cpu promotions; the tap and "
+                        "the reference engine do)")
+    saved = window_increase(window, "prefill_seconds_saved")
+    ratio = {t: spent[t] / saved[t] if saved.get(t, 0.0) > 0 else float("inf")
+             for t in ordered(spent)}
+    slow = {t: r for t, r in ratio.items() if r > s.recompute_faster_ratio}
+    lines = "; ".join(f"{t}: {spent[t]:.2f} s of promotions for {saved.get(t, 0.0):.2f} s of "
+                      f"prefill saved ({r:.2f}×)" for t, r in ratio.items())
+    if slow:
+        return _finding(key, MISCONFIGURED, f"{lines}: promoting the "
+                        f"{'/'.join(slow)} tier's blocks takes longer than recomputing them",
+                        "disable that tier, or move it to faster storage, and compare TTFT "
+                        "(kvscope compare)")
+    return _finding(key, OK, lines)
+
+
+def stored_for_nothing(window: Sequence[Sample], s: Settings) -> Finding:
+    """Per offload tier, the share of blocks evicted in the window that were never hit while
+    resident (``evicted_block_hits``' first bucket, 0 hits), from ``min_evictions`` evictions;
+    above ``unused_share``: stored for nothing."""
+    key = "stored-for-nothing"
+    counts = {t: c for t, c in bucket_increase(window, "evicted_block_hits").items()
+              if t in OFFLOAD_TIERS and c.sum() >= s.min_evictions}
+    if not counts:
+        return _finding(key, NOT_MEASURED, "not measured: no offload tier evicted "
+                        f"{s.min_evictions} blocks with their hit counts in the window (vLLM's "
+                        "KV events say when a block was stored and removed, never that it was "
+                        "hit: zero-code mode cannot tell)")
+    share = {t: float(c[0] / c.sum()) for t, c in counts.items()}
+    lines = "; ".join(f"{t}: {v:.0%} of {counts[t].sum():,.0f} evicted blocks never reused"
+                      for t, v in share.items())
+    if any(v > s.unused_share for v in share.values()):
+        return _finding(key, MISCONFIGURED, f"{lines} (stored for nothing over "
+                        f"{s.unused_share:.0%})", "admit by reuse evidence: store only blocks "
+                        "seen before (vLLM store_threshold 2); grow the tier if blocks die just "
+                        "before their reuse; disable it if nothing is reused")
+    return _finding(key, OK, lines)
+
+
+def numa_remote(window: Sequence[Sample], s: Settings) -> Finding:
+    """The share of the engine process's memory (``process_numa_bytes``: dict[node, bytes])
+    on the NUMA nodes of the host's GPUs (``gpu_numa_node``: dict[gpu, node])."""
+    key = "numa-remote"
+    newest = window[-1] if window else {}
+    memory = {k: float(v) for k, v in mapping(newest, "process_numa_bytes").items()
+              if is_number(v)}
+    if not memory:
+        return _missing(key, "process_numa_bytes", "the numa collector, [collectors.numa] "
+                        "engine_pid")
+    nodes = {str(int(v)) for v in mapping(newest, "gpu_numa_node").values() if is_number(v)}
+    if not nodes:
+        return _missing(key, "gpu_numa_node", "NVML or sysfs naming the GPUs' nodes")
+    total = sum(memory.values())
+    local = sum(v for k, v in memory.items() if k in nodes) / total if total else 1.0
+    facts = (f"{local:.0%} of the engine's {_gib(total)} is on the GPUs' NUMA node "
+             f"{', '.join(sorted(nodes))}")
+    if local < s.numa_local_min_share:
+        return _finding(key, MISCONFIGURED, f"{facts}: offloads and promotions cross the socket "
+                        "interconnect", f"bind the engine to node {min(nodes)} (numactl "
+                        f"--cpunodebind={min(nodes)} --membind={min(nodes)}) and restart it")
+    return _finding(key, OK, facts)
+
+
+def _positive(value) -> bool:
+    return is_number(value) and float(value) > 0
+
+
+def _newest(window: Sequence[Sample], name: str) -> float | None:
+    for x in reversed(window):
+        if is_number(value := x.get(name)):
+            return float(value)
+    return None
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.2f} GiB"
+
+
+def by_status(findings: Sequence[Finding]) -> Mapping[str, list[Finding]]:
+    """The findings grouped by status, in :data:`STATUSES` order."""
+    return {status: [f for f in findings if f.status == status] for status in STATUSES}

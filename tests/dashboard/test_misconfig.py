@@ -1,0 +1,164 @@
+"""Misconfiguration detectors (kvscope/dashboard/misconfig.py) on hand-built samples: each fires
+on a planted misconfiguration, stays silent on its healthy near miss, and says "not measured"
+(never "ok") where no sample carries its signal. The view renders a banner per finding."""
+
+from __future__ import annotations
+
+from dash import html
+
+from kvscope.dashboard import misconfig as M
+from kvscope.dashboard import misconfig_view
+from kvscope.dashboard.misconfig import MISCONFIGURED, NOT_MEASURED, OK, Settings
+
+T0 = 1_700_000_000.0
+N = 61  # one a second: a 60 s window
+GIB = 1024 ** 3
+S = Settings()
+
+
+def window(n: int = N, *, counters=None, gauges=None, scalars=None) -> list[dict]:
+    """``n`` samples a second apart. ``counters``: field -> {key: increase per second} (or,
+    for an unkeyed counter, a number); ``gauges``: field -> value in every sample (a dict or a
+    number); ``scalars`` as gauges. Fields not given are absent (not measured)."""
+    out = []
+    for i in range(n):
+        s: dict = {"ts": T0 + i}
+        for name, rate in (counters or {}).items():
+            s[name] = ({k: v * i for k, v in rate.items()} if isinstance(rate, dict)
+                       else rate * i)
+        s.update(gauges or {})
+        s.update(scalars or {})
+        out.append(s)
+    return out
+
+
+def status(findings, key) -> M.Finding:
+    return next(f for f in findings if f.key == key)
+
+
+def test_weight_offload_without_kv_offload():
+    """4 GiB of weights per GPU and no offload tier: fires, saying weights, not KV; near
+    misses: the same with a cpu budget, with a cpu tier's capacity, with stores into cpu; no
+    --cpu-offload-gb; and no engine process read (not measured)."""
+    weights = {"engine_weight_offload_bytes": 4 * GIB}
+    f = M.weight_offload(window(scalars=weights))
+    assert f.status == MISCONFIGURED
+    assert "4.00 GiB" in f.wrong and "this moves weights, not KV" in f.wrong
+    assert "--kv-offloading-size" in f.change
+    for healthy in (window(scalars=weights, gauges={"offload_budget_bytes": {"cpu": 16 * GIB}}),
+                    window(scalars=weights, gauges={"tier_capacity_bytes": {"cpu": GIB}}),
+                    window(scalars=weights, counters={"transfer_bytes": {"gpu->cpu": 1e6}}),
+                    window(scalars={"engine_weight_offload_bytes": 0})):
+        assert M.weight_offload(healthy).status == OK
+    # a GPU tier's capacity is no KV offload
+    assert M.weight_offload(window(scalars=weights, gauges={
+        "tier_capacity_bytes": {"gpu": GIB}})).status == MISCONFIGURED
+    missing = M.weight_offload(window())
+    assert missing.status == NOT_MEASURED and "engine_pid" in missing.wrong
+
+
+def test_budget_plus_reserve_over_the_limit():
+    """A 12 GiB cpu budget + 4 GiB reserve on a 15 GiB limit: 1 GiB over; 11 + 4 on 15 fits
+    exactly; a disk budget is not host RAM; no limit reported: not measured."""
+    def host(cpu, limit=15 * GIB, more=None):
+        return window(gauges={"offload_budget_bytes": {"cpu": cpu, **(more or {})}},
+                      scalars={"host_memory_reserve_bytes": 4 * GIB,
+                               "host_memory_limit_bytes": limit})
+    f = M.budget_over_limit(host(12 * GIB), S)
+    assert f.status == MISCONFIGURED and "1.00 GiB over" in f.wrong and "1.00 GiB" in f.change
+    assert M.budget_over_limit(host(11 * GIB), S).status == OK
+    assert M.budget_over_limit(host(GIB, more={"disk": 100 * GIB}), S).status == OK
+    assert M.budget_over_limit(host(12 * GIB, limit=None), S).status == NOT_MEASURED
+
+
+def test_swap_in_while_offloading():
+    """4 KiB/s swapped in with a cpu budget: fires; without any host-RAM tier, or with no
+    swap-in: ok; no swap-in counter: not measured."""
+    budget = {"offload_budget_bytes": {"cpu": 8 * GIB}, "host_memory_limit_bytes": 64 * GIB}
+    f = M.swap_in(window(counters={"host_swap_in_bytes": 4096}, gauges=budget), S)
+    assert f.status == MISCONFIGURED and "0.2 MiB" in f.wrong  # 4096 B/s x 60 s
+    assert M.swap_in(window(counters={"host_swap_in_bytes": 4096},
+                            gauges={"host_memory_limit_bytes": 64 * GIB}), S).status == OK
+    assert M.swap_in(window(counters={"host_swap_in_bytes": 0}, gauges=budget), S).status == OK
+    assert M.swap_in(window(gauges=budget), S).status == NOT_MEASURED
+    # the counter reads 0 where the host collector gave no reading: not measured, not fine
+    assert M.swap_in(window(counters={"host_swap_in_bytes": 0},
+                            gauges={"offload_budget_bytes": {"cpu": 8 * GIB}}),
+                     S).status == NOT_MEASURED
+
+
+def test_tier_holding_data_that_serves_a_negligible_share():
+    """A disk tier holding 2 GiB serves 0.5 % of prompt tokens: fires (below 1 %); at 2 % it
+    is fine. A disk tier that reports no residency (vLLM's disk tier through the tap) but took
+    stores counts as holding data. No prompt tokens: not measured."""
+    def w(disk_tokens, resident=True):
+        gauges = {"tier_resident_bytes": {"gpu": GIB, "disk": 2 * GIB}} if resident else {}
+        return window(counters={"prompt_tokens": {"gpu": 600.0, "recompute": 400.0 - disk_tokens,
+                                                  "disk": disk_tokens},
+                                "transfer_bytes": {"cpu->disk": 1e6}}, gauges=gauges)
+    f = M.tier_negligible(w(5.0), S)
+    assert f.status == MISCONFIGURED and "disk tier holds 2.00 GiB" in f.wrong
+    assert "0.50%" in f.wrong
+    assert M.tier_negligible(w(20.0), S).status == OK
+    f = M.tier_negligible(w(0.0, resident=False), S)
+    assert f.status == MISCONFIGURED and "took" in f.wrong
+    assert M.tier_negligible(window(), S).status == NOT_MEASURED
+
+
+def test_promotions_slower_than_recompute():
+    """disk: 0.1 s of disk->cpu promotions per second against 0.05 s of prefill saved (2x):
+    fires; cpu at 0.02 s against 0.1 s (0.2x): fine. No timed promotions (zero-code mode):
+    not measured."""
+    def w(disk_spent, disk_saved):
+        return window(counters={
+            "transfer_seconds_sum": {"disk->cpu": disk_spent, "cpu->gpu": 0.02,
+                                     "gpu->cpu": 5.0},  # offload time is no promotion
+            "prefill_seconds_saved": {"disk": disk_saved, "cpu": 0.1}})
+    f = M.promotion_slower(w(0.1, 0.05), S)
+    assert f.status == MISCONFIGURED and "promoting the disk tier" in f.wrong
+    assert "(2.00×)" in f.wrong
+    assert M.promotion_slower(w(0.04, 0.05), S).status == OK
+    none = window(counters={"prefill_seconds_saved": {"cpu": 0.1}})
+    assert M.promotion_slower(none, S).status == NOT_MEASURED
+
+
+def test_blocks_stored_for_nothing():
+    """cpu evicts 1 block a second, 90 % of them never hit: fires (over 80 %); 70 %: fine;
+    fewer than 20 evictions in the window, or no hit counts at all (zero-code mode): not
+    measured."""
+    def w(never, hit, n=N):  # per-bucket counts: 0 hits, 1 hit, then 7 empty buckets
+        return [{"ts": T0 + i, "evicted_block_hits": {"cpu": [never * i, hit * i] + [0] * 7}}
+                for i in range(n)]
+    f = M.stored_for_nothing(w(0.9, 0.1), S)
+    assert f.status == MISCONFIGURED and "cpu: 90% of 60 evicted blocks" in f.wrong
+    assert M.stored_for_nothing(w(0.7, 0.3), S).status == OK
+    assert M.stored_for_nothing(w(0.9, 0.1, n=11), S).status == NOT_MEASURED
+    f = M.stored_for_nothing(window(), S)
+    assert f.status == NOT_MEASURED and "zero-code mode" in f.wrong
+
+
+def test_host_kv_pool_on_another_numa_node():
+    """30 GiB of the engine on node 0, 2 GiB on node 1, its GPU on node 1: 6 %, fires; the GPU
+    on node 0: fine; no GPU node known, or no engine memory: not measured."""
+    memory = {"process_numa_bytes": {"0": 30 * GIB, "1": 2 * GIB}}
+    f = M.numa_remote(window(gauges={**memory, "gpu_numa_node": {"0": 1}}), S)
+    assert f.status == MISCONFIGURED and "6%" in f.wrong and "--membind=1" in f.change
+    assert M.numa_remote(window(gauges={**memory, "gpu_numa_node": {"0": 0}}), S).status == OK
+    assert M.numa_remote(window(gauges=memory), S).status == NOT_MEASURED
+    assert M.numa_remote(window(), S).status == NOT_MEASURED
+
+
+def test_detect_and_the_view():
+    """Every detector answers once, in order; the view has a banner for each misconfiguration
+    (what is wrong, what to change) and lists the rest by status, each with its id."""
+    w = window(scalars={"engine_weight_offload_bytes": 4 * GIB})
+    findings = M.detect(w)
+    assert [f.key for f in findings] == list(M.TITLES)
+    assert status(findings, "weight-offload").status == MISCONFIGURED
+    assert all(f.change == "" for f in findings if f.status != MISCONFIGURED)
+    children = misconfig_view.section(findings)
+    banner = children[0]
+    assert banner.id == "misconfig-weight-offload"
+    assert "What to change" in str(banner) and "--kv-offloading-size" in str(banner)
+    assert all(isinstance(c, html.Details) for c in children[1:])
+    assert "No misconfiguration found" in str(misconfig_view.section(M.detect(window())))
