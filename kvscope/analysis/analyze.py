@@ -157,24 +157,15 @@ def _sampled_reuse(reuse: ReuseStats, trace: AccessTrace) -> ReuseStats:
 def _rates(options: AnalyzeOptions) -> tuple[float, float | None, dict[str, str]]:
     """(bandwidth bytes/s, prefill tokens/s or None for the preset's, where each came from)."""
     measured = options.measured or MeasuredRates()
-    sources = {}
-    bandwidth = options.bandwidth
-    if bandwidth is not None:
-        sources["bandwidth"] = "given (--bandwidth-gbps)"
-    elif measured.bandwidth is not None:
-        bandwidth = measured.bandwidth
-        sources["bandwidth"] = "measured: " + measured.evidence["bandwidth"]
-    else:
-        bandwidth = DEFAULT_BANDWIDTH
-        sources["bandwidth"] = (f"assumed: {DEFAULT_BANDWIDTH / 1e9:g} GB/s, about 80% of PCIe "
-                                "4.0 x16 (no timed cpu->gpu copy in the input)")
-    prefill = options.prefill_tokens_per_second
-    if prefill is not None:
-        sources["prefill"] = "given"
-    elif measured.prefill_tokens_per_second is not None:
-        prefill = measured.prefill_tokens_per_second
-        sources["prefill"] = "measured: " + measured.evidence["prefill"]
-    return bandwidth, prefill, sources
+    bandwidth, bandwidth_from = measured.pick("bandwidth", options.bandwidth, "--bandwidth-gbps")
+    prefill, prefill_from = measured.pick("prefill", options.prefill_tokens_per_second,
+                                          "--prefill-tokens-per-second")
+    sources = {"bandwidth": bandwidth_from or (
+        f"assumed: {DEFAULT_BANDWIDTH / 1e9:g} GB/s, about 80% of PCIe 4.0 x16 (no timed "
+        "cpu->gpu copy in the input)")}
+    if prefill_from:
+        sources["prefill"] = prefill_from
+    return bandwidth or DEFAULT_BANDWIDTH, prefill, sources
 
 
 def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:

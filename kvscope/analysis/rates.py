@@ -30,6 +30,15 @@ class MeasuredRates:
     prefill_tokens_per_second: float | None = None
     evidence: dict[str, str] = field(default_factory=dict)
 
+    def pick(self, name: str, given: float | None, flag: str) -> tuple[float | None, str | None]:
+        """(value, where it came from) of the rate ``name`` (``bandwidth`` or ``prefill``):
+        ``given`` (on the command line as ``flag``) first, then the measured one; (None, None)
+        when neither is there and the caller assumes one."""
+        if given is not None:
+            return given, f"given ({flag})"
+        value = self.bandwidth if name == "bandwidth" else self.prefill_tokens_per_second
+        return (value, "measured: " + self.evidence[name]) if value is not None else (None, None)
+
 
 def prefill_rate(recomputed_tokens: float, prefill_seconds: float) -> float | None:
     """Prefill tokens/s: ``recomputed_tokens`` over ``prefill_seconds``; None when either is 0

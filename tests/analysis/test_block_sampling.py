@@ -171,6 +171,35 @@ def test_the_sampled_curve_is_within_0_01_of_the_exact_one_at_the_default_rate(t
     assert mae <= 0.01, mae
     tokens = lru_curve(ids, analysis.lru.sizes, np.full(len(ids), 16))
     assert mean_absolute_error(analysis.lru_tokens, tokens) <= 0.01
-    # sizing counts the full stream's tokens, not the sample's
-    assert analysis.sizing.curve[-1].prefill_seconds_saved > 0
+    # sizing counts the full stream's tokens (the curve's hits times 2M x 16 tokens), at the
+    # preset's prefill rate: nothing in this capture measured one
+    top = analysis.sizing.curve[-1]
+    assert top.prefill_seconds_saved == pytest.approx(
+        top.cpu_token_hit_share * 2_000_000 * 16 / get_preset("tiny").prefill_tokens_per_second)
+    assert analysis.sizing.assumptions["prefill_source"].startswith("assumed")
     print(f"MAE at R=1/16: {mae:.4f} (accesses)")
+
+
+def test_sizing_rates_are_measured_given_or_assumed_and_say_which():
+    """By hand: 1e9 bytes of cpu->gpu copies in 0.5 s is 2e9 bytes/s (gpu->cpu copies do not
+    count: promotions are host to device); 1,000 recomputed tokens in 0.25 s of prefill is
+    4,000 tokens/s. A given value wins; with neither, 25 GB/s and the preset's rate, assumed;
+    no prefill seconds is not measured (None), never 0 tokens/s."""
+    from kvscope.analysis.analyze import _rates
+    from kvscope.analysis.rates import measured_rates
+
+    m = measured_rates(1000, 0.25, {"cpu->gpu": 10**9, "gpu->cpu": 5}, {"cpu->gpu": 0.5,
+                                                                         "gpu->cpu": 1.0})
+    assert (m.bandwidth, m.prefill_tokens_per_second) == (2e9, 4000.0)
+    preset = get_preset("tiny")
+    bandwidth, prefill, sources = _rates(AnalyzeOptions(preset, measured=m))
+    assert (bandwidth, prefill) == (2e9, 4000.0)
+    assert sources["bandwidth"].startswith("measured: 1,000,000,000 bytes")
+    assert sources["prefill"].startswith("measured: 1,000 recomputed")
+    bandwidth, _, sources = _rates(AnalyzeOptions(preset, bandwidth=5e9, measured=m))
+    assert bandwidth == 5e9 and sources["bandwidth"] == "given (--bandwidth-gbps)"
+    none = measured_rates(1000, 0.0, {"gpu->cpu": 5}, {"gpu->cpu": 1.0})
+    assert none.bandwidth is None and none.prefill_tokens_per_second is None
+    bandwidth, prefill, sources = _rates(AnalyzeOptions(preset, measured=none))
+    assert bandwidth == 25e9 and prefill is None and sources["bandwidth"].startswith("assumed")
+    assert "prefill" not in sources  # sizing labels the preset's rate assumed

@@ -57,12 +57,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from kvscope import sampling
 from kvscope import events as ev
 from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
 from kvscope.agent.taps.memory_report import attach, gpu_reports, offload_budget
-from kvscope.agent.taps.vllm_manager import (DEFAULT_SAMPLE_ONE_IN, TapManager,
-                                              external_request_id)
+from kvscope.agent.taps.vllm_manager import (DEFAULT_BLOCK_SAMPLE_RATE, DEFAULT_SAMPLE_ONE_IN,
+                                              TapManager, external_request_id)
 from kvscope.agent.taps.worker_events import WorkerObserver
 
 # under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
@@ -111,7 +110,7 @@ def block_sample_rate(ours: Mapping[str, Any]) -> float | None:
     """``kvscope_block_sample_rate`` (default :data:`kvscope.sampling.DEFAULT_RATE`): the share
     of blocks (0-1, by the hash of the block) whose hashes lookups carry; 0 records none. None
     when the value is not a number in [0, 1]."""
-    value = ours.get("kvscope_block_sample_rate", sampling.DEFAULT_RATE)
+    value = ours.get("kvscope_block_sample_rate", DEFAULT_BLOCK_SAMPLE_RATE)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         return None
     return float(value)
@@ -129,7 +128,7 @@ def config_mistakes(ours: Mapping[str, Any], inner: Mapping[str, Any],
                    f"{ours['kvscope_sample_one_in']!r}; using {DEFAULT_SAMPLE_ONE_IN}")
     if block_sample_rate(ours) is None:
         out.append(f"kvscope_block_sample_rate must be a number in [0, 1], not "
-                   f"{ours['kvscope_block_sample_rate']!r}; using {sampling.DEFAULT_RATE}")
+                   f"{ours['kvscope_block_sample_rate']!r}; using {DEFAULT_BLOCK_SAMPLE_RATE}")
     if "secondary_tiers" in inner and not _is_tiering(inner_spec):
         out.append(f"secondary_tiers given, but kvscope_inner_spec is {inner_spec.__name__}: "
                    "they take effect only with \"kvscope_inner_spec\": \"TieringOffloadingSpec\"")
@@ -165,7 +164,7 @@ class KvscopeOffloadingSpec(OffloadingSpec):
         self.endpoint = str(ours.get("kvscope_endpoint", DEFAULT_ENDPOINT))
         self.sample_one_in = sample_one_in(ours) or DEFAULT_SAMPLE_ONE_IN  # bad: warned above
         rate = block_sample_rate(ours)
-        self.block_sample_rate = sampling.DEFAULT_RATE if rate is None else rate
+        self.block_sample_rate = DEFAULT_BLOCK_SAMPLE_RATE if rate is None else rate
         self.errors = 0
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None

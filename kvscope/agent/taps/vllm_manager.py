@@ -76,9 +76,13 @@ import msgspec
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 
 from kvscope import events as ev
-from kvscope import sampling
 from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
 from kvscope.vocabulary import LOCAL_TIERS, VLLM_MEDIUM_TIER
+
+try:
+    from kvscope import sampling
+except ImportError:  # kvscope's compiled modules not built: the tap runs, lookups carry no blocks
+    sampling = None
 
 # under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
 log = logging.getLogger("vllm." + __name__)
@@ -86,6 +90,8 @@ log = logging.getLogger("vllm." + __name__)
 _HEX = frozenset("0123456789abcdef")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 DEFAULT_SAMPLE_ONE_IN = 8  # stores whose chunks' ages and loads are tracked: 1 in this many
+# share of blocks (by hash) whose prefix hashes lookups carry: kvscope.sampling's default
+DEFAULT_BLOCK_SAMPLE_RATE = sampling.DEFAULT_RATE if sampling is not None else 0.0
 # seconds: an idle, unchanged CPU tier is reported again this often, so an agent restarted
 # while vLLM idles shows the tier within it (a snapshot is one small event)
 SNAPSHOT_REFRESH = 10.0
@@ -148,7 +154,7 @@ class TapManager(OffloadingManager):
                  tokens_per_block: int, blocks_per_chunk: int, bytes_per_block: int,
                  capacity_chunks: int, multi_tier: bool = False,
                  sample_one_in: int = DEFAULT_SAMPLE_ONE_IN,
-                 block_sample_rate: float = sampling.DEFAULT_RATE,
+                 block_sample_rate: float = DEFAULT_BLOCK_SAMPLE_RATE,
                  clock: Callable[[], float] = time.time, snapshot_interval: float = 1.0,
                  max_requests: int = 100_000) -> None:
         if sample_one_in < 1:
@@ -156,9 +162,13 @@ class TapManager(OffloadingManager):
         if not 0 <= block_sample_rate <= 1:
             raise ValueError(f"block_sample_rate must be in [0, 1], not {block_sample_rate}")
         self.inner = inner
+        if block_sample_rate and sampling is None:
+            log.warning("kvscope vLLM tap: kvscope.sampling is not built (pip install kvscope "
+                        "builds it); lookups carry no block hashes")
+            block_sample_rate = 0.0
         # sampling threshold of block hashes (0: none sampled) and the exact rate it gives
         self._block_t = sampling.threshold(block_sample_rate) if block_sample_rate else 0
-        self._block_rate = sampling.rate_of(self._block_t)
+        self._block_rate = sampling.rate_of(self._block_t) if self._block_t else 0.0
         self.sampled_blocks_dropped = 0  # sampled blocks beyond a lookup's cap
         self.errors = 0        # observations that failed (each caught, never raised)
         self.unattributed = 0  # requests whose vLLM Request object the tap could not see
