@@ -26,6 +26,7 @@ A, C = 1 block).
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 from contextlib import contextmanager
@@ -64,13 +65,12 @@ def sglang_python() -> str:
 
 
 def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free loopback ports (each rank publishes on its own)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
+    """The first of ``n`` consecutive free loopback ports (each rank publishes on its own),
+    below Linux's ephemeral range (32768 up): the publisher binds them seconds after this
+    check, and a port the kernel may hand any outgoing connection meanwhile was taken once."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20_000, 32_000)
         try:
             for port in range(base, base + n):
                 with socket.socket() as s:
