@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from kvscope.dashboard.figures import NO_DATA, message_figure, new_figure
+from kvscope.dashboard.figures import NO_DATA, base, message_figure
 from kvscope.dashboard.series import Sample, is_number
 from kvscope.samples import KEY_SEPARATOR
 from kvscope.vocabulary import GPU_MEMORY_PARTS, HOST_MEMORY_PARTS
@@ -62,7 +62,7 @@ def memory_budget(samples: Sequence[Sample]) -> go.Figure:
     if not parts:
         return message_figure(MEMORY_BUDGET_TITLE, f"{NOT_MEASURED}: no host or GPU reading")
     names = list(parts)
-    fig = new_figure()
+    fig = base(MEMORY_BUDGET_TITLE, "B")
     for part in PARTS:
         ys = [parts[w].get(part) for w in names]
         if any(y is not None for y in ys):
@@ -75,11 +75,8 @@ def memory_budget(samples: Sequence[Sample]) -> go.Figure:
                                                          "color": "#000",
                                                          "line": {"width": 3}},
                                  hovertemplate="%{y:.4s}B<extra>total</extra>"))
-    fig.update_layout(title={"text": MEMORY_BUDGET_TITLE, "x": 0.01, "font": {"size": 15}},
-                      barmode="stack", height=320,
-                      margin={"l": 60, "r": 20, "t": 50, "b": 80},
-                      legend={"orientation": "h", "y": -0.2},
-                      yaxis={"title": {"text": "bytes (B)"}, "rangemode": "tozero"})
+    fig.update_layout(barmode="stack", hovermode="closest",
+                      xaxis={"type": "category", "title": {"text": "memory (newest sample)"}})
     notes = _unmeasured(parts)
     if notes:
         fig.add_annotation(text=notes, showarrow=False, xref="paper", yref="paper", x=0,

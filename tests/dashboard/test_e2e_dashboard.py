@@ -540,6 +540,7 @@ def test_overview_memory_budget_shows_the_engines_own_host_budget(demo, browser)
         drawn = wait_for(browser, lambda: (lambda d: d if d.get("kv_offload") else None)(
             browser.execute_script(MEMORY_BUDGET_JS)), "the memory budget's host bar")
     finally:
+        browser.execute_script("document.getElementById('memory-budget').scrollIntoView()")
         screenshot(browser, "dashboard-memory-budget")
     host = drawn["x:kv_offload"].index("host")
     assert drawn["kv_offload"][host] == capacity
