@@ -121,6 +121,25 @@ def sglang_source(pipeline: Pipeline, endpoint: str, **kwargs) -> KvEventsSource
                           **kwargs)
 
 
+def streamed(source: KvEventsSource, scenario: str, done, *args: str) -> None:
+    """Start ``source``, have SGLang publish ``scenario`` to its endpoint (``args``: the
+    driver's), and stop it once ``done(source)`` holds (failing after 20 s)."""
+    source.start()
+    try:
+        with sglang_publishing(scenario, source.endpoint, *args):
+            assert wait_until(lambda: done(source), timeout=20), source.last_seqs
+    finally:
+        source.shutdown()
+
+
+# what the ``tree`` scenario leaves, rank 0 publishing all of it and rank 1 batches 0-4 (see
+# test_each_data_parallel_rank_is_followed_on_its_own_port_and_cache)
+TWO_RANKS = {
+    "moved": {("gpu", "cpu"): 4},
+    "evicted": {("gpu", "capacity"): 6, ("gpu", "cleared"): 3, ("cpu", "capacity"): 4},
+    "dropped": {"gpu": 5, "cpu": 4}, "resident": {"gpu": 3, "cpu": 0}}
+
+
 def test_sglang_streams_its_radix_tree_into_gpu_and_cpu_tiers():
     """SGLang binds ``tcp://*:PORT`` (its default), the agent connects. Scenario ``tree``:
 
@@ -133,15 +152,9 @@ def test_sglang_streams_its_radix_tree_into_gpu_and_cpu_tiers():
     batch 5: AllBlocksCleared -> gpu cleared 3 (A1 A2 C1), dropped (cpu is empty)
     Totals: gpu->cpu 2; evicted gpu capacity 3, gpu cleared 3, cpu capacity 2; dropped gpu
     1 + 3 = 4, cpu 2; resident gpu 0, cpu 0; no gap, nothing malformed or unknown."""
-    port = free_ports(1)
     pipeline = Pipeline()
-    source = sglang_source(pipeline, f"tcp://*:{port}")
-    source.start()
-    try:
-        with sglang_publishing("tree", f"tcp://*:{port}"):
-            assert wait_until(lambda: source.last_seq == 5, timeout=20), source.last_seq
-    finally:
-        source.shutdown()
+    streamed(sglang_source(pipeline, f"tcp://*:{free_ports(1)}"), "tree",
+             lambda source: source.last_seq == 5)
     assert totals(pipeline) == {
         "moved": {("gpu", "cpu"): 2},
         "evicted": {("gpu", "capacity"): 3, ("gpu", "cleared"): 3, ("cpu", "capacity"): 2},
@@ -160,21 +173,11 @@ def test_each_data_parallel_rank_is_followed_on_its_own_port_and_cache():
     (dropped 2); resident gpu A1 A2 C1 = 3. Totals: gpu->cpu 4; evicted gpu capacity 6, cpu
     capacity 4, gpu cleared 3; dropped gpu 5, cpu 4; resident gpu 3 (rank 0's reset leaves
     rank 1's blocks, one hash in two ranks being two blocks), cpu 0."""
-    port = free_ports(2)
     pipeline = Pipeline()
-    source = sglang_source(pipeline, f"tcp://*:{port}", dp_size=2)
-    source.start()
-    try:
-        with sglang_publishing("tree", f"tcp://*:{port}", "--dp-size", "2",
-                               "--rank-batches", "5"):
-            assert wait_until(lambda: source.last_seqs == {0: 5, 1: 4}, timeout=20), (
-                source.last_seqs)
-    finally:
-        source.shutdown()
-    assert totals(pipeline) == {
-        "moved": {("gpu", "cpu"): 4},
-        "evicted": {("gpu", "capacity"): 6, ("gpu", "cleared"): 3, ("cpu", "capacity"): 4},
-        "dropped": {"gpu": 5, "cpu": 4}, "resident": {"gpu": 3, "cpu": 0}}
+    streamed(sglang_source(pipeline, f"tcp://*:{free_ports(2)}", dp_size=2), "tree",
+             lambda source: source.last_seqs == {0: 5, 1: 4}, "--dp-size", "2",
+             "--rank-batches", "5")
+    assert totals(pipeline) == TWO_RANKS
     assert pipeline.snapshot().events_dropped == {}
 
 
@@ -208,10 +211,7 @@ def test_gaps_are_replayed_from_each_ranks_own_replay_endpoint():
     finally:
         sub.close()
     assert source.replayed == 7
-    assert totals(pipeline) == {
-        "moved": {("gpu", "cpu"): 4},
-        "evicted": {("gpu", "capacity"): 6, ("gpu", "cleared"): 3, ("cpu", "capacity"): 4},
-        "dropped": {"gpu": 5, "cpu": 4}, "resident": {"gpu": 3, "cpu": 0}}
+    assert totals(pipeline) == TWO_RANKS
     assert pipeline.snapshot().events_dropped == {}
 
 
@@ -228,15 +228,10 @@ def test_disk_and_external_media_are_the_disk_and_remote_tiers():
     batch 4: EXTERNAL removes A1 A2 -> remote capacity 2, dropped (nothing below)
     Totals: gpu->cpu 3, cpu->remote 2, cpu->disk 1, remote->cpu 2, disk->cpu 1; evicted cpu 3,
     remote 2; dropped remote 2; resident gpu 3, cpu 3, disk 1, remote 0."""
-    port = free_ports(1)
     pipeline = Pipeline()
-    source = sglang_source(pipeline, f"tcp://*:{port}", tiers=["gpu", "cpu", "disk", "remote"])
-    source.start()
-    try:
-        with sglang_publishing("storage", f"tcp://*:{port}"):
-            assert wait_until(lambda: source.last_seq == 4, timeout=20), source.last_seq
-    finally:
-        source.shutdown()
+    streamed(sglang_source(pipeline, f"tcp://*:{free_ports(1)}",
+                           tiers=["gpu", "cpu", "disk", "remote"]), "storage",
+             lambda source: source.last_seq == 4)
     assert totals(pipeline) == {
         "moved": {("gpu", "cpu"): 3, ("cpu", "remote"): 2, ("cpu", "disk"): 1,
                   ("remote", "cpu"): 2, ("disk", "cpu"): 1},
