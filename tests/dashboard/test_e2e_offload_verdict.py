@@ -44,14 +44,15 @@ return out;
 
 
 @contextlib.contextmanager
-def demo_with(args: list[str], log_name: str):
-    """`kvscope demo` with extra ``args`` on free loopback ports, stopped with Ctrl-C after."""
+def demo_with(args: list[str], log_name: str, env: dict[str, str] | None = None):
+    """`kvscope demo` with extra ``args`` (and environment variables ``env``, e.g. agent
+    settings as ``KVSCOPE_*``) on free loopback ports, stopped with Ctrl-C after."""
     metrics_port, ui_port = free_ports(2)
     log_path = artifacts_dir() / log_name
     cmd = [sys.executable, "-m", "kvscope", "demo", "--duration", "600",
            "--metrics-port", str(metrics_port), "--ui-port", str(ui_port), *args]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     demo = Demo(metrics_port=metrics_port, ui_port=ui_port, proc=proc, log_path=log_path)
     try:
