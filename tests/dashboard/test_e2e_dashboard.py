@@ -220,7 +220,8 @@ def test_tiers_page_shows_transfers_beside_their_topology(demo, browser):
         wait_for_points(browser, ("tiers-transfer-throughput", "tiers-promotion-latency"),
                         minimum=2)
         drawn = wait_for(browser, lambda: (t := browser.execute_script(TOPOLOGY_JS))
-                         and len(t) == 3 and t, "the topology panel")
+                         and len(t) == 3 and t["topology-engine-numa"][0] == "measured"
+                         and t, "the topology panel with the demo's memory by node")
     finally:
         screenshot(browser, "dashboard-tiers-topology")
     state, text = drawn["topology-gpus"]

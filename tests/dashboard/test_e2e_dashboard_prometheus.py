@@ -75,11 +75,11 @@ def test_tiers_and_requests_over_prometheus(demo, fleet_dashboard, browser):
         # the topology from Prometheus' latest series, under the demo's instance: the demo's
         # process memory by NUMA node (it is its own engine_pid); GPUs as the agent saw them
         topology = wait_for(browser, lambda: (t := browser.execute_script(TOPOLOGY_JS))
-                            and len(t) == 3 and t, "the topology panel")
+                            and len(t) == 3 and t["topology-engine-numa"][0] == "measured"
+                            and t, "the topology panel with the demo's memory by node")
     finally:
         screenshot(browser, "dashboard-prometheus-tiers")
     assert f"127.0.0.1:{demo.metrics_port}" in browser.find_element("id", "topology").text
-    assert topology["topology-engine-numa"][0] == "measured", topology
     assert topology["topology-gpus"][0] in ("measured", "no-gpu"), topology
     browser.get(fleet_dashboard.url + "/requests")
     cell = '.ag-cell[col-id="request_id"]'  # AG Grid's cells
