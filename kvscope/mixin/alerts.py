@@ -256,16 +256,21 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             (numa_local + gpu_nodes_known,)),
         Alert(
             "KvscopeTierIneffective",
-            f"(\n  {fill} > {_g(cfg.ineffective_fill_ratio)}\n"
+            f"(\n  (\n    {fill} > {_g(cfg.ineffective_fill_ratio)}\n"
+            # a tier that reports no capacity (vLLM's disk tier through the tap) holds data
+            # while stores keep going into it
+            f"    or (\n      {r.offload_bytes_rate}{{{offload}}} > 0\n"
+            f"      unless on ({by}, tier)\n      {fill}\n    )\n  )\n"
             f"  unless on ({by}, tier)\n  {share_as_tier} >= {_g(cfg.ineffective_max_share)}\n)\n"
             f"and on ({by}) (sum by ({by}) ({r.prompt_tokens_rate}) > 0)",
             cfg.ineffective_for, "warning",
-            "An offload tier is full but serves almost none of the prompt tokens.",
-            "The {{ $labels.tier }} tier at {{ $labels.instance }} is "
-            "{{ $value | humanizePercentage }} full but served less than "
-            f"{_pct(cfg.ineffective_max_share)} of prompt tokens for {cfg.ineffective_for}: its "
-            "memory buys no hits. Shrink or disable it, or check that lookups reach it.",
-            (fill, r.prompt_share)),
+            "An offload tier holds data but serves almost none of the prompt tokens.",
+            "The {{ $labels.tier }} tier at {{ $labels.instance }} holds data (over "
+            f"{_pct(cfg.ineffective_fill_ratio)} full, or, where it reports no capacity, still "
+            f"taking stores) but served less than {_pct(cfg.ineffective_max_share)} of prompt "
+            f"tokens for {cfg.ineffective_for}: its memory buys no hits. Shrink or disable it, "
+            "or check that lookups reach it.",
+            (fill, r.offload_bytes_rate, r.prompt_share)),
         # Full is an LRU tier's steady state; it matters when the tier loses KV that was being
         # reused: blocks leave the cache altogether (no copy below) while a fair share of what
         # it evicts had been hit.
