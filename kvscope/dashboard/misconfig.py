@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from kvscope.dashboard.series import (Sample, bucket_increase, is_number, is_promotion, mapping,
                                       ordered, scalar_increase, window_increase)
+from kvscope.dashboard.topology_view import Topology
 from kvscope.mixin.config import MixinConfig
 from kvscope.vocabulary import TIERS
 
@@ -99,13 +100,15 @@ def _missing(key: str, field: str, how: str) -> Finding:
                     f"alert {TITLES[key][1]} evaluates it in Prometheus")
 
 
-def detect(window: Sequence[Sample], settings: Settings = Settings()) -> tuple[Finding, ...]:
-    """Every detector on ``window`` (the samples judged, oldest first), in :data:`TITLES`
-    order."""
+def detect(window: Sequence[Sample], settings: Settings = Settings(),
+           topology: Sequence[Topology] | None = None) -> tuple[Finding, ...]:
+    """Every detector on ``window`` (the samples judged, oldest first) and ``topology`` (the
+    node collectors' now, per instance: :func:`~kvscope.dashboard.topology_view.topologies`;
+    None when they could not be read), in :data:`TITLES` order."""
     s = settings
     return (weight_offload(window), budget_over_limit(window, s), swap_in(window, s),
             tier_negligible(window, s), promotion_slower(window, s),
-            stored_for_nothing(window, s), numa_remote(window, s))
+            stored_for_nothing(window, s), numa_remote(topology, s))
 
 
 def kv_offload_on(window: Sequence[Sample], tiers: Sequence[str] = OFFLOAD_TIERS) -> bool:
@@ -262,27 +265,37 @@ def stored_for_nothing(window: Sequence[Sample], s: Settings) -> Finding:
     return _finding(key, OK, lines)
 
 
-def numa_remote(window: Sequence[Sample], s: Settings) -> Finding:
-    """The share of the engine process's memory (``process_numa_bytes``: dict[node, bytes])
-    on the NUMA nodes of the host's GPUs (``gpu_numa_node``: dict[gpu, node])."""
+def numa_remote(topology: Sequence[Topology] | None, s: Settings) -> Finding:
+    """Per instance, the share of the engine process's memory (``engine_bytes``: dict[node,
+    bytes], from ``numa_maps``) on the NUMA nodes its GPUs are nearest to (each GPU's
+    ``numa_node``: NVML or sysfs); under ``numa_local_min_share`` on any instance: the host KV
+    pool sits across the socket interconnect from its GPU. An instance without either signal
+    is not judged."""
     key = "numa-remote"
-    newest = window[-1] if window else {}
-    memory = {k: float(v) for k, v in mapping(newest, "process_numa_bytes").items()
-              if is_number(v)}
-    if not memory:
-        return _missing(key, "process_numa_bytes", "the numa collector, [collectors.numa] "
-                        "engine_pid")
-    nodes = {str(int(v)) for v in mapping(newest, "gpu_numa_node").values() if is_number(v)}
-    if not nodes:
-        return _missing(key, "gpu_numa_node", "NVML or sysfs naming the GPUs' nodes")
-    total = sum(memory.values())
-    local = sum(v for k, v in memory.items() if k in nodes) / total if total else 1.0
-    facts = (f"{local:.0%} of the engine's {_gib(total)} is on the GPUs' NUMA node "
-             f"{', '.join(sorted(nodes))}")
-    if local < s.numa_local_min_share:
+    if topology is None:
+        return _missing(key, "the node collectors' topology", "the agent's /api/v1/node")
+    engines = [t for t in topology if t.engine_bytes]
+    if not engines:
+        return _missing(key, "the engine's memory per NUMA node", "the numa collector, the "
+                        "engine process a tap names or [collectors.numa] engine_pid")
+    judged = []
+    for t in engines:
+        nodes = {g.numa_node for g in t.gpus if g.numa_node is not None}
+        total = sum(t.engine_bytes.values())
+        if nodes and total > 0:
+            local = sum(v for k, v in t.engine_bytes.items() if k in nodes) / total
+            judged.append((t.instance, nodes, total, local))
+    if not judged:
+        return _missing(key, "a GPU's NUMA node", "NVML or sysfs naming the GPUs' nodes")
+    facts = "; ".join(f"{where + ': ' if where else ''}{local:.0%} of the engine's "
+                      f"{_gib(total)} on the GPUs' NUMA node {', '.join(sorted(nodes))}"
+                      for where, nodes, total, local in judged)
+    remote = [nodes for _w, nodes, _t, local in judged if local < s.numa_local_min_share]
+    if remote:
+        node = min(remote[0])
         return _finding(key, MISCONFIGURED, f"{facts}: offloads and promotions cross the socket "
-                        "interconnect", f"bind the engine to node {min(nodes)} (numactl "
-                        f"--cpunodebind={min(nodes)} --membind={min(nodes)}) and restart it")
+                        "interconnect", f"bind the engine to its GPU's node (numactl "
+                        f"--cpunodebind={node} --membind={node}) and restart it")
     return _finding(key, OK, facts)
 
 

@@ -9,6 +9,7 @@ from dash import html
 from kvscope.dashboard import misconfig as M
 from kvscope.dashboard import misconfig_view
 from kvscope.dashboard.misconfig import MISCONFIGURED, NOT_MEASURED, OK, Settings
+from kvscope.dashboard.topology_view import topologies
 
 T0 = 1_700_000_000.0
 N = 61  # one a second: a 60 s window
@@ -138,14 +139,25 @@ def test_blocks_stored_for_nothing():
 
 
 def test_host_kv_pool_on_another_numa_node():
-    """30 GiB of the engine on node 0, 2 GiB on node 1, its GPU on node 1: 6 %, fires; the GPU
-    on node 0: fine; no GPU node known, or no engine memory: not measured."""
-    memory = {"process_numa_bytes": {"0": 30 * GIB, "1": 2 * GIB}}
-    f = M.numa_remote(window(gauges={**memory, "gpu_numa_node": {"0": 1}}), S)
-    assert f.status == MISCONFIGURED and "6%" in f.wrong and "--membind=1" in f.change
-    assert M.numa_remote(window(gauges={**memory, "gpu_numa_node": {"0": 0}}), S).status == OK
-    assert M.numa_remote(window(gauges=memory), S).status == NOT_MEASURED
-    assert M.numa_remote(window(), S).status == NOT_MEASURED
+    """The node collectors' series of a two-node host (as ``/api/v1/node`` gives them): 30 GiB
+    of the engine on node 0, 2 GiB on node 1, its GPU on node 1: 6 %, fires; the GPU on node
+    0: fine; a GPU whose node NVML and sysfs do not say, no engine memory, or no topology read
+    at all: not measured."""
+    def series(gpu_node, engine=True):
+        out = [{"name": "kvscope_gpu_topology_info", "value": 1.0,
+                "labels": {"gpu": "0", "pcie_generation": "4", "pcie_width": "16",
+                           "numa_node": gpu_node}}]
+        if engine:
+            out += [{"name": "kvscope_process_numa_bytes", "value": v,
+                     "labels": {"numa_node": n}} for n, v in (("0", 30 * GIB), ("1", 2 * GIB))]
+        return topologies(out)
+    f = M.numa_remote(series("1"), S)
+    assert f.status == MISCONFIGURED and "6% of the engine's 32.00 GiB" in f.wrong
+    assert "--membind=1" in f.change
+    assert M.numa_remote(series("0"), S).status == OK
+    assert M.numa_remote(series(""), S).status == NOT_MEASURED
+    assert M.numa_remote(series("1", engine=False), S).status == NOT_MEASURED
+    assert M.numa_remote(None, S).status == NOT_MEASURED
 
 
 def test_detect_and_the_view():

@@ -26,6 +26,7 @@ from kvscope.dashboard.backend import Backend, BackendUnavailable
 from kvscope.dashboard.misconfig import detect as detect_misconfig
 from kvscope.dashboard.misconfig_view import SECTION_ID as MISCONFIG_ID
 from kvscope.dashboard.misconfig_view import section as misconfig_section
+from kvscope.dashboard.topology_view import METRICS as TOPOLOGY_METRICS, topologies
 from kvscope.dashboard.pages.common import (GRID_STYLE, Context, graph, samples_status, status,
                                             unreachable_status)
 from kvscope.dashboard.series import last_window, thin
@@ -96,7 +97,12 @@ def refresh(backend: Backend, window_seconds: float, instance: str | None = None
                 unreachable_status(exc))
     figs = render(samples, window_seconds, max_points, records)
     advice = verdict_view.section(offload_verdict.assess(samples, records, offload))
-    found = misconfig_section(detect_misconfig(last_window(samples, offload.window_seconds)))
+    try:  # the NUMA placement detector reads the node collectors' topology
+        topology = topologies(backend.node(TOPOLOGY_METRICS, instance))
+    except BackendUnavailable:
+        topology = None
+    found = misconfig_section(detect_misconfig(last_window(samples, offload.window_seconds),
+                                               topology=topology))
     return (*figs, advice, found, samples_status(backend, instance, samples))
 
 
