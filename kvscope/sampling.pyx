@@ -24,6 +24,7 @@ scheduler thread: about 20 ns a block here against 1.2 us written in Python
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from libc.stdint cimport int64_t, uint64_t
 
 MODULUS = 1 << 32  # P: thresholds T are integers in [1, P]
@@ -66,7 +67,11 @@ cdef inline uint64_t _key(object block_hash) except? 0:
     if type(block_hash) is bytes:
         data = <const unsigned char *>PyBytes_AS_STRING(block_hash)
         size = PyBytes_GET_SIZE(block_hash)
-        for i in range(min(size, 8)):
+        if size >= 8:  # the usual case (a 32-byte SHA-256 digest): one load, little-endian
+            for i in range(8):
+                key |= (<uint64_t>data[i]) << (8 * i)
+            return key
+        for i in range(size):
             key |= (<uint64_t>data[i]) << (8 * i)
         return key
     return <uint64_t>(block_hash & _MASK)
@@ -100,11 +105,14 @@ def sample(hashes, Py_ssize_t blocks, t, Py_ssize_t cap=MAX_SAMPLED_PER_LOOKUP):
     blocks' 64-bit keys and positions (0 = first), in order, at most ``cap`` of them, and how
     many more were sampled beyond ``cap``. Raises what indexing ``hashes`` raises (TypeError for
     a hash neither bytes nor int)."""
-    cdef Py_ssize_t i, kept = 0, dropped = 0
+    cdef Py_ssize_t i, n, kept = 0, dropped = 0
     cdef uint64_t key, limit = <uint64_t>t
-    keys, depths = [], []
-    for i in range(min(blocks, len(hashes))):
-        key = _key(hashes[i])
+    cdef list keys = [], depths = [], items
+    # vLLM's block_hashes is a list: read it without a reference count per item
+    items = hashes if type(hashes) is list else list(hashes)
+    n = min(blocks, PyList_GET_SIZE(items))
+    for i in range(n):
+        key = _key(<object>PyList_GET_ITEM(items, i))
         if _mix(key, 0) < limit:
             if kept < cap:
                 keys.append(key)

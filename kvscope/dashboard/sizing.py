@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from kvscope.analysis.analyze import AnalyzeOptions, analyze
-from kvscope.analysis.inputs import load_trace
+from kvscope.analysis.inputs import load_measured_rates, load_trace
 from kvscope.analysis.report import sizing_figure_data
 from kvscope.engine.presets import get_preset
 
@@ -65,7 +65,8 @@ class SizingSource:
     def _run(self) -> None:
         try:
             analysis = analyze(load_trace(self.trace), AnalyzeOptions(
-                get_preset(self.preset), gpu_tokens=self.gpu_tokens))
+                get_preset(self.preset), gpu_tokens=self.gpu_tokens,
+                measured=load_measured_rates(self.trace)))
             state = SizingState("ready", self.trace, sizing_figure_data(analysis),
                                 f"{analysis.requests:,} requests, {analysis.accesses:,} block "
                                 f"accesses over {analysis.duration_seconds:,.0f} s; preset "
