@@ -2,8 +2,9 @@
 runs: one with planted misconfigurations, one healthy near miss (issue 25, item 3's proof).
 
 - misconfigured: every prompt a one-off (``--one-off-share 1``) into a small cpu tier
-  (``--cpu-blocks 64``), so the cpu tier keeps evicting blocks nobody reuses and serves no
-  prompt token, and a reserve of 1 PiB (``KVSCOPE_COLLECTORS__HOST__RESERVE_BYTES``: no host
+  (``--cpu-blocks 64``) over a real filesystem tier (``--disk-blocks 256``: the reference
+  engine's chunk files in a temporary directory), so both keep storing blocks nobody reuses
+  and serve no prompt token, and a reserve of 1 PiB (``KVSCOPE_COLLECTORS__HOST__RESERVE_BYTES``: no host
   has that much RAM) so that the cpu budget plus the reserve exceed the memory limit. This
   machine's cgroups are v1 (no v2 ``memory.max`` to create), so the limit is physical RAM;
   the cgroup v2 arithmetic is tested on real file trees in tests/agent/test_collectors_host.py.
@@ -24,7 +25,7 @@ from test_e2e_offload_verdict import demo_with
 
 PIB = 2 ** 50
 CASES = {
-    "misconfigured": (["--one-off-share", "1", "--cpu-blocks", "64"],
+    "misconfigured": (["--one-off-share", "1", "--cpu-blocks", "64", "--disk-blocks", "256"],
                       {"KVSCOPE_COLLECTORS__HOST__RESERVE_BYTES": str(PIB)}),
     "healthy": (["--gpu-blocks", "32"], {}),
 }
@@ -71,6 +72,7 @@ def test_misconfiguration_banners(case, browser):
         assert "What is wrong: cpu budget" in text and "GiB over" in text
         assert "What to change: shrink the budget" in text
         assert "the cpu tier holds" in text and "served 0.00% of" in text
+        assert "the disk tier holds" in text  # the secondary tier that serves nothing
         assert "never reused" in text and "What to change: admit by reuse evidence" in text
     else:
         found = read_findings(browser, lambda f: f.get("tier-negligible") == "ok"
