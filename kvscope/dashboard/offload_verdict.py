@@ -262,23 +262,29 @@ def tail_slo(window: Sequence[Sample], tokens: Mapping[str, float],
 
 def host_dram(window: Sequence[Sample], s: Settings) -> Check:
     """Check 4, host DRAM contested. Headroom (bytes, available minus the reserve; the host
-    collector's) at its lowest in the window under ``min_headroom_bytes``: "skip offload";
-    otherwise "offload pays"; none reported: "not measured". Swap and other processes' memory
-    have no signal yet and say so."""
+    collector's) at its lowest in the window under ``min_headroom_bytes``, or any page read
+    back in from swap in the window (``host_swap_in_bytes``, host-wide; measured only where
+    the host collector reports the memory limit): "skip offload"; otherwise "offload pays";
+    no headroom reported: "not measured". Other processes' memory has no signal yet and says
+    so."""
     key = "host-dram"
     headroom = [float(v) for x in window if is_number(v := x.get("host_memory_headroom_bytes"))]
     reserve = _newest(window, "host_memory_reserve_bytes")
     available = _newest(window, "host_memory_available_bytes")
+    swapped = (scalar_increase(window, "host_swap_in_bytes")
+               if _newest(window, "host_memory_limit_bytes") is not None else None)
     lines = [f"headroom at least {_gib(min(headroom))} (contested under "
              f"{_gib(s.min_headroom_bytes)})" if headroom else "headroom: not measured",
              f"available {_gib(available)}, reserve {_gib(reserve)}" if available is not None
              and reserve is not None else "available and reserve: not measured",
-             "swap: not measured (no swap signal)",
+             "swap: not measured (no swap-in counter)" if swapped is None
+             else f"swap-in: {swapped / 2**20:.1f} MiB read back from swap (contested above 0)",
              "other processes' memory: not measured"]
     if not headroom:
         verdict = NOT_MEASURED
     else:
-        verdict = SKIP if min(headroom) < s.min_headroom_bytes else PAYS
+        verdict = (SKIP if min(headroom) < s.min_headroom_bytes or (swapped or 0.0) > 0
+                   else PAYS)
     return Check(key, CONDITIONS[key], verdict, tuple(lines))
 
 

@@ -182,7 +182,25 @@ def test_headroom_near_miss(low, verdict):
     samples[10]["host_memory_headroom_bytes"] = low
     c = check(V.assess(samples), "host-dram")
     assert c.verdict == verdict
-    assert "swap: not measured (no swap signal)" in c.evidence
+    assert "swap: not measured (no swap-in counter)" in c.evidence
+
+
+@pytest.mark.parametrize("swap_per_s, verdict", [(0.0, PAYS), (4096.0, SKIP)])
+def test_swap_in_contests_host_dram(swap_per_s, verdict):
+    """Pages read back in from swap (4 KiB/s: 0.2 MiB over the 60 s window) contest host DRAM
+    whatever the headroom says; none read back is fine. Without a host reading (no memory
+    limit) the counter is not judged."""
+    samples = window()
+    for i, x in enumerate(samples):
+        x["host_swap_in_bytes"] = swap_per_s * i
+        x["host_memory_limit_bytes"] = 64 * GIB
+    c = check(V.assess(samples), "host-dram")
+    assert c.verdict == verdict
+    assert f"swap-in: {swap_per_s * 60 / 2**20:.1f} MiB read back from swap" in c.evidence[2]
+    for x in samples:
+        x["host_memory_limit_bytes"] = None
+    assert "swap: not measured (no swap-in counter)" in check(V.assess(samples),
+                                                              "host-dram").evidence
 
 
 def test_host_dram_not_measured_without_headroom():
