@@ -1,7 +1,8 @@
 """Every engine on the same boards: one real Prometheus (the mixin's rule files loaded) scrapes
 one real ``kvscope agent`` per engine, each started as a user would (``kvscope agent --config
-agent.toml``, the table ``docs/engines.md`` gives, ``model`` set), each with its engine's
-source against that engine's test server:
+agent.toml``, with the table ``docs/engines.md`` gives, vLLM's from ``docs/vllm.md``: only its
+``url`` and ``interval`` changed, see :func:`doc_table`), each with its engine's source
+against that engine's test server:
 
 - vLLM (``[vllm_metrics]``): vLLM's offload series as its metric classes print them
   (``tests/data/vllm-0.33.0-cpu.prom``, native CPU offload) with its core series (prompt tokens
@@ -72,7 +73,6 @@ BOARDS = ("kvscope / Overview", "kvscope / Tiers")
 DATA_TIMEOUT_S = 240.0  # bound on polling until the expected queries have data; not a speed assertion
 AGENT_START_TIMEOUT_S = 60.0
 POLL_S = 2.0
-LMCACHE_CHUNK = 4 << 20  # LMCacheServer.drive's 256-token chunk: 4 layers x K, V x 8 x 128 x 2 B
 
 # --- the recorded payloads, served grown --------------------------------------------------
 
@@ -194,10 +194,23 @@ def trtllm_drains(cycles: int) -> list[bytes]:
 # --- the engines ------------------------------------------------------------------------
 
 
+def doc_table(table: str, url: str) -> str:
+    """The agent table ``[table]`` as the docs give it (docs/vllm.md for vLLM's, else
+    docs/engines.md), with two changes only: ``url``, the test server's, and ``interval = 1.0``
+    (the boards' 1 m rate window then holds enough scrapes without waiting minutes)."""
+    doc = (REPO_ROOT / "docs" / ("vllm.md" if table == "vllm_metrics" else "engines.md")).read_text()
+    block = next(b for b in re.findall(r"```toml\n(.*?)```", doc, re.S) if f"[{table}]\n" in b)
+    text = re.split(r"^\[", block.split(f"[{table}]\n", 1)[1], flags=re.M)[0]
+    text = re.sub(r'^url = "[^"]*"', f'url = "{url}"', text, count=1, flags=re.M)
+    text = re.sub(r"^interval = \S+", "interval = 1.0", text, count=1, flags=re.M)
+    return f"[{table}]\n{text}"
+
+
+
 @dataclass
 class Engine:
-    """One engine's agent: its ``engine`` label, ``model``, the agent's TOML table (``{url}``
-    filled in by the server), and what the boards show of it (see the module)."""
+    """One engine's agent: its ``engine`` label, the ``model`` its documented table names, that
+    table (:func:`doc_table`), and what the boards show of it (see the module)."""
 
     engine: str
     model: str
@@ -288,9 +301,8 @@ def engines() -> dict[str, Engine]:
     """The engines of the fleet, by their ``engine`` label (see the module)."""
     out = {
         "vllm": Engine(
-            "vllm", "Qwen/Qwen3-0.6B",
-            '[vllm_metrics]\nenabled = true\nurl = "{url}"\ninterval = 1.0\nblock_bytes = 16384\n'
-            'model = "Qwen/Qwen3-0.6B"\n',
+            "vllm", "MODEL",
+            "vllm_metrics",
             {**UNTIMED, **NO_IN_FLIGHT, **NO_EVICTIONS, **NO_EVICTED_HITS,
              **NO_ADMISSIONS,
              "Idle time before eviction (median, p95) ({{tier}} median)":
@@ -303,9 +315,7 @@ def engines() -> dict[str, Engine]:
             {"gpu", "cpu", "recompute"}, {"gpu → cpu"}, {"gpu"}),
         "tensorrt-llm": Engine(
             "tensorrt-llm", "meta-llama/Llama-3.1-8B-Instruct",
-            '[trtllm]\nenabled = true\nurl = "{url}"\nevents = true\nmetrics = true\n'
-            'interval = 1.0\nlevels = ["gpu", "cpu"]\nblock_bytes = 131072\n'
-            'model = "meta-llama/Llama-3.1-8B-Instruct"\n',
+            "trtllm",
             {**UNTIMED, **NO_IN_FLIGHT,
              "Lookup hit ratio by tier": "its counters are tokens, not blocks looked up",
              "Stores not made (skipped or failed share) ({{tier}} failed)":
@@ -313,16 +323,14 @@ def engines() -> dict[str, Engine]:
             {"gpu", "cpu", "recompute"}, {"gpu → cpu", "cpu → gpu"}, {"gpu", "cpu"}),
         "dynamo": Engine(
             "dynamo", "Qwen/Qwen3-0.6B",
-            '[kvbm_metrics]\nenabled = true\nurl = "{url}"\ninterval = 1.0\nblock_bytes = 65536\n'
-            'model = "Qwen/Qwen3-0.6B"\n',
+            "kvbm_metrics",
             {**UNTIMED, **NO_IN_FLIGHT, **NO_EVICTIONS, **NO_EVICTED_HITS,
              **NO_IDLE, **NO_ADMISSIONS, **NO_RESIDENCY, **NO_TOKENS, **NO_TTFT},
             set(), {"gpu → cpu", "cpu → disk", "gpu → disk", "gpu → remote", "cpu → gpu",
                     "disk → gpu", "remote → gpu"}, set()),
         "sglang": Engine(
-            "sglang", "Qwen/Qwen3-0.6B",
-            '[sglang_metrics]\nenabled = true\nurl = "{url}"\ninterval = 1.0\nblock_bytes = 1000\n'
-            'model = "Qwen/Qwen3-0.6B"\n',
+            "sglang", "MODEL",
+            "sglang_metrics",
             {**UNTIMED, **NO_IN_FLIGHT, **NO_EVICTED_HITS, **NO_IDLE,
              "Lookup hit ratio by tier": "its counters are tokens, not blocks looked up",
              "Evicted before any reuse": "evictions carry no hit count",
@@ -336,9 +344,8 @@ def engines() -> dict[str, Engine]:
     }
     if lmcache_python() is not None:
         out["lmcache"] = Engine(
-            "lmcache", "meta-llama/Llama-3.1-8B-Instruct",
-            '[lmcache_metrics]\nenabled = true\nurl = "{url}"\ninterval = 1.0\nchunk_blocks = 16\n'
-            f'chunk_bytes = {LMCACHE_CHUNK}\nmodel = "meta-llama/Llama-3.1-8B-Instruct"\n',
+            "lmcache", "MODEL",
+            "lmcache_metrics",
             {**UNTIMED, **NO_IN_FLIGHT, **NO_EVICTED_HITS, **NO_ADMISSIONS, **NO_TTFT,
              "Evictions by tier and reason ({{tier}} dropped)":
                  "L1's evicted chunks live on in L2 (LMCache writes every chunk through)",
@@ -375,7 +382,7 @@ def _agent(engine: Engine, workdir: Path) -> Iterator[None]:
     """``kvscope agent --config agent.toml --port P`` (the engine's table, no ingest: no tap
     here, and the agents would share its port), until /readyz answers; SIGINT afterwards."""
     config = workdir / f"agent-{engine.engine}.toml"
-    config.write_text("[ingest]\nenabled = false\n\n" + engine.table.replace("{url}", engine.url))
+    config.write_text("[ingest]\nenabled = false\n\n" + doc_table(engine.table, engine.url))
     engine.log = artifacts_dir() / f"engines-agent-{engine.engine}.log"
     with open(engine.log, "wb") as log:
         engine.process = subprocess.Popen(
