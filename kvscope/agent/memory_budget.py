@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from kvscope import catalog as m
 from kvscope.agent.collectors.gpu import GpuDevice, GpuReading
 from kvscope.agent.collectors.host import HostReading
+from kvscope.agent.sources.vllm_metrics import NAME as VLLM_METRICS
 from kvscope.catalog import Samples
 
 EngineMemory = Mapping[tuple[str, str], Mapping[str, int]]  # (source, device) -> {field: bytes}
@@ -22,10 +23,14 @@ HOST = ""  # the device of host memory in an EngineMemory report
 
 def reported(engine_memory: EngineMemory, device: str, name: str) -> int | None:
     """Field ``name`` of ``device``'s reports added up over the senders that reported it (two
-    engines on one host each have their pool), or None when none did."""
-    values = [fields[name] for (_source, dev), fields in engine_memory.items()
-              if dev == device and name in fields]
-    return sum(values) if values else None
+    engines on one host each have their pool), or None when none did. vLLM's scraped metrics
+    (source ``vllm_metrics``) count only where no other sender reports the field: a tap in
+    that vLLM reports the same pool, which would otherwise count twice."""
+    found = {source: fields[name] for (source, dev), fields in engine_memory.items()
+             if dev == device and name in fields}
+    own = {source: n for source, n in found.items() if source != VLLM_METRICS}
+    values = own or found
+    return sum(values.values()) if values else None
 
 
 def offload_budgets(configured: Mapping[str, int],

@@ -145,7 +145,8 @@ def test_vllm_0_33_tiering_beside_kv_events_adds_capacity_lookups_times_and_fail
     - tier bytes (disk->cpu 196,608, cpu->disk 327,680) and gpu->cpu stores: left to KV events.
     """
     first, second = _mapped("vllm-0.33.0-tiering.prom", kv_events_tiers=KV_EVENTS_ALL)
-    assert first == [e for e in first if isinstance(e, ev.TierSnapshot)]  # baselines only
+    # baselines only, and the host KV budget (cpu_kv_cache_size_bytes) once
+    assert first == [e for e in first if isinstance(e, (ev.TierSnapshot, ev.EngineMemory))]
     assert _cpu_capacity(first) == _cpu_capacity(second) == [(128, 4_194_304, 0, 0)]
     (lookup,) = [e for e in second if isinstance(e, ev.Lookup)]
     assert (lookup.tokens, lookup.blocks, lookup.block_hits) == (
@@ -208,7 +209,7 @@ def test_vllm_0_33_tiering_without_kv_events_maps_the_tier_bytes_and_no_lookups(
     no lookup blocks (this source then reports the GPU tier, which the agent would take as
     consulted and missed by all 20 blocks)."""
     first, second = _mapped("vllm-0.33.0-tiering.prom")
-    assert first == []
+    assert first == [ev.EngineMemory(ts=1.0, kv_offload_budget=4_194_304)]  # once: the budget
     assert _transfers(second) == {("gpu", "cpu", 16, 524_288, False, True): 1,
                                   ("disk", "cpu", 6, 196_608, False, True): 1,
                                   ("cpu", "disk", 10, 327_680, False, True): 1,
@@ -239,6 +240,7 @@ def test_vllm_0_33_cpu_offloading_gives_the_cpu_tiers_capacity():
     524,288 bytes) are that source's then. Without it (or with tiers gpu only): no capacity,
     and the stores are this source's (16 blocks)."""
     first, second = _mapped("vllm-0.33.0-cpu.prom", kv_events_tiers=KV_EVENTS_ALL)
+    assert first.pop() == ev.EngineMemory(ts=1.0, kv_offload_budget=4_194_304)  # once
     for events, ts in ((first, 1.0), (second, 2.0)):
         assert events == [ev.TierSnapshot(ts=ts, tier="cpu", capacity_bytes=4_194_304,
                                           resident_bytes=0, capacity_blocks=128,

@@ -21,6 +21,13 @@ Mapped (vLLM 0.32 names, ``vllm/v1/metrics/loggers.py`` and the offloading conne
 - ``vllm:kv_cache_usage_perc`` x ``num_gpu_blocks`` (``vllm:cache_config_info``) ->
   ``TierSnapshot`` gpu, when ``gpu_snapshot`` is on (leave it off when the KV events source
   reports GPU residency; vLLM's usage counts blocks held by running requests only).
+- The host KV offload budget -> ``EngineMemory`` (``kv_offload_budget``, bytes, every engine's
+  added up), for the memory budget breakdown where no tap reports it (docs/collectors.md,
+  Memory budgets): 0.33's ``vllm:kv_offload_config_info`` ``cpu_kv_cache_size_bytes`` (the pool
+  vLLM sized), else ``vllm:cache_config_info`` ``kv_offloading_size`` (GiB,
+  ``--kv-offloading-size``; bytes = GiB x 2^30 as vLLM computes ``cpu_bytes_to_use`` from it);
+  sent when it changes (first at the first scrape); none when neither says (``"None"``:
+  offloading set up through ``--kv-transfer-config`` only, or off).
 - The scheduler, whether GPU memory is the limiter -> one ``SchedulerStats`` per scrape, each
   field absent when vLLM has no such series: ``vllm:num_requests_waiting`` and
   ``vllm:num_requests_running`` (gauges, added up over the engines); the increase of
@@ -173,6 +180,7 @@ class MetricsMapper:
         self.tier_promotions = "cpu" not in told
         self.tier_offloads = "disk" not in told
         self._counters = Counters()
+        self._budget_sent: int | None = None  # the host KV budget last reported (_budget)
         # the engine labels of the scrape before (None once baselines were dropped: MAX_SERIES)
         self._engines: frozenset | None = frozenset()
         self._engines_before: frozenset | None = frozenset()
@@ -239,9 +247,30 @@ class MetricsMapper:
                 resident_bytes=0, capacity_blocks=sum(c[0] * c[1] for c in chunks.values()),
                 resident_blocks=0))
         out += self._scheduler(samples, ts)
+        out += self._budget(samples, ts, chunks)
         if self._counters.commit():  # baselines dropped: keep the current ones
             self._engines = self._engines_before = None  # a new series may be an old one
         return out
+
+    def _budget(self, samples: Samples, ts: float, chunks: dict) -> list[ev.EngineMemory]:
+        """The host KV offload budget over every engine (see the module) when it is new or
+        changed since this mapper last reported it (the pipeline keeps the last; a restarted
+        agent's new mapper reports it at its first scrape), else []; also [] when vLLM does
+        not say. ``chunks``: :meth:`_cpu_chunks`."""
+        sizes: dict[str | None, int] = {engine: c[2] for engine, c in chunks.items()}
+        for ls in series(samples, "vllm:cache_config_info") if not sizes else ():
+            labels = dict(ls)
+            try:
+                gib = float(labels.get("kv_offloading_size", "None"))
+            except ValueError:  # "None": not set
+                continue
+            if math.isfinite(gib) and 0 < gib < 2**23:  # below 2^53 bytes, the event's bound
+                sizes[labels.get("engine")] = int(gib * (1 << 30))
+        budget = sum(sizes.values()) if sizes else None
+        if budget is None or budget == self._budget_sent:
+            return []
+        self._budget_sent = budget
+        return [ev.EngineMemory(ts=ts, kv_offload_budget=budget)]
 
     def _scheduler(self, samples: Samples, ts: float) -> list[ev.SchedulerStats]:
         """The scheduler's gauges over every engine and its preemptions since the last scrape
