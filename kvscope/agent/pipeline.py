@@ -363,33 +363,17 @@ class Pipeline:
         with self._lock:
             return self._fold.engine_memory()
 
-    def record_sample(self, ts: float, host_memory_available: float | None, *,
-                      host_memory_reserve: float | None = None,
-                      host_memory_headroom: float | None = None,
-                      offload_budgets: Mapping[str, int] | None = None,
-                      pcie_link_max: Mapping[str, float] | None = None,
-                      host_memory_parts: Mapping[str, float] | None = None,
-                      gpu_memory_parts: Mapping[str, float] | None = None,
-                      host_memory_limit: float | None = None,
-                      gpu_memory_total: Mapping[str, float] | None = None,
-                      host_swap_in: float | None = None,
-                      engine_weight_offload: float | None = None) -> dict:
+    def record_sample(self, ts: float, host_memory_available: float | None,
+                      **node: object) -> dict:
         """Append a one-second sample of the state now, and return it (see
         :meth:`~kvscope.agent.sample_history.SampleHistory.record`: the fields, host values
-        and units)."""
+        and units). ``node``: the node's readings by keyword (``host_memory_reserve``,
+        ``offload_budgets``, ``host_memory_parts``, ...), as that method takes them; one it
+        does not know raises TypeError."""
         with self._lock:
             state = self._fold.state()
             tiers = dict(self._tiers.totals)
-        return self._history.record(ts, state, tiers, host_memory_available,
-                                    host_memory_reserve=host_memory_reserve,
-                                    host_memory_headroom=host_memory_headroom,
-                                    offload_budgets=offload_budgets, pcie_link_max=pcie_link_max,
-                                    host_memory_parts=host_memory_parts,
-                                    gpu_memory_parts=gpu_memory_parts,
-                                    host_memory_limit=host_memory_limit,
-                                    gpu_memory_total=gpu_memory_total,
-                                    host_swap_in=host_swap_in,
-                                    engine_weight_offload=engine_weight_offload)
+        return self._history.record(ts, state, tiers, host_memory_available, **node)
 
     def samples(self, since: float | None = None, window: float | None = None) -> list[dict]:
         """Samples with ``ts > since`` (all when None), oldest first; ``window``: seconds, only
