@@ -161,3 +161,12 @@ def test_a_source_of_an_engine_tells_its_engine_and_model(name):
     assert agent.pipeline.snapshot().source_info == {name: (ENGINES[name], "llama-3-8b")}
     with pytest.raises(ValueError, match="model"):
         AgentSettings(**{name: {"enabled": True, "model": "m" * 65}})
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_the_kv_events_source_tells_its_flavour_as_the_engine(flavour):
+    """The KV events come without a tap's batches naming the engine: the flavour is the
+    ``engine`` label (the table has no model: "")."""
+    agent = Agent(AgentSettings(kv_events={"enabled": True, "engine": flavour}),
+                  with_ingest=False)
+    assert agent.pipeline.snapshot().source_info == {"kv_events": (flavour, "")}

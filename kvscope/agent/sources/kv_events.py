@@ -490,4 +490,4 @@ register(SourceSpec(
     banner=lambda config, part, base_url: f"kv_events: {part.describe()}",
     tiers=lambda config: config.tiers,
     # vLLM's is named by its tap or its metrics source; nothing else may name SGLang
-    engine=lambda config: "sglang" if config.engine == "sglang" else ""))
+    engine=lambda config: config.engine))

@@ -185,7 +185,7 @@ class KvscopeOffloadingSpec(OffloadingSpec):
         try:
             from kvscope.agent.taps.emitter import Emitter
 
-            return Emitter(self.endpoint, source=source, scope=scope, logger=log)
+            return Emitter(self.endpoint, source=source, scope=scope, engine="vllm", logger=log)
         except Exception as exc:  # the tap boundary: vLLM runs on without the tap
             self.errors += 1
             hint = (" kvscope_endpoint is the address the agent listens on, e.g. "
