@@ -166,7 +166,10 @@ def test_a_source_of_an_engine_tells_its_engine_and_model(name):
 @pytest.mark.parametrize("flavour", ["vllm", "sglang"])
 def test_the_kv_events_source_tells_its_flavour_as_the_engine(flavour):
     """The KV events come without a tap's batches naming the engine: the flavour is the
-    ``engine`` label (the table has no model: "")."""
+    ``engine`` label, the table's ``model`` the model ("" when not set)."""
+    agent = Agent(AgentSettings(kv_events={"enabled": True, "engine": flavour, "model": "m"}),
+                  with_ingest=False)
+    assert agent.pipeline.snapshot().source_info == {"kv_events": (flavour, "m")}
     agent = Agent(AgentSettings(kv_events={"enabled": True, "engine": flavour}),
                   with_ingest=False)
     assert agent.pipeline.snapshot().source_info == {"kv_events": (flavour, "")}

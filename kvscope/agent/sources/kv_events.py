@@ -50,7 +50,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from zmq.utils.monitor import recv_monitor_message
 
 from kvscope import events as ev
-from kvscope.agent.sections import Section, TierSize, tier_keys, zmq_endpoint
+from kvscope.agent.sections import EngineSection, TierSize, tier_keys, zmq_endpoint
 from kvscope.agent.sources.base import Consumer, SourceSpec, SourceWorker, register
 from kvscope.agent.sources.kv_residency import (FLAVOURS, SGLANG, VLLM, AllBlocksCleared,
                                                 BlockRemoved, BlockStored, Flavour, KvResidency,
@@ -401,7 +401,7 @@ def _flavour(info: ValidationInfo) -> Flavour:
     return FLAVOURS.get(info.data.get("engine", "vllm"), VLLM)
 
 
-class KvEventsConfig(Section):
+class KvEventsConfig(EngineSection):
     """An engine's ``--kv-events-config`` stream (source ``kv_events``): ``engine``: ``vllm`` or
     ``sglang`` (its media, see the module); ``endpoint`` as given to the engine (with ``*``, and
     for SGLang ``0.0.0.0``: the engine binds, the agent connects; else the agent binds),
