@@ -29,6 +29,9 @@ nothing runs), 1 when one failed, 3 when the watchdog fired.
    bytes must land in the right rows.
 2. The GPU collector (``kvscope.agent.collectors.gpu``) on the real NVML, no stand-in:
    - memory: NVML's total within 2% of CUDA's; NVML's used grows by a 1 GiB allocation.
+   - memory budget: a 256 MiB "KV cache" in two views, reported as vLLM's worker tap reports
+     it, names this GPU by NVML's PCI address, counts 256 MiB once, and its parts add up to
+     NVML's total.
    - PCIe bytes, per direction: the reference engine copies a known number of bytes (about
      ``--pcie-seconds`` of back-to-back copies) while a thread reads the collector continuously;
      ``kvscope_pcie_bytes_total`` (the exported samples, ``kvscope.agent.collectors.metrics``) must grow by
@@ -102,7 +105,8 @@ MiB = 2**20
 CHECK_MODULES = ("kvscope.events", "kvscope.agent.taps.emitter",
                  "kvscope.agent.taps.worker_events", "kvscope.engine.tier",
                  "kvscope.engine.transfers", "kvscope.agent.collectors.gpu",
-                 "kvscope.agent.collectors.metrics", "pynvml")
+                 "kvscope.agent.collectors.metrics", "kvscope.agent.memory_budget",
+                 "kvscope.agent.taps.memory_report", "pynvml")
 WHEEL_MODULES = {"msgspec": "msgspec", "zmq": "pyzmq", "psutil": "psutil", "pynvml": "nvidia-ml-py"}
 ALLOWED_EXTRA = {"kvscope", "typing_extensions", "cython_runtime"}  # pyzmq is built with Cython
 
@@ -420,6 +424,7 @@ def nvml_checks(report, torch, host, dev, measured: dict[str, float], seconds: f
     try:
         gpu = nvml_index(pynvml, torch, first)
         report.guard("nvml memory", nvml_memory, report, torch, collector, gpu)
+        report.guard("memory budget", memory_budget, report, torch, collector, gpu)
         nbytes = host.data.numel() * host.data.element_size()
         slots = list(range(host.data.shape[0]))
         copier = Copier(cuda=True)
@@ -456,6 +461,40 @@ def nvml_memory(report, torch, collector, gpu: str) -> None:
            f"{total / 2**30:.1f} GiB (within 2%); NVML used {device.memory_used_bytes / 2**30:.2f}"
            f" GiB (CUDA {(total - free) / 2**30:.2f}), grew {growth / MiB:.0f} MiB for a "
            f"{size // MiB} MiB allocation (0.9..1.5 x + 512 MiB)")
+
+
+def memory_budget(report, torch, collector, gpu: str) -> None:
+    """The GPU memory budget's path on the real device: a 256 MiB "KV cache" handed over as
+    two views of one allocation, as vLLM's worker tap reports it
+    (``kvscope.agent.taps.memory_report.gpu_reports``), must name this GPU by the PCI address
+    the GPU collector reads from NVML, count the allocation once (kv_cache 256 MiB), carry
+    torch's ``memory_allocated`` (at least the KV cache), and its parts
+    (``kvscope.agent.memory_budget``) must add up to NVML's total."""
+    from kvscope import catalog
+    from kvscope.agent.memory_budget import memory_samples
+    from kvscope.agent.taps.memory_report import gpu_reports
+
+    size = 256 * MiB
+    kv = torch.empty(size, dtype=torch.uint8, device="cuda")
+    try:
+        torch.cuda.synchronize()
+        reports = gpu_reports([kv[: size // 2], kv[size // 2:]], time.time())
+        reading = collector.collect()
+        device = next(g for g in reading.gpus if g.gpu == gpu)
+        mine = [r for r in reports if r.device == device.pci_bus_id]
+        parts = {labels[1]: value for labels, value in memory_samples(None, reading, {
+            ("gpu_check", r.device): {"kv_cache": r.kv_cache, "allocated": r.allocated}
+            for r in reports})[catalog.GPU_MEMORY_PART_BYTES] if labels[0] == gpu}
+    finally:
+        del kv
+        torch.cuda.empty_cache()
+    ok = (len(reports) == 1 and len(mine) == 1 and mine[0].kv_cache == size
+          and mine[0].allocated >= size and parts.get("kv_cache") == size
+          and abs(sum(parts.values()) - device.memory_total_bytes) <= 1)
+    report("PASS" if ok else "FAIL", "memory budget",
+           f"gpu {gpu}: reports {[(r.device, r.kv_cache, r.allocated) for r in reports]}, NVML's "
+           f"PCI address {device.pci_bus_id}; parts {{{', '.join(f'{k}: {v / MiB:.0f} MiB' for k, v in parts.items())}}} "
+           f"add up to {sum(parts.values()) / MiB:.0f} of {device.memory_total_bytes / MiB:.0f} MiB")
 
 
 def pcie_direction(report, collector, gpu: str, direction: str, name: str, copy_once,

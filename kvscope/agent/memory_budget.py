@@ -14,11 +14,13 @@ from collections.abc import Mapping
 from kvscope import catalog as m
 from kvscope.agent.collectors.gpu import GpuDevice, GpuReading
 from kvscope.agent.collectors.host import HostReading
-from kvscope.agent.sources.vllm_metrics import NAME as VLLM_METRICS
 from kvscope.catalog import Samples
 
 EngineMemory = Mapping[tuple[str, str], Mapping[str, int]]  # (source, device) -> {field: bytes}
 HOST = ""  # the device of host memory in an EngineMemory report
+# kvscope.agent.sources.vllm_metrics.NAME (a test holds them equal): importing it would import
+# every source, compiled ones among them, where only the collectors are wanted (bench/gpu_check.py)
+VLLM_METRICS = "vllm_metrics"
 
 
 def reported(engine_memory: EngineMemory, device: str, name: str) -> int | None:

@@ -5,9 +5,11 @@ for an engine without kvscope's tap, on exposition text in vLLM's form (labels f
 from __future__ import annotations
 
 from kvscope import events as ev
+from kvscope.agent import memory_budget
 from kvscope.agent.memory_budget import offload_budgets
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.scrape import parse
+from kvscope.agent.sources import vllm_metrics
 from kvscope.agent.sources.vllm_metrics import MetricsMapper
 
 GiB = 1 << 30
@@ -47,6 +49,7 @@ def test_the_sized_pool_of_0_33_wins_over_the_typed_size():
 def test_a_tap_in_the_same_vllm_is_not_counted_twice():
     """The scrape says 2 GiB; the tap in that vLLM says 2 GiB too: the budget is 2 GiB, not 4.
     Without the tap, the scrape's 2 GiB."""
+    assert memory_budget.VLLM_METRICS == vllm_metrics.NAME  # the name the breakdown yields by
     pipeline = Pipeline()
     pipeline.ingest("vllm_metrics", [ev.EngineMemory(ts=1.0, kv_offload_budget=2 * GiB)])
     assert offload_budgets({}, pipeline.engine_memory()) == {"cpu": 2 * GiB}
