@@ -19,6 +19,15 @@ Keys are the trace's ``hash_ids`` (one per 512-token block); the CPU tier holds 
 blocks (LRU), so it evicts. The tap runs as vLLM builds it by default: ages and loads tracked for
 1 in ``--sample-one-in`` stores (8; 1 tracks every chunk).
 
+Two wrapped arms run beside the unwrapped one: ``blocks`` as vLLM builds the tap by default,
+each request's ``Lookup`` carrying its prompt's block hashes sampled at
+``--block-sample-rate`` (1/16: the predicate on every block, the kept hashes encoded and sent),
+and ``no-blocks`` with block sampling off; each has its own emitter, whose threads' CPU time it
+is charged. The requests' block hashes are their ``hash_ids`` as 8 bytes (vLLM's are 32: the
+predicate reads 8 of them either way). A Mooncake block is 512 tokens, vLLM's 16: per token,
+vLLM's prompts have 32 times the blocks; ``--split 32`` cuts each trace block into 32 blocks
+of 16 tokens (keys and hashes ``hash_id * 32 + i``) to run at vLLM's granularity.
+
 The two arms run side by side: they take turns every ``--block`` requests, so a shared
 machine's changing load hits both alike, and each block's time is the best of ``--repeat`` runs.
 Times are CPU seconds: the main thread's per block, plus, for the wrapped arm, what the emitter's
@@ -59,10 +68,11 @@ try:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     from kvscope.agent.taps.emitter import Emitter
-    from kvscope.agent.taps.vllm_manager import DEFAULT_SAMPLE_ONE_IN, TapManager
+    from kvscope.agent.taps.vllm_manager import (DEFAULT_BLOCK_SAMPLE_RATE, DEFAULT_SAMPLE_ONE_IN,
+                                                  TapManager)
 except ImportError:  # --releases: this process only starts the runs in vLLM's environments
     OffloadingManager = None
-    DEFAULT_SAMPLE_ONE_IN = 8
+    DEFAULT_SAMPLE_ONE_IN, DEFAULT_BLOCK_SAMPLE_RATE = 8, 1 / 16
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = Path(os.environ.get("KVSCOPE_TRACE_DIR", ROOT.parent / "shared" / "traces")) / \
@@ -82,21 +92,25 @@ class _Stats:  # the parts of vLLM's PrefillStats the tap reads
 class _Request:  # the parts of vLLM's Request the tap reads
     trace_headers = None
 
-    def __init__(self, prompt):
+    def __init__(self, prompt, block_hashes):
         self.num_prompt_tokens = prompt
+        self.block_hashes = block_hashes
         self.arrival_time = time.time()
         self.num_output_tokens = 1
         self.num_computed_tokens = 0
         self.prefill_stats = None
 
 
-def load_trace(path: Path, limit: int) -> list[tuple[int, list[bytes]]]:
+def load_trace(path: Path, limit: int, split: int = 1) -> list[tuple[int, list[bytes], list[bytes]]]:
+    """(prompt tokens, offload keys, block hashes) per request; each trace block cut into
+    ``split`` blocks."""
     out = []
     with open(path) as f:
         for line in f:
             row = json.loads(line)
-            keys = [make_offload_key(h.to_bytes(8, "big"), 0) for h in row["hash_ids"]]
-            out.append((row["input_length"], keys))
+            hashes = [(h * split + i).to_bytes(8, "big") for h in row["hash_ids"]
+                      for i in range(split)]
+            out.append((row["input_length"], [make_offload_key(h, 0) for h in hashes], hashes))
             if len(out) >= limit:
                 break
     return out
@@ -111,7 +125,8 @@ def lookups(manager, keys: list, ctx) -> int:
     return hits
 
 
-def replay(manager, prompt: int, keys: list, rid: str, connector: bool) -> None:
+def replay(manager, prompt: int, keys: list, hashes: list, rid: str, connector: bool,
+           block_tokens: int = TOKENS_PER_BLOCK) -> None:
     """One request of the trace through ``manager``: the ``connector`` sequence, else
     ``cache`` (see the module docstring)."""
     ctx = ReqContext(req_id=rid)
@@ -121,14 +136,14 @@ def replay(manager, prompt: int, keys: list, rid: str, connector: bool) -> None:
         if output is not None and output.keys_to_store:
             manager.complete_store(output.keys_to_store, ctx)
         return
-    request = _Request(prompt)  # the tap reads it from this frame
+    request = _Request(prompt, hashes)  # the tap reads it from this frame
     manager.on_new_request(ctx)
     end = ScheduleEndContext(new_req_ids=[rid], preempted_req_ids=())
     with manager.lock if V033 else contextlib.nullcontext():
         hits = lookups(manager, keys, ctx)
         if hits:
             manager.prepare_load(keys[:hits], ctx)
-        request.prefill_stats = _Stats(prompt, 0, min(prompt, hits * TOKENS_PER_BLOCK))
+        request.prefill_stats = _Stats(prompt, 0, min(prompt, hits * block_tokens))
         if not V033:
             manager.on_schedule_end(end)
         output = manager.prepare_store(keys[hits:], ctx)
@@ -142,7 +157,8 @@ def replay(manager, prompt: int, keys: list, rid: str, connector: bool) -> None:
     manager.on_request_finished(ctx)
 
 
-def replay_blocks(managers: dict, trace, connector: bool, block: int) -> dict[str, list[float]]:
+def replay_blocks(managers: dict, trace, connector: bool, block: int,
+                  block_tokens: int = TOKENS_PER_BLOCK) -> dict[str, list[float]]:
     """Main-thread CPU seconds per ``block`` requests of ``trace``, for each of ``managers``
     (name -> manager). The arms take turns block by block, which goes first alternating, so at
     any moment both see the same machine (a shared machine's load changes within seconds)."""
@@ -153,24 +169,32 @@ def replay_blocks(managers: dict, trace, connector: bool, block: int) -> dict[st
             manager = managers[name]
             t0 = time.thread_time()
             for i in range(start, min(start + block, len(trace))):
-                prompt, keys = trace[i]
-                replay(manager, prompt, keys, f"req-{i}", connector)
+                prompt, keys, hashes = trace[i]
+                replay(manager, prompt, keys, hashes, f"req-{i}", connector, block_tokens)
             spent[name].append(time.thread_time() - t0)
     return spent
 
 
-def background_cpu() -> float:
-    """CPU seconds used so far by this process's threads other than the main one (the emitter's
-    sender thread and ZMQ's I/O threads): Linux ``/proc/self/task/*/schedstat``, nanoseconds."""
-    main, total = threading.main_thread().native_id, 0
-    for tid in os.listdir("/proc/self/task"):
-        if int(tid) != main:
-            try:
-                with open(f"/proc/self/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except OSError:  # a thread that just ended
-                pass
+def threads_cpu(tids: set[str]) -> float:
+    """CPU seconds used so far by the threads ``tids`` of this process (an emitter's sender
+    thread and its ZMQ context's I/O threads): Linux ``/proc/self/task/*/schedstat``, ns."""
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # a thread that ended
+            pass
     return total / 1e9
+
+
+def emitter_with_threads(endpoint: str) -> tuple:
+    """A new emitter and the ids of the threads it started (its sender and ZMQ's)."""
+    before = set(os.listdir("/proc/self/task"))
+    emitter = Emitter(endpoint, source="vllm")
+    time.sleep(0.2)  # ZMQ starts its threads with the socket
+    return emitter, set(os.listdir("/proc/self/task")) - before - {
+        str(threading.main_thread().native_id)}
 
 
 def _sink(endpoint: str, stop) -> None:
@@ -197,6 +221,10 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=64, help="requests per turn of each arm")
     parser.add_argument("--sample-one-in", type=int, default=DEFAULT_SAMPLE_ONE_IN,
                         help="the tap tracks ages and loads of 1 in this many stores")
+    parser.add_argument("--split", type=int, default=1,
+                        help="cut each 512-token trace block into this many (32: vLLM's 16 tokens)")
+    parser.add_argument("--block-sample-rate", type=float, default=DEFAULT_BLOCK_SAMPLE_RATE,
+                        help="the blocks arm's share of block hashes sampled into lookups")
     parser.add_argument("--releases", action="store_true",
                         help="run in both vLLM environments of scripts/vllm_env.sh, one after "
                              "the other, and print both")
@@ -210,60 +238,76 @@ def main() -> None:
                  "(bash scripts/vllm_env.sh --print), or give --releases")
     if not args.trace.is_file():
         sys.exit(f"trace {args.trace} not found (set KVSCOPE_TRACE_DIR)")
-    trace = load_trace(args.trace, args.requests)
-    accesses = sum(len(k) for _, k in trace)
+    trace = load_trace(args.trace, args.requests, args.split)
+    block_tokens = TOKENS_PER_BLOCK // args.split
+    accesses = sum(len(k) for _, k, _ in trace)
     endpoint = f"ipc://{tempfile.mkdtemp()}/sink.sock"
     stop = multiprocessing.Event()
     sink = multiprocessing.Process(target=_sink, args=(endpoint, stop), daemon=True)
     sink.start()
-    emitter = Emitter(endpoint, source="vllm")
+    # each wrapped arm: its emitter, its threads, its tap's block sampling rate
+    wrapped = {name: (*emitter_with_threads(endpoint), rate)
+               for name, rate in (("no-blocks", 0.0), ("blocks", args.block_sample_rate))}
     freeze_gc_heap()
     sequences = ("cache", "connector")
-    arms = ("unwrapped", "wrapped")
-    best: dict = {}  # (seq, arm) -> per-block best main-thread seconds; (seq, "events") -> s
+    arms = ("unwrapped", *wrapped)
+    best: dict = {}  # (seq, arm) -> per-block best main-thread seconds; (seq, arm, "events") -> s
     tap_errors = 0
     try:
         for _ in range(args.repeat):
             for seq in sequences:
-                managers = {"unwrapped": CPUOffloadingManager(args.chunks),
-                            "wrapped": TapManager(CPUOffloadingManager(args.chunks), emitter.emit,
-                                                  tokens_per_block=512, blocks_per_chunk=1,
-                                                  bytes_per_block=1 << 20,
-                                                  capacity_chunks=args.chunks,
-                                                  sample_one_in=args.sample_one_in)}
+                managers = {"unwrapped": CPUOffloadingManager(args.chunks)}
+                for name, (emitter, _, rate) in wrapped.items():
+                    managers[name] = TapManager(
+                        CPUOffloadingManager(args.chunks), emitter.emit,
+                        tokens_per_block=block_tokens,
+                        blocks_per_chunk=1, bytes_per_block=1 << 20, capacity_chunks=args.chunks,
+                        sample_one_in=args.sample_one_in, block_sample_rate=rate)
                 gc.collect()
-                background = background_cpu()
-                spent = replay_blocks(managers, trace, seq == "connector", args.block)
-                while emitter.buffered():  # the emitter's work for this run counts, too
-                    time.sleep(0.01)
-                background = background_cpu() - background
+                background = {name: threads_cpu(tids) for name, (_, tids, _) in wrapped.items()}
+                spent = replay_blocks(managers, trace, seq == "connector", args.block,
+                                      block_tokens)
+                for name, (emitter, tids, _) in wrapped.items():
+                    while emitter.buffered():  # the emitter's work for this run counts, too
+                        time.sleep(0.01)
+                    used = threads_cpu(tids) - background[name]
+                    best[seq, name, "events"] = min(best.get((seq, name, "events"), used), used)
                 for arm in arms:
                     old = best.get((seq, arm), spent[arm])
                     best[seq, arm] = [min(a, b) for a, b in zip(old, spent[arm])]
-                best[seq, "events"] = min(best.get((seq, "events"), background), background)
                 # A run's managers go with it: kept, their tiers (a chunk object per block)
                 # would grow the heap every full collection walks, run after run.
-                tap_errors += managers["wrapped"].errors
+                tap_errors += sum(managers[name].errors for name in wrapped)
                 del managers
     finally:
         gc.unfreeze()  # let shutdown free the start-up heap (else extension modules report leaks)
-        emitter.close()
+        for emitter, _, _ in wrapped.values():
+            emitter.close()
         stop.set()
         sink.join(5)
-    print(f"trace: {len(trace)} requests, {accesses} block accesses, CPU tier {args.chunks} "
+    print(f"trace: {len(trace)} requests, {accesses} block accesses of {block_tokens} tokens, "
+          f"CPU tier {args.chunks} "
           f"blocks; CPU seconds: per block of {args.block} requests the best of {args.repeat} "
-          "runs, arms taking turns; wrapped adds the emitter's threads (best run)")
-    print(f"{'sequence':>9}  {'unwrapped':>9}  {'wrapped':>9}  {'of it emitter':>13}  "
+          "runs, arms taking turns; wrapped adds its emitter's threads (best run); blocks: "
+          f"block hashes sampled at {args.block_sample_rate:.4g}")
+    print(f"{'sequence':>9}  {'arm':>9}  {'unwrapped':>9}  {'wrapped':>9}  {'of it emitter':>13}  "
           f"{'tap us/request':>14}  ratio")
+    ratios = {}
     for seq in sequences:
         plain = sum(best[seq, "unwrapped"])
-        wrapped = sum(best[seq, "wrapped"]) + best[seq, "events"]
-        ratio = plain / wrapped
-        print(f"{seq:>9}  {plain:9.3f}  {wrapped:9.3f}  {best[seq, 'events']:13.3f}  "
-              f"{(wrapped - plain) / len(trace) * 1e6:14.1f}  {ratio:.3f} "
-              + f"{'OK' if ratio >= GOALS[seq] else 'BELOW GOAL'} (goal >= {GOALS[seq]})")
-    print(f"events: {emitter.sent_batches} batches sent, {emitter.dropped} dropped; tap errors "
-          f"{tap_errors}")
+        for name in wrapped:
+            events = best[seq, name, "events"]
+            spent = sum(best[seq, name]) + events
+            ratio = ratios[seq, name] = plain / spent
+            print(f"{seq:>9}  {name:>9}  {plain:9.3f}  {spent:9.3f}  {events:13.3f}  "
+                  f"{(spent - plain) / len(trace) * 1e6:14.1f}  {ratio:.3f} "
+                  + f"{'OK' if ratio >= GOALS[seq] else 'BELOW GOAL'} (goal >= {GOALS[seq]})")
+    print("block sampling's share: " + ", ".join(
+        f"{seq} blocks/no-blocks {ratios[seq, 'blocks'] / ratios[seq, 'no-blocks']:.3f}"
+        for seq in sequences))
+    print("events: " + ", ".join(f"{name} {emitter.sent_batches} batches sent, {emitter.dropped} "
+                                 f"dropped" for name, (emitter, _, _) in wrapped.items())
+          + f"; tap errors {tap_errors}")
 
 
 def run_releases(argv: list[str]) -> int:
