@@ -251,9 +251,8 @@ def stored_for_nothing(window: Sequence[Sample], s: Settings) -> Finding:
               if t in OFFLOAD_TIERS and c.sum() >= s.min_evictions}
     if not counts:
         return _finding(key, NOT_MEASURED, "not measured: no offload tier evicted "
-                        f"{s.min_evictions} blocks with their hit counts in the window (vLLM's "
-                        "KV events say when a block was stored and removed, never that it was "
-                        "hit: zero-code mode cannot tell)")
+                        f"{s.min_evictions} blocks with their hit counts in the window (the GPU "
+                        "tier's hits make no KV events; a cache reset is no eviction for room)")
     share = {t: float(c[0] / c.sum()) for t, c in counts.items()}
     lines = "; ".join(f"{t}: {v:.0%} of {counts[t].sum():,.0f} evicted blocks never reused"
                       for t, v in share.items())

@@ -26,12 +26,19 @@ are not remembered, so their promotions count as offloads. Promotions into the G
 (cpu->gpu) stay invisible: a loaded GPU block's ``BlockStored`` looks like a computed one (the
 in-process tap reports those).
 
-A hash whose last reference goes is an ``Eviction`` (age and hits unknown: ``measured=False``;
-idle time before eviction unknown too, ``idle`` None: KV events report no hits, neither a GPU
-block's prefix-cache reuse nor a CPU block's load, so the idle time would be the age, which
-makes every reused block look idle since it was stored; and residency keeps reference counts,
-not store times. vLLM's own ``kv_block_idle_before_evict_seconds``, mapped by the vLLM metrics
-source, measures the GPU tier's; the tap the CPU tier's).
+A hash whose last reference goes is an ``Eviction``. An offload tier's (cpu, disk, remote:
+those reported) made for room carries its ``age``, the batch times of its store and its
+removal, and its ``hits``, the times its copy came back while held, as KV events show them: a
+GPU ``BlockStored`` of a hash the cpu tier holds (the prefix returned and its cpu copy was there
+to load), a cpu ``BlockStored`` of a hash the disk tier holds (a disk->cpu promotion). So "stored
+for nothing" (evicted with 0 hits) is seen in zero-code mode too. Misreadings: a prefix
+recomputed although its cpu copy was held (a promotion that could not be made) counts as a
+hit; with chunks of several blocks named by their last hash, the chunk's other GPU blocks
+never match, so hits are undercounted there. The GPU tier's evictions, and those of
+``AllBlocksCleared`` (a reset, no retention verdict), stay unmeasured (``measured=False``): KV
+events show no GPU prefix-cache hit, and ``idle`` stays None everywhere (a hit's time is not
+its block's last use). vLLM's own ``kv_block_idle_before_evict_seconds``, mapped by the vLLM
+metrics source, measures the GPU tier's idle time; the tap the CPU tier's.
 The removal of a hash this source never saw stored is ignored: KV events carry no snapshot, so an
 agent (re)started while vLLM runs cannot know where such a block's copy is (counting it as
 dropped raised false alarms), and residency counts only the blocks stored since it listens.
@@ -202,6 +209,9 @@ class KvResidency:
         if "cpu" in self.tiers:
             self.tracked.update(_BELOW_CPU)
         self.resident: dict[str, dict[bytes | int, int]] = {}
+        # per offload tier, per held hash: [the batch time it was stored, the times it came
+        # back while held] (see _seen): an eviction's age and hits
+        self.seen: dict[str, dict[bytes | int, list]] = {}
 
     def apply(self, ts: float, events: list, rank: int | None = None) -> list:
         """kvscope events of one batch (``ts``: its time; ``events``: its decoded events).
@@ -209,6 +219,12 @@ class KvResidency:
         rank's cache is its own: its hashes are tracked as ``(rank, hash)``), else None."""
         moved: Counter[tuple[str, str]] = Counter()             # (src, dst) -> blocks
         evicted: Counter[tuple[str, str, bool]] = Counter()     # (tier, reason, offloaded)
+        # (tier, offloaded, hits) -> [blocks, their ages summed] of evictions whose age and
+        # hits are known (an offload tier's, made for room)
+        aged: dict[tuple[str, bool, int], list] = {}
+        # (tier, hash) -> (age, hits) of the blocks in ``left`` whose age and hits are known
+        known: dict[tuple[str, bytes | int], tuple[float, int]] = {}
+        seen = self.seen
         # (tier, hash, reason) of gpu and cpu hashes that left their tier: offloaded iff the
         # hash is resident in a tier below at the end of the batch (the lower tier's store of
         # a block can come after the upper tier's removal in one batch)
@@ -224,6 +240,7 @@ class KvResidency:
                         left.extend((tier, h, "cleared") for h in gone)
                         for h in gone:
                             del held[h]
+                            seen.get(tier, {}).pop(h, None)
                         changed.add(tier)
                 continue
             tier = self.media.get((event.medium or "GPU").upper())
@@ -243,12 +260,17 @@ class KvResidency:
                         for source, copies in below:
                             if h in copies:
                                 moved[(source, "cpu")] += 1
+                                _hit(seen, source, h)  # promoted: its disk copy was reused
                                 break
                         else:
                             if tier != "gpu":
                                 moved[(_OFFLOAD_FROM[tier], tier)] += 1
+                        if tier == "gpu":  # the prefix came back while its cpu copy was held
+                            _hit(seen, "cpu", h)
                         if len(held) >= self._max:
                             continue
+                        if tier in self.tiers and tier != "gpu":
+                            seen.setdefault(tier, {})[h] = [ts, 0]
                     held[h] = count + 1
             else:
                 for h in hashes:
@@ -259,8 +281,12 @@ class KvResidency:
                         held[h] = count - 1
                         continue
                     del held[h]
+                    born = seen.get(tier, {}).pop(h, None)
+                    if born is not None:
+                        known[(tier, h)] = (max(ts - born[0], 0.0), born[1])
                     if tier in _BELOW_CPU:  # the lowest tiers: nothing is kept below
-                        evicted[(tier, "capacity", False)] += 1
+                        _evict(evicted, aged, known.pop((tier, h), None), tier, "capacity",
+                               False)
                     else:
                         left.append((tier, h, "capacity"))
         if left:
@@ -268,7 +294,8 @@ class KvResidency:
             lower = [resident[t] for t in _BELOW_CPU if resident.get(t)]
             for tier, h, reason in left:
                 kept = any(h in copies for copies in lower) or (tier == "gpu" and h in cpu)
-                evicted[(tier, reason, kept)] += 1
+                _evict(evicted, aged, known.get((tier, h)) if reason == "capacity" else None,
+                       tier, reason, kept)
         out: list = []
         report = self.tiers
         bpb = self.block_bytes
@@ -281,6 +308,10 @@ class KvResidency:
                 out.append(ev.Eviction(ts=ts, tier=tier, blocks=blocks, bytes=blocks * bpb,
                                        age=0.0, hits=0, offloaded=offloaded, reason=reason,
                                        measured=False))
+        for (tier, offloaded, hits), (blocks, ages) in sorted(aged.items()):
+            if tier in report:
+                out.append(ev.Eviction(ts=ts, tier=tier, blocks=blocks, bytes=blocks * bpb,
+                                       age=ages / blocks, hits=hits, offloaded=offloaded))
         return out + self.snapshots(ts, changed)
 
     def snapshots(self, ts: float, tiers: Iterable[str] | None = None) -> list[ev.TierSnapshot]:
@@ -299,8 +330,28 @@ class KvResidency:
         """Forget every block (of data-parallel rank ``rank`` only, when given)."""
         if rank is None:
             self.resident.clear()
+            self.seen.clear()
             return
-        for held in self.resident.values():
+        for held in (*self.resident.values(), *self.seen.values()):
             for h in [k for k in held if k[0] == rank]:
                 del held[h]
+
+
+def _hit(seen: dict, tier: str, h) -> None:
+    """Count a reuse of ``h``'s copy in ``tier``, when that copy is tracked."""
+    born = seen.get(tier, {}).get(h)
+    if born is not None:
+        born[1] += 1
+
+
+def _evict(evicted: Counter, aged: dict, known: tuple[float, int] | None, tier: str,
+           reason: str, offloaded: bool) -> None:
+    """Count one evicted block: with its ``known`` (age, hits) among the measured ones
+    (grouped by hits, their ages summed), else among those whose age and hits are unknown."""
+    if known is None:
+        evicted[(tier, reason, offloaded)] += 1
+        return
+    group = aged.setdefault((tier, offloaded, known[1]), [0, 0.0])
+    group[0] += 1
+    group[1] += known[0]
 
