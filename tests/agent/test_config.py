@@ -148,7 +148,9 @@ def test_the_documented_example_is_a_valid_config(tmp_path):
     path = tmp_path / "agent.toml"
     path.write_text(example)
     settings = load_settings(path)
-    assert settings.collectors.host.budgets == {"cpu": 68719476736}
+    # no budget typed: the engine reports its own (docs/collectors.md, Memory budgets)
+    assert settings.collectors.host.budgets == {}
+    assert settings.collectors.host.engine_pid == settings.collectors.numa.engine_pid == 12345
     assert settings.kv_events.enabled is False and settings.otlp_receiver.enabled is True
 
 
