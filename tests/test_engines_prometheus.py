@@ -289,6 +289,7 @@ NO_RESIDENCY = {
 # (Prompt tokens per second by source is 0 for each source there: the agent exports every
 # token source at 0 from its start, so the first tokens show in rate(); none above 0.)
 NO_TOKENS = {
+    "Prompt tokens per second by source": "no prompt tokens are reported (absent, not 0)",
     "Share of prompt tokens by source": "no prompt tokens are reported",
     "Served from cache": "no prompt tokens are reported",
     "Prefill seconds saved against transfer seconds spent (saved)": "no cached tokens to save prefill",

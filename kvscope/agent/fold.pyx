@@ -245,8 +245,6 @@ cdef class Fold:
             raise ValueError(f"the recent TTFTs kept are 0 or more, not {recent}")
         self.assembler = assembler
         self._prefill_rate = prefill_tokens_per_second
-        for i in range(4):  # every source's tokens are exported, 0 until some come
-            _add(&self._prompt, i, 0)
         self._transfer_seconds, self._transfer_order = [None] * 16, []
         self._hits, self._residency, self._measured_order = [None] * 4, [None] * 4, []
         self._idle, self._idle_order = [None] * 4, []
@@ -374,6 +372,13 @@ cdef class Fold:
         """Add a batch's lookups: tokens and the seconds they saved by source (those with
         tokens), blocks by tier and result (the tiers consulted)."""
         cdef int i
+        if self._prompt.n < 4 and (totals.tokens[0] or totals.tokens[1] or totals.tokens[2]
+                                   or totals.tokens[3]):
+            # from a source's first tokens on, every token source is exported, 0 until it has
+            # some (so rate() sees each one's first); before, none: an agent whose sources
+            # report no prompt tokens (KVBM's counters) shows them not measured, never 0
+            for i in range(4):
+                _add(&self._prompt, i, 0)
         for i in range(4):
             if totals.tokens[i]:
                 _add(&self._prompt, i, totals.tokens[i])

@@ -753,3 +753,17 @@ def test_transfers_in_flight_are_each_senders_last_report_and_leave_with_it():
     pipeline.forget_tiers("engine")
     assert pipeline.snapshot().transfers_in_flight == {("vllm", "gpu", "cpu"): 1,
                                                        ("vllm", "cpu", "gpu"): 1}
+
+
+def test_prompt_tokens_are_absent_until_a_source_reports_some_then_every_source_is_exported():
+    """An agent whose sources report no prompt tokens (Dynamo KVBM's counters are transfers
+    only) exports none: not measured, never 0 tokens/s. The first lookup with tokens (8 from
+    cpu) makes every token source's series appear, the others at 0, so rate() sees the first
+    gpu, disk or recompute tokens when they come."""
+    pipeline = Pipeline()
+    pipeline.ingest("kvbm", [ev.Transfer(ts=1.0, src="gpu", dst="cpu", blocks=1, bytes=0,
+                                         duration=0.0, timed=False)])
+    assert pipeline.snapshot().prompt_tokens == {}
+    assert snapshot_samples(pipeline.snapshot())[catalog.PROMPT_TOKENS] == []
+    pipeline.ingest("lmcache", [ev.Lookup(ts=2.0, request_id="", tokens={"cpu": 8})])
+    assert pipeline.snapshot().prompt_tokens == {"gpu": 0, "cpu": 8, "disk": 0, "recompute": 0}
