@@ -440,7 +440,7 @@ def test_agent_banner_says_whether_kv_events_bind_or_connect(tmp_path, endpoint,
                                     'tiers = ["gpu"]\n')
     kv = [line for line in lines if line.startswith("  kv_events:")]
     assert len(kv) == 1, lines
-    assert kv[0].startswith(f"  kv_events: {endpoint} -> {action}: vLLM must "), kv[0]
+    assert kv[0].startswith(f"  kv_events: vLLM: {endpoint} -> {action}: vLLM must "), kv[0]
     assert f"--kv-events-config endpoint must be {vllm}" in kv[0]
     assert ("must bind" if "*" in endpoint else "must connect") in kv[0]
     assert kv[0].endswith("reports tiers gpu")

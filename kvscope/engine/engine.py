@@ -407,7 +407,11 @@ class OffloadEngine:
 
     def poll(self, wait: bool = False) -> None:
         """Finish requests whose copies have been timed (in order): emit their transfers,
-        evictions and RequestFinished, record TTFT. ``wait``: block on pending CUDA events."""
+        evictions and RequestFinished, record TTFT. ``wait``: block on pending CUDA events.
+        Nothing pending, nothing to do and no report (an engine closed before it served a
+        request sends nothing)."""
+        if not self._inflight:
+            return
         while self._inflight:
             started, evictions, outcome = self._inflight[0]
             if not all(r.resolve(wait) for r in outcome.results):
