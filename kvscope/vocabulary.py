@@ -54,6 +54,8 @@ GPU_MEMORY_PARTS: tuple[str, ...] = ("kv_cache", "weights", "workspace", "other"
 # The tiers of an engine without a remote one (the reference engine; vLLM's KV events, whose
 # media are GPU, CPU and STORAGE).
 LOCAL_TIERS: tuple[str, ...] = TIERS[:3]
+# The tiers below the GPU, where an offload connector keeps KV (KVBM's, LMCache's).
+OFFLOAD_TIERS: tuple[str, ...] = TIERS[1:]
 # vLLM's medium -> tier. Every STORAGE tier is disk: an event's ``ownership`` names no tier type
 # (vLLM 0.32 and 0.33: only the kvcr tier sets it, to "kvcr"; fs and obj tiers leave it None).
 VLLM_MEDIUM_TIER: dict[str, str] = {"GPU": "gpu", "CPU": "cpu", "STORAGE": "disk"}

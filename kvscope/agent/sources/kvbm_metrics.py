@@ -46,6 +46,7 @@ from kvscope import events as ev
 from kvscope.agent.sections import ScrapeSection
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register
 from kvscope.agent.sources.scrape import Counters, Samples, ScrapeSource, series
+from kvscope.vocabulary import OFFLOAD_TIERS
 
 NAME = "kvbm_metrics"
 DEFAULT_URL = "http://127.0.0.1:6880/metrics"
@@ -115,4 +116,4 @@ def _build(config: KvbmMetricsConfig, consumer: Consumer, built: Built) -> KvbmM
 SPEC = register(SourceSpec(
     NAME, KvbmMetricsConfig, _build, describe=lambda config: NAME,
     banner=lambda config, part, base_url: f"{NAME}: {config.url} every {config.interval:g} s",
-    tiers=lambda config: ("cpu", "disk", "remote"), engine=lambda config: "dynamo"))
+    tiers=lambda config: OFFLOAD_TIERS, engine=lambda config: "dynamo"))

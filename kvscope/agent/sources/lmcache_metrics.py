@@ -62,7 +62,7 @@ from kvscope import events as ev
 from kvscope.agent.sections import ScrapeSection
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register
 from kvscope.agent.sources.scrape import Counters, Samples, ScrapeSource, series
-from kvscope.vocabulary import Tier
+from kvscope.vocabulary import OFFLOAD_TIERS, Tier
 
 NAME = "lmcache_metrics"
 DEFAULT_URL = "http://127.0.0.1:8080/metrics"
@@ -235,4 +235,4 @@ def _build(config: LMCacheMetricsConfig, consumer: Consumer,
 SPEC = register(SourceSpec(
     NAME, LMCacheMetricsConfig, _build, describe=lambda config: NAME,
     banner=lambda config, part, base_url: f"{NAME}: {config.url} every {config.interval:g} s",
-    tiers=lambda config: ("cpu", "disk", "remote"), engine=lambda config: "lmcache"))
+    tiers=lambda config: OFFLOAD_TIERS, engine=lambda config: "lmcache"))

@@ -83,6 +83,7 @@ from kvscope.agent.sections import ScrapeSection
 from kvscope.agent.sources.base import (Built, Consumer, SourceSpec, register,
                                         yielded_tiers)
 from kvscope.agent.sources.scrape import Counters, Samples, ScrapeSource, series
+from kvscope.vocabulary import LOCAL_TIERS
 
 log = logging.getLogger(__name__)
 NAME = "sglang_metrics"
@@ -139,7 +140,7 @@ class SglangMapper:
         told = frozenset(kv_events_tiers)
         self.page_size = page_size
         self.block_bytes = block_bytes
-        self.report = {tier: tier not in told for tier in ("gpu", "cpu", "disk")}
+        self.report = {tier: tier not in told for tier in LOCAL_TIERS}
         self.counters = Counters()
         self._scraped = False  # a scrape saw SGLang before: new series count from 0
         self._rest: dict[str, float] = {}  # tokens short of a page, per counter
@@ -303,5 +304,5 @@ def _build(config: SglangMetricsConfig, consumer: Consumer, built: Built) -> Sgl
 SPEC = register(SourceSpec(
     NAME, SglangMetricsConfig, _build, describe=lambda config: NAME,
     banner=lambda config, part, base_url: f"{NAME}: {config.url} every {config.interval:g} s",
-    tiers=lambda config: ("gpu", "cpu", "disk"), yields_to=("kv_events",),
+    tiers=lambda config: LOCAL_TIERS, yields_to=("kv_events",),
     engine=lambda config: "sglang"))
