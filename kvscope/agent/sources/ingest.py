@@ -22,10 +22,12 @@ Every batch is checked before it reaches the pipeline; whatever fails is counted
   :data:`MAX_GAP` batches is no loss but a confused sender: the agent follows it from there and
   logs it;
 - ``shutdown``: batches a stopping agent received and did not fold. It goes on folding until
-  ZMQ has held nothing for :data:`QUIET` seconds, for up to ``drain_seconds``, then stops
-  accepting (ZMQ closes the taps' connections and keeps what it holds to be received) and
-  counts what is left, so that a graceful stop loses nothing that reached the socket. A tap
-  still sending when the time runs out loses what was on the wire then, uncounted.
+  ZMQ has held nothing for :data:`QUIET` seconds and no tap heard from in the last
+  :data:`HEARD` seconds is still open (has not sent its final batch), for up to
+  ``drain_seconds``, then stops accepting (ZMQ closes the taps' connections and keeps what it
+  holds to be received) and counts what is left, so that a graceful stop loses nothing that
+  reached the socket. A tap still sending when the time runs out loses what was on the wire
+  then, uncounted.
 
 Each counts the events lost, except ``gap``, which counts batches (their events are unknown),
 and a message whose header cannot be read, which counts one. A drop is counted under the source
@@ -97,7 +99,7 @@ STREAMS_PER_SOURCE = 64
 # sequence is a sender that is confused, not 10^6 lost batches.
 MAX_GAP = 1 << 20
 MAX_WARNED = 1024  # distinct (source, reason) drops logged at most
-MAX_PIDS = 256  # emitters whose process is kept (engine_pids): a node's taps, with room
+MAX_EMITTERS = 256  # open emitters followed (engine_pids, the drain): a node's taps, with room
 # Bytes a received message costs beyond its own (the bytes object and its place in the queue):
 # what the queue bound counts for it, so that empty messages cannot fill memory uncounted
 MESSAGE_OVERHEAD = 64
@@ -110,6 +112,10 @@ STALL = 0.0002
 # taps that close as it stops (a node shutting down stops its engines and the agent together)
 DRAIN_SECONDS = 1.0
 QUIET = 0.1
+# ... and while a tap heard from this recently has not closed (its final batch): quiet alone
+# once ended the drain while a tap's sender thread was held up (a loaded machine), and its
+# later batches were lost on the wire, uncounted
+HEARD = 1.0
 # Seconds between saves of the emitters' sequence numbers (IngestSource.state_path): the store's
 # flush interval, so a kill -9 loses as much of the one as of the other
 SAVE_INTERVAL = 1.0
@@ -190,9 +196,10 @@ class IngestSource(SourceWorker):
         # its emitters, latest last
         self._streams: dict[str, OrderedDict[str, tuple[int, int, dict[str, int]]]] = {}
         self._warned: set = set()  # what was logged once (see _warn_once)
-        # (source, session) -> (its process, a worker tap's), latest last: see engine_pids
-        self._pids: OrderedDict[tuple[str, str], tuple[int, bool]] = OrderedDict()
-        self._pids_lock = threading.Lock()  # read from the scrape thread
+        # (source, session) -> (its process, a worker tap's, monotonic time last heard) of the
+        # emitters not closed, latest last: see engine_pids and run
+        self._open: OrderedDict[tuple[str, str], tuple[int, bool, float]] = OrderedDict()
+        self._open_lock = threading.Lock()  # read from the scrape thread
         self._expected: set[str] = set()  # sources whose drop reasons are exported
         self._socket = None
         self.state_path: Path | None = None
@@ -223,8 +230,9 @@ class IngestSource(SourceWorker):
 
     def run(self) -> None:
         """Receive and fold, oldest first, until stopping; then go on for up to
-        ``drain_seconds``, until ZMQ has held nothing for :data:`QUIET` seconds; then stop
-        accepting and count what is left (:meth:`_discard`).
+        ``drain_seconds``, until ZMQ has held nothing for :data:`QUIET` seconds and every tap
+        heard from in the last :data:`HEARD` seconds has closed; then stop accepting and count
+        what is left (:meth:`_discard`).
 
         This thread takes what ZMQ holds before each batch it folds (one thread: handing each
         message over to another thread, and the GIL with it, cost the ingest a fifth of its
@@ -248,7 +256,8 @@ class IngestSource(SourceWorker):
                     self._drain()
                     if not received:
                         wait = 100 if deadline is None else min(QUIET, left) * 1000
-                        if not poller.poll(wait) and deadline is not None:
+                        if (not poller.poll(wait) and deadline is not None
+                                and not self._taps_open()):
                             break  # stopping, and every tap has sent what it had
                         continue
                     data = received.popleft()
@@ -405,30 +414,35 @@ class IngestSource(SourceWorker):
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
         self.pipeline.ingest(batch.source, batch.events, scope=batch.scope or None)
-        self._note_pid(batch)
+        self._note_emitter(batch)
         if batch.final:
             self.pipeline.forget_tiers(batch.source)
 
-    def _note_pid(self, batch: ev.Batch) -> None:
-        """Keep the process of the batch's emitter (``Batch.pid``; a final batch's leaves), at
-        most :data:`MAX_PIDS` emitters, the least recently heard from going first."""
-        if not batch.pid:
-            return
+    def _note_emitter(self, batch: ev.Batch) -> None:
+        """Follow the batch's emitter while it is open (a final batch closes it): its process
+        (``Batch.pid``) and when it was last heard from, at most :data:`MAX_EMITTERS`, the
+        least recently heard from going first."""
         key = (batch.source, batch.session)
-        with self._pids_lock:
-            self._pids.pop(key, None)
+        with self._open_lock:
+            self._open.pop(key, None)
             if not batch.final:
-                self._pids[key] = (batch.pid, bool(batch.scope))
-                while len(self._pids) > MAX_PIDS:
-                    self._pids.popitem(last=False)
+                self._open[key] = (batch.pid, bool(batch.scope), time.monotonic())
+                while len(self._open) > MAX_EMITTERS:
+                    self._open.popitem(last=False)
+
+    def _taps_open(self) -> bool:
+        """Whether a tap heard from in the last :data:`HEARD` seconds has not closed."""
+        with self._open_lock:
+            return bool(self._open) and (time.monotonic() - next(reversed(self._open.values()))[2]
+                                         < HEARD)
 
     def engine_pids(self) -> tuple[int, ...]:
         """The engine processes the taps run in, as their batches name them (``Batch.pid``),
         sorted and distinct: those of worker taps (a ``scope``: vLLM's workers, which hold the
         host KV pool) when any, else every tap's; a tap that closed is left out. What the numa
         collector reads when no ``engine_pid`` is configured. Thread-safe."""
-        with self._pids_lock:
-            taps = list(self._pids.values())
+        with self._open_lock:
+            taps = [(pid, worker) for pid, worker, _heard in self._open.values() if pid]
         workers = {pid for pid, worker in taps if worker}
         return tuple(sorted(workers or {pid for pid, _worker in taps}))
 
