@@ -253,6 +253,13 @@ COLLECTOR_DURATION_SECONDS = _gauge("kvscope_collector_duration_seconds",
     "How long a collector's last run took.", ["collector"], "seconds")
 ENGINE_INFO = _gauge("kvscope_engine_info",
     "Always 1; the engine and model a source observes.", ["source", "engine", "model"])
+ENGINE_CACHE_CONFIG_INFO = _gauge("kvscope_engine_cache_config_info",
+    "Always 1; the KV cache settings of the engine a source observes, as the engine reports "
+    "them (vLLM's vllm:cache_config_info, the reference engine its own): prefix_caching (on, "
+    "off: GPU prefix caching, vLLM's --enable-prefix-caching) and kv_cache_dtype (the KV "
+    "cache's element type by width: auto (the model's), 32bit, 16bit, 8bit (fp8, int8), 4bit, "
+    "other); absent for a source whose engine does not say.",
+    ["source", "prefix_caching", "kv_cache_dtype"])
 ENGINE_WEIGHT_OFFLOAD_BYTES = _gauge("kvscope_engine_weight_offload_bytes",
     "Model weight bytes per GPU the engine keeps in host RAM and streams to the GPU on every "
     "forward pass: vLLM's --cpu-offload-gb x 2^30, read from the command line of the engine "
@@ -277,7 +284,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     PCIE_LINK_MAX_BYTES_PER_SECOND, GPU_MEMORY_USED_BYTES, GPU_MEMORY_TOTAL_BYTES,
     GPU_MEMORY_PART_BYTES, GPU_TOPOLOGY_INFO, EVENTS_RECEIVED, EVENTS_DROPPED, OTLP_SPANS, RECORDS_DROPPED,
     TAP_ERRORS, SOURCE_UP, COLLECTOR_UP, COLLECTOR_DURATION_SECONDS, ENGINE_INFO,
-    ENGINE_WEIGHT_OFFLOAD_BYTES, BUILD_INFO,
+    ENGINE_CACHE_CONFIG_INFO, ENGINE_WEIGHT_OFFLOAD_BYTES, BUILD_INFO,
 )
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}

@@ -101,6 +101,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
                  "engine_pid": os.getpid()},
         "numa": {"engine_pid": os.getpid()}}), with_ingest=False)
     agent.pipeline.set_source_info("engine", "kvscope-reference", preset.name)
+    agent.pipeline.set_cache_config("engine", *engine.cache_config)
     agent.pipeline.set_source_up("engine", True)  # the engine feeds the pipeline in-process
     server = ApiServer(create_app(agent), metrics_sock)
     stop = threading.Event()

@@ -133,6 +133,11 @@ GPU_MEMORY_TOTAL_BYTES = _f("gpu_memory_total_bytes", c.GPU_MEMORY_TOTAL_BYTES, 
 HOST_SWAP_IN_BYTES = _f("host_swap_in_bytes", c.HOST_SWAP_IN_BYTES, Kind.COUNTER)
 ENGINE_WEIGHT_OFFLOAD_BYTES = _f("engine_weight_offload_bytes", c.ENGINE_WEIGHT_OFFLOAD_BYTES,
                                  Kind.SCALAR, fleet="max")
+# the cheaper steps before offload (kvscope.dashboard.offload_verdict): each source's engine's
+# KV cache settings, keyed "source->prefix_caching->kv_cache_dtype", 1 each (a fleet: how
+# many agents report that key); absent for a source whose engine does not say
+ENGINE_CACHE_CONFIG = _f("engine_cache_config", c.ENGINE_CACHE_CONFIG_INFO, Kind.GAUGE,
+                         ["source", "prefix_caching", "kv_cache_dtype"])
 
 # in sample order (the order of a recorded sample's keys, after ``ts``)
 FIELDS: tuple[SampleField, ...] = (
@@ -144,7 +149,7 @@ FIELDS: tuple[SampleField, ...] = (
     OFFLOAD_BUDGET_BYTES, PCIE_LINK_MAX_BYTES_PER_SECOND, REQUESTS_WAITING, REQUESTS_RUNNING,
     PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO, HOST_MEMORY_PART_BYTES, GPU_MEMORY_PART_BYTES,
     HOST_MEMORY_LIMIT_BYTES, GPU_MEMORY_TOTAL_BYTES, HOST_SWAP_IN_BYTES,
-    ENGINE_WEIGHT_OFFLOAD_BYTES,
+    ENGINE_WEIGHT_OFFLOAD_BYTES, ENGINE_CACHE_CONFIG,
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 BY_NAME: dict[str, SampleField] = {f.name: f for f in FIELDS}

@@ -18,6 +18,8 @@ module imports them from here (``events.py`` re-exports the ones its schema uses
   failed at its boundary, or it had to forget state it tracks; ``unattributed``: a request it
   could not follow).
 - **memory part**: a share of the host's or a GPU's memory in a budget breakdown.
+- **cache setting**: whether an engine's GPU prefix caching is ``on`` or ``off``, and its KV
+  cache element type by width (:func:`kv_cache_dtype`).
 
 Imports only the standard library (the in-engine taps import it).
 """
@@ -50,6 +52,31 @@ TAP_ERROR_REASONS: tuple[str, ...] = ("internal", "unattributed")
 # report, ``free``.
 HOST_MEMORY_PARTS: tuple[str, ...] = ("kv_offload", "engine_other", "other", "reserve", "free")
 GPU_MEMORY_PARTS: tuple[str, ...] = ("kv_cache", "weights", "workspace", "other", "free")
+
+# An engine's KV cache settings (``kvscope_engine_cache_config_info``): GPU prefix caching, and
+# the KV cache's element type by width, which is what sets its bytes (``auto``: the model's
+# type, 16-bit as a rule; ``8bit``: fp8 and int8; ``other``: mixed widths such as vLLM's
+# turboquant_k8v4, and names kvscope does not know).
+PREFIX_CACHING: tuple[str, ...] = ("on", "off")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "32bit", "16bit", "8bit", "4bit", "other")
+_DTYPE_WIDTHS = {"auto": "auto", "float32": "32bit", "float": "32bit", "fp32": "32bit",
+                 "float16": "16bit", "half": "16bit", "fp16": "16bit", "bfloat16": "16bit",
+                 "bf16": "16bit"}
+
+
+def kv_cache_dtype(name: str) -> str:
+    """The :data:`KV_CACHE_DTYPES` value of an engine's KV cache dtype ``name`` (vLLM 0.32's
+    ``CacheDType``: ``auto``, ``float16``, ``fp8_e4m3``, ``int8_per_token_head``, ``nvfp4``, ...;
+    torch's ``float8_e4m3fn``); case-insensitive, ``other`` for a name it does not know."""
+    name = name.strip().lower()
+    if name in _DTYPE_WIDTHS:
+        return _DTYPE_WIDTHS[name]
+    if name.startswith(("fp8", "float8", "int8")):
+        return "8bit"
+    if name.startswith(("nvfp4", "int4")) or "4bit" in name:
+        return "4bit"
+    return "other"
+
 
 # The tiers of an engine without a remote one (the reference engine; vLLM's KV events, whose
 # media are GPU, CPU and STORAGE).

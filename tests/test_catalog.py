@@ -26,7 +26,9 @@ BOUNDED_LABELS = {"tier", "source", "src", "dst", "reason", "engine", "model", "
                   "pcie_generation", "pcie_width", "pcie_max_generation", "pcie_max_width",
                   "numa_node",
                   # a memory budget breakdown's parts (vocabulary.HOST_/GPU_MEMORY_PARTS)
-                  "part"}
+                  "part",
+                  # an engine's KV cache settings (vocabulary.PREFIX_CACHING, KV_CACHE_DTYPES)
+                  "prefix_caching", "kv_cache_dtype"}
 
 
 class _VM:
@@ -90,6 +92,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     agent.pipeline.count_tap_errors("engine", "internal", 2)
     agent.pipeline.set_source_up("ingest", True)
     agent.pipeline.set_source_info("engine", "kvscope-reference", "tiny")
+    agent.pipeline.set_cache_config("engine", True, "float16")
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(agent.exposition.registry).decode())}
     for spec in CATALOG:
         family_name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
@@ -100,6 +103,8 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     assert value("kvscope_prompt_tokens_total", {"source": "recompute"}) == 3
     assert value("kvscope_transfer_bytes_total", {"src": "cpu", "dst": "gpu"}) == 64
     assert value("kvscope_engine_weight_offload_bytes") == 2**30
+    assert value("kvscope_engine_cache_config_info", {"source": "engine", "prefix_caching": "on",
+                                                      "kv_cache_dtype": "16bit"}) == 1
     # every reason of each direction seen exported, at 0 until it happens
     failures = {(s.labels["src"], s.labels["dst"], s.labels["reason"]): s.value
                 for s in families["kvscope_transfer_failures"].samples
@@ -195,6 +200,7 @@ def _golden_agent(tmp_path) -> Agent:
     p.count_tap_errors("vllm", "unattributed", 0)
     p.set_source_up("ingest", True)
     p.set_source_info("vllm", "vllm", "tiny-llama")
+    p.set_cache_config("vllm", False, "fp8_e4m3")
     return agent
 
 

@@ -38,6 +38,7 @@ def _busy_pipeline() -> Pipeline:
                            promotion_wait=0.01),
         ev.SchedulerStats(ts=T, waiting=2, running=1, preemptions=1, gpu_kv_usage=0.5),
     ])
+    pipe.set_cache_config("e", True, "fp8_e4m3")
     return pipe
 
 

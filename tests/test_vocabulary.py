@@ -41,3 +41,21 @@ def test_the_schema_uses_the_vocabulary_itself():
     assert set(disk.REASONS) <= set(v.FAILURE_REASONS) and v.FAILURE_REASONS[-1] == "other"
     assert v.LOCAL_TIERS == v.TIERS[:3] and set(v.VLLM_MEDIUM_TIER.values()) == set(v.LOCAL_TIERS)
     assert len(v.DIRECTIONS) == 16 and ("gpu", "cpu") in v.DIRECTIONS
+
+
+# vLLM 0.32's CacheDType (vllm/config/cache.py, typing.get_args of it in the CPU build) and the
+# reference engine's presets' dtypes (torch names), each with its width
+KV_CACHE_DTYPE_WIDTHS = {
+    "auto": "auto", "float16": "16bit", "bfloat16": "16bit", "fp8": "8bit", "fp8_e4m3": "8bit",
+    "fp8_e5m2": "8bit", "fp8_inc": "8bit", "fp8_ds_mla": "8bit", "nvfp4_ds_mla": "4bit",
+    "turboquant_k8v4": "other", "turboquant_4bit_nc": "4bit", "turboquant_k3v4_nc": "other",
+    "turboquant_3bit_nc": "other", "ultraquant_4bit": "4bit", "int4_per_token_head": "4bit",
+    "int8_per_token_head": "8bit", "fp8_per_token_head": "8bit", "nvfp4": "4bit",
+    "nvfp4_4over6": "4bit", "float32": "32bit", "float8_e4m3fn": "8bit", "FP8": "8bit",
+    "no_such_dtype": "other"}
+
+
+def test_every_kv_cache_dtype_maps_to_its_width():
+    assert {name: v.kv_cache_dtype(name) for name in KV_CACHE_DTYPE_WIDTHS} \
+        == KV_CACHE_DTYPE_WIDTHS
+    assert set(KV_CACHE_DTYPE_WIDTHS.values()) == set(v.KV_CACHE_DTYPES)

@@ -62,5 +62,7 @@ def snapshot_samples(snap: Snapshot) -> Samples:
         m.TAP_ERRORS: _labelled(snap.tap_errors),
         m.SOURCE_UP: [([s], float(up)) for s, up in snap.source_up.items()],
         m.ENGINE_INFO: [([s, e, model], 1) for s, (e, model) in snap.source_info.items()],
+        m.ENGINE_CACHE_CONFIG_INFO: [([s, prefix, dtype], 1)
+                                     for s, (prefix, dtype) in snap.cache_config.items()],
         m.BUILD_INFO: [([__version__], 1)],
     }

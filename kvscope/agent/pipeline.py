@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvscope import events as ev
+from kvscope import vocabulary
 from kvscope.agent.assembler import RequestAssembler
 from kvscope.agent.fold import Fold
 from kvscope.agent.histograms import Histogram
@@ -43,7 +44,9 @@ class Snapshot:
     started (:class:`~kvscope.events.Admission`), only the results some source reported.
     ``engine_memory``: by (source, device), what each sender's
     :class:`~kvscope.events.EngineMemory` reports said, merged: dict[field, bytes] with only
-    the fields it reported (``kv_offload_budget``, ``kv_cache``, ``allocated``)."""
+    the fields it reported (``kv_offload_budget``, ``kv_cache``, ``allocated``).
+    ``cache_config``: by source, its engine's (prefix caching, KV cache dtype) label values
+    (:meth:`Pipeline.set_cache_config`), only the sources whose engine reported them."""
 
     prompt_tokens: dict[str, int]
     lookup_blocks: dict[tuple[str, str], int]
@@ -77,6 +80,7 @@ class Snapshot:
     block_idle_seconds: dict[str, Histogram] = field(default_factory=dict)
     store_admissions: dict[tuple[str, str], int] = field(default_factory=dict)
     engine_memory: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    cache_config: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def _histograms(states: Mapping) -> dict:
@@ -127,6 +131,7 @@ class Pipeline:
         self._tap_errors: Counter[tuple[str, str]] = Counter()
         self._source_up: dict[str, bool] = {}
         self._source_info: dict[str, tuple[str, str]] = {}
+        self._cache_config: dict[str, tuple[str, str]] = {}
         self._history = SampleHistory(history, quantile_window)
 
     def subscribe(self, listener: Callable[[RequestRecord], None], early: bool = False) -> None:
@@ -308,6 +313,15 @@ class Pipeline:
         with self._lock:
             self._source_info[source] = (engine[:64], model[:64])
 
+    def set_cache_config(self, source: str, prefix_caching: bool, kv_cache_dtype: str) -> None:
+        """Record the KV cache settings of the engine ``source`` observes: whether its GPU
+        prefix caching is on, and its KV cache dtype as the engine names it (kept as its
+        width, :func:`kvscope.vocabulary.kv_cache_dtype`)."""
+        with self._lock:
+            on, off = vocabulary.PREFIX_CACHING
+            self._cache_config[source] = (on if prefix_caching else off,
+                                          vocabulary.kv_cache_dtype(kv_cache_dtype))
+
     def forget_tiers(self, source: str) -> None:
         """Leave sender ``source``'s tier snapshots out of the tier gauges, and its scheduler
         gauges (waiting, running, GPU KV usage) and memory reports out of the snapshot, from
@@ -355,6 +369,7 @@ class Pipeline:
                 block_idle_seconds=_histograms(state["block_idle_seconds"]),
                 store_admissions=state["store_admissions"],
                 engine_memory=state["engine_memory"],
+                cache_config=dict(self._cache_config),
             )
 
     def engine_memory(self) -> dict[tuple[str, str], dict[str, int]]:
@@ -373,7 +388,9 @@ class Pipeline:
         with self._lock:
             state = self._fold.state()
             tiers = dict(self._tiers.totals)
-        return self._history.record(ts, state, tiers, host_memory_available, **node)
+            cache_config = dict(self._cache_config)
+        return self._history.record(ts, state, tiers, host_memory_available,
+                                    cache_config=cache_config, **node)
 
     def samples(self, since: float | None = None, window: float | None = None) -> list[dict]:
         """Samples with ``ts > since`` (all when None), oldest first; ``window``: seconds, only

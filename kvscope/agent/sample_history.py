@@ -40,7 +40,8 @@ class SampleHistory:
                host_memory_limit: float | None = None,
                gpu_memory_total: Mapping[str, float] | None = None,
                host_swap_in: float | None = None,
-               engine_weight_offload: float | None = None) -> dict:
+               engine_weight_offload: float | None = None,
+               cache_config: Mapping[str, tuple[str, str]] | None = None) -> dict:
         """Append a one-second sample, and return it: ``ts`` and every field of
         :data:`kvscope.samples.FIELDS` (their shapes, keys and units are declared there):
         cumulative counters and current gauges at ``ts``, and percentiles of the observations
@@ -56,7 +57,8 @@ class SampleHistory:
         ``gpu_memory_total``: dict[gpu, bytes]. ``host_swap_in``: bytes read back in from swap
         since boot (a counter: 0 when unknown, as ``host_memory_limit`` then says);
         ``engine_weight_offload``: model weight bytes per GPU the engine keeps in host RAM,
-        None when unknown.
+        None when unknown. ``cache_config``: dict[source, (prefix caching, KV cache dtype)], the
+        label values of each source's engine's KV cache settings.
 
         The percentile work happens here, once per sample, never per event.
         """
@@ -111,6 +113,8 @@ class SampleHistory:
                 sf.GPU_MEMORY_TOTAL_BYTES: dict(gpu_memory_total or {}),
                 sf.HOST_SWAP_IN_BYTES: host_swap_in or 0.0,
                 sf.ENGINE_WEIGHT_OFFLOAD_BYTES: engine_weight_offload,
+                sf.ENGINE_CACHE_CONFIG: {sf.join_key((source, *values)): 1
+                                         for source, values in (cache_config or {}).items()},
             }))
             return self._samples[-1]
 

@@ -161,6 +161,13 @@ class OffloadEngine:
         # the copies in flight by direction as last reported: (copies, blocks)
         self._in_flight_reported: dict[str, tuple[int, int]] = {}
 
+    @property
+    def cache_config(self) -> tuple[bool, str]:
+        """(GPU prefix caching on, KV cache dtype), as the agent's ``set_cache_config`` takes
+        them: prefix caching is always on (a prompt's leading blocks resident on the gpu tier
+        serve its tokens); the dtype is the preset's (``float16``, ``bfloat16``)."""
+        return True, self.preset.dtype
+
     # -- the request path -------------------------------------------------------------------
 
     def process(self, request, queueing: float = 0.0) -> RequestOutcome:

@@ -46,6 +46,10 @@ class Consumer(Protocol):
     def set_source_info(self, source: str, engine: str, model: str) -> None:
         """``kvscope_engine_info``: the engine and model ``source`` observes."""
 
+    def set_cache_config(self, source: str, prefix_caching: bool, kv_cache_dtype: str) -> None:
+        """``kvscope_engine_cache_config_info``: whether the GPU prefix caching of the engine
+        ``source`` observes is on, and its KV cache dtype as the engine names it."""
+
     def add_received(self, source: str, events: int) -> None:
         """Count ``events`` taken in that reach the pipeline otherwise, or not at all."""
 

@@ -74,6 +74,13 @@ def overview(cfg: MixinConfig) -> dict:
               "how many sources observe it.",
               (Q(f"count by (engine, model) (kvscope_engine_info{s(cfg)})", table=True),),
               kind="table", width=6, hide_columns=("Time",)),
+            P("KV cache settings", "Each source's engine's GPU prefix caching (on, off) and KV "
+              "cache dtype width (auto: the model's; 8bit and 4bit: quantized), as the engine "
+              "reports them: the cheaper steps before offload. Value: how many agents report "
+              "that setting.",
+              (Q("count by (source, prefix_caching, kv_cache_dtype) "
+                 f"(kvscope_engine_cache_config_info{s(cfg)})", table=True),),
+              kind="table", width=8, hide_columns=("Time",)),
             P("Agent version", "kvscope version of each agent.",
               (Q(f"count by (version) (kvscope_build_info{s(cfg)})", "{{version}}"),),
               kind="stat", width=2),
