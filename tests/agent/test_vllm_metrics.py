@@ -19,7 +19,7 @@ from kvscope import events as ev
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources.scrape import parse, spread
-from kvscope.agent.sources.vllm_metrics import MetricsMapper
+from kvscope.agent.sources.vllm_metrics import MetricsMapper, cache_config
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
 from conftest import REPO_ROOT, wait_until
@@ -642,6 +642,57 @@ def test_the_agent_shows_vllms_scheduler_under_its_source_and_refuses_a_usage_ov
     source.shutdown()
 
 
+# vllm:cache_config_info as vLLM 0.32's CPU build prints it: PrometheusStatLogger.log_metrics_info
+# ("cache_config", CacheConfig(block_size=16, cache_dtype="fp8_e4m3",
+# enable_prefix_caching=False)) for engine 0, into a registry of its own
+CACHE_CONFIG_INFO = (
+    "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+    "# TYPE vllm:cache_config_info gauge\n"
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="16",cache_dtype="fp8_e4m3",'
+    'cache_hit_alignment_tokens="None",effective_attention_block_size="None",'
+    'enable_mamba_shared_prefix_checkpoint="False",enable_prefix_caching="False",engine="0",'
+    'gpu_memory_utilization="0.92",hash_block_size="None",is_attention_free="False",'
+    'kv_cache_dtype_skip_layers="[]",kv_cache_layout="None",kv_cache_max_concurrency="None",'
+    'kv_cache_memory_bytes="None",kv_cache_size_tokens="None",kv_offloading_backend="native",'
+    'kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",'
+    'mamba_cache_dtype="auto",mamba_cache_mode="none",mamba_page_size_padded="None",'
+    'mamba_ssm_cache_dtype="auto",num_cpu_blocks="None",num_gpu_blocks="None",'
+    'num_gpu_blocks_override="None",prefix_cache_retention_interval="0",'
+    'prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",'
+    'skip_page_size_padded="None",sliding_window="None",swa_bounded_replay="True",'
+    'use_kda_recoverssm="False",use_replayssm="False",user_specified_block_size="True"} 1.0\n')
+
+
+def test_cache_config_info_gives_the_engines_kv_cache_settings(exposition_server):
+    """vLLM's cache_config_info, served over HTTP and scraped into an agent: its /metrics says
+    prefix caching off and an 8-bit KV cache (fp8_e4m3) under source vllm_metrics; then the
+    server restarted with prefix caching on and cache_dtype auto replaces that series. An
+    exposition without the series, or with enable_prefix_caching neither True nor False,
+    says nothing."""
+    from kvscope.agent.sources.vllm_metrics import VllmMetricsSource
+
+    agent = Agent(AgentSettings(collectors={"gpu": {"enabled": False},
+                                            "host": {"enabled": False}}), with_ingest=False)
+    source = VllmMetricsSource(agent.pipeline, exposition_server.url, mapper=MetricsMapper())
+    value = agent.exposition.registry.get_sample_value
+    name = "kvscope_engine_cache_config_info"
+    exposition_server.body = CACHE_CONFIG_INFO
+    assert source.scrape_once()
+    assert value(name, {"source": "vllm_metrics", "prefix_caching": "off",
+                        "kv_cache_dtype": "8bit"}) == 1
+    exposition_server.body = CACHE_CONFIG_INFO.replace(
+        'enable_prefix_caching="False"', 'enable_prefix_caching="True"').replace(
+        'cache_dtype="fp8_e4m3"', 'cache_dtype="auto"')
+    assert source.scrape_once()
+    assert value(name, {"source": "vllm_metrics", "prefix_caching": "on",
+                        "kv_cache_dtype": "auto"}) == 1
+    assert agent.pipeline.snapshot().cache_config == {"vllm_metrics": ("on", "auto")}
+    source.shutdown()
+    assert cache_config(parse("vllm:num_requests_running 0\n")) is None
+    assert cache_config(parse(CACHE_CONFIG_INFO.replace('"False",engine', '"None",engine'))) \
+        is None
+
+
 @pytest.mark.parametrize("trickle", ["body", "headers"])
 def test_a_server_that_trickles_its_answer_fails_the_scrape_within_the_timeout(
         exposition_server, trickle):
@@ -771,6 +822,10 @@ def test_vllm_serve_metrics_spans_and_tap_reach_the_agent(vllm_serve):
     usage = agent.exposition.registry.get_sample_value("kvscope_gpu_kv_cache_usage_ratio",
                                                        {"source": "vllm_metrics"})
     assert usage is not None and 0.0 <= usage <= 1.0
+    # vLLM's KV cache settings from its cache_config_info: prefix caching on (vLLM's default,
+    # and the second request's GPU hits above), no --kv-cache-dtype: auto
+    assert cache_config(parse(text)) == (True, "auto")
+    assert agent.pipeline.snapshot().cache_config == {"vllm_metrics": ("on", "auto")}
     # the second request reused the prefix from the GPU prefix cache (tap's lookup)
     assert wait_until(lambda: all(agent.pipeline.requests.get(f"{i}-0") for i in ids), 120), \
         (ids, [r.request_id for r in agent.pipeline.requests.recent(10)], tail(log))

@@ -28,6 +28,13 @@ Mapped (vLLM 0.32 names, ``vllm/v1/metrics/loggers.py`` and the offloading conne
   ``--kv-offloading-size``; bytes = GiB x 2^30 as vLLM computes ``cpu_bytes_to_use`` from it);
   sent when it changes (first at the first scrape); none when neither says (``"None"``:
   offloading set up through ``--kv-transfer-config`` only, or off).
+- ``vllm:cache_config_info`` ``enable_prefix_caching`` (``"True"``/``"False"``) and
+  ``cache_dtype`` (``CacheConfig.metrics_info()``: every field as ``str()``; the dtype is
+  ``--kv-cache-dtype``'s, ``auto`` unless it or the model's quantization config names one) ->
+  the source's ``kvscope_engine_cache_config_info`` (:func:`cache_config`, told to the
+  pipeline at each scrape that has them, not an event), for the "Should I offload here?"
+  check of cheaper steps. vLLM's engines of one server share one ``CacheConfig``: the lowest
+  engine's is read.
 - The scheduler, whether GPU memory is the limiter -> one ``SchedulerStats`` per scrape, each
   field absent when vLLM has no such series: ``vllm:num_requests_waiting`` and
   ``vllm:num_requests_running`` (gauges, added up over the engines); the increase of
@@ -149,6 +156,20 @@ STORES_SKIPPED = "vllm:kv_offload_stores_skipped_total"
 # Events one scrape may make of observations and failed jobs (one each): vLLM makes a promotion
 # job per tier and step at most, hundreds per scrape; far more is no vLLM's, and is left out.
 MAX_OBSERVATIONS = 20_000
+
+
+def cache_config(samples: Samples) -> tuple[bool, str] | None:
+    """(whether GPU prefix caching is on, the KV cache dtype as vLLM names it) from the lowest
+    engine's ``vllm:cache_config_info``; None without that series, or when it lacks either
+    label or ``enable_prefix_caching`` is neither ``"True"`` nor ``"False"``."""
+    infos = sorted((dict(ls) for ls in series(samples, "vllm:cache_config_info")),
+                   key=lambda labels: labels.get("engine", ""))
+    if not infos:
+        return None
+    prefix, dtype = infos[0].get("enable_prefix_caching"), infos[0].get("cache_dtype")
+    if prefix not in ("True", "False") or not dtype:
+        return None
+    return prefix == "True", dtype
 
 
 class MetricsMapper:
@@ -568,6 +589,14 @@ class VllmMetricsSource(ScrapeSource):
         # (monotonic seconds of the scrape before, of this one, its TTFT histogram), oldest first
         self._held: deque[tuple[float, float, ev.LatencyHistogram]] = deque()
         self._scraped = -math.inf
+
+    def map(self, samples: Samples, now: float) -> list:
+        """The mapper's events; the engine's KV cache settings (:func:`cache_config`) go to the
+        pipeline as they are read."""
+        config = cache_config(samples)
+        if config is not None:
+            self.pipeline.set_cache_config(self.name, *config)
+        return super().map(samples, now)
 
     def deliver(self, events: list) -> None:
         """Hold each TTFT histogram ``span_wait`` seconds when spans may report its requests."""
