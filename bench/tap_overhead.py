@@ -26,10 +26,14 @@ and ``no-blocks`` with block sampling off; each has its own emitter, whose threa
 is charged. The requests' block hashes are their ``hash_ids`` as 8 bytes (vLLM's are 32: the
 predicate reads 8 of them either way). A Mooncake block is 512 tokens, vLLM's 16: per token,
 vLLM's prompts have 32 times the blocks; ``--split 32`` cuts each trace block into 32 blocks
-of 16 tokens (keys and hashes ``hash_id * 32 + i``) to run at vLLM's granularity.
+of 16 tokens (keys and hashes ``hash_id * 32 + i``) to run at vLLM's default granularity (the
+offloading connector's ``blocks_per_chunk`` is 1 unless ``kv_connector_extra_config`` sets it or
+``block_size``: ``offloading/config.py``); ``--split 1`` is a ``block_size`` of 512.
 
-The two arms run side by side: they take turns every ``--block`` requests, so a shared
-machine's changing load hits both alike, and each block's time is the best of ``--repeat`` runs.
+The arms run side by side: they take turns every ``--block`` requests in a rotating order, so a
+shared machine's changing load hits all alike, and each block's time is the best of
+``--repeat`` runs. ``--block-sample-rate 0`` makes the two wrapped arms identical: an A/A check
+of the bench itself (their ratios must agree within its noise).
 Times are CPU seconds: the main thread's per block, plus, for the wrapped arm, what the emitter's
 sender thread and ZMQ's I/O threads used (encoding and sending the events).
 
@@ -160,12 +164,17 @@ def replay(manager, prompt: int, keys: list, hashes: list, rid: str, connector: 
 def replay_blocks(managers: dict, trace, connector: bool, block: int,
                   block_tokens: int = TOKENS_PER_BLOCK) -> dict[str, list[float]]:
     """Main-thread CPU seconds per ``block`` requests of ``trace``, for each of ``managers``
-    (name -> manager). The arms take turns block by block, which goes first alternating, so at
-    any moment both see the same machine (a shared machine's load changes within seconds)."""
+    (name -> manager). The arms take turns block by block, so at any moment all see the same
+    machine (a shared machine's load changes within seconds). Their order rotates, so each
+    arm runs first, middle and last equally and none runs twice in a row: alternating forward
+    and reversed, the first and last arms ran twice in a row at every turn, on caches warm
+    with their own data, and the middle one never did (it read up to 16 us/request slower
+    than the same tap in the last place)."""
     spent: dict[str, list[float]] = {name: [] for name in managers}
     names = list(managers)
     for b, start in enumerate(range(0, len(trace), block)):
-        for name in names if b % 2 == 0 else names[::-1]:
+        turn = b % len(names)
+        for name in names[turn:] + names[:turn]:
             manager = managers[name]
             t0 = time.thread_time()
             for i in range(start, min(start + block, len(trace))):
