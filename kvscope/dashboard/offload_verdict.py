@@ -30,6 +30,7 @@ import numpy as np
 from kvscope.dashboard.series import (TIER_RANK, Sample, is_number, last_window, mapping,
                                       ordered, scalar_increase, window_increase)
 from kvscope.mixin.config import MixinConfig
+from kvscope.samples import KEY_SEPARATOR
 from kvscope.vocabulary import TIERS
 
 PAYS = "offload pays"
@@ -149,7 +150,7 @@ def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
         unique_prompts(tokens, settings, low_traffic),
         tail_slo(window, tokens, recent, settings, low_traffic),
         host_dram(window, settings),
-        cheaper_steps(tokens),
+        cheaper_steps(window, tokens),
     )
     checks = tuple(Check(c.key, c.condition, c.verdict, (*c.evidence, where)) for c in checks)
     verdict, reasons = overall(checks)
@@ -288,20 +289,61 @@ def host_dram(window: Sequence[Sample], s: Settings) -> Check:
     return Check(key, CONDITIONS[key], verdict, tuple(lines))
 
 
-def cheaper_steps(tokens: Mapping[str, float]) -> Check:
-    """Check 5, cheaper steps first. kvscope sees whether the GPU prefix cache serves tokens
-    (then prefix caching is on) but not batching, context limits, model choice or cache
-    quantization: always "not measured", with what to check by hand."""
+def cheaper_steps(window: Sequence[Sample], tokens: Mapping[str, float]) -> Check:
+    """Check 5, cheaper steps first. The KV cache settings each source's engine reports (the
+    newest sample's ``engine_cache_config``: (source, prefix caching on/off, KV cache dtype
+    width) per key): GPU prefix caching off for any: "skip offload" (turn it on first); on
+    for all that say: "offload pays" for what is measured, with what a narrower KV cache
+    dtype would save; no engine says: "not measured", with whether the GPU prefix cache
+    served tokens (then prefix caching is on). Batching, context limits and model selection
+    have no signal: each says so."""
     key = "cheaper-steps"
+    settings = _cache_settings(window)
     total = sum(tokens.values())
     gpu = tokens.get("gpu", 0.0)
-    seen = (f"GPU prefix cache served {gpu / total:.1%} of prompt tokens: prefix caching is on"
-            if gpu > 0 and total else "GPU prefix cache served no tokens: check prefix caching "
-            "is on (vLLM --enable-prefix-caching)")
-    return Check(key, CONDITIONS[key], NOT_MEASURED, (
-        seen, "check by hand: KV cache quantization (vLLM --kv-cache-dtype fp8), batching "
-              "(--max-num-seqs, --max-num-batched-tokens), context limits (--max-model-len), "
-              "model selection"))
+    served = (f"GPU prefix cache served {gpu / total:.1%} of prompt tokens"
+              if total else "GPU prefix cache: no prompt tokens in the window")
+    unmeasured = ("not measured: batching (vLLM --max-num-seqs, --max-num-batched-tokens), "
+                  "context limits (--max-model-len), model selection")
+    if not settings:
+        seen = (f"{served}: prefix caching is on" if gpu > 0 else "GPU prefix cache served "
+                "no tokens: check prefix caching is on (vLLM --enable-prefix-caching)")
+        return Check(key, CONDITIONS[key], NOT_MEASURED, (
+            "KV cache settings: not measured (no engine reports them)", seen,
+            "not measured: KV cache quantization (vLLM --kv-cache-dtype fp8)", unmeasured))
+    lines = [f"{source}: prefix caching {prefix}; KV cache dtype {DTYPE_ADVICE.get(dtype, dtype)}"
+             for source, prefix, dtype in settings]
+    off = [source for source, prefix, _ in settings if prefix == "off"]
+    if off:
+        lines.append(f"turn GPU prefix caching on first ({', '.join(off)}; vLLM "
+                     "--enable-prefix-caching): it reuses prefixes without any transfer")
+        verdict = SKIP
+    else:
+        verdict = PAYS if any(prefix == "on" for _s, prefix, _d in settings) else NOT_MEASURED
+    return Check(key, CONDITIONS[key], verdict, (*lines, served, unmeasured))
+
+
+# what each KV cache dtype width (vocabulary.KV_CACHE_DTYPES) leaves to save before offloading
+DTYPE_ADVICE = {
+    "auto": "auto (the model's, 16-bit as a rule): fp8 would halve the KV bytes before any "
+            "offload (vLLM --kv-cache-dtype fp8)",
+    "32bit": "32-bit: 16-bit would halve the KV bytes, fp8 quarter them, before any offload",
+    "16bit": "16-bit: fp8 would halve the KV bytes before any offload (vLLM --kv-cache-dtype "
+             "fp8)",
+    "8bit": "8-bit (quantized): the KV bytes are half a 16-bit cache's already",
+    "4bit": "4-bit (quantized): the KV bytes are a quarter of a 16-bit cache's already",
+    "other": "other (quantized or mixed widths): check its bytes per token",
+}
+
+
+def _cache_settings(window: Sequence[Sample]) -> list[tuple[str, str, str]]:
+    """(source, prefix caching, KV cache dtype) of each key of the newest sample that has
+    any ``engine_cache_config``, sorted; [] when none has."""
+    for x in reversed(window):
+        keys = [k.split(KEY_SEPARATOR) for k in mapping(x, "engine_cache_config")]
+        if keys:
+            return sorted(tuple(k) for k in keys if len(k) == 3)
+    return []
 
 
 def headline(window: Sequence[Sample], tokens: Mapping[str, float], s: Settings) -> Headline:

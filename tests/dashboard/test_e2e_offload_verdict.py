@@ -93,7 +93,11 @@ def test_should_i_offload_here(case, browser):
     screenshot(browser, f"dashboard-offload-{name}")
     # the reference engine does not preempt, so it reports no count: never 0, never a pass
     assert "preemptions: not measured (no source reports them)" in text
-    assert found["offload-check-cheaper-steps"] == "not measured"
+    # the reference engine reports its KV cache settings: prefix caching on, the tiny
+    # preset's float16
+    assert found["offload-check-cheaper-steps"] == "offload pays"
+    assert ("engine: prefix caching on; KV cache dtype 16-bit: fp8 would halve the KV bytes"
+            in text)
     assert found["offload-check-host-dram"] == "offload pays"
     for card in ("tokens", "savings", "ttft", "headroom"):
         assert found[f"text:offload-card-{card}"]

@@ -8,6 +8,7 @@ import pytest
 
 from kvscope.dashboard import offload_verdict as V
 from kvscope.dashboard.offload_verdict import NOT_MEASURED, PAYS, SKIP, TOO_LITTLE, Settings
+from kvscope.vocabulary import KV_CACHE_DTYPES
 
 T0 = 1_700_000_000.0
 N = 61  # samples, one a second: a 60 s window
@@ -211,11 +212,53 @@ def test_host_dram_not_measured_without_headroom():
 
 # --- 5. cheaper steps ----------------------------------------------------------------------
 
-def test_cheaper_steps_are_never_a_pass():
+def with_cache_config(samples: list[dict], *keys: str) -> list[dict]:
+    """``samples`` whose engines report KV cache settings ``keys``
+    ("source->prefix_caching->kv_cache_dtype") from the middle of the window on."""
+    for i, x in enumerate(samples):
+        x["engine_cache_config"] = dict.fromkeys(keys, 1) if i >= len(samples) // 2 else {}
+    return samples
+
+
+def test_cheaper_steps_not_measured_when_no_engine_reports_its_cache_settings():
     c = check(V.assess(window()), "cheaper-steps")
     assert c.verdict == NOT_MEASURED
-    assert c.evidence[0].startswith("GPU prefix cache served 30.0% of prompt tokens")
-    assert any(line.startswith("check by hand:") for line in c.evidence)
+    assert c.evidence[0] == "KV cache settings: not measured (no engine reports them)"
+    assert c.evidence[1] == "GPU prefix cache served 30.0% of prompt tokens: prefix caching is on"
+    assert any(line.startswith("not measured: batching") for line in c.evidence)
+
+
+def test_cheaper_steps_skip_offload_while_prefix_caching_is_off():
+    """One engine of two with prefix caching off: turn it on first, whatever the other says."""
+    a = V.assess(with_cache_config(window(), "vllm_metrics->off->auto", "engine->on->8bit"))
+    c = check(a, "cheaper-steps")
+    assert c.verdict == SKIP
+    assert a.verdict == SKIP and "cheaper-steps" in a.reasons
+    assert c.evidence[:3] == (
+        "engine: prefix caching on; KV cache dtype 8-bit (quantized): the KV bytes are half a "
+        "16-bit cache's already",
+        "vllm_metrics: prefix caching off; KV cache dtype auto (the model's, 16-bit as a rule): "
+        "fp8 would halve the KV bytes before any offload (vLLM --kv-cache-dtype fp8)",
+        "turn GPU prefix caching on first (vllm_metrics; vLLM --enable-prefix-caching): it "
+        "reuses prefixes without any transfer")
+
+
+@pytest.mark.parametrize("dtype, advice", [
+    ("8bit", "8-bit (quantized): the KV bytes are half a 16-bit cache's already"),
+    ("16bit", "16-bit: fp8 would halve the KV bytes before any offload (vLLM --kv-cache-dtype "
+              "fp8)")])
+def test_cheaper_steps_pay_with_prefix_caching_on(dtype, advice):
+    """Prefix caching on: offload pays for what is measured, the dtype's saving named, and
+    batching, context limits and model selection said to be unmeasured."""
+    c = check(V.assess(with_cache_config(window(), f"engine->on->{dtype}")), "cheaper-steps")
+    assert c.verdict == PAYS
+    assert c.evidence[:3] == (
+        f"engine: prefix caching on; KV cache dtype {advice}",
+        "GPU prefix cache served 30.0% of prompt tokens",
+        "not measured: batching (vLLM --max-num-seqs, --max-num-batched-tokens), context "
+        "limits (--max-model-len), model selection")
+    # every width the vocabulary names has its advice
+    assert set(V.DTYPE_ADVICE) == set(KV_CACHE_DTYPES)
 
 
 # --- traffic, window, overall, headline ----------------------------------------------------
