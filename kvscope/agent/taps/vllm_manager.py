@@ -568,24 +568,19 @@ class TapManager(OffloadingManager):
                 lasts = list(map(last.pop, keys, itertools.repeat(now, n)))
             self._held.append((keys, stored, counts, lasts, tier, reason, now))
             return
-        if resident.keys().isdisjoint(keys):  # none tracked (the usual case: a sample is)
-            self._unmeasure(reason, n)
+        # the tracked ones (a sample), found in C without touching the others
+        tracked = resident.keys() & keys
+        m = len(tracked)
+        if m < n:
+            self._unmeasure(reason, n - m)
             if now >= self._unmeasured_at:
                 self._send_unmeasured(now)
-            return
-        # popped in C; untracked keys give 0.0, which compress() leaves out
-        popped = list(map(resident.pop, keys, itertools.repeat(0.0, n)))
-        stored = list(itertools.compress(popped, popped))
-        if len(stored) < n:
-            self._unmeasure(reason, n - len(stored))
-            if now >= self._unmeasured_at:
-                self._send_unmeasured(now)
-        if stored:
+        if m:
+            stored = list(map(resident.pop, tracked))
             counts = lasts = ()
             if hits:
-                tracked = list(itertools.compress(keys, popped))
-                counts = list(map(hits.pop, tracked, itertools.repeat(0, len(stored))))
-                lasts = list(map(last.pop, tracked, itertools.repeat(now, len(stored))))
+                counts = list(map(hits.pop, tracked, itertools.repeat(0, m)))
+                lasts = list(map(last.pop, tracked, itertools.repeat(now, m)))
             self._evictions(tier, reason, now, stored, counts, lasts, False, self._one_in)
 
     def _release(self, stored_below) -> None:
