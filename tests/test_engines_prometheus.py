@@ -296,6 +296,8 @@ NO_TOKENS = {
     "Lookup hit ratio by tier": "no lookups are reported",
 }
 NO_TTFT = {"TTFT p99, worst instance": "no time to first token is reported"}
+NO_CACHE_SETTINGS = {"KV cache settings": "prefix caching and the KV cache dtype are read from "
+                                          "vLLM's cache_config_info and the reference engine only"}
 
 
 def engines() -> dict[str, Engine]:
@@ -317,7 +319,7 @@ def engines() -> dict[str, Engine]:
         "tensorrt-llm": Engine(
             "tensorrt-llm", "meta-llama/Llama-3.1-8B-Instruct",
             "trtllm",
-            {**UNTIMED, **NO_IN_FLIGHT,
+            {**UNTIMED, **NO_IN_FLIGHT, **NO_CACHE_SETTINGS,
              "Lookup hit ratio by tier": "its counters are tokens, not blocks looked up",
              "Stores not made (skipped or failed share) ({{tier}} failed)":
                  "its events know no failed write (a block is offloaded or dropped)"},
@@ -325,14 +327,14 @@ def engines() -> dict[str, Engine]:
         "dynamo": Engine(
             "dynamo", "Qwen/Qwen3-0.6B",
             "kvbm_metrics",
-            {**UNTIMED, **NO_IN_FLIGHT, **NO_EVICTIONS, **NO_EVICTED_HITS,
+            {**UNTIMED, **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTIONS, **NO_EVICTED_HITS,
              **NO_IDLE, **NO_ADMISSIONS, **NO_RESIDENCY, **NO_TOKENS, **NO_TTFT},
             set(), {"gpu → cpu", "cpu → disk", "gpu → disk", "gpu → remote", "cpu → gpu",
                     "disk → gpu", "remote → gpu"}, set()),
         "sglang": Engine(
             "sglang", "MODEL",
             "sglang_metrics",
-            {**UNTIMED, **NO_IN_FLIGHT, **NO_EVICTED_HITS, **NO_IDLE,
+            {**UNTIMED, **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTED_HITS, **NO_IDLE,
              "Lookup hit ratio by tier": "its counters are tokens, not blocks looked up",
              "Evicted before any reuse": "evictions carry no hit count",
              "Stores not made (skipped or failed share) ({{tier}} skipped)":
@@ -347,7 +349,8 @@ def engines() -> dict[str, Engine]:
         out["lmcache"] = Engine(
             "lmcache", "MODEL",
             "lmcache_metrics",
-            {**UNTIMED, **NO_IN_FLIGHT, **NO_EVICTED_HITS, **NO_ADMISSIONS, **NO_TTFT,
+            {**UNTIMED, **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTED_HITS, **NO_ADMISSIONS,
+             **NO_TTFT,
              "Evictions by tier and reason ({{tier}} dropped)":
                  "L1's evicted chunks live on in L2 (LMCache writes every chunk through)",
              "Evicted before any reuse": "evictions carry no hit count",

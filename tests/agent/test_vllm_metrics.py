@@ -37,7 +37,8 @@ def exposition(prompt, device, host, store, load, ttft_buckets, usage=0.5):
              f"vllm:kv_offload_store_bytes_total{{{E}}} {store}",
              f"vllm:kv_offload_load_bytes_total{{{E}}} {load}",
              f"vllm:kv_cache_usage_perc{{{E}}} {usage}",
-             f'vllm:cache_config_info{{block_size="32",num_gpu_blocks="24",{E}}} 1.0',
+             f'vllm:cache_config_info{{block_size="32",cache_dtype="auto",'
+             f'enable_prefix_caching="True",num_gpu_blocks="24",{E}}} 1.0',
              "# HELP vllm:time_to_first_token_seconds Histogram of time to first token."]
     cumulative = 0
     for le, n in ttft_buckets:
