@@ -317,10 +317,7 @@ def cheaper_steps(window: Sequence[Sample], tokens: Mapping[str, float]) -> Chec
     if off:
         lines.append(f"turn GPU prefix caching on first ({', '.join(off)}; vLLM "
                      "--enable-prefix-caching): it reuses prefixes without any transfer")
-        verdict = SKIP
-    else:
-        verdict = PAYS if any(prefix == "on" for _s, prefix, _d in settings) else NOT_MEASURED
-    return Check(key, CONDITIONS[key], verdict, (*lines, served, unmeasured))
+    return Check(key, CONDITIONS[key], SKIP if off else PAYS, (*lines, served, unmeasured))
 
 
 # what each KV cache dtype width (vocabulary.KV_CACHE_DTYPES) leaves to save before offloading
