@@ -777,6 +777,33 @@ def test_an_idle_emitter_backs_off_and_the_next_event_wakes_it(source, tmp_path)
         emitter.close()
 
 
+def test_a_tick_sends_what_was_buffered_not_what_the_engine_emits_during_its_sends(
+        source, tmp_path):
+    """A send releases the GIL, and the engine's thread emits meanwhile: each send used to take
+    what had come since the last, so one tick sent several small batches (3.6 a tick under
+    bench/tap_overhead.py's load), each waking ZMQ's I/O thread. Now a tick sends what was
+    buffered when it began. The engine here emits for 1 s, a few thousand events a second, so
+    a tick (0.01 s, or up to the GIL's 5 ms switch interval later) holds about a hundred, well
+    under one batch (1024 events, 64 KiB): the batches sent are at most the ticks (on_tick
+    runs first in each), and every event arrives. Before: 89 batches in 58 ticks."""
+    emitter = Emitter(_endpoint(tmp_path), source="engine", flush_interval=0.01,
+                      max_batch_bytes=64 << 10)  # the agent's here
+    try:
+        ticks: list[float] = []
+        emitter.on_tick = lambda: ticks.append(time.monotonic())
+        sent, end = 0, time.monotonic() + 1.0
+        while time.monotonic() < end:
+            emitter.emit(_lookup(sent))
+            sent += 1
+            sum(range(20_000))  # the engine's own work between two events
+        assert wait_until(lambda: source.pipeline.events_received().get("engine") == sent), \
+            (source.pipeline.events_received(), sent, emitter.dropped)
+        assert sent > 1000 and emitter.dropped == 0
+        assert 0 < emitter.sent_batches <= len(ticks), (emitter.sent_batches, len(ticks))
+    finally:
+        emitter.close()
+
+
 def test_a_batch_scope_joins_another_sources_requests_and_a_bad_one_is_dropped():
     pipeline = Pipeline(join_window=0.0)
     src = IngestSource(pipeline)
