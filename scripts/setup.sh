@@ -85,8 +85,9 @@ if [ -z "$PY" ]; then
 fi
 say "using $PY ($("$PY" -c 'import platform; print(platform.python_version())'))"
 
-# 3. A C compiler and Python's headers: the agent's fold, its records and ingest's stall watch
-#    are compiled (Cython: the .pyx files, built by setup.py).
+# 3. A C compiler and Python's headers: the agent's fold, its records, ingest's stall watch and
+#    the vLLM tap's scheduler side are compiled (Cython: the .pyx files and .py files that start
+#    with a `# cython:` line, built by setup.py).
 pyver="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 # the compiler this Python was built with is the one its extensions build with (Debian's:
 # x86_64-linux-gnu-gcc, from the gcc package)
@@ -118,7 +119,9 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # 5. Python packages, skipped when the stamp matches (it covers the compiled modules' sources).
 EXTRAS="engine"
 [ "$WANT_TEST" -eq 1 ] && EXTRAS="engine,test"
-compiled_sources() { find "$ROOT/kvscope" \( -name '*.pyx' -o -name '*.pxd' \) -print0 | sort -z; }
+# (.py modules setup.py compiles start with a `# cython:` directive line)
+compiled_sources() { { find "$ROOT/kvscope" \( -name '*.pyx' -o -name '*.pxd' \) -print0
+                       grep -rlZ --include='*.py' '^# cython:' "$ROOT/kvscope"; } | sort -z; }
 stamp_key() { { cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "${BASH_SOURCE[0]}"; compiled_sources | xargs -0 cat; echo "$1 $TORCH_SPEC"; } | sha256sum | cut -d' ' -f1; }
 stamp_ok() { [ -f "$VENV/.kvscope-setup-$1" ] && [ "$(cat "$VENV/.kvscope-setup-$1")" = "$(stamp_key "$1")" ]; }
 STAMP="$VENV/.kvscope-setup-$EXTRAS"

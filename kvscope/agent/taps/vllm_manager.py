@@ -1,3 +1,5 @@
+# cython: annotation_typing=False
+# (setup.py compiles this module for speed; its annotations stay Python's, not C types)
 """The scheduler side of the vLLM tap: an ``OffloadingManager`` that wraps vLLM's own and reports
 what it does as kvscope events, without changing a single decision.
 
@@ -92,6 +94,9 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}
 DEFAULT_SAMPLE_ONE_IN = 8  # stores whose chunks' ages and loads are tracked: 1 in this many
 # share of blocks (by hash) whose prefix hashes lookups carry: kvscope.sampling's default
 DEFAULT_BLOCK_SAMPLE_RATE = sampling.DEFAULT_RATE if sampling is not None else 0.0
+# Frames up from the tap's method to vLLM's caller: setup.py compiles this module (Cython), and
+# a compiled function pushes no frame of its own; the .py, where that is not built, does.
+_CALLER_FRAME = 1 if __file__.endswith((".py", ".pyc")) else 0
 # seconds: an idle, unchanged CPU tier is reported again this often, so an agent restarted
 # while vLLM idles shows the tier within it (a snapshot is one small event)
 SNAPSHOT_REFRESH = 10.0
@@ -317,7 +322,7 @@ class TapManager(OffloadingManager):
             rid = req_context.req_id
             reqs = self._reqs
             if rid not in reqs:
-                request = sys._getframe(1).f_locals.get("request")
+                request = sys._getframe(_CALLER_FRAME).f_locals.get("request")
                 try:
                     prompt = int(request.num_prompt_tokens)
                 except AttributeError:  # no request in the caller's frame (None included)
