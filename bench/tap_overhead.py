@@ -162,7 +162,8 @@ def replay(manager, prompt: int, keys: list, hashes: list, rid: str, connector: 
         manager.complete_load(keys[:hits], ctx)
     if output is not None and output.keys_to_store:
         manager.complete_store(output.keys_to_store, ctx)
-    manager.take_events()
+    for _ in manager.take_events():  # vLLM's connector iterates them (its events tracker);
+        pass  # the tap does, so the unwrapped arm must too
     manager.on_request_finished(ctx)
 
 
