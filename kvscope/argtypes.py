@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import math
+import socket
 from urllib.parse import urlsplit
 
 
@@ -47,9 +48,16 @@ def at_most(limit: int, why: str):
 
 
 def host(text: str) -> str:
-    """A listen address; empty is refused (it would mean every interface)."""
+    """A listen address, or a host name that resolves; empty is refused (it would mean every
+    interface). Checked here, so that a mistyped name is not first asked for a token."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must be an address, e.g. 127.0.0.1 (0.0.0.0 for all)")
+    try:
+        socket.getaddrinfo(text, None)
+    except (OSError, UnicodeError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot resolve {text!r} ({getattr(exc, 'strerror', None) or exc}): give an "
+            "address of this machine, e.g. 127.0.0.1 (0.0.0.0 for all)") from None
     return text
 
 

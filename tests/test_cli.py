@@ -197,6 +197,17 @@ def test_an_empty_host_is_refused():
     assert result.returncode == 2 and "must be an address" in result.stderr
 
 
+@pytest.mark.parametrize("command", [["demo", "--duration", "5"], ["dashboard"], ["agent"]])
+def test_a_host_that_does_not_resolve_is_refused_before_a_token_is_asked_for(command):
+    """A mistyped --host was first asked for KVSCOPE_TOKEN (it is not loopback), and only
+    with one said it cannot be listened on. ``.invalid`` never resolves (RFC 6761)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVSCOPE_TOKEN"}
+    result = _kvscope(*command, "--host", "nosuch.invalid", env=env)
+    assert result.returncode == 2, result.stderr
+    assert "cannot resolve 'nosuch.invalid'" in result.stderr, result.stderr
+    assert "KVSCOPE_TOKEN" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("command", [["demo", "--duration", "5"], ["dashboard"]])
 def test_a_dashboard_beyond_loopback_without_a_token_is_refused(command):
     """The dashboard has no authentication of its own: beyond loopback it needs KVSCOPE_TOKEN
