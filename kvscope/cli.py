@@ -29,6 +29,10 @@ def _directory(off: str):
             raise argparse.ArgumentTypeError(
                 f"is empty, which would mean the current directory; leave the flag out {off}, "
                 "or use . for the current directory")
+        if os.path.exists(text) and not os.path.isdir(text):
+            raise argparse.ArgumentTypeError(
+                f"{text} is a file, not a directory; give a directory, or leave the flag out "
+                f"{off}")
         return text
     parse.__name__ = "directory"
     return parse

@@ -117,6 +117,10 @@ def test_a_replay_disk_dir_that_cannot_work_names_the_flag(args, needle):
     (["agent", "--store-dir", ""], "--store-dir: is empty"),
     (["agent", "--capture-dir", ""], "--capture-dir: is empty"),
     (["demo", "--capture-dir", "", "--duration", "1"], "--capture-dir: is empty"),
+    # a file named as the directory: the agent's own error named its config key, capture_dir
+    (["demo", "--capture-dir", __file__, "--duration", "1"],
+     f"--capture-dir: {__file__} is a file, not a directory"),
+    (["agent", "--store-dir", __file__], f"--store-dir: {__file__} is a file, not a directory"),
 ])
 def test_a_bad_argument_is_one_line_that_points_to_help(args, needle):
     _one_error_line(_kvscope(*args), needle, "--help)")
