@@ -330,13 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser, so that it names `kvscope COMMAND --help`
         args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    from kvscope.agent.config import ConfigError
-    from kvscope.engine.engine import EngineConfigError
-
     handler = {"demo": _demo, "agent": _agent, "dashboard": _dashboard,
                "docs-metrics": _docs_metrics, "analyze": _analyze, "replay": _replay,
                "compare": _compare, "rollout": _rollout}[args.command]
     try:
+        # imported here, inside the try: a quarter of a second, and Ctrl-C meanwhile is an
+        # interruption like any other (it printed the import's traceback)
+        from kvscope.agent.config import ConfigError
+        from kvscope.engine.engine import EngineConfigError
+
         return handler(args)
     except KeyboardInterrupt:  # Ctrl-C in a command that has no clean stop of its own
         print("kvscope: interrupted", file=sys.stderr)

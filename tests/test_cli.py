@@ -222,6 +222,25 @@ def test_a_dashboard_beyond_loopback_without_a_token_is_refused(command):
     assert "set KVSCOPE_TOKEN" in result.stderr and "--insecure" in result.stderr
 
 
+def test_ctrl_c_while_a_command_imports_is_an_interruption_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C in a command's first quarter second landed in the import of the agent's config
+    (pydantic), before main's handlers, and printed the import's traceback. Here the import
+    itself raises KeyboardInterrupt, as the signal would (a finder ahead of the others): main
+    says it was interrupted and returns 130."""
+    from kvscope import cli
+
+    class Interrupted:
+        def find_spec(self, name, path=None, target=None):
+            if name == "kvscope.agent.config":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "kvscope.agent.config", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    assert cli.main(["docs-metrics"]) == 130
+    assert capsys.readouterr().err == "kvscope: interrupted\n"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
                          ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_ctrl_c_while_the_agent_shuts_down_does_not_spoil_its_exit_code(tmp_path, sig):
