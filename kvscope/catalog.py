@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvscope.vocabulary import FAILURE_REASONS
+from kvscope.vocabulary import FAILURE_REASONS, TOKEN_SOURCES
 
 # Transfer-time buckets, seconds: 10 us .. 10 s, covering one-block PCIe copies up to disk reads.
 TRANSFER_SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
@@ -295,12 +295,22 @@ BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}
 Samples = dict[MetricSpec, list[tuple[Sequence[str], object]]]
 
 
+# the metrics whose ``source`` label is a token source, not the agent input (render_markdown)
+TOKEN_SOURCE_METRICS = (PROMPT_TOKENS, PREFILL_SECONDS_SAVED)
+
+
 def render_markdown() -> str:
     """``docs/metrics.md``: the catalog as a Markdown table (generated; do not edit by hand)."""
     lines = [
         "# kvscope metrics",
         "",
         "Generated from `kvscope/catalog.py` by `kvscope docs-metrics`; do not edit by hand.",
+        "",
+        "The `source` label names the agent input a series came from (a tap's emitter, e.g. "
+        "`engine` or `vllm`, or a source the agent reads), except on "
+        + " and ".join(f"`{spec.name}`" for spec in TOKEN_SOURCE_METRICS)
+        + ", where it is the token source, as the guide uses the word: where a prompt token's "
+        "KV came from (" + ", ".join(TOKEN_SOURCES) + ").",
         "",
         "| name | type | unit | labels | help |",
         "| --- | --- | --- | --- | --- |",
