@@ -904,6 +904,24 @@ def test_a_batch_whose_own_fields_are_invalid_is_dropped_whole():
     assert snap.events_dropped == {("ingest", "invalid"): 2} and snap.events_received == {}
 
 
+def test_an_event_is_sent_as_it_was_when_emitted(source, tmp_path):
+    """The emitter encodes an event when it is emitted, not a tick later on its own thread: a
+    tap that goes on changing a dict it put in an event (its own running count) sends the
+    values it emitted. Before, r1 arrived with r2's cpu count, 99."""
+    emitter = Emitter(_endpoint(tmp_path), source="engine", flush_interval=0.5)
+    tokens = {"gpu": 16, "cpu": 8}
+    emitter.emit(ev.Lookup(ts=1.0, request_id="r1", tokens=tokens))
+    tokens["cpu"] = 99
+    emitter.emit(ev.Lookup(ts=2.0, request_id="r2", tokens=tokens))
+    for rid in ("r1", "r2"):
+        emitter.emit(ev.RequestFinished(ts=3.0, request_id=rid, ttft=0.1, prompt_tokens=16))
+    assert wait_until(lambda: source.pipeline.events_received().get("engine") == 4)
+    emitter.close()
+    source.pipeline.publish_settled(everything=True)
+    assert source.pipeline.requests.get("r1").tokens == {"gpu": 16, "cpu": 8}
+    assert source.pipeline.requests.get("r2").tokens == {"gpu": 16, "cpu": 99}
+
+
 def test_the_emitter_splits_a_batch_over_the_agents_size_limit(source, tmp_path):
     """Lookups with 300 block hashes encode to about 3.3 KB each: 200 of them in one batch of
     1,024 would be ~660 KB, over the agent's 64 KiB, and refused whole. The emitter halves the

@@ -1,8 +1,11 @@
 """The tap-side emitter: ships kvscope events from inside an engine process to the agent.
 
-It runs on the engine's hot path, so :meth:`Emitter.emit` only appends to a bounded buffer
-(well under a microsecond) and never raises or blocks; a background thread batches the buffer,
-encodes it with msgspec and sends it over a ZMQ PUSH socket without blocking. ZMQ queues at most
+It runs on the engine's hot path, so :meth:`Emitter.emit` only encodes the event (msgspec) and
+appends the bytes to a bounded buffer (well under a microsecond) and never raises or blocks; a
+background thread batches the buffer and sends it over a ZMQ PUSH socket without blocking.
+Events are encoded where they are made, while they are in the engine thread's cache: encoded
+by the sender thread a tick later, each cost 0.5 us against 0.1 to 0.2 here
+(bench/tap_overhead.py), and the buffer holds bytes, not the events' objects. ZMQ queues at most
 ``send_hwm`` batches, only for a live connection, and reconnects by itself; the rest waits in
 the buffer, and once that is full further events are dropped and counted (and reported to the
 agent in the next batch, as ``Batch.dropped``). Imports only the standard library, msgspec and
@@ -40,13 +43,7 @@ MAX_LINGER_SECONDS = (2**31 - 1) / 1000  # ZMQ's linger: an int of milliseconds
 IDLE_INTERVAL = 1.0
 
 
-def _encodes(event: object) -> bool:
-    """Whether ``event`` encodes alone (a numpy or torch scalar in a field does not)."""
-    try:
-        msgspec.msgpack.encode(event)
-    except Exception:
-        return False
-    return True
+_encode_event = msgspec.msgpack.Encoder().encode
 
 
 def _mark_forked() -> None:
@@ -67,11 +64,11 @@ class Emitter:
     requests this emitter's request ids name, when that is another emitter (see
     :class:`kvscope.events.Batch`).
     ``max_buffer``: events held while the agent is slow or away, besides the one batch being
-    sent. ``batch_size``: events per
-    batch at most. ``max_batch_bytes``: encoded bytes per batch at most, the agent's
-    ``[ingest] max_batch_bytes`` (a fuller batch is split; an event larger alone is dropped and
-    counted). ``flush_interval``: seconds between sends (while idle the sender thread sleeps
-    longer, up to :data:`IDLE_INTERVAL`, until an event comes). ``send_hwm``: batches ZMQ may
+    sent. ``batch_size``: events per batch at most. ``max_batch_bytes``: encoded bytes per
+    batch at most, the agent's ``[ingest] max_batch_bytes`` (a batch takes the events that fit;
+    an event larger alone is dropped and counted). ``flush_interval``: seconds between sends
+    (while idle the sender thread sleeps longer, up to :data:`IDLE_INTERVAL`, until an event
+    comes). ``send_hwm``: batches ZMQ may
     queue (kept small: what ZMQ holds when :meth:`close` gives up is lost uncounted, what the
     buffer holds is counted). ``warn_after``: seconds events may wait unsent (no agent at
     ``endpoint``, or one too slow) before one warning says so; sending again is logged too.
@@ -204,18 +201,28 @@ class Emitter:
             return self._max_buffer > 0
 
     def emit(self, event: object) -> None:
-        """Queue one event; drops it (and counts) when the buffer is full or the emitter is
-        closed. Never raises."""
-        if len(self._buffer) >= self._max_buffer:
-            if self._forked and self._start_forked():
-                self._buffer.append(event)
-                return
+        """Encode one event and queue it; drops it (and counts) when the buffer is full, the
+        emitter is closed or the event does not encode (a numpy or torch scalar in a field, a
+        dict that holds itself: logged once). Never raises."""
+        if len(self._buffer) >= self._max_buffer and not (self._forked and self._start_forked()):
             self.dropped += 1
             return
-        self._buffer.append(event)
+        try:
+            data = _encode_event(event)
+        except Exception as exc:  # the caller's event: it goes, the engine does not notice
+            self._unencodable(exc)
+            return
+        self._buffer.append(data)
         if self._idle:
             self._idle = False
             self._wake.set()
+
+    def _unencodable(self, exc: Exception) -> None:
+        self.dropped += 1
+        if not self._told_unencodable:
+            self._told_unencodable = True
+            self._log.warning("kvscope emitter: dropped an event that does not encode (counted "
+                              "in dropped; logged once): %s: %s", type(exc).__name__, exc)
 
     def buffered(self) -> int:
         """Events waiting to be sent (buffer plus a batch ZMQ has not taken yet)."""
@@ -303,11 +310,9 @@ class Emitter:
         left = len(self._buffer)
         while True:
             if self._pending is None:
-                events = [self._buffer.popleft() for _ in range(min(self._batch_size, left))]
-                if not events:
+                if not left:
                     return True
-                left -= len(events)
-                self._pending = self._encode(events)
+                self._pending, left = self._encode(left)
                 if self._pending is None:
                     continue
             try:
@@ -331,48 +336,41 @@ class Emitter:
         if self.tap_errors is None:
             return {}
         try:
-            return dict(self.tap_errors())
+            # plain ints (a numpy count would not encode, and the batch would not go)
+            return {str(reason): int(n) for reason, n in self.tap_errors().items()}
         except Exception as exc:  # the caller's hook must not stop the sends
             self._log.warning("kvscope emitter: tap_errors failed (%s: %s); not calling it "
                               "again", type(exc).__name__, exc)
             self.tap_errors = None
             return {}
 
-    def _encode(self, events: list) -> bytes | None:
-        """``events`` as one batch, or as its first part when the whole is over
-        ``max_batch_bytes`` (the rest goes back to the buffer's front); None when nothing is
-        left to send (events that do not encode, or one too large alone, are dropped and
-        counted)."""
-        while True:
-            try:
-                data = ev.encode_batch(self._batch(events))
-            except Exception as exc:  # a malformed event: never let it stop the thread
-                # only the events that do not encode alone go (a numpy int in one of them
-                # once cost the whole batch)
-                good = [event for event in events if _encodes(event)]
-                if len(good) == len(events):  # the batch's own fields do not encode
-                    good = []
-                self.dropped += len(events) - len(good)
-                if not self._told_unencodable:
-                    self._told_unencodable = True
-                    self._log.warning("kvscope emitter: dropped %d of %d events that do not "
-                                      "encode (counted in dropped; logged once): %s",
-                                      len(events) - len(good), len(events), exc)
-                if not good:
-                    return None
-                events = good
-                continue
-            if len(data) <= self._max_batch_bytes:
-                self._pending_events = len(events)
-                return data
-            if len(events) == 1:  # the agent would refuse it, and ZMQ may drop it silently
+    def _encode(self, left: int) -> tuple[bytes | None, int]:
+        """The next batch: up to ``batch_size`` of the first ``left`` buffered events, as many
+        as fit in ``max_batch_bytes`` with the batch's own fields, and how many of the ``left``
+        remain; None when none was left to send (an event over the limit alone is dropped and
+        counted: the agent would refuse it, and ZMQ may drop it silently)."""
+        buffer = self._buffer
+        # the batch's own fields, and room for a few more counts in errors and dropped
+        room = self._max_batch_bytes - len(ev.encode_batch(self._batch([]))) - 64
+        events: list[msgspec.Raw] = []
+        size = 0
+        while left and len(events) < self._batch_size:
+            n = len(buffer[0])
+            if size + n > room and events:
+                break
+            data = buffer.popleft()
+            left -= 1
+            if n > room:
                 self.dropped += 1
                 self._log.warning("kvscope emitter: dropped an event of %d bytes encoded, over "
-                                  "max_batch_bytes (%d)", len(data), self._max_batch_bytes)
-                return None
-            half = len(events) // 2
-            self._buffer.extendleft(reversed(events[half:]))
-            events = events[:half]
+                                  "max_batch_bytes (%d)", n, self._max_batch_bytes)
+                continue
+            events.append(msgspec.Raw(data))
+            size += n
+        if not events:
+            return None, left
+        self._pending_events = len(events)
+        return ev.encode_batch(self._batch(events)), left
 
     def close(self, timeout: float | None = 1.0) -> None:
         """Send what is buffered, waiting at most ``timeout`` seconds for the agent to take it
