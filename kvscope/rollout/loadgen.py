@@ -54,7 +54,10 @@ class LoadResult:
     order; ``prompt_tokens`` and ``output_tokens`` per request, and when each was sent and
     ended (``started``, ``ended``: Unix seconds); ``errors``: requests that failed or were cut
     off; ``percentiles``: guidellm's own, ``{metric: {"p50", "p95", "p99"}}``
-    in seconds, for ``ttft``, ``itl`` and ``e2e``."""
+    in seconds, for ``ttft``, ``itl`` and ``e2e``; ``unsent``: requests guidellm made and
+    cancelled before sending them (when its request limit stopped the run), which its report
+    counts (``scheduler_metrics.requests_made.incomplete``) but lists nowhere (guidellm
+    0.8.1's ``benchmark/schemas/accumulator.py``: "cancelled before starting")."""
 
     ttft: list[float]
     itl: list[float]
@@ -65,6 +68,7 @@ class LoadResult:
     ended: list[float]
     errors: int
     percentiles: dict[str, dict[str, float]] = field(default_factory=dict)
+    unsent: int = 0
 
 
 # guidellm's report: metric -> (per-request field, summary metric, seconds per unit)
@@ -93,11 +97,15 @@ def read_report(path: str | Path) -> LoadResult:
             if cells.get("count"):
                 percentiles[metric] = {p: cells["percentiles"][p] * unit for p in PERCENTILES}
         errors = len(requests.get("errored") or []) + len(requests.get("incomplete") or [])
+        # guidellm counts every cancelled request, and lists those that had started
+        made = (bench.get("scheduler_metrics") or {}).get("requests_made") or {}
+        unsent = max(0, int(made.get("incomplete") or 0) - len(requests.get("incomplete") or []))
         return LoadResult(out["ttft"], out["itl"], out["e2e"],
                           [int(r.get("prompt_tokens") or 0) for r in ok],
                           [int(r.get("output_tokens") or 0) for r in ok],
                           [float(r["request_start_time"]) for r in ok],
-                          [float(r["request_end_time"]) for r in ok], errors, percentiles)
+                          [float(r["request_end_time"]) for r in ok], errors, percentiles,
+                          unsent)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise LoadgenError(f"{path}: not a guidellm report of one benchmark ({exc!r})") from None
 

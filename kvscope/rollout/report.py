@@ -127,6 +127,7 @@ def _runs_table(doc: dict) -> str:
     rows = "".join(
         f"<tr><td>{r['index'] + 1}</td><td>{_e(r['slot'])}</td><td>{r['level']}</td>"
         f"<td>{r['rep'] + 1}</td><td>{len(r['ttft'])}</td><td>{r.get('errors', 0)}</td>"
+        f"<td>{r.get('unsent', 'not measured')}</td>"  # a report from before it was read
         f"<td>{r.get('elapsed_s', 0):.1f}</td><td>{host(r, 'cpu_busy_percent')}</td>"
         f"<td>{host(r, 'cpu_steal_percent')}</td>"
         f"<td>{host(r, 'memory_available_bytes', 'min', 2 ** -30, '{:.2f}')}</td>"
@@ -134,9 +135,10 @@ def _runs_table(doc: dict) -> str:
         f"<td>{_e((r.get('cost') or {}).get('source', 'none'))}</td></tr>"
         for r in doc["runs"])
     return ("<table><tr><th>#</th><th>arm</th><th>streams</th><th>rep</th><th>requests</th>"
-            "<th>errors</th><th>seconds</th><th>CPU busy % (mean)</th><th>steal % (mean)</th>"
-            "<th>memory available GiB (min)</th><th>memory pressure avg10 (max)</th>"
-            "<th>hit quality from</th></tr>" + rows + "</table>")
+            "<th>errors</th><th>unsent</th><th>seconds</th><th>CPU busy % (mean)</th>"
+            "<th>steal % (mean)</th><th>memory available GiB (min)</th>"
+            "<th>memory pressure avg10 (max)</th><th>hit quality from</th></tr>" + rows
+            + "</table>")
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:24px;max-width:1200px;color:#222}

@@ -137,7 +137,8 @@ class Session:
                 "ttft": result.ttft, "itl": result.itl, "e2e": result.e2e,
                 "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens,
                 "started_at": result.started, "ended_at": result.ended,
-                "errors": result.errors, "loadgen_percentiles": result.percentiles,
+                "errors": result.errors, "unsent": result.unsent,
+                "loadgen_percentiles": result.percentiles,
                 "cost": vars(spent), "host": host.summary(), "command": argv}
 
     def run(self) -> dict:
