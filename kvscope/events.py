@@ -422,6 +422,11 @@ def encode_batch(batch: Batch) -> bytes:
     return _encoder.encode(batch)
 
 
+# One event as msgpack bytes, as a batch holds it (``msgspec.Raw`` of them encode as the events
+# would): the bound method itself, as the emitter calls it on the engine's thread at each event.
+encode_event = _encoder.encode
+
+
 def decode_batch(data: bytes) -> Batch:
     """Decode msgpack bytes into a :class:`Batch`.
 

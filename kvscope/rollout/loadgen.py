@@ -96,10 +96,11 @@ def read_report(path: str | Path) -> LoadResult:
             cells = bench["metrics"][summary]["successful"]
             if cells.get("count"):
                 percentiles[metric] = {p: cells["percentiles"][p] * unit for p in PERCENTILES}
-        errors = len(requests.get("errored") or []) + len(requests.get("incomplete") or [])
+        cut_off = len(requests.get("incomplete") or [])
+        errors = len(requests.get("errored") or []) + cut_off
         # guidellm counts every cancelled request, and lists those that had started
         made = (bench.get("scheduler_metrics") or {}).get("requests_made") or {}
-        unsent = max(0, int(made.get("incomplete") or 0) - len(requests.get("incomplete") or []))
+        unsent = max(0, int(made.get("incomplete") or 0) - cut_off)
         return LoadResult(out["ttft"], out["itl"], out["e2e"],
                           [int(r.get("prompt_tokens") or 0) for r in ok],
                           [int(r.get("output_tokens") or 0) for r in ok],

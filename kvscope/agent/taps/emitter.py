@@ -43,7 +43,7 @@ MAX_LINGER_SECONDS = (2**31 - 1) / 1000  # ZMQ's linger: an int of milliseconds
 IDLE_INTERVAL = 1.0
 
 
-_encode_event = msgspec.msgpack.Encoder().encode
+_encode_event = ev.encode_event  # one global read per emit(), not an attribute of ev
 
 
 def _mark_forked() -> None:
@@ -350,8 +350,9 @@ class Emitter:
         remain; None when none was left to send (an event over the limit alone is dropped and
         counted: the agent would refuse it, and ZMQ may drop it silently)."""
         buffer = self._buffer
-        # the batch's own fields, and room for a few more counts in errors and dropped
-        room = self._max_batch_bytes - len(ev.encode_batch(self._batch([]))) - 64
+        header = self._batch([])
+        # the batch's own fields, and room for a larger dropped count
+        room = self._max_batch_bytes - len(ev.encode_batch(header)) - 64
         events: list[msgspec.Raw] = []
         size = 0
         while left and len(events) < self._batch_size:
@@ -370,7 +371,8 @@ class Emitter:
         if not events:
             return None, left
         self._pending_events = len(events)
-        return ev.encode_batch(self._batch(events)), left
+        return ev.encode_batch(msgspec.structs.replace(header, events=events,
+                                                       dropped=self.dropped)), left
 
     def close(self, timeout: float | None = 1.0) -> None:
         """Send what is buffered, waiting at most ``timeout`` seconds for the agent to take it
