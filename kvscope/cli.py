@@ -333,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"demo": _demo, "agent": _agent, "dashboard": _dashboard,
                "docs-metrics": _docs_metrics, "analyze": _analyze, "replay": _replay,
                "compare": _compare, "rollout": _rollout}[args.command]
+    prog = args.commands[args.command].prog  # "kvscope demo", as argparse's errors say
     try:
         # imported here, inside the try: a quarter of a second, and Ctrl-C meanwhile is an
         # interruption like any other (it printed the import's traceback)
@@ -341,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return handler(args)
     except KeyboardInterrupt:  # Ctrl-C in a command that has no clean stop of its own
-        print("kvscope: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except (TraceError, ConfigError, EngineConfigError, UnknownPreset, OSError) as exc:
         message = exc.args[0] if isinstance(exc, UnknownPreset) else str(exc)
-        print(f"kvscope: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 2

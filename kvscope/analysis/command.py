@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         options = replace(options, measured=load_measured_rates(args.input))
         analysis = analyze(trace, options)
     except ValueError as exc:  # TraceError included  # the command-line boundary: one line, exit code 2
-        print(f"kvscope: error: {exc}", file=sys.stderr)
+        print(f"kvscope analyze: error: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(to_json(analysis) + "\n" if args.json else render_text(analysis))
     return 0

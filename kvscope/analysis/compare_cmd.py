@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, out=None) -> int:
                          resamples=args.resamples, confidence=args.confidence, seed=args.seed,
                          min_requests=args.min_requests)
     except ValueError as exc:  # the command-line boundary: one line, exit code 2
-        print(f"kvscope: error: {exc}", file=sys.stderr)
+        print(f"kvscope compare: error: {exc}", file=sys.stderr)
         return 2
     out = out or sys.stdout
     out.write(to_json(result) + "\n" if args.json else render_text(result))
