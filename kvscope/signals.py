@@ -13,6 +13,9 @@ import time
 # Windows.
 _HANGUP = getattr(signal, "SIGHUP", None)
 _STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, _HANGUP) if s is not None)
+# SIGINT and SIGHUP that :func:`ignore_signals_while_exiting` ignored (a command that ended in
+# this process), as against those the process's starter ignored, which stay ignored
+_IGNORED_BY_US: set[int] = set()
 
 
 class _Relay:
@@ -51,8 +54,11 @@ _relay: _Relay | None = None
 
 
 def stop_on_signals(stop: threading.Event) -> None:
-    """Set ``stop`` on SIGINT, SIGTERM or SIGHUP. A SIGHUP the process was started ignoring
-    (``nohup kvscope agent``) stays ignored: surviving the terminal is what nohup asked for.
+    """Set ``stop`` on SIGINT, SIGTERM or SIGHUP. A SIGHUP or SIGINT the process was started
+    ignoring stays ignored: ``nohup kvscope agent`` asked to survive its terminal, and a shell
+    script's background job (``kvscope demo &``) is started ignoring SIGINT so that Ctrl-C
+    stops the script's foreground command only. SIGTERM, a service manager's stop, is always
+    handled.
     Only the main thread can install handlers; elsewhere (a test running a command in a thread)
     this does nothing and the caller sets ``stop``.
 
@@ -67,7 +73,8 @@ def stop_on_signals(stop: threading.Event) -> None:
         _relay = _Relay()
     _relay.stop = stop
     for sig in _STOP_SIGNALS:
-        if sig == _HANGUP and signal.getsignal(sig) == signal.SIG_IGN:
+        if (sig != signal.SIGTERM and sig not in _IGNORED_BY_US
+                and signal.getsignal(sig) == signal.SIG_IGN):
             continue
         signal.signal(sig, _relay.on_signal)
 
@@ -93,4 +100,5 @@ def ignore_signals_while_exiting() -> None:
     a signal set to be ignored is left alone."""
     if threading.current_thread() is threading.main_thread():
         for sig in _STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
+            if signal.signal(sig, signal.SIG_IGN) != signal.SIG_IGN:
+                _IGNORED_BY_US.add(sig)

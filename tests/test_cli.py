@@ -33,11 +33,18 @@ def _started_agent(*args, ingest, stderr=subprocess.STDOUT):
 
 
 def _one_error_line(result, *needles):
-    """Exit code 2 and one error line (no traceback); the agent's info log lines from parts
-    that started before the failing one (e.g. the GPU collector's) may precede it."""
+    """Exit code 2 and one error line (no traceback), named as argparse names the command's
+    own errors (``kvscope demo: error: ...``) whether the parser or the run found it; the
+    agent's info log lines from parts that started before the failing one (e.g. the GPU
+    collector's) may precede it."""
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.strip().splitlines() if " INFO kvscope." not in line]
     assert len(lines) == 1, result.stderr
+    command = result.args[3]  # [python, -m, kvscope, COMMAND or an option, ...]
+    prefix = f"kvscope {command}: error: "
+    if command.startswith("-") or "argument COMMAND: invalid choice" in lines[0]:
+        prefix = "kvscope: error: "  # no command to name
+    assert lines[0].startswith(prefix), lines[0]
     for needle in needles:
         assert needle in lines[0]
 
@@ -238,7 +245,7 @@ def test_ctrl_c_while_a_command_imports_is_an_interruption_not_a_traceback(monke
     monkeypatch.delitem(sys.modules, "kvscope.agent.config", raising=False)
     monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
     assert cli.main(["docs-metrics"]) == 130
-    assert capsys.readouterr().err == "kvscope: interrupted\n"
+    assert capsys.readouterr().err == "kvscope docs-metrics: interrupted\n"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
@@ -419,6 +426,35 @@ def test_a_sighup_ignored_at_start_stays_ignored():
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+_SIGINT_TWICE = r'''
+import os, signal, threading
+from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
+
+for command in range(2):  # two commands one after the other, as in a notebook
+    stop = threading.Event()
+    stop_on_signals(stop)
+    os.kill(os.getpid(), signal.SIGINT)
+    print("stopped" if stop.wait(0.5) else "ignored")
+    ignore_signals_while_exiting()
+'''
+
+
+@pytest.mark.parametrize("started_ignoring", [True, False], ids=["background", "foreground"])
+def test_a_sigint_ignored_at_start_stays_ignored(started_ignoring):
+    """A shell script's background job (``kvscope demo &``) starts with SIGINT ignored, so that
+    Ctrl-C stops the script's foreground command alone: the commands once installed their
+    handler over it, and Ctrl-C stopped the demo too. Started normally, each command of a
+    process handles SIGINT, also after the one before it ignored signals while exiting."""
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    done = subprocess.run([sys.executable, "-c", _SIGINT_TWICE], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL,
+                          preexec_fn=ignore_sigint if started_ignoring else None)
+    expected = "ignored" if started_ignoring else "stopped"
+    assert (done.returncode, done.stdout.split()) == (0, [expected] * 2), done.stderr
 
 
 @pytest.mark.parametrize("where", ["file", "environment"])
