@@ -26,7 +26,8 @@ from kvscope.agent.requests cimport RequestRecord
 from kvscope.agent.requests import FUTURE
 from kvscope.agent.slots cimport bool_field, field, float_field, index_of, int_field, offset_of
 from kvscope.catalog import (EVICTED_HITS_BUCKETS, LATENCY_SECONDS_BUCKETS,
-                                      RESIDENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS)
+                             RESIDENCY_SECONDS_BUCKETS, TRANSFER_SECONDS_BUCKETS,
+                             WAIT_SECONDS_BUCKETS)
 # TIERS is also the top-down order lookups cascade in
 from kvscope.vocabulary import (ADMISSION_RESULTS, DIRECTIONS, EVICTION_REASONS,
                                 FAILURE_REASONS, TIERS, TOKEN_SOURCES)
@@ -249,7 +250,7 @@ cdef class Fold:
         self._hits, self._residency, self._measured_order = [None] * 4, [None] * 4, []
         self._idle, self._idle_order = [None] * 4, []
         self._ttft = _Histogram(LATENCY_SECONDS_BUCKETS)
-        self._wait = _Histogram(LATENCY_SECONDS_BUCKETS)
+        self._wait = _Histogram(WAIT_SECONDS_BUCKETS)
         self._itl = _Histogram(LATENCY_SECONDS_BUCKETS)
         self._waiting, self._running, self._preemptions, self._gpu_kv_usage = {}, {}, {}, {}
         self._in_flight = {}

@@ -46,6 +46,22 @@ def test_percentiles_cover_the_last_window_of_samples():
     assert pipe.samples()[-1]["ttft_seconds"] == {"p50": None, "p95": None, "p99": None}
 
 
+def test_requests_that_waited_for_no_promotion_wait_exactly_zero():
+    """Promotion wait is exactly 0 for a request with nothing to promote, and has a bucket of
+    its own at 0 (PromQL's histogram_quantile answers a first bucket bound <= 0 with the bound).
+    Without it a demo read p99 1.0 ms with 498 of 500 requests waiting nothing: the zeros were
+    spread over the (0, 1 ms] bucket. By hand, 400 requests waiting 0 and 100 waiting 40 ms:
+    p50's rank 250 lies among the zeros (0); p95's rank 475 and p99's 495 lie past them, in
+    (25, 50] ms, at 25 + 25 * 75/100 = 43.75 ms and 25 + 25 * 95/100 = 48.75 ms."""
+    pipe = Pipeline()
+    pipe.ingest("e", [ev.RequestFinished(ts=T, request_id=f"r{i}", ttft=0.1, prompt_tokens=16,
+                                         promotion_wait=0.04 if i >= 400 else 0.0)
+                      for i in range(500)])
+    pipe.record_sample(T, None)
+    wait = pipe.samples()[-1]["promotion_wait_seconds"]
+    assert wait == pytest.approx({"p50": 0.0, "p95": 0.04375, "p99": 0.04875})
+
+
 def test_transfer_percentiles_drops_and_eviction_buckets():
     pipe = Pipeline()
     pipe.ingest("e", [
