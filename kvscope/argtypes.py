@@ -38,6 +38,8 @@ def non_negative(kind=int):
 
 # A fraction in (0, 1] (a sampling rate, a target share).
 share = _number(float, lambda v: 0 < v <= 1, "must be in (0, 1]")
+# A share of a workload, 0 (none of it) to 1 (all of it).
+proportion = _number(float, lambda v: 0 <= v <= 1, "must be in [0, 1]")
 # A probability strictly between 0 and 1 (a confidence level: 0.95, not 95).
 fraction = _number(float, lambda v: 0 < v < 1, "must be in (0, 1), e.g. 0.95")
 

@@ -7,7 +7,7 @@ import os
 import sys
 
 from kvscope import __version__
-from kvscope.argtypes import host, http_url, non_negative, port, positive, share
+from kvscope.argtypes import host, http_url, non_negative, port, positive, proportion
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
@@ -74,9 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--speed", type=positive(float), default=1.0,
                       help="workload seconds per wall second (default %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
-    demo.add_argument("--one-off-share", type=share, default=0.25, metavar="SHARE",
+    demo.add_argument("--one-off-share", type=proportion, default=0.25, metavar="SHARE",
                       help="share of the synthetic workload's prompts that are unique one-offs, "
-                           "never reused (1: all of them; default %(default)s)")
+                           "never reused (0: none, 1: all of them; default %(default)s)")
     demo.add_argument("--insecure", action="store_true",
                       help="with a --host beyond loopback and no KVSCOPE_TOKEN: serve the API "
                            "and the dashboard to anyone who reaches them (otherwise refused)")

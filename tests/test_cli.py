@@ -112,9 +112,19 @@ def test_a_replay_disk_dir_that_cannot_work_names_the_flag(args, needle):
     _one_error_line(_kvscope("replay", "--requests", "10", *args), needle)
 
 
+def test_a_workload_without_one_off_prompts_is_accepted():
+    """``--one-off-share 0`` (every prompt reused) is a workload, not a mistake: it was refused
+    with "must be in (0, 1]", the check of a sampling rate."""
+    from kvscope import cli
+
+    args = cli._parser().parse_args(["demo", "--one-off-share", "0"])
+    assert args.one_off_share == 0.0
+
+
 @pytest.mark.parametrize("args,needle", [
     (["bogus"], "invalid choice: 'bogus'"),
     (["demo", "--duration", "soon"], "--duration"),
+    (["demo", "--one-off-share", "1.5"], "must be in [0, 1]"),
     (["agent", "--port", "70000"], "--port"),
     (["analyze", "t.jsonl", "--bandwidth-gbps", "nan"], "must be a finite number"),
     (["analyze", "t.jsonl", "--bandwidth-gbps", "fast"], "invalid float value: 'fast'"),
