@@ -73,6 +73,10 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         block_tokens = preset.block_tokens
         requests = synthetic(SyntheticConfig(seed=config.seed, block_tokens=block_tokens,
                                              one_off_share=config.one_off_share))
+    # From here Ctrl-C stops the demo cleanly (exit 0), also while it starts: it had stopped it
+    # with exit code 130 until its servers were up
+    stop = threading.Event()
+    stop_on_signals(stop)
     if config.metrics_port == config.ui_port:
         raise PortInUse(f"--metrics-port and --ui-port are both {config.ui_port}; give them "
                         "different ports")
@@ -104,7 +108,6 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     agent.pipeline.set_cache_config("engine", *engine.cache_config)
     agent.pipeline.set_source_up("engine", True)  # the engine feeds the pipeline in-process
     server = ApiServer(create_app(agent), metrics_sock)
-    stop = threading.Event()
     replayer = Replayer(engine, requests, speed=config.speed, stop=stop)
     replay_thread = threading.Thread(target=_replay, args=(replayer, out, config.duration),
                                      name="kvscope-replay", daemon=True)
@@ -128,7 +131,6 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         engine.close()
         raise
 
-    stop_on_signals(stop)
     print(f"kvscope demo: {'trace ' + config.trace if config.trace else 'synthetic workload'}, "
           f"preset {preset.name}, gpu {config.gpu_blocks} blocks, cpu {config.cpu_blocks} blocks"
           + (f", disk {config.disk_blocks} blocks" if config.disk_blocks else "")
