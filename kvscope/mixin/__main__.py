@@ -9,7 +9,6 @@ from pathlib import Path
 
 from kvscope.files import write_atomic
 from kvscope.mixin.config import MixinConfigError, load_config
-from kvscope.mixin.render import prometheus_rule, render
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "grafana"
 
@@ -31,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="print a Prometheus Operator PrometheusRule to stdout instead")
     parser.add_argument("--namespace", default="monitoring", help="PrometheusRule namespace")
     args = parser.parse_args(argv)
+    try:  # after parsing: --help needs none of the generator's packages
+        from kvscope.mixin.render import prometheus_rule, render
+    except ImportError as exc:
+        print(f"kvscope.mixin: error: {exc}: the generator needs the mixin extra "
+              "(pip install -e '.[mixin]')", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config)
     except (MixinConfigError, OSError, ValueError) as exc:

@@ -51,6 +51,30 @@ def test_check_flag_reports_drift(tmp_path) -> None:
     assert main(["--check", "--output", str(tmp_path)]) == 1
 
 
+_WITHOUT_YAML = """
+import sys
+sys.modules["yaml"] = None  # as in an environment installed without the mixin extra
+from kvscope.mixin.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("args,code", [(["--help"], 0), (["--check"], 2)], ids=["help", "run"])
+def test_without_the_mixin_extra_help_works_and_a_run_says_what_to_install(args, code) -> None:
+    """Without pyyaml (the mixin extra) ``--help`` printed a traceback; now it helps, and a
+    run is one line naming the extra."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_YAML, *args], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == code, done.stderr
+    if code:
+        assert done.stderr.count("\n") == 1 and "pip install -e '.[mixin]'" in done.stderr
+    else:
+        assert "--check" in done.stdout and not done.stderr
+
+
 def test_config_overrides_without_forking(tmp_path) -> None:
     f = tmp_path / "mixin.toml"
     f.write_text('selector = \'job="vllm-nodes"\'\nttft_budget_seconds = 1\nttft_budget_for = "30m"\n')
