@@ -263,6 +263,8 @@ def _dashboard(args) -> int:
         if not os.path.isdir(root):
             raise ConfigError(f"--capture-root {root} is not a directory: give the directory "
                               "holding the captures or rollout reports the Compare page may read")
+    stop = threading.Event()
+    stop_on_signals(stop)  # before serving: a stop signal as it starts is a clean stop too
     handle = serve(create_app(args.api, refresh_seconds=args.refresh, window_seconds=args.window,
                               backend=backend, sizing_trace=args.sizing_trace,
                               sizing_preset=args.sizing_preset,
@@ -280,10 +282,9 @@ def _dashboard(args) -> int:
     if visitors is None and not is_loopback(args.host):
         print(f"  warning: open to anyone who reaches {args.host}:{args.port} (--insecure)",
               flush=True)
-    stop = threading.Event()
-    stop_on_signals(stop)
     wait_for_stop(stop)
     handle.shutdown()
+    print("kvscope dashboard: stopped", flush=True)  # as the demo and the agent say it
     ignore_signals_while_exiting()
     return 0
 

@@ -284,6 +284,28 @@ def test_ctrl_c_while_the_agent_shuts_down_does_not_spoil_its_exit_code(tmp_path
             proc.kill()
 
 
+def test_the_dashboard_says_it_stopped():
+    """SIGTERM stops ``kvscope dashboard`` with exit code 0 and a last line saying so, as the
+    demo and the agent say it (it ended silent)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "dashboard", "--port",
+                             str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, stdin=subprocess.DEVNULL)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("kvscope dashboard: http"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        lines += proc.stdout.readlines()
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+        assert lines[-1] == "kvscope dashboard: stopped\n", "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_burst_of_stop_signals_stops_the_agent_cleanly(tmp_path):
     """30 SIGTERMs back to back (a supervisor and a process-group kill at once), 4 times: the
     agent stops each time, exit code 0. Its handler once set the stop event itself, and a
