@@ -437,8 +437,13 @@ def to_json(comparison: Comparison) -> str:
     return json.dumps(to_dict(comparison), indent=2)
 
 
+def _ms2(seconds: float) -> str:
+    """Milliseconds to 2 decimals; a value that rounds to zero reads 0.00, never -0.00."""
+    return f"{round(seconds * 1e3, 2) + 0.0:.2f}"
+
+
 def _cell(e: Estimate | None) -> str:
-    return "-" if e is None else f"{e.value * 1e3:9.2f} [{e.low * 1e3:.2f}, {e.high * 1e3:.2f}]"
+    return "-" if e is None else f"{_ms2(e.value):>9} [{_ms2(e.low)}, {_ms2(e.high)}]"
 
 
 def _count(side: Side) -> str:

@@ -438,3 +438,13 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
     text = capsys.readouterr().out
     assert "prefill 10,000 tokens/s measured): cpu: 3,200 tokens, saved 320 ms, spent 150 ms" \
         in text and "prefill rate not measured): none" in text
+
+
+def test_a_difference_that_rounds_to_zero_reads_zero_not_minus_zero():
+    """A new user read a CI of ``[-1.53, -0.00]``: a bound of -0.4 us printed in milliseconds to
+    two decimals. It reads 0.00; a bound that rounds to -0.01 stays negative."""
+    from kvscope.analysis.bootstrap import Estimate
+    from kvscope.analysis.compare import _cell
+
+    assert _cell(Estimate(-0.0008, -0.00153, -0.0000004)).split() == ["-0.80", "[-1.53,", "0.00]"]
+    assert "[-0.01," in _cell(Estimate(0.0, -0.00001, 0.0))
