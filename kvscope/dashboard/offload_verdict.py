@@ -274,8 +274,11 @@ def host_dram(window: Sequence[Sample], s: Settings) -> Check:
     available = _newest(window, "host_memory_available_bytes")
     swapped = (scalar_increase(window, "host_swap_in_bytes")
                if _newest(window, "host_memory_limit_bytes") is not None else None)
-    lines = [f"headroom at least {_gib(min(headroom))} (contested under "
-             f"{_gib(s.min_headroom_bytes)})" if headroom else "headroom: not measured",
+    # the lowest in the window, so it may read below the headroom card's newest value
+    floor = ("once available memory eats into the reserve" if s.min_headroom_bytes == 0
+             else f"under {_gib(s.min_headroom_bytes)}")
+    lines = [f"lowest headroom in the window {_gib(min(headroom))} (contested {floor})"
+             if headroom else "headroom: not measured",
              f"available {_gib(available)}, reserve {_gib(reserve)}" if available is not None
              and reserve is not None else "available and reserve: not measured",
              "swap: not measured (no swap-in counter)" if swapped is None

@@ -184,6 +184,10 @@ def test_headroom_near_miss(low, verdict):
     c = check(V.assess(samples), "host-dram")
     assert c.verdict == verdict
     assert "swap: not measured (no swap-in counter)" in c.evidence
+    # the window's lowest, named as such (it may read below the newest, on the headroom card),
+    # and the default floor said in words ("contested under 0.00 GiB" read oddly)
+    assert (f"lowest headroom in the window {low / 2**30:.2f} GiB (contested once available "
+            "memory eats into the reserve)") in c.evidence
 
 
 @pytest.mark.parametrize("swap_per_s, verdict", [(0.0, PAYS), (4096.0, SKIP)])
