@@ -140,11 +140,13 @@ def render_text(analysis: Analysis) -> str:
               f"  GPU prefix cache alone serves {s.gpu_token_hit_share:.2%} of prompt tokens"]
     if s.knee is not None:
         lines.append(f"  knee: {s.knee.blocks:,} blocks ({_gib(s.knee.bytes)}): CPU tier serves "
-                     f"{s.knee.cpu_token_hit_share:.2%}")
+                     f"{s.knee.cpu_token_hit_share:.2%} (where the gain curve bends most)")
     if s.recommended is not None:
         p = s.recommended
         lines += [f"  recommended CPU tier: {p.blocks:,} blocks ({_gib(p.bytes)}); "
                   f"vLLM --kv-offloading-size {s.kv_offloading_size_gib:g}",
+                  f"    the smallest size that buys {a['target_share']:.0%} of the largest "
+                  "affordable size's gain (--target-share)",
                   f"    token hit share {p.token_hit_share:.2%} (CPU tier {p.cpu_token_hit_share:.2%})",
                   f"    prefill saved {p.prefill_seconds_saved:,.1f} s; transfers "
                   f"{p.transfer_seconds:,.1f} s; store traffic "

@@ -97,7 +97,11 @@ def test_sizing_page_data_is_plain_and_consistent():
     assert data["notes"] == analysis.notes and any("No GPU prefix cache" in n
                                                    for n in data["notes"])
     json.loads(json.dumps(to_dict(analysis)))
-    assert "Verdict" in render_text(analysis)
+    text = render_text(analysis)
+    assert "Verdict" in text
+    # a recommendation below the knee, as here, says what it is (a new user took the knee for it)
+    assert analysis.sizing.recommended.blocks < analysis.sizing.knee.blocks
+    assert "the smallest size that buys 90% of the largest affordable size's gain" in text
 
 
 @pytest.mark.parametrize("method", ["shards-rate", "shards-size"])
