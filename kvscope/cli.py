@@ -170,8 +170,13 @@ def _parser() -> argparse.ArgumentParser:
         "rollout", help="baseline vs candidate servers under a load generator: tails per "
         "concurrency level, hit quality, cost and a verdict"))
 
-    docs = sub.add_parser("docs-metrics", help="write docs/metrics.md from the metric catalog")
-    docs.add_argument("--output", default="docs/metrics.md", help="file to write (default %(default)s)")
+    docs = sub.add_parser("docs-metrics", help="write docs/metrics.md from the metric catalog",
+                          description="Write the metric reference (every metric, its labels and "
+                          "meaning) from kvscope's metric catalog: for kvscope's developers, run "
+                          "from the repository root after changing the catalog.")
+    docs.add_argument("--output", default="docs/metrics.md",
+                      help="file to write, relative to the current directory (default "
+                           "%(default)s)")
     return parser
 
 

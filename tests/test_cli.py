@@ -112,6 +112,18 @@ def test_a_replay_disk_dir_that_cannot_work_names_the_flag(args, needle):
     _one_error_line(_kvscope("replay", "--requests", "10", *args), needle)
 
 
+def test_every_command_describes_itself_in_its_help():
+    """``kvscope COMMAND --help`` opens with what the command does (docs-metrics' said
+    nothing, and not that it writes relative to the current directory)."""
+    from kvscope import cli
+
+    commands = cli._parser().parse_args(["docs-metrics"]).commands
+    assert set(commands) >= {"demo", "agent", "dashboard", "analyze", "compare", "rollout",
+                             "replay", "docs-metrics"}
+    for name, parser in commands.items():
+        assert parser.description and len(parser.description) > 40, name
+
+
 def test_a_workload_without_one_off_prompts_is_accepted():
     """``--one-off-share 0`` (every prompt reused) is a workload, not a mistake: it was refused
     with "must be in (0, 1]", the check of a sampling rate."""
