@@ -98,6 +98,9 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
             raise TraceError(f"{where}: no finished {kind} segments yet, {unfinished}; run "
                              "again once the agent has finished them (a crash's are removed "
                              "by the next agent writing there)")
+        if where.is_dir() and not any(where.glob(f"*{SUFFIX}*")):  # a wrong path, most likely
+            raise TraceError(f"{where}: not a capture directory (no segments in it); give a "
+                             "trace file or a directory kvscope agent --capture-dir wrote")
         raise TraceError(f"{where}: no {kind} segments (kvscope agent --capture-dir writes them "
                          f"{writes})")
     if open_:
