@@ -337,16 +337,20 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
                    "more requests.", reasons)
 
 
-def combine(verdicts: list[Verdict]) -> Verdict:
-    """One verdict of several metrics' (TTFT, ITL): roll back when one says so, keep when all
-    do, inconclusive otherwise; its text and reasons are each metric's in turn."""
-    decisions = [v.decision for v in verdicts]
+def combine(verdicts: dict[str, Verdict]) -> Verdict:
+    """One verdict of several metrics' (``{"TTFT": ..., "ITL": ...}``): roll back when one
+    says so, keep when all do, inconclusive otherwise. Its text names each metric's decision,
+    then gives each metric's reason, the deciding ones first (a bare "inconclusive: ...
+    keep: ..." read as two verdicts); its reasons are each metric's in turn."""
+    decisions = [v.decision for v in verdicts.values()]
     decision = ROLL_BACK if ROLL_BACK in decisions else KEEP if set(decisions) == {KEEP} \
         else INCONCLUSIVE
     if len(verdicts) == 1:
-        return verdicts[0]
-    text = " ".join(v.text for v in sorted(verdicts, key=lambda v: v.decision != decision))
-    return Verdict(decision, text, [r for v in verdicts for r in v.reasons])
+        return next(iter(verdicts.values()))
+    ordered = sorted(verdicts.items(), key=lambda item: item[1].decision != decision)
+    text = f"{decision} (" + ", ".join(f"{m} {v.decision}" for m, v in ordered) + "). " + \
+        " ".join(f"{m}: {v.text.removeprefix(f'{v.decision}: ')}" for m, v in ordered)
+    return Verdict(decision, text, [r for v in verdicts.values() for r in v.reasons])
 
 
 def compare(baseline: RequestSample | Sequence[RequestSample],
@@ -404,7 +408,7 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
     if itl99.difference is None:
         notes.append("ITL not measured on both arms: judged on TTFT alone")
     by_metric = {"TTFT": judged[0], **({"ITL": judged[1]} if len(judged) > 1 else {})}
-    result = combine(judged)
+    result = combine(by_metric)
     result = Verdict(result.decision, result.text, result.reasons + notes)
 
     def resolved(budget: Budget | None, row: QuantileRow) -> float | None:

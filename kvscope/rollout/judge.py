@@ -82,7 +82,8 @@ def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int |
 
 def _gate(effect: Comparison, aa: Comparison) -> Verdict:
     """The A/A gate (see the module) on the verdict of ``effect``."""
-    gated, why = [], []
+    gated: dict[str, Verdict] = {}
+    why = []
     for label, rows, aa_rows in (("TTFT", effect.ttft, aa.ttft), ("ITL", effect.itl, aa.itl)):
         v = effect.by_metric.get(label)
         if v is None:
@@ -106,7 +107,7 @@ def _gate(effect: Comparison, aa: Comparison) -> Verdict:
                             f"against itself) differs significantly in p99 {label}, so {label} "
                             "is too noisy to judge here (the rule alone said roll back).",
                             v.reasons)
-        gated.append(v)
+        gated[label] = v
     result = combine(gated) if gated else effect.verdict
     notes = [r for r in effect.verdict.reasons if r not in result.reasons]
     return Verdict(result.decision, result.text, result.reasons + notes + why)

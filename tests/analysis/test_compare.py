@@ -364,7 +364,8 @@ def test_an_itl_regression_over_its_budget_rolls_back_with_ttft_fine(tmp_path, c
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["verdict"]["decision"] == ROLL_BACK and out["itl_budget"] == 0.03
-    assert out["verdict"]["text"].startswith(f"{ROLL_BACK}: candidate p99 ITL 50 ms")
+    assert out["verdict"]["text"].startswith(
+        f"{ROLL_BACK} (ITL {ROLL_BACK}, TTFT {KEEP}). ITL: candidate p99 ITL 50 ms")
     assert out["itl"][2]["difference"]["low"] == pytest.approx(0.03)
     args = _verdict(tmp_path / "none", ttft, ttft, "--itl-budget", "0.03", runs=3,
                     itl=(0.02, 0.0))
@@ -448,3 +449,19 @@ def test_a_difference_that_rounds_to_zero_reads_zero_not_minus_zero():
 
     assert _cell(Estimate(-0.0008, -0.00153, -0.0000004)).split() == ["-0.80", "[-1.53,", "0.00]"]
     assert "[-0.01," in _cell(Estimate(0.0, -0.00001, 0.0))
+
+
+def test_a_combined_verdict_names_each_metrics_decision():
+    """TTFT: 400 requests per arm, identical, all under a 100 ms budget -> keep. ITL: 20
+    requests per arm reported one, with a 50 ms ITL budget -> too few (100 needed) ->
+    inconclusive. Combined: inconclusive, and the text says which metric decided what (it
+    once read "inconclusive: ... keep: ...", two verdicts on one line)."""
+    ttft = np.linspace(0.01, 0.05, 400)
+    itl = np.full(20, 0.01)
+    arms = [RequestSample(name, ttft, itl) for name in ("baseline", "candidate")]
+    c = compare(*arms, ttft_budget=BUDGET, itl_budget=0.05, resamples=200)
+    assert (c.by_metric["TTFT"].decision, c.by_metric["ITL"].decision) == (KEEP, INCONCLUSIVE)
+    assert c.verdict.decision == INCONCLUSIVE
+    assert c.verdict.text.startswith("inconclusive (ITL inconclusive, TTFT keep). ITL: too few")
+    assert " TTFT: candidate p99 TTFT " in c.verdict.text
+    assert "keep:" not in c.verdict.text and c.verdict.text.count("inconclusive") == 2
