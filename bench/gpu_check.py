@@ -286,7 +286,8 @@ def scattered_copies(report, torch, blocks: int, repeat: int) -> None:
             report("FAIL", check, "the pinned host pool has no cuda_view: CUDA will not address it")
             continue
         contiguous = cuda_timed(
-            torch, lambda: dev.data[:blocks].copy_(host.data[:blocks], non_blocking=True), repeat)
+            torch, lambda d=dev, h=host: d.data[:blocks].copy_(h.data[:blocks], non_blocking=True),
+            repeat)
         lines = []
         intact_all = True
         for name, src, dst in (("cpu->gpu", host, dev), ("gpu->cpu", dev, host)):
