@@ -28,6 +28,7 @@ the recomputed tokens (:mod:`kvscope.engine.presets`).
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable
@@ -61,8 +62,8 @@ def _block_sources(sources: list[int]) -> list[str]:
 
 
 class EngineConfigError(ValueError):
-    """The engine cannot be built as asked (tier sizes, admission, host memory); the message
-    says why."""
+    """The engine cannot be built as asked (tier sizes, admission, host memory, disk space);
+    the message says why."""
 
 
 def _check_host_memory(needed: int) -> None:
@@ -76,6 +77,18 @@ def _check_host_memory(needed: int) -> None:
             f"the tiers need {needed / 2**30:.1f} GiB of host memory but only "
             f"{available / 2**30:.1f} GiB is available; use fewer blocks, a smaller preset, "
             "or simulate without payload")
+
+
+def _check_disk_space(store, needed: int) -> None:
+    """Refuse a disk tier larger than the free space where ``store`` (a ``DiskStore``) puts its
+    chunk files, rather than fail with disk_full once it fills; the store is closed (its
+    private directory removed)."""
+    free = shutil.disk_usage(store.directory).free
+    if needed > free:
+        store.close()
+        raise EngineConfigError(
+            f"the disk tier needs {needed / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB is "
+            f"free at {store.directory}; use fewer disk blocks or a disk directory with room")
 
 
 class OffloadEngine:
@@ -96,7 +109,8 @@ class OffloadEngine:
     decode cost model (:meth:`~kvscope.engine.presets.ModelPreset.decode_seconds` of one token;
     0 for requests with fewer than two output tokens).
 
-    Raises ValueError for a bad size, a disk tier without a cpu tier, or an unknown policy.
+    Raises ValueError for a bad size, a disk tier without a cpu tier, an unknown policy, or
+    tiers larger than the host memory available or the disk space free (with ``payload``).
     """
 
     def __init__(self, preset: ModelPreset, gpu_blocks: int, cpu_blocks: int,
@@ -142,6 +156,7 @@ class OffloadEngine:
             pools["cpu"] = BlockPool(cpu_blocks, elems, preset.dtype, "cpu")
             if disk_blocks:
                 pools["disk"] = DiskStore(disk_dir, self.block_bytes, io_threads)
+                _check_disk_space(pools["disk"], disk_blocks * self.block_bytes)
             self._copier = Copier(pools["gpu"].is_cuda)
         self.gpu = Tier("gpu", gpu_blocks, self.block_bytes, policies.get("gpu", "lru"), pools["gpu"])
         self.cpu = Tier("cpu", cpu_blocks, self.block_bytes, policies.get("cpu", "lru"), pools["cpu"])
@@ -225,7 +240,7 @@ class OffloadEngine:
                 hits[2] += 1
             victim = gpu_make_room(h)  # Tier.insert, inlined for the simulator's speed
             if victim is None:
-                slot = gpu_free.pop()
+                slot = gpu_free.pop() if gpu_free else gpu.new_slot()
             else:
                 slot = victim[1].slot
                 if cascade:

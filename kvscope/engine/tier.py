@@ -111,7 +111,11 @@ class Tier:
         self.pool = pool
         self.policy = make_policy(policy, capacity_blocks)
         self.get = self.policy.get  # hash -> Resident or None; no state change
-        self._free = list(range(capacity_blocks - 1, -1, -1))  # pops 0, 1, 2, ...
+        # Slots freed by removals, and the next slot never used: handed out 0, 1, 2, ... as
+        # the tier fills, so a tier of a billion slots costs nothing until it holds blocks (a
+        # list of every free slot was a MemoryError at start, and slowed every full collection).
+        self._free: list[int] = []
+        self._unused = 0
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.policy
@@ -139,10 +143,17 @@ class Tier:
             return None
         victim = self.policy.make_room(block_hash)
         if victim is not None:
-            self._free.append(victim[1].slot)
-        slot = self._free.pop()
+            slot = victim[1].slot
+        else:
+            slot = self._free.pop() if self._free else self.new_slot()
         self.policy.add(block_hash, Resident(slot, now))
         return slot, victim
+
+    def new_slot(self) -> int:
+        """A slot never used before (the caller found no freed one in ``_free``)."""
+        slot = self._unused
+        self._unused += 1
+        return slot
 
     def remove(self, block_hash: int) -> Resident | None:
         """Forget a resident block (its bytes are bad or gone); free its slot."""

@@ -401,3 +401,41 @@ def test_copies_in_flight_are_reported_per_direction_when_they_change(monkeypatc
     (offload,) = [t for t in _of(events, ev.Transfer, "r3")]
     assert (offload.src, offload.dst, offload.duration) == ("gpu", "cpu", 0.002)
     engine.close()
+
+
+def test_a_tier_takes_its_slots_as_it_fills_so_its_size_costs_nothing_up_front():
+    """A tier of 10**15 blocks builds at once (every free slot listed up front was a
+    MemoryError). Slots go 0, 1, 2 as blocks come; a removed block's slot is the next one
+    taken; a full tier's victim gives up its slot to the newcomer."""
+    from kvscope.engine.tier import Tier
+
+    huge = Tier("disk", 10**15, BLOCK)
+    assert [huge.insert(h, 0.0)[0] for h in (10, 11, 12)] == [0, 1, 2]
+    huge.remove(11)
+    assert huge.insert(13, 0.0)[0] == 1 and huge.insert(14, 0.0)[0] == 3
+    small = Tier("cpu", 2, BLOCK)
+    small.insert(1, 0.0), small.insert(2, 0.0)
+    slot, victim = small.insert(3, 1.0)
+    assert victim[0] == 1 and slot == victim[1].slot == 0
+
+
+def test_a_disk_tier_larger_than_the_free_space_is_refused_and_leaves_nothing(tmp_path):
+    """The free space under tmp_path (shutil.disk_usage) plus 1024 blocks is refused, naming
+    the GiB needed, with no chunk file written and, in a temporary directory of its own, none
+    left behind; 1024 blocks less than the free space is accepted."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from kvscope.engine.engine import EngineConfigError
+
+    fits = shutil.disk_usage(tmp_path).free // BLOCK - 1024  # room for the test's own writes
+    where = tmp_path / "chunks"
+    with pytest.raises(EngineConfigError, match=r"the disk tier needs [\d.]+ GiB but only"):
+        OffloadEngine(TINY, 1, 1, fits + 2048, disk_dir=where)
+    assert list(where.iterdir()) == []
+    OffloadEngine(TINY, 1, 1, fits, disk_dir=where).close()
+    before = set(Path(tempfile.gettempdir()).glob("kvscope-disk-*"))
+    with pytest.raises(EngineConfigError, match="GiB is free at "):
+        OffloadEngine(TINY, 1, 1, 2 * shutil.disk_usage(tempfile.gettempdir()).free // BLOCK)
+    assert set(Path(tempfile.gettempdir()).glob("kvscope-disk-*")) == before

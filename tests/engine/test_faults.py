@@ -103,12 +103,14 @@ def test_disk_full_drops_the_spill_and_the_block_is_recomputed(tmp_path):
 
     directory = tmp_path / "disk"
     directory.mkdir()
+    events = []
+    # built first: the engine refuses a disk tier larger than the free space at its start;
+    # here the disk fills up under a running engine
+    engine = OffloadEngine(TINY, 1, 1, 4, disk_dir=directory, emit=events.append)
     mounted = _mount_tmpfs(directory, "16k")
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
-        events = []
-        engine = OffloadEngine(TINY, 1, 1, 4, disk_dir=directory, emit=events.append)
         if not mounted:
             resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, old_limit[1]))
         for i, h in enumerate([A, B, C]):
