@@ -99,8 +99,9 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
                              "again once the agent has finished them (a crash's are removed "
                              "by the next agent writing there)")
         if where.is_dir() and not any(where.glob(f"*{SUFFIX}*")):  # a wrong path, most likely
-            raise TraceError(f"{where}: not a capture directory (no segments in it); give a "
-                             "trace file or a directory kvscope agent --capture-dir wrote")
+            also = "a trace file or " if kind == "blocks" else ""  # analyze reads traces too
+            raise TraceError(f"{where}: not a capture directory (no segments in it); give "
+                             f"{also}a directory kvscope agent --capture-dir wrote")
         raise TraceError(f"{where}: no {kind} segments (kvscope agent --capture-dir writes them "
                          f"{writes})")
     if open_:
@@ -282,10 +283,15 @@ def read_measured_rates(path: str | Path) -> MeasuredRates:
 def read_runs(paths: str) -> list[RequestSample]:
     """One :class:`RequestSample` per capture of ``paths``, a comma-separated list of capture
     directories (or requests segments): the repeated runs of one arm. Raises TraceError as
-    :func:`read_request_sample` does, and for a list that names none."""
+    :func:`read_request_sample` does, and for a list that names none or one capture twice."""
     parts = [p.strip() for p in paths.split(",") if p.strip()]
     if not parts:
         raise TraceError(f"no capture named in {paths!r}")
+    resolved = [Path(p).resolve() for p in parts]
+    if len(set(resolved)) < len(resolved):  # one run read twice would fake run-to-run variance
+        twice = next(p for p, r in zip(parts, resolved) if resolved.count(r) > 1)
+        raise TraceError(f"{paths}: names {twice} twice; each run of an arm is a capture of "
+                         "its own")
     return [read_request_sample(p) for p in parts]
 
 

@@ -42,6 +42,19 @@ KEEP = "keep"
 ROLL_BACK = "roll back (disable the newest tier)"
 INCONCLUSIVE = "inconclusive"
 DEFAULT_MIN_REQUESTS = 100  # a p99 needs about 100 requests before one lies beyond it
+# resamples each end of a bootstrap interval must rest on at least (1 put a 95% interval's
+# ends on no resample at all: a zero-width interval beside a confident verdict)
+MIN_TAIL_RESAMPLES = 2
+
+
+def check_resamples(resamples: int, confidence: float) -> None:
+    """Raise ValueError, saying the least that would do, when ``resamples`` bootstrap
+    resamples leave fewer than :data:`MIN_TAIL_RESAMPLES` beyond each end of a ``confidence``
+    interval."""
+    least = math.ceil(2 * MIN_TAIL_RESAMPLES / (1 - confidence) - 1e-9)
+    if resamples < least:
+        raise ValueError(f"--resamples {resamples} is too few for a {confidence * 100:g}% "
+                         f"interval: give at least {least} (default {DEFAULT_RESAMPLES})")
 
 
 @dataclass(frozen=True, eq=False)
@@ -284,8 +297,9 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
                f"{'s' * (baseline_runs > 1)}, candidate {candidate_requests} requests in "
                f"{candidate_runs} run{'s' * (candidate_runs > 1)}"]
     if min(baseline_requests, candidate_requests) < min_requests:
-        reasons.append(f"fewer than {min_requests} requests on a side: a p99 rests on about "
-                       "one request")
+        fewest = min(baseline_requests, candidate_requests)
+        reasons.append(f"fewer than {min_requests} requests on a side: a p99 of {fewest} rests "
+                       f"on its slowest {max(1, fewest // 100)}")
         return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: too few requests to judge p99 {metric} "
                        f"(need {min_requests} per arm).", reasons)
     c, d = p99.candidate, p99.difference
@@ -365,9 +379,10 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
     verdict says so and judges TTFT alone (an ITL budget then makes it inconclusive).
 
     Raises ValueError when an arm has no run, a run has no request with a TTFT, or for a bad
-    option.
+    option (resamples too few for the confidence: :func:`check_resamples`).
     """
     ttft_budget, itl_budget = parse_budget(ttft_budget), parse_budget(itl_budget)
+    check_resamples(resamples, confidence)
     arms = [[x] if isinstance(x, RequestSample) else list(x) for x in (baseline, candidate)]
     for arm, label in zip(arms, ("baseline", "candidate")):
         if not arm:

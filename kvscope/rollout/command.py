@@ -9,6 +9,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from kvscope.analysis.compare import check_resamples
 from kvscope.analysis.compare_cmd import add_verdict_arguments
 from kvscope.argtypes import http_url, non_negative, positive
 from kvscope.rollout import loadgen
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     input or a session that stopped early (one line on stderr; partial results kept)."""
     try:
         arms = _arms(args)
+        check_resamples(args.resamples, args.confidence)  # now, not after the runs
         executable = loadgen.find(args.loadgen)
         if args.workload != MIXED and not Path(args.workload).is_file():
             raise ValueError(f"--workload {args.workload}: no such trace file (or 'mixed')")

@@ -146,8 +146,12 @@ def test_a_capture_without_block_rows_or_a_missing_one_is_a_trace_error(tmp_path
     assert main(["compare", str(tmp_path / "missing"), str(directory)]) == 2
     # a directory with no segments at all is most likely a wrong path: said in a few words
     (tmp_path / "empty").mkdir()
-    with pytest.raises(TraceError, match=r"empty: not a capture directory \(no segments in it\)"):
+    with pytest.raises(TraceError, match=r"empty: not a capture directory \(no segments in it\); "
+                       "give a trace file or a directory"):
         read_block_trace(tmp_path / "empty")
+    # compare reads captures only: no trace file offered
+    with pytest.raises(TraceError, match=r"in it\); give a directory kvscope agent"):
+        read_request_sample(tmp_path / "empty")
 
 
 def test_segments_still_being_written_are_named_not_skipped_unremarked(tmp_path, captured,

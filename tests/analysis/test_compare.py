@@ -173,6 +173,14 @@ def test_too_few_requests_is_inconclusive_and_the_report_says_so(tmp_path, capsy
     assert main(["compare", str(b), str(c), "--ttft-budget", "0.1", "--resamples", "200"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("verdict: inconclusive: too few requests")
+    assert "a p99 of 50 rests on its slowest 1" in text
+    # the reason follows --min-requests: 400 requests against 1000 asked for; the p99 of 400
+    # rests on its slowest 4 (400 // 100)
+    more = np.linspace(0.01, 0.02, 400)
+    b, c = write_capture(tmp_path / "b4", more), write_capture(tmp_path / "c4", more)
+    assert main(["compare", str(b), str(c), "--min-requests", "1000", "--resamples", "200"]) == 0
+    assert "fewer than 1000 requests on a side: a p99 of 400 rests on its slowest 4" in \
+        capsys.readouterr().out
     assert "TTFT p99" in text and "hit quality" in text and "transfer cost" in text
 
 
@@ -209,6 +217,18 @@ def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
             main(["compare", str(b), str(c), flag, value])
         assert stopped.value.code == 2
         assert f"argument {flag}: must be" in capsys.readouterr().err
+    # 2 resamples beyond each end of the interval at the least: 2 * 2 / 0.05 = 80 at 95%, and
+    # 2 * 2 / 0.01 = 400 at 99% (1 gave a zero-width interval beside a confident keep)
+    for extra, least in ((["--resamples", "79"], 80),
+                         (["--resamples", "399", "--confidence", "0.99"], 400)):
+        assert main(["compare", str(b), str(c), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "is too few for a 9" in err and f"give at least {least} " in err
+    assert main(["compare", str(b), str(c), "--resamples", "80", "--json"]) == 0
+    capsys.readouterr()
+    # one run named twice in an arm would fake the run-to-run variance a roll back needs
+    assert main(["compare", f"{b},,{b}", str(c)]) == 2
+    assert f"names {b} twice" in capsys.readouterr().err
 
 
 def test_a_parquet_file_of_another_kind_is_one_line_saying_what_to_pass(tmp_path, capsys):

@@ -114,10 +114,13 @@ def test_a_server_that_dies_mid_run_stops_the_session_and_keeps_the_finished_run
     (["--arm", "a=http://127.0.0.1:{p}"], "two arms or more"),
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--agent",
       "c=http://127.0.0.1:1"], "no --arm named c"),
+    # refused before any run, not when judging after them
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--resamples", "10"],
+     "--resamples 10 is too few for a 95% interval: give at least 80"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, says):
-    """Nothing listens on the port; the load generator named does not exist; a budget, levels
-    or arms the command cannot use."""
+    """Nothing listens on the port; the load generator named does not exist; a budget, levels,
+    arms or resamples the command cannot use."""
     port, = free_ports(1)
     loadgen_args = [] if "--loadgen" in args else ["--loadgen", sys.executable]
     proc = _rollout(*[a.format(p=port) for a in args], *loadgen_args,
