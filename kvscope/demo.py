@@ -7,7 +7,9 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
+from kvscope.agent.capture import finished_segments
 from kvscope.agent.config import AgentSettings
 from kvscope.argtypes import is_loopback
 from kvscope.dashboard.app import create_app as create_dashboard
@@ -62,11 +64,18 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     """Run the demo until ``config.duration`` passes or SIGINT/SIGTERM; return the exit code.
 
     Raises :class:`~kvscope.engine.workload.TraceError` for an unreadable trace,
+    FileExistsError for a ``capture_dir`` that holds an earlier run's capture,
     :class:`~kvscope.engine.engine.EngineConfigError` for impossible tier sizes and
     :class:`~kvscope.service.server.PortInUse` for a port already taken, before anything is left
     running.
     """
     preset = get_preset(config.preset)
+    if config.capture_dir and (earlier := finished_segments(Path(config.capture_dir))):
+        # analyze and compare would read the two runs as one (an agent restarted into its
+        # capture directory carries on; a demo run is a run of its own)
+        raise FileExistsError(f"--capture-dir {config.capture_dir} holds {len(earlier)} "
+                              "segments of an earlier run, which analyze and compare would "
+                              "read as part of this one; give a new or empty directory")
     if config.trace:
         requests, block_tokens = read_mooncake(config.trace), MOONCAKE_BLOCK_TOKENS
     else:

@@ -628,7 +628,8 @@ def test_banner_urls_put_an_ipv6_host_in_brackets():
 
 def test_demo_says_when_its_trace_has_played_out(tmp_path):
     """Three requests at speed 1000 play out in milliseconds; the demo says so (and how many)
-    and stays up until its duration, where it once fell silent."""
+    and stays up until its duration, where it once fell silent. Its capture directory is then
+    refused to a second run."""
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(f'{{"timestamp": {i * 10}, "input_length": 1024, '
                             f'"output_length": 1, "hash_ids": [1, 2]}}\n' for i in range(3)))
@@ -643,6 +644,10 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
     assert "the workload has played out (3 requests)" in lines[-2]
     assert lines[-2].endswith("stay up until Ctrl-C or 4 s from the start")
     assert lines[-1] == "kvscope demo: stopped after 3 requests"
+    # a second run into that directory: analyze and compare would read both runs as one
+    _one_error_line(_kvscope("demo", "--trace", str(path), "--duration", "1", "--metrics-port",
+                             str(free_port()), "--ui-port", str(free_port()), "--capture-dir",
+                             str(tmp_path / "cap")), "segments of an earlier run")
 
 
 def test_the_agents_start_lines_name_every_part_it_runs(tmp_path):

@@ -148,6 +148,14 @@ class _Stream:
         return pending, rows
 
 
+def finished_segments(directory: Path, kind: str | None = None) -> list[Path]:
+    """The finished segments (of ``kind``, or every kind) of the capture in ``directory``,
+    oldest first by start time."""
+    kinds = (kind,) if kind else KINDS
+    paths = [p for k in kinds for p in directory.glob(f"{k}-*{SUFFIX}") if p.is_file()]
+    return sorted(paths, key=segment_key)
+
+
 class CaptureWriter(Worker):
     """Writes a capture under ``directory`` (created on start).
 
@@ -308,10 +316,8 @@ class CaptureWriter(Worker):
     # -- segments ---------------------------------------------------------------------------
 
     def segments(self, kind: str | None = None) -> list[Path]:
-        """Finished segments (of ``kind``, or both), oldest first by start time."""
-        kinds = (kind,) if kind else KINDS
-        paths = [p for k in kinds for p in self.directory.glob(f"{k}-*{SUFFIX}") if p.is_file()]
-        return sorted(paths, key=segment_key)
+        """Finished segments (of ``kind``, or every kind), oldest first by start time."""
+        return finished_segments(self.directory, kind)
 
     def flush(self) -> int:
         """Write pending rows into the open segments; finish those due for rotation. A stream
