@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                       help='label matchers added to every query, e.g. job="kvscope"')
     dash.add_argument("--sizing-trace", metavar="FILE",
                       help="trace (Mooncake JSONL) to analyse for the Sizing page")
-    dash.add_argument("--sizing-preset", default="llama-3-8b",
+    dash.add_argument("--sizing-preset", default="llama-3-8b", choices=sorted(PRESETS),
                       help="model preset for the Sizing analysis (default %(default)s)")
     dash.add_argument("--sizing-gpu-tokens", type=non_negative(int), default=0, metavar="TOKENS",
                       help="GPU prefix-cache capacity in tokens for the Sizing analysis (vLLM "
@@ -255,9 +255,6 @@ def _dashboard(args) -> int:
         from kvscope.dashboard.prometheus import PrometheusBackend
 
         backend = PrometheusBackend(args.prometheus, selector=args.prometheus_selector)
-    from kvscope.engine.presets import get_preset
-
-    get_preset(args.sizing_preset)  # an unknown preset fails here, with exit code 2
     if args.sizing_trace:  # and a trace it cannot read (it is read in the background)
         from kvscope.analysis.inputs import trace_reader
 

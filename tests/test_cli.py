@@ -150,6 +150,8 @@ def test_a_workload_without_one_off_prompts_is_accepted():
     (["demo", "--capture-dir", __file__, "--duration", "1"],
      f"--capture-dir: {__file__} is a file, not a directory"),
     (["agent", "--store-dir", __file__], f"--store-dir: {__file__} is a file, not a directory"),
+    # the presets listed, as --preset lists them (it said "unknown preset 'nosuch'" alone)
+    (["dashboard", "--sizing-preset", "nosuch"], "invalid choice: 'nosuch' (choose from"),
 ])
 def test_a_bad_argument_is_one_line_that_points_to_help(args, needle):
     _one_error_line(_kvscope(*args), needle, "--help)")
