@@ -175,8 +175,13 @@ def test_docs_metrics_writes_the_catalog_atomically(tmp_path):
     assert _kvscope("docs-metrics", "--output", str(out)).returncode == 0
     assert out.read_text() == render_markdown()
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.md"]  # no temporary left
-    result = _kvscope("docs-metrics", "--output", str(tmp_path / "absent" / "metrics.md"))
-    _one_error_line(result, "absent")
+    # errors name the file asked for, never the temporary one beside it
+    absent = tmp_path / "absent" / "metrics.md"
+    _one_error_line(_kvscope("docs-metrics", "--output", str(absent)),
+                    f"No such file or directory: '{absent}'")
+    _one_error_line(_kvscope("docs-metrics", "--output", str(tmp_path)),
+                    f"Is a directory: '{tmp_path}'")
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.md"]
 
 
 def test_the_dashboard_refuses_bad_input_before_it_serves(tmp_path):
