@@ -132,8 +132,9 @@ def read_mooncake(path: str | Path) -> list[Request]:
 
     Raises :class:`TraceError` naming the file and line for a missing or unreadable file (not
     UTF-8 text), a line that is not a JSON object, a record without a valid ``hash_ids`` list
-    (integers from 0 to 2**64 - 1), with lengths or a time that are no finite numbers, or
-    with negative lengths, or a file with no records at all.
+    (integers from 0 to 2**64 - 1), with lengths or a time that are no finite numbers, with
+    negative lengths or more ``hash_ids`` than its ``input_length`` fills 512-token blocks, or
+    a file with no records at all.
     """
     path = Path(path)
     try:
@@ -169,7 +170,11 @@ def read_mooncake(path: str | Path) -> list[Request]:
         if prompt < 0 or output < 0:
             raise TraceError(f"{path}:{lineno}: input_length and output_length must be >= 0")
         if math.ceil(prompt / MOONCAKE_BLOCK_TOKENS) < len(hash_ids):
-            prompt = len(hash_ids) * MOONCAKE_BLOCK_TOKENS
+            # read as blocks x 512 tokens, the trace's own lengths went unused, unremarked
+            raise TraceError(f"{path}:{lineno}: {len(hash_ids)} hash_ids, but an input_length "
+                             f"of {prompt} tokens fills only "
+                             f"{math.ceil(prompt / MOONCAKE_BLOCK_TOKENS)} blocks of "
+                             f"{MOONCAKE_BLOCK_TOKENS} (a hash id is one block)")
         requests.append(Request(f"mc-{lineno}", arrival, prompt, output, tuple(hash_ids)))
     if not requests:
         raise TraceError(f"{path}: no requests in the trace")
