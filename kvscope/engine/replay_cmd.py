@@ -100,17 +100,23 @@ def replay(args) -> dict:
 
 
 def render(summary: dict) -> str:
-    """A short human-readable report of a summary."""
+    """A short human-readable report of a summary: the tiers configured only (a tier that is
+    off has no hit ratio, not one of 0)."""
     t = summary["ttft_seconds"]
+    on = {tier for tier in ("gpu", "cpu", "disk") if summary["config"][f"{tier}_blocks"]}
+    moved = [f"{d} {v['blocks']} blocks {v['seconds']:.3f} s"
+             for d, v in summary["transfers"].items() if v["blocks"]]
     lines = [f"requests {summary['requests']}, block accesses {summary['block_accesses']}, "
              f"wall {summary['wall_seconds']:.2f} s",
              f"block hit ratio {summary['block_hit_ratio']:.4f} (" + ", ".join(
-                 f"{k} {v:.4f}" for k, v in summary["block_hit_ratio_by_tier"].items()) + ")",
+                 f"{k} {v:.4f}" for k, v in summary["block_hit_ratio_by_tier"].items()
+                 if k in on) + ")",
              f"prefix hit ratio {summary['prefix_hit_ratio']:.4f}; tokens " + ", ".join(
-                 f"{k} {v}" for k, v in summary["tokens_by_source"].items()),
-             "transfers " + ", ".join(f"{d} {v['blocks']} blocks {v['seconds']:.3f} s"
-                                      for d, v in summary["transfers"].items() if v["blocks"]),
-             "evictions " + ", ".join(f"{k} {v}" for k, v in summary["evictions"].items()),
+                 f"{k} {v}" for k, v in summary["tokens_by_source"].items()
+                 if k in on or k == "recompute"),
+             "transfers " + (", ".join(moved) or "none"),
+             "evictions " + ", ".join(f"{k} {v}" for k, v in summary["evictions"].items()
+                                      if k in on),
              "ttft " + ", ".join(f"{p} " + ("not measured" if t[p] is None else
                                            f"{t[p] * 1e3:.2f} ms") for p in ("p50", "p95", "p99"))]
     if summary["errors"]:

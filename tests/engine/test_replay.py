@@ -100,6 +100,12 @@ def test_replay_synthetic_with_payload_and_disk(tmp_path):
 def test_replay_text_report_and_bad_input(tmp_path):
     result = _kvscope("--requests", "50", "--simulate")
     assert result.returncode == 0 and "block hit ratio" in result.stdout
+    # tiers that are off have no ratio, tokens or evictions (they read 0.0000); nothing moved
+    # is said, not left a bare "transfers "
+    result = _kvscope("--requests", "50", "--simulate", "--cpu-blocks", "0")
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and "transfers none" in lines
+    assert not [line for line in lines if "cpu" in line or "disk" in line], lines
     result = _kvscope("--requests", "5", "--cpu-blocks", "0", "--disk-blocks", "8")
     assert result.returncode == 2 and "cpu tier" in result.stderr
     result = _kvscope("--trace", str(tmp_path / "absent.jsonl"))
