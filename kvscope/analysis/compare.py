@@ -101,7 +101,8 @@ class Side:
     """Hit quality and transfer cost of one arm (its runs added up). ``runs``: how many.
     ``token_share``: dict[source, 0-1], or None when the records carry no tokens by source
     (not measured, e.g. a GPU-only vLLM seen through spans alone);
-    ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request; ``transfers``:
+    ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request (None: not
+    measured, e.g. a rollout arm without an agent); ``transfers``:
     dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}]. ``prefill_rate``:
     tokens/s the engine prefilled (recomputed tokens over prefill seconds), None when not
     measured. ``value``: what each offload tier bought and cost, dict[tier,
@@ -116,8 +117,8 @@ class Side:
     token_share: dict[str, float] | None
     transfers: dict[str, dict[str, float]]
     transfer_failures: int
-    promotion_wait_mean: float
-    promotion_wait_p99: float
+    promotion_wait_mean: float | None
+    promotion_wait_p99: float | None
     prefill_rate: float | None = None
     value: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
@@ -248,8 +249,8 @@ def _side(runs: list[RequestSample]) -> Side:
                            "prefill_seconds_saved": tokens.get(tier, 0) / rate if rate else None}
     return Side(", ".join(r.name for r in runs), requests, len(runs), tokens, share, transfers,
                 sum(r.transfer_failures for r in runs),
-                float(wait.mean()) if len(wait) else 0.0,
-                float(np.quantile(wait, 0.99)) if len(wait) else 0.0, rate, value)
+                float(wait.mean()) if len(wait) else None,
+                float(np.quantile(wait, 0.99)) if len(wait) else None, rate, value)
 
 
 def ms(x: float) -> str:
@@ -491,9 +492,10 @@ def render_text(comparison: Comparison) -> str:
     for side in (c.baseline, c.candidate):
         moved = ", ".join(f"{d} {_bytes(t['bytes'])} in {t['seconds']:.3f} s"
                           for d, t in side.transfers.items()) or "none"
-        lines.append(f"  {side.name}: {moved}; promotion wait mean "
-                     f"{ms(side.promotion_wait_mean)}, p99 {ms(side.promotion_wait_p99)}; "
-                     f"failed transfers {side.transfer_failures}")
+        wait = "not measured" if side.promotion_wait_mean is None else \
+            f"mean {ms(side.promotion_wait_mean)}, p99 {ms(side.promotion_wait_p99)}"
+        lines.append(f"  {side.name}: {moved}; promotion wait {wait}; failed transfers "
+                     f"{side.transfer_failures}")
     lines.append("offload's value per tier (prefill seconds saved by the tokens it served, "
                  "against the seconds of its copies both ways):")
     for side in (c.baseline, c.candidate):

@@ -336,15 +336,22 @@ def test_identical_arms_never_roll_back_while_a_planted_regression_is_found():
 
 
 def test_an_arm_without_tokens_by_source_is_not_measured_never_zero(tmp_path, capsys):
-    """A GPU-only vLLM seen through its spans alone: records without tokens by source. Its hit
-    quality is 'not measured' (None in JSON, said in the report), not 0% of every source."""
+    """A GPU-only vLLM seen through its spans alone: records without tokens by source or
+    promotion waits. Its hit quality and promotion wait are 'not measured' (None in JSON, said
+    in the report), not 0% of every source and 0 ms; the other arm's waits of 0 (no promotion
+    was waited for) are measured, and shown."""
     base = RequestSample("spans-only", np.linspace(0.05, 0.1, 200))
-    cand = RequestSample("tap", np.linspace(0.05, 0.1, 200), tokens={"gpu": 52, "recompute": 48})
+    cand = RequestSample("tap", np.linspace(0.05, 0.1, 200), tokens={"gpu": 52, "recompute": 48},
+                         promotion_wait=np.zeros(200))
     result = compare(base, cand, resamples=200)
     assert result.baseline.token_share is None
     assert result.candidate.token_share["gpu"] == pytest.approx(0.52)
     assert to_dict(result)["baseline"]["token_share"] is None
-    assert "spans-only: not measured" in render_text(result)
+    assert to_dict(result)["baseline"]["promotion_wait_mean"] is None
+    text = render_text(result)
+    assert "spans-only: not measured" in text
+    assert "spans-only: none; promotion wait not measured;" in text
+    assert "tap: none; promotion wait mean 0 ms, p99 0 ms;" in text
 
 
 def test_budgets_are_seconds_or_a_percentage_of_the_baseline(tmp_path, capsys):
