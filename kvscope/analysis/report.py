@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 from kvscope.analysis.analyze import Analysis
-from kvscope.analysis.sizing import GIB, SizePoint
+from kvscope.analysis.sizing import GIB, SizePoint, seconds
 
 SCHEMA = "kvscope.analysis/v1"
 
@@ -106,7 +106,8 @@ def render_text(analysis: Analysis) -> str:
     a = s.assumptions
     lines = [
         f"kvscope analyze: {analysis.source}",
-        f"  {analysis.requests:,} requests, {analysis.accesses:,} block accesses of "
+        f"  {analysis.requests:,} request{'s' * (analysis.requests != 1)}, "
+        f"{analysis.accesses:,} block accesses of "
         f"{analysis.block_tokens} tokens over {analysis.duration_seconds:,.0f} s; "
         f"{analysis.bytes_per_block:,} bytes/block (preset {a['preset']}; --preset for "
         "your model)",
@@ -148,8 +149,8 @@ def render_text(analysis: Analysis) -> str:
                   f"    the smallest size that buys {a['target_share']:.0%} of the largest "
                   "affordable size's gain (--target-share)",
                   f"    token hit share {p.token_hit_share:.2%} (CPU tier {p.cpu_token_hit_share:.2%})",
-                  f"    prefill saved {p.prefill_seconds_saved:,.1f} s; transfers "
-                  f"{p.transfer_seconds:,.1f} s; store traffic "
+                  f"    prefill saved {seconds(p.prefill_seconds_saved)}; transfers "
+                  f"{seconds(p.transfer_seconds)}; store traffic "
                   f"{s.offload_bytes_per_second / 1e9:.3g} GB/s on average"]
     lines += ["", f"Verdict: {s.verdict}"] + [f"  - {reason}" for reason in s.reasons[1:]]
     lines += [f"Note: {note}" for note in analysis.notes]

@@ -36,6 +36,12 @@ GIB = 1 << 30
 DEFAULT_BANDWIDTH = 25e9
 
 
+def seconds(x: float) -> str:
+    """Seconds to 4 significant digits, never in scientific notation ("0.04157 s",
+    "12350 s"): the report and the verdict say a saving alike."""
+    return f"{np.format_float_positional(x, precision=4, fractional=False, trim='-')} s"
+
+
 @dataclass(frozen=True)
 class SizingParams:
     """``preset``: KV shape and prefill cost. ``block_tokens``: tokens per block of the trace.
@@ -192,8 +198,8 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     if offload:
         verdict = (f"Offload: a {_round_up_gib(recommended.bytes)} GiB CPU tier serves "
                    f"{recommended.cpu_token_hit_share:.1%} of prompt tokens, saving "
-                   f"{recommended.prefill_seconds_saved:.4g} s of prefill for "
-                   f"{recommended.transfer_seconds:.4g} s of transfers.")
+                   f"{seconds(recommended.prefill_seconds_saved)} of prefill for "
+                   f"{seconds(recommended.transfer_seconds)} of transfers.")
     else:
         verdict = "Do not offload: " + reasons[0]
     return SizingAdvice(

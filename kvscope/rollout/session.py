@@ -163,7 +163,8 @@ class Session:
         error = None
         try:
             for i, arm in enumerate(self.arms.values()):
-                self._say(f"starting {arm.name}: waiting for {arm.health_url}")
+                self._say(f"starting {arm.name}: waiting for {arm.health_url}" if arm.command
+                          else f"waiting for {arm.name} at {arm.health_url}")  # no --start
                 arm.start(self.directory / "logs" / f"server-{i + 1}.log", o.start_timeout)
             for i, arm in enumerate(self.arms.values()):
                 if o.warmup_requests:
