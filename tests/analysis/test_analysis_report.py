@@ -51,6 +51,17 @@ def test_cli_text_report(small_trace, capsys):
     assert "--kv-offloading-size" in text
     # the sizes follow the model's block shape: the report names the preset it assumed
     assert "bytes/block (preset tiny; --preset for your model)" in text.splitlines()[1]
+    # the body says the saving as the verdict does (once "0.0 s" beside "0.04157 s")
+    saved = next(line for line in text.splitlines() if "prefill saved" in line)
+    amount = saved.split("prefill saved ")[1].split(";")[0]
+    assert f"saving {amount} of prefill" in text, (amount, text)
+
+
+def test_one_request_is_one_request(tmp_path, capsys):
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(RECORDS[0]) + "\n")
+    assert main(["analyze", str(path), "--preset", "tiny"]) == 0
+    assert "  1 request, " in capsys.readouterr().out
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):
