@@ -18,6 +18,7 @@ from kvscope.engine.policy import POLICIES
 from kvscope.engine.presets import PRESETS, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
 from kvscope.argtypes import non_negative, positive
+from kvscope.vocabulary import LOCAL_TIERS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -103,7 +104,7 @@ def render(summary: dict) -> str:
     """A short human-readable report of a summary: the tiers configured only (a tier that is
     off has no hit ratio, not one of 0)."""
     t = summary["ttft_seconds"]
-    on = {tier for tier in ("gpu", "cpu", "disk") if summary["config"][f"{tier}_blocks"]}
+    on = {tier for tier in LOCAL_TIERS if summary["config"][f"{tier}_blocks"]}
     moved = [f"{d} {v['blocks']} blocks {v['seconds']:.3f} s"
              for d, v in summary["transfers"].items() if v["blocks"]]
     lines = [f"requests {summary['requests']}, block accesses {summary['block_accesses']}, "
