@@ -90,6 +90,30 @@ def test_a_counter_reset_counts_from_zero():
     assert events[0].tokens == {"recompute": 40}
 
 
+def test_an_engine_started_after_the_agent_is_counted_from_zero():
+    """The agent's first scrapes found vLLM not yet up; its first answer already counts 4
+    requests: 524 prompt tokens, 384 of them from the GPU prefix cache. prometheus_client's
+    ``_created`` samples date the series after the agent started, so they count whole: gpu
+    384, recompute 524 - 384 = 140 (they were taken as baselines, and 4 requests went
+    uncounted). Series created before the agent started are baselines, as before."""
+    def scrape(created, prompt, device):
+        return parse(f"vllm:prompt_tokens_total{{{E}}} {prompt}\n"
+                     f"vllm:prompt_tokens_created{{{E}}} {created}\n"
+                     f'vllm:prompt_tokens_cached_by_source_total{{{E},source="device"}} '
+                     f"{device}\n"
+                     f'vllm:prompt_tokens_cached_by_source_created{{{E},source="device"}} '
+                     f"{created}\n")
+
+    mapper = MetricsMapper(gpu_snapshot=False)
+    later = time.time() + 5
+    (lookup,) = mapper.map(scrape(later, 524, 384), later)
+    assert lookup.tokens == {"gpu": 384, "recompute": 140}
+    (lookup,) = mapper.map(scrape(later, 1048, 896), later + 5)  # then as deltas
+    assert lookup.tokens == {"gpu": 512, "recompute": 12}
+    mapper = MetricsMapper(gpu_snapshot=False)
+    assert mapper.map(scrape(time.time() - 3600, 524, 384), later) == []
+
+
 # vLLM's offloading metrics, as vLLM's own classes print them: tests/data/vllm_offload_metrics.py
 # made each file (two scrapes, two scheduler steps apart) with the vLLM named in its first line;
 # test_the_recorded_expositions_are_what_vllm_prints checks them against vLLM where it is.

@@ -72,7 +72,9 @@ class KvbmMapper:
 
     def map(self, samples: Samples, now: float) -> list[ev.Transfer]:
         """One untimed Transfer per direction whose blocks rose since the scrape before (the
-        first scrape is the baselines: nothing)."""
+        first scrape is the baselines, but for series created after the agent started: see
+        :class:`~kvscope.agent.sources.scrape.Counters`)."""
+        self.counters.begin(samples)
         increases = {name: self.counters.increase(name, series(samples, name))
                      for name in {*TRANSFERS, *(b for _, _, b in TRANSFERS.values() if b)}}
         self.counters.commit()

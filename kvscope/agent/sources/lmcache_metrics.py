@@ -119,6 +119,7 @@ class LMCacheMapper:
         self._instance: str | None = None  # the server process's OTel service.instance.id
 
     def map(self, samples: Samples, now: float) -> list:
+        self.counters.begin(samples)
         instance = next((dict(labels).get("service_instance_id")
                          for labels in series(samples, "target_info")), None)
         if instance != self._instance:  # another server process: its L1 may be another size

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+# a counter's or histogram's sample suffix; ``<name>_created`` is the series' creation time
+_SUFFIX = re.compile(r"_(total|bucket|sum|count)$")
 
 Samples = dict[tuple[str, frozenset], float]
 # An engine's /metrics body is tens of kB; a far larger one is no engine's, and read whole it
@@ -89,15 +91,36 @@ def spread(bounds: list[float], counts: list[int], total: float) -> list[tuple[f
 class Counters:
     """Counter increases between scrapes, per series (one per engine process and label set)
     and then added up, so that a series missing from a scrape is no reset of the sum. A series
-    seen for the first time is a baseline (its increase 0) unless ``from_zero`` says it counts
-    from 0 (an engine that makes a series at its first observation); one that went down was
-    reset, and its value is the increase. Values are kept for :data:`MAX_SERIES` series; past
-    that, only the latest scrape's (a series that comes back then starts over from its value).
-    Not thread-safe: one per source."""
+    seen for the first time is a baseline (its increase 0) unless it counts from 0: its
+    ``_created`` sample (prometheus_client's creation time, Unix seconds; :meth:`begin` gives
+    the scrape's samples) is no earlier than ``since`` (default: when these counters were
+    made, so an engine that started after the agent is counted whole, though the agent's
+    first scrapes found it not yet up), or ``from_zero`` says so (an engine that makes a
+    series at its first observation). One that went down was reset, and its value is the
+    increase. Values are kept for :data:`MAX_SERIES` series; past that, only the latest
+    scrape's (a series that comes back then starts over from its value, and no series counts
+    from 0 by its creation time any more). Not thread-safe: one per source."""
 
-    def __init__(self) -> None:
+    def __init__(self, since: float | None = None) -> None:
         self._last: dict[tuple[str, frozenset], float] = {}
         self._seen: dict[tuple[str, frozenset], float] = {}
+        self._since: float | None = time.time() if since is None else since
+        self._samples: Samples = {}
+
+    def begin(self, samples: Samples) -> None:
+        """Start a scrape: its ``samples`` carry the series' creation times."""
+        self._samples = samples
+
+    def _created_since(self, name: str, labels: frozenset) -> bool:
+        """Whether series ``name`` {``labels``} was created at or after ``since``."""
+        if self._since is None:
+            return False
+        base = _SUFFIX.sub("", name)
+        if base == name:
+            return False
+        created = self._samples.get((f"{base}_created",
+                                     frozenset(kv for kv in labels if kv[0] != "le")))
+        return created is not None and created >= self._since
 
     def increase(self, name: str, values: Mapping[frozenset, float],
                  from_zero: Callable[[frozenset], bool] | None = None) -> float | None:
@@ -112,7 +135,8 @@ class Counters:
             self._seen[key] = value
             if last is not None:
                 total += value if value < last else value - last
-            elif from_zero is not None and from_zero(labels):
+            elif (from_zero is not None and from_zero(labels)) or \
+                    self._created_since(name, labels):
                 total += value
         return total
 
@@ -151,6 +175,7 @@ class Counters:
         self._last.update(seen)
         if len(self._last) > MAX_SERIES:
             self._last = seen
+            self._since = None  # a series new to the next scrape may be an old one
             return True
         return False
 

@@ -148,6 +148,8 @@ class SglangMapper:
 
     def map(self, samples: Samples, now: float) -> list:
         """One scrape's events (``now``: their Unix timestamp)."""
+        self.counters.begin(samples)
+
         def increase(name: str, per_rank: bool = True, **labels: str) -> float | None:
             values = series(samples, name, **labels)
             return self.counters.increase(name, one_rank(values) if per_rank else values,

@@ -91,6 +91,7 @@ class TrtllmMetrics:
         self.counters = Counters()
 
     def map(self, samples: Samples, ts: float) -> list:
+        self.counters.begin(samples)
         out: list = []
         lookup = self._lookup(samples, ts)
         if lookup is not None:

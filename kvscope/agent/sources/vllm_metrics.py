@@ -242,6 +242,7 @@ class MetricsMapper:
         return out
 
     def map(self, samples: Samples, ts: float) -> list:
+        self._counters.begin(samples)
         if self._engines is not None:
             self._engines_before = self._engines
             self._engines = frozenset(dict(ls).get("engine") for _, ls in samples) - {None}
