@@ -230,13 +230,17 @@ def test_kv_events_alone_count_offloads_promotions_and_evictions(run):
 
 def test_every_tier_beside_the_tap_double_counts_and_says_so_once(run):
     """The trial's misconfiguration: cpu and disk figures doubled, one warning (from this
-    subscriber: the combined agent's own periodic checks found nothing)."""
+    subscriber: the combined agent's own periodic checks found nothing). The warning names the
+    tiers doubled by the time of the check that found them: on a loaded machine a periodic
+    check once came between the run's disk and cpu events and named disk alone; either way it
+    gives the tap's setting, tiers = ["gpu"]."""
     snap = run["both"].pipeline.snapshot()
     assert (_blocks(snap, "gpu->cpu"), _blocks(snap, "disk->cpu"),
             snap.evicted_blocks[("cpu", "capacity")]) == (2 * STORED, 2 * PROMOTED,
                                                           2 * CPU_EVICTED)
     assert len(run["warnings"]) == 1, run["warnings"]
-    assert "tier cpu" in run["warnings"][0] and 'tiers = ["gpu"]' in run["warnings"][0]
+    warning = run["warnings"][0]
+    assert ("tier cpu" in warning or "tier disk" in warning) and 'tiers = ["gpu"]' in warning
     assert run["both"].check_overlap() == {"cpu", "disk"}
     assert len(run["warnings"]) == 1  # said once
 
