@@ -19,6 +19,7 @@ from kvscope.agent.collectors.engine_args import (EngineArgsCollector, is_vllm, 
                                                   weight_offload_bytes)
 from kvscope.agent.collectors.metrics import collector_samples
 from kvscope.agent.config import CollectorsConfig
+from conftest import wait_until
 
 GiB = 2**30
 
@@ -56,7 +57,12 @@ def _start_as_vllm(tmp_path: Path, *args: str) -> subprocess.Popen:
     script starts it (it only sleeps)."""
     script = tmp_path / "vllm"
     script.write_text("import time\ntime.sleep(120)\n")
-    return subprocess.Popen([sys.executable, str(script), *args])
+    proc = subprocess.Popen([sys.executable, str(script), *args])
+    # Popen returns once exec has closed its pipe, which the kernel does before it lays out
+    # the new argv: /proc/<pid>/cmdline once read empty there (a CI run's None)
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    assert wait_until(lambda: str(script).encode() in cmdline.read_bytes())
+    return proc
 
 
 def test_a_real_process_and_its_metric(tmp_path):
