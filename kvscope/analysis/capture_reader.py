@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from kvscope import events as ev
 from kvscope import sampling
-from kvscope.agent.capture import BLOCKS_ADDED, SUFFIX, TMP_SUFFIX, segment_key
+from kvscope.agent.capture import BLOCKS_ADDED, SUFFIX, TMP_SUFFIX, finished_segments
 from kvscope.analysis.compare import RequestSample
 from kvscope.analysis.rates import MeasuredRates, measured_rates
 from kvscope.analysis.shards import spatial_hash
@@ -49,8 +49,7 @@ def capture_segments(path: str | Path, kind: str) -> list[Path]:
     does not exist."""
     path = Path(path)
     if path.is_dir():
-        found = path.glob(f"{kind}-*{SUFFIX}")
-        return sorted(found, key=segment_key)
+        return finished_segments(path, kind)
     if path.is_file():
         return [path]
     raise TraceError(f"{path}: no such capture directory or file")
