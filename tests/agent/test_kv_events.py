@@ -499,6 +499,25 @@ def test_the_source_is_up_only_while_a_publisher_is_connected():
         source.shutdown()
 
 
+def test_the_log_names_the_address_connected_to_not_the_wildcard(caplog):
+    """vLLM binds ``tcp://*:PORT`` (its --kv-events-config endpoint) and the agent connects to
+    ``tcp://127.0.0.1:PORT``: the connected line named the wildcard, which is no address."""
+    port = _free_port()
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    publisher.bind(f"tcp://127.0.0.1:{port}")
+    pipeline = Pipeline()
+    source = KvEventsSource(pipeline, f"tcp://*:{port}")
+    with caplog.at_level("INFO", logger="kvscope.agent.sources.kv_events"):
+        source.start()
+        try:
+            assert wait_until(lambda: pipeline.snapshot().source_up.get("kv_events") is True)
+        finally:
+            source.shutdown()
+            publisher.close()
+    assert f"connected to vLLM's publisher at tcp://127.0.0.1:{port}" in caplog.text
+
+
 def test_a_step_of_megabytes_from_the_vllm_it_connects_to_is_read_and_so_is_what_follows():
     """vLLM binds (``tcp://*:PORT``, the agent connects): a step publishing 5 MiB (a long
     prompt's token ids; 1.2M here) and then a small one both arrive. With the 4 MiB MAXMSGSIZE

@@ -240,8 +240,11 @@ class KvEventsSource(SourceWorker):
         was_up = self._peers > 0
         self._peers = max(0, self._peers + (-1 if event == zmq.EVENT_DISCONNECTED else 1))
         if (self._peers > 0) != was_up:
+            # where the agent connects (loopback for a wildcard the engine binds), or binds
+            where = (connect_address(self.endpoint) if self.flavour.binds(self.endpoint)
+                     else self.endpoint)
             log.info("kvscope kv_events: %s %s's publisher at %s",
-                     "lost" if was_up else "connected to", self.flavour.title, self.endpoint)
+                     "lost" if was_up else "connected to", self.flavour.title, where)
             self.report_up(not was_up)
 
     def handle(self, frames: list[bytes]) -> None:
