@@ -219,7 +219,13 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
         record = agent.pipeline.requests.get(request_id, source)
         if record is None:
             where = f" from source {source!r}" if source is not None else ""
-            raise HTTPException(404, f"no request {request_id!r}{where} in the table")
+            hint = ""
+            # vLLM's completions API runs each prompt as "<response id>-<index>": a client
+            # holding the response id finds its first prompt under "-0"
+            if agent.pipeline.requests.get(f"{request_id}-0", source) is not None:
+                hint = (f"; vLLM numbers a completion's prompts: its first is "
+                        f"{request_id + '-0'!r}")
+            raise HTTPException(404, f"no request {request_id!r}{where} in the table{hint}")
         return _json(record.data())
 
     return app

@@ -202,6 +202,22 @@ def test_a_long_request_id_is_cut_as_its_sender_cut_it():
         assert missing.status_code == 404 and len(missing.text) < 400
 
 
+def test_a_completions_response_id_is_pointed_to_its_first_prompt():
+    """vLLM 0.32's completions API runs prompt i of response "cmpl-ab" as request "cmpl-ab-i"
+    (vllm/entrypoints/openai/completion/serving.py): the response id alone is not in the
+    table, and its 404 names the id that is; an id with no such record gets no hint."""
+    agent = _agent()
+    agent.pipeline.ingest("engine", [ev.RequestFinished(ts=1.0, request_id="cmpl-ab-0",
+                                                        ttft=0.2, prompt_tokens=8)])
+    with TestClient(create_app(agent)) as c:
+        missing = c.get("/api/v1/requests/cmpl-ab")
+        assert missing.status_code == 404
+        assert "its first is 'cmpl-ab-0'" in missing.json()["detail"]
+        assert c.get("/api/v1/requests/cmpl-ab-0").json()["request_id"] == "cmpl-ab-0"
+        other = c.get("/api/v1/requests/cmpl-cd")
+        assert other.status_code == 404 and "first is" not in other.json()["detail"]
+
+
 def test_a_request_is_fetched_by_source_when_two_engines_share_its_id():
     agent = _agent()
     agent.pipeline.ingest("other", [ev.RequestFinished(ts=500.0, request_id="r1", ttft=0.9,
