@@ -7,6 +7,7 @@ analysis of a few hundred thousand block accesses takes about a second) and then
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ from kvscope.analysis.analyze import AnalyzeOptions, analyze
 from kvscope.analysis.inputs import load_measured_rates, load_trace
 from kvscope.analysis.report import sizing_figure_data
 from kvscope.engine.presets import get_preset
+
+log = logging.getLogger(__name__)
 
 HOW_TO_ENABLE = ("no trace to size from: start the dashboard with `kvscope dashboard "
                  "--sizing-trace FILE` (a Mooncake JSONL trace), or the demo with --trace FILE")
@@ -76,5 +79,7 @@ class SizingSource:
         except Exception as exc:  # noqa: BLE001 — a boundary: any failure becomes a message
             state = SizingState("failed", self.trace,
                                 message=f"cannot analyse {self.trace}: {exc}")
+            # the terminal too: whoever started the dashboard may not open the Sizing page
+            log.error("kvscope dashboard: %s", state.message)
         with self._lock:
             self._state = state

@@ -274,6 +274,21 @@ def test_sizing_page_says_how_to_enable_it_without_a_trace():
     assert "Offload: a 1 GiB CPU tier pays." in str(verdict) and "t.jsonl" in status
 
 
+def test_a_trace_that_cannot_be_analysed_is_said_on_the_page_and_in_the_log(tmp_path, caplog):
+    """The CLI checks only that --sizing-trace exists and has a known suffix; its content is
+    read in the background, so a malformed line was said on the Sizing page alone."""
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 512, "hash_ids": [1]}\nnot json\n')
+    source = SizingSource(str(trace))
+    with caplog.at_level("ERROR", logger="kvscope.dashboard.sizing"):
+        source.start()
+        state = source.wait(60)
+    assert state.status == "failed" and state.message.startswith(f"cannot analyse {trace}: ")
+    assert caplog.records and caplog.records[0].getMessage().endswith(state.message)
+    curves, cost, verdict, status = sizing_page.render(state)
+    assert status == state.message
+
+
 @pytest.mark.parametrize("gib,flag,shown", [(31.13, 31.2, "31.13"), (1131.13, 1131.2, "1,131.13"),
                                             (0.0123, 0.1, "0.0123")])
 def test_sizing_page_shows_the_size_it_rounds_up_for_vllm(gib, flag, shown):
