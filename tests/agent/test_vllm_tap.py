@@ -58,6 +58,11 @@ def test_offloads_promotions_and_evictions_reach_the_agent(offload_run):
     assert value(m, "kvscope_requests_total") == len(offload_run["result"]["outputs"])
     snap = offload_run["snapshot"]
     assert snap.events_dropped == {}
+    # kvscope_engine_info{model}: the model vLLM was started with (tests/vllm_driver.py's
+    # tiny-llama directory), from the offloading config vLLM hands the spec; it was empty
+    for source in ("vllm", "vllm-worker"):
+        engine, model = snap.source_info[source]
+        assert engine == "vllm" and model.endswith("/tiny-llama"), snap.source_info
     assert snap.prompt_tokens["recompute"] > 0
 
 

@@ -162,6 +162,8 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                      "tokens_per_block", "tokens_per_hash", "blocks_per_chunk"):
             setattr(self, name, getattr(self.inner, name))
         self.endpoint = str(ours.get("kvscope_endpoint", DEFAULT_ENDPOINT))
+        # the model vLLM serves (its --model), for kvscope_engine_info{model}
+        self._model = str(getattr(getattr(config, "model", None), "name", "") or "")
         self.sample_one_in = sample_one_in(ours) or DEFAULT_SAMPLE_ONE_IN  # bad: warned above
         rate = block_sample_rate(ours)
         self.block_sample_rate = DEFAULT_BLOCK_SAMPLE_RATE if rate is None else rate
@@ -185,7 +187,8 @@ class KvscopeOffloadingSpec(OffloadingSpec):
         try:
             from kvscope.agent.taps.emitter import Emitter
 
-            return Emitter(self.endpoint, source=source, scope=scope, engine="vllm", logger=log)
+            return Emitter(self.endpoint, source=source, scope=scope, engine="vllm",
+                           model=self._model, logger=log)
         except Exception as exc:  # the tap boundary: vLLM runs on without the tap
             self.errors += 1
             hint = (" kvscope_endpoint is the address the agent listens on, e.g. "
