@@ -35,12 +35,16 @@ class Worker:
     def log_bug(self, doing: str) -> None:
         """Log the exception being handled, with its traceback: the first of each type only,
         since a sender may repeat the message that raised it. For the ``except Exception`` of
-        a loop in :meth:`run` that keeps the thread (and every later message) alive."""
-        kind = type(sys.exc_info()[1])
-        if kind not in self._bugs_logged:
-            self._bugs_logged.add(kind)
-            log.exception("kvscope %s: %s failed (a bug; logged once per exception type)",
-                          self.thread_name, doing)
+        a loop in :meth:`run` that keeps the thread (and every later message) alive. Each
+        repeat is logged at debug level (``log_level = "debug"``), without the traceback."""
+        error = sys.exc_info()[1]
+        if type(error) not in self._bugs_logged:
+            self._bugs_logged.add(type(error))
+            log.exception("kvscope %s: %s failed (a bug; logged once per exception type, every "
+                          "one at log_level debug)", self.thread_name, doing)
+        else:
+            log.debug("kvscope %s: %s failed again (%s: %s)", self.thread_name, doing,
+                      type(error).__name__, error)
 
     def start(self) -> None:
         if self._thread is None:

@@ -409,6 +409,24 @@ def test_a_bug_handling_one_message_is_logged_and_counted_and_ingest_goes_on(sou
     assert caplog.text.count("KeyError: 'a bug'") == 1
 
 
+def test_at_log_level_debug_every_dropped_batch_is_logged_not_only_the_first(caplog):
+    """Three batches over max_batch_bytes from one source: one warning at the default level
+    (a sender may repeat a bad batch forever); with log_level debug the other two as well,
+    so an operator chasing drops sees each one."""
+    pipeline = Pipeline()
+    ingest = IngestSource(pipeline, max_batch_bytes=100)
+    big = [_batch(i, "s", events=20) for i in range(3)]
+    with caplog.at_level("WARNING", logger="kvscope.agent.sources.ingest"):
+        ingest.handle(big[0])
+    with caplog.at_level("DEBUG", logger="kvscope.agent.sources.ingest"):
+        ingest.handle(big[1])
+        ingest.handle(big[2])
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in lines] == ["WARNING", "DEBUG", "DEBUG"], lines
+    assert all("from source 'engine' (too_large)" in text for _, text in lines)
+    assert pipeline.snapshot().events_dropped == {("ingest", "too_large"): 60}
+
+
 def test_a_string_that_is_not_utf8_makes_its_batch_malformed_under_its_source():
     """A request id of bytes 0xff 0xff (a msgpack str, not UTF-8) raised UnicodeDecodeError,
     which is no DecodeError: the batch reached the catch-all (under "ingest", logged as a bug)

@@ -395,7 +395,8 @@ def test_a_batch_nested_past_the_decoders_depth_is_malformed_and_the_source_goes
 
 def test_a_bug_handling_one_message_is_counted_and_the_source_goes_on(monkeypatch, caplog):
     """A bug is simulated: handling raises for the first two messages from a live publisher.
-    Each counts as 1 malformed, one traceback is logged, and the third message is folded."""
+    Each counts as 1 malformed, one traceback is logged (the repeat at debug level), and the
+    third message is folded."""
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     pipeline = Pipeline()
     source = KvEventsSource(pipeline, endpoint)
@@ -408,6 +409,7 @@ def test_a_bug_handling_one_message_is_counted_and_the_source_goes_on(monkeypatc
         handle(frames)
 
     monkeypatch.setattr(source, "handle", handle_raising_twice)
+    caplog.set_level("DEBUG", logger="kvscope.agent.worker")  # log_level = "debug"
     source.start()
     publisher = zmq.Context.instance().socket(zmq.PUB)
     publisher.setsockopt(zmq.LINGER, 0)
@@ -422,7 +424,14 @@ def test_a_bug_handling_one_message_is_counted_and_the_source_goes_on(monkeypatc
         publisher.close()
         source.shutdown()
     assert pipeline.snapshot().events_dropped == {("kv_events", "malformed"): 2}
-    assert caplog.text.count("KeyError: 'a bug'") == 1
+    assert caplog.text.count("Traceback") == 1
+    # the repeat: at debug level only, one line without a traceback
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if "a bug" in r.getMessage()
+            or r.exc_info] == [
+        ("ERROR", "kvscope kvscope-kv-events: handling a message failed (a bug; logged once per "
+                  "exception type, every one at log_level debug)"),
+        ("DEBUG", "kvscope kvscope-kv-events: handling a message failed again (KeyError: "
+                  "'a bug')")]
 
 
 def test_a_vllm_restart_resets_every_reported_tier_at_once():

@@ -465,10 +465,13 @@ class IngestSource(SourceWorker):
 
     def _warn_once(self, key: object, message: str, *args: object) -> None:
         """Log ``message`` the first time ``key`` comes up (of the first :data:`MAX_WARNED`
-        keys: anyone may send names, so beyond them nothing more is logged)."""
+        keys: anyone may send names, so beyond them nothing more is logged); every other time
+        at debug level (``log_level = "debug"``), to see each dropped batch."""
         if key not in self._warned and len(self._warned) < MAX_WARNED:
             self._warned.add(key)
             log.warning(message, *args)
+        else:
+            log.debug("again: " + message, *args)
 
     def _account(self, batch: ev.Batch | ev.BatchHeader) -> None:
         source, session = batch.source, batch.session
