@@ -40,6 +40,13 @@ class BodyTooLarge(Exception):
     """A request body over the limit (answered with 413)."""
 
 
+def declared_too_large(request: Request, limit: int) -> bool:
+    """Whether the request declares a body over ``limit`` bytes (or a Content-Length that is
+    no number), so it can be refused before a byte of it is read."""
+    length = request.headers.get("content-length")
+    return length is not None and (not length.isdigit() or int(length) > limit)
+
+
 async def bounded_body(request: Request, limit: int) -> bytes:
     """The request's body, read as it arrives; raises :class:`BodyTooLarge` as soon as it
     passes ``limit`` bytes (a chunked body declares no length for the middleware to check)."""
@@ -62,8 +69,10 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     @app.middleware("http")
     async def bound_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+        # an OTLP export is bounded by its route, after the token check, so that its refusal
+        # is counted as a dropped export
+        if (request.url.path != otlp_in.TRACES_PATH
+                and declared_too_large(request, max_body_bytes)):
             return JSONResponse(too_large, 413)
         return await call_next(request)
 
@@ -99,6 +108,8 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             content_type = request.headers.get("content-type", "")
             encoding = request.headers.get("content-encoding", "")
             try:
+                if declared_too_large(request, max_body_bytes):
+                    raise BodyTooLarge()
                 body = await bounded_body(request, max_body_bytes)
                 async with parsing:  # off the event loop, one body at a time (memory)
                     await run_in_threadpool(lambda: receiver.handle(

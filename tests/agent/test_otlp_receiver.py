@@ -699,6 +699,25 @@ def test_a_chunked_body_over_the_limit_is_refused_without_a_declared_length():
     assert agent.pipeline.snapshot().events_dropped[("otlp", "too_large")] == 1
 
 
+def test_a_declared_body_over_the_limit_is_counted_too_and_only_once_authorized():
+    """An OTLP exporter sends a Content-Length: the app's body bound answered 413 from it
+    before the receiver saw the export, so the usual refusal was never counted (only chunked
+    ones were). Now it is, once per export, and an export without the token is a 401, not a
+    drop (as for a chunked body). Nothing of the 32 KiB is needed to refuse it."""
+    agent = Agent(AgentSettings(ingest={"enabled": False}, collectors={"gpu": {"enabled": False}},
+                                token="s3cret"))
+    headers = {"content-type": "application/x-protobuf"}
+    authorized = {**headers, "authorization": "Bearer s3cret"}
+    with TestClient(create_app(agent, max_body_bytes=16 << 10)) as client:
+        assert client.post("/v1/traces", content=b"\0" * (32 << 10),
+                           headers=headers).status_code == 401
+        for _ in range(2):
+            response = client.post("/v1/traces", content=b"\0" * (32 << 10), headers=authorized)
+            assert response.status_code == 413
+        assert client.post("/api/v1/summary", content=b"x" * (32 << 10)).status_code == 413
+    assert agent.pipeline.snapshot().events_dropped == {("otlp", "too_large"): 2}
+
+
 def test_a_span_without_ttft_for_an_unknown_request_makes_no_request():
     """An aborted request's span has no first token: counting it would add a TTFT of 0 to the
     histogram. It is ignored (counted), and a span with a negative latency reads as unknown the
