@@ -209,7 +209,7 @@ def test_the_dashboard_refuses_bad_input_before_it_serves(tmp_path):
 def test_agent_refuses_an_ingest_endpoint_on_its_own_port():
     port = str(free_port())
     result = _kvscope("agent", "--port", port, "--ingest", f"tcp://127.0.0.1:{port}")
-    _one_error_line(result, "ingest endpoint")
+    _one_error_line(result, "ingest endpoint", "own --port holds it: choose a free one")
 
 
 def test_an_ingest_endpoint_on_the_command_line_turns_ingest_on(tmp_path):
@@ -246,6 +246,15 @@ def test_a_host_that_does_not_resolve_is_refused_before_a_token_is_asked_for(com
     assert result.returncode == 2, result.stderr
     assert "cannot resolve 'nosuch.invalid'" in result.stderr, result.stderr
     assert "KVSCOPE_TOKEN" not in result.stderr, result.stderr
+
+
+def test_a_host_from_the_config_that_does_not_resolve_names_the_config_too(tmp_path):
+    """--host is checked as it is parsed; a host from the config file only when the agent
+    binds it, whose error named --host alone, which the operator never gave."""
+    config = tmp_path / "agent.toml"
+    config.write_text('host = "nosuch.invalid"\n')
+    _one_error_line(_kvscope("agent", "--config", str(config)), "cannot listen on nosuch.invalid:",
+                    "check --host (or host in the config)")
 
 
 @pytest.mark.parametrize("command", [["demo", "--duration", "5"], ["dashboard"]])

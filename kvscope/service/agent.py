@@ -157,10 +157,15 @@ class Agent(Worker):
                 part.start()
             except (zmq.ZMQError, OSError) as exc:
                 self.shutdown()
-                # ZMQ's own words for a bad endpoint ("No such device") do not say what to fix
-                hint = ("; an endpoint is tcp://ADDRESS:PORT with an address of this host, or "
-                        "ipc:///PATH" if isinstance(exc, zmq.ZMQError)
-                        and exc.errno != errno.EADDRINUSE else "")
+                # ZMQ's own words do not say what to fix (and repeat the endpoint named)
+                if exc.errno == errno.EADDRINUSE:
+                    hint = ("; another process (a second agent?) or this agent's own --port "
+                            "holds it: choose a free one")
+                elif isinstance(exc, zmq.ZMQError):
+                    hint = ("; an endpoint is tcp://ADDRESS:PORT with an address of this host, "
+                            "or ipc:///PATH")
+                else:
+                    hint = ""
                 raise ConfigError(f"cannot start {name}: {exc}{hint}") from None
 
     def start(self) -> None:

@@ -7,7 +7,7 @@ import logging
 import sys
 import threading
 
-from kvscope.agent.config import AgentSettings, ConfigError
+from kvscope.agent.config import AgentSettings
 from kvscope.agent.sources import REGISTRY as SOURCES
 from kvscope.argtypes import is_loopback
 from kvscope.service.agent import Agent
@@ -38,12 +38,14 @@ def _log_to_stderr(level: str) -> None:
 def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | None = None) -> int:
     """Serve until SIGINT, SIGTERM or SIGHUP (or ``stop`` is set); return the exit code.
 
-    Raises :class:`~kvscope.service.server.PortInUse` or :class:`ConfigError` (a part that
+    Raises :class:`~kvscope.service.server.PortInUse` or :class:`~kvscope.agent.config.ConfigError` (a part that
     cannot start: ingest endpoint taken, store directory impossible) before anything is left
     running.
     """
     _log_to_stderr(settings.log_level)
-    sock = bind(settings.host, settings.port, "--port")
+    # either may come from the config file as well as a flag
+    sock = bind(settings.host, settings.port, "--port (or port in the config)",
+                "--host (or host in the config)")
     agent = Agent(settings)
     # serving first: /healthz answers while the store is restored (a damaged one takes
     # seconds), /readyz says 503 until every part has started

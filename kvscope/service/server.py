@@ -22,8 +22,9 @@ class PortInUse(OSError):
     """The address cannot be bound; the message names it and the flag that changes it."""
 
 
-def bind(host: str, port: int, flag: str) -> socket.socket:
-    """A TCP socket bound to ``host:port``. Raises :class:`PortInUse` naming ``flag``."""
+def bind(host: str, port: int, flag: str, host_flag: str = "--host") -> socket.socket:
+    """A TCP socket bound to ``host:port``. Raises :class:`PortInUse` naming ``flag`` (what
+    sets the port) or ``host_flag`` (what sets the host)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -32,7 +33,7 @@ def bind(host: str, port: int, flag: str) -> socket.socket:
         sock.close()
         # an unresolvable name (socket.gaierror) or a foreign address lands here too
         advice = (f"pass a free port with {flag}" if exc.errno == errno.EADDRINUSE
-                  else "check --host: it must be an address of this machine")
+                  else f"check {host_flag}: it must be an address of this machine")
         raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}; {advice}") from None
     sock.listen()  # listening now, so no other socket (e.g. the ZMQ ingest) can share the port
     return sock
