@@ -38,9 +38,9 @@ def _log_to_stderr(level: str) -> None:
 def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | None = None) -> int:
     """Serve until SIGINT, SIGTERM or SIGHUP (or ``stop`` is set); return the exit code.
 
-    Raises :class:`~kvscope.service.server.PortInUse` or :class:`~kvscope.agent.config.ConfigError` (a part that
-    cannot start: ingest endpoint taken, store directory impossible) before anything is left
-    running.
+    Raises :class:`~kvscope.service.server.PortInUse` or
+    :class:`~kvscope.agent.config.ConfigError` (a part that cannot start: ingest endpoint
+    taken, store directory impossible) before anything is left running.
     """
     _log_to_stderr(settings.log_level)
     # either may come from the config file as well as a flag
