@@ -133,8 +133,9 @@ def read_mooncake(path: str | Path) -> list[Request]:
     Raises :class:`TraceError` naming the file and line for a missing or unreadable file (not
     UTF-8 text), a line that is not a JSON object, a record without a valid ``hash_ids`` list
     (integers from 0 to 2**64 - 1), with lengths or a time that are no finite numbers, with
-    negative lengths or more ``hash_ids`` than its ``input_length`` fills 512-token blocks, or
-    a file with no records at all.
+    negative lengths or a number of ``hash_ids`` other than the 512-token blocks its
+    ``input_length`` fills (the format's ``len(hash_ids) == ceil(input_length / 512)``), or a
+    file with no records at all.
     """
     path = Path(path)
     try:
@@ -169,12 +170,14 @@ def read_mooncake(path: str | Path) -> list[Request]:
                              "finite numbers") from None
         if prompt < 0 or output < 0:
             raise TraceError(f"{path}:{lineno}: input_length and output_length must be >= 0")
-        if math.ceil(prompt / MOONCAKE_BLOCK_TOKENS) < len(hash_ids):
-            # read as blocks x 512 tokens, the trace's own lengths went unused, unremarked
+        blocks = math.ceil(prompt / MOONCAKE_BLOCK_TOKENS)
+        if blocks != len(hash_ids):
+            # more: read as blocks x 512 tokens, the trace's own lengths went unused; fewer: a
+            # prompt of blocks no id names, which no analysis can count (a replay of one id
+            # and 10^8 tokens said TTFT 505 s)
             raise TraceError(f"{path}:{lineno}: {len(hash_ids)} hash_ids, but an input_length "
-                             f"of {prompt} tokens fills only "
-                             f"{math.ceil(prompt / MOONCAKE_BLOCK_TOKENS)} blocks of "
-                             f"{MOONCAKE_BLOCK_TOKENS} (a hash id is one block)")
+                             f"of {prompt} tokens fills {blocks} blocks of "
+                             f"{MOONCAKE_BLOCK_TOKENS} (one hash id a block)")
         requests.append(Request(f"mc-{lineno}", arrival, prompt, output, tuple(hash_ids)))
     if not requests:
         raise TraceError(f"{path}: no requests in the trace")

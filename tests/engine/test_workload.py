@@ -36,7 +36,10 @@ def test_block_token_counts_split_a_prompt():
     ('{"timestamp": 0, "input_length": -5, "hash_ids": [1, 2]}', ">= 0"),
     # 1024 tokens fill 2 blocks of 512: nine ids were once read as 9 x 512 tokens, unremarked
     ('{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]}',
-     "9 hash_ids, but an input_length of 1024 tokens fills only 2 blocks of 512"),
+     "9 hash_ids, but an input_length of 1024 tokens fills 2 blocks of 512"),
+    # and one id for 10^8 tokens: blocks no id names (a replay said TTFT 505 s)
+    ('{"timestamp": 0, "input_length": 100000000, "hash_ids": [1]}',
+     "1 hash_ids, but an input_length of 100000000 tokens fills 195313 blocks of 512"),
 ])
 def test_malformed_trace_lines_name_file_and_line(tmp_path, line, message):
     path = tmp_path / "t.jsonl"
