@@ -151,7 +151,7 @@ def read_mooncake(path: str | Path) -> list[Request]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise TraceError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+            raise TraceError(f"{path}:{lineno}: not JSON ({exc.msg} column {exc.colno})") from None
         if not isinstance(record, dict):
             raise TraceError(f"{path}:{lineno}: expected a JSON object")
         hash_ids = record.get("hash_ids")

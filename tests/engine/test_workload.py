@@ -28,7 +28,9 @@ def test_block_token_counts_split_a_prompt():
 
 
 @pytest.mark.parametrize("line,message", [
-    ("not json", "not JSON"),
+    ("not json", r"not JSON \(Expecting value column 1\)"),
+    # a line cut short: json's message ends "starting at", its position given apart
+    ('{"timestamp": 0, "input_length": 10, "hash_', "Unterminated string starting at column 38"),
     ('["a list"]', "JSON object"),
     ('{"timestamp": 0, "input_length": 10}', "hash_ids"),
     ('{"timestamp": 0, "input_length": 10, "hash_ids": ["x"]}', "hash_ids"),
