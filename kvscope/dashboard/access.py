@@ -4,7 +4,8 @@
   names. It reads only under the directories the operator allowed at start (``kvscope
   dashboard --capture-root DIR``; the demo's own capture directory): any other path, existing
   or not, gets one message that says nothing about it (:func:`outside_roots`). Paths are
-  resolved first (``..`` and symbolic links), so none leads out of a root.
+  resolved first (``..`` and symbolic links), so none leads out of a root; a relative path is
+  taken under the roots (:func:`under_roots`).
 - **Token.** A dashboard listening beyond loopback demands the token (``KVSCOPE_TOKEN``, the
   agent's): from the address bar once (``?token=...``, then kept in an HttpOnly, SameSite=Strict
   cookie), or as a bearer token (:func:`protect`). Without one it does not start unless
@@ -27,6 +28,23 @@ COOKIE = "kvscope_token"
 def resolve_roots(roots: Iterable[str | os.PathLike]) -> tuple[Path, ...]:
     """``roots`` as absolute, resolved directories (for :func:`outside_roots`)."""
     return tuple(Path(os.path.realpath(root)) for root in roots)
+
+
+def under_roots(paths: str | None, roots: Sequence[Path]) -> str | None:
+    """``paths`` (one directory, or several comma-separated) with each relative one taken
+    under ``roots``, not the dashboard's working directory: under the first root that holds
+    it, else the first root (where reading it says it is missing). Absolute paths, and all
+    of them without roots, are left as they are; :func:`outside_roots` still checks the
+    result (a relative ``..`` leads out of a root as any other path would)."""
+    if not paths or not roots:
+        return paths
+    located = []
+    for path in (p.strip() for p in paths.split(",")):
+        if path and not os.path.isabs(path):
+            path = str(next((root / path for root in roots if (root / path).exists()),
+                            roots[0] / path))
+        located.append(path)
+    return ",".join(located)
 
 
 def _inside(path: str, roots: Sequence[Path]) -> bool:

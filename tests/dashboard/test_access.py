@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvscope.dashboard.access import COOKIE, outside_roots, resolve_roots
+from kvscope.dashboard.access import COOKIE, outside_roots, resolve_roots, under_roots
 from kvscope.dashboard.app import create_app
 from kvscope.dashboard.pages import compare
 
@@ -61,6 +61,26 @@ def test_the_compare_page_refuses_before_reading(tree):
                                 roots=roots)):
         status = out[len(compare.GRAPHS) + 1]
         assert "is not under a directory this dashboard may read" in status, status
+
+
+def test_a_relative_path_is_taken_under_the_roots_not_the_working_directory(tree, tmp_path,
+                                                                            monkeypatch):
+    """Typed on the page, ``run1`` meant the dashboard's working directory and was refused as
+    outside the roots although root/run1 is there. It is read under the root holding it (of
+    two roots, the second here); a relative path out of a root is still refused."""
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    roots = resolve_roots([other, tree / "root"])
+    assert under_roots("run1, /abs/x", roots) == f"{tree / 'root' / 'run1'},/abs/x"
+    assert under_roots("nowhere", roots) == str(other / "nowhere")
+    assert under_roots("run1", ()) == "run1" and under_roots(None, roots) is None
+    out = compare.respond(True, "", "run1", "run1", None, roots=roots)
+    status = out[len(compare.GRAPHS) + 1]
+    assert "not under a directory" not in status and str(tree / "root" / "run1") in status
+    out = compare.respond(True, "", "../outside", "run1", None, roots=roots)
+    assert "'" + str(other / "../outside") + "' is not under a directory" in out[
+        len(compare.GRAPHS) + 1]
 
 
 def test_a_protected_dashboard_wants_its_token_once(tree):

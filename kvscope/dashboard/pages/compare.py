@@ -34,7 +34,7 @@ from dash.exceptions import PreventUpdate
 
 from kvscope.analysis.bootstrap import DEFAULT_RESAMPLES
 from kvscope.dashboard import figures_compare as fc
-from kvscope.dashboard.access import outside_roots
+from kvscope.dashboard.access import outside_roots, under_roots
 from kvscope.dashboard.pages.common import Context
 from kvscope.dashboard.series import is_number
 
@@ -118,7 +118,7 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     """The callback's outputs: (the figures, verdict, status, the form's three values, the
     URL's query); ``dash.no_update`` where nothing changes. ``roots``: the resolved
     directories the page may read (:func:`~kvscope.dashboard.access.outside_roots`); a path
-    outside them is refused before anything is read.
+    outside them is refused before anything is read, and a relative one is taken under them.
 
     ``clicked``: Compare was pressed, so compare the form's values and write them into the
     URL (unless it already holds them). Otherwise the URL changed or the page was drawn: open
@@ -127,25 +127,37 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     """
     keep = dash.no_update
     if clicked:
-        error = budget_error(budget_ms) or _refused(baseline, candidate, roots)
+        arms = _located(baseline, candidate, roots)
+        error = budget_error(budget_ms) or _refused(*arms, roots)
         if error:
             return (*render(None, error), keep, keep, keep, keep)
-        query = link_search(baseline, candidate, budget_ms)
-        return (*render(*run_compare(baseline, candidate, budget_ms, resamples)),
+        query = link_search(baseline, candidate, budget_ms)  # as typed: reopened the same way
+        return (*render(*run_compare(*arms, budget_ms, resamples)),
                 keep, keep, keep, keep if query == (search or "") else query)
     link = parse_link(search)
     if link is None:
         raise PreventUpdate
     form = (link.baseline, link.candidate, link.budget_ms)
-    refused = _refused(link.baseline, link.candidate, roots)
+    arms = _located(link.baseline, link.candidate, roots)
+    refused = _refused(*arms, roots)
     if link.error or refused:
         return (*render(None, link.error or refused), *form, keep)
-    if not (link.baseline and link.candidate) and not _is_rollout(link.baseline):
+    if not (link.baseline and link.candidate) and not _is_rollout(arms[0]):
         missing = "candidate" if link.baseline else "baseline"
         return (*render(None, f"the link names no {missing} capture: type it and press "
                               f"Compare"), *form, keep)
-    return (*render(*run_compare(link.baseline, link.candidate, link.budget_ms, resamples)),
-            *form, keep)
+    return (*render(*run_compare(*arms, link.budget_ms, resamples)), *form, keep)
+
+
+def _located(baseline: str | None, candidate: str | None,
+             roots: Sequence[Path]) -> tuple[str | None, str | None]:
+    """The arms with relative paths taken under ``roots`` (:func:`under_roots`), except the
+    candidate of a rollout report (an arm's name, not a path; the report is looked for only
+    under a root)."""
+    baseline = under_roots(baseline, roots)
+    if not outside_roots(baseline, roots) and _is_rollout(baseline):
+        return baseline, candidate
+    return baseline, under_roots(candidate, roots)
 
 
 def _refused(baseline: str | None, candidate: str | None, roots: Sequence[Path]) -> str:
