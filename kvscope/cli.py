@@ -248,7 +248,7 @@ def _dashboard(args) -> int:
     import threading
 
     from kvscope.dashboard.app import create_app, serve
-    from kvscope.service.server import url
+    from kvscope.service.server import address, url
 
     backend = None
     if args.backend == "prometheus":
@@ -283,8 +283,8 @@ def _dashboard(args) -> int:
     from kvscope.argtypes import is_loopback
 
     if visitors is None and not is_loopback(args.host):
-        print(f"  warning: open to anyone who reaches {args.host}:{args.port} (--insecure)",
-              flush=True)
+        print(f"  warning: open to anyone who reaches {address(args.host, args.port)} "
+              "(--insecure)", flush=True)
     wait_for_stop(stop)
     handle.shutdown()
     print("kvscope dashboard: stopped", flush=True)  # as the demo and the agent say it

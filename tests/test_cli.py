@@ -636,10 +636,21 @@ def test_a_misspelt_top_level_flag_is_named():
 
 
 def test_banner_urls_put_an_ipv6_host_in_brackets():
-    from kvscope.service.server import url
+    from kvscope.service.server import PortInUse, address, bind, url
 
     assert url("::1", 9400, "/metrics") == "http://[::1]:9400/metrics"
     assert url("127.0.0.1", 8050) == "http://127.0.0.1:8050/"
+    # and so do the warnings and errors: "--host ::" was warned about as ":::9412"
+    assert address("::", 9412) == "[::]:9412" and address("0.0.0.0", 1) == "0.0.0.0:1"
+    with socket.socket(socket.AF_INET6) as taken:
+        try:
+            taken.bind(("::1", 0))
+        except OSError:
+            pytest.skip("this machine has no IPv6 loopback")
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUse, match=rf"cannot listen on \[::1\]:{port}: "):
+            bind("::1", port, "--port")
 
 
 def test_demo_says_when_its_trace_has_played_out(tmp_path):

@@ -13,9 +13,14 @@ import uvicorn
 from fastapi import FastAPI
 
 
+def address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 ``host`` in brackets (RFC 3986, section 3.2.2): ``[::]:9400``."""
+    return f"{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def url(host: str, port: int, path: str = "/") -> str:
-    """``http://host:port/path``, an IPv6 ``host`` in brackets (RFC 3986, section 3.2.2)."""
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
+    """``http://host:port/path`` (see :func:`address`)."""
+    return f"http://{address(host, port)}{path}"
 
 
 class PortInUse(OSError):
@@ -34,7 +39,8 @@ def bind(host: str, port: int, flag: str, host_flag: str = "--host") -> socket.s
         # an unresolvable name (socket.gaierror) or a foreign address lands here too
         advice = (f"pass a free port with {flag}" if exc.errno == errno.EADDRINUSE
                   else f"check {host_flag}: it must be an address of this machine")
-        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}; {advice}") from None
+        raise PortInUse(f"cannot listen on {address(host, port)}: {exc.strerror}; "
+                        f"{advice}") from None
     sock.listen()  # listening now, so no other socket (e.g. the ZMQ ingest) can share the port
     return sock
 
