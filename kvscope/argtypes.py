@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import math
+import os
 import socket
 from urllib.parse import urlsplit
 
@@ -99,3 +100,20 @@ def is_loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve to anything
         return False
+
+
+def directory(off: str):
+    """An argparse type for a directory flag: empty is refused, since it would mean the current
+    directory; ``off`` says what leaving the flag out does (the config keys say the same)."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(
+                f"is empty, which would mean the current directory; leave the flag out {off}, "
+                "or use . for the current directory")
+        if os.path.exists(text) and not os.path.isdir(text):
+            raise argparse.ArgumentTypeError(
+                f"{text} is a file, not a directory; give a directory, or leave the flag out "
+                f"{off}")
+        return text
+    parse.__name__ = "directory"
+    return parse

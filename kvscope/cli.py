@@ -7,7 +7,8 @@ import os
 import sys
 
 from kvscope import __version__
-from kvscope.argtypes import host, http_url, non_negative, port, positive, proportion
+from kvscope.argtypes import (directory, host, http_url, non_negative, port, positive,
+                               proportion)
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
@@ -19,23 +20,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _directory(off: str):
-    """An argparse type for a directory flag: empty is refused, since it would mean the current
-    directory; ``off`` says what leaving the flag out does (the config keys say the same)."""
-    def parse(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError(
-                f"is empty, which would mean the current directory; leave the flag out {off}, "
-                "or use . for the current directory")
-        if os.path.exists(text) and not os.path.isdir(text):
-            raise argparse.ArgumentTypeError(
-                f"{text} is a file, not a directory; give a directory, or leave the flag out "
-                f"{off}")
-        return text
-    parse.__name__ = "directory"
-    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--insecure", action="store_true",
                       help="with a --host beyond loopback and no KVSCOPE_TOKEN: serve the API "
                            "and the dashboard to anyone who reaches them (otherwise refused)")
-    demo.add_argument("--capture-dir", metavar="DIR", type=_directory("not to capture"),
+    demo.add_argument("--capture-dir", metavar="DIR", type=directory("not to capture"),
                       help="capture block accesses and requests here as Parquet for kvscope "
                       "analyze/compare; a new or empty directory: one run per capture "
                       "(default: off)")
@@ -99,11 +83,11 @@ def _parser() -> argparse.ArgumentParser:
                             "tcp://127.0.0.1:5560; ipc:// too); turns ingest on even where the "
                             "config turns it off")
     agent.add_argument("--store-dir", metavar="DIR",
-                       type=_directory("to keep requests in memory only"),
+                       type=directory("to keep requests in memory only"),
                        help="persist finished requests here (default: memory only)")
     agent.add_argument("--otlp-endpoint", metavar="URL",
                        help="export request spans to this OTLP/HTTP traces URL")
-    agent.add_argument("--capture-dir", metavar="DIR", type=_directory("not to capture"),
+    agent.add_argument("--capture-dir", metavar="DIR", type=directory("not to capture"),
                        help="capture block accesses and finished requests here as Parquet "
                        "segments for kvscope analyze/compare (default: off; bounded by "
                        "capture_max_bytes, 1 GiB)")
@@ -122,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
                            "dashboard to anyone who reaches it (otherwise refused; with the "
                            "token, visitors open it as /?token=TOKEN)")
     dash.add_argument("--capture-root", metavar="DIR", action="append", default=[],
-                      type=_directory("for a Compare page that reads nothing"),
+                      type=directory("for a Compare page that reads nothing"),
                       help="a directory whose captures and rollout reports the Compare page "
                            "may read (repeatable; default: none, the page reads nothing)")
     dash.add_argument("--refresh", type=positive(float), default=2.0,

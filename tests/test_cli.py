@@ -107,6 +107,8 @@ def test_impossible_demo_settings(args, needle):
     (["--disk-dir", "/proc/no-such-dir", "--disk-blocks", "10"],
      "--disk-dir /proc/no-such-dir: No such file or directory"),
     (["--disk-dir", "/tmp"], "--disk-dir is for the disk tier, which is off: give --disk-blocks"),
+    (["--disk-dir", __file__, "--disk-blocks", "10"],
+     f"argument --disk-dir: {__file__} is a file, not a directory"),
 ])
 def test_a_replay_disk_dir_that_cannot_work_names_the_flag(args, needle):
     _one_error_line(_kvscope("replay", "--requests", "10", *args), needle)

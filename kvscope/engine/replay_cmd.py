@@ -17,7 +17,7 @@ import time
 from kvscope.engine.policy import POLICIES
 from kvscope.engine.presets import PRESETS, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
-from kvscope.argtypes import non_negative, positive
+from kvscope.argtypes import directory, non_negative, positive
 from kvscope.vocabulary import LOCAL_TIERS
 
 
@@ -38,7 +38,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="cpu tier blocks; 0 disables (default %(default)s)")
     p.add_argument("--disk-blocks", type=non_negative(int), default=0,
                    help="disk tier blocks; 0 disables (default %(default)s)")
-    p.add_argument("--disk-dir", metavar="DIR", help="directory for disk chunk files "
+    p.add_argument("--disk-dir", metavar="DIR",
+                   type=directory("for a temporary directory, removed at exit"),
+                   help="directory for disk chunk files "
                    "(default: a temporary directory, removed at exit)")
     p.add_argument("--policy", choices=POLICIES, default="lru",
                    help="eviction policy of every tier (default %(default)s)")

@@ -138,6 +138,8 @@ def read_mooncake(path: str | Path) -> list[Request]:
     file with no records at all.
     """
     path = Path(path)
+    if path.is_dir():  # a capture directory, say: only `kvscope analyze` reads those
+        raise TraceError(f"cannot read trace {path}: a directory, not a Mooncake JSONL file")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:

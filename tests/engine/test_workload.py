@@ -54,6 +54,9 @@ def test_malformed_trace_lines_name_file_and_line(tmp_path, line, message):
 def test_missing_trace_file(tmp_path):
     with pytest.raises(TraceError, match="cannot read trace"):
         read_mooncake(tmp_path / "absent.jsonl")
+    # a capture directory given to replay said only "Is a directory"
+    with pytest.raises(TraceError, match="a directory, not a Mooncake JSONL file"):
+        read_mooncake(tmp_path)
 
 
 def test_synthetic_is_seeded_and_shares_prefixes():
