@@ -119,6 +119,9 @@ def test_deep_link_opens_the_request_and_unknown_ids_explain_themselves():
     assert RECORD["trace_id"] in str(details)
     fig, details = requests_page.waterfall(FakeBackend(), "?id=nope", None)
     assert "not in the table" in annotation_texts(fig)[0]
+    # an id of 5,000 characters is looked up, and shown, as senders cut it: 256 of them
+    fig, details = requests_page.waterfall(FakeBackend(), "?id=" + "x" * 5000, None)
+    assert f"request {'x' * 256!r} is not in the table" in details
     fig, _ = requests_page.waterfall(FakeBackend(), "", None)
     assert annotation_texts(fig) == ["select a request in the table"]
 

@@ -22,6 +22,7 @@ from dash import Input, Output, State, dcc, html
 from kvscope.dashboard import figures_requests as fr
 from kvscope.dashboard.backend import Backend, BackendUnavailable
 from kvscope.dashboard.pages.common import STATUS_STYLE, Context, graph, status, where
+from kvscope.events import MAX_REQUEST_ID
 from kvscope.vocabulary import TOKEN_SOURCES
 
 PATH = "/requests"
@@ -187,9 +188,12 @@ def select(cell: dict | None, rows: list[dict] | None) -> str:
 
 
 def _link(search: str | None) -> dict[str, str]:
-    """The deep link's ``id``, ``source`` and ``instance`` (those present)."""
+    """The deep link's ``id``, ``source`` and ``instance`` (those present), each cut to
+    :data:`~kvscope.events.MAX_REQUEST_ID` characters, as every sender cuts a request id (a
+    longer one matches nothing, and its message echoed it whole)."""
     query = parse_qs((search or "").lstrip("?"))
-    return {key: query[key][0] for key in ("id", "source", "instance") if query.get(key)}
+    return {key: query[key][0][:MAX_REQUEST_ID] for key in ("id", "source", "instance")
+            if query.get(key)}
 
 
 def highlight(search: str | None) -> dict:
