@@ -280,7 +280,13 @@ def _docs_metrics(args) -> int:
     from kvscope.catalog import render_markdown
     from kvscope.files import write_atomic
 
-    write_atomic(args.output, render_markdown())
+    try:
+        write_atomic(args.output, render_markdown())
+    except OSError as exc:
+        print(f"kvscope docs-metrics: error: cannot write {args.output}: "
+              f"{exc.strerror or exc} (run it from the repository root, or give --output FILE)",
+              file=sys.stderr)
+        return 2
     print(f"wrote {args.output}")
     return 0
 

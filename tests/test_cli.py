@@ -180,9 +180,10 @@ def test_docs_metrics_writes_the_catalog_atomically(tmp_path):
     # errors name the file asked for, never the temporary one beside it
     absent = tmp_path / "absent" / "metrics.md"
     _one_error_line(_kvscope("docs-metrics", "--output", str(absent)),
-                    f"No such file or directory: '{absent}'")
+                    f"cannot write {absent}: No such file or directory (run it from the "
+                    "repository root, or give --output FILE)")
     _one_error_line(_kvscope("docs-metrics", "--output", str(tmp_path)),
-                    f"Is a directory: '{tmp_path}'")
+                    f"cannot write {tmp_path}: Is a directory")
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.md"]
 
 
