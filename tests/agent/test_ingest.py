@@ -1367,3 +1367,48 @@ def test_the_agent_learns_the_processes_the_taps_run_in(source, tmp_path):
     assert ingest.engine_pids() == (100,)
     emitter.close()
     assert wait_until(lambda: source.engine_pids() == ())
+
+
+_KILLED_TAP = """
+import sys, time
+from kvscope import events as ev
+from kvscope.agent.taps.emitter import Emitter
+emitter = Emitter(sys.argv[1], source=sys.argv[2], flush_interval=0.01)
+emitter.emit(ev.TierSnapshot(ts=time.time(), tier="cpu", capacity_bytes=64 << 20,
+                             resident_bytes=64 << 20, capacity_blocks=64, resident_blocks=64))
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_tap_whose_process_ends_without_closing_leaves_the_tier_gauges(source, tmp_path):
+    """vLLM's server stopped by a signal never calls the tap's shutdown, so no final batch
+    comes: the agent reported the dead engine's CPU tier as full for good. Two real tap
+    processes report a tier; one is killed (SIGKILL): its tier goes, the other's stays. A
+    source the agent cannot see in /proc (another PID namespace; pid 0: an older tap) is
+    never taken for ended."""
+    import subprocess
+    import sys
+
+    taps = {name: subprocess.Popen([sys.executable, "-c", _KILLED_TAP, _endpoint(tmp_path), name],
+                                   stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+            for name in ("dies", "lives")}
+    try:
+        for tap in taps.values():
+            assert tap.stdout.readline() == "sent\n"
+        tiers = lambda: source.pipeline.snapshot().tiers  # noqa: E731
+        assert wait_until(lambda: tiers().get("cpu") is not None
+                          and tiers()["cpu"].resident_blocks == 128)
+        _push(_endpoint(tmp_path), ev.encode_batch(ev.Batch(
+            version=ev.SCHEMA_VERSION, source="unseen", seq=0, session="s", pid=0,
+            events=[ev.TierSnapshot(ts=time.time(), tier="disk", capacity_bytes=1,
+                                    resident_bytes=1, capacity_blocks=1, resident_blocks=1)])))
+        assert wait_until(lambda: "disk" in tiers())
+        taps["dies"].kill()
+        taps["dies"].wait()
+        assert wait_until(lambda: tiers()["cpu"].resident_blocks == 64)
+        assert "disk" in tiers() and source.engine_pids() == (taps["lives"].pid,)
+    finally:
+        for tap in taps.values():
+            tap.kill()
+            tap.wait()

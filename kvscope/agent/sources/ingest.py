@@ -68,6 +68,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import os
 import socket
 import threading
 import time
@@ -116,6 +117,8 @@ QUIET = 0.1
 # once ended the drain while a tap's sender thread was held up (a loaded machine), and its
 # later batches were lost on the wire, uncounted
 HEARD = 1.0
+# Seconds between looks for taps whose process ended without closing them (IngestSource._reap)
+REAP_INTERVAL = 2.0
 # Seconds between saves of the emitters' sequence numbers (IngestSource.state_path): the store's
 # flush interval, so a kill -9 loses as much of the one as of the other
 SAVE_INTERVAL = 1.0
@@ -198,7 +201,9 @@ class IngestSource(SourceWorker):
         self._warned: set = set()  # what was logged once (see _warn_once)
         # (source, session) -> (its process, a worker tap's, monotonic time last heard) of the
         # emitters not closed, latest last: see engine_pids and run
-        self._open: OrderedDict[tuple[str, str], tuple[int, bool, float]] = OrderedDict()
+        # (source, session) -> (pid, a worker tap, last heard (monotonic), pid seen in /proc)
+        self._open: OrderedDict[tuple[str, str], tuple[int, bool, float, bool]] = OrderedDict()
+        self._reap_at = 0.0  # monotonic: when to look for taps whose process ended (_reap)
         self._open_lock = threading.Lock()  # read from the scrape thread
         self._expected: set[str] = set()  # sources whose drop reasons are exported
         self._socket = None
@@ -254,6 +259,8 @@ class IngestSource(SourceWorker):
                     if left <= 0:
                         break
                     self._drain()
+                    if deadline is None and time.monotonic() >= self._reap_at:
+                        self._reap()
                     if not received:
                         wait = 100 if deadline is None else min(QUIET, left) * 1000
                         if (not poller.poll(wait) and deadline is not None
@@ -424,11 +431,33 @@ class IngestSource(SourceWorker):
         least recently heard from going first."""
         key = (batch.source, batch.session)
         with self._open_lock:
-            self._open.pop(key, None)
+            known = self._open.pop(key, None)
             if not batch.final:
-                self._open[key] = (batch.pid, bool(batch.scope), time.monotonic())
+                # whether this agent sees the tap's process (not in another PID namespace):
+                # looked up once per emitter, so only then can its end be noticed (_reap)
+                seen = known[3] if known is not None else (
+                    batch.pid > 0 and os.path.exists(f"/proc/{batch.pid}"))
+                self._open[key] = (batch.pid, bool(batch.scope), time.monotonic(), seen)
                 while len(self._open) > MAX_EMITTERS:
                     self._open.popitem(last=False)
+
+    def _reap(self) -> None:
+        """Close the emitters whose process ended without their final batch (an engine killed,
+        or vLLM's server stopped by a signal, which never calls the tap's ``shutdown``), as
+        that batch would: their sources' tiers, gauges and memory reports are forgotten (see
+        :meth:`~kvscope.agent.pipeline.Pipeline.forget_tiers`) once no emitter of the source
+        is left. Only processes this agent saw in ``/proc``; every :data:`REAP_INTERVAL` s."""
+        self._reap_at = time.monotonic() + REAP_INTERVAL
+        with self._open_lock:
+            ended = [key for key, (pid, _w, _h, seen) in self._open.items()
+                     if seen and not os.path.exists(f"/proc/{pid}")]
+            for key in ended:
+                del self._open[key]
+            left = {source for source, _session in self._open}
+        for source in sorted({source for source, _session in ended} - left):
+            log.info("kvscope ingest: the process of source %r ended without closing its tap; "
+                     "its tiers and gauges are no longer reported", source)
+            self.pipeline.forget_tiers(source)
 
     def _taps_open(self) -> bool:
         """Whether a tap heard from in the last :data:`HEARD` seconds has not closed."""
@@ -442,7 +471,7 @@ class IngestSource(SourceWorker):
         host KV pool) when any, else every tap's; a tap that closed is left out. What the numa
         collector reads when no ``engine_pid`` is configured. Thread-safe."""
         with self._open_lock:
-            taps = [(pid, worker) for pid, worker, _heard in self._open.values() if pid]
+            taps = [(pid, worker) for pid, worker, _heard, _seen in self._open.values() if pid]
         workers = {pid for pid, worker in taps if worker}
         return tuple(sorted(workers or {pid for pid, _worker in taps}))
 
