@@ -231,11 +231,13 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
         if record is None:
             where = f" from source {source!r}" if source is not None else ""
             hint = ""
-            # vLLM's completions API runs each prompt as "<response id>-<index>": a client
-            # holding the response id finds its first prompt under "-0"
-            if agent.pipeline.requests.get(f"{request_id}-0", source) is not None:
-                hint = (f"; vLLM numbers a completion's prompts: its first is "
-                        f"{request_id + '-0'!r}")
+            # vLLM's completions API runs each prompt as "<response id>-<index>", and with
+            # n > 1 each choice as "<choice>_" before that: a client holding the response id
+            # finds its first prompt's (first choice's) record under one of these
+            first = next((rid for rid in (f"{request_id}-0", f"0_{request_id}-0")
+                          if agent.pipeline.requests.get(rid, source) is not None), None)
+            if first is not None:
+                hint = f"; vLLM numbers a completion's prompts and choices: its first is {first!r}"
             raise HTTPException(404, f"no request {request_id!r}{where} in the table{hint}")
         return _json(record.data())
 

@@ -204,8 +204,9 @@ def test_a_long_request_id_is_cut_as_its_sender_cut_it():
 
 def test_a_completions_response_id_is_pointed_to_its_first_prompt():
     """vLLM 0.32's completions API runs prompt i of response "cmpl-ab" as request "cmpl-ab-i"
-    (vllm/entrypoints/openai/completion/serving.py): the response id alone is not in the
-    table, and its 404 names the id that is; an id with no such record gets no hint."""
+    (vllm/entrypoints/openai/completion/serving.py), choice j of it (n > 1) as "j_cmpl-ab-i":
+    the response id alone is not in the table, and its 404 names the id that is; an id with
+    no such record gets no hint."""
     agent = _agent()
     agent.pipeline.ingest("engine", [ev.RequestFinished(ts=1.0, request_id="cmpl-ab-0",
                                                         ttft=0.2, prompt_tokens=8)])
@@ -216,6 +217,11 @@ def test_a_completions_response_id_is_pointed_to_its_first_prompt():
         assert c.get("/api/v1/requests/cmpl-ab-0").json()["request_id"] == "cmpl-ab-0"
         other = c.get("/api/v1/requests/cmpl-cd")
         assert other.status_code == 404 and "first is" not in other.json()["detail"]
+        # n = 2: each choice is "<choice>_" before the prompt's id (docs/vllm.md)
+        agent.pipeline.ingest("engine", [ev.RequestFinished(ts=2.0, request_id=f"{i}_cmpl-cd-0",
+                                                            ttft=0.2, prompt_tokens=8)
+                                         for i in range(2)])
+        assert "its first is '0_cmpl-cd-0'" in c.get("/api/v1/requests/cmpl-cd").json()["detail"]
 
 
 def test_a_request_is_fetched_by_source_when_two_engines_share_its_id():
