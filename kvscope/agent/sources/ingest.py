@@ -204,6 +204,7 @@ class IngestSource(SourceWorker):
         # (source, session) -> (pid, a worker tap, last heard (monotonic), pid seen in /proc)
         self._open: OrderedDict[tuple[str, str], tuple[int, bool, float, bool]] = OrderedDict()
         self._reap_at = 0.0  # monotonic: when to look for taps whose process ended (_reap)
+        self._ending: set[tuple[str, str]] = set()  # open emitters found ended at the last look
         self._open_lock = threading.Lock()  # read from the scrape thread
         self._expected: set[str] = set()  # sources whose drop reasons are exported
         self._socket = None
@@ -259,7 +260,8 @@ class IngestSource(SourceWorker):
                     if left <= 0:
                         break
                     self._drain()
-                    if deadline is None and time.monotonic() >= self._reap_at:
+                    # with every batch taken folded: none of an ended tap's is left behind
+                    if deadline is None and not received and time.monotonic() >= self._reap_at:
                         self._reap()
                     if not received:
                         wait = 100 if deadline is None else min(QUIET, left) * 1000
@@ -446,11 +448,14 @@ class IngestSource(SourceWorker):
         or vLLM's server stopped by a signal, which never calls the tap's ``shutdown``), as
         that batch would: their sources' tiers, gauges and memory reports are forgotten (see
         :meth:`~kvscope.agent.pipeline.Pipeline.forget_tiers`) once no emitter of the source
-        is left. Only processes this agent saw in ``/proc``; every :data:`REAP_INTERVAL` s."""
+        is left. Only processes this agent saw in ``/proc``; every :data:`REAP_INTERVAL` s, and
+        an emitter only when found ended at two looks running: what it sent before it ended
+        (its final batch, when it closed) has been folded by then."""
         self._reap_at = time.monotonic() + REAP_INTERVAL
         with self._open_lock:
-            ended = [key for key, (pid, _w, _h, seen) in self._open.items()
-                     if seen and not os.path.exists(f"/proc/{pid}")]
+            dead = {key for key, (pid, _w, _h, seen) in self._open.items()
+                    if seen and not os.path.exists(f"/proc/{pid}")}
+            ended, self._ending = dead & self._ending, dead - self._ending
             for key in ended:
                 del self._open[key]
             left = {source for source, _session in self._open}
