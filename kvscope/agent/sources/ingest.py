@@ -199,9 +199,9 @@ class IngestSource(SourceWorker):
         # its emitters, latest last
         self._streams: dict[str, OrderedDict[str, tuple[int, int, dict[str, int]]]] = {}
         self._warned: set = set()  # what was logged once (see _warn_once)
-        # (source, session) -> (its process, a worker tap's, monotonic time last heard) of the
-        # emitters not closed, latest last: see engine_pids and run
-        # (source, session) -> (pid, a worker tap, last heard (monotonic), pid seen in /proc)
+        # (source, session) -> (its process, a worker tap's, monotonic time last heard, its
+        # process seen in /proc) of the emitters not closed, latest last: see engine_pids,
+        # run and _reap
         self._open: OrderedDict[tuple[str, str], tuple[int, bool, float, bool]] = OrderedDict()
         self._reap_at = 0.0  # monotonic: when to look for taps whose process ended (_reap)
         self._ending: set[tuple[str, str]] = set()  # open emitters found ended at the last look

@@ -127,8 +127,8 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     """
     keep = dash.no_update
     if clicked:
-        arms = _located(baseline, candidate, roots)
-        error = budget_error(budget_ms) or _refused(*arms, roots)
+        *arms, refused = _arms(baseline, candidate, roots)
+        error = budget_error(budget_ms) or refused
         if error:
             return (*render(None, error), keep, keep, keep, keep)
         query = link_search(baseline, candidate, budget_ms)  # as typed: reopened the same way
@@ -138,8 +138,7 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     if link is None:
         raise PreventUpdate
     form = (link.baseline, link.candidate, link.budget_ms)
-    arms = _located(link.baseline, link.candidate, roots)
-    refused = _refused(*arms, roots)
+    *arms, refused = _arms(link.baseline, link.candidate, roots)
     if link.error or refused:
         return (*render(None, link.error or refused), *form, keep)
     if not (link.baseline and link.candidate) and not _is_rollout(arms[0]):
@@ -149,25 +148,18 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     return (*render(*run_compare(*arms, link.budget_ms, resamples)), *form, keep)
 
 
-def _located(baseline: str | None, candidate: str | None,
-             roots: Sequence[Path]) -> tuple[str | None, str | None]:
-    """The arms with relative paths taken under ``roots`` (:func:`under_roots`), except the
-    candidate of a rollout report (an arm's name, not a path; the report is looked for only
-    under a root)."""
+def _arms(baseline: str | None, candidate: str | None,
+          roots: Sequence[Path]) -> tuple[str | None, str | None, str]:
+    """The arms with relative paths taken under ``roots`` (:func:`under_roots`), and why they
+    may not be read ("" when they may): each a path under ``roots``, except the candidate of
+    a rollout report, which names one of its arms (looked for only once the report's own
+    directory is known to be under a root)."""
     baseline = under_roots(baseline, roots)
-    if not outside_roots(baseline, roots) and _is_rollout(baseline):
-        return baseline, candidate
-    return baseline, under_roots(candidate, roots)
-
-
-def _refused(baseline: str | None, candidate: str | None, roots: Sequence[Path]) -> str:
-    """Why the arms may not be read ("" when they may): each a path under ``roots``, except the
-    candidate of a rollout report, which names one of its arms (looked for only once the
-    report's own directory is known to be under a root)."""
     refused = outside_roots(baseline, roots)
     if refused or _is_rollout(baseline):
-        return refused
-    return outside_roots(candidate, roots)
+        return baseline, candidate, refused
+    candidate = under_roots(candidate, roots)
+    return baseline, candidate, outside_roots(candidate, roots)
 
 
 def parse_link(search: str | None) -> Link | None:
