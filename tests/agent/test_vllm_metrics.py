@@ -393,6 +393,31 @@ def test_ttft_comes_from_spans_while_they_arrive_else_from_the_histogram(exposit
     assert counts == [0, 5, 5, 7]
 
 
+def test_a_tap_counting_the_same_prompt_tokens_is_warned_of_once(exposition_server, caplog):
+    """vLLM's /metrics over real HTTP, scraped alone: 1,000 prompt tokens (600 from the GPU
+    cache) counted once, no warning (a near miss: this source's own tokens). Then the tap's
+    Lookup of a 1,000-token prompt reaches the pipeline too (source "vllm"): the next scrape
+    finds 2,000 tokens where it delivered 1,000 and warns once, naming the config key; a later
+    scrape does not warn again."""
+    source = _source(exposition_server)
+    warned = lambda: [r for r in caplog.records if "counted by another source" in r.message]
+    for prompt, device in ((0, 0), (1000, 600)):
+        exposition_server.body = exposition(prompt, device, 0, 0, 0, [("+Inf", 0)])
+        assert source.scrape_once()
+    assert sum(source.pipeline.snapshot().prompt_tokens.values()) == 1000
+    assert not source.shared_prompt_tokens and not warned()
+    source.pipeline.ingest("vllm", [ev.Lookup(ts=1.0, request_id="r", tokens={
+        "gpu": 600, "recompute": 400}, blocks=62)])
+    for prompt in (1500, 2000):
+        exposition_server.body = exposition(prompt, 600, 0, 0, 0, [("+Inf", 0)])
+        assert source.scrape_once()
+    source.shutdown()
+    assert source.shared_prompt_tokens
+    (record,) = warned()
+    assert "sources: vllm" in record.message
+    assert "KVSCOPE_VLLM_METRICS__ENABLED=false" in record.message
+
+
 def test_a_hostile_exposition_never_stops_the_scraper_nor_breaks_the_metrics(exposition_server):
     """Each of these once killed the scraper's thread or made the agent's /metrics fail for
     good: a NaN or infinite counter (skipped: no counter holds one), a bucket bound that is no

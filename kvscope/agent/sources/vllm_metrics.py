@@ -590,6 +590,8 @@ class VllmMetricsSource(ScrapeSource):
         # (monotonic seconds of the scrape before, of this one, its TTFT histogram), oldest first
         self._held: deque[tuple[float, float, ev.LatencyHistogram]] = deque()
         self._scraped = -math.inf
+        self._prompt_tokens = 0  # prompt tokens this source has delivered (see check_overlap)
+        self.shared_prompt_tokens = False  # another source counts prompt tokens too
 
     def map(self, samples: Samples, now: float) -> list:
         """The mapper's events; the engine's KV cache settings (:func:`cache_config`) go to the
@@ -608,7 +610,31 @@ class VllmMetricsSource(ScrapeSource):
             self._held.extend((self._scraped, now, hist) for hist in held)
             events += self._released(now)
         self._scraped = now
+        self._prompt_tokens += sum(sum(e.tokens.values()) for e in events
+                                   if isinstance(e, ev.Lookup))
         super().deliver(events)
+        if not self.shared_prompt_tokens:
+            self.check_overlap()
+
+    def check_overlap(self) -> bool:
+        """Whether another source counts prompt tokens as well (kvscope's vLLM tap in the
+        engine this source scrapes: both count every prompt's tokens, so
+        ``kvscope_prompt_tokens_total`` doubles); logs one warning naming the config key the
+        first time. Another source's tokens are the pipeline's beyond what this source
+        delivered itself (counted before each delivery, so its own never look like another's).
+        """
+        snap = self.pipeline.snapshot()
+        if sum(snap.prompt_tokens.values()) <= self._prompt_tokens:
+            return False
+        self.shared_prompt_tokens = True
+        others = sorted(s for s in snap.events_received if s != self.name) or ["unknown"]
+        log.warning(
+            "vllm_metrics: prompt tokens are counted by another source as well (sources: %s), "
+            "so kvscope_prompt_tokens_total counts them twice. With kvscope's vLLM tap in the "
+            "vLLM this scrapes, which counts them per request, turn this source off: "
+            "[vllm_metrics] enabled = false (environment: KVSCOPE_VLLM_METRICS__ENABLED=false); "
+            "see docs/vllm.md.", ", ".join(others))
+        return True
 
     def _released(self, now: float) -> list[ev.LatencyHistogram]:
         """The held TTFT histograms whose spans had time to come, but did not."""
