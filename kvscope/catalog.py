@@ -96,8 +96,8 @@ EVICTED_BLOCKS = _counter("kvscope_evicted_blocks_total",
     "KV blocks that left a tier, by reason (capacity: made room; cleared: the engine reset; "
     "failed: unreadable).", ["tier", "reason"])
 DROPPED_BLOCKS = _counter("kvscope_dropped_blocks_total",
-    "KV blocks evicted from a tier with no copy kept in a tier below (they left the cache).",
-    ["tier"])
+    "KV blocks evicted from a tier with no copy kept in a tier below (they left the cache); 0 "
+    "for a tier with evictions that all kept a copy.", ["tier"])
 EVICTED_BLOCK_HITS = _histogram("kvscope_evicted_block_hits",
     "Hits a block got while resident, observed when it is evicted (0: stored for nothing). A "
     "sampling source (vLLM's tap) counts each sampled block for the ones it stands for.",

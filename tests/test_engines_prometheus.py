@@ -351,8 +351,6 @@ def engines() -> dict[str, Engine]:
             "lmcache_metrics",
             {**UNTIMED, **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTED_HITS, **NO_ADMISSIONS,
              **NO_TTFT,
-             "Evictions by tier and reason ({{tier}} dropped)":
-                 "L1's evicted chunks live on in L2 (LMCache writes every chunk through)",
              "Evicted before any reuse": "evictions carry no hit count",
              "Lookup hit ratio by tier": "its lookups count tokens, not blocks"},
             # no gpu: LMCache is asked for the tokens the engine's GPU prefix cache missed

@@ -427,8 +427,9 @@ cdef class Fold:
         blocks = int_field(event, E_BLOCKS)
         _add(&self._evicted,
              3 * tier + max(0, index_of(_EVICTION_REASONS, field(event, E_REASON))), blocks)
-        if not bool_field(event, E_OFFLOADED):
-            _add(&self._dropped, tier, blocks)
+        # 0 for offloaded blocks: a tier whose evictions all kept a copy shows 0 dropped,
+        # measured, not an absent series
+        _add(&self._dropped, tier, 0 if bool_field(event, E_OFFLOADED) else blocks)
         idle = field(event, E_IDLE)
         weight = kv_saturated_product(blocks, int_field(event, E_WEIGHT))
         if idle is not None:  # None: the source does not see it (never a 0)

@@ -102,7 +102,8 @@ def test_cpu_stores_of_blocks_on_disk_are_promotions_not_offloads():
     assert snap.transfer_seconds == {}  # untimed
     assert snap.evicted_blocks == {("cpu", "capacity"): 4, ("cpu", "cleared"): 4,
                                    ("gpu", "capacity"): 2, ("gpu", "cleared"): 2}
-    assert snap.dropped_blocks == {"cpu": 1}  # GPU 1, 2 and the cleared 3, 4 are on disk
+    # GPU 1, 2 and the cleared 3, 4 are on disk: gpu 0 dropped, measured (a series at 0)
+    assert snap.dropped_blocks == {"cpu": 1, "gpu": 0}
     assert {t: s.resident_blocks for t, s in snap.tiers.items()} == {"gpu": 0, "cpu": 1,
                                                                       "disk": 5}
 

@@ -227,7 +227,8 @@ def test_disk_and_external_media_are_the_disk_and_remote_tiers():
     batch 3: CPU_PINNED A1 A2 -> remote->cpu 2 (promotions); CPU_PINNED C1 -> disk->cpu 1
     batch 4: EXTERNAL removes A1 A2 -> remote capacity 2, dropped (nothing below)
     Totals: gpu->cpu 3, cpu->remote 2, cpu->disk 1, remote->cpu 2, disk->cpu 1; evicted cpu 3,
-    remote 2; dropped remote 2; resident gpu 3, cpu 3, disk 1, remote 0."""
+    remote 2; dropped cpu 0 (all offloaded), remote 2; resident gpu 3, cpu 3, disk 1,
+    remote 0."""
     pipeline = Pipeline()
     streamed(sglang_source(pipeline, f"tcp://*:{free_ports(1)}",
                            tiers=["gpu", "cpu", "disk", "remote"]), "storage",
@@ -236,7 +237,7 @@ def test_disk_and_external_media_are_the_disk_and_remote_tiers():
         "moved": {("gpu", "cpu"): 3, ("cpu", "remote"): 2, ("cpu", "disk"): 1,
                   ("remote", "cpu"): 2, ("disk", "cpu"): 1},
         "evicted": {("cpu", "capacity"): 3, ("remote", "capacity"): 2},
-        "dropped": {"remote": 2},
+        "dropped": {"cpu": 0, "remote": 2},
         "resident": {"gpu": 3, "cpu": 3, "disk": 1, "remote": 0}}
 
 

@@ -77,7 +77,7 @@ def test_transfer_percentiles_drops_and_eviction_buckets():
     assert 0.001 < s["transfer_seconds"]["cpu->gpu"]["p50"] <= 0.005
     assert s["transfer_blocks"] == {"cpu->gpu": 4, "gpu->cpu": 2}
     assert s["transfer_seconds_sum"]["cpu->gpu"] == pytest.approx(0.002)
-    assert s["dropped_blocks"] == {"cpu": 2}  # the gpu blocks were copied down
+    assert s["dropped_blocks"] == {"gpu": 0, "cpu": 2}  # the gpu blocks were copied down
     assert s["evicted_block_hits"]["gpu"][0] == 3  # bucket le=0: never hit
     assert s["evicted_block_hits"]["cpu"][3] == 2  # bucket (2, 4]
     assert s["block_residency_seconds"]["gpu"][1] == 3  # (0.1, 1] s
