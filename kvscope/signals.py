@@ -1,5 +1,5 @@
-"""Stopping the long-running commands (``demo``, ``agent``, ``dashboard``) on SIGINT, SIGTERM or
-SIGHUP."""
+"""Stopping the long-running commands (``demo``, ``agent``, ``dashboard``, ``rollout``) on
+SIGINT, SIGTERM or SIGHUP."""
 
 from __future__ import annotations
 
@@ -77,6 +77,21 @@ def stop_on_signals(stop: threading.Event) -> None:
                 and signal.getsignal(sig) == signal.SIG_IGN):
             continue
         signal.signal(sig, _relay.on_signal)
+
+
+def interrupt_on_signals() -> None:
+    """Raise KeyboardInterrupt in the main thread on SIGTERM and SIGHUP as on SIGINT: for a
+    command whose clean stop is its ``try``/``finally`` blocks (``rollout``: the servers and
+    load generator it started, each in its own session, which no signal to the command
+    reaches). Ignored signals stay ignored as in :func:`stop_on_signals`; elsewhere than the
+    main thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _STOP_SIGNALS:
+        if (sig != signal.SIGTERM and sig not in _IGNORED_BY_US
+                and signal.getsignal(sig) == signal.SIG_IGN):
+            continue
+        signal.signal(sig, signal.default_int_handler)
 
 
 def wait_for_stop(stop: threading.Event, timeout: float | None = None,

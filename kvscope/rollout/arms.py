@@ -63,10 +63,15 @@ class Arm:
     def start(self, log: Path, timeout: float) -> None:
         """Start the command (if any), its output to ``log``, and wait until the health URL
         answers 200. Raises ArmError when the command exits or ``timeout`` seconds pass (at
-        most :data:`RUNNING_TIMEOUT_S` for a server said to be running already)."""
+        most :data:`RUNNING_TIMEOUT_S` for a server said to be running already), and before
+        starting a command when the health URL answers already."""
         if not self.command:
             timeout = min(timeout, RUNNING_TIMEOUT_S)
         else:
+            if _ok(self.health_url):  # else that server would be measured, and ours fail
+                raise ArmError(f"arm {self.name}: {self.health_url} answers before its --start "
+                               "command ran: another server holds the port (one a stopped "
+                               "rollout left?); stop it, or give the arm another port")
             self.log = log
             with open(log, "ab") as out:
                 self.process = subprocess.Popen(

@@ -17,6 +17,7 @@ from kvscope.rollout.arms import Arm
 from kvscope.rollout.plan import DEFAULT_LEVELS, DEFAULT_REPETITIONS
 from kvscope.rollout.session import Options, RolloutError, Session
 from kvscope.rollout.workload import MIXED
+from kvscope.signals import interrupt_on_signals
 
 DESCRIPTION = (
     "Run the guide's rollout method unattended: drive a load generator (guidellm) against a "
@@ -164,11 +165,15 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, loadgen.LoadgenError) as exc:
         print(f"kvscope rollout: error: {exc}", file=sys.stderr)
         return 2
+    interrupt_on_signals()  # SIGTERM and SIGHUP stop the arms and keep the runs, as Ctrl-C
     try:
         doc = session.run()
     except RolloutError as exc:
         print(f"kvscope rollout: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"kvscope rollout: interrupted (partial results in {out})", file=sys.stderr)
+        return 130
     for j in doc["judgements"]:
         print(f"{j['candidate']}: {j['verdict']['text']}")
     print(f"report: {out / 'rollout.html'} (data: {out / 'rollout.json'})")

@@ -145,6 +145,10 @@ def run(argv: list[str], *, report: str | Path, log: str | Path, timeout: float)
             proc.wait()
             raise LoadgenError(f"guidellm ran past {timeout:.0f} s and was stopped; its log: "
                                f"{log}") from None
+        except BaseException:  # the rollout interrupted: guidellm, in its own session, ran on
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     if rc != 0 or not Path(report).is_file():
         lines = Path(log).read_text(errors="replace").strip().splitlines()[-3:]
         raise LoadgenError(f"guidellm exited with code {rc}" + (

@@ -5,7 +5,9 @@ arm's metrics read around every run, then judge and write the report.
 Every finished run is written to ``rollout.json`` at once, so that a session that stops early
 (an arm that dies or stops answering, a load generator that fails) keeps what it measured: the
 report is then written from the runs that finished, with the error in it, and
-:class:`RolloutError` carries the one line to print.
+:class:`RolloutError` carries the one line to print. An interruption (Ctrl-C, SIGTERM, SIGHUP)
+stops the arms and writes that report too (error ``"interrupted"``), then goes on as
+KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvscope.rollout.arms import Arm, ArmError, cost
 from kvscope.rollout.host import HostSampler
 from kvscope.rollout.judge import judge
 from kvscope.rollout.plan import Step, plan
+from kvscope.signals import ignore_signals_while_exiting
 
 SEED_STRIDE = 1_000_003  # runs of one session get seeds seed * stride + index: never shared
 
@@ -143,7 +146,8 @@ class Session:
 
     def run(self) -> dict:
         """Run the session; return the report's document. Raises RolloutError (after writing
-        the partial report) when it stops early."""
+        the partial report) when it stops early, KeyboardInterrupt (after the same) when
+        interrupted."""
         o = self.options
         for sub in ("data", "loadgen", "logs"):
             (self.directory / sub).mkdir(parents=True, exist_ok=True)
@@ -160,7 +164,7 @@ class Session:
                       "health": a.health_url} for a in self.arms.values()],
             "baseline": self.baseline, "levels": sorted(o.levels),
             "repetitions": o.repetitions, "runs": [], "judgements": [], "tails": {}}
-        error = None
+        error, interrupted = None, False
         try:
             for i, arm in enumerate(self.arms.values()):
                 self._say(f"starting {arm.name}: waiting for {arm.health_url}" if arm.command
@@ -183,10 +187,17 @@ class Session:
         except (ArmError, loadgen.LoadgenError, TraceError, ValueError, OSError) as exc:
             error = str(exc)
             self.doc["error"] = error
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP (signals.interrupt_on_signals)
+            interrupted = True
+            self.doc["error"] = "interrupted"
+            self._say("interrupted: stopping the arms, writing the report of the finished runs")
+            ignore_signals_while_exiting()  # a second signal must not cut the cleanup short
         finally:
             for arm in self.arms.values():
                 arm.stop()
         self._finish(time.time() - t0)
+        if interrupted:
+            raise KeyboardInterrupt
         if error:
             raise RolloutError(f"{error} (partial results in {self.directory})")
         return self.doc

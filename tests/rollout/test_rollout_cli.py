@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from conftest import REPO_ROOT, free_ports, wait_until
@@ -36,6 +37,13 @@ def _guidellm() -> str:
 def _mock(guidellm: str, port: int, ttft_ms: float) -> str:
     return (f"exec {shlex.quote(guidellm)} mock-server --host 127.0.0.1 --port {port} "
             f"--ttft-ms {ttft_ms:g} --ttft-ms-std {ttft_ms / 10:g} --itl-ms 1 --output-tokens 8")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _rollout(*args: str, **kwargs) -> subprocess.Popen:
@@ -100,6 +108,76 @@ def test_a_server_that_dies_mid_run_stops_the_session_and_keeps_the_finished_run
     doc = json.loads(report.read_text())
     assert doc["error"] and 1 <= len(doc["runs"]) < 8
     assert (tmp_path / "r" / "rollout.html").read_text().count("Partial results") == 1
+
+
+def test_sigterm_stops_the_servers_and_the_load_generator_and_keeps_the_finished_runs(
+        tmp_path):
+    """SIGTERM to the rollout once a run finished (a service manager's stop, or ``kill``):
+    exit code 130, both mock servers' process groups and every guidellm it started gone (each
+    in its own session, no signal to the rollout reaches them: before, they ran on after it
+    died, holding their ports), and rollout.json/html with the finished runs, marked
+    interrupted."""
+    psutil = pytest.importorskip("psutil")
+    guidellm = _guidellm()
+    ports = free_ports(2)
+    out = tmp_path / "r"
+    pids = [tmp_path / f"{name}.pid" for name in ("base", "cand")]
+    proc = _rollout("--arm", f"base=http://127.0.0.1:{ports[0]}",
+                    "--arm", f"cand=http://127.0.0.1:{ports[1]}",
+                    "--start", f"base=echo $$ > {pids[0]}; {_mock(guidellm, ports[0], 5)}",
+                    "--start", f"cand=echo $$ > {pids[1]}; {_mock(guidellm, ports[1], 5)}",
+                    "--levels", "1,2", "--repetitions", "2", "--no-aa",
+                    "--out", str(out), *FAST)
+    report = out / "rollout.json"
+
+    def ours() -> list:  # processes of this rollout: the servers, and guidellm (its files)
+        found = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            line = " ".join(p.info["cmdline"] or ())
+            if p.info["pid"] != proc.pid and (str(out) in line or any(
+                    f"--port {port}" in line for port in ports)):
+                found.append(line)
+        return found
+
+    try:
+        assert wait_until(lambda: report.is_file() and json.loads(report.read_text())["runs"],
+                          timeout=300, interval=0.2), "no run finished"
+        assert wait_until(lambda: any("guidellm run" in line for line in ours()),
+                          timeout=60, interval=0.05), ours()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert f"interrupted (partial results in {out})" in err
+    assert wait_until(lambda: not ours(), timeout=10), ours()
+    doc = json.loads(report.read_text())
+    assert doc["error"] == "interrupted" and 1 <= len(doc["runs"]) < 8
+    assert (out / "rollout.html").read_text().count("Partial results") == 1
+
+
+def test_a_server_already_on_a_started_arms_port_is_refused_not_measured(tmp_path):
+    """A server (here guidellm's mock) already answers on the port an arm's --start command
+    will serve: before, the rollout measured that server (a stopped rollout's leftover) and
+    its own failed to bind, unnoticed. Now: exit code 2 naming the arm and the port, before
+    any command starts."""
+    guidellm = _guidellm()
+    port, other = free_ports(2)
+    squatter = subprocess.Popen(_mock(guidellm, port, 5), shell=True, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: _answers(f"http://127.0.0.1:{port}/health"), timeout=120)
+        proc = _rollout("--arm", f"base=http://127.0.0.1:{port}",
+                        "--arm", f"cand=http://127.0.0.1:{other}",
+                        "--start", f"base={_mock(guidellm, port, 5)}",
+                        "--out", str(tmp_path / "r"), *FAST)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        os.killpg(squatter.pid, signal.SIGKILL)
+    assert proc.returncode == 2, err[-2000:]
+    (line,) = _errors(err)
+    assert f"arm base: http://127.0.0.1:{port}/health answers before its --start" in line
+    assert json.loads((tmp_path / "r" / "rollout.json").read_text())["runs"] == []
 
 
 @pytest.mark.parametrize("args, says", [
