@@ -216,7 +216,8 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     """The finished requests of a capture as a :class:`RequestSample` (``name``: default the
     path). Requests without a TTFT are left out; ITL counts only requests that reported one.
     The transfer cost is the capture's transfer totals (:func:`read_transfer_totals`: every
-    transfer, background offloads included) when it has them, else its requests' transfers.
+    transfer, background offloads included) when it has them, else its requests' transfers;
+    a direction whose copies took 0 s in all was not timed (its seconds: not measured).
     Raises TraceError for a missing capture, no request rows, or an unreadable segment."""
     path = Path(path)
     table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path)
@@ -227,7 +228,7 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     return dataclasses.replace(
         sample, transfer_bytes={d: t[0] for d, t in totals.items()},
         transfer_blocks={d: t[1] for d, t in totals.items()},
-        transfer_seconds={d: t[2] for d, t in totals.items()})
+        transfer_seconds={d: t[2] for d, t in totals.items() if t[2] > 0})  # 0: untimed
 
 
 def read_transfer_totals(path: str | Path) -> dict[str, tuple[int, int, float]] | None:
@@ -311,7 +312,10 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
         d = direction[ok]
         moved_bytes = {k: int(v) for k, v in _sum_by(d, fields["bytes"][ok]).items()}
         moved_blocks = {k: int(v) for k, v in _sum_by(d, fields["blocks"][ok]).items()}
-        seconds = _sum_by(d, fields["duration"][ok].astype(np.float64))
+        # a direction whose copies all took 0 s was not timed (untimed transfers, such as the
+        # vLLM tap's disk promotions, carry 0): not measured, rather than free
+        seconds = {k: v for k, v in _sum_by(d, fields["duration"][ok].astype(np.float64))
+                   .items() if v > 0}
         failures = int((~ok).sum())
     else:
         moved_bytes, moved_blocks, seconds, failures = {}, {}, {}, 0

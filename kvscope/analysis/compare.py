@@ -65,7 +65,8 @@ class RequestSample:
     inter-token latency of each request that reported one (> 0). ``promotion_wait``: seconds
     per request. ``tokens``: dict[source, prompt tokens]. ``transfer_bytes``,
     ``transfer_blocks``: dict["src->dst", int]; ``transfer_seconds``: dict["src->dst", float]
-    (successful transfers); ``transfer_failures``: failed transfers. ``prefill_seconds``:
+    (successful transfers; a direction missing from it or from ``transfer_blocks`` was not
+    measured); ``transfer_failures``: failed transfers (None: not measured). ``prefill_seconds``:
     the requests' prefill time in all (0: not reported). ``name``: for reports.
     """
 
@@ -77,7 +78,7 @@ class RequestSample:
     transfer_bytes: dict[str, int] = field(default_factory=dict)
     transfer_blocks: dict[str, int] = field(default_factory=dict)
     transfer_seconds: dict[str, float] = field(default_factory=dict)
-    transfer_failures: int = 0
+    transfer_failures: int | None = 0
     prefill_seconds: float = 0.0
 
     @property
@@ -103,20 +104,23 @@ class Side:
     (not measured, e.g. a GPU-only vLLM seen through spans alone);
     ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request (None: not
     measured, e.g. a rollout arm without an agent); ``transfers``:
-    dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}]. ``prefill_rate``:
+    dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}] (``blocks``,
+    ``seconds``: None when no run measured them, e.g. untimed copies); ``transfer_failures``:
+    None when no run counted them. ``prefill_rate``:
     tokens/s the engine prefilled (recomputed tokens over prefill seconds), None when not
     measured. ``value``: what each offload tier bought and cost, dict[tier,
     {"tokens": prompt tokens it served, "prefill_seconds_saved": those tokens at the prefill
     rate (None: not measured), "transfer_seconds": the seconds of its copies both ways
-    (promotions out of it, offloads into it)}]; a GPU prefix hit is not offload's doing."""
+    (promotions out of it, offloads into it; None: none of them timed)}]; a GPU prefix hit
+    is not offload's doing."""
 
     name: str
     requests: int
     runs: int
     tokens: dict[str, int]
     token_share: dict[str, float] | None
-    transfers: dict[str, dict[str, float]]
-    transfer_failures: int
+    transfers: dict[str, dict[str, float | None]]
+    transfer_failures: int | None
     promotion_wait_mean: float | None
     promotion_wait_p99: float | None
     prefill_rate: float | None = None
@@ -223,19 +227,26 @@ def _rows(b: list[np.ndarray], c: list[np.ndarray], resamples: int, confidence: 
             for i, q in enumerate(QUANTILES)]
 
 
+def transfer_failures(samples: Sequence[RequestSample]) -> int | None:
+    """The failed transfers of ``samples`` added up; None when none of them counted any."""
+    counted = [s.transfer_failures for s in samples if s.transfer_failures is not None]
+    return sum(counted) if counted else None
+
+
 def _side(runs: list[RequestSample]) -> Side:
     tokens = {src: sum(int(r.tokens.get(src, 0)) for r in runs) for src in ev.TOKEN_SOURCES}
     total = sum(tokens.values())
     share = {src: tokens[src] / total for src in ev.TOKEN_SOURCES} if total else None
     requests = sum(r.requests for r in runs)
     n = max(requests, 1)
-    moved: dict[str, dict[str, float]] = {}
+    moved: dict[str, dict[str, float | None]] = {}
     for r in runs:
         for d in set(r.transfer_bytes) | set(r.transfer_seconds) | set(r.transfer_blocks):
-            t = moved.setdefault(d, {"bytes": 0.0, "blocks": 0.0, "seconds": 0.0})
+            t = moved.setdefault(d, {"bytes": 0.0, "blocks": None, "seconds": None})
             t["bytes"] += r.transfer_bytes.get(d, 0)
-            t["blocks"] += r.transfer_blocks.get(d, 0)
-            t["seconds"] += r.transfer_seconds.get(d, 0.0)
+            for key, measured in (("blocks", r.transfer_blocks), ("seconds", r.transfer_seconds)):
+                if d in measured:  # else not measured: None unless another run measured it
+                    t[key] = (t[key] or 0) + measured[d]
     transfers = {d: {**moved[d], "bytes_per_request": moved[d]["bytes"] / n}
                  for d in sorted(moved)}
     wait = np.concatenate([np.asarray(r.promotion_wait, dtype=np.float64) for r in runs])
@@ -243,12 +254,14 @@ def _side(runs: list[RequestSample]) -> Side:
     rate = prefill_rate(tokens["recompute"], prefill)
     value = {}
     for tier in ev.TIERS[1:]:  # the offload tiers: a GPU prefix hit is not offload's doing
-        spent = sum(t["seconds"] for d, t in transfers.items() if tier in d.split("->"))
-        if tokens.get(tier) or spent:
+        legs = [t["seconds"] for d, t in transfers.items() if tier in d.split("->")]
+        timed = [seconds for seconds in legs if seconds is not None]
+        spent = None if legs and not timed else sum(timed)
+        if tokens.get(tier) or legs:
             value[tier] = {"tokens": tokens.get(tier, 0), "transfer_seconds": spent,
                            "prefill_seconds_saved": tokens.get(tier, 0) / rate if rate else None}
     return Side(", ".join(r.name for r in runs), requests, len(runs), tokens, share, transfers,
-                sum(r.transfer_failures for r in runs),
+                transfer_failures(runs),
                 float(wait.mean()) if len(wait) else None,
                 float(np.quantile(wait, 0.99)) if len(wait) else None, rate, value)
 
@@ -490,12 +503,13 @@ def render_text(comparison: Comparison) -> str:
             "by source)"))
     lines.append("transfer cost:")
     for side in (c.baseline, c.candidate):
-        moved = ", ".join(f"{d} {_bytes(t['bytes'])} in {t['seconds']:.3f} s"
-                          for d, t in side.transfers.items()) or "none"
+        moved = ", ".join(f"{d} {_bytes(t['bytes'])} in " + (
+            "time not measured" if t["seconds"] is None else f"{t['seconds']:.3f} s")
+            for d, t in side.transfers.items()) or "none"
         wait = "not measured" if side.promotion_wait_mean is None else \
             f"mean {ms(side.promotion_wait_mean)}, p99 {ms(side.promotion_wait_p99)}"
-        lines.append(f"  {side.name}: {moved}; promotion wait {wait}; failed transfers "
-                     f"{side.transfer_failures}")
+        failed = "not measured" if side.transfer_failures is None else side.transfer_failures
+        lines.append(f"  {side.name}: {moved}; promotion wait {wait}; failed transfers {failed}")
     lines.append("offload's value per tier (prefill seconds saved by the tokens it served, "
                  "against the seconds of its copies both ways):")
     for side in (c.baseline, c.candidate):
@@ -504,6 +518,8 @@ def render_text(comparison: Comparison) -> str:
         tiers = "; ".join(
             f"{tier}: {v['tokens']:,} tokens, saved "
             f"{'not measured' if v['prefill_seconds_saved'] is None else ms(v['prefill_seconds_saved'])}"
-            f", spent {ms(v['transfer_seconds'])}" for tier, v in side.value.items()) or "none"
+            ", spent " + ("not measured (untimed copies)" if v["transfer_seconds"] is None
+                          else ms(v["transfer_seconds"]))
+            for tier, v in side.value.items()) or "none"
         lines.append(f"  {side.name} ({rate}): {tiers}")
     return "\n".join(lines) + "\n"

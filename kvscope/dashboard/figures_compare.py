@@ -85,9 +85,19 @@ def hit_quality(data: dict | None) -> go.Figure:
     return fig
 
 
+def _moved(cell: dict) -> str:
+    """The hover's total seconds and blocks of one side's direction ({}: it moved nothing)."""
+    if not cell:
+        return "no transfers"
+    seconds, blocks = cell.get("seconds"), cell.get("blocks")
+    return (("time not measured" if seconds is None else f"{seconds:.3f} s") + ", "
+            + ("blocks not measured" if blocks is None else f"{blocks:,.0f} blocks") + " in all")
+
+
 def transfer_cost(data: dict | None) -> go.Figure:
     """Bytes moved per finished request, by direction, for both runs (grouped bars); the hover
-    adds the total seconds and blocks of each direction."""
+    adds the total seconds and blocks of each direction ("not measured" where a side's source
+    did not time or count them)."""
     if not data:
         return message_figure(TRANSFER_TITLE, EMPTY)
     directions = sorted(set(data["baseline"]["transfers"]) | set(data["candidate"]["transfers"]))
@@ -100,9 +110,9 @@ def transfer_cost(data: dict | None) -> go.Figure:
         fig.add_trace(go.Bar(
             x=directions, y=[c.get("bytes_per_request", 0.0) for c in cells], name=side,
             marker_color=RUN_COLOURS[side],
-            customdata=[[c.get("seconds", 0.0), c.get("blocks", 0)] for c in cells],
-            hovertemplate="%{x}: %{y:.4s}B per request; %{customdata[0]:.3f} s, "
-            "%{customdata[1]:,} blocks in all<extra>" + side + "</extra>"))
+            customdata=[_moved(c) for c in cells],
+            hovertemplate="%{x}: %{y:.4s}B per request; %{customdata}<extra>" + side
+            + "</extra>"))
     fig.update_yaxes(tickformat="~s", ticksuffix="B")
     return fig
 

@@ -167,14 +167,15 @@ class Cost:
     """What one run cost an arm: ``tokens`` (dict[source, prompt tokens]; empty: not
     measured), ``transfer_bytes`` / ``transfer_blocks`` (dict["src->dst", int]),
     ``transfer_seconds`` (dict["src->dst", float]; empty when only untimed bytes were seen),
-    ``transfer_failures`` and ``prefill_seconds`` (0: not reported). ``source``: where it was
-    read (``agent``, ``server`` or ``none``)."""
+    ``transfer_failures`` (None: not measured, the server's metrics count none) and
+    ``prefill_seconds`` (0: not reported). ``source``: where it was read (``agent``,
+    ``server`` or ``none``)."""
 
     tokens: dict[str, int]
     transfer_bytes: dict[str, int]
     transfer_blocks: dict[str, int]
     transfer_seconds: dict[str, float]
-    transfer_failures: int
+    transfer_failures: int | None
     prefill_seconds: float
     source: str
 
@@ -212,5 +213,6 @@ def cost(before: tuple[Samples, Samples | None], after: tuple[Samples, Samples |
         elif isinstance(e, ev.Transfer) and e.ok and e.bytes:
             d = f"{e.src}->{e.dst}"
             moved[d] = moved.get(d, 0) + e.bytes
-            blocks[d] = blocks.get(d, 0) + e.blocks
-    return Cost(tokens, moved, blocks, {}, 0, prefill, "server" if tokens else "none")
+            if e.blocks:  # 0: bytes without a block size, not measured
+                blocks[d] = blocks.get(d, 0) + e.blocks
+    return Cost(tokens, moved, blocks, {}, None, prefill, "server" if tokens else "none")

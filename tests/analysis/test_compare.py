@@ -468,6 +468,44 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
         in text and "prefill rate not measured): none" in text
 
 
+def test_untimed_copies_and_uncounted_failures_are_not_measured_never_zero(tmp_path, capsys):
+    """A vLLM capture whose 100 requests each had 2 blocks promoted disk->cpu (the tap sees
+    those copies as manager events, untimed: duration 0) and 32 tokens from the disk tier:
+    the copies' time is "not measured", and so is what the disk tier spent, never "0.000 s"
+    (offload looked free). A rollout arm read from vLLM's /metrics counts no failures: "failed
+    transfers not measured"; a capture counts them (0 here). Timed cpu->gpu copies (1 ms each)
+    beside them still add up: 0.1 s."""
+    directory = tmp_path / "cand"
+    writer = CaptureWriter(directory)
+    for i in range(100):
+        writer.add_request(RequestRecord(
+            f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64,
+            tokens={"disk": 32, "recompute": 32}, ttft=0.01, prefill=0.0032,
+            transfers=[TransferRecord("disk", "cpu", 2, 1_000_000, 1000.0 + i, 0.0),
+                       TransferRecord("cpu", "gpu", 2, 1_000_000, 1000.0 + i, 0.001)],
+            finished=1000.0 + i + 0.01))
+    writer.close()
+    cand = read_request_sample(directory)
+    assert "disk->cpu" not in cand.transfer_seconds and cand.transfer_failures == 0
+    server = RequestSample("server", np.linspace(0.01, 0.02, 100),
+                           tokens={"cpu": 3200, "recompute": 3200},
+                           transfer_bytes={"cpu->gpu": 10**8}, transfer_failures=None)
+    c = compare(server, cand, ttft_budget=None, resamples=100)
+    disk, moved = c.candidate.value["disk"], c.candidate.transfers
+    assert disk["transfer_seconds"] is None and disk["tokens"] == 3200
+    assert moved["disk->cpu"]["seconds"] is None and moved["disk->cpu"]["blocks"] == 200
+    assert moved["cpu->gpu"]["seconds"] == pytest.approx(0.1)
+    assert c.baseline.transfers["cpu->gpu"]["seconds"] is None
+    assert c.baseline.transfers["cpu->gpu"]["blocks"] is None
+    assert (c.baseline.transfer_failures, c.candidate.transfer_failures) == (None, 0)
+    text = render_text(c)
+    assert "disk->cpu 100.0 MB in time not measured" in text
+    assert "cpu->gpu 100.0 MB in 0.100 s" in text
+    assert "disk: 3,200 tokens, saved " in text and "spent not measured (untimed copies)" in text
+    assert "server: cpu->gpu 100.0 MB in time not measured" in text
+    assert "failed transfers not measured" in text and "failed transfers 0" in text
+
+
 def test_a_difference_that_rounds_to_zero_reads_zero_not_minus_zero():
     """A new user read a CI of ``[-1.53, -0.00]``: a bound of -0.4 us printed in milliseconds to
     two decimals. It reads 0.00; a bound that rounds to -0.01 stays negative."""

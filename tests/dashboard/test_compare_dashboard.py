@@ -48,6 +48,13 @@ def test_hit_quality_and_transfer_figures():
     tc = fc.transfer_cost(data)
     assert list(tc.data[1].x) == ["cpu->gpu"] and tc.data[1].y[0] == 20_000  # 4 MB / 200
     assert tc.data[0].y[0] == 0.0
+    assert list(tc.data[1].customdata) == ["0.200 s, 8 blocks in all"]
+    assert list(tc.data[0].customdata) == ["no transfers"]  # the baseline moved nothing
+    untimed = RequestSample("vllm", np.linspace(0.1, 0.2, 200), tokens={"cpu": 1},
+                            transfer_bytes={"cpu->gpu": 1000})  # bytes from vLLM's /metrics
+    data = to_dict(compare(untimed, untimed, ttft_budget=None, resamples=200))
+    assert list(fc.transfer_cost(data).data[0].customdata) == [
+        "time not measured, blocks not measured in all"]
 
 
 def test_placeholders_and_verdict_colours():

@@ -42,13 +42,15 @@ def test_an_arm_with_an_agent_costs_its_counters_increases():
 
 def test_an_arm_without_an_agent_costs_vllms_prefix_cache_counters():
     """vLLM's prompt tokens 150 -> 282 (+132) with prefix-cache hits 100 -> 160 (+60): gpu 60,
-    recompute 72; no transfer seen, so none (not 0 seconds: not measured)."""
+    recompute 72; no transfer seen, so none (not 0 seconds: not measured); vLLM counts no
+    failed transfers: not measured (None), not 0."""
     before = (parse(VLLM.format(prompt=150, hits=100, prefill=1.0)), None)
     after = (parse(VLLM.format(prompt=282, hits=160, prefill=2.0)), None)
     c = cost(before, after)
     assert c.source == "server"
     assert c.tokens == {"gpu": 60, "recompute": 72}
     assert (c.transfer_bytes, c.transfer_seconds, c.prefill_seconds) == ({}, {}, 1.0)
+    assert c.transfer_failures is None
 
 
 def test_a_server_without_prefix_cache_counters_measures_nothing():
