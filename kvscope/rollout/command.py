@@ -12,7 +12,7 @@ from pathlib import Path
 from kvscope.analysis.compare import check_resamples
 from kvscope.analysis.compare_cmd import add_verdict_arguments
 from kvscope.argtypes import http_url, non_negative, positive
-from kvscope.rollout import loadgen
+from kvscope.rollout import loadgen, workload
 from kvscope.rollout.arms import Arm
 from kvscope.rollout.plan import DEFAULT_LEVELS, DEFAULT_REPETITIONS
 from kvscope.rollout.session import Options, RolloutError, Session
@@ -146,8 +146,14 @@ def run(args: argparse.Namespace) -> int:
         arms = _arms(args)
         check_resamples(args.resamples, args.confidence)  # now, not after the runs
         executable = loadgen.find(args.loadgen)
-        if args.workload != MIXED and not Path(args.workload).is_file():
-            raise ValueError(f"--workload {args.workload}: no such trace file (or 'mixed')")
+        if args.workload != MIXED:
+            if not Path(args.workload).is_file():
+                raise ValueError(f"--workload {args.workload}: no such trace file (or 'mixed')")
+            # read now what the runs will read (their first requests), not after servers start
+            workload.prompts(args.workload, max(args.requests, args.warmup_requests), args.seed,
+                             block_tokens=args.block_tokens,
+                             max_prompt_tokens=args.max_prompt_tokens,
+                             max_output_tokens=args.max_output_tokens)
         out = Path(args.out or time.strftime("rollout-%Y%m%d-%H%M%S"))
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ValueError(f"--out {out}: exists and is not an empty directory")
@@ -162,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                    "confidence": args.confidence, "resamples": args.resamples,
                    "seed": args.seed, "min_requests": args.min_requests})
         session = Session(arms, options, out)
-    except (ValueError, loadgen.LoadgenError) as exc:
+    except (ValueError, loadgen.LoadgenError) as exc:  # TraceError is a ValueError
         print(f"kvscope rollout: error: {exc}", file=sys.stderr)
         return 2
     interrupt_on_signals()  # SIGTERM and SIGHUP stop the arms and keep the runs, as Ctrl-C

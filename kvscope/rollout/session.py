@@ -170,6 +170,7 @@ class Session:
                 self._say(f"starting {arm.name}: waiting for {arm.health_url}" if arm.command
                           else f"waiting for {arm.name} at {arm.health_url}")  # no --start
                 arm.start(self.directory / "logs" / f"server-{i + 1}.log", o.start_timeout)
+                arm.snapshot()  # an --agent that cannot be read fails now, not after a run
             for i, arm in enumerate(self.arms.values()):
                 if o.warmup_requests:
                     self._say(f"warming up {arm.name} ({o.warmup_requests} requests)")

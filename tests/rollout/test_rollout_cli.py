@@ -180,6 +180,25 @@ def test_a_server_already_on_a_started_arms_port_is_refused_not_measured(tmp_pat
     assert json.loads((tmp_path / "r" / "rollout.json").read_text())["runs"] == []
 
 
+def test_an_agent_that_cannot_be_read_is_said_before_any_run(tmp_path):
+    """--agent names a port nothing listens on: the rollout stops once the servers are up,
+    before warm-ups and runs (it read the agent first after run 1), exit code 2 naming it."""
+    guidellm = _guidellm()
+    base, cand, agent = free_ports(3)
+    proc = _rollout("--arm", f"base=http://127.0.0.1:{base}",
+                    "--arm", f"cand=http://127.0.0.1:{cand}",
+                    "--start", f"base={_mock(guidellm, base, 5)}",
+                    "--start", f"cand={_mock(guidellm, cand, 5)}",
+                    "--agent", f"cand=http://127.0.0.1:{agent}", "--warmup-requests", "5",
+                    "--out", str(tmp_path / "r"), *FAST[:2], *FAST[4:])
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-2000:]
+    (line,) = _errors(err)
+    assert f"cand's agent: cannot read http://127.0.0.1:{agent}/metrics" in line
+    assert "warming up" not in err
+    assert json.loads((tmp_path / "r" / "rollout.json").read_text())["runs"] == []
+
+
 @pytest.mark.parametrize("args, says", [
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}",
       "--start-timeout", "1"], "did not answer 200"),
@@ -195,13 +214,17 @@ def test_a_server_already_on_a_started_arms_port_is_refused_not_measured(tmp_pat
     # refused before any run, not when judging after them
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--resamples", "10"],
      "--resamples 10 is too few for a 95% interval: give at least 80"),
+    # a trace the runs could not read: said before any server is waited for
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--workload",
+      "{tmp}/bad.jsonl"], "bad.jsonl:1: not JSON"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, says):
     """Nothing listens on the port; the load generator named does not exist; a budget, levels,
-    arms or resamples the command cannot use."""
+    arms, resamples or trace the command cannot use."""
     port, = free_ports(1)
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
     loadgen_args = [] if "--loadgen" in args else ["--loadgen", sys.executable]
-    proc = _rollout(*[a.format(p=port) for a in args], *loadgen_args,
+    proc = _rollout(*[a.format(p=port, tmp=tmp_path) for a in args], *loadgen_args,
                     "--out", str(tmp_path / "r"))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
