@@ -250,7 +250,9 @@ TAP_ERRORS = _counter("kvscope_tap_errors_total",
     "tap reports it with its batches.", ["source", "reason"])
 SOURCE_UP = _gauge("kvscope_source_up",
     "1 when a source the agent reads works, 0 when it is failing: its ingest socket, OTLP "
-    "receiver, KV events and vLLM metrics (the demo's engine too), not each tap.", ["source"])
+    "receiver, KV events and each engine's metrics it scrapes (vllm_metrics, sglang_metrics, "
+    "lmcache_metrics, kvbm_metrics, trtllm; while 0, their tier and scheduler gauges are left "
+    "out), the demo's engine too, not each tap.", ["source"])
 COLLECTOR_UP = _gauge("kvscope_collector_up",
     "1 when a collector's last run succeeded, 0 otherwise.", ["collector"])
 COLLECTOR_DURATION_SECONDS = _gauge("kvscope_collector_duration_seconds",

@@ -18,7 +18,7 @@ from kvscope.agent.sources.base import Built
 from kvscope.agent.sources.lmcache_metrics import (LMCacheMapper, LMCacheMetricsConfig,
                                                    LMCacheMetricsSource, _build)
 from kvscope.agent.sources.scrape import parse, series
-from tests.engine_servers import lmcache_python, lmcache_server
+from tests.engine_servers import exposition_server, lmcache_python, lmcache_server
 
 CHUNK = 4 << 20  # bytes: 256 tokens x 4 layers x (K, V) x 8 heads x 128 x 2 bytes (float16)
 BOUNDS = [1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 3600.0, 7200.0,
@@ -139,6 +139,32 @@ def test_a_restarted_server_is_another_l1_of_unknown_size_and_counts_from_0():
     events = mapper.map(parse(restarted), 2.0)
     assert not [e for e in events if isinstance(e, ev.TierSnapshot)]
     assert _moved(events) == {("gpu", "cpu"): (3, 0)}
+
+
+def test_a_restarted_or_unanswering_server_leaves_the_tier_gauges_its_counters_stay():
+    """Scraped over real HTTP: the L1 is 8 MiB full at 0.5 (16 MiB) after 10 writes. The server
+    restarts with an empty L1 (another service_instance_id): the cpu tier leaves the gauges
+    (before, the old 8 MiB stayed for good); at 4 MiB used of 0.25 it is back, 16 MiB. Then
+    the server answers without LMCache's series (stopped, another server on the port): the
+    source is down and the tier gone again, as Prometheus' own series of a target it cannot
+    scrape; the 10 + 3 stores counted stay."""
+    base = dict(loads=0, retrieved=0, stored=0, evicted=0, requested=0, l1_hits=0, l2_hits=0)
+    tiers = []
+    with exposition_server() as server:
+        source = LMCacheMetricsSource(Pipeline(), server.url)
+        source.prepare()
+        for body in (exposition(0, used=0, ratio=0.0, **base),
+                     exposition(10, used=8 << 20, ratio=0.5, **base),
+                     exposition(3, used=0, ratio=0.0, **base).replace('"3c1b"', '"9f2e"'),
+                     exposition(3, used=4 << 20, ratio=0.25, **base).replace('"3c1b"', '"9f2e"'),
+                     "other_metric 1\n"):
+            server.body = body
+            source.scrape_once()
+            snap = source.pipeline.snapshot()
+            tiers.append({t: (s.resident_bytes, s.capacity_bytes) for t, s in snap.tiers.items()})
+    assert tiers == [{}, {"cpu": (8 << 20, 16 << 20)}, {}, {"cpu": (4 << 20, 16 << 20)}, {}]
+    assert snap.source_up == {"lmcache_metrics": False}
+    assert snap.transfer_blocks == {("gpu", "cpu"): 13}
 
 
 def test_an_l1_on_gpudirect_storage_is_the_disk_tier():

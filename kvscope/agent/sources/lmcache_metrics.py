@@ -117,11 +117,14 @@ class LMCacheMapper:
         self._deficit = 0.0  # L2 loads counted before the L1 writes they made
         self._capacity: dict[frozenset, float] = {}  # an L1 manager's bytes, once known
         self._instance: str | None = None  # the server process's OTel service.instance.id
+        # the last scrape came from another server process than the one before (see the source)
+        self.restarted = False
 
     def map(self, samples: Samples, now: float) -> list:
         self.counters.begin(samples)
         instance = next((dict(labels).get("service_instance_id")
                          for labels in series(samples, "target_info")), None)
+        self.restarted = instance != self._instance and self._instance is not None
         if instance != self._instance:  # another server process: its L1 may be another size
             self._instance, self._capacity, self._deficit = instance, {}, 0.0
         l1 = level_tier(samples, L1_BYTES, "backend", L1_BACKENDS) or "cpu"
@@ -206,6 +209,14 @@ class LMCacheMetricsSource(ScrapeSource):
     engine = "LMCache"
     prefix = _P
     mapper_class = LMCacheMapper
+
+    def map(self, samples: Samples, now: float) -> list:
+        """The mapper's events; a restarted server's L1 leaves the tier gauges until its size
+        is known again (the old process's fill and size are no longer true)."""
+        events = super().map(samples, now)
+        if self.mapper.restarted:
+            self.pipeline.forget_tiers(self.name)
+        return events
 
 
 class LMCacheMetricsConfig(ScrapeSection):

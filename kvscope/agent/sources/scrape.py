@@ -280,6 +280,10 @@ class ScrapeSource(SourceWorker):
         self.failures += 1
         if self.failures == 1:
             log.warning("%s metrics at %s %s", self.engine, self.url, why)
+            # Its tiers and scheduler gauges are as stale as Prometheus' own series of a
+            # target it cannot scrape: left out until a scrape answers (a stopped LMCache kept
+            # showing its full L1), its counters kept.
+            self.pipeline.forget_tiers(self.name)
         self.report_up(False)
         return False
 
