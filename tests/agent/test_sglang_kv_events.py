@@ -257,6 +257,14 @@ def test_the_engine_selects_media_default_tiers_and_binding():
         KvEventsConfig(endpoint="ipc:///tmp/kv", dp_size=2)
     with pytest.raises(ValueError, match="past port 65535"):
         KvEventsConfig(endpoint="tcp://*:65535", dp_size=2)
+    # rank 1 would publish on 5558, rank 0's replay port: SGLang's publisher fails to bind
+    with pytest.raises(ValueError, match="ports 5557-5558 and the replay_endpoint's 5558-5559 "
+                                         "overlap.*e.g. 5560"):
+        KvEventsConfig(endpoint="tcp://*:5557", replay_endpoint="tcp://127.0.0.1:5558",
+                       dp_size=2)
+    assert KvEventsConfig(endpoint="tcp://*:5557", replay_endpoint="tcp://127.0.0.1:5559",
+                          dp_size=2).dp_size == 2
+    assert KvEventsConfig(endpoint="tcp://*:5557", replay_endpoint="tcp://127.0.0.1:5558")
     assert rank_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
     assert SGLANG.binds("tcp://0.0.0.0:5557") and not VLLM.binds("tcp://0.0.0.0:5557")
     assert describe_endpoint("tcp://0.0.0.0:5557", SGLANG).startswith(

@@ -31,8 +31,9 @@ reads as duplicates and restarts.
 same framing, replay included, and binds ``0.0.0.0`` too. With data parallelism each DP rank
 publishes on its own port, the endpoint's plus the rank (``ZmqEventPublisher.
 offset_endpoint_port``; its replay endpoint likewise), with its own sequence and its own KV
-cache: with ``dp_size`` N the source subscribes to all N ports, and keeps a sequence, gaps,
-replays and restarts per rank (the batch's rank).
+cache (vLLM's publisher likewise, ``distributed/kv_events.py``): with ``dp_size`` N the
+source subscribes to all N ports, and keeps a sequence, gaps, replays and restarts per rank
+(the batch's rank); the endpoint's and the replay endpoint's port ranges must not overlap.
 """
 
 from __future__ import annotations
@@ -451,6 +452,17 @@ class KvEventsConfig(EngineSection):
                                  "publishes on its port plus the rank)")
             if int(endpoint.rpartition(":")[2]) + value - 1 > 65535:
                 raise ValueError(f"{value} ranks from the {key}'s port run past port 65535")
+        replay = info.data.get("replay_endpoint")
+        endpoint = info.data.get("endpoint")
+        if replay and endpoint:  # both tcp:// here; rank r takes port + r of each
+            first, other = (int(e.rpartition(":")[2]) for e in (endpoint, replay))
+            if abs(first - other) < value:
+                raise ValueError(
+                    f"with {value} ranks the endpoint's ports {first}-{first + value - 1} and "
+                    f"the replay_endpoint's {other}-{other + value - 1} overlap (each rank "
+                    f"publishes on the port plus its rank): give the replay endpoint a port "
+                    f"{value} or more away, e.g. {max(first, other) + value}, in the engine's "
+                    "--kv-events-config too")
         return value
 
     @field_validator("capacity_blocks")
