@@ -264,7 +264,9 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
         error = exc.errors()[0]
         loc = [str(p) for p in error["loc"]]
         key = ".".join(loc)
-        if overrides.get(key) is not None:
+        if not loc:  # a check across tables (two sources claiming one tier): no one key
+            where = f"config{' ' + str(path) if path else ''}"
+        elif overrides.get(key) is not None:
             where = f"command line: {key}"
         elif _set_in(values, loc):
             where = f"config{' ' + str(path) if path else ''}: {key}"

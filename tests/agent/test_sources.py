@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 from pathlib import Path
 
 import pytest
 
 from kvscope.agent import sources
-from kvscope.agent.config import AgentSettings, load_settings
+from kvscope.agent.config import AgentSettings, ConfigError, load_settings
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sections import Section
 from kvscope.agent.sources import base
@@ -141,6 +142,20 @@ def test_vllm_metrics_beside_kvbm_or_lmcache_leaves_them_their_tiers(other):
     with pytest.raises(ValueError, match=r"both report the cpu tier"):
         AgentSettings(kv_events={"enabled": True, "tiers": ["gpu", "cpu"]},
                       **{other: {"enabled": True}})
+
+
+def test_two_sources_claiming_a_tier_in_a_file_name_the_file_not_an_empty_key(tmp_path,
+                                                                              monkeypatch):
+    """The check spans tables, so no one key is at fault: the line names the file and the two
+    tables (it read "config agent.toml: : [kvbm_metrics] and ...")."""
+    for key in [k for k in os.environ if k.startswith("KVSCOPE_")]:
+        monkeypatch.delenv(key)
+    path = tmp_path / "agent.toml"
+    path.write_text("[trtllm]\nenabled = true\n[kvbm_metrics]\nenabled = true\n")
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    assert str(caught.value).startswith(f"config {path}: [kvbm_metrics] and [trtllm] both "
+                                        "report the cpu tier"), caught.value
 
 
 ENGINES = {"vllm_metrics": "vllm", "trtllm": "tensorrt-llm", "kvbm_metrics": "dynamo",
