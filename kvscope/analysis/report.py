@@ -142,6 +142,9 @@ def render_text(analysis: Analysis) -> str:
     if s.knee is not None:
         lines.append(f"  knee: {s.knee.blocks:,} blocks ({_gib(s.knee.bytes)}): CPU tier serves "
                      f"{s.knee.cpu_token_hit_share:.2%} (where the gain curve bends most)")
+    elif s.recommended is not None:
+        lines.append("  knee: none (the gain grows no slower as the tier grows, up to the "
+                     "largest affordable size)")
     if s.recommended is not None:
         p = s.recommended
         lines += [f"  recommended CPU tier: {p.blocks:,} blocks ({_gib(p.bytes)}); "

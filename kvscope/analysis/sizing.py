@@ -95,7 +95,8 @@ class SizePoint:
 @dataclass(frozen=True)
 class SizingAdvice:
     """The advice. ``offload``: whether a CPU tier pays. ``reasons``: plain sentences why not
-    (empty when it pays). ``recommended``/``knee``: None when there is nothing to size.
+    (empty when it pays). ``recommended``/``knee``: None when there is nothing to size (``knee``
+    also when the gain curve bends nowhere above the GPU cache's size).
     ``kv_offloading_size_gib``: vLLM ``--kv-offloading-size`` for ``recommended`` (GiB, rounded
     up to 0.1). ``offload_bytes_per_second``: average device-to-host store traffic at that size.
     ``curve``: every evaluated size, ascending."""
@@ -116,14 +117,17 @@ class SizingAdvice:
         return asdict(self)
 
 
-def kneedle(x: np.ndarray, y: np.ndarray) -> int:
+def kneedle(x: np.ndarray, y: np.ndarray) -> int | None:
     """Index of the knee of an increasing curve: the largest ``y_n - x_n`` after scaling both to
-    [0, 1] (Satopää et al. 2011). Returns 0 for flat or single-point curves."""
+    [0, 1] (Satopää et al. 2011). None for a flat curve, one of under 3 points, or one with no
+    point above its chord (a straight or convex curve bends nowhere: its largest difference
+    would be an end point)."""
     if len(x) < 3 or y[-1] <= y[0] or x[-1] <= x[0]:
-        return 0
+        return None
     xn = (x - x[0]) / (x[-1] - x[0])
     yn = (y - y[0]) / (y[-1] - y[0])
-    return int(np.argmax(yn - xn))
+    i = int(np.argmax(yn - xn))
+    return i if yn[i] - xn[i] > 1e-9 else None
 
 
 def _round_up_gib(n_bytes: float) -> float:
@@ -185,10 +189,13 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
                            f"{_round_up_gib(need * bpb)} GiB.")
 
     knee = None
-    if len(affordable) >= 3 and best_gain > 0:
-        x = np.array([p.blocks for p in affordable], dtype=np.float64)
-        y = np.array([p.cpu_token_hit_share for p in affordable])
-        knee = affordable[kneedle(x, y)]
+    # over the sizes the tier adds to: below the GPU cache's an inclusive tier serves nothing,
+    # and that flat start made the first point (1 block, 0%) the knee of a convex curve
+    tier = [p for p in affordable if p.blocks >= g]
+    if best_gain > 0:
+        i = kneedle(np.array([p.blocks for p in tier], dtype=np.float64),
+                    np.array([p.cpu_token_hit_share for p in tier]))
+        knee = None if i is None else tier[i]
     recommended = None
     if not reasons:
         recommended = next(p for p in affordable

@@ -57,7 +57,27 @@ def test_a_gpu_cache_that_already_holds_the_reuse_leaves_nothing_to_offload():
     assert not advice.offload and "GPU prefix cache" in advice.verdict
 
 
-def test_kneedle_finds_the_bend():
+def test_kneedle_finds_the_bend_and_none_where_the_curve_bends_nowhere():
+    """Normalised, the concave curve's point 1 is 0.8 - 0.25 = 0.55 above the chord: the knee.
+    A flat, a straight and a convex curve (every point on or below the chord) have none; their
+    largest difference is an end point (0), which read as a knee at the smallest size."""
     x = np.array([0, 1, 2, 3, 4], dtype=float)
     assert kneedle(x, np.array([0, 0.8, 0.9, 0.95, 1.0])) == 1
-    assert kneedle(x, np.zeros(5)) == 0
+    assert kneedle(x, np.zeros(5)) is None
+    assert kneedle(x, x / 4) is None
+    assert kneedle(x, np.array([0, 0.05, 0.2, 0.5, 1.0])) is None
+
+
+def test_the_knee_lies_where_the_cpu_tier_adds_and_a_convex_gain_has_none():
+    """GPU cache 4 blocks. Reuse at distances 5 (30 tokens) and 9 (20), of 100: the CPU tier's
+    gain is 0 up to 5 blocks, 30% from 6, 50% from 10: it bends at 6 blocks (30% there is
+    0.6 of the gain at 1/3 of the span from 4 to 10 blocks). Reuse at 9 alone (convex up to
+    its step at 10, the working set's end): no knee; it was 1 block serving 0%, below the
+    GPU cache, where an inclusive tier serves nothing."""
+    h = np.zeros(10)
+    h[[5, 9]] = [30.0, 20.0]
+    advice = advise(DistanceHistogram(h, 100.0), SizingParams(ROUND, 1, FAST, gpu_tokens=4),
+                    10.0)
+    assert advice.knee.blocks == 6 and advice.knee.cpu_token_hit_share == pytest.approx(0.3)
+    convex = advise(far_reuse(), SizingParams(ROUND, 1, FAST, gpu_tokens=4), 10.0)
+    assert convex.offload and convex.knee is None
