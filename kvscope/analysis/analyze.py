@@ -154,18 +154,22 @@ def _sampled_reuse(reuse: ReuseStats, trace: AccessTrace) -> ReuseStats:
                    reused_blocks=round(reuse.reused_blocks / rate), top_prefixes=[])
 
 
-def _rates(options: AnalyzeOptions) -> tuple[float, float | None, dict[str, str]]:
-    """(bandwidth bytes/s, prefill tokens/s or None for the preset's, where each came from)."""
+def _rates(options: AnalyzeOptions) -> tuple[float, float | None, float | None,
+                                              dict[str, str]]:
+    """(bandwidth bytes/s, prefill tokens/s and KV bytes per block, each None for the
+    preset's, where each came from)."""
     measured = options.measured or MeasuredRates()
     bandwidth, bandwidth_from = measured.pick("bandwidth", options.bandwidth, "--bandwidth-gbps")
     prefill, prefill_from = measured.pick("prefill", options.prefill_tokens_per_second,
                                           "--prefill-tokens-per-second")
+    block_bytes, block_bytes_from = measured.pick("kv_bytes", None, "")
     sources = {"bandwidth": bandwidth_from or (
         f"assumed: {DEFAULT_BANDWIDTH / 1e9:g} GB/s, about 80% of PCIe 4.0 x16 (no timed "
         "cpu->gpu copy in the input)")}
-    if prefill_from:
-        sources["prefill"] = prefill_from
-    return bandwidth or DEFAULT_BANDWIDTH, prefill, sources
+    for name, found in (("prefill", prefill_from), ("kv_bytes", block_bytes_from)):
+        if found:
+            sources[name] = found
+    return bandwidth or DEFAULT_BANDWIDTH, prefill, block_bytes, sources
 
 
 def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
@@ -185,10 +189,13 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
     grid = size_grid(working_set, options.curve_points)
     lru = curve_from_histogram(by_access, grid, method)
     lru_tokens = curve_from_histogram(by_token, grid, method, weight="tokens")
-    bandwidth, prefill, rate_sources = _rates(options)
+    bandwidth, prefill, block_bytes, rate_sources = _rates(options)
+    # the capture's transfers count blocks of its lookups' size (vLLM's block, the engine's)
     params = SizingParams(options.preset, trace.block_tokens, bandwidth,
                           options.gpu_tokens, options.budget_bytes, options.target_share,
-                          prefill_tokens_per_second=prefill, rate_sources=rate_sources)
+                          prefill_tokens_per_second=prefill, rate_sources=rate_sources,
+                          kv_bytes_per_token=block_bytes / trace.block_tokens
+                          if block_bytes else None)
     sizing = advise(by_token, params, trace.duration)
     notes = []
     if tapped:

@@ -259,9 +259,9 @@ def read_transfer_totals(path: str | Path) -> dict[str, tuple[int, int, float]] 
 
 
 def read_measured_rates(path: str | Path) -> MeasuredRates:
-    """The promotion bandwidth and prefill rate the capture directory at ``path`` measured
-    (:mod:`~kvscope.analysis.rates`): from its requests (and transfer totals), or its transfer
-    totals alone when it has no requests segment; nothing measured for a single segment file.
+    """The promotion bandwidth, prefill rate and KV bytes per block the capture directory at
+    ``path`` measured (:mod:`~kvscope.analysis.rates`): from its requests (and transfer
+    totals), or its transfer totals alone when it has no requests segment; nothing measured for a single segment file.
     A capture whose requests cannot be read is warned about and measures nothing: the block
     accesses can still be sized."""
     path = Path(path)
@@ -271,13 +271,15 @@ def read_measured_rates(path: str | Path) -> MeasuredRates:
         if capture_segments(path, "requests"):
             sample = read_request_sample(path)
             return measured_rates(sample.tokens.get("recompute", 0), sample.prefill_seconds,
-                                  sample.transfer_bytes, sample.transfer_seconds)
+                                  sample.transfer_bytes, sample.transfer_seconds,
+                                  sample.transfer_blocks)
         totals = read_transfer_totals(path) or {}
     except TraceError as exc:
         log.warning("kvscope: no rates measured from %s: %s", path, exc)
         return MeasuredRates()
     return measured_rates(0, 0.0, {d: t[0] for d, t in totals.items()},
-                          {d: t[2] for d, t in totals.items()})
+                          {d: t[2] for d, t in totals.items()},
+                          {d: t[1] for d, t in totals.items()})
 
 
 def read_runs(paths: str) -> list[RequestSample]:

@@ -6,6 +6,9 @@ assumed (and labelled so) when it cannot.
 - **Prefill rate** (tokens/s): the recomputed prompt tokens over the requests' prefill seconds
   (first scheduled to first token: vLLM's tap; the reference engine's roofline), as
   ``kvscope compare`` measures it.
+- **KV bytes per block**: the bytes over the blocks of the capture's transfers, every
+  direction (the engine's own block size and KV layout, where a preset only approximates the
+  model's).
 
 Pure: the capture's figures come in as a :class:`~kvscope.analysis.compare.RequestSample`
 (read by :mod:`~kvscope.analysis.capture_reader`). Sizing names where each rate came from:
@@ -23,20 +26,23 @@ PROMOTION = "cpu->gpu"
 class MeasuredRates:
     """What a capture measured. ``bandwidth``: host-to-device bytes/s, None when it timed no
     promotion. ``prefill_tokens_per_second``: None when it recorded no prefill time or no
-    recomputed token. ``evidence``: rate name (``bandwidth``, ``prefill``) -> what it was
-    measured over, in words."""
+    recomputed token. ``bytes_per_block``: KV bytes of one block, None when no transfer
+    counted its blocks. ``evidence``: rate name (``bandwidth``, ``prefill``, ``kv_bytes``) ->
+    what it was measured over, in words."""
 
     bandwidth: float | None = None
     prefill_tokens_per_second: float | None = None
+    bytes_per_block: float | None = None
     evidence: dict[str, str] = field(default_factory=dict)
 
     def pick(self, name: str, given: float | None, flag: str) -> tuple[float | None, str | None]:
-        """(value, where it came from) of the rate ``name`` (``bandwidth`` or ``prefill``):
-        ``given`` (on the command line as ``flag``) first, then the measured one; (None, None)
-        when neither is there and the caller assumes one."""
+        """(value, where it came from) of the rate ``name`` (``bandwidth``, ``prefill`` or
+        ``kv_bytes``): ``given`` (on the command line as ``flag``) first, then the measured
+        one; (None, None) when neither is there and the caller assumes one."""
         if given is not None:
             return given, f"given ({flag})"
-        value = self.bandwidth if name == "bandwidth" else self.prefill_tokens_per_second
+        value = {"bandwidth": self.bandwidth, "prefill": self.prefill_tokens_per_second,
+                 "kv_bytes": self.bytes_per_block}[name]
         return (value, "measured: " + self.evidence[name]) if value is not None else (None, None)
 
 
@@ -47,11 +53,18 @@ def prefill_rate(recomputed_tokens: float, prefill_seconds: float) -> float | No
 
 
 def measured_rates(recomputed_tokens: int, prefill_seconds: float,
-                   transfer_bytes: dict[str, int], transfer_seconds: dict[str, float]
-                   ) -> MeasuredRates:
+                   transfer_bytes: dict[str, int], transfer_seconds: dict[str, float],
+                   transfer_blocks: dict[str, int] | None = None) -> MeasuredRates:
     """The rates a capture measured: its recomputed prompt tokens and prefill seconds (all
-    requests), and its transfers' bytes and seconds by "src->dst"."""
+    requests), and its transfers' bytes, seconds and blocks by "src->dst"."""
     evidence = {}
+    counted = [d for d, n in (transfer_blocks or {}).items() if n > 0 and transfer_bytes.get(d)]
+    all_bytes = sum(transfer_bytes[d] for d in counted)
+    blocks = sum(transfer_blocks[d] for d in counted) if counted else 0
+    block_bytes = all_bytes / blocks if blocks else None
+    if block_bytes is not None:
+        evidence["kv_bytes"] = (f"{all_bytes:,} bytes in {blocks:,} blocks (the capture's "
+                                "transfers)")
     nbytes, seconds = transfer_bytes.get(PROMOTION, 0), transfer_seconds.get(PROMOTION, 0.0)
     bandwidth = nbytes / seconds if nbytes > 0 and seconds > 0 else None
     if bandwidth is not None:
@@ -61,4 +74,4 @@ def measured_rates(recomputed_tokens: int, prefill_seconds: float,
     if prefill is not None:
         evidence["prefill"] = (f"{recomputed_tokens:,} recomputed prompt tokens in "
                                f"{prefill_seconds:.4g} s of prefill (the capture's requests)")
-    return MeasuredRates(bandwidth, prefill, evidence)
+    return MeasuredRates(bandwidth, prefill, block_bytes, evidence)

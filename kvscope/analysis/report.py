@@ -109,8 +109,9 @@ def render_text(analysis: Analysis) -> str:
         f"  {analysis.requests:,} request{'s' * (analysis.requests != 1)}, "
         f"{analysis.accesses:,} block accesses of "
         f"{analysis.block_tokens} tokens over {analysis.duration_seconds:,.0f} s; "
-        f"{analysis.bytes_per_block:,} bytes/block (preset {a['preset']}; --preset for "
-        "your model)",
+        f"{analysis.bytes_per_block:,} bytes/block ("
+        + (f"preset {a['preset']}; --preset for your model)"
+           if a["kv_bytes_source"].startswith("assumed") else "measured by the capture)"),
         *([f"  sampled by the tap: 1 block in {1 / analysis.sample_rate:.4g} "
            f"(R={analysis.sample_rate:.4g}, {analysis.sampled_accesses:,} accesses kept); "
            "counts and curves scaled to the full stream"] if analysis.sample_rate < 1 else []),
@@ -138,6 +139,7 @@ def render_text(analysis: Analysis) -> str:
               f"tokens, CPU tier {a['cpu_tier']}",
               f"    promotion bandwidth {a['bandwidth_source']}",
               f"    prefill rate {a['prefill_source']}",
+              f"    KV bytes per block {a['kv_bytes_source']}",
               f"  GPU prefix cache alone serves {s.gpu_token_hit_share:.2%} of prompt tokens"]
     if s.knee is not None:
         lines.append(f"  knee: {s.knee.blocks:,} blocks ({_gib(s.knee.bytes)}): CPU tier serves "

@@ -10,7 +10,8 @@ The model, stated so it can be checked:
   prefix hashes a cached block's whole prefix is cached too, so block hits are prefix hits.
 - A promoted token saves its prefill, ``1 / prefill_tokens_per_second`` seconds (measured by
   the capture when it can, else the preset's cost model), and costs ``bytes_per_token /
-  bandwidth`` seconds of host-to-device copy (measured, given, or assumed:
+  bandwidth`` seconds of host-to-device copy (bytes measured by the capture when it can, else
+  the preset's; bandwidth measured, given, or assumed:
   :data:`DEFAULT_BANDWIDTH`); the advice's assumptions say which (:mod:`~kvscope.analysis.rates`).
 - Every recomputed block is stored to the CPU tier once (device-to-host, off the critical path).
 
@@ -50,8 +51,9 @@ class SizingParams:
     (None: no limit). ``target_share``: share of the affordable gain to recommend (0-1).
     ``min_reuse_share``: below this token reuse share, prompts count as unique.
     ``min_gain``: below this token hit share, a CPU tier is not worth having.
-    ``prefill_tokens_per_second``: None: the preset's. ``rate_sources``: where ``bandwidth`` and
-    the prefill rate came from (``bandwidth``, ``prefill`` -> "measured: ...", "given",
+    ``prefill_tokens_per_second``: None: the preset's. ``kv_bytes_per_token``: KV bytes of one
+    token, None: the preset's. ``rate_sources``: where ``bandwidth``, the prefill rate and the
+    KV bytes came from (``bandwidth``, ``prefill``, ``kv_bytes`` -> "measured: ...", "given",
     "assumed: ..."), for the report."""
 
     preset: ModelPreset
@@ -63,6 +65,7 @@ class SizingParams:
     min_reuse_share: float = 0.05
     min_gain: float = 0.02
     prefill_tokens_per_second: float | None = None
+    kv_bytes_per_token: float | None = None
     rate_sources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -71,8 +74,13 @@ class SizingParams:
         return self.prefill_tokens_per_second or self.preset.prefill_tokens_per_second
 
     @property
+    def bytes_per_token(self) -> float:
+        """KV bytes of one token: the given ones, else the preset's."""
+        return self.kv_bytes_per_token or self.preset.bytes_per_token()
+
+    @property
     def bytes_per_block(self) -> int:
-        return self.preset.bytes_per_token() * self.block_tokens
+        return round(self.bytes_per_token * self.block_tokens)
 
     @property
     def gpu_blocks(self) -> int:
@@ -147,7 +155,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     ``duration_seconds``: the trace's span (for average store traffic). Pure: no I/O.
     """
     preset, g = params.preset, params.gpu_blocks
-    bpb, bpt = params.bytes_per_block, preset.bytes_per_token()
+    bpb, bpt = params.bytes_per_block, params.bytes_per_token
     total = histogram.total
     working_set = max(histogram.max_useful_size, 1)
     budget_blocks = (working_set if params.budget_bytes is None
@@ -174,7 +182,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     recompute_s, promote_s = 1.0 / params.prefill_rate, bpt / params.bandwidth
     if promote_s >= recompute_s:
         reasons.append(f"Promotions are slower than recomputing: copying one token's KV "
-                       f"({bpt} bytes at {params.bandwidth / 1e9:.3g} GB/s) takes "
+                       f"({bpt:,.0f} bytes at {params.bandwidth / 1e9:.3g} GB/s) takes "
                        f"{promote_s * 1e6:.3g} us, prefill takes {recompute_s * 1e6:.3g} us.")
     if not reasons and best_gain < params.min_gain:
         if unlimited_gain < params.min_gain:
@@ -221,5 +229,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
                      "bandwidth_source": params.rate_sources.get("bandwidth", "given"),
                      "prefill_source": params.rate_sources.get(
                          "prefill", f"assumed: preset {preset.name}'s cost model"),
+                     "kv_bytes_source": params.rate_sources.get(
+                         "kv_bytes", f"assumed: preset {preset.name}'s KV shape"),
                      "gpu_tokens": params.gpu_tokens, "budget_bytes": params.budget_bytes,
                      "target_share": params.target_share, "cpu_tier": "inclusive LRU"})

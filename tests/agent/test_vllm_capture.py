@@ -60,10 +60,19 @@ def test_analyze_sizes_the_cpu_tier_from_a_vllm_capture(vllm_capture, capsys):
     """``kvscope analyze DIR --json`` exits 0 on the vLLM capture: 195 block accesses of the
     full stream and 18 requests, the tap's rate recorded, the curve built at it; the
     promotion bandwidth and the prefill rate measured by the capture itself (vLLM's worker
-    timed the cpu->gpu loads; the tap timed the prefills), and said so."""
-    capture, _ = vllm_capture
+    timed the cpu->gpu loads; the tap timed the prefills), and said so. The KV bytes per block
+    too: the capture's transfers carry 32,768 bytes a block, the model's by hand (K and V, 2
+    layers, 32 tokens, 2 KV heads of 32 dims, 4-byte floats), where the presets say 65,536
+    (tiny) or 4 MiB (llama-3-8b, the default): the advice no longer depends on --preset."""
+    capture, result = vllm_capture
+    assert main(["analyze", str(capture), "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
     assert main(["analyze", str(capture), "--json", "--preset", "tiny"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert out["sizing"]["assumptions"]["bytes_per_block"] == result["bytes_per_block"] == 32768
+    assert out["sizing"]["assumptions"]["kv_bytes_source"].startswith("measured: ")
+    assert default["sizing"]["verdict"] == out["sizing"]["verdict"]
+    assert default["sizing"]["assumptions"]["bytes_per_block"] == 32768
     assert out["accesses"] == BLOCKS and out["requests"] == LOOKUPS
     assert out["sample_rate"] == sampling.DEFAULT_RATE
     assert out["sampled_accesses"] < BLOCKS and "sampled by the tap" in out["method"]
@@ -76,3 +85,5 @@ def test_analyze_sizes_the_cpu_tier_from_a_vllm_capture(vllm_capture, capsys):
     assert main(["analyze", str(capture), "--preset", "tiny"]) == 0
     text = capsys.readouterr().out
     assert "promotion bandwidth measured: " in text and "prefill rate measured: " in text
+    assert "32,768 bytes/block (measured by the capture)" in text
+    assert "KV bytes per block measured: " in text

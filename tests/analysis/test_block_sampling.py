@@ -184,22 +184,29 @@ def test_sizing_rates_are_measured_given_or_assumed_and_say_which():
     """By hand: 1e9 bytes of cpu->gpu copies in 0.5 s is 2e9 bytes/s (gpu->cpu copies do not
     count: promotions are host to device); 1,000 recomputed tokens in 0.25 s of prefill is
     4,000 tokens/s. A given value wins; with neither, 25 GB/s and the preset's rate, assumed;
-    no prefill seconds is not measured (None), never 0 tokens/s."""
+    no prefill seconds is not measured (None), never 0 tokens/s. KV bytes per block: the
+    1e9 + 32,768 bytes over the 1,000 + 1 blocks of the directions that counted blocks
+    (gpu->cpu's 5 bytes came without a block count: left out), 999,033.7."""
     from kvscope.analysis.analyze import _rates
     from kvscope.analysis.rates import measured_rates
 
-    m = measured_rates(1000, 0.25, {"cpu->gpu": 10**9, "gpu->cpu": 5}, {"cpu->gpu": 0.5,
-                                                                         "gpu->cpu": 1.0})
+    m = measured_rates(1000, 0.25, {"cpu->gpu": 10**9, "gpu->cpu": 5, "cpu->disk": 32768},
+                       {"cpu->gpu": 0.5, "gpu->cpu": 1.0}, {"cpu->gpu": 1000, "cpu->disk": 1})
     assert (m.bandwidth, m.prefill_tokens_per_second) == (2e9, 4000.0)
+    assert m.bytes_per_block == pytest.approx((10**9 + 32768) / 1001)
     preset = get_preset("tiny")
-    bandwidth, prefill, sources = _rates(AnalyzeOptions(preset, measured=m))
-    assert (bandwidth, prefill) == (2e9, 4000.0)
+    bandwidth, prefill, block_bytes, sources = _rates(AnalyzeOptions(preset, measured=m))
+    assert (bandwidth, prefill, block_bytes) == (2e9, 4000.0, m.bytes_per_block)
     assert sources["bandwidth"].startswith("measured: 1,000,000,000 bytes")
     assert sources["prefill"].startswith("measured: 1,000 recomputed")
-    bandwidth, _, sources = _rates(AnalyzeOptions(preset, bandwidth=5e9, measured=m))
+    assert sources["kv_bytes"] == "measured: 1,000,032,768 bytes in 1,001 blocks (the " \
+        "capture's transfers)"
+    bandwidth, _, _, sources = _rates(AnalyzeOptions(preset, bandwidth=5e9, measured=m))
     assert bandwidth == 5e9 and sources["bandwidth"] == "given (--bandwidth-gbps)"
     none = measured_rates(1000, 0.0, {"gpu->cpu": 5}, {"gpu->cpu": 1.0})
     assert none.bandwidth is None and none.prefill_tokens_per_second is None
-    bandwidth, prefill, sources = _rates(AnalyzeOptions(preset, measured=none))
+    assert none.bytes_per_block is None
+    bandwidth, prefill, block_bytes, sources = _rates(AnalyzeOptions(preset, measured=none))
     assert bandwidth == 25e9 and prefill is None and sources["bandwidth"].startswith("assumed")
-    assert "prefill" not in sources  # sizing labels the preset's rate assumed
+    assert block_bytes is None
+    assert "prefill" not in sources and "kv_bytes" not in sources  # sizing says: the preset's
