@@ -8,6 +8,8 @@ a TOML file of the same keys for ``python -m kvscope.mixin --config FILE``.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +19,12 @@ from kvscope.vocabulary import TIERS
 MIB = 1024 * 1024
 
 
+# A Prometheus duration (and Grafana's refresh): units largest first, each at most once.
+_DURATION = re.compile(r"(?=\d)(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?")
+
+
 class MixinConfigError(ValueError):
-    """An override file names an unknown key or gives a value of the wrong type."""
+    """An override names an unknown key, or gives a value of the wrong type or out of range."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,26 @@ class MixinConfig:
     # KvscopeAgentDown also fires for a target scraped within this window that is gone now
     # (vanished from service discovery); it resolves when the window has passed.
     agent_vanished_window: str = "1h"
+
+    def __post_init__(self) -> None:
+        """Refuse values that would make rules promtool rejects or alerts that never (or
+        always) fire: a duration Prometheus cannot read, a negative or infinite number, a
+        quantile outside (0, 1), a budget of 0. Raises MixinConfigError naming the key."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            why = ""
+            if f.name.endswith(("_for", "_window", "_offset")) or f.name == "dashboard_refresh":
+                if not (isinstance(value, str) and _DURATION.fullmatch(value)):
+                    why = "want a Prometheus duration such as 5m, 1h30m or 1d"
+            elif isinstance(value, float):
+                if not (math.isfinite(value) and value >= 0):
+                    why = "want a finite number, 0 or more"
+                elif f.name.endswith("_quantile") and not 0 < value < 1:
+                    why = "want a quantile between 0 and 1"
+                elif f.name.endswith("_seconds") and value == 0:
+                    why = "want a budget above 0 seconds"
+            if why:
+                raise MixinConfigError(f"mixin config {f.name!r}: {why}, got {value!r}")
 
     @property
     def by(self) -> str:

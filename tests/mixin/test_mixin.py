@@ -92,13 +92,29 @@ def test_config_overrides_without_forking(tmp_path) -> None:
     assert dataclasses.replace(CFG, headroom_min_ratio=0.05).headroom_min_ratio == 0.05
 
 
-@pytest.mark.parametrize("text", ["no_such_key = 1\n", 'ttft_budget_seconds = "fast"\n'])
-def test_config_rejects_bad_overrides(tmp_path, text) -> None:
+@pytest.mark.parametrize("text, says", [
+    ("no_such_key = 1\n", "unknown"), ('ttft_budget_seconds = "fast"\n', "want float"),
+    # each made rules promtool refuses ("bad duration syntax") or alerts that always fire
+    ('rate_window = "banana"\n', "'rate_window': want a Prometheus duration"),
+    ('ttft_budget_for = "15"\n', "'ttft_budget_for': want a Prometheus duration"),
+    ("ttft_budget_seconds = -1\n", "'ttft_budget_seconds': want a finite number, 0 or more"),
+    ("ttft_budget_seconds = 0\n", "'ttft_budget_seconds': want a budget above 0 seconds"),
+    ("itl_budget_quantile = 1.5\n", "'itl_budget_quantile': want a quantile between 0 and 1"),
+    ("thrash_unused_share = nan\n", "'thrash_unused_share': want a finite number")])
+def test_config_rejects_bad_overrides(tmp_path, text, says) -> None:
     f = tmp_path / "bad.toml"
     f.write_text(text)
-    with pytest.raises(MixinConfigError):
+    with pytest.raises(MixinConfigError, match=says):
         load_config(f)
     assert main(["--config", str(f), "--check"]) == 2
+
+
+def test_config_takes_durations_prometheus_reads() -> None:
+    """Near misses of the refusals above: compound durations, a 0 floor, a tiny budget."""
+    cfg = dataclasses.replace(CFG, rate_window="1h30m", ttft_budget_for="90s",
+                              regression_baseline_offset="1w", swap_in_bytes_per_second=0.0,
+                              itl_budget_seconds=0.001)
+    assert (cfg.rate_window, cfg.itl_budget_seconds) == ("1h30m", 0.001)
 
 
 def _runbook_anchors() -> set[str]:
