@@ -10,14 +10,21 @@ from pathlib import Path
 def write_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same directory,
     fsynced and renamed over the target: a crash leaves the old file or the new one, never a
-    mix. Raises OSError naming ``path`` (not the temporary file, which is removed): its folder
-    missing, ``path`` a directory, no permission."""
+    mix. The file gets the mode it had, else the one ``open()`` would give it (0o666 less
+    the umask: a temporary file's 0o600 left reports and Grafana's provisioning files
+    unreadable to other users). Raises OSError naming ``path`` (not the temporary file,
+    which is removed): its folder missing, ``path`` a directory, no permission."""
     path = Path(path)
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as exc:
         raise _naming(exc, path) from None
     try:
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = _new_file_mode()
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
@@ -28,6 +35,19 @@ def write_atomic(path: str | Path, text: str) -> None:
         if isinstance(exc, OSError):
             raise _naming(exc, path) from None
         raise
+
+
+def _new_file_mode() -> int:
+    """0o666 less the process's umask. Read from /proc (Linux 4.7+): setting the umask to
+    learn it would race other threads' file creation."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o644  # the usual umask's (022)
 
 
 def _naming(exc: OSError, path: Path) -> OSError:

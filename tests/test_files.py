@@ -1,7 +1,11 @@
-"""kvscope/files.py: an atomic write leaves the old file or the new one, and its errors name the
-file asked for, never the temporary sibling it wrote first."""
+"""kvscope/files.py: an atomic write leaves the old file or the new one, with the mode a plain
+write would give it, and its errors name the file asked for, never the temporary sibling it
+wrote first."""
 
 from __future__ import annotations
+
+import os
+import stat
 
 import pytest
 
@@ -26,3 +30,24 @@ def test_errors_name_the_file_asked_for(tmp_path):
         write_atomic(tmp_path / "dir", "x")
     assert directory.value.filename == str(tmp_path / "dir")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"]  # the temporary removed
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_a_new_file_gets_the_mode_open_would_give_it(tmp_path, umask, mode):
+    """0o666 less the umask, as ``open()`` creates a file: the temporary file's own 0o600 made
+    a rollout's report and the mixin's Grafana provisioning files unreadable to other users
+    (a Grafana or Prometheus running as its own user)."""
+    old = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "new.json", "{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == mode
+
+
+def test_a_rewritten_file_keeps_its_mode(tmp_path):
+    target = tmp_path / "state.json"
+    target.write_text("old")
+    target.chmod(0o640)
+    write_atomic(target, "new")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640 and target.read_text() == "new"
