@@ -39,6 +39,13 @@ class BodyError(ValueError):
     """A scrape's answer was too slow or too large to read."""
 
 
+def describe(exc: BaseException) -> str:
+    """``exc`` in a log line: its type and message, its type alone when the message is empty
+    (``TimeoutError()``, some of httpx's timeouts)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def parse(text: str) -> Samples:
     """Prometheus text exposition -> {(name, frozenset(labels)): value}, one entry per series
     (a repeated line: the last); comments, blank and unparsable lines, and values that are not
@@ -231,9 +238,9 @@ class ScrapeSource(SourceWorker):
                                     f"{self.engine}'s metrics endpoint?")
             events = self.map(samples, self._clock())
         except (httpx.HTTPError, BodyError) as exc:
-            return self._failed(f"unavailable: {exc}")
+            return self._failed(f"unavailable ({describe(exc)})")
         except Exception as exc:  # a body the mapping cannot read: the next scrape may do
-            return self._failed(f"unreadable ({type(exc).__name__}: {exc})")
+            return self._failed(f"unreadable ({describe(exc)})")
         self.failures = 0
         self.deliver([e for e in events if self._valid(e)])
         self.report_up(True)
@@ -279,7 +286,7 @@ class ScrapeSource(SourceWorker):
     def _failed(self, why: str) -> bool:
         self.failures += 1
         if self.failures == 1:
-            log.warning("%s metrics at %s %s", self.engine, self.url, why)
+            log.warning("%s metrics at %s: %s", self.engine, self.url, why)
             # Its tiers and scheduler gauges are as stale as Prometheus' own series of a
             # target it cannot scrape: left out until a scrape answers (a stopped LMCache kept
             # showing its full L1), its counters kept.

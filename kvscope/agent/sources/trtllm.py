@@ -59,7 +59,8 @@ from pydantic import Field, field_validator
 from kvscope import events as ev
 from kvscope.agent.sections import EngineSection, http_url
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register
-from kvscope.agent.sources.scrape import BodyError, Counters, Samples, ScrapeSource, series
+from kvscope.agent.sources.scrape import (BodyError, Counters, Samples, ScrapeSource, describe,
+                                          series)
 from kvscope.agent.sources.trtllm_events import Decoded, TrtllmResidency, check_levels, decode
 from kvscope.vocabulary import TRTLLM_CACHE_TIER_SOURCE
 
@@ -277,8 +278,9 @@ class TrtllmSource(ScrapeSource):
         """Log the first failure in a row; a drain that ``lost`` its events counts one now."""
         self._drain_failures += 1
         if self._drain_failures == 1:
-            log.warning("TensorRT-LLM KV cache events at %s: %s (%s: %s)", self.events_url,
-                        what, type(exc).__name__, exc)
+            why = (f"no whole answer within {self._timeout:g} s"
+                   if isinstance(exc, TimeoutError) and not str(exc) else describe(exc))
+            log.warning("TensorRT-LLM KV cache events at %s: %s (%s)", self.events_url, what, why)
         if lost is not None:
             self.pipeline.drop(NAME, lost)
             self._lost = lost
