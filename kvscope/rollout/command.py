@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     url = _pairs("--arm", http_url)
     p.add_argument("--arm", type=url, action="append", required=True, metavar="NAME=URL",
                    help="an arm: its name and its OpenAI-compatible server's base URL (its "
-                   "/v1/completions, /metrics and /health are used); repeat, the baseline first")
+                   "/v1/completions, /metrics and /health are used; a trailing /v1 is "
+                   "dropped); repeat, the baseline first")
     p.add_argument("--agent", type=_pairs("--agent", http_url), action="append", default=[],
                    metavar="NAME=URL", help="the kvscope agent beside an arm: hit quality and "
                    "transfer cost from its /metrics (default: from the server's /metrics)")
@@ -127,14 +128,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _arms(args: argparse.Namespace) -> list[Arm]:
-    arms = {name: Arm(name, url) for name, url in args.arm}
+    # the server's root: an OpenAI client's base URL ends in /v1, where no /health answers
+    arms = {name: Arm(name, url.rstrip("/").removesuffix("/v1")) for name, url in args.arm}
     if len(arms) != len(args.arm):
         raise ValueError("arm names repeat: give each --arm its own NAME")
     for flag, dest, attr in (("--agent", "agent", "agent"), ("--start", "start", "command"),
                              ("--health", "health", "health")):
+        given = set()
         for name, value in getattr(args, dest):
             if name not in arms:
                 raise ValueError(f"{flag} {name}=...: no --arm named {name}")
+            if name in given:
+                raise ValueError(f"{flag} {name}=... given twice: one per arm")
+            given.add(name)
             setattr(arms[name], attr, value)
     return list(arms.values())
 

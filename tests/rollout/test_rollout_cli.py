@@ -211,6 +211,12 @@ def test_an_agent_that_cannot_be_read_is_said_before_any_run(tmp_path):
     (["--arm", "a=http://127.0.0.1:{p}"], "two arms or more"),
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--agent",
       "c=http://127.0.0.1:1"], "no --arm named c"),
+    # the last one silently won
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--start",
+      "a=true", "--start", "a=false"], "--start a=... given twice: one per arm"),
+    # an OpenAI base URL (/v1) is the server's: its /health is asked for, and nothing answers
+    (["--arm", "a=http://127.0.0.1:{p}/v1", "--arm", "b=http://127.0.0.1:{p}/v1/",
+      "--start-timeout", "1"], "arm a: http://127.0.0.1:{p}/health did not answer 200"),
     # refused before any run, not when judging after them
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--resamples", "10"],
      "--resamples 10 is too few for a 95% interval: give at least 80"),
@@ -229,6 +235,6 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, says):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     lines = err.strip().splitlines()
-    assert says in lines[-1] and len(_errors(err)) == 1, err
+    assert says.format(p=port) in lines[-1] and len(_errors(err)) == 1, err
     if "did not answer" in says:  # the session had begun: its (empty) report is kept
         assert json.loads((tmp_path / "r" / "rollout.json").read_text())["runs"] == []
