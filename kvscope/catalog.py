@@ -202,8 +202,8 @@ HOST_MEMORY_PART_BYTES = _gauge("kvscope_host_memory_part_bytes",
 HOST_NUMA_NODES = _gauge("kvscope_host_numa_nodes",
     "NUMA nodes online on the host (/sys/devices/system/node/online).")
 PROCESS_NUMA_BYTES = _gauge("kvscope_process_numa_bytes",
-    "Memory the engine process (collectors.numa engine_pid) has mapped on each NUMA node, from "
-    "/proc/<pid>/numa_maps; only with engine_pid set.", ["numa_node"], "bytes")
+    "Memory the engine process (collectors.numa engine_pid, else the processes kvscope's taps "
+    "run in) has mapped on each NUMA node, from /proc/<pid>/numa_maps.", ["numa_node"], "bytes")
 
 # GPU (NVML)
 PCIE_BYTES = _counter("kvscope_pcie_bytes_total",
