@@ -151,7 +151,7 @@ def _sampled_reuse(reuse: ReuseStats, trace: AccessTrace) -> ReuseStats:
     rate = trace.sample_rate
     return replace(reuse, accesses=trace.full_accesses,
                    unique_blocks=round(reuse.unique_blocks / rate),
-                   reused_blocks=round(reuse.reused_blocks / rate), top_prefixes=[])
+                   reused_blocks=round(reuse.reused_blocks / rate), top_prefixes=None)
 
 
 def _rates(options: AnalyzeOptions) -> tuple[float, float | None, float | None,
@@ -205,6 +205,10 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
                      f"to the full stream's {trace.full_accesses:,} block accesses, and block "
                      "counts are estimates; most shared prefixes are not shown (they need every "
                      "block).")
+        if options.sample_rate and options.sample_rate > trace.sample_rate:
+            notes.append(f"--sample-rate {options.sample_rate:g} is above the tap's "
+                         f"{trace.sample_rate:.4g}: a sample cannot hold blocks the tap did not "
+                         "keep, so the curve is at the tap's rate.")
         if distinct < MIN_SAMPLED_BLOCKS:
             notes.append(f"The sample holds only {distinct:,} distinct blocks: the curve is "
                          "coarse (capture longer, or raise the tap's kvscope_block_sample_rate).")

@@ -48,7 +48,8 @@ class Distribution:
 
 @dataclass(frozen=True)
 class ReuseStats:
-    """Reuse of one trace. Counts are accesses or blocks; shares are 0-1."""
+    """Reuse of one trace. Counts are accesses or blocks; shares are 0-1. ``top_prefixes``:
+    None when not measured (a sampled capture lacks most of a prompt's blocks)."""
 
     accesses: int
     unique_blocks: int
@@ -57,7 +58,7 @@ class ReuseStats:
     token_reuse_share: float
     distance: Distribution
     time_to_reuse: Distribution
-    top_prefixes: list[SharedPrefix]
+    top_prefixes: list[SharedPrefix] | None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -180,6 +180,22 @@ def test_the_sampled_curve_is_within_0_01_of_the_exact_one_at_the_default_rate(t
     print(f"MAE at R=1/16: {mae:.4f} (accesses)")
 
 
+def test_a_sampled_capture_says_what_it_cannot_give(tmp_path):
+    """A tap capture (1/16): asked for --sample-rate 0.5 it cannot sample more than the tap
+    kept, and says so (it was silent, and the curve was the tap's rate's); 1/32 is below the
+    tap's and needs no note. Its shared prefixes are not measured (None), not "none" ([]):
+    most of a prompt's blocks are not in it."""
+    _tap_capture(prefix_stream(40_000, seed=3), tmp_path)
+    trace = read_block_trace(tmp_path)
+    high = analyze(trace, AnalyzeOptions(get_preset("tiny"), method="shards-rate",
+                                         sample_rate=0.5, arc_points=0))
+    assert any("--sample-rate 0.5 is above the tap's 0.0625" in n for n in high.notes)
+    assert high.reuse.top_prefixes is None and high.reuse.to_dict()["top_prefixes"] is None
+    low = analyze(trace, AnalyzeOptions(get_preset("tiny"), method="shards-rate",
+                                        sample_rate=1 / 32, arc_points=0))
+    assert not any("--sample-rate" in n for n in low.notes)
+
+
 def test_sizing_rates_are_measured_given_or_assumed_and_say_which():
     """By hand: 1e9 bytes of cpu->gpu copies in 0.5 s is 2e9 bytes/s (gpu->cpu copies do not
     count: promotions are host to device); 1,000 recomputed tokens in 0.25 s of prefill is
