@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "over its prefill seconds; without them, the preset's, assumed)")
     parser.add_argument("--gpu-tokens", type=non_negative(int), default=0, metavar="TOKENS",
                         help="GPU prefix-cache capacity in tokens (vLLM logs it as 'GPU KV cache "
-                        "size'; default 0: none)")
+                        "size', its CPU build as 'CPU KV cache size'; default 0: none)")
     parser.add_argument("--budget-gib", type=positive(float), metavar="GIB",
                         help="most host RAM the CPU tier may take (default: no limit)")
     parser.add_argument("--target-share", type=share, default=0.9, metavar="SHARE",

@@ -192,7 +192,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
         else:
             need = _smallest_size(histogram, gpu_hit + params.min_gain)
             reasons.append(f"Reuse is too far apart for the budget: "
-                           f"{_round_up_gib(budget_blocks * bpb)} GiB of host RAM adds only "
+                           f"{params.budget_bytes / GIB:.3g} GiB of host RAM adds only "
                            f"{best_gain:.1%} token hits; {params.min_gain:.0%} needs about "
                            f"{_round_up_gib(need * bpb)} GiB.")
 
