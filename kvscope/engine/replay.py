@@ -13,6 +13,7 @@ either.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -21,14 +22,21 @@ from collections.abc import Iterable
 from kvscope.engine.engine import OffloadEngine
 from kvscope.engine.workload import Request
 
+log = logging.getLogger(__name__)
+BEHIND_WARNING = 5.0  # wall seconds behind the paced schedule before the replay says so
+
 
 class Replayer:
     """Feeds ``requests`` to ``engine``. ``speed``: workload seconds per wall second (2.0 plays
     twice as fast); None replays as fast as possible. ``stop``: set it to end the replay early.
-    """
+    ``behind_warning``: wall seconds behind the paced schedule (the engine slower than the
+    arrivals at ``speed``) at which one warning is logged: later arrivals come late, so the
+    gaps between them, and the reuse times recorded, stretch. ``behind``: the most seconds
+    it fell behind."""
 
     def __init__(self, engine: OffloadEngine, requests: Iterable[Request],
-                 speed: float | None = 1.0, stop: threading.Event | None = None) -> None:
+                 speed: float | None = 1.0, stop: threading.Event | None = None,
+                 behind_warning: float = BEHIND_WARNING) -> None:
         if speed is not None and speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         self.engine = engine
@@ -36,6 +44,8 @@ class Replayer:
         self.speed = speed
         self.stop = stop or threading.Event()
         self.served = 0
+        self.behind = 0.0
+        self._behind_warning = behind_warning
 
     def run(self) -> None:
         """Replay until the workload ends or ``stop`` is set; then finish pending requests."""
@@ -56,6 +66,8 @@ class Replayer:
                 delay = wall0 + request.arrival / self.speed - time.monotonic()
                 if delay > 0 and self.stop.wait(delay):
                     return
+                if -delay > self.behind:
+                    self._fell_behind(-delay, request.arrival)
             if self.stop.is_set():
                 return
             start = max(request.arrival, busy_until)
@@ -70,3 +82,11 @@ class Replayer:
             # counts what is known (lookup and prefill)
             busy_until = start + outcome.service_seconds
             self.served += 1
+
+    def _fell_behind(self, seconds: float, arrival: float) -> None:
+        if self.behind < self._behind_warning <= seconds:
+            log.warning("replay: %.0f s behind the workload's schedule at speed %g (at its "
+                        "second %.0f): the engine serves slower than requests arrive, so "
+                        "arrivals, and the reuse times recorded, stretch; lower --speed",
+                        seconds, self.speed, arrival)
+        self.behind = seconds

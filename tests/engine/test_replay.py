@@ -140,3 +140,27 @@ def test_the_replay_reports_its_queue_and_the_gpu_tiers_fill():
         (0, 1, 3 / 8), (1, 1, 2 / 8), (2, 1, 1 / 8), (0, 1, 1.0), (0, 0, 0.0)]
     assert len(engine.gpu) == 8
     assert {s.preemptions for s in stats} == {None}
+
+
+def test_a_replay_that_falls_behind_its_speed_says_so_once(caplog):
+    """20,000 requests 1 workload second apart at a billion workload seconds per wall second
+    (20 us of wall time for all): the engine cannot start them that fast, so the replay falls
+    behind its schedule and logs one warning past its threshold (10 ms here; 5 s by
+    default). As fast as possible (no speed) there is no schedule to fall behind."""
+    from kvscope.engine.replay import Replayer
+    from kvscope.engine.workload import Request
+
+    preset = get_preset("tiny")
+    requests = [Request(f"r{i}", float(i), 4 * preset.block_tokens, 1, (i, i + 1, i + 2, i + 3))
+                for i in range(20_000)]
+    engine = OffloadEngine(preset, 8, 16, payload=False)
+    paced = Replayer(engine, requests, speed=1e9, behind_warning=0.01)
+    paced.run()
+    warned = [r for r in caplog.records if "behind the workload's schedule" in r.message]
+    assert paced.behind >= 0.01 and len(warned) == 1, paced.behind
+    assert "lower --speed" in warned[0].message
+    caplog.clear()
+    fast = Replayer(engine, requests, speed=None, behind_warning=0.01)
+    fast.run()
+    engine.close()
+    assert fast.behind == 0.0 and not caplog.records
