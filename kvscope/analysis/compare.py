@@ -36,6 +36,7 @@ from kvscope import events as ev
 from kvscope.analysis.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, Estimate,
                                         compare_quantiles, quantile_cis)
 from kvscope.analysis.rates import prefill_rate
+from kvscope.percentiles import histogram_quantile
 
 QUANTILES = (0.5, 0.95, 0.99)
 KEEP = "keep"
@@ -67,7 +68,10 @@ class RequestSample:
     ``transfer_blocks``: dict["src->dst", int]; ``transfer_seconds``: dict["src->dst", float]
     (successful transfers; a direction missing from it or from ``transfer_blocks`` was not
     measured); ``transfer_failures``: failed transfers (None: not measured). ``prefill_seconds``:
-    the requests' prefill time in all (0: not reported). ``name``: for reports.
+    the requests' prefill time in all (0: not reported). ``promotion_waits``: the waits as a
+    histogram where they were not recorded one by one (a rollout arm's agent: ``{"bounds",
+    "counts", "sum"}`` as :class:`kvscope.rollout.arms.Cost` has it), else None. ``name``: for
+    reports.
     """
 
     name: str
@@ -80,6 +84,7 @@ class RequestSample:
     transfer_seconds: dict[str, float] = field(default_factory=dict)
     transfer_failures: int | None = 0
     prefill_seconds: float = 0.0
+    promotion_waits: dict | None = None
 
     @property
     def requests(self) -> int:
@@ -227,6 +232,30 @@ def _rows(b: list[np.ndarray], c: list[np.ndarray], resamples: int, confidence: 
             for i, q in enumerate(QUANTILES)]
 
 
+def promotion_waits(samples: Sequence[RequestSample]) -> dict | None:
+    """The ``promotion_waits`` histograms of ``samples`` added up (one bucket layout: the
+    agent's); None when none has one."""
+    hists = [s.promotion_waits for s in samples if s.promotion_waits]
+    if not hists:
+        return None
+    counts = np.sum([h["counts"] for h in hists], axis=0)
+    return {"bounds": hists[0]["bounds"], "counts": counts.tolist(),
+            "sum": sum(h["sum"] for h in hists)}
+
+
+def _wait_stats(runs: Sequence[RequestSample]) -> tuple[float | None, float | None]:
+    """(mean, p99) seconds of the runs' promotion waits: of the recorded ones, else of their
+    histograms (p99 as PromQL's histogram_quantile); (None, None) when there are neither."""
+    wait = np.concatenate([np.asarray(r.promotion_wait, dtype=np.float64) for r in runs])
+    if len(wait):
+        return float(wait.mean()), float(np.quantile(wait, 0.99))
+    hist = promotion_waits(runs)
+    if hist is None:
+        return None, None
+    return (hist["sum"] / sum(hist["counts"]),
+            histogram_quantile(0.99, hist["bounds"], hist["counts"]))
+
+
 def transfer_failures(samples: Sequence[RequestSample]) -> int | None:
     """The failed transfers of ``samples`` added up; None when none of them counted any."""
     counted = [s.transfer_failures for s in samples if s.transfer_failures is not None]
@@ -249,7 +278,6 @@ def _side(runs: list[RequestSample]) -> Side:
                     t[key] = (t[key] or 0) + measured[d]
     transfers = {d: {**moved[d], "bytes_per_request": moved[d]["bytes"] / n}
                  for d in sorted(moved)}
-    wait = np.concatenate([np.asarray(r.promotion_wait, dtype=np.float64) for r in runs])
     prefill = sum(r.prefill_seconds for r in runs)
     rate = prefill_rate(tokens["recompute"], prefill)
     value = {}
@@ -261,9 +289,7 @@ def _side(runs: list[RequestSample]) -> Side:
             value[tier] = {"tokens": tokens.get(tier, 0), "transfer_seconds": spent,
                            "prefill_seconds_saved": tokens.get(tier, 0) / rate if rate else None}
     return Side(", ".join(r.name for r in runs), requests, len(runs), tokens, share, transfers,
-                transfer_failures(runs),
-                float(wait.mean()) if len(wait) else None,
-                float(np.quantile(wait, 0.99)) if len(wait) else None, rate, value)
+                transfer_failures(runs), *_wait_stats(runs), rate, value)
 
 
 def ms(x: float) -> str:

@@ -169,7 +169,9 @@ class Cost:
     ``transfer_seconds`` (dict["src->dst", float]; empty when only untimed bytes were seen),
     ``transfer_failures`` (None: not measured, the server's metrics count none) and
     ``prefill_seconds`` (0: not reported). ``source``: where it was read (``agent``,
-    ``server`` or ``none``)."""
+    ``server`` or ``none``). ``promotion_wait``: the agent's histogram of the requests' waits
+    for promotions over the run, ``{"bounds": upper bounds in seconds, "counts": per bucket,
+    the last +Inf, "sum": seconds}``; None without an agent or a finished request."""
 
     tokens: dict[str, int]
     transfer_bytes: dict[str, int]
@@ -178,6 +180,19 @@ class Cost:
     transfer_failures: int | None
     prefill_seconds: float
     source: str
+    promotion_wait: dict | None = None
+
+
+def _waits(before: Samples, after: Samples) -> dict | None:
+    """The increase of the agent's ``kvscope_promotion_wait_seconds`` (see :class:`Cost`)."""
+    name = "kvscope_promotion_wait_seconds"
+    cumulative = sorted((float(dict(labels)["le"]), v) for labels, v in
+                        _increase(before, after, name + "_bucket").items() if "le" in dict(labels))
+    if not cumulative or not cumulative[-1][1]:
+        return None
+    counts = [c - (cumulative[i - 1][1] if i else 0.0) for i, (_, c) in enumerate(cumulative)]
+    return {"bounds": [b for b, _ in cumulative[:-1]], "counts": counts,
+            "sum": sum(_increase(before, after, name + "_sum").values())}
 
 
 def cost(before: tuple[Samples, Samples | None], after: tuple[Samples, Samples | None]
@@ -200,7 +215,7 @@ def cost(before: tuple[Samples, Samples | None], after: tuple[Samples, Samples |
                     {k: int(v) for k, v in by("kvscope_transfer_blocks_total").items()},
                     by("kvscope_transfer_seconds_sum"),
                     int(sum(_increase(agent0, agent1, "kvscope_transfer_failures_total")
-                            .values())), prefill, "agent")
+                            .values())), prefill, "agent", _waits(agent0, agent1))
     mapper = MetricsMapper(stores=True, gpu_snapshot=False)
     mapper.map(server0, 0.0)  # the baselines
     tokens: dict[str, int] = {}

@@ -82,7 +82,8 @@ def _sample(run: dict) -> RequestSample:
                          transfer_bytes=c["transfer_bytes"], transfer_blocks=c["transfer_blocks"],
                          transfer_seconds=c["transfer_seconds"],
                          transfer_failures=c["transfer_failures"],
-                         prefill_seconds=c["prefill_seconds"])
+                         prefill_seconds=c["prefill_seconds"],
+                         promotion_waits=c.get("promotion_wait"))
 
 
 class Session:

@@ -3,6 +3,9 @@ agent's when it has one, else vLLM's own; what neither reports stays empty (not 
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from kvscope.agent.sources.scrape import parse
 from kvscope.rollout.arms import cost
 
@@ -56,3 +59,37 @@ def test_an_arm_without_an_agent_costs_vllms_prefix_cache_counters():
 def test_a_server_without_prefix_cache_counters_measures_nothing():
     c = cost((parse("other_metric 1\n"), None), (parse("other_metric 2\n"), None))
     assert (c.source, c.tokens, c.prefill_seconds) == ("none", {}, 0.0)
+
+
+def _waits(le_001: int, le_01: int, total: int, seconds: float) -> str:
+    """The agent's promotion-wait histogram, cumulative as exposed."""
+    name = "kvscope_promotion_wait_seconds"
+    return (f'{name}_bucket{{le="0.001"}} {le_001}\n{name}_bucket{{le="0.01"}} {le_01}\n'
+            f'{name}_bucket{{le="+Inf"}} {total}\n{name}_count {total}\n{name}_sum {seconds}\n')
+
+
+def test_the_agents_promotion_waits_give_the_arms_mean_and_p99():
+    """The run adds 100 waits: 90 of them <= 1 ms, 9 in (1, 10] ms, 1 above 10 ms, 0.15 s in
+    all (the histogram before: 10 <= 1 ms, 0.01 s). Mean 0.15 / 100 = 1.5 ms; p99 by PromQL's
+    histogram_quantile: rank 99 is the 9th of 9 in (1, 10] ms, so 10 ms. The rollout said
+    "promotion wait not measured" though the agent measured it; an arm without an agent still
+    says so."""
+    from kvscope.analysis.compare import RequestSample, compare
+    from kvscope.rollout.judge import pooled
+
+    server = parse(VLLM.format(prompt=0, hits=0, prefill=0))
+    before = (server, parse(_waits(10, 10, 10, 0.01)))
+    after = (server, parse(_waits(100, 109, 110, 0.16)))
+    waits = cost(before, after).promotion_wait
+    assert waits == {"bounds": [0.001, 0.01], "counts": [90, 9, 1],
+                     "sum": pytest.approx(0.15)}
+    ttft = np.full(100, 0.05)
+    # two runs of one arm pooled: the counts add up, the mean and p99 stay
+    halves = [{**waits, "counts": [45, 4.5, 0.5], "sum": 0.075}] * 2
+    agent = pooled([RequestSample("cpu", ttft, promotion_waits=h) for h in halves], "cpu")
+    plain = RequestSample("base", ttft)
+    c = compare(plain, agent, ttft_budget=None, resamples=100)
+    assert c.candidate.promotion_wait_mean == pytest.approx(0.0015)
+    assert c.candidate.promotion_wait_p99 == pytest.approx(0.01)
+    assert c.baseline.promotion_wait_mean is None and c.baseline.promotion_wait_p99 is None
+    assert cost((server, None), (server, None)).promotion_wait is None
