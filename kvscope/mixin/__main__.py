@@ -1,5 +1,6 @@
 """``python -m kvscope.mixin``: write grafana/ from the generator, check it, or print a
-PrometheusRule manifest. Exit code 1 from ``--check`` when committed files differ."""
+PrometheusRule manifest. Exit code 1 from ``--check`` when committed files differ, or files the
+generator does not make sit beside its own."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ def stale(out: Path, files: dict[str, str]) -> list[str]:
     """Generated files whose committed text differs (or that are missing)."""
     return [rel for rel, text in files.items()
             if not (out / rel).is_file() or (out / rel).read_text(encoding="utf-8") != text]
+
+
+def strays(out: Path, files: dict[str, str]) -> list[str]:
+    """Files beside the generated ones, of their kinds, that the generator does not make (a
+    board renamed away): Grafana's and Prometheus' provisioning would load them too."""
+    made = set(files)
+    kinds = {(Path(rel).parent, Path(rel).suffix) for rel in files}
+    return sorted(str(folder / path.name) for folder, suffix in kinds
+                  for path in (out / folder).glob(f"*{suffix}")
+                  if str(folder / path.name) not in made)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,11 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(prometheus_rule(cfg, namespace=args.namespace))
         return 0
     out, files = Path(args.output), render(cfg)
+    extra = strays(out, files)
+    for rel in extra:
+        print(f"not generated: {out / rel} (provisioning would load it too; remove it)",
+              file=sys.stderr)
     if args.check:
         diff = stale(out, files)
         for rel in diff:
             print(f"stale: {out / rel} (run python -m kvscope.mixin)", file=sys.stderr)
-        return 1 if diff else 0
+        return 1 if diff or extra else 0
     for rel, text in files.items():
         path = out / rel
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,22 @@ def test_check_flag_reports_drift(tmp_path) -> None:
     assert main(["--check", "--output", str(tmp_path)]) == 1
 
 
+def test_check_reports_a_board_the_generator_does_not_make(tmp_path, capsys) -> None:
+    """A board renamed away stays in dashboards/, where Grafana's provisioning loads it beside
+    the new one: --check fails naming it (it passed); a README there is no board (a near
+    miss), and writing says so but removes nothing."""
+    assert main(["--output", str(tmp_path)]) == 0
+    (tmp_path / "dashboards" / "README.md").write_text("boards")
+    assert main(["--check", "--output", str(tmp_path)]) == 0
+    old = tmp_path / "dashboards" / "kvscope-old.json"
+    old.write_text("{}")
+    capsys.readouterr()
+    assert main(["--check", "--output", str(tmp_path)]) == 1
+    assert f"not generated: {old}" in capsys.readouterr().err
+    assert main(["--output", str(tmp_path)]) == 0 and old.is_file()
+    assert f"not generated: {old}" in capsys.readouterr().err
+
+
 _WITHOUT_YAML = """
 import sys
 sys.modules["yaml"] = None  # as in an environment installed without the mixin extra
