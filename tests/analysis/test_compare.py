@@ -436,6 +436,21 @@ def test_transfer_cost_counts_the_offloads_no_request_holds(tmp_path, capsys):
     assert pq.read_table(next(directory.glob("totals-*.parquet"))).num_rows == 6  # 3 changes
 
 
+def _promoting_capture(directory, source, copies) -> CaptureWriter:
+    """A capture (left open) of 100 requests of 64 prompt tokens, 32 of them from ``source``
+    and 32 recomputed in 3.2 ms of prefill; each request made ``copies``, (src, dst, seconds),
+    of 2 blocks (1 MB) each."""
+    writer = CaptureWriter(directory)
+    for i in range(100):
+        writer.add_request(RequestRecord(
+            f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64,
+            tokens={source: 32, "recompute": 32}, ttft=0.01, prefill=0.0032,
+            transfers=[TransferRecord(src, dst, 2, 1_000_000, 1000.0 + i, seconds)
+                       for src, dst, seconds in copies],
+            finished=1000.0 + i + 0.01))
+    return writer
+
+
 def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_path, capsys):
     """100 requests of 64 prompt tokens, 32 from the cpu tier and 32 recomputed in 3.2 ms of
     prefill each: the engine prefilled 3,200 tokens in 0.32 s, 10,000 tokens/s, so the cpu
@@ -443,13 +458,7 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
     agent's offload totals (gpu->cpu 0.05 s): 0.15 s. A baseline without prefill times has
     its saving "not measured", never 0."""
     directory = tmp_path / "cand"
-    writer = CaptureWriter(directory)
-    for i in range(100):
-        writer.add_request(RequestRecord(
-            f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64,
-            tokens={"cpu": 32, "recompute": 32}, ttft=0.01, prefill=0.0032,
-            transfers=[TransferRecord("cpu", "gpu", 2, 1_000_000, 1000.0 + i, 0.001)],
-            finished=1000.0 + i + 0.01))
+    writer = _promoting_capture(directory, "cpu", [("cpu", "gpu", 0.001)])
     writer.add_totals({"ts": 1100.0, "transfer_bytes": {"gpu->cpu": 10, "cpu->gpu": 100},
                        "transfer_blocks": {"gpu->cpu": 1, "cpu->gpu": 200},
                        "transfer_seconds_sum": {"gpu->cpu": 0.05, "cpu->gpu": 0.1}})
@@ -476,15 +485,7 @@ def test_untimed_copies_and_uncounted_failures_are_not_measured_never_zero(tmp_p
     transfers not measured"; a capture counts them (0 here). Timed cpu->gpu copies (1 ms each)
     beside them still add up: 0.1 s."""
     directory = tmp_path / "cand"
-    writer = CaptureWriter(directory)
-    for i in range(100):
-        writer.add_request(RequestRecord(
-            f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64,
-            tokens={"disk": 32, "recompute": 32}, ttft=0.01, prefill=0.0032,
-            transfers=[TransferRecord("disk", "cpu", 2, 1_000_000, 1000.0 + i, 0.0),
-                       TransferRecord("cpu", "gpu", 2, 1_000_000, 1000.0 + i, 0.001)],
-            finished=1000.0 + i + 0.01))
-    writer.close()
+    _promoting_capture(directory, "disk", [("disk", "cpu", 0.0), ("cpu", "gpu", 0.001)]).close()
     cand = read_request_sample(directory)
     assert "disk->cpu" not in cand.transfer_seconds and cand.transfer_failures == 0
     server = RequestSample("server", np.linspace(0.01, 0.02, 100),
