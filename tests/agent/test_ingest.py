@@ -1185,9 +1185,12 @@ def test_what_a_stopping_agent_has_no_time_to_fold_is_counted_as_shutdown(tmp_pa
     """50 batches of 10 events wait (the fold is held on the first) when the agent stops with
     no time to fold (drain_seconds 0): the 49 that reached its socket and were not folded, in
     its own queue, ZMQ's or the OS's, count as dropped (shutdown) under their source, each
-    event once."""
+    event once. That count dies with the agent, so an agent restarted on its state file
+    counts the 49 batches as a gap at the tap's next batch (it counted none: the stopping
+    agent had saved their sequence numbers as if folded)."""
     pipeline = Pipeline()
     release, fold = threading.Event(), pipeline.ingest
+    state = tmp_path / "ingest-streams.json"
 
     def held(*args, **kwargs):
         release.wait()
@@ -1195,6 +1198,7 @@ def test_what_a_stopping_agent_has_no_time_to_fold_is_counted_as_shutdown(tmp_pa
 
     monkeypatch.setattr(pipeline, "ingest", held)
     source = IngestSource(pipeline, _endpoint(tmp_path), drain_seconds=0.0)
+    source.state_path = state
     source.start()
     transfer = ev.Transfer(ts=1.0, src="cpu", dst="gpu", blocks=1, bytes=4096, duration=1e-4)
     sender = zmq.Context.instance().socket(zmq.PUSH)  # open until the agent stopped
@@ -1212,6 +1216,19 @@ def test_what_a_stopping_agent_has_no_time_to_fold_is_counted_as_shutdown(tmp_pa
     snap = pipeline.snapshot()
     assert snap.events_received == {"engine": 10}
     assert {key: n for key, n in snap.events_dropped.items() if n} == {("engine", "shutdown"): 490}
+    restarted = Pipeline()
+    again = IngestSource(restarted, _endpoint(tmp_path))
+    again.state_path = state
+    again.start()
+    try:
+        _push(_endpoint(tmp_path), ev.encode_batch(ev.Batch(
+            version=ev.SCHEMA_VERSION, source="engine", seq=50, session="s",
+            events=[transfer])))
+        assert wait_until(lambda: restarted.events_received().get("engine") == 1)
+        assert {k: n for k, n in restarted.snapshot().events_dropped.items() if n} == {
+            ("engine", "gap"): 49}
+    finally:
+        again.shutdown()
 
 
 def _tap_batch(seq, dropped=0, errors=None, events=10):
