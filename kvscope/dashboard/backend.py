@@ -133,7 +133,9 @@ class AgentBackend:
                 source: str | None = None) -> dict | None:
         """``GET /api/v1/requests/{id}`` (of ``source``, else the one that finished last); None
         on 404. Raises :class:`BackendUnavailable`."""
-        body = self._get_json(f"/api/v1/requests/{quote(request_id, safe='')}",
+        # dots escaped too: an id "." or ".." would be a dot segment, which httpx collapses
+        path = quote(request_id, safe="").replace(".", "%2E")
+        body = self._get_json(f"/api/v1/requests/{path}",
                               {"source": source} if source else {}, missing_ok=True)
         return body if isinstance(body, dict) else None
 

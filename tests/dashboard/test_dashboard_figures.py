@@ -377,7 +377,9 @@ def _answers(url) -> bool:
 
 def test_backend_reads_requests_and_one_request(agent):
     record = {"request_id": "r/1", "ttft": 0.1}
+    dots = {"request_id": "..", "ttft": 0.2}  # a dot segment, unless escaped: /api/v1
     agent.replies = {"/api/v1/requests/r%2F1": (200, json.dumps(record).encode()),
+                     "/api/v1/requests/%2E%2E": (200, json.dumps(dots).encode()),
                      "/api/v1/requests/gone": (404, b'{"detail": "no"}'),
                      "/api/v1/requests?": (200, json.dumps({"total": 7,
                                                             "requests": [record]}).encode())}
@@ -385,6 +387,7 @@ def test_backend_reads_requests_and_one_request(agent):
     assert backend.requests(10, "ttft", True, 0.05) == (7, [record])
     assert "sort=ttft" in agent.paths[-1] and "min_ttft=0.05" in agent.paths[-1]
     assert backend.request("r/1") == record
+    assert backend.request("..") == dots
     assert backend.request("gone") is None
 
 
