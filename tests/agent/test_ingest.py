@@ -1271,6 +1271,29 @@ def test_a_restarted_agent_counts_the_batches_lost_while_it_was_away(tmp_path):
         b.shutdown()
 
 
+def test_a_state_file_that_could_not_be_saved_is_saved_once_it_can_without_traffic(tmp_path):
+    """The store directory vanishes (an operator's rm -rf) before a batch: its save fails and
+    is logged. The directory comes back and no tap sends: the state is saved within about a
+    second (SAVE_INTERVAL), as the log promises; it waited for the next batch, and a kill -9
+    meanwhile lost it."""
+    store = tmp_path / "store"
+    store.mkdir()
+    pipeline = Pipeline()
+    source = IngestSource(pipeline, _endpoint(tmp_path))
+    source.state_path = store / "ingest-streams.json"
+    source.start()
+    try:
+        store.rmdir()
+        _push(_endpoint(tmp_path), _tap_batch(0))
+        assert wait_until(lambda: pipeline.events_received().get("vllm") == 10)
+        time.sleep(0.2)  # its save failed (no directory)
+        assert not store.exists()
+        store.mkdir()
+        assert wait_until(source.state_path.is_file, timeout=10)
+    finally:
+        source.shutdown()
+
+
 def test_a_state_file_that_cannot_be_read_is_logged_and_the_agent_runs_on(tmp_path, caplog):
     """A damaged state file (a half-written one cannot happen: it is replaced atomically, but
     a disk can flip bits or an operator edit it) costs only the gap count of that restart:

@@ -253,6 +253,9 @@ class IngestSource(SourceWorker):
         deadline = None  # monotonic, once stopping: when the drain gives up
         try:
             while True:
+                # here, not after a fold: a save that failed is tried again with no traffic
+                if self._unsaved and time.monotonic() >= self._save_at:
+                    self._save_state()
                 with self._receiving:
                     if deadline is None and self.stopping.is_set():
                         deadline = time.monotonic() + self._drain_seconds
@@ -273,8 +276,6 @@ class IngestSource(SourceWorker):
                     self._received_bytes -= len(data) + MESSAGE_OVERHEAD
                     self._progress.took()
                 self.guarded(self.handle, data.buffer)
-                if self._unsaved and time.monotonic() >= self._save_at:
-                    self._save_state()
         finally:
             self._progress.stop()
             watcher.join()
