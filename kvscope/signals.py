@@ -72,11 +72,16 @@ def stop_on_signals(stop: threading.Event) -> None:
     if _relay is None or _relay.pid != os.getpid():  # a forked child has no relay thread
         _relay = _Relay()
     _relay.stop = stop
-    for sig in _STOP_SIGNALS:
-        if (sig != signal.SIGTERM and sig not in _IGNORED_BY_US
-                and signal.getsignal(sig) == signal.SIG_IGN):
-            continue
+    for sig in _handled_signals():
         signal.signal(sig, _relay.on_signal)
+
+
+def _handled_signals() -> list[int]:
+    """The stop signals to handle: all but a SIGINT or SIGHUP the process was started
+    ignoring (SIGTERM always; see :func:`stop_on_signals`)."""
+    return [sig for sig in _STOP_SIGNALS
+            if sig == signal.SIGTERM or sig in _IGNORED_BY_US
+            or signal.getsignal(sig) != signal.SIG_IGN]
 
 
 def interrupt_on_signals() -> None:
@@ -87,10 +92,7 @@ def interrupt_on_signals() -> None:
     main thread this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for sig in _STOP_SIGNALS:
-        if (sig != signal.SIGTERM and sig not in _IGNORED_BY_US
-                and signal.getsignal(sig) == signal.SIG_IGN):
-            continue
+    for sig in _handled_signals():
         signal.signal(sig, signal.default_int_handler)
 
 

@@ -228,7 +228,14 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     return dataclasses.replace(
         sample, transfer_bytes={d: t[0] for d, t in totals.items()},
         transfer_blocks={d: t[1] for d, t in totals.items()},
-        transfer_seconds={d: t[2] for d, t in totals.items() if t[2] > 0})  # 0: untimed
+        transfer_seconds=_timed({d: t[2] for d, t in totals.items()}))
+
+
+def _timed(seconds: dict[str, float]) -> dict[str, float]:
+    """The directions of ``seconds`` (by "src->dst") whose copies took time: one whose copies
+    all took 0 s was not timed (untimed transfers, such as the vLLM tap's disk promotions,
+    carry 0), so its time is not measured rather than free."""
+    return {d: s for d, s in seconds.items() if s > 0}
 
 
 def read_transfer_totals(path: str | Path) -> dict[str, tuple[int, int, float]] | None:
@@ -261,7 +268,8 @@ def read_transfer_totals(path: str | Path) -> dict[str, tuple[int, int, float]] 
 def read_measured_rates(path: str | Path) -> MeasuredRates:
     """The promotion bandwidth, prefill rate and KV bytes per block the capture directory at
     ``path`` measured (:mod:`~kvscope.analysis.rates`): from its requests (and transfer
-    totals), or its transfer totals alone when it has no requests segment; nothing measured for a single segment file.
+    totals), or its transfer totals alone when it has no requests segment; nothing measured
+    for a single segment file.
     A capture whose requests cannot be read is warned about and measures nothing: the block
     accesses can still be sized."""
     path = Path(path)
@@ -314,10 +322,7 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
         d = direction[ok]
         moved_bytes = {k: int(v) for k, v in _sum_by(d, fields["bytes"][ok]).items()}
         moved_blocks = {k: int(v) for k, v in _sum_by(d, fields["blocks"][ok]).items()}
-        # a direction whose copies all took 0 s was not timed (untimed transfers, such as the
-        # vLLM tap's disk promotions, carry 0): not measured, rather than free
-        seconds = {k: v for k, v in _sum_by(d, fields["duration"][ok].astype(np.float64))
-                   .items() if v > 0}
+        seconds = _timed(_sum_by(d, fields["duration"][ok].astype(np.float64)))
         failures = int((~ok).sum())
     else:
         moved_bytes, moved_blocks, seconds, failures = {}, {}, {}, 0
