@@ -139,7 +139,8 @@ TTFT_SECONDS = _histogram("kvscope_ttft_seconds",
     "Time to first token of each request; exemplars carry its trace id.",
     [], "seconds", LATENCY_SECONDS_BUCKETS)
 PROMOTION_WAIT_SECONDS = _histogram("kvscope_promotion_wait_seconds",
-    "Seconds of a request's TTFT spent waiting for promotions.",
+    "Seconds of a request's TTFT spent waiting for promotions, one observation for each "
+    "request whose source measured it (kvscope's taps do; vLLM's spans alone do not).",
     [], "seconds", WAIT_SECONDS_BUCKETS)
 ITL_SECONDS = _histogram("kvscope_itl_seconds",
     "Mean inter-token latency of each request that generated two or more tokens (the tap's, or "

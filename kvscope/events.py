@@ -217,8 +217,11 @@ class RequestFinished(_Event, tag="request_finished"):
 
     The parts of TTFT, in seconds and in this order: ``queueing`` before the engine took the
     request, ``lookup`` of cached blocks, ``promotion_wait`` for promotions, ``prefill`` of the
-    recomputed tokens. ``output_tokens``: tokens generated. ``itl``: mean inter-token latency,
-    seconds between consecutive output tokens after the first (0: unknown or one token).
+    recomputed tokens. ``lookup`` and ``promotion_wait`` are None where the source does not
+    measure them (vLLM's spans report neither, vLLM's tap does not time the lookup): never read
+    as 0, which would say "no wait". ``output_tokens``: tokens generated. ``itl``: mean
+    inter-token latency, seconds between consecutive output tokens after the first (0: unknown
+    or one token).
     """
 
     request_id: RequestId
@@ -226,8 +229,8 @@ class RequestFinished(_Event, tag="request_finished"):
     prompt_tokens: Count
     output_tokens: Count = 0
     queueing: Seconds = 0.0
-    lookup: Seconds = 0.0
-    promotion_wait: Seconds = 0.0
+    lookup: Seconds | None = None
+    promotion_wait: Seconds | None = None
     prefill: Seconds = 0.0
     itl: Seconds = 0.0
 

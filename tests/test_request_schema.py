@@ -64,6 +64,27 @@ def test_the_capture_writes_every_field(tmp_path):
     assert RecordData(**row) == FULL
 
 
+def test_a_part_not_measured_stays_not_measured_in_every_form(tmp_path):
+    """A request known from vLLM's span alone has no lookup or promotion wait: None in the
+    record, the store and the API, NaN in the capture (which its reader leaves out), absent
+    from the OTLP span; never 0, which would say that it waited for nothing."""
+    unmeasured = msgspec.structs.replace(FULL, lookup=None, promotion_wait=None)
+    record = RequestRecord.from_data(unmeasured)
+    assert (record.lookup, record.promotion_wait) == (None, None)
+    for encode, decode in ((msgspec.msgpack.encode, msgspec.msgpack.Decoder(RecordData).decode),
+                           (msgspec.json.encode, msgspec.json.Decoder(RecordData).decode)):
+        assert decode(encode(record.data())) == unmeasured
+    writer = CaptureWriter(tmp_path)
+    writer.add_request(record)
+    writer.close()
+    (path,) = tmp_path.glob("requests-*.parquet")
+    row = pq.read_table(path).to_pylist()[0]
+    assert all(row[f] is None or row[f] != row[f] for f in ("lookup", "promotion_wait")), row
+    attributes = _request_attributes(record)
+    assert {REQUEST_ATTRIBUTES["lookup"], REQUEST_ATTRIBUTES["promotion_wait"]}.isdisjoint(
+        attributes) and attributes[REQUEST_ATTRIBUTES["queueing"]] == 0.01
+
+
 def test_every_field_reaches_the_otlp_span_as_an_attribute_or_its_shape():
     assert set(REQUEST_ATTRIBUTES).isdisjoint(REQUEST_SPAN_SHAPE)
     assert set(REQUEST_ATTRIBUTES) | set(REQUEST_SPAN_SHAPE) == set(FIELDS)

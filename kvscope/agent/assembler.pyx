@@ -26,7 +26,8 @@ from kvscope import events as ev
 from kvscope.agent.requests cimport (RequestRecord, Ring, new_record, prefill_within,
                                      under_way, within)
 from kvscope.agent.requests import MAX_TRANSFERS, arrival_of
-from kvscope.agent.slots cimport field, float_field, int_field, offset_of
+from kvscope.agent.slots cimport (field, float_field, int_field, offset_of,
+                                  optional_float_field)
 
 log = logging.getLogger("kvscope.agent.requests")
 
@@ -398,7 +399,7 @@ cdef class RequestAssembler:
         requests finished). A joined source's requests may be finished by another source
         first (vLLM's span before any of the tap's events): a second finish of a kept record
         (of a request that arrived before that record finished) only fills the parts the
-        first left at 0 and returns None (it is not a new request)."""
+        first left at 0 or did not measure, and returns None (it is not a new request)."""
         rid = field(event, F_ID)
         cdef RequestRecord kept, record = tables.inflight.pop(rid, None)
         if record is None:
@@ -421,8 +422,8 @@ cdef class RequestAssembler:
         record.set_ttft(float_field(event, F_TTFT))
         record.set_finished(float_field(event, F_TS))
         record.queueing = float_field(event, F_QUEUEING)
-        record.lookup = float_field(event, F_LOOKUP)
-        record.promotion_wait = float_field(event, F_WAIT)
+        record._lookup = optional_float_field(event, F_LOOKUP)
+        record._promotion_wait = optional_float_field(event, F_WAIT)
         record.prefill = float_field(event, F_PREFILL)
         record.itl = float_field(event, F_ITL)
         tables.recent.add(record)

@@ -17,6 +17,7 @@ from cpython.dict cimport PyDict_Next
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_XDECREF, Py_XINCREF
+from libc.math cimport isnan
 from libc.stdint cimport int64_t
 from libc.string cimport memset
 
@@ -503,13 +504,14 @@ cdef class Fold:
             del self._memory[key]
 
     def observe(self, list records):
-        """Count finished ``records`` in the request metrics (requests, TTFT, promotion-wait and
-        (for those that reported one) ITL histograms, the recent TTFTs), as they are now."""
+        """Count finished ``records`` in the request metrics (requests, TTFT, and for those
+        that measured one promotion-wait and ITL histograms, the recent TTFTs), as they are now."""
         cdef RequestRecord record
         for record in records:
             self._requests += 1
             self._ttft.observe(record._ttft, 1, <PyObject *>record, record._finished)
-            self._wait.observe(record.promotion_wait, 1, NULL, 0.0)
+            if not isnan(record._promotion_wait):  # NaN: not measured (vLLM's spans alone)
+                self._wait.observe(record._promotion_wait, 1, NULL, 0.0)
             if record.itl > 0:  # 0: not reported (a single output token, or no decode time)
                 self._itl.observe(record.itl, 1, NULL, 0.0)
             self._remember(record._ttft)

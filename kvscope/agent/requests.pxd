@@ -32,7 +32,8 @@ cdef class RequestRecord:
     cdef uint64_t _tid_hi, _tid_lo
     cdef double _ttft
     cdef bint _has_ttft
-    cdef public double queueing, lookup, promotion_wait, prefill, itl
+    cdef public double queueing, prefill, itl
+    cdef double _lookup, _promotion_wait  # NaN: not measured (None in Python)
     cdef public int64_t prompt_tokens, output_tokens, transfers_omitted
     cdef int64_t _tokens[4]  # by TOKEN_SOURCES
     cdef uint8_t _tokens_set  # which of _tokens the record has (a lookup names some sources only)

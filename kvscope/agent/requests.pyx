@@ -18,6 +18,7 @@ from cpython.dict cimport PyDict_Next
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
+from libc.math cimport NAN, isnan
 from libc.stdint cimport int64_t, uint64_t
 
 
@@ -108,7 +109,8 @@ cdef str _hex128(uint64_t hi, uint64_t lo):
 cdef class RequestRecord:
     """One request. Times are Unix seconds (``arrival``, ``finished``) or seconds (the TTFT
     parts: ``queueing``, ``lookup``, ``promotion_wait``, ``prefill``, and ``ttft`` itself;
-    ``itl``, the mean inter-token latency, 0 when unknown). ``tokens``: dict[source, prompt
+    ``lookup`` and ``promotion_wait`` None when the source did not measure them; ``itl``, the
+    mean inter-token latency, 0 when unknown). ``tokens``: dict[source, prompt
     tokens]. ``transfers``: tuple of :class:`~kvscope.agent.record_data.TransferRecord`, the
     first :data:`MAX_TRANSFERS` of its transfers in arrival order (the pipeline keeps no more);
     ``transfers_omitted``: how many more it had (each still counts in the transfer metrics).
@@ -122,7 +124,7 @@ cdef class RequestRecord:
     def __init__(self, str request_id, str trace_id, str source, double arrival,
                  int64_t prompt_tokens=0, int64_t output_tokens=0, tokens=None,
                  transfers=(), int64_t transfers_omitted=0, ttft=None, double queueing=0.0,
-                 double lookup=0.0, double promotion_wait=0.0, double prefill=0.0,
+                 lookup=None, promotion_wait=None, double prefill=0.0,
                  finished=None, double itl=0.0):
         self.request_id, self._trace_id, self.source = request_id, trace_id, source
         self._id_hash = hash(request_id)
@@ -131,8 +133,8 @@ cdef class RequestRecord:
         self.transfers = transfers
         self.transfers_omitted = transfers_omitted
         self.ttft, self.finished = ttft, finished
-        self.queueing, self.lookup, self.promotion_wait = queueing, lookup, promotion_wait
-        self.prefill, self.itl = prefill, itl
+        self.queueing, self.prefill, self.itl = queueing, prefill, itl
+        self.lookup, self.promotion_wait = lookup, promotion_wait
 
     def __dealloc__(self):
         self._clear_transfers()
@@ -251,6 +253,22 @@ cdef class RequestRecord:
         self._has_ttft = ttft is not None
         self._ttft = ttft if self._has_ttft else 0.0
 
+    @property
+    def lookup(self):
+        return None if isnan(self._lookup) else self._lookup
+
+    @lookup.setter
+    def lookup(self, lookup):
+        self._lookup = NAN if lookup is None else lookup
+
+    @property
+    def promotion_wait(self):
+        return None if isnan(self._promotion_wait) else self._promotion_wait
+
+    @promotion_wait.setter
+    def promotion_wait(self, promotion_wait):
+        self._promotion_wait = NAN if promotion_wait is None else promotion_wait
+
     cdef void set_finished(self, double finished):
         self._finished, self._has_finished = finished, True
 
@@ -288,9 +306,11 @@ cdef class RequestRecord:
 
 
 cdef RequestRecord new_record(str request_id, str source, double arrival):
-    """A record of a request that arrived at ``arrival``, with a new trace id (its counts 0)."""
+    """A record of a request that arrived at ``arrival``, with a new trace id (its counts 0,
+    its lookup and promotion wait not measured)."""
     cdef RequestRecord record = RequestRecord.__new__(RequestRecord)
     record.request_id, record.source = request_id, source
+    record._lookup = record._promotion_wait = NAN
     record._id_hash = hash(request_id)
     record.arrival = arrival
     record.new_trace_id()
@@ -342,11 +362,12 @@ def amend(RequestRecord record not None, str trace_id, finish):
 
 cpdef double prefill_within(RequestRecord record) except? -1.0:
     """``record``'s prefill, cut so that its TTFT parts, from two reports (the tap's and
-    vLLM's span), do not add up to more than its TTFT."""
+    vLLM's span), do not add up to more than its TTFT (a part not measured counts as 0)."""
     if record is None:
         raise TypeError("a record, not None")
-    return min(record.prefill, max(0.0, record._ttft - record.queueing - record.lookup
-                                   - record.promotion_wait))
+    cdef double lookup = 0.0 if isnan(record._lookup) else record._lookup
+    cdef double wait = 0.0 if isnan(record._promotion_wait) else record._promotion_wait
+    return min(record.prefill, max(0.0, record._ttft - record.queueing - lookup - wait))
 
 
 cdef inline double _finish_key(RequestRecord record):
@@ -367,7 +388,7 @@ cdef double _sort_key(RequestRecord record, int by):
         return _ttft_key(record)
     if by == 3:
         return <double>record.prompt_tokens
-    return record.promotion_wait
+    return 0.0 if isnan(record._promotion_wait) else record._promotion_wait
 
 
 @cython.final

@@ -7,6 +7,7 @@
 # otherwise would fail at import with TypeError, never misread.
 
 from cpython.object cimport PyObject
+from libc.math cimport NAN
 from libc.stdint cimport int64_t
 
 
@@ -56,6 +57,13 @@ cdef inline double float_field(object obj, Py_ssize_t offset) except? -1.0:
     if PyFloat_CheckExact(value):
         return PyFloat_AS_DOUBLE(value)
     return PyFloat_AsDouble(<object>value)
+
+
+cdef inline double optional_float_field(object obj, Py_ssize_t offset) except? -1.0:
+    """The float field at ``offset``, NaN where it is None (not measured)."""
+    if _at(obj, offset) == <PyObject *>None:
+        return NAN
+    return float_field(obj, offset)
 
 
 cdef inline int64_t int_field(object obj, Py_ssize_t offset) except? -1:

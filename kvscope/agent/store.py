@@ -154,8 +154,8 @@ _DURATIONS = ("queueing", "lookup", "promotion_wait", "prefill", "itl")
 def _durations_in_bounds(record: RequestRecord) -> bool:
     """Whether ``record``'s TTFT and its parts are durations events allow (0 to 1e9 s; a
     NaN TTFT restored made the summary's percentiles null until 10,000 newer requests)."""
-    return all(0.0 <= value <= MAX_SECONDS for value in (
-        0.0 if record.ttft is None else record.ttft, *map(record.__getattribute__, _DURATIONS)))
+    return all(value is None or 0.0 <= value <= MAX_SECONDS for value in (
+        record.ttft, *map(record.__getattribute__, _DURATIONS)))
 
 
 class RequestStore(Worker):

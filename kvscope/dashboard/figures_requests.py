@@ -18,6 +18,7 @@ from kvscope.dashboard.figures import COLOURS, message_figure, new_figure
 from kvscope.vocabulary import TOKEN_SOURCES
 
 WATERFALL_TITLE = "Request waterfall"
+NOT_MEASURED = "not measured"
 
 # DataTable columns: (id, header, type); numbers are sortable and filterable as numbers.
 COLUMNS = (
@@ -35,6 +36,17 @@ COLUMNS = (
 def _num(record: Mapping, key: str) -> float:
     value = record.get(key)
     return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _ms(record: Mapping, key: str) -> float | None:
+    """``record[key]`` seconds as milliseconds (2 decimals); None where it was not measured."""
+    value = record.get(key)
+    return round(float(value) * 1000, 2) if isinstance(value, (int, float)) else None
+
+
+def _part(label: str, record: Mapping, key: str) -> str:
+    """A waterfall row's label: ``label``, marked when ``record`` did not measure ``key``."""
+    return label if isinstance(record.get(key), (int, float)) else f"{label}: {NOT_MEASURED}"
 
 
 def _clock(ts: float | None) -> str:
@@ -55,10 +67,10 @@ def table_rows(records: Sequence[Mapping]) -> list[dict]:
             "id": json.dumps([r.get("instance", ""), source, request_id]),
             "request_id": request_id, "source": source,
             "finished": _clock(r.get("finished")),
-            "ttft_ms": round(_num(r, "ttft") * 1000, 2),
+            "ttft_ms": _ms(r, "ttft"),
             "prompt_tokens": int(_num(r, "prompt_tokens")),
             **{f"tokens_{s}": int(tokens.get(s, 0)) for s in TOKEN_SOURCES},
-            "promotion_wait_ms": round(_num(r, "promotion_wait") * 1000, 2),
+            "promotion_wait_ms": _ms(r, "promotion_wait"),
             "transfers": len(r.get("transfers") or ()),
         }
         if "instance" in r:
@@ -78,15 +90,18 @@ def size_text(n: float) -> str:
 def waterfall(record: Mapping) -> go.Figure:
     """The request on one time axis (ms since arrival): queueing, lookup, each transfer hop
     (tiers, blocks, bytes, measured duration, at its measured start), promotion wait, prefill
-    of the recomputed tokens, and the first token. Parts that took 0 s still get their row."""
+    of the recomputed tokens, and the first token. Parts that took 0 s still get their row;
+    a part the engine did not measure (None) is labelled so, not drawn as 0 s."""
     arrival = _num(record, "arrival")
     q, lk = _num(record, "queueing") * 1000, _num(record, "lookup") * 1000
     wait, prefill = _num(record, "promotion_wait") * 1000, _num(record, "prefill") * 1000
     ttft = _num(record, "ttft") * 1000 if record.get("ttft") is not None else q + lk + wait + prefill
-    recomputed = int((record.get("tokens") or {}).get("recompute", 0))
+    tokens = record.get("tokens") or {}  # none: no lookup reported (vLLM's span alone)
+    recomputed = (f"{int(tokens.get('recompute', 0)):,} recomputed tokens" if tokens
+                  else f"recomputed tokens {NOT_MEASURED}")
     rows: list[tuple[str, float, float, str, str]] = [  # (label, start, duration, colour, note)
         ("arrival → queueing", 0.0, q, "#bbbbbb", ""),
-        ("lookup", q, lk, "#7f7f7f", ""),
+        (_part("lookup", record, "lookup"), q, lk, "#7f7f7f", ""),
     ]
     for i, t in enumerate(record.get("transfers") or ()):
         direction = f"{t.get('src')}->{t.get('dst')}"
@@ -96,8 +111,8 @@ def waterfall(record: Mapping) -> go.Figure:
         start = (float(t.get("start", arrival)) - arrival) * 1000
         rows.append((label, start, float(t.get("duration", 0.0)) * 1000,
                      COLOURS.get(direction, "#8c564b") if ok else "#d62728", direction))
-    rows += [("promotion wait", q + lk, wait, "#9467bd", ""),
-             (f"prefill ({recomputed:,} recomputed tokens)", q + lk + wait, prefill, "#d62728", "")]
+    rows += [(_part("promotion wait", record, "promotion_wait"), q + lk, wait, "#9467bd", ""),
+             (f"prefill ({recomputed})", q + lk + wait, prefill, "#d62728", "")]
     accounted = q + lk + wait + prefill
     if ttft - accounted > max(0.01 * ttft, 1e-3):  # the engine did not report every part
         rows.append(("not attributed by the engine", accounted, ttft - accounted, "#e0e0e0", ""))
@@ -107,7 +122,8 @@ def waterfall(record: Mapping) -> go.Figure:
     fig.add_trace(go.Bar(
         y=[r[0] for r in rows], x=[max(r[2], 1e-6) for r in rows], base=[r[1] for r in rows],
         orientation="h", marker_color=[r[3] for r in rows], showlegend=False,
-        text=[f"{r[2]:.3g} ms" for r in rows], textposition="outside", cliponaxis=False,
+        text=["" if r[0].endswith(NOT_MEASURED) else f"{r[2]:.3g} ms" for r in rows],
+        textposition="outside", cliponaxis=False,
         customdata=[[r[1], r[2]] for r in rows],
         hovertemplate="%{y}<br>start %{customdata[0]:.3f} ms, took %{customdata[1]:.3f} ms"
                       "<extra></extra>"))

@@ -100,12 +100,13 @@ class Check:
 class Headline:
     """The figures read first, over the window. ``token_share``: dict[source, 0-1] of prompt
     tokens (empty without any); ``saved_vs_spent``: dict[tier, (prefill seconds saved, transfer
-    seconds spent)] for each offload tier (transfers counted to the tier away from the GPU);
+    seconds spent)] for each offload tier (transfers counted to the tier away from the GPU;
+    None when none of its transfers was timed: vLLM's /metrics and KV events time none);
     ``ttft_p99``: seconds (the worst per-sample p99) or None; ``ttft_budget``: seconds;
     ``headroom_bytes``, ``reserve_bytes``: the newest values, None when not measured."""
 
     token_share: dict[str, float]
-    saved_vs_spent: dict[str, tuple[float, float]]
+    saved_vs_spent: dict[str, tuple[float, float | None]]
     ttft_p99: float | None
     ttft_budget: float
     headroom_bytes: float | None
@@ -229,10 +230,12 @@ def tail_slo(window: Sequence[Sample], tokens: Mapping[str, float],
              records: Sequence[Mapping], s: Settings, low_traffic: bool) -> Check:
     """Check 3, tail SLO. p99 TTFT: the worst per-sample p99 in the window (each over its last
     minute); promotion wait share: summed promotion wait / summed TTFT of the ``records``
-    finished in the window. No TTFT: "not measured"; no promoted tokens (cpu, disk, remote):
-    "not measured" (the transfer path was not exercised); p99 TTFT within budget: "offload
-    pays"; over it with promotions at least ``promotion_share_max`` of TTFT: "skip offload";
-    over it with less: "offload pays" (the transfer path fits; the breach is elsewhere)."""
+    finished in the window that measured their wait (vLLM's spans alone do not). No TTFT:
+    "not measured"; no promoted tokens (cpu, disk, remote): "not measured" (the transfer path
+    was not exercised); p99 TTFT within budget: "offload pays"; over it with promotions at
+    least ``promotion_share_max`` of TTFT: "skip offload"; over it with less: "offload pays"
+    (the transfer path fits; the breach is elsewhere); over it with no request that measured
+    its wait: "not measured" (nothing says whether promotions caused the breach)."""
     key = "tail-slo"
     p99 = _worst_p99(window, "ttft_seconds")
     wait_p99 = _worst_p99(window, "promotion_wait_seconds")
@@ -247,7 +250,8 @@ def tail_slo(window: Sequence[Sample], tokens: Mapping[str, float],
              else "p99 promotion wait: no promotions measured",
              f"promotion wait {share:.1%} of TTFT over {len(pairs)} requests (blamed from "
              f"{s.promotion_share_max:.0%})" if share is not None
-             else "promotion wait share of TTFT: not measured (no request records)"]
+             else "promotion wait share of TTFT: not measured (no request in the window "
+                  "measured its promotion wait)"]
     if low_traffic:
         verdict = TOO_LITTLE
     elif p99 is None or not promoted:
@@ -257,7 +261,8 @@ def tail_slo(window: Sequence[Sample], tokens: Mapping[str, float],
     elif p99 <= s.ttft_budget_seconds:
         verdict = PAYS
     else:
-        verdict = SKIP if share is None or share >= s.promotion_share_max else PAYS
+        verdict = (NOT_MEASURED if share is None
+                   else SKIP if share >= s.promotion_share_max else PAYS)
     return Check(key, CONDITIONS[key], verdict, tuple(lines))
 
 
@@ -357,7 +362,7 @@ def headline(window: Sequence[Sample], tokens: Mapping[str, float], s: Settings)
         tier = max(src, dst, key=lambda t: TIER_RANK.get(t, 9))
         spent[tier] = spent.get(tier, 0.0) + seconds
     tiers = [t for t in ordered(set(saved) | set(spent)) if t != "gpu"]
-    return Headline(share, {t: (saved.get(t, 0.0), spent.get(t, 0.0)) for t in tiers},
+    return Headline(share, {t: (saved.get(t, 0.0), spent.get(t)) for t in tiers},
                     _worst_p99(window, "ttft_seconds"), s.ttft_budget_seconds,
                     _newest(window, "host_memory_headroom_bytes"),
                     _newest(window, "host_memory_reserve_bytes"))

@@ -64,7 +64,8 @@ REQUEST_ATTRIBUTES: dict[str, str] = {
     "promotion_wait": "kv.promotion_wait_seconds", "prefill": "kv.prefill_seconds",
     "itl": "kv.itl_seconds", "transfers_omitted": "kv.transfers_omitted",
 }
-_WHEN_KNOWN = ("ttft", "itl", "transfers_omitted")  # None or 0 means unknown or none: left out
+# None (not measured) is left out, and for these 0 too (unknown or none)
+_WHEN_KNOWN = ("ttft", "itl", "transfers_omitted")
 # ... or, for the rest, the part of the span's shape that carries it
 REQUEST_SPAN_SHAPE: dict[str, str] = {
     "trace_id": "the trace id", "arrival": "the span's start",
@@ -342,7 +343,7 @@ def _request_attributes(record: RequestRecord) -> dict[str, str | int | float]:
         if field == "tokens":
             for source in (*TOKEN_SOURCES, *sorted(set(value) - set(TOKEN_SOURCES))):
                 attributes[name.format(source=source)] = int(value.get(source, 0))
-        elif not (field in _WHEN_KNOWN and not value):
+        elif value is not None and not (field in _WHEN_KNOWN and not value):
             attributes[name] = value
     return attributes
 

@@ -94,6 +94,24 @@ def test_protobuf_spans_become_requests_with_vllm_latencies():
     assert agent.pipeline.snapshot().events_received == {"otlp": 1}
 
 
+def test_a_span_alone_measures_no_promotion_wait_and_no_lookup():
+    """vLLM's span has neither: the record says so (None) and the promotion-wait histogram
+    has no observation of it. Read as 0, every zero-code request counted a wait of 0 s (p99 0)
+    and the "Should I offload here?" tail check read promotions as 0% of TTFT."""
+    agent = _agent()
+    with TestClient(create_app(agent)) as client:
+        client.post("/v1/traces", content=protobuf_body(),
+                    headers={"content-type": "application/x-protobuf"})
+        agent.pipeline.publish_settled(everything=True)
+        (row,) = client.get("/api/v1/requests").json()["requests"]
+    record = agent.pipeline.requests.get("cmpl-1-0")
+    assert record.promotion_wait is None and record.lookup is None
+    assert (row["promotion_wait"], row["lookup"], row["queueing"]) == (None, None, 0.05)
+    snap = agent.pipeline.snapshot()
+    assert snap.requests == 1 and snap.ttft_seconds.count == 1
+    assert snap.promotion_wait_seconds.count == 0
+
+
 def test_json_and_gzip_bodies_are_accepted():
     agent = _agent()
     with TestClient(create_app(agent)) as client:

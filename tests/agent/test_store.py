@@ -21,8 +21,8 @@ from kvscope.agent.taps.emitter import Emitter
 
 def _record(i, finished=None):
     return RequestRecord(f"r{i}", f"{i:032x}", "engine", 1000.0 + i, prompt_tokens=64,
-                         tokens={"gpu": 48, "recompute": 16}, ttft=0.05,
-                         transfers=(TransferRecord("cpu", "gpu", 2, 65536, 1000.0 + i, 1e-4),),
+                         tokens={"gpu": 48, "recompute": 16}, ttft=0.05, lookup=0.0,
+                         promotion_wait=0.0, transfers=(TransferRecord("cpu", "gpu", 2, 65536, 1000.0 + i, 1e-4),),
                          finished=finished)
 
 

@@ -75,7 +75,11 @@ def test_cpu_manager_stores_loads_evictions_and_reset(run):
     assert evicted == {("capacity", 0): 2, ("cleared", 1): 2, ("cleared", 0): 2}, evicted
     assert times == {("capacity", 0): (10.0, 10.0), ("cleared", 1): (30.0, 20.0),
                      ("cleared", 0): (20.0, 20.0)}, times
-    assert sorted(e["request_id"] for e in of(events, "RequestFinished")) == ["r1", "r2"]
+    finished = {e["request_id"]: e for e in of(events, "RequestFinished")}
+    assert sorted(finished) == ["r1", "r2"]
+    # the tap times promotions (prepare_load to complete_load), not lookups: None, never 0
+    assert [(e["lookup"], e["promotion_wait"] >= 0) for e in finished.values()] == \
+        [(None, True)] * 2, finished
     admitted = [sum(e[k] for e in of(events, "Admission")) for k in ("stored", "skipped", "failed")]
     assert admitted == [6, 0, 0], admitted  # k0..k3, then k4, k5
     last = of(events, "TierSnapshot")[-1]

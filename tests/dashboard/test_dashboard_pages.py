@@ -75,6 +75,20 @@ def test_waterfall_renders_parts_the_engine_left_at_zero():
     json.loads(fr.waterfall(record).to_json())
 
 
+def test_parts_not_measured_are_labelled_so_not_drawn_as_zero():
+    """vLLM's span alone: no lookup, no promotion wait (None). The table leaves the cell blank
+    (the grid shows "not measured"), the waterfall names the rows so and writes no "0 ms"."""
+    record = {**RECORD, "lookup": None, "promotion_wait": None, "transfers": [], "tokens": {}}
+    (row,) = fr.table_rows([record])
+    assert row["promotion_wait_ms"] is None and row["ttft_ms"] == 30.0
+    bars = fr.waterfall(record).data[0]
+    text = dict(zip(bars.y, bars.text))
+    assert text["lookup: not measured"] == "" and text["promotion wait: not measured"] == ""
+    assert "lookup" not in text and text["arrival → queueing"] == "2 ms"
+    # no lookup reported, so how many tokens were recomputed is not known either (not 0)
+    assert text["prefill (recomputed tokens not measured)"] == "15 ms"
+
+
 class FakeBackend:
     kind, base_url = "agent", "http://agent:9400"
 
@@ -237,6 +251,17 @@ def test_eviction_histograms_count_the_window_per_bucket():
     assert ft.HITS_LABELS[:5] == ["0", "1", "2", "3-4", "5-8"]
     assert ft.AGE_LABELS[:3] == ["≤100 ms", "≤1 s", "≤10 s"] and ft.AGE_LABELS[-1] == ">1 d"
     assert annotation_texts(ft.eviction_age([_s(0)])) == ["no evictions in this window"]
+
+
+def test_evictions_counted_without_age_or_hits_are_not_no_evictions():
+    """vLLM's KV events: the GPU tier evicted 83 blocks, with neither age nor hits. The charts
+    said "no evictions in this window"; they now give the count and what is not measured."""
+    samples = [_s(0, evicted_blocks={"gpu": 17}), _s(1, evicted_blocks={"gpu": 100})]
+    assert annotation_texts(ft.eviction_age(samples)) == [
+        "gpu: 83 blocks evicted, their age not measured (the source reports evictions without "
+        "it, e.g. vLLM's KV events)"]
+    assert annotation_texts(ft.eviction_hits(samples))[0].startswith(
+        "gpu: 83 blocks evicted, their hits not measured")
 
 
 def test_tiers_render_gives_every_graph():

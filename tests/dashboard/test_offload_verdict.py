@@ -161,6 +161,20 @@ def test_records_outside_the_window_do_not_count():
     assert check(a, "tail-slo").verdict == PAYS
 
 
+def test_over_budget_with_no_wait_measured_is_not_measured():
+    """Requests known only from vLLM's spans carry no promotion wait (None): read as 0 they
+    said promotions took 0% of TTFT and offload pays; nothing measured says either."""
+    a = V.assess(window(ttft_p99=4.0), records(30, ttft=3.0, wait=None))
+    c = check(a, "tail-slo")
+    assert c.verdict == NOT_MEASURED
+    assert ("promotion wait share of TTFT: not measured (no request in the window measured its "
+            "promotion wait)") in c.evidence
+    # beside measured ones, the unmeasured requests count in neither sum
+    a = V.assess(window(ttft_p99=4.0), records(30, ttft=3.0, wait=None)
+                 + records(10, ttft=3.0, wait=0.6))
+    assert check(a, "tail-slo").verdict == SKIP
+
+
 def test_ttft_budget_is_a_setting():
     a = V.assess(window(ttft_p99=0.5), records(30, ttft=0.5, wait=0.2),
                  Settings(ttft_budget_seconds=0.4))
@@ -307,6 +321,25 @@ def test_headline_shares_and_seconds_per_tier():
     assert h.saved_vs_spent == {"cpu": pytest.approx((1.2, 0.42)),
                                 "disk": pytest.approx((0.0, 0.06))}
     assert h.ttft_p99 == 0.5 and h.headroom_bytes == 4 * GIB and h.reserve_bytes == GIB
+
+
+def test_transfer_time_not_measured_is_none_not_zero_seconds():
+    """Zero-code mode: vLLM's /metrics count cache hits (prefill saved) but time no transfer.
+    The card said "0.00 s spent", as if promotions were free; now the tier's spent is None,
+    the card says so and gives the seconds saved without a ratio."""
+    from kvscope.dashboard import verdict_view
+
+    a = V.assess(window(drop=("transfer_seconds_sum",)), records(30, ttft=0.5, wait=None))
+    assert a.headline.saved_vs_spent == {"cpu": (pytest.approx(1.2), None)}
+    savings = {c.id: c for c in verdict_view.cards(a).children}["offload-card-savings"]
+    assert savings.children[1].children == "1.20 s saved"
+    assert savings.children[2].children == "cpu 1.20 s saved / transfer time not measured"
+    # one tier timed, one not: no ratio over the timed one alone
+    a = V.assess(window(saved={"cpu": 0.02, "disk": 0.01}, spent={"cpu->gpu": 0.003}))
+    assert a.headline.saved_vs_spent == {"cpu": pytest.approx((1.2, 0.18)),
+                                         "disk": (pytest.approx(0.6), None)}
+    savings = {c.id: c for c in verdict_view.cards(a).children}["offload-card-savings"]
+    assert savings.children[1].children == "1.80 s saved"
 
 
 # --- the view ------------------------------------------------------------------------------

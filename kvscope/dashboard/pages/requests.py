@@ -33,7 +33,6 @@ PAGE_SIZE = 15
 # table column -> the agent's sort key (kvscope.agent.requests.SORT_KEYS)
 API_SORT = {"finished": "finished", "ttft_ms": "ttft", "prompt_tokens": "prompt_tokens",
             "promotion_wait_ms": "promotion_wait"}
-NOT_MEASURED = "not measured"
 HIGHLIGHT = {"backgroundColor": "#fff3c4", "fontWeight": "600"}
 
 # AG Grid evaluates these expressions in the browser (dash-ag-grid's function strings).
@@ -44,7 +43,7 @@ _TEXT = "params.filterText.trim()"
 NUMBER_MATCHER = "".join(
     f"{_TEXT}.startsWith('{op}') ? Number(params.value) {js} Number({_TEXT}.slice({len(op)})) : "
     for op, js in _OPERATORS) + f"Number(params.value) === Number({_TEXT})"
-NUMBER_FORMAT = f"params.value == null ? '{NOT_MEASURED}' : '' + params.value"
+NUMBER_FORMAT = f"params.value == null ? '{fr.NOT_MEASURED}' : '' + params.value"
 # every column filters by the text typed in the filter row: one condition, no operator menu
 _FILTER = {"filterOptions": ["contains"], "maxNumConditions": 1}
 
@@ -235,4 +234,4 @@ def waterfall(backend: Backend, search: str | None, instance: str | None) -> tup
 
 
 def _ms(seconds: float | None) -> str:
-    return NOT_MEASURED if seconds is None else f"{float(seconds) * 1000:.3g} ms"
+    return fr.NOT_MEASURED if seconds is None else f"{float(seconds) * 1000:.3g} ms"
