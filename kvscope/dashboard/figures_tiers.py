@@ -116,10 +116,19 @@ def _hits_labels(bounds=EVICTED_HITS_BUCKETS) -> list[str]:
 HITS_LABELS = _hits_labels()
 
 
-def _histogram(samples, field: str, labels: list[str], title: str, x_title: str) -> go.Figure:
+def _histogram(samples, field: str, labels: list[str], title: str, x_title: str,
+               what: str) -> go.Figure:
+    """Blocks evicted in the window per bucket of ``field``, by tier. Evictions counted
+    without ``what`` they measure (vLLM's KV events carry no age or hits) are said to be so,
+    not shown as "no evictions"."""
     counts = S.bucket_increase(samples, field)
     counts = {t: c for t, c in counts.items() if len(c) == len(labels) and c.sum() > 0}
     if not counts:
+        evicted = {t: n for t, n in S.window_increase(samples, "evicted_blocks").items() if n > 0}
+        if evicted:
+            return message_figure(title, ", ".join(f"{t}: {n:,.0f}" for t, n in evicted.items())
+                                  + f" blocks evicted, {what} not measured (the source "
+                                  "reports evictions without it, e.g. vLLM's KV events)")
         return message_figure(title, "no evictions in this window" if samples else NO_DATA)
     fig = new_figure()
     for tier, c in counts.items():
@@ -139,10 +148,10 @@ def _histogram(samples, field: str, labels: list[str], title: str, x_title: str)
 def eviction_age(samples: Sequence[S.Sample]) -> go.Figure:
     """Blocks evicted in the window per age bucket (seconds resident), grouped by tier."""
     return _histogram(samples, "block_residency_seconds", AGE_LABELS, EVICTION_AGE_TITLE,
-                      "age at eviction (time resident)")
+                      "age at eviction (time resident)", "their age")
 
 
 def eviction_hits(samples: Sequence[S.Sample]) -> go.Figure:
     """Blocks evicted in the window per hits-while-resident bucket (0: never reused)."""
     return _histogram(samples, "evicted_block_hits", HITS_LABELS, EVICTION_HITS_TITLE,
-                      "hits while resident (count)")
+                      "hits while resident (count)", "their hits")

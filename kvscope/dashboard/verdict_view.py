@@ -55,7 +55,9 @@ def cards(a: Assessment) -> html.Div:
     h = a.headline
     reused = sum(v for k, v in h.token_share.items() if k != "recompute")
     shares = " · ".join(f"{k} {v:.0%}" for k, v in h.token_share.items())
-    tiers = " · ".join(f"{tier} {saved:.2f} s saved / {spent:.2f} s spent"
+    tiers = " · ".join(f"{tier} {saved:.2f} s saved / "
+                       + (f"{spent:.2f} s spent" if spent is not None
+                          else f"transfer time {NOT_MEASURED}")
                        for tier, (saved, spent) in h.saved_vs_spent.items())
     over = h.ttft_p99 is not None and h.ttft_p99 > h.ttft_budget
     return html.Div([
@@ -101,10 +103,14 @@ def table(a: Assessment) -> html.Table:
                       style={"borderCollapse": "collapse", "width": "100%"})
 
 
-def _net(saved_vs_spent: dict[str, tuple[float, float]]) -> str:
+def _net(saved_vs_spent: dict[str, tuple[float, float | None]]) -> str:
+    """Seconds saved per second spent over the tiers; the seconds saved alone where a tier's
+    transfer time was not measured (no ratio can be formed) or none was spent."""
     saved = sum(s for s, _ in saved_vs_spent.values())
-    spent = sum(t for _, t in saved_vs_spent.values())
     if not saved_vs_spent:
         return NOT_MEASURED
+    if any(t is None for _, t in saved_vs_spent.values()):
+        return f"{saved:.2f} s saved"
+    spent = sum(t for _, t in saved_vs_spent.values())
     return f"{saved / spent:.1f}×" if spent > 0 else f"{saved:.2f} s saved"
 
