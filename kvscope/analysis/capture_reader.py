@@ -290,19 +290,37 @@ def read_measured_rates(path: str | Path) -> MeasuredRates:
                           {d: t[1] for d, t in totals.items()})
 
 
+def _captures(paths: str) -> list[str]:
+    """The captures a comma-separated ``paths`` names; TraceError when it names none."""
+    parts = [p.strip() for p in paths.split(",") if p.strip()]
+    if not parts:
+        raise TraceError(f"no capture named in {paths!r}")
+    return parts
+
+
 def read_runs(paths: str) -> list[RequestSample]:
     """One :class:`RequestSample` per capture of ``paths``, a comma-separated list of capture
     directories (or requests segments): the repeated runs of one arm. Raises TraceError as
     :func:`read_request_sample` does, and for a list that names none or one capture twice."""
-    parts = [p.strip() for p in paths.split(",") if p.strip()]
-    if not parts:
-        raise TraceError(f"no capture named in {paths!r}")
+    parts = _captures(paths)
     resolved = [Path(p).resolve() for p in parts]
     if len(set(resolved)) < len(resolved):  # one run read twice would fake run-to-run variance
         twice = next(p for p, r in zip(parts, resolved) if resolved.count(r) > 1)
         raise TraceError(f"{paths}: names {twice} twice; each run of an arm is a capture of "
                          "its own")
     return [read_request_sample(p) for p in parts]
+
+
+def read_arms(baseline: str, candidate: str) -> tuple[list[RequestSample], list[RequestSample]]:
+    """The runs of both arms (:func:`read_runs` of each). Raises TraceError as it does, and
+    when a capture is named on both sides: compared with itself it would read as an A/A check
+    that found no difference, which two runs of one setup, not one run twice, can show."""
+    both = ({Path(p).resolve() for p in _captures(baseline)}
+            & {Path(p).resolve() for p in _captures(candidate)})
+    if both:
+        raise TraceError(f"{min(both)} is named as both the baseline and the candidate; an "
+                         "A/A check compares two runs of one setup, each captured on its own")
+    return read_runs(baseline), read_runs(candidate)
 
 
 def _request_sample(table: pa.Table, name: str) -> RequestSample:

@@ -70,9 +70,9 @@ def run(args: argparse.Namespace, out=None) -> int:
     An unreadable capture raises TraceError (which the CLI turns into exit code 2); options
     the analysis refuses print one line to stderr and return 2.
     """
-    from kvscope.analysis.capture_reader import read_runs  # pyarrow only here
+    from kvscope.analysis.capture_reader import read_arms  # pyarrow only here
 
-    baseline, candidate = read_runs(args.baseline), read_runs(args.candidate)
+    baseline, candidate = read_arms(args.baseline, args.candidate)
     try:
         result = compare(baseline, candidate, ttft_budget=args.ttft_budget,
                          itl_budget=args.itl_budget,

@@ -179,7 +179,7 @@ def _lookup(i, blocks=8):
                      block_sources=["recompute"] * blocks, block_tokens=16)
 
 
-def test_segments_with_nulls_are_an_error_naming_the_capture(tmp_path):
+def test_segments_with_nulls_are_an_error_naming_the_capture(tmp_path, capsys):
     """A hand-edited or foreign requests segment with null token counts crashed compare with a
     traceback (exit 1); null block hashes were read as 2**63, all one block. Both are now one
     line naming the capture and the column, exit 2."""
@@ -201,7 +201,9 @@ def test_segments_with_nulls_are_an_error_naming_the_capture(tmp_path):
         read_request_sample(tmp_path / "requests")
     with pytest.raises(TraceError, match="blocks: blocks segments with empty values in block_hash"):
         read_block_trace(tmp_path / "blocks")
-    assert main(["compare", str(tmp_path / "requests"), str(tmp_path / "requests")]) == 2
+    shutil.copytree(tmp_path / "requests", tmp_path / "again")
+    assert main(["compare", str(tmp_path / "requests"), str(tmp_path / "again")]) == 2
+    assert "requests segments with empty values in tokens_gpu" in capsys.readouterr().err
     # inside a transfer too: ok null read as a failure, src null as the direction "None->gpu"
     directory = tmp_path / "transfers"
     directory.mkdir()

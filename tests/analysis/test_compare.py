@@ -2,6 +2,7 @@
 answer follows by hand (each case's docstring says why)."""
 
 import json
+import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -229,6 +230,10 @@ def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
     # one run named twice in an arm would fake the run-to-run variance a roll back needs
     assert main(["compare", f"{b},,{b}", str(c)]) == 2
     assert f"names {b} twice" in capsys.readouterr().err
+    # nor one capture on both sides, however spelled: compared with itself it reads as an A/A
+    # check that passed, which says nothing of run-to-run variance
+    assert main(["compare", f"{b},{c}", f"{tmp_path}/./c/"]) == 2
+    assert f"{c} is named as both the baseline and the candidate" in capsys.readouterr().err
 
 
 def test_a_parquet_file_of_another_kind_is_one_line_saying_what_to_pass(tmp_path, capsys):
@@ -429,8 +434,9 @@ def test_transfer_cost_counts_the_offloads_no_request_holds(tmp_path, capsys):
                       "cpu->gpu": (2_000_000, 2_000, pytest.approx(0.002))}, totals
     sample_ = read_request_sample(directory)
     assert sample_.transfer_bytes == {"gpu->cpu": 3_500_000, "cpu->gpu": 2_000_000}
-    assert main(["compare", str(directory), str(directory), "--json", "--resamples", "100",
-                 "--min-requests", "1"]) == 0
+    shutil.copytree(directory, tmp_path / "again")  # an arm of its own (one capture is refused)
+    assert main(["compare", str(tmp_path / "again"), str(directory), "--json", "--resamples",
+                 "100", "--min-requests", "1"]) == 0
     transfers = json.loads(capsys.readouterr().out)["candidate"]["transfers"]
     assert transfers["gpu->cpu"]["bytes"] == 3_500_000
     assert pq.read_table(next(directory.glob("totals-*.parquet"))).num_rows == 6  # 3 changes

@@ -219,12 +219,12 @@ def run_compare(baseline: str | None, candidate: str | None, budget_ms: float | 
         return _rollout(baseline, candidate)
     if not baseline or not candidate:
         return None, fc.EMPTY
-    from kvscope.analysis.capture_reader import read_runs
+    from kvscope.analysis.capture_reader import read_arms
     from kvscope.analysis.compare import compare, to_dict
     from kvscope.engine.workload import TraceError
 
     try:
-        result = compare(read_runs(baseline), read_runs(candidate),
+        result = compare(*read_arms(baseline, candidate),
                          ttft_budget=budget_ms / 1e3 if budget_ms else None, resamples=resamples)
     except (TraceError, ValueError) as exc:  # the dashboard's fetch boundary
         return None, f"cannot compare: {exc}"
