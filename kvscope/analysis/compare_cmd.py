@@ -41,7 +41,8 @@ def add_verdict_arguments(parser: argparse.ArgumentParser) -> None:
     ``parser``: ``compare``'s and ``rollout``'s."""
     parser.add_argument("--ttft-budget", type=budget, metavar="SECONDS|+N%",
                         help="p99 TTFT budget: seconds, or a percentage of the baseline's p99 "
-                        "(+10%%: 10%% above it); a candidate above it and significantly worse "
+                        "(+10%%: 10%% above it; a required improvement with '=': "
+                        "--ttft-budget=-5%%); a candidate above it and significantly worse "
                         "than the baseline is rolled back (default: none, judge against the "
                         "baseline only)")
     parser.add_argument("--itl-budget", type=budget, metavar="SECONDS|+N%",
