@@ -16,8 +16,9 @@ Span shapes (times are Unix nanoseconds, from the record's Unix seconds, see :fu
   ``kv.prompt_tokens`` / ``kv.output_tokens`` int, ``kv.tokens.<source>`` int prompt tokens per
   token source (``gpu``, ``cpu``, ``disk``, ``recompute`` always present, 0 when absent, plus
   any other key of ``record.tokens``), ``kv.ttft_seconds`` float (only when ttft is known),
-  ``kv.queueing_seconds``, ``kv.lookup_seconds``, ``kv.promotion_wait_seconds``,
-  ``kv.prefill_seconds`` float seconds, ``kv.itl_seconds`` float (only when known: > 0),
+  ``kv.queueing_seconds``, ``kv.prefill_seconds`` float seconds, ``kv.lookup_seconds``,
+  ``kv.promotion_wait_seconds`` float seconds (only when measured: vLLM's spans alone carry
+  neither), ``kv.itl_seconds`` float (only when known: > 0),
   ``kv.transfers_omitted`` int (only when some were: > 0). Every field of the request schema
   (:class:`~kvscope.agent.record_data.RecordData`) is an attribute
   (:data:`REQUEST_ATTRIBUTES`) or carried by the span's shape (:data:`REQUEST_SPAN_SHAPE`).
