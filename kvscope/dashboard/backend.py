@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 from urllib.parse import quote
 
 import httpx
@@ -28,6 +28,16 @@ class BackendUnavailable(Exception):
         self.what = what
 
 
+class RequestPage(NamedTuple):
+    """What :meth:`Backend.requests` read: ``total`` requests in the table(s), up to the limit
+    of their ``records``, and ``unread``: the agents of a fleet whose records could not be read
+    (each "instance (reason)"), so that a page never shows part of a fleet as the whole."""
+
+    total: int
+    records: list[dict]
+    unread: tuple[str, ...] = ()
+
+
 class Backend(Protocol):
     """What every page reads. ``kind``: "agent" or "prometheus"; ``base_url``: its URL."""
 
@@ -42,8 +52,8 @@ class Backend(Protocol):
 
     def requests(self, limit: int = 500, sort: str = "finished", descending: bool = True,
                  min_ttft: float | None = None,
-                 instance: str | None = None) -> tuple[int, list[dict]]:
-        """(requests in the table(s), up to ``limit`` request records)."""
+                 instance: str | None = None) -> RequestPage:
+        """Up to ``limit`` request records, with the table(s)' size."""
 
     def request(self, request_id: str, instance: str | None = None,
                 source: str | None = None) -> dict | None:
@@ -119,15 +129,15 @@ class AgentBackend:
 
     def requests(self, limit: int = 500, sort: str = "finished", descending: bool = True,
                  min_ttft: float | None = None,
-                 instance: str | None = None) -> tuple[int, list[dict]]:
-        """``GET /api/v1/requests``: (table size, records). Raises :class:`BackendUnavailable`."""
+                 instance: str | None = None) -> RequestPage:
+        """``GET /api/v1/requests``. Raises :class:`BackendUnavailable`."""
         params: dict = {"limit": limit, "sort": sort, "order": "desc" if descending else "asc"}
         if min_ttft is not None:
             params["min_ttft"] = min_ttft
         body = self._get_json("/api/v1/requests", params)
         if not (isinstance(body, dict) and isinstance(body.get("requests"), list)):
             raise BackendUnavailable(self.base_url, "unexpected requests payload")
-        return int(body.get("total", len(body["requests"]))), body["requests"]
+        return RequestPage(int(body.get("total", len(body["requests"]))), body["requests"])
 
     def request(self, request_id: str, instance: str | None = None,
                 source: str | None = None) -> dict | None:

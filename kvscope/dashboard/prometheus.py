@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from kvscope.dashboard.backend import AgentBackend, BackendUnavailable
+from kvscope.dashboard.backend import AgentBackend, BackendUnavailable, RequestPage
 from kvscope.samples import FIELDS, PERCENTILES, Kind, join_key
 
 
@@ -153,27 +153,28 @@ class PrometheusBackend:
 
     def requests(self, limit: int = 500, sort: str = "finished", descending: bool = True,
                  min_ttft: float | None = None,
-                 instance: str | None = None) -> tuple[int, list[dict]]:
+                 instance: str | None = None) -> RequestPage:
         """Recent requests from each selected agent, merged and cut to ``limit``; each record
-        gains ``instance``. Agents that cannot be read are skipped; raises
-        :class:`BackendUnavailable` only when none can."""
+        gains ``instance``. Agents that cannot be read are skipped and named in ``unread``;
+        raises :class:`BackendUnavailable` only when none can."""
         names = self._pick(instance)
         futures = {name: self._pool.submit(
             lambda n: self._agent(n).requests(limit, sort, descending, min_ttft), name)
             for name in names}
-        total, records, errors = 0, [], []
+        total, records, errors = 0, [], {}
         for name, future in futures.items():
             try:
-                n, recs = future.result()
+                page = future.result()
             except BackendUnavailable as exc:
-                errors.append(exc)
+                errors[name] = exc
                 continue
-            total += n
-            records += [{**r, "instance": name} for r in recs]
+            total += page.total
+            records += [{**r, "instance": name} for r in page.records]
         if errors and len(errors) == len(names):
-            raise errors[0]
+            raise next(iter(errors.values()))
         records.sort(key=lambda r: r.get(sort) or 0.0, reverse=descending)
-        return total, records[:limit]
+        return RequestPage(total, records[:limit],
+                           tuple(f"{name} ({exc.reason})" for name, exc in errors.items()))
 
     def request(self, request_id: str, instance: str | None = None,
                 source: str | None = None) -> dict | None:

@@ -384,7 +384,7 @@ def test_backend_reads_requests_and_one_request(agent):
                      "/api/v1/requests?": (200, json.dumps({"total": 7,
                                                             "requests": [record]}).encode())}
     backend = AgentBackend(_url(agent))
-    assert backend.requests(10, "ttft", True, 0.05) == (7, [record])
+    assert backend.requests(10, "ttft", True, 0.05) == (7, [record], ())
     assert "sort=ttft" in agent.paths[-1] and "min_ttft=0.05" in agent.paths[-1]
     assert backend.request("r/1") == record
     assert backend.request("..") == dots

@@ -11,7 +11,7 @@ from kvscope.dashboard import figures_requests as fr
 from kvscope.dashboard import figures_sizing as fz
 from kvscope.dashboard import figures_tiers as ft
 from kvscope.dashboard import prometheus as P
-from kvscope.dashboard.backend import BackendUnavailable
+from kvscope.dashboard.backend import BackendUnavailable, RequestPage
 from kvscope.dashboard.pages import requests as requests_page
 from kvscope.dashboard.pages import sizing as sizing_page
 from kvscope.dashboard.pages import tiers as tiers_page
@@ -99,7 +99,7 @@ class FakeBackend:
         self.calls.append((limit, sort, descending, min_ttft, instance))
         if self.fail:
             raise BackendUnavailable(self.base_url, "refused")
-        return 123, self.records
+        return RequestPage(123, self.records)
 
     def request(self, request_id, instance=None, source=None):
         if self.fail:

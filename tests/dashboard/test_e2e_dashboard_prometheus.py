@@ -11,6 +11,8 @@ test-artifacts/dashboard-prometheus-*.png.
 from __future__ import annotations
 
 
+import time
+
 import pytest
 from conftest import needs_prometheus, running_prometheus
 from test_e2e_dashboard import (TOPOLOGY_JS, browser, click_first,  # noqa: F401
@@ -90,3 +92,41 @@ def test_tiers_and_requests_over_prometheus(demo, fleet_dashboard, browser):
     finally:
         screenshot(browser, "dashboard-prometheus-requests")
     assert not console_errors(browser)
+
+
+def test_a_fleet_page_names_the_agents_it_could_not_read(demo, tmp_path):
+    """Prometheus scrapes the demo's agent and a second agent whose API wants a token the
+    dashboard lacks (its /metrics stays open). The Requests page showed the demo's records as
+    "all instances" and said nothing of the other (found by a fresh-user tryout); its status
+    line, and the Overview's, now name it and why."""
+    from kvscope.agent.config import AgentSettings
+    from kvscope.dashboard.pages import overview
+    from kvscope.dashboard.pages import requests as requests_page
+    from kvscope.dashboard.prometheus import PrometheusBackend
+    from kvscope.service.agent import Agent
+    from kvscope.service.api import create_app
+    from kvscope.service.server import ApiServer, bind
+
+    agent = Agent(AgentSettings(collectors={"gpu": {"enabled": False}}, token="s3cret"),
+                  with_ingest=False)
+    sock = bind("127.0.0.1", 0, "--port")
+    server = ApiServer(create_app(agent), sock)
+    server.start()
+    locked, shown = f"127.0.0.1:{sock.getsockname()[1]}", f"127.0.0.1:{demo.metrics_port}"
+    try:
+        with running_prometheus([shown, locked], tmp_path, "prometheus-unread.log") as url:
+            backend = PrometheusBackend(url, rate_window="15s")
+            try:
+                deadline = time.monotonic() + 60
+                while backend.instances() != sorted([shown, locked]):
+                    assert time.monotonic() < deadline, backend.instances()
+                    time.sleep(0.5)
+                rows, status = requests_page.table(backend, None, None, 100, None)
+                *_, overview_status = overview.refresh(backend, 300.0)
+            finally:
+                backend.close()
+    finally:
+        server.shutdown()
+    assert rows and {r["instance"] for r in rows} == {shown}
+    for line in (status, overview_status):
+        assert f" · not read: {locked} (HTTP 401" in line, line

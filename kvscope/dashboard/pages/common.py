@@ -62,5 +62,11 @@ def samples_status(backend: Backend, instance: str | None, samples: Sequence[dic
             f"last {last:%H:%M:%S} UTC")
 
 
+def unread_status(unread: Sequence[str]) -> str:
+    """" · not read: a (reason), b (reason)" for the fleet's agents a page could not read
+    (:attr:`~kvscope.dashboard.backend.RequestPage.unread`), "" when it read them all."""
+    return f" · not read: {', '.join(unread)}" if unread else ""
+
+
 def unreachable_status(exc: BackendUnavailable) -> str:
     return f"{exc.what} unreachable: {exc.url} ({exc.reason})"

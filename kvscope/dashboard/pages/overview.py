@@ -28,7 +28,7 @@ from kvscope.dashboard.misconfig_view import SECTION_ID as MISCONFIG_ID
 from kvscope.dashboard.misconfig_view import section as misconfig_section
 from kvscope.dashboard.topology_view import METRICS as TOPOLOGY_METRICS, topologies
 from kvscope.dashboard.pages.common import (GRID_STYLE, Context, graph, samples_status, status,
-                                            unreachable_status)
+                                            unread_status, unreachable_status)
 from kvscope.dashboard.series import last_window, thin
 
 PATH = "/"
@@ -89,21 +89,22 @@ def refresh(backend: Backend, window_seconds: float, instance: str | None = None
     saying so (never an exception into Dash)."""
     try:
         samples = backend.timeseries(window_seconds, instance)
-        _total, records = backend.requests(limit=RECORDS, instance=instance)
+        page = backend.requests(limit=RECORDS, instance=instance)
     except BackendUnavailable as exc:
         return (*[figures.unreachable_figure(title, exc.url, exc.what)
                   for _build, title in GRAPHS.values()],
                 verdict_view.placeholder(unreachable_status(exc)), [],
                 unreachable_status(exc))
-    figs = render(samples, window_seconds, max_points, records)
-    advice = verdict_view.section(offload_verdict.assess(samples, records, offload))
+    figs = render(samples, window_seconds, max_points, page.records)
+    advice = verdict_view.section(offload_verdict.assess(samples, page.records, offload))
     try:  # the NUMA placement detector reads the node collectors' topology
         topology = topologies(backend.node(TOPOLOGY_METRICS, instance))
     except BackendUnavailable:
         topology = None
     found = misconfig_section(detect_misconfig(last_window(samples, offload.window_seconds),
                                                topology=topology))
-    return (*figs, advice, found, samples_status(backend, instance, samples))
+    return (*figs, advice, found,
+            samples_status(backend, instance, samples) + unread_status(page.unread))
 
 
 def render(samples: Sequence[dict], window_seconds: float, max_points: int = 720,

@@ -21,7 +21,8 @@ from dash import Input, Output, State, dcc, html
 
 from kvscope.dashboard import figures_requests as fr
 from kvscope.dashboard.backend import Backend, BackendUnavailable
-from kvscope.dashboard.pages.common import STATUS_STYLE, Context, graph, status, where
+from kvscope.dashboard.pages.common import (STATUS_STYLE, Context, graph, status, unread_status,
+                                           where)
 from kvscope.events import MAX_REQUEST_ID
 from kvscope.vocabulary import TOKEN_SOURCES
 
@@ -149,25 +150,24 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
     descending = sort_by[0]["direction"] == "desc" if sort_by else True
     min_ttft = float(min_ttft_ms) / 1000 if isinstance(min_ttft_ms, (int, float)) else None
     try:
-        total, records = backend.requests(limit, API_SORT.get(column, "finished"),
-                                          descending, min_ttft, instance)
+        page = backend.requests(limit, API_SORT.get(column, "finished"), descending, min_ttft,
+                                instance)
     except BackendUnavailable as exc:
         return [], f"{exc.what} unreachable: {exc.url} ({exc.reason})"
-    rows = unmeasured(fr.table_rows(records), records)
+    rows = unmeasured(fr.table_rows(page.records), page.records)
     if column not in API_SORT:
         rows.sort(key=lambda r: r.get(column) or 0, reverse=descending)
-    shown = f"{len(rows):,} of {total:,} requests"
+    shown = f"{len(rows):,} of {page.total:,} requests"
     if min_ttft is not None:
         shown += f" with TTFT ≥ {min_ttft * 1000:g} ms"
-    return rows, f"{where(backend, instance)} · {shown} · click a row to open its waterfall"
+    return rows, (f"{where(backend, instance)} · {shown}{unread_status(page.unread)} · "
+                  "click a row to open its waterfall")
 
 
 def unmeasured(rows: list[dict], records: Sequence[Mapping]) -> list[dict]:
     """``rows`` (one per record) with None, shown as "not measured", where the record has no
-    value: no TTFT, or no tokens by source at all (a source that did not report them)."""
+    tokens by source at all (a source that did not report them)."""
     for row, record in zip(rows, records):
-        if record.get("ttft") is None:
-            row["ttft_ms"] = None
         if not record.get("tokens"):
             row.update((f"tokens_{s}", None) for s in TOKEN_SOURCES)
     return rows
