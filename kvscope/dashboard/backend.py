@@ -19,10 +19,12 @@ import httpx
 
 class BackendUnavailable(Exception):
     """The backend at ``url`` could not be read; ``reason`` says why, in a few words;
-    ``what``: "agent" or "prometheus"."""
+    ``what``: "agent" or "prometheus". Its text, for a status line: "<what> unreachable:
+    <url> (<reason>)", or ``summary`` when given (what failed was not reaching the backend)."""
 
-    def __init__(self, url: str, reason: str, what: str = "agent") -> None:
-        super().__init__(f"{what} unreachable: {url} ({reason})")
+    def __init__(self, url: str, reason: str, what: str = "agent",
+                 summary: str | None = None) -> None:
+        super().__init__(summary or f"{what} unreachable: {url} ({reason})")
         self.url = url
         self.reason = reason
         self.what = what

@@ -139,7 +139,9 @@ class PrometheusBackend:
     def _agent(self, instance: str) -> AgentBackend:
         url = self._agent_urls().get(instance)
         if url is None:
-            raise BackendUnavailable(self.base_url, f"no scrape target {instance!r}", "prometheus")
+            raise BackendUnavailable(self.base_url, f"no scrape target {instance!r}", "prometheus",
+                                     f"{instance} is not a scrape target of prometheus "
+                                     f"{self.base_url}")
         with self._lock:
             if url not in self._agents:
                 self._agents[url] = AgentBackend(url, timeout=self._agent_timeout)

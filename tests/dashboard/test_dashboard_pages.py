@@ -124,7 +124,7 @@ def test_table_and_waterfall_say_when_the_agent_is_unreachable():
     rows, status = requests_page.table(FakeBackend(fail=True), None, None, 500, None)
     assert rows == [] and status == "agent unreachable: http://agent:9400 (refused)"
     fig, details = requests_page.waterfall(FakeBackend(fail=True), "?id=req-7", None)
-    assert annotation_texts(fig) == ["agent unreachable: http://agent:9400"]
+    assert annotation_texts(fig) == ["agent unreachable: http://agent:9400 (refused)"]
 
 
 def test_deep_link_opens_the_request_and_unknown_ids_explain_themselves():

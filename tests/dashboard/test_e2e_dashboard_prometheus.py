@@ -98,7 +98,9 @@ def test_a_fleet_page_names_the_agents_it_could_not_read(demo, tmp_path):
     """Prometheus scrapes the demo's agent and a second agent whose API wants a token the
     dashboard lacks (its /metrics stays open). The Requests page showed the demo's records as
     "all instances" and said nothing of the other (found by a fresh-user tryout); its status
-    line, and the Overview's, now name it and why."""
+    line, and the Overview's, now name it and why. A deep link to it says why too, and one to
+    an instance Prometheus does not scrape says so: both read "unreachable: <url>", the first
+    naming the agent that answered, the second Prometheus, which answered too."""
     from kvscope.agent.config import AgentSettings
     from kvscope.dashboard.pages import overview
     from kvscope.dashboard.pages import requests as requests_page
@@ -123,6 +125,8 @@ def test_a_fleet_page_names_the_agents_it_could_not_read(demo, tmp_path):
                     time.sleep(0.5)
                 rows, status = requests_page.table(backend, None, None, 100, None)
                 *_, overview_status = overview.refresh(backend, 300.0)
+                _, refused = requests_page.waterfall(backend, f"?id=r1&instance={locked}", None)
+                _, unknown = requests_page.waterfall(backend, "?id=r1&instance=127.0.0.1:1", None)
             finally:
                 backend.close()
     finally:
@@ -130,3 +134,5 @@ def test_a_fleet_page_names_the_agents_it_could_not_read(demo, tmp_path):
     assert rows and {r["instance"] for r in rows} == {shown}
     for line in (status, overview_status):
         assert f" · not read: {locked} (HTTP 401" in line, line
+    assert refused.startswith(f"agent unreachable: http://{locked} (HTTP 401"), refused
+    assert unknown == f"127.0.0.1:1 is not a scrape target of prometheus {url}", unknown

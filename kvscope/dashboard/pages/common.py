@@ -11,7 +11,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from dash import dcc, html
 
-from kvscope.dashboard.backend import Backend, BackendUnavailable
+from kvscope.dashboard.backend import Backend
 from kvscope.dashboard.offload_verdict import Settings as OffloadSettings
 from kvscope.dashboard.sizing import SizingSource
 
@@ -66,7 +66,3 @@ def unread_status(unread: Sequence[str]) -> str:
     """" · not read: a (reason), b (reason)" for the fleet's agents a page could not read
     (:attr:`~kvscope.dashboard.backend.RequestPage.unread`), "" when it read them all."""
     return f" · not read: {', '.join(unread)}" if unread else ""
-
-
-def unreachable_status(exc: BackendUnavailable) -> str:
-    return f"{exc.what} unreachable: {exc.url} ({exc.reason})"

@@ -28,7 +28,7 @@ from kvscope.dashboard.misconfig_view import SECTION_ID as MISCONFIG_ID
 from kvscope.dashboard.misconfig_view import section as misconfig_section
 from kvscope.dashboard.topology_view import METRICS as TOPOLOGY_METRICS, topologies
 from kvscope.dashboard.pages.common import (GRID_STYLE, Context, graph, samples_status, status,
-                                            unread_status, unreachable_status)
+                                            unread_status)
 from kvscope.dashboard.series import last_window, thin
 
 PATH = "/"
@@ -93,8 +93,8 @@ def refresh(backend: Backend, window_seconds: float, instance: str | None = None
     except BackendUnavailable as exc:
         return (*[figures.unreachable_figure(title, exc.url, exc.what)
                   for _build, title in GRAPHS.values()],
-                verdict_view.placeholder(unreachable_status(exc)), [],
-                unreachable_status(exc))
+                verdict_view.placeholder(str(exc)), [],
+                str(exc))
     figs = render(samples, window_seconds, max_points, page.records)
     advice = verdict_view.section(offload_verdict.assess(samples, page.records, offload))
     try:  # the NUMA placement detector reads the node collectors' topology

@@ -153,7 +153,7 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
         page = backend.requests(limit, API_SORT.get(column, "finished"), descending, min_ttft,
                                 instance)
     except BackendUnavailable as exc:
-        return [], f"{exc.what} unreachable: {exc.url} ({exc.reason})"
+        return [], str(exc)
     rows = unmeasured(fr.table_rows(page.records), page.records)
     if column not in API_SORT:
         rows.sort(key=lambda r: r.get(column) or 0, reverse=descending)
@@ -217,7 +217,7 @@ def waterfall(backend: Backend, search: str | None, instance: str | None) -> tup
     try:
         record = backend.request(request_id, instance, source)
     except BackendUnavailable as exc:
-        message = f"{exc.what} unreachable: {exc.url}"
+        message = str(exc)
         return fr.waterfall_placeholder(message), message
     if record is None:
         message = (f"request {request_id!r} is not in the table (the agent keeps the most "

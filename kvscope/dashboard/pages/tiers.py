@@ -15,8 +15,7 @@ from kvscope.dashboard import figures
 from kvscope.dashboard import figures_tiers as ft
 from kvscope.dashboard import topology_view
 from kvscope.dashboard.backend import Backend, BackendUnavailable
-from kvscope.dashboard.pages.common import (GRID_STYLE, Context, graph, samples_status, status,
-                                            unreachable_status)
+from kvscope.dashboard.pages.common import GRID_STYLE, Context, graph, samples_status, status
 from kvscope.dashboard.series import last_window, thin
 
 PATH = "/tiers"
@@ -74,12 +73,12 @@ def refresh(backend: Backend, window_seconds: float, instance: str | None = None
     except BackendUnavailable as exc:
         return (*[figures.unreachable_figure(title, exc.url, exc.what)
                   for _b, title in GRAPHS.values()],
-                topology_view.placeholder(unreachable_status(exc)), unreachable_status(exc))
+                topology_view.placeholder(str(exc)), str(exc))
     try:
         topology = topology_view.section(backend.node(topology_view.METRICS, instance))
     except BackendUnavailable as exc:
         topology = topology_view.placeholder(f"{topology_view.NOT_MEASURED}: "
-                                             f"{unreachable_status(exc)}")
+                                             f"{str(exc)}")
     return (*render(samples, window_seconds, max_points), topology,
             samples_status(backend, instance, samples))
 
