@@ -9,6 +9,7 @@ import argparse
 import ipaddress
 import math
 import os
+import re
 import socket
 from urllib.parse import urlsplit
 
@@ -90,6 +91,26 @@ def http_url(text: str) -> str:
     if not is_http_url(text):
         raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL with a host, "
                                          f"e.g. http://127.0.0.1:9400, got {text}")
+    return text
+
+
+# One PromQL label matcher: a label name, an operator and a quoted string (the Prometheus
+# docs' "Time series selectors": "...", '...' or `...`, backslash escapes in the first two).
+_MATCHER = (r"""\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"""
+            r"""(?:"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|`[^`]*`)\s*""")
+_BODY = rf"(?:{_MATCHER}(?:,{_MATCHER})*,?)?\s*"
+_MATCHERS = re.compile(rf"\{{{_BODY}\}}|{_BODY}", re.DOTALL)
+
+
+def label_matchers(text: str) -> str:
+    """PromQL label matchers to add to every query, with or without their braces
+    (``job="kvscope"``, ``{job="kvscope",env!~"dev.*"}``): checked up front, as a matcher
+    without quotes started the dashboard and then read as "prometheus unreachable" on every
+    page."""
+    if not _MATCHERS.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(
+            f"must be PromQL label matchers, each a label, an operator (=, !=, =~, !~) and a "
+            f'quoted value, comma-separated, e.g. job="kvscope"; got {text}')
     return text
 
 

@@ -7,8 +7,8 @@ import os
 import sys
 
 from kvscope import __version__
-from kvscope.argtypes import (directory, host, http_url, non_negative, port, positive,
-                               proportion)
+from kvscope.argtypes import (directory, host, http_url, label_matchers, non_negative, port,
+                               positive, proportion)
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
@@ -119,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--prometheus", type=http_url, default="http://127.0.0.1:9090",
                       metavar="URL",
                       help="Prometheus base URL for --backend prometheus (default %(default)s)")
-    dash.add_argument("--prometheus-selector", default="", metavar="MATCHERS",
+    dash.add_argument("--prometheus-selector", type=label_matchers, default="",
+                      metavar="MATCHERS",
                       help='label matchers added to every query, e.g. job="kvscope"')
     dash.add_argument("--sizing-trace", metavar="FILE",
                       help="trace (Mooncake JSONL) to analyse for the Sizing page")

@@ -136,3 +136,35 @@ def test_a_fleet_page_names_the_agents_it_could_not_read(demo, tmp_path):
         assert f" · not read: {locked} (HTTP 401" in line, line
     assert refused.startswith(f"agent unreachable: http://{locked} (HTTP 401"), refused
     assert unknown == f"127.0.0.1:1 is not a scrape target of prometheus {url}", unknown
+
+
+ACCEPTED = ['job="kvscope"', '{job="kvscope",env!~"dev.*"}', ' job = "a\\"b" , x=~\'y\' ',
+            "a=`b`", 'job="kvscope",', ""]
+REFUSED = ["job=kvscope", 'job="x" env="y"', '1a="x"', 'job=="x"', 'job="k']
+
+
+@pytest.mark.parametrize("text", ACCEPTED + REFUSED)
+def test_the_selector_check_agrees_with_prometheus(prometheus_url, text):
+    """--prometheus-selector is checked at start (a matcher without quotes started the
+    dashboard, then every page read "prometheus unreachable", found by a fresh-user tryout):
+    what the check takes, the real Prometheus takes in the queries the backend makes, and
+    what it refuses, Prometheus refuses with HTTP 400."""
+    import argparse
+
+    import httpx
+
+    from kvscope.argtypes import label_matchers
+    from kvscope.dashboard.prometheus import PrometheusBackend
+
+    try:
+        label_matchers(text)
+        taken = True
+    except argparse.ArgumentTypeError:
+        taken = False
+    assert taken == (text in ACCEPTED)
+    backend = PrometheusBackend(prometheus_url, selector=text)
+    selector = backend.selector
+    backend.close()
+    answer = httpx.get(f"{prometheus_url}/api/v1/query",
+                       params={"query": f"count(kvscope_build_info{{{selector}}})"})
+    assert answer.status_code == (200 if taken else 400), answer.text
