@@ -24,6 +24,7 @@ NOT_MEASURED = "not measured"
 COLUMNS = (
     ("request_id", "request", "text"),
     ("source", "source", "text"),  # the tap that reported it (two may use the same ids)
+    ("instance", "instance", "text"),  # the agent, in a fleet (two nodes may use the same ids)
     ("finished", "finished (UTC)", "text"),
     ("ttft_ms", "TTFT (ms)", "numeric"),
     ("prompt_tokens", "prompt tokens", "numeric"),
@@ -58,14 +59,14 @@ def _clock(ts: float | None) -> str:
 def table_rows(records: Sequence[Mapping]) -> list[dict]:
     """One DataTable row per record; ``id`` names the request uniquely (instance, source and
     request id: engines may share ids) so a selected cell finds its row; times in ms rounded
-    to 0.01 ms; ``instance`` kept when present (fleet)."""
+    to 0.01 ms; ``instance`` "" outside a fleet."""
     rows = []
     for r in records:
         tokens = r.get("tokens") or {}
         request_id, source = r.get("request_id", ""), r.get("source", "")
         row = {
             "id": json.dumps([r.get("instance", ""), source, request_id]),
-            "request_id": request_id, "source": source,
+            "request_id": request_id, "source": source, "instance": r.get("instance", ""),
             "finished": _clock(r.get("finished")),
             "ttft_ms": _ms(r, "ttft"),
             "prompt_tokens": int(_num(r, "prompt_tokens")),
@@ -73,8 +74,6 @@ def table_rows(records: Sequence[Mapping]) -> list[dict]:
             "promotion_wait_ms": _ms(r, "promotion_wait"),
             "transfers": len(r.get("transfers") or ()),
         }
-        if "instance" in r:
-            row["instance"] = r["instance"]
         rows.append(row)
     return rows
 

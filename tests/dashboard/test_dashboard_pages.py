@@ -151,8 +151,8 @@ def test_clicking_a_row_writes_the_deep_link():
     link = requests_page.select(click, rows)
     assert link == "?id=a+b&source=engine&instance=node1%3A9400"
     (rule,) = requests_page.highlight(link)["styleConditions"]
-    assert rule["condition"] == \
-        'params.data.request_id === "a b" && params.data.source === "engine"'
+    assert rule["condition"] == ('params.data.request_id === "a b" && params.data.source === '
+                                 '"engine" && params.data.instance === "node1:9400"')
     assert requests_page.highlight("")["styleConditions"] == []
     assert requests_page.select(None, rows) is requests_page.dash.no_update
     assert requests_page.select({**click, "rowId": "gone"}, rows) is requests_page.dash.no_update
@@ -184,6 +184,20 @@ def test_what_was_not_measured_reads_not_measured_never_0():
     formats = {c["field"]: c.get("valueFormatter") for c in requests_page.column_defs()}
     assert "not measured" in formats["ttft_ms"]["function"]
     assert formats["request_id"] is None
+
+
+def test_a_fleet_grid_shows_the_instance_and_marks_only_the_linked_nodes_row():
+    """Two demos in a fleet both number their requests syn-N, from source "engine": the rows
+    differed by instance alone, which the grid did not show, and the link's highlight matched
+    both (found by a fresh-user tryout). The instance column shows in a fleet only."""
+    hidden = {c["field"]: c.get("hide", False) for c in requests_page.column_defs()}
+    assert hidden["instance"] and not any(v for k, v in hidden.items() if k != "instance")
+    assert not any(c.get("hide") for c in requests_page.column_defs(fleet=True))
+    rows = fr.table_rows([{"request_id": "syn-5", "source": "engine", "instance": i}
+                          for i in ("127.0.0.1:19500", "127.0.0.1:19510")])
+    (rule,) = requests_page.highlight(requests_page.select(
+        {"rowId": rows[1]["id"]}, rows))["styleConditions"]
+    assert rule["condition"].endswith('params.data.instance === "127.0.0.1:19510"')
 
 
 def test_grid_columns_keep_their_headers_units_and_filters():

@@ -89,6 +89,9 @@ def test_tiers_and_requests_over_prometheus(demo, fleet_dashboard, browser):
         click_first(browser, cell)
         wait_for_points(browser, ["waterfall"], minimum=2)
         wait_for(browser, lambda: "instance=" in browser.current_url, "instance in the deep link")
+        # a fleet's grid shows which node each request ran on (ids repeat across nodes)
+        wait_for(browser, lambda: browser.find_elements(
+            "css selector", '.ag-header-cell[col-id="instance"]'), "the instance column")
     finally:
         screenshot(browser, "dashboard-prometheus-requests")
     assert not console_errors(browser)

@@ -49,13 +49,16 @@ NUMBER_FORMAT = f"params.value == null ? '{fr.NOT_MEASURED}' : '' + params.value
 _FILTER = {"filterOptions": ["contains"], "maxNumConditions": 1}
 
 
-def column_defs() -> list[dict]:
+def column_defs(fleet: bool = False) -> list[dict]:
     """AG Grid columns from :data:`fr.COLUMNS`: headers with their units, numbers right-aligned
-    with the comparison filter, blanks shown as "not measured"."""
+    with the comparison filter, blanks shown as "not measured"; the instance column shown in a
+    ``fleet`` only (one agent has one instance)."""
     defs = []
     for cid, name, kind in fr.COLUMNS:
         col = {"field": cid, "headerName": name,
-               "minWidth": {"request_id": 110, "finished": 135}.get(cid, 90)}
+               "minWidth": {"request_id": 110, "finished": 135, "instance": 120}.get(cid, 90)}
+        if cid == "instance":
+            col["hide"] = not fleet
         if kind == "numeric":
             col.update(type="rightAligned", cellDataType=False,
                        valueFormatter={"function": NUMBER_FORMAT},
@@ -120,6 +123,11 @@ def register_callbacks(app: dash.Dash, ctx: Context) -> None:
                   Input("instance", "value"))
     def _table(_n, sort, min_ttft_ms, limit, instance):
         return table(ctx.backend, sort, min_ttft_ms, limit or 500, instance)
+
+    if ctx.backend.kind == "prometheus":  # a fleet: requests of two nodes may share ids
+        @app.callback(Output("requests-table", "columnDefs"), Input("requests-table", "id"))
+        def _fleet_columns(_id):
+            return column_defs(fleet=True)
 
     @app.callback(Output("url", "search"), Input("requests-table", "cellClicked"),
                   State("requests-table", "rowData"), prevent_initial_call=True)
@@ -196,13 +204,14 @@ def _link(search: str | None) -> dict[str, str]:
 
 
 def highlight(search: str | None) -> dict:
-    """The grid's ``getRowStyle``: marks the row of the request the URL opens."""
+    """The grid's ``getRowStyle``: marks the row of the request the URL opens (the request
+    id, and the source and instance the link names: two nodes or taps may share ids)."""
     link = _link(search)
     if "id" not in link:
         return {"styleConditions": []}
-    match = "params.data.request_id === " + json.dumps(link["id"])
-    if "source" in link:
-        match += " && params.data.source === " + json.dumps(link["source"])
+    match = " && ".join(f"params.data.{field} === {json.dumps(link[key])}"
+                        for key, field in (("id", "request_id"), ("source", "source"),
+                                           ("instance", "instance")) if key in link)
     return {"styleConditions": [{"condition": match, "style": HIGHLIGHT}]}
 
 
