@@ -165,6 +165,16 @@ def test_ttft_alert_is_the_rollback_rule() -> None:
     assert f"> {warning:g}\n" in ttft["warning"].expr
 
 
+def test_the_default_ttft_thresholds_are_bucket_bounds() -> None:
+    """histogram_quantile interpolates inside a bucket: with the warning (2 s) inside (1, 2.5],
+    three requests a hundred at 1.05 s read as a p99 of 1 + 1.5 * 0.8 = 2.2 s and warned (found
+    by a fresh-user tryout; grafana/tests' near miss e). On a bound the comparison is exact."""
+    from kvscope.catalog import LATENCY_SECONDS_BUCKETS
+
+    warning = CFG.ttft_budget_seconds * CFG.ttft_budget_warning_ratio
+    assert {CFG.ttft_budget_seconds, warning} <= set(LATENCY_SECONDS_BUCKETS)
+
+
 def test_severity_pairs_and_traffic_floors() -> None:
     by_name: dict[str, set[str]] = {}
     for a in alerts(CFG):
