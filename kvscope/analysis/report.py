@@ -143,7 +143,8 @@ def render_text(analysis: Analysis) -> str:
               f"  GPU prefix cache alone serves {s.gpu_token_hit_share:.2%} of prompt tokens"]
     if s.knee is not None:
         lines.append(f"  knee: {s.knee.blocks:,} blocks ({_gib(s.knee.bytes)}): CPU tier serves "
-                     f"{s.knee.cpu_token_hit_share:.2%} (where the gain curve bends most)")
+                     f"{s.knee.cpu_token_hit_share:.2%} (where the gain curve bends most, up "
+                     "to the largest affordable size)")
     elif s.recommended is not None:
         lines.append("  knee: none (the gain grows no slower as the tier grows, up to the "
                      "largest affordable size)")

@@ -17,7 +17,8 @@ The model, stated so it can be checked:
 
 The *knee* is where the CPU tier's gain curve bends most (Kneedle: Satopää, Albrecht, Irwin &
 Raghavan, "Finding a 'Kneedle' in a Haystack", ICDCS Workshops 2011, on the curve normalised to
-the unit square). The *recommendation* is the smallest size that buys ``target_share`` of the gain
+the unit square), over the sizes from the GPU cache's to the largest affordable: Kneedle's
+normalisation spans that range, so a budget that cuts the curve moves the knee. The *recommendation* is the smallest size that buys ``target_share`` of the gain
 the largest affordable size (the budget, or the trace's working set) would buy.
 """
 
