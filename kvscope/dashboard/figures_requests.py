@@ -59,7 +59,9 @@ def _clock(ts: float | None) -> str:
 def table_rows(records: Sequence[Mapping]) -> list[dict]:
     """One DataTable row per record; ``id`` names the request uniquely (instance, source and
     request id: engines may share ids) so a selected cell finds its row; times in ms rounded
-    to 0.01 ms; ``instance`` "" outside a fleet."""
+    to 0.01 ms; ``instance`` "" outside a fleet. What the record does not hold is None (the
+    grid shows "not measured"): a TTFT, a promotion wait, tokens by source (none at all: a
+    source that did not report them)."""
     rows = []
     for r in records:
         tokens = r.get("tokens") or {}
@@ -70,7 +72,7 @@ def table_rows(records: Sequence[Mapping]) -> list[dict]:
             "finished": _clock(r.get("finished")),
             "ttft_ms": _ms(r, "ttft"),
             "prompt_tokens": int(_num(r, "prompt_tokens")),
-            **{f"tokens_{s}": int(tokens.get(s, 0)) for s in TOKEN_SOURCES},
+            **{f"tokens_{s}": int(tokens.get(s, 0)) if tokens else None for s in TOKEN_SOURCES},
             "promotion_wait_ms": _ms(r, "promotion_wait"),
             "transfers": len(r.get("transfers") or ()),
         }

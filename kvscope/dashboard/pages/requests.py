@@ -24,7 +24,6 @@ from kvscope.dashboard.backend import Backend, BackendUnavailable
 from kvscope.dashboard.pages.common import (STATUS_STYLE, Context, graph, status, unread_status,
                                            where)
 from kvscope.events import MAX_REQUEST_ID
-from kvscope.vocabulary import TOKEN_SOURCES
 
 PATH = "/requests"
 NAME = "Requests"
@@ -162,7 +161,7 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
                                 instance)
     except BackendUnavailable as exc:
         return [], str(exc)
-    rows = unmeasured(fr.table_rows(page.records), page.records)
+    rows = fr.table_rows(page.records)
     if column not in API_SORT:
         rows.sort(key=lambda r: r.get(column) or 0, reverse=descending)
     shown = f"{len(rows):,} of {page.total:,} requests"
@@ -170,15 +169,6 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
         shown += f" with TTFT ≥ {min_ttft * 1000:g} ms"
     return rows, (f"{where(backend, instance)} · {shown}{unread_status(page.unread)} · "
                   "click a row to open its waterfall")
-
-
-def unmeasured(rows: list[dict], records: Sequence[Mapping]) -> list[dict]:
-    """``rows`` (one per record) with None, shown as "not measured", where the record has no
-    tokens by source at all (a source that did not report them)."""
-    for row, record in zip(rows, records):
-        if not record.get("tokens"):
-            row.update((f"tokens_{s}", None) for s in TOKEN_SOURCES)
-    return rows
 
 
 def select(cell: dict | None, rows: list[dict] | None) -> str:
