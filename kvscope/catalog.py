@@ -76,6 +76,13 @@ LOOKUP_BLOCKS = _counter("kvscope_lookup_blocks_total",
     "tier above it missed. Every resident block of a prompt counts as a hit, even after an "
     "earlier miss, while only the leading run of hits serves tokens "
     "(kvscope_prompt_tokens_total), so hits can exceed the blocks promoted.", ["tier", "result"])
+PROMPT_PREFIX_BLOCKS = _counter("kvscope_prompt_prefix_blocks_total",
+    "Prompt blocks by whether their prefix was seen before (seen) or not (new), whatever any "
+    "tier held: the prompts' own reuse, which kvscope_prompt_tokens_total shows only as far as "
+    "the tiers were big enough. Estimated from the block hashes lookups carry (the vLLM tap's "
+    "SHARDS sample counts each sampled block 1/rate times; the reference engine sends every "
+    "block), against the last 131,072 distinct sampled prefixes; absent when no lookup "
+    "carries hashes.", ["prefix"])
 PREFILL_SECONDS_SAVED = _counter("kvscope_prefill_seconds_saved_total",
     "Estimated prefill seconds saved by tokens served from cache (cost model).",
     ["source"], "seconds")
@@ -280,8 +287,9 @@ BUILD_INFO = _gauge("kvscope_build_info",
 
 # in exposition order (docs/metrics.md, /metrics)
 CATALOG: tuple[MetricSpec, ...] = (
-    PROMPT_TOKENS, LOOKUP_BLOCKS, PREFILL_SECONDS_SAVED, TRANSFER_BYTES, TRANSFER_BLOCKS,
-    TRANSFER_SECONDS, TRANSFER_FAILURES, EVICTED_BLOCKS, DROPPED_BLOCKS, EVICTED_BLOCK_HITS,
+    PROMPT_TOKENS, LOOKUP_BLOCKS, PROMPT_PREFIX_BLOCKS, PREFILL_SECONDS_SAVED, TRANSFER_BYTES,
+    TRANSFER_BLOCKS, TRANSFER_SECONDS, TRANSFER_FAILURES, EVICTED_BLOCKS, DROPPED_BLOCKS,
+    EVICTED_BLOCK_HITS,
     BLOCK_RESIDENCY_SECONDS, BLOCK_IDLE_SECONDS, STORE_ADMISSIONS, TIER_CAPACITY_BYTES,
     TIER_RESIDENT_BYTES, TIER_CAPACITY_BLOCKS, TIER_RESIDENT_BLOCKS, REQUESTS, TTFT_SECONDS,
     PROMOTION_WAIT_SECONDS, ITL_SECONDS,

@@ -92,7 +92,9 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     # the engine first: a bad tier configuration is reported before any port is taken
     engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, config.disk_blocks,
                            block_tokens=block_tokens, policy=config.policy,
-                           record_blocks=config.capture_dir is not None,
+                           # block hashes: the capture's, and the agent's reuse share
+                           # (kvscope_prompt_prefix_blocks_total)
+                           record_blocks=True,
                            emit=lambda event: agent.pipeline.ingest("engine", (event,)))
     try:
         metrics_sock = bind(config.host, config.metrics_port, "--metrics-port")

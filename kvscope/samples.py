@@ -81,6 +81,7 @@ def _f(name, spec, kind, key=(), fleet="sum", fleet_by=()) -> SampleField:
 
 
 PROMPT_TOKENS = _f("prompt_tokens", c.PROMPT_TOKENS, Kind.COUNTER, ["source"])
+PROMPT_PREFIX_BLOCKS = _f("prompt_prefix_blocks", c.PROMPT_PREFIX_BLOCKS, Kind.COUNTER, ["prefix"])
 TRANSFER_BYTES = _f("transfer_bytes", c.TRANSFER_BYTES, Kind.COUNTER, ["src", "dst"])
 EVICTED_BLOCKS = _f("evicted_blocks", c.EVICTED_BLOCKS, Kind.COUNTER, ["tier"])
 TIER_RESIDENT_BYTES = _f("tier_resident_bytes", c.TIER_RESIDENT_BYTES, Kind.GAUGE, ["tier"])
@@ -149,7 +150,7 @@ FIELDS: tuple[SampleField, ...] = (
     OFFLOAD_BUDGET_BYTES, PCIE_LINK_MAX_BYTES_PER_SECOND, REQUESTS_WAITING, REQUESTS_RUNNING,
     PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO, HOST_MEMORY_PART_BYTES, GPU_MEMORY_PART_BYTES,
     HOST_MEMORY_LIMIT_BYTES, GPU_MEMORY_TOTAL_BYTES, HOST_SWAP_IN_BYTES,
-    ENGINE_WEIGHT_OFFLOAD_BYTES, ENGINE_CACHE_CONFIG,
+    ENGINE_WEIGHT_OFFLOAD_BYTES, ENGINE_CACHE_CONFIG, PROMPT_PREFIX_BLOCKS,
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 BY_NAME: dict[str, SampleField] = {f.name: f for f in FIELDS}

@@ -58,6 +58,8 @@ GPU_MEMORY_PARTS: tuple[str, ...] = ("kv_cache", "weights", "workspace", "other"
 # type, 16-bit as a rule; ``8bit``: fp8 and int8; ``other``: mixed widths such as vLLM's
 # turboquant_k8v4, and names kvscope does not know).
 PREFIX_CACHING: tuple[str, ...] = ("on", "off")
+# A prompt block's prefix, seen before or new (``kvscope_prompt_prefix_blocks_total``).
+PREFIX_REUSE: tuple[str, ...] = ("seen", "new")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "32bit", "16bit", "8bit", "4bit", "other")
 _DTYPE_WIDTHS = {"auto": "auto", "float32": "32bit", "float": "32bit", "fp32": "32bit",
                  "float16": "16bit", "half": "16bit", "fp16": "16bit", "bfloat16": "16bit",

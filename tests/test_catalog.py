@@ -28,7 +28,9 @@ BOUNDED_LABELS = {"tier", "source", "src", "dst", "reason", "engine", "model", "
                   # a memory budget breakdown's parts (vocabulary.HOST_/GPU_MEMORY_PARTS)
                   "part",
                   # an engine's KV cache settings (vocabulary.PREFIX_CACHING, KV_CACHE_DTYPES)
-                  "prefix_caching", "kv_cache_dtype"}
+                  "prefix_caching", "kv_cache_dtype",
+                  # a prompt block's prefix seen before or new (vocabulary.PREFIX_REUSE)
+                  "prefix"}
 
 
 class _VM:
@@ -75,7 +77,7 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     agent.pipeline.ingest("engine", [
         ev.RequestStarted(ts=0.0, request_id="r", prompt_tokens=8, trace_id="cd" * 16),
         ev.Lookup(ts=0.0, request_id="r", tokens={"gpu": 5, "recompute": 3}, blocks=2,
-                  block_hits={"gpu": 1}),
+                  block_hits={"gpu": 1}, block_hashes=(9, 9)),
         ev.Transfer(ts=0.0, src="gpu", dst="cpu", blocks=1, bytes=32, duration=1.0, ok=False,
                     reason="io"),
         ev.Transfer(ts=0.0, src="cpu", dst="gpu", blocks=2, bytes=64, duration=0.001),
@@ -102,6 +104,8 @@ def test_exposition_holds_every_catalog_metric_with_its_values(tmp_path):
     value = agent.exposition.registry.get_sample_value
     assert value("kvscope_prompt_tokens_total", {"source": "recompute"}) == 3
     assert value("kvscope_transfer_bytes_total", {"src": "cpu", "dst": "gpu"}) == 64
+    # block 9 twice in one prompt: new, then seen
+    assert value("kvscope_prompt_prefix_blocks_total", {"prefix": "seen"}) == 1
     assert value("kvscope_engine_weight_offload_bytes") == 2**30
     assert value("kvscope_engine_cache_config_info", {"source": "engine", "prefix_caching": "on",
                                                       "kv_cache_dtype": "16bit"}) == 1

@@ -29,7 +29,8 @@ def _busy_pipeline() -> Pipeline:
     pipe.ingest("e", [
         ev.RequestStarted(ts=T, request_id="a", prompt_tokens=16),
         ev.Lookup(ts=T, request_id="a", tokens={"cpu": 8, "recompute": 8}, blocks=2,
-                  block_hits={"cpu": 1}, prefill_tokens_per_second=1000.0),
+                  block_hits={"cpu": 1}, prefill_tokens_per_second=1000.0,
+                  block_hashes=(1, 2)),
         ev.TierSnapshot(ts=T, tier="cpu", capacity_bytes=8192, resident_bytes=4096,
                         capacity_blocks=8, resident_blocks=4),
         ev.Transfer(ts=T, src="cpu", dst="gpu", blocks=4, bytes=4096, duration=0.002),

@@ -24,6 +24,7 @@ def snapshot_samples(snap: Snapshot) -> Samples:
     return {
         m.PROMPT_TOKENS: _labelled(snap.prompt_tokens),
         m.LOOKUP_BLOCKS: _labelled(snap.lookup_blocks),
+        m.PROMPT_PREFIX_BLOCKS: _labelled(snap.prompt_prefix_blocks),
         m.PREFILL_SECONDS_SAVED: _labelled(snap.prefill_seconds_saved),
         m.TRANSFER_BYTES: _labelled(snap.transfer_bytes),
         m.TRANSFER_BLOCKS: _labelled(snap.transfer_blocks),

@@ -23,6 +23,7 @@ from kvscope import vocabulary
 from kvscope.agent.assembler import RequestAssembler
 from kvscope.agent.fold import Fold
 from kvscope.agent.histograms import Histogram
+from kvscope.agent.prefix_reuse import PrefixReuse
 from kvscope.agent.requests import RequestRecord, RequestTable, amend, under_way, within
 from kvscope.agent.sample_history import SampleHistory
 from kvscope.agent.settling import Settling
@@ -46,7 +47,9 @@ class Snapshot:
     :class:`~kvscope.events.EngineMemory` reports said, merged: dict[field, bytes] with only
     the fields it reported (``kv_offload_budget``, ``kv_cache``, ``allocated``).
     ``cache_config``: by source, its engine's (prefix caching, KV cache dtype) label values
-    (:meth:`Pipeline.set_cache_config`), only the sources whose engine reported them."""
+    (:meth:`Pipeline.set_cache_config`), only the sources whose engine reported them.
+    ``prompt_prefix_blocks``: estimated prompt blocks by prefix seen before or new
+    (:class:`~kvscope.agent.prefix_reuse.PrefixReuse`), empty until a lookup carried hashes."""
 
     prompt_tokens: dict[str, int]
     lookup_blocks: dict[tuple[str, str], int]
@@ -81,6 +84,7 @@ class Snapshot:
     store_admissions: dict[tuple[str, str], int] = field(default_factory=dict)
     engine_memory: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
     cache_config: dict[str, tuple[str, str]] = field(default_factory=dict)
+    prompt_prefix_blocks: dict[str, float] = field(default_factory=dict)
 
 
 def _histograms(states: Mapping) -> dict:
@@ -124,6 +128,7 @@ class Pipeline:
         self._early_listeners: list[Callable[[RequestRecord], None]] = []
         self._lookup_listeners: list[Callable[[str, ev.Lookup], None]] = []
         self._fold = Fold(self._assembler, prefill_tokens_per_second, recent)
+        self._prefix_reuse = PrefixReuse()
         self._tiers = TierTotals()
         self._received: Counter[str] = Counter()
         self._dropped: Counter[tuple[str, str]] = Counter()
@@ -172,6 +177,8 @@ class Pipeline:
                                                      scope not in self._settling.joined)
         if invalid:
             self._dropped[(scope, "invalid")] += invalid
+        for lookup in lookups:
+            self._prefix_reuse.add(lookup)
         if received:
             self._received[source] += len(events)
         ready = self._settling.hold(scope, finished)
@@ -338,6 +345,7 @@ class Pipeline:
             return Snapshot(
                 prompt_tokens=state["prompt_tokens"],
                 lookup_blocks=state["lookup_blocks"],
+                prompt_prefix_blocks=self._prefix_reuse.counts(),
                 prefill_seconds_saved=state["prefill_seconds_saved"],
                 transfer_bytes=state["transfer_bytes"],
                 transfer_blocks=state["transfer_blocks"],
@@ -387,6 +395,7 @@ class Pipeline:
         does not know raises TypeError."""
         with self._lock:
             state = self._fold.state()
+            state["prompt_prefix_blocks"] = self._prefix_reuse.counts()
             tiers = dict(self._tiers.totals)
             cache_config = dict(self._cache_config)
         return self._history.record(ts, state, tiers, host_memory_available,

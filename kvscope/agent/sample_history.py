@@ -79,6 +79,7 @@ class SampleHistory:
                     transfer_q[key] = bucket_percentiles(sf.TRANSFER_SECONDS.spec.buckets, window)
             self._samples.append(sf.record(ts, {
                 sf.PROMPT_TOKENS: state["prompt_tokens"],
+                sf.PROMPT_PREFIX_BLOCKS: state["prompt_prefix_blocks"],
                 sf.TRANSFER_BYTES: by_key(state["transfer_bytes"]),
                 sf.EVICTED_BLOCKS: dict(evicted),
                 sf.TIER_RESIDENT_BYTES: {t: s.resident_bytes for t, s in tiers.items()},

@@ -64,8 +64,8 @@ class Settings:
     preemptions (default 1), or GPU KV usage at or above ``gpu_kv_usage_high`` (0-1, default
     0.9) in at least ``pressure_share`` of its samples (0-1, default 0.1), or at least
     ``waiting_min`` requests waiting (default 1) in that share of its samples.
-    Check 2: prompts are nearly all unique when under ``min_reuse_share`` of prompt tokens
-    (0-1, default 0.1) came from any cache (gpu, cpu, disk, remote).
+    Check 2: prompts are nearly all unique when under ``min_reuse_share`` (0-1, default 0.1)
+    of prompt blocks repeat a prefix seen before (:func:`unique_prompts`).
     Check 3: ``ttft_budget_seconds`` (default the mixin's ``ttft_budget_seconds``, 2.5 s, its
     KvscopeTTFTBudgetBreach rollback rule) for the p99 TTFT; over it, the transfer path is
     blamed when promotion wait is at least ``promotion_share_max`` of TTFT (0-1, default 0.1).
@@ -148,7 +148,8 @@ def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
     low_traffic = requests < settings.min_requests
     checks = (
         gpu_limiter(window, settings, low_traffic),
-        unique_prompts(tokens, settings, low_traffic),
+        unique_prompts(tokens, window_increase(window, "prompt_prefix_blocks"), settings,
+                       low_traffic),
         tail_slo(window, tokens, recent, settings, low_traffic),
         host_dram(window, settings),
         cheaper_steps(window, tokens),
@@ -209,21 +210,38 @@ def gpu_limiter(window: Sequence[Sample], s: Settings, low_traffic: bool) -> Che
     return Check(key, CONDITIONS[key], verdict, tuple(lines))
 
 
-def unique_prompts(tokens: Mapping[str, float], s: Settings, low_traffic: bool) -> Check:
-    """Check 2, prompts nearly all unique. ``tokens``: prompt tokens by source in the window.
-    The reuse share (tokens from any cache / all prompt tokens, 0-1) under
-    ``min_reuse_share``: "skip offload"; at or over it: "offload pays"."""
+def unique_prompts(tokens: Mapping[str, float], prefix: Mapping[str, float], s: Settings,
+                   low_traffic: bool) -> Check:
+    """Check 2, prompts nearly all unique. ``tokens``: prompt tokens by source in the window;
+    ``prefix``: estimated prompt blocks by prefix ``seen`` before or ``new`` in the window
+    (``kvscope_prompt_prefix_blocks_total``; empty where no lookup carries block hashes).
+
+    The reuse share is the share of prompt blocks whose prefix was seen before, whatever the
+    tiers held: under ``min_reuse_share``: "skip offload"; at or over it: "offload pays".
+    Without block hashes only the share served from cache (tokens from any cache / all prompt
+    tokens) is known, a lower bound on reuse (a tier too small to hold the reuse serves none of
+    it): at or over the line "offload pays", under it "not measured", never "skip offload"."""
     key = "unique-prompts"
     total = sum(tokens.values())
-    if not total:
+    blocks = sum(prefix.values())
+    if not total and not blocks:
         return Check(key, CONDITIONS[key], TOO_LITTLE if low_traffic else NOT_MEASURED,
                      ("prompt tokens by source: none in the window",))
-    reused = sum(tokens.get(src, 0.0) for src in CACHE_SOURCES)
-    share = reused / total
-    lines = (f"reuse share {share:.1%} of {total:,.0f} prompt tokens (unique under "
-             f"{s.min_reuse_share:.0%})", "by source: " + _shares(tokens))
-    verdict = TOO_LITTLE if low_traffic else SKIP if share < s.min_reuse_share else PAYS
-    return Check(key, CONDITIONS[key], verdict, lines)
+    served = sum(tokens.get(src, 0.0) for src in CACHE_SOURCES) / total if total else None
+    lines = [f"served from cache: {served:.1%} of {total:,.0f} prompt tokens (by source: "
+             f"{_shares(tokens)})" if total else "served from cache: no prompt tokens counted"]
+    if blocks:
+        share = prefix.get("seen", 0.0) / blocks
+        lines.insert(0, f"reuse share {share:.1%}: prompt blocks whose prefix was seen before, "
+                        f"of {blocks:,.0f} (estimated from sampled block hashes; unique under "
+                        f"{s.min_reuse_share:.0%})")
+        verdict = SKIP if share < s.min_reuse_share else PAYS
+    else:
+        lines.append("reuse share: not measured (no lookup carries block hashes: the vLLM tap "
+                     "and the reference engine send them); the share served from cache is a "
+                     "lower bound on it")
+        verdict = PAYS if served >= s.min_reuse_share else NOT_MEASURED
+    return Check(key, CONDITIONS[key], TOO_LITTLE if low_traffic else verdict, tuple(lines))
 
 
 def tail_slo(window: Sequence[Sample], tokens: Mapping[str, float],

@@ -106,9 +106,10 @@ def test_should_i_offload_here(case, browser):
         assert found["offload-check-unique-prompts"] == "offload pays"
         assert found["offload-check-tail-slo"] == "offload pays"
         assert "GPU prefix cache served" in text
+        assert "prompt blocks whose prefix was seen before" in text
     else:
         assert found["offload-check-unique-prompts"] == "skip offload"
-        assert "reuse share 0.0% of" in text
+        assert "reuse share 0.0%: prompt blocks whose prefix was seen before" in text
         # preemptions unmeasured: never "skip offload" on low usage alone ("not measured"; or
         # "offload pays" when a loaded CI machine slows the replay enough to queue requests)
         assert found["offload-check-gpu-limiter"] in ("not measured", "offload pays")

@@ -18,10 +18,12 @@ GIB = 1024 ** 3
 def window(n: int = N, *, requests_per_s: float = 2.0, tokens_per_s=None,
            waiting=lambda i: 0, usage=lambda i: 0.2, preemptions=lambda i: 0,
            ttft_p99: float | None = 0.5, wait_p99: float | None = 0.01,
-           headroom: float | None = 4 * GIB, saved=None, spent=None, drop=()) -> list[dict]:
+           headroom: float | None = 4 * GIB, saved=None, spent=None, prefix_per_s=None,
+           drop=()) -> list[dict]:
     """``n`` samples a second apart: counters growing at the given rates per second, gauges
     from the per-index functions; field names in ``drop`` left out (a source that does not
-    report them)."""
+    report them). ``prefix_per_s``: prompt blocks by prefix seen or new (None: no lookup
+    carries block hashes, so the field is empty)."""
     tokens_per_s = tokens_per_s or {"gpu": 300.0, "cpu": 200.0, "recompute": 500.0}
     saved = saved or {"gpu": 0.01, "cpu": 0.02}
     spent = spent or {"gpu->cpu": 0.004, "cpu->gpu": 0.003}
@@ -40,7 +42,8 @@ def window(n: int = N, *, requests_per_s: float = 2.0, tokens_per_s=None,
              "promotion_wait_seconds": {"p50": None, "p95": None, "p99": wait_p99},
              "host_memory_available_bytes": None if headroom is None else headroom + GIB,
              "host_memory_reserve_bytes": None if headroom is None else GIB,
-             "host_memory_headroom_bytes": headroom}
+             "host_memory_headroom_bytes": headroom,
+             "prompt_prefix_blocks": {k: v * i for k, v in (prefix_per_s or {}).items()}}
         for name in drop:
             s[name] = {} if isinstance(s[name], dict) else None
         out.append(s)
@@ -117,13 +120,41 @@ def test_several_sources_add_their_queues_and_take_the_fullest_gpu():
 
 # --- 2. prompts nearly all unique ----------------------------------------------------------
 
-@pytest.mark.parametrize("reused, verdict", [(99.0, SKIP), (100.0, PAYS)])
-def test_reuse_share_near_miss(reused, verdict):
-    """Reuse 9.9% of prompt tokens is "nearly all unique"; 10% is not."""
-    a = V.assess(window(tokens_per_s={"cpu": reused, "recompute": 1000.0 - reused}))
+@pytest.mark.parametrize("seen, verdict", [(99.0, SKIP), (100.0, PAYS)])
+def test_reuse_share_near_miss(seen, verdict):
+    """99 of 1,000 prompt blocks (9.9%) repeating a prefix is "nearly all unique"; 100
+    (10%) is not."""
+    a = V.assess(window(prefix_per_s={"seen": seen, "new": 1000.0 - seen}))
     c = check(a, "unique-prompts")
     assert c.verdict == verdict
-    assert c.evidence[0].startswith(f"reuse share {reused / 10:.1f}% of")
+    assert c.evidence[0].startswith(f"reuse share {seen / 10:.1f}%: prompt blocks whose prefix "
+                                    "was seen before, of 60,000")
+
+
+def test_reuse_the_tiers_were_too_small_to_serve_is_still_reuse():
+    """The Mooncake trace on the demo's tiers: hardly any token served from cache, but a third
+    of the prompt blocks repeat a prefix. A larger tier would serve them: offload is not ruled
+    out (it was "skip offload" when the served share decided)."""
+    a = V.assess(window(tokens_per_s={"gpu": 40.0, "recompute": 960.0},
+                        prefix_per_s={"seen": 37.0, "new": 63.0}))
+    c = check(a, "unique-prompts")
+    assert c.verdict == PAYS
+    assert c.evidence[:2] == (
+        "reuse share 37.0%: prompt blocks whose prefix was seen before, of 6,000 (estimated "
+        "from sampled block hashes; unique under 10%)",
+        "served from cache: 4.0% of 60,000 prompt tokens (by source: gpu 4%, recompute 96%)")
+
+
+@pytest.mark.parametrize("served, verdict", [(99.0, NOT_MEASURED), (100.0, PAYS)])
+def test_without_block_hashes_the_served_share_only_proves_reuse(served, verdict):
+    """No lookup carries block hashes (zero-code mode): 10% of tokens served from cache proves
+    reuse; 9.9% proves nothing either way (the tiers may be too small), so "not measured",
+    never "skip offload"."""
+    a = V.assess(window(tokens_per_s={"cpu": served, "recompute": 1000.0 - served}))
+    c = check(a, "unique-prompts")
+    assert c.verdict == verdict
+    assert c.evidence[0].startswith(f"served from cache: {served / 10:.1f}% of 60,000")
+    assert c.evidence[1].startswith("reuse share: not measured")
 
 
 def test_gpu_hits_count_as_reuse():
@@ -132,7 +163,8 @@ def test_gpu_hits_count_as_reuse():
 
 
 def test_unique_prompts_skip_offload_whatever_else():
-    a = V.assess(window(tokens_per_s={"recompute": 1000.0}, usage=lambda i: 1.0))
+    a = V.assess(window(tokens_per_s={"recompute": 1000.0}, prefix_per_s={"new": 100.0},
+                        usage=lambda i: 1.0))
     assert verdicts(a)["unique-prompts"] == SKIP
     assert a.verdict == SKIP and "unique-prompts" in a.reasons
 

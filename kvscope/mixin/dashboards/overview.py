@@ -11,6 +11,7 @@ from kvscope.mixin.rules import Records
 
 TOKENS_PER_S = "suffix: tokens/s"
 CACHED = 'source!="recompute"'
+PREFIX_SEEN = 'prefix="seen"'
 
 
 def overview(cfg: MixinConfig) -> dict:
@@ -28,11 +29,20 @@ def overview(cfg: MixinConfig) -> dict:
               f"{cfg.rate_window}).",
               (Q(f"sum by (source) ({tokens})\n  / ignoring (source) group_left ()\n"
                  f"(sum({tokens}) > 0)", "{{source}}"),),
-              unit="percentunit", stack="normal", max=1, min=0, width=10, no_value=NO_TRAFFIC),
+              unit="percentunit", stack="normal", max=1, min=0, width=8, no_value=NO_TRAFFIC),
             P("Served from cache",
               "Share of prompt tokens that did not need prefill (every source but recompute).",
               (Q(f"sum({r.prompt_tokens_rate}{s(cfg, CACHED)})\n  / (sum({tokens}) > 0)"),),
-              unit="percentunit", kind="stat", width=4, max=1, min=0, no_value=NO_TRAFFIC),
+              unit="percentunit", kind="stat", width=3, max=1, min=0, no_value=NO_TRAFFIC),
+            P("Prompt blocks reused",
+              "Share of prompt blocks whose prefix was seen before, whatever the tiers held: "
+              "the reuse a large enough tier could serve (from the block hashes lookups "
+              "carry; none without them). Far above Served from cache: the tiers are too "
+              "small for the reuse distance.",
+              (Q(f"sum(rate(kvscope_prompt_prefix_blocks_total{s(cfg, PREFIX_SEEN)}[{RATE}]))"
+                 f"\n  / (sum(rate(kvscope_prompt_prefix_blocks_total{s(cfg)}[{RATE}])) > 0)"),),
+              unit="percentunit", kind="stat", width=3, max=1, min=0,
+              no_value=f"{NO_TRAFFIC}, or not measured"),
         )),
         Row("Cost and benefit", (
             P("Prefill seconds saved against transfer seconds spent",
