@@ -18,7 +18,7 @@ import pytest
 from kvscope import sampling
 from kvscope.cli import main
 from tests.analysis.test_block_sampling import reference_hash
-from tests.vllm_env import tap_run, vllm_python
+from tests.vllm_env import tap_run, value, vllm_python
 
 BLOCKS, LOOKUPS = 195, 18
 
@@ -31,15 +31,15 @@ def vllm_capture(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_capture")
     capture = tmp / "capture"
     with tap_run(python, tmp, "offload", capture_dir=capture) as run:
-        result = run["result"]
-    return capture, result
+        result, metrics = run["result"], run["metrics"]
+    return capture, result, metrics
 
 
 def test_the_capture_holds_the_tap_s_sampled_blocks(vllm_capture):
     """Every row is one of 18 lookups at the default rate (1/16); every kept block's key has a
     reference fmix64 hash under 2**28, and each lookup's row says it looked up its prompt's
     full blocks (195 in all)."""
-    capture, result = vllm_capture
+    capture, result, _metrics = vllm_capture
     table = _rows(capture)
     assert {r["sample_rate"] for r in table} == {sampling.DEFAULT_RATE}
     kept = [r for r in table if r["depth"] >= 0]
@@ -49,6 +49,23 @@ def test_the_capture_holds_the_tap_s_sampled_blocks(vllm_capture):
     for r in table:
         first.setdefault((r["request_id"], r["ts"]), r["lookup_blocks"])
     assert len(first) == LOOKUPS and sum(first.values()) == BLOCKS
+
+
+def test_the_agent_counts_the_prompts_prefix_reuse_from_the_tap_s_sample(vllm_capture):
+    """kvscope_prompt_prefix_blocks_total on the agent's /metrics against the capture's kept
+    blocks, counted here in lookup order: a block whose hash came before is seen, else new,
+    each standing for 16 blocks (the rate, 1/16). Each prefix repeats in three rounds, so
+    seen blocks are there whatever the sample keeps."""
+    capture, _result, metrics = vllm_capture
+    before, seen, new = set(), 0, 0
+    for r in _rows(capture):
+        if r["depth"] >= 0:
+            seen += r["block_hash"] in before
+            new += r["block_hash"] not in before
+            before.add(r["block_hash"])
+    assert seen > 0
+    for prefix, blocks in (("seen", seen), ("new", new)):
+        assert value(metrics, "kvscope_prompt_prefix_blocks_total", prefix=prefix) == blocks * 16
 
 
 def _rows(capture) -> list[dict]:
@@ -64,7 +81,7 @@ def test_analyze_sizes_the_cpu_tier_from_a_vllm_capture(vllm_capture, capsys):
     too: the capture's transfers carry 32,768 bytes a block, the model's by hand (K and V, 2
     layers, 32 tokens, 2 KV heads of 32 dims, 4-byte floats), where the presets say 65,536
     (tiny) or 4 MiB (llama-3-8b, the default): the advice no longer depends on --preset."""
-    capture, result = vllm_capture
+    capture, result, _metrics = vllm_capture
     assert main(["analyze", str(capture), "--json"]) == 0
     default = json.loads(capsys.readouterr().out)
     assert main(["analyze", str(capture), "--json", "--preset", "tiny"]) == 0
