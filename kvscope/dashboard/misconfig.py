@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from kvscope.dashboard.series import (Sample, bucket_increase, is_number, is_promotion, mapping,
                                       ordered, scalar_increase, window_increase)
 from kvscope.dashboard.topology_view import Topology
+from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
 from kvscope.mixin.config import MixinConfig
 from kvscope.vocabulary import TIERS
 
@@ -215,15 +216,14 @@ def tier_negligible(window: Sequence[Sample], s: Settings) -> Finding:
 
 
 def promotion_slower(window: Sequence[Sample], s: Settings) -> Finding:
-    """Per offload tier, transfer seconds of promotions out of it (copies toward the GPU whose
-    source is the tier) over the prefill seconds its tokens saved, in the window; above
-    ``recompute_faster_ratio``: recomputing is faster."""
+    """Per offload tier, transfer seconds of promotions of its blocks (copies toward the GPU,
+    a staged leg charged to the tier it staged from:
+    :func:`~kvscope.dashboard.transfer_cost.promotion_seconds_by_tier`) over the prefill
+    seconds its tokens saved, in the window; above ``recompute_faster_ratio``: recomputing is
+    faster."""
     key = "promotion-slower"
-    spent: dict[str, float] = {}
-    for direction, seconds in window_increase(window, "transfer_seconds_sum").items():
-        if is_promotion(direction) and seconds > 0:
-            src = direction.partition("->")[0]
-            spent[src] = spent.get(src, 0.0) + seconds
+    spent = promotion_seconds_by_tier(window_increase(window, "transfer_seconds_sum"),
+                                      window_increase(window, "transfer_blocks"))
     if not spent:
         return _finding(key, NOT_MEASURED, "not measured: no timed promotions in the window "
                         "(vLLM's KV events and /metrics do not time cpu promotions; the tap and "

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.dashboard.series import (TIER_RANK, Sample, is_number, last_window, mapping,
+from kvscope.dashboard.series import (Sample, is_number, is_promotion, last_window, mapping,
                                       ordered, scalar_increase, window_increase)
+from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
 from kvscope.mixin.config import MixinConfig
 from kvscope.samples import KEY_SEPARATOR
 from kvscope.vocabulary import TIERS
@@ -100,8 +101,10 @@ class Check:
 class Headline:
     """The figures read first, over the window. ``token_share``: dict[source, 0-1] of prompt
     tokens (empty without any); ``saved_vs_spent``: dict[tier, (prefill seconds saved, transfer
-    seconds spent)] for each offload tier (transfers counted to the tier away from the GPU;
-    None when none of its transfers was timed: vLLM's /metrics and KV events time none);
+    seconds spent)] for each offload tier (an offload counted to the tier it stores into, a
+    promotion to the tier its blocks came from, a staged leg too:
+    :func:`~kvscope.dashboard.transfer_cost.promotion_seconds_by_tier`; None when none of its
+    transfers was timed: vLLM's /metrics and KV events time none);
     ``ttft_p99``: seconds (the worst per-sample p99) or None; ``ttft_budget``: seconds;
     ``headroom_bytes``, ``reserve_bytes``: the newest values, None when not measured."""
 
@@ -374,11 +377,14 @@ def headline(window: Sequence[Sample], tokens: Mapping[str, float], s: Settings)
     total = sum(tokens.values())
     share = {src: tokens[src] / total for src in ordered(tokens)} if total else {}
     saved = window_increase(window, "prefill_seconds_saved")
-    spent: dict[str, float] = {}
-    for direction, seconds in window_increase(window, "transfer_seconds_sum").items():
+    seconds = window_increase(window, "transfer_seconds_sum")
+    spent = promotion_seconds_by_tier(seconds, window_increase(window, "transfer_blocks"))
+    for direction, timed in seconds.items():
         src, _, dst = direction.partition("->")
-        tier = max(src, dst, key=lambda t: TIER_RANK.get(t, 9))
-        spent[tier] = spent.get(tier, 0.0) + seconds
+        if is_promotion(direction):  # timed, if none in the window: 0 s, not "not measured"
+            spent.setdefault(src, 0.0)
+        else:  # an offload: the tier it stores into
+            spent[dst] = spent.get(dst, 0.0) + timed
     tiers = [t for t in ordered(set(saved) | set(spent)) if t != "gpu"]
     return Headline(share, {t: (saved.get(t, 0.0), spent.get(t)) for t in tiers},
                     _worst_p99(window, "ttft_seconds"), s.ttft_budget_seconds,

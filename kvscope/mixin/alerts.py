@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvscope.mixin.config import MixinConfig
-from kvscope.mixin.promql import (offload_tiers, promotion_matchers, sel, tier_matcher,
-                                  union)
+from kvscope.mixin.promql import (offload_tiers, promotion_matchers, promotion_seconds_by_tier,
+                                  sel, tier_matcher, union)
 from kvscope.mixin.rules import Records
 
 
@@ -91,14 +91,13 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
     host_tiers = tier_matcher(cfg.host_memory_tiers)
     host_offload_on = (f"(\n  {host_budget} > 0\n  or\n  sum by ({by}) "
                        f"(kvscope_tier_capacity_bytes{sel(cfg, host_tiers)}) > 0\n)")
-    # per offload tier: promotions out of it (copies toward the GPU whose src is the tier) and
-    # the prefill seconds its tokens saved, both per second
-    def from_tier(metric: str) -> str:
-        return (f"sum by ({by}, tier) (label_replace(\n  "
-                + union("rate", metric, cfg, promotion_matchers(cfg), w)
-                + ',\n  "tier", "$1", "src", "(.+)"))')
-    promo_spent = from_tier("kvscope_transfer_seconds_sum")
-    promo_count = from_tier("kvscope_transfer_seconds_count")
+    # per offload tier: the seconds of promotions of its blocks (a staged leg is the tier's it
+    # staged from), the promotions out of it (copies toward the GPU whose src is the tier) and
+    # the prefill seconds its tokens saved, all per second
+    promo_spent = promotion_seconds_by_tier(cfg, w)
+    promo_count = (f"sum by ({by}, tier) (label_replace(\n  "
+                   + union("rate", "kvscope_transfer_seconds_count", cfg, promotion_matchers(cfg), w)
+                   + ',\n  "tier", "$1", "src", "(.+)"))')
     saved = (f'sum by ({by}, tier) (label_replace(rate(kvscope_prefill_seconds_saved_total'
              f'{sel(cfg, tier_matcher(cfg.tiers[1:], "source"))}[{w}]), "tier", "$1", "source", '
              '"(.+)"))')

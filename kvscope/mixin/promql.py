@@ -63,3 +63,42 @@ def tier_matcher(tiers, label: str = "tier") -> str:
 def union(fn: str, metric: str, cfg: MixinConfig, matcher_sets: list[str], window: str) -> str:
     """``fn(metric{sel, m1}[w]) or fn(metric{sel, m2}[w]) or ...``."""
     return "\n  or ".join(f"{fn}({metric}{sel(cfg, m)}[{window}])" for m in matcher_sets)
+
+
+def _by(expr: str, by: str, new: str, old: str) -> str:
+    """``expr`` summed by ``by`` and a ``new`` label holding each series' ``old`` label."""
+    return f'sum by ({by}, {new}) (label_replace(\n  {expr},\n  "{new}", "$1", "{old}", "(.+)"))'
+
+
+def _part(expr: str, name: str) -> str:
+    """``expr`` with a ``part`` label, so that ``or`` keeps it beside parts of equal labels."""
+    return f'label_replace(\n  {expr},\n  "part", "{name}", "", "")'
+
+
+def promotion_seconds_by_tier(cfg: MixinConfig, window: str) -> str:
+    """PromQL: promotion seconds per second by the offload tier (``tier``) whose blocks they
+    moved, charged as :func:`kvscope.dashboard.transfer_cost.promotion_seconds_by_tier`
+    charges them: a staging leg (a promotion into a tier other than the GPU) to its source;
+    of a leg ``x->gpu``, each lower tier the share of ``x->gpu``'s blocks it staged into
+    ``x`` (shares over 1 scaled down together), ``x`` the rest; aggregated by ``cfg.by``."""
+    by = cfg.by
+    to_gpu, *staging = promotion_matchers(cfg)
+    secs = _by(union("rate", "kvscope_transfer_seconds_sum", cfg, [to_gpu], window), by, "via",
+               "src")
+    if not staging:
+        return _by(secs, by, "tier", "via")
+    blocks = _by(union("rate", "kvscope_transfer_blocks_total", cfg, [to_gpu], window), by,
+                 "via", "src")
+    staged = (f"sum by ({by}, via, tier) (label_replace(label_replace(\n  "
+              + union("rate", "kvscope_transfer_blocks_total", cfg, staging, window)
+              + ',\n  "via", "$1", "dst", "(.+)"), "tier", "$1", "src", "(.+)"))')
+    share = f"(\n{staged}\n/ on ({by}, via) group_left ()\n({blocks} > 0)\n)"
+    total = f"sum by ({by}, via) {share}"
+    below = (f"sum by ({by}, tier) (\n{share}\n/ on ({by}, via) group_left ()\n"
+             f"clamp_min({total}, 1)\n* on ({by}, via) group_left ()\n{secs}\n)")
+    own = (f'label_replace(\n{secs}\n* (1 - (clamp_max({total}, 1)\n'
+           f'or on ({by}, via) 0 * {secs})),\n"tier", "$1", "via", "(.+)")')
+    staging_own = _by(union("rate", "kvscope_transfer_seconds_sum", cfg, staging, window), by,
+                      "tier", "src")
+    return (f"sum by ({by}, tier) (\n" + _part(own, "own") + "\nor " + _part(below, "staged")
+            + "\nor " + _part(staging_own, "staging") + "\n)")

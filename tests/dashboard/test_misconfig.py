@@ -123,6 +123,20 @@ def test_promotions_slower_than_recompute():
     assert M.promotion_slower(none, S).status == NOT_MEASURED
 
 
+def test_a_staged_promotion_is_the_lower_tier_s_cost():
+    """Disk blocks staged disk->cpu->gpu: 80 of the 100 blocks a second cpu->gpu promotes came
+    from disk. cpu->gpu takes 0.3 s/s, disk->cpu 0.05 s/s; cpu tokens save 0.1 s/s, disk
+    tokens 0.4 s/s. Charged by blocks: cpu 0.3 x 0.2 = 0.06 s/s (0.60x), disk 0.05 + 0.24 =
+    0.29 s/s (0.72x): fine. Charged by the leg's source, cpu read 3.00x and fired."""
+    f = M.promotion_slower(window(counters={
+        "transfer_seconds_sum": {"cpu->gpu": 0.3, "disk->cpu": 0.05},
+        "transfer_blocks": {"cpu->gpu": 100.0, "disk->cpu": 80.0},
+        "prefill_seconds_saved": {"cpu": 0.1, "disk": 0.4}}), S)
+    assert f.status == OK
+    assert "cpu: 3.60 s of promotions for 6.00 s of prefill saved (0.60×)" in f.wrong
+    assert "disk: 17.40 s of promotions for 24.00 s of prefill saved (0.72×)" in f.wrong
+
+
 def test_blocks_stored_for_nothing():
     """cpu evicts 1 block a second (the counter), 90 % of them never hit (the hit histogram,
     a weighted sample reading 4 times as many evictions, as one that samples the same few

@@ -18,8 +18,8 @@ GIB = 1024 ** 3
 def window(n: int = N, *, requests_per_s: float = 2.0, tokens_per_s=None,
            waiting=lambda i: 0, usage=lambda i: 0.2, preemptions=lambda i: 0,
            ttft_p99: float | None = 0.5, wait_p99: float | None = 0.01,
-           headroom: float | None = 4 * GIB, saved=None, spent=None, prefix_per_s=None,
-           drop=()) -> list[dict]:
+           headroom: float | None = 4 * GIB, saved=None, spent=None, blocks=None,
+           prefix_per_s=None, drop=()) -> list[dict]:
     """``n`` samples a second apart: counters growing at the given rates per second, gauges
     from the per-index functions; field names in ``drop`` left out (a source that does not
     report them). ``prefix_per_s``: prompt blocks by prefix seen or new (None: no lookup
@@ -33,6 +33,7 @@ def window(n: int = N, *, requests_per_s: float = 2.0, tokens_per_s=None,
              "prompt_tokens": {k: v * i for k, v in tokens_per_s.items()},
              "prefill_seconds_saved": {k: v * i for k, v in saved.items()},
              "transfer_seconds_sum": {k: v * i for k, v in spent.items()},
+             "transfer_blocks": {k: v * i for k, v in (blocks or {}).items()},
              "requests_waiting": {"engine": waiting(i)},
              "requests_running": {"engine": 1},
              "gpu_kv_cache_usage_ratio": {"engine": usage(i)},
@@ -353,6 +354,17 @@ def test_headline_shares_and_seconds_per_tier():
     assert h.saved_vs_spent == {"cpu": pytest.approx((1.2, 0.42)),
                                 "disk": pytest.approx((0.0, 0.06))}
     assert h.ttft_p99 == 0.5 and h.headroom_bytes == 4 * GIB and h.reserve_bytes == GIB
+
+
+def test_headline_charges_a_staged_leg_to_the_tier_it_staged_from():
+    """60 s: cpu->gpu 0.18 s for 600 blocks, 300 of them staged disk->cpu (0.06 s). disk:
+    0.06 + 0.18 x 300/600 = 0.15 s; cpu: its offloads (gpu->cpu) 0.24 s + the other 0.09 s =
+    0.33 s. Charged by the leg's source, cpu read 0.42 s and disk 0.06 s."""
+    h = V.assess(window(spent={"gpu->cpu": 0.004, "cpu->gpu": 0.003, "disk->cpu": 0.001},
+                        saved={"cpu": 0.02, "disk": 0.01},
+                        blocks={"cpu->gpu": 10.0, "disk->cpu": 5.0})).headline
+    assert h.saved_vs_spent == {"cpu": pytest.approx((1.2, 0.33)),
+                                "disk": pytest.approx((0.6, 0.15))}
 
 
 def test_transfer_time_not_measured_is_none_not_zero_seconds():
