@@ -8,7 +8,7 @@
   taken under the roots (:func:`under_roots`).
 - **Token.** A dashboard listening beyond loopback demands the token (``KVSCOPE_TOKEN``, the
   agent's): from the address bar once (``?token=...``, then kept in an HttpOnly, SameSite=Strict
-  cookie), or as a bearer token (:func:`protect`). Without one it does not start unless
+  cookie, and taken out of the address), or as a bearer token (:func:`protect`). Without one it does not start unless
   told ``--insecure`` (the CLI's rule).
 """
 
@@ -18,8 +18,9 @@ import hmac
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from urllib.parse import urlencode
 
-from flask import Flask, g, request
+from flask import Flask, g, redirect, request
 from werkzeug.wrappers import Response
 
 COOKIE = "kvscope_token"
@@ -73,7 +74,12 @@ def outside_roots(paths: str | None, roots: Sequence[Path]) -> str:
 def protect(server: Flask, token: str) -> None:
     """Make every request to ``server`` (the Dash app's Flask server) present ``token``: as
     ``?token=`` (then remembered in a cookie for the browser's later requests), the cookie, or
-    ``Authorization: Bearer``. Anything else gets 401 with a line saying how to open it."""
+    ``Authorization: Bearer``. Anything else gets 401 with a line saying how to open it.
+
+    A page opened with ``?token=`` (a GET) is redirected (303) to the same address without it,
+    its other parameters kept: the token leaves the address bar at once, so it is not kept in
+    the browser's history or sent on in a ``Referer`` header. A stale ``?token=`` beside a
+    good cookie goes the same way."""
 
     def matches(offered: str | None) -> bool:
         return offered is not None and hmac.compare_digest(offered.encode(), token.encode())
@@ -83,13 +89,16 @@ def protect(server: Flask, token: str) -> None:
         header = request.headers.get("Authorization", "")
         bearer = header.removeprefix("Bearer ") if header.startswith("Bearer ") else None
         in_query = matches(request.args.get("token"))
-        if in_query or matches(request.cookies.get(COOKIE)) or matches(bearer):
-            g.kvscope_remember = in_query  # a stale ?token= beside a good cookie still opens
-            return None
-        return Response("this dashboard needs its token: open it as /?token=TOKEN (the "
-                        "KVSCOPE_TOKEN it was started with)\n", 401,
-                        {"Content-Type": "text/plain; charset=utf-8",
-                         "WWW-Authenticate": "Bearer"})
+        if not (in_query or matches(request.cookies.get(COOKIE)) or matches(bearer)):
+            return Response("this dashboard needs its token: open it as /?token=TOKEN (the "
+                            "KVSCOPE_TOKEN it was started with)\n", 401,
+                            {"Content-Type": "text/plain; charset=utf-8",
+                             "WWW-Authenticate": "Bearer"})
+        g.kvscope_remember = in_query
+        if "token" in request.args and request.method in ("GET", "HEAD"):
+            rest = [(k, v) for k, v in request.args.items(multi=True) if k != "token"]
+            return redirect(request.path + ("?" + urlencode(rest) if rest else ""), 303)
+        return None
 
     @server.after_request
     def _remember(response: Response) -> Response:

@@ -84,21 +84,28 @@ def test_a_relative_path_is_taken_under_the_roots_not_the_working_directory(tree
 
 
 def test_a_protected_dashboard_wants_its_token_once(tree):
-    """Without the token: 401 saying how to open it. With ?token=: the page, and a cookie
-    (HttpOnly, SameSite=Strict) that lets the browser's later requests in; a bearer header
-    works too; a wrong token does not."""
+    """Without the token: 401 saying how to open it. With ?token=: a redirect to the page
+    without it, and a cookie (HttpOnly, SameSite=Strict) that lets the browser's later
+    requests in; a bearer header works too; a wrong token does not."""
     app = create_app("http://127.0.0.1:9", require_token="s3cret-tok")
     client = app.server.test_client()
     refused = client.get("/")
     assert refused.status_code == 401 and "/?token=TOKEN" in refused.get_data(as_text=True)
     assert client.get("/?token=wrong").status_code == 401
     opened = client.get("/?token=s3cret-tok")
-    assert opened.status_code == 200
+    # the token leaves the address bar (and the browser's history) at once
+    assert opened.status_code == 303 and opened.headers["Location"] == "/"
     cookie = opened.headers["Set-Cookie"]
     assert cookie.startswith(f"{COOKIE}=s3cret-tok") and "HttpOnly" in cookie
     assert "SameSite=Strict" in cookie
-    assert client.get("/_dash-layout").status_code == 200  # the cookie, sent back
-    assert client.get("/?token=an-old-one").status_code == 200  # a stale link: the cookie
+    assert client.get("/").status_code == 200  # the cookie, sent back
+    assert client.get("/_dash-layout").status_code == 200
+    stale = client.get("/?token=an-old-one")  # a stale link: the cookie opens it
+    assert stale.status_code == 303 and stale.headers["Location"] == "/"
+    # a deep link keeps its own parameters
+    deep = app.server.test_client().get("/requests?id=r%201&token=s3cret-tok&source=vllm")
+    assert deep.status_code == 303
+    assert deep.headers["Location"] == "/requests?id=r+1&source=vllm"
     other = app.server.test_client()
     assert other.get("/_dash-layout").status_code == 401
     assert other.get("/_dash-layout",

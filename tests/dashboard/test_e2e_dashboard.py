@@ -412,6 +412,24 @@ def test_dead_agent_shows_unreachable_not_a_traceback(browser):
         handle.shutdown()
 
 
+def test_a_token_in_the_address_bar_is_taken_out_and_the_cookie_opens_the_page(browser):
+    """A protected dashboard opened as /requests?token=T&id=r1 in Chromium: redirected to
+    /requests?id=r1 (the token out of the address bar and history), and the page's callbacks
+    run on the cookie alone (the status line reads the dead agent, not a 401)."""
+    from kvscope.dashboard.app import create_app, serve
+
+    handle = serve(create_app("http://127.0.0.1:9", refresh_seconds=1.0,
+                              require_token="visitor-tok-81"), "127.0.0.1", 0)
+    try:
+        browser.get(handle.url + "/requests?token=visitor-tok-81&id=r1")
+        wait_for(browser, lambda: "agent unreachable: http://127.0.0.1:9"
+                 in status_text(browser, "requests-status"), "the page's status line")
+        assert browser.current_url == handle.url + "/requests?id=r1"
+        assert not console_errors(browser)
+    finally:
+        handle.shutdown()
+
+
 def test_a_demo_with_a_token_shows_its_overview(browser):
     """With KVSCOPE_TOKEN set the demo's agent demands the token (401 without it), and its own
     dashboard sends it: the Overview draws, not "agent unreachable: HTTP 401"."""
