@@ -106,7 +106,9 @@ class Headline:
     :func:`~kvscope.dashboard.transfer_cost.promotion_seconds_by_tier`; None when none of its
     transfers was timed: vLLM's /metrics and KV events time none);
     ``ttft_p99``: seconds (the worst per-sample p99) or None; ``ttft_budget``: seconds;
-    ``headroom_bytes``, ``reserve_bytes``: the newest values, None when not measured."""
+    ``headroom_bytes``, ``reserve_bytes``: the newest values, None when not measured;
+    ``prefix_reuse_share``: the share (0-1) of prompt blocks whose prefix was seen before
+    (check 2's reuse share), None when no lookup carried block hashes."""
 
     token_share: dict[str, float]
     saved_vs_spent: dict[str, tuple[float, float | None]]
@@ -114,6 +116,7 @@ class Headline:
     ttft_budget: float
     headroom_bytes: float | None
     reserve_bytes: float | None
+    prefix_reuse_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -145,21 +148,21 @@ def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
     span = float(window[-1]["ts"]) - float(window[0]["ts"]) if window else 0.0
     requests = scalar_increase(window, "requests") or 0.0
     tokens = window_increase(window, "prompt_tokens")
+    prefix = window_increase(window, "prompt_prefix_blocks")
     start = float(window[0]["ts"]) if window else float("inf")
     recent = [r for r in records if is_number(r.get("finished")) and r["finished"] >= start]
     where = f"last {span:.0f} s, {len(window)} samples, {requests:.0f} requests"
     low_traffic = requests < settings.min_requests
     checks = (
         gpu_limiter(window, settings, low_traffic),
-        unique_prompts(tokens, window_increase(window, "prompt_prefix_blocks"), settings,
-                       low_traffic),
+        unique_prompts(tokens, prefix, settings, low_traffic),
         tail_slo(window, tokens, recent, settings, low_traffic),
         host_dram(window, settings),
         cheaper_steps(window, tokens),
     )
     checks = tuple(Check(c.key, c.condition, c.verdict, (*c.evidence, where)) for c in checks)
     verdict, reasons = overall(checks)
-    return Assessment(verdict, checks, headline(window, tokens, settings), span, len(window),
+    return Assessment(verdict, checks, headline(window, tokens, prefix, settings), span, len(window),
                       requests, reasons)
 
 
@@ -227,14 +230,14 @@ def unique_prompts(tokens: Mapping[str, float], prefix: Mapping[str, float], s: 
     key = "unique-prompts"
     total = sum(tokens.values())
     blocks = sum(prefix.values())
+    share = reuse_share(prefix)
     if not total and not blocks:
         return Check(key, CONDITIONS[key], TOO_LITTLE if low_traffic else NOT_MEASURED,
                      ("prompt tokens by source: none in the window",))
     served = sum(tokens.get(src, 0.0) for src in CACHE_SOURCES) / total if total else None
     lines = [f"served from cache: {served:.1%} of {total:,.0f} prompt tokens (by source: "
              f"{_shares(tokens)})" if total else "served from cache: no prompt tokens counted"]
-    if blocks:
-        share = prefix.get("seen", 0.0) / blocks
+    if share is not None:
         lines.insert(0, f"reuse share {share:.1%}: prompt blocks whose prefix was seen before, "
                         f"of {blocks:,.0f} (estimated from sampled block hashes; unique under "
                         f"{s.min_reuse_share:.0%})")
@@ -245,6 +248,13 @@ def unique_prompts(tokens: Mapping[str, float], prefix: Mapping[str, float], s: 
                      "lower bound on it")
         verdict = PAYS if served >= s.min_reuse_share else NOT_MEASURED
     return Check(key, CONDITIONS[key], TOO_LITTLE if low_traffic else verdict, tuple(lines))
+
+
+def reuse_share(prefix: Mapping[str, float]) -> float | None:
+    """The share (0-1) of ``prefix``'s blocks (by ``seen``/``new``) seen before; None without
+    any."""
+    blocks = sum(prefix.values())
+    return prefix.get("seen", 0.0) / blocks if blocks else None
 
 
 def tail_slo(window: Sequence[Sample], tokens: Mapping[str, float],
@@ -372,8 +382,10 @@ def _cache_settings(window: Sequence[Sample]) -> list[tuple[str, str, str]]:
     return []
 
 
-def headline(window: Sequence[Sample], tokens: Mapping[str, float], s: Settings) -> Headline:
-    """The :class:`Headline` of the window."""
+def headline(window: Sequence[Sample], tokens: Mapping[str, float],
+             prefix: Mapping[str, float], s: Settings) -> Headline:
+    """The :class:`Headline` of the window (``tokens``, ``prefix``: as for
+    :func:`unique_prompts`)."""
     total = sum(tokens.values())
     share = {src: tokens[src] / total for src in ordered(tokens)} if total else {}
     saved = window_increase(window, "prefill_seconds_saved")
@@ -389,7 +401,8 @@ def headline(window: Sequence[Sample], tokens: Mapping[str, float], s: Settings)
     return Headline(share, {t: (saved.get(t, 0.0), spent.get(t)) for t in tiers},
                     _worst_p99(window, "ttft_seconds"), s.ttft_budget_seconds,
                     _newest(window, "host_memory_headroom_bytes"),
-                    _newest(window, "host_memory_reserve_bytes"))
+                    _newest(window, "host_memory_reserve_bytes"),
+                    reuse_share(prefix))
 
 
 def _per_sample(window: Sequence[Sample], name: str, combine) -> np.ndarray | None:

@@ -50,11 +50,15 @@ def card(cid: str, title: str, value: str, detail: str, colour: str = "#222") ->
 
 
 def cards(a: Assessment) -> html.Div:
-    """Four cards: prompt tokens reused (and the share by source), prefill seconds saved vs
-    transfer seconds spent per offload tier, p99 TTFT against the budget, host RAM headroom."""
+    """Four cards: prompt tokens reused (and the share by source, and the share of prompt
+    blocks whose prefix was seen before: what a large enough tier could serve), prefill
+    seconds saved vs transfer seconds spent per offload tier, p99 TTFT against the budget,
+    host RAM headroom."""
     h = a.headline
     reused = sum(v for k, v in h.token_share.items() if k != "recompute")
     shares = " · ".join(f"{k} {v:.0%}" for k, v in h.token_share.items())
+    if h.prefix_reuse_share is not None:
+        shares += f" · prompt blocks seen before {h.prefix_reuse_share:.0%}"
     tiers = " · ".join(f"{tier} {saved:.2f} s saved / "
                        + (f"{spent:.2f} s spent" if spent is not None
                           else f"transfer time {NOT_MEASURED}")

@@ -402,3 +402,20 @@ def test_the_view_marks_each_row_with_its_verdict():
     cards = {card.id: card.children[1].children for card in verdict_view.cards(a).children}
     assert cards == {"offload-card-tokens": "50%", "offload-card-savings": "2.9×",
                      "offload-card-ttft": "500.0 ms", "offload-card-headroom": "4.0 GiB"}
+
+
+def test_the_tokens_card_puts_the_reuse_beside_what_was_served():
+    """Served 4%, seen before 37%: the card says both, so the five-second read is "the tiers
+    are too small", not "nothing repeats"; without hashes it names no reuse share."""
+    from kvscope.dashboard import verdict_view
+
+    def detail(samples):
+        card = next(c for c in verdict_view.cards(V.assess(samples)).children
+                    if c.id == "offload-card-tokens")
+        return card.children[1].children, card.children[2].children
+
+    assert detail(window(tokens_per_s={"gpu": 40.0, "recompute": 960.0},
+                         prefix_per_s={"seen": 37.0, "new": 63.0})) == (
+        "4%", "gpu 4% · recompute 96% · prompt blocks seen before 37%")
+    assert detail(window(tokens_per_s={"gpu": 40.0, "recompute": 960.0})) == (
+        "4%", "gpu 4% · recompute 96%")
