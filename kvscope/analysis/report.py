@@ -141,13 +141,16 @@ def render_text(analysis: Analysis) -> str:
               f"    prefill rate {a['prefill_source']}",
               f"    KV bytes per block {a['kv_bytes_source']}",
               f"  GPU prefix cache alone serves {s.gpu_token_hit_share:.2%} of prompt tokens"]
+    budget = a["budget_bytes"]
     if s.knee is not None:
+        beyond = (f"; beyond the budget of {_gib(budget)}"
+                  if budget is not None and s.knee.bytes > budget else "")
         lines.append(f"  knee: {s.knee.blocks:,} blocks ({_gib(s.knee.bytes)}): CPU tier serves "
                      f"{s.knee.cpu_token_hit_share:.2%} (where the gain curve bends most, up "
-                     "to the largest affordable size)")
+                     f"to the trace's working set{beyond})")
     elif s.recommended is not None:
         lines.append("  knee: none (the gain grows no slower as the tier grows, up to the "
-                     "largest affordable size)")
+                     "trace's working set)")
     if s.recommended is not None:
         p = s.recommended
         lines += [f"  recommended CPU tier: {p.blocks:,} blocks ({_gib(p.bytes)}); "

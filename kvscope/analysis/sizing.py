@@ -17,9 +17,11 @@ The model, stated so it can be checked:
 
 The *knee* is where the CPU tier's gain curve bends most (Kneedle: Satopää, Albrecht, Irwin &
 Raghavan, "Finding a 'Kneedle' in a Haystack", ICDCS Workshops 2011, on the curve normalised to
-the unit square), over the sizes from the GPU cache's to the largest affordable: Kneedle's
-normalisation spans that range, so a budget that cuts the curve moves the knee. The *recommendation* is the smallest size that buys ``target_share`` of the gain
-the largest affordable size (the budget, or the trace's working set) would buy.
+the unit square), over the sizes from the GPU cache's to the trace's working set: a property of
+the workload, which a budget does not move (it may lie beyond the budget). The *recommendation*
+is the smallest affordable size that buys ``target_share`` of the gain the largest affordable
+size (the budget, or the working set) would buy. The curve runs to the working set, past the
+budget, so that it shows what a larger budget would buy.
 """
 
 from __future__ import annotations
@@ -104,8 +106,9 @@ class SizePoint:
 @dataclass(frozen=True)
 class SizingAdvice:
     """The advice. ``offload``: whether a CPU tier pays. ``reasons``: plain sentences why not
-    (empty when it pays). ``recommended``/``knee``: None when there is nothing to size (``knee``
-    also when the gain curve bends nowhere above the GPU cache's size).
+    (empty when it pays). ``recommended``: None when there is nothing to size; ``knee``: None
+    when the gain curve bends nowhere above the GPU cache's size (it may lie beyond the budget:
+    ``assumptions["budget_bytes"]``).
     ``kv_offloading_size_gib``: vLLM ``--kv-offloading-size`` for ``recommended`` (GiB, rounded
     up to 0.1). ``offload_bytes_per_second``: average device-to-host store traffic at that size.
     ``curve``: every evaluated size, ascending."""
@@ -161,8 +164,10 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     working_set = max(histogram.max_useful_size, 1)
     budget_blocks = (working_set if params.budget_bytes is None
                      else max(0, int(params.budget_bytes // bpb)))
+    # the curve runs to the working set, and as finely up to the budget as it would stop there
     top = max(1, min(budget_blocks, working_set), g)
-    sizes = np.unique(np.concatenate((size_grid(top, points), [max(g, 1)])))
+    sizes = np.unique(np.concatenate((size_grid(top, points), size_grid(max(working_set, g), points),
+                                      [max(g, 1)])))
     hit = histogram.hit_ratio(np.maximum(sizes, g))
     gpu_hit = float(histogram.hit_ratio([g])[0])
     reuse = float(histogram.hit_ratio([working_set])[0])
@@ -199,9 +204,11 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
 
     knee = None
     # over the sizes the tier adds to: below the GPU cache's an inclusive tier serves nothing,
-    # and that flat start made the first point (1 block, 0%) the knee of a convex curve
-    tier = [p for p in affordable if p.blocks >= g]
-    if best_gain > 0:
+    # and that flat start made the first point (1 block, 0%) the knee of a convex curve; up to
+    # the working set whatever the budget, so that the knee is the workload's (over the
+    # affordable sizes alone a budget moved it: 38,334 blocks without one, 14,080 with 40 GiB)
+    tier = [p for p in curve if p.blocks >= g]
+    if unlimited_gain > 0:
         i = kneedle(np.array([p.blocks for p in tier], dtype=np.float64),
                     np.array([p.cpu_token_hit_share for p in tier]))
         knee = None if i is None else tier[i]

@@ -115,6 +115,21 @@ def test_sizing_page_data_is_plain_and_consistent():
     assert "the smallest size that buys 90% of the largest affordable size's gain" in text
 
 
+def test_a_budget_does_not_move_the_knee_and_the_report_says_when_it_lies_beyond():
+    """The Mooncake trace for llama-3-8b (64 MiB blocks) without a budget and with 1 GiB (16
+    blocks, far below the knee): the same knee, the curve past the budget, the recommendation
+    within it, and the report naming the budget the knee lies beyond."""
+    trace = load_trace(trace_path())
+    preset = get_preset("llama-3-8b")
+    free = analyze(trace, AnalyzeOptions(preset, arc_points=0)).sizing
+    tight = analyze(trace, AnalyzeOptions(preset, arc_points=0, budget_bytes=2**30))
+    s = tight.sizing
+    assert s.knee == free.knee and s.knee.bytes > 2**30
+    assert s.curve[-1] == free.curve[-1] and s.recommended.bytes <= 2**30
+    assert f"knee: {s.knee.blocks:,} blocks" in render_text(tight)
+    assert "up to the trace's working set; beyond the budget of 1.00 GiB)" in render_text(tight)
+
+
 @pytest.mark.parametrize("method", ["shards-rate", "shards-size"])
 def test_sampled_methods_track_the_exact_curve(method):
     trace = load_trace(trace_path())

@@ -68,6 +68,25 @@ def test_kneedle_finds_the_bend_and_none_where_the_curve_bends_nowhere():
     assert kneedle(x, np.array([0, 0.05, 0.2, 0.5, 1.0])) is None
 
 
+@pytest.mark.parametrize("budget_blocks", [None, 10, 30, 50])
+def test_the_knee_is_the_workload_s_whatever_the_budget(budget_blocks):
+    """GPU cache 4 blocks; reuse at distances 5 (30 tokens), 20 (20) and 59 (10), of 100: the
+    gain is 30% from 6 blocks, 50% from 21, 60% from 60. Normalised over 4..60, 21 blocks
+    (0.5 / 0.6 = 0.83 of the gain at 17 / 56 = 0.30 of the span) stands 0.53 above the chord,
+    6 blocks (0.5 at 0.04) 0.46: the knee is 21, budget or not (over the affordable sizes
+    alone, a 10- or a 30-block budget made it 6). The recommendation stays affordable, and the curve
+    runs to the working set, through the budget's own size."""
+    h = np.zeros(60)
+    h[[5, 20, 59]] = [30.0, 20.0, 10.0]
+    budget = None if budget_blocks is None else budget_blocks * 16
+    advice = advise(DistanceHistogram(h, 100.0),
+                    SizingParams(ROUND, 1, FAST, gpu_tokens=4, budget_bytes=budget), 10.0)
+    assert advice.knee.blocks == 21 and advice.knee.cpu_token_hit_share == pytest.approx(0.5)
+    assert advice.curve[-1].blocks == 60
+    assert advice.recommended.blocks <= (budget_blocks or 60)
+    assert 10 in [p.blocks for p in advice.curve]
+
+
 def test_the_knee_lies_where_the_cpu_tier_adds_and_a_convex_gain_has_none():
     """GPU cache 4 blocks. Reuse at distances 5 (30 tokens) and 9 (20), of 100: the CPU tier's
     gain is 0 up to 5 blocks, 30% from 6, 50% from 10: it bends at 6 blocks (30% there is
