@@ -59,6 +59,6 @@ class PrefixReuse:
         self._measured = True
 
     def counts(self) -> dict[str, float]:
-        """Estimated blocks by :data:`~kvscope.vocabulary.PREFIX_REUSE` value since the start (cumulative); empty until a
-        lookup carried hashes."""
+        """Estimated blocks by :data:`~kvscope.vocabulary.PREFIX_REUSE` value since the start
+        (cumulative); empty until a lookup carried hashes."""
         return dict(self._blocks) if self._measured else {}

@@ -166,8 +166,8 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
                      else max(0, int(params.budget_bytes // bpb)))
     # the curve runs to the working set, and as finely up to the budget as it would stop there
     top = max(1, min(budget_blocks, working_set), g)
-    sizes = np.unique(np.concatenate((size_grid(top, points), size_grid(max(working_set, g), points),
-                                      [max(g, 1)])))
+    sizes = np.unique(np.concatenate((size_grid(top, points),
+                                      size_grid(max(working_set, g), points), [max(g, 1)])))
     hit = histogram.hit_ratio(np.maximum(sizes, g))
     gpu_hit = float(histogram.hit_ratio([g])[0])
     reuse = float(histogram.hit_ratio([working_set])[0])

@@ -162,8 +162,8 @@ def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
     )
     checks = tuple(Check(c.key, c.condition, c.verdict, (*c.evidence, where)) for c in checks)
     verdict, reasons = overall(checks)
-    return Assessment(verdict, checks, headline(window, tokens, prefix, settings), span, len(window),
-                      requests, reasons)
+    return Assessment(verdict, checks, headline(window, tokens, prefix, settings), span,
+                      len(window), requests, reasons)
 
 
 def overall(checks: Sequence[Check]) -> tuple[str, tuple[str, ...]]:
