@@ -332,6 +332,11 @@ class OffloadEngine:
         if h not in self.disk.policy:  # making room in cpu pushed it off the disk tier
             self.cpu.remove(h)
             return _RECOMPUTE
+        # the staged copy serves this promotion: a hit of the cpu tier's copy (vLLM's tiering
+        # counts the cpu->gpu load of a promoted chunk so), though no second reference for the
+        # policy (ARC would take it for one); without it every staged block was evicted "never
+        # reused", and the cpu tier read as storing for nothing
+        self.cpu.touch(h, now, reorder=False)
         self._moved[STAGE] += 1
         self._moved[PROMOTE] += 1
         if self._batch is not None:

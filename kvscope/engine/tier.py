@@ -123,13 +123,15 @@ class Tier:
     def __len__(self) -> int:
         return len(self.policy)
 
-    def touch(self, block_hash: int, now: float) -> Resident:
-        """Record a hit at ``now`` (Unix s) on a resident block (the policy updates its order);
+    def touch(self, block_hash: int, now: float, reorder: bool = True) -> Resident:
+        """Record a hit at ``now`` (Unix s) on a resident block (the policy updates its order,
+        unless not ``reorder``: a read that is part of the access that inserted the block);
         return its record."""
         entry = self.policy.get(block_hash)
         entry.hits += 1
         entry.last_hit = now
-        self.policy.hit(block_hash)
+        if reorder:
+            self.policy.hit(block_hash)
         return entry
 
     def insert(self, block_hash: int, now: float) -> tuple[int, tuple[int, Resident] | None] | None:

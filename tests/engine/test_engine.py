@@ -70,6 +70,27 @@ def test_hand_worked_lru_sequence():
     assert engine.cpu.order() == [B, D, E]
 
 
+def test_a_staged_copy_served_its_promotion_so_it_was_not_stored_for_nothing():
+    """gpu 1, cpu 1, disk 2 (LRU, least recent first).
+
+    r0 [A]: recompute.                                      gpu [A]
+    r1 [B]: gpu evicts A, offloaded.                        cpu [A]
+    r2 [C]: gpu evicts B, offloaded; cpu drops A (0 hits), spilled.  cpu [B] disk [A]
+    r3 [A]: gpu evicts C, offloaded; cpu drops B (0 hits), spilled: disk [A,B]. A staged
+            from disk: cpu drops C (0 hits), spilled, disk drops B: disk [A,C], cpu [A];
+            A's cpu copy is read for the promotion: 16 disk tokens, and a hit of that copy.
+    r4 [D]: gpu evicts A, already in cpu.
+    r5 [E]: gpu evicts D, offloaded; cpu drops A: 1 hit (it counted 0, so every staged block
+            read as stored for nothing), offloaded (disk holds it)."""
+    events = []
+    engine = OffloadEngine(TINY, 1, 1, 2, emit=events.append, payload=False)
+    outcomes = [engine.process(_req(f"r{i}", *hs))
+                for i, hs in enumerate([(A,), (B,), (C,), (A,), (D,), (E,)])]
+    assert outcomes[3].tokens["disk"] == 16
+    assert [(e.hits, e.offloaded) for e in _of(events, ev.Eviction) if e.tier == "cpu"] == [
+        (0, True), (0, True), (0, True), (1, True)]
+
+
 def test_making_room_can_drop_the_block_about_to_be_promoted():
     """gpu 2, cpu 2. r0 [A,B], r1 [C] (A offloaded), r2 [A,B]: promoting A offloads B into the
     last cpu slot; then making room for B offloads C, which drops B (cpu LRU) -> B recomputed."""
