@@ -222,11 +222,14 @@ def unique_prompts(tokens: Mapping[str, float], prefix: Mapping[str, float], s: 
     ``prefix``: estimated prompt blocks by prefix ``seen`` before or ``new`` in the window
     (``kvscope_prompt_prefix_blocks_total``; empty where no lookup carries block hashes).
 
-    The reuse share is the share of prompt blocks whose prefix was seen before, whatever the
-    tiers held: under ``min_reuse_share``: "skip offload"; at or over it: "offload pays".
-    Without block hashes only the share served from cache (tokens from any cache / all prompt
-    tokens) is known, a lower bound on reuse (a tier too small to hold the reuse serves none of
-    it): at or over the line "offload pays", under it "not measured", never "skip offload"."""
+    Two signals, either of which shows reuse: the reuse share, of prompt blocks whose prefix
+    was seen before whatever the tiers held, and the share served from cache (tokens from any
+    cache / all prompt tokens), which sees only the reuse the tiers were big enough to keep.
+    Either at or over ``min_reuse_share``: "offload pays". Both under it: "skip offload". The
+    served share alone under it proves nothing (no lookup carries block hashes: zero-code
+    mode): "not measured", never "skip offload". The served share also covers what a sampled
+    reuse share can miss: a short shared prefix (a system prompt of a few blocks) goes
+    unsampled at the tap's 1 in 16 most of the time."""
     key = "unique-prompts"
     total = sum(tokens.values())
     blocks = sum(prefix.values())
@@ -234,19 +237,21 @@ def unique_prompts(tokens: Mapping[str, float], prefix: Mapping[str, float], s: 
     if not total and not blocks:
         return Check(key, CONDITIONS[key], TOO_LITTLE if low_traffic else NOT_MEASURED,
                      ("prompt tokens by source: none in the window",))
-    served = sum(tokens.get(src, 0.0) for src in CACHE_SOURCES) / total if total else None
+    served = sum(tokens.get(src, 0.0) for src in CACHE_SOURCES) / total if total else 0.0
     lines = [f"served from cache: {served:.1%} of {total:,.0f} prompt tokens (by source: "
              f"{_shares(tokens)})" if total else "served from cache: no prompt tokens counted"]
     if share is not None:
         lines.insert(0, f"reuse share {share:.1%}: prompt blocks whose prefix was seen before, "
-                        f"of {blocks:,.0f} (estimated from sampled block hashes; unique under "
-                        f"{s.min_reuse_share:.0%})")
-        verdict = SKIP if share < s.min_reuse_share else PAYS
+                        f"of {blocks:,.0f} (from the block hashes lookups carry; unique when "
+                        f"this and the share served are both under {s.min_reuse_share:.0%})")
     else:
         lines.append("reuse share: not measured (no lookup carries block hashes: the vLLM tap "
-                     "and the reference engine send them); the share served from cache is a "
-                     "lower bound on it")
-        verdict = PAYS if served >= s.min_reuse_share else NOT_MEASURED
+                     "and the reference engine send them); a low share served from cache "
+                     "does not show unique prompts, only tiers too small for the reuse")
+    if max(served, share or 0.0) >= s.min_reuse_share:
+        verdict = PAYS
+    else:
+        verdict = NOT_MEASURED if share is None else SKIP
     return Check(key, CONDITIONS[key], TOO_LITTLE if low_traffic else verdict, tuple(lines))
 
 

@@ -123,13 +123,24 @@ def test_several_sources_add_their_queues_and_take_the_fullest_gpu():
 
 @pytest.mark.parametrize("seen, verdict", [(99.0, SKIP), (100.0, PAYS)])
 def test_reuse_share_near_miss(seen, verdict):
-    """99 of 1,000 prompt blocks (9.9%) repeating a prefix is "nearly all unique"; 100
-    (10%) is not."""
-    a = V.assess(window(prefix_per_s={"seen": seen, "new": 1000.0 - seen}))
+    """Nothing served from cache: 99 of 1,000 prompt blocks (9.9%) repeating a prefix is
+    "nearly all unique"; 100 (10%) is not."""
+    a = V.assess(window(tokens_per_s={"recompute": 1000.0},
+                        prefix_per_s={"seen": seen, "new": 1000.0 - seen}))
     c = check(a, "unique-prompts")
     assert c.verdict == verdict
     assert c.evidence[0].startswith(f"reuse share {seen / 10:.1f}%: prompt blocks whose prefix "
                                     "was seen before, of 60,000")
+
+
+def test_served_reuse_the_sample_missed_is_still_reuse():
+    """A 3-block system prompt before 12 unique blocks, at the tap's 1 in 16: the prompt's
+    blocks go unsampled most of the time, and the sampled reuse share reads 0%, while the
+    GPU prefix cache serves 20% of tokens (a fresh-user tryout's case, through the real
+    sampling). Served reuse is reuse: "offload pays", not "skip offload"."""
+    a = V.assess(window(tokens_per_s={"gpu": 200.0, "recompute": 800.0},
+                        prefix_per_s={"new": 100.0}))
+    assert check(a, "unique-prompts").verdict == PAYS
 
 
 def test_reuse_the_tiers_were_too_small_to_serve_is_still_reuse():
@@ -141,8 +152,9 @@ def test_reuse_the_tiers_were_too_small_to_serve_is_still_reuse():
     c = check(a, "unique-prompts")
     assert c.verdict == PAYS
     assert c.evidence[:2] == (
-        "reuse share 37.0%: prompt blocks whose prefix was seen before, of 6,000 (estimated "
-        "from sampled block hashes; unique under 10%)",
+        "reuse share 37.0%: prompt blocks whose prefix was seen before, of 6,000 (from the "
+        "block hashes lookups carry; unique when this and the share served are both under "
+        "10%)",
         "served from cache: 4.0% of 60,000 prompt tokens (by source: gpu 4%, recompute 96%)")
 
 

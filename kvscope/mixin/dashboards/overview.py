@@ -37,10 +37,11 @@ def overview(cfg: MixinConfig) -> dict:
             P("Prompt blocks reused",
               "Share of prompt blocks whose prefix was seen before, whatever the tiers held: "
               "the reuse a large enough tier could serve (from the block hashes lookups "
-              "carry; none without them). Far above Served from cache: the tiers are too "
-              "small for the reuse distance.",
-              (Q(f"sum(rate(kvscope_prompt_prefix_blocks_total{s(cfg, PREFIX_SEEN)}[{RATE}]))"
-                 f"\n  / (sum(rate(kvscope_prompt_prefix_blocks_total{s(cfg)}[{RATE}])) > 0)"),),
+              f"carry; none without them), over {cfg.rate_window} as Served from cache. Far "
+              "above it: the tiers are too small for the reuse distance.",
+              (Q(f"sum(rate(kvscope_prompt_prefix_blocks_total{s(cfg, PREFIX_SEEN)}"
+                 f"[{cfg.rate_window}]))\n  / (sum(rate(kvscope_prompt_prefix_blocks_total"
+                 f"{s(cfg)}[{cfg.rate_window}])) > 0)"),),
               unit="percentunit", kind="stat", width=3, max=1, min=0,
               no_value=f"{NO_TRAFFIC}, or not measured"),
         )),
