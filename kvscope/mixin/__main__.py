@@ -31,7 +31,13 @@ def strays(out: Path, files: dict[str, str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvscope.mixin", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvscope.mixin",
+        description="Write grafana/'s recording rules, alerts and dashboards from the "
+                    "generator, check them, or print a PrometheusRule manifest (grafana/tests, "
+                    "the promtool tests, and grafana/provisioning are written by hand). Exit "
+                    "code 1 from --check when committed files differ, or files the generator "
+                    "does not make sit beside its own.")
     parser.add_argument("--config", metavar="FILE", help="TOML file of MixinConfig overrides")
     parser.add_argument("--output", metavar="DIR", default=str(DEFAULT_OUT),
                         help="mixin directory to write (default: the repository's grafana/)")
