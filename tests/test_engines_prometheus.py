@@ -296,6 +296,8 @@ NO_TOKENS = {
     "Lookup hit ratio by tier": "no lookups are reported",
 }
 NO_TTFT = {"TTFT p99, worst instance": "no time to first token is reported"}
+NO_BLOCK_HASHES = {"Prompt blocks reused": "no lookup carries block hashes (the vLLM tap and "
+                                           "the reference engine send them)"}
 NO_CACHE_SETTINGS = {"KV cache settings": "prefix caching and the KV cache dtype are read from "
                                           "vLLM's cache_config_info and the reference engine only"}
 
@@ -306,7 +308,8 @@ def engines() -> dict[str, Engine]:
         "vllm": Engine(
             "vllm", "MODEL",
             "vllm_metrics",
-            {**UNTIMED, **NO_IN_FLIGHT, **NO_EVICTIONS, **NO_EVICTED_HITS,
+            {**UNTIMED, **NO_BLOCK_HASHES,
+             **NO_IN_FLIGHT, **NO_EVICTIONS, **NO_EVICTED_HITS,
              **NO_ADMISSIONS,
              "Idle time before eviction (median, p95) ({{tier}} median)":
                  "vllm:kv_block_idle_before_evict_seconds needs --kv-cache-metrics (not recorded)",
@@ -319,7 +322,8 @@ def engines() -> dict[str, Engine]:
         "tensorrt-llm": Engine(
             "tensorrt-llm", "meta-llama/Llama-3.1-8B-Instruct",
             "trtllm",
-            {**UNTIMED, **NO_IN_FLIGHT, **NO_CACHE_SETTINGS,
+            {**UNTIMED, **NO_BLOCK_HASHES,
+             **NO_IN_FLIGHT, **NO_CACHE_SETTINGS,
              "Lookup hit ratio by tier": "its counters are tokens, not blocks looked up",
              "Stores not made (skipped or failed share) ({{tier}} failed)":
                  "its events know no failed write (a block is offloaded or dropped)"},
@@ -327,14 +331,16 @@ def engines() -> dict[str, Engine]:
         "dynamo": Engine(
             "dynamo", "Qwen/Qwen3-0.6B",
             "kvbm_metrics",
-            {**UNTIMED, **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTIONS, **NO_EVICTED_HITS,
+            {**UNTIMED, **NO_BLOCK_HASHES,
+             **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTIONS, **NO_EVICTED_HITS,
              **NO_IDLE, **NO_ADMISSIONS, **NO_RESIDENCY, **NO_TOKENS, **NO_TTFT},
             set(), {"gpu → cpu", "cpu → disk", "gpu → disk", "gpu → remote", "cpu → gpu",
                     "disk → gpu", "remote → gpu"}, set()),
         "sglang": Engine(
             "sglang", "MODEL",
             "sglang_metrics",
-            {**UNTIMED, **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTED_HITS, **NO_IDLE,
+            {**UNTIMED, **NO_BLOCK_HASHES,
+             **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTED_HITS, **NO_IDLE,
              "Lookup hit ratio by tier": "its counters are tokens, not blocks looked up",
              "Evicted before any reuse": "evictions carry no hit count",
              "Stores not made (skipped or failed share) ({{tier}} skipped)":
@@ -349,7 +355,8 @@ def engines() -> dict[str, Engine]:
         out["lmcache"] = Engine(
             "lmcache", "MODEL",
             "lmcache_metrics",
-            {**UNTIMED, **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTED_HITS, **NO_ADMISSIONS,
+            {**UNTIMED, **NO_BLOCK_HASHES,
+             **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTED_HITS, **NO_ADMISSIONS,
              **NO_TTFT,
              "Evicted before any reuse": "evictions carry no hit count",
              "Lookup hit ratio by tier": "its lookups count tokens, not blocks"},
