@@ -142,8 +142,16 @@ def kneedle(x: np.ndarray, y: np.ndarray) -> int | None:
     return i if yn[i] - xn[i] > 1e-9 else None
 
 
-def _round_up_gib(n_bytes: float) -> float:
-    return math.ceil(n_bytes / GIB * 10) / 10
+def flag_gib(n_bytes: float, budget_bytes: float | None = None) -> float:
+    """GiB for vLLM's ``--kv-offloading-size`` (a float of GiB) that holds ``n_bytes``:
+    rounded up to 0.1 GiB, or to the first finer step (0.01, 0.001, ...) that stays within
+    ``budget_bytes`` (rounding 1 MiB up to 0.1 GiB gave 50 times a 2 MiB budget)."""
+    for digits in range(1, 7):
+        step = 10.0 ** -digits
+        gib = round(math.ceil(n_bytes / GIB / step - 1e-9) * step, digits)
+        if budget_bytes is None or gib * GIB <= budget_bytes:
+            return gib
+    return n_bytes / GIB
 
 
 def _smallest_size(histogram: DistanceHistogram, hit_ratio: float) -> int:
@@ -200,7 +208,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
             reasons.append(f"Reuse is too far apart for the budget: "
                            f"{params.budget_bytes / GIB:.3g} GiB of host RAM adds only "
                            f"{best_gain:.1%} token hits; {params.min_gain:.0%} needs about "
-                           f"{_round_up_gib(need * bpb)} GiB.")
+                           f"{flag_gib(need * bpb):g} GiB.")
 
     knee = None
     # over the sizes the tier adds to: below the GPU cache's an inclusive tier serves nothing,
@@ -219,7 +227,8 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     stored = (1.0 - (recommended.token_hit_share if recommended else gpu_hit)) * total * bpt
     offload = not reasons
     if offload:
-        verdict = (f"Offload: a {_round_up_gib(recommended.bytes)} GiB CPU tier serves "
+        verdict = (f"Offload: a {flag_gib(recommended.bytes, params.budget_bytes):g} GiB CPU "
+                   "tier serves "
                    f"{recommended.cpu_token_hit_share:.1%} of prompt tokens, saving "
                    f"{seconds(recommended.prefill_seconds_saved)} of prefill for "
                    f"{seconds(recommended.transfer_seconds)} of transfers.")
@@ -227,7 +236,8 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
         verdict = "Do not offload: " + reasons[0]
     return SizingAdvice(
         offload=offload, verdict=verdict, reasons=reasons, recommended=recommended,
-        kv_offloading_size_gib=_round_up_gib(recommended.bytes) if recommended else None,
+        kv_offloading_size_gib=(flag_gib(recommended.bytes, params.budget_bytes)
+                                if recommended else None),
         knee=knee, gpu_token_hit_share=gpu_hit, reuse_token_share=reuse,
         offload_bytes_per_second=stored / duration_seconds if duration_seconds > 0 else 0.0,
         curve=curve,

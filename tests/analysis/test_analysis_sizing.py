@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvscope.analysis.mrc import DistanceHistogram
-from kvscope.analysis.sizing import SizingParams, advise, kneedle
+from kvscope.analysis.sizing import SizingParams, advise, flag_gib, kneedle
 from kvscope.engine.presets import ModelPreset
 
 # 16 bytes of KV per token (2 * 1 layer * 1 head * 4 dims * 2 bytes); prefill 1000 tokens/s
@@ -37,6 +37,20 @@ def test_nearly_unique_prompts_are_called_out():
     advice = advise(far_reuse(hits=1.0), SizingParams(ROUND, 1, FAST), 10.0)
     assert not advice.offload and advice.recommended is None
     assert "nearly all unique" in advice.verdict
+
+
+def test_the_flag_stays_within_the_budget():
+    """A 160-byte tier (far_reuse: 10 blocks of 16 bytes) under budgets of 2 MiB and 1 GiB.
+    Rounded up to 0.1 GiB the flag was 50 times the first budget; 0.01 GiB (10,737,418 bytes)
+    is over 2 MiB (2,097,152) too, 0.001 GiB (1,073,742) is the first step that fits; under
+    1 GiB it is 0.1 as before. And 0.875 GiB under a 0.88 GiB budget is 0.88, not 0.9."""
+    for budget, gib in ((2 << 20, 0.001), (1 << 30, 0.1)):
+        advice = advise(far_reuse(), SizingParams(ROUND, 1, FAST, budget_bytes=budget), 10.0)
+        assert advice.kv_offloading_size_gib == gib
+        assert advice.verdict.startswith(f"Offload: a {gib:g} GiB CPU tier")
+        assert gib * 2**30 <= budget
+    assert flag_gib(0.875 * 2**30, 0.88 * 2**30) == 0.88
+    assert flag_gib(0.875 * 2**30) == 0.9
 
 
 def test_promotions_slower_than_prefill_are_called_out():
