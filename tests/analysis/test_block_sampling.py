@@ -196,6 +196,18 @@ def test_a_sampled_capture_says_what_it_cannot_give(tmp_path):
     assert not any("--sample-rate" in n for n in low.notes)
 
 
+def test_a_tap_capture_sampled_again_too_thin_is_refused_as_a_trace_would_be(tmp_path):
+    """A tap capture of 2,000 accesses (1/16: about 125 sampled) analysed at its own rate is a
+    sample already, and goes; sampled again at 1/100 it keeps a handful of blocks, and is
+    refused as a trace's thin sample is (it printed a curve of 0 and 1 blocks serving 38%)."""
+    _tap_capture(prefix_stream(2_000, seed=5), tmp_path)
+    trace = read_block_trace(tmp_path)
+    assert analyze(trace, AnalyzeOptions(get_preset("tiny"), arc_points=0)).accesses == 2_000
+    with pytest.raises(ValueError, match="too few for a curve to size a tier from"):
+        analyze(trace, AnalyzeOptions(get_preset("tiny"), method="shards-rate",
+                                      sample_rate=0.01, arc_points=0))
+
+
 def test_sizing_rates_are_measured_given_or_assumed_and_say_which():
     """By hand: 1e9 bytes of cpu->gpu copies in 0.5 s is 2e9 bytes/s (gpu->cpu copies do not
     count: promotions are host to device); 1,000 recomputed tokens in 0.25 s of prefill is
