@@ -15,6 +15,7 @@ import plotly.io as pio
 
 from kvscope.dashboard import series as S
 from kvscope.dashboard.series import Sample, counter_rates, gauge_series, ordered
+from kvscope.vocabulary import OFFLOAD_TIERS
 
 TIME_AXIS_TITLE = "time (UTC)"
 NO_DATA = "no data yet"
@@ -251,17 +252,21 @@ def _unused_rates(samples: Sequence[Sample]) -> dict[str, S.Series]:
 
 
 def savings(samples: Sequence[Sample]) -> go.Figure:
-    """Since the window's start: estimated prefill seconds saved by cache hits (all sources)
-    against the seconds transfers took, promotions and offloads apart; y in seconds."""
-    saved = S.cumulative_increase(samples, "prefill_seconds_saved")
+    """Since the window's start: estimated prefill seconds saved by the offload tiers' hits
+    (not the GPU prefix cache's, which no transfer pays for: counted in, a tier that did not
+    pay read as paying beside the card that said it did not) against the seconds transfers
+    took, promotions and offloads apart; y in seconds."""
+    saved = {source: series for source, series
+             in S.cumulative_increase(samples, "prefill_seconds_saved").items()
+             if source in OFFLOAD_TIERS}
     spent = S.cumulative_increase(samples, "transfer_seconds_sum")
     if not saved and not spent:
         return message_figure(SAVINGS_TITLE, NO_DATA)
     fig = base(SAVINGS_TITLE, "s")
     if saved:
         xs = next(iter(saved.values()))[0]
-        line(fig, xs, np.sum([ys for _x, ys in saved.values()], axis=0), "prefill saved (est.)",
-             "s", "#2ca02c")
+        line(fig, xs, np.sum([ys for _x, ys in saved.values()], axis=0),
+             "prefill saved by offload (est.)", "s", "#2ca02c")
     for name, pick, colour in (("promotion time", True, "#d62728"),
                                ("offload time", False, "#ff7f0e")):
         parts = [ys for d, (_x, ys) in spent.items() if S.is_promotion(d) == pick]

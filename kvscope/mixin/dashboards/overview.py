@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvscope.mixin.config import MixinConfig
 from kvscope.mixin.dashboards.common import (
     NO_TRAFFIC, RATE, RED_BELOW_ONE, UP_DOWN, P, Q, Row, board, headroom_steps, quantile, s)
-from kvscope.mixin.promql import offload_tiers
+from kvscope.mixin.promql import offload_tiers, tier_matcher
 from kvscope.mixin.rules import Records
 
 TOKENS_PER_S = "suffix: tokens/s"
@@ -47,10 +47,12 @@ def overview(cfg: MixinConfig) -> dict:
         )),
         Row("Cost and benefit", (
             P("Prefill seconds saved against transfer seconds spent",
-              "Estimated prefill time saved by cached tokens (cost model) against measured "
+              "Estimated prefill time saved by tokens the offload tiers served (cost model; "
+              "not the GPU prefix cache's, which no transfer pays for) against measured "
               "transfer time, in seconds per second of wall time: 0.5 s/s saved is half a "
               "prefill engine's time.",
-              (Q(f"sum(rate(kvscope_prefill_seconds_saved_total{s(cfg)}[{RATE}]))", "saved"),
+              (Q(f"sum(rate(kvscope_prefill_seconds_saved_total"
+                 f"{s(cfg, tier_matcher(cfg.tiers[1:], 'source'))}[{RATE}]))", "saved"),
                Q(f"sum(rate(kvscope_transfer_seconds_sum{s(cfg)}[{RATE}]))", "spent")),
               unit="suffix: s/s", min=0, width=16),
             P("TTFT p99, worst instance",
