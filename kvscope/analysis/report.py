@@ -90,8 +90,10 @@ def _table(analysis: Analysis, rows: int = 8) -> list[str]:
     """A few LRU/ARC curve points: the ARC sizes, else ``rows`` evenly spaced sizes."""
     lru, lru_t, arc = analysis.lru, analysis.lru_tokens, analysis.arc
     top = int(lru.sizes[-1])
+    # at least 1 block: a working set under ``rows`` blocks rounded to a row of 0 blocks that
+    # read the 1-block hit ratio
     sizes = arc.sizes if arc is not None else np.unique(
-        np.linspace(top / rows, top, rows).round().astype(np.int64))
+        np.maximum(np.linspace(top / rows, top, rows).round(), 1).astype(np.int64))
     out = [f"  {'blocks':>10} {'size':>12} {'LRU hit':>8} {'LRU tok':>8} {'ARC hit':>8}"]
     for size in sizes.tolist():
         arc_hit = f"{1 - arc.at(size):8.4f}" if arc is not None else f"{'-':>8}"

@@ -140,3 +140,17 @@ def test_sampled_methods_track_the_exact_curve(method):
     assert sampled.method.startswith("lru-shards-fixed-" + method.split("-")[1])
     assert np.mean(np.abs(sampled.lru.miss_ratio - exact.lru.miss_ratio)) <= 0.01
     assert sampled.reuse.reuse_share == exact.reuse.reuse_share  # counted exactly either way
+
+
+def test_the_curve_table_has_no_row_of_0_blocks(tmp_path, capsys):
+    """One block asked three times: a working set of 1 block, 2 of the 3 accesses hits from 1
+    block on. The table's rows are 1 block at least (a row of 0 blocks read 0.6667, the 1-block
+    hit ratio, where a cache of nothing hits nothing; ARC off, so the rows are the LRU's)."""
+    path = tmp_path / "repeat.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": 512,
+                                        "output_length": 1, "hash_ids": [5]}) + "\n"
+                            for t in (0, 1000, 2000)))
+    assert main(["analyze", str(path), "--preset", "tiny", "--arc-points", "0"]) == 0
+    table = capsys.readouterr().out.split("Miss-ratio curves")[1].split("\n\n")[0]
+    rows = [line.split() for line in table.splitlines()[2:]]
+    assert rows == [["1", "0.00", "GiB", "0.6667", "0.6667", "-"]]
