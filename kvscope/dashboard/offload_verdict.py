@@ -245,9 +245,11 @@ def unique_prompts(tokens: Mapping[str, float], prefix: Mapping[str, float], s: 
                         f"of {blocks:,.0f} (from the block hashes lookups carry; unique when "
                         f"this and the share served are both under {s.min_reuse_share:.0%})")
     else:
-        lines.append("reuse share: not measured (no lookup carries block hashes: the vLLM tap "
-                     "and the reference engine send them); a low share served from cache "
-                     "does not show unique prompts, only tiers too small for the reuse")
+        lines.append("reuse share: not measured (no lookup in the window carried block hashes: "
+                     "the vLLM tap sends a sample unless its kvscope_block_sample_rate is 0, "
+                     "the reference engine every block, vLLM's metrics and KV events none); a "
+                     "low share served from cache does not show unique prompts, only tiers too "
+                     "small for the reuse")
     if max(served, share or 0.0) >= s.min_reuse_share:
         verdict = PAYS
     else:
