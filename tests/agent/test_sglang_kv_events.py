@@ -265,6 +265,16 @@ def test_the_engine_selects_media_default_tiers_and_binding():
     assert KvEventsConfig(endpoint="tcp://*:5557", replay_endpoint="tcp://127.0.0.1:5559",
                           dp_size=2).dp_size == 2
     assert KvEventsConfig(endpoint="tcp://*:5557", replay_endpoint="tcp://127.0.0.1:5558")
+    # one rank: the publisher and the replay socket on one port cannot both be bound (a
+    # fresh-user tryout's config was taken); dp_size left at its default is checked too
+    for extra in ({}, {"dp_size": 1}):
+        with pytest.raises(ValueError, match="are the same socket"):
+            KvEventsConfig(endpoint="tcp://*:5557", replay_endpoint="tcp://*:5557", **extra)
+    with pytest.raises(ValueError, match="are the same socket"):
+        KvEventsConfig(endpoint="ipc:///tmp/kv", replay_endpoint="ipc:///tmp/kv")
+    assert KvEventsConfig(endpoint="ipc:///tmp/kv", replay_endpoint="ipc:///tmp/kv-replay")
+    # the agent binds its endpoint here, the engine's replay socket is on another host
+    assert KvEventsConfig(endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://10.0.0.5:5557")
     assert rank_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
     assert SGLANG.binds("tcp://0.0.0.0:5557") and not VLLM.binds("tcp://0.0.0.0:5557")
     assert describe_endpoint("tcp://0.0.0.0:5557", SGLANG).startswith(

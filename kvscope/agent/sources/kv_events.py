@@ -425,7 +425,7 @@ class KvEventsConfig(EngineSection):
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
     topic: str = ""
-    dp_size: int = Field(1, ge=1, le=MAX_DP_SIZE)
+    dp_size: int = Field(1, ge=1, le=MAX_DP_SIZE, validate_default=True)  # checks the ports
     block_bytes: int = Field(0, ge=0)
     capacity_blocks: dict[str, TierSize] = {}
     # ``| str`` only so that pydantic-settings passes a plain (non-JSON) environment value on to
@@ -441,19 +441,30 @@ class KvEventsConfig(EngineSection):
     @field_validator("dp_size")
     @classmethod
     def _ranks(cls, value: int, info: ValidationInfo) -> int:
-        if value == 1:
-            return value
-        for key in ("endpoint", "replay_endpoint"):
-            endpoint = info.data.get(key)
-            if endpoint is None:
-                continue
-            if not endpoint.startswith("tcp://"):
-                raise ValueError(f"with more than one rank the {key} must be tcp:// (each rank "
-                                 "publishes on its port plus the rank)")
-            if int(endpoint.rpartition(":")[2]) + value - 1 > 65535:
-                raise ValueError(f"{value} ranks from the {key}'s port run past port 65535")
         replay = info.data.get("replay_endpoint")
         endpoint = info.data.get("endpoint")
+        if value == 1:  # one rank: a socket each, which must differ (ipc:// paths too)
+            same = replay is not None and replay == endpoint
+            if replay and endpoint and (replay + endpoint).count("tcp://") == 2:
+                (host, _, port), (other, _, other_port) = (
+                    e.removeprefix("tcp://").rpartition(":") for e in (endpoint, replay))
+                # one port on one host (a wildcard is every host): one of them cannot bind
+                same = port == other_port and (host == other or not {host, other}.isdisjoint(
+                    ("*", "0.0.0.0")))
+            if same:
+                raise ValueError(f"the endpoint ({endpoint}) and the replay_endpoint ({replay}) "
+                                 "are the same socket: the engine publishes on one and answers "
+                                 "replays on the other, so give them different ports (as in "
+                                 "the engine's --kv-events-config)")
+            return value
+        for key, address in (("endpoint", endpoint), ("replay_endpoint", replay)):
+            if address is None:
+                continue
+            if not address.startswith("tcp://"):
+                raise ValueError(f"with more than one rank the {key} must be tcp:// (each rank "
+                                 "publishes on its port plus the rank)")
+            if int(address.rpartition(":")[2]) + value - 1 > 65535:
+                raise ValueError(f"{value} ranks from the {key}'s port run past port 65535")
         if replay and endpoint:  # both tcp:// here; rank r takes port + r of each
             first, other = (int(e.rpartition(":")[2]) for e in (endpoint, replay))
             if abs(first - other) < value:
