@@ -204,6 +204,10 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
                           if block_bytes else None)
     sizing = advise(by_token, params, trace.duration)
     notes = []
+    if options.sample_rate and "fixed-rate" not in method:
+        notes.append(f"--sample-rate {options.sample_rate:g} was not used: the curve is "
+                     f"{method} (the rate is for --method shards-rate, and for auto beyond "
+                     f"{options.exact_limit:,} accesses).")
     if tapped:
         distinct = len(np.unique(trace.block_ids))
         notes.append(f"The tap sampled 1 block in {1 / trace.sample_rate:.4g} by its hash "

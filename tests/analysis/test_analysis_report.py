@@ -154,3 +154,15 @@ def test_the_curve_table_has_no_row_of_0_blocks(tmp_path, capsys):
     table = capsys.readouterr().out.split("Miss-ratio curves")[1].split("\n\n")[0]
     rows = [line.split() for line in table.splitlines()[2:]]
     assert rows == [["1", "0.00", "GiB", "0.6667", "0.6667", "-"]]
+
+
+def test_a_sample_rate_the_method_does_not_use_is_named(small_trace):
+    """--sample-rate without --method shards-rate, on a trace auto analyses exactly: the
+    output was identical to the same run without it, and said nothing."""
+    options = AnalyzeOptions(get_preset("tiny"), sample_rate=0.01, arc_points=0)
+    analysis = analyze(load_trace(small_trace), options)
+    assert analysis.method == "lru-exact"
+    assert any(n.startswith("--sample-rate 0.01 was not used: the curve is lru-exact")
+               for n in analysis.notes)
+    plain = analyze(load_trace(small_trace), AnalyzeOptions(get_preset("tiny"), arc_points=0))
+    assert not any("--sample-rate" in n for n in plain.notes)
