@@ -133,12 +133,13 @@ def _histograms(trace: AccessTrace, options: AnalyzeOptions):
         by_token = shards.fixed_rate(ids, rate, tokens, total=trace.full_tokens, **common)
         label = f"lru-shards-fixed-rate(R={by_access.rate:.3g}" + (
             ", sampled by the tap)" if tapped else ")")
-    # a tap's capture is a sample already, whatever its size; sampled again it must keep
-    # enough, as a trace's sample must (it printed curves of 0 and 1 blocks serving 38%)
-    distinct = len(np.unique(ids))
-    thin = (by_access.sampled_blocks < MIN_SAMPLED_BLOCKS < distinct if not tapped else
-            by_access.rate < trace.sample_rate
-            and by_access.sampled_blocks < min(MIN_SAMPLED_BLOCKS, distinct))
+    kept = by_access.sampled_blocks
+    if tapped:  # a sample already, whatever its size; sampled again it must keep enough, as a
+        # trace's sample must (it printed curves of 0 and 1 blocks serving 38%)
+        thin = by_access.rate < trace.sample_rate and kept < MIN_SAMPLED_BLOCKS and \
+            kept < len(np.unique(ids))
+    else:
+        thin = kept < MIN_SAMPLED_BLOCKS < len(np.unique(ids))
     if thin:
         raise ValueError(f"the SHARDS sample holds only {by_access.sampled_blocks} distinct blocks "
                          f"(R={by_access.rate:.3g}), too few for a curve to size a tier from; "

@@ -110,7 +110,8 @@ class SizingAdvice:
     when the gain curve bends nowhere above the GPU cache's size (it may lie beyond the budget:
     ``assumptions["budget_bytes"]``).
     ``kv_offloading_size_gib``: vLLM ``--kv-offloading-size`` for ``recommended`` (GiB, rounded
-    up to 0.1, or finer within the budget: :func:`flag_gib`). ``offload_bytes_per_second``: average device-to-host store traffic at that size.
+    up to 0.1, or finer within the budget: :func:`flag_gib`). ``offload_bytes_per_second``:
+    average device-to-host store traffic at that size.
     ``curve``: every evaluated size, ascending."""
 
     offload: bool

@@ -8,8 +8,8 @@
   taken under the roots (:func:`under_roots`).
 - **Token.** A dashboard listening beyond loopback demands the token (``KVSCOPE_TOKEN``, the
   agent's): from the address bar once (``?token=...``, then kept in an HttpOnly, SameSite=Strict
-  cookie, and taken out of the address), or as a bearer token (:func:`protect`). Without one it does not start unless
-  told ``--insecure`` (the CLI's rule).
+  cookie, and taken out of the address), or as a bearer token (:func:`protect`). Without one
+  it does not start unless told ``--insecure`` (the CLI's rule).
 """
 
 from __future__ import annotations

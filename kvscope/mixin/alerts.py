@@ -96,7 +96,8 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
     # the prefill seconds its tokens saved, all per second
     promo_spent = promotion_seconds_by_tier(cfg, w)
     promo_count = (f"sum by ({by}, tier) (label_replace(\n  "
-                   + union("rate", "kvscope_transfer_seconds_count", cfg, promotion_matchers(cfg), w)
+                   + union("rate", "kvscope_transfer_seconds_count", cfg,
+                           promotion_matchers(cfg), w)
                    + ',\n  "tier", "$1", "src", "(.+)"))')
     saved = (f'sum by ({by}, tier) (label_replace(rate(kvscope_prefill_seconds_saved_total'
              f'{sel(cfg, tier_matcher(cfg.tiers[1:], "source"))}[{w}]), "tier", "$1", "source", '

@@ -275,6 +275,8 @@ def test_the_engine_selects_media_default_tiers_and_binding():
     assert KvEventsConfig(endpoint="ipc:///tmp/kv", replay_endpoint="ipc:///tmp/kv-replay")
     # the agent binds its endpoint here, the engine's replay socket is on another host
     assert KvEventsConfig(endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://10.0.0.5:5557")
+    assert KvEventsConfig(endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://10.0.0.5:5558",
+                          dp_size=2)
     assert rank_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
     assert SGLANG.binds("tcp://0.0.0.0:5557") and not VLLM.binds("tcp://0.0.0.0:5557")
     assert describe_endpoint("tcp://0.0.0.0:5557", SGLANG).startswith(

@@ -443,37 +443,33 @@ class KvEventsConfig(EngineSection):
     def _ranks(cls, value: int, info: ValidationInfo) -> int:
         replay = info.data.get("replay_endpoint")
         endpoint = info.data.get("endpoint")
-        if value == 1:  # one rank: a socket each, which must differ (ipc:// paths too)
-            same = replay is not None and replay == endpoint
-            if replay and endpoint and (replay + endpoint).count("tcp://") == 2:
-                (host, _, port), (other, _, other_port) = (
-                    e.removeprefix("tcp://").rpartition(":") for e in (endpoint, replay))
-                # one port on one host (a wildcard is every host): one of them cannot bind
-                same = port == other_port and (host == other or not {host, other}.isdisjoint(
-                    ("*", "0.0.0.0")))
-            if same:
-                raise ValueError(f"the endpoint ({endpoint}) and the replay_endpoint ({replay}) "
-                                 "are the same socket: the engine publishes on one and answers "
-                                 "replays on the other, so give them different ports (as in "
-                                 "the engine's --kv-events-config)")
-            return value
         for key, address in (("endpoint", endpoint), ("replay_endpoint", replay)):
-            if address is None:
+            if address is None or value == 1:  # one rank: any endpoint, one port
                 continue
             if not address.startswith("tcp://"):
                 raise ValueError(f"with more than one rank the {key} must be tcp:// (each rank "
                                  "publishes on its port plus the rank)")
             if int(address.rpartition(":")[2]) + value - 1 > 65535:
                 raise ValueError(f"{value} ranks from the {key}'s port run past port 65535")
-        if replay and endpoint:  # both tcp:// here; rank r takes port + r of each
-            first, other = (int(e.rpartition(":")[2]) for e in (endpoint, replay))
-            if abs(first - other) < value:
-                raise ValueError(
-                    f"with {value} ranks the endpoint's ports {first}-{first + value - 1} and "
-                    f"the replay_endpoint's {other}-{other + value - 1} overlap (each rank "
-                    f"publishes on the port plus its rank): give the replay endpoint a port "
-                    f"{value} or more away, e.g. {max(first, other) + value}, in the engine's "
-                    "--kv-events-config too")
+        clash = replay is not None and replay == endpoint  # one ipc:// path, or one address
+        if replay and endpoint and (replay + endpoint).count("tcp://") == 2:
+            # rank r takes port + r of each; a port binds once per host (a wildcard: every host)
+            (host, _, first), (other_host, _, other) = (
+                e.removeprefix("tcp://").rpartition(":") for e in (endpoint, replay))
+            first, other = int(first), int(other)
+            clash = abs(first - other) < value and (
+                host == other_host or not {host, other_host}.isdisjoint(("*", "0.0.0.0")))
+        if clash and value == 1:
+            raise ValueError(f"the endpoint ({endpoint}) and the replay_endpoint ({replay}) "
+                             "are the same socket: the engine publishes on one and answers "
+                             "replays on the other, so give them different ports (as in "
+                             "the engine's --kv-events-config)")
+        if clash:
+            raise ValueError(
+                f"with {value} ranks the endpoint's ports {first}-{first + value - 1} and the "
+                f"replay_endpoint's {other}-{other + value - 1} overlap (each rank publishes on "
+                f"the port plus its rank): give the replay endpoint a port {value} or more "
+                f"away, e.g. {max(first, other) + value}, in the engine's --kv-events-config too")
         return value
 
     @field_validator("capacity_blocks")
