@@ -300,6 +300,17 @@ tap6 = _ClosingManager(CPUOffloadingManager(num_chunks=2), broken, emitter=hooke
 tap6.prepare_store(keys[:2], ctx); tap6.complete_store(keys[:2], ctx)
 tap6.prepare_store(keys[2:4], ctx)  # evicts: the broken emit fails inside the tap
 assert tap6.errors >= 1 and hooked.tap_errors() == {"internal": tap6.errors, "unattributed": 0}
+# an exception without a message is named by its type alone in the tap's log line
+def silent(event):
+    raise RuntimeError()
+logging.getLogger("vllm.kvscope.agent.taps.vllm_manager").addHandler(handler)
+lines.clear()
+tap7 = TapManager(CPUOffloadingManager(num_chunks=2), silent, tokens_per_block=32,
+                  blocks_per_chunk=1, bytes_per_block=100, capacity_chunks=2)
+tap7.prepare_store(keys[:2], ctx); tap7.complete_store(keys[:2], ctx)
+tap7.prepare_store(keys[2:4], ctx)  # evicts: the emit fails
+assert lines == ["kvscope vLLM tap: prepare_store failed (RuntimeError); counting further "
+                 "failures silently"], lines
 assert trace_id_of({"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}) == "ab" * 16
 print("ok")
 '''

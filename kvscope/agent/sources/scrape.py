@@ -20,6 +20,7 @@ import httpx
 
 from kvscope import events as ev
 from kvscope.agent.sources.base import Consumer, SourceWorker
+from kvscope.errors import describe
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,6 @@ MAX_SERIES = 10_000  # counter series whose last value is kept (an engine expose
 
 class BodyError(ValueError):
     """A scrape's answer was too slow or too large to read."""
-
-
-def describe(exc: BaseException) -> str:
-    """``exc`` in a log line: its type and message, its type alone when the message is empty
-    (``TimeoutError()``, some of httpx's timeouts)."""
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def parse(text: str) -> Samples:

@@ -59,9 +59,9 @@ from pydantic import Field, field_validator
 from kvscope import events as ev
 from kvscope.agent.sections import EngineSection, http_url
 from kvscope.agent.sources.base import Built, Consumer, SourceSpec, register
-from kvscope.agent.sources.scrape import (BodyError, Counters, Samples, ScrapeSource, describe,
-                                          series)
+from kvscope.agent.sources.scrape import BodyError, Counters, Samples, ScrapeSource, series
 from kvscope.agent.sources.trtllm_events import Decoded, TrtllmResidency, check_levels, decode
+from kvscope.errors import describe
 from kvscope.vocabulary import TRTLLM_CACHE_TIER_SOURCE
 
 log = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ import msgspec
 import zmq
 
 from kvscope import events as ev
+from kvscope.errors import describe
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class Emitter:
         if not self._told_unencodable:
             self._told_unencodable = True
             self._log.warning("kvscope emitter: dropped an event that does not encode (counted "
-                              "in dropped; logged once): %s: %s", type(exc).__name__, exc)
+                              "in dropped; logged once): %s", describe(exc))
 
     def buffered(self) -> int:
         """Events waiting to be sent (buffer plus a batch ZMQ has not taken yet)."""
@@ -297,8 +298,8 @@ class Emitter:
         try:
             self.on_tick()
         except Exception as exc:  # the caller's hook must not stop the sends
-            self._log.warning("kvscope emitter: on_tick failed (%s: %s); not calling it again",
-                              type(exc).__name__, exc)
+            self._log.warning("kvscope emitter: on_tick failed (%s); not calling it again",
+                              describe(exc))
             self.on_tick = None
 
     def _send_all(self) -> bool:
@@ -339,8 +340,8 @@ class Emitter:
             # plain ints (a numpy count would not encode, and the batch would not go)
             return {str(reason): int(n) for reason, n in self.tap_errors().items()}
         except Exception as exc:  # the caller's hook must not stop the sends
-            self._log.warning("kvscope emitter: tap_errors failed (%s: %s); not calling it "
-                              "again", type(exc).__name__, exc)
+            self._log.warning("kvscope emitter: tap_errors failed (%s); not calling it "
+                              "again", describe(exc))
             self.tap_errors = None
             return {}
 

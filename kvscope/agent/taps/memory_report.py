@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import msgspec
 
 from kvscope import events as ev
+from kvscope.errors import describe
 
 REFRESH_SECONDS = 10.0  # as often as the tier snapshots (vllm_manager.SNAPSHOT_REFRESH)
 
@@ -133,8 +134,8 @@ class MemoryReporter:
         except Exception as exc:  # the tap boundary: never into the engine
             self.errors += 1
             if self.errors == 1:
-                self._log.warning("kvscope tap: memory report failed (%s: %s)",
-                                  type(exc).__name__, exc)
+                self._log.warning("kvscope tap: memory report failed (%s)",
+                                  describe(exc))
 
 
 def attach(emitter, reports: Sequence[ev.EngineMemory], logger: logging.Logger,

@@ -63,6 +63,7 @@ from kvscope.agent.taps.memory_report import attach, gpu_reports, offload_budget
 from kvscope.agent.taps.vllm_manager import (DEFAULT_BLOCK_SAMPLE_RATE, DEFAULT_SAMPLE_ONE_IN,
                                               TapManager, external_request_id)
 from kvscope.agent.taps.worker_events import WorkerObserver
+from kvscope.errors import describe
 
 # under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
 log = logging.getLogger("vllm." + __name__)
@@ -194,8 +195,8 @@ class KvscopeOffloadingSpec(OffloadingSpec):
             hint = (" kvscope_endpoint is the address the agent listens on, e.g. "
                     "tcp://127.0.0.1:5560 (only the agent binds; '*' cannot be connected to)"
                     if "*" in self.endpoint else "")
-            log.warning("kvscope vLLM tap disabled: no emitter to %s (%s: %s).%s", self.endpoint,
-                        type(exc).__name__, exc, hint)
+            log.warning("kvscope vLLM tap disabled: no emitter to %s (%s).%s", self.endpoint,
+                        describe(exc), hint)
             return None
 
     def get_manager(self) -> OffloadingManager:
@@ -219,8 +220,8 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                         log.warning("kvscope vLLM tap: %s", gap)
                 except Exception as exc:  # the tap boundary
                     self.errors += 1
-                    log.warning("kvscope vLLM tap: tiering config check failed (%s: %s)",
-                                type(exc).__name__, exc)
+                    log.warning("kvscope vLLM tap: tiering config check failed (%s)",
+                                describe(exc))
                 budget = offload_budget(self.extra_config)
                 attach(emitter, [] if budget is None else
                        [ev.EngineMemory(ts=time.time(), kv_offload_budget=budget)], log)
@@ -251,8 +252,8 @@ class KvscopeOffloadingSpec(OffloadingSpec):
             reports = gpu_reports([t.tensor for t in kv_caches.tensors], time.time())
         except Exception as exc:  # the tap boundary
             self.errors += 1
-            log.warning("kvscope vLLM tap: KV cache memory not reported (%s: %s)",
-                        type(exc).__name__, exc)
+            log.warning("kvscope vLLM tap: KV cache memory not reported (%s)",
+                        describe(exc))
             return
         attach(emitter, reports, log)
 

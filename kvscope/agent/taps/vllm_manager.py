@@ -79,6 +79,7 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 
 from kvscope import events as ev
 from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
+from kvscope.errors import describe
 from kvscope.vocabulary import LOCAL_TIERS, VLLM_MEDIUM_TIER
 
 try:
@@ -238,8 +239,8 @@ class TapManager(OffloadingManager):
     def _failed(self, where: str, exc: BaseException) -> None:
         self.errors += 1
         if self.errors == 1:
-            log.warning("kvscope vLLM tap: %s failed (%s: %s); counting further failures "
-                        "silently", where, type(exc).__name__, exc)
+            log.warning("kvscope vLLM tap: %s failed (%s); counting further failures "
+                        "silently", where, describe(exc))
 
     # -- OffloadingManager -----------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from kvscope import events as ev
+from kvscope.errors import describe
 
 # under vLLM's "vllm" logger, so the tap's lines come out in vLLM's log format and level
 log = logging.getLogger("vllm." + __name__)
@@ -52,8 +53,8 @@ class WorkerObserver:
         """Count a failure of the tap's worker side at ``where``; the first one is logged."""
         self.errors += 1
         if self.errors == 1:
-            log.warning("kvscope vLLM tap: worker %s failed (%s: %s); counting further "
-                        "failures silently", where, type(exc).__name__, exc)
+            log.warning("kvscope vLLM tap: worker %s failed (%s); counting further "
+                        "failures silently", where, describe(exc))
 
     def submitted(self, job_id: int, src: str, dst: str, spec: object,
                   request_id: str = "") -> None:
