@@ -81,6 +81,7 @@ def engine_args(mode: str, model: str, endpoint: str, kv_events: str | None,
                 kv_cache_memory_bytes=GPU_BLOCKS * BYTES_PER_BLOCK, enforce_eager=True, seed=0,
                 max_num_seqs=2, max_num_batched_tokens=512, enable_prefix_caching=True)
     if mode in ("offload", "corrupt"):
+        args["served_model_name"] = "tiny"  # the tap must report it, not the path
         args["kv_transfer_config"] = {
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {

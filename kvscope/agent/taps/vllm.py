@@ -144,6 +144,24 @@ def _inner_spec_call(cls, extra_config: Mapping[str, Any], *args, **kwargs):
     return inner_spec_class(ours), (inner, *args), kwargs
 
 
+def served_model_name(config: OffloadingConfig, frames: int = 8) -> str:
+    """The name vLLM serves the model as (``--served-model-name``, else ``--model``), as its own
+    metrics' ``model_name`` label has it, so that the tap's events and vLLM's /metrics name one
+    model alike. ``OffloadingConfig`` carries only the model path: the name is read, once, from
+    the ``vllm_config`` of the frame that builds the spec (vLLM's
+    ``OffloadingConnector.__init__``, within ``frames`` callers); the path where none has it."""
+    frame = sys._getframe(1)
+    for _ in range(frames):
+        if frame is None:
+            break
+        model_config = getattr(frame.f_locals.get("vllm_config"), "model_config", None)
+        name = getattr(model_config, "served_model_name", None)
+        if isinstance(name, str) and name:  # vLLM's ModelConfig resolves a list to its first
+            return name
+        frame = frame.f_back
+    return str(getattr(getattr(config, "model", None), "name", "") or "")
+
+
 @forwards_to_inner(OffloadingSpec, classmethod_target=_inner_spec_call)
 class KvscopeOffloadingSpec(OffloadingSpec):
     """See the module docstring. Raises from the constructor what the inner spec raises
@@ -163,8 +181,7 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                      "tokens_per_block", "tokens_per_hash", "blocks_per_chunk"):
             setattr(self, name, getattr(self.inner, name))
         self.endpoint = str(ours.get("kvscope_endpoint", DEFAULT_ENDPOINT))
-        # the model vLLM serves (its --model), for kvscope_engine_info{model}
-        self._model = str(getattr(getattr(config, "model", None), "name", "") or "")
+        self._model = served_model_name(config)  # for kvscope_engine_info{model}
         self.sample_one_in = sample_one_in(ours) or DEFAULT_SAMPLE_ONE_IN  # bad: warned above
         rate = block_sample_rate(ours)
         self.block_sample_rate = DEFAULT_BLOCK_SAMPLE_RATE if rate is None else rate
