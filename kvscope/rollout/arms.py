@@ -99,25 +99,42 @@ class Arm:
                            f" (its log: {self.log}): {shlex.quote(self.command or '')}")
 
     def stop(self) -> None:
-        """Stop the command's process group: SIGTERM, then SIGKILL after a grace period."""
+        """Stop every process of the command's process group: SIGTERM, then SIGKILL to what
+        is left after a grace period. It waits for the group, not only for the shell that
+        leads it: ``sh -c`` exits at SIGTERM at once, while a vLLM server still starting up
+        may hang on it (a rollout interrupted then left the server running)."""
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+        for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                return
             except ProcessLookupError:
                 return
-            except subprocess.TimeoutExpired:
-                continue
+            if _group_gone(proc, grace):
+                return
 
     def snapshot(self) -> tuple[Samples, Samples | None]:
         """The server's metrics now (empty when it has no ``/metrics``) and the agent's (None
         when the arm has none). Raises ArmError when one cannot be read."""
         return (_scrape(self.url, self.name) if self.metrics else {},
                 _scrape(self.agent, f"{self.name}'s agent") if self.agent else None)
+
+
+def _group_gone(leader: subprocess.Popen, timeout: float) -> bool:
+    """Whether the process group ``leader`` leads has no process left within ``timeout``
+    seconds (polled every 0.1 s). The leader is reaped meanwhile: unreaped, it stays in its
+    group as a zombie."""
+    deadline = time.monotonic() + timeout
+    while True:
+        leader.poll()
+        try:
+            os.killpg(leader.pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _last_line(path: Path | None) -> str:

@@ -1,13 +1,21 @@
 """What a run cost an arm (kvscope.rollout.arms.cost), from its metrics before and after: the
-agent's when it has one, else vLLM's own; what neither reports stays empty (not measured)."""
+agent's when it has one, else vLLM's own; what neither reports stays empty (not measured). And
+stopping an arm's server."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvscope.agent.sources.scrape import parse
-from kvscope.rollout.arms import cost
+from kvscope.rollout.arms import Arm, cost
 
 AGENT = """kvscope_prompt_tokens_total{{source="gpu"}} {gpu}
 kvscope_prompt_tokens_total{{source="cpu"}} {cpu}
@@ -93,3 +101,31 @@ def test_the_agents_promotion_waits_give_the_arms_mean_and_p99():
     assert c.candidate.promotion_wait_p99 == pytest.approx(0.01)
     assert c.baseline.promotion_wait_mean is None and c.baseline.promotion_wait_p99 is None
     assert cost((server, None), (server, None)).promotion_wait is None
+
+
+def test_stopping_an_arm_stops_its_server_when_the_shell_that_started_it_exits_first(
+        tmp_path, monkeypatch):
+    """``--start`` runs through ``sh -c``, which SIGTERM ends at once; a server that outlives
+    it (here one that ignores SIGTERM, as a vLLM server still starting up can hang on it) must
+    not be left running: stop() waits for the whole process group and SIGKILLs what is left."""
+    monkeypatch.setattr("kvscope.rollout.arms.STOP_GRACE_S", 1.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pidfile = tmp_path / "server.pid"
+    server = ("import http.server, os, signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
+              f"http.server.HTTPServer(('127.0.0.1', {port}), "
+              "http.server.SimpleHTTPRequestHandler).serve_forever()")
+    arm = Arm("base", f"http://127.0.0.1:{port}", health=f"http://127.0.0.1:{port}/",
+              command=f"{sys.executable} -c \"{server}\" & wait")
+    arm.start(tmp_path / "base.log", timeout=60)
+    pid = int(pidfile.read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        arm.stop()
+        # gone, or a zombie its new parent has not reaped yet: no longer running either way
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    finally:  # a failing stop() must not leave the server behind
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
