@@ -528,6 +528,23 @@ def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path):
     assert not list((tmp_path / "cap").glob("requests-*.parquet"))
 
 
+def test_the_capture_totals_count_the_transfers_after_the_last_sample(tmp_path):
+    """The agent samples once a second; a store of 4 blocks (4096 bytes, 2 ms) after the last
+    sample, then the agent stops: its totals still hold the store (they missed up to a second
+    of transfers)."""
+    from kvscope.analysis.capture_reader import read_transfer_totals
+
+    agent = Agent(AgentSettings(capture_dir=tmp_path / "cap", collectors=NO_COLLECTORS),
+                  with_ingest=False)
+    agent.start()
+    try:
+        agent.pipeline.ingest("engine", [ev.Transfer(ts=T0, src="gpu", dst="cpu", blocks=4,
+                                                     bytes=4096, duration=0.002)])
+    finally:
+        agent.shutdown()
+    assert read_transfer_totals(tmp_path / "cap") == {"gpu->cpu": (4096, 4, 0.002)}
+
+
 @pytest.fixture
 def read_only_mount(tmp_path):
     """A read-only tmpfs at tmp_path/"ro" (denies root too); skipped where mounting is not
