@@ -134,13 +134,11 @@ def _histograms(trace: AccessTrace, options: AnalyzeOptions):
         label = f"lru-shards-fixed-rate(R={by_access.rate:.3g}" + (
             ", sampled by the tap)" if tapped else ")")
     kept = by_access.sampled_blocks
-    if tapped:  # a sample already, whatever its size; sampled again it must keep enough, as a
-        # trace's sample must (it printed curves of 0 and 1 blocks serving 38%)
-        thin = by_access.rate < trace.sample_rate and kept < MIN_SAMPLED_BLOCKS and \
-            kept < len(np.unique(ids))
-    else:
-        thin = kept < MIN_SAMPLED_BLOCKS < len(np.unique(ids))
-    if thin:
+    # A sample that dropped blocks must keep enough of them (curves of 0 and 1 blocks said a
+    # 0.1 GiB tier serves 100%), a small trace's too; a tap's capture is a sample already,
+    # whatever its size, and only sampling it again can thin it.
+    resampled = by_access.rate < trace.sample_rate if tapped else True
+    if resampled and kept < MIN_SAMPLED_BLOCKS and kept < len(np.unique(ids)):
         raise ValueError(f"the SHARDS sample holds only {by_access.sampled_blocks} distinct blocks "
                          f"(R={by_access.rate:.3g}), too few for a curve to size a tier from; "
                          f"raise --sample-rate / --sample-blocks or use --method exact")

@@ -1,5 +1,6 @@
 """`kvscope analyze`: the pure analysis, its JSON and text, the Sizing page data, and the CLI."""
 
+import itertools
 import json
 
 import numpy as np
@@ -84,6 +85,21 @@ def test_a_sample_too_small_to_size_from_is_refused(capsys):
                  "--sample-rate", "1e-9"]) == 2
     err = capsys.readouterr().err
     assert "distinct blocks" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_thin_sample_of_a_small_trace_is_refused_too(tmp_path, capsys):
+    """The trace's first 30 requests hold fewer than 1,000 distinct blocks; R = 0.001 keeps
+    about none of them (an expected 0.7), yet analyze printed "a 0.1 GiB CPU tier serves 100.0%
+    of prompt tokens" beside a 3.49% reuse ceiling."""
+    small = tmp_path / "m30.jsonl"
+    with open(trace_path()) as f:
+        small.write_text("".join(itertools.islice(f, 30)))
+    assert main(["analyze", str(small), "--preset", "tiny", "--method", "shards-rate",
+                 "--sample-rate", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert "distinct blocks" in err and len(err.strip().splitlines()) == 1
+    assert main(["analyze", str(small), "--preset", "tiny"]) == 0  # unsampled: sized as before
+    assert "Verdict" in capsys.readouterr().out
 
 
 def test_options_validate():
