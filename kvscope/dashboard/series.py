@@ -156,18 +156,23 @@ def cumulative_increase(samples: Sequence[Sample], field: str) -> dict[str, Seri
 
 def bucket_increase(samples: Sequence[Sample], field: str) -> dict[str, np.ndarray]:
     """Per-bucket increases of the histograms ``sample[field][key]`` (lists of per-bucket
-    counts) between the first and the last sample that hold the key; a shrinking total is a
-    reset, and then the last counts are the increase. dict[key, counts]."""
-    first: dict[str, np.ndarray] = {}
+    counts) from the first sample to the last that holds the key. A key the first sample lacks
+    had no observations then (zeros, as a missing counter is 0 in :func:`window_increase`:
+    else a tier's first evictions fell out of its histograms while its counters kept them); a
+    shrinking total is a reset, and then the last counts are the increase. dict[key, counts].
+    """
+    if not samples:
+        return {}
+    first = {key: np.asarray(counts, float)
+             for key, counts in mapping(samples[0], field).items()}
     last: dict[str, np.ndarray] = {}
     for sample in samples:
         for key, counts in mapping(sample, field).items():
-            arr = np.asarray(counts, float)
-            first.setdefault(key, arr)
-            last[key] = arr
+            last[key] = np.asarray(counts, float)
     out = {}
     for key in ordered(last):
-        a, b = first[key], last[key]
+        b = last[key]
+        a = first.get(key, np.zeros_like(b))
         out[key] = b - a if a.shape == b.shape and b.sum() >= a.sum() else b
     return out
 

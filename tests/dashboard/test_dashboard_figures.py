@@ -104,9 +104,12 @@ def test_last_window_counts_back_from_the_newest_sample():
 
 
 def test_bucket_increase_is_last_minus_first_and_handles_resets():
+    """cpu: [4, 2, 1] - [1, 2, 0]. gpu first appears in the last sample: it had no observations
+    in the first, so all 5 are the window's (they were dropped, while window_increase counted
+    the same evictions: the Tiers page said their age and hits were "not measured")."""
     samples = [sample(0, h={"cpu": [1, 2, 0]}), sample(1, h={"cpu": [4, 2, 1], "gpu": [5, 0, 0]})]
     assert {k: list(v) for k, v in S.bucket_increase(samples, "h").items()} == {
-        "gpu": [0.0, 0.0, 0.0], "cpu": [3.0, 0.0, 1.0]}
+        "gpu": [5.0, 0.0, 0.0], "cpu": [3.0, 0.0, 1.0]}
     reset = [sample(0, h={"cpu": [9, 9, 9]}), sample(1, h={"cpu": [1, 0, 0]})]
     assert list(S.bucket_increase(reset, "h")["cpu"]) == [1.0, 0.0, 0.0]
 
