@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvscope.agent.capture import finished_segments
-from kvscope.agent.config import AgentSettings
+from kvscope.agent.config import load_settings
 from kvscope.argtypes import is_loopback
 from kvscope.dashboard.app import create_app as create_dashboard
 from kvscope.dashboard.app import serve as serve_dashboard
@@ -65,7 +65,8 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
 
     Raises :class:`~kvscope.engine.workload.TraceError` for an unreadable trace,
     FileExistsError for a ``capture_dir`` that holds an earlier run's capture,
-    :class:`~kvscope.engine.engine.EngineConfigError` for impossible tier sizes and
+    :class:`~kvscope.engine.engine.EngineConfigError` for impossible tier sizes,
+    :class:`~kvscope.agent.config.ConfigError` for a bad ``KVSCOPE_*`` variable and
     :class:`~kvscope.service.server.PortInUse` for a port already taken, before anything is left
     running.
     """
@@ -89,6 +90,15 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     if config.metrics_port == config.ui_port:
         raise PortInUse(f"--metrics-port and --ui-port are both {config.ui_port}; give them "
                         "different ports")
+    disk_budget = config.disk_blocks * preset.bytes_per_block(block_tokens)
+    # The reference engine runs in this process: its host tiers are this process's memory. It
+    # reports its cpu tier's size as its host KV budget itself, as vLLM's tap does; the disk
+    # tier's is configured (no engine reports it). Read (KVSCOPE_* included) before anything
+    # starts, so a bad variable is an error, not a traceback.
+    settings = load_settings(capture_dir=config.capture_dir, **{
+        "collectors.host": {"budgets": {"disk": disk_budget} if disk_budget else {},
+                            "engine_pid": os.getpid()},
+        "collectors.numa": {"engine_pid": os.getpid()}})
     # the engine first: a bad tier configuration is reported before any port is taken
     engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, config.disk_blocks,
                            block_tokens=block_tokens, policy=config.policy,
@@ -107,14 +117,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         engine.close()
         raise
 
-    disk_budget = config.disk_blocks * preset.bytes_per_block(block_tokens)
-    # the reference engine runs in this process: its host tiers are this process's memory. It
-    # reports its cpu tier's size as its host KV budget itself, as vLLM's tap does; the disk
-    # tier's is configured (no engine reports it)
-    agent = Agent(AgentSettings(capture_dir=config.capture_dir, collectors={
-        "host": {"budgets": {"disk": disk_budget} if disk_budget else {},
-                 "engine_pid": os.getpid()},
-        "numa": {"engine_pid": os.getpid()}}), with_ingest=False)
+    agent = Agent(settings, with_ingest=False)
     agent.pipeline.set_source_info("engine", "kvscope-reference", preset.name)
     agent.pipeline.set_cache_config("engine", *engine.cache_config)
     agent.pipeline.set_source_up("engine", True)  # the engine feeds the pipeline in-process
