@@ -318,7 +318,11 @@ def _replay(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (2 for bad input, with one line on stderr)."""
-    parser = _parser()
+    try:
+        parser = _parser()  # imports the commands' modules (pydantic...): a quarter of a second
+    except KeyboardInterrupt:  # Ctrl-C meanwhile printed the import's traceback
+        print("kvscope: interrupted", file=sys.stderr)
+        return 130
     first = (sys.argv[1:] if argv is None else argv)[:1]
     if first and first[0].startswith("-") and first[0] not in ("-h", "--help", "--version"):
         parser.error(f"unrecognized arguments: {first[0]}")  # else: "COMMAND is required"

@@ -517,6 +517,19 @@ def test_ctrl_c_while_the_demo_starts_stops_it_cleanly():
     assert "kvscope demo: stopped after" in done.stdout, done.stdout
 
 
+def test_ctrl_c_while_the_commands_are_loaded_is_an_interruption(monkeypatch, capsys):
+    """Building the parser imports every command's module (a quarter of a second); Ctrl-C
+    then printed the import machinery's traceback."""
+    import kvscope.cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvscope.cli, "_parser", interrupted)
+    assert kvscope.cli.main(["demo"]) == 130
+    assert capsys.readouterr().err == "kvscope: interrupted\n"
+
+
 _SIGINT_TWICE = r'''
 import os, signal, threading
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
@@ -559,6 +572,15 @@ def test_a_negative_budget_is_one_line_naming_the_key(tmp_path, monkeypatch, whe
         monkeypatch.setenv("KVSCOPE_COLLECTORS__HOST__BUDGETS", '{"cpu": -5}')
         needle = "KVSCOPE_COLLECTORS__HOST__BUDGETS: Input should be greater than or equal to 0"
     _one_error_line(_kvscope(*args), needle)
+
+
+def test_a_bad_kvscope_variable_stops_the_demo_with_one_line(monkeypatch):
+    """The demo's agent reads KVSCOPE_* too; a value that does not parse ended in pydantic's
+    ValidationError traceback (exit code 1), where ``kvscope agent`` says one line."""
+    monkeypatch.setenv("KVSCOPE_CAPTURE_MAX_BYTES", "abc")
+    _one_error_line(_kvscope("demo", "--duration", "1", "--metrics-port", str(free_port()),
+                             "--ui-port", str(free_port())),
+                    "environment: KVSCOPE_CAPTURE_MAX_BYTES: Input should be a valid integer")
 
 
 def _agent_banner(tmp_path, config: str, *args: str, last: str = "  kv_events:") -> list[str]:
