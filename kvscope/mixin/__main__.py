@@ -5,6 +5,7 @@ generator does not make sit beside its own."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -30,6 +31,16 @@ def strays(out: Path, files: dict[str, str]) -> list[str]:
                   if str(folder / path.name) not in made)
 
 
+def _namespace(value: str) -> str:
+    """A Kubernetes namespace: an RFC 1123 label (lowercase letters, digits and '-', at most 63
+    characters, a letter or digit at each end); argparse reports the flag otherwise."""
+    if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a Kubernetes namespace (lowercase letters, digits and '-', at "
+            "most 63 characters)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kvscope.mixin",
@@ -45,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write nothing; fail when committed files differ from the generator")
     parser.add_argument("--prometheus-rule", action="store_true",
                         help="print a Prometheus Operator PrometheusRule to stdout instead")
-    parser.add_argument("--namespace", default="monitoring", help="PrometheusRule namespace")
+    parser.add_argument("--namespace", default="monitoring", type=_namespace,
+                        help="PrometheusRule namespace (default %(default)s)")
     args = parser.parse_args(argv)
     try:  # after parsing: --help needs none of the generator's packages
         from kvscope.mixin.render import prometheus_rule, render
@@ -73,8 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if diff or extra else 0
     for rel, text in files.items():
         path = out / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, text)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, text)
+        except OSError as exc:  # e.g. --output names a file
+            print(f"kvscope.mixin: error: cannot write {path}: {exc.strerror or exc} (--output "
+                  "is the directory to write the mixin into)", file=sys.stderr)
+            return 2
         print(f"wrote {path}")
     return 0
 

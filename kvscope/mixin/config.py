@@ -20,6 +20,11 @@ MIB = 1024 * 1024
 
 
 # A Prometheus duration (and Grafana's refresh): units largest first, each at most once.
+# Ratios that are shares of a whole (0 to 1), as every *_share is; the others are multiples
+# (regression_ratio 1.5: 150% above the baseline; recompute_faster_ratio 2: twice the time).
+_SHARE_RATIOS = {"headroom_min_ratio", "headroom_warning_ratio", "ttft_budget_warning_ratio",
+                 "ineffective_fill_ratio", "tier_full_ratio", "gpu_kv_usage_warning_ratio",
+                 "pcie_saturation_ratio", "transfer_failure_ratio"}
 _DURATION = re.compile(r"(?=\d)(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?")
 
 
@@ -138,7 +143,8 @@ class MixinConfig:
     def __post_init__(self) -> None:
         """Refuse values that would make rules promtool rejects or alerts that never (or
         always) fire: a duration Prometheus cannot read, a negative or infinite number, a
-        quantile outside (0, 1), a budget of 0. Raises MixinConfigError naming the key."""
+        quantile outside (0, 1), a budget of 0, a share above 1, a critical headroom above the
+        warning's. Raises MixinConfigError naming the key."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             why = ""
@@ -152,8 +158,18 @@ class MixinConfig:
                     why = "want a quantile between 0 and 1"
                 elif f.name.endswith("_seconds") and value == 0:
                     why = "want a budget above 0 seconds"
+                elif (f.name.endswith("_share") or f.name in _SHARE_RATIOS) and value > 1:
+                    why = "want a share between 0 and 1"
             if why:
                 raise MixinConfigError(f"mixin config {f.name!r}: {why}, got {value!r}")
+        if self.headroom_min_ratio > self.headroom_warning_ratio:
+            raise MixinConfigError(
+                f"mixin config 'headroom_min_ratio' ({self.headroom_min_ratio!r}, critical) is "
+                f"above 'headroom_warning_ratio' ({self.headroom_warning_ratio!r}): the warning "
+                "must come first, at the higher headroom")
+        if self.ttft_budget_warning_ratio == 0:
+            raise MixinConfigError("mixin config 'ttft_budget_warning_ratio': want a share of "
+                                   "the budget above 0 (a warning at 0 seconds always fires)")
 
     @property
     def by(self) -> str:

@@ -117,7 +117,13 @@ def test_config_overrides_without_forking(tmp_path) -> None:
     ("ttft_budget_seconds = -1\n", "'ttft_budget_seconds': want a finite number, 0 or more"),
     ("ttft_budget_seconds = 0\n", "'ttft_budget_seconds': want a budget above 0 seconds"),
     ("itl_budget_quantile = 1.5\n", "'itl_budget_quantile': want a quantile between 0 and 1"),
-    ("thrash_unused_share = nan\n", "'thrash_unused_share': want a finite number")])
+    ("thrash_unused_share = nan\n", "'thrash_unused_share': want a finite number"),
+    ("headroom_min_ratio = 5.0\n", "'headroom_min_ratio': want a share between 0 and 1"),
+    ("tier_full_reused_share = 1.2\n", "'tier_full_reused_share': want a share between 0 and"),
+    # a critical alert at < 20% headroom and its warning at < 5%: the critical one came first
+    ("headroom_min_ratio = 0.2\nheadroom_warning_ratio = 0.05\n",
+     "'headroom_min_ratio' .0.2, critical. is above 'headroom_warning_ratio'"),
+    ("ttft_budget_warning_ratio = 0.0\n", "'ttft_budget_warning_ratio': want a share of the")])
 def test_config_rejects_bad_overrides(tmp_path, text, says) -> None:
     f = tmp_path / "bad.toml"
     f.write_text(text)
@@ -127,10 +133,14 @@ def test_config_rejects_bad_overrides(tmp_path, text, says) -> None:
 
 
 def test_config_takes_durations_prometheus_reads() -> None:
-    """Near misses of the refusals above: compound durations, a 0 floor, a tiny budget."""
+    """Near misses of the refusals above: compound durations, a 0 floor, a tiny budget, a
+    ratio above 1 that is a multiple (150% above the baseline), a share of exactly 1, a
+    critical headroom below its warning's."""
     cfg = dataclasses.replace(CFG, rate_window="1h30m", ttft_budget_for="90s",
                               regression_baseline_offset="1w", swap_in_bytes_per_second=0.0,
-                              itl_budget_seconds=0.001)
+                              itl_budget_seconds=0.001, regression_ratio=1.5,
+                              headroom_min_ratio=0.1, headroom_warning_ratio=0.2,
+                              tier_full_reused_share=1.0)
     assert (cfg.rate_window, cfg.itl_budget_seconds) == ("1h30m", 0.001)
 
 
@@ -262,6 +272,24 @@ def test_prometheus_rule_manifest() -> None:
     manifest = yaml.safe_load(prometheus_rule(CFG, namespace="obs"))
     assert manifest["kind"] == "PrometheusRule" and manifest["metadata"]["namespace"] == "obs"
     assert [g["name"] for g in manifest["spec"]["groups"]] == ["kvscope.rules", "kvscope.alerts"]
+
+
+def test_a_namespace_kubernetes_refuses_is_a_usage_error(capsys) -> None:
+    """An empty or upper-case namespace made a manifest the API server refuses."""
+    for bad in ("", "Monitoring", "-obs", "a" * 64):
+        with pytest.raises(SystemExit) as exited:
+            main(["--prometheus-rule", f"--namespace={bad}"])
+        assert exited.value.code == 2
+        assert "is not a Kubernetes namespace" in capsys.readouterr().err
+    assert main(["--prometheus-rule", "--namespace", "kube-obs-2"]) == 0
+
+
+def test_an_output_that_is_not_a_directory_is_one_error_line(tmp_path, capsys) -> None:
+    """--output naming a file ended in NotADirectoryError's traceback."""
+    (tmp_path / "board.json").write_text("{}")
+    assert main(["--output", str(tmp_path / "board.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope.mixin: error: cannot write ") and len(err.splitlines()) == 1
 
 
 def test_provisioning_files() -> None:
