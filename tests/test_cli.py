@@ -104,6 +104,16 @@ def test_impossible_demo_settings(args, needle):
 
 
 @pytest.mark.parametrize("args,needle", [
+    # numpy's own words ("expected non-negative integer"), naming no flag
+    (["--seed", "-1"], "argument --seed: must be >= 0"),
+    (["--min-requests", "0"], "argument --min-requests: must be > 0"),  # was taken
+    (["--ttft-budget", "1e400"], "want a finite number of seconds above 0"),  # "must be > 0"
+])
+def test_compare_options_are_checked_before_the_captures_are_read(tmp_path, args, needle):
+    _one_error_line(_kvscope("compare", str(tmp_path / "a"), str(tmp_path / "b"), *args), needle)
+
+
+@pytest.mark.parametrize("args,needle", [
     (["--disk-dir", "/proc/no-such-dir", "--disk-blocks", "10"],
      "--disk-dir /proc/no-such-dir: No such file or directory"),
     (["--disk-dir", "/tmp"], "--disk-dir is for the disk tier, which is off: give --disk-blocks"),

@@ -190,7 +190,7 @@ def parse_budget(text: str | float | Budget | None) -> Budget | None:
             raise ValueError(f"budget {text!r}: give seconds (e.g. 0.5) or a percentage of "
                              "the baseline's p99 (e.g. +10%)") from None
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"budget must be > 0 seconds, got {text}")
+        raise ValueError(f"budget {text!r}: want a finite number of seconds above 0")
     return Budget(seconds=seconds)
 
 

@@ -9,7 +9,7 @@ import sys
 from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
 from kvscope.analysis.compare import (DEFAULT_MIN_REQUESTS, compare, parse_budget, render_text,
                                       to_json)
-from kvscope.argtypes import fraction, positive
+from kvscope.argtypes import fraction, non_negative, positive
 
 DESCRIPTION = (
     "Compare agent captures (kvscope agent --capture-dir), e.g. runs without the newest "
@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the same for the candidate")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     add_verdict_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
+    parser.add_argument("--seed", type=non_negative(int), default=0,
+                        help="bootstrap seed (default %(default)s)")
 
 
 def add_verdict_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +53,8 @@ def add_verdict_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="N", help="bootstrap resamples (default %(default)s)")
     parser.add_argument("--confidence", type=fraction, default=DEFAULT_CONFIDENCE,
                         metavar="LEVEL", help="confidence level, 0-1 (default %(default)s)")
-    parser.add_argument("--min-requests", type=int, default=DEFAULT_MIN_REQUESTS, metavar="N",
+    parser.add_argument("--min-requests", type=positive(int), default=DEFAULT_MIN_REQUESTS,
+                        metavar="N",
                         help="fewer finished requests on a side give 'inconclusive' "
                         "(default %(default)s)")
 

@@ -109,8 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default %(default)s)")
     p.add_argument("--max-output-tokens", type=positive(int), default=256, metavar="N",
                    help="longest completion asked for (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the "
-                   "bootstrap (default %(default)s)")
+    p.add_argument("--seed", type=non_negative(int), default=0,
+                   help="seed of the workload and the bootstrap (default %(default)s)")
     add_verdict_arguments(p)
     p.add_argument("--loadgen", metavar="PATH", help="guidellm executable (default: the "
                    "cached environment of scripts/vllm_env.sh --guidellm, then PATH)")
