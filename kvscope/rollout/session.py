@@ -17,13 +17,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from kvscope import __version__
 from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
-from kvscope.analysis.compare import RequestSample
+from kvscope.analysis.compare import Budget, RequestSample
 from kvscope.engine.workload import TraceError
 from kvscope.rollout import loadgen, report, workload
 from kvscope.rollout.arms import Arm, ArmError, cost
@@ -160,7 +160,8 @@ class Session:
                      "loadgen": {"executable": o.loadgen,
                                  "guidellm": _loadgen_version(o.loadgen)},
                      "options": {k: v for k, v in vars(o).items() if k != "judge"},
-                     "budgets": {k: str(v) for k, v in o.judge.items() if "budget" in k}},
+                     "budgets": {k: _budget_json(v) for k, v in o.judge.items()
+                                 if "budget" in k}},
             "arms": [{"name": a.name, "url": a.url, "agent": a.agent, "command": a.command,
                       "health": a.health_url} for a in self.arms.values()],
             "baseline": self.baseline, "levels": sorted(o.levels),
@@ -221,3 +222,10 @@ class Session:
                 continue
             self.doc["judgements"].append(report.judgement_dict(j))
         report.write(self.directory, self.doc)
+
+
+def _budget_json(budget: Budget | None) -> dict | None:
+    """A budget in rollout.json: null (none given), ``{"seconds": S}`` or ``{"relative": R}``
+    (0.1: the baseline's p99 plus 10%)."""
+    return None if budget is None else {k: v for k, v in asdict(budget).items()
+                                        if v is not None}

@@ -80,6 +80,8 @@ def test_a_planted_ttft_regression_is_rolled_back(tmp_path):
     assert j["overall"]["baseline"]["token_share"] is None  # not measured, not 0
     assert "not measured" in j["text"]
     assert {r["cost"]["source"] for r in doc["runs"]} == {"none"}
+    # JSON values, not their Python text ("None", "Budget(seconds=None, relative=0.1)")
+    assert doc["meta"]["budgets"] == {"ttft_budget": {"relative": 0.1}, "itl_budget": None}
 
 
 def test_a_server_that_dies_mid_run_stops_the_session_and_keeps_the_finished_runs(tmp_path):
