@@ -152,7 +152,12 @@ def budget_over_limit(window: Sequence[Sample], s: Settings) -> Finding:
         return _missing(key, "host_memory_limit_bytes" if limit is None
                         else "host_memory_reserve_bytes", "the host collector")
     budgets = mapping(window[-1], "offload_budget_bytes")
-    budget = sum(float(budgets[t]) for t in s.host_memory_tiers if is_number(budgets.get(t)))
+    known = [float(budgets[t]) for t in s.host_memory_tiers if is_number(budgets.get(t))]
+    if not known:  # a sum of none is no budget of 0 bytes: "fits" said nothing true
+        return _finding(key, NOT_MEASURED, f"not measured: no {'/'.join(s.host_memory_tiers)} "
+                        "tier reports its budget (offload_budget_bytes: vLLM's tap sends its "
+                        "cpu_bytes_to_use; in zero-code mode set [collectors.host] budgets)")
+    budget = sum(known)
     over = budget + reserve - limit
     facts = (f"{'/'.join(s.host_memory_tiers)} budget {_gib(budget)} + reserve {_gib(reserve)} "
              f"against a limit of {_gib(limit)}")

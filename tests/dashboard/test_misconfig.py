@@ -60,7 +60,8 @@ def test_weight_offload_without_kv_offload():
 
 def test_budget_plus_reserve_over_the_limit():
     """A 12 GiB cpu budget + 4 GiB reserve on a 15 GiB limit: 1 GiB over; 11 + 4 on 15 fits
-    exactly; a disk budget is not host RAM; no limit reported: not measured."""
+    exactly; a disk budget is not host RAM; no limit reported, or no cpu budget: not
+    measured."""
     def host(cpu, limit=15 * GIB, more=None):
         return window(gauges={"offload_budget_bytes": {"cpu": cpu, **(more or {})}},
                       scalars={"host_memory_reserve_bytes": 4 * GIB,
@@ -70,6 +71,9 @@ def test_budget_plus_reserve_over_the_limit():
     assert M.budget_over_limit(host(11 * GIB), S).status == OK
     assert M.budget_over_limit(host(GIB, more={"disk": 100 * GIB}), S).status == OK
     assert M.budget_over_limit(host(12 * GIB, limit=None), S).status == NOT_MEASURED
+    # no host-RAM budget known (zero-code mode): it said "cpu budget 0.00 GiB ...: fits"
+    unknown = M.budget_over_limit(host(None, more={"disk": 100 * GIB}), S)
+    assert unknown.status == NOT_MEASURED and "[collectors.host] budgets" in unknown.wrong
 
 
 def test_swap_in_while_offloading():
