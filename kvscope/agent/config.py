@@ -270,10 +270,15 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
             where = f"command line: {key}"
         elif _set_in(values, loc):
             where = f"config{' ' + str(path) if path else ''}: {key}"
-        else:  # not from the file or a flag, so from the environment
-            set_now = _settings_variables()
-            where = "environment: " + (" or ".join(v for v in _variables_of(loc) if v in set_now)
-                                       or "KVSCOPE_*")
+        elif named := [v for v in _variables_of(loc) if v in _settings_variables()]:
+            where = "environment: " + " or ".join(named)
+        elif len(loc) > 1 and _set_in(values, loc[:-1]):
+            # a default checked against the table's other keys (kv_events' dp_size against its
+            # endpoints), which the file set
+            where = f"config{' ' + str(path) if path else ''}: {'.'.join(loc[:-1])}"
+        else:  # not from the file or a flag, so from the environment: the table's variables
+            where = "environment: " + ("__".join(_variables_of(loc[:-1])[:1] + ["*"])
+                                       if len(loc) > 1 else "KVSCOPE_*")
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = _unknown_key(loc)

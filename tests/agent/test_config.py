@@ -211,6 +211,21 @@ def test_a_bad_environment_value_names_its_variable_not_the_file(tmp_path, monke
         load_settings(path)
 
 
+def test_a_check_across_a_tables_keys_names_where_the_table_was_set(tmp_path, monkeypatch):
+    """kv_events' endpoint and replay_endpoint on one socket fail dp_size's check (its default,
+    set nowhere): the file that set the endpoints is named, not "environment: KVSCOPE_*"; the
+    same from the environment names the table's variables."""
+    path = tmp_path / "agent.toml"
+    path.write_text('[kv_events]\nendpoint = "tcp://*:5557"\nreplay_endpoint = "tcp://*:5557"\n')
+    with pytest.raises(ConfigError, match=f"^config {path}: kv_events: the endpoint .* are the "
+                       "same socket"):
+        load_settings(path)
+    monkeypatch.setenv("KVSCOPE_KV_EVENTS__ENDPOINT", "tcp://*:5557")
+    monkeypatch.setenv("KVSCOPE_KV_EVENTS__REPLAY_ENDPOINT", "tcp://*:5557")
+    with pytest.raises(ConfigError, match=r"^environment: KVSCOPE_KV_EVENTS__\*: the endpoint"):
+        load_settings(None)
+
+
 # each `kvscope agent` flag, a value for it, and the same setting in the TOML file
 AGENT_FLAGS = {
     "--host": ("0.0.0.0", 'host = "0.0.0.0"'),
