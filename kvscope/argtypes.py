@@ -28,9 +28,11 @@ def _number(kind, check, reason: str):
     return parse
 
 
-def positive(kind=float):
-    """A parser of ``kind`` values > 0."""
-    return _number(kind, lambda v: v > 0, "must be > 0")
+def positive(kind=float, at_most: float | None = None):
+    """A parser of ``kind`` values > 0, and at most ``at_most`` when given."""
+    if at_most is None:
+        return _number(kind, lambda v: v > 0, "must be > 0")
+    return _number(kind, lambda v: 0 < v <= at_most, f"must be > 0 and at most {at_most:,}")
 
 
 def non_negative(kind=int):

@@ -56,8 +56,9 @@ def _replay(replayer: Replayer, out, duration: float | None) -> None:
     replayer.run()
     if not replayer.stop.is_set():
         until = "Ctrl-C" + (f" or {duration:g} s from the start" if duration else "")
-        print(f"kvscope demo: the workload has played out ({replayer.served} requests); the "
-              f"metrics, API and dashboard stay up until {until}", file=out, flush=True)
+        served = f"{replayer.served} request" + ("" if replayer.served == 1 else "s")
+        print(f"kvscope demo: the workload has played out ({served}); the metrics, API and "
+              f"dashboard stay up until {until}", file=out, flush=True)
 
 
 def run_demo(config: DemoConfig, out=sys.stdout) -> int:

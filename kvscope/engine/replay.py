@@ -64,7 +64,8 @@ class Replayer:
         for request in self.requests:
             if self.speed is not None:
                 delay = wall0 + request.arrival / self.speed - time.monotonic()
-                if delay > 0 and self.stop.wait(delay):
+                # at most the longest wait Python takes (--speed 1e-300: an OverflowError)
+                if delay > 0 and self.stop.wait(min(delay, threading.TIMEOUT_MAX)):
                     return
                 if -delay > self.behind:
                     self._fell_behind(-delay, request.arrival)

@@ -21,6 +21,10 @@ from kvscope.argtypes import directory, non_negative, positive
 from kvscope.vocabulary import LOCAL_TIERS
 
 
+# the engine keeps every request's TTFT for the percentiles: 1M requests, tens of MB
+MAX_REQUESTS = 1_000_000
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``replay`` subcommand to an argparse subparsers object."""
     p = sub.add_parser(
@@ -29,8 +33,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "the three-tier offload engine, or with --simulate through its decisions "
                     "only, and print hit ratios, transfers, evictions and TTFT percentiles.")
     p.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (512-token blocks)")
-    p.add_argument("--requests", type=positive(int), default=2000,
-                   help="requests of the synthetic workload (default %(default)s)")
+    p.add_argument("--requests", type=positive(int, at_most=MAX_REQUESTS), default=2000,
+                   help="requests of the synthetic workload, at most "
+                   f"{MAX_REQUESTS:,} (default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic workload (default %(default)s)")
     p.add_argument("--gpu-blocks", type=positive(int), default=256, help="gpu tier blocks (default %(default)s)")
@@ -75,8 +80,9 @@ def replay(args) -> dict:
         requests, block_tokens = read_mooncake(args.trace), MOONCAKE_BLOCK_TOKENS
     else:
         block_tokens = preset.block_tokens
-        requests = list(itertools.islice(
-            synthetic(SyntheticConfig(seed=args.seed, block_tokens=block_tokens)), args.requests))
+        # made as they are replayed: a list of them all held the whole workload at once
+        requests = itertools.islice(
+            synthetic(SyntheticConfig(seed=args.seed, block_tokens=block_tokens)), args.requests)
     if args.disk_dir and not args.disk_blocks:
         raise EngineConfigError("--disk-dir is for the disk tier, which is off: give "
                                 "--disk-blocks too")

@@ -164,3 +164,41 @@ def test_a_replay_that_falls_behind_its_speed_says_so_once(caplog):
     fast.run()
     engine.close()
     assert fast.behind == 0.0 and not caplog.records
+
+
+def test_a_speed_too_slow_for_any_wait_waits_until_stopped():
+    """At 1e-300 workload seconds per wall second the second request (1 s in) is due in 1e300
+    seconds, past the longest wait Python takes: the replay thread died of an OverflowError
+    ("timestamp out of range"). It now waits, and stops when told, having served the first."""
+    import threading
+
+    from kvscope.engine.replay import Replayer
+    from kvscope.engine.workload import Request
+
+    preset = get_preset("tiny")
+    requests = [Request(f"r{i}", float(i), preset.block_tokens, 1, (i,)) for i in range(2)]
+    engine = OffloadEngine(preset, 8, 16, payload=False)
+    stop = threading.Event()
+    replayer = Replayer(engine, requests, speed=1e-300, stop=stop)
+    raised = []
+
+    def run():
+        try:
+            replayer.run()
+        except Exception as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    threading.Timer(0.5, stop.set).start()
+    thread.join(timeout=60)
+    engine.close()
+    assert not raised and not thread.is_alive() and replayer.served == 1
+
+
+def test_replay_refuses_more_requests_than_it_can_hold():
+    """--requests 1e20 ended in islice's ValueError traceback; 1e8 held the whole workload in
+    memory (1.6 GB and growing) before printing anything."""
+    result = _kvscope("--requests", "99999999999999999999")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--requests: must be > 0 and at most 1,000,000" in result.stderr
