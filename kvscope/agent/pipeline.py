@@ -13,6 +13,7 @@ run on different threads.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -24,10 +25,13 @@ from kvscope.agent.assembler import RequestAssembler
 from kvscope.agent.fold import Fold
 from kvscope.agent.histograms import Histogram
 from kvscope.agent.prefix_reuse import PrefixReuse
-from kvscope.agent.requests import RequestRecord, RequestTable, amend, under_way, within
+from kvscope.agent.requests import (FUTURE, RequestRecord, RequestTable, amend, under_way,
+                                    within)
 from kvscope.agent.sample_history import SampleHistory
 from kvscope.agent.settling import Settling
 from kvscope.agent.tier_totals import TierTotals
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -176,11 +180,16 @@ class Pipeline:
         finished, invalid, lookups = self._fold.fold(source, scope, events, self._tiers.update,
                                                      scope not in self._settling.joined)
         if invalid:
+            if not self._dropped[(scope, "invalid")]:
+                log.warning("kvscope: dropped %d finished requests of source %r timestamped "
+                            "more than %.0f s ahead of this host's clock (counted as invalid; "
+                            "is the engine host's clock set?); logged once per source",
+                            invalid, scope, FUTURE)
             self._dropped[(scope, "invalid")] += invalid
         for lookup in lookups:
             self._prefix_reuse.add(lookup)
-        if received:
-            self._received[source] += len(events)
+        if received:  # dropped ones were not accepted
+            self._received[source] += len(events) - invalid
         ready = self._settling.hold(scope, finished)
         early = [] if ready is finished else finished
         if self._settling:

@@ -544,11 +544,12 @@ def test_a_worker_tap_first_heard_after_a_request_finished_still_joins_its_trans
     assert pipeline.snapshot().requests == 1
 
 
-def test_a_request_finishing_far_ahead_of_the_clock_is_dropped_as_invalid():
+def test_a_request_finishing_far_ahead_of_the_clock_is_dropped_as_invalid(caplog):
     """A request said to finish in 2099 sorted first in the table for good, and a restarted
     agent's store refused it (more than an hour ahead): the pipeline now drops it as invalid
     from the start, as one that started in 2096 and finished now (first by arrival). One
-    finishing 10 minutes ahead (a clock step) is kept."""
+    finishing 10 minutes ahead (a clock step) is kept. Of the 4 events, the 2 finishes dropped
+    are not also received (they were counted both ways), and the drop is logged once."""
     pipeline = Pipeline()
     now = time.time()
     pipeline.ingest("engine", [ev.RequestStarted(ts=3_980_000_000.0, request_id="early",
@@ -559,6 +560,11 @@ def test_a_request_finishing_far_ahead_of_the_clock_is_dropped_as_invalid():
     assert pipeline.requests.get("near") is not None
     snap = pipeline.snapshot()
     assert snap.events_dropped == {("engine", "invalid"): 2} and snap.requests == 1
+    assert snap.events_received == {"engine": 2}
+    pipeline.ingest("engine", [ev.RequestFinished(ts=4_070_000_000.0, request_id="far2", ttft=0.1,
+                                                  prompt_tokens=8)])
+    warned = [r.getMessage() for r in caplog.records if "ahead of this host's clock" in r.message]
+    assert len(warned) == 1 and "dropped 2 finished requests of source 'engine'" in warned[0]
 
 
 def test_tier_snapshots_of_several_engines_add_up():
