@@ -366,6 +366,25 @@ def test_without_replay_endpoint_gaps_are_counted():
     assert pipeline.snapshot().events_dropped == {("kv_events", "gap"): 3}
 
 
+def test_the_first_drop_of_each_reason_is_logged_with_what_was_wrong(caplog):
+    """Drops were only counted: two short messages, one payload that does not decode and a
+    gap of 3 give one line each for malformed and gap, saying what was wrong."""
+    pipeline = Pipeline()
+    src = KvEventsSource(pipeline)
+    src.handle([b"kv", b"short", b""])
+    src.handle([b"kv", b"short"])
+    src.handle(frames(9)[:2] + [b"\xc1"])
+    src.handle(frames(10, stored([1])))
+    src.handle(frames(14, stored([2])))
+    assert pipeline.snapshot().events_dropped == {("kv_events", "malformed"): 3,
+                                                  ("kv_events", "gap"): 3}
+    lines = [r.getMessage() for r in caplog.records if "kv_events: dropped" in r.getMessage()]
+    assert lines == ["kv_events: dropped 1 (malformed): 3 frames, not topic, 8-byte sequence, "
+                     "payload; logged once per reason",
+                     "kv_events: dropped 3 (gap): 3 batches missing after 10; logged once per "
+                     "reason"], lines
+
+
 def test_odd_sequence_numbers_neither_stop_the_source_nor_inflate_gaps(caplog):
     """A negative seq (vLLM counts from 0) once crashed the replay request and killed the
     thread: it is malformed (1). A jump of 2**62 once added 4.6e18 to gap: it is followed and

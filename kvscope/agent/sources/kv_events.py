@@ -56,6 +56,7 @@ from kvscope.agent.sources.base import Consumer, SourceSpec, SourceWorker, regis
 from kvscope.agent.sources.kv_residency import (FLAVOURS, SGLANG, VLLM, AllBlocksCleared,
                                                 BlockRemoved, BlockStored, Flavour, KvResidency,
                                                 batch_rank, decode, vllm_binds)
+from kvscope.errors import describe
 from kvscope.vocabulary import LOCAL_TIERS
 from kvscope.vocabulary import TIERS as ALL_TIERS
 
@@ -148,6 +149,7 @@ class KvEventsSource(SourceWorker):
         self._replay_after = 0.0  # monotonic: no replay before (see REPLAY_BACKOFF)
         self._jump_logged = False
         self._topic_logged = False
+        self._drops_logged: set[str] = set()  # reasons of drops logged (once each)
         self.last_seqs: dict[int, int] = {}  # by data-parallel rank (0 with one publisher)
         self.shared_tiers: set[str] = set()  # reported tiers another source reports too
         # what this source ingested, to tell its share of the pipeline's totals: blocks and
@@ -261,17 +263,17 @@ class KvEventsSource(SourceWorker):
                                 errors="replace"), self.topic, self.flavour.title)
             return
         if len(frames) != 3 or len(frames[1]) != 8:
-            self.pipeline.drop(NAME, "malformed")
+            self._drop("malformed", f"{len(frames)} frames, not topic, 8-byte sequence, payload")
             return
         seq = int.from_bytes(frames[1], "big", signed=True)
         if seq < 0:  # the engine counts from 0 up; not its batch
-            self.pipeline.drop(NAME, "malformed")
+            self._drop("malformed", f"sequence number {seq}")
             return
         rank = 0
         if self.dp_size > 1:  # each rank's sequence and cache are its own
             rank = batch_rank(frames[2])
             if rank is None or not 0 <= rank < self.dp_size:
-                self.pipeline.drop(NAME, "malformed")
+                self._drop("malformed", f"data-parallel rank {rank} of dp_size {self.dp_size}")
                 return
         last = self.last_seqs.get(rank)
         if last is not None and seq <= last:
@@ -289,9 +291,18 @@ class KvEventsSource(SourceWorker):
             recovered = self._replay(last + 1, seq, rank)
             lost = seq - last - 1 - recovered
             if lost:
-                self.pipeline.drop(NAME, "gap", lost)
+                self._drop("gap", f"{lost} batches missing after {last}", lost)
         self.last_seqs[rank] = seq
         self._apply(frames[2], rank)
+
+    def _drop(self, reason: str, detail: str, batches: int = 1) -> None:
+        """Count ``batches`` (events, for unknown_kind) dropped for ``reason``; the first of
+        each reason is logged with ``detail``."""
+        self.pipeline.drop(NAME, reason, batches)
+        if reason not in self._drops_logged:
+            self._drops_logged.add(reason)
+            log.warning("kv_events: dropped %d (%s): %s; logged once per reason", batches,
+                        reason, detail)
 
     def _key(self, rank: int) -> int | None:
         """The rank the residency keys blocks by: None with one publisher."""
@@ -310,11 +321,12 @@ class KvEventsSource(SourceWorker):
     def _apply(self, payload: bytes, rank: int) -> None:
         try:
             ts, events, unknown = decode(payload)
-        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
-            self.pipeline.drop(NAME, "malformed")
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+            self._drop("malformed", f"payload does not decode ({describe(exc)})")
             return
         if unknown:
-            self.pipeline.drop(NAME, "unknown_kind", unknown)
+            self._drop("unknown_kind", "events of a kind kvscope does not know (a newer "
+                       f"{self.flavour.title}?)", unknown)
         out = self.residency.apply(ts, events, self._key(rank))
         if out:
             for event in out:
