@@ -477,25 +477,29 @@ def _free_port():
 
 def test_a_real_vllm_engine_streams_kv_events(tmp_path):
     """vLLM with --kv-events-config connecting to us (no '*': the subscriber binds) and the
-    kvscope tap: GPU residency, CPU offloads and evictions arrive, with no gap."""
+    kvscope tap: GPU residency, CPU offloads and evictions arrive, with no gap. Once vLLM has
+    gone its tiers leave the gauges; what they held is read as its publisher went."""
     python = vllm_python()
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     pipeline = Pipeline()
     ups = []  # the source's up/down states, in order
     record_up = pipeline.set_source_up
     pipeline.set_source_up = lambda name, up: (ups.append(up), record_up(name, up))
+    left = []  # the tiers as vLLM left them
+    forget = pipeline.forget_tiers
+    pipeline.forget_tiers = lambda name: (left.append(pipeline.snapshot().tiers), forget(name))
     source = KvEventsSource(pipeline, endpoint, topic="kv",
                             residency=KvResidency(block_bytes=32768))
     source.start()
     try:
         run_driver(python, "offload", str(tmp_path / "out.json"), "--kv-events", endpoint,
                    "--endpoint", f"ipc://{tmp_path}/nobody.sock", log=tmp_path / "vllm.log")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not pipeline.snapshot().transfer_blocks:
-            time.sleep(0.1)
+        assert wait_until(lambda: left, timeout=10)
     finally:
         source.shutdown()
     snap = pipeline.snapshot()
+    assert snap.tiers == {}
+    snap.tiers = left[0]
     result = json.loads((tmp_path / "out.json").read_text())
     assert snap.events_received.get("kv_events", 0) > 0
     assert ups[:2] == [False, True]  # down until vLLM connected, up while it published
@@ -510,20 +514,26 @@ def test_a_real_vllm_engine_streams_kv_events(tmp_path):
 
 def test_the_source_is_up_only_while_a_publisher_is_connected():
     """A SUB socket hears nothing, silently, from an endpoint nobody publishes on: the source
-    reads 0 until vLLM's PUB (here a plain ZMQ PUB) connects, 1 while it is, 0 once it left."""
+    reads 0 until vLLM's PUB (here a plain ZMQ PUB) connects, 1 while it is, 0 once it left;
+    the GPU tier it reported (1 block) leaves with it (it stayed resident for good)."""
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     pipeline = Pipeline()
-    source = KvEventsSource(pipeline, endpoint)
+    source = KvEventsSource(pipeline, endpoint, residency=KvResidency())
     source.start()
     up = lambda: pipeline.snapshot().source_up.get("kv_events")  # noqa: E731
+    gpu = lambda: pipeline.snapshot().tiers.get("gpu")  # noqa: E731
     try:
         assert up() is False
         publisher = zmq.Context.instance().socket(zmq.PUB)
         publisher.setsockopt(zmq.LINGER, 0)
         publisher.connect(endpoint)
         assert wait_until(lambda: up() is True)
+        # what it sends before the subscription reached it is lost: repeats are duplicates
+        assert wait_until(lambda: publisher.send_multipart(frames(0, stored([1]))) or gpu())
+        assert gpu().resident_blocks == 1
         publisher.close()
         assert wait_until(lambda: up() is False)
+        assert gpu() is None
     finally:
         source.shutdown()
 

@@ -128,6 +128,7 @@ def streamed(source: KvEventsSource, scenario: str, done, *args: str) -> None:
     try:
         with sglang_publishing(scenario, source.endpoint, *args):
             assert wait_until(lambda: done(source), timeout=20), source.last_seqs
+            source.shutdown()  # while SGLang is up: its tiers leave the gauges as it goes
     finally:
         source.shutdown()
 

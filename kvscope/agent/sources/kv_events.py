@@ -224,16 +224,16 @@ class KvEventsSource(SourceWorker):
                     next_check = time.monotonic() + self.overlap_check
                     self.check_overlap()
                 ready = dict(poller.poll(100))
-                if self._monitor in ready:
-                    self._peer_event(recv_monitor_message(self._monitor)["event"])
-                if self._socket not in ready:
-                    continue
-                while not self.stopping.is_set():
+                # what a publisher sent before it went first (ZMQ queues it before it reports
+                # the disconnect): its tiers leave after its last batch, not before it
+                while self._socket in ready and not self.stopping.is_set():
                     try:
                         frames = self._socket.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self.guarded(self.handle, frames)
+                if self._monitor in ready:
+                    self._peer_event(recv_monitor_message(self._monitor)["event"])
         finally:
             self._socket.disable_monitor()
             self._monitor.close()
@@ -249,6 +249,9 @@ class KvEventsSource(SourceWorker):
             log.info("kvscope kv_events: %s %s's publisher at %s",
                      "lost" if was_up else "connected to", self.flavour.title, where)
             self.report_up(not was_up)
+            if was_up:  # an engine gone holds no tier: its residency gauges leave until it
+                # publishes again (they stayed at their last values for good)
+                self.pipeline.forget_tiers(NAME)
 
     def handle(self, frames: list[bytes]) -> None:
         """One published message: check its sequence, fetch gaps, fold its events in."""
