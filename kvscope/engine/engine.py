@@ -565,6 +565,14 @@ class OffloadEngine:
                 self._emit(ev.Admission(ts=now, tier=tier.name, stored=stored, skipped=skipped,
                                         failed=failed))
 
+    def report_tiers(self) -> None:
+        """Emit every tier's size and residency (and the host KV budget) now. The engine
+        reports them before its first request otherwise: a workload whose first request comes
+        late showed no tier (and "no cpu tier configured") until then."""
+        if self._emit is not None:
+            self._tiers_reported = True
+            self._report_tiers(self._clock())
+
     def _report_tiers(self, ts: float) -> None:
         if self.cpu.capacity_blocks and ts >= self._memory_due:
             # the cpu tier's size is the engine's host KV budget: the agent's breakdown shows it

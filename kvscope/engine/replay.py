@@ -48,7 +48,9 @@ class Replayer:
         self._behind_warning = behind_warning
 
     def run(self) -> None:
-        """Replay until the workload ends or ``stop`` is set; then finish pending requests."""
+        """Replay until the workload ends or ``stop`` is set; then finish pending requests.
+        The engine's tiers are reported first: they exist before the first request comes."""
+        self.engine.report_tiers()
         try:
             self._run()
         finally:
