@@ -18,7 +18,6 @@ from kvscope.engine.policy import POLICIES
 from kvscope.engine.presets import PRESETS, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
 from kvscope.argtypes import directory, non_negative, positive
-from kvscope.vocabulary import LOCAL_TIERS
 
 
 # the engine keeps every request's TTFT for the percentiles: 1M requests, tens of MB
@@ -100,7 +99,8 @@ def replay(args) -> dict:
         Replayer(engine, requests, speed=speed).run()
     finally:
         engine.close()
-    summary = engine.stats.summary(engine.block_bytes, time.perf_counter() - t0)
+    summary = engine.stats.summary(engine.block_bytes, time.perf_counter() - t0,
+                                   [tier.name for tier in engine.tiers if tier.capacity_blocks])
     summary["config"] = {"trace": args.trace, "preset": preset.name, "block_tokens": block_tokens,
                          "block_bytes": engine.block_bytes, "policy": args.policy,
                          "gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks,
@@ -109,23 +109,18 @@ def replay(args) -> dict:
 
 
 def render(summary: dict) -> str:
-    """A short human-readable report of a summary: the tiers configured only (a tier that is
-    off has no hit ratio, not one of 0)."""
+    """A short human-readable report of a summary (which holds the tiers configured only)."""
     t = summary["ttft_seconds"]
-    on = {tier for tier in LOCAL_TIERS if summary["config"][f"{tier}_blocks"]}
     moved = [f"{d} {v['blocks']} blocks {v['seconds']:.3f} s"
              for d, v in summary["transfers"].items() if v["blocks"]]
     lines = [f"requests {summary['requests']}, block accesses {summary['block_accesses']}, "
              f"wall {summary['wall_seconds']:.2f} s",
              f"block hit ratio {summary['block_hit_ratio']:.4f} (" + ", ".join(
-                 f"{k} {v:.4f}" for k, v in summary["block_hit_ratio_by_tier"].items()
-                 if k in on) + ")",
+                 f"{k} {v:.4f}" for k, v in summary["block_hit_ratio_by_tier"].items()) + ")",
              f"prefix hit ratio {summary['prefix_hit_ratio']:.4f}; tokens " + ", ".join(
-                 f"{k} {v}" for k, v in summary["tokens_by_source"].items()
-                 if k in on or k == "recompute"),
+                 f"{k} {v}" for k, v in summary["tokens_by_source"].items()),
              "transfers " + (", ".join(moved) or "none"),
-             "evictions " + ", ".join(f"{k} {v}" for k, v in summary["evictions"].items()
-                                      if k in on),
+             "evictions " + ", ".join(f"{k} {v}" for k, v in summary["evictions"].items()),
              "ttft " + ", ".join(f"{p} " + ("not measured" if t[p] is None else
                                            f"{t[p] * 1e3:.2f} ms") for p in ("p50", "p95", "p99"))]
     if summary["errors"]:

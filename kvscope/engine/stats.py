@@ -11,6 +11,7 @@ Two hit ratios, both 0-1:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kvscope.percentiles import value_percentiles
@@ -50,23 +51,29 @@ class EngineStats:
                 "evictions": dict(self.evictions), "offloaded": dict(self.offloaded),
                 "moved": dict(self.moved)}
 
-    def summary(self, block_bytes: int, wall_seconds: float) -> dict:
-        """The replay summary: a JSON-ready dict (ratios 0-1, bytes, seconds)."""
+    def summary(self, block_bytes: int, wall_seconds: float,
+                tiers: Collection[str] = LOCAL_TIERS) -> dict:
+        """The replay summary: a JSON-ready dict (ratios 0-1, bytes, seconds), of the engine's
+        ``tiers`` only: a tier that is off has no hit ratio, tokens, transfers or evictions,
+        not ones of 0."""
         accesses = self.block_accesses or 1
         prompt = self.prompt_tokens or 1
         served = self.tokens["gpu"] + self.tokens["cpu"] + self.tokens["disk"]
+        on = [d for d in DIRECTIONS if set(d.split("->")) <= set(tiers)]
         return {
             "requests": self.requests,
             "block_accesses": self.block_accesses,
             "block_hit_ratio": sum(self.block_hits.values()) / accesses,
-            "block_hit_ratio_by_tier": {t: n / accesses for t, n in self.block_hits.items()},
+            "block_hit_ratio_by_tier": {t: n / accesses for t, n in self.block_hits.items()
+                                        if t in tiers},
             "prefix_hit_ratio": served / prompt,
             "prompt_tokens": self.prompt_tokens,
-            "tokens_by_source": dict(self.tokens),
+            "tokens_by_source": {s: n for s, n in self.tokens.items()
+                                 if s in tiers or s not in LOCAL_TIERS},
             "transfers": {d: {"blocks": self.moved[d], "bytes": self.moved[d] * block_bytes,
-                              "seconds": self.seconds[d]} for d in DIRECTIONS},
-            "evictions": dict(self.evictions),
-            "evictions_offloaded": dict(self.offloaded),
+                              "seconds": self.seconds[d]} for d in on},
+            "evictions": {t: n for t, n in self.evictions.items() if t in tiers},
+            "evictions_offloaded": {t: n for t, n in self.offloaded.items() if t in tiers},
             "errors": dict(self.errors),
             # None when no request finished: not measured
             "ttft_seconds": {**value_percentiles(self.ttfts),

@@ -97,6 +97,20 @@ def test_replay_synthetic_with_payload_and_disk(tmp_path):
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
 
 
+def test_replay_json_leaves_out_the_tiers_that_are_off():
+    """No disk tier, and a cpu tier of 0 blocks: the JSON had disk (and cpu) entries of 0 in
+    every map, as if those tiers existed and served nothing. Only the gpu tier and recompute
+    remain, and no transfer direction (each touches an absent tier)."""
+    result = _kvscope("--requests", "50", "--simulate", "--cpu-blocks", "0", "--json")
+    summary = json.loads(result.stdout)
+    for key in ("block_hit_ratio_by_tier", "evictions", "evictions_offloaded"):
+        assert list(summary[key]) == ["gpu"], (key, summary[key])
+    assert list(summary["tokens_by_source"]) == ["gpu", "recompute"]
+    assert summary["transfers"] == {}
+    summary = json.loads(_kvscope("--requests", "50", "--simulate", "--json").stdout)
+    assert list(summary["transfers"]) == ["gpu->cpu", "cpu->gpu"]
+
+
 def test_replay_text_report_and_bad_input(tmp_path):
     result = _kvscope("--requests", "50", "--simulate")
     assert result.returncode == 0 and "block hit ratio" in result.stdout
@@ -202,3 +216,30 @@ def test_replay_refuses_more_requests_than_it_can_hold():
     result = _kvscope("--requests", "99999999999999999999")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--requests: must be > 0 and at most 1,000,000" in result.stderr
+
+
+def test_the_tiers_are_reported_before_the_first_request_arrives():
+    """A trace whose first request comes 100 s in: the demo said "no cpu tier configured"
+    and exported no capacity until then. The replay reports the engine's tiers (8 gpu and 16
+    cpu blocks, empty) and its host KV budget (the cpu tier's bytes) as it starts."""
+    import threading
+
+    from kvscope import events as ev
+    from kvscope.engine.replay import Replayer
+    from kvscope.engine.workload import Request
+
+    preset = get_preset("tiny")
+    emitted = []
+    engine = OffloadEngine(preset, 8, 16, payload=False, emit=emitted.append)
+    stop = threading.Event()
+    stop.set()  # stopped before the first request is due
+    Replayer(engine, [Request("late", 100.0, preset.block_tokens, 1, (1,))], speed=1.0,
+             stop=stop).run()
+    engine.close()
+    snapshots = {e.tier: (e.capacity_blocks, e.resident_blocks) for e in emitted
+                 if isinstance(e, ev.TierSnapshot)}
+    assert snapshots == {"gpu": (8, 0), "cpu": (16, 0)}
+    budgets = [e.kv_offload_budget for e in emitted if isinstance(e, ev.EngineMemory)]
+    assert budgets == [16 * preset.bytes_per_block(preset.block_tokens)]
+    assert not [e for e in emitted if isinstance(e, ev.RequestStarted)]
+
