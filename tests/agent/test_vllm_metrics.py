@@ -414,7 +414,7 @@ def test_a_tap_counting_the_same_prompt_tokens_is_warned_of_once(exposition_serv
     source.shutdown()
     assert source.shared_prompt_tokens
     (record,) = warned()
-    assert "sources: vllm" in record.message
+    assert "(one of: vllm)" in record.message  # of the sources sending events
     assert "KVSCOPE_VLLM_METRICS__ENABLED=false" in record.message
 
 

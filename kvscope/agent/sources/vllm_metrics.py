@@ -629,7 +629,7 @@ class VllmMetricsSource(ScrapeSource):
         self.shared_prompt_tokens = True
         others = sorted(s for s in snap.events_received if s != self.name) or ["unknown"]
         log.warning(
-            "vllm_metrics: prompt tokens are counted by another source as well (sources: %s), "
+            "vllm_metrics: prompt tokens are counted by another source as well (one of: %s), "
             "so kvscope_prompt_tokens_total counts them twice. With kvscope's vLLM tap in the "
             "vLLM this scrapes, which counts them per request, turn this source off: "
             "[vllm_metrics] enabled = false (environment: KVSCOPE_VLLM_METRICS__ENABLED=false); "
