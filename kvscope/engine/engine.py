@@ -75,8 +75,8 @@ def _check_host_memory(needed: int) -> None:
     if needed > 0.9 * available:
         raise EngineConfigError(
             f"the tiers need {needed / 2**30:.1f} GiB of host memory but only "
-            f"{available / 2**30:.1f} GiB is available; use fewer blocks, a smaller preset, "
-            "or simulate without payload")
+            f"{available / 2**30:.1f} GiB is available; use fewer blocks or a smaller preset "
+            "(kvscope replay: or --simulate, which holds no KV bytes)")
 
 
 def _check_disk_space(store, needed: int) -> None:
