@@ -82,6 +82,9 @@ def replay(args) -> dict:
         # made as they are replayed: a list of them all held the whole workload at once
         requests = itertools.islice(
             synthetic(SyntheticConfig(seed=args.seed, block_tokens=block_tokens)), args.requests)
+    if args.simulate and args.speed is not None:  # it was ignored, silently
+        raise EngineConfigError("--speed paces a replay that copies KV; --simulate copies none "
+                                "and replays as fast as possible: leave --speed out")
     if args.disk_dir and not args.disk_blocks:
         raise EngineConfigError("--disk-dir is for the disk tier, which is off: give "
                                 "--disk-blocks too")
@@ -93,7 +96,7 @@ def replay(args) -> dict:
                                min_priority=args.min_priority)
     except OSError as exc:  # only the disk tier's directory touches the file system here
         raise EngineConfigError(f"--disk-dir {args.disk_dir}: {exc.strerror or exc}") from None
-    speed = None if (args.fast or args.simulate) else args.speed
+    speed = None if args.fast else args.speed
     t0 = time.perf_counter()
     try:
         Replayer(engine, requests, speed=speed).run()

@@ -124,6 +124,8 @@ def test_replay_text_report_and_bad_input(tmp_path):
     assert result.returncode == 2 and "cpu tier" in result.stderr
     result = _kvscope("--trace", str(tmp_path / "absent.jsonl"))
     assert result.returncode == 2 and "cannot read trace" in result.stderr
+    result = _kvscope("--requests", "5", "--simulate", "--speed", "0.5")  # was ignored
+    assert result.returncode == 2 and "leave --speed out" in result.stderr
 
 
 def test_the_replay_reports_its_queue_and_the_gpu_tiers_fill():
