@@ -57,8 +57,11 @@ def _one_error_line(result, *needles):
     ('{"timestamp": 0, "input_length": 5, "hash_ids": [-1, 2]}\n', ":1: 'hash_ids' must be"),
     ('{"timestamp": 0, "input_length": 5, "hash_ids": [18446744073709551616]}\n',
      ":1: 'hash_ids' must be"),
-    ('{"timestamp": 0, "input_length": 1e400, "hash_ids": [1]}\n', ":1: timestamp/input_length"),
-    ('{"timestamp": NaN, "input_length": 5, "hash_ids": [1]}\n', ":1: timestamp/input_length"),
+    ('{"timestamp": 0, "input_length": 1e400, "hash_ids": [1]}\n', ":1: timestamp must be a"),
+    ('{"timestamp": NaN, "input_length": 5, "hash_ids": [1]}\n', ":1: timestamp must be a"),
+    # once taken: cut to 100 tokens; and an arrival before the start, queued for 100 ms
+    ('{"timestamp": 0, "input_length": 100.7, "hash_ids": [1]}\n', "whole numbers"),
+    ('{"timestamp": -100, "input_length": 5, "hash_ids": [1]}\n', ":1: timestamp (milliseconds"),
 ])
 def test_bad_trace(tmp_path, content, needle):
     path = tmp_path / "trace.jsonl"

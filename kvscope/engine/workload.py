@@ -163,15 +163,18 @@ def read_mooncake(path: str | Path) -> list[Request]:
             raise TraceError(f"{path}:{lineno}: 'hash_ids' must be from 0 to 2**64 - 1")
         try:
             arrival = float(record.get("timestamp", 0)) / 1000.0
-            prompt = int(record.get("input_length", len(hash_ids) * MOONCAKE_BLOCK_TOKENS))
-            output = int(record.get("output_length", 0))
-            if not math.isfinite(arrival):
-                raise ValueError
+            lengths = (record.get("input_length", len(hash_ids) * MOONCAKE_BLOCK_TOKENS),
+                       record.get("output_length", 0))
+            prompt, output = (int(n) for n in lengths)
+            if not math.isfinite(arrival) or (prompt, output) != lengths:
+                raise ValueError  # a fractional length was cut to an int, silently
         except (TypeError, ValueError, OverflowError):  # OverflowError: int() of an infinity
-            raise TraceError(f"{path}:{lineno}: timestamp/input_length/output_length must be "
-                             "finite numbers") from None
-        if prompt < 0 or output < 0:
-            raise TraceError(f"{path}:{lineno}: input_length and output_length must be >= 0")
+            raise TraceError(f"{path}:{lineno}: timestamp must be a finite number, "
+                             "input_length and output_length whole numbers") from None
+        if prompt < 0 or output < 0 or arrival < 0:
+            # a negative arrival came before the replay's start: queued for it, TTFT + 100 ms
+            raise TraceError(f"{path}:{lineno}: timestamp (milliseconds from the trace's "
+                             "start), input_length and output_length must be >= 0")
         blocks = math.ceil(prompt / MOONCAKE_BLOCK_TOKENS)
         if blocks != len(hash_ids):
             # more: read as blocks x 512 tokens, the trace's own lengths went unused; fewer: a
