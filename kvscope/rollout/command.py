@@ -188,5 +188,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     for j in doc["judgements"]:
         print(f"{j['candidate']}: {j['verdict']['text']}")
+    for name, why in doc.get("not_judged", {}).items():
+        print(f"{name}: not judged: {why}")
     print(f"report: {out / 'rollout.html'} (data: {out / 'rollout.json'})")
     return 0

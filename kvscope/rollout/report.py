@@ -161,6 +161,9 @@ def page(doc: dict) -> str:
                  f"{_e(doc.get('levels'))}; {doc.get('repetitions')} repetitions; "
                  f"{len(doc['runs'])} runs; started {_e(meta.get('started', ''))}, "
                  f"{meta.get('elapsed_s', 0):.0f} s.</p>")
+    for name, why in doc.get("not_judged", {}).items():  # e.g. stopped before its first run
+        parts.append(f"<div class='verdict partial'><b>{_e(name)}</b>: not judged: {_e(why)}"
+                     "</div>")
     for j in doc["judgements"]:
         colour = fc.verdict_colour(j["verdict"]["decision"])
         parts.append(f"<div class='verdict' style='background:{colour}'><b>{_e(j['candidate'])}"

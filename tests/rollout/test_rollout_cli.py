@@ -240,3 +240,17 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, says):
     assert says.format(p=port) in lines[-1] and len(_errors(err)) == 1, err
     if "did not answer" in says:  # the session had begun: its (empty) report is kept
         assert json.loads((tmp_path / "r" / "rollout.json").read_text())["runs"] == []
+
+
+def test_an_arm_left_unjudged_is_named_in_the_report_page():
+    """A rollout stopped before the candidate's first run finished: rollout.json said
+    ``not_judged: {"slow": ...}``, the HTML page nothing of it."""
+    from kvscope.rollout import report
+
+    doc = {"runs": [], "judgements": [], "arms": [{"name": "base"}, {"name": "slow"}],
+           "levels": [1], "repetitions": 1, "baseline": "base",
+           "error": "arm slow: its server command exited with code 1",
+           "not_judged": {"slow": "no run of slow finished"}}
+    html = report.page(doc)
+    assert "<b>slow</b>: not judged: no run of slow finished" in html
+    assert html.count("Partial results") == 1
