@@ -506,10 +506,13 @@ def test_a_removed_capture_directory_is_made_again_and_both_streams_go_on(tmp_pa
     assert [pq.read_table(p).num_rows for p in writer.segments()] in ([8, 1], [1, 8])
 
 
-def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path):
-    """A background store (no request) of 4 blocks, 4096 bytes, 2 ms, then a dashboard sample:
-    the capture's totals hold it, which no request row does; a second sample with nothing new
-    adds no rows."""
+@pytest.mark.parametrize("samples", [2, 0], ids=["sampled", "stopped-before-a-sample"])
+def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path, samples):
+    """A background store (no request) of 4 blocks, 4096 bytes, 2 ms, then ``samples``
+    dashboard samples, and the agent stops: the capture's totals hold the store, which no
+    request row does, in one row (a sample with nothing new adds none). With no sample taken
+    (the agent samples once a second) the last one, at shutdown, holds it: the totals missed
+    up to a second of transfers."""
     from kvscope.analysis.capture_reader import read_transfer_totals
 
     agent = Agent(AgentSettings(capture_dir=tmp_path / "cap", collectors=NO_COLLECTORS),
@@ -518,31 +521,14 @@ def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path):
     try:
         agent.pipeline.ingest("engine", [ev.Transfer(ts=T0, src="gpu", dst="cpu", blocks=4,
                                                      bytes=4096, duration=0.002)])
-        agent.sample()
-        agent.sample()
+        for _ in range(samples):
+            agent.sample()
     finally:
         agent.shutdown()
     assert read_transfer_totals(tmp_path / "cap") == {"gpu->cpu": (4096, 4, 0.002)}
     segments = list((tmp_path / "cap").glob("totals-*.parquet"))
     assert len(segments) == 1 and pq.read_table(segments[0]).num_rows == 1
     assert not list((tmp_path / "cap").glob("requests-*.parquet"))
-
-
-def test_the_capture_totals_count_the_transfers_after_the_last_sample(tmp_path):
-    """The agent samples once a second; a store of 4 blocks (4096 bytes, 2 ms) after the last
-    sample, then the agent stops: its totals still hold the store (they missed up to a second
-    of transfers)."""
-    from kvscope.analysis.capture_reader import read_transfer_totals
-
-    agent = Agent(AgentSettings(capture_dir=tmp_path / "cap", collectors=NO_COLLECTORS),
-                  with_ingest=False)
-    agent.start()
-    try:
-        agent.pipeline.ingest("engine", [ev.Transfer(ts=T0, src="gpu", dst="cpu", blocks=4,
-                                                     bytes=4096, duration=0.002)])
-    finally:
-        agent.shutdown()
-    assert read_transfer_totals(tmp_path / "cap") == {"gpu->cpu": (4096, 4, 0.002)}
 
 
 @pytest.fixture
