@@ -70,7 +70,10 @@ class RequestSample:
     measured); ``transfer_failures``: failed transfers (None: not measured). ``prefill_seconds``:
     the requests' prefill time in all (0: not reported). ``promotion_waits``: the waits as a
     histogram where they were not recorded one by one (a rollout arm's agent: ``{"bounds",
-    "counts", "sum"}`` as :class:`kvscope.rollout.arms.Cost` has it), else None. ``name``: for
+    "counts", "sum"}`` as :class:`kvscope.rollout.arms.Cost` has it), else None.
+    ``token_sources``: the sources ``tokens`` measured, a missing one counting 0 (None: every
+    source, as a capture's records drop sources that served nothing); the others are not
+    measured (a rollout arm read from vLLM's metrics: gpu and recompute). ``name``: for
     reports.
     """
 
@@ -85,6 +88,7 @@ class RequestSample:
     transfer_failures: int | None = 0
     prefill_seconds: float = 0.0
     promotion_waits: dict | None = None
+    token_sources: tuple[str, ...] | None = None
 
     @property
     def requests(self) -> int:
@@ -105,8 +109,10 @@ class QuantileRow:
 @dataclass(frozen=True)
 class Side:
     """Hit quality and transfer cost of one arm (its runs added up). ``runs``: how many.
-    ``token_share``: dict[source, 0-1], or None when the records carry no tokens by source
-    (not measured, e.g. a GPU-only vLLM seen through spans alone);
+    ``tokens``, ``token_share``: dict[source, prompt tokens] and dict[source, 0-1] of the
+    sources every run measured (the others are not measured); ``token_share`` None when the
+    records carry no tokens by source (not measured, e.g. a GPU-only vLLM seen through spans
+    alone);
     ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request (None: not
     measured, e.g. a rollout arm without an agent); ``transfers``:
     dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}] (``blocks``,
@@ -262,10 +268,20 @@ def transfer_failures(samples: Sequence[RequestSample]) -> int | None:
     return sum(counted) if counted else None
 
 
+def measured_sources(samples: Sequence[RequestSample]) -> tuple[str, ...] | None:
+    """The token sources every one of ``samples`` measured (None: every source)."""
+    listed = [set(s.token_sources) for s in samples if s.token_sources is not None]
+    if not listed:
+        return None
+    return tuple(src for src in ev.TOKEN_SOURCES if all(src in known for known in listed))
+
+
 def _side(runs: list[RequestSample]) -> Side:
-    tokens = {src: sum(int(r.tokens.get(src, 0)) for r in runs) for src in ev.TOKEN_SOURCES}
+    sources = measured_sources(runs)
+    sources = ev.TOKEN_SOURCES if sources is None else sources
+    tokens = {src: sum(int(r.tokens.get(src, 0)) for r in runs) for src in sources}
     total = sum(tokens.values())
-    share = {src: tokens[src] / total for src in ev.TOKEN_SOURCES} if total else None
+    share = {src: tokens[src] / total for src in sources} if total else None
     requests = sum(r.requests for r in runs)
     n = max(requests, 1)
     moved: dict[str, dict[str, float | None]] = {}
@@ -279,7 +295,7 @@ def _side(runs: list[RequestSample]) -> Side:
     transfers = {d: {**moved[d], "bytes_per_request": moved[d]["bytes"] / n}
                  for d in sorted(moved)}
     prefill = sum(r.prefill_seconds for r in runs)
-    rate = prefill_rate(tokens["recompute"], prefill)
+    rate = prefill_rate(tokens.get("recompute", 0), prefill)
     value = {}
     for tier in ev.TIERS[1:]:  # the offload tiers: a GPU prefix hit is not offload's doing
         legs = [t["seconds"] for d, t in transfers.items() if tier in d.split("->")]
@@ -524,7 +540,8 @@ def render_text(comparison: Comparison) -> str:
     lines.append("hit quality, share of prompt tokens by source:")
     for side in (c.baseline, c.candidate):
         lines.append(f"  {side.name}: " + (", ".join(
-            f"{s} {side.token_share[s] * 100:.1f}%" for s in ev.TOKEN_SOURCES)
+            f"{s} {side.token_share[s] * 100:.1f}%" if s in side.token_share
+            else f"{s} not measured" for s in ev.TOKEN_SOURCES)
             if side.token_share is not None else "not measured (the records carry no tokens "
             "by source)"))
     lines.append("transfer cost:")

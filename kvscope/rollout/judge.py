@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvscope.analysis.compare import (INCONCLUSIVE, ROLL_BACK, Comparison, RequestSample,
-                                      Verdict, combine, compare, ms, promotion_waits,
-                                      transfer_failures)
+                                      Verdict, combine, compare, measured_sources, ms,
+                                      promotion_waits, transfer_failures)
 from kvscope.rollout.plan import Step, aa_slot
 
 
@@ -68,7 +68,7 @@ def pooled(samples: Sequence[RequestSample], name: str) -> RequestSample:
         name, joined("ttft"), joined("itl"), joined("promotion_wait"), added("tokens"),
         added("transfer_bytes"), added("transfer_blocks"), added("transfer_seconds"),
         transfer_failures(samples), sum(s.prefill_seconds for s in samples),
-        promotion_waits(samples))
+        promotion_waits(samples), measured_sources(samples))
 
 
 def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int | None

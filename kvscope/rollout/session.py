@@ -83,7 +83,10 @@ def _sample(run: dict) -> RequestSample:
                          transfer_seconds=c["transfer_seconds"],
                          transfer_failures=c["transfer_failures"],
                          prefill_seconds=c["prefill_seconds"],
-                         promotion_waits=c.get("promotion_wait"))
+                         promotion_waits=c.get("promotion_wait"),
+                         # the agent counts every source; vLLM's own metrics gpu and
+                         # recompute only, the rest not measured (it read cpu 0%)
+                         token_sources=None if c["source"] == "agent" else tuple(c["tokens"]))
 
 
 class Session:

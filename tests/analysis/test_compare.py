@@ -14,7 +14,7 @@ from kvscope.agent.requests import RequestRecord, TransferRecord
 from kvscope.analysis.bootstrap import compare_quantiles, quantile_cis, quantile_replicates
 from kvscope.analysis.capture_reader import read_request_sample
 from kvscope.analysis.compare import (INCONCLUSIVE, KEEP, ROLL_BACK, RequestSample, compare,
-                                      render_text, to_dict)
+                                      measured_sources, render_text, to_dict)
 from kvscope.cli import main
 
 BUDGET = 0.1  # seconds
@@ -357,6 +357,25 @@ def test_an_arm_without_tokens_by_source_is_not_measured_never_zero(tmp_path, ca
     assert "spans-only: not measured" in text
     assert "spans-only: none; promotion wait not measured;" in text
     assert "tap: none; promotion wait mean 0 ms, p99 0 ms;" in text
+
+
+def test_sources_a_run_did_not_measure_are_not_measured_never_zero():
+    """A rollout arm read from vLLM's own metrics: gpu 60 and recompute 40 tokens, nothing
+    said of cpu or disk. Its shares are of those two (60%, 40%), cpu and disk "not measured"
+    (they read 0.0%); pooled with a run that measured every source, still only those two. A
+    capture's run (every source measured, those that served nothing left out) shows cpu 0%."""
+    ttft = np.linspace(0.05, 0.1, 200)
+    server = RequestSample("vllm", ttft, tokens={"gpu": 60, "recompute": 40},
+                           token_sources=("gpu", "recompute"))
+    capture = RequestSample("capture", ttft, tokens={"gpu": 30, "recompute": 70})
+    result = compare(server, capture, resamples=200)
+    assert result.baseline.token_share == {"gpu": 0.6, "recompute": 0.4}
+    assert result.candidate.token_share == {"gpu": 0.3, "cpu": 0.0, "disk": 0.0,
+                                            "recompute": 0.7}
+    assert "vllm: gpu 60.0%, cpu not measured, disk not measured, recompute 40.0%" in \
+        render_text(result)
+    assert measured_sources([server, capture]) == ("gpu", "recompute")
+    assert measured_sources([capture]) is None
 
 
 def test_budgets_are_seconds_or_a_percentage_of_the_baseline(tmp_path, capsys):

@@ -161,7 +161,8 @@ def test_rollout_baseline_against_a_cpu_tier(setting):
     assert j["verdict"]["decision"] in ("keep", "roll back (disable the newest tier)",
                                         "inconclusive")
     base, cand = j["overall"]["baseline"], j["overall"]["candidate"]
-    assert base["token_share"]["gpu"] > 0 and base["token_share"]["cpu"] == 0
+    # the baseline is read from vLLM's own metrics, which say nothing of cpu: not measured
+    assert base["token_share"]["gpu"] > 0 and "cpu" not in base["token_share"]
     assert cand["token_share"]["cpu"] > 0
     assert set(cand["transfers"]) == {"gpu->cpu", "cpu->gpu"}
     assert cand["transfers"]["gpu->cpu"]["bytes"] == \
