@@ -251,7 +251,10 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
         raise ConfigError(f"environment: {unknown[0]} is not a setting (nested keys take two "
                           "underscores, e.g. KVSCOPE_INGEST__ENDPOINT; see docs/agent.md)")
     try:
-        return AgentSettings(**values)
+        settings = AgentSettings(**values)
+        if values:
+            _check_overridden(values)
+        return settings
     except SettingsError as exc:  # a KVSCOPE_* variable that does not parse (e.g. bad JSON)
         # pydantic names only the top-level field ('error parsing value for field "collectors"')
         field = re.search(r'field "(\w+)"', str(exc))
@@ -283,6 +286,24 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
         if error["type"] == "extra_forbidden":
             message = _unknown_key(loc)
         raise ConfigError(f"{where}: {message}") from None
+
+
+def _check_overridden(values: dict) -> None:
+    """Raise ConfigError for a ``KVSCOPE_*`` variable with a bad value whose key the file or a
+    flag (``values``) sets too: the stronger value won, and the variable's was never read, so
+    ``KVSCOPE_PORT=abc`` beside a file's ``port`` went unnoticed."""
+    try:
+        AgentSettings()  # the environment alone
+    except ValidationError as exc:
+        set_now = _settings_variables()
+        for error in exc.errors():
+            loc = [str(p) for p in error["loc"]]
+            variable = _variables_of(loc)[0] if loc else ""
+            if variable in set_now and _set_in(values, loc):
+                raise ConfigError(
+                    f"environment: {variable}: {error['msg'].removeprefix('Value error, ')} "
+                    f"(the config file or a flag sets {'.'.join(loc)} too and takes "
+                    "precedence; fix or unset the variable)") from None
 
 
 def _unknown_key(loc: list[str]) -> str:

@@ -209,6 +209,15 @@ def test_a_bad_environment_value_names_its_variable_not_the_file(tmp_path, monke
     path.write_text('port = "abc"\n')  # the file's own bad value is the file's
     with pytest.raises(ConfigError, match=f"^config {path}: port: Input should be"):
         load_settings(path)
+    # the file (or a flag) wins over a variable, but a bad variable is still no silence
+    path.write_text("port = 9555\n")
+    with pytest.raises(ConfigError, match="^environment: KVSCOPE_PORT: Input should be a "
+                       "valid integer.* sets port too and takes precedence"):
+        load_settings(path)
+    with pytest.raises(ConfigError, match="^environment: KVSCOPE_PORT: .* takes precedence"):
+        load_settings(None, port=9556)
+    monkeypatch.setenv("KVSCOPE_PORT", "9000")  # a good one is overridden as documented
+    assert load_settings(path).port == 9555
 
 
 def test_a_check_across_a_tables_keys_names_where_the_table_was_set(tmp_path, monkeypatch):
