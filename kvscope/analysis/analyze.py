@@ -137,7 +137,7 @@ def _histograms(trace: AccessTrace, options: AnalyzeOptions):
     # A sample that dropped blocks must keep enough of them (curves of 0 and 1 blocks said a
     # 0.1 GiB tier serves 100%), a small trace's too; a tap's capture is a sample already,
     # whatever its size, and only sampling it again can thin it.
-    resampled = by_access.rate < trace.sample_rate if tapped else True
+    resampled = not tapped or by_access.rate < trace.sample_rate
     if resampled and kept < MIN_SAMPLED_BLOCKS and kept < len(np.unique(ids)):
         raise ValueError(f"the SHARDS sample holds only {by_access.sampled_blocks} distinct blocks "
                          f"(R={by_access.rate:.3g}), too few for a curve to size a tier from; "

@@ -19,12 +19,12 @@ from kvscope.vocabulary import TIERS
 MIB = 1024 * 1024
 
 
-# A Prometheus duration (and Grafana's refresh): units largest first, each at most once.
 # Ratios that are shares of a whole (0 to 1), as every *_share is; the others are multiples
 # (regression_ratio 1.5: 150% above the baseline; recompute_faster_ratio 2: twice the time).
 _SHARE_RATIOS = {"headroom_min_ratio", "headroom_warning_ratio", "ttft_budget_warning_ratio",
                  "ineffective_fill_ratio", "tier_full_ratio", "gpu_kv_usage_warning_ratio",
                  "pcie_saturation_ratio", "transfer_failure_ratio"}
+# A Prometheus duration (and Grafana's refresh): units largest first, each at most once.
 _DURATION = re.compile(r"(?=\d)(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?")
 
 
