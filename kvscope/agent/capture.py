@@ -47,6 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvscope import events as ev
+from kvscope import samples as sf
 from kvscope.agent.record_data import RecordData
 from kvscope.agent.requests import RequestRecord
 from kvscope.agent.segments import OutageLog, check_writable, prune
@@ -108,8 +109,12 @@ def _request_fields() -> list[pa.Field]:
 
 
 # one row per finished request: the request schema (agent/record_data.py), times in Unix
-# seconds, durations in seconds, NaN for a TTFT or finish unknown
-REQUESTS_SCHEMA = pa.schema(_request_fields(), metadata={"kvscope.kind": "requests"})
+# seconds, durations in seconds, NaN for a TTFT or finish unknown; and the tiers the agent
+# reported then, comma-separated nearest the GPU first ("" unknown: before its first sample,
+# or no source reports tiers), so that a tier that was off is not read as one that served 0
+REQUESTS_SCHEMA = pa.schema([*_request_fields(), pa.field("tiers", pa.string())],
+                            metadata={"kvscope.kind": "requests"})
+REQUESTS_ADDED = {"tiers": ""}  # columns older captures lack: default
 
 TOTALS_SCHEMA = pa.schema([
     pa.field("ts", pa.float64()),           # Unix seconds of the agent's sample
@@ -194,6 +199,7 @@ class CaptureWriter(Worker):
             label="kvscope capture", meanwhile="rows are dropped until it can",
             lost_as="rows could not be written")
         self._totals: dict[str, tuple] = {}  # the transfer counters last queued (add_totals)
+        self._tiers = ""  # the tiers the last sample reported (add_totals), for add_request
 
     # -- sinks ------------------------------------------------------------------------------
 
@@ -259,6 +265,7 @@ class CaptureWriter(Worker):
             elif isinstance(f.type, mi.VarTupleType):
                 row[f.name] = [msgspec.structs.asdict(item) for item in row[f.name]]
         with self._lock:
+            row["tiers"] = self._tiers
             stream = self._streams["requests"]
             if stream.rows + 1 > self.max_pending_rows:
                 self.dropped["requests"] += 1
@@ -271,11 +278,15 @@ class CaptureWriter(Worker):
         """Queue the transfer counters of one dashboard sample (:meth:`~kvscope.agent.pipeline.
         Pipeline.record_sample`'s: ``ts``, and ``transfer_bytes``, ``transfer_blocks``,
         ``transfer_seconds_sum`` by "src->dst"): a row per direction, when they changed since
-        the last rows queued (an idle agent adds none)."""
+        the last rows queued (an idle agent adds none). The tiers it reports (the keys of
+        ``tier_capacity_bytes``, when it has them) go with the requests added after it."""
         seconds = sample["transfer_seconds_sum"]
         now = {d: (int(n), int(sample["transfer_blocks"].get(d, 0)), float(seconds.get(d, 0.0)))
                for d, n in sample["transfer_bytes"].items()}
+        reported = sample.get(sf.TIER_CAPACITY_BYTES.name)
         with self._lock:
+            if reported is not None:
+                self._tiers = ",".join(t for t in ev.TIERS if t in reported)
             if now == self._totals:
                 return
             stream = self._streams["totals"]

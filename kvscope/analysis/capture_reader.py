@@ -26,7 +26,8 @@ import pyarrow.parquet as pq
 
 from kvscope import events as ev
 from kvscope import sampling
-from kvscope.agent.capture import BLOCKS_ADDED, SUFFIX, TMP_SUFFIX, finished_segments
+from kvscope.agent.capture import (BLOCKS_ADDED, REQUESTS_ADDED, SUFFIX, TMP_SUFFIX,
+                                   finished_segments)
 from kvscope.analysis.compare import RequestSample
 from kvscope.analysis.rates import MeasuredRates, measured_rates
 from kvscope.analysis.shards import spatial_hash
@@ -40,7 +41,7 @@ UNKNOWN_BLOCK_TOKENS = 16  # vLLM's default block_size, assumed when a capture d
 _BLOCK_COLUMNS = ["ts", "request_id", "depth", "block_hash", "tokens", "block_tokens",
                   "prompt_tokens", *BLOCKS_ADDED]
 _REQUEST_COLUMNS = ["ttft", "itl", "promotion_wait", "prefill",
-                    *[f"tokens_{s}" for s in ev.TOKEN_SOURCES], "transfers"]
+                    *[f"tokens_{s}" for s in ev.TOKEN_SOURCES], "transfers", "tiers"]
 
 
 def capture_segments(path: str | Path, kind: str) -> list[Path]:
@@ -114,7 +115,7 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
     return table
 
 
-_ADDED_TYPES = {"sample_rate": pa.float64(), "lookup_blocks": pa.int64()}
+_ADDED_TYPES = {"sample_rate": pa.float64(), "lookup_blocks": pa.int64(), "tiers": pa.string()}
 
 
 def _present(path: Path, columns: list[str], added: dict | None) -> list[str]:
@@ -220,7 +221,8 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     a direction whose copies took 0 s in all was not timed (its seconds: not measured).
     Raises TraceError for a missing capture, no request rows, or an unreadable segment."""
     path = Path(path)
-    table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path)
+    table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path,
+                  REQUESTS_ADDED)
     sample = _converted(path, "requests", lambda: _request_sample(table, name or str(path)))
     totals = read_transfer_totals(path) if path.is_dir() else None
     if not totals:
@@ -323,8 +325,22 @@ def read_arms(baseline: str, candidate: str) -> tuple[list[RequestSample], list[
     return read_runs(baseline), read_runs(candidate)
 
 
+def _token_sources(tiers: pa.ChunkedArray, tokens: dict[str, int]) -> tuple[str, ...] | None:
+    """The token sources the requests measured, from the tiers the agent reported with them
+    (``tiers``: a row's comma-separated, "" unknown): an offload tier none of them reported
+    was off, not measured; gpu and recompute always are, and so is a source that served
+    tokens. None (every source) when no row knows its tiers (a capture written before they
+    were recorded)."""
+    reported = {t for row in pc.unique(tiers).to_pylist() for t in row.split(",") if t}
+    if not reported:
+        return None
+    offload = ev.TIERS[1:]
+    return tuple(s for s in ev.TOKEN_SOURCES if s not in offload or s in reported or tokens[s])
+
+
 def _request_sample(table: pa.Table, name: str) -> RequestSample:
-    col = {c: table.column(c).to_numpy() for c in _REQUEST_COLUMNS if c != "transfers"}
+    col = {c: table.column(c).to_numpy() for c in _REQUEST_COLUMNS
+           if c not in ("transfers", "tiers")}
     ttft = col["ttft"].astype(np.float64)
     itl = col["itl"].astype(np.float64)
     wait = col["promotion_wait"].astype(np.float64)
@@ -344,9 +360,10 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
         failures = int((~ok).sum())
     else:
         moved_bytes, moved_blocks, seconds, failures = {}, {}, {}, 0
+    tokens = {s: int(col[f"tokens_{s}"].sum()) for s in ev.TOKEN_SOURCES}
     return RequestSample(
         name=name, ttft=ttft[np.isfinite(ttft)], itl=itl[itl > 0],
-        promotion_wait=wait[np.isfinite(wait)],
-        tokens={s: int(col[f"tokens_{s}"].sum()) for s in ev.TOKEN_SOURCES},
+        promotion_wait=wait[np.isfinite(wait)], tokens=tokens,
         transfer_bytes=moved_bytes, transfer_blocks=moved_blocks, transfer_seconds=seconds,
-        transfer_failures=failures, prefill_seconds=float(np.nansum(col["prefill"])))
+        transfer_failures=failures, prefill_seconds=float(np.nansum(col["prefill"])),
+        token_sources=_token_sources(table.column("tiers"), tokens))

@@ -73,8 +73,8 @@ class RequestSample:
     "counts", "sum"}`` as :class:`kvscope.rollout.arms.Cost` has it), else None.
     ``token_sources``: the sources ``tokens`` measured, a missing one counting 0 (None: every
     source, as a capture's records drop sources that served nothing); the others are not
-    measured (a rollout arm read from vLLM's metrics: gpu and recompute). ``name``: for
-    reports.
+    measured (a rollout arm read from vLLM's metrics: gpu and recompute; a capture without a
+    disk tier: all but disk). ``name``: for reports.
     """
 
     name: str

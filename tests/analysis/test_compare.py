@@ -461,11 +461,16 @@ def test_transfer_cost_counts_the_offloads_no_request_holds(tmp_path, capsys):
     assert pq.read_table(next(directory.glob("totals-*.parquet"))).num_rows == 6  # 3 changes
 
 
-def _promoting_capture(directory, source, copies) -> CaptureWriter:
+def _promoting_capture(directory, source, copies, tiers=None) -> CaptureWriter:
     """A capture (left open) of 100 requests of 64 prompt tokens, 32 of them from ``source``
     and 32 recomputed in 3.2 ms of prefill; each request made ``copies``, (src, dst, seconds),
-    of 2 blocks (1 MB) each."""
+    of 2 blocks (1 MB) each. ``tiers``: those the agent's sample before them reported (None:
+    no sample, the tiers unknown)."""
     writer = CaptureWriter(directory)
+    if tiers is not None:
+        writer.add_totals({"ts": 999.0, "transfer_bytes": {}, "transfer_blocks": {},
+                           "transfer_seconds_sum": {},
+                           "tier_capacity_bytes": dict.fromkeys(tiers, 1 << 30)})
     for i in range(100):
         writer.add_request(RequestRecord(
             f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64,
@@ -474,6 +479,29 @@ def _promoting_capture(directory, source, copies) -> CaptureWriter:
                        for src, dst, seconds in copies],
             finished=1000.0 + i + 0.01))
     return writer
+
+
+def test_a_tier_the_capture_did_not_have_is_not_measured_never_zero(tmp_path, capsys):
+    """The candidate's agent reported a gpu and a cpu tier, no disk tier; its 100 requests of
+    64 prompt tokens took 32 from cpu and recomputed 32: cpu 3,200 / 6,400 = 50%, recompute
+    50%, gpu 0%, and disk "not measured" (it read 0.0%), left out of the JSON shares as a
+    rollout arm's unmeasured sources are. The baseline was captured before the tiers were
+    recorded: every source measured, as before (disk 0.0%). A source that served tokens was
+    measured whatever tiers were reported: cpu's 32 tokens a request beside a gpu tier alone."""
+    _promoting_capture(tmp_path / "cand", "cpu", [], tiers=("gpu", "cpu")).close()
+    base = write_capture(tmp_path / "base", np.linspace(0.01, 0.02, 100))
+    assert main(["compare", str(base), str(tmp_path / "cand"), "--json", "--resamples",
+                 "100"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["candidate"]["token_share"] == {"gpu": 0.0, "cpu": 0.5, "recompute": 0.5}
+    assert out["baseline"]["token_share"] == {"gpu": 0.0, "cpu": 0.0, "disk": 0.0,
+                                              "recompute": 1.0}
+    assert main(["compare", str(base), str(tmp_path / "cand"), "--resamples", "100"]) == 0
+    text = capsys.readouterr().out
+    assert "cand: gpu 0.0%, cpu 50.0%, disk not measured, recompute 50.0%" in text
+    assert "base: gpu 0.0%, cpu 0.0%, disk 0.0%, recompute 100.0%" in text
+    _promoting_capture(tmp_path / "gpu", "cpu", [], tiers=("gpu",)).close()
+    assert read_request_sample(tmp_path / "gpu").token_sources == ("gpu", "cpu", "recompute")
 
 
 def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_path, capsys):
