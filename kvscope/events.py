@@ -80,7 +80,8 @@ class SchemaError(ValueError):
 
     ``reason``: ``malformed`` (not msgpack, or truncated), ``invalid`` (a field of the wrong
     type or value, e.g. an unknown tier or event kind, a negative count, a NaN or infinite
-    time) or ``version`` (another schema version).
+    time, or an event that cannot be true: :func:`event_problem`) or ``version`` (another
+    schema version).
     """
 
     def __init__(self, message: str, reason: str) -> None:
@@ -404,14 +405,39 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     pid: Count = 0
 
 
+def event_problem(event: object) -> str | None:
+    """Why ``event``, each field valid on its own, cannot be true, or None: a transfer from a
+    tier to itself, or a tier snapshot holding more than its capacity, in bytes or blocks (a
+    capacity of 0 is unknown and holds anything: the vLLM tap's before vLLM says it). Not a
+    constraint of the structs: a tap builds events in the engine, where nothing may raise."""
+    kind = type(event)
+    if kind is Transfer and event.src == event.dst:
+        return f"a transfer from the {event.src} tier to itself"
+    if kind is TierSnapshot:
+        for unit in ("bytes", "blocks"):
+            held = getattr(event, f"resident_{unit}")
+            capacity = getattr(event, f"capacity_{unit}")
+            if 0 < capacity < held:
+                return (f"a {event.tier} tier snapshot holding {held} {unit}, over its "
+                        f"capacity of {capacity}")
+    return None
+
+
+_CHECKED = frozenset({Transfer, TierSnapshot})  # the kinds event_problem finds fault with
+
+
 def validate(event: Event) -> Event:
-    """``event`` checked against the schema's constraints, as the decoder checks what arrives
-    (an event built in Python is checked for nothing). Raises :class:`SchemaError` (``invalid``)
-    naming the field."""
+    """``event`` checked against the schema's constraints and :func:`event_problem`, as the
+    decoder checks what arrives (an event built in Python is checked for nothing). Raises
+    :class:`SchemaError` (``invalid``) naming the field or the problem."""
     try:
-        return msgspec.convert(msgspec.to_builtins(event), Event)
+        checked = msgspec.convert(msgspec.to_builtins(event), Event)
     except msgspec.ValidationError as exc:
         raise SchemaError(str(exc), "invalid") from exc
+    problem = event_problem(checked)
+    if problem is not None:
+        raise SchemaError(problem, "invalid")
+    return checked
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -450,6 +476,9 @@ def decode_batch(data: bytes) -> Batch:
         raise SchemaError(str(exc), "malformed") from exc
     if batch.version != SCHEMA_VERSION:
         raise SchemaError(f"schema version {batch.version}, expected {SCHEMA_VERSION}", "version")
+    for event in batch.events:  # only the kinds event_problem checks: a call costs 50 ns
+        if type(event) in _CHECKED and (problem := event_problem(event)) is not None:
+            raise SchemaError(problem, "invalid")
     return batch
 
 
@@ -475,10 +504,12 @@ def salvage_batch(data: bytes, header: BatchHeader | None = None) -> tuple[Batch
     events = []
     for event in raw.events:
         try:
-            events.append(_event_decoder.decode(event))
+            decoded = _event_decoder.decode(event)
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError,
                 UnicodeDecodeError):
             continue
+        if event_problem(decoded) is None:
+            events.append(decoded)
     return msgspec.structs.replace(raw, events=events), len(raw.events) - len(events)
 
 

@@ -898,6 +898,38 @@ def test_a_negative_count_or_a_nan_or_infinite_time_makes_its_event_invalid(even
     assert snap.events_received == {"engine": 1} and snap.prompt_tokens["gpu"] == 16
 
 
+@pytest.mark.parametrize("event", [
+    {"kind": "transfer", "ts": 1.0, "src": "gpu", "dst": "gpu", "blocks": 2, "bytes": 10,
+     "duration": 0.1},
+    {"kind": "tier_snapshot", "ts": 1.0, "tier": "cpu", "capacity_bytes": 100,
+     "resident_bytes": 101, "capacity_blocks": 0, "resident_blocks": 0},
+    {"kind": "tier_snapshot", "ts": 1.0, "tier": "cpu", "capacity_bytes": 0,
+     "resident_bytes": 0, "capacity_blocks": 4, "resident_blocks": 5},
+])
+def test_a_transfer_to_its_own_tier_or_a_snapshot_over_its_capacity_is_invalid(event):
+    """A copy from gpu to gpu moves nothing between tiers, and a tier cannot hold more than
+    its capacity (101 bytes of 100; 5 blocks of 4, its bytes unknown): each is dropped as
+    invalid (1) and moves nothing: no transfer bytes, no cpu tier. Beside it the good lookup
+    counts (16 gpu tokens), and so does a disk snapshot of unknown capacity (0) holding 3
+    blocks (the vLLM tap sends one before vLLM says the capacity): 2 received. A scrape
+    source checks its events with ev.validate, which refuses the same."""
+    pipeline = Pipeline()
+    unknown = ev.TierSnapshot(ts=1.0, tier="disk", capacity_bytes=0, resident_bytes=300,
+                              capacity_blocks=0, resident_blocks=3)
+    IngestSource(pipeline).handle(msgspec.msgpack.encode({
+        "version": ev.SCHEMA_VERSION, "source": "engine", "seq": 0,
+        "events": [msgspec.to_builtins(_lookup(1)), msgspec.to_builtins(unknown), event]}))
+    snap = pipeline.snapshot()
+    assert snap.events_dropped == {("engine", "invalid"): 1}
+    assert snap.events_received == {"engine": 2} and snap.prompt_tokens["gpu"] == 16
+    assert not snap.transfer_bytes and set(snap.tiers) == {"disk"}
+    assert snap.tiers["disk"].resident_blocks == 3
+    with pytest.raises(ev.SchemaError) as info:
+        ev.validate(msgspec.convert(event, ev.Event))
+    assert info.value.reason == "invalid"
+    assert ev.validate(unknown) == unknown
+
+
 def test_a_batch_of_more_events_than_an_emitter_sends_is_dropped_whole_when_one_is_invalid():
     """4,097 events, one invalid: each would be decoded on its own again (a sender's 4 MiB of
     one-byte events cost 4.6 times a whole drop, and twice its memory); beyond
