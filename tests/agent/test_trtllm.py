@@ -7,6 +7,7 @@ No engine runs here: TensorRT-LLM needs CUDA."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -14,6 +15,7 @@ from kvscope import events as ev
 from kvscope.agent.config import AgentSettings, load_settings
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources import base
+from kvscope.agent.sources.base import MAX_GAP
 from kvscope.agent.sources.scrape import parse
 from kvscope.agent.sources.trtllm import TrtllmMetrics, TrtllmSource
 from kvscope.agent.sources.trtllm_events import TrtllmResidency, decode
@@ -102,6 +104,26 @@ def test_a_misshapen_event_costs_itself_alone_and_none_diffs_are_read():
     events, drops = TrtllmResidency().apply(5.0, decode(body))
     assert drops == {"invalid": 2}
     assert [(t.src, t.dst, t.blocks) for t in kinds(events, ev.Transfer)] == [("gpu", "cpu", 1)]
+
+
+def test_an_event_id_far_ahead_is_followed_and_logged_not_counted_as_lost(caplog):
+    """ids 0, 1, then 10**21 (no engine buffers 10**21 events: a corrupt or foreign id), then
+    10**21 + 3 (2 lost after it). The jump is followed and logged once, and counts no gap (it
+    read 10**21 lost, for good, in kvscope_events_dropped_total); the next real gap counts 2;
+    a jump of MAX_GAP ids exactly still counts as lost."""
+    r = TrtllmResidency()
+    jump = 10 ** 21
+    with caplog.at_level(logging.WARNING):
+        drops = [r.apply(1.0, decode(json.dumps([_event(i, _stored(i))]).encode()))[1]
+                 for i in (0, 1, jump, jump + 3)]
+    assert drops == [{}, {}, {}, {"gap": 2}]
+    assert [m for m in caplog.messages if "jumped" in m] == [
+        f"TensorRT-LLM KV cache events: event_id jumped {jump - 2} ahead; following it from "
+        "there, not counted as a gap (logged once)"]
+    edge = TrtllmResidency()
+    edge.apply(1.0, decode(json.dumps([_event(0, _stored(1))]).encode()))
+    _, lost = edge.apply(2.0, decode(json.dumps([_event(MAX_GAP + 1, _stored(2))]).encode()))
+    assert lost == {"gap": MAX_GAP}
 
 
 def test_ranks_and_windows_keep_their_own_blocks_capacity_and_event_ids():

@@ -21,6 +21,11 @@ from kvscope import events as ev
 from kvscope.agent.sections import Section
 from kvscope.agent.worker import Worker
 
+# A sequence number (a batch's, an event id) that jumps ahead by more than this is no loss but a
+# confused sender (or another one): a source follows it from there, logs it once and counts no
+# gap (an engine's buffers and a tap's send queue hold far fewer).
+MAX_GAP = 1 << 20
+
 if TYPE_CHECKING:  # the pipeline's types, for annotations only: sources hold a Consumer
     from kvscope.agent.pipeline import Snapshot
 

@@ -82,7 +82,8 @@ from pydantic import Field, field_validator
 from kvscope import events as ev
 from kvscope.files import write_atomic
 from kvscope.agent.sections import Section, zmq_endpoint
-from kvscope.agent.sources.base import Consumer, SourceSpec, SourceWorker, register
+from kvscope.agent.sources.base import (MAX_GAP, Consumer, SourceSpec, SourceWorker,
+                                        register)
 from kvscope.agent.sources.stalls import Progress
 from kvscope.vocabulary import TAP_ERROR_REASONS
 
@@ -96,9 +97,6 @@ TAP_DROPS = ("emitter_buffer", "gap", "too_large", "malformed", "invalid", "vers
 # Emitters (sessions) followed per source: restarts leave old ones behind, and taps sharing a
 # name (a mistake, warned about) each keep their counts up to this many. 64 chars each at most.
 STREAMS_PER_SOURCE = 64
-# Batches an emitter may lose in transit are at most its ZMQ send queue; a far larger jump in its
-# sequence is a sender that is confused, not 10^6 lost batches.
-MAX_GAP = 1 << 20
 MAX_WARNED = 1024  # distinct (source, reason) drops logged at most
 MAX_EMITTERS = 256  # open emitters followed (engine_pids, the drain): a node's taps, with room
 # Bytes a received message costs beyond its own (the bytes object and its place in the queue):

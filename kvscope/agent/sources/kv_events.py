@@ -52,7 +52,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvscope import events as ev
 from kvscope.agent.sections import EngineSection, TierSize, tier_keys, zmq_endpoint
-from kvscope.agent.sources.base import Consumer, SourceSpec, SourceWorker, register
+from kvscope.agent.sources.base import (MAX_GAP, Consumer, SourceSpec, SourceWorker,
+                                        register)
 from kvscope.agent.sources.kv_residency import (FLAVOURS, SGLANG, VLLM, AllBlocksCleared,
                                                 BlockRemoved, BlockStored, Flavour, KvResidency,
                                                 batch_rank, decode, vllm_binds)
@@ -71,11 +72,9 @@ NAME = "kv_events"
 _MAPPED_TRANSFERS = (("gpu", "cpu"), ("disk", "cpu"), ("cpu", "disk"), ("remote", "cpu"),
                      ("cpu", "remote"))
 END_SEQ = -1
-# A sequence jump beyond this is no loss but a confused (or second) publisher; a gap beyond
-# MAX_REPLAY batches is more than vLLM's replay buffer holds, so it is not asked for; after a
-# replay that brought nothing, none is tried for REPLAY_BACKOFF seconds (each would hold the
-# source for replay_timeout while batches queue up).
-MAX_GAP = 1 << 20
+# A gap beyond MAX_REPLAY batches is more than vLLM's replay buffer holds, so it is not asked
+# for; after a replay that brought nothing, none is tried for REPLAY_BACKOFF seconds (each would
+# hold the source for replay_timeout while batches queue up).
 MAX_REPLAY = 10_000
 REPLAY_BACKOFF = 30.0
 # Bytes a message may have where the agent binds (see KvEventsSource.prepare): vLLM's own are

@@ -46,19 +46,25 @@ gpu, 1 cpu), blocks tracked by (attention DP rank, window size, hash):
 What cannot be known: blocks stored before the agent listened (their removals and moves are
 ignored, as they are not resident in what the agent counts), and, past ``max_tracked`` blocks,
 new ones (counted as dropped, ``untracked``). An ``event_id`` that skips ahead per rank lost
-events (TensorRT-LLM drops the oldest past ``event_buffer_max_size``): counted as ``gap``; one
-that goes back means the engine restarted, and residency starts over.
+events (TensorRT-LLM drops the oldest past ``event_buffer_max_size``): counted as ``gap``, up to
+:data:`~kvscope.agent.sources.base.MAX_GAP` ids (a larger jump is a confused engine: followed
+from there and logged once); one that goes back means the engine restarted, and residency
+starts over.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import msgspec
 
 from kvscope import events as ev
+from kvscope.agent.sources.base import MAX_GAP
 from kvscope.vocabulary import TIERS
+
+log = logging.getLogger(__name__)
 
 BlockHash = int | str  # 64-bit integers as TensorRT-LLM's V1 hashes them; any other as given
 # Measured evictions one drain sends one by one (their ages apart); past it the rest of that
@@ -179,6 +185,7 @@ class TrtllmResidency:
         self.blocks: dict[tuple[int, int, BlockHash], tuple[int, float]] = {}  # -> level, since
         self.resident = [0] * len(self.levels)  # blocks tracked per level
         self.last_id: dict[int, int] = {}  # per rank
+        self._jump_logged = False
 
     def apply(self, ts: float, decoded: Decoded) -> tuple[list, Counter]:
         """The kvscope events of one drain at ``ts`` (Unix seconds) and what it lost, by
@@ -192,6 +199,12 @@ class TrtllmResidency:
                     continue  # the same event again
                 fold.changed.update(range(len(self.levels)))  # restarted: empty again
                 self.reset()
+            elif last is not None and event_id - last - 1 > MAX_GAP:
+                if not self._jump_logged:  # no loss but a confused engine: followed from here
+                    self._jump_logged = True
+                    log.warning("TensorRT-LLM KV cache events: event_id jumped %d ahead; "
+                                "following it from there, not counted as a gap (logged once)",
+                                event_id - last - 1)
             elif last is not None and event_id > last + 1:
                 drops["gap"] += event_id - last - 1
             self.last_id[rank] = event_id
