@@ -57,7 +57,8 @@ def source_name_problem(name: str) -> str | None:
 # Counts stop at 2**53, where float64 (every Prometheus sample) stops holding integers exactly,
 # far inside the 64-bit integers the store and the Parquet capture write. Durations stop at 1e9 s
 # (31 years): a Unix time before 2100 plus one is still an int64 of nanoseconds (OTLP's times).
-Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+MAX_COUNT = 2**53
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 MAX_SECONDS = 1e9
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 # A timestamp is Unix seconds before 2100: a sender in milliseconds (1.7e12) or a corrupt time

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from kvscope import events as ev
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
@@ -76,6 +78,22 @@ def test_a_restarted_kvbm_counts_from_its_new_values():
     mapper.map(parse(RECORDED), 1.0)
     restarted = AT_START.replace("kvbm_offload_blocks_d2h 0", "kvbm_offload_blocks_d2h 7")
     assert _moved(mapper.map(parse(restarted), 2.0)) == {("gpu", "cpu"): (7, 7 * BLOCK)}
+
+
+def test_a_sample_no_counter_holds_is_no_baseline():
+    """d2h 220, then 1e300 (past 2^53: no count; its event is out of bounds, and the agent
+    drops it as invalid), then -5 (no count; no event: nothing moved), then 300: 80 blocks
+    (300 - 220). The 1e300 was the baseline, so 300 read as a reset and counted 300 (and -5
+    then 2.5 counted 7)."""
+    mapper = KvbmMapper(block_bytes=BLOCK)
+    mapper.map(parse("kvbm_offload_blocks_d2h 220\n"), 1.0)
+    moved = [mapper.map(parse(f"kvbm_offload_blocks_d2h {v}\n"), t)
+             for t, v in ((2.0, "1e300"), (3.0, "-5"), (4.0, "300"))]
+    [absurd] = moved[0]
+    with pytest.raises(ev.SchemaError):
+        ev.validate(absurd)
+    assert moved[1] == []
+    assert _moved(moved[2]) == {("gpu", "cpu"): (80, 80 * BLOCK)}
 
 
 def test_kvbm_served_over_http_reaches_the_pipeline():

@@ -98,9 +98,13 @@ class Counters:
     made, so an engine that started after the agent is counted whole, though the agent's
     first scrapes found it not yet up), or ``from_zero`` says so (an engine that makes a
     series at its first observation). One that went down was reset, and its value is the
-    increase. Values are kept for :data:`MAX_SERIES` series; past that, only the latest
-    scrape's (a series that comes back then starts over from its value, and no series counts
-    from 0 by its creation time any more). Not thread-safe: one per source."""
+    increase. A value no counter holds (negative, or past :data:`kvscope.events.MAX_COUNT`:
+    a corrupt sample) is no baseline: its increase goes into an event the agent drops as
+    invalid, and the next true value counts from the last good one (as a baseline it read as a
+    reset and counted whole). Values are kept for :data:`MAX_SERIES` series; past
+    that, only the latest scrape's (a series that comes back then starts over from its value,
+    and no series counts from 0 by its creation time any more). Not thread-safe: one per
+    source."""
 
     def __init__(self, since: float | None = None) -> None:
         self._last: dict[tuple[str, frozenset], float] = {}
@@ -133,7 +137,8 @@ class Counters:
         for labels, value in values.items():
             key = (name, labels)
             last = self._last.get(key)
-            self._seen[key] = value
+            if 0.0 <= value <= ev.MAX_COUNT:
+                self._seen[key] = value
             if last is not None:
                 total += value if value < last else value - last
             elif (from_zero is not None and from_zero(labels)) or \
