@@ -15,6 +15,7 @@ import zmq
 from kvscope import events as ev
 from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
+from kvscope.agent.sources import kv_events
 from kvscope.agent.sources.kv_events import KvEventsSource, KvResidency, decode, vllm_binds
 from kvscope.service.agent import Agent
 from conftest import wait_until
@@ -536,6 +537,26 @@ def test_the_source_is_up_only_while_a_publisher_is_connected():
         assert gpu() is None
     finally:
         source.shutdown()
+
+
+def test_no_publisher_in_time_is_logged_once_with_what_the_engine_needs(monkeypatch, caplog):
+    """Nobody publishes on the endpoint: after NO_PUBLISHER_AFTER (0.2 s here) one warning
+    that says so and what vLLM's --kv-events-config needs (the log said nothing at all, and
+    the source read 0 on /metrics alone)."""
+    monkeypatch.setattr(kv_events, "NO_PUBLISHER_AFTER", 0.2)
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    with caplog.at_level("WARNING", logger="kvscope.agent.sources.kv_events"):
+        quiet = KvEventsSource(Pipeline(), endpoint)
+        quiet.start()
+        try:
+            assert wait_until(lambda: caplog.records)
+            time.sleep(0.5)  # and no second one
+        finally:
+            quiet.shutdown()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"kvscope kv_events: no vLLM publisher yet after 0.2 s; this agent binds {endpoint}: vLLM "
+        f'must connect, so its --kv-events-config endpoint must be "{endpoint}" (with * or '
+        ":: vLLM binds as well and nothing arrives)"]
 
 
 def test_the_log_names_the_address_connected_to_not_the_wildcard(caplog):

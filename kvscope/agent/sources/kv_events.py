@@ -76,6 +76,10 @@ END_SEQ = -1
 # for; after a replay that brought nothing, none is tried for REPLAY_BACKOFF seconds (each would
 # hold the source for replay_timeout while batches queue up).
 MAX_REPLAY = 10_000
+# seconds without a publisher before the source says so, once (a SUB socket hears nothing,
+# silently, from an endpoint nobody publishes on or from a side that both bind or connect);
+# an engine loading a large model publishes nothing for minutes, so it is a hint
+NO_PUBLISHER_AFTER = 120.0
 REPLAY_BACKOFF = 30.0
 # Bytes a message may have where the agent binds (see KvEventsSource.prepare): vLLM's own are
 # kilobytes a step, about 4 bytes per prompt token, so 16 MiB holds a step of 4M tokens.
@@ -158,6 +162,7 @@ class KvEventsSource(SourceWorker):
         self._socket = None
         self._monitor = None
         self._peers = 0  # publishers connected
+        self._heard = False  # a publisher connected since the start
 
     name = NAME
     thread_name = "kvscope-kv-events"
@@ -216,8 +221,16 @@ class KvEventsSource(SourceWorker):
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         next_check = time.monotonic() + self.overlap_check
+        quiet_until = time.monotonic() + NO_PUBLISHER_AFTER
         try:
             while not self.stopping.is_set():
+                if quiet_until and time.monotonic() >= quiet_until:
+                    quiet_until = 0.0
+                    if not self._heard:
+                        log.warning("kvscope kv_events: no %s publisher yet after %g s; this "
+                                    "agent %s",
+                                    self.flavour.title, NO_PUBLISHER_AFTER,
+                                    describe_endpoint(self.endpoint, self.flavour))
                 if (self.overlap_check > 0 and not self.shared_tiers
                         and time.monotonic() >= next_check):
                     next_check = time.monotonic() + self.overlap_check
@@ -241,6 +254,7 @@ class KvEventsSource(SourceWorker):
     def _peer_event(self, event: int) -> None:
         was_up = self._peers > 0
         self._peers = max(0, self._peers + (-1 if event == zmq.EVENT_DISCONNECTED else 1))
+        self._heard = self._heard or self._peers > 0
         if (self._peers > 0) != was_up:
             # where the agent connects (loopback for a wildcard the engine binds), or binds
             where = (connect_address(self.endpoint) if self.flavour.binds(self.endpoint)
