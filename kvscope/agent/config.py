@@ -245,6 +245,11 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
             for parent in parents:
                 section = section.setdefault(parent, {})
             section[leaf] = value
+    # pydantic-settings reads names in any case, and of two spellings one wins unsaid
+    spelt = sorted(k for k in os.environ if k.upper().startswith("KVSCOPE_") and k != k.upper())
+    if spelt:
+        raise ConfigError(f"environment: {spelt[0]}: kvscope's variables are upper case; "
+                          f"rename it {spelt[0].upper()} (or unset it)")
     unknown = sorted(set(_settings_variables()).difference(_known_variables(AgentSettings),
                                                            OTHER_VARIABLES))
     if unknown:

@@ -200,6 +200,17 @@ def test_an_unknown_environment_variable_is_refused_by_name(monkeypatch, variabl
         load_settings(None)
 
 
+@pytest.mark.parametrize("variable", ["kvscope_port", "KVSCOPE_port", "Kvscope_Port"])
+def test_a_variable_not_in_upper_case_is_refused(monkeypatch, variable):
+    """kvscope_port=1 beside KVSCOPE_PORT=19504 was read, and won (the agent bound port 1);
+    a bad value in it was blamed on KVSCOPE_PORT."""
+    monkeypatch.setenv("KVSCOPE_PORT", "19504")
+    monkeypatch.setenv(variable, "1")
+    with pytest.raises(ConfigError, match=f"^environment: {variable}: kvscope's variables are "
+                       "upper case; rename it KVSCOPE_PORT"):
+        load_settings(None)
+
+
 def test_a_bad_environment_value_names_its_variable_not_the_file(tmp_path, monkeypatch):
     path = tmp_path / "agent.toml"
     path.write_text("[ingest]\n")
