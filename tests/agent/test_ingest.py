@@ -615,6 +615,46 @@ def test_sources_are_bounded():
     assert snap.events_dropped == {("ingest", "bad_source"): 1}
 
 
+def test_a_restarted_agent_gives_places_only_to_the_sources_that_send_to_it(tmp_path, caplog):
+    """max_sources 2 and a store: agent A hears "old0" and "old1" (seq 0) and stops. Agent B,
+    on A's state file, hears "new" (admitted: the remembered names hold no place until they
+    send; they held both, for good, so every new tap was refused across restarts), then "old0"
+    at seq 3 (admitted, its state restored: gap 2), then "old1" and "other" (refused: 2 places
+    taken, each named in the log)."""
+    state = tmp_path / "ingest-streams.json"
+
+    def agent():
+        pipeline = Pipeline()
+        source = IngestSource(pipeline, _endpoint(tmp_path), max_sources=2)
+        source.state_path = state
+        source.start()
+        return pipeline, source
+
+    def batch(name, seq):
+        return ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source=name, seq=seq,
+                                        session="s", events=[_lookup(seq)]))
+
+    pipeline, a = agent()
+    _push(_endpoint(tmp_path), batch("old0", 0), batch("old1", 0))
+    assert wait_until(lambda: len(pipeline.events_received()) == 2)
+    a.shutdown()
+    pipeline, b = agent()
+    try:
+        with caplog.at_level("WARNING", logger="kvscope.agent.sources.ingest"):
+            _push(_endpoint(tmp_path), batch("new", 0), batch("old0", 3), batch("old1", 1),
+                  batch("other", 0))
+            assert wait_until(lambda: pipeline.snapshot().events_dropped.get(
+                ("ingest", "bad_source")) == 2)
+        snap = pipeline.snapshot()
+    finally:
+        b.shutdown()
+    assert snap.events_received == {"new": 1, "old0": 1}
+    assert {k: n for k, n in snap.events_dropped.items() if n} == {
+        ("old0", "gap"): 2, ("ingest", "bad_source"): 2}
+    refused = [r.getMessage() for r in caplog.records if "other sources sent" in r.getMessage()]
+    assert [m.split("'")[1] for m in refused] == ["old1", "other"], refused
+
+
 def test_scopes_count_as_sources():
     """max_sources 3: "w" sends with scope "s1" (2 places taken: w, s1), then with "s2" (3), then
     "s3": refused, its 1 event dropped as bad_source under "w". Each scope holds its own

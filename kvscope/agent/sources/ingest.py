@@ -194,8 +194,11 @@ class IngestSource(SourceWorker):
         self._progress = Progress()  # batches the folding thread took (see _watch)
         self._max_sources = max_sources
         # source -> {session: (last seq, cumulative dropped, cumulative errors by reason)} of
-        # its emitters, latest last
+        # its emitters, latest last: the sources that sent to this agent (each takes a place)
         self._streams: dict[str, OrderedDict[str, tuple[int, int, dict[str, int]]]] = {}
+        # the same, of the sources an earlier agent followed (state_path) that have not sent to
+        # this one: they take no place until they do (a source gone for good held it forever)
+        self._restored: dict[str, OrderedDict[str, tuple[int, int, dict[str, int]]]] = {}
         self._warned: set = set()  # what was logged once (see _warn_once)
         # (source, session) -> (its process, a worker tap's, monotonic time last heard, its
         # process seen in /proc) of the emitters not closed, latest last: see engine_pids,
@@ -492,9 +495,10 @@ class IngestSource(SourceWorker):
             return False
         if source in self._streams or len(self._streams) < self._max_sources:
             return True
-        self._warn_once("max_sources", "kvscope ingest: dropping batches from source %r and any "
-                        "other new one: %d sources already send here; raise [ingest] "
-                        "max_sources", source, self._max_sources)
+        self._warn_once(("max_sources", source[:64]), "kvscope ingest: dropping batches from "
+                        "source %r: %d other sources sent here since the agent started (each "
+                        "keeps its place, so that its series stay bounded); raise [ingest] "
+                        "max_sources or restart the agent", source[:64], self._max_sources)
         return False
 
     def _warn_once(self, key: object, message: str, *args: object) -> None:
@@ -513,7 +517,9 @@ class IngestSource(SourceWorker):
             self._expected.add(source)
             self.pipeline.expect_drops(source, TAP_DROPS)
         self._unsaved = self.state_path is not None  # kept only where it is saved
-        streams = self._streams.setdefault(source, OrderedDict())
+        streams = self._streams.get(source)
+        if streams is None:
+            streams = self._streams[source] = self._restored.pop(source, OrderedDict())
         if session in streams and next(reversed(streams)) != session:
             # an emitter sends again after another took the name: two live taps share it
             self._warn_once(("shared", source), "kvscope ingest: two emitters send as source %r; "
@@ -560,9 +566,9 @@ class IngestSource(SourceWorker):
                         self.state_path, exc)
             return
         for source, sessions in state.streams.items():
-            if ev.source_name_problem(source) or len(self._streams) >= self._max_sources:
+            if ev.source_name_problem(source) or len(self._restored) >= self._max_sources:
                 continue  # a name this agent would refuse, or more than it takes
-            self._streams[source] = OrderedDict(
+            self._restored[source] = OrderedDict(
                 (session, (seq, dropped, {r: n for r, n in errors.items()
                                           if r in TAP_ERROR_REASONS}))
                 for session, seq, dropped, errors in sessions[-STREAMS_PER_SOURCE:])
@@ -571,9 +577,10 @@ class IngestSource(SourceWorker):
         """Write the emitters' sequence numbers and counts to :attr:`state_path` (atomically);
         a failure is logged once and tried again after :data:`SAVE_INTERVAL`."""
         self._save_at = time.monotonic() + SAVE_INTERVAL
+        # the sources that sent first: a restarted agent restores max_sources at most
         state = _State(STATE_VERSION, {
             source: [(session, *counts) for session, counts in streams.items()]
-            for source, streams in self._streams.items() if streams})
+            for source, streams in {**self._streams, **self._restored}.items() if streams})
         try:
             write_atomic(self.state_path, msgspec.json.encode(state).decode())
         except OSError as exc:
