@@ -142,7 +142,13 @@ class OffloadEngine:
         self._copier = None
         pools = {"gpu": None, "cpu": None, "disk": None}
         if payload:
-            import torch
+            try:
+                import torch
+            except ImportError:  # the engine extra: the agent and the taps do without it
+                raise EngineConfigError(
+                    "the reference engine's tiers hold real tensors and need torch, which is not "
+                    "installed: pip install 'kvscope[engine]' (the README's commands do; kvscope "
+                    "replay --simulate runs without)") from None
 
             from kvscope.engine.disk import DiskStore
             from kvscope.engine.tier import BlockPool

@@ -2,8 +2,10 @@
 
 import itertools
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,8 @@ from kvscope.engine.engine import OffloadEngine
 from kvscope.engine.presets import ModelPreset, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
 from traces import trace_path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # A small KV shape so payload runs over 512-token trace blocks stay light: 32 B per token,
 # 16 KiB per block. Decisions do not depend on block bytes.
@@ -245,3 +249,24 @@ def test_the_tiers_are_reported_before_the_first_request_arrives():
     assert budgets == [16 * preset.bytes_per_block(preset.block_tokens)]
     assert not [e for e in emitted if isinstance(e, ev.RequestStarted)]
 
+
+
+def test_replay_without_torch_says_what_to_install(tmp_path):
+    """The reference engine's payload tiers need torch (the engine extra, which the agent and
+    the taps do without); installed without it, the command ended in a ModuleNotFoundError
+    traceback. A torch that cannot be imported stands for the missing one (first on the path);
+    --simulate needs none and runs."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+
+    def replay(*args):
+        return subprocess.run([sys.executable, "-m", "kvscope", "replay", "--requests", "3",
+                               *args], capture_output=True, text=True, timeout=300,
+                              stdin=subprocess.DEVNULL, env=env, cwd=tmp_path)
+
+    result = replay()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "need torch, which is not installed: pip install 'kvscope[engine]'" in result.stderr
+    assert replay("--simulate").returncode == 0
