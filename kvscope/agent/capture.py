@@ -317,7 +317,7 @@ class CaptureWriter(Worker):
     def run(self) -> None:
         while not self.stopping.wait(self._interval):
             self._logged(self.flush)
-        self._logged(self.close)
+        self._outage.stop(self.close, "close")  # and at the stop, what an outage lost
 
     def _logged(self, step: Callable[[], int | None]) -> None:
         """Run ``step`` (flush or close), logging a failure to write once until rows are

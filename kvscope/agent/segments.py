@@ -38,8 +38,9 @@ class OutageLog:
     things lost (records, rows), read before and after each flush. ``bug``: called with what
     failed (``doing``) inside the handler of an exception other than OSError, e.g.
     :meth:`~kvscope.agent.worker.Worker.log_bug`. The lines read
-    ``"{label}: could not write DIR: ERR; {meanwhile} (logged again when it can)"`` and
-    ``"{label}: writing DIR again; N {lost_as}"``.
+    ``"{label}: could not write DIR: ERR; {meanwhile} (logged again when it can)"``,
+    ``"{label}: writing DIR again; N {lost_as}"`` and, at a stop in an outage,
+    ``"{label}: stopped while DIR could not be written; N {lost_as}"``.
     """
 
     def __init__(self, directory: Path, lost: Callable[[], int], bug: Callable[[str], None], *,
@@ -49,6 +50,7 @@ class OutageLog:
         self._bug = bug
         self._failing = f"{label}: could not write %s: %s; {meanwhile} (logged again when it can)"
         self._recovered = f"{label}: writing %s again; %d {lost_as}"
+        self._stopped = f"{label}: stopped while %s could not be written; %d {lost_as}"
         self._lost_before: int | None = None  # lost when writes began failing; None: they work
 
     def run(self, step: Callable[[], int | None], doing: str) -> None:
@@ -73,6 +75,14 @@ class OutageLog:
         if self._lost_before is not None and written:
             log.warning(self._recovered, self._directory, self._lost() - self._lost_before)
             self._lost_before = None
+
+    def stop(self, step: Callable[[], int | None], doing: str) -> None:
+        """:meth:`run` the writer's last ``step``; if writes still fail after it, log how many
+        things were lost since they began to (a stop in an outage said nothing of them, nor of
+        the last step's)."""
+        self.run(step, doing)
+        if self._lost_before is not None:
+            log.warning(self._stopped, self._directory, self._lost() - self._lost_before)
 
 
 def prune(segments: Iterable[Path], max_bytes: int, *, keep: Path | None = None,

@@ -277,7 +277,7 @@ class RequestStore(Worker):
     def run(self) -> None:
         while not self.stopping.wait(self._interval):
             self._flush_logged()
-        self._flush_logged()
+        self._outage.stop(self.flush, "a flush")
         try:
             self._close()
         except OSError as exc:  # disk full at the end: what was written stays readable

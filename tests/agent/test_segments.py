@@ -132,6 +132,41 @@ def test_an_outage_is_logged_once_and_its_losses_once_at_recovery(tmp_path, capl
     assert bugs == []
 
 
+def test_a_stop_in_an_outage_says_what_it_lost(tmp_path, caplog):
+    """A flush fails losing 2 (logged: the outage begins), then the last step at the stop
+    fails losing 3: the stop says 2 + 3 = 5 were lost (it said nothing, so the rows of a
+    capture stopped on a full disk went unreported: its drop counter could no longer be
+    scraped). A stop whose last step writes is a recovery, said as such, and one without an
+    outage says nothing."""
+    directory = tmp_path / "gone"
+    lost = [0]
+
+    def fail(n):
+        def step():
+            lost[0] += n
+            (directory / "segment").write_bytes(b"x")
+        return step
+
+    def outage():
+        return OutageLog(directory, lambda: lost[0], lambda doing: None, label="kvscope test",
+                         meanwhile="-", lost_as="things were lost")
+
+    with caplog.at_level(logging.WARNING):
+        failing = outage()
+        failing.run(fail(2), "a flush")
+        failing.stop(fail(3), "close")
+    assert caplog.messages[1:] == [
+        f"kvscope test: stopped while {directory} could not be written; 5 things were lost"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        recovering = outage()
+        recovering.run(fail(1), "a flush")
+        directory.mkdir()
+        recovering.stop(lambda: 1, "close")
+        outage().stop(lambda: 1, "close")
+    assert caplog.messages[1:] == [f"kvscope test: writing {directory} again; 1 things were lost"]
+
+
 def test_a_bug_in_a_flush_goes_to_the_bug_log_and_no_outage_begins(tmp_path, caplog):
     """A flush raising ValueError (no OSError: a bug) calls bug("a flush") inside the handler,
     where Worker.log_bug reads the exception; run raises nothing and logs no outage, and a
