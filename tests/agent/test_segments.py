@@ -79,6 +79,15 @@ def test_a_segment_that_cannot_be_deleted_is_logged_and_still_counted(tmp_path, 
     assert caplog.messages == [] and a.is_dir()
 
 
+def _failing(directory, lost, n):
+    """A flush that loses ``n`` things (added to ``lost[0]``) and then fails to write into
+    ``directory`` (OSError where it is gone)."""
+    def step():
+        lost[0] += n
+        (directory / "segment").write_bytes(b"x")
+    return step
+
+
 def test_an_outage_is_logged_once_and_its_losses_once_at_recovery(tmp_path, caplog):
     """A flush writes 1 thing; then the directory is removed and two flushes fail, losing 2 and
     3 things (the counter the writer keeps): one warning, with the error. Flushes with nothing
@@ -99,10 +108,7 @@ def test_an_outage_is_logged_once_and_its_losses_once_at_recovery(tmp_path, capl
         return step
 
     def fail(n):
-        def step():
-            lost[0] += n
-            (directory / "segment").write_bytes(b"x")
-        return step
+        return _failing(directory, lost, n)
 
     def remove():
         (directory / "segment").unlink()
@@ -142,10 +148,7 @@ def test_a_stop_in_an_outage_says_what_it_lost(tmp_path, caplog):
     lost = [0]
 
     def fail(n):
-        def step():
-            lost[0] += n
-            (directory / "segment").write_bytes(b"x")
-        return step
+        return _failing(directory, lost, n)
 
     def outage():
         return OutageLog(directory, lambda: lost[0], lambda doing: None, label="kvscope test",
