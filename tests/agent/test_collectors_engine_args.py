@@ -125,11 +125,13 @@ def test_real_vllm_serve_with_cpu_offload_gb(tmp_path):
                                 stderr=subprocess.STDOUT, env=child_env(),
                                 start_new_session=True)
         try:
-            reading = EngineArgsCollector(proc.pid).collect()
             deadline = time.monotonic() + 240
             while "non-default args" not in tail(log, 200_000) and proc.poll() is None:
                 assert time.monotonic() < deadline, tail(log)
                 time.sleep(0.5)
+            # read once vLLM has logged: right after the fork the child may not have exec'd
+            # yet, and its command line was still pytest's
+            reading = EngineArgsCollector(proc.pid).collect()
         finally:
             kill_group(proc)
     text = tail(log, 200_000)
