@@ -326,7 +326,8 @@ def _unknown_key(loc: list[str]) -> str:
 
 
 def _settings_variables() -> dict[str, str]:
-    return {k.upper(): v for k, v in os.environ.items() if k.upper().startswith("KVSCOPE_")}
+    # upper case only: load_settings refuses the other spellings first
+    return {k: v for k, v in os.environ.items() if k.startswith("KVSCOPE_")}
 
 
 def _known_variables(model: type[BaseModel], prefix: str = "KVSCOPE_") -> set[str]:

@@ -33,6 +33,7 @@ from kvscope.analysis.rates import MeasuredRates, measured_rates
 from kvscope.analysis.shards import spatial_hash
 from kvscope.analysis.trace import AccessTrace
 from kvscope.engine.workload import TraceError
+from kvscope.vocabulary import OFFLOAD_TIERS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -334,8 +335,8 @@ def _token_sources(tiers: pa.ChunkedArray, tokens: dict[str, int]) -> tuple[str,
     reported = {t for row in pc.unique(tiers).to_pylist() for t in row.split(",") if t}
     if not reported:
         return None
-    offload = ev.TIERS[1:]
-    return tuple(s for s in ev.TOKEN_SOURCES if s not in offload or s in reported or tokens[s])
+    return tuple(s for s in ev.TOKEN_SOURCES
+                 if s not in OFFLOAD_TIERS or s in reported or tokens[s])
 
 
 def _request_sample(table: pa.Table, name: str) -> RequestSample:
