@@ -89,6 +89,7 @@ class AgentBackend:
         self._lock = threading.Lock()
         self._cache: list[dict] = []
         self._cached_window = 0.0
+        self._started_at: float | None = None  # the cached samples' agent's start
 
     def instances(self) -> list[str]:
         return []
@@ -101,24 +102,36 @@ class AgentBackend:
         a body that is not JSON, or JSON without a list of samples that each carry a numeric
         ``ts``.
         """
+        return self._fetch(since, window)[0]
+
+    def _fetch(self, since: float | None = None,
+               window: float | None = None) -> tuple[list[dict], object]:
+        """:meth:`fetch_samples`, and the agent's ``started_at`` (None from an agent that does
+        not say)."""
         params = {k: v for k, v in (("since", since), ("window", window)) if v is not None}
         body = self._get_json("/api/v1/timeseries", params)
         samples = body.get("samples") if isinstance(body, dict) else None
         if not isinstance(samples, list) or not all(
                 isinstance(s, dict) and isinstance(s.get("ts"), (int, float)) for s in samples):
             raise BackendUnavailable(self.base_url, "unexpected timeseries payload")
-        return samples
+        return samples, body.get("started_at")
 
     def timeseries(self, window_seconds: float = 900.0, instance: str | None = None) -> list[dict]:
         """The samples of the last ``window_seconds`` (relative to the newest), from the cache
-        topped up with what is new. Raises :class:`BackendUnavailable` (the cache is kept)."""
+        topped up with what is new; all fetched again when the agent restarted since (its
+        ``started_at`` changed: its counters began again, and the cached samples were another
+        run's). Raises :class:`BackendUnavailable` (the cache is kept)."""
         with self._lock:
-            if not self._cache or window_seconds > self._cached_window:
-                fresh = self.fetch_samples(window=window_seconds)
-                self._cache, self._cached_window = fresh, window_seconds
-            else:
+            again = not self._cache or window_seconds > self._cached_window
+            if not again:
                 last = self._cache[-1]["ts"]
-                self._cache.extend(s for s in self.fetch_samples(since=last) if s["ts"] > last)
+                new, started = self._fetch(since=last)
+                again = started != self._started_at
+                if not again:
+                    self._cache.extend(s for s in new if s["ts"] > last)
+            if again:
+                self._cache, self._started_at = self._fetch(window=window_seconds)
+                self._cached_window = window_seconds
             if self._cache:
                 oldest = float(self._cache[-1]["ts"]) - self._cached_window
                 drop = 0

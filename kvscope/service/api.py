@@ -175,14 +175,17 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
         metric: list[str] | None = Query(None, max_length=len(SAMPLE_FIELDS),
                                          description=f"fields to return: {', '.join(SAMPLE_FIELDS)}"),
     ) -> dict:
-        """One-second samples, oldest first; counters are cumulative."""
+        """One-second samples, oldest first; counters are cumulative, since the agent's
+        start (``started_at``, Unix seconds: a client that caches samples starts again when it
+        changes, as the counters did)."""
         samples = agent.pipeline.samples(since, window)
         if metric:
             unknown = sorted(set(metric) - set(SAMPLE_FIELDS))
             if unknown:
                 raise HTTPException(422, f"unknown metric {unknown[0]!r}; use {', '.join(SAMPLE_FIELDS)}")
             samples = [{"ts": s["ts"], **{m: s.get(m) for m in metric}} for s in samples]
-        return {"interval": agent.sample_interval, "samples": samples}
+        return {"interval": agent.sample_interval, "started_at": agent.started_at,
+                "samples": samples}
 
     node_metrics = {spec.name: spec for spec in NODE_METRICS}
 

@@ -335,6 +335,26 @@ def test_backend_caches_samples_and_asks_only_for_new_ones(agent):
     backend.close()
 
 
+def test_backend_starts_its_cache_again_when_the_agent_restarted(agent):
+    """Samples cached from an agent that restarted since were another run's (its counters
+    began again): the dashboard kept them beside the new agent's, and judged both together
+    (a restarted agent's verdict read from the old one's samples for up to 5 minutes)."""
+    def reply(started, *seconds):
+        body = json.loads(_samples(*seconds))
+        agent.replies = {"/api/v1/timeseries": (200, json.dumps({**body,
+                                                                 "started_at": started}).encode())}
+    reply(T - 100, 0, 1)
+    backend = AgentBackend(_url(agent))
+    assert [s["ts"] for s in backend.timeseries(900)] == [T, T + 1]
+    reply(T - 100, 2)
+    assert [s["ts"] for s in backend.timeseries(900)] == [T, T + 1, T + 2]
+    reply(T + 3, 4, 5)  # restarted at T + 3: the same answer to `since` and to `window`
+    assert [s["ts"] for s in backend.timeseries(900)] == [T + 4, T + 5]
+    assert agent.paths[-2:] == [f"/api/v1/timeseries?since={T + 2}",
+                                "/api/v1/timeseries?window=900"]
+    backend.close()
+
+
 @pytest.mark.parametrize(("reply", "reason"), [
     ((500, b"{}"), "HTTP 500 from /api/v1/timeseries"),
     ((200, b"not json"), "bad JSON from /api/v1/timeseries"),
