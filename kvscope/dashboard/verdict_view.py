@@ -81,15 +81,36 @@ def cards(a: Assessment) -> html.Div:
 
 
 def banner(a: Assessment) -> html.Div:
-    """The overall verdict, the conditions behind it and the window."""
+    """The overall verdict, the conditions behind it and the window; under "offload pays",
+    what the tiers cost when their transfers took longer than the prefill they saved (the
+    conditions say whether offload is the right step here, not whether these tiers, as sized,
+    pay for it)."""
     behind = ", ".join(str(list(CONDITIONS).index(k) + 1) for k in a.reasons)
-    return html.Div([badge(a.verdict),
-                     html.Span(f" overall, from condition{'s' if len(a.reasons) > 1 else ''} "
-                               f"{behind}" if behind else " overall"),
-                     html.Span(f" · last {a.span_seconds:.0f} s, {a.n_samples} samples, "
-                               f"{a.requests:.0f} requests", style={"color": "#555"})],
-                    id="offload-verdict", **{"data-verdict": a.verdict},
+    children = [badge(a.verdict),
+                html.Span(f" overall, from condition{'s' if len(a.reasons) > 1 else ''} "
+                          f"{behind}" if behind else " overall"),
+                html.Span(f" · last {a.span_seconds:.0f} s, {a.n_samples} samples, "
+                          f"{a.requests:.0f} requests", style={"color": "#555"})]
+    costs = _costs_more(a.headline.saved_vs_spent)
+    if a.verdict == PAYS and costs:
+        children.append(html.Div(costs, id="offload-verdict-cost",
+                                 style={"color": VERDICT_COLOURS[SKIP], "fontSize": "13px"}))
+    return html.Div(children, id="offload-verdict", **{"data-verdict": a.verdict},
                     style={"margin": "6px 0"})
+
+
+def _costs_more(saved_vs_spent: dict[str, tuple[float, float | None]]) -> str:
+    """A line when every offload tier's transfers were timed and took longer in all than
+    the prefill seconds they saved; "" otherwise."""
+    if not saved_vs_spent or any(t is None for _, t in saved_vs_spent.values()):
+        return ""
+    saved = sum(s for s, _ in saved_vs_spent.values())
+    spent = sum(t for _, t in saved_vs_spent.values())
+    if not spent > saved:
+        return ""
+    return (f"but the offload tiers' transfers took {spent:.2f} s for {saved:.2f} s of prefill "
+            "saved in the window: nothing here rules offload out, yet these tiers, as sized, "
+            "may not pay for themselves (the misconfiguration checks below say where)")
 
 
 def table(a: Assessment) -> html.Table:

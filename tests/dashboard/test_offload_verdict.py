@@ -416,6 +416,25 @@ def test_the_view_marks_each_row_with_its_verdict():
                      "offload-card-ttft": "500.0 ms", "offload-card-headroom": "4.0 GiB"}
 
 
+def test_offload_pays_says_when_the_tiers_transfers_took_longer_than_they_saved():
+    """A fresh-user tryout: "offload pays" beside a savings card of 0.1x read as a
+    recommendation to keep tiers that cost more than they save. 60 s: cpu saved 0.02 s/s =
+    1.2 s; gpu->cpu 0.004 + cpu->gpu 0.003 s/s = 0.42 s spent (pays for itself: no line);
+    gpu->cpu 0.05 s/s = 3.0 s + 0.18 s = 3.18 s spent (costs more: the line says so)."""
+    from kvscope.dashboard import verdict_view
+
+    def cost_line(spent):
+        a = V.assess(window(usage=lambda i: 1.0, spent=spent), records(30, ttft=0.5, wait=0.01))
+        assert a.verdict == PAYS
+        lines = [c for c in verdict_view.banner(a).children
+                 if getattr(c, "id", None) == "offload-verdict-cost"]
+        return lines[0].children if lines else None
+
+    assert cost_line({"gpu->cpu": 0.004, "cpu->gpu": 0.003}) is None
+    assert cost_line({"gpu->cpu": 0.05, "cpu->gpu": 0.003}).startswith(
+        "but the offload tiers' transfers took 3.18 s for 1.20 s of prefill saved")
+
+
 def test_the_tokens_card_puts_the_reuse_beside_what_was_served():
     """Served 4%, seen before 37%: the card says both, so the five-second read is "the tiers
     are too small", not "nothing repeats"; without hashes it names no reuse share."""
