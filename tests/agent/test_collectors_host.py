@@ -111,6 +111,24 @@ def test_headroom_goes_negative(tmp_path):
     assert r.headroom == -512 * MiB
 
 
+def test_a_reserve_at_or_over_the_limit_is_logged_once(tmp_path, caplog):
+    """A tryout set reserve_bytes to 30 GiB on a 23.5 GiB host: accepted without a word, and
+    every headroom check failed from the start. memory.max 4 GiB: a reserve of 4 GiB is
+    logged (once over two reads, naming the cgroup), one of 4 GiB - 1 byte is not."""
+    proc = _tree(tmp_path / "cgroup", "/ctr", {"ctr": (str(4 * GiB), GiB)})
+    for reserve, told in ((4 * GiB - 1, 0), (4 * GiB, 1)):
+        caplog.clear()
+        collector = HostCollector(_vm(64 * GiB, 40 * GiB), swap_memory=_swap(),
+                                  reserve_bytes=reserve, cgroup_root=tmp_path / "cgroup",
+                                  proc_cgroup=proc)
+        with caplog.at_level(logging.WARNING, logger="kvscope.agent.collectors.host"):
+            collector.collect()
+            collector.collect()
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == told, lines
+        assert all("reserve_bytes" in line and "memory.max" in line for line in lines), lines
+
+
 def test_reclaimable_page_cache_is_headroom(tmp_path):
     """memory.max 1 GiB, memory.current 1014 MiB of which 800 MiB inactive_file (memory.stat,
     as the kernel writes it: anon, file, active_file before it): the working set is 214 MiB,

@@ -7,6 +7,7 @@ and ``parse_memory_max`` are pure; ``read_cgroup_memory`` reads files under an i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import psutil
 
 from kvscope.agent.collectors.base import CollectorError, register
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
 DEFAULT_PROC_CGROUP = Path("/proc/self/cgroup")
@@ -221,7 +224,8 @@ class HostCollector:
     memory (its descendants' included) is read (:func:`engine_memory`); None: not read.
     ``cgroup_root``/``proc_cgroup``: see ``read_cgroup_memory``.
     ``virtual_memory``/``swap_memory``: psutil's functions, injectable for deterministic tests.
-    Raises ValueError on a negative reserve or budget.
+    Raises ValueError on a negative reserve or budget. A reserve at or above the memory limit
+    (headroom can never be positive: every alert and verdict on it fires) is logged once.
     """
 
     name = "host"
@@ -241,6 +245,7 @@ class HostCollector:
         self._engine_pid = engine_pid
         self._cgroup_root = Path(cgroup_root)
         self._proc_cgroup = Path(proc_cgroup)
+        self._told_reserve = False
 
     def collect(self) -> HostReading:
         vm = self._virtual_memory()
@@ -249,6 +254,13 @@ class HostCollector:
         swap_in = getattr(swap, "sin", None)
         reading = host_reading(vm.total, vm.available, swap.used, self._reserve, self._budgets,
                                cgroup, None if swap_in is None else int(swap_in))
+        if self._reserve >= reading.limit and not self._told_reserve:
+            self._told_reserve = True
+            log.warning("host collector: [collectors.host] reserve_bytes (%d) is at or above "
+                        "the memory limit (%d bytes, %s): the headroom can never be positive; "
+                        "set a reserve below the limit (logged once)", self._reserve,
+                        reading.limit, "the cgroup's memory.max" if reading.limit < reading.total
+                        else "physical RAM")
         if self._engine_pid is None:
             return reading
         return replace(reading, engine=engine_memory(self._engine_pid))
