@@ -29,8 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvscope.dashboard.series import (Sample, bucket_increase, is_number, is_promotion, mapping,
-                                      ordered, scalar_increase, window_increase)
+from kvscope.dashboard.series import (Sample, bucket_increase, bytes_text, is_number,
+                                      is_promotion, mapping, ordered, scalar_increase,
+                                      window_increase)
 from kvscope.dashboard.topology_view import Topology
 from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
 from kvscope.mixin.config import MixinConfig
@@ -41,7 +42,6 @@ OK = "ok"
 NOT_MEASURED = "not measured"
 STATUSES = (MISCONFIGURED, OK, NOT_MEASURED)
 OFFLOAD_TIERS = TIERS[1:]  # every tier but the GPU's own prefix cache
-GIB = 1024 ** 3
 _MIXIN = MixinConfig()
 
 
@@ -133,12 +133,12 @@ def weight_offload(window: Sequence[Sample]) -> Finding:
                         "the engine's command line, [collectors.engine_args] engine_pid")
     if weights > 0 and not kv_offload_on(window):
         return _finding(key, MISCONFIGURED,
-                        f"the engine keeps {_gib(weights)} of model weights per GPU in host RAM "
+                        f"the engine keeps {bytes_text(weights)} of model weights per GPU in host RAM "
                         "(--cpu-offload-gb) and no KV offload tier is configured: this moves "
                         "weights, not KV; it adds transfer work to every forward pass",
                         "drop --cpu-offload-gb if the model fits without it; for KV offload "
                         "use --kv-offloading-size")
-    return _finding(key, OK, f"weight offload {_gib(weights)} per GPU"
+    return _finding(key, OK, f"weight offload {bytes_text(weights)} per GPU"
                     + (", with KV offload on" if weights > 0 else ""))
 
 
@@ -159,13 +159,13 @@ def budget_over_limit(window: Sequence[Sample], s: Settings) -> Finding:
                         "cpu_bytes_to_use; in zero-code mode set [collectors.host] budgets)")
     budget = sum(known)
     over = budget + reserve - limit
-    facts = (f"{'/'.join(s.host_memory_tiers)} budget {_gib(budget)} + reserve {_gib(reserve)} "
-             f"against a limit of {_gib(limit)}")
+    facts = (f"{'/'.join(s.host_memory_tiers)} budget {bytes_text(budget)} + reserve {bytes_text(reserve)} "
+             f"against a limit of {bytes_text(limit)}")
     if over > 0:
-        return _finding(key, MISCONFIGURED, f"{facts}: {_gib(over)} over; once the tier fills "
+        return _finding(key, MISCONFIGURED, f"{facts}: {bytes_text(over)} over; once the tier fills "
                         "the host swaps or the OOM killer picks a process",
                         f"shrink the budget (--kv-offloading-size / cpu_bytes_to_use) by at "
-                        f"least {_gib(over)}, or raise the limit")
+                        f"least {bytes_text(over)}, or raise the limit")
     return _finding(key, OK, f"{facts}: fits")
 
 
@@ -200,8 +200,8 @@ def tier_negligible(window: Sequence[Sample], s: Settings) -> Finding:
     resident = mapping(window[-1], "tier_resident_bytes")
     stored = {d.partition("->")[2]: v for d, v in window_increase(window, "transfer_bytes").items()
               if not is_promotion(d)}
-    held = {t: (f"holds {_gib(float(resident[t]))}" if is_number(resident.get(t))
-                else f"took {_gib(stored.get(t, 0.0))} of offloads")
+    held = {t: (f"holds {bytes_text(float(resident[t]))}" if is_number(resident.get(t))
+                else f"took {bytes_text(stored.get(t, 0.0))} of offloads")
             for t in OFFLOAD_TIERS
             if _positive(resident.get(t)) or (not is_number(resident.get(t))
                                               and stored.get(t, 0.0) > 0)}
@@ -299,7 +299,7 @@ def numa_remote(topology: Sequence[Topology] | None, s: Settings) -> Finding:
     if not judged:
         return _missing(key, "a GPU's NUMA node", "NVML or sysfs naming the GPUs' nodes")
     facts = "; ".join(f"{where + ': ' if where else ''}{local:.0%} of the engine's "
-                      f"{_gib(total)} on the GPUs' NUMA node {', '.join(sorted(nodes))}"
+                      f"{bytes_text(total)} on the GPUs' NUMA node {', '.join(sorted(nodes))}"
                       for where, nodes, total, local in judged)
     remote = [nodes for _w, nodes, _t, local in judged if local < s.numa_local_min_share]
     if remote:
@@ -321,8 +321,6 @@ def _newest(window: Sequence[Sample], name: str) -> float | None:
     return None
 
 
-def _gib(value: float) -> str:
-    return f"{value / GIB:.2f} GiB"
 
 
 def by_status(findings: Sequence[Finding]) -> Mapping[str, list[Finding]]:

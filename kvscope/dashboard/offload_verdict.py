@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.dashboard.series import (Sample, is_number, is_promotion, last_window, mapping,
+from kvscope.dashboard.series import (Sample, bytes_text, is_number, is_promotion, last_window, mapping,
                                       ordered, scalar_increase, window_increase)
 from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
 from kvscope.mixin.config import MixinConfig
@@ -449,4 +449,4 @@ def seconds_text(value: float | None) -> str:
 
 
 def _gib(value: float | None) -> str:
-    return "not measured" if value is None else f"{value / GIB:.2f} GiB"
+    return "not measured" if value is None else bytes_text(value)

@@ -33,6 +33,18 @@ TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 PERCENTILES = tuple(_PERCENTILES)  # ("p50", "p95", "p99")
 
 
+def bytes_text(value: float) -> str:
+    """A byte count for text, in binary units: "2.00 GiB" from 1 GiB, "512.0 MiB", "4.0 KiB",
+    "12 B" (a tier of a few MiB read "0.00 GiB"); a negative count keeps its sign."""
+    size = abs(value)
+    if size >= 2**30:
+        return f"{value / 2**30:.2f} GiB"
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
 def is_number(value) -> bool:
     """Whether ``value`` is a finite int or float and no bool (a sample's or a record's value
     that can be shown; anything else is not measured)."""

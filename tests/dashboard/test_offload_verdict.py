@@ -236,16 +236,17 @@ def test_tail_slo_not_measured_without_ttft_or_without_promotions():
 
 # --- 4. host DRAM contested ----------------------------------------------------------------
 
-@pytest.mark.parametrize("low, verdict", [(0.0, PAYS), (-1.0, SKIP)])
-def test_headroom_near_miss(low, verdict):
+@pytest.mark.parametrize("low, verdict, text", [(0.0, PAYS, "0 B"), (-1.0, SKIP, "-1 B")])
+def test_headroom_near_miss(low, verdict, text):
     samples = window()
     samples[10]["host_memory_headroom_bytes"] = low
     c = check(V.assess(samples), "host-dram")
     assert c.verdict == verdict
     assert "swap: not measured (no swap-in counter)" in c.evidence
     # the window's lowest, named as such (it may read below the newest, on the headroom card),
-    # and the default floor said in words ("contested under 0.00 GiB" read oddly)
-    assert (f"lowest headroom in the window {low / 2**30:.2f} GiB (contested once available "
+    # and the default floor said in words ("contested under 0.00 GiB" read oddly), in a unit
+    # that shows the byte it is short by ("-0.00 GiB" hid it)
+    assert (f"lowest headroom in the window {text} (contested once available "
             "memory eats into the reserve)") in c.evidence
 
 
