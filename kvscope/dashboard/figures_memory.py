@@ -26,6 +26,12 @@ PART_COLOURS: dict[str, str] = {
     "workspace": "#ff7f0e", "engine_other": "#8c564b", "other": "#7f7f7f",
     "reserve": "#d62728", "free": "#dddddd",
 }
+# each part as the legend says it (docs/collectors.md, "Memory budgets")
+PART_NAMES: dict[str, str] = {
+    "kv_offload": "KV offload budget", "kv_cache": "KV cache", "weights": "model weights",
+    "workspace": "activations and workspace", "engine_other": "engine's other memory",
+    "other": "everything else", "reserve": "reserve", "free": "free",
+}
 PARTS: tuple[str, ...] = tuple(dict.fromkeys((*GPU_MEMORY_PARTS[:3], *HOST_MEMORY_PARTS[:2],
                                               "other", "reserve", "free")))
 
@@ -52,7 +58,8 @@ def wholes(sample: Sample) -> tuple[dict[str, dict[str, float]], dict[str, float
 
 
 def memory_budget(samples: Sequence[Sample]) -> go.Figure:
-    """Stacked bars, one per whole (the host, each GPU), of the newest sample's parts (bytes),
+    """Stacked bars, one per whole (the host, each GPU), of the newest sample's parts (bytes;
+    each trace named in words, its ``legendgroup`` the part's id),
     each whole's total a black mark across its bar (a stack above it is overcommitted). Under
     the chart: the wholes not measured (no GPU without NVML) and each part left out where it
     was not measured."""
@@ -66,8 +73,10 @@ def memory_budget(samples: Sequence[Sample]) -> go.Figure:
     for part in PARTS:
         ys = [parts[w].get(part) for w in names]
         if any(y is not None for y in ys):
-            fig.add_trace(go.Bar(x=names, y=ys, name=part, marker_color=PART_COLOURS[part],
-                                 hovertemplate="%{y:.4s}B<extra>" + part + "</extra>"))
+            fig.add_trace(go.Bar(x=names, y=ys, name=PART_NAMES[part], legendgroup=part,
+                                 marker_color=PART_COLOURS[part],
+                                 hovertemplate="%{y:.4s}B<extra>" + PART_NAMES[part]
+                                 + "</extra>"))
     marked = [w for w in names if w in totals]
     if marked:
         fig.add_trace(go.Scatter(x=marked, y=[totals[w] for w in marked], name="total",

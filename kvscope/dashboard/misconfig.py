@@ -133,9 +133,9 @@ def weight_offload(window: Sequence[Sample]) -> Finding:
                         "the engine's command line, [collectors.engine_args] engine_pid")
     if weights > 0 and not kv_offload_on(window):
         return _finding(key, MISCONFIGURED,
-                        f"the engine keeps {bytes_text(weights)} of model weights per GPU in host RAM "
-                        "(--cpu-offload-gb) and no KV offload tier is configured: this moves "
-                        "weights, not KV; it adds transfer work to every forward pass",
+                        f"the engine keeps {bytes_text(weights)} of model weights per GPU in "
+                        "host RAM (--cpu-offload-gb) and no KV offload tier is configured: this "
+                        "moves weights, not KV; it adds transfer work to every forward pass",
                         "drop --cpu-offload-gb if the model fits without it; for KV offload "
                         "use --kv-offloading-size")
     return _finding(key, OK, f"weight offload {bytes_text(weights)} per GPU"
@@ -159,11 +159,11 @@ def budget_over_limit(window: Sequence[Sample], s: Settings) -> Finding:
                         "cpu_bytes_to_use; in zero-code mode set [collectors.host] budgets)")
     budget = sum(known)
     over = budget + reserve - limit
-    facts = (f"{'/'.join(s.host_memory_tiers)} budget {bytes_text(budget)} + reserve {bytes_text(reserve)} "
-             f"against a limit of {bytes_text(limit)}")
+    facts = (f"{'/'.join(s.host_memory_tiers)} budget {bytes_text(budget)} + reserve "
+             f"{bytes_text(reserve)} against a limit of {bytes_text(limit)}")
     if over > 0:
-        return _finding(key, MISCONFIGURED, f"{facts}: {bytes_text(over)} over; once the tier fills "
-                        "the host swaps or the OOM killer picks a process",
+        return _finding(key, MISCONFIGURED, f"{facts}: {bytes_text(over)} over; once the tier "
+                        "fills the host swaps or the OOM killer picks a process",
                         f"shrink the budget (--kv-offloading-size / cpu_bytes_to_use) by at "
                         f"least {bytes_text(over)}, or raise the limit")
     return _finding(key, OK, f"{facts}: fits")
@@ -230,6 +230,9 @@ def promotion_slower(window: Sequence[Sample], s: Settings) -> Finding:
     spent = promotion_seconds_by_tier(window_increase(window, "transfer_seconds_sum"),
                                       window_increase(window, "transfer_blocks"))
     if not spent:
+        moved = window_increase(window, "transfer_blocks")
+        if not any(n > 0 for d, n in moved.items() if is_promotion(d)):
+            return _finding(key, NOT_MEASURED, "not measured: no promotions in the window")
         return _finding(key, NOT_MEASURED, "not measured: no timed promotions in the window "
                         "(vLLM's KV events and /metrics do not time cpu promotions; the tap and "
                         "the reference engine do)")

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.dashboard.series import (Sample, bytes_text, is_number, is_promotion, last_window, mapping,
-                                      ordered, scalar_increase, window_increase)
+from kvscope.dashboard.series import (Sample, bytes_text, is_number, is_promotion, last_window,
+                                      mapping, ordered, scalar_increase, window_increase)
 from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
 from kvscope.mixin.config import MixinConfig
 from kvscope.samples import KEY_SEPARATOR

@@ -531,14 +531,16 @@ def test_compare_link_opens_the_verdict_without_a_click(compare_dashboard, brows
     assert not console_errors(browser)
 
 
-# The memory budget figure's bars as drawn: {trace name: [y per whole]}, and its wholes.
+# The memory budget figure's bars as drawn: {part id (the trace's legendgroup) or trace name:
+# [y per whole]}, and its wholes.
 MEMORY_BUDGET_JS = """
 const el = document.getElementById('memory-budget');
 const plot = el && el.querySelector('.js-plotly-plot');
 const out = {};
 for (const t of (plot && plot.data) || []) {
-  out[t.name] = Array.from(t.y || []);
-  out['x:' + t.name] = Array.from(t.x || []);
+  const key = t.legendgroup || t.name;
+  out[key] = Array.from(t.y || []);
+  out['x:' + key] = Array.from(t.x || []);
 }
 return out;
 """

@@ -26,9 +26,12 @@ def test_one_stacked_bar_per_whole_with_its_total():
                                  host_memory_limit_bytes=64.0 * GiB,
                                  gpu_memory_total_bytes={"0": 80.0 * GiB, "1": 80.0 * GiB})])
     assert fig.layout.title.text == MEMORY_BUDGET_TITLE and fig.layout.barmode == "stack"
-    bars = {t.name: list(t.y) for t in fig.data if t.type == "bar"}
+    bars = {t.legendgroup: list(t.y) for t in fig.data if t.type == "bar"}
     assert list(bars) == ["kv_cache", "weights", "workspace", "kv_offload", "engine_other",
                           "other", "reserve", "free"]
+    # the legend in words, not the ids (a tryout read "engine_other" off the chart)
+    assert [t.name for t in fig.data][:4] == ["KV cache", "model weights",
+                                              "activations and workspace", "KV offload budget"]
     assert list(fig.data[0].x) == ["host", "GPU 0", "GPU 1"]
     assert bars["kv_cache"] == [None, 40 * GiB, None]
     assert bars["free"] == [32 * GiB, 4 * GiB, 70 * GiB]
@@ -45,7 +48,7 @@ def test_what_was_not_measured_is_named_not_drawn_as_zero():
     engine_other, and a note naming both."""
     host = {k: v for k, v in HOST.items() if k != "engine_other"}
     fig = memory_budget([_sample(host_memory_part_bytes=host, host_memory_limit_bytes=60.0 * GiB)])
-    assert {t.name for t in fig.data} == {*host, "total"}
+    assert {t.legendgroup or t.name for t in fig.data} == {*host, "total"}
     assert [a.text for a in fig.layout.annotations] == [
         "engine memory: not measured (collectors.host engine_pid); GPU: not measured (no NVML)"]
     nothing = memory_budget([_sample()])
