@@ -66,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                            "and the dashboard to anyone who reaches them (otherwise refused)")
     demo.add_argument("--capture-dir", metavar="DIR", type=directory("not to capture"),
                       help="capture block accesses and requests here as Parquet for kvscope "
-                      "analyze/compare; a new or empty directory: one run per capture "
-                      "(default: off)")
+                      "analyze/compare; a directory without an earlier run's capture in it: "
+                      "one run per capture (default: off)")
 
     agent = sub.add_parser(
         "agent", help="run the node agent (ingest, collectors, /metrics, HTTP API)",
