@@ -331,6 +331,16 @@ def test_a_trace_that_cannot_be_analysed_is_said_on_the_page_and_in_the_log(tmp_
     assert status == state.message
 
 
+def test_sizing_page_says_when_the_recommended_tier_exceeds_the_nodes_memory():
+    """A tryout's Sizing page recommended 32.6 GiB on a 23.5 GiB host without a word. SIZING
+    recommends 1 GiB: over a limit of 1 GiB - 1 byte it is said, under 1 GiB + 1 byte not,
+    nor without a limit known."""
+    state = SizingState("ready", "t.jsonl", SIZING, "x")
+    for limit, said in ((2**30 - 1, True), (2**30 + 1, False), (None, False)):
+        verdict = str(sizing_page.render(state, limit)[2])
+        assert ("sizing-over-host" in verdict) is said, (limit, verdict)
+
+
 @pytest.mark.parametrize("gib,flag,shown", [(31.13, 31.2, "31.13"), (1131.13, 1131.2, "1,131.13"),
                                             (0.0123, 0.1, "0.0123")])
 def test_sizing_page_shows_the_size_it_rounds_up_for_vllm(gib, flag, shown):

@@ -9,6 +9,7 @@ import dash
 from dash import Input, Output, html
 
 from kvscope.dashboard import figures_sizing as fz
+from kvscope.dashboard.backend import Backend, BackendUnavailable
 from kvscope.dashboard.figures import message_figure
 from kvscope.dashboard.pages.common import GRID_STYLE, Context, graph, status
 from kvscope.dashboard.sizing import HOW_TO_ENABLE, SizingState
@@ -33,11 +34,25 @@ def register_callbacks(app: dash.Dash, ctx: Context) -> None:
                   Output(STATUS_ID, "children"), Input("refresh", "n_intervals"))
     def _refresh(_n):
         state = ctx.sizing.state() if ctx.sizing else SizingState("off", message=HOW_TO_ENABLE)
-        return render(state)
+        return render(state, host_limit(ctx.backend) if state.status == "ready" else None)
 
 
-def render(state: SizingState) -> tuple:
-    """(curves figure, cost figure, verdict children, status line) for a sizing state."""
+def host_limit(backend: Backend) -> float | None:
+    """The node's memory limit, bytes (the host collector's, newest sample of the last
+    minute), or None when no sample has it or the backend cannot be read."""
+    try:
+        samples = backend.timeseries(60.0)
+    except BackendUnavailable:
+        return None
+    limits = [x["host_memory_limit_bytes"] for x in samples
+              if isinstance(x.get("host_memory_limit_bytes"), (int, float))]
+    return float(limits[-1]) if limits else None
+
+
+def render(state: SizingState, host_limit_bytes: float | None = None) -> tuple:
+    """(curves figure, cost figure, verdict children, status line) for a sizing state;
+    ``host_limit_bytes``: the node's memory limit, to say when the recommended tier would not
+    fit in it (None: not known, nothing said)."""
     if state.status != "ready" or state.data is None:
         return (*[message_figure(title, state.message if state.status != "off"
                                  else "no trace given (see above)")
@@ -50,6 +65,11 @@ def render(state: SizingState) -> tuple:
                     f"({rec['blocks']:,} blocks), token hit share {rec['token_hit_share']:.1%} "
                     f"with the GPU cache's (the CPU tier's {rec['cpu_token_hit_share']:.1%}); vLLM "
                     f"--kv-offloading-size {data.get('kv_offloading_size_gib', 0):g}"]
+        if host_limit_bytes is not None and rec["gib"] * 2**30 >= host_limit_bytes:
+            verdict += [html.Br(), html.B(
+                f"More than this node's memory limit ({fz.gib_text(host_limit_bytes / 2**30)} "
+                "GiB, the agent's host collector): it would not fit here; the curve shows "
+                "what a smaller tier serves.", id="sizing-over-host")]
     verdict += [html.Br(), f"Reused prompt tokens (ceiling for any cache): "
                 f"{data.get('reuse_token_share', 0):.1%}; GPU prefix cache alone: "
                 f"{data.get('gpu_token_hit_share', 0):.1%}"]
