@@ -23,7 +23,8 @@ from kvscope.vocabulary import (TIERS, TOKEN_SOURCES, EvictionReason, Tier,  # n
 
 SCHEMA_VERSION = 1
 # What a batch's ``source`` (and ``scope``) may be: it becomes a metric label value.
-SOURCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+MAX_SOURCE_NAME = 32  # characters
+SOURCE_NAME = re.compile(rf"[a-z][a-z0-9_-]{{0,{MAX_SOURCE_NAME - 1}}}")
 # The agent's own sources (its ingest socket, OTLP receiver, KV events, vLLM metrics,
 # TensorRT-LLM and SGLang metrics sources) count under these names: a tap named so would merge
 # its series with theirs.

@@ -74,7 +74,7 @@ def table_rows(records: Sequence[Mapping]) -> list[dict]:
             "prompt_tokens": int(_num(r, "prompt_tokens")),
             **{f"tokens_{s}": int(tokens.get(s, 0)) if tokens else None for s in TOKEN_SOURCES},
             "promotion_wait_ms": _ms(r, "promotion_wait"),
-            "transfers": len(r.get("transfers") or ()),
+            "transfers": transfer_count(r),
         }
         rows.append(row)
     return rows
@@ -86,6 +86,12 @@ def size_text(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
+
+
+def transfer_count(record: Mapping) -> int:
+    """The request's transfers: those its record lists and those left out of the list
+    (``transfers_omitted``, past the agent's cap per request)."""
+    return len(record.get("transfers") or ()) + int(record.get("transfers_omitted") or 0)
 
 
 def waterfall(record: Mapping) -> go.Figure:

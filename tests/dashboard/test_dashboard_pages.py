@@ -118,6 +118,10 @@ def test_table_sorts_through_the_backend_when_it_can():
     rows, _ = requests_page.table(backend, [{"column_id": "tokens_cpu", "direction": "desc"}],
                                   None, 100, None)
     assert backend.calls[-1] == (100, "finished", True, None, None)  # sorted locally
+    # ... ascending too, over the newest rows (it asked for the oldest ones)
+    requests_page.table(backend, [{"column_id": "tokens_cpu", "direction": "asc"}], None, 100,
+                        None)
+    assert backend.calls[-1] == (100, "finished", True, None, None)
 
 
 def test_table_and_waterfall_say_when_the_agent_is_unreachable():
@@ -138,6 +142,28 @@ def test_deep_link_opens_the_request_and_unknown_ids_explain_themselves():
     assert f"request {'x' * 256!r} is not in the table" in details
     fig, _ = requests_page.waterfall(FakeBackend(), "", None)
     assert annotation_texts(fig) == ["select a request in the table"]
+    # a source longer than any source name is cut to one (the agent refused 70 characters
+    # with a 422, shown as "agent unreachable")
+    class Strict(FakeBackend):
+        def request(self, request_id, instance=None, source=None):
+            assert len(source) <= 32, source  # as the agent's API would
+            return None
+
+    fig, details = requests_page.waterfall(Strict(), "?id=req-7&source=" + "s" * 70, None)
+    assert "not in the table" in details
+
+
+def test_the_waterfall_counts_the_transfers_the_record_left_out():
+    """A request with 70 transfers: the agent's record lists 64, and says 6 more were left
+    out; the table and the details said 64."""
+    record = {**RECORD, "transfers_omitted": 68}  # RECORD lists 2
+    (row,) = fr.table_rows([record])
+    assert row["transfers"] == 70
+    _, details = requests_page.waterfall(FakeBackend([record]), "?id=req-7", None)
+    assert "70 transfers (2 drawn, 68 past the agent's cap per request)" in str(details)
+    one = {**RECORD, "transfers": RECORD["transfers"][:1]}
+    _, details = requests_page.waterfall(FakeBackend([one]), "?id=req-7", None)
+    assert " 1 transfer · " in str(details)
 
 
 def test_clicking_a_row_writes_the_deep_link():

@@ -23,7 +23,7 @@ from kvscope.dashboard import figures_requests as fr
 from kvscope.dashboard.backend import Backend, BackendUnavailable
 from kvscope.dashboard.pages.common import (STATUS_STYLE, Context, graph, status, unread_status,
                                            where)
-from kvscope.events import MAX_REQUEST_ID
+from kvscope.events import MAX_REQUEST_ID, MAX_SOURCE_NAME
 
 PATH = "/requests"
 NAME = "Requests"
@@ -156,13 +156,16 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
     column = sort_by[0]["column_id"] if sort_by else "finished"
     descending = sort_by[0]["direction"] == "desc" if sort_by else True
     min_ttft = float(min_ttft_ms) / 1000 if isinstance(min_ttft_ms, (int, float)) else None
+    # a column the agent cannot sort sorts the newest rows: ascending by "finished" fetched
+    # the oldest ones instead
+    sorted_by_api = column in API_SORT
     try:
-        page = backend.requests(limit, API_SORT.get(column, "finished"), descending, min_ttft,
-                                instance)
+        page = backend.requests(limit, API_SORT.get(column, "finished"),
+                                descending or not sorted_by_api, min_ttft, instance)
     except BackendUnavailable as exc:
         return [], str(exc)
     rows = fr.table_rows(page.records)
-    if column not in API_SORT:
+    if not sorted_by_api:
         rows.sort(key=lambda r: r.get(column) or 0, reverse=descending)
     shown = f"{len(rows):,} of {page.total:,} requests"
     if min_ttft is not None:
@@ -185,12 +188,14 @@ def select(cell: dict | None, rows: list[dict] | None) -> str:
 
 
 def _link(search: str | None) -> dict[str, str]:
-    """The deep link's ``id``, ``source`` and ``instance`` (those present), each cut to
-    :data:`~kvscope.events.MAX_REQUEST_ID` characters, as every sender cuts a request id (a
-    longer one matches nothing, and its message echoed it whole)."""
+    """The deep link's ``id``, ``source`` and ``instance`` (those present), each cut to the
+    longest that can name one: :data:`~kvscope.events.MAX_REQUEST_ID` characters, as every
+    sender cuts a request id (a longer one matches nothing, and its message echoed it whole),
+    and a source to :data:`~kvscope.events.MAX_SOURCE_NAME` (the agent's API refused a longer
+    one, which read as the agent unreachable)."""
     query = parse_qs((search or "").lstrip("?"))
-    return {key: query[key][0][:MAX_REQUEST_ID] for key in ("id", "source", "instance")
-            if query.get(key)}
+    cut = {"id": MAX_REQUEST_ID, "source": MAX_SOURCE_NAME, "instance": MAX_REQUEST_ID}
+    return {key: query[key][0][:n] for key, n in cut.items() if query.get(key)}
 
 
 def highlight(search: str | None) -> dict:
@@ -222,14 +227,22 @@ def waterfall(backend: Backend, search: str | None, instance: str | None) -> tup
         message = (f"request {request_id!r} is not in the table (the agent keeps the most "
                    f"recent requests only)")
         return fr.waterfall_placeholder(message), message
-    transfers = record.get("transfers") or []
+    transfers = fr.transfer_count(record)
     link = {k: v for k, v in (("id", request_id), ("source", record.get("source")),
                               ("instance", record.get("instance"))) if v}
     details = [html.B(f"request {request_id}"), " · trace id ",
                html.Code(record.get("trace_id", ""), id="trace-id"),
-               f" · TTFT {_ms(record.get('ttft'))} · {len(transfers)} transfers · ",
+               f" · TTFT {_ms(record.get('ttft'))} · {transfers} transfer"
+               f"{'' if transfers == 1 else 's'}{_omitted(record)} · ",
                dcc.Link("link to this request", href=f"{PATH}?{urlencode(link)}")]
     return fr.waterfall(record), details
+
+
+def _omitted(record: dict) -> str:
+    """What the waterfall leaves out: the transfers past the agent's cap per request."""
+    n = int(record.get("transfers_omitted") or 0)
+    drawn = len(record.get("transfers") or ())
+    return f" ({drawn:,} drawn, {n:,} past the agent's cap per request)" if n else ""
 
 
 def _ms(seconds: float | None) -> str:
