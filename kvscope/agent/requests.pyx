@@ -350,10 +350,12 @@ def amend(RequestRecord record not None, str trace_id, finish):
     """Give a finished ``record`` what another report says of it (vLLM's span): ``trace_id``
     (unless "") and, when ``finish.ttft`` is not 0, that TTFT, queueing and prefill (the
     prefill cut so that the parts do not exceed the TTFT), and its inter-token latency unless
-    0 (vLLM's, from token times; the tap's sees tokens a scheduler step late)."""
+    0 (vLLM's, from token times; the tap's sees tokens a scheduler step late) with the output
+    tokens it is the mean over."""
     record.trace_id = trace_id or record.trace_id
     if finish.itl:
         record.itl = finish.itl
+        record.output_tokens = finish.output_tokens
     if finish.ttft:
         record.set_ttft(finish.ttft)
         record.queueing, record.prefill = finish.queueing, finish.prefill

@@ -891,24 +891,30 @@ def test_a_spans_decode_time_gives_the_inter_token_latency():
     """vLLM's span: 4 completion tokens decoded in 0.3 s (``time_in_model_decode``, first token
     to last) -> mean ITL 0.3 / 3 = 0.1 s, for a request only the span reports (a GPU-only
     vLLM's baseline) and for one the tap finished with its own, step-late 0.12 s (vLLM's
-    replaces it). A single token has no ITL: 0, left out of the histogram."""
+    replaces it). A single token has no ITL: 0, left out of the histogram. The span's ITL
+    comes with the span's output tokens it is the mean over: a tap that saw none (cmpl-8-0)
+    kept 0 output tokens beside an ITL of 0.1 s."""
     agent = _agent()
     agent.otlp_receiver.start()
     _spans_arrive(agent)
-    agent.pipeline.ingest("vllm", [
-        ev.RequestStarted(ts=T0, request_id="cmpl-9-0", prompt_tokens=300),
-        ev.RequestFinished(ts=T0 + 0.9, request_id="cmpl-9-0", ttft=0.3, prompt_tokens=300,
-                           output_tokens=4, itl=0.12)])
+    for rid, output, itl in (("cmpl-9-0", 4, 0.12), ("cmpl-8-0", 0, 0.0)):
+        agent.pipeline.ingest("vllm", [
+            ev.RequestStarted(ts=T0, request_id=rid, prompt_tokens=300),
+            ev.RequestFinished(ts=T0 + 0.9, request_id=rid, ttft=0.3, prompt_tokens=300,
+                               output_tokens=output, itl=itl)])
     decode = {**ATTRS, "gen_ai.latency.time_in_model_decode": 0.3}
     agent.otlp_receiver.handle([
         otlp_span(decode),
         otlp_span({**decode, "gen_ai.request.id": "cmpl-9-0"}),
+        otlp_span({**decode, "gen_ai.request.id": "cmpl-8-0"}),
         otlp_span({**decode, "gen_ai.request.id": "cmpl-one-0",
                    "gen_ai.usage.completion_tokens": 1})])
     agent.pipeline.publish_settled(everything=True)
-    itl = {rid: agent.pipeline.requests.get(rid).itl for rid in
-           ("cmpl-1-0", "cmpl-9-0", "cmpl-one-0")}
+    rids = ("cmpl-1-0", "cmpl-9-0", "cmpl-8-0", "cmpl-one-0")
+    itl = {rid: agent.pipeline.requests.get(rid).itl for rid in rids}
     assert itl == {"cmpl-1-0": pytest.approx(0.1), "cmpl-9-0": pytest.approx(0.1),
-                   "cmpl-one-0": 0.0}, itl
+                   "cmpl-8-0": pytest.approx(0.1), "cmpl-one-0": 0.0}, itl
+    output = {rid: agent.pipeline.requests.get(rid).output_tokens for rid in rids}
+    assert output == {"cmpl-1-0": 4, "cmpl-9-0": 4, "cmpl-8-0": 4, "cmpl-one-0": 1}, output
     hist = agent.pipeline.snapshot().itl_seconds
-    assert sum(hist.counts) == 2 and hist.sum == pytest.approx(0.2)
+    assert sum(hist.counts) == 3 and hist.sum == pytest.approx(0.3)
