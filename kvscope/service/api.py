@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 
 import msgspec
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
@@ -30,6 +31,7 @@ from kvscope.samples import NAMES as SAMPLE_FIELDS  # the fields of a sample (kv
 from kvscope.service.agent import Agent
 
 MAX_LIMIT = 10_000
+log = logging.getLogger(__name__)
 
 
 def _json(value) -> Response:
@@ -78,11 +80,20 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     bearer = HTTPBearer(auto_error=False, description="the agent's `token` setting")
 
-    def authorize(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    refused = []  # the first refusal, logged: a sender without the token is otherwise silent
+
+    def authorize(request: Request,
+                  credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if token is None:
             return
         if credentials is None or not hmac.compare_digest(credentials.credentials.encode(),
                                                           token.encode()):
+            if not refused:
+                refused.append(request.url.path)
+                log.warning("refused %s from %s: missing or wrong bearer token (send the "
+                            "agent's token as \"Authorization: Bearer <token>\"; an OTLP "
+                            "exporter as a header); logged once", request.url.path,
+                            request.client.host if request.client else "?")
             raise HTTPException(401, "missing or wrong bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
 

@@ -167,8 +167,11 @@ def test_openmetrics_carries_trace_id_exemplars(client):
     assert "# {" not in plain and "kvscope_transfer_seconds_bucket" in plain
 
 
-def test_bearer_token_guards_the_api_but_not_metrics():
-    with TestClient(create_app(_agent(token="s3cret"))) as c:
+def test_bearer_token_guards_the_api_but_not_metrics(caplog):
+    """... and the first refusal is logged (a tryout's OTLP exporter without the token was
+    refused in silence), once."""
+    with caplog.at_level("WARNING", logger="kvscope.service.api"), \
+            TestClient(create_app(_agent(token="s3cret"))) as c:
         assert c.get("/api/v1/summary").status_code == 401
         assert c.get("/api/v1/summary", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert c.get("/api/v1/summary", headers={"Authorization": "Bearer s3cret"}).status_code == 200
@@ -178,6 +181,8 @@ def test_bearer_token_guards_the_api_but_not_metrics():
         assert c.get("/metrics").status_code == 200
         schemes = c.get("/openapi.json").json()["components"]["securitySchemes"]
         assert [s["scheme"] for s in schemes.values()] == ["bearer"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvscope.service.api"]
+    assert len(lines) == 1 and lines[0].startswith("refused /api/v1/summary from "), lines
 
 
 def test_a_request_id_with_a_slash_can_be_fetched():
