@@ -19,6 +19,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.requests import ClientDisconnect
 
 from kvscope import __version__, events as ev
@@ -32,6 +33,16 @@ from kvscope.service.agent import Agent
 
 MAX_LIMIT = 10_000
 log = logging.getLogger(__name__)
+
+
+class _AnyPath(PathConvertor):
+    """A path that may hold any character: Starlette's ``path`` (``.*``) stops at a newline,
+    which a request id may hold (an OTLP span's attribute), and drops a trailing one."""
+
+    regex = r"[\s\S]*"
+
+
+register_url_convertor("any_path", _AnyPath())
 
 
 def _json(value) -> Response:
@@ -234,8 +245,8 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                                                       source)
         return _json({"total": total, "requests": [r.data() for r in records]})
 
-    # ``:path``: a request id may hold a slash (vLLM takes the client's X-Request-Id)
-    @app.get("/api/v1/requests/{request_id:path}", dependencies=[Depends(authorize)])
+    # a request id may hold a slash (vLLM takes the client's X-Request-Id), or a newline
+    @app.get("/api/v1/requests/{request_id:any_path}", dependencies=[Depends(authorize)])
     def request(request_id: str, source: str | None = Query(
             None, max_length=64, description="the source that reported it; without it, the "
             "one finished last (two engines may use the same ids)")) -> Response:

@@ -194,6 +194,19 @@ def test_a_request_id_with_a_slash_can_be_fetched():
         assert c.get("/api/v1/requests/tenant%2F7").json()["request_id"] == "tenant/7"
 
 
+def test_a_request_id_with_a_newline_can_be_fetched():
+    """An OTLP span's id may hold any character: "a\nb" answered the router's bare 404, and
+    "nl\n" was looked up as "nl"."""
+    agent = _agent()
+    agent.pipeline.ingest("engine", [
+        ev.RequestFinished(ts=1.0, request_id=rid, ttft=0.2, prompt_tokens=8)
+        for rid in ("a\nb", "nl\n")])
+    with TestClient(create_app(agent)) as c:
+        assert c.get("/api/v1/requests/a%0Ab").json()["request_id"] == "a\nb"
+        assert c.get("/api/v1/requests/nl%0A").json()["request_id"] == "nl\n"
+        assert c.get("/api/v1/requests/nl").status_code == 404
+
+
 def test_a_long_request_id_is_cut_as_its_sender_cut_it():
     """Senders keep the first 256 characters of an id (events.MAX_REQUEST_ID): asking with the
     whole id finds the record, and a 10,000-character id not found is not echoed whole."""
