@@ -242,7 +242,7 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
         if sort not in SORT_KEYS:
             raise HTTPException(422, f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
         records, total = agent.pipeline.requests.page(limit, sort, order == "desc", min_ttft,
-                                                      source)
+                                                      source or None)  # "": no filter
         return _json({"total": total, "requests": [r.data() for r in records]})
 
     # a request id may hold a slash (vLLM takes the client's X-Request-Id), or a newline
@@ -252,6 +252,7 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             "one finished last (two engines may use the same ids)")) -> Response:
         """One request with its transfers and the parts of its TTFT."""
         request_id = request_id[:ev.MAX_REQUEST_ID]  # as every sender cuts it
+        source = source or None  # an empty ?source= names none: no filter
         record = agent.pipeline.requests.get(request_id, source)
         if record is None:
             where = f" from source {source!r}" if source is not None else ""

@@ -196,7 +196,7 @@ def test_a_request_id_with_a_slash_can_be_fetched():
 
 def test_a_request_id_with_a_newline_can_be_fetched():
     """An OTLP span's id may hold any character: "a\nb" answered the router's bare 404, and
-    "nl\n" was looked up as "nl"."""
+    "nl\n" was looked up as "nl". An empty ``?source=`` is no filter."""
     agent = _agent()
     agent.pipeline.ingest("engine", [
         ev.RequestFinished(ts=1.0, request_id=rid, ttft=0.2, prompt_tokens=8)
@@ -205,6 +205,10 @@ def test_a_request_id_with_a_newline_can_be_fetched():
         assert c.get("/api/v1/requests/a%0Ab").json()["request_id"] == "a\nb"
         assert c.get("/api/v1/requests/nl%0A").json()["request_id"] == "nl\n"
         assert c.get("/api/v1/requests/nl").status_code == 404
+        # an empty ?source= filters nothing (it matched no record)
+        assert c.get("/api/v1/requests/nl%0A?source=").status_code == 200
+        every = c.get("/api/v1/requests").json()["total"]
+        assert every >= 2 and c.get("/api/v1/requests?source=").json()["total"] == every
 
 
 def test_a_long_request_id_is_cut_as_its_sender_cut_it():
