@@ -70,6 +70,15 @@ def _agent():
                                otlp_receiver={"source": "vllm"}))
 
 
+def test_spans_received_read_0_before_the_first():
+    """A tryout's "are spans arriving?" panel read "no data" until the first span, beside the
+    drop reasons exported at 0 from the start."""
+    agent = _agent()
+    agent.otlp_receiver.start()
+    text = agent.exposition.render()[0].decode()
+    assert 'kvscope_events_received_total{source="otlp"} 0.0' in text, text
+
+
 def _spans_arrive(agent):
     """What the receiver's first span does: from then on the source's records wait for theirs
     (without spans nothing waits)."""
