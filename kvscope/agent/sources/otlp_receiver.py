@@ -15,9 +15,10 @@ id, which the in-process tap also reports): when the tap finished the request (t
 id under way when the span starts: a client may reuse an id), the record takes the span's
 trace id and vLLM's own TTFT, queueing, prefill and inter-token latency; otherwise the span becomes ``RequestStarted`` + ``RequestFinished``
 events under ``source`` (so a record the tap has open joins them): see
-:meth:`~kvscope.agent.pipeline.Pipeline.report`. Spans without ``gen_ai.request.id`` are
-counted and ignored, and so are spans of requests the tap did not finish that have no TTFT
-(an aborted request). A span whose values
+:meth:`~kvscope.agent.pipeline.Pipeline.report`. Spans without ``gen_ai.request.id`` (a
+string) are ignored, counted only among the spans received (another service's spans may share
+the endpoint: they are no loss), and so are spans of requests the tap did not finish that have
+no TTFT (an aborted request). A span whose values
 an emitter's batch could not carry (a TTFT that is no number of seconds, a time past 2100, a
 count past 2**53: :func:`kvscope.events.validate`) is counted in
 ``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. Every span received counts
