@@ -45,7 +45,8 @@ _ZERO_TRACE = "0" * 32
 def source_name_problem(name: str) -> str | None:
     """Why ``name`` cannot name a tap's source (a phrase to follow the name), or None."""
     if not SOURCE_NAME.fullmatch(name):
-        return f"is not a lowercase word of up to 32 characters ({SOURCE_NAME.pattern})"
+        return (f"is not a lowercase word of up to {MAX_SOURCE_NAME} characters "
+                f"({SOURCE_NAME.pattern})")
     if name in RESERVED_SOURCES:
         return f"is the agent's own (so are {', '.join(sorted(RESERVED_SOURCES - {name}))})"
     return None

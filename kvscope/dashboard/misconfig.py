@@ -230,8 +230,12 @@ def promotion_slower(window: Sequence[Sample], s: Settings) -> Finding:
     spent = promotion_seconds_by_tier(window_increase(window, "transfer_seconds_sum"),
                                       window_increase(window, "transfer_blocks"))
     if not spent:
-        moved = window_increase(window, "transfer_blocks")
-        if not any(n > 0 for d, n in moved.items() if is_promotion(d)):
+        # promotions seen: their blocks or bytes (vLLM's /metrics count bytes alone), or
+        # prefill an offload tier saved (KV events see no cpu->gpu copy at all)
+        moved = [window_increase(window, name) for name in ("transfer_blocks", "transfer_bytes")]
+        saved = window_increase(window, "prefill_seconds_saved")
+        if not (any(n > 0 for counts in moved for d, n in counts.items() if is_promotion(d))
+                or any(v > 0 for t, v in saved.items() if t != "gpu")):
             return _finding(key, NOT_MEASURED, "not measured: no promotions in the window")
         return _finding(key, NOT_MEASURED, "not measured: no timed promotions in the window "
                         "(vLLM's KV events and /metrics do not time cpu promotions; the tap and "
@@ -322,8 +326,6 @@ def _newest(window: Sequence[Sample], name: str) -> float | None:
         if is_number(value := x.get(name)):
             return float(value)
     return None
-
-
 
 
 def by_status(findings: Sequence[Finding]) -> Mapping[str, list[Finding]]:

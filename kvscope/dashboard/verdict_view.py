@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dash import html
 
-from kvscope.dashboard.offload_verdict import (CONDITIONS, GIB, NOT_MEASURED, PAYS, SKIP,
-                                               TOO_LITTLE, Assessment, seconds_text)
+from kvscope.dashboard.offload_verdict import (CONDITIONS, NOT_MEASURED, PAYS, SKIP, TOO_LITTLE,
+                                               Assessment, seconds_text)
+from kvscope.dashboard.series import bytes_text
 
 SECTION_ID = "offload-advice"
 TITLE = "Should I offload here?"
@@ -73,9 +74,9 @@ def cards(a: Assessment) -> html.Div:
              seconds_text(h.ttft_p99), f"budget {seconds_text(h.ttft_budget)}",
              VERDICT_COLOURS[SKIP] if over else "#222"),
         card("offload-card-headroom", "host RAM headroom",
-             NOT_MEASURED if h.headroom_bytes is None else f"{h.headroom_bytes / GIB:.1f} GiB",
+             NOT_MEASURED if h.headroom_bytes is None else bytes_text(h.headroom_bytes),
              "reserve " + (NOT_MEASURED if h.reserve_bytes is None
-                           else f"{h.reserve_bytes / GIB:.1f} GiB"),
+                           else bytes_text(h.reserve_bytes)),
              VERDICT_COLOURS[SKIP] if (h.headroom_bytes or 0) < 0 else "#222"),
     ], style={"display": "flex", "gap": "8px", "flexWrap": "wrap", "margin": "6px 0"})
 
@@ -108,9 +109,9 @@ def _costs_more(saved_vs_spent: dict[str, tuple[float, float | None]]) -> str:
     spent = sum(t for _, t in saved_vs_spent.values())
     if not spent > saved:
         return ""
-    return (f"but the offload tiers' transfers took {spent:.2f} s for {saved:.2f} s of prefill "
-            "saved in the window: nothing here rules offload out, yet these tiers, as sized, "
-            "may not pay for themselves (the misconfiguration checks below say where)")
+    return (f"but the offload tiers' transfers (offloads and promotions) took {spent:.2f} s "
+            f"for {saved:.2f} s of prefill saved in the window: nothing here rules offload "
+            "out, yet these tiers, as sized, may not pay for themselves")
 
 
 def table(a: Assessment) -> html.Table:

@@ -91,7 +91,9 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     bearer = HTTPBearer(auto_error=False, description="the agent's `token` setting")
 
-    refused = []  # the first refusal, logged: a sender without the token is otherwise silent
+    # the first refusal of each kind of sender (an OTLP exporter, an API client), logged: a
+    # sender without the token is otherwise silent
+    refused: set[bool] = set()
 
     def authorize(request: Request,
                   credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
@@ -99,11 +101,13 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             return
         if credentials is None or not hmac.compare_digest(credentials.credentials.encode(),
                                                           token.encode()):
-            if not refused:
-                refused.append(request.url.path)
+            spans = request.url.path == otlp_in.TRACES_PATH
+            if spans not in refused:
+                refused.add(spans)
                 log.warning("refused %s from %s: missing or wrong bearer token (send the "
                             "agent's token as \"Authorization: Bearer <token>\"; an OTLP "
-                            "exporter as a header); logged once", request.url.path,
+                            "exporter as a header); logged once for spans, once for the API",
+                            request.url.path,
                             request.client.host if request.client else "?")
             raise HTTPException(401, "missing or wrong bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})

@@ -154,8 +154,8 @@ def test_deep_link_opens_the_request_and_unknown_ids_explain_themselves():
 
 
 def test_the_waterfall_counts_the_transfers_the_record_left_out():
-    """A request with 70 transfers: the agent's record lists 64, and says 6 more were left
-    out; the table and the details said 64."""
+    """A request with 70 transfers, of which its record lists 2 and counts 68 left out past
+    the agent's cap: the table and the details said 2."""
     record = {**RECORD, "transfers_omitted": 68}  # RECORD lists 2
     (row,) = fr.table_rows([record])
     assert row["transfers"] == 70
@@ -365,6 +365,18 @@ def test_sizing_page_says_when_the_recommended_tier_exceeds_the_nodes_memory():
     for limit, said in ((2**30 - 1, True), (2**30 + 1, False), (None, False)):
         verdict = str(sizing_page.render(state, limit)[2])
         assert ("sizing-over-host" in verdict) is said, (limit, verdict)
+    # the limit is the agent's newest; a fleet's (Prometheus: summed over nodes) is none
+    class Samples(FakeBackend):
+        def timeseries(self, window_seconds, instance=None):
+            if self.fail:
+                raise BackendUnavailable(self.base_url, "refused")
+            return [{"ts": 1.0, "host_memory_limit_bytes": 5.0}, {"ts": 2.0},
+                    {"ts": 3.0, "host_memory_limit_bytes": 7.0}, {"ts": 4.0}]
+
+    agent, fleet = Samples(), Samples()
+    fleet.kind = "prometheus"
+    assert sizing_page.host_limit(agent) == 7.0 and sizing_page.host_limit(fleet) is None
+    assert sizing_page.host_limit(Samples(fail=True)) is None
 
 
 @pytest.mark.parametrize("gib,flag,shown", [(31.13, 31.2, "31.13"), (1131.13, 1131.2, "1,131.13"),

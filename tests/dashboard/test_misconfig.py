@@ -123,13 +123,16 @@ def test_promotions_slower_than_recompute():
     assert f.status == MISCONFIGURED and "promoting the disk tier" in f.wrong
     assert "(2.00×)" in f.wrong
     assert M.promotion_slower(w(0.04, 0.05), S).status == OK
-    # promotions counted but none timed (zero-code mode) say why; no promotion at all says
-    # that instead (a tryout read the vLLM explanation on a reference-engine run without any)
-    untimed = window(counters={"prefill_seconds_saved": {"cpu": 0.1},
-                               "transfer_blocks": {"cpu->gpu": 4.0}})
-    none = window(counters={"prefill_seconds_saved": {"cpu": 0.1},
+    # promotions seen but none timed (zero-code mode: blocks, bytes alone from vLLM's
+    # /metrics, or only the prefill a tier saved from KV events) say why; no promotion at all
+    # says that instead (a tryout read the vLLM explanation on a run without any)
+    seen = [window(counters={"transfer_blocks": {"cpu->gpu": 4.0}}),
+            window(counters={"transfer_bytes": {"cpu->gpu": 4096.0}}),
+            window(counters={"prefill_seconds_saved": {"cpu": 0.1}})]
+    none = window(counters={"prefill_seconds_saved": {"gpu": 0.1},
                             "transfer_blocks": {"gpu->cpu": 4.0}})
-    for found, why in ((untimed, "vLLM's KV events"), (none, "no promotions in the window")):
+    for found, why in [(w, "vLLM's KV events") for w in seen] + [
+            (none, "no promotions in the window")]:
         f = M.promotion_slower(found, S)
         assert f.status == NOT_MEASURED and why in f.wrong, f
 

@@ -414,7 +414,7 @@ def test_the_view_marks_each_row_with_its_verdict():
     assert getattr(banner, "data-verdict") == a.verdict == PAYS
     cards = {card.id: card.children[1].children for card in verdict_view.cards(a).children}
     assert cards == {"offload-card-tokens": "50%", "offload-card-savings": "2.9×",
-                     "offload-card-ttft": "500.0 ms", "offload-card-headroom": "4.0 GiB"}
+                     "offload-card-ttft": "500.0 ms", "offload-card-headroom": "4.00 GiB"}
 
 
 def test_offload_pays_says_when_the_tiers_transfers_took_longer_than_they_saved():
@@ -433,7 +433,7 @@ def test_offload_pays_says_when_the_tiers_transfers_took_longer_than_they_saved(
 
     assert cost_line({"gpu->cpu": 0.004, "cpu->gpu": 0.003}) is None
     assert cost_line({"gpu->cpu": 0.05, "cpu->gpu": 0.003}).startswith(
-        "but the offload tiers' transfers took 3.18 s for 1.20 s of prefill saved")
+        "but the offload tiers' transfers (offloads and promotions) took 3.18 s for 1.20 s")
 
 
 def test_the_tokens_card_puts_the_reuse_beside_what_was_served():

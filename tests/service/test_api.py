@@ -181,8 +181,14 @@ def test_bearer_token_guards_the_api_but_not_metrics(caplog):
         assert c.get("/metrics").status_code == 200
         schemes = c.get("/openapi.json").json()["components"]["securitySchemes"]
         assert [s["scheme"] for s in schemes.values()] == ["bearer"]
+        # an OTLP exporter refused after an API client is logged too (its own first)
+        assert c.post("/v1/traces", content=b"{}",
+                      headers={"Content-Type": "application/json"}).status_code == 401
+        assert c.post("/v1/traces", content=b"{}",
+                      headers={"Content-Type": "application/json"}).status_code == 401
     lines = [r.getMessage() for r in caplog.records if r.name == "kvscope.service.api"]
-    assert len(lines) == 1 and lines[0].startswith("refused /api/v1/summary from "), lines
+    assert [line.split(" from ")[0] for line in lines] == [
+        "refused /api/v1/summary", "refused /v1/traces"], lines
 
 
 def test_a_request_id_with_a_slash_can_be_fetched():

@@ -191,8 +191,8 @@ def _link(search: str | None) -> dict[str, str]:
     """The deep link's ``id``, ``source`` and ``instance`` (those present), each cut to the
     longest that can name one: :data:`~kvscope.events.MAX_REQUEST_ID` characters, as every
     sender cuts a request id (a longer one matches nothing, and its message echoed it whole),
-    and a source to :data:`~kvscope.events.MAX_SOURCE_NAME` (the agent's API refused a longer
-    one, which read as the agent unreachable)."""
+    and a source to :data:`~kvscope.events.MAX_SOURCE_NAME` (no source is named longer; the
+    agent's API refused 65 characters and more, which read as the agent unreachable)."""
     query = parse_qs((search or "").lstrip("?"))
     cut = {"id": MAX_REQUEST_ID, "source": MAX_SOURCE_NAME, "instance": MAX_REQUEST_ID}
     return {key: query[key][0][:n] for key, n in cut.items() if query.get(key)}
@@ -232,7 +232,7 @@ def waterfall(backend: Backend, search: str | None, instance: str | None) -> tup
                               ("instance", record.get("instance"))) if v}
     details = [html.B(f"request {request_id}"), " · trace id ",
                html.Code(record.get("trace_id", ""), id="trace-id"),
-               f" · TTFT {_ms(record.get('ttft'))} · {transfers} transfer"
+               f" · TTFT {_ms(record.get('ttft'))} · {transfers:,} transfer"
                f"{'' if transfers == 1 else 's'}{_omitted(record)} · ",
                dcc.Link("link to this request", href=f"{PATH}?{urlencode(link)}")]
     return fr.waterfall(record), details

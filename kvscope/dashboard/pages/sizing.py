@@ -39,7 +39,11 @@ def register_callbacks(app: dash.Dash, ctx: Context) -> None:
 
 def host_limit(backend: Backend) -> float | None:
     """The node's memory limit, bytes (the host collector's, newest sample of the last
-    minute), or None when no sample has it or the backend cannot be read."""
+    minute, from the agent's own samples, which the page's refresh has cached), or None when
+    no sample has it, the backend cannot be read or is a fleet's (Prometheus: its samples sum
+    every node's)."""
+    if backend.kind != "agent":
+        return None
     try:
         samples = backend.timeseries(60.0)
     except BackendUnavailable:
@@ -67,8 +71,8 @@ def render(state: SizingState, host_limit_bytes: float | None = None) -> tuple:
                     f"--kv-offloading-size {data.get('kv_offloading_size_gib', 0):g}"]
         if host_limit_bytes is not None and rec["gib"] * 2**30 >= host_limit_bytes:
             verdict += [html.Br(), html.B(
-                f"More than this node's memory limit ({fz.gib_text(host_limit_bytes / 2**30)} "
-                "GiB, the agent's host collector): it would not fit here; the curve shows "
+                f"At or above this node's memory limit ({fz.gib_text(host_limit_bytes / 2**30)}"
+                " GiB, the agent's host collector): it would not fit here; the curve shows "
                 "what a smaller tier serves.", id="sizing-over-host")]
     verdict += [html.Br(), f"Reused prompt tokens (ceiling for any cache): "
                 f"{data.get('reuse_token_share', 0):.1%}; GPU prefix cache alone: "
