@@ -127,11 +127,20 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
 
         @app.post(otlp_in.TRACES_PATH, dependencies=[Depends(authorize)], include_in_schema=False)
         async def otlp_traces(request: Request) -> Response:
-            """OTLP/HTTP trace export (protobuf or JSON); see ``agent/sources/otlp_receiver.py``."""
-            if agent.restoring:  # a span for a stored request would make a second one
-                return JSONResponse({"detail": "restoring stored requests; retry"}, 503,
-                                    headers={"Retry-After": "1"})
+            """OTLP/HTTP trace export (protobuf or JSON); see ``agent/sources/otlp_receiver.py``.
+            Answers in the request's encoding, errors included (a ``google.rpc.Status`` to a
+            protobuf export, as the OTLP/HTTP specification asks)."""
             content_type = request.headers.get("content-type", "")
+            protobuf = content_type.split(";")[0].strip().lower() == "application/x-protobuf"
+
+            def error(detail: str, status: int, **headers) -> Response:
+                if protobuf:
+                    return Response(otlp_in.error_status(detail, status), status,
+                                    headers=headers, media_type="application/x-protobuf")
+                return JSONResponse({"detail": detail}, status, headers=headers)
+
+            if agent.restoring:  # a span for a stored request would make a second one
+                return error("restoring stored requests; retry", 503, **{"Retry-After": "1"})
             encoding = request.headers.get("content-encoding", "")
             try:
                 if declared_too_large(request, max_body_bytes):
@@ -142,13 +151,13 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                         otlp_in.parse(body, content_type, encoding)))
             except BodyTooLarge:
                 receiver.refused(otlp_in.OtlpError(too_large["detail"], 413))
-                return JSONResponse(too_large, 413)
+                return error(too_large["detail"], 413)
             except ClientDisconnect:  # gone mid-body (an exporter giving up): nobody to answer
                 return Response(status_code=400)
             except otlp_in.OtlpError as exc:
                 receiver.refused(exc)
-                return JSONResponse({"detail": str(exc)}, exc.status)
-            if content_type.split(";")[0].strip().lower() == "application/x-protobuf":
+                return error(str(exc), exc.status)
+            if protobuf:
                 return Response(otlp_in.EMPTY_RESPONSE, media_type="application/x-protobuf")
             return JSONResponse({})
 

@@ -21,6 +21,7 @@ import time
 import zlib
 from contextlib import contextmanager
 
+from google.rpc.status_pb2 import Status as RpcStatus
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -255,7 +256,8 @@ hostile = encoded(st.one_of(
 
 def test_hostile_bodies_get_2xx_or_4xx_and_a_refused_body_is_counted_once():
     """Promise, on every example: the answer is 2xx or 4xx (never 5xx, never a dropped
-    connection); a 4xx carries a JSON ``detail``; a refused body counts one dropped event and
+    connection); a 4xx carries its ``detail`` in the body's encoding (a google.rpc.Status to a
+    protobuf body, JSON to the others); a refused body counts one dropped event and
     changes no other counter and no record (it was not half taken); an accepted one counts
     each of its spans in
     events_received{otlp} as the receiver counts it, and answers in the content type it was
@@ -270,8 +272,12 @@ def test_hostile_bodies_get_2xx_or_4xx_and_a_refused_body_is_counted_once():
             after = _counts(agent)
             event(f"status {status}")  # --hypothesis-show-statistics: what the fuzz reached
             assert 200 <= status < 500, (status, answer[:300])
+            kind = headers.get("Content-Type", "").split(";")[0].strip().lower()
             if status >= 400:
-                assert isinstance(json.loads(answer)["detail"], str)
+                if kind == "application/x-protobuf":
+                    assert RpcStatus.FromString(answer).message
+                else:
+                    assert isinstance(json.loads(answer)["detail"], str)
                 assert after[:4] == before[:4], "a refused body changed a counter or a record"
                 assert after[4] == before[4] + 1, "a refused body was not counted once"
             else:
@@ -279,7 +285,6 @@ def test_hostile_bodies_get_2xx_or_4xx_and_a_refused_body_is_counted_once():
                 received = after[0] - before[0]
                 assert after[1] - before[1] == received
                 assert 0 <= after[2] - before[2] <= received
-                kind = headers.get("Content-Type", "").split(";")[0].strip().lower()
                 assert answer_headers["content-type"].split(";")[0] == kind, (kind, answer[:50])
                 assert answer == (b"" if kind == "application/x-protobuf" else b"{}")
 

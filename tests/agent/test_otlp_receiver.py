@@ -179,11 +179,19 @@ def test_json_nulls_are_defaults_as_in_the_proto3_json_mapping():
 
 def test_bad_bodies_are_refused_counted_and_spans_without_request_ids_ignored(caplog):
     """Four bodies refused (two 400s, two 415s) count 4 dropped as malformed, each reason
-    logged once; a span without a request id is ignored, not dropped."""
+    logged once; a span without a request id is ignored, not dropped. A protobuf export's
+    error answer is protobuf too (it was JSON)."""
+    from google.rpc.status_pb2 import Status
+
     agent = _agent()
     with TestClient(create_app(agent)) as client:
-        assert client.post("/v1/traces", content=b"\xff\x00garbage",
-                           headers={"content-type": "application/x-protobuf"}).status_code == 400
+        refused = client.post("/v1/traces", content=b"\xff\x00garbage",
+                              headers={"content-type": "application/x-protobuf"})
+        # a protobuf export's error is a google.rpc.Status (OTLP/HTTP), not JSON
+        assert refused.status_code == 400
+        assert refused.headers["content-type"] == "application/x-protobuf"
+        status = Status.FromString(refused.content)
+        assert status.code == 3 and status.message, status
         assert client.post("/v1/traces", content=b"{",
                            headers={"content-type": "application/json"}).status_code == 400
         assert client.post("/v1/traces", content=b"x",

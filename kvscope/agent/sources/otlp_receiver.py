@@ -65,6 +65,19 @@ MAX_DECOMPRESSED_BYTES = 4 << 20
 MAX_SPANS = 10_000
 
 
+# HTTP status -> the google.rpc code of an error's Status (google/rpc/code.proto)
+_RPC_CODES = {400: 3, 413: 8, 415: 3, 503: 14}  # INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE
+
+
+def error_status(message: str, status: int) -> bytes:
+    """The body of an error answer to a protobuf export: a serialized ``google.rpc.Status``
+    with ``message`` (the OTLP specification, "OTLP/HTTP Response", Failures); its code
+    follows the HTTP ``status`` (UNKNOWN for one not mapped)."""
+    from google.rpc.status_pb2 import Status  # googleapis-common-protos, OTLP's exporters'
+
+    return Status(code=_RPC_CODES.get(status, 2), message=message).SerializeToString()
+
+
 class OtlpError(ValueError):
     """A body that is not an OTLP trace export; ``status`` is the HTTP status to answer."""
 
