@@ -37,11 +37,9 @@ def bytes_text(value: float) -> str:
     """A byte count for text, in binary units: "2.00 GiB" from 1 GiB, "512.0 MiB", "4.0 KiB",
     "12 B" (a tier of a few MiB read "0.00 GiB"); a negative count keeps its sign."""
     size = abs(value)
-    if size >= 2**30:
-        return f"{value / 2**30:.2f} GiB"
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{value / scale:.1f} {unit}"
+    for unit, scale, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
+        if round(size / scale, digits) >= 1:  # as it prints: 2**30 - 1 is "1.00 GiB"
+            return f"{value / scale:.{digits}f} {unit}"
     return f"{value:.0f} B"
 
 

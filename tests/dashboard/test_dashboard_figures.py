@@ -461,7 +461,7 @@ def test_concurrency_and_prompt_lengths_come_from_the_records():
 
 
 @pytest.mark.parametrize(("n", "text"), [
-    (3 * 2**30, "3.00 GiB"), (2**30 - 1, "1024.0 MiB"), (5 * 2**20 + 2**19, "5.5 MiB"),
-    (2048, "2.0 KiB"), (1023, "1023 B"), (0, "0 B"), (-2**31, "-2.00 GiB")])
+    (3 * 2**30, "3.00 GiB"), (2**30 - 1, "1.00 GiB"), (5 * 2**20 + 2**19, "5.5 MiB"),
+    (2048, "2.0 KiB"), (1023, "1.0 KiB"), (900, "900 B"), (0, "0 B"), (-2**31, "-2.00 GiB")])
 def test_bytes_text_picks_the_unit_that_shows_the_size(n, text):
     assert S.bytes_text(n) == text
