@@ -38,8 +38,9 @@ class Alert:
 
 
 def _g(value: float) -> str:
-    """A threshold as PromQL and prose print it: 2.5, 0.01, 67108864."""
-    return repr(int(value)) if float(value).is_integer() else repr(value)
+    """A threshold as PromQL and prose print it: 2.5, 0.01, 67108864; 1.2 for 1.5 * 0.8
+    (1.2000000000000002: 15 significant digits drop the float's rounding)."""
+    return repr(int(value)) if float(value).is_integer() else repr(float(f"{value:.15g}"))
 
 
 def _pct(value: float) -> str:

@@ -176,6 +176,15 @@ def test_ttft_alert_is_the_rollback_rule() -> None:
     assert f"> {warning:g}\n" in ttft["warning"].expr
 
 
+def test_a_threshold_prints_without_the_floats_rounding() -> None:
+    """grafana.md's example budget, 1.5 s: its warning at 0.8 of it read "> 1.2000000000000002"
+    in the generated rule (valid PromQL, but not what anyone typed)."""
+    cfg = dataclasses.replace(CFG, ttft_budget_seconds=1.5)
+    (warning,) = [a for a in alerts(cfg)
+                  if a.name == "KvscopeTTFTBudgetBreach" and a.severity == "warning"]
+    assert "> 1.2\n" in warning.expr, warning.expr
+
+
 def test_the_default_ttft_thresholds_are_bucket_bounds() -> None:
     """histogram_quantile interpolates inside a bucket: with the warning (2 s) inside (1, 2.5],
     three requests a hundred at 1.05 s read as a p99 of 1 + 1.5 * 0.8 = 2.2 s and warned (found
