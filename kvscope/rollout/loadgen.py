@@ -54,10 +54,11 @@ class LoadResult:
     order; ``prompt_tokens`` and ``output_tokens`` per request, and when each was sent and
     ended (``started``, ``ended``: Unix seconds); ``errors``: requests that failed or were cut
     off; ``percentiles``: guidellm's own, ``{metric: {"p50", "p95", "p99"}}``
-    in seconds, for ``ttft``, ``itl`` and ``e2e``; ``unsent``: requests guidellm made and
-    cancelled before sending them (when its request limit stopped the run), which its report
-    counts (``scheduler_metrics.requests_made.incomplete``) but lists nowhere (guidellm
-    0.8.1's ``benchmark/schemas/accumulator.py``: "cancelled before starting")."""
+    in seconds, for ``ttft``, ``itl`` and ``e2e``; ``unsent``: requests of the run's limit
+    (``max_requests``) its report lists nowhere: made and cancelled before sending them when
+    the limit stopped the run (counted in ``scheduler_metrics.requests_made.incomplete``;
+    guidellm 0.8.1's ``benchmark/schemas/accumulator.py``: "cancelled before starting"), or
+    created and never processed (seen once: 24 created, 23 listed, ``dataset_incomplete``)."""
 
     ttft: list[float]
     itl: list[float]
@@ -101,6 +102,10 @@ def read_report(path: str | Path) -> LoadResult:
         # guidellm counts every cancelled request, and lists those that had started
         made = (bench.get("scheduler_metrics") or {}).get("requests_made") or {}
         unsent = max(0, int(made.get("incomplete") or 0) - cut_off)
+        limit = (((bench.get("config") or {}).get("constraints") or {})
+                 .get("max_requests") or {}).get("args", {}).get("count")
+        if isinstance(limit, int):  # what the run asked for, less what the report lists
+            unsent = max(unsent, limit - len(ok) - errors)
         return LoadResult(out["ttft"], out["itl"], out["e2e"],
                           [int(r.get("prompt_tokens") or 0) for r in ok],
                           [int(r.get("output_tokens") or 0) for r in ok],

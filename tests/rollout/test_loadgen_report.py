@@ -15,7 +15,8 @@ def _request(i: int) -> dict:
             "request_start_time": 1000.0 + i, "request_end_time": 1000.5 + i}
 
 
-def _report(tmp_path, successful: int, incomplete_listed: int, made_incomplete: int):
+def _report(tmp_path, successful: int, incomplete_listed: int, made_incomplete: int,
+            limit: int | None = None):
     cells = {"successful": {"count": successful, "percentiles": {"p50": 1.0, "p95": 2.0,
                                                                  "p99": 3.0}}}
     doc = {"benchmarks": [{
@@ -27,6 +28,9 @@ def _report(tmp_path, successful: int, incomplete_listed: int, made_incomplete: 
         "scheduler_metrics": {"requests_made": {
             "successful": successful, "errored": 0, "incomplete": made_incomplete,
             "total": successful + made_incomplete}}}]}
+    if limit is not None:  # the run's max_requests constraint, as guidellm records it
+        doc["benchmarks"][0]["config"] = {"constraints": {"max_requests": {
+            "type_": "max_requests", "args": {"kind": "max_requests", "count": limit}}}}
     path = tmp_path / "report.json"
     path.write_text(json.dumps(doc))
     return read_report(path)
@@ -47,3 +51,15 @@ def test_a_request_cut_off_after_it_started_is_an_error_not_unsent(tmp_path):
     assert (len(result.ttft), result.errors, result.unsent) == (23, 1, 0)
     result = _report(tmp_path, successful=22, incomplete_listed=1, made_incomplete=2)
     assert (len(result.ttft), result.errors, result.unsent) == (22, 1, 1)
+
+
+def test_a_request_guidellm_created_and_never_listed_is_unsent(tmp_path):
+    """A CI run of the rollout test: 24 asked for (max_requests), 24 created, 23 succeeded,
+    none errored or cancelled, and requests_made counts 23 (``dataset_incomplete``): 1 unsent.
+    With the limit met, or none recorded, nothing is unsent."""
+    result = _report(tmp_path, successful=23, incomplete_listed=0, made_incomplete=0, limit=24)
+    assert (len(result.ttft), result.errors, result.unsent) == (23, 0, 1)
+    result = _report(tmp_path, successful=24, incomplete_listed=0, made_incomplete=0, limit=24)
+    assert result.unsent == 0
+    result = _report(tmp_path, successful=22, incomplete_listed=1, made_incomplete=2, limit=24)
+    assert (result.errors, result.unsent) == (1, 1)
