@@ -235,7 +235,7 @@ def promotion_slower(window: Sequence[Sample], s: Settings) -> Finding:
         moved = [window_increase(window, name) for name in ("transfer_blocks", "transfer_bytes")]
         saved = window_increase(window, "prefill_seconds_saved")
         if not (any(n > 0 for counts in moved for d, n in counts.items() if is_promotion(d))
-                or any(v > 0 for t, v in saved.items() if t != "gpu")):
+                or any(v > 0 for t, v in saved.items() if t in OFFLOAD_TIERS)):
             return _finding(key, NOT_MEASURED, "not measured: no promotions in the window")
         return _finding(key, NOT_MEASURED, "not measured: no timed promotions in the window "
                         "(vLLM's KV events and /metrics do not time cpu promotions; the tap and "

@@ -103,11 +103,8 @@ def banner(a: Assessment) -> html.Div:
 def _costs_more(saved_vs_spent: dict[str, tuple[float, float | None]]) -> str:
     """A line when every offload tier's transfers were timed and took longer in all than
     the prefill seconds they saved; "" otherwise."""
-    if not saved_vs_spent or any(t is None for _, t in saved_vs_spent.values()):
-        return ""
-    saved = sum(s for s, _ in saved_vs_spent.values())
-    spent = sum(t for _, t in saved_vs_spent.values())
-    if not spent > saved:
+    saved, spent = _totals(saved_vs_spent)
+    if spent is None or not spent > saved:
         return ""
     return (f"but the offload tiers' transfers (offloads and promotions) took {spent:.2f} s "
             f"for {saved:.2f} s of prefill saved in the window: nothing here rules offload "
@@ -132,11 +129,17 @@ def table(a: Assessment) -> html.Table:
 def _net(saved_vs_spent: dict[str, tuple[float, float | None]]) -> str:
     """Seconds saved per second spent over the tiers; the seconds saved alone where a tier's
     transfer time was not measured (no ratio can be formed) or none was spent."""
-    saved = sum(s for s, _ in saved_vs_spent.values())
     if not saved_vs_spent:
         return NOT_MEASURED
-    if any(t is None for _, t in saved_vs_spent.values()):
-        return f"{saved:.2f} s saved"
-    spent = sum(t for _, t in saved_vs_spent.values())
-    return f"{saved / spent:.1f}×" if spent > 0 else f"{saved:.2f} s saved"
+    saved, spent = _totals(saved_vs_spent)
+    return f"{saved / spent:.1f}×" if spent else f"{saved:.2f} s saved"
+
+
+def _totals(saved_vs_spent: dict[str, tuple[float, float | None]]) -> tuple[float, float | None]:
+    """Prefill seconds saved and transfer seconds spent over the tiers; spent None when a
+    tier's transfer time was not measured (or there is no tier)."""
+    saved = sum(s for s, _ in saved_vs_spent.values())
+    if not saved_vs_spent or any(t is None for _, t in saved_vs_spent.values()):
+        return saved, None
+    return saved, sum(t for _, t in saved_vs_spent.values())
 
