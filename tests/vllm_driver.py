@@ -222,7 +222,7 @@ def residency(specs: list) -> tuple[int, int]:
         if manager is not None:
             primary = manager.inner.primary_tier
             vllm += primary._num_allocated_chunks - len(primary._free_list)
-            tap += len(manager._resident)
+            tap += len(manager._observer._resident)
     return vllm, tap
 
 

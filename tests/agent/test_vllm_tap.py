@@ -170,10 +170,10 @@ tap3 = TapManager(CPUOffloadingManager(num_chunks=2), emit, tokens_per_block=32,
                   blocks_per_chunk=1, bytes_per_block=100, capacity_chunks=2, sample_one_in=1)
 for i in range(7):
     tap3.complete_store([bytes([100 + i]) * 12], ctx)
-assert list(tap3._resident) == [bytes([i]) * 12 for i in (103, 104, 105, 106)], tap3._resident
+assert list(tap3._observer._resident) == [bytes([i]) * 12 for i in (103, 104, 105, 106)], tap3._observer._resident
 assert tap3.unseen_evictions == 3 and tap3.errors == 0, (tap3.unseen_evictions, tap3.errors)
 tap3.complete_store([bytes([110]) * 12, bytes([111]) * 12, bytes([112]) * 12], ctx)
-assert list(tap3._resident) == [bytes([111]) * 12, bytes([112]) * 12], tap3._resident
+assert list(tap3._observer._resident) == [bytes([111]) * 12, bytes([112]) * 12], tap3._observer._resident
 assert tap3.unseen_evictions == 8, tap3.unseen_evictions
 # ages and loads of 1 in 2 stores are tracked (by the hash of the store's first key, as this
 # process hashes): two tracked stores of a key each, then an untracked one, the first tracked
@@ -246,7 +246,7 @@ owned.shutdown()
 from kvscope.agent.taps.vllm_manager import _Req
 class Req:
     num_prompt_tokens, num_computed_tokens, prefill_stats = 100, 0, None
-lookup = tap._lookup_event(_Req(Req(), "r9", 0.0), 1.0)
+lookup = tap._observer._lookup_event(_Req(Req(), "r9", 0.0), 1.0)
 assert (lookup.blocks, lookup.block_hits, lookup.tokens) == (3, {"gpu": 0, "cpu": 0},
                                                              {"recompute": 100}), lookup
 # extra-config mistakes vLLM would not report are named; an unknown inner spec says which key

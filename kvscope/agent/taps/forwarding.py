@@ -31,9 +31,11 @@ def public_members(base: type) -> dict[str, object]:
             if not name.startswith("_")}
 
 
-def _method(name: str):
+def calling(attribute: str, name: str):
+    """A method that calls method ``name`` of the object in ``self.<attribute>`` with its
+    arguments and returns what it returns."""
     def forward(self, *args, **kwargs):
-        return getattr(self.inner, name)(*args, **kwargs)
+        return getattr(getattr(self, attribute), name)(*args, **kwargs)
     forward.__name__ = name
     return forward
 
@@ -68,7 +70,7 @@ def forwards_to_inner(base: type, *, classmethod_target: Callable | None = None)
             elif isinstance(member, property):
                 setattr(cls, name, _property(name))
             elif inspect.isfunction(member):
-                setattr(cls, name, _method(name))
+                setattr(cls, name, calling("inner", name))
             elif isinstance(member, (str, int, float, bool, type(None), frozenset, tuple)):
                 continue  # a constant (e.g. a class-level default): nothing to forward
             else:

@@ -71,14 +71,14 @@ import re
 import sys
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 
 import msgspec
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 
 from kvscope import events as ev
-from kvscope.agent.taps.forwarding import bind_forwarded, forwards_to_inner
+from kvscope.agent.taps.forwarding import bind_forwarded, calling, forwards_to_inner
 from kvscope.errors import describe
 from kvscope.vocabulary import LOCAL_TIERS, VLLM_MEDIUM_TIER
 
@@ -138,27 +138,11 @@ class _Req(msgspec.Struct, gc=False):
     sources: Counter | None = None  # loaded chunks by tier (tiering only)
 
 
-@forwards_to_inner(OffloadingManager)
-class TapManager(OffloadingManager):
-    """Wraps ``inner`` (vLLM's manager) and ``emit``s kvscope events. Every member of vLLM's
-    ``OffloadingManager`` the tap does not observe (``lookup``, ``touch``, ``lock``,
-    ``config_info``, ``on_reset_flushed``, ... and what later releases add) is the inner
-    manager's (:mod:`kvscope.agent.taps.forwarding`). A specific manager's other members (a
-    tiering manager's ``poll_tiers``) are reached through ``inner``: vLLM calls managers through
-    ``OffloadingManager``'s members only, and a ``__getattr__`` for the rest would make every
-    attribute read of the tap slower (CPython consults it on each: 1.5 to 2.5 us a request in
-    bench/tap_overhead.py's ``connector`` sequence).
-
-    ``tokens_per_block``: vLLM block size in tokens. ``blocks_per_chunk``: GPU blocks per
-    offloaded chunk. ``bytes_per_block``: KV bytes of one GPU block across workers.
-    ``capacity_chunks``: chunks the CPU tier holds. ``multi_tier``: ask the inner manager where
-    each loaded key comes from (tiering; every chunk is then tracked). ``sample_one_in``: track
-    the age and loads of the chunks of 1 in this many stores (1: all; see the module
-    docstring). ``clock``: Unix seconds. ``max_requests``: requests tracked at once (oldest
-    dropped beyond it, counted in ``unattributed``). ``block_sample_rate``: the share of
-    blocks (0-1, by hash) whose prefix hashes each Lookup carries (0: none). Raises ValueError
-    for ``sample_one_in`` < 1 or a ``block_sample_rate`` outside [0, 1].
-    """
+class _Observer:
+    """The tap's state and its observation of each manager call (see :class:`TapManager`, whose
+    arguments it takes): setup.py compiles it to an extension type (vllm_manager.pxd types its
+    fields), so vLLM's thread reads and writes the tap's counters, times and maps as C fields,
+    not through an instance dictionary. TapManager binds its observed methods onto itself."""
 
     def __init__(self, inner: OffloadingManager, emit: Callable[[object], None], *,
                  tokens_per_block: int, blocks_per_chunk: int, bytes_per_block: int,
@@ -172,6 +156,7 @@ class TapManager(OffloadingManager):
         if not 0 <= block_sample_rate <= 1:
             raise ValueError(f"block_sample_rate must be in [0, 1], not {block_sample_rate}")
         self.inner = inner
+        self.multi_tier = multi_tier
         if block_sample_rate and sampling is None:
             log.warning("kvscope vLLM tap: kvscope.sampling is not built (pip install kvscope "
                         "builds it); lookups carry no block hashes")
@@ -187,18 +172,17 @@ class TapManager(OffloadingManager):
         self._bpc = blocks_per_chunk
         self._block_bytes = bytes_per_block
         self._capacity = capacity_chunks
-        self._multi_tier = multi_tier
         self._consulted = dict.fromkeys(LOCAL_TIERS if multi_tier else LOCAL_TIERS[:2], 0)
         self._clock = clock
         self._interval = snapshot_interval
         self._max_requests = max_requests
-        self._reqs: OrderedDict[str, _Req] = OrderedDict()
+        self._reqs: dict[str, _Req] = {}  # oldest first
         self._awaiting_first: dict[str, _Req] = {}
         # Plain floats and ints only (no per-key containers), so the garbage collector never
         # has to walk these maps: vLLM's scheduler allocates a lot and triggers it often.
         self._one_in = 1 if multi_tier else sample_one_in
         self._resident: dict[bytes, float] = {}        # tracked key -> stored at (Unix seconds)
-        self._hits: Counter[bytes] = Counter()         # tracked key -> loads served (if > 0)
+        self._hits: dict[bytes, int] = {}              # tracked key -> loads served (if > 0)
         self._last_hit: dict[bytes, float] = {}        # the same keys -> last load (Unix s)
         self._chunks = 0  # resident chunks, every one counted
         # untracked chunks evicted since the start, by reason: written by vLLM's thread alone
@@ -227,14 +211,6 @@ class TapManager(OffloadingManager):
         self._promoting: dict[bytes, str] = {}
         # take_events ran since the step before: held (tiering) evictions wait for it
         self._took_events = True
-        # Pure pass-throughs are the inner manager's bound methods themselves: no extra frame
-        # on the hottest call (lookup runs once per block of every prompt); with tiering a
-        # lookup may start a promotion, which the tap attributes to the request.
-        bind_forwarded(self)
-        if multi_tier:
-            self.lookup = self._tiering_lookup
-
-    # -- the boundary ----------------------------------------------------------------------
 
     def _failed(self, where: str, exc: BaseException) -> None:
         self.errors += 1
@@ -242,9 +218,7 @@ class TapManager(OffloadingManager):
             log.warning("kvscope vLLM tap: %s failed (%s); counting further failures "
                         "silently", where, describe(exc))
 
-    # -- OffloadingManager -----------------------------------------------------------------
-
-    def _tiering_lookup(self, key, req_context, **kwargs):
+    def tiering_lookup(self, key, req_context, **kwargs):
         result = self.inner.lookup(key, req_context, **kwargs)
         try:
             # pending and not being stored by us: a lower tier promotes it for this request
@@ -268,7 +242,7 @@ class TapManager(OffloadingManager):
             req = self._reqs.get(req_context.req_id)
             if req is not None:
                 req.load_start = now
-                if self._multi_tier:
+                if self.multi_tier:
                     if req.sources is None:
                         req.sources = Counter()
                     for key in keys:
@@ -336,7 +310,7 @@ class TapManager(OffloadingManager):
                 arrival = float(getattr(request, "arrival_time", 0.0) or self._clock())
                 req = reqs[rid] = _Req(request, external_request_id(rid), arrival)
                 if len(reqs) > self._max_requests:
-                    _, dropped = reqs.popitem(last=False)
+                    dropped = reqs.pop(next(iter(reqs)))
                     self._awaiting_first.pop(dropped.rid, None)
                     self.unattributed += 1
                 headers = getattr(request, "trace_headers", None)
@@ -439,8 +413,6 @@ class TapManager(OffloadingManager):
         except Exception as exc:
             self._failed("tick", exc)
 
-    # -- observation (called inside the boundary) -------------------------------------------
-
     def _lookup_event(self, req: _Req, now: float) -> ev.Lookup:
         request = req.request
         prompt = int(request.num_prompt_tokens)
@@ -523,7 +495,7 @@ class TapManager(OffloadingManager):
         self.unseen_evictions += len(items) - keep
         self._chunks -= len(items) - keep
         resident = self._resident = dict(items[-keep:])
-        self._hits = Counter({k: n for k, n in self._hits.items() if k in resident})
+        self._hits = {k: n for k, n in self._hits.items() if k in resident}
         self._last_hit = {k: t for k, t in self._last_hit.items() if k in resident}
         self._below.intersection_update(resident)
 
@@ -564,7 +536,7 @@ class TapManager(OffloadingManager):
             return
         self._chunks -= n
         resident, hits, last = self._resident, self._hits, self._last_hit
-        if self._multi_tier:  # every key tracked: one never seen stored counts as age 0
+        if self.multi_tier:  # every key tracked: one never seen stored counts as age 0
             stored = list(map(resident.pop, keys, itertools.repeat(now, n)))
             counts = lasts = ()
             if hits:
@@ -623,7 +595,7 @@ class TapManager(OffloadingManager):
         for reason, chunks in total.items():
             chunks -= sent.get(reason, 0)
             if chunks > 0:
-                self._eviction(now, "cpu", reason, 0, chunks, 0.0, measured=False)
+                self._eviction(now, "cpu", reason, 0, chunks, 0.0, False, False, 1, None)
         if offered != before:
             bpc = self._bpc
             stored, skipped, failed = (max(0, (a - b) * bpc) for a, b in zip(offered, before))
@@ -641,7 +613,7 @@ class TapManager(OffloadingManager):
             return
         if not any(hits):  # never loaded: idle since stored; max(): rounding must not go < 0
             age = max(0.0, now - sum(stored) / n)
-            self._eviction(now, tier, reason, 0, n, age, offloaded, weight=weight, idle=age)
+            self._eviction(now, tier, reason, 0, n, age, offloaded, True, weight, age)
             return
         # Most evicted chunks were never loaded: only the loaded ones are grouped in Python.
         hit_counts = list(itertools.compress(hits, hits))
@@ -661,11 +633,11 @@ class TapManager(OffloadingManager):
         for count, (chunks, total, used) in groups.items():
             if chunks:
                 self._eviction(now, tier, reason, count, chunks, max(0.0, now - total / chunks),
-                               offloaded, weight=weight, idle=max(0.0, now - used / chunks))
+                               offloaded, True, weight, max(0.0, now - used / chunks))
 
     def _eviction(self, now: float, tier: str, reason: str, hits: int, chunks: int,
-                  age: float, offloaded: bool = False, *, measured: bool = True,
-                  weight: int = 1, idle: float | None = None) -> None:
+                  age: float, offloaded: bool, measured: bool, weight: int,
+                  idle: float | None) -> None:
         blocks = chunks * self._bpc
         self._emit(ev.Eviction(ts=now, tier=tier, blocks=blocks, bytes=blocks * self._block_bytes,
                                age=age, hits=hits, offloaded=offloaded, reason=reason,
@@ -674,7 +646,7 @@ class TapManager(OffloadingManager):
     def _manager_events(self, events) -> None:
         now = self._clock()
         stored_below: set = set()
-        if self._multi_tier:  # first what the lower tiers stored: it decides ``offloaded``
+        if self.multi_tier:  # first what the lower tiers stored: it decides ``offloaded``
             for event in events:
                 tier = VLLM_MEDIUM_TIER.get(getattr(event.medium, "value", str(event.medium)))
                 if tier not in (None, "gpu", "cpu") and not event.removed:
@@ -687,7 +659,7 @@ class TapManager(OffloadingManager):
             tier = VLLM_MEDIUM_TIER.get(medium)
             # A plain CPU manager's own events repeat what prepare_store / complete_store
             # already told the tap (and, read a step late, would look like new stores).
-            if tier is None or tier == "gpu" or (tier == "cpu" and not self._multi_tier):
+            if tier is None or tier == "gpu" or (tier == "cpu" and not self.multi_tier):
                 continue
             keys = list(event.keys)
             if tier == "cpu":
@@ -734,3 +706,73 @@ class TapManager(OffloadingManager):
         self._emit(ev.TierSnapshot(ts=now, tier="cpu", capacity_bytes=blocks * self._block_bytes,
                                    resident_bytes=resident * self._block_bytes,
                                    capacity_blocks=blocks, resident_blocks=resident))
+
+
+# the manager calls the tap observes: each is _Observer's method of the same name
+OBSERVED = ("on_new_request", "prepare_load", "complete_load", "prepare_store", "complete_store",
+            "on_schedule_end", "take_events", "on_request_finished", "reset_cache", "shutdown")
+
+
+@forwards_to_inner(OffloadingManager)
+class TapManager(OffloadingManager):
+    """Wraps ``inner`` (vLLM's manager) and ``emit``s kvscope events. Every member of vLLM's
+    ``OffloadingManager`` the tap does not observe (``lookup``, ``touch``, ``lock``,
+    ``config_info``, ``on_reset_flushed``, ... and what later releases add) is the inner
+    manager's (:mod:`kvscope.agent.taps.forwarding`). A specific manager's other members (a
+    tiering manager's ``poll_tiers``) are reached through ``inner``: vLLM calls managers through
+    ``OffloadingManager``'s members only, and a ``__getattr__`` for the rest would make every
+    attribute read of the tap slower (CPython consults it on each: 1.5 to 2.5 us a request in
+    bench/tap_overhead.py's ``connector`` sequence).
+
+    ``tokens_per_block``: vLLM block size in tokens. ``blocks_per_chunk``: GPU blocks per
+    offloaded chunk. ``bytes_per_block``: KV bytes of one GPU block across workers.
+    ``capacity_chunks``: chunks the CPU tier holds. ``multi_tier``: ask the inner manager where
+    each loaded key comes from (tiering; every chunk is then tracked). ``sample_one_in``: track
+    the age and loads of the chunks of 1 in this many stores (1: all; see the module
+    docstring). ``clock``: Unix seconds. ``max_requests``: requests tracked at once (oldest
+    dropped beyond it, counted in ``unattributed``). ``block_sample_rate``: the share of
+    blocks (0-1, by hash) whose prefix hashes each Lookup carries (0: none). Raises ValueError
+    for ``sample_one_in`` < 1 or a ``block_sample_rate`` outside [0, 1].
+    """
+
+    def __init__(self, inner: OffloadingManager, emit: Callable[[object], None],
+                 **options) -> None:
+        self.inner = inner
+        self._observer = observer = _Observer(inner, emit, **options)
+        # vLLM's calls go straight to the observer's methods (compiled: no Python frame, so
+        # on_new_request's caller is vLLM's), and pure pass-throughs to the inner manager's
+        # bound methods: no extra frame on the hottest call (lookup runs once per block of
+        # every prompt); with tiering a lookup may start a promotion, attributed to the request.
+        bind_forwarded(self)
+        cls = type(self)
+        for name in OBSERVED:
+            if getattr(cls, name) is getattr(TapManager, name):  # a subclass's own stays
+                setattr(self, name, getattr(observer, name))
+        if observer.multi_tier:
+            self.lookup = observer.tiering_lookup
+
+    # through the class (vLLM calls the instance's, bound in __init__)
+    on_new_request = calling("_observer", "on_new_request")
+    prepare_load = calling("_observer", "prepare_load")
+    complete_load = calling("_observer", "complete_load")
+    prepare_store = calling("_observer", "prepare_store")
+    complete_store = calling("_observer", "complete_store")
+    on_schedule_end = calling("_observer", "on_schedule_end")
+    take_events = calling("_observer", "take_events")
+    on_request_finished = calling("_observer", "on_request_finished")
+    reset_cache = calling("_observer", "reset_cache")
+    shutdown = calling("_observer", "shutdown")
+
+    def tick(self) -> None:
+        """See :meth:`_Observer.tick`."""
+        self._observer.tick()
+
+    errors = property(lambda self: self._observer.errors,
+                      doc="Observations that failed (each caught, never raised).")
+    unattributed = property(lambda self: self._observer.unattributed,
+                            doc="Requests whose vLLM Request object the tap could not see.")
+    unseen_evictions = property(lambda self: self._observer.unseen_evictions,
+                                doc="Tracked chunks forgotten, their eviction never seen.")
+    sampled_blocks_dropped = property(lambda self: self._observer.sampled_blocks_dropped,
+                                      doc="Sampled blocks beyond a lookup's cap.")
+
