@@ -18,7 +18,7 @@ from cpython.dict cimport PyDict_Next
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
-from libc.math cimport NAN, isnan
+from libc.math cimport INFINITY, NAN, isnan
 from libc.stdint cimport int64_t, uint64_t
 
 
@@ -380,17 +380,18 @@ cdef inline double _ttft_key(RequestRecord record):
     return record._ttft if record._has_ttft else 0.0
 
 
-cdef double _sort_key(RequestRecord record, int by):
-    """``record``'s value of ``SORT_KEYS[by]``, None (not known) as 0 (a count is exact to 2^53)."""
+cdef double _sort_key(RequestRecord record, int by, double unknown):
+    """``record``'s value of ``SORT_KEYS[by]``, ``unknown`` where it has none (a count is exact
+    to 2^53)."""
     if by == 0:
-        return _finish_key(record)
+        return record._finished if record._has_finished else unknown
     if by == 1:
         return record.arrival
     if by == 2:
-        return _ttft_key(record)
+        return record._ttft if record._has_ttft else unknown
     if by == 3:
         return <double>record.prompt_tokens
-    return 0.0 if isnan(record._promotion_wait) else record._promotion_wait
+    return unknown if isnan(record._promotion_wait) else record._promotion_wait
 
 
 @cython.final
@@ -595,8 +596,8 @@ cdef class RequestTable:
     def page(self, Py_ssize_t limit=100, str sort="finished", bint descending=True,
              min_ttft=None, str source=None):
         """``(records, total)``: the first ``limit`` records in the order of :meth:`recent`
-        (a key's None counts as 0; records with equal keys in the order they were added, as a
-        stable sort leaves them), and ``total``, how many records ``min_ttft`` (seconds) and
+        (a key's None last, either way: "not measured" is not the shortest wait; records with
+        equal keys in the order they were added, as a stable sort leaves them), and ``total``, how many records ``min_ttft`` (seconds) and
         ``source`` select.
 
         Without a full sort: the default order (``finished``, descending) without ``min_ttft``
@@ -647,7 +648,7 @@ cdef class RequestTable:
                 if id(record) in seen:
                     continue
                 seen.add(id(record))
-            best.offer(_finish_key(record), i, record)
+            best.offer(_sort_key(record, 0, -INFINITY), i, record)
         return 0
 
 
@@ -658,6 +659,7 @@ cdef Py_ssize_t _choose(_Best best, list records, int by, str source, object min
     cdef bint any_ttft = min_ttft is None
     cdef double least_ttft = 0.0 if any_ttft else min_ttft
     cdef Py_ssize_t n = len(records), selected = 0, k, i
+    cdef double unknown = -INFINITY if best.descending else INFINITY  # last, either way
     cdef RequestRecord record
     for k in range(n):
         i = n - 1 - k if best.descending else k
@@ -667,5 +669,5 @@ cdef Py_ssize_t _choose(_Best best, list records, int by, str source, object min
         if not any_ttft and not _ttft_key(record) >= least_ttft:
             continue
         selected += 1
-        best.offer(_sort_key(record, by), i, record)
+        best.offer(_sort_key(record, by, unknown), i, record)
     return selected

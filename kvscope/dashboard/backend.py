@@ -9,8 +9,9 @@ both raise :class:`BackendUnavailable` — never anything else — when the data
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 from urllib.parse import quote
 
@@ -40,6 +41,18 @@ class RequestPage(NamedTuple):
     unread: tuple[str, ...] = ()
 
 
+def by_value(field: str, descending: bool) -> Callable[[Mapping], float]:
+    """A sort key of request records (mappings) by ``field`` that puts a record without a value
+    (None or absent: not measured) last in either order, as the agent's table sorts them, for
+    ``list.sort(key=..., reverse=descending)``."""
+    unknown = -math.inf if descending else math.inf
+
+    def key(record: Mapping) -> float:
+        value = record.get(field)
+        return unknown if value is None else value
+    return key
+
+
 class Backend(Protocol):
     """What every page reads. ``kind``: "agent" or "prometheus"; ``base_url``: its URL."""
 
@@ -55,7 +68,8 @@ class Backend(Protocol):
     def requests(self, limit: int = 500, sort: str = "finished", descending: bool = True,
                  min_ttft: float | None = None,
                  instance: str | None = None) -> RequestPage:
-        """Up to ``limit`` request records, with the table(s)' size."""
+        """Up to ``limit`` request records, with the table(s)' size (sorted as :func:`by_value`
+        sorts them)."""
 
     def request(self, request_id: str, instance: str | None = None,
                 source: str | None = None) -> dict | None:

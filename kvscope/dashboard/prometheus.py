@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from kvscope.dashboard.backend import AgentBackend, BackendUnavailable, RequestPage
+from kvscope.dashboard.backend import AgentBackend, BackendUnavailable, RequestPage, by_value
 from kvscope.samples import FIELDS, PERCENTILES, Kind, join_key
 
 
@@ -174,7 +174,7 @@ class PrometheusBackend:
             records += [{**r, "instance": name} for r in page.records]
         if errors and len(errors) == len(names):
             raise next(iter(errors.values()))
-        records.sort(key=lambda r: r.get(sort) or 0.0, reverse=descending)
+        records.sort(key=by_value(sort, descending), reverse=descending)
         return RequestPage(total, records[:limit],
                            tuple(f"{name} ({exc.reason})" for name, exc in errors.items()))
 

@@ -1,5 +1,6 @@
 """The request table's pages (issue 26, item 9): the order of a full sort, without one."""
 
+import math
 import tracemalloc
 
 import pytest
@@ -8,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvscope.agent.requests import SORT_KEYS, RequestRecord, RequestTable
 
-# few values, so that ties and None (sorted as 0) are common
+# few values, so that ties and None (sorted last, either way) are common
 TIMES = st.one_of(st.none(), st.sampled_from([0.0, 1.0, 2.5]), st.floats(0.0, 10.0))
 RECORDS = st.lists(st.tuples(
     st.sampled_from(["r0", "r1", "r2", "r3", "r4", "r5"]), st.sampled_from(["a", "b"]),
@@ -28,7 +29,9 @@ def _sorted_page(held, limit, sort, descending, min_ttft, source):
     live.reverse()
     chosen = [r for r in live if (source is None or r.source == source)
               and (min_ttft is None or (r.ttft or 0.0) >= min_ttft)]
-    chosen.sort(key=lambda r: getattr(r, sort) or 0.0, reverse=descending)
+    unknown = -math.inf if descending else math.inf  # "not measured" last, either way
+    chosen.sort(key=lambda r: unknown if getattr(r, sort) is None else getattr(r, sort),
+                reverse=descending)
     return chosen[:limit], len(chosen)
 
 

@@ -124,6 +124,24 @@ def test_table_sorts_through_the_backend_when_it_can():
     assert backend.calls[-1] == (100, "finished", True, None, None)
 
 
+def test_a_locally_sorted_column_puts_not_measured_last_either_way():
+    """Tokens by source are None for a request whose source did not report them: that is not
+    the fewest tokens, so it comes after every number in either order, as the agent's table
+    puts a missing sort key. A text column with "" and a name sorts as text (0 for "" made
+    Python compare an int with a str)."""
+    records = [{**RECORD, "request_id": f"req-{i}", "tokens": tokens, "instance": instance}
+               for i, (tokens, instance) in enumerate([({"cpu": 5}, "b"), (None, ""),
+                                                       ({"cpu": 0, "gpu": 3}, "a")])]
+    for direction, expected in (("asc", [0, 5, None]), ("desc", [5, 0, None])):
+        rows, _ = requests_page.table(FakeBackend(records),
+                                      [{"column_id": "tokens_cpu", "direction": direction}],
+                                      None, 100, None)
+        assert [r["tokens_cpu"] for r in rows] == expected, direction
+    rows, _ = requests_page.table(FakeBackend(records),
+                                  [{"column_id": "instance", "direction": "asc"}], None, 100, None)
+    assert [r["instance"] for r in rows] == ["", "a", "b"]
+
+
 def test_table_and_waterfall_say_when_the_agent_is_unreachable():
     rows, status = requests_page.table(FakeBackend(fail=True), None, None, 500, None)
     assert rows == [] and status == "agent unreachable: http://agent:9400 (refused)"

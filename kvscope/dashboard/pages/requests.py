@@ -20,7 +20,7 @@ import dash_ag_grid as dag
 from dash import Input, Output, State, dcc, html
 
 from kvscope.dashboard import figures_requests as fr
-from kvscope.dashboard.backend import Backend, BackendUnavailable
+from kvscope.dashboard.backend import Backend, BackendUnavailable, by_value
 from kvscope.dashboard.pages.common import (STATUS_STYLE, Context, graph, status, unread_status,
                                            where)
 from kvscope.events import MAX_REQUEST_ID, MAX_SOURCE_NAME
@@ -166,7 +166,7 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
         return [], str(exc)
     rows = fr.table_rows(page.records)
     if not sorted_by_api:
-        rows.sort(key=lambda r: r.get(column) or 0, reverse=descending)
+        rows.sort(key=by_value(column, descending), reverse=descending)
     shown = f"{len(rows):,} of {page.total:,} requests"
     if min_ttft is not None:
         shown += f" with TTFT ≥ {min_ttft * 1000:g} ms"
