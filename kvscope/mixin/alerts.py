@@ -92,6 +92,17 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
     host_tiers = tier_matcher(cfg.host_memory_tiers)
     host_offload_on = (f"(\n  {host_budget} > 0\n  or\n  sum by ({by}) "
                        f"(kvscope_tier_capacity_bytes{sel(cfg, host_tiers)}) > 0\n)")
+    # The headroom alert's advice, by whether its node has a host offload tier at all: the
+    # template asks Prometheus, for the alert's own labels (printf fills them in).
+    labels = [label.strip() for label in by.split(",")]
+    own = [f'{label}="%s"' for label in labels]
+    has_tier = (f"sum(kvscope_offload_budget_bytes{sel(cfg, host_tiers, *own)}) > 0 or "
+                f"sum(kvscope_tier_capacity_bytes{sel(cfg, host_tiers, *own)}) > 0")
+    shrink = (f"{{{{ if query (printf `{has_tier}` "
+              + " ".join(f"$labels.{label}" for label in labels + labels)
+              + f") }}}}Shrink the {'/'.join(cfg.host_memory_tiers)} offload tier.{{{{ else }}}}No "
+              "offload tier holds host memory here: find what else grew (the engine, other "
+              "processes).{{ end }}")
     # per offload tier: the seconds of promotions of its blocks (a staged leg is the tier's it
     # staged from), the promotions out of it (copies toward the GPU whose src is the tier) and
     # the prefill seconds its tokens saved, all per second
@@ -169,7 +180,7 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             f"{r.headroom_ratio} < {_g(ratio)}",
             cfg.headroom_for, severity, summary,
             "Host RAM headroom at {{ $labels.instance }} is {{ $value | humanizePercentage }} of "
-            f"the memory limit{consequence} Shrink the cpu offload tier.",
+            f"the memory limit{consequence} {shrink}",
             (r.headroom_ratio,))
           for ratio, severity, summary, consequence in (
               (cfg.headroom_warning_ratio, "warning",
