@@ -232,6 +232,23 @@ assert [(e.ts, e.resident_blocks, e.resident_bytes) for e in snaps
 # k0's at the first tick (100.0; the second, at once, sends nothing), k1's at 100.5
 assert [(e.ts, e.stored, e.skipped, e.failed) for e in snaps
         if type(e).__name__ == "Admission"] == [(100.0, 1, 0, 0), (100.5, 1, 0, 0)], snaps
+# past max_requests requests in flight the oldest is dropped and counted in unattributed: of
+# three started with room for two, r-a's finish sends nothing, r-b's and r-c's one each
+class Started:
+    num_prompt_tokens, num_output_tokens, arrival_time, trace_headers = 64, 1, 50.0, None
+started = []
+tap7 = TapManager(CPUOffloadingManager(num_chunks=2), started.append, tokens_per_block=32,
+                  blocks_per_chunk=1, bytes_per_block=100, capacity_chunks=2, max_requests=2)
+def new_request(rid, request):  # vLLM's on_new_request: the tap reads ``request`` here
+    tap7.on_new_request(ReqContext(req_id=rid))
+for rid in ("r-a", "r-b", "r-c"):
+    new_request(rid, Started())
+for rid in ("r-a", "r-b", "r-c"):
+    tap7.on_request_finished(ReqContext(req_id=rid))
+assert tap7.unattributed == 1 and tap7.errors == 0, (tap7.unattributed, tap7.errors)
+assert [e.request_id for e in started if isinstance(e, ev.RequestStarted)] == ["r-a", "r-b", "r-c"]
+assert [e.request_id for e in started if isinstance(e, ev.RequestFinished)] == ["r-b", "r-c"], \
+    started
 # ... and the spec's manager is wired to its emitter's thread that way
 from kvscope.agent.taps.emitter import Emitter
 from kvscope.agent.taps.vllm import _ClosingManager
@@ -258,7 +275,7 @@ assert len(mistakes) == 2 and "'kvscope_inner_spce'" in mistakes[0] and \
     "secondary_tiers" in mistakes[1], mistakes
 assert config_mistakes({"kvscope_endpoint": "tcp://127.0.0.1:1", "kvscope_sample_one_in": 4},
                        {}, CPUOffloadingSpec) == []
-for bad in (0, "8", 2.5, True):
+for bad in (0, "8", 2.5, True, 2**64):  # 2**64: no C integer holds it (the tap's field)
     mistakes = config_mistakes({"kvscope_sample_one_in": bad}, {}, CPUOffloadingSpec)
     assert len(mistakes) == 1 and "kvscope_sample_one_in" in mistakes[0], (bad, mistakes)
 try:

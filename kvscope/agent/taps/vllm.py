@@ -69,6 +69,8 @@ from kvscope.errors import describe
 log = logging.getLogger("vllm." + __name__)
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5560"
+# the tap keeps it in a C integer; past a million stores a sample would track almost none
+MAX_SAMPLE_ONE_IN = 1 << 20
 SPEC_NAME = "KvscopeOffloadingSpec"
 _OWN_KEYS = ("spec_name", "spec_module_path")
 _KNOWN_KEYS = ("kvscope_inner_spec", "kvscope_inner_spec_module_path", "kvscope_endpoint",
@@ -102,9 +104,11 @@ def inner_spec_class(ours: Mapping[str, Any]) -> type[OffloadingSpec]:
 
 def sample_one_in(ours: Mapping[str, Any]) -> int | None:
     """``kvscope_sample_one_in`` (default 8): the tap tracks the age and loads of the CPU chunks
-    of 1 in this many stores; None when the value is not a whole number >= 1."""
+    of 1 in this many stores; None when the value is not a whole number from 1 to
+    :data:`MAX_SAMPLE_ONE_IN`."""
     value = ours.get("kvscope_sample_one_in", DEFAULT_SAMPLE_ONE_IN)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+    return (value if isinstance(value, int) and not isinstance(value, bool)
+            and 1 <= value <= MAX_SAMPLE_ONE_IN else None)
 
 
 def block_sample_rate(ours: Mapping[str, Any]) -> float | None:
@@ -125,7 +129,8 @@ def config_mistakes(ours: Mapping[str, Any], inner: Mapping[str, Any],
     out = [f"unknown key {key!r} (known: {', '.join(_KNOWN_KEYS)})"
            for key in ours if key not in _KNOWN_KEYS]
     if sample_one_in(ours) is None:
-        out.append(f"kvscope_sample_one_in must be a whole number >= 1, not "
+        out.append(f"kvscope_sample_one_in must be a whole number from 1 to "
+                   f"{MAX_SAMPLE_ONE_IN}, not "
                    f"{ours['kvscope_sample_one_in']!r}; using {DEFAULT_SAMPLE_ONE_IN}")
     if block_sample_rate(ours) is None:
         out.append(f"kvscope_block_sample_rate must be a number in [0, 1], not "

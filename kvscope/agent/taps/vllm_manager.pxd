@@ -11,7 +11,8 @@ cdef class _Observer:
     cdef Py_ssize_t _tpb, _bpc, _block_bytes, _capacity, _max_requests, _one_in, _chunks
     cdef Py_ssize_t _stored, _skipped, _store_failed, _max_tracked, _reported
     cdef bint _took_events
-    cdef dict _consulted, _reqs, _awaiting_first, _hits, _last_hit, _unmeasured
+    cdef object _reqs  # an OrderedDict: drops its oldest in O(1), a dict's first slot may not
+    cdef dict _consulted, _awaiting_first, _hits, _last_hit, _unmeasured
     cdef dict _unmeasured_sent, _promoting
     cdef tuple _admissions_sent
     cdef set _below

@@ -4,7 +4,7 @@
 what it does as kvscope events, without changing a single decision.
 
 Every method calls the inner manager first and returns exactly what it returned (its exceptions
-propagate untouched: they are vLLM's). Observation runs afterwards inside ``_observe`` blocks that
+propagate untouched: they are vLLM's). Observation runs afterwards inside try blocks that
 catch everything, count it in :attr:`TapManager.errors` and log once, so the tap never raises
 into vLLM; events go to a non-blocking emitter. Per call it does dictionary work only.
 
@@ -71,7 +71,7 @@ import re
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable
 
 import msgspec
@@ -176,7 +176,7 @@ class _Observer:
         self._clock = clock
         self._interval = snapshot_interval
         self._max_requests = max_requests
-        self._reqs: dict[str, _Req] = {}  # oldest first
+        self._reqs: OrderedDict[str, _Req] = OrderedDict()  # oldest first, dropped in O(1)
         self._awaiting_first: dict[str, _Req] = {}
         # Plain floats and ints only (no per-key containers), so the garbage collector never
         # has to walk these maps: vLLM's scheduler allocates a lot and triggers it often.
@@ -310,7 +310,7 @@ class _Observer:
                 arrival = float(getattr(request, "arrival_time", 0.0) or self._clock())
                 req = reqs[rid] = _Req(request, external_request_id(rid), arrival)
                 if len(reqs) > self._max_requests:
-                    dropped = reqs.pop(next(iter(reqs)))
+                    _, dropped = reqs.popitem(last=False)
                     self._awaiting_first.pop(dropped.rid, None)
                     self.unattributed += 1
                 headers = getattr(request, "trace_headers", None)
@@ -740,7 +740,9 @@ class TapManager(OffloadingManager):
         self.inner = inner
         self._observer = observer = _Observer(inner, emit, **options)
         # vLLM's calls go straight to the observer's methods (compiled: no Python frame, so
-        # on_new_request's caller is vLLM's), and pure pass-throughs to the inner manager's
+        # on_new_request's caller is vLLM's; through the class, as a subclass's super() call
+        # would, a frame comes between and the request is not found: unattributed), and pure
+        # pass-throughs to the inner manager's
         # bound methods: no extra frame on the hottest call (lookup runs once per block of
         # every prompt); with tiering a lookup may start a promotion, attributed to the request.
         bind_forwarded(self)
