@@ -46,6 +46,10 @@ def bind(host: str, port: int, flag: str, host_flag: str = "--host") -> socket.s
 
 
 GRACE_SECONDS = 3.0  # what requests under way get to finish when the server stops
+# Connections (or requests under way) at once; past it uvicorn answers 503 at once. Scrapes,
+# dashboards and OTLP exporters need a few; the cap bounds the sockets and tasks that clients
+# which connect and then stall can hold.
+MAX_CONNECTIONS = 256
 
 
 class _NoCancelledTraceback(logging.Filter):
@@ -60,13 +64,16 @@ _QUIET = _NoCancelledTraceback()
 
 
 class ApiServer:
-    """Runs ``app`` with uvicorn on the bound ``sock`` in a daemon thread."""
+    """Runs ``app`` with uvicorn on the bound ``sock`` in a daemon thread, with at most
+    ``max_connections`` connections at once (the next client gets 503)."""
 
-    def __init__(self, app: FastAPI, sock: socket.socket) -> None:
+    def __init__(self, app: FastAPI, sock: socket.socket,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         # without a grace limit uvicorn waits for every request under way, so one client that
         # stalls inside its body would keep the agent from stopping
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                     timeout_graceful_shutdown=GRACE_SECONDS))
+                                                     timeout_graceful_shutdown=GRACE_SECONDS,
+                                                     limit_concurrency=max_connections))
         uvicorn_log = logging.getLogger("uvicorn.error")
         if _QUIET not in uvicorn_log.filters:
             uvicorn_log.addFilter(_QUIET)

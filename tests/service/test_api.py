@@ -404,3 +404,34 @@ def test_without_engine_pid_the_node_places_the_memory_of_the_process_a_tap_runs
             assert wait_until(lambda: placed(c) == {})
     finally:
         agent.shutdown()
+
+
+def test_clients_past_the_connection_cap_get_503_and_the_server_stays_up():
+    """Two clients connect and send nothing (a stalled exporter, or a slow-loris one); with a
+    cap of 2 the next one is answered 503 at once, not left to pile up sockets and tasks, and
+    once they leave it is served again."""
+    import socket
+
+    import httpx
+
+    from kvscope.service.server import ApiServer, bind
+
+    sock = bind("127.0.0.1", 0, "--port")
+    server = ApiServer(create_app(_agent()), sock, max_connections=2)
+    server.start()
+    port = sock.getsockname()[1]
+    try:
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        try:
+            assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 503
+        finally:
+            for client in idle:
+                client.close()
+        for _ in range(100):  # the server notices the closed sockets on its loop
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200:
+                break
+        else:
+            raise AssertionError("still 503 after the idle clients left")
+    finally:
+        server.shutdown()
