@@ -90,6 +90,12 @@ class Snapshot:
     cache_config: dict[str, tuple[str, str]] = field(default_factory=dict)
     prompt_prefix_blocks: dict[str, float] = field(default_factory=dict)
 
+    def senders_besides(self, source: str) -> list[str]:
+        """The sources other than ``source`` whose events have arrived, sorted (["unknown"]
+        when none has: a count shared with an unnamed sender)."""
+        return sorted(s for s, n in self.events_received.items() if n and s != source) or [
+            "unknown"]
+
 
 def _histograms(states: Mapping) -> dict:
     """{key: Histogram} of the fold's histogram states (see :meth:`~kvscope.agent.fold.Fold.state`)."""

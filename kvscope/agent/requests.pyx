@@ -372,23 +372,23 @@ cpdef double prefill_within(RequestRecord record) except? -1.0:
     return min(record.prefill, max(0.0, record._ttft - record.queueing - lookup - wait))
 
 
-cdef inline double _finish_key(RequestRecord record):
-    return record._finished if record._has_finished else 0.0
+cdef inline double _finish_key(RequestRecord record, double unknown=0.0):
+    return record._finished if record._has_finished else unknown
 
 
-cdef inline double _ttft_key(RequestRecord record):
-    return record._ttft if record._has_ttft else 0.0
+cdef inline double _ttft_key(RequestRecord record, double unknown=0.0):
+    return record._ttft if record._has_ttft else unknown
 
 
 cdef double _sort_key(RequestRecord record, int by, double unknown):
     """``record``'s value of ``SORT_KEYS[by]``, ``unknown`` where it has none (a count is exact
     to 2^53)."""
     if by == 0:
-        return record._finished if record._has_finished else unknown
+        return _finish_key(record, unknown)
     if by == 1:
         return record.arrival
     if by == 2:
-        return record._ttft if record._has_ttft else unknown
+        return _ttft_key(record, unknown)
     if by == 3:
         return <double>record.prompt_tokens
     return unknown if isnan(record._promotion_wait) else record._promotion_wait
@@ -597,8 +597,8 @@ cdef class RequestTable:
              min_ttft=None, str source=None):
         """``(records, total)``: the first ``limit`` records in the order of :meth:`recent`
         (a key's None last, either way: "not measured" is not the shortest wait; records with
-        equal keys in the order they were added, as a stable sort leaves them), and ``total``, how many records ``min_ttft`` (seconds) and
-        ``source`` select.
+        equal keys in the order they were added, as a stable sort leaves them), and ``total``,
+        how many records ``min_ttft`` (seconds) and ``source`` select.
 
         Without a full sort: the default order (``finished``, descending) without ``min_ttft``
         reads about ``limit`` records back from the newest end (more when records were added

@@ -41,13 +41,13 @@ class RequestPage(NamedTuple):
     unread: tuple[str, ...] = ()
 
 
-def by_value(field: str, descending: bool) -> Callable[[Mapping], float]:
-    """A sort key of request records (mappings) by ``field`` that puts a record without a value
-    (None or absent: not measured) last in either order, as the agent's table sorts them, for
-    ``list.sort(key=..., reverse=descending)``."""
+def by_value(field: str, descending: bool) -> Callable[[Mapping], object]:
+    """A sort key of request records (mappings) by ``field`` (its number or text) that puts a
+    record without a value (None or absent: not measured) last in either order, as the agent's
+    table sorts them, for ``list.sort(key=..., reverse=descending)``."""
     unknown = -math.inf if descending else math.inf
 
-    def key(record: Mapping) -> float:
+    def key(record: Mapping) -> object:
         value = record.get(field)
         return unknown if value is None else value
     return key

@@ -92,14 +92,15 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
     host_tiers = tier_matcher(cfg.host_memory_tiers)
     host_offload_on = (f"(\n  {host_budget} > 0\n  or\n  sum by ({by}) "
                        f"(kvscope_tier_capacity_bytes{sel(cfg, host_tiers)}) > 0\n)")
-    # The headroom alert's advice, by whether its node has a host offload tier at all: the
-    # template asks Prometheus, for the alert's own labels (printf fills them in).
+    # The headroom alert's advice, by whether its node has a host offload tier at all (a
+    # budget or a capacity above 0; both are bytes, so their sum tells): the template asks
+    # Prometheus, for the alert's own labels (printf fills them in).
     labels = [label.strip() for label in by.split(",")]
     own = [f'{label}="%s"' for label in labels]
-    has_tier = (f"sum(kvscope_offload_budget_bytes{sel(cfg, host_tiers, *own)}) > 0 or "
-                f"sum(kvscope_tier_capacity_bytes{sel(cfg, host_tiers, *own)}) > 0")
+    named = '__name__=~"kvscope_offload_budget_bytes|kvscope_tier_capacity_bytes"'
+    has_tier = f"sum({sel(cfg, host_tiers, named, *own)}) > 0"
     shrink = (f"{{{{ if query (printf `{has_tier}` "
-              + " ".join(f"$labels.{label}" for label in labels + labels)
+              + " ".join(f"$labels.{label}" for label in labels)
               + f") }}}}Shrink the {'/'.join(cfg.host_memory_tiers)} offload tier.{{{{ else }}}}No "
               "offload tier holds host memory here: find what else grew (the engine, other "
               "processes).{{ end }}")

@@ -251,8 +251,9 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                                             description="only this source's requests")) -> Response:
         """Recent finished requests, sorted and filtered; ``total`` counts those the filters
         match (``limit`` of them are returned). A request without a value of ``sort`` (a
-        promotion wait not measured) comes last in either order. The default order costs about ``limit``
-        records' work, any other one pass over the table (see RequestTable.page)."""
+        promotion wait not measured) comes last in either order. The default order costs
+        about ``limit`` records' work, any other one pass over the table (see
+        RequestTable.page)."""
         if sort not in SORT_KEYS:
             raise HTTPException(422, f"unknown sort key {sort!r}; use one of {', '.join(SORT_KEYS)}")
         records, total = agent.pipeline.requests.page(limit, sort, order == "desc", min_ttft,

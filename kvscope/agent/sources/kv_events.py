@@ -374,8 +374,7 @@ class KvEventsSource(SourceWorker):
             if tier in report and blocks > self._sent_evictions.get((tier, reason), 0):
                 shared.add(tier)
         if shared and not self.shared_tiers:
-            others = sorted(s for s, n in snap.events_received.items()
-                            if n and s != NAME) or ["unknown"]
+            others = snap.senders_besides(NAME)
             keep = [t for t in ALL_TIERS if t in report and t not in shared]
             log.warning(
                 "kv_events: transfers into or evictions from tier %s are reported by another "

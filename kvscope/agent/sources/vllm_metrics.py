@@ -627,8 +627,7 @@ class VllmMetricsSource(ScrapeSource):
         if sum(snap.prompt_tokens.values()) <= self._prompt_tokens:
             return False
         self.shared_prompt_tokens = True
-        others = sorted(s for s, n in snap.events_received.items()
-                        if n and s != self.name) or ["unknown"]
+        others = snap.senders_besides(self.name)
         log.warning(
             "vllm_metrics: prompt tokens are counted by another source as well (one of: %s), "
             "so kvscope_prompt_tokens_total counts them twice. With kvscope's vLLM tap in the "

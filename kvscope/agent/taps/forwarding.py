@@ -40,9 +40,23 @@ def calling(attribute: str, name: str):
     return forward
 
 
-def _property(name: str) -> property:
-    return property(lambda self: getattr(self.inner, name),
-                    doc=f"The wrapped object's ``{name}``.")
+def reading(attribute: str, name: str, doc: str | None = None) -> property:
+    """A read-only property: attribute ``name`` of the object in ``self.<attribute>``."""
+    return property(lambda self: getattr(getattr(self, attribute), name),
+                    doc=doc or f"The wrapped object's ``{name}``.")
+
+
+def calling_each(attribute: str, names: tuple[str, ...]):
+    """Class decorator: for each of ``names``, a method :func:`calling` that name of the object
+    in ``self.<attribute>`` (applied under :func:`forwards_to_inner`, they are the class's own
+    and not forwarded)."""
+
+    def decorate(cls: type) -> type:
+        for name in names:
+            setattr(cls, name, calling(attribute, name))
+        return cls
+
+    return decorate
 
 
 def forwards_to_inner(base: type, *, classmethod_target: Callable | None = None):
@@ -68,7 +82,7 @@ def forwards_to_inner(base: type, *, classmethod_target: Callable | None = None)
                                     "give classmethod_target")
                 setattr(cls, name, classmethod(_classmethod(name, classmethod_target)))
             elif isinstance(member, property):
-                setattr(cls, name, _property(name))
+                setattr(cls, name, reading("inner", name))
             elif inspect.isfunction(member):
                 setattr(cls, name, calling("inner", name))
             elif isinstance(member, (str, int, float, bool, type(None), frozenset, tuple)):

@@ -78,7 +78,8 @@ import msgspec
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
 
 from kvscope import events as ev
-from kvscope.agent.taps.forwarding import bind_forwarded, calling, forwards_to_inner
+from kvscope.agent.taps.forwarding import (bind_forwarded, calling_each, forwards_to_inner,
+                                           reading)
 from kvscope.errors import describe
 from kvscope.vocabulary import LOCAL_TIERS, VLLM_MEDIUM_TIER
 
@@ -595,6 +596,7 @@ class _Observer:
         for reason, chunks in total.items():
             chunks -= sent.get(reason, 0)
             if chunks > 0:
+                # not offloaded, not measured, weight 1, no idle time (positional: a C call)
                 self._eviction(now, "cpu", reason, 0, chunks, 0.0, False, False, 1, None)
         if offered != before:
             bpc = self._bpc
@@ -714,6 +716,7 @@ OBSERVED = ("on_new_request", "prepare_load", "complete_load", "prepare_store", 
 
 
 @forwards_to_inner(OffloadingManager)
+@calling_each("_observer", OBSERVED)  # through the class; vLLM calls the instance's (__init__)
 class TapManager(OffloadingManager):
     """Wraps ``inner`` (vLLM's manager) and ``emit``s kvscope events. Every member of vLLM's
     ``OffloadingManager`` the tap does not observe (``lookup``, ``touch``, ``lock``,
@@ -742,9 +745,9 @@ class TapManager(OffloadingManager):
         # vLLM's calls go straight to the observer's methods (compiled: no Python frame, so
         # on_new_request's caller is vLLM's; through the class, as a subclass's super() call
         # would, a frame comes between and the request is not found: unattributed), and pure
-        # pass-throughs to the inner manager's
-        # bound methods: no extra frame on the hottest call (lookup runs once per block of
-        # every prompt); with tiering a lookup may start a promotion, attributed to the request.
+        # pass-throughs to the inner manager's bound methods: no extra frame on the hottest
+        # call (lookup runs once per block of every prompt); with tiering a lookup may start a
+        # promotion, attributed to the request.
         bind_forwarded(self)
         cls = type(self)
         for name in OBSERVED:
@@ -753,28 +756,16 @@ class TapManager(OffloadingManager):
         if observer.multi_tier:
             self.lookup = observer.tiering_lookup
 
-    # through the class (vLLM calls the instance's, bound in __init__)
-    on_new_request = calling("_observer", "on_new_request")
-    prepare_load = calling("_observer", "prepare_load")
-    complete_load = calling("_observer", "complete_load")
-    prepare_store = calling("_observer", "prepare_store")
-    complete_store = calling("_observer", "complete_store")
-    on_schedule_end = calling("_observer", "on_schedule_end")
-    take_events = calling("_observer", "take_events")
-    on_request_finished = calling("_observer", "on_request_finished")
-    reset_cache = calling("_observer", "reset_cache")
-    shutdown = calling("_observer", "shutdown")
-
     def tick(self) -> None:
         """See :meth:`_Observer.tick`."""
         self._observer.tick()
 
-    errors = property(lambda self: self._observer.errors,
-                      doc="Observations that failed (each caught, never raised).")
-    unattributed = property(lambda self: self._observer.unattributed,
-                            doc="Requests whose vLLM Request object the tap could not see.")
-    unseen_evictions = property(lambda self: self._observer.unseen_evictions,
-                                doc="Tracked chunks forgotten, their eviction never seen.")
-    sampled_blocks_dropped = property(lambda self: self._observer.sampled_blocks_dropped,
-                                      doc="Sampled blocks beyond a lookup's cap.")
+    errors = reading("_observer", "errors",
+                     "Observations that failed (each caught, never raised).")
+    unattributed = reading("_observer", "unattributed",
+                           "Requests whose vLLM Request object the tap could not see.")
+    unseen_evictions = reading("_observer", "unseen_evictions",
+                               "Tracked chunks forgotten, their eviction never seen.")
+    sampled_blocks_dropped = reading("_observer", "sampled_blocks_dropped",
+                                     "Sampled blocks beyond a lookup's cap.")
 
