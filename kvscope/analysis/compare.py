@@ -18,7 +18,8 @@ with it. :func:`compare` takes the finished requests of each arm, one
   absolute (seconds) or relative to the baseline's p99 (:class:`Budget`, e.g. ``+10%``). With one run per arm the
   run-to-run variance is not measured, and a candidate that looks worse is ``inconclusive``,
   never ``roll back``: two runs of one configuration differ by more than their requests' own
-  spread suggests. See :func:`verdict` for exactly how the intervals decide it.
+  spread suggests; with several, a ``roll back`` also needs the runs themselves significantly
+  slower (:func:`runs_test`). See :func:`verdict` for exactly how the intervals decide it.
 
 Pure: samples in, dataclasses out. :func:`to_json` and :func:`render_text` render them.
 """
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+from scipy import stats
 
 from kvscope import events as ev
 from kvscope.analysis.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, Estimate,
@@ -322,10 +324,38 @@ def _bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+def runs_test(baseline: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
+              noise: Sequence[Sequence[np.ndarray]] = (), q: float = 0.99
+              ) -> tuple[float, int]:
+    """Runs as the unit: a one-sided two-sample t-test that the ``candidate``'s runs are slower
+    than the ``baseline``'s in their ``q`` quantile, on each run's log quantile (each a list
+    of runs' latencies in seconds; runs without one left out), the run-to-run variance pooled
+    over both arms and the ``noise`` arms (more runs of the baseline's configuration, such as
+    the rollout's A/A twin). Returns (p-value, degrees of freedom); p is 1.0 when either arm
+    has fewer than two runs.
+
+    Requests within one run share its host's state, so a bootstrap over them, even in two
+    stages, is narrow when the runs are few (Davison & Hinkley 1997, section 3.8, bias
+    (a - 1)/a with a runs); the runs are the independent replicates (Hurlbert 1984,
+    "pseudoreplication")."""
+    logs = [np.log([np.quantile(x, q) for x in arm if len(x)])
+            for arm in (candidate, baseline, *noise)]
+    df = sum(len(x) - 1 for x in logs if len(x))
+    cand, base = logs[0], logs[1]
+    if len(cand) < 2 or len(base) < 2:
+        return 1.0, df
+    variance = sum(float(((x - x.mean()) ** 2).sum()) for x in logs if len(x)) / df
+    se = math.sqrt(variance * (1 / len(cand) + 1 / len(base)))
+    diff = float(cand.mean() - base.mean())
+    if se == 0:
+        return (0.0 if diff > 0 else 1.0), df
+    return float(stats.t.sf(diff / se, df)), df
+
+
 def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
             baseline_requests: int, candidate_requests: int,
             min_requests: int = DEFAULT_MIN_REQUESTS, *, baseline_runs: int = 1,
-            candidate_runs: int = 1, metric: str = "TTFT") -> Verdict:
+            candidate_runs: int = 1, runs_p: float = 1.0, metric: str = "TTFT") -> Verdict:
     """Apply the rollback rule to a p99 row (seconds) of ``metric`` (TTFT or ITL; the
     requests are those that reported it). ``budget``: seconds, or a :class:`Budget` (a
     relative one is resolved against the baseline's p99 estimate).
@@ -346,7 +376,9 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
     A roll back needs the run-to-run variance measured: with fewer than two runs on either
     side (``baseline_runs``, ``candidate_runs``) it is inconclusive instead, as two runs of one
     configuration differ by more than one run's requests suggest (identical arms must never
-    come out roll back).
+    come out roll back). It also needs the runs, each one measurement, significantly slower:
+    ``runs_p`` (:func:`runs_test`) under ``(1 - confidence) / 4``, one-sided and Bonferroni
+    over the rule's two metrics (either one rolls back).
     """
     pct = f"{confidence * 100:g}%"
     reasons = [f"baseline {baseline_requests} requests in {baseline_runs} run"
@@ -370,11 +402,20 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
                        "captures per arm, e.g. kvscope compare A1,A2,A3 B1,B2,B3)")
 
     def roll_back(why: str) -> Verdict:
-        if replicated:
+        alpha = (1 - confidence) / 4
+        if not replicated:
+            return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But with one run per arm the "
+                           "difference may be run-to-run noise: repeat each arm and compare "
+                           "the runs.", reasons)
+        reasons.append(f"runs as the unit, the candidate's are slower in p99 {metric} with "
+                       f"p = {runs_p:.2g} (t-test on each run's log p99; needs under "
+                       f"{alpha:.2g})")
+        if runs_p < alpha:
             return Verdict(ROLL_BACK, f"{ROLL_BACK}: {why}", reasons)
-        return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But with one run per arm the "
-                       "difference may be run-to-run noise: repeat each arm and compare the "
-                       "runs.", reasons)
+        return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But the runs, each one "
+                       f"measurement, are not significantly slower (p = {runs_p:.2g}): the "
+                       "difference may be run-to-run noise; more repetitions would tell.",
+                       reasons)
 
     base = ms(p99.baseline.value)
     budget = parse_budget(budget)
@@ -428,10 +469,12 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
             ttft_budget: float | str | Budget | None = None,
             itl_budget: float | str | Budget | None = None,
             resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
-            seed: int = 0, min_requests: int = DEFAULT_MIN_REQUESTS) -> Comparison:
+            seed: int = 0, min_requests: int = DEFAULT_MIN_REQUESTS,
+            noise: Sequence[Sequence[RequestSample]] = ()) -> Comparison:
     """Compare two arms (see the module docstring), each one run or a list of runs of one
     configuration. ``ttft_budget``, ``itl_budget``: seconds, or what :func:`parse_budget`
-    reads (``"+10%"``). ITL is judged when both arms reported it; where one did not, the
+    reads (``"+10%"``). ``noise``: more arms of the baseline's configuration (the rollout's A/A
+    twin), whose run-to-run variance :func:`runs_test` pools. ITL is judged when both arms reported it; where one did not, the
     verdict says so and judges TTFT alone (an ITL budget then makes it inconclusive).
 
     Raises ValueError when an arm has no run, a run has no request with a TTFT, or for a bad
@@ -453,16 +496,22 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
                 [np.asarray(s.itl, float) for s in cand], resamples, confidence, seed + 1)
     sides = _side(base), _side(cand)
     runs = {"baseline_runs": len(base), "candidate_runs": len(cand)}
+
+    def runs_p(metric: str) -> float:
+        def arrays(arm: Sequence[RequestSample]) -> list[np.ndarray]:
+            return [np.asarray(getattr(s, metric), float) for s in arm]
+        return runs_test(arrays(base), arrays(cand), [arrays(a) for a in noise])[0]
+
     p99 = next(r for r in ttft if r.quantile == 0.99)
     judged = [verdict(p99, ttft_budget, confidence, sides[0].requests, sides[1].requests,
-                      min_requests, **runs)]
+                      min_requests, runs_p=runs_p("ttft"), **runs)]
     itl99 = next(r for r in itl if r.quantile == 0.99)
     itl_counts = sum(len(s.itl) for s in base), sum(len(s.itl) for s in cand)
     notes = []
     if itl99.difference is not None and (itl_budget is not None
                                          or min(itl_counts) >= min_requests):
         judged.append(verdict(itl99, itl_budget, confidence, *itl_counts, min_requests,
-                              metric="ITL", **runs))
+                              metric="ITL", runs_p=runs_p("itl"), **runs))
     elif itl99.difference is not None:  # no ITL budget asked for: too few is no verdict
         notes.append(f"ITL not judged: fewer than {min_requests} requests reported one on an "
                      "arm")

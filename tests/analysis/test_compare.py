@@ -14,7 +14,7 @@ from kvscope.agent.requests import RequestRecord, TransferRecord
 from kvscope.analysis.bootstrap import compare_quantiles, quantile_cis, quantile_replicates
 from kvscope.analysis.capture_reader import read_request_sample
 from kvscope.analysis.compare import (INCONCLUSIVE, KEEP, ROLL_BACK, RequestSample, compare,
-                                      measured_sources, render_text, to_dict)
+                                      measured_sources, render_text, runs_test, to_dict)
 from kvscope.cli import main
 
 BUDGET = 0.1  # seconds
@@ -314,6 +314,23 @@ def _runs_with_effects(rng, runs, shift=0.0, n=300, run_sd=0.05):
     exponential per request, + ``shift`` seconds."""
     return [RequestSample(f"run{i}", 0.1 + shift + rng.normal(0, run_sd)
                           + rng.exponential(0.02, n)) for i in range(runs)]
+
+
+def test_the_runs_test_takes_runs_as_the_unit():
+    """By hand: candidate runs' p99 e^1 and e^1.2, baseline's e^0 and e^0.2, a noise arm's
+    e^0.1 and e^0.1 (one request each, so each run's p99 is its value). Log p99 means 1.1 and
+    0.1, pooled variance (0.02 + 0.02 + 0) / 3 = 0.01333 on 3 degrees of freedom, standard
+    error sqrt(0.01333 * (1/2 + 1/2)) = 0.11547, t = 1 / 0.11547 = 5 sqrt(3); with 3 degrees of
+    freedom the upper tail is 1/2 - (theta + sin(theta) cos(theta)) / pi with theta =
+    atan(t / sqrt(3)) = atan(5) (Abramowitz & Stegun 26.7.3): 1/2 - (1.373401 + 5/26) / pi =
+    0.0016195."""
+    def runs(*logs):
+        return [np.array([np.exp(x)]) for x in logs]
+    p, df = runs_test(runs(0.0, 0.2), runs(1.0, 1.2), [runs(0.1, 0.1)])
+    assert df == 3 and p == pytest.approx(0.0016195, rel=1e-4)
+    reverse, _ = runs_test(runs(1.0, 1.2), runs(0.0, 0.2), [runs(0.1, 0.1)])
+    assert reverse == pytest.approx(1 - p)
+    assert runs_test(runs(0.0, 0.2), runs(1.0), [runs(0.1, 0.1)])[0] == 1.0  # one run
 
 
 def test_identical_arms_never_roll_back_while_a_planted_regression_is_found():

@@ -11,7 +11,7 @@ import pytest
 
 from known_runs import simulated_runs
 from kvscope.analysis.compare import INCONCLUSIVE, KEEP, ROLL_BACK, RequestSample
-from kvscope.rollout.judge import judge, pooled, runs_test
+from kvscope.rollout.judge import judge, pooled
 from kvscope.rollout.plan import aa_slot
 
 OPTIONS = {"resamples": 400, "min_requests": 50}
@@ -35,38 +35,20 @@ def test_identical_arms_whose_runs_drifted_apart_do_not_roll_back(seed):
     """A/A with strong run-to-run noise (each run's latencies shifted by exp(N(0, 0.15))), two
     repetitions of 24 requests at one level, as the end-to-end A/A test runs vLLM: in these
     seeds (those of 150 where it happens) the candidate's two runs drew slow shifts, so the
-    bootstrap rule says roll back and its difference interval clears the A/A pair's. Runs as
+    bootstrap alone says worse and its difference interval clears the A/A pair's. Runs as
     the unit, two runs a side are not significantly apart: inconclusive, saying why."""
     scale = {"A": 0.1, "B": 0.1, aa_slot("A"): 0.1}
     results = simulated_runs(["A", "B"], scale, seed=seed, reps=2, levels=(2,), requests=24,
                              run_sd=0.15)
     j = judge(results, "A", "B", ttft_budget="+10%", itl_budget="+10%", seed=seed,
               resamples=400, min_requests=20)
-    cleared = [label for label, rows, aa_rows in (("TTFT", j.overall.ttft, j.aa.ttft),
-                                                  ("ITL", j.overall.itl, j.aa.itl))
-               if j.overall.by_metric[label].decision == ROLL_BACK
-               and rows[-1].difference.low > abs(aa_rows[-1].difference.value)]
-    assert cleared  # the rule and the A/A floor alone would roll back
+    over = [label for label, rows, aa_rows in (("TTFT", j.overall.ttft, j.aa.ttft),
+                                               ("ITL", j.overall.itl, j.aa.itl))
+            if rows[-1].candidate.value > getattr(j.overall, f"{label.lower()}_budget")
+            and rows[-1].difference.low > abs(aa_rows[-1].difference.value)]
+    assert over  # over the budget, and worse than the baseline beyond the A/A floor
     assert j.verdict.decision != ROLL_BACK, j.verdict.text
-    assert "its runs are not significantly slower than the baseline's" in j.verdict.text
-
-
-def test_the_runs_test_takes_runs_as_the_unit():
-    """By hand: candidate runs' p99 e^1 and e^1.2, baseline's e^0 and e^0.2, the twin's e^0.1
-    and e^0.1 (one request each, so each run's p99 is its value). Log p99 means 1.1 and 0.1,
-    pooled variance (0.02 + 0.02 + 0) / 3 = 0.01333 on 3 degrees of freedom, standard error
-    sqrt(0.01333 * (1/2 + 1/2)) = 0.11547, t = 1 / 0.11547 = 5 sqrt(3); with 3 degrees of
-    freedom the upper tail is 1/2 - (theta + sin(theta) cos(theta)) / pi with theta =
-    atan(t / sqrt(3)) = atan(5) (Abramowitz & Stegun 26.7.3): 1/2 - (1.373401 + 5/26) / pi =
-    0.0016195."""
-    def runs(*logs):
-        return {r: RequestSample(f"rep {r}", np.array([np.exp(x)]), np.array([np.exp(x)]))
-                for r, x in enumerate(logs)}
-    p, df = runs_test([runs(1.0, 1.2), runs(0.0, 0.2), runs(0.1, 0.1)], "ttft")
-    assert df == 3 and p == pytest.approx(0.0016195, rel=1e-4)
-    reverse, _ = runs_test([runs(0.0, 0.2), runs(1.0, 1.2), runs(0.1, 0.1)], "ttft")
-    assert reverse == pytest.approx(1 - p)
-    assert runs_test([runs(1.0), runs(0.0, 0.2), runs(0.1, 0.1)], "ttft")[0] == 1.0  # one run
+    assert "the runs, each one measurement, are not significantly slower" in j.verdict.text
 
 
 def test_a_planted_regression_far_above_the_noise_is_rolled_back():
@@ -105,7 +87,7 @@ def test_an_aa_pair_noisier_than_the_effect_makes_it_inconclusive():
 
 
 def test_an_aa_pair_noisy_in_itl_alone_leaves_a_ttft_regression_standing():
-    """The twin's ITL 1.5x the baseline's (the A/A pair itself says roll back on ITL: a noisy
+    """The twin's ITL 2x the baseline's (the A/A pair itself says roll back on ITL: a noisy
     host, as guidellm's mock server once gave in test_rollout_cli.py), TTFT alike; the candidate
     1.6x slower in TTFT, its ITL the baseline's: TTFT rolls back on its own floor, ITL is too
     noisy to judge. With no TTFT effect (identical arms), nothing rolls back."""
@@ -113,7 +95,7 @@ def test_an_aa_pair_noisy_in_itl_alone_leaves_a_ttft_regression_standing():
     for scale, want in (({"A": 0.1, "B": 0.16, twin: 0.1}, ROLL_BACK),
                         ({"A": 0.1, "B": 0.1, twin: 0.1}, None)):
         for seed in range(3):
-            results = [(s, dataclasses.replace(r, itl=r.itl * 1.5) if s.slot == twin else r)
+            results = [(s, dataclasses.replace(r, itl=r.itl * 2) if s.slot == twin else r)
                        for s, r in simulated_runs(["A", "B"], scale, seed=seed)]
             j = judge(results, "A", "B", ttft_budget="+10%", **OPTIONS)
             assert j.aa.by_metric["ITL"].decision == ROLL_BACK  # the planted noise is seen
