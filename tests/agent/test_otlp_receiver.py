@@ -808,6 +808,29 @@ def test_a_span_ending_hours_ahead_leaves_the_taps_open_request_alone():
     assert snap.events_dropped == {("otlp", "invalid"): 1}
 
 
+def test_a_span_whose_start_or_end_is_unset_is_invalid_not_dated_1970():
+    """OTLP reads a time of 0 as unset (``start_time_unix_nano``'s comment in trace.proto):
+    spans with a start or an end of 0, one for a request the tap has open, are dropped as
+    invalid; the tap's request keeps its own times and no request is dated 1970."""
+    agent = _agent()
+    now = time.time()
+    agent.pipeline.ingest("vllm", [ev.RequestStarted(ts=now, request_id="x", prompt_tokens=10)])
+    attrs = {"gen_ai.latency.time_to_first_token": 0.1}
+    agent.otlp_receiver.handle([
+        ReceivedSpan(TRACE, "b7ad6b7169203331", "llm_request", 0, int(now * 1e9),
+                     {**attrs, "gen_ai.request.id": "x"}),
+        ReceivedSpan(TRACE, "b7ad6b7169203331", "llm_request", int(now * 1e9), 0,
+                     {**attrs, "gen_ai.request.id": "y"})])
+    agent.pipeline.ingest("vllm", [ev.RequestFinished(ts=now + 0.5, request_id="x", ttft=0.3,
+                                                      prompt_tokens=10)])
+    agent.pipeline.publish_settled(everything=True)
+    snap = agent.pipeline.snapshot()
+    record = agent.pipeline.requests.get("x")
+    assert snap.requests == 1 and record.ttft == 0.3 and record.arrival == now
+    assert agent.pipeline.requests.get("y") is None
+    assert snap.events_dropped == {("otlp", "invalid"): 2}
+
+
 def test_hostile_json_and_gzip_bodies_are_refused_with_400_not_500():
     """JSON nested 200,000 deep (RecursionError), an Infinity time (OverflowError in int()),
     and a gzip body cut short (decoded only in part before): each is a 400, and the agent

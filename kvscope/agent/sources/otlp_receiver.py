@@ -20,7 +20,8 @@ string) are ignored, counted only among the spans received (another service's sp
 the endpoint: they are no loss), and so are spans of requests the tap did not finish that have
 no TTFT (an aborted request). A span whose values
 an emitter's batch could not carry (a TTFT that is no number of seconds, a time past 2100, a
-count past 2**53: :func:`kvscope.events.validate`) is counted in
+count past 2**53: :func:`kvscope.events.validate`; a start or end time of 0, which OTLP reads
+as unset) is counted in
 ``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. Every span received counts
 in ``kvscope_events_received_total{source="otlp"}``, so an operator sees whether spans arrive.
 vLLM sends spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so from the
@@ -361,6 +362,9 @@ class OtlpReceiver:
             request_id = request_id[:ev.MAX_REQUEST_ID]  # as the tap cuts it
             if not _utf8(request_id):  # "\ud800" is valid JSON
                 self._invalid(request_id, "the request id is not text (a lone surrogate)")
+                continue
+            if not (span.start_ns and span.end_ns):  # OTLP: 0 is unset; not 1970
+                self._invalid(request_id, "its start or end time is unset (0)")
                 continue
             a = span.attributes
             trace_id = span.trace_id if ev.w3c_trace_id(span.trace_id) else ""
