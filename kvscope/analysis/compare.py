@@ -15,11 +15,12 @@ with it. :func:`compare` takes the finished requests of each arm, one
   wait per request;
 - a verdict against the rollback rule: **p99 TTFT or p99 ITL above its budget and
   significantly worse than the baseline -> roll back** (disable the newest tier); a budget is
-  absolute (seconds) or relative to the baseline's p99 (:class:`Budget`, e.g. ``+10%``). With one run per arm the
-  run-to-run variance is not measured, and a candidate that looks worse is ``inconclusive``,
-  never ``roll back``: two runs of one configuration differ by more than their requests' own
-  spread suggests; with several, a ``roll back`` also needs the runs themselves significantly
-  slower (:func:`runs_test`). See :func:`verdict` for exactly how the intervals decide it.
+  absolute (seconds) or relative to the baseline's p99 (:class:`Budget`, e.g. ``+10%``). With
+  one run per arm the run-to-run variance is not measured, and a candidate that looks worse is
+  ``inconclusive``, never ``roll back``: two runs of one configuration differ by more than
+  their requests' own spread suggests; with several, a ``roll back`` also needs the runs
+  themselves significantly slower (:func:`runs_test`). See :func:`verdict` for exactly how the
+  intervals decide it.
 
 Pure: samples in, dataclasses out. :func:`to_json` and :func:`render_text` render them.
 """
@@ -32,7 +33,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from scipy import stats
 
 from kvscope import events as ev
 from kvscope.analysis.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, Estimate,
@@ -324,38 +324,52 @@ def _bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+@dataclass(frozen=True)
+class RunsTest:
+    """:func:`runs_test`'s result: the one-sided ``p`` that the candidate's runs are slower
+    (None when not measured: fewer than two runs a side have the metric, or a quantile is not
+    a positive number of seconds), on ``df`` degrees of freedom."""
+
+    p: float | None
+    df: int
+
+
 def runs_test(baseline: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
-              noise: Sequence[Sequence[np.ndarray]] = (), q: float = 0.99
-              ) -> tuple[float, int]:
+              noise: Sequence[Sequence[np.ndarray]] = (), q: float = 0.99) -> RunsTest:
     """Runs as the unit: a one-sided two-sample t-test that the ``candidate``'s runs are slower
-    than the ``baseline``'s in their ``q`` quantile, on each run's log quantile (each a list
-    of runs' latencies in seconds; runs without one left out), the run-to-run variance pooled
-    over both arms and the ``noise`` arms (more runs of the baseline's configuration, such as
-    the rollout's A/A twin). Returns (p-value, degrees of freedom); p is 1.0 when either arm
-    has fewer than two runs.
+    than the ``baseline``'s in their ``q`` quantile, on each run's log quantile (each arm a
+    list of runs' latencies in seconds; runs without any left out), the run-to-run variance
+    pooled over both arms and the ``noise`` arms (more runs of the baseline's configuration,
+    such as the rollout's A/A twin). Runs without any spread (every arm's runs alike, as
+    copies of one run would be) give the limit: p 0 when the candidate's are slower, else 1.
 
     Requests within one run share its host's state, so a bootstrap over them, even in two
     stages, is narrow when the runs are few (Davison & Hinkley 1997, section 3.8, bias
     (a - 1)/a with a runs); the runs are the independent replicates (Hurlbert 1984,
     "pseudoreplication")."""
-    logs = [np.log([np.quantile(x, q) for x in arm if len(x)])
-            for arm in (candidate, baseline, *noise)]
-    df = sum(len(x) - 1 for x in logs if len(x))
+    quantiles = [[float(np.quantile(x, q)) for x in arm if len(x)]
+                 for arm in (candidate, baseline, *noise)]
+    df = sum(len(x) - 1 for x in quantiles if x)
+    if min(len(quantiles[0]), len(quantiles[1])) < 2 or \
+            not all(v > 0 and math.isfinite(v) for x in quantiles for v in x):
+        return RunsTest(None, df)
+    logs = [np.log(x) for x in quantiles if x]
+    variance = sum(float(((x - x.mean()) ** 2).sum()) for x in logs) / df
     cand, base = logs[0], logs[1]
-    if len(cand) < 2 or len(base) < 2:
-        return 1.0, df
-    variance = sum(float(((x - x.mean()) ** 2).sum()) for x in logs if len(x)) / df
     se = math.sqrt(variance * (1 / len(cand) + 1 / len(base)))
     diff = float(cand.mean() - base.mean())
     if se == 0:
-        return (0.0 if diff > 0 else 1.0), df
-    return float(stats.t.sf(diff / se, df)), df
+        return RunsTest(0.0 if diff > 0 else 1.0, df)
+    from scipy import stats  # here only: every kvscope command imports this module
+
+    return RunsTest(float(stats.t.sf(diff / se, df)), df)
 
 
 def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
             baseline_requests: int, candidate_requests: int,
             min_requests: int = DEFAULT_MIN_REQUESTS, *, baseline_runs: int = 1,
-            candidate_runs: int = 1, runs_p: float = 1.0, metric: str = "TTFT") -> Verdict:
+            candidate_runs: int = 1, runs: RunsTest | None = None,
+            metric: str = "TTFT") -> Verdict:
     """Apply the rollback rule to a p99 row (seconds) of ``metric`` (TTFT or ITL; the
     requests are those that reported it). ``budget``: seconds, or a :class:`Budget` (a
     relative one is resolved against the baseline's p99 estimate).
@@ -376,9 +390,10 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
     A roll back needs the run-to-run variance measured: with fewer than two runs on either
     side (``baseline_runs``, ``candidate_runs``) it is inconclusive instead, as two runs of one
     configuration differ by more than one run's requests suggest (identical arms must never
-    come out roll back). It also needs the runs, each one measurement, significantly slower:
-    ``runs_p`` (:func:`runs_test`) under ``(1 - confidence) / 4``, one-sided and Bonferroni
-    over the rule's two metrics (either one rolls back).
+    come out roll back). Given ``runs`` (:func:`runs_test`'s, None: the bootstrap alone), it
+    also needs the runs, each one measurement, significantly slower: ``runs.p`` under
+    ``(1 - confidence) / 4``, one-sided and Bonferroni over the rule's two metrics (either one
+    rolls back); not measured, it is inconclusive.
     """
     pct = f"{confidence * 100:g}%"
     reasons = [f"baseline {baseline_requests} requests in {baseline_runs} run"
@@ -402,20 +417,27 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
                        "captures per arm, e.g. kvscope compare A1,A2,A3 B1,B2,B3)")
 
     def roll_back(why: str) -> Verdict:
-        alpha = (1 - confidence) / 4
         if not replicated:
             return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But with one run per arm the "
                            "difference may be run-to-run noise: repeat each arm and compare "
                            "the runs.", reasons)
-        reasons.append(f"runs as the unit, the candidate's are slower in p99 {metric} with "
-                       f"p = {runs_p:.2g} (t-test on each run's log p99; needs under "
-                       f"{alpha:.2g})")
-        if runs_p < alpha:
+        if runs is None:
+            return Verdict(ROLL_BACK, f"{ROLL_BACK}: {why}", reasons)
+        if runs.p is None:
+            reasons.append(f"runs as the unit: the run-to-run variance of p99 {metric} is not "
+                           "measured (fewer than two runs a side report it)")
+            return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But the run-to-run variance "
+                           "is not measured: the difference may be run-to-run noise.", reasons)
+        alpha = (1 - confidence) / 4
+        reasons.append(f"runs as the unit: one-sided p = {runs.p:.3g} that the candidate's "
+                       f"runs are slower in p99 {metric} (a t-test on each run's log p99, "
+                       f"{runs.df} degrees of freedom; a roll back needs under {alpha:.3g})")
+        if runs.p < alpha:
             return Verdict(ROLL_BACK, f"{ROLL_BACK}: {why}", reasons)
         return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But the runs, each one "
-                       f"measurement, are not significantly slower (p = {runs_p:.2g}): the "
-                       "difference may be run-to-run noise; more repetitions would tell.",
-                       reasons)
+                       f"measurement, are not significantly slower (one-sided p = "
+                       f"{runs.p:.3g}): the difference may be run-to-run noise; more "
+                       "repetitions would tell.", reasons)
 
     base = ms(p99.baseline.value)
     budget = parse_budget(budget)
@@ -470,12 +492,16 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
             itl_budget: float | str | Budget | None = None,
             resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
             seed: int = 0, min_requests: int = DEFAULT_MIN_REQUESTS,
-            noise: Sequence[Sequence[RequestSample]] = ()) -> Comparison:
+            noise: Sequence[Sequence[RequestSample]] = (), by_runs: bool = True
+            ) -> Comparison:
     """Compare two arms (see the module docstring), each one run or a list of runs of one
     configuration. ``ttft_budget``, ``itl_budget``: seconds, or what :func:`parse_budget`
-    reads (``"+10%"``). ``noise``: more arms of the baseline's configuration (the rollout's A/A
-    twin), whose run-to-run variance :func:`runs_test` pools. ITL is judged when both arms reported it; where one did not, the
-    verdict says so and judges TTFT alone (an ITL budget then makes it inconclusive).
+    reads (``"+10%"``). ``noise``: more arms of the baseline's configuration (the rollout's
+    A/A twin), whose run-to-run variance :func:`runs_test` pools. ``by_runs``: False judges by
+    the bootstrap alone, without the runs test (the rollout's A/A pair, whose "roll back"
+    says its runs differ beyond their requests' spread). ITL is judged when both arms
+    reported it; where one did not, the verdict says so and judges TTFT alone (an ITL budget
+    then makes it inconclusive).
 
     Raises ValueError when an arm has no run, a run has no request with a TTFT, or for a bad
     option (resamples too few for the confidence: :func:`check_resamples`).
@@ -490,28 +516,28 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
             if s.requests == 0:
                 raise ValueError(f"{s.name or 'run'}: no finished requests with a TTFT")
     base, cand = arms
-    ttft = _rows([np.asarray(s.ttft, float) for s in base],
-                 [np.asarray(s.ttft, float) for s in cand], resamples, confidence, seed)
-    itl = _rows([np.asarray(s.itl, float) for s in base],
-                [np.asarray(s.itl, float) for s in cand], resamples, confidence, seed + 1)
+    # per metric, each arm's runs' latencies: the baseline's, the candidate's, the noise arms'
+    latencies = {m: [[np.asarray(getattr(s, m), float) for s in arm]
+                     for arm in (base, cand, *noise)] for m in ("ttft", "itl")}
+    ttft = _rows(*latencies["ttft"][:2], resamples, confidence, seed)
+    itl = _rows(*latencies["itl"][:2], resamples, confidence, seed + 1)
     sides = _side(base), _side(cand)
     runs = {"baseline_runs": len(base), "candidate_runs": len(cand)}
 
-    def runs_p(metric: str) -> float:
-        def arrays(arm: Sequence[RequestSample]) -> list[np.ndarray]:
-            return [np.asarray(getattr(s, metric), float) for s in arm]
-        return runs_test(arrays(base), arrays(cand), [arrays(a) for a in noise])[0]
+    def tested(metric: str) -> RunsTest | None:
+        b, c, *others = latencies[metric]
+        return runs_test(b, c, others) if by_runs else None
 
     p99 = next(r for r in ttft if r.quantile == 0.99)
     judged = [verdict(p99, ttft_budget, confidence, sides[0].requests, sides[1].requests,
-                      min_requests, runs_p=runs_p("ttft"), **runs)]
+                      min_requests, runs=tested("ttft"), **runs)]
     itl99 = next(r for r in itl if r.quantile == 0.99)
     itl_counts = sum(len(s.itl) for s in base), sum(len(s.itl) for s in cand)
     notes = []
     if itl99.difference is not None and (itl_budget is not None
                                          or min(itl_counts) >= min_requests):
         judged.append(verdict(itl99, itl_budget, confidence, *itl_counts, min_requests,
-                              metric="ITL", runs_p=runs_p("itl"), **runs))
+                              metric="ITL", runs=tested("itl"), **runs))
     elif itl99.difference is not None:  # no ITL budget asked for: too few is no verdict
         notes.append(f"ITL not judged: fewer than {min_requests} requests reported one on an "
                      "arm")

@@ -128,22 +128,24 @@ def judge(results: Sequence[tuple[Step, RequestSample]], baseline: str, candidat
     levels = sorted({s.level for s, _ in results})
     twin = aa_slot(baseline)
 
-    def versus(a: str, b: str, level: int | None, noise: Sequence[str] = ()
-               ) -> Comparison | None:
+    def versus(a: str, b: str, level: int | None, noise: Sequence[str] = (),
+               by_runs: bool = True) -> Comparison | None:
         """``b`` against ``a`` at ``level``, or None when either has no finished run there;
         ``noise``: slots of ``a``'s configuration whose run-to-run variance the runs test
-        pools."""
+        pools; ``by_runs``: :func:`compare`'s."""
         runs_a, runs_b = _runs(results, a, level), _runs(results, b, level)
         return compare(runs_a, runs_b, noise=[_runs(results, n, level) for n in noise],
-                       **options) if runs_a and runs_b else None
+                       by_runs=by_runs, **options) if runs_a and runs_b else None
 
     twins = [twin] if aa else []
     # the whole ramp first: compare raises, naming the arm, when one has no finished run
     overall = compare(_runs(results, baseline, None), _runs(results, candidate, None),
                       noise=[_runs(results, t, None) for t in twins], **options)
     per_level = {lv: c for lv in levels if (c := versus(baseline, candidate, lv, twins))}
-    floor = versus(baseline, twin, None) if aa else None
-    aa_levels = {lv: c for lv in levels if floor and (c := versus(baseline, twin, lv))}
+    # the A/A pair by the bootstrap alone: its "roll back" says the set-up is noisy
+    floor = versus(baseline, twin, None, by_runs=False) if aa else None
+    aa_levels = {lv: c for lv in levels
+                 if floor and (c := versus(baseline, twin, lv, by_runs=False))}
     verdict = overall.verdict if floor is None else _gate(overall, floor)
     if aa and floor is None:
         verdict = dataclasses.replace(verdict, reasons=verdict.reasons + [

@@ -326,11 +326,35 @@ def test_the_runs_test_takes_runs_as_the_unit():
     0.0016195."""
     def runs(*logs):
         return [np.array([np.exp(x)]) for x in logs]
-    p, df = runs_test(runs(0.0, 0.2), runs(1.0, 1.2), [runs(0.1, 0.1)])
-    assert df == 3 and p == pytest.approx(0.0016195, rel=1e-4)
-    reverse, _ = runs_test(runs(1.0, 1.2), runs(0.0, 0.2), [runs(0.1, 0.1)])
-    assert reverse == pytest.approx(1 - p)
-    assert runs_test(runs(0.0, 0.2), runs(1.0), [runs(0.1, 0.1)])[0] == 1.0  # one run
+    test = runs_test(runs(0.0, 0.2), runs(1.0, 1.2), [runs(0.1, 0.1)])
+    assert test.df == 3 and test.p == pytest.approx(0.0016195, rel=1e-4)
+    reverse = runs_test(runs(1.0, 1.2), runs(0.0, 0.2), [runs(0.1, 0.1)])
+    assert reverse.p == pytest.approx(1 - test.p)
+    # not measured: one run with values on a side (an empty run is left out), a p99 of 0 s
+    assert runs_test(runs(0.0, 0.2), runs(1.0) + [np.zeros(0)]).p is None
+    assert runs_test(runs(0.0, 0.2), [np.array([0.0]), np.array([1.0])]).p is None
+    # no spread at all: the limit, 0 when the candidate's runs are the slower
+    assert runs_test(runs(0.0, 0.0), runs(1.0, 1.0)).p == 0.0
+    assert runs_test(runs(1.0, 1.0), runs(0.0, 0.0)).p == 1.0
+
+
+def test_a_regression_resting_on_two_runs_that_vary_is_inconclusive_and_says_why():
+    """Two runs a side of 200 requests each, every run's requests alike: baseline runs at 100
+    and 110 ms, candidate runs at 150 and 300 ms. Every bootstrap replicate's candidate p99
+    (150 ms or more) is above every baseline one (110 ms or less): the bootstrap alone rolls
+    back. Runs as the unit: log p99s -2.303, -2.207 vs -1.897, -1.204; mean difference
+    0.7045; squares about the arm means 2 (0.0477)^2 + 2 (0.3466)^2 = 0.2448 on 2 degrees of
+    freedom, variance 0.1224, standard error sqrt(0.1224 (1/2 + 1/2)) = 0.350, t = 2.01;
+    with 2 degrees of freedom the upper tail is (1 - t / sqrt(2 + t^2)) / 2 (Abramowitz &
+    Stegun 26.7.3) = 0.0908, not under (1 - 0.95) / 4 = 0.0125 -> inconclusive, saying so."""
+    base = [RequestSample(f"b{i}", np.full(200, x)) for i, x in enumerate((0.10, 0.11))]
+    cand = [RequestSample(f"c{i}", np.full(200, x)) for i, x in enumerate((0.15, 0.30))]
+    assert compare(base, cand, resamples=400, by_runs=False).verdict.decision == ROLL_BACK
+    result = compare(base, cand, resamples=400)
+    assert result.verdict.decision == INCONCLUSIVE, result.verdict.text
+    assert "not significantly slower (one-sided p = 0.0908)" in result.verdict.text
+    test = runs_test([s.ttft for s in base], [s.ttft for s in cand])
+    assert test.df == 2 and test.p == pytest.approx(0.0908, abs=5e-4)
 
 
 def test_identical_arms_never_roll_back_while_a_planted_regression_is_found():
