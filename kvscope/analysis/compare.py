@@ -327,8 +327,9 @@ def _bytes(n: float) -> str:
 @dataclass(frozen=True)
 class RunsTest:
     """:func:`runs_test`'s result: the one-sided ``p`` that the candidate's runs are slower
-    (None when not measured: fewer than two runs a side have the metric, or a quantile is not
-    a positive number of seconds), on ``df`` degrees of freedom."""
+    (None when not measured: fewer than two runs a side have the metric, a quantile is not a
+    positive number of seconds, or no run differs from its arm's others, as copies of one run
+    would not), on ``df`` degrees of freedom."""
 
     p: float | None
     df: int
@@ -340,8 +341,7 @@ def runs_test(baseline: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
     than the ``baseline``'s in their ``q`` quantile, on each run's log quantile (each arm a
     list of runs' latencies in seconds; runs without any left out), the run-to-run variance
     pooled over both arms and the ``noise`` arms (more runs of the baseline's configuration,
-    such as the rollout's A/A twin). Runs without any spread (every arm's runs alike, as
-    copies of one run would be) give the limit: p 0 when the candidate's are slower, else 1.
+    such as the rollout's A/A twin).
 
     Requests within one run share its host's state, so a bootstrap over them, even in two
     stages, is narrow when the runs are few (Davison & Hinkley 1997, section 3.8, bias
@@ -357,12 +357,11 @@ def runs_test(baseline: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
     variance = sum(float(((x - x.mean()) ** 2).sum()) for x in logs) / df
     cand, base = logs[0], logs[1]
     se = math.sqrt(variance * (1 / len(cand) + 1 / len(base)))
-    diff = float(cand.mean() - base.mean())
-    if se == 0:
-        return RunsTest(0.0 if diff > 0 else 1.0, df)
+    if se == 0:  # a copy of a run is no second run: no run-to-run variance was measured
+        return RunsTest(None, df)
     from scipy import stats  # here only: every kvscope command imports this module
 
-    return RunsTest(float(stats.t.sf(diff / se, df)), df)
+    return RunsTest(float(stats.t.sf(float(cand.mean() - base.mean()) / se, df)), df)
 
 
 def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
@@ -412,20 +411,23 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
     reasons += [cand, diff]
     worse, better = d.low > 0, d.high < 0
     replicated = min(baseline_runs, candidate_runs) >= 2
+    single = "per arm" if max(baseline_runs, candidate_runs) < 2 else \
+        "of the baseline" if baseline_runs < 2 else "of the candidate"
     if not replicated:
-        reasons.append("one run per arm: run-to-run variance not measured (give two or more "
+        reasons.append(f"one run {single}: run-to-run variance not measured (give two or more "
                        "captures per arm, e.g. kvscope compare A1,A2,A3 B1,B2,B3)")
 
     def roll_back(why: str) -> Verdict:
         if not replicated:
-            return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But with one run per arm the "
-                           "difference may be run-to-run noise: repeat each arm and compare "
-                           "the runs.", reasons)
+            return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But with one run {single} "
+                           "the difference may be run-to-run noise: repeat each arm and "
+                           "compare the runs.", reasons)
         if runs is None:
             return Verdict(ROLL_BACK, f"{ROLL_BACK}: {why}", reasons)
         if runs.p is None:
             reasons.append(f"runs as the unit: the run-to-run variance of p99 {metric} is not "
-                           "measured (fewer than two runs a side report it)")
+                           "measured (fewer than two runs a side report it, or the runs are "
+                           "alike to the last digit, as copies of one run are)")
             return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But the run-to-run variance "
                            "is not measured: the difference may be run-to-run noise.", reasons)
         alpha = (1 - confidence) / 4
@@ -635,9 +637,10 @@ def render_text(comparison: Comparison) -> str:
                 else "prefill rate not measured")
         tiers = "; ".join(
             f"{tier}: {v['tokens']:,} tokens, saved "
-            f"{'not measured' if v['prefill_seconds_saved'] is None else ms(v['prefill_seconds_saved'])}"
-            ", spent " + ("not measured (untimed copies)" if v["transfer_seconds"] is None
-                          else ms(v["transfer_seconds"]))
+            + ("not measured" if v["prefill_seconds_saved"] is None
+               else ms(v["prefill_seconds_saved"]))
+            + ", spent " + ("not measured (untimed copies)" if v["transfer_seconds"] is None
+                            else ms(v["transfer_seconds"]))
             for tier, v in side.value.items()) or "none"
         lines.append(f"  {side.name} ({rate}): {tiers}")
     return "\n".join(lines) + "\n"
