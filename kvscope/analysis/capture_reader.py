@@ -41,7 +41,7 @@ UNKNOWN_BLOCK_TOKENS = 16  # vLLM's default block_size, assumed when a capture d
 
 _BLOCK_COLUMNS = ["ts", "request_id", "depth", "block_hash", "tokens", "block_tokens",
                   "prompt_tokens", *BLOCKS_ADDED]
-_REQUEST_COLUMNS = ["ttft", "itl", "promotion_wait", "prefill",
+_REQUEST_COLUMNS = ["arrival", "finished", "ttft", "itl", "promotion_wait", "prefill",
                     *[f"tokens_{s}" for s in ev.TOKEN_SOURCES], "transfers", "tiers"]
 
 
@@ -362,9 +362,12 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
     else:
         moved_bytes, moved_blocks, seconds, failures = {}, {}, {}, 0
     tokens = {s: int(col[f"tokens_{s}"].sum()) for s in ev.TOKEN_SOURCES}
+    arrival, finished = col["arrival"].astype(np.float64), col["finished"].astype(np.float64)
+    window = (float(np.nanmin(arrival)), float(np.nanmax(finished))) \
+        if len(arrival) and np.isfinite(arrival).any() and np.isfinite(finished).any() else None
     return RequestSample(
         name=name, ttft=ttft[np.isfinite(ttft)], itl=itl[itl > 0],
         promotion_wait=wait[np.isfinite(wait)], tokens=tokens,
         transfer_bytes=moved_bytes, transfer_blocks=moved_blocks, transfer_seconds=seconds,
         transfer_failures=failures, prefill_seconds=float(np.nansum(col["prefill"])),
-        token_sources=_token_sources(table.column("tiers"), tokens))
+        token_sources=_token_sources(table.column("tiers"), tokens), window=window)

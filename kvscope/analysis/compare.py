@@ -76,7 +76,8 @@ class RequestSample:
     ``token_sources``: the sources ``tokens`` measured, a missing one counting 0 (None: every
     source, as a capture's records drop sources that served nothing); the others are not
     measured (a rollout arm read from vLLM's metrics: gpu and recompute; a capture without a
-    disk tier: all but disk). ``name``: for reports.
+    disk tier: all but disk). ``window``: (first arrival, last finish) of its requests, Unix
+    seconds (None: not known). ``name``: for reports.
     """
 
     name: str
@@ -91,6 +92,7 @@ class RequestSample:
     prefill_seconds: float = 0.0
     promotion_waits: dict | None = None
     token_sources: tuple[str, ...] | None = None
+    window: tuple[float, float] | None = None
 
     @property
     def requests(self) -> int:
@@ -308,6 +310,20 @@ def _side(runs: list[RequestSample]) -> Side:
                            "prefill_seconds_saved": tokens.get(tier, 0) / rate if rate else None}
     return Side(", ".join(r.name for r in runs), requests, len(runs), tokens, share, transfers,
                 transfer_failures(runs), *_wait_stats(runs), rate, value)
+
+
+def _ran_first(base: Sequence[RequestSample], cand: Sequence[RequestSample]) -> str | None:
+    """"baseline" or "candidate" when every run of that arm finished before any run of the
+    other started, else None (interleaved, or a run's window not known)."""
+    windows = [[s.window for s in arm] for arm in (base, cand)]
+    if any(w is None for arm in windows for w in arm):
+        return None
+    (b, c) = windows
+    if max(e for _, e in b) <= min(s for s, _ in c):
+        return "baseline"
+    if max(e for _, e in c) <= min(s for s, _ in b):
+        return "candidate"
+    return None
 
 
 def ms(x: float) -> str:
@@ -555,6 +571,11 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
              if r.quantile != 0.99 and r.difference is not None and r.difference.low > 0]
     if itl99.difference is None:
         notes.append("ITL not measured on both arms: judged on TTFT alone")
+    first = _ran_first(base, cand)
+    if first is not None and min(len(base), len(cand)) >= 2:
+        notes.append(f"the {first}'s runs all ran before the other arm's (not interleaved): a "
+                     "drift of the host between the two windows reads as a difference; "
+                     "interleave the arms' runs (A B A B ...)")
     by_metric = {"TTFT": judged[0], **({"ITL": judged[1]} if len(judged) > 1 else {})}
     result = combine(by_metric)
     result = Verdict(result.decision, result.text, result.reasons + notes)

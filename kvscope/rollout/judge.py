@@ -56,7 +56,8 @@ class Judgement:
 
 
 def pooled(samples: Sequence[RequestSample], name: str) -> RequestSample:
-    """Several runs' requests as one run (latencies concatenated, counts added up)."""
+    """Several runs' requests as one run (latencies concatenated, counts added up, the
+    windows spanned)."""
     def added(key: str) -> dict:
         out: dict = {}
         for s in samples:
@@ -68,11 +69,14 @@ def pooled(samples: Sequence[RequestSample], name: str) -> RequestSample:
         parts = [np.asarray(getattr(s, key), dtype=np.float64) for s in samples]
         return np.concatenate(parts) if parts else np.zeros(0)
 
+    windows = [s.window for s in samples]
+    window = None if not windows or None in windows else \
+        (min(w[0] for w in windows), max(w[1] for w in windows))
     return RequestSample(
         name, joined("ttft"), joined("itl"), joined("promotion_wait"), added("tokens"),
         added("transfer_bytes"), added("transfer_blocks"), added("transfer_seconds"),
         transfer_failures(samples), sum(s.prefill_seconds for s in samples),
-        promotion_waits(samples), measured_sources(samples))
+        promotion_waits(samples), measured_sources(samples), window)
 
 
 def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int | None

@@ -1,6 +1,7 @@
 """``kvscope compare``: bootstrap intervals, and verdicts on hand-built captures whose right
 answer follows by hand (each case's docstring says why)."""
 
+import dataclasses
 import json
 import shutil
 
@@ -363,6 +364,31 @@ def test_a_regression_resting_on_two_runs_that_vary_is_inconclusive_and_says_why
     assert "not significantly slower (one-sided p = 0.0908)" in result.verdict.text
     test = runs_test([s.ttft for s in base], [s.ttft for s in cand])
     assert test.df == 2 and test.p == pytest.approx(0.0908, abs=5e-4)
+
+
+def test_arms_whose_runs_ran_in_two_windows_are_told_to_interleave(tmp_path):
+    """Captures know when their requests ran (write_capture: request i arrives at 1000 + i s;
+    each run's window is moved here). Two runs an arm: all the baseline's before all the
+    candidate's -> a note says so and names the baseline; interleaved (b, c, b, c) -> no
+    note; one run an arm is never noted (two runs are always in two windows)."""
+    def arm(name, runs):
+        return [read_request_sample(str(write_capture(tmp_path / f"{name}{i}", np.full(
+            50, 0.01) * (1 + i / 1e6)))) for i in runs]
+
+    def shifted(samples, by):
+        return [dataclasses.replace(s, window=(s.window[0] + by, s.window[1] + by))
+                for s in samples]
+    base, cand = arm("b", (0, 1)), arm("c", (2, 3))
+    assert base[0].window == (1000.0, 1049.01)
+    note = "the baseline's runs all ran before the other arm's (not interleaved)"
+    windows = {"apart": (shifted(base, 0), shifted(cand, 200)),
+               "interleaved": ([base[0], shifted(base, 200)[1]],
+                               [shifted(cand, 100)[0], shifted(cand, 300)[1]])}
+    apart = compare(*windows["apart"], resamples=400)
+    assert any(r.startswith(note) for r in apart.verdict.reasons)
+    for sides in (windows["interleaved"], (base[:1], shifted(cand, 200)[:1])):
+        assert not any("not interleaved" in r for r in compare(*sides, resamples=400)
+                       .verdict.reasons)
 
 
 def test_identical_arms_never_roll_back_while_a_planted_regression_is_found():
