@@ -540,22 +540,25 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
     ttft = _rows(*latencies["ttft"][:2], resamples, confidence, seed)
     itl = _rows(*latencies["itl"][:2], resamples, confidence, seed + 1)
     sides = _side(base), _side(cand)
-    runs = {"baseline_runs": len(base), "candidate_runs": len(cand)}
 
-    def tested(metric: str) -> RunsTest | None:
+    def tested(metric: str) -> dict:
+        """``verdict``'s runs arguments for ``metric``: the runs that reported it, and the
+        runs test."""
         b, c, *others = latencies[metric]
-        return runs_test(b, c, others) if by_runs else None
+        return {"baseline_runs": sum(1 for x in b if len(x)),
+                "candidate_runs": sum(1 for x in c if len(x)),
+                "runs": runs_test(b, c, others) if by_runs else None}
 
     p99 = next(r for r in ttft if r.quantile == 0.99)
     judged = [verdict(p99, ttft_budget, confidence, sides[0].requests, sides[1].requests,
-                      min_requests, runs=tested("ttft"), **runs)]
+                      min_requests, **tested("ttft"))]
     itl99 = next(r for r in itl if r.quantile == 0.99)
     itl_counts = sum(len(s.itl) for s in base), sum(len(s.itl) for s in cand)
     notes = []
     if itl99.difference is not None and (itl_budget is not None
                                          or min(itl_counts) >= min_requests):
         judged.append(verdict(itl99, itl_budget, confidence, *itl_counts, min_requests,
-                              metric="ITL", runs=tested("itl"), **runs))
+                              metric="ITL", **tested("itl")))
     elif itl99.difference is not None:  # no ITL budget asked for: too few is no verdict
         notes.append(f"ITL not judged: fewer than {min_requests} requests reported one on an "
                      "arm")

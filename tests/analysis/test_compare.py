@@ -366,6 +366,20 @@ def test_a_regression_resting_on_two_runs_that_vary_is_inconclusive_and_says_why
     assert test.df == 2 and test.p == pytest.approx(0.0908, abs=5e-4)
 
 
+def test_itl_counts_the_runs_that_reported_it():
+    """Two runs an arm, but one of the candidate's reported no ITL (every request's 50 ms on
+    the other, 20 ms on the baseline's, over a 30 ms budget): ITL rests on one candidate run,
+    so it says so and is inconclusive rather than claiming two runs."""
+    ttft = np.linspace(0.02, 0.06, 200)
+    base = [RequestSample(f"b{i}", ttft * (1 + i / 1e4), np.full(200, 0.02 * (1 + i / 1e4)))
+            for i in range(2)]
+    cand = [RequestSample("c0", ttft, np.full(200, 0.05)), RequestSample("c1", ttft * 1.0001)]
+    itl = compare(base, cand, itl_budget=0.03, resamples=400).by_metric["ITL"]
+    assert itl.decision == INCONCLUSIVE
+    assert "candidate 200 requests in 1 run" in itl.reasons[0]
+    assert "with one run of the candidate the difference" in itl.text
+
+
 def test_arms_whose_runs_ran_in_two_windows_are_told_to_interleave(tmp_path):
     """Captures know when their requests ran (write_capture: request i arrives at 1000 + i s;
     each run's window is moved here). Two runs an arm: all the baseline's before all the
