@@ -19,7 +19,9 @@ DESCRIPTION = (
     "the baseline -> roll back (disable the newest tier). Give each arm as several captures of "
     "repeated runs, comma-separated, so that run-to-run variance is measured (the intervals "
     "resample runs, then requests within runs); with one capture per arm it is not, and a "
-    "candidate that looks worse is 'inconclusive', never 'roll back'. The verdict is 'keep', "
+    "candidate that looks worse is 'inconclusive', never 'roll back'; with several, a roll "
+    "back also needs the runs themselves significantly slower (a t-test on their log p99s). "
+    "Interleave the arms' runs in time (A B A B ...). The verdict is 'keep', "
     "'roll back (disable the newest tier)' or 'inconclusive'. Example: kvscope compare "
     "runs/base1,runs/base2,runs/base3 runs/cpu1,runs/cpu2,runs/cpu3 --ttft-budget 0.5")
 
