@@ -205,11 +205,24 @@ def parse_budget(text: str | float | Budget | None) -> Budget | None:
 
 
 @dataclass(frozen=True)
+class RunsTest:
+    """:func:`runs_test`'s result: the one-sided ``p`` that the candidate's runs are slower
+    (None when not measured: fewer than two runs a side have the metric, a quantile is not a
+    positive number of seconds, or no run differs from its arm's others, as copies of one run
+    would not), on ``df`` degrees of freedom."""
+
+    p: float | None
+    df: int
+
+
+@dataclass(frozen=True)
 class Comparison:
     """Result of :func:`compare`; latencies in seconds. ``ttft_budget``, ``itl_budget``: the
     p99 budgets in seconds (relative ones resolved against the baseline), or None.
     ``verdict``: the combined one; ``by_metric``: each judged metric's own (``"TTFT"``,
-    ``"ITL"``), which :func:`combine` made it from."""
+    ``"ITL"``), which :func:`combine` made it from. ``runs``: each judged metric's
+    :func:`runs_test` (absent when the comparison was by the bootstrap alone), and
+    ``runs_alpha`` the one-sided p under which it lets a roll back stand (None: not applied)."""
 
     baseline: Side
     candidate: Side
@@ -222,6 +235,8 @@ class Comparison:
     seed: int
     verdict: Verdict
     by_metric: dict[str, Verdict] = field(default_factory=dict)
+    runs: dict[str, RunsTest] = field(default_factory=dict)
+    runs_alpha: float | None = None
 
 
 def _rows(b: list[np.ndarray], c: list[np.ndarray], resamples: int, confidence: float,
@@ -340,17 +355,6 @@ def _bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
-@dataclass(frozen=True)
-class RunsTest:
-    """:func:`runs_test`'s result: the one-sided ``p`` that the candidate's runs are slower
-    (None when not measured: fewer than two runs a side have the metric, a quantile is not a
-    positive number of seconds, or no run differs from its arm's others, as copies of one run
-    would not), on ``df`` degrees of freedom."""
-
-    p: float | None
-    df: int
-
-
 def runs_test(baseline: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
               noise: Sequence[Sequence[np.ndarray]] = (), q: float = 0.99) -> RunsTest:
     """Runs as the unit: a one-sided two-sample t-test that the ``candidate``'s runs are slower
@@ -378,6 +382,13 @@ def runs_test(baseline: Sequence[np.ndarray], candidate: Sequence[np.ndarray],
     from scipy import stats  # here only: every kvscope command imports this module
 
     return RunsTest(float(stats.t.sf(float(cand.mean() - base.mean()) / se, df)), df)
+
+
+def runs_alpha(confidence: float) -> float:
+    """The one-sided p under which :func:`runs_test` lets a roll back stand: ``1 -
+    confidence`` halved for one side, halved again by Bonferroni over TTFT and ITL (either
+    one rolls back)."""
+    return (1 - confidence) / 4
 
 
 def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
@@ -446,7 +457,7 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
                            "alike to the last digit, as copies of one run are)")
             return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {why} But the run-to-run variance "
                            "is not measured: the difference may be run-to-run noise.", reasons)
-        alpha = (1 - confidence) / 4
+        alpha = runs_alpha(confidence)
         reasons.append(f"runs as the unit: one-sided p = {runs.p:.3g} that the candidate's "
                        f"runs are slower in p99 {metric} (a t-test on each run's log p99, "
                        f"{runs.df} degrees of freedom; a roll back needs under {alpha:.3g})")
@@ -541,24 +552,26 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
     itl = _rows(*latencies["itl"][:2], resamples, confidence, seed + 1)
     sides = _side(base), _side(cand)
 
+    runs = {label: runs_test(*latencies[m][:2], latencies[m][2:])
+            for label, m in (("TTFT", "ttft"), ("ITL", "itl"))} if by_runs else {}
+
     def tested(metric: str) -> dict:
         """``verdict``'s runs arguments for ``metric``: the runs that reported it, and the
         runs test."""
-        b, c, *others = latencies[metric]
+        b, c = latencies[metric.lower()][:2]
         return {"baseline_runs": sum(1 for x in b if len(x)),
-                "candidate_runs": sum(1 for x in c if len(x)),
-                "runs": runs_test(b, c, others) if by_runs else None}
+                "candidate_runs": sum(1 for x in c if len(x)), "runs": runs.get(metric)}
 
     p99 = next(r for r in ttft if r.quantile == 0.99)
     judged = [verdict(p99, ttft_budget, confidence, sides[0].requests, sides[1].requests,
-                      min_requests, **tested("ttft"))]
+                      min_requests, **tested("TTFT"))]
     itl99 = next(r for r in itl if r.quantile == 0.99)
     itl_counts = sum(len(s.itl) for s in base), sum(len(s.itl) for s in cand)
     notes = []
     if itl99.difference is not None and (itl_budget is not None
                                          or min(itl_counts) >= min_requests):
         judged.append(verdict(itl99, itl_budget, confidence, *itl_counts, min_requests,
-                              metric="ITL", **tested("itl")))
+                              metric="ITL", **tested("ITL")))
     elif itl99.difference is not None:  # no ITL budget asked for: too few is no verdict
         notes.append(f"ITL not judged: fewer than {min_requests} requests reported one on an "
                      "arm")
@@ -589,7 +602,8 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
 
     return Comparison(*sides, ttft, itl, resolved(ttft_budget, p99),
                       resolved(itl_budget, itl99), confidence, resamples, seed, result,
-                      by_metric)
+                      by_metric, {m: runs[m] for m in by_metric if m in runs},
+                      runs_alpha(confidence) if by_runs else None)
 
 
 def json_ready(value):

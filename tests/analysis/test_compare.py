@@ -67,9 +67,11 @@ def test_roll_back_when_every_candidate_ttft_is_over_the_budget(tmp_path, capsys
     base, cand = np.linspace(0.02, 0.06, 400), np.linspace(0.15, 0.3, 400)
     args = _verdict(tmp_path, base, cand, "--ttft-budget", str(BUDGET), runs=3)
     assert main(args) == 0
-    verdict = json.loads(capsys.readouterr().out)["verdict"]
+    data = json.loads(capsys.readouterr().out)
+    verdict = data["verdict"]
     assert verdict["decision"] == ROLL_BACK == "roll back (disable the newest tier)"
     assert "over the 100 ms budget and significantly worse" in verdict["text"]
+    assert data["runs"]["TTFT"]["df"] == 4 and data["runs"]["TTFT"]["p"] < data["runs_alpha"]
     assert main(_verdict(tmp_path / "one", base, cand, "--ttft-budget", str(BUDGET))) == 0
     verdict = json.loads(capsys.readouterr().out)["verdict"]
     assert verdict["decision"] == INCONCLUSIVE and "run-to-run noise" in verdict["text"]
@@ -364,6 +366,11 @@ def test_a_regression_resting_on_two_runs_that_vary_is_inconclusive_and_says_why
     assert "not significantly slower (one-sided p = 0.0908)" in result.verdict.text
     test = runs_test([s.ttft for s in base], [s.ttft for s in cand])
     assert test.df == 2 and test.p == pytest.approx(0.0908, abs=5e-4)
+    # the JSON gives the test and its threshold as fields; by the bootstrap alone, neither
+    data = to_dict(result)
+    assert data["runs"]["TTFT"] == {"p": test.p, "df": 2}
+    assert data["runs_alpha"] == pytest.approx(0.0125)
+    assert to_dict(compare(base, cand, resamples=400, by_runs=False))["runs"] == {}
 
 
 def test_itl_counts_the_runs_that_reported_it():
