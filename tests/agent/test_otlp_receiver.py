@@ -861,11 +861,12 @@ def test_hostile_json_and_gzip_bodies_are_refused_with_400_not_500():
                                                         ("otlp", "invalid"): 2}
 
 
-def test_a_boolean_ttft_and_a_trace_id_that_is_not_hex_are_not_taken():
+def test_a_boolean_ttft_and_a_trace_id_that_is_not_hex_are_not_taken(caplog):
     """``time_to_first_token: true`` once became a TTFT of 1.0 s, and a trace id "ZZ..." went
     into the API and exemplars. Now the first is no TTFT (the span of an unknown request
     without one makes no request, and is counted invalid since one was sent); for the second
-    the record has no trace id (an all-zero id, OTLP's invalid one, neither)."""
+    the record has no trace id (an all-zero id, OTLP's invalid one, neither), and both are
+    counted, the first logged."""
     agent = _agent()
     pipeline = agent.pipeline
     pipeline.ingest("vllm", [ev.RequestFinished(ts=1.0, request_id=rid, ttft=0.5,
@@ -878,6 +879,11 @@ def test_a_boolean_ttft_and_a_trace_id_that_is_not_hex_are_not_taken():
     assert pipeline.snapshot().events_dropped == {("otlp", "invalid"): 1}
     assert pipeline.requests.get("z-0", "vllm").trace_id != "z" * 32
     assert pipeline.requests.get("zero-0", "vllm").trace_id != "0" * 32
+    assert agent.otlp_receiver.untraced == 2
+    assert [r.message for r in caplog.records].count(
+        "kvscope OTLP receiver: the span of request 'z-0' has trace id 'zz"
+        + "z" * 30 + "', not a W3C one (32 lowercase hex digits, not all 0): its request is "
+        "kept without a trace; logged once") == 1
 
 
 def _varint(n: int) -> bytes:

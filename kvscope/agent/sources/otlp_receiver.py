@@ -22,7 +22,9 @@ no TTFT (an aborted request). A span whose values
 an emitter's batch could not carry (a TTFT that is no number of seconds, a time past 2100, a
 count past 2**53: :func:`kvscope.events.validate`; a start or end time of 0, which OTLP reads
 as unset) is counted in
-``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. Every span received counts
+``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. A span whose trace id is
+not a W3C one is used without it (its request counts; the first such span is logged). Every
+span received counts
 in ``kvscope_events_received_total{source="otlp"}``, so an operator sees whether spans arrive.
 vLLM sends spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so from the
 first span on, the tap's records wait ``wait`` seconds for theirs before they count in the
@@ -304,7 +306,8 @@ class OtlpReceiver:
     """Joins request spans with the pipeline's request records; ``source``: the engine source
     name the tap uses (``vllm``); ``wait``: seconds that source's finished records wait for
     their span before the pipeline's subscribers get them. ``received``/``ignored``/``joined``:
-    span counters; ``last_ttft``: when a span last brought a request's TTFT (monotonic
+    span counters; ``untraced``: spans used without their trace id, which was not a valid W3C
+    one (the first logged); ``last_ttft``: when a span last brought a request's TTFT (monotonic
     seconds, -inf before any)."""
 
     def __init__(self, pipeline: Consumer, source: str = "vllm", wait: float = 6.0) -> None:
@@ -314,6 +317,7 @@ class OtlpReceiver:
         self.received = 0
         self.ignored = 0
         self.joined = 0
+        self.untraced = 0
         self.last_ttft = -math.inf
         self._warned = False
         self._refusals_logged: set[str] = set()
@@ -351,6 +355,14 @@ class OtlpReceiver:
                         "kvscope_events_dropped_total{source=\"otlp\"}, logged once",
                         request_id[:64], why)
 
+    def _untraced(self, request_id: str, trace_id: str) -> None:
+        """Count a span whose trace id is not a W3C one; log the first."""
+        self.untraced += 1
+        if self.untraced == 1:
+            log.warning("kvscope OTLP receiver: the span of request %r has trace id %r, not a "
+                        "W3C one (32 lowercase hex digits, not all 0): its request is kept "
+                        "without a trace; logged once", request_id[:64], trace_id[:64])
+
     def handle(self, spans: list[Span]) -> None:
         self.pipeline.add_received(NAME, len(spans))
         for span in spans:
@@ -367,7 +379,10 @@ class OtlpReceiver:
                 self._invalid(request_id, "its start or end time is unset (0)")
                 continue
             a = span.attributes
-            trace_id = span.trace_id if ev.w3c_trace_id(span.trace_id) else ""
+            trace_id = span.trace_id
+            if not ev.w3c_trace_id(trace_id):  # the request counts; no link to a bad trace
+                self._untraced(request_id, trace_id)
+                trace_id = ""
             ttft = _float(a, TTFT)
             prompt = _count(a, "gen_ai.usage.prompt_tokens")
             output = _count(a, "gen_ai.usage.completion_tokens")
