@@ -191,7 +191,8 @@ HOST_MEMORY_AVAILABLE_BYTES = _gauge("kvscope_host_memory_available_bytes",
     "Host memory available to new allocations without swapping (psutil), capped by the cgroup's"
     " remaining limit when that is tighter.", [], "bytes")
 HOST_MEMORY_LIMIT_BYTES = _gauge("kvscope_host_memory_limit_bytes",
-    "The tighter of host physical memory and the cgroup v2 memory.max.", [], "bytes")
+    "The tighter of host physical memory and the cgroup's memory limit (v2 memory.max, v1 "
+    "memory.limit_in_bytes).", [], "bytes")
 HOST_SWAP_USED_BYTES = _gauge("kvscope_host_swap_used_bytes",
     "Swap in use (psutil).", [], "bytes")
 HOST_SWAP_IN_BYTES = _counter("kvscope_host_swap_in_bytes_total",

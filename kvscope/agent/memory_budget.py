@@ -47,7 +47,7 @@ def offload_budgets(configured: Mapping[str, int],
 
 def host_parts(reading: HostReading, kv_offload: int | None) -> dict[str, int]:
     """dict[part, bytes] of the host's memory limit (``reading.limit``: physical memory or the
-    cgroup's ``memory.max``), parts of :data:`~kvscope.vocabulary.HOST_MEMORY_PARTS`:
+    cgroup's memory limit), parts of :data:`~kvscope.vocabulary.HOST_MEMORY_PARTS`:
 
     - ``kv_offload``: the host KV tier's budget (``kv_offload``; absent when None);
     - ``engine_other``: the engine's memory (``reading.engine``) beyond that budget, at least 0;

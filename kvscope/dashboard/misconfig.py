@@ -144,7 +144,7 @@ def weight_offload(window: Sequence[Sample]) -> Finding:
 
 def budget_over_limit(window: Sequence[Sample], s: Settings) -> Finding:
     """The host-RAM tiers' budget (bytes) plus the reserve against the memory limit (bytes,
-    ``host_memory_limit_bytes``: RAM or cgroup memory.max), newest values."""
+    ``host_memory_limit_bytes``: RAM or the cgroup limit), newest values."""
     key = "budget-over-limit"
     limit = _newest(window, "host_memory_limit_bytes")
     reserve = _newest(window, "host_memory_reserve_bytes")

@@ -203,7 +203,7 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "The host-RAM offload budget plus the reserve exceeds the host's memory limit.",
             f"At {{{{ $labels.instance }}}} the {'/'.join(cfg.host_memory_tiers)} offload "
             "budget plus the reserve exceed the memory limit (physical RAM or the cgroup's "
-            "memory.max, the tighter) by {{ $value | humanize1024 }}B: once the tier fills, the "
+            "memory limit, the tighter) by {{ $value | humanize1024 }}B: once the tier fills, the "
             "kernel swaps or the OOM killer picks a process. Shrink the budget (vLLM "
             "--kv-offloading-size / cpu_bytes_to_use) by at least that much, or raise the limit.",
             (host_budget, *host.values())),

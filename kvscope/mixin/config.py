@@ -86,7 +86,7 @@ class MixinConfig:
     headroom_warning_ratio: float = 0.05
     headroom_for: str = "10m"
     # KvscopeOffloadBudgetOverLimit: the host-RAM offload budgets (tiers in
-    # host_memory_tiers) plus the reserve exceed the memory limit (RAM or cgroup memory.max).
+    # host_memory_tiers) plus the reserve exceed the memory limit (RAM or the cgroup limit).
     host_memory_tiers: tuple[str, ...] = ("cpu",)
     budget_over_limit_for: str = "5m"
     # KvscopeSwapInWhileOffloading: bytes/s read back in from swap (host-wide) above this while

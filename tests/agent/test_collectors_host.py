@@ -1,15 +1,21 @@
-"""Host collector: cgroup v2 limits read from real files, headroom arithmetic, the registry.
+"""Host collector: cgroup v2 and v1 limits read from real files, headroom arithmetic, the
+registry.
 
 The cgroup trees are real directories and files under tmp_path laid out as the kernel lays out
-``/sys/fs/cgroup`` (cgroup.controllers at the root, memory.max / memory.current per level).
-psutil is injected only so that totals and availability are fixed numbers; one test reads this
-machine's real psutil and real cgroup.
+``/sys/fs/cgroup`` (v2: cgroup.controllers at the root, memory.max / memory.current per level;
+v1: the memory controller at ``memory/``, memory.limit_in_bytes / memory.usage_in_bytes).
+psutil is injected only so that totals and availability are fixed numbers. One test reads this
+machine's real psutil and real cgroup; another creates a real cgroup with a memory limit
+(where this machine lets root do so) and reads it from a process inside it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,10 +23,11 @@ import pytest
 
 from kvscope.agent.collectors import CollectorSet, UnknownCollectorError, resolve_enabled
 from kvscope.agent.collectors.host import (CgroupParseError, HostCollector, HostReading,
-                                           parse_inactive_file, parse_memory_max,
-                                           parse_proc_cgroup,
+                                           parse_inactive_file, parse_limit_in_bytes,
+                                           parse_memory_max, parse_proc_cgroup,
                                            read_cgroup_memory)
 from kvscope.agent.collectors.metrics import collector_samples
+from tests.cgroups import limited_cgroup, move
 
 GiB = 2**30
 MiB = 2**20
@@ -66,6 +73,10 @@ def test_parse_proc_cgroup():
     hybrid = "4:memory:/process_api/5bc8\n1:cpu:/\n0::/\n"  # v1 controllers plus an empty v2
     assert parse_proc_cgroup(hybrid) == "/"
     assert parse_proc_cgroup("4:memory:/docker/abc\n1:cpu,cpuacct:/docker/abc\n") is None
+    # v1: the hierarchy the controller is in, alone or mounted with others
+    assert parse_proc_cgroup("4:memory:/docker/abc\n0::/\n", "memory") == "/docker/abc"
+    assert parse_proc_cgroup("3:cpu,memory:/x\n", "memory") == "/x"
+    assert parse_proc_cgroup("0::/x\n1:cpu:/y\n", "memory") is None
 
 
 def test_parse_memory_max():
@@ -126,7 +137,8 @@ def test_a_reserve_at_or_over_the_limit_is_logged_once(tmp_path, caplog):
             collector.collect()
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == told, lines
-        assert all("reserve_bytes" in line and "memory.max" in line for line in lines), lines
+        assert all("reserve_bytes" in line and "cgroup's memory limit" in line
+                   for line in lines), lines
 
 
 def test_reclaimable_page_cache_is_headroom(tmp_path):
@@ -169,13 +181,76 @@ def test_cgroup_namespace_root_is_the_own_cgroup(tmp_path):
     assert (r.available, r.limit) == (GiB, 2 * GiB)
 
 
-def test_v1_or_hybrid_hierarchy_is_not_read(tmp_path):
-    """Without cgroup.controllers at the root (cgroup v1 or a hybrid tmpfs) nothing is read,
-    even where a memory.max file exists."""
+def test_a_v1_memory_hierarchy_is_read(tmp_path):
+    """A hybrid host (this project's machine): v1 controllers, the memory one at
+    /sys/fs/cgroup/memory, an empty v2 tree at unified/. The process is in /docker/abc
+    (limit 2 GiB, usage 1.5 GiB of which 512 MiB total_inactive_file: working set 1 GiB, 1 GiB
+    left); /docker has 8 GiB, usage 7.5 GiB (0.5 GiB left); the root's limit is v1's "none"
+    (LONG_MAX rounded down to a 4 KiB page). limit = min(64, 2, 8) = 2 GiB; available =
+    min(40, 1, 0.5) = 0.5 GiB. Without a memory controller mounted nothing is read, even where
+    a memory.max file exists."""
     root = tmp_path / "cgroup"
-    _tree(root, "/", {".": (str(GiB), 0)})
-    (root / "cgroup.controllers").unlink()
-    assert read_cgroup_memory(root, tmp_path / "proc_self_cgroup") is None
+    (root / "unified").mkdir(parents=True)
+    levels = {".": (9223372036854771712, 3 * GiB, ""),
+              "docker": (8 * GiB, 7 * GiB + 512 * MiB, ""),
+              "docker/abc": (2 * GiB, 1536 * MiB,
+                             f"inactive_file 0\ntotal_inactive_file {512 * MiB}\n")}
+    for rel, (limit, usage, stat) in levels.items():
+        d = root / "memory" / rel
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (d / "memory.usage_in_bytes").write_text(f"{usage}\n")
+        (d / "memory.stat").write_text(stat)
+    proc = tmp_path / "proc_self_cgroup"
+    proc.write_text("4:memory:/docker/abc\n1:name=systemd:/\n0::/\n")
+    r = HostCollector(_vm(64 * GiB, 40 * GiB), swap_memory=_swap(), reserve_bytes=GiB,
+                      cgroup_root=root, proc_cgroup=proc).collect()
+    assert (r.limit, r.available, r.headroom) == (2 * GiB, 512 * MiB, 512 * MiB - GiB)
+    assert [lv.working_set for lv in r.cgroup.levels] == [GiB, 7 * GiB + 512 * MiB]
+    bare = tmp_path / "bare"
+    _tree(bare, "/", {".": (str(GiB), 0)})
+    (bare / "cgroup.controllers").unlink()
+    assert read_cgroup_memory(bare, tmp_path / "proc_self_cgroup") is None
+
+
+def test_v1_reads_no_limit_at_the_page_counters_maximum():
+    """v1 says "no limit" as LONG_MAX rounded down to a page: 9223372036854771712 with 4 KiB
+    pages, 9223372036854710272 with 64 KiB; a byte below the latter is a limit."""
+    assert parse_limit_in_bytes("9223372036854771712\n") is None
+    assert parse_limit_in_bytes("9223372036854710272\n") is None
+    assert parse_limit_in_bytes("9223372036854710271\n") == 9223372036854710271
+    assert parse_limit_in_bytes("268435456\n") == 256 * MiB
+    with pytest.raises(CgroupParseError, match="limit_in_bytes"):
+        parse_limit_in_bytes("-1x\n")
+
+
+_READ_INSIDE = """
+import json, sys
+from kvscope.agent.collectors.host import HostCollector
+sys.stdin.readline()  # moved into the cgroup meanwhile
+r = HostCollector(reserve_bytes=0).collect()
+print(json.dumps({"limit": r.limit, "available": r.available,
+                  "levels": [[lv.path, lv.max] for lv in r.cgroup.levels] if r.cgroup else []}))
+"""
+
+
+def test_a_real_cgroup_with_a_memory_limit_is_read_from_inside_it():
+    """A cgroup made here, below this process's own, limited to 1 GiB (v1 or v2, as the
+    machine mounts them), and a process moved into it before it reads: its limit is 1 GiB
+    (the machine has more), named as the cgroup made, and what is available is at most
+    1 GiB."""
+    with limited_cgroup(GiB, "host") as made:
+        child = subprocess.Popen([sys.executable, "-c", _READ_INSIDE], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            move(made, child.pid)
+        finally:
+            out, _ = child.communicate("go\n", timeout=120)
+    assert child.returncode == 0
+    reading = json.loads(out)
+    assert reading["limit"] == GiB
+    assert [str(made), GiB] in reading["levels"]
+    assert 0 < reading["available"] <= GiB
 
 
 def test_this_machines_cgroup_reads_without_error():

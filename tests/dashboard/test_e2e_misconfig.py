@@ -5,9 +5,9 @@ runs: one with planted misconfigurations, one healthy near miss (issue 25, item 
   (``--cpu-blocks 64``) over a real filesystem tier (``--disk-blocks 256``: the reference
   engine's chunk files in a temporary directory), so both keep storing blocks nobody reuses
   and serve no prompt token, and a reserve of 1 PiB (``KVSCOPE_COLLECTORS__HOST__RESERVE_BYTES``: no host
-  has that much RAM) so that the cpu budget plus the reserve exceed the memory limit. This
-  machine's cgroups are v1 (no v2 ``memory.max`` to create), so the limit is physical RAM;
-  the cgroup v2 arithmetic is tested on real file trees in tests/agent/test_collectors_host.py.
+  has that much RAM) so that the cpu budget plus the reserve exceed the memory limit (here
+  physical RAM; live agents in a real cgroup with a memory limit: tests/dashboard/
+  test_misconfig.py).
 - healthy: the default workload (shared prefixes, sessions) with no reserve: the same
   detectors find the budget fitting and the cpu tier serving tokens.
 

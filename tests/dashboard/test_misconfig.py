@@ -1,10 +1,20 @@
 """Misconfiguration detectors (kvscope/dashboard/misconfig.py) on hand-built samples: each fires
 on a planted misconfiguration, stays silent on its healthy near miss, and says "not measured"
-(never "ok") where no sample carries its signal. The view renders a banner per finding."""
+(never "ok") where no sample carries its signal. The view renders a banner per finding. The
+budget over the limit also fires from live agents in a real cgroup with a memory limit."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+from conftest import free_port, wait_until
 from dash import html
+
+from kvscope.dashboard.backend import AgentBackend, BackendUnavailable
+from tests.cgroups import limited_cgroup, move
 
 from kvscope.dashboard import misconfig as M
 from kvscope.dashboard import misconfig_view
@@ -74,6 +84,51 @@ def test_budget_plus_reserve_over_the_limit():
     # no host-RAM budget known (zero-code mode): it said "cpu budget 0.00 GiB ...: fits"
     unknown = M.budget_over_limit(host(None, more={"disk": 100 * GIB}), S)
     assert unknown.status == NOT_MEASURED and "[collectors.host] budgets" in unknown.wrong
+
+
+MIB = 1024 ** 2
+
+
+def test_a_budget_over_a_real_cgroups_limit_fires_from_live_agents():
+    """Two `kvscope agent` processes moved into a cgroup made here, limited to 1 GiB (this
+    machine has far more RAM), each with a 200 MiB reserve: one with a cpu budget of 900 MiB
+    (1100 MiB against 1024: 76 MiB over -> misconfigured), one of 800 MiB (1000 against 1024:
+    fits, the near miss). Each agent reads the limit from inside the cgroup; the detector
+    reads their samples as the dashboard does."""
+    agents = []
+    with limited_cgroup(GIB, "budget") as cgroup:
+        try:
+            for budget in (900, 800):
+                env = {**os.environ, "KVSCOPE_COLLECTORS__HOST__RESERVE_BYTES": str(200 * MIB),
+                       "KVSCOPE_COLLECTORS__HOST__BUDGETS": json.dumps({"cpu": budget * MIB})}
+                port = free_port()
+                agents.append((port, subprocess.Popen(
+                    [sys.executable, "-m", "kvscope", "agent", "--port", str(port), "--ingest",
+                     f"tcp://127.0.0.1:{free_port()}"], env=env, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+                move(cgroup, agents[-1][1].pid)
+            findings = []
+            for port, proc in agents:
+                backend = AgentBackend(f"http://127.0.0.1:{port}")
+                samples: list = []
+
+                def limited() -> bool:
+                    nonlocal samples
+                    try:
+                        samples = backend.fetch_samples()
+                    except BackendUnavailable:
+                        return False
+                    return bool(samples) and samples[-1].get("host_memory_limit_bytes") == GIB
+                assert wait_until(limited, timeout=60), (proc.poll(), samples[-1:])
+                findings.append(M.budget_over_limit(samples, S))
+        finally:
+            for _, proc in agents:
+                proc.terminate()
+                proc.wait(timeout=30)
+    over, fits = findings
+    assert over.status == MISCONFIGURED and "76.0 MiB over" in over.wrong, over
+    assert "against a limit of 1.00 GiB" in over.wrong
+    assert fits.status == OK and "fits" in fits.wrong, fits
 
 
 def test_swap_in_while_offloading():

@@ -1,8 +1,10 @@
-"""Host collector: host memory (psutil) bounded by the cgroup v2 memory limit, the operator's
-reserve and offload budgets, the headroom left, and the serving engine's own memory.
+"""Host collector: host memory (psutil) bounded by the cgroup memory limit (v2, or v1's memory
+controller), the operator's reserve and offload budgets, the headroom left, and the serving
+engine's own memory.
 
-Reading and parsing are split (node_exporter's ``getLoad``/``parseLoad``): ``parse_proc_cgroup``
-and ``parse_memory_max`` are pure; ``read_cgroup_memory`` reads files under an injectable root.
+Reading and parsing are split (node_exporter's ``getLoad``/``parseLoad``): ``parse_proc_cgroup``,
+``parse_memory_max`` and ``parse_limit_in_bytes`` are pure; ``read_cgroup_memory`` reads files
+under an injectable root.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
 DEFAULT_PROC_CGROUP = Path("/proc/self/cgroup")
+# cgroup v1 reads "no limit" as the page counter's maximum in bytes, LONG_MAX rounded down to a
+# page (mm/page_counter.h: 9223372036854771712 with 4 KiB pages); at or above this, whatever
+# the page size up to 64 KiB, is none
+V1_UNLIMITED = (2**63 - 1) // 65536 * 65536
 
 
 class CgroupParseError(CollectorError):
@@ -28,10 +34,11 @@ class CgroupParseError(CollectorError):
 
 @dataclass(frozen=True)
 class CgroupLevel:
-    """One cgroup v2 directory with a memory limit. ``path``: the directory. ``max``: its
-    ``memory.max``, bytes. ``current``: its ``memory.current``, bytes (page cache included).
-    ``inactive_file``: the ``inactive_file`` bytes of its ``memory.stat``, page cache the kernel
-    reclaims before it runs out (0 when unknown)."""
+    """One cgroup directory with a memory limit. ``path``: the directory. ``max``: its
+    ``memory.max`` (v1: ``memory.limit_in_bytes``), bytes. ``current``: its ``memory.current``
+    (v1: ``memory.usage_in_bytes``), bytes, page cache included. ``inactive_file``: the
+    ``inactive_file`` (v1: ``total_inactive_file``) bytes of its ``memory.stat``, page cache
+    the kernel reclaims before it runs out (0 when unknown)."""
 
     path: str
     max: int
@@ -48,7 +55,7 @@ class CgroupLevel:
 
 @dataclass(frozen=True)
 class CgroupMemory:
-    """The limited cgroup v2 levels over this process, own cgroup first, then its ancestors."""
+    """The limited cgroup levels over this process, own cgroup first, then its ancestors."""
 
     levels: tuple[CgroupLevel, ...]
 
@@ -69,7 +76,7 @@ class HostReading:
     """Host memory at one moment; every value in bytes.
 
     ``total``: physical memory (psutil ``virtual_memory().total``).
-    ``available``: ``min(psutil available, cgroup memory.max - working set)`` when a cgroup v2
+    ``available``: ``min(psutil available, cgroup memory.max - working set)`` when a cgroup
     limit applies (see :class:`CgroupLevel`), else psutil's ``available`` (memory new
     allocations get without swapping).
     ``limit``: ``min(total, cgroup memory.max)``. ``swap_used``: psutil ``swap_memory().used``.
@@ -78,7 +85,7 @@ class HostReading:
     ``reserve``: what must stay free for the OS and other services (config).
     ``budgets``: dict[tier, bytes] reserved per offload tier (config, e.g. vLLM cpu_bytes_to_use).
     ``headroom``: ``available - reserve``; negative when the reserve is being eaten into.
-    ``cgroup``: the limited cgroup v2 levels, or None when no v2 memory limit applies.
+    ``cgroup``: the limited cgroup levels, or None when no cgroup memory limit applies.
     ``engine``: the engine process's memory with its descendants' (:func:`engine_memory`), or
     None when no engine process is configured or it cannot be read.
     """
@@ -97,13 +104,16 @@ class HostReading:
 
 
 
-def parse_proc_cgroup(text: str) -> str | None:
-    """The cgroup v2 path from ``/proc/<pid>/cgroup`` text (the ``0::<path>`` line), or None on
-    a v1-only system. Example: ``"0::/system.slice/x.service\\n"`` -> ``"/system.slice/x.service"``."""
+def parse_proc_cgroup(text: str, controller: str = "") -> str | None:
+    """The cgroup path from ``/proc/<pid>/cgroup`` text: cgroup v2's (the ``0::<path>`` line),
+    or given a v1 ``controller``, the path of the hierarchy it is in; None when there is none.
+    Examples: ``"0::/system.slice/x.service\\n"`` -> ``"/system.slice/x.service"``;
+    ``"4:memory:/docker/abc\\n"`` with ``controller="memory"`` -> ``"/docker/abc"``."""
     for line in text.splitlines():
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":
+        if (controller in controllers.split(",") if controller
+                else hierarchy == "0" and controllers == ""):
             return path or "/"
     return None
 
@@ -118,13 +128,21 @@ def parse_memory_max(text: str) -> int | None:
     return _parse_bytes(value, "memory.max")
 
 
-def parse_inactive_file(text: str) -> int:
-    """The ``inactive_file`` bytes of ``memory.stat`` content (``key value`` lines), 0 when
-    it has no such line. Raises CgroupParseError when its value is no number of bytes."""
+def parse_limit_in_bytes(text: str) -> int | None:
+    """cgroup v1 ``memory.limit_in_bytes`` content -> bytes, or None for no limit (at or above
+    :data:`V1_UNLIMITED`). Raises CgroupParseError on anything but a number of bytes."""
+    value = _parse_bytes(text, "memory.limit_in_bytes")
+    return None if value >= V1_UNLIMITED else value
+
+
+def parse_inactive_file(text: str, key: str = "inactive_file") -> int:
+    """The ``key`` bytes of ``memory.stat`` content (``key value`` lines; v1's hierarchical
+    count is ``total_inactive_file``), 0 when it has no such line. Raises CgroupParseError
+    when its value is no number of bytes."""
     for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "inactive_file":
-            return _parse_bytes(value, "memory.stat inactive_file")
+        name, _, value = line.partition(" ")
+        if name == key:
+            return _parse_bytes(value, f"memory.stat {key}")
     return 0
 
 
@@ -143,37 +161,49 @@ def _read(path: Path) -> str | None:
         return None
 
 
+# a cgroup version's memory files: limit (and its parser), usage, memory.stat's inactive cache
+_V2 = ("memory.max", parse_memory_max, "memory.current", "inactive_file")
+_V1 = ("memory.limit_in_bytes", parse_limit_in_bytes, "memory.usage_in_bytes",
+       "total_inactive_file")
+
+
 def read_cgroup_memory(root: Path = DEFAULT_CGROUP_ROOT,
                        proc_cgroup: Path = DEFAULT_PROC_CGROUP) -> CgroupMemory | None:
-    """The tightest cgroup v2 memory limit over this process's cgroup and its ancestors.
+    """The tightest cgroup memory limit over this process's cgroup and its ancestors.
 
-    ``root``: where the cgroup v2 hierarchy is mounted; it counts as v2 only when it holds
-    ``cgroup.controllers`` (on a v1 or hybrid host nothing is read and None is returned).
-    ``proc_cgroup``: ``/proc/self/cgroup``, naming this process's cgroup below ``root``; when that
-    directory is not visible (a container with its own cgroup namespace or mount), ``root``
-    itself is the process's cgroup. Levels whose ``memory.max`` is ``max`` or absent (the root
-    cgroup has none) impose nothing; each limited level is read with its ``memory.current``
-    and ``memory.stat``. Raises CgroupParseError on malformed files and
-    OSError when a file exists but cannot be read.
+    ``root``: where the cgroups are mounted. It is cgroup v2 when it holds
+    ``cgroup.controllers``; otherwise (v1, or hybrid: v1 controllers beside an empty v2 tree)
+    v1's memory controller is read at ``root/memory``, if mounted there. ``proc_cgroup``:
+    ``/proc/self/cgroup``, naming this process's cgroup (v2's, or v1 memory's) below the mount;
+    when that directory is not visible (a container with its own cgroup namespace or mount),
+    the mount itself is the process's cgroup. Levels whose limit is none (v2 ``max``, v1
+    :data:`V1_UNLIMITED`) or absent (v2's root cgroup has none) impose nothing; each limited
+    level is read with its usage and ``memory.stat``. Raises CgroupParseError on malformed
+    files and OSError when a file exists but cannot be read.
     """
-    if not (root / "cgroup.controllers").is_file():
+    if (root / "cgroup.controllers").is_file():
+        files, controller = _V2, ""
+    elif (root / "memory" / "memory.limit_in_bytes").is_file():
+        files, controller, root = _V1, "memory", root / "memory"
+    else:
         return None
+    limit_file, parse_limit, usage_file, inactive_key = files
     text = _read(proc_cgroup)
-    rel = parse_proc_cgroup(text) if text is not None else None
+    rel = parse_proc_cgroup(text, controller) if text is not None else None
     own = root / rel.lstrip("/") if rel else root
     if not own.is_dir():
         own = root
     levels: list[CgroupLevel] = []
     level = own
     while True:
-        max_text = _read(level / "memory.max")
-        limit = parse_memory_max(max_text) if max_text is not None else None
-        current_text = _read(level / "memory.current") if limit is not None else None
+        max_text = _read(level / limit_file)
+        limit = parse_limit(max_text) if max_text is not None else None
+        current_text = _read(level / usage_file) if limit is not None else None
         if limit is not None and current_text is not None:
             stat_text = _read(level / "memory.stat")
-            levels.append(CgroupLevel(str(level), limit,
-                                      _parse_bytes(current_text, "memory.current"),
-                                      parse_inactive_file(stat_text) if stat_text else 0))
+            levels.append(CgroupLevel(str(level), limit, _parse_bytes(current_text, usage_file),
+                                      parse_inactive_file(stat_text, inactive_key)
+                                      if stat_text else 0))
         if level == root or root not in level.parents:
             return CgroupMemory(tuple(levels)) if levels else None
         level = level.parent
@@ -259,8 +289,8 @@ class HostCollector:
             log.warning("host collector: [collectors.host] reserve_bytes (%d) is at or above "
                         "the memory limit (%d bytes, %s): the headroom can never be positive; "
                         "set a reserve below the limit (logged once)", self._reserve,
-                        reading.limit, "the cgroup's memory.max" if reading.limit < reading.total
-                        else "physical RAM")
+                        reading.limit, "the cgroup's memory limit"
+                        if reading.limit < reading.total else "physical RAM")
         if self._engine_pid is None:
             return reading
         return replace(reading, engine=engine_memory(self._engine_pid))
