@@ -26,7 +26,7 @@ Pure: samples (the shape of :mod:`kvscope.samples`) in, findings out; no I/O, no
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvscope.dashboard.series import (Sample, bucket_increase, bytes_text, is_number,
@@ -35,6 +35,7 @@ from kvscope.dashboard.series import (Sample, bucket_increase, bytes_text, is_nu
 from kvscope.dashboard.topology_view import Topology
 from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
 from kvscope.mixin.config import MixinConfig
+from kvscope.samples import KEY_SEPARATOR
 from kvscope.vocabulary import TIERS
 
 MISCONFIGURED = "misconfigured"
@@ -109,7 +110,7 @@ def detect(window: Sequence[Sample], settings: Settings = Settings(),
     s = settings
     return (weight_offload(window), budget_over_limit(window, s), swap_in(window, s),
             tier_negligible(window, s), promotion_slower(window, s),
-            stored_for_nothing(window, s), numa_remote(topology, s))
+            stored_for_nothing(window, s), numa_remote(topology, s, engine_gpus(window)))
 
 
 def kv_offload_on(window: Sequence[Sample], tiers: Sequence[str] = OFFLOAD_TIERS) -> bool:
@@ -283,12 +284,28 @@ def stored_for_nothing(window: Sequence[Sample], s: Settings) -> Finding:
     return _finding(key, OK, lines)
 
 
-def numa_remote(topology: Sequence[Topology] | None, s: Settings) -> Finding:
+def engine_gpus(window: Sequence[Sample]) -> set[tuple[str, str]]:
+    """(instance, GPU) pairs holding the engine's KV cache in the newest sample
+    (``gpu_memory_part_bytes`` ``kv_cache`` > 0, which a tap reports: its workers' KV cache
+    tensors); instance "" for the one agent. Empty where no tap reports it (zero-code mode)."""
+    parts = mapping(window[-1], "gpu_memory_part_bytes") if window else {}
+    out = set()
+    for key, value in parts.items():
+        *instance, gpu, part = str(key).split(KEY_SEPARATOR)
+        if part == "kv_cache" and _positive(value):
+            out.add((KEY_SEPARATOR.join(instance), gpu))
+    return out
+
+
+def numa_remote(topology: Sequence[Topology] | None, s: Settings,
+                serving: Collection[tuple[str, str]] = ()) -> Finding:
     """Per instance, the share of the engine process's memory (``engine_bytes``: dict[node,
     bytes], from ``numa_maps``) on the NUMA nodes its GPUs are nearest to (each GPU's
     ``numa_node``: NVML or sysfs); under ``numa_local_min_share`` on any instance: the host KV
-    pool sits across the socket interconnect from its GPU. An instance without either signal
-    is not judged."""
+    pool sits across the socket interconnect from its GPU. The engine's GPUs are those
+    ``serving`` names ((instance, GPU) pairs: :func:`engine_gpus`), or every GPU of an
+    instance where it names none (on a multi-socket host with GPUs on each node that cannot
+    tell, and says so). An instance without either signal is not judged."""
     key = "numa-remote"
     if topology is None:
         return _missing(key, "the node collectors' topology", "the agent's /api/v1/node")
@@ -298,17 +315,21 @@ def numa_remote(topology: Sequence[Topology] | None, s: Settings) -> Finding:
                         "engine process a tap names or [collectors.numa] engine_pid")
     judged = []
     for t in engines:
-        nodes = {g.numa_node for g in t.gpus if g.numa_node is not None}
+        own = [g for g in t.gpus if (t.instance, g.gpu) in serving]
+        nodes = {g.numa_node for g in own or t.gpus if g.numa_node is not None}
         total = sum(t.engine_bytes.values())
         if nodes and total > 0:
             local = sum(v for k, v in t.engine_bytes.items() if k in nodes) / total
-            judged.append((t.instance, nodes, total, local))
+            whose = "the engine's GPUs'" if own else "the GPUs'"
+            if not own and len(nodes) > 1:
+                whose = "the GPUs' (which serve the engine is not reported: no tap)"
+            judged.append((t.instance, nodes, total, local, whose))
     if not judged:
         return _missing(key, "a GPU's NUMA node", "NVML or sysfs naming the GPUs' nodes")
     facts = "; ".join(f"{where + ': ' if where else ''}{local:.0%} of the engine's "
-                      f"{bytes_text(total)} on the GPUs' NUMA node {', '.join(sorted(nodes))}"
-                      for where, nodes, total, local in judged)
-    remote = [nodes for _w, nodes, _t, local in judged if local < s.numa_local_min_share]
+                      f"{bytes_text(total)} on {whose} NUMA node {', '.join(sorted(nodes))}"
+                      for where, nodes, total, local, whose in judged)
+    remote = [nodes for _w, nodes, _t, local, _o in judged if local < s.numa_local_min_share]
     if remote:
         node = min(remote[0])
         return _finding(key, MISCONFIGURED, f"{facts}: offloads and promotions cross the socket "

@@ -115,9 +115,13 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
     saved = (f'sum by ({by}, tier) (label_replace(rate(kvscope_prefill_seconds_saved_total'
              f'{sel(cfg, tier_matcher(cfg.tiers[1:], "source"))}[{w}]), "tier", "$1", "source", '
              '"(.+)"))')
-    # the share of the engine process's memory on a NUMA node a GPU of the host sits on (0
-    # when none is); only where NVML or sysfs names the GPUs' nodes
-    gpu_nodes = "kvscope_gpu_topology_info" + sel(cfg, 'numa_node!=""')
+    # the share of the engine process's memory on a NUMA node of its GPUs (0 when none is):
+    # those holding its KV cache where a tap reports them, else every GPU of the host; only
+    # where NVML or sysfs names the GPUs' nodes
+    topology = "kvscope_gpu_topology_info" + sel(cfg, 'numa_node!=""')
+    kv_gpus = "kvscope_gpu_memory_part_bytes" + sel(cfg, 'part="kv_cache"') + " > 0"
+    gpu_nodes = (f"(\n    ({topology} and on ({by}, gpu) ({kv_gpus}))\n"
+                 f"    or ({topology} unless on ({by}) ({kv_gpus}))\n  )")
     engine_numa = f"sum by ({by}) (kvscope_process_numa_bytes{sel(cfg)})"
     numa_local = (f"(\n  sum by ({by}) (\n    kvscope_process_numa_bytes{sel(cfg)}\n"
                   f"    and on ({by}, numa_node)\n    {gpu_nodes}\n  )\n"
@@ -263,7 +267,7 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "The engine's host memory, its KV pool among it, is on another NUMA node than its "
             "GPU.",
             "Only {{ $value | humanizePercentage }} of the engine process's memory at "
-            "{{ $labels.instance }} is on the NUMA node of a GPU: offloads and promotions "
+            "{{ $labels.instance }} is on its GPUs' NUMA nodes: offloads and promotions "
             "cross the socket interconnect. Bind the engine to its GPU's node (numactl "
             "--cpunodebind=N --membind=N, N the GPU's numa_node) and restart it.",
             (numa_local + gpu_nodes_known,)),

@@ -246,6 +246,37 @@ def test_host_kv_pool_on_another_numa_node():
     assert M.numa_remote(None, S).status == NOT_MEASURED
 
 
+def test_the_engines_own_gpus_decide_on_a_host_with_gpus_on_both_nodes():
+    """Two sockets, GPU 0 on node 0 and GPU 1 on node 1, the engine's memory 30 GiB on node 0
+    and 2 GiB on node 1. Its KV cache on GPU 1 (the tap's report, as the newest sample's
+    gpu_memory_part_bytes has it): 2 / 32 = 6 % on its GPU's node, fires (any GPU's node
+    counted it 100 %, and it never fired on such a host); on GPU 0: 94 %, fine. No tap naming
+    the engine's GPUs: every GPU's node counts (100 %), and the finding says it could not
+    tell. In a fleet the key starts with the instance."""
+    topology = topologies(
+        [{"name": "kvscope_gpu_topology_info", "value": 1.0,
+          "labels": {"gpu": gpu, "numa_node": gpu, "instance": "a:9400"}} for gpu in "01"]
+        + [{"name": "kvscope_process_numa_bytes", "value": v,
+            "labels": {"numa_node": n, "instance": "a:9400"}}
+           for n, v in (("0", 30 * GIB), ("1", 2 * GIB))])
+
+    def kv_cache_on(gpu):
+        return window(2, gauges={"gpu_memory_part_bytes": {
+            f"a:9400->{gpu}->kv_cache": 40 * GIB, f"a:9400->{gpu}->weights": 16 * GIB,
+            f"a:9400->{1 - int(gpu)}->free": 80 * GIB}})
+    assert M.engine_gpus(kv_cache_on("1")) == {("a:9400", "1")}
+    f = M.numa_remote(topology, S, M.engine_gpus(kv_cache_on("1")))
+    assert f.status == MISCONFIGURED and "6% of the engine's 32.00 GiB on the engine's GPUs' " \
+        "NUMA node 1" in f.wrong, f
+    assert "--membind=1" in f.change
+    assert M.numa_remote(topology, S, M.engine_gpus(kv_cache_on("0"))).status == OK
+    unknown = M.numa_remote(topology, S, M.engine_gpus(window(2)))
+    assert unknown.status == OK and "which serve the engine is not reported" in unknown.wrong
+    # detect() takes the engine's GPUs from the window it judges
+    found = {f.key: f for f in M.detect(kv_cache_on("1"), S, topology)}
+    assert found["numa-remote"].status == MISCONFIGURED
+
+
 def test_detect_and_the_view():
     """Every detector answers once, in order; the view has a banner for each misconfiguration
     (what is wrong, what to change) and lists the rest by status, each with its id."""
