@@ -281,8 +281,9 @@ ENGINE_CACHE_CONFIG_INFO = _gauge("kvscope_engine_cache_config_info",
 ENGINE_WEIGHT_OFFLOAD_BYTES = _gauge("kvscope_engine_weight_offload_bytes",
     "Model weight bytes per GPU the engine keeps in host RAM and streams to the GPU on every "
     "forward pass: vLLM's --cpu-offload-gb x 2^30, read from the command line of the engine "
-    "process (collectors.engine_args engine_pid); 0 without the flag, absent when no engine "
-    "process is configured or it is not vLLM. Weight offload, not KV offload.", [], "bytes")
+    "process (collectors.engine_args engine_pid, else the vLLM server found on the host); 0 "
+    "without the flag, absent when there is no such process or it is not vLLM. Weight "
+    "offload, not KV offload.", [], "bytes")
 BUILD_INFO = _gauge("kvscope_build_info",
     "Always 1; the kvscope version in a label.", ["version"])
 

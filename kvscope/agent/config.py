@@ -113,7 +113,10 @@ class NumaCollectorConfig(Section):
 class EngineArgsCollectorConfig(NumaCollectorConfig):
     """``engine_pid`` (checked as the numa collector's): the serving engine's process, whose
     command line says what no metric of the engine does (vLLM's ``--cpu-offload-gb``); None:
-    ``[collectors.numa] engine_pid``."""
+    ``[collectors.numa] engine_pid``, else, with ``find_vllm``, the vLLM server running on
+    this host."""
+
+    find_vllm: bool = True
 
 
 class CollectorsConfig(Section):

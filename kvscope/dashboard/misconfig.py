@@ -131,7 +131,8 @@ def weight_offload(window: Sequence[Sample]) -> Finding:
     weights = _newest(window, "engine_weight_offload_bytes")
     if weights is None:
         return _missing(key, "engine_weight_offload_bytes",
-                        "the engine's command line, [collectors.engine_args] engine_pid")
+                        "the engine's command line: no vLLM server found on this host, or "
+                        "name it in [collectors.engine_args] engine_pid")
     if weights > 0 and not kv_offload_on(window):
         return _finding(key, MISCONFIGURED,
                         f"the engine keeps {bytes_text(weights)} of model weights per GPU in "
