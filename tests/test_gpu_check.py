@@ -48,6 +48,23 @@ def test_imports_need_only_the_carried_wheels():
     assert "PASS imports:" in proc.stdout and "nothing uncarried" in proc.stdout, proc.stdout
 
 
+def test_the_wheels_fetched_are_the_ones_the_check_allows():
+    """bench/gpu_wheels.sh's WHEELS and gpu_check.py's WHEEL_MODULES name the same
+    distributions: one added to the check alone would be missing on the device, one fetched
+    alone would be a module the import check refuses."""
+    import ast
+    import re
+
+    allowed = next(ast.literal_eval(node.value) for node in ast.parse(SCRIPT.read_text()).body
+                   if isinstance(node, ast.Assign)
+                   and getattr(node.targets[0], "id", "") == "WHEEL_MODULES")
+    script = (ROOT / "bench" / "gpu_wheels.sh").read_text()
+    line = re.search(r"^WHEELS=\((.*)\)$", script, re.M)
+    assert line, "no WHEELS=(...) line in bench/gpu_wheels.sh"
+    fetched = {pin.partition("==")[0] for pin in line.group(1).split()}
+    assert fetched == set(allowed.values())
+
+
 def test_tap_worker_path_on_cpu_with_kvscopes_worker_observer():
     """Without vLLM (as on the GPU machine) the check runs kvscope's own WorkerObserver, the
     mapping TapWorker delegates to, and nothing is skipped."""
