@@ -57,6 +57,7 @@ import pytest
 
 from conftest import REPO_ROOT, artifacts_dir, free_ports, http_status, needs_prometheus, running_prometheus
 from tests.engine_servers import Exposition, lmcache_python, lmcache_server
+from tests.vllm_env import unavailable
 from tests.trtllm_server import DATA as TRTLLM_DATA, serving_trtllm
 from kvscope.mixin import MixinConfig
 from kvscope.mixin.dashboards import dashboards
@@ -514,7 +515,7 @@ def test_the_overview_and_tiers_boards_show_each_engine(fleet: Fleet, name: str)
     recording holds (see :func:`engines`; by hand from the recorded files: e.g. KVBM's seven
     block counters are all above 0, so seven directions)."""
     if name not in fleet.engines:
-        pytest.skip("no LMCache environment: bash scripts/vllm_env.sh --lmcache")
+        unavailable("no LMCache environment: bash scripts/vllm_env.sh --lmcache")
     engine, prom = fleet.engines[name], fleet.prom
     queries = board_queries()
     assert set(engine.no_data) <= set(queries), set(engine.no_data) - set(queries)

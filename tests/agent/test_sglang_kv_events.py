@@ -44,7 +44,7 @@ from kvscope.service.agent import Agent
 from conftest import wait_until
 from tests.agent.test_sglang_metrics import FIRST, SECOND, exposition
 from tests.engine_servers import exposition_server
-from tests.vllm_env import kill_group
+from tests.vllm_env import kill_group, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests" / "sglang_driver.py"
@@ -55,11 +55,11 @@ BLOCK_BYTES = 100
 
 
 def sglang_python() -> str:
-    """The python of SGLang's cached environment, or skip the calling test saying how to get
-    it."""
+    """The python of SGLang's cached environment, or :func:`~vllm_env.unavailable` saying
+    how to get it."""
     python = SGLANG_ENV / "bin" / "python"
     if not python.is_file() or not (SGLANG_ENV / ".ready").is_file():
-        pytest.skip(f"no SGLang environment at {SGLANG_ENV}: run `bash scripts/vllm_env.sh "
+        unavailable(f"no SGLang environment at {SGLANG_ENV}: run `bash scripts/vllm_env.sh "
                     "--sglang`")
     return str(python)
 

@@ -18,20 +18,13 @@ import httpx
 import pytest
 
 from conftest import REPO_ROOT, free_ports, wait_until
+from vllm_env import guidellm_path
 
-from kvscope.rollout import loadgen
 
 ROOT = REPO_ROOT
 FAST = ["--requests", "12", "--warmup-requests", "0", "--max-prompt-tokens", "64",
         "--max-output-tokens", "8", "--block-tokens", "8", "--resamples", "400",
         "--request-timeout", "10"]
-
-
-def _guidellm() -> str:
-    try:
-        return loadgen.find()
-    except loadgen.LoadgenError as exc:
-        pytest.skip(str(exc))
 
 
 def _mock(guidellm: str, port: int, ttft_ms: float) -> str:
@@ -63,7 +56,7 @@ def test_a_planted_ttft_regression_is_rolled_back(tmp_path):
     budget and above the A/A floor -> roll back (at 80 ms, a loaded machine's noise in the
     baseline's A/A pair once left a 77 ms difference inconclusive: the plant must stand clear
     of it). Hit quality is not measured (no /metrics)."""
-    guidellm = _guidellm()
+    guidellm = guidellm_path()
     base, cand = free_ports(2)
     done = _rollout("--arm", f"base=http://127.0.0.1:{base}",
                     "--arm", f"slow=http://127.0.0.1:{cand}",
@@ -87,7 +80,7 @@ def test_a_planted_ttft_regression_is_rolled_back(tmp_path):
 def test_a_server_that_dies_mid_run_stops_the_session_and_keeps_the_finished_runs(tmp_path):
     """The candidate's mock server is killed once the first run finished: one error line
     naming the arm, exit code 2, and rollout.json/html with the run(s) that finished."""
-    guidellm = _guidellm()
+    guidellm = guidellm_path()
     base, cand = free_ports(2)
     report = tmp_path / "r" / "rollout.json"
     pidfile = tmp_path / "slow.pid"
@@ -120,7 +113,7 @@ def test_sigterm_stops_the_servers_and_the_load_generator_and_keeps_the_finished
     died, holding their ports), and rollout.json/html with the finished runs, marked
     interrupted."""
     psutil = pytest.importorskip("psutil")
-    guidellm = _guidellm()
+    guidellm = guidellm_path()
     ports = free_ports(2)
     out = tmp_path / "r"
     pids = [tmp_path / f"{name}.pid" for name in ("base", "cand")]
@@ -163,7 +156,7 @@ def test_a_server_already_on_a_started_arms_port_is_refused_not_measured(tmp_pat
     will serve: before, the rollout measured that server (a stopped rollout's leftover) and
     its own failed to bind, unnoticed. Now: exit code 2 naming the arm and the port, before
     any command starts."""
-    guidellm = _guidellm()
+    guidellm = guidellm_path()
     port, other = free_ports(2)
     squatter = subprocess.Popen(_mock(guidellm, port, 5), shell=True, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -185,7 +178,7 @@ def test_a_server_already_on_a_started_arms_port_is_refused_not_measured(tmp_pat
 def test_an_agent_that_cannot_be_read_is_said_before_any_run(tmp_path):
     """--agent names a port nothing listens on: the rollout stops once the servers are up,
     before warm-ups and runs (it read the agent first after run 1), exit code 2 naming it."""
-    guidellm = _guidellm()
+    guidellm = guidellm_path()
     base, cand, agent = free_ports(3)
     proc = _rollout("--arm", f"base=http://127.0.0.1:{base}",
                     "--arm", f"cand=http://127.0.0.1:{cand}",

@@ -26,7 +26,7 @@ import pytest
 import uvicorn
 
 from conftest import REPO_ROOT, free_ports, wait_until
-from vllm_env import child_env, kill_group, tail, vllm_python
+from vllm_env import child_env, guidellm_path, kill_group, tail, vllm_python
 
 from kvscope.engine.workload import read_mooncake
 from kvscope.rollout import loadgen, tiny_model
@@ -37,13 +37,6 @@ ROOT = REPO_ROOT
 BLOCK_BYTES = 2 * 2 * 32 * 2 * 32 * 4  # K and V, 2 layers, 32 tokens, 2 heads of 32 dims, fp32
 SMALL = ["--block-tokens", "16", "--max-prompt-tokens", "448", "--max-output-tokens", "32",
          "--requests", "24", "--resamples", "500"]
-
-
-def _guidellm() -> str:
-    try:
-        return loadgen.find()
-    except loadgen.LoadgenError as exc:
-        pytest.skip(str(exc))
 
 
 def _serve(python: str, model: Path, port: int, kv_transfer: dict | None = None,
@@ -77,7 +70,7 @@ def setting(tmp_path_factory):
     from kvscope.service.agent import Agent
     from kvscope.service.api import create_app
 
-    python, guidellm = vllm_python(), _guidellm()
+    python, guidellm = vllm_python(), guidellm_path()
     tmp = tmp_path_factory.mktemp("rollout")
     model = tiny_model.write(tmp / "tiny-llama")
     agent_port, = free_ports(1)
