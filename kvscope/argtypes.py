@@ -35,11 +35,17 @@ def positive(kind=float, at_most: float | None = None):
     return _number(kind, lambda v: 0 < v <= at_most, f"must be > 0 and at most {at_most:,}")
 
 
-def non_negative(kind=int):
-    """A parser of ``kind`` values >= 0 (e.g. a tier size where 0 disables the tier)."""
-    return _number(kind, lambda v: v >= 0, "must be >= 0")
+def non_negative(kind=int, at_most: float | None = None):
+    """A parser of ``kind`` values >= 0 (e.g. a tier size where 0 disables the tier), and at
+    most ``at_most`` when given."""
+    if at_most is None:
+        return _number(kind, lambda v: v >= 0, "must be >= 0")
+    return _number(kind, lambda v: 0 <= v <= at_most, f"must be 0 to {at_most:,}")
 
 
+# A number of tokens (a cache's capacity), 0 or more: up to 2**53, past which a float (the
+# sizing's arithmetic) cannot count one more (2**74 once failed inside numpy).
+token_count = non_negative(int, at_most=2**53)
 # A fraction in (0, 1] (a sampling rate, a target share).
 share = _number(float, lambda v: 0 < v <= 1, "must be in (0, 1]")
 # A share of a workload, 0 (none of it) to 1 (all of it).

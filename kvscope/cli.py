@@ -8,7 +8,7 @@ import sys
 
 from kvscope import __version__
 from kvscope.argtypes import (directory, host, http_url, label_matchers, non_negative, port,
-                               positive, proportion)
+                               positive, proportion, token_count)
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="trace (Mooncake JSONL) to analyse for the Sizing page")
     dash.add_argument("--sizing-preset", default="llama-3-8b", choices=sorted(PRESETS),
                       help="model preset for the Sizing analysis (default %(default)s)")
-    dash.add_argument("--sizing-gpu-tokens", type=non_negative(int), default=0, metavar="TOKENS",
+    dash.add_argument("--sizing-gpu-tokens", type=token_count, default=0, metavar="TOKENS",
                       help="GPU prefix-cache capacity in tokens for the Sizing analysis (vLLM "
                       "logs it as 'GPU KV cache size'; default 0: none)")
 

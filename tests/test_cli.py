@@ -167,6 +167,12 @@ def test_a_workload_without_one_off_prompts_is_accepted():
     (["agent", "--store-dir", __file__], f"--store-dir: {__file__} is a file, not a directory"),
     # the presets listed, as --preset lists them (it said "unknown preset 'nosuch'" alone)
     (["dashboard", "--sizing-preset", "nosuch"], "invalid choice: 'nosuch' (choose from"),
+    # values so large that a tryout got a traceback from inside numpy (2**74 tokens: an int
+    # numpy cannot take a log of), a NaN (1e300 GiB in bytes) or 2 TiB asked for resamples
+    (["analyze", "t.jsonl", "--gpu-tokens", str(2**74)], "must be 0 to 9,007,199,254,740,992"),
+    (["dashboard", "--sizing-gpu-tokens", str(2**74)], "must be 0 to 9,007,199,254,740,992"),
+    (["analyze", "t.jsonl", "--budget-gib", "1e300"], "at most 1,073,741,824"),
+    (["compare", "a", "b", "--resamples", "99999999999"], "at most 1,000,000"),
 ])
 def test_a_bad_argument_is_one_line_that_points_to_help(args, needle):
     _one_error_line(_kvscope(*args), needle, "--help)")

@@ -168,7 +168,7 @@ class _Settings(BaseSettings):
     sample_interval: float = Field(1.0, ge=0.1, le=3600, allow_inf_nan=False)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     prefill_tokens_per_second: float = Field(10_000.0, ge=1, allow_inf_nan=False)
-    requests_capacity: int = Field(100_000, gt=0)
+    requests_capacity: int = Field(100_000, gt=0, le=100_000_000)
     # per source, beside the table (docs/agent.md, "Memory"); 100 times the default at most:
     # the recent index is allocated whole at a source's first event
     requests_open_per_source: int = Field(10_000, gt=0, le=1_000_000)

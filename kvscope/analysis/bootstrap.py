@@ -28,6 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 DEFAULT_RESAMPLES = 2000
+# the most a command line may ask for: each resample's quantiles are kept (24 bytes a
+# resample), and a million takes seconds per arm; more once ran out of memory (2 TiB asked)
+MAX_RESAMPLES = 1_000_000
 DEFAULT_CONFIDENCE = 0.95
 _CHUNK_ELEMENTS = 4_000_000  # resampled values held at once (32 MB of float64)
 

@@ -12,7 +12,7 @@ from kvscope.analysis.inputs import load_measured_rates, load_trace
 from kvscope.analysis.report import render_text, to_json
 from kvscope.analysis.sizing import DEFAULT_BANDWIDTH, GIB
 from kvscope.engine.presets import PRESETS, get_preset
-from kvscope.argtypes import at_most, non_negative, positive, share
+from kvscope.argtypes import at_most, positive, share, token_count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,10 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens-per-second", type=positive(float), metavar="TOKENS",
                         help="prefill rate (default: a capture's own, its recomputed tokens "
                         "over its prefill seconds; without them, the preset's, assumed)")
-    parser.add_argument("--gpu-tokens", type=non_negative(int), default=0, metavar="TOKENS",
+    parser.add_argument("--gpu-tokens", type=token_count, default=0, metavar="TOKENS",
                         help="GPU prefix-cache capacity in tokens (vLLM logs it as 'GPU KV cache "
                         "size', its CPU build as 'CPU KV cache size'; default 0: none)")
-    parser.add_argument("--budget-gib", type=positive(float), metavar="GIB",
+    parser.add_argument("--budget-gib", type=positive(float, at_most=2**30), metavar="GIB",
                         help="most host RAM the CPU tier may take (default: no limit)")
     parser.add_argument("--target-share", type=share, default=0.9, metavar="SHARE",
                         help="recommend the smallest size buying this share of the affordable "

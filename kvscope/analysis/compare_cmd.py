@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES
+from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, MAX_RESAMPLES
 from kvscope.analysis.compare import (DEFAULT_MIN_REQUESTS, compare, parse_budget, render_text,
                                       to_json)
 from kvscope.argtypes import fraction, non_negative, positive
@@ -51,8 +51,9 @@ def add_verdict_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--itl-budget", type=budget, metavar="SECONDS|+N%",
                         help="p99 inter-token latency budget, as --ttft-budget (default: none, "
                         "judge against the baseline only)")
-    parser.add_argument("--resamples", type=positive(int), default=DEFAULT_RESAMPLES,
-                        metavar="N", help="bootstrap resamples (default %(default)s)")
+    parser.add_argument("--resamples", type=positive(int, at_most=MAX_RESAMPLES),
+                        default=DEFAULT_RESAMPLES, metavar="N",
+                        help="bootstrap resamples (default %(default)s)")
     parser.add_argument("--confidence", type=fraction, default=DEFAULT_CONFIDENCE,
                         metavar="LEVEL", help="confidence level, 0-1 (default %(default)s)")
     parser.add_argument("--min-requests", type=positive(int), default=DEFAULT_MIN_REQUESTS,

@@ -95,6 +95,9 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
      "kv_events.capacity_blocks.gpu: .*greater than or equal to 0"),
     ("store_max_age = inf\n", "store_max_age: .*finite"),
     ("store_max_age = 1e308\n", "store_max_age: .*less than or equal to"),
+    # past a C ssize_t the request table's constructor raised OverflowError (a traceback)
+    ("requests_capacity = 99999999999999999999999\n",
+     "requests_capacity: .*less than or equal to 100000000"),
 ])
 def test_bad_values_name_the_key(tmp_path, content, needle):
     path = tmp_path / "agent.toml"
