@@ -147,7 +147,7 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
                     raise BodyTooLarge()
                 body = await bounded_body(request, max_body_bytes)
                 async with parsing:  # off the event loop, one body at a time (memory)
-                    await run_in_threadpool(lambda: receiver.handle(
+                    rejected, why = await run_in_threadpool(lambda: receiver.handle(
                         otlp_in.parse(body, content_type, encoding)))
             except BodyTooLarge:
                 receiver.refused(otlp_in.OtlpError(too_large["detail"], 413))
@@ -157,9 +157,10 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             except otlp_in.OtlpError as exc:
                 receiver.refused(exc)
                 return error(str(exc), exc.status)
+            answer = otlp_in.partial_success(rejected, why, protobuf)
             if protobuf:
-                return Response(otlp_in.EMPTY_RESPONSE, media_type="application/x-protobuf")
-            return JSONResponse({})
+                return Response(answer, media_type="application/x-protobuf")
+            return JSONResponse(answer)
 
     @app.api_route("/readyz", methods=["GET", "HEAD"], include_in_schema=False)
     def readyz() -> Response:

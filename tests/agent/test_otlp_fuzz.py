@@ -24,7 +24,8 @@ from contextlib import contextmanager
 from google.rpc.status_pb2 import Status as RpcStatus
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
+                                                                    ExportTraceServiceResponse)
 from opentelemetry.proto.common.v1.common_pb2 import (AnyValue, ArrayValue, KeyValue,
                                                       KeyValueList)
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
@@ -261,7 +262,8 @@ def test_hostile_bodies_get_2xx_or_4xx_and_a_refused_body_is_counted_once():
     changes no other counter and no record (it was not half taken); an accepted one counts
     each of its spans in
     events_received{otlp} as the receiver counts it, and answers in the content type it was
-    sent in. After the fuzz, a valid span still becomes a request."""
+    sent in, its partial success naming as rejected the spans dropped as invalid (an empty
+    answer when none was). After the fuzz, a valid span still becomes a request."""
     with served_agent() as (agent, port):
         @settings(max_examples=600, deadline=None, suppress_health_check=HEALTH)
         @given(case=hostile)
@@ -286,7 +288,16 @@ def test_hostile_bodies_get_2xx_or_4xx_and_a_refused_body_is_counted_once():
                 assert after[1] - before[1] == received
                 assert 0 <= after[2] - before[2] <= received
                 assert answer_headers["content-type"].split(";")[0] == kind, (kind, answer[:50])
-                assert answer == (b"" if kind == "application/x-protobuf" else b"{}")
+                # the spans dropped as invalid are the rejected ones of OTLP's partial success
+                rejected = after[2] - before[2]
+                if kind == "application/x-protobuf":
+                    partial = ExportTraceServiceResponse.FromString(answer).partial_success
+                    assert partial.rejected_spans == rejected
+                    assert (answer == b"") == (rejected == 0)
+                else:
+                    doc = json.loads(answer)
+                    assert int(doc.get("partialSuccess", {}).get("rejectedSpans", 0)) == rejected
+                    assert (doc == {}) == (rejected == 0)
 
         fuzz()
         _still_takes_a_valid_span(agent, port, "after-hostile-bodies")

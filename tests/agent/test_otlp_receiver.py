@@ -207,6 +207,57 @@ def test_bad_bodies_are_refused_counted_and_spans_without_request_ids_ignored(ca
     assert caplog.text.count("refused an export (malformed)") == 1
 
 
+def test_an_export_with_rejected_spans_says_how_many_in_its_partial_success():
+    """OTLP's partial success ("OTLP/HTTP Response"): an export of three spans, one whose TTFT
+    is no number of seconds for a request nobody else finished and one whose end is unset, is
+    answered 200 with rejected_spans 2 and the first reason (protobuf: the
+    ExportTraceServiceResponse; JSON: its proto3 JSON mapping, an int64 as a string); a
+    clean export with the empty response. The same two count as dropped, invalid."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import \
+        ExportTraceServiceResponse
+
+    agent = _agent()
+    with TestClient(create_app(agent)) as client:
+        spans = [protobuf_body(a) for a in (
+            {**ATTRS, "gen_ai.request.id": "ok-1"},
+            {**ATTRS, "gen_ai.request.id": "bad-1", "gen_ai.latency.time_to_first_token": "x"})]
+        request = ExportTraceServiceRequest()
+        for one in spans:
+            request.MergeFromString(one)
+        unset = request.resource_spans.add().scope_spans.add().spans.add()
+        unset.CopyFrom(request.resource_spans[0].scope_spans[0].spans[0])
+        unset.attributes[0].value.string_value = "bad-2"
+        unset.end_time_unix_nano = 0
+        answer = client.post("/v1/traces", content=request.SerializeToString(),
+                             headers={"content-type": "application/x-protobuf"})
+        assert answer.status_code == 200
+        partial = ExportTraceServiceResponse.FromString(answer.content).partial_success
+        assert partial.rejected_spans == 2
+        assert partial.error_message.startswith("the span of request 'bad-1': ")
+        doc = json.loads(json_body({**ATTRS, "gen_ai.request.id": "bad-3",
+                                    "gen_ai.latency.time_to_first_token": "x"}))
+        answer = client.post("/v1/traces", content=json.dumps(doc).encode(),
+                             headers={"content-type": "application/json"})
+        assert answer.status_code == 200 and answer.json()["partialSuccess"]["rejectedSpans"] \
+            == "1", answer.json()
+        clean = client.post("/v1/traces", content=json_body(),
+                            headers={"content-type": "application/json"})
+        assert clean.status_code == 200 and clean.json() == {}
+    assert agent.pipeline.snapshot().events_dropped[("otlp", "invalid")] == 3
+
+
+def test_a_json_export_of_the_wrong_shape_is_refused_in_words_not_python():
+    """A 400 whose detail says what OTLP/JSON expects, not Python's "'list' object has no
+    attribute 'get'"."""
+    for doc in ({"resourceSpans": [[]]}, {"resourceSpans": ["x"]},
+                {"resourceSpans": [{"scopeSpans": [{"spans": [{"startTimeUnixNano": "soon"}]}]}]}):
+        with pytest.raises(OtlpError) as refused:
+            parse(json.dumps(doc).encode(), "application/json")
+        assert "a field of the wrong type (expected resourceSpans[]" in str(refused.value)
+    with pytest.raises(OtlpError, match="^not JSON: "):
+        parse(b"{", "application/json")
+
+
 def test_a_span_for_a_request_the_tap_finished_enriches_that_record():
     """The tap reported the request (lookup with CPU tokens, promotion wait); the later span
     gives it vLLM's trace id and TTFT instead of creating a second request. The store and the
@@ -882,8 +933,8 @@ def test_a_boolean_ttft_and_a_trace_id_that_is_not_hex_are_not_taken(caplog):
     assert agent.otlp_receiver.untraced == 2
     assert [r.message for r in caplog.records].count(
         "kvscope OTLP receiver: the span of request 'z-0' has trace id 'zz"
-        + "z" * 30 + "', not a W3C one (32 lowercase hex digits, not all 0): its request is "
-        "kept without a trace; logged once") == 1
+        + "z" * 30 + "', not a W3C one (32 lowercase hex digits, not all 0): its request "
+        "counts, under a trace id of the agent's own instead; logged once") == 1
 
 
 def _varint(n: int) -> bytes:

@@ -23,7 +23,8 @@ an emitter's batch could not carry (a TTFT that is no number of seconds, a time 
 count past 2**53: :func:`kvscope.events.validate`; a start or end time of 0, which OTLP reads
 as unset) is counted in
 ``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. A span whose trace id is
-not a W3C one is used without it (its request counts; the first such span is logged). Every
+not a W3C one is used without it (its request counts, under a trace id of the agent's own, as
+a request without a traceparent; the first such span is logged). Every
 span received counts
 in ``kvscope_events_received_total{source="otlp"}``, so an operator sees whether spans arrive.
 vLLM sends spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so from the
@@ -70,6 +71,21 @@ MAX_SPANS = 10_000
 
 # HTTP status -> the google.rpc code of an error's Status (google/rpc/code.proto)
 _RPC_CODES = {400: 3, 413: 8, 415: 3, 503: 14}  # INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE
+
+
+def partial_success(rejected: int, message: str, protobuf: bool) -> bytes | dict:
+    """The answer to an export some of whose spans were rejected (``rejected`` > 0: invalid,
+    counted): an ``ExportTraceServiceResponse`` whose ``partial_success`` says how many and
+    why (the OTLP specification, "Partial Success"), serialized for a protobuf export, else
+    as its OTLP/JSON object. With none rejected, the empty response."""
+    if not rejected:
+        return EMPTY_RESPONSE if protobuf else {}
+    if protobuf:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTracePartialSuccess, ExportTraceServiceResponse)
+        return ExportTraceServiceResponse(partial_success=ExportTracePartialSuccess(
+            rejected_spans=rejected, error_message=message)).SerializeToString()
+    return {"partialSuccess": {"rejectedSpans": str(rejected), "errorMessage": message}}
 
 
 def error_status(message: str, status: int) -> bytes:
@@ -259,8 +275,12 @@ def _parse_json(data: bytes) -> list[Span]:
         return spans
     except OtlpError:
         raise
-    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
-        raise OtlpError(f"not an OTLP/JSON trace export: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise OtlpError(f"not JSON: {exc}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
+        raise OtlpError("not an OTLP/JSON trace export: a field of the wrong type (expected "
+                        "resourceSpans[].scopeSpans[].spans[] objects, times as integers of "
+                        "nanoseconds, attributes as {key, value} objects)") from None
     except RecursionError:
         raise OtlpError("not an OTLP/JSON trace export: nested too deep") from None
 
@@ -320,6 +340,7 @@ class OtlpReceiver:
         self.untraced = 0
         self.last_ttft = -math.inf
         self._warned = False
+        self._rejected, self._reason = 0, ""  # of the body being handled
         self._refusals_logged: set[str] = set()
         self._joining = False  # the source's records wait for spans (from the first span on)
 
@@ -347,8 +368,11 @@ class OtlpReceiver:
         return
 
     def _invalid(self, request_id: str, why: str) -> None:
-        """Count a span that cannot be used; log the first."""
+        """Count a span that cannot be used (and the body's rejected spans); log the first."""
         self.pipeline.drop(NAME, "invalid")
+        if not self._rejected:
+            self._reason = f"the span of request {request_id[:64]!r}: {why}"
+        self._rejected += 1
         if not self._warned:
             self._warned = True
             log.warning("kvscope OTLP receiver: dropped the span of request %r: %s; counted in "
@@ -360,10 +384,15 @@ class OtlpReceiver:
         self.untraced += 1
         if self.untraced == 1:
             log.warning("kvscope OTLP receiver: the span of request %r has trace id %r, not a "
-                        "W3C one (32 lowercase hex digits, not all 0): its request is kept "
-                        "without a trace; logged once", request_id[:64], trace_id[:64])
+                        "W3C one (32 lowercase hex digits, not all 0): its request counts, "
+                        "under a trace id of the agent's own instead; logged once",
+                        request_id[:64], trace_id[:64])
 
-    def handle(self, spans: list[Span]) -> None:
+    def handle(self, spans: list[Span]) -> tuple[int, str]:
+        """Take one export's ``spans``; returns how many were rejected as invalid (counted in
+        ``kvscope_events_dropped_total``) and why the first was, for the exporter's partial
+        success (:func:`partial_success`)."""
+        self._rejected, self._reason = 0, ""
         self.pipeline.add_received(NAME, len(spans))
         for span in spans:
             self.received += 1
@@ -417,6 +446,7 @@ class OtlpReceiver:
                 self.ignored += 1
                 if a.get(TTFT) is not None:  # one was sent, but no usable number of seconds
                     self._invalid(request_id, f"{TTFT} {a.get(TTFT)!r} is no number of seconds")
+        return self._rejected, self._reason
 
 
 class OtlpReceiverConfig(Section):
