@@ -362,6 +362,9 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
     else:
         moved_bytes, moved_blocks, seconds, failures = {}, {}, {}, 0
     tokens = {s: int(col[f"tokens_{s}"].sum()) for s in ev.TOKEN_SOURCES}
+    sources = _token_sources(table.column("tiers"), tokens)
+    if sources is None and not len(flat) and not any(tokens.values()):
+        failures = None  # records of no tap (spans alone): transfers not measured, not none
     arrival, finished = col["arrival"].astype(np.float64), col["finished"].astype(np.float64)
     window = (float(np.nanmin(arrival)), float(np.nanmax(finished))) \
         if len(arrival) and np.isfinite(arrival).any() and np.isfinite(finished).any() else None
@@ -370,4 +373,4 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
         promotion_wait=wait[np.isfinite(wait)], tokens=tokens,
         transfer_bytes=moved_bytes, transfer_blocks=moved_blocks, transfer_seconds=seconds,
         transfer_failures=failures, prefill_seconds=float(np.nansum(col["prefill"])),
-        token_sources=_token_sources(table.column("tiers"), tokens), window=window)
+        token_sources=sources, window=window)

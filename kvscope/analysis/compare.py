@@ -114,9 +114,8 @@ class QuantileRow:
 class Side:
     """Hit quality and transfer cost of one arm (its runs added up). ``runs``: how many.
     ``tokens``, ``token_share``: dict[source, prompt tokens] and dict[source, 0-1] of the
-    sources every run measured (the others are not measured); ``token_share`` None when the
-    records carry no tokens by source (not measured, e.g. a GPU-only vLLM seen through spans
-    alone);
+    sources every run measured (the others are not measured); both None when the records
+    carry no tokens by source (not measured, e.g. a GPU-only vLLM seen through spans alone);
     ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request (None: not
     measured, e.g. a rollout arm without an agent); ``transfers``:
     dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}] (``blocks``,
@@ -132,7 +131,7 @@ class Side:
     name: str
     requests: int
     runs: int
-    tokens: dict[str, int]
+    tokens: dict[str, int] | None
     token_share: dict[str, float] | None
     transfers: dict[str, dict[str, float | None]]
     transfer_failures: int | None
@@ -301,6 +300,7 @@ def _side(runs: list[RequestSample]) -> Side:
     tokens = {src: sum(int(r.tokens.get(src, 0)) for r in runs) for src in sources}
     total = sum(tokens.values())
     share = {src: tokens[src] / total for src in sources} if total else None
+    # every request has prompt tokens: none by any source is none measured
     requests = sum(r.requests for r in runs)
     n = max(requests, 1)
     moved: dict[str, dict[str, float | None]] = {}
@@ -323,7 +323,8 @@ def _side(runs: list[RequestSample]) -> Side:
         if tokens.get(tier) or legs:
             value[tier] = {"tokens": tokens.get(tier, 0), "transfer_seconds": spent,
                            "prefill_seconds_saved": tokens.get(tier, 0) / rate if rate else None}
-    return Side(", ".join(r.name for r in runs), requests, len(runs), tokens, share, transfers,
+    return Side(", ".join(r.name for r in runs), requests, len(runs),
+                tokens if total else None, share, transfers,
                 transfer_failures(runs), *_wait_stats(runs), rate, value)
 
 
@@ -388,7 +389,7 @@ def runs_alpha(confidence: float) -> float:
     """The one-sided p under which :func:`runs_test` lets a roll back stand: ``1 -
     confidence`` halved for one side, halved again by Bonferroni over TTFT and ITL (either
     one rolls back)."""
-    return (1 - confidence) / 4
+    return round((1 - confidence) / 4, 12)  # 0.0125, not 0.012500000000000011
 
 
 def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
@@ -575,9 +576,11 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
     elif itl99.difference is not None:  # no ITL budget asked for: too few is no verdict
         notes.append(f"ITL not judged: fewer than {min_requests} requests reported one on an "
                      "arm")
-    elif itl_budget is not None:
+    missing = " and ".join(arm for arm, n in zip(("baseline", "candidate"), itl_counts) if not n)
+    if itl99.difference is None and itl_budget is not None:
         judged.append(Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: an ITL budget was given, but "
-                              "ITL was not measured on both arms.", ["ITL not measured"]))
+                              f"ITL was not measured on the {missing}.",
+                              [f"ITL not measured on the {missing}"]))
     # the rule reads p99 alone; a keep beside a slower median or p95 should not pass unremarked
     notes += [f"{label} p{r.quantile * 100:g} is significantly worse than the baseline's "
              f"({'+' if r.difference.value >= 0 else ''}{ms(r.difference.value)}, "
@@ -586,7 +589,7 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
              for label, rows in (("TTFT", ttft), ("ITL", itl)) for r in rows
              if r.quantile != 0.99 and r.difference is not None and r.difference.low > 0]
     if itl99.difference is None:
-        notes.append("ITL not measured on both arms: judged on TTFT alone")
+        notes.append(f"ITL not measured on the {missing}: judged on TTFT alone")
     first = _ran_first(base, cand)
     if first is not None and min(len(base), len(cand)) >= 2:
         notes.append(f"the {first}'s runs all ran before the other arm's (not interleaved): a "
@@ -652,6 +655,11 @@ def render_text(comparison: Comparison) -> str:
         for r in rows:
             lines.append(f"  {label:4s} p{r.quantile * 100:<4g} baseline {_cell(r.baseline)}  "
                          f"candidate {_cell(r.candidate)}  diff {_cell(r.difference)}")
+    if c.runs:  # whatever the verdict: a keep's too, as --json gives it
+        lines.append(f"runs as the unit (one-sided p that the candidate's runs are slower in "
+                     f"p99; a roll back needs under {c.runs_alpha:g}): " + ", ".join(
+                         f"{m} " + ("not measured" if t.p is None else f"p = {t.p:.3g}, "
+                                    f"{t.df} degrees of freedom") for m, t in c.runs.items()))
     lines.append("hit quality, share of prompt tokens by source:")
     for side in (c.baseline, c.candidate):
         lines.append(f"  {side.name}: " + (", ".join(
@@ -663,7 +671,8 @@ def render_text(comparison: Comparison) -> str:
     for side in (c.baseline, c.candidate):
         moved = ", ".join(f"{d} {_bytes(t['bytes'])} in " + (
             "time not measured" if t["seconds"] is None else f"{t['seconds']:.3f} s")
-            for d, t in side.transfers.items()) or "none"
+            for d, t in side.transfers.items()) or (
+            "none" if side.transfer_failures is not None else "not measured")
         wait = "not measured" if side.promotion_wait_mean is None else \
             f"mean {ms(side.promotion_wait_mean)}, p99 {ms(side.promotion_wait_p99)}"
         failed = "not measured" if side.transfer_failures is None else side.transfer_failures

@@ -75,7 +75,7 @@ def hit_quality(data: dict | None) -> go.Figure:
         fig.add_trace(go.Bar(
             y=runs, x=[(data[r]["token_share"] or {}).get(source) for r in runs], name=source,
             orientation="h", marker_color=COLOURS.get(source),
-            customdata=[data[r]["tokens"].get(source, 0) for r in runs],
+            customdata=[(data[r]["tokens"] or {}).get(source, 0) for r in runs],
             hovertemplate="%{y}: %{x:.1%} (%{customdata:,} tokens)<extra>" + source
             + "</extra>"))
     for r in runs:  # an arm whose records carry no tokens by source: said, not drawn as 0

@@ -585,6 +585,8 @@ class OffloadEngine:
             self._memory_due = ts + MEMORY_REFRESH
             self._emit(ev.EngineMemory(ts=ts, kv_offload_budget=self.cpu.capacity_bytes))
         for tier in self.tiers:
+            if not tier.capacity_blocks:  # disabled (a cpu tier of 0 blocks): no tier at all
+                continue
             self._emit(ev.TierSnapshot(ts=ts, tier=tier.name, capacity_bytes=tier.capacity_bytes,
                                        resident_bytes=tier.resident_bytes,
                                        capacity_blocks=tier.capacity_blocks,

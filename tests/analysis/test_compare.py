@@ -368,8 +368,10 @@ def test_a_regression_resting_on_two_runs_that_vary_is_inconclusive_and_says_why
     assert test.df == 2 and test.p == pytest.approx(0.0908, abs=5e-4)
     # the JSON gives the test and its threshold as fields; by the bootstrap alone, neither
     data = to_dict(result)
-    assert data["runs"]["TTFT"] == {"p": test.p, "df": 2}
-    assert data["runs_alpha"] == pytest.approx(0.0125)
+    assert data["runs"]["TTFT"] == {"p": test.p, "df": 2} and data["runs_alpha"] == 0.0125
+    assert "runs as the unit (one-sided p that the candidate's runs are slower in p99; a " \
+        "roll back needs under 0.0125): TTFT p = 0.0908, 2 degrees of freedom" \
+        in render_text(result)
     assert to_dict(compare(base, cand, resamples=400, by_runs=False))["runs"] == {}
 
 
@@ -453,6 +455,43 @@ def test_an_arm_without_tokens_by_source_is_not_measured_never_zero(tmp_path, ca
     assert "spans-only: not measured" in text
     assert "spans-only: none; promotion wait not measured;" in text
     assert "tap: none; promotion wait mean 0 ms, p99 0 ms;" in text
+    # its tokens by source are not measured either: null, not 0 from every source
+    assert to_dict(result)["baseline"]["tokens"] is None
+
+
+def test_the_arm_without_itl_is_named():
+    """ITL reported by the baseline's requests only: the note names the candidate (it said
+    "not measured on both arms"), and an ITL budget is inconclusive, saying the same."""
+    ttft = np.linspace(0.02, 0.06, 200)
+    base = [RequestSample(f"b{i}", ttft * (1 + i / 1e4), np.full(200, 0.02)) for i in range(2)]
+    cand = [RequestSample(f"c{i}", ttft * (1 + i / 1e4)) for i in range(2)]
+    result = compare(base, cand, resamples=400)
+    assert "ITL not measured on the candidate: judged on TTFT alone" in result.verdict.reasons
+    itl = compare(base, cand, itl_budget=0.03, resamples=400).by_metric["ITL"]
+    assert itl.decision == INCONCLUSIVE and "not measured on the candidate" in itl.text
+    assert "not measured on the baseline and candidate" in compare(
+        cand, cand, itl_budget=0.03, resamples=400).by_metric["ITL"].text
+
+
+def test_a_capture_of_spans_alone_measured_no_transfers(tmp_path):
+    """A capture whose records came from spans alone (no tokens by source, no transfers, no
+    tiers reported: no tap) read 'transfer cost: none; ... failed transfers 0' in a tryout:
+    nothing there counted transfers. Now not measured (None in JSON); the tap's capture of
+    the same, with its tiers reported, measured none (0)."""
+    writer = CaptureWriter(tmp_path / "spans")
+    for i in range(200):
+        writer.add_request(RequestRecord(f"r{i}", f"{i + 1:032x}", "vllm", 1000.0 + i,
+                                         prompt_tokens=64, ttft=0.05 + i / 4000,
+                                         finished=1001.0 + i))
+    writer.close()
+    spans = read_request_sample(tmp_path / "spans")
+    assert spans.transfer_failures is None and spans.token_sources is None
+    result = compare(spans, read_request_sample(write_capture(tmp_path / "tap",
+                                                              np.full(200, 0.05))),
+                     resamples=200)
+    assert result.baseline.transfer_failures is None and result.baseline.tokens is None
+    assert "spans: not measured; promotion wait not measured; failed transfers not measured" \
+        in render_text(result)
 
 
 def test_sources_a_run_did_not_measure_are_not_measured_never_zero():

@@ -250,6 +250,21 @@ def test_the_tiers_are_reported_before_the_first_request_arrives():
     assert not [e for e in emitted if isinstance(e, ev.RequestStarted)]
 
 
+def test_a_disabled_cpu_tier_is_not_reported():
+    """--cpu-blocks 0 disables the cpu tier: a snapshot of it (capacity 0, which the agent
+    reads as unknown) made every record list it among the tiers, and compare showed "cpu
+    0.0%" where the disk tier, also off, read "not measured". Only the GPU's is sent now,
+    and no host KV budget."""
+    from kvscope import events as ev
+
+    emitted = []
+    engine = OffloadEngine(get_preset("tiny"), 8, 0, payload=False, emit=emitted.append)
+    engine.report_tiers()
+    engine.close()
+    assert [e.tier for e in emitted if isinstance(e, ev.TierSnapshot)] == ["gpu"]
+    assert not [e for e in emitted if isinstance(e, ev.EngineMemory)]
+
+
 
 def test_replay_without_torch_says_what_to_install(tmp_path):
     """The reference engine's payload tiers need torch (the engine extra, which the agent and
