@@ -458,14 +458,22 @@ class CaptureWriter(Worker):
     def _remove_orphans(self) -> None:
         """Delete ``.tmp`` segments left by writers that are no longer running: those no
         writer holds a lock on (see :meth:`_open`). Telling them by the pid in their name
-        kept every orphan of an agent that runs as pid 1, as in a container."""
+        kept every orphan of an agent that runs as pid 1, as in a container. Says how many and
+        how large (a crashed run's last rows go with them)."""
+        removed, size = 0, 0
         for path in self.directory.glob(f"*{TMP_SUFFIX}"):
             try:
                 with open(path, "rb") as orphan:
                     fcntl.flock(orphan, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    size += os.fstat(orphan.fileno()).st_size
                     path.unlink(missing_ok=True)
+                    removed += 1
             except (BlockingIOError, FileNotFoundError):  # a live writer's, or gone
                 continue
+        if removed:
+            log.warning("capture: removed %d unfinished segment(s) (%d bytes) in %s, left by a "
+                        "writer that stopped without closing them (killed or crashed); their "
+                        "rows were never part of the capture", removed, size, self.directory)
 
 
 def _release(stream: _Stream) -> None:

@@ -293,10 +293,11 @@ def test_segments_rotate_by_age_and_pending_rows_are_bounded(tmp_path):
     assert not list(tmp_path.glob(f"*{TMP_SUFFIX}"))
 
 
-def test_lookups_without_block_hashes_write_nothing_and_orphans_are_removed(tmp_path):
+def test_lookups_without_block_hashes_write_nothing_and_orphans_are_removed(tmp_path, caplog):
     """A .tmp segment a killed writer left is removed at start, even when its name carries
     this process's pid (an agent as pid 1 in a container: each run's orphans were kept, and
-    outside the byte bound); one a running writer holds its lock on stays."""
+    outside the byte bound), and the log says so (a tryout saw its crashed run's segments
+    vanish without a word); one a running writer holds its lock on stays."""
     orphan = tmp_path / f"blocks-0000000000001-{os.getpid()}-000001{TMP_SUFFIX}"
     live = tmp_path / f"blocks-0000000000001-{os.getpid()}-000002{TMP_SUFFIX}"
     orphan.write_bytes(b"torn")
@@ -309,6 +310,7 @@ def test_lookups_without_block_hashes_write_nothing_and_orphans_are_removed(tmp_
         writer.shutdown()
         writer.shutdown()  # safe twice
     assert not orphan.exists() and live.exists()
+    assert "removed 1 unfinished segment(s) (4 bytes)" in caplog.text
     assert not writer.segments()
     CaptureWriter(tmp_path / "never").shutdown()  # safe without start
 
