@@ -468,12 +468,18 @@ def encode_batch(batch: Batch) -> bytes:
 encode_event = _encoder.encode
 
 
+# the first byte of a msgpack map (fixmap, map 16, map 32): what every encoded Batch starts with
+_MAP_MARKERS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
+
+
 def decode_batch(data: bytes) -> Batch:
     """Decode msgpack bytes into a :class:`Batch`.
 
     Raises :class:`SchemaError` for bytes that are not a batch, for an unknown event kind, a
     field of the wrong type or value (e.g. an unknown tier), or a version other than ours.
     """
+    if not len(data) or data[0] not in _MAP_MARKERS:  # b"garbage" reads as the int 103
+        raise SchemaError("not a batch: a batch is a msgpack map", "malformed")
     try:
         batch = _decoder.decode(data)
     except msgspec.ValidationError as exc:

@@ -68,10 +68,13 @@ def test_scheduler_stats_out_of_bounds_are_refused(field, value):
         ev.validate(ev.SchedulerStats(ts=0.0, **{field: value}))
 
 
-@pytest.mark.parametrize("payload", [b"", b"\x00\x01garbage", b"\x93\x01"])
-def test_bytes_that_are_not_a_batch_are_refused(payload):
-    with pytest.raises(ev.SchemaError):
+@pytest.mark.parametrize("payload", [b"", b"\x00\x01garbage", b"\x93\x01", b"garbage"])
+def test_bytes_that_are_not_a_batch_are_refused_as_malformed(payload):
+    """Not a msgpack map, so no batch: malformed (b"garbage" read as the int 103 was counted
+    "invalid", the reason for a batch with a bad field)."""
+    with pytest.raises(ev.SchemaError) as refused:
         ev.decode_batch(payload)
+    assert refused.value.reason == "malformed"
 
 
 def test_truncated_batch_is_refused():
