@@ -27,8 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from kvscope.agent.collectors.base import CollectorError, register
 
 DEFAULT_PROC = Path("/proc")
@@ -70,6 +68,8 @@ def config_flags(text: str) -> list[str]:
     """A vLLM ``--config`` YAML file's top-level scalar keys as flags (``cpu-offload-gb: 2``
     -> ``["--cpu-offload-gb", "2"]``), as vLLM's ``load_config_file`` turns them. Raises
     ValueError for text that is not a YAML mapping."""
+    import yaml  # here only: few engines name a config file, and the GPU check carries no yaml
+
     try:
         config = yaml.safe_load(text)
     except yaml.YAMLError as exc:
