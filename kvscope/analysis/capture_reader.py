@@ -226,12 +226,12 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
                   REQUESTS_ADDED)
     sample = _converted(path, "requests", lambda: _request_sample(table, name or str(path)))
     totals = read_transfer_totals(path) if path.is_dir() else None
-    if not totals:
+    if totals is None:
         return sample
-    return dataclasses.replace(
+    return dataclasses.replace(  # the agent's totals: transfers measured, by a tap or a source
         sample, transfer_bytes={d: t[0] for d, t in totals.items()},
         transfer_blocks={d: t[1] for d, t in totals.items()},
-        transfer_seconds=_timed({d: t[2] for d, t in totals.items()}))
+        transfer_seconds=_timed({d: t[2] for d, t in totals.items()}), transfers_measured=True)
 
 
 def _timed(seconds: dict[str, float]) -> dict[str, float]:
@@ -363,8 +363,8 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
         moved_bytes, moved_blocks, seconds, failures = {}, {}, {}, 0
     tokens = {s: int(col[f"tokens_{s}"].sum()) for s in ev.TOKEN_SOURCES}
     sources = _token_sources(table.column("tiers"), tokens)
-    if sources is None and not len(flat) and not any(tokens.values()):
-        failures = None  # records of no tap (spans alone): transfers not measured, not none
+    # records of no tap (spans alone): transfers not measured, not none
+    spans_alone = sources is None and not len(flat) and not any(tokens.values())
     arrival, finished = col["arrival"].astype(np.float64), col["finished"].astype(np.float64)
     window = (float(np.nanmin(arrival)), float(np.nanmax(finished))) \
         if len(arrival) and np.isfinite(arrival).any() and np.isfinite(finished).any() else None
@@ -372,5 +372,6 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
         name=name, ttft=ttft[np.isfinite(ttft)], itl=itl[itl > 0],
         promotion_wait=wait[np.isfinite(wait)], tokens=tokens,
         transfer_bytes=moved_bytes, transfer_blocks=moved_blocks, transfer_seconds=seconds,
-        transfer_failures=failures, prefill_seconds=float(np.nansum(col["prefill"])),
-        token_sources=sources, window=window)
+        transfer_failures=None if spans_alone else failures,
+        prefill_seconds=float(np.nansum(col["prefill"])),
+        token_sources=sources, window=window, transfers_measured=not spans_alone)

@@ -77,7 +77,9 @@ class RequestSample:
     source, as a capture's records drop sources that served nothing); the others are not
     measured (a rollout arm read from vLLM's metrics: gpu and recompute; a capture without a
     disk tier: all but disk). ``window``: (first arrival, last finish) of its requests, Unix
-    seconds (None: not known). ``name``: for reports.
+    seconds (None: not known). ``transfers_measured``: False where nothing counted transfers
+    (a rollout arm read without an agent or an engine's transfer metrics, a capture of spans
+    alone): its empty transfer dicts are then not measured, not none. ``name``: for reports.
     """
 
     name: str
@@ -93,6 +95,7 @@ class RequestSample:
     promotion_waits: dict | None = None
     token_sources: tuple[str, ...] | None = None
     window: tuple[float, float] | None = None
+    transfers_measured: bool = True
 
     @property
     def requests(self) -> int:
@@ -119,7 +122,8 @@ class Side:
     ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request (None: not
     measured, e.g. a rollout arm without an agent); ``transfers``:
     dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}] (``blocks``,
-    ``seconds``: None when no run measured them, e.g. untimed copies); ``transfer_failures``:
+    ``seconds``: None when no run measured them, e.g. untimed copies), None when no run
+    counted transfers (:attr:`RequestSample.transfers_measured`); ``transfer_failures``:
     None when no run counted them. ``prefill_rate``:
     tokens/s the engine prefilled (recomputed tokens over prefill seconds), None when not
     measured. ``value``: what each offload tier bought and cost, dict[tier,
@@ -133,7 +137,7 @@ class Side:
     runs: int
     tokens: dict[str, int] | None
     token_share: dict[str, float] | None
-    transfers: dict[str, dict[str, float | None]]
+    transfers: dict[str, dict[str, float | None]] | None
     transfer_failures: int | None
     promotion_wait_mean: float | None
     promotion_wait_p99: float | None
@@ -315,16 +319,17 @@ def _side(runs: list[RequestSample]) -> Side:
                  for d in sorted(moved)}
     prefill = sum(r.prefill_seconds for r in runs)
     rate = prefill_rate(tokens.get("recompute", 0), prefill)
+    measured = any(r.transfers_measured for r in runs)
     value = {}
     for tier in ev.TIERS[1:]:  # the offload tiers: a GPU prefix hit is not offload's doing
         legs = [t["seconds"] for d, t in transfers.items() if tier in d.split("->")]
         timed = [seconds for seconds in legs if seconds is not None]
-        spent = None if legs and not timed else sum(timed)
+        spent = None if not measured or (legs and not timed) else sum(timed)
         if tokens.get(tier) or legs:
             value[tier] = {"tokens": tokens.get(tier, 0), "transfer_seconds": spent,
                            "prefill_seconds_saved": tokens.get(tier, 0) / rate if rate else None}
     return Side(", ".join(r.name for r in runs), requests, len(runs),
-                tokens if total else None, share, transfers,
+                tokens if total else None, share, transfers if measured else None,
                 transfer_failures(runs), *_wait_stats(runs), rate, value)
 
 
@@ -669,10 +674,10 @@ def render_text(comparison: Comparison) -> str:
             "by source)"))
     lines.append("transfer cost:")
     for side in (c.baseline, c.candidate):
-        moved = ", ".join(f"{d} {_bytes(t['bytes'])} in " + (
-            "time not measured" if t["seconds"] is None else f"{t['seconds']:.3f} s")
-            for d, t in side.transfers.items()) or (
-            "none" if side.transfer_failures is not None else "not measured")
+        moved = "not measured" if side.transfers is None else ", ".join(
+            f"{d} {_bytes(t['bytes'])} in " + (
+                "time not measured" if t["seconds"] is None else f"{t['seconds']:.3f} s")
+            for d, t in side.transfers.items()) or "none"
         wait = "not measured" if side.promotion_wait_mean is None else \
             f"mean {ms(side.promotion_wait_mean)}, p99 {ms(side.promotion_wait_p99)}"
         failed = "not measured" if side.transfer_failures is None else side.transfer_failures

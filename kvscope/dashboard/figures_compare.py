@@ -100,11 +100,17 @@ def transfer_cost(data: dict | None) -> go.Figure:
     did not time or count them)."""
     if not data:
         return message_figure(TRANSFER_TITLE, EMPTY)
-    directions = sorted(set(data["baseline"]["transfers"]) | set(data["candidate"]["transfers"]))
+    unmeasured = [side for side in ("baseline", "candidate") if data[side]["transfers"] is None]
+    directions = sorted({d for side in ("baseline", "candidate")
+                         for d in data[side]["transfers"] or {}})
     if not directions:
-        return message_figure(TRANSFER_TITLE, "no transfers in either run")
+        return message_figure(TRANSFER_TITLE, "no transfers in either run" if not unmeasured
+                              else f"transfers not measured in the {' and '.join(unmeasured)}"
+                              + ("" if len(unmeasured) == 2 else "; none in the other"))
     fig = _frame(TRANSFER_TITLE, "bytes (B)")
     for side in ("baseline", "candidate"):
+        if data[side]["transfers"] is None:
+            continue  # not measured: no bars, not bars of 0
         moved = data[side]["transfers"]
         cells = [moved.get(d, {}) for d in directions]
         fig.add_trace(go.Bar(
@@ -144,7 +150,10 @@ def level_tails(tails: dict | None, metric: str = "ttft", quantile: float = 0.99
             hovertemplate="%{x} streams: %{y:.4s}s<extra>" + arm + "</extra>"))
     if not fig.data:
         return message_figure(title, f"no {metric.upper()} reported by any arm")
-    fig.update_xaxes(title_text="concurrent streams", type="log", dtick=0.30103)
+    # ticks at the levels run: a log axis of one level spread ticks 0.125 to 8
+    levels = sorted({x for trace in fig.data for x in trace.x})
+    fig.update_xaxes(title_text="concurrent streams", type="log", tickvals=levels,
+                     ticktext=[str(x) for x in levels])
     fig.update_yaxes(tickformat="~s", ticksuffix="s")
     return fig
 

@@ -184,7 +184,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvscope rollout: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"kvscope rollout: interrupted (partial results in {out})", file=sys.stderr)
+        print(f"kvscope rollout: interrupted after {len(session.doc['runs'])} of "
+              f"{len(session.steps)} runs (partial results in {out}: rollout.html, "
+              "rollout.json); a rollout does not resume: run it again with another --out",
+              file=sys.stderr)
         return 130
     for j in doc["judgements"]:
         print(f"{j['candidate']}: {j['verdict']['text']}")

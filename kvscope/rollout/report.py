@@ -155,8 +155,9 @@ def page(doc: dict) -> str:
              f"{_e(meta.get('started', ''))}</title><style>{STYLE}</style></head><body>",
              "<h1>kvscope rollout</h1>"]
     if doc.get("error"):
-        parts.append(f"<p class='partial'>Partial results: the rollout stopped early: "
-                     f"{_e(doc['error'])}</p>")
+        planned = f" of {doc['planned_runs']}" if doc.get("planned_runs") else ""
+        parts.append(f"<p class='partial'>Partial results: the rollout stopped early, after "
+                     f"{len(doc['runs'])}{planned} runs: {_e(doc['error'])}</p>")
     parts.append(f"<p>{_e(', '.join(a['name'] for a in doc.get('arms', [])))}; concurrency "
                  f"{_e(doc.get('levels'))}; {doc.get('repetitions')} repetitions; "
                  f"{len(doc['runs'])} runs; started {_e(meta.get('started', ''))}, "

@@ -86,7 +86,9 @@ def _sample(run: dict) -> RequestSample:
                          promotion_waits=c.get("promotion_wait"),
                          # the agent counts every source; vLLM's own metrics gpu and
                          # recompute only, the rest not measured (it read cpu 0%)
-                         token_sources=None if c["source"] == "agent" else tuple(c["tokens"]))
+                         token_sources=None if c["source"] == "agent" else tuple(c["tokens"]),
+                         # neither an agent nor the server's metrics: nothing counted them
+                         transfers_measured=c["source"] != "none")
 
 
 class Session:
@@ -168,7 +170,8 @@ class Session:
             "arms": [{"name": a.name, "url": a.url, "agent": a.agent, "command": a.command,
                       "health": a.health_url} for a in self.arms.values()],
             "baseline": self.baseline, "levels": sorted(o.levels),
-            "repetitions": o.repetitions, "runs": [], "judgements": [], "tails": {}}
+            "repetitions": o.repetitions, "planned_runs": len(self.steps), "runs": [],
+            "judgements": [], "tails": {}}
         error, interrupted = None, False
         try:
             for i, arm in enumerate(self.arms.values()):

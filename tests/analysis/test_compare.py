@@ -17,6 +17,7 @@ from kvscope.analysis.capture_reader import read_request_sample
 from kvscope.analysis.compare import (INCONCLUSIVE, KEEP, ROLL_BACK, RequestSample, compare,
                                       measured_sources, render_text, runs_test, to_dict)
 from kvscope.cli import main
+from kvscope.dashboard.figures_compare import transfer_cost
 
 BUDGET = 0.1  # seconds
 
@@ -486,10 +487,16 @@ def test_a_capture_of_spans_alone_measured_no_transfers(tmp_path):
     writer.close()
     spans = read_request_sample(tmp_path / "spans")
     assert spans.transfer_failures is None and spans.token_sources is None
+    assert not spans.transfers_measured
     result = compare(spans, read_request_sample(write_capture(tmp_path / "tap",
                                                               np.full(200, 0.05))),
                      resamples=200)
     assert result.baseline.transfer_failures is None and result.baseline.tokens is None
+    assert result.baseline.transfers is None and result.candidate.transfers == {}
+    # the Compare page's chart says so, rather than "no transfers in either run"
+    chart = transfer_cost(to_dict(result))
+    assert chart.layout.annotations[0].text == \
+        "transfers not measured in the baseline; none in the other"
     assert "spans: not measured; promotion wait not measured; failed transfers not measured" \
         in render_text(result)
 

@@ -57,6 +57,18 @@ def test_hit_quality_and_transfer_figures():
         "time not measured, blocks not measured in all"]
 
 
+def test_the_per_level_chart_ticks_the_levels_run():
+    """A rollout stopped after its first level (concurrency 1): the log axis read 0.125,
+    0.25, ... 8 streams around the one point; its ticks are now the levels run, and with
+    two levels both."""
+    point = [{"quantile": 0.99, "value": 0.1, "low": 0.09, "high": 0.11}]
+    one = fc.level_tails({"base": {"1": {"ttft": point}}, "cand": {"1": {"ttft": point}}})
+    assert list(one.layout.xaxis.tickvals) == [1]
+    two = fc.level_tails({"base": {"1": {"ttft": point}, "4": {"ttft": point}}})
+    assert list(two.layout.xaxis.tickvals) == [1, 4] and list(two.layout.xaxis.ticktext) == \
+        ["1", "4"]
+
+
 def test_placeholders_and_verdict_colours():
     for fig in fc.all_figures(None):
         assert fig.layout.annotations[0].text == fc.EMPTY

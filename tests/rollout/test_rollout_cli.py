@@ -55,7 +55,7 @@ def test_a_planted_ttft_regression_is_rolled_back(tmp_path):
     requests: the candidate's p99 TTFT is about ten times the baseline's, far over a +10%
     budget and above the A/A floor -> roll back (at 80 ms, a loaded machine's noise in the
     baseline's A/A pair once left a 77 ms difference inconclusive: the plant must stand clear
-    of it). Hit quality is not measured (no /metrics)."""
+    of it). Hit quality and transfers are not measured (no /metrics)."""
     guidellm = guidellm_path()
     base, cand = free_ports(2)
     done = _rollout("--arm", f"base=http://127.0.0.1:{base}",
@@ -71,6 +71,10 @@ def test_a_planted_ttft_regression_is_rolled_back(tmp_path):
     assert j["verdict"]["decision"] == "roll back (disable the newest tier)", j["verdict"]
     assert out.startswith("slow: roll back")
     assert j["overall"]["baseline"]["token_share"] is None  # not measured, not 0
+    # nor the transfers: neither an agent nor the server's metrics counted them (the report's
+    # chart said "no transfers in either run")
+    assert j["overall"]["baseline"]["transfers"] is None
+    assert j["overall"]["candidate"]["transfers"] is None
     assert "not measured" in j["text"]
     assert {r["cost"]["source"] for r in doc["runs"]} == {"none"}
     # JSON values, not their Python text ("None", "Budget(seconds=None, relative=0.1)")
@@ -144,11 +148,16 @@ def test_sigterm_stops_the_servers_and_the_load_generator_and_keeps_the_finished
     finally:
         proc.kill()
     assert proc.returncode == 130, err[-2000:]
-    assert f"interrupted (partial results in {out})" in err
     assert wait_until(lambda: not ours(), timeout=10), ours()
     doc = json.loads(report.read_text())
     assert doc["error"] == "interrupted" and 1 <= len(doc["runs"]) < 8
-    assert (out / "rollout.html").read_text().count("Partial results") == 1
+    # how far it got, where the results are, and that a rollout does not resume
+    assert f"interrupted after {len(doc['runs'])} of 8 runs (partial results in {out}: " \
+        "rollout.html, rollout.json); a rollout does not resume: run it again with another " \
+        "--out" in err, err[-2000:]
+    assert (out / "rollout.html").read_text().count(
+        f"Partial results: the rollout stopped early, after {len(doc['runs'])} of 8 runs: "
+        "interrupted") == 1
 
 
 def test_a_server_already_on_a_started_arms_port_is_refused_not_measured(tmp_path):
