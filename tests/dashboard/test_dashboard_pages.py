@@ -155,6 +155,9 @@ def test_deep_link_opens_the_request_and_unknown_ids_explain_themselves():
     assert RECORD["trace_id"] in str(details)
     fig, details = requests_page.waterfall(FakeBackend(), "?id=nope", None)
     assert "not in the table" in annotation_texts(fig)[0]
+    # a source asked for is named: the id may be in the table under another one
+    fig, details = requests_page.waterfall(FakeBackend(), "?id=nope&source=bogus", None)
+    assert "no request 'nope' from source 'bogus' in the table" in details
     # an id of 5,000 characters is looked up, and shown, as senders cut it: 256 of them
     fig, details = requests_page.waterfall(FakeBackend(), "?id=" + "x" * 5000, None)
     assert f"request {'x' * 256!r} is not in the table" in details
@@ -168,7 +171,7 @@ def test_deep_link_opens_the_request_and_unknown_ids_explain_themselves():
             return None
 
     fig, details = requests_page.waterfall(Strict(), "?id=req-7&source=" + "s" * 70, None)
-    assert "not in the table" in details
+    assert f"no request 'req-7' from source {'s' * 32!r} in the table" in details
 
 
 def test_the_waterfall_counts_the_transfers_the_record_left_out():

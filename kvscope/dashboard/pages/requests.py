@@ -226,6 +226,10 @@ def waterfall(backend: Backend, search: str | None, instance: str | None) -> tup
     if record is None:
         message = (f"request {request_id!r} is not in the table (the agent keeps the most "
                    f"recent requests only)")
+        if source:  # the id may be there under another source: say which was asked for
+            message = (f"no request {request_id!r} from source {source!r} in the table (the "
+                       "agent keeps the most recent requests only; leave source out of the "
+                       "link for the one that finished last under any source)")
         return fr.waterfall_placeholder(message), message
     transfers = fr.transfer_count(record)
     link = {k: v for k, v in (("id", request_id), ("source", record.get("source")),
