@@ -85,6 +85,37 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def start_agent(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """`kvscope agent` started on a free loopback port (its ingest on another), its output
+    discarded, with ``env`` (default this process's): (the process, its HTTP port)."""
+    port, ingest = free_ports(2)
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--port", str(port),
+                             "--ingest", f"tcp://127.0.0.1:{ingest}"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    return proc, port
+
+
+def agent_samples(proc: subprocess.Popen, port: int, ready, timeout: float = 60.0) -> list:
+    """The dashboard samples of the agent ``proc`` serving ``port`` (as the dashboard reads
+    them), once ``ready(newest sample)`` holds; AssertionError with the process's exit code
+    and the newest sample when it does not within ``timeout`` seconds."""
+    from kvscope.dashboard.backend import AgentBackend, BackendUnavailable
+
+    backend = AgentBackend(f"http://127.0.0.1:{port}")
+    samples: list = []
+
+    def seen() -> bool:
+        nonlocal samples
+        try:
+            samples = backend.fetch_samples()
+        except BackendUnavailable:
+            return False
+        return bool(samples) and ready(samples[-1])
+    assert wait_until(seen, timeout=timeout), (proc.poll(), samples[-1:])
+    return samples
+
+
 def artifacts_dir() -> Path:
     """test-artifacts/ under the repository root (git-ignored), created on demand."""
     ARTIFACTS_DIR.mkdir(parents=True, exist_ok=True)

@@ -21,9 +21,8 @@ from kvscope.agent.collectors.engine_args import (FIND_EVERY, EngineArgsCollecto
                                                   parse_cmdline, weight_offload_bytes)
 from kvscope.agent.collectors.metrics import collector_samples
 from kvscope.agent.config import CollectorsConfig
-from kvscope.dashboard.backend import AgentBackend, BackendUnavailable
 from kvscope.dashboard.misconfig import MISCONFIGURED, weight_offload
-from conftest import free_port, wait_until
+from conftest import agent_samples, start_agent, wait_until
 
 GiB = 2**30
 
@@ -173,23 +172,10 @@ def test_a_live_agent_finds_the_vllm_server_and_the_detector_fires(tmp_path):
     weight offload, and the Overview's detector reads them as the guide's failure mode 2
     (before, with no tap to name the process, it said "not measured")."""
     engine = _start_as_vllm(tmp_path, "serve", "m", "--cpu-offload-gb", "4")
-    port = free_port()
-    agent = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--port", str(port),
-                              "--ingest", f"tcp://127.0.0.1:{free_port()}"],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    backend = AgentBackend(f"http://127.0.0.1:{port}")
-    samples: list = []
-
-    def weights_seen() -> bool:
-        nonlocal samples
-        try:
-            samples = backend.fetch_samples()
-        except BackendUnavailable:
-            return False
-        return bool(samples) and samples[-1].get("engine_weight_offload_bytes") is not None
+    agent, port = start_agent()
     try:
-        assert wait_until(weights_seen, timeout=60), (agent.poll(), samples[-1:])
+        samples = agent_samples(agent, port,
+                                lambda newest: newest.get("engine_weight_offload_bytes") is not None)
     finally:
         for proc in (agent, engine):
             proc.terminate()

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-from conftest import free_port, wait_until
+from conftest import agent_samples, start_agent
 from dash import html
 
-from kvscope.dashboard.backend import AgentBackend, BackendUnavailable
 from tests.cgroups import limited_cgroup, move
 
 from kvscope.dashboard import misconfig as M
@@ -99,30 +96,15 @@ def test_a_budget_over_a_real_cgroups_limit_fires_from_live_agents():
     with limited_cgroup(GIB, "budget") as cgroup:
         try:
             for budget in (900, 800):
-                env = {**os.environ, "KVSCOPE_COLLECTORS__HOST__RESERVE_BYTES": str(200 * MIB),
-                       "KVSCOPE_COLLECTORS__HOST__BUDGETS": json.dumps({"cpu": budget * MIB})}
-                port = free_port()
-                agents.append((port, subprocess.Popen(
-                    [sys.executable, "-m", "kvscope", "agent", "--port", str(port), "--ingest",
-                     f"tcp://127.0.0.1:{free_port()}"], env=env, stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
-                move(cgroup, agents[-1][1].pid)
-            findings = []
-            for port, proc in agents:
-                backend = AgentBackend(f"http://127.0.0.1:{port}")
-                samples: list = []
-
-                def limited() -> bool:
-                    nonlocal samples
-                    try:
-                        samples = backend.fetch_samples()
-                    except BackendUnavailable:
-                        return False
-                    return bool(samples) and samples[-1].get("host_memory_limit_bytes") == GIB
-                assert wait_until(limited, timeout=60), (proc.poll(), samples[-1:])
-                findings.append(M.budget_over_limit(samples, S))
+                agents.append(start_agent({
+                    **os.environ, "KVSCOPE_COLLECTORS__HOST__RESERVE_BYTES": str(200 * MIB),
+                    "KVSCOPE_COLLECTORS__HOST__BUDGETS": json.dumps({"cpu": budget * MIB})}))
+                move(cgroup, agents[-1][0].pid)
+            findings = [M.budget_over_limit(agent_samples(
+                proc, port, lambda newest: newest.get("host_memory_limit_bytes") == GIB), S)
+                for proc, port in agents]
         finally:
-            for _, proc in agents:
+            for proc, _ in agents:
                 proc.terminate()
                 proc.wait(timeout=30)
     over, fits = findings
