@@ -35,6 +35,12 @@ def positive(kind=float, at_most: float | None = None):
     return _number(kind, lambda v: 0 < v <= at_most, f"must be > 0 and at most {at_most:,}")
 
 
+def at_least(minimum: float, unit: str):
+    """A parser of floats of at least ``minimum`` ``unit`` (a rate: one too small to mean
+    anything turns a few tokens into centuries of seconds)."""
+    return _number(float, lambda v: v >= minimum, f"must be at least {minimum:g} {unit}")
+
+
 def non_negative(kind=int, at_most: float | None = None):
     """A parser of ``kind`` values >= 0 (e.g. a tier size where 0 disables the tier), and at
     most ``at_most`` when given."""

@@ -173,6 +173,10 @@ def test_a_workload_without_one_off_prompts_is_accepted():
     (["dashboard", "--sizing-gpu-tokens", str(2**74)], "must be 0 to 9,007,199,254,740,992"),
     (["analyze", "t.jsonl", "--budget-gib", "1e300"], "at most 1,073,741,824"),
     (["compare", "a", "b", "--resamples", "99999999999"], "at most 1,000,000"),
+    # a rate of 1e-300 priced a prompt's prefill at a 300-digit number of seconds
+    (["analyze", "t.jsonl", "--prefill-tokens-per-second", "1e-300"],
+     "must be at least 1 token/s"),
+    (["analyze", "t.jsonl", "--bandwidth-gbps", "1e-300"], "must be at least 0.001 GB/s"),
 ])
 def test_a_bad_argument_is_one_line_that_points_to_help(args, needle):
     _one_error_line(_kvscope(*args), needle, "--help)")

@@ -12,7 +12,7 @@ from kvscope.analysis.inputs import load_measured_rates, load_trace
 from kvscope.analysis.report import render_text, to_json
 from kvscope.analysis.sizing import DEFAULT_BANDWIDTH, GIB
 from kvscope.engine.presets import PRESETS, get_preset
-from kvscope.argtypes import at_most, positive, share, token_count
+from kvscope.argtypes import at_least, at_most, positive, share, token_count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,11 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.add_argument("--preset", default="llama-3-8b", choices=sorted(PRESETS),
                         help="model preset for bytes per block and prefill cost (default %(default)s)")
-    parser.add_argument("--bandwidth-gbps", type=positive(float), metavar="GB/S",
+    parser.add_argument("--bandwidth-gbps", type=at_least(0.001, "GB/s"), metavar="GB/S",
                         help="host-to-device promotion bandwidth, GB/s (default: a capture's "
                         "own, measured over its timed cpu->gpu copies; without any, "
                         f"{DEFAULT_BANDWIDTH / 1e9:g}, assumed)")
-    parser.add_argument("--prefill-tokens-per-second", type=positive(float), metavar="TOKENS",
+    parser.add_argument("--prefill-tokens-per-second", type=at_least(1, "token/s"),
+                        metavar="TOKENS",
                         help="prefill rate (default: a capture's own, its recomputed tokens "
                         "over its prefill seconds; without them, the preset's, assumed)")
     parser.add_argument("--gpu-tokens", type=token_count, default=0, metavar="TOKENS",
