@@ -325,6 +325,17 @@ def type_filter(browser, column: str, text: str) -> None:
                                          f'[aria-colindex="{index}"] input').send_keys(text)
 
 
+def test_the_min_ttft_box_applies_once_typing_stops(demo, browser):
+    """Typing a minimum TTFT filters the table without Enter (it waited for Enter, or for the
+    box to lose focus: a tryout typed 5, waited, and saw every row still listed)."""
+    browser.get(demo.ui_url + "requests")
+    wait_for(browser, lambda: "requests" in status_text(browser, "requests-status"),
+             "the Requests page's status line")
+    browser.find_element("id", "min-ttft").send_keys("5")
+    wait_for(browser, lambda: "with TTFT ≥ 5 ms" in status_text(browser, "requests-status"),
+             "the table filtered to TTFT >= 5 ms, without Enter")
+
+
 def test_requests_grid_sorts_filters_pages_and_highlights(demo, browser):
     """The Requests grid keeps what the DataTable did: 15 rows a page, the page kept across
     refreshes; sorting by TTFT asks the agent (the first row is the slowest of its whole
