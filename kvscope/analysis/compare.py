@@ -304,7 +304,6 @@ def _side(runs: list[RequestSample]) -> Side:
     tokens = {src: sum(int(r.tokens.get(src, 0)) for r in runs) for src in sources}
     total = sum(tokens.values())
     share = {src: tokens[src] / total for src in sources} if total else None
-    # every request has prompt tokens: none by any source is none measured
     requests = sum(r.requests for r in runs)
     n = max(requests, 1)
     moved: dict[str, dict[str, float | None]] = {}
@@ -328,6 +327,7 @@ def _side(runs: list[RequestSample]) -> Side:
         if tokens.get(tier) or legs:
             value[tier] = {"tokens": tokens.get(tier, 0), "transfer_seconds": spent,
                            "prefill_seconds_saved": tokens.get(tier, 0) / rate if rate else None}
+    # every request has prompt tokens: none by any source is none measured
     return Side(", ".join(r.name for r in runs), requests, len(runs),
                 tokens if total else None, share, transfers if measured else None,
                 transfer_failures(runs), *_wait_stats(runs), rate, value)

@@ -24,8 +24,7 @@ count past 2**53: :func:`kvscope.events.validate`; a start or end time of 0, whi
 as unset) is counted in
 ``kvscope_events_dropped_total{source="otlp", reason="invalid"}``. A span whose trace id is
 not a W3C one is used without it (its request counts, under a trace id of the agent's own, as
-a request without a traceparent; the first such span is logged). Every
-span received counts
+a request without a traceparent; the first such span is logged). Every span received counts
 in ``kvscope_events_received_total{source="otlp"}``, so an operator sees whether spans arrive.
 vLLM sends spans in batches (every 5 s by default: ``OTEL_BSP_SCHEDULE_DELAY``), so from the
 first span on, the tap's records wait ``wait`` seconds for theirs before they count in the
