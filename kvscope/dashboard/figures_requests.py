@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 import plotly.graph_objects as go
 
 from kvscope.dashboard.figures import COLOURS, message_figure, new_figure
+from kvscope.dashboard.series import bytes_text
 from kvscope.vocabulary import TOKEN_SOURCES
 
 WATERFALL_TITLE = "Request waterfall"
@@ -80,14 +81,6 @@ def table_rows(records: Sequence[Mapping]) -> list[dict]:
     return rows
 
 
-def size_text(n: float) -> str:
-    """A byte count for the page, in decimal units: "1.23 GB", "512 B"."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 def transfer_count(record: Mapping) -> int:
     """The request's transfers: those its record lists and those left out of the list
     (``transfers_omitted``, past the agent's cap per request)."""
@@ -114,7 +107,7 @@ def waterfall(record: Mapping) -> go.Figure:
         direction = f"{t.get('src')}->{t.get('dst')}"
         ok = t.get("ok", True)
         label = (f"#{i + 1} {direction} · {int(t.get('blocks', 0))} blocks · "
-                 f"{size_text(float(t.get('bytes', 0)))}" + ("" if ok else " · FAILED"))
+                 f"{bytes_text(float(t.get('bytes', 0)))}" + ("" if ok else " · FAILED"))
         start = (float(t.get("start", arrival)) - arrival) * 1000
         rows.append((label, start, float(t.get("duration", 0.0)) * 1000,
                      COLOURS.get(direction, "#8c564b") if ok else "#d62728", direction))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from dash import html
 
 from kvscope import catalog as m
-from kvscope.dashboard.figures_requests import size_text
+from kvscope.dashboard.series import bytes_text
 
 SECTION_ID = "topology"
 TITLE = "Topology these transfers ran on"
@@ -119,10 +119,11 @@ def link_text(generation: str | None, width: str | None) -> str:
 
 
 def placement_text(engine_bytes: Mapping[str, float]) -> str:
-    """"node 0: 1.2 GB (96%) · node 1: 50 MB (4%)", nodes in order."""
+    """"node 0: 1.20 GiB (96%) · node 1: 50.0 MiB (4%)", nodes in order (binary units, as the
+    Overview's other memory figures)."""
     total = sum(engine_bytes.values())
     return " · ".join(
-        f"node {node}: {size_text(size)}" + (f" ({size / total:.0%})" if total else "")
+        f"node {node}: {bytes_text(size)}" + (f" ({size / total:.0%})" if total else "")
         for node, size in sorted(engine_bytes.items(), key=lambda kv: _gpu_order(kv[0])))
 
 
@@ -135,7 +136,7 @@ def _gpu_part(t: Topology) -> html.Div:
     cell = lambda text: html.Td(text, style=CELL_STYLE)  # noqa: E731
     rows = [html.Tr([cell(g.gpu), cell(link_text(g.generation, g.width)),
                      cell(link_text(g.max_generation, g.max_width)),
-                     cell(f"{size_text(g.link_max)}/s" if g.link_max else NOT_MEASURED),
+                     cell(f"{g.link_max / 1e9:.3g} GB/s" if g.link_max else NOT_MEASURED),
                      cell(g.numa_node if g.numa_node is not None else NOT_MEASURED)])
             for g in t.gpus]
     head = html.Tr([html.Th(c, style=CELL_STYLE) for c in GPU_COLUMNS])

@@ -26,8 +26,8 @@ def _topology(gpu_labels=({"gpu": "0", "pcie_generation": "4", "pcie_width": "16
             *(_s("kvscope_gpu_topology_info", **g, **common) for g in gpu_labels),
             _s("kvscope_pcie_link_max_bytes_per_second", 31.5e9, gpu="0", **common),
             _s("kvscope_host_numa_nodes", 2.0, **common),
-            _s("kvscope_process_numa_bytes", 3e9, numa_node="0", **common),
-            _s("kvscope_process_numa_bytes", 1e9, numa_node="1", **common)]
+            _s("kvscope_process_numa_bytes", 3 * 2**30, numa_node="0", **common),
+            _s("kvscope_process_numa_bytes", 2**30, numa_node="1", **common)]
 
 
 def _text(component) -> str:
@@ -64,14 +64,14 @@ def test_two_gpus_two_nodes_with_what_nvml_did_not_give_not_measured():
     assert [g.gpu for g in t.gpus] == ["0", "1"]
     assert t.gpus[0] == tv.GpuLink("0", "4", "16", "5", "16", "1", 31.5e9)
     assert t.gpus[1] == tv.GpuLink("1", "4", "8", None, None, None, None)
-    assert t.engine_bytes == {"0": 3e9, "1": 1e9}
+    assert t.engine_bytes == {"0": 3 * 2**30, "1": 2**30}
     parts = _parts(tv.section(_topology()))
     state, gpus = parts["topology-gpus"]
     assert state == "measured"
     assert "0 | Gen 4 x16 | Gen 5 x16 | 31.5 GB/s | 1" in gpus
     assert "1 | Gen 4 x8 | not measured | not measured | not measured" in gpus
     assert parts["topology-numa-nodes"] == ("measured", "host NUMA nodes online: 2")
-    assert parts["topology-engine-numa"][1].endswith("node 0: 3 GB (75%) · node 1: 1 GB (25%)")
+    assert parts["topology-engine-numa"][1].endswith("node 0: 3.00 GiB (75%) · node 1: 1.00 GiB (25%)")
 
 
 def test_a_host_without_a_gpu_says_no_gpu_never_zero():
