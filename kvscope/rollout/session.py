@@ -76,6 +76,11 @@ def _loadgen_version(executable: str) -> str:
     return out.strip().rsplit(" ", 1)[-1] or "unknown"
 
 
+def streams(level: int) -> str:
+    """"1 stream", "8 streams": a load level in words."""
+    return f"{level} stream" + ("" if level == 1 else "s")
+
+
 def _sample(run: dict) -> RequestSample:
     c = run["cost"]
     return RequestSample(run["slot"], run["ttft"], run["itl"], tokens=c["tokens"],
@@ -137,7 +142,7 @@ class Session:
             except loadgen.LoadgenError as exc:
                 arm.check()  # a server that died is the cause to name
                 raise loadgen.LoadgenError(f"run {step.index + 1} ({step.slot} at "
-                                           f"{step.level} streams): {exc}") from None
+                                           f"{streams(step.level)}): {exc}") from None
         elapsed = time.time() - started
         arm.check()
         spent = cost(before, arm.snapshot())
@@ -189,7 +194,7 @@ class Session:
                 done = time.time() - t0
                 left = (f", about {(time.time() - first) / n * (len(self.steps) - n):.0f} s "
                         "left" if n else "")
-                self._say(f"run {n + 1}/{len(self.steps)}: {step.slot} at {step.level} streams, "
+                self._say(f"run {n + 1}/{len(self.steps)}: {step.slot} at {streams(step.level)}, "
                           f"repetition {step.rep + 1}/{o.repetitions} ({done:.0f} s{left})")
                 self.doc["runs"].append(self._run(step))
                 report.write_json(self.directory, self.doc)

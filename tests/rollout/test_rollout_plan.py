@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvscope.rollout.plan import aa_slot, plan
+from kvscope.rollout.session import streams
 
 
 def test_every_slot_runs_once_per_level_and_repetition_in_alternating_order():
@@ -35,3 +36,8 @@ def test_without_the_aa_pair_and_with_three_arms():
 def test_bad_plans_are_refused(arms, levels, reps, message):
     with pytest.raises(ValueError, match=message):
         plan(arms, levels, reps)
+
+
+def test_a_level_reads_as_streams_in_words():
+    """The progress line said "at 1 streams"."""
+    assert [streams(n) for n in (1, 2, 64)] == ["1 stream", "2 streams", "64 streams"]
