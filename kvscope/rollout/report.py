@@ -171,6 +171,18 @@ def page(doc: dict) -> str:
                      f"</b>: {_e(j['verdict']['text'])}</div><ul>"
                      + "".join(f"<li>{_e(r)}</li>" for r in j["verdict"]["reasons"]) + "</ul>")
     parts += ["<h2>The noise floor (A/A pair)</h2>", _floor_rows(doc)]
+    if doc["runs"]:
+        parts += _figures(doc)
+    else:  # stopped before its first run: no empty charts, nor Plotly's 4.8 MB to draw them
+        parts.append("<p>No run finished: nothing to chart.</p>")
+    parts += ["<h2>Runs and host context</h2>", _runs_table(doc),
+              "<h2>Commands and versions</h2>",
+              f"<pre>{_e(json.dumps(meta, indent=1))}</pre>", "</body></html>"]
+    return "\n".join(parts)
+
+
+def _figures(doc: dict) -> list[str]:
+    """The charts (the first carrying Plotly's JavaScript) and each judgement's text."""
     figures = [fc.level_tails(doc.get("tails"), m, q) for m in METRICS for q in (0.5, 0.99)]
     for j in doc["judgements"]:
         figures += [f.update_layout(title_text=f"{j['candidate']}: {f.layout.title.text}")
@@ -181,14 +193,9 @@ def page(doc: dict) -> str:
                                   r.get("prompt_tokens", []))]
     figures += [f.update_layout(title_text=f"baseline: {f.layout.title.text}") for f in
                 (figures_load.concurrency(records), figures_load.prompt_lengths(records))]
-    parts.append("<h2>Tails per concurrency level, each candidate over the whole ramp, and the "
-                 "baseline's load</h2>")
-    for i, fig in enumerate(figures):
-        parts.append(pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0)))
-    for j in doc["judgements"]:
-        parts.append(f"<h2>{_e(j['candidate'])} against the baseline, all levels</h2>"
-                     f"<pre>{_e(j['text'])}</pre>")
-    parts += ["<h2>Runs and host context</h2>", _runs_table(doc),
-              "<h2>Commands and versions</h2>",
-              f"<pre>{_e(json.dumps(meta, indent=1))}</pre>", "</body></html>"]
-    return "\n".join(parts)
+    parts = ["<h2>Tails per concurrency level, each candidate over the whole ramp, and the "
+             "baseline's load</h2>"]
+    parts += [pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0))
+              for i, fig in enumerate(figures)]
+    return parts + [f"<h2>{_e(j['candidate'])} against the baseline, all levels</h2>"
+                    f"<pre>{_e(j['text'])}</pre>" for j in doc["judgements"]]
