@@ -2,10 +2,11 @@
 
 import dash
 import numpy as np
+import pytest
 
 from kvscope.agent.capture import CaptureWriter
 from kvscope.agent.requests import RequestRecord, TransferRecord
-from kvscope.analysis.compare import RequestSample, compare, to_dict
+from kvscope.analysis.compare import Budget, RequestSample, compare, to_dict
 from kvscope.dashboard import figures_compare as fc
 from kvscope.dashboard.access import resolve_roots
 from kvscope.dashboard.pages import compare as page
@@ -93,7 +94,7 @@ def test_page_compares_two_captures_and_reports_errors_plainly(tmp_path):
     b, c = (",".join(_capture(tmp_path / f"{name}{i}", x * (1 + i / 1e4)) for i in range(2))
             for name, x in (("b", np.linspace(0.02, 0.04, 150)),
                             ("c", np.linspace(0.2, 0.3, 150))))
-    data, message = page.run_compare(b, c, 100, resamples=200)
+    data, message = page.run_compare(b, c, page.form_budget("100"), resamples=200)
     assert data["verdict"]["decision"] == "roll back (disable the newest tier)"
     assert "300 requests" in message
     *figures, banner, status = page.render(data, message)
@@ -143,7 +144,7 @@ def test_page_and_command_line_give_the_same_intervals(tmp_path, capsys):
 
     b = _capture(tmp_path / "b", np.linspace(0.02, 0.04, 150))
     c = _capture(tmp_path / "c", np.linspace(0.03, 0.05, 150))
-    data, _message = page.run_compare(b, c, 100)
+    data, _message = page.run_compare(b, c, page.form_budget("100"))
     assert main(["compare", b, c, "--ttft-budget", "0.1", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)
     assert data["ttft"] == cli["ttft"] and data["resamples"] == cli["resamples"]
@@ -164,40 +165,52 @@ def test_hit_quality_says_not_measured_for_an_arm_without_tokens_by_source(tmp_p
     assert list(gpu.x) == [None, 0.52]
 
 
-def test_link_opens_the_form_with_the_budget_in_milliseconds():
+def test_link_opens_the_form_with_the_budget_in_milliseconds_or_a_percentage():
     link = page.parse_link("?baseline=/runs/a1,/runs/a2&candidate=/runs/b&ttft_budget=0.08")
-    assert link == page.Link("/runs/a1,/runs/a2", "/runs/b", 80.0, "")
+    assert link == page.Link("/runs/a1,/runs/a2", "/runs/b", "80", "")
     # the form shows the milliseconds as written: 1001, not 1.001 * 1e3 = 1000.9999999999999
-    assert page.parse_link("?baseline=a&ttft_budget=1.001").budget_ms == 1001.0
-    assert page.parse_link("baseline=a&candidate=b").budget_ms is None  # "?" is optional
+    assert page.parse_link("?baseline=a&ttft_budget=1.001").budget == "1001"
+    assert page.parse_link("baseline=a&candidate=b").budget is None  # "?" is optional
+    # relative, as kvscope compare --ttft-budget +10% (a "+" in a query is a space, "%2B" not)
+    assert page.parse_link("?baseline=a&ttft_budget=%2B10%25").budget == "+10%"
+    assert page.parse_link("?baseline=a&ttft_budget=-5%25").budget == "-5%"
+    # typed unencoded into the address bar: "+" reads as a space, a lone "%" stays
+    assert page.parse_link("?baseline=a&ttft_budget=+10%").budget == "+10%"
     assert page.parse_link("?candidate=b&utm_source=chat&x=1") == page.Link(None, "b", None)
     for search in (None, "", "?", "?id=r1&source=engine"):  # no compare key: form untouched
         assert page.parse_link(search) is None, search
 
 
 def test_link_with_a_bad_budget_is_one_status_line():
-    for raw in ("abc", "-1", "0", "nan", "inf", "0.5s", "x" * 100):
+    for raw in ("abc", "-1", "0", "nan", "inf", "0.5s", "x" * 100, "-100%25", "abc%25"):
         link = page.parse_link(f"?baseline=a&candidate=b&ttft_budget={raw}")
-        assert link.budget_ms is None and (link.baseline, link.candidate) == ("a", "b")
+        assert link.budget is None and (link.baseline, link.candidate) == ("a", "b")
         assert link.error.startswith("cannot compare: ttft_budget=") and "\n" not in link.error
-        assert "positive number of seconds" in link.error and len(link.error) < 200, raw
+        assert "positive number of seconds" in link.error and len(link.error) < 250, raw
 
 
-def test_link_search_writes_seconds_and_reads_back():
-    search = page.link_search("/runs/a1,/runs/a2", "/runs/b c&d", 80)
+def test_link_search_writes_the_budget_as_the_command_line_takes_it_and_reads_back():
+    search = page.link_search("/runs/a1,/runs/a2", "/runs/b c&d", page.form_budget("80"))
     assert search == "?baseline=/runs/a1,/runs/a2&candidate=/runs/b+c%26d&ttft_budget=0.08"
-    assert page.parse_link(search) == page.Link("/runs/a1,/runs/a2", "/runs/b c&d", 80.0)
-    assert page.link_search("a", "b", 1234.5678) == "?baseline=a&candidate=b&ttft_budget=1.2345678"
-    for none in (None, 0):  # the form's "no budget"
-        assert page.link_search("a", "b", none) == "?baseline=a&candidate=b"
-    assert page.link_search("", None, 80) == ""
-    assert page.budget_error(None) == page.budget_error(0) == page.budget_error(80) == ""
-    assert "positive number of milliseconds" in page.budget_error(-5)
+    assert page.parse_link(search) == page.Link("/runs/a1,/runs/a2", "/runs/b c&d", "80")
+    assert page.link_search("a", "b", page.form_budget(" 1234.5678 ")) \
+        == "?baseline=a&candidate=b&ttft_budget=1.2345678"
+    search = page.link_search("a", "b", page.form_budget("+10%"))
+    assert search == "?baseline=a&candidate=b&ttft_budget=%2B10%25"
+    assert page.parse_link(search) == page.Link("a", "b", "+10%")
+    for none in (None, "", " ", 0, "0"):  # the form's "no budget"
+        assert page.form_budget(none) is None
+        assert page.link_search("a", "b", page.form_budget(none)) == "?baseline=a&candidate=b"
+    assert page.link_search("", None, page.form_budget("80")) == ""
+    # 80 ms; a number from a session persisted while the field took numbers
+    assert page.form_budget("80") == page.form_budget(80) == Budget(seconds=0.08)
+    assert page.form_budget("-5%") == Budget(relative=-0.05)
+    for bad in ("-5", "abc", "nan", "80ms", "-100%"):
+        with pytest.raises(ValueError, match="budget"):
+            page.form_budget(bad)
 
 
 def test_respond_opens_a_link_and_a_click_writes_one(tmp_path):
-    import pytest
-
     b = _capture(tmp_path / "b", np.linspace(0.02, 0.04, 150))
     c = _capture(tmp_path / "c", np.linspace(0.2, 0.3, 150))
     keep = dash.no_update
@@ -206,28 +219,32 @@ def test_respond_opens_a_link_and_a_click_writes_one(tmp_path):
 
     out = page.respond(False, f"?baseline={b}&candidate={c}&ttft_budget=0.1", None, None, None,
                        resamples=200, roots=roots)
-    assert out[n:] == (b, c, 100.0, keep)
+    assert out[n:] == (b, c, "100", keep)
     assert "over the 100 ms budget" in out[n - 2].children[0].children  # 0.1 s, applied
     assert "150 requests" in out[n - 1]
 
-    out = page.respond(True, "", b, c, 100, resamples=200, roots=roots)
+    out = page.respond(True, "", b, c, "100", resamples=200, roots=roots)
     assert out[-1] == f"?baseline={b}&candidate={c}&ttft_budget=0.1" and out[n:-1] == (keep,) * 3
     assert "over the 100 ms budget" in out[n - 2].children[0].children
     # already there
-    assert page.respond(True, out[-1], b, c, 100, resamples=200, roots=roots)[-1] is keep
+    assert page.respond(True, out[-1], b, c, "100", resamples=200, roots=roots)[-1] is keep
+    # relative: the baseline's p99 (about 40 ms) plus 10% is far below the candidate's 300 ms
+    out = page.respond(True, "", b, c, "+10%", resamples=200, roots=roots)
+    assert out[-1] == f"?baseline={b}&candidate={c}&ttft_budget=%2B10%25"
+    assert "over the" in out[n - 2].children[0].children and "+10%" in str(out[n - 2])
 
     # the form's own bad budget: nothing read or written
-    out = page.respond(True, "", b, c, -5, roots=roots)
+    out = page.respond(True, "", b, c, "-5", roots=roots)
     assert out[n - 1].startswith("cannot compare:") and out[n:] == (keep,) * 4
 
-    out = page.respond(False, f"?baseline={b}&candidate={c}&ttft_budget=abc", b, c, 100,
+    out = page.respond(False, f"?baseline={b}&candidate={c}&ttft_budget=abc", b, c, "100",
                        roots=roots)
     assert out[n - 2] == "" and "ttft_budget='abc'" in out[n - 1]
     assert out[n:] == (b, c, None, keep)
     out = page.respond(False, f"?baseline={b}", None, None, None, roots=roots)
     assert out[n - 1] == "the link names no candidate capture: type it and press Compare"
     with pytest.raises(dash.exceptions.PreventUpdate):  # persisted values stay
-        page.respond(False, "?foo=1", b, c, 100, roots=roots)
+        page.respond(False, "?foo=1", b, c, "100", roots=roots)
 
 
 def _rollout_report(directory):

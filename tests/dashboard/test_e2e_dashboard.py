@@ -111,13 +111,17 @@ def fill_in(browser, values: dict[str, str]) -> None:
     """Type each ``{input id: text}`` and check, half a second later, that every input holds
     its text whole. Dash may still be rendering the page when the inputs first appear, and a
     keystroke that lands during that re-render goes astray (seen in CI: "/tmp/x/baseline"
-    arrived as "/tp/x/baselinem"), so then type them all again."""
+    arrived as "/tp/x/baselinem"), so then type them all again. What an input held is selected
+    and typed over: WebDriver's clear() does not empty a React input (a typed "80" stayed, and
+    the new text came after it)."""
+    from selenium.webdriver.common.keys import Keys
+
     held: dict = {}
     for _ in range(5):
         for element_id, text in values.items():
             element = browser.find_element("id", element_id)
-            element.clear()
-            element.send_keys(text)
+            element.send_keys(Keys.CONTROL, "a")
+            element.send_keys(Keys.DELETE, text)
         time.sleep(0.5)
         held = {i: browser.find_element("id", i).get_attribute("value") for i in values}
         if held == values:
@@ -505,7 +509,7 @@ def test_compare_page_shows_two_captures_and_a_verdict(compare_dashboard, browse
     try:
         wait_for(browser, lambda: browser.find_elements("id", "compare-run"), "the form")
         fill_in(browser, {"compare-baseline": baseline,
-                          "compare-candidate": candidate, "compare-budget-ms": "80"})
+                          "compare-candidate": candidate, "compare-budget": "80"})
         browser.find_element("id", "compare-run").click()
         verdict = _verdict(browser)
         wait_for(browser, lambda: "ttft_budget" in browser.current_url, "the link in the URL")
@@ -516,6 +520,14 @@ def test_compare_page_shows_two_captures_and_a_verdict(compare_dashboard, browse
     assert url.path.endswith("/compare")
     assert parse_qs(url.query) == {"baseline": [baseline], "candidate": [candidate],
                                    "ttft_budget": ["0.08"]}
+    # a budget relative to the baseline's p99, as kvscope compare --ttft-budget +10% (the
+    # field took numbers only)
+    fill_in(browser, {"compare-budget": "+10%"})
+    browser.find_element("id", "compare-run").click()
+    wait_for(browser, lambda: "ttft_budget=%2B10%25" in browser.current_url, "the new link")
+    verdict = wait_for(browser, lambda: "+10%" in _verdict(browser) and _verdict(browser),
+                       "the verdict against the relative budget")
+    assert "the baseline's p99" in verdict
     assert not console_errors(browser)
 
 
@@ -528,12 +540,12 @@ def test_compare_link_opens_the_verdict_without_a_click(compare_dashboard, brows
     try:
         verdict = _verdict(browser)
         form = {i: browser.find_element("id", i).get_attribute("value")
-                for i in ("compare-baseline", "compare-candidate", "compare-budget-ms")}
+                for i in ("compare-baseline", "compare-candidate", "compare-budget")}
     finally:
         screenshot(browser, "dashboard-compare-link")
     assert "keep" in verdict.lower() and "80 ms budget" in verdict
     assert form == {"compare-baseline": baseline, "compare-candidate": candidate,
-                    "compare-budget-ms": "80"}
+                    "compare-budget": "80"}
     browser.get(f"{compare_dashboard.url}/compare?baseline={baseline}&candidate={candidate}"
                 f"&ttft_budget=abc")
     status = wait_for(browser, lambda: "ttft_budget" in status_text(browser, "compare-status")

@@ -1,7 +1,9 @@
 """The Compare page: a baseline capture against a candidate capture, and the rollback verdict.
 
 The user names two capture directories (``kvscope agent --capture-dir``, read on the
-dashboard's host, under the directories the dashboard may read: :mod:`kvscope.dashboard.access`) and optionally a p99 TTFT budget in milliseconds, and presses Compare; or a
+dashboard's host, under the directories the dashboard may read: :mod:`kvscope.dashboard.access`)
+and optionally a p99 TTFT budget (milliseconds, or a percentage of the baseline's p99 such as
+``+10%``, as ``kvscope compare --ttft-budget``), and presses Compare; or a
 ``kvscope rollout`` report directory as the baseline, and optionally which of its candidates
 (default its first): the page then shows that candidate's judgement from the report (its
 verdict, the A/A gate included) and its per-level p99 TTFT beside the baseline's. The
@@ -9,8 +11,9 @@ page then shows the verdict ("keep", "roll back (disable the newest tier)" or "i
 with its reasons, TTFT and ITL p50/p95/p99 with bootstrap confidence intervals, hit quality by
 source, and transfer cost — what ``kvscope compare BASELINE CANDIDATE`` prints.
 
-The page is linkable: ``/compare?baseline=DIR[,DIR...]&candidate=DIR[,DIR...]&ttft_budget=S``
-(the budget in seconds, as ``kvscope compare --ttft-budget``) fills the form and compares at
+The page is linkable: ``/compare?baseline=DIR[,DIR...]&candidate=DIR[,DIR...]&ttft_budget=B``
+(the budget in seconds or ``+N%``, as ``kvscope compare --ttft-budget``) fills the form and
+compares at
 once, and pressing Compare writes that query into the address bar (a ``dcc.Location`` on
 the page, without reloading), so a result can be shared or reopened. A link's values
 win over the form's persisted ones; a query without any of the three keys leaves the form as it
@@ -33,10 +36,10 @@ from dash import Input, Output, State, dcc, html
 from dash.exceptions import PreventUpdate
 
 from kvscope.analysis.bootstrap import DEFAULT_RESAMPLES
+from kvscope.analysis.compare import Budget, parse_budget
 from kvscope.dashboard import figures_compare as fc
 from kvscope.dashboard.access import outside_roots, under_roots
 from kvscope.dashboard.pages.common import Context
-from kvscope.dashboard.series import is_number
 
 PATH = "/compare"
 NAME = "Compare"
@@ -48,22 +51,23 @@ GRAPHS = {"compare-ttft": fc.TTFT_TITLE, "compare-itl": fc.ITL_TITLE,
 _GRID = {"display": "grid", "gap": "8px", "padding": "8px",
          "gridTemplateColumns": "repeat(auto-fit, minmax(520px, 1fr))"}
 _INPUT = {"width": "340px", "marginRight": "10px", "padding": "4px"}
-FORM = ("compare-baseline", "compare-candidate", "compare-budget-ms")
+FORM = ("compare-baseline", "compare-candidate", "compare-budget")
 LINK_KEYS = ("baseline", "candidate", "ttft_budget")
 
 
 class Link(NamedTuple):
-    """What a ``/compare`` query asks for: the two arms (None when not named), the budget in
-    milliseconds as the form holds it (None: none), and ``error``, a status line ("" if none)."""
+    """What a ``/compare`` query asks for: the two arms (None when not named), the budget as
+    the form holds it (milliseconds, ``"80"``, or a percentage, ``"+10%"``; None: none), and
+    ``error``, a status line ("" if none)."""
 
     baseline: str | None
     candidate: str | None
-    budget_ms: float | None
+    budget: str | None
     error: str = ""
 
 
 def layout() -> html.Div:
-    """The form (two capture paths, budget in ms, Compare button), the verdict banner, the
+    """The form (two capture paths, budget, Compare button), the verdict banner, the
     status line and the four graphs. Typed values persist for the browser session."""
     form = html.Div([
         dcc.Input(id="compare-baseline", type="text",
@@ -72,9 +76,10 @@ def layout() -> html.Div:
         dcc.Input(id="compare-candidate", type="text",
                   placeholder="candidate capture directory (runs: comma-separated)",
                   persistence=True, persistence_type="session", style=_INPUT, debounce=True),
-        dcc.Input(id="compare-budget-ms", type="number", min=0, placeholder="p99 TTFT budget, ms",
+        dcc.Input(id="compare-budget", type="text",
+                  placeholder="p99 TTFT budget: ms, or +N% of the baseline's",
                   persistence=True, persistence_type="session",
-                  style={**_INPUT, "width": "190px"}),
+                  style={**_INPUT, "width": "260px"}),
         html.Button("Compare", id="compare-run", n_clicks=0, style={"padding": "4px 14px"}),
     ], style={"display": "flex", "flexWrap": "wrap", "alignItems": "center",
               "gap": "6px", "padding": "10px 16px"})
@@ -105,18 +110,18 @@ def register_callbacks(app: dash.Dash, ctx: Context) -> None:
                   *[Output(fid, "value") for fid in FORM], Output(URL_ID, "search"),
                   Input("compare-run", "n_clicks"), Input(URL_ID, "search"),
                   *[State(fid, "value") for fid in FORM])
-    def _compare(n_clicks, search, baseline, candidate, budget_ms):
+    def _compare(n_clicks, search, baseline, candidate, budget):
         # drawing the page "triggers" the button too, with 0 clicks
         clicked = bool(n_clicks) and "compare-run.n_clicks" in dash.ctx.triggered_prop_ids
-        return respond(clicked, search, baseline, candidate, budget_ms,
-                       roots=ctx.capture_roots)
+        return respond(clicked, search, baseline, candidate, budget, roots=ctx.capture_roots)
 
 
 def respond(clicked: bool, search: str | None, baseline: str | None, candidate: str | None,
-            budget_ms: float | None, resamples: int = DEFAULT_RESAMPLES, *,
+            budget: str | float | None, resamples: int = DEFAULT_RESAMPLES, *,
             roots: Sequence[Path]) -> tuple:
     """The callback's outputs: (the figures, verdict, status, the form's three values, the
-    URL's query); ``dash.no_update`` where nothing changes. ``roots``: the resolved
+    URL's query); ``dash.no_update`` where nothing changes. ``budget``: the form's (see
+    :func:`form_budget`). ``roots``: the resolved
     directories the page may read (:func:`~kvscope.dashboard.access.outside_roots`); a path
     outside them is refused before anything is read, and a relative one is taken under them.
 
@@ -128,16 +133,19 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
     keep = dash.no_update
     if clicked:
         *arms, refused = _arms(baseline, candidate, roots)
-        error = budget_error(budget_ms) or refused
-        if error:
-            return (*render(None, error), keep, keep, keep, keep)
-        query = link_search(baseline, candidate, budget_ms)  # as typed: reopened the same way
-        return (*render(*run_compare(*arms, budget_ms, resamples)),
+        try:
+            parsed = form_budget(budget)
+        except ValueError as exc:
+            refused = f"cannot compare: {exc}"
+        if refused:
+            return (*render(None, refused), keep, keep, keep, keep)
+        query = link_search(baseline, candidate, parsed)  # as typed: reopened the same way
+        return (*render(*run_compare(*arms, parsed, resamples)),
                 keep, keep, keep, keep if query == (search or "") else query)
     link = parse_link(search)
     if link is None:
         raise PreventUpdate
-    form = (link.baseline, link.candidate, link.budget_ms)
+    form = (link.baseline, link.candidate, link.budget)
     *arms, refused = _arms(link.baseline, link.candidate, roots)
     if link.error or refused:
         return (*render(None, link.error or refused), *form, keep)
@@ -145,7 +153,7 @@ def respond(clicked: bool, search: str | None, baseline: str | None, candidate: 
         missing = "candidate" if link.baseline else "baseline"
         return (*render(None, f"the link names no {missing} capture: type it and press "
                               f"Compare"), *form, keep)
-    return (*render(*run_compare(*arms, link.budget_ms, resamples)), *form, keep)
+    return (*render(*run_compare(*arms, form_budget(link.budget), resamples)), *form, keep)
 
 
 def _arms(baseline: str | None, candidate: str | None,
@@ -164,9 +172,10 @@ def _arms(baseline: str | None, candidate: str | None,
 
 def parse_link(search: str | None) -> Link | None:
     """The :class:`Link` in a URL query such as ``?baseline=a,b&candidate=c&ttft_budget=0.5``
-    (``ttft_budget`` in seconds, converted to the form's milliseconds); None when the query
-    names none of :data:`LINK_KEYS` (other keys are ignored; of a repeated key, the first
-    counts). A budget that is not a positive number of seconds gives ``error``."""
+    (``ttft_budget`` as ``kvscope compare --ttft-budget`` reads it: seconds, shown in the form
+    as milliseconds, or ``+N%``); None when the query names none of :data:`LINK_KEYS` (other
+    keys are ignored; of a repeated key, the first counts). A budget that command would
+    refuse gives ``error``."""
     query = parse_qs((search or "").lstrip("?"))
     if not any(key in query for key in LINK_KEYS):
         return None
@@ -176,44 +185,63 @@ def parse_link(search: str | None) -> Link | None:
     if raw is None:
         return Link(baseline, candidate, None)
     try:
-        seconds = float(raw)
+        parsed = parse_budget(raw)
     except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
         shown = raw if len(raw) <= 40 else raw[:40] + "…"
         return Link(baseline, candidate, None,
-                    f"cannot compare: ttft_budget={shown!r} in the link is not a positive number "
-                    f"of seconds (e.g. ttft_budget=0.5, as kvscope compare --ttft-budget 0.5)")
-    return Link(baseline, candidate, float(f"{seconds * 1e3:.12g}"))
+                    f"cannot compare: ttft_budget={shown!r} in the link is neither a positive "
+                    f"number of seconds nor a percentage above -100% (e.g. ttft_budget=0.5 or "
+                    f"+10%, as kvscope compare --ttft-budget)")
+    if parsed.relative is not None:
+        return Link(baseline, candidate, _percent(parsed.relative))
+    return Link(baseline, candidate, f"{parsed.seconds * 1e3:.12g}")
 
 
-def link_search(baseline: str | None, candidate: str | None, budget_ms: float | None) -> str:
+def form_budget(value: str | float | None) -> Budget | None:
+    """The form's budget: milliseconds (``"80"``; a number from a session persisted before the
+    field took text), or a percentage of the baseline's p99 (``"+10%"``); None when empty or
+    0 (none). Raises ValueError, in the form's terms, for anything else."""
+    if isinstance(value, str):
+        value = value.strip()
+        if value.endswith("%"):
+            return parse_budget(value)
+    if value in (None, "", 0):
+        return None
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        ms = math.nan
+    if not (math.isfinite(ms) and ms >= 0):
+        raise ValueError(f"the p99 TTFT budget {value!r} is neither a positive number of "
+                         "milliseconds (empty or 0: none) nor a percentage of the baseline's "
+                         "p99 (e.g. +10%)")
+    return Budget(seconds=ms / 1e3) if ms else None
+
+
+def _percent(relative: float) -> str:
+    return f"{relative * 100:+.12g}%"
+
+
+def link_search(baseline: str | None, candidate: str | None, budget: Budget | None) -> str:
     """The URL query that reopens this comparison (:func:`parse_link` reads it back): the
-    arms as typed, and the budget in seconds when there is one (a form budget of 0 or none
-    means none); "" when the form names neither arm."""
+    arms as typed, and the budget when there is one (seconds, or ``+N%``); "" when the form
+    names neither arm."""
     query = {key: value for key, value in (("baseline", baseline), ("candidate", candidate))
              if value}
     if not query:
         return ""
-    if is_number(budget_ms) and budget_ms > 0:
-        query["ttft_budget"] = f"{budget_ms / 1e3:.12g}"
+    if budget is not None:
+        query["ttft_budget"] = (_percent(budget.relative) if budget.relative is not None
+                                else f"{budget.seconds:.12g}")
     return "?" + urlencode(query, safe="/,:")
 
 
-def budget_error(budget_ms: float | None) -> str:
-    """The status line refusing the form's budget ("" when it is none, 0 or positive)."""
-    if budget_ms is None or (is_number(budget_ms) and budget_ms >= 0):
-        return ""
-    return (f"cannot compare: the p99 TTFT budget must be a positive number of milliseconds "
-            f"(empty or 0: none), not {budget_ms!r}")
-
-
-def run_compare(baseline: str | None, candidate: str | None, budget_ms: float | None,
+def run_compare(baseline: str | None, candidate: str | None, budget: Budget | None,
                 resamples: int = DEFAULT_RESAMPLES) -> tuple[dict | None, str]:
     """Read both captures and compare them: (comparison data or None, status message).
 
-    ``budget_ms``: p99 TTFT budget in milliseconds (None or 0: judge against the baseline).
-    Unreadable captures and bad input become the message (never an exception into Dash).
+    ``budget``: the p99 TTFT budget (None: judge against the baseline). Unreadable captures
+    and bad input become the message (never an exception into Dash).
     """
     if _is_rollout(baseline):
         return _rollout(baseline, candidate)
@@ -225,7 +253,7 @@ def run_compare(baseline: str | None, candidate: str | None, budget_ms: float | 
 
     try:
         result = compare(*read_arms(baseline, candidate),
-                         ttft_budget=budget_ms / 1e3 if budget_ms else None, resamples=resamples)
+                         ttft_budget=budget, resamples=resamples)
     except (TraceError, ValueError) as exc:  # the dashboard's fetch boundary
         return None, f"cannot compare: {exc}"
     data = to_dict(result)
