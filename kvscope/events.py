@@ -163,7 +163,9 @@ class Transfer(_Event, tag="transfer"):
     ``duration``: seconds the copy took. ``ok``: False when it failed (then ``reason`` says why).
     ``request_id``: the request it served, "" for background work. ``timed``: False when the
     source saw the copy but not its duration (e.g. vLLM KV events): count bytes and blocks, but
-    ``duration`` is not a measurement and stays out of transfer-time histograms.
+    ``duration`` is not a measurement and stays out of transfer-time histograms. ``bytes`` 0
+    with ``blocks`` above 0: the source does not know a block's size (e.g. ``block_bytes`` not
+    configured); the blocks count, the bytes are not measured (no bytes series, not 0).
     """
 
     src: Tier

@@ -408,7 +408,8 @@ cdef class Fold:
             _add(&self._failures, direction * _REASONS
                  + _REASON_INDEX.get(field(event, T_REASON), _OTHER), 1)
             return 0
-        _add(&self._bytes, direction, nbytes)
+        if nbytes or not blocks:  # blocks of 0 bytes: a source without their size (not measured)
+            _add(&self._bytes, direction, nbytes)
         _add(&self._blocks, direction, blocks)
         if not bool_field(event, T_TIMED):  # seen, not timed: its duration is no measurement
             return 0

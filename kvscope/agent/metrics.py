@@ -33,7 +33,7 @@ def snapshot_samples(snap: Snapshot) -> Samples:
         # initialise the label sets known in advance)
         m.TRANSFER_FAILURES: _labelled({
             **{(src, dst, reason): 0 for src, dst in
-               [*snap.transfer_bytes, *(key[:2] for key in snap.transfer_failures)]
+               [*snap.transfer_blocks, *(key[:2] for key in snap.transfer_failures)]
                for reason in FAILURE_REASONS},
             **snap.transfer_failures}),
         m.EVICTED_BLOCKS: _labelled(snap.evicted_blocks),

@@ -185,6 +185,27 @@ def test_untimed_transfers_and_unmeasured_evictions_count_without_histograms():
     assert snap.evicted_block_hits == {} and snap.block_residency_seconds == {}
 
 
+def test_blocks_of_unknown_size_count_blocks_and_leave_bytes_not_measured():
+    """A source without the block size (KVBM, SGLang, ... with block_bytes unset) sends its
+    transfers with 0 bytes: kvscope_transfer_bytes_total read 0, and throughput panels 0 B/s.
+    Now no bytes series for them (not measured); another sender's bytes still count, and a
+    transfer of no blocks is 0 bytes, measured."""
+    pipeline = Pipeline()
+    pipeline.ingest("kvbm", [
+        ev.Transfer(ts=1.0, src="gpu", dst="cpu", blocks=5, bytes=0, duration=0.0, timed=False),
+        ev.Transfer(ts=1.0, src="cpu", dst="disk", blocks=0, bytes=0, duration=0.0, timed=False)])
+    snap = pipeline.snapshot()
+    assert snap.transfer_blocks == {("gpu", "cpu"): 5, ("cpu", "disk"): 0}
+    assert snap.transfer_bytes == {("cpu", "disk"): 0}
+    samples = snapshot_samples(snap)
+    assert ["gpu", "cpu"] not in [labels for labels, _ in samples[catalog.TRANSFER_BYTES]]
+    # failures are initialised for the direction all the same
+    assert (["gpu", "cpu", "io"], 0) in samples[catalog.TRANSFER_FAILURES]
+    pipeline.ingest("vllm", [
+        ev.Transfer(ts=2.0, src="gpu", dst="cpu", blocks=2, bytes=64, duration=0.001)])
+    assert pipeline.snapshot().transfer_bytes == {("gpu", "cpu"): 64, ("cpu", "disk"): 0}
+
+
 def test_engine_latency_histograms_fold_into_ttft():
     """vLLM-style buckets (0.02, 0.04, 0.06, +Inf) with counts 1, 2, 0, 1: each lands in our
     bucket holding its upper bound — 0.02 -> 0.025, 0.04 -> 0.05, +Inf -> +Inf; sum adds."""

@@ -21,8 +21,9 @@ KVBM counter (blocks)           kvscope transfer   bytes
 ``kvbm_onboard_blocks_o2d``     remote -> gpu      ``kvbm_onboard_bytes_object``'s increase
 ==============================  =================  ==========================================
 
-``block_bytes`` (KV bytes per block, config) is 0 when unknown, and so are those bytes: KVBM
-exports no block size. The ``d2h``/``h2d`` names mean different pairs in the two families
+``block_bytes`` (KV bytes per block, config) is 0 when unknown: KVBM exports no block size, and
+its transfers then go with 0 bytes, which the agent keeps out of the bytes counters (not
+measured, not 0). The ``d2h``/``h2d`` names mean different pairs in the two families
 (offload ``h2d`` is host to disk, onboard ``h2d`` host to device): the table is Dynamo's own
 help text.
 
