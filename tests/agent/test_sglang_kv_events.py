@@ -165,6 +165,22 @@ def test_sglang_streams_its_radix_tree_into_gpu_and_cpu_tiers():
     assert snap.events_dropped == {}
 
 
+def test_sglang_events_read_as_vllm_s_count_their_host_events_as_dropped_and_say_why(caplog):
+    """``[kv_events]`` without ``engine = "sglang"`` reads SGLang's events in vLLM's dialect,
+    whose media do not name ``CPU_PINNED``: the host pool's events were dropped silently (a
+    tryout: 6 events taken of 11, nothing counted or logged). Scenario ``tree`` (see above)
+    has two of them (batch 1's store, batch 4's removal): counted as ``unknown_kind``, and
+    one line naming the medium and the setting."""
+    pipeline = Pipeline()
+    source = KvEventsSource(pipeline, f"tcp://*:{free_ports(1)}", topic="kv",
+                            residency=KvResidency(BLOCK_BYTES))
+    streamed(source, "tree", lambda source: source.last_seq == 5)
+    assert pipeline.snapshot().events_dropped == {("kv_events", "unknown_kind"): 2}
+    (line,) = [r.getMessage() for r in caplog.records if "unknown_kind" in r.getMessage()]
+    assert "events of medium CPU_PINNED, which vLLM's KV events do not name" in line
+    assert 'is [kv_events] engine = "sglang" meant?' in line
+
+
 def test_each_data_parallel_rank_is_followed_on_its_own_port_and_cache():
     """``dp_size`` 2: SGLang's rank r binds the endpoint's port + r (``offset_endpoint_port``)
     with its own sequence; both ranks hold the same hashes in their own caches. Rank 0

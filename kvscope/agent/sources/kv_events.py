@@ -22,7 +22,8 @@ fetched is counted in ``kvscope_events_dropped_total{source="kv_events", reason=
 replay that brought nothing none is tried for :data:`REPLAY_BACKOFF` seconds (a replay endpoint
 that never answers would otherwise hold the source ``replay_timeout`` per gap). A jump over
 :data:`MAX_GAP` batches is followed and logged, not counted. Undecodable messages and negative
-sequence numbers count as ``malformed``, unknown event kinds as ``unknown_kind``. A seq going
+sequence numbers count as ``malformed``, unknown event kinds and events of a medium the
+engine's dialect does not name (SGLang's read as vLLM's) as ``unknown_kind``. A seq going
 backwards means vLLM restarted: residency starts over, and every reported tier's gauges say so
 at once. The stream is one publisher's: a second one on the same endpoint (its own sequence)
 reads as duplicates and restarts.
@@ -344,6 +345,15 @@ class KvEventsSource(SourceWorker):
             self._drop("unknown_kind", "events of a kind kvscope does not know (a newer "
                        f"{self.flavour.title}?)", unknown)
         out = self.residency.apply(ts, events, self._key(rank))
+        media = self.residency.unknown_media
+        if media:
+            others = [f.engine for f in FLAVOURS.values() if f is not self.flavour
+                      and any(m in f.media for m in media)]
+            hint = (f'; is [kv_events] engine = "{others[0]}" meant?' if others else "")
+            self._drop("unknown_kind", f"events of medium {', '.join(sorted(media))}, which "
+                       f"{self.flavour.title}'s KV events do not name{hint}",
+                       sum(media.values()))
+            media.clear()
         if out:
             for event in out:
                 if type(event) is ev.Transfer:

@@ -212,6 +212,9 @@ class KvResidency:
         # per offload tier, per held hash: [the batch time it was stored, the times it came
         # back while held] (see _seen): an eviction's age and hits
         self.seen: dict[str, dict[bytes | int, list]] = {}
+        # events of a medium the flavour does not name (another engine's), by medium: read and
+        # cleared by the source, which counts them as dropped
+        self.unknown_media: dict[str, int] = {}
 
     def apply(self, ts: float, events: list, rank: int | None = None) -> list:
         """kvscope events of one batch (``ts``: its time; ``events``: its decoded events).
@@ -243,8 +246,12 @@ class KvResidency:
                             seen.get(tier, {}).pop(h, None)
                         changed.add(tier)
                 continue
-            tier = self.media.get((event.medium or "GPU").upper())
-            if tier is None or tier not in self.tracked:
+            medium = (event.medium or "GPU").upper()
+            tier = self.media.get(medium)
+            if tier is None:
+                self.unknown_media[medium] = self.unknown_media.get(medium, 0) + 1
+                continue
+            if tier not in self.tracked:
                 continue
             held = resident.setdefault(tier, {})
             changed.add(tier)
