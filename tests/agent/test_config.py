@@ -50,6 +50,21 @@ def test_file_then_environment_then_flags(tmp_path, monkeypatch):
     # (every /api call would get 401)
     ("[collectors.host]\nbudgets = { cpuu = 5000 }\n", "collectors.host.budgets: .*'cpuu'"),
     ("[kv_events]\ncapacity_blocks = { gpuu = 10 }\n", "kv_events.capacity_blocks: .*'gpuu'"),
+    # a capacity for a tier the source does not report vanished (a tryout)
+    ('[kv_events]\ntiers = ["gpu"]\ncapacity_blocks = { gpu = 100, cpu = 100 }\n',
+     "kv_events.tiers: capacity_blocks gives tier 'cpu', which this source does not report "
+     r"\(tiers: gpu\): add it to tiers or leave its capacity out"),
+    ('[kv_events]\nengine = "sglang"\ncapacity_blocks = { disk = 100 }\n',  # tiers: gpu, cpu
+     r"kv_events.*: capacity_blocks gives tier 'disk', .*\(tiers: gpu, cpu\)"),
+    # an L2 holds what L1 (cpu) evicts: on the GPU it would count gpu tokens as an offload's
+    ('[lmcache_metrics]\nl2_tiers = { nixl_store = "gpu" }\n',
+     "lmcache_metrics.l2_tiers: .*nixl_store = 'gpu': an L2 adapter holds what LMCache's L1 "
+     r"\(the cpu tier\) evicts, so its tier is disk or remote"),
+    # trtllm-serve's paths are added to its URL: this one asked for .../metrics/kv_cache_events
+    ('[trtllm]\nurl = "http://127.0.0.1:8000/prometheus/metrics"\n',
+     "trtllm.url: is trtllm-serve's base URL, without /prometheus/metrics"),
+    ('[trtllm]\nurl = "http://127.0.0.1:8000/kv_cache_events/"\n',
+     "trtllm.url: is trtllm-serve's base URL, without /kv_cache_events"),
     ('[vllm_metrics]\nurl = "127.0.0.1:8000/metrics"\n', "vllm_metrics.url: .*http://"),
     ('token = " "\n', "token: .*empty"),
     # pydantic would read true as 1: port 1, one source, one request kept
@@ -111,8 +126,16 @@ def test_the_edges_of_the_new_checks_are_still_accepted(tmp_path):
     the current directory said as ``.`` all stay valid."""
     path = tmp_path / "agent.toml"
     path.write_text('host = "0.0.0.0"\nstore_dir = "."\n[collectors.host]\nbudgets = { cpu = 0 }\n'
-                    '[otlp_receiver]\nsource = "vllm-dp1"\n')
+                    '[otlp_receiver]\nsource = "vllm-dp1"\n'
+                    # a capacity for a reported tier; an L2 placed remote; a server behind a
+                    # proxy's path prefix
+                    '[kv_events]\ntiers = ["gpu"]\ncapacity_blocks = { gpu = 100 }\n'
+                    '[lmcache_metrics]\nl2_tiers = { nixl_store = "remote" }\n'
+                    '[trtllm]\nurl = "http://gateway:8080/trtllm/"\n')
     settings = load_settings(path)
+    assert settings.kv_events.capacity_blocks == {"gpu": 100}
+    assert settings.lmcache_metrics.l2_tiers == {"nixl_store": "remote"}
+    assert settings.trtllm.url == "http://gateway:8080/trtllm/"
     assert settings.host == "0.0.0.0" and str(settings.store_dir) == "."
     assert settings.collectors.host.budgets == {"cpu": 0}
     assert settings.otlp_receiver.source == "vllm-dp1"

@@ -269,7 +269,8 @@ def test_the_engine_selects_media_default_tiers_and_binding():
         KvEventsConfig(tiers=["remote"])
     with pytest.raises(ValueError, match="unknown tier 'remote'"):
         KvEventsConfig(capacity_blocks={"remote": 1})
-    assert KvEventsConfig(engine="sglang", capacity_blocks={"remote": 1}).capacity_blocks
+    assert KvEventsConfig(engine="sglang", capacity_blocks={"remote": 1},
+                          tiers="gpu,remote").capacity_blocks
     with pytest.raises(ValueError, match="must be tcp://"):
         KvEventsConfig(endpoint="ipc:///tmp/kv", dp_size=2)
     with pytest.raises(ValueError, match="past port 65535"):

@@ -520,7 +520,7 @@ class KvEventsConfig(EngineSection):
     def _tiers(cls, value: object, info: ValidationInfo) -> list[str]:
         flavour = _flavour(info)
         if value is None:
-            return list(flavour.default_tiers)
+            value = list(flavour.default_tiers)
         if isinstance(value, str):
             try:
                 value = (json.loads(value) if value.lstrip().startswith("[")
@@ -536,6 +536,12 @@ class KvEventsConfig(EngineSection):
         if not value:
             raise ValueError("must name at least one tier (to turn the source off: "
                              "enabled = false)")
+        # a capacity is reported for a reported tier only: another one's would vanish
+        unreported = [t for t in info.data.get("capacity_blocks", {}) if t not in value]
+        if unreported:
+            raise ValueError(f"capacity_blocks gives tier {unreported[0]!r}, which this source "
+                             f"does not report (tiers: {', '.join(value)}): add it to tiers or "
+                             "leave its capacity out")
         return list(dict.fromkeys(value))
 
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvscope import events as ev
 from kvscope.agent.sections import ScrapeSection
@@ -89,6 +89,7 @@ L2_TIERS = {"fs": "disk", "fs_native": "disk", "raw_block": "disk", "dax": "disk
             "hf3fs": "remote", "s3": "remote", "resp": "remote", "valkey": "remote",
             "mooncake_store": "remote", "bigtable": "remote", "aerospike": "remote",
             "p2p": "remote", "hfbucket": "remote", "sagemaker-hyperpod": "remote"}
+L2_PLACES = ("disk", "remote")  # the tiers an L2 can be: below L1, the cpu tier
 
 
 def level_tier(samples: Samples, gauge: str, label: str,
@@ -231,6 +232,16 @@ class LMCacheMetricsConfig(ScrapeSection):
     chunk_bytes: int = Field(0, ge=0)
     l2_tiers: dict[str, Tier] = {}
     lookups: bool | None = None
+
+    @field_validator("l2_tiers")
+    @classmethod
+    def _l2_tiers(cls, value: dict[str, str]) -> dict[str, str]:
+        above = [name for name, tier in value.items() if tier not in L2_PLACES]
+        if above:
+            raise ValueError(f"{above[0]} = {value[above[0]]!r}: an L2 adapter holds what "
+                             f"LMCache's L1 (the cpu tier) evicts, so its tier is "
+                             f"{' or '.join(L2_PLACES)}")
+        return value
 
 
 def _build(config: LMCacheMetricsConfig, consumer: Consumer,

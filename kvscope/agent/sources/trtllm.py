@@ -51,6 +51,7 @@ import asyncio
 import logging
 import math
 from collections import Counter
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -326,7 +327,13 @@ class TrtllmConfig(EngineSection):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        return http_url(value, "http://127.0.0.1:8000")
+        value = http_url(value, "http://127.0.0.1:8000")
+        path = urlsplit(value).path.rstrip("/")
+        if path.endswith((METRICS_PATH, EVENTS_PATH)):
+            raise ValueError(f"is trtllm-serve's base URL, without {path}: kvscope adds "
+                             f"{METRICS_PATH} and {EVENTS_PATH} to it (e.g. "
+                             "http://127.0.0.1:8000)")
+        return value
 
     @field_validator("levels")
     @classmethod
