@@ -418,3 +418,18 @@ def test_the_table_in_docs_engines_loads_as_it_stands(tmp_path):
     config = load_settings(path).trtllm
     assert (config.enabled, config.events, config.metrics, config.levels) == (
         True, True, True, ["gpu", "cpu"])
+
+
+def test_no_prometheus_metrics_is_said_with_the_setting_that_serves_them(caplog):
+    """trtllm-serve answers 404 at /prometheus/metrics unless its extra options say
+    return_perf_metrics: true: the log says that, not httpx's sentence."""
+    from tests.engine_servers import exposition_server
+
+    with exposition_server("trtllm_x 1\n", path="/elsewhere") as server:
+        source = TrtllmSource(Pipeline(), server.url.removesuffix("/elsewhere"),
+                              metrics=TrtllmMetrics())
+        assert not source.scrape_once()
+    (line,) = [r.getMessage() for r in caplog.records if "TensorRT-LLM metrics" in r.getMessage()]
+    assert line.endswith("/prometheus/metrics: answered HTTP 404 Not Found; trtllm-serve serves "
+                         "it with return_perf_metrics: true in its --extra_llm_api_options file "
+                         "(or set [trtllm] metrics = false)"), line

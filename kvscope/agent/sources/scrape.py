@@ -190,7 +190,8 @@ class ScrapeSource(SourceWorker):
     """A source that scrapes ``url`` (an engine's Prometheus endpoint) every ``interval``
     seconds and maps what it reads into kvscope events for ``pipeline``. A subclass sets
     ``name``, ``thread_name``, ``engine`` (the engine's name in messages), ``prefix`` (a
-    series name prefix only that engine's answer has) and ``mapper_class`` (what it maps with,
+    series name prefix only that engine's answer has), ``not_found`` (what to check when the
+    url answers 404, "" for the default) and ``mapper_class`` (what it maps with,
     made when no ``mapper`` is given: an object with ``map(samples, now) -> events``, pure), or
     overrides :meth:`map`; it may override :meth:`deliver` to hold events back. ``timeout``:
     seconds a scrape may take in all, headers included; ``clock``: the events' Unix
@@ -198,6 +199,7 @@ class ScrapeSource(SourceWorker):
 
     engine = ""
     prefix = ""
+    not_found = ""
     mapper_class: Callable[[], object] | None = None
 
     def __init__(self, pipeline: Consumer, url: str, *, mapper: object | None = None,
@@ -236,10 +238,19 @@ class ScrapeSource(SourceWorker):
                 return self._failed(f"no {self.prefix} series in the answer; is the url "
                                     f"{self.engine}'s metrics endpoint?")
             events = self.map(samples, self._clock())
+        except httpx.HTTPStatusError as exc:  # its own words end in a link to MDN's status page
+            status = exc.response.status_code
+            hint = (self.not_found or f"is the url {self.engine}'s metrics endpoint?"
+                    if status == 404 else "")
+            return self._failed(f"answered HTTP {status} {exc.response.reason_phrase}"
+                                + (f"; {hint}" if hint else ""))
         except (httpx.HTTPError, BodyError) as exc:
             return self._failed(f"unavailable ({describe(exc)})")
         except Exception as exc:  # a body the mapping cannot read: the next scrape may do
             return self._failed(f"unreadable ({describe(exc)})")
+        if self.failures:  # the last line logged said it failed: say it no longer does
+            log.warning("%s metrics at %s: answering again, after %d failed scrapes",
+                        self.engine, self.url, self.failures)
         self.failures = 0
         self.deliver([e for e in events if self._valid(e)])
         self.report_up(True)

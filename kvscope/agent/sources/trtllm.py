@@ -202,6 +202,8 @@ class TrtllmSource(ScrapeSource):
     thread_name = "kvscope-trtllm"
     engine = "TensorRT-LLM"
     prefix = "trtllm_"
+    not_found = ("trtllm-serve serves it with return_perf_metrics: true in its "
+                 "--extra_llm_api_options file (or set [trtllm] metrics = false)")
 
     def __init__(self, pipeline: Consumer, url: str = "http://127.0.0.1:8000", *,
                  residency: TrtllmResidency | None = None, metrics: TrtllmMetrics | None = None,
