@@ -91,6 +91,21 @@ def test_help_lists_the_demo_flags():
         assert flag in result.stdout
 
 
+def test_agent_help_names_every_source_and_collector_table():
+    """``kvscope agent --help`` named no engine table: a user found [trtllm] and the others
+    only in docs/agent.md. Every registered source (but ingest, on by default) and collector
+    is named, as its table."""
+    from kvscope import cli
+    from kvscope.agent.collectors import REGISTRY as COLLECTORS
+    from kvscope.agent.sources import REGISTRY
+
+    epilog = " ".join(cli._parser().parse_args(["docs-metrics"]).commands["agent"].epilog.split())
+    for name in [n for n in REGISTRY if n != "ingest"]:
+        assert f"[{name}]" in epilog, name
+    for name in COLLECTORS:
+        assert f"[collectors.{name}]" in epilog, name
+
+
 def test_disk_tier_without_cpu_tier_is_a_clear_error():
     ports = [str(free_port()), str(free_port())]
     _one_error_line(_kvscope("demo", "--cpu-blocks", "0", "--disk-blocks", "4", "--duration", "5",
