@@ -25,9 +25,12 @@ Example TOML (every key optional)::
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -267,7 +270,12 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
         # pydantic names only the top-level field ('error parsing value for field "collectors"')
         field = re.search(r'field "(\w+)"', str(exc))
         prefix = f"KVSCOPE_{field.group(1).upper()}" if field else "KVSCOPE_"
-        names = " or ".join(v for v in sorted(_settings_variables()) if v.startswith(prefix))
+        given = {k: v for k, v in _settings_variables().items() if k.startswith(prefix)}
+        # the value pydantic-settings failed to read as JSON (it reads lists and tables so),
+        # not every variable of the table: KVSCOPE_TRTLLM__ENABLED=true was blamed beside
+        # KVSCOPE_TRTLLM__LEVELS=gpu,cpu
+        unread = [k for k, v in given.items() if not _json(v) and _takes_json(k)]
+        names = " or ".join(sorted(unread or given))
         raise ConfigError(f"environment: {names or exc} does not parse "
                           f"({exc.__cause__ or 'invalid'}; KVSCOPE_* values for lists and tables "
                           "are JSON)") from None
@@ -343,6 +351,30 @@ def _known_variables(model: type[BaseModel], prefix: str = "KVSCOPE_") -> set[st
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             out |= _known_variables(field.annotation, variable + "__")
     return out
+
+
+def _json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _takes_json(variable: str) -> bool:
+    """Whether ``variable`` (``KVSCOPE_A__B``) sets a key whose value is a list or a table:
+    pydantic-settings reads those as JSON."""
+    model: object = AgentSettings
+    annotation: object = None
+    for part in variable.removeprefix("KVSCOPE_").lower().split("__"):
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            return False
+        annotation = model = fields[part].annotation
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = typing.get_args(annotation) if union else (annotation,)
+    return any((typing.get_origin(k) or k) in (list, dict, tuple, set)
+               or (isinstance(k, type) and issubclass(k, BaseModel)) for k in kinds)
 
 
 def _variables_of(loc: list[str]) -> list[str]:

@@ -214,6 +214,17 @@ def test_an_environment_value_that_does_not_parse_is_one_config_error(monkeypatc
         load_settings(None)
 
 
+def test_only_the_variable_that_does_not_parse_is_named(monkeypatch):
+    """A tryout's two variables of one table, one of them a list not in JSON: the error named
+    both ("KVSCOPE_TRTLLM__ENABLED or KVSCOPE_TRTLLM__LEVELS does not parse"); ENABLED=true,
+    a plain value, and URL, text that is no JSON but needs none, are fine."""
+    monkeypatch.setenv("KVSCOPE_TRTLLM__ENABLED", "true")
+    monkeypatch.setenv("KVSCOPE_TRTLLM__URL", "http://127.0.0.1:8000")
+    monkeypatch.setenv("KVSCOPE_TRTLLM__LEVELS", "gpu,cpu")
+    with pytest.raises(ConfigError, match="^environment: KVSCOPE_TRTLLM__LEVELS does not parse"):
+        load_settings(None)
+
+
 @pytest.mark.parametrize("variable", ["KVSCOPE_PROT", "KVSCOPE_INGEST_ENDPOINT",
                                       "KVSCOPE_INGETS__ENDPOINT", "KVSCOPE_KV_EVENTS_ENABLED"])
 def test_an_unknown_environment_variable_is_refused_by_name(monkeypatch, variable):
