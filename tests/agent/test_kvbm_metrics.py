@@ -124,14 +124,20 @@ def test_kvbm_served_over_http_reaches_the_pipeline():
 def test_a_scrape_that_fails_says_why_in_words_and_one_that_answers_again_says_so(caplog):
     """A url without KVBM's path answers 404: logged as the status and what to check (it was
     httpx's own sentence, ending in a link to MDN); once KVBM answers again, one line says so
-    (the log's last word about the source was "unavailable")."""
+    (the log's last word about the source was "unavailable"); its series with values that are
+    no numbers are said to be unreadable, not another server's ("is the url KVBM's?")."""
     with exposition_server(AT_START) as kvbm:
         source = KvbmMetricsSource(Pipeline(), kvbm.url.replace("/metrics", "/metricz"))
         assert not source.scrape_once() and not source.scrape_once()
         source.url = kvbm.url
         assert source.scrape_once()
+        # KVBM's series, but with values that are no numbers: not "is the url KVBM's?"
+        kvbm.body = "kvbm_offload_blocks_d2h abc\n"
+        assert not source.scrape_once()
     lines = [r.getMessage() for r in caplog.records if "Dynamo KVBM metrics" in r.getMessage()]
     assert lines == [f"Dynamo KVBM metrics at {kvbm.url.replace('/metrics', '/metricz')}: "
                      "answered HTTP 404 Not Found; is the url Dynamo KVBM's metrics endpoint?",
                      f"Dynamo KVBM metrics at {kvbm.url}: answering again, after 2 failed "
-                     "scrapes"], lines
+                     "scrapes",
+                     f"Dynamo KVBM metrics at {kvbm.url}: its kvbm_ series hold no finite "
+                     "number (unreadable values)"], lines

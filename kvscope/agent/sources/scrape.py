@@ -233,10 +233,14 @@ class ScrapeSource(SourceWorker):
         Mapped events are checked like an emitter's (:func:`kvscope.events.validate`): one out
         of bounds is dropped and counted as invalid."""
         try:
-            samples = parse(self._fetch())
+            text = self._fetch()
+            samples = parse(text)
             if not any(name.startswith(self.prefix) for name, _ in samples):
-                return self._failed(f"no {self.prefix} series in the answer; is the url "
-                                    f"{self.engine}'s metrics endpoint?")
+                named = any(line.startswith(self.prefix) for line in text.splitlines())
+                return self._failed(
+                    f"its {self.prefix} series hold no finite number (unreadable values)"
+                    if named else f"no {self.prefix} series in the answer; is the url "
+                    f"{self.engine}'s metrics endpoint?")
             events = self.map(samples, self._clock())
         except httpx.HTTPStatusError as exc:  # its own words end in a link to MDN's status page
             status = exc.response.status_code
