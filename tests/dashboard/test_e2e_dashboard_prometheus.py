@@ -128,6 +128,13 @@ def test_a_fleet_page_names_the_agents_it_could_not_read(demo, tmp_path):
                     time.sleep(0.5)
                 rows, status = requests_page.table(backend, None, None, 100, None)
                 *_, overview_status = overview.refresh(backend, 300.0)
+                # the locked agent alone: Prometheus's figures stay (every chart read "agent
+                # unreachable", found by a tryout); those drawn from requests say why not
+                while not backend.timeseries(300.0, locked):
+                    assert time.monotonic() < deadline + 60, "no samples of the locked agent"
+                    time.sleep(0.5)
+                *locked_figures, _advice, _found, locked_status = overview.refresh(
+                    backend, 300.0, locked)
                 _, refused = requests_page.waterfall(backend, f"?id=r1&instance={locked}", None)
                 _, unknown = requests_page.waterfall(backend, "?id=r1&instance=127.0.0.1:1", None)
             finally:
@@ -137,6 +144,12 @@ def test_a_fleet_page_names_the_agents_it_could_not_read(demo, tmp_path):
     assert rows and {r["instance"] for r in rows} == {shown}
     for line in (status, overview_status):
         assert f" · not read: {locked} (HTTP 401" in line, line
+    messages = {gid: [a.text for a in fig.layout.annotations]
+                for gid, fig in zip(overview.GRAPHS, locked_figures)}
+    for gid, texts in messages.items():
+        unreachable = any(t.startswith("agent unreachable") for t in texts)
+        assert unreachable == (gid in overview.FROM_RECORDS), (gid, texts)
+    assert f" · requests not read: agent unreachable: http://{locked} (HTTP 401" in locked_status
     assert refused.startswith(f"agent unreachable: http://{locked} (HTTP 401"), refused
     assert unknown == f"127.0.0.1:1 is not a scrape target of prometheus {url}", unknown
 

@@ -86,25 +86,33 @@ def refresh(backend: Backend, window_seconds: float, instance: str | None = None
     """Read the backend once and render: (*figures in :data:`GRAPHS` order, the "Should I
     offload here?" block judged with ``offload``, the misconfiguration banners (judged on the
     same window), the status line). An unreachable backend gives placeholders and a status line
-    saying so (never an exception into Dash)."""
+    saying so (never an exception into Dash); requests that cannot be read (a fleet whose
+    agents want a token the dashboard lacks) leave out only what is drawn from them."""
     try:
         samples = backend.timeseries(window_seconds, instance)
-        page = backend.requests(limit=RECORDS, instance=instance)
     except BackendUnavailable as exc:
         return (*[figures.unreachable_figure(title, exc.url, exc.what)
                   for _build, title in GRAPHS.values()],
                 verdict_view.placeholder(str(exc)), [],
                 str(exc))
-    figs = render(samples, window_seconds, max_points, page.records)
-    advice = verdict_view.section(offload_verdict.assess(samples, page.records, offload))
+    try:
+        page = backend.requests(limit=RECORDS, instance=instance)
+        records, unread, missing = page.records, unread_status(page.unread), None
+    except BackendUnavailable as exc:  # Prometheus answered; the agents' requests did not
+        records, unread, missing = [], f" · requests not read: {exc}", exc
+    figs = render(samples, window_seconds, max_points, records)
+    if missing is not None:
+        figs = [figures.unreachable_figure(title, missing.url, missing.what)
+                if gid in FROM_RECORDS else fig
+                for fig, (gid, (_build, title)) in zip(figs, GRAPHS.items())]
+    advice = verdict_view.section(offload_verdict.assess(samples, records, offload))
     try:  # the NUMA placement detector reads the node collectors' topology
         topology = topologies(backend.node(TOPOLOGY_METRICS, instance))
     except BackendUnavailable:
         topology = None
     found = misconfig_section(detect_misconfig(last_window(samples, offload.window_seconds),
                                                topology=topology))
-    return (*figs, advice, found,
-            samples_status(backend, instance, samples) + unread_status(page.unread))
+    return (*figs, advice, found, samples_status(backend, instance, samples) + unread)
 
 
 def render(samples: Sequence[dict], window_seconds: float, max_points: int = 720,
