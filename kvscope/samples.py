@@ -60,7 +60,10 @@ class SampleField:
     """One field of the sample. ``key``: the spec's labels whose values make a dict's keys
     (other labels are summed over). ``fleet``: how a fleet's gauges or scalars aggregate in
     PromQL (sum, or max). ``fleet_by``: labels Prometheus adds that the fleet's key starts with
-    ("instance" where a key repeats across hosts, as GPU indices do)."""
+    ("instance" where a key repeats across hosts, as GPU indices do). ``host``: one host's
+    memory, which a fleet shows as its host with the least headroom (every such field from
+    that one host: summed, the hosts read as one large one, and a host eating into its reserve
+    was hidden by the others' headroom)."""
 
     name: str
     spec: c.MetricSpec
@@ -68,6 +71,7 @@ class SampleField:
     key: tuple[str, ...] = ()
     fleet: str = "sum"
     fleet_by: tuple[str, ...] = ()
+    host: bool = False
 
     @property
     def series(self) -> str:
@@ -76,8 +80,8 @@ class SampleField:
         return self.spec.name + SERIES_SUFFIX.get(self.kind, "")
 
 
-def _f(name, spec, kind, key=(), fleet="sum", fleet_by=()) -> SampleField:
-    return SampleField(name, spec, kind, tuple(key), fleet, tuple(fleet_by))
+def _f(name, spec, kind, key=(), fleet="sum", fleet_by=(), host=False) -> SampleField:
+    return SampleField(name, spec, kind, tuple(key), fleet, tuple(fleet_by), host)
 
 
 PROMPT_TOKENS = _f("prompt_tokens", c.PROMPT_TOKENS, Kind.COUNTER, ["source"])
@@ -87,7 +91,7 @@ EVICTED_BLOCKS = _f("evicted_blocks", c.EVICTED_BLOCKS, Kind.COUNTER, ["tier"])
 TIER_RESIDENT_BYTES = _f("tier_resident_bytes", c.TIER_RESIDENT_BYTES, Kind.GAUGE, ["tier"])
 TIER_CAPACITY_BYTES = _f("tier_capacity_bytes", c.TIER_CAPACITY_BYTES, Kind.GAUGE, ["tier"])
 HOST_MEMORY_AVAILABLE_BYTES = _f("host_memory_available_bytes", c.HOST_MEMORY_AVAILABLE_BYTES,
-                                 Kind.SCALAR)
+                                 Kind.SCALAR, host=True)
 # added for the dashboard (issue 6)
 REQUESTS = _f("requests", c.REQUESTS, Kind.COUNTER)
 PREFILL_SECONDS_SAVED = _f("prefill_seconds_saved", c.PREFILL_SECONDS_SAVED, Kind.COUNTER,
@@ -104,10 +108,11 @@ TRANSFER_SECONDS = _f("transfer_seconds", c.TRANSFER_SECONDS, Kind.PERCENTILES, 
 TIER_RESIDENT_BLOCKS = _f("tier_resident_blocks", c.TIER_RESIDENT_BLOCKS, Kind.GAUGE, ["tier"])
 TIER_CAPACITY_BLOCKS = _f("tier_capacity_blocks", c.TIER_CAPACITY_BLOCKS, Kind.GAUGE, ["tier"])
 HOST_MEMORY_RESERVE_BYTES = _f("host_memory_reserve_bytes", c.HOST_MEMORY_RESERVE_BYTES,
-                               Kind.SCALAR)
+                               Kind.SCALAR, host=True)
 HOST_MEMORY_HEADROOM_BYTES = _f("host_memory_headroom_bytes", c.HOST_MEMORY_HEADROOM_BYTES,
-                                Kind.SCALAR)
-OFFLOAD_BUDGET_BYTES = _f("offload_budget_bytes", c.OFFLOAD_BUDGET_BYTES, Kind.GAUGE, ["tier"])
+                                Kind.SCALAR, host=True)
+OFFLOAD_BUDGET_BYTES = _f("offload_budget_bytes", c.OFFLOAD_BUDGET_BYTES, Kind.GAUGE, ["tier"],
+                          host=True)
 # a fleet's line is its fastest link: max, per host (GPU indices repeat across hosts)
 PCIE_LINK_MAX_BYTES_PER_SECOND = _f("pcie_link_max_bytes_per_second",
                                     c.PCIE_LINK_MAX_BYTES_PER_SECOND, Kind.GAUGE, ["gpu"],
@@ -119,13 +124,15 @@ REQUESTS_RUNNING = _f("requests_running", c.REQUESTS_RUNNING, Kind.GAUGE, ["sour
 PREEMPTIONS = _f("preemptions", c.PREEMPTIONS, Kind.COUNTER, ["source"])
 GPU_KV_CACHE_USAGE_RATIO = _f("gpu_kv_cache_usage_ratio", c.GPU_KV_CACHE_USAGE_RATIO, Kind.GAUGE,
                               ["source"], fleet="max")
-# the memory budget breakdown: host parts by part (a fleet: added up), GPU parts by
-# "gpu->part" (a fleet: per host, GPU indices repeat across hosts), and the wholes they add up to
+# the memory budget breakdown: host parts by part (a fleet: its host with the least headroom),
+# GPU parts by "gpu->part" (a fleet: per host, GPU indices repeat across hosts), and the wholes
+# they add up to
 HOST_MEMORY_PART_BYTES = _f("host_memory_part_bytes", c.HOST_MEMORY_PART_BYTES, Kind.GAUGE,
-                            ["part"])
+                            ["part"], host=True)
 GPU_MEMORY_PART_BYTES = _f("gpu_memory_part_bytes", c.GPU_MEMORY_PART_BYTES, Kind.GAUGE,
                            ["gpu", "part"], fleet_by=["instance"])
-HOST_MEMORY_LIMIT_BYTES = _f("host_memory_limit_bytes", c.HOST_MEMORY_LIMIT_BYTES, Kind.SCALAR)
+HOST_MEMORY_LIMIT_BYTES = _f("host_memory_limit_bytes", c.HOST_MEMORY_LIMIT_BYTES, Kind.SCALAR,
+                             host=True)
 GPU_MEMORY_TOTAL_BYTES = _f("gpu_memory_total_bytes", c.GPU_MEMORY_TOTAL_BYTES, Kind.GAUGE,
                             ["gpu"], fleet_by=["instance"])
 # misconfigurations (kvscope.dashboard.misconfig): bytes read back in from swap since boot (a

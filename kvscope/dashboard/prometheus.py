@@ -12,7 +12,9 @@ labels:
 - percentiles: ``histogram_quantile(q, sum by (le, ...) (rate(metric_bucket[rate_window])))``;
 - histogram buckets: ``sum by (..., le) (rate(metric_bucket[rate_window]))``, accumulated
   like counters and turned into per-bucket counts;
-- gauges: ``sum by (labels) (metric)`` (``max by (instance, gpu)`` for the PCIe link).
+- gauges: ``sum by (labels) (metric)`` (``max by (instance, gpu)`` for the PCIe link); a
+  host's memory (:attr:`kvscope.samples.SampleField.host`) from the fleet's host with the
+  least headroom, ``metric and on (instance) bottomk(1, kvscope_host_memory_headroom_bytes)``.
 
 Requests live in the agents, not in Prometheus: each scrape target's URL (from
 ``/api/v1/targets``) is an agent whose ``/api/v1/requests`` is read directly.
@@ -31,7 +33,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvscope.dashboard.backend import AgentBackend, BackendUnavailable, RequestPage, by_value
-from kvscope.samples import FIELDS, PERCENTILES, Kind, join_key
+from kvscope.samples import FIELDS, HOST_MEMORY_HEADROOM_BYTES, PERCENTILES, Kind, join_key
 
 
 class PrometheusBackend:
@@ -222,7 +224,11 @@ def queries(sel: str, rw: str, step: float) -> list[tuple[str, str, Callable]]:
     the label matchers (``{...}``), ``rw`` the range of ``rate()``, ``step`` the grid's step in
     seconds (a counter's rate becomes ``rate x step`` per step)."""
     jobs: list[tuple[str, str, Callable]] = []
+    lowest = f"bottomk(1, {HOST_MEMORY_HEADROOM_BYTES.series}{sel})"
     for f in FIELDS:
+        series = f"{f.series}{sel}"
+        if f.host:  # one host's memory: the host with the least headroom's
+            series = f"({series} and on (instance) {lowest})"
         if f.kind in (Kind.COUNTER, Kind.SUM):
             jobs.append((f.name, f"sum by ({', '.join(f.key)}) (rate({f.series}{sel}[{rw}]))",
                          _counter_into(f.key, step)))
@@ -231,10 +237,9 @@ def queries(sel: str, rw: str, step: float) -> list[tuple[str, str, Callable]]:
                                  f"(rate({f.series}{sel}[{rw}]))", _buckets_into(f.key, step)))
         elif f.kind is Kind.GAUGE:
             by = (*f.fleet_by, *f.key)
-            jobs.append((f.name, f"{f.fleet} by ({', '.join(by)}) ({f.series}{sel})",
-                         _gauge_into(by)))
+            jobs.append((f.name, f"{f.fleet} by ({', '.join(by)}) ({series})", _gauge_into(by)))
         elif f.kind is Kind.SCALAR:
-            jobs.append((f.name, f"{f.fleet}({f.series}{sel})", _scalar_into))
+            jobs.append((f.name, f"{f.fleet}({series})", _scalar_into))
         elif f.kind is Kind.PERCENTILES:
             by = ", ".join(("le", *f.key))
             for p, q in PERCENTILES.items():

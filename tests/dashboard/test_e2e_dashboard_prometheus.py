@@ -154,6 +154,51 @@ def test_a_fleet_page_names_the_agents_it_could_not_read(demo, tmp_path):
     assert unknown == f"127.0.0.1:1 is not a scrape target of prometheus {url}", unknown
 
 
+def test_a_fleet_shows_its_host_with_the_least_headroom_not_the_hosts_added_up(demo, tmp_path):
+    """Prometheus scrapes the demo's agent (no reserve) and a second agent whose reserve is
+    the host's whole memory and whose cpu budget is 4 GiB: its headroom is below 0. The fleet
+    view added the two hosts up (a tryout: "headroom 14.71 GiB" and "fits" while one host's
+    alert fired); its host memory now is that agent's, every figure from it: its reserve and
+    budget as configured, its headroom below 0, and limit and available its own."""
+    import psutil
+
+    from kvscope.agent.config import AgentSettings
+    from kvscope.dashboard.prometheus import PrometheusBackend
+    from kvscope.service.agent import Agent
+    from kvscope.service.api import create_app
+    from kvscope.service.server import ApiServer, bind
+
+    reserve, budget = psutil.virtual_memory().total, 4 << 30
+    agent = Agent(AgentSettings(collectors={"gpu": {"enabled": False}, "host": {
+        "reserve_bytes": reserve, "budgets": {"cpu": budget}}}), with_ingest=False)
+    sock = bind("127.0.0.1", 0, "--port")
+    server = ApiServer(create_app(agent), sock)
+    server.start()
+    tight, roomy = f"127.0.0.1:{sock.getsockname()[1]}", f"127.0.0.1:{demo.metrics_port}"
+    try:
+        with running_prometheus([roomy, tight], tmp_path, "prometheus-hosts.log") as url:
+            backend = PrometheusBackend(url, rate_window="15s")
+            try:
+                deadline = time.monotonic() + 60
+                while True:  # both scraped at the newest step
+                    fleet = (backend.timeseries(300.0) or [{}])[-1]
+                    own = (backend.timeseries(300.0, tight) or [{}])[-1]
+                    if len(backend.instances()) == 2 and fleet.get(
+                            "host_memory_reserve_bytes") == reserve == own.get(
+                            "host_memory_reserve_bytes"):
+                        break
+                    assert time.monotonic() < deadline, fleet
+                    time.sleep(0.5)
+            finally:
+                backend.close()
+    finally:
+        server.shutdown()
+    assert fleet["offload_budget_bytes"] == {"cpu": budget}
+    assert fleet["host_memory_headroom_bytes"] < 0
+    for name in ("host_memory_limit_bytes", "host_memory_part_bytes"):
+        assert fleet[name] == own[name], name
+
+
 ACCEPTED = ['job="kvscope"', '{job="kvscope",env!~"dev.*"}', ' job = "a\\"b" , x=~\'y\' ',
             "a=`b`", 'job="kvscope",', ""]
 REFUSED = ["job=kvscope", 'job="x" env="y"', '1a="x"', 'job=="x"', 'job="k']
