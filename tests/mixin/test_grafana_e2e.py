@@ -288,3 +288,39 @@ def test_selecting_an_engine_shows_only_its_agents(fleet_prometheus: Prom) -> No
     assert not problems, "\n".join(problems)
     # The selection matters: with every engine, each board shows other numbers somewhere.
     assert differs == {d["title"].removeprefix("kvscope / ") for d in dashboards(CFG).values()}, differs
+
+
+def test_the_promotion_wait_share_is_empty_where_no_wait_was_measured(tmp_path: Path) -> None:
+    """Backfilled into a real Prometheus, two agents over one minute at 15 s steps: ``a``
+    measures TTFT (its sum grows 6 s a step) and no promotion wait (vLLM's spans alone: count
+    and sum stay 0); ``b`` measures both (TTFT sum +4 s, wait sum +1 s, count +10 a step). The
+    share panel read 0 for ``a``, which points away from the tiers: now no value; for ``b``,
+    by hand, 1 / 4 = 0.25."""
+    promtool = Path(PROMETHEUS).with_name("promtool")
+    (query,) = [q for q in all_queries(CFG)
+                if q.where.endswith(" / Share of TTFT spent waiting for promotions")]
+    end = time.time() - 1.0
+    grow = {"a": {"kvscope_ttft_seconds_sum": 6.0, "kvscope_promotion_wait_seconds_sum": 0.0,
+                  "kvscope_promotion_wait_seconds_count": 0.0},
+            "b": {"kvscope_ttft_seconds_sum": 4.0, "kvscope_promotion_wait_seconds_sum": 1.0,
+                  "kvscope_promotion_wait_seconds_count": 10.0}}
+    lines = []
+    for name in grow["a"]:
+        lines.append(f"# TYPE {name.removesuffix('_total')} counter")
+        for instance, per_step in grow.items():
+            for n in range(5):
+                lines.append(f'{name}{{instance="{instance}",job="kvscope"}} {n * per_step[name]} '
+                             f"{end - (4 - n) * STEP_S:.3f}")
+    source = tmp_path / "share.om"
+    source.write_text("\n".join(lines) + "\n# EOF\n")
+    (tmp_path / "data").mkdir()
+    r = subprocess.run([str(promtool), "tsdb", "create-blocks-from", "openmetrics", "-q",
+                        str(source), str(tmp_path / "data")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with running_prometheus(f"127.0.0.1:{free_port()}", tmp_path, "prometheus-share.log") as url:
+        prom = Prom(url)
+        a = _values(prom.instant(substitute(query.expr, instance="a")))
+        b = _values(prom.instant(substitute(query.expr, instance="b")))
+    assert a == {}
+    assert list(b.values()) == [pytest.approx(0.25)]

@@ -75,10 +75,13 @@ def requests(cfg: MixinConfig) -> dict:
               "by direction on the Tiers board).",
               wait_q, unit="s"),
             P("Share of TTFT spent waiting for promotions",
-              "Promotion wait against TTFT, summed over requests.",
-              (Q(f"{rate('kvscope_promotion_wait_seconds_sum')}\n"
+              "Promotion wait against TTFT, summed over requests. Empty where no request's "
+              "promotion wait was measured (vLLM's spans alone carry none): not 0, which "
+              "would point away from the tiers.",
+              (Q(f"({rate('kvscope_promotion_wait_seconds_sum')}\n"
+                 f"  and {rate('kvscope_promotion_wait_seconds_count')} > 0)\n"
                  f"  / ({rate('kvscope_ttft_seconds_sum')} > 0)", "share"),),
-              unit="percentunit", min=0, no_value=NO_TRAFFIC),
+              unit="percentunit", min=0, no_value=f"{NO_TRAFFIC}, or not measured"),
         )),
     ]
     if cfg.show_traces:
