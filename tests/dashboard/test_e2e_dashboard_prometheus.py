@@ -199,6 +199,30 @@ def test_a_fleet_shows_its_host_with_the_least_headroom_not_the_hosts_added_up(d
         assert fleet[name] == own[name], name
 
 
+def test_a_selector_that_matches_no_agent_is_said(prometheus_url):
+    """--prometheus-selector 'job="nope"': the Overview read "all instances: no samples yet"
+    and judged "too little traffic" (a tryout); its status line now names the selector."""
+    from kvscope.dashboard.pages import overview
+    from kvscope.dashboard.prometheus import PrometheusBackend
+
+    wrong, right = (PrometheusBackend(prometheus_url, selector=s, rate_window="15s")
+                    for s in ('job="nope"', 'job="kvscope"'))
+    try:
+        *_, status = overview.refresh(wrong, 300.0)
+        deadline = time.monotonic() + 60
+        while not right.timeseries(300.0):  # the demo's first scrapes, for the near miss
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        *_, matched = overview.refresh(right, 300.0)
+    finally:
+        wrong.close()
+        right.close()
+    assert status == (f'prometheus {prometheus_url} · all instances: no agent\'s series match '
+                      '{job="nope"}: check --prometheus-selector, and that this Prometheus '
+                      "scrapes the agents"), status
+    assert "match" not in matched and " samples · last " in matched, matched
+
+
 ACCEPTED = ['job="kvscope"', '{job="kvscope",env!~"dev.*"}', ' job = "a\\"b" , x=~\'y\' ',
             "a=`b`", 'job="kvscope",', ""]
 REFUSED = ["job=kvscope", 'job="x" env="y"', '1a="x"', 'job=="x"', 'job="k']

@@ -11,7 +11,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from dash import dcc, html
 
-from kvscope.dashboard.backend import Backend
+from kvscope.dashboard.backend import Backend, BackendUnavailable
 from kvscope.dashboard.offload_verdict import Settings as OffloadSettings
 from kvscope.dashboard.sizing import SizingSource
 
@@ -54,12 +54,25 @@ def where(backend: Backend, instance: str | None) -> str:
 
 
 def samples_status(backend: Backend, instance: str | None, samples: Sequence[dict]) -> str:
-    """The status line after reading ``samples``."""
+    """The status line after reading ``samples``; none from a Prometheus that holds no agent's
+    series under the selector says so (a selector matching nothing read "no samples yet")."""
     if not samples:
+        if backend.kind == "prometheus" and not instance and not _any_instance(backend):
+            return (f"{where(backend, instance)}: no agent's series match "
+                    f"{{{getattr(backend, 'selector', '')}}}: check --prometheus-selector, and "
+                    "that this "
+                    "Prometheus scrapes the agents")
         return f"{where(backend, instance)}: no samples yet"
     last = datetime.fromtimestamp(float(samples[-1]["ts"]), tz=timezone.utc)
     return (f"{where(backend, instance)} · {len(samples)} samples · "
             f"last {last:%H:%M:%S} UTC")
+
+
+def _any_instance(backend: Backend) -> bool:
+    try:
+        return bool(backend.instances())
+    except BackendUnavailable:  # said by the pages' own reads
+        return True
 
 
 def unread_status(unread: Sequence[str]) -> str:
