@@ -128,6 +128,19 @@ def label_matchers(text: str) -> str:
     return text
 
 
+# A Prometheus duration (and Grafana's refresh): units largest first, each at most once.
+PROMETHEUS_DURATION = re.compile(r"(?=\d)(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?")
+
+
+def prometheus_duration(text: str) -> str:
+    """``text`` if Prometheus reads it as a duration (``1m``, ``2m30s``), else an argparse
+    error saying so."""
+    if not PROMETHEUS_DURATION.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be a Prometheus duration such as 1m or 2m30s, "
+                                         f"not {text}")
+    return text
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address, or ``localhost``) listens on loopback only; a host name
     may resolve to anything, so it is not."""

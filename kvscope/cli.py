@@ -8,7 +8,7 @@ import sys
 
 from kvscope import __version__
 from kvscope.argtypes import (directory, host, http_url, label_matchers, non_negative, port,
-                               positive, proportion, token_count)
+                               positive, prometheus_duration, proportion, token_count)
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
@@ -129,6 +129,11 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--prometheus-selector", type=label_matchers, default="",
                       metavar="MATCHERS",
                       help='label matchers added to every query, e.g. job="kvscope"')
+    dash.add_argument("--prometheus-rate-window", type=prometheus_duration, default="1m",
+                      metavar="DURATION",
+                      help="range of rate() in the queries (default %(default)s): at least "
+                      "twice Prometheus's scrape interval, or rates read no traffic (4 times, "
+                      "as Grafana's $__rate_interval, is safe); 4m for its default of 1m")
     dash.add_argument("--sizing-trace", metavar="FILE",
                       help="trace (Mooncake JSONL) to analyse for the Sizing page")
     dash.add_argument("--sizing-preset", default="llama-3-8b", choices=sorted(PRESETS),
@@ -246,7 +251,8 @@ def _dashboard(args) -> int:
     if args.backend == "prometheus":
         from kvscope.dashboard.prometheus import PrometheusBackend
 
-        backend = PrometheusBackend(args.prometheus, selector=args.prometheus_selector)
+        backend = PrometheusBackend(args.prometheus, selector=args.prometheus_selector,
+                                    rate_window=args.prometheus_rate_window)
     if args.sizing_trace:  # and a trace it cannot read (it is read in the background)
         from kvscope.analysis.inputs import trace_reader
 

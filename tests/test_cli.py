@@ -192,6 +192,8 @@ def test_a_workload_without_one_off_prompts_is_accepted():
     (["analyze", "t.jsonl", "--prefill-tokens-per-second", "1e-300"],
      "must be at least 1 token/s"),
     (["analyze", "t.jsonl", "--bandwidth-gbps", "1e-300"], "must be at least 0.001 GB/s"),
+    # the rate() range of the Prometheus backend's queries (it was fixed at 1m)
+    (["dashboard", "--prometheus-rate-window", "4"], "must be a Prometheus duration such as 1m"),
 ])
 def test_a_bad_argument_is_one_line_that_points_to_help(args, needle):
     _one_error_line(_kvscope(*args), needle, "--help)")

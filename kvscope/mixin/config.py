@@ -7,13 +7,14 @@ a TOML file of the same keys for ``python -m kvscope.mixin --config FILE``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
-import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvscope.argtypes import PROMETHEUS_DURATION, label_matchers
 from kvscope.vocabulary import TIERS
 
 MIB = 1024 * 1024
@@ -24,8 +25,6 @@ MIB = 1024 * 1024
 _SHARE_RATIOS = {"headroom_min_ratio", "headroom_warning_ratio", "ttft_budget_warning_ratio",
                  "ineffective_fill_ratio", "tier_full_ratio", "gpu_kv_usage_warning_ratio",
                  "pcie_saturation_ratio", "transfer_failure_ratio"}
-# A Prometheus duration (and Grafana's refresh): units largest first, each at most once.
-_DURATION = re.compile(r"(?=\d)(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?")
 
 
 class MixinConfigError(ValueError):
@@ -149,8 +148,13 @@ class MixinConfig:
             value = getattr(self, f.name)
             why = ""
             if f.name.endswith(("_for", "_window", "_offset")) or f.name == "dashboard_refresh":
-                if not (isinstance(value, str) and _DURATION.fullmatch(value)):
+                if not (isinstance(value, str) and PROMETHEUS_DURATION.fullmatch(value)):
                     why = "want a Prometheus duration such as 5m, 1h30m or 1d"
+            elif f.name == "selector":  # written into every rule: promtool refused job=kvscope
+                try:
+                    label_matchers(value)
+                except argparse.ArgumentTypeError as exc:
+                    why = str(exc)
             elif isinstance(value, float):
                 if not (math.isfinite(value) and value >= 0):
                     why = "want a finite number, 0 or more"
@@ -162,11 +166,11 @@ class MixinConfig:
                     why = "want a share between 0 and 1"
             if why:
                 raise MixinConfigError(f"mixin config {f.name!r}: {why}, got {value!r}")
-        if self.headroom_min_ratio > self.headroom_warning_ratio:
+        if self.headroom_min_ratio >= self.headroom_warning_ratio:
             raise MixinConfigError(
                 f"mixin config 'headroom_min_ratio' ({self.headroom_min_ratio!r}, critical) is "
-                f"above 'headroom_warning_ratio' ({self.headroom_warning_ratio!r}): the warning "
-                "must come first, at the higher headroom")
+                f"not below 'headroom_warning_ratio' ({self.headroom_warning_ratio!r}): the "
+                "warning must come first, at the higher headroom")
         if self.ttft_budget_warning_ratio == 0:
             raise MixinConfigError("mixin config 'ttft_budget_warning_ratio': want a share of "
                                    "the budget above 0 (a warning at 0 seconds always fires)")

@@ -106,7 +106,7 @@ def test_config_overrides_without_forking(tmp_path) -> None:
     assert 'job="kvscope"' not in files["rules/kvscope.rules.yml"]
     assert 'job=\\"vllm-nodes\\"' in files["dashboards/kvscope-overview.json"]
     assert main(["--config", str(f), "--output", str(tmp_path / "out")]) == 0
-    assert dataclasses.replace(CFG, headroom_min_ratio=0.05).headroom_min_ratio == 0.05
+    assert dataclasses.replace(CFG, headroom_min_ratio=0.02).headroom_min_ratio == 0.02
 
 
 @pytest.mark.parametrize("text, says", [
@@ -122,7 +122,12 @@ def test_config_overrides_without_forking(tmp_path) -> None:
     ("tier_full_reused_share = 1.2\n", "'tier_full_reused_share': want a share between 0 and"),
     # a critical alert at < 20% headroom and its warning at < 5%: the critical one came first
     ("headroom_min_ratio = 0.2\nheadroom_warning_ratio = 0.05\n",
-     "'headroom_min_ratio' .0.2, critical. is above 'headroom_warning_ratio'"),
+     "'headroom_min_ratio' .0.2, critical. is not below 'headroom_warning_ratio'"),
+    # equal: both fire together, the warning never first (docs/grafana.md's example did)
+    ("headroom_min_ratio = 0.05\n",
+     "'headroom_min_ratio' .0.05, critical. is not below 'headroom_warning_ratio' .0.05"),
+    # written into every rule: promtool refused the rules ("unexpected identifier")
+    ("selector = 'job=kvscope'\n", "'selector': must be PromQL label matchers"),
     ("ttft_budget_warning_ratio = 0.0\n", "'ttft_budget_warning_ratio': want a share of the")])
 def test_config_rejects_bad_overrides(tmp_path, text, says) -> None:
     f = tmp_path / "bad.toml"
