@@ -36,6 +36,9 @@ from kvscope.dashboard.backend import AgentBackend, BackendUnavailable, RequestP
 from kvscope.samples import FIELDS, HOST_MEMORY_HEADROOM_BYTES, PERCENTILES, Kind, join_key
 
 
+LISTED_FOR = "1h"  # how long an agent that stopped answering stays in the fleet (named unread)
+
+
 class PrometheusBackend:
     """Reads ``base_url`` (e.g. ``http://127.0.0.1:9090``).
 
@@ -100,8 +103,11 @@ class PrometheusBackend:
     # --- Backend interface --------------------------------------------------------------
 
     def instances(self) -> list[str]:
-        """Instances that export kvscope metrics (their ``kvscope_build_info``)."""
-        result = self.query(f"count by (instance) (kvscope_build_info{self._matchers(None)})")
+        """Instances that exported kvscope metrics (their ``kvscope_build_info``) within
+        :data:`LISTED_FOR`: an agent that went down stays listed, so the pages name it as not
+        read rather than show the rest as the whole fleet."""
+        result = self.query(f"count by (instance) (last_over_time("
+                            f"kvscope_build_info{self._matchers(None)}[{LISTED_FOR}]))")
         return sorted(r["metric"].get("instance", "") for r in result)
 
     def timeseries(self, window_seconds: float = 900.0, instance: str | None = None) -> list[dict]:

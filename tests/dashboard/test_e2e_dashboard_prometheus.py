@@ -154,6 +154,39 @@ def test_a_fleet_page_names_the_agents_it_could_not_read(demo, tmp_path):
     assert unknown == f"127.0.0.1:1 is not a scrape target of prometheus {url}", unknown
 
 
+def test_an_agent_that_went_down_stays_in_the_fleet_and_is_named_not_read(demo, tmp_path):
+    """A second agent, scraped, then stopped: the fleet's instances were those exporting
+    kvscope_build_info now, so it vanished and the Requests page showed the demo's alone as
+    the fleet (a tryout). It stays listed, and the requests read name it as not read."""
+    from kvscope.agent.config import AgentSettings
+    from kvscope.dashboard.prometheus import PrometheusBackend
+    from kvscope.service.agent import Agent
+    from kvscope.service.api import create_app
+    from kvscope.service.server import ApiServer, bind
+
+    agent = Agent(AgentSettings(collectors={"gpu": {"enabled": False}}), with_ingest=False)
+    sock = bind("127.0.0.1", 0, "--port")
+    server = ApiServer(create_app(agent), sock)
+    server.start()
+    gone, shown = f"127.0.0.1:{sock.getsockname()[1]}", f"127.0.0.1:{demo.metrics_port}"
+    with running_prometheus([shown, gone], tmp_path, "prometheus-down.log") as url:
+        backend = PrometheusBackend(url, rate_window="15s")
+        try:
+            deadline = time.monotonic() + 60
+            while backend.instances() != sorted([shown, gone]):
+                assert time.monotonic() < deadline, backend.instances()
+                time.sleep(0.5)
+            server.shutdown()
+            while backend.query(f'up{{instance="{gone}"}}')[0]["value"][1] != "0":
+                assert time.monotonic() < deadline + 30, "Prometheus never saw it down"
+                time.sleep(0.5)
+            listed, page = backend.instances(), backend.requests(limit=10)
+        finally:
+            backend.close()
+    assert listed == sorted([shown, gone])
+    assert [name.split(" ")[0] for name in page.unread] == [gone], page.unread
+
+
 def test_a_fleet_shows_its_host_with_the_least_headroom_not_the_hosts_added_up(demo, tmp_path):
     """Prometheus scrapes the demo's agent (no reserve) and a second agent whose reserve is
     the host's whole memory and whose cpu budget is 4 GiB: its headroom is below 0. The fleet
