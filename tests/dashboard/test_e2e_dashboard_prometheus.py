@@ -12,6 +12,7 @@ from __future__ import annotations
 
 
 import time
+from contextlib import contextmanager
 
 import pytest
 from conftest import needs_prometheus, running_prometheus
@@ -42,6 +43,39 @@ def fleet_dashboard(prometheus_url):
     yield handle
     handle.shutdown()
     backend.close()
+
+
+@contextmanager
+def beside_the_demo(demo, tmp_path, log_name: str, **settings):
+    """A second agent (no ingest, no GPU collector, ``settings`` for the rest) serving its API
+    and /metrics on a free loopback port, and a real Prometheus scraping it and the demo's,
+    until both are listed: yields (the agent's instance, the demo's, the agent's server, a
+    :class:`~kvscope.dashboard.prometheus.PrometheusBackend` on that Prometheus)."""
+    from kvscope.agent.config import AgentSettings
+    from kvscope.dashboard.prometheus import PrometheusBackend
+    from kvscope.service.agent import Agent
+    from kvscope.service.api import create_app
+    from kvscope.service.server import ApiServer, bind
+
+    settings["collectors"] = {"gpu": {"enabled": False}, **settings.get("collectors", {})}
+    agent = Agent(AgentSettings(**settings), with_ingest=False)
+    sock = bind("127.0.0.1", 0, "--port")
+    server = ApiServer(create_app(agent), sock)
+    server.start()
+    other, shown = f"127.0.0.1:{sock.getsockname()[1]}", f"127.0.0.1:{demo.metrics_port}"
+    try:
+        with running_prometheus([shown, other], tmp_path, log_name) as url:
+            backend = PrometheusBackend(url, rate_window="15s")
+            try:
+                deadline = time.monotonic() + 60
+                while backend.instances() != sorted([shown, other]):
+                    assert time.monotonic() < deadline, backend.instances()
+                    time.sleep(0.5)
+                yield other, shown, server, backend
+            finally:
+                backend.close()
+    finally:
+        server.shutdown()
 
 
 def test_overview_over_prometheus(demo, fleet_dashboard, browser):
@@ -104,43 +138,23 @@ def test_a_fleet_page_names_the_agents_it_could_not_read(demo, tmp_path):
     line, and the Overview's, now name it and why. A deep link to it says why too, and one to
     an instance Prometheus does not scrape says so: both read "unreachable: <url>", the first
     naming the agent that answered, the second Prometheus, which answered too."""
-    from kvscope.agent.config import AgentSettings
     from kvscope.dashboard.pages import overview
     from kvscope.dashboard.pages import requests as requests_page
-    from kvscope.dashboard.prometheus import PrometheusBackend
-    from kvscope.service.agent import Agent
-    from kvscope.service.api import create_app
-    from kvscope.service.server import ApiServer, bind
 
-    agent = Agent(AgentSettings(collectors={"gpu": {"enabled": False}}, token="s3cret"),
-                  with_ingest=False)
-    sock = bind("127.0.0.1", 0, "--port")
-    server = ApiServer(create_app(agent), sock)
-    server.start()
-    locked, shown = f"127.0.0.1:{sock.getsockname()[1]}", f"127.0.0.1:{demo.metrics_port}"
-    try:
-        with running_prometheus([shown, locked], tmp_path, "prometheus-unread.log") as url:
-            backend = PrometheusBackend(url, rate_window="15s")
-            try:
-                deadline = time.monotonic() + 60
-                while backend.instances() != sorted([shown, locked]):
-                    assert time.monotonic() < deadline, backend.instances()
-                    time.sleep(0.5)
-                rows, status = requests_page.table(backend, None, None, 100, None)
-                *_, overview_status = overview.refresh(backend, 300.0)
-                # the locked agent alone: Prometheus's figures stay (every chart read "agent
-                # unreachable", found by a tryout); those drawn from requests say why not
-                while not backend.timeseries(300.0, locked):
-                    assert time.monotonic() < deadline + 60, "no samples of the locked agent"
-                    time.sleep(0.5)
-                *locked_figures, _advice, _found, locked_status = overview.refresh(
-                    backend, 300.0, locked)
-                _, refused = requests_page.waterfall(backend, f"?id=r1&instance={locked}", None)
-                _, unknown = requests_page.waterfall(backend, "?id=r1&instance=127.0.0.1:1", None)
-            finally:
-                backend.close()
-    finally:
-        server.shutdown()
+    with beside_the_demo(demo, tmp_path, "prometheus-unread.log", token="s3cret") as (
+            locked, shown, _server, backend):
+        url = backend.base_url
+        rows, status = requests_page.table(backend, None, None, 100, None)
+        *_, overview_status = overview.refresh(backend, 300.0)
+        # the locked agent alone: Prometheus's figures stay (every chart read "agent
+        # unreachable", found by a tryout); those drawn from requests say why not
+        deadline = time.monotonic() + 60
+        while not backend.timeseries(300.0, locked):
+            assert time.monotonic() < deadline, "no samples of the locked agent"
+            time.sleep(0.5)
+        *locked_figures, _advice, _found, locked_status = overview.refresh(backend, 300.0, locked)
+        _, refused = requests_page.waterfall(backend, f"?id=r1&instance={locked}", None)
+        _, unknown = requests_page.waterfall(backend, "?id=r1&instance=127.0.0.1:1", None)
     assert rows and {r["instance"] for r in rows} == {shown}
     for line in (status, overview_status):
         assert f" · not read: {locked} (HTTP 401" in line, line
@@ -158,31 +172,14 @@ def test_an_agent_that_went_down_stays_in_the_fleet_and_is_named_not_read(demo, 
     """A second agent, scraped, then stopped: the fleet's instances were those exporting
     kvscope_build_info now, so it vanished and the Requests page showed the demo's alone as
     the fleet (a tryout). It stays listed, and the requests read name it as not read."""
-    from kvscope.agent.config import AgentSettings
-    from kvscope.dashboard.prometheus import PrometheusBackend
-    from kvscope.service.agent import Agent
-    from kvscope.service.api import create_app
-    from kvscope.service.server import ApiServer, bind
-
-    agent = Agent(AgentSettings(collectors={"gpu": {"enabled": False}}), with_ingest=False)
-    sock = bind("127.0.0.1", 0, "--port")
-    server = ApiServer(create_app(agent), sock)
-    server.start()
-    gone, shown = f"127.0.0.1:{sock.getsockname()[1]}", f"127.0.0.1:{demo.metrics_port}"
-    with running_prometheus([shown, gone], tmp_path, "prometheus-down.log") as url:
-        backend = PrometheusBackend(url, rate_window="15s")
-        try:
-            deadline = time.monotonic() + 60
-            while backend.instances() != sorted([shown, gone]):
-                assert time.monotonic() < deadline, backend.instances()
-                time.sleep(0.5)
-            server.shutdown()
-            while backend.query(f'up{{instance="{gone}"}}')[0]["value"][1] != "0":
-                assert time.monotonic() < deadline + 30, "Prometheus never saw it down"
-                time.sleep(0.5)
-            listed, page = backend.instances(), backend.requests(limit=10)
-        finally:
-            backend.close()
+    with beside_the_demo(demo, tmp_path, "prometheus-down.log") as (gone, shown, server,
+                                                                     backend):
+        server.shutdown()
+        deadline = time.monotonic() + 60
+        while backend.query(f'up{{instance="{gone}"}}')[0]["value"][1] != "0":
+            assert time.monotonic() < deadline, "Prometheus never saw it down"
+            time.sleep(0.5)
+        listed, page = backend.instances(), backend.requests(limit=10)
     assert listed == sorted([shown, gone])
     assert [name.split(" ")[0] for name in page.unread] == [gone], page.unread
 
@@ -195,37 +192,19 @@ def test_a_fleet_shows_its_host_with_the_least_headroom_not_the_hosts_added_up(d
     budget as configured, its headroom below 0, and limit and available its own."""
     import psutil
 
-    from kvscope.agent.config import AgentSettings
-    from kvscope.dashboard.prometheus import PrometheusBackend
-    from kvscope.service.agent import Agent
-    from kvscope.service.api import create_app
-    from kvscope.service.server import ApiServer, bind
-
     reserve, budget = psutil.virtual_memory().total, 4 << 30
-    agent = Agent(AgentSettings(collectors={"gpu": {"enabled": False}, "host": {
-        "reserve_bytes": reserve, "budgets": {"cpu": budget}}}), with_ingest=False)
-    sock = bind("127.0.0.1", 0, "--port")
-    server = ApiServer(create_app(agent), sock)
-    server.start()
-    tight, roomy = f"127.0.0.1:{sock.getsockname()[1]}", f"127.0.0.1:{demo.metrics_port}"
-    try:
-        with running_prometheus([roomy, tight], tmp_path, "prometheus-hosts.log") as url:
-            backend = PrometheusBackend(url, rate_window="15s")
-            try:
-                deadline = time.monotonic() + 60
-                while True:  # both scraped at the newest step
-                    fleet = (backend.timeseries(300.0) or [{}])[-1]
-                    own = (backend.timeseries(300.0, tight) or [{}])[-1]
-                    if len(backend.instances()) == 2 and fleet.get(
-                            "host_memory_reserve_bytes") == reserve == own.get(
-                            "host_memory_reserve_bytes"):
-                        break
-                    assert time.monotonic() < deadline, fleet
-                    time.sleep(0.5)
-            finally:
-                backend.close()
-    finally:
-        server.shutdown()
+    host = {"reserve_bytes": reserve, "budgets": {"cpu": budget}}
+    with beside_the_demo(demo, tmp_path, "prometheus-hosts.log", collectors={"host": host}) as (
+            tight, _roomy, _server, backend):
+        deadline = time.monotonic() + 60
+        while True:  # both scraped at the newest step
+            fleet = (backend.timeseries(300.0) or [{}])[-1]
+            own = (backend.timeseries(300.0, tight) or [{}])[-1]
+            if fleet.get("host_memory_reserve_bytes") == reserve == own.get(
+                    "host_memory_reserve_bytes"):
+                break
+            assert time.monotonic() < deadline, fleet
+            time.sleep(0.5)
     assert fleet["offload_budget_bytes"] == {"cpu": budget}
     assert fleet["host_memory_headroom_bytes"] < 0
     for name in ("host_memory_limit_bytes", "host_memory_part_bytes"):
