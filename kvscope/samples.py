@@ -111,8 +111,9 @@ HOST_MEMORY_RESERVE_BYTES = _f("host_memory_reserve_bytes", c.HOST_MEMORY_RESERV
                                Kind.SCALAR, host=True)
 HOST_MEMORY_HEADROOM_BYTES = _f("host_memory_headroom_bytes", c.HOST_MEMORY_HEADROOM_BYTES,
                                 Kind.SCALAR, host=True)
-OFFLOAD_BUDGET_BYTES = _f("offload_budget_bytes", c.OFFLOAD_BUDGET_BYTES, Kind.GAUGE, ["tier"],
-                          host=True)
+# a fleet: added up, as the tiers' residency and capacity it is drawn beside (the host with the
+# least headroom's cpu budget is its memory part "kv_offload")
+OFFLOAD_BUDGET_BYTES = _f("offload_budget_bytes", c.OFFLOAD_BUDGET_BYTES, Kind.GAUGE, ["tier"])
 # a fleet's line is its fastest link: max, per host (GPU indices repeat across hosts)
 PCIE_LINK_MAX_BYTES_PER_SECOND = _f("pcie_link_max_bytes_per_second",
                                     c.PCIE_LINK_MAX_BYTES_PER_SECOND, Kind.GAUGE, ["gpu"],

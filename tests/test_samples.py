@@ -166,11 +166,11 @@ def test_the_prometheus_backend_queries_every_field_from_its_declaration():
     lowest = 'and on (instance) bottomk(1, kvscope_host_memory_headroom_bytes{job="kvscope"})'
     assert by_field["host_memory_headroom_bytes"] == [
         f'sum((kvscope_host_memory_headroom_bytes{{job="kvscope"}} {lowest}))']
-    assert by_field["offload_budget_bytes"] == [
-        f'sum by (tier) ((kvscope_offload_budget_bytes{{job="kvscope"}} {lowest}))']
+    assert by_field["host_memory_part_bytes"] == [
+        f'sum by (part) ((kvscope_host_memory_part_bytes{{job="kvscope"}} {lowest}))']
     assert [f.name for f in FIELDS if f.host] == [
         "host_memory_available_bytes", "host_memory_reserve_bytes", "host_memory_headroom_bytes",
-        "offload_budget_bytes", "host_memory_part_bytes", "host_memory_limit_bytes"]
+        "host_memory_part_bytes", "host_memory_limit_bytes"]
     # a fleet's queue is every engine's; its GPU KV usage, the fullest engine's
     assert by_field["requests_waiting"] == [
         'sum by (source) (kvscope_requests_waiting{job="kvscope"})']

@@ -146,7 +146,9 @@ def weight_offload(window: Sequence[Sample]) -> Finding:
 
 def budget_over_limit(window: Sequence[Sample], s: Settings) -> Finding:
     """The host-RAM tiers' budget (bytes) plus the reserve against the memory limit (bytes,
-    ``host_memory_limit_bytes``: RAM or the cgroup limit), newest values."""
+    ``host_memory_limit_bytes``: RAM or the cgroup limit), newest values. The cpu budget is
+    the host memory part ``kv_offload`` where there is one: in a fleet (Prometheus) it is the
+    same host's as the reserve and the limit, where ``offload_budget_bytes`` adds the hosts up."""
     key = "budget-over-limit"
     limit = _newest(window, "host_memory_limit_bytes")
     reserve = _newest(window, "host_memory_reserve_bytes")
@@ -154,6 +156,9 @@ def budget_over_limit(window: Sequence[Sample], s: Settings) -> Finding:
         return _missing(key, "host_memory_limit_bytes" if limit is None
                         else "host_memory_reserve_bytes", "the host collector")
     budgets = mapping(window[-1], "offload_budget_bytes")
+    own = mapping(window[-1], "host_memory_part_bytes").get("kv_offload")
+    if is_number(own):  # the cpu tier's, on the host whose reserve and limit these are
+        budgets = {**budgets, "cpu": own}
     known = [float(budgets[t]) for t in s.host_memory_tiers if is_number(budgets.get(t))]
     if not known:  # a sum of none is no budget of 0 bytes: "fits" said nothing true
         return _finding(key, NOT_MEASURED, f"not measured: no {'/'.join(s.host_memory_tiers)} "

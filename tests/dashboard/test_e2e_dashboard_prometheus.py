@@ -189,7 +189,8 @@ def test_a_fleet_shows_its_host_with_the_least_headroom_not_the_hosts_added_up(d
     the host's whole memory and whose cpu budget is 4 GiB: its headroom is below 0. The fleet
     view added the two hosts up (a tryout: "headroom 14.71 GiB" and "fits" while one host's
     alert fired); its host memory now is that agent's, every figure from it: its reserve and
-    budget as configured, its headroom below 0, and limit and available its own."""
+    budget (its memory part kv_offload) as configured, its headroom below 0, and limit and
+    parts its own; the budget-over-limit check reads that host's budget, over its limit."""
     import psutil
 
     reserve, budget = psutil.virtual_memory().total, 4 << 30
@@ -205,10 +206,15 @@ def test_a_fleet_shows_its_host_with_the_least_headroom_not_the_hosts_added_up(d
                 break
             assert time.monotonic() < deadline, fleet
             time.sleep(0.5)
-    assert fleet["offload_budget_bytes"] == {"cpu": budget}
+    assert fleet["host_memory_part_bytes"]["kv_offload"] == budget
     assert fleet["host_memory_headroom_bytes"] < 0
     for name in ("host_memory_limit_bytes", "host_memory_part_bytes"):
         assert fleet[name] == own[name], name
+    from kvscope.dashboard import misconfig
+
+    finding = misconfig.budget_over_limit([fleet], misconfig.Settings())
+    assert finding.status == misconfig.MISCONFIGURED, finding
+    assert finding.wrong.startswith("cpu budget 4.00 GiB + reserve"), finding.wrong
 
 
 def test_a_selector_that_matches_no_agent_is_said(prometheus_url):

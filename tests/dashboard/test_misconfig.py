@@ -81,6 +81,13 @@ def test_budget_plus_reserve_over_the_limit():
     # no host-RAM budget known (zero-code mode): it said "cpu budget 0.00 GiB ...: fits"
     unknown = M.budget_over_limit(host(None, more={"disk": 100 * GIB}), S)
     assert unknown.status == NOT_MEASURED and "[collectors.host] budgets" in unknown.wrong
+    # a fleet: budgets added up over hosts (24 GiB), the reserve and limit of its tightest
+    # host, whose own budget (memory part kv_offload) is 11 GiB: it fits; 12 GiB does not
+    fleet = host(24 * GIB)
+    fleet[-1] = {**fleet[-1], "host_memory_part_bytes": {"kv_offload": 11 * GIB}}
+    assert M.budget_over_limit(fleet, S).status == OK
+    fleet[-1] = {**fleet[-1], "host_memory_part_bytes": {"kv_offload": 12 * GIB}}
+    assert "1.00 GiB over" in M.budget_over_limit(fleet, S).wrong
 
 
 MIB = 1024 ** 2
