@@ -200,8 +200,9 @@ def doc_table(table: str, url: str) -> str:
     docs/engines.md), with two changes only: ``url``, the test server's, and ``interval = 1.0``
     (the boards' 1 m rate window then holds enough scrapes without waiting minutes)."""
     doc = (REPO_ROOT / "docs" / ("vllm.md" if table == "vllm_metrics" else "engines.md")).read_text()
-    block = next(b for b in re.findall(r"```toml\n(.*?)```", doc, re.S) if f"[{table}]\n" in b)
-    text = re.split(r"^\[", block.split(f"[{table}]\n", 1)[1], flags=re.M)[0]
+    header = re.compile(rf"^\[{table}\]\n", re.M)  # at a line's start: not a comment naming it
+    block = next(b for b in re.findall(r"```toml\n(.*?)```", doc, re.S) if header.search(b))
+    text = re.split(r"^\[", header.split(block, 1)[1], flags=re.M)[0]
     text = re.sub(r'^url = "[^"]*"', f'url = "{url}"', text, count=1, flags=re.M)
     text = re.sub(r"^interval = \S+", "interval = 1.0", text, count=1, flags=re.M)
     return f"[{table}]\n{text}"
