@@ -244,7 +244,7 @@ class ScrapeSource(SourceWorker):
             events = self.map(samples, self._clock())
         except httpx.HTTPStatusError as exc:  # its own words end in a link to MDN's status page
             status = exc.response.status_code
-            hint = (self.not_found or f"is the url {self.engine}'s metrics endpoint?"
+            hint = ((self.not_found or f"is the url {self.engine}'s metrics endpoint?")
                     if status == 404 else "")
             return self._failed(f"answered HTTP {status} {exc.response.reason_phrase}"
                                 + (f"; {hint}" if hint else ""))

@@ -60,8 +60,7 @@ def samples_status(backend: Backend, instance: str | None, samples: Sequence[dic
         if backend.kind == "prometheus" and not instance and not _any_instance(backend):
             return (f"{where(backend, instance)}: no agent's series match "
                     f"{{{getattr(backend, 'selector', '')}}}: check --prometheus-selector, and "
-                    "that this "
-                    "Prometheus scrapes the agents")
+                    "that this Prometheus scrapes the agents")
         return f"{where(backend, instance)}: no samples yet"
     last = datetime.fromtimestamp(float(samples[-1]["ts"]), tz=timezone.utc)
     return (f"{where(backend, instance)} · {len(samples)} samples · "
