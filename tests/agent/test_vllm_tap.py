@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from tests.vllm_env import child_env, run_driver, tap_run, value, vllm_python
+from tests.vllm_env import ROOT, child_env, run_driver, tap_run, value, vllm_python
 
 @pytest.fixture(scope="module")
 def offload_run(tmp_path_factory):
@@ -337,6 +337,51 @@ def test_tap_passes_answers_through_and_never_raises_into_vllm():
     python = vllm_python()
     proc = subprocess.run([python, "-c", _TAP_CHECK], capture_output=True, text=True,
                           timeout=180, env=child_env(), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+_UNBUILT_CHECK = r"""
+import importlib.util, logging, sys
+from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+sys.modules["kvscope.sampling"] = None  # its import fails, as where setup.py has not built it
+spec = importlib.util.spec_from_file_location(
+    "kvscope.agent.taps.vllm_manager", sys.argv[1] + "/kvscope/agent/taps/vllm_manager.py")
+vm = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(vm)
+from kvscope import events as ev
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+logging.getLogger("vllm.kvscope.agent.taps.vllm_manager").addHandler(handler)
+sent = []
+tap = vm.TapManager(CPUOffloadingManager(num_chunks=4), sent.append, tokens_per_block=32,
+                    blocks_per_chunk=1, bytes_per_block=100, capacity_chunks=4)
+class Request:
+    num_prompt_tokens, num_output_tokens, num_computed_tokens = 64, 0, 0
+    arrival_time, trace_headers, prefill_stats = 50.0, None, None
+    block_hashes = [b"a" * 32, b"b" * 32]
+def new_request(rid, request):  # vLLM's on_new_request: the tap reads ``request`` here
+    tap.on_new_request(ReqContext(req_id=rid))
+new_request("r1", Request())
+class Step:
+    new_req_ids, preempted_req_ids = ["r1"], ()
+tap.on_schedule_end(Step())
+lookups = [e for e in sent if isinstance(e, ev.Lookup)]
+assert vm.DEFAULT_BLOCK_SAMPLE_RATE == 1 / 16, vm.DEFAULT_BLOCK_SAMPLE_RATE
+assert len(lines) == 1 and "not built" in lines[0] and "pip install" in lines[0], lines
+assert len(lookups) == 1 and lookups[0].block_hashes == () and tap.errors == 0, (lookups, tap.errors)
+print("ok")
+"""
+
+
+def test_a_tap_whose_compiled_modules_are_not_built_says_it_cannot_sample_blocks():
+    """Run from a checkout where setup.py built nothing (``PYTHONPATH`` at a fresh clone), the
+    tap cannot sample block hashes: at the default rate too it says so once, with how to build
+    them, rather than sending lookups without hashes silently (``kvscope analyze`` then finds
+    no blocks in the capture and cannot size the tier)."""
+    proc = subprocess.run([vllm_python(), "-c", _UNBUILT_CHECK, str(ROOT)], capture_output=True,
+                          text=True, timeout=180, env=child_env(), stdin=subprocess.DEVNULL)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 

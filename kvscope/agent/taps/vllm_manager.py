@@ -94,8 +94,9 @@ log = logging.getLogger("vllm." + __name__)
 _HEX = frozenset("0123456789abcdef")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 DEFAULT_SAMPLE_ONE_IN = 8  # stores whose chunks' ages and loads are tracked: 1 in this many
-# share of blocks (by hash) whose prefix hashes lookups carry: kvscope.sampling's default
-DEFAULT_BLOCK_SAMPLE_RATE = sampling.DEFAULT_RATE if sampling is not None else 0.0
+# share of blocks (by hash) whose prefix hashes lookups carry: kvscope.sampling's default, the
+# same where that module is not built (the tap then says it cannot sample and sends none)
+DEFAULT_BLOCK_SAMPLE_RATE = sampling.DEFAULT_RATE if sampling is not None else 1 / 16
 # Frames up from the tap's method to vLLM's caller: setup.py compiles this module (Cython), and
 # a compiled function pushes no frame of its own; the .py, where that is not built, does.
 _CALLER_FRAME = 1 if __file__.endswith((".py", ".pyc")) else 0
@@ -159,8 +160,11 @@ class _Observer:
         self.inner = inner
         self.multi_tier = multi_tier
         if block_sample_rate and sampling is None:
-            log.warning("kvscope vLLM tap: kvscope.sampling is not built (pip install kvscope "
-                        "builds it); lookups carry no block hashes")
+            log.warning("kvscope vLLM tap: kvscope's compiled modules are not built, so lookups "
+                        "carry no block hashes (`kvscope analyze` cannot size the CPU tier from "
+                        "this server's captures) and the tap runs as plain Python, slower; "
+                        "`pip install <kvscope checkout>` into vLLM's environment builds them, "
+                        "or `pip install -e .` in the checkout that PYTHONPATH names")
             block_sample_rate = 0.0
         # sampling threshold of block hashes (0: none sampled) and the exact rate it gives
         self._block_t = sampling.threshold(block_sample_rate) if block_sample_rate else 0
