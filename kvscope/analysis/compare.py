@@ -693,6 +693,8 @@ def render_text(comparison: Comparison) -> str:
                else ms(v["prefill_seconds_saved"]))
             + ", spent " + ("not measured (untimed copies)" if v["transfer_seconds"] is None
                             else ms(v["transfer_seconds"]))
-            for tier, v in side.value.items()) or "none"
+            for tier, v in side.value.items()) or (
+                "not measured (the records carry no tokens by source)"
+                if side.token_share is None else "no tier below the GPU served tokens")
         lines.append(f"  {side.name} ({rate}): {tiers}")
     return "\n".join(lines) + "\n"

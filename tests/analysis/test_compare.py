@@ -669,7 +669,18 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
     assert main(["compare", str(base), str(directory), "--resamples", "100"]) == 0
     text = capsys.readouterr().out
     assert "prefill 10,000 tokens/s measured): cpu: 3,200 tokens, saved 320 ms, spent 150 ms" \
-        in text and "prefill rate not measured): none" in text
+        in text and "prefill rate not measured): no tier below the GPU served tokens" in text
+    # records without tokens by source (a load generator's, not the agent's): not measured,
+    # never "none"
+    writer = CaptureWriter(tmp_path / "untold")
+    for i in range(100):
+        writer.add_request(RequestRecord(f"r{i}", "", "engine", 1000.0 + i, prompt_tokens=64,
+                                         output_tokens=8, tokens={}, ttft=0.01,
+                                         finished=1000.01 + i))
+    writer.close()
+    assert main(["compare", str(base), str(tmp_path / "untold"), "--resamples", "100"]) == 0
+    assert "prefill rate not measured): not measured (the records carry no tokens by source)" \
+        in capsys.readouterr().out
 
 
 def test_untimed_copies_and_uncounted_failures_are_not_measured_never_zero(tmp_path, capsys):
