@@ -132,11 +132,14 @@ def quantile_cis(samples, quantiles: Sequence[float], *,
 @dataclass(frozen=True)
 class TwoSample:
     """Quantiles of a baseline and a candidate sample and of their difference (candidate minus
-    baseline), each with its interval; lists in the order of the quantiles asked for."""
+    baseline), each with its interval; lists in the order of the quantiles asked for.
+    ``replicates``: the difference's bootstrap replicates, shape (resamples, quantiles), for
+    intervals at another level (:func:`interval`)."""
 
     baseline: list[Estimate]
     candidate: list[Estimate]
     difference: list[Estimate]
+    replicates: np.ndarray
 
 
 def compare_quantiles(baseline, candidate, quantiles: Sequence[float],
@@ -155,9 +158,10 @@ def compare_quantiles(baseline, candidate, quantiles: Sequence[float],
     reps_b = run_quantile_replicates(runs_b, quantiles, resamples=resamples, rng=rng_b)
     reps_c = run_quantile_replicates(runs_c, quantiles, resamples=resamples, rng=rng_c)
     out = []
+    difference = reps_c - reps_b
     for reps, value in ((reps_b, np.quantile(b, quantiles)), (reps_c, np.quantile(c, quantiles)),
-                        (reps_c - reps_b, np.quantile(c, quantiles) - np.quantile(b, quantiles))):
+                        (difference, np.quantile(c, quantiles) - np.quantile(b, quantiles))):
         low, high = interval(reps, confidence)
         out.append([Estimate(float(v), float(lo), float(hi))
                     for v, lo, hi in zip(value, low, high)])
-    return TwoSample(*out)
+    return TwoSample(*out, difference)
