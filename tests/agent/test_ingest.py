@@ -1494,6 +1494,37 @@ time.sleep(600)
 """
 
 
+_EXITING_TAP = """
+import sys, time
+from kvscope import events as ev
+from kvscope.agent.taps.emitter import Emitter
+emitter = Emitter(sys.argv[1], source="exits", flush_interval=30.0)
+time.sleep(0.2)  # the sender's first wait has begun: only the exit makes it send
+emitter.emit(ev.TierSnapshot(ts=time.time(), tier="cpu", capacity_bytes=64 << 20,
+                             resident_bytes=64 << 20, capacity_blocks=64, resident_blocks=64))
+"""
+
+
+def test_a_tap_process_that_exits_without_closing_its_emitter_still_delivers_and_closes(
+        source, tmp_path, caplog):
+    """vLLM stopped by SIGTERM exits without its engine's shutdown reaching the tap: the
+    emitter was never closed, its daemon sender thread died with the events it held (a flush
+    interval of 30 s holds them all), and the agent logged the process as ended without
+    closing its tap. Closed at the interpreter's exit, it delivers the event and its final
+    batch: the tier shows up, then leaves with the closed tap."""
+    import logging
+    import subprocess
+    import sys
+
+    caplog.set_level(logging.INFO, logger="kvscope")
+    subprocess.run([sys.executable, "-c", _EXITING_TAP, _endpoint(tmp_path)], check=True,
+                   cwd=REPO_ROOT, timeout=60, stdin=subprocess.DEVNULL)
+    assert wait_until(lambda: source.pipeline.events_received().get("exits") == 1)
+    assert wait_until(lambda: "cpu" not in source.pipeline.snapshot().tiers)
+    assert source.engine_pids() == ()
+    assert "without closing its tap" not in caplog.text  # its final batch said so, not /proc
+
+
 def test_a_tap_whose_process_ends_without_closing_leaves_the_tier_gauges(source, tmp_path):
     """vLLM's server stopped by a signal never calls the tap's shutdown, so no final batch
     comes: the agent reported the dead engine's CPU tier as full for good. Two real tap

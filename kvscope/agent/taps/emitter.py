@@ -14,6 +14,7 @@ pyzmq.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import math
@@ -32,7 +33,8 @@ from kvscope.errors import describe
 log = logging.getLogger(__name__)
 
 
-# Emitters not yet collected: each starts again in a forked child (see Emitter._after_fork).
+# Emitters not yet collected: each starts again in a forked child (see Emitter._after_fork),
+# and is closed at the interpreter's exit.
 _LIVE: weakref.WeakSet[Emitter] = weakref.WeakSet()
 
 
@@ -42,6 +44,10 @@ MAX_LINGER_SECONDS = (2**31 - 1) / 1000  # ZMQ's linger: an int of milliseconds
 # 2.5 ms/s from an idle engine), and the first event after it wakes it. on_tick runs at least
 # this often.
 IDLE_INTERVAL = 1.0
+# Seconds each emitter still open at the interpreter's exit has to hand over what it holds: a
+# server stopped by a signal often exits without its engine's shutdown reaching the tap (vLLM
+# 0.32's), and the sender thread, a daemon, died with what it held, uncounted.
+EXIT_TIMEOUT = 0.5
 
 
 _encode_event = ev.encode_event  # one global read per emit(), not an attribute of ev
@@ -53,6 +59,15 @@ def _mark_forked() -> None:
 
 
 os.register_at_fork(after_in_child=_mark_forked)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close every emitter left open (see :data:`EXIT_TIMEOUT`): the agent gets what was
+    buffered and the final batch (the engine's tiers leave its gauges), or the loss is logged
+    and counted."""
+    for emitter in list(_LIVE):
+        emitter.close(EXIT_TIMEOUT)
 
 
 class Emitter:
@@ -73,7 +88,8 @@ class Emitter:
     queue (kept small: what ZMQ holds when :meth:`close` gives up is lost uncounted, what the
     buffer holds is counted). ``warn_after``: seconds events may wait unsent (no agent at
     ``endpoint``, or one too slow) before one warning says so; sending again is logged too.
-    Call :meth:`close` at exit (safe twice, from any thread). In a child process forked from
+    Call :meth:`close` at exit (safe twice, from any thread); one left open is closed when the
+    interpreter exits, waiting at most :data:`EXIT_TIMEOUT` for the agent. In a child process forked from
     its maker it starts again at the child's first :meth:`emit`, as a new session, with an
     empty buffer and no ``on_tick``. ``on_tick``: set it to a function of no arguments to have
     it called on the sender thread before each send, at least every :data:`IDLE_INTERVAL`
