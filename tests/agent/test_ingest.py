@@ -57,7 +57,9 @@ def test_the_emitter_imports_nothing_but_msgspec_pyzmq_and_the_standard_library(
             "print(*sorted(set(sys.modules) - before))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout.split()
-    third_party = {name for name in out if name.split(".")[0] not in sys.stdlib_module_names}
+    # __mp_main__: multiprocessing's alias of __main__, made when it is imported
+    third_party = {name for name in out if name.split(".")[0] not in sys.stdlib_module_names
+                   and name != "__mp_main__"}
     assert third_party == {"kvscope", "kvscope.agent", "kvscope.agent.taps",
                            "kvscope.agent.taps.emitter", "kvscope.errors", "kvscope.events",
                            "kvscope.vocabulary"}
@@ -1495,29 +1497,42 @@ time.sleep(600)
 
 
 _EXITING_TAP = """
-import sys, time
+import multiprocessing, sys, time
 from kvscope import events as ev
 from kvscope.agent.taps.emitter import Emitter
-emitter = Emitter(sys.argv[1], source="exits", flush_interval=30.0)
-time.sleep(0.2)  # the sender's first wait has begun: only the exit makes it send
-emitter.emit(ev.TierSnapshot(ts=time.time(), tier="cpu", capacity_bytes=64 << 20,
-                             resident_bytes=64 << 20, capacity_blocks=64, resident_blocks=64))
+
+def tap():
+    emitter = Emitter(sys.argv[1], source="exits", flush_interval=30.0)
+    time.sleep(0.2)  # the sender's first wait has begun: only the exit makes it send
+    emitter.emit(ev.TierSnapshot(ts=time.time(), tier="cpu", capacity_bytes=64 << 20,
+                                 resident_bytes=64 << 20, capacity_blocks=64, resident_blocks=64))
+
+if sys.argv[2] == "fork":  # as vLLM's engine core: a child that ends with os._exit
+    child = multiprocessing.get_context("fork").Process(target=tap)
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+else:
+    tap()
 """
 
 
+@pytest.mark.parametrize("process", ["main", "fork"])
 def test_a_tap_process_that_exits_without_closing_its_emitter_still_delivers_and_closes(
-        source, tmp_path, caplog):
+        source, tmp_path, caplog, process):
     """vLLM stopped by SIGTERM exits without its engine's shutdown reaching the tap: the
     emitter was never closed, its daemon sender thread died with the events it held (a flush
     interval of 30 s holds them all), and the agent logged the process as ended without
     closing its tap. Closed at the interpreter's exit, it delivers the event and its final
-    batch: the tier shows up, then leaves with the closed tap."""
+    batch: the tier shows up, then leaves with the closed tap. Also in a forked
+    multiprocessing child (vLLM's engine core), which ends with os._exit: no atexit hook runs
+    there."""
     import logging
     import subprocess
     import sys
 
     caplog.set_level(logging.INFO, logger="kvscope")
-    subprocess.run([sys.executable, "-c", _EXITING_TAP, _endpoint(tmp_path)], check=True,
+    subprocess.run([sys.executable, "-c", _EXITING_TAP, _endpoint(tmp_path), process], check=True,
                    cwd=REPO_ROOT, timeout=60, stdin=subprocess.DEVNULL)
     assert wait_until(lambda: source.pipeline.events_received().get("exits") == 1)
     assert wait_until(lambda: "cpu" not in source.pipeline.snapshot().tiers)

@@ -14,10 +14,10 @@ pyzmq.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
 import math
+import multiprocessing.util
 import os
 import threading
 import time
@@ -61,13 +61,15 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-@atexit.register
 def _close_at_exit() -> None:
     """Close every emitter left open (see :data:`EXIT_TIMEOUT`): the agent gets what was
     buffered and the final batch (the engine's tiers leave its gauges), or the loss is logged
     and counted."""
     for emitter in list(_LIVE):
         emitter.close(EXIT_TIMEOUT)
+
+
+_closing_at_exit_in = 0  # the process whose exit closes the emitters (see Emitter._start)
 
 
 class Emitter:
@@ -88,11 +90,11 @@ class Emitter:
     queue (kept small: what ZMQ holds when :meth:`close` gives up is lost uncounted, what the
     buffer holds is counted). ``warn_after``: seconds events may wait unsent (no agent at
     ``endpoint``, or one too slow) before one warning says so; sending again is logged too.
-    Call :meth:`close` at exit (safe twice, from any thread); one left open is closed when the
-    interpreter exits, waiting at most :data:`EXIT_TIMEOUT` for the agent. In a child process forked from
-    its maker it starts again at the child's first :meth:`emit`, as a new session, with an
-    empty buffer and no ``on_tick``. ``on_tick``: set it to a function of no arguments to have
-    it called on the sender thread before each send, at least every :data:`IDLE_INTERVAL`
+    Call :meth:`close` at exit (safe twice, from any thread); one left open is closed when its
+    process exits, waiting at most :data:`EXIT_TIMEOUT` for the agent. In a child process
+    forked from its maker it starts again at the child's first :meth:`emit`, as a new session,
+    with an empty buffer and no ``on_tick``. ``on_tick``: set it to a function of no arguments
+    to have it called on the sender thread before each send, at least every :data:`IDLE_INTERVAL`
     seconds (e.g. to emit a gauge while the caller is idle); if it raises it is logged and not
     called again. ``tap_errors``: set it to a function
     of no arguments returning the tap's own failures so far by reason (``Batch.errors``; e.g.
@@ -179,6 +181,13 @@ class Emitter:
                              "or ipc://PATH, as the agent's [ingest] endpoint") from None
         self._thread = threading.Thread(target=self._run, name="kvscope-emitter", daemon=True)
         self._thread.start()
+        # multiprocessing's exit hook, not atexit's: it runs at the interpreter's exit and also
+        # where a multiprocessing child ends (os._exit, which skips atexit), as vLLM's engine
+        # core does; registered in each process that starts one (a child's starts empty)
+        global _closing_at_exit_in
+        if _closing_at_exit_in != os.getpid():
+            _closing_at_exit_in = os.getpid()
+            multiprocessing.util.Finalize(None, _close_at_exit, exitpriority=0)
 
     def _after_fork(self) -> None:
         """In a child forked from the process that made this emitter (at-fork hook): its
