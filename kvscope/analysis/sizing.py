@@ -46,6 +46,12 @@ def seconds(x: float) -> str:
     return f"{np.format_float_positional(x, precision=4, fractional=False, trim='-')} s"
 
 
+def micro(x: float) -> str:
+    """Seconds ``x`` as microseconds to 3 significant digits, never in scientific notation
+    ("5.24 us", "2050 us")."""
+    return f"{np.format_float_positional(x * 1e6, precision=3, fractional=False, trim='-')} us"
+
+
 @dataclass(frozen=True)
 class SizingParams:
     """``preset``: KV shape and prefill cost. ``block_tokens``: tokens per block of the trace.
@@ -198,10 +204,10 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     if promote_s >= recompute_s:
         reasons.append(f"Promotions are slower than recomputing: copying one token's KV "
                        f"({bpt:,.0f} bytes at {params.bandwidth / 1e9:.3g} GB/s) takes "
-                       f"{promote_s * 1e6:.3g} us, prefill takes {recompute_s * 1e6:.3g} us.")
+                       f"{micro(promote_s)}, prefill takes {micro(recompute_s)}.")
     if not reasons and best_gain < params.min_gain:
         if unlimited_gain < params.min_gain:
-            reasons.append(f"The GPU prefix cache ({params.gpu_tokens} tokens) already serves "
+            reasons.append(f"The GPU prefix cache ({params.gpu_tokens:,} tokens) already serves "
                            f"{gpu_hit:.1%} of the {reuse:.1%} reusable prompt tokens; a CPU tier "
                            f"adds at most {unlimited_gain:.1%}.")
         else:
@@ -234,7 +240,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
                    f"{seconds(recommended.prefill_seconds_saved)} of prefill for "
                    f"{seconds(recommended.transfer_seconds)} of transfers.")
     else:
-        verdict = "Do not offload: " + reasons[0]
+        verdict = "Do not offload. " + reasons[0]  # a sentence of its own, as in ``reasons``
     return SizingAdvice(
         offload=offload, verdict=verdict, reasons=reasons, recommended=recommended,
         kv_offloading_size_gib=(flag_gib(recommended.bytes, params.budget_bytes)

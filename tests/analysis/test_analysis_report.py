@@ -126,6 +126,8 @@ def test_sizing_page_data_is_plain_and_consistent():
     json.loads(json.dumps(to_dict(analysis)))
     text = render_text(analysis)
     assert "Verdict" in text
+    # the Mooncake trace's most shared prefix is one block (id 0, the system prompt)
+    assert "   1 block       512 tokens x 12,030 reuses" in text and "1 blocks" not in text
     # a recommendation below the knee, as here, says what it is (a new user took the knee for it)
     assert analysis.sizing.recommended.blocks < analysis.sizing.knee.blocks
     assert "the smallest size that buys 90% of the largest affordable size's gain" in text

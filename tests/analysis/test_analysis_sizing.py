@@ -57,6 +57,9 @@ def test_promotions_slower_than_prefill_are_called_out():
     advice = advise(far_reuse(), SizingParams(ROUND, 1, bandwidth=16_000), 10.0)
     assert not advice.offload
     assert "slower than recomputing" in advice.reasons[0]
+    # a sentence of its own after the decision, times in plain microseconds (not "2.05e+03")
+    assert advice.verdict == "Do not offload. " + advice.reasons[0]
+    assert "e+" not in advice.verdict and " us, prefill takes " in advice.verdict
 
 
 def test_reuse_beyond_the_budget_is_called_out():
