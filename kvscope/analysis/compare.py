@@ -510,16 +510,19 @@ def combine(verdicts: dict[str, Verdict]) -> Verdict:
     """One verdict of several metrics' (``{"TTFT": ..., "ITL": ...}``): roll back when one
     says so, keep when all do, inconclusive otherwise. Its text names each metric's decision,
     then gives each metric's reason, the deciding ones first (a bare "inconclusive: ...
-    keep: ..." read as two verdicts); its reasons are each metric's in turn."""
+    keep: ..." read as two verdicts); its reasons are each metric's in turn, a shared one once."""
     decisions = [v.decision for v in verdicts.values()]
     decision = ROLL_BACK if ROLL_BACK in decisions else KEEP if set(decisions) == {KEEP} \
         else INCONCLUSIVE
     if len(verdicts) == 1:
         return next(iter(verdicts.values()))
     ordered = sorted(verdicts.items(), key=lambda item: item[1].decision != decision)
-    text = f"{decision} (" + ", ".join(f"{m} {v.decision}" for m, v in ordered) + "). " + \
-        " ".join(f"{m}: {v.text.removeprefix(f'{v.decision}: ')}" for m, v in ordered)
-    return Verdict(decision, text, [r for v in verdicts.values() for r in v.reasons])
+    # each metric's decision without roll back's "(disable the newest tier)": once is enough
+    text = f"{decision}; " + ", ".join(f"{m} {v.decision.split(' (')[0]}" for m, v in ordered) \
+        + ". " + " ".join(f"{m}: {v.text.removeprefix(f'{v.decision}: ')}" for m, v in ordered)
+    # each metric's reasons in turn, a line they share (the arms' sizes) once
+    return Verdict(decision, text,
+                   list(dict.fromkeys(r for v in verdicts.values() for r in v.reasons)))
 
 
 def _slower_elsewhere(metrics, confidence: float) -> list[str]:
@@ -538,8 +541,9 @@ def _slower_elsewhere(metrics, confidence: float) -> list[str]:
     for label, r, replicates in tested:
         low, high = (float(x[0]) for x in interval(replicates[:, None], level))
         if low > 0:
+            sign = "+" if r.difference.value >= 0 else ""
             notes.append(f"{label} p{r.quantile * 100:g} is significantly worse than the "
-                         f"baseline's ({'+' if r.difference.value >= 0 else ''}{ms(r.difference.value)}, {level * 100:.4g}% CI "
+                         f"baseline's ({sign}{ms(r.difference.value)}, {level * 100:.4g}% CI "
                          f"{ms(low)} to {ms(high)}: {len(tested)} quantiles tested at once); "
                          "the rule judges p99 only")
     return notes

@@ -583,7 +583,7 @@ def test_an_itl_regression_over_its_budget_rolls_back_with_ttft_fine(tmp_path, c
     out = json.loads(capsys.readouterr().out)
     assert out["verdict"]["decision"] == ROLL_BACK and out["itl_budget"] == 0.03
     assert out["verdict"]["text"].startswith(
-        f"{ROLL_BACK} (ITL {ROLL_BACK}, TTFT {KEEP}). ITL: candidate p99 ITL 50 ms")
+        f"{ROLL_BACK}; ITL roll back, TTFT {KEEP}. ITL: candidate p99 ITL 50 ms")
     assert out["itl"][2]["difference"]["low"] == pytest.approx(0.03, rel=1e-3)
     args = _verdict(tmp_path / "none", ttft, ttft, "--itl-budget", "0.03", runs=3,
                     itl=(0.02, 0.0))
@@ -759,6 +759,14 @@ def test_a_combined_verdict_names_each_metrics_decision():
     c = compare(*arms, ttft_budget=BUDGET, itl_budget=0.05, resamples=200)
     assert (c.by_metric["TTFT"].decision, c.by_metric["ITL"].decision) == (KEEP, INCONCLUSIVE)
     assert c.verdict.decision == INCONCLUSIVE
-    assert c.verdict.text.startswith("inconclusive (ITL inconclusive, TTFT keep). ITL: too few")
+    assert c.verdict.text.startswith("inconclusive; ITL inconclusive, TTFT keep. ITL: too few")
     assert " TTFT: candidate p99 TTFT " in c.verdict.text
     assert "keep:" not in c.verdict.text and c.verdict.text.count("inconclusive") == 2
+    # a roll back says what it means once, not again inside the list of decisions
+    runs = [[RequestSample(f"{name}{i}", (ttft + shift) * (1 + i / 1e3), np.full(400, 0.01))
+             for i in range(3)] for name, shift in (("base", 0.0), ("slow", 0.2))]
+    c = compare(*runs, ttft_budget=BUDGET, resamples=200)
+    assert c.verdict.text.startswith(f"{ROLL_BACK}; TTFT roll back, ITL keep. TTFT: "), \
+        c.verdict.text
+    assert c.verdict.text.count("disable the newest tier") == 1, c.verdict.text
+    assert len(set(c.verdict.reasons)) == len(c.verdict.reasons), c.verdict.reasons
