@@ -108,7 +108,9 @@ CHECK_MODULES = ("kvscope.events", "kvscope.agent.taps.emitter",
                  "kvscope.agent.collectors.metrics", "kvscope.agent.memory_budget",
                  "kvscope.agent.taps.memory_report", "pynvml")
 WHEEL_MODULES = {"msgspec": "msgspec", "zmq": "pyzmq", "psutil": "psutil", "pynvml": "nvidia-ml-py"}
-ALLOWED_EXTRA = {"kvscope", "typing_extensions", "cython_runtime"}  # pyzmq is built with Cython
+# pyzmq is built with Cython; __mp_main__: multiprocessing's alias of __main__ (the emitter's
+# exit hook is multiprocessing's)
+ALLOWED_EXTRA = {"kvscope", "typing_extensions", "cython_runtime", "__mp_main__"}
 
 
 # ---- reporting and set-up -----------------------------------------------------------------------
