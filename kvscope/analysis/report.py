@@ -132,9 +132,9 @@ def render_text(analysis: Analysis) -> str:
     if r.top_prefixes:
         lines.append("  most shared prefixes (tokens saved if always cached):")
         for p in r.top_prefixes[:5]:
-            lines.append(f"    id {p.block_id:<20} {p.blocks:>4} block{'s' * (p.blocks != 1):<1} "
-                         f"{p.tokens:>8,} tokens x {p.uses - 1:,} "
-                         f"reuse{'s' * (p.uses != 2)} = {p.tokens_saved:,} tokens")
+            blocks = "block" if p.blocks == 1 else "blocks"
+            lines.append(f"    id {p.block_id:<20} {p.blocks:>4} {blocks:<6} {p.tokens:>8,} tokens "
+                         f"x {p.uses - 1:,} reuse{'s' * (p.uses != 2)} = {p.tokens_saved:,} tokens")
     lines += ["", f"Miss-ratio curves ({analysis.method})"] + _table(analysis)
     lines += ["", "Sizing",
               f"  assumptions: promotion {a['bandwidth_bytes_per_second'] / 1e9:.3g} GB/s, prefill "

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 # Emitters not yet collected: each starts again in a forked child (see Emitter._after_fork),
-# and is closed at the interpreter's exit.
+# and is closed when its process exits.
 _LIVE: weakref.WeakSet[Emitter] = weakref.WeakSet()
 
 
@@ -44,9 +44,9 @@ MAX_LINGER_SECONDS = (2**31 - 1) / 1000  # ZMQ's linger: an int of milliseconds
 # 2.5 ms/s from an idle engine), and the first event after it wakes it. on_tick runs at least
 # this often.
 IDLE_INTERVAL = 1.0
-# Seconds each emitter still open at the interpreter's exit has to hand over what it holds: a
-# server stopped by a signal often exits without its engine's shutdown reaching the tap (vLLM
-# 0.32's), and the sender thread, a daemon, died with what it held, uncounted.
+# Seconds each emitter still open when its process exits has to hand over what it holds (an
+# engine whose shutdown never reaches the tap): the sender thread, a daemon, died with it,
+# uncounted.
 EXIT_TIMEOUT = 0.5
 
 
