@@ -311,6 +311,11 @@ def read_runs(paths: str) -> list[RequestSample]:
         twice = next(p for p, r in zip(parts, resolved) if resolved.count(r) > 1)
         raise TraceError(f"{paths}: names {twice} twice; each run of an arm is a capture of "
                          "its own")
+    for part in parts:  # an access trace has no request timings to compare
+        if Path(part).suffix.lower() == ".jsonl":
+            raise TraceError(f"{part}: a block-access trace, not an agent capture; compare "
+                             "reads captures (kvscope agent --capture-dir), and `kvscope "
+                             "analyze` reads traces")
     return [read_request_sample(p) for p in parts]
 
 

@@ -264,6 +264,19 @@ def test_a_parquet_file_of_another_kind_is_one_line_saying_what_to_pass(tmp_path
     assert "not a kvscope requests segment" in err[0] and "pass the capture directory" in err[0]
 
 
+def test_a_trace_file_given_to_compare_is_told_to_go_to_analyze(tmp_path, capsys):
+    """A Mooncake trace (.jsonl, the format `kvscope analyze` reads) has block accesses but no
+    request timings: compare says which command reads it, instead of Arrow's parquet error."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, '
+                     '"hash_ids": [1]}\n')
+    c = write_capture(tmp_path / "c", [0.02] * 10)
+    assert main(["compare", str(c), str(trace)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "not an agent capture" in err[0] and "`kvscope analyze` reads traces" in err[0]
+
+
 def test_bootstrap_median_interval_covers_the_true_median_about_95_percent():
     """Standard normal samples (true median 0), n = 101, 1000 resamples, 200 seeded repeats:
     the 95% percentile-bootstrap interval of the median should contain 0 in about 95% of
