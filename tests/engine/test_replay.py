@@ -89,6 +89,25 @@ def test_replay_trace_simulate_json():
     assert summary["block_hit_ratio_by_tier"]["disk"] > 0
 
 
+def test_a_simulated_replay_says_what_it_priced_transfers_and_prefill_at():
+    """--simulate measures no copy: its transfer seconds and TTFTs are the preset's cost model,
+    and the report says so with the model's figures (preset tiny: 50 GB/s host<->device, 6.5
+    GB/s disk, presets.py); a replay that copies does not claim to be simulated."""
+    tiny = get_preset("tiny")
+    simulated = _kvscope("--requests", "50", "--simulate")
+    assert simulated.returncode == 0, simulated.stderr
+    line = simulated.stdout.strip().splitlines()[-1]
+    assert line == (f"simulated: prefill at {tiny.prefill_tokens_per_second:,.0f} tokens/s, "
+                    "transfers at 50 GB/s cpu<->gpu (preset tiny's cost model, not measured)")
+    with_disk = _kvscope("--requests", "50", "--simulate", "--disk-blocks", "64").stdout
+    assert "transfers at 50 GB/s cpu<->gpu and 6.5 GB/s disk<->cpu (" in with_disk
+    copied = _kvscope("--requests", "50")
+    assert copied.returncode == 0, copied.stderr
+    assert "simulated" not in copied.stdout
+    model = json.loads(_kvscope("--requests", "50", "--simulate", "--json").stdout)["config"]
+    assert model["cost_model"]["h2d_bytes_per_second"] == tiny.h2d_bytes_per_second == 50e9
+
+
 def test_replay_synthetic_with_payload_and_disk(tmp_path):
     result = _kvscope("--requests", "150", "--gpu-blocks", "32", "--cpu-blocks", "64",
                       "--disk-blocks", "256", "--disk-dir", str(tmp_path), "--json")
