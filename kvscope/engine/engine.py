@@ -274,7 +274,7 @@ class OffloadEngine:
         lookup = time.perf_counter() - t0 if self.payload else 0.0
         if batch is not None:
             batch.flush()
-        return self._account(request, started, sources, hits, lookup, queueing)
+        return self._account(request, started, now, sources, hits, lookup, queueing)
 
     def _admitted(self, h: int) -> bool:
         if self.store_threshold > 1 and self._seen.get(h, 0) < self.store_threshold:
@@ -385,8 +385,9 @@ class OffloadEngine:
 
     # -- accounting and events --------------------------------------------------------------
 
-    def _account(self, request, started, sources, hits, lookup, queueing) -> RequestOutcome:
-        """Split the prompt's tokens by source (prefix semantics), update the stats, finish."""
+    def _account(self, request, started, now, sources, hits, lookup, queueing) -> RequestOutcome:
+        """Split the prompt's tokens by source (prefix semantics), update the stats, finish.
+        ``now``: when the engine took the request (its lookup's time)."""
         failed = self._failed
         if failed:
             for i, h in enumerate(request.block_hashes):
@@ -425,7 +426,9 @@ class OffloadEngine:
         if self._emit is not None:
             record = self.record_blocks
             names = _block_sources(sources) if record else ()
-            self._emit(ev.Lookup(ts=started.ts, request_id=request.request_id,
+            # at the lookup's time, in the order served: a capture's block rows are read in
+            # time order, and arrivals (less the model's queueing) need not come in that order
+            self._emit(ev.Lookup(ts=now, request_id=request.request_id,
                                  tokens={s: n for s, n in outcome.tokens.items() if n},
                                  blocks=len(sources),
                                  block_hits={t: n for t, n in outcome.block_hits.items() if n},

@@ -240,6 +240,34 @@ def test_lookups_captured_out_of_time_order_are_read_in_time_order(tmp_path):
     assert shuffled.prompt_tokens == ordered.prompt_tokens and shuffled.duration == 2.0
 
 
+def test_a_queueing_replay_is_captured_in_the_order_it_was_served(tmp_path):
+    """Requests arriving 0.1 ms apart, each served in modelled milliseconds (the preset's
+    prefill rate): the replay's single server queues them, by more each time (FCFS, so request
+    i waits about i times a service less i times 0.1 ms). Their lookups were stamped at
+    arrival, the engine's clock less that queueing, which runs backwards from one request to
+    the next, so the capture's block rows, read in time order, came back in another order than
+    served and analyze of a demo's capture differed from analyze of its trace. Stamped when the
+    engine looks the request up, they come back in the order served."""
+    from kvscope.engine.replay import Replayer
+
+    requests = [replace(r, arrival=i * 1e-4) for i, r in enumerate(_requests(n=120))]
+    agent = Agent(AgentSettings(capture_dir=tmp_path, collectors=NO_COLLECTORS),
+                  with_ingest=False)
+    engine = OffloadEngine(PRESET, 64, 256, payload=False, record_blocks=True,
+                           emit=lambda event: agent.pipeline.ingest("engine", (event,)))
+    agent.start()
+    try:
+        Replayer(engine, requests, speed=None).run()
+        engine.close()
+    finally:
+        agent.shutdown()
+    served = from_requests(requests, 16)
+    trace = read_block_trace(tmp_path)
+    assert len(set(served.requests)) == 120
+    np.testing.assert_array_equal(trace.block_ids, served.block_ids)
+    np.testing.assert_array_equal(trace.depths, served.depths)
+
+
 def test_segments_rotate_are_whole_and_are_pruned_to_the_byte_bound(tmp_path):
     now = [T0]
     writer = CaptureWriter(tmp_path, max_bytes=40_000, segment_rows=200,
