@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import socket
 import threading
 
+import h11
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 def address(host: str, port: int) -> str:
@@ -50,6 +53,40 @@ GRACE_SECONDS = 3.0  # what requests under way get to finish when the server sto
 # dashboards and OTLP exporters need a few; the cap bounds the sockets and tasks that clients
 # which connect and then stall can hold.
 MAX_CONNECTIONS = 256
+# seconds a client has to send a request's headers and body, from connecting or from the
+# previous response (Go's http.Server calls the headers' part ReadHeaderTimeout)
+READ_TIMEOUT = 10.0
+
+
+class _ReadDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request has not arrived whole
+    within ``read_timeout`` seconds. uvicorn closes a connection idle after a response, but not
+    one that sends nothing, part of its headers or part of a body: clients that connect and
+    stall would hold every one of the :data:`MAX_CONNECTIONS` slots, and the agent would answer
+    503 to scrapes and health probes for as long as they stay. A request received whole is
+    never cut, however long its response takes."""
+
+    def __init__(self, *args, read_timeout: float = READ_TIMEOUT, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_timeout = read_timeout
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline = self.loop.call_later(self.read_timeout, self._read_expired)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.read_timeout, self._read_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _read_expired(self) -> None:
+        # IDLE: no whole request line and headers yet; SEND_BODY: its body not all sent
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            self.transport.close()
 
 
 class _NoCancelledTraceback(logging.Filter):
@@ -65,13 +102,17 @@ _QUIET = _NoCancelledTraceback()
 
 class ApiServer:
     """Runs ``app`` with uvicorn on the bound ``sock`` in a daemon thread, with at most
-    ``max_connections`` connections at once (the next client gets 503)."""
+    ``max_connections`` connections at once (the next client gets 503), each given
+    ``read_timeout`` seconds to send a request whole (headers and body) or be closed."""
 
     def __init__(self, app: FastAPI, sock: socket.socket,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS,
+                 read_timeout: float = READ_TIMEOUT) -> None:
         # without a grace limit uvicorn waits for every request under way, so one client that
         # stalls inside its body would keep the agent from stopping
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                     http=functools.partial(
+                                                         _ReadDeadline, read_timeout=read_timeout),
                                                      timeout_graceful_shutdown=GRACE_SECONDS,
                                                      limit_concurrency=max_connections))
         uvicorn_log = logging.getLogger("uvicorn.error")

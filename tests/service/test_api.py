@@ -1,6 +1,7 @@
 """The agent's HTTP API through FastAPI's TestClient (handlers; the real server is covered by
 the end-to-end tests)."""
 
+import time
 import tracemalloc
 
 import pytest
@@ -404,6 +405,61 @@ def test_without_engine_pid_the_node_places_the_memory_of_the_process_a_tap_runs
             assert wait_until(lambda: placed(c) == {})
     finally:
         agent.shutdown()
+
+
+@pytest.mark.parametrize("stall", [b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n",
+                                   b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n"
+                                   b"Content-Type: application/json\r\nContent-Length: 100\r\n"
+                                   b"\r\n{\"resource"],
+                         ids=["nothing", "part-of-the-headers", "part-of-the-body"])
+def test_clients_that_stall_are_closed_so_scrapes_are_served_again(stall):
+    """Two clients take both of a cap of 2 connections and stall: sending nothing, part of
+    their headers, or part of a body. uvicorn closed none of them, so every scrape and health
+    probe after them was answered 503 for as long as they stayed (a tryout held 256 sockets
+    open for minutes against the agent's default cap). With a read timeout of 0.5 s they are
+    closed and /healthz answers 200 again while they still hold their sockets; a request whose
+    response takes longer than the timeout (a slow handler, 1.5 s) is not cut."""
+    import asyncio
+    import socket
+
+    import httpx
+
+    from kvscope.service.server import ApiServer, bind
+
+    app = create_app(_agent())
+
+    @app.get("/slow")
+    async def slow():
+        await asyncio.sleep(1.5)
+        return {"slow": True}
+
+    sock = bind("127.0.0.1", 0, "--port")
+    server = ApiServer(app, sock, max_connections=2, read_timeout=0.5)
+    server.start()
+    port = sock.getsockname()[1]
+    stalled = []
+    try:
+        assert httpx.get(f"http://127.0.0.1:{port}/slow", timeout=30).json() == {"slow": True}
+        stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        for client in stalled:
+            client.sendall(stall)
+        codes = []
+        for _ in range(300):  # until the server has closed them (0.5 s after they connected)
+            codes.append(httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code)
+            if codes[-1] == 200:
+                break
+            time.sleep(0.05)
+        assert codes[0] == 503 and codes[-1] == 200, codes
+        for client in stalled:  # closed by the server (one may have been answered 503 first)
+            client.settimeout(30)
+            received = b""
+            while chunk := client.recv(1024):
+                received += chunk
+            assert received == b"" or received.startswith(b"HTTP/1.1 503"), received
+    finally:
+        for client in stalled:
+            client.close()
+        server.shutdown()
 
 
 def test_clients_past_the_connection_cap_get_503_and_the_server_stays_up():
