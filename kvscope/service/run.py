@@ -12,7 +12,7 @@ from kvscope.agent.sources import REGISTRY as SOURCES
 from kvscope.argtypes import is_loopback
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
-from kvscope.service.server import ApiServer, bind, url
+from kvscope.service.server import ApiServer, bind, raise_open_files_limit, url
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
 
 
@@ -43,6 +43,7 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     taken, store directory impossible) before anything is left running.
     """
     _log_to_stderr(settings.log_level)
+    raise_open_files_limit()
     # either may come from the config file as well as a flag
     sock = bind(settings.host, settings.port, "--port (or port in the config)",
                 "--host (or host in the config)")
