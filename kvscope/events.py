@@ -426,16 +426,41 @@ def _snapshot_problem(event: TierSnapshot) -> str | None:
     return None
 
 
+def _lookup_problem(event: Lookup) -> str | None:
+    hashes = len(event.block_hashes)
+    if not hashes:
+        return None  # no per-block detail (what the sources or depths may say goes unused)
+    if hashes > event.blocks:
+        return f"{hashes} block hashes for a lookup of {event.blocks} blocks"
+    for name in ("block_sources", "block_depths"):
+        if 0 < len(getattr(event, name)) != hashes:
+            return f"{len(getattr(event, name))} {name} for {hashes} block hashes"
+    if event.block_depths and max(event.block_depths) >= event.blocks:
+        return f"a block depth of {max(event.block_depths)} in a lookup of {event.blocks} blocks"
+    if not event.block_sample_rate:
+        return "block hashes sampled at a rate of 0"
+    sources = event.block_sources
+    if "recompute" in sources:  # prefix semantics: recompute from the first one on
+        first = sources.index("recompute")
+        if sources.count("recompute") != len(sources) - first:
+            return "a block served from cache after a recomputed one"
+    return None
+
+
 # the kinds whose fields can contradict each other, and the check of each (a kind absent here
 # costs the decoder one dict lookup, no call)
-_PROBLEMS = {Transfer: _transfer_problem, TierSnapshot: _snapshot_problem}
+_PROBLEMS = {Transfer: _transfer_problem, TierSnapshot: _snapshot_problem,
+             Lookup: _lookup_problem}
 
 
 def event_problem(event: object) -> str | None:
     """Why ``event``, each field valid on its own, cannot be true, or None: a transfer from a
-    tier to itself, or a tier snapshot holding more than its capacity, in bytes or blocks (a
-    capacity of 0 is unknown and holds anything: the vLLM tap's before vLLM says it). Not a
-    constraint of the structs: a tap builds events in the engine, where nothing may raise."""
+    tier to itself, a tier snapshot holding more than its capacity, in bytes or blocks (a
+    capacity of 0 is unknown and holds anything: the vLLM tap's before vLLM says it), or a
+    lookup whose per-block detail contradicts it (more block hashes than blocks, sources or
+    depths that are not one per hash, a depth past its blocks, hashes sampled at a rate of 0,
+    a block served from cache after a recomputed one). Not a constraint of the structs: a tap
+    builds events in the engine, where nothing may raise."""
     check = _PROBLEMS.get(type(event))
     return check(event) if check is not None else None
 

@@ -100,3 +100,40 @@ def test_idle_histogram_counts_one_more_than_its_bounds():
         ev.IdleHistogram(ts=0.0, tier="gpu", bounds=[1.0, 2.0], counts=[1, 0])
     with pytest.raises(ValueError):
         ev.IdleHistogram(ts=0.0, tier="gpu", bounds=[2.0, 1.0], counts=[1, 0, 0])
+
+
+def _lookup(**detail):
+    fields = {"blocks": 4, "block_hashes": (11, 12, 13, 14),
+              "block_sources": ("gpu", "cpu", "recompute", "recompute")}
+    return ev.Lookup(ts=0.0, request_id="r", tokens={"gpu": 16, "cpu": 16, "recompute": 32},
+                     **{**fields, **detail})
+
+
+@pytest.mark.parametrize("detail, problem", [
+    ({"blocks": 2}, "4 block hashes for a lookup of 2 blocks"),
+    ({"block_sources": ("gpu",)}, "1 block_sources for 4 block hashes"),
+    ({"block_depths": (0, 1)}, "2 block_depths for 4 block hashes"),
+    ({"block_depths": (0, 1, 2, 4)}, "a block depth of 4 in a lookup of 4 blocks"),
+    ({"block_sample_rate": 0.0}, "block hashes sampled at a rate of 0"),
+    ({"block_sources": ("gpu", "recompute", "cpu", "recompute")},
+     "a block served from cache after a recomputed one"),
+])
+def test_a_lookup_whose_block_detail_contradicts_it_is_invalid(detail, problem):
+    """A tryout sent a 2-block lookup with 100 block hashes: the agent counted 100 blocks in
+    kvscope_prompt_prefix_blocks_total and wrote 100 capture rows. Each contradiction of the
+    Lookup's documented shape (one source and depth per hash, depths within its blocks, prefix
+    semantics) is refused as invalid, at decoding as by validate()."""
+    with pytest.raises(ev.SchemaError, match=problem) as refused:
+        ev.decode_batch(ev.encode_batch(_batch([_lookup(**detail)])))
+    assert refused.value.reason == "invalid"
+
+
+@pytest.mark.parametrize("detail", [
+    {},  # the reference engine's: every block, first to last
+    {"blocks": 9, "block_hashes": (12, 14), "block_sources": (), "block_depths": (3, 8),
+     "block_sample_rate": 0.25},  # the vLLM tap's sample: fewer hashes than blocks, depths
+    {"block_hashes": (), "block_sources": (), "block_sample_rate": 0.0625},  # none sampled
+])
+def test_lookups_the_taps_send_are_valid(detail):
+    event = _lookup(**detail)
+    assert ev.decode_batch(ev.encode_batch(_batch([event]))).events == [event]
