@@ -301,16 +301,41 @@ def _captures(paths: str) -> list[str]:
     return parts
 
 
+def _segments_of(part: str) -> set[Path]:
+    """The requests segments capture ``part`` reads, resolved (none for a path that does not
+    exist: reading it says so)."""
+    try:
+        return {p.resolve() for p in capture_segments(part, "requests")}
+    except TraceError:
+        return set()
+
+
+def _sharing(parts: list[str], others: list[str]) -> tuple[str, str] | None:
+    """A pair of captures, one of ``parts`` and another of ``others``, that read a requests
+    segment in common (a directory and one of its own segments), or None."""
+    segments = {part: _segments_of(part) for part in {*parts, *others}}
+    for part in parts:
+        for other in others:
+            if other != part and segments[part] & segments[other]:
+                return part, other
+    return None
+
+
 def read_runs(paths: str) -> list[RequestSample]:
     """One :class:`RequestSample` per capture of ``paths``, a comma-separated list of capture
     directories (or requests segments): the repeated runs of one arm. Raises TraceError as
-    :func:`read_request_sample` does, and for a list that names none or one capture twice."""
+    :func:`read_request_sample` does, and for a list that names none, one capture twice, or a
+    capture and one of its own segments."""
     parts = _captures(paths)
     resolved = [Path(p).resolve() for p in parts]
     if len(set(resolved)) < len(resolved):  # one run read twice would fake run-to-run variance
         twice = next(p for p, r in zip(parts, resolved) if resolved.count(r) > 1)
         raise TraceError(f"{paths}: names {twice} twice; each run of an arm is a capture of "
                          "its own")
+    shared = _sharing(parts, parts)
+    if shared:
+        raise TraceError(f"{paths}: {shared[0]} and {shared[1]} read the same requests "
+                         "segments; each run of an arm is a capture of its own")
     for part in parts:  # an access trace has no request timings to compare
         if Path(part).suffix.lower() == ".jsonl":
             raise TraceError(f"{part}: a block-access trace, not an agent capture; compare "
@@ -321,13 +346,19 @@ def read_runs(paths: str) -> list[RequestSample]:
 
 def read_arms(baseline: str, candidate: str) -> tuple[list[RequestSample], list[RequestSample]]:
     """The runs of both arms (:func:`read_runs` of each). Raises TraceError as it does, and
-    when a capture is named on both sides: compared with itself it would read as an A/A check
-    that found no difference, which two runs of one setup, not one run twice, can show."""
+    when a capture (or one of its segments) is named on both sides: compared with itself it
+    would read as an A/A check that found no difference, which two runs of one setup, not one
+    run twice, can show."""
     both = ({Path(p).resolve() for p in _captures(baseline)}
             & {Path(p).resolve() for p in _captures(candidate)})
     if both:
         raise TraceError(f"{min(both)} is named as both the baseline and the candidate; an "
                          "A/A check compares two runs of one setup, each captured on its own")
+    shared = _sharing(_captures(baseline), _captures(candidate))
+    if shared:
+        raise TraceError(f"the baseline's {shared[0]} and the candidate's {shared[1]} read the "
+                         "same requests segments; an A/A check compares two runs of one setup, "
+                         "each captured on its own")
     return read_runs(baseline), read_runs(candidate)
 
 

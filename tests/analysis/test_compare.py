@@ -247,6 +247,13 @@ def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
     # check that passed, which says nothing of run-to-run variance
     assert main(["compare", f"{b},{c}", f"{tmp_path}/./c/"]) == 2
     assert f"{c} is named as both the baseline and the candidate" in capsys.readouterr().err
+    # nor a capture and one of its own segments (a tryout's read as 2 runs, or as an A/A)
+    segment = sorted(c.glob("requests-*.parquet"))[0]
+    assert main(["compare", str(b), f"{c},{segment}"]) == 2
+    assert f"{c} and {segment} read the same requests segments" in capsys.readouterr().err
+    assert main(["compare", str(c), str(segment)]) == 2
+    assert (f"the baseline's {c} and the candidate's {segment} read the same requests segments"
+            in capsys.readouterr().err)
 
 
 def test_a_parquet_file_of_another_kind_is_one_line_saying_what_to_pass(tmp_path, capsys):
