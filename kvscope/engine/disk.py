@@ -64,16 +64,20 @@ def _reason(exc: OSError) -> str:
 class DiskStore:
     """Chunk files of ``block_bytes``-byte blocks under ``directory``.
 
-    ``directory``: created if absent; None makes a private temporary directory that
-    :meth:`close` removes. ``threads``: I/O worker threads. Leftover temporary files from an
+    ``directory``: created if absent; None makes a private temporary directory. :meth:`close`
+    removes the chunks written (a disk tier's chunks mean nothing without the engine's index of
+    them, which ends with it: a large preset's would leave gigabytes behind) and the directory
+    if this store created it. ``threads``: I/O worker threads. Leftover temporary files from an
     earlier crash are removed at start.
     """
 
     def __init__(self, directory: str | Path | None, block_bytes: int, threads: int = 4) -> None:
-        self._owned = directory is None
+        self._temporary = directory is None
+        self._created = directory is not None and not Path(directory).exists()
         self.directory = Path(tempfile.mkdtemp(prefix="kvscope-disk-") if directory is None
                               else directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._written: set[int] = set()  # slots with a chunk file (set.add: one bytecode, atomic)
         self.block_bytes = block_bytes
         for stale in self.directory.glob(".chunk-*.kv.tmp"):
             stale.unlink(missing_ok=True)
@@ -106,6 +110,7 @@ class DiskStore:
             os.close(fd)
             fd = -1
             os.replace(tmp, final)
+            self._written.add(slot)
         except OSError as exc:
             if fd >= 0:
                 os.close(fd)
@@ -167,7 +172,17 @@ class DiskStore:
         return self._run(self.read_into, items)
 
     def close(self) -> None:
-        """Stop the I/O threads; remove the directory if this store created it. Safe twice."""
+        """Stop the I/O threads; remove the chunks written, and the directory if this store
+        created it. Safe twice."""
         self._pool.shutdown(wait=True)
-        if self._owned:
+        if self._temporary:
             shutil.rmtree(self.directory, ignore_errors=True)
+            return
+        for slot in self._written:
+            self.path(slot).unlink(missing_ok=True)
+        self._written.clear()
+        if self._created:
+            try:
+                self.directory.rmdir()  # only if empty: what else it holds is not ours
+            except OSError:
+                pass

@@ -44,8 +44,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="disk tier blocks; 0 disables (default %(default)s)")
     p.add_argument("--disk-dir", metavar="DIR",
                    type=directory("for a temporary directory, removed at exit"),
-                   help="directory for disk chunk files "
-                   "(default: a temporary directory, removed at exit)")
+                   help="directory for disk chunk files, created if absent; the chunks "
+                   "are removed at exit (default: a temporary directory, removed at exit)")
     p.add_argument("--policy", choices=POLICIES, default="lru",
                    help="eviction policy of every tier (default %(default)s)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",

@@ -120,6 +120,24 @@ def test_replay_synthetic_with_payload_and_disk(tmp_path):
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_replay_removes_its_disk_chunks_from_a_directory_it_was_given(tmp_path):
+    """--disk-dir named by the user: a tryout's replay left its chunk-*.kv files there (with a
+    large preset, gigabytes), and created the directory without removing it. The chunks go at
+    exit (they mean nothing without the engine's index of them), a file of the user's beside
+    them stays, and a directory the replay created goes when it is empty."""
+    given = tmp_path / "given"
+    given.mkdir()
+    (given / "notes.txt").write_text("mine")
+    created = tmp_path / "new" / "disk"
+    for directory in (given, created):
+        result = _kvscope("--requests", "150", "--gpu-blocks", "32", "--cpu-blocks", "64",
+                          "--disk-blocks", "256", "--disk-dir", str(directory), "--json")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["transfers"]["cpu->disk"]["blocks"] > 0
+    assert [p.name for p in given.iterdir()] == ["notes.txt"]
+    assert not created.exists() and (tmp_path / "new").exists()
+
+
 def test_replay_json_leaves_out_the_tiers_that_are_off():
     """No disk tier, and a cpu tier of 0 blocks: the JSON had disk (and cpu) entries of 0 in
     every map, as if those tiers existed and served nothing. Only the gpu tier and recompute
