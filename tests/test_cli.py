@@ -115,7 +115,11 @@ def test_disk_tier_without_cpu_tier_is_a_clear_error():
 @pytest.mark.parametrize("args,needle", [
     (["--cpu-blocks", "-1"], "must be >= 0"),
     (["--metrics-port", "19555", "--ui-port", "19555"], "different ports"),
-    (["--preset", "llama-3-8b", "--cpu-blocks", "100000000"], "GiB of host memory"),
+    # the demo has no --simulate: the way to size beyond the host is replay's
+    (["--preset", "llama-3-8b", "--cpu-blocks", "100000000"],
+     "GiB of host memory but only"),
+    (["--preset", "llama-3-8b", "--cpu-blocks", "100000000"],
+     "(to size tiers beyond this host, `kvscope replay --simulate` holds no KV bytes)"),
 ])
 def test_impossible_demo_settings(args, needle):
     _one_error_line(_kvscope("demo", "--duration", "5", *args), needle)

@@ -115,7 +115,8 @@ def trace_reader(path: str | Path) -> Callable[[Path], AccessTrace]:
     key = DIRECTORY if path.is_dir() else path.suffix.lower()
     reader = _READERS.get(key)
     if reader is None:
-        known = ", ".join(sorted(_READERS))
-        raise TraceError(f"{path}: unknown trace format {path.suffix!r} (known: {known}; "
-                         f"'/' is a capture directory)")
+        known = " or ".join(sorted(k for k in _READERS if k != DIRECTORY))
+        kind = f"unknown trace format {path.suffix!r}" if path.suffix else "no file extension"
+        raise TraceError(f"{path}: {kind}; a trace is a file ending in {known}, or a capture "
+                         "directory")
     return reader

@@ -74,9 +74,9 @@ def _check_host_memory(needed: int) -> None:
     available = psutil.virtual_memory().available
     if needed > 0.9 * available:
         raise EngineConfigError(
-            f"the tiers need {needed / 2**30:.1f} GiB of host memory but only "
-            f"{available / 2**30:.1f} GiB is available; use fewer blocks or a smaller preset "
-            "(kvscope replay: or --simulate, which holds no KV bytes)")
+            f"the tiers need {needed / 2**30:,.1f} GiB of host memory but only "
+            f"{available / 2**30:,.1f} GiB is available; use fewer blocks or a smaller preset "
+            "(to size tiers beyond this host, `kvscope replay --simulate` holds no KV bytes)")
 
 
 def _check_disk_space(store, needed: int) -> None:
@@ -87,7 +87,7 @@ def _check_disk_space(store, needed: int) -> None:
     if needed > free:
         store.close()
         raise EngineConfigError(
-            f"the disk tier needs {needed / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB is "
+            f"the disk tier needs {needed / 2**30:,.1f} GiB but only {free / 2**30:,.1f} GiB is "
             f"free at {store.directory}; use fewer disk blocks or a disk directory with room")
 
 

@@ -69,7 +69,11 @@ def test_cli_errors_exit_2(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
     (tmp_path / "capture.csv").write_text("a,b\n")
     assert main(["analyze", str(tmp_path / "capture.csv")]) == 2
-    assert "unknown trace format" in capsys.readouterr().err
+    assert "unknown trace format '.csv'; a trace is a file ending in .jsonl or .parquet, or a " \
+        "capture directory" in capsys.readouterr().err
+    (tmp_path / "passwd").write_text("root:x:0:0\n")  # no extension: said so, not format ''
+    assert main(["analyze", str(tmp_path / "passwd")]) == 2
+    assert f"{tmp_path / 'passwd'}: no file extension; a trace is" in capsys.readouterr().err
     assert main(["analyze", str(tmp_path / "capture.parquet")]) == 2  # a capture, but missing
     assert "No such file or directory" in capsys.readouterr().err
     (tmp_path / "ok.jsonl").write_text(json.dumps(RECORDS[0]) + "\n")

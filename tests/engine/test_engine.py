@@ -452,7 +452,7 @@ def test_a_disk_tier_larger_than_the_free_space_is_refused_and_leaves_nothing(tm
 
     fits = shutil.disk_usage(tmp_path).free // BLOCK - 1024  # room for the test's own writes
     where = tmp_path / "chunks"
-    with pytest.raises(EngineConfigError, match=r"the disk tier needs [\d.]+ GiB but only"):
+    with pytest.raises(EngineConfigError, match=r"the disk tier needs [\d.,]+ GiB but only"):
         OffloadEngine(TINY, 1, 1, fits + 2048, disk_dir=where)
     assert not where.exists()  # created for the tier, and removed with it
     OffloadEngine(TINY, 1, 1, fits, disk_dir=where).close()
