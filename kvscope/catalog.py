@@ -134,11 +134,11 @@ STORE_ADMISSIONS = _counter("kvscope_store_admissions_total",
 
 # tiers
 TIER_CAPACITY_BYTES = _gauge("kvscope_tier_capacity_bytes",
-    "Bytes a tier may hold.", ["tier"], "bytes")
+    "Bytes a tier may hold (absent where its source does not report it).", ["tier"], "bytes")
 TIER_RESIDENT_BYTES = _gauge("kvscope_tier_resident_bytes",
     "Bytes a tier currently holds.", ["tier"], "bytes")
 TIER_CAPACITY_BLOCKS = _gauge("kvscope_tier_capacity_blocks",
-    "KV blocks a tier may hold.", ["tier"])
+    "KV blocks a tier may hold (absent where its source does not report it).", ["tier"])
 TIER_RESIDENT_BLOCKS = _gauge("kvscope_tier_resident_blocks",
     "KV blocks a tier currently holds.", ["tier"])
 

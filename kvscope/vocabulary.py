@@ -28,6 +28,9 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+# what a value no source measured reads as, wherever kvscope shows it: never 0, never a pass
+NOT_MEASURED = "not measured"
+
 Tier = Literal["gpu", "cpu", "disk", "remote"]
 TokenSource = Literal["gpu", "cpu", "disk", "recompute"]
 EvictionReason = Literal["capacity", "cleared", "failed"]

@@ -16,10 +16,9 @@ import plotly.graph_objects as go
 
 from kvscope.dashboard.figures import COLOURS, message_figure, new_figure
 from kvscope.dashboard.series import bytes_text
-from kvscope.vocabulary import TOKEN_SOURCES
+from kvscope.vocabulary import NOT_MEASURED, TOKEN_SOURCES
 
 WATERFALL_TITLE = "Request waterfall"
-NOT_MEASURED = "not measured"
 
 # DataTable columns: (id, header, type); numbers are sortable and filterable as numbers.
 COLUMNS = (

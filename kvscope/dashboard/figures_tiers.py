@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from kvscope.catalog import EVICTED_HITS_BUCKETS, RESIDENCY_SECONDS_BUCKETS
 from kvscope.dashboard import series as S
 from kvscope.dashboard.figures import COLOURS, NO_DATA, base, line, message_figure, new_figure
-from kvscope.vocabulary import LOCAL_TIERS
+from kvscope.vocabulary import LOCAL_TIERS, NOT_MEASURED
 
 TIERS = LOCAL_TIERS  # the panels always shown; "remote" only when present
 BLOCK_FLOW_TITLE = "Block flow between tiers (blocks in the window)"
@@ -26,19 +26,22 @@ def residency_title(tier: str) -> str:
 def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
     """One tier's resident bytes (filled) against its capacity (dashed) and budget (dotted),
     with resident blocks in the hover; "no <tier> tier configured" when the agent never
-    reported the tier (or reported capacity 0)."""
+    reported the tier, and "capacity not measured" in the title when its source reported what
+    it holds but not its capacity (0, unknown)."""
     title = residency_title(tier)
     resident = S.gauge_series(samples, "tier_resident_bytes").get(tier)
     capacity = S.gauge_series(samples, "tier_capacity_bytes").get(tier)
     if not samples:
         return message_figure(title, NO_DATA, height=260)
-    if capacity is None or not (capacity[1] > 0).any():
+    known = capacity is not None and (capacity[1] > 0).any()
+    if not known and resident is None:
         return message_figure(title, f"no {tier} tier configured", height=260)
-    fig = base(title, "B", height=260)
+    fig = base(title if known else f"{title} (capacity {NOT_MEASURED})", "B", height=260)
     colour = COLOURS.get(tier)
     if resident is not None:
         line(fig, *resident, "resident", "B", colour, fill="tozeroy")
-    line(fig, *capacity, "capacity", "B", colour, "dash")
+    if known:
+        line(fig, *capacity, "capacity", "B", colour, "dash")
     budget = S.gauge_series(samples, "offload_budget_bytes").get(tier)
     if budget is not None:
         line(fig, *budget, "budget", "B", "#d62728", "dot")

@@ -36,11 +36,10 @@ from kvscope.dashboard.topology_view import Topology
 from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
 from kvscope.mixin.config import MixinConfig
 from kvscope.samples import KEY_SEPARATOR
-from kvscope.vocabulary import TIERS
+from kvscope.vocabulary import NOT_MEASURED, TIERS
 
 MISCONFIGURED = "misconfigured"
 OK = "ok"
-NOT_MEASURED = "not measured"
 STATUSES = (MISCONFIGURED, OK, NOT_MEASURED)
 OFFLOAD_TIERS = TIERS[1:]  # every tier but the GPU's own prefix cache
 _MIXIN = MixinConfig()

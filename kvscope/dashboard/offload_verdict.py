@@ -32,11 +32,10 @@ from kvscope.dashboard.series import (Sample, bytes_text, is_number, is_promotio
 from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
 from kvscope.mixin.config import MixinConfig
 from kvscope.samples import KEY_SEPARATOR
-from kvscope.vocabulary import TIERS
+from kvscope.vocabulary import NOT_MEASURED, TIERS
 
 PAYS = "offload pays"
 SKIP = "skip offload"
-NOT_MEASURED = "not measured"
 TOO_LITTLE = "too little traffic"
 VERDICTS = (PAYS, SKIP, NOT_MEASURED, TOO_LITTLE)
 

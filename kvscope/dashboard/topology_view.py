@@ -21,13 +21,13 @@ from dash import html
 
 from kvscope import catalog as m
 from kvscope.dashboard.series import bytes_text
+from kvscope.vocabulary import NOT_MEASURED
 
 SECTION_ID = "topology"
 TITLE = "Topology these transfers ran on"
 METRICS = tuple(spec.name for spec in (
     m.GPU_TOPOLOGY_INFO, m.PCIE_LINK_MAX_BYTES_PER_SECOND, m.HOST_NUMA_NODES,
     m.PROCESS_NUMA_BYTES, m.COLLECTOR_UP))
-NOT_MEASURED = "not measured"
 NO_GPU = "no GPU"
 PANEL_STYLE = {"border": "1px solid #ddd", "borderRadius": "6px", "padding": "8px 12px",
                "margin": "8px 16px 8px 0", "fontSize": "14px", "lineHeight": "1.5"}

@@ -953,8 +953,9 @@ def test_a_transfer_to_its_own_tier_or_a_snapshot_over_its_capacity_is_invalid(e
     its capacity (101 bytes of 100; 5 blocks of 4, its bytes unknown): each is dropped as
     invalid (1) and moves nothing: no transfer bytes, no cpu tier. Beside it the good lookup
     counts (16 gpu tokens), and so does a disk snapshot of unknown capacity (0) holding 3
-    blocks (the vLLM tap sends one before vLLM says the capacity): 2 received. A scrape
-    source checks its events with ev.validate, which refuses the same."""
+    blocks (the vLLM tap sends one before vLLM says the capacity): 2 received, its capacity
+    left off /metrics. A scrape source checks its events with ev.validate, which refuses the
+    same."""
     pipeline = Pipeline()
     unknown = ev.TierSnapshot(ts=1.0, tier="disk", capacity_bytes=0, resident_bytes=300,
                               capacity_blocks=0, resident_blocks=3)
@@ -966,6 +967,13 @@ def test_a_transfer_to_its_own_tier_or_a_snapshot_over_its_capacity_is_invalid(e
     assert snap.events_received == {"engine": 2} and snap.prompt_tokens["gpu"] == 16
     assert not snap.transfer_bytes and set(snap.tiers) == {"disk"}
     assert snap.tiers["disk"].resident_blocks == 3
+    # what it holds is exported, its unknown capacity is not (0 would read as "holds nothing")
+    from kvscope import catalog
+    from kvscope.agent.metrics import snapshot_samples
+
+    samples = snapshot_samples(snap)
+    assert samples[catalog.TIER_RESIDENT_BLOCKS] == [(["disk"], 3)]
+    assert samples[catalog.TIER_CAPACITY_BYTES] == samples[catalog.TIER_CAPACITY_BLOCKS] == []
     with pytest.raises(ev.SchemaError) as info:
         ev.validate(msgspec.convert(event, ev.Event))
     assert info.value.reason == "invalid"

@@ -287,6 +287,18 @@ def test_tier_panel_says_when_a_tier_is_not_configured():
     assert fig.layout.yaxis.ticksuffix == "B"
 
 
+def test_a_tier_whose_capacity_is_unknown_shows_what_it_holds_and_says_so():
+    """A source that reports what a tier holds but not its capacity (a TierSnapshot's 0:
+    unknown; /metrics leaves the capacity out then) read "no cpu tier configured" beside the
+    data it had: the residency is drawn, with no capacity line, and the title says the
+    capacity was not measured."""
+    samples = [_s(0, tier_capacity_bytes={"cpu": 0}, tier_resident_bytes={"cpu": 50}),
+               _s(5, tier_resident_bytes={"cpu": 70})]
+    fig = ft.tier_residency(samples, "cpu")
+    assert [t.name for t in fig.data] == ["resident"]
+    assert fig.layout.title.text.endswith("(capacity not measured)")
+
+
 def test_block_flow_links_offloads_promotions_and_drops():
     samples = [_s(0, transfer_blocks={"gpu->cpu": 10, "cpu->gpu": 1}, dropped_blocks={"cpu": 0}),
                _s(5, transfer_blocks={"gpu->cpu": 30, "cpu->gpu": 4, "cpu->disk": 7},
