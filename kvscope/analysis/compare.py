@@ -686,8 +686,9 @@ def render_text(comparison: Comparison) -> str:
     if c.runs:  # whatever the verdict: a keep's too, as --json gives it
         lines.append(f"runs as the unit (one-sided p that the candidate's runs are slower in "
                      f"p99; a roll back needs under {c.runs_alpha:g}): " + ", ".join(
-                         f"{m} " + ("not measured" if t.p is None else f"p = {t.p:.3g}, "
-                                    f"{t.df} degrees of freedom") for m, t in c.runs.items()))
+                         f"{m} " + ("run-to-run variance not measured" if t.p is None
+                                    else f"p = {t.p:.3g}, {t.df} degrees of freedom")
+                         for m, t in c.runs.items()))
     lines.append("hit quality, share of prompt tokens by source:")
     for side in (c.baseline, c.candidate):
         lines.append(f"  {side.name}: " + (", ".join(

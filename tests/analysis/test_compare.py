@@ -394,6 +394,12 @@ def test_a_regression_resting_on_two_runs_that_vary_is_inconclusive_and_says_why
         "roll back needs under 0.0125): TTFT p = 0.0908, 2 degrees of freedom" \
         in render_text(result)
     assert to_dict(compare(base, cand, resamples=400, by_runs=False))["runs"] == {}
+    # runs alike to the last digit (copies of one run) measure no variance: the line says what
+    # is not measured (it read "TTFT not measured" beside the TTFT the table had measured)
+    copies = [[RequestSample(f"{arm}{i}", np.full(200, x)) for i in range(2)]
+              for arm, x in (("b", 0.1), ("c", 0.3))]
+    assert "): TTFT run-to-run variance not measured" in render_text(
+        compare(*copies, resamples=400))
 
 
 def test_itl_counts_the_runs_that_reported_it():
