@@ -61,7 +61,7 @@ def cards(a: Assessment) -> html.Div:
     if h.prefix_reuse_share is not None:
         shares += f" · prompt blocks seen before {h.prefix_reuse_share:.0%}"
     tiers = " · ".join(f"{tier} {saved:.2f} s saved / "
-                       + (f"{spent:.2f} s spent" if spent is not None
+                       + (f"{spent:.2f} s copying in and out" if spent is not None
                           else f"transfer time {NOT_MEASURED}")
                        for tier, (saved, spent) in h.saved_vs_spent.items())
     over = h.ttft_p99 is not None and h.ttft_p99 > h.ttft_budget
