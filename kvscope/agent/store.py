@@ -248,9 +248,10 @@ class RequestStore(Worker):
             if self._overflowed:
                 return
             self._overflowed = True
-        log.warning("kvscope store: %d requests wait to be written to %s (the disk is slow or "
-                    "stalled); more are counted as lost until a flush takes them",
-                    self._max_queued, self.directory)
+        log.warning("kvscope store: %d requests wait to be written to %s (they finish faster "
+                    "than the store writes, or the disk is slow or stalled); more are counted "
+                    "as lost (kvscope_records_dropped_total{sink=\"store\"}) until a flush "
+                    "takes them", self._max_queued, self.directory)
 
     thread_name = "kvscope-store"
 
