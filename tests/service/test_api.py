@@ -413,12 +413,13 @@ def test_without_engine_pid_the_node_places_the_memory_of_the_process_a_tap_runs
                                    b"\r\n{\"resource"],
                          ids=["nothing", "part-of-the-headers", "part-of-the-body"])
 def test_clients_that_stall_are_closed_so_scrapes_are_served_again(stall):
-    """Two clients take both of a cap of 2 connections and stall: sending nothing, part of
-    their headers, or part of a body. uvicorn closed none of them, so every scrape and health
-    probe after them was answered 503 for as long as they stayed (a tryout held 256 sockets
-    open for minutes against the agent's default cap). With a read timeout of 0.5 s they are
-    closed and /healthz answers 200 again while they still hold their sockets; a request whose
-    response takes longer than the timeout (a slow handler, 1.5 s) is not cut."""
+    """Two clients stall under a cap of 3 connections: sending nothing, part of their
+    headers, or part of a body (their headers reach the app: 2 connections are under the cap).
+    A probe makes 3, the cap: 503. uvicorn closed none of the stalled, so every scrape and
+    health probe after them was answered 503 for as long as they stayed (a tryout held 256
+    sockets open for minutes against the agent's default cap). With a read timeout of 0.5 s
+    they are closed and /healthz answers 200 again while they still hold their sockets; a
+    request whose response takes longer than the timeout (a slow handler, 1.5 s) is not cut."""
     import asyncio
     import socket
 
@@ -434,7 +435,7 @@ def test_clients_that_stall_are_closed_so_scrapes_are_served_again(stall):
         return {"slow": True}
 
     sock = bind("127.0.0.1", 0, "--port")
-    server = ApiServer(app, sock, max_connections=2, read_timeout=0.5)
+    server = ApiServer(app, sock, max_connections=3, read_timeout=0.5)
     server.start()
     port = sock.getsockname()[1]
     stalled = []
@@ -444,18 +445,15 @@ def test_clients_that_stall_are_closed_so_scrapes_are_served_again(stall):
         for client in stalled:
             client.sendall(stall)
         codes = []
-        for _ in range(300):  # until the server has closed them (0.5 s after they connected)
+        for _ in range(1200):  # until the server has closed them (0.5 s after they connected)
             codes.append(httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code)
             if codes[-1] == 200:
                 break
             time.sleep(0.05)
         assert codes[0] == 503 and codes[-1] == 200, codes
-        for client in stalled:  # closed by the server (one may have been answered 503 first)
+        for client in stalled:  # closed by the server, unanswered
             client.settimeout(30)
-            received = b""
-            while chunk := client.recv(1024):
-                received += chunk
-            assert received == b"" or received.startswith(b"HTTP/1.1 503"), received
+            assert client.recv(1024) == b""
     finally:
         for client in stalled:
             client.close()
