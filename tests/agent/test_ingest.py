@@ -974,6 +974,9 @@ def test_a_transfer_to_its_own_tier_or_a_snapshot_over_its_capacity_is_invalid(e
     samples = snapshot_samples(snap)
     assert samples[catalog.TIER_RESIDENT_BLOCKS] == [(["disk"], 3)]
     assert samples[catalog.TIER_CAPACITY_BYTES] == samples[catalog.TIER_CAPACITY_BLOCKS] == []
+    sample = pipeline.record_sample(2.0, None)  # the dashboard's history: absent there too
+    assert sample["tier_resident_blocks"] == {"disk": 3}
+    assert sample["tier_capacity_bytes"] == sample["tier_capacity_blocks"] == {}
     with pytest.raises(ev.SchemaError) as info:
         ev.validate(msgspec.convert(event, ev.Event))
     assert info.value.reason == "invalid"
