@@ -22,6 +22,7 @@ the GIL).
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import shutil
 import struct
@@ -66,16 +67,18 @@ class DiskStore:
 
     ``directory``: created if absent; None makes a private temporary directory. :meth:`close`
     removes the chunks written (a disk tier's chunks mean nothing without the engine's index of
-    them, which ends with it: a large preset's would leave gigabytes behind) and the directory
-    if this store created it. ``threads``: I/O worker threads. Leftover temporary files from an
+    them, which ends with it: a large preset's would leave gigabytes behind) and the
+    directories this store created, once empty. ``threads``: I/O worker threads. Leftover temporary files from an
     earlier crash are removed at start.
     """
 
     def __init__(self, directory: str | Path | None, block_bytes: int, threads: int = 4) -> None:
         self._temporary = directory is None
-        self._created = directory is not None and not Path(directory).exists()
         self.directory = Path(tempfile.mkdtemp(prefix="kvscope-disk-") if directory is None
                               else directory)
+        # the directories this store creates, deepest first: removed at close once empty
+        self._created = list(itertools.takewhile(lambda d: not d.exists(),
+                                                 (self.directory, *self.directory.parents)))
         self.directory.mkdir(parents=True, exist_ok=True)
         self._written: set[int] = set()  # slots with a chunk file (set.add: one bytecode, atomic)
         self.block_bytes = block_bytes
@@ -179,10 +182,14 @@ class DiskStore:
             shutil.rmtree(self.directory, ignore_errors=True)
             return
         for slot in self._written:
-            self.path(slot).unlink(missing_ok=True)
-        self._written.clear()
-        if self._created:
             try:
-                self.directory.rmdir()  # only if empty: what else it holds is not ours
-            except OSError:
+                self.path(slot).unlink(missing_ok=True)
+            except OSError:  # a chunk that cannot go stays: closing never fails for it
                 pass
+        self._written.clear()
+        for directory in self._created:
+            try:
+                directory.rmdir()  # only if empty: what else it holds is not ours
+            except OSError:
+                break
+        self._created = []
