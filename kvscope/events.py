@@ -118,10 +118,10 @@ class Lookup(_Event, tag="lookup"):
     (0, or anything under 1 token/s: unknown, the agent's configured rate is used).
 
     Optional per-block detail, for captures and offline analysis (empty when the engine does not
-    record it; an engine fills both or neither): ``block_hashes``: the prefix hash of each block
-    looked up, first to last (unsigned 64-bit); ``block_sources``: the source that served each
-    of those blocks (prefix semantics: after the first ``recompute`` block every later one is
-    ``recompute``). ``block_tokens``: tokens per full block (0: unknown).
+    record it): ``block_hashes``: the prefix hash of each block looked up, first to last
+    (unsigned 64-bit), at most ``blocks`` of them; ``block_sources``: the source that served each
+    of those blocks, one per hash (prefix semantics: after the first ``recompute`` block every
+    later one is ``recompute``). ``block_tokens``: tokens per full block (0: unknown).
 
     A spatially sampled lookup (the vLLM tap: SHARDS, see :mod:`kvscope.sampling`) carries only
     its sampled blocks: ``block_sample_rate`` (0-1, a share of the block-hash space) is the rate
@@ -440,10 +440,12 @@ def _lookup_problem(event: Lookup) -> str | None:
     if not event.block_sample_rate:
         return "block hashes sampled at a rate of 0"
     sources = event.block_sources
-    if "recompute" in sources:  # prefix semantics: recompute from the first one on
+    try:  # prefix semantics: recompute from the first one on
         first = sources.index("recompute")
-        if sources.count("recompute") != len(sources) - first:
-            return "a block served from cache after a recomputed one"
+    except ValueError:
+        return None
+    if sources.count("recompute") != len(sources) - first:
+        return "a block served from cache after a recomputed one"
     return None
 
 

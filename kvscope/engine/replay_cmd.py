@@ -108,11 +108,12 @@ def replay(args) -> dict:
                          "block_bytes": engine.block_bytes, "policy": args.policy,
                          "gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks,
                          "disk_blocks": args.disk_blocks, "simulate": args.simulate}
-    if args.simulate:  # what its transfer seconds and TTFTs were priced at, not measured
-        summary["config"]["cost_model"] = {
-            "h2d_bytes_per_second": preset.h2d_bytes_per_second,
-            "disk_bytes_per_second": preset.disk_bytes_per_second,
-            "prefill_tokens_per_second": preset.prefill_tokens_per_second}
+    # what the TTFTs were priced at, not measured: prefill always, transfers when simulated
+    model = summary["config"]["cost_model"] = {
+        "prefill_tokens_per_second": preset.prefill_tokens_per_second}
+    if args.simulate:
+        model.update(h2d_bytes_per_second=preset.h2d_bytes_per_second,
+                     disk_bytes_per_second=preset.disk_bytes_per_second)
     return summary
 
 
@@ -131,17 +132,16 @@ def render(summary: dict) -> str:
              "evictions " + ", ".join(f"{k} {v}" for k, v in summary["evictions"].items()),
              "ttft " + ", ".join(f"{p} " + ("not measured" if t[p] is None else
                                            f"{t[p] * 1e3:.2f} ms") for p in ("p50", "p95", "p99"))]
-    model = summary["config"].get("cost_model")
-    if model:  # the rates of the tiers configured only
-        tiers = summary["block_hit_ratio_by_tier"]
-        rates = [f"{model[key] / 1e9:g} GB/s {link}" for tier, key, link in (
-            ("cpu", "h2d_bytes_per_second", "cpu<->gpu"),
-            ("disk", "disk_bytes_per_second", "disk<->cpu")) if tier in tiers]
-        priced = f"prefill at {model['prefill_tokens_per_second']:,.0f} tokens/s"
-        if rates:
-            priced += ", transfers at " + " and ".join(rates)
-        lines.append(f"simulated: {priced} (preset {summary['config']['preset']}'s cost model, "
-                     "not measured)")
+    model = summary["config"]["cost_model"]
+    tiers = summary["block_hit_ratio_by_tier"]  # the rates of the tiers configured only
+    rates = [f"{model[key] / 1e9:g} GB/s {link}" for tier, key, link in (
+        ("cpu", "h2d_bytes_per_second", "cpu<->gpu"),
+        ("disk", "disk_bytes_per_second", "disk<->cpu")) if tier in tiers and key in model]
+    priced = f"prefill at {model['prefill_tokens_per_second']:,.0f} tokens/s"
+    if rates:
+        priced += ", transfers at " + " and ".join(rates)
+    lines.append(f"modelled, not measured: {priced} (preset {summary['config']['preset']}'s cost "
+                 "model)")
     if summary["errors"]:
         lines.append("errors " + ", ".join(f"{k} {v}" for k, v in summary["errors"].items()))
     return "\n".join(lines)
