@@ -14,7 +14,7 @@ from kvscope.analysis.compare_cmd import add_verdict_arguments
 from kvscope.argtypes import http_url, non_negative, positive
 from kvscope.rollout import loadgen, workload
 from kvscope.rollout.arms import Arm
-from kvscope.rollout.plan import DEFAULT_LEVELS, DEFAULT_REPETITIONS
+from kvscope.rollout.plan import AA_SUFFIX, DEFAULT_LEVELS, DEFAULT_REPETITIONS
 from kvscope.rollout.session import Options, RolloutError, Session
 from kvscope.rollout.workload import MIXED
 from kvscope.signals import interrupt_on_signals
@@ -132,6 +132,10 @@ def _arms(args: argparse.Namespace) -> list[Arm]:
     arms = {name: Arm(name, url.rstrip("/").removesuffix("/v1")) for name, url in args.arm}
     if len(arms) != len(args.arm):
         raise ValueError("arm names repeat: give each --arm its own NAME")
+    for name in arms:  # the baseline's second run is "<baseline> (A/A)": one name, two arms
+        if name.endswith(AA_SUFFIX):
+            raise ValueError(f"--arm {name}=...: a name ending in {AA_SUFFIX.strip()!r} is the "
+                             "A/A run's; name the arm otherwise")
     for flag, dest, attr in (("--agent", "agent", "agent"), ("--start", "start", "command"),
                              ("--health", "health", "health")):
         given = set()
@@ -184,10 +188,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvscope rollout: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"kvscope rollout: interrupted after {len(session.doc['runs'])} of "
-              f"{len(session.steps)} runs (partial results in {out}: rollout.html, "
-              "rollout.json); a rollout does not resume: run it again with another --out",
-              file=sys.stderr)
+        written = [name for name in ("rollout.html", "rollout.json") if (out / name).exists()]
+        partial = "partial " if "error" in session.doc else ""  # else: its runs were all in
+        where = (f"{partial}results in {out}: {', '.join(written)}" if written
+                 else "before it began: nothing to report")
+        print(f"kvscope rollout: interrupted after {len(session.doc.get('runs', ()))} of "
+              f"{len(session.steps)} runs ({where}); a rollout does not resume: run it again "
+              "with another --out", file=sys.stderr)
         return 130
     for j in doc["judgements"]:
         print(f"{j['candidate']}: {j['verdict']['text']}")

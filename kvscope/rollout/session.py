@@ -15,6 +15,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,7 +31,7 @@ from kvscope.rollout.arms import Arm, ArmError, cost
 from kvscope.rollout.host import HostSampler
 from kvscope.rollout.judge import judge
 from kvscope.rollout.plan import Step, plan
-from kvscope.signals import ignore_signals_while_exiting
+from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
 
 SEED_STRIDE = 1_000_003  # runs of one session get seeds seed * stride + index: never shared
 
@@ -205,12 +206,18 @@ class Session:
             interrupted = True
             self.doc["error"] = "interrupted"
             self._say("interrupted: stopping the arms, writing the report of the finished runs")
-            ignore_signals_while_exiting()  # a second signal must not cut the cleanup short
         finally:
+            # From here a signal is noted, not obeyed: one that cut the servers' stop short left
+            # a server running and the report unwritten. The finished runs are judged.
+            signalled = threading.Event()
+            stop_on_signals(signalled)
+            if any(arm.command for arm in self.arms.values()):
+                self._say("stopping the servers it started")
             for arm in self.arms.values():
                 arm.stop()
         self._finish(time.time() - t0)
-        if interrupted:
+        ignore_signals_while_exiting()
+        if interrupted or signalled.is_set():
             raise KeyboardInterrupt
         if error:
             raise RolloutError(f"{error} (partial results in {self.directory})")

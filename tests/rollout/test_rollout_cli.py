@@ -160,6 +160,43 @@ def test_sigterm_stops_the_servers_and_the_load_generator_and_keeps_the_finished
         "interrupted") == 1
 
 
+def test_a_signal_while_the_servers_stop_lets_them_stop_and_the_report_be_written(tmp_path):
+    """SIGINT once the runs are done, while the rollout stops its servers: one arm's server
+    ignores SIGTERM (and so does a child it left), so its stop takes the grace period and then
+    SIGKILL. The signal cut that stop short: the candidate's server ran on and no rollout.html
+    was written (a tryout). Now the signal is noted: the stop goes on to the end (every
+    process of both groups gone), the whole report is written (its runs were all in: judged,
+    not partial), and the exit code is 130."""
+    psutil = pytest.importorskip("psutil")
+    guidellm = guidellm_path()
+    ports = free_ports(2)
+    out = tmp_path / "r"
+    group = tmp_path / "cand.pgid"  # the shell's pid: its process group's id (--start: setsid)
+    stubborn = f"echo $$ > {group}; trap '' TERM; sleep 600 & {_mock(guidellm, ports[1], 5)}"
+    proc = _rollout("--arm", f"base=http://127.0.0.1:{ports[0]}",
+                    "--arm", f"cand=http://127.0.0.1:{ports[1]}",
+                    "--start", f"base={_mock(guidellm, ports[0], 5)}", "--start", f"cand={stubborn}",
+                    "--levels", "1", "--repetitions", "1", "--no-aa", "--out", str(out), *FAST)
+    try:
+        for line in proc.stderr:  # until the rollout says it stops its servers
+            if "[rollout] stopping the servers it started" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert not [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                if any(f"--port {port}" in " ".join(p.info["cmdline"] or ()) for port in ports)]
+    with pytest.raises(ProcessLookupError):  # the sleep that ignored SIGTERM too
+        os.killpg(int(group.read_text()), 0)
+    doc = json.loads((out / "rollout.json").read_text())
+    assert "error" not in doc and len(doc["runs"]) == 2 and doc["judgements"]
+    assert "Partial results" not in (out / "rollout.html").read_text()
+    assert f"interrupted after 2 of 2 runs (results in {out}: rollout.html, rollout.json)" \
+        in err, err[-2000:]
+
+
 def test_a_server_already_on_a_started_arms_port_is_refused_not_measured(tmp_path):
     """A server (here guidellm's mock) already answers on the port an arm's --start command
     will serve: before, the rollout measured that server (a stopped rollout's leftover) and
@@ -224,6 +261,9 @@ def test_an_agent_that_cannot_be_read_is_said_before_any_run(tmp_path):
     # refused before any run, not when judging after them
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--resamples", "10"],
      "--resamples 10 is too few for a 95% interval: give at least 80"),
+    # the baseline's second run is "<name> (A/A)": an arm of that name was merged with it
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "a (A/A)=http://127.0.0.1:{p}"],
+     "--arm a (A/A)=...: a name ending in '(A/A)' is the A/A run's; name the arm otherwise"),
     # a trace the runs could not read: said before any server is waited for
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--workload",
       "{tmp}/bad.jsonl"], "bad.jsonl:1: not JSON"),
