@@ -68,8 +68,8 @@ class DiskStore:
     ``directory``: created if absent; None makes a private temporary directory. :meth:`close`
     removes the chunks written (a disk tier's chunks mean nothing without the engine's index of
     them, which ends with it: a large preset's would leave gigabytes behind) and the
-    directories this store created, once empty. ``threads``: I/O worker threads. Leftover temporary files from an
-    earlier crash are removed at start.
+    directories this store created, once empty. ``threads``: I/O worker threads. Leftover
+    temporary files from an earlier crash are removed at start.
     """
 
     def __init__(self, directory: str | Path | None, block_bytes: int, threads: int = 4) -> None:
@@ -175,8 +175,8 @@ class DiskStore:
         return self._run(self.read_into, items)
 
     def close(self) -> None:
-        """Stop the I/O threads; remove the chunks written, and the directory if this store
-        created it. Safe twice."""
+        """Stop the I/O threads; remove the chunks written, and the directories this store
+        created once empty. Safe twice."""
         self._pool.shutdown(wait=True)
         if self._temporary:
             shutil.rmtree(self.directory, ignore_errors=True)
