@@ -180,8 +180,8 @@ class Budget:
 def parse_budget(text: str | float | Budget | None) -> Budget | None:
     """``"0.5"`` or ``0.5``: 0.5 seconds; ``"+10%"``: the baseline's p99 plus 10% (``"-5%"``:
     5% below it, a required improvement); a :class:`Budget` or None as they are. Raises
-    ValueError for anything else, a budget of 0 s or less, or a relative one of -100% or
-    less."""
+    ValueError for anything else, a budget of 0 s or less, a relative one of -100% or less,
+    or a signed one without % (``"+10"``: a percentage was meant)."""
     if text is None or isinstance(text, Budget):
         return text
     if isinstance(text, (int, float)):
@@ -197,6 +197,10 @@ def parse_budget(text: str | float | Budget | None) -> Budget | None:
                 raise ValueError(f"budget {text!r}: a relative budget is a percentage above "
                                  "-100%, e.g. +10% (the baseline's p99 plus 10%)")
             return Budget(relative=relative)
+        if spec.startswith("+"):  # a sign says "relative to the baseline": "+10" meant +10%?
+            raise ValueError(f"budget {text!r}: a signed budget is relative and ends in %, "
+                             f"e.g. {spec}% (the baseline's p99 plus {spec[1:]}%); seconds "
+                             "take no sign (e.g. 0.5)")
         try:
             seconds = float(spec)
         except ValueError:

@@ -583,6 +583,8 @@ def test_budgets_are_seconds_or_a_percentage_of_the_baseline(tmp_path, capsys):
     for bad in ("abc", "0", "-1", "-100%", "nan%", "inf"):
         with pytest.raises(ValueError):
             parse_budget(bad)
+    with pytest.raises(ValueError, match=r"e\.g\. \+10% \(the baseline's p99 plus 10%\)"):
+        parse_budget("+10")  # not 10 s: a sign is relative
     base = np.linspace(0.09, 0.1, 400)
     for name, cand, decision in (("fast", np.linspace(0.02, 0.06, 400), KEEP),
                                  ("slow", np.linspace(0.2, 0.3, 400), ROLL_BACK)):
