@@ -149,6 +149,16 @@ def _arms(args: argparse.Namespace) -> list[Arm]:
     return list(arms.values())
 
 
+def _check_tokenizer(tokenizer: str | None) -> None:
+    """Raise ValueError for a ``--tokenizer`` written as a path (``/``, ``.`` or ``~`` first:
+    never a Hugging Face model name) that is no directory, which guidellm would otherwise
+    report only at the first run, after every server started."""
+    if tokenizer and tokenizer.startswith(("/", ".", "~")) and \
+            not Path(tokenizer).expanduser().is_dir():
+        raise ValueError(f"--tokenizer {tokenizer}: no such directory (give the served "
+                         "model's directory, or a Hugging Face model name)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the rollout; print where the report is and each verdict. Returns 0, or 2 for bad
     input or a session that stopped early (one line on stderr; partial results kept)."""
@@ -164,9 +174,14 @@ def run(args: argparse.Namespace) -> int:
                              block_tokens=args.block_tokens,
                              max_prompt_tokens=args.max_prompt_tokens,
                              max_output_tokens=args.max_output_tokens)
+        _check_tokenizer(args.tokenizer)
         out = Path(args.out or time.strftime("rollout-%Y%m%d-%H%M%S"))
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ValueError(f"--out {out}: exists and is not an empty directory")
+        try:  # now, not after the servers started
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--out {out}: cannot create it ({exc.strerror})") from None
         options = Options(
             levels=args.levels, repetitions=args.repetitions, requests=args.requests,
             warmup_requests=args.warmup_requests, aa=args.aa, workload=args.workload,

@@ -267,19 +267,25 @@ def test_an_agent_that_cannot_be_read_is_said_before_any_run(tmp_path):
     # a trace the runs could not read: said before any server is waited for
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--workload",
       "{tmp}/bad.jsonl"], "bad.jsonl:1: not JSON"),
+    # said before any server is waited for, naming the flag: not guidellm's failure at the
+    # first run, nor an OSError's words alone
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--tokenizer",
+      "{tmp}/no-such-model"], "--tokenizer {tmp}/no-such-model: no such directory"),
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--out",
+      "{tmp}/bad.jsonl/r"], "--out {tmp}/bad.jsonl/r: cannot create it (Not a directory)"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, says):
     """Nothing listens on the port; the load generator named does not exist; a budget, levels,
-    arms, resamples or trace the command cannot use."""
+    arms, resamples, trace, tokenizer path or report directory the command cannot use."""
     port, = free_ports(1)
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     loadgen_args = [] if "--loadgen" in args else ["--loadgen", sys.executable]
-    proc = _rollout(*[a.format(p=port, tmp=tmp_path) for a in args], *loadgen_args,
-                    "--out", str(tmp_path / "r"))
+    out_args = [] if "--out" in args else ["--out", str(tmp_path / "r")]
+    proc = _rollout(*[a.format(p=port, tmp=tmp_path) for a in args], *loadgen_args, *out_args)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     lines = err.strip().splitlines()
-    assert says.format(p=port) in lines[-1] and len(_errors(err)) == 1, err
+    assert says.format(p=port, tmp=tmp_path) in lines[-1] and len(_errors(err)) == 1, err
     if "did not answer" in says:  # the session had begun: its (empty) report is kept
         assert json.loads((tmp_path / "r" / "rollout.json").read_text())["runs"] == []
 
