@@ -162,6 +162,8 @@ def page(doc: dict) -> str:
                  f"{_e(doc.get('levels'))}; {doc.get('repetitions')} repetitions; "
                  f"{len(doc['runs'])} runs; started {_e(meta.get('started', ''))}, "
                  f"{meta.get('elapsed_s', 0):.0f} s.</p>")
+    warnings = dict.fromkeys(r["warning"] for r in doc["runs"] if r.get("warning"))
+    parts += [f"<p class='partial'>warning: {_e(w)}</p>" for w in warnings]
     for name, why in doc.get("not_judged", {}).items():  # e.g. stopped before its first run
         parts.append(f"<div class='verdict partial'><b>{_e(name)}</b>: not judged: {_e(why)}"
                      "</div>")

@@ -147,14 +147,20 @@ class Session:
         elapsed = time.time() - started
         arm.check()
         spent = cost(before, arm.snapshot())
-        return {"index": step.index, "slot": step.slot, "arm": step.arm, "level": step.level,
-                "rep": step.rep, "seed": seed, "started": started, "elapsed_s": elapsed,
-                "ttft": result.ttft, "itl": result.itl, "e2e": result.e2e,
-                "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens,
-                "started_at": result.started, "ended_at": result.ended,
-                "errors": result.errors, "unsent": result.unsent,
-                "loadgen_percentiles": result.percentiles,
-                "cost": vars(spent), "host": host.summary(), "command": argv}
+        run = {"index": step.index, "slot": step.slot, "arm": step.arm, "level": step.level,
+               "rep": step.rep, "seed": seed, "started": started, "elapsed_s": elapsed,
+               "ttft": result.ttft, "itl": result.itl, "e2e": result.e2e,
+               "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens,
+               "started_at": result.started, "ended_at": result.ended,
+               "errors": result.errors, "unsent": result.unsent,
+               "loadgen_percentiles": result.percentiles,
+               "cost": vars(spent), "host": host.summary(), "command": argv}
+        if spent.source == "agent" and result.ttft and not spent.tokens:  # a wrong --agent?
+            run["warning"] = (f"{arm.name}'s agent ({arm.agent}) counted no prompt tokens in a "
+                              f"run of {len(result.ttft)} requests: is it the agent beside "
+                              f"{arm.url}? Its hit quality reads not measured")
+            self._say(f"warning: {run['warning']}")
+        return run
 
     def run(self) -> dict:
         """Run the session; return the report's document. Raises RolloutError (after writing

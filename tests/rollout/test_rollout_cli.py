@@ -240,6 +240,42 @@ def test_an_agent_that_cannot_be_read_is_said_before_any_run(tmp_path):
     assert json.loads((tmp_path / "r" / "rollout.json").read_text())["runs"] == []
 
 
+def test_an_agent_that_counts_nothing_is_warned_of_and_its_hit_quality_not_measured(tmp_path):
+    """--agent names a real kvscope agent that no engine reports to (the one beside another
+    server, say): it answers, but counts no prompt tokens while the arm serves its requests.
+    Each such run says so (progress line, rollout.json, the page), and the arm's hit quality
+    reads not measured, not 0% from every source."""
+    guidellm = guidellm_path()
+    base, cand, agent = free_ports(3)
+    with open(tmp_path / "agent.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--port", str(agent),
+                                 "--ingest", f"ipc://{tmp_path}/ingest.sock"], cwd=ROOT,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert wait_until(lambda: _answers(f"http://127.0.0.1:{agent}/healthz"), 60, 0.2)
+        done = _rollout("--arm", f"base=http://127.0.0.1:{base}",
+                        "--arm", f"cand=http://127.0.0.1:{cand}",
+                        "--start", f"base={_mock(guidellm, base, 5)}",
+                        "--start", f"cand={_mock(guidellm, cand, 5)}",
+                        "--agent", f"cand=http://127.0.0.1:{agent}", "--levels", "1",
+                        "--repetitions", "2", "--min-requests", "20",
+                        "--out", str(tmp_path / "r"), *FAST)
+        _, err = done.communicate(timeout=300)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert done.returncode == 0, err[-3000:]
+    said = (f"cand's agent (http://127.0.0.1:{agent}) counted no prompt tokens in a run of 12 "
+            f"requests: is it the agent beside http://127.0.0.1:{cand}?")
+    assert err.count(f"[rollout] warning: {said}") == 2, err[-3000:]
+    doc = json.loads((tmp_path / "r" / "rollout.json").read_text())
+    assert [said in r.get("warning", "") for r in doc["runs"]] == \
+        [r["arm"] == "cand" for r in doc["runs"]]
+    assert said.replace("'", "&#x27;") in (tmp_path / "r" / "rollout.html").read_text()
+    (j,) = doc["judgements"]
+    assert j["overall"]["candidate"]["token_share"] is None, j["overall"]["candidate"]
+
+
 @pytest.mark.parametrize("args, says", [
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}",
       "--start-timeout", "1"], "did not answer 200"),
