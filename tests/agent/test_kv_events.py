@@ -539,6 +539,38 @@ def test_the_source_is_up_only_while_a_publisher_is_connected():
         source.shutdown()
 
 
+def test_a_publisher_already_bound_when_the_agent_starts_reads_up(caplog, monkeypatch):
+    """vLLM binds its PUB (``tcp://*:PORT``) and runs before the agent starts: the agent's
+    connection is made as soon as it connects, in ZMQ's I/O thread, so the source reads 1 and
+    logs "connected". Its connection monitor once began after connect(), and when the agent's
+    other threads held the GIL in between, the source read 0 while events arrived, and warned
+    after 120 s that no publisher was there. Starting the monitor is slowed here by 50 ms
+    (pyzmq's own method, delayed) so that the connection is made first whenever it can be."""
+    real = zmq.Socket.get_monitor_socket
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.05)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(zmq.Socket, "get_monitor_socket", slow)
+    port = _free_port()
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    publisher.bind(f"tcp://*:{port}")
+    pipeline = Pipeline()
+    source = KvEventsSource(pipeline, f"tcp://*:{port}")
+    caplog.set_level("INFO", logger="kvscope.agent.sources.kv_events")
+    try:
+        source.start()
+        assert wait_until(lambda: pipeline.snapshot().source_up.get("kv_events") is True, 10)
+        assert wait_until(lambda: publisher.send_multipart(frames(0, stored([1])))
+                          or "gpu" in pipeline.snapshot().tiers)
+    finally:
+        source.shutdown()
+        publisher.close()
+    assert any("connected to vLLM's publisher" in r.getMessage() for r in caplog.records)
+
+
 def test_no_publisher_in_time_is_logged_once_with_what_the_engine_needs(monkeypatch, caplog):
     """Nobody publishes on the endpoint: after NO_PUBLISHER_AFTER (0.2 s here) one warning
     that says so and what vLLM's --kv-events-config needs (the log said nothing at all, and

@@ -194,6 +194,11 @@ class KvEventsSource(SourceWorker):
         sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (ZMQ's default is IPv4 only)
         # every topic, so that a topic other than the one configured is told (handle())
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # Up while a publisher is connected: a SUB socket receives nothing, silently, from
+        # an endpoint nobody publishes on, so the connection events are the only sign. The
+        # monitor first: a publisher already bound is connected at once, in ZMQ's own thread
+        # (a monitor begun after connect() missed that, and the source read down for good)
+        monitor = sock.get_monitor_socket(_PEER_EVENTS)
         try:
             if self.flavour.binds(self.endpoint):
                 # connecting to the engine named, whose messages are not bounded: a step with a
@@ -209,12 +214,11 @@ class KvEventsSource(SourceWorker):
                 for rank in range(self.dp_size):
                     sock.bind(rank_endpoint(self.endpoint, rank))
         except zmq.ZMQError:
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
             raise
-        self._socket = sock
-        # Up while a publisher is connected: a SUB socket receives nothing, silently, from
-        # an endpoint nobody publishes on, so the connection events are the only sign.
-        self._monitor = sock.get_monitor_socket(_PEER_EVENTS)
+        self._socket, self._monitor = sock, monitor
         self.report_up(False)
 
     def run(self) -> None:
