@@ -144,7 +144,8 @@ TIER_RESIDENT_BLOCKS = _gauge("kvscope_tier_resident_blocks",
 
 # requests
 REQUESTS = _counter("kvscope_requests_total",
-    "Requests that finished their prefill.")
+    "Requests that finished their prefill: kvscope_ttft_seconds's observations, from request "
+    "records or an engine's own TTFT histogram.")
 TTFT_SECONDS = _histogram("kvscope_ttft_seconds",
     "Time to first token of each request; exemplars carry its trace id.",
     [], "seconds", LATENCY_SECONDS_BUCKETS)

@@ -303,8 +303,9 @@ cdef class Fold:
                 self._eviction(event)
             elif kind is _SNAPSHOT:
                 known = tiers(source, scope, [event])
-            elif kind is _LATENCY:
+            elif kind is _LATENCY:  # TTFTs without records: requests that finished prefill
                 self._ttft.add_buckets(event.bounds, event.counts, event.sum)
+                self._requests = kv_saturated(self._requests, sum(event.counts))
             elif kind is _SCHEDULER:
                 self._scheduler_stats(source, event)
             elif kind is _IDLE:

@@ -208,7 +208,10 @@ def test_blocks_of_unknown_size_count_blocks_and_leave_bytes_not_measured():
 
 def test_engine_latency_histograms_fold_into_ttft():
     """vLLM-style buckets (0.02, 0.04, 0.06, +Inf) with counts 1, 2, 0, 1: each lands in our
-    bucket holding its upper bound — 0.02 -> 0.025, 0.04 -> 0.05, +Inf -> +Inf; sum adds."""
+    bucket holding its upper bound — 0.02 -> 0.025, 0.04 -> 0.05, +Inf -> +Inf; sum adds. The
+    4 TTFTs are 4 requests that finished their prefill (kvscope_requests_total's meaning):
+    without spans they read 0 requests beside 4 TTFTs, and the dashboard's offload verdict
+    said "too little traffic" under load."""
     pipeline = Pipeline()
     pipeline.ingest("vllm", [ev.LatencyHistogram(ts=1.0, metric="ttft", bounds=[0.02, 0.04, 0.06],
                                                  counts=[1, 2, 0, 1], sum=0.5)])
@@ -216,6 +219,7 @@ def test_engine_latency_histograms_fold_into_ttft():
     by_bound = dict(zip((*hist.buckets, float("inf")), hist.counts))
     assert (by_bound[0.025], by_bound[0.05], by_bound[float("inf")]) == (1, 2, 1)
     assert hist.count == 4 and hist.sum == 0.5
+    assert pipeline.snapshot().requests == 4
 
 
 def test_another_sources_transfers_join_a_request_even_when_they_arrive_late():
