@@ -61,7 +61,7 @@ def table_rows(records: Sequence[Mapping]) -> list[dict]:
     request id: engines may share ids) so a selected cell finds its row; times in ms rounded
     to 0.01 ms; ``instance`` "" outside a fleet. What the record does not hold is None (the
     grid shows "not measured"): a TTFT, a promotion wait, tokens by source (none at all: a
-    source that did not report them)."""
+    source that did not report them), transfers (:func:`transfer_count`)."""
     rows = []
     for r in records:
         tokens = r.get("tokens") or {}
@@ -80,10 +80,13 @@ def table_rows(records: Sequence[Mapping]) -> list[dict]:
     return rows
 
 
-def transfer_count(record: Mapping) -> int:
+def transfer_count(record: Mapping) -> int | None:
     """The request's transfers: those its record lists and those left out of the list
-    (``transfers_omitted``, past the agent's cap per request)."""
-    return len(record.get("transfers") or ()) + int(record.get("transfers_omitted") or 0)
+    (``transfers_omitted``, past the agent's cap per request); None (not measured) for a
+    record no tap saw (no tokens by source, no transfer: vLLM's span alone), whose
+    promotions, if any, nobody timed."""
+    n = len(record.get("transfers") or ()) + int(record.get("transfers_omitted") or 0)
+    return n if n or record.get("tokens") else None
 
 
 def waterfall(record: Mapping) -> go.Figure:

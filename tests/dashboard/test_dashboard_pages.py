@@ -187,6 +187,21 @@ def test_the_waterfall_counts_the_transfers_the_record_left_out():
     assert " 1 transfer · " in str(details)
 
 
+def test_a_record_no_tap_saw_has_its_transfers_not_measured():
+    """A request known from vLLM's span alone (zero-code mode: no tokens by source, no
+    transfer) read "0 transfers", though nobody timed its promotions; one a tap saw with no
+    transfer (tokens reported) still reads 0."""
+    span_only = {k: v for k, v in RECORD.items() if k not in ("tokens", "transfers")}
+    (row,) = fr.table_rows([span_only])
+    assert row["transfers"] is None and row["tokens_gpu"] is None
+    _, details = requests_page.waterfall(FakeBackend([span_only]), "?id=req-7", None)
+    assert f"transfers {fr.NOT_MEASURED} · " in str(details)
+    tapped = {**RECORD, "transfers": []}
+    assert fr.table_rows([tapped])[0]["transfers"] == 0
+    _, details = requests_page.waterfall(FakeBackend([tapped]), "?id=req-7", None)
+    assert " 0 transfers · " in str(details)
+
+
 def test_clicking_a_row_writes_the_deep_link():
     """Two engines' requests share the id "a b": each row's link names its source (and, in a
     fleet, its instance), and the highlight marks only that source's row. The click is AG

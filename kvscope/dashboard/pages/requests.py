@@ -238,8 +238,10 @@ def waterfall(backend: Backend, search: str | None, instance: str | None) -> tup
                               ("instance", record.get("instance"))) if v}
     details = [html.B(f"request {request_id}"), " · trace id ",
                html.Code(record.get("trace_id", ""), id="trace-id"),
-               f" · TTFT {_ms(record.get('ttft'))} · {transfers:,} transfer"
-               f"{'' if transfers == 1 else 's'}{_omitted(record)} · ",
+               f" · TTFT {_ms(record.get('ttft'))} · "
+               + (f"transfers {fr.NOT_MEASURED}" if transfers is None else
+                  f"{transfers:,} transfer{'' if transfers == 1 else 's'}{_omitted(record)}")
+               + " · ",
                dcc.Link("link to this request", href=f"{PATH}?{urlencode(link)}")]
     return fr.waterfall(record), details
 
