@@ -19,6 +19,7 @@ from kvscope.vocabulary import OFFLOAD_TIERS
 
 TIME_AXIS_TITLE = "time (UTC)"
 NO_DATA = "no data yet"
+NO_TRANSFERS = "no transfers between tiers in this window (is an offload tier configured?)"
 
 HIT_QUALITY_TITLE = "Hit quality: prompt tokens by source"
 HIT_SHARE_TITLE = "Hit quality: share of prompt tokens by source"
@@ -165,8 +166,9 @@ def transfer_throughput(samples: Sequence[Sample]) -> go.Figure:
     """Bytes per second copied between tiers, one line per direction ("src->dst"), against
     the PCIe link's one-direction maximum (dashed) when a GPU reports it; y in B/s."""
     rates = counter_rates(samples, "transfer_bytes")
-    if not rates:
-        return message_figure(TRANSFER_THROUGHPUT_TITLE, NO_DATA)
+    if not rates:  # samples, but no transfer counted: an engine without an offload tier
+        return message_figure(TRANSFER_THROUGHPUT_TITLE, NO_TRANSFERS if len(samples) > 1
+                              else NO_DATA)
     fig = base(TRANSFER_THROUGHPUT_TITLE, "B/s")
     for key, (xs, ys) in rates.items():
         line(fig, xs, ys, key, "B/s", COLOURS.get(key))
@@ -261,7 +263,7 @@ def savings(samples: Sequence[Sample]) -> go.Figure:
              if source in OFFLOAD_TIERS}
     spent = S.cumulative_increase(samples, "transfer_seconds_sum")
     if not saved and not spent:
-        return message_figure(SAVINGS_TITLE, NO_DATA)
+        return message_figure(SAVINGS_TITLE, NO_TRANSFERS if len(samples) > 1 else NO_DATA)
     fig = base(SAVINGS_TITLE, "s")
     if saved:
         xs = next(iter(saved.values()))[0]

@@ -465,3 +465,13 @@ def test_concurrency_and_prompt_lengths_come_from_the_records():
     (2048, "2.0 KiB"), (1023, "1.0 KiB"), (900, "900 B"), (0, "0 B"), (-2**31, "-2.00 GiB")])
 def test_bytes_text_picks_the_unit_that_shows_the_size(n, text):
     assert S.bytes_text(n) == text
+
+
+def test_charts_of_transfers_say_none_came_rather_than_no_data_yet():
+    """Two samples with prompt tokens but no transfer (zero-code mode on an engine without an
+    offload tier): the throughput and savings charts say no transfer came in the window, and
+    ask whether a tier is configured; "no data yet" (wait) is for fewer than two samples."""
+    window = [sample(0, prompt_tokens={"gpu": 10}), sample(1, prompt_tokens={"gpu": 30})]
+    for chart in (figures.transfer_throughput, figures.savings):
+        assert annotation_texts(chart(window)) == [figures.NO_TRANSFERS], chart
+        assert annotation_texts(chart(window[:1])) == [figures.NO_DATA], chart
