@@ -122,7 +122,9 @@ def hit_quality(samples: Sequence[Sample]) -> go.Figure:
 
 def hit_share(samples: Sequence[Sample]) -> go.Figure:
     """The share (0-1, shown as %) of prompt tokens per source between consecutive samples,
-    stacked to 1; an interval without prompt tokens is a gap."""
+    stacked to 1; an interval without prompt tokens is a gap, and each interval with tokens
+    a marker too (a scraped source's counters step once a scrape: between gaps, lines alone
+    drew nothing)."""
     rates = counter_rates(samples, "prompt_tokens")
     if not rates:
         return message_figure(HIT_SHARE_TITLE, NO_DATA)
@@ -131,7 +133,8 @@ def hit_share(samples: Sequence[Sample]) -> go.Figure:
         shares = {k: (xs, np.where(total > 0, ys / total, np.nan)) for k, (xs, ys) in rates.items()}
     fig = base(HIT_SHARE_TITLE, "share")
     for key, (xs, ys) in shares.items():
-        fig.add_trace(go.Scatter(x=xs, y=ys, name=key, mode="lines", stackgroup="share",
+        fig.add_trace(go.Scatter(x=xs, y=ys, name=key, mode="lines+markers",
+                                 stackgroup="share", marker={"size": 4},
                                  line={"color": COLOURS.get(key)},
                                  hovertemplate="%{y:.1%}<extra>" + key + "</extra>"))
     return fig

@@ -138,13 +138,15 @@ def test_hit_quality_stacks_tokens_per_second_by_source():
 
 
 def test_hit_share_is_each_source_over_all_tokens():
-    """gpu +300, cpu +100 in the first second: 0.75 and 0.25; no tokens in the second: gap."""
+    """gpu +300, cpu +100 in the first second: 0.75 and 0.25; no tokens in the second: gap.
+    The lone interval with tokens is drawn as markers (lines alone drew nothing for it)."""
     samples = [sample(0, prompt_tokens={"gpu": 0, "cpu": 0}),
                sample(1, prompt_tokens={"gpu": 300, "cpu": 100}),
                sample(2, prompt_tokens={"gpu": 300, "cpu": 100})]
     t = traces(figures.hit_share(samples))
     assert ys(t["gpu"]) == [0.75, None]
     assert ys(t["cpu"]) == [0.25, None]
+    assert all("markers" in trace.mode for trace in t.values())
     assert figures.hit_share(samples).layout.yaxis.tickformat == ".0%"
 
 
