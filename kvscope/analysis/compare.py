@@ -38,6 +38,7 @@ from kvscope import events as ev
 from kvscope.analysis.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, Estimate,
                                         compare_quantiles, interval, quantile_cis)
 from kvscope.analysis.rates import prefill_rate
+from kvscope.analysis.transfer_cost import farther_tier, seconds_by_tier
 from kvscope.percentiles import histogram_quantile
 
 QUANTILES = (0.5, 0.95, 0.99)
@@ -129,8 +130,8 @@ class Side:
     measured. ``value``: what each offload tier bought and cost, dict[tier,
     {"tokens": prompt tokens it served, "prefill_seconds_saved": those tokens at the prefill
     rate (None: not measured), "transfer_seconds": the seconds of its copies both ways
-    (promotions out of it, offloads into it; None: none of them timed)}]; a GPU prefix hit
-    is not offload's doing."""
+    (:func:`~kvscope.analysis.transfer_cost.seconds_by_tier`: promotions of its blocks,
+    offloads into it; None: none of them timed)}]; a GPU prefix hit is not offload's doing."""
 
     name: str
     requests: int
@@ -324,11 +325,17 @@ def _side(runs: list[RequestSample]) -> Side:
     prefill = sum(r.prefill_seconds for r in runs)
     rate = prefill_rate(tokens.get("recompute", 0), prefill)
     measured = any(r.transfers_measured for r in runs)
+    # each tier's copies as the dashboard charges them (a staged promotion to the tier the
+    # blocks came from, an offload to the tier it stores into)
+    charged = seconds_by_tier({d: t["seconds"] for d, t in transfers.items()
+                               if t["seconds"] is not None},
+                              {d: t["blocks"] or 0 for d, t in transfers.items()})
     value = {}
     for tier in ev.TIERS[1:]:  # the offload tiers: a GPU prefix hit is not offload's doing
-        legs = [t["seconds"] for d, t in transfers.items() if tier in d.split("->")]
-        timed = [seconds for seconds in legs if seconds is not None]
-        spent = None if not measured or (legs and not timed) else sum(timed)
+        # its own copies, promotions out of it and offloads into it: none timed, not measured
+        legs = [t["seconds"] for d, t in transfers.items() if farther_tier(d) == tier]
+        timed = any(seconds is not None for seconds in legs)
+        spent = None if not measured or (legs and not timed) else charged.get(tier, 0.0)
         if tokens.get(tier) or legs:
             value[tier] = {"tokens": tokens.get(tier, 0), "transfer_seconds": spent,
                            "prefill_seconds_saved": tokens.get(tier, 0) / rate if rate else None}

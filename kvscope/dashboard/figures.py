@@ -13,6 +13,7 @@ import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from kvscope.analysis.transfer_cost import is_promotion
 from kvscope.dashboard import series as S
 from kvscope.dashboard.series import Sample, counter_rates, gauge_series, ordered
 from kvscope.vocabulary import OFFLOAD_TIERS
@@ -154,7 +155,7 @@ def ttft(samples: Sequence[Sample]) -> go.Figure:
 def promotion_latency(samples: Sequence[Sample]) -> go.Figure:
     """Duration of promotions (copies toward the GPU) p50/p95/p99 per direction, seconds:
     colour by direction, dash by percentile."""
-    directions = [d for d in S.keys_of(samples, "transfer_seconds") if S.is_promotion(d)]
+    directions = [d for d in S.keys_of(samples, "transfer_seconds") if is_promotion(d)]
     fig = base(PROMOTION_LATENCY_TITLE, "s")
     for direction in directions:
         for p, (xs, ys) in S.quantile_series(samples, "transfer_seconds", direction).items():
@@ -274,7 +275,7 @@ def savings(samples: Sequence[Sample]) -> go.Figure:
              "prefill saved by offload (est.)", "s", "#2ca02c")
     for name, pick, colour in (("promotion time", True, "#d62728"),
                                ("offload time", False, "#ff7f0e")):
-        parts = [ys for d, (_x, ys) in spent.items() if S.is_promotion(d) == pick]
+        parts = [ys for d, (_x, ys) in spent.items() if is_promotion(d) == pick]
         if parts:
             xs = next(iter(spent.values()))[0]
             line(fig, xs, np.sum(parts, axis=0), name, "s", colour)

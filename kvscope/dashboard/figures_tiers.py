@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
+from kvscope.analysis.transfer_cost import is_promotion
 from kvscope.catalog import EVICTED_HITS_BUCKETS, RESIDENCY_SECONDS_BUCKETS
 from kvscope.dashboard import series as S
 from kvscope.dashboard.figures import COLOURS, NO_DATA, base, line, message_figure, new_figure
@@ -73,9 +74,9 @@ def block_flow(samples: Sequence[S.Sample]) -> go.Figure:
         src.append(index[a])
         dst.append(index[b])
         value.append(n)
-        colour.append("rgba(44,160,44,0.45)" if S.is_promotion(direction)
+        colour.append("rgba(44,160,44,0.45)" if is_promotion(direction)
                       else "rgba(31,119,180,0.45)")
-        label.append(("promotion " if S.is_promotion(direction) else "offload ") + direction)
+        label.append(("promotion " if is_promotion(direction) else "offload ") + direction)
     for tier, n in dropped.items():
         src.append(index[tier])
         dst.append(index["dropped"])

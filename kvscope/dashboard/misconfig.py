@@ -29,11 +29,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvscope.dashboard.series import (Sample, bucket_increase, bytes_text, is_number,
-                                      is_promotion, mapping, ordered, scalar_increase,
-                                      window_increase)
+from kvscope.analysis.transfer_cost import is_promotion, promotion_seconds_by_tier
+from kvscope.dashboard.series import (Sample, bucket_increase, bytes_text, is_number, mapping,
+                                      ordered, scalar_increase, window_increase)
 from kvscope.dashboard.topology_view import Topology
-from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
 from kvscope.mixin.config import MixinConfig
 from kvscope.samples import KEY_SEPARATOR
 from kvscope.vocabulary import NOT_MEASURED, TIERS
@@ -229,7 +228,7 @@ def tier_negligible(window: Sequence[Sample], s: Settings) -> Finding:
 def promotion_slower(window: Sequence[Sample], s: Settings) -> Finding:
     """Per offload tier, transfer seconds of promotions of its blocks (copies toward the GPU,
     a staged leg charged to the tier it staged from:
-    :func:`~kvscope.dashboard.transfer_cost.promotion_seconds_by_tier`) over the prefill
+    :func:`~kvscope.analysis.transfer_cost.promotion_seconds_by_tier`) over the prefill
     seconds its tokens saved, in the window; above ``recompute_faster_ratio``: recomputing is
     faster."""
     key = "promotion-slower"

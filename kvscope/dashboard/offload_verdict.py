@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.dashboard.series import (Sample, bytes_text, is_number, is_promotion, last_window,
+from kvscope.dashboard.series import (Sample, bytes_text, is_number, last_window,
                                       mapping, ordered, scalar_increase, window_increase)
-from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
+from kvscope.analysis.transfer_cost import seconds_by_tier
 from kvscope.mixin.config import MixinConfig
 from kvscope.samples import KEY_SEPARATOR
 from kvscope.vocabulary import NOT_MEASURED, TIERS
@@ -102,7 +102,7 @@ class Headline:
     tokens (empty without any); ``saved_vs_spent``: dict[tier, (prefill seconds saved, transfer
     seconds spent)] for each offload tier (an offload counted to the tier it stores into, a
     promotion to the tier its blocks came from, a staged leg too:
-    :func:`~kvscope.dashboard.transfer_cost.promotion_seconds_by_tier`; None when none of its
+    :func:`~kvscope.analysis.transfer_cost.seconds_by_tier`; None when none of its
     transfers was timed: vLLM's /metrics and KV events time none);
     ``ttft_p99``: seconds (the worst per-sample p99) or None; ``ttft_budget``: seconds;
     ``headroom_bytes``, ``reserve_bytes``: the newest values, None when not measured;
@@ -395,14 +395,8 @@ def headline(window: Sequence[Sample], tokens: Mapping[str, float],
     total = sum(tokens.values())
     share = {src: tokens[src] / total for src in ordered(tokens)} if total else {}
     saved = window_increase(window, "prefill_seconds_saved")
-    seconds = window_increase(window, "transfer_seconds_sum")
-    spent = promotion_seconds_by_tier(seconds, window_increase(window, "transfer_blocks"))
-    for direction, timed in seconds.items():
-        src, _, dst = direction.partition("->")
-        if is_promotion(direction):  # timed, if none in the window: 0 s, not "not measured"
-            spent.setdefault(src, 0.0)
-        else:  # an offload: the tier it stores into
-            spent[dst] = spent.get(dst, 0.0) + timed
+    spent = seconds_by_tier(window_increase(window, "transfer_seconds_sum"),
+                            window_increase(window, "transfer_blocks"))
     tiers = [t for t in ordered(set(saved) | set(spent)) if t != "gpu"]
     return Headline(share, {t: (saved.get(t, 0.0), spent.get(t)) for t in tiers},
                     _worst_p99(window, "ttft_seconds"), s.ttft_budget_seconds,

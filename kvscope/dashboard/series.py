@@ -29,7 +29,6 @@ Series = tuple[np.ndarray, np.ndarray]  # (times in epoch ms, values)
 ORDER = (*TIERS, "recompute",
          "gpu->cpu", "cpu->gpu", "cpu->disk", "disk->cpu", "disk->gpu", "cpu->remote",
          "remote->cpu")
-TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 PERCENTILES = tuple(_PERCENTILES)  # ("p50", "p95", "p99")
 
 
@@ -77,12 +76,6 @@ def ordered(keys: Iterable[str]) -> list[str]:
     """Known keys in :data:`ORDER`, then any others alphabetically."""
     keys = set(keys)
     return [k for k in ORDER if k in keys] + sorted(keys - set(ORDER))
-
-
-def is_promotion(direction: str) -> bool:
-    """True for a copy toward the GPU ("cpu->gpu", "disk->cpu"), False for offloads."""
-    src, _, dst = direction.partition("->")
-    return TIER_RANK.get(dst, 9) < TIER_RANK.get(src, 9)
 
 
 def mapping(sample: Sample, field: str) -> Mapping:

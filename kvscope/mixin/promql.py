@@ -77,7 +77,7 @@ def _part(expr: str, name: str) -> str:
 
 def promotion_seconds_by_tier(cfg: MixinConfig, window: str) -> str:
     """PromQL: promotion seconds per second by the offload tier (``tier``) whose blocks they
-    moved, charged as :func:`kvscope.dashboard.transfer_cost.promotion_seconds_by_tier`
+    moved, charged as :func:`kvscope.analysis.transfer_cost.promotion_seconds_by_tier`
     charges them: a staging leg (a promotion into a tier other than the GPU) to its source;
     of a leg ``x->gpu``, each lower tier the share of ``x->gpu``'s blocks it staged into
     ``x`` (shares over 1 scaled down together), ``x`` the rest; aggregated by ``cfg.by``."""

@@ -703,13 +703,21 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
     """100 requests of 64 prompt tokens, 32 from the cpu tier and 32 recomputed in 3.2 ms of
     prefill each: the engine prefilled 3,200 tokens in 0.32 s, 10,000 tokens/s, so the cpu
     tier's 3,200 tokens saved 0.32 s; its copies took 1 ms of promotion each (0.1 s) plus the
-    agent's offload totals (gpu->cpu 0.05 s): 0.15 s. A baseline without prefill times has
-    its saving "not measured", never 0."""
+    agent's offload totals (gpu->cpu 0.05 s): 0.15 s. The copies between cpu and disk (2 s
+    down, 0.5 s up, 1 block up of the 200 that went on to the GPU) are the disk tier's, and so
+    is that block's share of the cpu->gpu leg, as the dashboard charges a staged promotion
+    (kvscope/analysis/transfer_cost.py): disk 2.5 + 0.1 / 200 = 2.5005 s, cpu 0.15 - 0.0005 =
+    0.1495 s (counted for both tiers, the cpu tier read 2.65 s). A baseline without prefill
+    times has its saving "not measured", never 0."""
     directory = tmp_path / "cand"
     writer = _promoting_capture(directory, "cpu", [("cpu", "gpu", 0.001)])
-    writer.add_totals({"ts": 1100.0, "transfer_bytes": {"gpu->cpu": 10, "cpu->gpu": 100},
-                       "transfer_blocks": {"gpu->cpu": 1, "cpu->gpu": 200},
-                       "transfer_seconds_sum": {"gpu->cpu": 0.05, "cpu->gpu": 0.1}})
+    writer.add_totals({"ts": 1100.0,
+                       "transfer_bytes": {"gpu->cpu": 10, "cpu->gpu": 100, "cpu->disk": 10,
+                                          "disk->cpu": 10},
+                       "transfer_blocks": {"gpu->cpu": 1, "cpu->gpu": 200, "cpu->disk": 1,
+                                           "disk->cpu": 1},
+                       "transfer_seconds_sum": {"gpu->cpu": 0.05, "cpu->gpu": 0.1,
+                                                "cpu->disk": 2.0, "disk->cpu": 0.5}})
     writer.close()
     base = write_capture(tmp_path / "base", np.linspace(0.01, 0.02, 100))
     assert main(["compare", str(base), str(directory), "--json", "--resamples", "100"]) == 0
@@ -717,7 +725,9 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
     cand = out["candidate"]
     assert cand["prefill_rate"] == pytest.approx(10_000)
     assert cand["value"]["cpu"] == {"tokens": 3200, "prefill_seconds_saved": pytest.approx(0.32),
-                                    "transfer_seconds": pytest.approx(0.15)}
+                                    "transfer_seconds": pytest.approx(0.1495)}
+    assert cand["value"]["disk"] == {"tokens": 0, "prefill_seconds_saved": 0.0,
+                                     "transfer_seconds": pytest.approx(2.5005)}
     assert out["baseline"]["prefill_rate"] is None and out["baseline"]["value"] == {}
     assert main(["compare", str(base), str(directory), "--resamples", "100"]) == 0
     text = capsys.readouterr().out

@@ -114,11 +114,6 @@ def test_bucket_increase_is_last_minus_first_and_handles_resets():
     assert list(S.bucket_increase(reset, "h")["cpu"]) == [1.0, 0.0, 0.0]
 
 
-def test_promotion_is_a_copy_toward_the_gpu():
-    assert S.is_promotion("cpu->gpu") and S.is_promotion("disk->cpu")
-    assert not S.is_promotion("gpu->cpu") and not S.is_promotion("cpu->disk")
-
-
 # --- Overview figures -----------------------------------------------------------------------
 
 def test_hit_quality_stacks_tokens_per_second_by_source():

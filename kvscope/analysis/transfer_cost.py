@@ -6,20 +6,35 @@ the cpu tier's copy but the disk tier's cost: its tokens count as ``disk`` in th
 seconds saved. Charging every ``cpu->gpu`` second to cpu made the cpu tier look dearer and the
 disk tier cheaper than they were. An engine may also copy ``disk->gpu`` directly; how much of
 each ``x->gpu`` leg was staged is therefore read from the blocks each leg moved, never assumed.
+An offload is the cost of the tier it stores into (``cpu->disk``: disk's). The dashboard's
+headline and ``kvscope compare`` charge tiers alike, through :func:`seconds_by_tier`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvscope.dashboard.series import TIER_RANK, is_promotion
+from kvscope.vocabulary import TIERS
 
 GPU = "gpu"
+TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}  # 0: the GPU, then farther away
 
 
 def _pair(direction: str) -> tuple[str, str]:
     src, _, dst = direction.partition("->")
     return src, dst
+
+
+def farther_tier(direction: str) -> str:
+    """Of a copy's two tiers (``"cpu->disk"``), the one farther from the GPU (``disk``): the
+    offload tier whose promotion or offload it is."""
+    return max(_pair(direction), key=lambda tier: TIER_RANK.get(tier, -1))
+
+
+def is_promotion(direction: str) -> bool:
+    """True for a copy toward the GPU ("cpu->gpu", "disk->cpu"), False for offloads."""
+    src, dst = _pair(direction)
+    return TIER_RANK.get(dst, 9) < TIER_RANK.get(src, 9)
 
 
 def promotion_seconds_by_tier(seconds: Mapping[str, float],
@@ -50,4 +65,20 @@ def promotion_seconds_by_tier(seconds: Mapping[str, float],
         own = spent * (1 - sum(shares.values()) / scale)
         if own > 0:
             out[src] = out.get(src, 0.0) + own
+    return out
+
+
+def seconds_by_tier(seconds: Mapping[str, float],
+                    blocks: Mapping[str, float]) -> dict[str, float]:
+    """Transfer seconds by the offload tier they served: promotions as
+    :func:`promotion_seconds_by_tier` charges them, an offload to the tier it stores into
+    (``cpu->disk`` is the disk tier's, not the cpu tier's). A tier with a promotion in
+    ``seconds`` reads at least 0 (timed, none in the window); tiers with neither are absent."""
+    out = promotion_seconds_by_tier(seconds, blocks)
+    for direction, timed in seconds.items():
+        src, dst = _pair(direction)
+        if is_promotion(direction):
+            out.setdefault(src, 0.0)
+        else:
+            out[dst] = out.get(dst, 0.0) + timed
     return out

@@ -1,11 +1,12 @@
 """Promotion seconds charged to the tier whose blocks they moved
-(kvscope/dashboard/transfer_cost.py), by hand: staged, direct, over-staged, two lower tiers."""
+(kvscope/analysis/transfer_cost.py), by hand: staged, direct, over-staged, two lower tiers."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvscope.dashboard.transfer_cost import promotion_seconds_by_tier
+from kvscope.analysis.transfer_cost import (farther_tier, is_promotion,
+                                             promotion_seconds_by_tier, seconds_by_tier)
 
 
 def test_a_staged_leg_is_charged_to_the_tier_it_staged_from():
@@ -46,3 +47,21 @@ def test_untimed_or_idle_legs_charge_nothing():
     assert promotion_seconds_by_tier({"cpu->gpu": 2.0},
                                      {"cpu->gpu": 10.0, "disk->cpu": 5.0}) == {"cpu": 1.0,
                                                                                 "disk": 1.0}
+
+
+def test_promotion_is_a_copy_toward_the_gpu():
+    assert is_promotion("cpu->gpu") and is_promotion("disk->cpu")
+    assert not is_promotion("gpu->cpu") and not is_promotion("cpu->disk")
+    assert [farther_tier(d) for d in ("gpu->cpu", "cpu->gpu", "cpu->disk", "disk->gpu")] == \
+        ["cpu", "cpu", "disk", "disk"]
+
+
+def test_offloads_are_the_tier_they_store_into():
+    """The staged example above plus offloads gpu->cpu 2 s and cpu->disk 3 s: cpu 7.5 + 2 =
+    9.5 s, disk 6.5 + 3 = 9.5 s (cpu->disk counted to the cpu tier too made it pay for the
+    disk tier's copies); a promotion timed at 0 s in the window reads 0, not absent."""
+    assert seconds_by_tier(
+        {"cpu->gpu": 10.0, "disk->cpu": 4.0, "gpu->cpu": 2.0, "cpu->disk": 3.0},
+        {"cpu->gpu": 100.0, "disk->cpu": 25.0, "gpu->cpu": 50.0, "cpu->disk": 30.0}) == \
+        pytest.approx({"cpu": 9.5, "disk": 9.5})
+    assert seconds_by_tier({"cpu->gpu": 0.0}, {}) == {"cpu": 0.0}
