@@ -22,6 +22,7 @@ the GIL).
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import os
 import shutil
@@ -70,6 +71,11 @@ class DiskStore:
     them, which ends with it: a large preset's would leave gigabytes behind) and the
     directories this store created, once empty. ``threads``: I/O worker threads. Leftover
     temporary files from an earlier crash are removed at start.
+
+    One store a directory: it holds a lock on it (``flock`` of the directory itself, so no
+    file of its own is left) until :meth:`close`. Raises OSError (``EBUSY``) when another
+    store, in this process or another, holds it: two replays on one directory overwrote each
+    other's chunks and read them back as corrupt.
     """
 
     def __init__(self, directory: str | Path | None, block_bytes: int, threads: int = 4) -> None:
@@ -80,6 +86,13 @@ class DiskStore:
         self._created = list(itertools.takewhile(lambda d: not d.exists(),
                                                  (self.directory, *self.directory.parents)))
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise OSError(errno.EBUSY, "in use by another kvscope engine (a replay or demo "
+                          "running now): give each its own directory") from None
         self._written: set[int] = set()  # slots with a chunk file (set.add: one bytecode, atomic)
         self.block_bytes = block_bytes
         for stale in self.directory.glob(".chunk-*.kv.tmp"):
@@ -176,11 +189,10 @@ class DiskStore:
 
     def close(self) -> None:
         """Stop the I/O threads; remove the chunks written, and the directories this store
-        created once empty. Safe twice."""
+        created once empty; then release the directory. Safe twice."""
         self._pool.shutdown(wait=True)
         if self._temporary:
             shutil.rmtree(self.directory, ignore_errors=True)
-            return
         for slot in self._written:
             try:
                 self.path(slot).unlink(missing_ok=True)
@@ -193,3 +205,6 @@ class DiskStore:
             except OSError:
                 break
         self._created = []
+        if self._lock >= 0:  # last: another store may use the directory from here on
+            os.close(self._lock)  # the flock goes with it
+            self._lock = -1

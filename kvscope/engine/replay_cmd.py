@@ -18,6 +18,7 @@ from kvscope.engine.policy import POLICIES
 from kvscope.engine.presets import PRESETS, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
 from kvscope.argtypes import directory, non_negative, positive
+from kvscope.signals import interrupt_on_signals
 
 
 # the engine keeps every request's TTFT for the percentiles: 1M requests, tens of MB
@@ -149,7 +150,9 @@ def render(summary: dict) -> str:
 
 def run(args, out=None) -> int:
     """The subcommand's handler: replay and print to ``out`` (default: stdout); exit code 0.
-    Bad input raises (see :func:`replay`); the command line reports it."""
+    Bad input raises (see :func:`replay`); the command line reports it. SIGTERM and SIGHUP
+    stop it as Ctrl-C does, so that its disk tier's chunks are removed on the way out."""
+    interrupt_on_signals()
     summary = replay(args)
     print(json.dumps(summary) if args.json else render(summary), file=out or sys.stdout)
     return 0

@@ -3,6 +3,7 @@
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from kvscope.engine.engine import OffloadEngine
 from kvscope.engine.presets import ModelPreset, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
+from conftest import wait_until
 from traces import trace_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,6 +123,48 @@ def test_replay_synthetic_with_payload_and_disk(tmp_path):
     assert summary["transfers"]["disk->cpu"]["seconds"] > 0
     assert summary["errors"] == {}
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_disk_dir_in_use_is_refused_and_free_again_once_closed(tmp_path):
+    """Two replays on one --disk-dir, a second apart, overwrote each other's chunks and read
+    them back as corrupt (1,714 'corrupt' errors), both exiting 0. A store holds its directory
+    (in this process here); a replay given it says so and exits 2, its chunks untouched; once
+    the store closed, the directory serves again."""
+    from kvscope.engine.disk import DiskStore
+
+    holder = DiskStore(tmp_path, 64)
+    holder.write(1, 7, bytes(64))
+    refused = _kvscope("--requests", "20", "--disk-blocks", "16", "--disk-dir", str(tmp_path))
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (f"kvscope replay: error: --disk-dir {tmp_path}: in use by "
+                                      "another kvscope engine (a replay or demo running now): "
+                                      "give each its own directory")
+    with pytest.raises(OSError, match="in use by another kvscope engine"):
+        DiskStore(tmp_path, 64)
+    back = bytearray(64)
+    holder.read_into(1, 7, back)  # raises DiskError had the replay touched the chunk
+    holder.close()
+    again = DiskStore(tmp_path, 64)
+    again.close()
+
+
+def test_sigterm_stops_a_replay_as_ctrl_c_does_removing_its_chunks(tmp_path):
+    """A replay stopped by SIGTERM was killed outright: its --disk-dir kept 4,096 chunk files
+    (145 MB), a temporary disk directory the same. Now it stops as on Ctrl-C: "interrupted",
+    exit 130, its chunks gone and a file of the user's beside them kept."""
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "replay", "--requests", "100000",
+                             "--gpu-blocks", "16", "--cpu-blocks", "16", "--disk-blocks", "4096",
+                             "--disk-dir", str(tmp_path)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: len(list(tmp_path.glob("chunk-*.kv"))) > 10, 120, 0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.strip().endswith("kvscope replay: interrupted"), err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_a_replay_removes_its_disk_chunks_from_a_directory_it_was_given(tmp_path):
