@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvscope import events as ev
-from kvscope.analysis.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, Estimate,
-                                        compare_quantiles, interval, quantile_cis)
+from kvscope.analysis.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, MAX_RESAMPLES,
+                                        Estimate, compare_quantiles, interval, quantile_cis)
 from kvscope.analysis.rates import prefill_rate
 from kvscope.analysis.transfer_cost import farther_tier, seconds_by_tier
 from kvscope.percentiles import histogram_quantile
@@ -54,8 +54,12 @@ MIN_TAIL_RESAMPLES = 2
 def check_resamples(resamples: int, confidence: float) -> None:
     """Raise ValueError, saying the least that would do, when ``resamples`` bootstrap
     resamples leave fewer than :data:`MIN_TAIL_RESAMPLES` beyond each end of a ``confidence``
-    interval."""
+    interval, or when no number of resamples allowed (:data:`MAX_RESAMPLES`) would."""
     least = math.ceil(2 * MIN_TAIL_RESAMPLES / (1 - confidence) - 1e-9)
+    if least > MAX_RESAMPLES:  # no --resamples would do: asking for one was a dead end
+        top = 1 - 2 * MIN_TAIL_RESAMPLES / MAX_RESAMPLES
+        raise ValueError(f"--confidence {confidence:g} needs {least:,} resamples, above the "
+                         f"{MAX_RESAMPLES:,} allowed: give --confidence {top:g} or less")
     if resamples < least:
         raise ValueError(f"--resamples {resamples} is too few for a {confidence * 100:g}% "
                          f"interval: give at least {least} (default {DEFAULT_RESAMPLES})")

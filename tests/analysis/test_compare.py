@@ -238,6 +238,11 @@ def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
         assert main(["compare", str(b), str(c), *extra]) == 2
         err = capsys.readouterr().err
         assert "is too few for a 9" in err and f"give at least {least} " in err
+    # a confidence no allowed count serves: 2 * 2 / 1e-6 = 4,000,000 resamples, above the
+    # 1,000,000 cap (it asked for 4,000,000, then refused them); 1 - 4 / 1e6 = 0.999996 does
+    assert main(["compare", str(b), str(c), "--confidence", "0.999999"]) == 2
+    assert "--confidence 0.999999 needs 4,000,000 resamples, above the 1,000,000 allowed: " \
+        "give --confidence 0.999996 or less" in capsys.readouterr().err
     assert main(["compare", str(b), str(c), "--resamples", "80", "--json"]) == 0
     capsys.readouterr()
     # one run named twice in an arm would fake the run-to-run variance a roll back needs
