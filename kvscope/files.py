@@ -1,7 +1,10 @@
-"""Writing files so that a reader never sees half of one."""
+"""Writing files so that a reader never sees half of one, and holding a directory that one
+writer at a time may fill."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import tempfile
 from pathlib import Path
@@ -53,3 +56,17 @@ def _new_file_mode() -> int:
 def _naming(exc: OSError, path: Path) -> OSError:
     """``exc`` again, naming ``path`` (the file asked for) as its file."""
     return type(exc)(exc.errno, exc.strerror, str(path)) if exc.errno else exc
+
+
+def hold_directory(path: str | Path, holder: str) -> int:
+    """Take ``path`` (an existing directory) for this process until the returned descriptor is
+    closed: an exclusive ``flock`` of the directory itself, so that no lock file is left in
+    it. Raises OSError (``EBUSY``) saying it is "in use by ``holder``" when another holder,
+    in this process or another, has it."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OSError(errno.EBUSY, f"in use by {holder}: give each its own directory") from None
+    return fd

@@ -746,6 +746,32 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
                              str(tmp_path / "cap")), "segments of an earlier run")
 
 
+def test_a_capture_directory_being_written_is_refused_to_a_second_writer(tmp_path):
+    """Two demos into one --capture-dir at once were both accepted and wrote one capture of
+    both runs (every request twice, read by analyze as reuse). While an agent writes there,
+    a demo and a second agent are each refused in one line; once it stopped, the directory
+    is free (a demo then says its segments are an earlier run's: that refusal is its own)."""
+    from kvscope.agent.capture import CaptureWriter
+
+    capture = tmp_path / "cap"
+    proc, _ = _started_agent("--capture-dir", str(capture), ingest=f"ipc://{tmp_path}/a.sock",
+                             stderr=subprocess.DEVNULL)
+    said = (f"cannot start capture_dir {capture}: in use by another kvscope capture (an agent "
+            "or demo writing to it now): give each its own directory")
+    try:
+        _one_error_line(_kvscope("demo", "--duration", "1", "--metrics-port", str(free_port()),
+                                 "--ui-port", str(free_port()), "--capture-dir", str(capture)),
+                        said)
+        _one_error_line(_kvscope("agent", "--port", str(free_port()), "--ingest",
+                                 f"ipc://{tmp_path}/b.sock", "--capture-dir", str(capture)), said)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    again = CaptureWriter(capture)
+    again.start()
+    again.shutdown()
+
+
 def test_the_agents_start_lines_name_every_part_it_runs(tmp_path):
     """The start lines say where each configured part reads or writes: vLLM's metrics URL,
     the OTLP receiver and exporter, the store and the capture (they once named only ingest,

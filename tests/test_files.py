@@ -1,15 +1,16 @@
 """kvscope/files.py: an atomic write leaves the old file or the new one, with the mode a plain
 write would give it, and its errors name the file asked for, never the temporary sibling it
-wrote first."""
+wrote first; a held directory is one holder's at a time."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
 import pytest
 
-from kvscope.files import write_atomic
+from kvscope.files import hold_directory, write_atomic
 
 
 def test_a_write_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -51,3 +52,15 @@ def test_a_rewritten_file_keeps_its_mode(tmp_path):
     target.chmod(0o640)
     write_atomic(target, "new")
     assert stat.S_IMODE(target.stat().st_mode) == 0o640 and target.read_text() == "new"
+
+
+def test_a_held_directory_is_refused_to_a_second_holder_until_released(tmp_path):
+    """One holder at a time, in this process too (flock of the directory: no file is left in
+    it); closing the descriptor frees it."""
+    fd = hold_directory(tmp_path, "the test's first holder")
+    with pytest.raises(OSError, match="in use by the test's first holder: give each its own "
+                                      "directory") as refused:
+        hold_directory(tmp_path, "the test's first holder")
+    assert refused.value.errno == errno.EBUSY and list(tmp_path.iterdir()) == []
+    os.close(fd)
+    os.close(hold_directory(tmp_path, "a second holder"))

@@ -52,6 +52,7 @@ from kvscope.agent.record_data import RecordData
 from kvscope.agent.requests import RequestRecord
 from kvscope.agent.segments import OutageLog, check_writable, prune
 from kvscope.agent.worker import Worker
+from kvscope.files import hold_directory
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,7 @@ class CaptureWriter(Worker):
             lost_as="rows could not be written")
         self._totals: dict[str, tuple] = {}  # the transfer counters last queued (add_totals)
         self._tiers = ""  # the tiers the last sample reported (add_totals), for add_request
+        self._held = -1  # the directory's descriptor while started (prepare)
 
     # -- sinks ------------------------------------------------------------------------------
 
@@ -308,16 +310,27 @@ class CaptureWriter(Worker):
     thread_name = "kvscope-capture"
 
     def prepare(self) -> None:
-        """Make the directory if missing and remove orphaned ``.tmp`` segments; raises OSError
-        where no file can be written there (see :func:`~kvscope.agent.segments.check_writable`):
-        a capture that would drop every row does not start."""
+        """Make the directory if missing, take it (:func:`~kvscope.files.hold_directory`, until
+        the writer stops) and remove orphaned ``.tmp`` segments; raises OSError where no file
+        can be written there (see :func:`~kvscope.agent.segments.check_writable`: a capture
+        that would drop every row does not start) or another writer has it (two demos into
+        one directory wrote one capture of both, every request twice)."""
         check_writable(self.directory)
-        self._remove_orphans()
+        self._held = hold_directory(self.directory, "another kvscope capture (an agent or "
+                                    "demo writing to it now)")
+        try:
+            self._remove_orphans()
+        except BaseException:
+            os.close(self._held)
+            raise
 
     def run(self) -> None:
-        while not self.stopping.wait(self._interval):
-            self._logged(self.flush)
-        self._outage.stop(self.close, "close")  # and at the stop, what an outage lost
+        try:
+            while not self.stopping.wait(self._interval):
+                self._logged(self.flush)
+            self._outage.stop(self.close, "close")  # and at the stop, what an outage lost
+        finally:
+            os.close(self._held)  # the directory is free for the next writer
 
     def _logged(self, step: Callable[[], int | None]) -> None:
         """Run ``step`` (flush or close), logging a failure to write once until rows are

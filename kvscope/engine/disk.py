@@ -22,7 +22,6 @@ the GIL).
 from __future__ import annotations
 
 import errno
-import fcntl
 import itertools
 import os
 import shutil
@@ -31,6 +30,8 @@ import tempfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from kvscope.files import hold_directory
 
 HEADER = struct.Struct("<4sHHQQI4x")
 MAGIC = b"KVSC"
@@ -86,13 +87,8 @@ class DiskStore:
         self._created = list(itertools.takewhile(lambda d: not d.exists(),
                                                  (self.directory, *self.directory.parents)))
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock)
-            raise OSError(errno.EBUSY, "in use by another kvscope engine (a replay or demo "
-                          "running now): give each its own directory") from None
+        self._lock = hold_directory(self.directory, "another kvscope engine (a replay or "
+                                    "demo running now)")
         self._written: set[int] = set()  # slots with a chunk file (set.add: one bytecode, atomic)
         self.block_bytes = block_bytes
         for stale in self.directory.glob(".chunk-*.kv.tmp"):

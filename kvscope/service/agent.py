@@ -166,7 +166,9 @@ class Agent(Worker):
                             "or ipc:///PATH")
                 else:
                     hint = ""
-                raise ConfigError(f"cannot start {name}: {exc}{hint}") from None
+                # a directory another writer holds: its words say all ("[Errno 16]" does not)
+                said = exc.strerror if exc.errno == errno.EBUSY else exc
+                raise ConfigError(f"cannot start {name}: {said}{hint}") from None
 
     def start(self) -> None:
         super().start()
