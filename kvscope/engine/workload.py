@@ -12,7 +12,7 @@ import json
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 MOONCAKE_BLOCK_TOKENS = 512  # Mooncake FAST'25 traces: one hash id per 512-token block
@@ -128,7 +128,8 @@ def synthetic(config: SyntheticConfig = SyntheticConfig()) -> Iterator[Request]:
 
 def read_mooncake(path: str | Path) -> list[Request]:
     """Read a Mooncake JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``,
-    ``hash_ids``; see ``shared/traces/README.md``) into requests sorted by arrival.
+    ``hash_ids``; see ``shared/traces/README.md``) into requests sorted by arrival, their
+    arrivals in seconds from the first request's.
 
     Raises :class:`TraceError` naming the file and line for a missing or unreadable file (not
     UTF-8 text), a line that is not a JSON object, a record without a valid ``hash_ids`` list
@@ -187,4 +188,8 @@ def read_mooncake(path: str | Path) -> list[Request]:
     if not requests:
         raise TraceError(f"{path}: no requests in the trace")
     requests.sort(key=lambda r: r.arrival)
-    return requests
+    # arrivals from the first request's: a trace's tail (first timestamp 3,480 s) or one in
+    # Unix milliseconds was replayed after waiting that long (at --speed 1, 58 minutes)
+    first = requests[0].arrival
+    return [replace(r, arrival=r.arrival - first) for r in requests] if first \
+        else requests
