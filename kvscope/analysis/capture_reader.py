@@ -324,8 +324,10 @@ def _sharing(parts: list[str], others: list[str]) -> tuple[str, str] | None:
 def read_runs(paths: str) -> list[RequestSample]:
     """One :class:`RequestSample` per capture of ``paths``, a comma-separated list of capture
     directories (or requests segments): the repeated runs of one arm. Raises TraceError as
-    :func:`read_request_sample` does, and for a list that names none, one capture twice, or a
-    capture and one of its own segments."""
+    :func:`read_request_sample` does, and for a list that names none, one capture twice, a
+    capture and one of its own segments, or captures whose agents reported different offload
+    tiers (runs of different setups: pooled, a tier one of them lacked read "not measured"
+    and its tokens left the shares)."""
     parts = _captures(paths)
     resolved = [Path(p).resolve() for p in parts]
     if len(set(resolved)) < len(resolved):  # one run read twice would fake run-to-run variance
@@ -341,7 +343,14 @@ def read_runs(paths: str) -> list[RequestSample]:
             raise TraceError(f"{part}: a block-access trace, not an agent capture; compare "
                              "reads captures (kvscope agent --capture-dir), and `kvscope "
                              "analyze` reads traces")
-    return [read_request_sample(p) for p in parts]
+    runs = [read_request_sample(p) for p in parts]
+    tiers = {run.name: [s for s in run.token_sources if s in OFFLOAD_TIERS]
+             for run in runs if run.token_sources is not None}
+    if len({tuple(t) for t in tiers.values()}) > 1:
+        said = "; ".join(f"{name}: {', '.join(t) or 'none'}" for name, t in tiers.items())
+        raise TraceError(f"{paths}: the runs' offload tiers differ ({said}); an arm's runs "
+                         "repeat one setup: compare different setups as two arms")
+    return runs
 
 
 def read_arms(baseline: str, candidate: str) -> tuple[list[RequestSample], list[RequestSample]]:

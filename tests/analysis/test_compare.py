@@ -704,6 +704,25 @@ def test_a_tier_the_capture_did_not_have_is_not_measured_never_zero(tmp_path, ca
     assert read_request_sample(tmp_path / "gpu").token_sources == ("gpu", "cpu", "recompute")
 
 
+def test_an_arm_of_runs_with_different_offload_tiers_is_refused(tmp_path, capsys):
+    """An arm of a run without an offload tier and one with a cpu tier (two setups) read cpu
+    "not measured": its tokens, 28% of the prompt, left the shares. The arm is refused, naming
+    each run's tiers; two runs of the cpu setup are one arm, and a capture from before tiers
+    were recorded (unknown) joins either."""
+    _promoting_capture(tmp_path / "gpu", "gpu", [], tiers=("gpu",)).close()
+    for name in ("cpu-1", "cpu-2"):
+        _promoting_capture(tmp_path / name, "cpu", [], tiers=("gpu", "cpu")).close()
+    base = write_capture(tmp_path / "base", np.linspace(0.01, 0.02, 100))
+    mixed = f"{tmp_path / 'gpu'},{tmp_path / 'cpu-1'}"
+    assert main(["compare", str(base), mixed, "--resamples", "100"]) == 2
+    assert (f"{mixed}: the runs' offload tiers differ ({tmp_path / 'gpu'}: none; "
+            f"{tmp_path / 'cpu-1'}: cpu); an arm's runs repeat one setup: compare different "
+            "setups as two arms") in capsys.readouterr().err
+    same = f"{tmp_path / 'cpu-1'},{tmp_path / 'cpu-2'},{base}"
+    assert main(["compare", str(tmp_path / "gpu"), same, "--resamples", "100"]) == 0
+    capsys.readouterr()
+
+
 def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_path, capsys):
     """100 requests of 64 prompt tokens, 32 from the cpu tier and 32 recomputed in 3.2 ms of
     prefill each: the engine prefilled 3,200 tokens in 0.32 s, 10,000 tokens/s, so the cpu
