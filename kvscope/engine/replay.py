@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvscope.engine.engine import OffloadEngine
 from kvscope.engine.workload import Request
@@ -32,11 +32,12 @@ class Replayer:
     ``behind_warning``: wall seconds behind the paced schedule (the engine slower than the
     arrivals at ``speed``) at which one warning is logged: later arrivals come late, so the
     gaps between them, and the reuse times recorded, stretch. ``behind``: the most seconds
-    it fell behind."""
+    it fell behind. ``progress``: called with the requests served so far after each one."""
 
     def __init__(self, engine: OffloadEngine, requests: Iterable[Request],
                  speed: float | None = 1.0, stop: threading.Event | None = None,
-                 behind_warning: float = BEHIND_WARNING) -> None:
+                 behind_warning: float = BEHIND_WARNING,
+                 progress: Callable[[int], None] | None = None) -> None:
         if speed is not None and speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         self.engine = engine
@@ -46,6 +47,7 @@ class Replayer:
         self.served = 0
         self.behind = 0.0
         self._behind_warning = behind_warning
+        self._progress = progress
 
     def run(self) -> None:
         """Replay until the workload ends or ``stop`` is set; then finish pending requests.
@@ -85,6 +87,8 @@ class Replayer:
             # counts what is known (lookup and prefill)
             busy_until = start + outcome.service_seconds
             self.served += 1
+            if self._progress is not None:
+                self._progress(self.served)
 
     def _fell_behind(self, seconds: float, arrival: float) -> None:
         if self.behind < self._behind_warning <= seconds:

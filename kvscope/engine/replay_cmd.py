@@ -13,6 +13,7 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 
 from kvscope.engine.policy import POLICIES
 from kvscope.engine.presets import PRESETS, get_preset
@@ -23,6 +24,7 @@ from kvscope.signals import interrupt_on_signals
 
 # the engine keeps every request's TTFT for the percentiles: 1M requests, tens of MB
 MAX_REQUESTS = 1_000_000
+PROGRESS_EVERY = 10.0  # seconds between a replay's progress lines
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -78,7 +80,9 @@ def replay(args) -> dict:
     preset = get_preset(args.preset)
     if args.trace:
         requests, block_tokens = read_mooncake(args.trace), MOONCAKE_BLOCK_TOKENS
+        total = len(requests)
     else:
+        total = args.requests
         block_tokens = preset.block_tokens
         # made as they are replayed: a list of them all held the whole workload at once
         requests = itertools.islice(
@@ -100,7 +104,7 @@ def replay(args) -> dict:
     speed = None if args.fast else args.speed
     t0 = time.perf_counter()
     try:
-        Replayer(engine, requests, speed=speed).run()
+        Replayer(engine, requests, speed=speed, progress=_progress(total)).run()
     finally:
         engine.close()
     summary = engine.stats.summary(engine.block_bytes, time.perf_counter() - t0,
@@ -116,6 +120,22 @@ def replay(args) -> dict:
         model.update(h2d_bytes_per_second=preset.h2d_bytes_per_second,
                      disk_bytes_per_second=preset.disk_bytes_per_second)
     return summary
+
+
+def _progress(total: int) -> Callable[[int], None]:
+    """A line on stderr every :data:`PROGRESS_EVERY` seconds of a replay: the requests
+    replayed of ``total``, and the seconds so far (a replay of the real trace ran minutes
+    without a word)."""
+    start = last = time.monotonic()
+
+    def report(served: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= PROGRESS_EVERY:
+            last = now
+            print(f"kvscope replay: {served:,} of {total:,} requests ({served / total:.0%}), "
+                  f"{now - start:.0f} s", file=sys.stderr, flush=True)
+    return report
 
 
 def render(summary: dict) -> str:

@@ -369,3 +369,19 @@ def test_replay_without_torch_says_what_to_install(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "need torch, which is not installed: pip install 'kvscope[engine]'" in result.stderr
     assert replay("--simulate").returncode == 0
+
+
+def test_a_long_replay_says_how_far_it_is(monkeypatch, capsys):
+    """A replay of the real trace ran 143 s without a word. It says on stderr, every
+    PROGRESS_EVERY seconds (0 here: after each request), how many requests of how many it has
+    replayed; stdout keeps the report alone."""
+    from kvscope import cli
+    from kvscope.engine import replay_cmd
+
+    monkeypatch.setattr(replay_cmd, "PROGRESS_EVERY", 0.0)
+    assert cli.main(["replay", "--requests", "40", "--simulate", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["requests"] == 40
+    lines = err.splitlines()
+    assert len(lines) == 40 and lines[9].startswith("kvscope replay: 10 of 40 requests (25%), ")
+    assert lines[-1].startswith("kvscope replay: 40 of 40 requests (100%), ")
