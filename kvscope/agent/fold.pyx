@@ -232,6 +232,7 @@ cdef class Fold:
     cdef list _idle, _idle_order  # by tier: _Histogram or None; the tiers in order first seen
     cdef _Histogram _ttft, _wait, _itl
     cdef int64_t _requests
+    cdef bint _records_seen  # a finished record came: requests are counted from records alone
     cdef double *_recent  # a ring of the last TTFTs, seconds
     cdef Py_ssize_t _recent_count, _recent_next, _recent_max
     # per sender: its scheduler's last gauges and its preemptions added up, each only once
@@ -303,9 +304,11 @@ cdef class Fold:
                 self._eviction(event)
             elif kind is _SNAPSHOT:
                 known = tiers(source, scope, [event])
-            elif kind is _LATENCY:  # TTFTs without records: requests that finished prefill
+            elif kind is _LATENCY:
                 self._ttft.add_buckets(event.bounds, event.counts, event.sum)
-                self._requests = kv_saturated(self._requests, sum(event.counts))
+                if not self._records_seen:  # TTFTs without records (zero-code mode): requests
+                    # that finished prefill; beside a tap's or spans' records, counted twice
+                    self._requests = kv_saturated(self._requests, sum(event.counts))
             elif kind is _SCHEDULER:
                 self._scheduler_stats(source, event)
             elif kind is _IDLE:
@@ -510,6 +513,7 @@ cdef class Fold:
         that measured one promotion-wait and ITL histograms, the recent TTFTs), as they are now."""
         cdef RequestRecord record
         for record in records:
+            self._records_seen = True
             self._requests += 1
             self._ttft.observe(record._ttft, 1, <PyObject *>record, record._finished)
             if not isnan(record._promotion_wait):  # NaN: not measured (vLLM's spans alone)

@@ -211,7 +211,9 @@ def test_engine_latency_histograms_fold_into_ttft():
     bucket holding its upper bound — 0.02 -> 0.025, 0.04 -> 0.05, +Inf -> +Inf; sum adds. The
     4 TTFTs are 4 requests that finished their prefill (kvscope_requests_total's meaning):
     without spans they read 0 requests beside 4 TTFTs, and the dashboard's offload verdict
-    said "too little traffic" under load."""
+    said "too little traffic" under load. Once a finished record came (a tap's, or a span's),
+    requests are counted from records alone: an engine's histogram beside them (a tap with
+    vllm_metrics on, spans later than vllm_metrics waits for) counted each one twice."""
     pipeline = Pipeline()
     pipeline.ingest("vllm", [ev.LatencyHistogram(ts=1.0, metric="ttft", bounds=[0.02, 0.04, 0.06],
                                                  counts=[1, 2, 0, 1], sum=0.5)])
@@ -220,6 +222,12 @@ def test_engine_latency_histograms_fold_into_ttft():
     assert (by_bound[0.025], by_bound[0.05], by_bound[float("inf")]) == (1, 2, 1)
     assert hist.count == 4 and hist.sum == 0.5
     assert pipeline.snapshot().requests == 4
+    pipeline.ingest("tap", [ev.RequestStarted(ts=2.0, request_id="r", prompt_tokens=4),
+                            ev.RequestFinished(ts=2.1, request_id="r", ttft=0.1,
+                                               prompt_tokens=4)])
+    pipeline.ingest("vllm", [ev.LatencyHistogram(ts=3.0, metric="ttft", bounds=[0.02, 0.04, 0.06],
+                                                 counts=[0, 0, 0, 1], sum=0.1)])
+    assert pipeline.snapshot().requests == 5
 
 
 def test_another_sources_transfers_join_a_request_even_when_they_arrive_late():
