@@ -126,7 +126,12 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     replayer = Replayer(engine, requests, speed=config.speed, stop=stop)
     replay_thread = threading.Thread(target=_replay, args=(replayer, out, config.duration),
                                      name="kvscope-replay", daemon=True)
-    agent.start()
+    try:
+        agent.start()  # ConfigError: a capture directory another writer holds, say
+    except BaseException:
+        metrics_sock.close()
+        engine.close()  # its disk tier's temporary directory with it
+        raise
     server.start()
     api_url = url(config.host, config.metrics_port, "")
     try:

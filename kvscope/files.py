@@ -66,7 +66,10 @@ def hold_directory(path: str | Path, holder: str) -> int:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except BaseException as exc:  # any failure: the descriptor goes with it
         os.close(fd)
-        raise OSError(errno.EBUSY, f"in use by {holder}: give each its own directory") from None
+        if isinstance(exc, BlockingIOError):
+            raise OSError(errno.EBUSY, f"in use by {holder}: give each its own "
+                          "directory") from None
+        raise
     return fd

@@ -91,9 +91,13 @@ class DiskStore:
                                     "demo running now)")
         self._written: set[int] = set()  # slots with a chunk file (set.add: one bytecode, atomic)
         self.block_bytes = block_bytes
-        for stale in self.directory.glob(".chunk-*.kv.tmp"):
-            stale.unlink(missing_ok=True)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvscope-disk")
+        try:
+            for stale in self.directory.glob(".chunk-*.kv.tmp"):
+                stale.unlink(missing_ok=True)
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvscope-disk")
+        except BaseException:  # the directory is free again for the next store
+            os.close(self._lock)
+            raise
 
     def path(self, slot: int) -> Path:
         return self.directory / f"chunk-{slot:08d}.kv"
@@ -121,15 +125,17 @@ class DiskStore:
                     buffers[0] = buffers[0][n:]
             os.close(fd)
             fd = -1
+            self._written.add(slot)  # before the rename: an interrupt after it leaves no chunk
             os.replace(tmp, final)
-            self._written.add(slot)
-        except OSError as exc:
+        except BaseException as exc:  # an interrupt too (SIGTERM stops a replay so): no .tmp
             if fd >= 0:
                 os.close(fd)
             try:
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass  # the directory itself refuses us; nothing was created in it
+            if not isinstance(exc, OSError):
+                raise
             raise DiskError(_reason(exc), f"writing {final}: {exc.strerror or exc}") from None
 
     def read_into(self, slot: int, block_hash: int, out) -> None:

@@ -162,8 +162,14 @@ class OffloadEngine:
             pools["cpu"] = BlockPool(cpu_blocks, elems, preset.dtype, "cpu")
             if disk_blocks:
                 pools["disk"] = DiskStore(disk_dir, self.block_bytes, io_threads)
-                _check_disk_space(pools["disk"], disk_blocks * self.block_bytes)
-            self._copier = Copier(pools["gpu"].is_cuda)
+            try:
+                if disk_blocks:
+                    _check_disk_space(pools["disk"], disk_blocks * self.block_bytes)
+                self._copier = Copier(pools["gpu"].is_cuda)
+            except BaseException:  # the store's chunks directory and its lock go with it
+                if pools["disk"] is not None:
+                    pools["disk"].close()
+                raise
         self.gpu = Tier("gpu", gpu_blocks, self.block_bytes, policies.get("gpu", "lru"), pools["gpu"])
         self.cpu = Tier("cpu", cpu_blocks, self.block_bytes, policies.get("cpu", "lru"), pools["cpu"])
         self.disk = Tier("disk", disk_blocks, self.block_bytes, policies.get("disk", "lru"),
@@ -596,7 +602,10 @@ class OffloadEngine:
                                        resident_blocks=len(tier)))
 
     def close(self) -> None:
-        """Finish pending requests and stop disk I/O (removing a private disk directory)."""
-        self.drain()
-        if self.disk.pool is not None:
-            self.disk.pool.close()
+        """Finish pending requests and stop disk I/O (removing a private disk directory), the
+        latter even when finishing fails or is interrupted."""
+        try:
+            self.drain()
+        finally:
+            if self.disk.pool is not None:
+                self.disk.pool.close()
