@@ -166,13 +166,23 @@ def promotion_latency(samples: Sequence[Sample]) -> go.Figure:
     return fig
 
 
+def _no_transfers(samples: Sequence[Sample], missing: str) -> str:
+    """What a transfer chart without its figures says: no data yet (fewer than two samples),
+    the copies' ``missing`` not measured (blocks were copied: KV events without a block size,
+    vLLM's untimed counters), or no transfer in the window (no offload tier?)."""
+    if len(samples) < 2:
+        return NO_DATA
+    if any(n > 0 for n in S.window_increase(samples, "transfer_blocks").values()):
+        return f"blocks were copied, but their {missing} are not measured by this source"
+    return NO_TRANSFERS
+
+
 def transfer_throughput(samples: Sequence[Sample]) -> go.Figure:
     """Bytes per second copied between tiers, one line per direction ("src->dst"), against
     the PCIe link's one-direction maximum (dashed) when a GPU reports it; y in B/s."""
     rates = counter_rates(samples, "transfer_bytes")
-    if not rates:  # samples, but no transfer counted: an engine without an offload tier
-        return message_figure(TRANSFER_THROUGHPUT_TITLE, NO_TRANSFERS if len(samples) > 1
-                              else NO_DATA)
+    if not rates:
+        return message_figure(TRANSFER_THROUGHPUT_TITLE, _no_transfers(samples, "sizes"))
     fig = base(TRANSFER_THROUGHPUT_TITLE, "B/s")
     for key, (xs, ys) in rates.items():
         line(fig, xs, ys, key, "B/s", COLOURS.get(key))
@@ -267,7 +277,7 @@ def savings(samples: Sequence[Sample]) -> go.Figure:
              if source in OFFLOAD_TIERS}
     spent = S.cumulative_increase(samples, "transfer_seconds_sum")
     if not saved and not spent:
-        return message_figure(SAVINGS_TITLE, NO_TRANSFERS if len(samples) > 1 else NO_DATA)
+        return message_figure(SAVINGS_TITLE, _no_transfers(samples, "times"))
     fig = base(SAVINGS_TITLE, "s")
     if saved:
         xs = next(iter(saved.values()))[0]

@@ -472,3 +472,10 @@ def test_charts_of_transfers_say_none_came_rather_than_no_data_yet():
     for chart in (figures.transfer_throughput, figures.savings):
         assert annotation_texts(chart(window)) == [figures.NO_TRANSFERS], chart
         assert annotation_texts(chart(window[:1])) == [figures.NO_DATA], chart
+    # blocks copied, their sizes and times unknown (KV events without block_bytes): not "no
+    # transfers", which would send the reader looking for a tier that is there
+    copied = [{**s, "transfer_blocks": {"gpu->cpu": 4 * i}} for i, s in enumerate(window)]
+    assert annotation_texts(figures.transfer_throughput(copied)) == [
+        "blocks were copied, but their sizes are not measured by this source"]
+    assert annotation_texts(figures.savings(copied)) == [
+        "blocks were copied, but their times are not measured by this source"]
