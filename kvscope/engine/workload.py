@@ -163,7 +163,7 @@ def read_mooncake(path: str | Path) -> list[Request]:
         if not all(0 <= h < 2**64 for h in hash_ids):  # the analyses keep them as uint64
             raise TraceError(f"{path}:{lineno}: 'hash_ids' must be from 0 to 2**64 - 1")
         try:
-            arrival = float(record.get("timestamp", 0)) / 1000.0
+            arrival = float(record.get("timestamp", 0))  # ms, until all are read
             lengths = (record.get("input_length", len(hash_ids) * MOONCAKE_BLOCK_TOKENS),
                        record.get("output_length", 0))
             prompt, output = (int(n) for n in lengths)
@@ -174,8 +174,8 @@ def read_mooncake(path: str | Path) -> list[Request]:
                              "input_length and output_length whole numbers") from None
         if prompt < 0 or output < 0 or arrival < 0:
             # a negative arrival came before the replay's start: queued for it, TTFT + 100 ms
-            raise TraceError(f"{path}:{lineno}: timestamp (milliseconds from the trace's "
-                             "start), input_length and output_length must be >= 0")
+            raise TraceError(f"{path}:{lineno}: timestamp (milliseconds), input_length and "
+                             "output_length must be >= 0")
         blocks = math.ceil(prompt / MOONCAKE_BLOCK_TOKENS)
         if blocks != len(hash_ids):
             # more: read as blocks x 512 tokens, the trace's own lengths went unused; fewer: a
@@ -188,8 +188,8 @@ def read_mooncake(path: str | Path) -> list[Request]:
     if not requests:
         raise TraceError(f"{path}: no requests in the trace")
     requests.sort(key=lambda r: r.arrival)
-    # arrivals from the first request's: a trace's tail (first timestamp 3,480 s) or one in
-    # Unix milliseconds was replayed after waiting that long (at --speed 1, 58 minutes)
+    # seconds from the first request's arrival: a trace's tail (first timestamp 3,480 s) or
+    # one in Unix milliseconds was replayed after waiting that long (at --speed 1, 58
+    # minutes); subtracted in milliseconds, whose differences are exact
     first = requests[0].arrival
-    return [replace(r, arrival=r.arrival - first) for r in requests] if first \
-        else requests
+    return [replace(r, arrival=(r.arrival - first) / 1000.0) for r in requests]

@@ -53,13 +53,14 @@ def test_malformed_trace_lines_name_file_and_line(tmp_path, line, message):
 
 def test_a_trace_plays_from_its_first_request(tmp_path):
     """A trace's tail (first timestamp 3,480,000 ms) and one in Unix milliseconds: arrivals
-    count from the first request, 0 then 2.5 s (the replay and the demo waited out 3,480 s,
-    or for ever, before the first request; analyze had counted from the first already)."""
+    count from the first request, 0, 1 ms and 2.5 s (the replay and the demo waited out
+    3,480 s, or for ever, before the first request; analyze had counted from the first
+    already). Subtracted in milliseconds: in seconds, 1 ms after 1.733e9 s read 0.99993 ms."""
     for first in (3_480_000, 1_733_000_000_000):
         path = tmp_path / f"t{first}.jsonl"
         path.write_text("".join(json.dumps({"timestamp": first + dt, "input_length": 10,
-                                            "hash_ids": [1]}) + "\n" for dt in (2500, 0)))
-        assert [r.arrival for r in read_mooncake(path)] == [0.0, 2.5]
+                                            "hash_ids": [1]}) + "\n" for dt in (2500, 0, 1)))
+        assert [r.arrival for r in read_mooncake(path)] == [0.0, 0.001, 2.5]
 
 
 def test_missing_trace_file(tmp_path):
