@@ -135,7 +135,8 @@ class Side:
     {"tokens": prompt tokens it served, "prefill_seconds_saved": those tokens at the prefill
     rate (None: not measured), "transfer_seconds": the seconds of its copies both ways
     (:func:`~kvscope.analysis.transfer_cost.seconds_by_tier`: promotions of its blocks,
-    offloads into it; None: none of them timed)}]; a GPU prefix hit is not offload's doing."""
+    offloads into it; None: none of them timed)}], None when no tokens by source were
+    measured (what a tier bought is then unknown); a GPU prefix hit is not offload's doing."""
 
     name: str
     requests: int
@@ -147,7 +148,7 @@ class Side:
     promotion_wait_mean: float | None
     promotion_wait_p99: float | None
     prefill_rate: float | None = None
-    value: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    value: dict[str, dict[str, float | None]] | None = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -346,7 +347,8 @@ def _side(runs: list[RequestSample]) -> Side:
     # every request has prompt tokens: none by any source is none measured
     return Side(", ".join(r.name for r in runs), requests, len(runs),
                 tokens if total else None, share, transfers if measured else None,
-                transfer_failures(runs), *_wait_stats(runs), rate, value)
+                transfer_failures(runs), *_wait_stats(runs), rate,
+                value if total else None)  # no tokens by source: what a tier bought, unknown
 
 
 def _ran_first(base: Sequence[RequestSample], cand: Sequence[RequestSample]) -> str | None:
@@ -732,7 +734,7 @@ def render_text(comparison: Comparison) -> str:
                else ms(v["prefill_seconds_saved"]))
             + ", spent " + ("not measured (untimed copies)" if v["transfer_seconds"] is None
                             else ms(v["transfer_seconds"]))
-            for tier, v in side.value.items()) or (
+            for tier, v in (side.value or {}).items()) or (
                 "not measured (the records carry no tokens by source)"
                 if side.token_share is None else "no tier below the GPU served tokens")
         lines.append(f"  {side.name} ({rate}): {tiers}")

@@ -768,6 +768,10 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
     assert main(["compare", str(base), str(tmp_path / "untold"), "--resamples", "100"]) == 0
     assert "prefill rate not measured): not measured (the records carry no tokens by source)" \
         in capsys.readouterr().out
+    # and in the JSON null, as the text says, not {} ("no tier served tokens")
+    assert main(["compare", str(base), str(tmp_path / "untold"), "--resamples", "100",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["candidate"]["value"] is None
 
 
 def test_untimed_copies_and_uncounted_failures_are_not_measured_never_zero(tmp_path, capsys):
