@@ -15,8 +15,9 @@ from kvscope.agent.config import AgentSettings
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources import REGISTRY, build_sources
 from kvscope.agent.sources.base import Built
-from kvscope.agent.sources.lmcache_metrics import (LMCacheMapper, LMCacheMetricsConfig,
-                                                   LMCacheMetricsSource, _build)
+from kvscope.agent.sources.lmcache_metrics import (HIT_L1, HIT_L2, REQUESTED, LMCacheMapper,
+                                                   LMCacheMetricsConfig, LMCacheMetricsSource,
+                                                   _build)
 from kvscope.agent.sources.scrape import parse, series
 from tests.engine_servers import exposition_server, lmcache_python, lmcache_server
 
@@ -246,7 +247,9 @@ def test_the_real_lmcache_server_driven_by_its_own_client_reaches_the_pipeline()
     Scrape 2. By hand: stored gpu->cpu 80 chunks (L1's 96 writes less the 16 L2 loads) =
     1,280 blocks; cpu->disk 80 = 1,280; disk->cpu 16 = 256; lookups 88 x 512 = 45,056 tokens:
     cpu 40 x 512 = 20,480 (phase 1's second lookups), disk 8 x 512 = 4,096 (phase 2's),
-    recompute 40 x 512 = 20,480 (phase 1's first lookups).
+    recompute 40 x 512 = 20,480 (phase 1's first lookups), unless a second lookup outran its
+    request's store on LMCache's event bus (it did once: cpu 19,968, recompute 20,992): then
+    the server's own hit counters say so, and kvscope's split follows them.
     cpu->gpu and evictions as the server's own counters say (the eviction loop runs at 1 Hz);
     the L1 capacity is 0.25 GiB exactly: 268,435,456 B = 1,024 blocks."""
     with lmcache_server(l1_size_gb=0.25) as server:
@@ -274,13 +277,17 @@ def test_the_real_lmcache_server_driven_by_its_own_client_reaches_the_pipeline()
         snap = pipeline.snapshot()
         retrieved = _metric(server.metrics_url, "lmcache_mp_num_chunks_loaded_total")
         evicted_now = _metric(server.metrics_url, evicted)
+        requested, hit_l1, hit_l2 = (_metric(server.metrics_url, name)
+                                     for name in (REQUESTED, HIT_L1, HIT_L2))
     assert snap.transfer_blocks == {
         ("gpu", "cpu"): 1280, ("cpu", "disk"): 1280, ("disk", "cpu"): 256,
         ("cpu", "gpu"): 16 * retrieved}
     assert retrieved >= 80 + 8  # each request retrieved its 2 chunks at least once
     assert snap.transfer_bytes[("gpu", "cpu")] == 80 * CHUNK
     # (the pipeline lists every token source; LMCache never sees the engine's GPU hits)
-    assert snap.prompt_tokens == {"gpu": 0, "cpu": 20480, "disk": 4096, "recompute": 20480}
+    assert requested == 88 * 512 and hit_l2 == 4096 and 20480 - 2 * 512 <= hit_l1 <= 20480
+    assert snap.prompt_tokens == {"gpu": 0, "cpu": hit_l1, "disk": hit_l2,
+                                  "recompute": requested - hit_l1 - hit_l2}
     assert snap.evicted_blocks[("cpu", "capacity")] == 16 * evicted_now >= 16 * 24
     assert snap.dropped_blocks.get("cpu", 0) == 0  # the fs L2 holds every evicted chunk
     assert snap.block_idle_seconds["cpu"].count == evicted_now  # sample rate 1.0
