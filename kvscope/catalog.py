@@ -70,7 +70,9 @@ def _histogram(name, help, labels, unit, buckets):
 # hit quality
 PROMPT_TOKENS = _counter("kvscope_prompt_tokens_total",
     "Prompt tokens by where their KV came from: gpu (resident), cpu or disk (promoted), "
-    "recompute (prefill).", ["source"])
+    "recompute (prefill). A source is exported from the first lookup that measures it, at 0 "
+    "until it has tokens; one no engine measures (LMCache's view of the GPU's hits, a tier the "
+    "engine lacks) is absent, not 0.", ["source"])
 LOOKUP_BLOCKS = _counter("kvscope_lookup_blocks_total",
     "Block lookups per tier consulted, by result (hit or miss); a tier is consulted when every "
     "tier above it missed. Every resident block of a prompt counts as a hit, even after an "

@@ -111,9 +111,12 @@ class RequestStarted(_Event, tag="request_started"):
 class Lookup(_Event, tag="lookup"):
     """Where each prompt token of a request came from.
 
-    ``tokens``: dict[source, tokens]; the values sum to the prompt length. Sources absent from
-    the dict had zero tokens. ``blocks``: blocks looked up; ``block_hits``: dict[tier, blocks
-    found resident there] (each block counted in the first tier, top down, that held it).
+    ``tokens``: dict[source, tokens]; the values sum to the prompt length. A source absent
+    from the dict had zero tokens; one the engine measures may be named with 0, and one the
+    engine cannot measure must be absent (the agent exports a source from the first lookup that
+    names it, here, in ``block_hits`` or as a tier its engine reports). ``blocks``: blocks
+    looked up; ``block_hits``: dict[tier, blocks found resident there] (each block counted in
+    the first tier, top down, that held it).
     ``prefill_tokens_per_second``: the engine's prefill rate for the saved-seconds estimate
     (0, or anything under 1 token/s: unknown, the agent's configured rate is used).
 

@@ -288,8 +288,8 @@ NO_RESIDENCY = {
     "Tier fill": "no tier residency is reported",
     "Fullest offload tier": "no offload tier residency is reported",
 }
-# (Prompt tokens per second by source is 0 for each source there: the agent exports every
-# token source at 0 from its start, so the first tokens show in rate(); none above 0.)
+# (The agent exports a token source from the first lookup that measures it, so an engine whose
+# sources report no prompt tokens has no token source's series at all: absent, not 0.)
 NO_TOKENS = {
     "Prompt tokens per second by source": "no prompt tokens are reported (absent, not 0)",
     "Share of prompt tokens by source": "no prompt tokens are reported",

@@ -82,6 +82,7 @@ cdef tuple _EVICTION_REASONS = EVICTION_REASONS
 cdef struct _Totals:
     # a batch's lookups, added up before they are counted (see Fold._count_lookups)
     int64_t tokens[4]  # by TOKEN_SOURCES
+    int sources  # bit mask, by TOKEN_SOURCES, of the sources the lookups measure
     double saved[4]
     int64_t hit[4]  # by TIERS
     int64_t miss[4]
@@ -351,6 +352,7 @@ cdef class Fold:
         while PyDict_Next(tokens, &position, &key, &value):
             i = index_of(_SOURCE_KEYS, <object>key)
             if i >= 0:
+                totals.sources |= 1 << i
                 n = <object>value
                 totals.tokens[i] = kv_saturated(totals.tokens[i], n)
                 totals.saved[i] += n / rate
@@ -360,6 +362,9 @@ cdef class Fold:
             if t >= 0:
                 named |= 1 << t
                 found[t] = <object>value
+        if tokens:  # a source naming where tokens came from names recompute too (the rest),
+            # and the local tiers it has (TIERS[:3] are the cached token sources, in order)
+            totals.sources |= 1 << 3 | ((known | named) & 0b111)
         remaining = int_field(event, L_BLOCKS)
         for t in range(4):
             if remaining <= 0:
@@ -378,19 +383,16 @@ cdef class Fold:
         """Add a batch's lookups: tokens and the seconds they saved by source (those with
         tokens), blocks by tier and result (the tiers consulted)."""
         cdef int i
-        if self._prompt.n < 4 and (totals.tokens[0] or totals.tokens[1] or totals.tokens[2]
-                                   or totals.tokens[3]):
-            # from a source's first tokens on, every token source is exported, 0 until it has
-            # some (so rate() sees each one's first); before, none: an agent whose sources
-            # report no prompt tokens (KVBM's counters) shows them not measured, never 0
-            for i in range(4):
-                _add(&self._prompt, i, 0)
         for i in range(4):
-            if totals.tokens[i]:
+            # A token source is exported from the first lookup that measures it, at 0 until it
+            # has tokens (so rate() sees its first ones); one no lookup measures stays absent:
+            # not measured, never 0 (LMCache's view of the GPU's hits, a tier the engine lacks,
+            # prompt tokens of an agent whose sources report none, as KVBM's counters).
+            if totals.sources & (1 << i):
                 _add(&self._prompt, i, totals.tokens[i])
-                if i != 3:  # recompute saves nothing
-                    _add(&self._saved_seen, i, 0)
-                    self._saved[i] += totals.saved[i]
+            if totals.tokens[i] and i != 3:  # recompute saves nothing
+                _add(&self._saved_seen, i, 0)
+                self._saved[i] += totals.saved[i]
             if totals.counted[i]:
                 _add(&self._lookups, 2 * i, totals.hit[i])
                 _add(&self._lookups, 2 * i + 1, totals.miss[i])

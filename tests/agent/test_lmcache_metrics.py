@@ -205,7 +205,7 @@ def test_l2_is_placed_by_its_adapter(l2, l2_tiers, tier, source):
     else:
         assert moved[("cpu", tier)] == (10, 0) and moved[(tier, "cpu")] == (2, 0)
     [lookup] = [e for e in events if isinstance(e, ev.Lookup)]
-    assert lookup.tokens == {source: 512, "recompute": 512}
+    assert lookup.tokens == {"cpu": 0, source: 512, "recompute": 512}  # L1 (cpu) served none
 
 
 def test_lookups_are_left_to_vllm_metrics_when_it_scrapes_the_same_vllm():
@@ -284,9 +284,9 @@ def test_the_real_lmcache_server_driven_by_its_own_client_reaches_the_pipeline()
         ("cpu", "gpu"): 16 * retrieved}
     assert retrieved >= 80 + 8  # each request retrieved its 2 chunks at least once
     assert snap.transfer_bytes[("gpu", "cpu")] == 80 * CHUNK
-    # (the pipeline lists every token source; LMCache never sees the engine's GPU hits)
+    # (no gpu source: LMCache never sees the engine's GPU hits, so they are not measured)
     assert requested == 88 * 512 and hit_l2 == 4096 and 20480 - 2 * 512 <= hit_l1 <= 20480
-    assert snap.prompt_tokens == {"gpu": 0, "cpu": hit_l1, "disk": hit_l2,
+    assert snap.prompt_tokens == {"cpu": hit_l1, "disk": hit_l2,
                                   "recompute": requested - hit_l1 - hit_l2}
     assert snap.evicted_blocks[("cpu", "capacity")] == 16 * evicted_now >= 16 * 24
     assert snap.dropped_blocks.get("cpu", 0) == 0  # the fs L2 holds every evicted chunk

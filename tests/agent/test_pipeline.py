@@ -37,7 +37,8 @@ def _feed(pipeline, rid="r1", arrival=100.0):
 
 
 def test_counters_gauges_and_histograms():
-    """Tokens add per source, disk exported at 0; lookups cascade: 3 blocks -> gpu 1 hit 2 miss,
+    """Tokens add per source (disk absent: no lookup measures it, the engine has no disk
+    tier); lookups cascade: 3 blocks -> gpu 1 hit 2 miss,
     the 2 reach cpu -> 1 hit 1 miss. Saved prefill: (16 + 16) tokens / 1000 tokens/s = 0.016 s
     per source pair (gpu 0.016, cpu 0.016). Only successful transfers add bytes (cpu->gpu: 3
     blocks, 300 bytes); the failed one counts as a failure. 0.0003 s lands in the 0.0005 s bucket
@@ -45,7 +46,7 @@ def test_counters_gauges_and_histograms():
     pipeline = Pipeline()
     _feed(pipeline)
     snap = pipeline.snapshot()
-    assert snap.prompt_tokens == {"gpu": 16, "cpu": 16, "disk": 0, "recompute": 8}
+    assert snap.prompt_tokens == {"gpu": 16, "cpu": 16, "recompute": 8}
     assert snap.lookup_blocks == {("gpu", "hit"): 1, ("gpu", "miss"): 2, ("cpu", "hit"): 1,
                                   ("cpu", "miss"): 1}
     assert snap.prefill_seconds_saved == {"gpu": 0.016, "cpu": 0.016}
@@ -794,15 +795,30 @@ def test_transfers_in_flight_are_each_senders_last_report_and_leave_with_it():
                                                        ("vllm", "cpu", "gpu"): 1}
 
 
-def test_prompt_tokens_are_absent_until_a_source_reports_some_then_every_source_is_exported():
+def test_a_token_source_is_exported_from_the_first_lookup_that_measures_it_never_before():
     """An agent whose sources report no prompt tokens (Dynamo KVBM's counters are transfers
-    only) exports none: not measured, never 0 tokens/s. The first lookup with tokens (8 from
-    cpu) makes every token source's series appear, the others at 0, so rate() sees the first
-    gpu, disk or recompute tokens when they come."""
+    only) exports none: not measured, never 0 tokens/s. A lookup exports the sources it
+    measures, at 0 until they have tokens (so rate() sees their first ones): those it names in
+    ``tokens`` (0 included), recompute (the rest of every prompt), the tiers it names in
+    ``block_hits`` and those its engine reports in snapshots. So LMCache's 8 cpu tokens show
+    cpu 8 and recompute 0, and no gpu (LMCache never sees the engine's GPU hits) nor disk (no
+    such tier); a vLLM scrape naming gpu with 0 adds gpu 0, a tap's lookup naming disk in its
+    block hits adds disk 0, and an engine reporting a disk tier does as well."""
     pipeline = Pipeline()
     pipeline.ingest("kvbm", [ev.Transfer(ts=1.0, src="gpu", dst="cpu", blocks=1, bytes=0,
                                          duration=0.0, timed=False)])
     assert pipeline.snapshot().prompt_tokens == {}
     assert snapshot_samples(pipeline.snapshot())[catalog.PROMPT_TOKENS] == []
     pipeline.ingest("lmcache", [ev.Lookup(ts=2.0, request_id="", tokens={"cpu": 8})])
-    assert pipeline.snapshot().prompt_tokens == {"gpu": 0, "cpu": 8, "disk": 0, "recompute": 0}
+    assert pipeline.snapshot().prompt_tokens == {"cpu": 8, "recompute": 0}
+    pipeline.ingest("vllm", [ev.Lookup(ts=3.0, request_id="", tokens={"gpu": 0, "cpu": 4})])
+    assert pipeline.snapshot().prompt_tokens == {"cpu": 12, "recompute": 0, "gpu": 0}
+    pipeline.ingest("tap", [ev.Lookup(ts=4.0, request_id="", tokens={"recompute": 16},
+                                      blocks=1, block_hits={"gpu": 0, "cpu": 0, "disk": 0})])
+    assert pipeline.snapshot().prompt_tokens == {"cpu": 12, "recompute": 16, "gpu": 0,
+                                                 "disk": 0}
+    other = Pipeline()
+    other.ingest("ref", [ev.TierSnapshot(ts=1.0, tier="disk", capacity_bytes=1,
+                                         resident_bytes=0, capacity_blocks=1, resident_blocks=0),
+                         ev.Lookup(ts=2.0, request_id="", tokens={"recompute": 16})])
+    assert other.snapshot().prompt_tokens == {"recompute": 16, "disk": 0}

@@ -83,6 +83,28 @@ def test_offloads_are_left_to_kv_events_when_it_reports_the_cpu_tier():
     assert transfers == [("cpu", "gpu", 200)]
 
 
+def test_a_source_is_named_at_0_only_where_the_engine_has_it():
+    """vLLM makes every ``prompt_tokens_cached_by_source`` series (device, host, disk, ...)
+    whatever its tiers, so a 0 there says nothing: without a KV connector a scrape of 100
+    prompt tokens, 30 from the GPU, names gpu 30 and recompute 70, no cpu or disk (not
+    measured, never 0). Once the connector is queried (``external_prefix_cache_queries``
+    rises: vLLM counts it only with one), cpu is named at 0 too; disk stays absent until it
+    serves tokens (vLLM's tiering metrics name a disk tier in the lookups' block hits)."""
+    def scrape(prompt, device, queries):
+        return parse(f"vllm:prompt_tokens_total{{{E}}} {prompt}\n"
+                     + "".join(f'vllm:prompt_tokens_cached_by_source_total{{{E},source="{s}"}} '
+                               f"{device if s == 'device' else 0}\n"
+                               for s in ("device", "host", "disk", "p2p"))
+                     + f"vllm:external_prefix_cache_queries_total{{{E}}} {queries}\n")
+
+    mapper = MetricsMapper(gpu_snapshot=False)
+    assert mapper.map(scrape(0, 0, 0), 1.0) == []
+    (lookup,) = mapper.map(scrape(100, 30, 0), 2.0)
+    assert lookup.tokens == {"gpu": 30, "recompute": 70}
+    (lookup,) = mapper.map(scrape(200, 40, 64), 3.0)
+    assert lookup.tokens == {"gpu": 10, "cpu": 0, "recompute": 90}
+
+
 def test_a_counter_reset_counts_from_zero():
     mapper = MetricsMapper(gpu_snapshot=False)
     mapper.map(parse(f"vllm:prompt_tokens_total{{{E}}} 500\n"), 1.0)

@@ -172,11 +172,12 @@ class LMCacheMapper:
         requested, l1_hits, l2_hits = up[REQUESTED], up[HIT_L1], up[HIT_L2]
         if not requested or l1_hits is None or l2_hits is None:
             return []
+        # its tiers and recompute, 0 included (measured); never gpu: LMCache is asked only
+        # for the tokens vLLM's own prefix cache lacked, so the GPU's hits are not measured
         tokens: dict[str, int] = {}
         for source, n in ((l1, l1_hits), ("disk" if l2 == "disk" else "cpu", l2_hits),
                           ("recompute", requested - l1_hits - l2_hits)):
-            if n > 0:
-                tokens[source] = tokens.get(source, 0) + int(n)
+            tokens[source] = tokens.get(source, 0) + max(0, int(n))
         return [ev.Lookup(ts=now, request_id="", tokens=tokens)]
 
     def _l1_snapshot(self, samples: Samples, tier: str, now: float) -> list[ev.TierSnapshot]:

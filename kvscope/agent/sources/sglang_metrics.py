@@ -214,7 +214,9 @@ class SglangMapper:
                                    cache_source=source) for source in (*CACHE_SOURCE, "total")}
         if not prompt or cached["total"]:
             return []
-        tokens = {CACHE_SOURCE[s]: int(n) for s, n in cached.items() if s != "total" and n}
+        # every source SGLang has made a series of (its first hit), 0 included: measured
+        tokens = {CACHE_SOURCE[s]: int(n) for s, n in cached.items()
+                  if s != "total" and n is not None}
         tokens["recompute"] = max(0, int(prompt) - sum(tokens.values()))
         return [ev.Lookup(ts=now, request_id="", tokens=tokens)]
 

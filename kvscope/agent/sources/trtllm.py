@@ -108,7 +108,8 @@ class TrtllmMetrics:
         return self.counters.increase(name, series(samples, name))
 
     def _lookup(self, samples: Samples, ts: float) -> ev.Lookup | None:
-        """Prompt tokens since the last scrape by source; None without the per-tier counter
+        """Prompt tokens since the last scrape by source (each tier the server reports, 0
+        included, and recompute); None without prompt tokens, and without the per-tier counter
         or the prompt tokens (absent, not 0)."""
         groups: dict[str, dict[frozenset, float]] = {}
         for ls, value in series(samples, HIT_TOKENS).items():
@@ -132,8 +133,10 @@ class TrtllmMetrics:
         if cached is None:
             cached = sum(tokens.values())
         tokens["recompute"] = max(0, int(prompt - cached))
-        tokens = +tokens
-        return ev.Lookup(ts=ts, request_id="", tokens=dict(tokens)) if tokens else None
+        if not any(tokens.values()):
+            return None
+        # every tier the server reports is named, 0 included: the agent then shows it measured
+        return ev.Lookup(ts=ts, request_id="", tokens=dict(tokens))
 
     def _scheduler(self, samples: Samples, ts: float) -> list[ev.SchedulerStats]:
         def added(name: str) -> int | None:

@@ -207,6 +207,7 @@ class MetricsMapper:
         self._engines_before: frozenset | None = frozenset()
         # cached prompt tokens not yet matched by vllm:prompt_tokens (<= 0): see _lookup
         self._unmatched = 0
+        self._connector = False  # vLLM's KV connector was queried (see _lookup)
         # per (histogram, engine: labels but le), its bucket bounds, and other bounds seen
         # once: _read_as_before
         self._bounds: dict[tuple[str, frozenset], frozenset] = {}
@@ -248,7 +249,7 @@ class MetricsMapper:
             self._engines = frozenset(dict(ls).get("engine") for _, ls in samples) - {None}
         out: list = []
         chunks = self._cpu_chunks(samples)
-        tokens = self._lookup(samples)
+        tokens = self._lookup(samples, bool(chunks))
         tiers = self._tier_lookups(samples, chunks) if not self.gpu_snapshot else None
         if tokens or tiers:
             blocks, hits = tiers or (0, {})
@@ -310,9 +311,16 @@ class MetricsMapper:
             gpu_kv_usage=max(usage.values()) if usage else None)
         return [] if stats == ev.SchedulerStats(ts=ts) else [stats]
 
-    def _lookup(self, samples: Samples) -> dict[str, int]:
-        """The prompt tokens of this scrape by source (those with tokens)."""
+    def _lookup(self, samples: Samples, cpu_tier: bool) -> dict[str, int]:
+        """The prompt tokens of this scrape by source: those with tokens, and at 0 those vLLM
+        measures here (gpu and recompute; cpu once it has a CPU tier: ``cpu_tier``, or its KV
+        connector was queried); {} where the scrape brought no prompt tokens. vLLM makes every
+        series of ``prompt_tokens_cached_by_source`` whatever its tiers, so a cpu or disk
+        series at 0 does not say that the engine has that tier."""
         prompt = self._increase(samples, "vllm:prompt_tokens_total") or 0.0
+        # vLLM counts connector queries only with a KV connector (the offloading one included)
+        queried = self._increase(samples, "vllm:external_prefix_cache_queries_total")
+        self._connector |= bool(queried)
         tokens: dict[str, int] = {}
         cached = "vllm:prompt_tokens_cached_by_source_total"
         by_source = series(samples, cached)
@@ -321,9 +329,11 @@ class MetricsMapper:
                 tier = SOURCE_TIER.get(dict(ls).get("source", "external_unspecified"), "cpu")
                 tokens[tier] = tokens.get(tier, 0) + int(self._increase_of(cached, {ls: value}))
         else:
-            tokens["gpu"] = int(self._increase(samples, "vllm:prefix_cache_hits_total") or 0)
-            tokens["cpu"] = int(self._increase(
-                samples, "vllm:external_prefix_cache_hits_total") or 0)
+            for tier, name in (("gpu", "vllm:prefix_cache_hits_total"),
+                               ("cpu", "vllm:external_prefix_cache_hits_total")):
+                hits = self._increase(samples, name)
+                if hits is not None:
+                    tokens[tier] = int(hits)
         # vLLM counts a request's cached tokens when it is scheduled and its prompt tokens at
         # its first token, often a scrape later: cached tokens this scrape's prompt tokens do
         # not cover are taken off the next scrape's recomputed ones (cut at 0 scrape by scrape,
@@ -334,7 +344,11 @@ class MetricsMapper:
         owed = int(prompt) - cached_now + self._unmatched
         tokens["recompute"] = max(0, owed)
         self._unmatched = max(min(0, owed), -cached_now)
-        return {k: v for k, v in tokens.items() if v > 0}
+        if not any(n > 0 for n in tokens.values()):
+            return {}
+        measured = ("gpu", "recompute", "cpu") if cpu_tier or self._connector else (
+            "gpu", "recompute")
+        return {k: v for k, v in tokens.items() if v > 0 or k in measured}
 
     def _cpu_chunks(self, samples: Samples) -> dict[str | None, tuple[int, int, int]]:
         """The CPU tier of each engine from ``vllm:kv_offload_config_info``: (chunks, blocks
