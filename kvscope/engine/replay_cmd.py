@@ -1,9 +1,9 @@
 """``kvscope replay``: run a workload through the engine (or the simulator) and summarise it.
 
 Without ``--trace`` the built-in synthetic workload runs for ``--requests`` requests; a
-Mooncake trace uses 512-token blocks. ``--simulate`` makes the same decisions with no payload
-bytes, as fast as possible (pacing is ignored). ``--json`` prints the summary of
-:meth:`kvscope.engine.stats.EngineStats.summary` as one JSON object.
+Mooncake trace (its first ``--requests``, or all) uses 512-token blocks. ``--simulate`` makes
+the same decisions with no payload bytes, as fast as possible (pacing is ignored). ``--json``
+prints the summary of :meth:`kvscope.engine.stats.EngineStats.summary` as one JSON object.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import itertools
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -19,11 +20,12 @@ from kvscope.engine.policy import POLICIES
 from kvscope.engine.presets import PRESETS, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
 from kvscope.argtypes import directory, non_negative, positive
-from kvscope.signals import interrupt_on_signals
+from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
 
 
 # the engine keeps every request's TTFT for the percentiles: 1M requests, tens of MB
 MAX_REQUESTS = 1_000_000
+SYNTHETIC_REQUESTS = 2000  # the synthetic workload's requests without --requests
 PROGRESS_EVERY = 10.0  # seconds between a replay's progress lines
 
 
@@ -35,9 +37,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "the three-tier offload engine, or with --simulate through its decisions "
                     "only, and print hit ratios, transfers, evictions and TTFT percentiles.")
     p.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (512-token blocks)")
-    p.add_argument("--requests", type=positive(int, at_most=MAX_REQUESTS), default=2000,
-                   help="requests of the synthetic workload, at most "
-                   f"{MAX_REQUESTS:,} (default %(default)s)")
+    p.add_argument("--requests", type=positive(int, at_most=MAX_REQUESTS), default=None,
+                   help="requests to replay, at most "
+                   f"{MAX_REQUESTS:,}: the first of --trace (default: all), or the synthetic "
+                   f"workload's (default {SYNTHETIC_REQUESTS:,})")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic workload (default %(default)s)")
     p.add_argument("--gpu-blocks", type=positive(int), default=256, help="gpu tier blocks (default %(default)s)")
@@ -67,8 +70,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def replay(args) -> dict:
-    """Run the replay described by parsed ``args``; return the summary dict.
+def replay(args, stop: threading.Event | None = None) -> dict:
+    """Run the replay described by parsed ``args`` until its workload ends or ``stop`` is set;
+    return the summary dict of the requests replayed (``interrupted``: stopped before the last).
 
     Raises :class:`~kvscope.engine.workload.TraceError`,
     :class:`~kvscope.engine.engine.EngineConfigError` or
@@ -80,13 +84,14 @@ def replay(args) -> dict:
     preset = get_preset(args.preset)
     if args.trace:
         requests, block_tokens = read_mooncake(args.trace), MOONCAKE_BLOCK_TOKENS
+        requests = requests[:args.requests]
         total = len(requests)
     else:
-        total = args.requests
+        total = args.requests or SYNTHETIC_REQUESTS
         block_tokens = preset.block_tokens
         # made as they are replayed: a list of them all held the whole workload at once
         requests = itertools.islice(
-            synthetic(SyntheticConfig(seed=args.seed, block_tokens=block_tokens)), args.requests)
+            synthetic(SyntheticConfig(seed=args.seed, block_tokens=block_tokens)), total)
     if args.simulate and args.speed is not None:  # it was ignored, silently
         raise EngineConfigError("--speed paces a replay that copies KV; --simulate copies none "
                                 "and replays as fast as possible: leave --speed out")
@@ -103,8 +108,9 @@ def replay(args) -> dict:
         raise EngineConfigError(f"--disk-dir {args.disk_dir}: {exc.strerror or exc}") from None
     speed = None if args.fast else args.speed
     t0 = time.perf_counter()
+    replayer = Replayer(engine, requests, speed=speed, stop=stop, progress=_progress(total))
     try:
-        Replayer(engine, requests, speed=speed, progress=_progress(total)).run()
+        replayer.run()
     finally:
         engine.close()
     summary = engine.stats.summary(engine.block_bytes, time.perf_counter() - t0,
@@ -113,6 +119,7 @@ def replay(args) -> dict:
                          "block_bytes": engine.block_bytes, "policy": args.policy,
                          "gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks,
                          "disk_blocks": args.disk_blocks, "simulate": args.simulate}
+    summary["interrupted"] = replayer.served < total
     # what the TTFTs were priced at, not measured: prefill always, transfers when simulated
     model = summary["config"]["cost_model"] = {
         "prefill_tokens_per_second": preset.prefill_tokens_per_second}
@@ -170,9 +177,19 @@ def render(summary: dict) -> str:
 
 def run(args, out=None) -> int:
     """The subcommand's handler: replay and print to ``out`` (default: stdout); exit code 0.
-    Bad input raises (see :func:`replay`); the command line reports it. SIGTERM and SIGHUP
-    stop it as Ctrl-C does, so that its disk tier's chunks are removed on the way out."""
-    interrupt_on_signals()
-    summary = replay(args)
+    Bad input raises (see :func:`replay`); the command line reports it. Ctrl-C, SIGTERM and
+    SIGHUP end the replay after the request in progress: the summary of those replayed is
+    printed (a paced replay of an hour's trace lost it all), a line on stderr says it was
+    interrupted, and the exit code is 130; the disk tier's chunks are removed either way."""
+    stop = threading.Event()
+    stop_on_signals(stop)
+    try:
+        summary = replay(args, stop)
+    finally:
+        ignore_signals_while_exiting()
     print(json.dumps(summary) if args.json else render(summary), file=out or sys.stdout)
+    if summary["interrupted"]:
+        print(f"kvscope replay: interrupted: the summary covers the {summary['requests']:,} "
+              "requests replayed", file=sys.stderr)
+        return 130
     return 0

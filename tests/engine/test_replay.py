@@ -91,6 +91,19 @@ def test_replay_trace_simulate_json():
     assert summary["block_hit_ratio_by_tier"]["disk"] > 0
 
 
+def test_requests_takes_the_first_of_a_trace():
+    """--requests 150 with --trace replays the trace's first 150 requests (it was ignored: a
+    user's quick look replayed all 12,031): their block accesses are the hash_ids of the
+    first 150 lines, counted here from the file itself."""
+    with open(trace_path()) as f:
+        first = [json.loads(line) for _, line in zip(range(150), f)]
+    result = _kvscope("--trace", str(trace_path()), "--requests", "150", "--simulate", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["requests"] == 150
+    assert summary["block_accesses"] == sum(len(row["hash_ids"]) for row in first)
+
+
 def test_a_replay_says_what_it_priced_prefill_and_simulated_transfers_at():
     """A replay computes no prefill: its TTFTs price the recomputed tokens by the preset's
     cost model, and --simulate, which copies nothing, its transfers too; the report says so
@@ -148,22 +161,30 @@ def test_a_disk_dir_in_use_is_refused_and_free_again_once_closed(tmp_path):
     again.close()
 
 
-def test_sigterm_stops_a_replay_as_ctrl_c_does_removing_its_chunks(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_replay_prints_what_it_replayed_and_removes_its_chunks(tmp_path, sig):
     """A replay stopped by SIGTERM was killed outright: its --disk-dir kept 4,096 chunk files
-    (145 MB), a temporary disk directory the same. Now it stops as on Ctrl-C: "interrupted",
-    exit 130, its chunks gone and a file of the user's beside them kept."""
+    (145 MB), a temporary disk directory the same; one stopped by Ctrl-C (SIGINT) printed
+    "interrupted" and nothing of what it had replayed (a paced hour's worth, lost). Now both
+    end it after the request in progress: the summary of the requests replayed (more than
+    none, fewer than asked; "interrupted": true in --json), a line on stderr, exit 130, its
+    chunks gone and a file of the user's beside them kept."""
     (tmp_path / "notes.txt").write_text("mine")
     proc = subprocess.Popen([sys.executable, "-m", "kvscope", "replay", "--requests", "100000",
                              "--gpu-blocks", "16", "--cpu-blocks", "16", "--disk-blocks", "4096",
-                             "--disk-dir", str(tmp_path)], stdin=subprocess.DEVNULL,
+                             "--disk-dir", str(tmp_path), "--json"], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_until(lambda: len(list(tmp_path.glob("chunk-*.kv"))) > 10, 120, 0.1)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and err.strip().endswith("kvscope replay: interrupted"), err
+    assert proc.returncode == 130, err
+    summary = json.loads(out)
+    assert summary["interrupted"] is True and 0 < summary["requests"] < 100_000
+    assert err.strip().endswith(f"kvscope replay: interrupted: the summary covers the "
+                                f"{summary['requests']:,} requests replayed"), err
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
