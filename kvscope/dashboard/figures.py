@@ -122,10 +122,9 @@ def hit_quality(samples: Sequence[Sample]) -> go.Figure:
 
 
 def hit_share(samples: Sequence[Sample]) -> go.Figure:
-    """The share (0-1, shown as %) of prompt tokens per source between consecutive samples,
-    stacked to 1; an interval without prompt tokens is a gap, and each interval with tokens
-    a marker too (a scraped source's counters step once a scrape: between gaps, lines alone
-    drew nothing)."""
+    """The share (0-1, shown as %) of prompt tokens per source over each point's rate window
+    (S.counter_rates), stacked to 1; a window without prompt tokens is a gap, and each point
+    a marker too (sparse traffic leaves points between gaps, which lines alone do not draw)."""
     rates = counter_rates(samples, "prompt_tokens")
     if not rates:
         return message_figure(HIT_SHARE_TITLE, NO_DATA)
@@ -235,13 +234,14 @@ def host_memory(samples: Sequence[Sample]) -> go.Figure:
 def evictions(samples: Sequence[Sample]) -> go.Figure:
     """Blocks evicted per second by tier (left axis) and, per tier, the share of them that
     were never hit while resident (right axis, 0-1 shown as %, dotted)."""
-    rates = counter_rates(samples, "evicted_blocks")
+    window = S.rate_window(samples, "evicted_blocks")  # the share's parts over one window
+    rates = counter_rates(samples, "evicted_blocks", window)
     if not rates:
         return message_figure(EVICTIONS_TITLE, NO_DATA)
     fig = base(EVICTIONS_TITLE, "blocks/s")
     for tier, (xs, ys) in rates.items():
         line(fig, xs, ys, f"{tier} evicted", " blocks/s", COLOURS.get(tier), legendgroup=tier)
-    unused = _unused_rates(samples)
+    unused = _unused_rates(samples, window)
     for tier, (xs, ys) in unused.items():
         total = rates.get(tier)
         if total is None or len(total[1]) != len(ys):
@@ -260,11 +260,12 @@ def evictions(samples: Sequence[Sample]) -> go.Figure:
     return fig
 
 
-def _unused_rates(samples: Sequence[Sample]) -> dict[str, S.Series]:
-    """Per tier, blocks/s evicted with 0 hits: the first bucket (le=0) of the hits histogram."""
+def _unused_rates(samples: Sequence[Sample], window: float) -> dict[str, S.Series]:
+    """Per tier, blocks/s evicted with 0 hits (over ``window`` seconds): the first bucket
+    (le=0) of the hits histogram."""
     zero = [{"ts": s["ts"], "n": {t: c[0] for t, c in S.mapping(s, "evicted_block_hits").items()
                                   if c}} for s in samples]
-    return counter_rates(zero, "n")
+    return counter_rates(zero, "n", window)
 
 
 def savings(samples: Sequence[Sample]) -> go.Figure:

@@ -89,9 +89,9 @@ def keys_of(samples: Sequence[Sample], field: str) -> list[str]:
 
 
 def _increases(values: np.ndarray) -> np.ndarray:
-    """Increases between consecutive counter values; a decrease is a reset, whose increase is
-    the new value itself (PromQL ``rate()``)."""
-    diff = np.diff(values)
+    """Increases between consecutive counter values (along the first axis); a decrease is a
+    reset, whose increase is the new value itself (PromQL ``rate()``)."""
+    diff = np.diff(values, axis=0)
     return np.where(diff >= 0, diff, values[1:])
 
 
@@ -108,24 +108,59 @@ def counter_matrix(samples: Sequence[Sample], field: str) -> tuple[list[str], np
     return keys, out
 
 
-def counter_rates(samples: Sequence[Sample], field: str) -> dict[str, Series]:
-    """Per-second rates of the cumulative counters ``sample[field][key]``.
+# seconds: the shortest and longest window a per-second rate is taken over (see rate_window)
+MIN_RATE_WINDOW = 10.0
+MAX_RATE_WINDOW = 60.0
 
-    Returns dict[key, (times, rates)], keys in canonical order; one point per pair of
-    consecutive samples whose timestamps increase, at the later sample's time. A missing key
-    counts as 0; a value lower than the previous one is a reset (the increase is the new value,
-    as PromQL ``rate()`` takes it). Rates are in the counter's unit per second.
+
+def rate_window(samples: Sequence[Sample], field: str) -> float:
+    """Seconds to take the per-second rates of counter ``field`` over: twice the median gap
+    between the samples where the counter (summed over its keys) went up, within
+    [:data:`MIN_RATE_WINDOW`, :data:`MAX_RATE_WINDOW`]. The dashboard samples every second,
+    while a source the agent scrapes (vLLM's, SGLang's, LMCache's and TensorRT-LLM's metrics:
+    every 5 s by default) steps once a scrape: a rate between consecutive samples read 0 in
+    four of five and five times the rate in the fifth. A window of two steps holds as many
+    steps wherever it lies (steps 5 s apart: two in every 10 s)."""
+    if len(samples) < 3:
+        return MIN_RATE_WINDOW
+    keys, values = counter_matrix(samples, field)
+    if not keys:
+        return MIN_RATE_WINDOW
+    ts = times_ms(samples) / 1000.0
+    stepped = ts[1:][_increases(values).sum(axis=1) > 0]
+    if len(stepped) < 2:
+        return MIN_RATE_WINDOW
+    gap = float(np.median(np.diff(stepped)))
+    return min(MAX_RATE_WINDOW, max(MIN_RATE_WINDOW, 2.0 * gap))
+
+
+def counter_rates(samples: Sequence[Sample], field: str,
+                  window: float | None = None) -> dict[str, Series]:
+    """Per-second rates of the cumulative counters ``sample[field][key]``, each over the
+    last ``window`` seconds (None: :func:`rate_window`), as PromQL ``rate(x[window])``.
+
+    Returns dict[key, (times, rates)], keys in canonical order; one point per sample after the
+    first whose timestamp is later than the one before, at its time: the increase since the
+    newest sample at least ``window`` seconds older (the first sample, while none is) over
+    the seconds between them. A missing key counts as 0; a value lower than the previous one
+    is a reset (the increase is the new value, as ``rate()`` takes it). Rates are in the
+    counter's unit per second.
     """
     if len(samples) < 2:
         return {}
     keys, values = counter_matrix(samples, field)
     ts = times_ms(samples)
-    dt = np.diff(ts) / 1000.0
-    keep = dt > 0
-    if not keys or not keep.any():
+    later = np.flatnonzero(np.diff(ts) > 0) + 1  # the samples that get a point
+    if not keys or not len(later):
         return {}
-    x = ts[1:][keep]
-    return {key: (x, _increases(values[:, j])[keep] / dt[keep]) for j, key in enumerate(keys)}
+    if window is None:
+        window = rate_window(samples, field)
+    # the window's first sample for each point: the newest at least `window` s before it
+    start = np.maximum(np.searchsorted(ts, ts[later] - window * 1000.0, side="right") - 1, 0)
+    seconds = (ts[later] - ts[start]) / 1000.0
+    totals = np.vstack([np.zeros(len(keys)), np.cumsum(_increases(values), axis=0)])
+    rates = (totals[later] - totals[start]) / seconds[:, None]
+    return {key: (ts[later], rates[:, j]) for j, key in enumerate(keys)}
 
 
 def window_increase(samples: Sequence[Sample], field: str) -> dict[str, float]:

@@ -67,11 +67,31 @@ def test_rate_divides_by_elapsed_seconds():
 
 
 def test_counter_reset_counts_new_value_as_increase():
-    """gpu 100, 400, 50, 150 at 1 s steps. 100->400: 300/s. 400->50 went down, so the agent
-    restarted and 50 tokens came after the reset: 50/s (PromQL rate()). 50->150: 100/s."""
+    """gpu 100, 400, 50, 150 at 1 s steps, rates over 1 s. 100->400: 300/s. 400->50 went
+    down, so the agent restarted and 50 tokens came after the reset: 50/s (PromQL rate()).
+    50->150: 100/s. Over the 10 s window they cover from the first sample: 300/1, 350/2,
+    450/3 = 150/s."""
     samples = [sample(i, prompt_tokens={"gpu": v}) for i, v in enumerate([100, 400, 50, 150])]
-    assert list(S.counter_rates(samples, "prompt_tokens")["gpu"][1]) == [300.0, 50.0, 100.0]
+    assert list(S.counter_rates(samples, "prompt_tokens", 1.0)["gpu"][1]) == [300.0, 50.0, 100.0]
+    assert list(S.counter_rates(samples, "prompt_tokens")["gpu"][1]) == [300.0, 175.0, 150.0]
     assert S.window_increase(samples, "prompt_tokens") == {"gpu": 450.0}
+
+
+@pytest.mark.parametrize("scrape", [5, 15])
+def test_a_scraped_counter_reads_its_mean_rate_not_a_spike_per_scrape(scrape):
+    """Samples every second; the counter steps by 600 tokens once per ``scrape`` seconds (a
+    scraped engine's metrics). Rates between consecutive samples read 0 in all but one
+    sample of each scrape and 600/s there. The window is twice the median gap between steps
+    (10 s at 5 s scrapes, 30 s at 15 s), so each holds exactly two steps once it fits in the
+    data: 1,200 tokens over 10 s = 120/s at 5 s scrapes, over 30 s = 40/s at 15 s, the mean
+    rate 600 / scrape, at every point."""
+    samples = [sample(t, prompt_tokens={"gpu": 600 * (t // scrape)}) for t in range(8 * scrape)]
+    assert S.rate_window(samples, "prompt_tokens") == 2 * scrape
+    xs, rates = S.counter_rates(samples, "prompt_tokens")["gpu"]
+    steady = rates[xs >= ms(2 * scrape)]
+    assert len(steady) == 6 * scrape and set(steady) == {600 / scrape}
+    pairs = S.counter_rates(samples, "prompt_tokens", 1.0)["gpu"][1]
+    assert sorted(set(pairs)) == [0.0, 600.0]
 
 
 def test_missing_key_counts_as_zero_and_keys_keep_canonical_order():
@@ -117,14 +137,15 @@ def test_bucket_increase_is_last_minus_first_and_handles_resets():
 # --- Overview figures -----------------------------------------------------------------------
 
 def test_hit_quality_stacks_tokens_per_second_by_source():
-    """gpu 0 -> 300 -> 900 and recompute 0 -> 100 -> 100 at 1 s steps."""
+    """gpu 0 -> 300 -> 900 and recompute 0 -> 100 -> 100 at 1 s steps; each point's window
+    (10 s) reaches back to the first sample: gpu 300/1, 900/2; recompute 100/1, 100/2."""
     samples = [sample(0, prompt_tokens={"gpu": 0, "recompute": 0}),
                sample(1, prompt_tokens={"gpu": 300, "recompute": 100}),
                sample(2, prompt_tokens={"gpu": 900, "recompute": 100})]
     fig = figures.hit_quality(samples)
     assert [t.name for t in fig.data] == ["gpu", "recompute"]
-    assert ys(fig.data[0]) == [300.0, 600.0]
-    assert ys(fig.data[1]) == [100.0, 0.0]
+    assert ys(fig.data[0]) == [300.0, 450.0]
+    assert ys(fig.data[1]) == [100.0, 50.0]
     assert list(fig.data[0].x) == [ms(1), ms(2)]
     assert {t.stackgroup for t in fig.data} == {"tokens"}
     assert fig.layout.yaxis.title.text == "tokens/s"
@@ -133,11 +154,12 @@ def test_hit_quality_stacks_tokens_per_second_by_source():
 
 
 def test_hit_share_is_each_source_over_all_tokens():
-    """gpu +300, cpu +100 in the first second: 0.75 and 0.25; no tokens in the second: gap.
-    The lone interval with tokens is drawn as markers (lines alone drew nothing for it)."""
+    """gpu +300, cpu +100 in the first second: 0.75 and 0.25; none in the 10 s window
+    before the sample 20 s later (back to the sample at 1 s): a gap. The lone point with
+    tokens is drawn as markers (lines alone draw nothing for it)."""
     samples = [sample(0, prompt_tokens={"gpu": 0, "cpu": 0}),
                sample(1, prompt_tokens={"gpu": 300, "cpu": 100}),
-               sample(2, prompt_tokens={"gpu": 300, "cpu": 100})]
+               sample(20, prompt_tokens={"gpu": 300, "cpu": 100})]
     t = traces(figures.hit_share(samples))
     assert ys(t["gpu"]) == [0.75, None]
     assert ys(t["cpu"]) == [0.25, None]
