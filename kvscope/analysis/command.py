@@ -18,8 +18,9 @@ from kvscope.argtypes import at_least, at_most, positive, share, token_count
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``analyze`` options to ``parser``."""
     parser.add_argument("input", metavar="INPUT",
-                        help="trace to analyze: Mooncake JSONL (.jsonl), or an agent capture "
-                        "directory (kvscope agent --capture-dir) or .parquet segment")
+                        help="trace to analyze: Mooncake JSONL (a file not ending in .parquet), "
+                        "or an agent capture directory (kvscope agent --capture-dir) or .parquet "
+                        "segment")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.add_argument("--preset", default="llama-3-8b", choices=sorted(PRESETS),
                         help="model preset for bytes per block and prefill cost (default %(default)s)")

@@ -4,8 +4,8 @@ Every analysis works on one :class:`~kvscope.analysis.trace.AccessTrace`: the bl
 order, as parallel numpy arrays. Readers turn a file into requests and
 :func:`from_requests` flattens them; a new input format is one more function registered with
 :func:`register_reader` for its file suffix (or ``"/"`` for a directory), and the rest of the
-analysis does not change. Built in: Mooncake JSONL (``.jsonl``) and the agent's Parquet
-captures (a capture directory, or one ``.parquet`` segment; read by
+analysis does not change. Built in: Mooncake JSONL (``.jsonl``, and any file of another
+suffix) and the agent's Parquet captures (a capture directory, or one ``.parquet`` segment; read by
 :mod:`~kvscope.analysis.capture_reader`). This module and that reader are the only ones in
 :mod:`kvscope.analysis` that read files.
 """
@@ -107,16 +107,19 @@ def load_measured_rates(path: str | Path) -> MeasuredRates:
 def trace_reader(path: str | Path) -> Callable[[Path], AccessTrace]:
     """The reader :func:`load_trace` would use for ``path`` (a check before reading it).
 
-    Raises :class:`~kvscope.engine.workload.TraceError` for a missing file or an unknown
-    suffix."""
+    A file whose suffix no reader is registered for is read as Mooncake JSONL, as ``kvscope
+    replay`` and the demo read any ``--trace`` (a ``trace.txt``); where that fails, the error
+    says so. Raises :class:`~kvscope.engine.workload.TraceError` for a missing file."""
     path = Path(path)
     if not path.exists():
         raise TraceError(f"cannot read trace {path}: No such file or directory")
-    key = DIRECTORY if path.is_dir() else path.suffix.lower()
-    reader = _READERS.get(key)
-    if reader is None:
-        known = " or ".join(sorted(k for k in _READERS if k != DIRECTORY))
-        kind = f"unknown trace format {path.suffix!r}" if path.suffix else "no file extension"
-        raise TraceError(f"{path}: {kind}; a trace is a file ending in {known}, or a capture "
-                         "directory")
-    return reader
+    return _READERS.get(DIRECTORY if path.is_dir() else path.suffix.lower(), _read_other)
+
+
+def _read_other(path: Path) -> AccessTrace:
+    try:
+        return _read_mooncake(path)
+    except TraceError as exc:
+        others = " or ".join(sorted(k for k in _READERS if k not in (DIRECTORY, ".jsonl")))
+        raise TraceError(f"{exc} (read as Mooncake JSONL, as a file not ending in {others} is; "
+                         "a trace may also be a capture directory)") from None

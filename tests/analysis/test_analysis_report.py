@@ -67,13 +67,17 @@ def test_one_request_is_one_request(tmp_path, capsys):
 
 def test_cli_errors_exit_2(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
-    (tmp_path / "capture.csv").write_text("a,b\n")
+    (tmp_path / "capture.csv").write_text("a,b\n")  # read as Mooncake JSONL, as replay does
     assert main(["analyze", str(tmp_path / "capture.csv")]) == 2
-    assert "unknown trace format '.csv'; a trace is a file ending in .jsonl or .parquet, or a " \
-        "capture directory" in capsys.readouterr().err
-    (tmp_path / "passwd").write_text("root:x:0:0\n")  # no extension: said so, not format ''
+    assert f"{tmp_path / 'capture.csv'}:1: not JSON" in (err := capsys.readouterr().err)
+    assert "(read as Mooncake JSONL, as a file not ending in .parquet is; a trace may also be " \
+        "a capture directory)" in err
+    (tmp_path / "passwd").write_text("root:x:0:0\n")
     assert main(["analyze", str(tmp_path / "passwd")]) == 2
-    assert f"{tmp_path / 'passwd'}: no file extension; a trace is" in capsys.readouterr().err
+    assert f"{tmp_path / 'passwd'}:1: not JSON" in capsys.readouterr().err
+    (tmp_path / "trace.txt").write_text(json.dumps(RECORDS[0]) + "\n")  # replay reads it too
+    assert main(["analyze", str(tmp_path / "trace.txt"), "--preset", "tiny"]) == 0
+    assert "  1 request, " in capsys.readouterr().out
     assert main(["analyze", str(tmp_path / "capture.parquet")]) == 2  # a capture, but missing
     assert "No such file or directory" in capsys.readouterr().err
     (tmp_path / "ok.jsonl").write_text(json.dumps(RECORDS[0]) + "\n")
