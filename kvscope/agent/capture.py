@@ -162,6 +162,29 @@ def finished_segments(directory: Path, kind: str | None = None) -> list[Path]:
     return sorted(paths, key=segment_key)
 
 
+def missing_segments(directory: Path) -> int:
+    """How many segments the writers of the capture in ``directory`` finished or began that
+    are gone: deleted by the size cap (``max_bytes``, oldest first) or lost (a failed write,
+    a crashed writer's unfinished one). A writer numbers the segments it opens, every kind
+    together, 1, 2, 3, ... (``<kind>-<ms>-<pid>-<seq>``), so below the highest number a writer
+    left, each one missing is a segment gone. A writer's numbers start again at 1 (a new
+    agent with the pid of an old one: pid 1 in a container) where, in time order, a number
+    does not exceed the one before."""
+    runs: dict[str, list[int]] = {}  # pid -> the sequence numbers, in time order
+    missing = 0
+    for path in finished_segments(directory):
+        parts = path.name[: -len(SUFFIX)].split("-")
+        if len(parts) != 4 or not (parts[2].isdigit() and parts[3].isdigit()):
+            continue  # not a name this writer gives: nothing to tell from it
+        seen = runs.setdefault(parts[2], [])
+        seq = int(parts[3])
+        if seen and seq <= seen[-1]:  # a new writer with this pid: its run starts over
+            missing += seen[-1] - len(seen)
+            seen.clear()
+        seen.append(seq)
+    return missing + sum(seen[-1] - len(seen) for seen in runs.values() if seen)
+
+
 class CaptureWriter(Worker):
     """Writes a capture under ``directory`` (created on start).
 

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from kvscope import events as ev
 from kvscope import sampling
 from kvscope.agent.capture import (BLOCKS_ADDED, REQUESTS_ADDED, SUFFIX, TMP_SUFFIX,
-                                   finished_segments)
+                                   finished_segments, missing_segments)
 from kvscope.analysis.compare import RequestSample
 from kvscope.analysis.rates import MeasuredRates, measured_rates
 from kvscope.analysis.shards import spatial_hash
@@ -299,6 +299,15 @@ def _captures(paths: str) -> list[str]:
     if not parts:
         raise TraceError(f"no capture named in {paths!r}")
     return parts
+
+
+def segments_gone(paths: str) -> dict[str, int]:
+    """The capture directories of a comma-separated ``paths`` that have segments gone (deleted
+    by their size cap or lost: :func:`~kvscope.agent.capture.missing_segments`), and how many:
+    their oldest requests, or some, are missing from what is read of them."""
+    gone = {part: missing_segments(Path(part)) for part in _captures(paths)
+            if Path(part).is_dir()}
+    return {part: n for part, n in gone.items() if n}
 
 
 def _segments_of(part: str) -> set[Path]:

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvscope import events as ev
-from kvscope.agent.capture import TMP_SUFFIX, CaptureWriter
+from kvscope.agent.capture import TMP_SUFFIX, CaptureWriter, missing_segments
 from kvscope.agent.config import AgentSettings, ConfigError
 from kvscope.analysis.analyze import AnalyzeOptions, analyze
 from kvscope.analysis.capture_reader import read_block_trace, read_request_sample
@@ -286,6 +286,31 @@ def test_segments_rotate_are_whole_and_are_pruned_to_the_byte_bound(tmp_path):
         assert pq.read_metadata(p).num_rows == 200
     trace = read_block_trace(tmp_path)  # what is left: the newest lookups, whole
     assert len(trace) == 200 * len(segments) and trace.block_ids[-1] == 399 * 1000 + 7
+
+
+def test_missing_segments_counts_those_the_size_cap_deleted(tmp_path):
+    """3,200 rows at 200 a segment: a writer numbers 16 segments, 1 to 16. Under no cap all
+    16 stay: none missing. Under a 40,000-byte cap it keeps the newest k and 16 - k are gone.
+    A second writer in the same directory and process (the pid of the first, as an agent
+    restarted as pid 1 in a container has) numbers its own from 1 again: its 16, all kept
+    under no cap, add none, and the first writer's gone ones still count."""
+    def write(directory, max_bytes, start=T0):
+        now = [start]
+        writer = CaptureWriter(directory, max_bytes=max_bytes, segment_rows=200,
+                               clock=lambda: now[0])
+        for i in range(400):
+            now[0] += 1.0
+            writer.add_lookup("engine", _lookup(i))
+            if i % 5 == 4:
+                writer.flush()
+        writer.close()
+        return len(writer.segments())
+
+    assert write(tmp_path / "all", 1 << 30) == 16 and missing_segments(tmp_path / "all") == 0
+    kept = write(tmp_path / "capped", 40_000)
+    assert 1 < kept < 16 and missing_segments(tmp_path / "capped") == 16 - kept
+    write(tmp_path / "capped", 1 << 30, T0 + 1000)  # a later run
+    assert missing_segments(tmp_path / "capped") == 16 - kept
 
 
 def test_a_small_byte_bound_makes_small_segments(tmp_path):
