@@ -1,6 +1,9 @@
 """The reference engine: a hand-worked LRU sequence, prefix semantics, and real bytes."""
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -460,3 +463,19 @@ def test_a_disk_tier_larger_than_the_free_space_is_refused_and_leaves_nothing(tm
     with pytest.raises(EngineConfigError, match="GiB is free at "):
         OffloadEngine(TINY, 1, 1, 2 * shutil.disk_usage(tempfile.gettempdir()).free // BLOCK)
     assert set(Path(tempfile.gettempdir()).glob("kvscope-disk-*")) == before
+
+
+def test_a_host_engine_copies_on_one_torch_thread():
+    """Host copies are memory-bound, and torch's OpenMP threads spin-wait: on a busy 2-core
+    host six identical replays of 200 requests reported gpu->cpu copies of 0.009 s to 1.8 s
+    with torch's default threads (a tryout's analyze then called 7.66 and 13.3 GB/s
+    "measured" for one setup), and steady ones with one. A CPU engine sets one thread: in a
+    fresh interpreter started with two (OMP_NUM_THREADS=2, torch's default on 2 cores)."""
+    code = ("import torch; before = torch.get_num_threads(); "
+            "from kvscope.engine.engine import OffloadEngine; "
+            "from kvscope.engine.presets import get_preset; "
+            "OffloadEngine(get_preset('tiny'), 8, 8, device='cpu'); "
+            "print(before, torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="2"), check=True).stdout.split()
+    assert out == ["2", "1"]
