@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="capture block accesses and requests here as Parquet for kvscope "
                       "analyze/compare; a directory without an earlier run's capture in it: "
                       "one run per capture (default: off)")
+    _add_capture_root(demo, "--capture-dir's only: to compare this run with an earlier one, "
+                            "give the directory holding that one's")
 
     agent = sub.add_parser(
         "agent", help="run the node agent (ingest, collectors, /metrics, HTTP API)",
@@ -112,10 +114,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="with a --host beyond loopback and no KVSCOPE_TOKEN: serve the "
                            "dashboard to anyone who reaches it (otherwise refused; with the "
                            "token, visitors open it as /?token=TOKEN)")
-    dash.add_argument("--capture-root", metavar="DIR", action="append", default=[],
-                      type=directory("for a Compare page that reads nothing"),
-                      help="a directory whose captures and rollout reports the Compare page "
-                           "may read (repeatable; default: none, the page reads nothing)")
+    _add_capture_root(dash, "none, the page reads nothing")
     dash.add_argument("--refresh", type=positive(float), default=2.0,
                       help="seconds between refreshes (default %(default)s)")
     dash.add_argument("--window", type=positive(float), default=900.0,
@@ -178,15 +177,34 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_capture_root(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--capture-root", metavar="DIR", action="append", default=[],
+                        type=directory("for a Compare page that reads nothing"),
+                        help="a directory whose captures and rollout reports the dashboard's "
+                             f"Compare page may read (repeatable; default: {default})")
+
+
+def _check_capture_roots(roots: list[str]) -> None:
+    """Raise ConfigError for a ``--capture-root`` that is not a directory."""
+    from kvscope.agent.config import ConfigError
+
+    for root in roots:
+        if not os.path.isdir(root):
+            raise ConfigError(f"--capture-root {root} is not a directory: give the directory "
+                              "holding the captures or rollout reports the Compare page may read")
+
+
 def _demo(args) -> int:
     from kvscope.demo import DemoConfig, run_demo
+
+    _check_capture_roots(args.capture_root)
 
     config = DemoConfig(duration=args.duration, trace=args.trace, host=args.host,
                         metrics_port=args.metrics_port, ui_port=args.ui_port, preset=args.preset,
                         gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
                         disk_blocks=args.disk_blocks, policy=args.policy, speed=args.speed,
                         seed=args.seed, one_off_share=args.one_off_share,
-                        capture_dir=args.capture_dir,
+                        capture_dir=args.capture_dir, capture_roots=tuple(args.capture_root),
                         dashboard_token=_visitor_token(
                             args.host, args.insecure,
                             "the demo's dashboard (and, without a token, its API) has"))
@@ -257,13 +275,8 @@ def _dashboard(args) -> int:
         from kvscope.analysis.inputs import trace_reader
 
         trace_reader(args.sizing_trace)
-    from kvscope.agent.config import ConfigError
-
     visitors = _visitor_token(args.host, args.insecure)
-    for root in args.capture_root:
-        if not os.path.isdir(root):
-            raise ConfigError(f"--capture-root {root} is not a directory: give the directory "
-                              "holding the captures or rollout reports the Compare page may read")
+    _check_capture_roots(args.capture_root)
     stop = threading.Event()
     stop_on_signals(stop)  # before serving: a stop signal as it starts is a clean stop too
     handle = serve(create_app(args.api, refresh_seconds=args.refresh, window_seconds=args.window,

@@ -29,8 +29,9 @@ from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_
 class DemoConfig:
     """``duration``: seconds to run (None: until Ctrl-C). ``trace``: Mooncake JSONL path or None
     for the synthetic workload. Pool sizes are in blocks. ``capture_dir``: where the agent
-    captures block accesses and requests as Parquet (None: off; the dashboard's Compare page
-    reads captures there and nowhere else). ``dashboard_token``: the token the dashboard
+    captures block accesses and requests as Parquet (None: off). ``capture_roots``: directories
+    whose captures the dashboard's Compare page reads, besides ``capture_dir`` (it reads
+    nothing elsewhere). ``dashboard_token``: the token the dashboard
     demands of its visitors (None: open, as on loopback). ``one_off_share``: the synthetic
     workload's share of unique one-off prompts (0-1; 1: no prompt is ever reused)."""
 
@@ -47,6 +48,7 @@ class DemoConfig:
     speed: float = 1.0
     seed: int = 0
     capture_dir: str | None = None
+    capture_roots: tuple[str, ...] = ()
     dashboard_token: str | None = None
     one_off_share: float = SyntheticConfig.one_off_share
 
@@ -141,8 +143,10 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
                                                        sizing_gpu_tokens=config.gpu_blocks
                                                        * block_tokens,
                                                        token=agent.settings.token,
-                                                       capture_roots=[config.capture_dir]
-                                                       if config.capture_dir else (),
+                                                       capture_roots=[
+                                                           *([config.capture_dir]
+                                                             if config.capture_dir else []),
+                                                           *config.capture_roots],
                                                        require_token=config.dashboard_token),
                                     config.host, config.ui_port, "--ui-port")
     except PortInUse:
@@ -164,6 +168,9 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     if config.capture_dir:
         print(f"  capture:         {config.capture_dir} (kvscope analyze / kvscope compare read it)",
               file=out)
+    if config.capture_roots:
+        print(f"  compare page reads under: {', '.join(config.capture_roots)}"
+              + (" and the capture" if config.capture_dir else ""), file=out)
     print("  stop with Ctrl-C" + (f" (or after {config.duration:g} s)" if config.duration else ""),
           file=out, flush=True)
     replay_thread.start()

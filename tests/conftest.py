@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -210,9 +210,10 @@ def _stop(proc: subprocess.Popen) -> int | None:
 
 
 @contextlib.contextmanager
-def running_demo(env: dict[str, str] | None = None, log_name: str = "demo.log") -> Iterator[Demo]:
-    """A real `kvscope demo` on free loopback ports (``env``: extra environment), until it is
-    stopped with Ctrl-C afterwards; asserts it stops cleanly."""
+def running_demo(env: dict[str, str] | None = None, log_name: str = "demo.log",
+                 args: Sequence[str] = ()) -> Iterator[Demo]:
+    """A real `kvscope demo` on free loopback ports (``env``: extra environment; ``args``:
+    extra flags), until it is stopped with Ctrl-C afterwards; asserts it stops cleanly."""
     metrics_port, ui_port = free_ports(2)
     log_path = artifacts_dir() / log_name
     cmd = [
@@ -220,6 +221,7 @@ def running_demo(env: dict[str, str] | None = None, log_name: str = "demo.log") 
         "--duration", str(DEMO_DURATION_S),
         "--metrics-port", str(metrics_port),
         "--ui-port", str(ui_port),
+        *args,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "wb") as log:

@@ -62,7 +62,8 @@ def outside_roots(paths: str | None, roots: Sequence[Path]) -> str:
         return ""
     if not roots:
         return ("cannot compare: this dashboard reads no captures; give it a directory it may "
-                "read (kvscope dashboard --capture-root DIR; the demo reads its --capture-dir)")
+                "read (kvscope dashboard --capture-root DIR; the demo reads its --capture-dir and "
+                "any --capture-root)")
     refused = next((p for p in named if not _inside(p, roots)), None)
     if refused is None:
         return ""

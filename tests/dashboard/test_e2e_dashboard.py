@@ -497,8 +497,27 @@ def test_the_compare_page_reads_nothing_outside_its_capture_roots(demo, browser)
             f"the refusal of {path}"))
     assert lines[0] == lines[1] == (
         "cannot compare: this dashboard reads no captures; give it a directory it may read "
-        "(kvscope dashboard --capture-root DIR; the demo reads its --capture-dir)")
+        "(kvscope dashboard --capture-root DIR; the demo reads its --capture-dir and any "
+        "--capture-root)")
     assert not console_errors(browser)
+
+
+def test_the_demo_compares_captures_under_its_capture_root(browser, tmp_path):
+    """A tryout captured two demo runs and could compare neither in a third demo's dashboard,
+    which read only its own --capture-dir. With --capture-root DIR its Compare page reads the
+    captures under DIR: the baseline's 200 requests at 100 ms, the candidate's at 50 ms, keep
+    (as the dashboard's own --capture-root gives)."""
+    baseline, candidate = _compare_captures(tmp_path)
+    with running_demo(log_name="demo-capture-root.log",
+                      args=["--capture-root", str(tmp_path)]) as demo:
+        browser.get(f"{demo.ui_url}compare?"
+                    f"{urlencode({'baseline': baseline, 'candidate': candidate})}")
+        try:
+            verdict = _verdict(browser)
+        finally:
+            screenshot(browser, "demo-compare-capture-root")
+        assert "keep" in verdict.lower()
+        assert f"compare page reads under: {tmp_path}" in demo.log_tail()
 
 
 def test_compare_page_shows_two_captures_and_a_verdict(compare_dashboard, browser, tmp_path):
