@@ -283,7 +283,7 @@ def read_measured_rates(path: str | Path) -> MeasuredRates:
             sample = read_request_sample(path)
             return measured_rates(sample.tokens.get("recompute", 0), sample.prefill_seconds,
                                   sample.transfer_bytes, sample.transfer_seconds,
-                                  sample.transfer_blocks)
+                                  sample.transfer_blocks, sample.prefill_modelled)
         totals = read_transfer_totals(path) or {}
     except TraceError as exc:
         log.warning("kvscope: no rates measured from %s: %s", path, exc)
@@ -428,4 +428,17 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
         transfer_bytes=moved_bytes, transfer_blocks=moved_blocks, transfer_seconds=seconds,
         transfer_failures=None if spans_alone else failures,
         prefill_seconds=float(np.nansum(col["prefill"])),
+        prefill_modelled=_modelled(col["tokens_recompute"], col["prefill"]),
         token_sources=sources, window=window, transfers_measured=not spans_alone)
+
+
+def _modelled(recomputed: np.ndarray, prefill: np.ndarray) -> bool:
+    """Whether every request that prefilled did so at one exact rate (recomputed tokens over
+    prefill seconds, within float rounding), two requests at least: a cost model's prefill (the
+    reference engine prices it; a demo capture's read 197,800 tokens/s, preset tiny's, for
+    every request), which no measurement gives."""
+    timed = (recomputed > 0) & (prefill > 0)
+    if timed.sum() < 2:
+        return False
+    rates = recomputed[timed] / prefill[timed].astype(np.float64)
+    return bool(np.ptp(rates) <= 1e-9 * rates.max())

@@ -75,7 +75,9 @@ class RequestSample:
     ``transfer_blocks``: dict["src->dst", int]; ``transfer_seconds``: dict["src->dst", float]
     (successful transfers; a direction missing from it or from ``transfer_blocks`` was not
     measured); ``transfer_failures``: failed transfers (None: not measured). ``prefill_seconds``:
-    the requests' prefill time in all (0: not reported). ``promotion_waits``: the waits as a
+    the requests' prefill time in all (0: not reported); ``prefill_modelled``: every request
+    prefilled at one exact rate, an engine's cost model's (the reference engine's), not a
+    measurement. ``promotion_waits``: the waits as a
     histogram where they were not recorded one by one (a rollout arm's agent: ``{"bounds",
     "counts", "sum"}`` as :class:`kvscope.rollout.arms.Cost` has it), else None.
     ``token_sources``: the sources ``tokens`` measured, a missing one counting 0 (None: every
@@ -101,6 +103,7 @@ class RequestSample:
     token_sources: tuple[str, ...] | None = None
     window: tuple[float, float] | None = None
     transfers_measured: bool = True
+    prefill_modelled: bool = False
 
     @property
     def requests(self) -> int:
@@ -131,8 +134,10 @@ class Side:
     counted transfers (:attr:`RequestSample.transfers_measured`); ``transfer_failures``:
     None when no run counted them. ``prefill_rate``:
     tokens/s the engine prefilled (recomputed tokens over prefill seconds), None when not
-    measured. ``value``: what each offload tier bought and cost, dict[tier,
-    {"tokens": prompt tokens it served, "prefill_seconds_saved": those tokens at the prefill
+    measured; ``prefill_modelled``: that rate is its engine's cost model (every run's
+    :attr:`RequestSample.prefill_modelled`), not measured. ``value``: what each offload tier
+    bought and cost, dict[tier, {"tokens": prompt tokens it served, "prefill_seconds_saved":
+    those tokens at the prefill
     rate (None: not measured), "transfer_seconds": the seconds of its copies both ways
     (:func:`~kvscope.analysis.transfer_cost.seconds_by_tier`: promotions of its blocks,
     offloads into it; None: none of them timed)}], None when no tokens by source were
@@ -149,6 +154,7 @@ class Side:
     promotion_wait_p99: float | None
     prefill_rate: float | None = None
     value: dict[str, dict[str, float | None]] | None = field(default_factory=dict)
+    prefill_modelled: bool = False
 
 
 @dataclass(frozen=True)
@@ -348,7 +354,8 @@ def _side(runs: list[RequestSample]) -> Side:
     return Side(", ".join(r.name for r in runs), requests, len(runs),
                 tokens if total else None, share, transfers if measured else None,
                 transfer_failures(runs), *_wait_stats(runs), rate,
-                value if total else None)  # no tokens by source: what a tier bought, unknown
+                value if total else None,  # no tokens by source: what a tier bought, unknown
+                rate is not None and all(r.prefill_modelled for r in runs))
 
 
 def _ran_first(base: Sequence[RequestSample], cand: Sequence[RequestSample]) -> str | None:
@@ -726,8 +733,9 @@ def render_text(comparison: Comparison) -> str:
     lines.append("offload's value per tier (prefill seconds saved by the tokens it served, "
                  "against the seconds of its copies both ways):")
     for side in (c.baseline, c.candidate):
-        rate = (f"prefill {side.prefill_rate:,.0f} tokens/s measured" if side.prefill_rate
-                else "prefill rate not measured")
+        rate = (f"prefill {side.prefill_rate:,.0f} tokens/s "
+                + ("modelled by the engine" if side.prefill_modelled else "measured")
+                if side.prefill_rate else "prefill rate not measured")
         tiers = "; ".join(
             f"{tier}: {v['tokens']:,} tokens, saved "
             + ("not measured" if v["prefill_seconds_saved"] is None

@@ -12,7 +12,9 @@ assumed (and labelled so) when it cannot.
 
 Pure: the capture's figures come in as a :class:`~kvscope.analysis.compare.RequestSample`
 (read by :mod:`~kvscope.analysis.capture_reader`). Sizing names where each rate came from:
-``measured`` (with what it was measured over), ``given`` (on the command line) or ``assumed``.
+``measured`` (with what it was measured over), ``modelled`` (held by the capture, but priced by
+its engine's cost model: the reference engine's prefill), ``given`` (on the command line) or
+``assumed``.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ class MeasuredRates:
     promotion. ``prefill_tokens_per_second``: None when it recorded no prefill time or no
     recomputed token. ``bytes_per_block``: KV bytes of one block, None when no transfer
     counted its blocks. ``evidence``: rate name (``bandwidth``, ``prefill``, ``kv_bytes``) ->
-    what it was measured over, in words."""
+    what it was measured over, in words. ``modelled``: the names of those the capture holds
+    but its engine priced by a cost model rather than measured (the reference engine's
+    prefill)."""
 
     bandwidth: float | None = None
     prefill_tokens_per_second: float | None = None
     bytes_per_block: float | None = None
     evidence: dict[str, str] = field(default_factory=dict)
+    modelled: frozenset[str] = frozenset()
 
     def pick(self, name: str, given: float | None, flag: str) -> tuple[float | None, str | None]:
         """(value, where it came from) of the rate ``name`` (``bandwidth``, ``prefill`` or
@@ -43,7 +48,10 @@ class MeasuredRates:
             return given, f"given ({flag})"
         value = {"bandwidth": self.bandwidth, "prefill": self.prefill_tokens_per_second,
                  "kv_bytes": self.bytes_per_block}[name]
-        return (value, "measured: " + self.evidence[name]) if value is not None else (None, None)
+        if value is None:
+            return None, None
+        return value, ("modelled: " if name in self.modelled else "measured: ") + \
+            self.evidence[name]
 
 
 def prefill_rate(recomputed_tokens: float, prefill_seconds: float) -> float | None:
@@ -54,9 +62,11 @@ def prefill_rate(recomputed_tokens: float, prefill_seconds: float) -> float | No
 
 def measured_rates(recomputed_tokens: int, prefill_seconds: float,
                    transfer_bytes: dict[str, int], transfer_seconds: dict[str, float],
-                   transfer_blocks: dict[str, int] | None = None) -> MeasuredRates:
+                   transfer_blocks: dict[str, int] | None = None,
+                   prefill_modelled: bool = False) -> MeasuredRates:
     """The rates a capture measured: its recomputed prompt tokens and prefill seconds (all
-    requests), and its transfers' bytes, seconds and blocks by "src->dst"."""
+    requests), and its transfers' bytes, seconds and blocks by "src->dst". ``prefill_modelled``:
+    its engine priced prefill by a cost model (every request at one exact rate)."""
     evidence = {}
     counted = [d for d, n in (transfer_blocks or {}).items() if n > 0 and transfer_bytes.get(d)]
     all_bytes = sum(transfer_bytes[d] for d in counted)
@@ -74,4 +84,10 @@ def measured_rates(recomputed_tokens: int, prefill_seconds: float,
     if prefill is not None:
         evidence["prefill"] = (f"{recomputed_tokens:,} recomputed prompt tokens in "
                                f"{prefill_seconds:.4g} s of prefill (the capture's requests)")
-    return MeasuredRates(bandwidth, prefill, block_bytes, evidence)
+        if prefill_modelled:
+            evidence["prefill"] = (f"every request's prefill in the capture is its recomputed "
+                                   f"tokens at exactly {prefill:,.0f} tokens/s, the engine's "
+                                   "cost model (the reference engine prices prefill)")
+    return MeasuredRates(bandwidth, prefill, block_bytes, evidence,
+                         frozenset({"prefill"}) if prefill is not None and prefill_modelled
+                         else frozenset())

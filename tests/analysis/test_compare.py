@@ -686,11 +686,11 @@ def test_transfer_cost_counts_the_offloads_no_request_holds(tmp_path, capsys):
     assert pq.read_table(next(directory.glob("totals-*.parquet"))).num_rows == 6  # 3 changes
 
 
-def _promoting_capture(directory, source, copies, tiers=None) -> CaptureWriter:
+def _promoting_capture(directory, source, copies, tiers=None, jitter=0.0) -> CaptureWriter:
     """A capture (left open) of 100 requests of 64 prompt tokens, 32 of them from ``source``
-    and 32 recomputed in 3.2 ms of prefill; each request made ``copies``, (src, dst, seconds),
-    of 2 blocks (1 MB) each. ``tiers``: those the agent's sample before them reported (None:
-    no sample, the tiers unknown)."""
+    and 32 recomputed in 3.2 ms of prefill (``jitter`` seconds more and less in turn); each
+    request made ``copies``, (src, dst, seconds), of 2 blocks (1 MB) each. ``tiers``: those
+    the agent's sample before them reported (None: no sample, the tiers unknown)."""
     writer = CaptureWriter(directory)
     if tiers is not None:
         writer.add_totals({"ts": 999.0, "transfer_bytes": {}, "transfer_blocks": {},
@@ -699,11 +699,35 @@ def _promoting_capture(directory, source, copies, tiers=None) -> CaptureWriter:
     for i in range(100):
         writer.add_request(RequestRecord(
             f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64,
-            tokens={source: 32, "recompute": 32}, ttft=0.01, prefill=0.0032,
+            tokens={source: 32, "recompute": 32}, ttft=0.01,
+            prefill=0.0032 + (jitter if i % 2 else -jitter),
             transfers=[TransferRecord(src, dst, 2, 1_000_000, 1000.0 + i, seconds)
                        for src, dst, seconds in copies],
             finished=1000.0 + i + 0.01))
     return writer
+
+
+def test_a_prefill_at_one_exact_rate_is_the_engines_model_not_a_measurement(tmp_path, capsys):
+    """The reference engine prices prefill by its preset (a demo capture's 197,800 tokens/s,
+    tiny's, for every request), and compare and analyze called that rate measured. 100
+    requests recomputing 32 tokens each in 3.2 ms: exactly 10,000 tokens/s every one, a
+    model's; in 3.0 and 3.4 ms in turn, the same 0.32 s in all (10,000 tokens/s) but a rate
+    that varies as a measured one does. Compare says "modelled by the engine" for the first,
+    "measured" for the second; analyze's rate source says "modelled:" and "measured:"."""
+    from kvscope.analysis.capture_reader import read_measured_rates
+
+    model, measured = tmp_path / "model", tmp_path / "measured"
+    _promoting_capture(model, "cpu", []).close()
+    _promoting_capture(measured, "cpu", [], jitter=0.0002).close()
+    assert main(["compare", str(measured), str(model), "--resamples", "100"]) == 0
+    text = capsys.readouterr().out
+    assert f"{measured} (prefill 10,000 tokens/s measured)" in text
+    assert f"{model} (prefill 10,000 tokens/s modelled by the engine)" in text
+    for path, said in ((model, "modelled: every request's prefill in the capture is its "
+                               "recomputed tokens at exactly 10,000 tokens/s"),
+                       (measured, "measured: 3,200 recomputed prompt tokens in 0.32 s")):
+        rate, source = read_measured_rates(path).pick("prefill", None, "")
+        assert rate == pytest.approx(10_000) and source.startswith(said), source
 
 
 def test_a_tier_the_capture_did_not_have_is_not_measured_never_zero(tmp_path, capsys):
@@ -780,8 +804,10 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
     assert out["baseline"]["prefill_rate"] is None and out["baseline"]["value"] == {}
     assert main(["compare", str(base), str(directory), "--resamples", "100"]) == 0
     text = capsys.readouterr().out
-    assert "prefill 10,000 tokens/s measured): cpu: 3,200 tokens, saved 320 ms, spent 150 ms" \
-        in text and "prefill rate not measured): no tier below the GPU served tokens" in text
+    # (every request prefilled at exactly 10,000 tokens/s: a cost model's rate, so said)
+    assert "prefill 10,000 tokens/s modelled by the engine): cpu: 3,200 tokens, saved 320 ms, " \
+        "spent 150 ms" in text and "prefill rate not measured): no tier below the GPU served " \
+        "tokens" in text
     # records without tokens by source (a load generator's, not the agent's): not measured,
     # never "none"
     writer = CaptureWriter(tmp_path / "untold")
