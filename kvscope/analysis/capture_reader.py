@@ -82,6 +82,9 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
             continue
         tables.append(table)
     if problems and not (tables and where.is_dir()):
+        if where.is_dir():  # given the directory, as it should be: none of its segments reads
+            raise TraceError(f"{where}: no {kind} segment of it can be read: {problems[0]}"
+                             + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
         raise TraceError(f"{problems[0]}; pass the capture directory, or one of its "
                          f"{kind}-*{SUFFIX} files")
     for problem in problems:

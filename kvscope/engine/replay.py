@@ -92,7 +92,7 @@ class Replayer:
 
     def _fell_behind(self, seconds: float, arrival: float) -> None:
         if self.behind < self._behind_warning <= seconds:
-            log.warning("replay: %.0f s behind the workload's schedule at speed %g (at its "
+            log.warning("%.0f s behind the workload's schedule at speed %g (at its "
                         "second %.0f): the engine serves slower than requests arrive, so "
                         "arrivals, and the reuse times recorded, stretch; lower --speed",
                         seconds, self.speed, arrival)

@@ -9,8 +9,10 @@ prints the summary of :meth:`kvscope.engine.stats.EngineStats.summary` as one JS
 from __future__ import annotations
 
 import argparse
+import errno
 import itertools
 import json
+import os
 import sys
 import threading
 import time
@@ -105,7 +107,10 @@ def replay(args, stop: threading.Event | None = None) -> dict:
                                store_threshold=args.store_threshold,
                                min_priority=args.min_priority)
     except OSError as exc:  # only the disk tier's directory touches the file system here
-        raise EngineConfigError(f"--disk-dir {args.disk_dir}: {exc.strerror or exc}") from None
+        doing = ("" if exc.errno == errno.EBUSY else "cannot write chunk files there: "
+                 if os.path.isdir(args.disk_dir) else "cannot create it: ")
+        raise EngineConfigError(f"--disk-dir {args.disk_dir}: {doing}{exc.strerror or exc}"
+                                ) from None
     speed = None if args.fast else args.speed
     t0 = time.perf_counter()
     replayer = Replayer(engine, requests, speed=speed, stop=stop, progress=_progress(total))

@@ -142,11 +142,12 @@ def read_mooncake(path: str | Path) -> list[Request]:
     if path.is_dir():  # a capture directory, say: only `kvscope analyze` reads those
         raise TraceError(f"cannot read trace {path}: a directory, not a Mooncake JSONL file")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise TraceError(f"cannot read trace {path}: not UTF-8 text (byte {exc.start})") from None
+    lines = text.splitlines()
     requests = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -154,7 +155,12 @@ def read_mooncake(path: str | Path) -> list[Request]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise TraceError(f"{path}:{lineno}: not JSON ({exc.msg} column {exc.colno})") from None
+            # a last line without its newline is most likely a copy or download cut short
+            cut = (lineno == len(lines) and not text.endswith("\n")
+                   and exc.msg.startswith(("Expecting", "Unterminated")))
+            raise TraceError(f"{path}:{lineno}: not JSON ({exc.msg} column {exc.colno})"
+                             + ("; the file's last line, with no newline after it: was the "
+                                "file cut short?" if cut else "")) from None
         if not isinstance(record, dict):
             raise TraceError(f"{path}:{lineno}: expected a JSON object")
         hash_ids = record.get("hash_ids")

@@ -177,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
         _check_tokenizer(args.tokenizer)
         out = Path(args.out or time.strftime("rollout-%Y%m%d-%H%M%S"))
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ValueError(f"--out {out}: exists and is not an empty directory")
+            what = "a directory that holds files" if out.is_dir() else "a file"
+            raise ValueError(f"--out {out}: {what} already; a rollout writes its report into "
+                             "a new or empty directory: give another --out")
         try:  # now, not after the servers started
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

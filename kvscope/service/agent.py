@@ -35,9 +35,10 @@ log = logging.getLogger(__name__)
 def _unusable(key: str, directory, exc: OSError) -> ConfigError:
     """The error refusing the directory of the sink set by ``key``: what failed, and what to
     fix (but for another agent holding it)."""
+    flag = "--" + key.replace("_", "-")  # the agent's and the demo's flag for the key
     fix = ("" if exc.errno == errno.EBUSY else
            f" (the agent writes its files there: make it a directory this user can create "
-           f"files in, or set {key} to one)")
+           f"files in, or set {key} ({flag}) to one)")
     return ConfigError(f"cannot use {key} {directory}: {exc.strerror or exc}{fix}")
 
 

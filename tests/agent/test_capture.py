@@ -637,6 +637,8 @@ def test_every_sink_refuses_to_start_in_a_directory_it_cannot_write(tmp_path, re
         agent.start()
     message = str(refused.value)
     assert message.startswith(f"cannot use {key} {directory}: ")
-    assert f"make it a directory this user can create files in, or set {key} to one" in message
+    flag = "--" + key.replace("_", "-")  # the demo has no config file: the flag is named too
+    assert f"make it a directory this user can create files in, or set {key} ({flag}) to " \
+        "one" in message
     assert not agent.ready and not [t for t in threading.enumerate()
                                     if t.name in ("kvscope-store", "kvscope-capture")]

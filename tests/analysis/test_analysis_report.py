@@ -65,6 +65,20 @@ def test_one_request_is_one_request(tmp_path, capsys):
     assert "  1 request, " in capsys.readouterr().out
 
 
+def test_a_capture_directory_none_of_whose_segments_reads_is_named(tmp_path, capsys):
+    """A capture directory whose only blocks segment is damaged: the error told a user who had
+    passed the directory to "pass the capture directory"; it names the directory and the
+    segment that does not read."""
+    capture = tmp_path / "dmg"
+    capture.mkdir()
+    segment = capture / "blocks-000000000000001-1-000001.parquet"
+    segment.write_bytes(b"garbage")
+    assert main(["analyze", str(capture)]) == 2
+    err = capsys.readouterr().err
+    assert f"{capture}: no blocks segment of it can be read: {segment}: not a kvscope blocks " \
+        "segment (" in err and "pass the capture directory" not in err
+
+
 def test_cli_errors_exit_2(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
     (tmp_path / "capture.csv").write_text("a,b\n")  # read as Mooncake JSONL, as replay does

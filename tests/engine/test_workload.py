@@ -51,6 +51,21 @@ def test_malformed_trace_lines_name_file_and_line(tmp_path, line, message):
         read_mooncake(path)
 
 
+def test_a_last_line_cut_short_is_said_to_be_so(tmp_path):
+    """The first 100,000 bytes of a trace end inside a record: the error named the line only.
+    A last line that does not parse and has no newline after it is said to look cut short;
+    the same line with its newline, or followed by others, is not."""
+    good = json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]})
+    cut = '{"timestamp": 0, "input_length": 10, "hash_'
+    for text, said in ((f"{good}\n{cut}", True), (f"{good}\n{cut}\n", False),
+                       (f"{cut}\n{good}", False)):
+        path = tmp_path / "t.jsonl"
+        path.write_text(text)
+        with pytest.raises(TraceError, match="not JSON") as error:
+            read_mooncake(path)
+        assert str(error.value).endswith("was the file cut short?") is said, text
+
+
 def test_a_trace_plays_from_its_first_request(tmp_path):
     """A trace's tail (first timestamp 3,480,000 ms) and one in Unix milliseconds: arrivals
     count from the first request, 0, 1 ms and 2.5 s (the replay and the demo waited out

@@ -309,6 +309,13 @@ def test_an_agent_that_counts_nothing_is_warned_of_and_its_hit_quality_not_measu
       "{tmp}/no-such-model"], "--tokenizer {tmp}/no-such-model: no such directory"),
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--out",
       "{tmp}/bad.jsonl/r"], "--out {tmp}/bad.jsonl/r: cannot create it (Not a directory)"),
+    # a file said to be "not an empty directory", and no word of what to do
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--out",
+      "{tmp}/bad.jsonl"], "--out {tmp}/bad.jsonl: a file already; a rollout writes its report "
+                          "into a new or empty directory: give another --out"),
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--out", "{tmp}"],
+     "--out {tmp}: a directory that holds files already; a rollout writes its report into a "
+     "new or empty directory: give another --out"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, says):
     """Nothing listens on the port; the load generator named does not exist; a budget, levels,
