@@ -28,6 +28,23 @@ def write_capture(directory, ttfts, itl=0.02, cpu_tokens=0):
     return directory
 
 
+def write_capped_capture(directory) -> tuple[object, int]:
+    """A capture of 100 requests (TTFT 20 to 30 ms) written 10 at a time, a segment each
+    (numbered 1 to 10), under a size cap that keeps the newest few; returns the directory and
+    how many segments are gone: 10 less those left, counted from the directory."""
+    writer = CaptureWriter(directory, max_bytes=20_000, segment_rows=10)
+    for i in range(100):
+        writer.add_request(RequestRecord(
+            f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64, output_tokens=8,
+            tokens={"recompute": 64}, ttft=0.02 + i * 1e-4, finished=1000.1 + i, itl=0.02))
+        if i % 10 == 9:
+            writer.flush()
+    writer.close()
+    left = len(list(directory.glob("requests-*.parquet")))
+    assert 1 < left < 10, left
+    return directory, 10 - left
+
+
 def simulated_runs(arms, scale, *, seed, reps=3, levels=(1, 4), requests=60, run_sd=0.05,
                    itl_scale=None):
     """Runs of a plan with TTFT lognormal around ``scale[slot]`` seconds times the level (more

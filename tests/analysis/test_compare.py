@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from known_runs import write_capture
+from known_runs import write_capped_capture, write_capture
 from kvscope.agent.capture import CaptureWriter
 from kvscope.agent.requests import RequestRecord, TransferRecord
 from kvscope.analysis.bootstrap import compare_quantiles, quantile_cis, quantile_replicates
@@ -291,25 +291,15 @@ def test_a_trace_file_given_to_compare_is_told_to_go_to_analyze(tmp_path, capsys
 
 def test_a_capture_whose_size_cap_deleted_segments_is_named(tmp_path, capsys):
     """100 requests written 10 at a time, a segment each (numbered 1 to 10), under a cap that
-    keeps the newest few: compare reads what is left, and says on stderr how many segments are
-    gone (10 less those left, counted here from the directory) and why, so that a run with
+    keeps the newest few (known_runs.write_capped_capture): compare reads what is left, and
+    says on stderr how many segments are gone (10 less those left) and why, so that a run with
     fewer requests than it served is not taken for one that served fewer. A capture with all
     its segments draws no note."""
-    capped = tmp_path / "capped"
-    writer = CaptureWriter(capped, max_bytes=20_000, segment_rows=10)
-    for i in range(100):
-        writer.add_request(RequestRecord(
-            f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64, output_tokens=8,
-            tokens={"recompute": 64}, ttft=0.02 + i * 1e-4, finished=1000.1 + i, itl=0.02))
-        if i % 10 == 9:
-            writer.flush()
-    writer.close()
-    left = len(list(capped.glob("requests-*.parquet")))
-    assert 1 < left < 10
+    capped, gone = write_capped_capture(tmp_path / "capped")
     whole = write_capture(tmp_path / "whole", [0.02] * 50)
     assert main(["compare", str(capped), str(whole)]) == 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"kvscope compare: note: {capped}: {10 - left} of its segments are gone "
+    assert err == [f"kvscope compare: note: {capped}: {gone} of its segments are gone "
                    "(deleted by its size cap, capture_max_bytes, oldest first, or lost to a "
                    "failed write): requests it recorded may be missing here"]
 

@@ -105,6 +105,23 @@ def test_page_compares_two_captures_and_reports_errors_plainly(tmp_path):
     assert data is None and message.startswith("cannot compare:") and "no such capture" in message
 
 
+def test_the_page_notes_a_capture_whose_size_cap_deleted_segments(tmp_path):
+    """As kvscope compare notes on stderr (known_runs.write_capped_capture: 100 requests in
+    10 segments, the oldest deleted by the cap), the page's status line names the capture and
+    how many segments are gone; a whole capture draws no such note."""
+    from known_runs import write_capped_capture, write_capture
+
+    capped, gone = write_capped_capture(tmp_path / "capped")
+    whole = write_capture(tmp_path / "whole", [0.02] * 50)
+    data, message = page.run_compare(str(capped), str(whole), None, resamples=200)
+    assert data is not None and message.endswith(
+        f" · {capped}: {gone} of its segments are gone (its size cap or a failed write): "
+        "requests it recorded may be missing")
+    other = write_capture(tmp_path / "other", [0.03] * 50)
+    data, message = page.run_compare(str(whole), str(other), None, resamples=200)
+    assert data is not None and "gone" not in message
+
+
 def test_page_registers_on_an_app_with_its_ids():
     app = dash.Dash(__name__)
     app.layout = page.layout()
