@@ -346,13 +346,19 @@ def cheaper_steps(window: Sequence[Sample], tokens: Mapping[str, float]) -> Chec
     settings = _cache_settings(window)
     total = sum(tokens.values())
     gpu = tokens.get("gpu", 0.0)
-    served = (f"GPU prefix cache served {gpu / total:.1%} of prompt tokens"
-              if total else "GPU prefix cache: no prompt tokens in the window")
+    if not total:
+        served = "GPU prefix cache: no prompt tokens in the window"
+    elif "gpu" not in tokens:  # LMCache's view, say: the engine's own GPU hits unseen
+        served = "GPU prefix cache: not measured (no source reports its hits)"
+    else:
+        served = f"GPU prefix cache served {gpu / total:.1%} of prompt tokens"
     unmeasured = ("not measured: batching (vLLM --max-num-seqs, --max-num-batched-tokens), "
                   "context limits (--max-model-len), model selection")
     if not settings:
+        # none served of tokens measured: a hint; no tokens, or none measured: nothing to say
         seen = (f"{served}: prefix caching is on" if gpu > 0 else "GPU prefix cache served "
-                "no tokens: check prefix caching is on (vLLM --enable-prefix-caching)")
+                "no tokens: check prefix caching is on (vLLM --enable-prefix-caching)"
+                if total and "gpu" in tokens else served)
         return Check(key, CONDITIONS[key], NOT_MEASURED, (
             "KV cache settings: not measured (no engine reports them)", seen,
             "not measured: KV cache quantization (vLLM --kv-cache-dtype fp8)", unmeasured))

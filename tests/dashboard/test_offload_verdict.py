@@ -292,6 +292,23 @@ def test_cheaper_steps_not_measured_when_no_engine_reports_its_cache_settings():
     assert any(line.startswith("not measured: batching") for line in c.evidence)
 
 
+def test_cheaper_steps_hint_at_prefix_caching_only_on_gpu_tokens_measured():
+    """With no engine's settings, a GPU prefix cache that served none of the prompt tokens
+    hints that prefix caching may be off; it said so with no traffic at all (an agent just
+    started) and where no source measures the GPU's hits (LMCache's view: no gpu tokens
+    exported), where there is nothing to hint from."""
+    def seen(tokens_per_s):
+        return check(V.assess(window(tokens_per_s=tokens_per_s)), "cheaper-steps").evidence[1]
+
+    assert seen({"gpu": 0.0, "recompute": 500.0}) == (
+        "GPU prefix cache served no tokens: check prefix caching is on (vLLM "
+        "--enable-prefix-caching)")
+    assert seen({"gpu": 0.0, "recompute": 0.0}) == (
+        "GPU prefix cache: no prompt tokens in the window")
+    assert seen({"cpu": 200.0, "recompute": 500.0}) == (
+        "GPU prefix cache: not measured (no source reports its hits)")
+
+
 def test_cheaper_steps_skip_offload_while_prefix_caching_is_off():
     """One engine of two with prefix caching off: turn it on first, whatever the other says."""
     a = V.assess(with_cache_config(window(), "vllm_metrics->off->auto", "engine->on->8bit"))
