@@ -231,6 +231,14 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
         arc = arc_curve(trace.block_ids, arc_sizes, arc_rate, seed=options.seed)
         notes.append("ARC block hit ratios overstate prefix hits: ARC may evict a block whose "
                      "longer prefixes stay cached, and only leading cached blocks serve tokens.")
+    if "kv_bytes" not in rate_sources and rate_sources.get("prefill", "").startswith(
+            ("measured:", "modelled:")):
+        # the capture's prefill rate (its engine's model) against another model's KV bytes:
+        # a tiny model's demo capture without transfers read "do not offload" at llama-3-8b's
+        notes.append(f"The prefill rate is the capture's, but the KV bytes per block are "
+                     f"preset {options.preset.name}'s, assumed (the capture moved no blocks to "
+                     "measure them by): a verdict from two models if the engine's is another; "
+                     "give --preset for it.")
     if options.gpu_tokens == 0:
         notes.append("No GPU prefix cache assumed: the CPU tier is credited with every reuse "
                      "it holds; give vLLM's 'GPU KV cache size' in tokens (analyze "

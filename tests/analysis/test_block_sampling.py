@@ -208,6 +208,32 @@ def test_a_tap_capture_sampled_again_too_thin_is_refused_as_a_trace_would_be(tmp
                                       sample_rate=0.01, arc_points=0))
 
 
+def test_a_capture_prefill_rate_beside_a_preset_kv_size_is_noted():
+    """A demo capture of a tiny model without an offload tier: its prefill rate came from the
+    capture, its KV bytes per block from analyze's default preset (llama-3-8b, 64 times
+    tiny's block), and the verdict flipped to "do not offload" unremarked. The report notes
+    the mix; not where the capture measured the KV size too (its transfers), nor where it
+    measured no prefill (both the preset's)."""
+    from kvscope.analysis.inputs import from_block_ids
+    from kvscope.analysis.rates import measured_rates
+
+    trace = from_block_ids(np.array([1, 2, 3, 1, 2, 3, 4, 1, 2], dtype=np.uint64), 16)
+    preset = get_preset("llama-3-8b")
+
+    def noted(measured):
+        notes = analyze(trace, AnalyzeOptions(preset, measured=measured, arc_points=0)).notes
+        return [n for n in notes if "two models" in n]
+
+    prefill_only = measured_rates(1000, 0.25, {}, {})
+    assert noted(prefill_only) == [
+        "The prefill rate is the capture's, but the KV bytes per block are preset llama-3-8b's, "
+        "assumed (the capture moved no blocks to measure them by): a verdict from two models "
+        "if the engine's is another; give --preset for it."]
+    assert noted(measured_rates(1000, 0.25, {"cpu->gpu": 32768}, {"cpu->gpu": 0.001},
+                                {"cpu->gpu": 1})) == []
+    assert noted(measured_rates(0, 0.0, {}, {})) == []
+
+
 def test_sizing_rates_are_measured_given_or_assumed_and_say_which():
     """By hand: 1e9 bytes of cpu->gpu copies in 0.5 s is 2e9 bytes/s (gpu->cpu copies do not
     count: promotions are host to device); 1,000 recomputed tokens in 0.25 s of prefill is
