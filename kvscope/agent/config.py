@@ -24,6 +24,7 @@ Example TOML (every key optional)::
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import os
@@ -244,6 +245,7 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
             raise ConfigError(f"config {path}: not UTF-8 text (byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config {path}: {exc}") from None
+    file_values = copy.deepcopy(values)
     for key, value in overrides.items():
         if value is not None:
             section = values
@@ -265,6 +267,7 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
         settings = AgentSettings(**values)
         if values:
             _check_overridden(values)
+        _check_file_overridden(file_values, overrides, path)
         return settings
     except SettingsError as exc:  # a KVSCOPE_* variable that does not parse (e.g. bad JSON)
         # pydantic names only the top-level field ('error parsing value for field "collectors"')
@@ -320,6 +323,26 @@ def _check_overridden(values: dict) -> None:
                     f"environment: {variable}: {error['msg'].removeprefix('Value error, ')} "
                     f"(the config file or a flag sets {'.'.join(loc)} too and takes "
                     "precedence; fix or unset the variable)") from None
+
+
+def _check_file_overridden(file_values: dict, overrides: dict, path) -> None:
+    """Raise ConfigError for a bad value in the config file at ``path`` whose key a flag
+    (``overrides``) sets too: the flag's value won and the file's was never checked, so
+    ``port = 70000`` beside ``--port`` went unnoticed until the flag left the unit file."""
+    flagged = [key.split(".") for key, value in overrides.items()
+               if value is not None and _set_in(file_values, key.split("."))]
+    if not flagged:
+        return
+    try:
+        AgentSettings(**file_values)  # the file alone (and the environment, checked already)
+    except ValidationError as exc:
+        for error in exc.errors():
+            loc = [str(p) for p in error["loc"]]
+            if any(loc[:len(key)] == key for key in flagged):
+                raise ConfigError(
+                    f"config {path}: {'.'.join(loc)}: "
+                    f"{error['msg'].removeprefix('Value error, ')} (a flag sets it too and "
+                    "takes precedence; fix the file)") from None
 
 
 def _unknown_key(loc: list[str]) -> str:

@@ -268,6 +268,27 @@ def test_a_bad_environment_value_names_its_variable_not_the_file(tmp_path, monke
     assert load_settings(path).port == 9555
 
 
+def test_a_bad_file_value_a_flag_overrides_is_still_refused(tmp_path):
+    """The flag wins over the file, but the file's bad value was never checked: port = 70000
+    beside --port, an empty store_dir beside --store-dir and a bogus ingest endpoint beside
+    --ingest started the agent, until the flag left the unit file. Each is refused, naming
+    the file and the key; a good value a flag overrides is overridden as documented."""
+    path = tmp_path / "agent.toml"
+    for text, flag, says in (
+            ("port = 70000\n", {"port": 19840}, "port: Input should be less than 65536"),
+            ('store_dir = ""\n', {"store_dir": str(tmp_path / "s")}, "store_dir: "),
+            ('[ingest]\nendpoint = "bogus"\n', {"ingest.endpoint": "tcp://127.0.0.1:19841"},
+             "ingest.endpoint: ")):
+        path.write_text(text)
+        with pytest.raises(ConfigError) as refused:
+            load_settings(path, **flag)
+        message = str(refused.value)
+        assert message.startswith(f"config {path}: {says}") and message.endswith(
+            "(a flag sets it too and takes precedence; fix the file)"), message
+    path.write_text("port = 9555\n")
+    assert load_settings(path, port=19840).port == 19840
+
+
 def test_a_check_across_a_tables_keys_names_where_the_table_was_set(tmp_path, monkeypatch):
     """kv_events' endpoint and replay_endpoint on one socket fail dp_size's check (its default,
     set nowhere): the file that set the endpoints is named, not "environment: KVSCOPE_*"; the
