@@ -253,10 +253,35 @@ def test_the_dashboard_refuses_bad_input_before_it_serves(tmp_path):
     _one_error_line(result, "KVSCOPE_TOKEN must be printable ASCII")
 
 
+@pytest.mark.parametrize("token, warned", [("a", True), ("0123456789abcdef", False)])
+def test_a_guessable_token_beyond_loopback_is_warned_of(tmp_path, token, warned):
+    """A one-character token guarded /api on 0.0.0.0 without a word; one under 16 characters
+    (64 bits of random hex) is warned of in the banner, one of 16 is not."""
+    env = {**os.environ, "KVSCOPE_TOKEN": token}
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--host", "0.0.0.0",
+                             "--port", str(free_port()), "--ingest", f"ipc://{tmp_path}/i.sock"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, env=env)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("kvscope agent: http"):
+                proc.send_signal(signal.SIGINT)  # the banner is flushed whole: read it all
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    said = ("  warning: the token is 1 character, few enough to guess: use 16 random ones at "
+            "least (e.g. openssl rand -hex 16)\n")
+    assert (said in lines) is warned, "".join(lines)
+
+
 def test_agent_refuses_an_ingest_endpoint_on_its_own_port():
     port = str(free_port())
     result = _kvscope("agent", "--port", port, "--ingest", f"tcp://127.0.0.1:{port}")
-    _one_error_line(result, "ingest endpoint", "own --port holds it: choose a free one")
+    _one_error_line(result, "ingest endpoint", "own endpoints (its --port, [ingest], a "
+                    "source's) holds it: choose a free one")
 
 
 def test_an_ingest_endpoint_on_the_command_line_turns_ingest_on(tmp_path):

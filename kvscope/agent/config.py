@@ -54,6 +54,19 @@ OTHER_VARIABLES = frozenset({"KVSCOPE_VLLM_PYTHON", "KVSCOPE_VLLM_GPU_BUILD_PYTH
 BUDGET_TIERS = TIERS
 
 
+# characters: a bearer token shorter than this can be guessed (16 random hex digits: 64 bits)
+MIN_TOKEN_CHARS = 16
+
+
+def weak_token(token: str) -> str | None:
+    """What to warn of a bearer ``token`` short enough to guess (beyond loopback it is all
+    that guards /api), or None."""
+    if len(token) >= MIN_TOKEN_CHARS:
+        return None
+    return (f"the token is {len(token)} character{'s' * (len(token) != 1)}, few enough to "
+            f"guess: use {MIN_TOKEN_CHARS} random ones at least (e.g. openssl rand -hex 16)")
+
+
 def token_problem(token: str) -> str | None:
     """Why ``token`` cannot be the agent's bearer token (as its readers send it too), or None."""
     if not token.strip():

@@ -160,8 +160,9 @@ class Agent(Worker):
                 self.shutdown()
                 # ZMQ's own words do not say what to fix (and repeat the endpoint named)
                 if exc.errno == errno.EADDRINUSE:
-                    hint = ("; another process (a second agent?) or this agent's own --port "
-                            "holds it: choose a free one")
+                    hint = ("; another process (a second agent?) or another of this agent's "
+                            "own endpoints (its --port, [ingest], a source's) holds it: "
+                            "choose a free one")
                 elif isinstance(exc, zmq.ZMQError):
                     hint = ("; an endpoint is tcp://ADDRESS:PORT with an address of this host, "
                             "or ipc:///PATH")

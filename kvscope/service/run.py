@@ -7,7 +7,7 @@ import logging
 import sys
 import threading
 
-from kvscope.agent.config import AgentSettings
+from kvscope.agent.config import AgentSettings, weak_token
 from kvscope.agent.sources import REGISTRY as SOURCES
 from kvscope.argtypes import is_loopback
 from kvscope.service.agent import Agent
@@ -75,6 +75,8 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     if settings.token is None and not is_loopback(settings.host):
         print(f"  warning: /api and /v1/traces are open to anyone who reaches {settings.host}:"
               f"{settings.port}; set token in the config (or KVSCOPE_TOKEN)", file=out)
+    elif not is_loopback(settings.host) and (weak := weak_token(settings.token)):
+        print(f"  warning: {weak}", file=out)
     if agent.ingest is not None and _reachable_off_host(settings.ingest.endpoint):
         print(f"  warning: ingest {settings.ingest.endpoint} takes events from anyone who reaches "
               "it (ZMQ has no authentication); bind it to loopback or an ipc:// path unless "
