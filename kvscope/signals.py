@@ -3,10 +3,12 @@ SIGINT, SIGTERM or SIGHUP."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 # SIGHUP: the terminal closed (e.g. an ssh session dropped); by default it killed the process
 # (exit code 129) without the agent's last store flush. There is no reload to do instead. Not on
@@ -74,6 +76,23 @@ def stop_on_signals(stop: threading.Event) -> None:
     _relay.stop = stop
     for sig in _handled_signals():
         signal.signal(sig, _relay.on_signal)
+
+
+@contextlib.contextmanager
+def stopping_on_signals(stop: threading.Event) -> Iterator[None]:
+    """:func:`stop_on_signals` for the block, the handlers before it put back after: for a
+    command that ends once its work is done (``replay``), which must leave its caller's
+    handlers as they were (run in a test's process, its stop handler, or the ignoring of a
+    later signal, outlived it and changed what the test's other commands inherited)."""
+    saved = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    stop_on_signals(stop)
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in saved.items():
+                if handler is not None:  # None: a handler not set from Python
+                    signal.signal(sig, handler)
 
 
 def _handled_signals() -> list[int]:

@@ -22,7 +22,7 @@ from kvscope.engine.policy import POLICIES
 from kvscope.engine.presets import PRESETS, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
 from kvscope.argtypes import directory, non_negative, positive
-from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
+from kvscope.signals import stopping_on_signals
 
 
 # the engine keeps every request's TTFT for the percentiles: 1M requests, tens of MB
@@ -187,11 +187,8 @@ def run(args, out=None) -> int:
     printed (a paced replay of an hour's trace lost it all), a line on stderr says it was
     interrupted, and the exit code is 130; the disk tier's chunks are removed either way."""
     stop = threading.Event()
-    stop_on_signals(stop)
-    try:
+    with stopping_on_signals(stop):
         summary = replay(args, stop)
-    finally:
-        ignore_signals_while_exiting()
     print(json.dumps(summary) if args.json else render(summary), file=out or sys.stdout)
     if summary["interrupted"]:
         print(f"kvscope replay: interrupted: the summary covers the {summary['requests']:,} "

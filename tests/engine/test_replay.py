@@ -407,12 +407,17 @@ def test_replay_without_torch_says_what_to_install(tmp_path):
 def test_a_long_replay_says_how_far_it_is(monkeypatch, capsys):
     """A replay of the real trace ran 143 s without a word. It says on stderr, every
     PROGRESS_EVERY seconds (0 here: after each request), how many requests of how many it has
-    replayed; stdout keeps the report alone."""
+    replayed; stdout keeps the report alone. Run in this process, it leaves the signal
+    handlers as it found them (it once left SIGINT, SIGTERM and SIGHUP ignored, which every
+    command the later tests started inherited: one ran on after its Ctrl-C)."""
     from kvscope import cli
     from kvscope.engine import replay_cmd
 
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = [signal.getsignal(sig) for sig in stops]
     monkeypatch.setattr(replay_cmd, "PROGRESS_EVERY", 0.0)
     assert cli.main(["replay", "--requests", "40", "--simulate", "--json"]) == 0
+    assert [signal.getsignal(sig) for sig in stops] == before
     out, err = capsys.readouterr()
     assert json.loads(out)["requests"] == 40
     lines = err.splitlines()
