@@ -137,7 +137,7 @@ def test_compare_options_are_checked_before_the_captures_are_read(tmp_path, args
 
 @pytest.mark.parametrize("args,needle", [
     (["--disk-dir", "/proc/no-such-dir", "--disk-blocks", "10"],
-     "--disk-dir /proc/no-such-dir: No such file or directory"),
+     "--disk-dir /proc/no-such-dir: cannot create it: No such file or directory"),
     (["--disk-dir", "/tmp"], "--disk-dir is for the disk tier, which is off: give --disk-blocks"),
     (["--disk-dir", __file__, "--disk-blocks", "10"],
      f"argument --disk-dir: {__file__} is a file, not a directory"),

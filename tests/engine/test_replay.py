@@ -91,18 +91,6 @@ def test_replay_trace_simulate_json():
     assert summary["block_hit_ratio_by_tier"]["disk"] > 0
 
 
-def test_a_disk_dir_that_cannot_be_created_says_so(tmp_path):
-    """--disk-dir is "created if absent": one that cannot be (a file where a parent directory
-    should be) said only "Not a directory", as if the user had named a file; now it says it
-    could not be created."""
-    (tmp_path / "file").write_text("")
-    result = _kvscope("--requests", "5", "--disk-blocks", "8",
-                      "--disk-dir", str(tmp_path / "file" / "disk"))
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"kvscope replay: error: --disk-dir {tmp_path}/file/disk: "
-                                     "cannot create it: Not a directory")
-
-
 def test_requests_takes_the_first_of_a_trace():
     """--requests 150 with --trace replays the trace's first 150 requests (it was ignored: a
     user's quick look replayed all 12,031): their block accesses are the hash_ids of the
