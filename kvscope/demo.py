@@ -144,9 +144,9 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
                                                        * block_tokens,
                                                        token=agent.settings.token,
                                                        capture_roots=[
-                                                           *([config.capture_dir]
-                                                             if config.capture_dir else []),
-                                                           *config.capture_roots],
+                                                           d for d in (config.capture_dir,
+                                                                       *config.capture_roots)
+                                                           if d],
                                                        require_token=config.dashboard_token),
                                     config.host, config.ui_port, "--ui-port")
     except PortInUse:

@@ -18,12 +18,13 @@ def _kvscope(*args, timeout=60, env=None):
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
 
 
-def _started_agent(*args, ingest, stderr=subprocess.STDOUT):
-    """`kvscope agent` on a free port with ``args``, and its output lines up to its start line
-    (the process's stdout stays open for the rest)."""
+def _started_agent(*args, ingest, stderr=subprocess.STDOUT, env=None):
+    """`kvscope agent` on a free port with ``args`` (``env``: its environment, None: ours),
+    and its output lines up to its start line (the process's stdout stays open for the
+    rest)."""
     proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--port", str(free_port()),
                              "--ingest", ingest, *args], stdout=subprocess.PIPE, stderr=stderr,
-                            text=True, stdin=subprocess.DEVNULL)
+                            text=True, stdin=subprocess.DEVNULL, env=env)
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -257,20 +258,14 @@ def test_the_dashboard_refuses_bad_input_before_it_serves(tmp_path):
 def test_a_guessable_token_beyond_loopback_is_warned_of(tmp_path, token, warned):
     """A one-character token guarded /api on 0.0.0.0 without a word; one under 16 characters
     (64 bits of random hex) is warned of in the banner, one of 16 is not."""
-    env = {**os.environ, "KVSCOPE_TOKEN": token}
-    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--host", "0.0.0.0",
-                             "--port", str(free_port()), "--ingest", f"ipc://{tmp_path}/i.sock"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, env=env)
+    proc, lines = _started_agent("--host", "0.0.0.0", ingest=f"ipc://{tmp_path}/i.sock",
+                                 env={**os.environ, "KVSCOPE_TOKEN": token})
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("kvscope agent: http"):
-                # the banner is flushed whole: read it all. SIGTERM, which the agent always
-                # handles: a SIGINT the test process was started ignoring (a CI job run in the
-                # background) is ignored by the agent too, and it ran on
-                proc.send_signal(signal.SIGTERM)
+        # the banner is flushed whole: read it all. SIGTERM, which the agent always handles: a
+        # SIGINT the test process was started ignoring (a CI job run in the background) is
+        # ignored by the agent too, and it ran on
+        proc.send_signal(signal.SIGTERM)
+        lines += proc.stdout
         assert proc.wait(timeout=30) == 0, "".join(lines)
     finally:
         if proc.poll() is None:

@@ -170,19 +170,18 @@ def missing_segments(directory: Path) -> int:
     left, each one missing is a segment gone. A writer's numbers start again at 1 (a new
     agent with the pid of an old one: pid 1 in a container) where, in time order, a number
     does not exceed the one before."""
-    runs: dict[str, list[int]] = {}  # pid -> the sequence numbers, in time order
+    runs: dict[str, tuple[int, int]] = {}  # pid -> (its highest number, segments left)
     missing = 0
     for path in finished_segments(directory):
         parts = path.name[: -len(SUFFIX)].split("-")
         if len(parts) != 4 or not (parts[2].isdigit() and parts[3].isdigit()):
             continue  # not a name this writer gives: nothing to tell from it
-        seen = runs.setdefault(parts[2], [])
-        seq = int(parts[3])
-        if seen and seq <= seen[-1]:  # a new writer with this pid: its run starts over
-            missing += seen[-1] - len(seen)
-            seen.clear()
-        seen.append(seq)
-    return missing + sum(seen[-1] - len(seen) for seen in runs.values() if seen)
+        seq, (last, left) = int(parts[3]), runs.get(parts[2], (0, 0))
+        if seq <= last:  # a new writer with this pid: its run starts over
+            missing += last - left
+            last = left = 0
+        runs[parts[2]] = (seq, left + 1)
+    return missing + sum(last - left for last, left in runs.values())
 
 
 class CaptureWriter(Worker):

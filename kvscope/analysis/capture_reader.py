@@ -304,13 +304,15 @@ def _captures(paths: str) -> list[str]:
     return parts
 
 
-def segments_gone(paths: str) -> dict[str, int]:
-    """The capture directories of a comma-separated ``paths`` that have segments gone (deleted
-    by their size cap or lost: :func:`~kvscope.agent.capture.missing_segments`), and how many:
-    their oldest requests, or some, are missing from what is read of them."""
+def segments_gone(paths: str) -> list[str]:
+    """A note for each capture directory of a comma-separated ``paths`` that has segments gone
+    (deleted by its size cap or lost: :func:`~kvscope.agent.capture.missing_segments`): its
+    oldest requests, or some, are missing from what is read of it."""
     gone = {part: missing_segments(Path(part)) for part in _captures(paths)
             if Path(part).is_dir()}
-    return {part: n for part, n in gone.items() if n}
+    return [f"{part}: {n} of its segments are gone (deleted by its size cap, capture_max_bytes, "
+            "oldest first, or lost to a failed write): requests it recorded may be missing"
+            for part, n in gone.items() if n]
 
 
 def _segments_of(part: str) -> set[Path]:

@@ -79,11 +79,8 @@ def run(args: argparse.Namespace, out=None) -> int:
     from kvscope.analysis.capture_reader import read_arms, segments_gone  # pyarrow only here
 
     baseline, candidate = read_arms(args.baseline, args.candidate)
-    for paths in (args.baseline, args.candidate):
-        for part, n in segments_gone(paths).items():
-            print(f"kvscope compare: note: {part}: {n} of its segments are gone (deleted by "
-                  "its size cap, capture_max_bytes, oldest first, or lost to a failed write): "
-                  "requests it recorded may be missing here", file=sys.stderr)
+    for note in segments_gone(args.baseline) + segments_gone(args.candidate):
+        print(f"kvscope compare: note: {note}", file=sys.stderr)
     try:
         result = compare(baseline, candidate, ttft_budget=args.ttft_budget,
                          itl_budget=args.itl_budget,

@@ -81,13 +81,13 @@ def measured_rates(recomputed_tokens: int, prefill_seconds: float,
         evidence["bandwidth"] = (f"{nbytes:,} bytes of {PROMOTION} copies in {seconds:.4g} s "
                                  "(the capture's timed transfers)")
     prefill = prefill_rate(recomputed_tokens, prefill_seconds)
-    if prefill is not None:
+    modelled = prefill is not None and prefill_modelled
+    if modelled:
+        evidence["prefill"] = (f"every request's prefill in the capture is its recomputed "
+                               f"tokens at exactly {prefill:,.0f} tokens/s, the engine's cost "
+                               "model (the reference engine prices prefill)")
+    elif prefill is not None:
         evidence["prefill"] = (f"{recomputed_tokens:,} recomputed prompt tokens in "
                                f"{prefill_seconds:.4g} s of prefill (the capture's requests)")
-        if prefill_modelled:
-            evidence["prefill"] = (f"every request's prefill in the capture is its recomputed "
-                                   f"tokens at exactly {prefill:,.0f} tokens/s, the engine's "
-                                   "cost model (the reference engine prices prefill)")
     return MeasuredRates(bandwidth, prefill, block_bytes, evidence,
-                         frozenset({"prefill"}) if prefill is not None and prefill_modelled
-                         else frozenset())
+                         frozenset({"prefill"} if modelled else ()))

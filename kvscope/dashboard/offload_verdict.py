@@ -355,10 +355,13 @@ def cheaper_steps(window: Sequence[Sample], tokens: Mapping[str, float]) -> Chec
     unmeasured = ("not measured: batching (vLLM --max-num-seqs, --max-num-batched-tokens), "
                   "context limits (--max-model-len), model selection")
     if not settings:
-        # none served of tokens measured: a hint; no tokens, or none measured: nothing to say
-        seen = (f"{served}: prefix caching is on" if gpu > 0 else "GPU prefix cache served "
-                "no tokens: check prefix caching is on (vLLM --enable-prefix-caching)"
-                if total and "gpu" in tokens else served)
+        if gpu > 0:
+            seen = f"{served}: prefix caching is on"
+        elif total and "gpu" in tokens:  # measured, and none served: a hint
+            seen = ("GPU prefix cache served no tokens: check prefix caching is on (vLLM "
+                    "--enable-prefix-caching)")
+        else:  # no tokens, or the GPU's not measured: nothing to hint from
+            seen = served
         return Check(key, CONDITIONS[key], NOT_MEASURED, (
             "KV cache settings: not measured (no engine reports them)", seen,
             "not measured: KV cache quantization (vLLM --kv-cache-dtype fp8)", unmeasured))

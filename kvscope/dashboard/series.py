@@ -121,13 +121,15 @@ def rate_window(samples: Sequence[Sample], field: str) -> float:
     every 5 s by default) steps once a scrape: a rate between consecutive samples read 0 in
     four of five and five times the rate in the fifth. A window of two steps holds as many
     steps wherever it lies (steps 5 s apart: two in every 10 s)."""
-    if len(samples) < 3:
-        return MIN_RATE_WINDOW
     keys, values = counter_matrix(samples, field)
-    if not keys:
+    return _window(times_ms(samples), values) if keys else MIN_RATE_WINDOW
+
+
+def _window(ts: np.ndarray, values: np.ndarray) -> float:
+    """:func:`rate_window` of the counter matrix ``values`` sampled at ``ts`` (epoch ms)."""
+    if len(ts) < 3:
         return MIN_RATE_WINDOW
-    ts = times_ms(samples) / 1000.0
-    stepped = ts[1:][_increases(values).sum(axis=1) > 0]
+    stepped = ts[1:][_increases(values).sum(axis=1) > 0] / 1000.0
     if len(stepped) < 2:
         return MIN_RATE_WINDOW
     gap = float(np.median(np.diff(stepped)))
@@ -154,7 +156,7 @@ def counter_rates(samples: Sequence[Sample], field: str,
     if not keys or not len(later):
         return {}
     if window is None:
-        window = rate_window(samples, field)
+        window = _window(ts, values)
     # the window's first sample for each point: the newest at least `window` s before it
     start = np.maximum(np.searchsorted(ts, ts[later] - window * 1000.0, side="right") - 1, 0)
     seconds = (ts[later] - ts[start]) / 1000.0

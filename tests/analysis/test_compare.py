@@ -301,7 +301,7 @@ def test_a_capture_whose_size_cap_deleted_segments_is_named(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"kvscope compare: note: {capped}: {gone} of its segments are gone "
                    "(deleted by its size cap, capture_max_bytes, oldest first, or lost to a "
-                   "failed write): requests it recorded may be missing here"]
+                   "failed write): requests it recorded may be missing"]
 
 
 def test_bootstrap_median_interval_covers_the_true_median_about_95_percent():

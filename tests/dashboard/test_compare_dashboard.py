@@ -115,8 +115,9 @@ def test_the_page_notes_a_capture_whose_size_cap_deleted_segments(tmp_path):
     whole = write_capture(tmp_path / "whole", [0.02] * 50)
     data, message = page.run_compare(str(capped), str(whole), None, resamples=200)
     assert data is not None and message.endswith(
-        f" · {capped}: {gone} of its segments are gone (its size cap or a failed write): "
-        "requests it recorded may be missing")
+        f" · {capped}: {gone} of its segments are gone (deleted by its size cap, "
+        "capture_max_bytes, oldest first, or lost to a failed write): requests it recorded may "
+        "be missing")
     other = write_capture(tmp_path / "other", [0.03] * 50)
     data, message = page.run_compare(str(whole), str(other), None, resamples=200)
     assert data is not None and "gone" not in message

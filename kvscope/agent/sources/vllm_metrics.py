@@ -346,8 +346,7 @@ class MetricsMapper:
         self._unmatched = max(min(0, owed), -cached_now)
         if not any(n > 0 for n in tokens.values()):
             return {}
-        measured = ("gpu", "recompute", "cpu") if cpu_tier or self._connector else (
-            "gpu", "recompute")
+        measured = {"gpu", "recompute"} | ({"cpu"} if cpu_tier or self._connector else set())
         return {k: v for k, v in tokens.items() if v > 0 or k in measured}
 
     def _cpu_chunks(self, samples: Samples) -> dict[str | None, tuple[int, int, int]]:

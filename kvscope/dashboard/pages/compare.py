@@ -254,16 +254,14 @@ def run_compare(baseline: str | None, candidate: str | None, budget: Budget | No
     try:
         result = compare(*read_arms(baseline, candidate),
                          ttft_budget=budget, resamples=resamples)
-        gone = {**segments_gone(baseline), **segments_gone(candidate)}
+        notes = segments_gone(baseline) + segments_gone(candidate)
     except (TraceError, ValueError) as exc:  # the dashboard's fetch boundary
         return None, f"cannot compare: {exc}"
     data = to_dict(result)
     return data, (f"baseline {data['baseline']['requests']} requests · candidate "
                   f"{data['candidate']['requests']} requests · {data['resamples']} bootstrap "
                   f"resamples, {data['confidence'] * 100:g}% intervals"
-                  + "".join(f" · {part}: {n} of its segments are gone (its size cap or a "
-                            "failed write): requests it recorded may be missing"
-                            for part, n in gone.items()))
+                  + "".join(f" · {note}" for note in notes))
 
 
 def _is_rollout(path: str | None) -> bool:
