@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--capture-dir", metavar="DIR", type=directory("not to capture"),
                       help="capture block accesses and requests here as Parquet for kvscope "
                       "analyze/compare; a directory without an earlier run's capture in it: "
-                      "one run per capture (default: off)")
+                      "one run per capture (default: off). Exit code 1 when the capture lost "
+                      "rows it could not write (a full disk)")
     _add_capture_root(demo, "--capture-dir's only: to compare this run with an earlier one, "
                             "give the directory holding that one's")
 

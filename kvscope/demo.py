@@ -64,7 +64,8 @@ def _replay(replayer: Replayer, out, duration: float | None) -> None:
 
 
 def run_demo(config: DemoConfig, out=sys.stdout) -> int:
-    """Run the demo until ``config.duration`` passes or SIGINT/SIGTERM; return the exit code.
+    """Run the demo until ``config.duration`` passes or SIGINT/SIGTERM; return the exit code:
+    0, or 1 when its capture lost rows it could not write (a full disk).
 
     Raises :class:`~kvscope.engine.workload.TraceError` for an unreadable trace,
     FileExistsError for a ``capture_dir`` that holds an earlier run's capture,
@@ -183,4 +184,10 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     agent.shutdown()
     print(f"kvscope demo: stopped after {replayer.served} requests", file=out, flush=True)
     ignore_signals_while_exiting()
+    lost = sum(agent.capture.dropped.values()) if agent.capture is not None else 0
+    if lost:  # a script reading the capture next must not take it for the whole run
+        print(f"kvscope demo: error: the capture lost {lost} rows it could not write (see the "
+              f"capture's lines above); {config.capture_dir} holds only the segments written "
+              "whole", file=sys.stderr, flush=True)
+        return 1
     return 0

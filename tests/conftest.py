@@ -116,6 +116,22 @@ def agent_samples(proc: subprocess.Popen, port: int, ready, timeout: float = 60.
     return samples
 
 
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs mounted at ``path`` (made if missing) with mount ``options`` (e.g.
+    "size=64k": a small disk that fills; "ro": one that denies root too), unmounted after;
+    skips the test where mounting is not allowed (CI runs as root, where it is)."""
+    path.mkdir(exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True, check=False)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
 def artifacts_dir() -> Path:
     """test-artifacts/ under the repository root (git-ignored), created on demand."""
     ARTIFACTS_DIR.mkdir(parents=True, exist_ok=True)

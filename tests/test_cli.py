@@ -2,6 +2,7 @@
 running, and a stopped command exits cleanly."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, tmpfs
 
 
 def _kvscope(*args, timeout=60, env=None):
@@ -767,6 +768,24 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
     _one_error_line(_kvscope("demo", "--trace", str(path), "--duration", "1", "--metrics-port",
                              str(free_port()), "--ui-port", str(free_port()), "--capture-dir",
                              str(tmp_path / "cap")), "segments of an earlier run")
+
+
+def test_a_demo_whose_capture_lost_rows_says_so_and_exits_1(tmp_path):
+    """A demo capturing onto a disk that fills (a real 64 KiB tmpfs: 5 s of the synthetic
+    workload write some hundred thousand rows) logged the loss but exited 0, so a script
+    analysing the capture next took it for the whole run. It now ends with exit code 1 and
+    one error line naming the rows lost; on a disk with room it exits 0 (the test above)."""
+    with tmpfs(tmp_path / "cap", "size=64k") as capture:
+        result = _kvscope("demo", "--duration", "5", "--speed", "50", "--metrics-port",
+                          str(free_port()), "--ui-port", str(free_port()), "--capture-dir",
+                          str(capture))
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"kvscope demo: error: the capture lost [1-9]\d* rows it could not "
+                        rf"write \(see the capture's lines above\); {re.escape(str(capture))} "
+                        r"holds only the segments written whole", last), last
+    assert "No space left on device" in result.stderr
+    assert result.stdout.splitlines()[-1].startswith("kvscope demo: stopped after ")
 
 
 def test_a_capture_directory_being_written_is_refused_to_a_second_writer(tmp_path):

@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import shutil
-import subprocess
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from conftest import tmpfs
 
 from kvscope import events as ev
 from kvscope.agent.capture import TMP_SUFFIX, CaptureWriter, missing_segments
@@ -590,16 +590,8 @@ def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path, sampl
 def read_only_mount(tmp_path):
     """A read-only tmpfs at tmp_path/"ro" (denies root too); skipped where mounting is not
     allowed."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
-                          capture_output=True, check=False)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def _unwritable(how, tmp_path, request):
