@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from kvscope import __version__
@@ -18,8 +19,24 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one error line, like every other bad input (argparse's own prints its
     whole usage block above it)."""
 
+    _args: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._args = list(sys.argv[1:] if args is None else args)  # for error()'s hint
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        hint = ""
+        missing = re.fullmatch(r"argument (--[\w-]+)(?:/\S+)?: expected one argument", message)
+        if missing and (value := _after(self._args, missing[1])).startswith("-"):
+            # argparse takes a value like -5% for an option: only with '=' is it a value
+            hint = f"; a value that starts with '-' goes after '=': {missing[1]}={value}"
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
+
+
+def _after(args: list[str], option: str) -> str:
+    """The argument after the last ``option`` in ``args`` ("" if none)."""
+    return next((args[i + 1] for i in range(len(args) - 2, -1, -1) if args[i] == option), "")
 
 
 def _parser() -> argparse.ArgumentParser:

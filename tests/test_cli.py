@@ -174,6 +174,9 @@ def test_a_workload_without_one_off_prompts_is_accepted():
     (["demo", "--duration", "soon"], "--duration"),
     (["demo", "--one-off-share", "1.5"], "must be in [0, 1]"),
     (["agent", "--port", "70000"], "--port"),
+    # argparse takes -5% for an option: the way to give it was in --help only
+    (["compare", "--ttft-budget", "-5%", "a", "b"],
+     "expected one argument; a value that starts with '-' goes after '=': --ttft-budget=-5%"),
     (["analyze", "t.jsonl", "--bandwidth-gbps", "nan"], "must be a finite number"),
     (["analyze", "t.jsonl", "--bandwidth-gbps", "fast"], "invalid float value: 'fast'"),
     (["analyze", "t.jsonl", "--arc-points", "100000"], "must be 0 to 64"),
