@@ -155,9 +155,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="trace (Mooncake JSONL) to analyse for the Sizing page")
     dash.add_argument("--sizing-preset", default="llama-3-8b", choices=sorted(PRESETS),
                       help="model preset for the Sizing analysis (default %(default)s)")
-    dash.add_argument("--sizing-gpu-tokens", type=token_count, default=0, metavar="TOKENS",
+    dash.add_argument("--sizing-gpu-tokens", type=token_count, metavar="TOKENS",
                       help="GPU prefix-cache capacity in tokens for the Sizing analysis (vLLM "
-                      "logs it as 'GPU KV cache size'; default 0: none)")
+                      "logs it as 'GPU KV cache size'; default: a capture's gpu tier as its "
+                      "engine reported it, else 0: none)")
 
     from kvscope.analysis.command import add_arguments as add_analyze_arguments
 

@@ -16,6 +16,9 @@ format, written with pyarrow):
   (:data:`TOTALS_SCHEMA`), a row per direction whenever they changed at a dashboard sample:
   every transfer, the offloads no request's record holds included (vLLM's stores are
   background work); ``kvscope compare`` takes the transfer cost from them.
+- ``tiers-<ms>-<pid>-<seq>.parquet``: each tier's capacity as its engine reported it
+  (:data:`TIERS_SCHEMA`), a row per tier whenever it changed at a dashboard sample;
+  ``kvscope analyze`` takes the GPU prefix cache's size and the KV bytes per block from them.
 
 Crash safety: a segment is written as ``<name>.parquet.tmp`` (one row group per flush), then
 closed, fsynced and renamed to ``<name>.parquet``, so a ``.parquet`` file is always whole; a
@@ -58,7 +61,7 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".parquet"
 TMP_SUFFIX = ".parquet.tmp"
-KINDS = ("blocks", "requests", "totals")
+KINDS = ("blocks", "requests", "totals", "tiers")
 _U64 = (1 << 64) - 1
 _I32 = (1 << 31) - 1
 
@@ -125,7 +128,15 @@ TOTALS_SCHEMA = pa.schema([
     pa.field("seconds", pa.float64()),      # of the timed transfers
 ], metadata={"kvscope.kind": "totals"})
 
-SCHEMAS = {"blocks": BLOCKS_SCHEMA, "requests": REQUESTS_SCHEMA, "totals": TOTALS_SCHEMA}
+TIERS_SCHEMA = pa.schema([
+    pa.field("ts", pa.float64()),               # Unix seconds of the agent's sample
+    pa.field("tier", pa.string()),              # gpu, cpu or disk
+    pa.field("capacity_bytes", pa.int64()),     # 0: the engine reported blocks only
+    pa.field("capacity_blocks", pa.int64()),    # blocks of the engine's block size
+], metadata={"kvscope.kind": "tiers"})
+
+SCHEMAS = {"blocks": BLOCKS_SCHEMA, "requests": REQUESTS_SCHEMA, "totals": TOTALS_SCHEMA,
+           "tiers": TIERS_SCHEMA}
 
 
 def segment_key(path: Path) -> tuple[str, str]:
@@ -189,7 +200,7 @@ class CaptureWriter(Worker):
 
     ``add_lookup`` / ``add_request`` are cheap (appends under a lock) and are meant to be
     subscribed to the pipeline (:meth:`~kvscope.agent.pipeline.Pipeline.subscribe_lookups`,
-    :meth:`~kvscope.agent.pipeline.Pipeline.subscribe`), ``add_totals`` to be given each
+    :meth:`~kvscope.agent.pipeline.Pipeline.subscribe`), ``add_sample`` to be given each
     dashboard sample (the agent's sampler does); a flush thread writes every
     ``flush_interval`` seconds. Sizes in bytes, times in seconds. ``clock``: Unix seconds,
     for segment names and ages. ``start()`` / ``shutdown()`` (which finishes every open
@@ -221,8 +232,9 @@ class CaptureWriter(Worker):
             self.directory, lambda: sum(self.dropped.values()), self.log_bug,
             label="kvscope capture", meanwhile="rows are dropped until it can",
             lost_as="rows could not be written")
-        self._totals: dict[str, tuple] = {}  # the transfer counters last queued (add_totals)
-        self._tiers = ""  # the tiers the last sample reported (add_totals), for add_request
+        self._totals: dict[str, tuple] = {}  # the transfer counters last queued (add_sample)
+        self._capacities: dict[str, tuple] = {}  # the tier capacities last queued (add_sample)
+        self._tiers = ""  # the tiers the last sample reported (add_sample), for add_request
         self._held = -1  # the directory's descriptor while started (prepare)
 
     # -- sinks ------------------------------------------------------------------------------
@@ -298,34 +310,45 @@ class CaptureWriter(Worker):
                 stream.pending[name].append(value)
             stream.rows += 1
 
-    def add_totals(self, sample: dict) -> None:
-        """Queue the transfer counters of one dashboard sample (:meth:`~kvscope.agent.pipeline.
-        Pipeline.record_sample`'s: ``ts``, and ``transfer_bytes``, ``transfer_blocks``,
-        ``transfer_seconds_sum`` by "src->dst"): a row per direction, when they changed since
-        the last rows queued (an idle agent adds none). The tiers it reports (the keys of
-        ``tier_capacity_bytes``, when it has them) go with the requests added after it."""
+    def add_sample(self, sample: dict) -> None:
+        """Queue the transfer counters and tier capacities of one dashboard sample
+        (:meth:`~kvscope.agent.pipeline.Pipeline.record_sample`'s: ``ts``, and
+        ``transfer_bytes``, ``transfer_blocks``, ``transfer_seconds_sum`` by "src->dst";
+        ``tier_capacity_bytes`` and ``tier_capacity_blocks`` by tier, when it has them): a row
+        per direction, and one per tier, when they changed since the last rows queued (an idle
+        agent adds none). The tiers it reports go with the requests added after it."""
         seconds = sample["transfer_seconds_sum"]
-        now = {d: (int(n), int(sample["transfer_blocks"].get(d, 0)), float(seconds.get(d, 0.0)))
-               for d, n in sample["transfer_bytes"].items()}
+        totals = {d: (int(n), int(sample["transfer_blocks"].get(d, 0)),
+                      float(seconds.get(d, 0.0)))
+                  for d, n in sample["transfer_bytes"].items()}
         reported = sample.get(sf.TIER_CAPACITY_BYTES.name)
+        nbytes, blocks = reported or {}, sample.get(sf.TIER_CAPACITY_BLOCKS.name) or {}
+        capacities = {t: (int(nbytes.get(t, 0)), int(blocks.get(t, 0)))
+                      for t in ev.TIERS if t in nbytes or t in blocks}
         with self._lock:
             if reported is not None:
                 self._tiers = ",".join(t for t in ev.TIERS if t in reported)
-            if now == self._totals:
-                return
-            stream = self._streams["totals"]
-            if stream.rows + len(now) > self.max_pending_rows:
-                self.dropped["totals"] += len(now)
-                return
-            self._totals = now
-            cols = stream.pending
-            for direction, (nbytes, blocks, spent) in now.items():
-                cols["ts"].append(sample["ts"])
-                cols["direction"].append(direction)
-                cols["bytes"].append(nbytes)
-                cols["blocks"].append(blocks)
-                cols["seconds"].append(spent)
-            stream.rows += len(now)
+            if totals != self._totals and self._queue("totals", sample["ts"], totals):
+                self._totals = totals
+            if capacities and capacities != self._capacities and self._queue(
+                    "tiers", sample["ts"], capacities):
+                self._capacities = capacities
+
+    def _queue(self, kind: str, ts: float, rows: dict[str, tuple]) -> bool:
+        """Queue ``rows`` (key -> the other columns, in schema order) of ``kind`` at ``ts``
+        (under the lock); False, with them counted as dropped, when they do not fit."""
+        stream = self._streams[kind]
+        if stream.rows + len(rows) > self.max_pending_rows:
+            self.dropped[kind] += len(rows)
+            return False
+        names = stream.schema.names
+        for key, values in rows.items():
+            stream.pending[names[0]].append(ts)
+            stream.pending[names[1]].append(key)
+            for name, value in zip(names[2:], values):
+                stream.pending[name].append(value)
+        stream.rows += len(rows)
+        return True
 
     # -- lifecycle --------------------------------------------------------------------------
 

@@ -40,14 +40,15 @@ class AnalyzeOptions:
     :data:`~kvscope.analysis.sizing.DEFAULT_BANDWIDTH` and the preset's prefill rate. A trace
     the tap already sampled (``AccessTrace.sample_rate`` < 1) is analysed at its rate
     (``exact``, and ``auto`` up to ``exact_limit``) or sampled again lower (``shards-rate``;
-    ``shards-size`` cannot start from a sample). The rest are
+    ``shards-size`` cannot start from a sample). ``gpu_tokens``: None takes the GPU tier's size
+    ``measured`` holds (the capture's engine reported it), else 0: none. The rest are
     :class:`~kvscope.analysis.sizing.SizingParams`."""
 
     preset: ModelPreset
     bandwidth: float | None = None
     prefill_tokens_per_second: float | None = None
     measured: MeasuredRates | None = None
-    gpu_tokens: int = 0
+    gpu_tokens: int | None = None
     budget_bytes: float | None = None
     target_share: float = 0.9
     method: str = "auto"
@@ -71,7 +72,7 @@ class AnalyzeOptions:
         if self.prefill_tokens_per_second is not None and not self.prefill_tokens_per_second > 0:
             raise ValueError(f"prefill rate must be > 0 tokens/s, got "
                              f"{self.prefill_tokens_per_second}")
-        if self.gpu_tokens < 0:
+        if self.gpu_tokens is not None and self.gpu_tokens < 0:
             raise ValueError(f"gpu tokens must be >= 0, got {self.gpu_tokens}")
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise ValueError(f"budget must be > 0 bytes, got {self.budget_bytes}")
@@ -159,10 +160,11 @@ def _sampled_reuse(reuse: ReuseStats, trace: AccessTrace) -> ReuseStats:
                    reused_blocks=round(reuse.reused_blocks / rate), top_prefixes=None)
 
 
-def _rates(options: AnalyzeOptions) -> tuple[float, float | None, float | None,
-                                              dict[str, str]]:
+def _rates(options: AnalyzeOptions, block_tokens: int) -> tuple[float, float | None,
+                                                                float | None, int,
+                                                                dict[str, str]]:
     """(bandwidth bytes/s, prefill tokens/s and KV bytes per block, each None for the
-    preset's, where each came from)."""
+    preset's, GPU prefix cache tokens, where each came from)."""
     measured = options.measured or MeasuredRates()
     bandwidth, bandwidth_from = measured.pick("bandwidth", options.bandwidth, "--bandwidth-gbps")
     prefill, prefill_from = measured.pick("prefill", options.prefill_tokens_per_second,
@@ -171,10 +173,16 @@ def _rates(options: AnalyzeOptions) -> tuple[float, float | None, float | None,
     sources = {"bandwidth": bandwidth_from or (
         f"assumed: {DEFAULT_BANDWIDTH / 1e9:g} GB/s, about 80% of PCIe 4.0 x16 (no timed "
         "cpu->gpu copy in the input)")}
-    for name, found in (("prefill", prefill_from), ("kv_bytes", block_bytes_from)):
+    gpu_tokens, gpu_from = options.gpu_tokens, "given (--gpu-tokens)"
+    if gpu_tokens is None:
+        gpu_blocks, gpu_from = measured.pick("gpu", None, "")
+        gpu_tokens = int(gpu_blocks or 0) * block_tokens
+        gpu_from = gpu_from or "assumed: none (the input does not say; give --gpu-tokens)"
+    for name, found in (("prefill", prefill_from), ("kv_bytes", block_bytes_from),
+                        ("gpu", gpu_from)):
         if found:
             sources[name] = found
-    return bandwidth or DEFAULT_BANDWIDTH, prefill, block_bytes, sources
+    return bandwidth or DEFAULT_BANDWIDTH, prefill, block_bytes, gpu_tokens, sources
 
 
 def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
@@ -194,10 +202,12 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
     grid = size_grid(working_set, options.curve_points)
     lru = curve_from_histogram(by_access, grid, method)
     lru_tokens = curve_from_histogram(by_token, grid, method, weight="tokens")
-    bandwidth, prefill, block_bytes, rate_sources = _rates(options)
-    # the capture's transfers count blocks of its lookups' size (vLLM's block, the engine's)
+    bandwidth, prefill, block_bytes, gpu_tokens, rate_sources = _rates(options,
+                                                                       trace.block_tokens)
+    # the capture's transfers and tiers count blocks of its lookups' size (vLLM's block, the
+    # engine's)
     params = SizingParams(options.preset, trace.block_tokens, bandwidth,
-                          options.gpu_tokens, options.budget_bytes, options.target_share,
+                          gpu_tokens, options.budget_bytes, options.target_share,
                           prefill_tokens_per_second=prefill, rate_sources=rate_sources,
                           kv_bytes_per_token=block_bytes / trace.block_tokens
                           if block_bytes else None)
@@ -239,7 +249,7 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
                      f"preset {options.preset.name}'s, assumed (the capture moved no blocks to "
                      "measure them by): a verdict from two models if the engine's is another; "
                      "give --preset for it.")
-    if options.gpu_tokens == 0:
+    if gpu_tokens == 0 and options.gpu_tokens is None:
         notes.append("No GPU prefix cache assumed: the CPU tier is credited with every reuse "
                      "it holds; give vLLM's 'GPU KV cache size' in tokens (analyze "
                      "--gpu-tokens, dashboard --sizing-gpu-tokens).")

@@ -5,6 +5,8 @@
   :mod:`kvscope.analysis.inputs` for directories and ``.parquet`` files.
 - :func:`read_request_sample`: the ``requests`` segments -> :class:`~kvscope.analysis.compare.
   RequestSample`, for ``kvscope compare``.
+- :func:`read_measured_rates`: what the ``requests``, ``totals`` and ``tiers`` segments
+  measured (rates, KV bytes per block, the GPU tier's size), for ``kvscope analyze``.
 
 Only finished segments (``*.parquet``) are read, in start-time order; a ``.parquet.tmp`` file
 (a segment being written, or left by a crash) is never read. Like
@@ -46,7 +48,7 @@ _REQUEST_COLUMNS = ["arrival", "finished", "ttft", "itl", "promotion_wait", "pre
 
 
 def capture_segments(path: str | Path, kind: str) -> list[Path]:
-    """Finished ``kind`` segments (``blocks`` or ``requests``) of the capture at ``path``,
+    """Finished ``kind`` segments (``blocks``, ``requests``, ...) of the capture at ``path``,
     oldest first; a single ``.parquet`` file is its own list. Raises TraceError when ``path``
     does not exist."""
     path = Path(path)
@@ -271,29 +273,46 @@ def read_transfer_totals(path: str | Path) -> dict[str, tuple[int, int, float]] 
     return {d: (int(b), int(n), float(s)) for d, (b, n, s) in out.items()}
 
 
+def read_tier_capacities(path: str | Path) -> dict[str, tuple[int, int]]:
+    """Each tier's capacity the engine reported last while the capture at ``path`` ran, from
+    its ``tiers`` segments: tier -> (bytes, blocks), either 0 where not reported, nearest the
+    GPU first; empty for a capture without any (written before the agent recorded them).
+    Raises TraceError for an unreadable segment."""
+    path = Path(path)
+    segments = capture_segments(path, "tiers")
+    if not segments:
+        return {}
+    columns = ["ts", "tier", "capacity_bytes", "capacity_blocks"]
+    table = _read(segments, columns, "tiers", path)
+    rows = sorted(zip(*(table.column(c).to_pylist() for c in columns)), key=lambda r: r[0])
+    last = {tier: (int(nbytes), int(blocks)) for _ts, tier, nbytes, blocks in rows}
+    return {tier: last[tier] for tier in ev.TIERS if tier in last}
+
+
 def read_measured_rates(path: str | Path) -> MeasuredRates:
-    """The promotion bandwidth, prefill rate and KV bytes per block the capture directory at
-    ``path`` measured (:mod:`~kvscope.analysis.rates`): from its requests (and transfer
-    totals), or its transfer totals alone when it has no requests segment; nothing measured
-    for a single segment file.
-    A capture whose requests cannot be read is warned about and measures nothing: the block
+    """The promotion bandwidth, prefill rate, KV bytes per block and GPU tier size the capture
+    directory at ``path`` measured (:mod:`~kvscope.analysis.rates`): from its requests (and
+    transfer totals), or its transfer totals alone when it has no requests segment, and the
+    tier capacities its engine reported; nothing measured for a single segment file.
+    A capture whose segments cannot be read is warned about and measures nothing: the block
     accesses can still be sized."""
     path = Path(path)
     if not path.is_dir():
         return MeasuredRates()
     try:
+        capacities = read_tier_capacities(path)
         if capture_segments(path, "requests"):
             sample = read_request_sample(path)
             return measured_rates(sample.tokens.get("recompute", 0), sample.prefill_seconds,
                                   sample.transfer_bytes, sample.transfer_seconds,
-                                  sample.transfer_blocks, sample.prefill_modelled)
+                                  sample.transfer_blocks, sample.prefill_modelled, capacities)
         totals = read_transfer_totals(path) or {}
     except TraceError as exc:
         log.warning("kvscope: no rates measured from %s: %s", path, exc)
         return MeasuredRates()
     return measured_rates(0, 0.0, {d: t[0] for d, t in totals.items()},
                           {d: t[2] for d, t in totals.items()},
-                          {d: t[1] for d, t in totals.items()})
+                          {d: t[1] for d, t in totals.items()}, capacities=capacities)
 
 
 def _captures(paths: str) -> list[str]:

@@ -32,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="TOKENS",
                         help="prefill rate (default: a capture's own, its recomputed tokens "
                         "over its prefill seconds; without them, the preset's, assumed)")
-    parser.add_argument("--gpu-tokens", type=token_count, default=0, metavar="TOKENS",
+    parser.add_argument("--gpu-tokens", type=token_count, metavar="TOKENS",
                         help="GPU prefix-cache capacity in tokens (vLLM logs it as 'GPU KV cache "
-                        "size', its CPU build as 'CPU KV cache size'; default 0: none)")
+                        "size', its CPU build as 'CPU KV cache size'; default: a capture's gpu "
+                        "tier as its engine reported it, else 0: none)")
     parser.add_argument("--budget-gib", type=positive(float, at_most=2**30), metavar="GIB",
                         help="most host RAM the CPU tier may take (default: no limit)")
     parser.add_argument("--target-share", type=share, default=0.9, metavar="SHARE",

@@ -143,6 +143,7 @@ def render_text(analysis: Analysis) -> str:
               f"    promotion bandwidth {a['bandwidth_source']}",
               f"    prefill rate {a['prefill_source']}",
               f"    KV bytes per block {a['kv_bytes_source']}",
+              f"    GPU prefix cache {a['gpu_tokens_source']}",
               f"  GPU prefix cache alone serves {s.gpu_token_hit_share:.2%} of prompt tokens"]
     budget = a["budget_bytes"]
     if s.knee is not None:

@@ -62,8 +62,8 @@ class SizingParams:
     ``min_gain``: below this token hit share, a CPU tier is not worth having.
     ``prefill_tokens_per_second``: None: the preset's. ``kv_bytes_per_token``: KV bytes of one
     token, None: the preset's. ``rate_sources``: where ``bandwidth``, the prefill rate and the
-    KV bytes came from (``bandwidth``, ``prefill``, ``kv_bytes`` -> "measured: ...", "given",
-    "assumed: ..."), for the report."""
+    KV bytes and ``gpu_tokens`` came from (``bandwidth``, ``prefill``, ``kv_bytes``, ``gpu`` ->
+    "measured: ...", "given", "assumed: ..."), for the report."""
 
     preset: ModelPreset
     block_tokens: int
@@ -256,5 +256,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
                          "prefill", f"assumed: preset {preset.name}'s cost model"),
                      "kv_bytes_source": params.rate_sources.get(
                          "kv_bytes", f"assumed: preset {preset.name}'s KV shape"),
-                     "gpu_tokens": params.gpu_tokens, "budget_bytes": params.budget_bytes,
+                     "gpu_tokens": params.gpu_tokens,
+                     "gpu_tokens_source": params.rate_sources.get("gpu", "given"),
+                     "budget_bytes": params.budget_bytes,
                      "target_share": params.target_share, "cpu_tier": "inclusive LRU"})

@@ -34,7 +34,7 @@ NAV_STYLE = {"marginRight": "14px", "textDecoration": "none", "color": "#1f4e99"
 def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
                window_seconds: float = 900.0, *, backend: Backend | None = None,
                sizing_trace: str | None = None, sizing_preset: str = "llama-3-8b",
-               sizing_gpu_tokens: int = 0, max_points: int = 720,
+               sizing_gpu_tokens: int | None = None, max_points: int = 720,
                token: str | None = None, capture_roots: Iterable[str | os.PathLike] = (),
                require_token: str | None = None,
                offload_settings: OffloadSettings | None = None) -> dash.Dash:
@@ -44,10 +44,11 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
     ``refresh_seconds``: seconds between refreshes. ``window_seconds``: seconds of history
     drawn, counted back from the newest sample. ``sizing_trace``: a trace file for the Sizing
     page, analysed in the background with model ``sizing_preset`` and a GPU prefix cache of
-    ``sizing_gpu_tokens`` tokens. ``max_points``: points per
-    series at most. ``token``: the agent's bearer token, when it has one. ``capture_roots``:
-    the directories the Compare page may read (none: it reads nothing). ``require_token``: the
-    token every visitor must present (None: open; see :mod:`kvscope.dashboard.access`).
+    ``sizing_gpu_tokens`` tokens (None: a capture's gpu tier, else none). ``max_points``:
+    points per series at most. ``token``: the agent's bearer token, when it has one.
+    ``capture_roots``: the directories the Compare page may read (none: it reads nothing).
+    ``require_token``: the token every visitor must present (None: open; see
+    :mod:`kvscope.dashboard.access`).
     ``offload_settings``: the thresholds and TTFT budget of the Overview's "Should I offload
     here?" (None: the defaults of :class:`~kvscope.dashboard.offload_verdict.Settings`). Each
     call builds an independent app.

@@ -36,9 +36,11 @@ class SizingState:
 class SizingSource:
     """Analyses ``trace`` (a path, or None for none) with model ``preset`` (bytes per block,
     prefill cost) and a GPU prefix cache of ``gpu_tokens`` tokens (what it serves, a CPU tier
-    need not). ``start()`` begins the work; ``state()`` reports it. Thread-safe."""
+    need not; None: a capture's gpu tier, else none). ``start()`` begins the work; ``state()``
+    reports it. Thread-safe."""
 
-    def __init__(self, trace: str | None, preset: str = "llama-3-8b", gpu_tokens: int = 0) -> None:
+    def __init__(self, trace: str | None, preset: str = "llama-3-8b",
+                 gpu_tokens: int | None = None) -> None:
         self.trace = trace
         self.preset = preset
         self.gpu_tokens = gpu_tokens
@@ -74,7 +76,8 @@ class SizingSource:
                                 f"{analysis.requests:,} requests, {analysis.accesses:,} block "
                                 f"accesses over {analysis.duration_seconds:,.0f} s; preset "
                                 f"{self.preset}, {analysis.bytes_per_block:,} bytes/block, "
-                                f"GPU prefix cache {self.gpu_tokens:,} tokens; "
+                                f"GPU prefix cache "
+                                f"{analysis.sizing.assumptions['gpu_tokens']:,} tokens; "
                                 f"{analysis.method}")
         except Exception as exc:  # noqa: BLE001 — a boundary: any failure becomes a message
             state = SizingState("failed", self.trace,

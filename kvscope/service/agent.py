@@ -219,4 +219,4 @@ class Agent(Worker):
             host_swap_in=host.swap_in if host else None,
             engine_weight_offload=engine.weight_offload_bytes if engine else None)
         if self.capture is not None:  # the transfer cost compare reads, stores included
-            self.capture.add_totals(sample)
+            self.capture.add_sample(sample)

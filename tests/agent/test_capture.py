@@ -553,7 +553,7 @@ def test_a_removed_capture_directory_is_made_again_and_both_streams_go_on(tmp_pa
     writer.add_lookup("engine", _lookup(1))
     with pytest.raises(OSError):
         writer.flush()
-    assert writer.dropped == {"blocks": 16, "requests": 1, "totals": 0}
+    assert writer.dropped == {"blocks": 16, "requests": 1, "totals": 0, "tiers": 0}
     now[0] += 1.0
     writer.add_lookup("engine", _lookup(2))
     writer.add_request(record)
@@ -584,6 +584,41 @@ def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path, sampl
     segments = list((tmp_path / "cap").glob("totals-*.parquet"))
     assert len(segments) == 1 and pq.read_table(segments[0]).num_rows == 1
     assert not list((tmp_path / "cap").glob("requests-*.parquet"))
+
+
+def test_the_capture_holds_the_tiers_capacities_and_analyze_takes_them(tmp_path, captured):
+    """The reference engine of the 300-request run had a gpu tier of 64 blocks and a cpu tier
+    of 256, of preset tiny's 16-token blocks: its capture holds both, in bytes and blocks, and
+    analyze takes the GPU prefix cache (64 x 16 = 1,024 tokens) and the KV bytes per block
+    from them instead of assuming none and the preset's. A tier resized later adds a row,
+    and the last one counts; samples that change nothing add none."""
+    from kvscope.analysis.capture_reader import read_measured_rates, read_tier_capacities
+
+    directory, _, _ = captured
+    bpb = PRESET.bytes_per_block(16)
+    assert read_tier_capacities(directory) == {"gpu": (64 * bpb, 64), "cpu": (256 * bpb, 256)}
+    analysis = analyze(load_trace(str(directory)), AnalyzeOptions(
+        PRESET, measured=read_measured_rates(directory), arc_points=0))
+    assumptions = analysis.sizing.assumptions
+    assert assumptions["gpu_tokens"] == 1024
+    assert assumptions["gpu_tokens_source"] == ("measured: the capture's gpu tier, 64 blocks "
+                                                "as its engine reported it")
+    assert not any("No GPU prefix cache" in note for note in analysis.notes)
+
+    agent = Agent(AgentSettings(capture_dir=tmp_path / "cap", collectors=NO_COLLECTORS),
+                  with_ingest=False)
+    agent.start()
+    try:
+        for blocks in (100, 100, 300):
+            agent.pipeline.ingest("engine", [ev.TierSnapshot(
+                ts=T0, tier="cpu", capacity_bytes=blocks * 4096, resident_bytes=0,
+                capacity_blocks=blocks, resident_blocks=0)])
+            agent.sample()
+    finally:
+        agent.shutdown()
+    assert read_tier_capacities(tmp_path / "cap") == {"cpu": (300 * 4096, 300)}
+    rows = pq.read_table(list((tmp_path / "cap").glob("tiers-*.parquet"))).to_pylist()
+    assert [(r["tier"], r["capacity_blocks"]) for r in rows] == [("cpu", 100), ("cpu", 300)]
 
 
 @pytest.fixture

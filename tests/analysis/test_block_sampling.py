@@ -234,6 +234,36 @@ def test_a_capture_prefill_rate_beside_a_preset_kv_size_is_noted():
     assert noted(measured_rates(0, 0.0, {}, {})) == []
 
 
+def test_kv_bytes_and_the_gpu_tier_come_from_the_capacities_the_engine_reported():
+    """By hand: with no transfer, the cpu tier's 8 GiB over its 65,536 blocks is 131,072 KV
+    bytes a block, and the gpu tier's 2,048 blocks of 16 tokens are a GPU prefix cache of
+    32,768 tokens (vLLM's 'GPU KV cache size'), each said to be the capture's; transfers that
+    counted blocks still set the KV bytes, and --gpu-tokens, 0 included, wins over the
+    capture's. A capture whose engine reported no tier assumes none, and says so."""
+    from kvscope.analysis.analyze import _rates
+    from kvscope.analysis.rates import measured_rates
+
+    capacities = {"gpu": (0, 2048), "cpu": (8 << 30, 65536)}
+    m = measured_rates(0, 0.0, {}, {}, {}, capacities=capacities)
+    preset = get_preset("tiny")
+    _, _, block_bytes, gpu_tokens, sources = _rates(AnalyzeOptions(preset, measured=m), 16)
+    assert (block_bytes, gpu_tokens) == (131072, 32768)
+    assert sources["kv_bytes"] == ("measured: the capture's cpu tier, 8,589,934,592 bytes in "
+                                   "65,536 blocks as its engine reported it")
+    assert sources["gpu"] == ("measured: the capture's gpu tier, 2,048 blocks as its engine "
+                              "reported it")
+    moved = measured_rates(0, 0.0, {"gpu->cpu": 3000}, {}, {"gpu->cpu": 2}, capacities=capacities)
+    assert moved.bytes_per_block == 1500
+    for given in (0, 4096):
+        _, _, _, gpu_tokens, sources = _rates(AnalyzeOptions(preset, gpu_tokens=given,
+                                                             measured=m), 16)
+        assert (gpu_tokens, sources["gpu"]) == (given, "given (--gpu-tokens)")
+    _, _, block_bytes, gpu_tokens, sources = _rates(AnalyzeOptions(
+        preset, measured=measured_rates(0, 0.0, {}, {}, {}, capacities={"cpu": (0, 100)})), 16)
+    assert (block_bytes, gpu_tokens) == (None, 0)
+    assert sources["gpu"].startswith("assumed: none")
+
+
 def test_sizing_rates_are_measured_given_or_assumed_and_say_which():
     """By hand: 1e9 bytes of cpu->gpu copies in 0.5 s is 2e9 bytes/s (gpu->cpu copies do not
     count: promotions are host to device); 1,000 recomputed tokens in 0.25 s of prefill is
@@ -249,18 +279,19 @@ def test_sizing_rates_are_measured_given_or_assumed_and_say_which():
     assert (m.bandwidth, m.prefill_tokens_per_second) == (2e9, 4000.0)
     assert m.bytes_per_block == pytest.approx((10**9 + 32768) / 1001)
     preset = get_preset("tiny")
-    bandwidth, prefill, block_bytes, sources = _rates(AnalyzeOptions(preset, measured=m))
+    bandwidth, prefill, block_bytes, _, sources = _rates(AnalyzeOptions(preset, measured=m), 16)
     assert (bandwidth, prefill, block_bytes) == (2e9, 4000.0, m.bytes_per_block)
     assert sources["bandwidth"].startswith("measured: 1,000,000,000 bytes")
     assert sources["prefill"].startswith("measured: 1,000 recomputed")
     assert sources["kv_bytes"] == "measured: 1,000,032,768 bytes in 1,001 blocks (the " \
         "capture's transfers)"
-    bandwidth, _, _, sources = _rates(AnalyzeOptions(preset, bandwidth=5e9, measured=m))
+    bandwidth, _, _, _, sources = _rates(AnalyzeOptions(preset, bandwidth=5e9, measured=m), 16)
     assert bandwidth == 5e9 and sources["bandwidth"] == "given (--bandwidth-gbps)"
     none = measured_rates(1000, 0.0, {"gpu->cpu": 5}, {"gpu->cpu": 1.0})
     assert none.bandwidth is None and none.prefill_tokens_per_second is None
     assert none.bytes_per_block is None
-    bandwidth, prefill, block_bytes, sources = _rates(AnalyzeOptions(preset, measured=none))
+    bandwidth, prefill, block_bytes, _, sources = _rates(AnalyzeOptions(preset, measured=none),
+                                                             16)
     assert bandwidth == 25e9 and prefill is None and sources["bandwidth"].startswith("assumed")
     assert block_bytes is None
     assert "prefill" not in sources and "kv_bytes" not in sources  # sizing says: the preset's

@@ -658,7 +658,7 @@ def test_transfer_cost_counts_the_offloads_no_request_holds(tmp_path, capsys):
 
     for s in (sample(1.0, 1_000_000, 0.01, 2_000_000), sample(2.0, 3_000_000, 0.02, 2_000_000),
               sample(3.0, 3_000_000, 0.02, 2_000_000), sample(4.0, 500_000, 0.005, 0)):
-        writer.add_totals(s)
+        writer.add_sample(s)
     for i in range(3):
         writer.add_request(RequestRecord(f"r{i}", f"{i + 1:032x}", "engine", 1.0, prompt_tokens=8,
                                          ttft=0.05, finished=1.1))
@@ -683,7 +683,7 @@ def _promoting_capture(directory, source, copies, tiers=None, jitter=0.0) -> Cap
     the agent's sample before them reported (None: no sample, the tiers unknown)."""
     writer = CaptureWriter(directory)
     if tiers is not None:
-        writer.add_totals({"ts": 999.0, "transfer_bytes": {}, "transfer_blocks": {},
+        writer.add_sample({"ts": 999.0, "transfer_bytes": {}, "transfer_blocks": {},
                            "transfer_seconds_sum": {},
                            "tier_capacity_bytes": dict.fromkeys(tiers, 1 << 30)})
     for i in range(100):
@@ -774,7 +774,7 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
     times has its saving "not measured", never 0."""
     directory = tmp_path / "cand"
     writer = _promoting_capture(directory, "cpu", [("cpu", "gpu", 0.001)])
-    writer.add_totals({"ts": 1100.0,
+    writer.add_sample({"ts": 1100.0,
                        "transfer_bytes": {"gpu->cpu": 10, "cpu->gpu": 100, "cpu->disk": 10,
                                           "disk->cpu": 10},
                        "transfer_blocks": {"gpu->cpu": 1, "cpu->gpu": 200, "cpu->disk": 1,
