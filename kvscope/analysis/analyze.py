@@ -210,7 +210,8 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
                           gpu_tokens, options.budget_bytes, options.target_share,
                           prefill_tokens_per_second=prefill, rate_sources=rate_sources,
                           kv_bytes_per_token=block_bytes / trace.block_tokens
-                          if block_bytes else None)
+                          if block_bytes else None,
+                          current_blocks=(options.measured or MeasuredRates()).cpu_blocks)
     sizing = advise(by_token, params, trace.duration)
     notes = []
     if options.sample_rate and "fixed-rate" not in method:

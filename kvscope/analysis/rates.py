@@ -10,7 +10,8 @@ assumed (and labelled so) when it cannot.
   direction (the engine's own block size and KV layout, where a preset only approximates the
   model's); without transfers, a tier's capacity in bytes over its blocks, as the engine
   reported it.
-- **GPU tier size** (blocks): the GPU prefix cache's capacity the engine reported.
+- **Tier sizes** (blocks): the GPU prefix cache's and the CPU tier's capacity the engine
+  reported.
 
 Pure: the capture's figures come in as a :class:`~kvscope.analysis.compare.RequestSample`
 (read by :mod:`~kvscope.analysis.capture_reader`). Sizing names where each rate came from:
@@ -31,8 +32,9 @@ class MeasuredRates:
     """What a capture measured. ``bandwidth``: host-to-device bytes/s, None when it timed no
     promotion. ``prefill_tokens_per_second``: None when it recorded no prefill time or no
     recomputed token. ``bytes_per_block``: KV bytes of one block, None when no transfer
-    counted its blocks and no tier reported both. ``gpu_blocks``: the GPU tier's capacity in
-    blocks, None when the capture's engine reported none. ``evidence``: name (``bandwidth``,
+    counted its blocks and no tier reported both. ``gpu_blocks``, ``cpu_blocks``: those tiers'
+    capacity in blocks, None where the capture's engine reported none. ``evidence``: name
+    (``bandwidth``,
     ``prefill``, ``kv_bytes``, ``gpu``) -> what it was measured over, in words. ``modelled``:
     the names of those the capture holds but its engine priced by a cost model rather than
     measured (the reference engine's prefill)."""
@@ -41,6 +43,7 @@ class MeasuredRates:
     prefill_tokens_per_second: float | None = None
     bytes_per_block: float | None = None
     gpu_blocks: int | None = None
+    cpu_blocks: int | None = None
     evidence: dict[str, str] = field(default_factory=dict)
     modelled: frozenset[str] = frozenset()
 
@@ -104,5 +107,6 @@ def measured_rates(recomputed_tokens: int, prefill_seconds: float,
     elif prefill is not None:
         evidence["prefill"] = (f"{recomputed_tokens:,} recomputed prompt tokens in "
                                f"{prefill_seconds:.4g} s of prefill (the capture's requests)")
-    return MeasuredRates(bandwidth, prefill, block_bytes, gpu_blocks, evidence,
+    return MeasuredRates(bandwidth, prefill, block_bytes, gpu_blocks,
+                         capacities.get("cpu", (0, 0))[1] or None, evidence,
                          frozenset({"prefill"} if modelled else ()))

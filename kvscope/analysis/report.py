@@ -49,7 +49,8 @@ def sizing_figure_data(analysis: Analysis) -> dict:
     """The data a Sizing page plots, in plain lists: hit-ratio curves against CPU tier size in
     GiB (``lru``, ``lru_tokens``, ``arc``: dicts of ``gib`` and ``hit_ratio`` lists), the CPU
     tier's token hit share and its prefill seconds saved vs transfer seconds (``cpu``), and the
-    marked points (``recommended``, ``knee``: dicts or None) with the verdict, and the
+    marked points (``recommended``, ``knee``, ``current``: the input's own tier; dicts or
+    None) with the verdict, and the
     analysis's ``notes`` (what it assumed, e.g. no GPU prefix cache)."""
     gib = analysis.bytes_per_block / GIB
 
@@ -77,6 +78,7 @@ def sizing_figure_data(analysis: Analysis) -> dict:
         "gpu_token_hit_share": s.gpu_token_hit_share,
         "reuse_token_share": s.reuse_token_share,
         "recommended": point(s.recommended), "knee": point(s.knee),
+        "current": point(s.current),
         "offload": s.offload, "verdict": s.verdict,
         "kv_offloading_size_gib": s.kv_offloading_size_gib, "notes": list(analysis.notes),
     }
@@ -165,6 +167,12 @@ def render_text(analysis: Analysis) -> str:
                   f"    prefill saved {seconds(p.prefill_seconds_saved)}; transfers "
                   f"{seconds(p.transfer_seconds)}; store traffic "
                   f"{s.offload_bytes_per_second / 1e9:.3g} GB/s on average"]
+    if s.current is not None:
+        p = s.current
+        lines.append(f"  the input's own CPU tier: {p.blocks:,} blocks ({_gib(p.bytes)}): token "
+                     f"hit share {p.token_hit_share:.2%} (CPU tier {p.cpu_token_hit_share:.2%})"
+                     f"; prefill saved {seconds(p.prefill_seconds_saved)}, transfers "
+                     f"{seconds(p.transfer_seconds)}")
     lines += ["", f"Verdict: {s.verdict}"] + [f"  - {reason}" for reason in s.reasons[1:]]
     lines += [f"Note: {note}" for note in analysis.notes]
     return "\n".join(lines) + "\n"

@@ -61,7 +61,9 @@ class SizingParams:
     ``min_reuse_share``: below this token reuse share, prompts count as unique.
     ``min_gain``: below this token hit share, a CPU tier is not worth having.
     ``prefill_tokens_per_second``: None: the preset's. ``kv_bytes_per_token``: KV bytes of one
-    token, None: the preset's. ``rate_sources``: where ``bandwidth``, the prefill rate and the
+    token, None: the preset's. ``current_blocks``: the CPU tier the input's engine has, blocks
+    (None: not known), to be evaluated beside the recommendation. ``rate_sources``: where
+    ``bandwidth``, the prefill rate and the
     KV bytes and ``gpu_tokens`` came from (``bandwidth``, ``prefill``, ``kv_bytes``, ``gpu`` ->
     "measured: ...", "given", "assumed: ..."), for the report."""
 
@@ -75,6 +77,7 @@ class SizingParams:
     min_gain: float = 0.02
     prefill_tokens_per_second: float | None = None
     kv_bytes_per_token: float | None = None
+    current_blocks: int | None = None
     rate_sources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -117,7 +120,8 @@ class SizingAdvice:
     ``assumptions["budget_bytes"]``).
     ``kv_offloading_size_gib``: vLLM ``--kv-offloading-size`` for ``recommended`` (GiB, rounded
     up to 0.1, or finer within the budget: :func:`flag_gib`). ``offload_bytes_per_second``:
-    average device-to-host store traffic at that size.
+    average device-to-host store traffic at that size. ``current``: what the input's own CPU
+    tier (``SizingParams.current_blocks``) does by the same model, None when not known.
     ``curve``: every evaluated size, ascending."""
 
     offload: bool
@@ -131,6 +135,7 @@ class SizingAdvice:
     offload_bytes_per_second: float
     curve: list[SizePoint] = field(default_factory=list)
     assumptions: dict = field(default_factory=dict)
+    current: SizePoint | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -183,15 +188,17 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     top = max(1, min(budget_blocks, working_set), g)
     sizes = np.unique(np.concatenate((size_grid(top, points),
                                       size_grid(max(working_set, g), points), [max(g, 1)])))
-    hit = histogram.hit_ratio(np.maximum(sizes, g))
     gpu_hit = float(histogram.hit_ratio([g])[0])
     reuse = float(histogram.hit_ratio([working_set])[0])
-    cpu = hit - gpu_hit
-    promoted = cpu * total
-    saved = promoted / params.prefill_rate
-    moved = promoted * bpt / params.bandwidth
-    curve = [SizePoint(int(s), int(s) * bpb, float(h), float(c), float(sv), float(mv))
-             for s, h, c, sv, mv in zip(sizes, hit, cpu, saved, moved)]
+
+    def points(sizes) -> list[SizePoint]:  # an inclusive tier of each size, over the GPU's
+        hit = histogram.hit_ratio(np.maximum(sizes, g))
+        promoted = (hit - gpu_hit) * total
+        return [SizePoint(int(s), int(s) * bpb, float(h), float(h - gpu_hit),
+                          float(p / params.prefill_rate), float(p * bpt / params.bandwidth))
+                for s, h, p in zip(sizes, hit, promoted)]
+
+    curve = points(sizes)
     affordable = [p for p in curve if p.blocks <= max(budget_blocks, 1)]
     best_gain = max((p.cpu_token_hit_share for p in affordable), default=0.0)
     unlimited_gain = reuse - gpu_hit
@@ -259,4 +266,5 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
                      "gpu_tokens": params.gpu_tokens,
                      "gpu_tokens_source": params.rate_sources.get("gpu", "given"),
                      "budget_bytes": params.budget_bytes,
-                     "target_share": params.target_share, "cpu_tier": "inclusive LRU"})
+                     "target_share": params.target_share, "cpu_tier": "inclusive LRU"},
+        current=points([params.current_blocks])[0] if params.current_blocks else None)

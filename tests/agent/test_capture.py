@@ -589,8 +589,8 @@ def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path, sampl
 def test_the_capture_holds_the_tiers_capacities_and_analyze_takes_them(tmp_path, captured):
     """The reference engine of the 300-request run had a gpu tier of 64 blocks and a cpu tier
     of 256, of preset tiny's 16-token blocks: its capture holds both, in bytes and blocks, and
-    analyze takes the GPU prefix cache (64 x 16 = 1,024 tokens) and the KV bytes per block
-    from them instead of assuming none and the preset's. A tier resized later adds a row,
+    analyze takes the GPU prefix cache (64 x 16 = 1,024 tokens) from them instead of assuming
+    none, and evaluates the cpu tier's own size on its curve. A tier resized later adds a row,
     and the last one counts; samples that change nothing add none."""
     from kvscope.analysis.capture_reader import read_measured_rates, read_tier_capacities
 
@@ -604,6 +604,16 @@ def test_the_capture_holds_the_tiers_capacities_and_analyze_takes_them(tmp_path,
     assert assumptions["gpu_tokens_source"] == ("measured: the capture's gpu tier, 64 blocks "
                                                 "as its engine reported it")
     assert not any("No GPU prefix cache" in note for note in analysis.notes)
+    # The engine's own tiers by the curve against what they served in the run: its GPU tier
+    # is an LRU of 64 blocks, as the curve's GPU cache (the same share to the last token); the
+    # curve's CPU tier is inclusive (it holds the GPU's blocks too), the engine's holds others
+    # beside them, so it served more, by a little here (the curve is the conservative one).
+    served = read_request_sample(directory).tokens
+    share = {source: n / sum(served.values()) for source, n in served.items()}
+    current = analysis.sizing.current
+    assert current.blocks == 256 and current.bytes == 256 * bpb
+    assert analysis.sizing.gpu_token_hit_share == pytest.approx(share["gpu"], abs=1e-12)
+    assert current.cpu_token_hit_share <= share["cpu"] <= current.cpu_token_hit_share + 0.05
 
     agent = Agent(AgentSettings(capture_dir=tmp_path / "cap", collectors=NO_COLLECTORS),
                   with_ingest=False)

@@ -33,6 +33,20 @@ def test_offload_pays_and_is_sized_to_the_reuse():
     assert [c.blocks for c in advice.curve] == sorted(c.blocks for c in advice.curve)
 
 
+def test_the_inputs_own_tier_is_evaluated_on_the_same_curve():
+    """By hand: half the 100 tokens are reused at distance 9, a tier of 10 blocks serves them
+    all; the input's own tier of 5 blocks serves none, one of 12 all 50 (0.05 s of prefill at
+    1,000 tokens/s, 50 x 16 bytes of copies); not known, nothing is evaluated."""
+    for blocks, share in ((5, 0.0), (12, 0.5)):
+        current = advise(far_reuse(), SizingParams(ROUND, 1, FAST, current_blocks=blocks),
+                         10.0).current
+        assert (current.blocks, current.bytes) == (blocks, blocks * 16)
+        assert current.cpu_token_hit_share == pytest.approx(share)
+        assert current.prefill_seconds_saved == pytest.approx(share * 100 / 1000)
+        assert current.transfer_seconds == pytest.approx(share * 100 * 16 / FAST)
+    assert advise(far_reuse(), SizingParams(ROUND, 1, FAST), 10.0).current is None
+
+
 def test_nearly_unique_prompts_are_called_out():
     advice = advise(far_reuse(hits=1.0), SizingParams(ROUND, 1, FAST), 10.0)
     assert not advice.offload and advice.recommended is None

@@ -440,6 +440,17 @@ def test_sizing_page_shows_the_size_it_rounds_up_for_vllm(gib, flag, shown):
     assert f"--kv-offloading-size {flag:g}" in str(verdict)
     assert "token hit share 25.0% with the GPU cache's (the CPU tier's 20.0%)" in str(verdict)
     assert f"recommended {shown} GiB" in annotation_texts(curves)
+    assert "own CPU tier" not in str(verdict)  # a trace has none
+
+
+def test_sizing_page_shows_the_captures_own_tier_beside_the_recommendation():
+    """A capture whose engine reported its cpu tier: the page says what that tier serves by the
+    same curve, so an operator sees the recommendation against what they run."""
+    data = {**SIZING, "current": {"gib": 0.5, "blocks": 4096, "token_hit_share": 0.125,
+                                  "cpu_token_hit_share": 0.0625}}
+    verdict = str(sizing_page.render(SizingState("ready", "cap", data, "x"))[2])
+    assert ("The capture's own CPU tier: 0.5 GiB (4,096 blocks), token hit share 12.5% (the "
+            "CPU tier's 6.2%) by the same curve") in verdict
 
 
 def test_sizing_credits_the_gpu_prefix_cache_it_is_given(tmp_path):

@@ -75,6 +75,12 @@ def render(state: SizingState, host_limit_bytes: float | None = None) -> tuple:
                 f"At or above this node's memory limit ({fz.gib_text(host_limit_bytes / 2**30)}"
                 " GiB, the agent's host collector): it would not fit here; the curve shows "
                 "what a smaller tier serves.", id="sizing-over-host")]
+    current = data.get("current")
+    if current:
+        verdict += [html.Br(), f"The capture's own CPU tier: {fz.gib_text(current['gib'])} GiB "
+                    f"({current['blocks']:,} blocks), token hit share "
+                    f"{current['token_hit_share']:.1%} (the CPU tier's "
+                    f"{current['cpu_token_hit_share']:.1%}) by the same curve"]
     verdict += [html.Br(), f"Reused prompt tokens (ceiling for any cache): "
                 f"{data.get('reuse_token_share', 0):.1%}; GPU prefix cache alone: "
                 f"{data.get('gpu_token_hit_share', 0):.1%}"]
