@@ -32,6 +32,8 @@ from kvscope.agent.settling import Settling
 from kvscope.agent.tier_totals import TierTotals
 
 log = logging.getLogger(__name__)
+# a report that amends a record's trace id alone (amend() takes no TTFT of 0, no ITL of 0)
+_TRACE_ONLY = ev.RequestFinished(ts=0.0, request_id="", ttft=0.0, prompt_tokens=0)
 
 
 @dataclass
@@ -255,7 +257,8 @@ class Pipeline:
                 listener(record)
 
     def report(self, source: str, trace_id: str, started: ev.RequestStarted,
-               finished: ev.RequestFinished, new_request: bool = True) -> bool:
+               finished: ev.RequestFinished, new_request: bool = True,
+               samples: int = 1) -> bool:
         """Fold a later report of one of ``source``'s requests (vLLM's span, as ``started``
         and ``finished`` events, counted as received elsewhere), in one step so that none of
         the source's own events comes in between. When ``source`` finished that request (one
@@ -264,20 +267,28 @@ class Pipeline:
         :func:`~kvscope.agent.requests.within`), the report amends its
         record (:func:`~kvscope.agent.requests.amend`; exemplars name a record's trace id as it
         is when read, so the new one), and a record handed over already goes to the early subscribers
-        again (the store keeps the last version). Otherwise, with ``new_request``, the events
-        are folded: they finish the request in flight, or make one. True when it amended."""
+        again (the store keeps the last version). ``samples``: the request's parallel samples
+        (vLLM's ``n``): a span of one of several is named after the request, while vLLM's
+        scheduler, and so its tap, names each sample ``<i>_<id>``; not saying which it is, it
+        gives the samples the source finished its trace id only. Otherwise, with
+        ``new_request``, the events are folded: they finish the request in flight, or make one.
+        True when it amended."""
         handover = republish = None
         with self._lock:
-            record = self._assembler.finished_recently(source, finished.request_id, started.ts,
-                                                       until=finished.ts)
-            if record is None:  # restored after a restart, or past the recent ones
-                record = self.requests.get(finished.request_id, source)
-                if record is not None and not (under_way(record, started.ts)
-                                               or within(record, started.ts, finished.ts)):
-                    record = None
+            record = self._finished_as(source, finished.request_id, started.ts, finished.ts)
             if record is not None:
+                amended = [record]
                 amend(record, trace_id, finished)
+            else:
+                ids = ([f"{i}_{finished.request_id}"[:ev.MAX_REQUEST_ID] for i in range(samples)]
+                       if samples > 1 else [])
+                amended = [r for rid in ids
+                           if (r := self._finished_as(source, rid, started.ts, finished.ts))]
+                for sample in amended:
+                    amend(sample, trace_id, _TRACE_ONLY)
+            for record in amended:
                 self._assembler.amended[id(record)] = record
+            if amended:
                 republish = self._amended([])  # when handed over already
             elif new_request:
                 handover = self._folded(source, (started, finished), source, received=False)
@@ -285,7 +296,19 @@ class Pipeline:
             self._hand_over(source, *handover)
         if republish:  # the store keeps the last version
             self._notify(republish, self._early_listeners)
-        return record is not None
+        return bool(amended)
+
+    def _finished_as(self, source: str, request_id: str, start: float,
+                     until: float) -> RequestRecord | None:
+        """The record of ``source``'s request ``request_id`` that a report from ``start`` to
+        ``until`` is of (see :meth:`report`), or None (under the lock)."""
+        record = self._assembler.finished_recently(source, request_id, start, until=until)
+        if record is None:  # restored after a restart, or past the recent ones
+            record = self.requests.get(request_id, source)
+            if record is not None and not (under_way(record, start)
+                                           or within(record, start, until)):
+                record = None
+        return record
 
     def events_received(self) -> dict[str, int]:
         """Events accepted so far, by source (a cheap read; :meth:`snapshot` copies everything)."""

@@ -401,6 +401,37 @@ def test_spans_of_two_finished_requests_of_one_id_join_their_own(order):
         (T0, "a" * 32, 0.25), (T0 + 10, "b" * 32, 0.65)]
 
 
+def test_the_spans_of_a_requests_parallel_samples_join_the_taps_samples():
+    """A request asking for n = 3 samples (a tryout's curl with "n": 3): vLLM's scheduler, and
+    so the tap, runs and names each sample <i>_<id>, while vLLM sends a span for each named
+    after the request, with gen_ai.request.n 3 and no word of which sample it is. The spans
+    made a fourth request of that id (requests_total 4 for 3, vLLM's TTFT counted on top);
+    they now give the three samples their trace id, and each keeps the TTFT the tap measured.
+    Without the tap's samples (spans alone) the spans still make a request."""
+    agent = _agent()
+    _spans_arrive(agent)
+    for i, ttft in enumerate((0.3, 0.31, 0.32)):
+        agent.pipeline.ingest("vllm", [
+            ev.RequestStarted(ts=T0, request_id=f"{i}_cmpl-9-0", prompt_tokens=10),
+            ev.RequestFinished(ts=T0 + 0.5, request_id=f"{i}_cmpl-9-0", ttft=ttft,
+                               prompt_tokens=10)])
+    spans = [ReceivedSpan(TRACE, "b7ad6b7169203331", "llm_request", int(T0 * 1e9),
+                          int((T0 + 1) * 1e9), {"gen_ai.request.id": request_id,
+                                                "gen_ai.request.n": 3,
+                                                "gen_ai.latency.time_to_first_token": 0.2})
+             for request_id in ("cmpl-9-0",) * 3 + ("cmpl-8-0",)]
+    agent.otlp_receiver.handle(spans)
+    agent.pipeline.publish_settled(everything=True)
+    snap = agent.pipeline.snapshot()
+    assert snap.requests == 4 and agent.otlp_receiver.joined == 3  # the three samples, cmpl-8-0
+    assert snap.ttft_seconds.sum == pytest.approx(0.3 + 0.31 + 0.32 + 0.2)
+    samples = [agent.pipeline.requests.get(f"{i}_cmpl-9-0") for i in range(3)]
+    assert [(r.trace_id, r.ttft) for r in samples] == [(TRACE, 0.3), (TRACE, 0.31),
+                                                       (TRACE, 0.32)]
+    assert agent.pipeline.requests.get("cmpl-9-0") is None
+    assert agent.pipeline.requests.get("cmpl-8-0").ttft == 0.2  # spans alone: a request
+
+
 def test_five_requests_of_one_id_in_one_span_batch_join_their_own():
     """A client reusing one id (a fixed X-Request-Id) sent 5 requests, 0.8 s apart, within one
     of vLLM's 5 s span batches: each span joins its own tap record, 5 requests. With 4 records

@@ -13,7 +13,10 @@ attributes ``gen_ai.request.id``, ``gen_ai.usage.prompt_tokens`` / ``completion_
 completion tokens after the first) is joined with cache events by request id (vLLM's external
 id, which the in-process tap also reports): when the tap finished the request (the one of that
 id under way when the span starts: a client may reuse an id), the record takes the span's
-trace id and vLLM's own TTFT, queueing, prefill and inter-token latency; otherwise the span becomes ``RequestStarted`` + ``RequestFinished``
+trace id and vLLM's own TTFT, queueing, prefill and inter-token latency; a span of one of a
+request's parallel samples (``gen_ai.request.n`` > 1: vLLM sends one per sample, each named
+after the request, which its tap names ``<i>_<id>``) gives the samples the tap finished its
+trace id alone; otherwise the span becomes ``RequestStarted`` + ``RequestFinished``
 events under ``source`` (so a record the tap has open joins them): see
 :meth:`~kvscope.agent.pipeline.Pipeline.report`. Spans without ``gen_ai.request.id`` (a
 string) are ignored, counted only among the spans received (another service's spans may share
@@ -439,7 +442,8 @@ class OtlpReceiver:
             # a request without a first token (aborted) has no TTFT to count as 0: it only
             # amends the tap's record
             if self.pipeline.report(self.source, trace_id, started, finished,
-                                    new_request=bool(ttft)):
+                                    new_request=bool(ttft),
+                                    samples=_count(a, "gen_ai.request.n")):
                 self.joined += 1
             elif not ttft:
                 self.ignored += 1
