@@ -23,9 +23,6 @@ from kvscope.engine.presets import ModelPreset
 from kvscope.engine.workload import TraceError
 
 METHODS = ("auto", "exact", "shards-rate", "shards-size")
-# Below this many distinct sampled blocks a SHARDS curve is too coarse to size from (the SHARDS
-# paper, Waldspurger et al., FAST 2015, evaluates samples of thousands of blocks).
-MIN_SAMPLED_BLOCKS = 1_000
 
 
 @dataclass(frozen=True)
@@ -139,7 +136,7 @@ def _histograms(trace: AccessTrace, options: AnalyzeOptions):
     # 0.1 GiB tier serves 100%), a small trace's too; a tap's capture is a sample already,
     # whatever its size, and only sampling it again can thin it.
     resampled = not tapped or by_access.rate < trace.sample_rate
-    if resampled and kept < MIN_SAMPLED_BLOCKS and kept < len(np.unique(ids)):
+    if resampled and kept < shards.MIN_SAMPLED_BLOCKS and kept < len(np.unique(ids)):
         raise ValueError(f"the SHARDS sample holds only {by_access.sampled_blocks} distinct blocks "
                          f"(R={by_access.rate:.3g}), too few for a curve to size a tier from; "
                          f"raise --sample-rate / --sample-blocks or use --method exact")
@@ -229,7 +226,7 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
             notes.append(f"--sample-rate {options.sample_rate:g} is above the tap's "
                          f"{trace.sample_rate:.4g}: a sample cannot hold blocks the tap did not "
                          "keep, so the curve is at the tap's rate.")
-        if distinct < MIN_SAMPLED_BLOCKS:
+        if distinct < shards.MIN_SAMPLED_BLOCKS:
             notes.append(f"The sample holds only {distinct:,} distinct blocks: the curve is "
                          "coarse (capture longer, or raise the tap's kvscope_block_sample_rate).")
     arc = None

@@ -74,3 +74,22 @@ def test_shards_on_the_mooncake_trace(seed):
     assert _mae(exact, shards.fixed_rate(ids, 0.1, seed=seed).histogram) <= 0.01
     assert _mae(exact, shards.fixed_rate(ids, 0.01, seed=seed).histogram) <= 0.02
     assert _mae(exact, shards.fixed_size(ids, 4096, seed=seed).histogram) <= 0.01
+
+
+def test_a_few_sampled_blocks_keep_their_hit_ratio_and_a_large_sample_is_adjusted():
+    """A tap's capture of 42 requests: 8 sampled accesses, 8 blocks never reused, of 231 in
+    the full stream at R = 1/16 (an expected 14.4 sampled). SHARDS_adj put the shortfall,
+    231 - 8 x 16 = 103 accesses, into the first bucket: a 45% hit ratio from a sample without
+    one reuse (and analyze said "Offload"). Under MIN_SAMPLED_BLOCKS distinct blocks the
+    histogram is scaled to 231 instead: no hit at any size. A sample of 2,000 blocks is
+    adjusted as the paper says: 16 x 2,000 = 32,000 sampled against 40,000 expected puts
+    8,000 into the first bucket."""
+    rate = 1 / 16
+    under = np.flatnonzero(shards.spatial_hash(np.arange(100_000))
+                           < shards.sampling.threshold(rate))
+    few = shards.fixed_rate(under[:8], rate, sampled_at=rate, total=231).histogram
+    assert few.total == 231 and few.hit_ratio([1, 10**6]).tolist() == [0.0, 0.0]
+    many = shards.fixed_rate(under[:2000], rate, sampled_at=rate, total=40_000).histogram
+    effective = shards.sampling.rate_of(shards.sampling.threshold(rate))
+    assert many.total == 40_000
+    assert many.hits[0] == pytest.approx(40_000 - 2000 / effective)
