@@ -96,12 +96,12 @@ def _parser() -> argparse.ArgumentParser:
                     "file and a KVSCOPE_* environment variable; the bearer token for /api is "
                     "set only there (token, KVSCOPE_TOKEN), never on the command line.",
         epilog="Engines are read by sources, each a table of the --config file, off unless "
-               "enabled there (ingest, for kvscope's taps, is on): [kv_events] (vLLM's or "
-               "SGLang's KV events), [vllm_metrics], [sglang_metrics], [lmcache_metrics], "
-               "[kvbm_metrics] (Dynamo KVBM), [trtllm] (trtllm-serve), [otlp_receiver] "
-               "(request spans); the collectors are [collectors.host], [collectors.gpu], "
-               "[collectors.numa], [collectors.engine_args]. Every key: docs/agent.md; each "
-               "engine's setup: docs/vllm.md and docs/engines.md.")
+               "enabled there ([ingest], for kvscope's taps, and [otlp_receiver], for request "
+               "spans at /v1/traces, are on): [kv_events] (vLLM's or SGLang's KV events), "
+               "[vllm_metrics], [sglang_metrics], [lmcache_metrics], [kvbm_metrics] (Dynamo "
+               "KVBM), [trtllm] (trtllm-serve); the collectors are [collectors.host], "
+               "[collectors.gpu], [collectors.numa], [collectors.engine_args]. Every key: "
+               "docs/agent.md; each engine's setup: docs/vllm.md and docs/engines.md.")
     agent.add_argument("--config", metavar="FILE", help="TOML configuration file")
     agent.add_argument("--host", type=host, help="address to listen on (default 127.0.0.1)")
     agent.add_argument("--port", type=port, help="port of /metrics and the API (default 9400)")
