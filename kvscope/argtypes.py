@@ -104,7 +104,8 @@ def http_url(text: str) -> str:
     started with ``localhost:9090`` only said so on its pages."""
     if not is_http_url(text):
         raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL with a host, "
-                                         f"e.g. http://127.0.0.1:9400, got {text}")
+                                         "e.g. http://127.0.0.1:9400 (an agent) or "
+                                         f"http://127.0.0.1:9090 (Prometheus), got {text}")
     return text
 
 
