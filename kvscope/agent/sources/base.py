@@ -68,8 +68,10 @@ class Consumer(Protocol):
         """Hold ``source``'s finished requests ``window`` seconds for parts sent later."""
 
     def report(self, source: str, trace_id: str, started: ev.RequestStarted,
-               finished: ev.RequestFinished, new_request: bool = True) -> bool:
-        """Join a request another source saw whole (a span) to ``source``'s record of it."""
+               finished: ev.RequestFinished, new_request: bool = True,
+               samples: int = 1) -> bool:
+        """Join a request another source saw whole (a span) to ``source``'s record of it (or
+        to the records of its ``samples`` parallel samples)."""
 
     def snapshot(self) -> Snapshot:
         """A consistent copy of the aggregated state (to tell another source's share)."""
