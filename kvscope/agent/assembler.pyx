@@ -24,7 +24,7 @@ cdef extern from *:
 
 from kvscope import events as ev
 from kvscope.agent.requests cimport (RequestRecord, Ring, new_record, prefill_within,
-                                     under_way, within)
+                                     queueing_without_wait, under_way, within)
 from kvscope.agent.requests import MAX_TRANSFERS, arrival_of
 from kvscope.agent.slots cimport (field, float_field, int_field, offset_of,
                                   optional_float_field)
@@ -406,9 +406,13 @@ cdef class RequestAssembler:
             arrival = arrival_of(event)
             kept = self.finished_recently(source, rid, arrival) if joined else None
             if kept is not None:
+                reported = kept.queueing  # vLLM's, its span's
                 for part in _FINISH_PARTS:
                     if not getattr(kept, part):
                         setattr(kept, part, getattr(event, part))
+                if reported:
+                    kept.queueing = queueing_without_wait(reported, event.queueing,
+                                                          kept._promotion_wait)
                 kept.prefill = prefill_within(kept)
                 self.amended[id(kept)] = kept
                 return None

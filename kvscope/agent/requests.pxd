@@ -68,3 +68,4 @@ cdef RequestRecord new_record(str request_id, str source, double arrival)
 cpdef bint under_way(RequestRecord record, double ts) except -1
 cpdef bint within(RequestRecord record, double start, double end) except -1
 cpdef double prefill_within(RequestRecord record) except? -1.0
+cpdef double queueing_without_wait(double reported, double measured, double wait)

@@ -18,7 +18,7 @@ from cpython.dict cimport PyDict_Next
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
-from libc.math cimport INFINITY, NAN, isnan
+from libc.math cimport INFINITY, NAN, fabs, isnan
 from libc.stdint cimport int64_t, uint64_t
 
 
@@ -348,18 +348,36 @@ cpdef bint within(RequestRecord record, double start, double end) except -1:
 
 def amend(RequestRecord record not None, str trace_id, finish):
     """Give a finished ``record`` what another report says of it (vLLM's span): ``trace_id``
-    (unless "") and, when ``finish.ttft`` is not 0, that TTFT, queueing and prefill (the
-    prefill cut so that the parts do not exceed the TTFT), and its inter-token latency unless
-    0 (vLLM's, from token times; the tap's sees tokens a scheduler step late) with the output
-    tokens it is the mean over."""
+    (unless "") and, when ``finish.ttft`` is not 0, that TTFT, queueing (less the record's
+    promotion wait where it holds it: :func:`queueing_without_wait`) and prefill (cut so that
+    the parts do not exceed the TTFT), and its inter-token latency unless 0 (vLLM's, from
+    token times; the tap's sees tokens a scheduler step late) with the output tokens it is the
+    mean over."""
     record.trace_id = trace_id or record.trace_id
     if finish.itl:
         record.itl = finish.itl
         record.output_tokens = finish.output_tokens
     if finish.ttft:
         record.set_ttft(finish.ttft)
-        record.queueing, record.prefill = finish.queueing, finish.prefill
+        record.queueing = queueing_without_wait(finish.queueing, record.queueing,
+                                                record._promotion_wait)
+        record.prefill = finish.prefill
         record.prefill = prefill_within(record)
+
+
+cpdef double queueing_without_wait(double reported, double measured, double wait):
+    """vLLM's queue time (``reported``, its span's) without the promotion wait the tap measured
+    (``wait``, seconds; NaN: none) where it holds it. vLLM counts a request as scheduled once
+    its KV is in place: an asynchronous load's wait falls in its queue time, a synchronous
+    one's (vLLM 0.33's expedited loads) in its prefill (vllm/v1/core/sched/scheduler.py records
+    SCHEDULED only after a WAITING_FOR_REMOTE_KVS request's load). The tap's own queue time
+    (``measured``: arrival to the load's start) says which: the wait is taken out where that
+    leaves ``reported`` nearer to it (the waterfall showed the load inside the queue and a
+    promotion wait after it)."""
+    if wait > 0.0 and reported >= wait and fabs(reported - wait - measured) < fabs(
+            reported - measured):
+        return reported - wait
+    return reported
 
 
 cpdef double prefill_within(RequestRecord record) except? -1.0:

@@ -680,6 +680,37 @@ def test_a_span_joins_only_the_records_of_the_receivers_source():
     assert agent.otlp_receiver.joined == 0
 
 
+@pytest.mark.parametrize("span_first", [False, True], ids=["tap-first", "span-first"])
+@pytest.mark.parametrize("tap_queueing,queueing", [(0.065, 0.065), (0.085, 0.085)],
+                         ids=["async-load", "sync-load"])
+def test_vllms_queue_time_loses_the_promotion_wait_it_holds(span_first, tap_queueing,
+                                                            queueing):
+    """vLLM counts a request as scheduled once its KV is in place (it records SCHEDULED only
+    after a WAITING_FOR_REMOTE_KVS request's load): an asynchronous load's wait falls in its
+    queue time, a synchronous one's in its prefill. vLLM's span says 0.085 s queued; the tap
+    measured a 0.02 s promotion wait and its own queue time to the load's start. At 0.065 s
+    the span's queue held the wait (0.085 - 0.02): the record says 0.065 (the waterfall drew
+    the load inside the queue, and the wait again after it); at 0.085 it held none, and stays.
+    Either order of the two reports gives the same record."""
+    agent = _agent()
+    tap_finish = ev.RequestFinished(ts=T0 + 0.4, request_id="cmpl-1-0", ttft=0.3,
+                                    prompt_tokens=300, queueing=tap_queueing,
+                                    promotion_wait=0.02)
+    span = otlp_span({**ATTRS, "gen_ai.latency.time_in_queue": 0.085,
+                      "gen_ai.latency.time_in_model_prefill": 0.1})
+    agent.pipeline.ingest("vllm", [ev.RequestStarted(ts=T0, request_id="cmpl-1-0",
+                                                     prompt_tokens=300)])
+    if span_first:
+        agent.otlp_receiver.handle([span])
+        agent.pipeline.ingest("vllm", [tap_finish])
+    else:
+        agent.pipeline.ingest("vllm", [tap_finish])
+        agent.otlp_receiver.handle([span])
+    record = agent.pipeline.requests.get("cmpl-1-0")
+    assert (record.ttft, record.promotion_wait, record.prefill) == (0.25, 0.02, 0.1)
+    assert record.queueing == pytest.approx(queueing, abs=1e-12)
+
+
 def test_a_span_that_comes_before_the_taps_finish_still_makes_one_request():
     """vLLM sent the span while the tap still had the request open: the span finishes the
     record (vLLM's trace id and TTFT), and the tap's finish, arriving second, completes it
@@ -695,7 +726,7 @@ def test_a_span_that_comes_before_the_taps_finish_still_makes_one_request():
                     headers={"content-type": "application/x-protobuf"})
     agent.pipeline.ingest("vllm", [
         ev.RequestFinished(ts=T0 + 0.4, request_id="cmpl-1-0", ttft=0.3, prompt_tokens=300,
-                           promotion_wait=0.02)])
+                           queueing=0.05, promotion_wait=0.02)])
     record = agent.pipeline.requests.get("cmpl-1-0")
     assert record.trace_id == TRACE and record.ttft == 0.25 and record.promotion_wait == 0.02
     assert record.tokens == {"cpu": 256, "recompute": 44}
