@@ -223,14 +223,16 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     """The finished requests of a capture as a :class:`RequestSample` (``name``: default the
     path). Requests without a TTFT are left out; ITL counts only requests that reported one.
     The transfer cost is the capture's transfer totals (:func:`read_transfer_totals`: every
-    transfer, background offloads included) when it has them, else its requests' transfers;
+    transfer, background offloads included) when it has readable ones, else its requests'
+    transfers;
     a direction whose copies took 0 s in all was not timed (its seconds: not measured).
     Raises TraceError for a missing capture, no request rows, or an unreadable segment."""
     path = Path(path)
     table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path,
                   REQUESTS_ADDED)
     sample = _converted(path, "requests", lambda: _request_sample(table, name or str(path)))
-    totals = read_transfer_totals(path) if path.is_dir() else None
+    totals = _or_warn(read_transfer_totals, path, "its requests' transfers are its transfer "
+                      "cost") if path.is_dir() else None
     if totals is None:
         return sample
     return dataclasses.replace(  # the agent's totals: transfers measured, by a tap or a source
@@ -290,29 +292,36 @@ def read_tier_capacities(path: str | Path) -> dict[str, tuple[int, int]]:
 
 
 def read_measured_rates(path: str | Path) -> MeasuredRates:
-    """The promotion bandwidth, prefill rate, KV bytes per block and GPU tier size the capture
+    """The promotion bandwidth, prefill rate, KV bytes per block and tier sizes the capture
     directory at ``path`` measured (:mod:`~kvscope.analysis.rates`): from its requests (and
-    transfer totals), or its transfer totals alone when it has no requests segment, and the
-    tier capacities its engine reported; nothing measured for a single segment file.
-    A capture whose segments cannot be read is warned about and measures nothing: the block
-    accesses can still be sized."""
+    transfer totals), or its transfer totals alone when it has no readable requests segment,
+    and the tier capacities its engine reported; nothing measured for a single segment file.
+    A kind of segment none of which reads is warned about and measures nothing, the others
+    still do (and the block accesses can still be sized)."""
     path = Path(path)
     if not path.is_dir():
         return MeasuredRates()
-    try:
-        capacities = read_tier_capacities(path)
-        if capture_segments(path, "requests"):
-            sample = read_request_sample(path)
-            return measured_rates(sample.tokens.get("recompute", 0), sample.prefill_seconds,
-                                  sample.transfer_bytes, sample.transfer_seconds,
-                                  sample.transfer_blocks, sample.prefill_modelled, capacities)
-        totals = read_transfer_totals(path) or {}
-    except TraceError as exc:
-        log.warning("kvscope: no rates measured from %s: %s", path, exc)
-        return MeasuredRates()
+    capacities = _or_warn(read_tier_capacities, path, "no tier sizes measured") or {}
+    sample = (_or_warn(read_request_sample, path, "no prefill rate measured")
+              if capture_segments(path, "requests") else None)
+    if sample is not None:
+        return measured_rates(sample.tokens.get("recompute", 0), sample.prefill_seconds,
+                              sample.transfer_bytes, sample.transfer_seconds,
+                              sample.transfer_blocks, sample.prefill_modelled, capacities)
+    totals = _or_warn(read_transfer_totals, path, "no transfer measured") or {}
     return measured_rates(0, 0.0, {d: t[0] for d, t in totals.items()},
                           {d: t[2] for d, t in totals.items()},
                           {d: t[1] for d, t in totals.items()}, capacities=capacities)
+
+
+def _or_warn(read: Callable[[Path], T], path: Path, instead: str) -> T | None:
+    """``read(path)``; None, with a warning saying what goes ``instead``, when it raises
+    TraceError (its segments cannot be read)."""
+    try:
+        return read(path)
+    except TraceError as exc:
+        log.warning("kvscope: %s; %s", exc, instead)
+        return None
 
 
 def _captures(paths: str) -> list[str]:
@@ -329,8 +338,9 @@ def segments_gone(paths: str) -> list[str]:
     oldest requests, or some, are missing from what is read of it."""
     gone = {part: missing_segments(Path(part)) for part in _captures(paths)
             if Path(part).is_dir()}
-    return [f"{part}: {n} of its segments are gone (deleted by its size cap, capture_max_bytes, "
-            "oldest first, or lost to a failed write): requests it recorded may be missing"
+    return [f"{part}: {n} of its segments {'is' if n == 1 else 'are'} gone (deleted by its "
+            "size cap, capture_max_bytes, oldest first, or lost to a failed write): requests "
+            "it recorded may be missing"
             for part, n in gone.items() if n]
 
 

@@ -631,6 +631,38 @@ def test_the_capture_holds_the_tiers_capacities_and_analyze_takes_them(tmp_path,
     assert [(r["tier"], r["capacity_blocks"]) for r in rows] == [("cpu", 100), ("cpu", 300)]
 
 
+@pytest.mark.parametrize("damaged", ["requests", "totals"])
+def test_a_damaged_kind_of_segment_costs_only_what_it_measures(tmp_path, captured, caplog,
+                                                                damaged):
+    """A tryout cut the capture's requests segment short: analyze then assumed every rate,
+    the bandwidth measured by the intact totals too; an empty totals segment did the same to
+    the prefill rate the requests measure. Each kind of segment now measures what it can:
+    without the requests the totals give the bandwidth and the KV bytes per block; without
+    the totals the requests give the prefill rate and their own transfers the rest (the
+    transfer cost compare reads falls back the same way), and a warning says which."""
+    from kvscope.analysis.capture_reader import read_measured_rates, read_request_sample
+
+    directory, _, _ = captured
+    whole = read_measured_rates(directory)
+    copy = tmp_path / "cap"
+    shutil.copytree(directory, copy)
+    for segment in copy.glob(f"{damaged}-*.parquet"):
+        segment.write_bytes(segment.read_bytes()[: segment.stat().st_size // 2])
+    with caplog.at_level("WARNING", logger="kvscope.analysis.capture_reader"):
+        rates = read_measured_rates(copy)
+    assert rates.bandwidth is not None and rates.bytes_per_block is not None
+    assert rates.gpu_blocks == whole.gpu_blocks == 64
+    if damaged == "requests":
+        assert rates.prefill_tokens_per_second is None
+        assert (rates.bandwidth, rates.bytes_per_block) == (whole.bandwidth,
+                                                            whole.bytes_per_block)
+        assert "no prefill rate measured" in caplog.text
+    else:
+        assert rates.prefill_tokens_per_second == whole.prefill_tokens_per_second
+        assert "its requests' transfers are its transfer cost" in caplog.text
+        assert len(read_request_sample(copy).ttft) == len(read_request_sample(directory).ttft)
+
+
 @pytest.fixture
 def read_only_mount(tmp_path):
     """A read-only tmpfs at tmp_path/"ro" (denies root too); skipped where mounting is not
