@@ -131,7 +131,9 @@ def test_impossible_demo_settings(args, needle):
     # numpy's own words ("expected non-negative integer"), naming no flag
     (["--seed", "-1"], "argument --seed: must be >= 0"),
     (["--min-requests", "0"], "argument --min-requests: must be > 0"),  # was taken
-    (["--ttft-budget", "1e400"], "want a finite number of seconds above 0"),  # "must be > 0"
+    (["--ttft-budget", "1e400"], "want a finite number of seconds, at least"),  # "must be > 0"
+    # 1e-300 s was taken, and the verdict printed it as 0.000...0 ms, 300 zeros
+    (["--ttft-budget", "1e-300"], "want a finite number of seconds, at least 0.000001 (1 us)"),
 ])
 def test_compare_options_are_checked_before_the_captures_are_read(tmp_path, args, needle):
     _one_error_line(_kvscope("compare", str(tmp_path / "a"), str(tmp_path / "b"), *args), needle)

@@ -192,7 +192,7 @@ class Budget:
 def parse_budget(text: str | float | Budget | None) -> Budget | None:
     """``"0.5"`` or ``0.5``: 0.5 seconds; ``"+10%"``: the baseline's p99 plus 10% (``"-5%"``:
     5% below it, a required improvement); a :class:`Budget` or None as they are. Raises
-    ValueError for anything else, a budget of 0 s or less, a relative one of -100% or less,
+    ValueError for anything else, a budget under 1 us, a relative one of -100% or less,
     or a signed one without % (``"+10"``: a percentage was meant)."""
     if text is None or isinstance(text, Budget):
         return text
@@ -218,8 +218,11 @@ def parse_budget(text: str | float | Budget | None) -> Budget | None:
         except ValueError:
             raise ValueError(f"budget {text!r}: give seconds (e.g. 0.5) or a percentage of "
                              "the baseline's p99 (e.g. +10%)") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"budget {text!r}: want a finite number of seconds above 0")
+    # below a microsecond no latency is measured (a budget of 1e-300 s was printed with 300
+    # zeros)
+    if not math.isfinite(seconds) or seconds < 1e-6:
+        raise ValueError(f"budget {text!r}: want a finite number of seconds, at least 0.000001 "
+                         "(1 us)")
     return Budget(seconds=seconds)
 
 
