@@ -60,6 +60,7 @@ from kvscope.files import hold_directory
 log = logging.getLogger(__name__)
 
 SUFFIX = ".parquet"
+WRITER_KEY = "kvscope.writer"  # segment metadata: the writer that made it (CaptureWriter)
 TMP_SUFFIX = ".parquet.tmp"
 KINDS = ("blocks", "requests", "totals", "tiers")
 _U64 = (1 << 64) - 1
@@ -226,6 +227,10 @@ class CaptureWriter(Worker):
         self._lock = threading.Lock()      # pending rows
         self._io_lock = threading.Lock()   # segment files
         self._seq = 0
+        # in every segment's metadata: a copy of a capture (cp -r) keeps it, another run's
+        # differs even where a segment's name is the same (two writers of one process in one
+        # millisecond), so compare can tell a run from its copy
+        self.writer_id = os.urandom(8).hex()
         self.dropped: dict[str, int] = dict.fromkeys(KINDS, 0)
         self._unfit_logged = False
         self._outage = OutageLog(
@@ -468,7 +473,9 @@ class CaptureWriter(Worker):
         stream.tmp = self.directory / (name + TMP_SUFFIX)
         stream.lock = open(stream.tmp, "wb")  # locked before anything is written: a writer
         fcntl.flock(stream.lock, fcntl.LOCK_EX)  # starting now must not take it for an orphan
-        stream.writer = pq.ParquetWriter(stream.tmp, stream.schema, compression="zstd")
+        schema = stream.schema.with_metadata({**stream.schema.metadata,
+                                              WRITER_KEY: self.writer_id})
+        stream.writer = pq.ParquetWriter(stream.tmp, schema, compression="zstd")
         stream.opened_at = now
         stream.segment_rows = 0
 

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from kvscope import events as ev
 from kvscope import sampling
 from kvscope.agent.capture import (BLOCKS_ADDED, REQUESTS_ADDED, SUFFIX, TMP_SUFFIX,
-                                   finished_segments, missing_segments)
+                                   WRITER_KEY, finished_segments, missing_segments)
 from kvscope.analysis.compare import RequestSample
 from kvscope.analysis.rates import MeasuredRates, measured_rates
 from kvscope.analysis.shards import spatial_hash
@@ -344,18 +344,31 @@ def segments_gone(paths: str) -> list[str]:
             for part, n in gone.items() if n]
 
 
-def _segments_of(part: str) -> set[Path]:
-    """The requests segments capture ``part`` reads, resolved (none for a path that does not
-    exist: reading it says so)."""
+def _segments_of(part: str) -> set[tuple[str, str]]:
+    """The requests segments capture ``part`` reads, each as its writer (the id the agent's
+    writer put in its metadata) and name, which a copy (``cp -r``) keeps and another run does
+    not share; a segment without the id (written before it, or unreadable: reading it says
+    so), as its resolved path. None for a path that does not exist: reading it says so."""
     try:
-        return {p.resolve() for p in capture_segments(part, "requests")}
+        return {(_writer(p), p.name) if _writer(p) else ("", str(p.resolve()))
+                for p in capture_segments(part, "requests")}
     except TraceError:
         return set()
 
 
+def _writer(segment: Path) -> str:
+    """The id of the writer that made ``segment`` ("" unknown)."""
+    try:
+        metadata = pq.read_schema(segment).metadata or {}
+    except (pa.ArrowInvalid, OSError):
+        return ""
+    return metadata.get(WRITER_KEY.encode(), b"").decode(errors="replace")
+
+
 def _sharing(parts: list[str], others: list[str]) -> tuple[str, str] | None:
     """A pair of captures, one of ``parts`` and another of ``others``, that read a requests
-    segment in common (a directory and one of its own segments), or None."""
+    segment in common (a directory and one of its own segments, or a copy of it), or
+    None."""
     segments = {part: _segments_of(part) for part in {*parts, *others}}
     for part in parts:
         for other in others:
@@ -380,7 +393,8 @@ def read_runs(paths: str) -> list[RequestSample]:
     shared = _sharing(parts, parts)
     if shared:
         raise TraceError(f"{paths}: {shared[0]} and {shared[1]} read the same requests "
-                         "segments; each run of an arm is a capture of its own")
+                         "segments (one is the other, a segment of it or a copy); each run of "
+                         "an arm is a capture of its own")
     for part in parts:  # an access trace has no request timings to compare
         if Path(part).suffix.lower() == ".jsonl":
             raise TraceError(f"{part}: a block-access trace, not an agent capture; compare "
@@ -409,8 +423,9 @@ def read_arms(baseline: str, candidate: str) -> tuple[list[RequestSample], list[
     shared = _sharing(_captures(baseline), _captures(candidate))
     if shared:
         raise TraceError(f"the baseline's {shared[0]} and the candidate's {shared[1]} read the "
-                         "same requests segments; an A/A check compares two runs of one setup, "
-                         "each captured on its own")
+                         "same requests segments (one is the other, a segment of it or a "
+                         "copy); an A/A check compares two runs of one setup, each captured on "
+                         "its own")
     return read_runs(baseline), read_runs(candidate)
 
 

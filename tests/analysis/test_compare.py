@@ -259,6 +259,13 @@ def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
     assert main(["compare", str(c), str(segment)]) == 2
     assert (f"the baseline's {c} and the candidate's {segment} read the same requests segments"
             in capsys.readouterr().err)
+    # nor a copy of one (a tryout's `cp -r` passed as an A/A pair): its segments keep their
+    # names and the id of the writer that made them
+    copy = tmp_path / "copy"
+    shutil.copytree(c, copy)
+    assert main(["compare", str(c), str(copy)]) == 2
+    assert (f"the baseline's {c} and the candidate's {copy} read the same requests segments "
+            "(one is the other, a segment of it or a copy)" in capsys.readouterr().err)
 
 
 def test_a_parquet_file_of_another_kind_is_one_line_saying_what_to_pass(tmp_path, capsys):
@@ -668,8 +675,8 @@ def test_transfer_cost_counts_the_offloads_no_request_holds(tmp_path, capsys):
                       "cpu->gpu": (2_000_000, 2_000, pytest.approx(0.002))}, totals
     sample_ = read_request_sample(directory)
     assert sample_.transfer_bytes == {"gpu->cpu": 3_500_000, "cpu->gpu": 2_000_000}
-    shutil.copytree(directory, tmp_path / "again")  # an arm of its own (one capture is refused)
-    assert main(["compare", str(tmp_path / "again"), str(directory), "--json", "--resamples",
+    other = write_capture(tmp_path / "other", [0.05] * 3)  # one capture, or a copy, is refused
+    assert main(["compare", str(other), str(directory), "--json", "--resamples",
                  "100", "--min-requests", "1"]) == 0
     transfers = json.loads(capsys.readouterr().out)["candidate"]["transfers"]
     assert transfers["gpu->cpu"]["bytes"] == 3_500_000
