@@ -227,7 +227,8 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
                          f"{trace.sample_rate:.4g}: a sample cannot hold blocks the tap did not "
                          "keep, so the curve is at the tap's rate.")
         if distinct < shards.MIN_SAMPLED_BLOCKS:
-            notes.append(f"The sample holds only {distinct:,} distinct blocks: the curve is "
+            notes.append(f"The sample holds only {distinct:,} distinct "
+                         f"block{'s' * (distinct != 1)}: the curve is "
                          "coarse (capture longer, or raise the tap's kvscope_block_sample_rate).")
     arc = None
     if options.arc_points > 0 and tapped:
@@ -247,6 +248,9 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
                      f"preset {options.preset.name}'s, assumed (the capture moved no blocks to "
                      "measure them by): a verdict from two models if the engine's is another; "
                      "give --preset for it.")
+    if 0 < gpu_tokens < trace.block_tokens:
+        notes.append(f"A GPU prefix cache of {gpu_tokens:,} tokens holds no whole block of "
+                     f"{trace.block_tokens:,}: none is assumed.")
     if gpu_tokens == 0 and options.gpu_tokens is None:
         notes.append("No GPU prefix cache assumed: the CPU tier is credited with every reuse "
                      "it holds; give vLLM's 'GPU KV cache size' in tokens (analyze "

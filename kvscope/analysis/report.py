@@ -84,6 +84,10 @@ def sizing_figure_data(analysis: Analysis) -> dict:
     }
 
 
+def _blocks(n: int) -> str:
+    return f"{n:,} block" + ("" if n == 1 else "s")
+
+
 def _gib(n_bytes: float) -> str:
     return f"{n_bytes / GIB:,.2f} GiB"
 
@@ -151,7 +155,7 @@ def render_text(analysis: Analysis) -> str:
     if s.knee is not None:
         beyond = (f"; beyond the budget of {_gib(budget)}"
                   if budget is not None and s.knee.bytes > budget else "")
-        lines.append(f"  knee: {s.knee.blocks:,} blocks ({_gib(s.knee.bytes)}): CPU tier serves "
+        lines.append(f"  knee: {_blocks(s.knee.blocks)} ({_gib(s.knee.bytes)}): CPU tier serves "
                      f"{s.knee.cpu_token_hit_share:.2%} (where the gain curve bends most, up "
                      f"to the trace's working set{beyond})")
     elif s.recommended is not None:
@@ -159,17 +163,19 @@ def render_text(analysis: Analysis) -> str:
                      "trace's working set)")
     if s.recommended is not None:
         p = s.recommended
-        lines += [f"  recommended CPU tier: {p.blocks:,} blocks ({_gib(p.bytes)}); "
+        lines += [f"  recommended CPU tier: {_blocks(p.blocks)} ({_gib(p.bytes)}); "
                   f"vLLM --kv-offloading-size {s.kv_offloading_size_gib:g}",
                   f"    the smallest size that buys {a['target_share']:.0%} of the largest "
                   "affordable size's gain (--target-share)",
                   f"    token hit share {p.token_hit_share:.2%} (CPU tier {p.cpu_token_hit_share:.2%})",
                   f"    prefill saved {seconds(p.prefill_seconds_saved)}; transfers "
                   f"{seconds(p.transfer_seconds)}; store traffic "
-                  f"{s.offload_bytes_per_second / 1e9:.3g} GB/s on average"]
+                  + (f"{s.offload_bytes_per_second / 1e9:.3g} GB/s on average"
+                     if s.offload_bytes_per_second is not None
+                     else "not measured (the trace spans no time)")]
     if s.current is not None:
         p = s.current
-        lines.append(f"  the input's own CPU tier: {p.blocks:,} blocks ({_gib(p.bytes)}): token "
+        lines.append(f"  the input's own CPU tier: {_blocks(p.blocks)} ({_gib(p.bytes)}): token "
                      f"hit share {p.token_hit_share:.2%} (CPU tier {p.cpu_token_hit_share:.2%})"
                      f"; prefill saved {seconds(p.prefill_seconds_saved)}, transfers "
                      f"{seconds(p.transfer_seconds)}")

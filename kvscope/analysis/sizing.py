@@ -120,7 +120,7 @@ class SizingAdvice:
     ``assumptions["budget_bytes"]``).
     ``kv_offloading_size_gib``: vLLM ``--kv-offloading-size`` for ``recommended`` (GiB, rounded
     up to 0.1, or finer within the budget: :func:`flag_gib`). ``offload_bytes_per_second``:
-    average device-to-host store traffic at that size. ``current``: what the input's own CPU
+    average device-to-host store traffic at that size (None: the trace spans no time). ``current``: what the input's own CPU
     tier (``SizingParams.current_blocks``) does by the same model, None when not known.
     ``curve``: every evaluated size, ascending."""
 
@@ -132,7 +132,7 @@ class SizingAdvice:
     knee: SizePoint | None
     gpu_token_hit_share: float
     reuse_token_share: float
-    offload_bytes_per_second: float
+    offload_bytes_per_second: float | None
     curve: list[SizePoint] = field(default_factory=list)
     assumptions: dict = field(default_factory=dict)
     current: SizePoint | None = None
@@ -253,7 +253,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
         kv_offloading_size_gib=(flag_gib(recommended.bytes, params.budget_bytes)
                                 if recommended else None),
         knee=knee, gpu_token_hit_share=gpu_hit, reuse_token_share=reuse,
-        offload_bytes_per_second=stored / duration_seconds if duration_seconds > 0 else 0.0,
+        offload_bytes_per_second=stored / duration_seconds if duration_seconds > 0 else None,
         curve=curve,
         assumptions={"preset": preset.name, "block_tokens": params.block_tokens,
                      "bytes_per_block": bpb, "bandwidth_bytes_per_second": params.bandwidth,

@@ -206,3 +206,13 @@ def test_a_sample_rate_the_method_does_not_use_is_named(small_trace):
                for n in analysis.notes)
     plain = analyze(load_trace(small_trace), AnalyzeOptions(get_preset("tiny"), arc_points=0))
     assert not any("--sample-rate" in n for n in plain.notes)
+
+
+@pytest.mark.parametrize("gpu_tokens,said", [(511, True), (512, False), (0, False)])
+def test_a_gpu_cache_smaller_than_a_block_is_named(small_trace, gpu_tokens, said):
+    """--gpu-tokens 511 beside 512-token blocks holds no block: it silently meant no GPU cache
+    (and the note that none is assumed was gone, as the cache was given); now a note says so.
+    512 holds one; 0 is none as asked, without a note."""
+    options = AnalyzeOptions(get_preset("tiny"), gpu_tokens=gpu_tokens, arc_points=0)
+    notes = analyze(load_trace(str(small_trace)), options).notes
+    assert any("holds no whole block of 512: none is assumed" in n for n in notes) is said

@@ -131,3 +131,9 @@ def test_the_knee_lies_where_the_cpu_tier_adds_and_a_convex_gain_has_none():
     assert advice.knee.blocks == 6 and advice.knee.cpu_token_hit_share == pytest.approx(0.3)
     convex = advise(far_reuse(), SizingParams(ROUND, 1, FAST, gpu_tokens=4), 10.0)
     assert convex.offload and convex.knee is None
+
+
+def test_store_traffic_of_a_trace_that_spans_no_time_is_not_measured():
+    """A trace whose accesses all came at one instant has no rate of store traffic: None, said
+    as "not measured", never 0 GB/s."""
+    assert advise(far_reuse(), SizingParams(ROUND, 1, FAST), 0.0).offload_bytes_per_second is None
