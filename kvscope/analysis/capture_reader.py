@@ -80,6 +80,9 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
         except (pa.ArrowInvalid, OSError, KeyError) as exc:
             # the first line only: Arrow goes on to list the file's whole schema
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            other = _kind(p)
+            if other and other != kind:  # another kind's segment: say so, not which column
+                reason = f"it is a {other} segment"
             problems.append(f"{p}: not a kvscope {kind} segment ({reason})")
             continue
         tables.append(table)
@@ -358,11 +361,21 @@ def _segments_of(part: str) -> set[tuple[str, str]]:
 
 def _writer(segment: Path) -> str:
     """The id of the writer that made ``segment`` ("" unknown)."""
+    return _metadata(segment, WRITER_KEY)
+
+
+def _kind(segment: Path) -> str:
+    """The kind of capture segment ``segment`` is ("" unknown: not one of the agent's)."""
+    return _metadata(segment, "kvscope.kind")
+
+
+def _metadata(segment: Path, key: str) -> str:
+    """``key`` of the Parquet file ``segment``'s schema metadata ("" absent or unreadable)."""
     try:
         metadata = pq.read_schema(segment).metadata or {}
     except (pa.ArrowInvalid, OSError):
         return ""
-    return metadata.get(WRITER_KEY.encode(), b"").decode(errors="replace")
+    return metadata.get(key.encode(), b"").decode(errors="replace")
 
 
 def _sharing(parts: list[str], others: list[str]) -> tuple[str, str] | None:

@@ -109,10 +109,14 @@ def trace_reader(path: str | Path) -> Callable[[Path], AccessTrace]:
 
     A file whose suffix no reader is registered for is read as Mooncake JSONL, as ``kvscope
     replay`` and the demo read any ``--trace`` (a ``trace.txt``); where that fails, the error
-    says so. Raises :class:`~kvscope.engine.workload.TraceError` for a missing file."""
+    says so. Raises :class:`~kvscope.engine.workload.TraceError` for a missing file, and for a
+    capture's unfinished segment (``*.parquet.tmp``)."""
     path = Path(path)
     if not path.exists():
         raise TraceError(f"cannot read trace {path}: No such file or directory")
+    if path.name.endswith(".parquet.tmp"):  # read as JSONL, it was "not UTF-8 text (byte 7)"
+        raise TraceError(f"{path}: a capture segment still being written (or left by a "
+                         "crash); pass the capture directory, whose finished segments are read")
     return _READERS.get(DIRECTORY if path.is_dir() else path.suffix.lower(), _read_other)
 
 

@@ -216,3 +216,23 @@ def test_a_gpu_cache_smaller_than_a_block_is_named(small_trace, gpu_tokens, said
     options = AnalyzeOptions(get_preset("tiny"), gpu_tokens=gpu_tokens, arc_points=0)
     notes = analyze(load_trace(str(small_trace)), options).notes
     assert any("holds no whole block of 512: none is assumed" in n for n in notes) is said
+
+
+def test_a_segment_of_another_kind_or_unfinished_says_what_it_is(tmp_path, capsys):
+    """A tryout passed analyze a capture's requests segment (Arrow's "No match for
+    FieldRef.Name(ts)" came back) and a .parquet.tmp one (read as JSONL: "not UTF-8 text");
+    each error now says what the file is."""
+    from kvscope.agent.capture import CaptureWriter
+    from kvscope.agent.requests import RequestRecord
+
+    writer = CaptureWriter(tmp_path / "cap")
+    writer.add_request(RequestRecord("r", "1" * 32, "engine", 1.0, prompt_tokens=8, ttft=0.1,
+                                     finished=1.2))
+    writer.close()
+    requests = next((tmp_path / "cap").glob("requests-*.parquet"))
+    unfinished = tmp_path / "cap" / "blocks-0000000000001-1-000009.parquet.tmp"
+    unfinished.write_bytes(b"PAR1")
+    for path, said in ((requests, "not a kvscope blocks segment (it is a requests segment)"),
+                       (unfinished, "a capture segment still being written")):
+        assert main(["analyze", str(path)]) == 2
+        assert said in capsys.readouterr().err
