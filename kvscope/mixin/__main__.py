@@ -56,9 +56,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="write nothing; fail when committed files differ from the generator")
     parser.add_argument("--prometheus-rule", action="store_true",
                         help="print a Prometheus Operator PrometheusRule to stdout instead")
-    parser.add_argument("--namespace", default="monitoring", type=_namespace,
-                        help="PrometheusRule namespace (default %(default)s)")
+    parser.add_argument("--namespace", type=_namespace,
+                        help="PrometheusRule namespace (with --prometheus-rule; default "
+                             "monitoring)")
     args = parser.parse_args(argv)
+    # flags one mode reads and the other ignores: said, not silently dropped
+    if args.prometheus_rule and args.check:
+        parser.error("--check checks the files in --output; --prometheus-rule prints a "
+                     "manifest to stdout: give one")
+    if args.namespace is not None and not args.prometheus_rule:
+        parser.error("--namespace names the PrometheusRule's namespace: give it with "
+                     "--prometheus-rule")
     try:  # after parsing: --help needs none of the generator's packages
         from kvscope.mixin.render import prometheus_rule, render
     except ImportError as exc:
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvscope.mixin: error: {exc}", file=sys.stderr)
         return 2
     if args.prometheus_rule:
-        sys.stdout.write(prometheus_rule(cfg, namespace=args.namespace))
+        sys.stdout.write(prometheus_rule(cfg, namespace=args.namespace or "monitoring"))
         return 0
     out, files = Path(args.output), render(cfg)
     extra = strays(out, files)
@@ -80,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     if args.check:
         diff = stale(out, files)
+        again = ("python -m kvscope.mixin" + (f" --config {args.config}" if args.config else "")
+                 + (f" --output {args.output}" if args.output != str(DEFAULT_OUT) else ""))
         for rel in diff:
-            print(f"stale: {out / rel} (run python -m kvscope.mixin)", file=sys.stderr)
+            print(f"stale: {out / rel} (run {again})", file=sys.stderr)
         return 1 if diff or extra else 0
     for rel, text in files.items():
         path = out / rel

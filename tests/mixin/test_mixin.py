@@ -298,6 +298,27 @@ def test_a_namespace_kubernetes_refuses_is_a_usage_error(capsys) -> None:
     assert main(["--prometheus-rule", "--namespace", "kube-obs-2"]) == 0
 
 
+@pytest.mark.parametrize("args,said", [
+    (["--check", "--prometheus-rule"], "--check checks the files in --output; "
+                                       "--prometheus-rule prints a manifest to stdout: give one"),
+    (["--namespace", "obs"], "--namespace names the PrometheusRule's namespace: give it with "
+                             "--prometheus-rule")])
+def test_flags_one_mode_would_ignore_are_usage_errors(args, said, capsys) -> None:
+    """A tryout's --check beside --prometheus-rule checked nothing (exit 0), and --namespace
+    without --prometheus-rule was dropped unsaid."""
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_stale_file_names_the_command_that_writes_it(tmp_path, capsys) -> None:
+    """--check of another --output said to run the generator bare, which writes grafana/."""
+    assert main(["--check", "--output", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err and all(line.endswith(f"(run python -m kvscope.mixin --output {tmp_path})")
+                       for line in err), err
+
+
 def test_an_output_that_is_not_a_directory_is_one_error_line(tmp_path, capsys) -> None:
     """--output naming a file ended in NotADirectoryError's traceback."""
     (tmp_path / "board.json").write_text("{}")
