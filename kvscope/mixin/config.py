@@ -154,7 +154,7 @@ class MixinConfig:
                 try:
                     label_matchers(value)
                 except argparse.ArgumentTypeError as exc:
-                    why = str(exc)
+                    raise MixinConfigError(f"mixin config 'selector': {exc}") from None
             elif isinstance(value, float):
                 if not (math.isfinite(value) and value >= 0):
                     why = "want a finite number, 0 or more"
@@ -186,11 +186,15 @@ class MixinConfig:
 
 
 def load_config(path: str | Path | None = None, **overrides) -> MixinConfig:
-    """Defaults, then the TOML file's keys, then keyword overrides."""
+    """Defaults, then the TOML file's keys, then keyword overrides. Raises MixinConfigError
+    for a file that is not TOML or a bad key or value, OSError for a file it cannot read."""
     values: dict = {}
     if path is not None:
         with open(path, "rb") as fh:
-            values.update(tomllib.load(fh))
+            try:
+                values.update(tomllib.load(fh))
+            except tomllib.TOMLDecodeError as exc:  # its words name a line, not the file
+                raise MixinConfigError(f"{path}: not TOML: {exc}") from None
     values.update(overrides)
     fields = {f.name: f for f in dataclasses.fields(MixinConfig)}
     default = MixinConfig()

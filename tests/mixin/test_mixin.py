@@ -127,7 +127,10 @@ def test_config_overrides_without_forking(tmp_path) -> None:
     ("headroom_min_ratio = 0.05\n",
      "'headroom_min_ratio' .0.05, critical. is not below 'headroom_warning_ratio' .0.05"),
     # written into every rule: promtool refused the rules ("unexpected identifier")
-    ("selector = 'job=kvscope'\n", "'selector': must be PromQL label matchers"),
+    ("selector = 'job=kvscope'\n", "'selector': must be PromQL label matchers.*; got "
+                                    "job=kvscope$"),  # said once (it ended ", got 'job=...'")
+    # a file that is not TOML: its error named a line, not the file
+    ("a = \n", r"bad.toml: not TOML: Invalid value \(at line 1, column 5\)"),
     ("ttft_budget_warning_ratio = 0.0\n", "'ttft_budget_warning_ratio': want a share of the")])
 def test_config_rejects_bad_overrides(tmp_path, text, says) -> None:
     f = tmp_path / "bad.toml"
