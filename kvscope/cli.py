@@ -74,10 +74,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="eviction policy of every tier (default %(default)s)")
     demo.add_argument("--speed", type=positive(float), default=1.0,
                       help="workload seconds per wall second (default %(default)s)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
-    demo.add_argument("--one-off-share", type=proportion, default=0.25, metavar="SHARE",
+    demo.add_argument("--seed", type=int, help="seed of the synthetic workload (default 0)")
+    demo.add_argument("--one-off-share", type=proportion, metavar="SHARE",
                       help="share of the synthetic workload's prompts that are unique one-offs, "
-                           "never reused (0: none, 1: all of them; default %(default)s)")
+                           "never reused (0: none, 1: all of them; default 0.25)")
     demo.add_argument("--insecure", action="store_true",
                       help="with a --host beyond loopback and no KVSCOPE_TOKEN: serve the API "
                            "and the dashboard to anyone who reaches them (otherwise refused)")
@@ -217,12 +217,14 @@ def _demo(args) -> int:
     from kvscope.demo import DemoConfig, run_demo
 
     _check_capture_roots(args.capture_root)
-
+    _synthetic_only(args, "--seed", "--one-off-share")
     config = DemoConfig(duration=args.duration, trace=args.trace, host=args.host,
                         metrics_port=args.metrics_port, ui_port=args.ui_port, preset=args.preset,
                         gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
                         disk_blocks=args.disk_blocks, policy=args.policy, speed=args.speed,
-                        seed=args.seed, one_off_share=args.one_off_share,
+                        seed=DemoConfig.seed if args.seed is None else args.seed,
+                        one_off_share=DemoConfig.one_off_share if args.one_off_share is None
+                        else args.one_off_share,
                         capture_dir=args.capture_dir, capture_roots=tuple(args.capture_root),
                         dashboard_token=_visitor_token(
                             args.host, args.insecure,
@@ -358,7 +360,18 @@ def _rollout(args) -> int:
 def _replay(args) -> int:
     from kvscope.engine.replay_cmd import run
 
+    _synthetic_only(args, "--seed")
     return run(args)
+
+
+def _synthetic_only(args, *flags: str) -> None:
+    """A usage error (exit 2) for ``flags`` of the synthetic workload given beside --trace,
+    which replays the trace as it is (they were ignored unsaid)."""
+    given = [flag for flag in flags if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if args.trace and given:
+        args.commands[args.command].error(
+            f"{' and '.join(given)} shape{'s' * (len(given) == 1)} the synthetic workload; "
+            f"--trace replays the trace as it is: leave {' and '.join(given)} out")
 
 
 def main(argv: list[str] | None = None) -> int:

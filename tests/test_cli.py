@@ -176,6 +176,12 @@ def test_a_workload_without_one_off_prompts_is_accepted():
     (["demo", "--duration", "soon"], "--duration"),
     (["demo", "--one-off-share", "1.5"], "must be in [0, 1]"),
     (["agent", "--port", "70000"], "--port"),
+    # flags of the synthetic workload beside --trace were ignored unsaid
+    (["replay", "--trace", "t.jsonl", "--seed", "5"],
+     "--seed shapes the synthetic workload; --trace replays the trace as it is: leave --seed "
+     "out"),
+    (["demo", "--trace", "t.jsonl", "--one-off-share", "0.5"],
+     "--one-off-share shapes the synthetic workload"),
     # argparse takes -5% for an option: the way to give it was in --help only
     (["compare", "--ttft-budget", "-5%", "a", "b"],
      "expected one argument; a value that starts with '-' goes after '=': --ttft-budget=-5%"),

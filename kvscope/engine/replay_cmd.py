@@ -43,8 +43,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="requests to replay, at most "
                    f"{MAX_REQUESTS:,}: the first of --trace (default: all), or the synthetic "
                    f"workload's (default {SYNTHETIC_REQUESTS:,})")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the synthetic workload (default %(default)s)")
+    p.add_argument("--seed", type=int, help="seed of the synthetic workload (default 0)")
     p.add_argument("--gpu-blocks", type=positive(int), default=256, help="gpu tier blocks (default %(default)s)")
     p.add_argument("--cpu-blocks", type=non_negative(int), default=1024,
                    help="cpu tier blocks; 0 disables (default %(default)s)")
@@ -93,7 +92,7 @@ def replay(args, stop: threading.Event | None = None) -> dict:
         block_tokens = preset.block_tokens
         # made as they are replayed: a list of them all held the whole workload at once
         requests = itertools.islice(
-            synthetic(SyntheticConfig(seed=args.seed, block_tokens=block_tokens)), total)
+            synthetic(SyntheticConfig(seed=args.seed or 0, block_tokens=block_tokens)), total)
     if args.simulate and args.speed is not None:  # it was ignored, silently
         raise EngineConfigError("--speed paces a replay that copies KV; --simulate copies none "
                                 "and replays as fast as possible: leave --speed out")
