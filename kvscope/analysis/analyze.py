@@ -215,6 +215,9 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
         notes.append(f"--sample-rate {options.sample_rate:g} was not used: the curve is "
                      f"{method} (the rate is for --method shards-rate, and for auto beyond "
                      f"{options.exact_limit:,} accesses).")
+    if options.sample_blocks != AnalyzeOptions.sample_blocks and "fixed-size" not in method:
+        notes.append(f"--sample-blocks {options.sample_blocks:,} was not used: the curve is "
+                     f"{method} (the sample size is for --method shards-size).")
     if tapped:
         distinct = len(np.unique(trace.block_ids))
         notes.append(f"The tap sampled 1 block in {1 / trace.sample_rate:.4g} by its hash "

@@ -205,7 +205,12 @@ def test_a_sample_rate_the_method_does_not_use_is_named(small_trace):
     assert any(n.startswith("--sample-rate 0.01 was not used: the curve is lru-exact")
                for n in analysis.notes)
     plain = analyze(load_trace(small_trace), AnalyzeOptions(get_preset("tiny"), arc_points=0))
-    assert not any("--sample-rate" in n for n in plain.notes)
+    assert not any("--sample-rate" in n or "--sample-blocks" in n for n in plain.notes)
+    # --sample-blocks likewise, used by shards-size alone
+    blocks = analyze(load_trace(small_trace), AnalyzeOptions(get_preset("tiny"), arc_points=0,
+                                                             sample_blocks=10))
+    assert "--sample-blocks 10 was not used: the curve is lru-exact (the sample size is for " \
+        "--method shards-size)." in blocks.notes
 
 
 @pytest.mark.parametrize("gpu_tokens,said", [(511, True), (512, False), (0, False)])
