@@ -277,8 +277,9 @@ ENGINE_INFO = _gauge("kvscope_engine_info",
     "Always 1; the engine and model a source observes.", ["source", "engine", "model"])
 ENGINE_CACHE_CONFIG_INFO = _gauge("kvscope_engine_cache_config_info",
     "Always 1; the KV cache settings of the engine a source observes, as the engine reports "
-    "them (vLLM's vllm:cache_config_info, the reference engine its own): prefix_caching (on, "
-    "off: GPU prefix caching, vLLM's --enable-prefix-caching) and kv_cache_dtype (the KV "
+    "them (vLLM's vllm:cache_config_info and its tap, the reference engine its own): "
+    "prefix_caching (on, off: GPU prefix caching, vLLM's --enable-prefix-caching) and "
+    "kv_cache_dtype (the KV "
     "cache's element type by width: auto (the model's), 32bit, 16bit, 8bit (fp8, int8), 4bit, "
     "other); absent for a source whose engine does not say.",
     ["source", "prefix_caching", "kv_cache_dtype"])

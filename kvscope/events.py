@@ -396,7 +396,10 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     (:data:`~kvscope.vocabulary.TAP_ERROR_REASONS`); empty from an emitter that counts none.
     ``pid``: the emitter's process (``os.getpid()`` when the batch was made: a forked worker's
     own), the engine process the tap runs in, whose ``/proc/<pid>/numa_maps`` places its host KV
-    pool (the numa collector); 0: not sent (an older tap).
+    pool (the numa collector); 0: not sent (an older tap). ``prefix_caching``,
+    ``kv_cache_dtype``: the KV cache settings of the engine the emitter observes, GPU prefix
+    caching on or off and the KV cache's dtype as the engine names it (e.g. vLLM's
+    ``enable_prefix_caching`` and ``cache_dtype``: "auto", "fp8"); None and "": not sent.
     """
 
     version: int
@@ -411,6 +414,8 @@ class Batch(msgspec.Struct, Generic[E], frozen=True, gc=False):
     final: bool = False
     errors: dict[str, Count] = {}
     pid: Count = 0
+    prefix_caching: bool | None = None
+    kv_cache_dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""
 
 
 def _transfer_problem(event: Transfer) -> str | None:

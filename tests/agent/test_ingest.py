@@ -76,6 +76,19 @@ def test_emitter_delivers_every_event(source, tmp_path):
     assert snap.prompt_tokens["gpu"] == 2500 * 16
     assert snap.events_dropped == {} and emitter.dropped == 0
     assert snap.source_info == {"engine": ("vllm", "tiny-llama")}
+    assert snap.cache_config == {}  # the emitter said nothing of them: nothing is known
+
+
+def test_an_emitters_kv_cache_settings_reach_the_engines_cache_config(source, tmp_path):
+    """An emitter given its engine's KV cache settings carries them in its batches: the agent
+    records them for its source, as the kvscope_engine_cache_config_info the Overview's check
+    5 reads (fp8 counted by its width)."""
+    emitter = Emitter(_endpoint(tmp_path), source="engine", engine="vllm", prefix_caching=False,
+                      kv_cache_dtype="fp8_e4m3")
+    emitter.emit(_lookup(0))
+    assert wait_until(lambda: source.pipeline.snapshot().cache_config)
+    emitter.close()
+    assert source.pipeline.snapshot().cache_config == {"engine": ("off", "8bit")}
 
 
 def _emit_in_child(emitter, first, n):

@@ -63,6 +63,10 @@ def test_offloads_promotions_and_evictions_reach_the_agent(offload_run):
     # the offloading config vLLM hands the spec carries
     for source in ("vllm", "vllm-worker"):
         assert snap.source_info[source] == ("vllm", "tiny"), snap.source_info
+    # the KV cache settings vLLM was started with (tests/vllm_driver.py: prefix caching on,
+    # the default dtype), from the scheduler's tap alone: check 5 of the Overview's "Should I
+    # offload here?" said "not measured" without vLLM's /metrics
+    assert snap.cache_config == {"vllm": ("on", "auto")}, snap.cache_config
     assert snap.prompt_tokens["recompute"] > 0
 
 

@@ -425,6 +425,9 @@ class IngestSource(SourceWorker):
                             invalid, events, source, invalid_detail)
         if batch.engine or batch.model:
             self.pipeline.set_source_info(batch.source, batch.engine, batch.model)
+        if batch.prefix_caching is not None:
+            self.pipeline.set_cache_config(batch.source, batch.prefix_caching,
+                                           batch.kv_cache_dtype)
         self.pipeline.ingest(batch.source, batch.events, scope=batch.scope or None)
         self._note_emitter(batch)
         if batch.final:

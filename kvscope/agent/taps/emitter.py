@@ -80,7 +80,8 @@ class Emitter:
     each tap on a node (it is a metric label, and request ids are told apart by it); ``engine``,
     ``model``: what it observes (shown as ``kvscope_engine_info``); ``scope``: the source whose
     requests this emitter's request ids name, when that is another emitter (see
-    :class:`kvscope.events.Batch`).
+    :class:`kvscope.events.Batch`). ``prefix_caching``, ``kv_cache_dtype``: the observed engine's
+    KV cache settings (None, "": not known).
     ``max_buffer``: events held while the agent is slow or away, besides the one batch being
     sent. ``batch_size``: events per batch at most. ``max_batch_bytes``: encoded bytes per
     batch at most, the agent's ``[ingest] max_batch_bytes`` (a batch takes the events that fit;
@@ -110,7 +111,9 @@ class Emitter:
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5560", source: str = "engine", *,
-                 engine: str = "", model: str = "", scope: str = "", max_buffer: int = 100_000,
+                 engine: str = "", model: str = "", scope: str = "",
+                 prefix_caching: bool | None = None, kv_cache_dtype: str = "",
+                 max_buffer: int = 100_000,
                  batch_size: int = 1024, max_batch_bytes: int = 4 << 20,
                  flush_interval: float = 0.05, send_hwm: int = 4,
                  warn_after: float = 10.0, logger: logging.Logger = log) -> None:
@@ -133,6 +136,7 @@ class Emitter:
         self.source = source
         self._log = logger
         self._engine, self._model, self._scope = engine, model, scope
+        self._prefix_caching, self._kv_cache_dtype = prefix_caching, kv_cache_dtype
         self.dropped = 0  # events lost to a full buffer, a failed encode or close, since start
         self.sent_batches = 0
         self._buffer: collections.deque = collections.deque()
@@ -356,6 +360,7 @@ class Emitter:
         return ev.Batch(version=ev.SCHEMA_VERSION, source=self.source, seq=self._seq,
                         events=events, session=self._session, dropped=self.dropped,
                         engine=self._engine, model=self._model, scope=self._scope, final=final,
+                        prefix_caching=self._prefix_caching, kv_cache_dtype=self._kv_cache_dtype,
                         errors=self._errors(), pid=os.getpid())
 
     def _errors(self) -> dict[str, int]:

@@ -149,22 +149,43 @@ def _inner_spec_call(cls, extra_config: Mapping[str, Any], *args, **kwargs):
     return inner_spec_class(ours), (inner, *args), kwargs
 
 
-def served_model_name(config: OffloadingConfig, frames: int = 8) -> str:
-    """The name vLLM serves the model as (``--served-model-name``, else ``--model``), as its own
-    metrics' ``model_name`` label has it, so that the tap's events and vLLM's /metrics name one
-    model alike. ``OffloadingConfig`` carries only the model path: the name is read, once, from
-    the ``vllm_config`` of the frame that builds the spec (vLLM's
-    ``OffloadingConnector.__init__``, within ``frames`` callers); the path where none has it."""
-    frame = sys._getframe(1)
+def building_vllm_config(frames: int = 8):
+    """The ``vllm_config`` (vLLM's ``VllmConfig``) of the frame that builds the spec (vLLM's
+    ``OffloadingConnector.__init__``, within ``frames`` callers of the caller), None where
+    none has one: ``OffloadingConfig`` carries neither the served name nor the KV cache
+    settings, which the tap reports. Read once, when the spec is built."""
+    frame = sys._getframe(2)
     for _ in range(frames):
         if frame is None:
-            break
-        model_config = getattr(frame.f_locals.get("vllm_config"), "model_config", None)
-        name = getattr(model_config, "served_model_name", None)
-        if isinstance(name, str) and name:  # vLLM's ModelConfig resolves a list to its first
-            return name
+            return None
+        vllm_config = frame.f_locals.get("vllm_config")
+        if getattr(vllm_config, "model_config", None) is not None:
+            return vllm_config
         frame = frame.f_back
+    return None
+
+
+def served_model_name(config: OffloadingConfig, vllm_config) -> str:
+    """The name vLLM serves the model as (``--served-model-name``, else ``--model``), as its own
+    metrics' ``model_name`` label has it, so that the tap's events and vLLM's /metrics name one
+    model alike: ``vllm_config``'s (:func:`building_vllm_config`), else the model path
+    ``config`` carries."""
+    name = getattr(getattr(vllm_config, "model_config", None), "served_model_name", None)
+    if isinstance(name, str) and name:  # vLLM's ModelConfig resolves a list to its first
+        return name
     return str(getattr(getattr(config, "model", None), "name", "") or "")
+
+
+def cache_settings(vllm_config) -> tuple[bool | None, str]:
+    """(GPU prefix caching on, KV cache dtype as vLLM names it: ``--enable-prefix-caching``,
+    ``--kv-cache-dtype``) of ``vllm_config``'s ``cache_config``; (None, "") where it has none,
+    as ``kvscope_engine_cache_config_info`` then says nothing (the Overview's check 5: vLLM's
+    ``vllm:cache_config_info`` says the same, but only to an agent scraping vLLM's /metrics)."""
+    cache = getattr(vllm_config, "cache_config", None)
+    on, dtype = getattr(cache, "enable_prefix_caching", None), getattr(cache, "cache_dtype", "")
+    if not isinstance(on, bool):
+        return None, ""
+    return on, str(dtype or "auto")[:32]
 
 
 @forwards_to_inner(OffloadingSpec, classmethod_target=_inner_spec_call)
@@ -186,7 +207,9 @@ class KvscopeOffloadingSpec(OffloadingSpec):
                      "tokens_per_block", "tokens_per_hash", "blocks_per_chunk"):
             setattr(self, name, getattr(self.inner, name))
         self.endpoint = str(ours.get("kvscope_endpoint", DEFAULT_ENDPOINT))
-        self._model = served_model_name(config)  # for kvscope_engine_info{model}
+        vllm_config = building_vllm_config()
+        self._model = served_model_name(config, vllm_config)  # kvscope_engine_info{model}
+        self._cache = cache_settings(vllm_config)  # kvscope_engine_cache_config_info
         self.sample_one_in = sample_one_in(ours) or DEFAULT_SAMPLE_ONE_IN  # bad: warned above
         rate = block_sample_rate(ours)
         self.block_sample_rate = DEFAULT_BLOCK_SAMPLE_RATE if rate is None else rate
@@ -210,8 +233,11 @@ class KvscopeOffloadingSpec(OffloadingSpec):
         try:
             from kvscope.agent.taps.emitter import Emitter
 
+            # the scheduler's emitter reports the cache settings; a worker's names its requests
+            prefix_caching, dtype = self._cache if not scope else (None, "")
             return Emitter(self.endpoint, source=source, scope=scope, engine="vllm",
-                           model=self._model, logger=log)
+                           model=self._model, prefix_caching=prefix_caching,
+                           kv_cache_dtype=dtype, logger=log)
         except Exception as exc:  # the tap boundary: vLLM runs on without the tap
             self.errors += 1
             hint = (" kvscope_endpoint is the address the agent listens on, e.g. "
