@@ -392,7 +392,7 @@ class KvEventsSource(SourceWorker):
             keep = [t for t in ALL_TIERS if t in report and t not in shared]
             log.warning(
                 "kv_events: transfers into or evictions from tier %s are reported by another "
-                "source as well (sources: %s), so they are counted twice. Let only one source "
+                "source as well (one of: %s), so they are counted twice. Let only one source "
                 "report a tier: set [kv_events] tiers = %s (environment: "
                 "KVSCOPE_KV_EVENTS__TIERS=%s). With kvscope's vLLM tap (KvscopeOffloadingSpec), "
                 "which reports the cpu and disk tiers itself, that is tiers = [\"gpu\"]; "
