@@ -286,8 +286,8 @@ class Pipeline:
                            if (r := self._finished_as(source, rid, started.ts, finished.ts))]
                 for sample in amended:
                     amend(sample, trace_id, _TRACE_ONLY)
-            for record in amended:
-                self._assembler.amended[id(record)] = record
+            for each in amended:
+                self._assembler.amended[id(each)] = each
             if amended:
                 republish = self._amended([])  # when handed over already
             elif new_request:

@@ -229,7 +229,8 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     transfer, background offloads included) when it has readable ones, else its requests'
     transfers;
     a direction whose copies took 0 s in all was not timed (its seconds: not measured).
-    Raises TraceError for a missing capture, no request rows, or an unreadable segment."""
+    Raises TraceError for a missing capture, no request rows, or no readable requests
+    segment."""
     path = Path(path)
     table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path,
                   REQUESTS_ADDED)
@@ -353,10 +354,11 @@ def _segments_of(part: str) -> set[tuple[str, str]]:
     not share; a segment without the id (written before it, or unreadable: reading it says
     so), as its resolved path. None for a path that does not exist: reading it says so."""
     try:
-        return {(_writer(p), p.name) if _writer(p) else ("", str(p.resolve()))
-                for p in capture_segments(part, "requests")}
+        segments = capture_segments(part, "requests")
     except TraceError:
         return set()
+    return {(writer, p.name) if (writer := _writer(p)) else ("", str(p.resolve()))
+            for p in segments}
 
 
 def _writer(segment: Path) -> str:
