@@ -199,13 +199,15 @@ def gpu_limiter(window: Sequence[Sample], s: Settings, low_traffic: bool) -> Che
         if values is None:
             lines.append(f"{name}: not measured (no source reports it)")
             continue
-        share = float(np.mean(values >= at))
+        over = int(np.sum(values >= at))
+        share = over / len(values)
         measured += 1
         pressure.append(share >= s.pressure_share)
         shown = _ratio if unit == "ratio" else (lambda v: f"{v:.1f}")
-        lines.append(f"{name} ≥ {shown(at)} in {share:.0%} of samples (limiter at "
-                     f"{s.pressure_share:.0%}); mean {shown(float(np.mean(values)))}, "
-                     f"max {shown(float(np.max(values)))}")
+        # the count, not a rounded share: 4 of 42 (9.5%) read "10% (limiter at 10%)", not over
+        lines.append(f"{name} ≥ {shown(at)} in {over} of {len(values)} samples ({share:.1%}; "
+                     f"limiter at {s.pressure_share:.0%}); mean "
+                     f"{shown(float(np.mean(values)))}, max {shown(float(np.max(values)))}")
     if low_traffic:
         verdict = TOO_LITTLE
     elif any(pressure):

@@ -116,7 +116,20 @@ def test_several_sources_add_their_queues_and_take_the_fullest_gpu():
         s["gpu_kv_cache_usage_ratio"] = {"a": 0.1, "b": 0.95}
     c = check(V.assess(samples), "gpu-limiter")
     assert c.verdict == PAYS
-    assert any(line.startswith("GPU KV usage ≥ 90% in 100% of samples") for line in c.evidence)
+    assert any(line.startswith("GPU KV usage ≥ 90% in 20 of 20 samples (100.0%; limiter at "
+                               "10%)") for line in c.evidence)
+
+
+def test_a_share_just_under_the_limiter_is_not_shown_at_it():
+    """4 of 42 samples with a request waiting is 9.5%, under the 10% line: the evidence read
+    "in 10% of samples (limiter at 10%)" beside a verdict that no limit was crossed."""
+    samples = window(n=42, drop=("preemptions", "gpu_kv_cache_usage_ratio"))
+    for i, s in enumerate(samples):
+        s["requests_waiting"] = {"a": 1 if i < 4 else 0}
+    c = check(V.assess(samples), "gpu-limiter")
+    assert c.verdict == NOT_MEASURED  # not over: the others unmeasured
+    assert any(line.startswith("requests waiting ≥ 1.0 in 4 of 42 samples (9.5%; limiter at "
+                               "10%)") for line in c.evidence), c.evidence
 
 
 # --- 2. prompts nearly all unique ----------------------------------------------------------
