@@ -348,17 +348,17 @@ def segments_gone(paths: str) -> list[str]:
             for part, n in gone.items() if n]
 
 
-def _segments_of(part: str) -> set[tuple[str, str]]:
-    """The requests segments capture ``part`` reads, each as its writer (the id the agent's
-    writer put in its metadata) and name, which a copy (``cp -r``) keeps and another run does
-    not share; a segment without the id (written before it, or unreadable: reading it says
-    so), as its resolved path. None for a path that does not exist: reading it says so."""
+def _segments_of(part: str) -> set[str]:
+    """What the requests segments capture ``part`` reads were written by: each one's writer
+    (the id the agent's writer put in its metadata), which a copy keeps, renamed too, and
+    another run never shares; a segment without the id (written before it, or unreadable:
+    reading it says so), its resolved path. None for a path that does not exist: reading it
+    says so."""
     try:
         segments = capture_segments(part, "requests")
     except TraceError:
         return set()
-    return {(writer, p.name) if (writer := _writer(p)) else ("", str(p.resolve()))
-            for p in segments}
+    return {_writer(p) or str(p.resolve()) for p in segments}
 
 
 def _writer(segment: Path) -> str:

@@ -266,6 +266,11 @@ def test_compare_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
     assert main(["compare", str(c), str(copy)]) == 2
     assert (f"the baseline's {c} and the candidate's {copy} read the same requests segments "
             "(one is the other, a segment of it or a copy)" in capsys.readouterr().err)
+    # renamed too (a second tryout's copy renamed each segment)
+    for segment in copy.glob("*.parquet"):
+        segment.rename(segment.with_name(segment.name.replace("requests-", "requests-9")))
+    assert main(["compare", str(c), str(copy)]) == 2
+    assert "read the same requests segments" in capsys.readouterr().err
 
 
 def test_a_parquet_file_of_another_kind_is_one_line_saying_what_to_pass(tmp_path, capsys):
