@@ -336,14 +336,15 @@ def _captures(paths: str) -> list[str]:
     return parts
 
 
-def segments_gone(paths: str) -> list[str]:
+def segments_gone(paths: str, what: str = "requests") -> list[str]:
     """A note for each capture directory of a comma-separated ``paths`` that has segments gone
     (deleted by its size cap or lost: :func:`~kvscope.agent.capture.missing_segments`): its
-    oldest requests, or some, are missing from what is read of it."""
+    oldest ``what`` (requests, block accesses), or some, are missing from what is read of
+    it."""
     gone = {part: missing_segments(Path(part)) for part in _captures(paths)
             if Path(part).is_dir()}
     return [f"{part}: {n} of its segments {'is' if n == 1 else 'are'} gone (deleted by its "
-            "size cap, capture_max_bytes, oldest first, or lost to a failed write): requests "
+            f"size cap, capture_max_bytes, oldest first, or lost to a failed write): {what} "
             "it recorded may be missing"
             for part, n in gone.items() if n]
 

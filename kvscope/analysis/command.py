@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from kvscope.analysis.analyze import METHODS, AnalyzeOptions, analyze
 from kvscope.analysis.inputs import load_measured_rates, load_trace
@@ -75,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
         options = options_from(args)
         options.validate()
         trace = load_trace(args.input)
+        if Path(args.input).is_dir():  # as compare says it (a gap in the accesses read)
+            from kvscope.analysis.capture_reader import segments_gone  # pyarrow only here
+
+            for note in segments_gone(args.input, "block accesses"):
+                print(f"kvscope analyze: note: {note}", file=sys.stderr)
         options = replace(options, measured=load_measured_rates(args.input))
         analysis = analyze(trace, options)
     except ValueError as exc:  # TraceError included  # the command-line boundary: one line, exit code 2

@@ -241,3 +241,28 @@ def test_a_segment_of_another_kind_or_unfinished_says_what_it_is(tmp_path, capsy
                        (unfinished, "a capture segment still being written")):
         assert main(["analyze", str(path)]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_analyze_names_a_capture_with_segments_gone(tmp_path, capsys):
+    """A capture of 4 segments of block accesses, the second removed (a tryout's rm; a size
+    cap deletes the oldest): compare noted it, analyze read the rest without a word. It now
+    says so on stderr, as compare does; with every segment there, nothing."""
+    from kvscope import events as ev
+    from kvscope.agent.capture import CaptureWriter
+
+    writer = CaptureWriter(tmp_path / "cap", segment_rows=2)
+    for i in range(4):
+        writer.add_lookup("engine", ev.Lookup(ts=1.0 + i, request_id=f"r{i}",
+                                              tokens={"recompute": 32}, blocks=2,
+                                              block_hashes=(1, 2 + i), block_tokens=16))
+        writer.flush()
+    writer.close()
+    segments = sorted((tmp_path / "cap").glob("blocks-*.parquet"))
+    assert len(segments) == 4
+    assert main(["analyze", str(tmp_path / "cap"), "--preset", "tiny"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    segments[1].unlink()
+    assert main(["analyze", str(tmp_path / "cap"), "--preset", "tiny"]) == 0
+    assert (f"kvscope analyze: note: {tmp_path / 'cap'}: 1 of its segments is gone (deleted by "
+            "its size cap, capture_max_bytes, oldest first, or lost to a failed write): block "
+            "accesses it recorded may be missing") in capsys.readouterr().err
