@@ -251,6 +251,12 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
                      f"preset {options.preset.name}'s, assumed (the capture moved no blocks to "
                      "measure them by): a verdict from two models if the engine's is another; "
                      "give --preset for it.")
+    own = params.current_blocks
+    if own and own <= params.gpu_blocks:
+        notes.append(f"The input's own CPU tier ({own:,} blocks) is no larger than its GPU prefix "
+                     f"cache ({params.gpu_blocks:,}): the curve's tier, inclusive (holding the "
+                     "GPU's blocks too), serves nothing at that size; the engine's, holding "
+                     "other blocks, may serve some.")
     if 0 < gpu_tokens < trace.block_tokens:
         notes.append(f"A GPU prefix cache of {gpu_tokens:,} tokens holds no whole block of "
                      f"{trace.block_tokens:,}: none is assumed.")

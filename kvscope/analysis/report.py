@@ -89,6 +89,8 @@ def _blocks(n: int) -> str:
 
 
 def _gib(n_bytes: float) -> str:
+    if n_bytes < GIB / 100:  # a tier of 2 MiB read "0.00 GiB", as if it were none
+        return f"{n_bytes / 2**20:,.1f} MiB"
     return f"{n_bytes / GIB:,.2f} GiB"
 
 

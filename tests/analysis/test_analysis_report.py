@@ -23,6 +23,10 @@ RECORDS = [  # Mooncake JSONL: 512-token blocks; the first two blocks are shared
 
 @pytest.fixture
 def small_trace(tmp_path):
+    return _small(tmp_path)
+
+
+def _small(tmp_path):
     path = tmp_path / "small.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     return path
@@ -193,7 +197,8 @@ def test_the_curve_table_has_no_row_of_0_blocks(tmp_path, capsys):
     assert main(["analyze", str(path), "--preset", "tiny", "--arc-points", "0"]) == 0
     table = capsys.readouterr().out.split("Miss-ratio curves")[1].split("\n\n")[0]
     rows = [line.split() for line in table.splitlines()[2:]]
-    assert rows == [["1", "0.00", "GiB", "0.6667", "0.6667", "-"]]
+    # preset tiny's 2 KiB a token: a 512-token block is 1 MiB (it read "0.00 GiB")
+    assert rows == [["1", "1.0", "MiB", "0.6667", "0.6667", "-"]]
 
 
 def test_a_sample_rate_the_method_does_not_use_is_named(small_trace):
@@ -266,3 +271,20 @@ def test_analyze_names_a_capture_with_segments_gone(tmp_path, capsys):
     assert (f"kvscope analyze: note: {tmp_path / 'cap'}: 1 of its segments is gone (deleted by "
             "its size cap, capture_max_bytes, oldest first, or lost to a failed write): block "
             "accesses it recorded may be missing") in capsys.readouterr().err
+
+
+def test_an_own_cpu_tier_no_larger_than_the_gpus_is_noted(tmp_path):
+    """A demo with a cpu tier of 64 blocks under a gpu tier of 256 (a tryout's): the curve's
+    inclusive tier of 64 serves nothing, where the engine's served 2.2% of the tokens; a note
+    says why, and none is made for a tier larger than the GPU's."""
+    from kvscope.analysis.rates import measured_rates
+
+    trace = load_trace(str(_small(tmp_path)))
+    for cpu, said in ((2, True), (3, False)):
+        measured = measured_rates(0, 0.0, {}, {}, {}, capacities={"gpu": (0, 2),
+                                                                  "cpu": (0, cpu)})
+        analysis = analyze(trace, AnalyzeOptions(get_preset("tiny"), measured=measured,
+                                                 arc_points=0))
+        assert analysis.sizing.current.blocks == cpu
+        assert any(n.startswith(f"The input's own CPU tier ({cpu} blocks) is no larger than "
+                                "its GPU prefix cache (2)") for n in analysis.notes) is said
