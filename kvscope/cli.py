@@ -151,8 +151,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="range of rate() in the queries (default %(default)s): at least "
                       "twice Prometheus's scrape interval, or rates read no traffic (4 times, "
                       "as Grafana's $__rate_interval, is safe); 4m for its default of 1m")
-    dash.add_argument("--sizing-trace", metavar="FILE",
-                      help="trace (Mooncake JSONL) to analyse for the Sizing page")
+    dash.add_argument("--sizing-trace", metavar="PATH",
+                      help="trace to analyse for the Sizing page: Mooncake JSONL, or an "
+                      "agent's capture directory (kvscope analyze reads the same)")
     dash.add_argument("--sizing-preset", default="llama-3-8b", choices=sorted(PRESETS),
                       help="model preset for the Sizing analysis (default %(default)s)")
     dash.add_argument("--sizing-gpu-tokens", type=token_count, metavar="TOKENS",

@@ -79,7 +79,8 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         # analyze and compare would read the two runs as one (an agent restarted into its
         # capture directory carries on; a demo run is a run of its own)
         raise FileExistsError(f"--capture-dir {config.capture_dir} holds {len(earlier)} "
-                              "segments of an earlier run, which analyze and compare would "
+                              f"segment{'s' * (len(earlier) != 1)} of an earlier run, which "
+                              "analyze and compare would "
                               "read as part of this one; give a directory without them")
     if config.trace:
         requests, block_tokens = read_mooncake(config.trace), MOONCAKE_BLOCK_TOKENS

@@ -19,7 +19,8 @@ from kvscope.engine.presets import get_preset
 log = logging.getLogger(__name__)
 
 HOW_TO_ENABLE = ("no trace to size from: start the dashboard with `kvscope dashboard "
-                 "--sizing-trace FILE` (a Mooncake JSONL trace), or the demo with --trace FILE")
+                 "--sizing-trace PATH` (a Mooncake JSONL trace or an agent's capture "
+                 "directory), or the demo with --trace FILE")
 
 
 @dataclass(frozen=True)
