@@ -897,7 +897,9 @@ def test_vllm_serve_metrics_spans_and_tap_reach_the_agent(vllm_serve):
     # vLLM's KV cache settings from its cache_config_info: prefix caching on (vLLM's default,
     # and the second request's GPU hits above), no --kv-cache-dtype: auto
     assert cache_config(parse(text)) == (True, "auto")
-    assert agent.pipeline.snapshot().cache_config == {"vllm_metrics": ("on", "auto")}
+    # the tap reports the same settings under its own source (read from vLLM's config)
+    assert agent.pipeline.snapshot().cache_config == {"vllm_metrics": ("on", "auto"),
+                                                      "vllm": ("on", "auto")}
     # the second request reused the prefix from the GPU prefix cache (tap's lookup)
     assert wait_until(lambda: all(agent.pipeline.requests.get(f"{i}-0") for i in ids), 120), \
         (ids, [r.request_id for r in agent.pipeline.requests.recent(10)], tail(log))
