@@ -32,8 +32,6 @@ from kvscope.agent.settling import Settling
 from kvscope.agent.tier_totals import TierTotals
 
 log = logging.getLogger(__name__)
-# a report that amends a record's trace id alone (amend() takes no TTFT of 0, no ITL of 0)
-_TRACE_ONLY = ev.RequestFinished(ts=0.0, request_id="", ttft=0.0, prompt_tokens=0)
 
 
 @dataclass
@@ -284,8 +282,8 @@ class Pipeline:
                        if samples > 1 else [])
                 amended = [r for rid in ids
                            if (r := self._finished_as(source, rid, started.ts, finished.ts))]
-                for sample in amended:
-                    amend(sample, trace_id, _TRACE_ONLY)
+                for sample in amended:  # its trace; its latencies are its own
+                    sample.trace_id = trace_id or sample.trace_id
             for each in amended:
                 self._assembler.amended[id(each)] = each
             if amended:

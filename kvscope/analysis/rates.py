@@ -34,10 +34,9 @@ class MeasuredRates:
     recomputed token. ``bytes_per_block``: KV bytes of one block, None when no transfer
     counted its blocks and no tier reported both. ``gpu_blocks``, ``cpu_blocks``: those tiers'
     capacity in blocks, None where the capture's engine reported none. ``evidence``: name
-    (``bandwidth``,
-    ``prefill``, ``kv_bytes``, ``gpu``) -> what it was measured over, in words. ``modelled``:
-    the names of those the capture holds but its engine priced by a cost model rather than
-    measured (the reference engine's prefill)."""
+    (``bandwidth``, ``prefill``, ``kv_bytes``, ``gpu``) -> what it was measured over, in
+    words. ``modelled``: the names of those the capture holds but its engine priced by a cost
+    model rather than measured (the reference engine's prefill)."""
 
     bandwidth: float | None = None
     prefill_tokens_per_second: float | None = None
@@ -49,8 +48,8 @@ class MeasuredRates:
 
     def pick(self, name: str, given: float | None, flag: str) -> tuple[float | None, str | None]:
         """(value, where it came from) of the rate ``name`` (``bandwidth``, ``prefill``,
-        ``kv_bytes`` or ``gpu``): ``given`` (on the command line as ``flag``) first, then the measured
-        one; (None, None) when neither is there and the caller assumes one."""
+        ``kv_bytes`` or ``gpu``): ``given`` (on the command line as ``flag``) first, then the
+        measured one; (None, None) when neither is there and the caller assumes one."""
         if given is not None:
             return given, f"given ({flag})"
         value = {"bandwidth": self.bandwidth, "prefill": self.prefill_tokens_per_second,

@@ -120,8 +120,9 @@ class SizingAdvice:
     ``assumptions["budget_bytes"]``).
     ``kv_offloading_size_gib``: vLLM ``--kv-offloading-size`` for ``recommended`` (GiB, rounded
     up to 0.1, or finer within the budget: :func:`flag_gib`). ``offload_bytes_per_second``:
-    average device-to-host store traffic at that size (None: the trace spans no time). ``current``: what the input's own CPU
-    tier (``SizingParams.current_blocks``) does by the same model, None when not known.
+    average device-to-host store traffic at that size (None: the trace spans no time).
+    ``current``: what the input's own CPU tier (``SizingParams.current_blocks``) does by the
+    same model, None when not known.
     ``curve``: every evaluated size, ascending."""
 
     offload: bool
