@@ -3,6 +3,8 @@ one process, on loopback by default."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import sys
 import threading
@@ -11,6 +13,8 @@ from pathlib import Path
 
 from kvscope.agent.capture import finished_segments
 from kvscope.agent.config import load_settings
+from kvscope.analysis.inputs import from_requests
+from kvscope.analysis.trace import AccessTrace
 from kvscope.argtypes import is_loopback
 from kvscope.dashboard.app import create_app as create_dashboard
 from kvscope.dashboard.app import serve as serve_dashboard
@@ -23,6 +27,10 @@ from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
 from kvscope.service.server import ApiServer, PortInUse, bind, url
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
+
+# Seconds of the synthetic workload the Sizing page analyses (12,000 requests at its rate: a
+# second of analysis in the background)
+SIZING_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,12 @@ class DemoConfig:
     capture_roots: tuple[str, ...] = ()
     dashboard_token: str | None = None
     one_off_share: float = SyntheticConfig.one_off_share
+
+
+def _first_requests(workload: SyntheticConfig, count: int, name: str) -> AccessTrace:
+    """The block accesses of the first ``count`` requests of ``workload``'s stream."""
+    return from_requests(itertools.islice(synthetic(workload), count), workload.block_tokens,
+                         name)
 
 
 def _replay(replayer: Replayer, out, duration: float | None) -> None:
@@ -82,12 +96,19 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
                               f"segment{'s' * (len(earlier) != 1)} of an earlier run, which "
                               "analyze and compare would "
                               "read as part of this one; give a directory without them")
+    sizing_trace, sizing_accesses = config.trace, None
     if config.trace:
         requests, block_tokens = read_mooncake(config.trace), MOONCAKE_BLOCK_TOKENS
     else:
         block_tokens = preset.block_tokens
-        requests = synthetic(SyntheticConfig(seed=config.seed, block_tokens=block_tokens,
-                                             one_off_share=config.one_off_share))
+        workload = SyntheticConfig(seed=config.seed, block_tokens=block_tokens,
+                                   one_off_share=config.one_off_share)
+        requests = synthetic(workload)
+        # the Sizing page sizes the stream the demo replays (the same seed), its first minutes
+        count = round(SIZING_SECONDS * workload.rate)
+        sizing_trace = (f"the synthetic workload's first {count:,} requests "
+                        f"({SIZING_SECONDS / 60:g} minutes), as the demo replays them")
+        sizing_accesses = functools.partial(_first_requests, workload, count, sizing_trace)
     # From here Ctrl-C stops the demo cleanly (exit 0), also while it starts: it had stopped it
     # with exit code 130 until its servers were up
     stop = threading.Event()
@@ -140,7 +161,8 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     api_url = url(config.host, config.metrics_port, "")
     try:
         # the agent takes KVSCOPE_TOKEN from the environment: its dashboard must send it
-        dashboard = serve_dashboard(create_dashboard(api_url, sizing_trace=config.trace,
+        dashboard = serve_dashboard(create_dashboard(api_url, sizing_trace=sizing_trace,
+                                                       sizing_accesses=sizing_accesses,
                                                        sizing_preset=preset.name,
                                                        sizing_gpu_tokens=config.gpu_blocks
                                                        * block_tokens,

@@ -110,6 +110,15 @@ def _table(analysis: Analysis, rows: int = 8) -> list[str]:
     return out
 
 
+def block_bytes_text(analysis: Analysis, preset_flag: str = "--preset") -> str:
+    """"N bytes/block (...)": measured by the capture, or the preset's, then naming
+    ``preset_flag``, the option that gives the model."""
+    a = analysis.sizing.assumptions
+    origin = (f"preset {a['preset']}; {preset_flag} for your model"
+              if a["kv_bytes_source"].startswith("assumed") else "measured by the capture")
+    return f"{analysis.bytes_per_block:,} bytes/block ({origin})"
+
+
 def render_text(analysis: Analysis) -> str:
     """A readable report for a terminal."""
     r, s = analysis.reuse, analysis.sizing
@@ -119,9 +128,7 @@ def render_text(analysis: Analysis) -> str:
         f"  {analysis.requests:,} request{'s' * (analysis.requests != 1)}, "
         f"{analysis.accesses:,} block accesses of "
         f"{analysis.block_tokens} tokens over {analysis.duration_seconds:,.0f} s; "
-        f"{analysis.bytes_per_block:,} bytes/block ("
-        + (f"preset {a['preset']}; --preset for your model)"
-           if a["kv_bytes_source"].startswith("assumed") else "measured by the capture)"),
+        + block_bytes_text(analysis),
         *([f"  sampled by the tap: 1 block in {1 / analysis.sample_rate:.4g} "
            f"(R={analysis.sample_rate:.4g}, {analysis.sampled_accesses:,} accesses kept); "
            "counts and curves scaled to the full stream"] if analysis.sample_rate < 1 else []),

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import dash
 from dash import Input, Output, dcc, html
 from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 
+from kvscope.analysis.trace import AccessTrace
 from kvscope.dashboard.access import protect, resolve_roots
 from kvscope.dashboard.backend import AgentBackend, Backend, BackendUnavailable
 from kvscope.dashboard.offload_verdict import Settings as OffloadSettings
@@ -34,7 +35,8 @@ NAV_STYLE = {"marginRight": "14px", "textDecoration": "none", "color": "#1f4e99"
 def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
                window_seconds: float = 900.0, *, backend: Backend | None = None,
                sizing_trace: str | None = None, sizing_preset: str = "llama-3-8b",
-               sizing_gpu_tokens: int | None = None, max_points: int = 720,
+               sizing_gpu_tokens: int | None = None,
+               sizing_accesses: Callable[[], AccessTrace] | None = None, max_points: int = 720,
                token: str | None = None, capture_roots: Iterable[str | os.PathLike] = (),
                require_token: str | None = None,
                offload_settings: OffloadSettings | None = None) -> dash.Dash:
@@ -44,7 +46,8 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
     ``refresh_seconds``: seconds between refreshes. ``window_seconds``: seconds of history
     drawn, counted back from the newest sample. ``sizing_trace``: a trace file for the Sizing
     page, analysed in the background with model ``sizing_preset`` and a GPU prefix cache of
-    ``sizing_gpu_tokens`` tokens (None: a capture's gpu tier, else none). ``max_points``:
+    ``sizing_gpu_tokens`` tokens (None: a capture's gpu tier, else none); ``sizing_accesses``
+    makes the block accesses instead, which ``sizing_trace`` then names. ``max_points``:
     points per series at most. ``token``: the agent's bearer token, when it has one.
     ``capture_roots``: the directories the Compare page may read (none: it reads nothing).
     ``require_token``: the token every visitor must present (None: open; see
@@ -57,7 +60,8 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
         if api_url is None:
             raise ValueError("create_app needs api_url or backend")
         backend = AgentBackend(api_url, token=token)
-    source = SizingSource(sizing_trace, sizing_preset, sizing_gpu_tokens)
+    source = SizingSource(sizing_trace, sizing_preset, sizing_gpu_tokens,
+                          accesses=sizing_accesses)
     source.start()
     ctx = Context(backend, window_seconds, max_points, source, resolve_roots(capture_roots),
                   offload_settings or OffloadSettings())

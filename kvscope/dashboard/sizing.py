@@ -1,4 +1,4 @@
-"""The Sizing page's data: an analysis of one trace file, computed once in the background.
+"""The Sizing page's data: an analysis of one trace, computed once in the background.
 
 :class:`SizingSource` reads and analyses the trace on a daemon thread when started (the
 analysis of a few hundred thousand block accesses takes about a second) and then serves
@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvscope.analysis.analyze import AnalyzeOptions, analyze
 from kvscope.analysis.inputs import load_measured_rates, load_trace
-from kvscope.analysis.report import sizing_figure_data
+from kvscope.analysis.report import block_bytes_text, sizing_figure_data
+from kvscope.analysis.trace import AccessTrace
 from kvscope.engine.presets import get_preset
 
 log = logging.getLogger(__name__)
 
 HOW_TO_ENABLE = ("no trace to size from: start the dashboard with `kvscope dashboard "
                  "--sizing-trace PATH` (a Mooncake JSONL trace or an agent's capture "
-                 "directory), or the demo with --trace FILE")
+                 "directory)")
 
 
 @dataclass(frozen=True)
@@ -37,14 +39,17 @@ class SizingState:
 class SizingSource:
     """Analyses ``trace`` (a path, or None for none) with model ``preset`` (bytes per block,
     prefill cost) and a GPU prefix cache of ``gpu_tokens`` tokens (what it serves, a CPU tier
-    need not; None: a capture's gpu tier, else none). ``start()`` begins the work; ``state()``
-    reports it. Thread-safe."""
+    need not; None: a capture's gpu tier, else none). ``accesses``: makes the block accesses
+    to analyse instead of reading ``trace``, which then only names them (a workload generated
+    in memory, the demo's). ``start()`` begins the work; ``state()`` reports it. Thread-safe."""
 
     def __init__(self, trace: str | None, preset: str = "llama-3-8b",
-                 gpu_tokens: int | None = None) -> None:
+                 gpu_tokens: int | None = None, *,
+                 accesses: Callable[[], AccessTrace] | None = None) -> None:
         self.trace = trace
         self.preset = preset
         self.gpu_tokens = gpu_tokens
+        self._accesses = accesses
         self._state = SizingState("off", trace, message=HOW_TO_ENABLE) if trace is None else \
             SizingState("running", trace, message=f"analysing {trace} …")
         self._lock = threading.Lock()
@@ -70,13 +75,16 @@ class SizingSource:
 
     def _run(self) -> None:
         try:
-            analysis = analyze(load_trace(self.trace), AnalyzeOptions(
-                get_preset(self.preset), gpu_tokens=self.gpu_tokens,
-                measured=load_measured_rates(self.trace)))
+            if self._accesses is not None:
+                accesses, measured = self._accesses(), None
+            else:
+                accesses, measured = load_trace(self.trace), load_measured_rates(self.trace)
+            analysis = analyze(accesses, AnalyzeOptions(
+                get_preset(self.preset), gpu_tokens=self.gpu_tokens, measured=measured))
             state = SizingState("ready", self.trace, sizing_figure_data(analysis),
                                 f"{analysis.requests:,} requests, {analysis.accesses:,} block "
-                                f"accesses over {analysis.duration_seconds:,.0f} s; preset "
-                                f"{self.preset}, {analysis.bytes_per_block:,} bytes/block, "
+                                f"accesses over {analysis.duration_seconds:,.0f} s; "
+                                f"{block_bytes_text(analysis, '--sizing-preset')}, "
                                 f"GPU prefix cache "
                                 f"{analysis.sizing.assumptions['gpu_tokens']:,} tokens; "
                                 f"{analysis.method}")

@@ -17,6 +17,7 @@ import pytest
 
 from kvscope import sampling
 from kvscope.cli import main
+from kvscope.dashboard.sizing import SizingSource
 from tests.analysis.test_block_sampling import reference_hash
 from tests.vllm_env import tap_run, value, vllm_python
 
@@ -104,3 +105,10 @@ def test_analyze_sizes_the_cpu_tier_from_a_vllm_capture(vllm_capture, capsys):
     assert "promotion bandwidth measured: " in text and "prefill rate measured: " in text
     assert "32,768 bytes/block (measured by the capture)" in text
     assert "KV bytes per block measured: " in text
+    # the dashboard's Sizing page says so too, not naming the preset it did not use (it did)
+    source = SizingSource(str(capture))
+    source.start()
+    state = source.wait(120)
+    assert state.status == "ready", state.message
+    assert "32,768 bytes/block (measured by the capture)" in state.message, state.message
+    assert "llama-3-8b" not in state.message

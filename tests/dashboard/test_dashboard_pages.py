@@ -471,6 +471,8 @@ def test_sizing_credits_the_gpu_prefix_cache_it_is_given(tmp_path):
     state = source.wait(60)
     assert state.data["gpu_token_hit_share"] == pytest.approx(2048 / 4172)
     assert "GPU prefix cache 2,048 tokens" in state.message
+    # a trace has no KV bytes of its own: the preset's, and the option naming the model
+    assert "(preset tiny; --sizing-preset for your model)" in state.message
     assert not any("No GPU prefix cache" in note for note in state.data["notes"])
 
 

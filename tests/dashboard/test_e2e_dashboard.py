@@ -389,12 +389,20 @@ def test_requests_grid_sorts_filters_pages_and_highlights(demo, browser):
     assert not console_errors(browser)
 
 
-def test_sizing_page_without_a_trace_says_how_to_enable_it(demo, browser):
+def test_the_demos_sizing_page_sizes_the_workload_it_replays(demo, browser):
+    """Without --trace the demo's Sizing page sized nothing ("no trace to size from") beside
+    the workload it generates itself: it analyses that workload's first 10 minutes, 12,000
+    requests at its 20 a second, with the demo's model (tiny) and GPU tier (256 blocks of 16
+    tokens: 4,096 tokens)."""
     browser.get(demo.ui_url + "sizing")
-    text = wait_for(browser, lambda: "--sizing-trace" in status_text(browser, "sizing-status")
-                    and status_text(browser, "sizing-status"), "the how-to-enable message")
-    screenshot(browser, "dashboard-sizing-off")
-    assert "no trace to size from" in text
+    try:
+        wait_for_points(browser, ["sizing-curves", "sizing-cost"])
+        text = status_text(browser, "sizing-status")
+    finally:
+        screenshot(browser, "dashboard-sizing-demo")
+    assert "the synthetic workload's first 12,000 requests (10 minutes)" in text, text
+    assert "12,000 requests, " in text and "GPU prefix cache 4,096 tokens" in text, text
+    assert "(preset tiny; --sizing-preset for your model)" in text, text
     assert not console_errors(browser)
 
 
