@@ -111,6 +111,13 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
             also = "a trace file or " if kind == "blocks" else ""  # analyze reads traces too
             raise TraceError(f"{where}: not a capture directory (no segments in it); give "
                              f"{also}a directory kvscope agent --capture-dir wrote")
+        if where.is_dir() and not finished_segments(where, "blocks") + finished_segments(
+                where, "requests"):  # the agent's samples alone: it stopped before any request
+            kinds = sorted({s.name.split("-")[0] for s in finished_segments(where)})
+            raise TraceError(f"{where}: no request reached this capture (it holds only "
+                             f"{' and '.join(kinds)} segments: the agent stopped before a "
+                             "lookup or a finished request came); capture while the engine "
+                             "serves")
         raise TraceError(f"{where}: no {kind} segments (kvscope agent --capture-dir writes them "
                          f"{writes})")
     if open_:

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from kvscope.agent.capture import CaptureWriter
 from kvscope.analysis.analyze import AnalyzeOptions, analyze
 from kvscope.analysis.inputs import load_trace
 from kvscope.analysis.report import render_text, sizing_figure_data, to_dict
@@ -81,6 +82,24 @@ def test_a_capture_directory_none_of_whose_segments_reads_is_named(tmp_path, cap
     err = capsys.readouterr().err
     assert f"{capture}: no blocks segment of it can be read: {segment}: not a kvscope blocks " \
         "segment (" in err and "pass the capture directory" not in err
+
+
+def test_a_capture_stopped_before_any_request_says_so(tmp_path, capsys):
+    """An agent stopped before the engine served anything leaves only its samples' segments
+    (totals, tiers): analyze said its blocks segments were missing, as if the tap recorded no
+    block hashes; compare, its requests. Both now say no request reached the capture."""
+    for name in ("early", "early2"):
+        writer = CaptureWriter(tmp_path / name)
+        writer.add_sample({"ts": 1.0, "transfer_bytes": {"gpu->cpu": 0}, "transfer_blocks": {},
+                           "transfer_seconds_sum": {}, "tier_capacity_bytes": {"cpu": 1 << 30}})
+        writer.close()
+    capture = tmp_path / "early"
+    assert sorted(p.name.split("-")[0] for p in capture.iterdir()) == ["tiers", "totals"]
+    assert main(["analyze", str(capture)]) == 2
+    assert (f"{capture}: no request reached this capture (it holds only tiers and totals "
+            "segments: ") in capsys.readouterr().err
+    assert main(["compare", str(capture), str(tmp_path / "early2")]) == 2
+    assert f"{capture}: no request reached this capture" in capsys.readouterr().err
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):
