@@ -451,7 +451,7 @@ def test_five_requests_of_one_id_in_one_span_batch_join_their_own():
 
 @pytest.mark.parametrize("together", [False, True], ids=["A started before", "one batch"])
 def test_a_request_reusing_an_id_back_to_back_in_one_batch_stays_apart(together):
-    """A client reusing id x sends B as A finishes: one tap batch (50 ms) holds A's finish,
+    """A client reusing id x sends B as A finishes: one tap batch (250 ms) holds A's finish,
     then B's start (10 ms later; with A's start too, or A started in an earlier batch). Folded
     kind by kind, B's start landed on A's open record (A took B's arrival, 0.5 s after its
     finish) and A's and B's spans found no record: 4 requests. Now: 2, each with its span."""
