@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from kvscope.analysis.compare import ms
 from kvscope.dashboard.figures import COLOURS, message_figure
 from kvscope.rollout.plan import AA_SUFFIX
 from kvscope.vocabulary import TOKEN_SOURCES
@@ -59,7 +60,7 @@ def latency(data: dict | None, metric: str = "ttft") -> go.Figure:
     budget = data.get(f"{metric}_budget")
     if budget:
         fig.add_hline(y=budget, line_dash="dash", line_color=VERDICT_COLOURS["roll back"],
-                      annotation_text=f"budget {budget * 1e3:g} ms",
+                      annotation_text=f"budget {ms(budget)}",  # as the verdict names it
                       annotation_position="top left")
     return fig
 

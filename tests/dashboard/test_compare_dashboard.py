@@ -35,6 +35,14 @@ def test_latency_figure_has_both_runs_with_error_bars_and_the_budget():
     assert "s" in fig.layout.yaxis.title.text
 
 
+def test_the_budget_line_reads_as_the_verdict_names_the_budget():
+    """A budget of +10% over a p99 of 100.2135 ms is 110.23485 ms: the line read "budget
+    110.235 ms" (six digits) beside a verdict naming "budget 110 ms" (three)."""
+    fig = fc.latency(_data(budget=0.11023485), "ttft")
+    assert [a.text for a in fig.layout.annotations if "budget" in (a.text or "")] == [
+        "budget 110 ms"]
+
+
 def test_itl_missing_on_one_side_still_draws_the_other():
     fig = fc.latency(_data(itl=False), "itl")
     assert fig.data[0].y == (None, None, None) and fig.data[1].y[0] == 0.021
