@@ -31,6 +31,7 @@ from kvscope.agent.sources.vllm_metrics import MetricsMapper
 HEALTH_POLL_S = 1.0
 STOP_GRACE_S = 15.0
 SCRAPE_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 600.0  # a server this rollout starts: loading a model takes minutes
 RUNNING_TIMEOUT_S = 15.0  # a server that should be up already: no long wait
 
 
@@ -60,14 +61,15 @@ class Arm:
     def health_url(self) -> str:
         return self.health or self.url.rstrip("/") + "/health"
 
-    def start(self, log: Path, timeout: float) -> None:
+    def start(self, log: Path, timeout: float | None = None) -> None:
         """Start the command (if any), its output to ``log``, and wait until the health URL
-        answers 200. Raises ArmError when the command exits or ``timeout`` seconds pass (at
-        most :data:`RUNNING_TIMEOUT_S` for a server said to be running already), and before
-        starting a command when the health URL answers already."""
-        if not self.command:
-            timeout = min(timeout, RUNNING_TIMEOUT_S)
-        else:
+        answers 200. Raises ArmError when the command exits or ``timeout`` seconds pass (None:
+        :data:`START_TIMEOUT_S` for a command, :data:`RUNNING_TIMEOUT_S` for a server said to
+        be running already), and before starting a command when the health URL answers
+        already."""
+        if timeout is None:
+            timeout = START_TIMEOUT_S if self.command else RUNNING_TIMEOUT_S
+        if self.command:
             if _ok(self.health_url):  # else that server would be measured, and ours fail
                 raise ArmError(f"arm {self.name}: {self.health_url} answers before its --start "
                                "command ran: another server holds the port (one a stopped "

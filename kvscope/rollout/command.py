@@ -13,7 +13,7 @@ from kvscope.analysis.compare import check_resamples
 from kvscope.analysis.compare_cmd import add_verdict_arguments
 from kvscope.argtypes import http_url, non_negative, positive
 from kvscope.rollout import loadgen, workload
-from kvscope.rollout.arms import Arm
+from kvscope.rollout.arms import RUNNING_TIMEOUT_S, START_TIMEOUT_S, Arm
 from kvscope.rollout.plan import AA_SUFFIX, DEFAULT_LEVELS, DEFAULT_REPETITIONS
 from kvscope.rollout.session import Options, RolloutError, Session
 from kvscope.rollout.workload import MIXED
@@ -57,7 +57,7 @@ def _pairs(flag: str, value_type=str):
 
 def _levels(text: str) -> list[int]:
     try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
+        levels = [int(x) for x in text.split(",")]  # "1,,2": an item left out, refused
     except ValueError:
         levels = []
     if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
@@ -116,8 +116,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "cached environment of scripts/vllm_env.sh --guidellm, then PATH)")
     p.add_argument("--tokenizer", metavar="DIR|NAME", help="tokenizer guidellm counts tokens "
                    "with (default: the served model's)")
-    p.add_argument("--start-timeout", type=positive(float), default=600, metavar="SECONDS",
-                   help="wait this long for an arm's health URL (default %(default)s)")
+    p.add_argument("--start-timeout", type=positive(float), metavar="SECONDS",
+                   help="wait this long for an arm's health URL (default "
+                        f"{START_TIMEOUT_S:g} for an arm --start starts, "
+                        f"{RUNNING_TIMEOUT_S:g} for a server already running)")
     p.add_argument("--run-timeout", type=positive(float), default=1800, metavar="SECONDS",
                    help="stop a run that takes longer (default %(default)s)")
     p.add_argument("--request-timeout", type=positive(float), default=300, metavar="SECONDS",

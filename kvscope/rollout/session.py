@@ -46,7 +46,8 @@ class Options:
     ``warmup_requests`` per arm before the first run (0: none), ``aa`` (the A/A pair),
     ``workload`` (``"mixed"`` or a Mooncake trace), ``block_tokens``, ``max_prompt_tokens``,
     ``max_output_tokens``, ``seed``; the load generator's ``loadgen`` executable and
-    ``tokenizer`` (a directory or model name, or None); ``start_timeout``, ``run_timeout`` and
+    ``tokenizer`` (a directory or model name, or None); ``start_timeout`` (None: each arm's
+    default, :meth:`~kvscope.rollout.arms.Arm.start`), ``run_timeout`` and
     ``request_timeout`` (seconds); ``judge``: :func:`kvscope.rollout.judge.judge`'s options (budgets, resamples,
     confidence, min_requests)."""
 
@@ -62,7 +63,7 @@ class Options:
     seed: int
     loadgen: str
     tokenizer: str | None
-    start_timeout: float
+    start_timeout: float | None
     run_timeout: float
     request_timeout: float
     judge: dict

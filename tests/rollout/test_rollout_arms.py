@@ -129,3 +129,43 @@ def test_stopping_an_arm_stops_its_server_when_the_shell_that_started_it_exits_f
     finally:  # a failing stop() must not leave the server behind
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_running_servers_arm_waits_the_start_timeout_given(tmp_path, monkeypatch):
+    """A server started outside the rollout, still loading its model: the arm waited at most
+    RUNNING_TIMEOUT_S (15 s; 1 here) whatever --start-timeout said. Here the server answers
+    after 3 s: a timeout of 60 given, the arm waits for it; none given, the default (1 s) ends
+    the wait first, naming it."""
+    import http.server
+    import threading
+
+    from kvscope.rollout.arms import ArmError
+
+    monkeypatch.setattr("kvscope.rollout.arms.RUNNING_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("kvscope.rollout.arms.HEALTH_POLL_S", 0.1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    arm = Arm("base", f"http://127.0.0.1:{port}", health=f"http://127.0.0.1:{port}/")
+    with pytest.raises(ArmError, match=r"did not answer 200 within 1 s; is the server running"):
+        arm.start(tmp_path / "base.log")
+    server = http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler,
+                                    bind_and_activate=False)  # the port closed until it serves
+    serving = threading.Event()
+
+    def serve():
+        server.server_bind()
+        server.server_activate()
+        serving.set()
+        server.serve_forever()
+
+    later = threading.Timer(3.0, serve)
+    later.start()
+    try:
+        arm.start(tmp_path / "base.log", timeout=60)
+        assert serving.is_set()
+    finally:
+        later.cancel()
+        if serving.wait(10):
+            server.shutdown()
+        server.server_close()

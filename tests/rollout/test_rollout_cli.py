@@ -285,6 +285,9 @@ def test_an_agent_that_counts_nothing_is_warned_of_and_its_hit_quality_not_measu
       "10ms"], "budget '10ms'"),
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--levels", "0,2"],
      "distinct stream counts"),
+    # an item left out was dropped silently
+    (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--levels", "1,,2"],
+     "'1,,2': give distinct stream counts"),
     (["--arm", "a=http://127.0.0.1:{p}"], "two arms or more"),
     (["--arm", "a=http://127.0.0.1:{p}", "--arm", "b=http://127.0.0.1:{p}", "--agent",
       "c=http://127.0.0.1:1"], "no --arm named c"),
