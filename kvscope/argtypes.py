@@ -151,6 +151,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def path(off: str | None = None):
+    """An argparse type for a file or directory path: empty is refused (read as the current
+    directory, or as the flag left out); ``off`` says what leaving the flag out does (None: an
+    argument that must be given)."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(
+                "is empty; give a path" + (f", or leave the flag out {off}" if off else ""))
+        return text
+    parse.__name__ = "path"
+    return parse
+
+
 def directory(off: str):
     """An argparse type for a directory flag: empty is refused, since it would mean the current
     directory; ``off`` says what leaving the flag out does (the config keys say the same)."""

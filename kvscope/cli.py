@@ -9,7 +9,8 @@ import sys
 
 from kvscope import __version__
 from kvscope.argtypes import (directory, host, http_url, label_matchers, non_negative, port,
-                               positive, prometheus_duration, proportion, token_count)
+                               path, positive, prometheus_duration, proportion,
+                               token_count)
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
@@ -55,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                     "or after --duration.")
     demo.add_argument("--duration", type=positive(float), metavar="SECONDS",
                       help="stop after this many seconds (default: run until Ctrl-C)")
-    demo.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay "
+    demo.add_argument("--trace", metavar="FILE", type=path("for the built-in workload"),
+                      help="Mooncake JSONL trace to replay "
                       "(default: the built-in synthetic workload)")
     demo.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on (default %(default)s)")
     demo.add_argument("--metrics-port", type=port, default=9400, metavar="PORT",
@@ -102,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
                "KVBM), [trtllm] (trtllm-serve); the collectors are [collectors.host], "
                "[collectors.gpu], [collectors.numa], [collectors.engine_args]. Every key: "
                "docs/agent.md; each engine's setup: docs/vllm.md and docs/engines.md.")
-    agent.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    agent.add_argument("--config", metavar="FILE", type=path("for the defaults"),
+                       help="TOML configuration file")
     agent.add_argument("--host", type=host, help="address to listen on (default 127.0.0.1)")
     agent.add_argument("--port", type=port, help="port of /metrics and the API (default 9400)")
     agent.add_argument("--ingest", metavar="ENDPOINT",
@@ -151,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="range of rate() in the queries (default %(default)s): at least "
                       "twice Prometheus's scrape interval, or rates read no traffic (4 times, "
                       "as Grafana's $__rate_interval, is safe); 4m for its default of 1m")
-    dash.add_argument("--sizing-trace", metavar="PATH",
+    dash.add_argument("--sizing-trace", metavar="PATH", type=path("to size nothing"),
                       help="trace to analyse for the Sizing page: Mooncake JSONL, or an "
                       "agent's capture directory (kvscope analyze reads the same)")
     dash.add_argument("--sizing-preset", default="llama-3-8b", choices=sorted(PRESETS),
@@ -191,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
                           description="Write the metric reference (every metric, its labels and "
                           "meaning) from kvscope's metric catalog: for kvscope's developers, run "
                           "from the repository root after changing the catalog.")
-    docs.add_argument("--output", default="docs/metrics.md",
+    docs.add_argument("--output", default="docs/metrics.md", type=path("for docs/metrics.md"),
                       help="file to write, relative to the current directory (default "
                            "%(default)s)")
     return parser

@@ -193,6 +193,18 @@ def test_a_workload_without_one_off_prompts_is_accepted():
     (["agent", "--store-dir", ""], "--store-dir: is empty"),
     (["agent", "--capture-dir", ""], "--capture-dir: is empty"),
     (["demo", "--capture-dir", "", "--duration", "1"], "--capture-dir: is empty"),
+    # an empty path to read: the demo played its own workload (its Sizing page failing on "."),
+    # replay too, analyze read the current directory (a tryout's)
+    (["demo", "--trace", "", "--duration", "1"],
+     "--trace: is empty; give a path, or leave the flag out for the built-in workload"),
+    (["replay", "--trace", ""], "--trace: is empty"),
+    (["analyze", ""], "argument INPUT: is empty; give a path"),
+    (["compare", "a", " "], "argument CANDIDATE: is empty"),
+    (["dashboard", "--sizing-trace", ""], "--sizing-trace: is empty"),
+    (["agent", "--config", ""], "--config: is empty"),
+    (["docs-metrics", "--output", ""], "--output: is empty"),
+    (["rollout", "--arm", "a=http://127.0.0.1:1", "--arm", "b=http://127.0.0.1:2", "--out", ""],
+     "--out: is empty"),
     # a file named as the directory: the agent's own error named its config key, capture_dir
     (["demo", "--capture-dir", __file__, "--duration", "1"],
      f"--capture-dir: {__file__} is a file, not a directory"),

@@ -13,12 +13,12 @@ from kvscope.analysis.inputs import load_measured_rates, load_trace
 from kvscope.analysis.report import render_text, to_json
 from kvscope.analysis.sizing import DEFAULT_BANDWIDTH, GIB
 from kvscope.engine.presets import PRESETS, get_preset
-from kvscope.argtypes import at_least, at_most, positive, share, token_count
+from kvscope.argtypes import at_least, at_most, path, positive, share, token_count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``analyze`` options to ``parser``."""
-    parser.add_argument("input", metavar="INPUT",
+    parser.add_argument("input", metavar="INPUT", type=path(),
                         help="trace to analyze: Mooncake JSONL (a file not ending in .parquet), "
                         "or an agent capture directory (kvscope agent --capture-dir) or .parquet "
                         "segment")

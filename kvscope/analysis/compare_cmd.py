@@ -9,7 +9,7 @@ import sys
 from kvscope.analysis.bootstrap import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, MAX_RESAMPLES
 from kvscope.analysis.compare import (DEFAULT_MIN_REQUESTS, compare, parse_budget, render_text,
                                       to_json)
-from kvscope.argtypes import fraction, non_negative, positive
+from kvscope.argtypes import fraction, non_negative, path, positive
 
 DESCRIPTION = (
     "Compare agent captures (kvscope agent --capture-dir), e.g. runs without the newest "
@@ -28,10 +28,10 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``compare`` options to ``parser``."""
-    parser.add_argument("baseline", metavar="BASELINE",
+    parser.add_argument("baseline", metavar="BASELINE", type=path(),
                         help="capture directory (or requests .parquet segment) of the baseline, "
                         "or several of repeated runs, comma-separated")
-    parser.add_argument("candidate", metavar="CANDIDATE",
+    parser.add_argument("candidate", metavar="CANDIDATE", type=path(),
                         help="the same for the candidate")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     add_verdict_arguments(parser)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from kvscope.engine.policy import POLICIES
 from kvscope.engine.presets import PRESETS, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
-from kvscope.argtypes import directory, non_negative, positive
+from kvscope.argtypes import directory, non_negative, path, positive
 from kvscope.signals import stopping_on_signals
 
 
@@ -38,7 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Replay a Mooncake JSONL trace (or the built-in synthetic workload) through "
                     "the three-tier offload engine, or with --simulate through its decisions "
                     "only, and print hit ratios, transfers, evictions and TTFT percentiles.")
-    p.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (512-token blocks)")
+    p.add_argument("--trace", metavar="FILE", type=path("for the built-in workload"),
+                   help="Mooncake JSONL trace (512-token blocks)")
     p.add_argument("--requests", type=positive(int, at_most=MAX_REQUESTS), default=None,
                    help="requests to replay, at most "
                    f"{MAX_REQUESTS:,}: the first of --trace (default: all), or the synthetic "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvscope.analysis.compare import check_resamples
 from kvscope.analysis.compare_cmd import add_verdict_arguments
-from kvscope.argtypes import http_url, non_negative, positive
+from kvscope.argtypes import http_url, non_negative, path, positive
 from kvscope.rollout import loadgen, workload
 from kvscope.rollout.arms import RUNNING_TIMEOUT_S, START_TIMEOUT_S, Arm
 from kvscope.rollout.plan import AA_SUFFIX, DEFAULT_LEVELS, DEFAULT_REPETITIONS
@@ -112,7 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=non_negative(int), default=0,
                    help="seed of the workload and the bootstrap (default %(default)s)")
     add_verdict_arguments(p)
-    p.add_argument("--loadgen", metavar="PATH", help="guidellm executable (default: the "
+    p.add_argument("--loadgen", metavar="PATH", type=path("to find guidellm"),
+                   help="guidellm executable (default: the "
                    "cached environment of scripts/vllm_env.sh --guidellm, then PATH)")
     p.add_argument("--tokenizer", metavar="DIR|NAME", help="tokenizer guidellm counts tokens "
                    "with (default: the served model's)")
@@ -125,7 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=positive(float), default=300, metavar="SECONDS",
                    help="give up on a request whose server sends nothing for this long "
                    "(default %(default)s)")
-    p.add_argument("--out", metavar="DIR", help="report directory (default "
+    p.add_argument("--out", metavar="DIR", type=path("for a new rollout-YYYYmmdd-HHMMSS"),
+                   help="report directory (default "
                    "rollout-YYYYmmdd-HHMMSS); must be new or empty")
 
 
