@@ -258,6 +258,13 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
             raise ConfigError(f"config {path}: not UTF-8 text (byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config {path}: {exc}") from None
+    # pydantic-settings matches top-level keys in any case (PORT and port both set port, one
+    # of them winning unsaid), where TOML and the tables' keys are case-sensitive
+    spelt = sorted(k for k in values if k not in AgentSettings.model_fields
+                   and k.lower() in AgentSettings.model_fields)
+    if spelt:
+        raise ConfigError(f"config {path}: {spelt[0]}: kvscope's keys are lower case; write "
+                          f"{spelt[0].lower()}")
     file_values = copy.deepcopy(values)
     for key, value in overrides.items():
         if value is not None:

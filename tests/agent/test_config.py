@@ -248,6 +248,20 @@ def test_a_variable_not_in_upper_case_is_refused(monkeypatch, variable):
         load_settings(None)
 
 
+@pytest.mark.parametrize("text, key", [("port = 19440\nPORT = 19442\n", "PORT"),
+                                       ("Port = 19442\n", "Port"),
+                                       ("[INGEST]\nendpoint = 'tcp://127.0.0.1:19441'\n",
+                                        "INGEST")])
+def test_a_key_not_in_lower_case_is_refused(tmp_path, text, key):
+    """A tryout's file set port twice, as port and PORT: the agent started on one of them,
+    unsaid (TOML itself refuses a key twice, and the tables' keys, ENDPOINT, were refused)."""
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^config {path}: {key}: kvscope's keys are lower "
+                       f"case; write {key.lower()}$"):
+        load_settings(path)
+
+
 def test_a_bad_environment_value_names_its_variable_not_the_file(tmp_path, monkeypatch):
     path = tmp_path / "agent.toml"
     path.write_text("[ingest]\n")
