@@ -367,8 +367,12 @@ def cheaper_steps(window: Sequence[Sample], tokens: Mapping[str, float]) -> Chec
         return Check(key, CONDITIONS[key], NOT_MEASURED, (
             "KV cache settings: not measured (no engine reports them)", seen,
             "not measured: KV cache quantization (vLLM --kv-cache-dtype fp8)", unmeasured))
-    lines = [f"{source}: prefix caching {prefix}; KV cache dtype {DTYPE_ADVICE.get(dtype, dtype)}"
-             for source, prefix, dtype in settings]
+    # sources that say the same once: vLLM's tap and its /metrics report one engine's settings
+    same: dict[tuple[str, str], list[str]] = {}
+    for source, prefix, dtype in settings:
+        same.setdefault((prefix, dtype), []).append(source)
+    lines = [f"{', '.join(sources)}: prefix caching {prefix}; KV cache dtype "
+             f"{DTYPE_ADVICE.get(dtype, dtype)}" for (prefix, dtype), sources in same.items()]
     off = [source for source, prefix, _ in settings if prefix == "off"]
     if off:
         lines.append(f"turn GPU prefix caching on first ({', '.join(off)}; vLLM "

@@ -337,6 +337,18 @@ def test_cheaper_steps_skip_offload_while_prefix_caching_is_off():
         "reuses prefixes without any transfer")
 
 
+def test_cheaper_steps_say_the_settings_two_sources_share_once():
+    """vLLM's tap and its /metrics both report one engine's settings: two identical lines
+    were listed, one per source; a third source that differs keeps its own line."""
+    c = check(V.assess(with_cache_config(window(), "vllm->on->16bit", "vllm_metrics->on->16bit",
+                                         "engine->on->8bit")), "cheaper-steps")
+    assert c.evidence[:2] == (
+        "engine: prefix caching on; KV cache dtype 8-bit (quantized): the KV bytes are half a "
+        "16-bit cache's already",
+        "vllm, vllm_metrics: prefix caching on; KV cache dtype 16-bit: fp8 would halve the KV "
+        "bytes before any offload (vLLM --kv-cache-dtype fp8)")
+
+
 @pytest.mark.parametrize("dtype, advice", [
     ("8bit", "8-bit (quantized): the KV bytes are half a 16-bit cache's already"),
     ("16bit", "16-bit: fp8 would halve the KV bytes before any offload (vLLM --kv-cache-dtype "
