@@ -230,6 +230,15 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
                          f"{trace.sample_rate:.4g}: a sample cannot hold blocks the tap did not "
                          "keep, so the curve is at the tap's rate.")
         if distinct < shards.MIN_SAMPLED_BLOCKS:
+            # a few shared blocks, sampled or not, swing the whole curve: a tryout's 40 vLLM
+            # requests of one shared prefix read 0% reuse and "Do not offload" beside a third
+            # of their prompt tokens served from cache
+            sizing = replace(sizing, offload=None, recommended=None, kv_offloading_size_gib=None,
+                             reasons=[], verdict=(
+                                 f"Not enough data to size a tier: the tap's sample holds "
+                                 f"{distinct:,} distinct block{'s' * (distinct != 1)}, of the "
+                                 f"{shards.MIN_SAMPLED_BLOCKS:,} a curve needs; capture longer, "
+                                 "or raise the tap's kvscope_block_sample_rate."))
             notes.append(f"The sample holds only {distinct:,} distinct "
                          f"block{'s' * (distinct != 1)}: the curve is "
                          "coarse (capture longer, or raise the tap's kvscope_block_sample_rate).")

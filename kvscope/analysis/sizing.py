@@ -114,8 +114,8 @@ class SizePoint:
 
 @dataclass(frozen=True)
 class SizingAdvice:
-    """The advice. ``offload``: whether a CPU tier pays. ``reasons``: plain sentences why not
-    (empty when it pays). ``recommended``: None when there is nothing to size; ``knee``: None
+    """The advice. ``offload``: whether a CPU tier pays (None: the input is too thin to say).
+    ``reasons``: plain sentences why not (empty when it pays or cannot be said). ``recommended``: None when there is nothing to size; ``knee``: None
     when the gain curve bends nowhere above the GPU cache's size (it may lie beyond the budget:
     ``assumptions["budget_bytes"]``).
     ``kv_offloading_size_gib``: vLLM ``--kv-offloading-size`` for ``recommended`` (GiB, rounded
@@ -125,7 +125,7 @@ class SizingAdvice:
     same model, None when not known.
     ``curve``: every evaluated size, ascending."""
 
-    offload: bool
+    offload: bool | None
     verdict: str
     reasons: list[str]
     recommended: SizePoint | None

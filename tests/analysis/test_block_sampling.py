@@ -196,6 +196,32 @@ def test_a_sampled_capture_says_what_it_cannot_give(tmp_path):
     assert not any("--sample-rate" in n for n in low.notes)
 
 
+def test_a_tap_sample_too_thin_for_a_curve_gives_no_verdict(tmp_path):
+    """A tryout's vLLM capture of 40 requests sharing a prefix: at 1/16 the sample kept 11
+    distinct blocks, read 0% reuse and said "Do not offload" beside a third of the prompt
+    tokens served from cache. Here 40 prompts of one 16-block prefix and 16 blocks of their
+    own (656 distinct blocks, about 41 sampled): below shards.MIN_SAMPLED_BLOCKS (1,000)
+    distinct sampled blocks there is no verdict, nor a size, and the report says why; a
+    capture of 40,000 accesses (over 1,000 sampled) has its verdict."""
+    shared = list(range(16))
+    ids = np.array([b for n in range(40) for b in shared + list(range(1000 + 16 * n,
+                                                                      1016 + 16 * n))],
+                   dtype=np.uint64)
+    _tap_capture(ids, tmp_path / "thin")
+    trace = read_block_trace(tmp_path / "thin")
+    assert len(np.unique(trace.block_ids)) < shards.MIN_SAMPLED_BLOCKS
+    sizing = analyze(trace, AnalyzeOptions(get_preset("tiny"), arc_points=0)).sizing
+    assert sizing.offload is None and sizing.recommended is None and not sizing.reasons
+    assert sizing.kv_offloading_size_gib is None
+    assert sizing.verdict.startswith("Not enough data to size a tier: the tap's sample holds ")
+    assert "of the 1,000 a curve needs" in sizing.verdict
+    _tap_capture(prefix_stream(40_000, seed=3), tmp_path / "thick")
+    trace = read_block_trace(tmp_path / "thick")
+    assert len(np.unique(trace.block_ids)) >= shards.MIN_SAMPLED_BLOCKS
+    sizing = analyze(trace, AnalyzeOptions(get_preset("tiny"), arc_points=0)).sizing
+    assert sizing.offload is not None and not sizing.verdict.startswith("Not enough data")
+
+
 def test_a_tap_capture_sampled_again_too_thin_is_refused_as_a_trace_would_be(tmp_path):
     """A tap capture of 2,000 accesses (1/16: about 125 sampled) analysed at its own rate is a
     sample already, and goes; sampled again at 1/100 it keeps a handful of blocks, and is
