@@ -41,13 +41,24 @@ def badge(verdict: str) -> html.Span:
                             "whiteSpace": "nowrap", "fontWeight": "600"})
 
 
-def card(cid: str, title: str, value: str, detail: str, colour: str = "#222") -> html.Div:
+# where the seconds saved come from (vLLM's tap measures no prefill rate of its own; a tryout
+# read the card at 19.5x where kvscope compare measured 4.8x from the same capture)
+SAVED_HINT = ("prompt tokens a tier served, each priced at the prefill rate its engine's "
+              "lookups carry (the reference engine's model), else the agent's "
+              "prefill_tokens_per_second (10,000 tokens/s by default), an assumption; kvscope "
+              "compare measures the rate from a capture")
+
+
+def card(cid: str, title: str, value: str, detail: str, colour: str = "#222",
+         hint: str | None = None) -> html.Div:
+    """A stat card: ``title``, ``value`` large, ``detail`` under it; ``hint``: shown on
+    hover."""
     return html.Div([html.Div(title, style={"color": "#555", "fontSize": "13px"}),
                      html.Div(value, className="offload-card-value",
                               style={"fontSize": "22px", "fontWeight": "600",
                                      "color": colour}),
                      html.Div(detail, style={"color": "#555", "fontSize": "13px"})],
-                    id=cid, style=CARD_STYLE)
+                    id=cid, style=CARD_STYLE, title=hint)
 
 
 def cards(a: Assessment) -> html.Div:
@@ -68,8 +79,9 @@ def cards(a: Assessment) -> html.Div:
     return html.Div([
         card("offload-card-tokens", "prompt tokens from a cache",
              f"{reused:.0%}" if h.token_share else NOT_MEASURED, shares or "no prompt tokens"),
-        card("offload-card-savings", "prefill seconds saved per transfer second",
-             _net(h.saved_vs_spent), tiers or "no offload tier served or moved anything"),
+        card("offload-card-savings", "estimated prefill seconds saved per transfer second",
+             _net(h.saved_vs_spent), tiers or "no offload tier served or moved anything",
+             hint=SAVED_HINT),
         card("offload-card-ttft", "p99 TTFT vs budget",
              seconds_text(h.ttft_p99), f"budget {seconds_text(h.ttft_budget)}",
              VERDICT_COLOURS[SKIP] if over else "#222"),

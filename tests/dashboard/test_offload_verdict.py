@@ -432,6 +432,11 @@ def test_transfer_time_not_measured_is_none_not_zero_seconds():
     assert a.headline.saved_vs_spent == {"cpu": (pytest.approx(1.2), None)}
     savings = {c.id: c for c in verdict_view.cards(a).children}["offload-card-savings"]
     assert savings.children[1].children == "1.20 s saved"
+    # estimated, and on hover how (a tryout read 19.5x at the agent's assumed prefill rate
+    # where kvscope compare measured 4.8x)
+    assert savings.children[0].children.startswith("estimated prefill seconds saved")
+    assert "prefill_tokens_per_second (10,000 tokens/s by default), an assumption" in \
+        savings.title
     assert savings.children[2].children == "cpu 1.20 s saved / transfer time not measured"
     # one tier timed, one not: no ratio over the timed one alone
     a = V.assess(window(saved={"cpu": 0.02, "disk": 0.01}, spent={"cpu->gpu": 0.003}))
