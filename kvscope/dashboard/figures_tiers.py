@@ -20,6 +20,11 @@ EVICTION_AGE_TITLE = "Block age at eviction"
 EVICTION_HITS_TITLE = "Hits before eviction"
 
 
+# vLLM's tap reports the tiers it adds, not the GPU's KV cache (a tryout read "no gpu tier
+# configured" beside a GPU serving prefixes)
+GPU_NOT_REPORTED = f"{NOT_MEASURED} (no source reports the GPU's KV cache)"
+
+
 def residency_title(tier: str) -> str:
     return f"{tier} tier: residency"
 
@@ -27,8 +32,9 @@ def residency_title(tier: str) -> str:
 def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
     """One tier's resident bytes (filled) against its capacity (dashed) and budget (dotted),
     with resident blocks in the hover; "no <tier> tier configured" when the agent never
-    reported the tier, and "capacity not measured" in the title when its source reported what
-    it holds but not its capacity (0, unknown)."""
+    reported the tier (the GPU's, which every engine has: not measured), and "capacity not
+    measured" in the title when its source reported what it holds but not its capacity (0,
+    unknown)."""
     title = residency_title(tier)
     resident = S.gauge_series(samples, "tier_resident_bytes").get(tier)
     capacity = S.gauge_series(samples, "tier_capacity_bytes").get(tier)
@@ -36,7 +42,8 @@ def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
         return message_figure(title, NO_DATA, height=260)
     known = capacity is not None and (capacity[1] > 0).any()
     if not known and resident is None:
-        return message_figure(title, f"no {tier} tier configured", height=260)
+        return message_figure(title, GPU_NOT_REPORTED if tier == "gpu" else
+                              f"no {tier} tier configured", height=260)
     fig = base(title if known else f"{title} (capacity {NOT_MEASURED})", "B", height=260)
     colour = COLOURS.get(tier)
     if resident is not None:

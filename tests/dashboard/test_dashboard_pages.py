@@ -297,6 +297,11 @@ def _s(dt, **fields):
 def test_tier_panel_says_when_a_tier_is_not_configured():
     samples = [_s(0, tier_capacity_bytes={"gpu": 100, "cpu": 200}, tier_resident_bytes={"gpu": 50})]
     assert annotation_texts(ft.tier_residency(samples, "disk")) == ["no disk tier configured"]
+    # every engine has a GPU tier: unreported it is not measured (vLLM's tap reports the
+    # tiers it adds, and a tryout read "no gpu tier configured")
+    assert annotation_texts(ft.tier_residency([_s(0, tier_capacity_bytes={"cpu": 200})],
+                                              "gpu")) == [
+        "not measured (no source reports the GPU's KV cache)"]
     fig = ft.tier_residency(samples, "gpu")
     assert [t.name for t in fig.data] == ["resident", "capacity"]
     assert fig.layout.yaxis.ticksuffix == "B"
