@@ -86,7 +86,10 @@ PROMPT_PREFIX_BLOCKS = _counter("kvscope_prompt_prefix_blocks_total",
     "block), against the last 131,072 distinct sampled prefixes; absent when no lookup "
     "carries hashes.", ["prefix"])
 PREFILL_SECONDS_SAVED = _counter("kvscope_prefill_seconds_saved_total",
-    "Estimated prefill seconds saved by tokens served from cache (cost model).",
+    "Estimated prefill seconds saved by tokens served from cache: tokens over the prefill "
+    "rate the source's lookups carry, else the one its finished requests measured "
+    "(recomputed tokens over prefill seconds, from 10 requests), else the agent's "
+    "prefill_tokens_per_second.",
     ["source"], "seconds")
 
 # transfers

@@ -40,6 +40,10 @@ cdef object _IDLE = ev.IdleHistogram, _ADMISSION = ev.Admission
 cdef object _IN_FLIGHT = ev.TransfersInFlight
 cdef object _MEMORY = ev.EngineMemory
 cdef tuple MEMORY_FIELDS = ("kv_offload_budget", "kv_cache", "allocated")
+cdef int RECOMPUTE = TOKEN_SOURCES.index("recompute")  # in RequestRecord's tokens
+# finished requests of a scope that measured prefill (recomputed tokens and their seconds)
+# before their rate prices its lookups' seconds saved (Fold.prefill_rate)
+MIN_PREFILL_REQUESTS = 10
 cdef Py_ssize_t L_BLOCKS = offset_of(ev.Lookup, "blocks")
 cdef Py_ssize_t L_TOKENS = offset_of(ev.Lookup, "tokens")
 cdef Py_ssize_t L_HITS = offset_of(ev.Lookup, "block_hits")
@@ -218,12 +222,14 @@ cdef class Fold:
     """The pipeline's aggregated state and its fold (not thread-safe: the pipeline calls it
     under its lock).
 
-    ``prefill_tokens_per_second``: the rate behind the seconds saved when a lookup gives none;
+    ``prefill_tokens_per_second``: the rate behind the seconds saved when a lookup gives none
+    and its scope's finished requests have not measured one (:meth:`prefill_rate`);
     ``recent``: TTFTs kept for percentiles; ``assembler``: where request records are built.
     """
 
     cdef readonly RequestAssembler assembler
     cdef double _prefill_rate
+    cdef dict _prefill_measured  # scope -> [requests, recomputed tokens, prefill seconds]
     cdef Counts _prompt, _lookups, _bytes, _blocks, _failures, _evicted, _dropped
     cdef Counts _admissions  # by (tier, result): _ADMISSION_KEYS
     cdef double _saved[4]
@@ -249,6 +255,7 @@ cdef class Fold:
             raise ValueError(f"the recent TTFTs kept are 0 or more, not {recent}")
         self.assembler = assembler
         self._prefill_rate = prefill_tokens_per_second
+        self._prefill_measured = {}
         self._transfer_seconds, self._transfer_order = [None] * 16, []
         self._hits, self._residency, self._measured_order = [None] * 4, [None] * 4, []
         self._idle, self._idle_order = [None] * 4, []
@@ -285,6 +292,7 @@ cdef class Fold:
         cdef list finished = [], lookups = []
         cdef RequestRecord record
         cdef int t
+        cdef double rate = self.prefill_rate(scope)
         memset(&totals, 0, sizeof(totals))
         for event in (events if type(events) is list else list(events)):
             kind = type(event)
@@ -293,7 +301,8 @@ cdef class Fold:
             elif kind is _LOOKUP:
                 if known < 0:
                     known = tiers(source, scope, [])
-                self._lookup(event, assembler.lookup(scope, tables, event), known, &totals)
+                self._lookup(event, assembler.lookup(scope, tables, event), known, rate,
+                             &totals)
                 lookups.append(event)
             elif kind is _STARTED:
                 assembler.start(scope, tables, joined, event)
@@ -301,6 +310,7 @@ cdef class Fold:
                 record = assembler.finish(scope, tables, joined, event)
                 if record is not None:
                     finished.append(record)
+                    self._prefill_seen(scope, record)
             elif kind is _EVICTION:
                 self._eviction(event)
             elif kind is _SNAPSHOT:
@@ -330,7 +340,30 @@ cdef class Fold:
             self.observe(kept)
         return kept, len(finished) - len(kept), lookups
 
-    cdef int _lookup(self, object event, RequestRecord record, int known,
+    def prefill_rate(self, str scope) -> float:
+        """Prefill tokens/s behind the seconds saved of ``scope``'s lookups that carry no rate
+        of their own: its finished requests' recomputed tokens over their prefill seconds (as
+        ``kvscope compare`` measures a capture's, kvscope.analysis.rates), once
+        :data:`MIN_PREFILL_REQUESTS` of them measured both, else the agent's configured
+        rate (vLLM's tap carries none: a tryout's card read 19.5x at 10,000 tokens/s where
+        compare measured 4.8x at 73,505)."""
+        cdef list seen = self._prefill_measured.get(scope)
+        if seen is not None and seen[0] >= MIN_PREFILL_REQUESTS and seen[1] >= seen[2]:
+            return seen[1] / seen[2]  # at least 1 token/s, as a lookup's own rate must be
+        return self._prefill_rate
+
+    cdef void _prefill_seen(self, str scope, RequestRecord record):
+        cdef int64_t recomputed = record._tokens[RECOMPUTE]
+        cdef list seen
+        if record._tokens_set & (1 << RECOMPUTE) and recomputed > 0 and record.prefill > 0:
+            seen = self._prefill_measured.get(scope)
+            if seen is None:
+                seen = self._prefill_measured[scope] = [0, 0, 0.0]
+            seen[0] += 1
+            seen[1] += recomputed
+            seen[2] += record.prefill
+
+    cdef int _lookup(self, object event, RequestRecord record, int known, double measured,
                      _Totals *totals) except -1:
         # Each block counts as a hit in the first tier, top down, that held it, and as a miss
         # in each tier the engine has above that one. A lookup's tiers are those its source
@@ -346,7 +379,7 @@ cdef class Fold:
         # under 1 token/s is no prefill rate: a tiny one would make the seconds saved infinite
         rate = float_field(event, L_RATE)
         if not rate >= 1.0:
-            rate = self._prefill_rate
+            rate = measured
         if record is not None:  # the lookup's tokens are the request's
             record.set_tokens(tokens)
         while PyDict_Next(tokens, &position, &key, &value):

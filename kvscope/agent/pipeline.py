@@ -106,9 +106,10 @@ class Pipeline:
     """Aggregates events.
 
     ``prefill_tokens_per_second``: the rate behind ``kvscope_prefill_seconds_saved_total`` when
-    an engine does not report its own. ``recent``: TTFTs kept for percentiles. ``history``:
-    one-second samples kept (default an hour). ``table``: where finished requests go.
-    ``open_per_source``: requests started and not finished held per source, beyond which the
+    an engine does not report its own and its finished requests have not measured one yet
+    (:meth:`kvscope.agent.fold.Fold.prefill_rate`). ``recent``: TTFTs kept for percentiles.
+    ``history``: one-second samples kept (default an hour). ``table``: where finished requests
+    go. ``open_per_source``: requests started and not finished held per source, beyond which the
     oldest is abandoned (counted in ``events_dropped`` as ``(source, "abandoned")``);
     ``recent_per_source``: finished records each source keeps for late parts to join (both
     the agent's ``requests_*_per_source`` settings; ValueError when negative).

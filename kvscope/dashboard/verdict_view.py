@@ -41,12 +41,13 @@ def badge(verdict: str) -> html.Span:
                             "whiteSpace": "nowrap", "fontWeight": "600"})
 
 
-# where the seconds saved come from (vLLM's tap measures no prefill rate of its own; a tryout
-# read the card at 19.5x where kvscope compare measured 4.8x from the same capture)
+# where the seconds saved come from (a tryout read the card at 19.5x, at the agent's assumed
+# rate, where kvscope compare measured 4.8x from the same capture)
 SAVED_HINT = ("prompt tokens a tier served, each priced at the prefill rate its engine's "
-              "lookups carry (the reference engine's model), else the agent's "
-              "prefill_tokens_per_second (10,000 tokens/s by default), an assumption; kvscope "
-              "compare measures the rate from a capture")
+              "lookups carry (the reference engine's model), else the rate its finished "
+              "requests measured (recomputed tokens over prefill seconds, from 10 requests on), "
+              "else the agent's prefill_tokens_per_second (10,000 tokens/s by default), an "
+              "assumption")
 
 
 def card(cid: str, title: str, value: str, detail: str, colour: str = "#222",

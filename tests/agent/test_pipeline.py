@@ -822,3 +822,35 @@ def test_a_token_source_is_exported_from_the_first_lookup_that_measures_it_never
                                          resident_bytes=0, capacity_blocks=1, resident_blocks=0),
                          ev.Lookup(ts=2.0, request_id="", tokens={"recompute": 16})])
     assert other.snapshot().prompt_tokens == {"recompute": 16, "disk": 0}
+
+
+def test_a_sources_finished_requests_measure_the_prefill_rate_its_lookups_lack():
+    """vLLM's tap sends lookups without a prefill rate: the seconds saved were priced at the
+    agent's assumed rate (a tryout's card read 19.5x saved per transfer second where kvscope
+    compare measured 4.8x). Once 10 (fold.MIN_PREFILL_REQUESTS) of the source's requests
+    finished with recomputed tokens and a prefill time, their rate prices its later lookups:
+    here 10 requests of 600 recomputed tokens in 0.02 s of prefill each, 6,000 tokens in
+    0.2 s, 30,000 tokens/s. Before: 9 requests (not enough), each with 300 gpu tokens at the
+    configured 10,000 tokens/s: 9 x 0.03 = 0.27 s; then 300 gpu tokens after the 10th:
+    0.27 + 0.03 (the 10th's own lookup, before its finish) + 300 / 30,000 = 0.31 s. A lookup
+    with a rate of its own keeps it (another source's 300 cpu tokens at 1,000: 0.3 s)."""
+    from kvscope.agent.fold import MIN_PREFILL_REQUESTS
+
+    assert MIN_PREFILL_REQUESTS == 10
+    pipeline = Pipeline(prefill_tokens_per_second=10_000.0)
+    for i in range(10):
+        rid = f"r{i}"
+        pipeline.ingest("vllm", [
+            ev.RequestStarted(ts=100.0 + i, request_id=rid, prompt_tokens=900),
+            ev.Lookup(ts=100.0 + i, request_id=rid, tokens={"gpu": 300, "recompute": 600},
+                      blocks=56),
+            ev.RequestFinished(ts=100.5 + i, request_id=rid, ttft=0.03, prompt_tokens=900,
+                               prefill=0.02)])
+        if i == 8:
+            assert pipeline.snapshot().prefill_seconds_saved == {"gpu": pytest.approx(0.27)}
+    pipeline.ingest("vllm", [ev.Lookup(ts=120.0, request_id="late", tokens={"gpu": 300},
+                                       blocks=18)])
+    pipeline.ingest("engine", [ev.Lookup(ts=120.0, request_id="x", tokens={"cpu": 300},
+                                         blocks=18, prefill_tokens_per_second=1000.0)])
+    assert pipeline.snapshot().prefill_seconds_saved == {"gpu": pytest.approx(0.31),
+                                                         "cpu": pytest.approx(0.3)}
