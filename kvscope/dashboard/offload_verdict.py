@@ -181,7 +181,9 @@ def gpu_limiter(window: Sequence[Sample], s: Settings, low_traffic: bool) -> Che
     sources), GPU KV usage (0-1, the fullest source per sample) and requests waiting (summed
     over sources per sample). Any signal over its threshold (:class:`Settings`): "offload
     pays" (GPU memory is the limiter); all three measured and under: "skip offload"; otherwise
-    "not measured" (what is unmeasured could be the limiter)."""
+    "not measured" (what is unmeasured could be the limiter). The GPU prefix cache's evictions
+    are evidence beside them, not a signal: a full cache evicts whether or not its blocks
+    return (check 2 says whether they do)."""
     key = "gpu-limiter"
     preempted = window_increase(window, "preemptions")
     usage = _per_sample(window, "gpu_kv_cache_usage_ratio", max)
@@ -208,6 +210,13 @@ def gpu_limiter(window: Sequence[Sample], s: Settings, low_traffic: bool) -> Che
         lines.append(f"{name} ≥ {shown(at)} in {over} of {len(values)} samples ({share:.1%}; "
                      f"limiter at {s.pressure_share:.0%}); mean "
                      f"{shown(float(np.mean(values)))}, max {shown(float(np.max(values)))}")
+    # a tryout's zero-code run read "skip" from low usage (vLLM's gauge counts running requests
+    # only) beside 237 GPU evictions in a second, unshown
+    evicted = window_increase(window, "evicted_blocks").get("gpu")
+    lines.append("GPU prefix cache evictions: not measured (no source reports them)"
+                 if evicted is None else
+                 f"GPU prefix cache evictions: {evicted:,.0f} blocks in the window (a full cache "
+                 "evicts whether or not its blocks return: condition 2 says whether they do)")
     if low_traffic:
         verdict = TOO_LITTLE
     elif any(pressure):

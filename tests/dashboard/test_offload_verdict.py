@@ -72,6 +72,22 @@ def test_gpu_not_the_limiter_when_all_three_signals_are_low():
     assert a.verdict == SKIP and a.reasons == ("gpu-limiter",)
 
 
+def test_gpu_evictions_are_shown_beside_the_signals_not_counted_as_one():
+    """Zero-code mode: low usage, no queue and no preemptions read "skip" beside 237 GPU
+    evictions a tryout saw in a second, unshown. They are shown now (10 blocks a second over
+    the 61 samples' 60 seconds: 600), and said not measured where no source reports them; the
+    verdict stays the three signals' (a full cache evicts whether its blocks return or not)."""
+    samples = window()
+    for i, s in enumerate(samples):
+        s["evicted_blocks"] = {"gpu": 10 * i}
+    c = check(V.assess(samples), "gpu-limiter")
+    assert c.verdict == SKIP
+    assert ("GPU prefix cache evictions: 600 blocks in the window (a full cache evicts whether "
+            "or not its blocks return: condition 2 says whether they do)") in c.evidence
+    assert "GPU prefix cache evictions: not measured (no source reports them)" in check(
+        V.assess(window()), "gpu-limiter").evidence
+
+
 @pytest.mark.parametrize("preempted, verdict", [(0, SKIP), (1, PAYS)])
 def test_one_preemption_makes_gpu_memory_the_limiter(preempted, verdict):
     a = V.assess(window(preemptions=lambda i: preempted if i == N - 1 else 0))
