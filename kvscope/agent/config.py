@@ -265,6 +265,9 @@ def load_settings(path: str | Path | None = None, **overrides) -> AgentSettings:
     if spelt:
         raise ConfigError(f"config {path}: {spelt[0]}: kvscope's keys are lower case; write "
                           f"{spelt[0].lower()}")
+    quoted = _text_for_a_number(values, AgentSettings)
+    if quoted:
+        raise ConfigError(f"config {path}: {quoted}")
     file_values = copy.deepcopy(values)
     for key, value in overrides.items():
         if value is not None:
@@ -402,6 +405,29 @@ def _json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _text_for_a_number(values: dict, model: type[BaseModel], where: str = "") -> str | None:
+    """The first key of a TOML file's ``values`` (its tables' included) that gives text where
+    ``model`` takes a number, with what to write, or None. pydantic reads "19440" as 19440, as
+    it must for environment variables (all text); a file's quotes are a slip, and `port = " 1 "`
+    should not listen on port 1 unsaid."""
+    for key, value in values.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            continue
+        annotation = field.annotation
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        kinds = set(typing.get_args(annotation) if union else (annotation,))
+        if isinstance(value, str) and kinds & {int, float} and str not in kinds:
+            return f"{where}{key}: {value!r} is text; give a number, without quotes"
+        table = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)),
+                     None)
+        if isinstance(value, dict) and table is not None:
+            found = _text_for_a_number(value, table, f"{where}{key}.")
+            if found:
+                return found
+    return None
 
 
 def _takes_json(variable: str) -> bool:

@@ -1,5 +1,7 @@
 """Agent settings: defaults, TOML file, KVSCOPE_* environment, flags; clear errors."""
 
+import re
+
 import pytest
 
 from conftest import REPO_ROOT
@@ -262,6 +264,24 @@ def test_a_key_not_in_lower_case_is_refused(tmp_path, text, key):
         load_settings(path)
 
 
+@pytest.mark.parametrize("text, key, value", [
+    ('port = "19440"\n', "port", "19440"), ('sample_interval = " 1 "\n', "sample_interval", " 1 "),
+    ('[ingest]\nmax_sources = "16"\n', "ingest.max_sources", "16"),
+    ('[collectors.host]\nengine_pid = "12"\n', "collectors.host.engine_pid", "12")])
+def test_a_number_given_as_text_in_the_file_is_refused(tmp_path, text, key, value):
+    """A tryout's port = "19440" (and " 19440 ", sample_interval = "1") started the agent:
+    pydantic reads text as a number, as it must for environment variables, while the file's
+    true and [19440] were refused. The same value without quotes, or from the environment,
+    still goes."""
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^config {re.escape(str(path))}: {re.escape(key)}: "
+                       f"{re.escape(repr(value))} is text; give a number, without quotes$"):
+        load_settings(path)
+    path.write_text(text.replace(f'"{value}"', value.strip()))
+    load_settings(path)
+
+
 def test_a_bad_environment_value_names_its_variable_not_the_file(tmp_path, monkeypatch):
     path = tmp_path / "agent.toml"
     path.write_text("[ingest]\n")
@@ -269,7 +289,7 @@ def test_a_bad_environment_value_names_its_variable_not_the_file(tmp_path, monke
     with pytest.raises(ConfigError, match="^environment: KVSCOPE_PORT: Input should be"):
         load_settings(path)
     path.write_text('port = "abc"\n')  # the file's own bad value is the file's
-    with pytest.raises(ConfigError, match=f"^config {path}: port: Input should be"):
+    with pytest.raises(ConfigError, match=f"^config {path}: port: 'abc' is text; give a number"):
         load_settings(path)
     # the file (or a flag) wins over a variable, but a bad variable is still no silence
     path.write_text("port = 9555\n")
