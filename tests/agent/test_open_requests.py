@@ -84,7 +84,7 @@ def test_the_default_bounds_are_the_assemblers_own():
     # the recent index is allocated whole at a source's first event: 10**12 slots would not fit
     ("1000001", "less than or equal to 1000000"),
     ("true", "is true or false; give a number"),
-    ('"many"', "valid integer"),
+    ('"many"', "'many' is text; give a number, without quotes"),
 ])
 def test_a_bad_bound_stops_the_agent_naming_the_key(tmp_path, key, value, needle):
     path = tmp_path / "agent.toml"
