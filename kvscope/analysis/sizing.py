@@ -115,8 +115,9 @@ class SizePoint:
 @dataclass(frozen=True)
 class SizingAdvice:
     """The advice. ``offload``: whether a CPU tier pays (None: the input is too thin to say).
-    ``reasons``: plain sentences why not (empty when it pays or cannot be said). ``recommended``: None when there is nothing to size; ``knee``: None
-    when the gain curve bends nowhere above the GPU cache's size (it may lie beyond the budget:
+    ``reasons``: plain sentences why not (empty when it pays or cannot be said).
+    ``recommended``: None when there is nothing to size; ``knee``: None when the gain curve
+    bends nowhere above the GPU cache's size (it may lie beyond the budget:
     ``assumptions["budget_bytes"]``).
     ``kv_offloading_size_gib``: vLLM ``--kv-offloading-size`` for ``recommended`` (GiB, rounded
     up to 0.1, or finer within the budget: :func:`flag_gib`). ``offload_bytes_per_second``:
