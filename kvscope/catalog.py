@@ -260,8 +260,8 @@ OTLP_SPANS = _counter("kvscope_otlp_spans_total",
 RECORDS_DROPPED = _counter("kvscope_records_dropped_total",
     "Records the agent could not write to disk (a full or removed disk, a value that does not "
     "fit), by sink: store (finished requests, store_dir), capture_requests, capture_blocks, "
-    "capture_totals and capture_tiers (the Parquet capture, capture_dir); 0 for a sink not "
-    "configured.", ["sink"])
+    "capture_totals, capture_tokens and capture_tiers (the Parquet capture, capture_dir); 0 "
+    "for a sink not configured.", ["sink"])
 TAP_ERRORS = _counter("kvscope_tap_errors_total",
     "What an in-engine tap could not observe, by source and reason (internal: the tap's own "
     "code failed at its boundary, or it had to forget state it tracks, and the engine ran on; "

@@ -1,7 +1,7 @@
-"""The capture sink: block accesses, finished requests and transfer totals recorded to Parquet
-segments.
+"""The capture sink: block accesses, finished requests, transfer and token totals and tier
+capacities recorded to Parquet segments.
 
-A capture directory holds three kinds of segments, each a complete Parquet file (Apache Parquet
+A capture directory holds five kinds of segments, each a complete Parquet file (Apache Parquet
 format, written with pyarrow):
 
 - ``blocks-<ms>-<pid>-<seq>.parquet``: one row per block looked up (:data:`BLOCKS_SCHEMA`),
@@ -16,6 +16,11 @@ format, written with pyarrow):
   (:data:`TOTALS_SCHEMA`), a row per direction whenever they changed at a dashboard sample:
   every transfer, the offloads no request's record holds included (vLLM's stores are
   background work); ``kvscope compare`` takes the transfer cost from them.
+- ``tokens-<ms>-<pid>-<seq>.parquet``: the agent's cumulative prompt tokens by source
+  (:data:`TOKENS_SCHEMA`), a row per source whenever they changed at a dashboard sample: the
+  engine's own counts too, which no request's record holds (vLLM in zero-code mode counts
+  tokens by source in its /metrics, not per request); ``kvscope compare`` takes tokens by
+  source from them where the records carry none.
 - ``tiers-<ms>-<pid>-<seq>.parquet``: each tier's capacity as its engine reported it
   (:data:`TIERS_SCHEMA`), a row per tier whenever it changed at a dashboard sample;
   ``kvscope analyze`` takes the GPU prefix cache's size and the KV bytes per block from them.
@@ -62,7 +67,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".parquet"
 WRITER_KEY = "kvscope.writer"  # segment metadata: the writer that made it (CaptureWriter)
 TMP_SUFFIX = ".parquet.tmp"
-KINDS = ("blocks", "requests", "totals", "tiers")
+KINDS = ("blocks", "requests", "totals", "tokens", "tiers")
 _U64 = (1 << 64) - 1
 _I32 = (1 << 31) - 1
 
@@ -129,6 +134,12 @@ TOTALS_SCHEMA = pa.schema([
     pa.field("seconds", pa.float64()),      # of the timed transfers
 ], metadata={"kvscope.kind": "totals"})
 
+TOKENS_SCHEMA = pa.schema([
+    pa.field("ts", pa.float64()),           # Unix seconds of the agent's sample
+    pa.field("source", pa.string()),        # gpu, cpu, disk or recompute
+    pa.field("tokens", pa.int64()),         # prompt tokens, cumulative since the agent started
+], metadata={"kvscope.kind": "tokens"})
+
 TIERS_SCHEMA = pa.schema([
     pa.field("ts", pa.float64()),               # Unix seconds of the agent's sample
     pa.field("tier", pa.string()),              # gpu, cpu or disk
@@ -137,7 +148,7 @@ TIERS_SCHEMA = pa.schema([
 ], metadata={"kvscope.kind": "tiers"})
 
 SCHEMAS = {"blocks": BLOCKS_SCHEMA, "requests": REQUESTS_SCHEMA, "totals": TOTALS_SCHEMA,
-           "tiers": TIERS_SCHEMA}
+           "tokens": TOKENS_SCHEMA, "tiers": TIERS_SCHEMA}
 
 
 def segment_key(path: Path) -> tuple[str, str]:
@@ -238,6 +249,7 @@ class CaptureWriter(Worker):
             label="kvscope capture", meanwhile="rows are dropped until it can",
             lost_as="rows could not be written")
         self._totals: dict[str, tuple] = {}  # the transfer counters last queued (add_sample)
+        self._tokens: dict[str, tuple] = {}  # the token counters last queued (add_sample)
         self._capacities: dict[str, tuple] = {}  # the tier capacities last queued (add_sample)
         self._tiers = ""  # the tiers the last sample reported (add_sample), for add_request
         self._held = -1  # the directory's descriptor while started (prepare)
@@ -316,16 +328,19 @@ class CaptureWriter(Worker):
             stream.rows += 1
 
     def add_sample(self, sample: dict) -> None:
-        """Queue the transfer counters and tier capacities of one dashboard sample
+        """Queue the transfer and token counters and tier capacities of one dashboard sample
         (:meth:`~kvscope.agent.pipeline.Pipeline.record_sample`'s: ``ts``, and
         ``transfer_bytes``, ``transfer_blocks``, ``transfer_seconds_sum`` by "src->dst";
-        ``tier_capacity_bytes`` and ``tier_capacity_blocks`` by tier, when it has them): a row
-        per direction, and one per tier, when they changed since the last rows queued (an idle
-        agent adds none). The tiers it reports go with the requests added after it."""
+        ``prompt_tokens`` by source; ``tier_capacity_bytes`` and ``tier_capacity_blocks`` by
+        tier, when it has them): a row per direction, one per source (once any counted a
+        token) and one per tier, when they changed since the last rows queued (an idle agent
+        adds none). The tiers it reports go with the requests added after it."""
         seconds = sample["transfer_seconds_sum"]
         totals = {d: (int(n), int(sample["transfer_blocks"].get(d, 0)),
                       float(seconds.get(d, 0.0)))
                   for d, n in sample["transfer_bytes"].items()}
+        counted = sample.get(sf.PROMPT_TOKENS.name) or {}
+        tokens = {s: (int(n),) for s, n in counted.items()} if any(counted.values()) else {}
         reported = sample.get(sf.TIER_CAPACITY_BYTES.name)
         nbytes, blocks = reported or {}, sample.get(sf.TIER_CAPACITY_BLOCKS.name) or {}
         capacities = {t: (int(nbytes.get(t, 0)), int(blocks.get(t, 0)))
@@ -335,6 +350,8 @@ class CaptureWriter(Worker):
                 self._tiers = ",".join(t for t in ev.TIERS if t in reported)
             if totals != self._totals and self._queue("totals", sample["ts"], totals):
                 self._totals = totals
+            if tokens != self._tokens and self._queue("tokens", sample["ts"], tokens):
+                self._tokens = tokens
             if capacities and capacities != self._capacities and self._queue(
                     "tiers", sample["ts"], capacities):
                 self._capacities = capacities

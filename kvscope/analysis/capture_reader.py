@@ -3,8 +3,9 @@
 - :func:`read_block_trace`: the ``blocks`` segments of a capture directory (or one segment file)
   -> :class:`~kvscope.analysis.trace.AccessTrace`, for ``kvscope analyze``; registered in
   :mod:`kvscope.analysis.inputs` for directories and ``.parquet`` files.
-- :func:`read_request_sample`: the ``requests`` segments -> :class:`~kvscope.analysis.compare.
-  RequestSample`, for ``kvscope compare``.
+- :func:`read_request_sample`: the ``requests`` segments, with the ``totals`` and ``tokens``
+  segments' counts -> :class:`~kvscope.analysis.compare.RequestSample`, for ``kvscope
+  compare``.
 - :func:`read_measured_rates`: what the ``requests``, ``totals`` and ``tiers`` segments
   measured (rates, KV bytes per block, the GPU tier's size), for ``kvscope analyze``.
 
@@ -28,7 +29,7 @@ import pyarrow.parquet as pq
 
 from kvscope import events as ev
 from kvscope import sampling
-from kvscope.agent.capture import (BLOCKS_ADDED, REQUESTS_ADDED, SUFFIX, TMP_SUFFIX,
+from kvscope.agent.capture import (BLOCKS_ADDED, REQUESTS_ADDED, SCHEMAS, SUFFIX, TMP_SUFFIX,
                                    WRITER_KEY, finished_segments, missing_segments)
 from kvscope.analysis.compare import RequestSample
 from kvscope.analysis.rates import MeasuredRates, measured_rates
@@ -44,7 +45,13 @@ UNKNOWN_BLOCK_TOKENS = 16  # vLLM's default block_size, assumed when a capture d
 _BLOCK_COLUMNS = ["ts", "request_id", "depth", "block_hash", "tokens", "block_tokens",
                   "prompt_tokens", *BLOCKS_ADDED]
 _REQUEST_COLUMNS = ["arrival", "finished", "ttft", "itl", "promotion_wait", "prefill",
-                    *[f"tokens_{s}" for s in ev.TOKEN_SOURCES], "transfers", "tiers"]
+                    "prompt_tokens", *[f"tokens_{s}" for s in ev.TOKEN_SOURCES], "transfers",
+                    "tiers"]
+# Counted prompt tokens (the engine's, zero-code) price the records' prefill seconds only
+# where the records' own prompt tokens are these within this share: then they are the same
+# requests (a capture's first and last requests may fall on either side of a scrape), not a
+# sample of them (traces sampled) or others.
+SAME_REQUESTS = 0.1
 
 
 def capture_segments(path: str | Path, kind: str) -> list[Path]:
@@ -235,13 +242,18 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     The transfer cost is the capture's transfer totals (:func:`read_transfer_totals`: every
     transfer, background offloads included) when it has readable ones, else its requests'
     transfers;
-    a direction whose copies took 0 s in all was not timed (its seconds: not measured).
+    a direction whose copies took 0 s in all was not timed (its seconds: not measured). Tokens by
+    source are the requests', or where they carry none (vLLM in zero-code mode, its requests
+    seen through their spans), the agent's counts (:func:`read_token_totals`).
     Raises TraceError for a missing capture, no request rows, or no readable requests
     segment."""
     path = Path(path)
     table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path,
                   REQUESTS_ADDED)
-    sample = _converted(path, "requests", lambda: _request_sample(table, name or str(path)))
+    counted = _or_warn(read_token_totals, path, "tokens by source are the records' alone") \
+        if path.is_dir() else None
+    sample = _converted(path, "requests",
+                        lambda: _request_sample(table, name or str(path), counted))
     totals = _or_warn(read_transfer_totals, path, "its requests' transfers are its transfer "
                       "cost") if path.is_dir() else None
     if totals is None:
@@ -262,28 +274,44 @@ def _timed(seconds: dict[str, float]) -> dict[str, float]:
 def read_transfer_totals(path: str | Path) -> dict[str, tuple[int, int, float]] | None:
     """The transfers the agent counted while the capture at ``path`` ran, by "src->dst":
     (bytes, blocks, seconds), from its ``totals`` segments; None for a capture without any
-    (written before the agent recorded them). The rows are cumulative counters since the agent
-    started, which a restart resets: per direction, the first row's values plus each later
-    increase, a value lower than the one before counting from 0 (as Prometheus' increase()).
-    Raises TraceError for an unreadable segment."""
+    (written before the agent recorded them). Raises TraceError for an unreadable segment."""
+    counted = _counted(path, "totals", ["bytes", "blocks", "seconds"])
+    return None if counted is None else {d: (int(b), int(n), float(s))
+                                         for d, (b, n, s) in counted.items()}
+
+
+def read_token_totals(path: str | Path) -> dict[str, int] | None:
+    """The prompt tokens the agent counted by source while the capture at ``path`` ran, from
+    its ``tokens`` segments: the engine's own counts included (vLLM's /metrics in zero-code
+    mode); None for a capture without any (none counted, or written before the agent
+    recorded them). Raises TraceError for an unreadable segment."""
+    counted = _counted(path, "tokens", ["tokens"])
+    return None if counted is None else {s: int(n) for s, (n,) in counted.items()}
+
+
+def _counted(path: str | Path, kind: str, values: list[str]) -> dict[str, list] | None:
+    """What the agent's cumulative counters in the ``kind`` segments of the capture at
+    ``path`` (rows of ``ts``, a key, then ``values``) counted while it ran: per key, each of
+    ``values``. The counters run since the agent started, which a restart resets: per key, the
+    first row's values plus each later increase, a value lower than the one before counting
+    from 0 (as Prometheus' increase()). None for a capture without such segments."""
     path = Path(path)
-    segments = capture_segments(path, "totals")
+    segments = capture_segments(path, kind)
     if not segments:
         return None
-    table = _read(segments, ["ts", "direction", "bytes", "blocks", "seconds"], "totals", path)
-    rows = sorted(zip(*(table.column(c).to_pylist() for c in
-                        ("ts", "direction", "bytes", "blocks", "seconds"))),
-                  key=lambda row: row[0])
+    columns = ["ts", SCHEMAS[kind].names[1], *values]
+    table = _read(segments, columns, kind, path)
+    rows = sorted(zip(*(table.column(c).to_pylist() for c in columns)), key=lambda row: row[0])
     last: dict[str, tuple] = {}
     out: dict[str, list] = {}
-    for _ts, direction, *values in rows:
-        before = last.get(direction)
-        total = out.setdefault(direction, [0, 0, 0.0])
-        for i, value in enumerate(values):
+    for _ts, key, *counts in rows:
+        before = last.get(key)
+        total = out.setdefault(key, [0] * len(counts))
+        for i, value in enumerate(counts):
             prior = before[i] if before is not None else 0
             total[i] += value - prior if value >= prior else value
-        last[direction] = tuple(values)
-    return {d: (int(b), int(n), float(s)) for d, (b, n, s) in out.items()}
+        last[key] = tuple(counts)
+    return out
 
 
 def read_tier_capacities(path: str | Path) -> dict[str, tuple[int, int]]:
@@ -465,7 +493,11 @@ def _token_sources(tiers: pa.ChunkedArray, tokens: dict[str, int]) -> tuple[str,
                  if s not in OFFLOAD_TIERS or s in reported or tokens[s])
 
 
-def _request_sample(table: pa.Table, name: str) -> RequestSample:
+def _request_sample(table: pa.Table, name: str,
+                    counted: dict[str, int] | None = None) -> RequestSample:
+    """The sample of the requests in ``table``; where they carry no tokens by source, those the
+    agent ``counted`` (:func:`read_token_totals`), which price the records' prefill seconds
+    only where they are the same requests' (:data:`SAME_REQUESTS`)."""
     col = {c: table.column(c).to_numpy() for c in _REQUEST_COLUMNS
            if c not in ("transfers", "tiers")}
     ttft = col["ttft"].astype(np.float64)
@@ -488,9 +520,20 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
     else:
         moved_bytes, moved_blocks, seconds, failures = {}, {}, {}, 0
     tokens = {s: int(col[f"tokens_{s}"].sum()) for s in ev.TOKEN_SOURCES}
-    sources = _token_sources(table.column("tiers"), tokens)
     # records of no tap (spans alone): transfers not measured, not none
-    spans_alone = sources is None and not len(flat) and not any(tokens.values())
+    spans_alone = not len(flat) and not any(tokens.values())
+    prefill = float(np.nansum(col["prefill"]))
+    if not any(tokens.values()) and counted and any(counted.values()):
+        tokens = {s: counted.get(s, 0) for s in ev.TOKEN_SOURCES}
+        recorded = int(col["prompt_tokens"].sum())
+        if abs(recorded - sum(tokens.values())) > SAME_REQUESTS * sum(tokens.values()):
+            log.warning("kvscope: %s: its requests' records hold %d prompt tokens, the agent "
+                        "counted %d by source: not the same requests (traces sampled?), so "
+                        "their prefill seconds price no token (prefill rate not measured)",
+                        name, recorded, sum(tokens.values()))
+            prefill = 0.0
+    sources = _token_sources(table.column("tiers"), tokens)
+    spans_alone = spans_alone and sources is None
     arrival, finished = col["arrival"].astype(np.float64), col["finished"].astype(np.float64)
     window = (float(np.nanmin(arrival)), float(np.nanmax(finished))) \
         if len(arrival) and np.isfinite(arrival).any() and np.isfinite(finished).any() else None
@@ -499,7 +542,7 @@ def _request_sample(table: pa.Table, name: str) -> RequestSample:
         promotion_wait=wait[np.isfinite(wait)], tokens=tokens,
         transfer_bytes=moved_bytes, transfer_blocks=moved_blocks, transfer_seconds=seconds,
         transfer_failures=None if spans_alone else failures,
-        prefill_seconds=float(np.nansum(col["prefill"])),
+        prefill_seconds=prefill,
         prefill_modelled=_modelled(col["tokens_recompute"], col["prefill"]),
         token_sources=sources, window=window, transfers_measured=not spans_alone)
 

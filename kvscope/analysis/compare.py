@@ -71,7 +71,9 @@ class RequestSample:
 
     ``ttft``: seconds, one per request with a known TTFT. ``itl``: seconds, the mean
     inter-token latency of each request that reported one (> 0). ``promotion_wait``: seconds
-    per request. ``tokens``: dict[source, prompt tokens]. ``transfer_bytes``,
+    per request. ``tokens``: dict[source, prompt tokens] (the requests', or counted over the
+    run where they carry none: a rollout arm's counters, a zero-code capture's token totals).
+    ``transfer_bytes``,
     ``transfer_blocks``: dict["src->dst", int]; ``transfer_seconds``: dict["src->dst", float]
     (successful transfers; a direction missing from it or from ``transfer_blocks`` was not
     measured); ``transfer_failures``: failed transfers (None: not measured). ``prefill_seconds``:

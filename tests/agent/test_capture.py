@@ -553,7 +553,7 @@ def test_a_removed_capture_directory_is_made_again_and_both_streams_go_on(tmp_pa
     writer.add_lookup("engine", _lookup(1))
     with pytest.raises(OSError):
         writer.flush()
-    assert writer.dropped == {"blocks": 16, "requests": 1, "totals": 0, "tiers": 0}
+    assert writer.dropped == {"blocks": 16, "requests": 1, "totals": 0, "tokens": 0, "tiers": 0}
     now[0] += 1.0
     writer.add_lookup("engine", _lookup(2))
     writer.add_request(record)
@@ -584,6 +584,43 @@ def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path, sampl
     segments = list((tmp_path / "cap").glob("totals-*.parquet"))
     assert len(segments) == 1 and pq.read_table(segments[0]).num_rows == 1
     assert not list((tmp_path / "cap").glob("requests-*.parquet"))
+
+
+def test_the_agents_samples_give_the_capture_its_token_totals(tmp_path):
+    """vLLM in zero-code mode tells the agent its prompt tokens by source as counters, one
+    aggregate Lookup per scrape, with no request id: no request row holds them. Two scrapes,
+    gpu 100 + 50, cpu 200 + 0, recompute 300 + 25, a sample after each and one after nothing
+    new: the capture's token totals are gpu 150, cpu 200, recompute 325, in two rows per
+    source (the third sample changed nothing). An agent that counted no token writes none."""
+    from kvscope.analysis.capture_reader import read_token_totals
+
+    agent = Agent(AgentSettings(capture_dir=tmp_path / "cap", collectors=NO_COLLECTORS),
+                  with_ingest=False)
+    agent.start()
+    try:
+        agent.sample()  # nothing counted yet: no row
+        for tokens in ({"gpu": 100, "cpu": 200, "recompute": 300},
+                       {"gpu": 50, "cpu": 0, "recompute": 25}):
+            agent.pipeline.ingest("vllm", [ev.Lookup(ts=T0, request_id="", tokens=tokens,
+                                                     blocks=0)])
+            agent.sample()
+        agent.sample()
+    finally:
+        agent.shutdown()
+    assert read_token_totals(tmp_path / "cap") == {"gpu": 150, "cpu": 200, "recompute": 325}
+    rows = pq.read_table(list((tmp_path / "cap").glob("tokens-*.parquet"))).to_pylist()
+    assert sorted((r["source"], r["tokens"]) for r in rows) == [
+        ("cpu", 200), ("cpu", 200), ("gpu", 100), ("gpu", 150), ("recompute", 300),
+        ("recompute", 325)]
+
+    agent = Agent(AgentSettings(capture_dir=tmp_path / "none", collectors=NO_COLLECTORS),
+                  with_ingest=False)
+    agent.start()
+    try:
+        agent.sample()
+    finally:
+        agent.shutdown()
+    assert read_token_totals(tmp_path / "none") is None
 
 
 def test_the_capture_holds_the_tiers_capacities_and_analyze_takes_them(tmp_path, captured):

@@ -799,13 +799,21 @@ def _free_ports(n):
 def vllm_serve(tmp_path):
     """An agent on loopback (ingest, /v1/traces, vLLM metrics scraping) and vLLM's OpenAI
     server with the kvscope tap, exporting spans to the agent over OTLP/HTTP."""
+    yield from _served(tmp_path, tap=True)
+
+
+def _served(tmp_path, tap: bool, **settings):
+    """The agent (with ``settings`` besides its own) and vLLM's OpenAI server (24 GPU blocks of
+    32 tokens) with the kvscope tap over a CPU tier of 64 blocks or, without ``tap``, alone
+    (zero-code mode: vLLM's CPU offloading spec runs on CUDA and XPU only, so the GPU's
+    prefix cache alone); yields (agent, vLLM's URL, model, vLLM's log)."""
     python = vllm_python()
     agent_port, vllm_port = _free_ports(2)
     endpoint = f"ipc://{tmp_path}/ingest.sock"
     agent = Agent(AgentSettings(
         ingest={"endpoint": endpoint}, collectors={"gpu": {"enabled": False}},
         vllm_metrics={"enabled": True, "url": f"http://127.0.0.1:{vllm_port}/metrics",
-                      "interval": 1.0, "block_bytes": 32768}))
+                      "interval": 1.0, "block_bytes": 32768}, **settings))
     agent.start()
     server = uvicorn.Server(uvicorn.Config(create_app(agent), host="127.0.0.1", port=agent_port,
                                            log_level="warning"))
@@ -817,17 +825,19 @@ def vllm_serve(tmp_path):
         [python, "-c", "import json, tests.vllm_driver as d; print(json.dumps(d.MODEL))"],
         capture_output=True, text=True, env=child_env(), timeout=60, check=True).stdout)
     (model / "config.json").write_text(json.dumps(driver))
-    extra = {"spec_name": "KvscopeOffloadingSpec", "spec_module_path": "kvscope.agent.taps.vllm",
-             "kvscope_endpoint": endpoint, "cpu_bytes_to_use": 64 * 32768}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32",
            "--max-model-len", "512", "--block-size", "32", "--num-gpu-blocks-override", "24",
            "--kv-cache-memory-bytes", str(24 * 32768), "--enforce-eager", "--max-num-seqs", "2",
            "--host", "127.0.0.1", "--port", str(vllm_port),
-           "--otlp-traces-endpoint", f"http://127.0.0.1:{agent_port}/v1/traces",
-           "--kv-transfer-config", json.dumps({"kv_connector": "OffloadingConnector",
-                                               "kv_role": "kv_both",
-                                               "kv_connector_extra_config": extra})]
+           "--otlp-traces-endpoint", f"http://127.0.0.1:{agent_port}/v1/traces"]
+    if tap:
+        extra = {"spec_name": "KvscopeOffloadingSpec",
+                 "spec_module_path": "kvscope.agent.taps.vllm", "kvscope_endpoint": endpoint,
+                 "cpu_bytes_to_use": 64 * 32768}
+        cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "OffloadingConnector",
+                                                    "kv_role": "kv_both",
+                                                    "kv_connector_extra_config": extra})]
     env = dict(child_env(), OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
                OTEL_BSP_SCHEDULE_DELAY="200")
     log = tmp_path / "vllm_serve.log"
@@ -913,6 +923,39 @@ def test_vllm_serve_metrics_spans_and_tap_reach_the_agent(vllm_serve):
     assert record.tokens.get("gpu", 0) >= 256 - 32 and record.ttft and len(record.trace_id) == 32
     # counted once joined: after the receiver's wait (6 s), on the agent's sampling thread
     assert wait_until(lambda: agent.pipeline.snapshot().requests == 2, 60)
+
+
+def test_a_zero_code_capture_of_vllm_serve_holds_its_tokens_by_source(tmp_path):
+    """vLLM serving without the tap, seen through /metrics and its spans: three prompts of 256
+    + 3 tokens, A, B, then A again (777 prompt tokens by hand; A's second time reuses its 8
+    full blocks of 32 tokens from the GPU's prefix cache). The requests' records (spans) carry
+    no tokens by source, so the capture read "not measured" for hit quality; its token totals
+    now hold what vLLM counted and the agent exported: the spans' 777 prompt tokens, A's
+    prefix among them from the GPU, so compare prices them with the spans' prefill seconds."""
+    from kvscope.analysis.capture_reader import read_request_sample, read_token_totals
+
+    capture = tmp_path / "capture"
+    served = _served(tmp_path, tap=False, capture_dir=capture)
+    agent, base, model, log = next(served)
+    try:
+        a, b = ([(i * 7 + 97 * n) % 500 + 3 for i in range(256)] for n in range(2))
+        with httpx.Client(base_url=base, timeout=120, trust_env=False) as client:
+            for prefix in (a, b, a):
+                response = client.post("/v1/completions", json={
+                    "model": model, "prompt": prefix + [5, 6, 7], "max_tokens": 4,
+                    "temperature": 0})
+                assert response.status_code == 200, response.text
+        counted = lambda: agent.pipeline.snapshot().prompt_tokens  # noqa: E731
+        assert wait_until(lambda: sum(counted().values()) == 3 * 259, 120), (counted(), tail(log))
+        assert wait_until(lambda: agent.pipeline.snapshot().requests == 3, 120), tail(log)
+        exported = {s: n for s, n in counted().items() if n}
+    finally:
+        next(served, None)  # stops vLLM and the agent, which finishes the capture
+    assert {s: n for s, n in read_token_totals(capture).items() if n} == exported
+    sample = read_request_sample(capture)
+    assert len(sample.ttft) == 3 and sum(sample.tokens.values()) == 3 * 259
+    assert sample.tokens["gpu"] >= 256 - 32 and sample.tokens["recompute"] > 0
+    assert sample.prefill_seconds > 0  # the spans' prefill prices the counted tokens
 
 
 def _idle_scrape(mapper, buckets, total, engine="0"):

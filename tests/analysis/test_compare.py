@@ -827,6 +827,52 @@ def test_offloads_value_per_tier_is_prefill_saved_against_copies_both_ways(tmp_p
     assert json.loads(capsys.readouterr().out)["candidate"]["value"] is None
 
 
+def _zero_code_capture(directory, requests: int) -> None:
+    """vLLM in zero-code mode: ``requests`` span records of 64 prompt tokens and 10 ms of
+    prefill each, none with tokens by source, and the agent's counts by source from vLLM's
+    /metrics, with a restart between two samples: gpu 1,000 then 600, cpu 2,000 then 1,200,
+    recompute 1,000 then 600 (the counters start again at the restart)."""
+    writer = CaptureWriter(directory)
+    for ts, n in ((1100.0, 1000), (1200.0, 600)):
+        writer.add_sample({"ts": ts, "transfer_bytes": {}, "transfer_blocks": {},
+                           "transfer_seconds_sum": {},
+                           "prompt_tokens": {"gpu": n, "cpu": 2 * n, "recompute": n}})
+    for i in range(requests):
+        writer.add_request(RequestRecord(f"r{i}", f"{i + 1:032x}", "vllm", 1000.0 + i,
+                                         prompt_tokens=64, tokens={}, ttft=0.02, prefill=0.01,
+                                         finished=1000.5 + i))
+    writer.close()
+
+
+def test_a_zero_code_arm_takes_tokens_by_source_from_the_agents_counts(tmp_path, capsys,
+                                                                        caplog):
+    """vLLM in zero-code mode counts tokens by source in /metrics, not per request: its
+    captures read "not measured" for hit quality and offload's value, the rollout method's
+    answer. The agent's counts over the capture are gpu 1,000 + 600, cpu 2,000 + 1,200 and
+    recompute 1,000 + 600 (6,400 tokens: 25%, 50%, 25%), the 100 span records' 6,400 prompt
+    tokens too, so their 1 s of prefill prices the 1,600 recomputed tokens: 1,600 tokens/s,
+    and the cpu tier's 3,200 tokens saved 2 s. Spans of 10 requests (traces sampled: 640
+    prompt tokens against 6,400 counted) are not the counted requests: the shares stand, the
+    prefill rate and the saving are not measured, and a warning says why."""
+    _zero_code_capture(tmp_path / "all", 100)
+    _zero_code_capture(tmp_path / "sampled", 10)
+    base = write_capture(tmp_path / "base", np.linspace(0.01, 0.02, 100))
+    assert main(["compare", str(base), str(tmp_path / "all"), "--json", "--resamples",
+                 "100"]) == 0
+    cand = json.loads(capsys.readouterr().out)["candidate"]
+    assert cand["token_share"] == {"gpu": 0.25, "cpu": 0.5, "disk": 0.0, "recompute": 0.25}
+    assert cand["prefill_rate"] == pytest.approx(1600)
+    assert cand["value"]["cpu"]["prefill_seconds_saved"] == pytest.approx(2.0)
+    with caplog.at_level("WARNING", logger="kvscope.analysis.capture_reader"):
+        assert main(["compare", str(base), str(tmp_path / "sampled"), "--json",
+                     "--resamples", "100"]) == 0
+    cand = json.loads(capsys.readouterr().out)["candidate"]
+    assert cand["token_share"]["cpu"] == 0.5 and cand["prefill_rate"] is None
+    assert cand["value"]["cpu"] == {"tokens": 3200, "prefill_seconds_saved": None,
+                                    "transfer_seconds": None}
+    assert "hold 640 prompt tokens, the agent counted 6400 by source" in caplog.text
+
+
 def test_untimed_copies_and_uncounted_failures_are_not_measured_never_zero(tmp_path, capsys):
     """A vLLM capture whose 100 requests each had 2 blocks promoted disk->cpu (the tap sees
     those copies as manager events, untimed: duration 0) and 32 tokens from the disk tier:
