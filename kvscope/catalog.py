@@ -141,11 +141,13 @@ STORE_ADMISSIONS = _counter("kvscope_store_admissions_total",
 TIER_CAPACITY_BYTES = _gauge("kvscope_tier_capacity_bytes",
     "Bytes a tier may hold (absent where its source does not report it).", ["tier"], "bytes")
 TIER_RESIDENT_BYTES = _gauge("kvscope_tier_resident_bytes",
-    "Bytes a tier currently holds.", ["tier"], "bytes")
+    "Bytes a tier currently holds (absent where no source reports it, or its source lacks "
+    "the block size: then its blocks alone).", ["tier"], "bytes")
 TIER_CAPACITY_BLOCKS = _gauge("kvscope_tier_capacity_blocks",
     "KV blocks a tier may hold (absent where its source does not report it).", ["tier"])
 TIER_RESIDENT_BLOCKS = _gauge("kvscope_tier_resident_blocks",
-    "KV blocks a tier currently holds.", ["tier"])
+    "KV blocks a tier currently holds (absent where no source reports it, or its source "
+    "lacks the block size: then its bytes alone).", ["tier"])
 
 # requests
 REQUESTS = _counter("kvscope_requests_total",

@@ -212,13 +212,22 @@ class Eviction(_Event, tag="eviction"):
 
 
 class TierSnapshot(_Event, tag="tier_snapshot"):
-    """What a tier holds now: capacity and resident bytes and blocks."""
+    """What a tier holds now: capacity and resident bytes and blocks. A capacity of 0 is one
+    the sender does not know; a resident count of None one it does not report (a source that
+    tells the tier's capacity alone, or its blocks without their size): never read as 0,
+    which would say "empty"."""
 
     tier: Tier
     capacity_bytes: Count
-    resident_bytes: Count
+    resident_bytes: Count | None
     capacity_blocks: Count
-    resident_blocks: Count
+    resident_blocks: Count | None
+
+
+def bytes_of(blocks: int, block_bytes: int) -> int | None:
+    """``blocks`` of ``block_bytes`` each, in bytes; None where the block size is not known
+    (0: a source's ``block_bytes`` unset), for a :class:`TierSnapshot`'s residency."""
+    return blocks * block_bytes if block_bytes else None
 
 
 class RequestFinished(_Event, tag="request_finished"):
@@ -428,7 +437,7 @@ def _snapshot_problem(event: TierSnapshot) -> str | None:
     for unit in ("bytes", "blocks"):
         held = getattr(event, f"resident_{unit}")
         capacity = getattr(event, f"capacity_{unit}")
-        if 0 < capacity < held:
+        if held is not None and 0 < capacity < held:
             return (f"a {event.tier} tier snapshot holding {held} {unit}, over its capacity of "
                     f"{capacity}")
     return None

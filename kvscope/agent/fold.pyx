@@ -447,9 +447,12 @@ cdef class Fold:
             _add(&self._failures, direction * _REASONS
                  + _REASON_INDEX.get(field(event, T_REASON), _OTHER), 1)
             return 0
-        if nbytes or not blocks:  # blocks of 0 bytes: a source without their size (not measured)
+        # blocks of 0 bytes: a source without their size; bytes of 0 blocks: a source that
+        # counts bytes alone (vLLM's /metrics without block_bytes): either not measured
+        if nbytes or not blocks:
             _add(&self._bytes, direction, nbytes)
-        _add(&self._blocks, direction, blocks)
+        if blocks or not nbytes:
+            _add(&self._blocks, direction, blocks)
         if not bool_field(event, T_TIMED):  # seen, not timed: its duration is no measurement
             return 0
         hist = self._transfer_seconds[direction]

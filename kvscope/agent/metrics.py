@@ -42,11 +42,14 @@ def snapshot_samples(snap: Snapshot) -> Samples:
         m.BLOCK_RESIDENCY_SECONDS: _labelled(snap.block_residency_seconds),
         m.BLOCK_IDLE_SECONDS: _labelled(snap.block_idle_seconds),
         m.STORE_ADMISSIONS: _labelled(snap.store_admissions),
-        # a capacity of 0 is one the source does not know (events.TierSnapshot): absent
+        # a capacity of 0 or a residency of None is one no source knows (events.TierSnapshot):
+        # absent
         m.TIER_CAPACITY_BYTES: [([t], s.capacity_bytes) for t, s in tiers if s.capacity_bytes],
-        m.TIER_RESIDENT_BYTES: [([t], s.resident_bytes) for t, s in tiers],
+        m.TIER_RESIDENT_BYTES: [([t], s.resident_bytes) for t, s in tiers
+                                if s.resident_bytes is not None],
         m.TIER_CAPACITY_BLOCKS: [([t], s.capacity_blocks) for t, s in tiers if s.capacity_blocks],
-        m.TIER_RESIDENT_BLOCKS: [([t], s.resident_blocks) for t, s in tiers],
+        m.TIER_RESIDENT_BLOCKS: [([t], s.resident_blocks) for t, s in tiers
+                                 if s.resident_blocks is not None],
         m.REQUESTS: [([], snap.requests)],
         m.TTFT_SECONDS: [([], snap.ttft_seconds)],
         m.PROMOTION_WAIT_SECONDS: [([], snap.promotion_wait_seconds)],

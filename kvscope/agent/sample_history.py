@@ -82,7 +82,8 @@ class SampleHistory:
                 sf.PROMPT_PREFIX_BLOCKS: state["prompt_prefix_blocks"],
                 sf.TRANSFER_BYTES: by_key(state["transfer_bytes"]),
                 sf.EVICTED_BLOCKS: dict(evicted),
-                sf.TIER_RESIDENT_BYTES: {t: s.resident_bytes for t, s in tiers.items()},
+                sf.TIER_RESIDENT_BYTES: {t: s.resident_bytes for t, s in tiers.items()
+                                         if s.resident_bytes is not None},
                 # a capacity of 0 is unknown: absent, as on /metrics
                 sf.TIER_CAPACITY_BYTES: {t: s.capacity_bytes for t, s in tiers.items()
                                          if s.capacity_bytes},
@@ -100,7 +101,8 @@ class SampleHistory:
                 sf.PROMOTION_WAIT_SECONDS: bucket_percentiles(
                     sf.PROMOTION_WAIT_SECONDS.spec.buckets, window_counts(hists["wait"], old.get("wait"))),
                 sf.TRANSFER_SECONDS: transfer_q,
-                sf.TIER_RESIDENT_BLOCKS: {t: s.resident_blocks for t, s in tiers.items()},
+                sf.TIER_RESIDENT_BLOCKS: {t: s.resident_blocks for t, s in tiers.items()
+                                          if s.resident_blocks is not None},
                 sf.TIER_CAPACITY_BLOCKS: {t: s.capacity_blocks for t, s in tiers.items()
                                           if s.capacity_blocks},
                 sf.HOST_MEMORY_RESERVE_BYTES: host_memory_reserve,

@@ -46,6 +46,13 @@ class TierTotals:
             self.totals[tier] = ev.TierSnapshot(
                 ts=max(snap.ts for snap in mine), tier=tier,
                 capacity_bytes=sum(snap.capacity_bytes for snap in mine),
-                resident_bytes=sum(snap.resident_bytes for snap in mine),
+                resident_bytes=_reported(snap.resident_bytes for snap in mine),
                 capacity_blocks=sum(snap.capacity_blocks for snap in mine),
-                resident_blocks=sum(snap.resident_blocks for snap in mine))
+                resident_blocks=_reported(snap.resident_blocks for snap in mine))
+
+
+def _reported(counts: Iterable[int | None]) -> int | None:
+    """The sum of the senders' ``counts`` that report one (a sender of a tier's capacity alone
+    adds to another's residency), None when none does."""
+    known = [n for n in counts if n is not None]
+    return sum(known) if known else None

@@ -16,7 +16,7 @@ import plotly.io as pio
 from kvscope.analysis.transfer_cost import is_promotion
 from kvscope.dashboard import series as S
 from kvscope.dashboard.series import Sample, counter_rates, gauge_series, ordered
-from kvscope.vocabulary import OFFLOAD_TIERS
+from kvscope.vocabulary import NOT_MEASURED, OFFLOAD_TIERS
 
 TIME_AXIS_TITLE = "time (UTC)"
 NO_DATA = "no data yet"
@@ -61,7 +61,7 @@ def new_figure(data=None) -> go.Figure:
 
 def base(title: str, unit: str, height: int = 320) -> go.Figure:
     """An empty figure with the house look and a date x axis. ``unit``: one of "tokens/s",
-    "B", "B/s", "s", "share", "blocks/s" (bytes and seconds get SI ticks with the unit as
+    "B", "B/s", "s", "share", "blocks", "blocks/s" (bytes and seconds get SI ticks with the unit as
     suffix, e.g. "20MB", "5ms"; shares show as percent)."""
     yaxis = {"title": {"text": _AXIS_TITLES.get(unit, unit)}, "rangemode": "tozero",
              "tickformat": "~s"}
@@ -161,7 +161,12 @@ def promotion_latency(samples: Sequence[Sample]) -> go.Figure:
             line(fig, xs, ys, f"{direction} {p}", "s", COLOURS.get(direction), _DASH[p],
                  legendgroup=direction)
     if not fig.data:
-        return message_figure(PROMOTION_LATENCY_TITLE, "no promotions yet")
+        moved = [d for field in ("transfer_bytes", "transfer_blocks")
+                 for d, n in S.window_increase(samples, field).items()
+                 if n > 0 and is_promotion(d)]
+        return message_figure(PROMOTION_LATENCY_TITLE, "promotions happened, but their "
+                              "durations are not measured by this source" if moved
+                              else "no promotions yet")
     return fig
 
 
@@ -196,13 +201,27 @@ def transfer_throughput(samples: Sequence[Sample]) -> go.Figure:
 
 def tier_residency(samples: Sequence[Sample]) -> go.Figure:
     """Bytes resident per tier (solid) against its capacity (dashed) and the operator's budget
-    (dotted), one colour per tier; y in bytes."""
+    (dotted), one colour per tier; y in bytes. Where no tier's bytes are known (its source
+    lacks the block size), blocks, resident against capacity; a tier known in blocks alone
+    beside others in bytes is named in the title, its bytes not measured."""
     resident = gauge_series(samples, "tier_resident_bytes")
     capacity = gauge_series(samples, "tier_capacity_bytes")
     budget = gauge_series(samples, "offload_budget_bytes")
+    blocks = gauge_series(samples, "tier_resident_blocks")
     if not resident and not capacity:
-        return message_figure(TIER_RESIDENCY_TITLE, NO_DATA)
-    fig = base(TIER_RESIDENCY_TITLE, "B")
+        if not blocks:
+            return message_figure(TIER_RESIDENCY_TITLE, NO_DATA)
+        fig = base(f"{TIER_RESIDENCY_TITLE} (blocks: their size not measured)", "blocks")
+        capacity = gauge_series(samples, "tier_capacity_blocks")
+        for tier in ordered(set(blocks) | set(capacity)):
+            for what, data, dash in (("resident", blocks, None), ("capacity", capacity, "dash")):
+                if tier in data:
+                    line(fig, *data[tier], f"{tier} {what}", " blocks", COLOURS.get(tier), dash,
+                         legendgroup=tier)
+        return fig
+    unsized = [t for t in ordered(blocks) if t not in resident]
+    fig = base(TIER_RESIDENCY_TITLE + (f" ({', '.join(unsized)}: bytes {NOT_MEASURED})"
+                                       if unsized else ""), "B")
     for tier in ordered(set(resident) | set(capacity) | set(budget)):
         for what, data, dash in (("resident", resident, None), ("capacity", capacity, "dash"),
                                  ("budget", budget, "dot")):

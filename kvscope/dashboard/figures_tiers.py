@@ -30,30 +30,50 @@ def residency_title(tier: str) -> str:
 
 
 def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
-    """One tier's resident bytes (filled) against its capacity (dashed) and budget (dotted),
-    with resident blocks in the hover; "no <tier> tier configured" when the agent never
-    reported the tier (the GPU's, which every engine has: not measured), and "capacity not
-    measured" in the title when its source reported what it holds but not its capacity (0,
-    unknown)."""
+    """One tier's resident bytes (filled) against its capacity (dashed) and budget (dotted);
+    its blocks instead where only they are known (a source without the block size). "No
+    <tier> tier configured" when nothing shows the tier (the GPU's, which every engine has:
+    not measured), "residency not measured" when it served tokens, moved blocks or has a
+    budget but no source reports what it holds, and "capacity not measured" in the title when
+    its source reported what it holds but not its capacity (0, unknown)."""
     title = residency_title(tier)
+    unit = "B"
     resident = S.gauge_series(samples, "tier_resident_bytes").get(tier)
     capacity = S.gauge_series(samples, "tier_capacity_bytes").get(tier)
     if not samples:
         return message_figure(title, NO_DATA, height=260)
+    if resident is None and capacity is None:
+        unit = "blocks"
+        resident = S.gauge_series(samples, "tier_resident_blocks").get(tier)
+        capacity = S.gauge_series(samples, "tier_capacity_blocks").get(tier)
+        title += " (blocks: their size not measured)"
     known = capacity is not None and (capacity[1] > 0).any()
     if not known and resident is None:
         return message_figure(title, GPU_NOT_REPORTED if tier == "gpu" else
-                              f"no {tier} tier configured", height=260)
-    fig = base(title if known else f"{title} (capacity {NOT_MEASURED})", "B", height=260)
+                              f"{NOT_MEASURED} (no source reports what the {tier} tier holds)"
+                              if _shown(samples, tier) else f"no {tier} tier configured",
+                              height=260)
+    fig = base(title if known else f"{title} (capacity {NOT_MEASURED})", unit, height=260)
     colour = COLOURS.get(tier)
+    suffix = unit if unit == "B" else f" {unit}"  # "4kB", "144 blocks" in the hover
     if resident is not None:
-        line(fig, *resident, "resident", "B", colour, fill="tozeroy")
+        line(fig, *resident, "resident", suffix, colour, fill="tozeroy")
     if known:
-        line(fig, *capacity, "capacity", "B", colour, "dash")
+        line(fig, *capacity, "capacity", suffix, colour, "dash")
     budget = S.gauge_series(samples, "offload_budget_bytes").get(tier)
-    if budget is not None:
+    if budget is not None and unit == "B":
         line(fig, *budget, "budget", "B", "#d62728", "dot")
     return fig
+
+
+def _shown(samples: Sequence[S.Sample], tier: str) -> bool:
+    """Whether ``tier`` shows in the samples otherwise than by its residency: a count of the
+    prompt tokens it served (0 included: a source looked it up), copies into or out of it, or
+    a budget."""
+    return (tier in S.keys_of(samples, "prompt_tokens")
+            or tier in S.keys_of(samples, "offload_budget_bytes")
+            or any(tier in d.split("->") for field in ("transfer_bytes", "transfer_blocks")
+                   for d in S.keys_of(samples, field)))
 
 
 def present_tiers(samples: Sequence[S.Sample]) -> list[str]:
@@ -65,13 +85,17 @@ def present_tiers(samples: Sequence[S.Sample]) -> list[str]:
 def block_flow(samples: Sequence[S.Sample]) -> go.Figure:
     """A Sankey of blocks moved over the samples: offloads down (gpu -> cpu -> disk),
     promotions back up, and drops (evicted with no copy kept below) into "dropped".
-    Link widths are blocks; "no block movement" when nothing moved."""
+    Link widths are blocks; "no block movement" when nothing moved, "not measured" when bytes
+    were copied but no source counted their blocks (vLLM's /metrics without block_bytes)."""
     moved = {k: v for k, v in S.window_increase(samples, "transfer_blocks").items() if v > 0}
     dropped = {k: v for k, v in S.window_increase(samples, "dropped_blocks").items() if v > 0}
     if len(samples) < 2:
         return message_figure(BLOCK_FLOW_TITLE, NO_DATA, height=360)
     if not moved and not dropped:
-        return message_figure(BLOCK_FLOW_TITLE, "no block movement in this window", height=360)
+        copied = any(n > 0 for n in S.window_increase(samples, "transfer_bytes").values())
+        return message_figure(BLOCK_FLOW_TITLE, f"blocks copied: {NOT_MEASURED} (the sources "
+                              "count the copies' bytes, not their blocks)" if copied
+                              else "no block movement in this window", height=360)
     tiers = S.ordered({t for d in moved for t in d.split("->")} | set(dropped))
     nodes = tiers + ["dropped"]
     index = {n: i for i, n in enumerate(nodes)}

@@ -185,8 +185,10 @@ def create_app(agent: Agent, max_body_bytes: int = 1 << 20) -> FastAPI:
             "transfer_bytes": by_pair(snap.transfer_bytes),
             "transfer_blocks": by_pair(snap.transfer_blocks),
             "evicted_blocks": evicted,
-            "tiers": {t: {"capacity_bytes": s.capacity_bytes, "resident_bytes": s.resident_bytes,
-                          "capacity_blocks": s.capacity_blocks,
+            # null: not measured (a capacity of 0 is one no source knows, as on /metrics)
+            "tiers": {t: {"capacity_bytes": s.capacity_bytes or None,
+                          "resident_bytes": s.resident_bytes,
+                          "capacity_blocks": s.capacity_blocks or None,
                           "resident_blocks": s.resident_blocks} for t, s in snap.tiers.items()},
             "host": ({"memory_total_bytes": host.total, "memory_available_bytes": host.available,
                       "memory_limit_bytes": host.limit, "memory_reserve_bytes": host.reserve,

@@ -67,6 +67,15 @@ def test_residency_counts_offloads_evictions_and_clears_by_tier():
                if type(e).__name__ == "Eviction")
 
 
+def test_without_block_bytes_the_residency_in_bytes_is_not_measured():
+    """block_bytes unset (0, its default): the source knows the blocks it saw, not their size.
+    Its snapshots said 0 bytes resident beside 2 blocks; now None (not measured)."""
+    r = KvResidency(block_bytes=0, capacity_blocks={"gpu": 8})
+    out = r.apply(1.0, decode(payload(stored([1, 2])))[1])
+    (snap,) = [e for e in out if type(e).__name__ == "TierSnapshot"]
+    assert (snap.resident_blocks, snap.resident_bytes, snap.capacity_bytes) == (2, None, 0)
+
+
 def test_cpu_stores_of_blocks_on_disk_are_promotions_not_offloads():
     """vLLM's tiering (CPU over an fs tier) announces a disk->cpu promotion as ``BlockStored``
     medium CPU of the same hash as the block's STORAGE store (both come from its OffloadKey).

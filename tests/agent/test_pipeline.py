@@ -207,6 +207,24 @@ def test_blocks_of_unknown_size_count_blocks_and_leave_bytes_not_measured():
     assert pipeline.snapshot().transfer_bytes == {("gpu", "cpu"): 64, ("cpu", "disk"): 0}
 
 
+def test_bytes_without_blocks_leave_blocks_not_measured():
+    """vLLM's /metrics count offload bytes, not blocks: without block_bytes its source sends
+    transfers of 0 blocks, and kvscope_transfer_blocks_total read 0 beside 44 MB moved (the
+    Tiers page: "no block movement" above a throughput of 6 MB/s). Now no blocks series for
+    them; 2 blocks of another sender still count."""
+    pipeline = Pipeline()
+    pipeline.ingest("vllm_metrics", [
+        ev.Transfer(ts=1.0, src="gpu", dst="cpu", blocks=0, bytes=44_000_000, duration=0.0,
+                    timed=False)])
+    snap = pipeline.snapshot()
+    assert snap.transfer_bytes == {("gpu", "cpu"): 44_000_000} and snap.transfer_blocks == {}
+    samples = snapshot_samples(snap)
+    assert ["gpu", "cpu"] not in [labels for labels, _ in samples[catalog.TRANSFER_BLOCKS]]
+    pipeline.ingest("vllm", [
+        ev.Transfer(ts=2.0, src="gpu", dst="cpu", blocks=2, bytes=64, duration=0.001)])
+    assert pipeline.snapshot().transfer_blocks == {("gpu", "cpu"): 2}
+
+
 def test_engine_latency_histograms_fold_into_ttft():
     """vLLM-style buckets (0.02, 0.04, 0.06, +Inf) with counts 1, 2, 0, 1: each lands in our
     bucket holding its upper bound — 0.02 -> 0.025, 0.04 -> 0.05, +Inf -> +Inf; sum adds. The
@@ -621,6 +639,34 @@ def test_tier_snapshots_of_several_engines_add_up():
     snap("dp0", 1000, 500)
     cpu = pipeline.snapshot().tiers["cpu"]
     assert (cpu.capacity_bytes, cpu.resident_bytes) == (4000, 800)
+
+
+def test_a_residency_no_sender_reports_is_not_measured_never_0():
+    """KV events without block_bytes know a tier's blocks, not their bytes, and vLLM's /metrics
+    its capacity alone: kvscope_tier_resident_bytes read 0 beside 600 resident blocks, and the
+    dashboard drew the tier empty. A residency nobody reports is now absent (/metrics, the
+    samples) and null (/api/v1/summary, with a capacity of 0: unknown); a capacity-only
+    sender adds to another's residency (4096 blocks, 600 of them held), and one that knows
+    the blocks' size is summed as before."""
+    pipeline = Pipeline()
+    pipeline.ingest("kv_events", [ev.TierSnapshot(ts=1.0, tier="cpu", capacity_bytes=0,
+                                                  resident_bytes=None, capacity_blocks=0,
+                                                  resident_blocks=600)])
+    pipeline.ingest("vllm_metrics", [ev.TierSnapshot(ts=1.0, tier="cpu", capacity_bytes=0,
+                                                     resident_bytes=None, capacity_blocks=4096,
+                                                     resident_blocks=None)])
+    cpu = pipeline.snapshot().tiers["cpu"]
+    assert (cpu.capacity_blocks, cpu.resident_blocks, cpu.resident_bytes) == (4096, 600, None)
+    samples = snapshot_samples(pipeline.snapshot())
+    assert samples[catalog.TIER_RESIDENT_BLOCKS] == [(["cpu"], 600)]
+    assert samples[catalog.TIER_RESIDENT_BYTES] == [] and samples[catalog.TIER_CAPACITY_BYTES] == []
+    sample = pipeline.record_sample(2.0, None)
+    assert sample["tier_resident_bytes"] == {} and sample["tier_resident_blocks"] == {"cpu": 600}
+    pipeline.ingest("tap", [ev.TierSnapshot(ts=1.0, tier="cpu", capacity_bytes=1000,
+                                            resident_bytes=100, capacity_blocks=10,
+                                            resident_blocks=1)])
+    cpu = pipeline.snapshot().tiers["cpu"]
+    assert (cpu.capacity_bytes, cpu.resident_bytes, cpu.resident_blocks) == (1000, 100, 601)
 
 
 def test_a_scoped_taps_tier_snapshot_adds_to_its_scopes_own():

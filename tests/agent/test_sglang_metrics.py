@@ -157,8 +157,8 @@ def test_sglang_hicache_metrics_map_onto_tiers_sources_and_the_scheduler():
 def test_beside_sglang_kv_events_what_they_report_is_left_to_them():
     """With ``[kv_events] engine = "sglang"`` (tiers gpu and cpu) enabled, the agent builds the
     metrics source yielding those tiers: no gpu->cpu or disk->cpu transfers, no GPU evictions,
-    no GPU snapshot, and the cpu snapshot with its capacity only (4096 blocks, 0 resident: the
-    KV events hold the residency, and the pipeline adds the two). Kept: the lookup, loads back
+    no GPU snapshot, and the cpu snapshot with its capacity only (4096 blocks, residency not
+    reported: the KV events hold it, and the pipeline adds the two). Kept: the lookup, loads back
     (cpu->gpu 5: KV events cannot see them), cpu->disk 20, the admission, the scheduler."""
     settings = AgentSettings(kv_events={"enabled": True, "engine": "sglang",
                                         "endpoint": "tcp://127.0.0.1:1"},
@@ -172,7 +172,7 @@ def test_beside_sglang_kv_events_what_they_report_is_left_to_them():
     assert snap.transfer_blocks == {("cpu", "gpu"): 5, ("cpu", "disk"): 20}
     assert snap.evicted_blocks == {}
     assert {t: (s.capacity_blocks, s.resident_blocks) for t, s in snap.tiers.items()} == {
-        "cpu": (4096, 0)}
+        "cpu": (4096, None)}
     assert snap.prompt_tokens["recompute"] == 400 and snap.preemptions["sglang_metrics"] == 3
     assert agent.pipeline.snapshot().source_info["sglang_metrics"] == ("sglang", "tiny")
     assert agent.pipeline.snapshot().source_info["kv_events"] == ("sglang", "")

@@ -194,7 +194,7 @@ def test_vllm_0_33_tiering_beside_kv_events_adds_capacity_lookups_times_and_fail
     first, second = _mapped("vllm-0.33.0-tiering.prom", kv_events_tiers=KV_EVENTS_ALL)
     # baselines only, and the host KV budget (cpu_kv_cache_size_bytes) once
     assert first == [e for e in first if isinstance(e, (ev.TierSnapshot, ev.EngineMemory))]
-    assert _cpu_capacity(first) == _cpu_capacity(second) == [(128, 4_194_304, 0, 0)]
+    assert _cpu_capacity(first) == _cpu_capacity(second) == [(128, 4_194_304, None, None)]
     (lookup,) = [e for e in second if isinstance(e, ev.Lookup)]
     assert (lookup.tokens, lookup.blocks, lookup.block_hits) == (
         {}, 20, {"cpu": 8, "disk": 6, "remote": 2})
@@ -290,8 +290,8 @@ def test_vllm_0_33_cpu_offloading_gives_the_cpu_tiers_capacity():
     assert first.pop() == ev.EngineMemory(ts=1.0, kv_offload_budget=4_194_304)  # once
     for events, ts in ((first, 1.0), (second, 2.0)):
         assert events == [ev.TierSnapshot(ts=ts, tier="cpu", capacity_bytes=4_194_304,
-                                          resident_bytes=0, capacity_blocks=128,
-                                          resident_blocks=0)]
+                                          resident_bytes=None, capacity_blocks=128,
+                                          resident_blocks=None)]
     for tiers in ((), ("gpu",)):
         _, second = _mapped("vllm-0.33.0-cpu.prom", kv_events_tiers=tiers)
         assert _transfers(second) == {("gpu", "cpu", 16, 524_288, False, True): 1}

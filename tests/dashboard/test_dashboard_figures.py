@@ -185,6 +185,11 @@ def test_promotion_latency_shows_promotions_only():
                      "disk->cpu p50", "disk->cpu p95", "disk->cpu p99"]
     only_offloads = [sample(0, transfer_seconds={"gpu->cpu": q})]
     assert annotation_texts(figures.promotion_latency(only_offloads)) == ["no promotions yet"]
+    # vLLM's /metrics count promotions' bytes, untimed: they happened, their time unmeasured
+    untimed = [sample(0, transfer_bytes={"cpu->gpu": 0}),
+               sample(1, transfer_bytes={"cpu->gpu": 64})]
+    assert annotation_texts(figures.promotion_latency(untimed)) == [
+        "promotions happened, but their durations are not measured by this source"]
 
 
 def test_transfer_throughput_against_the_pcie_link_maximum():
@@ -213,6 +218,21 @@ def test_tier_residency_draws_resident_capacity_and_budget_in_one_colour():
     assert list(t["cpu resident"].x) == [ms(1)]
     assert t["gpu capacity"].line.dash == "dash" and t["cpu budget"].line.dash == "dot"
     assert t["gpu resident"].line.color == t["gpu capacity"].line.color
+
+
+def test_tier_residency_in_blocks_where_no_tier_is_sized():
+    """KV events without block_bytes: 144 of 200 gpu blocks held, bytes unknown; the chart
+    read "no data yet". Drawn in blocks; beside a tier in bytes, it is named, not drawn 0 B."""
+    samples = [sample(0, tier_resident_blocks={"gpu": 144}, tier_capacity_blocks={"gpu": 200})]
+    fig = figures.tier_residency(samples)
+    assert {n: ys(t) for n, t in traces(fig).items()} == {"gpu resident": [144.0],
+                                                          "gpu capacity": [200.0]}
+    assert fig.layout.yaxis.title.text == "blocks"
+    mixed = [sample(0, tier_resident_blocks={"gpu": 144, "cpu": 3},
+                    tier_resident_bytes={"cpu": 3072}, tier_capacity_bytes={"cpu": 8192})]
+    fig = figures.tier_residency(mixed)
+    assert list(traces(fig)) == ["cpu resident", "cpu capacity"]
+    assert fig.layout.title.text.endswith("(gpu: bytes not measured)")
 
 
 def test_host_memory_draws_available_reserve_and_headroom():

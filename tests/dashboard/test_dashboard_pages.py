@@ -319,6 +319,35 @@ def test_a_tier_whose_capacity_is_unknown_shows_what_it_holds_and_says_so():
     assert fig.layout.title.text.endswith("(capacity not measured)")
 
 
+def test_a_tier_no_source_sizes_is_not_measured_never_empty_or_unconfigured():
+    """vLLM's /metrics alone: the cpu tier served tokens and took copies, and has a budget,
+    but no source reports what it holds; its panel read "no cpu tier configured". KV events
+    without block_bytes: blocks resident, bytes unknown; drawn as 0 B. Now "not measured" for
+    the first, the blocks (resident against capacity) for the second."""
+    seen = [_s(0, prompt_tokens={"gpu": 10, "cpu": 0}, transfer_bytes={"gpu->cpu": 100}),
+            _s(5, prompt_tokens={"gpu": 20, "cpu": 4}, transfer_bytes={"gpu->cpu": 300},
+               offload_budget_bytes={"cpu": 1 << 30})]
+    for samples in (seen, seen[:1], [_s(0, offload_budget_bytes={"cpu": 1 << 30})]):
+        assert annotation_texts(ft.tier_residency(samples, "cpu")) == [
+            "not measured (no source reports what the cpu tier holds)"]
+    assert annotation_texts(ft.tier_residency(seen, "disk")) == ["no disk tier configured"]
+    blocks = [_s(0, tier_capacity_blocks={"gpu": 200}, tier_resident_blocks={"gpu": 144})]
+    fig = ft.tier_residency(blocks, "gpu")
+    assert [(t.name, list(t.y)) for t in fig.data] == [("resident", [144]), ("capacity", [200])]
+    assert fig.layout.yaxis.title.text == "blocks"
+    assert fig.layout.title.text.endswith("(blocks: their size not measured)")
+
+
+def test_block_flow_says_blocks_not_measured_where_only_bytes_were_counted():
+    """vLLM's /metrics count offload bytes, not blocks: "no block movement" above a throughput
+    chart of 6 MB/s gpu->cpu. Now the blocks are not measured, said."""
+    samples = [_s(0, transfer_bytes={"gpu->cpu": 0}), _s(5, transfer_bytes={"gpu->cpu": 3e7})]
+    assert annotation_texts(ft.block_flow(samples)) == [
+        "blocks copied: not measured (the sources count the copies' bytes, not their blocks)"]
+    samples = [_s(0, transfer_bytes={"gpu->cpu": 3e7}), _s(5, transfer_bytes={"gpu->cpu": 3e7})]
+    assert annotation_texts(ft.block_flow(samples)) == ["no block movement in this window"]
+
+
 def test_block_flow_links_offloads_promotions_and_drops():
     samples = [_s(0, transfer_blocks={"gpu->cpu": 10, "cpu->gpu": 1}, dropped_blocks={"cpu": 0}),
                _s(5, transfer_blocks={"gpu->cpu": 30, "cpu->gpu": 4, "cpu->disk": 7},

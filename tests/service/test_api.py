@@ -58,6 +58,20 @@ def test_summary(client):
     assert body["ttft_seconds"]["p50"] == pytest.approx(0.3)
 
 
+def test_summary_tiers_say_null_for_what_no_source_measured():
+    """KV events without block_bytes: a gpu tier of 200 blocks holding 144, bytes unknown; the
+    summary said capacity_bytes 0 and resident_bytes 0 (/metrics left the capacity out), an
+    empty tier of no size. Now null, as /metrics leaves them out."""
+    agent = Agent(AgentSettings(), with_ingest=False)
+    agent.pipeline.ingest("kv_events", [ev.TierSnapshot(
+        ts=100.0, tier="gpu", capacity_bytes=0, resident_bytes=None, capacity_blocks=200,
+        resident_blocks=144)])
+    with TestClient(create_app(agent)) as client:
+        tiers = client.get("/api/v1/summary").json()["tiers"]
+    assert tiers == {"gpu": {"capacity_bytes": None, "resident_bytes": None,
+                             "capacity_blocks": 200, "resident_blocks": 144}}
+
+
 def test_summary_ttft_percentiles_from_vllms_histogram_alone():
     """Metrics-only mode: vLLM's TTFT histogram (4 requests: 2 in (0, 0.1], 2 in (0.1, 0.25])
     and no request records; the summary said null. Bucket interpolation, as PromQL's:

@@ -329,7 +329,7 @@ class KvResidency:
             blocks = len(self.resident.get(tier, ()))
             cap = self.capacity.get(tier, 0)
             out.append(ev.TierSnapshot(ts=ts, tier=tier, capacity_bytes=cap * bpb,
-                                       resident_bytes=blocks * bpb,
+                                       resident_bytes=ev.bytes_of(blocks, bpb),
                                        capacity_blocks=cap, resident_blocks=blocks))
         return out
 

@@ -199,7 +199,7 @@ class LMCacheMapper:
         return [ev.TierSnapshot(
             ts=now, tier=tier, capacity_bytes=capacity, resident_bytes=int(resident),
             capacity_blocks=int(capacity // per_block) if per_block else 0,
-            resident_blocks=int(resident // per_block) if per_block else 0)]
+            resident_blocks=int(resident // per_block) if per_block else None)]
 
 
 class LMCacheMetricsSource(ScrapeSource):

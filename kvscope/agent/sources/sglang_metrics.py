@@ -243,18 +243,20 @@ class SglangMapper:
         out = []
         capacity, used = total(HOST_TOTAL), total(HOST_USED)
         if capacity is not None:
-            used = (used or 0) if self.report["cpu"] else 0  # KV events hold the residency
+            used = (used or 0) if self.report["cpu"] else None  # KV events hold the residency
             out.append(self._snapshot("cpu", capacity, used, now))
         capacity, used, evictable = total(GPU_TOTAL), total(GPU_USED), total(GPU_EVICTABLE)
         if self.report["gpu"] and capacity is not None and used is not None:
             out.append(self._snapshot("gpu", capacity, used + (evictable or 0), now))
         return out
 
-    def _snapshot(self, tier: str, capacity: int, resident: int, now: float) -> ev.TierSnapshot:
+    def _snapshot(self, tier: str, capacity: int, resident: int | None,
+                  now: float) -> ev.TierSnapshot:
         bpb = self.block_bytes
         return ev.TierSnapshot(ts=now, tier=tier, capacity_blocks=capacity,
                                resident_blocks=resident, capacity_bytes=capacity * bpb,
-                               resident_bytes=resident * bpb)
+                               resident_bytes=None if resident is None
+                               else ev.bytes_of(resident, bpb))
 
     def _scheduler(self, samples: Samples, retracted: float | None,
                    now: float) -> list[ev.SchedulerStats]:

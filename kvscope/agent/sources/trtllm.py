@@ -191,7 +191,7 @@ class TrtllmMetrics:
         cap, held = int(sum(capacity.values())), int(sum(used.values()))
         bpb = self.block_bytes
         return [ev.TierSnapshot(ts=ts, tier=self.levels[0], capacity_bytes=cap * bpb,
-                                resident_bytes=held * bpb, capacity_blocks=cap,
+                                resident_bytes=ev.bytes_of(held, bpb), capacity_blocks=cap,
                                 resident_blocks=held)]
 
 

@@ -228,7 +228,8 @@ class TrtllmResidency:
             cap = sum(c[level] for c in self.capacity.values() if level < len(c))
             held = self.resident[level]
             out.append(ev.TierSnapshot(ts=ts, tier=self.levels[level], capacity_bytes=cap * bpb,
-                                       resident_bytes=held * bpb, capacity_blocks=cap,
+                                       resident_bytes=ev.bytes_of(held, bpb),
+                                       capacity_blocks=cap,
                                        resident_blocks=held))
         return out
 

@@ -267,8 +267,8 @@ class MetricsMapper:
         if self.cpu_capacity and chunks:
             out.append(ev.TierSnapshot(
                 ts=ts, tier="cpu", capacity_bytes=sum(c[2] for c in chunks.values()),
-                resident_bytes=0, capacity_blocks=sum(c[0] * c[1] for c in chunks.values()),
-                resident_blocks=0))
+                resident_bytes=None, capacity_blocks=sum(c[0] * c[1] for c in chunks.values()),
+                resident_blocks=None))  # what the tier holds: the tap's or KV events' to say
         out += self._scheduler(samples, ts)
         out += self._budget(samples, ts, chunks)
         if self._counters.commit():  # baselines dropped: keep the current ones
@@ -579,7 +579,8 @@ class MetricsMapper:
         capacity = sum(blocks[e] for e in usage)
         used = sum(int(round(min(1.0, max(0.0, u)) * blocks[e])) for e, u in usage.items())
         return [ev.TierSnapshot(ts=ts, tier="gpu", capacity_bytes=capacity * self.block_bytes,
-                                resident_bytes=used * self.block_bytes, capacity_blocks=capacity,
+                                resident_bytes=ev.bytes_of(used, self.block_bytes),
+                                capacity_blocks=capacity,
                                 resident_blocks=used)]
 
 
