@@ -520,7 +520,8 @@ def _request_sample(table: pa.Table, name: str,
     else:
         moved_bytes, moved_blocks, seconds, failures = {}, {}, {}, 0
     tokens = {s: int(col[f"tokens_{s}"].sum()) for s in ev.TOKEN_SOURCES}
-    # records of no tap (spans alone): transfers not measured, not none
+    # records of no tap (spans alone: no tokens by source, no transfer), whatever tiers the
+    # agent reported (vLLM's /metrics report its GPU's): transfers not measured, not none
     spans_alone = not len(flat) and not any(tokens.values())
     prefill = float(np.nansum(col["prefill"]))
     if not any(tokens.values()) and counted and any(counted.values()):
@@ -528,12 +529,13 @@ def _request_sample(table: pa.Table, name: str,
         recorded = int(col["prompt_tokens"].sum())
         if abs(recorded - sum(tokens.values())) > SAME_REQUESTS * sum(tokens.values()):
             log.warning("kvscope: %s: its requests' records hold %d prompt tokens, the agent "
-                        "counted %d by source: not the same requests (traces sampled?), so "
-                        "their prefill seconds price no token (prefill rate not measured)",
+                        "counted %d by source: not the same requests, so their prefill seconds "
+                        "price no token (prefill rate not measured). Start the agent before the "
+                        "traffic and stop it once the engine sent the last spans (vLLM: every "
+                        "5 s), and export every trace (no sampling)",
                         name, recorded, sum(tokens.values()))
             prefill = 0.0
     sources = _token_sources(table.column("tiers"), tokens)
-    spans_alone = spans_alone and sources is None
     arrival, finished = col["arrival"].astype(np.float64), col["finished"].astype(np.float64)
     window = (float(np.nanmin(arrival)), float(np.nanmax(finished))) \
         if len(arrival) and np.isfinite(arrival).any() and np.isfinite(finished).any() else None

@@ -415,6 +415,31 @@ def test_ttft_comes_from_spans_while_they_arrive_else_from_the_histogram(exposit
     assert counts == [0, 5, 5, 7]
 
 
+def test_a_stopping_source_scrapes_once_more_unless_the_engine_is_away(exposition_server):
+    """A tryout stopped the agent a second after its traffic: vLLM had counted 26,880 prompt
+    tokens, the capture 17,304, those to the last 5-second scrape. Started (a baseline of 0
+    tokens) with an hour between scrapes, then 1,000 prompt tokens (600 from the GPU cache)
+    served: stopping scrapes once more and counts them. A source whose last scrape failed
+    (the engine away) does not try again on its way out."""
+    exposition_server.body = exposition(0, 0, 0, 0, 0, [("+Inf", 0)])
+    source = _source(exposition_server, interval=3600.0)
+    source.start()
+    assert wait_until(lambda: source.pipeline.snapshot().source_up.get("vllm_metrics"))
+    exposition_server.body = exposition(1000, 600, 0, 0, 0, [("+Inf", 0)])
+    source.shutdown()
+    assert source.pipeline.snapshot().prompt_tokens == {"gpu": 600, "recompute": 400}
+
+    exposition_server.body = "not vLLM's metrics\n"
+    source = _source(exposition_server, interval=3600.0)
+    scrapes = []
+    scrape = source.scrape_once
+    source.scrape_once = lambda: scrapes.append(scrape()) or scrapes[-1]
+    source.start()
+    assert wait_until(lambda: scrapes == [False])
+    source.shutdown()
+    assert scrapes == [False]
+
+
 def test_a_tap_counting_the_same_prompt_tokens_is_warned_of_once(exposition_server, caplog):
     """vLLM's /metrics over real HTTP, scraped alone: 1,000 prompt tokens (600 from the GPU
     cache) counted once, no warning (a near miss: this source's own tokens). Then the tap's

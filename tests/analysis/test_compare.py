@@ -831,8 +831,13 @@ def _zero_code_capture(directory, requests: int) -> None:
     """vLLM in zero-code mode: ``requests`` span records of 64 prompt tokens and 10 ms of
     prefill each, none with tokens by source, and the agent's counts by source from vLLM's
     /metrics, with a restart between two samples: gpu 1,000 then 600, cpu 2,000 then 1,200,
-    recompute 1,000 then 600 (the counters start again at the restart)."""
+    recompute 1,000 then 600 (the counters start again at the restart). The agent reported
+    the gpu and cpu tiers (vLLM's /metrics: its GPU's usage, its CPU tier's capacity) before
+    the requests, and counted no transfer."""
     writer = CaptureWriter(directory)
+    writer.add_sample({"ts": 999.0, "transfer_bytes": {}, "transfer_blocks": {},
+                       "transfer_seconds_sum": {},
+                       "tier_capacity_bytes": {"gpu": 1 << 30, "cpu": 1 << 30}})
     for ts, n in ((1100.0, 1000), (1200.0, 600)):
         writer.add_sample({"ts": ts, "transfer_bytes": {}, "transfer_blocks": {},
                            "transfer_seconds_sum": {},
@@ -853,15 +858,18 @@ def test_a_zero_code_arm_takes_tokens_by_source_from_the_agents_counts(tmp_path,
     tokens too, so their 1 s of prefill prices the 1,600 recomputed tokens: 1,600 tokens/s,
     and the cpu tier's 3,200 tokens saved 2 s. Spans of 10 requests (traces sampled: 640
     prompt tokens against 6,400 counted) are not the counted requests: the shares stand, the
-    prefill rate and the saving are not measured, and a warning says why."""
+    prefill rate and the saving are not measured, and a warning says why. No transfer was
+    counted (no totals) and the records hold none: the transfers are not measured, never
+    "none" (the reported tiers once made them read "none", failures 0)."""
     _zero_code_capture(tmp_path / "all", 100)
     _zero_code_capture(tmp_path / "sampled", 10)
     base = write_capture(tmp_path / "base", np.linspace(0.01, 0.02, 100))
     assert main(["compare", str(base), str(tmp_path / "all"), "--json", "--resamples",
                  "100"]) == 0
     cand = json.loads(capsys.readouterr().out)["candidate"]
-    assert cand["token_share"] == {"gpu": 0.25, "cpu": 0.5, "disk": 0.0, "recompute": 0.25}
+    assert cand["token_share"] == {"gpu": 0.25, "cpu": 0.5, "recompute": 0.25}  # no disk tier
     assert cand["prefill_rate"] == pytest.approx(1600)
+    assert cand["transfers"] is None and cand["transfer_failures"] is None
     assert cand["value"]["cpu"]["prefill_seconds_saved"] == pytest.approx(2.0)
     with caplog.at_level("WARNING", logger="kvscope.analysis.capture_reader"):
         assert main(["compare", str(base), str(tmp_path / "sampled"), "--json",

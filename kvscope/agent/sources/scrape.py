@@ -195,7 +195,8 @@ class ScrapeSource(SourceWorker):
     made when no ``mapper`` is given: an object with ``map(samples, now) -> events``, pure), or
     overrides :meth:`map`; it may override :meth:`deliver` to hold events back. ``timeout``:
     seconds a scrape may take in all, headers included; ``clock``: the events' Unix
-    timestamps. ``start()`` returns at once; ``shutdown()`` is safe twice and without start."""
+    timestamps. ``start()`` returns at once; ``shutdown()`` (which scrapes a last time, unless
+    the last scrape failed) is safe twice and without start."""
 
     engine = ""
     prefix = ""
@@ -315,4 +316,10 @@ class ScrapeSource(SourceWorker):
     def run(self) -> None:
         self.scrape_once()
         while not self.stopping.wait(self.interval):
+            self.scrape_once()
+        # stopping: once more, so that what the engine counted since the last scrape (a run's
+        # last seconds) reaches the agent's last sample and its capture (a capture stopped a
+        # second after its traffic counted 64% of its prompt tokens), unless the engine is
+        # already known to be away
+        if not self.failures:
             self.scrape_once()
