@@ -319,8 +319,9 @@ def host_dram(window: Sequence[Sample], s: Settings) -> Check:
     collector's) at its lowest in the window under ``min_headroom_bytes``, or any page read
     back in from swap in the window (``host_swap_in_bytes``, host-wide; measured only where
     the host collector reports the memory limit): "skip offload"; otherwise "offload pays";
-    no headroom reported: "not measured". Other processes' memory has no signal yet and says
-    so."""
+    no headroom reported: "not measured". Other processes' memory is the newest sample's
+    ``host_memory_part_bytes`` "other" part where the engine's memory was read (memory in use
+    that is not the engine's, docs/collectors.md), evidence only."""
     key = "host-dram"
     headroom = [float(v) for x in window if is_number(v := x.get("host_memory_headroom_bytes"))]
     reserve = _newest(window, "host_memory_reserve_bytes")
@@ -336,13 +337,22 @@ def host_dram(window: Sequence[Sample], s: Settings) -> Check:
              and reserve is not None else "available and reserve: not measured",
              "swap: not measured (no swap-in counter)" if swapped is None
              else f"swap-in: {swapped / 2**20:.1f} MiB read back from swap (contested above 0)",
-             "other processes' memory: not measured"]
+             _other_memory(window)]
     if not headroom:
         verdict = NOT_MEASURED
     else:
         verdict = (SKIP if min(headroom) < s.min_headroom_bytes or (swapped or 0.0) > 0
                    else PAYS)
     return Check(key, CONDITIONS[key], verdict, tuple(lines))
+
+
+def _other_memory(window: Sequence[Sample]) -> str:
+    # "other" is the engine's memory out only where the engine's is read (engine_other);
+    # without, it holds the engine's beyond its KV budget too (agent/memory_budget.py)
+    parts = mapping(window[-1], "host_memory_part_bytes") if window else {}
+    if not (is_number(parts.get("other")) and is_number(parts.get("engine_other"))):
+        return "other processes' memory: not measured (the engine's own is not: engine_pid)"
+    return f"other processes' memory {bytes_text(float(parts['other']))} (in use, not the engine's)"
 
 
 def cheaper_steps(window: Sequence[Sample], tokens: Mapping[str, float]) -> Check:

@@ -14,8 +14,9 @@ Span shapes (times are Unix nanoseconds, from the record's Unix seconds, see :fu
   (or to ``finished`` when ``ttft`` is None; zero-length when both are None). Attributes:
   ``kv.request_id`` str, ``kv.source`` str (the emitter's name, ``RequestRecord.source``),
   ``kv.prompt_tokens`` / ``kv.output_tokens`` int, ``kv.tokens.<source>`` int prompt tokens per
-  token source (``gpu``, ``cpu``, ``disk``, ``recompute`` always present, 0 when absent, plus
-  any other key of ``record.tokens``), ``kv.ttft_seconds`` float (only when ttft is known),
+  token source (``gpu``, ``cpu``, ``disk``, ``recompute`` present, 0 when absent, plus any other
+  key of ``record.tokens``, where the record has tokens by source: none for vLLM's span
+  alone, which measures none), ``kv.ttft_seconds`` float (only when ttft is known),
   ``kv.queueing_seconds``, ``kv.prefill_seconds`` float seconds, ``kv.lookup_seconds``,
   ``kv.promotion_wait_seconds`` float seconds (only when measured: vLLM's spans alone carry
   neither), ``kv.itl_seconds`` float (only when known: > 0),
@@ -341,8 +342,9 @@ def _request_attributes(record: RequestRecord) -> dict[str, str | int | float]:
     attributes: dict[str, str | int | float] = {}
     for field, name in REQUEST_ATTRIBUTES.items():
         value = getattr(record, field)
-        if field == "tokens":
-            for source in (*TOKEN_SOURCES, *sorted(set(value) - set(TOKEN_SOURCES))):
+        if field == "tokens":  # none by source (vLLM's span alone): not measured, left out
+            for source in (*TOKEN_SOURCES, *sorted(set(value) - set(TOKEN_SOURCES))) \
+                    if value else ():
                 attributes[name.format(source=source)] = int(value.get(source, 0))
         elif value is not None and not (field in _WHEN_KNOWN and not value):
             attributes[name] = value

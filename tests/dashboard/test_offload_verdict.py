@@ -297,6 +297,21 @@ def test_swap_in_contests_host_dram(swap_per_s, verdict):
                                                               "host-dram").evidence
 
 
+def test_other_processes_memory_is_shown_where_the_engines_is_read():
+    """The Overview read "other processes' memory: not measured" beside the memory budgets
+    chart's 'everything else' (the demo reads its engine's memory). Measured where the
+    engine's memory is (engine_other beside other); without it, "other" holds the engine's
+    memory beyond its KV budget too: not other processes'."""
+    samples = window()
+    samples[-1]["host_memory_part_bytes"] = {"kv_offload": 16 * GIB, "engine_other": 4 * GIB,
+                                             "other": 3 * GIB, "reserve": GIB, "free": 40 * GIB}
+    evidence = check(V.assess(samples), "host-dram").evidence
+    assert "other processes' memory 3.00 GiB (in use, not the engine's)" in evidence
+    del samples[-1]["host_memory_part_bytes"]["engine_other"]
+    assert "other processes' memory: not measured (the engine's own is not: engine_pid)" in \
+        check(V.assess(samples), "host-dram").evidence
+
+
 def test_host_dram_not_measured_without_headroom():
     c = check(V.assess(window(headroom=None)), "host-dram")
     assert c.verdict == NOT_MEASURED

@@ -206,6 +206,20 @@ def test_records_arrive_as_request_and_transfer_spans(receiver: OtlpReceiver) ->
     assert failed.status.code == Status.STATUS_CODE_ERROR
 
 
+def test_a_record_without_tokens_by_source_exports_none(receiver: OtlpReceiver) -> None:
+    """vLLM's span alone (zero-code mode) measures no tokens by source: its record's span
+    carried kv.tokens.gpu/cpu/disk/recompute = 0, prompt tokens "served by nothing". Now
+    none of them; the prompt tokens it did measure stay."""
+    exporter = RequestSpanExporter(receiver.url, timeout=10.0)
+    exporter.export(RequestRecord(request_id="span-only", trace_id=RECORD_A.trace_id,
+                                  source="vllm", arrival=1_700_000_000.0, prompt_tokens=259,
+                                  tokens={}, ttft=0.02, finished=1_700_000_000.5))
+    shutdown_within_guard(exporter)
+    (span,) = receiver.named("kv.request")
+    assert not [name for name in attrs(span) if name.startswith("kv.tokens.")]
+    assert attrs(span)["kv.prompt_tokens"] == 259
+
+
 def test_export_does_not_wait_for_a_stalled_endpoint(receiver: OtlpReceiver) -> None:
     """While the SDK's worker is stuck in a POST the receiver holds, export() still returns."""
     receiver.gate.clear()
