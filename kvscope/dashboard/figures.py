@@ -252,11 +252,13 @@ def host_memory(samples: Sequence[Sample]) -> go.Figure:
 
 def evictions(samples: Sequence[Sample]) -> go.Figure:
     """Blocks evicted per second by tier (left axis) and, per tier, the share of them that
-    were never hit while resident (right axis, 0-1 shown as %, dotted)."""
+    were never hit while resident (right axis, 0-1 shown as %, dotted); "not measured" when
+    no source reports evictions."""
     window = S.rate_window(samples, "evicted_blocks")  # the share's parts over one window
     rates = counter_rates(samples, "evicted_blocks", window)
-    if not rates:
-        return message_figure(EVICTIONS_TITLE, NO_DATA)
+    if not rates:  # two samples and no count: the sources report none (vLLM's /metrics)
+        return message_figure(EVICTIONS_TITLE, NO_DATA if len(samples) < 2 else
+                              f"{NOT_MEASURED}: no source reports evictions")
     fig = base(EVICTIONS_TITLE, "blocks/s")
     for tier, (xs, ys) in rates.items():
         line(fig, xs, ys, f"{tier} evicted", " blocks/s", COLOURS.get(tier), legendgroup=tier)

@@ -14,10 +14,14 @@ import numpy as np
 import plotly.graph_objects as go
 
 from kvscope.dashboard.figures import base, message_figure, new_figure
+from kvscope.vocabulary import NOT_MEASURED
 
 CONCURRENCY_TITLE = "Concurrency: requests in flight (finished ones)"
 PROMPT_LENGTHS_TITLE = "Context length: prompt tokens per request"
 NO_RECORDS = "no finished requests yet"
+# requests counted, none of them recorded one by one (vLLM's /metrics alone)
+NOT_PER_REQUEST = (f"{NOT_MEASURED}: the sources count requests, not each one (vLLM's "
+                   "/metrics alone: send the agent its spans, or run the tap)")
 
 
 def in_flight(records: Sequence[Mapping]) -> tuple[np.ndarray, np.ndarray]:

@@ -545,10 +545,11 @@ class OffloadEngine:
         engine's tiers whose batched copies issued and not yet timed (CUDA events pending), or
         their blocks, changed since the last report (the first report: every direction, 0s
         included: on a CPU every copy ends before the next request, and 0 in flight is what the
-        engine knows, not a value it lacks). Nothing without ``emit``."""
+        engine knows, not a value it lacks), between tiers that hold blocks (``cpu_blocks`` 0:
+        no cpu tier, no copies to or from it). Nothing without ``emit``."""
         if self._emit is None:
             return
-        names = {tier.name for tier in self.tiers}
+        names = {tier.name for tier in self.tiers if tier.capacity_blocks}
         counts = {d: [0, 0] for d in _DIRECTION.values() if set(d.split("->")) <= names}
         for _, _, outcome in self._inflight:
             for r in outcome.results:

@@ -253,6 +253,11 @@ def test_evictions_with_the_share_never_reused():
     assert ys(t["gpu evicted"]) == [10.0]
     assert ys(t["gpu never reused"]) == [0.4]
     assert t["gpu never reused"].yaxis == "y2"
+    # vLLM's /metrics report no evictions: "no data yet" for good; now not measured, said
+    # once two samples came
+    assert annotation_texts(figures.evictions(samples[:1])) == ["no data yet"]
+    assert annotation_texts(figures.evictions([sample(0), sample(1)])) == [
+        "not measured: no source reports evictions"]
 
 
 def test_savings_accumulate_over_the_window():
@@ -497,6 +502,13 @@ def test_concurrency_and_prompt_lengths_come_from_the_records():
     figs = overview.render([], window_seconds=900, records=records)
     ids = list(overview.GRAPHS)
     assert figs[ids.index("concurrency")].data[0].name == "in flight (peak 3)"
+    # vLLM's /metrics alone: 45 requests counted, none recorded one by one ("no finished
+    # requests yet" beside the header's 45 requests)
+    figs = overview.render([sample(0, requests=45)], window_seconds=900, records=[])
+    for gid in ("concurrency", "prompt-lengths"):
+        assert annotation_texts(figs[ids.index(gid)]) == [fl.NOT_PER_REQUEST]
+    figs = overview.render([sample(0, requests=0)], window_seconds=900, records=[])
+    assert annotation_texts(figs[ids.index("concurrency")]) == [fl.NO_RECORDS]
 
 
 @pytest.mark.parametrize(("n", "text"), [

@@ -427,6 +427,17 @@ def test_copies_in_flight_are_reported_per_direction_when_they_change(monkeypatc
     engine.close()
 
 
+def test_no_cpu_tier_no_copies_in_flight_reported():
+    """cpu_blocks 0 (the demo's --cpu-blocks 0): no copy goes to or from a cpu tier, and
+    /metrics showed kvscope_transfers_in_flight{gpu->cpu, cpu->gpu} at 0 for it. Now none."""
+    events = []
+    engine = _engine(1, 0, events)
+    engine.process(_req("r1", A))
+    engine.process(_req("r2", B))
+    assert _of(events, ev.TransfersInFlight) == []
+    engine.close()
+
+
 def test_a_tier_takes_its_slots_as_it_fills_so_its_size_costs_nothing_up_front():
     """A tier of 10**15 blocks builds at once (every free slot listed up front was a
     MemoryError). Slots go 0, 1, 2 as blocks come; a removed block's slot is the next one

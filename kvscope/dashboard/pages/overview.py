@@ -119,7 +119,12 @@ def render(samples: Sequence[dict], window_seconds: float, max_points: int = 720
            records: Sequence[dict] = ()) -> list:
     """The figures in :data:`GRAPHS` order: from samples (the last ``window_seconds``, relative
     to the newest sample, thinned to ``max_points``), or, for :data:`FROM_RECORDS`, from
-    ``records`` (the API's request dicts)."""
+    ``records`` (the API's request dicts; "not measured" where the samples count requests and
+    there is none)."""
     recent = thin(last_window(samples, window_seconds), max_points)
-    return [build(records if gid in FROM_RECORDS else recent)
-            for gid, (build, _title) in GRAPHS.items()]
+    # requests counted and none recorded: what is drawn from records is not measured here
+    unrecorded = not records and any(s.get("requests") for s in samples[-1:])
+    return [figures.message_figure(title, figures_load.NOT_PER_REQUEST)
+            if gid in FROM_RECORDS and unrecorded else
+            build(records if gid in FROM_RECORDS else recent)
+            for gid, (build, title) in GRAPHS.items()]
