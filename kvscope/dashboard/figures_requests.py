@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timezone
 
 import plotly.graph_objects as go
 
 from kvscope.dashboard.figures import COLOURS, message_figure, new_figure
 from kvscope.dashboard.series import bytes_text
-from kvscope.vocabulary import NOT_MEASURED, TOKEN_SOURCES
+from kvscope.vocabulary import NOT_MEASURED, OFFLOAD_TIERS, TOKEN_SOURCES
 
 WATERFALL_TITLE = "Request waterfall"
 
@@ -56,12 +56,14 @@ def _clock(ts: float | None) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
-def table_rows(records: Sequence[Mapping]) -> list[dict]:
+def table_rows(records: Sequence[Mapping], tiers: Collection[str] | None = None) -> list[dict]:
     """One DataTable row per record; ``id`` names the request uniquely (instance, source and
     request id: engines may share ids) so a selected cell finds its row; times in ms rounded
     to 0.01 ms; ``instance`` "" outside a fleet. What the record does not hold is None (the
     grid shows "not measured"): a TTFT, a promotion wait, tokens by source (none at all: a
-    source that did not report them), transfers (:func:`transfer_count`)."""
+    source that did not report them; an offload tier's outside ``tiers``, those the agent
+    reports, when given: no disk tier read "disk tokens 0"), transfers
+    (:func:`transfer_count`)."""
     rows = []
     for r in records:
         tokens = r.get("tokens") or {}
@@ -72,12 +74,19 @@ def table_rows(records: Sequence[Mapping]) -> list[dict]:
             "finished": _clock(r.get("finished")),
             "ttft_ms": _ms(r, "ttft"),
             "prompt_tokens": int(_num(r, "prompt_tokens")),
-            **{f"tokens_{s}": int(tokens.get(s, 0)) if tokens else None for s in TOKEN_SOURCES},
+            **{f"tokens_{s}": _tokens(tokens, s, tiers) for s in TOKEN_SOURCES},
             "promotion_wait_ms": _ms(r, "promotion_wait"),
             "transfers": transfer_count(r),
         }
         rows.append(row)
     return rows
+
+
+def _tokens(tokens: Mapping, source: str, tiers: Collection[str] | None) -> int | None:
+    if not tokens or (tiers is not None and source in OFFLOAD_TIERS and source not in tiers
+                      and not tokens.get(source)):
+        return None
+    return int(tokens.get(source, 0))
 
 
 def transfer_count(record: Mapping) -> int | None:

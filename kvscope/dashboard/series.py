@@ -83,6 +83,14 @@ def mapping(sample: Sample, field: str) -> Mapping:
     return value if isinstance(value, Mapping) else {}
 
 
+def reported_tiers(sample: Sample) -> set[str]:
+    """The tiers ``sample`` holds a capacity or a residency of: those its agent's sources
+    report."""
+    return {tier for field in ("tier_capacity_bytes", "tier_capacity_blocks",
+                               "tier_resident_bytes", "tier_resident_blocks")
+            for tier in mapping(sample, field)}
+
+
 def keys_of(samples: Sequence[Sample], field: str) -> list[str]:
     """Every key that ``sample[field]`` holds in any sample, in canonical order."""
     return ordered({k for s in samples for k in mapping(s, field)})

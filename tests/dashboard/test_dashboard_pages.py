@@ -47,6 +47,21 @@ def test_table_rows_in_milliseconds_with_tokens_by_source():
     assert {c[0] for c in fr.COLUMNS} <= set(row)
 
 
+def test_a_tier_the_agent_does_not_report_reads_not_measured_in_the_table():
+    """The demo without a disk tier: every row read "disk tokens 0", as if a disk tier had
+    served none. The agent's newest sample reports gpu and cpu: disk is not measured, the
+    others as the record has them; where no sample says (none, or none reports a tier), as
+    before."""
+    samples = [{"ts": T, "tier_capacity_bytes": {"gpu": 1 << 30},
+                "tier_resident_blocks": {"cpu": 5}}]
+    (row,) = requests_page.table(FakeBackend(samples=samples), None, None, 100, None)[0]
+    assert (row["tokens_gpu"], row["tokens_cpu"], row["tokens_disk"],
+            row["tokens_recompute"]) == (512, 256, None, 256)
+    for samples in ((), [{"ts": T}]):
+        (row,) = requests_page.table(FakeBackend(samples=samples), None, None, 100, None)[0]
+        assert row["tokens_disk"] == 0
+
+
 def test_waterfall_puts_every_part_on_one_axis_in_milliseconds():
     """queueing 0-2 ms, lookup 2-3 ms, transfers at their measured starts (3 ms, 4 ms),
     promotion wait 3-15 ms, prefill 15-30 ms, first token at 30 ms."""
@@ -92,8 +107,13 @@ def test_parts_not_measured_are_labelled_so_not_drawn_as_zero():
 class FakeBackend:
     kind, base_url = "agent", "http://agent:9400"
 
-    def __init__(self, records=(RECORD,), fail=False):
-        self.records, self.fail, self.calls = list(records), fail, []
+    def __init__(self, records=(RECORD,), fail=False, samples=()):
+        self.records, self.fail, self.calls, self.samples = list(records), fail, [], samples
+
+    def timeseries(self, window_seconds, instance=None):
+        if self.fail:
+            raise BackendUnavailable(self.base_url, "refused")
+        return list(self.samples)
 
     def requests(self, limit, sort, descending, min_ttft, instance):
         self.calls.append((limit, sort, descending, min_ttft, instance))

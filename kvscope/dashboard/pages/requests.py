@@ -20,6 +20,7 @@ import dash_ag_grid as dag
 from dash import Input, Output, State, dcc, html
 
 from kvscope.dashboard import figures_requests as fr
+from kvscope.dashboard import series as S
 from kvscope.dashboard.backend import Backend, BackendUnavailable, by_value
 from kvscope.dashboard.pages.common import (STATUS_STYLE, Context, graph, status, unread_status,
                                            where)
@@ -30,6 +31,7 @@ NAME = "Requests"
 STATUS_ID = "requests-status"
 LIMITS = (100, 500, 1000, 5000)
 PAGE_SIZE = 15
+TIERS_WINDOW = 10.0  # seconds of samples read for the tiers the agent reports (one will do)
 # table column -> the agent's sort key (kvscope.agent.requests.SORT_KEYS)
 API_SORT = {"finished": "finished", "ttft_ms": "ttft", "prompt_tokens": "prompt_tokens",
             "promotion_wait_ms": "promotion_wait"}
@@ -166,7 +168,7 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
                                 descending or not sorted_by_api, min_ttft, instance)
     except BackendUnavailable as exc:
         return [], str(exc)
-    rows = fr.table_rows(page.records)
+    rows = fr.table_rows(page.records, _tiers(backend, instance))
     if not sorted_by_api:
         rows.sort(key=by_value(column, descending), reverse=descending)
     shown = f"{len(rows):,} of {page.total:,} requests"
@@ -174,6 +176,16 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
         shown += f" with TTFT ≥ {min_ttft * 1000:g} ms"
     return rows, (f"{where(backend, instance)} · {shown}{unread_status(page.unread)} · "
                   "click a row to open its waterfall")
+
+
+def _tiers(backend: Backend, instance: str | None) -> set[str] | None:
+    """The tiers the newest sample reports; None where unknown (no sample, none reported: a
+    source of spans alone), as a capture's requests read them."""
+    try:
+        newest = backend.timeseries(TIERS_WINDOW, instance)[-1:]
+    except BackendUnavailable:
+        return None
+    return (S.reported_tiers(newest[0]) or None) if newest else None
 
 
 def select(cell: dict | None, rows: list[dict] | None) -> str:
