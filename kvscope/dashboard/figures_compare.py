@@ -66,13 +66,18 @@ def latency(data: dict | None, metric: str = "ttft") -> go.Figure:
 
 
 def hit_quality(data: dict | None) -> go.Figure:
-    """Share of prompt tokens by source (0-1), one stacked horizontal bar per run."""
+    """Share of prompt tokens by source (0-1), one stacked horizontal bar per run; a source
+    neither run measured (no such tier) is named in the title, not listed in the legend."""
     if not data:
         return message_figure(HIT_QUALITY_TITLE, EMPTY)
-    fig = _frame(HIT_QUALITY_TITLE, "", height=260)
-    fig.update_layout(barmode="stack")
     runs = ["baseline", "candidate"]
-    for source in TOKEN_SOURCES:
+    shares = [data[r]["token_share"] or {} for r in runs]
+    measured = [s for s in TOKEN_SOURCES if any(s in share for share in shares)]
+    unmeasured = [s for s in TOKEN_SOURCES if s not in measured] if measured else []
+    fig = _frame(HIT_QUALITY_TITLE + (f" ({', '.join(unmeasured)} not measured)"
+                                      if unmeasured else ""), "", height=260)
+    fig.update_layout(barmode="stack")
+    for source in measured or TOKEN_SOURCES:
         fig.add_trace(go.Bar(
             y=runs, x=[(data[r]["token_share"] or {}).get(source) for r in runs], name=source,
             orientation="h", marker_color=COLOURS.get(source),

@@ -189,6 +189,14 @@ def test_hit_quality_says_not_measured_for_an_arm_without_tokens_by_source(tmp_p
     assert texts.count("not measured") == 1 and fig.layout.annotations[0].y == "baseline"
     gpu = next(t for t in fig.data if t.name == "gpu")
     assert list(gpu.x) == [None, 0.52]
+    # zero-code arms (a tryout): vLLM's /metrics count gpu and recompute only; the legend
+    # listed cpu and disk with no bar and no word. They are named in the title, not listed
+    zero_code = RequestSample("zero-code", np.linspace(0.05, 0.1, 150),
+                              tokens={"gpu": 68, "recompute": 32},
+                              token_sources=("gpu", "recompute"))
+    fig = fc.hit_quality(to_dict(compare(zero_code, zero_code, resamples=100)))
+    assert [t.name for t in fig.data] == ["gpu", "recompute"]
+    assert fig.layout.title.text.endswith("(cpu, disk not measured)")
 
 
 def test_link_opens_the_form_with_the_budget_in_milliseconds_or_a_percentage():
