@@ -34,8 +34,9 @@ def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
     its blocks instead where only they are known (a source without the block size). "No
     <tier> tier configured" when nothing shows the tier (the GPU's, which every engine has:
     not measured), "residency not measured" when it served tokens, moved blocks or has a
-    budget but no source reports what it holds, and "capacity not measured" in the title when
-    its source reported what it holds but not its capacity (0, unknown)."""
+    budget but no source reports what it holds ("residency not measured" in the title beside
+    a capacity), and "capacity not measured" in the title when its source reported what it
+    holds but not its capacity (0, unknown)."""
     title = residency_title(tier)
     unit = "B"
     resident = S.gauge_series(samples, "tier_resident_bytes").get(tier)
@@ -53,6 +54,8 @@ def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
                               f"{NOT_MEASURED} (no source reports what the {tier} tier holds)"
                               if _shown(samples, tier) else f"no {tier} tier configured",
                               height=260)
+    if resident is None:  # a capacity alone (vLLM's /metrics): what it holds, unsaid
+        title += f" (residency {NOT_MEASURED})"
     fig = base(title if known else f"{title} (capacity {NOT_MEASURED})", unit, height=260)
     colour = COLOURS.get(tier)
     suffix = unit if unit == "B" else f" {unit}"  # "4kB", "144 blocks" in the hover

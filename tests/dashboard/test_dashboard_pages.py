@@ -351,6 +351,10 @@ def test_a_tier_no_source_sizes_is_not_measured_never_empty_or_unconfigured():
         assert annotation_texts(ft.tier_residency(samples, "cpu")) == [
             "not measured (no source reports what the cpu tier holds)"]
     assert annotation_texts(ft.tier_residency(seen, "disk")) == ["no disk tier configured"]
+    # its capacity alone (vLLM's config info): drawn, and what it holds said not measured
+    fig = ft.tier_residency([_s(0, tier_capacity_bytes={"cpu": 1 << 30})], "cpu")
+    assert [t.name for t in fig.data] == ["capacity"]
+    assert fig.layout.title.text.endswith("(residency not measured)")
     blocks = [_s(0, tier_capacity_blocks={"gpu": 200}, tier_resident_blocks={"gpu": 144})]
     fig = ft.tier_residency(blocks, "gpu")
     assert [(t.name, list(t.y)) for t in fig.data] == [("resident", [144]), ("capacity", [200])]
