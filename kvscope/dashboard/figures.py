@@ -211,7 +211,8 @@ def tier_residency(samples: Sequence[Sample]) -> go.Figure:
     if not resident and not capacity:
         if not blocks:
             return message_figure(TIER_RESIDENCY_TITLE, NO_DATA)
-        fig = base(f"{TIER_RESIDENCY_TITLE} (blocks: their size not measured)", "blocks")
+        # a budget is bytes: drawn on the memory budgets, not on an axis of blocks
+        fig = base("Tier residency vs capacity (blocks: their size not measured)", "blocks")
         capacity = gauge_series(samples, "tier_capacity_blocks")
         for tier in ordered(set(blocks) | set(capacity)):
             for what, data, dash in (("resident", blocks, None), ("capacity", capacity, "dash")):

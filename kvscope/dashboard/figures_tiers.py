@@ -43,10 +43,10 @@ def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
     capacity = S.gauge_series(samples, "tier_capacity_bytes").get(tier)
     if not samples:
         return message_figure(title, NO_DATA, height=260)
-    if resident is None and capacity is None:
-        unit = "blocks"
-        resident = S.gauge_series(samples, "tier_resident_blocks").get(tier)
-        capacity = S.gauge_series(samples, "tier_capacity_blocks").get(tier)
+    blocks = [S.gauge_series(samples, f"tier_{what}_blocks").get(tier)
+              for what in ("resident", "capacity")]
+    if resident is None and capacity is None and blocks != [None, None]:
+        unit, (resident, capacity) = "blocks", blocks
         title += " (blocks: their size not measured)"
     known = capacity is not None and (capacity[1] > 0).any()
     if not known and resident is None:

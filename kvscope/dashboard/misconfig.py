@@ -113,12 +113,13 @@ def detect(window: Sequence[Sample], settings: Settings = Settings(),
 
 def kv_offload_on(window: Sequence[Sample], tiers: Sequence[str] = OFFLOAD_TIERS) -> bool:
     """Whether any of ``tiers`` has a budget or a capacity above 0 (newest sample), or blocks
-    were offloaded into it in the window."""
+    were offloaded into it in the window; in bytes or in blocks (a source without the block
+    size counts blocks alone)."""
     newest = window[-1] if window else {}
     sized = any(_positive(mapping(newest, f).get(t)) for t in tiers
-                for f in ("offload_budget_bytes", "tier_capacity_bytes"))
-    stored = window_increase(window, "transfer_bytes")
-    return sized or any(v > 0 for d, v in stored.items()
+                for f in ("offload_budget_bytes", "tier_capacity_bytes", "tier_capacity_blocks"))
+    return sized or any(v > 0 for field in ("transfer_bytes", "transfer_blocks")
+                        for d, v in window_increase(window, field).items()
                         if not is_promotion(d) and d.partition("->")[2] in tiers)
 
 

@@ -228,6 +228,8 @@ def test_tier_residency_in_blocks_where_no_tier_is_sized():
     assert {n: ys(t) for n, t in traces(fig).items()} == {"gpu resident": [144.0],
                                                           "gpu capacity": [200.0]}
     assert fig.layout.yaxis.title.text == "blocks"
+    # a budget is bytes, drawn on the memory budgets: not promised by the title here
+    assert fig.layout.title.text == "Tier residency vs capacity (blocks: their size not measured)"
     mixed = [sample(0, tier_resident_blocks={"gpu": 144, "cpu": 3},
                     tier_resident_bytes={"cpu": 3072}, tier_capacity_bytes={"cpu": 8192})]
     fig = figures.tier_residency(mixed)

@@ -350,7 +350,9 @@ def test_a_tier_no_source_sizes_is_not_measured_never_empty_or_unconfigured():
     for samples in (seen, seen[:1], [_s(0, offload_budget_bytes={"cpu": 1 << 30})]):
         assert annotation_texts(ft.tier_residency(samples, "cpu")) == [
             "not measured (no source reports what the cpu tier holds)"]
-    assert annotation_texts(ft.tier_residency(seen, "disk")) == ["no disk tier configured"]
+    fig = ft.tier_residency(seen, "disk")
+    assert annotation_texts(fig) == ["no disk tier configured"]
+    assert fig.layout.title.text == "disk tier: residency"  # no blocks said to be unsized
     # its capacity alone (vLLM's config info): drawn, and what it holds said not measured
     fig = ft.tier_residency([_s(0, tier_capacity_bytes={"cpu": 1 << 30})], "cpu")
     assert [t.name for t in fig.data] == ["capacity"]

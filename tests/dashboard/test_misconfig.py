@@ -46,8 +46,9 @@ def status(findings, key) -> M.Finding:
 
 def test_weight_offload_without_kv_offload():
     """4 GiB of weights per GPU and no offload tier: fires, saying weights, not KV; near
-    misses: the same with a cpu budget, with a cpu tier's capacity, with stores into cpu; no
-    --cpu-offload-gb; and no engine process read (not measured)."""
+    misses: the same with a cpu budget, with a cpu tier's capacity, with stores into cpu (in
+    bytes, or in blocks alone: KV events without block_bytes read as no offload tier, a
+    false alarm); no --cpu-offload-gb; and no engine process read (not measured)."""
     weights = {"engine_weight_offload_bytes": 4 * GIB}
     f = M.weight_offload(window(scalars=weights))
     assert f.status == MISCONFIGURED
@@ -56,6 +57,8 @@ def test_weight_offload_without_kv_offload():
     for healthy in (window(scalars=weights, gauges={"offload_budget_bytes": {"cpu": 16 * GIB}}),
                     window(scalars=weights, gauges={"tier_capacity_bytes": {"cpu": GIB}}),
                     window(scalars=weights, counters={"transfer_bytes": {"gpu->cpu": 1e6}}),
+                    window(scalars=weights, gauges={"tier_capacity_blocks": {"cpu": 1000}}),
+                    window(scalars=weights, counters={"transfer_blocks": {"gpu->cpu": 500}}),
                     window(scalars={"engine_weight_offload_bytes": 0})):
         assert M.weight_offload(healthy).status == OK
     # a GPU tier's capacity is no KV offload
