@@ -224,10 +224,11 @@ class TierSnapshot(_Event, tag="tier_snapshot"):
     resident_blocks: Count | None
 
 
-def bytes_of(blocks: int, block_bytes: int) -> int | None:
-    """``blocks`` of ``block_bytes`` each, in bytes; None where the block size is not known
-    (0: a source's ``block_bytes`` unset), for a :class:`TierSnapshot`'s residency."""
-    return blocks * block_bytes if block_bytes else None
+def bytes_of(blocks: int | None, block_bytes: int) -> int | None:
+    """``blocks`` of ``block_bytes`` each, in bytes; None where the blocks are not reported
+    (None) or their size is not known (0: a source's ``block_bytes`` unset), for a
+    :class:`TierSnapshot`'s residency."""
+    return blocks * block_bytes if blocks is not None and block_bytes else None
 
 
 class RequestFinished(_Event, tag="request_finished"):

@@ -161,9 +161,8 @@ def promotion_latency(samples: Sequence[Sample]) -> go.Figure:
             line(fig, xs, ys, f"{direction} {p}", "s", COLOURS.get(direction), _DASH[p],
                  legendgroup=direction)
     if not fig.data:
-        moved = [d for field in ("transfer_bytes", "transfer_blocks")
-                 for d, n in S.window_increase(samples, field).items()
-                 if n > 0 and is_promotion(d)]
+        moved = any(n > 0 and is_promotion(d) for field in ("transfer_bytes", "transfer_blocks")
+                    for d, n in S.window_increase(samples, field).items())
         return message_figure(PROMOTION_LATENCY_TITLE, "promotions happened, but their "
                               "durations are not measured by this source" if moved
                               else "no promotions yet")

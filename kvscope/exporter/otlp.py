@@ -343,8 +343,8 @@ def _request_attributes(record: RequestRecord) -> dict[str, str | int | float]:
     for field, name in REQUEST_ATTRIBUTES.items():
         value = getattr(record, field)
         if field == "tokens":  # none by source (vLLM's span alone): not measured, left out
-            for source in (*TOKEN_SOURCES, *sorted(set(value) - set(TOKEN_SOURCES))) \
-                    if value else ():
+            sources = (*TOKEN_SOURCES, *sorted(set(value) - set(TOKEN_SOURCES))) if value else ()
+            for source in sources:
                 attributes[name.format(source=source)] = int(value.get(source, 0))
         elif value is not None and not (field in _WHEN_KNOWN and not value):
             attributes[name] = value

@@ -255,8 +255,7 @@ class SglangMapper:
         bpb = self.block_bytes
         return ev.TierSnapshot(ts=now, tier=tier, capacity_blocks=capacity,
                                resident_blocks=resident, capacity_bytes=capacity * bpb,
-                               resident_bytes=None if resident is None
-                               else ev.bytes_of(resident, bpb))
+                               resident_bytes=ev.bytes_of(resident, bpb))
 
     def _scheduler(self, samples: Samples, retracted: float | None,
                    now: float) -> list[ev.SchedulerStats]:
