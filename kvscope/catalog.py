@@ -104,7 +104,8 @@ TRANSFER_SECONDS = _histogram("kvscope_transfer_seconds",
     "queueing included.", ["src", "dst"], "seconds", TRANSFER_SECONDS_BUCKETS)
 TRANSFER_FAILURES = _counter("kvscope_transfer_failures_total",
     "Transfers that failed, by reason (" + ", ".join(FAILURE_REASONS) + "); 0 for each "
-    "reason of a direction that has transferred.", ["src", "dst", "reason"])
+    "reason of a direction a source that sees failures has transferred in, absent where only "
+    "sources blind to them did (KV events, scraped byte counters).", ["src", "dst", "reason"])
 
 # evictions
 EVICTED_BLOCKS = _counter("kvscope_evicted_blocks_total",

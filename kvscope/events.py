@@ -169,6 +169,9 @@ class Transfer(_Event, tag="transfer"):
     ``duration`` is not a measurement and stays out of transfer-time histograms. ``bytes`` 0
     with ``blocks`` above 0: the source does not know a block's size (e.g. ``block_bytes`` not
     configured); the blocks count, the bytes are not measured (no bytes series, not 0).
+    ``sees_failures``: False when the source would not see this copy fail (it counts what moved:
+    KV events, scraped byte counters); the direction's failures are then not measured by it
+    (no failure series started at 0 for it).
     """
 
     src: Tier
@@ -180,6 +183,7 @@ class Transfer(_Event, tag="transfer"):
     reason: str = ""
     request_id: RequestId = ""
     timed: bool = True
+    sees_failures: bool = True
 
 
 class Eviction(_Event, tag="eviction"):

@@ -58,6 +58,7 @@ cdef Py_ssize_t T_DURATION = offset_of(ev.Transfer, "duration")
 cdef Py_ssize_t T_OK = offset_of(ev.Transfer, "ok")
 cdef Py_ssize_t T_REASON = offset_of(ev.Transfer, "reason")
 cdef Py_ssize_t T_TIMED = offset_of(ev.Transfer, "timed")
+cdef Py_ssize_t T_SEES_FAILURES = offset_of(ev.Transfer, "sees_failures")
 cdef Py_ssize_t E_TIER = offset_of(ev.Eviction, "tier")
 cdef Py_ssize_t E_BLOCKS = offset_of(ev.Eviction, "blocks")
 cdef Py_ssize_t E_AGE = offset_of(ev.Eviction, "age")
@@ -231,6 +232,7 @@ cdef class Fold:
     cdef double _prefill_rate
     cdef dict _prefill_measured  # scope -> [requests, recomputed tokens, prefill seconds]
     cdef Counts _prompt, _lookups, _bytes, _blocks, _failures, _evicted, _dropped
+    cdef int _failures_seen  # bit (src * 4 + dst): a source that sees its failures moved blocks
     cdef Counts _admissions  # by (tier, result): _ADMISSION_KEYS
     cdef double _saved[4]
     cdef Counts _saved_seen  # its values unused: which sources have seconds saved, in order
@@ -438,11 +440,18 @@ cdef class Fold:
         cdef bint ok = bool_field(event, T_OK)
         cdef RequestRecord record = self.assembler.transfer(
             scope, tables, field(event, T_ID), ts, src, dst, blocks, nbytes, duration, ok)
-        cdef int s = index_of(_TIER_KEYS, src), d = index_of(_TIER_KEYS, dst), direction
+        cdef int s = index_of(_TIER_KEYS, src), d = index_of(_TIER_KEYS, dst), direction, i
         cdef _Histogram hist
         if s < 0 or d < 0:
             return 0  # not a tier: the decoder refuses it; an event made in Python may not
         direction = 4 * s + d
+        if not (self._failures_seen >> direction) & 1 and (
+                not ok or bool_field(event, T_SEES_FAILURES)):
+            # every reason at 0 from then on, so the first failures show in rate() (Prometheus
+            # advises initialising label sets known in advance); never for sources blind to them
+            self._failures_seen |= 1 << direction
+            for i in range(_REASONS):
+                _add(&self._failures, direction * _REASONS + i, 0)
         if not ok:
             _add(&self._failures, direction * _REASONS
                  + _REASON_INDEX.get(field(event, T_REASON), _OTHER), 1)

@@ -10,7 +10,6 @@ from kvscope import __version__
 from kvscope import catalog as m
 from kvscope.agent.pipeline import Snapshot
 from kvscope.catalog import Samples
-from kvscope.vocabulary import FAILURE_REASONS
 
 
 def _labelled(mapping: dict) -> list[tuple[list[str], object]]:
@@ -29,13 +28,7 @@ def snapshot_samples(snap: Snapshot) -> Samples:
         m.TRANSFER_BYTES: _labelled(snap.transfer_bytes),
         m.TRANSFER_BLOCKS: _labelled(snap.transfer_blocks),
         m.TRANSFER_SECONDS: _labelled(snap.transfer_seconds),
-        # at 0 until they happen, so the first failures show in rate() (Prometheus's advice:
-        # initialise the label sets known in advance)
-        m.TRANSFER_FAILURES: _labelled({
-            **{(src, dst, reason): 0 for src, dst in
-               [*snap.transfer_blocks, *(key[:2] for key in snap.transfer_failures)]
-               for reason in FAILURE_REASONS},
-            **snap.transfer_failures}),
+        m.TRANSFER_FAILURES: _labelled(snap.transfer_failures),
         m.EVICTED_BLOCKS: _labelled(snap.evicted_blocks),
         m.DROPPED_BLOCKS: _labelled(snap.dropped_blocks),
         m.EVICTED_BLOCK_HITS: _labelled(snap.evicted_block_hits),

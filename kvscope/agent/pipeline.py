@@ -45,6 +45,8 @@ class Snapshot:
     ``transfers_in_flight``, ``transfer_blocks_in_flight``: by (source, src, dst), each
     sender's last :class:`~kvscope.events.TransfersInFlight` (only directions it reported).
     ``block_idle_seconds``: per tier, only the tiers some source measured idle time of.
+    ``transfer_failures``: every reason, 0 included, of the directions a source that sees
+    failures moved blocks in (:attr:`~kvscope.events.Transfer.sees_failures`), and only those.
     ``store_admissions``: blocks offered for storing by (tier, result), added up since the agent
     started (:class:`~kvscope.events.Admission`), only the results some source reported.
     ``engine_memory``: by (source, device), what each sender's

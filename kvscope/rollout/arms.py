@@ -186,7 +186,8 @@ class Cost:
     """What one run cost an arm: ``tokens`` (dict[source, prompt tokens]; empty: not
     measured), ``transfer_bytes`` / ``transfer_blocks`` (dict["src->dst", int]),
     ``transfer_seconds`` (dict["src->dst", float]; empty when only untimed bytes were seen),
-    ``transfer_failures`` (None: not measured, the server's metrics count none) and
+    ``transfer_failures`` (None: not measured: the server's metrics count none, or the
+    agent's sources cannot see a copy fail) and
     ``prefill_seconds`` (0: not reported). ``source``: where it was read (``agent``,
     ``server`` or ``none``). ``promotion_wait``: the agent's histogram of the requests' waits
     for promotions over the run, ``{"bounds": upper bounds in seconds, "counts": per bucket,
@@ -214,6 +215,13 @@ def _waits(before: Samples, after: Samples) -> dict | None:
             "sum": sum(_increase(before, after, name + "_sum").values())}
 
 
+def _failures(before: Samples, after: Samples) -> int | None:
+    """Transfers the agent saw fail over the run; None where it exports no failure series
+    (its sources cannot see a copy fail: KV events, scraped byte counters)."""
+    failed = _increase(before, after, "kvscope_transfer_failures_total")
+    return int(sum(failed.values())) if failed else None
+
+
 def cost(before: tuple[Samples, Samples | None], after: tuple[Samples, Samples | None]
          ) -> Cost:
     """The :class:`Cost` of a run from :meth:`Arm.snapshot` before and after it."""
@@ -233,8 +241,7 @@ def cost(before: tuple[Samples, Samples | None], after: tuple[Samples, Samples |
                     {k: int(v) for k, v in by("kvscope_transfer_bytes_total").items()},
                     {k: int(v) for k, v in by("kvscope_transfer_blocks_total").items()},
                     by("kvscope_transfer_seconds_sum"),
-                    int(sum(_increase(agent0, agent1, "kvscope_transfer_failures_total")
-                            .values())), prefill, "agent", _waits(agent0, agent1))
+                    _failures(agent0, agent1), prefill, "agent", _waits(agent0, agent1))
     mapper = MetricsMapper(stores=True, gpu_snapshot=False)
     mapper.map(server0, 0.0)  # the baselines
     tokens: dict[str, int] = {}

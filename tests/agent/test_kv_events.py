@@ -12,8 +12,10 @@ import msgspec
 import pytest
 import zmq
 
+from kvscope import catalog
 from kvscope import events as ev
 from kvscope.agent.config import AgentSettings
+from kvscope.agent.metrics import snapshot_samples
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.sources import kv_events
 from kvscope.agent.sources.kv_events import KvEventsSource, KvResidency, decode, vllm_binds
@@ -110,6 +112,8 @@ def test_cpu_stores_of_blocks_on_disk_are_promotions_not_offloads():
     assert snap.transfer_blocks == {("gpu", "cpu"): 6, ("cpu", "disk"): 5, ("disk", "cpu"): 3}
     assert snap.transfer_bytes[("disk", "cpu")] == 30
     assert snap.transfer_seconds == {}  # untimed
+    # KV events show no failed copy: no failure series (not measured), where each read 0
+    assert snapshot_samples(snap)[catalog.TRANSFER_FAILURES] == []
     assert snap.evicted_blocks == {("cpu", "capacity"): 4, ("cpu", "cleared"): 4,
                                    ("gpu", "capacity"): 2, ("gpu", "cleared"): 2}
     # GPU 1, 2 and the cleared 3, 4 are on disk: gpu 0 dropped, measured (a series at 0)

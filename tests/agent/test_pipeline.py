@@ -10,8 +10,13 @@ from kvscope.agent.metrics import snapshot_samples
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.assembler import MAX_REUSES, RequestAssembler
 from kvscope.agent.requests import RequestRecord
+from kvscope.vocabulary import FAILURE_REASONS
 
 CPU_GPU = ("cpu", "gpu")
+
+
+def _every_reason(*directions):
+    return {(src, dst, reason): 0 for src, dst in directions for reason in FAILURE_REASONS}
 
 
 def _feed(pipeline, rid="r1", arrival=100.0):
@@ -42,7 +47,8 @@ def test_counters_gauges_and_histograms():
     the 2 reach cpu -> 1 hit 1 miss. Saved prefill: (16 + 16) tokens / 1000 tokens/s = 0.016 s
     per source pair (gpu 0.016, cpu 0.016). Only successful transfers add bytes (cpu->gpu: 3
     blocks, 300 bytes); the failed one counts as a failure. 0.0003 s lands in the 0.0005 s bucket
-    and 0.002 s in the 0.005 s bucket. An eviction of 2 blocks observes 2 hits=0 and 2 ages."""
+    and 0.002 s in the 0.005 s bucket. Failures: io 1, every other reason of both directions 0
+    (the source sees failures). An eviction of 2 blocks observes 2 hits=0 and 2 ages."""
     pipeline = Pipeline()
     _feed(pipeline)
     snap = pipeline.snapshot()
@@ -52,7 +58,8 @@ def test_counters_gauges_and_histograms():
     assert snap.prefill_seconds_saved == {"gpu": 0.016, "cpu": 0.016}
     assert snap.transfer_bytes == {CPU_GPU: 300}
     assert snap.transfer_blocks == {CPU_GPU: 3}
-    assert snap.transfer_failures == {("gpu", "cpu", "io"): 1}
+    assert snap.transfer_failures == {**_every_reason(CPU_GPU, ("gpu", "cpu")),
+                                      ("gpu", "cpu", "io"): 1}
     hist = snap.transfer_seconds[CPU_GPU]
     bounds = dict(zip(hist.buckets, hist.counts))
     assert bounds[0.0005] == 1 and bounds[0.005] == 1 and hist.count == 2
@@ -515,7 +522,7 @@ def _mixed_batch():
         ev.Transfer(ts=1.1, src="cpu", dst="gpu", blocks=2, bytes=20, duration=0.002,
                     request_id="A"),
         ev.Transfer(ts=1.2, src="disk", dst="cpu", blocks=3, bytes=30, duration=0.0,
-                    timed=False),
+                    timed=False, sees_failures=False),
         ev.Transfer(ts=1.3, src="cpu", dst="gpu", blocks=1, bytes=10, duration=0.001, ok=False,
                     reason="cosmic-ray", request_id="A"),
         ev.Transfer(ts=1.4, src="cpu", dst="gpu", blocks=4, bytes=40, duration=0.003),
@@ -537,9 +544,11 @@ def test_a_batch_of_mixed_kinds_folds_each_event_by_its_own_fields():
     pipeline's 10,000 tokens/s when 0): gpu 64/10,000, cpu 48/10,000, disk 32/1,000.
     Transfers: cpu->gpu 2 + 4 blocks (20 + 40 bytes) timed at 0.002 and 0.003 s, both in the
     0.005 s bucket, whose exemplar is A's (the 0.003 s one has no request); disk->cpu 3 blocks
-    untimed; the failed one counts under "other". Evictions: gpu capacity 2 + 1 blocks, 1
-    dropped; hits histogram 2 at 0 and 1 x 4 at 3 (sum 12); residency sum 2 x 1 + 4 x 5 = 22;
-    cpu cleared 7, dropped, unmeasured. A's record lists its two transfers in arrival order."""
+    untimed, from a source blind to failures; the failed one counts under "other", and every
+    other reason of cpu->gpu at 0, none of disk->cpu (not measured). Evictions: gpu capacity
+    2 + 1 blocks, 1 dropped; hits histogram 2 at 0 and 1 x 4 at 3 (sum 12); residency sum
+    2 x 1 + 4 x 5 = 22; cpu cleared 7, dropped, unmeasured. A's record lists its two
+    transfers in arrival order."""
     pipeline = Pipeline(prefill_tokens_per_second=10_000.0)
     pipeline.ingest("e", _mixed_batch())
     snap = pipeline.snapshot()
@@ -550,7 +559,7 @@ def test_a_batch_of_mixed_kinds_folds_each_event_by_its_own_fields():
                                           "disk": 32 / 1_000}
     assert snap.transfer_bytes == {CPU_GPU: 60, ("disk", "cpu"): 30}
     assert snap.transfer_blocks == {CPU_GPU: 6, ("disk", "cpu"): 3}
-    assert snap.transfer_failures == {("cpu", "gpu", "other"): 1}
+    assert snap.transfer_failures == {**_every_reason(CPU_GPU), ("cpu", "gpu", "other"): 1}
     hist = snap.transfer_seconds[CPU_GPU]
     assert list(snap.transfer_seconds) == [CPU_GPU] and hist.count == 2
     assert hist.counts[hist.buckets.index(0.005)] == 2

@@ -210,6 +210,9 @@ def test_the_agent_exports_the_drains_of_a_loopback_trtllm_serve():
     assert value("kvscope_transfer_blocks_total", {"src": "gpu", "dst": "cpu"}) == 2
     assert value("kvscope_transfer_bytes_total", {"src": "gpu", "dst": "cpu"}) == 2 * BLOCK
     assert value("kvscope_transfer_blocks_total", {"src": "cpu", "dst": "gpu"}) == 1
+    # the drain shows no failed copy: not measured, not 0
+    assert value("kvscope_transfer_failures_total",
+                 {"src": "gpu", "dst": "cpu", "reason": "unknown"}) is None
     assert value("kvscope_evicted_blocks_total", {"tier": "gpu", "reason": "capacity"}) == 4
     assert value("kvscope_evicted_blocks_total", {"tier": "cpu", "reason": "capacity"}) == 1
     assert value("kvscope_dropped_blocks_total", {"tier": "gpu"}) == 2

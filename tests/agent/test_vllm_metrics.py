@@ -264,6 +264,9 @@ def test_vllm_0_33_tiering_without_kv_events_maps_the_tier_bytes_and_no_lookups(
                                   ("cpu", "disk", 0, 0, False, False): 2,
                                   ("disk", "cpu", 0, 0, True, True): 4}
     assert [e for e in second if not isinstance(e, ev.Transfer)] == []
+    # vLLM counts the tiers' failed jobs, not failed stores from the GPU
+    assert {(e.src, e.dst): e.sees_failures for e in second if e.blocks} == {
+        ("gpu", "cpu"): False, ("disk", "cpu"): True, ("cpu", "disk"): True}
 
 
 def test_vllm_0_32_tiering_maps_what_it_has_and_the_rest_is_absent():

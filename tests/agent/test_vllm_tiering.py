@@ -107,7 +107,11 @@ def test_transfers_per_direction_match_what_vllm_moved(tiering_run):
         assert value(m, "kvscope_transfer_seconds_count", src=src, dst=dst) > 0
     for src, dst in (("cpu", "disk"), ("disk", "cpu")):
         assert value(m, "kvscope_transfer_seconds_count", src=src, dst=dst) == 0
-    assert tiering_run["snapshot"].transfer_failures == {}
+    # none failed; the worker sees a copy fail, the manager's events do not: every reason at 0
+    # for gpu<->cpu, no series (not measured) for the tiers below
+    failures = tiering_run["snapshot"].transfer_failures
+    assert set(failures.values()) == {0}
+    assert {key[:2] for key in failures} == {("gpu", "cpu"), ("cpu", "gpu")}
 
 
 def test_cpu_evictions_match_vllms_and_none_were_dropped(tiering_run):

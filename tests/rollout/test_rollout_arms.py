@@ -51,6 +51,19 @@ def test_an_arm_with_an_agent_costs_its_counters_increases():
     assert (c.transfer_failures, c.prefill_seconds) == (1, 2.25)
 
 
+def test_an_agent_blind_to_failed_copies_does_not_count_none_failed():
+    """An agent whose sources cannot see a copy fail (KV events: it exports no failure series)
+    has not measured the arm's failed transfers: None, where a sum over no series read 0."""
+    blind = "".join(line + "\n" for line in AGENT.splitlines() if "failures" not in line)
+    counters = dict(gpu=1, cpu=1, re=1, store=1, load=1, store_blocks=1, store_s=1)
+    before = (parse(VLLM.format(prompt=1, hits=1, prefill=1.0)), parse(blind.format(**counters)))
+    after = (parse(VLLM.format(prompt=2, hits=1, prefill=2.0)),
+             parse(blind.format(**{**counters, "cpu": 2, "load": 4096})))
+    c = cost(before, after)
+    assert (c.source, c.transfer_bytes) == ("agent", {"cpu->gpu": 4095})
+    assert c.transfer_failures is None
+
+
 def test_an_arm_without_an_agent_costs_vllms_prefix_cache_counters():
     """vLLM's prompt tokens 150 -> 282 (+132) with prefix-cache hits 100 -> 160 (+60): gpu 60,
     recompute 72; no transfer seen, so none (not 0 seconds: not measured); vLLM counts no

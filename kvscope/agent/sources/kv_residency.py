@@ -309,7 +309,7 @@ class KvResidency:
         for (src, dst), blocks in sorted(moved.items()):
             if dst in report:
                 out.append(ev.Transfer(ts=ts, src=src, dst=dst, blocks=blocks, bytes=blocks * bpb,
-                                       duration=0.0, timed=False))
+                                       duration=0.0, timed=False, sees_failures=False))
         for (tier, reason, offloaded), blocks in sorted(evicted.items()):
             if tier in report:
                 out.append(ev.Eviction(ts=ts, tier=tier, blocks=blocks, bytes=blocks * bpb,

@@ -88,7 +88,7 @@ class KvbmMapper:
             if bytes_name is not None and increases[bytes_name] is not None:
                 moved = int(increases[bytes_name])
             events.append(ev.Transfer(ts=now, src=src, dst=dst, blocks=blocks, bytes=moved,
-                                      duration=0.0, timed=False))
+                                      duration=0.0, timed=False, sees_failures=False))
         return events
 
 

@@ -142,7 +142,7 @@ class LMCacheMapper:
                                  (up[L2_STORED], l1, l2), (up[L2_LOADED], l2, l1)):
             if chunks and dst is not None and src is not None:
                 events.append(ev.Transfer(ts=now, src=src, dst=dst, duration=0.0, timed=False,
-                                          **self._size(chunks)))
+                                          sees_failures=False, **self._size(chunks)))
         has_l2 = bool(series(samples, L2_BYTES))
         for chunks, tier, offloaded in ((up[L1_EVICTED], l1, has_l2),
                                         (up[L2_EVICTED], l2, False)):

@@ -181,7 +181,8 @@ class SglangMapper:
             if blocks and (dst == "gpu" or self.report[dst]):
                 out.append(ev.Transfer(ts=now, src=src, dst=dst, blocks=blocks, duration=0.0,
                                        bytes=int(nbytes) if nbytes is not None
-                                       else blocks * self.block_bytes, timed=False))
+                                       else blocks * self.block_bytes, timed=False,
+                                       sees_failures=False))
         out += self._evictions(samples, evicted, dropped, page, now)
         if skipped is not None:
             out.append(ev.Admission(ts=now, tier="disk",

@@ -181,7 +181,7 @@ class TrtllmMetrics:
             if moved:
                 blocks = moved // self.block_bytes if self.block_bytes else 0
                 out.append(ev.Transfer(ts=ts, src=src, dst=dst, blocks=blocks, bytes=moved,
-                                       duration=0.0, timed=False))
+                                       duration=0.0, timed=False, sees_failures=False))
         return out
 
     def _gpu(self, samples: Samples, ts: float) -> list[ev.TierSnapshot]:

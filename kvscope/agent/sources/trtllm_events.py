@@ -316,7 +316,7 @@ class _Fold:
         state, ts, bpb = self.state, self.ts, self.state.block_bytes
         tier = state.levels
         out: list = [ev.Transfer(ts=ts, src=tier[a], dst=tier[b], blocks=n, bytes=n * bpb,
-                                 duration=0.0, timed=False)
+                                 duration=0.0, timed=False, sees_failures=False)
                      for (a, b), n in sorted(self.moved.items())]
         out += [ev.Eviction(ts=ts, tier=tier[level], blocks=n, bytes=n * bpb, age=0.0, hits=0,
                             offloaded=offloaded, measured=False)

@@ -396,7 +396,7 @@ class MetricsMapper:
             if nbytes > 0:
                 blocks = nbytes // self.block_bytes if self.block_bytes else 0
                 out.append(ev.Transfer(ts=ts, src=src, dst=dst, blocks=blocks, bytes=nbytes,
-                                       duration=0.0, timed=False))
+                                       duration=0.0, timed=False, sees_failures=False))
         return out
 
     def _tiering(self, samples: Samples, ts: float, chunks: dict) -> list:
@@ -420,9 +420,15 @@ class MetricsMapper:
                 both = moved.setdefault((tier, "cpu") if promotion else ("cpu", tier), [0, 0])
                 both[0] += blocks
                 both[1] += nbytes
+        # failures are seen where vLLM counts the direction's failed jobs (0.33's tiering)
+        counted = {(tier, "cpu") if name == PROMOTION_FAILURES else ("cpu", tier)
+                   for name in (PROMOTION_FAILURES, CASCADE_FAILURES)
+                   for tier in map(tier_of, (dict(ls).get("tier", "")
+                                             for ls in series(samples, name)))}
         for (src, dst), (blocks, nbytes) in moved.items():
             out.append(ev.Transfer(ts=ts, src=src, dst=dst, blocks=blocks, bytes=nbytes,
-                                   duration=0.0, timed=False))
+                                   duration=0.0, timed=False,
+                                   sees_failures=(src, dst) in counted))
         # failed jobs, then promotion times: one event each
         many: list[tuple[ev.Transfer, int]] = []
         for name, promotion in ((PROMOTION_FAILURES, True), (CASCADE_FAILURES, False)):

@@ -697,9 +697,11 @@ class _Observer:
     def _untimed(self, src: str, dst: str, chunks: int, now: float,
                  request_id: str = "") -> None:
         blocks = chunks * self._bpc
+        # a tier's manager events carry no failed copy (0.33 marks a failed store's
+        # metadata_only, skipped): its failures are not seen here
         self._emit(ev.Transfer(ts=now, src=src, dst=dst, blocks=blocks,
                                bytes=blocks * self._block_bytes, duration=0.0,
-                               request_id=request_id, timed=False))
+                               request_id=request_id, timed=False, sees_failures=False))
 
     def _snapshot(self, now: float, force: bool = False) -> None:
         if not force and now < self._next_snapshot:
