@@ -37,7 +37,10 @@ from kvscope.vocabulary import NOT_MEASURED, TIERS
 PAYS = "offload pays"
 SKIP = "skip offload"
 TOO_LITTLE = "too little traffic"
-VERDICTS = (PAYS, SKIP, NOT_MEASURED, TOO_LITTLE)
+# overall only: no condition rules offload out, but the tiers' timed transfers took longer than
+# the prefill they saved (a tryout read a green "offload pays" beside 0.1x as "keep the tier")
+NOT_PAYING = "not paying as sized"
+VERDICTS = (PAYS, SKIP, NOT_MEASURED, TOO_LITTLE, NOT_PAYING)
 
 # the guide's wording of each condition, keyed by the check's stable id
 CONDITIONS = {
@@ -140,8 +143,10 @@ def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
 
     The overall verdict: "skip offload" when any check says so (the guide: skip when any
     condition holds); else "too little traffic" when a traffic check (1-3) says so; else
-    "offload pays" when any check does, the others not measured; else "not measured".
-    ``reasons`` names the checks behind it.
+    "offload pays" when any check does, the others not measured, unless every offload tier's
+    transfers were timed and took longer than the prefill seconds they saved
+    (:func:`saved_and_spent`): then "not paying as sized"; else "not measured". ``reasons``
+    names the checks behind it.
     """
     window = last_window(samples, settings.window_seconds)
     span = float(window[-1]["ts"]) - float(window[0]["ts"]) if window else 0.0
@@ -161,8 +166,22 @@ def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
     )
     checks = tuple(Check(c.key, c.condition, c.verdict, (*c.evidence, where)) for c in checks)
     verdict, reasons = overall(checks)
-    return Assessment(verdict, checks, headline(window, tokens, prefix, settings), span,
-                      len(window), requests, reasons)
+    head = headline(window, tokens, prefix, settings)
+    saved, spent = saved_and_spent(head.saved_vs_spent)
+    if verdict == PAYS and spent is not None and spent > saved:
+        verdict = NOT_PAYING
+    return Assessment(verdict, checks, head, span, len(window), requests, reasons)
+
+
+def saved_and_spent(saved_vs_spent: Mapping[str, tuple[float, float | None]]
+                    ) -> tuple[float, float | None]:
+    """Prefill seconds saved and transfer seconds spent over the offload tiers of
+    :attr:`Headline.saved_vs_spent`; spent None when a tier's transfer time was not measured
+    (or there is no tier)."""
+    saved = sum(s for s, _ in saved_vs_spent.values())
+    if not saved_vs_spent or any(t is None for _, t in saved_vs_spent.values()):
+        return saved, None
+    return saved, sum(t for _, t in saved_vs_spent.values())
 
 
 def overall(checks: Sequence[Check]) -> tuple[str, tuple[str, ...]]:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from dash import html
 
-from kvscope.dashboard.offload_verdict import (CONDITIONS, NOT_MEASURED, PAYS, SKIP, TOO_LITTLE,
-                                               Assessment, seconds_text)
+from kvscope.dashboard.offload_verdict import (CONDITIONS, NOT_MEASURED, NOT_PAYING, PAYS, SKIP,
+                                               TOO_LITTLE, Assessment, saved_and_spent,
+                                               seconds_text)
 from kvscope.dashboard.series import bytes_text
 
 SECTION_ID = "offload-advice"
 TITLE = "Should I offload here?"
 VERDICT_COLOURS = {PAYS: "#2ca02c", SKIP: "#d62728", NOT_MEASURED: "#7f7f7f",
-                   TOO_LITTLE: "#e6a000"}
+                   TOO_LITTLE: "#e6a000", NOT_PAYING: "#e6a000"}
 CARD_STYLE = {"border": "1px solid #ddd", "borderRadius": "6px", "padding": "8px 12px",
               "minWidth": "220px", "flex": "1"}
 CELL_STYLE = {"borderBottom": "1px solid #eee", "padding": "4px 8px", "verticalAlign": "top",
@@ -95,33 +96,25 @@ def cards(a: Assessment) -> html.Div:
 
 
 def banner(a: Assessment) -> html.Div:
-    """The overall verdict, the conditions behind it and the window; under "offload pays",
-    what the tiers cost when their transfers took longer than the prefill they saved (the
-    conditions say whether offload is the right step here, not whether these tiers, as sized,
-    pay for it)."""
+    """The overall verdict, the conditions behind it and the window; under "not paying as
+    sized", what the tiers cost (the conditions say whether offload is the right step here,
+    not whether these tiers, as sized, pay for it)."""
     behind = ", ".join(str(list(CONDITIONS).index(k) + 1) for k in a.reasons)
     children = [badge(a.verdict),
                 html.Span(f" overall, from condition{'s' if len(a.reasons) > 1 else ''} "
                           f"{behind}" if behind else " overall"),
                 html.Span(f" · last {a.span_seconds:.0f} s, {a.n_samples} samples, "
                           f"{a.requests:.0f} requests", style={"color": "#555"})]
-    costs = _costs_more(a.headline.saved_vs_spent)
-    if a.verdict == PAYS and costs:
-        children.append(html.Div(costs, id="offload-verdict-cost",
-                                 style={"color": VERDICT_COLOURS[SKIP], "fontSize": "13px"}))
+    if a.verdict == NOT_PAYING:
+        saved, spent = saved_and_spent(a.headline.saved_vs_spent)
+        children.append(html.Div(
+            f"no condition rules offload out, but the offload tiers' transfers (offloads and "
+            f"promotions) took {spent:.2f} s for {saved:.2f} s of prefill saved in the window: "
+            "as sized, these tiers cost more than they save (the Sizing page sizes them from "
+            "the traffic)", id="offload-verdict-cost",
+            style={"color": VERDICT_COLOURS[SKIP], "fontSize": "13px"}))
     return html.Div(children, id="offload-verdict", **{"data-verdict": a.verdict},
                     style={"margin": "6px 0"})
-
-
-def _costs_more(saved_vs_spent: dict[str, tuple[float, float | None]]) -> str:
-    """A line when every offload tier's transfers were timed and took longer in all than
-    the prefill seconds they saved; "" otherwise."""
-    saved, spent = _totals(saved_vs_spent)
-    if spent is None or not spent > saved:
-        return ""
-    return (f"but the offload tiers' transfers (offloads and promotions) took {spent:.2f} s "
-            f"for {saved:.2f} s of prefill saved in the window: nothing here rules offload "
-            "out, yet these tiers, as sized, may not pay for themselves")
 
 
 def table(a: Assessment) -> html.Table:
@@ -144,15 +137,6 @@ def _net(saved_vs_spent: dict[str, tuple[float, float | None]]) -> str:
     transfer time was not measured (no ratio can be formed) or none was spent."""
     if not saved_vs_spent:
         return NOT_MEASURED
-    saved, spent = _totals(saved_vs_spent)
+    saved, spent = saved_and_spent(saved_vs_spent)
     return f"{saved / spent:.1f}×" if spent else f"{saved:.2f} s saved"
-
-
-def _totals(saved_vs_spent: dict[str, tuple[float, float | None]]) -> tuple[float, float | None]:
-    """Prefill seconds saved and transfer seconds spent over the tiers; spent None when a
-    tier's transfer time was not measured (or there is no tier)."""
-    saved = sum(s for s, _ in saved_vs_spent.values())
-    if not saved_vs_spent or any(t is None for _, t in saved_vs_spent.values()):
-        return saved, None
-    return saved, sum(t for _, t in saved_vs_spent.values())
 

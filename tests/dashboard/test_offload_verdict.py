@@ -499,23 +499,29 @@ def test_the_view_marks_each_row_with_its_verdict():
                      "offload-card-ttft": "500.0 ms", "offload-card-headroom": "4.00 GiB"}
 
 
-def test_offload_pays_says_when_the_tiers_transfers_took_longer_than_they_saved():
-    """A fresh-user tryout: "offload pays" beside a savings card of 0.1x read as a
-    recommendation to keep tiers that cost more than they save. 60 s: cpu saved 0.02 s/s =
-    1.2 s; gpu->cpu 0.004 + cpu->gpu 0.003 s/s = 0.42 s spent (pays for itself: no line);
-    gpu->cpu 0.05 s/s = 3.0 s + 0.18 s = 3.18 s spent (costs more: the line says so)."""
+def test_tiers_whose_transfers_took_longer_than_they_saved_are_not_paying_as_sized():
+    """Fresh-user tryouts: a green "offload pays" beside a savings card of 0.1x read as a
+    recommendation to keep tiers that cost more than they save (twice: with a red line under
+    it, too). No condition rules offload out here. 60 s: cpu saved 0.02 s/s = 1.2 s;
+    gpu->cpu 0.004 + cpu->gpu 0.003 s/s = 0.42 s spent: "offload pays", no line; gpu->cpu
+    0.05 s/s = 3.0 s + 0.18 s = 3.18 s spent: "not paying as sized", and the line says why;
+    1.14 s spent (0.016 + 0.003 s/s), just under what it saved: it pays for itself."""
     from kvscope.dashboard import verdict_view
 
-    def cost_line(spent):
+    def judged(spent):
         a = V.assess(window(usage=lambda i: 1.0, spent=spent), records(30, ttft=0.5, wait=0.01))
-        assert a.verdict == PAYS
-        lines = [c for c in verdict_view.banner(a).children
+        banner = verdict_view.banner(a)
+        lines = [c.children for c in banner.children
                  if getattr(c, "id", None) == "offload-verdict-cost"]
-        return lines[0].children if lines else None
+        assert getattr(banner, "data-verdict") == a.verdict
+        return a.verdict, lines[0] if lines else None
 
-    assert cost_line({"gpu->cpu": 0.004, "cpu->gpu": 0.003}) is None
-    assert cost_line({"gpu->cpu": 0.05, "cpu->gpu": 0.003}).startswith(
-        "but the offload tiers' transfers (offloads and promotions) took 3.18 s for 1.20 s")
+    assert judged({"gpu->cpu": 0.004, "cpu->gpu": 0.003}) == (PAYS, None)
+    verdict, line = judged({"gpu->cpu": 0.05, "cpu->gpu": 0.003})
+    assert verdict == V.NOT_PAYING
+    assert line.startswith("no condition rules offload out, but the offload tiers' transfers "
+                           "(offloads and promotions) took 3.18 s for 1.20 s")
+    assert judged({"gpu->cpu": 0.016, "cpu->gpu": 0.003}) == (PAYS, None)
 
 
 def test_the_tokens_card_puts_the_reuse_beside_what_was_served():
