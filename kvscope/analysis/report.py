@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 from kvscope.analysis.analyze import Analysis
-from kvscope.analysis.sizing import GIB, SizePoint, seconds
+from kvscope.analysis.sizing import GIB, SizePoint, seconds, size_text
 
 SCHEMA = "kvscope.analysis/v1"
 
@@ -88,12 +88,6 @@ def _blocks(n: int) -> str:
     return f"{n:,} block" + ("" if n == 1 else "s")
 
 
-def _gib(n_bytes: float) -> str:
-    if n_bytes < GIB / 100:  # a tier of 2 MiB read "0.00 GiB", as if it were none
-        return f"{n_bytes / 2**20:,.1f} MiB"
-    return f"{n_bytes / GIB:,.2f} GiB"
-
-
 def _table(analysis: Analysis, rows: int = 8) -> list[str]:
     """A few LRU/ARC curve points: the ARC sizes, else ``rows`` evenly spaced sizes."""
     lru, lru_t, arc = analysis.lru, analysis.lru_tokens, analysis.arc
@@ -105,7 +99,7 @@ def _table(analysis: Analysis, rows: int = 8) -> list[str]:
     out = [f"  {'blocks':>10} {'size':>12} {'LRU hit':>8} {'LRU tok':>8} {'ARC hit':>8}"]
     for size in sizes.tolist():
         arc_hit = f"{1 - arc.at(size):8.4f}" if arc is not None else f"{'-':>8}"
-        out.append(f"  {size:>10,} {_gib(size * analysis.bytes_per_block):>12} "
+        out.append(f"  {size:>10,} {size_text(size * analysis.bytes_per_block):>12} "
                    f"{1 - lru.at(size):8.4f} {1 - lru_t.at(size):8.4f} {arc_hit}")
     return out
 
@@ -162,17 +156,17 @@ def render_text(analysis: Analysis) -> str:
               f"  GPU prefix cache alone serves {s.gpu_token_hit_share:.2%} of prompt tokens"]
     budget = a["budget_bytes"]
     if s.knee is not None:
-        beyond = (f"; beyond the budget of {_gib(budget)}"
+        beyond = (f"; beyond the budget of {size_text(budget)}"
                   if budget is not None and s.knee.bytes > budget else "")
-        lines.append(f"  knee: {_blocks(s.knee.blocks)} ({_gib(s.knee.bytes)}): CPU tier serves "
-                     f"{s.knee.cpu_token_hit_share:.2%} (where the gain curve bends most, up "
-                     f"to the trace's working set{beyond})")
+        lines.append(f"  knee: {_blocks(s.knee.blocks)} ({size_text(s.knee.bytes)}): CPU tier "
+                     f"serves {s.knee.cpu_token_hit_share:.2%} (where the gain curve bends "
+                     f"most, up to the trace's working set{beyond})")
     elif s.recommended is not None:
         lines.append("  knee: none (the gain grows no slower as the tier grows, up to the "
                      "trace's working set)")
     if s.recommended is not None:
         p = s.recommended
-        lines += [f"  recommended CPU tier: {_blocks(p.blocks)} ({_gib(p.bytes)}); "
+        lines += [f"  recommended CPU tier: {_blocks(p.blocks)} ({size_text(p.bytes)}); "
                   f"vLLM --kv-offloading-size {s.kv_offloading_size_gib:g}",
                   f"    the smallest size that buys {a['target_share']:.0%} of the largest "
                   "affordable size's gain (--target-share)",
@@ -184,10 +178,18 @@ def render_text(analysis: Analysis) -> str:
                      else "not measured (the trace spans no time)")]
     if s.current is not None:
         p = s.current
-        lines.append(f"  the input's own CPU tier: {_blocks(p.blocks)} ({_gib(p.bytes)}): token "
-                     f"hit share {p.token_hit_share:.2%} (CPU tier {p.cpu_token_hit_share:.2%})"
+        lines.append(f"  the input's own CPU tier: {_blocks(p.blocks)} ({size_text(p.bytes)}): "
+                     f"token hit share {p.token_hit_share:.2%} (CPU tier "
+                     f"{p.cpu_token_hit_share:.2%})"
                      f"; prefill saved {seconds(p.prefill_seconds_saved)}, transfers "
                      f"{seconds(p.transfer_seconds)}")
     lines += ["", f"Verdict: {s.verdict}"] + [f"  - {reason}" for reason in s.reasons[1:]]
+    # the verdict's figures rest on these as much as on the curve (a tryout's damaged capture
+    # priced its tokens at a preset's rate, 8 times its own, with the verdict silent about it)
+    assumed = [f"{name} ({source.removeprefix('assumed: ')})" for name, source in (
+        ("promotion bandwidth", a["bandwidth_source"]), ("prefill rate", a["prefill_source"]),
+        ("KV bytes per block", a["kv_bytes_source"])) if source.startswith("assumed")]
+    if assumed:
+        lines.append("  - assumed, not measured: " + "; ".join(assumed))
     lines += [f"Note: {note}" for note in analysis.notes]
     return "\n".join(lines) + "\n"

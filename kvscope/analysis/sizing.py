@@ -46,6 +46,14 @@ def seconds(x: float) -> str:
     return f"{np.format_float_positional(x, precision=4, fractional=False, trim='-')} s"
 
 
+def size_text(n_bytes: float) -> str:
+    """A tier's size in GiB to 2 decimals, in MiB under 0.01 GiB (a tier of 2 MiB read
+    "0.00 GiB", as if it were none)."""
+    if n_bytes < GIB / 100:
+        return f"{n_bytes / 2**20:,.1f} MiB"
+    return f"{n_bytes / GIB:,.2f} GiB"
+
+
 def micro(x: float) -> str:
     """Seconds ``x`` as microseconds to 3 significant digits, never in scientific notation
     ("5.24 us", "2050 us")."""
@@ -243,11 +251,14 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     stored = (1.0 - (recommended.token_hit_share if recommended else gpu_hit)) * total * bpt
     offload = not reasons
     if offload:
-        verdict = (f"Offload: a {flag_gib(recommended.bytes, params.budget_bytes):g} GiB CPU "
-                   "tier serves "
+        # the share at the recommended size, beside that size (a tryout read "a 0.1 GiB tier
+        # serves 28.7%" where 0.1 is the flag rounded up from 0.07 GiB, which serves more)
+        verdict = (f"Offload: a CPU tier of {recommended.blocks:,} blocks "
+                   f"({size_text(recommended.bytes)}) serves "
                    f"{recommended.cpu_token_hit_share:.1%} of prompt tokens, saving "
                    f"{seconds(recommended.prefill_seconds_saved)} of prefill for "
-                   f"{seconds(recommended.transfer_seconds)} of transfers.")
+                   f"{seconds(recommended.transfer_seconds)} of transfers; vLLM "
+                   f"--kv-offloading-size {flag_gib(recommended.bytes, params.budget_bytes):g}.")
     else:
         verdict = "Do not offload. " + reasons[0]  # a sentence of its own, as in ``reasons``
     return SizingAdvice(

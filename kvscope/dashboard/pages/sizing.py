@@ -69,7 +69,7 @@ def render(state: SizingState, host_limit_bytes: float | None = None) -> tuple:
                     f"({rec['blocks']:,} blocks), token hit share {rec['token_hit_share']:.1%} "
                     f"with the GPU cache's (the CPU tier's {rec['cpu_token_hit_share']:.1%}); vLLM "
                     f"--kv-offloading-size {data.get('kv_offloading_size_gib', 0):g} (the size "
-                    "rounded up, as the verdict gives it)"]
+                    "rounded up for the flag)"]
         if host_limit_bytes is not None and rec["gib"] * 2**30 >= host_limit_bytes:
             verdict += [html.Br(), html.B(
                 f"At or above this node's memory limit ({fz.gib_text(host_limit_bytes / 2**30)}"
