@@ -270,6 +270,8 @@ def test_respond_opens_a_link_and_a_click_writes_one(tmp_path):
     # the form's own bad budget: nothing read or written
     out = page.respond(True, "", b, c, "-5", roots=roots)
     assert out[n - 1].startswith("cannot compare:") and out[n:] == (keep,) * 4
+    # every chart says so too, not "choose a baseline and a candidate capture"
+    assert [fig.layout.annotations[0].text for fig in out[:n - 2]] == [out[n - 1]] * (n - 2)
 
     out = page.respond(False, f"?baseline={b}&candidate={c}&ttft_budget=abc", b, c, "100",
                        roots=roots)

@@ -39,6 +39,7 @@ from kvscope.analysis.bootstrap import DEFAULT_RESAMPLES
 from kvscope.analysis.compare import Budget, parse_budget
 from kvscope.dashboard import figures_compare as fc
 from kvscope.dashboard.access import outside_roots, under_roots
+from kvscope.dashboard.figures import message_figure
 from kvscope.dashboard.pages.common import Context
 
 PATH = "/compare"
@@ -302,10 +303,13 @@ def _figures(data: dict | None) -> tuple:
 
 
 def render(data: dict | None, message: str) -> tuple:
-    """(the figures in :data:`GRAPHS` order, verdict children, status line)."""
-    figures = _figures(data)
+    """(the figures in :data:`GRAPHS` order, verdict children, status line). Without
+    ``data`` every chart says the ``message`` too (a tryout's charts asked to choose two
+    captures under "cannot compare: ...")."""
     if data is None:
-        return (*figures, "", message)
+        return (*[message_figure(title, message or fc.EMPTY) for title in GRAPHS.values()],
+                "", message)
+    figures = _figures(data)
     verdict = data["verdict"]
     banner = html.Div([
         html.B(verdict["text"]),
