@@ -68,11 +68,15 @@ def _first_requests(workload: SyntheticConfig, count: int, name: str) -> AccessT
 
 
 def _replay(replayer: Replayer, out, duration: float | None) -> None:
-    """Replay the workload, then say it has played out while the demo stays up to be read."""
+    """Replay the workload, then say it has played out while the demo stays up to be read
+    (and, where it fell behind its schedule, by how much: the warning came once, early)."""
     replayer.run()
     if not replayer.stop.is_set():
         until = "Ctrl-C" + (f" or {duration:g} s from the start" if duration else "")
         served = f"{replayer.served} request" + ("" if replayer.served == 1 else "s")
+        if replayer.behind >= replayer.behind_warning:
+            served += (f", up to {replayer.behind:.3g} s behind its schedule at speed "
+                       f"{replayer.speed:g}: lower --speed to keep it")
         print(f"kvscope demo: the workload has played out ({served}); the metrics, API and "
               f"dashboard stay up until {until}", file=out, flush=True)
 

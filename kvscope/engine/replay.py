@@ -31,8 +31,8 @@ class Replayer:
     twice as fast); None replays as fast as possible. ``stop``: set it to end the replay early.
     ``behind_warning``: wall seconds behind the paced schedule (the engine slower than the
     arrivals at ``speed``) at which one warning is logged: later arrivals come late, so the
-    gaps between them, and the reuse times recorded, stretch. ``behind``: the most seconds
-    it fell behind. ``progress``: called with the requests served so far after each one."""
+    gaps between them, and the reuse times recorded, stretch (the caller may say so again at
+    the end: ``behind``, the most seconds it fell behind). ``progress``: called with the requests served so far after each one."""
 
     def __init__(self, engine: OffloadEngine, requests: Iterable[Request],
                  speed: float | None = 1.0, stop: threading.Event | None = None,
@@ -46,7 +46,7 @@ class Replayer:
         self.stop = stop or threading.Event()
         self.served = 0
         self.behind = 0.0
-        self._behind_warning = behind_warning
+        self.behind_warning = behind_warning
         self._progress = progress
 
     def run(self) -> None:
@@ -91,7 +91,7 @@ class Replayer:
                 self._progress(self.served)
 
     def _fell_behind(self, seconds: float, arrival: float) -> None:
-        if self.behind < self._behind_warning <= seconds:
+        if self.behind < self.behind_warning <= seconds:
             log.warning("%.0f s behind the workload's schedule at speed %g (at its "
                         "second %.0f): the engine serves slower than requests arrive, so "
                         "arrivals, and the reuse times recorded, stretch; lower --speed",

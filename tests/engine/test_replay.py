@@ -1,5 +1,6 @@
 """Replay: the simulator makes exactly the engine's decisions, and ``kvscope replay`` works."""
 
+import io
 import itertools
 import json
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvscope.demo import _replay
 from kvscope.engine.engine import OffloadEngine
 from kvscope.engine.presets import ModelPreset, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
@@ -284,6 +286,13 @@ def test_a_replay_that_falls_behind_its_speed_says_so_once(caplog):
     warned = [r for r in caplog.records if "behind the workload's schedule" in r.message]
     assert paced.behind >= 0.01 and len(warned) == 1, paced.behind
     assert "lower --speed" in warned[0].message
+    # the demo says it again when the workload has played out: a tryout's trace took 3 min
+    # instead of 1 after a single early warning
+    out = io.StringIO()
+    _replay(Replayer(engine, requests, speed=1e9, behind_warning=0.01), out, None)
+    played = out.getvalue()
+    assert played.startswith("kvscope demo: the workload has played out (20000 requests, up to ")
+    assert " s behind its schedule at speed 1e+09: lower --speed to keep it); " in played
     caplog.clear()
     fast = Replayer(engine, requests, speed=None, behind_warning=0.01)
     fast.run()
