@@ -32,7 +32,8 @@ class Replayer:
     ``behind_warning``: wall seconds behind the paced schedule (the engine slower than the
     arrivals at ``speed``) at which one warning is logged: later arrivals come late, so the
     gaps between them, and the reuse times recorded, stretch (the caller may say so again at
-    the end: ``behind``, the most seconds it fell behind). ``progress``: called with the requests served so far after each one."""
+    the end: ``behind``, the most seconds it fell behind). ``progress``: called with the
+    requests served so far after each one."""
 
     def __init__(self, engine: OffloadEngine, requests: Iterable[Request],
                  speed: float | None = 1.0, stop: threading.Event | None = None,
