@@ -10,7 +10,9 @@ import plotly.graph_objects as go
 
 from kvscope.dashboard.figures import message_figure, new_figure
 
-CURVES_TITLE = "Hit ratio against CPU tier size"
+# a miss-ratio curve: one cache of each size, which an inclusive CPU tier's hits and the GPU's
+# add up to (a tryout read its 0% at 0 GiB against "GPU prefix cache alone: 37%" under it)
+CURVES_TITLE = "Hit ratio of one cache of each size (an inclusive CPU tier: GPU hits included)"
 COST_TITLE = "Prefill seconds saved vs transfer seconds, against CPU tier size"
 _CURVES = (("lru", "LRU, block accesses", "#1f77b4", None),
            ("lru_tokens", "LRU, prompt tokens", "#2ca02c", None),
