@@ -26,7 +26,8 @@ from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, SyntheticConfig, rea
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
 from kvscope.service.server import ApiServer, PortInUse, bind, url
-from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
+from kvscope.signals import (how_to_stop, ignore_signals_while_exiting, stop_on_signals,
+                             wait_for_stop)
 
 # Seconds of the synthetic workload the Sizing page analyses (12,000 requests at its rate: a
 # second of analysis in the background)
@@ -72,7 +73,7 @@ def _replay(replayer: Replayer, out, duration: float | None) -> None:
     (and, where it fell behind its schedule, by how much: the warning came once, early)."""
     replayer.run()
     if not replayer.stop.is_set():
-        until = "Ctrl-C" + (f" or {duration:g} s from the start" if duration else "")
+        until = how_to_stop() + (f" or {duration:g} s from the start" if duration else "")
         served = f"{replayer.served} request" + ("" if replayer.served == 1 else "s")
         if replayer.behind >= replayer.behind_warning:
             served += (f", up to {replayer.behind:.3g} s behind its schedule at speed "
@@ -199,8 +200,8 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     if config.capture_roots:
         print(f"  compare page reads under: {', '.join(config.capture_roots)}"
               + (" and the capture" if config.capture_dir else ""), file=out)
-    print("  stop with Ctrl-C" + (f" (or after {config.duration:g} s)" if config.duration else ""),
-          file=out, flush=True)
+    print(f"  stop with {how_to_stop()}"
+          + (f" (or after {config.duration:g} s)" if config.duration else ""), file=out, flush=True)
     replay_thread.start()
     wait_for_stop(stop, config.duration)
     stop.set()

@@ -95,6 +95,14 @@ def stopping_on_signals(stop: threading.Event) -> Iterator[None]:
                     signal.signal(sig, handler)
 
 
+def how_to_stop() -> str:
+    """What stops this process, for a command to print: "Ctrl-C", or ``kill <pid>`` (SIGTERM)
+    where SIGINT is ignored (a shell script's background job: Ctrl-C does not reach it)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        return f"kill {os.getpid()}"
+    return "Ctrl-C"
+
+
 def _handled_signals() -> list[int]:
     """The stop signals to handle: all but a SIGINT or SIGHUP the process was started
     ignoring (SIGTERM always; see :func:`stop_on_signals`)."""

@@ -14,9 +14,12 @@ import pytest
 from conftest import free_port, tmpfs
 
 
-def _kvscope(*args, timeout=60, env=None):
+def _kvscope(*args, timeout=60, env=None, sigint=signal.SIG_DFL):
+    """The command's result; ``sigint``: its SIGINT disposition at start (SIG_IGN: a shell
+    script's background job; SIG_DFL whatever this process was started with)."""
     return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
 
 def _started_agent(*args, ingest, stderr=subprocess.STDOUT, env=None):
@@ -786,7 +789,18 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
         in lines
     assert "the workload has played out (3 requests)" in lines[-2]
     assert lines[-2].endswith("stay up until Ctrl-C or 4 s from the start")
+    assert "  stop with Ctrl-C (or after 4 s)" in lines
     assert lines[-1] == "kvscope demo: stopped after 3 requests"
+    # a background job of a script ignores SIGINT: Ctrl-C cannot stop it, kill (SIGTERM) can
+    result = _kvscope("demo", "--trace", str(path), "--speed", "1000", "--duration", "2",
+                      "--metrics-port", str(free_port()), "--ui-port", str(free_port()),
+                      sigint=signal.SIG_IGN)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    stop = [line for line in lines if line.startswith("  stop with ")]
+    assert len(stop) == 1 and re.fullmatch(r"  stop with kill \d+ \(or after 2 s\)", stop[0])
+    pid = stop[0].split()[3]
+    assert lines[-2].endswith(f"stay up until kill {pid} or 2 s from the start")
     # a second run into that directory: analyze and compare would read both runs as one
     _one_error_line(_kvscope("demo", "--trace", str(path), "--duration", "1", "--metrics-port",
                              str(free_port()), "--ui-port", str(free_port()), "--capture-dir",
