@@ -14,7 +14,8 @@ from kvscope.rollout.plan import plan
 
 def write_capture(directory, ttfts, itl=0.02, cpu_tokens=0):
     """A capture of one finished request per TTFT (seconds): 64-token prompts, ``cpu_tokens``
-    of them promoted from the cpu tier by one 2-block transfer (1 MB, 1 ms) each."""
+    of them promoted from the cpu tier by one 2-block transfer (1 MB, 1 ms) each; ``itl``:
+    seconds, every request's or one per request."""
     writer = CaptureWriter(directory)
     for i, ttft in enumerate(ttfts):
         transfers = [TransferRecord("cpu", "gpu", 2, 1_000_000, 1000.0 + i, 0.001)] \
@@ -23,7 +24,7 @@ def write_capture(directory, ttfts, itl=0.02, cpu_tokens=0):
             f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64, output_tokens=8,
             tokens={"cpu": cpu_tokens, "recompute": 64 - cpu_tokens}, transfers=transfers,
             ttft=float(ttft), promotion_wait=0.001 if cpu_tokens else 0.0,
-            finished=1000.0 + i + ttft, itl=itl))
+            finished=1000.0 + i + ttft, itl=float(itl[i] if np.ndim(itl) else itl)))
     writer.close()
     return directory
 

@@ -546,16 +546,19 @@ def _request_sample(table: pa.Table, name: str,
         transfer_failures=None if spans_alone else failures,
         prefill_seconds=prefill,
         prefill_modelled=_modelled(col["tokens_recompute"], col["prefill"]),
+        itl_modelled=_constant(itl[itl > 0]),
         token_sources=sources, window=window, transfers_measured=not spans_alone)
 
 
 def _modelled(recomputed: np.ndarray, prefill: np.ndarray) -> bool:
     """Whether every request that prefilled did so at one exact rate (recomputed tokens over
-    prefill seconds, within float rounding), two requests at least: a cost model's prefill (the
-    reference engine prices it; a demo capture's read 197,800 tokens/s, preset tiny's, for
-    every request), which no measurement gives."""
+    prefill seconds): a cost model's prefill (the reference engine prices it; a demo capture's
+    read 197,800 tokens/s, preset tiny's, for every request), which no measurement gives."""
     timed = (recomputed > 0) & (prefill > 0)
-    if timed.sum() < 2:
-        return False
-    rates = recomputed[timed] / prefill[timed].astype(np.float64)
-    return bool(np.ptp(rates) <= 1e-9 * rates.max())
+    return _constant(recomputed[timed] / prefill[timed].astype(np.float64))
+
+
+def _constant(values: np.ndarray) -> bool:
+    """Whether two values at least are all one, within float rounding: a cost model's, as the
+    reference engine's decode gives every request one ITL."""
+    return len(values) >= 2 and bool(np.ptp(values) <= 1e-9 * values.max())

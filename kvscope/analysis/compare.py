@@ -79,7 +79,8 @@ class RequestSample:
     measured); ``transfer_failures``: failed transfers (None: not measured). ``prefill_seconds``:
     the requests' prefill time in all (0: not reported); ``prefill_modelled``: every request
     prefilled at one exact rate, an engine's cost model's (the reference engine's), not a
-    measurement. ``promotion_waits``: the waits as a
+    measurement; ``itl_modelled``: every request's ITL is one value, likewise (the reference
+    engine prices decode). ``promotion_waits``: the waits as a
     histogram where they were not recorded one by one (a rollout arm's agent: ``{"bounds",
     "counts", "sum"}`` as :class:`kvscope.rollout.arms.Cost` has it), else None.
     ``token_sources``: the sources ``tokens`` measured, a missing one counting 0 (None: every
@@ -106,6 +107,7 @@ class RequestSample:
     window: tuple[float, float] | None = None
     transfers_measured: bool = True
     prefill_modelled: bool = False
+    itl_modelled: bool = False
 
     @property
     def requests(self) -> int:
@@ -137,7 +139,8 @@ class Side:
     None when no run counted them. ``prefill_rate``:
     tokens/s the engine prefilled (recomputed tokens over prefill seconds), None when not
     measured; ``prefill_modelled``: that rate is its engine's cost model (every run's
-    :attr:`RequestSample.prefill_modelled`), not measured. ``value``: what each offload tier
+    :attr:`RequestSample.prefill_modelled`), not measured; ``itl_modelled``: so is every
+    run's ITL (:attr:`RequestSample.itl_modelled`). ``value``: what each offload tier
     bought and cost, dict[tier, {"tokens": prompt tokens it served, "prefill_seconds_saved":
     those tokens at the prefill
     rate (None: not measured), "transfer_seconds": the seconds of its copies both ways
@@ -157,6 +160,7 @@ class Side:
     prefill_rate: float | None = None
     value: dict[str, dict[str, float | None]] | None = field(default_factory=dict)
     prefill_modelled: bool = False
+    itl_modelled: bool = False
 
 
 @dataclass(frozen=True)
@@ -360,7 +364,8 @@ def _side(runs: list[RequestSample]) -> Side:
                 tokens if total else None, share, transfers if measured else None,
                 transfer_failures(runs), *_wait_stats(runs), rate,
                 value if total else None,  # no tokens by source: what a tier bought, unknown
-                rate is not None and all(r.prefill_modelled for r in runs))
+                rate is not None and all(r.prefill_modelled for r in runs),
+                bool(runs) and all(r.itl_modelled for r in runs))
 
 
 def _ran_first(base: Sequence[RequestSample], cand: Sequence[RequestSample]) -> str | None:
@@ -712,6 +717,11 @@ def render_text(comparison: Comparison) -> str:
         for r in rows:
             lines.append(f"  {label:4s} p{r.quantile * 100:<4g} baseline {_cell(r.baseline)}  "
                          f"candidate {_cell(r.candidate)}  diff {_cell(r.difference)}")
+    modelled = [arm for arm, side in (("baseline", c.baseline), ("candidate", c.candidate))
+                if side.itl_modelled]
+    if modelled:  # a tryout read a demo's "ITL keep", CI 0.995-0.995 ms, as a measurement
+        lines.append(f"  ITL of the {' and the '.join(modelled)}: every request's is the same, "
+                     "the engine's cost model (the reference engine prices decode), not measured")
     if c.runs:  # whatever the verdict: a keep's too, as --json gives it
         lines.append(f"runs as the unit (one-sided p that the candidate's runs are slower in "
                      f"p99; a roll back needs under {c.runs_alpha:g}): " + ", ".join(

@@ -732,6 +732,24 @@ def test_a_prefill_at_one_exact_rate_is_the_engines_model_not_a_measurement(tmp_
         assert rate == pytest.approx(10_000) and source.startswith(said), source
 
 
+def test_one_itl_for_every_request_is_the_engines_model_not_a_measurement(tmp_path, capsys):
+    """The reference engine prices decode: every request of a demo capture had an ITL of
+    0.995 ms, and compare read "ITL keep" with a CI of 0.995-0.995 ms as if measured. A
+    baseline whose 50 requests all have 20 ms is the model's; a candidate's 15 to 25 ms,
+    spread as a measurement's, is not: the report says so of the baseline alone."""
+    ttft = np.linspace(0.02, 0.06, 50)
+    base = write_capture(tmp_path / "base", ttft, itl=0.02)
+    cand = write_capture(tmp_path / "cand", ttft, itl=np.linspace(0.015, 0.025, 50))
+    assert main(["compare", str(base), str(cand), "--resamples", "100"]) == 0
+    text = capsys.readouterr().out
+    assert ("  ITL of the baseline: every request's is the same, the engine's cost model (the "
+            "reference engine prices decode), not measured\n") in text
+    assert "ITL of the candidate" not in text and "and the candidate" not in text
+    assert main(["compare", str(base), str(cand), "--resamples", "100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["baseline"]["itl_modelled"], out["candidate"]["itl_modelled"]) == (True, False)
+
+
 def test_a_tier_the_capture_did_not_have_is_not_measured_never_zero(tmp_path, capsys):
     """The candidate's agent reported a gpu and a cpu tier, no disk tier; its 100 requests of
     64 prompt tokens took 32 from cpu and recomputed 32: cpu 3,200 / 6,400 = 50%, recompute
