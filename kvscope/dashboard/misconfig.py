@@ -194,23 +194,34 @@ def swap_in(window: Sequence[Sample], s: Settings) -> Finding:
                     + ("" if on else ", no host-RAM offload tier"))
 
 
+def _blocks_text(n: float) -> str:
+    return f"{n:,.0f} blocks"
+
+
 def tier_negligible(window: Sequence[Sample], s: Settings) -> Finding:
-    """Each offload tier that holds data (resident bytes above 0 in the newest sample, or, with
-    no residency reported, blocks offloaded into it in the window) while its share of the
-    window's prompt tokens is under ``negligible_share``."""
+    """Each offload tier that holds data (resident bytes, or blocks where its bytes are not
+    reported, above 0 in the newest sample; with no residency reported, bytes or blocks
+    offloaded into it in the window) while its share of the window's prompt tokens is under
+    ``negligible_share``."""
     key = "tier-negligible"
     tokens = window_increase(window, "prompt_tokens")
     total = sum(tokens.values())
     if not total:
         return _finding(key, NOT_MEASURED, "not measured: no prompt tokens in the window")
-    resident = mapping(window[-1], "tier_resident_bytes")
-    stored = {d.partition("->")[2]: v for d, v in window_increase(window, "transfer_bytes").items()
-              if not is_promotion(d)}
-    held = {t: (f"holds {bytes_text(float(resident[t]))}" if is_number(resident.get(t))
-                else f"took {bytes_text(stored.get(t, 0.0))} of offloads")
-            for t in OFFLOAD_TIERS
-            if _positive(resident.get(t)) or (not is_number(resident.get(t))
-                                              and stored.get(t, 0.0) > 0)}
+    # bytes where known, else blocks (KV events without block_bytes report blocks alone)
+    resident = [(mapping(window[-1], "tier_resident_bytes"), bytes_text),
+                (mapping(window[-1], "tier_resident_blocks"), _blocks_text)]
+    stored = [({d.partition("->")[2]: v for d, v in window_increase(window, name).items()
+                if not is_promotion(d)}, text)
+              for name, text in (("transfer_bytes", bytes_text), ("transfer_blocks", _blocks_text))]
+    held = {}
+    for t in OFFLOAD_TIERS:
+        # a tier that reports its residency holds what it says; one that does not, what it took
+        reported = any(is_number(values.get(t)) for values, _ in resident)
+        amount = next((text(float(values[t])) for values, text in (resident if reported else stored)
+                       if _positive(values.get(t))), None)
+        if amount is not None:
+            held[t] = f"holds {amount}" if reported else f"took {amount} of offloads"
     idle = {t: tokens.get(t, 0.0) / total for t in ordered(held)
             if tokens.get(t, 0.0) / total < s.negligible_share}
     if idle:

@@ -157,6 +157,24 @@ def test_tier_holding_data_that_serves_a_negligible_share():
     assert M.tier_negligible(window(), S).status == NOT_MEASURED
 
 
+def test_a_tier_known_in_blocks_alone_can_be_negligible_too():
+    """KV events without block_bytes report a cpu tier's residency and stores in blocks alone:
+    the check read such a tier as holding nothing. 600 blocks resident, 0.5 % of the tokens:
+    fires, in blocks; no residency but 50 blocks stored a second: fires too (took 3,000
+    blocks over the window's 60 s); an empty tier (0 blocks) that took stores holds nothing."""
+    tokens = {"prompt_tokens": {"gpu": 600.0, "recompute": 395.0, "cpu": 5.0}}
+    f = M.tier_negligible(window(counters=tokens,
+                                 gauges={"tier_resident_blocks": {"cpu": 600}}), S)
+    assert f.status == MISCONFIGURED and "the cpu tier holds 600 blocks but served 0.50%" in f.wrong
+    f = M.tier_negligible(window(counters={**tokens, "transfer_blocks": {"gpu->cpu": 50.0}}), S)
+    assert f.status == MISCONFIGURED
+    assert f"the cpu tier took {50 * (N - 1):,} blocks of offloads" in f.wrong
+    empty = window(counters={**tokens, "transfer_blocks": {"gpu->cpu": 50.0}},
+                   gauges={"tier_resident_blocks": {"cpu": 0}})
+    assert (M.tier_negligible(empty, S).status, M.tier_negligible(empty, S).wrong) == (
+        OK, "no offload tier holds data")
+
+
 def test_promotions_slower_than_recompute():
     """disk: 0.1 s of disk->cpu promotions per second against 0.05 s of prefill saved (2x):
     fires; cpu at 0.02 s against 0.1 s (0.2x): fine. No timed promotions (zero-code mode):
