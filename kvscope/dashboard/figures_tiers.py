@@ -14,7 +14,7 @@ from kvscope.dashboard import series as S
 from kvscope.dashboard.figures import COLOURS, NO_DATA, base, line, message_figure, new_figure
 from kvscope.vocabulary import LOCAL_TIERS, NOT_MEASURED
 
-TIERS = LOCAL_TIERS  # the panels always shown; "remote" only when present
+TIERS = LOCAL_TIERS  # the residency panels: gpu, cpu, disk (a remote tier's is not drawn)
 BLOCK_FLOW_TITLE = "Block flow between tiers (blocks in the window)"
 EVICTION_AGE_TITLE = "Block age at eviction"
 EVICTION_HITS_TITLE = "Hits before eviction"
@@ -77,12 +77,6 @@ def _shown(samples: Sequence[S.Sample], tier: str) -> bool:
             or tier in S.keys_of(samples, "offload_budget_bytes")
             or any(tier in d.split("->") for field in ("transfer_bytes", "transfer_blocks")
                    for d in S.keys_of(samples, field)))
-
-
-def present_tiers(samples: Sequence[S.Sample]) -> list[str]:
-    """:data:`TIERS` plus any other tier the samples report (e.g. "remote")."""
-    seen = S.keys_of(samples, "tier_capacity_bytes")
-    return list(TIERS) + [t for t in seen if t not in TIERS]
 
 
 def block_flow(samples: Sequence[S.Sample]) -> go.Figure:
