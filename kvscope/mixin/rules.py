@@ -1,8 +1,10 @@
 """Recording rules: the ratios and quantiles the boards and the alerts share.
 
 Every rule aggregates by the config's group labels (``job, instance``) plus its own. Rules that
-count rare events (failures, drops) fall back to 0 for every pair that is active, so boards draw
-a flat zero and the alert's input exists on a healthy system instead of being absent.
+count rare events exist at 0 on a healthy system, so boards draw a flat zero and the alert's
+input is there instead of absent: the agent exports each failure reason at 0 for the directions
+whose failures a source sees (none for the others: not measured, never 0); drops fall back to 0
+for every tier that is active.
 """
 
 from __future__ import annotations
@@ -78,8 +80,7 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
                  + union("rate", "kvscope_transfer_bytes_total", cfg, offload_matchers(cfg), w)
                  + ',\n  "tier", "$1", "dst", "(.+)"))'},
         {"record": r.transfer_failures_rate,
-         "expr": f"sum by ({by}, src, dst) (rate(kvscope_transfer_failures_total{s()}[{w}]))\n"
-                 f"or 0 * sum by ({by}, src, dst) (rate(kvscope_transfer_blocks_total{s()}[{w}]))"},
+         "expr": f"sum by ({by}, src, dst) (rate(kvscope_transfer_failures_total{s()}[{w}]))"},
         {"record": r.transfer_failures_ratio,
          "expr": f"{r.transfer_failures_rate}\n  / ({r.transfer_failures_rate}\n"
                  f"     + (sum by ({by}, src, dst) (rate(kvscope_transfer_seconds_count{s()}[{w}]))"

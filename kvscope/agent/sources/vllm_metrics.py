@@ -420,15 +420,11 @@ class MetricsMapper:
                 both = moved.setdefault((tier, "cpu") if promotion else ("cpu", tier), [0, 0])
                 both[0] += blocks
                 both[1] += nbytes
-        # failures are seen where vLLM counts the direction's failed jobs (0.33's tiering)
-        counted = {(tier, "cpu") if name == PROMOTION_FAILURES else ("cpu", tier)
-                   for name in (PROMOTION_FAILURES, CASCADE_FAILURES)
-                   for tier in map(tier_of, (dict(ls).get("tier", "")
-                                             for ls in series(samples, name)))}
+        # the tiering manager counts these directions' failed jobs (below), so their failures
+        # are seen: series vLLM creates at the first failure, absent until then
         for (src, dst), (blocks, nbytes) in moved.items():
             out.append(ev.Transfer(ts=ts, src=src, dst=dst, blocks=blocks, bytes=nbytes,
-                                   duration=0.0, timed=False,
-                                   sees_failures=(src, dst) in counted))
+                                   duration=0.0, timed=False))
         # failed jobs, then promotion times: one event each
         many: list[tuple[ev.Transfer, int]] = []
         for name, promotion in ((PROMOTION_FAILURES, True), (CASCADE_FAILURES, False)):

@@ -146,11 +146,12 @@ def tiers(cfg: MixinConfig) -> dict:
                Q(f"sum by (instance, src, dst) (kvscope_transfer_blocks_in_flight{s(cfg)})",
                  "{{instance}} {{src}} → {{dst}} blocks")),
               unit="short", min=0, no_value="none reported"),
-            P("Transfer failures by reason", "Failed transfers per second (0 when none).",
+            P("Transfer failures by reason", "Failed transfers per second (0 when none; no "
+              "line for a direction whose copies only sources blind to failures saw, such as "
+              "KV events: not measured).",
               (Q(f"sum by (src, dst, reason) (rate(kvscope_transfer_failures_total{s(cfg)}"
-                 f"[{RATE}]))\nor 0 * sum by (src, dst) (rate(kvscope_transfer_blocks_total"
-                 f"{s(cfg)}[{RATE}]))", "{{src}} → {{dst}} {{reason}}"),),
-              unit="suffix: transfers/s", min=0),
+                 f"[{RATE}]))", "{{src}} → {{dst}} {{reason}}"),),
+              unit="suffix: transfers/s", min=0, no_value="not measured"),
             P("Failed share of transfers", "Failed transfers out of all transfers (recording "
               "rule).",
               (Q(f"{r.transfer_failures_ratio}{s(cfg)}", "{{instance}} {{src}} → {{dst}}"),),
