@@ -40,7 +40,8 @@ TOO_LITTLE = "too little traffic"
 # overall only: no condition rules offload out, but the tiers' timed transfers took longer than
 # the prefill they saved (a tryout read a green "offload pays" beside 0.1x as "keep the tier")
 NOT_PAYING = "not paying as sized"
-VERDICTS = (PAYS, SKIP, NOT_MEASURED, TOO_LITTLE, NOT_PAYING)
+VERDICTS = (PAYS, SKIP, NOT_MEASURED, TOO_LITTLE)  # a condition's
+OVERALL_VERDICTS = (*VERDICTS, NOT_PAYING)
 
 # the guide's wording of each condition, keyed by the check's stable id
 CONDITIONS = {
@@ -123,9 +124,9 @@ class Headline:
 
 @dataclass(frozen=True)
 class Assessment:
-    """The overall ``verdict``, the five ``checks`` in the guide's order, the ``headline``, and
-    the window: ``span_seconds`` between its first and last sample, ``n_samples``, ``requests``
-    finished in it."""
+    """The overall ``verdict`` (one of :data:`OVERALL_VERDICTS`), the five ``checks`` in the
+    guide's order, the ``headline``, and the window: ``span_seconds`` between its first and
+    last sample, ``n_samples``, ``requests`` finished in it."""
 
     verdict: str
     checks: tuple[Check, ...]

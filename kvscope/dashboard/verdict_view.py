@@ -100,9 +100,13 @@ def banner(a: Assessment) -> html.Div:
     sized", what the tiers cost (the conditions say whether offload is the right step here,
     not whether these tiers, as sized, pay for it)."""
     behind = ", ".join(str(list(CONDITIONS).index(k) + 1) for k in a.reasons)
-    children = [badge(a.verdict),
-                html.Span(f" overall, from condition{'s' if len(a.reasons) > 1 else ''} "
-                          f"{behind}" if behind else " overall"),
+    conditions = f"condition{'s' if len(a.reasons) > 1 else ''} {behind}"
+    if a.verdict == NOT_PAYING:  # the conditions said "offload pays": the tiers' cost did not
+        said = f" overall: {conditions} say{'s' * (len(a.reasons) == 1)} offload pays, the " \
+               "tiers' own cost says otherwise"
+    else:
+        said = f" overall, from {conditions}" if behind else " overall"
+    children = [badge(a.verdict), html.Span(said),
                 html.Span(f" · last {a.span_seconds:.0f} s, {a.n_samples} samples, "
                           f"{a.requests:.0f} requests", style={"color": "#555"})]
     if a.verdict == NOT_PAYING:

@@ -519,6 +519,11 @@ def test_tiers_whose_transfers_took_longer_than_they_saved_are_not_paying_as_siz
     assert judged({"gpu->cpu": 0.004, "cpu->gpu": 0.003}) == (PAYS, None)
     verdict, line = judged({"gpu->cpu": 0.05, "cpu->gpu": 0.003})
     assert verdict == V.NOT_PAYING
+    a = V.assess(window(usage=lambda i: 1.0, spent={"gpu->cpu": 0.05, "cpu->gpu": 0.003}),
+                 records(30, ttft=0.5, wait=0.01))
+    said = verdict_view.banner(a).children[1].children
+    assert said.startswith(" overall: conditions ") and said.endswith(
+        " say offload pays, the tiers' own cost says otherwise")
     assert line.startswith("no condition rules offload out, but the offload tiers' transfers "
                            "(offloads and promotions) took 3.18 s for 1.20 s")
     assert judged({"gpu->cpu": 0.016, "cpu->gpu": 0.003}) == (PAYS, None)
