@@ -186,10 +186,11 @@ def render_text(analysis: Analysis) -> str:
     lines += ["", f"Verdict: {s.verdict}"] + [f"  - {reason}" for reason in s.reasons[1:]]
     # the verdict's figures rest on these as much as on the curve (a tryout's damaged capture
     # priced its tokens at a preset's rate, 8 times its own, with the verdict silent about it)
-    assumed = [f"{name} ({source.removeprefix('assumed: ')})" for name, source in (
-        ("promotion bandwidth", a["bandwidth_source"]), ("prefill rate", a["prefill_source"]),
-        ("KV bytes per block", a["kv_bytes_source"])) if source.startswith("assumed")]
-    if assumed:
-        lines.append("  - assumed, not measured: " + "; ".join(assumed))
+    lines += [f"  - {name} assumed, not measured: {source.removeprefix('assumed: ')}"
+              for name, source in (("promotion bandwidth", a["bandwidth_source"]),
+                                   ("prefill rate", a["prefill_source"]),
+                                   ("KV bytes per block", a["kv_bytes_source"]),
+                                   ("GPU prefix cache", a["gpu_tokens_source"]))
+              if source.startswith("assumed")]
     lines += [f"Note: {note}" for note in analysis.notes]
     return "\n".join(lines) + "\n"

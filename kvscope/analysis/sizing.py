@@ -47,8 +47,10 @@ def seconds(x: float) -> str:
 
 
 def size_text(n_bytes: float) -> str:
-    """A tier's size in GiB to 2 decimals, in MiB under 0.01 GiB (a tier of 2 MiB read
-    "0.00 GiB", as if it were none)."""
+    """A tier's size in GiB to 2 decimals, in MiB under 0.01 GiB and in bytes under 0.1 MiB (a
+    tier of 2 MiB read "0.00 GiB", as if it were none)."""
+    if n_bytes < 2**20 / 10:
+        return f"{n_bytes:,.0f} bytes"
     if n_bytes < GIB / 100:
         return f"{n_bytes / 2**20:,.1f} MiB"
     return f"{n_bytes / GIB:,.2f} GiB"

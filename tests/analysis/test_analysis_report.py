@@ -64,22 +64,24 @@ def test_cli_text_report(small_trace, capsys):
 
 
 def test_the_verdict_names_what_it_assumed(small_trace, capsys):
-    """A trace measures none of the rates the verdict's seconds rest on: all three are named
-    under it (a tryout's damaged capture priced its tokens at a preset's rate, 8 times its own,
-    and only a line far above said so); given on the command line, the bandwidth and the
-    prefill rate are not assumptions, the KV block size (the preset's) still is."""
+    """A trace measures none of what the verdict's figures rest on: all four are named under
+    it (a tryout's damaged capture priced its tokens at a preset's rate, 8 times its own, and
+    only a line far above said so); given on the command line, the bandwidth, the prefill
+    rate and the GPU cache are not assumptions, the KV block size (the preset's) still is."""
     def under_verdict(*args):
         assert main(["analyze", str(small_trace), "--preset", "tiny", *args]) == 0
         lines = capsys.readouterr().out.splitlines()
         verdict = next(i for i, line in enumerate(lines) if line.startswith("Verdict: Offload"))
-        return lines[verdict + 1]
+        return [line for line in lines[verdict + 1:] if line.startswith("  - ")]
 
     assumed = under_verdict()
-    assert assumed.startswith("  - assumed, not measured: promotion bandwidth (25 GB/s")
-    assert "; prefill rate (preset tiny's cost model); KV bytes per block (preset tiny's KV " \
-           "shape)" in assumed
-    assert under_verdict("--bandwidth-gbps", "10", "--prefill-tokens-per-second", "5000") == (
-        "  - assumed, not measured: KV bytes per block (preset tiny's KV shape)")
+    assert [line.split(" assumed, not measured: ")[0] for line in assumed] == [
+        "  - promotion bandwidth", "  - prefill rate", "  - KV bytes per block",
+        "  - GPU prefix cache"]
+    assert assumed[1].endswith(": preset tiny's cost model")
+    assert under_verdict("--bandwidth-gbps", "10", "--prefill-tokens-per-second", "5000",
+                         "--gpu-tokens", "512") == [
+        "  - KV bytes per block assumed, not measured: preset tiny's KV shape"]
 
 
 def test_one_request_is_one_request(tmp_path, capsys):

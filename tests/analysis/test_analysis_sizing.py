@@ -61,7 +61,7 @@ def test_the_flag_stays_within_the_budget():
     for budget, gib in ((2 << 20, 0.001), (1 << 30, 0.1)):
         advice = advise(far_reuse(), SizingParams(ROUND, 1, FAST, budget_bytes=budget), 10.0)
         assert advice.kv_offloading_size_gib == gib
-        assert advice.verdict.startswith("Offload: a CPU tier of 10 blocks (0.0 MiB) serves")
+        assert advice.verdict.startswith("Offload: a CPU tier of 10 blocks (160 bytes) serves")
         assert advice.verdict.endswith(f"; vLLM --kv-offloading-size {gib:g}.")
         assert gib * 2**30 <= budget
     assert flag_gib(0.875 * 2**30, 0.88 * 2**30) == 0.88
