@@ -597,8 +597,9 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
     A/A twin), whose run-to-run variance :func:`runs_test` pools. ``by_runs``: False judges by
     the bootstrap alone, without the runs test (the rollout's A/A pair, whose "roll back"
     says its runs differ beyond their requests' spread). ITL is judged when both arms
-    reported it; where one did not, the verdict says so and judges TTFT alone (an ITL budget
-    then makes it inconclusive).
+    measured it; where one did not (none reported, or every request's the same: an engine's
+    cost model, :attr:`RequestSample.itl_modelled`), the verdict says so and judges TTFT alone
+    (an ITL budget then makes it inconclusive).
 
     Raises ValueError when an arm has no run, a run has no request with a TTFT, or for a bad
     option (resamples too few for the confidence: :func:`check_resamples`).
@@ -635,22 +636,25 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
                       min_requests, **tested("TTFT"))]
     itl99 = next(r for r in itl if r.quantile == 0.99)
     itl_counts = sum(len(s.itl) for s in base), sum(len(s.itl) for s in cand)
+    # a modelled ITL is no measurement: a demo's read "ITL keep", CI 0.995-0.995 ms
+    missing = " and ".join(arm for arm, n, side in zip(("baseline", "candidate"), itl_counts,
+                                                       sides) if not n or side.itl_modelled)
+    measured = itl99.difference is not None and not missing
     notes = []
-    if itl99.difference is not None and (itl_budget is not None
-                                         or min(itl_counts) >= min_requests):
+    if measured and (itl_budget is not None or min(itl_counts) >= min_requests):
         judged.append(verdict(itl99, itl_budget, confidence, *itl_counts, min_requests,
                               metric="ITL", **tested("ITL")))
-    elif itl99.difference is not None:  # no ITL budget asked for: too few is no verdict
+    elif measured:  # no ITL budget asked for: too few is no verdict
         notes.append(f"ITL not judged: fewer than {min_requests} requests reported one on an "
                      "arm")
-    missing = " and ".join(arm for arm, n in zip(("baseline", "candidate"), itl_counts) if not n)
-    if itl99.difference is None and itl_budget is not None:
+    if not measured and itl_budget is not None:
         judged.append(Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: an ITL budget was given, but "
                               f"ITL was not measured on the {missing}.",
                               [f"ITL not measured on the {missing}"]))
-    notes += _slower_elsewhere((("TTFT", ttft, ttft_replicates), ("ITL", itl, itl_replicates)),
+    notes += _slower_elsewhere((("TTFT", ttft, ttft_replicates),)
+                               + ((("ITL", itl, itl_replicates),) if measured else ()),
                                confidence)
-    if itl99.difference is None:
+    if not measured:
         notes.append(f"ITL not measured on the {missing}: judged on TTFT alone")
     first = _ran_first(base, cand)
     if first is not None and min(len(base), len(cand)) >= 2:

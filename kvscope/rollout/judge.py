@@ -78,7 +78,8 @@ def pooled(samples: Sequence[RequestSample], name: str) -> RequestSample:
         transfer_failures(samples), sum(s.prefill_seconds for s in samples),
         promotion_waits(samples), measured_sources(samples), window,
         any(s.transfers_measured for s in samples),
-        bool(samples) and all(s.prefill_modelled for s in samples))
+        bool(samples) and all(s.prefill_modelled for s in samples),
+        bool(samples) and all(s.itl_modelled for s in samples))
 
 
 def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int | None

@@ -30,11 +30,15 @@ def _mixture(n_low, n_mid, n_high):
 def _verdict(tmp_path, baseline, candidate, *extra, runs=1, itl=(0.02, 0.02)):
     """``kvscope compare`` arguments for ``runs`` captures per arm, run i holding the given
     TTFTs and ITL times 1 + i / 10,000 (a repeated run is never quite the same: copies of one
-    run measure no run-to-run variance); ``itl``: each arm's (seconds, 0: none)."""
+    run measure no run-to-run variance); ``itl``: each arm's (seconds, 0: none), spread by
+    +-0.01% over the requests (one value for all would be an engine's model, not judged)."""
+    def itls(seconds, n, i):
+        return seconds * (1 + i / 1e4) * (1 + np.linspace(-1e-4, 1e-4, n))
+
     b = ",".join(str(write_capture(tmp_path / f"baseline{i}", baseline * (1 + i / 1e4),
-                                   itl=itl[0] * (1 + i / 1e4))) for i in range(runs))
+                                   itl=itls(itl[0], len(baseline), i))) for i in range(runs))
     c = ",".join(str(write_capture(tmp_path / f"candidate{i}", candidate * (1 + i / 1e4),
-                                   itl=itl[1] * (1 + i / 1e4), cpu_tokens=32))
+                                   itl=itls(itl[1], len(candidate), i), cpu_tokens=32))
                  for i in range(runs))
     args = ["compare", b, c, "--json", "--resamples", "1000", *extra]
     return args
@@ -736,7 +740,8 @@ def test_one_itl_for_every_request_is_the_engines_model_not_a_measurement(tmp_pa
     """The reference engine prices decode: every request of a demo capture had an ITL of
     0.995 ms, and compare read "ITL keep" with a CI of 0.995-0.995 ms as if measured. A
     baseline whose 50 requests all have 20 ms is the model's; a candidate's 15 to 25 ms,
-    spread as a measurement's, is not: the report says so of the baseline alone."""
+    spread as a measurement's, is not: the report says so of the baseline alone, and the
+    verdict judges TTFT alone."""
     ttft = np.linspace(0.02, 0.06, 50)
     base = write_capture(tmp_path / "base", ttft, itl=0.02)
     cand = write_capture(tmp_path / "cand", ttft, itl=np.linspace(0.015, 0.025, 50))
@@ -745,6 +750,8 @@ def test_one_itl_for_every_request_is_the_engines_model_not_a_measurement(tmp_pa
     assert ("  ITL of the baseline: every request's is the same, the engine's cost model (the "
             "reference engine prices decode), not measured\n") in text
     assert "ITL of the candidate" not in text and "and the candidate" not in text
+    # and the verdict does not judge it: TTFT alone, as where an arm reported no ITL
+    assert "  - ITL not measured on the baseline: judged on TTFT alone\n" in text
     assert main(["compare", str(base), str(cand), "--resamples", "100", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["baseline"]["itl_modelled"], out["candidate"]["itl_modelled"]) == (True, False)
