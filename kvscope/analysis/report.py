@@ -50,8 +50,8 @@ def sizing_figure_data(analysis: Analysis) -> dict:
     GiB (``lru``, ``lru_tokens``, ``arc``: dicts of ``gib`` and ``hit_ratio`` lists), the CPU
     tier's token hit share and its prefill seconds saved vs transfer seconds (``cpu``), and the
     marked points (``recommended``, ``knee``, ``current``: the input's own tier; dicts or
-    None) with the verdict, and the
-    analysis's ``notes`` (what it assumed, e.g. no GPU prefix cache)."""
+    None) with the verdict, ``gpu_cache_gib``: the GPU prefix cache's size (None: none given),
+    and the analysis's ``notes`` (what it assumed, e.g. no GPU prefix cache)."""
     gib = analysis.bytes_per_block / GIB
 
     def curve(c):
@@ -76,6 +76,8 @@ def sizing_figure_data(analysis: Analysis) -> dict:
                 "prefill_seconds_saved": [p.prefill_seconds_saved for p in s.curve],
                 "transfer_seconds": [p.transfer_seconds for p in s.curve]},
         "gpu_token_hit_share": s.gpu_token_hit_share,
+        "gpu_cache_gib": (s.assumptions["gpu_tokens"] // s.assumptions["block_tokens"] * gib
+                          if s.assumptions["gpu_tokens"] else None),
         "reuse_token_share": s.reuse_token_share,
         "recommended": point(s.recommended), "knee": point(s.knee),
         "current": point(s.current),

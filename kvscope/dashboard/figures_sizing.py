@@ -11,8 +11,10 @@ import plotly.graph_objects as go
 from kvscope.dashboard.figures import message_figure, new_figure
 
 # a miss-ratio curve: one cache of each size, which an inclusive CPU tier's hits and the GPU's
-# add up to (a tryout read its 0% at 0 GiB against "GPU prefix cache alone: 37%" under it)
-CURVES_TITLE = "Hit ratio of one cache of each size (an inclusive CPU tier: GPU hits included)"
+# add up to from the GPU cache's size on (a tryout read its 0% at 0 GiB against "GPU prefix
+# cache alone: 37%" under it)
+CURVES_TITLE = ("Hit ratio of one cache of each size (from the GPU cache's size on: the GPU and "
+                "an inclusive CPU tier together)")
 COST_TITLE = "Prefill seconds saved vs transfer seconds, against CPU tier size"
 _CURVES = (("lru", "LRU, block accesses", "#1f77b4", None),
            ("lru_tokens", "LRU, prompt tokens", "#2ca02c", None),
@@ -41,6 +43,11 @@ def _mark(fig: go.Figure, data: Mapping) -> None:
             fig.add_vline(x=point["gib"], line={"color": colour, "dash": "dash", "width": 1},
                           annotation_text=f"{name} {gib_text(point['gib'])} GiB",
                           annotation_position="bottom right" if name == "knee" else "top right")
+    if data.get("gpu_cache_gib"):
+        gpu = data["gpu_cache_gib"]
+        fig.add_vline(x=gpu, line={"color": "#9467bd", "dash": "dot", "width": 1},
+                      annotation_text=f"GPU cache {gib_text(gpu)} GiB",
+                      annotation_position="bottom left")
 
 
 def sizing_curves(data: Mapping) -> go.Figure:

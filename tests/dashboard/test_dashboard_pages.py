@@ -440,6 +440,13 @@ def test_sizing_figures_plot_the_curves_with_units():
     assert curves.layout.yaxis.tickformat == ".0%"
     cost = fz.sizing_cost(SIZING)
     assert list(cost.data[0].y) == [0, 10, 12] and cost.layout.yaxis.ticksuffix == "s"
+    # the GPU cache's size is marked where one was given: below it, the curve is not yet the
+    # GPU's and the CPU tier's hits together
+    def marks(fig):
+        return [a.text for a in fig.layout.annotations]
+
+    assert "GPU cache 0.5 GiB" in marks(fz.sizing_curves({**SIZING, "gpu_cache_gib": 0.5}))
+    assert not any(m.startswith("GPU cache") for m in marks(curves))
 
 
 def test_sizing_page_says_how_to_enable_it_without_a_trace():
@@ -530,6 +537,8 @@ def test_sizing_credits_the_gpu_prefix_cache_it_is_given(tmp_path):
     source.start()
     state = source.wait(60)
     assert state.data["gpu_token_hit_share"] == pytest.approx(2048 / 4172)
+    # 4 blocks of 512 tokens at tiny's 2 KiB per token: 4 MiB
+    assert state.data["gpu_cache_gib"] == pytest.approx(4 * 512 * 2048 / 2**30)
     assert "GPU prefix cache 2,048 tokens" in state.message
     # a trace has no KV bytes of its own: the preset's, and the option naming the model
     assert "(preset tiny; --sizing-preset for your model)" in state.message
