@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 from kvscope.analysis.analyze import Analysis
-from kvscope.analysis.sizing import GIB, SizePoint, seconds, size_text
+from kvscope.analysis.sizing import GIB, SizePoint, blocks_text, seconds, size_text
 
 SCHEMA = "kvscope.analysis/v1"
 
@@ -86,10 +86,6 @@ def sizing_figure_data(analysis: Analysis) -> dict:
     }
 
 
-def _blocks(n: int) -> str:
-    return f"{n:,} block" + ("" if n == 1 else "s")
-
-
 def _table(analysis: Analysis, rows: int = 8) -> list[str]:
     """A few LRU/ARC curve points: the ARC sizes, else ``rows`` evenly spaced sizes."""
     lru, lru_t, arc = analysis.lru, analysis.lru_tokens, analysis.arc
@@ -160,7 +156,7 @@ def render_text(analysis: Analysis) -> str:
     if s.knee is not None:
         beyond = (f"; beyond the budget of {size_text(budget)}"
                   if budget is not None and s.knee.bytes > budget else "")
-        lines.append(f"  knee: {_blocks(s.knee.blocks)} ({size_text(s.knee.bytes)}): CPU tier "
+        lines.append(f"  knee: {blocks_text(s.knee.blocks)} ({size_text(s.knee.bytes)}): CPU tier "
                      f"serves {s.knee.cpu_token_hit_share:.2%} (where the gain curve bends "
                      f"most, up to the trace's working set{beyond})")
     elif s.recommended is not None:
@@ -168,7 +164,7 @@ def render_text(analysis: Analysis) -> str:
                      "trace's working set)")
     if s.recommended is not None:
         p = s.recommended
-        lines += [f"  recommended CPU tier: {_blocks(p.blocks)} ({size_text(p.bytes)}); "
+        lines += [f"  recommended CPU tier: {blocks_text(p.blocks)} ({size_text(p.bytes)}); "
                   f"vLLM --kv-offloading-size {s.kv_offloading_size_gib:g}",
                   f"    the smallest size that buys {a['target_share']:.0%} of the largest "
                   "affordable size's gain (--target-share)",
@@ -180,7 +176,7 @@ def render_text(analysis: Analysis) -> str:
                      else "not measured (the trace spans no time)")]
     if s.current is not None:
         p = s.current
-        lines.append(f"  the input's own CPU tier: {_blocks(p.blocks)} ({size_text(p.bytes)}): "
+        lines.append(f"  the input's own CPU tier: {blocks_text(p.blocks)} ({size_text(p.bytes)}): "
                      f"token hit share {p.token_hit_share:.2%} (CPU tier "
                      f"{p.cpu_token_hit_share:.2%})"
                      f"; prefill saved {seconds(p.prefill_seconds_saved)}, transfers "

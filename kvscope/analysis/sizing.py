@@ -46,6 +46,11 @@ def seconds(x: float) -> str:
     return f"{np.format_float_positional(x, precision=4, fractional=False, trim='-')} s"
 
 
+def blocks_text(n: float) -> str:
+    """``n`` blocks in words: "1 block", "2,438 blocks"."""
+    return f"{n:,.0f} block" + ("" if n == 1 else "s")
+
+
 def size_text(n_bytes: float) -> str:
     """A tier's size in GiB to 2 decimals, in MiB under 0.01 GiB and in bytes under 0.1 MiB (a
     tier of 2 MiB read "0.00 GiB", as if it were none)."""

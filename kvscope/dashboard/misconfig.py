@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvscope.analysis.sizing import blocks_text
 from kvscope.analysis.transfer_cost import is_promotion, promotion_seconds_by_tier
 from kvscope.dashboard.series import (Sample, bucket_increase, bytes_text, is_number, mapping,
                                       ordered, scalar_increase, window_increase)
@@ -194,8 +195,12 @@ def swap_in(window: Sequence[Sample], s: Settings) -> Finding:
                     + ("" if on else ", no host-RAM offload tier"))
 
 
-def _blocks_text(n: float) -> str:
-    return f"{n:,.0f} blocks"
+def _share_of_it(ratio: float) -> str:
+    """Promotion seconds over the seconds saved, as the end of a parenthesis; never "0%" for
+    a measured cost."""
+    if ratio == float("inf"):
+        return "nothing saved)"
+    return "under 1% of it)" if ratio < 0.005 else f"{ratio:.0%} of it)"
 
 
 def tier_negligible(window: Sequence[Sample], s: Settings) -> Finding:
@@ -210,10 +215,10 @@ def tier_negligible(window: Sequence[Sample], s: Settings) -> Finding:
         return _finding(key, NOT_MEASURED, "not measured: no prompt tokens in the window")
     # bytes where known, else blocks (KV events without block_bytes report blocks alone)
     resident = [(mapping(window[-1], "tier_resident_bytes"), bytes_text),
-                (mapping(window[-1], "tier_resident_blocks"), _blocks_text)]
+                (mapping(window[-1], "tier_resident_blocks"), blocks_text)]
     stored = [({d.partition("->")[2]: v for d, v in window_increase(window, name).items()
                 if not is_promotion(d)}, text)
-              for name, text in (("transfer_bytes", bytes_text), ("transfer_blocks", _blocks_text))]
+              for name, text in (("transfer_bytes", bytes_text), ("transfer_blocks", blocks_text))]
     held = {}
     for t in OFFLOAD_TIERS:
         # a tier that reports its residency holds what it says; one that does not, what it took
@@ -264,8 +269,7 @@ def promotion_slower(window: Sequence[Sample], s: Settings) -> Finding:
     # a share, not a "×": the savings card's 1.4× is saved over spent, and a tryout read this
     # line's 0.15× (spent over saved) beside it as the opposite verdict
     lines = "; ".join(f"{t}: {spent[t]:.2f} s of promotions for {saved.get(t, 0.0):.2f} s of "
-                      "prefill saved (" + (f"{r:.0%} of it)" if r != float("inf")
-                                           else "nothing saved)") for t, r in ratio.items())
+                      "prefill saved (" + _share_of_it(r) for t, r in ratio.items())
     if slow:
         return _finding(key, MISCONFIGURED, f"{lines}: promoting the "
                         f"{'/'.join(slow)} tier's blocks takes longer than recomputing them",
