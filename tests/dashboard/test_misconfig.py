@@ -188,6 +188,9 @@ def test_promotions_slower_than_recompute():
     assert f.status == MISCONFIGURED and "promoting the disk tier" in f.wrong
     assert "(200% of it)" in f.wrong
     assert M.promotion_slower(w(0.04, 0.05), S).status == OK
+    # 0.0002 s against 0.05 s (0.4%): measured, so not "0% of it"
+    assert "disk: 0.01 s of promotions for 3.00 s of prefill saved (under 1% of it)" in \
+        M.promotion_slower(w(0.0002, 0.05), S).wrong
     # promotions seen but none timed (zero-code mode: blocks, bytes alone from vLLM's
     # /metrics, or only the prefill a tier saved from KV events) say why; no promotion at all
     # says that instead (a tryout read the vLLM explanation on a run without any)
