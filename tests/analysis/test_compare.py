@@ -557,7 +557,7 @@ def test_the_arm_without_itl_is_named():
     assert "ITL not measured on the candidate: judged on TTFT alone" in result.verdict.reasons
     itl = compare(base, cand, itl_budget=0.03, resamples=400).by_metric["ITL"]
     assert itl.decision == INCONCLUSIVE and "not measured on the candidate" in itl.text
-    assert "not measured on the baseline and candidate" in compare(
+    assert "not measured on the baseline and the candidate" in compare(
         cand, cand, itl_budget=0.03, resamples=400).by_metric["ITL"].text
 
 
@@ -751,7 +751,8 @@ def test_one_itl_for_every_request_is_the_engines_model_not_a_measurement(tmp_pa
             "reference engine prices decode), not measured\n") in text
     assert "ITL of the candidate" not in text and "and the candidate" not in text
     # and the verdict does not judge it: TTFT alone, as where an arm reported no ITL
-    assert "  - ITL not measured on the baseline: judged on TTFT alone\n" in text
+    assert ("  - ITL not measured on the baseline (the engine's cost model: every request's ITL "
+            "the same): judged on TTFT alone\n") in text
     assert main(["compare", str(base), str(cand), "--resamples", "100", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["baseline"]["itl_modelled"], out["candidate"]["itl_modelled"]) == (True, False)
