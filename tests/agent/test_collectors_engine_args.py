@@ -113,6 +113,26 @@ def test_without_engine_pid_the_vllm_server_is_found(tmp_path):
     assert EngineArgsCollector(10, proc=proc).collect().weight_offload_bytes is None
 
 
+def test_several_vllm_servers_are_named_once(tmp_path, caplog):
+    """Two vLLM servers (a node serving one per GPU, or one left over): the collector reads the
+    lowest process id, as the docs say, and says once which it found, so the other's weight
+    offload is not silently unread."""
+    proc = _fake_proc(tmp_path, {50: ("vllm", "serve", "a", "--cpu-offload-gb", "2"),
+                                 70: ("vllm", "serve", "b")})
+    now = [0.0]
+    collector = EngineArgsCollector(proc=proc, clock=lambda: now[0])
+    with caplog.at_level("WARNING"):
+        assert collector.collect().weight_offload_bytes == 2 * GiB
+        (tmp_path / "50" / "cmdline").unlink()  # it exits; the next look finds the other
+        now[0] = FIND_EVERY
+        reading = collector.collect()
+        assert (reading.engine_pid, reading.weight_offload_bytes) == (70, 0)
+    said = [r.getMessage() for r in caplog.records if "vLLM servers" in r.getMessage()]
+    assert said == ["engine_args: 2 vLLM servers on this host (process ids 50, 70): reading the "
+                    "first that runs; set [collectors] engine_pid to the one this agent serves "
+                    "(logged once)"]
+
+
 def test_parse_cmdline_splits_on_nul():
     assert parse_cmdline(b"vllm\0serve\0m\0") == ["vllm", "serve", "m"]
     assert parse_cmdline(b"") == []  # a zombie's, or a kernel thread's

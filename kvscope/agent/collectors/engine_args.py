@@ -22,12 +22,15 @@ Reading and parsing are split: :func:`parse_cmdline`, :func:`config_flags` and
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvscope.agent.collectors.base import CollectorError, register
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PROC = Path("/proc")
 GIB = 1 << 30
@@ -136,8 +139,8 @@ class EngineArgsCollector:
 
     ``engine_pid``: the serving engine's process. None: with ``find_vllm`` the vLLM server on this
     host (:func:`find_vllm_servers`: the first, looked for again when it exits and at most
-    every :data:`FIND_EVERY` seconds while none runs), else nothing to read (every value
-    None). ``proc``: ``/proc``; ``clock``: monotonic seconds. ``collect()`` raises
+    every :data:`FIND_EVERY` seconds while none runs; several are logged once, as the node's
+    other servers go unread), else nothing to read (every value None). ``proc``: ``/proc``; ``clock``: monotonic seconds. ``collect()`` raises
     CollectorError when the configured process is gone or its command line cannot be read.
     Raises ValueError on a non-positive ``engine_pid``."""
 
@@ -152,6 +155,7 @@ class EngineArgsCollector:
         self._find = find_vllm and engine_pid is None
         self._found: int | None = None
         self._next_look = float("-inf")
+        self._told_several = False
         self._proc = Path(proc)
         self._clock = clock
 
@@ -170,7 +174,14 @@ class EngineArgsCollector:
             if now < self._next_look:
                 return EngineArgsReading()
             self._next_look = now + FIND_EVERY
-            for pid in find_vllm_servers(self._proc):
+            servers = find_vllm_servers(self._proc)
+            if len(servers) > 1 and not self._told_several:
+                self._told_several = True
+                log.warning("engine_args: %d vLLM servers on this host (process ids %s): "
+                            "reading the first that runs; set [collectors] engine_pid to the "
+                            "one this agent serves (logged once)", len(servers),
+                            ", ".join(map(str, servers)))
+            for pid in servers:
                 if (argv := self._argv(pid)) is not None:
                     self._found = pid
                     break
