@@ -140,8 +140,9 @@ class EngineArgsCollector:
     ``engine_pid``: the serving engine's process. None: with ``find_vllm`` the vLLM server on this
     host (:func:`find_vllm_servers`: the first, looked for again when it exits and at most
     every :data:`FIND_EVERY` seconds while none runs; several are logged once, as the node's
-    other servers go unread), else nothing to read (every value None). ``proc``: ``/proc``; ``clock``: monotonic seconds. ``collect()`` raises
-    CollectorError when the configured process is gone or its command line cannot be read.
+    other servers go unread), else nothing to read (every value None). ``proc``: ``/proc``;
+    ``clock``: monotonic seconds. ``collect()`` raises CollectorError when the configured
+    process is gone or its command line cannot be read.
     Raises ValueError on a non-positive ``engine_pid``."""
 
     name = "engine_args"
