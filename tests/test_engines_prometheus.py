@@ -252,6 +252,12 @@ UNTIMED = {
     "Failed share of transfers": "failures over timed transfers: its transfers are untimed",
 }
 
+# every engine here reports transfers only through sources blind to a failed copy (byte
+# counters, KV events): the agent exports no failure series for them (not measured, never 0)
+NO_FAILURES = {
+    "Transfer failures by reason": "its sources count what moved, not the copies that failed",
+}
+
 NO_IN_FLIGHT = {
     "Transfers in flight by direction ({{instance}} {{src}} → {{dst}} transfers)":
         "copies in flight are a tap's (vLLM's worker jobs, the reference engine's)",
@@ -310,7 +316,7 @@ def engines() -> dict[str, Engine]:
         "vllm": Engine(
             "vllm", "MODEL",
             "vllm_metrics",
-            {**UNTIMED, **NO_BLOCK_HASHES,
+            {**UNTIMED, **NO_FAILURES, **NO_BLOCK_HASHES,
              **NO_IN_FLIGHT, **NO_EVICTIONS, **NO_EVICTED_HITS,
              **NO_ADMISSIONS,
              "Idle time before eviction (median, p95) ({{tier}} median)":
@@ -324,7 +330,7 @@ def engines() -> dict[str, Engine]:
         "tensorrt-llm": Engine(
             "tensorrt-llm", "meta-llama/Llama-3.1-8B-Instruct",
             "trtllm",
-            {**UNTIMED, **NO_BLOCK_HASHES,
+            {**UNTIMED, **NO_FAILURES, **NO_BLOCK_HASHES,
              **NO_IN_FLIGHT, **NO_CACHE_SETTINGS,
              "Lookup hit ratio by tier": "its counters are tokens, not blocks looked up",
              "Stores not made (skipped or failed share) ({{tier}} failed)":
@@ -333,7 +339,7 @@ def engines() -> dict[str, Engine]:
         "dynamo": Engine(
             "dynamo", "Qwen/Qwen3-0.6B",
             "kvbm_metrics",
-            {**UNTIMED, **NO_BLOCK_HASHES,
+            {**UNTIMED, **NO_FAILURES, **NO_BLOCK_HASHES,
              **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTIONS, **NO_EVICTED_HITS,
              **NO_IDLE, **NO_ADMISSIONS, **NO_RESIDENCY, **NO_TOKENS, **NO_TTFT},
             set(), {"gpu → cpu", "cpu → disk", "gpu → disk", "gpu → remote", "cpu → gpu",
@@ -341,7 +347,7 @@ def engines() -> dict[str, Engine]:
         "sglang": Engine(
             "sglang", "MODEL",
             "sglang_metrics",
-            {**UNTIMED, **NO_BLOCK_HASHES,
+            {**UNTIMED, **NO_FAILURES, **NO_BLOCK_HASHES,
              **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTED_HITS, **NO_IDLE,
              "Lookup hit ratio by tier": "its counters are tokens, not blocks looked up",
              "Evicted before any reuse": "evictions carry no hit count",
@@ -357,7 +363,7 @@ def engines() -> dict[str, Engine]:
         out["lmcache"] = Engine(
             "lmcache", "MODEL",
             "lmcache_metrics",
-            {**UNTIMED, **NO_BLOCK_HASHES,
+            {**UNTIMED, **NO_FAILURES, **NO_BLOCK_HASHES,
              **NO_IN_FLIGHT, **NO_CACHE_SETTINGS, **NO_EVICTED_HITS, **NO_ADMISSIONS,
              **NO_TTFT,
              "Evicted before any reuse": "evictions carry no hit count",
