@@ -45,6 +45,11 @@ def to_json(analysis: Analysis) -> str:
     return json.dumps(to_dict(analysis), indent=2)
 
 
+# what the sizing's figures rest on, as the report names each, and its key in the assumptions
+SOURCES = (("promotion bandwidth", "bandwidth_source"), ("prefill rate", "prefill_source"),
+           ("KV bytes per block", "kv_bytes_source"), ("GPU prefix cache", "gpu_tokens_source"))
+
+
 def sizing_figure_data(analysis: Analysis) -> dict:
     """The data a Sizing page plots, in plain lists: hit-ratio curves against CPU tier size in
     GiB (``lru``, ``lru_tokens``, ``arc``: dicts of ``gib`` and ``hit_ratio`` lists), the CPU
@@ -147,10 +152,7 @@ def render_text(analysis: Analysis) -> str:
               f"  assumptions: promotion {a['bandwidth_bytes_per_second'] / 1e9:.3g} GB/s, prefill "
               f"{a['prefill_tokens_per_second']:,.0f} tokens/s, GPU prefix cache {a['gpu_tokens']:,} "
               f"tokens, CPU tier {a['cpu_tier']}",
-              f"    promotion bandwidth {a['bandwidth_source']}",
-              f"    prefill rate {a['prefill_source']}",
-              f"    KV bytes per block {a['kv_bytes_source']}",
-              f"    GPU prefix cache {a['gpu_tokens_source']}",
+              *[f"    {name} {a[key]}" for name, key in SOURCES],
               f"  GPU prefix cache alone serves {s.gpu_token_hit_share:.2%} of prompt tokens"]
     budget = a["budget_bytes"]
     if s.knee is not None:
@@ -184,11 +186,7 @@ def render_text(analysis: Analysis) -> str:
     lines += ["", f"Verdict: {s.verdict}"] + [f"  - {reason}" for reason in s.reasons[1:]]
     # the verdict's figures rest on these as much as on the curve (a tryout's damaged capture
     # priced its tokens at a preset's rate, 8 times its own, with the verdict silent about it)
-    lines += [f"  - {name} assumed, not measured: {source.removeprefix('assumed: ')}"
-              for name, source in (("promotion bandwidth", a["bandwidth_source"]),
-                                   ("prefill rate", a["prefill_source"]),
-                                   ("KV bytes per block", a["kv_bytes_source"]),
-                                   ("GPU prefix cache", a["gpu_tokens_source"]))
-              if source.startswith("assumed")]
+    lines += [f"  - {name} assumed, not measured: {a[key].removeprefix('assumed: ')}"
+              for name, key in SOURCES if a[key].startswith("assumed")]
     lines += [f"Note: {note}" for note in analysis.notes]
     return "\n".join(lines) + "\n"

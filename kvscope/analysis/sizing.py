@@ -260,7 +260,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
     if offload:
         # the share at the recommended size, beside that size (a tryout read "a 0.1 GiB tier
         # serves 28.7%" where 0.1 is the flag rounded up from 0.07 GiB, which serves more)
-        verdict = (f"Offload: a CPU tier of {recommended.blocks:,} blocks "
+        verdict = (f"Offload: a CPU tier of {blocks_text(recommended.blocks)} "
                    f"({size_text(recommended.bytes)}) serves "
                    f"{recommended.cpu_token_hit_share:.1%} of prompt tokens, saving "
                    f"{seconds(recommended.prefill_seconds_saved)} of prefill for "
