@@ -212,6 +212,13 @@ def _wait_ready(demo: Demo, deadline: float) -> None:
         time.sleep(0.5)
 
 
+def sigint_default() -> None:
+    """A child's ``preexec_fn``: SIGINT as Ctrl-C delivers it, whatever pytest inherited (a
+    shell script's background job starts with it ignored, and a demo stopped with SIGINT then
+    prints "stop with kill" and runs on)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _stop(proc: subprocess.Popen) -> int | None:
     """SIGINT (Ctrl-C), then wait; kill if it hangs. Returns the exit code, or None if it hung."""
     if proc.poll() is not None:
@@ -244,7 +251,8 @@ def running_demo(env: dict[str, str] | None = None, log_name: str = "demo.log",
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=sigint_default,
         )
     started = time.monotonic()
     d = Demo(metrics_port=metrics_port, ui_port=ui_port, proc=proc, log_path=log_path)

@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from conftest import DEMO_START_TIMEOUT_S, Demo, _stop, _wait_ready, artifacts_dir, free_ports
+from conftest import (DEMO_START_TIMEOUT_S, Demo, _stop, _wait_ready, artifacts_dir, free_ports,
+                      sigint_default)
 from test_e2e_dashboard import browser, screenshot, wait_for  # noqa: F401 (fixture)
 
 CASES = {
@@ -53,7 +54,8 @@ def demo_with(args: list[str], log_name: str, env: dict[str, str] | None = None)
            "--metrics-port", str(metrics_port), "--ui-port", str(ui_port), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=sigint_default)
     demo = Demo(metrics_port=metrics_port, ui_port=ui_port, proc=proc, log_path=log_path)
     try:
         _wait_ready(demo, time.monotonic() + DEMO_START_TIMEOUT_S)
