@@ -19,6 +19,7 @@ from kvscope.dashboard.series import bytes_text
 from kvscope.vocabulary import NOT_MEASURED, OFFLOAD_TIERS, TOKEN_SOURCES
 
 WATERFALL_TITLE = "Request waterfall"
+NO_TIER = "no tier"  # an offload tier's tokens where the agent reports no such tier
 
 # DataTable columns: (id, header, type); numbers are sortable and filterable as numbers.
 COLUMNS = (
@@ -61,10 +62,14 @@ def table_rows(records: Sequence[Mapping], tiers: Collection[str] | None = None)
     request id: engines may share ids) so a selected cell finds its row; times in ms rounded
     to 0.01 ms; ``instance`` "" outside a fleet. What the record does not hold is None (the
     grid shows "not measured"): a TTFT, a promotion wait, tokens by source (none at all: a
-    source that did not report them; an offload tier's outside ``tiers``, those the agent
-    reports, when given: no disk tier read "disk tokens 0"), transfers
-    (:func:`transfer_count`)."""
+    source that did not report them), transfers (:func:`transfer_count`). An offload tier's
+    tokens are None too where ``tiers``, those the agent reports, when given, lack that tier
+    and the record has none from it (no disk tier read "disk tokens 0"); ``no_tier`` lists
+    those columns, which the grid shows as "no tier" (the Tiers page's "no disk tier
+    configured"), not as "not measured"."""
     rows = []
+    absent = [f"tokens_{s}" for s in TOKEN_SOURCES
+              if tiers is not None and s in OFFLOAD_TIERS and s not in tiers]
     for r in records:
         tokens = r.get("tokens") or {}
         request_id, source = r.get("request_id", ""), r.get("source", "")
@@ -78,6 +83,7 @@ def table_rows(records: Sequence[Mapping], tiers: Collection[str] | None = None)
             "promotion_wait_ms": _ms(r, "promotion_wait"),
             "transfers": transfer_count(r),
         }
+        row["no_tier"] = [c for c in absent if tokens and row[c] is None]
         rows.append(row)
     return rows
 

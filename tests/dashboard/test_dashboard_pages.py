@@ -31,7 +31,8 @@ RECORD = {
 
 
 def annotation_texts(fig) -> list[str]:
-    return [a.text for a in fig.layout.annotations]
+    """The figure's annotations as one line each (a message figure wraps them with <br>)."""
+    return [a.text.replace("<br>", " ") for a in fig.layout.annotations]
 
 
 # --- Requests -------------------------------------------------------------------------------
@@ -57,9 +58,17 @@ def test_a_tier_the_agent_does_not_report_reads_not_measured_in_the_table():
     (row,) = requests_page.table(FakeBackend(samples=samples), None, None, 100, None)[0]
     assert (row["tokens_gpu"], row["tokens_cpu"], row["tokens_disk"],
             row["tokens_recompute"]) == (512, 256, None, 256)
+    assert row["no_tier"] == ["tokens_disk"]  # drawn "no tier", as the Tiers page says
     for samples in ((), [{"ts": T}]):
         (row,) = requests_page.table(FakeBackend(samples=samples), None, None, 100, None)[0]
-        assert row["tokens_disk"] == 0
+        assert row["tokens_disk"] == 0 and row["no_tier"] == []
+
+
+def test_a_record_without_tokens_is_not_measured_even_where_a_tier_is_absent():
+    """vLLM's span alone (no tokens by source): every token column is not measured, the
+    absent disk tier's too, since nobody reported this request's tokens at all."""
+    (row,) = fr.table_rows([{"request_id": "a", "source": "vllm"}], {"gpu", "cpu"})
+    assert row["tokens_disk"] is None and row["tokens_gpu"] is None and row["no_tier"] == []
 
 
 def test_waterfall_puts_every_part_on_one_axis_in_milliseconds():

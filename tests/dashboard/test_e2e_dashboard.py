@@ -329,6 +329,26 @@ def type_filter(browser, column: str, text: str) -> None:
                                          f'[aria-colindex="{index}"] input').send_keys(text)
 
 
+# The drawn text of the Requests grid's cells in column arguments[0].
+COLUMN_TEXT_JS = """
+return Array.from(document.querySelectorAll(
+  '#requests-table .ag-center-cols-container .ag-cell[col-id="' + arguments[0] + '"]'),
+  c => c.textContent);
+"""
+
+
+def test_requests_grid_says_no_tier_where_the_tiers_page_does(demo, browser):
+    """The demo runs without a disk tier: the Tiers page says "no disk tier configured", and
+    the grid's disk tokens cells said "not measured" beside it. They read "no tier" now; the
+    cpu tier's read numbers."""
+    browser.get(demo.ui_url + "requests")
+    disk = wait_for(browser, lambda: browser.execute_script(COLUMN_TEXT_JS, "tokens_disk"),
+                    "the grid's disk tokens cells")
+    assert set(disk) == {"no tier"}, disk
+    cpu = browser.execute_script(COLUMN_TEXT_JS, "tokens_cpu")
+    assert cpu and all(text.isdigit() for text in cpu), cpu
+
+
 def test_the_min_ttft_box_applies_once_typing_stops(demo, browser):
     """Typing a minimum TTFT filters the table without Enter (it waited for Enter, or for the
     box to lose focus: a tryout typed 5, waited, and saw every row still listed)."""

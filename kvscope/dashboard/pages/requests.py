@@ -45,15 +45,17 @@ _TEXT = "params.filterText.trim()"
 NUMBER_MATCHER = "".join(
     f"{_TEXT}.startsWith('{op}') ? Number(params.value) {js} Number({_TEXT}.slice({len(op)})) : "
     for op, js in _OPERATORS) + f"Number(params.value) === Number({_TEXT})"
-NUMBER_FORMAT = f"params.value == null ? '{fr.NOT_MEASURED}' : '' + params.value"
+NUMBER_FORMAT = ("params.value != null ? '' + params.value : (params.data.no_tier || [])"
+                 f".includes(params.colDef.field) ? '{fr.NO_TIER}' : '{fr.NOT_MEASURED}'")
 # every column filters by the text typed in the filter row: one condition, no operator menu
 _FILTER = {"filterOptions": ["contains"], "maxNumConditions": 1}
 
 
 def column_defs(fleet: bool = False) -> list[dict]:
     """AG Grid columns from :data:`fr.COLUMNS`: headers with their units, numbers right-aligned
-    with the comparison filter, blanks shown as "not measured"; the instance column shown in a
-    ``fleet`` only (one agent has one instance)."""
+    with the comparison filter, blanks shown as "not measured" (or "no tier": see
+    :func:`fr.table_rows`); the instance column shown in a ``fleet`` only (one agent has one
+    instance)."""
     defs = []
     for cid, name, kind in fr.COLUMNS:
         col = {"field": cid, "headerName": name,
