@@ -483,8 +483,8 @@ def read_arms(baseline: str, candidate: str) -> tuple[list[RequestSample], list[
 def _token_sources(tiers: pa.ChunkedArray, tokens: dict[str, int]) -> tuple[str, ...] | None:
     """The token sources the requests measured, from the tiers the agent reported with them
     (``tiers``: a row's comma-separated, "" unknown): an offload tier none of them reported
-    was off, not measured; gpu and recompute always are, and so is a source that served
-    tokens. None (every source) when no row knows its tiers (a capture written before they
+    was off (:attr:`RequestSample.tiers_off`); gpu and recompute always are, and so is a
+    source that served tokens. None (every source) when no row knows its tiers (a capture written before they
     were recorded)."""
     reported = {t for row in pc.unique(tiers).to_pylist() for t in row.split(",") if t}
     if not reported:
@@ -547,7 +547,9 @@ def _request_sample(table: pa.Table, name: str,
         prefill_seconds=prefill,
         prefill_modelled=_modelled(col["tokens_recompute"], col["prefill"]),
         itl_modelled=_constant(itl[itl > 0]),
-        token_sources=sources, window=window, transfers_measured=not spans_alone)
+        token_sources=sources, window=window, transfers_measured=not spans_alone,
+        tiers_off=() if sources is None else tuple(s for s in ev.TOKEN_SOURCES
+                                                   if s not in sources))
 
 
 def _modelled(recomputed: np.ndarray, prefill: np.ndarray) -> bool:

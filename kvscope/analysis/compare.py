@@ -86,7 +86,8 @@ class RequestSample:
     ``token_sources``: the sources ``tokens`` measured, a missing one counting 0 (None: every
     source, as a capture's records drop sources that served nothing); the others are not
     measured (a rollout arm read from vLLM's metrics: gpu and recompute; a capture without a
-    disk tier: all but disk). ``window``: (first arrival, last finish) of its requests, Unix
+    disk tier: all but disk). ``tiers_off``: offload tiers the run did not have (its agent
+    reported its tiers, without these: --cpu-blocks 0), neither measured nor 0. ``window``: (first arrival, last finish) of its requests, Unix
     seconds (None: not known). ``transfers_measured``: False where nothing counted transfers
     (a rollout arm read without an agent or an engine's transfer metrics, a capture of spans
     alone): its empty transfer dicts are then not measured, not none. ``name``: for reports.
@@ -108,6 +109,7 @@ class RequestSample:
     transfers_measured: bool = True
     prefill_modelled: bool = False
     itl_modelled: bool = False
+    tiers_off: tuple[str, ...] = ()
 
     @property
     def requests(self) -> int:
@@ -140,7 +142,9 @@ class Side:
     tokens/s the engine prefilled (recomputed tokens over prefill seconds), None when not
     measured; ``prefill_modelled``: that rate is its engine's cost model (every run's
     :attr:`RequestSample.prefill_modelled`), not measured; ``itl_modelled``: so is every
-    run's ITL (:attr:`RequestSample.itl_modelled`). ``value``: what each offload tier
+    run's ITL (:attr:`RequestSample.itl_modelled`); ``tiers_off``: offload tiers no run had
+    (:attr:`RequestSample.tiers_off`), left out of the shares like those not measured.
+    ``value``: what each offload tier
     bought and cost, dict[tier, {"tokens": prompt tokens it served, "prefill_seconds_saved":
     those tokens at the prefill
     rate (None: not measured), "transfer_seconds": the seconds of its copies both ways
@@ -161,6 +165,7 @@ class Side:
     value: dict[str, dict[str, float | None]] | None = field(default_factory=dict)
     prefill_modelled: bool = False
     itl_modelled: bool = False
+    tiers_off: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -365,7 +370,8 @@ def _side(runs: list[RequestSample]) -> Side:
                 transfer_failures(runs), *_wait_stats(runs), rate,
                 value if total else None,  # no tokens by source: what a tier bought, unknown
                 rate is not None and all(r.prefill_modelled for r in runs),
-                bool(runs) and all(r.itl_modelled for r in runs))
+                bool(runs) and all(r.itl_modelled for r in runs),
+                tuple(t for t in ev.TOKEN_SOURCES if runs and all(t in r.tiers_off for r in runs)))
 
 
 def _ran_first(base: Sequence[RequestSample], cand: Sequence[RequestSample]) -> str | None:
@@ -739,7 +745,8 @@ def render_text(comparison: Comparison) -> str:
     for side in (c.baseline, c.candidate):
         lines.append(f"  {side.name}: " + (", ".join(
             f"{s} {side.token_share[s] * 100:.1f}%" if s in side.token_share
-            else f"{s} not measured" for s in ev.TOKEN_SOURCES)
+            else f"no {s} tier" if s in side.tiers_off else f"{s} not measured"
+            for s in ev.TOKEN_SOURCES)
             if side.token_share is not None else "not measured (the records carry no tokens "
             "by source)"))
     lines.append("transfer cost:")

@@ -67,15 +67,19 @@ def latency(data: dict | None, metric: str = "ttft") -> go.Figure:
 
 def hit_quality(data: dict | None) -> go.Figure:
     """Share of prompt tokens by source (0-1), one stacked horizontal bar per run; a source
-    neither run measured (no such tier) is named in the title, not listed in the legend."""
+    neither run measured is named in the title, not listed in the legend: "no disk tier"
+    where both runs were without that tier (their ``tiers_off``), else "not measured"."""
     if not data:
         return message_figure(HIT_QUALITY_TITLE, EMPTY)
     runs = ["baseline", "candidate"]
     shares = [data[r]["token_share"] or {} for r in runs]
     measured = [s for s in TOKEN_SOURCES if any(s in share for share in shares)]
     unmeasured = [s for s in TOKEN_SOURCES if s not in measured] if measured else []
-    fig = _frame(HIT_QUALITY_TITLE + (f" ({', '.join(unmeasured)} not measured)"
-                                      if unmeasured else ""), "", height=260)
+    off = [s for s in unmeasured if all(s in data[r].get("tiers_off", ()) for r in runs)]
+    said = [f"no {s} tier" for s in off] + (
+        [f"{', '.join(s for s in unmeasured if s not in off)} not measured"]
+        if len(off) < len(unmeasured) else [])
+    fig = _frame(HIT_QUALITY_TITLE + (f" ({'; '.join(said)})" if said else ""), "", height=260)
     fig.update_layout(barmode="stack")
     for source in measured or TOKEN_SOURCES:
         fig.add_trace(go.Bar(

@@ -758,11 +758,12 @@ def test_one_itl_for_every_request_is_the_engines_model_not_a_measurement(tmp_pa
     assert (out["baseline"]["itl_modelled"], out["candidate"]["itl_modelled"]) == (True, False)
 
 
-def test_a_tier_the_capture_did_not_have_is_not_measured_never_zero(tmp_path, capsys):
+def test_a_tier_the_capture_did_not_have_reads_no_tier_never_zero(tmp_path, capsys):
     """The candidate's agent reported a gpu and a cpu tier, no disk tier; its 100 requests of
     64 prompt tokens took 32 from cpu and recomputed 32: cpu 3,200 / 6,400 = 50%, recompute
-    50%, gpu 0%, and disk "not measured" (it read 0.0%), left out of the JSON shares as a
-    rollout arm's unmeasured sources are. The baseline was captured before the tiers were
+    50%, gpu 0%, and "no disk tier" (it read 0.0%, then "disk not measured", where the agent
+    had said there was none), left out of the JSON shares as a rollout arm's unmeasured
+    sources are, and listed in ``tiers_off``. The baseline was captured before the tiers were
     recorded: every source measured, as before (disk 0.0%). A source that served tokens was
     measured whatever tiers were reported: cpu's 32 tokens a request beside a gpu tier alone."""
     _promoting_capture(tmp_path / "cand", "cpu", [], tiers=("gpu", "cpu")).close()
@@ -773,9 +774,10 @@ def test_a_tier_the_capture_did_not_have_is_not_measured_never_zero(tmp_path, ca
     assert out["candidate"]["token_share"] == {"gpu": 0.0, "cpu": 0.5, "recompute": 0.5}
     assert out["baseline"]["token_share"] == {"gpu": 0.0, "cpu": 0.0, "disk": 0.0,
                                               "recompute": 1.0}
+    assert (out["candidate"]["tiers_off"], out["baseline"]["tiers_off"]) == (["disk"], [])
     assert main(["compare", str(base), str(tmp_path / "cand"), "--resamples", "100"]) == 0
     text = capsys.readouterr().out
-    assert "cand: gpu 0.0%, cpu 50.0%, disk not measured, recompute 50.0%" in text
+    assert "cand: gpu 0.0%, cpu 50.0%, no disk tier, recompute 50.0%" in text
     assert "base: gpu 0.0%, cpu 0.0%, disk 0.0%, recompute 100.0%" in text
     _promoting_capture(tmp_path / "gpu", "cpu", [], tiers=("gpu",)).close()
     assert read_request_sample(tmp_path / "gpu").token_sources == ("gpu", "cpu", "recompute")

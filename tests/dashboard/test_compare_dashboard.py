@@ -80,7 +80,7 @@ def test_the_per_level_chart_ticks_the_levels_run():
 
 def test_placeholders_and_verdict_colours():
     for fig in fc.all_figures(None):
-        assert fig.layout.annotations[0].text == fc.EMPTY
+        assert fig.layout.annotations[0].text.replace("<br>", " ") == fc.EMPTY
     assert fc.verdict_colour("roll back (disable the newest tier)") == "#d62728"
     assert fc.verdict_colour("keep") == "#2ca02c"
     assert fc.verdict_colour("inconclusive") == "#b8860b"
@@ -197,6 +197,20 @@ def test_hit_quality_says_not_measured_for_an_arm_without_tokens_by_source(tmp_p
     fig = fc.hit_quality(to_dict(compare(zero_code, zero_code, resamples=100)))
     assert [t.name for t in fig.data] == ["gpu", "recompute"]
     assert fig.layout.title.text.endswith("(cpu, disk not measured)")
+    # captures whose agents reported no disk tier (a tryout ran --cpu-blocks 0 against a cpu
+    # tier: "disk not measured" read as if a disk tier's hits were lost); a tier one arm had
+    # is measured, its bar where it served tokens
+    no_tier = [RequestSample(name, np.linspace(0.05, 0.1, 150), tokens=tokens,
+                             token_sources=("gpu", *extra, "recompute"),
+                             tiers_off=("cpu", "disk")[len(extra):])
+               for name, tokens, extra in (("off", {"gpu": 60, "recompute": 40}, ()),
+                                           ("cpu", {"gpu": 60, "cpu": 30, "recompute": 10},
+                                            ("cpu",)))]
+    fig = fc.hit_quality(to_dict(compare(*no_tier, resamples=100)))
+    assert [t.name for t in fig.data] == ["gpu", "cpu", "recompute"]
+    assert fig.layout.title.text.endswith("(no disk tier)")
+    fig = fc.hit_quality(to_dict(compare(no_tier[0], zero_code, resamples=100)))
+    assert fig.layout.title.text.endswith("(cpu, disk not measured)")
 
 
 def test_link_opens_the_form_with_the_budget_in_milliseconds_or_a_percentage():
@@ -271,7 +285,8 @@ def test_respond_opens_a_link_and_a_click_writes_one(tmp_path):
     out = page.respond(True, "", b, c, "-5", roots=roots)
     assert out[n - 1].startswith("cannot compare:") and out[n:] == (keep,) * 4
     # every chart says so too, not "choose a baseline and a candidate capture"
-    assert [fig.layout.annotations[0].text for fig in out[:n - 2]] == [out[n - 1]] * (n - 2)
+    assert [fig.layout.annotations[0].text.replace("<br>", " ") for fig in out[:n - 2]] \
+        == [out[n - 1]] * (n - 2)
 
     out = page.respond(False, f"?baseline={b}&candidate={c}&ttft_budget=abc", b, c, "100",
                        roots=roots)
