@@ -7,6 +7,8 @@ Every axis names its unit; an empty input gives a readable message instead of a 
 
 from __future__ import annotations
 
+import textwrap
+
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,6 +22,7 @@ from kvscope.vocabulary import NOT_MEASURED, OFFLOAD_TIERS
 
 TIME_AXIS_TITLE = "time (UTC)"
 NO_DATA = "no data yet"
+MESSAGE_WIDTH = 44  # characters a line: a Tiers panel is a third of a 1400-px page at 16 px
 NO_TRANSFERS = "no transfers between tiers in this window (is an offload tier configured?)"
 
 HIT_QUALITY_TITLE = "Hit quality: prompt tokens by source"
@@ -83,7 +86,11 @@ def base(title: str, unit: str, height: int = 320) -> go.Figure:
 
 
 def message_figure(title: str, message: str, height: int = 320) -> go.Figure:
-    """A chart-sized figure with no axes that shows ``message`` in its middle."""
+    """A chart-sized figure with no axes that shows ``message`` in its middle, in lines of at
+    most :data:`MESSAGE_WIDTH` characters (joined by ``<br>``): Plotly does not wrap text, and
+    a long message ran past a narrow chart's edges, cut off."""
+    message = "<br>".join(textwrap.wrap(message, MESSAGE_WIDTH, break_long_words=False,
+                                        break_on_hyphens=False)) or message
     return go.Figure(layout={
         "title": {"text": title, "x": 0.01, "font": {"size": 15}}, "template": TEMPLATE,
         "height": height, "margin": {"l": 70, "r": 10, "t": 50, "b": 45},

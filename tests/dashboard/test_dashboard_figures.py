@@ -35,7 +35,8 @@ def sample(dt: float, **fields) -> dict:
 
 
 def annotation_texts(fig) -> list[str]:
-    return [a.text for a in fig.layout.annotations]
+    """The figure's annotations as one line each (a message figure wraps them with <br>)."""
+    return [a.text.replace("<br>", " ") for a in fig.layout.annotations]
 
 
 def ys(trace) -> list[float]:

@@ -54,7 +54,8 @@ return out;
 ANNOTATIONS_JS = """
 const el = document.getElementById(arguments[0]);
 const plot = el && el.querySelector('.js-plotly-plot');
-return ((plot && plot.layout && plot.layout.annotations) || []).map(a => a.text);
+return ((plot && plot.layout && plot.layout.annotations) || []).map(
+  a => a.text.replace(/<br>/g, ' '));  // a message figure wraps its lines
 """
 
 
