@@ -251,8 +251,8 @@ def running_demo(env: dict[str, str] | None = None, log_name: str = "demo.log",
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            preexec_fn=sigint_default,
+            cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, preexec_fn=sigint_default,
         )
     started = time.monotonic()
     d = Demo(metrics_port=metrics_port, ui_port=ui_port, proc=proc, log_path=log_path)

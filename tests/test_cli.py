@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import free_port, tmpfs
+from conftest import free_port, sigint_default, tmpfs
 
 
 def _kvscope(*args, timeout=60, env=None, sigint=signal.SIG_DFL):
@@ -28,7 +28,8 @@ def _started_agent(*args, ingest, stderr=subprocess.STDOUT, env=None):
     rest)."""
     proc = subprocess.Popen([sys.executable, "-m", "kvscope", "agent", "--port", str(free_port()),
                              "--ingest", ingest, *args], stdout=subprocess.PIPE, stderr=stderr,
-                            text=True, stdin=subprocess.DEVNULL, env=env)
+                            text=True, stdin=subprocess.DEVNULL, env=env,
+                            preexec_fn=sigint_default)
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -502,7 +503,8 @@ def test_a_stop_signal_delivered_to_another_thread_still_stops_the_command():
     Python handler. ``wait_for_stop`` wakes the main thread so that it does; with
     ``stop.wait()`` in its place this script never ends (the timeout is a hang guard only)."""
     done = subprocess.run([sys.executable, "-c", _SIGNAL_TO_ANOTHER_THREAD], capture_output=True,
-                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+                          text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          preexec_fn=sigint_default)
     assert (done.returncode, done.stdout) == (0, "stopped\n"), done.stderr
 
 
@@ -606,7 +608,7 @@ def test_ctrl_c_while_the_demo_starts_stops_it_cleanly():
     start finish and stops at once (well before ``--duration``)."""
     done = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_THE_DEMO_STARTS,
                            str(free_port()), str(free_port())], capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)
+                          timeout=300, stdin=subprocess.DEVNULL, preexec_fn=sigint_default)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "kvscope demo: stopped after" in done.stdout, done.stdout
 
@@ -648,7 +650,7 @@ def test_a_sigint_ignored_at_start_stays_ignored(started_ignoring):
 
     done = subprocess.run([sys.executable, "-c", _SIGINT_TWICE], capture_output=True, text=True,
                           timeout=60, stdin=subprocess.DEVNULL,
-                          preexec_fn=ignore_sigint if started_ignoring else None)
+                          preexec_fn=ignore_sigint if started_ignoring else sigint_default)
     expected = "ignored" if started_ignoring else "stopped"
     assert (done.returncode, done.stdout.split()) == (0, [expected] * 2), done.stderr
 
@@ -685,7 +687,7 @@ def _agent_banner(tmp_path, config: str, *args: str, last: str = "  kv_events:")
                              "--ingest", f"ipc://{tmp_path}/ingest.sock",
                              "--config", str(tmp_path / "agent.toml"), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, preexec_fn=sigint_default)
     lines = []
     try:
         for line in proc.stdout:

@@ -55,7 +55,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, artifacts_dir, free_ports, http_status, needs_prometheus, running_prometheus
+from conftest import (REPO_ROOT, artifacts_dir, free_ports, http_status, needs_prometheus,
+                      running_prometheus, sigint_default)
 from tests.engine_servers import Exposition, lmcache_python, lmcache_server
 from tests.vllm_env import unavailable
 from tests.trtllm_server import DATA as TRTLLM_DATA, serving_trtllm
@@ -405,7 +406,8 @@ def _agent(engine: Engine, workdir: Path) -> Iterator[None]:
         engine.process = subprocess.Popen(
             [sys.executable, "-m", "kvscope", "agent", "--config", str(config),
              "--port", str(engine.port)], cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + AGENT_START_TIMEOUT_S
         while http_status(f"http://127.0.0.1:{engine.port}/readyz") != 200:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import free_port, wait_until
+from conftest import free_port, sigint_default, wait_until
 from kvscope import events as ev
 from kvscope.agent.requests import RequestRecord, TransferRecord
 from kvscope.agent.store import RequestStore, read_segment
@@ -208,7 +208,7 @@ def _start_agent(port, ingest, store_dir, log):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvscope", "agent", "--port", str(port), "--ingest", ingest,
          "--store-dir", str(store_dir)], stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL)
+        stdin=subprocess.DEVNULL, preexec_fn=sigint_default)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:

@@ -15,7 +15,7 @@ from kvscope.demo import _replay
 from kvscope.engine.engine import OffloadEngine
 from kvscope.engine.presets import ModelPreset, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
-from conftest import wait_until
+from conftest import sigint_default, wait_until
 from traces import trace_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,7 +175,8 @@ def test_a_stopped_replay_prints_what_it_replayed_and_removes_its_chunks(tmp_pat
     proc = subprocess.Popen([sys.executable, "-m", "kvscope", "replay", "--requests", "100000",
                              "--gpu-blocks", "16", "--cpu-blocks", "16", "--disk-blocks", "4096",
                              "--disk-dir", str(tmp_path), "--json"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
     try:
         assert wait_until(lambda: len(list(tmp_path.glob("chunk-*.kv"))) > 10, 120, 0.1)
         proc.send_signal(sig)

@@ -17,7 +17,7 @@ import sys
 import httpx
 import pytest
 
-from conftest import REPO_ROOT, free_ports, wait_until
+from conftest import REPO_ROOT, free_ports, sigint_default, wait_until
 from vllm_env import guidellm_path
 
 
@@ -43,7 +43,8 @@ def _rollout(*args: str, **kwargs) -> subprocess.Popen:
     env = dict(os.environ, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
     return subprocess.Popen([sys.executable, "-m", "kvscope", "rollout", *args], cwd=ROOT,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, **kwargs)
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            **{"preexec_fn": sigint_default, **kwargs})
 
 
 def _errors(stderr: str) -> list[str]:
