@@ -582,7 +582,7 @@ def test_a_capture_of_spans_alone_measured_no_transfers(tmp_path):
     assert result.baseline.transfers is None and result.candidate.transfers == {}
     # the Compare page's chart says so, rather than "no transfers in either run"
     chart = transfer_cost(to_dict(result))
-    assert chart.layout.annotations[0].text == \
+    assert chart.layout.annotations[0].text.replace("<br>", " ") == \
         "transfers not measured in the baseline; none in the other"
     assert "spans: not measured; promotion wait not measured; failed transfers not measured" \
         in render_text(result)

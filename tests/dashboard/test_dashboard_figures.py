@@ -295,6 +295,22 @@ def test_unreachable_figure_names_the_url():
     assert annotation_texts(fig) == ["agent unreachable: http://127.0.0.1:9400"]
 
 
+def test_a_long_message_wraps_into_lines_a_narrow_chart_shows_whole():
+    """Plotly does not wrap an annotation: the 75 characters of "no transfers ..." ran past a
+    Tiers panel a third of the page wide. The message comes in lines of at most 44 characters
+    (the longest that fits there at 16 px), every word kept in order; a word longer than a
+    line, such as a URL, stays whole on a line of its own rather than being cut."""
+    lines = figures.message_figure("t", figures.NO_TRANSFERS).layout.annotations[0].text
+    lines = lines.split("<br>")
+    # 41 characters, then " (is" would make 45
+    assert lines == ["no transfers between tiers in this window",
+                     "(is an offload tier configured?)"]
+    url = "http://agent.example.internal:9400/api/v1/timeseries?window=300"
+    text = figures.unreachable_figure("t", url).layout.annotations[0].text
+    assert text.split("<br>") == ["agent unreachable:", url]
+    assert annotation_texts(figures.message_figure("t", "no data yet")) == ["no data yet"]
+
+
 # --- Overview page and shell ----------------------------------------------------------------
 
 def test_render_returns_every_figure_and_they_serialise():
