@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -259,7 +259,8 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     if totals is None:
         return sample
     return dataclasses.replace(  # the agent's totals: transfers measured, by a tap or a source
-        sample, transfer_bytes={d: t[0] for d, t in totals.items()},
+        sample, tiers_off=_unmoved(sample.tiers_off, totals),
+        transfer_bytes={d: t[0] for d, t in totals.items()},
         transfer_blocks={d: t[1] for d, t in totals.items()},
         transfer_seconds=_timed({d: t[2] for d, t in totals.items()}), transfers_measured=True)
 
@@ -483,9 +484,9 @@ def read_arms(baseline: str, candidate: str) -> tuple[list[RequestSample], list[
 def _token_sources(tiers: pa.ChunkedArray, tokens: dict[str, int]) -> tuple[str, ...] | None:
     """The token sources the requests measured, from the tiers the agent reported with them
     (``tiers``: a row's comma-separated, "" unknown): an offload tier none of them reported
-    was off (:attr:`RequestSample.tiers_off`); gpu and recompute always are, and so is a
-    source that served tokens. None (every source) when no row knows its tiers (a capture written before they
-    were recorded)."""
+    is not (off, :attr:`RequestSample.tiers_off`, unless blocks were copied into or out of
+    it); gpu and recompute always are, and so is a source that served tokens. None (every
+    source) when no row knows its tiers (a capture written before they were recorded)."""
     reported = {t for row in pc.unique(tiers).to_pylist() for t in row.split(",") if t}
     if not reported:
         return None
@@ -548,8 +549,16 @@ def _request_sample(table: pa.Table, name: str,
         prefill_modelled=_modelled(col["tokens_recompute"], col["prefill"]),
         itl_modelled=_constant(itl[itl > 0]),
         token_sources=sources, window=window, transfers_measured=not spans_alone,
-        tiers_off=() if sources is None else tuple(s for s in ev.TOKEN_SOURCES
-                                                   if s not in sources))
+        tiers_off=_unmoved(() if sources is None else tuple(
+            s for s in ev.TOKEN_SOURCES if s not in sources), moved_bytes))
+
+
+def _unmoved(tiers: tuple[str, ...], directions: Iterable[str]) -> tuple[str, ...]:
+    """``tiers`` less those the ``directions`` ("src->dst") copied blocks into or out of: such
+    a tier exists, though its agent reported no capacity of it (vLLM's /metrics without KV
+    events), so it is not off (:attr:`RequestSample.tiers_off`)."""
+    moved = {tier for d in directions for tier in d.split("->")}
+    return tuple(t for t in tiers if t not in moved)
 
 
 def _modelled(recomputed: np.ndarray, prefill: np.ndarray) -> bool:

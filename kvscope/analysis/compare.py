@@ -85,12 +85,14 @@ class RequestSample:
     "counts", "sum"}`` as :class:`kvscope.rollout.arms.Cost` has it), else None.
     ``token_sources``: the sources ``tokens`` measured, a missing one counting 0 (None: every
     source, as a capture's records drop sources that served nothing); the others are not
-    measured (a rollout arm read from vLLM's metrics: gpu and recompute; a capture without a
-    disk tier: all but disk). ``tiers_off``: offload tiers the run did not have (its agent
-    reported its tiers, without these: --cpu-blocks 0), neither measured nor 0. ``window``: (first arrival, last finish) of its requests, Unix
-    seconds (None: not known). ``transfers_measured``: False where nothing counted transfers
-    (a rollout arm read without an agent or an engine's transfer metrics, a capture of spans
-    alone): its empty transfer dicts are then not measured, not none. ``name``: for reports.
+    measured (a rollout arm read from vLLM's metrics: gpu and recompute) or off, as
+    ``tiers_off`` says. ``tiers_off``: offload tiers the run did not have (its agent reported
+    its tiers, not these, and nothing was copied into or out of them: no disk tier, or
+    --cpu-blocks 0), neither measured nor 0. ``window``: (first arrival, last finish) of its
+    requests, Unix seconds (None: not known). ``transfers_measured``: False where nothing
+    counted transfers (a rollout arm read without an agent or an engine's transfer metrics, a
+    capture of spans alone): its empty transfer dicts are then not measured, not none.
+    ``name``: for reports.
     """
 
     name: str
@@ -131,7 +133,8 @@ class QuantileRow:
 class Side:
     """Hit quality and transfer cost of one arm (its runs added up). ``runs``: how many.
     ``tokens``, ``token_share``: dict[source, prompt tokens] and dict[source, 0-1] of the
-    sources every run measured (the others are not measured); both None when the records
+    sources every run measured (the others not measured, or off: ``tiers_off``); both None
+    when the records
     carry no tokens by source (not measured, e.g. a GPU-only vLLM seen through spans alone);
     ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request (None: not
     measured, e.g. a rollout arm without an agent); ``transfers``:
@@ -144,10 +147,9 @@ class Side:
     :attr:`RequestSample.prefill_modelled`), not measured; ``itl_modelled``: so is every
     run's ITL (:attr:`RequestSample.itl_modelled`); ``tiers_off``: offload tiers no run had
     (:attr:`RequestSample.tiers_off`), left out of the shares like those not measured.
-    ``value``: what each offload tier
-    bought and cost, dict[tier, {"tokens": prompt tokens it served, "prefill_seconds_saved":
-    those tokens at the prefill
-    rate (None: not measured), "transfer_seconds": the seconds of its copies both ways
+    ``value``: what each offload tier bought and cost, dict[tier, {"tokens": prompt tokens it
+    served, "prefill_seconds_saved": those tokens at the prefill rate (None: not measured),
+    "transfer_seconds": the seconds of its copies both ways
     (:func:`~kvscope.analysis.transfer_cost.seconds_by_tier`: promotions of its blocks,
     offloads into it; None: none of them timed)}], None when no tokens by source were
     measured (what a tier bought is then unknown); a GPU prefix hit is not offload's doing."""

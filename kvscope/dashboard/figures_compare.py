@@ -68,7 +68,8 @@ def latency(data: dict | None, metric: str = "ttft") -> go.Figure:
 def hit_quality(data: dict | None) -> go.Figure:
     """Share of prompt tokens by source (0-1), one stacked horizontal bar per run; a source
     neither run measured is named in the title, not listed in the legend: "no disk tier"
-    where both runs were without that tier (their ``tiers_off``), else "not measured"."""
+    where both runs were without that tier (their ``tiers_off``), else "not measured"; a
+    tier one run had and the other did not is said at the other's bar ("no cpu tier")."""
     if not data:
         return message_figure(HIT_QUALITY_TITLE, EMPTY)
     runs = ["baseline", "candidate"]
@@ -91,6 +92,13 @@ def hit_quality(data: dict | None) -> go.Figure:
     for r in runs:  # an arm whose records carry no tokens by source: said, not drawn as 0
         if data[r]["token_share"] is None:
             fig.add_annotation(x=0.5, y=r, text="not measured", showarrow=False)
+            continue
+        # a tier the other arm had and this one did not (--cpu-blocks 0): said at its bar
+        lacking = [s for s in measured if s in data[r].get("tiers_off", ())]
+        if lacking:
+            fig.add_annotation(x=1, xanchor="right", y=r, showarrow=False,
+                               text=", ".join(f"no {s} tier" for s in lacking),
+                               bgcolor="rgba(255,255,255,0.8)")
     fig.update_xaxes(title_text="share of prompt tokens (%)", tickformat=".0%", range=[0, 1])
     return fig
 

@@ -781,6 +781,11 @@ def test_a_tier_the_capture_did_not_have_reads_no_tier_never_zero(tmp_path, caps
     assert "base: gpu 0.0%, cpu 0.0%, disk 0.0%, recompute 100.0%" in text
     _promoting_capture(tmp_path / "gpu", "cpu", [], tiers=("gpu",)).close()
     assert read_request_sample(tmp_path / "gpu").token_sources == ("gpu", "cpu", "recompute")
+    # copies into a cpu tier whose capacity nobody reported (vLLM's /metrics without KV
+    # events): the tier is there, its share not measured, never "no cpu tier"
+    _promoting_capture(tmp_path / "blind", "gpu", [("gpu", "cpu", 0.001)], tiers=("gpu",)).close()
+    blind = read_request_sample(tmp_path / "blind")
+    assert (blind.token_sources, blind.tiers_off) == (("gpu", "recompute"), ("disk",))
 
 
 def test_an_arm_of_runs_with_different_offload_tiers_is_refused(tmp_path, capsys):

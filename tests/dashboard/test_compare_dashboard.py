@@ -209,6 +209,8 @@ def test_hit_quality_says_not_measured_for_an_arm_without_tokens_by_source(tmp_p
     fig = fc.hit_quality(to_dict(compare(*no_tier, resamples=100)))
     assert [t.name for t in fig.data] == ["gpu", "cpu", "recompute"]
     assert fig.layout.title.text.endswith("(no disk tier)")
+    # the baseline without a cpu tier has no cpu bar: said there, not left blank
+    assert [(a.y, a.text) for a in fig.layout.annotations] == [("baseline", "no cpu tier")]
     fig = fc.hit_quality(to_dict(compare(no_tier[0], zero_code, resamples=100)))
     assert fig.layout.title.text.endswith("(cpu, disk not measured)")
 
