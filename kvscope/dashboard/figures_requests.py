@@ -57,19 +57,19 @@ def _clock(ts: float | None) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
-def table_rows(records: Sequence[Mapping], tiers: Collection[str] | None = None) -> list[dict]:
+def table_rows(records: Sequence[Mapping], tiers: Collection[str] | None = None,
+               unconfigured: Collection[str] = ()) -> list[dict]:
     """One DataTable row per record; ``id`` names the request uniquely (instance, source and
     request id: engines may share ids) so a selected cell finds its row; times in ms rounded
     to 0.01 ms; ``instance`` "" outside a fleet. What the record does not hold is None (the
     grid shows "not measured"): a TTFT, a promotion wait, tokens by source (none at all: a
     source that did not report them), transfers (:func:`transfer_count`). An offload tier's
     tokens are None too where ``tiers``, those the agent reports, when given, lack that tier
-    and the record has none from it (no disk tier read "disk tokens 0"); ``no_tier`` lists
-    those columns, which the grid shows as "no tier" (the Tiers page's "no disk tier
-    configured"), not as "not measured"."""
+    and the record has none from it (no disk tier read "disk tokens 0"). ``no_tier`` lists
+    such columns of the ``unconfigured`` tiers, those the samples show nowhere, which the grid
+    shows as "no tier" (the Tiers page's "no disk tier configured"), not "not measured"."""
     rows = []
-    absent = [f"tokens_{s}" for s in TOKEN_SOURCES
-              if tiers is not None and s in OFFLOAD_TIERS and s not in tiers]
+    absent = [f"tokens_{s}" for s in TOKEN_SOURCES if s in unconfigured]
     for r in records:
         tokens = r.get("tokens") or {}
         request_id, source = r.get("request_id", ""), r.get("source", "")

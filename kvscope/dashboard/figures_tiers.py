@@ -52,7 +52,7 @@ def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
     if not known and resident is None:
         return message_figure(title, GPU_NOT_REPORTED if tier == "gpu" else
                               f"{NOT_MEASURED} (no source reports what the {tier} tier holds)"
-                              if _shown(samples, tier) else f"no {tier} tier configured",
+                              if S.tier_shown(samples, tier) else f"no {tier} tier configured",
                               height=260)
     if resident is None:  # a capacity alone (vLLM's /metrics): what it holds, unsaid
         title += f" (residency {NOT_MEASURED})"
@@ -69,14 +69,6 @@ def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
     return fig
 
 
-def _shown(samples: Sequence[S.Sample], tier: str) -> bool:
-    """Whether ``tier`` shows in the samples otherwise than by its residency: a count of the
-    prompt tokens it served (0 included: a source looked it up), copies into or out of it, or
-    a budget."""
-    return (tier in S.keys_of(samples, "prompt_tokens")
-            or tier in S.keys_of(samples, "offload_budget_bytes")
-            or any(tier in d.split("->") for field in ("transfer_bytes", "transfer_blocks")
-                   for d in S.keys_of(samples, field)))
 
 
 def block_flow(samples: Sequence[S.Sample]) -> go.Figure:

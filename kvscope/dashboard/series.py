@@ -91,6 +91,23 @@ def reported_tiers(sample: Sample) -> set[str]:
             for tier in mapping(sample, field)}
 
 
+def tier_shown(samples: Sequence[Sample], tier: str) -> bool:
+    """Whether ``tier`` shows in the samples otherwise than by its residency: a count of the
+    prompt tokens it served (0 included: a source looked it up), copies into or out of it, or
+    a budget."""
+    return (tier in keys_of(samples, "prompt_tokens")
+            or tier in keys_of(samples, "offload_budget_bytes")
+            or any(tier in d.split("->") for field in ("transfer_bytes", "transfer_blocks")
+                   for d in keys_of(samples, field)))
+
+
+def unconfigured_tiers(samples: Sequence[Sample]) -> set[str]:
+    """The offload tiers nothing in ``samples`` shows: no residency or capacity reported and
+    not :func:`tier_shown` (the Tiers page's "no <tier> tier configured")."""
+    reported = {tier for s in samples for tier in reported_tiers(s)}
+    return {tier for tier in TIERS[1:] if tier not in reported and not tier_shown(samples, tier)}
+
+
 def keys_of(samples: Sequence[Sample], field: str) -> list[str]:
     """Every key that ``sample[field]`` holds in any sample, in canonical order."""
     return ordered({k for s in samples for k in mapping(s, field)})

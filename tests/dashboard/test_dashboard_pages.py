@@ -48,17 +48,26 @@ def test_table_rows_in_milliseconds_with_tokens_by_source():
     assert {c[0] for c in fr.COLUMNS} <= set(row)
 
 
-def test_a_tier_the_agent_does_not_report_reads_not_measured_in_the_table():
+def test_a_tier_the_agent_does_not_report_reads_no_tier_in_the_table():
     """The demo without a disk tier: every row read "disk tokens 0", as if a disk tier had
-    served none. The agent's newest sample reports gpu and cpu: disk is not measured, the
-    others as the record has them; where no sample says (none, or none reports a tier), as
-    before."""
-    samples = [{"ts": T, "tier_capacity_bytes": {"gpu": 1 << 30},
-                "tier_resident_blocks": {"cpu": 5}}]
-    (row,) = requests_page.table(FakeBackend(samples=samples), None, None, 100, None)[0]
+    served none, then "not measured" beside the Tiers page's "no disk tier configured". The
+    agent's newest sample reports gpu and cpu, and nothing else shows a disk tier: its cells
+    are None, listed in ``no_tier`` (drawn "no tier"), the others as the record has them.
+    A disk tier that shows otherwise (copies into it, counted by bytes alone; its prompt
+    tokens counted, 0 included) is not measured, as the Tiers page says too. Where no sample
+    says (none, or none reports a tier), as before."""
+    reported = {"ts": T, "tier_capacity_bytes": {"gpu": 1 << 30},
+                "tier_resident_blocks": {"cpu": 5}}
+    (row,) = requests_page.table(FakeBackend(samples=[reported]), None, None, 100, None)[0]
     assert (row["tokens_gpu"], row["tokens_cpu"], row["tokens_disk"],
             row["tokens_recompute"]) == (512, 256, None, 256)
-    assert row["no_tier"] == ["tokens_disk"]  # drawn "no tier", as the Tiers page says
+    assert row["no_tier"] == ["tokens_disk"]
+    for shown in ({"transfer_bytes": {"cpu->disk": 10}}, {"prompt_tokens": {"disk": 0}}):
+        (row,) = requests_page.table(FakeBackend(samples=[{**reported, **shown}]), None, None,
+                                     100, None)[0]
+        assert row["tokens_disk"] is None and row["no_tier"] == []
+        assert annotation_texts(ft.tier_residency([{**reported, **shown}], "disk")) == [
+            "not measured (no source reports what the disk tier holds)"]
     for samples in ((), [{"ts": T}]):
         (row,) = requests_page.table(FakeBackend(samples=samples), None, None, 100, None)[0]
         assert row["tokens_disk"] == 0 and row["no_tier"] == []

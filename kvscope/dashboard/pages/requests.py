@@ -45,7 +45,8 @@ _TEXT = "params.filterText.trim()"
 NUMBER_MATCHER = "".join(
     f"{_TEXT}.startsWith('{op}') ? Number(params.value) {js} Number({_TEXT}.slice({len(op)})) : "
     for op, js in _OPERATORS) + f"Number(params.value) === Number({_TEXT})"
-NUMBER_FORMAT = ("params.value != null ? '' + params.value : (params.data.no_tier || [])"
+NUMBER_FORMAT = ("params.value != null ? '' + params.value : "
+                 "((params.data && params.data.no_tier) || [])"
                  f".includes(params.colDef.field) ? '{fr.NO_TIER}' : '{fr.NOT_MEASURED}'")
 # every column filters by the text typed in the filter row: one condition, no operator menu
 _FILTER = {"filterOptions": ["contains"], "maxNumConditions": 1}
@@ -170,7 +171,7 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
                                 descending or not sorted_by_api, min_ttft, instance)
     except BackendUnavailable as exc:
         return [], str(exc)
-    rows = fr.table_rows(page.records, _tiers(backend, instance))
+    rows = fr.table_rows(page.records, *_tiers(backend, instance))
     if not sorted_by_api:
         rows.sort(key=by_value(column, descending), reverse=descending)
     shown = f"{len(rows):,} of {page.total:,} requests"
@@ -180,14 +181,17 @@ def table(backend: Backend, sort_by: list | None, min_ttft_ms: float | None, lim
                   "click a row to open its waterfall")
 
 
-def _tiers(backend: Backend, instance: str | None) -> set[str] | None:
-    """The tiers the newest sample reports; None where unknown (no sample, none reported: a
-    source of spans alone), as a capture's requests read them."""
+def _tiers(backend: Backend, instance: str | None) -> tuple[set[str] | None, set[str]]:
+    """The tiers the newest sample reports (None where unknown: no sample, none reported, a
+    source of spans alone, as a capture's requests read them), and the offload tiers the
+    samples show nowhere (:func:`S.unconfigured_tiers`, as the Tiers page reads them)."""
     try:
-        newest = backend.timeseries(TIERS_WINDOW, instance)[-1:]
+        samples = backend.timeseries(TIERS_WINDOW, instance)
     except BackendUnavailable:
-        return None
-    return (S.reported_tiers(newest[0]) or None) if newest else None
+        return None, set()
+    if not samples:
+        return None, set()
+    return S.reported_tiers(samples[-1]) or None, S.unconfigured_tiers(samples)
 
 
 def select(cell: dict | None, rows: list[dict] | None) -> str:
