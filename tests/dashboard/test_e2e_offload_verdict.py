@@ -82,7 +82,11 @@ def read_verdicts(browser, want: str) -> dict:
         found = browser.execute_script(VERDICT_JS)
         return found.get("offload-verdict") == want and found
 
-    wait_for(browser, ready, f"overall verdict {want!r}")
+    try:
+        wait_for(browser, ready, f"overall verdict {want!r}")
+    except pytest.fail.Exception:  # say what the page showed instead, and keep a picture of it
+        screenshot(browser, f"dashboard-offload-not-{want.replace(' ', '-')}")
+        pytest.fail(f"overall verdict {want!r} not seen; the page's last: {found!r}")
     return found
 
 
