@@ -19,13 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, http_status, running_demo
+from conftest import REPO_ROOT, artifacts_dir, http_status, running_demo
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 WAIT_SECONDS = 90.0  # an upper bound on waiting, not a speed requirement
 MIN_POINTS = 5  # points with y > 0 per graph: a drawn line, not a lone first sample
-ARTIFACTS = REPO_ROOT / "tests" / "test-artifacts"
 TRACE = Path(os.environ.get("KVSCOPE_TRACE_DIR", REPO_ROOT.parent / "shared"
                             / "traces")) / "mooncake_conversation_trace.jsonl"
 
@@ -104,8 +103,7 @@ def wait_for_points(browser, graph_ids, minimum: int = MIN_POINTS) -> dict:
 
 
 def screenshot(browser, name: str) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
-    browser.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+    browser.save_screenshot(str(artifacts_dir() / f"{name}.png"))
 
 
 def fill_in(browser, values: dict[str, str]) -> None:
