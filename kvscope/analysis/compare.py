@@ -134,8 +134,8 @@ class Side:
     """Hit quality and transfer cost of one arm (its runs added up). ``runs``: how many.
     ``tokens``, ``token_share``: dict[source, prompt tokens] and dict[source, 0-1] of the
     sources every run measured (the others not measured, or off: ``tiers_off``); both None
-    when the records
-    carry no tokens by source (not measured, e.g. a GPU-only vLLM seen through spans alone);
+    when the records carry no tokens by source (not measured, e.g. a GPU-only vLLM seen
+    through spans alone);
     ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request (None: not
     measured, e.g. a rollout arm without an agent); ``transfers``:
     dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}] (``blocks``,

@@ -69,8 +69,6 @@ def tier_residency(samples: Sequence[S.Sample], tier: str) -> go.Figure:
     return fig
 
 
-
-
 def block_flow(samples: Sequence[S.Sample]) -> go.Figure:
     """A Sankey of blocks moved over the samples: offloads down (gpu -> cpu -> disk),
     promotions back up, and drops (evicted with no copy kept below) into "dropped".
