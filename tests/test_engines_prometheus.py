@@ -55,7 +55,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO_ROOT, artifacts_dir, free_ports, http_status, needs_prometheus,
+from conftest import (REPO_ROOT, artifacts_dir, free_port, http_status, needs_prometheus,
                       running_prometheus, sigint_default)
 from tests.engine_servers import Exposition, lmcache_python, lmcache_server
 from tests.vllm_env import unavailable
@@ -398,25 +398,36 @@ class Prom:
 @contextlib.contextmanager
 def _agent(engine: Engine, workdir: Path) -> Iterator[None]:
     """``kvscope agent --config agent.toml --port P`` (the engine's table, no ingest: no tap
-    here, and the agents would share its port), until /readyz answers; SIGINT afterwards."""
+    here, and the agents would share its port), until /readyz answers; SIGINT afterwards.
+
+    P is picked just before the start, and picked again (up to 3 times) if another process
+    took it in between: the servers started beside it bind ports of their own (CI lost a run
+    to "Address already in use" when the ports were picked before the LMCache server)."""
     config = workdir / f"agent-{engine.engine}.toml"
     config.write_text("[ingest]\nenabled = false\n\n" + doc_table(engine.table, engine.url))
     engine.log = artifacts_dir() / f"engines-agent-{engine.engine}.log"
-    with open(engine.log, "wb") as log:
-        engine.process = subprocess.Popen(
-            [sys.executable, "-m", "kvscope", "agent", "--config", str(config),
-             "--port", str(engine.port)], cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            preexec_fn=sigint_default)
-    try:
+    for attempt in range(3):
+        engine.port = free_port()
+        with open(engine.log, "wb") as log:
+            engine.process = subprocess.Popen(
+                [sys.executable, "-m", "kvscope", "agent", "--config", str(config),
+                 "--port", str(engine.port)], cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=sigint_default)
         deadline = time.monotonic() + AGENT_START_TIMEOUT_S
-        while http_status(f"http://127.0.0.1:{engine.port}/readyz") != 200:
-            assert engine.process.poll() is None and time.monotonic() < deadline, \
-                f"kvscope agent for {engine.engine} did not start:\n{engine.log.read_text()}"
+        while http_status(f"http://127.0.0.1:{engine.port}/readyz") != 200 \
+                and engine.process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.25)
+        if engine.process.poll() is None or attempt == 2 \
+                or "Address already in use" not in engine.log.read_text():
+            break
+    try:
+        assert http_status(f"http://127.0.0.1:{engine.port}/readyz") == 200, \
+            f"kvscope agent for {engine.engine} did not start:\n{engine.log.read_text()}"
         yield
     finally:
-        engine.process.send_signal(signal.SIGINT)
+        if engine.process.poll() is None:
+            engine.process.send_signal(signal.SIGINT)
         try:
             engine.process.wait(30)
         except subprocess.TimeoutExpired:
@@ -460,8 +471,6 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     """Each engine's test server and agent, and one Prometheus scraping every agent."""
     workdir = tmp_path_factory.mktemp("engines")
     fleet = engines()
-    for engine, port in zip(fleet.values(), free_ports(len(fleet))):
-        engine.port = port
     with contextlib.ExitStack() as stack:
         fleet["vllm"].url = stack.enter_context(contextlib.closing(Growing(vllm_exposition))).url
         main_1, main_2 = ((TRTLLM_DATA / f"metrics-main-{i}.prom").read_text() for i in (1, 2))
