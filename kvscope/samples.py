@@ -147,6 +147,9 @@ ENGINE_WEIGHT_OFFLOAD_BYTES = _f("engine_weight_offload_bytes", c.ENGINE_WEIGHT_
 # many agents report that key); absent for a source whose engine does not say
 ENGINE_CACHE_CONFIG = _f("engine_cache_config", c.ENGINE_CACHE_CONFIG_INFO, Kind.GAUGE,
                          ["source", "prefix_caching", "kv_cache_dtype"])
+# failed transfers by direction, every reason added up: only the directions a source that sees
+# failures moved blocks in (0 included), absent for the others (not measured, never 0)
+TRANSFER_FAILURES = _f("transfer_failures", c.TRANSFER_FAILURES, Kind.COUNTER, ["src", "dst"])
 
 # in sample order (the order of a recorded sample's keys, after ``ts``)
 FIELDS: tuple[SampleField, ...] = (
@@ -158,7 +161,7 @@ FIELDS: tuple[SampleField, ...] = (
     OFFLOAD_BUDGET_BYTES, PCIE_LINK_MAX_BYTES_PER_SECOND, REQUESTS_WAITING, REQUESTS_RUNNING,
     PREEMPTIONS, GPU_KV_CACHE_USAGE_RATIO, HOST_MEMORY_PART_BYTES, GPU_MEMORY_PART_BYTES,
     HOST_MEMORY_LIMIT_BYTES, GPU_MEMORY_TOTAL_BYTES, HOST_SWAP_IN_BYTES,
-    ENGINE_WEIGHT_OFFLOAD_BYTES, ENGINE_CACHE_CONFIG, PROMPT_PREFIX_BLOCKS,
+    ENGINE_WEIGHT_OFFLOAD_BYTES, ENGINE_CACHE_CONFIG, PROMPT_PREFIX_BLOCKS, TRANSFER_FAILURES,
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 BY_NAME: dict[str, SampleField] = {f.name: f for f in FIELDS}

@@ -15,7 +15,8 @@ format, written with pyarrow):
 - ``totals-<ms>-<pid>-<seq>.parquet``: the agent's cumulative transfer counters by direction
   (:data:`TOTALS_SCHEMA`), a row per direction whenever they changed at a dashboard sample:
   every transfer, the offloads no request's record holds included (vLLM's stores are
-  background work); ``kvscope compare`` takes the transfer cost from them.
+  background work), and the failed ones where a source sees copies fail; ``kvscope compare``
+  takes the transfer cost and failures from them.
 - ``tokens-<ms>-<pid>-<seq>.parquet``: the agent's cumulative prompt tokens by source
   (:data:`TOKENS_SCHEMA`), a row per source whenever they changed at a dashboard sample: the
   engine's own counts too, which no request's record holds (vLLM in zero-code mode counts
@@ -132,7 +133,9 @@ TOTALS_SCHEMA = pa.schema([
     pa.field("bytes", pa.int64()),          # cumulative since the agent started
     pa.field("blocks", pa.int64()),
     pa.field("seconds", pa.float64()),      # of the timed transfers
+    pa.field("failures", pa.int64()),       # failed transfers; null: no source sees them fail
 ], metadata={"kvscope.kind": "totals"})
+TOTALS_ADDED = {"failures": None}  # columns older captures lack: default (not measured)
 
 TOKENS_SCHEMA = pa.schema([
     pa.field("ts", pa.float64()),           # Unix seconds of the agent's sample
@@ -330,15 +333,20 @@ class CaptureWriter(Worker):
     def add_sample(self, sample: dict) -> None:
         """Queue the transfer and token counters and tier capacities of one dashboard sample
         (:meth:`~kvscope.agent.pipeline.Pipeline.record_sample`'s: ``ts``, and
-        ``transfer_bytes``, ``transfer_blocks``, ``transfer_seconds_sum`` by "src->dst";
-        ``prompt_tokens`` by source; ``tier_capacity_bytes`` and ``tier_capacity_blocks`` by
-        tier, when it has them): a row per direction, one per source (once any counted a
-        token) and one per tier, when they changed since the last rows queued (an idle agent
-        adds none). The tiers it reports go with the requests added after it."""
-        seconds = sample["transfer_seconds_sum"]
-        totals = {d: (int(n), int(sample["transfer_blocks"].get(d, 0)),
-                      float(seconds.get(d, 0.0)))
-                  for d, n in sample["transfer_bytes"].items()}
+        ``transfer_bytes``, ``transfer_blocks``, ``transfer_seconds_sum`` and
+        ``transfer_failures`` (a direction missing: no source sees its copies fail) by
+        "src->dst"; ``prompt_tokens`` by source; ``tier_capacity_bytes`` and
+        ``tier_capacity_blocks`` by tier, when it has them): a row per direction, one per
+        source (once any counted a token) and one per tier, when they changed since the last
+        rows queued (an idle agent adds none). The tiers it reports go with the requests
+        added after it."""
+        seconds, blocks = sample["transfer_seconds_sum"], sample["transfer_blocks"]
+        moved = {d: (int(n), int(blocks.get(d, 0)), float(seconds.get(d, 0.0)))
+                 for d, n in sample["transfer_bytes"].items()}
+        failures = sample.get(sf.TRANSFER_FAILURES.name) or {}
+        totals = {d: (*moved.get(d, (0, 0, 0.0)),  # (0, 0, 0.0): every copy of it failed
+                      int(failures[d]) if d in failures else None)
+                  for d in {**moved, **failures}}
         counted = sample.get(sf.PROMPT_TOKENS.name) or {}
         tokens = {s: (int(n),) for s, n in counted.items()} if any(counted.values()) else {}
         reported = sample.get(sf.TIER_CAPACITY_BYTES.name)

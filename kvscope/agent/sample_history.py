@@ -65,6 +65,9 @@ class SampleHistory:
         evicted: Counter[str] = Counter()
         for (tier, _reason), n in state["evicted_blocks"].items():
             evicted[tier] += n
+        failures: Counter[str] = Counter()  # a direction seen, 0 failures: there with 0
+        for (src, dst, _reason), n in state["transfer_failures"].items():
+            failures[sf.join_key((src, dst))] += n
         # a histogram's state: (buckets, counts, sum, exemplars)
         transfers = {sf.join_key(k): h for k, h in state["transfer_seconds"].items()}
         hists = {"ttft": state["ttft_seconds"][1], "wait": state["promotion_wait_seconds"][1],
@@ -121,6 +124,7 @@ class SampleHistory:
                 sf.ENGINE_WEIGHT_OFFLOAD_BYTES: engine_weight_offload,
                 sf.ENGINE_CACHE_CONFIG: {sf.join_key((source, *values)): 1
                                          for source, values in (cache_config or {}).items()},
+                sf.TRANSFER_FAILURES: dict(failures),
             }))
             return self._samples[-1]
 

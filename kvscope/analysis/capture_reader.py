@@ -30,7 +30,8 @@ import pyarrow.parquet as pq
 from kvscope import events as ev
 from kvscope import sampling
 from kvscope.agent.capture import (BLOCKS_ADDED, REQUESTS_ADDED, SCHEMAS, SUFFIX, TMP_SUFFIX,
-                                   WRITER_KEY, finished_segments, missing_segments)
+                                   TOTALS_ADDED, WRITER_KEY, finished_segments,
+                                   missing_segments)
 from kvscope.analysis.compare import RequestSample
 from kvscope.analysis.rates import MeasuredRates, measured_rates
 from kvscope.analysis.shards import spatial_hash
@@ -130,15 +131,18 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
     if open_:
         log.warning("kvscope: %s: left out %s", where, unfinished)
     table = pa.concat_tables(tables)
-    # the agent writes no nulls (NaN for an unknown time); read as numbers they would be garbage
-    nulls = [c for c in columns if table.column(c).null_count]
+    # the agent writes no nulls (NaN for an unknown time; NULLABLE aside); read as numbers they
+    # would be garbage
+    nulls = [c for c in columns if table.column(c).null_count and c not in NULLABLE]
     if nulls:
         raise TraceError(f"{where}: {kind} segments with empty values in {', '.join(nulls)} "
                          "(the agent writes none)")
     return table
 
 
-_ADDED_TYPES = {"sample_rate": pa.float64(), "lookup_blocks": pa.int64(), "tiers": pa.string()}
+NULLABLE = frozenset({"failures"})  # columns whose null reads "not measured" (as None)
+_ADDED_TYPES = {"sample_rate": pa.float64(), "lookup_blocks": pa.int64(), "tiers": pa.string(),
+                "failures": pa.int64()}
 
 
 def _present(path: Path, columns: list[str], added: dict | None) -> list[str]:
@@ -239,14 +243,14 @@ def _sum_by(keys: np.ndarray, values: np.ndarray) -> dict[str, float]:
 def read_request_sample(path: str | Path, name: str | None = None) -> RequestSample:
     """The finished requests of a capture as a :class:`RequestSample` (``name``: default the
     path). Requests without a TTFT are left out; ITL counts only requests that reported one.
-    The transfer cost is the capture's transfer totals (:func:`read_transfer_totals`: every
-    transfer, background offloads included) when it has readable ones, else its requests'
-    transfers;
-    a direction whose copies took 0 s in all was not timed (its seconds: not measured). Tokens by
-    source are the requests', or where they carry none (vLLM in zero-code mode, its requests
-    seen through their spans), the agent's counts (:func:`read_token_totals`).
-    Raises TraceError for a missing capture, no request rows, or no readable requests
-    segment."""
+    The transfer cost and the failed transfers are the capture's transfer totals
+    (:func:`read_transfer_totals`: every transfer, background offloads included; failures not
+    measured where no source sees a copy fail) when it has readable ones, else its requests'
+    transfers; a direction whose copies took 0 s in all was not timed (its seconds: not
+    measured). Tokens by source are the requests', or where they carry none (vLLM in zero-code
+    mode, its requests seen through their spans), the agent's counts
+    (:func:`read_token_totals`). Raises TraceError for a missing capture, no request rows, or
+    no readable requests segment."""
     path = Path(path)
     table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path,
                   REQUESTS_ADDED)
@@ -258,11 +262,14 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
                       "cost") if path.is_dir() else None
     if totals is None:
         return sample
+    failures = [t[3] for t in totals.values() if t[3] is not None]
     return dataclasses.replace(  # the agent's totals: transfers measured, by a tap or a source
         sample, tiers_off=_unmoved(sample.tiers_off, totals),
         transfer_bytes={d: t[0] for d, t in totals.items()},
         transfer_blocks={d: t[1] for d, t in totals.items()},
-        transfer_seconds=_timed({d: t[2] for d, t in totals.items()}), transfers_measured=True)
+        transfer_seconds=_timed({d: t[2] for d, t in totals.items()}), transfers_measured=True,
+        # a capture from before the failures' column: the failed copies its records hold
+        transfer_failures=sum(failures) if failures else sample.transfer_failures or None)
 
 
 def _timed(seconds: dict[str, float]) -> dict[str, float]:
@@ -272,13 +279,17 @@ def _timed(seconds: dict[str, float]) -> dict[str, float]:
     return {d: s for d, s in seconds.items() if s > 0}
 
 
-def read_transfer_totals(path: str | Path) -> dict[str, tuple[int, int, float]] | None:
+def read_transfer_totals(path: str | Path
+                         ) -> dict[str, tuple[int, int, float, int | None]] | None:
     """The transfers the agent counted while the capture at ``path`` ran, by "src->dst":
-    (bytes, blocks, seconds), from its ``totals`` segments; None for a capture without any
-    (written before the agent recorded them). Raises TraceError for an unreadable segment."""
-    counted = _counted(path, "totals", ["bytes", "blocks", "seconds"])
-    return None if counted is None else {d: (int(b), int(n), float(s))
-                                         for d, (b, n, s) in counted.items()}
+    (bytes, blocks, seconds, failures), from its ``totals`` segments (failures None: no
+    source sees that direction's copies fail, or the capture predates their column); None for
+    a capture without any (written before the agent recorded them). Raises TraceError for an
+    unreadable segment."""
+    counted = _counted(path, "totals", ["bytes", "blocks", "seconds", "failures"],
+                       TOTALS_ADDED)
+    return None if counted is None else {d: (int(b), int(n), float(s), f)
+                                         for d, (b, n, s, f) in counted.items()}
 
 
 def read_token_totals(path: str | Path) -> dict[str, int] | None:
@@ -290,27 +301,31 @@ def read_token_totals(path: str | Path) -> dict[str, int] | None:
     return None if counted is None else {s: int(n) for s, (n,) in counted.items()}
 
 
-def _counted(path: str | Path, kind: str, values: list[str]) -> dict[str, list] | None:
+def _counted(path: str | Path, kind: str, values: list[str],
+             added: dict[str, object] | None = None) -> dict[str, list] | None:
     """What the agent's cumulative counters in the ``kind`` segments of the capture at
     ``path`` (rows of ``ts``, a key, then ``values``) counted while it ran: per key, each of
     ``values``. The counters run since the agent started, which a restart resets: per key, the
     first row's values plus each later increase, a value lower than the one before counting
-    from 0 (as Prometheus' increase()). None for a capture without such segments."""
+    from 0 (as Prometheus' increase()). A null value was not counted: a key's total is None
+    where all of its rows were. ``added``: as :func:`_read`'s. None for a capture without
+    such segments."""
     path = Path(path)
     segments = capture_segments(path, kind)
     if not segments:
         return None
     columns = ["ts", SCHEMAS[kind].names[1], *values]
-    table = _read(segments, columns, kind, path)
+    table = _read(segments, columns, kind, path, added)
     rows = sorted(zip(*(table.column(c).to_pylist() for c in columns)), key=lambda row: row[0])
     last: dict[str, tuple] = {}
     out: dict[str, list] = {}
     for _ts, key, *counts in rows:
-        before = last.get(key)
-        total = out.setdefault(key, [0] * len(counts))
+        before = last.get(key, (None,) * len(counts))
+        total = out.setdefault(key, [None] * len(counts))
         for i, value in enumerate(counts):
-            prior = before[i] if before is not None else 0
-            total[i] += value - prior if value >= prior else value
+            if value is not None:
+                prior = before[i] or 0
+                total[i] = (total[i] or 0) + (value - prior if value >= prior else value)
         last[key] = tuple(counts)
     return out
 

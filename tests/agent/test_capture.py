@@ -563,26 +563,35 @@ def test_a_removed_capture_directory_is_made_again_and_both_streams_go_on(tmp_pa
 
 @pytest.mark.parametrize("samples", [2, 0], ids=["sampled", "stopped-before-a-sample"])
 def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path, samples):
-    """A background store (no request) of 4 blocks, 4096 bytes, 2 ms, then ``samples``
-    dashboard samples, and the agent stops: the capture's totals hold the store, which no
-    request row does, in one row (a sample with nothing new adds none). With no sample taken
-    (the agent samples once a second) the last one, at shutdown, holds it: the totals missed
-    up to a second of transfers."""
+    """A background store (no request) of 4 blocks, 4096 bytes, 2 ms, and one that failed (io);
+    a disk->cpu promotion of 2 blocks, 2048 bytes, seen untimed by a source blind to failures
+    (KV events); then ``samples`` dashboard samples, and the agent stops. The capture's totals
+    hold the stores, which no request row does, in one row per direction (a sample with
+    nothing new adds none): gpu->cpu 4096 bytes, 4 blocks, 0.002 s, 1 failure; disk->cpu 2048
+    bytes, 2 blocks, 0 s, failures not measured (None, never 0). With no sample taken (the agent
+    samples once a second) the last one, at shutdown, holds them: the totals missed up to a
+    second of transfers."""
     from kvscope.analysis.capture_reader import read_transfer_totals
 
     agent = Agent(AgentSettings(capture_dir=tmp_path / "cap", collectors=NO_COLLECTORS),
                   with_ingest=False)
     agent.start()
     try:
-        agent.pipeline.ingest("engine", [ev.Transfer(ts=T0, src="gpu", dst="cpu", blocks=4,
-                                                     bytes=4096, duration=0.002)])
+        agent.pipeline.ingest("engine", [
+            ev.Transfer(ts=T0, src="gpu", dst="cpu", blocks=4, bytes=4096, duration=0.002),
+            ev.Transfer(ts=T0, src="gpu", dst="cpu", blocks=4, bytes=4096, duration=0.001,
+                        ok=False, reason="io")])
+        agent.pipeline.ingest("kv-events", [
+            ev.Transfer(ts=T0, src="disk", dst="cpu", blocks=2, bytes=2048, duration=0.0,
+                        timed=False, sees_failures=False)])
         for _ in range(samples):
             agent.sample()
     finally:
         agent.shutdown()
-    assert read_transfer_totals(tmp_path / "cap") == {"gpu->cpu": (4096, 4, 0.002)}
+    assert read_transfer_totals(tmp_path / "cap") == {"gpu->cpu": (4096, 4, 0.002, 1),
+                                                      "disk->cpu": (2048, 2, 0.0, None)}
     segments = list((tmp_path / "cap").glob("totals-*.parquet"))
-    assert len(segments) == 1 and pq.read_table(segments[0]).num_rows == 1
+    assert len(segments) == 1 and pq.read_table(segments[0]).num_rows == 2
     assert not list((tmp_path / "cap").glob("requests-*.parquet"))
 
 

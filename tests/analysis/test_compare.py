@@ -659,37 +659,50 @@ def test_an_itl_regression_over_its_budget_rolls_back_with_ttft_fine(tmp_path, c
 def test_transfer_cost_counts_the_offloads_no_request_holds(tmp_path, capsys):
     """The agent's samples (cumulative counters since it started) go to the capture's totals
     when they change: gpu->cpu stores no request's record holds (1 MB, then 3 MB, then after a
-    restart 0.5 MB), cpu->gpu promotions (2 MB, in the records too). Per direction the cost is
-    the first row plus each increase, a drop counting from 0: gpu->cpu 3 + 0.5 = 3.5 MB in
-    0.02 + 0.005 s, cpu->gpu 2 MB; a sample that changed nothing adds no rows."""
+    restart 0.5 MB; failures 1, then 2, then 1), cpu->gpu promotions (2 MB, in the records too;
+    their failures not seen by any source). Per direction the cost is the first row plus each
+    increase, a drop counting from 0: gpu->cpu 3 + 0.5 = 3.5 MB in 0.02 + 0.005 s, 2 + 1 = 3
+    failed stores, cpu->gpu 2 MB, failures not measured; a sample that changed nothing adds
+    no rows. The failed transfers are the totals' 3, not the records' 1 (a failed promotion;
+    the failed stores are background work). A capture from before the totals had failures
+    reads the records' 1."""
     from kvscope.analysis.capture_reader import read_transfer_totals
 
     directory = tmp_path / "cap"
     writer = CaptureWriter(directory)
 
-    def sample(ts, stored, seconds, promoted):
+    def sample(ts, stored, seconds, promoted, failed):
         return {"ts": ts, "transfer_bytes": {"gpu->cpu": stored, "cpu->gpu": promoted},
                 "transfer_blocks": {"gpu->cpu": stored // 1000, "cpu->gpu": promoted // 1000},
-                "transfer_seconds_sum": {"gpu->cpu": seconds, "cpu->gpu": 0.002}}
+                "transfer_seconds_sum": {"gpu->cpu": seconds, "cpu->gpu": 0.002},
+                "transfer_failures": {"gpu->cpu": failed}}
 
-    for s in (sample(1.0, 1_000_000, 0.01, 2_000_000), sample(2.0, 3_000_000, 0.02, 2_000_000),
-              sample(3.0, 3_000_000, 0.02, 2_000_000), sample(4.0, 500_000, 0.005, 0)):
+    for s in (sample(1.0, 1_000_000, 0.01, 2_000_000, 1),
+              sample(2.0, 3_000_000, 0.02, 2_000_000, 2),
+              sample(3.0, 3_000_000, 0.02, 2_000_000, 2), sample(4.0, 500_000, 0.005, 0, 1)):
         writer.add_sample(s)
     for i in range(3):
+        failed = [TransferRecord("cpu", "gpu", 2, 2000, 1.0, 0.001, ok=False)] if i == 0 else []
         writer.add_request(RequestRecord(f"r{i}", f"{i + 1:032x}", "engine", 1.0, prompt_tokens=8,
-                                         ttft=0.05, finished=1.1))
+                                         ttft=0.05, finished=1.1, transfers=failed))
     writer.close()
     totals = read_transfer_totals(directory)
-    assert totals == {"gpu->cpu": (3_500_000, 3_500, pytest.approx(0.025)),
-                      "cpu->gpu": (2_000_000, 2_000, pytest.approx(0.002))}, totals
+    assert totals == {"gpu->cpu": (3_500_000, 3_500, pytest.approx(0.025), 3),
+                      "cpu->gpu": (2_000_000, 2_000, pytest.approx(0.002), None)}, totals
     sample_ = read_request_sample(directory)
     assert sample_.transfer_bytes == {"gpu->cpu": 3_500_000, "cpu->gpu": 2_000_000}
+    assert sample_.transfer_failures == 3
     other = write_capture(tmp_path / "other", [0.05] * 3)  # one capture, or a copy, is refused
     assert main(["compare", str(other), str(directory), "--json", "--resamples",
                  "100", "--min-requests", "1"]) == 0
-    transfers = json.loads(capsys.readouterr().out)["candidate"]["transfers"]
-    assert transfers["gpu->cpu"]["bytes"] == 3_500_000
-    assert pq.read_table(next(directory.glob("totals-*.parquet"))).num_rows == 6  # 3 changes
+    cand = json.loads(capsys.readouterr().out)["candidate"]
+    assert cand["transfers"]["gpu->cpu"]["bytes"] == 3_500_000 and cand["transfer_failures"] == 3
+    (segment,) = directory.glob("totals-*.parquet")
+    assert pq.read_table(segment).num_rows == 6  # 3 changes
+    pq.write_table(pq.read_table(segment).drop_columns(["failures"]), segment)  # an older one
+    assert {d: t[3] for d, t in read_transfer_totals(directory).items()} == {
+        "gpu->cpu": None, "cpu->gpu": None}
+    assert read_request_sample(directory).transfer_failures == 1
 
 
 def _promoting_capture(directory, source, copies, tiers=None, jitter=0.0) -> CaptureWriter:
