@@ -42,7 +42,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -55,8 +54,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO_ROOT, artifacts_dir, free_port, http_status, needs_prometheus,
-                      running_prometheus, sigint_default)
+from conftest import (REPO_ROOT, _stop, artifacts_dir, free_port, http_status,
+                      needs_prometheus, running_prometheus, sigint_default)
 from tests.engine_servers import Exposition, lmcache_python, lmcache_server
 from tests.vllm_env import unavailable
 from tests.trtllm_server import DATA as TRTLLM_DATA, serving_trtllm
@@ -406,33 +405,29 @@ def _agent(engine: Engine, workdir: Path) -> Iterator[None]:
     config = workdir / f"agent-{engine.engine}.toml"
     config.write_text("[ingest]\nenabled = false\n\n" + doc_table(engine.table, engine.url))
     engine.log = artifacts_dir() / f"engines-agent-{engine.engine}.log"
-    for attempt in range(3):
-        engine.port = free_port()
-        with open(engine.log, "wb") as log:
-            engine.process = subprocess.Popen(
-                [sys.executable, "-m", "kvscope", "agent", "--config", str(config),
-                 "--port", str(engine.port)], cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=sigint_default)
-        deadline = time.monotonic() + AGENT_START_TIMEOUT_S
-        while http_status(f"http://127.0.0.1:{engine.port}/readyz") != 200 \
-                and engine.process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.25)
-        if engine.process.poll() is None or attempt == 2 \
-                or "Address already in use" not in engine.log.read_text():
-            break
     try:
-        assert http_status(f"http://127.0.0.1:{engine.port}/readyz") == 200, \
+        for attempt in range(3):
+            engine.port = free_port()
+            with open(engine.log, "wb") as log:
+                engine.process = subprocess.Popen(
+                    [sys.executable, "-m", "kvscope", "agent", "--config", str(config),
+                     "--port", str(engine.port)], cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT,
+                    env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=sigint_default)
+            deadline = time.monotonic() + AGENT_START_TIMEOUT_S
+            while http_status(f"http://127.0.0.1:{engine.port}/readyz") != 200 \
+                    and engine.process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.25)
+            if engine.process.poll() is None or attempt == 2 \
+                    or "Address already in use" not in engine.log.read_text():
+                break
+        assert engine.process.poll() is None \
+            and http_status(f"http://127.0.0.1:{engine.port}/readyz") == 200, \
             f"kvscope agent for {engine.engine} did not start:\n{engine.log.read_text()}"
         yield
     finally:
-        if engine.process.poll() is None:
-            engine.process.send_signal(signal.SIGINT)
-        try:
-            engine.process.wait(30)
-        except subprocess.TimeoutExpired:
-            engine.process.kill()
-            engine.process.wait(10)
+        if engine.process is not None:
+            _stop(engine.process)
 
 
 class _Driver(threading.Thread):
