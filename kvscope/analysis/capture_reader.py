@@ -262,14 +262,29 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
                       "cost") if path.is_dir() else None
     if totals is None:
         return sample
-    failures = [t[3] for t in totals.values() if t[3] is not None]
-    return dataclasses.replace(  # the agent's totals: transfers measured, by a tap or a source
+    sample = dataclasses.replace(  # the agent's totals: transfers measured, by a tap or a source
         sample, tiers_off=_unmoved(sample.tiers_off, totals),
         transfer_bytes={d: t[0] for d, t in totals.items()},
         transfer_blocks={d: t[1] for d, t in totals.items()},
-        transfer_seconds=_timed({d: t[2] for d, t in totals.items()}), transfers_measured=True,
-        # a capture from before the failures' column: the failed copies its records hold
-        transfer_failures=sum(failures) if failures else sample.transfer_failures or None)
+        transfer_seconds=_timed({d: t[2] for d, t in totals.items()}), transfers_measured=True)
+    if not _written_with(path, "totals", "failures"):
+        return sample  # totals from before their failures: the failed copies the records hold
+    failures = [t[3] for t in totals.values() if t[3] is not None]
+    return dataclasses.replace(
+        sample, transfer_failures=sum(failures) if failures else None,
+        failures_unmeasured=tuple(sorted(d for d, t in totals.items() if t[3] is None)))
+
+
+def _written_with(path: Path, kind: str, column: str) -> bool:
+    """Whether every readable ``kind`` segment of the capture at ``path`` has ``column`` (one
+    gone or unreadable is skipped, as :func:`_read` skips it)."""
+    for segment in capture_segments(path, kind):
+        try:
+            if column not in pq.read_schema(segment).names:
+                return False
+        except (pa.ArrowInvalid, OSError):
+            continue
+    return True
 
 
 def _timed(seconds: dict[str, float]) -> dict[str, float]:

@@ -76,7 +76,10 @@ class RequestSample:
     ``transfer_bytes``,
     ``transfer_blocks``: dict["src->dst", int]; ``transfer_seconds``: dict["src->dst", float]
     (successful transfers; a direction missing from it or from ``transfer_blocks`` was not
-    measured); ``transfer_failures``: failed transfers (None: not measured). ``prefill_seconds``:
+    measured); ``transfer_failures``: failed transfers (None: not measured);
+    ``failures_unmeasured``: the directions ("src->dst") that moved blocks though no source
+    could see their copies fail (KV events, byte counters): ``transfer_failures`` counts the
+    others only. ``prefill_seconds``:
     the requests' prefill time in all (0: not reported); ``prefill_modelled``: every request
     prefilled at one exact rate, an engine's cost model's (the reference engine's), not a
     measurement; ``itl_modelled``: every request's ITL is one value, likewise (the reference
@@ -112,6 +115,7 @@ class RequestSample:
     prefill_modelled: bool = False
     itl_modelled: bool = False
     tiers_off: tuple[str, ...] = ()
+    failures_unmeasured: tuple[str, ...] = ()
 
     @property
     def requests(self) -> int:
@@ -141,7 +145,9 @@ class Side:
     dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}] (``blocks``,
     ``seconds``: None when no run measured them, e.g. untimed copies), None when no run
     counted transfers (:attr:`RequestSample.transfers_measured`); ``transfer_failures``:
-    None when no run counted them. ``prefill_rate``:
+    None when no run counted them; ``failures_unmeasured``: the directions some run moved
+    blocks in without counting their failures (:attr:`RequestSample.failures_unmeasured`).
+    ``prefill_rate``:
     tokens/s the engine prefilled (recomputed tokens over prefill seconds), None when not
     measured; ``prefill_modelled``: that rate is its engine's cost model (every run's
     :attr:`RequestSample.prefill_modelled`), not measured; ``itl_modelled``: so is every
@@ -168,6 +174,7 @@ class Side:
     prefill_modelled: bool = False
     itl_modelled: bool = False
     tiers_off: tuple[str, ...] = ()
+    failures_unmeasured: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -323,6 +330,12 @@ def transfer_failures(samples: Sequence[RequestSample]) -> int | None:
     return sum(counted) if counted else None
 
 
+def failures_unmeasured(samples: Sequence[RequestSample]) -> tuple[str, ...]:
+    """The directions in which some of ``samples`` moved blocks without counting their
+    failures (:attr:`RequestSample.failures_unmeasured`), sorted."""
+    return tuple(sorted({d for s in samples for d in s.failures_unmeasured}))
+
+
 def measured_sources(samples: Sequence[RequestSample]) -> tuple[str, ...] | None:
     """The token sources every one of ``samples`` measured (None: every source)."""
     listed = [set(s.token_sources) for s in samples if s.token_sources is not None]
@@ -373,7 +386,8 @@ def _side(runs: list[RequestSample]) -> Side:
                 value if total else None,  # no tokens by source: what a tier bought, unknown
                 rate is not None and all(r.prefill_modelled for r in runs),
                 bool(runs) and all(r.itl_modelled for r in runs),
-                tuple(t for t in ev.TOKEN_SOURCES if runs and all(t in r.tiers_off for r in runs)))
+                tuple(t for t in ev.TOKEN_SOURCES if runs and all(t in r.tiers_off for r in runs)),
+                failures_unmeasured(runs))
 
 
 def _ran_first(base: Sequence[RequestSample], cand: Sequence[RequestSample]) -> str | None:
@@ -759,7 +773,9 @@ def render_text(comparison: Comparison) -> str:
             for d, t in side.transfers.items()) or "none"
         wait = "not measured" if side.promotion_wait_mean is None else \
             f"mean {ms(side.promotion_wait_mean)}, p99 {ms(side.promotion_wait_p99)}"
-        failed = "not measured" if side.transfer_failures is None else side.transfer_failures
+        failed = "not measured" if side.transfer_failures is None else \
+            f"{side.transfer_failures}" + (f" ({', '.join(side.failures_unmeasured)} not "
+                                           "measured)" if side.failures_unmeasured else "")
         lines.append(f"  {side.name}: {moved}; promotion wait {wait}; failed transfers {failed}")
     lines.append("offload's value per tier (prefill seconds saved by the tokens it served, "
                  "against the seconds of its copies both ways):")

@@ -187,7 +187,8 @@ class Cost:
     measured), ``transfer_bytes`` / ``transfer_blocks`` (dict["src->dst", int]),
     ``transfer_seconds`` (dict["src->dst", float]; empty when only untimed bytes were seen),
     ``transfer_failures`` (None: not measured: the server's metrics count none, or the
-    agent's sources cannot see a copy fail) and
+    agent's sources cannot see a copy fail), ``failures_unmeasured`` (the directions the
+    agent counted bytes of but no failures: its sources there cannot see a copy fail) and
     ``prefill_seconds`` (0: not reported). ``source``: where it was read (``agent``,
     ``server`` or ``none``). ``promotion_wait``: the agent's histogram of the requests' waits
     for promotions over the run, ``{"bounds": upper bounds in seconds, "counts": per bucket,
@@ -201,6 +202,7 @@ class Cost:
     prefill_seconds: float
     source: str
     promotion_wait: dict | None = None
+    failures_unmeasured: tuple[str, ...] = ()
 
 
 def _waits(before: Samples, after: Samples) -> dict | None:
@@ -215,11 +217,13 @@ def _waits(before: Samples, after: Samples) -> dict | None:
             "sum": sum(_increase(before, after, name + "_sum").values())}
 
 
-def _failures(before: Samples, after: Samples) -> int | None:
-    """Transfers the agent saw fail over the run; None where it exports no failure series
-    (its sources cannot see a copy fail: KV events, scraped byte counters)."""
+def _failures(before: Samples, after: Samples) -> tuple[int | None, set[str]]:
+    """Transfers the agent saw fail over the run, None where it exports no failure series
+    (its sources cannot see a copy fail: KV events, scraped byte counters); and the
+    directions ("src->dst") it has failure series of."""
     failed = _increase(before, after, "kvscope_transfer_failures_total")
-    return int(sum(failed.values())) if failed else None
+    seen = {f"{d.get('src')}->{d.get('dst')}" for d in map(dict, failed)}
+    return (int(sum(failed.values())) if failed else None), seen
 
 
 def cost(before: tuple[Samples, Samples | None], after: tuple[Samples, Samples | None]
@@ -237,11 +241,13 @@ def cost(before: tuple[Samples, Samples | None], after: tuple[Samples, Samples |
                     out[k] = out.get(k, 0.0) + v
             return out
 
+        moved = {k: int(v) for k, v in by("kvscope_transfer_bytes_total").items()}
+        failed, seen = _failures(agent0, agent1)
         return Cost({k: int(v) for k, v in by("kvscope_prompt_tokens_total", "source").items()},
-                    {k: int(v) for k, v in by("kvscope_transfer_bytes_total").items()},
-                    {k: int(v) for k, v in by("kvscope_transfer_blocks_total").items()},
-                    by("kvscope_transfer_seconds_sum"),
-                    _failures(agent0, agent1), prefill, "agent", _waits(agent0, agent1))
+                    moved, {k: int(v) for k, v in by("kvscope_transfer_blocks_total").items()},
+                    by("kvscope_transfer_seconds_sum"), failed, prefill, "agent",
+                    _waits(agent0, agent1),
+                    tuple(sorted(set(moved) - seen)) if failed is not None else ())
     mapper = MetricsMapper(stores=True, gpu_snapshot=False)
     mapper.map(server0, 0.0)  # the baselines
     tokens: dict[str, int] = {}

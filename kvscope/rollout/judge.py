@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvscope.analysis.compare import (INCONCLUSIVE, ROLL_BACK, Comparison, RequestSample,
-                                      Verdict, combine, compare, measured_sources, ms,
-                                      promotion_waits, transfer_failures)
+                                      Verdict, combine, compare, failures_unmeasured,
+                                      measured_sources, ms, promotion_waits,
+                                      transfer_failures)
 from kvscope.rollout.plan import Step, aa_slot
 
 
@@ -79,7 +80,8 @@ def pooled(samples: Sequence[RequestSample], name: str) -> RequestSample:
         promotion_waits(samples), measured_sources(samples), window,
         any(s.transfers_measured for s in samples),
         bool(samples) and all(s.prefill_modelled for s in samples),
-        bool(samples) and all(s.itl_modelled for s in samples))
+        bool(samples) and all(s.itl_modelled for s in samples),
+        failures_unmeasured=failures_unmeasured(samples))
 
 
 def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int | None

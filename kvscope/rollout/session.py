@@ -89,6 +89,7 @@ def _sample(run: dict) -> RequestSample:
                          transfer_bytes=c["transfer_bytes"], transfer_blocks=c["transfer_blocks"],
                          transfer_seconds=c["transfer_seconds"],
                          transfer_failures=c["transfer_failures"],
+                         failures_unmeasured=tuple(c.get("failures_unmeasured", ())),
                          prefill_seconds=c["prefill_seconds"],
                          promotion_waits=c.get("promotion_wait"),
                          # the agent counts every source; vLLM's own metrics gpu and

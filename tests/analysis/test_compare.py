@@ -659,50 +659,67 @@ def test_an_itl_regression_over_its_budget_rolls_back_with_ttft_fine(tmp_path, c
 def test_transfer_cost_counts_the_offloads_no_request_holds(tmp_path, capsys):
     """The agent's samples (cumulative counters since it started) go to the capture's totals
     when they change: gpu->cpu stores no request's record holds (1 MB, then 3 MB, then after a
-    restart 0.5 MB; failures 1, then 2, then 1), cpu->gpu promotions (2 MB, in the records too;
-    their failures not seen by any source). Per direction the cost is the first row plus each
-    increase, a drop counting from 0: gpu->cpu 3 + 0.5 = 3.5 MB in 0.02 + 0.005 s, 2 + 1 = 3
-    failed stores, cpu->gpu 2 MB, failures not measured; a sample that changed nothing adds
-    no rows. The failed transfers are the totals' 3, not the records' 1 (a failed promotion;
-    the failed stores are background work). A capture from before the totals had failures
-    reads the records' 1."""
+    restart 0.5 MB; failures 1, then 2, then 1), cpu->gpu promotions (2 MB, in the records
+    too, one failed), disk->cpu promotions seen through KV events (1 MB; their failures seen
+    by no source). Per direction the cost is the first row plus each increase, a drop counting
+    from 0: gpu->cpu 3 + 0.5 = 3.5 MB in 0.02 + 0.005 s, 2 + 1 = 3 failed stores, cpu->gpu
+    2 MB and 1 failure, disk->cpu 1 MB, failures not measured; a sample that changed nothing
+    adds no rows. The failed transfers are the totals' 4, not the records' 1 (the failed
+    stores are background work), disk->cpu's not measured. A capture from before the totals
+    had failures reads the failures its records hold: 1 here, 0 in one whose records hold
+    none (not "not measured": the records counted them before)."""
     from kvscope.analysis.capture_reader import read_transfer_totals
 
-    directory = tmp_path / "cap"
-    writer = CaptureWriter(directory)
+    def capture(directory, samples, failed_records):
+        writer = CaptureWriter(directory)
+        for s in samples:
+            writer.add_sample(s)
+        for i in range(3):
+            copy = TransferRecord("cpu", "gpu", 2, 2000, 1.0, 0.001, ok=i >= failed_records)
+            writer.add_request(RequestRecord(f"r{i}", f"{i + 1:032x}", "engine", 1.0,
+                                             prompt_tokens=8, ttft=0.05, finished=1.1,
+                                             transfers=[copy]))
+        writer.close()
+        return directory
 
     def sample(ts, stored, seconds, promoted, failed):
-        return {"ts": ts, "transfer_bytes": {"gpu->cpu": stored, "cpu->gpu": promoted},
-                "transfer_blocks": {"gpu->cpu": stored // 1000, "cpu->gpu": promoted // 1000},
+        return {"ts": ts,
+                "transfer_bytes": {"gpu->cpu": stored, "cpu->gpu": promoted,
+                                   "disk->cpu": promoted // 2},
+                "transfer_blocks": {"gpu->cpu": stored // 1000, "cpu->gpu": promoted // 1000,
+                                    "disk->cpu": promoted // 2000},
                 "transfer_seconds_sum": {"gpu->cpu": seconds, "cpu->gpu": 0.002},
-                "transfer_failures": {"gpu->cpu": failed}}
+                "transfer_failures": {"gpu->cpu": failed, "cpu->gpu": 1}}
 
-    for s in (sample(1.0, 1_000_000, 0.01, 2_000_000, 1),
-              sample(2.0, 3_000_000, 0.02, 2_000_000, 2),
-              sample(3.0, 3_000_000, 0.02, 2_000_000, 2), sample(4.0, 500_000, 0.005, 0, 1)):
-        writer.add_sample(s)
-    for i in range(3):
-        failed = [TransferRecord("cpu", "gpu", 2, 2000, 1.0, 0.001, ok=False)] if i == 0 else []
-        writer.add_request(RequestRecord(f"r{i}", f"{i + 1:032x}", "engine", 1.0, prompt_tokens=8,
-                                         ttft=0.05, finished=1.1, transfers=failed))
-    writer.close()
+    directory = capture(tmp_path / "cap", [
+        sample(1.0, 1_000_000, 0.01, 2_000_000, 1), sample(2.0, 3_000_000, 0.02, 2_000_000, 2),
+        sample(3.0, 3_000_000, 0.02, 2_000_000, 2), sample(4.0, 500_000, 0.005, 0, 1)], 1)
     totals = read_transfer_totals(directory)
     assert totals == {"gpu->cpu": (3_500_000, 3_500, pytest.approx(0.025), 3),
-                      "cpu->gpu": (2_000_000, 2_000, pytest.approx(0.002), None)}, totals
+                      "cpu->gpu": (2_000_000, 2_000, pytest.approx(0.002), 1),
+                      "disk->cpu": (1_000_000, 1_000, 0.0, None)}, totals
     sample_ = read_request_sample(directory)
-    assert sample_.transfer_bytes == {"gpu->cpu": 3_500_000, "cpu->gpu": 2_000_000}
-    assert sample_.transfer_failures == 3
+    assert sample_.transfer_bytes == {"gpu->cpu": 3_500_000, "cpu->gpu": 2_000_000,
+                                      "disk->cpu": 1_000_000}
+    assert (sample_.transfer_failures, sample_.failures_unmeasured) == (4, ("disk->cpu",))
     other = write_capture(tmp_path / "other", [0.05] * 3)  # one capture, or a copy, is refused
-    assert main(["compare", str(other), str(directory), "--json", "--resamples",
-                 "100", "--min-requests", "1"]) == 0
+    args = ["compare", str(other), str(directory), "--resamples", "100", "--min-requests", "1"]
+    assert main([*args, "--json"]) == 0
     cand = json.loads(capsys.readouterr().out)["candidate"]
-    assert cand["transfers"]["gpu->cpu"]["bytes"] == 3_500_000 and cand["transfer_failures"] == 3
+    assert cand["transfers"]["gpu->cpu"]["bytes"] == 3_500_000 and cand["transfer_failures"] == 4
+    assert cand["failures_unmeasured"] == ["disk->cpu"]
+    assert main(args) == 0
+    assert "; failed transfers 4 (disk->cpu not measured)" in capsys.readouterr().out
     (segment,) = directory.glob("totals-*.parquet")
-    assert pq.read_table(segment).num_rows == 6  # 3 changes
-    pq.write_table(pq.read_table(segment).drop_columns(["failures"]), segment)  # an older one
-    assert {d: t[3] for d, t in read_transfer_totals(directory).items()} == {
-        "gpu->cpu": None, "cpu->gpu": None}
+    assert pq.read_table(segment).num_rows == 9  # 3 changes
+    older = capture(tmp_path / "older", [sample(1.0, 1_000_000, 0.01, 2_000_000, 1)], 0)
+    for path in (segment, *older.glob("totals-*.parquet")):
+        pq.write_table(pq.read_table(path).drop_columns(["failures"]), path)
+    assert {d: t[3] for d, t in read_transfer_totals(directory).items()} == dict.fromkeys(
+        ("gpu->cpu", "cpu->gpu", "disk->cpu"))
     assert read_request_sample(directory).transfer_failures == 1
+    assert read_request_sample(older).transfer_failures == 0
+    assert read_request_sample(older).failures_unmeasured == ()
 
 
 def _promoting_capture(directory, source, copies, tiers=None, jitter=0.0) -> CaptureWriter:

@@ -36,7 +36,8 @@ def test_an_arm_with_an_agent_costs_its_counters_increases():
     """Before: 100 gpu, 0 cpu, 50 recompute tokens; 4096 B stored in 1 block in 0.5 s. After:
     160 / 32 / 90; 12288 B in 3 blocks in 0.75 s, 2048 B loaded, one failed load. By hand:
     tokens gpu 60, cpu 32, recompute 40; gpu->cpu 8192 B, 2 blocks, 0.25 s; cpu->gpu 2048 B;
-    1 failure; prefill 3.5 - 1.25 = 2.25 s from vLLM."""
+    1 failure, and the stores' failures not measured (no failure series of gpu->cpu: a
+    source blind to them stored); prefill 3.5 - 1.25 = 2.25 s from vLLM."""
     before = (parse(VLLM.format(prompt=150, hits=100, prefill=1.25)), parse(AGENT.format(
         gpu=100, cpu=0, re=50, store=4096, load=0, store_blocks=1, store_s=0.5, failed=0)))
     after = (parse(VLLM.format(prompt=282, hits=160, prefill=3.5)), parse(AGENT.format(
@@ -49,6 +50,7 @@ def test_an_arm_with_an_agent_costs_its_counters_increases():
     assert c.transfer_blocks == {"gpu->cpu": 2}
     assert c.transfer_seconds == {"gpu->cpu": 0.25}
     assert (c.transfer_failures, c.prefill_seconds) == (1, 2.25)
+    assert c.failures_unmeasured == ("gpu->cpu",)
 
 
 def test_an_agent_blind_to_failed_copies_does_not_count_none_failed():

@@ -109,15 +109,18 @@ def test_an_aa_pair_noisy_in_itl_alone_leaves_a_ttft_regression_standing():
 def test_pooled_adds_counts_and_concatenates_latencies():
     a = RequestSample("a", np.array([1.0, 2.0]), np.array([0.1]), tokens={"gpu": 3},
                       transfer_bytes={"gpu->cpu": 10}, transfer_seconds={"gpu->cpu": 0.5},
-                      transfer_failures=1, prefill_seconds=2.0)
+                      transfer_failures=1, prefill_seconds=2.0,
+                      failures_unmeasured=("disk->cpu",))
     b = RequestSample("b", np.array([3.0]), tokens={"gpu": 1, "cpu": 4},
-                      transfer_bytes={"gpu->cpu": 5, "cpu->gpu": 7}, prefill_seconds=1.0)
+                      transfer_bytes={"gpu->cpu": 5, "cpu->gpu": 7}, prefill_seconds=1.0,
+                      failures_unmeasured=("cpu->gpu",))
     p = pooled([a, b], "ab")
     assert list(p.ttft) == [1.0, 2.0, 3.0] and list(p.itl) == [0.1]
     assert p.tokens == {"gpu": 4, "cpu": 4}
     assert p.transfer_bytes == {"gpu->cpu": 15, "cpu->gpu": 7}
     assert p.transfer_seconds == {"gpu->cpu": 0.5}
     assert (p.transfer_failures, p.prefill_seconds) == (1, 3.0)
+    assert p.failures_unmeasured == ("cpu->gpu", "disk->cpu")  # either run's: the sum misses them
 
 
 def test_an_arm_without_finished_requests_is_an_error():
