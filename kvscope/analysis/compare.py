@@ -742,15 +742,18 @@ def render_text(comparison: Comparison) -> str:
              f"baseline  {c.baseline.name} ({_count(c.baseline)})",
              f"candidate {c.candidate.name} ({_count(c.candidate)})",
              f"latency, ms, with {pct} bootstrap CI ({c.resamples} resamples, seed {c.seed}):"]
-    for label, rows in (("TTFT", c.ttft), ("ITL", c.itl)):
+    modelled = [arm for arm, side in (("baseline", c.baseline), ("candidate", c.candidate))
+                if side.itl_modelled]
+    # a modelled ITL's quantiles are no measurement: tryouts read a demo's "ITL keep", CI
+    # 0.995-0.995 ms, and its rows printed beside "not measured", as measured (--json has them)
+    for label, rows in (("TTFT", c.ttft), ("ITL", () if modelled else c.itl)):
         for r in rows:
             lines.append(f"  {label:4s} p{r.quantile * 100:<4g} baseline {_cell(r.baseline)}  "
                          f"candidate {_cell(r.candidate)}  diff {_cell(r.difference)}")
-    modelled = [arm for arm, side in (("baseline", c.baseline), ("candidate", c.candidate))
-                if side.itl_modelled]
-    if modelled:  # a tryout read a demo's "ITL keep", CI 0.995-0.995 ms, as a measurement
-        lines.append(f"  ITL of the {' and the '.join(modelled)}: every request's is the same, "
-                     "the engine's cost model (the reference engine prices decode), not measured")
+    if modelled:
+        lines.append(f"  ITL not measured: every request's ITL of the "
+                     f"{' and the '.join(modelled)} is the same, the engine's cost model (the "
+                     "reference engine prices decode)")
     if c.runs:  # whatever the verdict: a keep's too, as --json gives it
         lines.append(f"runs as the unit (one-sided p that the candidate's runs are slower in "
                      f"p99; a roll back needs under {c.runs_alpha:g}): " + ", ".join(

@@ -771,15 +771,18 @@ def test_one_itl_for_every_request_is_the_engines_model_not_a_measurement(tmp_pa
     0.995 ms, and compare read "ITL keep" with a CI of 0.995-0.995 ms as if measured. A
     baseline whose 50 requests all have 20 ms is the model's; a candidate's 15 to 25 ms,
     spread as a measurement's, is not: the report says so of the baseline alone, and the
-    verdict judges TTFT alone."""
+    verdict judges TTFT alone. No ITL quantile is printed: a modelled one is no measurement,
+    and a difference from it is none either (a tryout read rows of 1.00 [1.00, 1.00] beside
+    "not measured")."""
     ttft = np.linspace(0.02, 0.06, 50)
     base = write_capture(tmp_path / "base", ttft, itl=0.02)
     cand = write_capture(tmp_path / "cand", ttft, itl=np.linspace(0.015, 0.025, 50))
     assert main(["compare", str(base), str(cand), "--resamples", "100"]) == 0
     text = capsys.readouterr().out
-    assert ("  ITL of the baseline: every request's is the same, the engine's cost model (the "
-            "reference engine prices decode), not measured\n") in text
-    assert "ITL of the candidate" not in text and "and the candidate" not in text
+    assert ("  ITL not measured: every request's ITL of the baseline is the same, the "
+            "engine's cost model (the reference engine prices decode)\n") in text
+    assert "of the candidate" not in text and "and the candidate" not in text
+    assert "  TTFT p99 " in text and "  ITL  p" not in text
     # and the verdict does not judge it: TTFT alone, as where an arm reported no ITL
     assert ("  - ITL not measured on the baseline (the engine's cost model: every request's ITL "
             "the same): judged on TTFT alone\n") in text
