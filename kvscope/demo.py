@@ -169,6 +169,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         dashboard = serve_dashboard(create_dashboard(api_url, sizing_trace=sizing_trace,
                                                        sizing_accesses=sizing_accesses,
                                                        sizing_preset=preset.name,
+                                                       sizing_preset_flag="--preset",
                                                        sizing_gpu_tokens=config.gpu_blocks
                                                        * block_tokens,
                                                        token=agent.settings.token,

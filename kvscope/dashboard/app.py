@@ -36,7 +36,8 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
                window_seconds: float = 900.0, *, backend: Backend | None = None,
                sizing_trace: str | None = None, sizing_preset: str = "llama-3-8b",
                sizing_gpu_tokens: int | None = None,
-               sizing_accesses: Callable[[], AccessTrace] | None = None, max_points: int = 720,
+               sizing_accesses: Callable[[], AccessTrace] | None = None,
+               sizing_preset_flag: str = "--sizing-preset", max_points: int = 720,
                token: str | None = None, capture_roots: Iterable[str | os.PathLike] = (),
                require_token: str | None = None,
                offload_settings: OffloadSettings | None = None) -> dash.Dash:
@@ -47,7 +48,9 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
     drawn, counted back from the newest sample. ``sizing_trace``: a trace file for the Sizing
     page, analysed in the background with model ``sizing_preset`` and a GPU prefix cache of
     ``sizing_gpu_tokens`` tokens (None: a capture's gpu tier, else none); ``sizing_accesses``
-    makes the block accesses instead, which ``sizing_trace`` then names. ``max_points``:
+    makes the block accesses instead, which ``sizing_trace`` then names;
+    ``sizing_preset_flag``: the option that sets ``sizing_preset``, as the page names it.
+    ``max_points``:
     points per series at most. ``token``: the agent's bearer token, when it has one.
     ``capture_roots``: the directories the Compare page may read (none: it reads nothing).
     ``require_token``: the token every visitor must present (None: open; see
@@ -61,7 +64,7 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
             raise ValueError("create_app needs api_url or backend")
         backend = AgentBackend(api_url, token=token)
     source = SizingSource(sizing_trace, sizing_preset, sizing_gpu_tokens,
-                          accesses=sizing_accesses)
+                          accesses=sizing_accesses, preset_flag=sizing_preset_flag)
     source.start()
     ctx = Context(backend, window_seconds, max_points, source, resolve_roots(capture_roots),
                   offload_settings or OffloadSettings())

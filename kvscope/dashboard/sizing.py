@@ -41,13 +41,16 @@ class SizingSource:
     prefill cost) and a GPU prefix cache of ``gpu_tokens`` tokens (what it serves, a CPU tier
     need not; None: a capture's gpu tier, else none). ``accesses``: makes the block accesses
     to analyse instead of reading ``trace``, which then only names them (a workload generated
-    in memory, the demo's). ``start()`` begins the work; ``state()`` reports it. Thread-safe."""
+    in memory, the demo's). ``preset_flag``: the command's option that sets ``preset``, named
+    where the preset's bytes per block are assumed. ``start()`` begins the work; ``state()``
+    reports it. Thread-safe."""
 
     def __init__(self, trace: str | None, preset: str = "llama-3-8b",
                  gpu_tokens: int | None = None, *,
-                 accesses: Callable[[], AccessTrace] | None = None) -> None:
+                 accesses: Callable[[], AccessTrace] | None = None,
+                 preset_flag: str = "--sizing-preset") -> None:
         self.trace = trace
-        self.preset = preset
+        self.preset, self.preset_flag = preset, preset_flag
         self.gpu_tokens = gpu_tokens
         self._accesses = accesses
         self._state = SizingState("off", trace, message=HOW_TO_ENABLE) if trace is None else \
@@ -84,7 +87,7 @@ class SizingSource:
             state = SizingState("ready", self.trace, sizing_figure_data(analysis),
                                 f"{analysis.requests:,} requests, {analysis.accesses:,} block "
                                 f"accesses over {analysis.duration_seconds:,.0f} s; "
-                                f"{block_bytes_text(analysis, '--sizing-preset')}, "
+                                f"{block_bytes_text(analysis, self.preset_flag)}, "
                                 f"GPU prefix cache "
                                 f"{analysis.sizing.assumptions['gpu_tokens']:,} tokens; "
                                 f"{analysis.method}")
