@@ -268,6 +268,11 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
                    f"--kv-offloading-size {flag_gib(recommended.bytes, params.budget_bytes):g}.")
     else:
         verdict = "Do not offload. " + reasons[0]  # a sentence of its own, as in ``reasons``
+    prefill_source = params.rate_sources.get(
+        "prefill", f"assumed: preset {preset.name}'s cost model")
+    kv_bytes_source = params.rate_sources.get(
+        "kv_bytes", f"assumed: preset {preset.name}'s KV shape")
+    assumed = any(s.startswith("assumed: preset") for s in (prefill_source, kv_bytes_source))
     return SizingAdvice(
         offload=offload, verdict=verdict, reasons=reasons, recommended=recommended,
         kv_offloading_size_gib=(flag_gib(recommended.bytes, params.budget_bytes)
@@ -275,14 +280,14 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
         knee=knee, gpu_token_hit_share=gpu_hit, reuse_token_share=reuse,
         offload_bytes_per_second=stored / duration_seconds if duration_seconds > 0 else None,
         curve=curve,
-        assumptions={"preset": preset.name, "block_tokens": params.block_tokens,
+        # the preset named only where something was taken from it (a tryout read
+        # "llama-3-8b", analyze's default, for a capture whose figures were all measured)
+        assumptions={"preset": preset.name if assumed else None,
+                     "block_tokens": params.block_tokens,
                      "bytes_per_block": bpb, "bandwidth_bytes_per_second": params.bandwidth,
                      "prefill_tokens_per_second": params.prefill_rate,
                      "bandwidth_source": params.rate_sources.get("bandwidth", "given"),
-                     "prefill_source": params.rate_sources.get(
-                         "prefill", f"assumed: preset {preset.name}'s cost model"),
-                     "kv_bytes_source": params.rate_sources.get(
-                         "kv_bytes", f"assumed: preset {preset.name}'s KV shape"),
+                     "prefill_source": prefill_source, "kv_bytes_source": kv_bytes_source,
                      "gpu_tokens": params.gpu_tokens,
                      "gpu_tokens_source": params.rate_sources.get("gpu", "given"),
                      "budget_bytes": params.budget_bytes,

@@ -81,8 +81,10 @@ def test_analyze_sizes_the_cpu_tier_from_a_vllm_capture(vllm_capture, capsys):
     timed the cpu->gpu loads; the tap timed the prefills), and said so. The KV bytes per block
     too: the capture's transfers carry 32,768 bytes a block, the model's by hand (K and V, 2
     layers, 32 tokens, 2 KV heads of 32 dims, 4-byte floats), where the presets say 65,536
-    (tiny) or 4 MiB (llama-3-8b, the default): the advice no longer depends on --preset. Its
-    sample (1 block in 16 of 195) is too thin for a verdict, and says so."""
+    (tiny) or 4 MiB (llama-3-8b, the default): the advice no longer depends on --preset, and
+    the assumptions name no preset (a tryout read llama-3-8b there for a capture whose figures
+    were all measured). Its sample (1 block in 16 of 195) is too thin for a verdict, and says
+    so."""
     capture, result, _metrics = vllm_capture
     assert main(["analyze", str(capture), "--json"]) == 0
     default = json.loads(capsys.readouterr().out)
@@ -94,6 +96,7 @@ def test_analyze_sizes_the_cpu_tier_from_a_vllm_capture(vllm_capture, capsys):
     assert out["sizing"]["offload"] is None
     assert out["sizing"]["verdict"].startswith("Not enough data to size a tier")
     assert default["sizing"]["assumptions"]["bytes_per_block"] == 32768
+    assert default["sizing"]["assumptions"]["preset"] is None
     assert out["accesses"] == BLOCKS and out["requests"] == LOOKUPS
     assert out["sample_rate"] == sampling.DEFAULT_RATE
     assert out["sampled_accesses"] < BLOCKS and "sampled by the tap" in out["method"]

@@ -177,6 +177,7 @@ def test_the_sampled_curve_is_within_0_01_of_the_exact_one_at_the_default_rate(t
     assert top.prefill_seconds_saved == pytest.approx(
         top.cpu_token_hit_share * 2_000_000 * 16 / get_preset("tiny").prefill_tokens_per_second)
     assert analysis.sizing.assumptions["prefill_source"].startswith("assumed")
+    assert analysis.sizing.assumptions["preset"] == "tiny"
     print(f"MAE at R=1/16: {mae:.4f} (accesses)")
 
 
