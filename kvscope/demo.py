@@ -211,9 +211,12 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     dashboard.shutdown()
     server.shutdown()
     agent.shutdown()
-    print(f"kvscope demo: stopped after {replayer.served} requests", file=out, flush=True)
-    ignore_signals_while_exiting()
     lost = sum(agent.capture.dropped.values()) if agent.capture is not None else 0
+    # what the run left behind: a tryout found it said only in the banner, long scrolled away
+    kept = (f"; its capture is in {config.capture_dir}" if config.capture_dir and not lost
+            else "" if config.capture_dir else "; nothing kept (--capture-dir DIR records a run)")
+    print(f"kvscope demo: stopped after {replayer.served} requests{kept}", file=out, flush=True)
+    ignore_signals_while_exiting()
     if lost:  # a script reading the capture next must not take it for the whole run
         print(f"kvscope demo: error: the capture lost {lost} rows it could not write (see the "
               f"capture's lines above); {config.capture_dir} holds only the segments written "

@@ -776,8 +776,8 @@ def test_banner_urls_put_an_ipv6_host_in_brackets():
 
 def test_demo_says_when_its_trace_has_played_out(tmp_path):
     """Three requests at speed 1000 play out in milliseconds; the demo says so (and how many)
-    and stays up until its duration, where it once fell silent. Its capture directory is then
-    refused to a second run."""
+    and stays up until its duration, where it once fell silent; stopping, it says what it left
+    behind (its capture, or nothing). Its capture directory is then refused to a second run."""
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(f'{{"timestamp": {i * 10}, "input_length": 1024, '
                             f'"output_length": 1, "hash_ids": [1, 2]}}\n' for i in range(3)))
@@ -792,7 +792,9 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
     assert "the workload has played out (3 requests)" in lines[-2]
     assert lines[-2].endswith("stay up until Ctrl-C or 4 s from the start")
     assert "  stop with Ctrl-C (or after 4 s)" in lines
-    assert lines[-1] == "kvscope demo: stopped after 3 requests"
+    # and what it left behind, again at the end (the banner has long scrolled away)
+    assert lines[-1] == ("kvscope demo: stopped after 3 requests; its capture is in "
+                         f"{tmp_path / 'cap'}")
     # a background job of a script ignores SIGINT: Ctrl-C cannot stop it, kill (SIGTERM) can
     result = _kvscope("demo", "--trace", str(path), "--speed", "1000", "--duration", "2",
                       "--metrics-port", str(free_port()), "--ui-port", str(free_port()),
@@ -803,6 +805,7 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
     assert len(stop) == 1 and re.fullmatch(r"  stop with kill \d+ \(or after 2 s\)", stop[0])
     pid = stop[0].split()[3]
     assert lines[-2].endswith(f"stay up until kill {pid} or 2 s from the start")
+    assert lines[-1].endswith(" requests; nothing kept (--capture-dir DIR records a run)")
     # a second run into that directory: analyze and compare would read both runs as one
     _one_error_line(_kvscope("demo", "--trace", str(path), "--duration", "1", "--metrics-port",
                              str(free_port()), "--ui-port", str(free_port()), "--capture-dir",
