@@ -40,8 +40,11 @@ from kvscope.analysis.bootstrap import (DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, M
 from kvscope.analysis.rates import prefill_rate
 from kvscope.analysis.transfer_cost import farther_tier, seconds_by_tier
 from kvscope.percentiles import histogram_quantile
+from kvscope.vocabulary import OFFLOAD_TIERS
 
 QUANTILES = (0.5, 0.95, 0.99)
+# the offload tiers prompt tokens can come from: a run with none of them had no offload
+OFFLOAD_SOURCES = frozenset(ev.TOKEN_SOURCES) & frozenset(OFFLOAD_TIERS)
 KEEP = "keep"
 ROLL_BACK = "roll back (disable the newest tier)"
 INCONCLUSIVE = "inconclusive"
@@ -388,6 +391,7 @@ def _side(runs: list[RequestSample]) -> Side:
                 bool(runs) and all(r.itl_modelled for r in runs),
                 tuple(t for t in ev.TOKEN_SOURCES if runs and all(t in r.tiers_off for r in runs)),
                 failures_unmeasured(runs))
+
 
 
 def _ran_first(base: Sequence[RequestSample], cand: Sequence[RequestSample]) -> str | None:
@@ -770,6 +774,11 @@ def render_text(comparison: Comparison) -> str:
             "by source)"))
     lines.append("transfer cost:")
     for side in (c.baseline, c.candidate):
+        if not side.transfers and set(side.tiers_off) >= OFFLOAD_SOURCES:
+            # a tryout read "promotion wait 0 ms; failed transfers 0" of a run without offload
+            lines.append(f"  {side.name}: none (no offload tier: nothing to copy, promote or "
+                         "fail)")
+            continue
         moved = "not measured" if side.transfers is None else ", ".join(
             f"{d} {_bytes(t['bytes'])} in " + (
                 "time not measured" if t["seconds"] is None else f"{t['seconds']:.3f} s")

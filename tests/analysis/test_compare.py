@@ -819,6 +819,14 @@ def test_a_tier_the_capture_did_not_have_reads_no_tier_never_zero(tmp_path, caps
     _promoting_capture(tmp_path / "blind", "gpu", [("gpu", "cpu", 0.001)], tiers=("gpu",)).close()
     blind = read_request_sample(tmp_path / "blind")
     assert (blind.token_sources, blind.tiers_off) == (("gpu", "recompute"), ("disk",))
+    # a run with no offload tier at all copied, promoted and failed nothing: said so, where a
+    # tryout read "promotion wait mean 0 ms, p99 0 ms; failed transfers 0"
+    _promoting_capture(tmp_path / "none", "gpu", [], tiers=("gpu",)).close()
+    assert main(["compare", str(base), str(tmp_path / "none"), "--resamples", "100"]) == 0
+    text = capsys.readouterr().out
+    assert f"  {tmp_path / 'none'}: none (no offload tier: nothing to copy, promote or fail)\n" \
+        in text
+    assert f"  {base}: none; promotion wait" in text  # tiers unknown: as before
 
 
 def test_an_arm_of_runs_with_different_offload_tiers_is_refused(tmp_path, capsys):
