@@ -393,7 +393,6 @@ def _side(runs: list[RequestSample]) -> Side:
                 failures_unmeasured(runs))
 
 
-
 def _ran_first(base: Sequence[RequestSample], cand: Sequence[RequestSample]) -> str | None:
     """"baseline" or "candidate" when every run of that arm finished before any run of the
     other started, else None (interleaved, or a run's window not known)."""

@@ -50,8 +50,8 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
     ``sizing_gpu_tokens`` tokens (None: a capture's gpu tier, else none); ``sizing_accesses``
     makes the block accesses instead, which ``sizing_trace`` then names;
     ``sizing_preset_flag``: the option that sets ``sizing_preset``, as the page names it.
-    ``max_points``:
-    points per series at most. ``token``: the agent's bearer token, when it has one.
+    ``max_points``: points per series at most. ``token``: the agent's bearer token, when it
+    has one.
     ``capture_roots``: the directories the Compare page may read (none: it reads nothing).
     ``require_token``: the token every visitor must present (None: open; see
     :mod:`kvscope.dashboard.access`).
