@@ -3,7 +3,11 @@ workloads that make opposite cases (issue 25, item 4's proof):
 
 - reuse and GPU pressure: the default synthetic workload (shared system prompts, multi-turn
   sessions) on a GPU tier of 32 blocks, smaller than most prompts, so the request in service
-  holds all of it: "offload pays";
+  holds all of it: every condition "offload pays". Overall "offload pays", or "not paying as
+  sized" where the tiers' copies took longer than the prefill they saved: the reference
+  engine times its copies on this machine's CPU (perf_counter) but prices prefill as an H100
+  would, and on 2 busy cores the two came within 0.6x to 1.2x of each other (CI failed on a
+  0.6x): the conditions' answer is known, the cost's depends on the machine;
 - unique prompts: ``--one-off-share 1`` (every prompt a one-off, never reused) on a GPU tier of
   1024 blocks: "skip offload", from condition 2 alone.
 
@@ -71,29 +75,29 @@ def case(request):
         yield request.param, demo
 
 
-def read_verdicts(browser, want: str) -> dict:
+def read_verdicts(browser, want: tuple[str, ...]) -> dict:
     """The page's verdicts and texts (``text:<id>``), read in one script since every refresh
-    (2 s) redraws them, once the overall verdict is ``want`` (the first may still say "too
-    little traffic")."""
+    (2 s) redraws them, once the overall verdict is one of ``want`` (the first may still say
+    "too little traffic")."""
     found: dict = {}
 
     def ready():
         nonlocal found
         found = browser.execute_script(VERDICT_JS)
-        return found.get("offload-verdict") == want and found
+        return found.get("offload-verdict") in want and found
 
     try:
-        wait_for(browser, ready, f"overall verdict {want!r}")
+        wait_for(browser, ready, f"overall verdict in {want!r}")
     except pytest.fail.Exception:  # say what the page showed instead, and keep a picture of it
-        screenshot(browser, f"dashboard-offload-not-{want.replace(' ', '-')}")
-        pytest.fail(f"overall verdict {want!r} not seen; the page's last: {found!r}")
+        screenshot(browser, f"dashboard-offload-not-{want[0].replace(' ', '-')}")
+        pytest.fail(f"overall verdict in {want!r} not seen; the page's last: {found!r}")
     return found
 
 
 def test_should_i_offload_here(case, browser):
     name, demo = case
     browser.get(demo.ui_url)
-    want = {"reuse": "offload pays", "unique": "skip offload"}[name]
+    want = {"reuse": ("offload pays", "not paying as sized"), "unique": ("skip offload",)}[name]
     found = read_verdicts(browser, want)
     text = found["text:offload-advice"]
     screenshot(browser, f"dashboard-offload-{name}")
@@ -111,6 +115,9 @@ def test_should_i_offload_here(case, browser):
         assert found["offload-check-gpu-limiter"] == "offload pays"
         assert found["offload-check-unique-prompts"] == "offload pays"
         assert found["offload-check-tail-slo"] == "offload pays"
+        if found["offload-verdict"] == "not paying as sized":  # the copies' cost, not a condition
+            assert ("conditions 1, 2, 3, 4, 5 say offload pays, the tiers' own cost says "
+                    "otherwise") in found["text:offload-verdict"]
         assert "GPU prefix cache served" in text
         assert "prompt blocks whose prefix was seen before" in text
     else:
@@ -121,4 +128,5 @@ def test_should_i_offload_here(case, browser):
         assert found["offload-check-gpu-limiter"] in ("not measured", "offload pays")
         assert found["offload-check-tail-slo"] == "not measured"
         assert "no tokens were promoted" in text
-    assert "from condition" in found["text:offload-verdict"]
+    assert "from condition" in found["text:offload-verdict"] or \
+        found["offload-verdict"] == "not paying as sized"
