@@ -213,8 +213,9 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     agent.shutdown()
     lost = sum(agent.capture.dropped.values()) if agent.capture is not None else 0
     # what the run left behind: a tryout found it said only in the banner, long scrolled away
-    kept = (f"; its capture is in {config.capture_dir}" if config.capture_dir and not lost
-            else "" if config.capture_dir else "; nothing kept (--capture-dir DIR records a run)")
+    kept = "; nothing kept (--capture-dir DIR records a run)"
+    if config.capture_dir:  # a capture that lost rows gets its own error line below
+        kept = "" if lost else f"; its capture is in {config.capture_dir}"
     print(f"kvscope demo: stopped after {replayer.served} requests{kept}", file=out, flush=True)
     ignore_signals_while_exiting()
     if lost:  # a script reading the capture next must not take it for the whole run

@@ -131,16 +131,16 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
     if open_:
         log.warning("kvscope: %s: left out %s", where, unfinished)
     table = pa.concat_tables(tables)
-    # the agent writes no nulls (NaN for an unknown time; NULLABLE aside); read as numbers they
+    # the agent writes no nulls (NaN for an unknown time; _NULLABLE aside); read as numbers they
     # would be garbage
-    nulls = [c for c in columns if table.column(c).null_count and c not in NULLABLE]
+    nulls = [c for c in columns if table.column(c).null_count and c not in _NULLABLE]
     if nulls:
         raise TraceError(f"{where}: {kind} segments with empty values in {', '.join(nulls)} "
                          "(the agent writes none)")
     return table
 
 
-NULLABLE = frozenset({"failures"})  # columns whose null reads "not measured" (as None)
+_NULLABLE = frozenset({"failures"})  # columns whose null reads "not measured" (as None)
 _ADDED_TYPES = {"sample_rate": pa.float64(), "lookup_blocks": pa.int64(), "tiers": pa.string(),
                 "failures": pa.int64()}
 

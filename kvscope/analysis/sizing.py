@@ -272,7 +272,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
         "prefill", f"assumed: preset {preset.name}'s cost model")
     kv_bytes_source = params.rate_sources.get(
         "kv_bytes", f"assumed: preset {preset.name}'s KV shape")
-    assumed = any(s.startswith("assumed: preset") for s in (prefill_source, kv_bytes_source))
+    assumed = not {"prefill", "kv_bytes"} <= params.rate_sources.keys()  # taken from the preset
     return SizingAdvice(
         offload=offload, verdict=verdict, reasons=reasons, recommended=recommended,
         kv_offloading_size_gib=(flag_gib(recommended.bytes, params.budget_bytes)
