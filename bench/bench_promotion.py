@@ -3,8 +3,8 @@
 
 Setup: ``--blocks`` blocks of a request are offloaded to the ``cpu`` tier, then the request
 comes back and all of them are promoted in one batch. The engine's figure is the timed
-``cpu->gpu`` copy it reports (CUDA events with CUDA, ``perf_counter_ns`` without); the bare
-copy is timed the same way. Goal: ratio >= 0.8. Run: ``python bench/bench_promotion.py``.
+``cpu->gpu`` copy it reports (CUDA events with CUDA, the copying thread's CPU time,
+``thread_time_ns``, without); the bare copy is timed the same way. Goal: ratio >= 0.8. Run: ``python bench/bench_promotion.py``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ def _bare_copy_seconds(dst, src) -> float:
         end.record()
         end.synchronize()
         return begin.elapsed_time(end) / 1e3
-    t0 = time.perf_counter_ns()
+    t0 = time.thread_time_ns()
     dst.copy_(src)
-    return (time.perf_counter_ns() - t0) / 1e9
+    return (time.thread_time_ns() - t0) / 1e9
 
 
 def run(blocks: int, block_tokens: int, rounds: int, shuffle: bool) -> dict:

@@ -18,9 +18,15 @@ A failed disk write or read (see :mod:`kvscope.engine.disk`) is reported to ``on
 a failed STAGE turns the PROMOTE that would have forwarded its bytes into a PREFILL, so wrong
 bytes never reach the ``gpu`` tier.
 
-Timing: without CUDA, ``time.perf_counter_ns`` around each batched copy. With CUDA, copies run
-on a dedicated copy stream, bracketed by CUDA events; :meth:`CopyResult.resolve` reads them
-back later without blocking (``Event.query``), or waits when asked to.
+Timing: without CUDA, the copying thread's CPU time (``time.thread_time_ns``) around each batched
+host copy, and wall time (``time.perf_counter_ns``) around each batch of disk I/O, whose waits
+are the disk's. A host copy is its thread's own work (torch runs it on one thread, see
+:class:`Copier`); wall time around it also counted the waits for the GIL while the process's
+other threads ran: in ``kvscope demo`` (engine, agent and dashboard in one process) the copies
+of its first 2 s took 187 ms of wall time for 15 ms of CPU time, so its offload verdict read
+the dashboard's start-up as the copies' cost. With CUDA, copies run on a dedicated copy stream,
+bracketed by CUDA events; :meth:`CopyResult.resolve` reads them back later without blocking
+(``Event.query``), or waits when asked to.
 """
 
 from __future__ import annotations
@@ -158,12 +164,13 @@ class Copier:
 
     def copy(self, src_pool, src_slots, dst_pool, dst_slots) -> tuple[float | None, tuple | None]:
         """Copy rows ``src_slots`` of ``src_pool`` to rows ``dst_slots`` of ``dst_pool``;
-        return ``(seconds, None)`` (host timing) or ``(None, (start, end) CUDA events)``."""
+        return ``(seconds, None)`` (host pools: the thread's CPU seconds) or ``(None, (start,
+        end) CUDA events)``."""
         torch = self.torch
         runs = _runs(src_slots, dst_slots)
         src, dst = src_pool.data, dst_pool.data
         if not self.cuda:  # host memory both sides: every path is a single pass over the bytes
-            t0 = time.perf_counter_ns()
+            t0 = time.thread_time_ns()
             few = max(1, len(src_slots) // 4)
             if len(runs) <= few:
                 for s0, d0, n in runs:
@@ -179,7 +186,7 @@ class Copier:
                 else:
                     for s, d in zip(src_slots, dst_slots):
                         dst[d].copy_(src[s])
-            return (time.perf_counter_ns() - t0) / 1e9, None
+            return (time.thread_time_ns() - t0) / 1e9, None
         begin = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         run_bytes = len(src_slots) * src.shape[1] * src.element_size() / len(runs)

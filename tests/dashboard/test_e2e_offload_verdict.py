@@ -3,11 +3,12 @@ workloads that make opposite cases (issue 25, item 4's proof):
 
 - reuse and GPU pressure: the default synthetic workload (shared system prompts, multi-turn
   sessions) on a GPU tier of 32 blocks, smaller than most prompts, so the request in service
-  holds all of it: every condition "offload pays". Overall "offload pays", or "not paying as
-  sized" where the tiers' copies took longer than the prefill they saved: the reference
-  engine times its copies on this machine's CPU (perf_counter) but prices prefill as an H100
-  would, and on 2 busy cores the two came within 0.6x to 1.2x of each other (CI failed on a
-  0.6x): the conditions' answer is known, the cost's depends on the machine;
+  holds all of it: every condition "offload pays", and overall "offload pays": a promoted
+  16-token block saves 81 us of the tiny preset's prefill (16 tokens at 198,000 a second),
+  and its copy and the offload that made room for it took about 13 us of CPU on this
+  project's machine. (While the engine timed its host copies in wall time, they also counted
+  its waits for the GIL while the demo's dashboard drew this page, and CI read "not paying as
+  sized" at 0.3x to 0.6x.);
 - unique prompts: ``--one-off-share 1`` (every prompt a one-off, never reused) on a GPU tier of
   1024 blocks: "skip offload", from condition 2 alone.
 
@@ -97,7 +98,7 @@ def read_verdicts(browser, want: tuple[str, ...]) -> dict:
 def test_should_i_offload_here(case, browser):
     name, demo = case
     browser.get(demo.ui_url)
-    want = {"reuse": ("offload pays", "not paying as sized"), "unique": ("skip offload",)}[name]
+    want = {"reuse": ("offload pays",), "unique": ("skip offload",)}[name]
     found = read_verdicts(browser, want)
     text = found["text:offload-advice"]
     screenshot(browser, f"dashboard-offload-{name}")
@@ -115,9 +116,6 @@ def test_should_i_offload_here(case, browser):
         assert found["offload-check-gpu-limiter"] == "offload pays"
         assert found["offload-check-unique-prompts"] == "offload pays"
         assert found["offload-check-tail-slo"] == "offload pays"
-        if found["offload-verdict"] == "not paying as sized":  # the copies' cost, not a condition
-            assert ("conditions 1, 2, 3, 4, 5 say offload pays, the tiers' own cost says "
-                    "otherwise") in found["text:offload-verdict"]
         assert "GPU prefix cache served" in text
         assert "prompt blocks whose prefix was seen before" in text
     else:
@@ -128,5 +126,4 @@ def test_should_i_offload_here(case, browser):
         assert found["offload-check-gpu-limiter"] in ("not measured", "offload pays")
         assert found["offload-check-tail-slo"] == "not measured"
         assert "no tokens were promoted" in text
-    assert "from condition" in found["text:offload-verdict"] or \
-        found["offload-verdict"] == "not paying as sized"
+    assert "from condition" in found["text:offload-verdict"]

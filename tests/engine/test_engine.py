@@ -490,3 +490,49 @@ def test_a_host_engine_copies_on_one_torch_thread():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="2"), check=True).stdout.split()
     assert out == ["2", "1"]
+
+
+def test_a_host_copy_is_timed_as_its_threads_work_not_its_waits_for_the_gil():
+    """torch lets go of the GIL for each copy; a busy Python thread then takes it, and the
+    copying thread waits up to ``sys.getswitchinterval()`` (20 ms here) to get it back. That
+    wait is the other thread's time: in ``kvscope demo`` (engine, agent and dashboard in one
+    process) it made the copies of the first 2 s read 187 ms of wall time for 15 ms of CPU
+    time. The copier reports the copying thread's CPU time: 10 copies of 4 scattered 2 MiB
+    rows (one torch copy a row, 40 chances to wait), beside a busy thread, take a few ms of
+    CPU each and wait 20 ms at each row whose copy outlasted the busy thread's wake-up, so
+    the seconds reported are a small part of the wall time around the calls. (Timed with
+    ``perf_counter``, the copier's seconds were that wall time, less the call's overhead.)"""
+    import threading
+    import time
+
+    from kvscope.engine.tier import BlockPool
+    from kvscope.engine.transfers import Copier
+
+    copier = Copier(cuda=False)
+    src, dst = (BlockPool(8, 1 << 20, "float16", "cpu") for _ in range(2))
+    running, stop = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        running.set()
+        while not stop.is_set():
+            pass
+
+    hog = threading.Thread(target=busy, daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.02)
+    hog.start()
+    running.wait()
+    reported, wall = 0.0, 0.0
+    try:
+        for i in range(10):
+            t0 = time.perf_counter()
+            seconds, events = copier.copy(src, [i % 8, (i + 3) % 8, (i + 6) % 8, (i + 1) % 8],
+                                          dst, [3, 5, 0, 7])
+            wall += time.perf_counter() - t0
+            reported += seconds
+            assert events is None
+    finally:
+        stop.set()
+        hog.join()
+        sys.setswitchinterval(interval)
+    assert 0 < reported < wall / 4, (reported, wall)
