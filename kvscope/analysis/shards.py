@@ -114,8 +114,8 @@ def _adjusted(hits: np.ndarray, total: float, expected: float,
     if blocks < MIN_SAMPLED_BLOCKS:
         if total > 0:
             hits *= max(expected, 0.0) / total
-    else:
-        hits[0] = max(0.0, hits[0] + expected - total)
+    else:  # signed, as in the paper: a hot block in the sample makes it negative
+        hits[0] += expected - total
     return DistanceHistogram(hits, max(expected, 0.0))
 
 

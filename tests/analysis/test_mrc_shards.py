@@ -93,3 +93,22 @@ def test_a_few_sampled_blocks_keep_their_hit_ratio_and_a_large_sample_is_adjuste
     effective = shards.sampling.rate_of(shards.sampling.threshold(rate))
     assert many.total == 40_000
     assert many.hits[0] == pytest.approx(40_000 - 2000 / effective)
+
+
+def test_a_hot_block_in_the_sample_takes_hits_away_rather_than_adding_them():
+    """20,000 prompts, each a shared first block (in the sample at R = 0.1) and 8 blocks drawn
+    from 20,000 others. The sample over-counts: its hot block's 20,000 accesses weigh 200,000,
+    so SHARDS_adj's difference (expected - sampled) is negative, about -180,000. Clamped at
+    0, those hits stayed and the curve read no miss at all from 10,000 blocks up. Hand
+    calculation: 8 x 20,000 = 160,000 draws from 20,000 blocks touch 20,000 x (1 - e^-8) =
+    19,993 of them, so the cold misses, the miss ratio of an unbounded cache, are (1 + 19,993)
+    / 180,000 = 0.111."""
+    rate = 0.1
+    hot = int(np.flatnonzero(shards.spatial_hash(np.arange(100))
+                             < shards.sampling.threshold(rate))[0])
+    rng = np.random.default_rng(0)
+    others = 100 + rng.integers(0, 20_000, size=(20_000, 8))
+    ids = np.concatenate([np.full((20_000, 1), hot), others], axis=1).ravel()
+    estimate = shards.fixed_rate(ids, rate).histogram
+    assert estimate.hit_ratio([10**6])[0] == pytest.approx(1 - 0.111, abs=0.01)
+    assert _mae(lru_histogram(ids), estimate) <= 0.02
