@@ -14,13 +14,15 @@ with it. :func:`compare` takes the finished requests of each arm, one
 - transfer cost: bytes, blocks and seconds per direction, failed transfers, and the promotion
   wait per request;
 - a verdict against the rollback rule: **p99 TTFT or p99 ITL above its budget and
-  significantly worse than the baseline -> roll back** (disable the newest tier); a budget is
-  absolute (seconds) or relative to the baseline's p99 (:class:`Budget`, e.g. ``+10%``). With
-  one run per arm the run-to-run variance is not measured, and a candidate that looks worse is
-  ``inconclusive``, never ``roll back``: two runs of one configuration differ by more than
-  their requests' own spread suggests; with several, a ``roll back`` also needs the runs
-  themselves significantly slower (:func:`runs_test`). See :func:`verdict` for exactly how the
-  intervals decide it.
+  significantly worse than the baseline, or significantly more failed requests -> roll back**
+  (disable the newest tier; the latencies count only the requests that finished, so a
+  candidate that fails its slowest ones would otherwise read faster: :func:`failed_requests`);
+  a budget is absolute (seconds) or relative to the baseline's p99 (:class:`Budget`, e.g.
+  ``+10%``). With one run per arm the run-to-run variance is not measured, and a candidate
+  that looks worse is ``inconclusive``, never ``roll back``: two runs of one configuration
+  differ by more than their requests' own spread suggests; with several, a ``roll back``
+  also needs the runs themselves significantly slower (:func:`runs_test`). See
+  :func:`verdict` for exactly how the intervals decide it.
 
 Pure: samples in, dataclasses out. :func:`to_json` and :func:`render_text` render them.
 """
@@ -82,7 +84,9 @@ class RequestSample:
     measured); ``transfer_failures``: failed transfers (None: not measured);
     ``failures_unmeasured``: the directions ("src->dst") that moved blocks though no source
     could see their copies fail (KV events, byte counters): ``transfer_failures`` counts the
-    others only. ``prefill_seconds``:
+    others only. ``failed_requests``: requests of the run that failed or were cut off, so
+    have no TTFT here (None: not counted, e.g. a capture, whose records are the finished
+    requests). ``prefill_seconds``:
     the requests' prefill time in all (0: not reported); ``prefill_modelled``: every request
     prefilled at one exact rate, an engine's cost model's (the reference engine's), not a
     measurement; ``itl_modelled``: every request's ITL is one value, likewise (the reference
@@ -119,6 +123,7 @@ class RequestSample:
     itl_modelled: bool = False
     tiers_off: tuple[str, ...] = ()
     failures_unmeasured: tuple[str, ...] = ()
+    failed_requests: int | None = None
 
     @property
     def requests(self) -> int:
@@ -150,6 +155,7 @@ class Side:
     counted transfers (:attr:`RequestSample.transfers_measured`); ``transfer_failures``:
     None when no run counted them; ``failures_unmeasured``: the directions some run moved
     blocks in without counting their failures (:attr:`RequestSample.failures_unmeasured`).
+    ``failed_requests``: the runs' added up, None when a run did not count them.
     ``prefill_rate``:
     tokens/s the engine prefilled (recomputed tokens over prefill seconds), None when not
     measured; ``prefill_modelled``: that rate is its engine's cost model (every run's
@@ -178,6 +184,7 @@ class Side:
     itl_modelled: bool = False
     tiers_off: tuple[str, ...] = ()
     failures_unmeasured: tuple[str, ...] = ()
+    failed_requests: int | None = None
 
 
 @dataclass(frozen=True)
@@ -333,6 +340,13 @@ def transfer_failures(samples: Sequence[RequestSample]) -> int | None:
     return sum(counted) if counted else None
 
 
+def failed_requests_of(samples: Sequence[RequestSample]) -> int | None:
+    """The failed requests of ``samples`` added up; None when one of them did not count its
+    own (a share of failures over some runs' requests would be wrong)."""
+    counted = [s.failed_requests for s in samples]
+    return None if not counted or None in counted else sum(counted)
+
+
 def failures_unmeasured(samples: Sequence[RequestSample]) -> tuple[str, ...]:
     """The directions in which some of ``samples`` moved blocks without counting their
     failures (:attr:`RequestSample.failures_unmeasured`), sorted."""
@@ -390,7 +404,7 @@ def _side(runs: list[RequestSample]) -> Side:
                 rate is not None and all(r.prefill_modelled for r in runs),
                 bool(runs) and all(r.itl_modelled for r in runs),
                 tuple(t for t in ev.TOKEN_SOURCES if runs and all(t in r.tiers_off for r in runs)),
-                failures_unmeasured(runs))
+                failures_unmeasured(runs), failed_requests_of(runs))
 
 
 def _ran_first(base: Sequence[RequestSample], cand: Sequence[RequestSample]) -> str | None:
@@ -565,6 +579,31 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
                    "more requests.", reasons)
 
 
+def failed_requests(baseline: Side, candidate: Side, confidence: float) -> Verdict | None:
+    """Roll back when the ``candidate`` failed a significantly larger share of its requests
+    than the ``baseline`` (finished plus failed): Fisher's exact test, one-sided, at
+    :func:`runs_alpha` (the requests as the unit; failures are rare, and a run-level test of
+    them would need many runs). None when either arm did not count them, or neither failed
+    any. The latency rule reads finished requests only, so without this a candidate that
+    fails its slowest requests reads faster (a review planted 5% failed requests, the slowest,
+    into identical arms: "keep", p99 TTFT 67 ms better)."""
+    b, c = baseline.failed_requests, candidate.failed_requests
+    if b is None or c is None or not (b or c):
+        return None
+    from scipy import stats  # here only: every kvscope command imports this module
+
+    table = [[c, candidate.requests], [b, baseline.requests]]
+    p = float(stats.fisher_exact(table, alternative="greater").pvalue)
+    shares = (f"the candidate failed {c} of {c + candidate.requests} requests "
+              f"({c / (c + candidate.requests):.1%}), the baseline {b} of "
+              f"{b + baseline.requests} ({b / (b + baseline.requests):.1%})")
+    reason = f"failed requests: {shares}; one-sided Fisher's exact p = {p:.3g}"
+    if p < runs_alpha(confidence):
+        return Verdict(ROLL_BACK, f"{ROLL_BACK}: {shares}, significantly more; its latencies "
+                       "leave those requests out.", [reason])
+    return Verdict(KEEP, f"{KEEP}: {shares}, not significantly more.", [reason])
+
+
 def combine(verdicts: dict[str, Verdict]) -> Verdict:
     """One verdict of several metrics' (``{"TTFT": ..., "ITL": ...}``): roll back when one
     says so, keep when all do, inconclusive otherwise. Its text names each metric's decision,
@@ -690,6 +729,9 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
                      "drift of the host between the two windows reads as a difference; "
                      "interleave the arms' runs (A B A B ...)")
     by_metric = {"TTFT": judged[0], **({"ITL": judged[1]} if len(judged) > 1 else {})}
+    failed = failed_requests(*sides, confidence)
+    if failed is not None:
+        by_metric["failed requests"] = failed
     result = combine(by_metric)
     result = Verdict(result.decision, result.text, result.reasons + notes)
 

@@ -23,6 +23,8 @@ was found, and the reasons give the floor beside each effect. When the A/A pair 
 out ``roll back`` on a metric, the set-up is too noisy to judge that metric, whose ``roll
 back`` becomes ``inconclusive``; the other metric still stands on its own floor (sub-millisecond
 ITL jitter between two runs of one server must not hide a TTFT regression four times over).
+Significantly more failed requests (:func:`~kvscope.analysis.compare.failed_requests`) is a
+``roll back`` the gate leaves standing: no latency floor speaks to it.
 Pure: request samples in, dataclasses out.
 """
 
@@ -35,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvscope.analysis.compare import (INCONCLUSIVE, ROLL_BACK, Comparison, RequestSample,
-                                      Verdict, combine, compare, failures_unmeasured,
-                                      measured_sources, ms, promotion_waits,
-                                      transfer_failures)
+                                      Verdict, combine, compare, failed_requests_of,
+                                      failures_unmeasured, measured_sources, ms,
+                                      promotion_waits, transfer_failures)
 from kvscope.rollout.plan import Step, aa_slot
 
 
@@ -81,7 +83,8 @@ def pooled(samples: Sequence[RequestSample], name: str) -> RequestSample:
         any(s.transfers_measured for s in samples),
         bool(samples) and all(s.prefill_modelled for s in samples),
         bool(samples) and all(s.itl_modelled for s in samples),
-        failures_unmeasured=failures_unmeasured(samples))
+        failures_unmeasured=failures_unmeasured(samples),
+        failed_requests=failed_requests_of(samples))
 
 
 def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int | None
@@ -97,7 +100,7 @@ def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int |
 
 def _gate(effect: Comparison, aa: Comparison) -> Verdict:
     """The A/A gate (see the module) on the verdict of ``effect``."""
-    gated: dict[str, Verdict] = {}
+    gated = dict(effect.by_metric)  # failed requests stand as they are: no floor gates them
     why = []
     for label, rows, aa_rows in (("TTFT", effect.ttft, aa.ttft), ("ITL", effect.itl, aa.itl)):
         v = effect.by_metric.get(label)

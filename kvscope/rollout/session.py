@@ -96,7 +96,9 @@ def _sample(run: dict) -> RequestSample:
                          # recompute only, the rest not measured (it read cpu 0%)
                          token_sources=None if c["source"] == "agent" else tuple(c["tokens"]),
                          # neither an agent nor the server's metrics: nothing counted them
-                         transfers_measured=c["source"] != "none")
+                         transfers_measured=c["source"] != "none",
+                         # failed or cut off (not the unsent); a report from before: None
+                         failed_requests=run.get("errors"))
 
 
 class Session:

@@ -121,6 +121,66 @@ def test_pooled_adds_counts_and_concatenates_latencies():
     assert p.transfer_seconds == {"gpu->cpu": 0.5}
     assert (p.transfer_failures, p.prefill_seconds) == (1, 3.0)
     assert p.failures_unmeasured == ("cpu->gpu", "disk->cpu")  # either run's: the sum misses them
+    assert p.failed_requests is None  # b did not count its own: no share can be formed
+    counted = pooled([dataclasses.replace(a, failed_requests=2),
+                      dataclasses.replace(b, failed_requests=0)], "ab")
+    assert counted.failed_requests == 2
+
+
+def _with_failures(results, failed):
+    """Each run with ``failed(step, sample)`` -> (its requests kept, its failed count)."""
+    out = []
+    for step, sample in results:
+        ttft, n = failed(step, sample)
+        out.append((step, dataclasses.replace(sample, ttft=ttft, itl=ttft / 10,
+                                              failed_requests=n)))
+    return out
+
+
+def test_a_candidate_that_fails_its_slowest_requests_is_rolled_back():
+    """Identical arms, but the candidate's slowest 3 requests of each run's 60 (5%) fail, as a
+    timeout would cut them: its finished requests read faster, and on them alone the verdict
+    was "keep". Counted, the candidate failed 18 of 360 requests over its 6 runs and the
+    baseline none of 360: Fisher's exact one-sided p is about (1/2)^18 = 4e-6, far below
+    0.0125 -> roll back, naming the failed requests. A/A with failures: every arm fails 2 of
+    each run's requests: nothing to roll back for."""
+    scale = {"A": 0.1, "B": 0.1, aa_slot("A"): 0.1}
+    results = simulated_runs(["A", "B"], scale, seed=3)
+
+    def slowest_fail(step, sample):
+        if step.slot != "B":
+            return sample.ttft, 0
+        return np.sort(sample.ttft)[:-3], 3
+
+    planted = _with_failures(results, slowest_fail)
+    uncounted = [(s, dataclasses.replace(r, failed_requests=None)) for s, r in planted]
+    assert judge(uncounted, "A", "B", ttft_budget="+10%", **OPTIONS).verdict.decision == KEEP
+    j = judge(planted, "A", "B", ttft_budget="+10%", **OPTIONS)
+    assert j.verdict.decision == ROLL_BACK, j.verdict.text
+    assert j.overall.by_metric["TTFT"].decision == KEEP  # the latencies alone keep it
+    assert "the candidate failed 18 of 360 requests (5.0%), the baseline 0 of 360" in \
+        j.verdict.text
+    same = _with_failures(results, lambda step, sample: (sample.ttft[:-2], 2))
+    j = judge(same, "A", "B", ttft_budget="+10%", **OPTIONS)
+    assert j.verdict.decision != ROLL_BACK, j.verdict.text
+    assert j.overall.by_metric["failed requests"].decision == KEEP
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_identical_failure_rates_never_roll_back(seed):
+    """A/A in failures: every run of every arm fails each of its 60 requests with
+    probability 0.05 (binomial draws, the latencies otherwise identical): whatever the seed,
+    never roll back."""
+    rng = np.random.default_rng(seed)
+    scale = {"A": 0.1, "B": 0.1, aa_slot("A"): 0.1}
+
+    def random_failures(step, sample):
+        n = int(rng.binomial(len(sample.ttft), 0.05))
+        return sample.ttft[n:], n
+
+    results = _with_failures(simulated_runs(["A", "B"], scale, seed=seed), random_failures)
+    j = judge(results, "A", "B", ttft_budget="+10%", seed=seed, **OPTIONS)
+    assert j.verdict.decision != ROLL_BACK, j.verdict.text
 
 
 def test_an_arm_without_finished_requests_is_an_error():
