@@ -701,11 +701,17 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
     itl99 = next(r for r in itl if r.quantile == 0.99)
     itl_counts = sum(len(s.itl) for s in base), sum(len(s.itl) for s in cand)
     # a modelled ITL is no measurement: a demo's read "ITL keep", CI 0.995-0.995 ms
-    missing = " and the ".join(arm for arm, n, side in zip(("baseline", "candidate"),
-                                                           itl_counts, sides)
-                               if not n or side.itl_modelled)
-    if any(side.itl_modelled for side in sides):
-        missing += " (the engine's cost model: every request's ITL the same)"
+    # the arms without a measured ITL, by why (a demo against a capture whose requests
+    # reported none read "the baseline and the candidate (the engine's cost model ...)")
+    why = {"modelled": [], "none": []}
+    for arm, n, side in zip(("baseline", "candidate"), itl_counts, sides):
+        if side.itl_modelled or not n:
+            why["modelled" if side.itl_modelled else "none"].append(arm)
+    missing = " and the ".join(
+        " and the ".join(arms) + (" (the engine's cost model: every request's ITL the same)"
+                                  if kind == "modelled" else
+                                  " (none reported)" if why["modelled"] else "")
+        for kind, arms in why.items() if arms)
     measured = itl99.difference is not None and not missing
     notes = []
     if measured and (itl_budget is not None or min(itl_counts) >= min_requests):

@@ -789,6 +789,14 @@ def test_one_itl_for_every_request_is_the_engines_model_not_a_measurement(tmp_pa
     assert main(["compare", str(base), str(cand), "--resamples", "100", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["baseline"]["itl_modelled"], out["candidate"]["itl_modelled"]) == (True, False)
+    # a candidate whose requests reported no ITL (0: unknown) is not the cost model's (a
+    # tryout's capture from an emitter read "the baseline and the candidate (the engine's
+    # cost model ...)")
+    none = write_capture(tmp_path / "none", ttft, itl=0.0)
+    assert main(["compare", str(base), str(none), "--resamples", "100"]) == 0
+    assert ("  - ITL not measured on the baseline (the engine's cost model: every request's ITL "
+            "the same) and the candidate (none reported): judged on TTFT alone\n"
+            ) in capsys.readouterr().out
 
 
 def test_a_tier_the_capture_did_not_have_reads_no_tier_never_zero(tmp_path, capsys):
