@@ -151,14 +151,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _utf8(text: str) -> None:
+    """Refuse a path holding bytes that are not UTF-8 (Python keeps them as lone surrogates):
+    pyarrow, which reads and writes captures, cannot open it (a tryout's compare ended in a
+    UnicodeEncodeError traceback)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{os.fsencode(text).decode(errors='backslashreplace')} is not UTF-8 text (character "
+            f"{exc.start + 1}), which the Parquet library cannot open; rename it") from None
+
+
 def path(off: str | None = None):
     """An argparse type for a file or directory path: empty is refused (read as the current
-    directory, or as the flag left out); ``off`` says what leaving the flag out does (None: an
-    argument that must be given)."""
+    directory, or as the flag left out), and so is one that is not UTF-8 text; ``off`` says
+    what leaving the flag out does (None: an argument that must be given)."""
     def parse(text: str) -> str:
         if not text.strip():
             raise argparse.ArgumentTypeError(
                 "is empty; give a path" + (f", or leave the flag out {off}" if off else ""))
+        _utf8(text)
         return text
     parse.__name__ = "path"
     return parse
@@ -166,12 +179,14 @@ def path(off: str | None = None):
 
 def directory(off: str):
     """An argparse type for a directory flag: empty is refused, since it would mean the current
-    directory; ``off`` says what leaving the flag out does (the config keys say the same)."""
+    directory, and so is one that is not UTF-8 text; ``off`` says what leaving the flag out
+    does (the config keys say the same)."""
     def parse(text: str) -> str:
         if not text.strip():
             raise argparse.ArgumentTypeError(
                 f"is empty, which would mean the current directory; leave the flag out {off}, "
                 "or use . for the current directory")
+        _utf8(text)
         if os.path.exists(text) and not os.path.isdir(text):
             raise argparse.ArgumentTypeError(
                 f"{text} is a file, not a directory; give a directory, or leave the flag out "

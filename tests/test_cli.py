@@ -205,6 +205,11 @@ def test_a_workload_without_one_off_prompts_is_accepted():
     (["analyze", ""], "argument INPUT: is empty; give a path"),
     (["compare", "a", " "], "argument CANDIDATE: is empty"),
     (["dashboard", "--sizing-trace", ""], "--sizing-trace: is empty"),
+    # bytes that are not UTF-8 (kept as lone surrogates): pyarrow cannot open such a path, and
+    # compare ended in a UnicodeEncodeError traceback (a tryout's)
+    (["compare", "a", "/tmp/run-\udcff"],
+     "argument CANDIDATE: /tmp/run-\\xff is not UTF-8 text (character 10)"),
+    (["agent", "--capture-dir", "/tmp/run-\udcff"], "--capture-dir: /tmp/run-\\xff is not UTF-8"),
     (["agent", "--config", ""], "--config: is empty"),
     (["docs-metrics", "--output", ""], "--output: is empty"),
     (["rollout", "--arm", "a=http://127.0.0.1:1", "--arm", "b=http://127.0.0.1:2", "--out", ""],
