@@ -91,15 +91,20 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
             other = _kind(p)
             if other and other != kind:  # another kind's segment: say so, not which column
                 reason = f"it is a {other} segment"
-            problems.append(f"{p}: not a kvscope {kind} segment ({reason})")
+            # named as one, and unreadable: "pass one of its blocks files" misled a tryout
+            damaged = not other and p.name.startswith(f"{kind}-") and p.name.endswith(SUFFIX)
+            problems.append(f"{p}: a {kind} segment that cannot be read, damaged or cut short "
+                            f"({reason})" if damaged else
+                            f"{p}: not a kvscope {kind} segment ({reason})")
             continue
         tables.append(table)
     if problems and not (tables and where.is_dir()):
         if where.is_dir():  # given the directory, as it should be: none of its segments reads
             raise TraceError(f"{where}: no {kind} segment of it can be read: {problems[0]}"
                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-        raise TraceError(f"{problems[0]}; pass the capture directory, or one of its "
-                         f"{kind}-*{SUFFIX} files")
+        advice = "pass its capture directory to read the other segments" if damaged else \
+            f"pass the capture directory, or one of its {kind}-*{SUFFIX} files"
+        raise TraceError(f"{problems[0]}; {advice}")
     for problem in problems:
         log.warning("kvscope: skipped %s", problem)
     # segments still being written (or left by a crash) are not read: say so, or their rows

@@ -101,8 +101,8 @@ def test_a_capture_directory_none_of_whose_segments_reads_is_named(tmp_path, cap
     segment.write_bytes(b"garbage")
     assert main(["analyze", str(capture)]) == 2
     err = capsys.readouterr().err
-    assert f"{capture}: no blocks segment of it can be read: {segment}: not a kvscope blocks " \
-        "segment (" in err and "pass the capture directory" not in err
+    assert f"{capture}: no blocks segment of it can be read: {segment}: a blocks segment that " \
+        "cannot be read, damaged or cut short (" in err and "pass" not in err
 
 
 def test_a_capture_stopped_before_any_request_says_so(tmp_path, capsys):
@@ -282,10 +282,18 @@ def test_a_segment_of_another_kind_or_unfinished_says_what_it_is(tmp_path, capsy
     requests = next((tmp_path / "cap").glob("requests-*.parquet"))
     unfinished = tmp_path / "cap" / "blocks-0000000000001-1-000009.parquet.tmp"
     unfinished.write_bytes(b"PAR1")
-    for path, said in ((requests, "not a kvscope blocks segment (it is a requests segment)"),
-                       (unfinished, "a capture segment still being written")):
+    # a blocks segment cut short: damaged, not "one of its blocks-*.parquet files" to pass
+    cut = tmp_path / "cap" / "blocks-0000000000001-1-000001.parquet"
+    cut.write_bytes(requests.read_bytes()[:40])
+    for path, said in ((requests, "not a kvscope blocks segment (it is a requests segment); "
+                                  "pass the capture directory, or one of its blocks-"),
+                       (unfinished, "a capture segment still being written"),
+                       (cut, "a blocks segment that cannot be read, damaged or cut short (")):
         assert main(["analyze", str(path)]) == 2
-        assert said in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert said in err
+        assert path != cut or err.rstrip().endswith(
+            "; pass its capture directory to read the other segments")
 
 
 def test_analyze_names_a_capture_with_segments_gone(tmp_path, capsys):
