@@ -348,20 +348,23 @@ cpdef bint within(RequestRecord record, double start, double end) except -1:
 
 def amend(RequestRecord record not None, str trace_id, finish):
     """Give a finished ``record`` what another report says of it (vLLM's span): ``trace_id``
-    (unless "") and, when ``finish.ttft`` is not 0, that TTFT, queueing (less the record's
-    promotion wait where it holds it: :func:`queueing_without_wait`) and prefill (cut so that
-    the parts do not exceed the TTFT), and its inter-token latency unless 0 (vLLM's, from
-    token times; the tap's sees tokens a scheduler step late) with the output tokens it is the
-    mean over."""
+    (unless "") and, when ``finish.ttft`` is not 0, that TTFT, queueing unless 0 (less the
+    record's promotion wait where it holds it: :func:`queueing_without_wait`) and prefill
+    unless 0 (cut so that the parts do not exceed the TTFT), and its inter-token latency
+    unless 0 (vLLM's, from token times; the tap's sees tokens a scheduler step late) with the
+    output tokens it is the mean over. A 0 is unknown (a span without the attribute): the
+    record's own stands, as it does where the span came first."""
     record.trace_id = trace_id or record.trace_id
     if finish.itl:
         record.itl = finish.itl
         record.output_tokens = finish.output_tokens
     if finish.ttft:
         record.set_ttft(finish.ttft)
-        record.queueing = queueing_without_wait(finish.queueing, record.queueing,
-                                                record._promotion_wait)
-        record.prefill = finish.prefill
+        if finish.queueing:
+            record.queueing = queueing_without_wait(finish.queueing, record.queueing,
+                                                    record._promotion_wait)
+        if finish.prefill:
+            record.prefill = finish.prefill
         record.prefill = prefill_within(record)
 
 

@@ -287,6 +287,30 @@ def test_a_span_for_a_request_the_tap_finished_enriches_that_record():
     assert agent.pipeline.snapshot().ttft_seconds.sum == 0.25
 
 
+@pytest.mark.parametrize("span_first", [False, True])
+def test_a_span_without_queue_or_prefill_times_keeps_the_taps(span_first):
+    """vLLM's span without ``time_in_queue`` and ``time_in_model_prefill`` (0: unknown) joins
+    the tap's record (queueing 0.02 s, promotion wait 0.03 s, prefill 0.1 s): its TTFT, 0.21
+    s, is taken, and the tap's parts stand, whichever came first. Span after the tap, they
+    read 0 and 0 (a review), and the waterfall lost its queue and prefill."""
+    agent = _agent()
+    agent.otlp_receiver.start()
+    _spans_arrive(agent)
+    tap = [ev.RequestStarted(ts=T0, request_id="cmpl-1-0", prompt_tokens=300),
+           ev.RequestFinished(ts=T0 + 0.4, request_id="cmpl-1-0", ttft=0.2, prompt_tokens=300,
+                              queueing=0.02, promotion_wait=0.03, prefill=0.1)]
+    if not span_first:
+        agent.pipeline.ingest("vllm", tap)
+    agent.otlp_receiver.handle([_span("cmpl-1-0", T0, ttft=0.21)])
+    if span_first:
+        agent.pipeline.ingest("vllm", tap)
+    agent.pipeline.publish_settled(everything=True)
+    record = agent.pipeline.requests.get("cmpl-1-0")
+    assert (record.ttft, record.queueing, record.promotion_wait, record.prefill) == \
+        (0.21, 0.02, 0.03, 0.1)
+    assert agent.pipeline.snapshot().requests == 1
+
+
 def test_a_span_for_a_request_whose_finish_the_tap_lost_still_counts_it():
     """The tap's finish never came (its emitter dropped it): the span finishes the open
     record, which counts once it waited."""
