@@ -318,9 +318,12 @@ cdef class Fold:
             elif kind is _SNAPSHOT:
                 known = tiers(source, scope, [event])
             elif kind is _LATENCY:
-                self._ttft.add_buckets(event.bounds, event.counts, event.sum)
-                if not self._records_seen:  # TTFTs without records (zero-code mode): requests
-                    # that finished prefill; beside a tap's or spans' records, counted twice
+                # TTFTs without records (zero-code mode): requests that finished prefill.
+                # Beside a tap's or spans' records they are those requests again, in the
+                # histogram as in the count: both take them, or neither (the count alone
+                # skipped them, and requests_total fell behind the histogram's count)
+                if not self._records_seen:
+                    self._ttft.add_buckets(event.bounds, event.counts, event.sum)
                     self._requests = kv_saturated(self._requests, sum(event.counts))
             elif kind is _SCHEDULER:
                 self._scheduler_stats(source, event)

@@ -238,8 +238,10 @@ def test_engine_latency_histograms_fold_into_ttft():
     4 TTFTs are 4 requests that finished their prefill (kvscope_requests_total's meaning):
     without spans they read 0 requests beside 4 TTFTs, and the dashboard's offload verdict
     said "too little traffic" under load. Once a finished record came (a tap's, or a span's),
-    requests are counted from records alone: an engine's histogram beside them (a tap with
-    vllm_metrics on, spans later than vllm_metrics waits for) counted each one twice."""
+    requests and TTFTs are counted from records alone: an engine's histogram beside them (a
+    tap with vllm_metrics on, spans later than vllm_metrics waits for) counted each one twice.
+    Both alike: the count once skipped the histogram's, the TTFT histogram did not (a review:
+    5 requests beside 6 TTFTs)."""
     pipeline = Pipeline()
     pipeline.ingest("vllm", [ev.LatencyHistogram(ts=1.0, metric="ttft", bounds=[0.02, 0.04, 0.06],
                                                  counts=[1, 2, 0, 1], sum=0.5)])
@@ -253,7 +255,10 @@ def test_engine_latency_histograms_fold_into_ttft():
                                                prompt_tokens=4)])
     pipeline.ingest("vllm", [ev.LatencyHistogram(ts=3.0, metric="ttft", bounds=[0.02, 0.04, 0.06],
                                                  counts=[0, 0, 0, 1], sum=0.1)])
-    assert pipeline.snapshot().requests == 5
+    pipeline.publish_settled(everything=True)
+    snap = pipeline.snapshot()
+    assert snap.requests == 5 and snap.ttft_seconds.count == 5
+    assert snap.ttft_seconds.sum == pytest.approx(0.6)  # the engine's 0.5 and the tap's 0.1
 
 
 def test_another_sources_transfers_join_a_request_even_when_they_arrive_late():
