@@ -4,7 +4,8 @@
 Setup: ``--blocks`` blocks of a request are offloaded to the ``cpu`` tier, then the request
 comes back and all of them are promoted in one batch. The engine's figure is the timed
 ``cpu->gpu`` copy it reports (CUDA events with CUDA, the copying thread's CPU time,
-``thread_time_ns``, without); the bare copy is timed the same way. Goal: ratio >= 0.8. Run: ``python bench/bench_promotion.py``.
+``thread_time_ns``, without); the bare copy is timed the same way. Goal: ratio >= 0.8.
+Run: ``python bench/bench_promotion.py``.
 """
 
 from __future__ import annotations

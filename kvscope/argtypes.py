@@ -154,13 +154,15 @@ def is_loopback(host: str) -> bool:
 def _utf8(text: str) -> None:
     """Refuse a path holding bytes that are not UTF-8 (Python keeps them as lone surrogates):
     pyarrow, which reads and writes captures, cannot open it (a tryout's compare ended in a
-    UnicodeEncodeError traceback)."""
+    UnicodeEncodeError traceback), and one rule for every path is simpler to state than a
+    list of the commands that would manage."""
     try:
         text.encode()
     except UnicodeEncodeError as exc:
         raise argparse.ArgumentTypeError(
             f"{os.fsencode(text).decode(errors='backslashreplace')} is not UTF-8 text (character "
-            f"{exc.start + 1}), which the Parquet library cannot open; rename it") from None
+            f"{exc.start + 1}): kvscope names its files in UTF-8, as the Parquet library of its "
+            "captures needs; rename it") from None
 
 
 def path(off: str | None = None):

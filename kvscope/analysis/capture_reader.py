@@ -91,8 +91,10 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
             other = _kind(p)
             if other and other != kind:  # another kind's segment: say so, not which column
                 reason = f"it is a {other} segment"
-            # named as one, and unreadable: "pass one of its blocks files" misled a tryout
-            damaged = not other and p.name.startswith(f"{kind}-") and p.name.endswith(SUFFIX)
+            # named as one, and not even its schema reads: "pass one of its blocks files"
+            # misled a tryout
+            damaged = p.name.startswith(f"{kind}-") and p.name.endswith(SUFFIX) \
+                and not _readable(p)
             problems.append(f"{p}: a {kind} segment that cannot be read, damaged or cut short "
                             f"({reason})" if damaged else
                             f"{p}: not a kvscope {kind} segment ({reason})")
@@ -436,6 +438,15 @@ def _segments_of(part: str) -> set[str]:
 def _writer(segment: Path) -> str:
     """The id of the writer that made ``segment`` ("" unknown)."""
     return _metadata(segment, WRITER_KEY)
+
+
+def _readable(segment: Path) -> bool:
+    """Whether the Parquet file ``segment``'s schema reads (False: damaged or not Parquet)."""
+    try:
+        pq.read_schema(segment)
+    except (pa.ArrowInvalid, OSError):
+        return False
+    return True
 
 
 def _kind(segment: Path) -> str:

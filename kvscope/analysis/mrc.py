@@ -18,7 +18,9 @@ from kvscope.analysis.stackdist import stack_distances
 
 @dataclass(frozen=True, eq=False)
 class DistanceHistogram:
-    """``hits[d]``: weight of accesses at stack distance ``d`` (blocks), float64 of length D.
+    """``hits[d]``: weight of accesses at stack distance ``d`` (blocks), float64 of length D;
+    ``hits[0]`` may be negative after SHARDS_adj (:mod:`kvscope.analysis.shards`), so read
+    hit ratios through :meth:`hit_ratio`, which clips them to 0-1.
 
     ``total``: weight of all accesses, cold misses included. Weights are accesses by default,
     or tokens when the histogram was built with per-access token counts.

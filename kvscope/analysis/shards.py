@@ -8,7 +8,10 @@ distance ``d`` in the sample stands for ``d / R`` in the full trace.
 - **Fixed rate** (section 3.1) keeps ``R`` fixed; memory grows with ``R`` times the distinct
   blocks. ``SHARDS_adj`` (section 4.2) corrects the sample's size: the difference between the
   expected sampled weight (``R`` times the total) and the actual one is added to the first
-  histogram bucket. The adjustment assumes the sample misses or over-counts a few hot blocks;
+  histogram bucket, either sign: a hot block in the sample makes it negative, and the
+  curve then reads no hit at the smallest sizes, where the hot block's hits belong (a cache
+  of 9 to 20 blocks reads 0 where the exact curve reads 0.111 in the test of it). The
+  adjustment assumes the sample misses or over-counts a few hot blocks;
   in a sample of under :data:`MIN_SAMPLED_BLOCKS` distinct blocks the difference is the
   sample's own variance (a tap's capture of 42 requests: 8 sampled accesses of an expected
   14.4 added 103 of its 231 accesses as hits, 45% of them, to a sample without one reuse), so
@@ -18,7 +21,8 @@ distance ``d`` in the sample stands for ``d / R`` in the full trace.
   hash. The paper rescales the histogram by ``R_new / R_old`` at each drop; weighting each
   sampled access by ``1 / R`` at its time, as here, gives the same curve. With that weighting
   the expected total is the trace's own, so the same first-bucket adjustment applies (our
-  extension; on the Mooncake conversation trace it cuts the error about fivefold).
+  extension; on the Mooncake conversation trace at 4,096 blocks it cuts the mean absolute
+  error six- to eightfold: 0.003 to 0.004 against 0.026 to 0.029, 3 seeds).
 
 - **Already sampled** (a vLLM tap's capture: the tap keeps the blocks of a fixed rate ``R``):
   :func:`fixed_rate` with ``sampled_at=R`` and the full stream's ``total`` scales the sample as

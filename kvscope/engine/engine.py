@@ -23,7 +23,10 @@ no bytes, and transfer times come from the preset's cost model. TTFT = queueing 
 engine's own planning time, and with payload every copy before the prefill that is no
 promotion: offloads and spills, which run then too; 0 when simulating, whose offloads are left
 off the request's path) + promotion wait (``disk->cpu`` and ``cpu->gpu`` copies) + prefill of
-the recomputed tokens (:mod:`kvscope.engine.presets`).
+the recomputed tokens (:mod:`kvscope.engine.presets`). Without CUDA a host copy's seconds are
+the copying thread's CPU time (:mod:`kvscope.engine.transfers`) while its start is a wall-clock
+stamp, so what the process's other threads held the GIL for between copies lands in lookup,
+and after the last copy in none of the parts.
 """
 
 from __future__ import annotations

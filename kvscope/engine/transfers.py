@@ -170,7 +170,7 @@ class Copier:
         runs = _runs(src_slots, dst_slots)
         src, dst = src_pool.data, dst_pool.data
         if not self.cuda:  # host memory both sides: every path is a single pass over the bytes
-            t0 = time.thread_time_ns()
+            t0 = time.thread_time_ns()  # all of the copy: torch runs on this one thread
             few = max(1, len(src_slots) // 4)
             if len(runs) <= few:
                 for s0, d0, n in runs:

@@ -23,8 +23,8 @@ was found, and the reasons give the floor beside each effect. When the A/A pair 
 out ``roll back`` on a metric, the set-up is too noisy to judge that metric, whose ``roll
 back`` becomes ``inconclusive``; the other metric still stands on its own floor (sub-millisecond
 ITL jitter between two runs of one server must not hide a TTFT regression four times over).
-Significantly more failed requests (:func:`~kvscope.analysis.compare.failed_requests`) is a
-``roll back`` the gate leaves standing: no latency floor speaks to it.
+Significantly more failed requests (:func:`~kvscope.analysis.compare.failed_requests`, in
+two runs or more) is a ``roll back`` unless the A/A pair's own failures are significant too.
 Pure: request samples in, dataclasses out.
 """
 
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.analysis.compare import (INCONCLUSIVE, ROLL_BACK, Comparison, RequestSample,
-                                      Verdict, combine, compare, failed_requests_of,
-                                      failures_unmeasured, measured_sources, ms,
-                                      promotion_waits, transfer_failures)
+from kvscope.analysis.compare import (FAILED, INCONCLUSIVE, ROLL_BACK, Comparison,
+                                      RequestSample, Verdict, combine, compare,
+                                      failed_requests_of, failures_unmeasured,
+                                      measured_sources, ms, promotion_waits, transfer_failures)
 from kvscope.rollout.plan import Step, aa_slot
 
 
@@ -92,15 +92,18 @@ def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int |
     """``slot``'s runs at ``level`` (None: each repetition's levels pooled), by repetition."""
     by_rep: dict[int, list[RequestSample]] = {}
     for step, sample in results:
-        if step.slot == slot and (level is None or step.level == level) and sample.requests:
+        # over the ramp, a level whose requests all failed still counts its failures
+        if step.slot == slot and (level is None or step.level == level) and (
+                sample.requests or (level is None and sample.failed_requests)):
             by_rep.setdefault(step.rep, []).append(sample)
-    return [pooled(by_rep[r], f"{slot} rep {r + 1}" + ("" if level is None else f" x{level}"))
+    runs = [pooled(by_rep[r], f"{slot} rep {r + 1}" + ("" if level is None else f" x{level}"))
             for r in sorted(by_rep)]
+    return [run for run in runs if run.requests]
 
 
 def _gate(effect: Comparison, aa: Comparison) -> Verdict:
     """The A/A gate (see the module) on the verdict of ``effect``."""
-    gated = dict(effect.by_metric)  # failed requests stand as they are: no floor gates them
+    gated = dict(effect.by_metric)
     why = []
     for label, rows, aa_rows in (("TTFT", effect.ttft, aa.ttft), ("ITL", effect.itl, aa.itl)):
         v = effect.by_metric.get(label)
@@ -116,7 +119,7 @@ def _gate(effect: Comparison, aa: Comparison) -> Verdict:
                             f"worse by {ms(d.value)}, but not clear of the noise floor: the A/A "
                             f"pair differs by {ms(floor.value)} (the rule alone said roll "
                             "back).", v.reasons)
-        noisy = aa.by_metric.get(label)
+        noisy = aa.by_metric.get(label)  # the A/A pair's own verdict on it
         if noisy is not None and noisy.decision == ROLL_BACK:
             why.append(f"the A/A pair (the baseline against itself) came out 'roll back' on "
                        f"{label}: runs of one configuration differ significantly here")
@@ -126,6 +129,15 @@ def _gate(effect: Comparison, aa: Comparison) -> Verdict:
                             "is too noisy to judge here (the rule alone said roll back).",
                             v.reasons)
         gated[label] = v
+    failed, noisy = effect.by_metric.get(FAILED), aa.by_metric.get(FAILED)
+    if noisy is not None and noisy.decision == ROLL_BACK:  # no latency floor speaks to it
+        why.append("the A/A pair (the baseline against itself) came out 'roll back' on failed "
+                   "requests: this set-up fails requests by itself")
+        if failed is not None and failed.decision == ROLL_BACK:
+            gated[FAILED] = Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: the A/A pair (the "
+                                    "baseline against itself) fails significantly more requests "
+                                    "too, so failures are too noisy to judge here (the rule "
+                                    "alone said roll back).", failed.reasons)
     result = combine(gated) if gated else effect.verdict
     notes = [r for r in effect.verdict.reasons if r not in result.reasons]
     return Verdict(result.decision, result.text, result.reasons + notes + why)

@@ -166,6 +166,38 @@ def test_a_candidate_that_fails_its_slowest_requests_is_rolled_back():
     assert j.overall.by_metric["failed requests"].decision == KEEP
 
 
+def test_failures_in_one_burst_or_in_the_aa_pair_too_are_inconclusive():
+    """Failures come in bursts: one stall cuts off every request in flight. The candidate's
+    first repetition at 4 streams loses 8 of its 60 requests, no other run any: 8 of 360
+    against 0 of 360 is significant (Fisher's p = 0.004) but all in one run: inconclusive.
+    The same 3 failures a run in the candidate and in the A/A twin (the baseline's own
+    configuration) say the set-up fails requests: inconclusive too, and said so. And a level
+    where the candidate finished nothing (all 60 failed at 4 streams, every repetition) still
+    counts its failures over the ramp: roll back."""
+    scale = {"A": 0.1, "B": 0.1, aa_slot("A"): 0.1}
+    results = simulated_runs(["A", "B"], scale, seed=3)
+
+    def burst(step, sample):
+        if step.slot == "B" and step.rep == 0 and step.level == 4:
+            return sample.ttft[8:], 8
+        return sample.ttft, 0
+
+    j = judge(_with_failures(results, burst), "A", "B", ttft_budget="+10%", **OPTIONS)
+    assert j.verdict.decision == INCONCLUSIVE, j.verdict.text
+    assert "all in one run: a burst" in j.overall.by_metric["failed requests"].text
+    twin = _with_failures(results, lambda step, sample: (
+        (sample.ttft[3:], 3) if step.slot in ("B", aa_slot("A")) else (sample.ttft, 0)))
+    j = judge(twin, "A", "B", ttft_budget="+10%", **OPTIONS)
+    assert j.overall.by_metric["failed requests"].decision == ROLL_BACK  # before the gate
+    assert j.verdict.decision == INCONCLUSIVE, j.verdict.text
+    assert any("came out 'roll back' on failed requests" in r for r in j.verdict.reasons)
+    lost = _with_failures(results, lambda step, sample: (
+        (sample.ttft[:0], 60) if step.slot == "B" and step.level == 4 else (sample.ttft, 0)))
+    j = judge(lost, "A", "B", ttft_budget="+10%", **OPTIONS)
+    assert j.verdict.decision == ROLL_BACK, j.verdict.text
+    assert "the candidate failed 180 of 360 requests" in j.verdict.text
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_identical_failure_rates_never_roll_back(seed):
     """A/A in failures: every run of every arm fails each of its 60 requests with
