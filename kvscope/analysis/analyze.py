@@ -242,6 +242,13 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
             notes.append(f"The sample holds only {distinct:,} distinct "
                          f"block{'s' * (distinct != 1)}: the curve is "
                          "coarse (capture longer, or raise the tap's kvscope_block_sample_rate).")
+    elif reuse.unique_blocks < shards.MIN_SAMPLED_BLOCKS:
+        # exact, but of very little traffic: a tryout's 2 requests read "Offload: a CPU tier
+        # of 2 blocks serves 50.0%" without a word on how little that rests on
+        notes.append(f"The input holds only {reuse.unique_blocks:,} distinct "
+                     f"block{'s' * (reuse.unique_blocks != 1)} in {reuse.accesses:,} "
+                     f"access{'es' * (reuse.accesses != 1)}: its curve is exact for it, but "
+                     "a larger workload's may differ; size from a longer trace or capture.")
     arc = None
     if options.arc_points > 0 and tapped:
         notes.append("No ARC curve: the tap's sample would have to be sampled again for it.")

@@ -258,6 +258,19 @@ def test_a_sample_rate_the_method_does_not_use_is_named(small_trace):
         "--method shards-size)." in blocks.notes
 
 
+def test_a_curve_of_very_little_traffic_says_so(small_trace):
+    """The 4 requests above, 5 distinct blocks in 9 accesses: the curve is exact for them, and
+    a verdict stands, but the report says how little it rests on (a tryout's 2 requests read
+    "Offload" without a word). The Mooncake conversation trace (182,790 distinct blocks in
+    288,500 accesses) gets no such note."""
+    options = AnalyzeOptions(get_preset("tiny"), arc_points=0)
+    notes = analyze(load_trace(str(small_trace)), options).notes
+    assert "The input holds only 5 distinct blocks in 9 accesses: its curve is exact for it, " \
+        "but a larger workload's may differ; size from a longer trace or capture." in notes
+    notes = analyze(load_trace(trace_path()), options).notes
+    assert not any("distinct block" in n for n in notes)
+
+
 @pytest.mark.parametrize("gpu_tokens,said", [(511, True), (512, False), (0, False)])
 def test_a_gpu_cache_smaller_than_a_block_is_named(small_trace, gpu_tokens, said):
     """--gpu-tokens 511 beside 512-token blocks holds no block: it silently meant no GPU cache
