@@ -91,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         again = ("python -m kvscope.mixin" + (f" --config {args.config}" if args.config else "")
                  + (f" --output {args.output}" if args.output != str(DEFAULT_OUT) else ""))
         for rel in diff:
-            print(f"stale: {out / rel} (run {again})", file=sys.stderr)
+            said = "stale" if (out / rel).is_file() else "missing"
+            print(f"{said}: {out / rel} (run {again})", file=sys.stderr)
+        if not (diff or extra):  # silence read as "did it run?" (a tryout's)
+            print(f"up to date: the {len(files)} generated files in {out}")
         return 1 if diff or extra else 0
     for rel, text in files.items():
         path = out / rel

@@ -45,11 +45,19 @@ def test_committed_files_match_the_generator() -> None:
     assert stale == [], f"regenerate with `python -m kvscope.mixin`: {stale}"
 
 
-def test_check_flag_reports_drift(tmp_path) -> None:
+def test_check_flag_reports_drift(tmp_path, capsys) -> None:
+    """Up to date: one line says so (it printed nothing). A file changed is stale, one gone
+    is missing (both read "stale")."""
     assert main(["--output", str(tmp_path)]) == 0
+    capsys.readouterr()
     assert main(["--check", "--output", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith(f"up to date: the {len(render(CFG))} generated")
     (tmp_path / "alerts" / "kvscope.alerts.yml").write_text("groups: []\n")
+    (tmp_path / "rules" / "kvscope.rules.yml").unlink()
     assert main(["--check", "--output", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"stale: {tmp_path / 'alerts' / 'kvscope.alerts.yml'}" in err
+    assert f"missing: {tmp_path / 'rules' / 'kvscope.rules.yml'}" in err
 
 
 def test_check_reports_a_board_the_generator_does_not_make(tmp_path, capsys) -> None:
