@@ -178,8 +178,9 @@ def budget_over_limit(window: Sequence[Sample], s: Settings) -> Finding:
 
 def swap_in(window: Sequence[Sample], s: Settings) -> Finding:
     """Bytes read back in from swap in the window (``host_swap_in_bytes``, a host-wide
-    counter) above 0 while a host-RAM tier has a budget or a capacity. The counter is 0 where
-    the host collector gave no reading: measured only where ``host_memory_limit_bytes`` is."""
+    counter) above 0 while a host-RAM tier has a budget or a capacity. The counter is None
+    where the host collector gave no reading (and was 0 before: a sample that missed the
+    reading read as a reset), and measured only where ``host_memory_limit_bytes`` is."""
     key = "swap-in"
     swapped = scalar_increase(window, "host_swap_in_bytes")
     if swapped is None or _newest(window, "host_memory_limit_bytes") is None:

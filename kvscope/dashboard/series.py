@@ -221,25 +221,25 @@ def cumulative_increase(samples: Sequence[Sample], field: str) -> dict[str, Seri
 
 def bucket_increase(samples: Sequence[Sample], field: str) -> dict[str, np.ndarray]:
     """Per-bucket increases of the histograms ``sample[field][key]`` (lists of per-bucket
-    counts) from the first sample to the last that holds the key. A key the first sample lacks
-    had no observations then (zeros, as a missing counter is 0 in :func:`window_increase`:
-    else a tier's first evictions fell out of its histograms while its counters kept them); a
-    shrinking total is a reset, and then the last counts are the increase. dict[key, counts].
-    """
+    counts) over the samples: each bucket a counter, its increases between consecutive
+    samples that hold the key added up, resets as in :func:`counter_rates` (PromQL's
+    ``increase()`` per bucket series; first and last alone read a reset followed by growth as
+    a negative count). A key the first sample lacks had no observations then (zeros, as a
+    missing counter is 0 in :func:`window_increase`: else a tier's first evictions fell out
+    of its histograms while its counters kept them); a key whose buckets change in number
+    counts from the change on. dict[key, counts]."""
     if not samples:
         return {}
-    first = {key: np.asarray(counts, float)
-             for key, counts in mapping(samples[0], field).items()}
-    last: dict[str, np.ndarray] = {}
-    for sample in samples:
+    rows: dict[str, list[np.ndarray]] = {}
+    for i, sample in enumerate(samples):
         for key, counts in mapping(sample, field).items():
-            last[key] = np.asarray(counts, float)
-    out = {}
-    for key in ordered(last):
-        b = last[key]
-        a = first.get(key, np.zeros_like(b))
-        out[key] = b - a if a.shape == b.shape and b.sum() >= a.sum() else b
-    return out
+            row = np.asarray(counts, float)
+            kept = rows.setdefault(key, [] if i == 0 else [np.zeros_like(row)])
+            if kept and kept[-1].shape != row.shape:
+                kept[:] = [np.zeros_like(row)]
+            kept.append(row)
+    return {key: _increases(np.vstack(rows[key])).sum(axis=0) if len(rows[key]) > 1
+            else np.zeros_like(rows[key][0]) for key in ordered(rows)}
 
 
 def gauge_series(samples: Sequence[Sample], field: str) -> dict[str, Series]:

@@ -170,6 +170,22 @@ def test_samples_are_cumulative_and_filtered_by_time():
     assert [s["ts"] for s in pipeline.samples(since=11.0)] == [12.0]
 
 
+def test_a_host_reading_missed_once_is_no_swap_in():
+    """The host had read 5 GiB back from swap since boot, and one sample missed the host
+    collector's reading. It recorded 0 there; the window's increase read 5 GiB -> 0 as a
+    reset and 0 -> 5 GiB as 5 GiB swapped in just now, and the Overview said the host was
+    overcommitted (a review). The missed reading is None: no increase in the window."""
+    from kvscope.dashboard.series import scalar_increase
+
+    pipeline = Pipeline()
+    for ts, swapped in ((1.0, 5 * 2**30), (2.0, None), (3.0, 5 * 2**30)):
+        pipeline.record_sample(ts, None, host_swap_in=swapped)
+    samples = pipeline.samples()
+    assert [s["host_swap_in_bytes"] for s in samples] == [5 * 2**30, None, 5 * 2**30]
+    assert scalar_increase(samples, "host_swap_in_bytes") == 0.0
+    assert scalar_increase(samples[1:2], "host_swap_in_bytes") is None  # not measured
+
+
 def test_snapshot_is_a_copy():
     pipeline = Pipeline()
     _feed(pipeline)

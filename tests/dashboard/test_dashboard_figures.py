@@ -124,7 +124,7 @@ def test_last_window_counts_back_from_the_newest_sample():
     assert S.last_window([], 3) == []
 
 
-def test_bucket_increase_is_last_minus_first_and_handles_resets():
+def test_bucket_increase_adds_each_buckets_increases_and_handles_resets():
     """cpu: [4, 2, 1] - [1, 2, 0]. gpu first appears in the last sample: it had no observations
     in the first, so all 5 are the window's (they were dropped, while window_increase counted
     the same evictions: the Tiers page said their age and hits were "not measured")."""
@@ -133,6 +133,14 @@ def test_bucket_increase_is_last_minus_first_and_handles_resets():
         "gpu": [5.0, 0.0, 0.0], "cpu": [3.0, 0.0, 1.0]}
     reset = [sample(0, h={"cpu": [9, 9, 9]}), sample(1, h={"cpu": [1, 0, 0]})]
     assert list(S.bucket_increase(reset, "h")["cpu"]) == [1.0, 0.0, 0.0]
+    # a reset between growth: 10 -> 12 (+2), reset to 0, then 1 and 14 -> [3, 14], as
+    # increase() per bucket reads it (first and last alone: [-9, 14], and a share of evicted
+    # blocks never reused of -180%)
+    grown = [sample(t, h={"cpu": c}) for t, c in
+             enumerate(([10, 0, 0], [12, 0, 0], [0, 0, 0], [1, 14, 0]))]
+    assert list(S.bucket_increase(grown, "h")["cpu"]) == [3.0, 14.0, 0.0]
+    # one sample: nothing in the window yet
+    assert list(S.bucket_increase(grown[:1], "h")["cpu"]) == [0.0, 0.0, 0.0]
 
 
 # --- Overview figures -----------------------------------------------------------------------
