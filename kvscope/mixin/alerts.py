@@ -90,8 +90,10 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
                    f"{sel(cfg, tier_matcher(cfg.host_memory_tiers))})")
     swap_in = f"sum by ({by}) (rate(kvscope_host_swap_in_bytes_total{sel(cfg)}[{w}]))"
     host_tiers = tier_matcher(cfg.host_memory_tiers)
-    host_offload_on = (f"(\n  {host_budget} > 0\n  or\n  sum by ({by}) "
-                       f"(kvscope_tier_capacity_bytes{sel(cfg, host_tiers)}) > 0\n)")
+    # a capacity in bytes or, from KV events without block_bytes, in blocks only
+    host_offload_on = (f"(\n  {host_budget} > 0\n" + "".join(
+        f"  or\n  sum by ({by}) (kvscope_tier_capacity_{unit}{sel(cfg, host_tiers)}) > 0\n"
+        for unit in ("bytes", "blocks")) + ")")
     # The headroom alert's advice, by whether its node has a host offload tier at all (a
     # budget or a capacity above 0; both are bytes, so their sum tells): the template asks
     # Prometheus, for the alert's own labels (printf fills them in).
@@ -130,8 +132,10 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
     gpu_nodes_known = f"\nand on ({by})\ncount by ({by}) ({gpu_nodes})"
     weights = f"sum by ({by}) (kvscope_engine_weight_offload_bytes{sel(cfg)})"
     kv_offload_on = (f"(\n  sum by ({by}) (kvscope_offload_budget_bytes{sel(cfg, offload)}) > 0\n"
-                     f"  or sum by ({by}) (kvscope_tier_capacity_bytes{sel(cfg, offload)}) > 0\n"
-                     f"  or sum by ({by}) ({r.offload_bytes_rate}) > 0\n)")
+                     + "".join(f"  or sum by ({by}) (kvscope_tier_capacity_{unit}"
+                               f"{sel(cfg, offload)}) > 0\n" for unit in ("bytes", "blocks"))
+                     + f"  or sum by ({by}) ({r.offload_bytes_rate}) > 0\n"
+                     f"  or sum by ({by}) ({r.offload_blocks_rate}) > 0\n)")
     return [
         Alert(
             "KvscopeTTFTBudgetBreach",
@@ -276,7 +280,8 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             f"(\n  (\n    {fill} > {_g(cfg.ineffective_fill_ratio)}\n"
             # a tier that reports no capacity (vLLM's disk tier through the tap) holds data
             # while stores keep going into it
-            f"    or (\n      {r.offload_bytes_rate}{{{offload}}} > 0\n"
+            f"    or (\n      ({r.offload_bytes_rate}{{{offload}}} > 0\n"
+            f"       or {r.offload_blocks_rate}{{{offload}}} > 0)\n"
             f"      unless on ({by}, tier)\n      {fill}\n    )\n  )\n"
             f"  unless on ({by}, tier)\n  {share_as_tier} >= {_g(cfg.ineffective_max_share)}\n)\n"
             f"and on ({by}) (sum by ({by}) ({r.prompt_tokens_rate}) > 0)",
@@ -287,7 +292,7 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             f"taking stores) but served less than {_pct(cfg.ineffective_max_share)} of prompt "
             f"tokens for {cfg.ineffective_for}: its memory buys no hits. Shrink or disable it, "
             "or check that lookups reach it.",
-            (fill, r.offload_bytes_rate, r.prompt_share)),
+            (fill, r.offload_bytes_rate, r.offload_blocks_rate, r.prompt_share)),
         # Full is an LRU tier's steady state; it matters when the tier loses KV that was being
         # reused: blocks leave the cache altogether (no copy below) while a fair share of what
         # it evicts had been hit.

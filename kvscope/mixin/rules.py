@@ -25,6 +25,7 @@ class Records:
     prompt_share: str
     transfer_bytes_rate: str
     offload_bytes_rate: str
+    offload_blocks_rate: str
     transfer_failures_rate: str
     transfer_failures_ratio: str
     promotion_quantile: str
@@ -45,6 +46,7 @@ class Records:
             prompt_share=f"kvscope:prompt_tokens:share_by_source_rate{w}",
             transfer_bytes_rate=f"kvscope:transfer_bytes:rate{w}",
             offload_bytes_rate=f"kvscope:offload_bytes:rate{w}",
+            offload_blocks_rate=f"kvscope:offload_blocks:rate{w}",
             transfer_failures_rate=f"kvscope:transfer_failures:rate{w}",
             transfer_failures_ratio=f"kvscope:transfer_failures:ratio_rate{w}",
             promotion_quantile=f"kvscope:promotion_seconds:quantile_rate{w}",
@@ -75,10 +77,13 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
                  f"(sum by ({by}) ({r.prompt_tokens_rate}) > 0)"},
         {"record": r.transfer_bytes_rate,
          "expr": f"sum by ({by}, src, dst) (rate(kvscope_transfer_bytes_total{s()}[{w}]))"},
-        {"record": r.offload_bytes_rate,
-         "expr": f"sum by ({by}, tier) (label_replace(\n  "
-                 + union("rate", "kvscope_transfer_bytes_total", cfg, offload_matchers(cfg), w)
-                 + ',\n  "tier", "$1", "dst", "(.+)"))'},
+        *({"record": record,
+           "expr": f"sum by ({by}, tier) (label_replace(\n  "
+                   + union("rate", metric, cfg, offload_matchers(cfg), w)
+                   + ',\n  "tier", "$1", "dst", "(.+)"))'}
+          # blocks too: KV events without block_bytes count blocks, their bytes 0
+          for record, metric in ((r.offload_bytes_rate, "kvscope_transfer_bytes_total"),
+                                 (r.offload_blocks_rate, "kvscope_transfer_blocks_total"))),
         {"record": r.transfer_failures_rate,
          "expr": f"sum by ({by}, src, dst) (rate(kvscope_transfer_failures_total{s()}[{w}]))"},
         {"record": r.transfer_failures_ratio,
@@ -101,9 +106,11 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
          "expr": f"sum by ({by}, tier) (rate(kvscope_evicted_block_hits_bucket"
                  f"{s(le_matcher(0))}[{w}]))\n"
                  f"  / (sum by ({by}, tier) (rate(kvscope_evicted_block_hits_count{s()}[{w}])) > 0)"},
+        # in bytes, else in blocks (KV events without block_bytes: no capacity in bytes)
         {"record": r.tier_fill,
-         "expr": f"sum by ({by}, tier) (kvscope_tier_resident_bytes{s()})\n"
-                 f"  / (sum by ({by}, tier) (kvscope_tier_capacity_bytes{s()}) > 0)"},
+         "expr": " or\n".join(f"sum by ({by}, tier) (kvscope_tier_resident_{unit}{s()})\n"
+                               f"  / (sum by ({by}, tier) (kvscope_tier_capacity_{unit}{s()}) > 0)"
+                               for unit in ("bytes", "blocks"))},
         {"record": r.headroom_ratio,
          "expr": f"sum by ({by}) (kvscope_host_memory_headroom_bytes{s()})\n"
                  f"  / (sum by ({by}) (kvscope_host_memory_limit_bytes{s()}) > 0)"},
