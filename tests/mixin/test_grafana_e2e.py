@@ -295,7 +295,8 @@ def test_the_promotion_wait_share_is_empty_where_no_wait_was_measured(tmp_path: 
     measures TTFT (its sum grows 6 s a step) and no promotion wait (vLLM's spans alone: count
     and sum stay 0); ``b`` measures both (TTFT sum +4 s, wait sum +1 s, count +10 a step). The
     share panel read 0 for ``a``, which points away from the tiers: now no value; for ``b``,
-    by hand, 1 / 4 = 0.25."""
+    by hand, 1 / 4 = 0.25; for the two together also 0.25, from b's TTFTs alone (a review:
+    every instance's TTFT in the denominator read 1 / (6 + 4) = 0.1)."""
     promtool = Path(PROMETHEUS).with_name("promtool")
     (query,) = [q for q in all_queries(CFG)
                 if q.where.endswith(" / Share of TTFT spent waiting for promotions")]
@@ -322,5 +323,7 @@ def test_the_promotion_wait_share_is_empty_where_no_wait_was_measured(tmp_path: 
         prom = Prom(url)
         a = _values(prom.instant(substitute(query.expr, instance="a")))
         b = _values(prom.instant(substitute(query.expr, instance="b")))
+        fleet = _values(prom.instant(substitute(query.expr, instance="a|b")))
     assert a == {}
     assert list(b.values()) == [pytest.approx(0.25)]
+    assert list(fleet.values()) == [pytest.approx(0.25)]

@@ -75,12 +75,16 @@ def requests(cfg: MixinConfig) -> dict:
               "by direction on the Tiers board).",
               wait_q, unit="s"),
             P("Share of TTFT spent waiting for promotions",
-              "Promotion wait against TTFT, summed over requests. Empty where no request's "
-              "promotion wait was measured (vLLM's spans alone carry none): not 0, which "
-              "would point away from the tiers.",
-              (Q(f"({rate('kvscope_promotion_wait_seconds_sum')}\n"
-                 f"  and {rate('kvscope_promotion_wait_seconds_count')} > 0)\n"
-                 f"  / ({rate('kvscope_ttft_seconds_sum')} > 0)", "share"),),
+              "Promotion wait against TTFT, summed over requests, of the instances that "
+              "measured promotion waits. Empty where none did (vLLM's spans alone carry "
+              "none): not 0, which would point away from the tiers.",
+              # the TTFTs of instances that measured waits only: a fleet's spans-only
+              # instance halved a tapped one's share of 0.5
+              (Q(f"{rate('kvscope_promotion_wait_seconds_sum')}\n"
+                 f"  / (sum(\n    rate(kvscope_ttft_seconds_sum{s(cfg)}[{RATE}])\n"
+                 f"    and on ({cfg.by})\n"
+                 f"    rate(kvscope_promotion_wait_seconds_count{s(cfg)}[{RATE}]) > 0\n"
+                 "  ) > 0)", "share"),),
               unit="percentunit", min=0, no_value=f"{NO_TRAFFIC}, or not measured"),
         )),
     ]
