@@ -264,6 +264,12 @@ def test_evictions_with_the_share_never_reused():
     assert ys(t["gpu evicted"]) == [10.0]
     assert ys(t["gpu never reused"]) == [0.4]
     assert t["gpu never reused"].yaxis == "y2"
+    # a sampled tap puts 1 eviction in 2 into the histogram (5 of 10 here, 2 with 0 hits): the
+    # share is the histogram's own, 2 / 5 = 40%, as the recording rule's (over the counter's
+    # 10 it read 20%)
+    half = [sample(0, evicted_blocks={"gpu": 0}, evicted_block_hits={"gpu": [0, 0]}),
+            sample(1, evicted_blocks={"gpu": 10}, evicted_block_hits={"gpu": [2, 3]})]
+    assert ys(traces(figures.evictions(half))["gpu never reused"]) == [0.4]
     # vLLM's /metrics report no evictions: "no data yet" for good; now not measured, said
     # once two samples came
     assert annotation_texts(figures.evictions(samples[:1])) == ["no data yet"]
