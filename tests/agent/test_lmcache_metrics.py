@@ -132,7 +132,9 @@ def test_an_emptied_l1_keeps_its_size_and_loads_ahead_of_writes_carry_over():
 def test_a_restarted_server_is_another_l1_of_unknown_size_and_counts_from_0():
     """16 MiB known from a half-full L1 (8 MiB at 0.5); the server restarts (another
     service_instance_id) with its L1 empty: its size is unknown again (no snapshot, not the
-    old 16 MiB), and its first 3 writes count (counters start at 0 in a new process)."""
+    old 16 MiB), and its first 3 writes count (counters start at 0 in a new process). Another
+    restart whose new process wrote 15 by the next scrape, more than the 3 before it: 15
+    count, not 15 - 3 = 12 (a review: read as the old process's counters going on)."""
     mapper = LMCacheMapper()
     base = dict(loads=0, retrieved=0, stored=0, evicted=0, requested=0, l1_hits=0, l2_hits=0)
     mapper.map(parse(exposition(10, used=8 << 20, ratio=0.5, **base)), 1.0)
@@ -140,6 +142,8 @@ def test_a_restarted_server_is_another_l1_of_unknown_size_and_counts_from_0():
     events = mapper.map(parse(restarted), 2.0)
     assert not [e for e in events if isinstance(e, ev.TierSnapshot)]
     assert _moved(events) == {("gpu", "cpu"): (3, 0)}
+    again = exposition(15, used=0, ratio=0.0, **base).replace('"3c1b"', '"77aa"')
+    assert _moved(mapper.map(parse(again), 3.0)) == {("gpu", "cpu"): (15, 0)}
 
 
 def test_a_restarted_or_unanswering_server_leaves_the_tier_gauges_its_counters_stay():

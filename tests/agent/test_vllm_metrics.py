@@ -112,6 +112,47 @@ def test_a_counter_reset_counts_from_zero():
     assert events[0].tokens == {"recompute": 40}
 
 
+def test_a_restarted_engines_histogram_counts_from_zero_as_a_whole():
+    """TTFT buckets 0.1: 5, 1.0: 5, +Inf: 6 (sum 5.0), then vLLM restarted and served 8:
+    0.1: 2, 1.0: 7, +Inf: 8 (sum 6.0). The first bucket went down, so the histogram was reset:
+    by hand its 8 observations are [2, 5, 1] with sum 6.0. Read series by series, the buckets
+    and sum that grew past their old values counted as small increases: [2, 0, 0], sum 1.0
+    (a review)."""
+    def scrape(b01, b1, inf, total):
+        return parse("".join(
+            f'vllm:time_to_first_token_seconds_bucket{{{E},le="{le}"}} {v}\n'
+            for le, v in (("0.1", b01), ("1.0", b1), ("+Inf", inf)))
+            + f"vllm:time_to_first_token_seconds_sum{{{E}}} {total}\n")
+
+    mapper = MetricsMapper(gpu_snapshot=False)
+    mapper.map(scrape(5, 5, 6, 5.0), 1.0)
+    (hist,) = [e for e in mapper.map(scrape(2, 7, 8, 6.0), 2.0)
+               if isinstance(e, ev.LatencyHistogram)]
+    assert (hist.bounds, hist.counts, hist.sum) == ([0.1, 1.0], [2, 5, 1], 6.0)
+    # and the scrape after counts from the new values again: one more above 1 s
+    (hist,) = [e for e in mapper.map(scrape(2, 7, 9, 8.0), 3.0)
+               if isinstance(e, ev.LatencyHistogram)]
+    assert (hist.counts, hist.sum) == ([0, 0, 1], 2.0)
+
+
+def test_the_per_direction_offload_bytes_count_their_first_copy():
+    """vLLM makes ``kv_offload_store_bytes`` at its first copy (offloading/metrics.py), while
+    the legacy ``kv_offload_total_bytes`` is there at 0 from the start. Without ``_created``
+    samples (vLLM's --api-server-count > 1: multiprocess mode) the new series' first value,
+    64,000 bytes, was taken as a baseline and lost. On an engine the scrape before saw, it
+    is that first copy's: 64,000, then 32,000."""
+    def scrape(legacy, store=None):
+        text = f'vllm:kv_offload_total_bytes_total{{{E},transfer_type="GPU_to_CPU"}} {legacy}\n'
+        if store is not None:
+            text += f"vllm:kv_offload_store_bytes_total{{{E}}} {store}\n"
+        return parse(text)
+
+    mapper = MetricsMapper(gpu_snapshot=False)
+    moved = [[e.bytes for e in mapper.map(scrape(*args), ts) if isinstance(e, ev.Transfer)]
+             for ts, args in enumerate([(0,), (64000, 64000), (96000, 96000)], 1)]
+    assert moved == [[], [64000], [32000]]
+
+
 def test_an_engine_started_after_the_agent_is_counted_from_zero():
     """The agent's first scrapes found vLLM not yet up; its first answer already counts 4
     requests: 524 prompt tokens, 384 of them from the GPU prefix cache. prometheus_client's

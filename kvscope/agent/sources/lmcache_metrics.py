@@ -122,12 +122,14 @@ class LMCacheMapper:
         self.restarted = False
 
     def map(self, samples: Samples, now: float) -> list:
-        self.counters.begin(samples)
         instance = next((dict(labels).get("service_instance_id")
                          for labels in series(samples, "target_info")), None)
         self.restarted = instance != self._instance and self._instance is not None
+        if self.restarted:  # its counters count from 0: 100 then 150 read 50, not 150
+            self.counters.forget()
         if instance != self._instance:  # another server process: its L1 may be another size
             self._instance, self._capacity, self._deficit = instance, {}, 0.0
+        self.counters.begin(samples)
         l1 = level_tier(samples, L1_BYTES, "backend", L1_BACKENDS) or "cpu"
         l2 = level_tier(samples, L2_BYTES, "l2_name", self.l2_tiers)
         scraped = self._scraped

@@ -28,6 +28,7 @@ _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 # a counter's or histogram's sample suffix; ``<name>_created`` is the series' creation time
 _SUFFIX = re.compile(r"_(total|bucket|sum|count)$")
+_HISTOGRAM = re.compile(r"_(bucket|sum|count)$")
 
 Samples = dict[tuple[str, frozenset], float]
 # An engine's /metrics body is tens of kB; a far larger one is no engine's, and read whole it
@@ -89,6 +90,12 @@ def spread(bounds: list[float], counts: list[int], total: float) -> list[tuple[f
     return out
 
 
+def _histogram_of(name: str, labels: frozenset) -> tuple[str, frozenset]:
+    """The histogram a ``_bucket``/``_sum``/``_count`` series belongs to: (its name, its labels
+    but ``le``)."""
+    return _HISTOGRAM.sub("", name), frozenset(kv for kv in labels if kv[0] != "le")
+
+
 class Counters:
     """Counter increases between scrapes, per series (one per engine process and label set)
     and then added up, so that a series missing from a scrape is no reset of the sum. A series
@@ -101,7 +108,11 @@ class Counters:
     increase. A value no counter holds (negative, or past :data:`kvscope.events.MAX_COUNT`:
     a corrupt sample) is no baseline: its increase goes into an event the agent drops as
     invalid, and the next true value counts from the last good one (as a baseline it read as a
-    reset and counted whole). Values are kept for :data:`MAX_SERIES` series; past
+    reset and counted whole). A histogram (``_bucket``, ``_sum``, ``_count`` series of one
+    label set, ``le`` aside) one of whose series went down was reset as a whole: each of its
+    series counts from 0, also one that grew past its old value meanwhile (read per series,
+    a restarted engine's TTFT histogram gave counts [2, 0, 0] and sum 1.0 for [2, 5, 1] and
+    6.0). Values are kept for :data:`MAX_SERIES` series; past
     that, only the latest scrape's (a series that comes back then starts over from its value,
     and no series counts from 0 by its creation time any more). Not thread-safe: one per
     source."""
@@ -111,10 +122,16 @@ class Counters:
         self._seen: dict[tuple[str, frozenset], float] = {}
         self._since: float | None = time.time() if since is None else since
         self._samples: Samples = {}
+        self._reset: set[tuple[str, frozenset]] = set()
 
     def begin(self, samples: Samples) -> None:
-        """Start a scrape: its ``samples`` carry the series' creation times."""
+        """Start a scrape: its ``samples`` carry the series' creation times, and say which
+        histograms were reset since the scrape before (see the class)."""
         self._samples = samples
+        last = self._last
+        self._reset = {_histogram_of(name, labels) for (name, labels), value in samples.items()
+                       if (before := last.get((name, labels))) is not None and value < before
+                       and _HISTOGRAM.search(name)}
 
     def _created_since(self, name: str, labels: frozenset) -> bool:
         """Whether series ``name`` {``labels``} was created at or after ``since``."""
@@ -140,7 +157,9 @@ class Counters:
             if 0.0 <= value <= ev.MAX_COUNT:
                 self._seen[key] = value
             if last is not None:
-                total += value if value < last else value - last
+                reset = value < last or (self._reset and _histogram_of(name, labels)
+                                         in self._reset)
+                total += value if reset else value - last
             elif (from_zero is not None and from_zero(labels)) or \
                     self._created_since(name, labels):
                 total += value
@@ -172,6 +191,11 @@ class Counters:
             return None
         bounds = [b for b in sorted(buckets) if not math.isinf(b)]
         return bounds, counts[:len(bounds)] + [sum(counts[len(bounds):])], total or 0.0
+
+    def forget(self) -> None:
+        """Drop every series' baseline: the next scrape's series are new (another process of
+        the engine, known to be one: counted whole where ``from_zero`` says so)."""
+        self._last.clear()
 
     def commit(self) -> bool:
         """End a scrape: what it saw becomes the next one's baselines. True when more than

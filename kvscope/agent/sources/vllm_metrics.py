@@ -387,7 +387,11 @@ class MetricsMapper:
         for kind, src, dst in (("store", "gpu", "cpu"), ("load", "cpu", "gpu")):
             if kind == "store" and not self.stores:
                 continue
-            value = self._increase(samples, f"vllm:kv_offload_{kind}_bytes_total")
+            name = f"vllm:kv_offload_{kind}_bytes_total"
+            # made at vLLM's first copy (offloading/metrics.py _get_prometheus_metric): on an
+            # engine seen before, its first value is that copy's (without _created samples,
+            # as under --api-server-count > 1, it was a baseline and its bytes were lost)
+            value = self._increase_of(name, series(samples, name), lazy=True)
             if value is None:  # vLLM before the per-direction names
                 legacy = {"store": "GPU_to_CPU", "load": "CPU_to_GPU"}[kind]
                 value = self._increase(samples, "vllm:kv_offload_total_bytes_total",
