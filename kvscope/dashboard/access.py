@@ -36,20 +36,33 @@ def under_roots(paths: str | None, roots: Sequence[Path]) -> str | None:
     under ``roots``, not the dashboard's working directory: under the first root that holds
     it, else the first root (where reading it says it is missing). Absolute paths, and all
     of them without roots, are left as they are; :func:`outside_roots` still checks the
-    result (a relative ``..`` leads out of a root as any other path would)."""
+    result (a relative ``..`` leads out of a root as any other path would). Only a place
+    inside the roots is looked for: where ``../x`` exists outside them decides nothing (with
+    two roots, the root named in the refusal told which held an ``x`` next to it)."""
     if not paths or not roots:
         return paths
     located = []
     for path in (p.strip() for p in paths.split(",")):
         if path and not os.path.isabs(path):
-            path = str(next((root / path for root in roots if (root / path).exists()),
+            path = str(next((root / path for root in roots
+                             if _inside(str(root / path), roots) and _exists(root / path)),
                             roots[0] / path))
         located.append(path)
     return ",".join(located)
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # ValueError: a NUL byte in it
+        return False
+
+
 def _inside(path: str, roots: Sequence[Path]) -> bool:
-    resolved = Path(os.path.realpath(path))
+    try:
+        resolved = Path(os.path.realpath(path))
+    except (OSError, ValueError):  # a NUL byte: refused as any path outside (it raised)
+        return False
     return any(resolved == root or root in resolved.parents for root in roots)
 
 

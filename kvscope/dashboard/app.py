@@ -24,8 +24,12 @@ from kvscope.dashboard.offload_verdict import Settings as OffloadSettings
 from kvscope.dashboard.pages import compare, overview, requests, sizing, tiers
 from kvscope.dashboard.pages.common import Context
 from kvscope.dashboard.sizing import SizingSource
-from kvscope.service.server import bind
+from kvscope.service.server import MAX_CONNECTIONS, READ_TIMEOUT, bind
 from kvscope.service.server import url as http_url
+
+# A callback's request carries its inputs and states: a page's are kilobytes; a body past this
+# is refused (413) before it is read (a 40 MiB one was read and parsed whole)
+MAX_BODY = 8 << 20
 
 PAGES = (overview, requests, tiers, sizing, compare)
 NAV_STYLE = {"marginRight": "14px", "textDecoration": "none", "color": "#1f4e99",
@@ -74,6 +78,7 @@ def create_app(api_url: str | None = None, refresh_seconds: float = 2.0,
     app.validation_layout = html.Div([shell(refresh_seconds, fleet=True),
                                       *[page.layout() for page in PAGES]])
     app.kvscope = ctx  # for tests and benchmarks: the backend and settings behind the app
+    app.server.config["MAX_CONTENT_LENGTH"] = MAX_BODY
     if require_token is not None:
         protect(app.server, require_token)
     register_shell(app, ctx)
@@ -144,7 +149,25 @@ def pause_state(n_clicks: int | None) -> tuple[bool, str]:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """Werkzeug's handler without the per-request access log (errors are still logged)."""
+    """Werkzeug's handler without the per-request access log (errors are still logged), with
+    the agent's bounds (:mod:`kvscope.service.server`): a client silent for ``timeout``
+    seconds mid-request is let go, and past the server's ``slots`` connections a new one is
+    answered 503 and closed. Werkzeug's threaded server has neither: 200 clients that sent
+    half a request each held a thread apiece for good, the token check (which needs the
+    whole request) no help."""
+
+    timeout = READ_TIMEOUT
+
+    def handle(self) -> None:
+        slots = self.server.slots
+        if not slots.acquire(blocking=False):
+            self.connection.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0"
+                                    b"\r\nConnection: close\r\n\r\n")
+            return
+        try:
+            super().handle()
+        finally:
+            slots.release()
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         return
@@ -178,8 +201,9 @@ class ServerHandle:
 
 
 def serve(app: dash.Dash, host: str = "127.0.0.1", port: int = 8050,
-          flag: str = "--port") -> ServerHandle:
-    """Serve ``app`` on ``host``:``port`` from a daemon thread; port 0 picks a free port.
+          flag: str = "--port", max_connections: int = MAX_CONNECTIONS) -> ServerHandle:
+    """Serve ``app`` on ``host``:``port`` from a daemon thread; port 0 picks a free port; at
+    most ``max_connections`` at once (see :class:`_QuietHandler`).
 
     Raises :class:`~kvscope.service.server.PortInUse`, naming ``flag`` (or ``--host``), when the
     address cannot be bound. (The socket is bound here because werkzeug's own bind error calls
@@ -191,6 +215,7 @@ def serve(app: dash.Dash, host: str = "127.0.0.1", port: int = 8050,
                              request_handler=_QuietHandler, fd=sock.fileno())
     finally:
         sock.close()  # the server holds its own duplicate of the descriptor
+    server.slots = threading.BoundedSemaphore(max_connections)
     thread = threading.Thread(target=server.serve_forever, name="kvscope-dashboard",
                               daemon=True)
     thread.start()

@@ -196,7 +196,10 @@ class Agent(Worker):
 
     def run(self) -> None:
         while not self.stopping.wait(self.sample_interval):
-            self.sample()
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 (logged; one sample lost, not every later one)
+                self.log_bug("recording a sample")
 
     def sample(self) -> None:
         """Record one dashboard sample now, with the host and GPU readings that are up."""

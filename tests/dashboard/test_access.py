@@ -115,3 +115,54 @@ def test_a_protected_dashboard_wants_its_token_once(tree):
 def test_an_open_dashboard_stays_open():
     app = create_app("http://127.0.0.1:9")
     assert app.server.test_client().get("/").status_code == 200
+
+
+def test_with_two_roots_the_refusal_does_not_tell_which_holds_a_path_next_to_it(tmp_path):
+    """Roots a/root1 and b/root2; b/secret exists, a/secret does not. ``../secret`` was placed
+    under root2, where it exists, and the refusal named root2's path: with two roots it told
+    what exists outside them. Now both read the same, under the first root; and a path with a
+    NUL byte, which raised out of the page's callback, is refused like any other."""
+    for root in ("a/root1", "b/root2"):
+        (tmp_path / root).mkdir(parents=True)
+    (tmp_path / "b" / "secret").mkdir()
+    roots = resolve_roots([tmp_path / "a" / "root1", tmp_path / "b" / "root2"])
+    said = {name: outside_roots(under_roots(f"../{name}", roots), roots)
+            for name in ("secret", "nothing")}
+    assert said["secret"].replace("secret", "P") == said["nothing"].replace("nothing", "P")
+    assert str(tmp_path / "a" / "root1" / ".." / "secret") in said["secret"]
+    for out in (compare.respond(False, "?baseline=a%00&candidate=c", None, None, None,
+                                roots=roots),
+                compare.respond(True, "", "x\x00y", "c", None, roots=roots)):
+        assert "is not under a directory this dashboard may read" in out[
+            len(compare.GRAPHS) + 1]
+
+
+def test_the_dashboard_server_bounds_bodies_and_connections():
+    """A callback body past MAX_BODY is refused (413) before it is read (40 MiB was read and
+    parsed); past ``max_connections`` a new connection gets 503 and is closed; a client that
+    sends half a request is let go after READ_TIMEOUT (10 s; 200 such clients held 200
+    threads for good). Over a real socket, on loopback."""
+    import socket
+
+    from kvscope.dashboard.app import MAX_BODY, serve
+
+    app = create_app("http://127.0.0.1:9")
+    big = app.server.test_client().post("/_dash-update-component", data=b"x" * (MAX_BODY + 1),
+                                        content_type="application/json")
+    assert big.status_code == 413
+    handle = serve(app, "127.0.0.1", 0, max_connections=2)
+    stalled = [socket.create_connection(("127.0.0.1", handle.port)) for _ in range(2)]
+    try:
+        for s in stalled:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        extra = socket.create_connection(("127.0.0.1", handle.port), timeout=60)
+        with extra:
+            extra.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert extra.recv(64).startswith(b"HTTP/1.1 503")
+        for s in stalled:  # let go by the server: end of stream, no answer
+            s.settimeout(60)
+            assert s.recv(64) == b""
+    finally:
+        for s in stalled:
+            s.close()
+        handle.shutdown()

@@ -504,3 +504,31 @@ def test_clients_past_the_connection_cap_get_503_and_the_server_stays_up():
             raise AssertionError("still 503 after the idle clients left")
     finally:
         server.shutdown()
+
+
+def test_a_sample_that_raises_costs_that_sample_alone(monkeypatch, caplog):
+    """The sampler thread had no guard: one exception while recording a sample (a bug in a
+    listener or the capture) ended it, and the dashboard's samples stopped for good. The
+    first of three calls raises: it is logged, and the next two are made."""
+    import threading
+
+    from conftest import wait_until
+
+    agent = Agent(AgentSettings(sample_interval=0.1), with_ingest=False)
+    calls = []
+
+    def sample():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a listener's bug")
+
+    monkeypatch.setattr(agent, "sample", sample)
+    sampler = threading.Thread(target=agent.run)
+    sampler.start()
+    try:
+        assert wait_until(lambda: len(calls) >= 3)
+    finally:
+        agent.stopping.set()
+        sampler.join(30)
+    assert not sampler.is_alive()
+    assert "recording a sample failed" in caplog.text
