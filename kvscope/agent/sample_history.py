@@ -55,7 +55,7 @@ class SampleHistory:
         dict["gpu->part", bytes] (the memory budget breakdown, :mod:`kvscope.agent.memory_budget`),
         and the wholes they add up to: ``host_memory_limit``, bytes (None when unknown), and
         ``gpu_memory_total``: dict[gpu, bytes]. ``host_swap_in``: bytes read back in from swap
-        since boot (a counter; None when unknown);
+        since boot (a counter: 0 when unknown, as ``host_memory_limit`` then says);
         ``engine_weight_offload``: model weight bytes per GPU the engine keeps in host RAM,
         None when unknown. ``cache_config``: dict[source, (prefix caching, KV cache dtype)], the
         label values of each source's engine's KV cache settings.
@@ -120,9 +120,7 @@ class SampleHistory:
                 sf.GPU_MEMORY_PART_BYTES: dict(gpu_memory_parts or {}),
                 sf.HOST_MEMORY_LIMIT_BYTES: host_memory_limit,
                 sf.GPU_MEMORY_TOTAL_BYTES: dict(gpu_memory_total or {}),
-                # None where the host was not read: a 0 between two readings of the host's
-                # counter since boot read as a reset, and its whole count as this window's
-                sf.HOST_SWAP_IN_BYTES: host_swap_in,
+                sf.HOST_SWAP_IN_BYTES: host_swap_in or 0.0,
                 sf.ENGINE_WEIGHT_OFFLOAD_BYTES: engine_weight_offload,
                 sf.ENGINE_CACHE_CONFIG: {sf.join_key((source, *values)): 1
                                          for source, values in (cache_config or {}).items()},

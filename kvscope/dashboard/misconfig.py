@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from kvscope.analysis.sizing import blocks_text
 from kvscope.analysis.transfer_cost import is_promotion, promotion_seconds_by_tier
 from kvscope.dashboard.series import (Sample, bucket_increase, bytes_text, is_number, mapping,
-                                      ordered, scalar_increase, window_increase)
+                                      ordered, swap_in_increase, window_increase)
 from kvscope.dashboard.topology_view import Topology
 from kvscope.mixin.config import MixinConfig
 from kvscope.samples import KEY_SEPARATOR
@@ -178,11 +178,10 @@ def budget_over_limit(window: Sequence[Sample], s: Settings) -> Finding:
 
 def swap_in(window: Sequence[Sample], s: Settings) -> Finding:
     """Bytes read back in from swap in the window (``host_swap_in_bytes``, a host-wide
-    counter) above 0 while a host-RAM tier has a budget or a capacity. The counter is None
-    where the host collector gave no reading (and was 0 before: a sample that missed the
-    reading read as a reset), and measured only where ``host_memory_limit_bytes`` is."""
+    counter) above 0 while a host-RAM tier has a budget or a capacity, over the samples that
+    read the host (:func:`~kvscope.dashboard.series.swap_in_increase`)."""
     key = "swap-in"
-    swapped = scalar_increase(window, "host_swap_in_bytes")
+    swapped = swap_in_increase(window)
     if swapped is None or _newest(window, "host_memory_limit_bytes") is None:
         return _missing(key, "host_swap_in_bytes", "the host collector, psutil's sin")
     on = kv_offload_on(window[-1:], s.host_memory_tiers)

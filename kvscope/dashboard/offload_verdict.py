@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvscope.dashboard.series import (Sample, bytes_text, is_number, last_window,
-                                      mapping, ordered, scalar_increase, window_increase)
+                                      mapping, ordered, scalar_increase, swap_in_increase,
+                                      window_increase)
 from kvscope.analysis.transfer_cost import seconds_by_tier
 from kvscope.mixin.config import MixinConfig
 from kvscope.samples import KEY_SEPARATOR
@@ -346,7 +347,7 @@ def host_dram(window: Sequence[Sample], s: Settings) -> Check:
     headroom = [float(v) for x in window if is_number(v := x.get("host_memory_headroom_bytes"))]
     reserve = _newest(window, "host_memory_reserve_bytes")
     available = _newest(window, "host_memory_available_bytes")
-    swapped = (scalar_increase(window, "host_swap_in_bytes")
+    swapped = (swap_in_increase(window)
                if _newest(window, "host_memory_limit_bytes") is not None else None)
     # the lowest in the window, so it may read below the headroom card's newest value
     floor = ("once available memory eats into the reserve" if s.min_headroom_bytes == 0

@@ -209,6 +209,15 @@ def scalar_increase(samples: Sequence[Sample], field: str) -> float | None:
     return float(_increases(values).sum()) if len(values) > 1 else 0.0
 
 
+def swap_in_increase(samples: Sequence[Sample]) -> float | None:
+    """Bytes read back in from swap over the samples that read the host
+    (``host_memory_limit_bytes`` a number; the others hold 0 for the counter, no reading:
+    counted, a sample that missed the reading read as a reset and the host's whole swap-in
+    since boot as this window's); None where none did."""
+    read = [s for s in samples if is_number(s.get("host_memory_limit_bytes"))]
+    return scalar_increase(read, "host_swap_in_bytes") if read else None
+
+
 def cumulative_increase(samples: Sequence[Sample], field: str) -> dict[str, Series]:
     """Each counter's running increase since the first sample: dict[key, (times, values)]."""
     if len(samples) < 2:

@@ -172,18 +172,20 @@ def test_samples_are_cumulative_and_filtered_by_time():
 
 def test_a_host_reading_missed_once_is_no_swap_in():
     """The host had read 5 GiB back from swap since boot, and one sample missed the host
-    collector's reading. It recorded 0 there; the window's increase read 5 GiB -> 0 as a
-    reset and 0 -> 5 GiB as 5 GiB swapped in just now, and the Overview said the host was
-    overcommitted (a review). The missed reading is None: no increase in the window."""
-    from kvscope.dashboard.series import scalar_increase
+    collector's reading: the counter holds 0 there (a declared counter is a number). Counted,
+    the window's increase read 5 GiB -> 0 as a reset and 0 -> 5 GiB as 5 GiB swapped in just
+    now, and the Overview said the host was overcommitted (a review). The swap-in of a window
+    counts the samples that read the host alone: none here."""
+    from kvscope.dashboard.series import swap_in_increase
 
     pipeline = Pipeline()
-    for ts, swapped in ((1.0, 5 * 2**30), (2.0, None), (3.0, 5 * 2**30)):
-        pipeline.record_sample(ts, None, host_swap_in=swapped)
+    for ts, swapped, limit in ((1.0, 5 * 2**30, 64 * 2**30), (2.0, None, None),
+                               (3.0, 5 * 2**30, 64 * 2**30)):
+        pipeline.record_sample(ts, None, host_swap_in=swapped, host_memory_limit=limit)
     samples = pipeline.samples()
-    assert [s["host_swap_in_bytes"] for s in samples] == [5 * 2**30, None, 5 * 2**30]
-    assert scalar_increase(samples, "host_swap_in_bytes") == 0.0
-    assert scalar_increase(samples[1:2], "host_swap_in_bytes") is None  # not measured
+    assert [s["host_swap_in_bytes"] for s in samples] == [5 * 2**30, 0.0, 5 * 2**30]
+    assert swap_in_increase(samples) == 0.0
+    assert swap_in_increase(samples[1:2]) is None  # no reading: not measured
 
 
 def test_snapshot_is_a_copy():
