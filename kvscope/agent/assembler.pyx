@@ -308,6 +308,11 @@ cdef class RequestAssembler:
             record = record._previous
         return nearest
 
+    def in_flight(self, str source, str request_id):
+        """``source``'s record of ``request_id`` started and not finished, or None."""
+        cdef _Requests tables = self._sources.get(source)
+        return None if tables is None else tables.inflight.get(request_id)
+
     cdef RequestRecord _open(self, str source, _Requests tables, str request_id, double ts):
         cdef RequestRecord record = self._find(source, tables, request_id, ts)
         if record is None:

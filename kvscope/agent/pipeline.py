@@ -271,33 +271,37 @@ class Pipeline:
         again (the store keeps the last version). ``samples``: the request's parallel samples
         (vLLM's ``n``): a span of one of several is named after the request, while vLLM's
         scheduler, and so its tap, names each sample ``<i>_<id>``; not saying which it is, it
-        gives the samples the source finished its trace id only. Otherwise, with
-        ``new_request``, the events are folded: they finish the request in flight, or make one.
-        True when it amended."""
+        gives the samples the source finished or has in flight its trace id only. Otherwise,
+        with ``new_request``, the events are folded: they finish the request in flight, or make
+        one. True when it amended a record or gave samples in flight the trace id."""
         handover = republish = None
+        running = []  # samples in flight: the span came before the tap's finish
         with self._lock:
             record = self._finished_as(source, finished.request_id, started.ts, finished.ts)
             if record is not None:
                 amended = [record]
                 amend(record, trace_id, finished)
             else:
-                ids = ([f"{i}_{finished.request_id}"[:ev.MAX_REQUEST_ID] for i in range(samples)]
-                       if samples > 1 else [])
-                amended = [r for rid in ids
-                           if (r := self._finished_as(source, rid, started.ts, finished.ts))]
-                for sample in amended:  # its trace; its latencies are its own
+                amended = []
+                for i in range(samples if samples > 1 else 0):
+                    rid = f"{i}_{finished.request_id}"[:ev.MAX_REQUEST_ID]
+                    if sample := self._finished_as(source, rid, started.ts, finished.ts):
+                        amended.append(sample)
+                    elif sample := self._assembler.in_flight(source, rid):
+                        running.append(sample)
+                for sample in amended + running:  # its trace; its latencies are its own
                     sample.trace_id = trace_id or sample.trace_id
             for each in amended:
                 self._assembler.amended[id(each)] = each
             if amended:
                 republish = self._amended([])  # when handed over already
-            elif new_request:
+            elif new_request and not running:
                 handover = self._folded(source, (started, finished), source, received=False)
         if handover is not None:
             self._hand_over(source, *handover)
         if republish:  # the store keeps the last version
             self._notify(republish, self._early_listeners)
-        return bool(amended)
+        return bool(amended or running)
 
     def _finished_as(self, source: str, request_id: str, start: float,
                      until: float) -> RequestRecord | None:

@@ -425,26 +425,37 @@ def test_spans_of_two_finished_requests_of_one_id_join_their_own(order):
         (T0, "a" * 32, 0.25), (T0 + 10, "b" * 32, 0.65)]
 
 
-def test_the_spans_of_a_requests_parallel_samples_join_the_taps_samples():
+@pytest.mark.parametrize("spans_first", [False, True], ids=["tap first", "spans first"])
+def test_the_spans_of_a_requests_parallel_samples_join_the_taps_samples(spans_first):
     """A request asking for n = 3 samples (a tryout's curl with "n": 3): vLLM's scheduler, and
     so the tap, runs and names each sample <i>_<id>, while vLLM sends a span for each named
     after the request, with gen_ai.request.n 3 and no word of which sample it is. The spans
     made a fourth request of that id (requests_total 4 for 3, vLLM's TTFT counted on top);
-    they now give the three samples their trace id, and each keeps the TTFT the tap measured.
-    Without the tap's samples (spans alone) the spans still make a request."""
+    they now give the three samples their trace id, and each keeps the TTFT the tap measured,
+    also when the spans come while the samples are in flight (vLLM's span batch sent before
+    the tap's next one: it then made the fourth request still). Without the tap's samples
+    (spans alone) the spans still make a request."""
     agent = _agent()
     _spans_arrive(agent)
-    for i, ttft in enumerate((0.3, 0.31, 0.32)):
+    for i in range(3):
         agent.pipeline.ingest("vllm", [
-            ev.RequestStarted(ts=T0, request_id=f"{i}_cmpl-9-0", prompt_tokens=10),
-            ev.RequestFinished(ts=T0 + 0.5, request_id=f"{i}_cmpl-9-0", ttft=ttft,
-                               prompt_tokens=10)])
+            ev.RequestStarted(ts=T0, request_id=f"{i}_cmpl-9-0", prompt_tokens=10)])
+
+    def finish_samples():
+        for i, ttft in enumerate((0.3, 0.31, 0.32)):
+            agent.pipeline.ingest("vllm", [
+                ev.RequestFinished(ts=T0 + 0.5, request_id=f"{i}_cmpl-9-0", ttft=ttft,
+                                   prompt_tokens=10)])
+    if not spans_first:
+        finish_samples()
     spans = [ReceivedSpan(TRACE, "b7ad6b7169203331", "llm_request", int(T0 * 1e9),
                           int((T0 + 1) * 1e9), {"gen_ai.request.id": request_id,
                                                 "gen_ai.request.n": 3,
                                                 "gen_ai.latency.time_to_first_token": 0.2})
              for request_id in ("cmpl-9-0",) * 3 + ("cmpl-8-0",)]
     agent.otlp_receiver.handle(spans)
+    if spans_first:
+        finish_samples()
     agent.pipeline.publish_settled(everything=True)
     snap = agent.pipeline.snapshot()
     assert snap.requests == 4 and agent.otlp_receiver.joined == 3  # the three samples, cmpl-8-0

@@ -15,9 +15,9 @@ id, which the in-process tap also reports): when the tap finished the request (t
 id under way when the span starts: a client may reuse an id), the record takes the span's
 trace id and vLLM's own TTFT, queueing, prefill and inter-token latency; a span of one of a
 request's parallel samples (``gen_ai.request.n`` > 1: vLLM sends one per sample, each named
-after the request, which its tap names ``<i>_<id>``) gives the samples the tap finished its
-trace id alone; otherwise the span becomes ``RequestStarted`` + ``RequestFinished``
-events under ``source`` (so a record the tap has open joins them): see
+after the request, which its tap names ``<i>_<id>``) gives the samples the tap finished or
+has in flight its trace id alone; otherwise the span becomes ``RequestStarted`` +
+``RequestFinished`` events under ``source`` (so a record the tap has open joins them): see
 :meth:`~kvscope.agent.pipeline.Pipeline.report`. Spans without ``gen_ai.request.id`` (a
 string) are ignored, counted only among the spans received (another service's spans may share
 the endpoint: they are no loss), and so are spans of requests the tap did not finish that have
