@@ -127,14 +127,15 @@ class Headline:
 class Assessment:
     """The overall ``verdict`` (one of :data:`OVERALL_VERDICTS`), the five ``checks`` in the
     guide's order, the ``headline``, and the window: ``span_seconds`` between its first and
-    last sample, ``n_samples``, ``requests`` finished in it."""
+    last sample, ``n_samples``, ``requests`` finished in it (None when no source counts
+    requests while blocks moved: KV events alone)."""
 
     verdict: str
     checks: tuple[Check, ...]
     headline: Headline
     span_seconds: float
     n_samples: int
-    requests: float
+    requests: float | None
     reasons: tuple[str, ...] = ()
 
 
@@ -148,17 +149,21 @@ def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
     "offload pays" when any check does, the others not measured, unless every offload tier's
     transfers were timed and took longer than the prefill seconds they saved
     (:func:`saved_and_spent`): then "not paying as sized"; else "not measured". ``reasons``
-    names the checks behind it.
+    names the checks behind it. No request counted while blocks were stored, moved or evicted
+    in the window (KV events alone report no request) is no traffic to call too little: the
+    requests are not measured, and the checks judge what was.
     """
     window = last_window(samples, settings.window_seconds)
     span = float(window[-1]["ts"]) - float(window[0]["ts"]) if window else 0.0
     requests = scalar_increase(window, "requests") or 0.0
+    if not requests and _blocks_moved(window):
+        requests = None
     tokens = window_increase(window, "prompt_tokens")
     prefix = window_increase(window, "prompt_prefix_blocks")
     start = float(window[0]["ts"]) if window else float("inf")
     recent = [r for r in records if is_number(r.get("finished")) and r["finished"] >= start]
-    where = f"last {span:.0f} s, {len(window)} samples, {requests:.0f} requests"
-    low_traffic = requests < settings.min_requests
+    where = f"last {span:.0f} s, {len(window)} samples, {requests_text(requests)}"
+    low_traffic = requests is not None and requests < settings.min_requests
     checks = (
         gpu_limiter(window, settings, low_traffic),
         unique_prompts(tokens, prefix, settings, low_traffic),
@@ -173,6 +178,22 @@ def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
     if verdict == PAYS and spent is not None and spent > saved:
         verdict = NOT_PAYING
     return Assessment(verdict, checks, head, span, len(window), requests, reasons)
+
+
+def requests_text(requests: float | None) -> str:
+    """The window's requests, as the verdicts' evidence says them."""
+    return ("requests not measured (no source counts them)" if requests is None
+            else f"{requests:.0f} requests")
+
+
+def _blocks_moved(window: Sequence[Sample]) -> bool:
+    """Blocks were transferred or evicted in the window, or a tier's resident blocks changed
+    (by any source)."""
+    if any(v > 0 for name in ("transfer_blocks", "evicted_blocks")
+           for v in window_increase(window, name).values()):
+        return True
+    resident = [mapping(sample, "tier_resident_blocks") for sample in window]
+    return any(r != resident[0] for r in resident)
 
 
 def saved_and_spent(saved_vs_spent: Mapping[str, tuple[float, float | None]]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dash import html
 
 from kvscope.dashboard.offload_verdict import (CONDITIONS, NOT_MEASURED, NOT_PAYING, PAYS, SKIP,
-                                               TOO_LITTLE, Assessment, saved_and_spent,
-                                               seconds_text)
+                                               TOO_LITTLE, Assessment, requests_text,
+                                               saved_and_spent, seconds_text)
 from kvscope.dashboard.series import bytes_text
 
 SECTION_ID = "offload-advice"
@@ -108,7 +108,7 @@ def banner(a: Assessment) -> html.Div:
         said = f" overall, from {conditions}" if behind else " overall"
     children = [badge(a.verdict), html.Span(said),
                 html.Span(f" · last {a.span_seconds:.0f} s, {a.n_samples} samples, "
-                          f"{a.requests:.0f} requests", style={"color": "#555"})]
+                          f"{requests_text(a.requests)}", style={"color": "#555"})]
     if a.verdict == NOT_PAYING:
         saved, spent = saved_and_spent(a.headline.saved_vs_spent)
         children.append(html.Div(

@@ -425,6 +425,32 @@ def test_overall_too_little_traffic_and_empty():
     assert empty.headline.token_share == {} and empty.headline.ttft_p99 is None
 
 
+@pytest.mark.parametrize("moved", ["transfer_blocks", "evicted_blocks", "resident", None])
+def test_kv_events_alone_are_not_too_little_traffic(moved):
+    """Zero-code mode with KV events alone: no source counts requests, so the window read 0
+    requests and "too little traffic" while the engine offloaded and evicted blocks. Blocks
+    moved (offloaded 5 a second, evicted, or the resident count changing) with no request
+    counted: the requests are not measured, and the checks judge what was (here GPU usage at
+    1.0: "offload pays"). Nothing moved and no request: still too little traffic."""
+    samples = window(requests_per_s=0.0, usage=lambda i: 1.0, ttft_p99=None, wait_p99=None,
+                     drop=("prompt_tokens",))
+    for i, sample in enumerate(samples):
+        if moved == "resident":
+            sample["tier_resident_blocks"] = {"cpu": 10.0 * i}
+        elif moved:
+            sample[moved] = {"gpu->cpu" if moved == "transfer_blocks" else "gpu": 5.0 * i}
+    a = V.assess(samples)
+    if moved is None:
+        assert a.verdict == TOO_LITTLE and a.requests == 0
+        return
+    assert a.requests is None and a.verdict == PAYS
+    assert verdicts(a) == {"gpu-limiter": PAYS, "unique-prompts": NOT_MEASURED,
+                           "tail-slo": NOT_MEASURED, "host-dram": PAYS,
+                           "cheaper-steps": NOT_MEASURED}
+    assert check(a, "gpu-limiter").evidence[-1].endswith(
+        "requests not measured (no source counts them)")
+
+
 def test_every_check_names_its_window():
     a = V.assess(window(n=400), settings=Settings(window_seconds=120))
     assert a.n_samples == 121 and a.span_seconds == 120 and a.requests == 240
