@@ -484,6 +484,25 @@ def test_a_stopping_source_scrapes_once_more_unless_the_engine_is_away(expositio
     assert scrapes == [False]
 
 
+def test_the_kv_offload_budget_comes_back_after_the_engine_restarts(exposition_server):
+    """vLLM 0.32 with --kv-offloading-size 16 (GiB) over real HTTP: the budget is 16 x 2^30
+    bytes. vLLM restarts: a scrape fails, and the agent forgets the source's gauges and memory
+    reports. It comes back with the same flag: the budget is reported again (it was left out
+    for good, as unchanged since the mapper last sent it)."""
+    source = _source(exposition_server)
+    budget = lambda: source.pipeline.engine_memory().get(("vllm_metrics", ""), {}).get(
+        "kv_offload_budget")
+    up = ('vllm:cache_config_info{engine="0",kv_offloading_size="16"} 1.0\n'
+          'vllm:num_requests_waiting{engine="0"} 0\n')
+    seen = []
+    for body in (up, "vLLM restarting: not its metrics\n", up, up):
+        exposition_server.body = body
+        source.scrape_once()
+        seen.append(budget())
+    source.shutdown()
+    assert seen == [16 << 30, None, 16 << 30, 16 << 30]
+
+
 def test_a_tap_counting_the_same_prompt_tokens_is_warned_of_once(exposition_server, caplog):
     """vLLM's /metrics over real HTTP, scraped alone: 1,000 prompt tokens (600 from the GPU
     cache) counted once, no warning (a near miss: this source's own tokens). Then the tap's

@@ -326,12 +326,15 @@ class ScrapeSource(SourceWorker):
         self.failures += 1
         if self.failures == 1:
             log.warning("%s metrics at %s: %s", self.engine, self.url, why)
-            # Its tiers and scheduler gauges are as stale as Prometheus' own series of a
-            # target it cannot scrape: left out until a scrape answers (a stopped LMCache kept
-            # showing its full L1), its counters kept.
-            self.pipeline.forget_tiers(self.name)
+            self.forget_gauges()
         self.report_up(False)
         return False
+
+    def forget_gauges(self) -> None:
+        """Leave this source's tiers, scheduler gauges and memory reports out until a scrape
+        answers: they are as stale as Prometheus' own series of a target it cannot scrape (a
+        stopped LMCache kept showing its full L1). Its counters stay."""
+        self.pipeline.forget_tiers(self.name)
 
     def prepare(self) -> None:
         self.pipeline.expect_drops(self.name, ("invalid",))

@@ -295,6 +295,11 @@ class MetricsMapper:
         self._budget_sent = budget
         return [ev.EngineMemory(ts=ts, kv_offload_budget=budget)]
 
+    def forget_budget(self) -> None:
+        """Report the budget at the next scrape that has it, changed or not (the pipeline forgot
+        it: :meth:`VllmMetricsSource.forget_gauges`)."""
+        self._budget_sent = None
+
     def _scheduler(self, samples: Samples, ts: float) -> list[ev.SchedulerStats]:
         """The scheduler's gauges over every engine and its preemptions since the last scrape
         (see the module); [] when vLLM has none of them. A value out of the event's bounds
@@ -620,6 +625,13 @@ class VllmMetricsSource(ScrapeSource):
         if config is not None:
             self.pipeline.set_cache_config(self.name, *config)
         return super().map(samples, now)
+
+    def forget_gauges(self) -> None:
+        """Also the host KV budget, which the mapper then reports again: an engine restarted
+        with the same budget left it out for good (the weight-offload and budget detectors
+        then read no KV offload)."""
+        super().forget_gauges()
+        self.mapper.forget_budget()
 
     def deliver(self, events: list) -> None:
         """Hold each TTFT histogram ``span_wait`` seconds when spans may report its requests."""
