@@ -36,12 +36,15 @@ from kvscope.dashboard.series import (Sample, bucket_increase, bytes_text, is_nu
 from kvscope.dashboard.topology_view import Topology
 from kvscope.mixin.config import MixinConfig
 from kvscope.samples import KEY_SEPARATOR
-from kvscope.vocabulary import NOT_MEASURED, TIERS
+from kvscope.vocabulary import NOT_MEASURED, TIERS, TOKEN_SOURCES
 
 MISCONFIGURED = "misconfigured"
 OK = "ok"
 STATUSES = (MISCONFIGURED, OK, NOT_MEASURED)
 OFFLOAD_TIERS = TIERS[1:]  # every tier but the GPU's own prefix cache
+# why what a tier without a token source of its own serves is not measured, never 0 (remote:
+# LMCache counts its L2's hits as cpu tokens, vLLM's obj and p2p tiers promote through cpu)
+_NO_SOURCE = "its hits count as another tier's tokens"
 _MIXIN = MixinConfig()
 
 
@@ -207,7 +210,7 @@ def tier_negligible(window: Sequence[Sample], s: Settings) -> Finding:
     """Each offload tier that holds data (resident bytes, or blocks where its bytes are not
     reported, above 0 in the newest sample; with no residency reported, bytes or blocks
     offloaded into it in the window) while its share of the window's prompt tokens is under
-    ``negligible_share``."""
+    ``negligible_share``. A tier without a token source of its own (remote) is not judged."""
     key = "tier-negligible"
     tokens = window_increase(window, "prompt_tokens")
     total = sum(tokens.values())
@@ -228,7 +231,7 @@ def tier_negligible(window: Sequence[Sample], s: Settings) -> Finding:
         if amount is not None:
             held[t] = f"holds {amount}" if reported else f"took {amount} of offloads"
     idle = {t: tokens.get(t, 0.0) / total for t in ordered(held)
-            if tokens.get(t, 0.0) / total < s.negligible_share}
+            if t in TOKEN_SOURCES and tokens.get(t, 0.0) / total < s.negligible_share}
     if idle:
         what = "; ".join(f"the {t} tier {held[t]} but served {share:.2%} of "
                          f"{total:,.0f} prompt tokens" for t, share in idle.items())
@@ -238,8 +241,12 @@ def tier_negligible(window: Sequence[Sample], s: Settings) -> Finding:
                         "prefixes to the instance that holds them")
     if not held:
         return _finding(key, OK, "no offload tier holds data")
-    return _finding(key, OK, "; ".join(f"{t} served {tokens.get(t, 0.0) / total:.1%}"
-                                       for t in ordered(held)))
+    lines = "; ".join(f"{t} served {tokens.get(t, 0.0) / total:.1%}" if t in TOKEN_SOURCES
+                      else f"{t} {held[t]}, its share of prompt tokens not measured "
+                      f"({_NO_SOURCE})" for t in ordered(held))
+    if not any(t in TOKEN_SOURCES for t in held):
+        return _finding(key, NOT_MEASURED, f"not measured: {lines}")
+    return _finding(key, OK, lines)
 
 
 def promotion_slower(window: Sequence[Sample], s: Settings) -> Finding:
@@ -247,7 +254,8 @@ def promotion_slower(window: Sequence[Sample], s: Settings) -> Finding:
     a staged leg charged to the tier it staged from:
     :func:`~kvscope.analysis.transfer_cost.promotion_seconds_by_tier`) over the prefill
     seconds its tokens saved, in the window; above ``recompute_faster_ratio``: recomputing is
-    faster."""
+    faster. A tier without a token source of its own (remote) saves prefill seconds no source
+    counts: not judged."""
     key = "promotion-slower"
     spent = promotion_seconds_by_tier(window_increase(window, "transfer_seconds_sum"),
                                       window_increase(window, "transfer_blocks"))
@@ -264,12 +272,16 @@ def promotion_slower(window: Sequence[Sample], s: Settings) -> Finding:
                         "the reference engine do)")
     saved = window_increase(window, "prefill_seconds_saved")
     ratio = {t: spent[t] / saved[t] if saved.get(t, 0.0) > 0 else float("inf")
-             for t in ordered(spent)}
+             for t in ordered(spent) if t in TOKEN_SOURCES}
     slow = {t: r for t, r in ratio.items() if r > s.recompute_faster_ratio}
     # a share, not a "×": the savings card's 1.4× is saved over spent, and a tryout read this
     # line's 0.15× (spent over saved) beside it as the opposite verdict
     lines = "; ".join(f"{t}: {spent[t]:.2f} s of promotions for {saved.get(t, 0.0):.2f} s of "
-                      "prefill saved (" + _share_of_it(r) for t, r in ratio.items())
+                      "prefill saved (" + _share_of_it(ratio[t]) if t in ratio else
+                      f"{t}: {spent[t]:.2f} s of promotions, the prefill seconds they saved "
+                      f"not measured ({_NO_SOURCE})" for t in ordered(spent))
+    if not ratio:
+        return _finding(key, NOT_MEASURED, f"not measured: {lines}")
     if slow:
         return _finding(key, MISCONFIGURED, f"{lines}: promoting the "
                         f"{'/'.join(slow)} tier's blocks takes longer than recomputing them",

@@ -14,6 +14,7 @@ from kvscope.mixin.config import MixinConfig
 from kvscope.mixin.promql import (offload_tiers, promotion_matchers, promotion_seconds_by_tier,
                                   sel, tier_matcher, union)
 from kvscope.mixin.rules import Records
+from kvscope.vocabulary import TOKEN_SOURCES
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
                  f"     or 0 * {r.transfer_failures_rate}))")
     dropped = f"sum by ({by}, tier) (rate(kvscope_dropped_blocks_total{sel(cfg)}[{w}]))"
     share_as_tier = f'label_replace({r.prompt_share}, "tier", "$1", "source", "(.+)")'
+    # the offload tiers with a token source of their own: what another (remote) serves counts as
+    # another tier's tokens, so its share is unknown, never 0
+    served = tier_matcher([t for t in cfg.tiers[1:] if t in TOKEN_SOURCES])
     fill = f"{r.tier_fill}{{{offload}}}"
     unused = f"{r.never_reused_share}{{{offload}}}"
     promo = f'{r.promotion_quantile}{{quantile="0.99"}}'
@@ -277,11 +281,11 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             (numa_local + gpu_nodes_known,)),
         Alert(
             "KvscopeTierIneffective",
-            f"(\n  (\n    {fill} > {_g(cfg.ineffective_fill_ratio)}\n"
+            f"(\n  (\n    {r.tier_fill}{{{served}}} > {_g(cfg.ineffective_fill_ratio)}\n"
             # a tier that reports no capacity (vLLM's disk tier through the tap) holds data
             # while stores keep going into it
-            f"    or (\n      ({r.offload_bytes_rate}{{{offload}}} > 0\n"
-            f"       or {r.offload_blocks_rate}{{{offload}}} > 0)\n"
+            f"    or (\n      ({r.offload_bytes_rate}{{{served}}} > 0\n"
+            f"       or {r.offload_blocks_rate}{{{served}}} > 0)\n"
             f"      unless on ({by}, tier)\n      {fill}\n    )\n  )\n"
             f"  unless on ({by}, tier)\n  {share_as_tier} >= {_g(cfg.ineffective_max_share)}\n)\n"
             f"and on ({by}) (sum by ({by}) ({r.prompt_tokens_rate}) > 0)",

@@ -175,6 +175,27 @@ def test_a_tier_known_in_blocks_alone_can_be_negligible_too():
         OK, "no offload tier holds data")
 
 
+def test_a_remote_tier_is_not_judged_on_a_share_it_has_no_source_for():
+    """LMCache with a remote L2 holding 2 GiB while half the prompt tokens come from cache,
+    counted as cpu (no token source is remote): it read "the remote tier holds 2.00 GiB but
+    served 0.00%". Its share is not measured; beside a cpu tier that serves 50% the finding
+    is ok and names both. vLLM's obj tier promoting remote->cpu (timed) read "nothing saved",
+    misconfigured: the prefill it saved is not measured either."""
+    tokens = {"prompt_tokens": {"gpu": 500.0, "cpu": 500.0}}
+    remote = {"tier_resident_bytes": {"remote": 2 * GIB}}
+    f = M.tier_negligible(window(counters=tokens, gauges=remote), S)
+    assert f.status == NOT_MEASURED
+    assert "remote holds 2.00 GiB, its share of prompt tokens not measured" in f.wrong
+    f = M.tier_negligible(window(counters=tokens, gauges={
+        "tier_resident_bytes": {"remote": 2 * GIB, "cpu": GIB}}), S)
+    assert f.status == OK and f.wrong.startswith("cpu served 50.0%; remote holds 2.00 GiB")
+    promoted = {"transfer_seconds_sum": {"remote->cpu": 0.0375},
+                "prefill_seconds_saved": {"cpu": 0.1}}
+    f = M.promotion_slower(window(counters=promoted), S)
+    assert f.status == NOT_MEASURED
+    assert "remote: 2.25 s of promotions, the prefill seconds they saved not measured" in f.wrong
+
+
 def test_promotions_slower_than_recompute():
     """disk: 0.1 s of disk->cpu promotions per second against 0.05 s of prefill saved (2x):
     fires; cpu at 0.02 s against 0.1 s (0.2x): fine. No timed promotions (zero-code mode):
