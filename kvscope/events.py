@@ -258,6 +258,15 @@ class RequestFinished(_Event, tag="request_finished"):
     itl: Seconds = 0.0
 
 
+class RequestAborted(_Event, tag="request_aborted"):
+    """A request ended without producing its first token (vLLM: aborted by its client, or
+    refused, while waiting or in prefill). It has no TTFT, so it is no finished request: its
+    record is closed and counted nowhere (vLLM's TTFT histogram and its spans leave such
+    requests out too)."""
+
+    request_id: RequestId
+
+
 class LatencyHistogram(_Event, tag="latency_histogram"):
     """Latency observations an engine aggregated itself, without request ids (e.g. vLLM's
     ``vllm:time_to_first_token_seconds`` between two scrapes).
@@ -386,8 +395,8 @@ class EngineMemory(_Event, tag="engine_memory"):
 
 
 Event = Union[RequestStarted, Lookup, Transfer, Eviction, TierSnapshot, RequestFinished,
-              LatencyHistogram, SchedulerStats, IdleHistogram, Admission, TransfersInFlight,
-              EngineMemory]
+              RequestAborted, LatencyHistogram, SchedulerStats, IdleHistogram, Admission,
+              TransfersInFlight, EngineMemory]
 
 
 E = TypeVar("E")

@@ -19,6 +19,7 @@ def test_round_trip_keeps_every_event_kind():
         ev.TierSnapshot(ts=1.3, tier="cpu", capacity_bytes=100, resident_bytes=50,
                         capacity_blocks=10, resident_blocks=5),
         ev.RequestFinished(ts=1.4, request_id="r1", ttft=0.25, prompt_tokens=40, output_tokens=3),
+        ev.RequestAborted(ts=1.45, request_id="r2"),
         ev.SchedulerStats(ts=1.5, waiting=4, running=2, preemptions=1, gpu_kv_usage=0.75),
         ev.SchedulerStats(ts=1.6, waiting=0),  # the rest unknown: None, not 0
         ev.Eviction(ts=1.7, tier="cpu", blocks=2, bytes=64, age=9.0, hits=1, idle=4.0),

@@ -23,12 +23,14 @@ Run: ``$KVSCOPE_VLLM_PYTHON tests/vllm_manager_check.py OUT.json ROOT_DIR [--pyt
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import re
 import sys
 import time
 import uuid
+import weakref
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -294,6 +296,37 @@ def admission_run() -> dict:
     return {"skipped_is_none": skipped is None, "events": events(sent), "errors": tap.errors}
 
 
+def aborted_run() -> dict:
+    """Requests that end without an output token, behind a tap that tracks 2 requests at once;
+    vLLM's ids carry its 8-hex-digit suffix (r1 is ``r1-0123abcd``; the tap reports ``r1``).
+    r1 is aborted while waiting (never scheduled). r2 and r3 are scheduled, and pushed out of
+    the tap's table by r4 and r5 before their first token (a long prefill), then aborted. r4
+    gets its first token in its step and finishes. Returns the events, and which of r2's and
+    r3's vLLM requests are still alive once vLLM let them go (the tap must not keep them)."""
+    sent: list = []
+    tap = TapManager(CPUOffloadingManager(num_chunks=CPU_CHUNKS, enable_events=True),
+                     sent.append, tokens_per_block=TPB, blocks_per_chunk=1,
+                     bytes_per_block=PAGE, capacity_chunks=CPU_CHUNKS, max_requests=2)
+    conn = Connector(tap)
+    r1, r2, r3, r4, r5 = (f"r{i}-0123abcd" for i in range(1, 6))
+    conn.add(r1, [key(0)])
+    conn.step(finished=[r1])
+    conn.add(r2, [key(1)])
+    conn.add(r3, [key(2)])
+    conn.step(schedule=[r2, r3])
+    for rid in (r2, r3):  # still in prefill: no token yet
+        conn.requests[rid][1].num_output_tokens = 0
+    conn.add(r4, [key(3)])
+    conn.add(r5, [key(4)])
+    conn.step(schedule=[r4], finished=[r2, r3])
+    conn.step(finished=[r4])
+    alive = {rid[:2]: weakref.ref(conn.requests.pop(rid)[1]) for rid in (r2, r3)}
+    gc.collect()
+    tap.shutdown()
+    return {"events": events(sent), "errors": tap.errors,
+            "alive": {rid: ref() is not None for rid, ref in alive.items()}}
+
+
 def tiering_run(root: str) -> dict:
     """vLLM's TieringOffloadingSpec (CPU tier of 4 chunks over its fs tier, KV events on),
     built through kvscope's spec; the tap driven as vLLM's connector drives it:
@@ -413,7 +446,7 @@ def main() -> None:
     result = {"vllm": vllm.__version__, "order": "0.33" if V033 else "0.32",
               "tap_module": Path(sys.modules[TapManager.__module__].__file__).name,
               "unforwarded": unforwarded(), "cpu": cpu_run(), "admission": admission_run(),
-              "sampling": sampling_run(),
+              "sampling": sampling_run(), "aborted": aborted_run(),
               "tiering": tiering_run(root),
               "worker": worker_run(),
               "docs": docs_run(ROOT / "docs" / "vllm.md")}

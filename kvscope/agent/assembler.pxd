@@ -54,5 +54,6 @@ cdef class RequestAssembler:
                                 object src, object dst, int64_t blocks, int64_t nbytes,
                                 double duration, bint ok)
     cdef RequestRecord finish(self, str source, _Requests tables, bint joined, object event)
+    cdef int abort(self, _Requests tables, object rid) except -1
     cpdef RequestRecord finished_recently(self, str source, str request_id, double ts,
                                           until=*)

@@ -438,6 +438,13 @@ cdef class RequestAssembler:
         tables.recent.add(record)
         return record
 
+    cdef int abort(self, _Requests tables, object rid) except -1:
+        """Close request ``rid``'s record in flight, if any, without finishing it: it ended
+        before its first token (:class:`~kvscope.events.RequestAborted`)."""
+        if tables.inflight.pop(rid, None) is not None:
+            tables.unstarted.discard(rid)
+        return 0
+
     def finished(self, str source, list events):
         """:meth:`finish` ``source``'s RequestFinished ``events`` in order; the records
         finished (the pipeline folds a batch through :class:`~kvscope.agent.fold.Fold`)."""

@@ -36,6 +36,7 @@ from kvscope.vocabulary import (ADMISSION_RESULTS, DIRECTIONS, EVICTION_REASONS,
 cdef object _SNAPSHOT = ev.TierSnapshot, _STARTED = ev.RequestStarted, _LOOKUP = ev.Lookup
 cdef object _TRANSFER = ev.Transfer, _EVICTION = ev.Eviction, _LATENCY = ev.LatencyHistogram
 cdef object _FINISHED = ev.RequestFinished, _SCHEDULER = ev.SchedulerStats
+cdef object _ABORTED = ev.RequestAborted
 cdef object _IDLE = ev.IdleHistogram, _ADMISSION = ev.Admission
 cdef object _IN_FLIGHT = ev.TransfersInFlight
 cdef object _MEMORY = ev.EngineMemory
@@ -313,6 +314,8 @@ cdef class Fold:
                 if record is not None:
                     finished.append(record)
                     self._prefill_seen(scope, record)
+            elif kind is _ABORTED:
+                assembler.abort(tables, event.request_id)
             elif kind is _EVICTION:
                 self._eviction(event)
             elif kind is _SNAPSHOT:

@@ -113,6 +113,24 @@ def test_two_sources_with_the_same_request_ids_keep_their_own_records():
     assert pipeline.requests.get("shared", "gamma") is None
 
 
+def test_a_request_aborted_before_its_first_token_is_closed_and_counted_nowhere():
+    """r1 started, looked up 64 tokens and was aborted before its first token (vLLM's tap
+    sends RequestAborted): its prompt tokens count (the lookup ran), but it is no finished
+    request (0 requests, no TTFT) and no record; nothing of it stays in flight, so a later
+    request of the id is a new one (its own arrival, 50.0)."""
+    pipeline = Pipeline()
+    pipeline.ingest("vllm", [ev.RequestStarted(ts=10.0, request_id="r1", prompt_tokens=64),
+                             ev.Lookup(ts=10.5, request_id="r1", tokens={"recompute": 64}),
+                             ev.RequestAborted(ts=40.0, request_id="r1")])
+    snap = pipeline.snapshot()
+    assert (snap.requests, snap.ttft_seconds.count) == (0, 0)
+    assert snap.prompt_tokens == {"recompute": 64}
+    assert pipeline.requests.get("r1") is None
+    pipeline.ingest("vllm", [ev.RequestFinished(ts=50.2, request_id="r1", ttft=0.2,
+                                                prompt_tokens=64)])
+    assert pipeline.requests.get("r1").arrival == 50.0 and pipeline.snapshot().requests == 1
+
+
 def test_requests_never_finished_beyond_the_inflight_bound_are_counted_as_abandoned(caplog):
     """The assembler holds 10,000 open requests per source: 10,003 starts without a finish
     abandon the 3 oldest, counted under their source so the loss is not silent."""

@@ -102,6 +102,21 @@ def test_cpu_manager_store_admission_outcomes(run):
     assert got == [("cpu", 2, 0, 1), ("cpu", 2, 3, 0)], got
 
 
+def test_requests_without_an_output_token_have_no_ttft(run):
+    """``aborted_run``: r1, aborted while waiting, was sent as finished with its 30 s queue as
+    its TTFT (vLLM counts none, so under overload kvscope's TTFT tail filled with abandoned
+    requests); it is now RequestAborted, with no TTFT. r4's first token came in the step it
+    finished in (0.33 calls on_schedule_end after finishing requests): finished, with a TTFT.
+    r2 and r3 were pushed out of the tap's table (max_requests 2) before their first token and
+    then aborted: vLLM's requests are not kept alive by the tap (they stayed, awaiting a
+    first token, for good)."""
+    a = run["aborted"]
+    assert a["errors"] == 0
+    assert [e["request_id"] for e in of(a["events"], "RequestAborted")] == ["r1"]
+    assert [e["request_id"] for e in of(a["events"], "RequestFinished")] == ["r4"]
+    assert a["alive"] == {"r2": False, "r3": False}
+
+
 def test_lookups_carry_the_blocks_whose_hash_falls_under_the_sampling_threshold(run):
     """``sampling_run``: a tap at block_sample_rate 1/2. Each lookup carries exactly the blocks
     whose key (a hash's first 8 bytes, little-endian) has a reference fmix64 hash

@@ -53,7 +53,9 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
 - ``RequestFinished`` when vLLM finishes the request: TTFT (first output token seen at a
   scheduler step, so up to one step late), promotion wait (``prepare_load`` to
   ``complete_load``), prefill (first scheduled to first token), queueing (the rest) and the
-  mean inter-token latency (first token to finish, over the output tokens after the first).
+  mean inter-token latency (first token to finish, over the output tokens after the first);
+  ``RequestAborted`` instead when it finishes without an output token (aborted while waiting
+  or in prefill: it has no TTFT).
 
 The request object is taken, read-only, from the caller's frame of ``on_new_request`` (vLLM's
 ``OffloadingConnectorScheduler.on_new_request(request)``): the manager API carries only a
@@ -315,8 +317,7 @@ class _Observer:
                 arrival = float(getattr(request, "arrival_time", 0.0) or self._clock())
                 req = reqs[rid] = _Req(request, external_request_id(rid), arrival)
                 if len(reqs) > self._max_requests:
-                    _, dropped = reqs.popitem(last=False)
-                    self._awaiting_first.pop(dropped.rid, None)
+                    self._awaiting_first.pop(reqs.popitem(last=False)[0], None)
                     self.unattributed += 1
                 headers = getattr(request, "trace_headers", None)
                 self._emit(ev.RequestStarted(ts=arrival, request_id=req.rid, prompt_tokens=prompt,
@@ -512,7 +513,10 @@ class _Observer:
         first = req.first_token
         if first is None:  # still awaiting its first token
             self._awaiting_first.pop(rid, None)
-            first = now
+            if not req.request.num_output_tokens:  # none will come: no TTFT to make up
+                self._emit(ev.RequestAborted(ts=now, request_id=req.rid))
+                return
+            first = now  # it came in this step
         # conditionals rather than max() and min(): no builtin calls on the hot path
         ttft = first - req.arrival
         if not ttft > 0.0:
