@@ -253,6 +253,75 @@ def test_a_real_cgroup_with_a_memory_limit_is_read_from_inside_it():
     assert 0 < reading["available"] <= GiB
 
 
+def test_the_engines_cgroup_limit_is_read_not_the_agents():
+    """A real cgroup limited to 1 GiB holding the engine (a process moved into it), and the
+    agent reading from outside it with engine_pid: the limit is the engine's 1 GiB. It was the
+    agent's own cgroup's (docs/collectors.md lets the agent run beside the engine, in a
+    container of its own): a sidecar's 512 MiB read as the engine's limit, so the budget
+    and headroom alerts fired on a 64 GiB engine."""
+    with limited_cgroup(GiB, "engine") as made:
+        engine = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                  stdin=subprocess.PIPE)
+        try:
+            move(made, engine.pid)
+            reading = HostCollector(engine_pid=engine.pid).collect()
+            own = HostCollector().collect()
+        finally:
+            engine.communicate("", timeout=60)
+    assert reading.limit == GiB and str(made) in [lv.path for lv in reading.cgroup.levels]
+    assert own.limit > GiB  # the agent's own cgroup has no such limit
+
+
+def _sidecar(tmp_path: Path, engine_visible: bool) -> tuple[Path, Path]:
+    """A pod's cgroup v2 mount as the agent (a sidecar limited to 512 MiB) sees it: the engine
+    container's cgroup (64 GiB, 40 GiB in use) under it when ``engine_visible``, else only under
+    the engine's own mount, /proc/<pid>/root/<mount>, whose root is its cgroup (a cgroup
+    namespace of its own). Returns (the agent's mount, a /proc with process 42, the engine)."""
+    mount = tmp_path / "sys/fs/cgroup"
+    proc = tmp_path / "proc"
+    levels = {"kubepods/pod1/kvscope": (str(512 * MiB), 200 * MiB)}
+    if engine_visible:
+        levels["kubepods/pod1/engine"] = (str(64 * GiB), 40 * GiB)
+    else:
+        _tree(proc / "42/root" / mount.relative_to("/"), "/", {".": (str(64 * GiB), 40 * GiB)})
+    _tree(mount, "/kubepods/pod1/kvscope", levels)
+    (proc / "42").mkdir(parents=True, exist_ok=True)
+    (proc / "42/cgroup").write_text("0::/kubepods/pod1/engine\n" if engine_visible
+                                    else "0::/../../kubepods/pod1/engine\n")
+    return mount, proc
+
+
+@pytest.mark.parametrize("engine_visible", [True, False], ids=["shared mount", "own namespace"])
+def test_a_sidecar_agent_reads_the_engines_limit(tmp_path, engine_visible):
+    """The engine's 64 GiB (24 GiB left), not the sidecar's 512 MiB, whether the engine's
+    cgroup is under the agent's mount or only under the engine's own (its /proc/<pid>/cgroup
+    then names it past the agent's namespace root, with "/..")."""
+    mount, proc = _sidecar(tmp_path, engine_visible)
+    r = HostCollector(_vm(256 * GiB, 200 * GiB), swap_memory=_swap(), engine_pid=42,
+                      cgroup_root=mount, proc_root=proc).collect()
+    assert (r.limit, r.available) == (64 * GiB, 24 * GiB)
+    r = HostCollector(_vm(256 * GiB, 200 * GiB), swap_memory=_swap(), cgroup_root=mount,
+                      proc_cgroup=mount.parent / "proc_self_cgroup").collect()
+    assert r.limit == 512 * MiB  # the agent's own, without engine_pid
+
+
+def test_an_engines_cgroup_the_agent_cannot_see_is_no_limit_and_said_once(tmp_path, caplog):
+    """Neither under the agent's mount nor under the engine's (not there, as without access
+    to it): no limit is read, physical RAM is taken, and the warning says what to change,
+    once."""
+    mount = tmp_path / "sys/fs/cgroup"
+    _tree(mount, "/kvscope", {"kvscope": (str(512 * MiB), 200 * MiB)})
+    (tmp_path / "proc/42").mkdir(parents=True)
+    (tmp_path / "proc/42/cgroup").write_text("0::/../engine\n")
+    collector = HostCollector(_vm(256 * GiB, 200 * GiB), swap_memory=_swap(), engine_pid=42,
+                              cgroup_root=mount, proc_root=tmp_path / "proc")
+    caplog.set_level(logging.WARNING)
+    readings = [collector.collect() for _ in range(2)]
+    assert [(r.limit, r.cgroup) for r in readings] == [(256 * GiB, None)] * 2
+    assert caplog.text.count("the cgroup of engine process 42") == 1
+    assert "--cgroupns=host" in caplog.text
+
+
 def test_this_machines_cgroup_reads_without_error():
     """The real psutil and the real /sys/fs/cgroup and /proc/self/cgroup of this machine, once:
     whatever they hold (v1, hybrid, v2 with or without a limit), the reading is consistent."""

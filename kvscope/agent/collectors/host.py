@@ -32,6 +32,10 @@ class CgroupParseError(CollectorError):
     """A cgroup file held something other than what the kernel writes there."""
 
 
+class CgroupNotVisible(OSError):
+    """Another process's cgroup is not under this process's cgroup mount."""
+
+
 @dataclass(frozen=True)
 class CgroupLevel:
     """One cgroup directory with a memory limit. ``path``: the directory. ``max``: its
@@ -168,18 +172,22 @@ _V1 = ("memory.limit_in_bytes", parse_limit_in_bytes, "memory.usage_in_bytes",
 
 
 def read_cgroup_memory(root: Path = DEFAULT_CGROUP_ROOT,
-                       proc_cgroup: Path = DEFAULT_PROC_CGROUP) -> CgroupMemory | None:
-    """The tightest cgroup memory limit over this process's cgroup and its ancestors.
+                       proc_cgroup: Path | None = DEFAULT_PROC_CGROUP,
+                       mount_is_own: bool = True) -> CgroupMemory | None:
+    """The tightest cgroup memory limit over a process's cgroup and its ancestors.
 
     ``root``: where the cgroups are mounted. It is cgroup v2 when it holds
     ``cgroup.controllers``; otherwise (v1, or hybrid: v1 controllers beside an empty v2 tree)
     v1's memory controller is read at ``root/memory``, if mounted there. ``proc_cgroup``:
-    ``/proc/self/cgroup``, naming this process's cgroup (v2's, or v1 memory's) below the mount;
-    when that directory is not visible (a container with its own cgroup namespace or mount),
-    the mount itself is the process's cgroup. Levels whose limit is none (v2 ``max``, v1
-    :data:`V1_UNLIMITED`) or absent (v2's root cgroup has none) impose nothing; each limited
-    level is read with its usage and ``memory.stat``. Raises CgroupParseError on malformed
-    files and OSError when a file exists but cannot be read.
+    ``/proc/self/cgroup`` (or another process's), naming the process's cgroup (v2's, or v1
+    memory's) below the mount (None: the mount is the process's cgroup); when that directory
+    is not visible (a container with its own
+    cgroup namespace or mount), the mount itself is the process's cgroup if
+    ``mount_is_own`` (this process's own mount), else :class:`CgroupNotVisible` is raised.
+    Levels whose limit is none (v2 ``max``, v1 :data:`V1_UNLIMITED`) or absent (v2's root
+    cgroup has none) impose nothing; each limited level is read with its usage and
+    ``memory.stat``. Raises CgroupParseError on malformed files and OSError when a file exists
+    but cannot be read.
     """
     if (root / "cgroup.controllers").is_file():
         files, controller = _V2, ""
@@ -188,10 +196,12 @@ def read_cgroup_memory(root: Path = DEFAULT_CGROUP_ROOT,
     else:
         return None
     limit_file, parse_limit, usage_file, inactive_key = files
-    text = _read(proc_cgroup)
+    text = _read(proc_cgroup) if proc_cgroup is not None else None
     rel = parse_proc_cgroup(text, controller) if text is not None else None
     own = root / rel.lstrip("/") if rel else root
-    if not own.is_dir():
+    if rel is None or "/.." in rel or not own.is_dir():  # "/..": another cgroup namespace's
+        if not mount_is_own and proc_cgroup is not None:
+            raise CgroupNotVisible(f"cgroup {rel!r} of {proc_cgroup} is not under {root}")
         own = root
     levels: list[CgroupLevel] = []
     level = own
@@ -251,8 +261,13 @@ class HostCollector:
     ``reserve_bytes``: bytes to keep free for the OS and other services. ``budgets``: dict[tier,
     bytes] per offload tier: the operator's, which override what the engine reports
     (docs/collectors.md, "Memory budgets"). ``engine_pid``: the serving engine's process, whose
-    memory (its descendants' included) is read (:func:`engine_memory`); None: not read.
-    ``cgroup_root``/``proc_cgroup``: see ``read_cgroup_memory``.
+    memory (its descendants' included) is read (:func:`engine_memory`), and whose cgroup's
+    memory limit is the one read (the agent in a container of its own, a sidecar, has its own
+    limit, not the engine's): under the agent's cgroup mount when it is there, else under the
+    engine's own mount (``/proc/<pid>/root``, where a cgroup namespace of its own puts it at
+    the root), else none (logged once); None: the agent's own cgroup is read.
+    ``cgroup_root``/``proc_cgroup``: see ``read_cgroup_memory`` (``proc_cgroup``: by default
+    ``<proc_root>/self/cgroup``, or ``<proc_root>/<engine_pid>/cgroup``).
     ``virtual_memory``/``swap_memory``: psutil's functions, injectable for deterministic tests.
     Raises ValueError on a negative reserve or budget. A reserve at or above the memory limit
     (headroom can never be positive: every alert and verdict on it fires) is logged once.
@@ -264,7 +279,7 @@ class HostCollector:
                  swap_memory: Callable = psutil.swap_memory, reserve_bytes: int = 0,
                  budgets: Mapping[str, int] | None = None, engine_pid: int | None = None,
                  cgroup_root: Path | str = DEFAULT_CGROUP_ROOT,
-                 proc_cgroup: Path | str = DEFAULT_PROC_CGROUP) -> None:
+                 proc_cgroup: Path | str | None = None, proc_root: Path | str = "/proc") -> None:
         budgets = dict(budgets or {})
         if reserve_bytes < 0 or any(v < 0 for v in budgets.values()):
             raise ValueError("reserve_bytes and budgets must be >= 0 bytes")
@@ -274,13 +289,15 @@ class HostCollector:
         self._budgets = budgets
         self._engine_pid = engine_pid
         self._cgroup_root = Path(cgroup_root)
-        self._proc_cgroup = Path(proc_cgroup)
-        self._told_reserve = False
+        self._proc_root = Path(proc_root)
+        self._proc_cgroup = Path(proc_cgroup) if proc_cgroup is not None else \
+            self._proc_root / ("self" if engine_pid is None else str(engine_pid)) / "cgroup"
+        self._told_reserve = self._told_cgroup = False
 
     def collect(self) -> HostReading:
         vm = self._virtual_memory()
         swap = self._swap_memory()
-        cgroup = read_cgroup_memory(self._cgroup_root, self._proc_cgroup)
+        cgroup = self._cgroup()
         swap_in = getattr(swap, "sin", None)
         reading = host_reading(vm.total, vm.available, swap.used, self._reserve, self._budgets,
                                cgroup, None if swap_in is None else int(swap_in))
@@ -294,6 +311,32 @@ class HostCollector:
         if self._engine_pid is None:
             return reading
         return replace(reading, engine=engine_memory(self._engine_pid))
+
+    def _cgroup(self) -> CgroupMemory | None:
+        """The memory limit over the engine's cgroup when ``engine_pid`` names one, else over
+        the agent's (see the class)."""
+        if self._engine_pid is None:
+            return read_cgroup_memory(self._cgroup_root, self._proc_cgroup)
+        try:
+            return read_cgroup_memory(self._cgroup_root, self._proc_cgroup, mount_is_own=False)
+        except CgroupNotVisible:
+            pass
+        mount = self._proc_root / str(self._engine_pid) / "root" / \
+            self._cgroup_root.relative_to(self._cgroup_root.anchor)
+        try:
+            if mount.is_dir():
+                return read_cgroup_memory(mount, None)
+            why = "not there"
+        except OSError as exc:
+            why = str(exc)
+        if not self._told_cgroup:
+            self._told_cgroup = True
+            log.warning("host collector: the cgroup of engine process %d is neither under %s "
+                        "nor readable under %s (%s): its memory limit is not read, physical "
+                        "RAM is taken; share its cgroup namespace (docker --cgroupns=host) or "
+                        "give the agent ptrace access to it (logged once)", self._engine_pid,
+                        self._cgroup_root, mount, why)
+        return None
 
     def shutdown(self) -> None:
         """Nothing to release."""
