@@ -23,6 +23,7 @@ Run: ``$KVSCOPE_VLLM_PYTHON tests/vllm_manager_check.py OUT.json ROOT_DIR [--pyt
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import json
@@ -268,8 +269,9 @@ def admission_run() -> dict:
     """vLLM's CPUOffloadingManager (4 chunks of 1 block): what became of each store offered.
     R1 = k0, k1 stored (2). A store of k2 completes with success=False (1 failed). Then k3, k4
     are stored (2; the tier is full) and, with k0, k1 pinned by a load, a store of k5, k6, k7
-    needs 3 chunks where only k3, k4 can go: vLLM's manager answers None (3 skipped). The
-    tap's tick a second after the failed store sends the first delta; shutdown the rest."""
+    needs 3 chunks where only k3, k4 can go: vLLM's manager answers None (3 skipped); offered
+    again, then with k8, it answers None twice more (1 more skipped: k8). The tap's tick a
+    second after the failed store sends the first delta; shutdown the rest."""
     sent: list = []
     inner = CPUOffloadingManager(num_chunks=CPU_CHUNKS, enable_events=True)
     now = [time.time()]
@@ -291,6 +293,9 @@ def admission_run() -> dict:
         tap.complete_store(out.keys_to_store, ctx)
         tap.prepare_load([key(0), key(1)], ctx)  # pinned until complete_load
         skipped = tap.prepare_store([key(5), key(6), key(7)], ctx)
+        # vLLM's connector offers them again at each step until they fit, then with k8
+        tap.prepare_store([key(5), key(6), key(7)], ctx)
+        tap.prepare_store([key(5), key(6), key(7), key(8)], ctx)
         tap.complete_load([key(0), key(1)], ctx)
     tap.shutdown()
     return {"skipped_is_none": skipped is None, "events": events(sent), "errors": tap.errors}
@@ -327,6 +332,95 @@ def aborted_run() -> dict:
             "alive": {rid: ref() is not None for rid, ref in alive.items()}}
 
 
+def tiering_extra(root: str, kv_events: bool = True) -> dict:
+    """kvscope's spec over vLLM's TieringOffloadingSpec: a CPU tier of 4 chunks over an fs
+    tier in ``root``, with or without KV events."""
+    return {"kvscope_inner_spec": "TieringOffloadingSpec", "cpu_bytes_to_use": CPU_CHUNKS * PAGE,
+            "kvscope_endpoint": f"ipc://{root}/nowhere.sock",
+            "secondary_tiers": [{"type": "fs", "root_dir": f"{root}/fs",
+                                 "enable_kv_events": kv_events}]}
+
+
+def tiering(root: str, kv_events: bool = True):
+    """:func:`tiering_extra`'s spec, and its manager behind a tap: (spec, inner manager, tap,
+    the events it sent, a connector that waits for the fs tier's I/O between steps)."""
+    config = offloading_config(tiering_extra(root, kv_events),
+                               f"kvscope-check-{uuid.uuid4().hex}")
+    spec = KvscopeOffloadingSpec(dataclasses.replace(config, enable_kv_cache_events=kv_events))
+    inner = spec.inner.get_manager()
+    sent: list = []
+    tap = TapManager(inner, sent.append, tokens_per_block=TPB, blocks_per_chunk=1,
+                     bytes_per_block=PAGE, capacity_chunks=spec.inner.num_chunks,
+                     multi_tier=True)
+
+    def settle():
+        for tier in inner.secondary_tiers:
+            tier.drain_jobs()
+
+    return spec, inner, tap, sent, Connector(tap, settle)
+
+
+def tiering_reset_run(root: str) -> dict:
+    """A cache reset while a promotion is in flight: R1 = k0..k3 stored, then its decode
+    blocks k4..k7 evict them (each on disk first). R2 = k0 is being promoted from disk (its
+    lookup answered HIT_PENDING, the copy done) when the cache is reset: vLLM's reset finishes
+    the promotion, then clears the CPU tier, and the next take_events still says k0 stored."""
+    _, inner, tap, sent, conn = tiering(root)
+    try:
+        conn.add("r1", [key(i) for i in range(4)])
+        conn.step(schedule=["r1"])
+        conn.step(stores=[("r1", [key(i) for i in range(4, 8)])], finished=["r1"])
+        conn.add("r2", [key(0)])
+        ctx = conn.requests["r2"][0]
+        end = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
+        for _ in range(200):  # the fs tier's lookup answers at a later step
+            with conn._locked():
+                found = tap.lookup(key(0), ctx)
+                tap.on_schedule_end(end)  # submits the promotion's load to the fs tier
+                list(tap.take_events())
+            if found is LookupResult.HIT_PENDING:
+                break
+            time.sleep(0.01)
+        conn.settle()
+        with conn._locked():
+            tap.reset_cache()
+        if V033:
+            tap.on_reset_flushed()
+        with conn._locked():
+            list(tap.take_events())
+            tap.on_schedule_end(end)
+    finally:
+        tap.shutdown()
+    return {"found": str(found), "events": events(sent), "errors": tap.errors}
+
+
+def tiering_unseen_run(root: str) -> dict:
+    """Tiering without KV events (vLLM run without --kv-events-config): the tap never hears
+    of promotions nor of the evictions they cause. k0..k7 are stored one request each (the
+    CPU tier keeps 4, the rest on disk); then 4 times a request promotes two chunks from disk
+    and four more requests store a new chunk each."""
+    _, _, tap, sent, conn = tiering(root, kv_events=False)
+    n = 0
+
+    def request(keys):
+        nonlocal n
+        n += 1
+        conn.add(f"q{n}", keys)
+        conn.step(schedule=[f"q{n}"])
+        conn.step(finished=[f"q{n}"])
+
+    try:
+        for i in range(8):
+            request([key(i)])
+        for cycle in range(4):
+            request([key(2 * cycle), key(2 * cycle + 1)])
+            for i in range(4):
+                request([key(1000 + 4 * cycle + i)])
+    finally:
+        tap.shutdown()
+    return {"events": events(sent), "errors": tap.errors}
+
+
 def tiering_run(root: str) -> dict:
     """vLLM's TieringOffloadingSpec (CPU tier of 4 chunks over its fs tier, KV events on),
     built through kvscope's spec; the tap driven as vLLM's connector drives it:
@@ -342,23 +436,8 @@ def tiering_run(root: str) -> dict:
        holds promotions, so R3 = k2 finds nothing on 0.33 (on 0.32, which does not hold them,
        k2 comes back from disk); after it, R4 = k3 comes back from disk.
     """
-    extra = {"kvscope_inner_spec": "TieringOffloadingSpec", "cpu_bytes_to_use": CPU_CHUNKS * PAGE,
-             "kvscope_endpoint": f"ipc://{root}/nowhere.sock",
-             "secondary_tiers": [{"type": "fs", "root_dir": f"{root}/fs",
-                                  "enable_kv_events": True}]}
-    spec = KvscopeOffloadingSpec(offloading_config(extra, f"kvscope-check-{uuid.uuid4().hex}"))
+    spec, inner, tap, sent, conn = tiering(root)
     wired = spec.get_manager()  # the spec's own wrapper, to an agent nobody runs
-    inner = spec.inner.get_manager()
-    sent: list = []
-    tap = TapManager(inner, sent.append, tokens_per_block=TPB, blocks_per_chunk=1,
-                     bytes_per_block=PAGE, capacity_chunks=spec.inner.num_chunks,
-                     multi_tier=True)
-
-    def settle():
-        for tier in inner.secondary_tiers:
-            tier.drain_jobs()
-
-    conn = Connector(tap, settle)
     out: dict = {"num_chunks": spec.inner.num_chunks}
     try:
         if V033:
@@ -367,7 +446,8 @@ def tiering_run(root: str) -> dict:
                 out["lock_held_through_tap"] = inner.lock.locked()
             out["config_info"] = [dict(m) for m in wired.config_info()]
             out["inner_config_info"] = [dict(m) for m in inner.config_info()]
-            out["config_info_keys"] = list(KvscopeOffloadingSpec.config_info_keys(extra))
+            out["config_info_keys"] = list(
+                KvscopeOffloadingSpec.config_info_keys(tiering_extra(root)))
             out["inner_config_info_keys"] = list(
                 type(spec.inner).config_info_keys(spec.inner.extra_config))
         conn.add("r1", [key(i) for i in range(4)])
@@ -447,7 +527,9 @@ def main() -> None:
               "tap_module": Path(sys.modules[TapManager.__module__].__file__).name,
               "unforwarded": unforwarded(), "cpu": cpu_run(), "admission": admission_run(),
               "sampling": sampling_run(), "aborted": aborted_run(),
-              "tiering": tiering_run(root),
+              "tiering": tiering_run(f"{root}/tiering"),
+              "tiering_reset": tiering_reset_run(f"{root}/reset"),
+              "tiering_unseen": tiering_unseen_run(f"{root}/unseen"),
               "worker": worker_run(),
               "docs": docs_run(ROOT / "docs" / "vllm.md")}
     Path(out_path).write_text(json.dumps(result, default=str))

@@ -94,12 +94,14 @@ def test_cpu_manager_store_admission_outcomes(run):
     k2 completed with success=False; the tick a second later sends stored 2, failed 1. Then
     k3, k4 stored, and with k0, k1 pinned a store of k5, k6, k7 finds 2 evictable chunks for 3:
     vLLM answers None, the 3 keys skipped; shutdown sends stored 2, skipped 3. Blocks (1 per
-    chunk), cpu tier, every outcome named (0 when none)."""
+    chunk), cpu tier, every outcome named (0 when none). vLLM's connector offers a declined
+    store again at each step: k5..k7 offered twice and then with k8 are 4 keys skipped, not 10
+    (each offer counted whole, retries made skips grow with every step a tier stayed full)."""
     a = run["admission"]
     assert a["skipped_is_none"] and a["errors"] == 0
     got = [(e["tier"], e["stored"], e["skipped"], e["failed"])
            for e in of(a["events"], "Admission")]
-    assert got == [("cpu", 2, 0, 1), ("cpu", 2, 3, 0)], got
+    assert got == [("cpu", 2, 0, 1), ("cpu", 2, 4, 0)], got
 
 
 def test_requests_without_an_output_token_have_no_ttft(run):
@@ -202,6 +204,35 @@ def test_tiering_manager_cascades_promotions_evictions_and_reset(run):
         assert t["config_info"] == t["inner_config_info"] and t["config_info"][0]["tier"]
         assert t["config_info_keys"] == t["inner_config_info_keys"] and \
             "cpu_num_chunks" in t["config_info_keys"]
+
+
+def test_a_reset_while_a_promotion_is_in_flight_leaves_no_phantom_chunk(run):
+    """``tiering_reset_run``. By hand: R1's k0..k3 are copied to disk and evicted for its
+    decode blocks k4..k7 (4, capacity); k0's promotion evicts k4 (5); the reset finishes k0's
+    promotion and clears k5, k6, k7 and k0 (4 cleared, each on disk), and the tier ends empty.
+    vLLM's next take_events still says k0 stored: the tap took it for a new promotion and
+    reported 1 chunk resident for good (3 cleared). One disk->cpu copy, for R2."""
+    t = run["tiering_reset"]
+    assert t["found"] == "LookupResult.HIT_PENDING" and t["errors"] == 0
+    evicted: Counter = Counter()
+    for e in of(t["events"], "Eviction"):
+        evicted[e["reason"], e["offloaded"]] += e["blocks"]
+    assert evicted == {("capacity", True): 5, ("cleared", True): 4}, evicted
+    assert [(e["request_id"], e["blocks"]) for e in of(t["events"], "Transfer")
+            if e["src"] == "disk"] == [("r2", 1)]
+    assert of(t["events"], "TierSnapshot")[-1]["resident_blocks"] == 0
+
+
+def test_tiering_without_kv_events_never_reports_a_negative_residency(run):
+    """``tiering_unseen_run``: without KV events the tap hears of neither the promotions nor
+    the evictions they cause, so it counted those evictions off chunks it had never counted:
+    -1 resident after a few cycles, a snapshot the agent refuses (the cpu tier's gauges then
+    froze). Every snapshot is now within the tier (0 to 4 blocks) and the last is full (4),
+    as vLLM's tier ends."""
+    t = run["tiering_unseen"]
+    assert t["errors"] == 0
+    resident = [e["resident_blocks"] for e in of(t["events"], "TierSnapshot")]
+    assert all(0 <= r <= 4 for r in resident) and resident[-1] == 4, resident
 
 
 def test_the_command_lines_in_docs_vllm_md_are_taken_as_written(run):

@@ -15,13 +15,14 @@ cdef class _Observer:
     cdef dict _consulted, _awaiting_first, _hits, _last_hit, _unmeasured
     cdef dict _unmeasured_sent, _promoting
     cdef tuple _admissions_sent
-    cdef set _below
+    cdef set _below, _promoted_at_reset
     cdef list _held
 
     cdef _failed(self, where, exc)
     cdef _sampled_lookup(self, request, now, rid, tokens, blocks, hits, local, cached, tiers)
     cdef _dropped_blocks(self, n)
     cdef _forget_oldest(self)
+    cdef _declined(self, keys, req_context)
     cdef _finished(self, rid)
     cdef _evict(self, keys, tier, reason, now)
     cdef _release(self, stored_below)

@@ -40,8 +40,9 @@ What it reports (times are Unix seconds, sizes bytes; see :mod:`kvscope.events`)
   stores of the same step (the tiering manager processes a finished cascade, which unpins the
   chunk, right before it may evict it).
 - ``Admission`` of the CPU tier, in blocks: ``stored`` (chunks of store jobs vLLM completed
-  with success), ``failed`` (completed without), ``skipped`` (every key of a ``prepare_store``
-  the manager answered None: it could not make room). Plain int additions per call, sent as
+  with success), ``failed`` (completed without), ``skipped`` (the keys of a ``prepare_store``
+  the manager answered None: it could not make room; each once, though vLLM offers them again
+  at every step until they fit). Plain int additions per call, sent as
   deltas with the unmeasured evictions (at most once per ``UNMEASURED_EVERY``). Keys vLLM's
   manager declines by its store threshold are not seen here (vLLM counts them in
   ``vllm:kv_offload_stores_skipped``, which the vLLM metrics source maps).
@@ -140,6 +141,8 @@ class _Req(msgspec.Struct, gc=False):
     load_wait: float = 0.0
     first_token: float | None = None
     sources: Counter | None = None  # loaded chunks by tier (tiering only)
+    declined_from: object = None  # the first key of its last store the manager declined
+    declined: int = 0  # keys of that store counted as skipped
 
 
 class _Observer:
@@ -216,6 +219,9 @@ class _Observer:
         self._refresh_at = 0.0  # when an unchanged tier is reported again (see tick)
         # tiering only: keys a lower tier is promoting -> the request whose lookup started it
         self._promoting: dict[bytes, str] = {}
+        # tiering only: keys that were promoting at a reset, until the next take_events; vLLM's
+        # reset finishes their promotions, then clears the tier, but still sends them stored
+        self._promoted_at_reset: set[bytes] = set()
         # take_events ran since the step before: held (tiering) evictions wait for it
         self._took_events = True
 
@@ -274,12 +280,27 @@ class _Observer:
         output = self.inner.prepare_store(keys, req_context)
         try:
             if output is None:  # the manager could not make room: every key offered skipped
-                self._skipped += len(keys)
+                self._declined(keys, req_context)
             elif output.evicted_keys:
                 self._evict(output.evicted_keys, "cpu", "capacity", self._clock())
         except Exception as exc:
             self._failed("prepare_store", exc)
         return output
+
+    def _declined(self, keys, req_context) -> None:
+        """Count a store the manager declined as skipped, each key once: vLLM's connector
+        offers a request's keys again at every step, from the same first key, until they fit
+        (keys of it the tier holds already are counted too: the tap cannot tell them)."""
+        n = len(keys)
+        req = self._reqs.get(req_context.req_id)
+        if req is not None and n:
+            first = next(iter(keys))
+            if first == req.declined_from:  # offered again: only the keys past the last offer
+                n, req.declined = n - req.declined, max(n, req.declined)
+            else:
+                req.declined_from, req.declined = first, n
+        if n > 0:
+            self._skipped += n
 
     def complete_store(self, keys, req_context, success: bool = True):
         result = self.inner.complete_store(keys, req_context, success)
@@ -340,6 +361,8 @@ class _Observer:
             self._took_events = True
             if events or self._held:
                 self._manager_events(events)
+            if self._promoted_at_reset:
+                self._promoted_at_reset = set()
         except Exception as exc:
             self._failed("take_events", exc)
         return events
@@ -376,6 +399,8 @@ class _Observer:
         try:
             now, untracked = self._clock(), self._chunks - len(self._resident)
             self._evict(list(self._resident), "cpu", "cleared", now)
+            if self.multi_tier:
+                self._promoted_at_reset = set(self._promoting)
             if untracked > 0:
                 self._unmeasure("cleared", untracked)
             self._send_unmeasured(now)
@@ -543,16 +568,20 @@ class _Observer:
         n = len(keys)
         if not n:
             return
-        self._chunks -= n
         resident, hits, last = self._resident, self._hits, self._last_hit
         if self.multi_tier:  # every key tracked: one never seen stored counts as age 0
+            before = len(resident)
             stored = list(map(resident.pop, keys, itertools.repeat(now, n)))
+            # the keys it held alone were counted resident: not a promotion it never saw
+            # (without KV events) nor one forgotten already (_forget_oldest)
+            self._chunks -= before - len(resident)
             counts = lasts = ()
             if hits:
                 counts = list(map(hits.pop, keys, itertools.repeat(0, n)))
                 lasts = list(map(last.pop, keys, itertools.repeat(now, n)))
             self._held.append((keys, stored, counts, lasts, tier, reason, now))
             return
+        self._chunks -= n
         # the tracked ones (a sample), found in C without touching the others
         tracked = resident.keys() & keys
         m = len(tracked)
@@ -688,6 +717,11 @@ class _Observer:
                     for rid, chunks in by_request.items():
                         self._untimed("disk", "cpu", chunks, now,
                                       external_request_id(rid) if rid else "")
+                    # finished by a reset, which then cleared them: copied in, and gone
+                    reset = self._promoted_at_reset
+                    cleared = [k for k in new if k in reset] if reset else ()
+                    if cleared:
+                        self._evict(cleared, "cpu", "cleared", now)
             elif event.removed:
                 blocks = len(keys) * self._bpc
                 self._emit(ev.Eviction(ts=now, tier=tier, blocks=blocks,
