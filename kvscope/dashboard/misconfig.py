@@ -94,6 +94,10 @@ TITLES = {
 }
 
 
+# the detectors of one host's settings: its weight offload, budget, memory limit and swap
+PER_HOST = ("weight-offload", "budget-over-limit", "swap-in")
+
+
 def _finding(key: str, status: str, wrong: str, change: str = "") -> Finding:
     title, alert = TITLES[key]
     return Finding(key, title, status, wrong, change if status == MISCONFIGURED else "", alert)
@@ -105,13 +109,22 @@ def _missing(key: str, field: str, how: str) -> Finding:
 
 
 def detect(window: Sequence[Sample], settings: Settings = Settings(),
-           topology: Sequence[Topology] | None = None) -> tuple[Finding, ...]:
+           topology: Sequence[Topology] | None = None,
+           hosts: int = 1) -> tuple[Finding, ...]:
     """Every detector on ``window`` (the samples judged, oldest first) and ``topology`` (the
     node collectors' now, per instance: :func:`~kvscope.dashboard.topology_view.topologies`;
-    None when they could not be read), in :data:`TITLES` order."""
+    None when they could not be read), in :data:`TITLES` order. ``hosts``: the instances the
+    samples add up (a fleet view's); over more than one, the detectors of one host's settings
+    (:data:`PER_HOST`) are not judged: the fleet's samples mix one host's weights, budget,
+    limit and swap with another's."""
     s = settings
-    return (weight_offload(window), budget_over_limit(window, s), swap_in(window, s),
-            tier_negligible(window, s), promotion_slower(window, s),
+    if hosts > 1:
+        host = [_finding(key, NOT_MEASURED, f"not judged across {hosts} instances (their "
+                         "samples mix one host's settings with another's): pick an instance; "
+                         f"the alert {TITLES[key][1]} judges each") for key in PER_HOST]
+    else:
+        host = [weight_offload(window), budget_over_limit(window, s), swap_in(window, s)]
+    return (*host, tier_negligible(window, s), promotion_slower(window, s),
             stored_for_nothing(window, s), numa_remote(topology, s, engine_gpus(window)))
 
 

@@ -190,8 +190,12 @@ def test_a_fleet_shows_its_host_with_the_least_headroom_not_the_hosts_added_up(d
     view added the two hosts up (a tryout: "headroom 14.71 GiB" and "fits" while one host's
     alert fired); its host memory now is that agent's, every figure from it: its reserve and
     budget (its memory part kv_offload) as configured, its headroom below 0, and limit and
-    parts its own; the budget-over-limit check reads that host's budget, over its limit."""
+    parts its own; the budget-over-limit check reads that host's budget, over its limit. The
+    Overview judges it for that instance, and leaves it unjudged for the fleet, whose samples
+    add two hosts' settings up (pick an instance)."""
     import psutil
+
+    from kvscope.dashboard.pages import overview
 
     reserve, budget = psutil.virtual_memory().total, 4 << 30
     host = {"reserve_bytes": reserve, "budgets": {"cpu": budget}}
@@ -206,6 +210,7 @@ def test_a_fleet_shows_its_host_with_the_least_headroom_not_the_hosts_added_up(d
                 break
             assert time.monotonic() < deadline, fleet
             time.sleep(0.5)
+        found = {who: overview.refresh(backend, 300.0, who)[-2] for who in (None, tight)}
     assert fleet["host_memory_part_bytes"]["kv_offload"] == budget
     assert fleet["host_memory_headroom_bytes"] < 0
     for name in ("host_memory_limit_bytes", "host_memory_part_bytes"):
@@ -215,6 +220,9 @@ def test_a_fleet_shows_its_host_with_the_least_headroom_not_the_hosts_added_up(d
     finding = misconfig.budget_over_limit([fleet], misconfig.Settings())
     assert finding.status == misconfig.MISCONFIGURED, finding
     assert finding.wrong.startswith("cpu budget 4.00 GiB + reserve"), finding.wrong
+    assert "misconfig-budget-over-limit" in str(found[tight][0])  # its banner
+    assert "KV offload budget + reserve above the memory limit: not judged across 2 " \
+        "instances" in str(found[None])
 
 
 def test_a_selector_that_matches_no_agent_is_said(prometheus_url):

@@ -311,6 +311,22 @@ def test_the_engines_own_gpus_decide_on_a_host_with_gpus_on_both_nodes():
     assert found["numa-remote"].status == MISCONFIGURED
 
 
+def test_a_fleet_of_several_instances_leaves_the_per_host_detectors_unjudged():
+    """The fleet view (Prometheus, all instances) adds its hosts up: host A's 8 GiB of weights
+    per GPU and no KV tier beside host B's 48 GiB cpu budget read "ok" (the alert fired for
+    A). Over 2 instances the three detectors of one host's settings are not judged, and say
+    to pick an instance and which alert judges each host; over 1 they judge as before."""
+    w = window(scalars={"engine_weight_offload_bytes": 8 * GIB},
+               gauges={"offload_budget_bytes": {"cpu": 48 * GIB}})
+    assert status(M.detect(w), "weight-offload").status == OK
+    fleet = M.detect(w, hosts=2)
+    assert [f.key for f in fleet] == list(M.TITLES)
+    for key in M.PER_HOST:
+        f = status(fleet, key)
+        assert f.status == NOT_MEASURED and "not judged across 2 instances" in f.wrong
+        assert "pick an instance" in f.wrong and f.alert in f.wrong
+
+
 def test_detect_and_the_view():
     """Every detector answers once, in order; the view has a banner for each misconfiguration
     (what is wrong, what to change) and lists the rest by status, each with its id."""

@@ -110,8 +110,12 @@ def refresh(backend: Backend, window_seconds: float, instance: str | None = None
         topology = topologies(backend.node(TOPOLOGY_METRICS, instance))
     except BackendUnavailable:
         topology = None
+    try:  # a fleet's samples add its instances up (an agent lists none)
+        hosts = 1 if instance else max(1, len(backend.instances()))
+    except BackendUnavailable:
+        hosts = 1
     found = misconfig_section(detect_misconfig(last_window(samples, offload.window_seconds),
-                                               topology=topology))
+                                               topology=topology, hosts=hosts))
     return (*figs, advice, found, samples_status(backend, instance, samples) + unread)
 
 
