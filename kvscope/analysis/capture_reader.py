@@ -68,9 +68,11 @@ def capture_segments(path: str | Path, kind: str) -> list[Path]:
 
 
 def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
-          added: dict[str, object] | None = None) -> pa.Table:
+          added: dict[str, object] | None = None, writer: bool = False) -> pa.Table:
     """The ``columns`` of every segment, concatenated in order; ``added``: columns a segment
-    written before them lacks -> the value they read as there. A segment deleted meanwhile
+    written before them lacks -> the value they read as there; ``writer``: a last column,
+    ``writer``, holding each row's segment's writer ("" unknown: written before segments
+    named it). A segment deleted meanwhile
     (pruned by a running agent) is skipped. An unreadable one raises TraceError naming it,
     unless ``where`` is a directory with other readable segments: then it is skipped and a
     warning names it (one damaged copy should not cost the analysis of the rest)."""
@@ -83,6 +85,9 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
                     table = table.append_column(name, pa.array([default] * table.num_rows,
                                                                type=_ADDED_TYPES[name]))
             table = table.select(columns)
+            if writer:
+                table = table.append_column("writer", pa.array([_writer(p)] * table.num_rows,
+                                                               type=pa.string()))
         except FileNotFoundError:
             continue
         except (pa.ArrowInvalid, OSError, KeyError) as exc:
@@ -327,28 +332,30 @@ def _counted(path: str | Path, kind: str, values: list[str],
              added: dict[str, object] | None = None) -> dict[str, list] | None:
     """What the agent's cumulative counters in the ``kind`` segments of the capture at
     ``path`` (rows of ``ts``, a key, then ``values``) counted while it ran: per key, each of
-    ``values``. The counters run since the agent started, which a restart resets: per key, the
-    first row's values plus each later increase, a value lower than the one before counting
-    from 0 (as Prometheus' increase()). A null value was not counted: a key's total is None
-    where all of its rows were. ``added``: as :func:`_read`'s. None for a capture without
-    such segments."""
+    ``values``. The counters run since the agent started, from 0: per writer (an agent's run,
+    the segments' metadata) and key, the first row's values plus each later increase, a value
+    lower than the one before counting from 0 (as Prometheus' increase(): segments written
+    before they named their writer are one run). A null value was not counted: a key's total
+    is None where all of its rows were. ``added``: as :func:`_read`'s. None for a capture
+    without such segments."""
     path = Path(path)
     segments = capture_segments(path, kind)
     if not segments:
         return None
     columns = ["ts", SCHEMAS[kind].names[1], *values]
-    table = _read(segments, columns, kind, path, added)
-    rows = sorted(zip(*(table.column(c).to_pylist() for c in columns)), key=lambda row: row[0])
-    last: dict[str, tuple] = {}
+    table = _read(segments, columns, kind, path, added, writer=True)
+    rows = sorted(zip(*(table.column(c).to_pylist() for c in [*columns, "writer"])),
+                  key=lambda row: row[0])
+    last: dict[tuple[str, str], tuple] = {}  # (writer, key) -> its last row's values
     out: dict[str, list] = {}
-    for _ts, key, *counts in rows:
-        before = last.get(key, (None,) * len(counts))
+    for _ts, key, *counts, writer in rows:
+        before = last.get((writer, key), (None,) * len(counts))
         total = out.setdefault(key, [None] * len(counts))
         for i, value in enumerate(counts):
             if value is not None:
                 prior = before[i] or 0
                 total[i] = (total[i] or 0) + (value - prior if value >= prior else value)
-        last[key] = tuple(counts)
+        last[writer, key] = tuple(counts)
     return out
 
 
