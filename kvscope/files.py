@@ -23,12 +23,12 @@ def write_atomic(path: str | Path, text: str) -> None:
     except OSError as exc:
         raise _naming(exc, path) from None
     try:
-        try:
-            mode = path.stat().st_mode & 0o7777
-        except FileNotFoundError:
-            mode = _new_file_mode()
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:  # closed whatever fails
+            try:
+                mode = path.stat().st_mode & 0o7777
+            except FileNotFoundError:
+                mode = _new_file_mode()
+            os.fchmod(fd, mode)
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())

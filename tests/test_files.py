@@ -54,6 +54,22 @@ def test_a_rewritten_file_keeps_its_mode(tmp_path):
     assert stat.S_IMODE(target.stat().st_mode) == 0o640 and target.read_text() == "new"
 
 
+def test_a_failed_write_closes_what_it_opened(tmp_path, monkeypatch):
+    """A file system that refuses the mode (fault injected: fchmod fails) left the temporary
+    file's descriptor open at every try (the ingest source saves its state every interval):
+    5 failed writes held 5 more. Each fails naming the file, and nothing stays open or on disk."""
+    def refuse(_fd, _mode):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchmod", refuse)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(PermissionError, match="state.json"):
+            write_atomic(tmp_path / "state.json", "{}")
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_held_directory_is_refused_to_a_second_holder_until_released(tmp_path):
     """One holder at a time, in this process too (flock of the directory: no file is left in
     it); closing the descriptor frees it."""

@@ -180,26 +180,32 @@ class Agent(Worker):
         self.ready = False
         super().shutdown()
         sinks = (self.capture, self.store)
-        for _name, part in reversed(self._components()):  # the sources first, ...
+        # each step guarded: the sinks must close whatever fails before them (an unclosed
+        # capture segment is lost at the next start)
+        for name, part in reversed(self._components()):  # the sources first, ...
             if part not in sinks:
-                part.shutdown()
-        self.pipeline.publish_settled(everything=True)  # ... so what they sent last is stored
-        # and a last sample: the capture's totals count every transfer, not those to the last
-        # once-a-second sample (a capture stopped after 7 s read 23% low)
-        self.sample()
-        for sink in sinks:
+                self._guarded(f"stopping {name}", part.shutdown)
+        # ... so what they sent last is stored, and a last sample: the capture's totals count
+        # every transfer, not those to the last once-a-second sample (a capture stopped after
+        # 7 s read 23% low)
+        self._guarded("publishing the last requests",
+                      lambda: self.pipeline.publish_settled(everything=True))
+        self._guarded("recording the last sample", self.sample)
+        for sink in (*sinks, self.otlp):
             if sink is not None:
-                sink.shutdown()
-        if self.otlp is not None:
-            self.otlp.shutdown()
-        self.collectors.shutdown()
+                self._guarded(f"closing {type(sink).__name__}", sink.shutdown)
+        self._guarded("stopping the collectors", self.collectors.shutdown)
+
+    def _guarded(self, what: str, step: Callable[[], object]) -> None:
+        """Run ``step``; an exception is logged as a bug (``what`` was being done), not raised."""
+        try:
+            step()
+        except Exception:  # noqa: BLE001 (logged; the rest goes on)
+            self.log_bug(what)
 
     def run(self) -> None:
         while not self.stopping.wait(self.sample_interval):
-            try:
-                self.sample()
-            except Exception:  # noqa: BLE001 (logged; one sample lost, not every later one)
-                self.log_bug("recording a sample")
+            self._guarded("recording a sample", self.sample)  # one lost, not every later one
 
     def sample(self) -> None:
         """Record one dashboard sample now, with the host and GPU readings that are up."""

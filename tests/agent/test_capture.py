@@ -595,6 +595,48 @@ def test_the_agents_samples_give_the_capture_its_transfer_totals(tmp_path, sampl
     assert not list((tmp_path / "cap").glob("requests-*.parquet"))
 
 
+def test_agents_restarted_into_one_capture_add_their_runs_up(tmp_path):
+    """Two agent runs into one capture directory: run 1 moves 100 bytes (cpu->gpu) and counts
+    200 gpu tokens, run 2 150 bytes and 300 tokens. Each run's counters start at 0, and run 2's
+    first row was above run 1's last, so no drop told of the restart: the totals read 150
+    bytes and 300 tokens, run 1's lost. By hand: 250 bytes, 500 tokens."""
+    from kvscope.analysis.capture_reader import read_token_totals, read_transfer_totals
+
+    for nbytes, tokens in ((100, 200), (150, 300)):
+        agent = Agent(AgentSettings(capture_dir=tmp_path / "cap", collectors=NO_COLLECTORS),
+                      with_ingest=False)
+        agent.start()
+        try:
+            agent.pipeline.ingest("engine", [
+                ev.Transfer(ts=T0, src="cpu", dst="gpu", blocks=1, bytes=nbytes, duration=0.001),
+                ev.Lookup(ts=T0, request_id="", tokens={"gpu": tokens}, blocks=0)])
+        finally:
+            agent.shutdown()
+    assert read_transfer_totals(tmp_path / "cap")["cpu->gpu"][:2] == (250, 2)
+    assert read_token_totals(tmp_path / "cap")["gpu"] == 500
+
+
+def test_a_failing_last_sample_still_closes_the_capture(tmp_path, monkeypatch):
+    """A bug in the last sample (fault injected: recording a sample raises) made the agent's
+    shutdown raise before it closed its sinks: the open segments stayed unfinished, and the
+    next agent there deletes them, up to a minute of rows. They are finished now, and the
+    bug is logged."""
+    agent = Agent(AgentSettings(capture_dir=tmp_path / "cap", collectors=NO_COLLECTORS),
+                  with_ingest=False)
+    agent.start()
+    agent.pipeline.ingest("engine", [ev.RequestStarted(ts=T0, request_id="r", prompt_tokens=4),
+                                     ev.RequestFinished(ts=T0 + 1, request_id="r", ttft=0.5,
+                                                        prompt_tokens=4)])
+
+    def bug(*_args, **_kwargs):
+        raise RuntimeError("a sample bug")
+
+    monkeypatch.setattr(agent.pipeline, "record_sample", bug)
+    agent.shutdown()
+    assert not list((tmp_path / "cap").glob(f"*{TMP_SUFFIX}"))
+    assert list(read_request_sample(tmp_path / "cap").ttft) == [0.5]
+
+
 def test_the_agents_samples_give_the_capture_its_token_totals(tmp_path):
     """vLLM in zero-code mode tells the agent its prompt tokens by source as counters, one
     aggregate Lookup per scrape, with no request id: no request row holds them. Two scrapes,
