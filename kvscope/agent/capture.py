@@ -69,6 +69,10 @@ SUFFIX = ".parquet"
 WRITER_KEY = "kvscope.writer"  # segment metadata: the writer that made it (CaptureWriter)
 TMP_SUFFIX = ".parquet.tmp"
 KINDS = ("blocks", "requests", "totals", "tokens", "tiers")
+# the kinds whose rows are the agent's state when written, all of it at each change (the
+# counters since it started, the tiers' capacities): the newest segment of each is kept
+# whatever the size cap, or a long run's capacities, written once, were the first pruned
+STATE_KINDS = ("totals", "tokens", "tiers")
 _U64 = (1 << 64) - 1
 _I32 = (1 << 31) - 1
 
@@ -542,7 +546,8 @@ class CaptureWriter(Worker):
         except OSError as exc:
             log.warning("kvscope capture: could not fsync %s after writing %s: %s",
                         self.directory, final.name, exc)
-        prune(self.segments(), self.max_bytes, keep=final)
+        newest = [segments[-1] for kind in STATE_KINDS if (segments := self.segments(kind))]
+        prune(self.segments(), self.max_bytes, keep=(final, *newest))
         return rows
 
     def _remove_orphans(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -85,11 +85,11 @@ class OutageLog:
             log.warning(self._stopped, self._directory, self._lost() - self._lost_before)
 
 
-def prune(segments: Iterable[Path], max_bytes: int, *, keep: Path | None = None,
+def prune(segments: Iterable[Path], max_bytes: int, *, keep: Collection[Path] = (),
           older_than: float | None = None, label: str | None = None) -> None:
     """Delete the oldest ``segments`` (given oldest first) while all of them total more than
     ``max_bytes`` (bytes, by their size now), and every one last modified (mtime, Unix seconds)
-    before ``older_than`` when given; never ``keep`` (the segment being written).
+    before ``older_than`` when given; never one of ``keep`` (the segment being written, ...).
 
     Raises nothing for a segment deleted meanwhile (it is no longer counted) or one that
     cannot be deleted (permissions; a directory by that name): that one still counts in the
@@ -107,7 +107,7 @@ def prune(segments: Iterable[Path], max_bytes: int, *, keep: Path | None = None,
     total = sum(stat.st_size for _, stat in sized)
     for path, stat in sized:
         expired = older_than is not None and stat.st_mtime < older_than
-        if path == keep or not (total > max_bytes or expired):
+        if path in keep or not (total > max_bytes or expired):
             continue
         try:
             path.unlink(missing_ok=True)

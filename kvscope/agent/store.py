@@ -420,5 +420,5 @@ class RequestStore(Worker):
     def _prune(self) -> None:
         """Delete the oldest segments beyond ``max_bytes`` in all, and those last written
         more than ``max_age`` ago (every record in them is older); never the one being written."""
-        prune(self.segments(), self._max_bytes, keep=self._path,
+        prune(self.segments(), self._max_bytes, keep=(self._path,),
               older_than=self._clock() - self._max_age, label="kvscope store")

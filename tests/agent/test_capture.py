@@ -288,6 +288,31 @@ def test_segments_rotate_are_whole_and_are_pruned_to_the_byte_bound(tmp_path):
     assert len(trace) == 200 * len(segments) and trace.block_ids[-1] == 399 * 1000 + 7
 
 
+def test_the_size_cap_keeps_the_newest_state_of_a_long_run(tmp_path):
+    """The tiers' capacities (gpu 64 blocks, cpu 256) and the transfer totals are written at
+    the start and never change; 400 lookups then fill the capture past its 40,000-byte cap.
+    The size cap deleted the oldest segments of every kind, those first: analyze lost the GPU
+    tier's size. The newest segment of each such kind stays, and reads back."""
+    from kvscope.analysis.capture_reader import read_tier_capacities, read_transfer_totals
+
+    now = [T0]
+    writer = CaptureWriter(tmp_path, max_bytes=40_000, segment_rows=200, clock=lambda: now[0])
+    writer.add_sample({"ts": T0, "transfer_bytes": {"gpu->cpu": 4096},
+                       "transfer_blocks": {"gpu->cpu": 1}, "transfer_seconds_sum": {},
+                       "tier_capacity_bytes": {"gpu": 64 * 4096, "cpu": 256 * 4096},
+                       "tier_capacity_blocks": {"gpu": 64, "cpu": 256}})
+    writer.flush()
+    for i in range(400):
+        now[0] += 1.0
+        writer.add_lookup("engine", _lookup(i))
+        if i % 5 == 4:
+            writer.flush()
+    writer.close()
+    assert len(writer.segments("blocks")) < 16  # the cap deleted some
+    assert read_tier_capacities(tmp_path) == {"gpu": (64 * 4096, 64), "cpu": (256 * 4096, 256)}
+    assert read_transfer_totals(tmp_path)["gpu->cpu"][:2] == (4096, 1)
+
+
 def test_missing_segments_counts_those_the_size_cap_deleted(tmp_path):
     """3,200 rows at 200 a segment: a writer numbers 16 segments, 1 to 16. Under no cap all
     16 stay: none missing. Under a 40,000-byte cap it keeps the newest k and 16 - k are gone.

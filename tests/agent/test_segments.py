@@ -34,7 +34,7 @@ def test_the_kept_segment_stays_and_newer_ones_go_in_its_place(tmp_path):
     (500) stay."""
     a, b, c, d = (_segment(tmp_path, f"{n}.seg", size)
                   for n, size in zip("abcd", (100, 200, 300, 400)))
-    prune([a, b, c, d], 500, keep=a)
+    prune([a, b, c, d], 500, keep=(a,))
     assert _names(tmp_path) == ["a.seg", "d.seg"]
 
 
@@ -44,7 +44,7 @@ def test_segments_last_written_before_the_cutoff_go_but_not_the_kept_one(tmp_pat
     the cutoff t=3000: a goes, and c, written exactly at the cutoff, is not older and stays."""
     a, b, c, d = (_segment(tmp_path, f"{n}.seg", 10, mtime=t)
                   for n, t in zip("abcd", (1000, 2000, 3000, 4000)))
-    prune([a, b, c, d], 1000, keep=a, older_than=2500.0)
+    prune([a, b, c, d], 1000, keep=(a,), older_than=2500.0)
     assert _names(tmp_path) == ["a.seg", "c.seg", "d.seg"]
     prune([a, c, d], 1000, older_than=3000.0)
     assert _names(tmp_path) == ["c.seg", "d.seg"]
