@@ -577,7 +577,10 @@ def _request_sample(table: pa.Table, name: str,
     # records of no tap (spans alone: no tokens by source, no transfer), whatever tiers the
     # agent reported (vLLM's /metrics report its GPU's): transfers not measured, not none
     spans_alone = not len(flat) and not any(tokens.values())
-    prefill = float(np.nansum(col["prefill"]))
+    # a request has prompt tokens: a row with none by source did not measure them (written as
+    # 0), so its prefill seconds price none of the tokens counted
+    by_source = sum(col[f"tokens_{s}"] for s in ev.TOKEN_SOURCES) > 0
+    prefill = float(np.nansum(col["prefill"][by_source] if by_source.any() else col["prefill"]))
     if not any(tokens.values()) and counted and any(counted.values()):
         tokens = {s: counted.get(s, 0) for s in ev.TOKEN_SOURCES}
         recorded = int(col["prompt_tokens"].sum())

@@ -19,6 +19,8 @@ from conftest import tmpfs
 from kvscope import events as ev
 from kvscope.agent.capture import TMP_SUFFIX, CaptureWriter, missing_segments
 from kvscope.agent.config import AgentSettings, ConfigError
+from kvscope.agent.record_data import RecordData
+from kvscope.agent.requests import RequestRecord
 from kvscope.analysis.analyze import AnalyzeOptions, analyze
 from kvscope.analysis.capture_reader import read_block_trace, read_request_sample
 from kvscope.analysis.inputs import from_requests, load_trace
@@ -108,6 +110,21 @@ def test_requests_round_trip(captured):
     assert sample.transfer_seconds["cpu->gpu"] == pytest.approx(
         promoted * engine.block_bytes / PRESET.h2d_bytes_per_second)
     assert sample.promotion_wait.sum() == pytest.approx(sample.transfer_seconds["cpu->gpu"])
+
+
+def test_a_request_without_tokens_by_source_prices_none_of_them(tmp_path):
+    """Two requests of 1,000 prompt tokens, each 1 s of prefill: the tap's, all recomputed,
+    and one seen through vLLM's span alone (no tokens by source, written as 0). The span's
+    second of prefill was priced against the tap's tokens: 500 tokens/s. By hand: 1,000
+    tokens recomputed in the 1 s of the request that measured them."""
+    writer = CaptureWriter(tmp_path)
+    for rid, tokens in (("tap", {"recompute": 1000}), ("span", {})):
+        writer.add_request(RequestRecord.from_data(RecordData(
+            request_id=rid, trace_id="", source="vllm", arrival=T0, prompt_tokens=1000,
+            tokens=tokens, ttft=1.0, prefill=1.0, finished=T0 + 2)))
+    writer.close()
+    sample = read_request_sample(tmp_path)
+    assert sample.tokens["recompute"] == 1000 and sample.prefill_seconds == 1.0
 
 
 def test_analyze_on_a_capture_equals_analyze_on_the_same_sequence(captured):
