@@ -17,6 +17,8 @@ Admission (who may be offloaded or spilled): a block must have been accessed at 
 ``store_threshold`` times (as vLLM's offloading ``store_threshold``) and have a priority of at
 least ``min_priority`` (as TensorRT-LLM's ``secondary_offload_min_priority``; priorities run
 0-100, default :data:`DEFAULT_PRIORITY` = 35 as TensorRT-LLM's ``KvCacheRetentionConfig``).
+Both are remembered for the latest :data:`REMEMBERED_PER_BLOCK` blocks per block the tiers hold
+(at least :data:`MIN_REMEMBERED`), so a long run's memory stays bounded.
 
 With ``payload=False`` the engine is the simulator: the same code makes the same decisions with
 no bytes, and transfer times come from the preset's cost model. TTFT = queueing + lookup (the
@@ -31,6 +33,7 @@ and after the last copy in none of the parts.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import time
 from collections import deque
@@ -50,6 +53,11 @@ _DIRECTION = {SPILL: "cpu->disk", OFFLOAD: "gpu->cpu", STAGE: "disk->cpu", PROMO
 # a store into a lower tier (offload, spill) -> its index in _report_admissions: cpu, disk
 _STORES = {("gpu", "cpu"): 0, ("cpu", "disk"): 1}
 MEMORY_REFRESH = 10.0  # seconds between the host KV budget's reports (an agent may restart)
+# blocks whose access count and priority the admission checks keep, per block the tiers hold
+# (at least MIN_REMEMBERED): beyond it the first remembered are forgotten, so a long run's
+# memory stays bounded (a block forgotten counts from 0 again, priority the default)
+REMEMBERED_PER_BLOCK = 4
+MIN_REMEMBERED = 1 << 16
 _GPU, _CPU, _DISK, _RECOMPUTE = 0, 1, 2, 3
 _SOURCE_NAMES = TOKEN_SOURCES  # by the indices above
 
@@ -142,6 +150,8 @@ class OffloadEngine:
         self.stats = EngineStats()
         self._seen: dict[int, int] = {}
         self._priority: dict[int, int] = {}
+        self._remembered = max(MIN_REMEMBERED,
+                               REMEMBERED_PER_BLOCK * (gpu_blocks + cpu_blocks + disk_blocks))
         self._copier = None
         pools = {"gpu": None, "cpu": None, "disk": None}
         if payload:
@@ -232,8 +242,9 @@ class OffloadEngine:
         track_seen = self.store_threshold > 1
         seen = self._seen
         priorities = request.block_priorities
-        if priorities:
+        if priorities and self.min_priority > 0:  # read only then
             self._priority.update(zip(request.block_hashes, priorities))
+            _forget_first(self._priority, self._remembered)
         hits = [0, 0, 0]
         sources: list[int] = []
         append = sources.append
@@ -280,6 +291,8 @@ class OffloadEngine:
                     batch.prefill(gpu, slot, prefill_value(h))
             append(source)
         self.stats.evictions["gpu"] += dropped
+        if track_seen:
+            _forget_first(seen, self._remembered)
         lookup = time.perf_counter() - t0 if self.payload else 0.0
         if batch is not None:
             batch.flush()
@@ -613,3 +626,12 @@ class OffloadEngine:
         finally:
             if self.disk.pool is not None:
                 self.disk.pool.close()
+
+
+def _forget_first(remembered: dict, limit: int) -> None:
+    """Drop the entries of ``remembered`` first put in while it holds more than ``limit``
+    (dicts keep insertion order)."""
+    over = len(remembered) - limit
+    if over > 0:
+        for key in list(itertools.islice(remembered, over)):
+            del remembered[key]
