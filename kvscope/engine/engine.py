@@ -191,7 +191,8 @@ class OffloadEngine:
         self._moved = [0, 0, 0, 0]  # blocks per phase SPILL, OFFLOAD, STAGE, PROMOTE
         self._batch: CopyBatcher | None = None
         self._evictions: list[ev.Eviction] = []
-        self._failed: set[int] = set()
+        self._failed: set[int] = set()  # blocks whose disk read failed (this request)
+        self._cpu_credited: set[int] = set()  # cpu hits read from disk after all (this request)
         # blocks the admission policy declined, cpu and disk, not yet reported (an Admission
         # event per tier at the next finished request, with that request's stored and failed)
         self._skipped = [0, 0]
@@ -232,7 +233,7 @@ class OffloadEngine:
         if self._copier is not None or emit is not None:
             batch = CopyBatcher(self._copier, self._on_failure, self._clock)
         self._batch = batch
-        self._failed = set()
+        self._failed, self._cpu_credited = set(), set()
         gpu, cpu, disk = self.gpu, self.cpu, self.disk
         gpu_get, cpu_get, disk_get = gpu.get, cpu.get, disk.get
         gpu_hit, gpu_make_room, gpu_add = gpu.policy.hit, gpu.policy.make_room, gpu.policy.add
@@ -260,10 +261,9 @@ class OffloadEngine:
                 hits[0] += 1
                 append(_GPU if in_prefix else _RECOMPUTE)
                 continue
-            if cpu_get(h) is not None:
-                hits[1] += 1
-            elif disk_get(h) is not None:
-                hits[2] += 1
+            credited = 1 if cpu_get(h) is not None else 2 if disk_get(h) is not None else 0
+            if credited:
+                hits[credited] += 1
             victim = gpu_make_room(h)  # Tier.insert, inlined for the simulator's speed
             if victim is None:
                 slot = gpu_free.pop() if gpu_free else gpu.new_slot()
@@ -285,6 +285,8 @@ class OffloadEngine:
                     source = _CPU
                 elif disk_get(h) is not None:
                     source = self._stage(h, slot, now)
+                    if source == _DISK and credited == 1:  # pushed off cpu making room
+                        self._cpu_credited.add(h)
             if source == _RECOMPUTE:
                 in_prefix = False
                 if batch is not None:
@@ -415,7 +417,8 @@ class OffloadEngine:
             for i, h in enumerate(request.block_hashes):
                 if sources[i] == _DISK and h in failed:
                     sources[i] = _RECOMPUTE
-                    hits[2] -= 1  # served nothing: counted as a miss
+                    # served nothing: a miss of the tier its hit was counted to
+                    hits[1 if h in self._cpu_credited else 2] -= 1
         tokens = [0, 0, 0, 0]
         bt, left, ok = self.block_tokens, request.prompt_tokens, True
         for source in sources:

@@ -237,6 +237,9 @@ class CopyBatcher:
         self._on_failure = on_failure
         self._clock = clock
         self._pending: dict[tuple[int, str, str], _Pending] = {}
+        # cpu slots whose STAGE failed in a flush while copies were still being planned: a
+        # promotion from one planned after it is a prefill (its bytes are not the block's)
+        self._unread: set[int] = set()
         self._touched: dict[tuple[str, int], list[tuple[int, bool]]] = defaultdict(list)
         self.results: list[CopyResult] = []
 
@@ -258,6 +261,11 @@ class CopyBatcher:
         if any(p >= phase and (write or w)
                for key, write in accesses for p, w in self._touched.get(key, ())):
             self.flush()
+        if self._unread and src is not None:
+            if phase == PROMOTE and src.name == "cpu" and src_slot in self._unread:
+                phase, src, src_slot, block_hash = PREFILL, None, -1, 0  # its STAGE failed
+            elif dst.name == "cpu":  # the slot takes new bytes
+                self._unread.discard(dst_slot)
         for key, write in accesses:
             self._touched[key].append((phase, write))
         pending = self._pending.get((phase, src.name if src else "", dst.name))
@@ -326,6 +334,7 @@ class CopyBatcher:
             failure = Failure(p.src.name, p.dst.name, p.hashes[i], p.src_slots[i], p.dst_slots[i],
                               reason)
             if phase == STAGE:
+                self._unread.add(failure.dst_slot)
                 self._recompute_instead(failure.dst_slot, p.values[i])
             self._on_failure(failure)
         for reason, n in failed.items():
@@ -340,6 +349,8 @@ class CopyBatcher:
             return
         keep = [i for i, s in enumerate(promote.src_slots) if s != cpu_slot]
         moved = [promote.dst_slots[i] for i, s in enumerate(promote.src_slots) if s == cpu_slot]
+        if not moved:  # none pending from it (yet: see copy())
+            return
         for name in ("src_slots", "dst_slots", "hashes", "values"):
             column = getattr(promote, name)
             setattr(promote, name, [column[i] for i in keep])

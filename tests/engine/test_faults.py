@@ -88,6 +88,53 @@ def test_a_bad_chunk_is_a_miss_that_is_recomputed(tmp_path, damage, reason):
     engine.close()
 
 
+def _damage_every_chunk(directory):
+    for path in Path(directory).glob("chunk-*.kv"):
+        os.truncate(path, 100)
+
+
+@pytest.mark.parametrize("sizes, before, damaged", [
+    ((1, 2, 2), [(D, A), (C, A)], (C, D, A)),
+    ((1, 2, 3), [(C, A), (C, D), (A, D)], (C, A)),
+], ids=["no-promotion-pending", "promotion-planned-after"])
+def test_a_read_that_fails_while_copies_are_planned_never_reaches_the_gpu(
+        tmp_path, sizes, before, damaged):
+    """Every chunk cut short, then a request whose disk reads fail in a flush that planning a
+    later copy runs (a gpu slot written twice in one request). With no promotion pending yet
+    the engine raised IndexError (an empty recompute entry, the demo's replay thread killed);
+    with the promotion planned after the failure, it copied the failed read's cpu slot (A's
+    bytes mixed with D's old ones) to the gpu, then served it as a gpu hit. The failed reads
+    are counted, every tier holds exactly its prefill's bytes, and the engine goes on."""
+    engine = OffloadEngine(TINY, *sizes[:2], sizes[2], disk_dir=tmp_path)
+    for i, hashes in enumerate(before):
+        engine.process(_req(f"r{i}", *hashes))
+    _damage_every_chunk(tmp_path)
+    outcome = engine.process(_req("damaged", *damaged))
+    assert outcome.failed_blocks > 0 and engine.stats.errors.get("truncated")
+    _resident_bytes_ok(engine)
+    engine.process(_req("after", A))
+    _resident_bytes_ok(engine)
+    engine.close()
+
+
+def test_a_cpu_hit_read_from_disk_after_all_is_taken_back_from_the_cpu(tmp_path):
+    """gpu 1, cpu 1, disk 2: A is on the cpu and the disk tiers when a request for it comes;
+    making room on the gpu pushes A off the cpu tier, so it is read from disk, and that read
+    fails (its chunk cut short). Its hit was counted to the cpu and taken back from the disk:
+    cpu 1, disk -1, a Lookup the agent refuses. By hand: no hit at all, one block recomputed."""
+    events = []
+    engine = OffloadEngine(TINY, 1, 1, 2, disk_dir=tmp_path, emit=events.append)
+    for i, h in enumerate([A, B, C, A, D]):
+        engine.process(_req(f"r{i}", h))
+    assert engine.cpu.order() == [A] and A in engine.disk
+    os.truncate(engine.disk.pool.path(engine.disk.get(A).slot), 100)
+    outcome = engine.process(_req("r5", A))
+    assert outcome.block_hits == {"gpu": 0, "cpu": 0, "disk": 0}
+    assert outcome.tokens["recompute"] == 16
+    ev.validate([e for e in events if isinstance(e, ev.Lookup)][-1])  # raises if refused
+    engine.close()
+
+
 def _mount_tmpfs(directory, size):
     """A real, tiny tmpfs (needs root with CAP_SYS_ADMIN); False when mounting is refused."""
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
