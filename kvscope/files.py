@@ -40,6 +40,19 @@ def write_atomic(path: str | Path, text: str) -> None:
         raise
 
 
+def check_writable(directory: Path) -> None:
+    """Make ``directory`` (and its parents) if missing, then create and delete a file in it.
+    Raises OSError where no file can be written there (a read-only mount or directory, a file
+    in the way, a filesystem that takes no files): a writer refuses to start rather than run
+    and drop everything it is given. One rule for every writer of files (the store refused
+    such a directory, the capture started and dropped every row, the reference engine's disk
+    tier failed every chunk)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".kvscope-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+
+
 def _new_file_mode() -> int:
     """0o666 less the process's umask. Read from /proc (Linux 4.7+): setting the umask to
     learn it would race other threads' file creation."""

@@ -59,9 +59,9 @@ from kvscope import events as ev
 from kvscope import samples as sf
 from kvscope.agent.record_data import RecordData
 from kvscope.agent.requests import RequestRecord
-from kvscope.agent.segments import OutageLog, check_writable, prune
+from kvscope.agent.segments import OutageLog, prune
 from kvscope.agent.worker import Worker
-from kvscope.files import hold_directory
+from kvscope.files import check_writable, hold_directory
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +391,7 @@ class CaptureWriter(Worker):
     def prepare(self) -> None:
         """Make the directory if missing, take it (:func:`~kvscope.files.hold_directory`, until
         the writer stops) and remove orphaned ``.tmp`` segments; raises OSError where no file
-        can be written there (see :func:`~kvscope.agent.segments.check_writable`: a capture
+        can be written there (see :func:`~kvscope.files.check_writable`: a capture
         that would drop every row does not start) or another writer has it (two demos into
         one directory wrote one capture of both, every request twice)."""
         check_writable(self.directory)

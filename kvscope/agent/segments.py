@@ -1,6 +1,6 @@
-"""What the store and the capture do alike with their segment files: refuse to start in a
-directory they cannot write, log a failing disk once (and once more when it writes again) and
-delete the oldest segments beyond their bounds.
+"""What the store and the capture do alike with their segment files: log a failing disk once
+(and once more when it writes again) and delete the oldest segments beyond their bounds (they
+refuse a directory they cannot write with :func:`kvscope.files.check_writable`).
 
 The file formats, names, locking and crash safety stay with each writer
 (:mod:`kvscope.agent.store`, :mod:`kvscope.agent.capture`).
@@ -9,24 +9,10 @@ The file formats, names, locking and crash safety stay with each writer
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-
-
-def check_writable(directory: Path) -> None:
-    """Make ``directory`` (and its parents) if missing, then create and delete a file in it.
-    Raises OSError where no file can be written there (a read-only mount or directory, a file
-    in the way, a filesystem that takes no files): a writer refuses to start rather than run
-    and drop everything it is given. One rule for every sink that writes files (the store
-    refused such a directory, the capture started and dropped every row)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, probe = tempfile.mkstemp(prefix=".kvscope-probe-", dir=directory)
-    os.close(fd)
-    os.unlink(probe)
 
 
 class OutageLog:

@@ -36,8 +36,9 @@ import msgspec
 
 from kvscope.agent.record_data import RecordData
 from kvscope.agent.requests import FUTURE, MAX_TRANSFERS, RequestRecord
-from kvscope.agent.segments import OutageLog, check_writable, prune
+from kvscope.agent.segments import OutageLog, prune
 from kvscope.events import MAX_SECONDS
+from kvscope.files import check_writable
 from kvscope.agent.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ class RequestStore(Worker):
         or the process exits. Raises OSError (EBUSY) when another store, e.g. another agent's,
         has it: two writers would delete each other's segments and restore each other's
         records; other OSErrors where no file can be written there (see
-        :func:`~kvscope.agent.segments.check_writable`)."""
+        :func:`~kvscope.files.check_writable`)."""
         if self._owner is not None:
             return
         check_writable(self.directory)

@@ -31,7 +31,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvscope.files import hold_directory
+from kvscope.files import check_writable, hold_directory
 
 HEADER = struct.Struct("<4sHHQQI4x")
 MAGIC = b"KVSC"
@@ -86,7 +86,7 @@ class DiskStore:
         # the directories this store creates, deepest first: removed at close once empty
         self._created = list(itertools.takewhile(lambda d: not d.exists(),
                                                  (self.directory, *self.directory.parents)))
-        self.directory.mkdir(parents=True, exist_ok=True)
+        check_writable(self.directory)  # a tier that fails every chunk does not start
         self._lock = hold_directory(self.directory, "another kvscope engine (a replay or "
                                     "demo running now)")
         self._written: set[int] = set()  # slots with a chunk file (set.add: one bytecode, atomic)

@@ -18,7 +18,6 @@ from kvscope.agent.memory_budget import memory_samples
 from kvscope.agent.metrics import snapshot_samples
 from kvscope.agent.pipeline import Pipeline
 from kvscope.agent.requests import RequestTable
-from kvscope.agent.segments import check_writable
 from kvscope.agent.sources import REGISTRY as SOURCES
 from kvscope.agent.sources import build_sources
 from kvscope.agent.sources.ingest import STATE_FILE as INGEST_STATE_FILE
@@ -28,6 +27,7 @@ from kvscope.catalog import Samples
 from kvscope.samples import join_key
 from kvscope.exporter.otlp import SPAN_RESULTS, RequestSpanExporter
 from kvscope.exporter.prometheus import Exposition
+from kvscope.files import check_writable
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from kvscope.demo import _replay
 from kvscope.engine.engine import OffloadEngine
 from kvscope.engine.presets import ModelPreset, get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
-from conftest import sigint_default, wait_until
+from conftest import sigint_default, tmpfs, wait_until
 from traces import trace_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,6 +161,18 @@ def test_a_disk_dir_in_use_is_refused_and_free_again_once_closed(tmp_path):
     holder.close()
     again = DiskStore(tmp_path, 64)
     again.close()
+
+
+def test_a_disk_dir_no_file_can_be_written_in_is_refused_at_start(tmp_path):
+    """A --disk-dir on a read-only mount with room (a real tmpfs, which denies root too) ran
+    the whole replay and exited 0, every spill failed (4,157 permission errors, disk hits
+    reported from a tier that never held a block). It is refused at start, saying why."""
+    with tmpfs(tmp_path / "ro", "ro,size=64m") as mount:
+        refused = _kvscope("--requests", "20", "--disk-blocks", "16", "--disk-dir", str(mount))
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith(f"kvscope replay: error: --disk-dir {mount}: cannot "
+                                      "write chunk files there: Read-only file system"), \
+        refused.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
