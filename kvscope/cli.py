@@ -380,6 +380,9 @@ def _synthetic_only(args, *flags: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (2 for bad input, with one line on stderr)."""
+    for name in ("stdout", "stderr"):  # closed (cmd >&-): Python has None there; write nowhere
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 (for the process's life)
     try:
         parser = _parser()  # imports the commands' modules (pydantic...): a quarter of a second
     except KeyboardInterrupt:  # Ctrl-C meanwhile printed the import's traceback
@@ -405,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C in a command that has no clean stop of its own
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of the output left (| head): it read what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
     except (TraceError, ConfigError, EngineConfigError, UnknownPreset, OSError) as exc:
         message = exc.args[0] if isinstance(exc, UnknownPreset) else str(exc)
         print(f"{prog}: error: {message}", file=sys.stderr)

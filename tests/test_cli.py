@@ -76,6 +76,39 @@ def test_bad_trace(tmp_path, content, needle):
     _one_error_line(_kvscope("demo", "--trace", str(path), "--duration", "5"), needle)
 
 
+TRACE = '{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2]}\n'
+
+
+def test_a_trace_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """An editor's UTF-8 BOM before the first record: "not JSON (Unexpected UTF-8 BOM (decode
+    using utf-8-sig) column 1)", advice a user cannot take. It reads as the same trace."""
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    plain.write_text(TRACE * 3)
+    marked.write_bytes(b"\xef\xbb\xbf" + (TRACE * 3).encode())
+    results = [_kvscope("analyze", str(p), "--json") for p in (plain, marked)]
+    assert [r.returncode for r in results] == [0, 0], results[1].stderr
+    assert results[0].stdout == results[1].stdout.replace(str(marked), str(plain))
+
+
+def test_a_closed_stdout_or_a_reader_that_left_is_no_error(tmp_path):
+    """`kvscope analyze trace >&-` (stdout closed: None in Python) raised a traceback, as did
+    the agent and the demo (uvicorn's log format asks stdout whether it is a terminal); a
+    replay whose reader left before its summary (`| head -1`) said "error: [Errno 32] Broken
+    pipe", exit 2. Both exit 0, saying nothing."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(TRACE * 3)
+    closed = subprocess.run([sys.executable, "-m", "kvscope", "analyze", str(trace)],
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            timeout=120, preexec_fn=lambda: os.close(1))
+    assert (closed.returncode, closed.stderr) == (0, "")
+    replay = subprocess.Popen([sys.executable, "-m", "kvscope", "replay", "--simulate",
+                               "--requests", "50", "--fast"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    replay.stdout.close()  # the reader leaves at once
+    _, err = replay.communicate(timeout=120)
+    assert (replay.returncode, err) == (0, "")
+
+
 @pytest.mark.parametrize("flag", ["--metrics-port", "--ui-port"])
 def test_port_already_taken(flag):
     with socket.socket() as busy:

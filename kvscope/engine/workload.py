@@ -142,7 +142,7 @@ def read_mooncake(path: str | Path) -> list[Request]:
     if path.is_dir():  # a capture directory, say: only `kvscope analyze` reads those
         raise TraceError(f"cannot read trace {path}: a directory, not a Mooncake JSONL file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM (saved by some editors) is no JSON
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
