@@ -40,6 +40,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 from kvscope import events as ev
 from kvscope.engine.outcome import RequestOutcome, prefill_value
 from kvscope.engine.presets import ModelPreset
@@ -193,6 +195,7 @@ class OffloadEngine:
         self._evictions: list[ev.Eviction] = []
         self._failed: set[int] = set()  # blocks whose disk read failed (this request)
         self._cpu_credited: set[int] = set()  # cpu hits read from disk after all (this request)
+        self._spilled: dict[int, int] = {}  # spilled -> its Eviction's index (this request)
         # blocks the admission policy declined, cpu and disk, not yet reported (an Admission
         # event per tier at the next finished request, with that request's stored and failed)
         self._skipped = [0, 0]
@@ -233,7 +236,7 @@ class OffloadEngine:
         if self._copier is not None or emit is not None:
             batch = CopyBatcher(self._copier, self._on_failure, self._clock)
         self._batch = batch
-        self._failed, self._cpu_credited = set(), set()
+        self._failed, self._cpu_credited, self._spilled = set(), set(), {}
         gpu, cpu, disk = self.gpu, self.cpu, self.disk
         gpu_get, cpu_get, disk_get = gpu.get, cpu.get, disk.get
         gpu_hit, gpu_make_room, gpu_add = gpu.policy.hit, gpu.policy.make_room, gpu.policy.add
@@ -336,6 +339,7 @@ class OffloadEngine:
         stats.evictions["cpu"] += 1
         disk = self.disk
         offloaded = v in disk.policy
+        spilled = False
         if not offloaded and disk.capacity_blocks:
             if self._admitted(v):
                 disk_slot, dropped = disk.insert(v, now)
@@ -346,12 +350,14 @@ class OffloadEngine:
                 self._moved[SPILL] += 1
                 if self._batch is not None:
                     self._batch.copy(SPILL, self.cpu, slot, disk, disk_slot, v, prefill_value(v))
-                offloaded = True
+                offloaded = spilled = True
             else:
                 self._skipped[1] += 1
         if offloaded:
             stats.offloaded["cpu"] += 1
         if self._emit is not None:
+            if spilled:  # its eviction says dropped instead should the write fail
+                self._spilled[v] = len(self._evictions)
             self._evictions.append(self._eviction(self.cpu, resident, now, offloaded))
         return slot
 
@@ -386,8 +392,13 @@ class OffloadEngine:
             self._failed.add(h)
             self._forget(self.disk, h, failure.src_slot)
             self._forget(self.cpu, h, failure.dst_slot)
-        else:  # SPILL: the chunk was not written
+        else:  # SPILL: the chunk was not written, so the cpu's eviction kept no copy
             self._moved[SPILL] -= 1
+            stats.offloaded["cpu"] -= 1
+            evicted = self._spilled.pop(h, None)
+            if evicted is not None:
+                self._evictions[evicted] = msgspec.structs.replace(
+                    self._evictions[evicted], offloaded=False)
             self._forget(self.disk, h, failure.dst_slot)
 
     def _forget(self, tier: Tier, h: int, slot: int) -> None:

@@ -169,6 +169,11 @@ def test_disk_full_drops_the_spill_and_the_block_is_recomputed(tmp_path):
         failed = [(e.stored, e.skipped, e.failed) for e in events
                   if isinstance(e, ev.Admission) and e.tier == "disk"]
         assert failed == [(0, 0, 1)], failed
+        # A left the cpu tier without a copy below: dropped, not offloaded (it read offloaded,
+        # so kvscope_dropped_blocks_total missed it)
+        assert [e.offloaded for e in events if isinstance(e, ev.Eviction) and e.tier == "cpu"
+                and e.reason == "capacity"] == [False]
+        assert engine.stats.offloaded["cpu"] == 0
         assert _no_temporary_files(directory) and list(directory.iterdir()) == []
         outcome = engine.process(_req("r3", A))  # A is nowhere: recomputed
         assert outcome.tokens["recompute"] == 16
