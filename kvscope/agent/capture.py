@@ -199,11 +199,13 @@ def missing_segments(directory: Path) -> int:
     together, 1, 2, 3, ... (``<kind>-<ms>-<pid>-<seq>``), so below the highest number a writer
     left, each one missing is a segment gone. A writer's numbers start again at 1 (a new
     agent with the pid of an old one: pid 1 in a container) where, in time order, a number
-    does not exceed the one before."""
+    does not exceed the one before. A segment still open (``.tmp``: a running writer's) is
+    there, not gone."""
     runs: dict[str, tuple[int, int]] = {}  # pid -> (its highest number, segments left)
     missing = 0
-    for path in finished_segments(directory):
-        parts = path.name[: -len(SUFFIX)].split("-")
+    opened = [p for k in KINDS for p in directory.glob(f"{k}-*{TMP_SUFFIX}")]
+    for path in sorted([*finished_segments(directory), *opened], key=segment_key):
+        parts = path.name.removesuffix(TMP_SUFFIX).removesuffix(SUFFIX).split("-")
         if len(parts) != 4 or not (parts[2].isdigit() and parts[3].isdigit()):
             continue  # not a name this writer gives: nothing to tell from it
         seq, (last, left) = int(parts[3]), runs.get(parts[2], (0, 0))

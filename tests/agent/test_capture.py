@@ -349,6 +349,19 @@ def test_missing_segments_counts_those_the_size_cap_deleted(tmp_path):
         return len(writer.segments())
 
     assert write(tmp_path / "all", 1 << 30) == 16 and missing_segments(tmp_path / "all") == 0
+    # a running writer's open segments are there, not gone: lookups and totals each flush,
+    # blocks rotating every 2 lookups while totals stays open (it read 1 gone of 4 made)
+    now = [T0]
+    running = CaptureWriter(tmp_path / "running", segment_rows=16, clock=lambda: now[0])
+    for i in range(6):
+        now[0] += 1.0
+        running.add_lookup("engine", _lookup(i))
+        running.add_sample({"ts": now[0], "transfer_bytes": {"cpu->gpu": i + 1},
+                            "transfer_blocks": {"cpu->gpu": i + 1}, "transfer_seconds_sum": {}})
+        running.flush()
+    assert list((tmp_path / "running").glob(f"totals-*{TMP_SUFFIX}"))
+    assert missing_segments(tmp_path / "running") == 0
+    running.close()
     kept = write(tmp_path / "capped", 40_000)
     assert 1 < kept < 16 and missing_segments(tmp_path / "capped") == 16 - kept
     write(tmp_path / "capped", 1 << 30, T0 + 1000)  # a later run
