@@ -46,7 +46,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Sampler
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvscope import __version__
@@ -198,8 +198,9 @@ class RequestSpanExporter:
     counted, before the SDK's own queue would drop its oldest span silently.
     ``schedule_delay``: seconds between sends (the SDK also sends as soon as
     ``max_export_batch_size`` spans wait).
-    ``max_export_batch_size``: spans per OTLP request. ``sampler``: the SDK sampler, default
-    ALWAYS_ON (the ``OTEL_TRACES_SAMPLER`` variable is not read).
+    ``max_export_batch_size``: spans per OTLP request. Every record is sampled (ALWAYS_ON: the
+    ``OTEL_TRACES_SAMPLER`` variable is not read; a span another sampler dropped would never
+    leave the count of those queued).
 
     Counters (read them from any thread): ``exported`` records handed to the SDK; ``failed``
     records that could not be turned into spans (e.g. a NaN time) and were dropped;
@@ -214,7 +215,7 @@ class RequestSpanExporter:
 
     def __init__(self, endpoint: str, service_name: str = "kvscope-agent", timeout: float = 5.0,
                  *, max_queue_size: int = 2048, schedule_delay: float = 5.0,
-                 max_export_batch_size: int = 512, sampler: Sampler | None = None) -> None:
+                 max_export_batch_size: int = 512) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
         self.endpoint = traces_url(endpoint)
@@ -236,7 +237,7 @@ class RequestSpanExporter:
         # shutdown_on_exit=False: the agent's lifespan owns shutdown (house rule 11); an atexit
         # hook would also keep every exporter ever built alive until exit.
         self._provider = TracerProvider(
-            sampler=sampler or ALWAYS_ON, resource=Resource.create({SERVICE_NAME: service_name}),
+            sampler=ALWAYS_ON, resource=Resource.create({SERVICE_NAME: service_name}),
             shutdown_on_exit=False, id_generator=self._ids)
         self._provider.add_span_processor(self._processor)
         self._tracer = self._provider.get_tracer("kvscope.exporter.otlp", __version__)
