@@ -91,6 +91,7 @@ class DiskStore:
                                     "demo running now)")
         self._written: set[int] = set()  # slots with a chunk file (set.add: one bytecode, atomic)
         self.block_bytes = block_bytes
+        self._threads = threads
         try:
             for stale in self.directory.glob(".chunk-*.kv.tmp"):
                 stale.unlink(missing_ok=True)
@@ -98,6 +99,14 @@ class DiskStore:
         except BaseException:  # the directory is free again for the next store
             os.close(self._lock)
             raise
+
+    def bytes_for(self, chunks: int) -> int:
+        """Bytes of disk ``chunks`` chunk files take: each its header and ``block_bytes``,
+        rounded up to the file system's block, and one more per I/O thread (a rewrite's
+        temporary file stands beside the chunk it replaces until the rename)."""
+        unit = os.statvfs(self.directory).f_frsize or 1
+        size = -(-(HEADER.size + self.block_bytes) // unit) * unit
+        return (chunks + self._threads) * size
 
     def path(self, slot: int) -> Path:
         return self.directory / f"chunk-{slot:08d}.kv"

@@ -92,10 +92,12 @@ def _check_host_memory(needed: int) -> None:
             "(to size tiers beyond this host, `kvscope replay --simulate` holds no KV bytes)")
 
 
-def _check_disk_space(store, needed: int) -> None:
-    """Refuse a disk tier larger than the free space where ``store`` (a ``DiskStore``) puts its
-    chunk files, rather than fail with disk_full once it fills; the store is closed (its
-    private directory removed)."""
+def _check_disk_space(store, chunks: int) -> None:
+    """Refuse a disk tier of ``chunks`` blocks larger than the free space where ``store`` (a
+    ``DiskStore``) puts its chunk files (:meth:`~kvscope.engine.disk.DiskStore.bytes_for`),
+    rather than fail with disk_full once it fills; the store is closed (its private directory
+    removed)."""
+    needed = store.bytes_for(chunks)
     free = shutil.disk_usage(store.directory).free
     if needed > free:
         store.close()
@@ -179,7 +181,7 @@ class OffloadEngine:
                 pools["disk"] = DiskStore(disk_dir, self.block_bytes, io_threads)
             try:
                 if disk_blocks:
-                    _check_disk_space(pools["disk"], disk_blocks * self.block_bytes)
+                    _check_disk_space(pools["disk"], disk_blocks)
                 self._copier = Copier(pools["gpu"].is_cuda)
             except BaseException:  # the store's chunks directory and its lock go with it
                 if pools["disk"] is not None:

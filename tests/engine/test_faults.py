@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from kvscope import events as ev
-from kvscope.engine.engine import OffloadEngine
+from kvscope.engine.engine import EngineConfigError, OffloadEngine
 from kvscope.engine.presets import get_preset
 from test_engine import _req, _resident_bytes_ok
 
@@ -140,6 +140,27 @@ def _mount_tmpfs(directory, size):
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
                             capture_output=True)
     return result.returncode == 0
+
+
+@pytest.mark.parametrize("size, refused", [("320k", True), ("512k", False)])
+def test_a_disk_tier_is_refused_unless_its_files_fit(tmp_path, size, refused):
+    """10 tiny chunks of 32,768 bytes each took 36 KiB on a real tmpfs (a 32-byte header,
+    rounded up to 4 KiB pages), and a rewrite's temporary file stands beside the chunk it
+    replaces (4 I/O threads). By hand: (10 + 4) x 36,864 = 516,096 bytes. A 320 KiB disk was
+    taken (its 327,680 bytes free matched 10 x 32,768) and then held 8 of the 10 blocks, the
+    others disk_full; it is refused at start. 512 KiB (524,288 free) is taken."""
+    directory = tmp_path / "disk"
+    directory.mkdir()
+    if not _mount_tmpfs(directory, size):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        if refused:
+            with pytest.raises(EngineConfigError, match="the disk tier needs"):
+                OffloadEngine(TINY, 1, 1, 10, disk_dir=directory)
+        else:
+            OffloadEngine(TINY, 1, 1, 10, disk_dir=directory).close()
+    finally:  # lazily: an engine a failing test left open holds the directory
+        subprocess.run(["umount", "-l", str(directory)], check=True)
 
 
 def test_disk_full_drops_the_spill_and_the_block_is_recomputed(tmp_path):
