@@ -480,14 +480,17 @@ def test_a_tier_takes_its_slots_as_it_fills_so_its_size_costs_nothing_up_front()
 def test_a_disk_tier_larger_than_the_free_space_is_refused_and_leaves_nothing(tmp_path):
     """The free space under tmp_path (shutil.disk_usage) plus 1024 blocks is refused, naming
     the GiB needed, with no chunk file written and the directory it created, or a temporary
-    one of its own, not left behind; 1024 blocks less than the free space is accepted."""
+    one of its own, not left behind; 1024 blocks less than the free space is accepted. A
+    block's chunk file takes its 32-byte header and the block, in whole file-system blocks."""
     import shutil
     import tempfile
     from pathlib import Path
 
     from kvscope.engine.engine import EngineConfigError
 
-    fits = shutil.disk_usage(tmp_path).free // BLOCK - 1024  # room for the test's own writes
+    unit = os.statvfs(tmp_path).f_frsize
+    on_disk = -(-(32 + BLOCK) // unit) * unit
+    fits = shutil.disk_usage(tmp_path).free // on_disk - 1024  # room for the test's own writes
     where = tmp_path / "chunks"
     with pytest.raises(EngineConfigError, match=r"the disk tier needs [\d.,]+ GiB but only"):
         OffloadEngine(TINY, 1, 1, fits + 2048, disk_dir=where)
