@@ -404,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         from kvscope.agent.config import ConfigError
         from kvscope.engine.engine import EngineConfigError
 
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # now: flushed at exit, a reader gone would end it with 120
+        return code
     except KeyboardInterrupt:  # Ctrl-C in a command that has no clean stop of its own
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -97,13 +97,15 @@ def test_a_closed_stdout_or_a_reader_that_left_is_no_error(tmp_path):
     pipe", exit 2. Both exit 0, saying nothing."""
     trace = tmp_path / "trace.jsonl"
     trace.write_text(TRACE * 3)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe's buffer
     closed = subprocess.run([sys.executable, "-m", "kvscope", "analyze", str(trace)],
                             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            timeout=120, preexec_fn=lambda: os.close(1))
+                            timeout=120, preexec_fn=lambda: os.close(1), env=env)
     assert (closed.returncode, closed.stderr) == (0, "")
     replay = subprocess.Popen([sys.executable, "-m", "kvscope", "replay", "--simulate",
                                "--requests", "50", "--fast"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env)
     replay.stdout.close()  # the reader leaves at once
     _, err = replay.communicate(timeout=120)
     assert (replay.returncode, err) == (0, "")
