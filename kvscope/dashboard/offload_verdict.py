@@ -149,16 +149,16 @@ def assess(samples: Sequence[Sample], records: Sequence[Mapping] = (),
     "offload pays" when any check does, the others not measured, unless every offload tier's
     transfers were timed and took longer than the prefill seconds they saved
     (:func:`saved_and_spent`): then "not paying as sized"; else "not measured". ``reasons``
-    names the checks behind it. No request counted while blocks were stored, moved or evicted
-    in the window (KV events alone report no request) is no traffic to call too little: the
-    requests are not measured, and the checks judge what was.
+    names the checks behind it. No request nor prompt token counted while blocks were stored,
+    moved or evicted in the window (KV events alone report neither) is no traffic to call too
+    little: the requests are not measured, and the checks judge what was.
     """
     window = last_window(samples, settings.window_seconds)
     span = float(window[-1]["ts"]) - float(window[0]["ts"]) if window else 0.0
     requests = scalar_increase(window, "requests") or 0.0
-    if not requests and _blocks_moved(window):
-        requests = None
     tokens = window_increase(window, "prompt_tokens")
+    if not requests and not any(tokens.values()) and _blocks_moved(window):
+        requests = None
     prefix = window_increase(window, "prompt_prefix_blocks")
     start = float(window[0]["ts"]) if window else float("inf")
     recent = [r for r in records if is_number(r.get("finished")) and r["finished"] >= start]

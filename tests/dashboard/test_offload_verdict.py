@@ -431,7 +431,8 @@ def test_kv_events_alone_are_not_too_little_traffic(moved):
     requests and "too little traffic" while the engine offloaded and evicted blocks. Blocks
     moved (offloaded 5 a second, evicted, or the resident count changing) with no request
     counted: the requests are not measured, and the checks judge what was (here GPU usage at
-    1.0: "offload pays"). Nothing moved and no request: still too little traffic."""
+    1.0: "offload pays"). Nothing moved and no request: still too little traffic, and so with
+    prompt tokens counted (a source that counts requests: none finished in the window)."""
     samples = window(requests_per_s=0.0, usage=lambda i: 1.0, ttft_p99=None, wait_p99=None,
                      drop=("prompt_tokens",))
     for i, sample in enumerate(samples):
@@ -443,6 +444,8 @@ def test_kv_events_alone_are_not_too_little_traffic(moved):
     if moved is None:
         assert a.verdict == TOO_LITTLE and a.requests == 0
         return
+    counted = [{**s, "prompt_tokens": {"recompute": 100.0 * i}} for i, s in enumerate(samples)]
+    assert V.assess(counted).verdict == TOO_LITTLE
     assert a.requests is None and a.verdict == PAYS
     assert verdicts(a) == {"gpu-limiter": PAYS, "unique-prompts": NOT_MEASURED,
                            "tail-slo": NOT_MEASURED, "host-dram": PAYS,
