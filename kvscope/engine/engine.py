@@ -56,7 +56,7 @@ _DIRECTION = {SPILL: "cpu->disk", OFFLOAD: "gpu->cpu", STAGE: "disk->cpu", PROMO
 _STORES = {("gpu", "cpu"): 0, ("cpu", "disk"): 1}
 MEMORY_REFRESH = 10.0  # seconds between the host KV budget's reports (an agent may restart)
 # blocks whose access count and priority the admission checks keep, per block the tiers hold
-# (at least MIN_REMEMBERED): beyond it the first remembered are forgotten, so a long run's
+# (at least MIN_REMEMBERED): beyond it those seen least recently are forgotten, so a long run's
 # memory stays bounded (a block forgotten counts from 0 again, priority the default)
 REMEMBERED_PER_BLOCK = 4
 MIN_REMEMBERED = 1 << 16
@@ -249,15 +249,18 @@ class OffloadEngine:
         seen = self._seen
         priorities = request.block_priorities
         if priorities and self.min_priority > 0:  # read only then
-            self._priority.update(zip(request.block_hashes, priorities))
-            _forget_first(self._priority, self._remembered)
+            remembered = self._priority
+            for h, priority in zip(request.block_hashes, priorities):
+                remembered.pop(h, None)  # put back last: the latest seen are the last forgotten
+                remembered[h] = priority
+            _forget_first(remembered, self._remembered)
         hits = [0, 0, 0]
         sources: list[int] = []
         append = sources.append
         in_prefix = True
         for h in request.block_hashes:
-            if track_seen:
-                seen[h] = seen.get(h, 0) + 1
+            if track_seen:  # popped and put back: the latest seen are the last forgotten
+                seen[h] = seen.pop(h, 0) + 1
             entry = gpu_get(h)
             if entry is not None:
                 entry.hits += 1

@@ -276,6 +276,21 @@ def test_a_long_run_remembers_a_bounded_number_of_blocks(admission):
     assert sizes[1] - sizes[0] < 1 << 20, sizes
 
 
+def test_admission_forgets_the_blocks_seen_least_recently(monkeypatch):
+    """store_threshold 2, the bound cut to 5 blocks (gpu 1 + cpu 4, 1 each): a hot block in
+    every request beside a new one each time. Forgetting the first remembered forgot the hot
+    block, the first in, every few requests (its count starting over each time); it is seen
+    last each time, so it stays, with its whole count: 40."""
+    import kvscope.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MIN_REMEMBERED", 4)
+    monkeypatch.setattr(engine_module, "REMEMBERED_PER_BLOCK", 1)
+    engine = OffloadEngine(TINY, 1, 4, payload=False, store_threshold=2)
+    for i in range(40):
+        engine.process(_req(f"r{i}", A, 1000 + i))
+    assert engine._seen.get(A) == 40 and len(engine._seen) == 5
+
+
 def test_ttft_is_queueing_plus_lookup_plus_promotion_plus_prefill():
     engine = OffloadEngine(TINY, 4, 4, payload=False)
     engine.process(_req("r0", A, B))
