@@ -35,6 +35,7 @@ cdef class _Requests:
     cdef dict inflight  # request id -> record, oldest first
     cdef _Recent recent
     cdef set unstarted
+    cdef dict aborted  # request id -> None, oldest first
 
 
 cdef class RequestAssembler:

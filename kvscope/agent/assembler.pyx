@@ -38,6 +38,11 @@ log = logging.getLogger("kvscope.agent.requests")
 MAX_REUSES = 64
 cdef Py_ssize_t _MAX_REUSES = MAX_REUSES
 cdef Py_ssize_t _MAX_TRANSFERS = MAX_TRANSFERS
+# Ids of requests that ended before their first token, kept per source for a worker's transfers
+# of them that come after (its batches come up to a flush interval late): those join no record
+# rather than open one nothing would finish.
+MAX_ABORTED = 1024
+cdef Py_ssize_t _MAX_ABORTED = MAX_ABORTED
 # what a second finish of one request may fill in (see RequestAssembler.finished)
 _FINISH_PARTS = ("output_tokens", "queueing", "lookup", "promotion_wait", "prefill", "itl")
 
@@ -224,12 +229,14 @@ cdef class _Recent:
 
 @cython.final
 cdef class _Requests:
-    """One source's requests: in flight, finished recently, and the ids in flight that another
+    """One source's requests: in flight, finished recently, the ids in flight that another
     event than the request's start opened (their arrival is that event's time until the start
-    or the finish comes)."""
+    or the finish comes), and the ids of the last :data:`MAX_ABORTED` requests that ended
+    before their first token (oldest first)."""
 
     def __init__(self, Py_ssize_t max_recent):
         self.inflight, self.recent, self.unstarted = {}, _Recent(max_recent), set()
+        self.aborted = {}
 
 
 @cython.final
@@ -341,6 +348,8 @@ cdef class RequestAssembler:
         rid, ts, trace_id = field(event, S_ID), float_field(event, S_TS), field(event, S_TRACE)
         if trace_id and not ev.w3c_trace_id(trace_id):  # as absent, not as a label
             trace_id = ""
+        if tables.aborted:  # the id reused: a new request's transfers are its own
+            tables.aborted.pop(rid, None)
         if joined:
             record = self._find(source, tables, rid, ts)
             if record is None:
@@ -376,10 +385,13 @@ cdef class RequestAssembler:
                                 object src, object dst, int64_t blocks, int64_t nbytes,
                                 double duration, bint ok):
         """Attach a transfer (an event's fields, read by the caller) to request ``rid``;
-        return that record (None when ``rid`` is "": background work)."""
+        return that record (None when ``rid`` is "": background work, or names a request that
+        ended before its first token and is not in flight)."""
         if not rid:
             return None
         cdef RequestRecord earlier, record = tables.inflight.get(rid)
+        if record is None and tables.aborted and rid in tables.aborted:
+            return None  # late, of a request that ended before its first token
         if record is None or ts < record.arrival:
             # a late worker's load joins the request under way at its start (of a reused id,
             # an earlier one than the request in flight), else the one in flight, else the
@@ -440,9 +452,14 @@ cdef class RequestAssembler:
 
     cdef int abort(self, _Requests tables, object rid) except -1:
         """Close request ``rid``'s record in flight, if any, without finishing it: it ended
-        before its first token (:class:`~kvscope.events.RequestAborted`)."""
+        before its first token (:class:`~kvscope.events.RequestAborted`); its id is kept
+        among the source's aborted ones."""
         if tables.inflight.pop(rid, None) is not None:
             tables.unstarted.discard(rid)
+        cdef dict aborted = tables.aborted
+        aborted[rid] = None
+        if len(aborted) > _MAX_ABORTED:
+            del aborted[next(iter(aborted))]
         return 0
 
     def finished(self, str source, list events):

@@ -131,6 +131,27 @@ def test_a_request_aborted_before_its_first_token_is_closed_and_counted_nowhere(
     assert pipeline.requests.get("r1").arrival == 50.0 and pipeline.snapshot().requests == 1
 
 
+def test_a_late_transfer_of_an_aborted_request_opens_no_record():
+    """vLLM's worker tap sends its batches up to a flush interval after the scheduler's: a
+    load of a request aborted in prefill came after the abort and opened a record nothing
+    would finish (held until abandoned, and counted so). Its bytes count; no record opens.
+    The id reused by a new request: its own transfer joins it."""
+    pipeline = Pipeline()
+    pipeline.ingest("vllm", [ev.RequestStarted(ts=10.0, request_id="r1", prompt_tokens=64),
+                             ev.RequestAborted(ts=11.0, request_id="r1")])
+    load = ev.Transfer(ts=10.5, src="cpu", dst="gpu", blocks=2, bytes=20, duration=0.01,
+                       request_id="r1")
+    pipeline.ingest("worker0", [load], scope="vllm")
+    assert pipeline._assembler.in_flight("vllm", "r1") is None
+    assert pipeline.snapshot().transfer_bytes == {("cpu", "gpu"): 20}
+    pipeline.ingest("vllm", [ev.RequestStarted(ts=20.0, request_id="r1", prompt_tokens=64)])
+    pipeline.ingest("worker0", [ev.Transfer(ts=20.1, src="cpu", dst="gpu", blocks=2, bytes=20,
+                                            duration=0.01, request_id="r1")], scope="vllm")
+    pipeline.ingest("vllm", [ev.RequestFinished(ts=20.5, request_id="r1", ttft=0.5,
+                                                prompt_tokens=64)])
+    assert [t.bytes for t in pipeline.requests.get("r1").transfers] == [20]
+
+
 def test_requests_never_finished_beyond_the_inflight_bound_are_counted_as_abandoned(caplog):
     """The assembler holds 10,000 open requests per source: 10,003 starts without a finish
     abandon the 3 oldest, counted under their source so the loss is not silent."""
