@@ -196,6 +196,15 @@ def _lookup(i, blocks=8):
                      block_sources=["recompute"] * blocks, block_tokens=16)
 
 
+def _fill(writer, now, step=1.0):
+    """400 lookups (3,200 block rows) ``step`` seconds apart, flushed every 5 (40 rows)."""
+    for i in range(400):
+        now[0] += step
+        writer.add_lookup("engine", _lookup(i))
+        if i % 5 == 4:
+            writer.flush()
+
+
 def test_segments_with_nulls_are_an_error_naming_the_capture(tmp_path, capsys):
     """A hand-edited or foreign requests segment with null token counts crashed compare with a
     traceback (exit 1); null block hashes were read as 2**63, all one block. Both are now one
@@ -289,11 +298,7 @@ def test_segments_rotate_are_whole_and_are_pruned_to_the_byte_bound(tmp_path):
     now = [T0]
     writer = CaptureWriter(tmp_path, max_bytes=40_000, segment_rows=200,
                            clock=lambda: now[0])
-    for i in range(400):  # 3200 rows: a segment every 25 lookups
-        now[0] += 1.0
-        writer.add_lookup("engine", _lookup(i))
-        if i % 5 == 4:
-            writer.flush()
+    _fill(writer, now)  # a segment every 25 lookups
     writer.close()
     segments = writer.segments("blocks")
     assert not list(tmp_path.glob(f"*{TMP_SUFFIX}"))
@@ -319,11 +324,7 @@ def test_the_size_cap_keeps_the_newest_state_of_a_long_run(tmp_path):
                        "tier_capacity_bytes": {"gpu": 64 * 4096, "cpu": 256 * 4096},
                        "tier_capacity_blocks": {"gpu": 64, "cpu": 256}})
     writer.flush()
-    for i in range(400):
-        now[0] += 1.0
-        writer.add_lookup("engine", _lookup(i))
-        if i % 5 == 4:
-            writer.flush()
+    _fill(writer, now)
     writer.close()
     assert len(writer.segments("blocks")) < 16  # the cap deleted some
     assert read_tier_capacities(tmp_path) == {"gpu": (64 * 4096, 64), "cpu": (256 * 4096, 256)}
@@ -340,11 +341,7 @@ def test_missing_segments_counts_those_the_size_cap_deleted(tmp_path):
         now = [start]
         writer = CaptureWriter(directory, max_bytes=max_bytes, segment_rows=200,
                                clock=lambda: now[0])
-        for i in range(400):
-            now[0] += 1.0
-            writer.add_lookup("engine", _lookup(i))
-            if i % 5 == 4:
-                writer.flush()
+        _fill(writer, now)
         writer.close()
         return len(writer.segments())
 
@@ -375,11 +372,7 @@ def test_a_small_byte_bound_makes_small_segments(tmp_path):
     prune, stays well under the bound instead of holding everything."""
     now = [T0]
     writer = CaptureWriter(tmp_path, max_bytes=12_000, clock=lambda: now[0])
-    for i in range(400):  # 3200 rows, flushed 40 at a time
-        now[0] += 0.01
-        writer.add_lookup("engine", _lookup(i))
-        if i % 5 == 4:
-            writer.flush()
+    _fill(writer, now, step=0.01)
     writer.close()
     sizes = [p.stat().st_size for p in writer.segments("blocks")]
     assert max(sizes) < 7_000 and sum(sizes) <= 12_000
