@@ -33,6 +33,10 @@ from kvscope.agent.tier_totals import TierTotals
 
 log = logging.getLogger(__name__)
 
+# A report's samples (vLLM's n) looked for at most: n is the client's number, and each is
+# looked for under the lock (a span claiming 10**15 had held it for good)
+MAX_SAMPLES = 1024
+
 
 @dataclass
 class Snapshot:
@@ -271,7 +275,8 @@ class Pipeline:
         again (the store keeps the last version). ``samples``: the request's parallel samples
         (vLLM's ``n``): a span of one of several is named after the request, while vLLM's
         scheduler, and so its tap, names each sample ``<i>_<id>``; not saying which it is, it
-        gives the samples the source finished or has in flight its trace id only. Otherwise,
+        gives the samples the source finished or has in flight its trace id only (the first
+        :data:`MAX_SAMPLES`). Otherwise,
         with ``new_request``, the events are folded: they finish the request in flight, or make
         one. True when it amended a record or gave samples in flight the trace id."""
         handover = republish = None
@@ -283,7 +288,7 @@ class Pipeline:
                 amend(record, trace_id, finished)
             else:
                 amended = []
-                for i in range(samples if samples > 1 else 0):
+                for i in range(min(samples, MAX_SAMPLES) if samples > 1 else 0):
                     rid = f"{i}_{finished.request_id}"[:ev.MAX_REQUEST_ID]
                     if sample := self._finished_as(source, rid, started.ts, finished.ts):
                         amended.append(sample)

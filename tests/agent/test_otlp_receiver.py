@@ -467,6 +467,31 @@ def test_the_spans_of_a_requests_parallel_samples_join_the_taps_samples(spans_fi
     assert agent.pipeline.requests.get("cmpl-8-0").ttft == 0.2  # spans alone: a request
 
 
+def test_a_span_claiming_countless_samples_looks_for_a_bounded_number(monkeypatch):
+    """gen_ai.request.n is the client's number: a span claiming 10**6 samples (10**15 held
+    the pipeline's lock for good, and with it ingest and /metrics) looks for the first
+    MAX_SAMPLES (1024) <i>_<id> records only, and still joins the samples the tap ran."""
+    from kvscope.agent.pipeline import MAX_SAMPLES
+
+    agent = _agent()
+    _spans_arrive(agent)
+    for i in range(2):
+        agent.pipeline.ingest("vllm", [
+            ev.RequestStarted(ts=T0, request_id=f"{i}_many", prompt_tokens=10),
+            ev.RequestFinished(ts=T0 + 0.5, request_id=f"{i}_many", ttft=0.3, prompt_tokens=10)])
+    looked_for = []
+    finished_as = agent.pipeline._finished_as
+    monkeypatch.setattr(agent.pipeline, "_finished_as",
+                        lambda source, rid, *times: looked_for.append(rid)
+                        or finished_as(source, rid, *times))
+    span = _span("many", T0 - 0.1)
+    span.attributes["gen_ai.request.n"] = 10**6
+    agent.otlp_receiver.handle([span])
+    assert len(looked_for) == 1 + MAX_SAMPLES  # the request's own id, then its samples'
+    assert agent.otlp_receiver.joined == 1
+    assert [agent.pipeline.requests.get(f"{i}_many").trace_id for i in range(2)] == [TRACE] * 2
+
+
 def test_five_requests_of_one_id_in_one_span_batch_join_their_own():
     """A client reusing one id (a fixed X-Request-Id) sent 5 requests, 0.8 s apart, within one
     of vLLM's 5 s span batches: each span joins its own tap record, 5 requests. With 4 records
