@@ -4,6 +4,7 @@ sockets (vLLM's replay protocol), and the live stream of a real vLLM engine."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -370,6 +371,22 @@ def test_gaps_are_replayed_when_possible_and_counted_when_not():
     src.handle([b"kv", b"short", b""])
     src.handle(frames(1)[:2] + [b"\xc1"])
     assert pipeline.snapshot().events_dropped[("kv_events", "malformed")] == 2
+
+
+@pytest.mark.parametrize("ts", [math.nan, math.inf, 1e300, -1.0])
+def test_a_batch_of_no_real_time_is_malformed_and_spoils_no_residency(ts):
+    """A block stored on CPU at 1000 s, removed in a batch whose time is ``ts``: the batch is
+    1 malformed. A NaN time had made the removal's age NaN, and the residency histogram's sum
+    NaN for good (a later, sound removal after 1000 s more left it NaN)."""
+    pipeline = Pipeline()
+    src = KvEventsSource(pipeline)
+    src.handle([b"kv", (0).to_bytes(8, "big"), payload(stored([1, 2], "CPU"), ts=1000.0)])
+    src.handle([b"kv", (1).to_bytes(8, "big"), payload(removed([1], "CPU"), ts=ts)])
+    src.handle([b"kv", (2).to_bytes(8, "big"), payload(removed([2], "CPU"), ts=2000.0)])
+    snap = pipeline.snapshot()
+    assert snap.events_dropped == {("kv_events", "malformed"): 1}
+    residency = snap.block_residency_seconds["cpu"]
+    assert (residency.count, residency.sum) == (1, 1000.0)
 
 
 def test_without_replay_endpoint_gaps_are_counted():

@@ -142,13 +142,13 @@ class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared"):
 
 
 class KvBatch(msgspec.Struct, array_like=True):
-    ts: float
+    ts: ev.Timestamp  # a NaN or infinite one made every later residency sum NaN
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
 
 
 class _Rank(msgspec.Struct, array_like=True):
-    ts: float
+    ts: ev.Timestamp
     events: msgspec.Raw
     data_parallel_rank: int | None = None
 
