@@ -177,6 +177,32 @@ def test_an_engine_started_after_the_agent_is_counted_from_zero():
     assert mapper.map(scrape(time.time() - 3600, 524, 384), later) == []
 
 
+def test_a_restarted_engine_that_counted_past_its_predecessor_counts_whole():
+    """vLLM counted 100 prompt tokens, then 120; restarted, it counted 150 by the agent's next
+    scrape, past its predecessor's 120, so the value alone shows no reset: its ``_created``
+    time moved on (1000 -> 2000), so all 150 count. Only 30 did (150 - 120). A histogram
+    (TTFT) restarted alike counts its new observations whole too."""
+    def scrape(created, prompt, ttfts):
+        return parse(f"vllm:prompt_tokens_total{{{E}}} {prompt}\n"
+                     f"vllm:prompt_tokens_created{{{E}}} {created}\n"
+                     f'vllm:time_to_first_token_seconds_bucket{{{E},le="0.1"}} {ttfts}\n'
+                     f'vllm:time_to_first_token_seconds_bucket{{{E},le="+Inf"}} {ttfts}\n'
+                     f"vllm:time_to_first_token_seconds_count{{{E}}} {ttfts}\n"
+                     f"vllm:time_to_first_token_seconds_sum{{{E}}} {ttfts * 0.05}\n"
+                     f"vllm:time_to_first_token_seconds_created{{{E}}} {created}\n")
+
+    mapper = MetricsMapper(gpu_snapshot=False)
+    counted = []
+    for ts, (created, prompt, ttfts) in enumerate([(1000, 100, 2), (1000, 120, 3),
+                                                   (2000, 150, 4)], 1):
+        events = mapper.map(scrape(created, prompt, ttfts), float(ts))
+        counted.append((sum(e.tokens.get("recompute", 0) for e in events
+                            if isinstance(e, ev.Lookup)),
+                        sum(e.counts[-1] + sum(e.counts[:-1]) for e in events
+                            if isinstance(e, ev.LatencyHistogram))))
+    assert counted[1:] == [(20, 1), (150, 4)]
+
+
 # vLLM's offloading metrics, as vLLM's own classes print them: tests/data/vllm_offload_metrics.py
 # made each file (two scrapes, two scheduler steps apart) with the vLLM named in its first line;
 # test_the_recorded_expositions_are_what_vllm_prints checks them against vLLM where it is.

@@ -112,7 +112,9 @@ class Counters:
     label set, ``le`` aside) one of whose series went down was reset as a whole: each of its
     series counts from 0, also one that grew past its old value meanwhile (read per series,
     a restarted engine's TTFT histogram gave counts [2, 0, 0] and sum 1.0 for [2, 5, 1] and
-    6.0). Values are kept for :data:`MAX_SERIES` series; past
+    6.0). A series whose ``_created`` time moved on was reset too, though it may have counted
+    past its old value by the first scrape that reads it (a restarted engine's 150 read as 50
+    more than its predecessor's 100). Values are kept for :data:`MAX_SERIES` series; past
     that, only the latest scrape's (a series that comes back then starts over from its value,
     and no series counts from 0 by its creation time any more). Not thread-safe: one per
     source."""
@@ -120,6 +122,9 @@ class Counters:
     def __init__(self, since: float | None = None) -> None:
         self._last: dict[tuple[str, frozenset], float] = {}
         self._seen: dict[tuple[str, frozenset], float] = {}
+        # the series' creation times (_created samples) with their baselines, and this scrape's
+        self._born: dict[tuple[str, frozenset], float] = {}
+        self._born_seen: dict[tuple[str, frozenset], float] = {}
         self._since: float | None = time.time() if since is None else since
         self._samples: Samples = {}
         self._reset: set[tuple[str, frozenset]] = set()
@@ -133,16 +138,13 @@ class Counters:
                        if (before := last.get((name, labels))) is not None and value < before
                        and _HISTOGRAM.search(name)}
 
-    def _created_since(self, name: str, labels: frozenset) -> bool:
-        """Whether series ``name`` {``labels``} was created at or after ``since``."""
-        if self._since is None:
-            return False
+    def _created(self, name: str, labels: frozenset) -> float | None:
+        """When series ``name`` {``labels``} was created (its ``_created`` sample), or None."""
         base = _SUFFIX.sub("", name)
         if base == name:
-            return False
-        created = self._samples.get((f"{base}_created",
-                                     frozenset(kv for kv in labels if kv[0] != "le")))
-        return created is not None and created >= self._since
+            return None
+        return self._samples.get((f"{base}_created",
+                                  frozenset(kv for kv in labels if kv[0] != "le")))
 
     def increase(self, name: str, values: Mapping[frozenset, float],
                  from_zero: Callable[[frozenset], bool] | None = None) -> float | None:
@@ -154,14 +156,19 @@ class Counters:
         for labels, value in values.items():
             key = (name, labels)
             last = self._last.get(key)
+            created = self._created(name, labels)
             if 0.0 <= value <= ev.MAX_COUNT:
                 self._seen[key] = value
+                if created is not None:
+                    self._born_seen[key] = created
             if last is not None:
+                born = self._born.get(key)
                 reset = value < last or (self._reset and _histogram_of(name, labels)
-                                         in self._reset)
+                                         in self._reset) or (
+                    created is not None and born is not None and created > born)
                 total += value if reset else value - last
-            elif (from_zero is not None and from_zero(labels)) or \
-                    self._created_since(name, labels):
+            elif (from_zero is not None and from_zero(labels)) or (
+                    created is not None and self._since is not None and created >= self._since):
                 total += value
         return total
 
@@ -196,15 +203,18 @@ class Counters:
         """Drop every series' baseline: the next scrape's series are new (another process of
         the engine, known to be one: counted whole where ``from_zero`` says so)."""
         self._last.clear()
+        self._born.clear()
 
     def commit(self) -> bool:
         """End a scrape: what it saw becomes the next one's baselines. True when more than
         :data:`MAX_SERIES` series were kept, so that only this scrape's stay (series come and go
         by label) and a series new to the next scrape may be an old one."""
         seen, self._seen = self._seen, {}
+        born, self._born_seen = self._born_seen, {}
         self._last.update(seen)
+        self._born.update(born)
         if len(self._last) > MAX_SERIES:
-            self._last = seen
+            self._last, self._born = seen, born
             self._since = None  # a series new to the next scrape may be an old one
             return True
         return False
