@@ -569,6 +569,38 @@ def test_the_source_is_up_only_while_a_publisher_is_connected():
         source.shutdown()
 
 
+def test_a_restarted_engine_numbering_from_where_its_predecessor_stopped_starts_over():
+    """vLLM published step 0 (blocks 1, 2) and went; restarted, it publishes step 0 again
+    (blocks 7, 8, 9), then step 1 (block 10). The restart's step 0 was a duplicate of the
+    old one, ignored, so its blocks went unseen and the old ones stayed resident for good:
+    a publisher lost since its last step sends no step twice, so its next 0 is a new
+    engine's. Its cache is {7, 8, 9, 10}."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    pipeline = Pipeline()
+    source = KvEventsSource(pipeline, endpoint, residency=KvResidency())
+    up = lambda: pipeline.snapshot().source_up.get("kv_events")  # noqa: E731
+    gpu = lambda: source.residency.resident.get("gpu", {}).keys()  # noqa: E731
+    source.start()
+    try:
+        for hashes in ([1, 2], [7, 8, 9]):
+            publisher = zmq.Context.instance().socket(zmq.PUB)
+            publisher.setsockopt(zmq.LINGER, 0)
+            publisher.connect(endpoint)
+            # until the subscription has reached the publisher, what it sends is lost: send
+            # the first step until it arrives (its repeats are duplicates, ignored)
+            assert wait_until(lambda: publisher.send_multipart(frames(0, stored(hashes)))
+                              or gpu() == set(hashes))
+            if hashes == [1, 2]:
+                publisher.close()
+                assert wait_until(lambda: up() is False)
+        publisher.send_multipart(frames(1, stored([10])))
+        assert wait_until(lambda: gpu() == {7, 8, 9, 10})
+        publisher.close()
+    finally:
+        source.shutdown()
+    assert pipeline.snapshot().events_dropped == {}
+
+
 def test_a_publisher_already_bound_when_the_agent_starts_reads_up(caplog, monkeypatch):
     """vLLM binds its PUB (``tcp://*:PORT``) and runs before the agent starts: the agent's
     connection is made as soon as it connects, in ZMQ's I/O thread, so the source reads 1 and

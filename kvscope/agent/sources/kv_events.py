@@ -163,6 +163,9 @@ class KvEventsSource(SourceWorker):
         self._socket = None
         self._monitor = None
         self._peers = 0  # publishers connected
+        # ranks whose publisher was lost since their last batch: a PUB socket sends no batch
+        # twice, so a next one numbered at or below the last is a restarted engine's
+        self._lost: set[int] = set()
         self._heard = False  # a publisher connected since the start
 
     name = NAME
@@ -270,6 +273,7 @@ class KvEventsSource(SourceWorker):
             if was_up:  # an engine gone holds no tier: its residency gauges leave until it
                 # publishes again (they stayed at their last values for good)
                 self.pipeline.forget_tiers(NAME)
+                self._lost = set(self.last_seqs)
 
     def handle(self, frames: list[bytes]) -> None:
         """One published message: check its sequence, fetch gaps, fold its events in."""
@@ -298,7 +302,7 @@ class KvEventsSource(SourceWorker):
                 return
         last = self.last_seqs.get(rank)
         if last is not None and seq <= last:
-            if seq < last:  # the engine restarted: its cache is empty again
+            if seq < last or rank in self._lost:  # the engine restarted: its cache is empty
                 self._restarted(rank)
             else:
                 return  # a duplicate
@@ -314,6 +318,7 @@ class KvEventsSource(SourceWorker):
             if lost:
                 self._drop("gap", f"{lost} batches missing after {last}", lost)
         self.last_seqs[rank] = seq
+        self._lost.discard(rank)
         self._apply(frames[2], rank)
 
     def _drop(self, reason: str, detail: str, batches: int = 1) -> None:
