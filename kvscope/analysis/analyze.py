@@ -253,8 +253,11 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
     if options.arc_points > 0 and tapped:
         notes.append("No ARC curve: the tap's sample would have to be sampled again for it.")
     elif options.arc_points > 0:
-        arc_sizes = np.unique(np.linspace(working_set / options.arc_points, working_set,
-                                          options.arc_points).round().astype(np.int64))
+        # at least 1 block: a working set under 6 blocks rounded its first size to 0, which
+        # read as a 0-byte cache that hits
+        arc_sizes = np.unique(np.maximum(np.linspace(
+            working_set / options.arc_points, working_set, options.arc_points).round(),
+            1).astype(np.int64))
         arc_rate = min(1.0, options.arc_sample_target / len(trace))
         arc = arc_curve(trace.block_ids, arc_sizes, arc_rate, seed=options.seed)
         notes.append("ARC block hit ratios overstate prefix hits: ARC may evict a block whose "

@@ -216,7 +216,7 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
                 for s, h, p in zip(sizes, hit, promoted)]
 
     curve = points(sizes)
-    affordable = [p for p in curve if p.blocks <= max(budget_blocks, 1)]
+    affordable = [p for p in curve if p.blocks <= budget_blocks]
     best_gain = max((p.cpu_token_hit_share for p in affordable), default=0.0)
     unlimited_gain = reuse - gpu_hit
 
@@ -234,6 +234,10 @@ def advise(histogram: DistanceHistogram, params: SizingParams, duration_seconds:
             reasons.append(f"The GPU prefix cache ({params.gpu_tokens:,} tokens) already serves "
                            f"{gpu_hit:.1%} of the {reuse:.1%} reusable prompt tokens; a CPU tier "
                            f"adds at most {unlimited_gain:.1%}.")
+        elif not budget_blocks:  # a 70B model's block is 160 MB: it was recommended anyway
+            reasons.append(f"The budget holds no block: {size_text(params.budget_bytes)} of "
+                           f"host RAM is less than one block of {params.block_tokens:,} tokens "
+                           f"({size_text(bpb)}).")
         else:
             need = _smallest_size(histogram, gpu_hit + params.min_gain)
             reasons.append(f"Reuse is too far apart for the budget: "

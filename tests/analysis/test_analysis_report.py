@@ -226,19 +226,22 @@ def test_sampled_methods_track_the_exact_curve(method):
     assert sampled.reuse.reuse_share == exact.reuse.reuse_share  # counted exactly either way
 
 
-def test_the_curve_table_has_no_row_of_0_blocks(tmp_path, capsys):
+@pytest.mark.parametrize("arc", [False, True], ids=["lru", "arc"])
+def test_the_curve_table_has_no_row_of_0_blocks(tmp_path, capsys, arc):
     """One block asked three times: a working set of 1 block, 2 of the 3 accesses hits from 1
     block on. The table's rows are 1 block at least (a row of 0 blocks read 0.6667, the 1-block
-    hit ratio, where a cache of nothing hits nothing; ARC off, so the rows are the LRU's)."""
+    hit ratio, where a cache of nothing hits nothing; ARC off, the rows are the LRU's, on, the
+    ARC curve's sizes, which had a 0 of their own for a working set under 6 blocks)."""
     path = tmp_path / "repeat.jsonl"
     path.write_text("".join(json.dumps({"timestamp": t, "input_length": 512,
                                         "output_length": 1, "hash_ids": [5]}) + "\n"
                             for t in (0, 1000, 2000)))
-    assert main(["analyze", str(path), "--preset", "tiny", "--arc-points", "0"]) == 0
+    assert main(["analyze", str(path), "--preset", "tiny",
+                 *(() if arc else ("--arc-points", "0"))]) == 0
     table = capsys.readouterr().out.split("Miss-ratio curves")[1].split("\n\n")[0]
     rows = [line.split() for line in table.splitlines()[2:]]
     # preset tiny's 2 KiB a token: a 512-token block is 1 MiB (it read "0.00 GiB")
-    assert rows == [["1", "1.0", "MiB", "0.6667", "0.6667", "-"]]
+    assert rows == [["1", "1.0", "MiB", "0.6667", "0.6667", "0.6667" if arc else "-"]]
 
 
 def test_a_sample_rate_the_method_does_not_use_is_named(small_trace):

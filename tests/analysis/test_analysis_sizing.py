@@ -83,6 +83,21 @@ def test_reuse_beyond_the_budget_is_called_out():
     assert "too far apart" in advice.verdict and "0.1 GiB" in advice.verdict
 
 
+@pytest.mark.parametrize("budget", [10, 16])
+def test_a_budget_that_holds_no_block_recommends_none(budget):
+    """Reuse at distance 0: a tier of 1 block (16 bytes) serves 50%. A 10-byte budget holds
+    no block: do not offload, it says why (a 1-block tier, 1.6 times the budget, was
+    recommended: a 70B model's 512-token block is 160 MB). 16 bytes hold it: offload."""
+    advice = advise(far_reuse(distance=0), SizingParams(ROUND, 1, FAST, budget_bytes=budget),
+                    10.0)
+    if budget < 16:
+        assert not advice.offload and advice.recommended is None
+        assert advice.verdict == ("Do not offload. The budget holds no block: 10 bytes of host "
+                                  "RAM is less than one block of 1 tokens (16 bytes).")
+    else:
+        assert advice.offload and advice.recommended.blocks == 1
+
+
 def test_a_gpu_cache_that_already_holds_the_reuse_leaves_nothing_to_offload():
     advice = advise(far_reuse(), SizingParams(ROUND, 1, FAST, gpu_tokens=10), 10.0)
     assert advice.gpu_token_hit_share == pytest.approx(0.5)
