@@ -29,6 +29,7 @@ Pure: samples in, dataclasses out. :func:`to_json` and :func:`render_text` rende
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -580,39 +581,82 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
                    "more requests.", reasons)
 
 
-def failed_requests(baseline: Side, candidate: Side, confidence: float,
-                    failing_runs: int) -> Verdict | None:
-    """Roll back when the ``candidate`` failed a significantly larger share of its requests
-    than the ``baseline`` (finished plus failed), in at least 2 of its runs
-    (``failing_runs``: how many of its runs failed any): Fisher's exact test, one-sided, at
-    :func:`runs_alpha` (the requests as the unit). Failures come in bursts: one stall cuts
-    off every request in flight (8 of 360 against none: p = 0.004), so failures from one run
-    alone are ``inconclusive``, as a latency regression seen in one run is. None when either
-    arm did not count them, or neither failed any. The latency rule reads finished requests
-    only, so without this a candidate that fails its slowest requests reads faster (a review
-    planted 5% failed requests, the slowest, into identical arms: "keep", p99 TTFT 67 ms
-    better). A third test beside TTFT's and ITL's at the same level: identical arms roll
-    back in at most about 3.75% of comparisons, not 2.5%."""
-    b, c = baseline.failed_requests, candidate.failed_requests
+def failed_requests(baseline: Sequence[RequestSample], candidate: Sequence[RequestSample],
+                    confidence: float, noise: Sequence[Sequence[RequestSample]] = (),
+                    by_runs: bool = True, seed: int = 0) -> Verdict | None:
+    """Roll back when the ``candidate`` (its runs) failed a significantly larger share of its
+    requests (finished plus failed) than the ``baseline``: Fisher's exact test, one-sided, on
+    the requests, and, with ``by_runs``, the runs as the unit too, at :func:`runs_alpha` each.
+    Failures come in bursts: one stall cuts off every request in flight (8 of 360 against
+    none: Fisher's p = 0.004), so requests are no independent draws; with stalls in 3 of 10
+    runs of either arm alike, Fisher alone rolled identical arms back in 12% of comparisons.
+    The runs test (:func:`runs_permutation`) compares each run's share of failed requests,
+    the candidate's against the baseline's and the ``noise`` arms' (runs of the baseline's
+    configuration); it cannot go below 1 / C(n, k) (k candidate runs of n), so 3 runs against
+    3 can only say ``inconclusive`` (1/20), 3 against 6 (the rollout's baseline and A/A twin)
+    can roll back (1/84). None when either arm did not count them, or neither failed any.
+    The latency rule reads finished requests only, so without this a candidate that fails its
+    slowest requests reads faster (a review planted 5% failed requests, the slowest, into
+    identical arms: "keep", p99 TTFT 67 ms better). A third test beside TTFT's and ITL's at
+    the same level: identical arms roll back in at most 3.75% of comparisons."""
+    b, c = failed_requests_of(baseline), failed_requests_of(candidate)
     if b is None or c is None or not (b or c):
         return None
     from scipy import stats  # here only: every kvscope command imports this module
 
-    table = [[c, candidate.requests], [b, baseline.requests]]
+    finished = (sum(s.requests for s in candidate), sum(s.requests for s in baseline))
+    table = [[c, finished[0]], [b, finished[1]]]
     p = float(stats.fisher_exact(table, alternative="greater").pvalue)
-    shares = (f"the candidate failed {c} of {c + candidate.requests} requests "
-              f"({c / (c + candidate.requests):.1%}), the baseline {b} of "
-              f"{b + baseline.requests} ({b / (b + baseline.requests):.1%})")
-    reason = (f"failed requests: {shares}; one-sided Fisher's exact p = {p:.3g}; the "
-              f"candidate's failures in {failing_runs} of its {candidate.runs} runs")
-    if p >= runs_alpha(confidence):
-        return Verdict(KEEP, f"{KEEP}: {shares}, not significantly more.", [reason])
-    if failing_runs < 2:
-        return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {shares}, significantly more, but all "
-                       "in one run: a burst (a stall cuts off every request in flight) is not "
-                       "shown to be the candidate's; run more repetitions.", [reason])
-    return Verdict(ROLL_BACK, f"{ROLL_BACK}: {shares}, significantly more, in "
-                   f"{failing_runs} runs; its latencies leave those requests out.", [reason])
+    shares = (f"the candidate failed {c} of {c + finished[0]} requests "
+              f"({c / (c + finished[0]):.1%}), the baseline {b} of "
+              f"{b + finished[1]} ({b / (b + finished[1]):.1%})")
+    reasons = [f"failed requests: {shares}; one-sided Fisher's exact p = {p:.3g}"]
+    alpha = runs_alpha(confidence)
+    if p >= alpha:
+        return Verdict(KEEP, f"{KEEP}: {shares}, not significantly more.", reasons)
+    if by_runs:
+        # runs of the baseline's configuration; a noise run that did not count its own says
+        # nothing of them
+        pool = [*baseline, *(s for arm in noise for s in arm if s.failed_requests is not None)]
+        runs_p, floor = runs_permutation(_failed_shares(candidate), _failed_shares(pool), seed)
+        reasons.append(f"runs as the unit: one-sided permutation p = {runs_p:.3g} that the "
+                       f"candidate's {len(candidate)} runs fail a larger share than the "
+                       f"{len(pool)} of the baseline's configuration (the least p they can "
+                       f"give: {floor:.3g}; a roll back needs under {alpha:.3g})")
+        if runs_p >= alpha:
+            return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {shares}, significantly more "
+                           "requests, but not significantly more in its runs (one stall cuts "
+                           "off every request in flight): a burst is not shown to be the "
+                           "candidate's; run more repetitions.", reasons)
+    return Verdict(ROLL_BACK, f"{ROLL_BACK}: {shares}, significantly more; its latencies "
+                   "leave those requests out.", reasons)
+
+
+def _failed_shares(runs: Sequence[RequestSample]) -> np.ndarray:
+    """Each run's failed requests over its requests (finished plus failed)."""
+    return np.array([s.failed_requests / (s.failed_requests + s.requests) for s in runs
+                     if s.failed_requests + s.requests], dtype=np.float64)
+
+
+def runs_permutation(candidate: np.ndarray, baseline: np.ndarray, seed: int = 0,
+                     draws: int = 20_000) -> tuple[float, float]:
+    """One-sided permutation test that the ``candidate``'s values (one per run) are larger
+    than the ``baseline``'s: ``(p, the least p possible)``, p being the share of the ways of
+    splitting the runs into groups of their sizes whose candidate group sums to as much or
+    more (exact: every split, up to ``draws`` of them; else ``draws`` random ones, seeded,
+    p = (1 + as many or more) / (1 + draws); Phipson & Smyth 2010). Identical arms: p is
+    uniform or above it, so they fall under a level alpha in at most alpha of comparisons."""
+    k, values = len(candidate), np.concatenate((candidate, baseline))
+    n = len(values)
+    if not k or k == n:
+        return 1.0, 1.0
+    observed = float(candidate.sum()) - 1e-12 * max(1.0, float(np.abs(values).sum()))
+    if math.comb(n, k) <= draws:
+        splits = np.array(list(itertools.combinations(range(n), k)), dtype=np.intp)
+        return float((values[splits].sum(axis=1) >= observed).mean()), 1 / len(splits)
+    rng = np.random.default_rng(seed)
+    sums = np.array([values[rng.permutation(n)[:k]].sum() for _ in range(draws)])
+    return float((1 + (sums >= observed).sum()) / (1 + draws)), 1 / (1 + draws)
 
 
 def combine(verdicts: dict[str, Verdict]) -> Verdict:
@@ -746,8 +790,7 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
                      "drift of the host between the two windows reads as a difference; "
                      "interleave the arms' runs (A B A B ...)")
     by_metric = {"TTFT": judged[0], **({"ITL": judged[1]} if len(judged) > 1 else {})}
-    failed = failed_requests(*sides, confidence,
-                             sum(1 for s in cand if s.failed_requests))
+    failed = failed_requests(base, cand, confidence, noise, by_runs, seed)
     if failed is not None:
         by_metric[FAILED] = failed
     result = combine(by_metric)

@@ -24,7 +24,8 @@ out ``roll back`` on a metric, the set-up is too noisy to judge that metric, who
 back`` becomes ``inconclusive``; the other metric still stands on its own floor (sub-millisecond
 ITL jitter between two runs of one server must not hide a TTFT regression four times over).
 Significantly more failed requests (:func:`~kvscope.analysis.compare.failed_requests`, in
-two runs or more) is a ``roll back`` unless the A/A pair's own failures are significant too.
+the requests and in the runs) is a ``roll back`` unless the A/A pair's own failures are
+significant too.
 Pure: request samples in, dataclasses out.
 """
 

@@ -15,7 +15,8 @@ from kvscope.agent.requests import RequestRecord, TransferRecord
 from kvscope.analysis.bootstrap import compare_quantiles, quantile_cis, quantile_replicates
 from kvscope.analysis.capture_reader import read_request_sample
 from kvscope.analysis.compare import (INCONCLUSIVE, KEEP, ROLL_BACK, RequestSample, compare,
-                                      measured_sources, render_text, runs_test, to_dict)
+                                      failed_requests, measured_sources, render_text,
+                                      runs_permutation, runs_test, to_dict)
 from kvscope.cli import main
 from kvscope.dashboard.figures_compare import transfer_cost
 
@@ -499,6 +500,48 @@ def test_identical_arms_never_roll_back_while_a_planted_regression_is_found():
         result = compare(_runs_with_effects(rng, 3), _runs_with_effects(rng, 3, shift=1.0),
                          resamples=400)
         assert result.verdict.decision == ROLL_BACK, result.verdict
+
+
+def _stalling_runs(rng, n, stall):
+    """``n`` runs of 200 finished requests, each stalling with probability ``stall``: a stall
+    cuts off the 8 requests in flight, failed."""
+    ttft = np.full(200, 0.05)
+    return [RequestSample("run", ttft, ttft / 10,
+                          failed_requests=8 if rng.random() < stall else 0) for _ in range(n)]
+
+
+def test_bursts_of_failures_in_identical_arms_never_roll_back_and_a_planted_rise_does():
+    """A/A: 200 pairs of arms of 3 runs each, every run stalling with probability 0.3 (8
+    requests lost). Fisher's test on the requests alone called 2 or 3 stalls against none
+    significant, and with the candidate's failures in 2 runs or more it rolled back 12% of
+    identical pairs; with the runs as the unit, 3 runs against 3 cannot go below p = 1/20
+    and never do. Planted: the candidate stalls in every run, the baseline and its A/A twin
+    (6 runs) never: p = 1/C(9, 3) = 1/84 < 0.0125, roll back; without the twin, 3 against 3,
+    inconclusive (the least p, 0.05, said)."""
+    rng = np.random.default_rng(11)
+    decisions = [getattr(failed_requests(_stalling_runs(rng, 3, 0.3),
+                                         _stalling_runs(rng, 3, 0.3), 0.95), "decision", None)
+                 for _ in range(200)]
+    assert ROLL_BACK not in decisions and decisions.count(INCONCLUSIVE) > 10
+    stalling, calm = _stalling_runs(rng, 3, 1.0), _stalling_runs(rng, 6, 0.0)
+    planted = failed_requests(calm[:3], stalling, 0.95, noise=[calm[3:]])
+    assert planted.decision == ROLL_BACK
+    assert "one-sided permutation p = 0.0119" in planted.reasons[-1]
+    alone = failed_requests(calm[:3], stalling, 0.95)
+    assert alone.decision == INCONCLUSIVE and "the least p they can give: 0.05;" in \
+        alone.reasons[-1]
+
+
+def test_the_runs_permutation_test_counts_the_splits_by_hand():
+    """Exact: all 3 high runs in the candidate, of 9 -> 1/C(9,3) = 1/84; one of its 3 high,
+    none of the 6 others -> the splits holding that run, C(8,2) = 28 of 84 = 1/3. Random
+    (C(20,10) = 184,756 splits, over the 20,000 drawn): 10 high against 10 low -> no draw
+    but the observed split reaches it, p = 1/20,001 (Phipson & Smyth's +1)."""
+    ones, zeros = np.ones(3), np.zeros(6)
+    assert runs_permutation(ones, zeros) == (pytest.approx(1 / 84), pytest.approx(1 / 84))
+    assert runs_permutation(np.array([1.0, 0, 0]), zeros)[0] == pytest.approx(28 / 84)
+    p, least = runs_permutation(np.ones(10), np.zeros(10), seed=3)
+    assert least == pytest.approx(1 / 20_001) and p <= 2 / 20_001
 
 
 def test_identical_arms_draw_no_note_on_the_unjudged_quantiles_and_a_slower_median_does():
