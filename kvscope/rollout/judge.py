@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.analysis.compare import (FAILED, INCONCLUSIVE, ROLL_BACK, Comparison,
+from kvscope.analysis.compare import (FAILED, INCONCLUSIVE, KEEP, ROLL_BACK, Comparison,
                                       RequestSample, Verdict, combine, compare,
                                       failed_requests_of, failures_unmeasured,
                                       measured_sources, ms, promotion_waits, transfer_failures)
-from kvscope.rollout.plan import Step, aa_slot
+from kvscope.rollout.plan import Step, aa_slot, streams
 
 
 @dataclass(frozen=True)
@@ -175,4 +175,27 @@ def judge(results: Sequence[tuple[Step, RequestSample]], baseline: str, candidat
     if aa and floor is None:
         verdict = dataclasses.replace(verdict, reasons=verdict.reasons + [
             "no A/A run finished: the noise floor is not measured"])
-    return Judgement(candidate, per_level, overall, floor, aa_levels, verdict)
+    return Judgement(candidate, per_level, overall, floor, aa_levels,
+                     _levels_rolled_back(verdict, per_level, aa_levels))
+
+
+def _levels_rolled_back(verdict: Verdict, levels: dict[int, Comparison],
+                        aa_levels: dict[int, Comparison]) -> Verdict:
+    """``verdict`` (the whole ramp's), ``inconclusive`` where it keeps but a level's own
+    verdict, after that level's A/A gate, is roll back: the ramp's p99 rests on its busiest
+    levels, so a candidate 3 times slower at 1 stream and faster at 16 read "keep". Not a
+    roll back: each level is one more test, and identical arms must not roll back more often
+    for it."""
+    slower = []
+    for lv, c in sorted(levels.items()):
+        if (c.verdict if lv not in aa_levels else _gate(c, aa_levels[lv])).decision == ROLL_BACK:
+            on = ", ".join(m for m, v in c.by_metric.items() if v.decision == ROLL_BACK)
+            slower.append(f"{streams(lv)} (on {on})")
+    if not slower:
+        return verdict
+    said = f"a level's own verdict is roll back: at {', at '.join(slower)}"
+    if verdict.decision != KEEP:
+        return dataclasses.replace(verdict, reasons=verdict.reasons + [said])
+    return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: the whole ramp keeps it, but {said}. The "
+                   "ramp's p99 rests on its busiest levels: judge whether those levels' "
+                   "latency matters to the service.", verdict.reasons + [said])

@@ -18,6 +18,11 @@ DEFAULT_LEVELS = (1, 2, 4, 8, 16)
 DEFAULT_REPETITIONS = 3
 
 
+def streams(level: int) -> str:
+    """"1 stream", "8 streams": a load level in words."""
+    return f"{level} stream" + ("" if level == 1 else "s")
+
+
 @dataclass(frozen=True)
 class Step:
     """One run: ``slot`` (an arm's name, or the baseline's A/A twin), the arm it drives,

@@ -30,7 +30,7 @@ from kvscope.rollout import loadgen, report, workload
 from kvscope.rollout.arms import Arm, ArmError, cost
 from kvscope.rollout.host import HostSampler
 from kvscope.rollout.judge import judge
-from kvscope.rollout.plan import Step, plan
+from kvscope.rollout.plan import Step, plan, streams
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals
 
 SEED_STRIDE = 1_000_003  # runs of one session get seeds seed * stride + index: never shared
@@ -76,11 +76,6 @@ def _loadgen_version(executable: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.strip().rsplit(" ", 1)[-1] or "unknown"
-
-
-def streams(level: int) -> str:
-    """"1 stream", "8 streams": a load level in words."""
-    return f"{level} stream" + ("" if level == 1 else "s")
 
 
 def _sample(run: dict) -> RequestSample:

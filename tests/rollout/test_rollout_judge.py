@@ -62,6 +62,30 @@ def test_a_planted_regression_far_above_the_noise_is_rolled_back():
         assert comparison.ttft[-1].difference.low > 0
 
 
+@pytest.mark.parametrize("planted", [False, True], ids=["alike", "3x at 1 stream"])
+def test_a_regression_at_one_level_alone_is_not_kept(planted):
+    """Levels 1 and 16; the candidate 10% faster at 16 streams and, planted, 3 times slower at
+    1 stream. The whole ramp's p99 rests on the 16-stream requests (16 times slower than the
+    1-stream ones): it keeps the candidate either way, and with the regression the final
+    verdict was "keep", the 1-stream roll back shown nowhere. Now it is inconclusive and names
+    the level; without it, keep."""
+    scale = {"A": 0.1, "B": 0.1, aa_slot("A"): 0.1}
+    results = [(step, dataclasses.replace(
+        sample, ttft=sample.ttft * factor, itl=sample.itl * factor))
+        for step, sample in simulated_runs(["A", "B"], scale, seed=7, levels=(1, 16))
+        for factor in [(3.0 if planted and step.level == 1 else 0.9) if step.slot == "B"
+                       else 1.0]]
+    j = judge(results, "A", "B", **OPTIONS)
+    assert j.overall.verdict.decision == KEEP, j.overall.verdict.text
+    if planted:
+        assert j.levels[1].verdict.decision == ROLL_BACK
+        assert j.verdict.decision == INCONCLUSIVE
+        assert "a level's own verdict is roll back: at 1 stream (on TTFT, ITL)" in \
+            j.verdict.text
+    else:
+        assert j.verdict.decision == KEEP, j.verdict.text
+
+
 def test_a_ttft_regression_is_rolled_back_though_an_unchanged_itl_is_noisy():
     """TTFT 1.6x on the candidate; ITL the same on every arm (1 ms), so its A/A difference is
     noise that may exceed the candidate's (also noise): that must not hide the TTFT regression

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.rollout.plan import aa_slot, plan
-from kvscope.rollout.session import streams
+from kvscope.rollout.plan import aa_slot, plan, streams
 
 
 def test_every_slot_runs_once_per_level_and_repetition_in_alternating_order():
