@@ -184,10 +184,6 @@ def run(args: argparse.Namespace) -> int:
             what = "a directory that holds files" if out.is_dir() else "a file"
             raise ValueError(f"--out {out}: {what} already; a rollout writes its report into "
                              "a new or empty directory: give another --out")
-        try:  # now, not after the servers started
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(f"--out {out}: cannot create it ({exc.strerror})") from None
         options = Options(
             levels=args.levels, repetitions=args.repetitions, requests=args.requests,
             warmup_requests=args.warmup_requests, aa=args.aa, workload=args.workload,
@@ -198,7 +194,11 @@ def run(args: argparse.Namespace) -> int:
             judge={"ttft_budget": args.ttft_budget, "itl_budget": args.itl_budget,
                    "confidence": args.confidence, "resamples": args.resamples,
                    "seed": args.seed, "min_requests": args.min_requests})
-        session = Session(arms, options, out)
+        session = Session(arms, options, out)  # checks the plan: no --out made for a bad one
+        try:  # now, not after the servers started
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--out {out}: cannot create it ({exc.strerror})") from None
     except (ValueError, loadgen.LoadgenError) as exc:  # TraceError is a ValueError
         print(f"kvscope rollout: error: {exc}", file=sys.stderr)
         return 2

@@ -323,7 +323,8 @@ def test_an_agent_that_counts_nothing_is_warned_of_and_its_hit_quality_not_measu
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, says):
     """Nothing listens on the port; the load generator named does not exist; a budget, levels,
-    arms, resamples, trace, tokenizer path or report directory the command cannot use."""
+    arms, resamples, trace, tokenizer path or report directory the command cannot use. Only a
+    session that began (a server waited for) leaves its --out."""
     port, = free_ports(1)
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     loadgen_args = [] if "--loadgen" in args else ["--loadgen", sys.executable]
@@ -335,6 +336,8 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, says):
     assert says.format(p=port, tmp=tmp_path) in lines[-1] and len(_errors(err)) == 1, err
     if "did not answer" in says:  # the session had begun: its (empty) report is kept
         assert json.loads((tmp_path / "r" / "rollout.json").read_text())["runs"] == []
+    elif out_args:  # refused before: no --out made (one arm had left an empty one)
+        assert not (tmp_path / "r").exists()
 
 
 def test_an_arm_left_unjudged_is_named_in_the_report_page():
