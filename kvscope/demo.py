@@ -82,6 +82,18 @@ def _replay(replayer: Replayer, out, duration: float | None) -> None:
               f"dashboard stay up until {until}", file=out, flush=True)
 
 
+def settle_capture(directory: Path) -> str:
+    """What a finished demo run left in its capture ``directory``, as the end of its last line.
+    A run stopped before any request finished leaves it empty (its state segments alone made
+    it one the next demo refused as an earlier run's, and analyze and compare read no run
+    from it)."""
+    if finished_segments(directory, "requests"):
+        return f"; its capture is in {directory}"
+    for segment in finished_segments(directory):
+        segment.unlink(missing_ok=True)
+    return f"; nothing captured (no request finished), {directory} left empty"
+
+
 def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     """Run the demo until ``config.duration`` passes or SIGINT/SIGTERM; return the exit code:
     0, or 1 when its capture lost rows it could not write (a full disk).
@@ -215,7 +227,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     # what the run left behind: a tryout found it said only in the banner, long scrolled away
     kept = "; nothing kept (--capture-dir DIR records a run)"
     if config.capture_dir:  # a capture that lost rows gets its own error line below
-        kept = "" if lost else f"; its capture is in {config.capture_dir}"
+        kept = "" if lost else settle_capture(Path(config.capture_dir))
     print(f"kvscope demo: stopped after {replayer.served} requests{kept}", file=out, flush=True)
     ignore_signals_while_exiting()
     if lost:  # a script reading the capture next must not take it for the whole run

@@ -852,6 +852,36 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
                              str(tmp_path / "cap")), "segments of an earlier run")
 
 
+@pytest.mark.parametrize("requests", [0, 1])
+def test_a_demo_run_that_finished_no_request_leaves_its_capture_directory_empty(tmp_path,
+                                                                              requests):
+    """A demo stopped before its first request finished (Ctrl-C a second in) left a tiers
+    segment alone in its capture: the next demo refused the directory as an earlier run's,
+    and analyze and compare read no request from it. Its segments now go, and its last line
+    says so; a capture with a request stays."""
+    from kvscope.agent.capture import CaptureWriter, finished_segments
+    from kvscope.agent.requests import RequestRecord
+    from kvscope.demo import settle_capture
+
+    capture = tmp_path / "cap"
+    writer = CaptureWriter(capture)
+    writer.start()
+    writer.add_sample({"ts": time.time(), "transfer_bytes": {}, "transfer_blocks": {},
+                       "transfer_seconds_sum": {}, "tier_capacity_bytes": {"gpu": 4096},
+                       "tier_capacity_blocks": {"gpu": 1}})
+    for i in range(requests):
+        writer.add_request(RequestRecord(f"r{i}", "ab" * 16, "engine", time.time(),
+                                         prompt_tokens=8, finished=time.time() + 1))
+    writer.shutdown()
+    assert finished_segments(capture, "tiers")
+    said = settle_capture(capture)
+    if requests:
+        assert said == f"; its capture is in {capture}" and finished_segments(capture, "tiers")
+    else:
+        assert said == f"; nothing captured (no request finished), {capture} left empty"
+        assert finished_segments(capture) == []
+
+
 def test_a_demo_whose_capture_lost_rows_says_so_and_exits_1(tmp_path):
     """A demo capturing onto a disk that fills (a real 64 KiB tmpfs: 5 s of the synthetic
     workload write some hundred thousand rows) logged the loss but exited 0, so a script
