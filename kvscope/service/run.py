@@ -65,8 +65,9 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     for name, part in agent.sources.items():
         print("  " + SOURCES[name].banner(getattr(settings, name), part, base), file=out)
     if settings.store_dir:
-        print(f"  store: {settings.store_dir} ({len(agent.pipeline.requests)} requests restored)",
-              file=out)
+        restored = len(agent.pipeline.requests)
+        print(f"  store: {settings.store_dir} ({restored} request{'s' * (restored != 1)} "
+              "restored)", file=out)
     if settings.capture_dir:
         print(f"  capture: {settings.capture_dir} (at most {settings.capture_max_bytes:,} bytes)",
               file=out)

@@ -244,7 +244,7 @@ def test_blocks_stored_for_nothing():
     """cpu evicts 1 block a second (the counter), 90 % of them never hit (the hit histogram,
     a weighted sample reading 4 times as many evictions, as one that samples the same few
     repeated prompts does): fires (over 80 %) and names the counter's 60, not the
-    histogram's 240; 70 %: fine; fewer than 20 evictions in the window, or no hit counts at
+    histogram's 240; 70 %: fine, saying where the line is; fewer than 20 evictions in the window, or no hit counts at
     all: not measured."""
     def w(never, hit, n=N):  # buckets: 0 hits, 1 hit, then 7 empty ones
         return [{"ts": T0 + i, "evicted_blocks": {"cpu": float(i)},
@@ -252,7 +252,9 @@ def test_blocks_stored_for_nothing():
                 for i in range(n)]
     f = M.stored_for_nothing(w(0.9, 0.1), S)
     assert f.status == MISCONFIGURED and "cpu: 90% of 60 evicted blocks never" in f.wrong
-    assert M.stored_for_nothing(w(0.7, 0.3), S).status == OK
+    f = M.stored_for_nothing(w(0.7, 0.3), S)
+    assert f.status == OK and f.wrong == ("cpu: 70% of 60 evicted blocks never reused (stored "
+                                          "for nothing over 80%)")
     assert M.stored_for_nothing(w(0.9, 0.1, n=5), S).status == NOT_MEASURED
     f = M.stored_for_nothing(window(), S)
     assert f.status == NOT_MEASURED and "hit counts" in f.wrong
