@@ -68,6 +68,12 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=4_102_444_800.0)]  # 2100-01-01T00:00Z
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]  # per second
 Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]  # a share: 1 is all
+# finite bucket bounds a histogram event may have (vLLM's TTFT histogram has 20): its counts,
+# each up to 2**53, then add up within a 64-bit counter
+MAX_BUCKETS = 255
+# the least share of block hashes a lookup may say it sampled: kvscope.sampling's (one step of
+# its 2**32); a rate of 5e-324 made each sampled block count as 2e323, +Inf for good
+MIN_BLOCK_SAMPLE_RATE = 2.0**-32
 # Request ids are kept per request (100,000 by default) and trace ids are W3C's 32 hex digits:
 # both bounded, so a sender cannot grow the agent's memory through them.
 MAX_REQUEST_ID = 256  # characters; senders cut longer ids to this (the same cut on every side)
@@ -288,7 +294,10 @@ class LatencyHistogram(_Event, tag="latency_histogram"):
 
 def _check_buckets(bounds: list[float], counts: list[int]) -> None:
     """ValueError unless ``counts`` has one entry per bucket of ascending ``bounds`` and one
-    above them (msgspec turns it into a ValidationError when decoding: the event is invalid)."""
+    above them, at most :data:`MAX_BUCKETS` (msgspec turns it into a ValidationError when
+    decoding: the event is invalid)."""
+    if len(bounds) > MAX_BUCKETS:
+        raise ValueError(f"a histogram has {len(bounds)} bounds, more than {MAX_BUCKETS}")
     if len(counts) != len(bounds) + 1:
         raise ValueError(f"a histogram has {len(bounds)} bounds, so "
                          f"{len(bounds) + 1} counts, not {len(counts)}")
@@ -388,7 +397,9 @@ class EngineMemory(_Event, tag="engine_memory"):
     cache and the engine's persistent buffers.
     """
 
-    device: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    # the form alone, or one sender's made-up names grew the agent's reports per device
+    device: Annotated[str, msgspec.Meta(
+        pattern=r"^([0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7])?$")] = ""
     kv_offload_budget: Count | None = None
     kv_cache: Count | None = None
     allocated: Count | None = None
@@ -468,8 +479,8 @@ def _lookup_problem(event: Lookup) -> str | None:
             return f"{len(getattr(event, name))} {name} for {hashes} block hashes"
     if event.block_depths and max(event.block_depths) >= event.blocks:
         return f"a block depth of {max(event.block_depths)} in a lookup of {event.blocks} blocks"
-    if not event.block_sample_rate:
-        return "block hashes sampled at a rate of 0"
+    if event.block_sample_rate < MIN_BLOCK_SAMPLE_RATE:
+        return f"block hashes sampled at a rate of {event.block_sample_rate:g}"
     sources = event.block_sources
     try:  # prefix semantics: recompute from the first one on
         first = sources.index("recompute")
