@@ -497,7 +497,63 @@ def worker_run() -> dict:
     worker.get_finished()
     worker.shutdown()
     return {"ok": ok, "copied": bool(torch.equal(kv[2:4], kv[0:2])),
-            "events": events(sent), "errors": worker.errors}
+            "events": events(sent), "errors": worker.errors, "stamped": stamped_store()}
+
+
+def stamped_store() -> dict:
+    """One store of 64 blocks of 1 MiB through kvscope's CPU worker, which copies within
+    ``submit_store``: the call's start and end (Unix seconds) and the Transfer's ``ts`` and
+    ``duration``."""
+    page = 1 << 20
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=torch.ones((64, page), dtype=torch.int8),
+                                        page_size_bytes=page)],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]])
+    sent: list = []
+    emitter = type("Emitter", (), {"emit": staticmethod(sent.append),
+                                   "close": staticmethod(lambda: None)})()
+    worker = TapWorker(CpuBlockCopyWorker(caches, blocks_per_chunk=1, num_chunks=64), emitter)
+    called = time.time()
+    worker.submit_store(1, GPULoadStoreSpec(list(range(64)), [64], [0]),
+                        CPULoadStoreSpec(list(range(64))))
+    returned = time.time()
+    worker.get_finished()
+    worker.shutdown()
+    (transfer,) = [e for e in sent if type(e).__name__ == "Transfer"]
+    return {"called": called, "returned": returned, "ts": transfer.ts,
+            "duration": transfer.duration}
+
+
+def spec_run(root: str) -> dict:
+    """What vLLM reads of kvscope's spec class: whether vLLM's offload metrics keep their
+    deprecated counters for it (as for the CPUOffloadingSpec it wraps), and what kvscope's
+    CPU worker says to a tiering spec with ``canonical_layout``."""
+    from prometheus_client import Counter, Gauge, Histogram
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadPromMetrics)
+
+    from kvscope.agent.taps.vllm_cpu_worker import build_cpu_worker
+
+    extra = {"spec_name": "KvscopeOffloadingSpec", "spec_module_path": "kvscope.agent.taps.vllm",
+             "cpu_bytes_to_use": CPU_CHUNKS * PAGE}
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+    metrics = OffloadPromMetrics(config, {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+                                 ["model_name", "engine"], {0: ["m", "0"]})
+    spec = KvscopeOffloadingSpec(dataclasses.replace(
+        offloading_config(tiering_extra(root), f"kvscope-check-{uuid.uuid4().hex}"),
+        canonical_layout=True))
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=torch.zeros((8, PAGE), dtype=torch.int8),
+                                        page_size_bytes=PAGE)],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=PAGE)]])
+    try:
+        build_cpu_worker(spec.inner, caches)
+        canonical = "built"
+    except ValueError as exc:
+        canonical = str(exc)
+    return {"deprecated_metrics": metrics._observe_deprecated_metrics, "canonical": canonical}
 
 
 def docs_run(doc: Path) -> list[dict]:
@@ -530,7 +586,7 @@ def main() -> None:
               "tiering": tiering_run(f"{root}/tiering"),
               "tiering_reset": tiering_reset_run(f"{root}/reset"),
               "tiering_unseen": tiering_unseen_run(f"{root}/unseen"),
-              "worker": worker_run(),
+              "worker": worker_run(), "spec": spec_run(f"{root}/spec"),
               "docs": docs_run(ROOT / "docs" / "vllm.md")}
     Path(out_path).write_text(json.dumps(result, default=str))
     print("ok")

@@ -157,6 +157,33 @@ def test_kvscope_cpu_worker_in_the_tap_takes_expedited_loads(run):
         [("gpu", "cpu", 0, 0), ("cpu", "gpu", 0, 0)]
 
 
+def test_a_transfer_is_stamped_when_it_is_submitted(run):
+    """kvscope's CPU worker copies within ``submit_store`` (64 MiB here): the tap stamped the
+    Transfer after the call, at the copy's end, so the agent placed it one whole copy late
+    (and joined loads to requests by that time). It is stamped before the call now: its
+    span lies within the call's."""
+    stamped = run["worker"]["stamped"]
+    assert stamped["called"] <= stamped["ts"]
+    assert stamped["ts"] + stamped["duration"] <= stamped["returned"] + 1e-3, stamped
+
+
+def test_vllm_keeps_its_deprecated_offload_counters_under_the_tap(run):
+    """vLLM's OffloadPromMetrics counts vllm:kv_offload_total_bytes, _total_time and _size
+    for CPUOffloadingSpec's subclasses alone; named in the config, kvscope's spec was none,
+    so under the tap they stayed at 0. The spec wrapping CPUOffloadingSpec (or a tiering spec,
+    its subclass) is one now."""
+    assert run["spec"]["deprecated_metrics"] is True
+
+
+def test_kvscopes_cpu_worker_refuses_vllms_canonical_layout(run):
+    """vLLM's tiering worker writes canonical pages for ``canonical_layout`` (or refuses a
+    layout it cannot certify); kvscope's CPU-platform worker wrote direct pages, which the fs
+    tier kept under the canonical format's identity. It refuses, saying what to remove."""
+    assert run["spec"]["canonical"] == (
+        "kvscope's CPU-platform worker writes vLLM's direct KV layout only: remove "
+        "canonical_layout from kv_connector_extra_config")
+
+
 def test_tiering_manager_cascades_promotions_evictions_and_reset(run):
     """vLLM's tiering manager (CPU tier of 4 chunks over its fs tier) through the tap, in the
     connector's order of the release (tests/vllm_manager_check.py ``tiering_run``):

