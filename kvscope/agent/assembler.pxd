@@ -43,6 +43,7 @@ cdef class RequestAssembler:
     cdef Py_ssize_t _max, _max_recent
     cdef public object joined
     cdef public object abandoned
+    cdef set _bound_logged  # sources whose bound was logged
     cdef public dict amended
 
     cdef _Requests _tables(self, str source)

@@ -264,7 +264,23 @@ cdef class RequestAssembler:
         self._max, self._max_recent = max_inflight, max_recent
         self.joined = joined
         self.abandoned = Counter()
+        self._bound_logged = set()
         self.amended = {}
+
+    def abandon(self, str source) -> int:
+        """Close ``source``'s requests in flight that started, which will never finish (its
+        engine stopped without finishing them), counting each in ``abandoned``; records that
+        other events opened (a lookup alone: a sender that reports no starts) and its recent
+        records stay. Returns how many it closed."""
+        cdef _Requests tables = self._sources.get(source)
+        if tables is None:
+            return 0
+        started = [rid for rid in tables.inflight if rid not in tables.unstarted]
+        for rid in started:
+            del tables.inflight[rid]
+        if started:
+            self.abandoned[source] += len(started)
+        return len(started)
 
     cdef _Requests _tables(self, str source):
         cdef _Requests tables = self._sources.get(source)
@@ -330,7 +346,8 @@ cdef class RequestAssembler:
 
     cdef int _bound(self, str source, _Requests tables) except -1:
         cdef dict inflight = tables.inflight
-        if len(inflight) > self._max and not self.abandoned[source]:
+        if len(inflight) > self._max and source not in self._bound_logged:
+            self._bound_logged.add(source)
             log.warning("kvscope: source %r has %d requests started and not finished; the "
                         "oldest are abandoned (counted as dropped, reason abandoned; logged "
                         "once per source; the agent's requests_open_per_source raises the "

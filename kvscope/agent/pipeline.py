@@ -386,6 +386,15 @@ class Pipeline:
             self._tiers.forget(source)
             self._fold.forget_gauges(source)
 
+    def abandon_requests(self, source: str) -> int:
+        """Count ``source``'s requests in flight that started as abandoned (``events_dropped``,
+        reason ``abandoned``) and close them: its engine stopped, and every emitter of it
+        closed, without finishing them. A dead engine's record had stayed open, and a client's retry
+        under the same id (a fixed X-Request-Id) joined it, with the dead request's arrival
+        and transfers. Returns how many."""
+        with self._lock:
+            return self._assembler.abandon(source)
+
     def snapshot(self) -> Snapshot:
         """A consistent copy of the aggregated state."""
         with self._lock:

@@ -1508,6 +1508,38 @@ def test_the_agent_learns_the_processes_the_taps_run_in(source, tmp_path):
     assert wait_until(lambda: source.engine_pids() == ())
 
 
+def test_requests_a_stopped_engine_left_in_flight_are_abandoned_not_joined_by_a_retry():
+    """vLLM's tap sent r1's start and a load for it, then closed (its final batch) without
+    finishing it: the engine stopped. Its record stayed open, and the client's retry under the
+    same id (a fixed X-Request-Id) on the restarted engine joined it: the retry's record had
+    the dead request's load, 60 s before the retry arrived. It is abandoned when the tap
+    closes (counted), and the retry's record is its own. While another emitter of the source
+    is open (two taps of one name), a closing one abandons nothing."""
+    def batch(session, events, final=False, seq=0):
+        return ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="vllm", seq=seq,
+                                        session=session, events=events, final=final, pid=0))
+
+    t0 = time.time() - 120
+    started = ev.RequestStarted(ts=t0, request_id="r1", prompt_tokens=16)
+    load = ev.Transfer(ts=t0 + 1, src="cpu", dst="gpu", blocks=4, bytes=4096, duration=0.1,
+                       request_id="r1")
+    pipeline = Pipeline()
+    ingest = IngestSource(pipeline)
+    ingest.handle(batch("b", [], seq=0))  # a second tap of the name, open
+    ingest.handle(batch("a", [started, load]))
+    ingest.handle(batch("a", [], final=True, seq=1))
+    assert ("vllm", "abandoned") not in pipeline.snapshot().events_dropped
+    ingest.handle(batch("b", [], final=True, seq=1))  # the last one closes
+    assert pipeline.snapshot().events_dropped[("vllm", "abandoned")] == 1
+    retry = t0 + 60
+    ingest.handle(batch("c", [
+        ev.RequestStarted(ts=retry, request_id="r1", prompt_tokens=16),
+        ev.RequestFinished(ts=retry + 1, request_id="r1", ttft=0.5, prompt_tokens=16)]))
+    pipeline.publish_settled(everything=True)
+    record = pipeline.requests.get("r1")
+    assert (record.arrival, tuple(record.transfers)) == (retry, ())
+
+
 _KILLED_TAP = """
 import sys, time
 from kvscope import events as ev

@@ -432,6 +432,10 @@ class IngestSource(SourceWorker):
         self._note_emitter(batch)
         if batch.final:
             self.pipeline.forget_tiers(batch.source)
+            with self._open_lock:
+                left = any(source == batch.source for source, _session in self._open)
+            if not left:  # its engine stopped: what it left in flight will never finish
+                self.pipeline.abandon_requests(batch.source)
 
     def _note_emitter(self, batch: ev.Batch) -> None:
         """Follow the batch's emitter while it is open (a final batch closes it): its process
@@ -467,8 +471,10 @@ class IngestSource(SourceWorker):
             left = {source for source, _session in self._open}
         for source in sorted({source for source, _session in ended} - left):
             log.info("kvscope ingest: the process of source %r ended without closing its tap; "
-                     "its tiers and gauges are no longer reported", source)
+                     "its tiers and gauges are no longer reported, its requests in flight "
+                     "abandoned", source)
             self.pipeline.forget_tiers(source)
+            self.pipeline.abandon_requests(source)
 
     def _taps_open(self) -> bool:
         """Whether a tap heard from in the last :data:`HEARD` seconds has not closed."""
