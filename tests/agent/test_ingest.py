@@ -1514,10 +1514,12 @@ def test_requests_a_stopped_engine_left_in_flight_are_abandoned_not_joined_by_a_
     same id (a fixed X-Request-Id) on the restarted engine joined it: the retry's record had
     the dead request's load, 60 s before the retry arrived. It is abandoned when the tap
     closes (counted), and the retry's record is its own. While another emitter of the source
-    is open (two taps of one name), a closing one abandons nothing."""
-    def batch(session, events, final=False, seq=0):
-        return ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source="vllm", seq=seq,
-                                        session=session, events=events, final=final, pid=0))
+    is open (two taps of one name), or a worker tap whose loads join its requests (vLLM's
+    worker, scope vllm), a closing one abandons nothing."""
+    def batch(session, events, final=False, seq=0, source="vllm", scope=""):
+        return ev.encode_batch(ev.Batch(version=ev.SCHEMA_VERSION, source=source, seq=seq,
+                                        session=session, events=events, final=final, pid=0,
+                                        scope=scope))
 
     t0 = time.time() - 120
     started = ev.RequestStarted(ts=t0, request_id="r1", prompt_tokens=16)
@@ -1526,10 +1528,15 @@ def test_requests_a_stopped_engine_left_in_flight_are_abandoned_not_joined_by_a_
     pipeline = Pipeline()
     ingest = IngestSource(pipeline)
     ingest.handle(batch("b", [], seq=0))  # a second tap of the name, open
-    ingest.handle(batch("a", [started, load]))
+    ingest.handle(batch("w", [], source="vllm-worker", scope="vllm"))  # its worker's, open
+    ingest.handle(batch("a", [started]))
     ingest.handle(batch("a", [], final=True, seq=1))
+    ingest.handle(batch("b", [], final=True, seq=1))
     assert ("vllm", "abandoned") not in pipeline.snapshot().events_dropped
-    ingest.handle(batch("b", [], final=True, seq=1))  # the last one closes
+    # the worker's load comes after the scheduler's close (separate connections), then it
+    # closes, the last: had the record gone at the scheduler's close, the load reopened it
+    ingest.handle(batch("w", [load], source="vllm-worker", scope="vllm", seq=1))
+    ingest.handle(batch("w", [], source="vllm-worker", scope="vllm", final=True, seq=2))
     assert pipeline.snapshot().events_dropped[("vllm", "abandoned")] == 1
     retry = t0 + 60
     ingest.handle(batch("c", [

@@ -200,10 +200,10 @@ class IngestSource(SourceWorker):
         # this one: they take no place until they do (a source gone for good held it forever)
         self._restored: dict[str, OrderedDict[str, tuple[int, int, dict[str, int]]]] = {}
         self._warned: set = set()  # what was logged once (see _warn_once)
-        # (source, session) -> (its process, a worker tap's, monotonic time last heard, its
-        # process seen in /proc) of the emitters not closed, latest last: see engine_pids,
-        # run and _reap
-        self._open: OrderedDict[tuple[str, str], tuple[int, bool, float, bool]] = OrderedDict()
+        # (source, session) -> (its process, its scope (a worker tap's; "" for none),
+        # monotonic time last heard, its process seen in /proc) of the emitters not closed,
+        # latest last: see engine_pids, run and _reap
+        self._open: OrderedDict[tuple[str, str], tuple[int, str, float, bool]] = OrderedDict()
         self._reap_at = 0.0  # monotonic: when to look for taps whose process ended (_reap)
         self._ending: set[tuple[str, str]] = set()  # open emitters found ended at the last look
         self._open_lock = threading.Lock()  # read from the scrape thread
@@ -433,9 +433,17 @@ class IngestSource(SourceWorker):
         if batch.final:
             self.pipeline.forget_tiers(batch.source)
             with self._open_lock:
-                left = any(source == batch.source for source, _session in self._open)
-            if not left:  # its engine stopped: what it left in flight will never finish
-                self.pipeline.abandon_requests(batch.source)
+                serving = self._serving()
+            if (batch.scope or batch.source) not in serving:
+                # its engine's taps all closed: what it left in flight will never finish
+                self.pipeline.abandon_requests(batch.scope or batch.source)
+
+    def _serving(self) -> set[str]:
+        """The sources whose requests an open emitter may still report: each open emitter's
+        own, and its scope (a worker tap's loads join its scheduler's requests). Under the
+        lock."""
+        return {name for (source, _session), (_pid, scope, _heard, _seen) in self._open.items()
+                for name in (source, scope) if name}
 
     def _note_emitter(self, batch: ev.Batch) -> None:
         """Follow the batch's emitter while it is open (a final batch closes it): its process
@@ -449,7 +457,7 @@ class IngestSource(SourceWorker):
                 # looked up once per emitter, so only then can its end be noticed (_reap)
                 seen = known[3] if known is not None else (
                     batch.pid > 0 and os.path.exists(f"/proc/{batch.pid}"))
-                self._open[key] = (batch.pid, bool(batch.scope), time.monotonic(), seen)
+                self._open[key] = (batch.pid, batch.scope, time.monotonic(), seen)
                 while len(self._open) > MAX_EMITTERS:
                     self._open.popitem(last=False)
 
@@ -458,22 +466,23 @@ class IngestSource(SourceWorker):
         or vLLM's server stopped by a signal, which never calls the tap's ``shutdown``), as
         that batch would: their sources' tiers, gauges and memory reports are forgotten (see
         :meth:`~kvscope.agent.pipeline.Pipeline.forget_tiers`) once no emitter of the source
-        is left. Only processes this agent saw in ``/proc``; every :data:`REAP_INTERVAL` s, and
-        an emitter only when found ended at two looks running: what it sent before it ended
+        is left, and its requests in flight abandoned once no emitter that reports them (its
+        own or its workers') is. Only processes this agent saw in ``/proc``; every
+        :data:`REAP_INTERVAL` s, and an emitter only when found ended at two looks running: what it sent before it ended
         (its final batch, when it closed) has been folded by then."""
         self._reap_at = time.monotonic() + REAP_INTERVAL
         with self._open_lock:
             dead = {key for key, (pid, _w, _h, seen) in self._open.items()
                     if seen and not os.path.exists(f"/proc/{pid}")}
             ended, self._ending = dead & self._ending, dead - self._ending
-            for key in ended:
-                del self._open[key]
+            owners = {self._open.pop(key)[1] or key[0] for key in ended}
             left = {source for source, _session in self._open}
+            serving = self._serving()
         for source in sorted({source for source, _session in ended} - left):
             log.info("kvscope ingest: the process of source %r ended without closing its tap; "
-                     "its tiers and gauges are no longer reported, its requests in flight "
-                     "abandoned", source)
+                     "its tiers and gauges are no longer reported", source)
             self.pipeline.forget_tiers(source)
+        for source in sorted(owners - serving):  # no emitter left to finish them
             self.pipeline.abandon_requests(source)
 
     def _taps_open(self) -> bool:
