@@ -244,8 +244,8 @@ def test_blocks_stored_for_nothing():
     """cpu evicts 1 block a second (the counter), 90 % of them never hit (the hit histogram,
     a weighted sample reading 4 times as many evictions, as one that samples the same few
     repeated prompts does): fires (over 80 %) and names the counter's 60, not the
-    histogram's 240; 70 %: fine, saying where the line is; fewer than 20 evictions in the window, or no hit counts at
-    all: not measured."""
+    histogram's 240; 70 %: fine, saying where the line is; fewer than 20 evictions in the
+    window, or no hit counts at all: not measured."""
     def w(never, hit, n=N):  # buckets: 0 hits, 1 hit, then 7 empty ones
         return [{"ts": T0 + i, "evicted_blocks": {"cpu": float(i)},
                  "evicted_block_hits": {"cpu": [4 * never * i, 4 * hit * i] + [0] * 7}}

@@ -39,9 +39,9 @@ whatever it holds: its header is read with the events counted off the array, non
 (:class:`kvscope.events.BatchHeader`; a refused 8 MiB of one-byte events once cost 480 MB).
 
 Memory: the thread that folds takes what ZMQ holds between batches, and another takes it
-whenever that one is held up (:meth:`IngestSource._watch`), so that ZMQ's queue stays short: a tap that
-disconnected while the agent's receive queue was full lost its last batch (ZMQ drops the one
-message it holds for a full queue), uncounted, at every close. Batches received and not yet
+whenever that one is held up (:meth:`IngestSource._watch`), so that ZMQ's queue stays short: a
+tap that disconnected while the agent's receive queue was full lost its last batch (ZMQ drops
+the one message it holds for a full queue), uncounted, at every close. Batches received and not yet
 folded are at most ``queue_bytes`` in all, and one message more (each counted with
 :data:`MESSAGE_OVERHEAD` bytes more than its own); beyond it the agent stops receiving, and
 ZMQ queues at most ``queue_bytes`` of messages per connection (the receive high-water mark is
@@ -353,9 +353,10 @@ class IngestSource(SourceWorker):
 
         :class:`~kvscope.agent.sources.stalls.Progress` waits, without the GIL, on the
         socket's notification ``descriptor`` (ZMQ_FD, an OS file the folding thread reads
-        before this one starts: watching it touches no ZMQ state) until a message waits while the folding thread has
-        taken no batch and used no CPU for :data:`STALL` seconds; then this thread takes
-        everything ZMQ holds, and again at each message after, until that thread goes on."""
+        before this one starts: watching it touches no ZMQ state) until a message waits while
+        the folding thread has taken no batch and used no CPU for :data:`STALL` seconds; then
+        this thread takes everything ZMQ holds, and again at each message after, until that
+        thread goes on."""
         progress = self._progress
         while progress.held_up(descriptor, STALL):
             taken = progress.taken
@@ -468,8 +469,9 @@ class IngestSource(SourceWorker):
         :meth:`~kvscope.agent.pipeline.Pipeline.forget_tiers`) once no emitter of the source
         is left, and its requests in flight abandoned once no emitter that reports them (its
         own or its workers') is. Only processes this agent saw in ``/proc``; every
-        :data:`REAP_INTERVAL` s, and an emitter only when found ended at two looks running: what it sent before it ended
-        (its final batch, when it closed) has been folded by then."""
+        :data:`REAP_INTERVAL` s, and an emitter only when found ended at two looks running:
+        what it sent before it ended (its final batch, when it closed) has been folded by
+        then."""
         self._reap_at = time.monotonic() + REAP_INTERVAL
         with self._open_lock:
             dead = {key for key, (pid, _w, _h, seen) in self._open.items()
