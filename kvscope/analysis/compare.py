@@ -583,10 +583,14 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
 
 def failed_requests(baseline: Sequence[RequestSample], candidate: Sequence[RequestSample],
                     confidence: float, noise: Sequence[Sequence[RequestSample]] = (),
-                    by_runs: bool = True, seed: int = 0) -> Verdict | None:
+                    seed: int = 0) -> Verdict | None:
     """Roll back when the ``candidate`` (its runs) failed a significantly larger share of its
     requests (finished plus failed) than the ``baseline``: Fisher's exact test, one-sided, on
-    the requests, and, with ``by_runs``, the runs as the unit too, at :func:`runs_alpha` each.
+    the requests, and the runs as the unit too, at :func:`runs_alpha` each (also for the
+    rollout's A/A pair, judged by the bootstrap alone on latency: by Fisher's test alone, its
+    pair came out roll back in 23% of sessions whose runs stall alike, each gating a real
+    candidate's rise to inconclusive; its twin's failures weigh in the candidate's runs test
+    instead, as ``noise``).
     Failures come in bursts: one stall cuts off every request in flight (8 of 360 against
     none: Fisher's p = 0.004), so requests are no independent draws; with stalls in 3 of 10
     runs of either arm alike, Fisher alone rolled identical arms back in 12% of comparisons.
@@ -614,20 +618,19 @@ def failed_requests(baseline: Sequence[RequestSample], candidate: Sequence[Reque
     alpha = runs_alpha(confidence)
     if p >= alpha:
         return Verdict(KEEP, f"{KEEP}: {shares}, not significantly more.", reasons)
-    if by_runs:
-        # runs of the baseline's configuration; a noise run that did not count its own says
-        # nothing of them
-        pool = [*baseline, *(s for arm in noise for s in arm if s.failed_requests is not None)]
-        runs_p, floor = runs_permutation(_failed_shares(candidate), _failed_shares(pool), seed)
-        reasons.append(f"runs as the unit: one-sided permutation p = {runs_p:.3g} that the "
-                       f"candidate's {len(candidate)} runs fail a larger share than the "
-                       f"{len(pool)} of the baseline's configuration (the least p they can "
-                       f"give: {floor:.3g}; a roll back needs under {alpha:.3g})")
-        if runs_p >= alpha:
-            return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {shares}, significantly more "
-                           "requests, but not significantly more in its runs (one stall cuts "
-                           "off every request in flight): a burst is not shown to be the "
-                           "candidate's; run more repetitions.", reasons)
+    # runs of the baseline's configuration; a noise run that did not count its own says
+    # nothing of them
+    pool = [*baseline, *(s for arm in noise for s in arm if s.failed_requests is not None)]
+    runs_p, floor = runs_permutation(_failed_shares(candidate), _failed_shares(pool), seed)
+    reasons.append(f"runs as the unit: one-sided permutation p = {runs_p:.3g} that the "
+                   f"candidate's {len(candidate)} runs fail a larger share than the "
+                   f"{len(pool)} of the baseline's configuration (the least p they can "
+                   f"give: {floor:.3g}; a roll back needs under {alpha:.3g})")
+    if runs_p >= alpha:
+        return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {shares}, significantly more "
+                       "requests, but not significantly more in its runs (one stall cuts "
+                       "off every request in flight): a burst is not shown to be the "
+                       "candidate's; run more repetitions.", reasons)
     return Verdict(ROLL_BACK, f"{ROLL_BACK}: {shares}, significantly more; its latencies "
                    "leave those requests out.", reasons)
 
@@ -713,9 +716,10 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
     """Compare two arms (see the module docstring), each one run or a list of runs of one
     configuration. ``ttft_budget``, ``itl_budget``: seconds, or what :func:`parse_budget`
     reads (``"+10%"``). ``noise``: more arms of the baseline's configuration (the rollout's
-    A/A twin), whose run-to-run variance :func:`runs_test` pools. ``by_runs``: False judges by
-    the bootstrap alone, without the runs test (the rollout's A/A pair, whose "roll back"
-    says its runs differ beyond their requests' spread). ITL is judged when both arms
+    A/A twin), whose run-to-run variance :func:`runs_test` pools. ``by_runs``: False judges
+    latency by the bootstrap alone, without the runs test (the rollout's A/A pair, whose "roll
+    back" says its runs differ beyond their requests' spread); failed requests are judged by
+    the runs either way (:func:`failed_requests`). ITL is judged when both arms
     measured it; where one did not (none reported, or every request's the same: an engine's
     cost model, :attr:`RequestSample.itl_modelled`), the verdict says so and judges TTFT alone
     (an ITL budget then makes it inconclusive).
@@ -790,7 +794,7 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
                      "drift of the host between the two windows reads as a difference; "
                      "interleave the arms' runs (A B A B ...)")
     by_metric = {"TTFT": judged[0], **({"ITL": judged[1]} if len(judged) > 1 else {})}
-    failed = failed_requests(base, cand, confidence, noise, by_runs, seed)
+    failed = failed_requests(base, cand, confidence, noise, seed)
     if failed is not None:
         by_metric[FAILED] = failed
     result = combine(by_metric)
