@@ -61,6 +61,10 @@ class Consumer(Protocol):
     def forget_tiers(self, source: str) -> None:
         """``source``'s engine stopped: its tiers leave the tier gauges."""
 
+    def abandon_requests(self, source: str) -> int:
+        """``source``'s engine stopped, and every emitter that reports its requests closed: its
+        requests in flight that started are counted abandoned and closed; how many."""
+
     def count_tap_errors(self, source: str, reason: str, errors: int) -> None:
         """Count ``errors`` a tap of ``source`` reported for ``reason``."""
 
