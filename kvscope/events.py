@@ -68,9 +68,9 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=4_102_444_800.0)]  # 2100-01-01T00:00Z
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]  # per second
 Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]  # a share: 1 is all
-# finite bucket bounds a histogram event may have (vLLM's TTFT histogram has 20): its counts,
-# each up to 2**53, then add up within a 64-bit counter
-MAX_BUCKETS = 255
+# finite bucket bounds a histogram event may have (vLLM's TTFT histogram has 20, an engine's
+# custom ones more): their counts, each up to 2**53, then add up within a 64-bit counter
+MAX_BUCKETS = 1000
 # the least share of block hashes a lookup may say it sampled: kvscope.sampling's (one step of
 # its 2**32); a rate of 5e-324 made each sampled block count as 2e323, +Inf for good
 MIN_BLOCK_SAMPLE_RATE = 2.0**-32
@@ -399,7 +399,7 @@ class EngineMemory(_Event, tag="engine_memory"):
 
     # the form alone, or one sender's made-up names grew the agent's reports per device
     device: Annotated[str, msgspec.Meta(
-        pattern=r"^([0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7])?$")] = ""
+        pattern=r"^([0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7])?$")] = ""
     kv_offload_budget: Count | None = None
     kv_cache: Count | None = None
     allocated: Count | None = None

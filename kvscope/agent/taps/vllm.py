@@ -326,9 +326,10 @@ def tiering_blind_spots(spec) -> list[str]:
 
 
 # vLLM's OffloadPromMetrics keeps its deprecated offload counters (vllm:kv_offload_total_bytes,
-# _total_time, _size) for CPUOffloadingSpec's subclasses alone, which the spec named in its
-# config is under the tap: the inner spec (CPUOffloadingSpec or TieringOffloadingSpec, one of
-# them) is, so the tap says so, or those counters stayed at 0 under it
+# _total_time, _size) for CPUOffloadingSpec's subclasses alone, judged by the spec class its
+# config names, before any inner spec is built: the tap's inner spec is one as a rule
+# (CPUOffloadingSpec, or TieringOffloadingSpec, its subclass), so the tap says so, or those
+# counters stayed at 0 under it (an out-of-tree inner spec's transfers count there too)
 CPUOffloadingSpec.register(KvscopeOffloadingSpec)
 
 
