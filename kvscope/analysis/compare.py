@@ -621,10 +621,11 @@ def failed_requests(baseline: Sequence[RequestSample], candidate: Sequence[Reque
     # runs of the baseline's configuration; a noise run that did not count its own says
     # nothing of them
     pool = [*baseline, *(s for arm in noise for s in arm if s.failed_requests is not None)]
-    runs_p, floor = runs_permutation(_failed_shares(candidate), _failed_shares(pool), seed)
+    ours, theirs = _failed_shares(candidate), _failed_shares(pool)
+    runs_p, floor = runs_permutation(ours, theirs, seed)
     reasons.append(f"runs as the unit: one-sided permutation p = {runs_p:.3g} that the "
-                   f"candidate's {len(candidate)} runs fail a larger share than the "
-                   f"{len(pool)} of the baseline's configuration (the least p they can "
+                   f"candidate's {len(ours)} runs fail a larger share than the "
+                   f"{len(theirs)} of the baseline's configuration (the least p they can "
                    f"give: {floor:.3g}; a roll back needs under {alpha:.3g})")
     if runs_p >= alpha:
         return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: {shares}, significantly more "
@@ -636,7 +637,8 @@ def failed_requests(baseline: Sequence[RequestSample], candidate: Sequence[Reque
 
 
 def _failed_shares(runs: Sequence[RequestSample]) -> np.ndarray:
-    """Each run's failed requests over its requests (finished plus failed)."""
+    """Each run's failed requests over its requests (finished plus failed); a run of none
+    has no share and is left out."""
     return np.array([s.failed_requests / (s.failed_requests + s.requests) for s in runs
                      if s.failed_requests + s.requests], dtype=np.float64)
 
