@@ -11,6 +11,7 @@ Two hit ratios, both 0-1:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -18,6 +19,9 @@ from kvscope.percentiles import value_percentiles
 from kvscope.vocabulary import LOCAL_TIERS, TOKEN_SOURCES
 
 DIRECTIONS = ("cpu->disk", "gpu->cpu", "disk->cpu", "cpu->gpu")  # in transfer phase order
+# TTFTs kept for the summary's percentiles: the latest this many requests' (about 32 MB), so an
+# endless run (the demo's synthetic stream, 20 requests a second) does not grow without bound
+MAX_TTFTS = 1_000_000
 
 
 @dataclass
@@ -28,7 +32,8 @@ class EngineStats:
     ``tokens``: dict[source, prompt tokens]. ``evictions``: dict[tier, blocks that left it];
     ``offloaded``: dict[tier, of those, blocks that went on to the next tier down].
     ``moved``: dict["src->dst", blocks copied]; ``seconds``: dict["src->dst", seconds spent].
-    ``errors``: dict[reason, failed block copies]. ``ttfts``: seconds, one per request.
+    ``errors``: dict[reason, failed block copies]. ``ttfts``: seconds, one per request, the
+    latest :data:`MAX_TTFTS` (the summary's TTFT percentiles and mean are theirs).
     """
 
     requests: int = 0
@@ -41,7 +46,7 @@ class EngineStats:
     moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0.0))
     errors: dict[str, int] = field(default_factory=dict)
-    ttfts: list[float] = field(default_factory=list)
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_TTFTS))
 
     def decisions(self) -> dict:
         """The counters that depend only on placement decisions (not on timing or faults):
