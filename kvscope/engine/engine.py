@@ -9,6 +9,14 @@ For each request the engine walks the prompt's blocks first to last (one *block 
   promoted ``cpu->gpu`` if the ``cpu`` tier holds it, staged ``disk->cpu->gpu`` (two timed
   hops) if the ``disk`` tier does, and otherwise recomputed by prefill.
 
+The prompt's cached prefix (the leading blocks resident in some tier when the request comes)
+is pinned in the ``cpu`` and ``disk`` tiers until its turn, while off the ``gpu`` tier: making
+room passes over a pinned block to the next victim in the policy's order, as vLLM's offloading
+managers never evict a block a request is loading. An offload or spill into a tier that holds
+only pinned blocks is skipped (the victim dropped, counted in the tier's Admission
+``skipped``); a block staged now takes a pinned block's ``cpu`` slot all the same (spilled to
+disk, it can be staged in its turn), since without it the rest of the prefix is recomputed.
+
 Prefix semantics: only the leading contiguous run of cached blocks serves tokens. After the
 first recomputed block, later blocks are recomputed too (resident ones just count as hits).
 Lower tiers are inclusive: a promoted block keeps its ``cpu``/``disk`` copies.
@@ -37,7 +45,7 @@ import itertools
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import msgspec
@@ -196,7 +204,9 @@ class OffloadEngine:
         self._batch: CopyBatcher | None = None
         self._evictions: list[ev.Eviction] = []
         self._failed: set[int] = set()  # blocks whose disk read failed (this request)
-        self._cpu_credited: set[int] = set()  # cpu hits read from disk after all (this request)
+        # this request's cached prefix not on the gpu tier, whose turn has not come: never
+        # evicted from the cpu or disk tier, unless a block staged now needs its cpu slot
+        self._pinned: set[int] = set()
         self._spilled: dict[int, int] = {}  # spilled -> its Eviction's index (this request)
         # blocks the admission policy declined, cpu and disk, not yet reported (an Admission
         # event per tier at the next finished request, with that request's stored and failed)
@@ -238,9 +248,22 @@ class OffloadEngine:
         if self._copier is not None or emit is not None:
             batch = CopyBatcher(self._copier, self._on_failure, self._clock)
         self._batch = batch
-        self._failed, self._cpu_credited, self._spilled = set(), set(), {}
+        self._failed, self._spilled = set(), {}
         gpu, cpu, disk = self.gpu, self.cpu, self.disk
         gpu_get, cpu_get, disk_get = gpu.get, cpu.get, disk.get
+        # The prompt's cached prefix stays in the cpu and disk tiers until its turn, as vLLM's
+        # managers never evict a block a request is loading: making room for one of its
+        # blocks had pushed a later one, found cached at lookup, out to disk or away. Pinned:
+        # those of them off the gpu tier (``ahead``: all of them whose turn has not come).
+        ahead, pinned = set(), set()
+        if cpu.capacity_blocks:
+            for h in request.block_hashes:
+                if gpu_get(h) is None:
+                    if cpu_get(h) is None and disk_get(h) is None:
+                        break
+                    pinned.add(h)
+                ahead.add(h)
+        self._pinned = pinned
         gpu_hit, gpu_make_room, gpu_add = gpu.policy.hit, gpu.policy.make_room, gpu.policy.add
         gpu_free = gpu._free
         cascade = cpu.capacity_blocks > 0 or self._emit is not None
@@ -268,6 +291,7 @@ class OffloadEngine:
                 gpu_hit(h)
                 hits[0] += 1
                 append(_GPU if in_prefix else _RECOMPUTE)
+                ahead.discard(h)
                 continue
             credited = 1 if cpu_get(h) is not None else 2 if disk_get(h) is not None else 0
             if credited:
@@ -277,6 +301,8 @@ class OffloadEngine:
                 slot = gpu_free.pop() if gpu_free else gpu.new_slot()
             else:
                 slot = victim[1].slot
+                if victim[0] in ahead:  # off the gpu tier: needed from cpu at its turn
+                    pinned.add(victim[0])
                 if cascade:
                     self._offload(victim[0], victim[1], slot, now)
                 else:
@@ -293,8 +319,8 @@ class OffloadEngine:
                     source = _CPU
                 elif disk_get(h) is not None:
                     source = self._stage(h, slot, now)
-                    if source == _DISK and credited == 1:  # pushed off cpu making room
-                        self._cpu_credited.add(h)
+            ahead.discard(h)
+            pinned.discard(h)
             if source == _RECOMPUTE:
                 in_prefix = False
                 if batch is not None:
@@ -320,8 +346,9 @@ class OffloadEngine:
         cpu = self.cpu
         offloaded = v in cpu.policy
         if not offloaded and cpu.capacity_blocks:
-            if self._admitted(v):
-                cpu_slot = self._cpu_slot(v, now)  # spills the cpu victim first (reads its slot)
+            # spills the cpu victim first (reads its slot); None: the cpu tier is all pinned
+            cpu_slot = self._cpu_slot(v, now, self._pinned) if self._admitted(v) else None
+            if cpu_slot is not None:
                 self._moved[OFFLOAD] += 1
                 if self._batch is not None:
                     self._batch.copy(OFFLOAD, self.gpu, gpu_slot, cpu, cpu_slot, v,
@@ -334,9 +361,13 @@ class OffloadEngine:
         if self._emit is not None:
             self._evictions.append(self._eviction(self.gpu, resident, now, offloaded))
 
-    def _cpu_slot(self, h: int, now: float) -> int:
-        """Insert ``h`` into ``cpu``; spill or drop the victim; return the slot."""
-        slot, victim = self.cpu.insert(h, now)
+    def _cpu_slot(self, h: int, now: float, pinned: Collection[int]) -> int | None:
+        """Insert ``h`` into ``cpu``; spill or drop the victim; return the slot, or None when
+        every block the cpu tier holds is ``pinned`` (nothing inserted)."""
+        placed = self.cpu.insert(h, now, pinned)
+        if placed is None:
+            return None
+        slot, victim = placed
         if victim is None:
             return slot
         v, resident = victim
@@ -346,8 +377,10 @@ class OffloadEngine:
         offloaded = v in disk.policy
         spilled = False
         if not offloaded and disk.capacity_blocks:
-            if self._admitted(v):
-                disk_slot, dropped = disk.insert(v, now)
+            # None: not admitted, or the disk tier is all pinned
+            placed = disk.insert(v, now, self._pinned) if self._admitted(v) else None
+            if placed is not None:
+                disk_slot, dropped = placed
                 if dropped is not None:
                     stats.evictions["disk"] += 1
                     if self._emit is not None:
@@ -369,9 +402,11 @@ class OffloadEngine:
     def _stage(self, h: int, gpu_slot: int, now: float) -> int:
         """Promote ``h`` from ``disk`` through ``cpu`` into ``gpu_slot``; return its source."""
         disk_slot = self.disk.touch(h, now).slot
-        cpu_slot = self._cpu_slot(h, now)
-        if h not in self.disk.policy:  # making room in cpu pushed it off the disk tier
-            self.cpu.remove(h)
+        cpu_slot = self._cpu_slot(h, now, self._pinned)
+        if cpu_slot is None:  # every cpu block is a later one of the prompt: one goes (to disk)
+            cpu_slot = self._cpu_slot(h, now, ())
+        if h not in self.disk.policy:  # pushed off the disk tier making room (a hash repeated
+            self.cpu.remove(h)  # in the prompt: its pin went at its first turn)
             return _RECOMPUTE
         # the staged copy serves this promotion: a hit of the cpu tier's copy (vLLM's tiering
         # counts the cpu->gpu load of a promoted chunk so), though no second reference for the
@@ -433,8 +468,7 @@ class OffloadEngine:
             for i, h in enumerate(request.block_hashes):
                 if sources[i] == _DISK and h in failed:
                     sources[i] = _RECOMPUTE
-                    # served nothing: a miss of the tier its hit was counted to
-                    hits[1 if h in self._cpu_credited else 2] -= 1
+                    hits[2] -= 1  # served nothing: a miss of the disk tier
         tokens = [0, 0, 0, 0]
         bt, left, ok = self.block_tokens, request.prompt_tokens, True
         for source in sources:

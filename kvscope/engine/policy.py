@@ -6,15 +6,19 @@ exactly one block. The interface, shared by :class:`LRUPolicy` and :class:`ARCPo
 
 - ``get(h)``: the value of resident block ``h``, or None (no state change);
 - ``hit(h)``: a resident block was used;
-- ``make_room(h)``: before inserting the non-resident block ``h``, evict whatever must go and
-  return ``(hash, value)`` of the evicted block, or None;
+- ``make_room(h, pinned=())``: before inserting the non-resident block ``h``, evict whatever
+  must go and return ``(hash, value)`` of the evicted block, or None; never a block in
+  ``pinned`` (a request's cached prefix about to be promoted): the next unpinned one in the
+  policy's order goes instead, and :class:`NoRoom` is raised, nothing changed, when every
+  resident block is pinned;
 - ``add(h, value)``: insert ``h`` (call ``make_room(h)`` first);
 - ``remove(h)``: forget resident block ``h`` (no ghost entry), return its value or None;
 - ``order()``: resident hashes, next victim first (for tests and snapshots).
 
 Both policies are written to make the same decisions as libCacheSim's ``LRU`` and ``ARC``
 (https://github.com/1a1a11a/libCacheSim, ``cache/eviction/{LRU,ARC}.c``) on unit-size objects,
-which the tests check on a real trace.
+which the tests check on a real trace (nothing pinned: the pins are the engine's, as vLLM's
+offloading managers never evict a block a request is loading).
 """
 
 from __future__ import annotations
@@ -22,6 +26,19 @@ from __future__ import annotations
 from collections import OrderedDict
 
 POLICIES: tuple[str, ...] = ("lru", "arc")
+
+
+class NoRoom(Exception):
+    """A full tier whose every resident block is pinned: nothing can be evicted."""
+
+
+def _pop_unpinned(blocks: OrderedDict, pinned) -> tuple | None:
+    """Remove and return ``(hash, value)`` of the first block of ``blocks`` not in ``pinned``,
+    or None when every one is."""
+    for h in blocks:
+        if h not in pinned:
+            return h, blocks.pop(h)
+    return None
 
 
 class LRUPolicy:
@@ -41,10 +58,15 @@ class LRUPolicy:
     def __len__(self) -> int:
         return len(self._d)
 
-    def make_room(self, h: int):
-        if len(self._d) >= self.capacity:
+    def make_room(self, h: int, pinned=()):
+        if len(self._d) < self.capacity:
+            return None
+        if not pinned:
             return self._d.popitem(last=False)
-        return None
+        victim = _pop_unpinned(self._d, pinned)
+        if victim is None:
+            raise NoRoom
+        return victim
 
     def add(self, h: int, value) -> None:
         self._d[h] = value
@@ -99,42 +121,50 @@ class ARCPolicy:
         else:
             self.t2.move_to_end(h)
 
-    def _replace(self, in_b2: bool):
-        """REPLACE(x, p): demote the LRU of T1 or of T2 to its ghost list; return it."""
-        t1 = self.t1
-        if (t1 and (len(t1) > self.p or (len(t1) == self.p and in_b2))) or not self.t2:
-            h, value = t1.popitem(last=False)
-            self.b1[h] = None
+    def _replace(self, in_b2: bool, pinned):
+        """REPLACE(x, p): demote the LRU of T1 or of T2 to its ghost list; return it. Pinned
+        blocks are passed over (the other list's LRU goes when all of the chosen one is
+        pinned); make_room has checked that one is not."""
+        t1, t2 = self.t1, self.t2
+        from_t1 = (t1 and (len(t1) > self.p or (len(t1) == self.p and in_b2))) or not t2
+        if not pinned:
+            victim = (t1 if from_t1 else t2).popitem(last=False)
         else:
-            h, value = self.t2.popitem(last=False)
-            self.b2[h] = None
-        return h, value
+            victim = _pop_unpinned(t1 if from_t1 else t2, pinned)
+            if victim is None:
+                from_t1 = not from_t1
+                victim = _pop_unpinned(t1 if from_t1 else t2, pinned)
+        (self.b1 if from_t1 else self.b2)[victim[0]] = None
+        return victim
 
-    def make_room(self, h: int):
+    def make_room(self, h: int, pinned=()):
         """Cases II-IV for a block not in T1 or T2; returns the evicted ``(hash, value)``."""
         c = self.capacity
         full = len(self.t1) + len(self.t2) >= c
+        if full and pinned and sum(k in self for k in pinned) >= len(self):
+            raise NoRoom  # before p or the ghosts change
         if h in self.b1:  # case II
             self.p = min(self.p + max(len(self.b2) / len(self.b1), 1.0), c)
             del self.b1[h]
             self._to_t2 = True
-            return self._replace(False) if full else None
+            return self._replace(False, pinned) if full else None
         if h in self.b2:  # case III
             self.p = max(self.p - max(len(self.b1) / len(self.b2), 1.0), 0.0)
             del self.b2[h]
             self._to_t2 = True
-            return self._replace(True) if full else None
+            return self._replace(True, pinned) if full else None
         self._to_t2 = False
         if not full:
             return None
         if len(self.t1) + len(self.b1) + 1 > c:  # case IV.A: |L1| = c
             if self.b1:
                 self.b1.popitem(last=False)
-                return self._replace(False)
-            return self.t1.popitem(last=False)  # B1 is empty: evict T1's LRU outright
+                return self._replace(False, pinned)
+            # B1 is empty: evict T1's LRU outright (T1 holds every block: one is unpinned)
+            return _pop_unpinned(self.t1, pinned)
         if len(self.t1) + len(self.b1) + len(self.t2) + len(self.b2) >= 2 * c and self.b2:
             self.b2.popitem(last=False)  # case IV.B
-        return self._replace(False)
+        return self._replace(False, pinned)
 
     def add(self, h: int, value) -> None:
         (self.t2 if self._to_t2 else self.t1)[h] = value

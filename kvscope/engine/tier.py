@@ -8,9 +8,10 @@ between. Keeping the two apart lets the same decisions run with or without bytes
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from kvscope.engine.policy import make_policy
+from kvscope.engine.policy import NoRoom, make_policy
 
 
 @dataclass(slots=True)
@@ -134,8 +135,10 @@ class Tier:
             self.policy.hit(block_hash)
         return entry
 
-    def insert(self, block_hash: int, now: float) -> tuple[int, tuple[int, Resident] | None] | None:
-        """Store a block that is not resident; return ``(slot, victim)`` or None if capacity is 0.
+    def insert(self, block_hash: int, now: float,
+               pinned: Collection[int] = ()) -> tuple[int, tuple[int, Resident] | None] | None:
+        """Store a block that is not resident; return ``(slot, victim)``, or None when the tier
+        cannot take it (capacity 0, or full of ``pinned`` blocks, which it never evicts).
 
         ``victim`` is ``(hash, Resident)`` of the block the policy evicted to make room, or
         None. The victim's payload still sits in its slot (often the returned one) until the
@@ -143,7 +146,10 @@ class Tier:
         """
         if self.capacity_blocks == 0:
             return None
-        victim = self.policy.make_room(block_hash)
+        try:
+            victim = self.policy.make_room(block_hash, pinned)
+        except NoRoom:
+            return None
         if victim is not None:
             slot = victim[1].slot
         else:

@@ -94,16 +94,40 @@ def test_a_staged_copy_served_its_promotion_so_it_was_not_stored_for_nothing():
         (0, True), (0, True), (0, True), (1, True)]
 
 
-def test_making_room_can_drop_the_block_about_to_be_promoted():
-    """gpu 2, cpu 2. r0 [A,B], r1 [C] (A offloaded), r2 [A,B]: promoting A offloads B into the
-    last cpu slot; then making room for B offloads C, which drops B (cpu LRU) -> B recomputed."""
+def test_making_room_never_drops_a_block_the_request_found_cached():
+    """gpu 2, cpu 2, LRU (least recent first). r0 [A,B], r1 [C]: gpu evicts A, offloaded.
+    gpu [B,C], cpu [A]. r2 [A,B]: both cached (A on cpu, B on the gpu), so both pinned.
+
+    A: gpu evicts B, offloaded (cpu [A,B]); A promoted (cpu [B,A]).  gpu [C,A]
+    B: gpu evicts C; offloading C needs a cpu victim: the LRU, B, is pinned (its turn has not
+       come), so A goes (its turn has); cpu [B,C]; B promoted.      gpu [A,B]
+    -> 32 tokens from cpu, none recomputed. vLLM's managers never evict a block a request
+    loads; the engine had dropped B there and recomputed it, after counting it a cpu hit."""
     events = []
     engine = _engine(2, 2, events)
     for i, hs in enumerate([(A, B), (C,)]):
         engine.process(_req(f"r{i}", *hs))
     outcome = engine.process(_req("r2", A, B))
-    assert outcome.tokens["cpu"] == 16 and outcome.tokens["recompute"] == 16
+    assert outcome.tokens["cpu"] == 32 and outcome.tokens["recompute"] == 0
     assert outcome.block_hits == {"gpu": 0, "cpu": 2, "disk": 0}
+    assert engine.cpu.order() == [C, B] and engine.gpu.order() == [A, B]
+
+
+def test_a_tier_full_of_pinned_blocks_skips_the_offload_instead():
+    """gpu 2, cpu 2. r0 [A,B]; r1 [C,D]: gpu evicts A and B, both offloaded: cpu [A,B].
+    r2 [A,B]: both on the cpu tier, pinned. A: gpu evicts C; the cpu holds only pinned blocks,
+    so C is not offloaded (an Admission skip: no room) and A is promoted. B: gpu evicts D; A's
+    turn has passed, so it makes room for D; B promoted (cpu [D,B]). -> 32 cpu tokens.
+    Before, C's offload evicted A (the cpu LRU) and D's then B: both recomputed, after the
+    Lookup counted two cpu hits."""
+    events = []
+    engine = _engine(2, 2, events)
+    for i, hs in enumerate([(A, B), (C, D)]):
+        engine.process(_req(f"r{i}", *hs))
+    outcome = engine.process(_req("r2", A, B))
+    assert outcome.tokens["cpu"] == 32 and outcome.block_hits["cpu"] == 2
+    assert engine.cpu.order() == [D, B]  # B promoted last
+    assert _admissions(events)["cpu"] == (3, 1, 0)  # A, B, D offloaded; C skipped
 
 
 def test_prefix_semantics_tokens_after_a_miss_are_recomputed():
@@ -195,6 +219,35 @@ def test_hand_worked_three_tier_cascade(tmp_path):
     stage = [t.duration for t in _of(events, ev.Transfer, "r3") if t.dst == "gpu" or t.src == "disk"]
     assert finished.promotion_wait == pytest.approx(sum(stage)) and finished.promotion_wait > 0
     assert finished.ttft >= finished.promotion_wait
+    _resident_bytes_ok(engine)
+    engine.close()
+
+
+def test_a_block_staged_now_may_push_a_pinned_one_to_disk(tmp_path):
+    """gpu 1, cpu 1, disk 2, LRU. r0 [X], r1 [Y], r2 [Z]: gpu [Z], cpu [Y], disk [X].
+    r3 [X,Y]: X on disk, Y on the cpu tier, both pinned.
+
+    X: gpu evicts Z; the cpu holds only pinned Y, so Z is not offloaded. Staging X needs the
+       cpu slot all the same (else X and all after it were recomputed): Y goes, spilled to
+       disk (disk [X,Y]); X staged and promoted.                        cpu [X]
+    Y: gpu evicts X (already on cpu). Y staged from disk: the cpu evicts X (unpinned now,
+       and already on disk); Y promoted.                                cpu [Y], disk [X,Y]
+    -> 32 disk tokens. Without pins, Z's offload pushed Y to disk and staging X then spilled
+    Z over it (disk [X,Z]): Y recomputed."""
+    X, Y, Z = 201, 202, 203
+    events = []
+    engine = OffloadEngine(TINY, 1, 1, 2, emit=events.append, disk_dir=tmp_path)
+    for i, hs in enumerate([(X,), (Y,), (Z,)]):
+        engine.process(_req(f"r{i}", *hs))
+    assert [engine.gpu.order(), engine.cpu.order(), engine.disk.order()] == [[Z], [Y], [X]]
+    outcome = engine.process(_req("r3", X, Y))
+    assert outcome.tokens == {"gpu": 0, "cpu": 0, "disk": 32, "recompute": 0}
+    assert outcome.block_hits == {"gpu": 0, "cpu": 0, "disk": 2}  # each found at its turn
+    moves = {}
+    for t in _of(events, ev.Transfer, "r3"):
+        moves[(t.src, t.dst)] = moves.get((t.src, t.dst), 0) + t.blocks
+    assert moves == {("cpu", "disk"): 1, ("disk", "cpu"): 2, ("cpu", "gpu"): 2}
+    assert [engine.cpu.order(), sorted(engine.disk.order())] == [[Y], sorted([X, Y])]
     _resident_bytes_ok(engine)
     engine.close()
 

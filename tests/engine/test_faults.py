@@ -117,11 +117,13 @@ def test_a_read_that_fails_while_copies_are_planned_never_reaches_the_gpu(
     engine.close()
 
 
-def test_a_cpu_hit_read_from_disk_after_all_is_taken_back_from_the_cpu(tmp_path):
-    """gpu 1, cpu 1, disk 2: A is on the cpu and the disk tiers when a request for it comes;
-    making room on the gpu pushes A off the cpu tier, so it is read from disk, and that read
-    fails (its chunk cut short). Its hit was counted to the cpu and taken back from the disk:
-    cpu 1, disk -1, a Lookup the agent refuses. By hand: no hit at all, one block recomputed."""
+def test_a_cpu_hit_is_not_pushed_to_disk_by_its_own_request(tmp_path):
+    """gpu 1, cpu 1, disk 2: A is on the cpu and the disk tiers when a request for it comes,
+    with its disk chunk cut short. Making room on the gpu for A evicts D, whose offload needed
+    the cpu tier's one slot: that pushed A off the cpu, A was read from its damaged chunk,
+    failed and was recomputed (its cpu hit taken back). A is pinned now, as vLLM pins what a
+    request loads: D is not offloaded (one cpu Admission skip) and A is served from the cpu,
+    the bad chunk never read. By hand: one cpu hit, 16 cpu tokens, no error."""
     events = []
     engine = OffloadEngine(TINY, 1, 1, 2, disk_dir=tmp_path, emit=events.append)
     for i, h in enumerate([A, B, C, A, D]):
@@ -129,8 +131,10 @@ def test_a_cpu_hit_read_from_disk_after_all_is_taken_back_from_the_cpu(tmp_path)
     assert engine.cpu.order() == [A] and A in engine.disk
     os.truncate(engine.disk.pool.path(engine.disk.get(A).slot), 100)
     outcome = engine.process(_req("r5", A))
-    assert outcome.block_hits == {"gpu": 0, "cpu": 0, "disk": 0}
-    assert outcome.tokens["recompute"] == 16
+    assert outcome.block_hits == {"gpu": 0, "cpu": 1, "disk": 0}
+    assert outcome.tokens["cpu"] == 16 and engine.stats.errors == {}
+    assert engine.cpu.order() == [A] and D not in engine.cpu and D not in engine.disk
+    assert [e.skipped for e in events if isinstance(e, ev.Admission) and e.tier == "cpu"][-1] == 1
     ev.validate([e for e in events if isinstance(e, ev.Lookup)][-1])  # raises if refused
     engine.close()
 
