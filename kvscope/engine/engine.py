@@ -52,6 +52,7 @@ import msgspec
 
 from kvscope import events as ev
 from kvscope.engine.outcome import RequestOutcome, prefill_value
+from kvscope.engine.policy import POLICIES
 from kvscope.engine.presets import ModelPreset
 from kvscope.engine.stats import EngineStats
 from kvscope.engine.tier import Resident, Tier
@@ -132,8 +133,9 @@ class OffloadEngine:
     decode cost model (:meth:`~kvscope.engine.presets.ModelPreset.decode_seconds` of one token;
     0 for requests with fewer than two output tokens).
 
-    Raises ValueError for a bad size, a disk tier without a cpu tier, an unknown policy, or
-    tiers larger than the host memory available or the disk space free (with ``payload``).
+    Raises :class:`EngineConfigError` (a ValueError) for a bad size, a disk tier without a cpu
+    tier, an unknown policy or tier in ``policy``, or tiers larger than the host memory
+    available or the disk space free (with ``payload``), before it holds any resource.
     """
 
     def __init__(self, preset: ModelPreset, gpu_blocks: int, cpu_blocks: int,
@@ -147,9 +149,19 @@ class OffloadEngine:
             raise EngineConfigError(f"gpu tier needs at least 1 block, got {gpu_blocks}")
         if disk_blocks > 0 and cpu_blocks < 1:
             raise EngineConfigError("a disk tier needs a cpu tier to stage through (cpu_blocks >= 1)")
+        if cpu_blocks < 0 or disk_blocks < 0:
+            raise EngineConfigError(f"tier sizes must be >= 0 blocks, got cpu {cpu_blocks}, "
+                                    f"disk {disk_blocks}")
         if store_threshold < 1:
             raise EngineConfigError(f"store_threshold must be >= 1, got {store_threshold}")
         policies = policy if isinstance(policy, dict) else dict.fromkeys(LOCAL_TIERS, policy)
+        # checked before a disk tier's store takes its directory and threads
+        if unknown := set(policies) - set(LOCAL_TIERS):
+            raise EngineConfigError(f"policy for unknown tier {sorted(unknown, key=str)[0]!r}; tiers: "
+                                    f"{', '.join(LOCAL_TIERS)}")
+        if unknown := set(policies.values()) - set(POLICIES):
+            raise EngineConfigError(f"unknown eviction policy {sorted(unknown, key=str)[0]!r}; known: "
+                                    f"{', '.join(POLICIES)}")
         self.preset = preset
         self.block_tokens = block_tokens or preset.block_tokens
         self.block_bytes = preset.bytes_per_block(self.block_tokens)
@@ -446,6 +458,7 @@ class OffloadEngine:
         entry = tier.get(h)
         if entry is not None and entry.slot == slot:
             tier.remove(h)
+            self.stats.evictions[tier.name] += 1
             if self._emit is not None:
                 now = self._clock()
                 self._evictions.append(ev.Eviction(

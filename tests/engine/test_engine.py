@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvscope import events as ev
-from kvscope.engine.engine import OffloadEngine, prefill_value
+from kvscope.engine.engine import EngineConfigError, OffloadEngine, prefill_value
 from kvscope.engine.presets import get_preset
 from kvscope.engine.workload import Request, SyntheticConfig, synthetic
 
@@ -370,6 +370,22 @@ def test_disk_tier_needs_a_cpu_tier():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown eviction policy"):
         OffloadEngine(TINY, 4, 4, policy="mru", payload=False)
+
+
+@pytest.mark.parametrize("kwargs, refused", [
+    ({"policy": {"gpu": "lru", "cpu": "lru", "disk": "fifo"}}, "unknown eviction policy 'fifo'"),
+    ({"policy": {"gpu": "lru", "cpu": "arc", "dsik": "arc"}}, "unknown tier 'dsik'"),
+    ({"cpu_blocks": -1, "disk_blocks": 0}, "tier sizes must be >= 0"),
+])
+def test_a_refused_engine_leaves_its_disk_directory_free(tmp_path, kwargs, refused):
+    """A bad policy or size is refused before the disk tier's store takes its directory: an
+    unknown disk policy had left the store's lock held (a second engine on the directory was
+    refused as in use), a misspelt tier fell back to LRU, and a negative cpu tier failed in
+    torch."""
+    sizes = {"gpu_blocks": 4, "cpu_blocks": 4, "disk_blocks": 4}
+    with pytest.raises(EngineConfigError, match=refused):
+        OffloadEngine(TINY, **{**sizes, **kwargs}, disk_dir=tmp_path)
+    OffloadEngine(TINY, **sizes, disk_dir=tmp_path).close()
 
 
 def test_request_finished_carries_every_part_of_ttft():

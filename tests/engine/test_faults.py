@@ -79,6 +79,13 @@ def test_a_bad_chunk_is_a_miss_that_is_recomputed(tmp_path, damage, reason):
     assert A not in engine.disk and A not in engine.cpu
     gone = [(e.tier, e.reason) for e in events if isinstance(e, ev.Eviction) and e.reason == "failed"]
     assert gone == [("disk", "failed"), ("cpu", "failed")]
+    # the summary's evictions are the Eviction events' blocks, the failed ones included (the
+    # agent's kvscope_evicted_blocks_total counts every reason)
+    evicted = {tier: 0 for tier in engine.stats.evictions}
+    for e in events:
+        if isinstance(e, ev.Eviction):
+            evicted[e.tier] += e.blocks
+    assert engine.stats.evictions == evicted
     _resident_bytes_ok(engine)  # gpu holds A's recomputed bytes; nothing holds wrong bytes
     # the engine keeps going: A is a gpu hit now, B (spilled during r3) comes back from disk
     assert engine.process(_req("r4", A)).tokens["gpu"] == 16
