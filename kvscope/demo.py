@@ -106,18 +106,30 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     running.
     """
     preset = get_preset(config.preset)
-    if config.capture_dir and (earlier := finished_segments(Path(config.capture_dir))):
+    block_tokens = MOONCAKE_BLOCK_TOKENS if config.trace else preset.block_tokens
+    disk_budget = config.disk_blocks * preset.bytes_per_block(block_tokens)
+    # The reference engine runs in this process: its host tiers are this process's memory. It
+    # reports its cpu tier's size as its host KV budget itself, as vLLM's tap does; the disk
+    # tier's is configured (no engine reports it). Read (KVSCOPE_* included) before anything
+    # starts, so a bad variable is an error, not a traceback.
+    settings = load_settings(capture_dir=config.capture_dir, **{
+        "collectors.host": {"budgets": {"disk": disk_budget} if disk_budget else {},
+                            "engine_pid": os.getpid()},
+        "collectors.numa": {"engine_pid": os.getpid()}})
+    # --capture-dir, else the agent's KVSCOPE_CAPTURE_DIR: the run is captured there all the same
+    capture_dir = settings.capture_dir
+    named = "--capture-dir" if config.capture_dir else "KVSCOPE_CAPTURE_DIR"
+    if capture_dir and (earlier := finished_segments(capture_dir)):
         # analyze and compare would read the two runs as one (an agent restarted into its
         # capture directory carries on; a demo run is a run of its own)
-        raise FileExistsError(f"--capture-dir {config.capture_dir} holds {len(earlier)} "
+        raise FileExistsError(f"{named} {capture_dir} holds {len(earlier)} "
                               f"segment{'s' * (len(earlier) != 1)} of an earlier run, which "
                               "analyze and compare would "
                               "read as part of this one; give a directory without them")
     sizing_trace, sizing_accesses = config.trace, None
     if config.trace:
-        requests, block_tokens = read_mooncake(config.trace), MOONCAKE_BLOCK_TOKENS
+        requests = read_mooncake(config.trace)
     else:
-        block_tokens = preset.block_tokens
         workload = SyntheticConfig(seed=config.seed, block_tokens=block_tokens,
                                    one_off_share=config.one_off_share)
         requests = synthetic(workload)
@@ -133,15 +145,6 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     if config.metrics_port == config.ui_port:
         raise PortInUse(f"--metrics-port and --ui-port are both {config.ui_port}; give them "
                         "different ports")
-    disk_budget = config.disk_blocks * preset.bytes_per_block(block_tokens)
-    # The reference engine runs in this process: its host tiers are this process's memory. It
-    # reports its cpu tier's size as its host KV budget itself, as vLLM's tap does; the disk
-    # tier's is configured (no engine reports it). Read (KVSCOPE_* included) before anything
-    # starts, so a bad variable is an error, not a traceback.
-    settings = load_settings(capture_dir=config.capture_dir, **{
-        "collectors.host": {"budgets": {"disk": disk_budget} if disk_budget else {},
-                            "engine_pid": os.getpid()},
-        "collectors.numa": {"engine_pid": os.getpid()}})
     # the engine first: a bad tier configuration is reported before any port is taken
     engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, config.disk_blocks,
                            block_tokens=block_tokens, policy=config.policy,
@@ -186,8 +189,8 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
                                                        * block_tokens,
                                                        token=agent.settings.token,
                                                        capture_roots=[
-                                                           d for d in (config.capture_dir,
-                                                                       *config.capture_roots)
+                                                           str(d) for d in (capture_dir,
+                                                                            *config.capture_roots)
                                                            if d],
                                                        require_token=config.dashboard_token),
                                     config.host, config.ui_port, "--ui-port")
@@ -207,12 +210,15 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     if config.dashboard_token is None and not is_loopback(config.host):
         print(f"  warning: the dashboard and /api are open to anyone who reaches "
               f"{config.host} (--insecure)", file=out)
-    if config.capture_dir:
-        print(f"  capture:         {config.capture_dir} (kvscope analyze / kvscope compare read it)",
-              file=out)
+    if capture_dir:
+        print(f"  capture:         {capture_dir}"
+              + ("" if config.capture_dir else " (KVSCOPE_CAPTURE_DIR)")
+              + " (kvscope analyze / kvscope compare read it)", file=out)
+    if settings.store_dir:
+        print(f"  request store:   {settings.store_dir} (KVSCOPE_STORE_DIR)", file=out)
     if config.capture_roots:
         print(f"  compare page reads under: {', '.join(config.capture_roots)}"
-              + (" and the capture" if config.capture_dir else ""), file=out)
+              + (" and the capture" if capture_dir else ""), file=out)
     print(f"  stop with {how_to_stop()}"
           + (f" (or after {config.duration:g} s)" if config.duration else ""), file=out, flush=True)
     replay_thread.start()
@@ -226,13 +232,14 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     lost = sum(agent.capture.dropped.values()) if agent.capture is not None else 0
     # what the run left behind: a tryout found it said only in the banner, long scrolled away
     kept = "; nothing kept (--capture-dir DIR records a run)"
-    if config.capture_dir:  # a capture that lost rows gets its own error line below
-        kept = "" if lost else settle_capture(Path(config.capture_dir))
-    print(f"kvscope demo: stopped after {replayer.served} requests{kept}", file=out, flush=True)
+    if capture_dir:  # a capture that lost rows gets its own error line below
+        kept = "" if lost else settle_capture(capture_dir)
+    served = f"{replayer.served} request" + ("" if replayer.served == 1 else "s")
+    print(f"kvscope demo: stopped after {served}{kept}", file=out, flush=True)
     ignore_signals_while_exiting()
     if lost:  # a script reading the capture next must not take it for the whole run
         print(f"kvscope demo: error: the capture lost {lost} rows it could not write (see the "
-              f"capture's lines above); {config.capture_dir} holds only the segments written "
+              f"capture's lines above); {capture_dir} holds only the segments written "
               "whole", file=sys.stderr, flush=True)
         return 1
     return 0

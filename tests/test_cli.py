@@ -850,6 +850,20 @@ def test_demo_says_when_its_trace_has_played_out(tmp_path):
     _one_error_line(_kvscope("demo", "--trace", str(path), "--duration", "1", "--metrics-port",
                              str(free_port()), "--ui-port", str(free_port()), "--capture-dir",
                              str(tmp_path / "cap")), "segments of an earlier run")
+    # The agent's KVSCOPE_CAPTURE_DIR captures the demo's run too: it says so, as for the flag,
+    # and refuses a second run there (it had said "nothing kept" and added a second run).
+    env = {**os.environ, "KVSCOPE_CAPTURE_DIR": str(tmp_path / "env-cap")}
+    result = _kvscope("demo", "--trace", str(path), "--speed", "1000", "--duration", "2",
+                      "--metrics-port", str(free_port()), "--ui-port", str(free_port()), env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert (f"  capture:         {tmp_path / 'env-cap'} (KVSCOPE_CAPTURE_DIR) (kvscope analyze "
+            "/ kvscope compare read it)") in lines
+    assert lines[-1] == ("kvscope demo: stopped after 3 requests; its capture is in "
+                         f"{tmp_path / 'env-cap'}")
+    _one_error_line(_kvscope("demo", "--trace", str(path), "--duration", "1", "--metrics-port",
+                             str(free_port()), "--ui-port", str(free_port()), env=env),
+                    f"KVSCOPE_CAPTURE_DIR {tmp_path / 'env-cap'} holds", "of an earlier run")
 
 
 @pytest.mark.parametrize("requests", [0, 1])
