@@ -38,10 +38,17 @@ def _frame(title: str, y_title: str, height: int = 340) -> go.Figure:
 
 def latency(data: dict | None, metric: str = "ttft") -> go.Figure:
     """p50/p95/p99 of ``metric`` (``ttft`` or ``itl``) for both runs as grouped bars with CI
-    error bars, in seconds; with a budget for it, a dashed line at the budget."""
+    error bars, in seconds; with a budget for it, a dashed line at the budget. An ITL that a
+    run's engine modelled (``itl_modelled``) is said not measured, as the text report says."""
     title = TTFT_TITLE if metric == "ttft" else ITL_TITLE
     if not data:
         return message_figure(title, EMPTY)
+    modelled = [side for side in ("baseline", "candidate")
+                if metric == "itl" and (data.get(side) or {}).get("itl_modelled")]
+    if modelled:  # one value per request, from the cost model: its bars read as a measurement
+        return message_figure(title, f"ITL not measured: every request's ITL of the "
+                              f"{' and the '.join(modelled)} is the same, the engine's cost "
+                              "model")
     rows = data.get(metric) or []
     if not any(r.get("baseline") or r.get("candidate") for r in rows):
         return message_figure(title, f"no {metric.upper()} reported by either run")

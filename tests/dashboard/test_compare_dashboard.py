@@ -48,6 +48,21 @@ def test_itl_missing_on_one_side_still_draws_the_other():
     assert fig.data[0].y == (None, None, None) and fig.data[1].y[0] == 0.021
 
 
+def test_a_modelled_itl_is_said_not_measured_not_drawn():
+    """Two demo captures: the reference engine prices decode, so every request's ITL is one
+    value (itl_modelled). The text report leaves its rows out and says "ITL not measured";
+    the page drew them as bars with a confidence interval, as if measured."""
+    base = RequestSample("demo-a", np.linspace(0.1, 0.2, 200), itl=np.full(200, 0.001),
+                         itl_modelled=True)
+    cand = RequestSample("demo-b", np.linspace(0.1, 0.2, 200), itl=np.full(200, 0.001),
+                         itl_modelled=True)
+    fig = fc.latency(to_dict(compare(base, cand, resamples=200)), "itl")
+    assert not [t for t in fig.data if t.type == "bar"]
+    assert any("ITL not measured" in (a.text or "") and "baseline and the candidate" in a.text
+               for a in fig.layout.annotations)
+    assert [t.type for t in fc.latency(_data(), "itl").data] == ["bar", "bar"]  # measured: drawn
+
+
 def test_hit_quality_and_transfer_figures():
     data = _data()
     hq = fc.hit_quality(data)
