@@ -75,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load_config(args.config)
-    except (MixinConfigError, OSError, ValueError) as exc:
+    except OSError as exc:  # as the agent says it: [Errno 2] and a repr read as a crash
+        print(f"kvscope.mixin: error: cannot read config {args.config}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except (MixinConfigError, ValueError) as exc:
         print(f"kvscope.mixin: error: {exc}", file=sys.stderr)
         return 2
     if args.prometheus_rule:
@@ -96,14 +100,25 @@ def main(argv: list[str] | None = None) -> int:
         if not (diff or extra):  # silence read as "did it run?" (a tryout's)
             print(f"up to date: the {len(files)} generated files in {out}")
         return 1 if diff or extra else 0
+    # every directory first: a file in the way of the third left the first two files written
+    for folder in sorted({(out / rel).parent for rel in files}):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # e.g. --output, or a folder in it, names a file
+            blocking = next((p for p in (folder, *folder.parents)
+                             if p.exists() and not p.is_dir()), None)
+            why = (f"{blocking} is a file, not a directory" if blocking is not None
+                   else exc.strerror or str(exc))
+            print(f"kvscope.mixin: error: cannot create {folder}: {why} (--output is the "
+                  "directory to write the mixin into); nothing written", file=sys.stderr)
+            return 2
     for rel, text in files.items():
         path = out / rel
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, text)
-        except OSError as exc:  # e.g. --output names a file
-            print(f"kvscope.mixin: error: cannot write {path}: {exc.strerror or exc} (--output "
-                  "is the directory to write the mixin into)", file=sys.stderr)
+        except OSError as exc:
+            print(f"kvscope.mixin: error: cannot write {path}: {exc.strerror or exc}",
+                  file=sys.stderr)
             return 2
         print(f"wrote {path}")
     return 0

@@ -335,7 +335,27 @@ def test_an_output_that_is_not_a_directory_is_one_error_line(tmp_path, capsys) -
     (tmp_path / "board.json").write_text("{}")
     assert main(["--output", str(tmp_path / "board.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvscope.mixin: error: cannot write ") and len(err.splitlines()) == 1
+    assert err.startswith("kvscope.mixin: error: cannot create ") and len(err.splitlines()) == 1
+    assert f"{tmp_path / 'board.json'} is a file, not a directory" in err
+
+
+def test_a_file_in_the_way_of_one_folder_leaves_nothing_written(tmp_path, capsys) -> None:
+    """A file named like one of the output's folders (dashboards) came after the rules and
+    alerts were written: half a mixin, and the error said "File exists" of the dashboard's
+    path. Now nothing is written and the error names the file in the way."""
+    (tmp_path / "dashboards").write_text("")
+    assert main(["--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"{tmp_path / 'dashboards'} is a file" in err
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["dashboards"]
+
+
+def test_a_config_that_cannot_be_read_is_named_as_the_agent_names_it(tmp_path, capsys) -> None:
+    """It read "error: [Errno 2] No such file or directory: 'x.toml'"."""
+    assert main(["--config", str(tmp_path / "x.toml"), "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kvscope.mixin: error: cannot read config {tmp_path / 'x.toml'}: "
+                   "No such file or directory\n")
 
 
 def test_provisioning_files() -> None:
