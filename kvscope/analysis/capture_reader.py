@@ -129,8 +129,12 @@ def _read(paths: list[Path], columns: list[str], kind: str, where: Path,
                              "by the next agent writing there)")
         if where.is_dir() and not any(where.glob(f"*{SUFFIX}*")):  # a wrong path, most likely
             also = "a trace file or " if kind == "blocks" else ""  # analyze reads traces too
+            # a rollout's --out: its runs are judged in its own report
+            report = (f"; it holds a rollout's report: open {where / 'rollout.html'}, or give "
+                      "the directory to the dashboard's Compare page"
+                      if (where / "rollout.json").is_file() else "")
             raise TraceError(f"{where}: not a capture directory (no segments in it); give "
-                             f"{also}a directory kvscope agent --capture-dir wrote")
+                             f"{also}a directory kvscope agent --capture-dir wrote{report}")
         if where.is_dir() and not finished_segments(where, "blocks") + finished_segments(
                 where, "requests"):  # the agent's samples alone: it stopped before any request
             kinds = sorted({s.name.split("-")[0] for s in finished_segments(where)})

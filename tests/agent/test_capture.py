@@ -6,6 +6,7 @@ import fcntl
 import itertools
 import json
 import os
+import re
 import shutil
 import threading
 from dataclasses import replace
@@ -168,6 +169,11 @@ def test_a_capture_without_block_rows_or_a_missing_one_is_a_trace_error(tmp_path
         read_block_trace(tmp_path / "empty")
     # compare reads captures only: no trace file offered
     with pytest.raises(TraceError, match=r"in it\); give a directory kvscope agent"):
+        read_request_sample(tmp_path / "empty")
+    # a rollout's --out (the dashboard's Compare page reads it) is named as one, with its report
+    (tmp_path / "empty" / "rollout.json").write_text("{}")
+    with pytest.raises(TraceError, match=r"wrote; it holds a rollout's report: open "
+                       + re.escape(str(tmp_path / "empty" / "rollout.html"))):
         read_request_sample(tmp_path / "empty")
 
 
