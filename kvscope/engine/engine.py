@@ -15,7 +15,8 @@ room passes over a pinned block to the next victim in the policy's order, as vLL
 managers never evict a block a request is loading. An offload or spill into a tier that holds
 only pinned blocks is skipped (the victim dropped, counted in the tier's Admission
 ``skipped``); a block staged now takes a pinned block's ``cpu`` slot all the same (spilled to
-disk, it can be staged in its turn), since without it the rest of the prefix is recomputed.
+disk where the disk tier can take it, it is staged in its turn; else recomputed), since
+without it the rest of the prefix is recomputed.
 
 Prefix semantics: only the leading contiguous run of cached blocks serves tokens. After the
 first recomputed block, later blocks are recomputed too (resident ones just count as hits).
@@ -331,6 +332,12 @@ class OffloadEngine:
                     source = _CPU
                 elif disk_get(h) is not None:
                     source = self._stage(h, slot, now)
+                    if source == _DISK and credited == 1:
+                        # found on cpu, pushed off it by this turn's offload (a hash repeated
+                        # in the prompt, whose pin went at its first turn): a disk hit, as a
+                        # failed read takes it back from disk
+                        hits[1] -= 1
+                        hits[2] += 1
             ahead.discard(h)
             pinned.discard(h)
             if source == _RECOMPUTE:
@@ -415,7 +422,7 @@ class OffloadEngine:
         """Promote ``h`` from ``disk`` through ``cpu`` into ``gpu_slot``; return its source."""
         disk_slot = self.disk.touch(h, now).slot
         cpu_slot = self._cpu_slot(h, now, self._pinned)
-        if cpu_slot is None:  # every cpu block is a later one of the prompt: one goes (to disk)
+        if cpu_slot is None:  # every cpu block is a later one of the prompt: one goes
             cpu_slot = self._cpu_slot(h, now, ())
         if h not in self.disk.policy:  # pushed off the disk tier making room (a hash repeated
             self.cpu.remove(h)  # in the prompt: its pin went at its first turn)

@@ -9,8 +9,9 @@ exactly one block. The interface, shared by :class:`LRUPolicy` and :class:`ARCPo
 - ``make_room(h, pinned=())``: before inserting the non-resident block ``h``, evict whatever
   must go and return ``(hash, value)`` of the evicted block, or None; never a block in
   ``pinned`` (a request's cached prefix about to be promoted): the next unpinned one in the
-  policy's order goes instead, and :class:`NoRoom` is raised, nothing changed, when every
-  resident block is pinned;
+  policy's order goes instead (the pinned ones passed over move to the most recent end of
+  their list, where their request's read puts them), and :class:`NoRoom` is raised, nothing
+  else changed, when every resident block is pinned;
 - ``add(h, value)``: insert ``h`` (call ``make_room(h)`` first);
 - ``remove(h)``: forget resident block ``h`` (no ghost entry), return its value or None;
 - ``order()``: resident hashes, next victim first (for tests and snapshots).
@@ -33,11 +34,16 @@ class NoRoom(Exception):
 
 
 def _pop_unpinned(blocks: OrderedDict, pinned) -> tuple | None:
-    """Remove and return ``(hash, value)`` of the first block of ``blocks`` not in ``pinned``,
-    or None when every one is."""
-    for h in blocks:
+    """Remove and return ``(hash, value)`` of the first block of ``blocks`` (least recent
+    first) not in ``pinned``, or None when every one is (the order then as it was). A pinned
+    block passed over goes to the most recent end, where the request that pins it puts it
+    when it reads it, so the next call does not pass it again (walking the same pinned
+    blocks at every insert made a long prompt's placement quadratic)."""
+    for _ in range(len(blocks)):
+        h = next(iter(blocks))
         if h not in pinned:
             return h, blocks.pop(h)
+        blocks.move_to_end(h)
     return None
 
 
@@ -121,50 +127,61 @@ class ARCPolicy:
         else:
             self.t2.move_to_end(h)
 
-    def _replace(self, in_b2: bool, pinned):
-        """REPLACE(x, p): demote the LRU of T1 or of T2 to its ghost list; return it. Pinned
-        blocks are passed over (the other list's LRU goes when all of the chosen one is
-        pinned); make_room has checked that one is not."""
+    def _evict(self, p: float, in_b2: bool, pinned) -> tuple[bool, tuple]:
+        """REPLACE(x, p) but its ghost: pop the LRU of T1 or of T2 and return ``(from T1,
+        (hash, value))``. Pinned blocks are passed over: when the chosen list's LRU is pinned
+        and the other's is not, the other's goes (a list of a long prompt's pinned blocks was
+        walked through at every insert), else the chosen list's next unpinned, else the other
+        list's; NoRoom when every block is pinned, nothing popped."""
         t1, t2 = self.t1, self.t2
-        from_t1 = (t1 and (len(t1) > self.p or (len(t1) == self.p and in_b2))) or not t2
+        from_t1 = bool(t1 and (len(t1) > p or (len(t1) == p and in_b2))) or not t2
         if not pinned:
-            victim = (t1 if from_t1 else t2).popitem(last=False)
-        else:
+            return from_t1, (t1 if from_t1 else t2).popitem(last=False)
+        chosen, other = (t1, t2) if from_t1 else (t2, t1)
+        if chosen and other and next(iter(chosen)) in pinned and next(iter(other)) not in pinned:
+            from_t1 = not from_t1
+        victim = _pop_unpinned(t1 if from_t1 else t2, pinned)
+        if victim is None:
+            from_t1 = not from_t1
             victim = _pop_unpinned(t1 if from_t1 else t2, pinned)
             if victim is None:
-                from_t1 = not from_t1
-                victim = _pop_unpinned(t1 if from_t1 else t2, pinned)
-        (self.b1 if from_t1 else self.b2)[victim[0]] = None
-        return victim
+                raise NoRoom
+        return from_t1, victim
 
     def make_room(self, h: int, pinned=()):
-        """Cases II-IV for a block not in T1 or T2; returns the evicted ``(hash, value)``."""
-        c = self.capacity
-        full = len(self.t1) + len(self.t2) >= c
-        if full and pinned and sum(k in self for k in pinned) >= len(self):
-            raise NoRoom  # before p or the ghosts change
-        if h in self.b1:  # case II
-            self.p = min(self.p + max(len(self.b2) / len(self.b1), 1.0), c)
-            del self.b1[h]
+        """Cases II-IV for a block not in T1 or T2; returns the evicted ``(hash, value)``. The
+        victim is taken before ``p`` or the ghost lists change, so a NoRoom changes neither."""
+        c, t1, t2, b1, b2 = self.capacity, self.t1, self.t2, self.b1, self.b2
+        full = len(t1) + len(t2) >= c
+        if h in b1 or h in b2:  # cases II and III: p moves, and h enters T2
+            if h in b1:
+                p = min(self.p + max(len(b2) / len(b1), 1.0), c)
+            else:
+                p = max(self.p - max(len(b1) / len(b2), 1.0), 0.0)
+            evicted = self._evict(p, h in b2, pinned) if full else None
+            self.p = p
+            (b1 if h in b1 else b2).pop(h)
             self._to_t2 = True
-            return self._replace(False, pinned) if full else None
-        if h in self.b2:  # case III
-            self.p = max(self.p - max(len(self.b1) / len(self.b2), 1.0), 0.0)
-            del self.b2[h]
-            self._to_t2 = True
-            return self._replace(True, pinned) if full else None
-        self._to_t2 = False
-        if not full:
+        else:  # case IV
+            self._to_t2 = False
+            if not full:
+                return None
+            if len(t1) + len(b1) + 1 > c and not b1:  # IV.A, B1 empty: T1's LRU goes, no ghost
+                victim = _pop_unpinned(t1, pinned)  # (T1 holds every block)
+                if victim is None:
+                    raise NoRoom
+                return victim
+            forget = (b1 if len(t1) + len(b1) + 1 > c  # IV.A: |L1| = c
+                      else b2 if len(t1) + len(b1) + len(t2) + len(b2) >= 2 * c and b2  # IV.B
+                      else None)
+            evicted = self._evict(self.p, False, pinned)
+            if forget is not None:
+                forget.popitem(last=False)
+        if evicted is None:
             return None
-        if len(self.t1) + len(self.b1) + 1 > c:  # case IV.A: |L1| = c
-            if self.b1:
-                self.b1.popitem(last=False)
-                return self._replace(False, pinned)
-            # B1 is empty: evict T1's LRU outright (T1 holds every block: one is unpinned)
-            return _pop_unpinned(self.t1, pinned)
-        if len(self.t1) + len(self.b1) + len(self.t2) + len(self.b2) >= 2 * c and self.b2:
-            self.b2.popitem(last=False)  # case IV.B
-        return self._replace(False, pinned)
+        from_t1, victim = evicted
+        (b1 if from_t1 else b2)[victim[0]] = None
+        return victim
 
     def add(self, h: int, value) -> None:
         (self.t2 if self._to_t2 else self.t1)[h] = value

@@ -146,6 +146,30 @@ def test_a_cpu_hit_is_not_pushed_to_disk_by_its_own_request(tmp_path):
     engine.close()
 
 
+def test_a_repeated_block_read_from_disk_after_its_cpu_hit_is_taken_back_from_disk(tmp_path):
+    """gpu 3, cpu 2, disk 4 (LRU). After [2], [1], [3,5,2], [1]: gpu [5,2,1], cpu [3,1],
+    disk [2], block 2's chunk cut short. r4 [2,3,5,1,2]: 2 a gpu hit; 3, 5 and 1 cpu hits,
+    each evicting a gpu block whose offload spills the cpu's unpinned LRU. At the second 2
+    (its pin went at its first turn) the cpu holds it: a cpu hit; making room offloads 3,
+    which pushes 2 off the cpu, so 2 is staged from its bad chunk, fails, and is recomputed.
+    By hand: gpu 1, cpu 3, disk 0 hits. Its hit had been taken back from the disk, which had
+    not counted it: disk -1, a Lookup the agent refuses."""
+    events = []
+    engine = OffloadEngine(TINY, 3, 2, 4, disk_dir=tmp_path, emit=events.append)
+    for i, hashes in enumerate([(2,), (1,), (3, 5, 2), (1,)]):
+        engine.process(_req(f"r{i}", *hashes))
+    assert [engine.gpu.order(), engine.cpu.order(), engine.disk.order()] == [[5, 2, 1], [3, 1],
+                                                                             [2]]
+    engine.drain()
+    os.truncate(engine.disk.pool.path(engine.disk.get(2).slot), 100)
+    outcome = engine.process(_req("r4", 2, 3, 5, 1, 2))
+    assert outcome.block_hits == {"gpu": 1, "cpu": 3, "disk": 0}
+    assert outcome.tokens == {"gpu": 16, "cpu": 48, "disk": 0, "recompute": 16}
+    assert min(engine.stats.block_hits.values()) >= 0
+    ev.validate([e for e in events if isinstance(e, ev.Lookup)][-1])  # raises if refused
+    engine.close()
+
+
 def _mount_tmpfs(directory, size):
     """A real, tiny tmpfs (needs root with CAP_SYS_ADMIN); False when mounting is refused."""
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
