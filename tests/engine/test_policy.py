@@ -69,3 +69,25 @@ def test_arc_full_of_pinned_blocks_has_no_room_and_changes_nothing():
     with pytest.raises(NoRoom):
         arc.make_room(2, {1, 3})
     assert (list(arc.t1), list(arc.t2), list(arc.b1), list(arc.b2), arc.p) == before
+
+
+def test_a_pinned_block_passed_over_moves_to_the_most_recent_end():
+    """LRU [1,2,3], 1 pinned: inserting 4 passes over 1 (to the recent end: [2,3,1]) and
+    evicts 2: [3,1,4]. The next insert, 1 still pinned, evicts 3 without passing 1 again:
+    a long prompt's pinned blocks were walked past at every insert (quadratic)."""
+    lru = _filled(LRUPolicy(3), [1, 2, 3])
+    assert lru.make_room(4, {1}) == (2, "v2")
+    lru.add(4, "v4")
+    assert lru.order() == [3, 1, 4]
+    assert lru.make_room(5, {1}) == (3, "v3")
+
+
+def test_arc_takes_the_other_lists_lru_when_the_chosen_ones_is_pinned():
+    """ARC of 3: 1, 2, 3 inserted and 3 hit: T1 [1,2], T2 [3]. Inserting 4 (case IV.B, p =
+    0) would REPLACE from T1, whose LRU 1 is pinned, while T2's LRU 3 is not: 3 goes, into
+    B2 (walking T1 for its next unpinned block is what made long prompts quadratic)."""
+    arc = _filled(ARCPolicy(3), [1, 2, 3])
+    arc.hit(3)
+    assert arc.make_room(4, {1}) == (3, "v3")
+    arc.add(4, "v4")
+    assert (list(arc.t1), list(arc.t2), list(arc.b2)) == ([1, 2, 4], [], [3])
