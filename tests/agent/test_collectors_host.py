@@ -16,12 +16,14 @@ import logging
 import os
 import subprocess
 import sys
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from kvscope.agent.collectors import CollectorSet, UnknownCollectorError, resolve_enabled
+from kvscope.agent.collectors.base import CollectorError
 from kvscope.agent.collectors.host import (CgroupParseError, HostCollector, HostReading,
                                            parse_inactive_file, parse_limit_in_bytes,
                                            parse_memory_max, parse_proc_cgroup,
@@ -320,6 +322,21 @@ def test_an_engines_cgroup_the_agent_cannot_see_is_no_limit_and_said_once(tmp_pa
     assert [(r.limit, r.cgroup) for r in readings] == [(256 * GiB, None)] * 2
     assert caplog.text.count("the cgroup of engine process 42") == 1
     assert "--cgroupns=host" in caplog.text
+
+
+def test_an_engine_that_ended_is_said_not_running_not_read_as_physical_ram(tmp_path):
+    """The engine's container limits it to 64 GiB (24 GiB left); the engine exits. Its
+    /proc/<pid>/cgroup then reads nothing, which the collector took for a cgroup it could not
+    see: the limit became physical RAM (256 GiB) and the headroom 200 GiB, an 8-fold rise no
+    alert could fire on. It now says the process is not running, as the numa and engine-args
+    collectors do (collector up 0), and reads the engine's limit again once it runs."""
+    mount, proc = _sidecar(tmp_path, engine_visible=True)
+    collector = HostCollector(_vm(256 * GiB, 200 * GiB), swap_memory=_swap(), engine_pid=42,
+                              cgroup_root=mount, proc_root=proc)
+    assert collector.collect().limit == 64 * GiB
+    shutil.rmtree(proc / "42")
+    with pytest.raises(CollectorError, match="engine process 42 .* is not running"):
+        collector.collect()
 
 
 def test_this_machines_cgroup_reads_without_error():

@@ -295,6 +295,11 @@ class HostCollector:
         self._told_reserve = self._told_cgroup = False
 
     def collect(self) -> HostReading:
+        """Raises CollectorError when ``engine_pid`` is not running: its cgroup cannot be
+        read, and physical RAM taken for its limit read as a measurement (a supervisor's
+        restart keeps the cgroup's limit under a new pid)."""
+        if self._engine_pid is not None and not (self._proc_root / str(self._engine_pid)).is_dir():
+            raise CollectorError(f"engine process {self._engine_pid} (engine_pid) is not running")
         vm = self._virtual_memory()
         swap = self._swap_memory()
         cgroup = self._cgroup()
