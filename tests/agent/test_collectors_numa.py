@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import wait_until
 from kvscope.agent.collectors import CollectorSet, NumaCollector, NumaReading
+from kvscope.agent.collectors.base import CollectorError
 from kvscope.agent.collectors.metrics import collector_samples
 from kvscope.agent.collectors.numa import (NumaMapping, NumaParseError, numa_node_bytes,
                                            parse_node_list, parse_numa_maps)
@@ -219,3 +223,40 @@ def test_following_this_process_on_the_real_proc():
     collector.follow(lambda: [os.getpid()])
     reading = collector.collect()
     assert reading.followed == (os.getpid(),) and sum(reading.engine_bytes.values()) > 0
+
+
+def test_an_exited_unreaped_process_is_not_measured_as_0_bytes(tmp_path):
+    """A real child process that exited and was not reaped (a zombie) has an empty numa_maps.
+    Configured, it was reported as 0 bytes on every node, a measurement of nothing; now it is
+    not running (collector down). Followed as a tap's, it is skipped, the others counted."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        status = Path(f"/proc/{child.pid}/status")
+        assert wait_until(lambda: "State:\tZ" in status.read_text())
+        assert Path(f"/proc/{child.pid}/numa_maps").read_text() == ""
+        with pytest.raises(CollectorError, match="is not running"):
+            NumaCollector(child.pid).collect()
+        collector = NumaCollector()
+        collector.follow(lambda: [child.pid, os.getpid()])
+        reading = collector.collect()
+        assert reading.followed == tuple(sorted([child.pid, os.getpid()]))
+        assert sum(reading.engine_bytes.values()) > 0
+    finally:
+        child.wait()
+
+
+def test_a_followed_process_it_may_not_read_is_left_out_not_the_collector(caplog):
+    """Process 1 (this machine's init, whose numa_maps the test may not read: ptrace rules)
+    followed beside this process: the collector went down and hid this process's placement
+    and the host's nodes; now 1 is left out, with one warning."""
+    try:
+        Path("/proc/1/numa_maps").read_text()
+        pytest.skip("process 1's numa_maps is readable here")
+    except PermissionError:
+        pass
+    collector = NumaCollector()
+    collector.follow(lambda: [1, os.getpid()])
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        readings = [collector.collect() for _ in range(2)]
+    assert all(sum(r.engine_bytes.values()) > 0 for r in readings)
+    assert caplog.text.count("/proc/1/numa_maps") == 1

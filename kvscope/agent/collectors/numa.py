@@ -9,12 +9,15 @@ trees. A GPU's own NUMA node is the GPU collector's (``gpu.py``), read through i
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvscope.agent.collectors.base import CollectorError, NoDataError, register
+
+log = logging.getLogger(__name__)
 
 DEFAULT_NODE_ROOT = Path("/sys/devices/system/node")
 DEFAULT_PROC = Path("/proc")
@@ -174,7 +177,7 @@ class NumaCollector:
     whose line does not give one.
     ``collect()`` raises NoDataError when the kernel shows no NUMA nodes and no process is
     configured, CollectorError when the configured process is gone (its numa_maps cannot be
-    found although the kernel has them) or cannot be read (another user's process:
+    found although the kernel has them, or are empty: exited, not yet reaped) or cannot be read (another user's process:
     ``numa_maps`` needs ptrace read access), NumaParseError on malformed files. Raises
     ValueError on a non-positive ``engine_pid``."""
 
@@ -190,11 +193,13 @@ class NumaCollector:
         self._proc = Path(proc)
         self._page_size = page_size
         self._follow: Callable[[], Iterable[int]] = tuple
+        self._told_unreadable: set[int] = set()  # followed processes said unreadable
 
     def follow(self, pids: Callable[[], Iterable[int]]) -> None:
         """Without ``engine_pid``, read the processes ``pids()`` names at each collect: the
         engine processes the taps run in (``IngestSource.engine_pids``, from each batch's
-        ``pid``), their memory per node added up. One that has ended meanwhile is skipped."""
+        ``pid``), their memory per node added up. One that has ended meanwhile (or exited and
+        awaits its parent's reaping), or that may not be read (logged once), is skipped."""
         self._follow = pids
 
     def collect(self) -> NumaReading:
@@ -226,8 +231,19 @@ class NumaCollector:
                 return None  # a kernel without NUMA support has no numa_maps; a tap's engine ended
             raise CollectorError(f"engine process {pid} (engine_pid) is not running") from None
         except PermissionError:
-            raise CollectorError(f"cannot read {process / 'numa_maps'}: it needs the engine's "
-                                 "user (or ptrace read access)") from None
+            why = f"cannot read {process / 'numa_maps'}: it needs the engine's user (or ptrace " \
+                  "read access)"
+            if not followed:
+                raise CollectorError(why) from None
+            if pid not in self._told_unreadable:  # one tap's process: the others still count
+                self._told_unreadable.add(pid)
+                log.warning("numa collector: %s; its memory is left out (logged once)", why)
+            return None
+        if not text.strip():  # no address space: exited, not yet reaped (a zombie); not 0 bytes
+            if followed:
+                return None
+            raise CollectorError(f"engine process {pid} (engine_pid) is not running (it has "
+                                 "exited; its parent has not reaped it)")
         found = numa_node_bytes(parse_numa_maps(text), self._page_size())
         return dict(sorted({**{node: 0 for node in nodes or ()}, **found}.items()))
 
