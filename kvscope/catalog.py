@@ -205,8 +205,8 @@ HOST_MEMORY_LIMIT_BYTES = _gauge("kvscope_host_memory_limit_bytes",
 HOST_SWAP_USED_BYTES = _gauge("kvscope_host_swap_used_bytes",
     "Swap in use (psutil).", [], "bytes")
 HOST_SWAP_IN_BYTES = _counter("kvscope_host_swap_in_bytes_total",
-    "Bytes the host read back in from swap since boot (psutil swap_memory().sin: Linux's "
-    "/proc/vmstat pswpin pages), host-wide; absent where psutil does not report it. Rising "
+    "Bytes the host read back in from swap since boot (Linux's /proc/vmstat pswpin pages "
+    "times the kernel's page size), host-wide; absent where vmstat cannot be read. Rising "
     "means pages the host needs now were swapped out: memory is overcommitted.", [], "bytes")
 HOST_MEMORY_RESERVE_BYTES = _gauge("kvscope_host_memory_reserve_bytes",
     "Memory the operator keeps free for the OS and other services (config).", [], "bytes")

@@ -149,11 +149,16 @@ def _golden_agent(tmp_path) -> Agent:
     from two sources: a vLLM-like tap (tiers gpu and cpu, a failed offload, a sampled eviction,
     tap errors, its scheduler with preemptions) and the reference engine (a disk tier, a
     dropped block, a request with promotion wait and ITL, its queue without preemptions)."""
-    # psutil's swap_memory() of a host with 1 MiB swapped out and 64 KiB read back in
-    swap = SimpleNamespace(used=2**20, sin=2**16)
+    # a host with 1 MiB swapped out (psutil's swap_memory()) and 64 KiB read back in (16 pages
+    # of 4 KiB in its /proc/vmstat)
+    swap = SimpleNamespace(used=2**20)
+    (tmp_path / "host-proc").mkdir()
+    (tmp_path / "host-proc" / "vmstat").write_text("pswpin 16\npswpout 256\n")
     collectors = CollectorSet(["host", "numa"], {"host": {"virtual_memory": lambda: _VM,
                                                           "swap_memory": lambda: swap,
                                                           "cgroup_root": tmp_path,
+                                                          "proc_root": tmp_path / "host-proc",
+                                                          "page_size": lambda: 4096,
                                                           "budgets": {"cpu": 2**30}},
                                                  "numa": {**_numa(tmp_path),
                                                           "page_size": lambda: 4096}},

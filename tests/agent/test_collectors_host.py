@@ -356,17 +356,29 @@ def test_this_machines_cgroup_reads_without_error():
     assert later.swap_in >= int(vmstat["pswpin"]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_swap_in_is_a_counter_of_bytes_read_back_and_absent_when_not_reported(tmp_path):
-    """psutil's swap_memory().sin (bytes swapped in since boot) becomes
-    kvscope_host_swap_in_bytes_total; a swap_memory() without it (an older psutil, a platform
-    that does not say) leaves the counter out rather than reporting 0."""
-    proc = _tree(tmp_path / "cgroup", "/ctr", {"ctr": ("max", 0)})
-    for swap, want in ((_swap(MiB, sin=3 * MiB), [([], 3 * MiB)]), (_swap(MiB), [])):
+def test_swap_in_is_pages_read_back_times_the_kernels_page_and_absent_when_not_readable(
+        tmp_path):
+    """/proc/vmstat's pswpin (pages read back in from swap since boot) times the kernel's base
+    page becomes kvscope_host_swap_in_bytes_total: 1,000 pages of 64 KiB (an arm64 kernel's)
+    are 65,536,000 bytes; psutil's swap_memory().sin took every page for 4 KiB (4,096,000).
+    A vmstat that cannot be read leaves the counter out: psutil's read 0 then. This
+    machine's real vmstat reads."""
+    cgroup = _tree(tmp_path / "cgroup", "/ctr", {"ctr": ("max", 0)})
+    proc = tmp_path / "proc"
+    proc.mkdir()
+
+    def swap_in(**more):
         collectors = CollectorSet(["host"], {"host": {
-            "virtual_memory": _vm(64 * GiB, 40 * GiB), "swap_memory": swap,
-            "cgroup_root": tmp_path / "cgroup", "proc_cgroup": proc}})
+            "virtual_memory": _vm(64 * GiB, 40 * GiB), "swap_memory": _swap(MiB, sin=0),
+            "cgroup_root": tmp_path / "cgroup", "proc_cgroup": cgroup, **more}})
         samples = {spec.name: v for spec, v in collector_samples(collectors.collect()).items()}
-        assert samples["kvscope_host_swap_in_bytes_total"] == want
+        return samples["kvscope_host_swap_in_bytes_total"]
+
+    (proc / "vmstat").write_text("pgpgin 5\npswpin 1000\npswpout 7\n")
+    assert swap_in(proc_root=proc, page_size=lambda: 64 * 1024) == [([], 65_536_000)]
+    (proc / "vmstat").unlink()
+    assert swap_in(proc_root=proc) == []
+    assert len(swap_in()) == 1  # /proc/vmstat
 
 
 def test_bad_cgroup_file_marks_host_down_and_logs_once(tmp_path, caplog):

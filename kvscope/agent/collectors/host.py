@@ -10,6 +10,7 @@ under an injectable root.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -84,8 +85,8 @@ class HostReading:
     limit applies (see :class:`CgroupLevel`), else psutil's ``available`` (memory new
     allocations get without swapping).
     ``limit``: ``min(total, cgroup memory.max)``. ``swap_used``: psutil ``swap_memory().used``.
-    ``swap_in``: bytes read back in from swap since boot, a counter (psutil
-    ``swap_memory().sin``, host-wide), None where psutil does not report it.
+    ``swap_in``: bytes read back in from swap since boot, a counter (host-wide:
+    :func:`swap_in_bytes`), None where it cannot be read.
     ``reserve``: what must stay free for the OS and other services (config).
     ``budgets``: dict[tier, bytes] reserved per offload tier (config, e.g. vLLM cpu_bytes_to_use).
     ``headroom``: ``available - reserve``; negative when the reserve is being eaten into.
@@ -241,6 +242,23 @@ def engine_memory(pid: int,
     return int(total)
 
 
+def swap_in_bytes(vmstat: Path, page_size: int) -> int | None:
+    """Bytes read back in from swap since boot: ``pswpin`` of ``vmstat`` (``/proc/vmstat``;
+    the kernel counts one per base page read in, mm/page_io.c) times ``page_size``, the
+    kernel's base page in bytes. None when the file cannot be read or has no ``pswpin``:
+    psutil's ``swap_memory().sin`` read 0 then (a measurement of nothing), and counted 4 KiB
+    pages whatever the kernel's (64 KiB on some arm64 kernels: 16 times too few)."""
+    try:
+        text = vmstat.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "pswpin":
+            return int(value) * page_size if value.strip().isdigit() else None
+    return None
+
+
 def host_reading(total: int, psutil_available: int, swap_used: int, reserve: int,
                  budgets: Mapping[str, int], cgroup: CgroupMemory | None,
                  swap_in: int | None = None) -> HostReading:
@@ -269,6 +287,8 @@ class HostCollector:
     ``cgroup_root``/``proc_cgroup``: see ``read_cgroup_memory`` (``proc_cgroup``: by default
     ``<proc_root>/self/cgroup``, or ``<proc_root>/<engine_pid>/cgroup``).
     ``virtual_memory``/``swap_memory``: psutil's functions, injectable for deterministic tests.
+    ``page_size``: the kernel's base page in bytes (``os.sysconf``), for ``<proc_root>/vmstat``'s
+    swap-in pages.
     Raises ValueError on a negative reserve or budget. A reserve at or above the memory limit
     (headroom can never be positive: every alert and verdict on it fires) is logged once.
     """
@@ -279,7 +299,8 @@ class HostCollector:
                  swap_memory: Callable = psutil.swap_memory, reserve_bytes: int = 0,
                  budgets: Mapping[str, int] | None = None, engine_pid: int | None = None,
                  cgroup_root: Path | str = DEFAULT_CGROUP_ROOT,
-                 proc_cgroup: Path | str | None = None, proc_root: Path | str = "/proc") -> None:
+                 proc_cgroup: Path | str | None = None, proc_root: Path | str = "/proc",
+                 page_size: Callable[[], int] = lambda: os.sysconf("SC_PAGE_SIZE")) -> None:
         budgets = dict(budgets or {})
         if reserve_bytes < 0 or any(v < 0 for v in budgets.values()):
             raise ValueError("reserve_bytes and budgets must be >= 0 bytes")
@@ -290,6 +311,7 @@ class HostCollector:
         self._engine_pid = engine_pid
         self._cgroup_root = Path(cgroup_root)
         self._proc_root = Path(proc_root)
+        self._page_size = page_size
         self._proc_cgroup = Path(proc_cgroup) if proc_cgroup is not None else \
             self._proc_root / ("self" if engine_pid is None else str(engine_pid)) / "cgroup"
         self._told_reserve = self._told_cgroup = False
@@ -303,9 +325,9 @@ class HostCollector:
         vm = self._virtual_memory()
         swap = self._swap_memory()
         cgroup = self._cgroup()
-        swap_in = getattr(swap, "sin", None)
         reading = host_reading(vm.total, vm.available, swap.used, self._reserve, self._budgets,
-                               cgroup, None if swap_in is None else int(swap_in))
+                               cgroup, swap_in_bytes(self._proc_root / "vmstat",
+                                                     self._page_size()))
         if self._reserve >= reading.limit and not self._told_reserve:
             self._told_reserve = True
             log.warning("host collector: [collectors.host] reserve_bytes (%d) is at or above "
