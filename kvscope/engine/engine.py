@@ -53,7 +53,7 @@ import msgspec
 
 from kvscope import events as ev
 from kvscope.engine.outcome import RequestOutcome, prefill_value
-from kvscope.engine.policy import POLICIES
+from kvscope.engine.policy import make_policy
 from kvscope.engine.presets import ModelPreset
 from kvscope.engine.stats import EngineStats
 from kvscope.engine.tier import Resident, Tier
@@ -158,11 +158,13 @@ class OffloadEngine:
         policies = policy if isinstance(policy, dict) else dict.fromkeys(LOCAL_TIERS, policy)
         # checked before a disk tier's store takes its directory and threads
         if unknown := set(policies) - set(LOCAL_TIERS):
-            raise EngineConfigError(f"policy for unknown tier {sorted(unknown, key=str)[0]!r}; tiers: "
-                                    f"{', '.join(LOCAL_TIERS)}")
-        if unknown := set(policies.values()) - set(POLICIES):
-            raise EngineConfigError(f"unknown eviction policy {sorted(unknown, key=str)[0]!r}; known: "
-                                    f"{', '.join(POLICIES)}")
+            raise EngineConfigError(f"policy for unknown tier {sorted(unknown, key=str)[0]!r}; "
+                                    f"tiers: {', '.join(LOCAL_TIERS)}")
+        for name in policies.values():
+            try:
+                make_policy(name, 0)
+            except ValueError as exc:
+                raise EngineConfigError(str(exc)) from None
         self.preset = preset
         self.block_tokens = block_tokens or preset.block_tokens
         self.block_bytes = preset.bytes_per_block(self.block_tokens)

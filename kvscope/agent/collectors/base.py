@@ -16,6 +16,15 @@ class CollectorError(Exception):
     """A collector could not read its source this time (logged once, ``collector_up`` 0)."""
 
 
+class EngineNotRunning(CollectorError):
+    """The configured ``engine_pid`` is not a running process (in this agent's PID
+    namespace); ``why`` adds how it was found so."""
+
+    def __init__(self, pid: int, why: str = "") -> None:
+        super().__init__(f"engine process {pid} (engine_pid) is not running"
+                         + (f" ({why})" if why else ""))
+
+
 class NoDataError(CollectorError):
     """The source does not exist on this node (e.g. no NVIDIA driver): ``collector_up`` 0 and one
     info-level log line, not a warning (node_exporter's ``ErrNoData``)."""

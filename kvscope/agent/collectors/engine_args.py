@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvscope.agent.collectors.base import CollectorError, register
+from kvscope.agent.collectors.base import CollectorError, EngineNotRunning, register
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class EngineArgsCollector:
         if self._pid is not None:
             argv = self._argv(self._pid)
             if argv is None:
-                raise CollectorError(f"engine process {self._pid} (engine_pid) is not running")
+                raise EngineNotRunning(self._pid)
             return EngineArgsReading(self._pid, self._weights(self._pid, argv))
         if not self._find:
             return EngineArgsReading()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from kvscope.agent.collectors.base import CollectorError, register
+from kvscope.agent.collectors.base import CollectorError, EngineNotRunning, register
 
 log = logging.getLogger(__name__)
 
@@ -317,11 +317,12 @@ class HostCollector:
         self._told_reserve = self._told_cgroup = False
 
     def collect(self) -> HostReading:
-        """Raises CollectorError when ``engine_pid`` is not running: its cgroup cannot be
+        """Raises EngineNotRunning when ``engine_pid`` is not running: its cgroup cannot be
         read, and physical RAM taken for its limit read as a measurement (a supervisor's
         restart keeps the cgroup's limit under a new pid)."""
-        if self._engine_pid is not None and not (self._proc_root / str(self._engine_pid)).is_dir():
-            raise CollectorError(f"engine process {self._engine_pid} (engine_pid) is not running")
+        pid = self._engine_pid
+        if pid is not None and not (self._proc_root / str(pid)).is_dir():
+            raise EngineNotRunning(pid)
         vm = self._virtual_memory()
         swap = self._swap_memory()
         cgroup = self._cgroup()

@@ -15,7 +15,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvscope.agent.collectors.base import CollectorError, NoDataError, register
+from kvscope.agent.collectors.base import (CollectorError, EngineNotRunning, NoDataError,
+                                           register)
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +177,10 @@ class NumaCollector:
     ``page_size``: the kernel's base page size in bytes (default ``os.sysconf``), for ranges
     whose line does not give one.
     ``collect()`` raises NoDataError when the kernel shows no NUMA nodes and no process is
-    configured, CollectorError when the configured process is gone (its numa_maps cannot be
-    found although the kernel has them, or are empty: exited, not yet reaped) or cannot be read (another user's process:
-    ``numa_maps`` needs ptrace read access), NumaParseError on malformed files. Raises
+    configured, EngineNotRunning when the configured process is gone (its numa_maps cannot be
+    found although the kernel has them, or are empty: exited, not yet reaped), CollectorError
+    when it cannot be read (another user's process: ``numa_maps`` needs ptrace read access),
+    NumaParseError on malformed files. Raises
     ValueError on a non-positive ``engine_pid``."""
 
     name = "numa"
@@ -229,7 +231,7 @@ class NumaCollector:
         except (FileNotFoundError, ProcessLookupError):
             if process.is_dir() or followed:
                 return None  # a kernel without NUMA support has no numa_maps; a tap's engine ended
-            raise CollectorError(f"engine process {pid} (engine_pid) is not running") from None
+            raise EngineNotRunning(pid) from None
         except PermissionError:
             why = f"cannot read {process / 'numa_maps'}: it needs the engine's user (or ptrace " \
                   "read access)"
@@ -242,8 +244,7 @@ class NumaCollector:
         if not text.strip():  # no address space: exited, not yet reaped (a zombie); not 0 bytes
             if followed:
                 return None
-            raise CollectorError(f"engine process {pid} (engine_pid) is not running (it has "
-                                 "exited; its parent has not reaped it)")
+            raise EngineNotRunning(pid, "it has exited; its parent has not reaped it")
         found = numa_node_bytes(parse_numa_maps(text), self._page_size())
         return dict(sorted({**{node: 0 for node in nodes or ()}, **found}.items()))
 
