@@ -8,9 +8,10 @@ import re
 import sys
 
 from kvscope import __version__
-from kvscope.argtypes import (directory, host, http_url, label_matchers, non_negative, port,
+from kvscope.argtypes import (directory, host, http_url, label_matchers, port,
                                path, positive, prometheus_duration, proportion,
                                token_count)
+from kvscope.engine.options import add_engine_arguments
 from kvscope.engine.presets import PRESETS, UnknownPreset
 from kvscope.engine.workload import TraceError
 from kvscope.signals import ignore_signals_while_exiting, stop_on_signals, wait_for_stop
@@ -63,17 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--metrics-port", type=port, default=9400, metavar="PORT",
                       help="port of /metrics and the HTTP API (default %(default)s)")
     demo.add_argument("--ui-port", type=port, default=8050, metavar="PORT", help="port of the dashboard (default %(default)s)")
-    demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                      help="model preset giving the KV block shape (default %(default)s)")
-    demo.add_argument("--gpu-blocks", type=positive(int), default=256,
-                      help="gpu tier capacity in blocks (default %(default)s)")
-    demo.add_argument("--cpu-blocks", type=non_negative(int), default=1024,
-                      help="cpu tier capacity in blocks; 0 disables offload (default %(default)s)")
-    demo.add_argument("--disk-blocks", type=non_negative(int), default=0,
-                      help="disk tier capacity in blocks, chunk files in a temporary directory; "
-                           "0 disables it (default %(default)s)")
-    demo.add_argument("--policy", choices=("lru", "arc"), default="lru",
-                      help="eviction policy of every tier (default %(default)s)")
+    add_engine_arguments(demo, "in a temporary directory")
     demo.add_argument("--speed", type=positive(float), default=1.0,
                       help="workload seconds per wall second (default %(default)s)")
     demo.add_argument("--seed", type=int, help="seed of the synthetic workload (default 0)")
@@ -127,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     dash = sub.add_parser("dashboard", help="serve the dashboard for a running agent",
                           description="Serve the Dash dashboard, reading a running agent's "
                           "HTTP API (with the agent's token from KVSCOPE_TOKEN, when it has one).")
-    dash.add_argument("--api", type=http_url, default="http://127.0.0.1:9400",
+    dash.add_argument("--api", type=http_url, default="http://127.0.0.1:9400", metavar="URL",
                       help="agent base URL (default %(default)s)")
     dash.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on (default %(default)s)")
     dash.add_argument("--port", type=port, default=8050, help="port (default %(default)s)")
@@ -136,9 +127,9 @@ def _parser() -> argparse.ArgumentParser:
                            "dashboard to anyone who reaches it (otherwise refused; with the "
                            "token, visitors open it as /?token=TOKEN)")
     _add_capture_root(dash, "none, the page reads nothing")
-    dash.add_argument("--refresh", type=positive(float), default=2.0,
+    dash.add_argument("--refresh", type=positive(float), default=2.0, metavar="SECONDS",
                       help="seconds between refreshes (default %(default)s)")
-    dash.add_argument("--window", type=positive(float), default=900.0,
+    dash.add_argument("--window", type=positive(float), default=900.0, metavar="SECONDS",
                       help="seconds of history drawn (default %(default)s)")
     dash.add_argument("--backend", choices=("agent", "prometheus"), default="agent",
                       help="read one agent's API, or a Prometheus server for a fleet "
@@ -194,7 +185,8 @@ def _parser() -> argparse.ArgumentParser:
                           description="Write the metric reference (every metric, its labels and "
                           "meaning) from kvscope's metric catalog: for kvscope's developers, run "
                           "from the repository root after changing the catalog.")
-    docs.add_argument("--output", default="docs/metrics.md", type=path("for docs/metrics.md"),
+    docs.add_argument("--output", default="docs/metrics.md", metavar="FILE",
+                      type=path("for docs/metrics.md"),
                       help="file to write, relative to the current directory (default "
                            "%(default)s)")
     return parser

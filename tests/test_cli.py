@@ -201,6 +201,20 @@ def test_every_command_describes_itself_in_its_help():
         assert parser.description and len(parser.description) > 40, name
 
 
+def test_every_value_an_option_takes_is_named_in_a_word():
+    """``--gpu-blocks N``, not argparse's default ``--gpu-blocks GPU_BLOCKS`` (the option's
+    name again, upper-cased: demo and replay showed it for five options, dashboard for
+    --api, --refresh and --window)."""
+    from kvscope import cli
+
+    commands = cli._parser().parse_args(["docs-metrics"]).commands
+    shown = {(name, a.option_strings[0]): a.metavar or a.dest.upper()
+             for name, parser in commands.items() for a in parser._actions
+             if a.option_strings and a.nargs != 0 and a.choices is None}
+    assert ("replay", "--gpu-blocks") in shown
+    assert {k: v for k, v in shown.items() if "_" in str(v)} == {}
+
+
 def test_a_workload_without_one_off_prompts_is_accepted():
     """``--one-off-share 0`` (every prompt reused) is a workload, not a mistake: it was refused
     with "must be in (0, 1]", the check of a sampling rate."""

@@ -18,10 +18,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvscope.engine.policy import POLICIES
-from kvscope.engine.presets import PRESETS, get_preset
+from kvscope.engine.options import add_engine_arguments
+from kvscope.engine.presets import get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
-from kvscope.argtypes import directory, non_negative, path, positive
+from kvscope.argtypes import directory, path, positive
 from kvscope.signals import stopping_on_signals
 
 
@@ -41,26 +41,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE", type=path("for the built-in workload"),
                    help="Mooncake JSONL trace (512-token blocks)")
     p.add_argument("--requests", type=positive(int, at_most=MAX_REQUESTS), default=None,
+                   metavar="N",
                    help="requests to replay, at most "
                    f"{MAX_REQUESTS:,}: the first of --trace (default: all), or the synthetic "
                    f"workload's (default {SYNTHETIC_REQUESTS:,})")
     p.add_argument("--seed", type=int, help="seed of the synthetic workload (default 0)")
-    p.add_argument("--gpu-blocks", type=positive(int), default=256, help="gpu tier blocks (default %(default)s)")
-    p.add_argument("--cpu-blocks", type=non_negative(int), default=1024,
-                   help="cpu tier blocks; 0 disables (default %(default)s)")
-    p.add_argument("--disk-blocks", type=non_negative(int), default=0,
-                   help="disk tier blocks; 0 disables (default %(default)s)")
+    add_engine_arguments(p, "in --disk-dir")
     p.add_argument("--disk-dir", metavar="DIR",
                    type=directory("for a temporary directory, removed at exit"),
                    help="directory for disk chunk files, created if absent; the chunks "
                    "are removed at exit (default: a temporary directory, removed at exit)")
-    p.add_argument("--policy", choices=POLICIES, default="lru",
-                   help="eviction policy of every tier (default %(default)s)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                   help="model preset (default %(default)s)")
-    p.add_argument("--store-threshold", type=positive(int), default=1,
+    p.add_argument("--store-threshold", type=positive(int), default=1, metavar="N",
                    help="offload a block only once seen this many times (default 1)")
-    p.add_argument("--min-priority", type=int, default=0,
+    p.add_argument("--min-priority", type=int, default=0, metavar="N",
                    help="drop instead of offloading blocks below this priority (default 0)")
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--speed", type=positive(float), default=None,
