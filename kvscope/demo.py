@@ -25,6 +25,7 @@ from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, SyntheticConfig, rea
                                      synthetic)
 from kvscope.service.agent import Agent
 from kvscope.service.api import create_app
+from kvscope.service.run import log_to_stderr
 from kvscope.service.server import ApiServer, PortInUse, bind, url
 from kvscope.signals import (how_to_stop, ignore_signals_while_exiting, stop_on_signals,
                              wait_for_stop)
@@ -105,6 +106,9 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     :class:`~kvscope.service.server.PortInUse` for a port already taken, before anything is left
     running.
     """
+    # the engine's and the agent's warnings as the agent shows them (they came out bare, so a
+    # warning did not say whose it was); its info lines would bury the demo's own
+    log_to_stderr("warning")
     preset = get_preset(config.preset)
     block_tokens = MOONCAKE_BLOCK_TOKENS if config.trace else preset.block_tokens
     disk_budget = config.disk_blocks * preset.bytes_per_block(block_tokens)

@@ -828,6 +828,20 @@ def test_banner_urls_put_an_ipv6_host_in_brackets():
             bind("::1", port, "--port")
 
 
+def test_a_demo_behind_its_schedule_warns_once_and_says_whose_warning_it_is():
+    """At speed 100,000 the synthetic workload's arrivals (20 a second) come faster than
+    any engine serves them: after 5 s behind, one warning, in the agent's log format (it came
+    out as a bare line that did not say it was kvscope's), and the demo runs on."""
+    result = _kvscope("demo", "--speed", "100000", "--duration", "9",
+                      "--metrics-port", str(free_port()), "--ui-port", str(free_port()))
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "behind" in line]
+    assert len(warnings) == 1
+    assert re.fullmatch(r"\S+ \S+ WARNING kvscope\.engine\.replay: \d+ s behind the "
+                        r"workload's schedule at speed 100000 .*; lower --speed", warnings[0])
+    assert result.stdout.splitlines()[-1].startswith("kvscope demo: stopped after ")
+
+
 def test_demo_says_when_its_trace_has_played_out(tmp_path):
     """Three requests at speed 1000 play out in milliseconds; the demo says so (and how many)
     and stays up until its duration, where it once fell silent; stopping, it says what it left

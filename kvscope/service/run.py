@@ -24,7 +24,7 @@ def _reachable_off_host(endpoint: str) -> bool:
     return not is_loopback(endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]"))
 
 
-def _log_to_stderr(level: str) -> None:
+def log_to_stderr(level: str) -> None:
     """Show kvscope's own log lines from ``level`` up on stderr; other libraries keep Python's
     default (warnings and worse, unformatted)."""
     logger = logging.getLogger("kvscope")
@@ -42,7 +42,7 @@ def run_agent(settings: AgentSettings, out=sys.stdout, stop: threading.Event | N
     :class:`~kvscope.agent.config.ConfigError` (a part that cannot start: ingest endpoint
     taken, store directory impossible) before anything is left running.
     """
-    _log_to_stderr(settings.log_level)
+    log_to_stderr(settings.log_level)
     raise_open_files_limit()
     # either may come from the config file as well as a flag
     sock = bind(settings.host, settings.port, "--port (or port in the config)",
