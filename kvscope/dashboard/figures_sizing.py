@@ -12,9 +12,10 @@ from kvscope.dashboard.figures import message_figure, new_figure
 
 # a miss-ratio curve: one cache of each size, which an inclusive CPU tier's hits and the GPU's
 # add up to from the GPU cache's size on (a tryout read its 0% at 0 GiB against "GPU prefix
-# cache alone: 37%" under it)
-CURVES_TITLE = ("Hit ratio of one cache of each size (from the GPU cache's size on: the GPU and "
-                "an inclusive CPU tier together)")
+# cache alone: 37%" under it); on two lines: Plotly does not wrap, and one line ran past the
+# chart's edge, cut off
+CURVES_TITLE = ("Hit ratio of one cache of each size<br><sup>from the GPU cache's size on: the "
+                "GPU and an inclusive CPU tier together</sup>")
 COST_TITLE = "Prefill seconds saved vs transfer seconds, against CPU tier size"
 _CURVES = (("lru", "LRU, block accesses", "#1f77b4", None),
            ("lru_tokens", "LRU, prompt tokens", "#2ca02c", None),
@@ -24,7 +25,7 @@ _CURVES = (("lru", "LRU, block accesses", "#1f77b4", None),
 def _layout(fig: go.Figure, title: str, y_title: str) -> None:
     fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 15}},
                       height=380, hovermode="x unified",
-                      margin={"l": 70, "r": 10, "t": 50, "b": 45},
+                      margin={"l": 70, "r": 10, "t": 64, "b": 45},
                       legend={"x": 1.02, "xanchor": "left", "y": 1}, uirevision=title)
     fig.update_xaxes(title_text="CPU tier size (GiB)", rangemode="tozero")
     fig.update_yaxes(title_text=y_title, rangemode="tozero")
@@ -36,7 +37,9 @@ def gib_text(gib: float) -> str:
     return f"{gib:,.2f}" if gib >= 1 else f"{gib:.3g}"
 
 
-def _mark(fig: go.Figure, data: Mapping) -> None:
+def _mark(fig: go.Figure, data: Mapping, right_end: float) -> None:
+    """The knee, the recommended size and the GPU cache's size as vertical lines on ``fig``,
+    whose x axis ends at ``right_end`` GiB."""
     for name, colour in (("knee", "#7f7f7f"), ("recommended", "#d62728")):
         point = data.get(name)
         if point:
@@ -45,9 +48,13 @@ def _mark(fig: go.Figure, data: Mapping) -> None:
                           annotation_position="bottom right" if name == "knee" else "top right")
     if data.get("gpu_cache_gib"):
         gpu = data["gpu_cache_gib"]
+        # its label on the side with room (left of a line near the y axis it was cut off),
+        # above the knee's when both sit right of their lines
+        left = gpu > right_end / 2
         fig.add_vline(x=gpu, line={"color": "#9467bd", "dash": "dot", "width": 1},
                       annotation_text=f"GPU cache {gib_text(gpu)} GiB",
-                      annotation_position="bottom left")
+                      annotation_position="bottom left" if left else "bottom right",
+                      annotation={"yshift": 0 if left else 16})
 
 
 def sizing_curves(data: Mapping) -> go.Figure:
@@ -66,7 +73,7 @@ def sizing_curves(data: Mapping) -> go.Figure:
         return message_figure(CURVES_TITLE, "the analysis has no curves")
     _layout(fig, CURVES_TITLE, "hit ratio (%)")
     fig.update_yaxes(tickformat=".0%")
-    _mark(fig, data)
+    _mark(fig, data, max(max(t.x) for t in fig.data))
     return fig
 
 
@@ -93,5 +100,5 @@ def sizing_cost(data: Mapping) -> go.Figure:
                               "overlaying": "y", "side": "right", "tickformat": ".0%",
                               "rangemode": "tozero", "showgrid": False},
                       margin={"r": 70}, height=420, legend={"orientation": "h", "x": 0, "xanchor": "left", "y": -0.22, "yanchor": "top"})
-    _mark(fig, data)
+    _mark(fig, data, max(gib))
     return fig

@@ -465,6 +465,13 @@ def test_sizing_figures_plot_the_curves_with_units():
 
     assert "GPU cache 0.5 GiB" in marks(fz.sizing_curves({**SIZING, "gpu_cache_gib": 0.5}))
     assert not any(m.startswith("GPU cache") for m in marks(curves))
+    # its label reads from the line into the chart: left of a line near the y axis it ran
+    # past the figure's edge, cut off (the demo's 0.0078 GiB of 0.18)
+    for gib, anchor in ((0.1, "left"), (1.9, "right")):
+        for fig in (fz.sizing_curves({**SIZING, "gpu_cache_gib": gib}),
+                    fz.sizing_cost({**SIZING, "gpu_cache_gib": gib})):
+            label, = (a for a in fig.layout.annotations if a.text.startswith("GPU cache"))
+            assert label.xanchor == anchor, gib
 
 
 def test_sizing_page_says_how_to_enable_it_without_a_trace():
