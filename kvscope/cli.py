@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--metrics-port", type=port, default=9400, metavar="PORT",
                       help="port of /metrics and the HTTP API (default %(default)s)")
     demo.add_argument("--ui-port", type=port, default=8050, metavar="PORT", help="port of the dashboard (default %(default)s)")
-    add_engine_arguments(demo, "in a temporary directory")
+    add_engine_arguments(demo)
     demo.add_argument("--speed", type=positive(float), default=1.0,
                       help="workload seconds per wall second (default %(default)s)")
     demo.add_argument("--seed", type=int, help="seed of the synthetic workload (default 0)")
@@ -217,7 +217,8 @@ def _demo(args) -> int:
     config = DemoConfig(duration=args.duration, trace=args.trace, host=args.host,
                         metrics_port=args.metrics_port, ui_port=args.ui_port, preset=args.preset,
                         gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
-                        disk_blocks=args.disk_blocks, policy=args.policy, speed=args.speed,
+                        disk_blocks=args.disk_blocks, disk_dir=args.disk_dir,
+                        policy=args.policy, speed=args.speed,
                         seed=DemoConfig.seed if args.seed is None else args.seed,
                         one_off_share=DemoConfig.one_off_share if args.one_off_share is None
                         else args.one_off_share,

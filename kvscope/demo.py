@@ -18,7 +18,7 @@ from kvscope.analysis.trace import AccessTrace
 from kvscope.argtypes import is_loopback
 from kvscope.dashboard.app import create_app as create_dashboard
 from kvscope.dashboard.app import serve as serve_dashboard
-from kvscope.engine.engine import OffloadEngine
+from kvscope.engine.options import open_engine
 from kvscope.engine.presets import get_preset
 from kvscope.engine.replay import Replayer
 from kvscope.engine.workload import (MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake,
@@ -38,7 +38,8 @@ SIZING_SECONDS = 600.0
 @dataclass(frozen=True)
 class DemoConfig:
     """``duration``: seconds to run (None: until Ctrl-C). ``trace``: Mooncake JSONL path or None
-    for the synthetic workload. Pool sizes are in blocks. ``capture_dir``: where the agent
+    for the synthetic workload. Pool sizes are in blocks; ``disk_dir``: the disk tier's chunk
+    files (None: a temporary directory). ``capture_dir``: where the agent
     captures block accesses and requests as Parquet (None: off). ``capture_roots``: directories
     whose captures the dashboard's Compare page reads, besides ``capture_dir`` (it reads
     nothing elsewhere). ``dashboard_token``: the token the dashboard
@@ -54,6 +55,7 @@ class DemoConfig:
     gpu_blocks: int = 256
     cpu_blocks: int = 1024
     disk_blocks: int = 0
+    disk_dir: str | None = None
     policy: str = "lru"
     speed: float = 1.0
     seed: int = 0
@@ -101,7 +103,8 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
 
     Raises :class:`~kvscope.engine.workload.TraceError` for an unreadable trace,
     FileExistsError for a ``capture_dir`` that holds an earlier run's capture,
-    :class:`~kvscope.engine.engine.EngineConfigError` for impossible tier sizes,
+    :class:`~kvscope.engine.engine.EngineConfigError` for impossible tier sizes or a
+    ``disk_dir`` the disk tier cannot use,
     :class:`~kvscope.agent.config.ConfigError` for a bad ``KVSCOPE_*`` variable and
     :class:`~kvscope.service.server.PortInUse` for a port already taken, before anything is left
     running.
@@ -150,12 +153,12 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
         raise PortInUse(f"--metrics-port and --ui-port are both {config.ui_port}; give them "
                         "different ports")
     # the engine first: a bad tier configuration is reported before any port is taken
-    engine = OffloadEngine(preset, config.gpu_blocks, config.cpu_blocks, config.disk_blocks,
-                           block_tokens=block_tokens, policy=config.policy,
-                           # block hashes: the capture's, and the agent's reuse share
-                           # (kvscope_prompt_prefix_blocks_total)
-                           record_blocks=True,
-                           emit=lambda event: agent.pipeline.ingest("engine", (event,)))
+    engine = open_engine(preset, config.gpu_blocks, config.cpu_blocks, config.disk_blocks,
+                         config.disk_dir, block_tokens=block_tokens, policy=config.policy,
+                         # block hashes: the capture's, and the agent's reuse share
+                         # (kvscope_prompt_prefix_blocks_total)
+                         record_blocks=True,
+                         emit=lambda event: agent.pipeline.ingest("engine", (event,)))
     try:
         metrics_sock = bind(config.host, config.metrics_port, "--metrics-port")
         try:
@@ -207,6 +210,7 @@ def run_demo(config: DemoConfig, out=sys.stdout) -> int:
     print(f"kvscope demo: {'trace ' + config.trace if config.trace else 'synthetic workload'}, "
           f"preset {preset.name}, gpu {config.gpu_blocks} blocks, cpu {config.cpu_blocks} blocks"
           + (f", disk {config.disk_blocks} blocks" if config.disk_blocks else "")
+          + (f" in {config.disk_dir}" if config.disk_blocks and config.disk_dir else "")
           + f", policy {config.policy}", file=out)
     print(f"  metrics and API: {api_url}/metrics  {api_url}/api/v1/summary", file=out)
     print(f"  dashboard:       {url(config.host, config.ui_port)}"

@@ -185,8 +185,20 @@ def test_compare_options_are_checked_before_the_captures_are_read(tmp_path, args
     (["--disk-dir", __file__, "--disk-blocks", "10"],
      f"argument --disk-dir: {__file__} is a file, not a directory"),
 ])
-def test_a_replay_disk_dir_that_cannot_work_names_the_flag(args, needle):
-    _one_error_line(_kvscope("replay", "--requests", "10", *args), needle)
+@pytest.mark.parametrize("command", [["replay", "--requests", "10"], ["demo", "--duration", "1"]])
+def test_a_disk_dir_that_cannot_work_names_the_flag(command, args, needle):
+    """Replay's and the demo's (the demo had none: its disk tier's space error named a
+    temporary directory its user could not change)."""
+    ports = ["--metrics-port", str(free_port()), "--ui-port", str(free_port())]
+    _one_error_line(_kvscope(*command, *args, *(ports if command[0] == "demo" else ())), needle)
+
+
+def test_a_demo_disk_tier_that_does_not_fit_names_its_directory(tmp_path):
+    """The space check names --disk-dir's directory, which the demo now takes."""
+    _one_error_line(_kvscope("demo", "--duration", "1", "--disk-blocks", "100000000",
+                             "--disk-dir", str(tmp_path), "--metrics-port", str(free_port()),
+                             "--ui-port", str(free_port())),
+                    "the disk tier needs", f"GiB is free at {tmp_path}")
 
 
 def test_every_command_describes_itself_in_its_help():

@@ -9,19 +9,17 @@ prints the summary of :meth:`kvscope.engine.stats.EngineStats.summary` as one JS
 from __future__ import annotations
 
 import argparse
-import errno
 import itertools
 import json
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 
-from kvscope.engine.options import add_engine_arguments
+from kvscope.engine.options import add_engine_arguments, open_engine
 from kvscope.engine.presets import get_preset
 from kvscope.engine.workload import MOONCAKE_BLOCK_TOKENS, SyntheticConfig, read_mooncake, synthetic
-from kvscope.argtypes import directory, path, positive
+from kvscope.argtypes import path, positive
 from kvscope.signals import stopping_on_signals
 
 
@@ -46,11 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    f"{MAX_REQUESTS:,}: the first of --trace (default: all), or the synthetic "
                    f"workload's (default {SYNTHETIC_REQUESTS:,})")
     p.add_argument("--seed", type=int, help="seed of the synthetic workload (default 0)")
-    add_engine_arguments(p, "in --disk-dir")
-    p.add_argument("--disk-dir", metavar="DIR",
-                   type=directory("for a temporary directory, removed at exit"),
-                   help="directory for disk chunk files, created if absent; the chunks "
-                   "are removed at exit (default: a temporary directory, removed at exit)")
+    add_engine_arguments(p)
     p.add_argument("--store-threshold", type=positive(int), default=1, metavar="N",
                    help="offload a block only once seen this many times (default 1)")
     p.add_argument("--min-priority", type=int, default=0, metavar="N",
@@ -73,7 +67,7 @@ def replay(args, stop: threading.Event | None = None) -> dict:
     :class:`~kvscope.engine.engine.EngineConfigError` or
     :class:`~kvscope.engine.presets.UnknownPreset`.
     """
-    from kvscope.engine.engine import EngineConfigError, OffloadEngine
+    from kvscope.engine.engine import EngineConfigError
     from kvscope.engine.replay import Replayer
 
     preset = get_preset(args.preset)
@@ -90,20 +84,10 @@ def replay(args, stop: threading.Event | None = None) -> dict:
     if args.simulate and args.speed is not None:  # it was ignored, silently
         raise EngineConfigError("--speed paces a replay that copies KV; --simulate copies none "
                                 "and replays as fast as possible: leave --speed out")
-    if args.disk_dir and not args.disk_blocks:
-        raise EngineConfigError("--disk-dir is for the disk tier, which is off: give "
-                                "--disk-blocks too")
-    try:
-        engine = OffloadEngine(preset, args.gpu_blocks, args.cpu_blocks, args.disk_blocks,
-                               block_tokens=block_tokens, payload=not args.simulate,
-                               policy=args.policy, disk_dir=args.disk_dir,
-                               store_threshold=args.store_threshold,
-                               min_priority=args.min_priority)
-    except OSError as exc:  # only the disk tier's directory touches the file system here
-        doing = ("" if exc.errno == errno.EBUSY else "cannot write chunk files there: "
-                 if os.path.isdir(args.disk_dir) else "cannot create it: ")
-        raise EngineConfigError(f"--disk-dir {args.disk_dir}: {doing}{exc.strerror or exc}"
-                                ) from None
+    engine = open_engine(preset, args.gpu_blocks, args.cpu_blocks, args.disk_blocks,
+                         args.disk_dir, block_tokens=block_tokens, payload=not args.simulate,
+                         policy=args.policy, store_threshold=args.store_threshold,
+                         min_priority=args.min_priority)
     speed = None if args.fast else args.speed
     t0 = time.perf_counter()
     replayer = Replayer(engine, requests, speed=speed, stop=stop, progress=_progress(total))
