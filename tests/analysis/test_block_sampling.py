@@ -11,6 +11,7 @@ tests/analysis/test_mrc.py); the totals of a capture are counted by hand in each
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -25,6 +26,7 @@ from kvscope.analysis.capture_reader import read_block_trace
 from kvscope.analysis.mrc import lru_curve, mean_absolute_error
 from kvscope.analysis.synthetic import prefix_stream
 from kvscope.engine.presets import get_preset
+from traces import trace_path
 
 MASK = (1 << 64) - 1
 T0 = 1_700_000_000.0
@@ -181,6 +183,28 @@ def test_the_sampled_curve_is_within_0_01_of_the_exact_one_at_the_default_rate(t
     print(f"MAE at R=1/16: {mae:.4f} (accesses)")
 
 
+def test_a_sampled_capture_s_reuse_share_is_the_full_stream_s(tmp_path):
+    """The Mooncake conversation trace's blocks (288,500 accesses of 182,790 distinct blocks:
+    its README's reuse share 1 - 182,790 / 288,500 = 0.3664) through the tap's predicate at
+    1/16: the reuse shares printed beside the curves estimate that share, and equal the curves'
+    ceiling (SHARDS: distinct sampled blocks / R over the full stream's accesses). Its hottest
+    block, id 0 (12,030 reuses), falls outside the sample, and the sample's own share, which
+    weights each sampled block by its accesses, read 0.335: below the curve it is the
+    ceiling of."""
+    with open(trace_path()) as f:
+        ids = np.array([h for line in f for h in json.loads(line)["hash_ids"]], dtype=np.int64)
+    assert (len(ids), len(np.unique(ids))) == (288_500, 182_790)
+    assert reference_hash(0) >= sampling.threshold(sampling.DEFAULT_RATE)  # id 0 not sampled
+    _tap_capture(ids, tmp_path)
+    analysis = analyze(read_block_trace(tmp_path), AnalyzeOptions(get_preset("tiny"),
+                                                                   arc_points=0))
+    reuse = analysis.reuse
+    assert reuse.reuse_share == pytest.approx(1 - 182_790 / 288_500, abs=0.005)
+    assert reuse.token_reuse_share == pytest.approx(reuse.reuse_share)  # 16 tokens a block
+    assert reuse.reuse_share == pytest.approx(analysis.lru.hit_ratio[-1])
+    assert reuse.token_reuse_share == pytest.approx(analysis.lru_tokens.hit_ratio[-1])
+
+
 def test_a_sampled_capture_says_what_it_cannot_give(tmp_path):
     """A tap capture (1/16): asked for --sample-rate 0.5 it cannot sample more than the tap
     kept, and says so (it was silent, and the curve was the tap's rate's); 1/32 is below the
@@ -195,6 +219,13 @@ def test_a_sampled_capture_says_what_it_cannot_give(tmp_path):
     low = analyze(trace, AnalyzeOptions(get_preset("tiny"), method="shards-rate",
                                         sample_rate=1 / 32, arc_points=0))
     assert not any("--sample-rate" in n for n in low.notes)
+    # exact (and auto, on a capture this small) keep the tap's rate: the rate given is not used,
+    # and says so as for a full trace (a tap's curve is fixed-rate, which hid the note)
+    for method in ("exact", "auto"):
+        kept = analyze(trace, AnalyzeOptions(get_preset("tiny"), method=method,
+                                             sample_rate=1 / 32, arc_points=0))
+        assert "R=0.0625, sampled by the tap" in kept.method
+        assert any(n.startswith("--sample-rate 0.03125 was not used") for n in kept.notes)
 
 
 def test_a_tap_sample_too_thin_for_a_curve_gives_no_verdict(tmp_path):
