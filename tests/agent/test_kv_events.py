@@ -500,6 +500,25 @@ def test_a_vllm_restart_resets_every_reported_tier_at_once():
     assert sorted(tiers) == ["cpu", "gpu"]
 
 
+def test_a_publisher_back_after_a_lost_connection_reports_every_tier_again():
+    """Batch 0 stores GPU 1-4, CPU 1-4, STORAGE 1-2; the connection drops (the tiers leave the
+    gauges) and the same vLLM comes back with batch 1 (its sequence goes on: no restart),
+    which stores GPU 5 only. Gauges: gpu 4 + 1 = 5, cpu 4 and disk 2 unchanged. Only gpu 5
+    was read: the cpu and disk tiers, with no event in batch 1, stayed absent although the
+    residency still held their blocks."""
+    pipeline = Pipeline()
+    src = KvEventsSource(pipeline, "tcp://127.0.0.1:5557")
+    src.handle(frames(0, stored([1, 2, 3, 4]), stored([1, 2, 3, 4], "CPU"),
+                      stored([1, 2], "STORAGE")))
+    src._peer_event(zmq.EVENT_CONNECTED)
+    src._peer_event(zmq.EVENT_DISCONNECTED)
+    assert pipeline.snapshot().tiers == {}
+    src._peer_event(zmq.EVENT_CONNECTED)
+    src.handle(frames(1, stored([5])))
+    tiers = pipeline.snapshot().tiers
+    assert {t: s.resident_blocks for t, s in tiers.items()} == {"gpu": 5, "cpu": 4, "disk": 2}
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -301,9 +301,11 @@ class KvEventsSource(SourceWorker):
                 self._drop("malformed", f"data-parallel rank {rank} of dp_size {self.dp_size}")
                 return
         last = self.last_seqs.get(rank)
+        resumed = rank in self._lost  # its tiers left the gauges when its publisher went
         if last is not None and seq <= last:
             if seq < last or rank in self._lost:  # the engine restarted: its cache is empty
                 self._restarted(rank)
+                resumed = False  # _restarted reported every tier again
             else:
                 return  # a duplicate
         elif last is not None and seq - last - 1 > MAX_GAP:
@@ -319,7 +321,7 @@ class KvEventsSource(SourceWorker):
                 self._drop("gap", f"{lost} batches missing after {last}", lost)
         self.last_seqs[rank] = seq
         self._lost.discard(rank)
-        self._apply(frames[2], rank)
+        self._apply(frames[2], rank, resumed)
 
     def _drop(self, reason: str, detail: str, batches: int = 1) -> None:
         """Count ``batches`` (events, for unknown_kind) dropped for ``reason``; the first of
@@ -344,7 +346,10 @@ class KvEventsSource(SourceWorker):
         if snapshots:
             self.pipeline.ingest(NAME, snapshots)
 
-    def _apply(self, payload: bytes, rank: int) -> None:
+    def _apply(self, payload: bytes, rank: int, every_tier: bool = False) -> None:
+        """Fold one batch in and send what it changed; with ``every_tier``, a snapshot of
+        each tier seen so far as well (the first batch after a lost publisher came back: its
+        tiers were forgotten, and one without events in this batch would stay absent)."""
         try:
             ts, events, unknown = decode(payload)
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
@@ -363,6 +368,9 @@ class KvEventsSource(SourceWorker):
                        f"{self.flavour.title}'s KV events do not name{hint}",
                        sum(media.values()))
             media.clear()
+        if every_tier:  # its snapshots of the changed tiers, and of the unchanged ones
+            out = [e for e in out if type(e) is not ev.TierSnapshot]
+            out += self.residency.snapshots(ts, list(self.residency.resident))
         if out:
             for event in out:
                 if type(event) is ev.Transfer:
