@@ -141,3 +141,17 @@ def test_a_scrape_that_fails_says_why_in_words_and_one_that_answers_again_says_s
                      "scrapes",
                      f"Dynamo KVBM metrics at {kvbm.url}: its kvbm_ series hold no finite "
                      "number (unreadable values)"], lines
+
+
+def test_object_bytes_of_a_scrape_whose_blocks_did_not_rise_go_with_the_next_transfer():
+    """KVBM adds an offload's d2o blocks, then its bytes: a scrape between the two reads d2o
+    0 -> 6 with bytes 0 -> 0 (6 blocks, 0 bytes), the next d2o 6 with bytes 393,216 (no block
+    rose), the next d2o 10 with bytes 655,360 (4 blocks, 262,144 B): 10 blocks, 655,360 B in
+    all, as KVBM's counters say (10 x 65536), the second transfer's bytes 393,216 + 262,144.
+    The 393,216 B of the scrape without blocks were dropped."""
+    mapper = KvbmMapper(block_bytes=BLOCK)
+    body = "kvbm_offload_blocks_d2o {}\nkvbm_offload_bytes_object {}\n"
+    mapper.map(parse(body.format(0, 0)), 1.0)
+    moved = [_moved(mapper.map(parse(body.format(blocks, nbytes)), t))
+             for t, blocks, nbytes in ((2.0, 6, 0), (3.0, 6, 393_216), (4.0, 10, 655_360))]
+    assert moved == [{("gpu", "remote"): (6, 0)}, {}, {("gpu", "remote"): (4, 655_360)}]

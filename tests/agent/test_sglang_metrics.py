@@ -196,6 +196,24 @@ def test_without_a_page_size_nothing_counted_in_pages_is_invented():
     assert snap.prompt_tokens == {"gpu": 200, "cpu": 150, "disk": 50, "recompute": 400}
 
 
+def test_the_bytes_of_a_scrape_short_of_a_page_go_with_the_next_page():
+    """Pages of 16 tokens; after FIRST (baselines) 4 scrapes, each backing up 8 tokens (pool kv,
+    half a page) and 4,000 bytes per rank (2 ranks: 8,000): 32 tokens = 2 pages, 4 x 8,000 =
+    32,000 bytes, as SGLang's counters say. The bytes of scrapes 1 and 3 (no whole page) were
+    dropped, and only 16,000 counted."""
+    pipeline = Pipeline()
+    with exposition_server(exposition(FIRST)) as server:
+        source = SglangMetricsSource(pipeline, server.url, mapper=SglangMapper())
+        assert source.scrape_once()
+        for i in range(1, 5):
+            server.body = exposition(dict(FIRST, backup=640 + 8 * i,
+                                          backup_bytes=1e6 + 4000 * i))
+            assert source.scrape_once()
+    snap = pipeline.snapshot()
+    assert snap.transfer_blocks == {("gpu", "cpu"): 2}
+    assert snap.transfer_bytes == {("gpu", "cpu"): 32_000}
+
+
 def test_cached_tokens_without_a_source_make_no_lookup():
     """An SGLang without the per-source breakdown counts ``cache_source="total"``: where those
     tokens came from is unknown, so the scrape makes no lookup rather than a guess."""

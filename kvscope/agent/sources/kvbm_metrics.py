@@ -21,11 +21,12 @@ KVBM counter (blocks)           kvscope transfer   bytes
 ``kvbm_onboard_blocks_o2d``     remote -> gpu      ``kvbm_onboard_bytes_object``'s increase
 ==============================  =================  ==========================================
 
-``block_bytes`` (KV bytes per block, config) is 0 when unknown: KVBM exports no block size, and
-its transfers then go with 0 bytes, which the agent keeps out of the bytes counters (not
-measured, not 0). The ``d2h``/``h2d`` names mean different pairs in the two families
-(offload ``h2d`` is host to disk, onboard ``h2d`` host to device): the table is Dynamo's own
-help text.
+Object-storage bytes that rise in a scrape where their blocks do not (KVBM adds the blocks
+first) go with the next transfer in that direction. ``block_bytes`` (KV bytes per block,
+config) is 0 when unknown: KVBM exports no block size, and its transfers then go with 0 bytes,
+which the agent keeps out of the bytes counters (not measured, not 0). The ``d2h``/``h2d``
+names mean different pairs in the two families (offload ``h2d`` is host to disk, onboard
+``h2d`` host to device): the table is Dynamo's own help text.
 
 Left out: ``kvbm_{host,disk,object}_cache_hit_rate``, gauges over a sliding window of KVBM's own
 (a ratio a scrape samples at one instant, overwritten between scrapes: kvscope computes ratios
@@ -70,6 +71,9 @@ class KvbmMapper:
     def __init__(self, block_bytes: int = 0) -> None:
         self.block_bytes = block_bytes
         self.counters = Counters()
+        # object-storage bytes of scrapes whose blocks did not rise (KVBM adds the blocks, then
+        # the bytes: a scrape between the two), per block counter: sent with its next blocks
+        self._rest_bytes: dict[str, int] = {}
 
     def map(self, samples: Samples, now: float) -> list[ev.Transfer]:
         """One untimed Transfer per direction whose blocks rose since the scrape before (the
@@ -82,11 +86,14 @@ class KvbmMapper:
         events = []
         for name, (src, dst, bytes_name) in TRANSFERS.items():
             blocks = int(increases[name] or 0)
+            counted = increases[bytes_name] if bytes_name else None
+            if counted is not None:
+                counted = int(counted) + self._rest_bytes.pop(name, 0)
             if blocks <= 0:
+                if counted:
+                    self._rest_bytes[name] = counted
                 continue
-            moved = blocks * self.block_bytes
-            if bytes_name is not None and increases[bytes_name] is not None:
-                moved = int(increases[bytes_name])
+            moved = blocks * self.block_bytes if counted is None else counted
             events.append(ev.Transfer(ts=now, src=src, dst=dst, blocks=blocks, bytes=moved,
                                       duration=0.0, timed=False, sees_failures=False))
         return events

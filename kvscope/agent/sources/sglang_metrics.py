@@ -10,7 +10,8 @@ metrics_collector.py`` (``SchedulerMetricsCollector``, ``TokenizerMetricsCollect
 counters with ``_total``. Token counts become blocks through SGLang's page size
 (``sglang:page_size``, else the ``page_size`` setting; unknown: every event counted in blocks is
 left out, and said once), with the remainder carried to the next scrape; bytes are SGLang's
-own where it counts them, else blocks x ``block_bytes`` (0: unknown).
+own where it counts them (those of a scrape short of a page carried with its tokens), else
+blocks x ``block_bytes`` (0: unknown).
 
 ==============================================  ==================================================
 SGLang series                                   kvscope
@@ -144,6 +145,9 @@ class SglangMapper:
         self.counters = Counters()
         self._scraped = False  # a scrape saw SGLang before: new series count from 0
         self._rest: dict[str, float] = {}  # tokens short of a page, per counter
+        # bytes of scrapes whose tokens made no whole page, per token counter: they go with
+        # the Transfer of the page they are part of
+        self._rest_bytes: dict[str, float] = {}
         self._page_logged = False
 
     def map(self, samples: Samples, now: float) -> list:
@@ -178,6 +182,10 @@ class SglangMapper:
         for name, (src, dst, _) in TRANSFERS.items():
             tokens, nbytes = moved[name]
             blocks = self._blocks(name, tokens, page)
+            if nbytes is not None:
+                nbytes += self._rest_bytes.pop(name, 0.0)
+                if not blocks:
+                    self._rest_bytes[name] = nbytes
             if blocks and (dst == "gpu" or self.report[dst]):
                 out.append(ev.Transfer(ts=now, src=src, dst=dst, blocks=blocks, duration=0.0,
                                        bytes=int(nbytes) if nbytes is not None
