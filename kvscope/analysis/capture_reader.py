@@ -263,10 +263,12 @@ def read_request_sample(path: str | Path, name: str | None = None) -> RequestSam
     (:func:`read_transfer_totals`: every transfer, background offloads included; failures not
     measured where no source sees a copy fail) when it has readable ones, else its requests'
     transfers; a direction whose copies took 0 s in all was not timed (its seconds: not
-    measured). Tokens by source are the requests', or where they carry none (vLLM in zero-code
-    mode, its requests seen through their spans), the agent's counts
-    (:func:`read_token_totals`). Raises TraceError for a missing capture, no request rows, or
-    no readable requests segment."""
+    measured), and one that copied blocks in 0 bytes was not sized (its bytes: not measured;
+    from the records, left out of ``transfer_bytes``; from the totals, 0 beside its blocks).
+    Tokens by source are the requests', or where they carry none (vLLM in zero-code mode, its
+    requests seen through their spans), the agent's counts (:func:`read_token_totals`).
+    Raises TraceError for a missing capture, no request rows, or no readable requests
+    segment."""
     path = Path(path)
     table = _read(capture_segments(path, "requests"), _REQUEST_COLUMNS, "requests", path,
                   REQUESTS_ADDED)
@@ -571,7 +573,11 @@ def _request_sample(table: pa.Table, name: str,
                                 fields["dst"].astype(str))
         ok = fields["ok"].astype(bool)
         d = direction[ok]
-        moved_bytes = {k: int(v) for k, v in _sum_by(d, fields["bytes"][ok]).items()}
+        # a copy of blocks in 0 bytes: its source did not know a block's size (ev.Transfer), so
+        # its direction's bytes are not measured (a sum of the others' would read too few)
+        unsized = set(d[(fields["bytes"][ok] == 0) & (fields["blocks"][ok] > 0)].tolist())
+        moved_bytes = {k: int(v) for k, v in _sum_by(d, fields["bytes"][ok]).items()
+                       if k not in unsized}
         moved_blocks = {k: int(v) for k, v in _sum_by(d, fields["blocks"][ok]).items()}
         seconds = _timed(_sum_by(d, fields["duration"][ok].astype(np.float64)))
         failures = int((~ok).sum())
@@ -610,7 +616,7 @@ def _request_sample(table: pa.Table, name: str,
         itl_modelled=_constant(itl[itl > 0]),
         token_sources=sources, window=window, transfers_measured=not spans_alone,
         tiers_off=_unmoved(() if sources is None else tuple(
-            s for s in ev.TOKEN_SOURCES if s not in sources), moved_bytes))
+            s for s in ev.TOKEN_SOURCES if s not in sources), moved_blocks))
 
 
 def _unmoved(tiers: tuple[str, ...], directions: Iterable[str]) -> tuple[str, ...]:

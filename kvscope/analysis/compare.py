@@ -58,11 +58,17 @@ DEFAULT_MIN_REQUESTS = 100  # a p99 needs about 100 requests before one lies bey
 MIN_TAIL_RESAMPLES = 2
 
 
+def least_resamples(confidence: float) -> int:
+    """The fewest resamples that leave :data:`MIN_TAIL_RESAMPLES` beyond each end of a
+    ``confidence`` interval."""
+    return math.ceil(2 * MIN_TAIL_RESAMPLES / (1 - confidence) - 1e-9)
+
+
 def check_resamples(resamples: int, confidence: float) -> None:
     """Raise ValueError, saying the least that would do, when ``resamples`` bootstrap
     resamples leave fewer than :data:`MIN_TAIL_RESAMPLES` beyond each end of a ``confidence``
     interval, or when no number of resamples allowed (:data:`MAX_RESAMPLES`) would."""
-    least = math.ceil(2 * MIN_TAIL_RESAMPLES / (1 - confidence) - 1e-9)
+    least = least_resamples(confidence)
     if least > MAX_RESAMPLES:  # no --resamples would do: asking for one was a dead end
         top = 1 - 2 * MIN_TAIL_RESAMPLES / MAX_RESAMPLES
         raise ValueError(f"--confidence {confidence:g} needs {least:,} resamples, above the "
@@ -152,9 +158,11 @@ class Side:
     through spans alone);
     ``promotion_wait_mean``, ``promotion_wait_p99``: seconds per request (None: not
     measured, e.g. a rollout arm without an agent); ``transfers``:
-    dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}] (``blocks``,
-    ``seconds``: None when no run measured them, e.g. untimed copies), None when no run
-    counted transfers (:attr:`RequestSample.transfers_measured`); ``transfer_failures``:
+    dict["src->dst", {"bytes", "blocks", "seconds", "bytes_per_request"}] (each None when no
+    run measured it: untimed copies, or bytes of a source that did not know a block's size,
+    whose bytes 0 beside blocks moved are no measurement (:class:`kvscope.events.Transfer`);
+    ``bytes_per_request`` over the requests of the runs that measured the bytes), None when no
+    run counted transfers (:attr:`RequestSample.transfers_measured`); ``transfer_failures``:
     None when no run counted them; ``failures_unmeasured``: the directions some run moved
     blocks in without counting their failures (:attr:`RequestSample.failures_unmeasured`).
     ``failed_requests``: the runs' added up, None when a run did not count them.
@@ -168,8 +176,9 @@ class Side:
     served, "prefill_seconds_saved": those tokens at the prefill rate (None: not measured),
     "transfer_seconds": the seconds of its copies both ways
     (:func:`~kvscope.analysis.transfer_cost.seconds_by_tier`: promotions of its blocks,
-    offloads into it; None: none of them timed)}], None when no tokens by source were
-    measured (what a tier bought is then unknown); a GPU prefix hit is not offload's doing."""
+    offloads into it; None: none of them timed, or none recorded though it served tokens)}],
+    None when no tokens by source were measured (what a tier bought is then unknown); a GPU
+    prefix hit is not offload's doing."""
 
     name: str
     requests: int
@@ -370,17 +379,21 @@ def _side(runs: list[RequestSample]) -> Side:
     total = sum(tokens.values())
     share = {src: tokens[src] / total for src in sources} if total else None
     requests = sum(r.requests for r in runs)
-    n = max(requests, 1)
     moved: dict[str, dict[str, float | None]] = {}
+    sized: dict[str, int] = {}  # by direction, the requests of the runs that measured its bytes
     for r in runs:
         for d in set(r.transfer_bytes) | set(r.transfer_seconds) | set(r.transfer_blocks):
-            t = moved.setdefault(d, {"bytes": 0.0, "blocks": None, "seconds": None})
-            t["bytes"] += r.transfer_bytes.get(d, 0)
+            t = moved.setdefault(d, {"bytes": None, "blocks": None, "seconds": None})
+            nbytes = r.transfer_bytes.get(d)
+            # 0 bytes of blocks moved: the source did not know a block's size (ev.Transfer)
+            if nbytes is not None and (nbytes or not r.transfer_blocks.get(d)):
+                t["bytes"] = (t["bytes"] or 0.0) + nbytes
+                sized[d] = sized.get(d, 0) + r.requests
             for key, measured in (("blocks", r.transfer_blocks), ("seconds", r.transfer_seconds)):
                 if d in measured:  # else not measured: None unless another run measured it
                     t[key] = (t[key] or 0) + measured[d]
-    transfers = {d: {**moved[d], "bytes_per_request": moved[d]["bytes"] / n}
-                 for d in sorted(moved)}
+    transfers = {d: {**moved[d], "bytes_per_request": None if moved[d]["bytes"] is None
+                     else moved[d]["bytes"] / max(sized[d], 1)} for d in sorted(moved)}
     prefill = sum(r.prefill_seconds for r in runs)
     rate = prefill_rate(tokens.get("recompute", 0), prefill)
     measured = any(r.transfers_measured for r in runs)
@@ -391,10 +404,11 @@ def _side(runs: list[RequestSample]) -> Side:
                               {d: t["blocks"] or 0 for d, t in transfers.items()})
     value = {}
     for tier in ev.TIERS[1:]:  # the offload tiers: a GPU prefix hit is not offload's doing
-        # its own copies, promotions out of it and offloads into it: none timed, not measured
+        # its own copies, promotions out of it and offloads into it: none timed, or none
+        # recorded though it served tokens (they were copied), not measured
         legs = [t["seconds"] for d, t in transfers.items() if farther_tier(d) == tier]
         timed = any(seconds is not None for seconds in legs)
-        spent = None if not measured or (legs and not timed) else charged.get(tier, 0.0)
+        spent = charged.get(tier, 0.0) if measured and timed else None
         if tokens.get(tier) or legs:
             value[tier] = {"tokens": tokens.get(tier, 0), "transfer_seconds": spent,
                            "prefill_seconds_saved": tokens.get(tier, 0) / rate if rate else None}
@@ -683,27 +697,48 @@ def combine(verdicts: dict[str, Verdict]) -> Verdict:
                    list(dict.fromkeys(r for v in verdicts.values() for r in v.reasons)))
 
 
-def _slower_elsewhere(metrics, confidence: float) -> list[str]:
+def _slower_elsewhere(metrics, confidence: float, min_requests: int) -> list[str]:
     """Notes for the quantiles the rule does not judge (p50, p95) where the candidate is
     significantly slower: the rule reads p99 alone, and a keep beside a slower median should
-    not pass unremarked. ``metrics``: (label, quantile rows, difference replicates or None).
-    They are several tests at once, so each is made at the Bonferroni level, ``confidence``
-    for all of them together (each at ``confidence``, identical arms drew a note in about 1
-    comparison in 30)."""
-    tested = [(label, r, replicates[:, i]) for label, rows, replicates in metrics
-              if replicates is not None for i, r in enumerate(rows) if r.quantile != 0.99]
+    not pass unremarked. ``metrics``: (label, quantile rows, difference replicates or None,
+    (baseline, candidate) requests that reported it). They are several tests at once, so each
+    is made at the Bonferroni level, ``confidence`` for all of them together (each at
+    ``confidence``, identical arms drew a note in about 1 comparison in 30). A metric with
+    fewer than ``min_requests`` on an arm is not tested, as its p99 is not judged (1 request
+    against 1 read "significantly worse, CI 5 ms to 5 ms"; A/A pairs of 2 requests drew a
+    note in 18 of 100); nor is any quantile when the resamples leave fewer than
+    :data:`MIN_TAIL_RESAMPLES` beyond each end of the Bonferroni level's interval: one that
+    would have read worse is named, with the resamples a test needs."""
+    few = [label for label, _, replicates, counts in metrics
+           if replicates is not None and min(counts) < min_requests]
+    unjudged = " and ".join(f"p{q * 100:g}" for q in QUANTILES if q != 0.99)
+    notes = [f"{label} {unjudged} not tested either: fewer than {min_requests} requests on a "
+             "side" for label in few]
+    tested = [(label, r, replicates[:, i]) for label, rows, replicates, counts in metrics
+              if replicates is not None and label not in few
+              for i, r in enumerate(rows) if r.quantile != 0.99]
     if not tested:
-        return []
+        return notes
     level = 1.0 - (1.0 - confidence) / len(tested)
-    notes = []
+    least, pct = least_resamples(level), f"{level * 100:.4g}%"
+    untested = []
     for label, r, replicates in tested:
         low, high = (float(x[0]) for x in interval(replicates[:, None], level))
-        if low > 0:
-            sign = "+" if r.difference.value >= 0 else ""
-            notes.append(f"{label} p{r.quantile * 100:g} is significantly worse than the "
-                         f"baseline's ({sign}{ms(r.difference.value)}, {level * 100:.4g}% CI "
-                         f"{ms(low)} to {ms(high)}: {len(tested)} quantiles tested at once); "
-                         "the rule judges p99 only")
+        if low <= 0:
+            continue
+        name = f"{label} p{r.quantile * 100:g}"
+        if len(replicates) < least:  # its interval's ends rest on too few resamples
+            untested.append(name)
+            continue
+        sign = "+" if r.difference.value >= 0 else ""
+        notes.append(f"{name} is significantly worse than the baseline's ({sign}"
+                     f"{ms(r.difference.value)}, {pct} CI {ms(low)} to {ms(high)}: "
+                     f"{len(tested)} quantiles tested at once); the rule judges p99 only")
+    if untested:
+        notes.append(f"{' and '.join(untested)} may be worse than the baseline's, not tested: "
+                     f"{len(tested[0][2])} resamples leave too few beyond the ends of the "
+                     f"{pct} CI that {len(tested)} quantiles tested at once need (give "
+                     f"--resamples {least} or more)")
     return notes
 
 
@@ -785,9 +820,10 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
         judged.append(Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: an ITL budget was given, but "
                               f"ITL was not measured on the {missing}.",
                               [f"ITL not measured on the {missing}"]))
-    notes += _slower_elsewhere((("TTFT", ttft, ttft_replicates),)
-                               + ((("ITL", itl, itl_replicates),) if measured else ()),
-                               confidence)
+    notes += _slower_elsewhere(
+        (("TTFT", ttft, ttft_replicates, (sides[0].requests, sides[1].requests)),)
+        + ((("ITL", itl, itl_replicates, itl_counts),) if measured else ()),
+        confidence, min_requests)
     if not measured:
         notes.append(f"ITL not measured on the {missing}: judged on TTFT alone")
     first = _ran_first(base, cand)
@@ -846,6 +882,23 @@ def _count(side: Side) -> str:
     return f"{side.requests} requests" + (f" in {side.runs} runs" if side.runs > 1 else "")
 
 
+def _moved_bytes(t: dict) -> str:
+    """A direction's bytes, or that they were not measured (with its blocks, where counted)."""
+    if t["bytes"] is not None:
+        return _bytes(t["bytes"])
+    return "bytes not measured" if t["blocks"] is None else \
+        f"{t['blocks']:,.0f} blocks (bytes not measured)"
+
+
+def _unspent(side: Side, tier: str) -> str:
+    """Why the seconds a ``tier``'s copies took are not measured."""
+    if side.transfers is None:
+        return "not measured (no transfers counted)"
+    if any(farther_tier(d) == tier for d in side.transfers):
+        return "not measured (untimed copies)"
+    return "not measured (no copies recorded)"
+
+
 def render_text(comparison: Comparison) -> str:
     """A plain-text report: verdict first, then latencies, hit quality and transfer cost."""
     c = comparison
@@ -888,7 +941,7 @@ def render_text(comparison: Comparison) -> str:
                          "fail)")
             continue
         moved = "not measured" if side.transfers is None else ", ".join(
-            f"{d} {_bytes(t['bytes'])} in " + (
+            f"{d} {_moved_bytes(t)} in " + (
                 "time not measured" if t["seconds"] is None else f"{t['seconds']:.3f} s")
             for d, t in side.transfers.items()) or "none"
         wait = "not measured" if side.promotion_wait_mean is None else \
@@ -907,7 +960,7 @@ def render_text(comparison: Comparison) -> str:
             f"{tier}: {v['tokens']:,} tokens, saved "
             + ("not measured" if v["prefill_seconds_saved"] is None
                else ms(v["prefill_seconds_saved"]))
-            + ", spent " + ("not measured (untimed copies)" if v["transfer_seconds"] is None
+            + ", spent " + (_unspent(side, tier) if v["transfer_seconds"] is None
                             else ms(v["transfer_seconds"]))
             for tier, v in (side.value or {}).items()) or (
                 "not measured (the records carry no tokens by source)"

@@ -122,7 +122,9 @@ def _moved(cell: dict) -> str:
 def transfer_cost(data: dict | None) -> go.Figure:
     """Bytes moved per finished request, by direction, for both runs (grouped bars); the hover
     adds the total seconds and blocks of each direction ("not measured" where a side's source
-    did not time or count them)."""
+    did not time or count them). A direction whose bytes a side did not measure (a source
+    that did not know a block's size) has no bar there, and the title says so, not a bar of
+    0."""
     if not data:
         return message_figure(TRANSFER_TITLE, EMPTY)
     unmeasured = [side for side in ("baseline", "candidate") if data[side]["transfers"] is None]
@@ -132,7 +134,13 @@ def transfer_cost(data: dict | None) -> go.Figure:
         return message_figure(TRANSFER_TITLE, "no transfers in either run" if not unmeasured
                               else f"transfers not measured in the {' and '.join(unmeasured)}"
                               + ("" if len(unmeasured) == 2 else "; none in the other"))
-    fig = _frame(TRANSFER_TITLE, "bytes (B)")
+    def unsized(side: str, d: str) -> bool:  # moved in d, bytes not measured (not none moved)
+        cell = (data[side]["transfers"] or {}).get(d)
+        return cell is not None and cell.get("bytes_per_request") is None
+
+    said = [f"{d} bytes not measured in the {' and the '.join(sides)}" for d in directions
+            if (sides := [s for s in ("baseline", "candidate") if unsized(s, d)])]
+    fig = _frame(TRANSFER_TITLE + (f" ({'; '.join(said)})" if said else ""), "bytes (B)")
     for side in ("baseline", "candidate"):
         if data[side]["transfers"] is None:
             continue  # not measured: no bars, not bars of 0

@@ -576,6 +576,47 @@ def test_identical_arms_draw_no_note_on_the_unjudged_quantiles_and_a_slower_medi
                    in r for r in result.verdict.reasons), result.verdict.reasons
 
 
+def test_too_few_requests_or_resamples_claim_nothing_of_the_unjudged_quantiles():
+    """1 request against 1 (TTFT 100 ms and 105 ms): every resample of one request is that
+    request, so the p50 difference's 98.75% interval was "5 ms to 5 ms" and the note read
+    "TTFT p50 is significantly worse". Like the p99, p50 and p95 are not tested with fewer
+    than 100 requests (--min-requests) on a side, and the note says so. A/A pairs of 2
+    requests a side (lognormal TTFTs, 100 seeded pairs) drew the note in 18; now none does.
+
+    A planted difference (candidate +20 ms, 150 requests a side, lognormal TTFT median 50 ms
+    and ITL) is still noted, given the resamples its test needs: TTFT and ITL p50 and p95 are
+    4 tests at once, each at the Bonferroni level 1 - 0.05 / 4 = 98.75%, 0.625% beyond each
+    end; MIN_TAIL_RESAMPLES = 2 there take 2 / 0.00625 = 320 resamples. At 100 (0.625 of a
+    resample beyond each end) the slower p50 is named as not tested, with the 320 it needs."""
+    one = compare(RequestSample("b", np.array([0.100]), np.array([0.01])),
+                  RequestSample("c", np.array([0.105]), np.array([0.01])))
+    reasons = one.verdict.reasons
+    assert not any("significantly worse" in r for r in reasons), reasons
+    assert "TTFT p50 and p95 not tested either: fewer than 100 requests on a side" in reasons
+    rng = np.random.default_rng(0)
+    claims = [seed for seed in range(100)
+              if any("significantly worse" in r for r in compare(
+                  RequestSample("b", rng.lognormal(-2, 0.5, 2)),
+                  RequestSample("c", rng.lognormal(-2, 0.5, 2)),
+                  resamples=400, seed=seed).verdict.reasons)]
+    assert claims == []
+
+    def arm(name, shift=0.0):
+        return RequestSample(name, rng.lognormal(np.log(0.05), 0.5, 150) + shift,
+                             rng.lognormal(np.log(0.02), 0.3, 150))
+
+    for seed in range(5):
+        base, cand = arm("a"), arm("b", shift=0.02)
+        thin = compare(base, cand, resamples=100, seed=seed).verdict.reasons
+        assert not any("significantly worse" in r for r in thin), thin
+        assert any(r.startswith("TTFT p50") and " may be worse than the baseline's, not "
+                   "tested: 100 resamples " in r and "98.75% CI that 4 quantiles tested at "
+                   "once need (give --resamples 320 or more)" in r for r in thin), thin
+        enough = compare(base, cand, resamples=320, seed=seed).verdict.reasons
+        assert any(r.startswith("TTFT p50 is significantly worse than the baseline's (+")
+                   and "98.75% CI" in r for r in enough), enough
+
+
 def test_an_arm_without_tokens_by_source_is_not_measured_never_zero(tmp_path, capsys):
     """A GPU-only vLLM seen through its spans alone: records without tokens by source or
     promotion waits. Its hit quality and promotion wait are 'not measured' (None in JSON, said
@@ -1041,6 +1082,67 @@ def test_untimed_copies_and_uncounted_failures_are_not_measured_never_zero(tmp_p
     assert "disk: 3,200 tokens, saved " in text and "spent not measured (untimed copies)" in text
     assert "server: cpu->gpu 100.0 MB in time not measured" in text
     assert "failed transfers not measured" in text and "failed transfers 0" in text
+
+
+def _unsized_capture(directory, legs, tokens=None) -> CaptureWriter:
+    """A capture (left open) of 100 requests of 64 prompt tokens (``tokens`` by source:
+    default cpu 32, recompute 32), 3.2 ms of prefill each, each request making ``legs``,
+    (blocks, bytes, seconds) cpu->gpu copies."""
+    writer = CaptureWriter(directory)
+    for i in range(100):
+        writer.add_request(RequestRecord(
+            f"r{i}", f"{i + 1:032x}", "engine", 1000.0 + i, prompt_tokens=64,
+            tokens=tokens or {"cpu": 32, "recompute": 32}, ttft=0.01 + i * 1e-4,
+            prefill=0.0032, finished=1000.0 + i + 0.02,
+            transfers=[TransferRecord("cpu", "gpu", blocks, nbytes, 1000.0 + i, seconds)
+                       for blocks, nbytes, seconds in legs]))
+    return writer
+
+
+def test_copies_of_blocks_in_0_bytes_are_bytes_not_measured_never_zero(tmp_path):
+    """A source that does not know a block's size sends its copies as bytes 0 beside the
+    blocks they moved (kvscope.events.Transfer): not a measurement. 100 requests each copying
+    4 blocks cpu->gpu in 0 bytes and 2 ms: 400 blocks in 0.2 s, bytes not measured (None in
+    JSON; they read "0 B" and bytes_per_request 0.0). Beside a sized leg (2 blocks, 1 MB, 1
+    ms) in each request, still not measured: 100 MB over 600 blocks would undercount.
+
+    An arm of a sized run (write_capture: 100 requests, one 2-block 1 MB copy each, 100 MB)
+    and the unsized one has the sized run's bytes: 100 MB over its own 100 requests, 1 MB a
+    request (not 100 MB over 200 requests); blocks 200 + 400 = 600."""
+    _unsized_capture(tmp_path / "unsized", [(4, 0, 0.002)]).close()
+    _unsized_capture(tmp_path / "mixed", [(2, 1_000_000, 0.001), (4, 0, 0.002)]).close()
+    unsized, mixed = (read_request_sample(tmp_path / n) for n in ("unsized", "mixed"))
+    assert "cpu->gpu" not in mixed.transfer_bytes and mixed.transfer_blocks["cpu->gpu"] == 600
+    c = compare(unsized, mixed, resamples=100)
+    out = to_dict(c)
+    assert out["baseline"]["transfers"]["cpu->gpu"] == {
+        "bytes": None, "blocks": 400, "seconds": pytest.approx(0.2), "bytes_per_request": None}
+    assert out["candidate"]["transfers"]["cpu->gpu"]["bytes"] is None
+    assert out["candidate"]["transfers"]["cpu->gpu"]["bytes_per_request"] is None
+    text = render_text(c)
+    assert f"{tmp_path / 'unsized'}: cpu->gpu 400 blocks (bytes not measured) in 0.200 s" \
+        in text
+    assert "0 B" not in text
+    sized = read_request_sample(write_capture(tmp_path / "sized", np.full(100, 0.01),
+                                              cpu_tokens=32))
+    pooled = compare([sized, unsized], sized, resamples=100).baseline.transfers["cpu->gpu"]
+    assert pooled["bytes"] == 100_000_000 and pooled["blocks"] == 600
+    assert pooled["bytes_per_request"] == 1_000_000
+
+
+def test_a_tier_that_served_tokens_without_recorded_copies_spent_not_measured(tmp_path):
+    """100 requests of 64 prompt tokens, 32 from the cpu tier and 32 recomputed in 3.2 ms
+    each: 3,200 tokens in 0.32 s, 10,000 tokens/s, so the cpu tier's 3,200 tokens saved
+    0.32 s. No copy was recorded, though its tokens were copied to the GPU: what it spent is
+    not measured (None; it read 0.0, "spent 0 ms", offload free), not 0."""
+    _unsized_capture(tmp_path / "c", []).close()
+    cand = read_request_sample(tmp_path / "c")
+    base = read_request_sample(write_capture(tmp_path / "b", np.full(100, 0.01)))
+    c = compare(base, cand, resamples=100)
+    assert to_dict(c)["candidate"]["value"]["cpu"] == {
+        "tokens": 3200, "prefill_seconds_saved": pytest.approx(0.32), "transfer_seconds": None}
+    assert "cpu: 3,200 tokens, saved 320 ms, spent not measured (no copies recorded)" in \
+        render_text(c)
 
 
 def test_a_difference_that_rounds_to_zero_reads_zero_not_minus_zero():

@@ -81,6 +81,21 @@ def test_hit_quality_and_transfer_figures():
         "time not measured, blocks not measured in all"]
 
 
+def test_transfer_bytes_not_measured_are_said_not_drawn_as_zero():
+    """The baseline copied 8 blocks cpu->gpu in 0 bytes (its source did not know a block's
+    size): bytes not measured, so no bar (it drew one of 0) and the title says so; the
+    candidate's 4 MB over 200 requests is 20 kB a request."""
+    def run(name, nbytes):
+        return RequestSample(name, np.linspace(0.1, 0.2, 200), tokens={"cpu": 1},
+                             transfer_bytes={"cpu->gpu": nbytes},
+                             transfer_blocks={"cpu->gpu": 8}, transfer_seconds={"cpu->gpu": 0.2})
+
+    fig = fc.transfer_cost(to_dict(compare(run("a", 0), run("b", 4_000_000), resamples=200)))
+    assert [list(t.y) for t in fig.data] == [[None], [20_000]]
+    assert fig.layout.title.text == \
+        f"{fc.TRANSFER_TITLE} (cpu->gpu bytes not measured in the baseline)"
+
+
 def test_the_per_level_chart_ticks_the_levels_run():
     """A rollout stopped after its first level (concurrency 1): the log axis read 0.125,
     0.25, ... 8 streams around the one point; its ticks are now the levels run, and with
