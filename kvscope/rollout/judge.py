@@ -104,6 +104,14 @@ def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int |
 
 def _gate(effect: Comparison, aa: Comparison) -> Verdict:
     """The A/A gate (see the module) on the verdict of ``effect``."""
+    gated, why = _gated(effect, aa)
+    result = combine(gated) if gated else effect.verdict
+    notes = [r for r in effect.verdict.reasons if r not in result.reasons]
+    return Verdict(result.decision, result.text, result.reasons + notes + why)
+
+
+def _gated(effect: Comparison, aa: Comparison) -> tuple[dict[str, Verdict], list[str]]:
+    """``effect``'s per-metric verdicts after the A/A gate, and the gate's reasons."""
     gated = dict(effect.by_metric)
     why = []
     for label, rows, aa_rows in (("TTFT", effect.ttft, aa.ttft), ("ITL", effect.itl, aa.itl)):
@@ -139,9 +147,7 @@ def _gate(effect: Comparison, aa: Comparison) -> Verdict:
                                     "baseline against itself) fails significantly more requests "
                                     "too, so failures are too noisy to judge here (the rule "
                                     "alone said roll back).", failed.reasons)
-    result = combine(gated) if gated else effect.verdict
-    notes = [r for r in effect.verdict.reasons if r not in result.reasons]
-    return Verdict(result.decision, result.text, result.reasons + notes + why)
+    return gated, why
 
 
 def judge(results: Sequence[tuple[Step, RequestSample]], baseline: str, candidate: str, *,
@@ -189,7 +195,9 @@ def _levels_rolled_back(verdict: Verdict, levels: dict[int, Comparison],
     slower = []
     for lv, c in sorted(levels.items()):
         if (c.verdict if lv not in aa_levels else _gate(c, aa_levels[lv])).decision == ROLL_BACK:
-            on = ", ".join(m for m, v in c.by_metric.items() if v.decision == ROLL_BACK)
+            # the metrics that still roll back after the gate, not those it cleared
+            by = c.by_metric if lv not in aa_levels else _gated(c, aa_levels[lv])[0]
+            on = ", ".join(m for m, v in by.items() if v.decision == ROLL_BACK)
             slower.append(f"{streams(lv)} (on {on})")
     if not slower:
         return verdict

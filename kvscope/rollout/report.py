@@ -14,6 +14,7 @@ with the two-stage bootstrap interval (:func:`kvscope.analysis.bootstrap.quantil
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 from collections.abc import Sequence
@@ -57,11 +58,12 @@ def tails(runs: Sequence[dict], *, resamples: int, confidence: float, seed: int)
 
 def judgement_dict(j: Judgement) -> dict:
     """A :class:`Judgement` as plain data (see :func:`kvscope.analysis.compare.to_dict`), with
-    the overall comparison's plain-text report beside it."""
+    the overall comparison's plain-text report beside it, headed by the final verdict (after
+    the A/A gate and the per-level check)."""
     return {"candidate": j.candidate, "verdict": {"decision": j.verdict.decision,
                                                   "text": j.verdict.text,
                                                   "reasons": j.verdict.reasons},
-            "overall": to_dict(j.overall), "text": render_text(j.overall),
+            "overall": to_dict(j.overall), "text": render_text(dataclasses.replace(j.overall, verdict=j.verdict)),
             "levels": {str(k): to_dict(v) for k, v in j.levels.items()},
             "aa": to_dict(j.aa) if j.aa is not None else None,
             "aa_levels": {str(k): to_dict(v) for k, v in j.aa_levels.items()}}
@@ -116,7 +118,9 @@ def _floor_rows(doc: dict) -> str:
 
 
 def _cell(estimate: dict | None) -> str:
-    return "not measured" if estimate is None else ms(estimate["value"])
+    # a NaN difference reaches here as None (json_ready)
+    return "not measured" if estimate is None or estimate["value"] is None else \
+        ms(estimate["value"])
 
 
 def _runs_table(doc: dict) -> str:

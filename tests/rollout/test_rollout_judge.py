@@ -250,3 +250,19 @@ def test_an_arm_without_finished_requests_is_an_error():
     results = [(s, r) for s, r in simulated_runs(["A", "B"], scale, seed=0) if s.slot != "B"]
     with pytest.raises(ValueError, match="no candidate run"):
         judge(results, "A", "B", **OPTIONS)
+
+
+def test_a_levels_reason_names_only_the_metrics_its_aa_gate_left_rolling_back():
+    """Per level, the candidate's TTFT is 1.2x the baseline's and its ITL 1.5x; the A/A twin's
+    TTFT is 1.4x (ITL alike). Both metrics roll back by the rule, but the twin's p99 TTFT
+    differs by about 40%, more than the candidate's 20%, so the gate leaves TTFT inconclusive:
+    the level's reason names ITL alone ("(on ITL)"), not "(on TTFT, ITL)"."""
+    scale = {"A": 0.1, "B": 0.12, aa_slot("A"): 0.14}
+    results = [(s, dataclasses.replace(r, itl=r.itl * (1.5 if s.slot == "B" else 1.0)))
+               for s, r in simulated_runs(["A", "B"], scale, seed=3, requests=300,
+                                          run_sd=0.02, itl_scale=0.01)]
+    j = judge(results, "A", "B", **OPTIONS)
+    assert all(c.by_metric["TTFT"].decision == ROLL_BACK for c in j.levels.values())
+    said = [r for r in j.verdict.reasons if "a level's own verdict" in r]
+    assert said == ["a level's own verdict is roll back: at 1 stream (on ITL), at 4 streams "
+                    "(on ITL)"], said
