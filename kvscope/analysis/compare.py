@@ -761,8 +761,12 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
     cost model, :attr:`RequestSample.itl_modelled`), the verdict says so and judges TTFT alone
     (an ITL budget then makes it inconclusive).
 
-    Raises ValueError when an arm has no run, a run has no request with a TTFT, or for a bad
-    option (resamples too few for the confidence: :func:`check_resamples`).
+    A run whose every request failed (none finished, ``failed_requests`` > 0) counts in the
+    failed-requests test only; latency reads the runs that finished requests.
+
+    Raises ValueError when an arm has no run, a run has neither a request with a TTFT nor a
+    failed request, or for a bad option (resamples too few for the confidence:
+    :func:`check_resamples`).
     """
     ttft_budget, itl_budget = parse_budget(ttft_budget), parse_budget(itl_budget)
     check_resamples(resamples, confidence)
@@ -771,7 +775,7 @@ def compare(baseline: RequestSample | Sequence[RequestSample],
         if not arm:
             raise ValueError(f"no {label} run")
         for s in arm:
-            if s.requests == 0:
+            if s.requests == 0 and not s.failed_requests:
                 raise ValueError(f"{s.name or 'run'}: no finished requests with a TTFT")
     base, cand = arms
     # per metric, each arm's runs' latencies: the baseline's, the candidate's, the noise arms'

@@ -93,13 +93,13 @@ def _runs(results: Sequence[tuple[Step, RequestSample]], slot: str, level: int |
     """``slot``'s runs at ``level`` (None: each repetition's levels pooled), by repetition."""
     by_rep: dict[int, list[RequestSample]] = {}
     for step, sample in results:
-        # over the ramp, a level whose requests all failed still counts its failures
+        # a run whose requests all failed still counts its failures (compare leaves it out of
+        # the latencies); one with neither finished nor failed requests measured nothing
         if step.slot == slot and (level is None or step.level == level) and (
-                sample.requests or (level is None and sample.failed_requests)):
+                sample.requests or sample.failed_requests):
             by_rep.setdefault(step.rep, []).append(sample)
-    runs = [pooled(by_rep[r], f"{slot} rep {r + 1}" + ("" if level is None else f" x{level}"))
+    return [pooled(by_rep[r], f"{slot} rep {r + 1}" + ("" if level is None else f" x{level}"))
             for r in sorted(by_rep)]
-    return [run for run in runs if run.requests]
 
 
 def _gate(effect: Comparison, aa: Comparison) -> Verdict:
@@ -155,13 +155,14 @@ def judge(results: Sequence[tuple[Step, RequestSample]], baseline: str, candidat
     """Judge ``candidate`` against ``baseline`` from the runs ``results`` ((step, requests) of
     every run that finished). ``options``: :func:`~kvscope.analysis.compare.compare`'s
     (budgets, resamples, confidence, seed, min_requests). Raises ValueError when an arm has
-    no finished request."""
+    neither a finished nor a failed request."""
     levels = sorted({s.level for s, _ in results})
     twin = aa_slot(baseline)
 
     def versus(a: str, b: str, level: int | None, noise: Sequence[str] = (),
                by_runs: bool = True) -> Comparison | None:
-        """``b`` against ``a`` at ``level``, or None when either has no finished run there;
+        """``b`` against ``a`` at ``level``, or None when either has no run there (none with a
+        finished or failed request);
         ``noise``: slots of ``a``'s configuration whose run-to-run variance the runs test
         pools; ``by_runs``: :func:`compare`'s."""
         runs_a, runs_b = _runs(results, a, level), _runs(results, b, level)
@@ -169,7 +170,7 @@ def judge(results: Sequence[tuple[Step, RequestSample]], baseline: str, candidat
                        by_runs=by_runs, **options) if runs_a and runs_b else None
 
     twins = [twin] if aa else []
-    # the whole ramp first: compare raises, naming the arm, when one has no finished run
+    # the whole ramp first: compare raises, naming the arm, when one has no run
     overall = compare(_runs(results, baseline, None), _runs(results, candidate, None),
                       noise=[_runs(results, t, None) for t in twins], **options)
     per_level = {lv: c for lv in levels if (c := versus(baseline, candidate, lv, twins))}

@@ -63,7 +63,8 @@ def judgement_dict(j: Judgement) -> dict:
     return {"candidate": j.candidate, "verdict": {"decision": j.verdict.decision,
                                                   "text": j.verdict.text,
                                                   "reasons": j.verdict.reasons},
-            "overall": to_dict(j.overall), "text": render_text(dataclasses.replace(j.overall, verdict=j.verdict)),
+            "overall": to_dict(j.overall),
+            "text": render_text(dataclasses.replace(j.overall, verdict=j.verdict)),
             "levels": {str(k): to_dict(v) for k, v in j.levels.items()},
             "aa": to_dict(j.aa) if j.aa is not None else None,
             "aa_levels": {str(k): to_dict(v) for k, v in j.aa_levels.items()}}

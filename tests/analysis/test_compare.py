@@ -1177,3 +1177,26 @@ def test_a_combined_verdict_names_each_metrics_decision():
         c.verdict.text
     assert c.verdict.text.count("disable the newest tier") == 1, c.verdict.text
     assert len(set(c.verdict.reasons)) == len(c.verdict.reasons), c.verdict.reasons
+
+
+def test_a_run_whose_every_request_failed_counts_in_the_failed_requests_test_only():
+    """A candidate run of 0 finished and 50 failed requests beside one of 200 finished (0
+    failed): compare took it for an empty run and raised. Now latency reads the 200 (the
+    candidate's p99 is that run's), the failed-requests test counts 50 of 250 against the
+    baseline's 0 of 200 (Fisher's p ~ 1e-12), but runs as the unit its 2 runs (shares 0 and
+    1) against the baseline's 1 (share 0) give p = 2/C(3, 2) = 2/3: inconclusive. A run
+    with neither finished nor failed requests still raises."""
+    rng = np.random.default_rng(0)
+    lat = rng.lognormal(np.log(0.05), 0.3, 200)
+    base = [RequestSample("b", lat, lat / 10, failed_requests=0)]
+    cand = [RequestSample("c1", lat, lat / 10, failed_requests=0),
+            RequestSample("c2", np.zeros(0), np.zeros(0), failed_requests=50)]
+    c = compare(base, cand, resamples=400)
+    assert c.candidate.requests == 200 and c.candidate.failed_requests == 50
+    assert c.ttft[-1].candidate.value == pytest.approx(np.quantile(lat, 0.99), rel=0.05)
+    failed = c.by_metric["failed requests"]
+    assert "the candidate failed 50 of 250 requests" in failed.text
+    assert failed.decision == INCONCLUSIVE and "permutation p = 0.667" in failed.reasons[-1]
+    with pytest.raises(ValueError, match="no finished requests"):
+        compare(base, [cand[0], RequestSample("c3", np.zeros(0), np.zeros(0),
+                                              failed_requests=0)])

@@ -266,3 +266,53 @@ def test_a_levels_reason_names_only_the_metrics_its_aa_gate_left_rolling_back():
     said = [r for r in j.verdict.reasons if "a level's own verdict" in r]
     assert said == ["a level's own verdict is roll back: at 1 stream (on ITL), at 4 streams "
                     "(on ITL)"], said
+
+
+def test_a_candidate_that_fails_every_request_is_rolled_back():
+    """The candidate finishes none of its 360 requests (60 a run, 6 runs), the baseline fails
+    none: it was no verdict at all ("no candidate run"). Now the failed-requests test judges
+    it: Fisher's p ~ 0, and runs as the unit its 3 repetitions (share 1 each) against the 6 of
+    the baseline's configuration (share 0) give p = 1/C(9, 3) = 1/84 = 0.0119 < 0.0125 ->
+    roll back; latency is not measured on the candidate, not judged as 0."""
+    scale = {"A": 0.1, "B": 0.1, aa_slot("A"): 0.1}
+    lost = _with_failures(simulated_runs(["A", "B"], scale, seed=3), lambda step, sample: (
+        (sample.ttft[:0], 60) if step.slot == "B" else (sample.ttft, 0)))
+    j = judge(lost, "A", "B", **OPTIONS)
+    assert j.verdict.decision == ROLL_BACK, j.verdict.text
+    assert "the candidate failed 360 of 360 requests" in j.verdict.text
+    assert "permutation p = 0.0119" in j.overall.by_metric["failed requests"].reasons[-1]
+    assert j.overall.ttft[-1].candidate is None and j.overall.ttft[-1].difference is None
+    assert set(j.levels) == {1, 4}
+
+
+def test_a_repetition_whose_every_run_failed_counts_its_failures():
+    """The candidate's second repetition fails all its requests at both levels (120 of its
+    360), the others none: that repetition vanished and the verdict was a silent keep. Now
+    it counts: 120 of 360 failed against 0 of 360 (Fisher's p ~ 0), but runs as the unit one
+    failing repetition of 9 runs of the baseline's configuration gives p = C(8, 2)/C(9, 3) =
+    28/84 = 0.333 -> inconclusive; latency reads the 2 repetitions that finished requests.
+    The same repetition failing in every arm (A/A in failures) is nothing to roll back for,
+    and a run with neither finished nor failed requests still does not count."""
+    scale = {"A": 0.1, "B": 0.1, aa_slot("A"): 0.1}
+    results = simulated_runs(["A", "B"], scale, seed=3)
+    rep2 = _with_failures(results, lambda step, sample: (
+        (sample.ttft[:0], 60) if step.slot == "B" and step.rep == 1 else (sample.ttft, 0)))
+    j = judge(rep2, "A", "B", **OPTIONS)
+    assert j.verdict.decision == INCONCLUSIVE, j.verdict.text
+    assert j.overall.candidate.failed_requests == 120 and j.overall.candidate.runs == 3
+    assert j.overall.candidate.requests == 240
+    assert "permutation p = 0.333" in j.overall.by_metric["failed requests"].reasons[-1]
+    alike = _with_failures(results, lambda step, sample: (
+        (sample.ttft[:0], 60) if step.rep == 1 else (sample.ttft, 0)))
+    j = judge(alike, "A", "B", **OPTIONS)
+    assert j.verdict.decision != ROLL_BACK, j.verdict.text
+    assert j.overall.by_metric["failed requests"].decision == KEEP
+    assert j.aa.by_metric["failed requests"].decision == KEEP
+    empty = _with_failures(results, lambda step, sample: (
+        (sample.ttft[:0], 0) if step.slot == "B" and step.rep == 1 else (sample.ttft, 0)))
+    j = judge(empty, "A", "B", **OPTIONS)
+    assert j.overall.candidate.runs == 2 and "failed requests" not in j.overall.by_metric
+    nothing = _with_failures(results, lambda step, sample: (
+        (sample.ttft[:0], 0) if step.slot == "B" else (sample.ttft, 0)))
+    with pytest.raises(ValueError, match="no candidate run"):
+        judge(nothing, "A", "B", **OPTIONS)
