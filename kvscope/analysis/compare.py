@@ -519,12 +519,14 @@ def verdict(p99: QuantileRow, budget: float | Budget | None, confidence: float,
     """
     pct = f"{confidence * 100:g}%"
     reasons = [f"baseline {baseline_requests} requests in {baseline_runs} run"
-               f"{'s' * (baseline_runs > 1)}, candidate {candidate_requests} requests in "
-               f"{candidate_runs} run{'s' * (candidate_runs > 1)}"]
+               f"{'s' * (baseline_runs != 1)}, candidate {candidate_requests} requests in "
+               f"{candidate_runs} run{'s' * (candidate_runs != 1)}"]
     if min(baseline_requests, candidate_requests) < min_requests:
         fewest = min(baseline_requests, candidate_requests)
-        reasons.append(f"fewer than {min_requests} requests on a side: a p99 of {fewest} rests "
-                       f"on its slowest {max(1, fewest // 100)}")
+        # none: every request of that side failed (the failed-requests test judges it)
+        reasons.append(f"fewer than {min_requests} requests on a side: " + (
+            f"a p99 of {fewest} rests on its slowest {max(1, fewest // 100)}" if fewest
+            else "one finished none, and has no p99"))
         return Verdict(INCONCLUSIVE, f"{INCONCLUSIVE}: too few requests to judge p99 {metric} "
                        f"(need {min_requests} per arm).", reasons)
     c, d = p99.candidate, p99.difference

@@ -283,6 +283,11 @@ def test_a_candidate_that_fails_every_request_is_rolled_back():
     assert "permutation p = 0.0119" in j.overall.by_metric["failed requests"].reasons[-1]
     assert j.overall.ttft[-1].candidate is None and j.overall.ttft[-1].difference is None
     assert set(j.levels) == {1, 4}
+    # its latency reasons say so in words (they read "0 requests in 0 run" and "a p99 of 0
+    # rests on its slowest 1")
+    ttft = j.overall.by_metric["TTFT"].reasons
+    assert ttft[0].endswith("candidate 0 requests in 0 runs")
+    assert ttft[1].endswith("one finished none, and has no p99")
 
 
 def test_a_repetition_whose_every_run_failed_counts_its_failures():
