@@ -109,11 +109,11 @@ def _method(trace: AccessTrace, options: AnalyzeOptions) -> str:
     return "exact" if len(trace) <= options.exact_limit else "shards-rate"
 
 
-def _histograms(trace: AccessTrace, options: AnalyzeOptions):
-    """(accesses histogram, tokens histogram, reuse distances, method label)."""
+def _histograms(trace: AccessTrace, options: AnalyzeOptions, method: str):
+    """(accesses histogram, tokens histogram, reuse distances, method label) by ``method``
+    (:func:`_method`'s)."""
     ids, tokens, n = trace.block_ids, trace.tokens, len(trace)
     tapped = trace.sample_rate < 1.0
-    method = _method(trace, options)
     if method == "exact" and not tapped:
         d = stack_distances(ids)
         return (DistanceHistogram.from_distances(d), DistanceHistogram.from_distances(d, tokens),
@@ -205,7 +205,8 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
     options.validate()
     if len(trace) == 0:
         raise TraceError(f"{trace.source or 'trace'}: no block accesses to analyze")
-    by_access, by_token, reuse_distances, method = _histograms(trace, options)
+    resolved = _method(trace, options)
+    by_access, by_token, reuse_distances, method = _histograms(trace, options, resolved)
     reuse = reuse_stats(trace, reuse_distances)
     tapped = trace.sample_rate < 1.0
     if tapped:
@@ -227,7 +228,7 @@ def analyze(trace: AccessTrace, options: AnalyzeOptions) -> Analysis:
     sizing = advise(by_token, params, trace.duration)
     notes = []
     # a tap's sample is fixed-rate whatever the method: only shards-rate samples it again
-    if options.sample_rate and _method(trace, options) != "shards-rate":
+    if options.sample_rate and resolved != "shards-rate":
         notes.append(f"--sample-rate {options.sample_rate:g} was not used: the curve is "
                      f"{method} (the rate is for --method shards-rate, and for auto beyond "
                      f"{options.exact_limit:,} accesses).")

@@ -195,11 +195,11 @@ def _levels_rolled_back(verdict: Verdict, levels: dict[int, Comparison],
     for it."""
     slower = []
     for lv, c in sorted(levels.items()):
-        if (c.verdict if lv not in aa_levels else _gate(c, aa_levels[lv])).decision == ROLL_BACK:
-            # the metrics that still roll back after the gate, not those it cleared
-            by = c.by_metric if lv not in aa_levels else _gated(c, aa_levels[lv])[0]
-            on = ", ".join(m for m, v in by.items() if v.decision == ROLL_BACK)
-            slower.append(f"{streams(lv)} (on {on})")
+        # each metric's verdict after the level's A/A gate (not one it cleared): the level's
+        # own verdict (their combination) is roll back when one of them is
+        by = c.by_metric if lv not in aa_levels else _gated(c, aa_levels[lv])[0]
+        if on := [m for m, v in by.items() if v.decision == ROLL_BACK]:
+            slower.append(f"{streams(lv)} (on {', '.join(on)})")
     if not slower:
         return verdict
     said = f"a level's own verdict is roll back: at {', at '.join(slower)}"
